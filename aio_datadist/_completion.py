@@ -1,0 +1,208 @@
+"""The one place where native completions meet the event loop.
+
+A :class:`Completions` owns the asyncio side of a core
+:class:`~aio_datadist._core.CompletionQueue`: it installs one reader per
+running loop on the queue's eventfd, hands out tokens, and turns each
+``(token, status, aux)`` record into the result of the future that was waiting
+for it. Timeouts fail that future with ``LLM_TIMEOUT``; a cancelled or timed-out
+future cancels its native work. A token stays registered (with whatever it
+keeps alive) until the core says the native work is over, so memory is never
+released while a copy or a socket job may still touch it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from aio_datadist._core import CompletionQueue
+from aio_datadist.status import LLMException, LLMStatusCode
+
+__all__ = ["Completions", "status_for_errno"]
+
+_LINK_ERRNOS = frozenset(
+    {errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED, errno.ENOTCONN, errno.ETIMEDOUT,
+     errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EBADF}
+)
+
+
+def status_for_errno(err: int) -> LLMStatusCode:
+    """Map an OS error number from the core to the status code users see."""
+    if err in _LINK_ERRNOS:
+        return LLMStatusCode.LLM_LINK_FAILED
+    if err == errno.ENOMEM:
+        return LLMStatusCode.LLM_OUT_OF_MEMORY
+    return LLMStatusCode.LLM_FAILED
+
+
+class _Waiter:
+    __slots__ = ("future", "cancel", "keepalive", "what", "timer", "timeout_ms")
+
+    def __init__(self, future: asyncio.Future, cancel: Callable[[int], Any], keepalive: Any,
+                 what: str, timeout_ms: int | None) -> None:
+        self.future = future
+        self.cancel = cancel
+        self.keepalive = keepalive
+        self.what = what
+        self.timeout_ms = timeout_ms
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Completions:
+    """Futures for native work completed through one :class:`CompletionQueue`."""
+
+    def __init__(self, queue: CompletionQueue) -> None:
+        self._queue = queue
+        self._fd = queue.fileno()
+        self._pending: dict[int, _Waiter] = {}
+        self._loops: dict[asyncio.AbstractEventLoop, threading.Thread] = {}
+        self._tokens = itertools.count(1)
+        self._closed = False
+
+    @property
+    def queue(self) -> CompletionQueue:
+        return self._queue
+
+    def pending_count(self) -> int:
+        """Tokens whose native work has not reported back yet."""
+        return len(self._pending)
+
+    def start(self, submit: Callable[[int], Any], cancel: Callable[[int], Any], *,
+              timeout_ms: int | None, what: str, keepalive: Any = None) -> asyncio.Future:
+        """Submit native work and return the future of its completion.
+
+        ``submit(token)`` queues the work; ``cancel(token)`` must be an
+        idempotent native cancel. The future's result is the record's ``aux``
+        (bytes moved). Must be called from a running loop.
+        """
+        if self._closed:
+            raise LLMException(f"{what}: the transfer engine is closed",
+                               status_code=LLMStatusCode.LLM_FAILED)
+        loop = asyncio.get_running_loop()
+        self._ensure_reader(loop)
+        token = next(self._tokens)
+        future = loop.create_future()
+        waiter = _Waiter(future, cancel, keepalive, what, timeout_ms)
+        self._pending[token] = waiter
+        try:
+            submit(token)
+        except BaseException:
+            del self._pending[token]
+            raise
+        if timeout_ms is not None:
+            waiter.timer = loop.call_later(timeout_ms / 1000.0, self._on_timeout, token)
+        future.add_done_callback(lambda f, t=token: self._on_done(t, f))
+        return future
+
+    def _ensure_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop in self._loops:
+            return
+        for old in [lp for lp in self._loops if lp.is_closed()]:
+            del self._loops[old]
+        loop.add_reader(self._fd, self._on_readable)
+        self._loops[loop] = threading.current_thread()
+
+    def _on_timeout(self, token: int) -> None:
+        waiter = self._pending.get(token)
+        if waiter is None or waiter.future.done():
+            return
+        waiter.future.set_exception(LLMException(
+            f"{waiter.what} timed out after {waiter.timeout_ms} ms",
+            status_code=LLMStatusCode.LLM_TIMEOUT))
+
+    def _on_done(self, token: int, future: asyncio.Future) -> None:
+        waiter = self._pending.get(token)
+        if waiter is None:
+            return
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+            waiter.timer = None
+        if future.cancelled() or future.exception() is not None:
+            waiter.cancel(token)
+
+    def _on_readable(self) -> None:
+        if self._closed:
+            return
+        self.dispatch(self._queue.drain())
+
+    def dispatch(self, records: list[tuple[int, int, int]]) -> None:
+        """Resolve the futures of drained records (those not done already)."""
+        for token, status, aux in records:
+            waiter = self._pending.pop(token, None)
+            if waiter is None or waiter.future.done():
+                continue
+            loop = waiter.future.get_loop()
+            if loop.is_closed():
+                continue
+            if _running_loop() is loop:
+                _resolve(waiter, status, aux)
+            else:
+                loop.call_soon_threadsafe(_resolve, waiter, status, aux)
+
+    def close(self) -> None:
+        """Fail every pending future and remove the loop readers. Idempotent.
+
+        Call after the engines that post to the queue are closed, so that no
+        native work is left that could still touch the kept-alive memory.
+        """
+        if self._closed:
+            return
+        try:
+            self.dispatch(self._queue.drain())
+        except ValueError:
+            pass
+        self._closed = True
+        pending, self._pending = self._pending, {}
+        for waiter in pending.values():
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+            fut = waiter.future
+            if not fut.done() and not fut.get_loop().is_closed():
+                exc = LLMException(f"{waiter.what}: the transfer engine was closed",
+                                   status_code=LLMStatusCode.LLM_FAILED)
+                if _running_loop() is fut.get_loop():
+                    fut.set_exception(exc)
+                else:
+                    fut.get_loop().call_soon_threadsafe(_fail_if_pending, fut, exc)
+        current = _running_loop()
+        for loop in list(self._loops):
+            if loop.is_closed():
+                continue
+            if loop is current or not loop.is_running():
+                loop.remove_reader(self._fd)
+            else:
+                loop.call_soon_threadsafe(loop.remove_reader, self._fd)
+        self._loops.clear()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _fail_if_pending(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+def _resolve(waiter: _Waiter, status: int, aux: int) -> None:
+    future = waiter.future
+    if future.done():
+        return
+    if status == 0:
+        future.set_result(aux)
+        return
+    err = -status
+    if err == errno.ECANCELED:
+        future.set_exception(LLMException(f"{waiter.what} was cancelled by the engine",
+                                          status_code=LLMStatusCode.LLM_FAILED))
+        return
+    future.set_exception(LLMException(f"{waiter.what} failed: {os.strerror(err)}",
+                                      status_code=status_for_errno(err)))

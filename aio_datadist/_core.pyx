@@ -1,0 +1,823 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Native core of aio_datadist.
+
+Three engines post ``(token, status, aux)`` records to a :class:`CompletionQueue`
+whose eventfd the asyncio layer watches:
+
+* :class:`HostCopyEngine` runs batched memcpy lists on worker threads.
+* :class:`SocketEngine` runs scatter/gather ``writev``/``readv`` jobs on
+  non-blocking sockets from one epoll thread.
+* the segment builders turn base addresses and block indices into coalesced
+  segment lists without a Python loop per block.
+
+``status`` is 0 on success or a negative errno (``-ECANCELED`` for cancelled
+work). ``aux`` is the number of bytes moved. Nothing here knows about asyncio.
+"""
+
+from cpython cimport array
+from cython.operator cimport dereference as deref, preincrement as inc
+from libc.errno cimport errno, EAGAIN, EINTR
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+from libcpp.vector cimport vector
+from posix.uio cimport iovec, readv, writev
+
+from aio_datadist._sys cimport (
+    ECANCELED, ECONNRESET, EFD_CLOEXEC, EFD_NONBLOCK, EPOLL_CLOEXEC, EPOLL_CTL_ADD, EPOLL_CTL_DEL,
+    EPOLL_CTL_MOD, EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, IOV_MAX, close,
+    epoll_create1, epoll_ctl, epoll_event, epoll_wait, eventfd,
+    pthread_cond_broadcast, pthread_cond_destroy, pthread_cond_init,
+    pthread_cond_signal, pthread_cond_wait, pthread_create, pthread_join,
+    pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock,
+    pthread_mutex_unlock, pthread_t, read, write,
+)
+
+import array as _pyarray
+import os as _os
+import warnings as _warnings
+
+OK = 0
+CANCELLED = -ECANCELED
+CONNECTION_LOST = -ECONNRESET
+
+cdef array.array _U64 = _pyarray.array("Q")
+cdef uint64_t _MIN_SPLIT = 1 << 20
+
+_live = {"CompletionQueue": 0, "HostCopyEngine": 0, "SocketEngine": 0}
+
+
+def live_objects():
+    """Return how many native objects of each kind are open (for leak checks)."""
+    return dict(_live)
+
+
+cdef array.array _new_u64(Py_ssize_t n):
+    return array.clone(_U64, n, zero=False)
+
+
+# --------------------------------------------------------------------------
+# CompletionQueue
+
+
+cdef class CompletionQueue:
+    """An eventfd plus a thread-safe list of completion records.
+
+    Native threads push records and make the fd readable; the owner reads
+    them back with :meth:`drain`, which never blocks.
+    """
+
+    def __cinit__(self):
+        self._efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        if self._efd < 0:
+            raise OSError(errno, _os.strerror(errno))
+        pthread_mutex_init(&self._lock, NULL)
+        self._closed = False
+        _live["CompletionQueue"] += 1
+
+    def __dealloc__(self):
+        if not self._closed:
+            self._shutdown()
+        pthread_mutex_destroy(&self._lock)
+
+    def __del__(self):
+        if not self._closed:
+            _warnings.warn("CompletionQueue was not closed", ResourceWarning, stacklevel=2)
+
+    cdef void push(self, uint64_t token, int32_t status, int64_t aux) noexcept nogil:
+        cdef Record rec
+        cdef uint64_t one = 1
+        rec.token = token
+        rec.status = status
+        rec.aux = aux
+        pthread_mutex_lock(&self._lock)
+        if self._closed:
+            pthread_mutex_unlock(&self._lock)
+            return
+        self._records.push_back(rec)
+        pthread_mutex_unlock(&self._lock)
+        write(self._efd, &one, 8)
+
+    def fileno(self):
+        """The eventfd that becomes readable when records are waiting."""
+        self._check_open()
+        return self._efd
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def post(self, uint64_t token, int32_t status=0, int64_t aux=0):
+        """Push a record from Python (used by Python-side work and tests)."""
+        self._check_open()
+        with nogil:
+            self.push(token, status, aux)
+
+    def drain(self):
+        """Return every waiting record as a list of ``(token, status, aux)``."""
+        cdef uint64_t counter
+        cdef vector[Record] taken
+        cdef size_t i
+        self._check_open()
+        with nogil:
+            read(self._efd, &counter, 8)
+            pthread_mutex_lock(&self._lock)
+            taken.swap(self._records)
+            pthread_mutex_unlock(&self._lock)
+        return [(taken[i].token, taken[i].status, taken[i].aux) for i in range(taken.size())]
+
+    def close(self):
+        """Close the eventfd; records pushed afterwards are dropped. Idempotent."""
+        if not self._closed:
+            self._shutdown()
+
+    cdef _shutdown(self):
+        pthread_mutex_lock(&self._lock)
+        self._closed = True
+        self._records.clear()
+        pthread_mutex_unlock(&self._lock)
+        close(self._efd)
+        self._efd = -1
+        _live["CompletionQueue"] -= 1
+
+    cdef _check_open(self):
+        if self._closed:
+            raise ValueError("CompletionQueue is closed")
+
+
+# --------------------------------------------------------------------------
+# HostCopyEngine
+
+
+cdef void *_copy_worker_main(void *arg) noexcept nogil:
+    (<HostCopyEngine>arg)._work()
+    return NULL
+
+
+cdef class HostCopyEngine:
+    """Worker threads that run batched host memcpy lists without the GIL.
+
+    A job is a flat list of ``dst, src, nbytes`` triples. Adjacent triples are
+    coalesced, and a large job is split into chunks run by several threads.
+    Each job posts one record when its last chunk finishes.
+    """
+
+    def __cinit__(self, CompletionQueue queue not None, int threads=2,
+                  uint64_t split_bytes=4 << 20):
+        cdef int i
+        cdef pthread_t tid
+        if threads < 1 or threads > 64:
+            raise ValueError("threads must be in [1, 64]")
+        queue._check_open()
+        self._queue = queue
+        self._stop = False
+        self._closed = False
+        self._split_bytes = split_bytes if split_bytes >= _MIN_SPLIT else _MIN_SPLIT
+        pthread_mutex_init(&self._lock, NULL)
+        pthread_cond_init(&self._cond, NULL)
+        for i in range(threads):
+            if pthread_create(&tid, NULL, _copy_worker_main, <void *>self) != 0:
+                self._shutdown()
+                raise OSError("could not start a copy thread")
+            self._threads.push_back(tid)
+        _live["HostCopyEngine"] += 1
+
+    def __dealloc__(self):
+        if not self._closed:
+            self._shutdown()
+        pthread_cond_destroy(&self._cond)
+        pthread_mutex_destroy(&self._lock)
+
+    def __del__(self):
+        if not self._closed:
+            _warnings.warn("HostCopyEngine was not closed", ResourceWarning, stacklevel=2)
+
+    @property
+    def threads(self):
+        return self._threads.size()
+
+    def submit(self, uint64_t token, const uint64_t[::1] triples not None):
+        """Queue a copy job; returns the number of bytes it will move.
+
+        ``triples`` is flat ``[dst0, src0, n0, dst1, src1, n1, ...]``. The
+        caller guarantees that every range is valid memory that stays alive
+        until the job's record arrives.
+        """
+        cdef size_t n = triples.shape[0]
+        cdef size_t i, nthreads, begin
+        cdef uint64_t total = 0, chunk_bytes, acc, piece
+        cdef CopySeg seg
+        cdef CopyJob *job
+        cdef CopyChunk chunk
+        if n % 3 != 0:
+            raise ValueError("triples must hold dst, src, nbytes triples")
+        if self._closed or self._stop:
+            raise ValueError("HostCopyEngine is closed")
+        job = new CopyJob()
+        job.token = token
+        job.cancelled = False
+        with nogil:
+            i = 0
+            while i < n:
+                seg.dst = triples[i]
+                seg.src = triples[i + 1]
+                seg.nbytes = triples[i + 2]
+                i += 3
+                if seg.nbytes == 0:
+                    continue
+                total += seg.nbytes
+                if (job.segs.size() > 0 and job.segs.back().dst + job.segs.back().nbytes == seg.dst
+                        and job.segs.back().src + job.segs.back().nbytes == seg.src):
+                    job.segs[job.segs.size() - 1].nbytes += seg.nbytes
+                else:
+                    job.segs.push_back(seg)
+        job.total = total
+        nthreads = self._threads.size()
+        chunk_bytes = total // nthreads + 1
+        if chunk_bytes < self._split_bytes:
+            chunk_bytes = self._split_bytes
+        pthread_mutex_lock(&self._lock)
+        if self._jobs.count(token):
+            pthread_mutex_unlock(&self._lock)
+            del job
+            raise ValueError(f"token {token} is already in use")
+        self._jobs[token] = job
+        job.remaining = 0
+        if job.segs.size() == 0:
+            chunk.job = job
+            chunk.begin = 0
+            chunk.end = 0
+            self._chunks.push_back(chunk)
+            job.remaining = 1
+        else:
+            self._split(job, chunk_bytes)
+        pthread_mutex_unlock(&self._lock)
+        pthread_cond_broadcast(&self._cond)
+        return total
+
+    cdef void _split(self, CopyJob *job, uint64_t chunk_bytes) noexcept nogil:
+        # Cut oversized segments so each chunk holds about chunk_bytes.
+        cdef vector[CopySeg] cut
+        cdef CopySeg seg, part
+        cdef size_t i, begin = 0
+        cdef uint64_t acc = 0, room, take
+        cdef CopyChunk chunk
+        for i in range(job.segs.size()):
+            seg = job.segs[i]
+            while seg.nbytes > 0:
+                room = chunk_bytes - acc
+                take = seg.nbytes if seg.nbytes < room else room
+                part.dst = seg.dst
+                part.src = seg.src
+                part.nbytes = take
+                cut.push_back(part)
+                seg.dst += take
+                seg.src += take
+                seg.nbytes -= take
+                acc += take
+                if acc >= chunk_bytes:
+                    chunk.job = job
+                    chunk.begin = begin
+                    chunk.end = cut.size()
+                    self._chunks.push_back(chunk)
+                    job.remaining += 1
+                    begin = cut.size()
+                    acc = 0
+        if begin < cut.size():
+            chunk.job = job
+            chunk.begin = begin
+            chunk.end = cut.size()
+            self._chunks.push_back(chunk)
+            job.remaining += 1
+        job.segs.swap(cut)
+
+    def cancel(self, uint64_t token):
+        """Cancel a queued or running job. Idempotent; True if it was pending.
+
+        Chunks not yet started are skipped and a running chunk stops at its
+        next segment; the job's record then carries ``CANCELLED``.
+        """
+        cdef bint found = False
+        pthread_mutex_lock(&self._lock)
+        it = self._jobs.find(token)
+        if it != self._jobs.end():
+            deref(it).second.cancelled = True
+            found = True
+        pthread_mutex_unlock(&self._lock)
+        return found
+
+    def pending(self):
+        """Number of jobs whose record has not been posted yet."""
+        return self._jobs.size()
+
+    cdef void _work(self) noexcept nogil:
+        cdef CopyChunk chunk
+        cdef CopyJob *job
+        cdef size_t i
+        cdef bint skip, last
+        cdef int32_t status
+        while True:
+            pthread_mutex_lock(&self._lock)
+            while self._chunks.empty() and not self._stop:
+                pthread_cond_wait(&self._cond, &self._lock)
+            if self._chunks.empty():
+                pthread_mutex_unlock(&self._lock)
+                return
+            chunk = self._chunks.front()
+            self._chunks.pop_front()
+            job = chunk.job
+            skip = job.cancelled
+            pthread_mutex_unlock(&self._lock)
+            if not skip:
+                for i in range(chunk.begin, chunk.end):
+                    if (<volatile bint>job.cancelled):
+                        break
+                    memcpy(<void *>job.segs[i].dst, <const void *>job.segs[i].src, job.segs[i].nbytes)
+            pthread_mutex_lock(&self._lock)
+            job.remaining -= 1
+            last = job.remaining == 0
+            if last:
+                self._jobs.erase(job.token)
+            pthread_mutex_unlock(&self._lock)
+            if last:
+                status = -ECANCELED if job.cancelled else 0
+                self._queue.push(job.token, status, <int64_t>(0 if job.cancelled else job.total))
+                del job
+
+    def close(self):
+        """Cancel every job (each still posts its record) and join the threads."""
+        if not self._closed:
+            self._shutdown()
+
+    cdef _shutdown(self):
+        cdef size_t i
+        pthread_mutex_lock(&self._lock)
+        self._stop = True
+        it = self._jobs.begin()
+        while it != self._jobs.end():
+            deref(it).second.cancelled = True
+            inc(it)
+        pthread_mutex_unlock(&self._lock)
+        pthread_cond_broadcast(&self._cond)
+        with nogil:
+            for i in range(self._threads.size()):
+                pthread_join(self._threads[i], NULL)
+        self._threads.clear()
+        if not self._closed:
+            self._closed = True
+            _live["HostCopyEngine"] -= 1
+
+
+# --------------------------------------------------------------------------
+# SocketEngine
+
+DEF CMD_SUBMIT = 1
+DEF CMD_CANCEL = 2
+DEF CMD_DETACH = 3
+DEF CMD_STOP = 4
+DEF MAX_EVENTS = 64
+
+
+cdef void *_io_main(void *arg) noexcept nogil:
+    (<SocketEngine>arg)._run()
+    return NULL
+
+
+cdef class SocketEngine:
+    """One epoll thread that moves scatter/gather lists over sockets.
+
+    A job sends (``writev``) or receives (``readv``) an exact list of
+    ``addr, nbytes`` segments on a non-blocking socket. Jobs on one fd and
+    direction run in submission order. The Python side must not touch a
+    socket's data while jobs are queued on it, and must :meth:`detach` an fd
+    before closing it.
+    """
+
+    def __cinit__(self, CompletionQueue queue not None):
+        queue._check_open()
+        self._queue = queue
+        self._closed = False
+        self._stop = False
+        self._started = False
+        self._commands_sent = 0
+        self._commands_done = 0
+        pthread_mutex_init(&self._lock, NULL)
+        pthread_cond_init(&self._acked, NULL)
+        self._epfd = epoll_create1(EPOLL_CLOEXEC)
+        self._wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        cdef epoll_event ev
+        ev.events = EPOLLIN
+        ev.data.fd = self._wakefd
+        if self._epfd < 0 or self._wakefd < 0 or epoll_ctl(self._epfd, EPOLL_CTL_ADD, self._wakefd, &ev) != 0:
+            err = errno
+            self._release_fds()
+            raise OSError(err, _os.strerror(err))
+        if pthread_create(&self._thread, NULL, _io_main, <void *>self) != 0:
+            self._release_fds()
+            raise OSError("could not start the socket thread")
+        self._started = True
+        _live["SocketEngine"] += 1
+
+    def __dealloc__(self):
+        if not self._closed:
+            self._shutdown()
+        pthread_cond_destroy(&self._acked)
+        pthread_mutex_destroy(&self._lock)
+
+    def __del__(self):
+        if not self._closed:
+            _warnings.warn("SocketEngine was not closed", ResourceWarning, stacklevel=2)
+
+    cdef _release_fds(self):
+        if self._epfd >= 0:
+            close(self._epfd)
+            self._epfd = -1
+        if self._wakefd >= 0:
+            close(self._wakefd)
+            self._wakefd = -1
+
+    cdef uint64_t _post(self, IoCommand cmd) noexcept nogil:
+        cdef uint64_t one = 1, ticket
+        pthread_mutex_lock(&self._lock)
+        self._commands.push_back(cmd)
+        self._commands_sent += 1
+        ticket = self._commands_sent
+        pthread_mutex_unlock(&self._lock)
+        write(self._wakefd, &one, 8)
+        return ticket
+
+    def _submit(self, uint64_t token, int fd, bint is_send, const uint64_t[::1] pairs):
+        cdef size_t n = pairs.shape[0]
+        cdef size_t i
+        cdef iovec v
+        cdef IoJob *job
+        cdef IoCommand cmd
+        if n % 2 != 0:
+            raise ValueError("pairs must hold addr, nbytes pairs")
+        if fd < 0:
+            raise ValueError("fd must be a valid descriptor")
+        if self._closed:
+            raise ValueError("SocketEngine is closed")
+        job = new IoJob()
+        job.token = token
+        job.fd = fd
+        job.is_send = is_send
+        job.pos = 0
+        job.moved = 0
+        job.total = 0
+        with nogil:
+            i = 0
+            while i < n:
+                v.iov_base = <void *>pairs[i]
+                v.iov_len = pairs[i + 1]
+                i += 2
+                if v.iov_len == 0:
+                    continue
+                job.total += v.iov_len
+                if job.iov.size() > 0 and <char *>job.iov.back().iov_base + job.iov.back().iov_len == <char *>v.iov_base:
+                    job.iov[job.iov.size() - 1].iov_len += v.iov_len
+                else:
+                    job.iov.push_back(v)
+        pthread_mutex_lock(&self._lock)
+        if self._jobs.count(token):
+            pthread_mutex_unlock(&self._lock)
+            del job
+            raise ValueError(f"token {token} is already in use")
+        self._jobs[token] = job
+        pthread_mutex_unlock(&self._lock)
+        cmd.kind = CMD_SUBMIT
+        cmd.job = job
+        cmd.token = token
+        cmd.fd = fd
+        self._post(cmd)
+        return job.total
+
+    def submit_send(self, uint64_t token, int fd, const uint64_t[::1] pairs not None):
+        """Queue a send of ``[addr0, n0, addr1, n1, ...]``; returns its byte count."""
+        return self._submit(token, fd, True, pairs)
+
+    def submit_recv(self, uint64_t token, int fd, const uint64_t[::1] pairs not None):
+        """Queue a receive into ``[addr0, n0, addr1, n1, ...]``; returns its byte count."""
+        return self._submit(token, fd, False, pairs)
+
+    def cancel(self, uint64_t token):
+        """Cancel a job; its record carries ``CANCELLED``. Idempotent.
+
+        A job stopped after some bytes moved leaves the byte stream of its
+        socket out of step: the caller must then drop that connection.
+        """
+        cdef IoCommand cmd
+        cdef bint found
+        if self._closed:
+            return False
+        pthread_mutex_lock(&self._lock)
+        found = self._jobs.count(token) > 0
+        pthread_mutex_unlock(&self._lock)
+        if found:
+            cmd.kind = CMD_CANCEL
+            cmd.job = NULL
+            cmd.token = token
+            cmd.fd = -1
+            self._post(cmd)
+        return found
+
+    def detach(self, int fd):
+        """Cancel every job on ``fd`` and forget it; returns once applied."""
+        cdef IoCommand cmd
+        cdef uint64_t ticket
+        if self._closed:
+            return
+        cmd.kind = CMD_DETACH
+        cmd.job = NULL
+        cmd.token = 0
+        cmd.fd = fd
+        with nogil:
+            ticket = self._post(cmd)
+            pthread_mutex_lock(&self._lock)
+            while self._commands_done < ticket and not self._stop:
+                pthread_cond_wait(&self._acked, &self._lock)
+            pthread_mutex_unlock(&self._lock)
+
+    def pending(self):
+        """Number of jobs whose record has not been posted yet."""
+        return self._jobs.size()
+
+    cdef void _finish(self, IoJob *job, int32_t status) noexcept nogil:
+        pthread_mutex_lock(&self._lock)
+        self._jobs.erase(job.token)
+        pthread_mutex_unlock(&self._lock)
+        self._queue.push(job.token, status, <int64_t>job.moved)
+        del job
+
+    cdef void _update_interest(self, int fd, FdState *st) noexcept nogil:
+        cdef epoll_event ev
+        cdef uint32_t want = 0
+        if not st.sends.empty():
+            want |= EPOLLOUT
+        if not st.recvs.empty():
+            want |= EPOLLIN
+        if want == st.interest:
+            return
+        ev.events = want
+        ev.data.fd = fd
+        if want == 0:
+            epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, &ev)
+        elif st.interest == 0:
+            if epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev) != 0:
+                st.interest = 0
+                self._fail_fd(fd, st, -errno)
+                return
+        else:
+            epoll_ctl(self._epfd, EPOLL_CTL_MOD, fd, &ev)
+        st.interest = want
+
+    cdef void _fail_fd(self, int fd, FdState *st, int32_t status) noexcept nogil:
+        cdef epoll_event ev
+        while not st.sends.empty():
+            self._finish(st.sends.front(), status)
+            st.sends.pop_front()
+        while not st.recvs.empty():
+            self._finish(st.recvs.front(), status)
+            st.recvs.pop_front()
+        if st.interest != 0:
+            epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, &ev)
+            st.interest = 0
+
+    cdef void _progress(self, int fd, FdState *st, bint sending) noexcept nogil:
+        cdef IoJob *job
+        cdef ssize_t r
+        cdef int cnt, err
+        cdef size_t left
+        while True:
+            if sending:
+                if st.sends.empty():
+                    return
+                job = st.sends.front()
+            else:
+                if st.recvs.empty():
+                    return
+                job = st.recvs.front()
+            while job.pos < job.iov.size():
+                left = job.iov.size() - job.pos
+                cnt = IOV_MAX if left > <size_t>IOV_MAX else <int>left
+                if sending:
+                    r = writev(fd, &job.iov[job.pos], cnt)
+                else:
+                    r = readv(fd, &job.iov[job.pos], cnt)
+                if r < 0:
+                    err = errno
+                    if err == EINTR:
+                        continue
+                    if err == EAGAIN:
+                        return
+                    self._fail_fd(fd, st, -err)
+                    return
+                if r == 0 and not sending:
+                    self._fail_fd(fd, st, -ECONNRESET)
+                    return
+                job.moved += r
+                while r > 0:
+                    if <size_t>r >= job.iov[job.pos].iov_len:
+                        r -= job.iov[job.pos].iov_len
+                        job.iov[job.pos].iov_len = 0
+                        job.pos += 1
+                    else:
+                        job.iov[job.pos].iov_base = <char *>job.iov[job.pos].iov_base + r
+                        job.iov[job.pos].iov_len -= r
+                        r = 0
+            if sending:
+                st.sends.pop_front()
+            else:
+                st.recvs.pop_front()
+            self._finish(job, 0)
+
+    cdef void _apply(self, IoCommand cmd) noexcept nogil:
+        cdef FdState *st
+        cdef IoJob *job
+        cdef size_t i
+        cdef int fd
+        cdef bint found
+        if cmd.kind == CMD_SUBMIT:
+            it = self._fds.find(cmd.fd)
+            if it == self._fds.end():
+                st = new FdState()
+                st.interest = 0
+                self._fds[cmd.fd] = st
+            else:
+                st = deref(it).second
+            if cmd.job.total == 0:
+                self._finish(cmd.job, 0)
+                return
+            if cmd.job.is_send:
+                st.sends.push_back(cmd.job)
+            else:
+                st.recvs.push_back(cmd.job)
+            self._update_interest(cmd.fd, st)
+        elif cmd.kind == CMD_CANCEL:
+            pthread_mutex_lock(&self._lock)
+            jt = self._jobs.find(cmd.token)
+            job = NULL
+            if jt != self._jobs.end():
+                job = deref(jt).second
+            pthread_mutex_unlock(&self._lock)
+            if job == NULL:
+                return
+            st = self._fds[job.fd]
+            found = False
+            for i in range(st.sends.size()):
+                if st.sends[i] == job:
+                    st.sends.erase(st.sends.begin() + i)
+                    found = True
+                    break
+            if not found:
+                for i in range(st.recvs.size()):
+                    if st.recvs[i] == job:
+                        st.recvs.erase(st.recvs.begin() + i)
+                        break
+            fd = job.fd
+            self._finish(job, -ECANCELED)
+            self._update_interest(fd, st)
+        elif cmd.kind == CMD_DETACH:
+            it = self._fds.find(cmd.fd)
+            if it != self._fds.end():
+                st = deref(it).second
+                self._fail_fd(cmd.fd, st, -ECANCELED)
+                self._fds.erase(cmd.fd)
+                del st
+
+    cdef void _run(self) noexcept nogil:
+        cdef epoll_event events[MAX_EVENTS]
+        cdef int n, i, fd
+        cdef uint64_t counter
+        cdef vector[IoCommand] cmds
+        cdef size_t k
+        cdef FdState *st
+        cdef bint stop = False
+        while not stop:
+            n = epoll_wait(self._epfd, events, MAX_EVENTS, -1)
+            if n < 0:
+                if errno == EINTR:
+                    continue
+                break
+            for i in range(n):
+                fd = events[i].data.fd
+                if fd == self._wakefd:
+                    read(self._wakefd, &counter, 8)
+                    pthread_mutex_lock(&self._lock)
+                    cmds.swap(self._commands)
+                    pthread_mutex_unlock(&self._lock)
+                    for k in range(cmds.size()):
+                        if cmds[k].kind == CMD_STOP:
+                            stop = True
+                        else:
+                            self._apply(cmds[k])
+                    pthread_mutex_lock(&self._lock)
+                    self._commands_done += cmds.size()
+                    pthread_mutex_unlock(&self._lock)
+                    pthread_cond_broadcast(&self._acked)
+                    cmds.clear()
+                    continue
+                it = self._fds.find(fd)
+                if it == self._fds.end():
+                    continue
+                st = deref(it).second
+                if events[i].events & (EPOLLOUT | EPOLLERR | EPOLLHUP):
+                    self._progress(fd, st, True)
+                if events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP):
+                    self._progress(fd, st, False)
+                self._update_interest(fd, st)
+        # Shutting down: every job still queued ends as cancelled.
+        it2 = self._fds.begin()
+        while it2 != self._fds.end():
+            st = deref(it2).second
+            self._fail_fd(deref(it2).first, st, -ECANCELED)
+            del st
+            inc(it2)
+        self._fds.clear()
+        pthread_mutex_lock(&self._lock)
+        self._stop = True
+        pthread_mutex_unlock(&self._lock)
+        pthread_cond_broadcast(&self._acked)
+
+    def close(self):
+        """Cancel every job (each still posts its record) and stop the thread."""
+        if not self._closed:
+            self._shutdown()
+
+    cdef _shutdown(self):
+        cdef IoCommand cmd
+        cmd.kind = CMD_STOP
+        cmd.job = NULL
+        cmd.token = 0
+        cmd.fd = -1
+        if self._started:
+            self._post(cmd)
+            with nogil:
+                pthread_join(self._thread, NULL)
+            self._started = False
+        self._release_fds()
+        if not self._closed:
+            self._closed = True
+            _live["SocketEngine"] -= 1
+
+
+# --------------------------------------------------------------------------
+# Segment builders
+
+
+def segments(const uint64_t[::1] bases not None, const int64_t[::1] indices not None,
+             uint64_t stride, uint64_t offset, uint64_t nbytes):
+    """Coalesced ``[addr, nbytes, ...]`` pairs for every (tensor, index).
+
+    The byte order is tensor-major, then index order:
+    ``bases[t] + indices[i] * stride + offset`` for ``nbytes`` bytes.
+    Callers validate indices and bounds first.
+    """
+    cdef size_t nt = bases.shape[0], ni = indices.shape[0]
+    cdef array.array out = _new_u64(2 * nt * ni)
+    cdef uint64_t *o = <uint64_t *>out.data.as_ulonglongs
+    cdef size_t t, i, k = 0
+    cdef uint64_t addr
+    with nogil:
+        for t in range(nt):
+            for i in range(ni):
+                addr = bases[t] + <uint64_t>indices[i] * stride + offset
+                if k > 0 and o[k - 2] + o[k - 1] == addr:
+                    o[k - 1] += nbytes
+                else:
+                    o[k] = addr
+                    o[k + 1] = nbytes
+                    k += 2
+    array.resize(out, k)
+    return out
+
+
+def copy_segments(const uint64_t[::1] dst_bases not None, const int64_t[::1] dst_indices not None,
+                  uint64_t dst_stride, uint64_t dst_offset,
+                  const uint64_t[::1] src_bases not None, const int64_t[::1] src_indices not None,
+                  uint64_t src_stride, uint64_t src_offset, uint64_t nbytes):
+    """Coalesced ``[dst, src, nbytes, ...]`` triples pairing two layouts.
+
+    Tensor ``t`` index ``i`` of the source goes to tensor ``t`` index ``i``
+    of the destination. Both sides need the same tensor and index counts.
+    """
+    cdef size_t nt = dst_bases.shape[0], ni = dst_indices.shape[0]
+    if src_bases.shape[0] != nt or src_indices.shape[0] != ni:
+        raise ValueError("source and destination counts differ")
+    cdef array.array out = _new_u64(3 * nt * ni)
+    cdef uint64_t *o = <uint64_t *>out.data.as_ulonglongs
+    cdef size_t t, i, k = 0
+    cdef uint64_t d, s
+    with nogil:
+        for t in range(nt):
+            for i in range(ni):
+                d = dst_bases[t] + <uint64_t>dst_indices[i] * dst_stride + dst_offset
+                s = src_bases[t] + <uint64_t>src_indices[i] * src_stride + src_offset
+                if k > 0 and o[k - 3] + o[k - 1] == d and o[k - 2] + o[k - 1] == s:
+                    o[k - 1] += nbytes
+                else:
+                    o[k] = d
+                    o[k + 1] = s
+                    o[k + 2] = nbytes
+                    k += 3
+    array.resize(out, k)
+    return out

@@ -1,0 +1,430 @@
+"""KvCache objects, their validated geometry, and the per-instance registry.
+
+Geometry follows LLM-DataDist: every tensor of a cache has ``cache_desc.shape``;
+its leading dimension holds rows (batch rows of a contiguous cache, blocks of
+a blocks cache), ``row_bytes = tensor_bytes / shape[0]``. Raw addresses live
+only in :class:`CacheLayout`, which every request is checked against before a
+segment list is built.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from aio_datadist import _core
+from aio_datadist.devices.host import HostRegion, round_up, tensor_at
+from aio_datadist.status import LLMException, LLMStatusCode, check_instance, param_invalid
+from aio_datadist.types import (
+    UINT64_MAX,
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    Placement,
+)
+
+__all__ = ["CacheLayout", "CacheRegistry", "KvCache"]
+
+
+class CacheLayout:
+    """Base addresses and row geometry of a cache's tensors."""
+
+    __slots__ = ("bases", "rows", "row_bytes", "tensor_bytes", "num_tensors")
+
+    def __init__(self, addrs: Sequence[int], desc: CacheDesc) -> None:
+        self.bases = array.array("Q", addrs)
+        self.num_tensors = desc.num_tensors
+        self.tensor_bytes = desc.size
+        self.rows = desc.shape[0]
+        self.row_bytes = desc.size // desc.shape[0]
+
+    def span_bases(self, first: int, count: int) -> array.array:
+        return self.bases[first:first + count]
+
+    def segments(self, first: int, count: int, rows: Sequence[int], offset: int,
+                 nbytes: int) -> array.array:
+        """``[addr, nbytes, ...]`` of ``rows`` in tensors ``[first, first+count)``.
+
+        The caller has validated rows and byte ranges; this only asserts the
+        final bounds once more, since the result is handed to native code.
+        """
+        _check_bounds(self, first, count, rows, offset, nbytes)
+        return _core.segments(self.span_bases(first, count), array.array("q", rows),
+                              self.row_bytes, offset, nbytes)
+
+
+def _check_bounds(layout: CacheLayout, first: int, count: int, rows: Sequence[int],
+                  offset: int, nbytes: int) -> None:
+    if not (0 <= first and first + count <= layout.num_tensors):
+        raise AssertionError("tensor span outside the cache")
+    if rows and not (0 <= min(rows) and max(rows) < layout.rows):
+        raise AssertionError("row outside the cache")
+    end = (max(rows) if rows else 0) * layout.row_bytes + offset + nbytes
+    if offset < 0 or nbytes < 0 or end > layout.tensor_bytes:
+        raise AssertionError("byte range outside the cache")
+
+
+def copy_triples(dst: CacheLayout, dst_first: int, dst_rows: Sequence[int], dst_offset: int,
+                 src: CacheLayout, src_first: int, src_rows: Sequence[int], src_offset: int,
+                 count: int, nbytes: int) -> array.array:
+    """``[dst, src, nbytes, ...]`` for a row-to-row copy between two layouts."""
+    _check_bounds(dst, dst_first, count, dst_rows, dst_offset, nbytes)
+    _check_bounds(src, src_first, count, src_rows, src_offset, nbytes)
+    return _core.copy_segments(
+        dst.span_bases(dst_first, count), array.array("q", dst_rows), dst.row_bytes, dst_offset,
+        src.span_bases(src_first, count), array.array("q", src_rows), src.row_bytes, src_offset,
+        nbytes)
+
+
+class KvCache:
+    """A KV cache: ``num_tensors`` tensors of ``cache_desc.shape`` each.
+
+    Returned by ``allocate_cache``/``allocate_blocks_cache``/``register_*``;
+    ``create_cpu_cache`` wraps caller-owned host memory (``cache_id == -1``).
+    """
+
+    __slots__ = ("_cache_id", "_desc", "_tensors", "_layout", "_is_blocks", "_region",
+                 "_owned", "_alive", "__weakref__")
+
+    def __init__(self, cache_id: int, desc: CacheDesc, tensors: list[torch.Tensor], *,
+                 is_blocks: bool, owned: bool, region: Any = None) -> None:
+        self._cache_id = cache_id
+        self._desc = desc
+        self._tensors = tensors
+        self._layout = CacheLayout([t.data_ptr() for t in tensors], desc)
+        self._is_blocks = is_blocks
+        self._owned = owned
+        self._region = region
+        self._alive = True
+
+    @property
+    def cache_id(self) -> int:
+        """Id of the cache within its LLMDataDist (from 1); -1 for a CPU cache."""
+        return self._cache_id
+
+    @property
+    def cache_desc(self) -> CacheDesc:
+        """The :class:`CacheDesc` the cache was created with."""
+        return self._desc
+
+    @property
+    def per_device_tensor_addrs(self) -> list[list[int]]:
+        """Tensor addresses, outer list per device (always one here)."""
+        return [list(self._layout.bases)]
+
+    @property
+    def tensor_addrs(self) -> list[int]:
+        """Tensor addresses, one per tensor (the v2 ``Cache`` spelling)."""
+        return list(self._layout.bases)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Torch views of the cache's tensors (no copy)."""
+        return list(self._tensors)
+
+    @property
+    def is_blocks_cache(self) -> bool:
+        """Whether the leading dimension holds PagedAttention blocks."""
+        return self._is_blocks
+
+    @property
+    def layout(self) -> CacheLayout:
+        return self._layout
+
+    @property
+    def device(self) -> torch.device:
+        return self._tensors[0].device
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def __repr__(self) -> str:
+        kind = "blocks" if self._is_blocks else "cache"
+        return f"KvCache(cache_id={self._cache_id}, {kind}, {self._desc!r})"
+
+    @classmethod
+    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: Sequence[int] | Sequence[Sequence[int]]) -> KvCache:
+        """Wrap caller-owned host memory as a HOST blocks cache (``cache_id=-1``).
+
+        :param cache_desc: a HOST :class:`CacheDesc`.
+        :param addrs: one address per tensor, or a one-element list of such lists.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for a non-HOST desc, a wrong
+            address count or a zero address.
+        """
+        check_instance("cache_desc", cache_desc, CacheDesc)
+        if cache_desc.placement != Placement.HOST:
+            raise param_invalid("cache_desc", "create_cpu_cache needs Placement.HOST")
+        flat = _flatten_addrs("addrs", addrs, cache_desc.num_tensors)
+        dtype = cache_desc.data_type.torch_dtype
+        tensors = [tensor_at(a, dtype, cache_desc.shape) for a in flat]
+        return cls(-1, cache_desc, tensors, is_blocks=True, owned=False)
+
+
+def _flatten_addrs(arg: str, addrs: Any, num_tensors: int) -> list[int]:
+    if isinstance(addrs, (list, tuple)) and addrs and all(isinstance(a, (list, tuple)) for a in addrs):
+        if len(addrs) != 1:
+            raise param_invalid(arg, f"one device supported, got {len(addrs)} address lists")
+        addrs = addrs[0]
+    if not isinstance(addrs, (list, tuple)):
+        raise param_invalid(arg, f"expected a list of addresses, got {type(addrs).__name__}")
+    if len(addrs) != num_tensors:
+        raise param_invalid(arg, f"expected {num_tensors} addresses (num_tensors), got {len(addrs)}")
+    out = []
+    for i, a in enumerate(addrs):
+        if isinstance(a, bool) or not isinstance(a, int) or not 0 < a < 1 << 64:
+            raise param_invalid(arg, f"address {i} must be a positive int, got {a!r}")
+        out.append(a)
+    return out
+
+
+def allocate_host_tensors(desc: CacheDesc) -> tuple[HostRegion, list[torch.Tensor]]:
+    """Page-aligned tensors for ``desc`` in one shareable host region."""
+    stride = round_up(desc.size)
+    region = HostRegion(stride * desc.num_tensors)
+    dtype = desc.data_type.torch_dtype
+    tensors = [region.tensor(i * stride, dtype, desc.shape) for i in range(desc.num_tensors)]
+    return region, tensors
+
+
+def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
+                       device: torch.device) -> list[torch.Tensor]:
+    """Validate framework-owned tensors against ``desc``: count, dtype, shape, device, overlap."""
+    if not isinstance(tensors, (list, tuple)):
+        raise param_invalid(arg, f"expected a list of tensors or addresses, got {type(tensors).__name__}")
+    if len(tensors) != desc.num_tensors:
+        raise param_invalid(arg, f"expected {desc.num_tensors} entries (num_tensors), got {len(tensors)}")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in tensors):
+        if device.type != "cpu":
+            raise param_invalid(arg, f"raw addresses are accepted for host memory only, not {device}")
+        addrs = _flatten_addrs(arg, list(tensors), desc.num_tensors)
+        out = [tensor_at(a, desc.data_type.torch_dtype, desc.shape) for a in addrs]
+    else:
+        dtype = desc.data_type.torch_dtype
+        out = []
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise param_invalid(arg, f"entry {i} must be a torch.Tensor or an int address, got {type(t).__name__}")
+            if t.dtype != dtype:
+                raise param_invalid(arg, f"tensor {i} has dtype {t.dtype}, cache_desc says {dtype}")
+            if tuple(t.shape) != desc.shape:
+                raise param_invalid(arg, f"tensor {i} has shape {tuple(t.shape)}, cache_desc says {desc.shape}")
+            if not t.is_contiguous():
+                raise param_invalid(arg, f"tensor {i} is not contiguous")
+            if t.device.type != device.type:
+                raise param_invalid(arg, f"tensor {i} is on {t.device}, the cache placement needs {device}")
+            out.append(t)
+    spans = sorted((t.data_ptr(), t.data_ptr() + desc.size) for t in out)
+    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise param_invalid(arg, "tensors overlap in memory")
+    return out
+
+
+class _Entry:
+    __slots__ = ("cache", "keys", "blocks_key", "deallocated", "nbytes", "pulled")
+
+    def __init__(self, cache: KvCache, nbytes: int) -> None:
+        self.cache = cache
+        self.keys: dict[tuple[int, int, int], int] = {}
+        self.blocks_key: int | None = None
+        self.deallocated = False
+        self.nbytes = nbytes
+        self.pulled: dict[tuple[int, int, int], set[int]] = {}
+
+
+class CacheRegistry:
+    """Caches of one LLMDataDist: ids from 1, keys, and the memory cap.
+
+    A cache stays registered while its id reference (until ``deallocate``)
+    or any of its keys remains, as in LLM-DataDist's reference counting.
+    """
+
+    def __init__(self, cap_bytes: int) -> None:
+        self._cap = cap_bytes
+        self._used = 0
+        self._next_id = 1
+        self._entries: dict[int, _Entry] = {}
+        self._keys: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self._blocks_keys: dict[int, int] = {}
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def cap_bytes(self) -> int:
+        return self._cap
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def caches(self) -> list[KvCache]:
+        return [e.cache for e in self._entries.values()]
+
+    def reserve(self, nbytes: int) -> None:
+        """Raise ``LLM_OUT_OF_MEMORY`` unless ``nbytes`` more fit under the cap."""
+        if self._used + nbytes > self._cap:
+            raise LLMException(
+                f"registering {nbytes} bytes would exceed the registered-memory cap "
+                f"({self._used} of {self._cap} bytes in use; set aio.RegisteredMemoryCap)",
+                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
+
+    def check_keys(self, desc: CacheDesc, cache_keys: Iterable[Any]) -> list[tuple[int, CacheKey]]:
+        """Validate keys for a new cache; returns ``(row, key)`` of the real ones."""
+        if not isinstance(cache_keys, (list, tuple)):
+            raise param_invalid("cache_keys", f"expected a list or tuple of CacheKey, got {type(cache_keys).__name__}")
+        if len(cache_keys) > desc.batch_size:
+            raise param_invalid("cache_keys", f"{len(cache_keys)} keys for batch size {desc.batch_size}")
+        seen: set[tuple[int, int, int]] = set()
+        bound = []
+        for row, key in enumerate(cache_keys):
+            check_instance(f"cache_keys[{row}]", key, CacheKey)
+            if key.is_placeholder:
+                continue
+            if key.req_id != UINT64_MAX and key.prefix_id != UINT64_MAX:
+                raise param_invalid(f"cache_keys[{row}]", "set req_id or prefix_id, not both")
+            ident = key.lookup_key()
+            if ident in seen:
+                raise param_invalid(f"cache_keys[{row}]", f"duplicate key {key!r}")
+            if ident in self._keys:
+                raise param_invalid(f"cache_keys[{row}]", f"{key!r} is already bound to cache {self._keys[ident][0]}")
+            seen.add(ident)
+            bound.append((row, key))
+        return bound
+
+    def check_blocks_key(self, key: Any) -> BlocksCacheKey | None:
+        if key is None:
+            return None
+        check_instance("blocks_cache_key", key, BlocksCacheKey)
+        if key.model_id in self._blocks_keys:
+            raise param_invalid("blocks_cache_key",
+                                f"model_id {key.model_id} is already bound to cache {self._blocks_keys[key.model_id]}")
+        return key
+
+    def add(self, make_cache: Any, nbytes: int, keys: list[tuple[int, CacheKey]],
+            blocks_key: BlocksCacheKey | None) -> KvCache:
+        """Assign the next id, build the cache with it, and bind its keys.
+
+        Everything has been validated before; this cannot fail half-way.
+        """
+        self.reserve(nbytes)
+        cache_id = self._next_id
+        cache = make_cache(cache_id)
+        self._next_id += 1
+        entry = _Entry(cache, nbytes)
+        for row, key in keys:
+            ident = key.lookup_key()
+            entry.keys[ident] = row
+            self._keys[ident] = (cache_id, row)
+        if blocks_key is not None:
+            entry.blocks_key = blocks_key.model_id
+            self._blocks_keys[blocks_key.model_id] = cache_id
+        self._entries[cache_id] = entry
+        self._used += nbytes
+        return cache
+
+    def get(self, cache: Any, arg: str = "cache") -> KvCache:
+        """The live registered cache for a local argument, else the documented error."""
+        check_instance(arg, cache, KvCache)
+        entry = self._entries.get(cache.cache_id)
+        if entry is None or entry.cache is not cache or entry.deallocated:
+            raise LLMException(f"invalid argument '{arg}': cache {cache.cache_id} does not exist "
+                               "(deallocated or from another LLMDataDist)",
+                               status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+        return cache
+
+    def by_id(self, cache_id: int) -> KvCache | None:
+        entry = self._entries.get(cache_id)
+        if entry is None or entry.deallocated:
+            return None
+        return entry.cache
+
+    def by_key(self, ident: tuple[int, int, int]) -> tuple[KvCache, int] | None:
+        found = self._keys.get(ident)
+        if found is None:
+            return None
+        return self._entries[found[0]].cache, found[1]
+
+    def by_blocks_key(self, model_id: int) -> KvCache | None:
+        cache_id = self._blocks_keys.get(model_id)
+        return None if cache_id is None else self._entries[cache_id].cache
+
+    def key_at(self, cache_id: int, row: int) -> tuple[int, int, int] | None:
+        """The key bound to ``row`` of ``cache_id``, if any (pull-by-id consumes it)."""
+        entry = self._entries.get(cache_id)
+        if entry is None:
+            return None
+        for ident, bound_row in entry.keys.items():
+            if bound_row == row:
+                return ident
+        return None
+
+    def deallocate(self, cache: Any) -> None:
+        """Drop the id reference; the memory goes once no key refers to it."""
+        check_instance("cache", cache, KvCache)
+        entry = self._entries.get(cache.cache_id)
+        if entry is None or entry.cache is not cache or entry.deallocated:
+            raise LLMException(f"invalid argument 'cache': cache {cache.cache_id} was already deallocated "
+                               "or does not belong to this LLMDataDist",
+                               status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+        entry.deallocated = True
+        if not entry.cache._owned:
+            for ident in list(entry.keys):
+                self._unbind(entry, ident)
+        if entry.blocks_key is not None:
+            del self._blocks_keys[entry.blocks_key]
+            entry.blocks_key = None
+        self._maybe_free(entry)
+
+    def remove_key(self, key: CacheKey) -> bool:
+        """Unbind ``key``; True if it was bound. Frees a deallocated cache left keyless."""
+        ident = key.lookup_key()
+        found = self._keys.get(ident)
+        if found is None:
+            return False
+        entry = self._entries[found[0]]
+        self._unbind(entry, ident)
+        self._maybe_free(entry)
+        return True
+
+    def consume(self, ident: tuple[int, int, int], tensors: range, num_tensors: int) -> None:
+        """Record a successful pull by key; the key goes once every tensor was pulled.
+
+        Registered (user-owned) caches and prefix keys keep their keys.
+        """
+        found = self._keys.get(ident)
+        if found is None:
+            return
+        entry = self._entries[found[0]]
+        if not entry.cache._owned or ident[1] != UINT64_MAX:
+            return
+        done = entry.pulled.setdefault(ident, set())
+        done.update(tensors)
+        if len(done) >= num_tensors:
+            self._unbind(entry, ident)
+            self._maybe_free(entry)
+
+    def _unbind(self, entry: _Entry, ident: tuple[int, int, int]) -> None:
+        entry.keys.pop(ident, None)
+        entry.pulled.pop(ident, None)
+        self._keys.pop(ident, None)
+
+    def _maybe_free(self, entry: _Entry) -> None:
+        if entry.deallocated and not entry.keys:
+            del self._entries[entry.cache.cache_id]
+            self._used -= entry.nbytes
+            entry.cache._alive = False
+            entry.cache._region = None
+
+    def clear(self) -> None:
+        for entry in self._entries.values():
+            entry.cache._alive = False
+            entry.cache._region = None
+        self._entries.clear()
+        self._keys.clear()
+        self._blocks_keys.clear()
+        self._used = 0

@@ -1,0 +1,607 @@
+"""``LLMConfig`` (options builder) and ``parse_options`` (options reader).
+
+``LLMConfig`` has LLM-DataDist's properties and emits the same option keys
+from ``generate_options()``. Options of ours live under ``aio.``:
+
+=========================  ========================  ==========================================
+property                   option key                meaning (default)
+=========================  ========================  ==========================================
+``shared_secret``          ``aio.SharedSecret``      HMAC key both ends of a link must share
+                                                     (unset: links are not authenticated)
+``device_type``            ``aio.DeviceType``        ``auto`` | ``cpu`` | ``cuda`` | ``npu`` (auto)
+``registered_memory_cap``  ``aio.RegisteredMemoryCap``  bytes of cache memory per process (50 GiB)
+``transport``              ``aio.Transport``         ``auto`` | ``tcp`` | ``local`` | ``nixl`` (auto)
+``copy_threads``           ``aio.CopyThreads``       host copy worker threads, 1..64
+                                                     (``min(4, cpu_count)``)
+``data_channels``          ``aio.DataChannels``      parallel data connections per link
+                                                     direction, 1..16 (2)
+``heartbeat_interval``     ``aio.HeartbeatIntervalMs``  link heartbeat period in ms (1000)
+=========================  ========================  ==========================================
+
+``aio.`` keys are emitted only when set explicitly. ``parse_options`` checks
+the dict that ``LLMDataDist.init`` receives and returns typed ``Settings``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Literal, Mapping, TypeVar, overload
+
+from .status import (
+    INT32_MAX,
+    INT64_MAX,
+    UINT32_MAX,
+    check_bool,
+    check_int,
+    check_ipv4,
+    check_str,
+    param_invalid,
+)
+
+__all__ = [
+    "LLMConfig",
+    "LlmConfig",
+    "Settings",
+    "parse_options",
+    "parse_listen",
+    "DeviceType",
+    "TransportKind",
+    "DEFAULT_SYNC_KV_TIMEOUT_MS",
+    "DEFAULT_REGISTERED_MEMORY_CAP",
+]
+
+DeviceType = Literal["auto", "cpu", "cuda", "npu"]
+TransportKind = Literal["auto", "tcp", "local", "nixl"]
+
+DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
+DEFAULT_REGISTERED_MEMORY_CAP = 50 * 2**30
+DEFAULT_MEM_UTILIZATION = 0.95
+DEFAULT_DATA_CHANNELS = 2
+DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
+DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu")
+TRANSPORTS: tuple[str, ...] = ("auto", "tcp", "local", "nixl")
+_ROLES = ("Prompt", "Decoder", "Mix")
+
+_MIB2 = 2 * 2**20
+_INT_TEXT = re.compile(r"-?[0-9]+")
+
+_T = TypeVar("_T")
+
+
+def _default_copy_threads() -> int:
+    return min(4, os.cpu_count() or 1)
+
+
+# ---- value checks shared by LLMConfig setters and parse_options ----------
+
+
+def parse_listen(value: object, arg_name: str = "llm.listenIpInfo") -> tuple[str, int]:
+    """Split an ``"ip:port"`` listen address.
+
+    :param value: e.g. ``"127.0.0.1:26000"``; IPv4 only; port 0 (any free
+        port) is allowed.
+    :param arg_name: the name used in error messages.
+    :returns: ``(ip, port)``.
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name``.
+    """
+    text = check_str(arg_name, value)
+    ip, sep, port_text = text.rpartition(":")
+    if not sep or not ip:
+        raise param_invalid(arg_name, f"expected 'ip:port', got {text!r}")
+    check_ipv4(arg_name, ip)
+    if not port_text.isdigit() or not port_text.isascii():
+        raise param_invalid(arg_name, f"port must be an int in [0, 65535], got {port_text!r}")
+    port = int(port_text)
+    if port > 65535:
+        raise param_invalid(arg_name, f"port must be an int in [0, 65535], got {port}")
+    return ip, port
+
+
+def _int_from_text(arg_name: str, raw: str) -> int:
+    if not _INT_TEXT.fullmatch(raw):
+        raise param_invalid(arg_name, f"expected an integer, got {raw!r}")
+    return int(raw)
+
+
+def _int_check(lo: int, hi: int, *, multiple_of: int = 1) -> Callable[[str, object], int]:
+    def check(arg_name: str, value: object) -> int:
+        number = check_int(arg_name, value, lo=lo, hi=hi)
+        if number % multiple_of:
+            raise param_invalid(arg_name, f"must be a multiple of {multiple_of}, got {number}")
+        return number
+
+    return check
+
+
+def _int_text(check: Callable[[str, object], int]) -> Callable[[str, str], int]:
+    return lambda key, raw: check(key, _int_from_text(key, raw))
+
+
+def _choice_check(choices: tuple[str, ...]) -> Callable[[str, object], str]:
+    def check(arg_name: str, value: object) -> str:
+        text = check_str(arg_name, value)
+        if text not in choices:
+            raise param_invalid(arg_name, f"must be one of {', '.join(map(repr, choices))}, got {text!r}")
+        return text
+
+    return check
+
+
+def _flag_text(key: str, raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise param_invalid(key, f"must be '0' or '1', got {raw!r}")
+    return raw == "1"
+
+
+def _json_object(arg_name: str, text: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise param_invalid(arg_name, f"not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise param_invalid(arg_name, f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _json_int(arg_name: str, obj: Mapping[str, Any], name: str) -> int:
+    value = obj.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise param_invalid(arg_name, f"{name!r} must be an integer, got {value!r}")
+    return value
+
+
+def _check_json(arg_name: str, value: object) -> str:
+    text = check_str(arg_name, value)
+    if text:
+        _json_object(arg_name, text)
+    return text
+
+
+def _check_buf_pool_cfg(arg_name: str, value: object) -> str:
+    text = check_str(arg_name, value)
+    if not text:
+        return text
+    obj = _json_object(arg_name, text)
+    unknown = set(obj) - {"buf_cfg", "buf_pool_size"}
+    if unknown:
+        raise param_invalid(arg_name, f"unknown field(s) {sorted(unknown)}")
+    if "buf_pool_size" in obj and _json_int(arg_name, obj, "buf_pool_size") <= 0:
+        raise param_invalid(arg_name, "'buf_pool_size' must be > 0")
+    tiers = obj.get("buf_cfg")
+    if not isinstance(tiers, list) or not tiers:
+        raise param_invalid(arg_name, "'buf_cfg' must be a non-empty list of tiers")
+    previous_max = 0
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, dict) or set(tier) != {"total_size", "blk_size", "max_buf_size"}:
+            raise param_invalid(arg_name, f"tier {i} must have exactly total_size, blk_size and max_buf_size")
+        total = _json_int(arg_name, tier, "total_size")
+        blk = _json_int(arg_name, tier, "blk_size")
+        max_buf = _json_int(arg_name, tier, "max_buf_size")
+        if not 0 < total <= UINT32_MAX or total % _MIB2:
+            raise param_invalid(
+                arg_name, f"tier {i}: total_size must be a multiple of 2 MiB and <= 0xFFFFFFFF, got {total}"
+            )
+        if not 0 < blk <= _MIB2 or blk & (blk - 1):
+            raise param_invalid(arg_name, f"tier {i}: blk_size must be a power of two in (0, 2 MiB], got {blk}")
+        if total % blk:
+            raise param_invalid(arg_name, f"tier {i}: total_size {total} is not a multiple of blk_size {blk}")
+        if not blk <= max_buf < total:
+            raise param_invalid(
+                arg_name, f"tier {i}: need blk_size <= max_buf_size < total_size, got max_buf_size {max_buf}"
+            )
+        if max_buf <= previous_max:
+            raise param_invalid(arg_name, f"tier {i}: max_buf_size must increase from tier to tier, got {max_buf}")
+        previous_max = max_buf
+    return text
+
+
+def _check_mem_pool_cfg(arg_name: str, value: object) -> str:
+    text = check_str(arg_name, value)
+    if not text:
+        return text
+    obj = _json_object(arg_name, text)
+    unknown = set(obj) - {"memory_size", "page_shift"}
+    if unknown:
+        raise param_invalid(arg_name, f"unknown field(s) {sorted(unknown)}")
+    if _json_int(arg_name, obj, "memory_size") <= 0:
+        raise param_invalid(arg_name, "'memory_size' must be > 0")
+    if "page_shift" in obj and not 10 <= _json_int(arg_name, obj, "page_shift") < 31:
+        raise param_invalid(arg_name, f"'page_shift' must be in [10, 31), got {obj['page_shift']}")
+    return text
+
+
+def _check_device_id(arg_name: str, value: object) -> int | tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise param_invalid(arg_name, "must not be empty")
+        return tuple(check_int(arg_name, v, lo=0, hi=INT32_MAX) for v in value)
+    return check_int(arg_name, value, lo=0, hi=INT32_MAX)
+
+
+def _check_sync_kv_timeout(arg_name: str, value: object) -> int:
+    if isinstance(value, str):
+        value = _int_from_text(arg_name, value)
+    return check_int(arg_name, value, lo=1, hi=INT32_MAX)
+
+
+def _check_mem_utilization(arg_name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise param_invalid(arg_name, f"expected a float, got {type(value).__name__}")
+    if not 0.0 <= value <= 1.0:
+        raise param_invalid(arg_name, f"must be in [0, 1], got {value}")
+    return float(value)
+
+
+def _check_ge_options(arg_name: str, value: object) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise param_invalid(arg_name, f"expected a dict of str to str, got {type(value).__name__}")
+    for key, item in value.items():
+        if not isinstance(key, str) or not isinstance(item, str):
+            raise param_invalid(arg_name, f"expected a dict of str to str, got {key!r}: {item!r}")
+    return dict(value)
+
+
+def _check_listen(arg_name: str, value: object) -> str:
+    text = check_str(arg_name, value)
+    if text:
+        parse_listen(text, arg_name)
+    return text
+
+
+def _check_transfer_backend(arg_name: str, value: object) -> str:
+    text = check_str(arg_name, value)
+    if text not in ("", "hixl"):
+        raise param_invalid(arg_name, f"only 'hixl' is supported, got {text!r}")
+    return text
+
+
+def _check_secret(arg_name: str, value: object) -> str:
+    text = check_str(arg_name, value, allow_empty=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise param_invalid(arg_name, "must be encodable as UTF-8") from None
+    return text
+
+
+def _any_str(arg_name: str, value: object) -> str:
+    return check_str(arg_name, value)
+
+
+def _bool(arg_name: str, value: object) -> bool:
+    return check_bool(arg_name, value)
+
+
+_check_link_total_time = _int_check(0, UINT32_MAX)
+_check_link_retry_count = _int_check(1, 100)
+_check_traffic_class = _int_check(0, 255, multiple_of=4)
+_check_service_level = _int_check(0, 7)
+_check_output_max_size = _int_check(0, INT64_MAX)
+_check_device_type = _choice_check(DEVICE_TYPES)
+_check_transport = _choice_check(TRANSPORTS)
+_check_memory_cap = _int_check(1, INT64_MAX)
+_check_copy_threads = _int_check(1, 64)
+_check_data_channels = _int_check(1, 16)
+_check_heartbeat = _int_check(1, INT32_MAX)
+
+
+# ---- LLMConfig -------------------------------------------------------------
+
+
+class _Setting(Generic[_T]):
+    """A validated ``LLMConfig`` property; only explicitly set values are stored."""
+
+    def __init__(self, check: Callable[[str, Any], _T], default: _T, doc: str) -> None:
+        self.check = check
+        self.default = default
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Setting[_T]: ...
+    @overload
+    def __get__(self, obj: LLMConfig, owner: type | None = None) -> _T: ...
+    def __get__(self, obj: LLMConfig | None, owner: type | None = None) -> _T | _Setting[_T]:
+        if obj is None:
+            return self
+        value = obj._explicit.get(self.name, self.default)
+        return dict(value) if isinstance(value, dict) else value  # type: ignore[return-value]
+
+    def __set__(self, obj: LLMConfig, value: _T) -> None:
+        obj._explicit[self.name] = self.check(self.name, value)
+
+
+def _flag(value: bool) -> str:
+    return "1" if value else "0"
+
+
+def _non_empty(value: str) -> str | None:
+    return value or None
+
+
+class LLMConfig:
+    """Builds the options dict for ``LLMDataDist.init``.
+
+    Set properties by assignment; each is validated at once and a bad value
+    raises ``LLMException(LLM_PARAM_INVALID)`` naming the property. Then call
+    ``generate_options()``. Unknown attribute names raise ``AttributeError``.
+    """
+
+    __slots__ = ("_explicit",)
+
+    device_id = _Setting[Any](
+        _check_device_id, None, "Device id (int >= 0), or a list of them (only one is used). Required."
+    )
+    sync_kv_timeout = _Setting[int](
+        _check_sync_kv_timeout, DEFAULT_SYNC_KV_TIMEOUT_MS, "Default timeout of transfers in ms (> 0; 1000)."
+    )
+    enable_switch_role = _Setting[bool](_bool, False, "Allow switch_role (bool, False).")
+    ge_options = _Setting[dict[str, str]](_check_ge_options, {}, "Extra options merged verbatim (dict of str).")
+    listen_ip_info = _Setting[str](_check_listen, "", "Listen address 'ip:port' (IPv4); '' = do not listen.")
+    mem_utilization = _Setting[float](
+        _check_mem_utilization, DEFAULT_MEM_UTILIZATION, "Share of the memory pool to use, [0, 1] (0.95)."
+    )
+    buf_pool_cfg = _Setting[str](
+        _check_buf_pool_cfg,
+        "",
+        'Buffer tiers, JSON {"buf_cfg": [{"total_size", "blk_size", "max_buf_size"}, ...]}: total_size a '
+        "multiple of 2 MiB and of blk_size, <= 0xFFFFFFFF; blk_size a power of two in (0, 2 MiB], "
+        "<= max_buf_size; max_buf_size < total_size, increasing across tiers.",
+    )
+    enable_cache_manager = _Setting[bool](_bool, False, "CacheManager mode (bool, False).")
+    enable_remote_cache_accessible = _Setting[bool](
+        _bool, False, "Cache remote cache metadata on first access (bool, False)."
+    )
+    mem_pool_cfg = _Setting[str](
+        _check_mem_pool_cfg, "", 'Device pool, JSON {"memory_size": int > 0, "page_shift": 10..30 (16)}.'
+    )
+    host_mem_pool_cfg = _Setting[str](_check_mem_pool_cfg, "", "Host pool, same JSON as mem_pool_cfg.")
+    rdma_traffic_class = _Setting[Any](
+        _check_traffic_class, None, "RDMA traffic class, 0..255 and a multiple of 4 (unset: 132)."
+    )
+    rdma_service_level = _Setting[Any](_check_service_level, None, "RDMA service level, 0..7 (unset: 4).")
+    local_comm_res = _Setting[str](_check_json, "", "Local communication resources, JSON ('' = automatic).")
+    link_total_time = _Setting[int](
+        _check_link_total_time, 0, "Total link setup time in s, 0..2**32-1 (0 = system default)."
+    )
+    link_retry_count = _Setting[int](_check_link_retry_count, 1, "Link attempts, 1..100 (1).")
+    transfer_backend = _Setting[str](_check_transfer_backend, "", "Transfer backend; only 'hixl' is accepted.")
+    global_resource_config = _Setting[str](_check_json, "", "Backend resource options, JSON, passed through.")
+    deploy_res_path = _Setting[str](_any_str, "", "Undocumented LLM-DataDist option, passed through.")
+    cluster_info = _Setting[str](_check_json, "", "Undocumented LLM-DataDist option (JSON), passed through.")
+    output_max_size = _Setting[Any](_check_output_max_size, None, "Undocumented LLM-DataDist option, passed through.")
+
+    shared_secret = _Setting[Any](
+        _check_secret, None, "Secret (non-empty str) both ends prove with HMAC before a link is accepted."
+    )
+    device_type = _Setting[str](_check_device_type, "auto", "'auto', 'cpu', 'cuda' or 'npu' ('auto').")
+    registered_memory_cap = _Setting[int](
+        _check_memory_cap, DEFAULT_REGISTERED_MEMORY_CAP, "Cap on registered cache memory in bytes (50 GiB)."
+    )
+    transport = _Setting[str](_check_transport, "auto", "'auto', 'tcp', 'local' or 'nixl' ('auto').")
+    copy_threads = _Setting[int](
+        _check_copy_threads, _default_copy_threads(), "Host copy worker threads, 1..64 (min(4, cpu_count))."
+    )
+    data_channels = _Setting[int](
+        _check_data_channels, DEFAULT_DATA_CHANNELS, "Parallel data connections per link direction, 1..16 (2)."
+    )
+    heartbeat_interval = _Setting[int](
+        _check_heartbeat, DEFAULT_HEARTBEAT_INTERVAL_MS, "Link heartbeat period in ms (1000)."
+    )
+
+    def __init__(self) -> None:
+        self._explicit: dict[str, Any] = {}
+
+    def generate_options(self) -> dict[str, str]:
+        """The options dict for ``LLMDataDist.init``.
+
+        ``ge_options`` come first, then one key per property that was set
+        (``device_id`` gives both ``ge.exec.deviceId`` and
+        ``ge.session_device_id``); ``llm.MemoryUtilization`` is always
+        present. ``aio.`` keys appear only for properties set explicitly.
+        """
+        explicit = self._explicit
+        options = dict(explicit.get("ge_options", {}))
+        if "device_id" in explicit:
+            ids = explicit["device_id"]
+            ids = ids if isinstance(ids, tuple) else (ids,)
+            options["ge.exec.deviceId"] = ";".join(map(str, ids))
+            options["ge.session_device_id"] = str(ids[0])
+        for name, key, to_text in _EMITTED:
+            if name in explicit:
+                text = to_text(explicit[name])
+                if text is not None:
+                    options[key] = text
+        if explicit.get("enable_switch_role"):
+            options["llm.EnableSwitchRole"] = "1"
+        options["llm.MemoryUtilization"] = str(self.mem_utilization)
+        return options
+
+    def __repr__(self) -> str:
+        shown = {k: ("***" if k == "shared_secret" else v) for k, v in self._explicit.items()}
+        body = ", ".join(f"{k}={v!r}" for k, v in shown.items())
+        return f"LLMConfig({body})"
+
+
+LlmConfig = LLMConfig
+
+_EMITTED: tuple[tuple[str, str, Callable[[Any], str | None]], ...] = (
+    ("sync_kv_timeout", "llm.SyncKvCacheWaitTime", str),
+    ("deploy_res_path", "llm.deployResPath", _non_empty),
+    ("buf_pool_cfg", "llm.BufPoolCfg", _non_empty),
+    ("mem_pool_cfg", "llm.MemPoolConfig", _non_empty),
+    ("host_mem_pool_cfg", "llm.HostMemPoolConfig", _non_empty),
+    ("enable_cache_manager", "llm.EnableCacheManager", _flag),
+    ("enable_remote_cache_accessible", "llm.EnableRemoteCacheAccessible", _flag),
+    ("listen_ip_info", "llm.listenIpInfo", _non_empty),
+    ("link_total_time", "llm.LinkTotalTime", str),
+    ("link_retry_count", "llm.LinkRetryCount", str),
+    ("rdma_traffic_class", "llm.RdmaTrafficClass", str),
+    ("rdma_service_level", "llm.RdmaServiceLevel", str),
+    ("local_comm_res", "llm.LocalCommRes", str),
+    ("transfer_backend", "llm.TransferBackend", str),
+    ("global_resource_config", "llm.GlobalResourceConfig", str),
+    ("cluster_info", "llm.ClusterInfo", _non_empty),
+    ("output_max_size", "llm.OutputMaxSize", str),
+    ("shared_secret", "aio.SharedSecret", str),
+    ("device_type", "aio.DeviceType", str),
+    ("registered_memory_cap", "aio.RegisteredMemoryCap", str),
+    ("transport", "aio.Transport", str),
+    ("copy_threads", "aio.CopyThreads", str),
+    ("data_channels", "aio.DataChannels", str),
+    ("heartbeat_interval", "aio.HeartbeatIntervalMs", str),
+)
+
+
+# ---- parse_options -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Typed view of a validated options dict (see ``parse_options``).
+
+    :ivar device_id: the device, or None when no device key was given.
+    :ivar sync_kv_timeout_ms: default transfer timeout in ms.
+    :ivar enable_switch_role: ``llm.EnableSwitchRole``.
+    :ivar listen: ``(ip, port)`` to listen on, or None.
+    :ivar shared_secret: the link-authentication key (UTF-8), or None.
+    :ivar device_type: ``auto``, ``cpu``, ``cuda`` or ``npu``.
+    :ivar registered_memory_cap: bytes of cache memory allowed.
+    :ivar transport: ``auto``, ``tcp``, ``local`` or ``nixl``.
+    :ivar copy_threads: host copy worker threads.
+    :ivar data_channels: data connections per link direction.
+    :ivar heartbeat_interval_ms: link heartbeat period in ms.
+    :ivar raw: a copy of the options dict, unknown keys included.
+    """
+
+    device_id: int | None = None
+    sync_kv_timeout_ms: int = DEFAULT_SYNC_KV_TIMEOUT_MS
+    enable_switch_role: bool = False
+    listen: tuple[str, int] | None = None
+    shared_secret: bytes | None = field(default=None, repr=False)
+    device_type: DeviceType = "auto"
+    registered_memory_cap: int = DEFAULT_REGISTERED_MEMORY_CAP
+    transport: TransportKind = "auto"
+    copy_threads: int = field(default_factory=_default_copy_threads)
+    data_channels: int = DEFAULT_DATA_CHANNELS
+    heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS
+    raw: dict[str, str] = field(default_factory=dict, hash=False, repr=False)
+
+
+def _device_ids_text(key: str, raw: str) -> int:
+    ids = [_int_from_text(key, part) for part in raw.split(";")]
+    if len(ids) != 1:
+        raise param_invalid(key, f"one device per process is supported, got {raw!r}")
+    return check_int(key, ids[0], lo=0, hi=INT32_MAX)
+
+
+def _float_text(key: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise param_invalid(key, f"expected a number, got {raw!r}") from None
+    return _check_mem_utilization(key, value)
+
+
+def _digits_text(key: str, raw: str) -> str:
+    if not raw.isdigit() or not raw.isascii():
+        raise param_invalid(key, f"must be a single all-digit string, got {raw!r}")
+    return raw
+
+
+def _role_text(key: str, raw: str) -> str:
+    if raw not in _ROLES:
+        raise param_invalid(key, f"must be one of {', '.join(_ROLES)}, got {raw!r}")
+    return raw
+
+
+def _listen_text(key: str, raw: str) -> tuple[str, int]:
+    return parse_listen(raw, key)
+
+
+def _secret_text(key: str, raw: str) -> bytes:
+    return _check_secret(key, raw).encode("utf-8")
+
+
+# Maps an option key to (Settings field or None, parser(key, raw) -> value).
+_KNOWN_KEYS: dict[str, tuple[str | None, Callable[[str, str], Any]]] = {
+    "ge.exec.deviceId": ("device_id", _device_ids_text),
+    "ge.session_device_id": ("device_id", _device_ids_text),
+    "llm.DeviceId": ("device_id", _device_ids_text),
+    "llm.SyncKvCacheWaitTime": ("sync_kv_timeout_ms", _check_sync_kv_timeout),
+    "llm.EnableSwitchRole": ("enable_switch_role", _flag_text),
+    "llm.listenIpInfo": ("listen", _listen_text),
+    "llm.ListenIpInfo": ("listen", _listen_text),
+    "llm.MemoryUtilization": (None, _float_text),
+    "llm.BufPoolCfg": (None, _check_buf_pool_cfg),
+    "llm.EnableCacheManager": (None, _flag_text),
+    "llm.EnableRemoteCacheAccessible": (None, _flag_text),
+    "llm.MemPoolConfig": (None, _check_mem_pool_cfg),
+    "llm.HostMemPoolConfig": (None, _check_mem_pool_cfg),
+    "llm.RdmaTrafficClass": (None, _int_text(_check_traffic_class)),
+    "llm.RdmaServiceLevel": (None, _int_text(_check_service_level)),
+    "llm.LocalCommRes": (None, _check_json),
+    "llm.LinkTotalTime": (None, _int_text(_check_link_total_time)),
+    "llm.LinkRetryCount": (None, _int_text(_check_link_retry_count)),
+    "llm.TransferBackend": (None, _check_transfer_backend),
+    "llm.GlobalResourceConfig": (None, _check_json),
+    "llm.ClusterInfo": (None, _check_json),
+    "llm.OutputMaxSize": (None, _int_text(_check_output_max_size)),
+    "llm.Role": (None, _role_text),
+    "ge.flowGraphMemMaxSize": (None, _digits_text),
+    "aio.SharedSecret": ("shared_secret", _secret_text),
+    "aio.DeviceType": ("device_type", _check_device_type),
+    "aio.RegisteredMemoryCap": ("registered_memory_cap", _int_text(_check_memory_cap)),
+    "aio.Transport": ("transport", _check_transport),
+    "aio.CopyThreads": ("copy_threads", _int_text(_check_copy_threads)),
+    "aio.DataChannels": ("data_channels", _int_text(_check_data_channels)),
+    "aio.HeartbeatIntervalMs": ("heartbeat_interval_ms", _int_text(_check_heartbeat)),
+}
+
+
+_AIO_KEYS = tuple(key for key in _KNOWN_KEYS if key.startswith("aio."))
+
+
+def parse_options(options: Mapping[str, str]) -> Settings:
+    """Validate the options given to ``LLMDataDist.init`` and type them.
+
+    :param options: a dict of str to str, usually from
+        ``LLMConfig.generate_options()``.
+    :returns: the typed ``Settings``; keys that are absent take their
+        defaults.
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``options`` when it is
+        not a dict of str to str, or naming the option key when a known key
+        has a bad value, an ``aio.`` key is unknown (a typo guard; unknown
+        ``llm.``/``ge.`` keys pass through to ``raw``), or two keys for the
+        same setting disagree (e.g. ``ge.exec.deviceId`` and
+        ``ge.session_device_id``).
+    """
+    if not isinstance(options, Mapping):
+        raise param_invalid("options", f"expected a dict of str to str, got {type(options).__name__}")
+    values: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for key, raw in options.items():
+        if not isinstance(key, str):
+            raise param_invalid("options", f"keys must be str, got {key!r}")
+        if not isinstance(raw, str):
+            raise param_invalid(key, f"value must be a str, got {type(raw).__name__}")
+        known = _KNOWN_KEYS.get(key)
+        if known is None:
+            if key.startswith("aio."):
+                raise param_invalid(key, f"unknown aio option; known: {', '.join(_AIO_KEYS)}")
+            continue
+        field_name, parse = known
+        value = parse(key, raw)
+        if field_name is None:
+            continue
+        if field_name in values and values[field_name] != value:
+            raise param_invalid(key, f"disagrees with {source[field_name]} ({options[source[field_name]]!r})")
+        values[field_name] = value
+        source[field_name] = key
+    return Settings(**values, raw=dict(options))

@@ -1,0 +1,240 @@
+"""LLMDataDist: one endpoint of a disaggregated serving cluster.
+
+Owns the runtime (engines, caches) between ``init`` and ``finalize``, and the
+links to peers. Several instances may live in one process, each with its own
+listener, links and caches (cache ids count from 1 per instance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from aio_datadist.config import Settings, parse_listen, parse_options
+from aio_datadist.links import LinkTable
+from aio_datadist.manager import KvCacheManager
+from aio_datadist.runtime import Runtime
+from aio_datadist.status import LLMException, LLMStatusCode, check_instance, check_int, check_uint, param_invalid
+from aio_datadist.types import LLMClusterInfo, LLMRole
+
+__all__ = ["LLMDataDist"]
+
+MAX_CLUSTERS_PER_CALL = 16
+
+
+class LLMDataDist:
+    """A PROMPT, DECODER or MIX endpoint that moves KV caches to and from peers.
+
+    :param role: the :class:`LLMRole` of this endpoint.
+    :param cluster_id: a uint64 unique among the peers that link to each other.
+    :raises LLMException: ``LLM_PARAM_INVALID`` for a bad role or cluster id.
+
+    Use it as ``async with LLMDataDist(role, cluster_id) as dd: await dd.init(opts)``
+    or call :meth:`init` and :meth:`finalize` yourself.
+    """
+
+    def __init__(self, role: LLMRole, cluster_id: int) -> None:
+        if not isinstance(role, LLMRole):
+            raise param_invalid("role", f"expected LLMRole, got {type(role).__name__}")
+        self._role = role
+        self._cluster_id = check_uint("cluster_id", cluster_id)
+        self._runtime: Runtime | None = None
+        self._settings: Settings | None = None
+        self._links: LinkTable | None = None
+        self._finalized = False
+        self._manager = KvCacheManager(self)
+
+    # -- properties --------------------------------------------------------
+
+    @property
+    def cluster_id(self) -> int:
+        """This endpoint's cluster id."""
+        return self._cluster_id
+
+    @property
+    def role(self) -> LLMRole:
+        """This endpoint's current role."""
+        return self._role
+
+    @property
+    def kv_cache_manager(self) -> KvCacheManager:
+        """The :class:`KvCacheManager` of this endpoint."""
+        return self._manager
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """``(ip, port)`` actually listened on (port 0 resolved), or None."""
+        return None if self._links is None else self._links.listen_address
+
+    def _require_runtime(self) -> Runtime:
+        if self._runtime is None:
+            if self._finalized:
+                raise LLMException("LLMDataDist was finalized", status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
+            raise LLMException("LLMDataDist is not initialized; await init(options) first",
+                               status_code=LLMStatusCode.LLM_FAILED)
+        return self._runtime
+
+    def _require_links(self) -> LinkTable:
+        self._require_runtime()
+        assert self._links is not None
+        return self._links
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def init(self, options: Mapping[str, str]) -> None:
+        """Start the engines and, when ``llm.listenIpInfo`` is set, listen.
+
+        :param options: the dict from :meth:`LLMConfig.generate_options`.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for a bad option,
+            ``LLM_FEATURE_NOT_ENABLED`` for an unsupported device or transport,
+            ``LLM_LINK_FAILED`` if the listen address cannot be bound.
+        A second ``init`` is a no-op.
+        """
+        if self._runtime is not None:
+            return
+        if self._finalized:
+            raise LLMException("LLMDataDist was finalized; create a new one",
+                               status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
+        settings = parse_options(options)
+        if settings.transport == "nixl":
+            raise LLMException("option 'aio.Transport': the nixl transport is not part of this build",
+                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        runtime = Runtime(settings)
+        links = LinkTable(self, runtime)
+        try:
+            if settings.listen is not None:
+                await links.listen(*settings.listen)
+        except BaseException:
+            await links.close()
+            runtime.close()
+            raise
+        self._settings = settings
+        self._runtime = runtime
+        self._links = links
+
+    async def finalize(self) -> None:
+        """Unlink every peer, fail pending work, free every cache. Idempotent."""
+        runtime, links = self._runtime, self._links
+        if runtime is None:
+            return
+        self._runtime = None
+        self._links = None
+        self._finalized = True
+        try:
+            if links is not None:
+                await asyncio.shield(links.close())
+        finally:
+            runtime.close()
+
+    async def __aenter__(self) -> LLMDataDist:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.finalize()
+
+    # -- links -------------------------------------------------------------
+
+    def _check_clusters(self, clusters: Any) -> list[LLMClusterInfo]:
+        if not isinstance(clusters, (list, tuple)):
+            raise param_invalid("clusters", f"expected a list of LLMClusterInfo, got {type(clusters).__name__}")
+        if len(clusters) > MAX_CLUSTERS_PER_CALL:
+            raise LLMException(f"invalid argument 'clusters': at most {MAX_CLUSTERS_PER_CALL} per call, "
+                               f"got {len(clusters)}", status_code=LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT)
+        for i, c in enumerate(clusters):
+            check_instance(f"clusters[{i}]", c, LLMClusterInfo)
+            if c.remote_cluster_id is None:
+                raise param_invalid(f"clusters[{i}]", "remote_cluster_id is not set")
+        return list(clusters)
+
+    async def link_clusters(self, clusters: Sequence[LLMClusterInfo],
+                            timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Link to the listening peers described by ``clusters`` (at most 16).
+
+        Each cluster needs ``remote_cluster_id`` and one remote ip:port. A
+        link, once made, is usable from both ends.
+
+        :returns: ``(overall, [status per cluster])``; failures are reported
+            there (``LLM_LINK_FAILED``, ``LLM_ALREADY_LINK``, ``LLM_TIMEOUT``),
+            not raised.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for malformed arguments,
+            ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for more than 16 clusters.
+        """
+        links = self._require_links()
+        clusters = self._check_clusters(clusters)
+        timeout = check_int("timeout", timeout, lo=1, hi=2**31 - 1)
+        for i, c in enumerate(clusters):
+            if len(c.remote_endpoints) != 1:
+                raise param_invalid(f"clusters[{i}]", "exactly one remote ip:port is needed")
+        results = await asyncio.gather(*(links.connect(c, timeout) for c in clusters))
+        return _overall(results), list(results)
+
+    async def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000,
+                              force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Tear links down. Non-forced tells the peer, which closes its end too;
+        ``force=True`` closes only this end (use it after failures).
+
+        :returns: ``(overall, [status per cluster])``; ``LLM_NOT_YET_LINK`` for
+            a cluster that is not linked.
+        """
+        links = self._require_links()
+        clusters = self._check_clusters(clusters)
+        timeout = check_int("timeout", timeout, lo=1, hi=2**31 - 1)
+        if not isinstance(force, bool):
+            raise param_invalid("force", f"expected bool, got {type(force).__name__}")
+        results = await asyncio.gather(*(links.disconnect(c.remote_cluster_id, timeout, force)
+                                         for c in clusters))
+        return _overall(results), list(results)
+
+    async def check_link_status(self, remote_cluster_id: int) -> None:
+        """Round-trip a probe over the link to ``remote_cluster_id``.
+
+        :raises LLMException: ``LLM_NOT_YET_LINK`` if not linked,
+            ``LLM_LINK_FAILED`` if broken, ``LLM_TIMEOUT`` after
+            ``sync_kv_timeout`` without an answer.
+        """
+        links = self._require_links()
+        cluster = check_uint("remote_cluster_id", remote_cluster_id)
+        await links.probe(cluster, self._require_runtime().default_timeout_ms())
+
+    async def switch_role(self, role: LLMRole, switch_options: Mapping[str, str] | None = None) -> None:
+        """Change role; with ``llm.listenIpInfo`` in ``switch_options`` listen
+        there (moving the listener), without it stop listening.
+
+        :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` unless
+            ``enable_switch_role`` was set; ``LLM_EXIST_LINK`` while links
+            exist; ``LLM_PARAM_INVALID`` for a bad role, the current role, or
+            bad options.
+        """
+        links = self._require_links()
+        assert self._settings is not None
+        if not self._settings.enable_switch_role:
+            raise LLMException("switch_role needs LLMConfig.enable_switch_role = True",
+                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        if not isinstance(role, LLMRole):
+            raise param_invalid("role", f"expected LLMRole, got {type(role).__name__}")
+        if role == self._role:
+            raise param_invalid("role", f"already {role.name}")
+        listen = None
+        if switch_options is not None:
+            if not isinstance(switch_options, Mapping):
+                raise param_invalid("switch_options", f"expected a dict, got {type(switch_options).__name__}")
+            for key in switch_options:
+                if key != "llm.listenIpInfo":
+                    raise param_invalid("switch_options", f"unsupported option {key!r} (only llm.listenIpInfo)")
+            if "llm.listenIpInfo" in switch_options:
+                listen = parse_listen(switch_options["llm.listenIpInfo"])
+        if links.count():
+            raise LLMException(f"switch_role: {links.count()} link(s) still exist; unlink them first",
+                               status_code=LLMStatusCode.LLM_EXIST_LINK)
+        await links.stop_listening()
+        if listen is not None:
+            await links.listen(*listen)
+        self._role = role
+
+
+def _overall(results: list[LLMStatusCode]) -> LLMStatusCode:
+    for code in results:
+        if code != LLMStatusCode.LLM_SUCCESS:
+            return code
+    return LLMStatusCode.LLM_SUCCESS

@@ -1,0 +1,591 @@
+"""Links between LLMDataDist endpoints: handshake, control messages, data channels.
+
+A link is one control connection (asyncio streams, framed messages) plus
+``2 * aio.DataChannels`` data connections that carry bulk bytes only. The
+client (the side that called ``link_clusters``) dials all of them. Data
+channels ``[0, N)`` carry requests the client makes, ``[N, 2N)`` requests the
+server makes, so the two ends never contend for a channel. The bytes on a data
+channel are moved by the core's :class:`~aio_datadist._core.SocketEngine`
+straight from and into cache memory. A transfer that stops part-way leaves its
+channel's byte stream out of step, so that channel is closed on both ends and
+the client dials it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from aio_datadist import wire
+from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.transfers import handle_request
+from aio_datadist.types import LLMClusterInfo, LLMRole
+from aio_datadist.wire import Msg, ProtocolError
+
+if TYPE_CHECKING:
+    from aio_datadist.datadist import LLMDataDist
+    from aio_datadist.runtime import Runtime
+
+__all__ = ["Link", "LinkTable"]
+
+log = logging.getLogger("aio_datadist.links")
+
+HANDSHAKE_LIMIT_S = 10.0
+ZERO32 = bytes(32)
+SUCCESS = LLMStatusCode.LLM_SUCCESS
+
+
+def layout_hash(runtime: Runtime) -> bytes:
+    """Hash of the per-block layouts of this endpoint's blocks caches.
+
+    Peers serving the same model register blocks caches of the same tensor
+    count, dtype and block shape; a mismatch fails the link early.
+    """
+    shapes = sorted({(c.cache_desc.num_tensors, c.cache_desc.data_type.value, c.cache_desc.shape[1:])
+                     for c in runtime.registry.caches() if c.is_blocks_cache})
+    if not shapes:
+        return ZERO32
+    return hashlib.sha256(repr(shapes).encode()).digest()
+
+
+def _proof(secret: bytes | None, label: bytes, *parts: bytes) -> bytes:
+    if secret is None:
+        return ZERO32
+    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _Channel:
+    __slots__ = ("index", "sock", "generation")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.sock: socket.socket | None = None
+        self.generation = 0
+
+
+class Link:
+    """One established link to a peer endpoint."""
+
+    def __init__(self, table: LinkTable, remote_cluster_id: int, remote_role: LLMRole,
+                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, is_client: bool,
+                 channels: int, token: bytes, remote_address: tuple[str, int]) -> None:
+        self.table = table
+        self.runtime = table.runtime
+        self.remote_cluster_id = remote_cluster_id
+        self.remote_role = remote_role
+        self.reader = reader
+        self.writer = writer
+        self.is_client = is_client
+        self.token = token
+        self.remote_address = remote_address
+        self.nchannels = channels
+        self.channels = [_Channel(i) for i in range(2 * channels)]
+        self.own = range(0, channels) if is_client else range(channels, 2 * channels)
+        self.free: asyncio.Queue[int] = asyncio.Queue()
+        self.pending: dict[int, asyncio.Future] = {}
+        self.serving: dict[int, Any] = {}
+        self.broken: LLMException | None = None
+        self.closed = False
+        self._next_req = 1 if is_client else 2
+        self._reader_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.on_request: Callable[[Link, Msg, int, dict], None] | None = None
+
+    # -- ids, channels -----------------------------------------------------
+
+    def new_req_id(self) -> int:
+        rid = self._next_req
+        self._next_req += 2
+        return rid
+
+    def is_mine(self, req_id: int) -> bool:
+        return (req_id % 2 == 1) == self.is_client
+
+    def peer_channel_ok(self, index: int) -> bool:
+        return index < 2 * self.nchannels and index not in self.own and self.channels[index].sock is not None
+
+    def install(self, index: int, sock: socket.socket, generation: int) -> None:
+        ch = self.channels[index]
+        self._drop_socket(ch)
+        ch.sock = sock
+        ch.generation = generation
+        if index in self.own:
+            self.free.put_nowait(index)
+
+    def _drop_socket(self, ch: _Channel) -> None:
+        if ch.sock is not None:
+            self.runtime.sockets.detach(ch.sock.fileno())
+            ch.sock.close()
+            ch.sock = None
+
+    async def acquire(self) -> int:
+        """A free channel of ours; waits while all are busy or being redialled."""
+        while True:
+            self.check()
+            index = await self.free.get()
+            if self.channels[index].sock is not None:
+                return index
+
+    def release(self, index: int) -> None:
+        if self.channels[index].sock is not None and not self.closed:
+            self.free.put_nowait(index)
+
+    def reset_channel(self, index: int, tell_peer: bool) -> None:
+        """Close a channel whose byte stream is out of step; the client redials it."""
+        ch = self.channels[index]
+        generation = ch.generation
+        self._drop_socket(ch)
+        if self.closed:
+            return
+        if tell_peer:
+            self.send(Msg.ABORT, 0, channel=index, generation=generation)
+        if self.is_client:
+            self.spawn(self._redial(index, generation + 1))
+
+    async def _redial(self, index: int, generation: int) -> None:
+        try:
+            sock = await self.table.dial_data(self.remote_address, self.token, index, generation)
+        except (OSError, LLMException, asyncio.TimeoutError) as exc:
+            self.fail(LLMException(f"could not redial data channel {index}: {exc}",
+                                   status_code=LLMStatusCode.LLM_LINK_FAILED))
+            return
+        if self.closed:
+            sock.close()
+            return
+        self.install(index, sock, generation)
+
+    def channel_fd(self, index: int) -> int:
+        sock = self.channels[index].sock
+        if sock is None:
+            raise LLMException(f"data channel {index} to cluster {self.remote_cluster_id} is down",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+        return sock.fileno()
+
+    # -- messages ----------------------------------------------------------
+
+    def check(self) -> None:
+        if self.broken is not None:
+            raise LLMException(f"link to cluster {self.remote_cluster_id} is broken: {self.broken}",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+        if self.closed:
+            raise LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
+                               status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+
+    def send(self, msg: Msg, req_id: int, **fields: Any) -> None:
+        if self.closed or self.writer.is_closing():
+            return
+        self.writer.write(wire.encode(msg, req_id, **fields))
+
+    def expect(self, req_id: int) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[req_id] = fut
+        return fut
+
+    def spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def start(self) -> None:
+        self._reader_task = self.spawn(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                header = await self.reader.readexactly(wire.HEADER.size)
+                msg, req_id, length = wire.parse_header(header)
+                body = await self.reader.readexactly(length) if length else b""
+                fields = wire.decode_body(msg, body)
+                self._dispatch(msg, req_id, fields)
+        except asyncio.CancelledError:
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            self.fail(LLMException(f"connection lost ({type(exc).__name__})",
+                                   status_code=LLMStatusCode.LLM_LINK_FAILED))
+        except ProtocolError as exc:
+            log.warning("link to cluster %s: protocol error: %s", self.remote_cluster_id, exc)
+            self.fail(LLMException(f"protocol error: {exc}", status_code=LLMStatusCode.LLM_LINK_FAILED))
+
+    def _dispatch(self, msg: Msg, req_id: int, fields: dict) -> None:
+        if msg in (Msg.PROBE, Msg.PING):
+            if msg is Msg.PROBE:
+                self.send(Msg.PROBE_ACK, req_id)
+            return
+        if msg is Msg.UNLINK:
+            self.send(Msg.UNLINK_ACK, req_id)
+            self.table.forget(self)
+            self.spawn(self.close())
+            return
+        if msg is Msg.ABORT:
+            index = fields["channel"]
+            if index < len(self.channels) and self.channels[index].generation == fields["generation"]:
+                serving = self.serving.pop(("channel", index), None)
+                if serving is not None:
+                    serving()
+                self.reset_channel(index, tell_peer=False)
+            return
+        if self.is_mine(req_id) and msg in (Msg.RESP, Msg.DONE, Msg.PROBE_ACK, Msg.UNLINK_ACK):
+            fut = self.pending.pop(req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(fields)
+            return
+        if self.on_request is not None:
+            self.on_request(self, msg, req_id, fields)
+
+    def fail(self, exc: LLMException) -> None:
+        """Mark the link broken: every waiter fails now, later calls fail fast."""
+        if self.broken is not None or self.closed:
+            return
+        self.broken = exc
+        log.info("link to cluster %s failed: %s", self.remote_cluster_id, exc)
+        self._teardown(exc)
+
+    def _teardown(self, exc: LLMException) -> None:
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        serving, self.serving = self.serving, {}
+        for cancel in serving.values():
+            cancel()
+        for ch in self.channels:
+            self._drop_socket(ch)
+        self.writer.close()
+        self.free.put_nowait(-1)
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        if self.broken is None:
+            self._teardown(LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
+                                        status_code=LLMStatusCode.LLM_NOT_YET_LINK))
+        self.closed = True
+        current = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not current]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self.writer.wait_closed(), 1.0)
+        except (OSError, asyncio.TimeoutError, ConnectionError):
+            pass
+
+
+class LinkTable:
+    """The links and the listener of one LLMDataDist."""
+
+    def __init__(self, owner: LLMDataDist, runtime: Runtime) -> None:
+        self.owner = owner
+        self.runtime = runtime
+        self.links: dict[int, Link] = {}
+        self.server: asyncio.base_events.Server | None = None
+        self.listen_address: tuple[str, int] | None = None
+        self._handshakes: set[asyncio.Task] = set()
+        self.on_request: Callable[[Link, Msg, int, dict], None] = (
+            lambda link, msg, req_id, fields: handle_request(runtime, link, msg, req_id, fields))
+
+    @property
+    def secret(self) -> bytes | None:
+        return self.runtime.settings.shared_secret
+
+    def count(self) -> int:
+        return sum(1 for link in self.links.values() if not link.closed)
+
+    def get(self, cluster_id: int) -> Link:
+        """The usable link to ``cluster_id`` or the documented error."""
+        link = self.links.get(cluster_id)
+        if link is None or link.closed:
+            raise LLMException(f"cluster {cluster_id} is not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+        link.check()
+        return link
+
+    def forget(self, link: Link) -> None:
+        if self.links.get(link.remote_cluster_id) is link:
+            del self.links[link.remote_cluster_id]
+
+    def _register(self, link: Link) -> None:
+        link.on_request = self.on_request
+        self.links[link.remote_cluster_id] = link
+        link.start()
+
+    # -- listening ---------------------------------------------------------
+
+    async def listen(self, ip: str, port: int) -> None:
+        try:
+            self.server = await asyncio.start_server(self._accept, ip, port, reuse_address=True)
+        except OSError as exc:
+            raise LLMException(f"option 'llm.listenIpInfo': cannot listen on {ip}:{port}: {exc}",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED) from exc
+        sockname = self.server.sockets[0].getsockname()
+        self.listen_address = (sockname[0], sockname[1])
+
+    async def stop_listening(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+            self.server = None
+            self.listen_address = None
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handshakes.add(task)
+        keep = False
+        try:
+            async with asyncio.timeout(HANDSHAKE_LIMIT_S):
+                magic = await reader.readexactly(4)
+                if magic == wire.ATTACH_MAGIC:
+                    keep = await self._accept_data(magic, reader, writer)
+                else:
+                    keep = await self._accept_control(magic, reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, ProtocolError, TimeoutError) as exc:
+            log.debug("dropped an incoming connection: %r", exc)
+        finally:
+            self._handshakes.discard(task)
+            if not keep:
+                writer.close()
+
+    async def _accept_control(self, magic: bytes, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> bool:
+        msg, req_id, length = wire.parse_header(magic + await reader.readexactly(wire.HEADER.size - 4))
+        if msg is not Msg.HELLO:
+            raise ProtocolError(f"expected HELLO, got {msg.name}")
+        hello = wire.decode_body(msg, await reader.readexactly(length))
+        remote_id = hello["cluster_id"]
+        try:
+            remote_role = LLMRole(hello["role"])
+        except ValueError:
+            raise ProtocolError("bad role") from None
+        nonce = os.urandom(wire.NONCE_BYTES)
+        me = self.owner.cluster_id.to_bytes(8, "big") + remote_id.to_bytes(8, "big")
+        status = SUCCESS
+        text = ""
+        existing = self.links.get(remote_id)
+        if remote_id == self.owner.cluster_id:
+            status, text = LLMStatusCode.LLM_LINK_FAILED, "peer uses this endpoint's own cluster id"
+        elif existing is not None and existing.broken is None and not existing.closed:
+            status, text = LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
+        proof = _proof(self.secret, b"server", hello["nonce"], nonce, me)
+        writer.write(wire.encode(Msg.HELLO_ACK, req_id, status=status, cluster_id=self.owner.cluster_id,
+                                 role=self.owner.role, nonce=nonce, proof=proof, text=text))
+        if status != SUCCESS:
+            await writer.drain()
+            return False
+        msg, req_id, length = wire.parse_header(await reader.readexactly(wire.HEADER.size))
+        if msg is not Msg.AUTH:
+            raise ProtocolError(f"expected AUTH, got {msg.name}")
+        auth = wire.decode_body(msg, await reader.readexactly(length))
+        expected = _proof(self.secret, b"client", nonce, hello["nonce"], me)
+        if not hmac.compare_digest(auth["proof"], expected):
+            log.warning("refused a link from cluster %s: authentication failed", remote_id)
+            writer.write(wire.encode(Msg.LINK_OK, req_id, status=LLMStatusCode.LLM_LINK_FAILED,
+                                     link_token=ZERO32, channels=0, text="authentication failed"))
+            await writer.drain()
+            return False
+        mine, theirs = layout_hash(self.runtime), auth["layout_hash"]
+        if mine != ZERO32 and theirs != ZERO32 and mine != theirs:
+            text = ("blocks caches are incompatible (tensor count, dtype or block shape differ "
+                    "between the two endpoints)")
+            log.warning("refused a link from cluster %s: %s", remote_id, text)
+            writer.write(wire.encode(Msg.LINK_OK, req_id, status=LLMStatusCode.LLM_LINK_FAILED,
+                                     link_token=ZERO32, channels=0, text=text))
+            await writer.drain()
+            return False
+        token = os.urandom(32)
+        channels = self.runtime.settings.data_channels
+        if existing is not None:
+            await existing.close()
+            self.forget(existing)
+        _tune(writer.get_extra_info("socket"))
+        peer = writer.get_extra_info("peername")
+        link = Link(self, remote_id, remote_role, reader, writer, is_client=False, channels=channels,
+                    token=token, remote_address=(peer[0], peer[1]))
+        self._register(link)
+        writer.write(wire.encode(Msg.LINK_OK, req_id, status=SUCCESS, link_token=token,
+                                 channels=channels, text=""))
+        return True
+
+    async def _accept_data(self, magic: bytes, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> bool:
+        raw = magic + await reader.readexactly(wire.ATTACH.size - 4)
+        _, version, token, index, generation = wire.ATTACH.unpack(raw)
+        link = next((lk for lk in self.links.values()
+                     if not lk.closed and lk.broken is None and hmac.compare_digest(lk.token, token)), None)
+        if version != wire.VERSION or link is None or index >= 2 * link.nchannels:
+            writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
+            await writer.drain()
+            return False
+        sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
+        sock.setblocking(False)
+        _tune(sock)
+        writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, SUCCESS))
+        await writer.drain()
+        link.install(index, sock, generation)
+        writer.transport.abort()
+        return True
+
+    # -- dialling ----------------------------------------------------------
+
+    async def dial_data(self, address: tuple[str, int], token: bytes, index: int,
+                        generation: int) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            _tune(sock)
+            async with asyncio.timeout(HANDSHAKE_LIMIT_S):
+                await loop.sock_connect(sock, address)
+                await loop.sock_sendall(sock, wire.ATTACH.pack(wire.ATTACH_MAGIC, wire.VERSION, token,
+                                                               index, generation))
+                reply = b""
+                while len(reply) < wire.ATTACH_OK.size:
+                    chunk = await loop.sock_recv(sock, wire.ATTACH_OK.size - len(reply))
+                    if not chunk:
+                        raise ConnectionError("peer closed the data connection")
+                    reply += chunk
+            magic, status = wire.ATTACH_OK.unpack(reply)
+            if magic != wire.ATTACH_MAGIC or status != SUCCESS:
+                raise LLMException(f"peer refused data channel {index}", status_code=LLMStatusCode.LLM_LINK_FAILED)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    async def connect(self, cluster: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
+        """Link to one listening peer; returns a status, never raises for link failures."""
+        remote_id = cluster.remote_cluster_id
+        address = cluster.remote_endpoints[0]
+        existing = self.links.get(remote_id)
+        if existing is not None and existing.broken is None and not existing.closed:
+            return LLMStatusCode.LLM_ALREADY_LINK
+        if remote_id == self.owner.cluster_id:
+            log.warning("link_clusters: cluster %s is this endpoint itself", remote_id)
+            return LLMStatusCode.LLM_LINK_FAILED
+        writer = None
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                return await self._handshake(remote_id, address, existing)
+        except TimeoutError:
+            log.warning("link to cluster %s at %s:%s timed out after %s ms", remote_id, *address, timeout_ms)
+            return LLMStatusCode.LLM_TIMEOUT
+        except (OSError, ConnectionError, asyncio.IncompleteReadError, ProtocolError) as exc:
+            log.warning("link to cluster %s at %s:%s failed: %s", remote_id, *address, exc)
+            return LLMStatusCode.LLM_LINK_FAILED
+        except LLMException as exc:
+            log.warning("link to cluster %s at %s:%s failed: %s", remote_id, *address, exc)
+            return exc.status_code
+        finally:
+            if writer is not None:
+                writer.close()
+
+    async def _handshake(self, remote_id: int, address: tuple[str, int], existing: Link | None) -> LLMStatusCode:
+        reader, writer = await asyncio.open_connection(*address)
+        link: Link | None = None
+        sockets: list[socket.socket] = []
+        try:
+            _tune(writer.get_extra_info("socket"))
+            nonce = os.urandom(wire.NONCE_BYTES)
+            writer.write(wire.encode(Msg.HELLO, 0, cluster_id=self.owner.cluster_id,
+                                     role=self.owner.role, nonce=nonce))
+            ack = await _read_expected(reader, Msg.HELLO_ACK)
+            if ack["status"] != SUCCESS:
+                raise LLMException(f"peer refused: {ack['text']}", status_code=_known(ack["status"]))
+            if ack["cluster_id"] != remote_id:
+                raise LLMException(f"peer at {address[0]}:{address[1]} is cluster {ack['cluster_id']}, "
+                                   f"not {remote_id}", status_code=LLMStatusCode.LLM_LINK_FAILED)
+            ids = remote_id.to_bytes(8, "big") + self.owner.cluster_id.to_bytes(8, "big")
+            if not hmac.compare_digest(ack["proof"], _proof(self.secret, b"server", nonce, ack["nonce"], ids)):
+                raise LLMException("peer failed authentication (shared secret differs)",
+                                   status_code=LLMStatusCode.LLM_LINK_FAILED)
+            writer.write(wire.encode(Msg.AUTH, 0, proof=_proof(self.secret, b"client", ack["nonce"], nonce, ids),
+                                     layout_hash=layout_hash(self.runtime)))
+            ok = await _read_expected(reader, Msg.LINK_OK)
+            if ok["status"] != SUCCESS:
+                raise LLMException(f"peer refused: {ok['text']}", status_code=_known(ok["status"]))
+            channels = ok["channels"]
+            if not 1 <= channels <= 16:
+                raise ProtocolError(f"bad channel count {channels}")
+            for index in range(2 * channels):
+                sockets.append(await self.dial_data(address, ok["link_token"], index, 0))
+            if existing is not None:
+                await existing.close()
+                self.forget(existing)
+            link = Link(self, remote_id, LLMRole(ack["role"]), reader, writer, is_client=True,
+                        channels=channels, token=ok["link_token"], remote_address=address)
+            for index, sock in enumerate(sockets):
+                link.install(index, sock, 0)
+            self._register(link)
+            return SUCCESS
+        except BaseException:
+            if link is None:
+                for sock in sockets:
+                    sock.close()
+                writer.close()
+            raise
+
+    async def disconnect(self, remote_id: int, timeout_ms: int, force: bool) -> LLMStatusCode:
+        link = self.links.get(remote_id)
+        if link is None:
+            return LLMStatusCode.LLM_NOT_YET_LINK
+        self.forget(link)
+        status = SUCCESS
+        if not force and link.broken is None:
+            req_id = link.new_req_id()
+            fut = link.expect(req_id)
+            link.send(Msg.UNLINK, req_id)
+            try:
+                async with asyncio.timeout(timeout_ms / 1000):
+                    await fut
+            except (TimeoutError, LLMException):
+                status = LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
+        await link.close()
+        return status
+
+    async def probe(self, remote_id: int, timeout_ms: int) -> None:
+        link = self.get(remote_id)
+        req_id = link.new_req_id()
+        fut = link.expect(req_id)
+        link.send(Msg.PROBE, req_id)
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                await fut
+        except TimeoutError:
+            link.pending.pop(req_id, None)
+            raise LLMException(f"link to cluster {remote_id}: no answer within {timeout_ms} ms",
+                               status_code=LLMStatusCode.LLM_TIMEOUT) from None
+
+    async def close(self) -> None:
+        await self.stop_listening()
+        for task in list(self._handshakes):
+            task.cancel()
+        links = list(self.links.values())
+        self.links.clear()
+        for link in links:
+            if link.broken is None:
+                link.send(Msg.UNLINK, link.new_req_id())
+        await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+
+
+async def _read_expected(reader: asyncio.StreamReader, expected: Msg) -> dict:
+    msg, _req_id, length = wire.parse_header(await reader.readexactly(wire.HEADER.size))
+    if msg is not expected:
+        raise ProtocolError(f"expected {expected.name}, got {msg.name}")
+    return wire.decode_body(msg, await reader.readexactly(length))
+
+
+def _known(code: int) -> LLMStatusCode:
+    try:
+        return LLMStatusCode(code)
+    except ValueError:
+        return LLMStatusCode.LLM_FAILED

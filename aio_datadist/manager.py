@@ -1,0 +1,467 @@
+"""KvCacheManager: cache allocation, registration, keys and local copies.
+
+Transfers between processes are added by the link layer; this module holds
+everything that needs no peer. Every call validates all of its arguments
+before any memory is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aio_datadist.cache import (
+    KvCache,
+    allocate_host_tensors,
+    check_user_tensors,
+    copy_triples,
+)
+from aio_datadist.status import (
+    LLMException,
+    LLMStatusCode,
+    check_index,
+    check_indices,
+    check_instance,
+    check_int,
+    param_invalid,
+)
+from aio_datadist.transfers import (
+    F_BLOCKS,
+    F_CONTIG,
+    F_EXACT,
+    build_plan,
+    layer_pair,
+    run_pull,
+    run_push,
+    target_fields,
+)
+from aio_datadist.types import (
+    UINT64_MAX,
+    BlocksCacheKey,
+    CacheDesc,
+    CacheIndex,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    KvCacheExtParam,
+    LLMRole,
+    Placement,
+)
+
+if TYPE_CHECKING:
+    from aio_datadist.datadist import LLMDataDist
+    from aio_datadist.runtime import Runtime
+
+__all__ = ["KvCacheManager"]
+
+
+class KvCacheManager:
+    """Caches of one :class:`~aio_datadist.LLMDataDist` and the work on them.
+
+    Obtain it from ``LLMDataDist.kv_cache_manager``. Plain methods do local
+    bookkeeping; coroutine methods wait for copies or peers and accept
+    ``timeout=`` in milliseconds (default: ``LLMConfig.sync_kv_timeout``).
+    """
+
+    def __init__(self, owner: LLMDataDist) -> None:
+        self._owner = owner
+
+    # -- state -----------------------------------------------------------
+
+    def is_initialized(self) -> bool:
+        """Whether the owning LLMDataDist is initialised (False after finalize)."""
+        return self._owner._runtime is not None
+
+    def _rt(self) -> Runtime:
+        return self._owner._require_runtime()
+
+    def _timeout(self, timeout: Any) -> int:
+        if timeout is None:
+            return self._rt().default_timeout_ms()
+        return check_int("timeout", timeout, lo=1, hi=2**31 - 1)
+
+    def _require_role(self, call: str, *roles: LLMRole) -> None:
+        role = self._owner.role
+        if role not in roles:
+            allowed = " or ".join(r.name for r in roles)
+            raise param_invalid("role", f"{call} needs role {allowed}, this LLMDataDist is {role.name}")
+
+    # -- allocation and registration --------------------------------------
+
+    def _check_desc(self, cache_desc: Any) -> CacheDesc:
+        check_instance("cache_desc", cache_desc, CacheDesc)
+        cache_desc.data_type.torch_dtype  # DT_STRING has no tensor form
+        return cache_desc
+
+    def _device_for(self, desc: CacheDesc) -> torch.device:
+        return torch.device("cpu") if desc.placement == Placement.HOST else self._rt().device
+
+    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> KvCache:
+        """Allocate a contiguous cache; key ``i`` names batch row ``i``.
+
+        :param cache_desc: the cache's shape, dtype, tensor count and placement.
+        :param cache_keys: keys peers may pull rows by (placeholders skipped).
+        :returns: the new :class:`KvCache`, with the next cache id.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for a bad desc or key (more
+            keys than rows, duplicates, keys already bound);
+            ``LLM_OUT_OF_MEMORY`` past the registered-memory cap.
+        """
+        rt = self._rt()
+        desc = self._check_desc(cache_desc)
+        keys = rt.registry.check_keys(desc, cache_keys)
+        return self._allocate(desc, keys, None, is_blocks=False)
+
+    def allocate_blocks_cache(self, cache_desc: CacheDesc,
+                              blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
+        """Allocate a PagedAttention blocks cache (``shape[0]`` = number of blocks).
+
+        :param blocks_cache_key: the key peers address the cache by, if any.
+        :raises LLMException: as :meth:`allocate_cache`.
+        """
+        rt = self._rt()
+        desc = self._check_desc(cache_desc)
+        key = rt.registry.check_blocks_key(blocks_cache_key)
+        return self._allocate(desc, [], key, is_blocks=True)
+
+    def _allocate(self, desc: CacheDesc, keys: list, blocks_key: BlocksCacheKey | None,
+                  *, is_blocks: bool) -> KvCache:
+        rt = self._rt()
+        nbytes = desc.size * desc.num_tensors
+        rt.registry.reserve(nbytes)
+        try:
+            region, tensors = allocate_host_tensors(desc)
+        except OSError as exc:
+            raise LLMException(f"allocating {nbytes} bytes failed: {exc}",
+                               status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
+        return rt.registry.add(
+            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=is_blocks, owned=True, region=region),
+            nbytes, keys, blocks_key)
+
+    def register_cache(self, cache_desc: CacheDesc, tensors_or_addrs: Sequence[Any],
+                       cache_keys: Sequence[CacheKey] = ()) -> KvCache:
+        """Register framework-owned memory as a contiguous cache.
+
+        :param tensors_or_addrs: one contiguous tensor per cache tensor (dtype,
+            shape and device as the desc says), or host addresses.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for mismatched tensors,
+            overlapping memory or bad keys; ``LLM_OUT_OF_MEMORY`` past the cap.
+        """
+        rt = self._rt()
+        desc = self._check_desc(cache_desc)
+        tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
+        keys = rt.registry.check_keys(desc, cache_keys)
+        return rt.registry.add(
+            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=False, owned=False),
+            desc.size * desc.num_tensors, keys, None)
+
+    def register_blocks_cache(self, cache_desc: CacheDesc, tensors_or_addrs: Sequence[Any],
+                              blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
+        """Register framework-owned memory as a blocks cache (see :meth:`register_cache`)."""
+        rt = self._rt()
+        desc = self._check_desc(cache_desc)
+        tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
+        key = rt.registry.check_blocks_key(blocks_cache_key)
+        return rt.registry.add(
+            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=True, owned=False),
+            desc.size * desc.num_tensors, [], key)
+
+    def deallocate_cache(self, cache: KvCache) -> None:
+        """Release the cache's id reference.
+
+        An allocated cache's memory goes once no key refers to it any more
+        (keys go by a peer's pull or :meth:`remove_cache_key`); a registered
+        cache is unregistered at once and its memory stays the caller's.
+
+        :raises LLMException: ``LLM_KV_CACHE_NOT_EXIST`` if already deallocated.
+        """
+        self._rt().registry.deallocate(cache)
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        """Stop offering a row under ``cache_key`` (PROMPT or MIX). No-op if unbound."""
+        rt = self._rt()
+        self._require_role("remove_cache_key", LLMRole.PROMPT, LLMRole.MIX)
+        check_instance("cache_key", cache_key, CacheKey)
+        rt.registry.remove_key(cache_key)
+
+    def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[torch.Tensor]:
+        """Torch views of tensor ``tensor_index``, one per device (one here)."""
+        self._rt()
+        cache = self._live(cache, "cache")
+        index = check_index("tensor_index", tensor_index, cache.cache_desc.num_tensors)
+        return [cache.tensors[index]]
+
+    def _live(self, cache: Any, arg: str) -> KvCache:
+        check_instance(arg, cache, KvCache)
+        if cache.cache_id == -1:
+            return cache
+        return self._rt().registry.get(cache, arg)
+
+    # -- local copies ------------------------------------------------------
+
+    async def copy_cache(self, dst: KvCache, src: KvCache, dst_batch_index: int = 0,
+                         src_batch_index: int = 0, offset: int = 0, size: int = -1, *,
+                         timeout: int | None = None) -> None:
+        """Copy one batch row of every tensor from ``src`` to ``dst``.
+
+        :param offset: byte offset inside the row (both sides).
+        :param size: bytes per tensor; -1 copies the rest of the row.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for blocks caches,
+            mismatched descs or out-of-range rows/bytes; ``LLM_TIMEOUT``.
+        """
+        dst = self._live(dst, "dst")
+        src = self._live(src, "src")
+        for arg, cache in (("dst", dst), ("src", src)):
+            if cache.is_blocks_cache:
+                raise param_invalid(arg, "copy_cache needs a contiguous cache, got a blocks cache (use copy_blocks)")
+        _check_same_rows("src", dst, src)
+        dl, sl = dst.layout, src.layout
+        drow = check_index("dst_batch_index", dst_batch_index, dl.rows, what="batch index")
+        srow = check_index("src_batch_index", src_batch_index, sl.rows, what="batch index")
+        offset = check_int("offset", offset, lo=0, hi=dl.row_bytes - 1)
+        size = check_int("size", size, lo=-1)
+        nbytes = dl.row_bytes - offset if size == -1 else size
+        if size == 0 or nbytes > dl.row_bytes - offset:
+            raise param_invalid("size", f"must be -1 or in [1, {dl.row_bytes - offset}] (row bytes minus offset), got {size}")
+        if dst is src and drow == srow:
+            raise param_invalid("dst_batch_index", "source and destination are the same row")
+        triples = copy_triples(dl, 0, [drow], offset, sl, 0, [srow], offset, dl.num_tensors, nbytes)
+        await self._run_copy(triples, (dst, src), "copy_cache", timeout)
+
+    async def copy_blocks(self, cache: KvCache, copy_block_info: Mapping[int, Sequence[int]], *,
+                          timeout: int | None = None) -> None:
+        """Copy blocks inside one blocks cache: ``{src_block: [dst_block, ...]}``.
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` for a non-blocks cache,
+            out-of-range blocks, a destination named twice or a destination
+            that is also a source; ``LLM_TIMEOUT``.
+        """
+        cache = self._live(cache, "cache")
+        if not cache.is_blocks_cache:
+            raise param_invalid("cache", "copy_blocks needs a blocks cache")
+        if not isinstance(copy_block_info, Mapping) or not copy_block_info:
+            raise param_invalid("copy_block_info", "expected a non-empty dict {src_block: [dst_blocks]}")
+        rows = cache.layout.rows
+        srcs: list[int] = []
+        dsts: list[int] = []
+        for src_block, dst_blocks in copy_block_info.items():
+            s = check_index("copy_block_info", src_block, rows, what="source block")
+            if isinstance(dst_blocks, int) or not isinstance(dst_blocks, Sequence) or not dst_blocks:
+                raise param_invalid("copy_block_info", f"destinations of block {s} must be a non-empty list")
+            for d in dst_blocks:
+                dsts.append(check_index("copy_block_info", d, rows, what="destination block"))
+                srcs.append(s)
+        if len(set(dsts)) != len(dsts):
+            raise param_invalid("copy_block_info", "a destination block is named twice")
+        both = set(dsts) & set(srcs)
+        if both:
+            raise param_invalid("copy_block_info", f"block {min(both)} is both a source and a destination")
+        lay = cache.layout
+        triples = copy_triples(lay, 0, dsts, 0, lay, 0, srcs, 0, lay.num_tensors, lay.row_bytes)
+        await self._run_copy(triples, (cache,), "copy_blocks", timeout)
+
+    async def swap_blocks(self, src: KvCache, dst: KvCache, src_to_dst: Mapping[int, int], *,
+                          timeout: int | None = None) -> None:
+        """Copy blocks between a HOST and a DEVICE blocks cache: ``{src_block: dst_block}``.
+
+        ``src`` or ``dst`` may come from :meth:`KvCache.create_cpu_cache`.
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` for non-blocks caches, equal
+            placements, different block sizes or tensor counts, out-of-range or
+            repeated destination blocks; ``LLM_TIMEOUT``.
+        """
+        src = self._live(src, "src")
+        dst = self._live(dst, "dst")
+        for arg, cache in (("src", src), ("dst", dst)):
+            if not cache.is_blocks_cache:
+                raise param_invalid(arg, "swap_blocks needs blocks caches")
+        if src.cache_desc.placement == dst.cache_desc.placement:
+            raise param_invalid("dst", "swap_blocks moves between HOST and DEVICE; both caches have "
+                                f"placement {src.cache_desc.placement.name}")
+        _check_same_rows("dst", src, dst)
+        if not isinstance(src_to_dst, Mapping) or not src_to_dst:
+            raise param_invalid("src_to_dst", "expected a non-empty dict {src_block: dst_block}")
+        srcs = [check_index("src_to_dst", s, src.layout.rows, what="source block") for s in src_to_dst]
+        dsts = [check_index("src_to_dst", d, dst.layout.rows, what="destination block")
+                for d in src_to_dst.values()]
+        if len(set(dsts)) != len(dsts):
+            raise param_invalid("src_to_dst", "a destination block is named twice")
+        triples = copy_triples(dst.layout, 0, dsts, 0, src.layout, 0, srcs, 0,
+                               dst.layout.num_tensors, dst.layout.row_bytes)
+        await self._run_copy(triples, (src, dst), "swap_blocks", timeout)
+
+    async def _run_copy(self, triples: Any, keepalive: tuple, what: str, timeout: Any) -> None:
+        rt = self._rt()
+        timeout_ms = self._timeout(timeout)
+        copier = rt.copier
+        await rt.completions.start(lambda token: copier.submit(token, triples), copier.cancel,
+                                   timeout_ms=timeout_ms, what=what, keepalive=keepalive)
+
+
+    # -- transfers with peers -----------------------------------------------
+
+    def _layer_kwargs(self, kwargs: dict[str, Any]) -> tuple[tuple[int, int], tuple[int, int], int, int]:
+        unknown = set(kwargs) - {"src_layer_range", "dst_layer_range", "tensor_num_per_layer", "timeout"}
+        if unknown:
+            raise param_invalid(sorted(unknown)[0], "unexpected keyword argument")
+        src = layer_pair("src_layer_range", kwargs.get("src_layer_range"))
+        dst = layer_pair("dst_layer_range", kwargs.get("dst_layer_range"))
+        per_layer = check_int("tensor_num_per_layer", kwargs.get("tensor_num_per_layer", 2), lo=1, hi=255)
+        return src, dst, per_layer, self._timeout(kwargs.get("timeout"))
+
+    def _ext_param(self, ext_param: Any) -> tuple[tuple[int, int], tuple[int, int], int]:
+        if ext_param is None:
+            return (-1, -1), (-1, -1), 2
+        check_instance("ext_param", ext_param, KvCacheExtParam)
+        return (tuple(ext_param.src_layer_range), tuple(ext_param.dst_layer_range),  # type: ignore[return-value]
+                ext_param.tensor_num_per_layer)
+
+    async def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, kv_cache: KvCache,
+                         batch_index: int = 0, size: int = -1, **kwargs: Any) -> None:
+        """Pull one remote batch row into row ``batch_index`` of ``kv_cache`` (DECODER or MIX).
+
+        :param cache_key: a :class:`CacheKey` bound on the owner (consumed by a
+            successful pull), or a :class:`CacheKeyByIdAndIndex`.
+        :param size: bytes per tensor; -1 pulls the whole row (row sizes must match).
+        :param kwargs: ``src_layer_range``/``dst_layer_range`` (``range``),
+            ``tensor_num_per_layer`` (default 2), ``timeout`` (ms).
+        :raises LLMException: ``LLM_PARAM_INVALID``, ``LLM_NOT_YET_LINK``,
+            ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_TIMEOUT``, ``LLM_LINK_FAILED``.
+        """
+        rt = self._rt()
+        self._require_role("pull_cache", LLMRole.DECODER, LLMRole.MIX)
+        key = _check_pull_key("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
+        cache = self._live(kv_cache, "kv_cache")
+        if cache.is_blocks_cache:
+            raise param_invalid("kv_cache", "pull_cache needs a contiguous cache (use pull_blocks for blocks)")
+        src, dst, per_layer, timeout_ms = self._layer_kwargs(kwargs)
+        lay = cache.layout
+        row = check_index("batch_index", batch_index, lay.rows, what="batch index")
+        size = check_int("size", size, lo=-1, hi=lay.row_bytes)
+        if size == 0:
+            raise param_invalid("size", f"must be -1 or in [1, {lay.row_bytes}], got 0")
+        nbytes = lay.row_bytes if size == -1 else size
+        flags = F_CONTIG | (F_EXACT if size == -1 else 0)
+        plan = build_plan(cache, dst, src, per_layer, [row], nbytes, (), nbytes, flags,
+                          target_fields(key), "dst")
+        link = self._owner._require_links().get(key.cluster_id)
+        await run_pull(rt, link, plan, timeout_ms, "pull_cache")
+
+    async def pull_blocks(self, src_cache_key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex,
+                          dst_cache: KvCache, src_blocks: Sequence[int] = (), dst_blocks: Sequence[int] = (),
+                          **kwargs: Any) -> None:
+        """Pull remote blocks into ``dst_blocks`` of a local blocks cache (DECODER or MIX).
+
+        With a :class:`BlocksCacheKey`, remote block ``src_blocks[i]`` lands in
+        ``dst_blocks[i]``. With a :class:`CacheKey` or
+        :class:`CacheKeyByIdAndIndex` and empty ``src_blocks``, one remote
+        contiguous row is scattered over ``dst_blocks`` in order.
+
+        :param kwargs: layer ranges, ``tensor_num_per_layer``, ``timeout`` (ms).
+        :raises LLMException: as :meth:`pull_cache`.
+        """
+        rt = self._rt()
+        self._require_role("pull_blocks", LLMRole.DECODER, LLMRole.MIX)
+        key = _check_pull_key("src_cache_key", src_cache_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
+        cache = self._live(dst_cache, "dst_cache")
+        if not cache.is_blocks_cache:
+            raise param_invalid("dst_cache", "pull_blocks needs a blocks cache")
+        src, dst, per_layer, timeout_ms = self._layer_kwargs(kwargs)
+        lay = cache.layout
+        dsts = check_indices("dst_blocks", dst_blocks, lay.rows, what="block index", allow_empty=False)
+        _check_unique("dst_blocks", dsts)
+        if isinstance(key, BlocksCacheKey):
+            srcs = check_indices("src_blocks", src_blocks, 2**63, what="block index", allow_empty=False)
+            if len(srcs) != len(dsts):
+                raise param_invalid("src_blocks", f"has {len(srcs)} blocks, dst_blocks has {len(dsts)}")
+            plan = build_plan(cache, dst, src, per_layer, dsts, lay.row_bytes, srcs, lay.row_bytes,
+                              F_BLOCKS | F_EXACT, target_fields(key), "dst")
+        else:
+            if check_indices("src_blocks", src_blocks, 2**63) != ():
+                raise param_invalid("src_blocks", "must be empty when pulling a contiguous cache into blocks")
+            plan = build_plan(cache, dst, src, per_layer, dsts, lay.row_bytes, (), lay.row_bytes * len(dsts),
+                              F_CONTIG, target_fields(key), "dst")
+        link = self._owner._require_links().get(key.cluster_id)
+        await run_pull(rt, link, plan, timeout_ms, "pull_blocks")
+
+    async def push_blocks(self, dst_cache_index_or_key: CacheIndex | BlocksCacheKey, src_cache: KvCache,
+                          src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                          ext_param: KvCacheExtParam | None = None, *, timeout: int | None = None) -> None:
+        """Push local blocks into a peer's blocks cache (PushKvBlocks; PROMPT or MIX).
+
+        :param dst_cache_index_or_key: :class:`CacheIndex` (``batch_index`` 0)
+            or :class:`BlocksCacheKey` of the remote blocks cache.
+        :param ext_param: inclusive layer ranges and ``tensor_num_per_layer``.
+        :returns: once the peer confirmed the bytes are in place.
+        :raises LLMException: ``LLM_PARAM_INVALID``, ``LLM_NOT_YET_LINK``,
+            ``LLM_TIMEOUT``, ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_LINK_FAILED``.
+        """
+        rt = self._rt()
+        self._require_role("push_blocks", LLMRole.PROMPT, LLMRole.MIX)
+        key = _check_pull_key("dst_cache_index_or_key", dst_cache_index_or_key, (CacheIndex, BlocksCacheKey))
+        if isinstance(key, CacheIndex) and key.batch_index != 0:
+            raise param_invalid("dst_cache_index_or_key", "batch_index must be 0 for a blocks cache")
+        cache = self._live(src_cache, "src_cache")
+        if not cache.is_blocks_cache:
+            raise param_invalid("src_cache", "push_blocks needs a blocks cache")
+        src, dst, per_layer = self._ext_param(ext_param)
+        timeout_ms = self._timeout(timeout)
+        lay = cache.layout
+        srcs = check_indices("src_blocks", src_blocks, lay.rows, what="block index", allow_empty=False)
+        dsts = check_indices("dst_blocks", dst_blocks, 2**63, what="block index", allow_empty=False)
+        if len(srcs) != len(dsts):
+            raise param_invalid("dst_blocks", f"has {len(dsts)} blocks, src_blocks has {len(srcs)}")
+        _check_unique("dst_blocks", dsts)
+        plan = build_plan(cache, src, dst, per_layer, srcs, lay.row_bytes, dsts, lay.row_bytes,
+                          F_BLOCKS | F_EXACT, target_fields(key), "src")
+        link = self._owner._require_links().get(key.cluster_id)
+        await run_push(rt, link, plan, timeout_ms, "push_blocks")
+
+    async def push_cache(self, dst_cache_index_or_key: CacheIndex | CacheKeyByIdAndIndex, src_cache: KvCache,
+                         src_batch_index: int = 0, ext_param: KvCacheExtParam | None = None,
+                         size: int = -1, *, timeout: int | None = None) -> None:
+        """Push one batch row of ``src_cache`` into a peer's contiguous cache row (PROMPT or MIX).
+
+        :param dst_cache_index_or_key: remote cluster, cache id and destination row.
+        :param size: must be -1 (whole rows), as in LLM-DataDist.
+        :raises LLMException: as :meth:`push_blocks`.
+        """
+        rt = self._rt()
+        self._require_role("push_cache", LLMRole.PROMPT, LLMRole.MIX)
+        key = _check_pull_key("dst_cache_index_or_key", dst_cache_index_or_key, (CacheIndex, CacheKeyByIdAndIndex))
+        cache = self._live(src_cache, "src_cache")
+        if cache.is_blocks_cache:
+            raise param_invalid("src_cache", "push_cache needs a contiguous cache (use push_blocks for blocks)")
+        if size != -1:
+            raise param_invalid("size", f"only -1 (whole rows) is supported, got {size!r}")
+        src, dst, per_layer = self._ext_param(ext_param)
+        timeout_ms = self._timeout(timeout)
+        lay = cache.layout
+        row = check_index("src_batch_index", src_batch_index, lay.rows, what="batch index")
+        plan = build_plan(cache, src, dst, per_layer, [row], lay.row_bytes, (), lay.row_bytes,
+                          F_CONTIG | F_EXACT, target_fields(key), "src")
+        link = self._owner._require_links().get(key.cluster_id)
+        await run_push(rt, link, plan, timeout_ms, "push_cache")
+
+
+def _check_pull_key(arg: str, key: Any, kinds: tuple[type, ...]) -> Any:
+    check_instance(arg, key, kinds)
+    if isinstance(key, CacheKey):
+        if (key.req_id != UINT64_MAX) == (key.prefix_id != UINT64_MAX):
+            raise param_invalid(arg, "exactly one of req_id and prefix_id must be set")
+    return key
+
+
+def _check_unique(arg: str, blocks: Sequence[int]) -> None:
+    if len(set(blocks)) != len(blocks):
+        raise param_invalid(arg, "a block is named twice")
+
+
+def _check_same_rows(arg: str, a: KvCache, b: KvCache) -> None:
+    da, db = a.cache_desc, b.cache_desc
+    if da.num_tensors != db.num_tensors:
+        raise param_invalid(arg, f"num_tensors differ ({da.num_tensors} vs {db.num_tensors})")
+    if da.data_type != db.data_type:
+        raise param_invalid(arg, f"data types differ ({da.data_type.name} vs {db.data_type.name})")
+    if da.shape[1:] != db.shape[1:]:
+        raise param_invalid(arg, f"row shapes differ ({da.shape[1:]} vs {db.shape[1:]})")

@@ -1,0 +1,327 @@
+"""Moving cache bytes over a link: the requester's and the owner's halves.
+
+A request names its target (a key, an id and row, or a blocks key), the
+owner-side rows and layer range, and how many bytes per row the requester
+expects. The owner checks all of it against what it registered before a byte
+moves, answers ``RESP``, and both ends then run one native scatter/gather
+job on the request's data channel: the byte stream is tensor-major, then row
+order, identical on both ends. A push completes when the owner confirms with
+``DONE``; a pull acknowledges with ``DONE`` so the owner can consume keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from aio_datadist.cache import KvCache
+from aio_datadist.layers import resolve_tensor_span
+from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
+from aio_datadist.types import UINT64_MAX, BlocksCacheKey, CacheIndex, CacheKey, CacheKeyByIdAndIndex
+from aio_datadist.wire import Msg
+
+if TYPE_CHECKING:
+    from aio_datadist.links import Link
+    from aio_datadist.runtime import Runtime
+
+__all__ = ["Plan", "handle_request", "run_pull", "run_push", "target_fields"]
+
+KIND_CACHE_KEY = 1
+KIND_ID_INDEX = 2
+KIND_BLOCKS_KEY = 3
+
+F_BLOCKS = 1
+F_CONTIG = 2
+F_EXACT = 4
+
+MAX_SERVE_TIMEOUT_MS = 600_000
+
+
+def target_fields(key: Any) -> dict[str, int]:
+    """Wire fields naming a remote cache by key, id and row, or blocks key."""
+    fields = dict(target_kind=0, cluster_id=0, cache_id=0, key_req_id=UINT64_MAX, prefix_id=UINT64_MAX,
+                  model_id=0, batch_index=0)
+    if isinstance(key, CacheKey):
+        fields.update(target_kind=KIND_CACHE_KEY, cluster_id=key.cluster_id, key_req_id=key.req_id,
+                      prefix_id=key.prefix_id, model_id=key.model_id)
+    elif isinstance(key, (CacheKeyByIdAndIndex, CacheIndex)):
+        fields.update(target_kind=KIND_ID_INDEX, cluster_id=key.cluster_id, cache_id=key.cache_id,
+                      batch_index=key.batch_index)
+    elif isinstance(key, BlocksCacheKey):
+        fields.update(target_kind=KIND_BLOCKS_KEY, cluster_id=key.cluster_id, model_id=key.model_id)
+    else:
+        raise TypeError(type(key).__name__)
+    return fields
+
+
+@dataclasses.dataclass
+class Plan:
+    """A validated request: the local half and what to ask the owner."""
+
+    local: KvCache
+    local_pairs: Any
+    total: int
+    remote: dict[str, Any]
+
+
+def layer_pair(arg: str, value: Any) -> tuple[int, int]:
+    """A layer selection as an inclusive ``(first, last)`` pair, (-1, -1) for all."""
+    if value is None:
+        return (-1, -1)
+    if isinstance(value, range):
+        if value.step != 1 or not 0 <= value.start < value.stop:
+            raise param_invalid(arg, f"must be a non-empty range with step 1, got {value!r}")
+        return (value.start, value.stop - 1)
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        first, last = value
+        if (first, last) == (-1, -1):
+            return (-1, -1)
+        if not 0 <= first <= last:
+            raise param_invalid(arg, f"must satisfy 0 <= first <= last (inclusive), got {tuple(value)}")
+        return (first, last)
+    raise param_invalid(arg, f"expected a range or an inclusive (first, last) pair, got {value!r}")
+
+
+def one_side_span(num_tensors: int, layers: tuple[int, int], per_layer: int, arg: str) -> tuple[int, int]:
+    """``(first_tensor, count)`` one endpoint moves for its own layer selection."""
+    rng = None if layers == (-1, -1) else range(layers[0], layers[1] + 1)
+    try:
+        span = resolve_tensor_span(num_tensors, num_tensors, src_layer_range=rng, dst_layer_range=rng,
+                                   tensor_num_per_layer=per_layer)
+    except LLMException as exc:
+        raise param_invalid(arg, str(exc).split(": ", 1)[-1]) from None
+    return span.src_first, span.count
+
+
+def check_spans(src: tuple[int, int], dst: tuple[int, int]) -> None:
+    """Both layer selections, when given, must cover the same number of layers."""
+    if src != (-1, -1) and dst != (-1, -1) and src[1] - src[0] != dst[1] - dst[0]:
+        raise param_invalid("dst_layer_range", f"covers {dst[1] - dst[0] + 1} layers but "
+                            f"src_layer_range covers {src[1] - src[0] + 1}")
+
+
+def build_plan(local: KvCache, local_layers: tuple[int, int], remote_layers: tuple[int, int],
+               per_layer: int, local_rows: Sequence[int], local_nbytes: int, remote_rows: Sequence[int],
+               remote_nbytes: int, flags: int, target: dict[str, int], local_arg: str) -> Plan:
+    check_spans(remote_layers, local_layers)
+    first, count = one_side_span(local.cache_desc.num_tensors, local_layers, per_layer,
+                                 "dst_layer_range" if local_arg == "dst" else "src_layer_range")
+    pairs = local.layout.segments(first, count, list(local_rows), 0, local_nbytes)
+    total = count * len(local_rows) * local_nbytes
+    remote = dict(target, layer_first=remote_layers[0], layer_last=remote_layers[1],
+                  tensor_num_per_layer=per_layer, tensor_count=count, offset=0, nbytes=remote_nbytes,
+                  flags=flags, rows=tuple(remote_rows))
+    return Plan(local, pairs, total, remote)
+
+
+async def _exchange(link: Link, msg: Msg, plan: Plan, timeout_ms: int, channel: int, req_id: int) -> None:
+    resp = link.expect(req_id)
+    link.send(msg, req_id, channel=channel, timeout_ms=timeout_ms, **plan.remote)
+    answer = await resp
+    if answer["status"] != LLMStatusCode.LLM_SUCCESS:
+        raise _Refused(f"cluster {link.remote_cluster_id}: {answer['text']}", status_code=_code(answer["status"]))
+    if answer["total"] != plan.total:
+        raise LLMException(f"cluster {link.remote_cluster_id} offers {answer['total']} bytes, "
+                           f"{plan.total} expected", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+class _Refused(LLMException):
+    """The owner refused the request before any byte moved."""
+
+
+async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> None:
+    """Ask the owner for bytes and receive them straight into ``plan.local``."""
+    await _run(rt, link, plan, timeout_ms, what, pull=True)
+
+
+async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> None:
+    """Send ``plan.local``'s bytes to the owner; returns once it confirmed."""
+    await _run(rt, link, plan, timeout_ms, what, pull=False)
+
+
+async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *, pull: bool) -> None:
+    channel = -1
+    req_id = 0
+    try:
+        async with asyncio.timeout(timeout_ms / 1000):
+            channel = await link.acquire()
+            req_id = link.new_req_id()
+            await _exchange(link, Msg.PULL_REQ if pull else Msg.PUSH_REQ, plan, timeout_ms, channel, req_id)
+            fd = link.channel_fd(channel)
+            engine = rt.sockets
+            if pull:
+                await rt.completions.start(lambda t: engine.submit_recv(t, fd, plan.local_pairs), engine.cancel,
+                                           timeout_ms=None, what=what, keepalive=plan.local)
+                link.send(Msg.DONE, req_id, status=0, text="")
+            else:
+                done = link.expect(req_id)
+                await rt.completions.start(lambda t: engine.submit_send(t, fd, plan.local_pairs), engine.cancel,
+                                           timeout_ms=None, what=what, keepalive=plan.local)
+                answer = await done
+                if answer["status"] != LLMStatusCode.LLM_SUCCESS:
+                    raise _Refused(f"cluster {link.remote_cluster_id}: {answer['text']}",
+                                   status_code=_code(answer["status"]))
+        link.release(channel)
+    except _Refused:
+        link.pending.pop(req_id, None)
+        link.release(channel)
+        raise
+    except TimeoutError:
+        _abandon(link, channel, req_id)
+        raise LLMException(f"{what} timed out after {timeout_ms} ms",
+                           status_code=LLMStatusCode.LLM_TIMEOUT) from None
+    except BaseException:
+        _abandon(link, channel, req_id)
+        raise
+
+
+def _abandon(link: Link, channel: int, req_id: int) -> None:
+    """Give up a request: a channel that may carry its bytes is reset on both ends."""
+    if req_id:
+        link.pending.pop(req_id, None)
+    if channel < 0:
+        return
+    if req_id:
+        link.reset_channel(channel, tell_peer=True)
+    else:
+        link.release(channel)
+
+
+def _code(value: int) -> LLMStatusCode:
+    try:
+        return LLMStatusCode(value)
+    except ValueError:
+        return LLMStatusCode.LLM_FAILED
+
+
+# -- the owner's half ------------------------------------------------------
+
+
+class _Refusal(Exception):
+    def __init__(self, code: LLMStatusCode, text: str) -> None:
+        super().__init__(text)
+        self.code = code
+        self.text = text
+
+
+def _resolve_target(rt: Runtime, req: dict) -> tuple[KvCache, int | None, tuple[int, int, int] | None]:
+    kind = req["target_kind"]
+    reg = rt.registry
+    if kind == KIND_CACHE_KEY:
+        req_valid = req["key_req_id"] != UINT64_MAX
+        prefix_valid = req["prefix_id"] != UINT64_MAX
+        if req_valid == prefix_valid:
+            raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                           "invalid argument 'cache_key': exactly one of req_id and prefix_id must be set")
+        ident = (req["key_req_id"], req["prefix_id"], req["model_id"])
+        found = reg.by_key(ident)
+        if found is None:
+            raise _Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                           f"no cache is bound to key req_id={req['key_req_id']} prefix_id={req['prefix_id']} "
+                           f"model_id={req['model_id']} (never bound, removed, or already pulled)")
+        return found[0], found[1], ident
+    if kind == KIND_ID_INDEX:
+        cache = reg.by_id(req["cache_id"])
+        if cache is None:
+            raise _Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {req['cache_id']} does not exist")
+        return cache, req["batch_index"], reg.key_at(cache.cache_id, req["batch_index"])
+    if kind == KIND_BLOCKS_KEY:
+        cache = reg.by_blocks_key(req["model_id"])
+        if cache is None:
+            raise _Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                           f"no blocks cache is bound to model_id {req['model_id']}")
+        return cache, None, None
+    raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"unknown target kind {kind}")
+
+
+def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[KvCache, Any, int, tuple | None, range]:
+    if not link.peer_channel_ok(req["channel"]):
+        raise _Refusal(LLMStatusCode.LLM_LINK_FAILED, f"data channel {req['channel']} is not usable")
+    cache, row, ident = _resolve_target(rt, req)
+    flags = req["flags"]
+    if flags & F_BLOCKS and not cache.is_blocks_cache:
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache.cache_id} is not a blocks cache")
+    if flags & F_CONTIG and cache.is_blocks_cache:
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache.cache_id} is a blocks cache")
+    lay = cache.layout
+    rows = list(req["rows"])
+    if not rows:
+        if row is None:
+            raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, "no source rows given")
+        rows = [row]
+    bad = [r for r in rows if r >= lay.rows]
+    if bad:
+        arg = "src_blocks" if msg is Msg.PULL_REQ else "dst_blocks"
+        what = "block" if cache.is_blocks_cache else "batch"
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                       f"invalid argument '{arg}': {what} index {bad[0]} out of range [0, {lay.rows}) "
+                       f"of cache {cache.cache_id}")
+    if msg is Msg.PUSH_REQ and len(set(rows)) != len(rows):
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, "invalid argument 'dst_blocks': a block is named twice")
+    per_layer = req["tensor_num_per_layer"]
+    layers = (req["layer_first"], req["layer_last"])
+    arg = "src_layer_range" if msg is Msg.PULL_REQ else "dst_layer_range"
+    try:
+        if per_layer < 1:
+            raise param_invalid("tensor_num_per_layer", "must be >= 1")
+        first, count = one_side_span(lay.num_tensors, layers, per_layer, arg)
+    except LLMException as exc:
+        raise _Refusal(exc.status_code, str(exc)) from None
+    if count != req["tensor_count"]:
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                       f"invalid argument '{arg}': the peer cache has {count} tensors in range, "
+                       f"the local side {req['tensor_count']}")
+    offset, nbytes = req["offset"], req["nbytes"]
+    if nbytes == 0 or offset + nbytes > lay.row_bytes or (flags & F_EXACT and offset + nbytes != lay.row_bytes):
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                       f"row size mismatch: cache {cache.cache_id} rows are {lay.row_bytes} bytes, "
+                       f"the request moves {nbytes} bytes per row")
+    pairs = lay.segments(first, count, rows, offset, nbytes)
+    return cache, pairs, count * len(rows) * nbytes, ident, range(first, first + count)
+
+
+def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) -> None:
+    """Serve a peer's PULL_REQ or PUSH_REQ (called from the link's reader)."""
+    if msg not in (Msg.PULL_REQ, Msg.PUSH_REQ):
+        if msg is Msg.DONE:
+            consume = link.serving.pop(("done", req_id), None)
+            if consume is not None and req["status"] == LLMStatusCode.LLM_SUCCESS:
+                consume()
+        return
+    try:
+        cache, pairs, total, ident, tensors = _serve_plan(rt, link, msg, req)
+    except _Refusal as refusal:
+        link.send(Msg.RESP, req_id, status=refusal.code, total=0, text=refusal.text)
+        return
+    channel = req["channel"]
+    fd = link.channel_fd(channel)
+    engine = rt.sockets
+    timeout_ms = min(max(req["timeout_ms"], 1), MAX_SERVE_TIMEOUT_MS) + 1000
+    link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=total, text="")
+    submit = engine.submit_send if msg is Msg.PULL_REQ else engine.submit_recv
+    fut = rt.completions.start(lambda t: submit(t, fd, pairs), engine.cancel, timeout_ms=timeout_ms,
+                               what=f"serving {msg.name} {req_id}", keepalive=cache)
+    link.serving[("channel", channel)] = fut.cancel
+    if msg is Msg.PULL_REQ and ident is not None:
+        num = cache.cache_desc.num_tensors
+        link.serving[("done", req_id)] = lambda: rt.registry.consume(ident, tensors, num)
+
+    def finished(f: asyncio.Future) -> None:
+        if link.serving.get(("channel", channel)) == fut.cancel:
+            del link.serving[("channel", channel)]
+        if f.cancelled():
+            return
+        exc = f.exception()
+        if exc is None:
+            if msg is Msg.PUSH_REQ:
+                link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_SUCCESS, text="")
+            return
+        link.serving.pop(("done", req_id), None)
+        if not link.closed and link.broken is None:
+            if msg is Msg.PUSH_REQ:
+                link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text=str(exc))
+            link.reset_channel(channel, tell_peer=True)
+
+    fut.add_done_callback(finished)
