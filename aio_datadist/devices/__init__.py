@@ -1,0 +1,1 @@
+"""Device backends: where cache memory lives and how it is copied."""

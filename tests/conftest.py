@@ -1,0 +1,53 @@
+"""Shared test set-up: both event loops, and a leak check after every test."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+
+import pytest
+import uvloop
+
+from aio_datadist import _core
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """Every async test runs on asyncio's default loop and on uvloop."""
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+# Event loops (and os.urandom) keep these for their own lifetime, which
+# pytest-asyncio ends after this fixture; our own fds are eventfds, epoll fds
+# of engines (also counted by live_objects), sockets and memfds.
+_LOOP_OWNED = ("/dev/urandom", "pipe:")
+
+
+def _open_fds() -> set[str]:
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(f"{name}->{os.readlink(f'/proc/self/fd/{name}')}")
+        except OSError:
+            pass
+    return fds
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail a test that leaves native objects, fds or child processes behind."""
+    gc.collect()
+    before_fds = _open_fds()
+    before_live = _core.live_objects()
+    yield
+    gc.collect()
+    assert _core.live_objects() == before_live, "native objects left open"
+    leaked = {fd for fd in _open_fds() - before_fds if not any(s in fd for s in _LOOP_OWNED)}
+    assert not leaked, f"file descriptors left open: {sorted(leaked)}"
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+        child.join(5)
+    assert not children, f"child processes left running: {children}"
