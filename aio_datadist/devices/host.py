@@ -17,6 +17,7 @@ import torch
 __all__ = ["HostRegion", "PAGE_SIZE", "round_up", "tensor_at"]
 
 PAGE_SIZE = mmap.PAGESIZE
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def round_up(n: int, align: int = PAGE_SIZE) -> int:
@@ -33,7 +34,8 @@ class HostRegion:
         self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, self.nbytes)
-            self._map = mmap.mmap(self._fd, self.nbytes)
+            # Populate now: a cache's first transfer should not pay page faults.
+            self._map = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_SHARED | _POPULATE)
         except BaseException:
             os.close(self._fd)
             raise
