@@ -4,10 +4,13 @@ Every call that can wait on a peer, a copy or a timeout is a coroutine; see
 ``docs/`` for the API and its differences from LLM-DataDist.
 """
 
+from aio_datadist.arrivals import PushWatch
 from aio_datadist.cache import KvCache
 from aio_datadist.config import LLMConfig, LlmConfig
 from aio_datadist.datadist import LLMDataDist
 from aio_datadist.manager import KvCacheManager
+from aio_datadist.synchronizers import EventLayerSynchronizer
+from aio_datadist.task import CacheTask
 from aio_datadist.status import LLMException, LLMStatusCode, Status, code_to_status
 from aio_datadist.types import (
     BlocksCacheKey,
@@ -36,7 +39,9 @@ __all__ = [
     "CacheIndex",
     "CacheKey",
     "CacheKeyByIdAndIndex",
+    "CacheTask",
     "DataType",
+    "EventLayerSynchronizer",
     "KvCache",
     "KvCacheExtParam",
     "KvCacheManager",
@@ -51,6 +56,7 @@ __all__ = [
     "MemInfo",
     "Memtype",
     "Placement",
+    "PushWatch",
     "RegisterMemStatus",
     "Status",
     "TransferConfig",

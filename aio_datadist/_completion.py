@@ -99,6 +99,29 @@ class Completions:
         future.add_done_callback(lambda f, t=token: self._on_done(t, f))
         return future
 
+    def expect(self, count: int, what: str) -> list[tuple[int, asyncio.Future]]:
+        """Tokens whose records are posted by someone else (``queue.post`` or a
+        device callback), each with its future. Release unused ones with
+        :meth:`forget`.
+        """
+        if self._closed:
+            raise LLMException(f"{what}: the transfer engine is closed", status_code=LLMStatusCode.LLM_FAILED)
+        loop = asyncio.get_running_loop()
+        self._ensure_reader(loop)
+        out = []
+        for _ in range(count):
+            token = next(self._tokens)
+            future = loop.create_future()
+            self._pending[token] = _Waiter(future, _no_cancel, None, what, None)
+            out.append((token, future))
+        return out
+
+    def forget(self, token: int) -> None:
+        """Stop waiting for ``token``; its future is cancelled if still pending."""
+        waiter = self._pending.pop(token, None)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.cancel()
+
     def _ensure_reader(self, loop: asyncio.AbstractEventLoop) -> None:
         if loop in self._loops:
             return
@@ -178,6 +201,10 @@ class Completions:
             else:
                 loop.call_soon_threadsafe(loop.remove_reader, self._fd)
         self._loops.clear()
+
+
+def _no_cancel(token: int) -> None:
+    return None
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

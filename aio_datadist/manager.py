@@ -27,6 +27,9 @@ from aio_datadist.status import (
     check_int,
     param_invalid,
 )
+from aio_datadist.arrivals import PushWatch
+from aio_datadist.layerwise import start_transfer
+from aio_datadist.task import CacheTask
 from aio_datadist.transfers import (
     F_BLOCKS,
     F_CONTIG,
@@ -45,8 +48,11 @@ from aio_datadist.types import (
     CacheKey,
     CacheKeyByIdAndIndex,
     KvCacheExtParam,
+    LayerSynchronizer,
     LLMRole,
     Placement,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
 )
 
 if TYPE_CHECKING:
@@ -442,6 +448,64 @@ class KvCacheManager:
                           F_CONTIG | F_EXACT, target_fields(key), "src")
         link = self._owner._require_links().get(key.cluster_id)
         await run_push(rt, link, plan, timeout_ms, "push_cache")
+
+
+    # -- layer-wise -----------------------------------------------------------
+
+    def transfer_cache_async(self, src_cache: KvCache, layer_synchronizer: LayerSynchronizer,
+                             transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
+                             src_block_indices: Sequence[int] | None = None,
+                             dst_block_indices: Sequence[int] | None = None,
+                             dst_block_memory_size: int | None = None) -> CacheTask:
+        """Push ``src_cache`` layer by layer as prefill computes it (PROMPT or MIX).
+
+        Called from a running event loop; returns at once. For each layer, in
+        order, ``layer_synchronizer.synchronize_layer(i, timeout)`` (plain or
+        ``async``) is awaited, then that layer (K and V, tensors ``2i, 2i+1``)
+        is pushed to every destination without waiting for earlier layers'
+        confirmations.
+
+        :param transfer_configs: :class:`TransferWithCacheKeyConfig` (remote
+            cache by ``BlocksCacheKey`` or ``CacheKeyByIdAndIndex``) or
+            :class:`TransferConfig` (raw remote tensor addresses, 2 per layer,
+            checked by the receiver against its registered caches).
+        :param src_block_indices: source blocks (blocks caches).
+        :param dst_block_indices: destination blocks, one per source block.
+        :param dst_block_memory_size: bytes between destination blocks for a
+            ``TransferConfig`` into a blocks layout (default: the source's).
+        :returns: a :class:`CacheTask` (``await`` it, or its layer futures).
+        :raises LLMException: ``LLM_PARAM_INVALID`` for bad arguments (before
+            anything is sent), ``LLM_NOT_YET_LINK`` for an unlinked destination.
+        """
+        self._rt()
+        self._require_role("transfer_cache_async", LLMRole.PROMPT, LLMRole.MIX)
+        cache = self._live(src_cache, "src_cache")
+        return start_transfer(self._rt(), self._owner._require_links(), cache, layer_synchronizer,
+                              transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size)
+
+    def watch_pushes(self, cache: KvCache, rows: Sequence[int], layers: range | None = None, *,
+                     tensors_per_layer: int = 2) -> PushWatch:
+        """Watch peer pushes land in ``rows`` (blocks or batch rows) of ``cache``.
+
+        Create the watch before asking the peer to push; ``await watch`` or
+        ``await watch.layer(i)`` then tells when the bytes are in place.
+
+        :param layers: the layers to watch (default: all).
+        :raises LLMException: ``LLM_PARAM_INVALID`` for bad rows or layers.
+        """
+        rt = self._rt()
+        cache = self._live(cache, "cache")
+        per_layer = check_int("tensors_per_layer", tensors_per_layer, lo=1, hi=255)
+        num_tensors = cache.cache_desc.num_tensors
+        if num_tensors % per_layer:
+            raise param_invalid("tensors_per_layer", f"does not divide num_tensors {num_tensors}")
+        num_layers = num_tensors // per_layer
+        watched = check_indices("rows", rows, cache.layout.rows, what="row", allow_empty=False)
+        if layers is None:
+            layers = range(num_layers)
+        if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start < layers.stop <= num_layers:
+            raise param_invalid("layers", f"must be a non-empty step-1 range within {num_layers} layers")
+        return rt.arrivals.add(PushWatch(rt.arrivals, cache, watched, layers, per_layer))
 
 
 def _check_pull_key(arg: str, key: Any, kinds: tuple[type, ...]) -> Any:

@@ -10,6 +10,7 @@ import torch
 
 from aio_datadist import _core
 from aio_datadist._completion import Completions
+from aio_datadist.arrivals import Arrivals
 from aio_datadist.cache import CacheRegistry
 from aio_datadist.config import Settings
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -38,6 +39,7 @@ class Runtime:
         self.settings = settings
         self.device = select_device(settings.device_type, settings.device_id)
         self.registry = CacheRegistry(settings.registered_memory_cap)
+        self.arrivals = Arrivals()
         self.queue = _core.CompletionQueue()
         try:
             self.completions = Completions(self.queue)
@@ -56,6 +58,7 @@ class Runtime:
 
     def close(self) -> None:
         """Stop the engines, fail what still waits, release every cache."""
+        self.arrivals.close()
         self.sockets.close()
         self.copier.close()
         self.completions.close()

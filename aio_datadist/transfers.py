@@ -11,11 +11,13 @@ order, identical on both ends. A push completes when the owner confirms with
 
 from __future__ import annotations
 
+import array
 import asyncio
 import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from aio_datadist import _core
 from aio_datadist.cache import KvCache
 from aio_datadist.layers import resolve_tensor_span
 from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
@@ -31,6 +33,7 @@ __all__ = ["Plan", "handle_request", "run_pull", "run_push", "target_fields"]
 KIND_CACHE_KEY = 1
 KIND_ID_INDEX = 2
 KIND_BLOCKS_KEY = 3
+KIND_ADDRS = 4
 
 F_BLOCKS = 1
 F_CONTIG = 2
@@ -236,9 +239,51 @@ def _resolve_target(rt: Runtime, req: dict) -> tuple[KvCache, int | None, tuple[
     raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"unknown target kind {kind}")
 
 
-def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[KvCache, Any, int, tuple | None, range]:
+def _find_tensor(rt: Runtime, start: int, end: int) -> tuple[KvCache, int] | None:
+    for cache in rt.registry.caches():
+        lay = cache.layout
+        for t, base in enumerate(lay.bases):
+            if base <= start and end <= base + lay.tensor_bytes:
+                return cache, t
+    return None
+
+
+def _serve_addrs(rt: Runtime, msg: Msg, req: dict) -> tuple[list[KvCache], Any, int, list]:
+    """Check raw destination addresses (TransferConfig) against registered memory."""
+    if msg is not Msg.PUSH_REQ:
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, "raw addresses can only be pushed to")
+    count, rows = req["tensor_count"], list(req["rows"])
+    if not 0 < count <= len(rows):
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, "invalid argument 'dst_addrs': address count mismatch")
+    addrs, blocks = rows[:count], rows[count:]
+    stride, nbytes = req["offset"], req["nbytes"]
+    if bool(req["flags"] & F_BLOCKS) != bool(blocks) or nbytes == 0 or (blocks and stride < nbytes):
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, "invalid argument 'dst_block_indices': bad block geometry")
+    extent = (max(blocks) * stride if blocks else 0) + nbytes
+    caches, landed = [], []
+    for i, addr in enumerate(addrs):
+        found = None if addr + extent >= 1 << 64 else _find_tensor(rt, addr, addr + extent)
+        if found is None:
+            raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                           f"invalid argument 'dst_addrs': address {i} ({addr:#x}, {extent} bytes) lies outside "
+                           "every cache registered on the destination")
+        cache, t = found
+        caches.append(cache)
+        lay = cache.layout
+        offsets = [addr - lay.bases[t] + b * stride for b in (blocks or [0])]
+        if all(off % lay.row_bytes == 0 for off in offsets) and nbytes == lay.row_bytes:
+            landed.append((cache, range(t, t + 1), [off // lay.row_bytes for off in offsets]))
+    pairs = _core.segments(array.array("Q", addrs), array.array("q", blocks or [0]), stride, 0, nbytes)
+    return caches, pairs, count * max(len(blocks), 1) * nbytes, landed
+
+
+def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[Any, Any, int, tuple | None, range, list]:
+    """Validate a peer's request; ``(keepalive, pairs, total, key, tensors, landed rows)``."""
     if not link.peer_channel_ok(req["channel"]):
         raise _Refusal(LLMStatusCode.LLM_LINK_FAILED, f"data channel {req['channel']} is not usable")
+    if req["target_kind"] == KIND_ADDRS:
+        caches, pairs, total, landed = _serve_addrs(rt, msg, req)
+        return caches, pairs, total, None, range(0), landed
     cache, row, ident = _resolve_target(rt, req)
     flags = req["flags"]
     if flags & F_BLOCKS and not cache.is_blocks_cache:
@@ -279,7 +324,8 @@ def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[KvCache, 
                        f"row size mismatch: cache {cache.cache_id} rows are {lay.row_bytes} bytes, "
                        f"the request moves {nbytes} bytes per row")
     pairs = lay.segments(first, count, rows, offset, nbytes)
-    return cache, pairs, count * len(rows) * nbytes, ident, range(first, first + count)
+    landed = [(cache, range(first, first + count), rows)] if offset == 0 and nbytes == lay.row_bytes else []
+    return cache, pairs, count * len(rows) * nbytes, ident, range(first, first + count), landed
 
 
 def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) -> None:
@@ -291,7 +337,7 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) ->
                 consume()
         return
     try:
-        cache, pairs, total, ident, tensors = _serve_plan(rt, link, msg, req)
+        cache, pairs, total, ident, tensors, landed = _serve_plan(rt, link, msg, req)
     except _Refusal as refusal:
         link.send(Msg.RESP, req_id, status=refusal.code, total=0, text=refusal.text)
         return
@@ -316,6 +362,8 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) ->
         exc = f.exception()
         if exc is None:
             if msg is Msg.PUSH_REQ:
+                for target, tensors, rows in landed:
+                    rt.arrivals.record(target, tensors, rows)
                 link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_SUCCESS, text="")
             return
         link.serving.pop(("done", req_id), None)

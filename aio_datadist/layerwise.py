@@ -1,0 +1,239 @@
+"""Layer-wise push (``transfer_cache_async``): plan every config, then stream layers.
+
+For each layer in order the driver waits for the layer synchronizer, then
+starts that layer's push to every destination without waiting for earlier
+layers' confirmations (the data channels of a link bound how many are in
+flight). A layer counts as done once every destination confirmed it; layer
+futures complete in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aio_datadist.cache import KvCache
+from aio_datadist.status import LLMException, LLMStatusCode, check_indices, check_instance, param_invalid
+from aio_datadist.task import CacheTask
+from aio_datadist.transfers import (
+    F_BLOCKS,
+    F_CONTIG,
+    F_EXACT,
+    KIND_ADDRS,
+    Plan,
+    build_plan,
+    run_push,
+    target_fields,
+)
+from aio_datadist.types import (
+    BlocksCacheKey,
+    CacheKeyByIdAndIndex,
+    LayerSynchronizer,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+
+if TYPE_CHECKING:
+    from aio_datadist.links import Link
+    from aio_datadist.runtime import Runtime
+
+__all__ = ["start_transfer"]
+
+TENSORS_PER_LAYER = 2
+
+
+@dataclass
+class _Config:
+    index: int
+    link: Link
+    src_layers: range
+    plans: dict[int, Plan]
+
+
+def _layer_range(arg: str, value: Any, num_layers: int) -> range:
+    if value is None:
+        return range(num_layers)
+    if not isinstance(value, range) or value.step != 1 or not 0 <= value.start < value.stop:
+        raise param_invalid(arg, f"must be a non-empty range with step 1, got {value!r}")
+    if value.stop > num_layers:
+        raise param_invalid(arg, f"{value!r} exceeds the {num_layers} layers of the cache")
+    return value
+
+
+def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
+                 src_blocks: tuple[int, ...] | None, dst_blocks: tuple[int, ...] | None,
+                 dst_block_bytes: int | None) -> _Config:
+    arg = f"transfer_configs[{index}]"
+    check_instance(arg, cfg, (TransferConfig, TransferWithCacheKeyConfig))
+    num_layers = src.cache_desc.num_tensors // TENSORS_PER_LAYER
+    lay = src.layout
+    blocks = src.is_blocks_cache
+    src_layers = _layer_range(f"{arg}.src_layer_range", cfg.src_layer_range, num_layers)
+    if blocks and cfg.src_batch_index != 0:
+        raise param_invalid(f"{arg}.src_batch_index", "must be 0 for a blocks cache")
+    src_rows = list(src_blocks) if blocks else [_row(f"{arg}.src_batch_index", cfg.src_batch_index, lay.rows)]
+    plans: dict[int, Plan] = {}
+    if isinstance(cfg, TransferWithCacheKeyConfig):
+        key = cfg.cache_key
+        if blocks != isinstance(key, BlocksCacheKey):
+            raise param_invalid(f"{arg}.cache_key", "a blocks cache needs a BlocksCacheKey and a contiguous "
+                                "cache a CacheKeyByIdAndIndex (blocks to cache is not supported)")
+        dst_layers = cfg.dst_layer_range if cfg.dst_layer_range is not None else src_layers
+        if len(dst_layers) != len(src_layers):
+            raise param_invalid(f"{arg}.dst_layer_range", f"covers {len(dst_layers)} layers, "
+                                f"src_layer_range {len(src_layers)}")
+        link = links.get(key.cluster_id)
+        target = target_fields(key)
+        flags = (F_BLOCKS if blocks else F_CONTIG) | F_EXACT
+        remote_rows = list(dst_blocks) if blocks else []
+        for src_layer, dst_layer in zip(src_layers, dst_layers):
+            plans[src_layer] = build_plan(src, (src_layer, src_layer), (dst_layer, dst_layer), TENSORS_PER_LAYER,
+                                          src_rows, lay.row_bytes, remote_rows, lay.row_bytes, flags, target, "src")
+    else:
+        addrs = cfg.dst_addrs
+        if len(addrs) != TENSORS_PER_LAYER * len(src_layers):
+            raise param_invalid(f"{arg}.dst_addrs", f"needs {TENSORS_PER_LAYER} addresses per layer "
+                                f"({TENSORS_PER_LAYER * len(src_layers)}), got {len(addrs)}")
+        link = links.get(cfg.dst_cluster_id)
+        stride = dst_block_bytes if dst_block_bytes is not None else lay.row_bytes
+        for i, src_layer in enumerate(src_layers):
+            pair = list(addrs[TENSORS_PER_LAYER * i:TENSORS_PER_LAYER * (i + 1)])
+            target = dict(target_kind=KIND_ADDRS, cluster_id=cfg.dst_cluster_id, cache_id=0,
+                          key_req_id=0, prefix_id=0, model_id=0, batch_index=0)
+            plan = build_plan(src, (src_layer, src_layer), (-1, -1), TENSORS_PER_LAYER, src_rows, lay.row_bytes,
+                              pair + (list(dst_blocks) if blocks else []), lay.row_bytes,
+                              F_BLOCKS if blocks else 0, target, "src")
+            plan.remote["offset"] = stride if blocks else 0
+            plans[src_layer] = plan
+    return _Config(index, link, src_layers, plans)
+
+
+def _row(arg: str, value: Any, rows: int) -> int:
+    return check_indices(arg, [value], rows, what="batch index")[0]
+
+
+def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, configs: Sequence[Any],
+                   src_block_indices: Any, dst_block_indices: Any, dst_block_memory_size: Any) -> CacheTask:
+    """Validate everything, then start the driver; returns its :class:`CacheTask`."""
+    if not isinstance(synchronizer, LayerSynchronizer) and not callable(
+            getattr(synchronizer, "synchronize_layer", None)):
+        raise param_invalid("layer_synchronizer", "expected a LayerSynchronizer")
+    if not isinstance(configs, (list, tuple)) or not configs:
+        raise param_invalid("transfer_configs", "expected a non-empty list of TransferConfig or "
+                            "TransferWithCacheKeyConfig")
+    if src.cache_desc.num_tensors % TENSORS_PER_LAYER:
+        raise param_invalid("src_cache", f"num_tensors {src.cache_desc.num_tensors} is not K,V pairs of layers")
+    src_blocks = dst_blocks = None
+    dst_block_bytes = None
+    if src.is_blocks_cache:
+        src_blocks = check_indices("src_block_indices", src_block_indices if src_block_indices is not None else (),
+                                   src.layout.rows, what="block index", allow_empty=False)
+        dst_blocks = check_indices("dst_block_indices", dst_block_indices if dst_block_indices is not None else (),
+                                   2**63, what="block index", allow_empty=False)
+        if len(src_blocks) != len(dst_blocks):
+            raise param_invalid("dst_block_indices", f"has {len(dst_blocks)} blocks, "
+                                f"src_block_indices {len(src_blocks)}")
+        if len(set(dst_blocks)) != len(dst_blocks):
+            raise param_invalid("dst_block_indices", "a block is named twice")
+        if dst_block_memory_size is not None:
+            dst_block_bytes = check_indices("dst_block_memory_size", [dst_block_memory_size], 2**62)[0]
+            if dst_block_bytes < src.layout.row_bytes:
+                raise param_invalid("dst_block_memory_size", f"{dst_block_bytes} is smaller than a source "
+                                    f"block ({src.layout.row_bytes} bytes)")
+    elif src_block_indices is not None or dst_block_indices is not None:
+        raise param_invalid("src_block_indices", "block indices need a blocks cache")
+    planned = [_plan_config(rt, links, i, cfg, src, src_blocks, dst_blocks, dst_block_bytes)
+               for i, cfg in enumerate(configs)]
+    layers = sorted({layer for cfg in planned for layer in cfg.src_layers})
+    task = CacheTask(layers, len(planned))
+    task._start(_drive(rt, task, src, synchronizer, planned, layers))
+    return task
+
+
+async def _synchronize(synchronizer: Any, layer: int, timeout_ms: int) -> bool:
+    method = synchronizer.synchronize_layer
+    if inspect.iscoroutinefunction(method):
+        result = await method(layer, timeout_ms)
+    else:
+        result = await asyncio.get_running_loop().run_in_executor(None, method, layer, timeout_ms)
+        if inspect.isawaitable(result):
+            result = await result
+    return bool(result)
+
+
+async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
+                 configs: list[_Config], layers: list[int]) -> None:
+    timeout_ms = rt.default_timeout_ms()
+    failed: set[int] = set()
+    pushes: list[asyncio.Future] = []
+    previous: asyncio.Future | None = None
+    stop: LLMException | None = None
+    stop_layer = -1
+    try:
+        for layer in layers:
+            try:
+                ok = await _synchronize(synchronizer, layer, timeout_ms)
+            except Exception as exc:
+                stop = LLMException(f"layer_synchronizer raised at layer {layer}: {exc!r}",
+                                    status_code=LLMStatusCode.LLM_FAILED)
+                stop.__cause__ = exc
+            else:
+                if not ok:
+                    stop = LLMException(f"layer_synchronizer returned False at layer {layer}",
+                                        status_code=LLMStatusCode.LLM_PARAM_INVALID)
+            if stop is not None:
+                stop_layer = layer
+                break
+            layer_pushes = []
+            lost = None
+            for cfg in configs:
+                if layer not in cfg.plans:
+                    continue
+                if cfg.index in failed:
+                    lost = LLMException(f"destination {cfg.index} failed before layer {layer}",
+                                        status_code=task._results[cfg.index] or LLMStatusCode.LLM_FAILED)
+                    continue
+                push = asyncio.ensure_future(_push(rt, task, cfg, layer, failed, timeout_ms))
+                pushes.append(push)
+                layer_pushes.append(push)
+            previous = asyncio.ensure_future(_confirm(task, layer, layer_pushes, previous, lost))
+            pushes.append(previous)
+        if pushes:
+            await asyncio.gather(*pushes)
+    finally:
+        for push in pushes:
+            push.cancel()
+        if pushes:
+            await asyncio.gather(*pushes, return_exceptions=True)
+    for cfg in configs:
+        if cfg.index in failed:
+            continue
+        if stop is not None and cfg.src_layers.stop - 1 >= stop_layer:
+            task._set_result(cfg.index, stop.status_code)
+        else:
+            task._set_result(cfg.index, LLMStatusCode.LLM_SUCCESS)
+    if stop is not None:
+        raise stop
+
+
+async def _push(rt: Runtime, task: CacheTask, cfg: _Config, layer: int, failed: set[int],
+                timeout_ms: int) -> LLMException | None:
+    try:
+        await run_push(rt, cfg.link, cfg.plans[layer], timeout_ms, f"transfer_cache_async layer {layer}")
+        return None
+    except LLMException as exc:
+        failed.add(cfg.index)
+        task._set_result(cfg.index, exc.status_code, exc)
+        return exc
+
+
+async def _confirm(task: CacheTask, layer: int, layer_pushes: list[asyncio.Future],
+                   previous: asyncio.Future | None, lost: LLMException | None) -> None:
+    outcomes = await asyncio.gather(*layer_pushes)
+    if previous is not None:
+        await asyncio.shield(previous)
+    error = next((e for e in outcomes if e is not None), lost)
+    task._layer_done(layer, error)

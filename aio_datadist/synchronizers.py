@@ -1,0 +1,81 @@
+"""Layer synchronizers shipped with the library.
+
+:class:`EventLayerSynchronizer` lets prefill code mark each layer finished
+with :meth:`~EventLayerSynchronizer.record` (from any thread); the layer-wise
+transfer waits for that mark through the core's completion fd, so no thread
+blocks and nothing polls. On the CPU a record is immediate (the layer's
+compute has returned when ``record`` is called).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from aio_datadist.status import LLMException, LLMStatusCode, check_index, check_int, param_invalid
+from aio_datadist.types import LayerSynchronizer
+
+if TYPE_CHECKING:
+    from aio_datadist.datadist import LLMDataDist
+
+__all__ = ["EventLayerSynchronizer"]
+
+
+class EventLayerSynchronizer(LayerSynchronizer):
+    """One completion per layer, recorded by the prefill code.
+
+    :param datadist: the initialised endpoint whose core carries the records.
+    :param num_layers: how many layers will be recorded.
+
+    Create it inside the running event loop; close it (or use ``with``) to
+    release layers that were never recorded.
+    """
+
+    def __init__(self, datadist: LLMDataDist, num_layers: int) -> None:
+        rt = datadist._require_runtime()
+        num_layers = check_int("num_layers", num_layers, lo=1, hi=1 << 16)
+        self._completions = rt.completions
+        self._queue = rt.queue
+        self._layers = rt.completions.expect(num_layers, "layer event")
+        self._closed = False
+
+    def record(self, layer_index: int, stream: Any = None) -> None:
+        """Mark layer ``layer_index`` computed. Safe from any thread.
+
+        :param stream: a device stream whose queued work must finish first;
+            only the CPU (None) is supported by this build.
+        """
+        index = check_index("layer_index", layer_index, len(self._layers), what="layer")
+        if stream is not None:
+            raise LLMException("argument 'stream': device streams are not supported by this build; "
+                               "record on the CPU (stream=None)", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        if self._closed:
+            raise param_invalid("layer_index", "the synchronizer is closed")
+        self._queue.post(self._layers[index][0], 0, 0)
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None = None) -> bool:
+        """Wait until ``layer_index`` was recorded; False after ``timeout_in_millis``."""
+        index = check_index("layer_index", layer_index, len(self._layers), what="layer")
+        future = self._layers[index][1]
+        try:
+            if timeout_in_millis is None:
+                await asyncio.shield(future)
+            else:
+                await asyncio.wait_for(asyncio.shield(future), timeout_in_millis / 1000)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Release every layer not recorded yet. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for token, _ in self._layers:
+            self._completions.forget(token)
+
+    def __enter__(self) -> EventLayerSynchronizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
