@@ -143,6 +143,8 @@ class Link:
     def reset_channel(self, index: int, tell_peer: bool) -> None:
         """Close a channel whose byte stream is out of step; the client redials it."""
         ch = self.channels[index]
+        if ch.sock is None:
+            return  # already reset; its redial is under way
         generation = ch.generation
         self._drop_socket(ch)
         if self.closed:

@@ -147,9 +147,11 @@ async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: s
 async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *, pull: bool) -> None:
     channel = -1
     req_id = 0
+    generation = -1
     try:
         async with asyncio.timeout(timeout_ms / 1000):
             channel = await link.acquire()
+            generation = link.channels[channel].generation
             req_id = link.new_req_id()
             await _exchange(link, Msg.PULL_REQ if pull else Msg.PUSH_REQ, plan, timeout_ms, channel, req_id)
             fd = link.channel_fd(channel)
@@ -172,20 +174,22 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
         link.release(channel)
         raise
     except TimeoutError:
-        _abandon(link, channel, req_id)
+        _abandon(link, channel, generation, req_id)
         raise LLMException(f"{what} timed out after {timeout_ms} ms",
                            status_code=LLMStatusCode.LLM_TIMEOUT) from None
     except BaseException:
-        _abandon(link, channel, req_id)
+        _abandon(link, channel, generation, req_id)
         raise
 
 
-def _abandon(link: Link, channel: int, req_id: int) -> None:
+def _abandon(link: Link, channel: int, generation: int, req_id: int) -> None:
     """Give up a request: a channel that may carry its bytes is reset on both ends."""
     if req_id:
         link.pending.pop(req_id, None)
     if channel < 0:
         return
+    if link.channels[channel].generation != generation:
+        return  # the channel was already replaced under us
     if req_id:
         link.reset_channel(channel, tell_peer=True)
     else:
@@ -342,6 +346,7 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) ->
         link.send(Msg.RESP, req_id, status=refusal.code, total=0, text=refusal.text)
         return
     channel = req["channel"]
+    generation = link.channels[channel].generation
     fd = link.channel_fd(channel)
     engine = rt.sockets
     timeout_ms = min(max(req["timeout_ms"], 1), MAX_SERVE_TIMEOUT_MS) + 1000
@@ -370,6 +375,7 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) ->
         if not link.closed and link.broken is None:
             if msg is Msg.PUSH_REQ:
                 link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text=str(exc))
-            link.reset_channel(channel, tell_peer=True)
+            if link.channels[channel].generation == generation:
+                link.reset_channel(channel, tell_peer=True)
 
     fut.add_done_callback(finished)
