@@ -1,0 +1,267 @@
+"""A blocking facade with llm_datadist's names, signatures and return shapes.
+
+Code written for ``llm_datadist`` runs by changing its import::
+
+    from aio_datadist.compat import LLMDataDist, LLMConfig, LLMRole, ...
+
+Every call runs on one private event-loop thread per process and blocks the
+caller until it is done; ``link_clusters`` returns the status tuple,
+``CacheTask.synchronize(timeout_in_millis)`` returns a code, and the
+``kv_cache_manager`` methods block. Do not call the facade from inside a
+running event loop (use the async API there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
+
+from aio_datadist import datadist as _async_datadist
+from aio_datadist.cache import KvCache
+from aio_datadist.config import LLMConfig, LlmConfig
+from aio_datadist.status import LLMException, LLMStatusCode, Status
+from aio_datadist.task import CacheTask as _AsyncCacheTask
+from aio_datadist.types import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheIndex,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    KvCacheExtParam,
+    LayerSynchronizer,
+    LLMClusterInfo,
+    LLMRole,
+    Placement,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+
+__all__ = [
+    "BlocksCacheKey", "CacheDesc", "CacheIndex", "CacheKey", "CacheKeyByIdAndIndex", "CacheTask", "DataType",
+    "KvCache", "KvCacheExtParam", "KvCacheManager", "LLMClusterInfo", "LLMConfig", "LLMDataDist",
+    "LLMException", "LLMRole", "LLMStatusCode", "LayerSynchronizer", "LlmConfig", "Placement", "Status",
+    "TransferConfig", "TransferWithCacheKeyConfig",
+]
+
+_T = TypeVar("_T")
+
+
+class _LoopThread:
+    """The process's private event loop, started on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                ready = threading.Event()
+
+                def run() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                self._thread = threading.Thread(target=run, name="aio_datadist-compat", daemon=True)
+                self._thread.start()
+                ready.wait()
+                self._loop = loop
+            return self._loop
+
+    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            coro.close()
+            raise RuntimeError("aio_datadist.compat blocks; inside an event loop use the async API")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop()).result()
+
+    def call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        async def invoke() -> _T:
+            return fn(*args, **kwargs)
+
+        return self.run(invoke())
+
+    def stop(self) -> None:
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)
+            loop.close()
+
+
+_RUNNER = _LoopThread()
+_LIVE: set[LLMDataDist] = set()
+
+
+@atexit.register
+def _finalize_all() -> None:
+    for dd in list(_LIVE):
+        try:
+            dd.finalize()
+        except Exception:
+            pass
+    _RUNNER.stop()
+
+
+class CacheTask:
+    """Blocking view of :class:`aio_datadist.CacheTask`."""
+
+    def __init__(self, task: _AsyncCacheTask) -> None:
+        self._task = task
+
+    def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
+        """Wait for all layers; the first failure, ``LLM_SUCCESS`` or ``LLM_TIMEOUT``."""
+        return _RUNNER.run(self._task.synchronize(timeout_in_millis))
+
+    def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
+        """Per-config results (None for a config never started)."""
+        return _RUNNER.run(self._task.get_results(timeout_in_millis))
+
+    def cancel(self) -> None:
+        _RUNNER.loop().call_soon_threadsafe(self._task.cancel)
+
+
+class KvCacheManager:
+    """Blocking view of :class:`aio_datadist.KvCacheManager` (same methods)."""
+
+    def __init__(self, manager: Any) -> None:
+        self._m = manager
+
+    def is_initialized(self) -> bool:
+        return self._m.is_initialized()
+
+    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> KvCache:
+        return _RUNNER.call(self._m.allocate_cache, cache_desc, cache_keys)
+
+    def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
+        return _RUNNER.call(self._m.allocate_blocks_cache, cache_desc, blocks_cache_key)
+
+    def register_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any], cache_keys: Sequence[CacheKey] = ()) -> KvCache:
+        return _RUNNER.call(self._m.register_cache, cache_desc, addrs, cache_keys)
+
+    def register_blocks_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
+                              blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
+        return _RUNNER.call(self._m.register_blocks_cache, cache_desc, addrs, blocks_cache_key)
+
+    def deallocate_cache(self, cache: KvCache) -> None:
+        _RUNNER.call(self._m.deallocate_cache, cache)
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        _RUNNER.call(self._m.remove_cache_key, cache_key)
+
+    def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[Any]:
+        return _RUNNER.call(self._m.get_cache_tensors, cache, tensor_index)
+
+    def pull_cache(self, cache_key: Any, kv_cache: KvCache, batch_index: int = 0, size: int = -1,
+                   **kwargs: Any) -> None:
+        _RUNNER.run(self._m.pull_cache(cache_key, kv_cache, batch_index, size, **kwargs))
+
+    def pull_blocks(self, src_cache_key: Any, dst_cache: KvCache, src_blocks: Sequence[int] = (),
+                    dst_blocks: Sequence[int] = (), **kwargs: Any) -> None:
+        _RUNNER.run(self._m.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, **kwargs))
+
+    def push_blocks(self, dst_cache_key: Any, src_cache: KvCache, src_blocks: Sequence[int] = (),
+                    dst_blocks: Sequence[int] = (), src_layer_range: range | None = None,
+                    dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
+        """v2 spelling: python ranges and ``tensor_num_per_layer`` instead of ``ext_param``."""
+        ext = _ext_param(src_layer_range, dst_layer_range, tensor_num_per_layer)
+        _RUNNER.run(self._m.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, ext))
+
+    def push_cache(self, dst_cache_key: Any, src_cache: KvCache, src_batch_index: int = 0,
+                   src_layer_range: range | None = None, dst_layer_range: range | None = None,
+                   size: int = -1, tensor_num_per_layer: int = 2) -> None:
+        ext = _ext_param(src_layer_range, dst_layer_range, tensor_num_per_layer)
+        _RUNNER.run(self._m.push_cache(dst_cache_key, src_cache, src_batch_index, ext, size))
+
+    def copy_cache(self, dst: KvCache, src: KvCache, dst_batch_index: int = 0, src_batch_index: int = 0,
+                   offset: int = 0, size: int = -1, req_id: int | None = None) -> None:
+        _RUNNER.run(self._m.copy_cache(dst, src, dst_batch_index, src_batch_index, offset, size))
+
+    def copy_blocks(self, cache: KvCache, copy_block_info: Mapping[int, Sequence[int]]) -> None:
+        _RUNNER.run(self._m.copy_blocks(cache, copy_block_info))
+
+    def swap_blocks(self, src_cache: KvCache, dst_cache: KvCache, src_to_dst: Mapping[int, int]) -> None:
+        _RUNNER.run(self._m.swap_blocks(src_cache, dst_cache, src_to_dst))
+
+    def transfer_cache_async(self, src_cache: KvCache, layer_synchronizer: LayerSynchronizer,
+                             transfer_configs: Sequence[Any], src_block_indices: Sequence[int] | None = None,
+                             dst_block_indices: Sequence[int] | None = None,
+                             dst_block_memory_size: int | None = None) -> CacheTask:
+        task = _RUNNER.call(self._m.transfer_cache_async, src_cache, layer_synchronizer, transfer_configs,
+                            src_block_indices, dst_block_indices, dst_block_memory_size)
+        return CacheTask(task)
+
+
+def _ext_param(src: range | None, dst: range | None, per_layer: int) -> KvCacheExtParam:
+    def pair(arg: str, r: range | None) -> tuple[int, int]:
+        if r is None:
+            return (-1, -1)
+        if not isinstance(r, range) or r.step != 1 or not 0 <= r.start < r.stop:
+            raise LLMException(f"invalid argument '{arg}': must be a non-empty range with step 1, got {r!r}",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        return (r.start, r.stop - 1)
+
+    return KvCacheExtParam(pair("src_layer_range", src), pair("dst_layer_range", dst), per_layer)
+
+
+class LLMDataDist:
+    """Blocking :class:`aio_datadist.LLMDataDist` with llm_datadist's signatures."""
+
+    def __init__(self, role: LLMRole, cluster_id: int) -> None:
+        self._dd = _async_datadist.LLMDataDist(role, cluster_id)
+        self._manager = KvCacheManager(self._dd.kv_cache_manager)
+
+    @property
+    def cluster_id(self) -> int:
+        return self._dd.cluster_id
+
+    @property
+    def role(self) -> LLMRole:
+        return self._dd.role
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        return self._dd.listen_address
+
+    @property
+    def kv_cache_manager(self) -> KvCacheManager:
+        return self._manager
+
+    @property
+    def cache_manager(self) -> KvCacheManager:
+        """The v2 spelling of :attr:`kv_cache_manager`."""
+        return self._manager
+
+    def init(self, options: Mapping[str, str]) -> None:
+        _RUNNER.run(self._dd.init(options))
+        _LIVE.add(self)
+
+    def finalize(self) -> None:
+        _LIVE.discard(self)
+        _RUNNER.run(self._dd.finalize())
+
+    def link_clusters(self, clusters: Sequence[LLMClusterInfo],
+                      timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        return _RUNNER.run(self._dd.link_clusters(clusters, timeout))
+
+    def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000,
+                        force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        return _RUNNER.run(self._dd.unlink_clusters(clusters, timeout, force))
+
+    def check_link_status(self, remote_cluster_id: int) -> None:
+        _RUNNER.run(self._dd.check_link_status(remote_cluster_id))
+
+    def switch_role(self, role: LLMRole, switch_options: Mapping[str, str] | None = None) -> None:
+        _RUNNER.run(self._dd.switch_role(role, switch_options))

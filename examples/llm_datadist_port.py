@@ -1,0 +1,157 @@
+"""LLM-DataDist's prompt/decoder flows, ported by changing one import.
+
+The first flow is the guide's KvCacheManager flow (allocate with CacheKeys on
+the prompt, link and pull_cache row by row on the decoder, remove unconsumed
+keys and deallocate); the second is the pull_blocks sample (registered blocks
+caches, pull_blocks, swap_blocks out to a CPU cache and back). Everything
+below is written against llm_datadist's blocking API; only the import differs.
+
+Run both roles on loopback: ``python examples/llm_datadist_port.py``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+
+import torch
+
+from aio_datadist.compat import (  # was: from llm_datadist import ...
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    KvCache,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+
+PROMPT_CLUSTER, DECODER_CLUSTER = 0, 1
+CACHE_DESC = CacheDesc(num_tensors=4, shape=[2, 8, 16], data_type=DataType.DT_FLOAT16, placement=Placement.DEVICE)
+BLOCKS_DESC = CacheDesc(num_tensors=2, shape=[8, 16, 32], data_type=DataType.DT_FLOAT16, placement=Placement.DEVICE)
+
+
+def expected(desc: CacheDesc, tensor: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + tensor)
+    return torch.randn(desc.shape, generator=gen).to(torch.float16)
+
+
+def run_prompt(port_out, done) -> None:
+    datadist = LLMDataDist(LLMRole.PROMPT, PROMPT_CLUSTER)
+    config = LLMConfig()
+    config.device_id = 0
+    config.listen_ip_info = "127.0.0.1:0"
+    datadist.init(config.generate_options())
+    kv_cache_manager = datadist.kv_cache_manager
+
+    keys = [CacheKey(prompt_cluster_id=PROMPT_CLUSTER, req_id=i) for i in range(2)]
+    kv_cache = kv_cache_manager.allocate_cache(CACHE_DESC, keys)
+    for i in range(CACHE_DESC.num_tensors):
+        kv_cache_manager.get_cache_tensors(kv_cache, i)[0].copy_(expected(CACHE_DESC, i))
+
+    blocks = [expected(BLOCKS_DESC, 10 + i).clone() for i in range(BLOCKS_DESC.num_tensors)]
+    blocks_cache = kv_cache_manager.register_blocks_cache(BLOCKS_DESC, [t.data_ptr() for t in blocks],
+                                                          BlocksCacheKey(PROMPT_CLUSTER, 0))
+    port_out.send(datadist.listen_address[1])
+    done.wait(60)
+    for key in keys:
+        kv_cache_manager.remove_cache_key(key)  # a no-op for keys the decoder consumed
+    kv_cache_manager.deallocate_cache(kv_cache)
+    kv_cache_manager.deallocate_cache(blocks_cache)
+    datadist.finalize()
+
+
+def run_decoder(port: int, result) -> None:
+    datadist = LLMDataDist(LLMRole.DECODER, DECODER_CLUSTER)
+    config = LLMConfig()
+    config.device_id = 0
+    datadist.init(config.generate_options())
+    kv_cache_manager = datadist.kv_cache_manager
+
+    cluster = LLMClusterInfo()
+    cluster.remote_cluster_id = PROMPT_CLUSTER
+    cluster.append_local_ip_info("127.0.0.1", 0)
+    cluster.append_remote_ip_info("127.0.0.1", port)
+    ret, rets = datadist.link_clusters([cluster], 5000)
+    if ret != LLMStatusCode.LLM_SUCCESS:
+        raise RuntimeError(f"link failed: {rets}")
+    datadist.check_link_status(PROMPT_CLUSTER)
+
+    kv_cache = kv_cache_manager.allocate_cache(CACHE_DESC)
+    for req_id in range(2):
+        kv_cache_manager.pull_cache(CacheKey(PROMPT_CLUSTER, req_id=req_id), kv_cache, batch_index=req_id)
+    pulled_ok = all(torch.equal(kv_cache_manager.get_cache_tensors(kv_cache, i)[0], expected(CACHE_DESC, i))
+                    for i in range(CACHE_DESC.num_tensors))
+    try:
+        kv_cache_manager.pull_cache(CacheKey(PROMPT_CLUSTER, req_id=0), kv_cache, batch_index=0)
+        repeat_code = LLMStatusCode.LLM_SUCCESS
+    except Exception as exc:  # the key was consumed by the first pull
+        repeat_code = getattr(exc, "status_code", None)
+
+    local = [torch.zeros(BLOCKS_DESC.shape, dtype=torch.float16) for _ in range(BLOCKS_DESC.num_tensors)]
+    blocks_cache = kv_cache_manager.register_blocks_cache(BLOCKS_DESC, [t.data_ptr() for t in local])
+    kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_CLUSTER, 0), blocks_cache, src_blocks=[0, 1],
+                                 dst_blocks=[0, 1])
+    blocks_ok = all(torch.equal(local[i][:2], expected(BLOCKS_DESC, 10 + i)[:2])
+                    for i in range(BLOCKS_DESC.num_tensors))
+
+    cpu = [torch.zeros(BLOCKS_DESC.shape, dtype=torch.float16) for _ in range(BLOCKS_DESC.num_tensors)]
+    cpu_desc = CacheDesc(BLOCKS_DESC.num_tensors, BLOCKS_DESC.shape, BLOCKS_DESC.data_type, Placement.HOST)
+    cpu_cache = KvCache.create_cpu_cache(cpu_desc, [t.data_ptr() for t in cpu])
+    kv_cache_manager.swap_blocks(blocks_cache, cpu_cache, {0: 5, 1: 6})
+    for t in local:
+        t.zero_()
+    kv_cache_manager.swap_blocks(cpu_cache, blocks_cache, {5: 0, 6: 1})
+    swap_ok = all(torch.equal(local[i][:2], expected(BLOCKS_DESC, 10 + i)[:2])
+                  for i in range(BLOCKS_DESC.num_tensors))
+
+    ret, _ = datadist.unlink_clusters([cluster], 5000)
+    kv_cache_manager.deallocate_cache(kv_cache)
+    kv_cache_manager.deallocate_cache(blocks_cache)
+    datadist.finalize()
+    result.send({"pull_cache": pulled_ok, "repeat_pull": int(repeat_code or 0), "pull_blocks": blocks_ok,
+                 "swap_blocks": swap_ok, "unlink": int(ret)})
+
+
+def main(limit_s: float = 120.0) -> dict:
+    ctx = mp.get_context("spawn")
+    port_in, port_out = ctx.Pipe()
+    result_in, result_out = ctx.Pipe()
+    done = ctx.Event()
+    prompt = ctx.Process(target=run_prompt, args=(port_out, done))
+    procs = [prompt]
+    try:
+        prompt.start()
+        if not port_in.poll(limit_s):
+            raise TimeoutError("prompt did not start")
+        decoder = ctx.Process(target=run_decoder, args=(port_in.recv(), result_out))
+        procs.append(decoder)
+        decoder.start()
+        if not result_in.poll(limit_s):
+            raise TimeoutError("decoder did not finish")
+        result = result_in.recv()
+        done.set()
+        for proc in procs:
+            proc.join(30)
+        result["exitcodes"] = [p.exitcode for p in procs]
+        return result
+    finally:
+        done.set()
+        for proc in procs:
+            if proc.pid is None:
+                continue
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)
+        for conn in (port_in, port_out, result_in, result_out):
+            conn.close()
+
+
+if __name__ == "__main__":
+    outcome = main()
+    print(outcome)
+    sys.exit(0 if outcome["pull_cache"] and outcome["pull_blocks"] and outcome["swap_blocks"] else 1)
