@@ -61,6 +61,7 @@ cdef struct IoCommand:
 cdef class CompletionQueue:
     cdef int _efd
     cdef bint _closed
+    cdef bint _counted
     cdef pthread_mutex_t _lock
     cdef vector[Record] _records
     cdef void push(self, uint64_t token, int32_t status, int64_t aux) noexcept nogil
@@ -77,6 +78,7 @@ cdef class HostCopyEngine:
     cdef vector[pthread_t] _threads
     cdef bint _stop
     cdef bint _closed
+    cdef bint _counted
     cdef uint64_t _split_bytes
     cdef void _work(self) noexcept nogil
     cdef void _split(self, CopyJob *job, uint64_t chunk_bytes) noexcept nogil
@@ -91,6 +93,7 @@ cdef class SocketEngine:
     cdef bint _started
     cdef bint _stop
     cdef bint _closed
+    cdef bint _counted
     cdef pthread_mutex_t _lock
     cdef pthread_cond_t _acked
     cdef uint64_t _commands_sent

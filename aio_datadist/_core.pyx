@@ -67,20 +67,27 @@ cdef class CompletionQueue:
     """
 
     def __cinit__(self):
-        self._efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
-        if self._efd < 0:
-            raise OSError(errno, _os.strerror(errno))
+        # Until construction succeeds the object counts as closed, so that
+        # __dealloc__ of a half-built object releases nothing it does not own.
+        self._efd = -1
+        self._closed = True
         pthread_mutex_init(&self._lock, NULL)
+        cdef int efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        if efd < 0:
+            err = errno
+            raise OSError(err, _os.strerror(err))
+        self._efd = efd
         self._closed = False
+        self._counted = True
         _live["CompletionQueue"] += 1
 
     def __dealloc__(self):
-        if not self._closed:
+        if self._counted:
             self._shutdown()
         pthread_mutex_destroy(&self._lock)
 
     def __del__(self):
-        if not self._closed:
+        if self._counted:
             _warnings.warn("CompletionQueue was not closed", ResourceWarning, stacklevel=2)
 
     cdef void push(self, uint64_t token, int32_t status, int64_t aux) noexcept nogil:
@@ -94,8 +101,10 @@ cdef class CompletionQueue:
             pthread_mutex_unlock(&self._lock)
             return
         self._records.push_back(rec)
-        pthread_mutex_unlock(&self._lock)
+        # Written under the lock: close() may otherwise close (and the OS
+        # reuse) the fd between the check above and this write.
         write(self._efd, &one, 8)
+        pthread_mutex_unlock(&self._lock)
 
     def fileno(self):
         """The eventfd that becomes readable when records are waiting."""
@@ -127,17 +136,20 @@ cdef class CompletionQueue:
 
     def close(self):
         """Close the eventfd; records pushed afterwards are dropped. Idempotent."""
-        if not self._closed:
+        if self._counted:
             self._shutdown()
 
     cdef _shutdown(self):
         pthread_mutex_lock(&self._lock)
         self._closed = True
         self._records.clear()
+        if self._efd >= 0:
+            close(self._efd)
+            self._efd = -1
         pthread_mutex_unlock(&self._lock)
-        close(self._efd)
-        self._efd = -1
-        _live["CompletionQueue"] -= 1
+        if self._counted:
+            self._counted = False
+            _live["CompletionQueue"] -= 1
 
     cdef _check_open(self):
         if self._closed:
@@ -165,30 +177,32 @@ cdef class HostCopyEngine:
                   uint64_t split_bytes=4 << 20):
         cdef int i
         cdef pthread_t tid
+        self._closed = True
+        self._stop = False
+        pthread_mutex_init(&self._lock, NULL)
+        pthread_cond_init(&self._cond, NULL)
         if threads < 1 or threads > 64:
             raise ValueError("threads must be in [1, 64]")
         queue._check_open()
         self._queue = queue
-        self._stop = False
-        self._closed = False
         self._split_bytes = split_bytes if split_bytes >= _MIN_SPLIT else _MIN_SPLIT
-        pthread_mutex_init(&self._lock, NULL)
-        pthread_cond_init(&self._cond, NULL)
         for i in range(threads):
             if pthread_create(&tid, NULL, _copy_worker_main, <void *>self) != 0:
                 self._shutdown()
                 raise OSError("could not start a copy thread")
             self._threads.push_back(tid)
+        self._closed = False
+        self._counted = True
         _live["HostCopyEngine"] += 1
 
     def __dealloc__(self):
-        if not self._closed:
+        if self._counted:
             self._shutdown()
         pthread_cond_destroy(&self._cond)
         pthread_mutex_destroy(&self._lock)
 
     def __del__(self):
-        if not self._closed:
+        if self._counted:
             _warnings.warn("HostCopyEngine was not closed", ResourceWarning, stacklevel=2)
 
     @property
@@ -307,7 +321,11 @@ cdef class HostCopyEngine:
 
     def pending(self):
         """Number of jobs whose record has not been posted yet."""
-        return self._jobs.size()
+        cdef size_t n
+        pthread_mutex_lock(&self._lock)
+        n = self._jobs.size()
+        pthread_mutex_unlock(&self._lock)
+        return n
 
     cdef void _work(self) noexcept nogil:
         cdef CopyChunk chunk
@@ -345,7 +363,7 @@ cdef class HostCopyEngine:
 
     def close(self):
         """Cancel every job (each still posts its record) and join the threads."""
-        if not self._closed:
+        if self._counted:
             self._shutdown()
 
     cdef _shutdown(self):
@@ -362,8 +380,9 @@ cdef class HostCopyEngine:
             for i in range(self._threads.size()):
                 pthread_join(self._threads[i], NULL)
         self._threads.clear()
-        if not self._closed:
-            self._closed = True
+        self._closed = True
+        if self._counted:
+            self._counted = False
             _live["HostCopyEngine"] -= 1
 
 
@@ -393,15 +412,17 @@ cdef class SocketEngine:
     """
 
     def __cinit__(self, CompletionQueue queue not None):
-        queue._check_open()
-        self._queue = queue
-        self._closed = False
+        self._epfd = -1
+        self._wakefd = -1
+        self._closed = True
         self._stop = False
         self._started = False
         self._commands_sent = 0
         self._commands_done = 0
         pthread_mutex_init(&self._lock, NULL)
         pthread_cond_init(&self._acked, NULL)
+        queue._check_open()
+        self._queue = queue
         self._epfd = epoll_create1(EPOLL_CLOEXEC)
         self._wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
         cdef epoll_event ev
@@ -415,16 +436,18 @@ cdef class SocketEngine:
             self._release_fds()
             raise OSError("could not start the socket thread")
         self._started = True
+        self._closed = False
+        self._counted = True
         _live["SocketEngine"] += 1
 
     def __dealloc__(self):
-        if not self._closed:
+        if self._counted:
             self._shutdown()
         pthread_cond_destroy(&self._acked)
         pthread_mutex_destroy(&self._lock)
 
     def __del__(self):
-        if not self._closed:
+        if self._counted:
             _warnings.warn("SocketEngine was not closed", ResourceWarning, stacklevel=2)
 
     cdef _release_fds(self):
@@ -539,7 +562,11 @@ cdef class SocketEngine:
 
     def pending(self):
         """Number of jobs whose record has not been posted yet."""
-        return self._jobs.size()
+        cdef size_t n
+        pthread_mutex_lock(&self._lock)
+        n = self._jobs.size()
+        pthread_mutex_unlock(&self._lock)
+        return n
 
     cdef void _finish(self, IoJob *job, int32_t status) noexcept nogil:
         pthread_mutex_lock(&self._lock)
@@ -740,7 +767,7 @@ cdef class SocketEngine:
 
     def close(self):
         """Cancel every job (each still posts its record) and stop the thread."""
-        if not self._closed:
+        if self._counted:
             self._shutdown()
 
     cdef _shutdown(self):
@@ -755,8 +782,9 @@ cdef class SocketEngine:
                 pthread_join(self._thread, NULL)
             self._started = False
         self._release_fds()
-        if not self._closed:
-            self._closed = True
+        self._closed = True
+        if self._counted:
+            self._counted = False
             _live["SocketEngine"] -= 1
 
 

@@ -10,6 +10,7 @@ segment list is built.
 from __future__ import annotations
 
 import array
+import bisect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -272,6 +273,21 @@ class CacheRegistry:
                 f"registering {nbytes} bytes would exceed the registered-memory cap "
                 f"({self._used} of {self._cap} bytes in use; set aio.RegisteredMemoryCap)",
                 status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
+
+    def check_unregistered(self, arg: str, tensors: Sequence[torch.Tensor], nbytes: int) -> None:
+        """``LLM_PARAM_INVALID`` if any tensor overlaps memory of a registered cache.
+
+        Registered memory is disjoint, so sorted starts give sorted ends and
+        only the last span starting before a tensor's end can overlap it.
+        """
+        spans = sorted((base, base + e.cache.layout.tensor_bytes, e.cache.cache_id)
+                       for e in self._entries.values() for base in e.cache.layout.bases)
+        starts = [start for start, _, _ in spans]
+        for i, t in enumerate(tensors):
+            begin = t.data_ptr()
+            k = bisect.bisect_left(starts, begin + nbytes) - 1
+            if k >= 0 and spans[k][1] > begin:
+                raise param_invalid(arg, f"tensor {i} overlaps memory of cache {spans[k][2]}")
 
     def check_keys(self, desc: CacheDesc, cache_keys: Iterable[Any]) -> list[tuple[int, CacheKey]]:
         """Validate keys for a new cache; returns ``(row, key)`` of the real ones."""

@@ -151,11 +151,13 @@ class KvCacheManager:
         :param tensors_or_addrs: one contiguous tensor per cache tensor (dtype,
             shape and device as the desc says), or host addresses.
         :raises LLMException: ``LLM_PARAM_INVALID`` for mismatched tensors,
-            overlapping memory or bad keys; ``LLM_OUT_OF_MEMORY`` past the cap.
+            overlapping memory (with each other or with any registered cache)
+            or bad keys; ``LLM_OUT_OF_MEMORY`` past the cap.
         """
         rt = self._rt()
         desc = self._check_desc(cache_desc)
         tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
+        rt.registry.check_unregistered("tensors_or_addrs", tensors, desc.size)
         keys = rt.registry.check_keys(desc, cache_keys)
         return rt.registry.add(
             lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=False, owned=False),
@@ -167,6 +169,7 @@ class KvCacheManager:
         rt = self._rt()
         desc = self._check_desc(cache_desc)
         tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
+        rt.registry.check_unregistered("tensors_or_addrs", tensors, desc.size)
         key = rt.registry.check_blocks_key(blocks_cache_key)
         return rt.registry.add(
             lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=True, owned=False),

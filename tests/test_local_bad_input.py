@@ -1,0 +1,425 @@
+"""Every bad input to a local operation: the documented code, the argument named, nothing written."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    KvCache,
+    KvCacheManager,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+
+S = LLMStatusCode
+INVALID, NOT_EXIST = S.LLM_PARAM_INVALID, S.LLM_KV_CACHE_NOT_EXIST
+U64_MAX = 2**64 - 1
+
+BLOCKS_HOST = CacheDesc(2, (16, 4, 32), DataType.DT_FLOAT16, Placement.HOST)
+BLOCKS_DEVICE = CacheDesc(2, (16, 4, 32), DataType.DT_FLOAT16, Placement.DEVICE)
+CONTIG = CacheDesc(2, (3, 8, 16), DataType.DT_FLOAT, Placement.DEVICE)  # rows of 512 B
+ROW_BYTES = 8 * 16 * 4
+
+
+@contextmanager
+def rejected(code: LLMStatusCode, arg: str) -> Iterator[None]:
+    with pytest.raises(LLMException) as info:
+        yield
+    assert info.value.status_code is code, str(info.value)
+    assert f"'{arg}'" in str(info.value), f"message does not name {arg!r}: {info.value}"
+
+
+def randomize(cache: KvCache) -> None:
+    for t in cache.tensors:
+        raw = t.view(torch.uint8).reshape(-1)
+        raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8))
+
+
+def snapshot(*caches: KvCache) -> list[torch.Tensor]:
+    return [t.view(torch.uint8).clone() for c in caches for t in c.tensors]
+
+
+async def assert_all_rejected(cases: list[tuple[str, LLMStatusCode, Callable[[], Awaitable[Any]]]],
+                              *destinations: KvCache) -> None:
+    """Run each bad call; each must raise before writing one byte of ``destinations``."""
+    before = snapshot(*destinations)
+    for arg, code, call in cases:
+        with rejected(code, arg):
+            await call()
+        after = snapshot(*destinations)
+        assert all(torch.equal(a, b) for a, b in zip(after, before)), f"{arg}: destination written"
+
+
+class Endpoint:
+    """An initialised PROMPT endpoint with one cache of each kind, filled with random bytes."""
+
+    def __init__(self, dd: LLMDataDist) -> None:
+        self.dd = dd
+        self.kv: KvCacheManager = dd.kv_cache_manager
+        self.host = self.kv.allocate_blocks_cache(BLOCKS_HOST)
+        self.device = self.kv.allocate_blocks_cache(BLOCKS_DEVICE)
+        self.contig = self.kv.allocate_cache(CONTIG)
+        self.contig2 = self.kv.allocate_cache(CONTIG)
+        for cache in (self.host, self.device, self.contig, self.contig2):
+            randomize(cache)
+        self.gone = self.kv.allocate_blocks_cache(BLOCKS_DEVICE)
+        self.kv.deallocate_cache(self.gone)
+
+    @property
+    def registry(self):
+        return self.dd._runtime.registry
+
+    def assert_idle(self) -> None:
+        assert self.dd._runtime.completions.pending_count() == 0
+        assert self.dd._runtime.copier.pending() == 0
+
+
+def options(**config: Any) -> dict[str, str]:
+    cfg = LLMConfig()
+    for name, value in config.items():
+        setattr(cfg, name, value)
+    return cfg.generate_options()
+
+
+# ---- copies ----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_copy_blocks_rejects():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd, LLMDataDist(LLMRole.PROMPT, 2) as other:
+        await dd.init(options())
+        await other.init(options())
+        e = Endpoint(dd)
+        foreign = other.kv_cache_manager.allocate_blocks_cache(BLOCKS_DEVICE)
+        kv, c = e.kv, e.device
+
+        def copy(info: Any, cache: Any = c, **kw: Any) -> Callable[[], Awaitable[None]]:
+            return lambda: kv.copy_blocks(cache, info, **kw)
+
+        await assert_all_rejected([
+            ("cache", INVALID, copy({0: [1]}, cache=torch.zeros(16))),
+            ("cache", INVALID, copy({0: [1]}, cache=None)),
+            ("cache", INVALID, copy({0: [1]}, cache=e.contig)),
+            ("cache", NOT_EXIST, copy({0: [1]}, cache=e.gone)),
+            ("cache", NOT_EXIST, copy({0: [1]}, cache=foreign)),
+            ("copy_block_info", INVALID, copy([(0, [1])])),
+            ("copy_block_info", INVALID, copy({})),
+            ("copy_block_info", INVALID, copy(None)),
+            ("copy_block_info", INVALID, copy({16: [1]})),
+            ("copy_block_info", INVALID, copy({-1: [1]})),
+            ("copy_block_info", INVALID, copy({0: [16]})),
+            ("copy_block_info", INVALID, copy({0: [1], 3: [4, 99]})),  # valid first, bad last
+            ("copy_block_info", INVALID, copy({0: 1})),
+            ("copy_block_info", INVALID, copy({0: []})),
+            ("copy_block_info", INVALID, copy({0: [1, 1]})),
+            ("copy_block_info", INVALID, copy({0: [1], 2: [1]})),
+            ("copy_block_info", INVALID, copy({0: [1], 1: [2]})),
+            ("copy_block_info", INVALID, copy({0: [0]})),
+            ("copy_block_info", INVALID, copy({True: [1]})),
+            ("copy_block_info", INVALID, copy({0: [1.0]})),
+            ("copy_block_info", INVALID, copy({"0": [1]})),
+            ("copy_block_info", INVALID, copy({0: "1"})),
+            ("timeout", INVALID, copy({0: [1]}, timeout=0)),
+            ("timeout", INVALID, copy({0: [1]}, timeout=-5)),
+            ("timeout", INVALID, copy({0: [1]}, timeout="100")),
+            ("timeout", INVALID, copy({0: [1]}, timeout=1.5)),
+        ], e.device, e.host, e.contig)
+        e.assert_idle()
+        await kv.copy_blocks(c, {0: [1]})  # the manager still works
+        raw = c.tensors[1].view(torch.uint8)
+        assert torch.equal(raw[1], raw[0])
+
+
+@pytest.mark.asyncio
+async def test_swap_blocks_rejects():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options())
+        e = Endpoint(dd)
+        kv = e.kv
+        fewer = kv.allocate_blocks_cache(CacheDesc(1, (16, 4, 32), DataType.DT_FLOAT16, Placement.HOST))
+        other_type = kv.allocate_blocks_cache(CacheDesc(2, (16, 4, 32), DataType.DT_BF16, Placement.HOST))
+        other_block = kv.allocate_blocks_cache(CacheDesc(2, (16, 4, 16), DataType.DT_FLOAT16, Placement.HOST))
+        host2 = kv.allocate_blocks_cache(BLOCKS_HOST)
+
+        def swap(mapping: Any, src: Any = e.device, dst: Any = e.host, **kw: Any) -> Callable[[], Awaitable[None]]:
+            return lambda: kv.swap_blocks(src, dst, mapping, **kw)
+
+        await assert_all_rejected([
+            ("src", INVALID, swap({0: 0}, src="cache")),
+            ("dst", INVALID, swap({0: 0}, dst=[e.host])),
+            ("src", INVALID, swap({0: 0}, src=e.contig)),
+            ("dst", INVALID, swap({0: 0}, dst=e.contig)),
+            ("src", NOT_EXIST, swap({0: 0}, src=e.gone)),
+            ("dst", NOT_EXIST, swap({0: 0}, src=e.host, dst=e.gone)),
+            ("dst", INVALID, swap({0: 0}, dst=host2, src=e.host)),          # HOST to HOST
+            ("dst", INVALID, swap({0: 0}, dst=fewer)),                      # num_tensors differ
+            ("dst", INVALID, swap({0: 0}, dst=other_type)),                 # data types differ
+            ("dst", INVALID, swap({0: 0}, dst=other_block)),                # block sizes differ
+            ("src_to_dst", INVALID, swap([(0, 0)])),
+            ("src_to_dst", INVALID, swap({})),
+            ("src_to_dst", INVALID, swap({16: 0})),
+            ("src_to_dst", INVALID, swap({0: 16})),
+            ("src_to_dst", INVALID, swap({0: -1})),
+            ("src_to_dst", INVALID, swap({0: 1, 2: 1})),
+            ("src_to_dst", INVALID, swap({0: 1, 2: 99})),
+            ("src_to_dst", INVALID, swap({False: 1})),
+            ("src_to_dst", INVALID, swap({0: [1]})),
+            ("timeout", INVALID, swap({0: 0}, timeout=0)),
+        ], e.host, e.device, fewer, other_type, other_block, host2)
+        e.assert_idle()
+
+
+@pytest.mark.asyncio
+async def test_copy_cache_rejects():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options())
+        e = Endpoint(dd)
+        kv = e.kv
+        other_rows = kv.allocate_cache(CacheDesc(2, (3, 8, 8), DataType.DT_FLOAT, Placement.DEVICE))
+        other_count = kv.allocate_cache(CacheDesc(1, (3, 8, 16), DataType.DT_FLOAT, Placement.DEVICE))
+        other_type = kv.allocate_cache(CacheDesc(2, (3, 8, 16), DataType.DT_INT32, Placement.DEVICE))
+        gone = kv.allocate_cache(CONTIG)
+        kv.deallocate_cache(gone)
+
+        def copy(dst: Any = e.contig, src: Any = e.contig2, **kw: Any) -> Callable[[], Awaitable[None]]:
+            return lambda: kv.copy_cache(dst, src, **kw)
+
+        await assert_all_rejected([
+            ("dst", INVALID, copy(dst=object())),
+            ("src", INVALID, copy(src=e.contig.tensors)),
+            ("dst", INVALID, copy(dst=e.device)),
+            ("src", INVALID, copy(src=e.device)),
+            ("dst", NOT_EXIST, copy(dst=gone)),
+            ("src", NOT_EXIST, copy(src=gone)),
+            ("src", INVALID, copy(src=other_rows)),
+            ("src", INVALID, copy(src=other_count)),
+            ("src", INVALID, copy(src=other_type)),
+            ("dst_batch_index", INVALID, copy(dst_batch_index=3)),
+            ("dst_batch_index", INVALID, copy(dst_batch_index=-1)),
+            ("dst_batch_index", INVALID, copy(dst_batch_index=True)),
+            ("dst_batch_index", INVALID, copy(dst_batch_index=None)),
+            ("src_batch_index", INVALID, copy(src_batch_index=7)),
+            ("src_batch_index", INVALID, copy(src_batch_index="0")),
+            ("dst_batch_index", INVALID, copy(src=e.contig, dst_batch_index=1, src_batch_index=1)),
+            ("offset", INVALID, copy(offset=-1)),
+            ("offset", INVALID, copy(offset=ROW_BYTES)),
+            ("offset", INVALID, copy(offset=2.0)),
+            ("size", INVALID, copy(size=0)),
+            ("size", INVALID, copy(size=-2)),
+            ("size", INVALID, copy(size=ROW_BYTES + 1)),
+            ("size", INVALID, copy(offset=100, size=ROW_BYTES - 99)),
+            ("size", INVALID, copy(size="all")),
+            ("timeout", INVALID, copy(timeout=0)),
+        ], e.contig, e.contig2, other_rows, other_count, other_type)
+        e.assert_idle()
+
+
+# ---- allocation and registration ----------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_allocate_rejects_bad_descs_and_keys():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options())
+        e = Endpoint(dd)
+        kv = e.kv
+        bound = CacheKey(1, req_id=100)
+        kv.allocate_cache(CONTIG, [bound])
+        kv.allocate_blocks_cache(BLOCKS_HOST, BlocksCacheKey(1, model_id=3))
+        caches, used = len(e.registry), e.registry.used_bytes
+        k1, k2 = CacheKey(1, req_id=1), CacheKey(1, req_id=2)
+        cases = [
+            ("cache_desc", lambda: kv.allocate_cache({"num_tensors": 2})),
+            ("cache_desc", lambda: kv.allocate_cache(None)),
+            ("cache_desc", lambda: kv.allocate_blocks_cache("desc")),
+            ("cache_keys", lambda: kv.allocate_cache(CONTIG, k1)),
+            ("cache_keys", lambda: kv.allocate_cache(CONTIG, {k1})),
+            ("cache_keys", lambda: kv.allocate_cache(CONTIG, [k1, k2, CacheKey(1, 3), CacheKey(1, 4)])),
+            ("cache_keys[1]", lambda: kv.allocate_cache(CONTIG, [k1, BlocksCacheKey(1)])),
+            ("cache_keys[1]", lambda: kv.allocate_cache(CONTIG, [k1, 7])),
+            ("cache_keys[2]", lambda: kv.allocate_cache(CONTIG, [k1, k2, CacheKey(5, req_id=1)])),
+            ("cache_keys[1]", lambda: kv.allocate_cache(CONTIG, [k1, bound])),
+            ("cache_keys[0]", lambda: kv.allocate_cache(CONTIG, [CacheKey(1, req_id=1, prefix_id=2)])),
+            ("blocks_cache_key", lambda: kv.allocate_blocks_cache(BLOCKS_HOST, CacheKey(1, 1))),
+            ("blocks_cache_key", lambda: kv.allocate_blocks_cache(BLOCKS_HOST, BlocksCacheKey(9, model_id=3))),
+        ]
+        for arg, call in cases:
+            with rejected(INVALID, arg):
+                call()
+        assert (len(e.registry), e.registry.used_bytes) == (caches, used), "a refused cache was kept"
+        # Refused calls consume no cache id and no key.
+        assert kv.allocate_cache(CONTIG, [k1, CacheKey(1, req_id=U64_MAX), k2]).cache_id == 8
+
+
+@pytest.mark.asyncio
+async def test_registered_memory_cap_is_out_of_memory():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options(registered_memory_cap=2 * BLOCKS_HOST.size * BLOCKS_HOST.num_tensors))
+        kv = dd.kv_cache_manager
+        kv.allocate_blocks_cache(BLOCKS_HOST)
+        kv.allocate_blocks_cache(BLOCKS_DEVICE)
+        user = [torch.zeros(BLOCKS_HOST.shape, dtype=torch.float16) for _ in range(2)]
+        for call in (lambda: kv.allocate_blocks_cache(BLOCKS_HOST),
+                     lambda: kv.allocate_cache(CONTIG, [CacheKey(1, req_id=5)]),
+                     lambda: kv.register_blocks_cache(BLOCKS_HOST, user, BlocksCacheKey(1, 4))):
+            with pytest.raises(LLMException, match="aio.RegisteredMemoryCap") as info:
+                call()
+            assert info.value.status_code is S.LLM_OUT_OF_MEMORY
+        # The refused keys were not bound.
+        assert dd._runtime.registry.by_blocks_key(4) is None
+        assert dd._runtime.registry.by_key(CacheKey(1, req_id=5).lookup_key()) is None
+
+
+@pytest.mark.asyncio
+async def test_register_rejects_mismatched_memory():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options())
+        e = Endpoint(dd)
+        kv = e.kv
+        caches = len(e.registry)
+        good = [torch.zeros(CONTIG.shape) for _ in range(2)]
+        shared = torch.zeros(CONTIG.shape)
+        big = torch.zeros(2, *CONTIG.shape)
+        wide = torch.zeros(CONTIG.shape[0], CONTIG.shape[2], CONTIG.shape[1]).transpose(1, 2)
+        cases = [
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, good[0])),
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, good[:1])),
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, good + [torch.zeros(CONTIG.shape)])),
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, [good[0], good[1].double()])),
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, [good[0], good[1].reshape(3, 128)])),
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, [good[0], wide])),
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, [shared, shared])),
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, [big[0], big[0][1:].reshape(-1)[:0]])),
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, [good[0], "tensor"])),
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, [good[0].data_ptr(), 0])),
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, [good[0].data_ptr(), -4096])),
+            ("tensors_or_addrs", lambda: kv.register_cache(CONTIG, [good[0].data_ptr(), good[0].data_ptr() + 64])),
+            ("tensors_or_addrs", lambda: kv.register_blocks_cache(BLOCKS_HOST, [good[0].data_ptr(), True])),
+            ("cache_desc", lambda: kv.register_cache([2, (3, 8, 16)], good)),
+            ("cache_keys", lambda: kv.register_cache(CONTIG, good, CacheKey(1, 1))),
+            ("blocks_cache_key", lambda: kv.register_blocks_cache(
+                BLOCKS_HOST, [torch.zeros(BLOCKS_HOST.shape, dtype=torch.float16) for _ in range(2)], 3)),
+        ]
+        for arg, call in cases:
+            with rejected(INVALID, arg):
+                call()
+        assert len(e.registry) == caches
+
+
+@pytest.mark.asyncio
+async def test_register_rejects_memory_that_is_already_registered():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options())
+        e = Endpoint(dd)
+        kv = e.kv
+        memory = [torch.zeros(CONTIG.shape) for _ in range(2)]
+        registered = kv.register_cache(CONTIG, memory)
+        keyed = kv.allocate_cache(CONTIG, [CacheKey(1, req_id=1)])
+        kv.deallocate_cache(keyed)  # still registered: a key refers to it
+        caches, used = len(e.registry), e.registry.used_bytes
+        tail = memory[1].view(-1)[-1:]  # the last element of a registered tensor
+        fresh = torch.zeros(CONTIG.shape)
+        cases = [
+            lambda: kv.register_cache(CONTIG, memory),
+            lambda: kv.register_cache(CONTIG, [fresh, memory[1]]),
+            lambda: kv.register_cache(CONTIG, [fresh.data_ptr(), tail.data_ptr()]),
+            lambda: kv.register_blocks_cache(BLOCKS_HOST, [e.host.tensor_addrs[1], e.host.tensor_addrs[0] + 2]),
+            lambda: kv.register_cache(CONTIG, [fresh, keyed.tensors[0]]),
+        ]
+        for call in cases:
+            with rejected(INVALID, "tensors_or_addrs"):
+                call()
+        assert (len(e.registry), e.registry.used_bytes) == (caches, used)
+        kv.deallocate_cache(registered)
+        assert kv.register_cache(CONTIG, memory).alive  # free to register again
+
+
+# ---- keys, deallocation, tensors -----------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_deallocate_twice_and_foreign_caches_do_not_exist():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd, LLMDataDist(LLMRole.PROMPT, 2) as other:
+        await dd.init(options())
+        await other.init(options())
+        e = Endpoint(dd)
+        kv = e.kv
+        foreign = other.kv_cache_manager.allocate_blocks_cache(BLOCKS_HOST)
+        keyed = kv.allocate_cache(CONTIG, [CacheKey(1, req_id=1)])
+        kv.deallocate_cache(keyed)  # still kept by its key
+        user = [torch.zeros(BLOCKS_HOST.shape, dtype=torch.float16) for _ in range(2)]
+        cpu = KvCache.create_cpu_cache(BLOCKS_HOST, [t.data_ptr() for t in user])
+        used = e.registry.used_bytes
+        for cache in (e.gone, keyed, foreign, cpu):
+            with rejected(NOT_EXIST, "cache"):
+                kv.deallocate_cache(cache)
+        for bad in (None, 1, e.host.tensors):
+            with rejected(INVALID, "cache"):
+                kv.deallocate_cache(bad)
+        assert e.registry.used_bytes == used
+        assert foreign.alive and keyed.alive
+
+
+@pytest.mark.asyncio
+async def test_remove_cache_key_rejects_wrong_types_and_roles():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd, LLMDataDist(LLMRole.DECODER, 2) as decoder:
+        await dd.init(options())
+        await decoder.init(options())
+        kv = dd.kv_cache_manager
+        for bad in (BlocksCacheKey(1), None, (1, 2)):
+            with rejected(INVALID, "cache_key"):
+                kv.remove_cache_key(bad)
+        key = CacheKey(1, req_id=1)
+        cache = decoder.kv_cache_manager.allocate_cache(CONTIG, [key])
+        with rejected(INVALID, "role"):
+            decoder.kv_cache_manager.remove_cache_key(key)
+        assert decoder._runtime.registry.by_key(key.lookup_key()) == (cache, 0)
+
+
+@pytest.mark.asyncio
+async def test_get_cache_tensors_rejects():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options())
+        e = Endpoint(dd)
+        kv = e.kv
+        for bad in (2, -1, True, 1.0, "0", None):
+            with rejected(INVALID, "tensor_index"):
+                kv.get_cache_tensors(e.host, bad)
+        with rejected(INVALID, "cache"):
+            kv.get_cache_tensors(e.host.tensors[0])
+        with rejected(NOT_EXIST, "cache"):
+            kv.get_cache_tensors(e.gone)
+
+
+def test_create_cpu_cache_rejects():
+    memory = [torch.zeros(BLOCKS_HOST.shape, dtype=torch.float16) for _ in range(2)]
+    addrs = [t.data_ptr() for t in memory]
+    cases = [
+        ("cache_desc", lambda: KvCache.create_cpu_cache(BLOCKS_DEVICE, addrs)),
+        ("cache_desc", lambda: KvCache.create_cpu_cache("desc", addrs)),
+        ("addrs", lambda: KvCache.create_cpu_cache(BLOCKS_HOST, addrs[:1])),
+        ("addrs", lambda: KvCache.create_cpu_cache(BLOCKS_HOST, addrs + addrs)),
+        ("addrs", lambda: KvCache.create_cpu_cache(BLOCKS_HOST, [addrs, addrs])),
+        ("addrs", lambda: KvCache.create_cpu_cache(BLOCKS_HOST, [addrs[0], 0])),
+        ("addrs", lambda: KvCache.create_cpu_cache(BLOCKS_HOST, [addrs[0], -1])),
+        ("addrs", lambda: KvCache.create_cpu_cache(BLOCKS_HOST, [addrs[0], True])),
+        ("addrs", lambda: KvCache.create_cpu_cache(BLOCKS_HOST, [addrs[0], 2**64])),
+        ("addrs", lambda: KvCache.create_cpu_cache(BLOCKS_HOST, addrs[0])),
+        ("addrs", lambda: KvCache.create_cpu_cache(BLOCKS_HOST, [addrs[0], float(addrs[1])])),
+    ]
+    for arg, call in cases:
+        with rejected(INVALID, arg):
+            call()

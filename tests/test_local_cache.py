@@ -1,0 +1,248 @@
+"""Cache allocation, registration, ids, keys and the reference rules (reference section 4.2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    KvCache,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aio_datadist.devices.host import PAGE_SIZE
+
+S = LLMStatusCode
+BLOCKS = CacheDesc(4, (16, 2, 8, 16), DataType.DT_FLOAT16, Placement.HOST)   # 16 blocks of 512 B
+CONTIG = CacheDesc(2, (3, 64, 8), DataType.DT_FLOAT, Placement.DEVICE)      # 3 batch rows of 2 KiB
+U64_MAX = 2**64 - 1
+
+
+def registry(dd: LLMDataDist):
+    return dd._runtime.registry
+
+
+def cache_bytes(desc: CacheDesc) -> int:
+    return desc.size * desc.num_tensors
+
+
+@pytest.mark.asyncio
+async def test_cache_ids_count_from_one_per_instance():
+    cfg = LLMConfig()
+    async with LLMDataDist(LLMRole.PROMPT, 1) as prompt, LLMDataDist(LLMRole.DECODER, 2) as decoder:
+        await prompt.init(cfg.generate_options())
+        await decoder.init(cfg.generate_options())
+        pkv, dkv = prompt.kv_cache_manager, decoder.kv_cache_manager
+        a = pkv.allocate_cache(CONTIG)
+        b = pkv.allocate_blocks_cache(BLOCKS)
+        user = [torch.zeros(CONTIG.shape, dtype=torch.float32) for _ in range(CONTIG.num_tensors)]
+        c = pkv.register_cache(CONTIG, user)
+        assert [a.cache_id, b.cache_id, c.cache_id] == [1, 2, 3]
+        assert dkv.allocate_blocks_cache(BLOCKS).cache_id == 1
+        assert dkv.allocate_cache(CONTIG).cache_id == 2
+        pkv.deallocate_cache(a)
+        assert pkv.allocate_cache(CONTIG).cache_id == 4  # ids are never reused
+
+
+@pytest.mark.asyncio
+async def test_allocated_cache_geometry_and_tensors():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(LLMConfig().generate_options())
+        kv = dd.kv_cache_manager
+        assert kv.is_initialized()
+        for desc, is_blocks in ((CONTIG, False), (BLOCKS, True)):
+            cache = (kv.allocate_blocks_cache if is_blocks else kv.allocate_cache)(desc)
+            assert isinstance(cache, KvCache)
+            assert cache.cache_desc == desc
+            assert cache.is_blocks_cache is is_blocks
+            assert cache.alive
+            addrs = cache.per_device_tensor_addrs
+            assert len(addrs) == 1 and len(addrs[0]) == desc.num_tensors
+            assert addrs[0] == cache.tensor_addrs == [t.data_ptr() for t in cache.tensors]
+            assert all(a % PAGE_SIZE == 0 for a in addrs[0]), "cache memory must be page-aligned"
+            for i in range(desc.num_tensors):
+                (view,) = kv.get_cache_tensors(cache, i)
+                assert view.dtype == desc.data_type.torch_dtype
+                assert tuple(view.shape) == desc.shape
+                assert view.data_ptr() == addrs[0][i]
+                assert not view.view(torch.uint8).any(), "new caches are zeroed"
+            # The views share the cache memory.
+            kv.get_cache_tensors(cache, 1)[0].fill_(3)
+            assert (cache.tensors[1] == 3).all()
+        assert registry(dd).used_bytes == cache_bytes(CONTIG) + cache_bytes(BLOCKS)
+        assert kv.get_cache_tensors(cache)[0].data_ptr() == cache.tensor_addrs[0]  # tensor_index=0
+
+
+@pytest.mark.asyncio
+async def test_keyed_cache_is_freed_when_deallocated_and_no_key_is_left():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(LLMConfig().generate_options())
+        kv = dd.kv_cache_manager
+        k0, k2 = CacheKey(1, req_id=10), CacheKey(1, req_id=12)
+        placeholder = CacheKey(1, req_id=U64_MAX)
+        cache = kv.allocate_cache(CONTIG, [k0, placeholder, k2])
+        kv.deallocate_cache(cache)
+        assert cache.alive, "keys still refer to the cache"
+        assert registry(dd).used_bytes == cache_bytes(CONTIG)
+        with pytest.raises(LLMException) as info:
+            kv.get_cache_tensors(cache)  # the id reference is gone
+        assert info.value.status_code is S.LLM_KV_CACHE_NOT_EXIST
+        kv.remove_cache_key(k0)
+        kv.remove_cache_key(k0)  # unbound: a no-op
+        assert cache.alive
+        kv.remove_cache_key(CacheKey(99, req_id=12))  # the cluster id is not part of the key
+        assert not cache.alive
+        assert registry(dd).used_bytes == 0
+        assert len(registry(dd)) == 0
+        # Keys are free to bind again.
+        again = kv.allocate_cache(CONTIG, [k2, k0])
+        assert again.alive and again.cache_id == 2
+
+
+@pytest.mark.asyncio
+async def test_removing_every_key_first_leaves_the_id_reference():
+    async with LLMDataDist(LLMRole.MIX, 1) as dd:
+        await dd.init(LLMConfig().generate_options())
+        kv = dd.kv_cache_manager
+        key = CacheKey(1, req_id=U64_MAX, prefix_id=5)
+        cache = kv.allocate_cache(CONTIG, [key])
+        kv.remove_cache_key(key)
+        assert cache.alive
+        assert kv.get_cache_tensors(cache, 1)[0].shape == CONTIG.shape
+        kv.deallocate_cache(cache)
+        assert not cache.alive
+        assert registry(dd).used_bytes == 0
+
+
+@pytest.mark.asyncio
+async def test_blocks_cache_is_freed_at_once_and_releases_its_key():
+    async with LLMDataDist(LLMRole.DECODER, 2) as dd:
+        await dd.init(LLMConfig().generate_options())
+        kv = dd.kv_cache_manager
+        cache = kv.allocate_blocks_cache(BLOCKS, BlocksCacheKey(1, model_id=7))
+        assert registry(dd).by_blocks_key(7) is cache
+        kv.deallocate_cache(cache)
+        assert not cache.alive
+        assert registry(dd).used_bytes == 0
+        assert registry(dd).by_blocks_key(7) is None
+        assert kv.allocate_blocks_cache(BLOCKS, BlocksCacheKey(1, model_id=7)).cache_id == 2
+
+
+@pytest.mark.asyncio
+async def test_registered_cache_is_unregistered_at_once_and_memory_stays_the_callers():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(LLMConfig().generate_options())
+        kv = dd.kv_cache_manager
+        user = [torch.randn(CONTIG.shape) for _ in range(CONTIG.num_tensors)]
+        saved = [t.clone() for t in user]
+        key = CacheKey(1, req_id=1)
+        cache = kv.register_cache(CONTIG, user, [key])
+        assert cache.tensor_addrs == [t.data_ptr() for t in user]
+        (view,) = kv.get_cache_tensors(cache, 1)
+        assert view.data_ptr() == user[1].data_ptr()
+        assert registry(dd).used_bytes == cache_bytes(CONTIG)
+        kv.deallocate_cache(cache)  # the key does not keep a registered cache
+        assert not cache.alive
+        assert registry(dd).used_bytes == 0
+        assert all(torch.equal(t, s) for t, s in zip(user, saved))
+        assert kv.register_cache(CONTIG, user, [key]).cache_id == 2  # key and memory free again
+
+
+@pytest.mark.asyncio
+async def test_register_blocks_cache_by_address():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(LLMConfig().generate_options())
+        kv = dd.kv_cache_manager
+        user = [torch.randn(BLOCKS.shape).half() for _ in range(BLOCKS.num_tensors)]
+        cache = kv.register_blocks_cache(BLOCKS, [t.data_ptr() for t in user], BlocksCacheKey(1, 0))
+        assert cache.is_blocks_cache
+        (view,) = kv.get_cache_tensors(cache, 3)
+        assert view.data_ptr() == user[3].data_ptr()
+        assert torch.equal(view, user[3])
+        kv.deallocate_cache(cache)
+        assert registry(dd).used_bytes == 0
+
+
+@pytest.mark.asyncio
+async def test_registered_memory_cap_counts_allocations_and_registrations():
+    cfg = LLMConfig()
+    cfg.registered_memory_cap = 3 * cache_bytes(BLOCKS)
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(cfg.generate_options())
+        kv = dd.kv_cache_manager
+        first = kv.allocate_blocks_cache(BLOCKS)
+        kv.allocate_blocks_cache(BLOCKS)
+        user, more = ([torch.zeros(BLOCKS.shape, dtype=torch.float16) for _ in range(BLOCKS.num_tensors)]
+                      for _ in range(2))
+        kv.register_blocks_cache(BLOCKS, user)
+        for attempt in (lambda: kv.allocate_blocks_cache(BLOCKS), lambda: kv.register_blocks_cache(BLOCKS, more)):
+            with pytest.raises(LLMException, match="registered-memory cap") as info:
+                attempt()
+            assert info.value.status_code is S.LLM_OUT_OF_MEMORY
+        assert len(registry(dd)) == 3, "a refused cache must not be half-registered"
+        assert registry(dd).used_bytes == 3 * cache_bytes(BLOCKS)
+        kv.deallocate_cache(first)
+        assert kv.allocate_blocks_cache(BLOCKS).cache_id == 4
+
+
+@pytest.mark.asyncio
+async def test_create_cpu_cache_wraps_caller_memory_for_swap_blocks():
+    host_desc = CacheDesc(4, BLOCKS.shape, DataType.DT_FLOAT16, Placement.HOST)
+    device_desc = CacheDesc(4, BLOCKS.shape, DataType.DT_FLOAT16, Placement.DEVICE)
+    async with LLMDataDist(LLMRole.DECODER, 2) as dd:
+        await dd.init(LLMConfig().generate_options())
+        kv = dd.kv_cache_manager
+        device = kv.allocate_blocks_cache(device_desc)
+        for t in device.tensors:
+            t.copy_(torch.randn(t.shape))
+        host_memory = [torch.zeros(BLOCKS.shape, dtype=torch.float16) for _ in range(4)]
+        addrs = [t.data_ptr() for t in host_memory]
+        host = KvCache.create_cpu_cache(host_desc, addrs)
+        nested = KvCache.create_cpu_cache(host_desc, [addrs])
+        assert host.cache_id == nested.cache_id == -1
+        assert host.is_blocks_cache
+        assert host.per_device_tensor_addrs == nested.per_device_tensor_addrs == [addrs]
+        assert kv.get_cache_tensors(host, 2)[0].data_ptr() == addrs[2]
+
+        await kv.swap_blocks(device, host, {0: 5, 3: 1, 15: 0})  # swap out
+        for src, dst in zip(device.tensors, host_memory):
+            assert torch.equal(dst[[5, 1, 0]], src[[0, 3, 15]])
+            assert not dst[[2, 3, 4] + list(range(6, 16))].any()
+        await kv.swap_blocks(host, device, {5: 9, 1: 10})  # swap in
+        for dst in device.tensors:
+            assert torch.equal(dst[[9, 10]], dst[[0, 3]])
+        assert dd._runtime.completions.pending_count() == 0
+        assert dd._runtime.copier.pending() == 0
+
+
+@pytest.mark.asyncio
+async def test_finalize_releases_every_cache_and_refuses_further_calls():
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    kv = dd.kv_cache_manager
+    assert not kv.is_initialized()
+    with pytest.raises(LLMException, match="not initialized") as info:
+        kv.allocate_cache(CONTIG)
+    assert info.value.status_code is S.LLM_FAILED
+    await dd.init(LLMConfig().generate_options())
+    keyed = kv.allocate_cache(CONTIG, [CacheKey(1, req_id=1)])
+    blocks = kv.allocate_blocks_cache(BLOCKS)
+    await dd.finalize()
+    await dd.finalize()
+    assert not kv.is_initialized()
+    assert not keyed.alive and not blocks.alive
+    for call in (lambda: kv.allocate_cache(CONTIG), lambda: kv.deallocate_cache(blocks),
+                 lambda: kv.get_cache_tensors(keyed)):
+        with pytest.raises(LLMException) as info:
+            call()
+        assert info.value.status_code is S.LLM_ENGINE_FINALIZED
+    with pytest.raises(LLMException) as info:
+        await kv.copy_blocks(blocks, {0: [1]})
+    assert info.value.status_code is S.LLM_ENGINE_FINALIZED
