@@ -137,7 +137,7 @@ class KvCacheManager:
         rt.registry.reserve(nbytes)
         try:
             region, tensors = allocate_host_tensors(desc)
-        except OSError as exc:
+        except (OSError, MemoryError) as exc:
             raise LLMException(f"allocating {nbytes} bytes failed: {exc}",
                                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
         return rt.registry.add(

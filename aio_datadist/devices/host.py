@@ -31,6 +31,11 @@ class HostRegion:
 
     def __init__(self, nbytes: int, name: str = "aio_datadist") -> None:
         self.nbytes = max(round_up(nbytes), PAGE_SIZE)
+        available = os.sysconf("SC_AVPHYS_PAGES") * PAGE_SIZE
+        if self.nbytes > available:
+            # Populating more than the free memory would summon the OOM killer.
+            raise MemoryError(f"{self.nbytes} bytes requested, {available} bytes of memory free")
+        self._fd = -1
         self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, self.nbytes)
