@@ -227,9 +227,15 @@ class LLMDataDist:
         if links.count():
             raise LLMException(f"switch_role: {links.count()} link(s) still exist; unlink them first",
                                status_code=LLMStatusCode.LLM_EXIST_LINK)
+        previous = links.listen_address
         await links.stop_listening()
         if listen is not None:
-            await links.listen(*listen)
+            try:
+                await links.listen(*listen)
+            except LLMException:
+                if previous is not None:  # a failed switch keeps the endpoint as it was
+                    await links.listen(*previous)
+                raise
         self._role = role
 
 

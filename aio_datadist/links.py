@@ -133,6 +133,11 @@ class Link:
         while True:
             self.check()
             index = await self.free.get()
+            if index < 0:  # the link went down: pass the news on to the next waiter
+                self.free.put_nowait(index)
+                self.check()
+                raise LLMException(f"link to cluster {self.remote_cluster_id} is down",
+                                   status_code=LLMStatusCode.LLM_LINK_FAILED)
             if self.channels[index].sock is not None:
                 return index
 
@@ -258,6 +263,7 @@ class Link:
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(exc)
+                fut.exception()  # a waiter that gave up already must not leave "never retrieved" noise
         serving, self.serving = self.serving, {}
         for cancel in serving.values():
             cancel()

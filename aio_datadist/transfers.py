@@ -22,7 +22,7 @@ from aio_datadist.cache import KvCache
 from aio_datadist.layers import resolve_tensor_span
 from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
 from aio_datadist.types import UINT64_MAX, BlocksCacheKey, CacheIndex, CacheKey, CacheKeyByIdAndIndex
-from aio_datadist.wire import Msg
+from aio_datadist.wire import MAX_ROWS, Msg
 
 if TYPE_CHECKING:
     from aio_datadist.links import Link
@@ -108,6 +108,9 @@ def check_spans(src: tuple[int, int], dst: tuple[int, int]) -> None:
 def build_plan(local: KvCache, local_layers: tuple[int, int], remote_layers: tuple[int, int],
                per_layer: int, local_rows: Sequence[int], local_nbytes: int, remote_rows: Sequence[int],
                remote_nbytes: int, flags: int, target: dict[str, int], local_arg: str) -> Plan:
+    if len(remote_rows) > MAX_ROWS:
+        raise param_invalid("src_blocks" if local_arg == "dst" else "dst_blocks",
+                            f"{len(remote_rows)} blocks in one request; the protocol carries at most {MAX_ROWS}")
     check_spans(remote_layers, local_layers)
     first, count = one_side_span(local.cache_desc.num_tensors, local_layers, per_layer,
                                  "dst_layer_range" if local_arg == "dst" else "src_layer_range")
@@ -177,6 +180,14 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
         _abandon(link, channel, generation, req_id)
         raise LLMException(f"{what} timed out after {timeout_ms} ms",
                            status_code=LLMStatusCode.LLM_TIMEOUT) from None
+    except LLMException as exc:
+        _abandon(link, channel, generation, req_id)
+        if exc.status_code == LLMStatusCode.LLM_FAILED and (link.broken is not None or link.closed):
+            try:
+                link.check()  # the engine stopped the job because the link went: say so
+            except LLMException as state:
+                raise state from exc
+        raise
     except BaseException:
         _abandon(link, channel, generation, req_id)
         raise

@@ -1,0 +1,488 @@
+"""Endpoints for link and transfer tests: in-process pairs and spawned peers.
+
+- :func:`options`, :func:`cluster_info`, :func:`endpoint`: one initialised
+  :class:`LLMDataDist`, listening on a free loopback port when asked.
+- :func:`linked_pair`: a PROMPT (listening) and a DECODER in this event loop,
+  linked by the decoder. Two endpoints in one loop are supported and make
+  the fastest tests.
+- :func:`fill`, :func:`pattern`: seeded, exactly representable cache
+  contents, so a spawned peer's bytes can be checked here without sending them.
+- :class:`EndpointProcess` / :func:`spawned`: an endpoint in a process of the
+  ``spawn`` context, on loopback only, that allocates the caches of a
+  :class:`CacheSpec` list with seeded contents, reports its port through a
+  pipe and is then driven by small commands. It always ends: an ``exit``
+  command, then terminate, then kill, each bounded in time, and it exits by
+  itself if this process dies or its lifetime runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    KvCache,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+
+LOCALHOST = "127.0.0.1"
+PROMPT_ID = 1
+DECODER_ID = 2
+
+#: Small geometries: 4 tensors (2 layers of K and V) in both.
+BLOCKS_DESC = CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, Placement.HOST)  # 8 blocks of 128 B
+CACHE_DESC = CacheDesc(4, (3, 256), DataType.DT_FLOAT16, Placement.HOST)  # 3 rows of 512 B
+
+
+# -- one endpoint -------------------------------------------------------------
+
+
+def options(*, listen: bool = False, secret: str | None = None, sync_kv_timeout: int | None = None,
+            switch_role: bool = False, data_channels: int | None = None) -> dict[str, str]:
+    """``LLMConfig(...).generate_options()`` for a loopback endpoint (port 0 when listening)."""
+    config = LLMConfig()
+    config.device_id = 0
+    if listen:
+        config.listen_ip_info = f"{LOCALHOST}:0"
+    if secret is not None:
+        config.shared_secret = secret
+    if sync_kv_timeout is not None:
+        config.sync_kv_timeout = sync_kv_timeout
+    if switch_role:
+        config.enable_switch_role = True
+    if data_channels is not None:
+        config.data_channels = data_channels
+    return config.generate_options()
+
+
+def cluster_info(remote_cluster_id: int, address: tuple[str, int]) -> LLMClusterInfo:
+    """An :class:`LLMClusterInfo` naming a peer that listens on ``address``."""
+    info = LLMClusterInfo()
+    info.remote_cluster_id = remote_cluster_id
+    info.append_remote_ip_info(address[0], address[1])
+    return info
+
+
+def port_of(dd: LLMDataDist) -> tuple[str, int]:
+    address = dd.listen_address
+    assert address is not None, "endpoint does not listen"
+    return address
+
+
+@contextlib.asynccontextmanager
+async def endpoint(role: LLMRole, cluster_id: int, *, listen: bool = False,
+                   **config: Any) -> AsyncIterator[LLMDataDist]:
+    """An initialised endpoint, finalized on exit."""
+    async with LLMDataDist(role, cluster_id) as dd:
+        await dd.init(options(listen=listen, **config))
+        yield dd
+
+
+@dataclasses.dataclass
+class Pair:
+    """A PROMPT that listens and a DECODER that links to it, in one loop."""
+
+    prompt: LLMDataDist
+    decoder: LLMDataDist
+
+    @property
+    def pm(self) -> Any:
+        return self.prompt.kv_cache_manager
+
+    @property
+    def dm(self) -> Any:
+        return self.decoder.kv_cache_manager
+
+    @property
+    def info(self) -> LLMClusterInfo:
+        """The prompt, as the decoder links to it."""
+        return cluster_info(self.prompt.cluster_id, port_of(self.prompt))
+
+    async def link(self) -> None:
+        status, per_cluster = await self.decoder.link_clusters([self.info], timeout=3000)
+        assert (status, per_cluster) == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+
+    async def unlink(self, *, force: bool = False) -> None:
+        status, _ = await self.decoder.unlink_clusters([self.info], force=force)
+        assert status == LLMStatusCode.LLM_SUCCESS
+
+
+@contextlib.asynccontextmanager
+async def linked_pair(*, link: bool = True, prompt_config: dict[str, Any] | None = None,
+                      decoder_config: dict[str, Any] | None = None) -> AsyncIterator[Pair]:
+    """PROMPT ``PROMPT_ID`` (listening) and DECODER ``DECODER_ID``; linked unless ``link=False``.
+
+    Blocks caches made before linking enter the compatibility check, so a
+    test that needs blocks caches on both sides makes them before
+    ``pair.link()`` (with ``link=False``) or with equal block geometry.
+    """
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, **(prompt_config or {})) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID, **(decoder_config or {})) as decoder:
+        pair = Pair(prompt, decoder)
+        if link:
+            await pair.link()
+        yield pair
+
+
+# -- cache contents -----------------------------------------------------------
+
+
+def pattern(desc: CacheDesc, seed: int) -> list[torch.Tensor]:
+    """The tensors :func:`fill` writes: small integers, exact in every float dtype."""
+    dtype = desc.data_type.torch_dtype
+    out = []
+    for index in range(desc.num_tensors):
+        gen = torch.Generator().manual_seed(seed * 10007 + index)
+        out.append(torch.randint(-1000, 1000, desc.shape, generator=gen).to(dtype))
+    return out
+
+
+def fill(cache: KvCache, seed: int) -> list[torch.Tensor]:
+    """Write :func:`pattern` into ``cache``; returns copies of what was written."""
+    values = pattern(cache.cache_desc, seed)
+    for tensor, value in zip(cache.tensors, values):
+        tensor.copy_(value)
+    return values
+
+
+def snapshot(cache: KvCache) -> list[torch.Tensor]:
+    """Copies of a cache's tensors (to check later that nothing was written)."""
+    return [t.clone() for t in cache.tensors]
+
+
+def same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# -- spawned endpoints ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """A cache a spawned endpoint allocates: ``fill(cache, seed)``, keys as given."""
+
+    name: str
+    desc: CacheDesc
+    seed: int
+    blocks: bool = False
+    req_ids: tuple[int, ...] = ()  # CacheKey(own cluster, req_id) bound to rows 0, 1, ...
+    model_id: int | None = None  # BlocksCacheKey(own cluster, model_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """A command argument standing for the spawned endpoint's cache ``name``."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EndpointSpec:
+    role: LLMRole
+    cluster_id: int
+    listen: bool = True
+    caches: tuple[CacheSpec, ...] = ()
+    config: tuple[tuple[str, Any], ...] = ()
+    loop: str = "asyncio"
+    lifetime: float = 60.0
+
+
+class PeerError(RuntimeError):
+    """A spawned endpoint died, failed a command in an unexpected way, or did not answer."""
+
+
+class EndpointProcess:
+    """An endpoint in a spawned process; see the module docstring.
+
+    Made by :func:`spawned`, which returns once it listens; :attr:`port` and
+    :attr:`cache_ids` are known then. ``await call(command, *args)`` runs one
+    command there and returns its result; an ``LLMException`` there is raised
+    here with the same status code. Commands: ``kv`` (a ``KvCacheManager``
+    method, :class:`Ref` standing for its caches), ``link`` / ``unlink``
+    (cluster id, port), ``check_link`` (cluster id), ``links`` (cluster id ->
+    "up" | "broken"), ``dump`` (cache name -> bytes per tensor), ``exit``.
+    """
+
+    def __init__(self, spec: EndpointSpec) -> None:
+        self.spec = spec
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._child_conn: multiprocessing.connection.Connection | None = child_conn
+        self._process = ctx.Process(target=_endpoint_main, args=(child_conn, spec, os.getpid()),
+                                    name=f"endpoint-{spec.cluster_id}", daemon=True)
+        self.port: int = 0
+        self.cache_ids: dict[str, int] = {}
+        self._started = False
+        self._closed = False
+        self._reaped = False
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (LOCALHOST, self.port)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def info(self) -> LLMClusterInfo:
+        return cluster_info(self.spec.cluster_id, self.address)
+
+    def expected(self, name: str) -> list[torch.Tensor]:
+        """What the spawned endpoint wrote into its cache ``name``."""
+        cache = next(c for c in self.spec.caches if c.name == name)
+        return pattern(cache.desc, cache.seed)
+
+    def _launch(self) -> None:
+        self._process.start()
+        self._started = True
+        assert self._child_conn is not None
+        self._child_conn.close()  # so that recv here sees EOF when the child dies
+        self._child_conn = None
+
+    async def _ready(self, timeout: float = 60.0) -> None:
+        ready = await self._recv(timeout, "its start")
+        if ready[0] != "ready":
+            raise PeerError(f"endpoint {self.spec.cluster_id} failed to start:\n{ready[1]}")
+        self.port, self.cache_ids = ready[1]["port"], ready[1]["caches"]
+
+    async def _recv(self, timeout: float, what: str) -> Any:
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        fd = self._conn.fileno()
+        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        try:
+            async with asyncio.timeout(timeout):
+                await readable
+        except TimeoutError:
+            raise PeerError(f"endpoint {self.spec.cluster_id}: no answer to {what} within {timeout} s") from None
+        finally:
+            loop.remove_reader(fd)
+        os.set_blocking(fd, True)  # uvloop's add_reader made it non-blocking; a message may still be arriving
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self._process.join(1.0)
+            raise PeerError(f"endpoint {self.spec.cluster_id} ended (exit code {self._process.exitcode}) "
+                            f"before answering {what}") from None
+
+    def send(self, command: str, *args: Any, **kwargs: Any) -> None:
+        """Send a command without waiting for its answer (collect it with :meth:`answer`)."""
+        self._conn.send((command, args, kwargs))
+
+    async def answer(self, timeout: float = 30.0) -> Any:
+        """The answer to the oldest command sent and not answered yet."""
+        reply = await self._recv(timeout, "a command")
+        kind, value = reply[0], reply[1:]
+        if kind == "ok":
+            return value[0]
+        if kind == "llm":
+            raise LLMException(value[1], status_code=value[0])
+        raise PeerError(f"endpoint {self.spec.cluster_id}: command failed:\n{value[0]}")
+
+    async def call(self, command: str, *args: Any, timeout: float = 30.0, **kwargs: Any) -> Any:
+        self.send(command, *args, **kwargs)
+        return await self.answer(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the process now (a crash: no finalize, no unlink)."""
+        self._process.kill()
+
+    def stop(self) -> None:
+        """SIGSTOP: the process stays alive but answers nothing."""
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGCONT)
+
+    async def close(self, grace: float = 10.0) -> None:
+        """Ask for ``exit``, then terminate, then kill; reap; close the pipe. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        p = self._process
+        try:
+            if self._started and p.is_alive():
+                with contextlib.suppress(OSError, ValueError):
+                    self.resume()
+                    self.send("exit")
+                await _join(p, grace)
+                for signal_it in (p.terminate, p.kill):
+                    if p.is_alive():
+                        signal_it()
+                        await _join(p, 5.0)
+        finally:
+            self.reap()
+
+    def reap(self) -> None:
+        """Kill (if still alive) and reap at once, close the pipes; a no-op the second time."""
+        if self._reaped:
+            return
+        self._reaped = True
+        self._closed = True
+        p = self._process
+        if self._started:
+            if p.is_alive():
+                p.kill()
+            p.join(5.0)
+            if not p.is_alive():
+                p.close()
+        self._conn.close()
+        if self._child_conn is not None:
+            self._child_conn.close()
+
+
+async def _join(process: multiprocessing.process.BaseProcess, timeout: float) -> None:
+    """Wait (without blocking the loop) for ``process`` to end, at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while process.is_alive() and time.monotonic() < deadline:
+        await asyncio.to_thread(process.join, min(0.5, max(deadline - time.monotonic(), 0.0)))
+
+
+@contextlib.asynccontextmanager
+async def spawned(*specs: EndpointSpec) -> AsyncIterator[list[EndpointProcess]]:
+    """Start endpoint processes together; every one is closed on exit, even on failure."""
+    procs = [EndpointProcess(spec) for spec in specs]
+    try:
+        for proc in procs:
+            proc._launch()
+        for proc in procs:
+            await proc._ready()
+        yield procs
+    finally:
+        await asyncio.gather(*(p.close() for p in procs), return_exceptions=True)
+        for proc in procs:  # in case close() itself was interrupted
+            proc.reap()
+
+
+# -- the child's side ---------------------------------------------------------------
+
+
+def _watchdog(parent_pid: int, deadline: float) -> None:
+    while True:
+        if os.getppid() != parent_pid or time.monotonic() > deadline:
+            os._exit(70)
+        time.sleep(0.2)
+
+
+def _endpoint_main(conn: multiprocessing.connection.Connection, spec: EndpointSpec, parent_pid: int) -> None:
+    threading.Thread(target=_watchdog, args=(parent_pid, time.monotonic() + spec.lifetime), daemon=True).start()
+    factory = None
+    if spec.loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(_serve(conn, spec))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        conn.close()
+
+
+async def _next_command(conn: multiprocessing.connection.Connection) -> Any:
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+    loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
+    try:
+        await readable
+    finally:
+        loop.remove_reader(conn.fileno())
+    os.set_blocking(conn.fileno(), True)  # see EndpointProcess._recv
+    try:
+        return conn.recv()
+    except EOFError:
+        return ("exit", (), {})
+
+
+async def _serve(conn: multiprocessing.connection.Connection, spec: EndpointSpec) -> None:
+    async with LLMDataDist(spec.role, spec.cluster_id) as dd:
+        await dd.init(options(listen=spec.listen, **dict(spec.config)))
+        kv = dd.kv_cache_manager
+        caches: dict[str, KvCache] = {}
+        for c in spec.caches:
+            if c.blocks:
+                key = None if c.model_id is None else BlocksCacheKey(spec.cluster_id, c.model_id)
+                caches[c.name] = kv.allocate_blocks_cache(c.desc, key)
+            else:
+                keys = [CacheKey(spec.cluster_id, req_id) for req_id in c.req_ids]
+                caches[c.name] = kv.allocate_cache(c.desc, keys)
+            fill(caches[c.name], c.seed)
+        port = dd.listen_address[1] if dd.listen_address else 0
+        conn.send(("ready", {"port": port, "caches": {n: c.cache_id for n, c in caches.items()}}))
+        while True:
+            command, args, kwargs = await _next_command(conn)
+            if command == "exit":
+                break
+            try:
+                result = await _run_command(dd, caches, command, args, kwargs)
+            except LLMException as exc:
+                conn.send(("llm", int(exc.status_code), str(exc)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+            else:
+                conn.send(("ok", result))
+
+
+async def _run_command(dd: LLMDataDist, caches: dict[str, KvCache], command: str, args: tuple,
+                       kwargs: dict) -> Any:
+    def resolve(value: Any) -> Any:
+        return caches[value.name] if isinstance(value, Ref) else value
+
+    if command == "kv":
+        method = getattr(dd.kv_cache_manager, args[0])
+        result = method(*map(resolve, args[1:]), **{k: resolve(v) for k, v in kwargs.items()})
+        if asyncio.iscoroutine(result):
+            result = await result
+        return None if isinstance(result, KvCache) else result
+    if command == "link":
+        remote_id, port = args
+        status, codes = await dd.link_clusters([cluster_info(remote_id, (LOCALHOST, port))], **kwargs)
+        return int(status), [int(c) for c in codes]
+    if command == "unlink":
+        remote_id, port = args
+        status, codes = await dd.unlink_clusters([cluster_info(remote_id, (LOCALHOST, port))], **kwargs)
+        return int(status), [int(c) for c in codes]
+    if command == "check_link":
+        await dd.check_link_status(args[0])
+        return None
+    if command == "links":
+        table = dd._links
+        return {} if table is None else {
+            cid: ("broken" if link.broken else "up") for cid, link in table.links.items() if not link.closed}
+    if command == "dump":
+        return [t.numpy().tobytes() for t in caches[args[0]].tensors]
+    raise ValueError(f"unknown command {command!r}")
+
+
+def tensors_from_dump(desc: CacheDesc, dump: list[bytes]) -> list[torch.Tensor]:
+    """Turn a ``dump`` answer back into tensors of ``desc``."""
+    dtype = desc.data_type.torch_dtype
+    return [torch.frombuffer(bytearray(raw), dtype=dtype).view(desc.shape) for raw in dump]

@@ -1,0 +1,371 @@
+"""link_clusters, unlink_clusters, check_link_status and switch_role between two endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+import torch
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from peers import (
+    BLOCKS_DESC,
+    DECODER_ID,
+    LOCALHOST,
+    PROMPT_ID,
+    cluster_info,
+    endpoint,
+    fill,
+    linked_pair,
+    port_of,
+)
+
+S = LLMStatusCode
+pytestmark = pytest.mark.asyncio
+
+
+def code_of(excinfo: pytest.ExceptionInfo[LLMException]) -> LLMStatusCode:
+    return excinfo.value.status_code
+
+
+async def test_link_then_pull_both_ways_of_addressing_the_link():
+    async with linked_pair() as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(DECODER_ID))
+        values = fill(src, 1)
+        await pair.decoder.check_link_status(PROMPT_ID)
+        await pair.prompt.check_link_status(DECODER_ID)  # the accepting side sees the link too
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [0, 1], [2, 3])
+        # the side that accepted the link pushes over it, addressing the initiator by its id
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [5], [7])
+        assert all(torch.equal(d[2:4], v[0:2]) and torch.equal(d[7], v[5]) for d, v in zip(dst.tensors, values))
+        with pytest.raises(LLMException) as exc:
+            await pair.decoder.check_link_status(77)
+        assert code_of(exc) == S.LLM_NOT_YET_LINK
+        with pytest.raises(LLMException) as exc:
+            await pair.decoder.check_link_status(-1)
+        assert code_of(exc) == S.LLM_PARAM_INVALID
+
+
+async def test_unlink_not_forced_tears_down_both_ends():
+    async with linked_pair() as pair:
+        status, codes = await pair.decoder.unlink_clusters([pair.info])
+        assert (status, codes) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        for dd, remote in ((pair.decoder, PROMPT_ID), (pair.prompt, DECODER_ID)):
+            with pytest.raises(LLMException) as exc:
+                await dd.check_link_status(remote)
+            assert code_of(exc) == S.LLM_NOT_YET_LINK
+        cache = pair.pm.allocate_blocks_cache(BLOCKS_DESC)
+        with pytest.raises(LLMException) as exc:
+            await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), cache, [0], [0])
+        assert code_of(exc) == S.LLM_NOT_YET_LINK
+        assert await pair.decoder.unlink_clusters([pair.info]) == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
+        await pair.link()  # and linking again works
+        await pair.decoder.check_link_status(PROMPT_ID)
+
+
+async def test_unlink_from_the_accepting_side_tears_down_both_ends():
+    async with linked_pair() as pair:
+        back = cluster_info(DECODER_ID, (LOCALHOST, 1))  # unlink uses the id; the address is not dialled
+        assert await pair.prompt.unlink_clusters([back]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        with pytest.raises(LLMException) as exc:
+            await pair.decoder.check_link_status(PROMPT_ID)
+        assert code_of(exc) == S.LLM_NOT_YET_LINK
+        await pair.link()
+
+
+async def test_forced_unlink_closes_only_this_end():
+    async with linked_pair() as pair:
+        assert await pair.decoder.unlink_clusters([pair.info], force=True) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        with pytest.raises(LLMException) as exc:
+            await pair.decoder.check_link_status(PROMPT_ID)
+        assert code_of(exc) == S.LLM_NOT_YET_LINK
+        # The prompt's end is not torn down for it: it finds the link broken ...
+        t0 = time.monotonic()
+        with pytest.raises(LLMException) as exc:
+            await pair.prompt.check_link_status(DECODER_ID)
+        assert code_of(exc) == S.LLM_LINK_FAILED
+        assert time.monotonic() - t0 < 1.5
+        # ... and unlinks its own end, forced, as after any failure.
+        back = cluster_info(DECODER_ID, (LOCALHOST, 1))
+        assert await pair.prompt.unlink_clusters([back], force=True) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        with pytest.raises(LLMException) as exc:
+            await pair.prompt.check_link_status(DECODER_ID)
+        assert code_of(exc) == S.LLM_NOT_YET_LINK
+        await pair.link()
+        await pair.prompt.check_link_status(DECODER_ID)
+
+
+async def test_relink_after_a_one_sided_forced_unlink():
+    async with linked_pair() as pair:
+        await pair.decoder.unlink_clusters([pair.info], force=True)
+        await pair.link()  # the prompt replaces its broken end
+        await pair.prompt.check_link_status(DECODER_ID)
+        await pair.decoder.check_link_status(PROMPT_ID)
+
+
+async def test_link_twice_is_already_link():
+    async with linked_pair() as pair, endpoint(LLMRole.DECODER, DECODER_ID) as twin:
+        assert await pair.decoder.link_clusters([pair.info]) == (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])
+        # another endpoint using a cluster id that is linked already is refused by the prompt
+        assert await twin.link_clusters([pair.info]) == (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])
+        await pair.decoder.check_link_status(PROMPT_ID)  # the existing link is untouched
+
+
+async def test_same_cluster_twice_in_one_call():
+    async with linked_pair(link=False) as pair:
+        status, codes = await pair.decoder.link_clusters([pair.info, pair.info])
+        assert codes.count(S.LLM_SUCCESS) == 1 and status != S.LLM_SUCCESS
+        await pair.decoder.check_link_status(PROMPT_ID)
+        await pair.prompt.check_link_status(DECODER_ID)
+
+
+async def test_more_than_16_clusters_per_call():
+    async with endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        infos = [cluster_info(100 + i, (LOCALHOST, 1)) for i in range(17)]
+        for call in (dd.link_clusters, dd.unlink_clusters):
+            with pytest.raises(LLMException) as exc:
+                await call(infos)
+            assert code_of(exc) == S.LLM_CLUSTER_NUM_EXCEED_LIMIT
+
+
+async def test_link_to_several_clusters_in_one_call():
+    async with endpoint(LLMRole.PROMPT, 10, listen=True) as p1, endpoint(LLMRole.PROMPT, 11, listen=True) as p2, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        infos = [cluster_info(10, port_of(p1)), cluster_info(11, port_of(p2))]
+        assert await dd.link_clusters(infos) == (S.LLM_SUCCESS, [S.LLM_SUCCESS, S.LLM_SUCCESS])
+        await dd.check_link_status(10)
+        await dd.check_link_status(11)
+        assert await dd.unlink_clusters(infos) == (S.LLM_SUCCESS, [S.LLM_SUCCESS, S.LLM_SUCCESS])
+
+
+async def test_link_failures_are_reported_per_cluster():
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        with socket.socket() as closed:
+            closed.bind((LOCALHOST, 0))
+            dead_port = closed.getsockname()[1]
+        good = cluster_info(PROMPT_ID, port_of(prompt))
+        wrong_id = cluster_info(99, port_of(prompt))
+        refused = cluster_info(98, (LOCALHOST, dead_port))
+        status, codes = await dd.link_clusters([wrong_id, refused, good])
+        assert codes == [S.LLM_LINK_FAILED, S.LLM_LINK_FAILED, S.LLM_SUCCESS]
+        assert status == S.LLM_LINK_FAILED
+        self_link = cluster_info(PROMPT_ID, port_of(prompt))
+        assert await prompt.link_clusters([self_link]) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+
+
+async def test_link_to_a_silent_listener_times_out():
+    async with endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        with socket.socket() as silent:
+            silent.bind((LOCALHOST, 0))
+            silent.listen(4)  # the kernel accepts; nobody answers HELLO
+            t0 = time.monotonic()
+            status, codes = await dd.link_clusters([cluster_info(5, silent.getsockname())], timeout=200)
+            assert (status, codes) == (S.LLM_TIMEOUT, [S.LLM_TIMEOUT])
+            assert time.monotonic() - t0 < 1.2
+
+
+async def test_link_argument_errors():
+    async with endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        no_id = cluster_info(1, (LOCALHOST, 1))
+        no_id._remote_cluster_id = None
+        no_address = cluster_info(1, (LOCALHOST, 1))
+        no_address._remote.clear()
+        good = [cluster_info(1, (LOCALHOST, 1))]
+        for clusters, kwargs in ((good[0], {}), ([object()], {}), ([no_id], {}), ([no_address], {}),
+                                 (good, {"timeout": 0}), (good, {"timeout": 2**31})):
+            with pytest.raises(LLMException) as exc:
+                await dd.link_clusters(clusters, **kwargs)
+            assert code_of(exc) == S.LLM_PARAM_INVALID, (clusters, kwargs)
+        with pytest.raises(LLMException) as exc:
+            await dd.unlink_clusters(good, force=1)
+        assert code_of(exc) == S.LLM_PARAM_INVALID
+
+
+async def test_finalize_tells_the_peer():
+    async with endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt:
+            info = cluster_info(PROMPT_ID, port_of(prompt))
+            assert (await dd.link_clusters([info]))[0] == S.LLM_SUCCESS
+        with pytest.raises(LLMException) as exc:
+            await dd.check_link_status(PROMPT_ID)
+        assert code_of(exc) in (S.LLM_NOT_YET_LINK, S.LLM_LINK_FAILED)
+        with pytest.raises(LLMException) as exc:
+            await prompt.check_link_status(DECODER_ID)
+        assert code_of(exc) == S.LLM_ENGINE_FINALIZED
+
+
+# -- authentication -------------------------------------------------------------
+
+
+async def test_link_with_a_different_or_missing_secret_fails():
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, secret="s3cret") as guarded, \
+            endpoint(LLMRole.PROMPT, 3, listen=True) as open_prompt, \
+            endpoint(LLMRole.DECODER, 4, secret="other") as wrong, \
+            endpoint(LLMRole.DECODER, 5) as missing, \
+            endpoint(LLMRole.DECODER, 6, secret="s3cret") as unexpected:
+        guarded.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
+        for decoder, prompt in ((wrong, guarded), (missing, guarded), (unexpected, open_prompt)):
+            info = cluster_info(prompt.cluster_id, port_of(prompt))
+            assert await decoder.link_clusters([info]) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+            for dd, remote in ((decoder, prompt.cluster_id), (prompt, decoder.cluster_id)):
+                with pytest.raises(LLMException) as exc:
+                    await dd.check_link_status(remote)
+                assert code_of(exc) == S.LLM_NOT_YET_LINK
+
+
+async def test_link_with_the_same_secret():
+    async with linked_pair(prompt_config={"secret": "s3cret"}, decoder_config={"secret": "s3cret"}) as pair:
+        await pair.prompt.check_link_status(DECODER_ID)
+
+
+# -- compatibility of blocks caches -------------------------------------------------
+
+_OTHER_BLOCKS = {
+    "block shape": CacheDesc(4, (8, 4, 8), DataType.DT_FLOAT16, Placement.HOST),
+    "dtype": CacheDesc(4, (8, 4, 16), DataType.DT_BF16, Placement.HOST),
+    "tensor count": CacheDesc(6, (8, 4, 16), DataType.DT_FLOAT16, Placement.HOST),
+}
+
+
+async def test_incompatible_blocks_caches_fail_the_link():
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt:
+        prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
+        info = cluster_info(PROMPT_ID, port_of(prompt))
+        for n, (differs, desc) in enumerate(sorted(_OTHER_BLOCKS.items())):
+            async with endpoint(LLMRole.DECODER, 10 + n) as decoder:
+                decoder.kv_cache_manager.allocate_blocks_cache(desc)
+                assert await decoder.link_clusters([info]) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED]), differs
+                with pytest.raises(LLMException) as exc:
+                    await prompt.check_link_status(10 + n)
+                assert code_of(exc) == S.LLM_NOT_YET_LINK
+        async with endpoint(LLMRole.DECODER, DECODER_ID) as decoder:  # only the block count differs
+            more = CacheDesc(4, (32, 4, 16), DataType.DT_FLOAT16, Placement.HOST)
+            decoder.kv_cache_manager.allocate_blocks_cache(more)
+            assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+
+# -- switch_role ------------------------------------------------------------------------
+
+
+async def test_switch_role_needs_the_feature():
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as dd:
+        with pytest.raises(LLMException) as exc:
+            await dd.switch_role(LLMRole.DECODER)
+        assert code_of(exc) == S.LLM_FEATURE_NOT_ENABLED
+
+
+async def test_switch_role_argument_errors():
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, switch_role=True) as dd:
+        for role, switch_options in ((LLMRole.PROMPT, None), (2, None),
+                                     (LLMRole.DECODER, {"llm.listenIpInfo": "nonsense"}),
+                                     (LLMRole.DECODER, {"llm.other": "1"})):
+            with pytest.raises(LLMException) as exc:
+                await dd.switch_role(role, switch_options)
+            assert code_of(exc) == S.LLM_PARAM_INVALID
+        assert dd.role == LLMRole.PROMPT and dd.listen_address is not None
+
+
+async def test_switch_role_while_linked_is_exist_link():
+    async with linked_pair(prompt_config={"switch_role": True}, decoder_config={"switch_role": True}) as pair:
+        for dd, role in ((pair.prompt, LLMRole.DECODER), (pair.decoder, LLMRole.PROMPT)):
+            with pytest.raises(LLMException) as exc:
+                await dd.switch_role(role, {"llm.listenIpInfo": f"{LOCALHOST}:0"})
+            assert code_of(exc) == S.LLM_EXIST_LINK
+        assert pair.prompt.role == LLMRole.PROMPT and pair.decoder.role == LLMRole.DECODER
+
+
+async def test_switch_roles_and_push_back():
+    """The switch_role sample: P and D swap roles, the new prompt pushes into the old one."""
+    async with linked_pair(prompt_config={"switch_role": True}, decoder_config={"switch_role": True}) as pair:
+        old_prompt, old_decoder = pair.prompt, pair.decoder
+        p_cache = old_prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
+        d_cache = old_decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(DECODER_ID))
+        fill(p_cache, 1)
+        await old_decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID), d_cache, [0, 1], [0, 1])
+        old_port = port_of(old_prompt)
+        await pair.unlink()
+
+        await old_prompt.switch_role(LLMRole.DECODER)  # no listen address: stops listening
+        assert old_prompt.role == LLMRole.DECODER and old_prompt.listen_address is None
+        status, _ = await old_decoder.link_clusters([cluster_info(PROMPT_ID, old_port)], timeout=500)
+        assert status in (S.LLM_LINK_FAILED, S.LLM_TIMEOUT)
+
+        await old_decoder.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": f"{LOCALHOST}:0"})
+        assert old_decoder.role == LLMRole.PROMPT
+        new_address = port_of(old_decoder)
+        status, _ = await old_prompt.link_clusters([cluster_info(DECODER_ID, new_address)])
+        assert status == S.LLM_SUCCESS
+
+        values = fill(d_cache, 2)
+        await old_decoder.kv_cache_manager.push_blocks(BlocksCacheKey(PROMPT_ID), d_cache, [3, 4], [6, 7])
+        assert all(torch.equal(p[6:8], v[3:5]) for p, v in zip(p_cache.tensors, values))
+        # roles now apply the other way round
+        with pytest.raises(LLMException) as exc:
+            await old_decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID), d_cache, [0], [0])
+        assert code_of(exc) == S.LLM_PARAM_INVALID
+
+
+async def test_switch_role_moves_the_listener():
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, switch_role=True) as dd, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as peer:
+        first = port_of(dd)
+        await dd.switch_role(LLMRole.MIX, {"llm.listenIpInfo": f"{LOCALHOST}:0"})
+        second = port_of(dd)
+        assert second != first
+        assert (await peer.link_clusters([cluster_info(PROMPT_ID, first)], timeout=500))[0] != S.LLM_SUCCESS
+        assert await peer.link_clusters([cluster_info(PROMPT_ID, second)]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+
+async def test_switch_role_to_a_busy_port_fails_cleanly():
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, switch_role=True) as dd, \
+            endpoint(LLMRole.PROMPT, 3, listen=True) as other:
+        busy = port_of(other)
+        before = port_of(dd)
+        with pytest.raises(LLMException) as exc:
+            await dd.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": f"{busy[0]}:{busy[1]}"})
+        assert code_of(exc) == S.LLM_LINK_FAILED
+        # nothing changed: same role, still listening where it was
+        assert dd.role == LLMRole.PROMPT and port_of(dd) == before
+        async with endpoint(LLMRole.DECODER, DECODER_ID) as peer:
+            assert await peer.link_clusters([cluster_info(PROMPT_ID, before)]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+
+async def test_calls_after_finalize():
+    dd = await _finalized()
+    with pytest.raises(LLMException) as exc:
+        await dd.link_clusters([cluster_info(1, (LOCALHOST, 1))])
+    assert code_of(exc) == S.LLM_ENGINE_FINALIZED
+    await dd.finalize()  # idempotent
+
+
+async def _finalized():
+    async with endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        pass
+    await asyncio.sleep(0)
+    return dd
+
+
+async def test_cancelled_link_clusters_leaves_a_usable_state():
+    for delay in (0, 0.0005, 0.001, 0.003):
+        async with linked_pair(link=False) as pair:
+            try:
+                async with asyncio.timeout(delay):
+                    await pair.decoder.link_clusters([pair.info])
+            except TimeoutError:
+                pass
+            status, _ = await pair.decoder.link_clusters([pair.info])
+            assert status in (S.LLM_SUCCESS, S.LLM_ALREADY_LINK)  # the cancelled call may have finished first
+            await pair.decoder.check_link_status(PROMPT_ID)
+            await pair.prompt.check_link_status(DECODER_ID)
