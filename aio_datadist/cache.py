@@ -251,6 +251,7 @@ class CacheRegistry:
         self._entries: dict[int, _Entry] = {}
         self._keys: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._blocks_keys: dict[int, int] = {}
+        self._reserved: dict[tuple[int, int, int], set[int]] = {}
 
     @property
     def used_bytes(self) -> int:
@@ -406,6 +407,21 @@ class CacheRegistry:
         self._unbind(entry, ident)
         self._maybe_free(entry)
         return True
+
+    def claim_key(self, ident: tuple[int, int, int], tensors: range) -> bool:
+        """Claim ``tensors`` of a key for one pull in flight; False if another has them."""
+        held = self._reserved.setdefault(ident, set())
+        if held.intersection(tensors):
+            return False
+        held.update(tensors)
+        return True
+
+    def release_key(self, ident: tuple[int, int, int], tensors: range) -> None:
+        held = self._reserved.get(ident)
+        if held is not None:
+            held.difference_update(tensors)
+            if not held:
+                del self._reserved[ident]
 
     def consume(self, ident: tuple[int, int, int], tensors: range, num_tensors: int) -> None:
         """Record a successful pull by key; the key goes once every tensor was pulled.

@@ -93,7 +93,8 @@ class Link:
         self.own = range(0, channels) if is_client else range(channels, 2 * channels)
         self.free: asyncio.Queue[int] = asyncio.Queue()
         self.pending: dict[int, asyncio.Future] = {}
-        self.serving: dict[int, Any] = {}
+        self.serving: dict[int, Callable[[], Any]] = {}
+        self.pull_acks: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self.broken: LLMException | None = None
         self.closed = False
         self._next_req = 1 if is_client else 2
@@ -237,7 +238,7 @@ class Link:
         if msg is Msg.ABORT:
             index = fields["channel"]
             if index < len(self.channels) and self.channels[index].generation == fields["generation"]:
-                serving = self.serving.pop(("channel", index), None)
+                serving = self.serving.pop(index, None)
                 if serving is not None:
                     serving()
                 self.reset_channel(index, tell_peer=False)
@@ -267,6 +268,9 @@ class Link:
         serving, self.serving = self.serving, {}
         for cancel in serving.values():
             cancel()
+        acks, self.pull_acks = self.pull_acks, {}
+        for _, on_fail in acks.values():
+            on_fail()
         for ch in self.channels:
             self._drop_socket(ch)
         self.writer.close()

@@ -169,8 +169,8 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
                                            timeout_ms=None, what=what, keepalive=plan.local)
                 answer = await done
                 if answer["status"] != LLMStatusCode.LLM_SUCCESS:
-                    raise _Refused(f"cluster {link.remote_cluster_id}: {answer['text']}",
-                                   status_code=_code(answer["status"]))
+                    raise LLMException(f"cluster {link.remote_cluster_id}: {answer['text']}",
+                                       status_code=_code(answer["status"]))
         link.release(channel)
     except _Refused:
         link.pending.pop(req_id, None)
@@ -344,17 +344,23 @@ def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[Any, Any,
 
 
 def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) -> None:
-    """Serve a peer's PULL_REQ or PUSH_REQ (called from the link's reader)."""
+    """Serve a peer's PULL_REQ or PUSH_REQ, or its DONE after a pull (from the link's reader)."""
+    if msg is Msg.DONE:
+        ack = link.pull_acks.pop(req_id, None)
+        if ack is not None:
+            ack[0 if req["status"] == LLMStatusCode.LLM_SUCCESS else 1]()
+        return
     if msg not in (Msg.PULL_REQ, Msg.PUSH_REQ):
-        if msg is Msg.DONE:
-            consume = link.serving.pop(("done", req_id), None)
-            if consume is not None and req["status"] == LLMStatusCode.LLM_SUCCESS:
-                consume()
         return
     try:
         cache, pairs, total, ident, tensors, landed = _serve_plan(rt, link, msg, req)
     except _Refusal as refusal:
         link.send(Msg.RESP, req_id, status=refusal.code, total=0, text=refusal.text)
+        return
+    pulled_key = ident if msg is Msg.PULL_REQ else None
+    if pulled_key is not None and not rt.registry.claim_key(pulled_key, tensors):
+        link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, total=0,
+                  text="the key is being pulled by another request")
         return
     channel = req["channel"]
     generation = link.channels[channel].generation
@@ -365,28 +371,43 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) ->
     submit = engine.submit_send if msg is Msg.PULL_REQ else engine.submit_recv
     fut = rt.completions.start(lambda t: submit(t, fd, pairs), engine.cancel, timeout_ms=timeout_ms,
                                what=f"serving {msg.name} {req_id}", keepalive=cache)
-    link.serving[("channel", channel)] = fut.cancel
-    if msg is Msg.PULL_REQ and ident is not None:
+    if pulled_key is not None:
         num = cache.cache_desc.num_tensors
-        link.serving[("done", req_id)] = lambda: rt.registry.consume(ident, tensors, num)
+
+        def consumed() -> None:
+            rt.registry.release_key(pulled_key, tensors)
+            rt.registry.consume(pulled_key, tensors, num)
+
+        link.pull_acks[req_id] = (consumed, lambda: rt.registry.release_key(pulled_key, tensors))
+
+    def abort() -> None:
+        # Runs before the next control message is read: the key must be free again by then.
+        fut.cancel()
+        ack = link.pull_acks.pop(req_id, None)
+        if ack is not None:
+            ack[1]()
+
+    link.serving[channel] = abort
 
     def finished(f: asyncio.Future) -> None:
-        if link.serving.get(("channel", channel)) == fut.cancel:
-            del link.serving[("channel", channel)]
-        if f.cancelled():
-            return
-        exc = f.exception()
-        if exc is None:
+        if link.serving.get(channel) is abort:
+            del link.serving[channel]
+        exc = None if f.cancelled() else f.exception()
+        if exc is None and not f.cancelled():
             if msg is Msg.PUSH_REQ:
-                for target, tensors, rows in landed:
-                    rt.arrivals.record(target, tensors, rows)
+                for target, rows_tensors, rows in landed:
+                    rt.arrivals.record(target, rows_tensors, rows)
                 link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_SUCCESS, text="")
             return
-        link.serving.pop(("done", req_id), None)
+        ack = link.pull_acks.pop(req_id, None)
+        if ack is not None:
+            ack[1]()
         if not link.closed and link.broken is None:
-            if msg is Msg.PUSH_REQ:
-                link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text=str(exc))
+            # ABORT first: the requester must drop the channel before it learns of the failure.
             if link.channels[channel].generation == generation:
                 link.reset_channel(channel, tell_peer=True)
+            if msg is Msg.PUSH_REQ:
+                link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED,
+                          text="cancelled" if exc is None else str(exc))
 
     fut.add_done_callback(finished)

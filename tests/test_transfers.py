@@ -337,3 +337,34 @@ async def test_remove_cache_key():
             pair.dm.remove_cache_key(CacheKey(PROMPT_ID, 11))  # a DECODER offers no keys to remove
         assert exc.value.status_code == S.LLM_PARAM_INVALID
         assert src.cache_id == 1
+
+
+async def test_one_key_pulled_twice_at_once_goes_to_one_puller():
+    async with linked_pair() as pair:
+        src = pair.pm.allocate_cache(CACHE_DESC, [CacheKey(PROMPT_ID, 10)])
+        values = fill(src, 1)
+        first = pair.dm.allocate_cache(CACHE_DESC)
+        second = pair.dm.allocate_cache(CACHE_DESC)
+        outcomes = await asyncio.gather(pair.dm.pull_cache(CacheKey(PROMPT_ID, 10), first),
+                                        pair.dm.pull_cache(CacheKey(PROMPT_ID, 10), second),
+                                        return_exceptions=True)
+        winners = [o for o in outcomes if o is None]
+        losers = [o for o in outcomes if isinstance(o, LLMException)]
+        assert len(winners) == 1 and len(losers) == 1
+        assert losers[0].status_code == S.LLM_KV_CACHE_NOT_EXIST
+        got = first if outcomes[0] is None else second
+        assert all(torch.equal(d[0], v[0]) for d, v in zip(got.tensors, values))
+        await expect_code(S.LLM_KV_CACHE_NOT_EXIST, pair.dm.pull_cache(CacheKey(PROMPT_ID, 10), first))
+
+
+async def test_a_pull_that_fails_mid_transfer_keeps_the_key():
+    async with linked_pair() as pair:
+        big = CacheDesc(64, (2, 256, 1024), DataType.DT_FLOAT16, Placement.HOST)  # 32 MiB per row
+        src = pair.pm.allocate_cache(big, [CacheKey(PROMPT_ID, 10)])
+        dst = pair.dm.allocate_cache(big)
+        with pytest.raises(LLMException) as err:
+            await pair.dm.pull_cache(CacheKey(PROMPT_ID, 10), dst, timeout=1)
+        assert err.value.status_code == S.LLM_TIMEOUT
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 10), dst, timeout=20000)  # still bound, pulls now
+        await expect_code(S.LLM_KV_CACHE_NOT_EXIST, pair.dm.pull_cache(CacheKey(PROMPT_ID, 10), dst))
+        del src
