@@ -37,6 +37,7 @@ __all__ = ["Link", "LinkTable"]
 log = logging.getLogger("aio_datadist.links")
 
 HANDSHAKE_LIMIT_S = 10.0
+HEARTBEAT_MISSES = 5
 ZERO32 = bytes(32)
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 
@@ -99,6 +100,7 @@ class Link:
         self.closed = False
         self._next_req = 1 if is_client else 2
         self._reader_task: asyncio.Task | None = None
+        self.last_heard = 0.0
         self._tasks: set[asyncio.Task] = set()
         self.on_request: Callable[[Link, Msg, int, dict], None] | None = None
 
@@ -206,7 +208,24 @@ class Link:
         return task
 
     def start(self) -> None:
+        self.last_heard = asyncio.get_running_loop().time()
         self._reader_task = self.spawn(self._read_loop())
+        self.spawn(self._heartbeat(self.runtime.settings.heartbeat_interval_ms / 1000))
+
+    async def _heartbeat(self, interval: float) -> None:
+        """PING every interval; a peer silent for HEARTBEAT_MISSES intervals is lost.
+
+        This catches peers that stopped (SIGSTOP, a hung host, a cut cable)
+        without closing their sockets, which no read would ever notice.
+        """
+        loop = asyncio.get_running_loop()
+        while self.broken is None and not self.closed:
+            await asyncio.sleep(interval)
+            silent = loop.time() - self.last_heard
+            if silent > HEARTBEAT_MISSES * interval:
+                self.fail(LLMException(f"no heartbeat for {silent:.1f} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
+                return
+            self.send(Msg.PING, 0)
 
     async def _read_loop(self) -> None:
         try:
@@ -215,6 +234,7 @@ class Link:
                 msg, req_id, length = wire.parse_header(header)
                 body = await self.reader.readexactly(length) if length else b""
                 fields = wire.decode_body(msg, body)
+                self.last_heard = asyncio.get_running_loop().time()
                 self._dispatch(msg, req_id, fields)
         except asyncio.CancelledError:
             raise
@@ -416,6 +436,12 @@ class LinkTable:
             return False
         token = os.urandom(32)
         channels = self.runtime.settings.data_channels
+        existing = self.links.get(remote_id)  # it may have changed while we awaited the peer
+        if existing is not None and existing.broken is None and not existing.closed:
+            writer.write(wire.encode(Msg.LINK_OK, req_id, status=LLMStatusCode.LLM_ALREADY_LINK,
+                                     link_token=ZERO32, channels=0, text=f"cluster {remote_id} is already linked"))
+            await writer.drain()
+            return False
         if existing is not None:
             await existing.close()
             self.forget(existing)

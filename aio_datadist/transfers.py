@@ -117,7 +117,8 @@ def build_plan(local: KvCache, local_layers: tuple[int, int], remote_layers: tup
     pairs = local.layout.segments(first, count, list(local_rows), 0, local_nbytes)
     total = count * len(local_rows) * local_nbytes
     remote = dict(target, layer_first=remote_layers[0], layer_last=remote_layers[1],
-                  tensor_num_per_layer=per_layer, tensor_count=count, offset=0, nbytes=remote_nbytes,
+                  tensor_num_per_layer=per_layer, tensor_count=count, data_type=local.cache_desc.data_type.value,
+                  offset=0, nbytes=remote_nbytes,
                   flags=flags, rows=tuple(remote_rows))
     return Plan(local, pairs, total, remote)
 
@@ -305,6 +306,10 @@ def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[Any, Any,
         raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache.cache_id} is not a blocks cache")
     if flags & F_CONTIG and cache.is_blocks_cache:
         raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache.cache_id} is a blocks cache")
+    if req["data_type"] != cache.cache_desc.data_type.value:
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                       f"data types differ: cache {cache.cache_id} holds {cache.cache_desc.data_type.name}, "
+                       f"the request's cache holds data type {req['data_type']}")
     lay = cache.layout
     rows = list(req["rows"])
     if not rows:

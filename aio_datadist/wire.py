@@ -49,7 +49,7 @@ class Msg(enum.IntEnum):
 _TARGET = [("target_kind", "B"), ("cluster_id", "Q"), ("cache_id", "q"), ("key_req_id", "Q"),
            ("prefix_id", "Q"), ("model_id", "Q"), ("batch_index", "I")]
 _TRANSFER = [("channel", "H"), *_TARGET, ("layer_first", "i"), ("layer_last", "i"),
-             ("tensor_num_per_layer", "B"), ("tensor_count", "I"), ("offset", "Q"),
+             ("tensor_num_per_layer", "B"), ("tensor_count", "I"), ("data_type", "B"), ("offset", "Q"),
              ("nbytes", "Q"), ("flags", "B"), ("timeout_ms", "I"), ("rows", "rows")]
 
 _SCHEMAS: dict[Msg, list[tuple[str, str]]] = {

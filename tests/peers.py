@@ -60,7 +60,8 @@ CACHE_DESC = CacheDesc(4, (3, 256), DataType.DT_FLOAT16, Placement.HOST)  # 3 ro
 
 
 def options(*, listen: bool = False, secret: str | None = None, sync_kv_timeout: int | None = None,
-            switch_role: bool = False, data_channels: int | None = None) -> dict[str, str]:
+            switch_role: bool = False, data_channels: int | None = None,
+            heartbeat_interval: int | None = None) -> dict[str, str]:
     """``LLMConfig(...).generate_options()`` for a loopback endpoint (port 0 when listening)."""
     config = LLMConfig()
     config.device_id = 0
@@ -74,6 +75,8 @@ def options(*, listen: bool = False, secret: str | None = None, sync_kv_timeout:
         config.enable_switch_role = True
     if data_channels is not None:
         config.data_channels = data_channels
+    if heartbeat_interval is not None:
+        config.heartbeat_interval = heartbeat_interval
     return config.generate_options()
 
 

@@ -239,7 +239,7 @@ def _rest_of_stream(sock: socket.socket) -> bytes:
 def _pull_request(cache_id: int) -> bytes:
     return wire.encode(wire.Msg.PULL_REQ, 1, channel=0, target_kind=2, cluster_id=PROMPT_ID, cache_id=cache_id,
                        key_req_id=2**64 - 1, prefix_id=2**64 - 1, model_id=0, batch_index=0, layer_first=-1,
-                       layer_last=-1, tensor_num_per_layer=2, tensor_count=4, offset=0, nbytes=512, flags=2,
+                       layer_last=-1, tensor_num_per_layer=2, tensor_count=4, data_type=1, offset=0, nbytes=512, flags=2,
                        timeout_ms=1000, rows=())
 
 
@@ -292,3 +292,28 @@ async def test_authentication_between_processes():
             rows = dd.kv_cache_manager.allocate_cache(CACHE_DESC)
             await dd.kv_cache_manager.pull_cache(CacheKey(PROMPT_ID, 100), rows)  # no key was taken before
             assert all(torch.equal(d[0], v[0]) for d, v in zip(rows.tensors, prompt.expected("rows")))
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_heartbeat_detects_a_stopped_peer_without_any_call_pending():
+    spec = EndpointSpec(LLMRole.PROMPT, PROMPT_ID, caches=())
+    async with endpoint(LLMRole.DECODER, DECODER_ID, heartbeat_interval=100) as dd:
+        async with spawned(spec) as (prompt,):
+            assert (await dd.link_clusters([prompt.info]))[0] == S.LLM_SUCCESS
+            await dd.check_link_status(PROMPT_ID)
+            prompt.stop()
+            try:
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 5.0:  # 5 misses of 100 ms, plus slack
+                    await asyncio.sleep(0.05)
+                    try:
+                        dd._links.get(PROMPT_ID)
+                    except LLMException as exc:
+                        assert exc.status_code == S.LLM_LINK_FAILED
+                        break
+                else:
+                    pytest.fail("a silent peer was not detected")
+                assert time.monotonic() - t0 < 2.0
+                await expect_code(S.LLM_LINK_FAILED, dd.check_link_status(PROMPT_ID))
+            finally:
+                prompt.resume()

@@ -379,3 +379,16 @@ async def test_a_pull_that_fails_consumes_no_key():
         for t, tensor in enumerate(dst.tensors):
             assert bool((tensor.view(-1)[::4096] == t + 1).all())
         await expect_code(S.LLM_KV_CACHE_NOT_EXIST, pair.dm.pull_blocks(key, dst, [], ALL, timeout=5000))
+
+
+async def test_a_pull_between_caches_of_different_dtypes_is_refused_by_the_owner():
+    async with linked_pair() as pair:
+        half = CacheDesc(2, (4, 64), DataType.DT_FLOAT16, Placement.HOST)
+        bf16 = CacheDesc(2, (4, 64), DataType.DT_BF16, Placement.HOST)
+        src = pair.pm.allocate_cache(half, [CacheKey(PROMPT_ID, 10)])
+        fill(src, 1)
+        dst = pair.dm.allocate_cache(bf16)
+        before = snapshot(dst)
+        exc = await expect_code(LLMStatusCode.LLM_PARAM_INVALID, pair.dm.pull_cache(CacheKey(PROMPT_ID, 10), dst))
+        assert "data types differ" in str(exc)
+        assert same(before, snapshot(dst))
