@@ -75,3 +75,8 @@ def segments(bases: Buffer, indices: Buffer, stride: int, offset: int, nbytes: i
 def copy_segments(dst_bases: Buffer, dst_indices: Buffer, dst_stride: int, dst_offset: int,
                   src_bases: Buffer, src_indices: Buffer, src_stride: int, src_offset: int,
                   nbytes: int) -> array[int]: ...
+
+
+def zip_segments(dst: Buffer, src: Buffer) -> array[int]:
+    """Pair two ``[addr, nbytes, ...]`` streams of equal total into copy triples."""
+    ...

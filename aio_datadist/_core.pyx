@@ -849,3 +849,48 @@ def copy_segments(const uint64_t[::1] dst_bases not None, const int64_t[::1] dst
                     k += 3
     array.resize(out, k)
     return out
+
+
+def zip_segments(const uint64_t[::1] dst not None, const uint64_t[::1] src not None):
+    """Pair two ``[addr, nbytes, ...]`` streams of equal total into copy triples.
+
+    Segment boundaries of either side split the copy, so layouts with
+    different granularity (one contiguous row against several blocks) pair up.
+    """
+    cdef size_t nd = dst.shape[0], ns = src.shape[0]
+    if nd % 2 or ns % 2:
+        raise ValueError("streams must hold addr, nbytes pairs")
+    cdef array.array out = _new_u64(3 * (nd // 2 + ns // 2))
+    cdef uint64_t *o = <uint64_t *>out.data.as_ulonglongs
+    cdef size_t i = 0, j = 0, k = 0
+    cdef uint64_t da = 0, dl = 0, sa = 0, sl = 0, take
+    with nogil:
+        while True:
+            if dl == 0 and i < nd:
+                da = dst[i]
+                dl = dst[i + 1]
+                i += 2
+                continue
+            if sl == 0 and j < ns:
+                sa = src[j]
+                sl = src[j + 1]
+                j += 2
+                continue
+            if dl == 0 or sl == 0:
+                break
+            take = dl if dl < sl else sl
+            if k > 0 and o[k - 3] + o[k - 1] == da and o[k - 2] + o[k - 1] == sa:
+                o[k - 1] += take
+            else:
+                o[k] = da
+                o[k + 1] = sa
+                o[k + 2] = take
+                k += 3
+            da += take
+            sa += take
+            dl -= take
+            sl -= take
+    if dl != 0 or sl != 0 or i < nd or j < ns:
+        raise ValueError("the two streams carry different byte counts")
+    array.resize(out, k)
+    return out

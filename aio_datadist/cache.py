@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import array
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -252,6 +252,8 @@ class CacheRegistry:
         self._keys: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._blocks_keys: dict[int, int] = {}
         self._reserved: dict[tuple[int, int, int], set[int]] = {}
+        self.on_add: Callable[[KvCache], None] | None = None
+        self.on_free: Callable[[KvCache], None] | None = None
 
     @property
     def used_bytes(self) -> int:
@@ -342,6 +344,8 @@ class CacheRegistry:
             self._blocks_keys[blocks_key.model_id] = cache_id
         self._entries[cache_id] = entry
         self._used += nbytes
+        if self.on_add is not None:
+            self.on_add(cache)
         return cache
 
     def get(self, cache: Any, arg: str = "cache") -> KvCache:
@@ -449,6 +453,8 @@ class CacheRegistry:
         if entry.deallocated and not entry.keys:
             del self._entries[entry.cache.cache_id]
             self._used -= entry.nbytes
+            if self.on_free is not None:
+                self.on_free(entry.cache)
             entry.cache._alive = False
             entry.cache._region = None
 

@@ -97,9 +97,9 @@ class LLMDataDist:
             raise LLMException("LLMDataDist was finalized; create a new one",
                                status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         settings = parse_options(options)
-        if settings.transport in ("nixl", "local"):
-            raise LLMException(f"option 'aio.Transport': the {settings.transport} transport is not part of this "
-                               "build; use 'auto' or 'tcp'", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        if settings.transport == "nixl":
+            raise LLMException("option 'aio.Transport': the nixl transport is not part of this build; use "
+                               "'auto', 'local' or 'tcp'", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         runtime = Runtime(settings)
         links = LinkTable(self, runtime)
         try:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from aio_datadist import wire
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transfers import handle_request
+from aio_datadist.transport.local import LocalListener, LocalShare, boot_id, connect_share
 from aio_datadist.types import LLMClusterInfo, LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
@@ -39,6 +40,8 @@ log = logging.getLogger("aio_datadist.links")
 HANDSHAKE_LIMIT_S = 10.0
 HEARTBEAT_MISSES = 5
 ZERO32 = bytes(32)
+ZERO16 = bytes(16)
+NO_GENERATION = 0xFFFFFFFF
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 
 
@@ -103,6 +106,7 @@ class Link:
         self.last_heard = 0.0
         self._tasks: set[asyncio.Task] = set()
         self.on_request: Callable[[Link, Msg, int, dict], None] | None = None
+        self.local: LocalShare | None = None
 
     # -- ids, channels -----------------------------------------------------
 
@@ -148,17 +152,23 @@ class Link:
         if self.channels[index].sock is not None and not self.closed:
             self.free.put_nowait(index)
 
-    def reset_channel(self, index: int, tell_peer: bool) -> None:
-        """Close a channel whose byte stream is out of step; the client redials it."""
+    def reset_channel(self, index: int, tell_peer: bool, req_id: int = 0) -> None:
+        """Close a channel whose byte stream is out of step; the client redials it.
+
+        With ``tell_peer`` the peer also stops serving ``req_id``, even when
+        the channel was already reset (then only the request is named).
+        """
         ch = self.channels[index]
+        if self.closed:
+            return
         if ch.sock is None:
+            if tell_peer and req_id:
+                self.send(Msg.ABORT, req_id, channel=index, generation=NO_GENERATION)
             return  # already reset; its redial is under way
         generation = ch.generation
         self._drop_socket(ch)
-        if self.closed:
-            return
         if tell_peer:
-            self.send(Msg.ABORT, 0, channel=index, generation=generation)
+            self.send(Msg.ABORT, req_id, channel=index, generation=generation)
         if self.is_client:
             self.spawn(self._redial(index, generation + 1))
 
@@ -256,11 +266,12 @@ class Link:
             self.spawn(self.close())
             return
         if msg is Msg.ABORT:
-            index = fields["channel"]
-            if index < len(self.channels) and self.channels[index].generation == fields["generation"]:
-                serving = self.serving.pop(index, None)
+            if req_id and not self.is_mine(req_id):
+                serving = self.serving.pop(req_id, None)
                 if serving is not None:
                     serving()
+            index = fields["channel"]
+            if index < len(self.channels) and self.channels[index].generation == fields["generation"]:
                 self.reset_channel(index, tell_peer=False)
             return
         if self.is_mine(req_id) and msg in (Msg.RESP, Msg.DONE, Msg.PROBE_ACK, Msg.UNLINK_ACK):
@@ -279,6 +290,16 @@ class Link:
         log.info("link to cluster %s failed: %s", self.remote_cluster_id, exc)
         self._teardown(exc)
 
+    def attach_local(self, sock: Any) -> None:
+        """Start sharing caches with a same-host peer over ``sock``."""
+        self.local = LocalShare(sock, self.runtime, self._local_lost)
+        for cache in self.runtime.registry.caches():
+            self.local.offer(cache)
+
+    def _local_lost(self) -> None:
+        log.info("link to cluster %s: same-host sharing stopped; using TCP", self.remote_cluster_id)
+        self.local = None
+
     def _teardown(self, exc: LLMException) -> None:
         pending, self.pending = self.pending, {}
         for fut in pending.values():
@@ -293,6 +314,9 @@ class Link:
             on_fail()
         for ch in self.channels:
             self._drop_socket(ch)
+        if self.local is not None:
+            self.local.close()
+            self.local = None
         self.writer.close()
         self.free.put_nowait(-1)
 
@@ -326,6 +350,24 @@ class LinkTable:
         self._handshakes: set[asyncio.Task] = set()
         self.on_request: Callable[[Link, Msg, int, dict], None] = (
             lambda link, msg, req_id, fields: handle_request(runtime, link, msg, req_id, fields))
+        self.local_listener: LocalListener | None = None
+        runtime.registry.on_add = self._shared
+        runtime.registry.on_free = self._unshared
+
+    @property
+    def shares_memory(self) -> bool:
+        """Whether same-host links may share cache memory (``aio.Transport`` not ``tcp``)."""
+        return self.runtime.settings.transport != "tcp"
+
+    def _shared(self, cache: Any) -> None:
+        for link in self.links.values():
+            if link.local is not None:
+                link.local.offer(cache)
+
+    def _unshared(self, cache: Any) -> None:
+        for link in self.links.values():
+            if link.local is not None:
+                link.local.withdraw(cache.cache_id)
 
     @property
     def secret(self) -> bytes | None:
@@ -361,8 +403,16 @@ class LinkTable:
                                status_code=LLMStatusCode.LLM_LINK_FAILED) from exc
         sockname = self.server.sockets[0].getsockname()
         self.listen_address = (sockname[0], sockname[1])
+        if self.shares_memory and self.local_listener is None:
+            try:
+                self.local_listener = LocalListener(self)
+            except OSError as exc:
+                log.info("no same-host sharing (unix socket: %s); links use TCP only", exc)
 
     async def stop_listening(self) -> None:
+        if self.local_listener is not None:
+            self.local_listener.close()
+            self.local_listener = None
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()
@@ -422,7 +472,7 @@ class LinkTable:
         if not hmac.compare_digest(auth["proof"], expected):
             log.warning("refused a link from cluster %s: authentication failed", remote_id)
             writer.write(wire.encode(Msg.LINK_OK, req_id, status=LLMStatusCode.LLM_LINK_FAILED,
-                                     link_token=ZERO32, channels=0, text="authentication failed"))
+                                     link_token=ZERO32, channels=0, boot_id=ZERO16, local_name=b"", text="authentication failed"))
             await writer.drain()
             return False
         mine, theirs = layout_hash(self.runtime), auth["layout_hash"]
@@ -431,7 +481,7 @@ class LinkTable:
                     "between the two endpoints)")
             log.warning("refused a link from cluster %s: %s", remote_id, text)
             writer.write(wire.encode(Msg.LINK_OK, req_id, status=LLMStatusCode.LLM_LINK_FAILED,
-                                     link_token=ZERO32, channels=0, text=text))
+                                     link_token=ZERO32, channels=0, boot_id=ZERO16, local_name=b"", text=text))
             await writer.drain()
             return False
         token = os.urandom(32)
@@ -439,7 +489,7 @@ class LinkTable:
         existing = self.links.get(remote_id)  # it may have changed while we awaited the peer
         if existing is not None and existing.broken is None and not existing.closed:
             writer.write(wire.encode(Msg.LINK_OK, req_id, status=LLMStatusCode.LLM_ALREADY_LINK,
-                                     link_token=ZERO32, channels=0, text=f"cluster {remote_id} is already linked"))
+                                     link_token=ZERO32, channels=0, boot_id=ZERO16, local_name=b"", text=f"cluster {remote_id} is already linked"))
             await writer.drain()
             return False
         if existing is not None:
@@ -450,8 +500,9 @@ class LinkTable:
         link = Link(self, remote_id, remote_role, reader, writer, is_client=False, channels=channels,
                     token=token, remote_address=(peer[0], peer[1]))
         self._register(link)
-        writer.write(wire.encode(Msg.LINK_OK, req_id, status=SUCCESS, link_token=token,
-                                 channels=channels, text=""))
+        local_name = self.local_listener.name if self.local_listener is not None else b""
+        writer.write(wire.encode(Msg.LINK_OK, req_id, status=SUCCESS, link_token=token, channels=channels,
+                                 boot_id=boot_id(), local_name=local_name, text=""))
         return True
 
     async def _accept_data(self, magic: bytes, reader: asyncio.StreamReader,
@@ -564,6 +615,7 @@ class LinkTable:
             for index, sock in enumerate(sockets):
                 link.install(index, sock, 0)
             self._register(link)
+            await self._share_with(link, ok)
             return SUCCESS
         except BaseException:
             if link is None:
@@ -571,6 +623,26 @@ class LinkTable:
                     sock.close()
                 writer.close()
             raise
+
+    async def _share_with(self, link: Link, ok: dict) -> None:
+        """Attach the same-host share channel when the peer runs on this kernel."""
+        name = ok["local_name"][:1] + ok["local_name"][1:].rstrip(b"\0")
+        if not self.shares_memory or not name.startswith(b"\0") or ok["boot_id"] != boot_id():
+            return
+        try:
+            sock = await connect_share(name, link.token)
+        except OSError as exc:
+            log.info("link to cluster %s: same-host sharing unavailable (%s); using TCP", link.remote_cluster_id, exc)
+            return
+        link.attach_local(sock)
+        share = link.local
+        # The peer's caches are mapped before link_clusters returns.
+        await asyncio.wait([share.ready], timeout=HANDSHAKE_LIMIT_S)
+        if not share.ready.done() or share.ready.cancelled():
+            if link.local is share:
+                share.close()
+                link.local = None
+            log.info("link to cluster %s: the peer did not finish sharing; using TCP", link.remote_cluster_id)
 
     async def disconnect(self, remote_id: int, timeout_ms: int, force: bool) -> LLMStatusCode:
         link = self.links.get(remote_id)

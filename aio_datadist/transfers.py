@@ -14,7 +14,7 @@ from __future__ import annotations
 import array
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core
@@ -38,6 +38,7 @@ KIND_ADDRS = 4
 F_BLOCKS = 1
 F_CONTIG = 2
 F_EXACT = 4
+F_LOCAL = 8
 
 MAX_SERVE_TIMEOUT_MS = 600_000
 
@@ -123,15 +124,19 @@ def build_plan(local: KvCache, local_layers: tuple[int, int], remote_layers: tup
     return Plan(local, pairs, total, remote)
 
 
-async def _exchange(link: Link, msg: Msg, plan: Plan, timeout_ms: int, channel: int, req_id: int) -> None:
+async def _exchange(link: Link, msg: Msg, plan: Plan, timeout_ms: int, channel: int, req_id: int) -> dict:
     resp = link.expect(req_id)
-    link.send(msg, req_id, channel=channel, timeout_ms=timeout_ms, **plan.remote)
+    remote = dict(plan.remote)
+    if link.local is not None and remote["target_kind"] != KIND_ADDRS:
+        remote["flags"] |= F_LOCAL
+    link.send(msg, req_id, channel=channel, timeout_ms=timeout_ms, **remote)
     answer = await resp
     if answer["status"] != LLMStatusCode.LLM_SUCCESS:
         raise _Refused(f"cluster {link.remote_cluster_id}: {answer['text']}", status_code=_code(answer["status"]))
     if answer["total"] != plan.total:
         raise LLMException(f"cluster {link.remote_cluster_id} offers {answer['total']} bytes, "
                            f"{plan.total} expected", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    return answer
 
 
 class _Refused(LLMException):
@@ -152,12 +157,19 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
     channel = -1
     req_id = 0
     generation = -1
+    local = False
     try:
         async with asyncio.timeout(timeout_ms / 1000):
             channel = await link.acquire()
             generation = link.channels[channel].generation
             req_id = link.new_req_id()
-            await _exchange(link, Msg.PULL_REQ if pull else Msg.PUSH_REQ, plan, timeout_ms, channel, req_id)
+            answer = await _exchange(link, Msg.PULL_REQ if pull else Msg.PUSH_REQ, plan, timeout_ms, channel, req_id)
+            if answer["cache_id"] >= 0:
+                local = True
+                link.release(channel)
+                channel = -1
+                await _run_local(rt, link, plan, answer, req_id, what, pull=pull)
+                return
             fd = link.channel_fd(channel)
             engine = rt.sockets
             if pull:
@@ -178,11 +190,11 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
         link.release(channel)
         raise
     except TimeoutError:
-        _abandon(link, channel, generation, req_id)
+        _abandon(link, channel, generation, req_id, local)
         raise LLMException(f"{what} timed out after {timeout_ms} ms",
                            status_code=LLMStatusCode.LLM_TIMEOUT) from None
     except LLMException as exc:
-        _abandon(link, channel, generation, req_id)
+        _abandon(link, channel, generation, req_id, local)
         if exc.status_code == LLMStatusCode.LLM_FAILED and (link.broken is not None or link.closed):
             try:
                 link.check()  # the engine stopped the job because the link went: say so
@@ -190,20 +202,57 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
                 raise state from exc
         raise
     except BaseException:
-        _abandon(link, channel, generation, req_id)
+        _abandon(link, channel, generation, req_id, local)
         raise
 
 
-def _abandon(link: Link, channel: int, generation: int, req_id: int) -> None:
+async def _run_local(rt: Runtime, link: Link, plan: Plan, answer: dict, req_id: int, what: str, *,
+                     pull: bool) -> None:
+    """The owner chose same-host sharing: one native copy against its mapped cache."""
+    share = link.local
+    region = None if share is None else share.region(answer["cache_id"])
+    if region is None:
+        raise LLMException(f"cluster {link.remote_cluster_id} shared cache {answer['cache_id']} is not mapped",
+                           status_code=LLMStatusCode.LLM_LINK_FAILED)
+    remote = plan.remote
+    first, count = one_side_span(len(region.offsets), (remote["layer_first"], remote["layer_last"]),
+                                 remote["tensor_num_per_layer"], "src_layer_range" if pull else "dst_layer_range")
+    rows = list(remote["rows"]) or [answer["row"]]
+    if (count != remote["tensor_count"] or not rows or min(rows) < 0 or max(rows) >= region.rows
+            or remote["offset"] + remote["nbytes"] > region.row_bytes):
+        raise LLMException(f"cluster {link.remote_cluster_id} shared a cache that does not fit the request",
+                           status_code=LLMStatusCode.LLM_LINK_FAILED)
+    theirs = _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes,
+                            remote["offset"], remote["nbytes"])
+    triples = (_core.zip_segments(plan.local_pairs, theirs) if pull
+               else _core.zip_segments(theirs, plan.local_pairs))
+    copier = rt.copier
+    done = None if pull else link.expect(req_id)
+    await rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None, what=what,
+                               keepalive=(plan.local, region))
+    link.send(Msg.DONE, req_id, status=0, text="")
+    if done is not None:
+        answer = await done
+        if answer["status"] != LLMStatusCode.LLM_SUCCESS:
+            raise LLMException(f"cluster {link.remote_cluster_id}: {answer['text']}",
+                               status_code=_code(answer["status"]))
+
+
+def _abandon(link: Link, channel: int, generation: int, req_id: int, local: bool = False) -> None:
     """Give up a request: a channel that may carry its bytes is reset on both ends."""
     if req_id:
         link.pending.pop(req_id, None)
+    if local:
+        link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text="abandoned")
+        return
     if channel < 0:
         return
     if link.channels[channel].generation != generation:
+        if req_id:
+            link.send(Msg.ABORT, req_id, channel=channel, generation=0xFFFFFFFF)  # the request only
         return  # the channel was already replaced under us
     if req_id:
-        link.reset_channel(channel, tell_peer=True)
+        link.reset_channel(channel, tell_peer=True, req_id=req_id)
     else:
         link.release(channel)
 
@@ -348,6 +397,50 @@ def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[Any, Any,
     return cache, pairs, count * len(rows) * nbytes, ident, range(first, first + count), landed
 
 
+def _serve_local(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict, cache: KvCache, total: int,
+                 pulled_key: tuple | None, tensors: range, landed: list) -> None:
+    """Let a same-host requester copy against our shared cache; it reports back with DONE."""
+    row = -1 if req["rows"] else _target_row(rt, req)
+
+    def ok() -> None:
+        if pulled_key is not None:
+            rt.registry.release_key(pulled_key, tensors)
+            rt.registry.consume(pulled_key, tensors, cache.cache_desc.num_tensors)
+        if msg is Msg.PUSH_REQ:
+            for target, rows_tensors, rows in landed:
+                rt.arrivals.record(target, rows_tensors, rows)
+            link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_SUCCESS, text="")
+
+    def failed() -> None:
+        if pulled_key is not None:
+            rt.registry.release_key(pulled_key, tensors)
+
+    channel = req["channel"]
+
+    def abort() -> None:
+        # The requester gave up before it saw our answer: it resets the channel it sent.
+        ack = link.pull_acks.pop(req_id, None)
+        if ack is not None:
+            ack[1]()
+
+    def settled(then: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            if link.serving.get(req_id) is abort:
+                del link.serving[req_id]
+            then()
+        return run
+
+    link.serving[req_id] = abort
+    link.pull_acks[req_id] = (settled(ok), settled(failed))
+    link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=total, cache_id=cache.cache_id, row=row,
+              text="")
+
+
+def _target_row(rt: Runtime, req: dict) -> int:
+    _, row, _ = _resolve_target(rt, req)
+    return -1 if row is None else row
+
+
 def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) -> None:
     """Serve a peer's PULL_REQ or PUSH_REQ, or its DONE after a pull (from the link's reader)."""
     if msg is Msg.DONE:
@@ -360,19 +453,22 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) ->
     try:
         cache, pairs, total, ident, tensors, landed = _serve_plan(rt, link, msg, req)
     except _Refusal as refusal:
-        link.send(Msg.RESP, req_id, status=refusal.code, total=0, text=refusal.text)
+        link.send(Msg.RESP, req_id, status=refusal.code, total=0, cache_id=-1, row=-1, text=refusal.text)
         return
     pulled_key = ident if msg is Msg.PULL_REQ else None
     if pulled_key is not None and not rt.registry.claim_key(pulled_key, tensors):
-        link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, total=0,
+        link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, total=0, cache_id=-1, row=-1,
                   text="the key is being pulled by another request")
+        return
+    if req["flags"] & F_LOCAL and isinstance(cache, KvCache) and link.local is not None and link.local.shared(cache):
+        _serve_local(rt, link, msg, req_id, req, cache, total, pulled_key, tensors, landed)
         return
     channel = req["channel"]
     generation = link.channels[channel].generation
     fd = link.channel_fd(channel)
     engine = rt.sockets
     timeout_ms = min(max(req["timeout_ms"], 1), MAX_SERVE_TIMEOUT_MS) + 1000
-    link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=total, text="")
+    link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=total, cache_id=-1, row=-1, text="")
     submit = engine.submit_send if msg is Msg.PULL_REQ else engine.submit_recv
     fut = rt.completions.start(lambda t: submit(t, fd, pairs), engine.cancel, timeout_ms=timeout_ms,
                                what=f"serving {msg.name} {req_id}", keepalive=cache)
@@ -392,11 +488,11 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) ->
         if ack is not None:
             ack[1]()
 
-    link.serving[channel] = abort
+    link.serving[req_id] = abort
 
     def finished(f: asyncio.Future) -> None:
-        if link.serving.get(channel) is abort:
-            del link.serving[channel]
+        if link.serving.get(req_id) is abort:
+            del link.serving[req_id]
         exc = None if f.cancelled() else f.exception()
         if exc is None and not f.cancelled():
             if msg is Msg.PUSH_REQ:

@@ -59,12 +59,20 @@ CACHE_DESC = CacheDesc(4, (3, 256), DataType.DT_FLOAT16, Placement.HOST)  # 3 ro
 # -- one endpoint -------------------------------------------------------------
 
 
+TRANSPORT = {"default": "tcp"}
+
+
 def options(*, listen: bool = False, secret: str | None = None, sync_kv_timeout: int | None = None,
             switch_role: bool = False, data_channels: int | None = None,
-            heartbeat_interval: int | None = None) -> dict[str, str]:
-    """``LLMConfig(...).generate_options()`` for a loopback endpoint (port 0 when listening)."""
+            heartbeat_interval: int | None = None, transport: str | None = None) -> dict[str, str]:
+    """``LLMConfig(...).generate_options()`` for a loopback endpoint (port 0 when listening).
+
+    The transport defaults to ``TRANSPORT["default"]``: TCP data channels, so
+    tests of streaming behaviour keep testing it; tests that cover both set it.
+    """
     config = LLMConfig()
     config.device_id = 0
+    config.transport = transport or TRANSPORT["default"]
     if listen:
         config.listen_ip_info = f"{LOCALHOST}:0"
     if secret is not None:

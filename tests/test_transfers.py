@@ -21,6 +21,7 @@ from aio_datadist import (
     Placement,
 )
 from peers import (
+    TRANSPORT,
     BLOCKS_DESC,
     CACHE_DESC,
     DECODER_ID,
@@ -36,6 +37,14 @@ from peers import (
 S = LLMStatusCode
 NO_ID = 2**64 - 1
 pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(autouse=True, params=["tcp", "local"])
+def transport(request):
+    """Every transfer here runs over TCP data channels and over same-host shared memory."""
+    TRANSPORT["default"] = request.param
+    yield request.param
+    TRANSPORT["default"] = "tcp"
 
 
 async def expect_code(code: LLMStatusCode, awaitable) -> LLMException:

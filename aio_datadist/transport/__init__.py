@@ -1,0 +1,1 @@
+"""Data planes behind links: same-host shared memory (local)."""

@@ -1,0 +1,154 @@
+"""Same-host transport: memfd regions passed over a unix socket, one native copy per transfer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aio_datadist.transport.local import PeerRegion
+from peers import (
+    DECODER_ID,
+    PROMPT_ID,
+    CacheSpec,
+    EndpointSpec,
+    endpoint,
+    fill,
+    linked_pair,
+    snapshot,
+    same,
+    spawned,
+)
+
+S = LLMStatusCode
+BLOCKS = CacheDesc(8, (32, 16, 256), DataType.DT_FLOAT16, Placement.HOST)  # 8 KiB blocks
+LOCAL = {"transport": "local"}
+
+
+@pytest.mark.asyncio
+async def test_caches_are_shared_once_per_link_with_their_memfd():
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        await pair.link()
+        link = pair.decoder._links.get(PROMPT_ID)
+        assert link.local is not None
+        region = link.local.region(src.cache_id)
+        assert region is not None and region.rows == 32 and region.row_bytes == 16 * 256 * 2
+        later = pair.pm.allocate_cache(CacheDesc(2, (4, 64), DataType.DT_FLOAT16, Placement.HOST))
+        assert link.local.region(later.cache_id) is not None  # caches made after linking are shared too
+        pair.pm.deallocate_cache(later)
+        await asyncio.sleep(0.05)  # the withdrawal travels on the unix socket
+        assert later.cache_id not in link.local.regions  # and withdrawn when freed
+
+
+@pytest.mark.asyncio
+async def test_pull_and_push_are_byte_exact_through_shared_memory():
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 7)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
+        await pair.link()
+        src_blocks, dst_blocks = [3, 4, 5, 30, 0], [9, 10, 11, 1, 31]
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, src_blocks, dst_blocks)
+        for d, v in zip(dst.tensors, values):
+            assert torch.equal(d[dst_blocks], v[src_blocks])
+        for t in dst.tensors:
+            t.zero_()
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, src_blocks, dst_blocks)
+        for d, v in zip(dst.tensors, values):
+            assert torch.equal(d[dst_blocks], v[src_blocks])
+        untouched = [b for b in range(32) if b not in dst_blocks]
+        assert all(bool((d[untouched] == 0).all()) for d in dst.tensors)
+
+
+@pytest.mark.asyncio
+async def test_the_owner_still_checks_every_request():
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        fill(src, 7)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        before = snapshot(dst)
+        with pytest.raises(LLMException) as exc:
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [32], [0])  # one past the end
+        assert exc.value.status_code == S.LLM_PARAM_INVALID and "src_blocks" in str(exc.value)
+        with pytest.raises(LLMException) as exc:
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 5), dst, [0], [0])
+        assert exc.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        assert same(before, snapshot(dst))
+
+
+@pytest.mark.asyncio
+async def test_keys_are_consumed_as_over_tcp():
+    rows = CacheDesc(4, (3, 512), DataType.DT_FLOAT16, Placement.HOST)
+    async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_cache(rows, [CacheKey(PROMPT_ID, 10)])
+        values = fill(src, 3)
+        dst = pair.dm.allocate_cache(rows)
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 10), dst, batch_index=2)
+        assert all(torch.equal(d[2], v[0]) for d, v in zip(dst.tensors, values))
+        with pytest.raises(LLMException) as exc:
+            await pair.dm.pull_cache(CacheKey(PROMPT_ID, 10), dst)
+        assert exc.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+
+
+@pytest.mark.asyncio
+async def test_registered_framework_tensors_fall_back_to_tcp():
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        owned = [torch.randn(BLOCKS.shape).half() for _ in range(BLOCKS.num_tensors)]
+        src = pair.pm.register_blocks_cache(BLOCKS, owned, BlocksCacheKey(PROMPT_ID, 0))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        link = pair.decoder._links.get(PROMPT_ID)
+        assert link.local is not None and link.local.region(src.cache_id) is None  # not shareable
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1, 2], [5, 6])
+        assert all(torch.equal(d[[5, 6]], o[[1, 2]]) for d, o in zip(dst.tensors, owned))
+
+
+@pytest.mark.asyncio
+async def test_tcp_transport_never_shares():
+    async with linked_pair(prompt_config={"transport": "tcp"}, decoder_config=LOCAL) as pair:
+        assert pair.decoder._links.get(PROMPT_ID).local is None
+        assert pair.prompt._links.get(DECODER_ID).local is None
+
+
+def test_a_peer_region_outside_its_mapping_is_refused():
+    import os
+
+    fd = os.memfd_create("t")
+    try:
+        os.ftruncate(fd, 4096)
+        with pytest.raises(ValueError):
+            PeerRegion(1, fd, 4096, rows=2, row_bytes=4096, tensor_bytes=8192, offsets=[0])
+        with pytest.raises(ValueError):
+            PeerRegion(1, fd, 4096, rows=1, row_bytes=4096, tensor_bytes=4096, offsets=[4096])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_between_processes_on_one_host():
+    spec = EndpointSpec(LLMRole.PROMPT, PROMPT_ID, config=(("transport", "local"),),
+                        caches=(CacheSpec("blocks", BLOCKS, seed=11, blocks=True, model_id=0),))
+    async with endpoint(LLMRole.DECODER, DECODER_ID, transport="local") as dd:
+        dst = dd.kv_cache_manager.allocate_blocks_cache(BLOCKS)
+        async with spawned(spec) as (prompt,):
+            assert (await dd.link_clusters([prompt.info]))[0] == S.LLM_SUCCESS
+            link = dd._links.get(PROMPT_ID)
+            assert link.local is not None
+            await dd.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(32)),
+                                                  list(range(31, -1, -1)))
+            expected = prompt.expected("blocks")
+            assert all(torch.equal(d, e.flip(0)) for d, e in zip(dst.tensors, expected))
+            assert len(link.local.regions) == 1
