@@ -62,7 +62,9 @@ class PushWatch:
         index = check_int("index", index)
         if index not in self._layers:
             raise param_invalid("index", f"layer {index} is not watched")
-        return asyncio.shield(self._layers[index])
+        waiter = asyncio.shield(self._layers[index])
+        waiter.add_done_callback(_retrieved)  # a closed watch fails layers nobody may await
+        return waiter
 
     def done(self) -> bool:
         return self._all.done()
@@ -128,3 +130,8 @@ class Arrivals:
         for watches in list(self._watches.values()):
             for watch in list(watches):
                 watch.close()
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -145,6 +145,8 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
                                     f"block ({src.layout.row_bytes} bytes)")
     elif src_block_indices is not None or dst_block_indices is not None:
         raise param_invalid("src_block_indices", "block indices need a blocks cache")
+    elif dst_block_memory_size not in (None, 0):
+        raise param_invalid("dst_block_memory_size", "is for blocks destinations; the source is a contiguous cache")
     planned = [_plan_config(rt, links, i, cfg, src, src_blocks, dst_blocks, dst_block_bytes)
                for i, cfg in enumerate(configs)]
     layers = sorted({layer for cfg in planned for layer in cfg.src_layers})
@@ -172,10 +174,40 @@ async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
     previous: asyncio.Future | None = None
     stop: LLMException | None = None
     stop_layer = -1
+    layer = -1
+    driver = asyncio.current_task()
+    syncing = abandoned = False
+
+    def nothing_left() -> bool:
+        return not any(cfg.index not in failed and cfg.src_layers.stop > layer for cfg in configs)
+
+    def on_failure() -> None:
+        # Every destination of the layers to come failed: stop waiting for the synchronizer
+        # (the way asyncio.timeout interrupts an await: cancel, then uncancel).
+        nonlocal abandoned
+        if syncing and not abandoned and nothing_left():
+            abandoned = True
+            driver.cancel()  # type: ignore[union-attr]
+
+    def on_link_lost(link: Link, exc: LLMException) -> None:
+        for cfg in configs:
+            if cfg.link is link and cfg.index not in failed and task._results[cfg.index] is None:
+                failed.add(cfg.index)
+                task._set_result(cfg.index, exc.status_code, exc)
+        on_failure()
+
+    watches = _watch_links(configs, on_link_lost)
     try:
         for layer in layers:
+            if nothing_left():
+                break
+            syncing = True
             try:
                 ok = await _synchronize(synchronizer, layer, timeout_ms)
+            except asyncio.CancelledError:
+                if abandoned and driver.uncancel() == 0:  # type: ignore[union-attr]
+                    break
+                raise
             except Exception as exc:
                 stop = LLMException(f"layer_synchronizer raised at layer {layer}: {exc!r}",
                                     status_code=LLMStatusCode.LLM_FAILED)
@@ -184,6 +216,8 @@ async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
                 if not ok:
                     stop = LLMException(f"layer_synchronizer returned False at layer {layer}",
                                         status_code=LLMStatusCode.LLM_PARAM_INVALID)
+            finally:
+                syncing = False
             if stop is not None:
                 stop_layer = layer
                 break
@@ -196,14 +230,18 @@ async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
                     lost = LLMException(f"destination {cfg.index} failed before layer {layer}",
                                         status_code=task._results[cfg.index] or LLMStatusCode.LLM_FAILED)
                     continue
-                push = asyncio.ensure_future(_push(rt, task, cfg, layer, failed, timeout_ms))
+                push = asyncio.ensure_future(_push(rt, task, cfg, layer, failed, on_failure, timeout_ms))
                 pushes.append(push)
                 layer_pushes.append(push)
-            previous = asyncio.ensure_future(_confirm(task, layer, layer_pushes, previous, lost))
+            finishing = [cfg.index for cfg in configs if cfg.src_layers.stop - 1 == layer]
+            previous = asyncio.ensure_future(_confirm(task, layer, layer_pushes, previous, lost, finishing, failed))
             pushes.append(previous)
         if pushes:
             await asyncio.gather(*pushes)
     finally:
+        for link, req_id, watch in watches:
+            link.pending.pop(req_id, None)
+            watch.cancel()
         for push in pushes:
             push.cancel()
         if pushes:
@@ -212,7 +250,8 @@ async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
         if cfg.index in failed:
             continue
         if stop is not None and cfg.src_layers.stop - 1 >= stop_layer:
-            task._set_result(cfg.index, stop.status_code)
+            if cfg.src_layers.start <= stop_layer:  # configs not started yet stay None
+                task._set_result(cfg.index, stop.status_code)
         else:
             task._set_result(cfg.index, LLMStatusCode.LLM_SUCCESS)
     if stop is not None:
@@ -220,20 +259,46 @@ async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
 
 
 async def _push(rt: Runtime, task: CacheTask, cfg: _Config, layer: int, failed: set[int],
-                timeout_ms: int) -> LLMException | None:
+                on_failure: Callable[[], None], timeout_ms: int) -> LLMException | None:
     try:
         await run_push(rt, cfg.link, cfg.plans[layer], timeout_ms, f"transfer_cache_async layer {layer}")
         return None
     except LLMException as exc:
         failed.add(cfg.index)
         task._set_result(cfg.index, exc.status_code, exc)
+        on_failure()
         return exc
 
 
+def _watch_links(configs: list[_Config], on_lost: Callable[[Link, LLMException], None]
+                 ) -> list[tuple[Link, int, asyncio.Future]]:
+    """Learn of a destination's link failing while no push to it is in flight.
+
+    A link fails every future waiting on it when it breaks or is unlinked; a
+    request id of its own that is never answered gives such a future.
+    """
+    watches = []
+    for link in {id(cfg.link): cfg.link for cfg in configs}.values():
+        req_id = link.new_req_id()
+        watch = link.expect(req_id)
+
+        def done(f: asyncio.Future, link: Link = link) -> None:
+            if not f.cancelled() and isinstance(f.exception(), LLMException):
+                on_lost(link, f.exception())
+
+        watch.add_done_callback(done)
+        watches.append((link, req_id, watch))
+    return watches
+
+
 async def _confirm(task: CacheTask, layer: int, layer_pushes: list[asyncio.Future],
-                   previous: asyncio.Future | None, lost: LLMException | None) -> None:
+                   previous: asyncio.Future | None, lost: LLMException | None,
+                   finishing: list[int], failed: set[int]) -> None:
     outcomes = await asyncio.gather(*layer_pushes)
     if previous is not None:
         await asyncio.shield(previous)
     error = next((e for e in outcomes if e is not None), lost)
+    for index in finishing:  # every layer of these configs is confirmed in place
+        if index not in failed:
+            task._set_result(index, LLMStatusCode.LLM_SUCCESS)
     task._layer_done(layer, error)

@@ -64,17 +64,26 @@ def _proof(secret: bytes | None, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
 
 
+def _attach_token(secret: bytes | None, token: bytes, index: int, generation: int) -> bytes:
+    """What a data connection presents: the link token or, with a shared secret, an HMAC that binds
+    it to the channel and generation, so a captured record cannot be replayed or re-aimed."""
+    if secret is None:
+        return token
+    return _proof(secret, b"attach", token, index.to_bytes(2, "big"), generation.to_bytes(4, "big"))
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class _Channel:
-    __slots__ = ("index", "sock", "generation")
+    __slots__ = ("index", "sock", "generation", "attached")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.sock: socket.socket | None = None
         self.generation = 0
+        self.attached = False
 
 
 class Link:
@@ -126,6 +135,7 @@ class Link:
         self._drop_socket(ch)
         ch.sock = sock
         ch.generation = generation
+        ch.attached = True
         if index in self.own:
             self.free.put_nowait(index)
 
@@ -147,6 +157,14 @@ class Link:
                                    status_code=LLMStatusCode.LLM_LINK_FAILED)
             if self.channels[index].sock is not None:
                 return index
+
+    def attach_advances(self, index: int, generation: int) -> bool:
+        """Whether a data connection for ``index`` at ``generation`` is new: a channel is attached once per
+        generation and generations only grow (the client redials a reset channel at the next one)."""
+        if index >= 2 * self.nchannels:
+            return False
+        ch = self.channels[index]
+        return generation > ch.generation or (generation == ch.generation and not ch.attached)
 
     def release(self, index: int) -> None:
         if self.channels[index].sock is not None and not self.closed:
@@ -223,10 +241,13 @@ class Link:
         self.spawn(self._heartbeat(self.runtime.settings.heartbeat_interval_ms / 1000))
 
     async def _heartbeat(self, interval: float) -> None:
-        """PING every interval; a peer silent for HEARTBEAT_MISSES intervals is lost.
+        """PROBE every interval; a peer silent for HEARTBEAT_MISSES intervals is lost.
 
         This catches peers that stopped (SIGSTOP, a hung host, a cut cable)
-        without closing their sockets, which no read would ever notice.
+        without closing their sockets, which no read would ever notice. A
+        PROBE is answered, so a live peer is heard from every interval of
+        ours whatever its own heartbeat interval is (a plain PING was not
+        answered: a peer configured with a longer interval was dropped).
         """
         loop = asyncio.get_running_loop()
         while self.broken is None and not self.closed:
@@ -235,7 +256,7 @@ class Link:
             if silent > HEARTBEAT_MISSES * interval:
                 self.fail(LLMException(f"no heartbeat for {silent:.1f} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
                 return
-            self.send(Msg.PING, 0)
+            self.send(Msg.PROBE, 0)
 
     async def _read_loop(self) -> None:
         try:
@@ -304,7 +325,9 @@ class Link:
         pending, self.pending = self.pending, {}
         for fut in pending.values():
             if not fut.done():
-                fut.set_exception(exc)
+                # One exception per waiter: raising a shared one would chain every waiter's frames
+                # (and the caches they hold) onto self.broken for as long as the broken link lives.
+                fut.set_exception(LLMException(str(exc), status_code=exc.status_code))
                 fut.exception()  # a waiter that gave up already must not leave "never retrieved" noise
         serving, self.serving = self.serving, {}
         for cancel in serving.values():
@@ -509,9 +532,9 @@ class LinkTable:
                            writer: asyncio.StreamWriter) -> bool:
         raw = magic + await reader.readexactly(wire.ATTACH.size - 4)
         _, version, token, index, generation = wire.ATTACH.unpack(raw)
-        link = next((lk for lk in self.links.values()
-                     if not lk.closed and lk.broken is None and hmac.compare_digest(lk.token, token)), None)
-        if version != wire.VERSION or link is None or index >= 2 * link.nchannels:
+        link = next((lk for lk in self.links.values() if not lk.closed and lk.broken is None and
+                     hmac.compare_digest(_attach_token(self.secret, lk.token, index, generation), token)), None)
+        if version != wire.VERSION or link is None or not link.attach_advances(index, generation):
             writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
             await writer.drain()
             return False
@@ -520,6 +543,9 @@ class LinkTable:
         _tune(sock)
         writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, SUCCESS))
         await writer.drain()
+        if link.closed or link.broken is not None or not link.attach_advances(index, generation):
+            sock.close()  # an identical record was installed meanwhile (a replay racing the original)
+            return False
         link.install(index, sock, generation)
         writer.transport.abort()
         return True
@@ -535,7 +561,8 @@ class LinkTable:
             _tune(sock)
             async with asyncio.timeout(HANDSHAKE_LIMIT_S):
                 await loop.sock_connect(sock, address)
-                await loop.sock_sendall(sock, wire.ATTACH.pack(wire.ATTACH_MAGIC, wire.VERSION, token,
+                await loop.sock_sendall(sock, wire.ATTACH.pack(wire.ATTACH_MAGIC, wire.VERSION,
+                                                               _attach_token(self.secret, token, index, generation),
                                                                index, generation))
                 reply = b""
                 while len(reply) < wire.ATTACH_OK.size:

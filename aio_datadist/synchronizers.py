@@ -27,8 +27,10 @@ class EventLayerSynchronizer(LayerSynchronizer):
     :param datadist: the initialised endpoint whose core carries the records.
     :param num_layers: how many layers will be recorded.
 
-    Create it inside the running event loop; close it (or use ``with``) to
-    release layers that were never recorded.
+    Create it inside the running event loop, one per transfer (a layer is
+    recorded once); close it (or use ``with``) to release layers that were
+    never recorded: a transfer waiting for one of them then stops as if the
+    synchronizer had returned False.
     """
 
     def __init__(self, datadist: LLMDataDist, num_layers: int) -> None:
@@ -54,17 +56,17 @@ class EventLayerSynchronizer(LayerSynchronizer):
         self._queue.post(self._layers[index][0], 0, 0)
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None = None) -> bool:
-        """Wait until ``layer_index`` was recorded; False after ``timeout_in_millis``."""
+        """Wait until ``layer_index`` was recorded.
+
+        :returns: False after ``timeout_in_millis``, or once the synchronizer
+            is closed without that layer recorded.
+        """
         index = check_index("layer_index", layer_index, len(self._layers), what="layer")
         future = self._layers[index][1]
-        try:
-            if timeout_in_millis is None:
-                await asyncio.shield(future)
-            else:
-                await asyncio.wait_for(asyncio.shield(future), timeout_in_millis / 1000)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        if not future.done():
+            # asyncio.wait neither raises for the future closing cancelled nor cancels it on time-out
+            await asyncio.wait([future], timeout=None if timeout_in_millis is None else timeout_in_millis / 1000)
+        return future.done() and not future.cancelled() and future.exception() is None
 
     def close(self) -> None:
         """Release every layer not recorded yet. Idempotent."""

@@ -83,7 +83,7 @@ class CacheTask:
         if index not in self._layers:
             raise param_invalid("index", f"layer {index} is not part of this transfer "
                                 f"(layers {min(self._layers)}..{max(self._layers)})")
-        return asyncio.shield(self._layers[index])
+        return _quiet(asyncio.shield(self._layers[index]))
 
     def done(self) -> bool:
         """Whether the transfer has ended (successfully or not)."""
@@ -136,6 +136,17 @@ class CacheTask:
         """
         await self._settle(timeout_in_millis)
         return list(self._results)
+
+
+def _quiet(fut: asyncio.Future) -> asyncio.Future:
+    """``fut``, whose error is reported by ``await task`` already if nobody awaits it."""
+    fut.add_done_callback(_retrieved)
+    return fut
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _fail_quietly(fut: asyncio.Future, exc: BaseException) -> None:
