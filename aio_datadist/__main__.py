@@ -1,22 +1,223 @@
-"""Command line: ``python -m aio_datadist demo``."""
+"""Command line: ``python -m aio_datadist demo`` and ``python -m aio_datadist bench``.
+
+``bench`` runs the transfer benchmark of the source checkout
+(``benchmarks/transfer.py``: ``pull_blocks`` and ``push_blocks`` between two
+processes against a raw-socket baseline of the same run). The ``benchmarks``
+package ships with the source, not with the installed package, so ``bench``
+runs from the root of a checkout. A progress bar needs ``tqdm`` and
+``--plot`` needs ``matplotlib`` (both in the ``bench`` extra).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+BENCH_EXTRA = 'pip install -e ".[bench]"'
 
 
-def main(argv: list[str] | None = None) -> int:
+def _block_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated block counts, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected block counts >= 1, got {text!r}")
+    return counts
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m aio_datadist",
                                      description="asyncio-native KV-cache transfer (LLM-DataDist API)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="a PROMPT and a DECODER process on loopback moving a real KV cache")
+    bench = sub.add_parser(
+        "bench", help="benchmark pull_blocks/push_blocks between two processes (from a source checkout)",
+        description="Time pull_blocks and push_blocks between two processes on loopback against a raw "
+                    "socket moving the same bytes in the same run, and print the table of ratios. Runs the "
+                    "benchmarks/ programs of a source checkout: start it from the repository root.")
+    bench.add_argument("--quick", action="store_true", help="few repeats (about 10 s per size on 2 cores)")
+    bench.add_argument("--sizes", type=_block_counts, metavar="N[,N...]",
+                       help="blocks per request (one block is 2 MiB over the 64 tensors); "
+                            "default: the benchmark's (64,4)")
+    bench.add_argument("--uvloop", action="store_true", help="both processes run their event loop on uvloop")
+    bench.add_argument("--data-channels", type=_positive, metavar="N", help="aio.DataChannels (default: the library's)")
+    bench.add_argument("--format", choices=("text", "markdown", "json"), default="text", help="table format")
+    bench.add_argument("--plot", type=Path, metavar="OUT.png",
+                       help=f"also write a plot of throughput against request size (needs matplotlib: {BENCH_EXTRA})")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines on stderr")
+    bench.set_defaults(subparser=bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
         from aio_datadist.demo import main as demo
 
         return demo()
+    if args.command == "bench":
+        return _bench(args.subparser, args)
     return 2
+
+
+# -- bench ------------------------------------------------------------------------------
+
+
+def _import_transfer_benchmark() -> Any:
+    try:
+        from benchmarks import transfer
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", "benchmarks.transfer"):
+            raise
+        raise SystemExit(
+            "python -m aio_datadist bench: cannot import the benchmark programs (benchmarks/transfer.py).\n"
+            "They come with the source checkout, not with the installed package: run this command from the\n"
+            "root of an aio_datadist checkout (the folder that holds benchmarks/), for example\n"
+            "    cd path/to/aio_datadist && python -m aio_datadist bench --quick") from None
+    return transfer
+
+
+def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.plot is not None:  # refuse before minutes of measuring, not after
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+        except ImportError:
+            parser.error(f"--plot needs matplotlib, which is not installed: {BENCH_EXTRA}")
+        formats = FigureCanvasAgg.get_supported_filetypes()
+        if args.plot.suffix.lstrip(".").lower() not in formats:
+            parser.error(f"--plot: name the file with one of the suffixes {', '.join(sorted(formats))}")
+        if not args.plot.parent.is_dir():
+            parser.error(f"--plot: folder {str(args.plot.parent)!r} does not exist")
+    if args.uvloop and importlib.util.find_spec("uvloop") is None:
+        parser.error("--uvloop needs uvloop, which is not installed (pip install uvloop)")
+    transfer = _import_transfer_benchmark()
+    from benchmarks._cli import emit, fits_in_memory
+    from benchmarks.harness import KvGeometry, Table, machine_info, run_coroutine
+
+    geometry = KvGeometry()
+    counts = tuple(args.sizes or transfer.SIZES)
+    table = Table(f"aio_datadist transfers between two processes ({'quick' if args.quick else 'default'}; "
+                  f"{'uvloop' if args.uvloop else 'asyncio'}; GB = 1e9 B; value = median)", machine=machine_info())
+    if not fits_in_memory(table, "transfer", max(counts), transfer._footprint(geometry, counts)):
+        emit(table, args.format)
+        return 1
+    with _Progress(counts, enabled=not args.no_progress) as progress:
+        measured = run_coroutine(
+            lambda: transfer._measure(geometry, counts, args.quick, args.data_channels, args.uvloop, progress),
+            use_uvloop=args.uvloop)
+    _fill_table(transfer, table, measured, geometry, counts, args.quick)
+    emit(table, args.format)
+    if args.plot is not None:
+        _plot(args.plot, measured, geometry, counts, table.title)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _fill_table(transfer: Any, table: Any, measured: dict, geometry: Any, counts: Sequence[int], quick: bool) -> None:
+    """The rows and notes ``python -m benchmarks.transfer`` prints, from the same measurements."""
+    from benchmarks.harness import blocks_label, cache_blocks_for, format_bytes, peak_rss
+
+    for count in counts:
+        case = blocks_label(count, geometry)
+        base = measured["raw socket", count]
+        table.add("raw socket sendall/recv_into", case, base.gbps, "GB/s")
+        for name in ("pull_blocks", "push_blocks"):
+            target = transfer.TARGET.get(count) if name == "pull_blocks" else None
+            table.add(name, case, measured[name, count].gbps, "GB/s", baseline="raw socket",
+                      baseline_value=base.gbps, target=target)
+        table.add("raw socket p50 latency", case, base.p50_us / 1e3, "ms")
+        for name in ("pull_blocks", "push_blocks"):
+            table.add(f"{name} p50 latency", case, measured[name, count].p50_us / 1e3, "ms",
+                      baseline="raw socket", baseline_value=base.p50_us / 1e3)
+    rounds = transfer.ROUNDS_QUICK if quick else transfer.ROUNDS
+    table.note(f"cache {cache_blocks_for(max(counts))} blocks x {geometry.num_tensors} tensors x "
+               f"{format_bytes(geometry.block_bytes)} per process; random distinct source and destination blocks")
+    table.note(f"{rounds} alternating rounds of raw socket, pull_blocks and push_blocks per size, "
+               f"{measured['raw socket', counts[0]].summary.n} samples each at {counts[0]} blocks; "
+               "OS socket buffers everywhere")
+    table.note("latency ratios are library / raw: above 1 is slower")
+    table.note(str(peak_rss()))
+
+
+def _plot(path: Path, measured: dict, geometry: Any, counts: Sequence[int], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(set(counts))
+    mib = [geometry.request_bytes(c) / 2**20 for c in sizes]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, label, style in (("raw socket", "raw socket sendall/recv_into (baseline)", "k--"),
+                               ("pull_blocks", "pull_blocks", "C0-"), ("push_blocks", "push_blocks", "C1-")):
+        ax.plot(mib, [measured[name, c].gbps for c in sizes], style, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(mib, [f"{m:g}" for m in mib])
+    ax.set_xlabel(f"request size (MiB over {geometry.num_tensors} tensors)")
+    ax.set_ylabel("throughput (GB/s, median sample)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title.replace(" (", "\n(", 1), fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class _Progress:
+    """The progress callable ``benchmarks.transfer`` reports to: a tqdm bar, or lines on stderr.
+
+    The benchmark calls it after linking and after each request size.
+    """
+
+    def __init__(self, counts: Sequence[int], enabled: bool) -> None:
+        self._steps = ["start the peer process and link", *(f"measure {c} blocks" for c in counts)]
+        self._done = 0
+        self._start = time.perf_counter()
+        self._bar = None
+        self._enabled = enabled
+        if enabled and sys.stderr.isatty() and importlib.util.find_spec("tqdm") is not None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=len(self._steps), desc=self._steps[0], unit="step", file=sys.stderr,
+                             bar_format="{desc}: {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+        elif enabled:
+            self._line(self._steps[0])
+
+    def _line(self, what: str) -> None:
+        print(f"[{time.perf_counter() - self._start:6.1f}s] {what}...", file=sys.stderr, flush=True)
+
+    def __call__(self, what: str) -> None:
+        self._done += 1
+        upcoming = self._steps[self._done] if self._done < len(self._steps) else "done"
+        if self._bar is not None:
+            self._bar.set_description_str(upcoming, refresh=False)
+            self._bar.update(1)
+        elif self._enabled and self._done < len(self._steps):
+            self._line(upcoming)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 if __name__ == "__main__":
