@@ -1,0 +1,531 @@
+"""pytest fixtures for testing code that uses aio_datadist.
+
+This module is a pytest plugin, registered through the ``pytest11`` entry
+point, so it is available in every pytest run of an environment where
+aio_datadist is installed. It is opt-in: it defines two fixtures and nothing
+else (no hooks, options or markers), so a test that does not ask for one of
+them runs exactly as without the plugin. At module level it imports only the
+standard library, pytest and pytest-asyncio; the library's modules are
+imported where they are used (importing this module still runs the
+``aio_datadist`` package's ``__init__``; see docs/testing.md).
+
+Fixtures (async; they need pytest-asyncio, in strict or auto mode, and run on
+the event loop of the test that asks for them):
+
+``datadist_pair`` -> :class:`DataDistPair`
+    A PROMPT (cluster :data:`PROMPT_CLUSTER_ID`, listening on 127.0.0.1) and a
+    DECODER (cluster :data:`DECODER_CLUSTER_ID`) in this process, linked,
+    with keyed caches on both sides; finalized after the test.
+
+``datadist_process_pair`` -> :class:`ProcessPair`
+    The same, with the PROMPT in a spawned process; the process is stopped,
+    and killed if it does not stop, after the test.
+
+In both, the prompt's caches hold :func:`seeded_pattern` contents, so a test
+can check every byte it pulled. :func:`open_pair` and
+:func:`open_process_pair` are the context managers behind the fixtures (other
+seeds or options); :func:`loopback_options` builds ``init`` options for
+endpoints of your own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    import torch
+
+    from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, KvCache, LLMDataDist
+
+__all__ = [
+    "DECODER_CLUSTER_ID",
+    "DEFAULT_SEED",
+    "PROMPT_CLUSTER_ID",
+    "ROW_REQ_IDS",
+    "DataDistPair",
+    "ProcessPair",
+    "blocks_desc",
+    "loopback_options",
+    "open_pair",
+    "open_process_pair",
+    "rows_desc",
+    "seeded_pattern",
+]
+
+LOOPBACK = "127.0.0.1"
+PROMPT_CLUSTER_ID = 1
+DECODER_CLUSTER_ID = 2
+#: ``model_id`` of the blocks caches' ``BlocksCacheKey`` on both sides.
+MODEL_ID = 0
+#: ``req_id`` of the ``CacheKey`` naming row ``i`` of the prompt's rows cache.
+ROW_REQ_IDS = (101, 102)
+DEFAULT_SEED = 1234
+#: Blocks caches: 2 layers (K, V) = 4 tensors of 8 blocks of 4 x 16 fp16 (128 bytes a block).
+BLOCKS_GEOMETRY = (4, (8, 4, 16))
+#: Rows caches: 4 tensors of 2 rows of 256 fp16 (512 bytes a row).
+ROWS_GEOMETRY = (4, (2, 256))
+START_TIMEOUT_S = 120.0
+STOP_GRACE_S = 10.0
+COMMAND_TIMEOUT_S = 60.0
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def loopback_options(listen: bool | int = False, **config: Any) -> dict[str, str]:
+    """``LLMConfig`` options for an endpoint on 127.0.0.1, for ``await dd.init(...)``.
+
+    :param listen: ``True`` listens on a free port (read it from
+        ``dd.listen_address`` after ``init``), an ``int`` on that port,
+        ``False`` does not listen.
+    :param config: ``LLMConfig`` properties by name, for example
+        ``sync_kv_timeout=5000``, ``shared_secret="s"``, ``data_channels=1``;
+        ``device_id`` is 0 unless given.
+    :raises TypeError: for a name that is not an ``LLMConfig`` property, or a
+        ``listen`` that is neither a bool nor a port number.
+    :raises LLMException: ``LLM_PARAM_INVALID`` for a bad property value.
+    """
+    from aio_datadist import LLMConfig
+
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    for name, value in config.items():
+        if name.startswith("_") or callable(getattr(LLMConfig, name, None)):
+            raise TypeError(f"loopback_options() got an unexpected keyword argument {name!r}")
+        try:
+            setattr(cfg, name, value)
+        except AttributeError:
+            raise TypeError(f"loopback_options() got an unexpected keyword argument {name!r} "
+                            "(not an LLMConfig property)") from None
+    if isinstance(listen, bool):
+        if listen:
+            cfg.listen_ip_info = f"{LOOPBACK}:0"
+    elif isinstance(listen, int) and 0 <= listen <= 65535:
+        cfg.listen_ip_info = f"{LOOPBACK}:{listen}"
+    else:
+        raise TypeError(f"listen must be a bool or a port number, got {listen!r}")
+    return cfg.generate_options()
+
+
+def blocks_desc() -> CacheDesc:
+    """The fixtures' blocks caches: ``CacheDesc(4, (8, 4, 16), DT_FLOAT16, HOST)``."""
+    from aio_datadist import CacheDesc, DataType, Placement
+
+    return CacheDesc(BLOCKS_GEOMETRY[0], BLOCKS_GEOMETRY[1], DataType.DT_FLOAT16, Placement.HOST)
+
+
+def rows_desc() -> CacheDesc:
+    """The fixtures' contiguous caches: ``CacheDesc(4, (2, 256), DT_FLOAT16, HOST)``."""
+    from aio_datadist import CacheDesc, DataType, Placement
+
+    return CacheDesc(ROWS_GEOMETRY[0], ROWS_GEOMETRY[1], DataType.DT_FLOAT16, Placement.HOST)
+
+
+def seeded_pattern(desc: CacheDesc, seed: int) -> list[torch.Tensor]:
+    """The contents the fixtures write into a prompt cache of ``desc``: one CPU tensor per cache tensor.
+
+    Tensor ``i`` is ``torch.randint(0, 128, desc.shape,
+    generator=torch.Generator().manual_seed(seed * 1000 + i),
+    dtype=torch.int16)`` converted to the cache's dtype: small integers,
+    exact in fp16, bf16, fp32 and every integer dtype, and the same in every
+    process.
+    """
+    import torch
+
+    dtype = desc.data_type.torch_dtype
+    return [torch.randint(0, 128, desc.shape, generator=torch.Generator().manual_seed(seed * 1000 + i),
+                          dtype=torch.int16).to(dtype)
+            for i in range(desc.num_tensors)]
+
+
+def _fill(cache: KvCache, seed: int) -> None:
+    for tensor, value in zip(cache.tensors, seeded_pattern(cache.cache_desc, seed)):
+        tensor.copy_(value)
+
+
+def _cluster(remote_cluster_id: int, address: tuple[str, int]) -> Any:
+    from aio_datadist import LLMClusterInfo
+
+    info = LLMClusterInfo()
+    info.remote_cluster_id = remote_cluster_id
+    info.append_remote_ip_info(address[0], address[1])
+    return info
+
+
+# -- the pairs ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Decoder:
+    decoder: LLMDataDist
+    decoder_blocks: KvCache
+    decoder_rows: KvCache
+    seed: int
+
+    def _release(self) -> None:
+        # The endpoints are finalized: drop the cache views, so their memory goes now and not
+        # whenever the test framework lets go of this object.
+        for name in ("decoder_blocks", "decoder_rows", "prompt_blocks", "prompt_rows"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+
+    @property
+    def prompt_cluster_id(self) -> int:
+        return PROMPT_CLUSTER_ID
+
+    @property
+    def decoder_cluster_id(self) -> int:
+        return DECODER_CLUSTER_ID
+
+    @property
+    def blocks_key(self) -> BlocksCacheKey:
+        """The prompt's blocks cache, to pull from: ``BlocksCacheKey(PROMPT_CLUSTER_ID, 0)``."""
+        from aio_datadist import BlocksCacheKey
+
+        return BlocksCacheKey(PROMPT_CLUSTER_ID, MODEL_ID)
+
+    @property
+    def decoder_blocks_key(self) -> BlocksCacheKey:
+        """The decoder's blocks cache, to push into: ``BlocksCacheKey(DECODER_CLUSTER_ID, 0)``."""
+        from aio_datadist import BlocksCacheKey
+
+        return BlocksCacheKey(DECODER_CLUSTER_ID, MODEL_ID)
+
+    def row_key(self, row: int) -> CacheKey:
+        """The key of row ``row`` of the prompt's rows cache (a successful pull by it consumes it)."""
+        from aio_datadist import CacheKey
+
+        return CacheKey(PROMPT_CLUSTER_ID, ROW_REQ_IDS[row])
+
+    @property
+    def expected_blocks(self) -> list[torch.Tensor]:
+        """What the prompt's blocks cache holds: ``seeded_pattern(blocks_desc(), seed)``."""
+        return seeded_pattern(blocks_desc(), self.seed)
+
+    @property
+    def expected_rows(self) -> list[torch.Tensor]:
+        """What the prompt's rows cache holds: ``seeded_pattern(rows_desc(), seed + 1)``."""
+        return seeded_pattern(rows_desc(), self.seed + 1)
+
+
+@dataclasses.dataclass
+class DataDistPair(_Decoder):
+    """A linked PROMPT and DECODER in this process (the ``datadist_pair`` fixture).
+
+    Prompt (cluster 1, listening on 127.0.0.1): ``prompt_blocks`` (keyed
+    :attr:`blocks_key`, holding :attr:`expected_blocks`) and ``prompt_rows``
+    (row ``i`` keyed :meth:`row_key` ``(i)``, holding :attr:`expected_rows`).
+    Decoder (cluster 2): ``decoder_blocks`` (keyed :attr:`decoder_blocks_key`)
+    and ``decoder_rows``, both zero. The decoder linked to the prompt; both
+    ends can use the link.
+    """
+
+    prompt: LLMDataDist = dataclasses.field(kw_only=True)
+    prompt_blocks: KvCache = dataclasses.field(kw_only=True)
+    prompt_rows: KvCache = dataclasses.field(kw_only=True)
+
+
+@dataclasses.dataclass
+class ProcessPair(_Decoder):
+    """A PROMPT in a spawned process and a DECODER here, linked (the ``datadist_process_pair`` fixture).
+
+    The prompt process holds the same caches and contents as in
+    :class:`DataDistPair` (ids in :attr:`prompt_cache_ids`) and serves pulls
+    until the fixture ends. :meth:`prompt_push_blocks` makes it push.
+    """
+
+    prompt_address: tuple[str, int] = dataclasses.field(kw_only=True)
+    prompt_cache_ids: dict[str, int] = dataclasses.field(kw_only=True)
+    _process: Any = dataclasses.field(kw_only=True, repr=False)
+    _conn: Any = dataclasses.field(kw_only=True, repr=False)
+    _lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock, repr=False)
+
+    @property
+    def prompt_pid(self) -> int:
+        return self._process.pid
+
+    def kill_prompt(self) -> None:
+        """SIGKILL the prompt process now (a crash: no unlink); the fixture still reaps it."""
+        self._process.kill()
+
+    async def prompt_push_blocks(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], *,
+                                 timeout: int = 5000) -> None:
+        """Have the prompt ``push_blocks`` its blocks into ``decoder_blocks``; returns once they are in place.
+
+        :raises LLMException: as raised by ``push_blocks`` in the prompt process.
+        :raises RuntimeError: if the prompt process failed otherwise or is gone.
+        """
+        async with self._lock:
+            try:
+                self._conn.send(("push_blocks", list(src_blocks), list(dst_blocks), timeout))
+            except OSError as exc:
+                raise RuntimeError(f"the prompt process is gone (exit code {self._process.exitcode})") from exc
+            reply = await _recv(self._conn, COMMAND_TIMEOUT_S, "push_blocks")
+        if reply[0] == "llm":
+            from aio_datadist import LLMException
+
+            raise LLMException(reply[2], status_code=reply[1])
+        if reply[0] != "ok":
+            raise RuntimeError(f"the prompt process failed:\n{reply[1]}")
+
+
+@contextlib.asynccontextmanager
+async def open_pair(*, seed: int = DEFAULT_SEED, prompt_config: Mapping[str, Any] | None = None,
+                    decoder_config: Mapping[str, Any] | None = None) -> AsyncIterator[DataDistPair]:
+    """The ``datadist_pair`` fixture as an async context manager.
+
+    :param seed: seed of the prompt's contents (rows use ``seed + 1``).
+    :param prompt_config: ``LLMConfig`` properties for the prompt (see :func:`loopback_options`).
+    :param decoder_config: the same for the decoder.
+    """
+    from aio_datadist import LLMDataDist, LLMRole
+
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = LLMDataDist(LLMRole.PROMPT, PROMPT_CLUSTER_ID)
+        stack.push_async_callback(prompt.finalize)
+        await prompt.init(loopback_options(listen=True, **(prompt_config or {})))
+        prompt_blocks, prompt_rows = _prompt_caches(prompt, seed)
+        decoder = LLMDataDist(LLMRole.DECODER, DECODER_CLUSTER_ID)
+        stack.push_async_callback(decoder.finalize)
+        await decoder.init(loopback_options(**(decoder_config or {})))
+        decoder_blocks, decoder_rows = _decoder_caches(decoder)
+        assert prompt.listen_address is not None
+        await _link(decoder, prompt.listen_address)
+        pair = DataDistPair(decoder, decoder_blocks, decoder_rows, seed, prompt=prompt,
+                            prompt_blocks=prompt_blocks, prompt_rows=prompt_rows)
+        del prompt_blocks, prompt_rows, decoder_blocks, decoder_rows
+        stack.callback(pair._release)
+        yield pair
+
+
+def _prompt_caches(prompt: LLMDataDist, seed: int) -> tuple[KvCache, KvCache]:
+    from aio_datadist import BlocksCacheKey, CacheKey
+
+    kv = prompt.kv_cache_manager
+    blocks = kv.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(PROMPT_CLUSTER_ID, MODEL_ID))
+    rows = kv.allocate_cache(rows_desc(), [CacheKey(PROMPT_CLUSTER_ID, req_id) for req_id in ROW_REQ_IDS])
+    _fill(blocks, seed)
+    _fill(rows, seed + 1)
+    return blocks, rows
+
+
+def _decoder_caches(decoder: LLMDataDist) -> tuple[KvCache, KvCache]:
+    from aio_datadist import BlocksCacheKey
+
+    kv = decoder.kv_cache_manager
+    return (kv.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(DECODER_CLUSTER_ID, MODEL_ID)),
+            kv.allocate_cache(rows_desc()))
+
+
+async def _link(decoder: LLMDataDist, address: tuple[str, int]) -> None:
+    from aio_datadist import LLMStatusCode
+
+    status, per_cluster = await decoder.link_clusters([_cluster(PROMPT_CLUSTER_ID, address)], timeout=10_000)
+    if status != LLMStatusCode.LLM_SUCCESS:
+        raise RuntimeError(f"linking the decoder to the prompt at {address[0]}:{address[1]} failed: "
+                           f"{per_cluster[0]!s}")
+
+
+@contextlib.asynccontextmanager
+async def open_process_pair(*, seed: int = DEFAULT_SEED, prompt_config: Mapping[str, Any] | None = None,
+                            decoder_config: Mapping[str, Any] | None = None,
+                            start_timeout: float = START_TIMEOUT_S) -> AsyncIterator[ProcessPair]:
+    """The ``datadist_process_pair`` fixture as an async context manager.
+
+    The prompt runs in a process of the ``spawn`` context (it imports torch
+    and aio_datadist afresh: a second or two). On exit the decoder is
+    finalized (unlinking), the prompt is asked to exit, then terminated, then
+    killed, each bounded in time, and always joined. It also exits by itself
+    if this process dies.
+
+    :param prompt_config: ``LLMConfig`` properties for the prompt (plain,
+        picklable values).
+    :param start_timeout: seconds to wait for the prompt process to listen.
+    :raises RuntimeError: if the prompt process fails to start or to link.
+    """
+    from aio_datadist import LLMDataDist, LLMRole
+
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe(duplex=True)
+    process = ctx.Process(target=_prompt_process, name="aio_datadist-prompt", daemon=True,
+                          args=(child_conn, seed, dict(prompt_config or {}), os.getpid()))
+    try:
+        process.start()
+        child_conn.close()
+        ready = await _recv(conn, start_timeout, "its start")
+        if ready[0] != "ready":
+            raise RuntimeError(f"the prompt process failed to start:\n{ready[1]}")
+        port, cache_ids = ready[1], ready[2]
+        async with LLMDataDist(LLMRole.DECODER, DECODER_CLUSTER_ID) as decoder:
+            await decoder.init(loopback_options(**(decoder_config or {})))
+            decoder_blocks, decoder_rows = _decoder_caches(decoder)
+            await _link(decoder, (LOOPBACK, port))
+            pair = ProcessPair(decoder, decoder_blocks, decoder_rows, seed, prompt_address=(LOOPBACK, port),
+                               prompt_cache_ids=cache_ids, _process=process, _conn=conn)
+            del decoder_blocks, decoder_rows
+            try:
+                yield pair
+            finally:
+                pair._release()
+    finally:
+        try:
+            await _stop(process, conn)
+        finally:
+            _reap(process, conn, child_conn)
+
+
+async def _stop(process: multiprocessing.process.BaseProcess, conn: multiprocessing.connection.Connection) -> None:
+    """Ask the prompt to exit, then terminate it, each with a bounded wait."""
+    if process.pid is None:
+        return
+    if process.is_alive():
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(("exit",))
+        await _ended(process, STOP_GRACE_S)
+    if process.is_alive():
+        process.terminate()
+        await _ended(process, 5.0)
+
+
+def _reap(process: multiprocessing.process.BaseProcess, conn: multiprocessing.connection.Connection,
+          child_conn: multiprocessing.connection.Connection) -> None:
+    """Kill (if still alive) and join at once; close the pipe ends. Never awaits."""
+    if process.pid is not None:
+        if process.is_alive():
+            process.kill()
+        process.join(10.0)
+        if not process.is_alive():
+            process.close()
+    conn.close()
+    child_conn.close()
+
+
+async def _ended(process: multiprocessing.process.BaseProcess, timeout: float) -> None:
+    """Until ``process`` ends (its sentinel becomes readable), at most ``timeout`` s."""
+    await _readable(process.sentinel, timeout)
+    process.join(0)
+
+
+async def _readable(fd: int, timeout: float | None) -> bool:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        async with asyncio.timeout(timeout):
+            await ready
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _recv(conn: multiprocessing.connection.Connection, timeout: float, what: str) -> Any:
+    if not await _readable(conn.fileno(), timeout):
+        raise RuntimeError(f"the prompt process did not answer {what} within {timeout} s")
+    os.set_blocking(conn.fileno(), True)  # uvloop's add_reader made it non-blocking
+    try:
+        return conn.recv()
+    except EOFError:
+        raise RuntimeError(f"the prompt process ended before answering {what}") from None
+
+
+# -- the prompt process -----------------------------------------------------------------------
+
+
+def _prompt_process(conn: multiprocessing.connection.Connection, seed: int, config: dict[str, Any],
+                    parent_pid: int) -> None:
+    threading.Thread(target=_orphan_watch, args=(parent_pid,), daemon=True).start()
+    try:
+        asyncio.run(_serve_prompt(conn, seed, config))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        conn.close()
+
+
+def _orphan_watch(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(70)  # the test process is gone: nobody will stop us
+
+
+async def _serve_prompt(conn: multiprocessing.connection.Connection, seed: int, config: dict[str, Any]) -> None:
+    from aio_datadist import LLMDataDist, LLMException, LLMRole
+
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_CLUSTER_ID) as prompt:
+        await prompt.init(loopback_options(listen=True, **config))
+        blocks, rows = _prompt_caches(prompt, seed)
+        assert prompt.listen_address is not None
+        conn.send(("ready", prompt.listen_address[1], {"blocks": blocks.cache_id, "rows": rows.cache_id}))
+        kv = prompt.kv_cache_manager
+        while True:
+            await _readable(conn.fileno(), None)
+            os.set_blocking(conn.fileno(), True)
+            try:
+                command = conn.recv()
+            except EOFError:
+                return
+            if command[0] == "exit":
+                return
+            try:
+                _, src_blocks, dst_blocks, timeout = command
+                from aio_datadist import BlocksCacheKey
+
+                await kv.push_blocks(BlocksCacheKey(DECODER_CLUSTER_ID, MODEL_ID), blocks, src_blocks, dst_blocks,
+                                     timeout=timeout)
+            except LLMException as exc:
+                conn.send(("llm", int(exc.status_code), str(exc)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+            else:
+                conn.send(("ok",))
+
+
+# -- the fixtures ----------------------------------------------------------------------------------
+
+try:
+    import pytest_asyncio
+except ImportError:  # the fixtures then say what is missing when used
+    pytest_asyncio = None
+
+if pytest_asyncio is not None:
+
+    @pytest_asyncio.fixture
+    async def datadist_pair() -> AsyncIterator[DataDistPair]:
+        """A linked PROMPT and DECODER in this process; see :class:`DataDistPair`."""
+        async with open_pair() as pair:
+            yield pair
+
+    @pytest_asyncio.fixture
+    async def datadist_process_pair() -> AsyncIterator[ProcessPair]:
+        """A PROMPT in a spawned process and a linked DECODER here; see :class:`ProcessPair`."""
+        async with open_process_pair() as pair:
+            yield pair
+
+else:
+
+    @pytest.fixture
+    def datadist_pair() -> None:
+        """Needs pytest-asyncio."""
+        pytest.fail("the datadist_pair fixture needs pytest-asyncio (pip install pytest-asyncio)", pytrace=False)
+
+    @pytest.fixture
+    def datadist_process_pair() -> None:
+        """Needs pytest-asyncio."""
+        pytest.fail("the datadist_process_pair fixture needs pytest-asyncio (pip install pytest-asyncio)",
+                    pytrace=False)
