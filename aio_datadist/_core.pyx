@@ -246,7 +246,8 @@ cdef class HostCopyEngine:
                     job.segs.push_back(seg)
         job.total = total
         nthreads = self._threads.size()
-        chunk_bytes = total // nthreads + 1
+        # Several chunks per thread: a thread that loses its core does not hold up the whole job.
+        chunk_bytes = total // (4 * nthreads) + 1
         if chunk_bytes < self._split_bytes:
             chunk_bytes = self._split_bytes
         pthread_mutex_lock(&self._lock)

@@ -123,7 +123,7 @@ class LLMDataDist:
         self._finalized = True
         try:
             if links is not None:
-                await asyncio.shield(links.close())
+                await _complete(links.close())
         finally:
             runtime.close()
 
@@ -228,15 +228,33 @@ class LLMDataDist:
             raise LLMException(f"switch_role: {links.count()} link(s) still exist; unlink them first",
                                status_code=LLMStatusCode.LLM_EXIST_LINK)
         previous = links.listen_address
-        await links.stop_listening()
-        if listen is not None:
-            try:
+        try:
+            await links.stop_listening()
+            if listen is not None:
                 await links.listen(*listen)
-            except LLMException:
-                if previous is not None:  # a failed switch keeps the endpoint as it was
-                    await links.listen(*previous)
-                raise
+        except BaseException:
+            if previous is not None and links.listen_address is None:
+                await _complete(links.listen(*previous))  # a failed or cancelled switch changes nothing
+            raise
         self._role = role
+
+
+async def _complete(awaitable: Any) -> None:
+    """Run cleanup to its end even if the caller is cancelled meanwhile (anyio
+    cancels again at every await), then let the cancellation through. The
+    cleanups passed here are bounded in time."""
+    work = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            if work.done() and work.cancelled():
+                raise
+            cancelled = True
+    work.result()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _overall(results: list[LLMStatusCode]) -> LLMStatusCode:

@@ -291,6 +291,9 @@ class Link:
                 serving = self.serving.pop(req_id, None)
                 if serving is not None:
                     serving()
+                ack = self.pull_acks.pop(req_id, None)  # sent everything, but the puller gave up
+                if ack is not None:
+                    ack[1]()
             index = fields["channel"]
             if index < len(self.channels) and self.channels[index].generation == fields["generation"]:
                 self.reset_channel(index, tell_peer=False)
@@ -354,10 +357,12 @@ class Link:
         tasks = [t for t in self._tasks if t is not current]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.wait(tasks)  # unlike gather, never raises a CancelledError of theirs
         try:
-            await asyncio.wait_for(self.writer.wait_closed(), 1.0)
-        except (OSError, asyncio.TimeoutError, ConnectionError):
+            async with asyncio.timeout(1.0):
+                await self.writer.wait_closed()
+        except (OSError, TimeoutError, ConnectionError):
             pass
 
 

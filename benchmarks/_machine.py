@@ -112,6 +112,27 @@ def _own_cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _live_children_cpu_seconds() -> float:
+    """user + system time of this process's children that have not been reaped yet."""
+    me = os.getpid()
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0.0
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            # after the command: state ppid ... utime (field 14) stime (15), 1-based over the whole line
+            if int(fields[1]) == me:
+                total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 class OtherCpuLoad:
     """How busy the rest of the machine kept the CPUs while a benchmark ran.
 
@@ -119,21 +140,78 @@ class OtherCpuLoad:
     cores used by processes other than this one and its reaped children since
     then. On the 2-core machines anything above ~0.2 makes a run's numbers
     suspect, so programs print it under their table.
+
+    With ``live_children=True`` the CPU time of children still running (peer
+    processes, read from /proc) counts as this run's own too, so the figure
+    is right while they run, not only once they have been reaped.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, live_children: bool = False) -> None:
+        self._live_children = live_children
         self._wall0 = time.monotonic()
         self._busy0 = _busy_cpu_seconds()
-        self._own0 = _own_cpu_seconds()
+        self._own0 = self._own()
+
+    def _own(self) -> float:
+        return _own_cpu_seconds() + (_live_children_cpu_seconds() if self._live_children else 0.0)
 
     def cores_busy(self) -> float:
         wall = time.monotonic() - self._wall0
         if wall <= 0:
             return 0.0
-        others = (_busy_cpu_seconds() - self._busy0) - (_own_cpu_seconds() - self._own0)
+        others = (_busy_cpu_seconds() - self._busy0) - (self._own() - self._own0)
         return max(0.0, others / wall)
 
     def describe(self) -> str:
         busy = self.cores_busy()
         verdict = "" if busy < 0.2 else ": the numbers of this run are suspect"
         return f"other processes kept {busy:.2f} of {os.cpu_count()} cores busy during the run{verdict}"
+
+
+_STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+
+
+def rss_status(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS, VmHWM, RssAnon, RssFile and RssShmem of a process, in bytes (from /proc/PID/status)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in _STATUS_FIELDS:
+                out[key] = int(rest.split()[0]) * KIB
+    return out
+
+
+class RssWatch:
+    """Peak RSS of one process (this one, or a child of the same user) across resets of its high-water mark.
+
+    :meth:`reset` records the peak so far, then clears the kernel's high-water
+    mark (``echo 5 > /proc/PID/clear_refs``, Linux >= 4.0), so that
+    :meth:`since_reset` gives the peak of what ran since. :meth:`peak` is the
+    peak over the whole life of the watch, resets included.
+    """
+
+    def __init__(self, pid: int | str = "self") -> None:
+        self.pid = pid
+        self._peak = 0
+
+    def status(self) -> dict[str, int]:
+        return rss_status(self.pid)
+
+    def reset(self) -> dict[str, int]:
+        """Clear the high-water mark; returns the status right after.
+
+        Raises:
+            OSError: the kernel does not let this process reset it.
+        """
+        self._peak = max(self._peak, self.status()["VmHWM"])
+        with open(f"/proc/{self.pid}/clear_refs", "w") as f:
+            f.write("5")
+        return self.status()
+
+    def since_reset(self) -> dict[str, int]:
+        """Current status; its VmHWM is the peak since the last :meth:`reset`."""
+        return self.status()
+
+    def peak(self) -> int:
+        return max(self._peak, self.status()["VmHWM"])

@@ -83,6 +83,7 @@ def _options(listen: bool, data_channels: int | None) -> dict[str, str]:
     config = LLMConfig()
     config.device_id = 0
     config.sync_kv_timeout = TRANSFER_TIMEOUT_MS
+    config.transport = "tcp"  # this program measures the TCP data plane against a raw socket
     if listen:
         config.listen_ip_info = "127.0.0.1:0"
     if data_channels is not None:

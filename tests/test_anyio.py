@@ -70,20 +70,6 @@ BIG_ROWS = CacheDesc(8, (2, 1 << 19), DataType.DT_FLOAT16, Placement.HOST)
 ALL = list(range(64))
 REQ_ID = 77
 
-# Known library bugs (reported with reproductions); drop a marker once its bug is fixed.
-KEY_STAYS_CLAIMED = pytest.mark.xfail(
-    strict=False, reason="a pull cut after the owner answered can leave its key claimed on the owner: "
-    "later pulls of the key are refused ('the key is being pulled by another request')")
-FOREIGN_CANCEL = pytest.mark.xfail(
-    strict=False, reason="Link.close (asyncio.gather over cancelled tasks, 3.11 asyncio.wait_for) can raise "
-    "a CancelledError without anyio's message, which escapes the cancel scope")
-FINALIZE_RETURNS_EARLY = pytest.mark.xfail(
-    strict=True, reason="finalize under a level-triggered cancel returns before its links are closed")
-SWITCH_ROLE_HALFWAY = pytest.mark.xfail(
-    strict=True, reason="a cancelled switch_role has closed the old listener and not opened the new one: "
-    "the endpoint keeps its role but listens nowhere")
-
-
 def assert_idle(*dds: LLMDataDist) -> None:
     for dd in dds:
         assert dd._runtime is not None
@@ -303,7 +289,6 @@ async def test_cancel_scopes_cut_a_transfer_then_the_link_still_works(kind, tran
         assert cancelled >= len(HOW), "a cancel scope with no time left did not cut the transfer"
 
 
-@KEY_STAYS_CLAIMED
 async def test_a_pull_by_key_cut_by_a_cancel_scope_leaves_the_key():
     refused = None
     async with linked_pair(link=False) as pair:
@@ -538,7 +523,6 @@ async def test_check_link_status_cut_by_a_cancel_scope(how):
         assert_idle(pair.prompt, pair.decoder)
 
 
-@FOREIGN_CANCEL
 @pytest.mark.parametrize("how", HOW)
 async def test_unlink_clusters_cut_by_a_cancel_scope(how):
     for delay in (0, 0.0001, 0.0002, 0.0005, 0.001):
@@ -582,7 +566,6 @@ async def test_switch_role_in_a_task_group():
                 (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
 
-@SWITCH_ROLE_HALFWAY
 async def test_switch_role_cut_by_a_cancel_scope_is_all_or_nothing():
     async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, switch_role=True) as dd:
         before = dd.listen_address
@@ -739,7 +722,6 @@ async def test_layer_in_flight_cut_by_fail_after():
 # -- finalize under a cancelled scope -------------------------------------------------------------------
 
 
-@FINALIZE_RETURNS_EARLY
 async def test_async_with_inside_a_scope_that_is_cancelled():
     """``async with`` exits under a cancelled scope: finalize still tears everything down before returning."""
     with anyio.move_on_after(0.02) as scope:
