@@ -116,6 +116,7 @@ class Link:
         self._tasks: set[asyncio.Task] = set()
         self.on_request: Callable[[Link, Msg, int, dict], None] | None = None
         self.local: LocalShare | None = None
+        self.redialling: dict[int, asyncio.Future] = {}
 
     # -- ids, channels -----------------------------------------------------
 
@@ -188,19 +189,36 @@ class Link:
         if tell_peer:
             self.send(Msg.ABORT, req_id, channel=index, generation=generation)
         if self.is_client:
-            self.spawn(self._redial(index, generation + 1))
+            done = asyncio.get_running_loop().create_future()
+            self.redialling[index] = done
+            self.spawn(self._redial(index, generation + 1, done))
 
-    async def _redial(self, index: int, generation: int) -> None:
+    async def _redial(self, index: int, generation: int, done: asyncio.Future) -> None:
         try:
-            sock = await self.table.dial_data(self.remote_address, self.token, index, generation)
-        except (OSError, LLMException, asyncio.TimeoutError) as exc:
-            self.fail(LLMException(f"could not redial data channel {index}: {exc}",
-                                   status_code=LLMStatusCode.LLM_LINK_FAILED))
-            return
-        if self.closed:
-            sock.close()
-            return
-        self.install(index, sock, generation)
+            try:
+                sock = await self.table.dial_data(self.remote_address, self.token, index, generation)
+            except (OSError, LLMException, asyncio.TimeoutError) as exc:
+                self.fail(LLMException(f"could not redial data channel {index}: {exc}",
+                                       status_code=LLMStatusCode.LLM_LINK_FAILED))
+                return
+            if self.closed:
+                sock.close()
+                return
+            self.install(index, sock, generation)
+        finally:
+            if self.redialling.get(index) is done:
+                del self.redialling[index]
+            done.set_result(None)
+
+    async def _request_after_redial(self, redial: asyncio.Future, msg: Msg, req_id: int, fields: dict) -> None:
+        """Serve a request on a channel we are still redialling once it is back.
+
+        The peer may use its channel as soon as it accepted our redial, and its
+        request can overtake the acknowledgement our redial is waiting for.
+        """
+        await redial
+        if self.on_request is not None and not self.closed and self.broken is None:
+            self.on_request(self, msg, req_id, fields)
 
     def channel_fd(self, index: int) -> int:
         sock = self.channels[index].sock
@@ -302,6 +320,9 @@ class Link:
             fut = self.pending.pop(req_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(fields)
+            return
+        if msg in (Msg.PULL_REQ, Msg.PUSH_REQ) and fields["channel"] in self.redialling:
+            self.spawn(self._request_after_redial(self.redialling[fields["channel"]], msg, req_id, fields))
             return
         if self.on_request is not None:
             self.on_request(self, msg, req_id, fields)
@@ -546,12 +567,10 @@ class LinkTable:
         sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
         sock.setblocking(False)
         _tune(sock)
+        # Installed before it is acknowledged: a peer that has the acknowledgement may use the channel.
+        link.install(index, sock, generation)
         writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, SUCCESS))
         await writer.drain()
-        if link.closed or link.broken is not None or not link.attach_advances(index, generation):
-            sock.close()  # an identical record was installed meanwhile (a replay racing the original)
-            return False
-        link.install(index, sock, generation)
         writer.transport.abort()
         return True
 

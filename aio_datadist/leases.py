@@ -1,0 +1,158 @@
+"""Leases on hand-off caches: what a vanished decoder never pulled is released in time.
+
+A prefill endpoint hands a request's KV cache over by allocating it with the
+request's keys and dropping its own reference at once (``deallocate_cache``):
+the memory then lives until decoders have pulled every key. A decoder that
+dies before pulling leaves keys that nothing will ever consume, and the memory
+is held for good. A lease bounds that time::
+
+    cache, lease = allocate_leased_cache(kv, desc, keys, lease_ms=30_000)
+    ...fill the cache, tell the decoder its keys...
+    kv.deallocate_cache(cache)   # optional: the lease releases the id reference too
+
+When the lease runs out, every key still bound is removed (as
+``remove_cache_key`` does) and the cache's id reference is dropped (as
+``deallocate_cache`` does), so the memory goes at once. A pull already in
+flight is not cut: it finishes with valid bytes (the memory stays mapped until
+the native transfer ends) and simply consumes nothing. A pull that starts after
+expiry gets ``LLM_KV_CACHE_NOT_EXIST``.
+
+``lease.renew(ms)`` moves the deadline, ``lease.cancel()`` keeps the cache
+(no expiry), ``lease.release()`` expires it now. Leases need a running event
+loop (the timer lives on it) and a PROMPT or MIX endpoint (they remove keys).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from aio_datadist.cache import KvCache
+from aio_datadist.status import LLMException, LLMStatusCode, check_instance, check_int, param_invalid
+from aio_datadist.types import CacheDesc, CacheKey, LLMRole
+
+if TYPE_CHECKING:
+    from aio_datadist.manager import KvCacheManager
+
+__all__ = ["CacheLease", "allocate_leased_cache", "lease_cache"]
+
+MAX_LEASE_MS = 2**31 - 1
+
+log = logging.getLogger("aio_datadist.leases")
+
+
+class CacheLease:
+    """The lease on one hand-off cache; see the module docstring."""
+
+    def __init__(self, manager: KvCacheManager, cache: KvCache, keys: Sequence[CacheKey], lease_ms: int) -> None:
+        self._manager = manager
+        self._cache = weakref.ref(cache)
+        self._keys = tuple(keys)
+        self._loop = _running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._expired = False
+        self._cancelled = False
+        self.renew(lease_ms)
+
+    @property
+    def expired(self) -> bool:
+        """Whether the lease ran out (or was released) and its keys were removed."""
+        return self._expired
+
+    @property
+    def deadline(self) -> float | None:
+        """When the lease runs out, in event-loop time; None once expired or cancelled."""
+        return None if self._timer is None else self._timer.when()
+
+    def renew(self, lease_ms: int) -> None:
+        """Run out ``lease_ms`` milliseconds from now instead.
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` for a bad ``lease_ms`` or a
+            lease that already expired or was cancelled.
+        """
+        lease_ms = check_int("lease_ms", lease_ms, lo=1, hi=MAX_LEASE_MS)
+        if self._expired or self._cancelled:
+            raise param_invalid("lease_ms", "the lease already expired or was cancelled")
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(lease_ms / 1000, self._expire)
+
+    def cancel(self) -> None:
+        """Keep the cache: the lease never expires. Idempotent."""
+        self._cancelled = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        try:
+            self.release()
+        except LLMException as exc:  # e.g. the endpoint switched to DECODER and may not remove keys
+            log.warning("lease on cache %s could not release it: %s", getattr(self._cache(), "cache_id", "?"), exc)
+
+    def release(self) -> None:
+        """Expire now: unbind the keys still bound and drop the cache's id reference. Idempotent."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._expired or self._cancelled:
+            return
+        self._expired = True
+        manager, self._manager = self._manager, None
+        cache = self._cache()
+        if manager is None or not manager.is_initialized():
+            return  # finalize freed everything already
+        for key in self._keys:
+            manager.remove_cache_key(key)
+        if cache is not None:
+            try:
+                manager.deallocate_cache(cache)
+            except LLMException as exc:
+                if exc.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:  # already dropped by its owner
+                    raise
+
+
+def lease_cache(manager: KvCacheManager, cache: KvCache, cache_keys: Sequence[CacheKey], *,
+                lease_ms: int) -> CacheLease:
+    """Put a lease on an allocated hand-off cache bound to ``cache_keys``.
+
+    :param manager: the ``KvCacheManager`` of a PROMPT or MIX endpoint.
+    :param cache: a cache of that manager (allocated or registered).
+    :param cache_keys: the keys to unbind on expiry.
+    :param lease_ms: milliseconds until expiry.
+    :raises LLMException: ``LLM_PARAM_INVALID`` for bad arguments or role,
+        ``LLM_KV_CACHE_NOT_EXIST`` for a cache that is gone.
+    """
+    manager._require_role("lease_cache", LLMRole.PROMPT, LLMRole.MIX)
+    cache = manager._live(cache, "cache")
+    if not isinstance(cache_keys, (list, tuple)):
+        raise param_invalid("cache_keys", f"expected a list of CacheKey, got {type(cache_keys).__name__}")
+    for i, key in enumerate(cache_keys):
+        check_instance(f"cache_keys[{i}]", key, CacheKey)
+    return CacheLease(manager, cache, cache_keys, lease_ms)
+
+
+def allocate_leased_cache(manager: KvCacheManager, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey], *,
+                          lease_ms: int) -> tuple[KvCache, CacheLease]:
+    """``manager.allocate_cache(cache_desc, cache_keys)`` with a lease of ``lease_ms``.
+
+    :returns: ``(cache, lease)``.
+    :raises LLMException: as ``allocate_cache`` and :func:`lease_cache`; on a
+        bad ``lease_ms`` nothing is allocated.
+    """
+    check_int("lease_ms", lease_ms, lo=1, hi=MAX_LEASE_MS)
+    manager._require_role("allocate_leased_cache", LLMRole.PROMPT, LLMRole.MIX)
+    _running_loop()
+    cache = manager.allocate_cache(cache_desc, cache_keys)
+    return cache, CacheLease(manager, cache, [k for k in cache_keys if not k.is_placeholder], lease_ms)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        raise LLMException("a lease needs a running event loop (its timer lives there)",
+                           status_code=LLMStatusCode.LLM_FAILED) from None

@@ -1,0 +1,191 @@
+"""Authentication with a shared secret: without it there is no link, no cache metadata and no cache byte.
+
+The owner is a PROMPT with a shared secret and keyed caches. Tried against it:
+endpoints without the secret or with a wrong one (both directions: a client
+never completes a handshake with a server that cannot prove the secret);
+raw clients that send requests with no handshake, forge a proof, replay a
+captured HELLO/AUTH pair, guess a data-channel token, or replay a captured
+data-channel attach record during and after the link it belonged to. Each
+gets at most a HELLO_ACK and a refusal, the owner's links table never shows
+them, and the legitimate link's next pull still returns its own bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from aio_datadist import CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, wire
+from aio_datadist.types import UINT64_MAX
+from aio_datadist.wire import Msg
+from peers import LOCALHOST, cluster_info, fill, port_of
+
+from _harness import endpoint, settle, state
+from _rawpeer import RawLink, Refused, dial, recv_exactly, recv_frame, rest_of_stream
+
+S = LLMStatusCode
+PROMPT, DECODER = 1, 2
+SECRET = "s3cret-for-the-cluster"
+ROWS = CacheDesc(4, (3, 256), DataType.DT_FLOAT16, Placement.HOST)
+
+
+def pull_fields(cache_id: int, channel: int = 0) -> dict:
+    return dict(channel=channel, target_kind=2, cluster_id=PROMPT, cache_id=cache_id, key_req_id=UINT64_MAX,
+                prefix_id=UINT64_MAX, model_id=0, batch_index=0, layer_first=-1, layer_last=-1,
+                tensor_num_per_layer=2, tensor_count=4, data_type=1, offset=0, nbytes=512, flags=2 | 4,
+                timeout_ms=1000, rows=())
+
+
+def only_refusals(reply: bytes) -> None:
+    """At most a HELLO_ACK and a refusing LINK_OK: no link token, no RESP, no cache byte."""
+    pos = 0
+    while pos + wire.HEADER.size <= len(reply):
+        msg, _, length = wire.parse_header(reply[pos:pos + wire.HEADER.size])
+        fields = wire.decode_body(msg, reply[pos + wire.HEADER.size:pos + wire.HEADER.size + length])
+        assert msg in (Msg.HELLO_ACK, Msg.LINK_OK), msg
+        if msg is Msg.LINK_OK:
+            assert fields["status"] == S.LLM_LINK_FAILED and fields["link_token"] == bytes(32)
+        pos += wire.HEADER.size + length
+    assert pos == len(reply), f"{len(reply) - pos} bytes after the refusal"
+
+
+def attacks(address: tuple[str, int], cache_id: int, legit: RawLink) -> list[str]:
+    """Every attack of the module docstring; returns the names of those that got anything."""
+    got = []
+    # 1. a request with no handshake
+    with dial(address) as sock:
+        sock.sendall(wire.encode(Msg.PULL_REQ, 1, **pull_fields(cache_id)))
+        only_refusals(rest_of_stream(sock))
+    # 2. no secret, a wrong secret
+    for name, key in (("no secret", None), ("wrong secret", b"guess")):
+        try:
+            RawLink(address, 70, PROMPT, key).connect().close()
+            got.append(name)
+        except Refused as refusal:
+            assert refusal.code in (S.LLM_LINK_FAILED, -1), refusal
+    # 3. a captured HELLO + AUTH replayed on a new connection (the owner's nonce differs)
+    hello, auth = (f for f in legit.captured if f[:4] == wire.MAGIC and f[5] in (Msg.HELLO, Msg.AUTH))
+    with dial(address) as sock:
+        sock.sendall(hello)
+        msg, _, ack = recv_frame(sock)
+        assert msg is Msg.HELLO_ACK
+        sock.sendall(auth)
+        try:
+            sock.sendall(wire.encode(Msg.PULL_REQ, 1, **pull_fields(cache_id)))
+        except OSError:
+            pass  # the owner has closed the connection already
+        only_refusals(rest_of_stream(sock))
+    # 4. a data channel with a guessed token
+    with dial(address) as sock:
+        sock.sendall(wire.ATTACH.pack(wire.ATTACH_MAGIC, wire.VERSION, os.urandom(32), 0, 0))
+        _, status = wire.ATTACH_OK.unpack(recv_exactly(sock, wire.ATTACH_OK.size))
+        assert status == S.LLM_LINK_FAILED
+        assert rest_of_stream(sock) == b""
+    # 5. the link token (sent in clear in LINK_OK: an eavesdropper has it) re-aimed at the next generation
+    for index in range(2 * legit.channels):
+        with dial(address) as sock:
+            sock.sendall(wire.ATTACH.pack(wire.ATTACH_MAGIC, wire.VERSION, legit.token, index, 1))
+            _, status = wire.ATTACH_OK.unpack(recv_exactly(sock, wire.ATTACH_OK.size))
+            if status == 0:
+                got.append(f"sniffed token on channel {index}")
+    # 6. the legit client's captured attach records, replayed while its link is up
+    for record in (f for f in legit.captured if f[:4] == wire.ATTACH_MAGIC):
+        with dial(address) as sock:
+            sock.sendall(record)
+            try:
+                _, status = wire.ATTACH_OK.unpack(recv_exactly(sock, wire.ATTACH_OK.size))
+            except ConnectionError:
+                status = S.LLM_LINK_FAILED
+            if status == 0:
+                got.append(f"replayed attach of channel {wire.ATTACH.unpack(record)[3]}")
+                continue
+            assert rest_of_stream(sock) == b""
+    return got
+
+
+@pytest.mark.asyncio
+async def test_peers_without_the_secret_get_no_link_no_metadata_no_byte():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, shared_secret=SECRET, transport="tcp") as dd:
+        rows = dd.kv_cache_manager.allocate_cache(ROWS, [CacheKey(PROMPT, 1), CacheKey(PROMPT, 2)])
+        values = fill(rows, 1)
+        baseline = state(dd)
+        # library endpoints without the secret, or with another one
+        for secret in (None, "wrong"):
+            config = {} if secret is None else {"shared_secret": secret}
+            async with endpoint(LLMRole.DECODER, DECODER, **config) as dec:
+                assert await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]) == (
+                    S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        assert dd._links.links == {}
+        # raw attackers, while a legitimate raw client holds a link
+        legit = await asyncio.to_thread(RawLink(port_of(dd), DECODER, PROMPT, SECRET.encode()).connect)
+        try:
+            got = await asyncio.to_thread(attacks, port_of(dd), rows.cache_id, legit)
+            assert got == [], f"attacks that got through: {got}"
+            assert sorted(dd._links.links) == [DECODER]
+            # the legitimate link's channels are its own: a pull returns its bytes on its channel
+            for channel in range(legit.channels):
+                data = await asyncio.to_thread(legit.pull, pull_fields(rows.cache_id, channel))
+                assert data == b"".join(v[0].numpy().tobytes() for v in values)
+        finally:
+            legit.close()
+        # replayed after the link is gone: refused
+        await asyncio.to_thread(replay_attach_after_close, port_of(dd), legit.captured)
+        await settle(dd, baseline, within=2.0)
+        async with endpoint(LLMRole.DECODER, DECODER + 1, shared_secret=SECRET) as dec:  # the right secret works
+            assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+            mine = dec.kv_cache_manager.allocate_cache(ROWS)
+            await dec.kv_cache_manager.pull_cache(CacheKey(PROMPT, 2), mine, 1)
+            assert all(torch.equal(m[1], v[1]) for m, v in zip(mine.tensors, values))
+
+
+def replay_attach_after_close(address: tuple[str, int], captured: list[bytes]) -> None:
+    for record in (f for f in captured if f[:4] == wire.ATTACH_MAGIC):
+        with dial(address) as sock:
+            sock.sendall(record)
+            _, status = wire.ATTACH_OK.unpack(recv_exactly(sock, wire.ATTACH_OK.size))
+            assert status == S.LLM_LINK_FAILED
+
+
+class FakeServer:
+    """Listens like a peer that does not know the secret, and records every frame a client sends it."""
+
+    def __init__(self) -> None:
+        self.frames: list[Msg] = []
+        self.server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> FakeServer:
+        self.server = await asyncio.start_server(self._serve, LOCALHOST, 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                msg, _, length = wire.parse_header(await reader.readexactly(wire.HEADER.size))
+                await reader.readexactly(length)
+                self.frames.append(msg)
+                if msg is Msg.HELLO:
+                    writer.write(wire.encode(Msg.HELLO_ACK, 0, status=0, cluster_id=PROMPT, role=1,
+                                             nonce=os.urandom(32), proof=os.urandom(32), text=""))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_client_with_the_secret_does_not_complete_a_handshake_with_an_impostor():
+    async with FakeServer() as fake, endpoint(LLMRole.DECODER, DECODER, shared_secret=SECRET) as dec:
+        baseline = state(dec)
+        address = fake.server.sockets[0].getsockname()[:2]
+        assert await dec.link_clusters([cluster_info(PROMPT, address)]) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        await asyncio.sleep(0.05)
+        assert fake.frames == [Msg.HELLO]  # no AUTH: the client's proof and layout never reach an impostor
+        await settle(dec, baseline)

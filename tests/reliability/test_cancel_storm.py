@@ -1,0 +1,197 @@
+"""Cancellation storms: hundreds of transfers cut at random moments, then the link works and nothing leaked.
+
+Pulls, pushes, layer-wise tasks and local copies run in waves on a linked
+pair and are cut by ``task.cancel()``, ``asyncio.timeout``,
+``anyio.move_on_after`` or their own ``timeout=`` after a seeded random
+delay (0 to 4 ms: before the request leaves, while the owner answers,
+while bytes move, around the end). Each ends within 1 s of the cut, the way
+its cut says (``CancelledError`` is never swallowed, a ``timeout=`` gives
+``LLM_TIMEOUT``) or with success if it finished first. Afterwards both
+endpoints hold no token, no job, no claimed key and no extra fd, and the same
+link moves verified bytes both ways, more transfers at once than it has
+channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheIndex,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LayerSynchronizer,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    TransferWithCacheKeyConfig,
+)
+from peers import cluster_info, fill, port_of
+
+from _harness import endpoint, open_fds, settle, state
+from _budget import SEED, scaled
+from _tally import count
+
+S = LLMStatusCode
+PROMPT, DECODER = 1, 2
+BIG = CacheDesc(8, (32, 16384), DataType.DT_FLOAT16, Placement.HOST)  # 32 blocks of 32 KiB per tensor, 8 MiB
+ROWS = CacheDesc(8, (4, 65536), DataType.DT_FLOAT16, Placement.HOST)  # rows of 128 KiB per tensor
+ALL = list(range(32))
+WAVES, PER_WAVE = scaled(15), 20  # 300 transfers per run
+BOUND_S = 1.0
+HOW = ("task.cancel", "asyncio.timeout", "anyio.move_on_after", "timeout=")
+
+
+class Ready(LayerSynchronizer):
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        await asyncio.sleep(0)
+        return True
+
+
+def fd_kinds() -> tuple[Counter, set[str]]:
+    """Sockets by count (a reset channel is redialled on a new fd), every other fd by name."""
+    fds = open_fds()
+    return Counter("socket" for fd in fds if "socket:" in fd), {fd for fd in fds if "socket:" not in fd}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+async def test_hundreds_of_cancelled_transfers_leave_a_working_link_and_no_leak(transport):
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport=transport) as dd, \
+            endpoint(LLMRole.DECODER, DECODER, transport=transport) as dec:
+        pm, dm = dd.kv_cache_manager, dec.kv_cache_manager
+        src = pm.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT, 0))
+        rows = pm.allocate_cache(ROWS)
+        dst = dm.allocate_blocks_cache(BIG, BlocksCacheKey(DECODER, 0))
+        dst_rows = dm.allocate_cache(ROWS)
+        fill(src, 1)
+        fill(rows, 2)
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        before = (state(dd), state(dec), fd_kinds())
+        rng = random.Random(f"{transport}-{SEED}")
+
+        def transfer(kind: str, timeout: int) -> Any:
+            n = rng.choice((1, 8, 32))
+            srcs, dsts = rng.sample(ALL, n), rng.sample(ALL, n)
+            if kind == "pull_blocks":
+                return dm.pull_blocks(BlocksCacheKey(PROMPT), dst, srcs, dsts, timeout=timeout)
+            if kind == "pull_cache":
+                return dm.pull_cache(CacheKeyByIdAndIndex(PROMPT, rows.cache_id, rng.randrange(4)), dst_rows,
+                                     rng.randrange(4), timeout=timeout)
+            if kind == "push_blocks":
+                return pm.push_blocks(BlocksCacheKey(DECODER), src, srcs, dsts, timeout=timeout)
+            if kind == "push_cache":
+                return pm.push_cache(CacheIndex(DECODER, dst_rows.cache_id, rng.randrange(4)), rows,
+                                     rng.randrange(4), timeout=timeout)
+            if kind == "copy_blocks":
+                return dm.copy_blocks(dst, {srcs[0]: [b for b in dsts if b != srcs[0]] or [(srcs[0] + 1) % 32]},
+                                      timeout=timeout)
+
+            async def layerwise() -> None:
+                await pm.transfer_cache_async(src, Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, 0))],
+                                              srcs, dsts)
+            return layerwise()
+
+        async def one(kind: str, how: str, delay: float) -> tuple[str, float]:
+            """Run and cut one transfer; its outcome and how long it took past the cut."""
+            if how == "timeout=":
+                t0 = time.monotonic()
+                try:
+                    await transfer(kind, max(1, int(delay * 1000)))
+                    return "done", 0.0
+                except LLMException as exc:
+                    assert exc.status_code == S.LLM_TIMEOUT or kind == "layerwise", exc
+                    return "timeout", time.monotonic() - t0 - delay
+            if how == "task.cancel":
+                task = asyncio.ensure_future(transfer(kind, 10_000))
+                await asyncio.sleep(delay)
+                task.cancel()
+                cut = time.monotonic()
+                try:
+                    await task
+                    return "done", 0.0
+                except asyncio.CancelledError:
+                    assert task.cancelled()
+                    return "cancelled", time.monotonic() - cut
+            if how == "asyncio.timeout":
+                try:
+                    async with asyncio.timeout(delay):
+                        await transfer(kind, 10_000)
+                    return "done", 0.0
+                except TimeoutError:
+                    return "cancelled", 0.0
+            with anyio.move_on_after(delay) as scope:
+                await transfer(kind, 10_000)
+            return ("cancelled" if scope.cancelled_caught else "done"), 0.0
+
+        outcomes: Counter = Counter()
+        kinds = ("pull_blocks", "pull_cache", "push_blocks", "push_cache", "copy_blocks", "layerwise")
+        for _ in range(WAVES):
+            wave = [one(rng.choice(kinds), rng.choice(HOW), rng.choice((0.0, rng.uniform(0, 0.004))))
+                    for _ in range(PER_WAVE)]
+            t0 = time.monotonic()
+            results = await asyncio.gather(*wave)
+            assert time.monotonic() - t0 < 0.004 + BOUND_S + 0.5
+            for outcome, late in results:
+                outcomes[outcome] += 1
+                assert late < BOUND_S, f"a cut transfer took {late:.2f} s to end"
+        assert outcomes["cancelled"] + outcomes["timeout"] >= WAVES * PER_WAVE // 3, outcomes
+        count("cancelled transfers", outcomes["cancelled"] + outcomes["timeout"])
+
+        await settle(dd, before[0], within=BOUND_S)
+        await settle(dec, before[1], within=BOUND_S)
+        deadline = time.monotonic() + BOUND_S
+        while fd_kinds() != before[2] and time.monotonic() < deadline:  # channels being redialled
+            await asyncio.sleep(0.01)
+        assert fd_kinds() == before[2], (fd_kinds(), before[2])
+
+        # the link works: more transfers at once than it has channels, both ways, bytes checked
+        for t in dst.tensors + dst_rows.tensors:
+            t.zero_()
+        await asyncio.gather(*(dm.pull_blocks(BlocksCacheKey(PROMPT), dst, [b], [b]) for b in ALL[:16]),
+                             dm.pull_blocks(BlocksCacheKey(PROMPT), dst, ALL[16:], ALL[16:]),
+                             *(pm.push_cache(CacheIndex(DECODER, dst_rows.cache_id, r), rows, r) for r in range(4)))
+        assert all(torch.equal(d.view(torch.int16), s.view(torch.int16)) for d, s in zip(dst.tensors, src.tensors))
+        assert all(torch.equal(d.view(torch.int16), s.view(torch.int16))
+                   for d, s in zip(dst_rows.tensors, rows.tensors))
+
+
+
+@pytest.mark.asyncio
+async def test_a_request_on_a_channel_still_being_redialled_waits_for_it():
+    """A cut transfer resets its channel and the linking side redials it. The other side may use the channel
+    the moment it accepted the redial; its request can overtake the acknowledgement the redial waits for.
+    It must be served once the channel is back, not refused with "data channel not usable"."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", data_channels=1) as dd, \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp", data_channels=1) as dec:
+        src = dd.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT, 0))
+        dst = dec.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(DECODER, 0))
+        fill(src, 3)
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        table = dec._links
+        dial = table.dial_data
+
+        async def slow_dial(*args: Any) -> Any:  # the acknowledgement arrives late
+            sock = await dial(*args)
+            await asyncio.sleep(0.05)
+            return sock
+
+        table.dial_data = slow_dial
+        link = table.links[PROMPT]
+        for round_ in range(3):
+            link.reset_channel(1, tell_peer=True)  # the prompt's channel, reset by the decoder
+            await dd.kv_cache_manager.push_blocks(BlocksCacheKey(DECODER), src, [round_], [round_], timeout=5000)
+            assert all(torch.equal(d[round_].view(torch.int16), s[round_].view(torch.int16))
+                       for d, s in zip(dst.tensors, src.tensors))
+        del table.dial_data

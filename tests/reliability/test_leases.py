@@ -1,0 +1,146 @@
+"""Leases: a hand-off cache whose decoder vanished is released when its lease runs out.
+
+``aio_datadist.leases`` (see its docstring for the design): the prompt
+allocates a request's cache with its keys and a lease, drops its own
+reference, and a decoder pulls the keys. If the decoder dies first, the keys
+it never pulled are unbound when the lease runs out, and the memory goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from aio_datadist import CacheDesc, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode, Placement
+from aio_datadist.leases import allocate_leased_cache, lease_cache
+from peers import CacheSpec, EndpointSpec, Ref, cluster_info, fill, port_of, tensors_from_dump
+
+from _forked import forked
+from _harness import endpoint, settle, state
+
+S = LLMStatusCode
+PROMPT, DECODER = 1, 2
+ROWS = CacheDesc(4, (3, 1024), DataType.DT_FLOAT16, Placement.HOST)
+BIG_ROW = CacheDesc(4, (1, 8 << 20), DataType.DT_FLOAT16, Placement.HOST)  # one 64 MiB row
+LEASE_MS = 300
+BOUND_S = 1.0
+
+
+def keys_for(first: int, n: int = 3) -> list[CacheKey]:
+    return [CacheKey(PROMPT, first + i) for i in range(n)]
+
+
+async def hand_off(kv, desc: CacheDesc, keys: list[CacheKey], seed: int, lease_ms: int):
+    cache, lease = allocate_leased_cache(kv, desc, keys, lease_ms=lease_ms)
+    values = fill(cache, seed)
+    kv.deallocate_cache(cache)
+    return lease, values
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_lease_releases_what_a_killed_decoder_never_pulled(fork_server):
+    decoder_spec = EndpointSpec(LLMRole.DECODER, DECODER, listen=False, caches=(CacheSpec("rows", ROWS, 0),))
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as dd:
+        kv = dd.kv_cache_manager
+        baseline = state(dd)
+        keys = keys_for(100)
+        async with forked(decoder_spec) as (decoder,):
+            assert (await decoder.call("link", PROMPT, port_of(dd)[1]))[0] == S.LLM_SUCCESS
+            lease, values = await hand_off(kv, ROWS, keys, seed=1, lease_ms=LEASE_MS)
+            started = time.monotonic()
+            await decoder.call("kv", "pull_cache", keys[0], Ref("rows"), 0)
+            got = tensors_from_dump(ROWS, await decoder.call("dump", "rows"))
+            assert all(torch.equal(g[0], v[0]) for g, v in zip(got, values))
+            decoder.kill()
+        assert state(dd)["registered bytes"] > baseline["registered bytes"]  # keys 1 and 2 still hold it
+        assert not lease.expired
+        await settle(dd, baseline, within=LEASE_MS / 1000 + BOUND_S)
+        assert lease.expired and time.monotonic() - started >= LEASE_MS / 1000 * 0.9
+        async with forked(decoder_spec) as (late,):
+            assert (await late.call("link", PROMPT, port_of(dd)[1]))[0] == S.LLM_SUCCESS
+            for row, key in enumerate(keys[1:], 1):
+                with pytest.raises(LLMException) as info:
+                    await late.call("kv", "pull_cache", key, Ref("rows"), row)
+                assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+
+
+@pytest.mark.asyncio
+async def test_expiry_does_not_cut_a_pull_in_flight_and_the_memory_goes_after_it():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd, \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec:
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        dst = dec.kv_cache_manager.allocate_cache(BIG_ROW)
+        baseline = state(dd)
+        key = CacheKey(PROMPT, 7)
+        lease, values = await hand_off(dd.kv_cache_manager, BIG_ROW, [key], seed=2, lease_ms=60_000)
+        pull = asyncio.ensure_future(dec.kv_cache_manager.pull_cache(key, dst, timeout=10_000))
+        async with asyncio.timeout(5):
+            while not dd._runtime.registry._reserved:  # the owner has claimed the key: bytes are moving
+                await asyncio.sleep(0)
+        lease.release()
+        assert lease.expired
+        await pull  # not cut
+        assert all(torch.equal(d.view(torch.int16), v.view(torch.int16)) for d, v in zip(dst.tensors, values))
+        await settle(dd, baseline, within=BOUND_S)
+        with pytest.raises(LLMException) as info:
+            await dec.kv_cache_manager.pull_cache(key, dst)
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+
+
+@pytest.mark.asyncio
+async def test_renew_cancel_and_pulled_keys():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as dd, endpoint(LLMRole.DECODER, DECODER) as dec:
+        kv = dd.kv_cache_manager
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        dst = dec.kv_cache_manager.allocate_cache(ROWS)
+        baseline = state(dd)
+        loop = asyncio.get_running_loop()
+
+        # renewed: still there after the first deadline, gone after the second
+        lease, _ = await hand_off(kv, ROWS, keys_for(10), seed=3, lease_ms=100)
+        lease.renew(400)
+        assert lease.deadline is not None and lease.deadline - loop.time() > 0.3
+        await asyncio.sleep(0.2)
+        assert state(dd) != baseline
+        await settle(dd, baseline, within=0.4 + BOUND_S)
+
+        # cancelled: kept (the prompt took the cache back), its keys still pullable
+        lease, values = await hand_off(kv, ROWS, keys_for(20), seed=4, lease_ms=50)
+        lease.cancel()
+        await asyncio.sleep(0.15)
+        for row, key in enumerate(keys_for(20)):
+            await dec.kv_cache_manager.pull_cache(key, dst, row)
+        assert all(torch.equal(d, v) for d, v in zip(dst.tensors, values))
+        await settle(dd, baseline, within=BOUND_S)  # every key pulled: the cache went without the lease
+        assert not lease.expired
+
+        # all keys pulled before expiry: the lease has nothing left to do
+        lease, _ = await hand_off(kv, ROWS, keys_for(30), seed=5, lease_ms=100)
+        for row, key in enumerate(keys_for(30)):
+            await dec.kv_cache_manager.pull_cache(key, dst, row)
+        await settle(dd, baseline, within=BOUND_S)
+        await asyncio.sleep(0.15)
+        assert lease.expired and state(dd) == baseline
+
+        # a lease on a cache the prompt keeps: expiry drops the keys and the id reference
+        cache = kv.allocate_cache(ROWS, keys_for(40))
+        lease = lease_cache(kv, cache, keys_for(40), lease_ms=50)
+        await settle(dd, baseline, within=0.05 + BOUND_S)
+        with pytest.raises(LLMException) as info:
+            kv.deallocate_cache(cache)
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        with pytest.raises(LLMException):
+            lease.renew(100)
+
+        # bad input
+        for bad in (0, -1, 1.5, "100", None, 2**31):
+            with pytest.raises(LLMException) as info:
+                allocate_leased_cache(kv, ROWS, keys_for(50), lease_ms=bad)
+            assert info.value.status_code == S.LLM_PARAM_INVALID and "'lease_ms'" in str(info.value)
+        with pytest.raises(LLMException) as info:
+            allocate_leased_cache(dec.kv_cache_manager, ROWS, keys_for(60), lease_ms=100)
+        assert info.value.status_code == S.LLM_PARAM_INVALID
+        assert state(dd) == baseline  # nothing was allocated by the refused calls

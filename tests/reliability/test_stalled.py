@@ -1,0 +1,342 @@
+"""Half-open and stalled peers: everything ends by a timeout or the heartbeat, never by waiting forever.
+
+- a "peer" that accepts the connection and then stalls (at every step of the
+  handshake) makes ``link_clusters`` return ``LLM_TIMEOUT`` within its
+  timeout + 1 s, holding nothing afterwards;
+- silent incoming connections are dropped after the handshake limit and do
+  not block other links;
+- a peer that stops reading in the middle of a pull (a raw client that stops
+  reading; a real process under SIGSTOP) is cut off by the serving timeout or
+  the heartbeat (a link fails after 5 silent ``heartbeat_interval``\\ s); the
+  owner releases every token, channel, claimed key and fd, and its other
+  links keep moving verified bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    links,
+    wire,
+)
+from aio_datadist.wire import Msg
+from peers import LOCALHOST, CacheSpec, EndpointSpec, Ref, cluster_info, fill, port_of
+
+from _forked import forked
+from _harness import ENDED, code_of, endpoint, open_fds, settle, state
+from _rawpeer import RawLink, recv_exactly, recv_frame
+
+S = LLMStatusCode
+PROMPT, DECODER, OTHER = 1, 2, 3
+BOUND_S = 1.0
+ROW = CacheDesc(4, (1, 4 << 20), DataType.DT_FLOAT16, Placement.HOST)  # one 32 MiB row
+BIG = CacheDesc(8, (64, 32768), DataType.DT_FLOAT16, Placement.HOST)  # 64 blocks of 64 KiB, 32 MiB
+SMALL = CacheDesc(4, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
+
+
+# -- a peer that accepts and then stalls ---------------------------------------------------
+
+
+class StallingServer:
+    """Listens like a peer endpoint and stops answering at a chosen step of the handshake."""
+
+    STEPS = ("accept", "hello", "hello_ack", "link_ok", "attach")
+
+    def __init__(self, step: str, cluster_id: int) -> None:
+        self.step = step
+        self.cluster_id = cluster_id
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> StallingServer:
+        self.server = await asyncio.start_server(self._serve, LOCALHOST, 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        await self.server.wait_closed()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self.server is not None
+        return self.server.sockets[0].getsockname()[:2]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        try:
+            magic = await reader.readexactly(4)
+            if magic == wire.ATTACH_MAGIC:
+                await reader.readexactly(wire.ATTACH.size - 4)
+                await asyncio.Event().wait()  # never answers a data connection
+            if self.step == "accept":
+                await asyncio.Event().wait()
+            head = magic + await reader.readexactly(wire.HEADER.size - 4)
+            _, _, length = wire.parse_header(head)
+            await reader.readexactly(length)
+            if self.step == "hello":
+                await asyncio.Event().wait()
+            writer.write(wire.encode(Msg.HELLO_ACK, 0, status=0, cluster_id=self.cluster_id, role=int(LLMRole.PROMPT),
+                                     nonce=os.urandom(32), proof=bytes(32), text=""))
+            if self.step == "hello_ack":
+                await asyncio.Event().wait()
+            head = await reader.readexactly(wire.HEADER.size)
+            await reader.readexactly(wire.parse_header(head)[2])
+            if self.step == "link_ok":
+                await asyncio.Event().wait()
+            writer.write(wire.encode(Msg.LINK_OK, 0, **link_ok_fields()))
+            await asyncio.Event().wait()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+
+def link_ok_fields() -> dict[str, Any]:
+    """A successful LINK_OK: status 0, a token, one channel; any other field zero."""
+    fields: dict[str, Any] = {}
+    for name, fmt in wire._SCHEMAS[Msg.LINK_OK]:
+        fields[name] = "" if fmt == "text" else bytes(int(fmt[:-1])) if fmt.endswith("s") else 0
+    fields.update(status=0, link_token=os.urandom(32), channels=1)
+    return fields
+
+
+@pytest.mark.asyncio
+async def test_link_clusters_times_out_on_a_peer_that_stalls_at_any_handshake_step():
+    async with endpoint(LLMRole.DECODER, DECODER) as dd, \
+            endpoint(LLMRole.PROMPT, PROMPT, listen=True) as real:
+        baseline, fds = state(dd), open_fds()
+        for step in StallingServer.STEPS:
+            async with StallingServer(step, PROMPT) as stall:
+                t0 = time.monotonic()
+                result = await dd.link_clusters([cluster_info(PROMPT, stall.address)], timeout=300)
+                took = time.monotonic() - t0
+                assert result == (S.LLM_TIMEOUT, [S.LLM_TIMEOUT]), step
+                assert took < 0.3 + BOUND_S, (step, took)
+            await settle(dd, baseline, fds)
+            with pytest.raises(LLMException) as info:
+                await dd.check_link_status(PROMPT)
+            assert info.value.status_code == S.LLM_NOT_YET_LINK
+        # the same cluster id links to a real peer afterwards
+        assert (await dd.link_clusters([cluster_info(PROMPT, port_of(real))]))[0] == S.LLM_SUCCESS
+        await dd.check_link_status(PROMPT)
+
+
+@pytest.mark.asyncio
+async def test_silent_incoming_connections_are_dropped_and_block_nothing(monkeypatch):
+    monkeypatch.setattr(links, "HANDSHAKE_LIMIT_S", 0.3)
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as dd, \
+            endpoint(LLMRole.DECODER, DECODER) as dec:
+        src = dd.kv_cache_manager.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT))
+        fill(src, 3)
+        dst = dec.kv_cache_manager.allocate_blocks_cache(SMALL)
+        baseline, fds = state(dd), open_fds()
+        silent = []
+        for n in range(40):  # say nothing, half a header, a HELLO and then nothing
+            sock = socket.create_connection(port_of(dd))
+            if n % 3 == 1:
+                sock.sendall(wire.encode(Msg.HELLO, 0, cluster_id=500 + n, role=2, nonce=bytes(32))[:10])
+            elif n % 3 == 2:
+                sock.sendall(wire.encode(Msg.HELLO, 0, cluster_id=500 + n, role=2, nonce=bytes(32)))
+            silent.append(sock)
+        try:
+            async with asyncio.timeout(5):
+                while len(dd._links._handshakes) < len(silent):  # all accepted, all in their handshake
+                    await asyncio.sleep(0.005)
+            # a real link is made and used while they hang
+            unlinked = open_fds()
+            assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+            link_fds = open_fds() - unlinked
+            await dec.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), dst, [0, 1, 2, 3], [3, 2, 1, 0])
+            assert all(torch.equal(d, s.flip(0)) for d, s in zip(dst.tensors, src.tensors))
+            # every silent connection is closed by the endpoint once the handshake limit passed
+            await asyncio.to_thread(all_closed_by, silent, time.monotonic() + 0.3 + BOUND_S)
+        finally:
+            for sock in silent:
+                sock.close()
+        await settle(dd, baseline, fds | link_fds)  # nothing of the silent connections is left
+        await dec.check_link_status(PROMPT)
+
+
+def all_closed_by(socks: list[socket.socket], deadline: float) -> None:
+    """Each socket sees the peer close (after at most a HELLO_ACK) before ``deadline`` (blocking)."""
+    for n, sock in enumerate(socks):
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        rest = b""
+        try:
+            while chunk := sock.recv(4096):
+                rest += chunk
+        except socket.timeout:
+            raise AssertionError(f"silent connection {n} was kept open past the handshake limit") from None
+        assert not rest or wire.parse_header(rest[:wire.HEADER.size])[0] is Msg.HELLO_ACK
+
+
+# -- a peer that stops reading mid-stream ---------------------------------------------------------
+
+
+def stall_mid_pull(address: tuple[str, int], cluster_id: int, cache_id: int, *, keep_pinging: bool,
+                   stop: threading.Event) -> tuple[int, bool]:
+    """Link by hand, pull a 32 MiB row, read 64 KiB of it and stop reading.
+
+    Returns ``(bytes read, whether the owner told us it aborted the channel)``.
+    """
+    with RawLink(address, cluster_id, PROMPT, None).connect() as raw:
+        rid = raw.new_req_id()
+        raw.send_raw(wire.encode(Msg.PULL_REQ, rid, channel=0, target_kind=2, cluster_id=PROMPT, cache_id=cache_id,
+                                 key_req_id=2**64 - 1, prefix_id=2**64 - 1, model_id=0, batch_index=0, layer_first=-1,
+                                 layer_last=-1, tensor_num_per_layer=2, tensor_count=4, data_type=1, offset=0,
+                                 nbytes=ROW.size, flags=2 | 4, timeout_ms=300, rows=()))
+        _, resp = raw.answer(rid)
+        assert resp["status"] == 0 and resp["total"] == ROW.size * ROW.num_tensors
+        got = len(recv_exactly(raw.data[0], 65536))
+        aborted = False
+        assert raw.ctl is not None
+        raw.ctl.settimeout(0.05)
+        while not stop.is_set():
+            if keep_pinging:
+                try:
+                    raw.send_raw(wire.encode(Msg.PING, 0))
+                except OSError:
+                    break
+            try:
+                msg, _, fields = recv_frame(raw.ctl)
+                aborted = aborted or (msg is Msg.ABORT and fields["channel"] == 0)
+            except socket.timeout:
+                pass
+            except (ConnectionError, OSError):
+                break
+        return got, aborted
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("keep_pinging", [False, True], ids=["silent", "pinging"])
+async def test_a_reader_that_stops_mid_pull_is_cut_off_and_everything_is_released(keep_pinging):
+    """Silent: the heartbeat fails the link. Pinging: the serving timeout ends the job and resets the channel."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", heartbeat_interval=100) as dd, \
+            endpoint(LLMRole.DECODER, OTHER, transport="tcp") as other:
+        key = CacheKey(PROMPT, 7)
+        row = dd.kv_cache_manager.allocate_cache(ROW, [key])
+        fill(row, 4)
+        assert (await other.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        baseline, fds = state(dd), open_fds()
+        stop = threading.Event()
+        stalled = asyncio.ensure_future(asyncio.to_thread(stall_mid_pull, port_of(dd), DECODER, row.cache_id,
+                                                          keep_pinging=keep_pinging, stop=stop))
+        try:
+            t0 = time.monotonic()
+            while state(dd)["socket jobs"] == 0 and not stalled.done():  # the owner is sending
+                await asyncio.sleep(0.005)
+            mine = other.kv_cache_manager.allocate_cache(SMALL)
+            small = dd.kv_cache_manager.allocate_cache(SMALL, [CacheKey(PROMPT, 8)])
+            fill(small, 5)
+            await other.kv_cache_manager.pull_cache(CacheKey(PROMPT, 8), mine)  # the other link works meanwhile
+            assert all(torch.equal(m[0], s[0]) for m, s in zip(mine.tensors, small.tensors))
+            # serving timeout (300 ms + 1 s) or heartbeat (5 x 100 ms): well inside 3 s
+            await settle(dd, baseline | {"registered bytes": baseline["registered bytes"] + small_bytes(),
+                                         "caches": baseline["caches"] + 1}, within=0.3 + 1.0 + BOUND_S)
+            ended = time.monotonic() - t0
+            assert ended < 0.3 + 1.0 + BOUND_S
+            link = dd._links.links.get(DECODER)
+            if keep_pinging:
+                assert link is not None and link.broken is None  # the link lives on; the channel was reset
+            else:
+                assert link is None or link.broken is not None
+        finally:
+            stop.set()
+            got, aborted = await stalled
+        assert got == 65536
+        if keep_pinging:
+            assert aborted, "the owner did not tell the stalled peer that it reset the channel"
+        # the key was not consumed by the pull that never finished
+        mine = other.kv_cache_manager.allocate_cache(ROW)
+        await other.kv_cache_manager.pull_cache(key, mine, timeout=5000)
+        assert all(torch.equal(m.view(torch.int16), r.view(torch.int16)) for m, r in zip(mine.tensors, row.tensors))
+
+
+def small_bytes() -> int:
+    return SMALL.size * SMALL.num_tensors
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_sigstopped_decoder_mid_transfer_is_detected_by_timeout_and_heartbeat(fork_server):
+    timeout_ms = 400
+    spec = EndpointSpec(LLMRole.DECODER, DECODER, listen=False, lifetime=60.0,
+                        caches=(CacheSpec("big", BIG, 0, blocks=True, model_id=0),),
+                        config=(("transport", "tcp"), ("heartbeat_interval", 100)))
+    other_spec = EndpointSpec(LLMRole.DECODER, OTHER, listen=False, lifetime=60.0,
+                              caches=(CacheSpec("big", BIG, 0, blocks=True, model_id=0),),
+                              config=(("transport", "tcp"),))
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", heartbeat_interval=100,
+                        sync_kv_timeout=timeout_ms) as dd, forked(spec, other_spec) as (victim, other):
+        src = dd.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT, 0))
+        fill(src, 6)
+        baseline, fds = state(dd), open_fds()
+        for proc in (victim, other):
+            assert (await proc.call("link", PROMPT, port_of(dd)[1]))[0] == S.LLM_SUCCESS
+        blocks = list(range(64))
+        victim.send("background", "pull_blocks", (BlocksCacheKey(PROMPT), Ref("big"), blocks, blocks), {}, 30.0)
+        pushes = [asyncio.ensure_future(keep_pushing(dd, src)) for _ in range(2)]
+        await asyncio.sleep(random.Random(1).uniform(0.05, 0.15))
+        victim.stop()
+        stopped = time.monotonic()
+        try:
+            for push in pushes:
+                code, ended = await push
+                assert code in ENDED and ended - stopped <= timeout_ms / 1000 + BOUND_S, (code, ended - stopped)
+            # the heartbeat fails the link (5 x 100 ms of silence) and everything it held is released
+            linked = {k: v for k, v in state(dd).items()}
+            await settle(dd, baseline, within=0.5 + BOUND_S)
+            assert await code_of(dd.check_link_status(DECODER)) == S.LLM_LINK_FAILED
+            assert time.monotonic() - stopped < 0.5 + timeout_ms / 1000 + 2 * BOUND_S, linked
+            # the other decoder's link carried on
+            await other.call("kv", "pull_blocks", BlocksCacheKey(PROMPT), Ref("big"), blocks, blocks)
+            assert await other.call("digest", "big") == digests(src)
+        finally:
+            victim.resume()
+        victim.kill()
+        await other.call("unlink", PROMPT, port_of(dd)[1])
+        await settle(dd, baseline, fds, within=BOUND_S)
+
+
+async def keep_pushing(dd: Any, src: Any) -> tuple[LLMStatusCode, float]:
+    blocks = list(range(64))
+    while True:
+        try:
+            await dd.kv_cache_manager.push_blocks(BlocksCacheKey(DECODER), src, blocks, blocks)
+        except LLMException as exc:
+            return exc.status_code, time.monotonic()
+
+
+def digests(cache: Any) -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in cache.tensors]
+
+
+@pytest.mark.asyncio
+async def test_an_idle_peer_with_a_longer_heartbeat_interval_stays_linked():
+    """Heartbeat intervals are per endpoint: a peer that pings less often is still heard from."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, heartbeat_interval=50) as dd, \
+            endpoint(LLMRole.DECODER, DECODER, heartbeat_interval=5000) as dec:
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        await asyncio.sleep(0.6)  # 12 of the prompt's intervals, not one of the decoder's
+        await dec.check_link_status(PROMPT)
+        await dd.check_link_status(DECODER)

@@ -1,0 +1,607 @@
+"""Hostile wire input: random and mutated frames and requests, in-process and over a live link.
+
+The owner (a PROMPT here) registers its caches out of one host tensor with
+random canary bytes before, between and after every cache tensor
+(:class:`_harness.Arena`). Whatever a peer sends,
+
+- framing and decoding end in a dict or a ``ProtocolError``, nothing else;
+- the owner's validation (``transfers._serve_plan``) refuses with a status
+  code or plans byte ranges that lie inside registered cache tensors only;
+- over a real authenticated link, a refused request changes no byte, an
+  accepted one moves exactly the bytes an independent model of the layout
+  predicts (pulls: the bytes received; pushes: the whole arena compared
+  with its shadow, canaries included);
+- a malformed frame is answered with an error or drops that connection,
+  never the process: no exception escapes into the event loop, and the
+  endpoint's other link keeps carrying verified transfers.
+
+Counts: at least 10,000 generated cases in all (see the summary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    transfers,
+    wire,
+)
+from aio_datadist.types import UINT64_MAX
+from aio_datadist.wire import Msg, ProtocolError
+from peers import port_of
+
+from _harness import Arena, endpoint, state
+from _rawpeer import RawLink, Refused, dial, recv_exactly, rest_of_stream
+from _budget import SEED, scaled
+from _tally import count
+
+S = LLMStatusCode
+PROMPT, DECODER = 1, 2
+SECRET = "fuzz-secret"
+DECODE_EXAMPLES = scaled(3000)
+PLAN_EXAMPLES = scaled(5000)
+LIVE_EXAMPLES = scaled(2500)
+MALFORMED_FRAMES = scaled(300)
+
+#: The arena's caches: (desc, blocks?, model_id or req_ids).
+ARENA = [
+    (CacheDesc(4, (8, 64), DataType.DT_FLOAT16, Placement.HOST), True, 0),  # 8 blocks of 128 B
+    (CacheDesc(4, (3, 256), DataType.DT_FLOAT16, Placement.HOST), False, (100, 101, 102)),  # rows of 512 B
+    (CacheDesc(2, (16, 32), DataType.DT_BF16, Placement.HOST), True, 1),  # 16 blocks of 64 B, one layer
+    (CacheDesc(6, (2, 96), DataType.DT_FLOAT, Placement.HOST), False, ()),  # rows of 384 B, 3 layers
+]
+LEGIT = CacheDesc(4, (4, 1024), DataType.DT_FLOAT16, Placement.HOST)
+
+# CI: the same examples every run; a soak round (SEED > 0): new ones
+SETTINGS = dict(derandomize=SEED == 0, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def u(bits: int) -> st.SearchStrategy[int]:
+    return st.integers(0, 2**bits - 1)
+
+
+def s(bits: int) -> st.SearchStrategy[int]:
+    return st.integers(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+
+
+EDGES64 = [0, 1, 2, 3, 7, 8, 15, 16, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1]
+
+
+def edgy(bits: int, extra: Sequence[int] = ()) -> st.SearchStrategy[int]:
+    edges = [e for e in EDGES64 if e < 2**bits] + list(extra)
+    return st.one_of(st.sampled_from(edges), u(bits))
+
+
+# -- 1. framing ---------------------------------------------------------------------------
+
+
+def valid_fields(msg: Msg, draw: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for name, fmt in wire._SCHEMAS[msg]:
+        if fmt == "rows":
+            fields[name] = draw(st.lists(u(64), max_size=6))
+        elif fmt == "text":
+            fields[name] = draw(st.text(max_size=20))
+        elif fmt.endswith("s"):
+            fields[name] = draw(st.binary(min_size=int(fmt[:-1]), max_size=int(fmt[:-1])))
+        else:
+            size = struct.calcsize("!" + fmt) * 8
+            fields[name] = draw(s(size) if fmt.islower() else u(size))
+    return fields
+
+
+@st.composite
+def frames(draw: Any) -> bytes:
+    """A valid frame, then (usually) mutated: flipped bytes, cut, extended, header fields rewritten."""
+    msg = draw(st.sampled_from(list(Msg)))
+    frame = bytearray(wire.encode(msg, draw(u(64)), **valid_fields(msg, draw)))
+    for _ in range(draw(st.integers(0, 3))):
+        how = draw(st.sampled_from(["flip", "cut", "extend", "version", "type", "length", "magic"]))
+        if how == "flip" and frame:
+            at = draw(st.integers(0, len(frame) - 1))
+            frame[at] ^= draw(st.integers(1, 255))
+        elif how == "cut":
+            del frame[draw(st.integers(0, len(frame))):]
+        elif how == "extend":
+            frame += draw(st.binary(max_size=16))
+        elif len(frame) >= wire.HEADER.size:
+            magic, version, kind, flags, req_id, length = wire.HEADER.unpack_from(frame)
+            if how == "version":
+                version = draw(u(8))
+            elif how == "type":
+                kind = draw(u(8))
+            elif how == "length":
+                length = draw(edgy(32, [wire.MAX_BODY, wire.MAX_BODY + 1]))
+            else:
+                magic = draw(st.binary(min_size=4, max_size=4))
+            frame[:wire.HEADER.size] = wire.HEADER.pack(magic, version, kind, flags, req_id, length)
+    return bytes(frame)
+
+
+def decode_frame(frame: bytes) -> tuple[Msg, int, dict[str, Any]]:
+    """What a reader does with a frame: header, then exactly ``length`` body bytes."""
+    if len(frame) < wire.HEADER.size:
+        raise ProtocolError("short frame")
+    msg, req_id, length = wire.parse_header(frame[:wire.HEADER.size])
+    assert 0 <= length <= wire.MAX_BODY
+    body = frame[wire.HEADER.size:wire.HEADER.size + length]
+    if len(body) < length:
+        raise ProtocolError("short body")
+    return msg, req_id, wire.decode_body(msg, body)
+
+
+def test_every_frame_decodes_to_fields_or_a_protocol_error():
+    @settings(max_examples=DECODE_EXAMPLES, **SETTINGS)
+    @given(st.one_of(frames(), st.binary(min_size=20, max_size=120)))
+    def decode(frame: bytes) -> None:
+        count("fuzz cases (in-process)")
+        try:
+            msg, req_id, fields = decode_frame(frame)
+        except ProtocolError:
+            return
+        # a decoded message re-encodes to the same body (unless invalid UTF-8 text was replaced)
+        body = frame[wire.HEADER.size:]
+        again = wire.encode(msg, req_id, **fields)[wire.HEADER.size:]
+        assert again == body[:len(again)] or "\ufffd" in fields.get("text", "")
+
+    decode()
+
+
+# -- 2. the owner's validation, in-process --------------------------------------------------
+
+
+class Target:
+    """The fuzzed owner's caches, as an independent model (ids, keys, rows, byte layout)."""
+
+    def __init__(self, arena: Arena, caches: list[Any], legit: Any) -> None:
+        self.arena = arena
+        self.caches = caches  # arena caches, in ARENA order
+        self.legit = legit
+        self.by_id = {c.cache_id: c for c in caches}
+        self.blocks_keys = {spec[2]: c for spec, c in zip(ARENA, caches) if spec[1]}
+        self.req_keys = {req: (c, row) for spec, c in zip(ARENA, caches) if not spec[1]
+                         for row, req in enumerate(spec[2])}
+        spans = sorted((b, b + c.layout.tensor_bytes) for c in caches + [legit] for b in c.layout.bases)
+        self.registered = spans
+
+    def inside(self, start: int, end: int) -> bool:
+        """Whether ``[start, end)`` lies in one registered tensor, or in adjacent ones."""
+        pos = start
+        for lo, hi in self.registered:
+            if lo <= pos < hi:
+                pos = hi
+                if pos >= end:
+                    return True
+        return start == end
+
+    def release(self) -> None:
+        """Drop the caches: hypothesis may keep the strategies (and so this object) past the test."""
+        self.caches.clear()
+        self.by_id.clear()
+        self.blocks_keys.clear()
+        self.req_keys.clear()
+        self.legit = None
+
+    def addresses(self) -> list[int]:
+        return [b for c in self.caches for b in c.layout.bases]
+
+
+FIELD_EDGES: dict[str, st.SearchStrategy[int]] = {
+    "channel": edgy(16, [1, 2, 3, 4, 5]),
+    "target_kind": st.sampled_from([0, 1, 2, 3, 4, 5, 255]),
+    "cluster_id": edgy(64),
+    "cache_id": st.one_of(st.integers(-3, 12), st.sampled_from([2**63 - 1, -2**63]), s(64)),
+    "key_req_id": st.one_of(st.sampled_from([99, 100, 101, 102, 103, UINT64_MAX]), edgy(64)),
+    "prefix_id": st.sampled_from([0, 100, UINT64_MAX - 1]),
+    "model_id": st.one_of(st.integers(0, 3), edgy(64)),
+    "batch_index": st.one_of(st.integers(0, 17), edgy(32)),
+    "layer_first": st.one_of(st.integers(-3, 4), st.sampled_from([-2**31, 2**31 - 1]), s(32)),
+    "layer_last": st.one_of(st.integers(-3, 4), st.sampled_from([-2**31, 2**31 - 1]), s(32)),
+    "tensor_num_per_layer": st.one_of(st.integers(0, 4), st.just(255)),
+    "tensor_count": st.one_of(st.integers(0, 9), edgy(32)),
+    "data_type": st.one_of(st.sampled_from([0, 1, 2, 13, 27]), u(8)),
+    "offset": st.one_of(st.sampled_from([1, 63, 64, 127, 128, 383, 384, 511, 512, 513]), edgy(64)),
+    "nbytes": st.one_of(st.sampled_from([0, 1, 63, 64, 65, 127, 128, 129, 383, 384, 385, 511, 512, 513]), edgy(64)),
+    "flags": st.one_of(st.integers(0, 15), u(8)),
+    "timeout_ms": st.one_of(st.sampled_from([0, 1]), u(32)),
+}
+
+
+def requests(target: Target, channels: Sequence[int]) -> st.SearchStrategy[dict[str, Any]]:
+    """PULL_REQ/PUSH_REQ field dicts: a valid request for one of the owner's caches, then 0 to 3
+    fields rewritten with edge values, or the row / address list replaced by hostile entries."""
+    caches = target.caches
+    hostile_row = st.one_of(st.integers(0, 20), st.sampled_from([2**31, 2**32 - 1, 2**63 - 1, 2**63, 2**64 - 1]), u(64))
+    shift = st.one_of(st.integers(-1024, 1024), st.sampled_from([-1, 64, 128, 384, 512, 4096, -4096]),
+                      st.integers(-2**40, 2**40))
+
+    @st.composite
+    def build(draw: Any) -> dict[str, Any]:
+        index = draw(st.integers(0, len(caches) - 1))
+        cache, (desc, blocks, keys) = caches[index], ARENA[index]
+        lay = cache.layout
+        layers = lay.num_tensors // 2
+        first = draw(st.integers(-1, layers - 1))
+        last = -1 if first == -1 else draw(st.integers(first, layers - 1))
+        tensors = lay.num_tensors if first == -1 else 2 * (last - first + 1)
+        req = dict(channel=draw(st.sampled_from(list(channels))), target_kind=2, cluster_id=PROMPT,
+                   cache_id=cache.cache_id, key_req_id=UINT64_MAX, prefix_id=UINT64_MAX, model_id=0, batch_index=0,
+                   layer_first=first, layer_last=last, tensor_num_per_layer=2, tensor_count=tensors,
+                   data_type=desc.data_type.value, offset=0, nbytes=lay.row_bytes, flags=0, timeout_ms=1000, rows=())
+        if blocks and draw(st.integers(0, 4)) == 0:  # raw addresses (TransferConfig), a block list
+            pair = draw(st.integers(0, layers - 1))
+            near_edges = st.sampled_from([0, 0, 0, 0, 1, -1, 32, -32, 64, lay.row_bytes, -lay.row_bytes,
+                                          lay.tensor_bytes - lay.row_bytes + 32, lay.tensor_bytes])
+            addrs = [max(0, b + draw(near_edges)) for b in lay.bases[2 * pair:2 * pair + 2]]
+            req.update(target_kind=4, tensor_count=2, offset=lay.row_bytes, flags=transfers.F_BLOCKS,
+                       rows=tuple(addrs + draw(st.lists(st.integers(0, lay.rows - 1), min_size=1, max_size=4,
+                                                        unique=True))))
+        elif blocks:
+            req.update(target_kind=draw(st.sampled_from([2, 3])), model_id=keys,
+                       flags=transfers.F_BLOCKS | transfers.F_EXACT,
+                       rows=tuple(draw(st.lists(st.integers(0, lay.rows - 1), min_size=1, max_size=4, unique=True))))
+        else:
+            offset = draw(st.sampled_from([0, 0, 0, 64, lay.row_bytes // 2]))
+            req.update(offset=offset, nbytes=draw(st.integers(1, lay.row_bytes - offset)), flags=transfers.F_CONTIG)
+            if keys and draw(st.booleans()):
+                row = draw(st.integers(0, len(keys) - 1))
+                req.update(target_kind=1, key_req_id=keys[row])
+            else:
+                req.update(batch_index=draw(st.integers(0, lay.rows - 1)))
+        for _ in range(draw(st.integers(0, 3))):
+            what = draw(st.sampled_from(sorted(FIELD_EDGES) + ["rows", "rows", "addresses"]))
+            if what == "rows":
+                req["rows"] = tuple(draw(st.lists(hostile_row, max_size=6)))
+            elif what == "addresses":
+                addrs = [max(0, min(2**64 - 1, b + draw(shift)))
+                         for b in draw(st.lists(st.sampled_from(target.addresses()), min_size=1, max_size=3))]
+                req.update(rows=tuple(addrs + draw(st.lists(hostile_row, max_size=3))),
+                           tensor_count=draw(st.one_of(st.just(len(addrs)), st.integers(0, 5))))
+            else:
+                req[what] = draw(FIELD_EDGES[what])
+        return req
+
+    return build()
+
+
+def check_plan(target: Target, planned: tuple) -> None:
+    """Every byte range an accepted plan hands to the native engine lies in registered memory."""
+    pairs, total = planned[1], planned[2]
+    values = list(pairs)
+    assert len(values) % 2 == 0
+    moved = 0
+    for addr, nbytes in zip(values[0::2], values[1::2]):
+        assert nbytes > 0
+        assert target.inside(addr, addr + nbytes), f"planned {nbytes} bytes at {addr:#x} outside registered memory"
+        moved += nbytes
+    assert moved == total
+
+
+async def make_target(dd: Any, seed: int) -> Target:
+    kv = dd.kv_cache_manager
+    arena = Arena([spec[0] for spec in ARENA], seed)
+    caches = []
+    for index, (desc, blocks, keys) in enumerate(ARENA):
+        if blocks:
+            caches.append(arena.register(kv, index, blocks=True, blocks_key=BlocksCacheKey(PROMPT, keys)))
+        else:
+            caches.append(arena.register(kv, index, keys=[CacheKey(PROMPT, k) for k in keys]))
+    legit = kv.allocate_cache(LEGIT)
+    for t in legit.tensors:
+        t.copy_(torch.randn(LEGIT.shape).to(t.dtype))
+    return Target(arena, caches, legit)
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_the_owner_plans_only_registered_bytes_or_refuses():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", heartbeat_interval=600_000) as dd, \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp", heartbeat_interval=600_000) as dec:
+        target = await make_target(dd, seed=1)
+        assert (await dec.link_clusters([info(dd)]))[0] == S.LLM_SUCCESS
+        rt, link = dd._runtime, dd._links.links[DECODER]
+        outcomes: dict[str, int] = {}
+
+        @settings(max_examples=PLAN_EXAMPLES, **SETTINGS)
+        @given(st.sampled_from([Msg.PULL_REQ, Msg.PUSH_REQ]), requests(target, range(link.nchannels)))
+        def serve(msg: Msg, req: dict[str, Any]) -> None:
+            count("fuzz cases (in-process)")
+            try:
+                planned = transfers._serve_plan(rt, link, msg, req)
+            except transfers._Refusal as refusal:
+                assert refusal.code in set(LLMStatusCode) - {S.LLM_SUCCESS}
+                outcomes["refused"] = outcomes.get("refused", 0) + 1
+                return
+            check_plan(target, planned)
+            outcomes["accepted"] = outcomes.get("accepted", 0) + 1
+
+        try:
+            serve()
+        finally:
+            target.release()
+        assert outcomes.get("accepted", 0) > 200 and outcomes.get("refused", 0) > 200, outcomes
+        assert target.arena.intact()
+        assert state(dd)["pending tokens"] == 0
+
+
+def info(dd: Any) -> Any:
+    from peers import cluster_info
+
+    return cluster_info(dd.cluster_id, port_of(dd))
+
+
+# -- 3. a live link --------------------------------------------------------------------------
+
+
+def oracle(target: Target, msg: Msg, req: dict[str, Any]) -> list[tuple[int, int]] | None:
+    """The byte ranges an accepted request moves, from the documented layout; None if no such cache."""
+    kind, rows = req["target_kind"], list(req["rows"])
+    if kind == 4:
+        count_, stride, nbytes = req["tensor_count"], req["offset"], req["nbytes"]
+        addrs, blocks = rows[:count_], rows[count_:]
+        return [(a + b * stride, nbytes) for a in addrs for b in (blocks or [0])]
+    cache = None
+    if kind == 1 and req["prefix_id"] == UINT64_MAX and req["model_id"] == 0 and req["key_req_id"] in target.req_keys:
+        cache, row = target.req_keys[req["key_req_id"]]
+        rows = rows or [row]
+    elif kind == 2 and req["cache_id"] in target.by_id:
+        cache = target.by_id[req["cache_id"]]
+        rows = rows or [req["batch_index"]]
+    elif kind == 3 and req["model_id"] in target.blocks_keys:
+        cache = target.blocks_keys[req["model_id"]]
+    if cache is None:
+        return None
+    lay = cache.layout
+    per_layer = req["tensor_num_per_layer"]
+    if (req["layer_first"], req["layer_last"]) == (-1, -1):
+        first, tensors = 0, lay.num_tensors
+    else:
+        first, tensors = req["layer_first"] * per_layer, (req["layer_last"] - req["layer_first"] + 1) * per_layer
+    base = lambda t: lay.bases[t] if 0 <= t < lay.num_tensors else -(2**70)  # noqa: E731 (never registered)
+    return [(base(t) + r * lay.row_bytes + req["offset"], req["nbytes"])
+            for t in range(first, first + tensors) for r in rows]
+
+
+class LiveFuzz:
+    """Drives one raw link with generated requests and checks every answer (runs in a worker thread)."""
+
+    def __init__(self, target: Target, raw: RawLink) -> None:
+        self.target = target
+        self.raw = raw
+        self.arena = target.arena
+        self.accepted = {Msg.PULL_REQ: 0, Msg.PUSH_REQ: 0}
+        self.refused = 0
+
+    def shadow_of(self, ranges: list[tuple[int, int]]) -> bytes:
+        return b"".join(self.arena.shadow[a - self.arena.base:a - self.arena.base + n].numpy().tobytes()
+                        for a, n in ranges)
+
+    def case(self, msg: Msg, req: dict[str, Any], payload_seed: int) -> None:
+        count("fuzz cases (live socket)")
+        self.raw.keepalive()
+        try:
+            if msg is Msg.PULL_REQ:
+                data = self.raw.pull(req)
+            else:
+                pushed: list[bytes] = []
+
+                def payload(total: int) -> bytes:
+                    pushed.append(random.Random(payload_seed).randbytes(total))
+                    return pushed[0]
+
+                self.raw.push(req, payload)
+        except Refused as refusal:
+            assert refusal.code != 0
+            self.refused += 1
+            assert self.arena.intact(), f"a refused {msg.name} changed bytes: {self.arena.first_difference()}"
+            return
+        self.accepted[msg] += 1
+        expected = oracle(self.target, msg, req)
+        assert expected is not None, f"accepted a {msg.name} for no known cache: {req}"
+        for addr, n in expected:
+            assert self.target.inside(addr, addr + n), f"accepted {msg.name} touching {addr:#x}+{n}: {req}"
+        in_arena = all(self.arena.registered(a, a + n) for a, n in expected)
+        if msg is Msg.PULL_REQ:
+            assert len(data) == sum(n for _, n in expected)
+            if in_arena:
+                assert data == self.shadow_of(expected), f"pulled bytes differ from the layout model: {req}"
+        else:
+            stream = pushed[0]
+            assert len(stream) == sum(n for _, n in expected)
+            pos = 0
+            for addr, n in expected:
+                if self.arena.registered(addr, addr + n):
+                    off = addr - self.arena.base
+                    self.arena.shadow[off:off + n] = torch.frombuffer(bytearray(stream[pos:pos + n]), dtype=torch.uint8)
+                pos += n
+        assert self.arena.intact(), f"{msg.name} {req}: {self.arena.first_difference()}"
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_live_link_fuzz_moves_only_what_the_layout_allows():
+    errors: list[dict] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    try:
+        async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", shared_secret=SECRET) as dd, \
+                endpoint(LLMRole.DECODER, DECODER, transport="tcp", shared_secret=SECRET) as dec:
+            target = await make_target(dd, seed=2)
+            assert (await dec.link_clusters([info(dd)]))[0] == S.LLM_SUCCESS
+            mine = dec.kv_cache_manager.allocate_cache(LEGIT)
+            legit_key = CacheKeyByIdAndIndex(PROMPT, target.legit.cache_id, 0)
+            await dec.kv_cache_manager.pull_cache(legit_key, mine, 1)  # the other link works before
+
+            stop = asyncio.Event()
+
+            async def other_link() -> int:
+                done = 0
+                while not stop.is_set():
+                    await dec.check_link_status(PROMPT)
+                    await dec.kv_cache_manager.pull_cache(CacheKeyByIdAndIndex(PROMPT, target.legit.cache_id,
+                                                                                done % 4), mine, done % 4)
+                    done += 1
+                    await asyncio.sleep(0.005)
+                return done
+
+            other = asyncio.ensure_future(other_link())
+            address = port_of(dd)
+            try:
+                results = await asyncio.to_thread(run_live_fuzz, target, address)
+                malformed = await asyncio.to_thread(run_malformed_frames, address, random.Random(5 + SEED))
+            finally:
+                stop.set()
+                probes = await other
+            assert probes > 10
+            # the other link still carries verified bytes both ways
+            for row in range(4):
+                await dec.kv_cache_manager.pull_cache(CacheKeyByIdAndIndex(PROMPT, target.legit.cache_id, row),
+                                                      mine, row)
+            assert all(torch.equal(m.view(torch.int16), t.view(torch.int16))
+                       for m, t in zip(mine.tensors, target.legit.tensors))
+            assert target.arena.intact(), target.arena.first_difference()
+            assert results.accepted[Msg.PULL_REQ] > 50 and results.accepted[Msg.PUSH_REQ] > 50, results.accepted
+            assert results.refused > 500
+            count("malformed frames (live socket)", malformed)
+            target.release()
+    finally:
+        loop.set_exception_handler(None)
+    assert not errors, f"exceptions escaped into the event loop: {errors[:3]}"
+
+
+def run_live_fuzz(target: Target, address: tuple[str, int]) -> LiveFuzz:
+    with RawLink(address, 50, PROMPT, SECRET.encode()).connect() as raw:
+        fuzz = LiveFuzz(target, raw)
+
+        @settings(max_examples=LIVE_EXAMPLES, **SETTINGS)
+        @given(st.sampled_from([Msg.PULL_REQ, Msg.PUSH_REQ]), requests(target, range(raw.channels)), u(32))
+        def live(msg: Msg, req: dict[str, Any], payload_seed: int) -> None:
+            fuzz.case(msg, req, payload_seed)
+
+        live()
+        return fuzz
+
+
+# -- 4. malformed frames on live connections -------------------------------------------------
+
+
+def run_malformed_frames(address: tuple[str, int], rng: random.Random) -> int:
+    """Send broken frames before and after authentication; each is refused or drops only its connection."""
+    sent = 0
+    cluster = 1000
+    captured_auth: bytes | None = None
+    for n in range(MALFORMED_FRAMES):
+        how = n % 6
+        if how < 3:
+            # before authentication: garbage, a mutated HELLO, a wrong version, a huge length, a replayed AUTH
+            with dial(address) as sock:
+                hello = bytearray(wire.encode(Msg.HELLO, 0, cluster_id=cluster + n, role=2, nonce=rng.randbytes(32)))
+                choice = rng.randrange(6)
+                if choice == 0:
+                    frame = rng.randbytes(rng.randrange(1, 80))
+                elif choice == 1:
+                    hello[rng.randrange(len(hello))] ^= rng.randrange(1, 256)
+                    frame = bytes(hello)
+                elif choice == 2:
+                    frame = bytes(hello[:4]) + bytes([rng.choice([0, 2, 255])]) + bytes(hello[5:])
+                elif choice == 3:
+                    length = rng.choice([wire.MAX_BODY + 1, 2**32 - 1])
+                    head = wire.HEADER.pack(wire.MAGIC, wire.VERSION, Msg.HELLO, 0, 0, length)
+                    frame = head + bytes(hello[wire.HEADER.size:])
+                elif choice == 4:
+                    frame = bytes(hello[:rng.randrange(1, len(hello))])  # truncated, then closed
+                else:
+                    frame = bytes(hello) + (captured_auth or wire.encode(Msg.AUTH, 0, proof=bytes(32),
+                                                                         layout_hash=bytes(32)))
+                sock.sendall(frame)
+                sock.shutdown(socket.SHUT_WR)
+                reply = rest_of_stream(sock)
+                assert_no_secret_leaks(reply)
+        else:
+            # after authentication: one bad frame on a real link
+            try:
+                raw = RawLink(address, cluster + n, PROMPT, SECRET.encode()).connect()
+            except Refused as refusal:
+                raise AssertionError(f"a fresh link was refused: {refusal}") from None
+            with raw:
+                if captured_auth is None:
+                    captured_auth = next(f for f in raw.captured if f[5] == Msg.AUTH)
+                frame = bytearray(wire.encode(Msg.PULL_REQ, 1, channel=0, target_kind=2, cluster_id=PROMPT,
+                                              cache_id=1, key_req_id=UINT64_MAX, prefix_id=UINT64_MAX, model_id=0,
+                                              batch_index=0, layer_first=-1, layer_last=-1, tensor_num_per_layer=2,
+                                              tensor_count=4, data_type=1, offset=0, nbytes=128, flags=0,
+                                              timeout_ms=1000, rows=(0,)))
+                choice = rng.randrange(5)
+                if choice == 4:  # a truncated frame, then the connection closes
+                    raw.send_raw(bytes(frame[:rng.randrange(1, len(frame))]))
+                    raw.ctl.shutdown(socket.SHUT_WR)
+                    rest_of_stream(raw.ctl)  # until the owner drops it
+                    sent += 1
+                    continue
+                if choice == 0:
+                    frame[rng.randrange(len(frame))] ^= rng.randrange(1, 256)
+                elif choice == 1:
+                    frame[4] = rng.choice([0, 2, 255])  # version
+                elif choice == 2:
+                    frame[5] = rng.choice([0, 5, 9, 99, 255])  # message type
+                elif choice == 3:
+                    frame[16:20] = struct.pack("!I", rng.choice([wire.MAX_BODY + 1, 2**32 - 1, 3]))
+                raw.send_raw(bytes(frame))
+                raw.send_raw(wire.encode(Msg.PROBE, 3))
+                assert raw.ctl is not None
+                # a length field that grew leaves the owner waiting for body bytes that never come;
+                # its heartbeat drops the link later, so do not wait for that here
+                raw.ctl.settimeout(0.2)
+                try:
+                    while True:  # an answer to the probe, or the link dropped
+                        msg, rid, fields = _next_frame(raw)
+                        if msg is Msg.PROBE_ACK and rid == 3:
+                            break
+                        if msg is Msg.RESP:
+                            assert fields["status"] != 0 or fields["total"] > 0
+                            if fields["status"] == 0:
+                                recv_exactly(raw.data[0], fields["total"])
+                                raw.send_raw(wire.encode(Msg.DONE, rid, status=0, text=""))
+                except (ConnectionError, ProtocolError, OSError):  # dropped (socket.timeout is an OSError)
+                    pass
+        sent += 1
+    return sent
+
+
+def _next_frame(raw: RawLink) -> tuple[Msg, int, dict]:
+    from _rawpeer import recv_frame
+
+    assert raw.ctl is not None
+    while True:
+        msg, rid, fields = recv_frame(raw.ctl)
+        if msg is not Msg.PING:
+            return msg, rid, fields
+
+
+def assert_no_secret_leaks(reply: bytes) -> None:
+    """An unauthenticated peer gets at most a HELLO_ACK and a refusing LINK_OK: no token, no cache byte."""
+    pos = 0
+    while pos + wire.HEADER.size <= len(reply):
+        msg, _, length = wire.parse_header(reply[pos:pos + wire.HEADER.size])
+        fields = wire.decode_body(msg, reply[pos + wire.HEADER.size:pos + wire.HEADER.size + length])
+        assert msg in (Msg.HELLO_ACK, Msg.LINK_OK), msg
+        if msg is Msg.LINK_OK:
+            assert fields["status"] != 0 and fields["link_token"] == bytes(32)
+        pos += wire.HEADER.size + length
+    assert pos == len(reply), f"{len(reply) - pos} stray bytes after the refusal"
