@@ -107,6 +107,7 @@ async def _decoder(conn, geo: Geometry, seed: int, port: int) -> dict:
         status, per_cluster = await dd.link_clusters([cluster], timeout=5000)
         if status != 0:
             raise RuntimeError(f"link failed: {per_cluster}")
+        shared = dd._require_links().get(PROMPT_ID).local is not None
         expected = seeded_cache(geo, seed)
         request_blocks = geo.blocks // 2
         src = rng.sample(range(geo.blocks), request_blocks)
@@ -130,7 +131,7 @@ async def _decoder(conn, geo: Geometry, seed: int, port: int) -> dict:
                       for c, e in zip(cache.tensors, expected))
         await dd.unlink_clusters([cluster])
         best = min(pulls)
-        return {"pull_ok": pull_ok, "push_ok": push_ok, "pull_bytes": nbytes, "pull_s": best,
+        return {"transport": "same-host shared memory" if shared else "TCP data channels", "pull_ok": pull_ok, "push_ok": push_ok, "pull_bytes": nbytes, "pull_s": best,
                 "push_bytes": 16 * geo.block_bytes * 2 * geo.layers, "push_s": reply[1]}
 
 
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
               f"processes on 127.0.0.1:{port}")
         print(f"  cache: {2 * geo.layers} tensors (32 layers x K,V) of [{geo.blocks}, {geo.block_tokens}, "
               f"{geo.heads}, {geo.head_dim}] fp16, {geo.block_bytes // 1024} KiB per block per tensor")
+        print(f"  transport: {result['transport']} (aio.Transport=tcp forces TCP)")
         print(f"  pull_blocks of {geo.blocks // 2} blocks ({result['pull_bytes'] / mib:.0f} MiB): "
               f"{result['pull_s'] * 1e3:.1f} ms, {result['pull_bytes'] / result['pull_s'] / 1e9:.2f} GB/s, "
               f"bytes {'verified' if result['pull_ok'] else 'WRONG'}")
