@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import wire
-from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transfers import handle_request
 from aio_datadist.transport.local import LocalListener, LocalShare, boot_id, connect_share
 from aio_datadist.types import LLMClusterInfo, LLMRole
@@ -640,7 +640,7 @@ class LinkTable:
                                      role=self.owner.role, nonce=nonce))
             ack = await _read_expected(reader, Msg.HELLO_ACK)
             if ack["status"] != SUCCESS:
-                raise LLMException(f"peer refused: {ack['text']}", status_code=_known(ack["status"]))
+                raise LLMException(f"peer refused: {ack['text']}", status_code=code_to_status(ack["status"]))
             if ack["cluster_id"] != remote_id:
                 raise LLMException(f"peer at {address[0]}:{address[1]} is cluster {ack['cluster_id']}, "
                                    f"not {remote_id}", status_code=LLMStatusCode.LLM_LINK_FAILED)
@@ -652,7 +652,7 @@ class LinkTable:
                                      layout_hash=layout_hash(self.runtime)))
             ok = await _read_expected(reader, Msg.LINK_OK)
             if ok["status"] != SUCCESS:
-                raise LLMException(f"peer refused: {ok['text']}", status_code=_known(ok["status"]))
+                raise LLMException(f"peer refused: {ok['text']}", status_code=code_to_status(ok["status"]))
             channels = ok["channels"]
             if not 1 <= channels <= 16:
                 raise ProtocolError(f"bad channel count {channels}")
@@ -743,10 +743,3 @@ async def _read_expected(reader: asyncio.StreamReader, expected: Msg) -> dict:
     if msg is not expected:
         raise ProtocolError(f"expected {expected.name}, got {msg.name}")
     return wire.decode_body(msg, await reader.readexactly(length))
-
-
-def _known(code: int) -> LLMStatusCode:
-    try:
-        return LLMStatusCode(code)
-    except ValueError:
-        return LLMStatusCode.LLM_FAILED

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aio_datadist import _core
 from aio_datadist.cache import KvCache
 from aio_datadist.layers import resolve_tensor_span
-from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode, code_to_status, param_invalid
 from aio_datadist.types import UINT64_MAX, BlocksCacheKey, CacheIndex, CacheKey, CacheKeyByIdAndIndex
 from aio_datadist.wire import MAX_ROWS, Msg
 
@@ -134,7 +134,8 @@ async def _exchange(link: Link, msg: Msg, plan: Plan, timeout_ms: int, channel: 
     link.send(msg, req_id, channel=channel, timeout_ms=timeout_ms, **remote)
     answer = await resp
     if answer["status"] != LLMStatusCode.LLM_SUCCESS:
-        raise _Refused(f"cluster {link.remote_cluster_id}: {answer['text']}", status_code=_code(answer["status"]))
+        raise _Refused(f"cluster {link.remote_cluster_id}: {answer['text']}",
+                       status_code=code_to_status(answer["status"]))
     if answer["total"] != plan.total:
         raise LLMException(f"cluster {link.remote_cluster_id} offers {answer['total']} bytes, "
                            f"{plan.total} expected", status_code=LLMStatusCode.LLM_PARAM_INVALID)
@@ -185,7 +186,7 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
                 answer = await done
                 if answer["status"] != LLMStatusCode.LLM_SUCCESS:
                     raise LLMException(f"cluster {link.remote_cluster_id}: {answer['text']}",
-                                       status_code=_code(answer["status"]))
+                                       status_code=code_to_status(answer["status"]))
         link.release(channel)
     except _Refused:
         link.pending.pop(req_id, None)
@@ -237,7 +238,7 @@ async def _run_local(rt: Runtime, link: Link, plan: Plan, answer: dict, req_id: 
         answer = await done
         if answer["status"] != LLMStatusCode.LLM_SUCCESS:
             raise LLMException(f"cluster {link.remote_cluster_id}: {answer['text']}",
-                               status_code=_code(answer["status"]))
+                               status_code=code_to_status(answer["status"]))
 
 
 def _abandon(link: Link, channel: int, generation: int, req_id: int, local: bool = False) -> None:
@@ -257,13 +258,6 @@ def _abandon(link: Link, channel: int, generation: int, req_id: int, local: bool
         link.reset_channel(channel, tell_peer=True, req_id=req_id)
     else:
         link.release(channel)
-
-
-def _code(value: int) -> LLMStatusCode:
-    try:
-        return LLMStatusCode(value)
-    except ValueError:
-        return LLMStatusCode.LLM_FAILED
 
 
 # -- the owner's half ------------------------------------------------------
