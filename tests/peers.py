@@ -401,7 +401,13 @@ def _watchdog(parent_pid: int, deadline: float) -> None:
 
 
 def _endpoint_main(conn: multiprocessing.connection.Connection, spec: EndpointSpec, parent_pid: int) -> None:
-    threading.Thread(target=_watchdog, args=(parent_pid, time.monotonic() + spec.lifetime), daemon=True).start()
+    run_endpoint(conn, spec, parent_pid, _serve, _watchdog)
+
+
+def run_endpoint(conn: multiprocessing.connection.Connection, spec: EndpointSpec, parent_pid: int,
+                 serve: Any, watchdog: Any) -> None:
+    """A child's body: a watchdog thread, then ``serve(conn, spec)`` on the spec's loop; errors go to ``conn``."""
+    threading.Thread(target=watchdog, args=(parent_pid, time.monotonic() + spec.lifetime), daemon=True).start()
     factory = None
     if spec.loop == "uvloop":
         import uvloop
@@ -409,7 +415,7 @@ def _endpoint_main(conn: multiprocessing.connection.Connection, spec: EndpointSp
         factory = uvloop.new_event_loop
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(_serve(conn, spec))
+            runner.run(serve(conn, spec))
     except BaseException:
         with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))

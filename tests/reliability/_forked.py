@@ -50,7 +50,7 @@ from aio_datadist import (
     LLMRole,
     TransferWithCacheKeyConfig,
 )
-from peers import EndpointProcess, EndpointSpec, Ref, _next_command, _run_command, fill
+from peers import EndpointProcess, EndpointSpec, Ref, _next_command, _run_command, fill, run_endpoint
 
 import _harness
 
@@ -123,22 +123,8 @@ def _watch(parent_pid: int, deadline: float) -> None:
 
 
 def _main(conn: multiprocessing.connection.Connection, spec: EndpointSpec, parent_pid: int) -> None:
-    threading.Thread(target=_watch, args=(parent_pid, time.monotonic() + spec.lifetime), daemon=True).start()
     torch.set_num_threads(1)  # several peers share 2 cores: spinning OpenMP workers would starve them
-    factory = None
-    if spec.loop == "uvloop":
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    try:
-        with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(_serve(conn, spec))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-        raise
-    finally:
-        conn.close()
+    run_endpoint(conn, spec, parent_pid, _serve, _watch)
     os._exit(0)  # skip interpreter teardown (torch's costs ~1 s)
 
 
