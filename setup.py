@@ -6,7 +6,7 @@ core = Extension(
     ["aio_datadist/_core.pyx"],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17"],
-    libraries=["pthread"],
+    libraries=["pthread", "dl"],
 )
 
 setup(ext_modules=cythonize([core], language_level=3))

@@ -7,6 +7,14 @@ from libcpp.unordered_map cimport unordered_map
 from posix.uio cimport iovec
 
 from aio_datadist._sys cimport pthread_t, pthread_mutex_t, pthread_cond_t
+from aio_datadist._drivers cimport (
+    CUcontext, CUdevice, CUresult, CUstream, CUdeviceptr, CUmemcpyAttributes,
+    cuInit_t, cuGetErrorString_t, cuGetErrorName_t, cuDeviceGet_t, cuDeviceGetCount_t,
+    cuDevicePrimaryCtxRetain_t, cuCtxPushCurrent_t, cuCtxPopCurrent_t, cuLaunchHostFunc_t,
+    cuMemcpyBatchAsync_v1_t, cuMemcpyBatchAsync_v2_t,
+    aclError, aclrtContext, aclrtLaunchCallback_t, aclrtSubscribeReport_t, aclrtUnSubscribeReport_t,
+    aclrtProcessReport_t, aclrtGetCurrentContext_t, aclrtSetCurrentContext_t, aclGetRecentErrMsg_t,
+)
 
 
 cdef struct Record:
@@ -110,3 +118,82 @@ cdef class SocketEngine:
     cdef uint64_t _post(self, IoCommand cmd) noexcept nogil
     cdef _release_fds(self)
     cdef _shutdown(self)
+
+
+# ---- StreamNotifier ----------------------------------------------------------------------
+
+# Shared by a notifier and the host functions it has enqueued: the host
+# function (run by a driver thread, without the GIL) finds its slot here,
+# posts the record and frees the slot. The owner frees the state only once no
+# slot is left, so a late host function never touches freed memory.
+cdef cppclass NotifyState:
+    pthread_mutex_t lock
+    pthread_cond_t idle
+    unordered_map[uint64_t, void *] slots
+    void *queue
+    bint closed
+
+
+cdef cppclass NotifySlot:
+    NotifyState *state
+    uint64_t token
+    int64_t aux
+    bint cancelled
+
+
+cdef class CudaDriver:
+    cdef void *_lib
+    cdef str _library
+    cdef cuInit_t _init
+    cdef cuGetErrorString_t _error_string
+    cdef cuGetErrorName_t _error_name
+    cdef cuDeviceGet_t _device_get
+    cdef cuDeviceGetCount_t _device_count
+    cdef cuDevicePrimaryCtxRetain_t _primary_retain
+    cdef cuCtxPushCurrent_t _ctx_push
+    cdef cuCtxPopCurrent_t _ctx_pop
+    cdef cuLaunchHostFunc_t _launch_host_func
+    cdef cuMemcpyBatchAsync_v2_t _batch_v2
+    cdef cuMemcpyBatchAsync_v1_t _batch_v1
+    cdef dict _contexts
+    cdef str _describe(self, CUresult rc)
+    cdef CUcontext _context(self, int device) except? NULL
+
+
+cdef class AclDriver:
+    cdef void *_lib
+    cdef str _library
+    cdef aclrtLaunchCallback_t _launch_callback
+    cdef aclrtSubscribeReport_t _subscribe
+    cdef aclrtUnSubscribeReport_t _unsubscribe
+    cdef aclrtProcessReport_t _process_report
+    cdef aclrtGetCurrentContext_t _get_context
+    cdef aclrtSetCurrentContext_t _set_context
+    cdef aclGetRecentErrMsg_t _recent_error
+    cdef str _describe(self, aclError rc)
+
+
+cdef class StreamNotifier:
+    cdef CompletionQueue _queue
+    cdef NotifyState *_state
+    cdef int _backend
+    cdef int _device
+    cdef CudaDriver _cuda
+    cdef CUcontext _ctx
+    cdef AclDriver _acl
+    cdef aclrtContext _acl_ctx
+    cdef pthread_t _report_thread
+    cdef bint _report_started
+    cdef bint _report_stop
+    cdef vector[uint64_t] _subscribed
+    cdef bint _closed
+    cdef bint _counted
+    cdef void _report_loop(self) noexcept nogil
+    cdef _shutdown(self, double timeout_s)
+
+
+cdef class _HostFnLine:
+    cdef CompletionQueue _queue
+    cdef NotifyState *_state
+    cdef deque[NotifySlot *] _line
+    cdef bint _counted

@@ -7,6 +7,9 @@ whose eventfd the asyncio layer watches:
 * :class:`HostCopyEngine` runs batched memcpy lists on worker threads.
 * :class:`SocketEngine` runs scatter/gather ``writev``/``readv`` jobs on
   non-blocking sockets from one epoll thread.
+* :class:`StreamNotifier` posts a record once a CUDA or Ascend stream has
+  finished everything enqueued on it before (a driver host function, found
+  with dlopen at run time: building needs no device toolkit).
 * the segment builders turn base addresses and block indices into coalesced
   segment lists without a Python loop per block.
 
@@ -23,14 +26,26 @@ from libcpp.vector cimport vector
 from posix.uio cimport iovec, readv, writev
 
 from aio_datadist._sys cimport (
-    ECANCELED, ECONNRESET, EFD_CLOEXEC, EFD_NONBLOCK, EPOLL_CLOEXEC, EPOLL_CTL_ADD, EPOLL_CTL_DEL,
-    EPOLL_CTL_MOD, EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, IOV_MAX, close,
+    CLOCK_REALTIME, ECANCELED, ECONNRESET, EFD_CLOEXEC, EFD_NONBLOCK, EIO, ENODEV, EPOLL_CLOEXEC,
+    EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLL_CTL_MOD, EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, ETIMEDOUT,
+    IOV_MAX, RTLD_LOCAL, RTLD_NOW, clock_gettime, close, dlerror, dlopen, dlsym,
     epoll_create1, epoll_ctl, epoll_event, epoll_wait, eventfd,
     pthread_cond_broadcast, pthread_cond_destroy, pthread_cond_init,
-    pthread_cond_signal, pthread_cond_wait, pthread_create, pthread_join,
+    pthread_cond_signal, pthread_cond_timedwait, pthread_cond_wait, pthread_create, pthread_join,
     pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock,
-    pthread_mutex_unlock, pthread_t, read, write,
+    pthread_mutex_unlock, pthread_t, read, timespec, write,
 )
+from aio_datadist._drivers cimport (
+    ACL_CALLBACK_NO_BLOCK, ACL_SUCCESS, CU_MEMCPY_FLAG_DEFAULT, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+    CUDA_SUCCESS, aclError, aclrtContext, aclrtStream, CUcontext, CUdevice, CUdeviceptr,
+    CUmemcpyAttributes, CUresult, CUstream, cuInit_t, cuGetErrorString_t, cuGetErrorName_t, cuDeviceGet_t,
+    cuDeviceGetCount_t, cuDevicePrimaryCtxRetain_t, cuCtxPushCurrent_t, cuCtxPopCurrent_t, cuLaunchHostFunc_t,
+    cuMemcpyBatchAsync_v1_t, cuMemcpyBatchAsync_v2_t, aclrtLaunchCallback_t, aclrtSubscribeReport_t,
+    aclrtUnSubscribeReport_t, aclrtProcessReport_t, aclrtGetCurrentContext_t, aclrtSetCurrentContext_t,
+    aclGetRecentErrMsg_t,
+)
+from cpython.ref cimport Py_INCREF
+from libcpp.deque cimport deque
 
 import array as _pyarray
 import os as _os
@@ -43,7 +58,7 @@ CONNECTION_LOST = -ECONNRESET
 cdef array.array _U64 = _pyarray.array("Q")
 cdef uint64_t _MIN_SPLIT = 1 << 20
 
-_live = {"CompletionQueue": 0, "HostCopyEngine": 0, "SocketEngine": 0}
+_live = {"CompletionQueue": 0, "HostCopyEngine": 0, "SocketEngine": 0, "StreamNotifier": 0, "_HostFnLine": 0}
 
 
 def live_objects():
@@ -895,3 +910,567 @@ def zip_segments(const uint64_t[::1] dst not None, const uint64_t[::1] src not N
         raise ValueError("the two streams carry different byte counts")
     array.resize(out, k)
     return out
+
+
+# --------------------------------------------------------------------------
+# Device drivers, loaded at run time
+#
+# Nothing here needs a device toolkit to build: the entry points are looked up
+# with dlsym in the driver library the machine has. A machine without the
+# library (or without a device) gets OSError(ENODEV) with a message that
+# names what is missing; a driver call that fails gets OSError(EIO).
+
+cdef void *_open_library(str library, str missing) except NULL:
+    cdef bytes name = library.encode()
+    cdef void *lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)
+    if lib == NULL:
+        why = dlerror()
+        detail = why.decode(errors="replace") if why != NULL else "not found"
+        raise OSError(ENODEV, f"{library} not found: {missing} (dlopen: {detail})")
+    return lib
+
+
+cdef void *_symbol(void *lib, str library, str name, bint required, str needs) except? NULL:
+    cdef bytes raw = name.encode()
+    cdef void *fn = dlsym(lib, raw)
+    if fn == NULL and required:
+        raise OSError(ENODEV, f"{library} has no {name}: {needs}")
+    return fn
+
+
+_drivers = {}
+
+
+def cuda_driver(str library="libcuda.so.1"):
+    """The process's :class:`CudaDriver` for ``library`` (loaded once, never unloaded)."""
+    drv = _drivers.get(("cuda", library))
+    if drv is None:
+        drv = CudaDriver(library)
+        _drivers[("cuda", library)] = drv
+    return drv
+
+
+def acl_driver(str library="libascendcl.so"):
+    """The process's :class:`AclDriver` for ``library`` (loaded once, never unloaded)."""
+    drv = _drivers.get(("npu", library))
+    if drv is None:
+        drv = AclDriver(library)
+        _drivers[("npu", library)] = drv
+    return drv
+
+
+cdef class CudaDriver:
+    """The CUDA driver API entry points the core uses, from ``libcuda.so.1``.
+
+    Construction loads the library, resolves every symbol and runs
+    ``cuInit``; use :func:`cuda_driver` to share one per process.
+    """
+
+    def __cinit__(self, str library="libcuda.so.1"):
+        cdef CUresult rc
+        needs = "the NVIDIA driver is too old (R525 / CUDA 12.0 or newer is needed)"
+        self._library = library
+        self._contexts = {}
+        self._lib = _open_library(library, "no NVIDIA driver is installed on this machine")
+        self._init = <cuInit_t>_symbol(self._lib, library, "cuInit", True, needs)
+        self._error_string = <cuGetErrorString_t>_symbol(self._lib, library, "cuGetErrorString", True, needs)
+        self._error_name = <cuGetErrorName_t>_symbol(self._lib, library, "cuGetErrorName", True, needs)
+        self._device_get = <cuDeviceGet_t>_symbol(self._lib, library, "cuDeviceGet", True, needs)
+        self._device_count = <cuDeviceGetCount_t>_symbol(self._lib, library, "cuDeviceGetCount", True, needs)
+        self._primary_retain = <cuDevicePrimaryCtxRetain_t>_symbol(
+            self._lib, library, "cuDevicePrimaryCtxRetain", True, needs)
+        self._ctx_push = <cuCtxPushCurrent_t>_symbol(self._lib, library, "cuCtxPushCurrent_v2", True, needs)
+        self._ctx_pop = <cuCtxPopCurrent_t>_symbol(self._lib, library, "cuCtxPopCurrent_v2", True, needs)
+        self._launch_host_func = <cuLaunchHostFunc_t>_symbol(self._lib, library, "cuLaunchHostFunc", True, needs)
+        self._batch_v2 = <cuMemcpyBatchAsync_v2_t>_symbol(self._lib, library, "cuMemcpyBatchAsync_v2", False, "")
+        self._batch_v1 = <cuMemcpyBatchAsync_v1_t>_symbol(self._lib, library, "cuMemcpyBatchAsync", False, "")
+        with nogil:
+            rc = self._init(0)
+        if rc != CUDA_SUCCESS:
+            raise OSError(ENODEV, f"cuInit failed: {self._describe(rc)}")
+
+    cdef str _describe(self, CUresult rc):
+        cdef const char *name = NULL
+        cdef const char *text = NULL
+        self._error_name(rc, &name)
+        self._error_string(rc, &text)
+        n = name.decode(errors="replace") if name != NULL else f"CUresult {rc}"
+        t = text.decode(errors="replace") if text != NULL else "unknown error"
+        return f"{n} ({t})"
+
+    cdef CUcontext _context(self, int device) except? NULL:
+        # The primary context, which the CUDA runtime (and so torch) uses too.
+        cdef CUdevice dev
+        cdef CUcontext ctx = NULL
+        cdef CUresult rc
+        cached = self._contexts.get(device)
+        if cached is not None:
+            return <CUcontext><size_t>cached
+        rc = self._device_get(&dev, device)
+        if rc != CUDA_SUCCESS:
+            raise OSError(ENODEV, f"CUDA device {device}: {self._describe(rc)}")
+        rc = self._primary_retain(&ctx, dev)
+        if rc != CUDA_SUCCESS:
+            raise OSError(EIO, f"cuDevicePrimaryCtxRetain({device}) failed: {self._describe(rc)}")
+        self._contexts[device] = <size_t>ctx
+        return ctx
+
+    @property
+    def library(self):
+        return self._library
+
+    @property
+    def has_batch_copy(self):
+        """Whether the driver offers ``cuMemcpyBatchAsync`` (CUDA 12.8+)."""
+        return self._batch_v2 != NULL or self._batch_v1 != NULL
+
+    def device_count(self):
+        """Number of CUDA devices the driver sees."""
+        cdef int n = 0
+        cdef CUresult rc = self._device_count(&n)
+        if rc != CUDA_SUCCESS:
+            raise OSError(EIO, f"cuDeviceGetCount failed: {self._describe(rc)}")
+        return n
+
+    def error_text(self, int code):
+        """``NAME (description)`` of a ``CUresult``."""
+        return self._describe(code)
+
+    def memcpy_batch(self, int device, size_t stream, const uint64_t[::1] dsts not None,
+                     const uint64_t[::1] srcs not None, const uint64_t[::1] sizes not None):
+        """Enqueue ``count`` copies on ``stream`` with one ``cuMemcpyBatchAsync``.
+
+        The copies run in stream order after earlier work (source access
+        order STREAM). Every pointer must be device memory or page-locked
+        host memory that stays valid until the stream passes the copies.
+        Returns the bytes enqueued. OSError(ENODEV) without batch copies,
+        OSError(EIO) when the driver refuses.
+        """
+        cdef size_t n = dsts.shape[0], i
+        cdef uint64_t total = 0
+        cdef CUmemcpyAttributes attr
+        cdef size_t attr_idx = 0, fail_idx = 0
+        cdef CUcontext ctx, popped
+        cdef CUresult rc
+        if srcs.shape[0] != n or sizes.shape[0] != n:
+            raise ValueError("dsts, srcs and sizes must have one entry per copy")
+        if self._batch_v2 == NULL and self._batch_v1 == NULL:
+            raise OSError(ENODEV, f"{self._library} has no cuMemcpyBatchAsync (CUDA 12.8 or newer is needed)")
+        if stream == 0:
+            raise ValueError("batch copies cannot use the legacy default stream (0)")
+        if n == 0:
+            return 0
+        for i in range(n):
+            total += sizes[i]
+        ctx = self._context(device)
+        attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        attr.srcLocHint.type = 0
+        attr.srcLocHint.id = 0
+        attr.dstLocHint.type = 0
+        attr.dstLocHint.id = 0
+        attr.flags = CU_MEMCPY_FLAG_DEFAULT
+        with nogil:
+            rc = self._ctx_push(ctx)
+            if rc == CUDA_SUCCESS:
+                if self._batch_v2 != NULL:
+                    rc = self._batch_v2(<CUdeviceptr *>&dsts[0], <CUdeviceptr *>&srcs[0], <size_t *>&sizes[0], n,
+                                        &attr, &attr_idx, 1, <CUstream>stream)
+                else:
+                    rc = self._batch_v1(<CUdeviceptr *>&dsts[0], <CUdeviceptr *>&srcs[0], <size_t *>&sizes[0], n,
+                                        &attr, &attr_idx, 1, &fail_idx, <CUstream>stream)
+                self._ctx_pop(&popped)
+        if rc != CUDA_SUCCESS:
+            raise OSError(EIO, f"cuMemcpyBatchAsync of {n} copies failed: {self._describe(rc)}")
+        return total
+
+
+cdef class AclDriver:
+    """The Ascend ACL runtime entry points the core uses, from ``libascendcl.so``."""
+
+    def __cinit__(self, str library="libascendcl.so"):
+        needs = "the CANN runtime is too old (aclrtLaunchCallback and report threads are needed)"
+        self._library = library
+        self._lib = _open_library(library, "no Ascend CANN runtime is installed or on LD_LIBRARY_PATH")
+        self._launch_callback = <aclrtLaunchCallback_t>_symbol(self._lib, library, "aclrtLaunchCallback", True, needs)
+        self._subscribe = <aclrtSubscribeReport_t>_symbol(self._lib, library, "aclrtSubscribeReport", True, needs)
+        self._unsubscribe = <aclrtUnSubscribeReport_t>_symbol(self._lib, library, "aclrtUnSubscribeReport", True, needs)
+        self._process_report = <aclrtProcessReport_t>_symbol(self._lib, library, "aclrtProcessReport", True, needs)
+        self._get_context = <aclrtGetCurrentContext_t>_symbol(self._lib, library, "aclrtGetCurrentContext", True, needs)
+        self._set_context = <aclrtSetCurrentContext_t>_symbol(self._lib, library, "aclrtSetCurrentContext", True, needs)
+        self._recent_error = <aclGetRecentErrMsg_t>_symbol(self._lib, library, "aclGetRecentErrMsg", False, "")
+
+    cdef str _describe(self, aclError rc):
+        cdef const char *msg = NULL
+        if self._recent_error != NULL:
+            msg = self._recent_error()
+        detail = msg.decode(errors="replace") if msg != NULL else "no detail"
+        return f"aclError {rc} ({detail})"
+
+    @property
+    def library(self):
+        return self._library
+
+
+# --------------------------------------------------------------------------
+# StreamNotifier
+
+
+cdef NotifyState *_state_new(CompletionQueue queue):
+    cdef NotifyState *st = new NotifyState()
+    pthread_mutex_init(&st.lock, NULL)
+    pthread_cond_init(&st.idle, NULL)
+    st.queue = <void *>queue
+    st.closed = False
+    return st
+
+
+cdef void _state_free(NotifyState *st) noexcept nogil:
+    pthread_cond_destroy(&st.idle)
+    pthread_mutex_destroy(&st.lock)
+    del st
+
+
+cdef NotifySlot *_state_arm(NotifyState *st, uint64_t token, int64_t aux) except NULL:
+    cdef NotifySlot *slot
+    pthread_mutex_lock(&st.lock)
+    if st.closed:
+        pthread_mutex_unlock(&st.lock)
+        raise ValueError("StreamNotifier is closed")
+    if st.slots.count(token):
+        pthread_mutex_unlock(&st.lock)
+        raise ValueError(f"token {token} is already in use")
+    slot = new NotifySlot()
+    slot.state = st
+    slot.token = token
+    slot.aux = aux
+    slot.cancelled = False
+    st.slots[token] = <void *>slot
+    pthread_mutex_unlock(&st.lock)
+    return slot
+
+
+cdef void _state_disarm(NotifyState *st, NotifySlot *slot) noexcept nogil:
+    # The driver refused the host function: it will never run.
+    pthread_mutex_lock(&st.lock)
+    st.slots.erase(slot.token)
+    if st.slots.empty():
+        pthread_cond_broadcast(&st.idle)
+    pthread_mutex_unlock(&st.lock)
+    del slot
+
+
+cdef bint _state_cancel(NotifyState *st, uint64_t token) noexcept nogil:
+    cdef bint found = False
+    pthread_mutex_lock(&st.lock)
+    it = st.slots.find(token)
+    if it != st.slots.end():
+        (<NotifySlot *>deref(it).second).cancelled = True
+        found = True
+    pthread_mutex_unlock(&st.lock)
+    return found
+
+
+cdef size_t _state_pending(NotifyState *st) noexcept nogil:
+    cdef size_t n
+    pthread_mutex_lock(&st.lock)
+    n = st.slots.size()
+    pthread_mutex_unlock(&st.lock)
+    return n
+
+
+cdef bint _state_drain(NotifyState *st, double timeout_s) noexcept nogil:
+    # Refuse new slots and wait until every enqueued host function ran.
+    cdef timespec deadline
+    cdef bint drained
+    clock_gettime(CLOCK_REALTIME, &deadline)
+    deadline.tv_sec += <long>timeout_s
+    deadline.tv_nsec += <long>((timeout_s - <long>timeout_s) * 1e9)
+    if deadline.tv_nsec >= 1000000000:
+        deadline.tv_sec += 1
+        deadline.tv_nsec -= 1000000000
+    pthread_mutex_lock(&st.lock)
+    st.closed = True
+    while not st.slots.empty():
+        if pthread_cond_timedwait(&st.idle, &st.lock, &deadline) == ETIMEDOUT:
+            break
+    drained = st.slots.empty()
+    pthread_mutex_unlock(&st.lock)
+    return drained
+
+
+cdef void _notify_fire(void *arg) noexcept nogil:
+    """The host function: the stream reached it, so everything enqueued before is done.
+
+    Runs on a driver thread without the GIL and makes no driver call: it
+    posts the slot's record (CANCELLED if the token was cancelled meanwhile)
+    and frees the slot. The queue push happens under the state lock, so the
+    owner, which frees the state once no slot is left, cannot free it first.
+    """
+    cdef NotifySlot *slot = <NotifySlot *>arg
+    cdef NotifyState *st = slot.state
+    pthread_mutex_lock(&st.lock)
+    st.slots.erase(slot.token)
+    if slot.cancelled:
+        (<CompletionQueue>st.queue).push(slot.token, -ECANCELED, 0)
+    else:
+        (<CompletionQueue>st.queue).push(slot.token, 0, slot.aux)
+    if st.slots.empty():
+        pthread_cond_broadcast(&st.idle)
+    pthread_mutex_unlock(&st.lock)
+    del slot
+
+
+cdef void *_report_main(void *arg) noexcept nogil:
+    (<StreamNotifier>arg)._report_loop()
+    return NULL
+
+
+DEF BACKEND_CUDA = 1
+DEF BACKEND_NPU = 2
+DEF REPORT_WAIT_MS = 100
+
+
+cdef class StreamNotifier:
+    """Completion records for "everything enqueued on this stream so far".
+
+    :meth:`notify` enqueues a host function on a device stream; when the
+    stream reaches it, the record ``(token, 0, aux)`` is posted to the queue.
+    No thread waits per operation and nothing polls: CUDA runs the host
+    function on its own driver thread (``cuLaunchHostFunc``); Ascend runs it
+    on this notifier's one report thread (``aclrtLaunchCallback``).
+
+    Queued device work cannot be recalled: :meth:`cancel` only marks the
+    token, whose record then still arrives (with ``CANCELLED``) once the
+    stream gets there. Whatever memory that work touches must stay alive
+    until the record, as for every engine.
+
+    ``backend`` is ``"cuda"`` or ``"npu"``; ``device`` the device ordinal;
+    ``library`` overrides the driver library's name. OSError(ENODEV) when the
+    driver or the device is missing.
+    """
+
+    def __cinit__(self, CompletionQueue queue not None, str backend, int device=0, library=None):
+        cdef aclError arc
+        self._closed = True
+        self._state = NULL
+        self._report_started = False
+        self._report_stop = False
+        queue._check_open()
+        if backend == "cuda":
+            self._backend = BACKEND_CUDA
+            self._cuda = cuda_driver("libcuda.so.1" if library is None else library)
+            self._ctx = self._cuda._context(device)
+        elif backend == "npu":
+            self._backend = BACKEND_NPU
+            self._acl = acl_driver("libascendcl.so" if library is None else library)
+            arc = self._acl._get_context(&self._acl_ctx)
+            if arc != ACL_SUCCESS or self._acl_ctx == NULL:
+                raise OSError(ENODEV, f"no current Ascend context on this thread (set the NPU device first): "
+                                      f"{self._acl._describe(arc)}")
+        else:
+            raise ValueError(f"backend must be 'cuda' or 'npu', got {backend!r}")
+        self._device = device
+        self._queue = queue
+        self._state = _state_new(queue)
+        if self._backend == BACKEND_NPU:
+            if pthread_create(&self._report_thread, NULL, _report_main, <void *>self) != 0:
+                _state_free(self._state)
+                self._state = NULL
+                raise OSError(EIO, "could not start the Ascend report thread")
+            self._report_started = True
+        self._closed = False
+        self._counted = True
+        _live["StreamNotifier"] += 1
+
+    def __dealloc__(self):
+        if self._counted:
+            self._shutdown(1.0)
+
+    def __del__(self):
+        if self._counted:
+            _warnings.warn("StreamNotifier was not closed", ResourceWarning, stacklevel=2)
+
+    @property
+    def backend(self):
+        return "cuda" if self._backend == BACKEND_CUDA else "npu"
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def notify(self, uint64_t token, size_t stream, int64_t aux=0):
+        """Post ``(token, 0, aux)`` once ``stream`` has finished all work enqueued so far.
+
+        ``stream`` is the raw handle (``torch.cuda.Stream.cuda_stream``, or
+        the NPU stream's handle); 0 is the legacy default stream. ValueError
+        for a token in use or a closed notifier; OSError(EIO) when the driver
+        refuses (no record is posted then).
+        """
+        cdef NotifySlot *slot
+        cdef CUresult rc = 0
+        cdef aclError arc = 0
+        cdef CUcontext popped
+        cdef bint known = False
+        cdef size_t i
+        if self._closed:
+            raise ValueError("StreamNotifier is closed")
+        slot = _state_arm(self._state, token, aux)
+        if self._backend == BACKEND_CUDA:
+            with nogil:
+                rc = self._cuda._ctx_push(self._ctx)
+                if rc == CUDA_SUCCESS:
+                    rc = self._cuda._launch_host_func(<CUstream>stream, _notify_fire, <void *>slot)
+                    self._cuda._ctx_pop(&popped)
+            if rc != CUDA_SUCCESS:
+                _state_disarm(self._state, slot)
+                raise OSError(EIO, f"cuLaunchHostFunc failed: {self._cuda._describe(rc)}")
+            return
+        for i in range(self._subscribed.size()):
+            if self._subscribed[i] == stream:
+                known = True
+        if not known:
+            arc = self._acl._subscribe(<uint64_t>self._report_thread, <aclrtStream>stream)
+            if arc != ACL_SUCCESS:
+                _state_disarm(self._state, slot)
+                raise OSError(EIO, f"aclrtSubscribeReport failed: {self._acl._describe(arc)}")
+            self._subscribed.push_back(stream)
+        with nogil:
+            arc = self._acl._launch_callback(_notify_fire, <void *>slot, ACL_CALLBACK_NO_BLOCK, <aclrtStream>stream)
+        if arc != ACL_SUCCESS:
+            _state_disarm(self._state, slot)
+            raise OSError(EIO, f"aclrtLaunchCallback failed: {self._acl._describe(arc)}")
+
+    def cancel(self, uint64_t token):
+        """Mark ``token`` cancelled; its record (CANCELLED) comes when the stream gets there.
+
+        Idempotent; True if the token was pending.
+        """
+        if self._state == NULL:
+            return False
+        return _state_cancel(self._state, token)
+
+    def pending(self):
+        """Notifications whose record has not been posted yet."""
+        if self._state == NULL:
+            return 0
+        return _state_pending(self._state)
+
+    cdef void _report_loop(self) noexcept nogil:
+        self._acl._set_context(self._acl_ctx)
+        while not (<volatile bint>self._report_stop):
+            # Blocks in the runtime until a callback is due; the time-out only bounds how late a close is noticed.
+            self._acl._process_report(REPORT_WAIT_MS)
+
+    def close(self, double timeout=30.0):
+        """Wait (up to ``timeout`` seconds) for enqueued notifications, then release.
+
+        Every record still arrives before close returns. If the device does
+        not get there in time, the bookkeeping is left allocated (and a
+        ResourceWarning says so) so that a late host function stays safe.
+        Idempotent.
+        """
+        if self._counted:
+            self._shutdown(timeout)
+
+    cdef _shutdown(self, double timeout_s):
+        cdef bint drained = True
+        cdef size_t i
+        self._closed = True
+        if self._state != NULL:
+            with nogil:
+                drained = _state_drain(self._state, timeout_s)
+        if self._report_started:
+            for i in range(self._subscribed.size()):
+                self._acl._unsubscribe(<uint64_t>self._report_thread, <aclrtStream>self._subscribed[i])
+            self._subscribed.clear()
+            self._report_stop = True
+            with nogil:
+                pthread_join(self._report_thread, NULL)
+            self._report_started = False
+        if self._state != NULL:
+            if drained:
+                _state_free(self._state)
+            else:
+                # A host function may still run: it needs the state and the queue.
+                Py_INCREF(self._queue)
+                _warnings.warn(f"StreamNotifier closed with {_state_pending(self._state)} notification(s) the "
+                               "device has not reached; their bookkeeping is leaked", ResourceWarning)
+            self._state = NULL
+        if self._counted:
+            self._counted = False
+            _live["StreamNotifier"] -= 1
+
+
+cdef void *_line_fire_main(void *arg) noexcept nogil:
+    cdef vector[NotifySlot *] *batch = <vector[NotifySlot *] *>arg
+    cdef size_t i
+    for i in range(batch.size()):
+        _notify_fire(<void *>deref(batch)[i])
+    return NULL
+
+
+cdef class _HostFnLine:
+    """Test-only: the host-function half of :class:`StreamNotifier`, with no device.
+
+    It shares the notifier's bookkeeping and its host function body
+    (``_notify_fire``); :meth:`fire` runs the bodies of the oldest entries,
+    in order, on a plain native thread without the GIL, where a driver would
+    run them when its stream reaches them. The library never uses it.
+    """
+
+    def __cinit__(self, CompletionQueue queue not None):
+        queue._check_open()
+        self._queue = queue
+        self._state = _state_new(queue)
+        self._counted = True
+        _live["_HostFnLine"] += 1
+
+    def __dealloc__(self):
+        if self._counted:
+            self.close()
+
+    def enqueue(self, uint64_t token, int64_t aux=0):
+        if self._state == NULL:
+            raise ValueError("_HostFnLine is closed")
+        self._line.push_back(_state_arm(self._state, token, aux))
+
+    def cancel(self, uint64_t token):
+        if self._state == NULL:
+            return False
+        return _state_cancel(self._state, token)
+
+    def pending(self):
+        if self._state == NULL:
+            return 0
+        return _state_pending(self._state)
+
+    def fire(self, size_t count):
+        """Run the host functions of the ``count`` oldest entries on a native thread; returns how many ran."""
+        cdef vector[NotifySlot *] batch
+        cdef pthread_t tid
+        while batch.size() < count and not self._line.empty():
+            batch.push_back(self._line.front())
+            self._line.pop_front()
+        if batch.empty():
+            return 0
+        with nogil:
+            if pthread_create(&tid, NULL, _line_fire_main, <void *>&batch) == 0:
+                pthread_join(tid, NULL)
+            else:
+                _line_fire_main(<void *>&batch)
+        return batch.size()
+
+    def close(self):
+        """Fire whatever is left (as a stream finishing its work would), then release."""
+        if not self._counted:
+            return
+        self.fire(self._line.size())
+        _state_drain(self._state, 0.0)
+        _state_free(self._state)
+        self._state = NULL
+        self._counted = False
+        _live["_HostFnLine"] -= 1

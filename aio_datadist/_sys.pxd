@@ -61,3 +61,26 @@ cdef extern from "<limits.h>" nogil:
 cdef extern from "<errno.h>" nogil:
     int ECANCELED
     int ECONNRESET
+
+cdef extern from "<dlfcn.h>" nogil:
+    void *dlopen(const char *filename, int flags)
+    void *dlsym(void *handle, const char *symbol)
+    char *dlerror()
+    int RTLD_NOW
+    int RTLD_LOCAL
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clk_id, timespec *tp)
+    int CLOCK_REALTIME
+
+cdef extern from "<pthread.h>" nogil:
+    int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const timespec *abstime)
+
+cdef extern from "<errno.h>" nogil:
+    int ENODEV
+    int EIO
+    int ETIMEDOUT

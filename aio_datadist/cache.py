@@ -27,7 +27,7 @@ from aio_datadist.types import (
     Placement,
 )
 
-__all__ = ["CacheLayout", "CacheRegistry", "KvCache"]
+__all__ = ["CacheLayout", "CacheRegistry", "KvCache", "check_bounds"]
 
 
 class CacheLayout:
@@ -52,13 +52,14 @@ class CacheLayout:
         The caller has validated rows and byte ranges; this only asserts the
         final bounds once more, since the result is handed to native code.
         """
-        _check_bounds(self, first, count, rows, offset, nbytes)
+        check_bounds(self, first, count, rows, offset, nbytes)
         return _core.segments(self.span_bases(first, count), array.array("q", rows),
                               self.row_bytes, offset, nbytes)
 
 
-def _check_bounds(layout: CacheLayout, first: int, count: int, rows: Sequence[int],
-                  offset: int, nbytes: int) -> None:
+def check_bounds(layout: CacheLayout, first: int, count: int, rows: Sequence[int],
+                 offset: int, nbytes: int) -> None:
+    """Assert that tensors ``[first, first+count)``, ``rows`` and the byte range lie inside the cache."""
     if not (0 <= first and first + count <= layout.num_tensors):
         raise AssertionError("tensor span outside the cache")
     if rows and not (0 <= min(rows) and max(rows) < layout.rows):
@@ -72,8 +73,8 @@ def copy_triples(dst: CacheLayout, dst_first: int, dst_rows: Sequence[int], dst_
                  src: CacheLayout, src_first: int, src_rows: Sequence[int], src_offset: int,
                  count: int, nbytes: int) -> array.array:
     """``[dst, src, nbytes, ...]`` for a row-to-row copy between two layouts."""
-    _check_bounds(dst, dst_first, count, dst_rows, dst_offset, nbytes)
-    _check_bounds(src, src_first, count, src_rows, src_offset, nbytes)
+    check_bounds(dst, dst_first, count, dst_rows, dst_offset, nbytes)
+    check_bounds(src, src_first, count, src_rows, src_offset, nbytes)
     return _core.copy_segments(
         dst.span_bases(dst_first, count), array.array("q", dst_rows), dst.row_bytes, dst_offset,
         src.span_bases(src_first, count), array.array("q", src_rows), src.row_bytes, src_offset,
@@ -88,10 +89,10 @@ class KvCache:
     """
 
     __slots__ = ("_cache_id", "_desc", "_tensors", "_layout", "_is_blocks", "_region",
-                 "_owned", "_alive", "__weakref__")
+                 "_owned", "_alive", "_pin", "__weakref__")
 
     def __init__(self, cache_id: int, desc: CacheDesc, tensors: list[torch.Tensor], *,
-                 is_blocks: bool, owned: bool, region: Any = None) -> None:
+                 is_blocks: bool, owned: bool, region: Any = None, pin: Any = None) -> None:
         self._cache_id = cache_id
         self._desc = desc
         self._tensors = tensors
@@ -99,6 +100,8 @@ class KvCache:
         self._is_blocks = is_blocks
         self._owned = owned
         self._region = region
+        # Page-locks host memory for device copies while this object (and any copy keeping it) lives.
+        self._pin = pin
         self._alive = True
 
     @property
@@ -215,7 +218,7 @@ def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
                 raise param_invalid(arg, f"tensor {i} has shape {tuple(t.shape)}, cache_desc says {desc.shape}")
             if not t.is_contiguous():
                 raise param_invalid(arg, f"tensor {i} is not contiguous")
-            if t.device.type != device.type:
+            if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
                 raise param_invalid(arg, f"tensor {i} is on {t.device}, the cache placement needs {device}")
             out.append(t)
     spans = sorted((t.data_ptr(), t.data_ptr() + desc.size) for t in out)
@@ -254,6 +257,10 @@ class CacheRegistry:
         self._reserved: dict[tuple[int, int, int], set[int]] = {}
         self.on_add: Callable[[KvCache], None] | None = None
         self.on_free: Callable[[KvCache], None] | None = None
+        # Peers reach caches through caches(), by_id(), by_key() and by_blocks_key(). The transfer
+        # paths move host memory only, so device caches stay out of those answers until a device
+        # path (devices/staging.py, devices/ipc.py) is wired in; whoever wires it sets this.
+        self.peers_see_device_caches = False
 
     @property
     def used_bytes(self) -> int:
@@ -267,7 +274,15 @@ class CacheRegistry:
         return len(self._entries)
 
     def caches(self) -> list[KvCache]:
+        """Registered caches that peers may address (see ``peers_see_device_caches``)."""
+        return [e.cache for e in self._entries.values() if self._peer_visible(e.cache)]
+
+    def all_caches(self) -> list[KvCache]:
+        """Every registered cache, device caches included."""
         return [e.cache for e in self._entries.values()]
+
+    def _peer_visible(self, cache: KvCache) -> bool:
+        return self.peers_see_device_caches or cache.device.type == "cpu"
 
     def reserve(self, nbytes: int) -> None:
         """Raise ``LLM_OUT_OF_MEMORY`` unless ``nbytes`` more fit under the cap."""
@@ -359,20 +374,23 @@ class CacheRegistry:
         return cache
 
     def by_id(self, cache_id: int) -> KvCache | None:
+        """The live cache ``cache_id`` for a peer's request, if peers may address it."""
         entry = self._entries.get(cache_id)
-        if entry is None or entry.deallocated:
+        if entry is None or entry.deallocated or not self._peer_visible(entry.cache):
             return None
         return entry.cache
 
     def by_key(self, ident: tuple[int, int, int]) -> tuple[KvCache, int] | None:
         found = self._keys.get(ident)
-        if found is None:
+        if found is None or not self._peer_visible(self._entries[found[0]].cache):
             return None
         return self._entries[found[0]].cache, found[1]
 
     def by_blocks_key(self, model_id: int) -> KvCache | None:
         cache_id = self._blocks_keys.get(model_id)
-        return None if cache_id is None else self._entries[cache_id].cache
+        if cache_id is None or not self._peer_visible(self._entries[cache_id].cache):
+            return None
+        return self._entries[cache_id].cache
 
     def key_at(self, cache_id: int, row: int) -> tuple[int, int, int] | None:
         """The key bound to ``row`` of ``cache_id``, if any (pull-by-id consumes it)."""

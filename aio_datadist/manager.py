@@ -28,6 +28,7 @@ from aio_datadist.status import (
     param_invalid,
 )
 from aio_datadist.arrivals import PushWatch
+from aio_datadist.devices.ops import copy_rows, involves_device, require_host
 from aio_datadist.layerwise import start_transfer
 from aio_datadist.task import CacheTask
 from aio_datadist.transfers import (
@@ -103,16 +104,27 @@ class KvCacheManager:
     def _device_for(self, desc: CacheDesc) -> torch.device:
         return torch.device("cpu") if desc.placement == Placement.HOST else self._rt().device
 
-    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> KvCache:
+    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = (), *,
+                       lease_ms: int | None = None) -> KvCache:
         """Allocate a contiguous cache; key ``i`` names batch row ``i``.
 
         :param cache_desc: the cache's shape, dtype, tensor count and placement.
         :param cache_keys: keys peers may pull rows by (placeholders skipped).
+        :param lease_ms: hand the cache over under a lease (PROMPT or MIX,
+            from a running event loop): after ``lease_ms`` milliseconds the
+            keys not pulled yet are removed and the id reference is dropped,
+            so a decoder that vanished cannot pin the memory
+            (``aio_datadist.leases.lease_of(cache)`` renews or cancels it).
         :returns: the new :class:`KvCache`, with the next cache id.
         :raises LLMException: ``LLM_PARAM_INVALID`` for a bad desc or key (more
-            keys than rows, duplicates, keys already bound);
+            keys than rows, duplicates, keys already bound) or naming
+            ``lease_ms`` (not an int in [1, 2**31 - 1], or a DECODER);
             ``LLM_OUT_OF_MEMORY`` past the registered-memory cap.
         """
+        if lease_ms is not None:
+            from aio_datadist.leases import allocate_leased_cache  # leases builds on this very call
+
+            return allocate_leased_cache(self, cache_desc, cache_keys, lease_ms=lease_ms)[0]
         rt = self._rt()
         desc = self._check_desc(cache_desc)
         keys = rt.registry.check_keys(desc, cache_keys)
@@ -135,13 +147,22 @@ class KvCacheManager:
         rt = self._rt()
         nbytes = desc.size * desc.num_tensors
         rt.registry.reserve(nbytes)
+        if rt.devices is not None and desc.placement == Placement.DEVICE:
+            _no_device_keys(keys, blocks_key)
+            tensors = _allocate_device(rt, desc, nbytes)
+            return rt.registry.add(
+                lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=is_blocks, owned=True),
+                nbytes, keys, blocks_key)
         try:
             region, tensors = allocate_host_tensors(desc)
         except (OSError, MemoryError) as exc:
             raise LLMException(f"allocating {nbytes} bytes failed: {exc}",
                                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
+        # Page-locked, so that swaps with device caches run at full speed and asynchronously.
+        pin = None if rt.devices is None else rt.devices.pin_host(region)
         return rt.registry.add(
-            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=is_blocks, owned=True, region=region),
+            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=is_blocks, owned=True, region=region,
+                                     pin=pin),
             nbytes, keys, blocks_key)
 
     def register_cache(self, cache_desc: CacheDesc, tensors_or_addrs: Sequence[Any],
@@ -159,6 +180,8 @@ class KvCacheManager:
         tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
         rt.registry.check_unregistered("tensors_or_addrs", tensors, desc.size)
         keys = rt.registry.check_keys(desc, cache_keys)
+        if tensors[0].device.type != "cpu":
+            _no_device_keys(keys, None)
         return rt.registry.add(
             lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=False, owned=False),
             desc.size * desc.num_tensors, keys, None)
@@ -171,6 +194,8 @@ class KvCacheManager:
         tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
         rt.registry.check_unregistered("tensors_or_addrs", tensors, desc.size)
         key = rt.registry.check_blocks_key(blocks_cache_key)
+        if tensors[0].device.type != "cpu":
+            _no_device_keys([], key)
         return rt.registry.add(
             lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=True, owned=False),
             desc.size * desc.num_tensors, [], key)
@@ -234,8 +259,7 @@ class KvCacheManager:
             raise param_invalid("size", f"must be -1 or in [1, {dl.row_bytes - offset}] (row bytes minus offset), got {size}")
         if dst is src and drow == srow:
             raise param_invalid("dst_batch_index", "source and destination are the same row")
-        triples = copy_triples(dl, 0, [drow], offset, sl, 0, [srow], offset, dl.num_tensors, nbytes)
-        await self._run_copy(triples, (dst, src), "copy_cache", timeout)
+        await self._copy_rows(dst, [drow], src, [srow], offset, nbytes, "copy_cache", timeout)
 
     async def copy_blocks(self, cache: KvCache, copy_block_info: Mapping[int, Sequence[int]], *,
                           timeout: int | None = None) -> None:
@@ -251,9 +275,10 @@ class KvCacheManager:
         if not isinstance(copy_block_info, Mapping) or not copy_block_info:
             raise param_invalid("copy_block_info", "expected a non-empty dict {src_block: [dst_blocks]}")
         rows = cache.layout.rows
-        srcs: list[int] = []
-        dsts: list[int] = []
-        for src_block, dst_blocks in copy_block_info.items():
+        # On a device the copy of hundreds of blocks takes well under a millisecond: check plain ints in bulk.
+        fast = _plain_block_pairs(copy_block_info, rows)
+        srcs, dsts = fast if fast is not None else ([], [])
+        for src_block, dst_blocks in copy_block_info.items() if fast is None else ():
             s = check_index("copy_block_info", src_block, rows, what="source block")
             if isinstance(dst_blocks, int) or not isinstance(dst_blocks, Sequence) or not dst_blocks:
                 raise param_invalid("copy_block_info", f"destinations of block {s} must be a non-empty list")
@@ -265,9 +290,7 @@ class KvCacheManager:
         both = set(dsts) & set(srcs)
         if both:
             raise param_invalid("copy_block_info", f"block {min(both)} is both a source and a destination")
-        lay = cache.layout
-        triples = copy_triples(lay, 0, dsts, 0, lay, 0, srcs, 0, lay.num_tensors, lay.row_bytes)
-        await self._run_copy(triples, (cache,), "copy_blocks", timeout)
+        await self._copy_rows(cache, dsts, cache, srcs, 0, cache.layout.row_bytes, "copy_blocks", timeout)
 
     async def swap_blocks(self, src: KvCache, dst: KvCache, src_to_dst: Mapping[int, int], *,
                           timeout: int | None = None) -> None:
@@ -295,16 +318,20 @@ class KvCacheManager:
                 for d in src_to_dst.values()]
         if len(set(dsts)) != len(dsts):
             raise param_invalid("src_to_dst", "a destination block is named twice")
-        triples = copy_triples(dst.layout, 0, dsts, 0, src.layout, 0, srcs, 0,
-                               dst.layout.num_tensors, dst.layout.row_bytes)
-        await self._run_copy(triples, (src, dst), "swap_blocks", timeout)
+        await self._copy_rows(dst, dsts, src, srcs, 0, dst.layout.row_bytes, "swap_blocks", timeout)
 
-    async def _run_copy(self, triples: Any, keepalive: tuple, what: str, timeout: Any) -> None:
+    async def _copy_rows(self, dst: KvCache, dst_rows: list[int], src: KvCache, src_rows: list[int],
+                         offset: int, nbytes: int, what: str, timeout: Any) -> None:
         rt = self._rt()
         timeout_ms = self._timeout(timeout)
+        if involves_device(dst, src):
+            await copy_rows(rt, dst, dst_rows, src, src_rows, offset, nbytes, timeout_ms, what)
+            return
+        triples = copy_triples(dst.layout, 0, dst_rows, offset, src.layout, 0, src_rows, offset,
+                               dst.layout.num_tensors, nbytes)
         copier = rt.copier
         await rt.completions.start(lambda token: copier.submit(token, triples), copier.cancel,
-                                   timeout_ms=timeout_ms, what=what, keepalive=keepalive)
+                                   timeout_ms=timeout_ms, what=what, keepalive=(dst, src))
 
 
     # -- transfers with peers -----------------------------------------------
@@ -343,6 +370,7 @@ class KvCacheManager:
         cache = self._live(kv_cache, "kv_cache")
         if cache.is_blocks_cache:
             raise param_invalid("kv_cache", "pull_cache needs a contiguous cache (use pull_blocks for blocks)")
+        require_host("kv_cache", cache, "pull_cache")
         src, dst, per_layer, timeout_ms = self._layer_kwargs(kwargs)
         lay = cache.layout
         row = check_index("batch_index", batch_index, lay.rows, what="batch index")
@@ -375,6 +403,7 @@ class KvCacheManager:
         cache = self._live(dst_cache, "dst_cache")
         if not cache.is_blocks_cache:
             raise param_invalid("dst_cache", "pull_blocks needs a blocks cache")
+        require_host("dst_cache", cache, "pull_blocks")
         src, dst, per_layer, timeout_ms = self._layer_kwargs(kwargs)
         lay = cache.layout
         dsts = check_indices("dst_blocks", dst_blocks, lay.rows, what="block index", allow_empty=False)
@@ -413,6 +442,7 @@ class KvCacheManager:
         cache = self._live(src_cache, "src_cache")
         if not cache.is_blocks_cache:
             raise param_invalid("src_cache", "push_blocks needs a blocks cache")
+        require_host("src_cache", cache, "push_blocks")
         src, dst, per_layer = self._ext_param(ext_param)
         timeout_ms = self._timeout(timeout)
         lay = cache.layout
@@ -441,6 +471,7 @@ class KvCacheManager:
         cache = self._live(src_cache, "src_cache")
         if cache.is_blocks_cache:
             raise param_invalid("src_cache", "push_cache needs a contiguous cache (use push_blocks for blocks)")
+        require_host("src_cache", cache, "push_cache")
         if size != -1:
             raise param_invalid("size", f"only -1 (whole rows) is supported, got {size!r}")
         src, dst, per_layer = self._ext_param(ext_param)
@@ -483,6 +514,7 @@ class KvCacheManager:
         self._rt()
         self._require_role("transfer_cache_async", LLMRole.PROMPT, LLMRole.MIX)
         cache = self._live(src_cache, "src_cache")
+        require_host("src_cache", cache, "transfer_cache_async")
         return start_transfer(self._rt(), self._owner._require_links(), cache, layer_synchronizer,
                               transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size)
 
@@ -532,3 +564,34 @@ def _check_same_rows(arg: str, a: KvCache, b: KvCache) -> None:
         raise param_invalid(arg, f"data types differ ({da.data_type.name} vs {db.data_type.name})")
     if da.shape[1:] != db.shape[1:]:
         raise param_invalid(arg, f"row shapes differ ({da.shape[1:]} vs {db.shape[1:]})")
+
+
+def _plain_block_pairs(info: Mapping[Any, Any], rows: int) -> tuple[list[int], list[int]] | None:
+    """``(srcs, dsts)`` of a ``copy_block_info`` of plain in-range ints; None sends it through the full check."""
+    srcs: list[int] = []
+    dsts: list[int] = []
+    for s, ds in info.items():
+        if type(s) is not int or type(ds) not in (list, tuple) or not ds:
+            return None
+        srcs += [s] * len(ds)
+        dsts += ds
+    if any(type(d) is not int for d in dsts) or min(min(srcs), min(dsts)) < 0 or max(max(srcs), max(dsts)) >= rows:
+        return None
+    return srcs, dsts
+
+
+def _no_device_keys(keys: list, blocks_key: BlocksCacheKey | None) -> None:
+    """Keys offer a cache to peers, and peers reach host caches only (see devices/ops.py)."""
+    if keys or blocks_key is not None:
+        raise LLMException(
+            "invalid argument 'cache_keys' / 'blocks_cache_key': device caches cannot be offered to peers yet "
+            "(transfers between processes move host caches only); allocate it without keys",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+
+
+def _allocate_device(rt: Runtime, desc: CacheDesc, nbytes: int) -> list[torch.Tensor]:
+    try:
+        return rt.devices.allocate(desc)  # type: ignore[union-attr]
+    except torch.OutOfMemoryError as exc:
+        raise LLMException(f"allocating {nbytes} bytes on {rt.device} failed: {exc}",
+                           status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc

@@ -6,6 +6,8 @@ the link layer reach their engines through it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from aio_datadist import _core
@@ -13,23 +15,27 @@ from aio_datadist._completion import Completions
 from aio_datadist.arrivals import Arrivals
 from aio_datadist.cache import CacheRegistry
 from aio_datadist.config import Settings
-from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.devices.streams import DeviceBackend, open_backend
+
+if TYPE_CHECKING:
+    from aio_datadist.devices.staging import DeviceStaging
 
 __all__ = ["Runtime", "select_device"]
 
 
-def select_device(device_type: str, device_id: int | None) -> torch.device:
-    """The torch device that ``Placement.DEVICE`` caches live on.
+def select_device(device_type: str, device_id: int | None, queue: _core.CompletionQueue) -> DeviceBackend | None:
+    """The backend ``Placement.DEVICE`` caches live on, or None for host memory.
 
-    ``auto`` and ``cpu`` give the CPU. CUDA and Ascend device caches are not
-    built yet, so asking for them fails clearly instead of half-working.
+    ``auto`` and ``cpu`` keep device caches in host memory. ``cuda`` and
+    ``npu`` open that device (``devices/cuda.py``, ``devices/npu.py``).
+
+    :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` naming what is missing
+        (driver, torch build, torch_npu, device); ``LLM_PARAM_INVALID`` for a
+        device id the machine does not have.
     """
     if device_type in ("auto", "cpu"):
-        return torch.device("cpu")
-    raise LLMException(
-        f"option 'aio.DeviceType': {device_type} device caches are not supported by this build yet; "
-        "use 'cpu' (Placement.DEVICE caches then live in host memory)",
-        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        return None
+    return open_backend(device_type, device_id, queue)
 
 
 class Runtime:
@@ -37,11 +43,13 @@ class Runtime:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.device = select_device(settings.device_type, settings.device_id)
         self.registry = CacheRegistry(settings.registered_memory_cap)
         self.arrivals = Arrivals()
         self.queue = _core.CompletionQueue()
+        self._staging: DeviceStaging | None = None
         try:
+            self.devices = select_device(settings.device_type, settings.device_id, self.queue)
+            self.device = torch.device("cpu") if self.devices is None else self.devices.device
             self.completions = Completions(self.queue)
             self.copier = _core.HostCopyEngine(self.queue, threads=settings.copy_threads)
             try:
@@ -50,17 +58,35 @@ class Runtime:
                 self.copier.close()
                 raise
         except BaseException:
+            if getattr(self, "devices", None) is not None:
+                self.devices.close()
             self.queue.close()
             raise
 
     def default_timeout_ms(self) -> int:
         return self.settings.sync_kv_timeout_ms
 
+    @property
+    def staging(self) -> DeviceStaging:
+        """The page-locked chunk buffers device caches stage through (made on first use)."""
+        if self.devices is None:
+            raise AssertionError("host caches need no staging")
+        if self._staging is None:
+            from aio_datadist.devices.staging import DeviceStaging
+
+            self._staging = DeviceStaging(self, self.devices)
+        return self._staging
+
     def close(self) -> None:
         """Stop the engines, fail what still waits, release every cache."""
         self.arrivals.close()
         self.sockets.close()
         self.copier.close()
+        if self.devices is not None:
+            # Every record the device still owes arrives before the queue goes.
+            self.devices.close()
+        if self._staging is not None:
+            self._staging.close()
         self.completions.close()
         self.queue.close()
         self.registry.clear()

@@ -1,0 +1,121 @@
+"""The CUDA backend: torch CUDA streams, the driver's host functions, page-locked host caches.
+
+Opening it checks, in order, that the NVIDIA driver loads (``libcuda.so.1``,
+through the core), that torch is a CUDA build that sees a device, and that
+the configured device exists; each missing piece is its own
+``LLM_FEATURE_NOT_ENABLED`` message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import warnings
+from typing import Any
+
+import torch
+
+from aio_datadist import _core
+from aio_datadist.devices.streams import DeviceBackend, feature_not_enabled
+from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
+
+__all__ = ["CudaBackend", "HostPin", "load_driver"]
+
+# cudaHostRegisterPortable | cudaHostRegisterMapped: usable from every context, and by kernels through UVA.
+_REGISTER_FLAGS = 1 | 2
+
+
+def load_driver() -> _core.CudaDriver:
+    """The process's CUDA driver; ``LLM_FEATURE_NOT_ENABLED`` naming what is missing."""
+    try:
+        return _core.cuda_driver()
+    except OSError as exc:
+        if exc.errno == errno.ENODEV:
+            raise feature_not_enabled(f"option 'aio.DeviceType' is 'cuda', but {exc.strerror}") from exc
+        raise
+
+
+class HostPin:
+    """Keeps a host mapping page-locked (``cudaHostRegister``) until collected.
+
+    It holds the mapping itself, so the memory cannot be unmapped before it
+    is unregistered; a cache holds its pin as long as the cache object (and
+    so every copy in flight that keeps the cache alive) exists.
+    """
+
+    __slots__ = ("_mapping", "address", "nbytes")
+
+    def __init__(self, mapping: Any, address: int, nbytes: int) -> None:
+        self._mapping = None
+        err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _REGISTER_FLAGS)
+        if int(err) != 0:
+            raise LLMException(f"page-locking {nbytes} bytes of host cache memory failed (cudaError {int(err)})",
+                               status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
+        self._mapping = mapping
+        self.address = address
+        self.nbytes = nbytes
+
+    def __del__(self) -> None:
+        if self._mapping is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self._mapping = None
+
+
+class CudaBackend(DeviceBackend):
+    """Device caches on ``cuda:N``; completions through ``cuLaunchHostFunc``."""
+
+    kind = "cuda"
+    pins_tables = True
+
+    def __init__(self, device: torch.device, queue: _core.CompletionQueue, driver: _core.CudaDriver) -> None:
+        self.driver = driver
+        super().__init__(device, queue)
+
+    @classmethod
+    def open(cls, device_id: int | None, queue: _core.CompletionQueue) -> CudaBackend:
+        driver = load_driver()
+        if torch.version.cuda is None:
+            raise feature_not_enabled(f"option 'aio.DeviceType' is 'cuda', but torch {torch.__version__} is a "
+                                      "CPU-only build: install a CUDA build of torch")
+        if not torch.cuda.is_available():
+            raise feature_not_enabled("option 'aio.DeviceType' is 'cuda', but torch sees no CUDA device "
+                                      f"(the driver reports {driver.device_count()})")
+        index = 0 if device_id is None else device_id
+        count = torch.cuda.device_count()
+        if not 0 <= index < count:
+            raise param_invalid("device_id", f"CUDA device {index} does not exist ({count} visible)")
+        device = torch.device("cuda", index)
+        torch.cuda.init()
+        return cls(device, queue, driver)
+
+    def _new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
+
+    def _handle(self, stream: torch.cuda.Stream) -> int:
+        return int(stream.cuda_stream)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def pin_host(self, region: Any) -> HostPin | None:
+        try:
+            return HostPin(region._map, region.address, region.nbytes)
+        except LLMException as exc:
+            # Still correct unpinned (batched copies take pageable memory, staging copies through pinned
+            # chunks), only slower: say so rather than refuse the cache.
+            warnings.warn(f"{exc}; this host cache stays pageable", RuntimeWarning, stacklevel=3)
+            return None
+
+    @property
+    def batch_copies(self) -> bool:
+        return self.driver.has_batch_copy
+
+    def memcpy_batch(self, dsts: Any, srcs: Any, sizes: Any) -> int:
+        try:
+            return self.driver.memcpy_batch(self.device.index, self.stream_handle, dsts, srcs, sizes)
+        except OSError as exc:
+            raise LLMException(f"batched host<->device copy failed: {exc.strerror}",
+                               status_code=LLMStatusCode.LLM_FAILED) from exc

@@ -1,0 +1,70 @@
+"""Local copies that involve a device cache: what ``copy_blocks``, ``copy_cache`` and ``swap_blocks`` run.
+
+The manager validates the request and calls :func:`copy_rows` when either
+cache is on the device. Device<->device rows go through one batched copy
+(the Triton kernel on CUDA); host<->device rows through one driver batch
+copy, or the staging pipeline where the driver has none. Either way the
+coroutine resumes from the core's completion fd; nothing blocks or polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from aio_datadist.cache import KvCache
+from aio_datadist.devices.copies import DeviceCopy, cache_side, choose_method
+from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
+
+if TYPE_CHECKING:
+    from aio_datadist.runtime import Runtime
+
+__all__ = ["copy_rows", "involves_device", "require_host"]
+
+
+def involves_device(*caches: KvCache) -> bool:
+    return any(c.device.type != "cpu" for c in caches)
+
+
+def require_host(arg: str, cache: KvCache, call: str) -> None:
+    """``LLM_FEATURE_NOT_ENABLED`` for a device cache in a call that moves bytes between processes."""
+    if cache.device.type != "cpu":
+        raise LLMException(
+            f"invalid argument '{arg}': {call} of a device cache ({cache.device}) is not available yet: "
+            "transfers between processes move host caches only (copy it to a HOST cache with swap_blocks)",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+
+
+async def copy_rows(rt: Runtime, dst: KvCache, dst_rows: Sequence[int], src: KvCache, src_rows: Sequence[int],
+                    offset: int, nbytes: int, timeout_ms: int, what: str, method: str | None = None) -> int:
+    """Copy ``nbytes`` at ``offset`` of every tensor's row pairs; returns the bytes moved.
+
+    :param method: ``kernel``, ``torch``, ``batch`` or ``staged`` (default:
+        the best the backend has, see ``devices/copies.py``).
+    :raises LLMException: ``LLM_TIMEOUT`` after ``timeout_ms``; ``LLM_FAILED``
+        when the device refuses the work.
+    """
+    backend = rt.devices
+    if backend is None:
+        raise AssertionError("device caches exist only with a device backend")
+    for arg, cache in (("dst", dst), ("src", src)):
+        if cache.device.type != "cpu" and cache.device != backend.device:
+            raise param_invalid(arg, f"cache is on {cache.device}, this LLMDataDist uses {backend.device}")
+    dst_side = cache_side(dst, dst_rows, offset, nbytes)
+    src_side = cache_side(src, src_rows, offset, nbytes)
+    method = method or choose_method(backend, dst_side, src_side)
+    if method == "kernel" and any(c.device.type == "cpu" and c._pin is None for c in (dst, src)):
+        # A kernel can reach host memory only where the driver mapped it; anything else is a device fault.
+        raise param_invalid("method", "the copy kernel reaches host caches only when they are page-locked")
+    if method == "staged":
+        from aio_datadist.devices.staging import swap_staged
+
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                return await swap_staged(rt, rt.staging, dst, dst_rows, src, src_rows, offset, nbytes, what)
+        except TimeoutError:
+            raise LLMException(f"{what} timed out after {timeout_ms} ms",
+                               status_code=LLMStatusCode.LLM_TIMEOUT) from None
+    job = DeviceCopy(backend, dst_side, src_side, nbytes, method, keepalive=(dst, src))
+    return await rt.completions.start(job.submit, job.cancel, timeout_ms=timeout_ms, what=what, keepalive=job)

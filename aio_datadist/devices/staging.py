@@ -1,0 +1,433 @@
+"""Pipelined staging of cache rows through a bounded set of host chunk buffers.
+
+Device memory cannot go to a socket (or to a host copy thread) directly: it
+passes through page-locked host buffers. This module cuts a transfer into
+chunks and moves them through a fixed pool of buffers so that both sides
+overlap and memory stays bounded whatever the request size:
+
+* sending (:func:`pipeline_out`): the device gather of chunk n+1 into one
+  buffer runs while chunk n is consumed (sent) from another;
+* receiving (:func:`pipeline_in`): chunk n+1 is received into one buffer
+  while the device scatters chunk n from another.
+
+The byte order of a transfer is the wire order everywhere in the library:
+tensor-major, then the request's row order, then bytes within the row range
+(``_core.segments``). A chunk is a contiguous range of that stream, described
+as at most three rectangles (a tensor range x a row-index range x a byte
+range), each of which is one batched device copy (``devices/copies.py``).
+
+The planner and the pool/pipeline logic know nothing about devices: the
+caller supplies the stage and consume/fill coroutines. :class:`DeviceStaging`
+supplies the device stages (gather into / scatter from a chunk on the
+backend's copy stream, completed through the StreamNotifier), and
+:func:`swap_staged` uses it for host<->device swaps where the driver has no
+batched copies.
+
+Hook for the transfer layer (not wired here): for a device cache,
+
+* the owner serving a pull calls ``staging.send(cache, first, count, rows,
+  offset, nbytes, consume)`` with ``consume(chunk, view)`` = one
+  ``SocketEngine.submit_send`` of ``[view address, len(view)]``;
+* the puller calls ``staging.receive(cache, ..., fill)`` with ``fill`` = one
+  ``submit_recv`` into the view; pushes are the same with the roles swapped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aio_datadist import _core
+from aio_datadist.cache import KvCache
+from aio_datadist.devices.copies import buffer_side, cache_side, enqueue_rows
+from aio_datadist.status import LLMException, LLMStatusCode
+
+if TYPE_CHECKING:
+    from aio_datadist.devices.streams import DeviceBackend
+    from aio_datadist.runtime import Runtime
+
+__all__ = ["Chunk", "DeviceStaging", "Rect", "StagingPool", "pipeline_in", "pipeline_out", "plan_chunks",
+           "swap_staged", "DEFAULT_CHUNK_BYTES", "DEFAULT_BUFFERS"]
+
+DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_BUFFERS = 4
+MIN_CHUNK_BYTES = 4096
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Rect:
+    """Tensors ``[t0, t0+tensors)`` x row indices ``[r0, r1)`` x bytes ``[offset, offset+length)`` of each row."""
+
+    t0: int
+    tensors: int
+    r0: int
+    r1: int
+    offset: int
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensors * (self.r1 - self.r0) * self.length
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A contiguous range of a transfer's byte stream, starting ``position`` bytes in."""
+
+    index: int
+    position: int
+    rects: tuple[Rect, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rects)
+
+
+def plan_chunks(tensors: int, rows: int, nbytes: int, chunk_bytes: int) -> list[Chunk]:
+    """Cut ``tensors x rows`` units of ``nbytes`` (wire order) into chunks of at most ``chunk_bytes``.
+
+    Units up to ``chunk_bytes`` are never split: a chunk holds as many whole
+    units as fit. A larger unit is split into equal pieces (64-byte
+    multiples) of at most ``chunk_bytes``, one per chunk.
+    """
+    if tensors < 0 or rows < 0 or nbytes <= 0:
+        raise ValueError("tensors and rows must be >= 0 and nbytes > 0")
+    if chunk_bytes < MIN_CHUNK_BYTES or chunk_bytes % _ALIGN:
+        raise ValueError(f"chunk_bytes must be a multiple of {_ALIGN} and at least {MIN_CHUNK_BYTES}")
+    units = tensors * rows
+    chunks: list[Chunk] = []
+    position = 0
+    if nbytes <= chunk_bytes:
+        per = chunk_bytes // nbytes
+        for u0 in range(0, units, per):
+            rects = _unit_rects(u0, min(u0 + per, units), rows, nbytes)
+            chunks.append(Chunk(len(chunks), position, rects))
+            position += chunks[-1].nbytes
+        return chunks
+    parts = -(-nbytes // chunk_bytes)
+    piece = _round_up(-(-nbytes // parts), _ALIGN)
+    for u in range(units):
+        t, r = divmod(u, rows)
+        for off in range(0, nbytes, piece):
+            rect = Rect(t, 1, r, r + 1, off, min(piece, nbytes - off))
+            chunks.append(Chunk(len(chunks), position, (rect,)))
+            position += rect.nbytes
+    return chunks
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _unit_rects(u0: int, u1: int, rows: int, nbytes: int) -> tuple[Rect, ...]:
+    t0, r0 = divmod(u0, rows)
+    t1, r1 = divmod(u1, rows)
+    if t0 == t1:
+        return (Rect(t0, 1, r0, r1, 0, nbytes),)
+    out = []
+    if r0:
+        out.append(Rect(t0, 1, r0, rows, 0, nbytes))
+        t0 += 1
+    if t1 > t0:
+        out.append(Rect(t0, t1 - t0, 0, rows, 0, nbytes))
+    if r1:
+        out.append(Rect(t1, 1, 0, r1, 0, nbytes))
+    return tuple(out)
+
+
+class StagingPool:
+    """At most ``buffers`` chunk buffers of ``chunk_bytes``, allocated on demand and reused.
+
+    :meth:`acquire` waits while all of them are taken. A buffer that device
+    or native work may still touch is :meth:`retire` d instead of released:
+    it still counts against the bound until the last reference to it (held
+    by that work's completion) goes, and is then replaced.
+    """
+
+    def __init__(self, chunk_bytes: int, buffers: int,
+                 allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        if chunk_bytes < MIN_CHUNK_BYTES or chunk_bytes % _ALIGN:
+            raise ValueError(f"chunk_bytes must be a multiple of {_ALIGN} and at least {MIN_CHUNK_BYTES}")
+        if buffers < 1:
+            raise ValueError("buffers must be >= 1")
+        self.chunk_bytes = chunk_bytes
+        self.buffers = buffers
+        self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
+        self._free: list[torch.Tensor] = []
+        self._live = 0
+        self.peak = 0
+        self._waiters: deque[asyncio.Future] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    @property
+    def bound_bytes(self) -> int:
+        """The most memory the pool ever holds."""
+        return self.chunk_bytes * self.buffers
+
+    @property
+    def live(self) -> int:
+        """Buffers that exist now (free, in use or retired)."""
+        return self._live
+
+    @property
+    def idle(self) -> int:
+        return len(self._free)
+
+    async def acquire(self) -> torch.Tensor:
+        self._loop = asyncio.get_running_loop()
+        while True:
+            if self._closed:
+                raise LLMException("the staging pool is closed", status_code=LLMStatusCode.LLM_FAILED)
+            if self._free:
+                return self._free.pop()
+            if self._live < self.buffers:
+                buf = self._allocate(self.chunk_bytes)
+                self._live += 1
+                self.peak = max(self.peak, self._live)
+                weakref.finalize(buf, self._gone)
+                return buf
+            waiter = self._loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Give back a buffer nothing touches any more."""
+        if self._closed:
+            return
+        self._free.append(buf)
+        self._wake()
+
+    def retire(self, buf: torch.Tensor) -> None:
+        """Give up a buffer that pending work may still touch (it is replaced once it is gone)."""
+
+    def close(self) -> None:
+        self._closed = True
+        self._free.clear()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.cancel()
+
+    def _gone(self) -> None:
+        self._live -= 1
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._wake()
+        else:
+            loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
+Stage = Callable[[Chunk, torch.Tensor], Awaitable[Any]]
+Use = Callable[[Chunk, torch.Tensor], Awaitable[Any]]
+
+
+async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage, consume: Use) -> None:
+    """Stage every chunk into a buffer, then consume it, overlapping the two.
+
+    ``stage(chunk, buf)`` fills ``buf`` (a device gather) and must keep
+    ``buf`` referenced by its native completion; ``consume(chunk, view)``
+    uses the ``chunk.nbytes`` bytes (sends them). Up to ``pool.buffers``
+    stages run ahead of the consumer. On any failure or cancellation the
+    pending stages are cancelled and their buffers retired.
+    """
+    pending: deque[tuple[Chunk, torch.Tensor, asyncio.Future]] = deque()
+    nxt = 0
+    try:
+        while nxt < len(chunks) or pending:
+            while nxt < len(chunks) and len(pending) < pool.buffers:
+                buf = await pool.acquire()
+                pending.append((chunks[nxt], buf, asyncio.ensure_future(stage(chunks[nxt], buf))))
+                nxt += 1
+            chunk, buf, fut = pending.popleft()
+            try:
+                await fut
+                await consume(chunk, buf[:chunk.nbytes])
+            except BaseException:
+                pool.retire(buf)
+                raise
+            pool.release(buf)
+    finally:
+        while pending:
+            _, buf, fut = pending.popleft()
+            _abandon(fut)
+            pool.retire(buf)
+
+
+async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, stage: Stage) -> None:
+    """Fill a buffer with each chunk, then stage it out, overlapping the two.
+
+    ``fill(chunk, view)`` writes the chunk's bytes (receives them);
+    ``stage(chunk, buf)`` moves them on (a device scatter) and must keep
+    ``buf`` referenced by its native completion. A buffer goes back to the
+    pool when its stage succeeded, and is retired otherwise. Returns once
+    every stage finished; the first failure cancels the rest.
+    """
+    staged: deque[asyncio.Future] = deque()
+
+    def settle(buf: torch.Tensor, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            pool.retire(buf)
+        else:
+            pool.release(buf)
+
+    try:
+        for chunk in chunks:
+            buf = await pool.acquire()
+            try:
+                await fill(chunk, buf[:chunk.nbytes])
+            except BaseException:
+                pool.retire(buf)
+                raise
+            fut = asyncio.ensure_future(stage(chunk, buf))
+            fut.add_done_callback(lambda f, b=buf: settle(b, f))
+            staged.append(fut)
+            while staged and staged[0].done():
+                staged.popleft().result()
+        while staged:
+            await staged[0]
+            staged.popleft()
+    finally:
+        while staged:
+            _abandon(staged.popleft())
+
+
+def _abandon(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.cancel()
+    else:
+        # Retrieve it so an error already raised elsewhere is not reported twice.
+        fut.cancelled() or fut.exception()
+
+
+class DeviceStaging:
+    """Device stages for the pipelines: gather rows into a chunk buffer, scatter them back.
+
+    Buffers are page-locked where the backend can (CUDA), so the device
+    copies into and out of them are asynchronous. Each stage is one
+    completion on the backend's copy stream.
+    """
+
+    def __init__(self, rt: Runtime, backend: DeviceBackend, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 buffers: int = DEFAULT_BUFFERS, method: str | None = None) -> None:
+        self.rt = rt
+        self.backend = backend
+        self.method = method or ("batch" if backend.batch_copies else "torch")
+        pin = backend.pins_tables
+        self.pool = StagingPool(chunk_bytes, buffers,
+                                lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pin))
+
+    def plan(self, count: int, rows: int, nbytes: int) -> list[Chunk]:
+        return plan_chunks(count, rows, nbytes, self.pool.chunk_bytes)
+
+    def _stage(self, chunk: Chunk, buf: torch.Tensor, cache: KvCache, first: int, rows: Sequence[int],
+               offset: int, to_device: bool, what: str) -> asyncio.Future:
+        pairs = []
+        pos = 0
+        for rect in chunk.rects:
+            dev = cache_side(cache, rows[rect.r0:rect.r1], offset + rect.offset, rect.length,
+                             first + rect.t0, rect.tensors)
+            host = buffer_side(buf, pos, rect.tensors, rect.r1 - rect.r0, rect.length)
+            pos += rect.nbytes
+            pairs.append(((dev, host) if to_device else (host, dev), rect.length))
+        backend, method, keep = self.backend, self.method, [buf, cache]
+
+        def submit(token: int) -> None:
+            with backend.on_copy_stream():
+                for (dst, src), length in pairs:
+                    enqueue_rows(backend, dst, src, length, method, keep)
+            backend.notify(token, chunk.nbytes)
+
+        return self.rt.completions.start(submit, backend.cancel, timeout_ms=None, what=what, keepalive=keep)
+
+    async def send(self, cache: KvCache, first: int, count: int, rows: Sequence[int], offset: int, nbytes: int,
+                   consume: Use, what: str = "staged send") -> None:
+        """Gather rows of tensors ``[first, first+count)`` chunk by chunk and hand each to ``consume``."""
+        rows = list(rows)
+        chunks = self.plan(count, len(rows), nbytes)
+        await pipeline_out(chunks, self.pool,
+                           lambda c, b: self._stage(c, b, cache, first, rows, offset, False, what), consume)
+
+    async def receive(self, cache: KvCache, first: int, count: int, rows: Sequence[int], offset: int,
+                      nbytes: int, fill: Use, what: str = "staged receive") -> None:
+        """Take each chunk from ``fill`` and scatter it into rows of tensors ``[first, first+count)``."""
+        rows = list(rows)
+        chunks = self.plan(count, len(rows), nbytes)
+        await pipeline_in(chunks, self.pool, fill,
+                          lambda c, b: self._stage(c, b, cache, first, rows, offset, True, what))
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def host_chunk_triples(cache: KvCache, first: int, rows: Sequence[int], offset: int, chunk: Chunk,
+                       view: torch.Tensor, to_cache: bool) -> Any:
+    """Host copy triples between ``chunk``'s rows of a host ``cache`` and the packed ``view``."""
+    pairs = [cache.layout.segments(first + r.t0, r.tensors, list(rows[r.r0:r.r1]), offset + r.offset, r.length)
+             for r in chunk.rects]
+    mine = pairs[0]
+    for more in pairs[1:]:
+        mine.extend(more)
+    packed = _core.segments(_u64([view.data_ptr()]), _i64([0]), 0, 0, chunk.nbytes)
+    return _core.zip_segments(mine, packed) if to_cache else _core.zip_segments(packed, mine)
+
+
+def _u64(values: list[int]) -> Any:
+    import array
+
+    return array.array("Q", values)
+
+
+def _i64(values: list[int]) -> Any:
+    import array
+
+    return array.array("q", values)
+
+
+async def swap_staged(rt: Runtime, staging: DeviceStaging, dst: KvCache, dst_rows: Sequence[int], src: KvCache,
+                      src_rows: Sequence[int], offset: int, nbytes: int, what: str) -> int:
+    """Host<->device rows through the staging pipeline; the host side runs on the HostCopyEngine.
+
+    Exactly one of ``dst``/``src`` is on the device. Returns the bytes moved.
+    """
+    copier = rt.copier
+    count = dst.cache_desc.num_tensors
+
+    async def host_copy(triples: Any, keep: Any) -> None:
+        await rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None,
+                                   what=what, keepalive=keep)
+
+    if src.device.type != "cpu":
+        async def consume(chunk: Chunk, view: torch.Tensor) -> None:
+            await host_copy(host_chunk_triples(dst, 0, dst_rows, offset, chunk, view, True), (view, dst))
+
+        await staging.send(src, 0, count, src_rows, offset, nbytes, consume, what)
+    else:
+        async def fill(chunk: Chunk, view: torch.Tensor) -> None:
+            await host_copy(host_chunk_triples(src, 0, src_rows, offset, chunk, view, False), (view, src))
+
+        await staging.receive(dst, 0, count, dst_rows, offset, nbytes, fill, what)
+    return count * len(dst_rows) * nbytes

@@ -1,0 +1,638 @@
+"""Issue 8 on the lent GPU, in one call: build, run the GPU tests, measure against same-run ceilings.
+
+Run on the device machine from the repository root (see docs/devices.md for
+the exact device-tool call)::
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py
+
+Steps, each bounded so the whole run stays inside ``--budget`` seconds
+(default 420; the device tool's cap is 600):
+
+1. make pytest-asyncio importable (the machine has no network: the wheel in
+   ``benchmarks/wheels/`` is installed into /tmp if it is missing);
+2. build the Cython core in place (``setup.py build_ext --inplace``);
+3. run the device tests (``tests/gpu``, all marked ``gpu``, plus the CPU-side
+   device tests, which then see a real driver);
+4. measure, each figure as a ratio to a ceiling measured in this same run:
+
+   * copy_blocks of 512 (and 64) random 32 KiB blocks across 64 tensors of
+     [4096, 16, 8, 128] fp16, through the API and per method on the device,
+     against a contiguous device copy of the same bytes; torch
+     index_select + index_copy_ per tensor as the baseline;
+   * swap_blocks host<->device (page-locked host cache) against a contiguous
+     page-locked copy of the same bytes, per method;
+   * completion latency p50/p99, stream done -> awaiting coroutine resumed,
+     against a thread-pool ``event.synchronize()`` and a ctypes
+     ``cuLaunchHostFunc`` callback measured the same way;
+   * a cross-process same-GPU pull through CUDA IPC against the device copy rate.
+
+Results go to ``$OUT`` (or ``--out``): ``gpu_results.md`` (the table),
+``gpu_results.json``, ``gpu_tests.log``; the table is also printed. Results
+are written after every section, so a run cut short still leaves what it had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import glob
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = ROOT / "benchmarks" / "wheels"
+SITE = Path("/tmp/aio_datadist_site")
+MIB = 1 << 20
+GIB = 1 << 30
+
+# The issue's geometry: 64 tensors of [4096, 16, 8, 128] fp16 = 32 KiB blocks, 8 GiB in all.
+TENSORS, BLOCKS, BLOCK_SHAPE = 64, 4096, (16, 8, 128)
+HOST_BLOCKS = 512
+
+
+class Report:
+    """Rows and notes, rewritten to the output folder after every section."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.rows: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.env: dict[str, str] = {}
+        self.tests = "not run"
+
+    def row(self, figure: str, ours: float | None, unit: str, ceiling: str, ceiling_value: float | None,
+            target: str = "", detail: str = "") -> None:
+        ratio = None if ours is None or not ceiling_value else ours / ceiling_value
+        if unit == "us" and ratio is not None:
+            ratio = ceiling_value / ours  # latency: how many times faster than the baseline
+        verdict = ""
+        if target and ratio is not None:
+            op, num = target.split()
+            num = float(num.rstrip("x"))
+            value = ours if unit == "us" and op == "<=" else ratio
+            verdict = "pass" if (value >= num if op == ">=" else value <= num) else "FAIL"
+        self.rows.append(dict(figure=figure, ours=ours, unit=unit, ceiling=ceiling, ceiling_value=ceiling_value,
+                              ratio=ratio, target=target, verdict=verdict, detail=detail))
+        self.write()
+
+    def note(self, text: str) -> None:
+        print("note:", text, flush=True)
+        self.notes.append(text)
+        self.write()
+
+    def markdown(self) -> str:
+        lines = ["# benchmarks/gpu.py results", ""]
+        lines += [f"- {k}: {v}" for k, v in self.env.items()]
+        lines += [f"- tests: {self.tests}", "",
+                  "| figure | ours | ceiling / baseline | ratio | target | |", "|---|---|---|---|---|---|"]
+        for r in self.rows:
+            ours = "-" if r["ours"] is None else f"{r['ours']:.4g} {r['unit']}"
+            ceil = r["ceiling"] if r["ceiling_value"] is None else f"{r['ceiling']}: {r['ceiling_value']:.4g} {r['unit']}"
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}x"
+            figure = r["figure"] + (f" ({r['detail']})" if r["detail"] else "")
+            lines.append(f"| {figure} | {ours} | {ceil} | {ratio} | {r['target']} | {r['verdict']} |")
+        lines += ["", "Rates are bytes of data moved per second (GB/s = 1e9 B/s). Latency ratios say how many",
+                  "times faster than that baseline. Notes:"] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu_results.md").write_text(self.markdown())
+        (self.out / "gpu_results.json").write_text(json.dumps(
+            dict(env=self.env, tests=self.tests, rows=self.rows, notes=self.notes), indent=1, default=str))
+
+
+# ---- set-up ---------------------------------------------------------------------------------------
+
+
+def ensure_pytest_asyncio(report: Report) -> dict[str, str]:
+    env = dict(os.environ)
+    try:
+        from importlib.metadata import version
+
+        major, minor = (int(x) for x in version("pytest-asyncio").split(".")[:2])
+        if (major, minor) >= (1, 5):  # tests/conftest.py uses its loop-factories hook
+            return env
+    except Exception:  # noqa: BLE001 - missing, or a version string we cannot read
+        pass
+    wheels = sorted(glob.glob(str(WHEELS / "*.whl")))
+    if not wheels:
+        report.note("pytest-asyncio is missing and benchmarks/wheels/ has no wheel: async tests cannot run")
+        return env
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--target", str(SITE), *wheels], check=True, timeout=120)
+    sys.path.insert(0, str(SITE))
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    report.note(f"installed {', '.join(Path(w).name for w in wheels)} into {SITE}")
+    return env
+
+
+def build(report: Report, timeout: float) -> bool:
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    report.env["build"] = f"{'ok' if done.returncode == 0 else 'FAILED'} in {time.monotonic() - t0:.0f} s"
+    if done.returncode != 0:
+        report.note("build failed:\n" + done.stderr[-4000:])
+    report.write()
+    return done.returncode == 0
+
+
+def run_tests(report: Report, env: dict[str, str], timeout: float) -> None:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu",
+           "tests/test_stream_notifier.py", "tests/test_device_cpu.py", "tests/test_device_staging.py"]
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        text, code = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        text, code = text + f"\n[timed out after {timeout:.0f} s]", -1
+    (report.out / "gpu_tests.log").write_text(text)
+    summary = [ln for ln in text.splitlines() if " passed" in ln or " failed" in ln or " error" in ln]
+    report.tests = (f"{summary[-1].strip() if summary else 'no summary'} (exit {code}, "
+                    f"{time.monotonic() - t0:.0f} s; `{' '.join(cmd[2:])}`; log: gpu_tests.log)")
+    print(text[-6000:], flush=True)
+    report.write()
+
+
+def environment(report: Report) -> None:
+    import torch
+
+    from aio_datadist.devices import kernels
+
+    props = torch.cuda.get_device_properties(0)
+    report.env.update({
+        "device": f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / GIB:.0f} GiB",
+        "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
+        "python": platform.python_version(),
+        "triton": _version("triton") if kernels.available() else "not importable (kernel path off)",
+    })
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        report.env["driver, SM clock, memory clock"] = smi.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    report.write()
+
+
+def _version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+# ---- timing helpers ---------------------------------------------------------------------------------
+
+
+def device_time(fn: Callable[[], None], stream: Any, reps: int) -> float:
+    """Seconds per call of ``fn`` on ``stream``, by CUDA events around ``reps`` calls (after one warm-up)."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(reps):
+            fn()
+        end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / reps
+
+
+async def wall_time(coro_fn: Callable[[], Any], reps: int, warm: int = 2) -> list[float]:
+    for _ in range(warm):
+        await coro_fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        await coro_fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# ---- benchmarks --------------------------------------------------------------------------------------
+
+
+def options() -> dict[str, str]:
+    from aio_datadist import LLMConfig
+
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.device_type = "cuda"
+    cfg.sync_kv_timeout = 60000
+    return cfg.generate_options()
+
+
+def random_fill(tensors: list[Any]) -> None:
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for t in tensors:
+        raw = t.view(torch.int16).view(-1)
+        if raw.is_cuda:
+            raw.random_(-32768, 32767, generator=gen)
+        else:
+            raw.random_(-32768, 32767)
+
+
+def contiguous_rate(nbytes: int, reps: int) -> float:
+    """The ceiling: one contiguous device-to-device copy of ``nbytes``, GB/s of data moved."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return gbps(nbytes, device_time(lambda: b.copy_(a), torch.cuda.Stream(), reps))
+
+
+async def bench_copy_blocks(report: Report, dd: Any, deadline: float) -> dict[str, float]:
+    import torch
+
+    from aio_datadist import CacheDesc, DataType, Placement
+    from aio_datadist.devices import kernels
+    from aio_datadist.devices.copies import cache_side, enqueue_rows
+
+    kv, rt = dd.kv_cache_manager, dd._runtime
+    backend = rt.devices
+    cache = kv.allocate_blocks_cache(CacheDesc(TENSORS, (BLOCKS, *BLOCK_SHAPE), DataType.DT_FLOAT16,
+                                               Placement.DEVICE))
+    random_fill(cache.tensors)
+    torch.cuda.synchronize()
+    ceilings = {}
+    rng = random.Random(1)
+    for nblocks in (512, 64):
+        if time.monotonic() > deadline:
+            report.note(f"copy_blocks {nblocks}: skipped (time budget)")
+            continue
+        picked = rng.sample(range(BLOCKS), 2 * nblocks)
+        srcs, dsts = picked[:nblocks], picked[nblocks:]
+        info = {s: [d] for s, d in zip(srcs, dsts)}
+        nbytes = nblocks * TENSORS * cache.layout.row_bytes
+        reps = 20 if nblocks == 512 else 100
+        ceiling = contiguous_rate(nbytes, reps)
+        ceilings[nblocks] = ceiling
+        label = f"copy_blocks {nblocks} x 32 KiB x {TENSORS} tensors ({nbytes / MIB:.0f} MiB)"
+        api = await wall_time(lambda: kv.copy_blocks(cache, info), reps)
+        report.row(f"{label}, API (call -> resumed)", gbps(nbytes, statistics.median(api)), "GB/s",
+                   "contiguous device copy", ceiling, ">= 0.85x",
+                   f"median of {reps}, method {'kernel' if kernels.available() else 'torch'}")
+        dside = cache_side(cache, dsts, 0, cache.layout.row_bytes)
+        sside = cache_side(cache, srcs, 0, cache.layout.row_bytes)
+        for method in ("kernel", "torch", "batch"):
+            if method == "kernel" and not kernels.available():
+                continue
+            if method == "batch" and not backend.batch_copies:
+                report.note("the driver has no cuMemcpyBatchAsync: batch rows skipped")
+                continue
+            keep: list[Any] = []
+            try:
+                t = device_time(lambda: enqueue_rows(backend, dside, sside, cache.layout.row_bytes, method, keep),
+                                backend.stream, reps)
+                name = {"kernel": "one-pass Triton kernel", "torch": "torch index_select + index_copy_ per tensor",
+                        "batch": "cuMemcpyBatchAsync D2D"}[method]
+                report.row(f"{label}, {name} (device time)", gbps(nbytes, t), "GB/s", "contiguous device copy",
+                           ceiling, ">= 0.85x" if method == "kernel" else "")
+            except Exception as exc:  # noqa: BLE001
+                report.note(f"copy_blocks {nblocks} method {method} failed: {exc!r}")
+            keep.clear()
+    if kernels.available() and time.monotonic() < deadline - 60:
+        await tune_kernel(report, cache, backend, ceilings.get(512))
+    kv.deallocate_cache(cache)
+    return ceilings
+
+
+async def tune_kernel(report: Report, cache: Any, backend: Any, ceiling: float | None) -> None:
+    """A few launch shapes of the kernel, device time only, to guide tuning."""
+    from aio_datadist.devices import kernels
+    from aio_datadist.devices.copies import cache_side, enqueue_rows
+
+    rng = random.Random(2)
+    picked = rng.sample(range(BLOCKS), 1024)
+    dside = cache_side(cache, picked[512:], 0, cache.layout.row_bytes)
+    sside = cache_side(cache, picked[:512], 0, cache.layout.row_bytes)
+    nbytes = 512 * TENSORS * cache.layout.row_bytes
+    defaults = (kernels.NUM_WARPS, kernels.STEP_BYTES, kernels.CHUNK_BYTES)
+    try:
+        for warps, step, chunk in [(4, 8192, 65536), (8, 8192, 65536), (4, 16384, 65536), (8, 16384, 65536),
+                                   (4, 4096, 32768), (8, 32768, 65536)]:
+            kernels.NUM_WARPS, kernels.STEP_BYTES, kernels.CHUNK_BYTES = warps, step, chunk
+            keep: list[Any] = []
+            t = device_time(lambda: enqueue_rows(backend, dside, sside, cache.layout.row_bytes, "kernel", keep),
+                            backend.stream, 10)
+            report.row("kernel tuning, 512 blocks", gbps(nbytes, t), "GB/s", "contiguous device copy", ceiling, "",
+                       f"num_warps {warps}, step {step // 1024} KiB, chunk {chunk // 1024} KiB")
+    finally:
+        kernels.NUM_WARPS, kernels.STEP_BYTES, kernels.CHUNK_BYTES = defaults
+
+
+async def bench_swap(report: Report, dd: Any, deadline: float) -> None:
+    import torch
+
+    from aio_datadist import CacheDesc, DataType, Placement
+    from aio_datadist.devices import kernels
+    from aio_datadist.devices.copies import cache_side, enqueue_rows
+    from aio_datadist.devices.ops import copy_rows
+
+    kv, rt = dd.kv_cache_manager, dd._runtime
+    backend = rt.devices
+    dev = kv.allocate_blocks_cache(CacheDesc(TENSORS, (BLOCKS, *BLOCK_SHAPE), DataType.DT_FLOAT16, Placement.DEVICE))
+    host = kv.allocate_blocks_cache(CacheDesc(TENSORS, (HOST_BLOCKS, *BLOCK_SHAPE), DataType.DT_FLOAT16,
+                                              Placement.HOST))
+    random_fill(dev.tensors)
+    for t in host.tensors:
+        t.view(torch.uint8).fill_(7)
+    rng = random.Random(3)
+    host_rows = rng.sample(range(HOST_BLOCKS), HOST_BLOCKS)
+    dev_rows = rng.sample(range(BLOCKS), HOST_BLOCKS)
+    nbytes = HOST_BLOCKS * TENSORS * dev.layout.row_bytes
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    ceil = {"H2D": gbps(nbytes, device_time(lambda: flat.copy_(pinned, non_blocking=True), s, 5)),
+            "D2H": gbps(nbytes, device_time(lambda: pinned.copy_(flat, non_blocking=True), s, 5))}
+    for direction in ("H2D", "D2H"):
+        if time.monotonic() > deadline:
+            report.note(f"swap_blocks {direction}: skipped (time budget)")
+            continue
+        src, dst, srows, drows = ((host, dev, host_rows, dev_rows) if direction == "H2D"
+                                  else (dev, host, dev_rows, host_rows))
+        mapping = dict(zip(srows, drows))
+        label = f"swap_blocks {direction} {HOST_BLOCKS} x 32 KiB x {TENSORS} tensors ({nbytes / MIB:.0f} MiB)"
+        api = await wall_time(lambda: kv.swap_blocks(src, dst, mapping), 5, warm=1)
+        report.row(f"{label}, API", gbps(nbytes, statistics.median(api)), "GB/s", f"contiguous pinned {direction}",
+                   ceil[direction], ">= 0.9x", f"median of 5, method {'batch' if backend.batch_copies else 'staged'}")
+        dside = cache_side(dst, drows, 0, dst.layout.row_bytes)
+        sside = cache_side(src, srows, 0, src.layout.row_bytes)
+        for method in ("batch", "kernel"):
+            if (method == "batch" and not backend.batch_copies) or (method == "kernel" and not kernels.available()):
+                continue
+            if method == "kernel" and host._pin is None:
+                report.note("the host cache is not page-locked: no kernel swap row")
+                continue
+            keep: list[Any] = []
+            try:
+                t = device_time(lambda: enqueue_rows(backend, dside, sside, dst.layout.row_bytes, method, keep),
+                                backend.stream, 3)
+                report.row(f"{label}, {method} (device time)", gbps(nbytes, t), "GB/s",
+                           f"contiguous pinned {direction}", ceil[direction], ">= 0.9x" if method == "batch" else "")
+            except Exception as exc:  # noqa: BLE001
+                report.note(f"swap {direction} method {method} failed: {exc!r}")
+        try:
+            staged = await wall_time(lambda: copy_rows(rt, dst, drows, src, srows, 0, dst.layout.row_bytes, 60000,
+                                                       "swap", "staged"), 3, warm=1)
+            report.row(f"{label}, staged pipeline (wall)", gbps(nbytes, statistics.median(staged)), "GB/s",
+                       f"contiguous pinned {direction}", ceil[direction], "",
+                       f"{rt.staging.pool.chunk_bytes // MIB} MiB x {rt.staging.pool.buffers} chunks")
+        except Exception as exc:  # noqa: BLE001
+            report.note(f"swap {direction} staged failed: {exc!r}")
+    kv.deallocate_cache(dev)
+    kv.deallocate_cache(host)
+
+
+async def latency_samples(dd: Any, n: int) -> dict[str, list[float]]:
+    """Stream done -> awaiting coroutine resumed, on an idle stream, three ways."""
+    import concurrent.futures
+
+    import torch
+
+    rt = dd._runtime
+    backend, comp = rt.devices, rt.completions
+    notifier, handle = backend.notifier, backend.stream_handle
+    loop = asyncio.get_running_loop()
+    out: dict[str, list[float]] = {"ours": [], "threadpool": [], "ctypes": []}
+
+    async def ours() -> None:
+        await comp.start(lambda t: notifier.notify(t, handle, 0), notifier.cancel, timeout_ms=None, what="latency")
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    event = torch.cuda.Event()
+
+    async def threadpool() -> None:
+        event.record(backend.stream)
+        await loop.run_in_executor(pool, event.synchronize)
+
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    hostfn_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    waiting: list[asyncio.Future] = []
+
+    def on_host(_: Any) -> None:
+        fut = waiting[0]
+        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+    callback = hostfn_t(on_host)
+
+    async def ctypes_cb() -> None:
+        fut = loop.create_future()
+        waiting[:] = [fut]
+        rc = libcuda.cuLaunchHostFunc(ctypes.c_void_p(handle), callback, None)
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchHostFunc returned {rc}")
+        await fut
+
+    try:
+        for name, fn in (("ours", ours), ("threadpool", threadpool), ("ctypes", ctypes_cb)):
+            for _ in range(50):
+                await fn()
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await fn()
+                out[name].append((time.perf_counter() - t0) * 1e6)
+    finally:
+        pool.shutdown()
+    return out
+
+
+def report_latency(report: Report, samples: dict[str, list[float]], loop_name: str) -> None:
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    ours = samples["ours"]
+    for name, label in (("threadpool", "thread-pool event.synchronize()"), ("ctypes", "ctypes host callback")):
+        base = samples[name]
+        if not base or not ours:
+            continue
+        report.row(f"completion latency p50, {loop_name}", pct(ours, 0.5), "us", label, pct(base, 0.5),
+                   "<= 25" if name == "threadpool" else "", f"{len(ours)} samples, idle stream, notify -> resumed")
+        report.row(f"completion latency p99, {loop_name}", pct(ours, 0.99), "us", label, pct(base, 0.99), "")
+
+
+async def bench_latency(report: Report, dd: Any) -> None:
+    try:
+        report_latency(report, await latency_samples(dd, 2000), "asyncio")
+    except Exception as exc:  # noqa: BLE001
+        report.note(f"latency (asyncio) failed: {exc!r}")
+
+
+def latency_uvloop(report: Report) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        report.note("uvloop missing: no uvloop latency row")
+        return
+    from aio_datadist import LLMDataDist, LLMRole
+
+    async def main() -> None:
+        async with LLMDataDist(LLMRole.PROMPT, 9) as dd:
+            await dd.init(options())
+            report_latency(report, await latency_samples(dd, 2000), "uvloop")
+
+    try:
+        uvloop.run(main())
+    except Exception as exc:  # noqa: BLE001
+        report.note(f"latency (uvloop) failed: {exc!r}")
+
+
+def _ipc_owner(conn: Any) -> None:
+    import torch
+
+    from aio_datadist import CacheDesc, DataType, LLMDataDist, LLMRole, Placement
+    from aio_datadist.devices import ipc
+
+    async def main() -> None:
+        async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+            await dd.init(options())
+            cache = dd.kv_cache_manager.allocate_blocks_cache(
+                CacheDesc(TENSORS, (BLOCKS, *BLOCK_SHAPE), DataType.DT_FLOAT16, Placement.DEVICE))
+            random_fill(cache.tensors)
+            torch.cuda.synchronize()
+            conn.send_bytes(ipc.export_cache(cache))
+            conn.recv_bytes()
+
+    asyncio.run(main())
+
+
+async def bench_ipc(report: Report, dd: Any, ceiling: float | None, deadline: float) -> None:
+    import multiprocessing
+
+    import torch
+
+    from aio_datadist import CacheDesc, DataType, Placement
+    from aio_datadist.devices import ipc
+
+    if time.monotonic() > deadline:
+        report.note("IPC pull: skipped (time budget)")
+        return
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    owner = ctx.Process(target=_ipc_owner, args=(theirs,))
+    owner.start()
+    kv, rt = dd.kv_cache_manager, dd._runtime
+    local = kv.allocate_blocks_cache(CacheDesc(TENSORS, (BLOCKS, *BLOCK_SHAPE), DataType.DT_FLOAT16, Placement.DEVICE))
+    try:
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, mine.poll, 120):
+            report.note("IPC pull: the owner process did not export within 120 s")
+            return
+        peer = ipc.open_export(mine.recv_bytes(), rt.device)
+        rng = random.Random(4)
+        src, dst = rng.sample(range(BLOCKS), 512), rng.sample(range(BLOCKS), 512)
+        nbytes = 512 * TENSORS * local.layout.row_bytes
+        times = await wall_time(lambda: ipc.pull_rows(rt, peer, src, local, dst, 0, local.layout.row_bytes, 60000),
+                                10)
+        if ceiling is None:
+            ceiling = contiguous_rate(nbytes, 10)
+        report.row("cross-process same-GPU pull, 512 blocks via CUDA IPC (call -> resumed)",
+                   gbps(nbytes, statistics.median(times)), "GB/s", "contiguous device copy", ceiling, ">= 0.8x",
+                   "median of 10")
+        got = local.tensors[5].view(torch.uint8).view(BLOCKS, -1)[dst[0]].clone()
+        want = peer._views[5][src[0]].clone()
+        if not torch.equal(got, want):
+            report.note("IPC pull: BYTES DIFFER for a checked block")
+        peer.close()
+    except Exception as exc:  # noqa: BLE001
+        report.note(f"IPC pull failed: {exc!r}\n{traceback.format_exc()[-2000:]}")
+    finally:
+        mine.send_bytes(b"done")
+        owner.join(60)
+        if owner.is_alive():
+            owner.kill()
+        kv.deallocate_cache(local)
+
+
+async def run_benchmarks(report: Report, deadline: float) -> None:
+    from aio_datadist import LLMDataDist, LLMRole
+
+    import torch
+
+    async with LLMDataDist(LLMRole.MIX, 1) as dd:
+        await dd.init(options())
+        ceilings: dict[int, float] = {}
+        t0 = time.monotonic()
+        try:
+            ceilings = await bench_copy_blocks(report, dd, deadline - 150)
+        except Exception as exc:  # noqa: BLE001
+            report.note(f"copy_blocks failed: {exc!r}\n{traceback.format_exc()[-2000:]}")
+        torch.cuda.empty_cache()
+        report.note(f"copy_blocks section: {time.monotonic() - t0:.0f} s")
+        await bench_latency(report, dd)
+        t0 = time.monotonic()
+        try:
+            await bench_swap(report, dd, deadline - 80)
+        except Exception as exc:  # noqa: BLE001
+            report.note(f"swap_blocks failed: {exc!r}\n{traceback.format_exc()[-2000:]}")
+        torch.cuda.empty_cache()
+        report.note(f"swap_blocks section: {time.monotonic() - t0:.0f} s")
+        await bench_ipc(report, dd, ceilings.get(512), deadline - 40)
+        torch.cuda.empty_cache()
+    if time.monotonic() < deadline - 20:
+        latency_uvloop(report)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "gpu_out"))
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run (default 420)")
+    parser.add_argument("--skip-build", action="store_true")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    args = parser.parse_args()
+    start = time.monotonic()
+    deadline = start + args.budget
+    report = Report(Path(args.out))
+    sys.path.insert(0, str(ROOT))
+    os.chdir(ROOT)
+    env = ensure_pytest_asyncio(report)
+    if not args.skip_build and not build(report, timeout=min(240.0, args.budget / 2)):
+        print(report.markdown())
+        return 1
+    import torch
+
+    if not torch.cuda.is_available():
+        report.note("torch sees no CUDA device: nothing to measure")
+        print(report.markdown())
+        return 1
+    environment(report)
+    if not args.skip_tests:
+        run_tests(report, env, timeout=max(60.0, min(200.0, deadline - time.monotonic() - 150)))
+    if not args.skip_bench:
+        try:
+            asyncio.run(run_benchmarks(report, deadline))
+        except Exception as exc:  # noqa: BLE001
+            report.note(f"benchmarks stopped: {exc!r}\n{traceback.format_exc()[-3000:]}")
+    report.env["wall"] = f"{time.monotonic() - start:.0f} s (budget {args.budget:.0f} s)"
+    report.write()
+    print(report.markdown(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The device backends' CPU-checkable parts: absent runtimes, kernel geometry, IPC export parsing.
+
+The copy kernel itself is checked here only where Triton is installed
+(compiled for the H200's sm_90 without a GPU, and run by Triton's CPU
+interpreter on host tensors); CI has no Triton and skips those. Everything
+that needs a device is in ``tests/gpu/``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from aio_datadist import LLMDataDist, LLMException, LLMRole, LLMStatusCode, _core
+from aio_datadist.devices import ipc, kernels
+
+S = LLMStatusCode
+HAVE_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+# ---- NPU without torch_npu ---------------------------------------------------------------------
+
+
+def test_npu_backend_imports_without_torch_npu():
+    from aio_datadist.devices import npu
+
+    assert npu.NpuBackend.kind == "npu"
+
+
+@pytest.mark.skipif(HAVE_TORCH_NPU, reason="torch_npu is installed here")
+def test_load_torch_npu_says_what_to_install():
+    from aio_datadist.devices.npu import load_torch_npu
+
+    with pytest.raises(LLMException) as info:
+        load_torch_npu()
+    assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
+    assert "torch_npu is not installed" in str(info.value)
+
+
+@pytest.mark.skipif(HAVE_TORCH_NPU, reason="torch_npu is installed here")
+@pytest.mark.asyncio
+async def test_init_with_npu_device_type_fails_clearly():
+    before = _core.live_objects()
+    dd = LLMDataDist(LLMRole.PROMPT, 3)
+    with pytest.raises(LLMException) as info:
+        await dd.init({"aio.DeviceType": "npu", "llm.DeviceId": "0"})
+    assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
+    assert "'aio.DeviceType' is 'npu'" in str(info.value)
+    await dd.finalize()
+    assert _core.live_objects() == before
+
+
+@pytest.mark.asyncio
+async def test_host_default_still_has_no_device_backend():
+    async with LLMDataDist(LLMRole.PROMPT, 4) as dd:
+        await dd.init({"aio.DeviceType": "cpu"})
+        assert dd._runtime.devices is None
+        assert dd._runtime.device == torch.device("cpu")
+
+
+# ---- kernel geometry ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("nbytes", "values", "unit", "align", "chunks", "even"), [
+    (32768, (0, 1 << 20, 32768), 8, 16, 1, True),          # the issue's 32 KiB blocks: 16-byte accesses
+    (32768, (0, 8), 8, 8, 1, True),                        # an 8-byte aligned offset: 8-byte accesses
+    (4 << 20, (0,), 8, 16, 64, True),                      # a 4 MiB row: 64 programs of 64 KiB
+    (1000, (0,), 8, 8, 1, False),                          # a short row: masked
+    (6, (2,), 2, 2, 1, False),
+    (3, (0,), 1, 1, 1, False),
+    (65536 + 4096, (0,), 8, 16, 2, False),                 # a tail chunk: masked
+])
+def test_geometry_picks_the_widest_safe_access(nbytes, values, unit, align, chunks, even):
+    geo = kernels.geometry(nbytes, *values)
+    assert (geo.unit, geo.align, geo.chunks_per_row, geo.even) == (unit, align, chunks, even)
+    assert geo.row_units * geo.unit == nbytes
+    assert geo.chunk_units * geo.unit <= kernels.CHUNK_BYTES
+    assert geo.chunks_per_row * geo.chunk_units >= geo.row_units > (geo.chunks_per_row - 1) * geo.chunk_units
+    if geo.chunk_units > geo.block:
+        assert geo.chunk_units % geo.block == 0
+
+
+def test_geometry_rejects_empty_rows():
+    with pytest.raises(ValueError):
+        kernels.geometry(0)
+
+
+@pytest.mark.skipif(HAVE_TRITON, reason="Triton is installed here")
+def test_kernels_module_imports_and_reports_no_triton():
+    assert kernels.available() is False
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (not in CI)")
+def test_kernel_compiles_for_sm90_with_16_byte_accesses():
+    """Compiled here without a GPU: the aligned case must use 16-byte vector loads and stores."""
+    triton, tl, kernel = kernels._triton()
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = ["dst_bases", "src_bases", "dst_rows", "src_rows", "n_rows", "dst_stride", "src_stride",
+             "dst_offset", "src_offset", "row_units", "chunks_per_row"]
+    types = ["*i64"] * 4 + ["i32", "i64", "i64", "i64", "i64", "i32", "i32"]
+    signature = dict(zip(names, types)) | {k: "constexpr" for k in ("ELEM", "ALIGN", "CHUNK", "BLOCK", "EVEN")}
+    geo = kernels.geometry(32768, 0, 32768)
+    # What the JIT specializes at launch: pointers and the multiples of 16 among the integers.
+    values = dict(n_rows=512, dst_stride=32768, src_stride=32768, dst_offset=0, src_offset=0,
+                  row_units=geo.row_units, chunks_per_row=geo.chunks_per_row)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if i < 4 or (values[n] % 16 == 0 and values[n])}
+    src = ASTSource(kernel, signature=signature, attrs=attrs,
+                    constexprs={"ELEM": tl.int64, "ALIGN": geo.align, "CHUNK": geo.chunk_units,
+                                "BLOCK": geo.block, "EVEN": geo.even})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kernels.NUM_WARPS}).asm["ptx"]
+    accesses = set(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))
+    assert "ld.global.v2.b64" in accesses and "st.global.v2.b64" in accesses
+    assert not any(a.startswith("st.global") and "v2" not in a for a in accesses)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (not in CI)")
+def test_kernel_is_byte_exact_under_the_triton_interpreter():
+    """The kernel's indexing, run by Triton's CPU interpreter on host tensors (no GPU involved)."""
+    script = textwrap.dedent("""
+        import torch
+        from aio_datadist.devices import kernels
+        T, R, row = 3, 10, 32768
+        gen = torch.Generator().manual_seed(0)
+        src = torch.randint(0, 255, (T, R, row), dtype=torch.uint8, generator=gen)
+        dst = torch.zeros_like(src)
+        tab = lambda xs: torch.tensor(xs, dtype=torch.int64)
+        db = tab([dst[t].data_ptr() for t in range(T)])
+        sb = tab([src[t].data_ptr() for t in range(T)])
+        drows, srows = tab([1, 4, 7, 8]), tab([0, 3, 9, 2])
+        for nbytes, off in [(row, 0), (1000, 8), (6, 2), (3, 5), (20000, 4096)]:
+            dst.zero_()
+            geo = kernels.geometry(nbytes, *db.tolist(), *sb.tolist(), row, off)
+            kernels.launch_copy_rows(db, sb, drows, srows, dst_stride=row, src_stride=row, dst_offset=off,
+                                     src_offset=off, geo=geo, num_tensors=T)
+            want = torch.zeros_like(src)
+            want[:, drows, off:off + nbytes] = src[:, srows, off:off + nbytes]
+            assert torch.equal(dst, want), (nbytes, off)
+        print("exact")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "exact"
+
+
+# ---- IPC export parsing (validated before any CUDA call) ---------------------------------------
+
+
+def _export(storages=1, tensors=2, rows=4, row_bytes=256, storage_bytes=4096, offsets=(0, 1024), tail=b""):
+    out = bytearray(ipc._HEAD.pack(ipc._MAGIC, ipc._VERSION, 0, storages, tensors, rows, row_bytes,
+                                   rows * row_bytes))
+    for _ in range(storages):
+        for field in (b"h" * 64, b"/torch_ref", b"e" * 64):
+            out += struct.pack("<H", len(field)) + field
+        out += ipc._STORAGE.pack(storage_bytes, 0, 0, 1)
+    for off in offsets:
+        out += ipc._TENSOR.pack(0, off)
+    return bytes(out) + tail
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (b"AIOI", "truncated"),
+    (b"XXXX" + _export()[4:], "not an aio_datadist IPC export"),
+    (_export()[:-3], "truncated"),
+    (_export(tail=b"\0"), "trailing bytes"),
+    (_export(offsets=(0, 3900)), "outside its storage"),
+    (_export(tensors=0, offsets=()), "bad tensor or storage count"),
+    (_export(storages=3), "bad tensor or storage count"),
+    (_export(row_bytes=0), "bad cache geometry"),
+])
+def test_malformed_ipc_exports_are_refused_before_mapping(data, why):
+    with pytest.raises(ValueError, match=why):
+        ipc.open_export(data, torch.device("cuda", 0))
+
+
+def test_ipc_export_for_another_device_is_refused():
+    with pytest.raises(ValueError, match="cuda:0, this process uses cuda:1"):
+        ipc.open_export(_export(), torch.device("cuda", 1))
