@@ -41,16 +41,17 @@ def status_for_errno(err: int) -> LLMStatusCode:
 
 
 class _Waiter:
-    __slots__ = ("future", "cancel", "keepalive", "what", "timer", "timeout_ms")
+    __slots__ = ("future", "cancel", "keepalive", "what", "timer", "timeout_ms", "settled")
 
     def __init__(self, future: asyncio.Future, cancel: Callable[[int], Any], keepalive: Any,
-                 what: str, timeout_ms: int | None) -> None:
+                 what: str, timeout_ms: int | None, settled: asyncio.Future | None = None) -> None:
         self.future = future
         self.cancel = cancel
         self.keepalive = keepalive
         self.what = what
         self.timeout_ms = timeout_ms
         self.timer: asyncio.TimerHandle | None = None
+        self.settled = settled
 
 
 class Completions:
@@ -73,12 +74,15 @@ class Completions:
         return len(self._pending)
 
     def start(self, submit: Callable[[int], Any], cancel: Callable[[int], Any], *,
-              timeout_ms: int | None, what: str, keepalive: Any = None) -> asyncio.Future:
+              timeout_ms: int | None, what: str, keepalive: Any = None,
+              settled: asyncio.Future | None = None) -> asyncio.Future:
         """Submit native work and return the future of its completion.
 
         ``submit(token)`` queues the work; ``cancel(token)`` must be an
         idempotent native cancel. The future's result is the record's ``aux``
-        (bytes moved). Must be called from a running loop.
+        (bytes moved). ``settled``, when given, gets a result once the core
+        reported the work over, even after the returned future was cancelled
+        or timed out. Must be called from a running loop.
         """
         if self._closed:
             raise LLMException(f"{what}: the transfer engine is closed",
@@ -87,7 +91,7 @@ class Completions:
         self._ensure_reader(loop)
         token = next(self._tokens)
         future = loop.create_future()
-        waiter = _Waiter(future, cancel, keepalive, what, timeout_ms)
+        waiter = _Waiter(future, cancel, keepalive, what, timeout_ms, settled)
         self._pending[token] = waiter
         try:
             submit(token)
@@ -157,6 +161,8 @@ class Completions:
         """Resolve the futures of drained records (those not done already)."""
         for token, status, aux in records:
             waiter = self._pending.pop(token, None)
+            if waiter is not None and waiter.settled is not None:
+                _settle(waiter.settled)
             if waiter is None or waiter.future.done():
                 continue
             loop = waiter.future.get_loop()
@@ -184,6 +190,8 @@ class Completions:
         for waiter in pending.values():
             if waiter.timer is not None:
                 waiter.timer.cancel()
+            if waiter.settled is not None:
+                _settle(waiter.settled)
             fut = waiter.future
             if not fut.done() and not fut.get_loop().is_closed():
                 exc = LLMException(f"{waiter.what}: the transfer engine was closed",
@@ -205,6 +213,17 @@ class Completions:
 
 def _no_cancel(token: int) -> None:
     return None
+
+
+def _settle(future: asyncio.Future) -> None:
+    loop = future.get_loop()
+    if loop.is_closed():
+        return
+    if _running_loop() is loop:
+        if not future.done():
+            future.set_result(None)
+    else:
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -16,10 +16,30 @@ property                   option key                meaning (default)
 ``data_channels``          ``aio.DataChannels``      parallel data connections per link
                                                      direction, 1..16 (2)
 ``heartbeat_interval``     ``aio.HeartbeatIntervalMs``  link heartbeat period in ms (1000)
+``max_pending_handshakes`` ``aio.MaxPendingHandshakes``  incoming connections allowed in their
+                                                     handshake at once, 1..65535 (64); more
+                                                     are dropped at once
+``tls_server_context``     ``aio.TlsServerContext``  ``ssl.SSLContext`` (``PROTOCOL_TLS_SERVER``)
+                                                     for links this endpoint accepts
+``tls_client_context``     ``aio.TlsClientContext``  ``ssl.SSLContext`` (``PROTOCOL_TLS_CLIENT``)
+                                                     for links this endpoint dials
 =========================  ========================  ==========================================
 
 ``aio.`` keys are emitted only when set explicitly. ``parse_options`` checks
 the dict that ``LLMDataDist.init`` receives and returns typed ``Settings``.
+Option values are strings, except the two TLS keys, whose values are the
+``ssl.SSLContext`` objects themselves (a context cannot be written as text).
+Setting either turns TLS on for every link of the endpoint: it then neither
+accepts nor dials a link without TLS. A listening endpoint needs the server
+context, one that calls ``link_clusters`` the client context; an endpoint
+that does both (MIX, or a prompt that also dials) sets both.
+
+``enable_remote_cache_accessible`` (``llm.EnableRemoteCacheAccessible``)
+decides whether peers may read or write this endpoint's caches at all. As
+in LLM-DataDist's CacheManager engine, which forces it on, an options dict
+without the key means on; setting the property to False (``"0"``) makes
+every peer request fail with ``LLM_FEATURE_NOT_ENABLED`` and keeps the
+caches out of same-host sharing.
 """
 
 from __future__ import annotations
@@ -27,6 +47,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import ssl
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Literal, Mapping, TypeVar, overload
 
@@ -61,6 +82,7 @@ DEFAULT_REGISTERED_MEMORY_CAP = 50 * 2**30
 DEFAULT_MEM_UTILIZATION = 0.95
 DEFAULT_DATA_CHANNELS = 2
 DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
+DEFAULT_MAX_PENDING_HANDSHAKES = 64
 DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu")
 TRANSPORTS: tuple[str, ...] = ("auto", "tcp", "local", "nixl")
 _ROLES = ("Prompt", "Decoder", "Mix")
@@ -286,6 +308,24 @@ _check_memory_cap = _int_check(1, INT64_MAX)
 _check_copy_threads = _int_check(1, 64)
 _check_data_channels = _int_check(1, 16)
 _check_heartbeat = _int_check(1, INT32_MAX)
+_check_pending_handshakes = _int_check(1, 65535)
+
+
+def _tls_check(side: str, wrong: Any) -> Callable[[str, object], ssl.SSLContext]:
+    def check(arg_name: str, value: object) -> ssl.SSLContext:
+        if not isinstance(value, ssl.SSLContext):
+            raise param_invalid(arg_name, f"expected an ssl.SSLContext, got {type(value).__name__}")
+        if value.protocol == wrong:
+            raise param_invalid(arg_name, f"this context cannot take the {side} side of a TLS connection "
+                                f"(it was made with {wrong.name}); use "
+                                f"ssl.SSLContext(ssl.PROTOCOL_TLS_{side.upper()})")
+        return value
+
+    return check
+
+
+_check_tls_server = _tls_check("server", ssl.PROTOCOL_TLS_CLIENT)
+_check_tls_client = _tls_check("client", ssl.PROTOCOL_TLS_SERVER)
 
 
 # ---- LLMConfig -------------------------------------------------------------
@@ -356,7 +396,8 @@ class LLMConfig:
     )
     enable_cache_manager = _Setting[bool](_bool, False, "CacheManager mode (bool, False).")
     enable_remote_cache_accessible = _Setting[bool](
-        _bool, False, "Cache remote cache metadata on first access (bool, False)."
+        _bool, False, "Whether peers may read and write this endpoint's caches (bool, False as in LLM-DataDist; "
+        "the option unset means on, set False to refuse every peer request with LLM_FEATURE_NOT_ENABLED)."
     )
     mem_pool_cfg = _Setting[str](
         _check_mem_pool_cfg, "", 'Device pool, JSON {"memory_size": int > 0, "page_shift": 10..30 (16)}.'
@@ -394,17 +435,29 @@ class LLMConfig:
     heartbeat_interval = _Setting[int](
         _check_heartbeat, DEFAULT_HEARTBEAT_INTERVAL_MS, "Link heartbeat period in ms (1000)."
     )
+    max_pending_handshakes = _Setting[int](
+        _check_pending_handshakes, DEFAULT_MAX_PENDING_HANDSHAKES,
+        "Incoming connections allowed in their handshake at once, 1..65535 (64); more are dropped at once.",
+    )
+    tls_server_context = _Setting[Any](
+        _check_tls_server, None, "ssl.SSLContext for the links this endpoint accepts (None: no TLS)."
+    )
+    tls_client_context = _Setting[Any](
+        _check_tls_client, None, "ssl.SSLContext for the links this endpoint dials (None: no TLS)."
+    )
 
     def __init__(self) -> None:
         self._explicit: dict[str, Any] = {}
 
-    def generate_options(self) -> dict[str, str]:
+    def generate_options(self) -> dict[str, Any]:
         """The options dict for ``LLMDataDist.init``.
 
         ``ge_options`` come first, then one key per property that was set
         (``device_id`` gives both ``ge.exec.deviceId`` and
         ``ge.session_device_id``); ``llm.MemoryUtilization`` is always
         present. ``aio.`` keys appear only for properties set explicitly.
+        Every value is a str except ``aio.TlsServerContext`` and
+        ``aio.TlsClientContext``, which hold the ``ssl.SSLContext`` itself.
         """
         explicit = self._explicit
         options = dict(explicit.get("ge_options", {}))
@@ -456,6 +509,9 @@ _EMITTED: tuple[tuple[str, str, Callable[[Any], str | None]], ...] = (
     ("copy_threads", "aio.CopyThreads", str),
     ("data_channels", "aio.DataChannels", str),
     ("heartbeat_interval", "aio.HeartbeatIntervalMs", str),
+    ("max_pending_handshakes", "aio.MaxPendingHandshakes", str),
+    ("tls_server_context", "aio.TlsServerContext", lambda context: context),
+    ("tls_client_context", "aio.TlsClientContext", lambda context: context),
 )
 
 
@@ -477,6 +533,12 @@ class Settings:
     :ivar copy_threads: host copy worker threads.
     :ivar data_channels: data connections per link direction.
     :ivar heartbeat_interval_ms: link heartbeat period in ms.
+    :ivar max_pending_handshakes: incoming connections allowed in their
+        handshake at once.
+    :ivar tls_server_context: TLS for accepted links, or None.
+    :ivar tls_client_context: TLS for dialled links, or None.
+    :ivar remote_cache_accessible: whether peers may read and write this
+        endpoint's caches (``llm.EnableRemoteCacheAccessible``; absent: on).
     :ivar raw: a copy of the options dict, unknown keys included.
     """
 
@@ -491,7 +553,16 @@ class Settings:
     copy_threads: int = field(default_factory=_default_copy_threads)
     data_channels: int = DEFAULT_DATA_CHANNELS
     heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS
-    raw: dict[str, str] = field(default_factory=dict, hash=False, repr=False)
+    max_pending_handshakes: int = DEFAULT_MAX_PENDING_HANDSHAKES
+    tls_server_context: ssl.SSLContext | None = field(default=None, repr=False)
+    tls_client_context: ssl.SSLContext | None = field(default=None, repr=False)
+    remote_cache_accessible: bool = True
+    raw: dict[str, Any] = field(default_factory=dict, hash=False, repr=False)
+
+    @property
+    def tls(self) -> bool:
+        """Whether links of this endpoint use TLS (either context is set)."""
+        return self.tls_server_context is not None or self.tls_client_context is not None
 
 
 def _device_ids_text(key: str, raw: str) -> int:
@@ -541,7 +612,7 @@ _KNOWN_KEYS: dict[str, tuple[str | None, Callable[[str, str], Any]]] = {
     "llm.MemoryUtilization": (None, _float_text),
     "llm.BufPoolCfg": (None, _check_buf_pool_cfg),
     "llm.EnableCacheManager": (None, _flag_text),
-    "llm.EnableRemoteCacheAccessible": (None, _flag_text),
+    "llm.EnableRemoteCacheAccessible": ("remote_cache_accessible", _flag_text),
     "llm.MemPoolConfig": (None, _check_mem_pool_cfg),
     "llm.HostMemPoolConfig": (None, _check_mem_pool_cfg),
     "llm.RdmaTrafficClass": (None, _int_text(_check_traffic_class)),
@@ -562,25 +633,33 @@ _KNOWN_KEYS: dict[str, tuple[str | None, Callable[[str, str], Any]]] = {
     "aio.CopyThreads": ("copy_threads", _int_text(_check_copy_threads)),
     "aio.DataChannels": ("data_channels", _int_text(_check_data_channels)),
     "aio.HeartbeatIntervalMs": ("heartbeat_interval_ms", _int_text(_check_heartbeat)),
+    "aio.MaxPendingHandshakes": ("max_pending_handshakes", _int_text(_check_pending_handshakes)),
+    "aio.TlsServerContext": ("tls_server_context", _check_tls_server),
+    "aio.TlsClientContext": ("tls_client_context", _check_tls_client),
 }
+
+# Keys whose values are objects, not text.
+_OBJECT_KEYS = frozenset({"aio.TlsServerContext", "aio.TlsClientContext"})
 
 
 _AIO_KEYS = tuple(key for key in _KNOWN_KEYS if key.startswith("aio."))
 
 
-def parse_options(options: Mapping[str, str]) -> Settings:
+def parse_options(options: Mapping[str, Any]) -> Settings:
     """Validate the options given to ``LLMDataDist.init`` and type them.
 
-    :param options: a dict of str to str, usually from
+    :param options: a dict of str to str (the TLS keys map to
+        ``ssl.SSLContext`` objects), usually from
         ``LLMConfig.generate_options()``.
     :returns: the typed ``Settings``; keys that are absent take their
         defaults.
     :raises LLMException: ``LLM_PARAM_INVALID`` naming ``options`` when it is
-        not a dict of str to str, or naming the option key when a known key
-        has a bad value, an ``aio.`` key is unknown (a typo guard; unknown
-        ``llm.``/``ge.`` keys pass through to ``raw``), or two keys for the
-        same setting disagree (e.g. ``ge.exec.deviceId`` and
-        ``ge.session_device_id``).
+        not such a dict, or naming the option key when a known key has a bad
+        value, an ``aio.`` key is unknown (a typo guard; unknown
+        ``llm.``/``ge.`` keys pass through to ``raw``), two keys for the same
+        setting disagree (e.g. ``ge.exec.deviceId`` and
+        ``ge.session_device_id``), or TLS is combined with
+        ``aio.Transport=nixl`` (NIXL moves bytes outside TLS).
     """
     if not isinstance(options, Mapping):
         raise param_invalid("options", f"expected a dict of str to str, got {type(options).__name__}")
@@ -589,7 +668,7 @@ def parse_options(options: Mapping[str, str]) -> Settings:
     for key, raw in options.items():
         if not isinstance(key, str):
             raise param_invalid("options", f"keys must be str, got {key!r}")
-        if not isinstance(raw, str):
+        if not isinstance(raw, str) and key not in _OBJECT_KEYS:
             raise param_invalid(key, f"value must be a str, got {type(raw).__name__}")
         known = _KNOWN_KEYS.get(key)
         if known is None:
@@ -604,4 +683,8 @@ def parse_options(options: Mapping[str, str]) -> Settings:
             raise param_invalid(key, f"disagrees with {source[field_name]} ({options[source[field_name]]!r})")
         values[field_name] = value
         source[field_name] = key
-    return Settings(**values, raw=dict(options))
+    settings = Settings(**values, raw=dict(options))
+    if settings.tls and settings.transport == "nixl":
+        raise param_invalid("aio.Transport", "'nixl' moves cache bytes outside TLS; with aio.TlsServerContext or "
+                            "aio.TlsClientContext set use 'auto', 'local' or 'tcp'")
+    return settings

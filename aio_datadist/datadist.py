@@ -82,11 +82,13 @@ class LLMDataDist:
 
     # -- lifecycle ---------------------------------------------------------
 
-    async def init(self, options: Mapping[str, str]) -> None:
+    async def init(self, options: Mapping[str, Any]) -> None:
         """Start the engines and, when ``llm.listenIpInfo`` is set, listen.
 
         :param options: the dict from :meth:`LLMConfig.generate_options`.
-        :raises LLMException: ``LLM_PARAM_INVALID`` for a bad option,
+        :raises LLMException: ``LLM_PARAM_INVALID`` for a bad option (naming
+            its key; also ``aio.TlsServerContext`` when only a TLS client
+            context is given to a listening endpoint),
             ``LLM_FEATURE_NOT_ENABLED`` for an unsupported device or transport,
             ``LLM_LINK_FAILED`` if the listen address cannot be bound.
         A second ``init`` is a no-op.
@@ -97,11 +99,12 @@ class LLMDataDist:
             raise LLMException("LLMDataDist was finalized; create a new one",
                                status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         settings = parse_options(options)
-        if settings.transport == "nixl":
-            raise LLMException("option 'aio.Transport': the nixl transport is not part of this build; use "
-                               "'auto', 'local' or 'tcp'", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         runtime = Runtime(settings)
-        links = LinkTable(self, runtime)
+        try:
+            links = LinkTable(self, runtime)  # with aio.Transport=nixl this starts the NIXL agent
+        except BaseException:
+            runtime.close()
+            raise
         try:
             if settings.listen is not None:
                 await links.listen(*settings.listen)
@@ -157,10 +160,13 @@ class LLMDataDist:
         :returns: ``(overall, [status per cluster])``; failures are reported
             there (``LLM_LINK_FAILED``, ``LLM_ALREADY_LINK``, ``LLM_TIMEOUT``),
             not raised.
-        :raises LLMException: ``LLM_PARAM_INVALID`` for malformed arguments,
-            ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for more than 16 clusters.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for malformed arguments
+            or, on an endpoint with TLS, for a missing
+            ``aio.TlsClientContext``; ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for
+            more than 16 clusters.
         """
         links = self._require_links()
+        links.check_can_dial()
         clusters = self._check_clusters(clusters)
         timeout = check_int("timeout", timeout, lo=1, hi=2**31 - 1)
         for i, c in enumerate(clusters):

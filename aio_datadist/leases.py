@@ -6,9 +6,13 @@ the memory then lives until decoders have pulled every key. A decoder that
 dies before pulling leaves keys that nothing will ever consume, and the memory
 is held for good. A lease bounds that time::
 
-    cache, lease = allocate_leased_cache(kv, desc, keys, lease_ms=30_000)
+    cache = kv.allocate_cache(desc, keys, lease_ms=30_000)
     ...fill the cache, tell the decoder its keys...
     kv.deallocate_cache(cache)   # optional: the lease releases the id reference too
+    lease_of(cache).renew(60_000)   # more time, if the decoder is slow to come
+
+(``allocate_leased_cache(kv, desc, keys, lease_ms=...)`` returns the cache and
+its lease at once.)
 
 When the lease runs out, every key still bound is removed (as
 ``remove_cache_key`` does) and the cache's id reference is dropped (as
@@ -37,11 +41,13 @@ from aio_datadist.types import CacheDesc, CacheKey, LLMRole
 if TYPE_CHECKING:
     from aio_datadist.manager import KvCacheManager
 
-__all__ = ["CacheLease", "allocate_leased_cache", "lease_cache"]
+__all__ = ["CacheLease", "allocate_leased_cache", "lease_cache", "lease_of"]
 
 MAX_LEASE_MS = 2**31 - 1
 
 log = logging.getLogger("aio_datadist.leases")
+
+_LEASES: weakref.WeakKeyDictionary[KvCache, CacheLease] = weakref.WeakKeyDictionary()
 
 
 class CacheLease:
@@ -56,6 +62,7 @@ class CacheLease:
         self._expired = False
         self._cancelled = False
         self.renew(lease_ms)
+        _LEASES[cache] = self
 
     @property
     def expired(self) -> bool:
@@ -137,17 +144,28 @@ def lease_cache(manager: KvCacheManager, cache: KvCache, cache_keys: Sequence[Ca
 
 def allocate_leased_cache(manager: KvCacheManager, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey], *,
                           lease_ms: int) -> tuple[KvCache, CacheLease]:
-    """``manager.allocate_cache(cache_desc, cache_keys)`` with a lease of ``lease_ms``.
+    """``manager.allocate_cache(cache_desc, cache_keys)`` with a lease of ``lease_ms``; what
+    ``allocate_cache(..., lease_ms=...)`` runs.
 
     :returns: ``(cache, lease)``.
-    :raises LLMException: as ``allocate_cache`` and :func:`lease_cache`; on a
-        bad ``lease_ms`` nothing is allocated.
+    :raises LLMException: as ``allocate_cache``; ``LLM_PARAM_INVALID`` naming
+        ``lease_ms`` when it is not an int in ``[1, 2**31 - 1]`` or the
+        endpoint is a DECODER (a lease removes keys); ``LLM_FAILED`` without
+        a running event loop. On any of them nothing is allocated.
     """
-    check_int("lease_ms", lease_ms, lo=1, hi=MAX_LEASE_MS)
-    manager._require_role("allocate_leased_cache", LLMRole.PROMPT, LLMRole.MIX)
+    lease_ms = check_int("lease_ms", lease_ms, lo=1, hi=MAX_LEASE_MS)
+    role = manager._owner.role
+    if role not in (LLMRole.PROMPT, LLMRole.MIX):
+        raise param_invalid("lease_ms", f"a lease removes keys, which needs role PROMPT or MIX; this "
+                            f"LLMDataDist is {role.name}")
     _running_loop()
     cache = manager.allocate_cache(cache_desc, cache_keys)
     return cache, CacheLease(manager, cache, [k for k in cache_keys if not k.is_placeholder], lease_ms)
+
+
+def lease_of(cache: KvCache) -> CacheLease | None:
+    """The lease put on ``cache`` (by ``allocate_cache(..., lease_ms=...)`` or this module), or None."""
+    return _LEASES.get(cache)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop:

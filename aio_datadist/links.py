@@ -9,6 +9,14 @@ channel are moved by the core's :class:`~aio_datadist._core.SocketEngine`
 straight from and into cache memory. A transfer that stops part-way leaves its
 channel's byte stream out of step, so that channel is closed on both ends and
 the client dials it again.
+
+The handshake (``handshake.py``) sends nothing identifying before the peer
+proved the shared secret. With TLS (``aio.TlsServerContext`` /
+``aio.TlsClientContext``) every connection of a link is TLS from its first
+byte after a short preamble (``transport/tls.py``), and data channels are
+:class:`~aio_datadist.transport.tls.TlsChannel` objects instead of sockets.
+At most ``aio.MaxPendingHandshakes`` incoming connections may be in their
+handshake at once; more are dropped on arrival.
 """
 
 from __future__ import annotations
@@ -19,13 +27,17 @@ import hmac
 import logging
 import os
 import socket
+import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from aio_datadist import wire
-from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
+from aio_datadist import handshake, wire
+from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
 from aio_datadist.transfers import handle_request
+from aio_datadist.transport import tls
 from aio_datadist.transport.local import LocalListener, LocalShare, boot_id, connect_share
+from aio_datadist.transport.nixl import READY as NIXL_READY
+from aio_datadist.transport.nixl import NixlPeer, NixlPlane
 from aio_datadist.types import LLMClusterInfo, LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
@@ -40,7 +52,6 @@ log = logging.getLogger("aio_datadist.links")
 HANDSHAKE_LIMIT_S = 10.0
 HEARTBEAT_MISSES = 5
 ZERO32 = bytes(32)
-ZERO16 = bytes(16)
 NO_GENERATION = 0xFFFFFFFF
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 
@@ -58,22 +69,12 @@ def layout_hash(runtime: Runtime) -> bytes:
     return hashlib.sha256(repr(shapes).encode()).digest()
 
 
-def _proof(secret: bytes | None, label: bytes, *parts: bytes) -> bytes:
-    if secret is None:
-        return ZERO32
-    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
-
-
-def _attach_token(secret: bytes | None, token: bytes, index: int, generation: int) -> bytes:
-    """What a data connection presents: the link token or, with a shared secret, an HMAC that binds
-    it to the channel and generation, so a captured record cannot be replayed or re-aimed."""
-    if secret is None:
-        return token
-    return _proof(secret, b"attach", token, index.to_bytes(2, "big"), generation.to_bytes(4, "big"))
-
-
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+#: A data channel's connection: a socket the native engine drives, or a TLS channel.
+DataConn = socket.socket | tls.TlsChannel
 
 
 class _Channel:
@@ -81,7 +82,7 @@ class _Channel:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.sock: socket.socket | None = None
+        self.sock: DataConn | None = None
         self.generation = 0
         self.attached = False
 
@@ -116,6 +117,7 @@ class Link:
         self._tasks: set[asyncio.Task] = set()
         self.on_request: Callable[[Link, Msg, int, dict], None] | None = None
         self.local: LocalShare | None = None
+        self.nixl: NixlPeer | None = None
         self.redialling: dict[int, asyncio.Future] = {}
 
     # -- ids, channels -----------------------------------------------------
@@ -131,7 +133,7 @@ class Link:
     def peer_channel_ok(self, index: int) -> bool:
         return index < 2 * self.nchannels and index not in self.own and self.channels[index].sock is not None
 
-    def install(self, index: int, sock: socket.socket, generation: int) -> None:
+    def install(self, index: int, sock: DataConn, generation: int) -> None:
         ch = self.channels[index]
         self._drop_socket(ch)
         ch.sock = sock
@@ -142,7 +144,8 @@ class Link:
 
     def _drop_socket(self, ch: _Channel) -> None:
         if ch.sock is not None:
-            self.runtime.sockets.detach(ch.sock.fileno())
+            if isinstance(ch.sock, socket.socket):
+                self.runtime.sockets.detach(ch.sock.fileno())
             ch.sock.close()
             ch.sock = None
 
@@ -220,12 +223,23 @@ class Link:
         if self.on_request is not None and not self.closed and self.broken is None:
             self.on_request(self, msg, req_id, fields)
 
-    def channel_fd(self, index: int) -> int:
-        sock = self.channels[index].sock
-        if sock is None:
+    def move(self, index: int, pairs: Any, *, send: bool, timeout_ms: int | None, what: str,
+             keepalive: Any) -> asyncio.Future:
+        """Start sending from (or receiving into) the ``[addr, nbytes, ...]`` runs ``pairs`` on data
+        channel ``index``: the future of the bytes moved. Cancelling it stops the job; the channel is
+        then out of step and must be reset. Plain channels run on the native SocketEngine, TLS ones
+        on their :class:`~aio_datadist.transport.tls.TlsChannel`."""
+        conn = self.channels[index].sock
+        if conn is None:
             raise LLMException(f"data channel {index} to cluster {self.remote_cluster_id} is down",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
-        return sock.fileno()
+        if isinstance(conn, tls.TlsChannel):
+            return conn.start(pairs, send=send, timeout_ms=timeout_ms, what=what, keepalive=keepalive)
+        fd = conn.fileno()
+        engine = self.runtime.sockets
+        submit = engine.submit_send if send else engine.submit_recv
+        return self.runtime.completions.start(lambda t: submit(t, fd, pairs), engine.cancel, timeout_ms=timeout_ms,
+                                              what=what, keepalive=keepalive)
 
     # -- messages ----------------------------------------------------------
 
@@ -321,6 +335,9 @@ class Link:
             if fut is not None and not fut.done():
                 fut.set_result(fields)
             return
+        if msg is Msg.NIXL:
+            self._nixl_record(fields)
+            return
         if msg in (Msg.PULL_REQ, Msg.PUSH_REQ) and fields["channel"] in self.redialling:
             self.spawn(self._request_after_redial(self.redialling[fields["channel"]], msg, req_id, fields))
             return
@@ -338,8 +355,31 @@ class Link:
     def attach_local(self, sock: Any) -> None:
         """Start sharing caches with a same-host peer over ``sock``."""
         self.local = LocalShare(sock, self.runtime, self._local_lost)
-        for cache in self.runtime.registry.caches():
-            self.local.offer(cache)
+        if self.runtime.settings.remote_cache_accessible:  # else peers may not touch our caches at all
+            for cache in self.runtime.registry.caches():
+                self.local.offer(cache)
+
+    def start_nixl(self) -> NixlPeer | None:
+        """Begin the NIXL exchange with the peer (the client does, once linked)."""
+        plane = self.table.nixl
+        if plane is None or self.nixl is not None:
+            return self.nixl
+        self.nixl = NixlPeer(plane, self._send_nixl, self.remote_cluster_id)
+        self.nixl.hello()
+        return self.nixl
+
+    def _send_nixl(self, kind: int, cache_id: int, count: int, row_bytes: int, rows: tuple, blob: bytes) -> None:
+        self.send(Msg.NIXL, 0, kind=kind, cache_id=cache_id, count=count, row_bytes=row_bytes, rows=rows, blob=blob)
+
+    def _nixl_record(self, fields: dict) -> None:
+        if self.nixl is None:
+            if self.table.nixl is None:
+                if fields["kind"] != NIXL_READY:
+                    self._send_nixl(NIXL_READY, 0, 0, 0, (), b"")  # we do not speak NIXL: TCP it is
+                return
+            self.start_nixl()
+        assert self.nixl is not None
+        self.nixl.on_message(fields)
 
     def _local_lost(self) -> None:
         log.info("link to cluster %s: same-host sharing stopped; using TCP", self.remote_cluster_id)
@@ -364,6 +404,9 @@ class Link:
         if self.local is not None:
             self.local.close()
             self.local = None
+        if self.nixl is not None:
+            self.nixl.close()
+            self.nixl = None
         self.writer.close()
         self.free.put_nowait(-1)
 
@@ -384,7 +427,7 @@ class Link:
             async with asyncio.timeout(1.0):
                 await self.writer.wait_closed()
         except (OSError, TimeoutError, ConnectionError):
-            pass
+            self.writer.transport.abort()  # a TLS close waits for the peer's close_notify: not past here
 
 
 class LinkTable:
@@ -400,20 +443,27 @@ class LinkTable:
         self.on_request: Callable[[Link, Msg, int, dict], None] = (
             lambda link, msg, req_id, fields: handle_request(runtime, link, msg, req_id, fields))
         self.local_listener: LocalListener | None = None
+        self.nixl = NixlPlane(runtime, owner.cluster_id) if runtime.settings.transport == "nixl" else None
         runtime.registry.on_add = self._shared
         runtime.registry.on_free = self._unshared
 
     @property
     def shares_memory(self) -> bool:
-        """Whether same-host links may share cache memory (``aio.Transport`` not ``tcp``)."""
-        return self.runtime.settings.transport != "tcp"
+        """Whether same-host links may share cache memory (``aio.Transport`` auto or local)."""
+        return self.runtime.settings.transport in ("auto", "local")
 
     def _shared(self, cache: Any) -> None:
+        if self.nixl is not None:
+            self.nixl.register(cache)
+        if not self.runtime.settings.remote_cache_accessible:
+            return
         for link in self.links.values():
             if link.local is not None:
                 link.local.offer(cache)
 
     def _unshared(self, cache: Any) -> None:
+        if self.nixl is not None:
+            self.nixl.unregister(cache)
         for link in self.links.values():
             if link.local is not None:
                 link.local.withdraw(cache.cache_id)
@@ -421,6 +471,20 @@ class LinkTable:
     @property
     def secret(self) -> bytes | None:
         return self.runtime.settings.shared_secret
+
+    @property
+    def tls_server(self) -> ssl.SSLContext | None:
+        return self.runtime.settings.tls_server_context
+
+    @property
+    def tls_client(self) -> ssl.SSLContext | None:
+        return self.runtime.settings.tls_client_context
+
+    def check_can_dial(self) -> None:
+        """With TLS on, dialling needs the client context: a link is never made without TLS."""
+        if self.runtime.settings.tls and self.tls_client is None:
+            raise param_invalid("aio.TlsClientContext", "is needed to link to peers: this endpoint uses TLS "
+                                "(aio.TlsServerContext is set) and never links without it")
 
     def count(self) -> int:
         return sum(1 for link in self.links.values() if not link.closed)
@@ -445,6 +509,9 @@ class LinkTable:
     # -- listening ---------------------------------------------------------
 
     async def listen(self, ip: str, port: int) -> None:
+        if self.runtime.settings.tls and self.tls_server is None:
+            raise param_invalid("aio.TlsServerContext", "is needed to listen: this endpoint uses TLS "
+                                "(aio.TlsClientContext is set) and never accepts a link without it")
         try:
             self.server = await asyncio.start_server(self._accept, ip, port, reuse_address=True)
         except OSError as exc:
@@ -469,6 +536,11 @@ class LinkTable:
             self.listen_address = None
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._handshakes) >= self.runtime.settings.max_pending_handshakes:
+            # Connections that never finish their handshake must not pile up: drop the excess at once.
+            log.debug("dropped an incoming connection: %d handshakes already pending", len(self._handshakes))
+            writer.transport.abort()
+            return
         task = asyncio.current_task()
         assert task is not None
         self._handshakes.add(task)
@@ -476,7 +548,20 @@ class LinkTable:
         try:
             async with asyncio.timeout(HANDSHAKE_LIMIT_S):
                 magic = await reader.readexactly(4)
-                if magic == wire.ATTACH_MAGIC:
+                if self.tls_server is not None:
+                    if magic != tls.MAGIC:
+                        raise ProtocolError("the peer does not use TLS; this endpoint requires it")
+                    kind = await reader.readexactly(1)
+                    if kind == tls.DATA:
+                        keep = await self._accept_tls_data(writer)
+                        return
+                    if kind != tls.CONTROL:
+                        raise ProtocolError(f"unknown TLS connection kind {kind!r}")
+                    await tls.accept_control(writer, self.tls_server, HANDSHAKE_LIMIT_S)
+                    keep = await self._accept_control(await reader.readexactly(4), reader, writer)
+                elif magic == tls.MAGIC:
+                    raise ProtocolError("the peer uses TLS; this endpoint has no aio.TlsServerContext")
+                elif magic == wire.ATTACH_MAGIC:
                     keep = await self._accept_data(magic, reader, writer)
                 else:
                     keep = await self._accept_control(magic, reader, writer)
@@ -485,82 +570,78 @@ class LinkTable:
         finally:
             self._handshakes.discard(task)
             if not keep:
-                writer.close()
+                if writer.get_extra_info("ssl_object") is not None:
+                    writer.transport.abort()  # no TLS close_notify exchange with a refused peer
+                else:
+                    writer.close()
 
     async def _accept_control(self, magic: bytes, reader: asyncio.StreamReader,
                               writer: asyncio.StreamWriter) -> bool:
-        msg, req_id, length = wire.parse_header(magic + await reader.readexactly(wire.HEADER.size - 4))
-        if msg is not Msg.HELLO:
-            raise ProtocolError(f"expected HELLO, got {msg.name}")
-        hello = wire.decode_body(msg, await reader.readexactly(length))
-        remote_id = hello["cluster_id"]
+        accepted = await handshake.accept(magic, reader, writer, secret=self.secret)
+        auth = accepted.auth
+        remote_id = auth["cluster_id"]
+
+        async def refuse(status: LLMStatusCode, text: str) -> bool:
+            writer.write(handshake.link_ok(self.secret, accepted, status, text=text))
+            await writer.drain()
+            return False
+
+        if not accepted.authenticated:
+            log.warning("refused a link from %s: authentication failed", writer.get_extra_info("peername"))
+            return await refuse(LLMStatusCode.LLM_LINK_FAILED, "authentication failed")
         try:
-            remote_role = LLMRole(hello["role"])
+            remote_role = LLMRole(auth["role"])
         except ValueError:
             raise ProtocolError("bad role") from None
-        nonce = os.urandom(wire.NONCE_BYTES)
-        me = self.owner.cluster_id.to_bytes(8, "big") + remote_id.to_bytes(8, "big")
-        status = SUCCESS
-        text = ""
-        existing = self.links.get(remote_id)
-        if remote_id == self.owner.cluster_id:
-            status, text = LLMStatusCode.LLM_LINK_FAILED, "peer uses this endpoint's own cluster id"
-        elif existing is not None and existing.broken is None and not existing.closed:
-            status, text = LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
-        proof = _proof(self.secret, b"server", hello["nonce"], nonce, me)
-        writer.write(wire.encode(Msg.HELLO_ACK, req_id, status=status, cluster_id=self.owner.cluster_id,
-                                 role=self.owner.role, nonce=nonce, proof=proof, text=text))
-        if status != SUCCESS:
-            await writer.drain()
-            return False
-        msg, req_id, length = wire.parse_header(await reader.readexactly(wire.HEADER.size))
-        if msg is not Msg.AUTH:
-            raise ProtocolError(f"expected AUTH, got {msg.name}")
-        auth = wire.decode_body(msg, await reader.readexactly(length))
-        expected = _proof(self.secret, b"client", nonce, hello["nonce"], me)
-        if not hmac.compare_digest(auth["proof"], expected):
-            log.warning("refused a link from cluster %s: authentication failed", remote_id)
-            writer.write(wire.encode(Msg.LINK_OK, req_id, status=LLMStatusCode.LLM_LINK_FAILED,
-                                     link_token=ZERO32, channels=0, boot_id=ZERO16, local_name=b"", text="authentication failed"))
-            await writer.drain()
-            return False
+        own_id = self.owner.cluster_id
+        if auth["peer_id"] != own_id:
+            return await refuse(LLMStatusCode.LLM_LINK_FAILED, f"this endpoint is cluster {own_id}, "
+                                f"not {auth['peer_id']}")
+        if remote_id == own_id:
+            return await refuse(LLMStatusCode.LLM_LINK_FAILED, "peer uses this endpoint's own cluster id")
         mine, theirs = layout_hash(self.runtime), auth["layout_hash"]
         if mine != ZERO32 and theirs != ZERO32 and mine != theirs:
             text = ("blocks caches are incompatible (tensor count, dtype or block shape differ "
                     "between the two endpoints)")
             log.warning("refused a link from cluster %s: %s", remote_id, text)
-            writer.write(wire.encode(Msg.LINK_OK, req_id, status=LLMStatusCode.LLM_LINK_FAILED,
-                                     link_token=ZERO32, channels=0, boot_id=ZERO16, local_name=b"", text=text))
-            await writer.drain()
-            return False
+            return await refuse(LLMStatusCode.LLM_LINK_FAILED, text)
+        existing = self.links.get(remote_id)
+        if existing is not None and existing.broken is None and not existing.closed:
+            return await refuse(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
         token = os.urandom(32)
         channels = self.runtime.settings.data_channels
-        existing = self.links.get(remote_id)  # it may have changed while we awaited the peer
-        if existing is not None and existing.broken is None and not existing.closed:
-            writer.write(wire.encode(Msg.LINK_OK, req_id, status=LLMStatusCode.LLM_ALREADY_LINK,
-                                     link_token=ZERO32, channels=0, boot_id=ZERO16, local_name=b"", text=f"cluster {remote_id} is already linked"))
-            await writer.drain()
-            return False
         if existing is not None:
             await existing.close()
             self.forget(existing)
+            existing = self.links.get(remote_id)  # another handshake may have linked it meanwhile
+            if existing is not None and existing.broken is None and not existing.closed:
+                return await refuse(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
         _tune(writer.get_extra_info("socket"))
         peer = writer.get_extra_info("peername")
         link = Link(self, remote_id, remote_role, reader, writer, is_client=False, channels=channels,
                     token=token, remote_address=(peer[0], peer[1]))
         self._register(link)
         local_name = self.local_listener.name if self.local_listener is not None else b""
-        writer.write(wire.encode(Msg.LINK_OK, req_id, status=SUCCESS, link_token=token, channels=channels,
-                                 boot_id=boot_id(), local_name=local_name, text=""))
+        writer.write(handshake.link_ok(self.secret, accepted, SUCCESS, cluster_id=own_id, role=self.owner.role,
+                                       token=token, channels=channels, boot=boot_id(), local_name=local_name))
         return True
+
+    def _attach_target(self, record: bytes) -> tuple[Link | None, int, int]:
+        """The link and channel a data connection's attach record names, if it may attach there."""
+        magic, version, token, index, generation = wire.ATTACH.unpack(record)
+        if magic != wire.ATTACH_MAGIC or version != wire.VERSION:
+            return None, index, generation
+        link = next((lk for lk in self.links.values() if not lk.closed and lk.broken is None and
+                     hmac.compare_digest(handshake.attach_token(self.secret, lk.token, index, generation), token)),
+                    None)
+        if link is None or not link.attach_advances(index, generation):
+            return None, index, generation
+        return link, index, generation
 
     async def _accept_data(self, magic: bytes, reader: asyncio.StreamReader,
                            writer: asyncio.StreamWriter) -> bool:
-        raw = magic + await reader.readexactly(wire.ATTACH.size - 4)
-        _, version, token, index, generation = wire.ATTACH.unpack(raw)
-        link = next((lk for lk in self.links.values() if not lk.closed and lk.broken is None and
-                     hmac.compare_digest(_attach_token(self.secret, lk.token, index, generation), token)), None)
-        if version != wire.VERSION or link is None or not link.attach_advances(index, generation):
+        link, index, generation = self._attach_target(magic + await reader.readexactly(wire.ATTACH.size - 4))
+        if link is None:
             writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
             await writer.drain()
             return False
@@ -574,10 +655,31 @@ class LinkTable:
         writer.transport.abort()
         return True
 
+    async def _accept_tls_data(self, writer: asyncio.StreamWriter) -> bool:
+        assert self.tls_server is not None
+        _tune(writer.get_extra_info("socket"))
+        channel = await tls.accept_data(writer, self.tls_server, HANDSHAKE_LIMIT_S)
+        try:
+            link, index, generation = self._attach_target(await channel.recv_exactly(wire.ATTACH.size))
+            if link is None:
+                await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
+                channel.close()
+                return True
+            link.install(index, channel, generation)
+            await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, SUCCESS))
+            return True
+        except BaseException:
+            channel.close()
+            raise
+
     # -- dialling ----------------------------------------------------------
 
     async def dial_data(self, address: tuple[str, int], token: bytes, index: int,
-                        generation: int) -> socket.socket:
+                        generation: int) -> DataConn:
+        record = wire.ATTACH.pack(wire.ATTACH_MAGIC, wire.VERSION,
+                                  handshake.attach_token(self.secret, token, index, generation), index, generation)
+        if self.tls_client is not None:
+            return await self._dial_tls_data(address, record, index)
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
@@ -585,22 +687,30 @@ class LinkTable:
             _tune(sock)
             async with asyncio.timeout(HANDSHAKE_LIMIT_S):
                 await loop.sock_connect(sock, address)
-                await loop.sock_sendall(sock, wire.ATTACH.pack(wire.ATTACH_MAGIC, wire.VERSION,
-                                                               _attach_token(self.secret, token, index, generation),
-                                                               index, generation))
+                await loop.sock_sendall(sock, record)
                 reply = b""
                 while len(reply) < wire.ATTACH_OK.size:
                     chunk = await loop.sock_recv(sock, wire.ATTACH_OK.size - len(reply))
                     if not chunk:
                         raise ConnectionError("peer closed the data connection")
                     reply += chunk
-            magic, status = wire.ATTACH_OK.unpack(reply)
-            if magic != wire.ATTACH_MAGIC or status != SUCCESS:
-                raise LLMException(f"peer refused data channel {index}", status_code=LLMStatusCode.LLM_LINK_FAILED)
+            _check_attached(reply, index)
             return sock
         except BaseException:
             sock.close()
             raise
+
+    async def _dial_tls_data(self, address: tuple[str, int], record: bytes, index: int) -> tls.TlsChannel:
+        assert self.tls_client is not None
+        async with asyncio.timeout(HANDSHAKE_LIMIT_S):
+            channel = await tls.dial_data(address, self.tls_client, HANDSHAKE_LIMIT_S, _tune)
+            try:
+                await channel.sendall(record)
+                _check_attached(await channel.recv_exactly(wire.ATTACH_OK.size), index)
+                return channel
+            except BaseException:
+                channel.close()
+                raise
 
     async def connect(self, cluster: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
         """Link to one listening peer; returns a status, never raises for link failures."""
@@ -632,47 +742,35 @@ class LinkTable:
     async def _handshake(self, remote_id: int, address: tuple[str, int], existing: Link | None) -> LLMStatusCode:
         reader, writer = await asyncio.open_connection(*address)
         link: Link | None = None
-        sockets: list[socket.socket] = []
+        sockets: list[DataConn] = []
         try:
             _tune(writer.get_extra_info("socket"))
-            nonce = os.urandom(wire.NONCE_BYTES)
-            writer.write(wire.encode(Msg.HELLO, 0, cluster_id=self.owner.cluster_id,
-                                     role=self.owner.role, nonce=nonce))
-            ack = await _read_expected(reader, Msg.HELLO_ACK)
-            if ack["status"] != SUCCESS:
-                raise LLMException(f"peer refused: {ack['text']}", status_code=code_to_status(ack["status"]))
-            if ack["cluster_id"] != remote_id:
-                raise LLMException(f"peer at {address[0]}:{address[1]} is cluster {ack['cluster_id']}, "
-                                   f"not {remote_id}", status_code=LLMStatusCode.LLM_LINK_FAILED)
-            ids = remote_id.to_bytes(8, "big") + self.owner.cluster_id.to_bytes(8, "big")
-            if not hmac.compare_digest(ack["proof"], _proof(self.secret, b"server", nonce, ack["nonce"], ids)):
-                raise LLMException("peer failed authentication (shared secret differs)",
-                                   status_code=LLMStatusCode.LLM_LINK_FAILED)
-            writer.write(wire.encode(Msg.AUTH, 0, proof=_proof(self.secret, b"client", ack["nonce"], nonce, ids),
-                                     layout_hash=layout_hash(self.runtime)))
-            ok = await _read_expected(reader, Msg.LINK_OK)
-            if ok["status"] != SUCCESS:
-                raise LLMException(f"peer refused: {ok['text']}", status_code=code_to_status(ok["status"]))
+            if self.tls_client is not None:
+                await tls.dial_control(reader, writer, self.tls_client, address[0], HANDSHAKE_LIMIT_S)
+            ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.owner.cluster_id,
+                                      role=self.owner.role, peer_id=remote_id, layout=layout_hash(self.runtime))
             channels = ok["channels"]
-            if not 1 <= channels <= 16:
-                raise ProtocolError(f"bad channel count {channels}")
             for index in range(2 * channels):
                 sockets.append(await self.dial_data(address, ok["link_token"], index, 0))
             if existing is not None:
                 await existing.close()
                 self.forget(existing)
-            link = Link(self, remote_id, LLMRole(ack["role"]), reader, writer, is_client=True,
+            link = Link(self, remote_id, ok["role"], reader, writer, is_client=True,
                         channels=channels, token=ok["link_token"], remote_address=address)
             for index, sock in enumerate(sockets):
                 link.install(index, sock, 0)
             self._register(link)
             await self._share_with(link, ok)
+            await self._nixl_with(link)
             return SUCCESS
         except BaseException:
             if link is None:
                 for sock in sockets:
                     sock.close()
-                writer.close()
+                if writer.get_extra_info("ssl_object") is not None:
+                    writer.transport.abort()
+                else:
+                    writer.close()
             raise
 
     async def _share_with(self, link: Link, ok: dict) -> None:
@@ -694,6 +792,15 @@ class LinkTable:
                 share.close()
                 link.local = None
             log.info("link to cluster %s: the peer did not finish sharing; using TCP", link.remote_cluster_id)
+
+    async def _nixl_with(self, link: Link) -> None:
+        """With ``aio.Transport=nixl``: exchange NIXL metadata and cache lists before returning."""
+        peer = link.start_nixl()
+        if peer is None:
+            return
+        await asyncio.wait([peer.ready], timeout=HANDSHAKE_LIMIT_S)
+        if not peer.usable():
+            log.info("link to cluster %s: the peer does not use NIXL; using TCP", link.remote_cluster_id)
 
     async def disconnect(self, remote_id: int, timeout_ms: int, force: bool) -> LLMStatusCode:
         link = self.links.get(remote_id)
@@ -736,10 +843,11 @@ class LinkTable:
             if link.broken is None:
                 link.send(Msg.UNLINK, link.new_req_id())
         await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+        if self.nixl is not None:
+            self.nixl.close()
 
 
-async def _read_expected(reader: asyncio.StreamReader, expected: Msg) -> dict:
-    msg, _req_id, length = wire.parse_header(await reader.readexactly(wire.HEADER.size))
-    if msg is not expected:
-        raise ProtocolError(f"expected {expected.name}, got {msg.name}")
-    return wire.decode_body(msg, await reader.readexactly(length))
+def _check_attached(reply: bytes, index: int) -> None:
+    magic, status = wire.ATTACH_OK.unpack(reply)
+    if magic != wire.ATTACH_MAGIC or status != SUCCESS:
+        raise LLMException(f"peer refused data channel {index}", status_code=LLMStatusCode.LLM_LINK_FAILED)

@@ -4,8 +4,9 @@ A request names its target (a key, an id and row, or a blocks key), the
 owner-side rows and layer range, and how many bytes per row the requester
 expects. The owner checks all of it against what it registered before a byte
 moves, answers ``RESP``, and both ends then run one native scatter/gather
-job on the request's data channel: the byte stream is tensor-major, then row
-order, identical on both ends. A push completes when the owner confirms with
+job on the request's data channel (a TLS channel's own job with TLS, see
+``Link.move``): the byte stream is tensor-major, then row order, identical
+on both ends. A push completes when the owner confirms with
 ``DONE``; a pull acknowledges with ``DONE`` so the owner can consume keys.
 """
 
@@ -21,6 +22,7 @@ from aio_datadist import _core
 from aio_datadist.cache import KvCache
 from aio_datadist.layers import resolve_tensor_span
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status, param_invalid
+from aio_datadist.transport.nixl import notif_for
 from aio_datadist.types import UINT64_MAX, BlocksCacheKey, CacheIndex, CacheKey, CacheKeyByIdAndIndex
 from aio_datadist.wire import MAX_ROWS, Msg
 
@@ -39,8 +41,10 @@ F_BLOCKS = 1
 F_CONTIG = 2
 F_EXACT = 4
 F_LOCAL = 8
+F_NIXL = 16
 
 MAX_SERVE_TIMEOUT_MS = 600_000
+NIXL_SETTLE_S = 1.0
 
 
 def target_fields(key: Any) -> dict[str, int]:
@@ -68,6 +72,10 @@ class Plan:
     local_pairs: Any
     total: int
     remote: dict[str, Any]
+    local_first: int = 0
+    local_count: int = 0
+    local_rows: tuple[int, ...] = ()
+    local_nbytes: int = 0
 
 
 def layer_pair(arg: str, value: Any) -> tuple[int, int]:
@@ -123,13 +131,15 @@ def build_plan(local: KvCache, local_layers: tuple[int, int], remote_layers: tup
                   tensor_num_per_layer=per_layer, tensor_count=count, data_type=local.cache_desc.data_type.value,
                   offset=0, nbytes=remote_nbytes,
                   flags=flags, rows=tuple(remote_rows))
-    return Plan(local, pairs, total, remote)
+    return Plan(local, pairs, total, remote, first, count, tuple(local_rows), local_nbytes)
 
 
 async def _exchange(link: Link, msg: Msg, plan: Plan, timeout_ms: int, channel: int, req_id: int) -> dict:
     resp = link.expect(req_id)
     remote = dict(plan.remote)
-    if link.local is not None and remote["target_kind"] != KIND_ADDRS:
+    if _nixl_eligible(link, plan):
+        remote["flags"] |= F_NIXL
+    elif link.local is not None and remote["target_kind"] != KIND_ADDRS:
         remote["flags"] |= F_LOCAL
     link.send(msg, req_id, channel=channel, timeout_ms=timeout_ms, **remote)
     answer = await resp
@@ -139,7 +149,19 @@ async def _exchange(link: Link, msg: Msg, plan: Plan, timeout_ms: int, channel: 
     if answer["total"] != plan.total:
         raise LLMException(f"cluster {link.remote_cluster_id} offers {answer['total']} bytes, "
                            f"{plan.total} expected", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    answer["via"] = remote["flags"] & (F_NIXL | F_LOCAL)  # how the owner may have chosen to share
     return answer
+
+
+def _nixl_eligible(link: Link, plan: Plan) -> bool:
+    """Whether NIXL can move ``plan``: whole rows of a registered cache, as many bytes per row on
+    both ends (the owner checks its side again)."""
+    peer = link.nixl
+    if peer is None or not peer.usable() or plan.remote["target_kind"] == KIND_ADDRS:
+        return False
+    row_bytes = plan.local.layout.row_bytes
+    return (peer.plane.offered(plan.local) and plan.local_nbytes == row_bytes
+            and plan.remote["nbytes"] == row_bytes and plan.remote["offset"] == 0)
 
 
 class _Refused(LLMException):
@@ -163,6 +185,8 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
     local = False
     try:
         async with asyncio.timeout(timeout_ms / 1000):
+            if link.nixl is not None:  # a cache allocated a moment ago may still be registering
+                await link.nixl.plane.registered(plan.local)
             channel = await link.acquire()
             generation = link.channels[channel].generation
             req_id = link.new_req_id()
@@ -171,18 +195,19 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
                 local = True
                 link.release(channel)
                 channel = -1
-                await _run_local(rt, link, plan, answer, req_id, what, pull=pull)
+                if answer["via"] == F_NIXL:
+                    await _run_nixl(link, plan, answer, req_id, what, pull=pull)
+                else:
+                    await _run_local(rt, link, plan, answer, req_id, what, pull=pull)
                 return
-            fd = link.channel_fd(channel)
-            engine = rt.sockets
             if pull:
-                await rt.completions.start(lambda t: engine.submit_recv(t, fd, plan.local_pairs), engine.cancel,
-                                           timeout_ms=None, what=what, keepalive=plan.local)
+                await link.move(channel, plan.local_pairs, send=False, timeout_ms=None, what=what,
+                                keepalive=plan.local)
                 link.send(Msg.DONE, req_id, status=0, text="")
             else:
                 done = link.expect(req_id)
-                await rt.completions.start(lambda t: engine.submit_send(t, fd, plan.local_pairs), engine.cancel,
-                                           timeout_ms=None, what=what, keepalive=plan.local)
+                await link.move(channel, plan.local_pairs, send=True, timeout_ms=None, what=what,
+                                keepalive=plan.local)
                 answer = await done
                 if answer["status"] != LLMStatusCode.LLM_SUCCESS:
                     raise LLMException(f"cluster {link.remote_cluster_id}: {answer['text']}",
@@ -239,6 +264,48 @@ async def _run_local(rt: Runtime, link: Link, plan: Plan, answer: dict, req_id: 
         if answer["status"] != LLMStatusCode.LLM_SUCCESS:
             raise LLMException(f"cluster {link.remote_cluster_id}: {answer['text']}",
                                status_code=code_to_status(answer["status"]))
+
+
+async def _run_nixl(link: Link, plan: Plan, answer: dict, req_id: int, what: str, *, pull: bool) -> None:
+    """The owner chose NIXL: one READ (pull) or WRITE with a notification (push) of whole rows.
+
+    A WRITE is confirmed by the owner once its notification arrived. A
+    transfer that is given up is cancelled in NIXL and waited for (at most
+    ``NIXL_SETTLE_S``) before the owner hears of it, so the owner never
+    recycles memory that a WRITE of ours may still be filling.
+    """
+    peer = link.nixl
+    remote = plan.remote
+    region = None if peer is None else peer.caches.get(answer["cache_id"])
+    if region is None:
+        raise LLMException(f"cluster {link.remote_cluster_id} cache {answer['cache_id']} is not prepared for NIXL",
+                           status_code=LLMStatusCode.LLM_LINK_FAILED)
+    first, count = one_side_span(region.tensors, (remote["layer_first"], remote["layer_last"]),
+                                 remote["tensor_num_per_layer"], "src_layer_range" if pull else "dst_layer_range")
+    if count != plan.local_count:
+        raise LLMException(f"cluster {link.remote_cluster_id} resolved a cache that does not fit the request",
+                           status_code=LLMStatusCode.LLM_LINK_FAILED)
+    rows = list(remote["rows"]) or [answer["row"]]
+    done = None if pull else link.expect(req_id)
+    moved, settled = peer.transfer("READ" if pull else "WRITE", plan.local, plan.local_first, plan.local_rows,
+                                   region.cache_id, first, rows, count, b"" if pull else notif_for(req_id), what)
+    try:
+        await moved
+    except BaseException as exc:
+        moved.cancel()
+        await asyncio.wait([settled], timeout=NIXL_SETTLE_S)
+        if isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_FAILED:
+            # NIXL failed a transfer it had accepted: the peer's agent went away or the fabric failed
+            raise LLMException(f"{what}: NIXL transfer with cluster {link.remote_cluster_id} failed ({exc})",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED) from None
+        raise
+    if done is None:
+        link.send(Msg.DONE, req_id, status=0, text="")
+        return
+    answer = await done
+    if answer["status"] != LLMStatusCode.LLM_SUCCESS:
+        raise LLMException(f"cluster {link.remote_cluster_id}: {answer['text']}",
+                           status_code=code_to_status(answer["status"]))
 
 
 def _abandon(link: Link, channel: int, generation: int, req_id: int, local: bool = False) -> None:
@@ -340,6 +407,10 @@ def _serve_addrs(rt: Runtime, msg: Msg, req: dict) -> tuple[list[KvCache], Any, 
 
 def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[Any, Any, int, tuple | None, range, list]:
     """Validate a peer's request; ``(keepalive, pairs, total, key, tensors, landed rows)``."""
+    if not rt.settings.remote_cache_accessible:
+        raise _Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                       "this endpoint's caches are not remotely accessible "
+                       "(its option 'llm.EnableRemoteCacheAccessible' is '0')")
     if not link.peer_channel_ok(req["channel"]):
         raise _Refusal(LLMStatusCode.LLM_LINK_FAILED, f"data channel {req['channel']} is not usable")
     if req["target_kind"] == KIND_ADDRS:
@@ -394,9 +465,13 @@ def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[Any, Any,
 
 
 def _serve_local(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict, cache: KvCache, total: int,
-                 pulled_key: tuple | None, tensors: range, landed: list) -> None:
-    """Let a same-host requester copy against our shared cache; it reports back with DONE."""
+                 pulled_key: tuple | None, tensors: range, landed: list, *, nixl: bool = False) -> None:
+    """Let the requester move the bytes itself: a same-host copy against our shared cache, or a
+    NIXL READ/WRITE against our registered one. A pull reports back with DONE, a NIXL push
+    with its WRITE's notification (a failed push with DONE)."""
     row = -1 if req["rows"] else _target_row(rt, req)
+    plane = link.nixl.plane if nixl else None
+    notified = None
 
     def ok() -> None:
         if pulled_key is not None:
@@ -423,13 +498,37 @@ def _serve_local(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict, cach
         def run() -> None:
             if link.serving.get(req_id) is abort:
                 del link.serving[req_id]
+            if plane is not None:
+                plane.serve_end(cache.cache_id)
+                if notified is not None and not notified.done():
+                    notified.cancel()
             then()
         return run
 
     link.serving[req_id] = abort
     link.pull_acks[req_id] = (settled(ok), settled(failed))
+    if plane is not None:
+        plane.serve_begin(cache.cache_id)
+        if msg is Msg.PUSH_REQ:
+            notified = link.nixl.expect_push(req_id, f"NIXL push {req_id}")
+
+            def arrived(f: asyncio.Future) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    return
+                ack = link.pull_acks.pop(req_id, None)
+                if ack is not None:
+                    ack[0]()
+
+            notified.add_done_callback(arrived)
     link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=total, cache_id=cache.cache_id, row=row,
               text="")
+
+
+def _nixl_serves(link: Link, cache: Any, req: dict) -> bool:
+    """Whether the requester may move whole rows of ``cache`` with NIXL."""
+    peer = link.nixl
+    return (isinstance(cache, KvCache) and peer is not None and peer.serves(cache)
+            and req["offset"] == 0 and req["nbytes"] == cache.layout.row_bytes)
 
 
 def _target_row(rt: Runtime, req: dict) -> int:
@@ -456,18 +555,18 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) ->
         link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, total=0, cache_id=-1, row=-1,
                   text="the key is being pulled by another request")
         return
+    if req["flags"] & F_NIXL and _nixl_serves(link, cache, req):
+        _serve_local(rt, link, msg, req_id, req, cache, total, pulled_key, tensors, landed, nixl=True)
+        return
     if req["flags"] & F_LOCAL and isinstance(cache, KvCache) and link.local is not None and link.local.shared(cache):
         _serve_local(rt, link, msg, req_id, req, cache, total, pulled_key, tensors, landed)
         return
     channel = req["channel"]
     generation = link.channels[channel].generation
-    fd = link.channel_fd(channel)
-    engine = rt.sockets
     timeout_ms = min(max(req["timeout_ms"], 1), MAX_SERVE_TIMEOUT_MS) + 1000
     link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=total, cache_id=-1, row=-1, text="")
-    submit = engine.submit_send if msg is Msg.PULL_REQ else engine.submit_recv
-    fut = rt.completions.start(lambda t: submit(t, fd, pairs), engine.cancel, timeout_ms=timeout_ms,
-                               what=f"serving {msg.name} {req_id}", keepalive=cache)
+    fut = link.move(channel, pairs, send=msg is Msg.PULL_REQ, timeout_ms=timeout_ms,
+                    what=f"serving {msg.name} {req_id}", keepalive=cache)
     if pulled_key is not None:
         num = cache.cache_desc.num_tensors
 

@@ -2,7 +2,8 @@
 
 Every control message is a fixed 20-byte header followed by a body whose
 layout is fixed by the message type: struct fields, then at most one
-length-prefixed list of u64 row indices and one length-prefixed UTF-8 text.
+length-prefixed list of u64 row indices, one length-prefixed UTF-8 text and
+one length-prefixed opaque byte string (NIXL's serialized agent metadata).
 Decoding checks the magic, version, type, body length and every count; no
 object serialisation (pickle) is used anywhere.
 """
@@ -17,11 +18,12 @@ __all__ = ["HEADER", "MAX_BODY", "MAX_ROWS", "MAX_TEXT", "VERSION", "Msg", "Prot
            "decode_body", "encode", "parse_header", "ATTACH", "ATTACH_OK"]
 
 MAGIC = b"AIOD"
-VERSION = 1
+VERSION = 2  # 2: the handshake sends nothing identifying before authentication
 HEADER = struct.Struct("!4sBBHQI")
 MAX_BODY = 1 << 20
 MAX_ROWS = 65536
 MAX_TEXT = 4096
+MAX_BLOB = 256 * 1024
 NONCE_BYTES = 32
 
 
@@ -44,6 +46,7 @@ class Msg(enum.IntEnum):
     UNLINK = 22
     UNLINK_ACK = 23
     PING = 24
+    NIXL = 30
 
 
 _TARGET = [("target_kind", "B"), ("cluster_id", "Q"), ("cache_id", "q"), ("key_req_id", "Q"),
@@ -53,12 +56,12 @@ _TRANSFER = [("channel", "H"), *_TARGET, ("layer_first", "i"), ("layer_last", "i
              ("nbytes", "Q"), ("flags", "B"), ("timeout_ms", "I"), ("rows", "rows")]
 
 _SCHEMAS: dict[Msg, list[tuple[str, str]]] = {
-    Msg.HELLO: [("cluster_id", "Q"), ("role", "B"), ("nonce", f"{NONCE_BYTES}s")],
-    Msg.HELLO_ACK: [("status", "q"), ("cluster_id", "Q"), ("role", "B"), ("nonce", f"{NONCE_BYTES}s"),
-                    ("proof", "32s"), ("text", "text")],
-    Msg.AUTH: [("proof", "32s"), ("layout_hash", "32s")],
-    Msg.LINK_OK: [("status", "q"), ("link_token", "32s"), ("channels", "B"), ("boot_id", "16s"),
-                  ("local_name", "48s"), ("text", "text")],
+    # The handshake (handshake.py): nothing identifying before the client proved the secret.
+    Msg.HELLO: [("nonce", f"{NONCE_BYTES}s")],
+    Msg.HELLO_ACK: [("nonce", f"{NONCE_BYTES}s"), ("proof", "32s")],
+    Msg.AUTH: [("proof", "32s"), ("cluster_id", "Q"), ("role", "B"), ("peer_id", "Q"), ("layout_hash", "32s")],
+    Msg.LINK_OK: [("status", "q"), ("cluster_id", "Q"), ("role", "B"), ("link_token", "32s"), ("channels", "B"),
+                  ("boot_id", "16s"), ("local_name", "48s"), ("proof", "32s"), ("text", "text")],
     Msg.PULL_REQ: _TRANSFER,
     Msg.PUSH_REQ: _TRANSFER,
     Msg.RESP: [("status", "q"), ("total", "Q"), ("cache_id", "q"), ("row", "q"), ("text", "text")],
@@ -69,14 +72,17 @@ _SCHEMAS: dict[Msg, list[tuple[str, str]]] = {
     Msg.UNLINK: [],
     Msg.UNLINK_ACK: [],
     Msg.PING: [],
+    Msg.NIXL: [("kind", "B"), ("cache_id", "q"), ("count", "Q"), ("row_bytes", "Q"), ("rows", "rows"),
+               ("blob", "blob")],
 }
 
 
-def _compile(fields: list[tuple[str, str]]) -> tuple[struct.Struct, list[str], str | None, bool]:
-    fixed = [(n, f) for n, f in fields if f not in ("rows", "text")]
+def _compile(fields: list[tuple[str, str]]) -> tuple[struct.Struct, list[str], str | None, bool, bool]:
+    fixed = [(n, f) for n, f in fields if f not in ("rows", "text", "blob")]
     rows = next((n for n, f in fields if f == "rows"), None)
     text = any(f == "text" for _, f in fields)
-    return struct.Struct("!" + "".join(f for _, f in fixed)), [n for n, _ in fixed], rows, text
+    blob = any(f == "blob" for _, f in fields)
+    return struct.Struct("!" + "".join(f for _, f in fixed)), [n for n, _ in fixed], rows, text, blob
 
 
 _COMPILED = {m: _compile(f) for m, f in _SCHEMAS.items()}
@@ -91,7 +97,7 @@ ATTACH_OK = struct.Struct("!4sq")
 
 def encode(msg: Msg, req_id: int = 0, **fields: Any) -> bytes:
     """One framed message; ``fields`` must name every field of the schema."""
-    fixed, names, rows_name, has_text = _COMPILED[msg]
+    fixed, names, rows_name, has_text, has_blob = _COMPILED[msg]
     parts = [fixed.pack(*(fields[n] for n in names))]
     if rows_name is not None:
         rows = fields[rows_name]
@@ -103,6 +109,12 @@ def encode(msg: Msg, req_id: int = 0, **fields: Any) -> bytes:
         text = fields.get("text", "").encode("utf-8", "replace")[:MAX_TEXT]
         parts.append(_U16.pack(len(text)))
         parts.append(text)
+    if has_blob:
+        blob = fields["blob"]
+        if len(blob) > MAX_BLOB:
+            raise ValueError(f"{len(blob)} bytes exceed the protocol's blob limit of {MAX_BLOB}")
+        parts.append(_U32.pack(len(blob)))
+        parts.append(bytes(blob))
     body = b"".join(parts)
     return HEADER.pack(MAGIC, VERSION, msg, 0, req_id, len(body)) + body
 
@@ -125,7 +137,7 @@ def parse_header(data: bytes) -> tuple[Msg, int, int]:
 
 def decode_body(msg: Msg, body: bytes) -> dict[str, Any]:
     """The fields of ``body``; any length or count mismatch is a :class:`ProtocolError`."""
-    fixed, names, rows_name, has_text = _COMPILED[msg]
+    fixed, names, rows_name, has_text, has_blob = _COMPILED[msg]
     if len(body) < fixed.size:
         raise ProtocolError(f"{msg.name} body is truncated")
     out = dict(zip(names, fixed.unpack_from(body, 0)))
@@ -147,6 +159,15 @@ def decode_body(msg: Msg, body: bytes) -> dict[str, Any]:
         if count > MAX_TEXT or len(body) < pos + count:
             raise ProtocolError(f"{msg.name} text is malformed")
         out["text"] = body[pos:pos + count].decode("utf-8", "replace")
+        pos += count
+    if has_blob:
+        if len(body) < pos + 4:
+            raise ProtocolError(f"{msg.name} blob length is truncated")
+        (count,) = _U32.unpack_from(body, pos)
+        pos += 4
+        if count > MAX_BLOB or len(body) < pos + count:
+            raise ProtocolError(f"{msg.name} blob is malformed")
+        out["blob"] = bytes(body[pos:pos + count])
         pos += count
     if pos != len(body):
         raise ProtocolError(f"{msg.name} body has {len(body) - pos} trailing bytes")

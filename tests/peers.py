@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -30,6 +31,8 @@ import traceback
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import pytest
+import pytest
 import torch
 
 from aio_datadist import (
@@ -46,6 +49,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist.transport.nixl_engine import NIXL_MODULES
 
 LOCALHOST = "127.0.0.1"
 PROMPT_ID = 1
@@ -60,6 +64,19 @@ CACHE_DESC = CacheDesc(4, (3, 256), DataType.DT_FLOAT16, Placement.HOST)  # 3 ro
 
 
 TRANSPORT = {"default": "tcp"}
+
+
+def _nixl_missing() -> str:
+    """Why the NIXL transport cannot run here ("" when it can); looks, does not import."""
+    if any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES):
+        return ""
+    return f"none of {', '.join(NIXL_MODULES)} is installed"
+
+
+NIXL_MISSING = _nixl_missing()
+#: Transport parameters: ``nixl`` is skipped where the NIXL package cannot be imported.
+TRANSPORTS = ["tcp", "local", pytest.param("nixl", marks=[pytest.mark.nixl, *(
+    [pytest.mark.skip(reason=NIXL_MISSING)] if NIXL_MISSING else [])])]
 
 
 def options(*, listen: bool = False, secret: str | None = None, sync_kv_timeout: int | None = None,

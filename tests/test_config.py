@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -62,6 +63,8 @@ def test_defaults() -> None:
     assert config.copy_threads == min(4, os.cpu_count() or 1)
     assert config.data_channels == 2
     assert config.heartbeat_interval == 1000
+    assert config.max_pending_handshakes == 64
+    assert config.tls_server_context is None and config.tls_client_context is None
     assert config.generate_options() == {"llm.MemoryUtilization": "0.95"}
 
 
@@ -106,6 +109,8 @@ def test_defaults() -> None:
         ("copy_threads", 64, {"aio.CopyThreads": "64"}),
         ("data_channels", 16, {"aio.DataChannels": "16"}),
         ("heartbeat_interval", 250, {"aio.HeartbeatIntervalMs": "250"}),
+        ("max_pending_handshakes", 8, {"aio.MaxPendingHandshakes": "8"}),
+        ("enable_remote_cache_accessible", False, {"llm.EnableRemoteCacheAccessible": "0"}),
     ],
 )
 def test_property_emits_its_key(name: str, value: object, emitted: dict[str, str]) -> None:
@@ -189,6 +194,13 @@ def test_property_emits_its_key(name: str, value: object, emitted: dict[str, str
         ("data_channels", 17),
         ("heartbeat_interval", 0),
         ("heartbeat_interval", 2**31),
+        ("max_pending_handshakes", 0),
+        ("max_pending_handshakes", 65536),
+        ("max_pending_handshakes", "64"),
+        ("tls_server_context", "/etc/ssl/server.pem"),
+        ("tls_server_context", ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)),  # cannot take the server side
+        ("tls_client_context", b"context"),
+        ("tls_client_context", ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)),  # cannot take the client side
     ],
 )
 def test_property_rejects(name: str, value: object) -> None:
@@ -369,6 +381,12 @@ def test_parse_options_accepts_the_cpp_listen_key() -> None:
         ({"aio.DataChannels": "0"}, "aio.DataChannels"),
         ({"aio.HeartbeatIntervalMs": "0"}, "aio.HeartbeatIntervalMs"),
         ({"aio.Transprot": "tcp"}, "aio.Transprot"),
+        ({"aio.MaxPendingHandshakes": "0"}, "aio.MaxPendingHandshakes"),
+        ({"aio.TlsServerContext": "server.pem"}, "aio.TlsServerContext"),
+        ({"aio.TlsServerContext": ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)}, "aio.TlsServerContext"),
+        ({"aio.TlsClientContext": ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)}, "aio.TlsClientContext"),
+        ({"aio.TlsClientContext": ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), "aio.Transport": "nixl"}, "aio.Transport"),
+        ({"aio.SharedSecret": ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)}, "aio.SharedSecret"),
         ({"llm.SyncKvCacheWaitTime": 1000}, "llm.SyncKvCacheWaitTime"),
         ({1: "x"}, "options"),
     ],
@@ -424,3 +442,27 @@ def test_aio_options_round_trip(
     assert settings.heartbeat_interval_ms == heartbeat
     assert settings.sync_kv_timeout_ms == timeout
     assert settings.listen == ("127.0.0.1", port)
+
+
+def test_tls_contexts_pass_through_as_objects() -> None:
+    server, client = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    config = LLMConfig()
+    config.tls_server_context = server
+    config.tls_client_context = client
+    options = config.generate_options()
+    assert options["aio.TlsServerContext"] is server and options["aio.TlsClientContext"] is client
+    settings = parse_options(options)
+    assert settings.tls_server_context is server and settings.tls_client_context is client and settings.tls
+    assert not parse_options({}).tls
+    both_ways = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    assert parse_options({"aio.TlsServerContext": both_ways}).tls_client_context is None
+
+
+def test_remote_cache_access_unset_means_on() -> None:
+    config = LLMConfig()
+    assert config.enable_remote_cache_accessible is False  # LLM-DataDist's property default...
+    assert parse_options(config.generate_options()).remote_cache_accessible  # ...and unset means on, as its engine
+    config.enable_remote_cache_accessible = True
+    assert parse_options(config.generate_options()).remote_cache_accessible
+    config.enable_remote_cache_accessible = False
+    assert not parse_options(config.generate_options()).remote_cache_accessible

@@ -36,9 +36,17 @@ from aio_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
-from peers import DECODER_ID, PROMPT_ID, cluster_info, endpoint, fill, port_of, same, snapshot
+from peers import DECODER_ID, PROMPT_ID, TRANSPORT, TRANSPORTS, cluster_info, endpoint, fill, port_of, same, snapshot
 
 pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(autouse=True, params=[t for t in TRANSPORTS if t != "local"])
+def transport(request):
+    """Every layer-wise transfer runs over TCP data channels and over NIXL WRITEs."""
+    TRANSPORT["default"] = request.param
+    yield request.param
+    TRANSPORT["default"] = "tcp"
 
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID

@@ -34,6 +34,7 @@ from peers import (
     DECODER_ID,
     LOCALHOST,
     PROMPT_ID,
+    TRANSPORTS,
     CacheSpec,
     EndpointSpec,
     Ref,
@@ -60,9 +61,18 @@ async def expect_code(code: LLMStatusCode, awaitable) -> LLMException:
     return exc.value
 
 
+def nixl_posted(dd) -> int:
+    """Transfers this endpoint posted to NIXL (0 when it does not use NIXL)."""
+    plane = dd._links.nixl
+    return 0 if plane is None else plane.engine.posted
+
+
 @pytest.mark.asyncio(loop_factories=["asyncio"])
-async def test_pull_and_push_between_processes():
-    async with spawned(prompt_spec(loop="uvloop")) as (prompt,), endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "local"])
+async def test_pull_and_push_between_processes(transport):
+    config = (("transport", transport),)
+    async with spawned(prompt_spec(loop="uvloop", config=config)) as (prompt,), \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport=transport) as dd:
         kv = dd.kv_cache_manager
         blocks = kv.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(DECODER_ID))
         rows = kv.allocate_cache(CACHE_DESC)
@@ -99,6 +109,8 @@ async def test_pull_and_push_between_processes():
                 assert torch.equal(d[2], p_blocks[t + 2][3])
         await prompt.call("kv", "push_cache", CacheIndex(DECODER_ID, rows.cache_id, 1), Ref("rows"), 0)
         assert all(torch.equal(d[1], v[0]) for d, v in zip(rows.tensors, p_rows))
+        if transport == "nixl":  # whole-row pulls went by NIXL READ (partial rows and row-into-blocks by TCP)
+            assert nixl_posted(dd) == 3
 
         # non-forced unlink: both ends go
         assert await dd.unlink_clusters([prompt.info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
@@ -108,13 +120,15 @@ async def test_pull_and_push_between_processes():
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
-async def test_concurrent_decoders_pull_from_one_prompt():
-    decoders = [EndpointSpec(LLMRole.DECODER, 20 + n, listen=False, loop="asyncio",
+@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "local"])
+async def test_concurrent_decoders_pull_from_one_prompt(transport):
+    config = (("transport", transport),)
+    decoders = [EndpointSpec(LLMRole.DECODER, 20 + n, listen=False, loop="asyncio", config=config,
                              caches=(CacheSpec("rows", CACHE_DESC, seed=0),
                                      CacheSpec("blocks", BLOCKS_DESC, seed=0, blocks=True)))
                 for n in range(3)]
-    async with spawned(prompt_spec(), *decoders) as (prompt, *procs), \
-            endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+    async with spawned(prompt_spec(config=config), *decoders) as (prompt, *procs), \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport=transport) as dd:
         p_rows, p_blocks = prompt.expected("rows"), prompt.expected("blocks")
         for proc in procs:
             proc.send("link", PROMPT_ID, prompt.port)
@@ -136,6 +150,7 @@ async def test_concurrent_decoders_pull_from_one_prompt():
             assert await proc.answer() is None
         for d, v in zip(rows.tensors, p_rows):
             assert torch.equal(d, v[3:6])
+        assert nixl_posted(dd) == (3 if transport == "nixl" else 0)
         for n, proc in enumerate(procs):
             got_rows = tensors_from_dump(CACHE_DESC, await proc.call("dump", "rows"))
             got_blocks = tensors_from_dump(BLOCKS_DESC, await proc.call("dump", "blocks"))
@@ -253,10 +268,11 @@ def _intruder(port: int, cache_id: int) -> list[bytes]:
         leftovers.append(_rest_of_stream(sock))
     # 2. a handshake with a made-up proof, then a request anyway
     with socket.create_connection(address, timeout=5) as sock:
-        sock.sendall(wire.encode(wire.Msg.HELLO, 0, cluster_id=66, role=LLMRole.DECODER, nonce=bytes(32)))
+        sock.sendall(wire.encode(wire.Msg.HELLO, 0, nonce=bytes(32)))
         msg, ack = _recv_frame(sock)
-        assert msg is wire.Msg.HELLO_ACK and ack["status"] == 0
-        sock.sendall(wire.encode(wire.Msg.AUTH, 0, proof=bytes(32), layout_hash=bytes(32)))
+        assert msg is wire.Msg.HELLO_ACK
+        sock.sendall(wire.encode(wire.Msg.AUTH, 0, proof=bytes(32), cluster_id=66, role=LLMRole.DECODER,
+                                 peer_id=PROMPT_ID, layout_hash=bytes(32)))
         msg, ok = _recv_frame(sock)
         assert msg is wire.Msg.LINK_OK and ok["status"] == S.LLM_LINK_FAILED and ok["link_token"] == bytes(32)
         with pytest.raises(OSError):  # the prompt has closed the connection

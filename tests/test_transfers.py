@@ -22,6 +22,7 @@ from aio_datadist import (
 )
 from peers import (
     TRANSPORT,
+    TRANSPORTS,
     BLOCKS_DESC,
     CACHE_DESC,
     DECODER_ID,
@@ -39,9 +40,9 @@ NO_ID = 2**64 - 1
 pytestmark = pytest.mark.asyncio
 
 
-@pytest.fixture(autouse=True, params=["tcp", "local"])
+@pytest.fixture(autouse=True, params=TRANSPORTS)
 def transport(request):
-    """Every transfer here runs over TCP data channels and over same-host shared memory."""
+    """Every transfer here runs over TCP data channels, same-host shared memory and NIXL."""
     TRANSPORT["default"] = request.param
     yield request.param
     TRANSPORT["default"] = "tcp"

@@ -2,9 +2,11 @@
 
 Blocking sockets with timeouts; use it from a worker thread while the
 endpoint runs in the test's event loop. It speaks only what ``wire.py`` and
-``docs/transports.md`` describe: HELLO -> HELLO_ACK -> AUTH -> LINK_OK,
-then ``2N`` data connections that present the link token, then framed
-requests on the control connection and raw bytes on data channel ``[0, N)``.
+``docs/transports.md`` describe: HELLO (a nonce) -> HELLO_ACK (a nonce and
+the server's proof) -> AUTH (the client's proof and identity) -> LINK_OK
+(proven), then ``2N`` data connections that present the link token, then
+framed requests on the control connection and raw bytes on data channel
+``[0, N)``.
 """
 
 from __future__ import annotations
@@ -97,20 +99,26 @@ class RawLink:
         ctl = dial(self.address)
         self.ctl = ctl
         nonce = os.urandom(wire.NONCE_BYTES)
-        self.send_raw(wire.encode(Msg.HELLO, 0, cluster_id=self.cluster_id, role=int(self.role), nonce=nonce))
+        self.send_raw(wire.encode(Msg.HELLO, 0, nonce=nonce))
         msg, _, ack = recv_frame(ctl)
         assert msg is Msg.HELLO_ACK, msg
-        if ack["status"] != 0:
-            raise Refused(ack["status"], ack["text"])
-        ids = self.remote_id.to_bytes(8, "big") + self.cluster_id.to_bytes(8, "big")
-        if ack["proof"] != proof(self.secret, b"server", nonce, ack["nonce"], ids):
+        if ack["proof"] != proof(self.secret, b"server", nonce, ack["nonce"]):
             raise Refused(-1, "the server's proof is wrong")
-        self.send_raw(wire.encode(Msg.AUTH, 0, proof=proof(self.secret, b"client", ack["nonce"], nonce, ids),
+        identity = (self.cluster_id.to_bytes(8, "big") + int(self.role).to_bytes(1, "big")
+                    + self.remote_id.to_bytes(8, "big") + bytes(32))
+        self.send_raw(wire.encode(Msg.AUTH, 0, proof=proof(self.secret, b"client", ack["nonce"], nonce, identity),
+                                  cluster_id=self.cluster_id, role=int(self.role), peer_id=self.remote_id,
                                   layout_hash=bytes(32)))
         msg, _, ok = recv_frame(ctl)
         assert msg is Msg.LINK_OK, msg
         if ok["status"] != 0:
             raise Refused(ok["status"], ok["text"])
+        proven = (ok["status"].to_bytes(8, "big", signed=True) + ok["cluster_id"].to_bytes(8, "big")
+                  + ok["role"].to_bytes(1, "big") + ok["link_token"] + ok["channels"].to_bytes(1, "big")
+                  + ok["boot_id"] + ok["local_name"])
+        if ok["proof"] != proof(self.secret, b"link", nonce, ack["nonce"], proven):
+            raise Refused(-1, "the server's LINK_OK is not proven")
+        assert ok["cluster_id"] == self.remote_id, ok["cluster_id"]
         self.token, self.channels = ok["link_token"], ok["channels"]
         for index in range(2 * self.channels):
             self.data.append(self.attach(index, 0))

@@ -6,8 +6,11 @@ never completes a handshake with a server that cannot prove the secret);
 raw clients that send requests with no handshake, forge a proof, replay a
 captured HELLO/AUTH pair, guess a data-channel token, or replay a captured
 data-channel attach record during and after the link it belonged to. Each
-gets at most a HELLO_ACK and a refusal, the owner's links table never shows
-them, and the legitimate link's next pull still returns its own bytes.
+gets at most a HELLO_ACK (a nonce and a proof) and a refusal that carries
+nothing, the owner's links table never shows them, and the legitimate link's
+next pull still returns its own bytes. Nothing identifying (cluster id, role,
+blocks layout, channel count, boot id, share socket name) reaches a peer
+before it proved the secret, in either direction.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import os
 import pytest
 import torch
 
-from aio_datadist import CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, wire
+from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, wire
+from aio_datadist.links import layout_hash
+from aio_datadist.transport.local import boot_id
 from aio_datadist.types import UINT64_MAX
 from aio_datadist.wire import Msg
 from peers import LOCALHOST, cluster_info, fill, port_of
@@ -154,6 +159,7 @@ class FakeServer:
 
     def __init__(self) -> None:
         self.frames: list[Msg] = []
+        self.received = bytearray()
         self.server: asyncio.base_events.Server | None = None
 
     async def __aenter__(self) -> FakeServer:
@@ -168,12 +174,12 @@ class FakeServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                msg, _, length = wire.parse_header(await reader.readexactly(wire.HEADER.size))
-                await reader.readexactly(length)
+                header = await reader.readexactly(wire.HEADER.size)
+                msg, _, length = wire.parse_header(header)
+                self.received += header + await reader.readexactly(length)
                 self.frames.append(msg)
                 if msg is Msg.HELLO:
-                    writer.write(wire.encode(Msg.HELLO_ACK, 0, status=0, cluster_id=PROMPT, role=1,
-                                             nonce=os.urandom(32), proof=os.urandom(32), text=""))
+                    writer.write(wire.encode(Msg.HELLO_ACK, 0, nonce=os.urandom(32), proof=os.urandom(32)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -188,4 +194,107 @@ async def test_a_client_with_the_secret_does_not_complete_a_handshake_with_an_im
         assert await dec.link_clusters([cluster_info(PROMPT, address)]) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
         await asyncio.sleep(0.05)
         assert fake.frames == [Msg.HELLO]  # no AUTH: the client's proof and layout never reach an impostor
+        assert len(fake.received) == wire.HEADER.size + wire.NONCE_BYTES  # HELLO is a nonce, nothing else
+        assert DECODER.to_bytes(8, "big") not in fake.received
         await settle(dec, baseline)
+
+
+IDENTIFIED = 0x5EC2E7C0FFEE0001  # a cluster id that cannot turn up in the bytes by chance
+BLOCKS = CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, Placement.HOST)
+
+
+def handshake_without_the_secret(address: tuple[str, int]) -> bytes:
+    """Everything an owner sends a client that goes through the handshake with a forged proof."""
+    with dial(address) as sock:
+        sock.sendall(wire.encode(Msg.HELLO, 0, nonce=os.urandom(wire.NONCE_BYTES)))
+        received = recv_exactly(sock, wire.HEADER.size + 2 * 32)  # HELLO_ACK: a nonce and a proof
+        sock.sendall(wire.encode(Msg.AUTH, 0, proof=os.urandom(32), cluster_id=DECODER, role=int(LLMRole.DECODER),
+                                 peer_id=IDENTIFIED, layout_hash=bytes(32)))
+        return received + rest_of_stream(sock)
+
+
+@pytest.mark.asyncio
+async def test_before_proving_the_secret_a_peer_learns_nothing_but_a_nonce():
+    async with endpoint(LLMRole.PROMPT, IDENTIFIED, listen=True, shared_secret=SECRET, transport="auto") as dd:
+        dd.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(IDENTIFIED))
+        identifying = {"cluster id": IDENTIFIED.to_bytes(8, "big"), "boot id": boot_id(),
+                       "share socket name": dd._links.local_listener.name[1:],
+                       "blocks layout": layout_hash(dd._runtime)}
+        received = await asyncio.to_thread(handshake_without_the_secret, port_of(dd))
+        frames, pos = [], 0
+        while pos < len(received):
+            msg, _, length = wire.parse_header(received[pos:pos + wire.HEADER.size])
+            frames.append((msg, wire.decode_body(msg, received[pos + wire.HEADER.size:pos + wire.HEADER.size + length])))
+            pos += wire.HEADER.size + length
+        assert [msg for msg, _ in frames] == [Msg.HELLO_ACK, Msg.LINK_OK]
+        assert set(frames[0][1]) == {"nonce", "proof"}
+        refusal = frames[1][1]
+        assert refusal["status"] == S.LLM_LINK_FAILED and refusal["text"] == "authentication failed"
+        assert all(not any(v) if isinstance(v, bytes) else v == 0
+                   for k, v in refusal.items() if k not in ("status", "text")), refusal
+        leaked = [what for what, value in identifying.items() if value in received]
+        assert not leaked, f"sent before authentication: {leaked}"
+        assert dd._links.links == {}
+        # with the secret, the same owner names itself (after the client's proof)
+        with RawLink(port_of(dd), DECODER, IDENTIFIED, SECRET.encode()) as legit:
+            await asyncio.to_thread(legit.connect)
+            assert sorted(dd._links.links) == [DECODER]
+
+
+class TamperingRelay:
+    """A man in the middle without the secret: relays a link's control connection and alters LINK_OK's
+    boot id (which would aim the client's same-host sharing at a socket of the attacker's choosing)."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.tampered = 0
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> TamperingRelay:
+        self.server = await asyncio.start_server(self._relay, LOCALHOST, 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        for writer in self.writers:
+            writer.transport.abort()
+        await self.server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self.writers += [writer, up_writer]
+
+        async def upstream() -> None:
+            while data := await reader.read(65536):
+                up_writer.write(data)
+            up_writer.transport.abort()  # the client hung up: so does its relayed connection
+
+        async def downstream() -> None:
+            while True:
+                header = await up_reader.readexactly(wire.HEADER.size)
+                msg, req_id, length = wire.parse_header(header)
+                fields = wire.decode_body(msg, await up_reader.readexactly(length))
+                if msg is Msg.LINK_OK and fields["status"] == 0:
+                    fields["boot_id"] = bytes(b ^ 0xFF for b in fields["boot_id"])
+                    self.tampered += 1
+                writer.write(wire.encode(msg, req_id, **fields))
+
+        try:
+            await asyncio.gather(upstream(), downstream())
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            writer.transport.abort()
+            up_writer.transport.abort()
+
+
+@pytest.mark.asyncio
+async def test_a_link_ok_altered_on_the_way_fails_the_link():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, shared_secret=SECRET) as dd, \
+            endpoint(LLMRole.DECODER, DECODER, shared_secret=SECRET) as dec, TamperingRelay(port_of(dd)) as relay:
+        address = relay.server.sockets[0].getsockname()[:2]
+        assert await dec.link_clusters([cluster_info(PROMPT, address)]) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        assert relay.tampered == 1 and dec._links.links == {}
+        async with asyncio.timeout(2):  # the owner's end breaks once the client hangs up
+            while any(link.broken is None for link in dd._links.links.values()):
+                await asyncio.sleep(0.01)

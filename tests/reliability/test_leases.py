@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aio_datadist import CacheDesc, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode, Placement
-from aio_datadist.leases import allocate_leased_cache, lease_cache
+from aio_datadist.leases import allocate_leased_cache, lease_cache, lease_of
 from peers import CacheSpec, EndpointSpec, Ref, cluster_info, fill, port_of, tensors_from_dump
 
 from _forked import forked
@@ -144,3 +144,51 @@ async def test_renew_cancel_and_pulled_keys():
             allocate_leased_cache(dec.kv_cache_manager, ROWS, keys_for(60), lease_ms=100)
         assert info.value.status_code == S.LLM_PARAM_INVALID
         assert state(dd) == baseline  # nothing was allocated by the refused calls
+
+
+@pytest.mark.asyncio
+async def test_allocate_cache_takes_a_lease():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as dd, endpoint(LLMRole.DECODER, DECODER) as dec:
+        kv = dd.kv_cache_manager
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        dst = dec.kv_cache_manager.allocate_cache(ROWS)
+        baseline = state(dd)
+
+        # handed off with a lease: one key pulled in time, the others released at expiry
+        keys = keys_for(70)
+        cache = kv.allocate_cache(ROWS, keys, lease_ms=150)
+        values = fill(cache, 6)
+        kv.deallocate_cache(cache)
+        lease = lease_of(cache)
+        assert lease is not None and not lease.expired
+        await dec.kv_cache_manager.pull_cache(keys[0], dst, 0)
+        assert all(torch.equal(d[0], v[0]) for d, v in zip(dst.tensors, values))
+        await settle(dd, baseline, within=0.15 + BOUND_S)
+        assert lease.expired
+        with pytest.raises(LLMException) as info:
+            await dec.kv_cache_manager.pull_cache(keys[1], dst, 1)
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+
+        # the lease it returns through lease_of is the one that runs: cancelled, the cache stays
+        cache = kv.allocate_cache(ROWS, keys_for(80), lease_ms=50)
+        lease_of(cache).cancel()
+        await asyncio.sleep(0.1)
+        assert kv.get_cache_tensors(cache)  # still allocated
+        kv.deallocate_cache(cache)
+        for key in keys_for(80):
+            kv.remove_cache_key(key)
+        await settle(dd, baseline, within=BOUND_S)
+        plain = kv.allocate_cache(ROWS)
+        assert lease_of(plain) is None  # no lease asked, none put
+        kv.deallocate_cache(plain)
+
+        # bad leases: LLM_PARAM_INVALID naming lease_ms, and nothing is allocated
+        before = state(dd)
+        for bad in (0, -1, 1.5, "100", True, 2**31):
+            with pytest.raises(LLMException) as info:
+                kv.allocate_cache(ROWS, keys_for(90), lease_ms=bad)
+            assert info.value.status_code == S.LLM_PARAM_INVALID and "'lease_ms'" in str(info.value)
+        with pytest.raises(LLMException) as info:  # a decoder may not lease (a lease removes keys)
+            dec.kv_cache_manager.allocate_cache(ROWS, lease_ms=100)
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "'lease_ms'" in str(info.value)
+        assert state(dd) == before

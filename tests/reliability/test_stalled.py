@@ -4,7 +4,9 @@
   handshake) makes ``link_clusters`` return ``LLM_TIMEOUT`` within its
   timeout + 1 s, holding nothing afterwards;
 - silent incoming connections are dropped after the handshake limit and do
-  not block other links;
+  not block other links; past ``aio.MaxPendingHandshakes`` of them, more
+  are dropped on arrival, and links get through below the cap and again
+  once the stalled ones timed out;
 - a peer that stops reading in the middle of a pull (a raw client that stops
   reading; a real process under SIGSTOP) is cut off by the serving timeout or
   the heartbeat (a link fails after 5 silent ``heartbeat_interval``\\ s); the
@@ -96,26 +98,26 @@ class StallingServer:
             await reader.readexactly(length)
             if self.step == "hello":
                 await asyncio.Event().wait()
-            writer.write(wire.encode(Msg.HELLO_ACK, 0, status=0, cluster_id=self.cluster_id, role=int(LLMRole.PROMPT),
-                                     nonce=os.urandom(32), proof=bytes(32), text=""))
+            writer.write(wire.encode(Msg.HELLO_ACK, 0, nonce=os.urandom(32), proof=bytes(32)))
             if self.step == "hello_ack":
                 await asyncio.Event().wait()
             head = await reader.readexactly(wire.HEADER.size)
             await reader.readexactly(wire.parse_header(head)[2])
             if self.step == "link_ok":
                 await asyncio.Event().wait()
-            writer.write(wire.encode(Msg.LINK_OK, 0, **link_ok_fields()))
+            writer.write(wire.encode(Msg.LINK_OK, 0, **link_ok_fields(self.cluster_id)))
             await asyncio.Event().wait()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
 
 
-def link_ok_fields() -> dict[str, Any]:
-    """A successful LINK_OK: status 0, a token, one channel; any other field zero."""
+def link_ok_fields(cluster_id: int) -> dict[str, Any]:
+    """A successful LINK_OK from ``cluster_id`` (no secret: a zero proof): a token, one channel; any other
+    field zero."""
     fields: dict[str, Any] = {}
     for name, fmt in wire._SCHEMAS[Msg.LINK_OK]:
         fields[name] = "" if fmt == "text" else bytes(int(fmt[:-1])) if fmt.endswith("s") else 0
-    fields.update(status=0, link_token=os.urandom(32), channels=1)
+    fields.update(status=0, cluster_id=cluster_id, role=int(LLMRole.PROMPT), link_token=os.urandom(32), channels=1)
     return fields
 
 
@@ -153,9 +155,9 @@ async def test_silent_incoming_connections_are_dropped_and_block_nothing(monkeyp
         for n in range(40):  # say nothing, half a header, a HELLO and then nothing
             sock = socket.create_connection(port_of(dd))
             if n % 3 == 1:
-                sock.sendall(wire.encode(Msg.HELLO, 0, cluster_id=500 + n, role=2, nonce=bytes(32))[:10])
+                sock.sendall(wire.encode(Msg.HELLO, 0, nonce=bytes(32))[:10])
             elif n % 3 == 2:
-                sock.sendall(wire.encode(Msg.HELLO, 0, cluster_id=500 + n, role=2, nonce=bytes(32)))
+                sock.sendall(wire.encode(Msg.HELLO, 0, nonce=bytes(32)))
             silent.append(sock)
         try:
             async with asyncio.timeout(5):
@@ -174,6 +176,66 @@ async def test_silent_incoming_connections_are_dropped_and_block_nothing(monkeyp
                 sock.close()
         await settle(dd, baseline, fds | link_fds)  # nothing of the silent connections is left
         await dec.check_link_status(PROMPT)
+
+
+def closed_by(socks: list[socket.socket], deadline: float) -> int:
+    """How many of ``socks`` see the peer close or reset them before ``deadline`` (blocking)."""
+    closed = 0
+    for sock in socks:
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            while sock.recv(4096):
+                pass
+            closed += 1
+        except ConnectionResetError:
+            closed += 1
+        except socket.timeout:
+            pass
+    return closed
+
+
+@pytest.mark.asyncio
+async def test_pending_handshakes_are_capped_and_links_still_get_through(monkeypatch):
+    cap, limit_s = 8, 1.0
+    monkeypatch.setattr(links, "HANDSHAKE_LIMIT_S", limit_s)
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, max_pending_handshakes=cap) as dd, \
+            endpoint(LLMRole.DECODER, DECODER) as dec, endpoint(LLMRole.DECODER, OTHER) as other:
+        src = dd.kv_cache_manager.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT))
+        fill(src, 4)
+        dst = dec.kv_cache_manager.allocate_blocks_cache(SMALL)
+        baseline, fds = state(dd), open_fds()
+        stalled = [socket.create_connection(port_of(dd)) for _ in range(cap - 1)]
+        extra: list[socket.socket] = []
+        try:
+            async with asyncio.timeout(5):
+                while len(dd._links._handshakes) < cap - 1:
+                    await asyncio.sleep(0.005)
+            # one slot left: a link (its connections come one at a time) gets through and moves bytes
+            unlinked = open_fds()
+            assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+            link_fds = open_fds() - unlinked
+            await dec.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), dst, [0, 1, 2, 3], [3, 2, 1, 0])
+            assert all(torch.equal(d, s.flip(0)) for d, s in zip(dst.tensors, src.tensors))
+            # past the cap, connections are dropped on arrival, long before the handshake limit
+            extra = [socket.create_connection(port_of(dd)) for _ in range(3 * cap)]
+            assert await asyncio.to_thread(closed_by, extra, time.monotonic() + limit_s / 2) == len(extra) - 1
+            assert len(dd._links._handshakes) == cap
+            started = time.monotonic()
+            assert await other.link_clusters([cluster_info(PROMPT, port_of(dd))]) == (
+                S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])  # refused at once while the cap is full, not hung
+            assert time.monotonic() - started < limit_s / 2
+            # the stalled ones time out; then links get through again
+            async with asyncio.timeout(limit_s + BOUND_S):
+                while dd._links._handshakes:
+                    await asyncio.sleep(0.01)
+            assert (await other.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+            await other.check_link_status(PROMPT)
+            await dec.check_link_status(PROMPT)
+        finally:
+            for sock in stalled + extra:
+                sock.close()
+        await other.unlink_clusters([cluster_info(PROMPT, port_of(dd))])
+        await settle(dd, baseline, fds | link_fds)
 
 
 def all_closed_by(socks: list[socket.socket], deadline: float) -> None:

@@ -60,6 +60,7 @@ DECODE_EXAMPLES = scaled(3000)
 PLAN_EXAMPLES = scaled(5000)
 LIVE_EXAMPLES = scaled(2500)
 MALFORMED_FRAMES = scaled(300)
+WRONG_VERSIONS = [v for v in (0, 1, 2, 255) if v != wire.VERSION]
 
 #: The arena's caches: (desc, blocks?, model_id or req_ids).
 ARENA = [
@@ -100,6 +101,8 @@ def valid_fields(msg: Msg, draw: Any) -> dict[str, Any]:
             fields[name] = draw(st.lists(u(64), max_size=6))
         elif fmt == "text":
             fields[name] = draw(st.text(max_size=20))
+        elif fmt == "blob":
+            fields[name] = draw(st.binary(max_size=40))
         elif fmt.endswith("s"):
             fields[name] = draw(st.binary(min_size=int(fmt[:-1]), max_size=int(fmt[:-1])))
         else:
@@ -511,7 +514,7 @@ def run_malformed_frames(address: tuple[str, int], rng: random.Random) -> int:
         if how < 3:
             # before authentication: garbage, a mutated HELLO, a wrong version, a huge length, a replayed AUTH
             with dial(address) as sock:
-                hello = bytearray(wire.encode(Msg.HELLO, 0, cluster_id=cluster + n, role=2, nonce=rng.randbytes(32)))
+                hello = bytearray(wire.encode(Msg.HELLO, 0, nonce=rng.randbytes(32)))
                 choice = rng.randrange(6)
                 if choice == 0:
                     frame = rng.randbytes(rng.randrange(1, 80))
@@ -519,7 +522,7 @@ def run_malformed_frames(address: tuple[str, int], rng: random.Random) -> int:
                     hello[rng.randrange(len(hello))] ^= rng.randrange(1, 256)
                     frame = bytes(hello)
                 elif choice == 2:
-                    frame = bytes(hello[:4]) + bytes([rng.choice([0, 2, 255])]) + bytes(hello[5:])
+                    frame = bytes(hello[:4]) + bytes([rng.choice(WRONG_VERSIONS)]) + bytes(hello[5:])
                 elif choice == 3:
                     length = rng.choice([wire.MAX_BODY + 1, 2**32 - 1])
                     head = wire.HEADER.pack(wire.MAGIC, wire.VERSION, Msg.HELLO, 0, 0, length)
@@ -527,8 +530,9 @@ def run_malformed_frames(address: tuple[str, int], rng: random.Random) -> int:
                 elif choice == 4:
                     frame = bytes(hello[:rng.randrange(1, len(hello))])  # truncated, then closed
                 else:
-                    frame = bytes(hello) + (captured_auth or wire.encode(Msg.AUTH, 0, proof=bytes(32),
-                                                                         layout_hash=bytes(32)))
+                    frame = bytes(hello) + (captured_auth or wire.encode(
+                        Msg.AUTH, 0, proof=bytes(32), cluster_id=cluster + n, role=2, peer_id=PROMPT,
+                        layout_hash=bytes(32)))
                 sock.sendall(frame)
                 sock.shutdown(socket.SHUT_WR)
                 reply = rest_of_stream(sock)
@@ -557,7 +561,7 @@ def run_malformed_frames(address: tuple[str, int], rng: random.Random) -> int:
                 if choice == 0:
                     frame[rng.randrange(len(frame))] ^= rng.randrange(1, 256)
                 elif choice == 1:
-                    frame[4] = rng.choice([0, 2, 255])  # version
+                    frame[4] = rng.choice(WRONG_VERSIONS)
                 elif choice == 2:
                     frame[5] = rng.choice([0, 5, 9, 99, 255])  # message type
                 elif choice == 3:
@@ -595,13 +599,16 @@ def _next_frame(raw: RawLink) -> tuple[Msg, int, dict]:
 
 
 def assert_no_secret_leaks(reply: bytes) -> None:
-    """An unauthenticated peer gets at most a HELLO_ACK and a refusing LINK_OK: no token, no cache byte."""
+    """An unauthenticated peer gets at most a HELLO_ACK (a nonce and a proof) and a refusing LINK_OK
+    whose every field but the status and its text is zero: no identity, no token, no cache byte."""
     pos = 0
     while pos + wire.HEADER.size <= len(reply):
         msg, _, length = wire.parse_header(reply[pos:pos + wire.HEADER.size])
         fields = wire.decode_body(msg, reply[pos + wire.HEADER.size:pos + wire.HEADER.size + length])
         assert msg in (Msg.HELLO_ACK, Msg.LINK_OK), msg
         if msg is Msg.LINK_OK:
-            assert fields["status"] != 0 and fields["link_token"] == bytes(32)
+            assert fields["status"] != 0
+            assert all(not any(v) if isinstance(v, bytes) else v == 0
+                       for k, v in fields.items() if k not in ("status", "text")), fields
         pos += wire.HEADER.size + length
     assert pos == len(reply), f"{len(reply) - pos} stray bytes after the refusal"

@@ -1,0 +1,157 @@
+"""The link handshake: both ends prove the shared secret before anything identifying is sent.
+
+::
+
+    client                                               server
+    HELLO      nonce_c                               ->
+               <-  HELLO_ACK  nonce_s, proof_s = HMAC(k, "server" | nonce_c | nonce_s)
+    the client checks proof_s; an endpoint that cannot prove the secret gets
+    nothing but a nonce from it
+    AUTH       proof_c = HMAC(k, "client" | nonce_s | nonce_c | identity),
+               identity = cluster id, role, the cluster id it wants, blocks layout hash  ->
+               the server checks proof_c; a client that cannot prove the secret gets
+               a refusal that carries nothing
+               <-  LINK_OK  status, cluster id, role, link token, channel count, boot id,
+                            share socket name, proof_l = HMAC(k, "link" | nonce_c | nonce_s | fields)
+
+Before the client's proof is checked the server sends only its nonce and
+its proof, both functions of random nonces: no cluster id, role, layout,
+channel count, boot id or socket name. Each proof binds both nonces, so a
+captured HELLO, HELLO_ACK, AUTH or LINK_OK is useless on another connection,
+and the labels differ, so no proof can be reflected as another. Without a
+shared secret the proofs are all zero and the same messages link any two
+endpoints (use TLS, or a network you trust).
+
+Data connections attach with :func:`attach_token`: the link token or, with a
+secret, an HMAC of it bound to the channel and its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import os
+from typing import Any
+
+from aio_datadist import wire
+from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
+from aio_datadist.types import LLMRole
+from aio_datadist.wire import Msg, ProtocolError
+
+__all__ = ["Accepted", "accept", "attach_token", "dial", "link_ok", "proof"]
+
+ZERO32 = bytes(32)
+ZERO16 = bytes(16)
+SUCCESS = LLMStatusCode.LLM_SUCCESS
+
+
+def proof(secret: bytes | None, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of ``label`` and ``parts`` under ``secret``; 32 zero bytes without a secret."""
+    if secret is None:
+        return ZERO32
+    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
+
+
+def attach_token(secret: bytes | None, token: bytes, index: int, generation: int) -> bytes:
+    """What a data connection presents: the link token or, with a shared secret, an HMAC that binds
+    it to the channel and generation, so a captured record cannot be replayed or re-aimed."""
+    if secret is None:
+        return token
+    return proof(secret, b"attach", token, index.to_bytes(2, "big"), generation.to_bytes(4, "big"))
+
+
+def _identity(auth: dict[str, Any]) -> bytes:
+    return (auth["cluster_id"].to_bytes(8, "big") + auth["role"].to_bytes(1, "big")
+            + auth["peer_id"].to_bytes(8, "big") + auth["layout_hash"])
+
+
+def _link_fields(ok: dict[str, Any]) -> bytes:
+    return (ok["status"].to_bytes(8, "big", signed=True) + ok["cluster_id"].to_bytes(8, "big")
+            + ok["role"].to_bytes(1, "big") + ok["link_token"] + ok["channels"].to_bytes(1, "big")
+            + ok["boot_id"] + ok["local_name"].ljust(48, b"\0"))
+
+
+async def read_expected(reader: asyncio.StreamReader, expected: Msg) -> dict[str, Any]:
+    """The next message, which must be ``expected`` (else :class:`ProtocolError`)."""
+    msg, _req_id, length = wire.parse_header(await reader.readexactly(wire.HEADER.size))
+    if msg is not expected:
+        raise ProtocolError(f"expected {expected.name}, got {msg.name}")
+    return wire.decode_body(msg, await reader.readexactly(length))
+
+
+async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, secret: bytes | None,
+               cluster_id: int, role: LLMRole, peer_id: int, layout: bytes) -> dict[str, Any]:
+    """The client's half; the fields of the server's successful ``LINK_OK``.
+
+    :raises LLMException: ``LLM_LINK_FAILED`` when the server cannot prove
+        the secret (nothing but a nonce was sent to it) or is another
+        cluster; the server's status code when it refused.
+    :raises ProtocolError: for malformed answers (as do stream errors).
+    """
+    nonce = os.urandom(wire.NONCE_BYTES)
+    writer.write(wire.encode(Msg.HELLO, 0, nonce=nonce))
+    ack = await read_expected(reader, Msg.HELLO_ACK)
+    if not hmac.compare_digest(ack["proof"], proof(secret, b"server", nonce, ack["nonce"])):
+        raise LLMException("peer failed authentication (shared secret differs)",
+                           status_code=LLMStatusCode.LLM_LINK_FAILED)
+    auth = dict(cluster_id=cluster_id, role=int(role), peer_id=peer_id, layout_hash=layout)
+    writer.write(wire.encode(Msg.AUTH, 0, proof=proof(secret, b"client", ack["nonce"], nonce, _identity(auth)),
+                             **auth))
+    ok = await read_expected(reader, Msg.LINK_OK)
+    if ok["status"] != SUCCESS:
+        raise LLMException(f"peer refused: {ok['text']}", status_code=code_to_status(ok["status"]))
+    if not hmac.compare_digest(ok["proof"], proof(secret, b"link", nonce, ack["nonce"], _link_fields(ok))):
+        raise LLMException("peer failed authentication (LINK_OK is not proven)",
+                           status_code=LLMStatusCode.LLM_LINK_FAILED)
+    if ok["cluster_id"] != peer_id:
+        raise LLMException(f"peer is cluster {ok['cluster_id']}, not {peer_id}",
+                           status_code=LLMStatusCode.LLM_LINK_FAILED)
+    try:
+        ok["role"] = LLMRole(ok["role"])
+    except ValueError:
+        raise ProtocolError(f"bad role {ok['role']}") from None
+    if not 1 <= ok["channels"] <= 16:
+        raise ProtocolError(f"bad channel count {ok['channels']}")
+    return ok
+
+
+@dataclasses.dataclass
+class Accepted:
+    """A client's ``AUTH`` as the server read it; ``authenticated`` tells whether its proof held."""
+
+    client_nonce: bytes
+    server_nonce: bytes
+    req_id: int
+    auth: dict[str, Any]
+    authenticated: bool
+
+
+async def accept(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+                 secret: bytes | None) -> Accepted:
+    """The server's half up to the client's proof; ``head`` is what was read of the first header.
+
+    Sends the client only a nonce and the server's proof. The caller
+    answers with :func:`link_ok` (a refusal unless ``authenticated``).
+    """
+    msg, req_id, length = wire.parse_header(head + await reader.readexactly(wire.HEADER.size - len(head)))
+    if msg is not Msg.HELLO:
+        raise ProtocolError(f"expected HELLO, got {msg.name}")
+    hello = wire.decode_body(msg, await reader.readexactly(length))
+    nonce = os.urandom(wire.NONCE_BYTES)
+    writer.write(wire.encode(Msg.HELLO_ACK, req_id, nonce=nonce, proof=proof(secret, b"server", hello["nonce"], nonce)))
+    auth = await read_expected(reader, Msg.AUTH)
+    expected = proof(secret, b"client", nonce, hello["nonce"], _identity(auth))
+    return Accepted(hello["nonce"], nonce, req_id, auth, hmac.compare_digest(auth["proof"], expected))
+
+
+def link_ok(secret: bytes | None, accepted: Accepted, status: LLMStatusCode, *, cluster_id: int = 0,
+            role: int = 0, token: bytes = ZERO32, channels: int = 0, boot: bytes = ZERO16, local_name: bytes = b"",
+            text: str = "") -> bytes:
+    """The server's final answer; a refusal (``status`` not success) carries nothing but its text."""
+    fields = dict(status=int(status), cluster_id=cluster_id, role=int(role), link_token=token, channels=channels,
+                  boot_id=boot, local_name=local_name[:48].ljust(48, b"\0"), text=text)
+    fields["proof"] = (proof(secret, b"link", accepted.client_nonce, accepted.server_nonce, _link_fields(fields))
+                       if status == SUCCESS else ZERO32)
+    return wire.encode(Msg.LINK_OK, accepted.req_id, **fields)

@@ -1,0 +1,454 @@
+"""NIXL data plane: caches registered with a NIXL agent, blocks moved by NIXL READ/WRITE.
+
+Selected per instance by ``aio.Transport=nixl``. Links, requests, validation
+and status codes stay ours; only the bytes move differently:
+
+- Every registered cache is registered with this endpoint's NIXL agent, and a
+  descriptor list with one entry per (tensor, row) is prepared for it once.
+- Peers learn each other's agent metadata and per-cache geometry over our
+  control connection (``Msg.NIXL`` records carrying NIXL's serialized
+  metadata as an opaque, length-checked field; no pickle). Each side prepares
+  one remote descriptor list per peer cache, once.
+- A request is validated by the owner exactly as over TCP. The owner answers
+  with the cache it resolved; the requester then selects descriptors by index
+  from the prepared lists (no list is rebuilt per request) and posts a NIXL
+  READ (pulls) or WRITE (pushes). A push carries a notification that the
+  owner turns into its arrival record and its confirmation; a pull is
+  confirmed by the requester over the control connection.
+- Requests NIXL cannot express as whole rows of registered caches (raw
+  addresses, partial rows, rows of different sizes on the two ends) take the
+  TCP data channels of the same link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import struct
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.transport.nixl_engine import NixlEngine, agent_name, row_descs
+
+if TYPE_CHECKING:
+    from aio_datadist.cache import KvCache
+    from aio_datadist.runtime import Runtime
+
+__all__ = ["NixlPeer", "NixlPlane", "HELLO", "OFFER", "WITHDRAW", "READY", "PREPARED"]
+
+log = logging.getLogger("aio_datadist.nixl")
+
+HELLO, OFFER, WITHDRAW, READY, PREPARED = 1, 2, 3, 4, 5
+MAX_TENSORS = 4096
+NOTIF = struct.Struct("!4sQ")
+NOTIF_MAGIC = b"AIDN"
+
+
+def notif_for(req_id: int) -> bytes:
+    """The notification a push request's WRITE carries."""
+    return NOTIF.pack(NOTIF_MAGIC, req_id)
+
+
+def _extents(cache: KvCache) -> list[tuple[int, int]]:
+    """Memory to register for ``cache``: its region, or its tensors with neighbours merged."""
+    region = cache._region
+    if region is not None:
+        return [(region.address, region.nbytes)]
+    lay = cache.layout
+    out: list[list[int]] = []
+    for base in sorted(lay.bases):
+        if out and out[-1][0] + out[-1][1] == base:
+            out[-1][1] += lay.tensor_bytes
+        else:
+            out.append([base, lay.tensor_bytes])
+    return [(a, n) for a, n in out]
+
+
+class _LocalCache:
+    __slots__ = ("cache", "regs", "dlist", "rows", "tensors", "row_bytes")
+
+    def __init__(self, cache: KvCache, regs: Any, dlist: Any) -> None:
+        lay = cache.layout
+        self.cache = cache
+        self.regs = regs
+        self.dlist = dlist
+        self.rows = lay.rows
+        self.tensors = lay.num_tensors
+        self.row_bytes = lay.row_bytes
+
+
+class _RemoteCache:
+    __slots__ = ("cache_id", "rows", "tensors", "row_bytes", "dlist")
+
+    def __init__(self, cache_id: int, rows: int, tensors: int, row_bytes: int, dlist: Any) -> None:
+        self.cache_id = cache_id
+        self.rows = rows
+        self.tensors = tensors
+        self.row_bytes = row_bytes
+        self.dlist = dlist
+
+
+def indices(first: int, count: int, rows: Any, per_tensor: int) -> np.ndarray:
+    """Descriptor indices of ``rows`` of tensors ``[first, first + count)``, tensor-major (the
+    order both ends agree on)."""
+    tensors = np.arange(first, first + count, dtype=np.int64).reshape(-1, 1) * per_tensor
+    return (tensors + np.asarray(rows, dtype=np.int64).reshape(1, -1)).reshape(-1).astype(np.int32)
+
+
+class NixlPlane:
+    """The NIXL side of one initialised LLMDataDist: its agent, its caches, its peers."""
+
+    def __init__(self, runtime: Runtime, cluster_id: int) -> None:
+        self.runtime = runtime
+        self.engine = NixlEngine(runtime.queue, agent_name(cluster_id))
+        self.name = self.engine.name.encode()
+        self.metadata = self.engine.metadata
+        self.exposed = runtime.settings.remote_cache_accessible  # llm.EnableRemoteCacheAccessible
+        self.local: dict[int, _LocalCache] = {}
+        self.peers: set[NixlPeer] = set()
+        self.serving: collections.Counter[int] = collections.Counter()
+        self._doomed: dict[int, _LocalCache] = {}
+        self._pending: set[asyncio.Future] = set()
+        self._registering: dict[int, asyncio.Future] = {}
+
+    # -- our caches ------------------------------------------------------------
+
+    def register(self, cache: KvCache) -> None:
+        """Register ``cache`` with the agent (on its worker); offer it to peers once done."""
+        lay = cache.layout
+        if cache.device.type != "cpu":
+            return  # device memory: staged over TCP until the device path lands
+        extents = _extents(cache)
+        descs = row_descs(lay.bases, lay.rows, lay.row_bytes)
+
+        def work(agent: Any) -> tuple[Any, Any, bytes]:
+            regs = agent.register_memory([(a, n, 0, "") for a, n in extents], "DRAM")
+            try:
+                dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, "DRAM")
+            except Exception:
+                agent.deregister_memory(regs)
+                raise
+            return regs, dlist, agent.get_agent_metadata()
+
+        fut = self.start(work, f"registering cache {cache.cache_id} with NIXL", keepalive=cache)
+        fut.add_done_callback(lambda f: self._registered(cache, f))
+        self._registering[cache.cache_id] = fut
+
+    async def registered(self, cache: KvCache) -> None:
+        """Until ``cache``'s registration (started when it was allocated) has finished, failed or not."""
+        fut = self._registering.get(cache.cache_id)
+        if fut is not None:
+            await asyncio.wait([fut])
+
+    def _registered(self, cache: KvCache, fut: asyncio.Future) -> None:
+        if self._registering.get(cache.cache_id) is fut:
+            del self._registering[cache.cache_id]
+        if fut.cancelled() or fut.exception() is not None:
+            exc = None if fut.cancelled() else fut.exception()
+            log.warning("cache %s is not registered with NIXL (%s); it moves over TCP", cache.cache_id, exc)
+            return
+        regs, dlist, metadata = fut.result()
+        entry = _LocalCache(cache, regs, dlist)
+        if not cache.alive:
+            self._release(entry)
+            return
+        self.local[cache.cache_id] = entry
+        self.metadata = metadata
+        for peer in list(self.peers):
+            peer.offer(entry)
+
+    def unregister(self, cache: KvCache) -> None:
+        """Withdraw ``cache`` from peers now; deregister once no transfer can touch it."""
+        entry = self.local.pop(cache.cache_id, None)
+        if entry is None:
+            return
+        for peer in list(self.peers):
+            peer.withdraw(cache.cache_id)
+        if self.serving[cache.cache_id]:
+            self._doomed[cache.cache_id] = entry
+        else:
+            self._release(entry)
+
+    def serve_begin(self, cache_id: int) -> None:
+        """A peer's READ or WRITE against ``cache_id`` may start: keep it registered, make progress."""
+        self.serving[cache_id] += 1
+        self.engine.hold()
+
+    def serve_end(self, cache_id: int) -> None:
+        """A peer's READ or WRITE against ``cache_id`` settled."""
+        self.engine.unhold()
+        self.serving[cache_id] -= 1
+        if self.serving[cache_id] <= 0:
+            del self.serving[cache_id]
+            entry = self._doomed.pop(cache_id, None)
+            if entry is not None:
+                self._release(entry)
+
+    def _release(self, entry: _LocalCache) -> None:
+        def work(agent: Any, entry: _LocalCache = entry) -> None:
+            entry.dlist.release()
+            agent.deregister_memory(entry.regs)
+            entry.cache = None  # the memory may go now
+
+        try:
+            self.engine.release_when_idle((id(entry.dlist),), work)
+        except LLMException:
+            pass  # closing: the agent goes with everything registered to it
+
+    def offered(self, cache: Any) -> bool:
+        return cache.cache_id in self.local and self.local[cache.cache_id].cache is cache
+
+    # -- plumbing --------------------------------------------------------------
+
+    def start(self, work: Any, what: str, keepalive: Any = None) -> asyncio.Future:
+        """Run ``work(agent)`` on the engine; the future's result is its return value."""
+        engine = self.engine
+        holder: dict[str, int] = {}
+
+        def submit(token: int) -> None:
+            holder["token"] = token
+            engine.call(token, work)
+
+        fut = self.runtime.completions.start(submit, engine.cancel, timeout_ms=None, what=what,
+                                             keepalive=keepalive)
+        out = asyncio.get_running_loop().create_future()
+
+        def done(f: asyncio.Future) -> None:
+            token = holder.get("token", 0)
+            value = engine.result(token)
+            text = engine.error(token)
+            if out.done():
+                return
+            if f.cancelled():
+                out.cancel()
+            elif f.exception() is not None:
+                exc = f.exception()
+                out.set_exception(LLMException(f"{what}: {text or exc}", status_code=exc.status_code))
+            else:
+                out.set_result(value)
+
+        fut.add_done_callback(done)
+        self._pending.add(out)
+        out.add_done_callback(self._pending.discard)
+        return out
+
+    def close(self) -> None:
+        for peer in list(self.peers):
+            peer.close()
+        self.engine.close()
+        self.local.clear()
+        self._doomed.clear()
+
+
+class NixlPeer:
+    """One link's NIXL state: the peer's agent and its caches' prepared lists."""
+
+    def __init__(self, plane: NixlPlane, send: Any, cluster_id: int) -> None:
+        self.plane = plane
+        self.engine = plane.engine
+        self._send = send
+        self.cluster_id = cluster_id
+        self.name: bytes | None = None
+        self.caches: dict[int, _RemoteCache] = {}
+        self.offers_sent: set[int] = set()
+        self.prepared: set[int] = set()  # our caches the peer has prepared a descriptor list for
+        self._initial: set[int] | None = None  # caches offered at link time, not yet prepared by the peer
+        self._peer_ready = False  # the peer's link-time offers are all prepared here
+        self.ready = asyncio.get_running_loop().create_future()
+        self.closed = False
+        plane.peers.add(self)
+
+    # -- what we send ----------------------------------------------------------
+
+    def hello(self) -> None:
+        """Our agent's name and metadata; without remote access, the name only: NIXL metadata carries
+        the keys to all registered memory, so a peer that never gets it cannot touch ours (we can still
+        read and write its caches)."""
+        metadata = self.plane.metadata if self.plane.exposed else b""
+        self._send(HELLO, 0, 0, 0, (), self.plane.name + b"\0" + metadata)
+
+    def offer_all(self) -> None:
+        """Offer every cache registered so far, then READY. The link is ready once the peer has
+        prepared all of them and we have prepared all of its (both directions can use NIXL then)."""
+        for entry in list(self.plane.local.values()):
+            self.offer(entry)
+        self._initial = set(self.offers_sent) - self.prepared
+        self._send(READY, 0, 0, 0, (), b"")
+        self._check_ready()
+
+    def _check_ready(self) -> None:
+        if self._peer_ready and self._initial is not None and not self._initial and not self.ready.done():
+            self.ready.set_result(True)
+
+    def offer(self, entry: _LocalCache) -> None:
+        cache = entry.cache
+        if (self.closed or self.name is None or cache is None or cache.cache_id in self.offers_sent
+                or not self.plane.exposed):
+            return
+        self.offers_sent.add(cache.cache_id)
+        self._send(OFFER, cache.cache_id, entry.rows, entry.row_bytes, tuple(cache.layout.bases),
+                   self.plane.metadata)
+
+    def withdraw(self, cache_id: int) -> None:
+        self.prepared.discard(cache_id)
+        if cache_id in self.offers_sent and not self.closed:
+            self.offers_sent.discard(cache_id)
+            self._send(WITHDRAW, cache_id, 0, 0, (), b"")
+
+    def serves(self, cache: Any) -> bool:
+        """Whether the peer may move whole rows of our ``cache`` with NIXL: it is registered and the
+        peer said it prepared the list for it."""
+        return self.usable() and cache.cache_id in self.prepared and self.plane.offered(cache)
+
+    # -- what we receive -------------------------------------------------------
+
+    def on_message(self, fields: dict) -> None:
+        """One ``Msg.NIXL`` record from the peer (validated here; a bad one is a ProtocolError)."""
+        from aio_datadist.wire import ProtocolError
+
+        kind, cache_id, rows, row_bytes = fields["kind"], fields["cache_id"], fields["count"], fields["row_bytes"]
+        blob = fields["blob"]
+        if kind == HELLO:
+            name, sep, metadata = blob.partition(b"\0")
+            if not sep or not name or self.name is not None:
+                raise ProtocolError("bad NIXL hello")
+            self._load(metadata, name, None)
+        elif kind == OFFER:
+            bases = fields["rows"]
+            if (self.name is None or cache_id <= 0 or not 0 < len(bases) <= MAX_TENSORS or rows <= 0
+                    or row_bytes <= 0 or rows * row_bytes >= 1 << 48):
+                raise ProtocolError("bad NIXL offer")
+            self._load(blob, self.name, (cache_id, rows, row_bytes, bases))
+        elif kind == WITHDRAW:
+            gone = self.caches.pop(cache_id, None)
+            if gone is not None:
+                self._drop(gone)
+        elif kind == PREPARED:
+            if cache_id in self.offers_sent:
+                self.prepared.add(cache_id)
+                if self._initial is not None:
+                    self._initial.discard(cache_id)
+                    self._check_ready()
+        elif kind == READY and self.name is None:  # the peer does not use NIXL: TCP it is
+            if not self.ready.done():
+                self.ready.set_result(False)
+        elif kind == READY:
+            fut = self.plane.start(lambda agent: None, "NIXL link set-up")  # after every offer before it
+            fut.add_done_callback(self._set_ready)
+        else:
+            raise ProtocolError(f"unknown NIXL record kind {kind}")
+
+    def _set_ready(self, fut: asyncio.Future) -> None:
+        if self.ready.done():
+            return
+        if fut.cancelled() or fut.exception() is not None:
+            self.ready.set_result(False)
+            return
+        self._peer_ready = True
+        self._check_ready()
+
+    def _load(self, metadata: bytes, name: bytes, cache: tuple | None) -> None:
+        def work(agent: Any) -> Any:
+            if not metadata and cache is None:
+                return None  # the peer keeps its memory to itself; it may still use ours
+            loaded = agent.add_remote_agent(metadata)
+            loaded = loaded if isinstance(loaded, bytes) else str(loaded).encode()
+            if loaded != name:
+                raise ValueError(f"metadata names agent {loaded!r}, not {name!r}")
+            if cache is None:
+                return None
+            cache_id, rows, row_bytes, bases = cache
+            dlist = agent.prep_xfer_dlist(name.decode(), row_descs(bases, rows, row_bytes), "DRAM")
+            return _RemoteCache(cache_id, rows, len(bases), row_bytes, dlist)
+
+        if cache is None:
+            self.name = name
+        fut = self.plane.start(work, f"loading NIXL metadata of cluster {self.cluster_id}")
+        fut.add_done_callback(lambda f: self._loaded(f, cache is None))
+
+    def _loaded(self, fut: asyncio.Future, hello: bool) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            exc = None if fut.cancelled() else fut.exception()
+            log.warning("cluster %s: NIXL metadata not usable (%s); its caches move over TCP", self.cluster_id, exc)
+            if hello:
+                self.name = None
+            return
+        remote = fut.result()
+        if hello:
+            self.offer_all()
+            return
+        if self.closed:
+            self._drop(remote)
+            return
+        old = self.caches.pop(remote.cache_id, None)
+        if old is not None:
+            self._drop(old)
+        self.caches[remote.cache_id] = remote
+        self._send(PREPARED, remote.cache_id, 0, 0, (), b"")
+
+    def _drop(self, remote: _RemoteCache) -> None:
+        try:
+            self.engine.release_when_idle((id(remote.dlist),), lambda agent: remote.dlist.release())
+        except LLMException:
+            pass
+
+    # -- transfers -------------------------------------------------------------
+
+    def usable(self) -> bool:
+        return not self.closed and self.name is not None
+
+    def transfer(self, op: str, local: KvCache, local_first: int, local_rows: Any, remote_id: int,
+                 remote_first: int, remote_rows: Any, count: int, notif: bytes,
+                 what: str) -> tuple[asyncio.Future, asyncio.Future]:
+        """Post ``op`` between whole rows of ``local`` and the peer's cache ``remote_id``.
+
+        Returns the transfer's future and one that completes once NIXL has let
+        go of it (also after a cancel). Raises ``LLM_LINK_FAILED`` when either
+        end is not (or no longer) prepared for it.
+        """
+        entry = self.plane.local.get(local.cache_id)
+        remote = self.caches.get(remote_id)
+        if entry is None or entry.cache is not local or remote is None or not self.usable():
+            raise LLMException(f"cluster {self.cluster_id}: cache {remote_id} is not prepared for NIXL",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+        remote_rows = list(remote_rows)
+        if (remote.row_bytes != entry.row_bytes or len(remote_rows) != len(local_rows)
+                or remote_first + count > remote.tensors or min(remote_rows) < 0 or max(remote_rows) >= remote.rows):
+            raise LLMException(f"cluster {self.cluster_id} resolved a cache that does not fit the request",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+        local_idx = indices(local_first, count, local_rows, entry.rows)
+        remote_idx = indices(remote_first, count, remote_rows, remote.rows)
+        nbytes = local_idx.size * entry.row_bytes
+        engine, name = self.engine, self.name
+        settled = asyncio.get_running_loop().create_future()
+        moved = self.plane.runtime.completions.start(
+            lambda t: engine.xfer(t, op, entry.dlist, local_idx, remote.dlist, remote_idx, name, notif, nbytes),
+            engine.cancel, timeout_ms=None, what=what, keepalive=(local, entry, remote), settled=settled)
+        return moved, settled
+
+    def expect_push(self, req_id: int, what: str) -> asyncio.Future:
+        """The future of the peer's WRITE notification for push ``req_id``."""
+        engine, name = self.engine, self.name
+        message = notif_for(req_id)
+        return self.plane.runtime.completions.start(lambda t: engine.expect_notif(t, name, message),
+                                                    engine.cancel, timeout_ms=None, what=what)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.plane.peers.discard(self)
+        caches, self.caches = self.caches, {}
+        for remote in caches.values():
+            self._drop(remote)
+        if not self.ready.done():
+            self.ready.set_result(False)
+        name = self.name
+        if name is not None:
+            try:
+                self.engine.release_when_idle((name,), lambda agent: agent.remove_remote_agent(name.decode()))
+            except LLMException:
+                pass

@@ -1,0 +1,293 @@
+"""pull_blocks over NIXL against plain NIXL: ``python -m benchmarks.nixl [--quick]``.
+
+Two processes on this host. The spawned PROMPT process holds three blocks
+caches of the shared geometry (64 tensors, 32 KiB blocks), each stamped:
+
+- one in an ``LLMDataDist`` with ``aio.Transport=nixl``;
+- one in an ``LLMDataDist`` with ``aio.Transport=local`` (same-host memfd sharing);
+- one registered with a bare NIXL agent (UCX backend), no aio_datadist.
+
+This process pulls the same random block list from each, in alternating rounds:
+
+- ``plain NIXL READ`` (the baseline): a hand-written NIXL READ between
+  descriptor lists prepared once (one descriptor per tensor and block),
+  selected by index, posted and polled on this thread until DONE;
+- ``pull_blocks nixl``: ``kv.pull_blocks`` over the NIXL transport;
+- ``pull_blocks same-host``: ``kv.pull_blocks`` over the same-host transport.
+
+Every destination block is checked to carry its source block's stamp. On this
+machine UCX moves host memory between processes with its shared-memory
+transports; no RDMA NIC is involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+from benchmarks._cli import Progress, emit, fits_in_memory
+from benchmarks.harness import (
+    KvGeometry,
+    Measurement,
+    Peer,
+    Table,
+    blocks_label,
+    cache_blocks_for,
+    format_bytes,
+    machine_info,
+    peak_rss,
+    random_blocks,
+    repeats_for,
+    run_coroutine,
+    time_async,
+)
+
+SIZES = (64, 4)
+TARGET = {64: ">= 0.95x"}  # pull_blocks over NIXL, 128 MiB request, against plain NIXL
+PROMPT_NIXL, PROMPT_LOCAL, DECODER_ID = 1, 3, 2
+TIMEOUT_MS = 60_000
+PEER_LIFETIME_S = 600.0
+SEED = 7
+ROUNDS, ROUNDS_QUICK = 6, 3
+CASES = ("plain NIXL READ", "pull_blocks nixl", "pull_blocks same-host")
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.nixl", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="few repeats (about 40 s on 2 cores)")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    p.add_argument("--verbose", action="store_true", help="section timings on stderr")
+    return p.parse_args(argv)
+
+
+def _options(transport: str, listen: bool) -> dict[str, str]:
+    from aio_datadist import LLMConfig
+
+    config = LLMConfig()
+    config.device_id = 0
+    config.sync_kv_timeout = TIMEOUT_MS
+    config.transport = transport
+    if listen:
+        config.listen_ip_info = "127.0.0.1:0"
+    return config.generate_options()
+
+
+def _desc(geometry: KvGeometry, num_blocks: int) -> Any:
+    from aio_datadist import CacheDesc, DataType, Placement
+
+    return CacheDesc(geometry.num_tensors, geometry.tensor_shape(num_blocks), DataType.DT_FLOAT16, Placement.HOST)
+
+
+def _block_lists(cache_blocks: int, count: int) -> tuple[list[int], list[int]]:
+    return random_blocks(cache_blocks, count, SEED), random_blocks(cache_blocks, count, SEED + 1)
+
+
+class PlainNixl:
+    """A bare NIXL agent with one registered cache and its per-block descriptor list."""
+
+    def __init__(self, name: str, tensors: list[Any], blocks: int) -> None:
+        from aio_datadist.transport.nixl_engine import load_nixl, row_descs
+
+        api = load_nixl()
+        # No NIXL progress thread (it spins a core for the agent's whole life; the transport runs
+        # without one too): the reader's polling and the owner's spinner (during plain rounds only)
+        # make progress.
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.blocks = blocks
+        self.block_bytes = tensors[0].nbytes // blocks
+        self.bases = [t.data_ptr() for t in tensors]
+        self.regs = self.agent.register_memory(tensors)
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", row_descs(self.bases, blocks, self.block_bytes),
+                                                "DRAM")
+
+    def connect(self, metadata: bytes, bases: list[int]) -> Any:
+        from aio_datadist.transport.nixl_engine import row_descs
+
+        name = self.agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        return self.agent.prep_xfer_dlist(name, row_descs(bases, self.blocks, self.block_bytes), "DRAM")
+
+    def read(self, remote: Any, local_idx: Any, remote_idx: Any) -> None:
+        handle = self.agent.make_prepped_xfer("READ", self.local, local_idx, remote, remote_idx)
+        state = self.agent.transfer(handle)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(handle)
+        handle.release()
+        if state != "DONE":
+            raise RuntimeError(f"plain NIXL READ ended in state {state}")
+
+
+# -- the PROMPT process ------------------------------------------------------------------
+
+
+def _prompt_peer(conn: Any, geometry: KvGeometry, cache_blocks: int) -> None:
+    run_coroutine(lambda: _prompt_main(conn, geometry, cache_blocks), use_uvloop=False)
+
+
+async def _prompt_main(conn: Any, geometry: KvGeometry, cache_blocks: int) -> None:
+    from aio_datadist import BlocksCacheKey, LLMDataDist, LLMRole
+
+    from benchmarks.harness import stamp_blocks
+
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_NIXL) as over_nixl, \
+            LLMDataDist(LLMRole.PROMPT, PROMPT_LOCAL) as same_host:
+        ports = []
+        for dd, transport in ((over_nixl, "nixl"), (same_host, "local")):
+            await dd.init(_options(transport, listen=True))
+            cache = dd.kv_cache_manager.allocate_blocks_cache(_desc(geometry, cache_blocks),
+                                                              BlocksCacheKey(dd.cluster_id))
+            stamp_blocks(cache.tensors)
+            ports.append(dd.listen_address[1])
+        tensors = geometry.make_tensors(cache_blocks)
+        stamp_blocks(tensors)
+        plain = PlainNixl(f"plain-prompt-{os.getpid()}", tensors, cache_blocks)
+        conn.send((ports, plain.agent.get_agent_metadata(), plain.bases))
+        spinning = threading.Event()
+        stop = threading.Event()
+
+        def progress() -> None:
+            # The owner's agent must make progress while the plain READs run (UCX wire-up): every
+            # 100 us, and only then. A tight loop (NIXL's own progress thread) would take a core
+            # from the copy on a 2-core host and make the baseline slower, not faster.
+            while not stop.is_set():
+                if spinning.wait(0.1):
+                    plain.agent.get_new_notifs()
+                    time.sleep(100e-6)
+
+        spinner = threading.Thread(target=progress, daemon=True)
+        spinner.start()
+        try:
+            while (command := await asyncio.to_thread(conn.recv)) != "exit":
+                (spinning.set if command == "spin" else spinning.clear)()
+                conn.send("ok")
+        finally:
+            stop.set()
+            spinner.join()
+
+
+def _command(peer: Peer, command: str) -> None:
+    peer.send(command)
+    if peer.recv(60.0) != "ok":
+        raise RuntimeError(f"prompt did not acknowledge {command!r}")
+
+
+# -- this process: the DECODER -------------------------------------------------------------
+
+
+async def _measure(geometry: KvGeometry, counts: Sequence[int], quick: bool,
+                   progress: Progress) -> dict[tuple[str, int], Measurement]:
+    import numpy as np
+
+    from aio_datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole, LLMStatusCode
+
+    from benchmarks.harness import verify_blocks
+
+    cache_blocks = cache_blocks_for(max(counts))
+    rounds = ROUNDS_QUICK if quick else ROUNDS
+    samples: dict[tuple[str, int], list[float]] = {}
+    with Peer(_prompt_peer, geometry, cache_blocks, timeout=PEER_LIFETIME_S, name="prompt") as peer:
+        async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as over_nixl, \
+                LLMDataDist(LLMRole.DECODER, DECODER_ID) as same_host:
+            (port_nixl, port_local), metadata, remote_bases = await asyncio.to_thread(peer.recv, 180.0)
+            caches = {}
+            for dd, transport, cluster, port in ((over_nixl, "nixl", PROMPT_NIXL, port_nixl),
+                                                 (same_host, "local", PROMPT_LOCAL, port_local)):
+                await dd.init(_options(transport, listen=False))
+                caches[transport] = dd.kv_cache_manager.allocate_blocks_cache(_desc(geometry, cache_blocks))
+                info = LLMClusterInfo()
+                info.remote_cluster_id = cluster
+                info.append_remote_ip_info("127.0.0.1", port)
+                status, _ = await dd.link_clusters([info])
+                if status != LLMStatusCode.LLM_SUCCESS:
+                    raise RuntimeError(f"link_clusters ({transport}) failed: {status!r}")
+            plain_tensors = geometry.make_tensors(cache_blocks)
+            plain = PlainNixl(f"plain-decoder-{os.getpid()}", plain_tensors, cache_blocks)
+            remote = plain.connect(metadata, remote_bases)
+            progress("linked")
+            engine = over_nixl._links.nixl.engine
+            for count in counts:
+                nbytes = geometry.request_bytes(count)
+                per_round = max(2, repeats_for(nbytes, quick=quick, min_repeats=10 if quick else 30) // rounds)
+                src, dst = _block_lists(cache_blocks, count)
+                t_idx = np.arange(geometry.num_tensors, dtype=np.int64).reshape(-1, 1) * cache_blocks
+                local_idx = (t_idx + np.asarray(dst)).reshape(-1).astype(np.int32)
+                remote_idx = (t_idx + np.asarray(src)).reshape(-1).astype(np.int32)
+                for case in CASES:
+                    samples[case, count] = []
+                posted_before = engine.posted
+                for round_index in range(rounds):
+                    warmup = 2 if round_index == 0 else 1
+                    for t in plain_tensors:
+                        t.zero_()
+
+
+                    async def plain_read() -> None:  # on this thread, as a hand-written loop would
+                        plain.read(remote, local_idx, remote_idx)
+
+                    await asyncio.to_thread(_command, peer, "spin")
+                    samples[CASES[0], count] += await time_async(plain_read, repeats=per_round, warmup=warmup)
+                    await asyncio.to_thread(_command, peer, "rest")
+                    if not verify_blocks(plain_tensors, dst, src):
+                        raise RuntimeError(f"plain NIXL READ of {count} blocks put wrong bytes in place")
+                    for case, transport, cluster in ((CASES[1], "nixl", PROMPT_NIXL),
+                                                     (CASES[2], "local", PROMPT_LOCAL)):
+                        cache = caches[transport]
+                        kv = (over_nixl if transport == "nixl" else same_host).kv_cache_manager
+                        for t in cache.tensors:
+                            t.zero_()
+                        key = BlocksCacheKey(cluster)
+                        samples[case, count] += await time_async(
+                            lambda: kv.pull_blocks(key, cache, src, dst, timeout=TIMEOUT_MS),
+                            repeats=per_round, warmup=warmup)
+                        if not verify_blocks(cache.tensors, dst, src):
+                            raise RuntimeError(f"{case} of {count} blocks put wrong bytes in place")
+                if engine.posted - posted_before != len(samples[CASES[1], count]) + rounds + 1:
+                    raise RuntimeError("some pull_blocks did not go by NIXL")
+                progress(f"{count} blocks")
+            peer.send("exit")
+            peer.result(60.0)
+    return {k: Measurement(k[0], geometry.request_bytes(k[1]), tuple(v)) for k, v in samples.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    geometry = KvGeometry()
+    counts = SIZES
+    rounds = ROUNDS_QUICK if args.quick else ROUNDS
+    table = Table(f"pull_blocks over NIXL against plain NIXL ({'quick' if args.quick else 'default'}; "
+                  "GB = 1e9 B; value = median)", machine=machine_info())
+    if not fits_in_memory(table, "nixl", max(counts), 6 * geometry.request_bytes(cache_blocks_for(max(counts)))):
+        emit(table, args.format)
+        return 1
+    started = time.perf_counter()
+    measured = run_coroutine(lambda: _measure(geometry, counts, args.quick, Progress(args.verbose)),
+                             use_uvloop=False)
+    for count in counts:
+        case = blocks_label(count, geometry)
+        base = measured[CASES[0], count]
+        table.add(CASES[0], case, base.gbps, "GB/s")
+        for name in CASES[1:]:
+            m = measured[name, count]
+            table.add(name, case, m.gbps, "GB/s", baseline=CASES[0], baseline_value=base.gbps,
+                      target=TARGET.get(count) if name == CASES[1] else None)
+        for name in CASES:
+            m = measured[name, count]
+            table.add(f"{name} p50 latency", case, m.p50_us / 1e3, "ms", baseline=f"{CASES[0]} p50 latency",
+                      baseline_value=base.p50_us / 1e3)
+    table.note(f"cache {cache_blocks_for(max(counts))} blocks x {geometry.num_tensors} tensors x "
+               f"{format_bytes(geometry.block_bytes)} per cache; random distinct source and destination blocks")
+    table.note(f"{rounds} alternating rounds of the three cases per size; UCX backend over shared memory "
+               f"(one host, no RDMA); {time.perf_counter() - started:.0f} s in all")
+    table.note("latency ratios are case / plain NIXL: above 1 is slower")
+    table.note(str(peak_rss()))
+    emit(table, args.format)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

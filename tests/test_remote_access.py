@@ -1,0 +1,103 @@
+"""``enable_remote_cache_accessible``: whether peers may read and write an endpoint's caches.
+
+As in LLM-DataDist's CacheManager engine (which forces it on), an options
+dict without ``llm.EnableRemoteCacheAccessible`` means on. An endpoint that
+sets it to False still links, and still pulls from and pushes to peers that
+have it on, but answers every peer request for its own caches with
+``LLM_FEATURE_NOT_ENABLED`` before a byte moves, and shares none of its
+caches with a same-host peer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from peers import DECODER_ID, PROMPT_ID, TRANSPORTS, cluster_info, endpoint, fill, options, port_of, snapshot
+
+NIXL = [t for t in TRANSPORTS if t not in ("tcp", "local")]
+
+pytestmark = pytest.mark.asyncio
+
+S = LLMStatusCode
+ROWS = CacheDesc(4, (3, 256), DataType.DT_FLOAT16, Placement.HOST)
+BLOCKS = CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, Placement.HOST)
+
+
+def closed_off(options: dict) -> dict:
+    return {**options, "llm.EnableRemoteCacheAccessible": "0"}
+
+
+async def refused(awaitable) -> str:
+    with pytest.raises(LLMException) as info:
+        await awaitable
+    assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
+    assert "EnableRemoteCacheAccessible" in str(info.value)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto", *NIXL])
+async def test_a_closed_off_prompt_serves_no_cache_but_still_pushes(transport):
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport=transport) as dec:
+        await prompt.init(closed_off(options(listen=True, transport=transport)))
+        pm, dm = prompt.kv_cache_manager, dec.kv_cache_manager
+        rows = pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 1)])
+        p_blocks = pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        values = fill(rows, 1)
+        block_values = fill(p_blocks, 2)
+        d_rows = dm.allocate_cache(ROWS)
+        d_blocks = dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
+        assert (await dec.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))]))[0] == S.LLM_SUCCESS
+        before = snapshot(d_rows)
+        await refused(dm.pull_cache(CacheKey(PROMPT_ID, 1), d_rows))
+        await refused(dm.pull_blocks(BlocksCacheKey(PROMPT_ID), d_blocks, [0, 1], [0, 1]))
+        assert all(torch.equal(d, b) for d, b in zip(d_rows.tensors, before))
+        if transport == "auto":  # the decoder was given no mapping of the prompt's memory
+            assert dec._links.links[PROMPT_ID].local.region(rows.cache_id) is None
+        if transport == "nixl":  # nor the NIXL metadata that would let it read the prompt's memory
+            assert dec._links.links[PROMPT_ID].nixl.caches == {}
+        # its own pushes to a peer that is open still go, and the key it did not serve is still bound
+        await pm.push_blocks(BlocksCacheKey(DECODER_ID), p_blocks, [3], [5])
+        assert all(torch.equal(d[5], v[3]) for d, v in zip(d_blocks.tensors, block_values))
+        if transport == "nixl":  # a NIXL WRITE whose notification reached a peer that never saw our metadata
+            assert prompt._links.nixl.engine.posted == 1
+        assert prompt._runtime.registry.by_key((1, 2**64 - 1, 0)) is not None
+        assert all(torch.equal(t, v) for t, v in zip(rows.tensors, values))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto", *NIXL])
+async def test_a_closed_off_decoder_takes_no_push_but_still_pulls(transport):
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport=transport) as prompt, \
+            LLMDataDist(LLMRole.DECODER, DECODER_ID) as dec:
+        await dec.init(closed_off(options(transport=transport)))
+        pm, dm = prompt.kv_cache_manager, dec.kv_cache_manager
+        rows = pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 1)])
+        p_blocks = pm.allocate_blocks_cache(BLOCKS)
+        values = fill(rows, 3)
+        fill(p_blocks, 4)
+        d_rows = dm.allocate_cache(ROWS)
+        d_blocks = dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
+        assert (await dec.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))]))[0] == S.LLM_SUCCESS
+        before = snapshot(d_blocks)
+        await refused(pm.push_blocks(BlocksCacheKey(DECODER_ID), p_blocks, [0, 1], [2, 3]))
+        assert all(torch.equal(d, b) for d, b in zip(d_blocks.tensors, before))
+        if transport == "auto":
+            assert prompt._links.links[DECODER_ID].local.region(d_blocks.cache_id) is None
+        if transport == "nixl":
+            assert prompt._links.links[DECODER_ID].nixl.caches == {}
+        await dm.pull_cache(CacheKey(PROMPT_ID, 1), d_rows, batch_index=1)
+        assert all(torch.equal(d[1], v[0]) for d, v in zip(d_rows.tensors, values))
+        if transport == "nixl":
+            assert dec._links.nixl.engine.posted == 1

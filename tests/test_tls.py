@@ -1,0 +1,389 @@
+"""TLS on links (``aio.TlsServerContext`` / ``aio.TlsClientContext``), end to end, on loopback.
+
+Certificates are made at test time (``tls_certs.py``). A recording relay
+between the two endpoints shows that with TLS no cache byte and no control
+frame crosses the wire in plaintext (and, as a check of the check, that
+without TLS they do). Every kind of transfer runs over TLS data channels;
+transfers cut by a timeout or a cancel reset their TLS channel, which is
+redialled over TLS; a peer without TLS or with an untrusted certificate gets
+``LLM_LINK_FAILED`` at once and no byte; same-host sharing stays on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheIndex,
+    CacheKey,
+    DataType,
+    KvCache,
+    LayerSynchronizer,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    TransferWithCacheKeyConfig,
+    wire,
+)
+from aio_datadist.transport.tls import TlsChannel
+from aio_datadist.wire import Msg
+from peers import LOCALHOST, cluster_info, port_of
+from tls_certs import client_context, make_pki, server_context
+
+pytestmark = pytest.mark.asyncio
+
+S = LLMStatusCode
+PROMPT, DECODER, OTHER_PROMPT = 11, 12, 13
+ROWS = CacheDesc(4, (3, 2048), DataType.DT_FLOAT16, Placement.HOST)  # 3 rows of 4 KiB per tensor
+BLOCKS = CacheDesc(4, (16, 8, 64), DataType.DT_FLOAT16, Placement.HOST)  # 2 layers, 16 blocks of 1 KiB
+BIG = CacheDesc(2, (1, 16 << 20), DataType.DT_FLOAT16, Placement.HOST)  # one row of 2 x 32 MiB
+SECRET = "tls-and-a-secret"
+BOUND_S = 1.0
+
+PKI = make_pki("trusted")
+UNTRUSTED = make_pki("untrusted")
+
+
+def options(*, listen: bool = False, server: Any = None, client: Any = None, transport: str = "tcp",
+            secret: str | None = None) -> dict[str, Any]:
+    config = LLMConfig()
+    config.device_id = 0
+    config.transport = transport
+    if listen:
+        config.listen_ip_info = f"{LOCALHOST}:0"
+    if server is not None:
+        config.tls_server_context = server
+    if client is not None:
+        config.tls_client_context = client
+    if secret is not None:
+        config.shared_secret = secret
+    return config.generate_options()
+
+
+@contextlib.asynccontextmanager
+async def endpoint(role: LLMRole, cluster_id: int, **kwargs: Any) -> AsyncIterator[LLMDataDist]:
+    async with LLMDataDist(role, cluster_id) as dd:
+        await dd.init(options(**kwargs))
+        yield dd
+
+
+def scramble(cache: KvCache, seed: int) -> list[torch.Tensor]:
+    """Fill ``cache`` with random bits (no byte pattern repeats); returns them as int16 tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for tensor in cache.tensors:
+        bits = torch.randint(-2**15, 2**15, tuple(tensor.shape), generator=gen, dtype=torch.int16)
+        tensor.view(torch.int16).copy_(bits)
+        out.append(bits)
+    return out
+
+
+def bits(cache: KvCache) -> list[torch.Tensor]:
+    return [t.view(torch.int16) for t in cache.tensors]
+
+
+def windows(values: list[torch.Tensor], size: int = 48, per_tensor: int = 4) -> list[bytes]:
+    """A few byte strings taken from ``values``: any of them on the wire means plaintext cache bytes."""
+    out = []
+    for value in values:
+        raw = value.numpy().tobytes()
+        step = max(1, (len(raw) - size) // per_tensor)
+        out += [raw[at:at + size] for at in range(0, len(raw) - size, step)][:per_tensor]
+    return out
+
+
+class Ready(LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+class Tap:
+    """A loopback relay in front of ``target`` that records every byte it forwards, both ways."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.seen = bytearray()
+        self.writers: list[asyncio.StreamWriter] = []
+        self.tasks: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> Tap:
+        self.server = await asyncio.start_server(self._relay, LOCALHOST, 0)
+        self.address = self.server.sockets[0].getsockname()[:2]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        for writer in self.writers:
+            writer.transport.abort()
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=5)
+        await self.server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        self.writers.append(writer)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self.writers.append(up_writer)
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        self.tasks.discard(task)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                self.seen += data
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.transport.abort()
+
+
+async def test_every_transfer_runs_over_tls_and_the_wire_shows_no_plaintext():
+    # without TLS the relay sees the cache bytes: the check below can see plaintext
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as prompt, endpoint(LLMRole.DECODER, DECODER) as dec:
+        rows = prompt.kv_cache_manager.allocate_cache(ROWS, [CacheKey(PROMPT, 1)])
+        values = scramble(rows, 1)
+        async with Tap(port_of(prompt)) as tap:
+            assert (await dec.link_clusters([cluster_info(PROMPT, tap.address)]))[0] == S.LLM_SUCCESS
+            await dec.kv_cache_manager.pull_cache(CacheKey(PROMPT, 1), dec.kv_cache_manager.allocate_cache(ROWS))
+            await dec.unlink_clusters([cluster_info(PROMPT, tap.address)])
+        assert all(w in tap.seen for w in windows([v[0] for v in values]))
+
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, server=server_context(PKI)) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER, client=client_context(PKI)) as dec:
+        pm, dm = prompt.kv_cache_manager, dec.kv_cache_manager
+        rows = pm.allocate_cache(ROWS, [CacheKey(PROMPT, 1), CacheKey(PROMPT, 2)])
+        p_blocks = pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT))
+        d_rows = dm.allocate_cache(ROWS)
+        d_blocks = dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER))
+        src_rows, src_blocks = scramble(rows, 2), scramble(p_blocks, 3)
+        async with Tap(port_of(prompt)) as tap:
+            assert await dec.link_clusters([cluster_info(PROMPT, tap.address)]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            for dd, peer in ((dec, PROMPT), (prompt, DECODER)):
+                link = dd._links.links[peer]
+                assert link.writer.get_extra_info("ssl_object") is not None
+                assert all(isinstance(ch.sock, TlsChannel) for ch in link.channels)
+            await dm.pull_cache(CacheKey(PROMPT, 2), d_rows, batch_index=1)
+            await dm.pull_blocks(BlocksCacheKey(PROMPT), d_blocks, [0, 5], [3, 4])
+            await pm.push_blocks(BlocksCacheKey(DECODER), p_blocks, [6, 7], [8, 9])
+            await pm.push_cache(CacheIndex(DECODER, d_rows.cache_id, 2), rows, src_batch_index=0)
+            task = pm.transfer_cache_async(p_blocks, Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER))],
+                                           [10, 11], [12, 13])
+            assert await task == [S.LLM_SUCCESS]
+            await dec.unlink_clusters([cluster_info(PROMPT, tap.address)])
+        got_rows, got_blocks = bits(d_rows), bits(d_blocks)
+        for got, src in zip(got_rows, src_rows):
+            assert torch.equal(got[1], src[1]) and torch.equal(got[2], src[0])
+        for got, src in zip(got_blocks, src_blocks):
+            assert torch.equal(got[3], src[0]) and torch.equal(got[4], src[5])
+            assert torch.equal(got[8:10], src[6:8]) and torch.equal(got[12:14], src[10:12])
+        moved = [src[1] for src in src_rows] + [src[0] for src in src_rows] + [src[5] for src in src_blocks]
+        assert len(tap.seen) > sum(v.numel() * 2 for v in moved)  # the bytes went through the relay
+        leaked = [w for w in windows(moved) if w in tap.seen]
+        assert not leaked, f"{len(leaked)} plaintext cache windows on the wire"
+        hello_header = wire.HEADER.pack(wire.MAGIC, wire.VERSION, Msg.HELLO, 0, 0, wire.NONCE_BYTES)
+        assert hello_header not in tap.seen and wire.ATTACH_MAGIC not in tap.seen
+
+
+def tls_jobs(dd: LLMDataDist) -> int:
+    """TLS data-channel jobs still running on ``dd``'s links."""
+    return sum(ch.sock.running() for link in dd._links.links.values() for ch in link.channels
+               if isinstance(ch.sock, TlsChannel))
+
+
+async def test_cut_tls_transfers_reset_their_channel_and_the_link_goes_on():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, server=server_context(PKI), secret=SECRET) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER, client=client_context(PKI), secret=SECRET) as dec:
+        pm, dm = prompt.kv_cache_manager, dec.kv_cache_manager
+        key = CacheKey(PROMPT, 1)
+        big = pm.allocate_cache(BIG, [key])
+        values = scramble(big, 4)
+        dst = dm.allocate_cache(BIG)
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))]))[0] == S.LLM_SUCCESS
+        link = dec._links.links[PROMPT]
+        before = [ch.generation for ch in link.channels]
+
+        # a pull cut by its timeout in the middle of 64 MiB: LLM_TIMEOUT in time, the key is not consumed
+        started = time.monotonic()
+        with pytest.raises(LLMException) as info:
+            await dm.pull_cache(key, dst, timeout=20)
+        assert info.value.status_code == S.LLM_TIMEOUT
+        assert time.monotonic() - started < 0.02 + BOUND_S
+        await dm.pull_cache(key, dst, timeout=20_000)
+        assert all(torch.equal(d, v) for d, v in zip(bits(dst), values))
+        assert any(ch.generation > old for ch, old in zip(link.channels, before)), "no channel was reset"
+        assert all(isinstance(ch.sock, TlsChannel) for ch in link.channels if ch.sock is not None)
+
+        # a push cut by a cancel scope, then pushes that complete on the same link
+        fresh = scramble(big, 5)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.02):
+                await pm.push_cache(CacheIndex(DECODER, dst.cache_id, 0), big, timeout=20_000)
+        assert time.monotonic() - started < 0.02 + BOUND_S
+        for _ in range(3):  # more transfers than one channel: redialled channels carry them too
+            await pm.push_cache(CacheIndex(DECODER, dst.cache_id, 0), big, timeout=20_000)
+        assert all(torch.equal(d, v) for d, v in zip(bits(dst), fresh))
+        async with asyncio.timeout(BOUND_S):
+            while tls_jobs(prompt) or tls_jobs(dec):
+                await asyncio.sleep(0.01)
+        await dec.check_link_status(PROMPT)
+        await prompt.check_link_status(DECODER)
+
+
+async def answer_to_plaintext(address: tuple[str, int]) -> bytes:
+    """What an endpoint sends back to a plaintext HELLO before it closes."""
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        writer.write(wire.encode(Msg.HELLO, 0, nonce=bytes(32)))
+        async with asyncio.timeout(5):
+            return await reader.read()
+    finally:
+        writer.transport.abort()
+
+
+async def test_a_peer_without_tls_or_with_an_untrusted_certificate_gets_no_link_and_no_byte():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, server=server_context(PKI)) as prompt, \
+            endpoint(LLMRole.PROMPT, OTHER_PROMPT, listen=True) as plain:
+        rows = prompt.kv_cache_manager.allocate_cache(ROWS, [CacheKey(PROMPT, 1)])
+        values = scramble(rows, 6)
+        refused = {
+            "no TLS": {},
+            "an untrusted server certificate": {"client": client_context(PKI, trust=UNTRUSTED.ca)},
+            "no client certificate": {"client": client_context(PKI, present_cert=False)},
+            "an untrusted client certificate": {"client": client_context(UNTRUSTED, trust=PKI.ca)},
+        }
+        for why, config in refused.items():
+            async with endpoint(LLMRole.DECODER, DECODER, **config) as dec:
+                started = time.monotonic()
+                result = await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))], timeout=5000)
+                assert result == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED]), why
+                assert time.monotonic() - started < BOUND_S, why
+                assert dec._links.links == {}
+        assert prompt._links.links == {}
+        assert await answer_to_plaintext(port_of(prompt)) == b""  # not even a HELLO_ACK
+
+        async with endpoint(LLMRole.DECODER, DECODER, client=client_context(PKI)) as dec:
+            # a TLS client never links to an endpoint without TLS (and learns at once)
+            started = time.monotonic()
+            result = await dec.link_clusters([cluster_info(OTHER_PROMPT, port_of(plain))], timeout=5000)
+            assert result == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+            assert time.monotonic() - started < BOUND_S
+            assert plain._links.links == {}
+            # the trusted client links and gets its bytes
+            assert (await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))]))[0] == S.LLM_SUCCESS
+            dst = dec.kv_cache_manager.allocate_cache(ROWS)
+            await dec.kv_cache_manager.pull_cache(CacheKey(PROMPT, 1), dst)
+            assert all(torch.equal(d[0], v[0]) for d, v in zip(bits(dst), values))
+
+
+async def test_tls_keeps_same_host_sharing():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, server=server_context(PKI), transport="auto") as prompt, \
+            endpoint(LLMRole.DECODER, DECODER, client=client_context(PKI), transport="auto") as dec:
+        rows = prompt.kv_cache_manager.allocate_cache(ROWS, [CacheKey(PROMPT, 1)])
+        values = scramble(rows, 7)
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))]))[0] == S.LLM_SUCCESS
+        link = dec._links.links[PROMPT]
+        assert link.writer.get_extra_info("ssl_object") is not None
+        assert link.local is not None and link.local.region(rows.cache_id) is not None
+        dst = dec.kv_cache_manager.allocate_cache(ROWS)
+        await dec.kv_cache_manager.pull_cache(CacheKey(PROMPT, 1), dst, batch_index=2)
+        assert all(torch.equal(d[2], v[0]) for d, v in zip(bits(dst), values))
+
+
+async def test_tls_configuration_errors_name_the_option():
+    def code_and_text(info: pytest.ExceptionInfo[LLMException]) -> tuple[LLMStatusCode, str]:
+        return info.value.status_code, str(info.value)
+
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT) as dd:
+        with pytest.raises(LLMException) as info:  # listening needs the server side
+            await dd.init(options(listen=True, client=client_context(PKI)))
+        code, text = code_and_text(info)
+        assert code == S.LLM_PARAM_INVALID and "aio.TlsServerContext" in text
+    async with LLMDataDist(LLMRole.DECODER, DECODER) as dd:
+        with pytest.raises(LLMException) as info:
+            await dd.init({**options(), "aio.TlsClientContext": "/etc/ssl/client.pem"})
+        code, text = code_and_text(info)
+        assert code == S.LLM_PARAM_INVALID and "aio.TlsClientContext" in text
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, server=server_context(PKI)) as prompt:
+        with pytest.raises(LLMException) as info:  # dialling needs the client side: never a plaintext link
+            await prompt.link_clusters([cluster_info(DECODER, (LOCALHOST, 9))])
+        code, text = code_and_text(info)
+        assert code == S.LLM_PARAM_INVALID and "aio.TlsClientContext" in text
+
+
+@contextlib.asynccontextmanager
+async def channel_pair() -> AsyncIterator[tuple[TlsChannel, TlsChannel]]:
+    """Two ends of one TLS data connection, made as links make them."""
+    from aio_datadist.transport import tls
+
+    accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert await reader.readexactly(tls.PREAMBLE_SIZE) == tls.MAGIC + tls.DATA
+        accepted.set_result(await tls.accept_data(writer, server_context(PKI), 5))
+
+    server = await asyncio.start_server(accept, LOCALHOST, 0)
+    client = await tls.dial_data(server.sockets[0].getsockname()[:2], client_context(PKI), 5, lambda sock: None)
+    try:
+        yield client, await accepted
+    finally:
+        client.close()
+        if accepted.done():
+            accepted.result().close()
+        server.close()
+        await server.wait_closed()
+
+
+def runs(*tensors: torch.Tensor) -> list[int]:
+    return [x for t in tensors for x in (t.data_ptr(), t.numel() * t.element_size())]
+
+
+async def test_tls_channel_jobs_run_in_order_and_stop_cleanly():
+    async with channel_pair() as (client, server):
+        src = [torch.randint(0, 256, (1 << 20,), dtype=torch.uint8) for _ in range(3)]
+        dst = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(3)]
+        # receives queue up in order; a cancelled queued one does not disturb the one receiving
+        first = server.start(runs(dst[0]), send=False, timeout_ms=5000, what="first", keepalive=dst[0])
+        dropped = server.start(runs(dst[1]), send=False, timeout_ms=5000, what="dropped", keepalive=dst[1])
+        second = server.start(runs(dst[2]), send=False, timeout_ms=5000, what="second", keepalive=dst[2])
+        dropped.cancel()
+        sent = client.start(runs(src[0], src[2]), send=True, timeout_ms=5000, what="send", keepalive=src)
+        assert await sent == 2 << 20 and await first == 1 << 20 and await second == 1 << 20
+        assert torch.equal(dst[0], src[0]) and torch.equal(dst[2], src[2]) and not dst[1].any()
+        # a receive that times out gets LLM_TIMEOUT and no byte afterwards
+        late = torch.zeros(1 << 20, dtype=torch.uint8)
+        with pytest.raises(LLMException) as info:
+            await server.start(runs(late), send=False, timeout_ms=10, what="late", keepalive=late)
+        assert info.value.status_code == S.LLM_TIMEOUT
+        await client.start(runs(src[1]), send=True, timeout_ms=5000, what="unread", keepalive=src[1])
+        await asyncio.sleep(0.05)
+        assert not late.any()
+        # closing this end fails its jobs with LLM_FAILED; the peer's with LLM_LINK_FAILED
+        pending = server.start(runs(dst[1]), send=False, timeout_ms=5000, what="pending", keepalive=dst[1])
+        server.close()
+        with pytest.raises(LLMException) as info:
+            await pending
+        assert info.value.status_code == S.LLM_FAILED
+        with pytest.raises(LLMException) as info:
+            await client.start(runs(dst[1]), send=False, timeout_ms=5000, what="orphan", keepalive=dst[1])
+        assert info.value.status_code == S.LLM_LINK_FAILED
