@@ -14,6 +14,8 @@ The pieces live in small modules, one concern each:
 - ``_machine``: :func:`machine_info`, :func:`peak_rss`, :func:`available_memory`,
   :class:`OtherCpuLoad`
 - ``_peer``: :class:`Peer`, :func:`run_in_subprocess`, :func:`free_port`
+- ``_endpoints``: :func:`endpoint_options`, :func:`blocks_desc`, :func:`block_lists` for
+  programs that run endpoints
 - ``_cli``: the flags every program shares (:func:`add_common_arguments`,
   :func:`block_counts`), :func:`fits_in_memory`, :func:`emit`, :class:`Progress`
 
@@ -33,6 +35,7 @@ from benchmarks._cli import (
     mode_label,
     parse_block_counts,
 )
+from benchmarks._endpoints import block_lists, blocks_desc, endpoint_options
 from benchmarks._machine import OtherCpuLoad, PeakRss, available_memory, machine_info, machine_info_dict, peak_rss
 from benchmarks._peer import Peer, PeerError, free_port, run_in_subprocess
 from benchmarks._table import Row, Table, parse_target
@@ -69,6 +72,9 @@ __all__ = [
     "Progress",
     "add_common_arguments",
     "block_counts",
+    "block_lists",
+    "blocks_desc",
+    "endpoint_options",
     "emit",
     "fits_in_memory",
     "mode_label",

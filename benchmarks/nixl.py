@@ -32,6 +32,9 @@ from typing import Any, Sequence
 
 from benchmarks._cli import Progress, emit, fits_in_memory
 from benchmarks.harness import (
+    block_lists,
+    blocks_desc,
+    endpoint_options,
     KvGeometry,
     Measurement,
     Peer,
@@ -41,7 +44,6 @@ from benchmarks.harness import (
     format_bytes,
     machine_info,
     peak_rss,
-    random_blocks,
     repeats_for,
     run_coroutine,
     time_async,
@@ -65,26 +67,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _options(transport: str, listen: bool) -> dict[str, str]:
-    from aio_datadist import LLMConfig
 
-    config = LLMConfig()
-    config.device_id = 0
-    config.sync_kv_timeout = TIMEOUT_MS
-    config.transport = transport
-    if listen:
-        config.listen_ip_info = "127.0.0.1:0"
-    return config.generate_options()
-
-
-def _desc(geometry: KvGeometry, num_blocks: int) -> Any:
-    from aio_datadist import CacheDesc, DataType, Placement
-
-    return CacheDesc(geometry.num_tensors, geometry.tensor_shape(num_blocks), DataType.DT_FLOAT16, Placement.HOST)
-
-
-def _block_lists(cache_blocks: int, count: int) -> tuple[list[int], list[int]]:
-    return random_blocks(cache_blocks, count, SEED), random_blocks(cache_blocks, count, SEED + 1)
 
 
 class PlainNixl:
@@ -138,8 +121,8 @@ async def _prompt_main(conn: Any, geometry: KvGeometry, cache_blocks: int) -> No
             LLMDataDist(LLMRole.PROMPT, PROMPT_LOCAL) as same_host:
         ports = []
         for dd, transport in ((over_nixl, "nixl"), (same_host, "local")):
-            await dd.init(_options(transport, listen=True))
-            cache = dd.kv_cache_manager.allocate_blocks_cache(_desc(geometry, cache_blocks),
+            await dd.init(endpoint_options(transport, listen=True, timeout_ms=TIMEOUT_MS))
+            cache = dd.kv_cache_manager.allocate_blocks_cache(blocks_desc(geometry, cache_blocks),
                                                               BlocksCacheKey(dd.cluster_id))
             stamp_blocks(cache.tensors)
             ports.append(dd.listen_address[1])
@@ -197,8 +180,8 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], quick: bool,
             caches = {}
             for dd, transport, cluster, port in ((over_nixl, "nixl", PROMPT_NIXL, port_nixl),
                                                  (same_host, "local", PROMPT_LOCAL, port_local)):
-                await dd.init(_options(transport, listen=False))
-                caches[transport] = dd.kv_cache_manager.allocate_blocks_cache(_desc(geometry, cache_blocks))
+                await dd.init(endpoint_options(transport, listen=False, timeout_ms=TIMEOUT_MS))
+                caches[transport] = dd.kv_cache_manager.allocate_blocks_cache(blocks_desc(geometry, cache_blocks))
                 info = LLMClusterInfo()
                 info.remote_cluster_id = cluster
                 info.append_remote_ip_info("127.0.0.1", port)
@@ -213,7 +196,7 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], quick: bool,
             for count in counts:
                 nbytes = geometry.request_bytes(count)
                 per_round = max(2, repeats_for(nbytes, quick=quick, min_repeats=10 if quick else 30) // rounds)
-                src, dst = _block_lists(cache_blocks, count)
+                src, dst = block_lists(cache_blocks, count, SEED)
                 t_idx = np.arange(geometry.num_tensors, dtype=np.int64).reshape(-1, 1) * cache_blocks
                 local_idx = (t_idx + np.asarray(dst)).reshape(-1).astype(np.int32)
                 remote_idx = (t_idx + np.asarray(src)).reshape(-1).astype(np.int32)

@@ -50,6 +50,9 @@ import numpy as np
 from benchmarks import baselines
 from benchmarks._machine import OtherCpuLoad, RssWatch
 from benchmarks.harness import (
+    block_lists,
+    blocks_desc,
+    endpoint_options,
     MIB,
     KvGeometry,
     Measurement,
@@ -139,26 +142,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _options(transport: str, listen: bool) -> dict[str, str]:
-    from aio_datadist import LLMConfig
 
-    config = LLMConfig()
-    config.device_id = 0
-    config.sync_kv_timeout = TRANSFER_TIMEOUT_MS
-    config.transport = transport
-    if listen:
-        config.listen_ip_info = "127.0.0.1:0"
-    return config.generate_options()
-
-
-def _desc(geometry: KvGeometry, num_blocks: int) -> Any:
-    from aio_datadist import CacheDesc, DataType, Placement
-
-    return CacheDesc(geometry.num_tensors, geometry.tensor_shape(num_blocks), DataType.DT_FLOAT16, Placement.HOST)
-
-
-def _block_lists(cache_blocks: int, count: int) -> tuple[list[int], list[int]]:
-    return random_blocks(cache_blocks, count, SEED), random_blocks(cache_blocks, count, SEED + 1)
 
 
 def _concurrent_lists(cache_blocks: int, each: int) -> list[tuple[list[int], list[int]]]:
@@ -196,10 +180,10 @@ async def _prompt_main(conn: Any, geometry: KvGeometry, cache_blocks: int) -> No
         kv, caches, ports = {}, {}, {}
         for transport in TRANSPORTS:
             dd = await stack.enter_async_context(LLMDataDist(LLMRole.PROMPT, PROMPT_ID[transport]))
-            await dd.init(_options(transport, listen=True))
+            await dd.init(endpoint_options(transport, listen=True, timeout_ms=TRANSFER_TIMEOUT_MS))
             kv[transport] = dd.kv_cache_manager
             caches[transport] = kv[transport].allocate_blocks_cache(
-                _desc(geometry, cache_blocks), BlocksCacheKey(PROMPT_ID[transport]))
+                blocks_desc(geometry, cache_blocks), BlocksCacheKey(PROMPT_ID[transport]))
             stamp_blocks(caches[transport].tensors)
             ports[transport] = dd.listen_address[1]
         conn.send(ports)
@@ -208,7 +192,7 @@ async def _prompt_main(conn: Any, geometry: KvGeometry, cache_blocks: int) -> No
             if command[0] == "exit":
                 return
             _, transport, count, repeats, warmup, dst_cache_id = command
-            src_blocks, dst_blocks = _block_lists(cache_blocks, count)
+            src_blocks, dst_blocks = block_lists(cache_blocks, count, SEED)
             target = CacheIndex(DECODER_ID[transport], dst_cache_id)
             manager, cache = kv[transport], caches[transport]
             samples = await time_async(
@@ -263,12 +247,12 @@ class Decoder:
 
         for transport in TRANSPORTS:
             dd = await stack.enter_async_context(LLMDataDist(LLMRole.DECODER, DECODER_ID[transport]))
-            await dd.init(_options(transport, listen=False))
+            await dd.init(endpoint_options(transport, listen=False, timeout_ms=TRANSFER_TIMEOUT_MS))
             self.dds[transport] = dd
             self.kv[transport] = dd.kv_cache_manager
             # Allocation populates the whole cache: done before any link exists, since a loop blocked
             # for seconds would miss the heartbeats of a live link.
-            self.caches[transport] = self.kv[transport].allocate_blocks_cache(_desc(self.geometry, self.cache_blocks))
+            self.caches[transport] = self.kv[transport].allocate_blocks_cache(blocks_desc(self.geometry, self.cache_blocks))
         ports = await self.peer.recv_async(300.0)
         for transport, dd in self.dds.items():
             info = LLMClusterInfo()
@@ -299,7 +283,7 @@ class Decoder:
     async def pull(self, transport: str, count: int, repeats: int, warmup: int) -> list[float]:
         from aio_datadist import BlocksCacheKey
 
-        src, dst = _block_lists(self.cache_blocks, count)
+        src, dst = block_lists(self.cache_blocks, count, SEED)
         self.clear(transport, dst)
         kv, cache, key = self.kv[transport], self.caches[transport], BlocksCacheKey(PROMPT_ID[transport])
         samples = await time_async(lambda: kv.pull_blocks(key, cache, src, dst, timeout=TRANSFER_TIMEOUT_MS),
@@ -308,7 +292,7 @@ class Decoder:
         return samples
 
     async def push(self, transport: str, count: int, repeats: int, warmup: int) -> list[float]:
-        src, dst = _block_lists(self.cache_blocks, count)
+        src, dst = block_lists(self.cache_blocks, count, SEED)
         self.clear(transport, dst)
         self.peer.send(("push", transport, count, repeats, warmup, self.caches[transport].cache_id))
         samples = await self.peer.recv_async(600.0)

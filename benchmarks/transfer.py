@@ -31,6 +31,9 @@ from typing import Any, Sequence
 from benchmarks import baselines
 from benchmarks._cli import Progress, emit, fits_in_memory
 from benchmarks.harness import (
+    block_lists,
+    blocks_desc,
+    endpoint_options,
     KvGeometry,
     Measurement,
     Peer,
@@ -40,7 +43,6 @@ from benchmarks.harness import (
     format_bytes,
     machine_info,
     peak_rss,
-    random_blocks,
     repeats_for,
     run_coroutine,
     time_async,
@@ -77,28 +79,7 @@ def _counts(text: str) -> tuple[int, ...]:
     return counts
 
 
-def _options(listen: bool, data_channels: int | None) -> dict[str, str]:
-    from aio_datadist import LLMConfig
 
-    config = LLMConfig()
-    config.device_id = 0
-    config.sync_kv_timeout = TRANSFER_TIMEOUT_MS
-    config.transport = "tcp"  # this program measures the TCP data plane against a raw socket
-    if listen:
-        config.listen_ip_info = "127.0.0.1:0"
-    if data_channels is not None:
-        config.data_channels = data_channels
-    return config.generate_options()
-
-
-def _desc(geometry: KvGeometry, num_blocks: int) -> Any:
-    from aio_datadist import CacheDesc, DataType, Placement
-
-    return CacheDesc(geometry.num_tensors, geometry.tensor_shape(num_blocks), DataType.DT_FLOAT16, Placement.HOST)
-
-
-def _block_lists(cache_blocks: int, count: int) -> tuple[list[int], list[int]]:
-    return random_blocks(cache_blocks, count, SEED), random_blocks(cache_blocks, count, SEED + 1)
 
 
 # -- the PROMPT process ------------------------------------------------------------------
@@ -115,9 +96,9 @@ async def _prompt_main(conn: Any, geometry: KvGeometry, cache_blocks: int, data_
     from benchmarks.harness import stamp_blocks
 
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
-        await dd.init(_options(True, data_channels))
+        await dd.init(endpoint_options("tcp", listen=True, timeout_ms=TRANSFER_TIMEOUT_MS, data_channels=data_channels))
         kv = dd.kv_cache_manager
-        cache = kv.allocate_blocks_cache(_desc(geometry, cache_blocks), BlocksCacheKey(PROMPT_ID))
+        cache = kv.allocate_blocks_cache(blocks_desc(geometry, cache_blocks), BlocksCacheKey(PROMPT_ID))
         stamp_blocks(cache.tensors)
         conn.send(dd.listen_address[1])
         loop = asyncio.get_running_loop()
@@ -133,7 +114,7 @@ async def _prompt_main(conn: Any, geometry: KvGeometry, cache_blocks: int, data_
             if command[0] == "exit":
                 return
             _, count, repeats, warmup, dst_cache_id = command
-            src_blocks, dst_blocks = _block_lists(cache_blocks, count)
+            src_blocks, dst_blocks = block_lists(cache_blocks, count, SEED)
             target = CacheIndex(DECODER_ID, dst_cache_id)
             samples = await time_async(
                 lambda: kv.push_blocks(target, cache, src_blocks, dst_blocks, timeout=TRANSFER_TIMEOUT_MS),
@@ -162,9 +143,9 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], quick: bool, dat
     with Peer(_prompt_peer, geometry, cache_blocks, data_channels, use_uvloop,
               timeout=PEER_LIFETIME_S, name="prompt") as peer, baselines.TcpReplyPeer(raw_bytes) as raw:
         async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as dd:
-            await dd.init(_options(False, data_channels))
+            await dd.init(endpoint_options("tcp", listen=False, timeout_ms=TRANSFER_TIMEOUT_MS, data_channels=data_channels))
             kv = dd.kv_cache_manager
-            cache = kv.allocate_blocks_cache(_desc(geometry, cache_blocks))
+            cache = kv.allocate_blocks_cache(blocks_desc(geometry, cache_blocks))
             port = await asyncio.to_thread(peer.recv, 120.0)
             info = LLMClusterInfo()
             info.remote_cluster_id = PROMPT_ID
@@ -177,7 +158,7 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], quick: bool, dat
             for count in counts:
                 nbytes = geometry.request_bytes(count)
                 per_round = max(2, repeats_for(nbytes, quick=quick, min_repeats=10 if quick else 30) // rounds)
-                src_blocks, dst_blocks = _block_lists(cache_blocks, count)
+                src_blocks, dst_blocks = block_lists(cache_blocks, count, SEED)
                 for name in ("raw socket", "pull_blocks", "push_blocks"):
                     samples[name, count] = []
                 for round_index in range(rounds):
