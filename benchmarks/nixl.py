@@ -1,11 +1,12 @@
 """pull_blocks over NIXL against plain NIXL: ``python -m benchmarks.nixl [--quick]``.
 
-Two processes on this host. The spawned PROMPT process holds three blocks
+Two processes on this host. The spawned PROMPT process holds two blocks
 caches of the shared geometry (64 tensors, 32 KiB blocks), each stamped:
 
 - one in an ``LLMDataDist`` with ``aio.Transport=nixl``;
 - one in an ``LLMDataDist`` with ``aio.Transport=local`` (same-host memfd sharing);
-- one registered with a bare NIXL agent (UCX backend), no aio_datadist.
+- and a bare NIXL agent (UCX backend), no aio_datadist, which registers the
+  NIXL endpoint's cache memory a second time.
 
 This process pulls the same random block list from each, in alternating rounds:
 
@@ -119,16 +120,17 @@ async def _prompt_main(conn: Any, geometry: KvGeometry, cache_blocks: int) -> No
 
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_NIXL) as over_nixl, \
             LLMDataDist(LLMRole.PROMPT, PROMPT_LOCAL) as same_host:
-        ports = []
+        ports, caches = [], []
         for dd, transport in ((over_nixl, "nixl"), (same_host, "local")):
             await dd.init(endpoint_options(transport, listen=True, timeout_ms=TIMEOUT_MS))
             cache = dd.kv_cache_manager.allocate_blocks_cache(blocks_desc(geometry, cache_blocks),
                                                               BlocksCacheKey(dd.cluster_id))
             stamp_blocks(cache.tensors)
             ports.append(dd.listen_address[1])
-        tensors = geometry.make_tensors(cache_blocks)
-        stamp_blocks(tensors)
-        plain = PlainNixl(f"plain-prompt-{os.getpid()}", tensors, cache_blocks)
+            caches.append(cache)
+        # The plain agent reads the very memory the NIXL endpoint serves: the same pages, the same
+        # block list; only aio_datadist is left out.
+        plain = PlainNixl(f"plain-prompt-{os.getpid()}", caches[0].tensors, cache_blocks)
         conn.send((ports, plain.agent.get_agent_metadata(), plain.bases))
         spinning = threading.Event()
         stop = threading.Event()
@@ -188,7 +190,7 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], quick: bool,
                 status, _ = await dd.link_clusters([info])
                 if status != LLMStatusCode.LLM_SUCCESS:
                     raise RuntimeError(f"link_clusters ({transport}) failed: {status!r}")
-            plain_tensors = geometry.make_tensors(cache_blocks)
+            plain_tensors = caches["nixl"].tensors  # into the NIXL endpoint's own cache, as above
             plain = PlainNixl(f"plain-decoder-{os.getpid()}", plain_tensors, cache_blocks)
             remote = plain.connect(metadata, remote_bases)
             progress("linked")
