@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aio_datadist.config import Settings, parse_listen, parse_options
-from aio_datadist.links import LinkTable
+from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
 from aio_datadist.runtime import Runtime
 from aio_datadist.status import LLMException, LLMStatusCode, check_instance, check_int, check_uint, param_invalid

@@ -1,4 +1,4 @@
-"""Links between LLMDataDist endpoints: handshake, control messages, data channels.
+"""One link between LLMDataDist endpoints: control messages, data channels, heartbeat.
 
 A link is one control connection (asyncio streams, framed messages) plus
 ``2 * aio.DataChannels`` data connections that carry bulk bytes only. The
@@ -10,46 +10,40 @@ straight from and into cache memory. A transfer that stops part-way leaves its
 channel's byte stream out of step, so that channel is closed on both ends and
 the client dials it again.
 
-The handshake (``handshake.py``) sends nothing identifying before the peer
-proved the shared secret. With TLS (``aio.TlsServerContext`` /
+Links are made by the :class:`~aio_datadist.link_table.LinkTable`, whose
+handshake (``handshake.py``) sends nothing identifying before the peer proved
+the shared secret. With TLS (``aio.TlsServerContext`` /
 ``aio.TlsClientContext``) every connection of a link is TLS from its first
 byte after a short preamble (``transport/tls.py``), and data channels are
 :class:`~aio_datadist.transport.tls.TlsChannel` objects instead of sockets.
-At most ``aio.MaxPendingHandshakes`` incoming connections may be in their
-handshake at once; more are dropped on arrival.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import logging
-import os
 import socket
-import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from aio_datadist import handshake, wire
-from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
-from aio_datadist.transfers import handle_request
+from aio_datadist import wire
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
-from aio_datadist.transport.local import LocalListener, LocalShare, boot_id, connect_share
+from aio_datadist.transport.local import LocalShare
 from aio_datadist.transport.nixl import READY as NIXL_READY
-from aio_datadist.transport.nixl import NixlPeer, NixlPlane
-from aio_datadist.types import LLMClusterInfo, LLMRole
+from aio_datadist.transport.nixl import NixlPeer
+from aio_datadist.types import LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
 if TYPE_CHECKING:
-    from aio_datadist.datadist import LLMDataDist
+    from aio_datadist.link_table import LinkTable
     from aio_datadist.runtime import Runtime
 
-__all__ = ["Link", "LinkTable"]
+__all__ = ["DataConn", "Link", "layout_hash", "tune"]
 
 log = logging.getLogger("aio_datadist.links")
 
-HANDSHAKE_LIMIT_S = 10.0
 HEARTBEAT_MISSES = 5
 ZERO32 = bytes(32)
 NO_GENERATION = 0xFFFFFFFF
@@ -69,7 +63,7 @@ def layout_hash(runtime: Runtime) -> bytes:
     return hashlib.sha256(repr(shapes).encode()).digest()
 
 
-def _tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
@@ -428,426 +422,3 @@ class Link:
                 await self.writer.wait_closed()
         except (OSError, TimeoutError, ConnectionError):
             self.writer.transport.abort()  # a TLS close waits for the peer's close_notify: not past here
-
-
-class LinkTable:
-    """The links and the listener of one LLMDataDist."""
-
-    def __init__(self, owner: LLMDataDist, runtime: Runtime) -> None:
-        self.owner = owner
-        self.runtime = runtime
-        self.links: dict[int, Link] = {}
-        self.server: asyncio.base_events.Server | None = None
-        self.listen_address: tuple[str, int] | None = None
-        self._handshakes: set[asyncio.Task] = set()
-        self.on_request: Callable[[Link, Msg, int, dict], None] = (
-            lambda link, msg, req_id, fields: handle_request(runtime, link, msg, req_id, fields))
-        self.local_listener: LocalListener | None = None
-        self.nixl = NixlPlane(runtime, owner.cluster_id) if runtime.settings.transport == "nixl" else None
-        runtime.registry.on_add = self._shared
-        runtime.registry.on_free = self._unshared
-
-    @property
-    def shares_memory(self) -> bool:
-        """Whether same-host links may share cache memory (``aio.Transport`` auto or local)."""
-        return self.runtime.settings.transport in ("auto", "local")
-
-    def _shared(self, cache: Any) -> None:
-        if self.nixl is not None:
-            self.nixl.register(cache)
-        if not self.runtime.settings.remote_cache_accessible:
-            return
-        for link in self.links.values():
-            if link.local is not None:
-                link.local.offer(cache)
-
-    def _unshared(self, cache: Any) -> None:
-        if self.nixl is not None:
-            self.nixl.unregister(cache)
-        for link in self.links.values():
-            if link.local is not None:
-                link.local.withdraw(cache.cache_id)
-
-    @property
-    def secret(self) -> bytes | None:
-        return self.runtime.settings.shared_secret
-
-    @property
-    def tls_server(self) -> ssl.SSLContext | None:
-        return self.runtime.settings.tls_server_context
-
-    @property
-    def tls_client(self) -> ssl.SSLContext | None:
-        return self.runtime.settings.tls_client_context
-
-    def check_can_dial(self) -> None:
-        """With TLS on, dialling needs the client context: a link is never made without TLS."""
-        if self.runtime.settings.tls and self.tls_client is None:
-            raise param_invalid("aio.TlsClientContext", "is needed to link to peers: this endpoint uses TLS "
-                                "(aio.TlsServerContext is set) and never links without it")
-
-    def count(self) -> int:
-        return sum(1 for link in self.links.values() if not link.closed)
-
-    def get(self, cluster_id: int) -> Link:
-        """The usable link to ``cluster_id`` or the documented error."""
-        link = self.links.get(cluster_id)
-        if link is None or link.closed:
-            raise LLMException(f"cluster {cluster_id} is not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
-        link.check()
-        return link
-
-    def forget(self, link: Link) -> None:
-        if self.links.get(link.remote_cluster_id) is link:
-            del self.links[link.remote_cluster_id]
-
-    def _register(self, link: Link) -> None:
-        link.on_request = self.on_request
-        self.links[link.remote_cluster_id] = link
-        link.start()
-
-    # -- listening ---------------------------------------------------------
-
-    async def listen(self, ip: str, port: int) -> None:
-        if self.runtime.settings.tls and self.tls_server is None:
-            raise param_invalid("aio.TlsServerContext", "is needed to listen: this endpoint uses TLS "
-                                "(aio.TlsClientContext is set) and never accepts a link without it")
-        try:
-            self.server = await asyncio.start_server(self._accept, ip, port, reuse_address=True)
-        except OSError as exc:
-            raise LLMException(f"option 'llm.listenIpInfo': cannot listen on {ip}:{port}: {exc}",
-                               status_code=LLMStatusCode.LLM_LINK_FAILED) from exc
-        sockname = self.server.sockets[0].getsockname()
-        self.listen_address = (sockname[0], sockname[1])
-        if self.shares_memory and self.local_listener is None:
-            try:
-                self.local_listener = LocalListener(self)
-            except OSError as exc:
-                log.info("no same-host sharing (unix socket: %s); links use TCP only", exc)
-
-    async def stop_listening(self) -> None:
-        if self.local_listener is not None:
-            self.local_listener.close()
-            self.local_listener = None
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-            self.server = None
-            self.listen_address = None
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._handshakes) >= self.runtime.settings.max_pending_handshakes:
-            # Connections that never finish their handshake must not pile up: drop the excess at once.
-            log.debug("dropped an incoming connection: %d handshakes already pending", len(self._handshakes))
-            writer.transport.abort()
-            return
-        task = asyncio.current_task()
-        assert task is not None
-        self._handshakes.add(task)
-        keep = False
-        try:
-            async with asyncio.timeout(HANDSHAKE_LIMIT_S):
-                magic = await reader.readexactly(4)
-                if self.tls_server is not None:
-                    if magic != tls.MAGIC:
-                        raise ProtocolError("the peer does not use TLS; this endpoint requires it")
-                    kind = await reader.readexactly(1)
-                    if kind == tls.DATA:
-                        keep = await self._accept_tls_data(writer)
-                        return
-                    if kind != tls.CONTROL:
-                        raise ProtocolError(f"unknown TLS connection kind {kind!r}")
-                    await tls.accept_control(writer, self.tls_server, HANDSHAKE_LIMIT_S)
-                    keep = await self._accept_control(await reader.readexactly(4), reader, writer)
-                elif magic == tls.MAGIC:
-                    raise ProtocolError("the peer uses TLS; this endpoint has no aio.TlsServerContext")
-                elif magic == wire.ATTACH_MAGIC:
-                    keep = await self._accept_data(magic, reader, writer)
-                else:
-                    keep = await self._accept_control(magic, reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError, ProtocolError, TimeoutError) as exc:
-            log.debug("dropped an incoming connection: %r", exc)
-        finally:
-            self._handshakes.discard(task)
-            if not keep:
-                if writer.get_extra_info("ssl_object") is not None:
-                    writer.transport.abort()  # no TLS close_notify exchange with a refused peer
-                else:
-                    writer.close()
-
-    async def _accept_control(self, magic: bytes, reader: asyncio.StreamReader,
-                              writer: asyncio.StreamWriter) -> bool:
-        accepted = await handshake.accept(magic, reader, writer, secret=self.secret)
-        auth = accepted.auth
-        remote_id = auth["cluster_id"]
-
-        async def refuse(status: LLMStatusCode, text: str) -> bool:
-            writer.write(handshake.link_ok(self.secret, accepted, status, text=text))
-            await writer.drain()
-            return False
-
-        if not accepted.authenticated:
-            log.warning("refused a link from %s: authentication failed", writer.get_extra_info("peername"))
-            return await refuse(LLMStatusCode.LLM_LINK_FAILED, "authentication failed")
-        try:
-            remote_role = LLMRole(auth["role"])
-        except ValueError:
-            raise ProtocolError("bad role") from None
-        own_id = self.owner.cluster_id
-        if auth["peer_id"] != own_id:
-            return await refuse(LLMStatusCode.LLM_LINK_FAILED, f"this endpoint is cluster {own_id}, "
-                                f"not {auth['peer_id']}")
-        if remote_id == own_id:
-            return await refuse(LLMStatusCode.LLM_LINK_FAILED, "peer uses this endpoint's own cluster id")
-        mine, theirs = layout_hash(self.runtime), auth["layout_hash"]
-        if mine != ZERO32 and theirs != ZERO32 and mine != theirs:
-            text = ("blocks caches are incompatible (tensor count, dtype or block shape differ "
-                    "between the two endpoints)")
-            log.warning("refused a link from cluster %s: %s", remote_id, text)
-            return await refuse(LLMStatusCode.LLM_LINK_FAILED, text)
-        existing = self.links.get(remote_id)
-        if existing is not None and existing.broken is None and not existing.closed:
-            return await refuse(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
-        token = os.urandom(32)
-        channels = self.runtime.settings.data_channels
-        if existing is not None:
-            await existing.close()
-            self.forget(existing)
-            existing = self.links.get(remote_id)  # another handshake may have linked it meanwhile
-            if existing is not None and existing.broken is None and not existing.closed:
-                return await refuse(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
-        _tune(writer.get_extra_info("socket"))
-        peer = writer.get_extra_info("peername")
-        link = Link(self, remote_id, remote_role, reader, writer, is_client=False, channels=channels,
-                    token=token, remote_address=(peer[0], peer[1]))
-        self._register(link)
-        local_name = self.local_listener.name if self.local_listener is not None else b""
-        writer.write(handshake.link_ok(self.secret, accepted, SUCCESS, cluster_id=own_id, role=self.owner.role,
-                                       token=token, channels=channels, boot=boot_id(), local_name=local_name))
-        return True
-
-    def _attach_target(self, record: bytes) -> tuple[Link | None, int, int]:
-        """The link and channel a data connection's attach record names, if it may attach there."""
-        magic, version, token, index, generation = wire.ATTACH.unpack(record)
-        if magic != wire.ATTACH_MAGIC or version != wire.VERSION:
-            return None, index, generation
-        link = next((lk for lk in self.links.values() if not lk.closed and lk.broken is None and
-                     hmac.compare_digest(handshake.attach_token(self.secret, lk.token, index, generation), token)),
-                    None)
-        if link is None or not link.attach_advances(index, generation):
-            return None, index, generation
-        return link, index, generation
-
-    async def _accept_data(self, magic: bytes, reader: asyncio.StreamReader,
-                           writer: asyncio.StreamWriter) -> bool:
-        link, index, generation = self._attach_target(magic + await reader.readexactly(wire.ATTACH.size - 4))
-        if link is None:
-            writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
-            await writer.drain()
-            return False
-        sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
-        sock.setblocking(False)
-        _tune(sock)
-        # Installed before it is acknowledged: a peer that has the acknowledgement may use the channel.
-        link.install(index, sock, generation)
-        writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, SUCCESS))
-        await writer.drain()
-        writer.transport.abort()
-        return True
-
-    async def _accept_tls_data(self, writer: asyncio.StreamWriter) -> bool:
-        assert self.tls_server is not None
-        _tune(writer.get_extra_info("socket"))
-        channel = await tls.accept_data(writer, self.tls_server, HANDSHAKE_LIMIT_S)
-        try:
-            link, index, generation = self._attach_target(await channel.recv_exactly(wire.ATTACH.size))
-            if link is None:
-                await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
-                channel.close()
-                return True
-            link.install(index, channel, generation)
-            await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, SUCCESS))
-            return True
-        except BaseException:
-            channel.close()
-            raise
-
-    # -- dialling ----------------------------------------------------------
-
-    async def dial_data(self, address: tuple[str, int], token: bytes, index: int,
-                        generation: int) -> DataConn:
-        record = wire.ATTACH.pack(wire.ATTACH_MAGIC, wire.VERSION,
-                                  handshake.attach_token(self.secret, token, index, generation), index, generation)
-        if self.tls_client is not None:
-            return await self._dial_tls_data(address, record, index)
-        loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            _tune(sock)
-            async with asyncio.timeout(HANDSHAKE_LIMIT_S):
-                await loop.sock_connect(sock, address)
-                await loop.sock_sendall(sock, record)
-                reply = b""
-                while len(reply) < wire.ATTACH_OK.size:
-                    chunk = await loop.sock_recv(sock, wire.ATTACH_OK.size - len(reply))
-                    if not chunk:
-                        raise ConnectionError("peer closed the data connection")
-                    reply += chunk
-            _check_attached(reply, index)
-            return sock
-        except BaseException:
-            sock.close()
-            raise
-
-    async def _dial_tls_data(self, address: tuple[str, int], record: bytes, index: int) -> tls.TlsChannel:
-        assert self.tls_client is not None
-        async with asyncio.timeout(HANDSHAKE_LIMIT_S):
-            channel = await tls.dial_data(address, self.tls_client, HANDSHAKE_LIMIT_S, _tune)
-            try:
-                await channel.sendall(record)
-                _check_attached(await channel.recv_exactly(wire.ATTACH_OK.size), index)
-                return channel
-            except BaseException:
-                channel.close()
-                raise
-
-    async def connect(self, cluster: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
-        """Link to one listening peer; returns a status, never raises for link failures."""
-        remote_id = cluster.remote_cluster_id
-        address = cluster.remote_endpoints[0]
-        existing = self.links.get(remote_id)
-        if existing is not None and existing.broken is None and not existing.closed:
-            return LLMStatusCode.LLM_ALREADY_LINK
-        if remote_id == self.owner.cluster_id:
-            log.warning("link_clusters: cluster %s is this endpoint itself", remote_id)
-            return LLMStatusCode.LLM_LINK_FAILED
-        writer = None
-        try:
-            async with asyncio.timeout(timeout_ms / 1000):
-                return await self._handshake(remote_id, address, existing)
-        except TimeoutError:
-            log.warning("link to cluster %s at %s:%s timed out after %s ms", remote_id, *address, timeout_ms)
-            return LLMStatusCode.LLM_TIMEOUT
-        except (OSError, ConnectionError, asyncio.IncompleteReadError, ProtocolError) as exc:
-            log.warning("link to cluster %s at %s:%s failed: %s", remote_id, *address, exc)
-            return LLMStatusCode.LLM_LINK_FAILED
-        except LLMException as exc:
-            log.warning("link to cluster %s at %s:%s failed: %s", remote_id, *address, exc)
-            return exc.status_code
-        finally:
-            if writer is not None:
-                writer.close()
-
-    async def _handshake(self, remote_id: int, address: tuple[str, int], existing: Link | None) -> LLMStatusCode:
-        reader, writer = await asyncio.open_connection(*address)
-        link: Link | None = None
-        sockets: list[DataConn] = []
-        try:
-            _tune(writer.get_extra_info("socket"))
-            if self.tls_client is not None:
-                await tls.dial_control(reader, writer, self.tls_client, address[0], HANDSHAKE_LIMIT_S)
-            ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.owner.cluster_id,
-                                      role=self.owner.role, peer_id=remote_id, layout=layout_hash(self.runtime))
-            channels = ok["channels"]
-            for index in range(2 * channels):
-                sockets.append(await self.dial_data(address, ok["link_token"], index, 0))
-            if existing is not None:
-                await existing.close()
-                self.forget(existing)
-            link = Link(self, remote_id, ok["role"], reader, writer, is_client=True,
-                        channels=channels, token=ok["link_token"], remote_address=address)
-            for index, sock in enumerate(sockets):
-                link.install(index, sock, 0)
-            self._register(link)
-            await self._share_with(link, ok)
-            await self._nixl_with(link)
-            return SUCCESS
-        except BaseException:
-            if link is None:
-                for sock in sockets:
-                    sock.close()
-                if writer.get_extra_info("ssl_object") is not None:
-                    writer.transport.abort()
-                else:
-                    writer.close()
-            raise
-
-    async def _share_with(self, link: Link, ok: dict) -> None:
-        """Attach the same-host share channel when the peer runs on this kernel."""
-        name = ok["local_name"][:1] + ok["local_name"][1:].rstrip(b"\0")
-        if not self.shares_memory or not name.startswith(b"\0") or ok["boot_id"] != boot_id():
-            return
-        try:
-            sock = await connect_share(name, link.token)
-        except OSError as exc:
-            log.info("link to cluster %s: same-host sharing unavailable (%s); using TCP", link.remote_cluster_id, exc)
-            return
-        link.attach_local(sock)
-        share = link.local
-        # The peer's caches are mapped before link_clusters returns.
-        await asyncio.wait([share.ready], timeout=HANDSHAKE_LIMIT_S)
-        if not share.ready.done() or share.ready.cancelled():
-            if link.local is share:
-                share.close()
-                link.local = None
-            log.info("link to cluster %s: the peer did not finish sharing; using TCP", link.remote_cluster_id)
-
-    async def _nixl_with(self, link: Link) -> None:
-        """With ``aio.Transport=nixl``: exchange NIXL metadata and cache lists before returning."""
-        peer = link.start_nixl()
-        if peer is None:
-            return
-        await asyncio.wait([peer.ready], timeout=HANDSHAKE_LIMIT_S)
-        if not peer.usable():
-            log.info("link to cluster %s: the peer does not use NIXL; using TCP", link.remote_cluster_id)
-
-    async def disconnect(self, remote_id: int, timeout_ms: int, force: bool) -> LLMStatusCode:
-        link = self.links.get(remote_id)
-        if link is None:
-            return LLMStatusCode.LLM_NOT_YET_LINK
-        self.forget(link)
-        status = SUCCESS
-        if not force and link.broken is None:
-            req_id = link.new_req_id()
-            fut = link.expect(req_id)
-            link.send(Msg.UNLINK, req_id)
-            try:
-                async with asyncio.timeout(timeout_ms / 1000):
-                    await fut
-            except (TimeoutError, LLMException):
-                status = LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
-        await link.close()
-        return status
-
-    async def probe(self, remote_id: int, timeout_ms: int) -> None:
-        link = self.get(remote_id)
-        req_id = link.new_req_id()
-        fut = link.expect(req_id)
-        link.send(Msg.PROBE, req_id)
-        try:
-            async with asyncio.timeout(timeout_ms / 1000):
-                await fut
-        except TimeoutError:
-            link.pending.pop(req_id, None)
-            raise LLMException(f"link to cluster {remote_id}: no answer within {timeout_ms} ms",
-                               status_code=LLMStatusCode.LLM_TIMEOUT) from None
-
-    async def close(self) -> None:
-        await self.stop_listening()
-        for task in list(self._handshakes):
-            task.cancel()
-        links = list(self.links.values())
-        self.links.clear()
-        for link in links:
-            if link.broken is None:
-                link.send(Msg.UNLINK, link.new_req_id())
-        await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
-        if self.nixl is not None:
-            self.nixl.close()
-
-
-def _check_attached(reply: bytes, index: int) -> None:
-    magic, status = wire.ATTACH_OK.unpack(reply)
-    if magic != wire.ATTACH_MAGIC or status != SUCCESS:
-        raise LLMException(f"peer refused data channel {index}", status_code=LLMStatusCode.LLM_LINK_FAILED)

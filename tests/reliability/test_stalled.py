@@ -36,7 +36,7 @@ from aio_datadist import (
     LLMRole,
     LLMStatusCode,
     Placement,
-    links,
+    link_table,
     wire,
 )
 from aio_datadist.wire import Msg
@@ -144,7 +144,7 @@ async def test_link_clusters_times_out_on_a_peer_that_stalls_at_any_handshake_st
 
 @pytest.mark.asyncio
 async def test_silent_incoming_connections_are_dropped_and_block_nothing(monkeypatch):
-    monkeypatch.setattr(links, "HANDSHAKE_LIMIT_S", 0.3)
+    monkeypatch.setattr(link_table, "HANDSHAKE_LIMIT_S", 0.3)
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as dd, \
             endpoint(LLMRole.DECODER, DECODER) as dec:
         src = dd.kv_cache_manager.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT))
@@ -197,7 +197,7 @@ def closed_by(socks: list[socket.socket], deadline: float) -> int:
 @pytest.mark.asyncio
 async def test_pending_handshakes_are_capped_and_links_still_get_through(monkeypatch):
     cap, limit_s = 8, 1.0
-    monkeypatch.setattr(links, "HANDSHAKE_LIMIT_S", limit_s)
+    monkeypatch.setattr(link_table, "HANDSHAKE_LIMIT_S", limit_s)
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, max_pending_handshakes=cap) as dd, \
             endpoint(LLMRole.DECODER, DECODER) as dec, endpoint(LLMRole.DECODER, OTHER) as other:
         src = dd.kv_cache_manager.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT))
