@@ -30,7 +30,6 @@ from aio_datadist.transfers import (
 )
 from aio_datadist.types import (
     BlocksCacheKey,
-    CacheKeyByIdAndIndex,
     LayerSynchronizer,
     TransferConfig,
     TransferWithCacheKeyConfig,

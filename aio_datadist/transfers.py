@@ -486,8 +486,6 @@ def _serve_local(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict, cach
         if pulled_key is not None:
             rt.registry.release_key(pulled_key, tensors)
 
-    channel = req["channel"]
-
     def abort() -> None:
         # The requester gave up before it saw our answer: it resets the channel it sent.
         ack = link.pull_acks.pop(req_id, None)

@@ -32,7 +32,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
-import pytest
 import torch
 
 from aio_datadist import (
