@@ -44,7 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m aio_datadist",
                                      description="asyncio-native KV-cache transfer (LLM-DataDist API)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="a PROMPT and a DECODER process on loopback moving a real KV cache")
+    demo = sub.add_parser("demo", help="a PROMPT and a DECODER process on loopback moving a real KV cache")
+    demo.add_argument("--transport", choices=("auto", "tcp", "local", "nixl"), default="auto",
+                      help="aio.Transport of both endpoints (default auto: same-host sharing here; "
+                           "nixl needs the nixl extra)")
     bench = sub.add_parser(
         "bench", help="benchmark pull_blocks/push_blocks between two processes (from a source checkout)",
         description="Time pull_blocks and push_blocks between two processes on loopback against a raw "
@@ -70,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from aio_datadist.demo import main as demo
 
-        return demo()
+        return demo(args.transport)
     if args.command == "bench":
         return _bench(args.subparser, args)
     return 2

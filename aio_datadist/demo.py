@@ -61,18 +61,19 @@ def seeded_cache(geo: Geometry, seed: int) -> list[torch.Tensor]:
             for _ in range(2 * geo.layers)]
 
 
-def _config(listen: bool) -> dict[str, str]:
+def _config(listen: bool, transport: str) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.sync_kv_timeout = 20000
+    cfg.transport = transport
     if listen:
         cfg.listen_ip_info = "127.0.0.1:0"
     return cfg.generate_options()
 
 
-async def _prompt(conn, geo: Geometry, seed: int) -> None:
+async def _prompt(conn, geo: Geometry, seed: int, transport: str) -> None:
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
-        await dd.init(_config(listen=True))
+        await dd.init(_config(listen=True, transport=transport))
         kv = dd.kv_cache_manager
         cache = kv.allocate_blocks_cache(geo.desc, BlocksCacheKey(PROMPT_ID, 0))
         for dst, src in zip(cache.tensors, seeded_cache(geo, seed)):
@@ -94,10 +95,10 @@ async def _prompt(conn, geo: Geometry, seed: int) -> None:
                 return
 
 
-async def _decoder(conn, geo: Geometry, seed: int, port: int) -> dict:
+async def _decoder(conn, geo: Geometry, seed: int, port: int, transport: str) -> dict:
     rng = random.Random(seed)
     async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as dd:
-        await dd.init(_config(listen=False))
+        await dd.init(_config(listen=False, transport=transport))
         kv = dd.kv_cache_manager
         cache = kv.allocate_blocks_cache(geo.desc, BlocksCacheKey(DECODER_ID, 0))
         cluster = LLMClusterInfo()
@@ -107,7 +108,13 @@ async def _decoder(conn, geo: Geometry, seed: int, port: int) -> dict:
         status, per_cluster = await dd.link_clusters([cluster], timeout=5000)
         if status != 0:
             raise RuntimeError(f"link failed: {per_cluster}")
-        shared = dd._require_links().get(PROMPT_ID).local is not None
+        link = dd._require_links().get(PROMPT_ID)
+        if link.nixl is not None and link.nixl.usable():
+            moved_by = "NIXL READ/WRITE (UCX)"
+        elif link.local is not None:
+            moved_by = "same-host shared memory"
+        else:
+            moved_by = "TCP data channels"
         expected = seeded_cache(geo, seed)
         request_blocks = geo.blocks // 2
         src = rng.sample(range(geo.blocks), request_blocks)
@@ -131,16 +138,16 @@ async def _decoder(conn, geo: Geometry, seed: int, port: int) -> dict:
                       for c, e in zip(cache.tensors, expected))
         await dd.unlink_clusters([cluster])
         best = min(pulls)
-        return {"transport": "same-host shared memory" if shared else "TCP data channels", "pull_ok": pull_ok, "push_ok": push_ok, "pull_bytes": nbytes, "pull_s": best,
+        return {"transport": moved_by, "pull_ok": pull_ok, "push_ok": push_ok, "pull_bytes": nbytes, "pull_s": best,
                 "push_bytes": 16 * geo.block_bytes * 2 * geo.layers, "push_s": reply[1]}
 
 
-def _run_prompt(conn, geo: Geometry, seed: int) -> None:
-    asyncio.run(_prompt(conn, geo, seed))
+def _run_prompt(conn, geo: Geometry, seed: int, transport: str) -> None:
+    asyncio.run(_prompt(conn, geo, seed, transport))
 
 
-def _run_decoder(conn, result, geo: Geometry, seed: int, port: int) -> None:
-    result.send(asyncio.run(_decoder(conn, geo, seed, port)))
+def _run_decoder(conn, result, geo: Geometry, seed: int, port: int, transport: str) -> None:
+    result.send(asyncio.run(_decoder(conn, geo, seed, port, transport)))
 
 
 def _recv(conn, what: str, limit: float):
@@ -149,21 +156,23 @@ def _recv(conn, what: str, limit: float):
     return conn.recv()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns 0 when every byte arrived intact."""
+def main(transport: str = "auto") -> int:
+    """Run the demo with both endpoints on ``aio.Transport=transport``; returns 0 when every byte
+    arrived intact."""
     geo = Geometry()
     seed = 1234
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
     r_conn, r_child = ctx.Pipe()
-    prompt = ctx.Process(target=_run_prompt, args=(p_child, geo, seed), name="prompt")
+    prompt = ctx.Process(target=_run_prompt, args=(p_child, geo, seed, transport), name="prompt")
     procs = [prompt]
     try:
         t_start = time.perf_counter()
         prompt.start()
         _, port = _recv(p_conn, "prompt start-up", SPAWN_LIMIT_S)
-        decoder = ctx.Process(target=_run_decoder, args=(d_child, r_child, geo, seed, port), name="decoder")
+        decoder = ctx.Process(target=_run_decoder, args=(d_child, r_child, geo, seed, port, transport),
+                              name="decoder")
         procs.append(decoder)
         decoder.start()
         push = _recv(d_conn, "push request from the decoder", SPAWN_LIMIT_S)
@@ -179,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
               f"processes on 127.0.0.1:{port}")
         print(f"  cache: {2 * geo.layers} tensors (32 layers x K,V) of [{geo.blocks}, {geo.block_tokens}, "
               f"{geo.heads}, {geo.head_dim}] fp16, {geo.block_bytes // 1024} KiB per block per tensor")
-        print(f"  transport: {result['transport']} (aio.Transport=tcp forces TCP)")
+        print(f"  transport: {result['transport']} (aio.Transport={transport}; --transport tcp|local|nixl|auto)")
         print(f"  pull_blocks of {geo.blocks // 2} blocks ({result['pull_bytes'] / mib:.0f} MiB): "
               f"{result['pull_s'] * 1e3:.1f} ms, {result['pull_bytes'] / result['pull_s'] / 1e9:.2f} GB/s, "
               f"bytes {'verified' if result['pull_ok'] else 'WRONG'}")

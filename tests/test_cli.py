@@ -1,4 +1,4 @@
-"""``python -m aio_datadist``: help, argument handling and a tiny ``bench`` run."""
+"""``python -m aio_datadist``: help, argument handling, the demo and a tiny ``bench`` run."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from aio_datadist.__main__ import main
+from peers import NIXL_MISSING
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_LIMIT_S = 120  # the tiny bench takes about 12 s on 2 cores
@@ -24,6 +25,19 @@ def test_help_lists_the_commands():
     result = cli("--help")
     assert result.returncode == 0, result.stderr
     assert "demo" in result.stdout and "bench" in result.stdout
+
+
+@pytest.mark.parametrize("transport, moved_by", [
+    (None, "same-host shared memory"),
+    pytest.param("nixl", "NIXL READ/WRITE", marks=[pytest.mark.nixl, pytest.mark.skipif(
+        bool(NIXL_MISSING), reason=NIXL_MISSING)]),
+])
+def test_the_demo_moves_a_real_kv_cache_between_two_processes(tmp_path, transport, moved_by):
+    """README's first command, run from outside the checkout as a user would."""
+    result = cli("demo", *(["--transport", transport] if transport else []), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "demo OK" in result.stdout and f"transport: {moved_by}" in result.stdout
+    assert result.stdout.count("bytes verified") == 2
 
 
 def test_bench_help_lists_its_options():
