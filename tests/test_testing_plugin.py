@@ -238,9 +238,6 @@ def test_fixture_names_do_not_collide_with_the_suite():
 
 def test_loading_the_plugin_imports_neither_torch_nor_the_library():
     """pytest loads the plugin in every run of an environment that has the package: it must be cheap."""
-    import subprocess
-    import sys
-
     code = ("import sys, aio_datadist.testing; "
             "print(sorted(m for m in ('torch', 'aio_datadist.datadist', 'aio_datadist._core') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
