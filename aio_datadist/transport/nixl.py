@@ -111,7 +111,6 @@ class NixlPlane:
         self.peers: set[NixlPeer] = set()
         self.serving: collections.Counter[int] = collections.Counter()
         self._doomed: dict[int, _LocalCache] = {}
-        self._pending: set[asyncio.Future] = set()
         self._registering: dict[int, asyncio.Future] = {}
 
     # -- our caches ------------------------------------------------------------
@@ -206,20 +205,30 @@ class NixlPlane:
     def start(self, work: Any, what: str, keepalive: Any = None) -> asyncio.Future:
         """Run ``work(agent)`` on the engine; the future's result is its return value."""
         engine = self.engine
-        holder: dict[str, int] = {}
+        return self.run(lambda token: engine.call(token, work), what, keepalive=keepalive, value=True)
 
-        def submit(token: int) -> None:
-            holder["token"] = token
-            engine.call(token, work)
+    def run(self, submit: Any, what: str, *, keepalive: Any = None, settled: asyncio.Future | None = None,
+            value: bool = False) -> asyncio.Future:
+        """Submit engine work (``submit(token)``) through the runtime's completions.
 
-        fut = self.runtime.completions.start(submit, engine.cancel, timeout_ms=None, what=what,
-                                             keepalive=keepalive)
+        The future gives the work's return value (``value``) or the record's
+        aux, and fails with NIXL's own words for the failure; cancelling it
+        cancels the work in the engine.
+        """
+        engine = self.engine
+        tokens: list[int] = []
+
+        def submit_token(token: int) -> None:
+            tokens.append(token)
+            submit(token)
+
+        fut = self.runtime.completions.start(submit_token, engine.cancel, timeout_ms=None, what=what,
+                                             keepalive=keepalive, settled=settled)
         out = asyncio.get_running_loop().create_future()
 
         def done(f: asyncio.Future) -> None:
-            token = holder.get("token", 0)
-            value = engine.result(token)
-            text = engine.error(token)
+            token = tokens[0] if tokens else 0
+            result, text = engine.result(token), engine.error(token)
             if out.done():
                 return
             if f.cancelled():
@@ -228,11 +237,10 @@ class NixlPlane:
                 exc = f.exception()
                 out.set_exception(LLMException(f"{what}: {text or exc}", status_code=exc.status_code))
             else:
-                out.set_result(value)
+                out.set_result(result if value else f.result())
 
         fut.add_done_callback(done)
-        self._pending.add(out)
-        out.add_done_callback(self._pending.discard)
+        out.add_done_callback(lambda o: o.cancelled() and fut.cancel())
         return out
 
     def close(self) -> None:
@@ -424,17 +432,16 @@ class NixlPeer:
         nbytes = local_idx.size * entry.row_bytes
         engine, name = self.engine, self.name
         settled = asyncio.get_running_loop().create_future()
-        moved = self.plane.runtime.completions.start(
+        moved = self.plane.run(
             lambda t: engine.xfer(t, op, entry.dlist, local_idx, remote.dlist, remote_idx, name, notif, nbytes),
-            engine.cancel, timeout_ms=None, what=what, keepalive=(local, entry, remote), settled=settled)
+            what, keepalive=(local, entry, remote), settled=settled)
         return moved, settled
 
     def expect_push(self, req_id: int, what: str) -> asyncio.Future:
         """The future of the peer's WRITE notification for push ``req_id``."""
         engine, name = self.engine, self.name
         message = notif_for(req_id)
-        return self.plane.runtime.completions.start(lambda t: engine.expect_notif(t, name, message),
-                                                    engine.cancel, timeout_ms=None, what=what)
+        return self.plane.run(lambda t: engine.expect_notif(t, name, message), what)
 
     def close(self) -> None:
         if self.closed:

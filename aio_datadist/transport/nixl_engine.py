@@ -81,8 +81,19 @@ def row_descs(bases: Any, rows: int, row_bytes: int) -> np.ndarray:
     return out
 
 
+class _Recent(collections.OrderedDict):
+    """A dict of at most ``limit`` entries; the oldest go first."""
+
+    limit = 1024
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        if len(self) > self.limit:
+            self.popitem(last=False)
+
+
 class _Xfer:
-    __slots__ = ("token", "handle", "aux", "uses", "cancelled", "started")
+    __slots__ = ("token", "handle", "aux", "uses", "cancelled")
 
     def __init__(self, token: int, handle: Any, aux: int, uses: tuple) -> None:
         self.token = token
@@ -90,7 +101,6 @@ class _Xfer:
         self.aux = aux
         self.uses = uses
         self.cancelled = False
-        self.started = time.monotonic()
 
 
 class NixlEngine:
@@ -123,8 +133,10 @@ class NixlEngine:
         self._active: dict[int, _Xfer] = {}
         self._notifs: dict[tuple[bytes, bytes], int] = {}
         self._deferred: list[tuple[tuple, Callable[[Any], None]]] = []
-        self._results: dict[int, Any] = {}
-        self._errors: dict[int, str] = {}
+        # Read by the waiter of a token when its record arrives; a waiter that gave up first never
+        # reads, so both keep only the most recent entries.
+        self._results: _Recent = _Recent()
+        self._errors: _Recent = _Recent()
         self._cancelled: set[int] = set()
         self._closing = False
         self._holds = 0
