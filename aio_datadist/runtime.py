@@ -15,27 +15,12 @@ from aio_datadist._completion import Completions
 from aio_datadist.arrivals import Arrivals
 from aio_datadist.cache import CacheRegistry
 from aio_datadist.config import Settings
-from aio_datadist.devices.streams import DeviceBackend, open_backend
+from aio_datadist.devices import select_device
 
 if TYPE_CHECKING:
     from aio_datadist.devices.staging import DeviceStaging
 
 __all__ = ["Runtime", "select_device"]
-
-
-def select_device(device_type: str, device_id: int | None, queue: _core.CompletionQueue) -> DeviceBackend | None:
-    """The backend ``Placement.DEVICE`` caches live on, or None for host memory.
-
-    ``auto`` and ``cpu`` keep device caches in host memory. ``cuda`` and
-    ``npu`` open that device (``devices/cuda.py``, ``devices/npu.py``).
-
-    :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` naming what is missing
-        (driver, torch build, torch_npu, device); ``LLM_PARAM_INVALID`` for a
-        device id the machine does not have.
-    """
-    if device_type in ("auto", "cpu"):
-        return None
-    return open_backend(device_type, device_id, queue)
 
 
 class Runtime:
@@ -74,7 +59,7 @@ class Runtime:
         if self._staging is None:
             from aio_datadist.devices.staging import DeviceStaging
 
-            self._staging = DeviceStaging(self, self.devices)
+            self._staging = DeviceStaging(self.completions, self.devices)
         return self._staging
 
     def close(self) -> None:

@@ -67,6 +67,41 @@ async def test_host_default_still_has_no_device_backend():
         assert dd._runtime.device == torch.device("cpu")
 
 
+# ---- the backend factory -----------------------------------------------------------------------
+
+
+def test_factory_loads_a_backend_module_only_when_that_kind_is_opened():
+    """``devices.open_backend`` imports ``cuda``/``npu`` by name on first use; an unknown kind names the option."""
+    script = textwrap.dedent("""
+        import sys
+        from aio_datadist import LLMException, LLMStatusCode as S, _core
+        import aio_datadist.runtime
+        from aio_datadist.devices import open_backend, select_device
+        loaded = lambda: sorted(m for m in ("aio_datadist.devices.cuda", "aio_datadist.devices.npu")
+                                if m in sys.modules)
+        assert loaded() == [], loaded()
+        q = _core.CompletionQueue()
+        assert select_device("auto", None, q) is None and select_device("cpu", 0, q) is None
+        assert loaded() == [], loaded()
+        try:
+            open_backend("tpu", 0, q)
+        except LLMException as exc:
+            assert exc.status_code == S.LLM_PARAM_INVALID and "'aio.DeviceType'" in str(exc), exc
+        else:
+            raise AssertionError("an unknown kind opened")
+        try:
+            open_backend("npu", 0, q)
+        except LLMException as exc:
+            assert exc.status_code == S.LLM_FEATURE_NOT_ENABLED, exc
+        assert loaded() == ["aio_datadist.devices.npu"], loaded()
+        q.close()
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
+
+
 # ---- kernel geometry ---------------------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ import torch
 from aio_datadist import _core
 from aio_datadist.cache import KvCache, check_bounds
 from aio_datadist.devices import kernels
-from aio_datadist.devices.streams import DeviceBackend
+from aio_datadist.devices.backend import DeviceBackend
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["METHODS", "DeviceCopy", "Side", "cache_side", "choose_method", "enqueue_rows", "buffer_side"]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from aio_datadist import _core
-from aio_datadist.devices.streams import DeviceBackend, feature_not_enabled
+from aio_datadist.devices.backend import DeviceBackend, feature_not_enabled
 from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
 
 __all__ = ["CudaBackend", "HostPin", "load_driver"]

@@ -33,7 +33,7 @@ from aio_datadist.cache import KvCache
 from aio_datadist.devices.copies import DeviceCopy, Side, cache_side
 
 if TYPE_CHECKING:
-    from aio_datadist.runtime import Runtime
+    from aio_datadist.devices.ops import DeviceRuntime
 
 __all__ = ["PeerDeviceCache", "export_cache", "open_export", "pull_rows"]
 
@@ -187,7 +187,7 @@ def open_export(data: bytes, device: torch.device) -> PeerDeviceCache:
     return PeerDeviceCache(device, rows, row_bytes, tensor_bytes, storages, tensors)
 
 
-async def pull_rows(rt: Runtime, peer: PeerDeviceCache, src_rows: Sequence[int], dst: KvCache,
+async def pull_rows(rt: DeviceRuntime, peer: PeerDeviceCache, src_rows: Sequence[int], dst: KvCache,
                     dst_rows: Sequence[int], offset: int, nbytes: int, timeout_ms: int, what: str = "ipc pull",
                     first: int = 0, count: int | None = None, method: str | None = None) -> int:
     """Copy rows of a mapped peer cache into a local device cache; returns the bytes moved."""

@@ -11,16 +11,33 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aio_datadist.cache import KvCache
 from aio_datadist.devices.copies import DeviceCopy, cache_side, choose_method
 from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
 
 if TYPE_CHECKING:
-    from aio_datadist.runtime import Runtime
+    from aio_datadist import _core
+    from aio_datadist._completion import Completions
+    from aio_datadist.devices.backend import DeviceBackend
+    from aio_datadist.devices.staging import DeviceStaging
 
-__all__ = ["copy_rows", "involves_device", "require_host"]
+__all__ = ["DeviceRuntime", "copy_rows", "involves_device", "require_host"]
+
+
+class DeviceRuntime(Protocol):
+    """What device copies use of an endpoint's engines (``runtime.Runtime`` is one).
+
+    A protocol, so that the devices package stays below the runtime that builds it.
+    """
+
+    devices: DeviceBackend | None
+    completions: Completions
+    copier: _core.HostCopyEngine
+
+    @property
+    def staging(self) -> DeviceStaging: ...
 
 
 def involves_device(*caches: KvCache) -> bool:
@@ -36,7 +53,7 @@ def require_host(arg: str, cache: KvCache, call: str) -> None:
             status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
 
-async def copy_rows(rt: Runtime, dst: KvCache, dst_rows: Sequence[int], src: KvCache, src_rows: Sequence[int],
+async def copy_rows(rt: DeviceRuntime, dst: KvCache, dst_rows: Sequence[int], src: KvCache, src_rows: Sequence[int],
                     offset: int, nbytes: int, timeout_ms: int, what: str, method: str | None = None) -> int:
     """Copy ``nbytes`` at ``offset`` of every tensor's row pairs; returns the bytes moved.
 
@@ -62,7 +79,7 @@ async def copy_rows(rt: Runtime, dst: KvCache, dst_rows: Sequence[int], src: KvC
 
         try:
             async with asyncio.timeout(timeout_ms / 1000):
-                return await swap_staged(rt, rt.staging, dst, dst_rows, src, src_rows, offset, nbytes, what)
+                return await swap_staged(rt.staging, rt.copier, dst, dst_rows, src, src_rows, offset, nbytes, what)
         except TimeoutError:
             raise LLMException(f"{what} timed out after {timeout_ms} ms",
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None

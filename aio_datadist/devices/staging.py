@@ -49,8 +49,8 @@ from aio_datadist.devices.copies import buffer_side, cache_side, enqueue_rows
 from aio_datadist.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
-    from aio_datadist.devices.streams import DeviceBackend
-    from aio_datadist.runtime import Runtime
+    from aio_datadist._completion import Completions
+    from aio_datadist.devices.backend import DeviceBackend
 
 __all__ = ["Chunk", "DeviceStaging", "Rect", "StagingPool", "pipeline_in", "pipeline_out", "plan_chunks",
            "swap_staged", "DEFAULT_CHUNK_BYTES", "DEFAULT_BUFFERS"]
@@ -328,12 +328,13 @@ class DeviceStaging:
 
     Buffers are page-locked where the backend can (CUDA), so the device
     copies into and out of them are asynchronous. Each stage is one
-    completion on the backend's copy stream.
+    completion on the backend's copy stream, awaited through ``completions``
+    (the endpoint's :class:`~aio_datadist._completion.Completions`).
     """
 
-    def __init__(self, rt: Runtime, backend: DeviceBackend, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    def __init__(self, completions: Completions, backend: DeviceBackend, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  buffers: int = DEFAULT_BUFFERS, method: str | None = None) -> None:
-        self.rt = rt
+        self.completions = completions
         self.backend = backend
         self.method = method or ("batch" if backend.batch_copies else "torch")
         pin = backend.pins_tables
@@ -361,7 +362,7 @@ class DeviceStaging:
                     enqueue_rows(backend, dst, src, length, method, keep)
             backend.notify(token, chunk.nbytes)
 
-        return self.rt.completions.start(submit, backend.cancel, timeout_ms=None, what=what, keepalive=keep)
+        return self.completions.start(submit, backend.cancel, timeout_ms=None, what=what, keepalive=keep)
 
     async def send(self, cache: KvCache, first: int, count: int, rows: Sequence[int], offset: int, nbytes: int,
                    consume: Use, what: str = "staged send") -> None:
@@ -407,17 +408,16 @@ def _i64(values: list[int]) -> Any:
     return array.array("q", values)
 
 
-async def swap_staged(rt: Runtime, staging: DeviceStaging, dst: KvCache, dst_rows: Sequence[int], src: KvCache,
-                      src_rows: Sequence[int], offset: int, nbytes: int, what: str) -> int:
-    """Host<->device rows through the staging pipeline; the host side runs on the HostCopyEngine.
+async def swap_staged(staging: DeviceStaging, copier: _core.HostCopyEngine, dst: KvCache, dst_rows: Sequence[int],
+                      src: KvCache, src_rows: Sequence[int], offset: int, nbytes: int, what: str) -> int:
+    """Host<->device rows through the staging pipeline; the host side runs on ``copier``.
 
     Exactly one of ``dst``/``src`` is on the device. Returns the bytes moved.
     """
-    copier = rt.copier
     count = dst.cache_desc.num_tensors
 
     async def host_copy(triples: Any, keep: Any) -> None:
-        await rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None,
+        await staging.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None,
                                    what=what, keepalive=keep)
 
     if src.device.type != "cpu":

@@ -1,42 +1,21 @@
-"""Device backends: one device, the library's copy stream, and its StreamNotifier.
+"""Stream completions: the core's StreamNotifier, opened for one device.
 
-``aio.DeviceType=cuda`` / ``npu`` opens a :class:`DeviceBackend` for the
-configured device when ``LLMDataDist.init`` runs. Everything that differs
-between CUDA and Ascend lives in the two small subclasses
-(``devices/cuda.py``, ``devices/npu.py``): how a stream is made and named,
-which notifier backend the core uses, and what can page-lock host memory.
-Everything else (allocation, copies, staging) is shared.
-
-Device work never blocks a thread: copies are enqueued on the copy stream,
-then the core's :class:`~aio_datadist._core.StreamNotifier` posts the
-operation's completion record once the stream gets there.
+A :class:`~aio_datadist._core.StreamNotifier` turns "everything enqueued on
+this stream so far is done" into a record on the endpoint's
+``CompletionQueue`` (``cuLaunchHostFunc`` on CUDA, ``aclrtLaunchCallback`` on
+Ascend), so device work resumes its coroutine like every other engine's
+without a thread waiting on it. The backend (``devices/backend.py``) opens
+one for its copy stream.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-from collections.abc import Iterator
-from typing import Any
-
-import torch
 
 from aio_datadist import _core
-from aio_datadist.devices.host import round_up
-from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
-from aio_datadist.types import CacheDesc
+from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ["DEVICE_KINDS", "DeviceBackend", "feature_not_enabled", "open_backend", "open_notifier"]
-
-DEVICE_KINDS = ("cuda", "npu")
-
-# Device tensors of a cache start on this boundary (the copy kernel's widest access is 16 bytes;
-# 256 keeps every tensor on its own cache lines and matches the CUDA allocator's granularity).
-DEVICE_ALIGN = 256
-
-
-def feature_not_enabled(text: str) -> LLMException:
-    return LLMException(text, status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+__all__ = ["open_notifier"]
 
 
 def open_notifier(queue: _core.CompletionQueue, kind: str, index: int,
@@ -46,168 +25,8 @@ def open_notifier(queue: _core.CompletionQueue, kind: str, index: int,
         return _core.StreamNotifier(queue, kind, index, library)
     except OSError as exc:
         if exc.errno == errno.ENODEV:
-            raise feature_not_enabled(f"option 'aio.DeviceType': {kind} device caches need stream "
-                                      f"completions, which are unavailable: {exc.strerror}") from exc
+            raise LLMException(f"option 'aio.DeviceType': {kind} device caches need stream "
+                               f"completions, which are unavailable: {exc.strerror}",
+                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED) from exc
         raise LLMException(f"{kind} stream completions failed to start: {exc.strerror}",
                            status_code=LLMStatusCode.LLM_FAILED) from exc
-
-
-class DeviceBackend:
-    """The device side of one initialised LLMDataDist (see the module docstring).
-
-    Subclasses set :attr:`kind` and implement the stream hooks; they are
-    built only through :func:`open_backend`.
-    """
-
-    kind = ""
-    # Whether small host tables can go through page-locked memory (an asynchronous upload).
-    pins_tables = False
-
-    def __init__(self, device: torch.device, queue: _core.CompletionQueue) -> None:
-        self.device = device
-        self.notifier = open_notifier(queue, self.kind, device.index)
-        try:
-            self.stream = self._new_stream()
-            self.stream_handle = self._handle(self.stream)
-        except BaseException:
-            self.notifier.close()
-            raise
-        self._tables: dict[tuple[int, ...], torch.Tensor] = {}
-        self._alignments: dict[tuple[int, ...], int] = {}
-        self.closed = False
-
-    # -- what differs between CUDA and Ascend -------------------------------------------
-
-    def _new_stream(self) -> Any:
-        raise NotImplementedError
-
-    def _handle(self, stream: Any) -> int:
-        raise NotImplementedError
-
-    def current_stream(self) -> Any:
-        """The caller's current stream on this device (torch's notion)."""
-        raise NotImplementedError
-
-    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
-        raise NotImplementedError
-
-    def pin_host(self, region: Any) -> Any:
-        """Page-lock a host region for device copies; returns a holder (None if unsupported)."""
-        return None
-
-    @property
-    def batch_copies(self) -> bool:
-        """Whether one driver call can run a whole list of host<->device copies."""
-        return False
-
-    def memcpy_batch(self, dsts: Any, srcs: Any, sizes: Any) -> int:
-        raise NotImplementedError
-
-    # -- shared --------------------------------------------------------------------------
-
-    def allocate(self, desc: CacheDesc) -> list[torch.Tensor]:
-        """``desc.num_tensors`` tensors of ``desc.shape`` in one device allocation.
-
-        One allocation keeps the tensors' base table regular and makes the
-        whole cache one IPC export.
-        """
-        stride = round_up(desc.size, DEVICE_ALIGN)
-        buffer = torch.empty(stride * desc.num_tensors + DEVICE_ALIGN, dtype=torch.uint8, device=self.device)
-        start = (-buffer.data_ptr()) % DEVICE_ALIGN
-        dtype = desc.data_type.torch_dtype
-        return [buffer[start + i * stride:start + i * stride + desc.size].view(dtype).view(desc.shape)
-                for i in range(desc.num_tensors)]
-
-    def check_tensor(self, arg: str, index: int, tensor: torch.Tensor) -> None:
-        if tensor.device != self.device:
-            raise param_invalid(arg, f"tensor {index} is on {tensor.device}, device caches live on {self.device}")
-
-    def table(self, values: tuple[int, ...] | list[int], *, cache: bool = False) -> torch.Tensor:
-        """An int64 device tensor of ``values``, uploaded on the copy stream.
-
-        ``cache=True`` keeps it for reuse (the base tables of a cache's tensors).
-        """
-        key = tuple(values)
-        if cache:
-            found = self._tables.get(key)
-            if found is not None:
-                return found
-        host = torch.tensor(key, dtype=torch.int64)
-        if self.pins_tables:
-            host = host.pin_memory()
-        with self.stream_context(self.stream):
-            out = host.to(self.device, non_blocking=True)
-        if cache:
-            if len(self._tables) > 4096:
-                self._tables.clear()
-            self._tables[key] = out
-        return out
-
-    def alignment(self, bases: tuple[int, ...]) -> int:
-        """The bits every address in ``bases`` shares (their OR), cached like the base tables."""
-        found = self._alignments.get(bases)
-        if found is None:
-            found = 0
-            for b in bases:
-                found |= b
-            if len(self._alignments) > 4096:
-                self._alignments.clear()
-            self._alignments[bases] = found
-        return found
-
-    @contextlib.contextmanager
-    def on_copy_stream(self) -> Iterator[None]:
-        """Enqueue on the copy stream, after everything already on the caller's current stream."""
-        self.stream.wait_stream(self.current_stream())
-        with self.stream_context(self.stream):
-            yield
-
-    def notify(self, token: int, aux: int) -> None:
-        """Post ``token``'s record once the copy stream has done all that is enqueued so far."""
-        try:
-            self.notifier.notify(token, self.stream_handle, aux)
-        except OSError as exc:
-            raise LLMException(f"device completion could not be enqueued: {exc.strerror}",
-                               status_code=LLMStatusCode.LLM_FAILED) from exc
-
-    def notify_on(self, token: int, stream: Any = None, aux: int = 0) -> None:
-        """Post ``token``'s record once ``stream`` (default: the caller's current one) is past its work.
-
-        What a device-event layer synchronizer needs: ``record(i, stream)``
-        becomes ``notify_on(token_of_layer_i, stream)``.
-        """
-        handle = self._handle(self.current_stream() if stream is None else stream)
-        try:
-            self.notifier.notify(token, handle, aux)
-        except OSError as exc:
-            raise LLMException(f"device completion could not be enqueued: {exc.strerror}",
-                               status_code=LLMStatusCode.LLM_FAILED) from exc
-
-    def cancel(self, token: int) -> bool:
-        return self.notifier.cancel(token)
-
-    def close(self) -> None:
-        """Wait for the device to reach every pending notification, then release. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        self._tables.clear()
-        self.notifier.close()
-
-
-def open_backend(kind: str, device_id: int | None, queue: _core.CompletionQueue) -> DeviceBackend:
-    """The backend for ``aio.DeviceType`` ``cuda`` or ``npu``.
-
-    :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` naming what is missing
-        (driver, device, torch build or torch_npu); ``LLM_PARAM_INVALID`` for a
-        device id the machine does not have.
-    """
-    if kind == "cuda":
-        from aio_datadist.devices.cuda import CudaBackend
-
-        return CudaBackend.open(device_id, queue)
-    if kind == "npu":
-        from aio_datadist.devices.npu import NpuBackend
-
-        return NpuBackend.open(device_id, queue)
-    raise param_invalid("aio.DeviceType", f"expected one of {DEVICE_KINDS}, got {kind!r}")

@@ -157,7 +157,7 @@ async def test_swap_blocks_is_byte_exact(method, to_device):
         if method == "staged":
             from aio_datadist.devices.staging import DeviceStaging
 
-            rt._staging = DeviceStaging(rt, rt.devices, chunk_bytes=1 << 20, buffers=3)  # many chunks
+            rt._staging = DeviceStaging(rt.completions, rt.devices, chunk_bytes=1 << 20, buffers=3)  # many chunks
         kv = dd.kv_cache_manager
         dev, host = kv.allocate_blocks_cache(BLOCKS), kv.allocate_blocks_cache(HOST_BLOCKS)
         assert host._pin is not None, "cudaHostRegister failed for the host cache"
@@ -233,7 +233,7 @@ async def test_staging_sends_and_receives_device_rows_in_wire_order():
         from aio_datadist.devices.staging import DeviceStaging
 
         rt, kv = dd._runtime, dd.kv_cache_manager
-        stager = DeviceStaging(rt, rt.devices, chunk_bytes=256 << 10, buffers=2)
+        stager = DeviceStaging(rt.completions, rt.devices, chunk_bytes=256 << 10, buffers=2)
         try:
             cache = kv.allocate_blocks_cache(BLOCKS)
             fill(cache.tensors, 11)
