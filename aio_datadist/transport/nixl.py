@@ -18,6 +18,10 @@ and status codes stay ours; only the bytes move differently:
 - Requests NIXL cannot express as whole rows of registered caches (raw
   addresses, partial rows, rows of different sizes on the two ends) take the
   TCP data channels of the same link.
+- A link whose NIXL set-up fails (the peer's metadata does not load) or does
+  not finish within its share of ``link_clusters``' timeout is declined: that
+  end sends ``DECLINE`` and both ends use TCP for the link's life, whatever
+  NIXL finishes later.
 """
 
 from __future__ import annotations
@@ -37,11 +41,16 @@ if TYPE_CHECKING:
     from aio_datadist.cache import KvCache
     from aio_datadist.runtime import Runtime
 
-__all__ = ["NixlPeer", "NixlPlane", "HELLO", "OFFER", "WITHDRAW", "READY", "PREPARED"]
+__all__ = ["NixlPeer", "NixlPlane", "HELLO", "OFFER", "WITHDRAW", "READY", "PREPARED", "DECLINE", "SETUP_SHARE"]
 
 log = logging.getLogger("aio_datadist.nixl")
 
-HELLO, OFFER, WITHDRAW, READY, PREPARED = 1, 2, 3, 4, 5
+HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE = 1, 2, 3, 4, 5, 6
+KINDS = (HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE)
+#: The share of the time ``link_clusters`` has left that the NIXL exchange may use; the link falls
+#: back to TCP when it is spent, and the rest is the caller's margin.
+SETUP_SHARE = 0.5
+MAX_REASON = 512
 MAX_TENSORS = 4096
 NOTIF = struct.Struct("!4sQ")
 NOTIF_MAGIC = b"AIDN"
@@ -202,10 +211,11 @@ class NixlPlane:
 
     # -- plumbing --------------------------------------------------------------
 
-    def start(self, work: Any, what: str, keepalive: Any = None) -> asyncio.Future:
-        """Run ``work(agent)`` on the engine; the future's result is its return value."""
+    def start(self, work: Any, what: str, keepalive: Any = None, discard: Any = None) -> asyncio.Future:
+        """Run ``work(agent)`` on the engine; the future's result is its return value (given to
+        ``discard(agent, value)`` instead if the future was cancelled while the work ran)."""
         engine = self.engine
-        return self.run(lambda token: engine.call(token, work), what, keepalive=keepalive, value=True)
+        return self.run(lambda token: engine.call(token, work, discard), what, keepalive=keepalive, value=True)
 
     def run(self, submit: Any, what: str, *, keepalive: Any = None, settled: asyncio.Future | None = None,
             value: bool = False) -> asyncio.Future:
@@ -251,6 +261,12 @@ class NixlPlane:
         self._doomed.clear()
 
 
+def _discard(agent: Any, value: Any) -> None:
+    """On the worker: a remote list prepared for work that was cancelled meanwhile is never used."""
+    if isinstance(value, _RemoteCache):
+        value.dlist.release()
+
+
 class NixlPeer:
     """One link's NIXL state: the peer's agent and its caches' prepared lists."""
 
@@ -265,6 +281,11 @@ class NixlPeer:
         self.prepared: set[int] = set()  # our caches the peer has prepared a descriptor list for
         self._initial: set[int] | None = None  # caches offered at link time, not yet prepared by the peer
         self._peer_ready = False  # the peer's link-time offers are all prepared here
+        self._hello_loaded = False  # we loaded the peer's agent metadata (or it keeps its memory to itself)
+        self._peer_loaded = False  # the peer said READY: it loaded ours
+        self._agent_loaded = False  # set on the worker: the agent holds the peer's metadata, to remove at close
+        self._pending: set[asyncio.Future] = set()  # engine work for this peer, cancelled when we decline
+        self.declined: str | None = None  # why this link uses TCP only, once NIXL was given up
         self.ready = asyncio.get_running_loop().create_future()
         self.closed = False
         plane.peers.add(self)
@@ -293,8 +314,8 @@ class NixlPeer:
 
     def offer(self, entry: _LocalCache) -> None:
         cache = entry.cache
-        if (self.closed or self.name is None or cache is None or cache.cache_id in self.offers_sent
-                or not self.plane.exposed):
+        if (self.closed or self.declined is not None or self.name is None or cache is None
+                or cache.cache_id in self.offers_sent or not self.plane.exposed):
             return
         self.offers_sent.add(cache.cache_id)
         self._send(OFFER, cache.cache_id, entry.rows, entry.row_bytes, tuple(cache.layout.bases),
@@ -302,7 +323,7 @@ class NixlPeer:
 
     def withdraw(self, cache_id: int) -> None:
         self.prepared.discard(cache_id)
-        if cache_id in self.offers_sent and not self.closed:
+        if cache_id in self.offers_sent and not self.closed and self.declined is None:
             self.offers_sent.discard(cache_id)
             self._send(WITHDRAW, cache_id, 0, 0, (), b"")
 
@@ -310,6 +331,71 @@ class NixlPeer:
         """Whether the peer may move whole rows of our ``cache`` with NIXL: it is registered and the
         peer said it prepared the list for it."""
         return self.usable() and cache.cache_id in self.prepared and self.plane.offered(cache)
+
+    # -- set-up and giving up ---------------------------------------------------
+
+    async def set_up(self, deadline: float | None, limit: float) -> None:
+        """Wait for the exchange (the dialling end, before ``link_clusters`` returns).
+
+        It may take ``SETUP_SHARE`` of the time left until ``deadline`` (loop
+        time; ``limit`` seconds at most). A plane not set up by then is
+        declined: this link uses TCP. If both agents did load each other's
+        metadata and only cache lists are still being prepared, NIXL stays on
+        and those caches move over TCP until they are prepared.
+        """
+        loop = asyncio.get_running_loop()
+        budget = limit if deadline is None else min(limit, max(deadline - loop.time(), 0.0) * SETUP_SHARE)
+        if not self.ready.done():
+            await asyncio.wait([self.ready], timeout=budget)
+        if self.ready.done():
+            if not self.usable() and self.declined is None and not self.closed:
+                log.info("link to cluster %s: the peer does not use NIXL; using TCP", self.cluster_id)
+            return
+        if self._hello_loaded and self._peer_loaded and self.usable():
+            log.info("link to cluster %s: NIXL is set up; caches whose lists are still being prepared move "
+                     "over TCP until they are", self.cluster_id)
+            return
+        self.decline(f"NIXL set-up did not finish within {budget * 1000:.0f} ms "
+                     f"({SETUP_SHARE:.0%} of the time link_clusters had left)")
+
+    def decline(self, reason: str, *, tell: bool = True) -> None:
+        """Give NIXL up for this link, for good: TCP from now on, on both ends.
+
+        The peer is told (``DECLINE``), so neither end asks for or serves a
+        NIXL transfer any more; engine work still queued for this peer is
+        cancelled and what it prepared is dropped. Work that finishes later
+        changes nothing.
+        """
+        if self.declined is not None or self.closed:
+            return
+        self.declined = reason
+        log.warning("link to cluster %s: NIXL is not usable (%s); this link moves caches over TCP",
+                    self.cluster_id, reason)
+        if tell:
+            self._send(DECLINE, 0, 0, 0, (), reason.encode()[:MAX_REASON])
+        for fut in list(self._pending):
+            fut.cancel()
+        caches, self.caches = self.caches, {}
+        for remote in caches.values():
+            self._drop(remote)
+        self.prepared.clear()
+        if not self.ready.done():
+            self.ready.set_result(False)
+
+    def _start(self, work: Any, what: str, done: Any) -> None:
+        """Engine work for this peer: cancelled if we decline; ``done(fut)`` runs unless we did or closed."""
+        fut = self.plane.start(work, what, discard=_discard)
+        self._pending.add(fut)
+
+        def finished(f: asyncio.Future) -> None:
+            self._pending.discard(f)
+            if self.declined is not None or self.closed:
+                if not f.cancelled() and f.exception() is None and isinstance(f.result(), _RemoteCache):
+                    self._drop(f.result())  # finished late: never used
+                return
+            done(f)
+
+        fut.add_done_callback(finished)
 
     # -- what we receive -------------------------------------------------------
 
@@ -319,6 +405,8 @@ class NixlPeer:
 
         kind, cache_id, rows, row_bytes = fields["kind"], fields["cache_id"], fields["count"], fields["row_bytes"]
         blob = fields["blob"]
+        if self.declined is not None and kind in KINDS:
+            return  # TCP for good: whatever the peer sent before it heard so changes nothing
         if kind == HELLO:
             name, sep, metadata = blob.partition(b"\0")
             if not sep or not name or self.name is not None:
@@ -344,8 +432,11 @@ class NixlPeer:
             if not self.ready.done():
                 self.ready.set_result(False)
         elif kind == READY:
-            fut = self.plane.start(lambda agent: None, "NIXL link set-up")  # after every offer before it
-            fut.add_done_callback(self._set_ready)
+            self._peer_loaded = True
+            self._start(lambda agent: None, "NIXL link set-up", self._set_ready)  # after every offer before it
+        elif kind == DECLINE:
+            text = blob[:MAX_REASON].decode("utf-8", "replace")
+            self.decline(f"cluster {self.cluster_id} gave it up: {text}", tell=False)
         else:
             raise ProtocolError(f"unknown NIXL record kind {kind}")
 
@@ -366,6 +457,7 @@ class NixlPeer:
             loaded = loaded if isinstance(loaded, bytes) else str(loaded).encode()
             if loaded != name:
                 raise ValueError(f"metadata names agent {loaded!r}, not {name!r}")
+            self._agent_loaded = True
             if cache is None:
                 return None
             cache_id, rows, row_bytes, bases = cache
@@ -374,22 +466,22 @@ class NixlPeer:
 
         if cache is None:
             self.name = name
-        fut = self.plane.start(work, f"loading NIXL metadata of cluster {self.cluster_id}")
-        fut.add_done_callback(lambda f: self._loaded(f, cache is None))
+        self._start(work, f"loading NIXL metadata of cluster {self.cluster_id}",
+                    lambda f: self._loaded(f, cache is None))
 
     def _loaded(self, fut: asyncio.Future, hello: bool) -> None:
         if fut.cancelled() or fut.exception() is not None:
             exc = None if fut.cancelled() else fut.exception()
-            log.warning("cluster %s: NIXL metadata not usable (%s); its caches move over TCP", self.cluster_id, exc)
-            if hello:
-                self.name = None
+            if hello:  # we cannot reach the peer's memory: tell it, so that neither end tries
+                self.decline(f"{exc or 'loading its NIXL metadata was cancelled'}")
+            else:
+                log.warning("cluster %s: NIXL metadata not usable (%s); its caches move over TCP",
+                            self.cluster_id, exc)
             return
         remote = fut.result()
         if hello:
+            self._hello_loaded = True
             self.offer_all()
-            return
-        if self.closed:
-            self._drop(remote)
             return
         old = self.caches.pop(remote.cache_id, None)
         if old is not None:
@@ -406,7 +498,7 @@ class NixlPeer:
     # -- transfers -------------------------------------------------------------
 
     def usable(self) -> bool:
-        return not self.closed and self.name is not None
+        return not self.closed and self.declined is None and self.name is not None
 
     def transfer(self, op: str, local: KvCache, local_first: int, local_rows: Any, remote_id: int,
                  remote_first: int, remote_rows: Any, count: int, notif: bytes,
@@ -448,6 +540,8 @@ class NixlPeer:
             return
         self.closed = True
         self.plane.peers.discard(self)
+        for fut in list(self._pending):
+            fut.cancel()
         caches, self.caches = self.caches, {}
         for remote in caches.values():
             self._drop(remote)
@@ -455,7 +549,11 @@ class NixlPeer:
             self.ready.set_result(False)
         name = self.name
         if name is not None:
+            def remove(agent: Any) -> None:
+                if self._agent_loaded:  # read on the worker, after any load of it already queued
+                    agent.remove_remote_agent(name.decode())
+
             try:
-                self.engine.release_when_idle((name,), lambda agent: agent.remove_remote_agent(name.decode()))
+                self.engine.release_when_idle((name,), remove)
             except LLMException:
                 pass

@@ -152,9 +152,15 @@ class NixlEngine:
 
     # -- the loop's side -------------------------------------------------------
 
-    def call(self, token: int, fn: Callable[[Any], Any]) -> None:
-        """Run ``fn(agent)`` on the worker; its value is :meth:`result` ``(token)``."""
-        self._submit(("call", token, fn))
+    def call(self, token: int, fn: Callable[[Any], Any], discard: Callable[[Any, Any], None] | None = None) -> None:
+        """Run ``fn(agent)`` on the worker; its value is :meth:`result` ``(token)``.
+
+        Cancelled before it ran, ``fn`` does not run; cancelled while it ran
+        (a NIXL call cannot be interrupted), its value goes to
+        ``discard(agent, value)`` on the worker instead, and the record says
+        ``-ECANCELED``.
+        """
+        self._submit(("call", token, (fn, discard)))
 
     def xfer(self, token: int, op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
              peer: bytes, notif: bytes, nbytes: int) -> None:
@@ -258,7 +264,17 @@ class NixlEngine:
         kind, token, args = cmd
         try:
             if kind == "call":
-                self._results[token] = args(self.agent)
+                fn, discard = args
+                if self._was_cancelled(token):
+                    self._post(token, -errno.ECANCELED)
+                    return
+                value = fn(self.agent)
+                if self._was_cancelled(token):
+                    if discard is not None:
+                        discard(self.agent, value)
+                    self._post(token, -errno.ECANCELED)
+                    return
+                self._results[token] = value
                 self._post(token, 0)
             elif kind == "xfer":
                 self._start(token, *args)
@@ -269,6 +285,10 @@ class NixlEngine:
         except Exception as exc:  # NIXL raises its own exception types for every failure
             log.debug("nixl %s for token %s failed: %r", kind, token, exc)
             self._fail(token, exc)
+
+    def _was_cancelled(self, token: int) -> bool:
+        with self._cv:
+            return token in self._cancelled
 
     def _start(self, token: int, op: str, local: Any, local_idx: np.ndarray, remote: Any,
                remote_idx: np.ndarray, peer: bytes, notif: bytes, nbytes: int) -> None:
