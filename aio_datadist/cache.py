@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from aio_datadist.types import (
     Placement,
 )
 
-__all__ = ["CacheLayout", "CacheRegistry", "KvCache", "check_bounds"]
+__all__ = ["CacheLayout", "CacheRegistry", "KeyBinding", "KvCache", "check_bounds"]
 
 
 class CacheLayout:
@@ -228,16 +229,33 @@ def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
     return out
 
 
+class KeyBinding:
+    """One binding of a key to a row of a cache, from ``allocate_cache``/``register_cache`` until
+    the key is removed, consumed or its cache goes. A pull claims and consumes the binding it
+    resolved, never a later one of the same key: ``generation`` tells bindings of one key apart."""
+
+    __slots__ = ("ident", "cache_id", "row", "generation", "pulled")
+
+    def __init__(self, ident: tuple[int, int, int], cache_id: int, row: int, generation: int) -> None:
+        self.ident = ident
+        self.cache_id = cache_id
+        self.row = row
+        self.generation = generation
+        self.pulled: set[int] = set()
+
+    def __repr__(self) -> str:
+        return f"KeyBinding({self.ident}, cache {self.cache_id}, row {self.row}, generation {self.generation})"
+
+
 class _Entry:
-    __slots__ = ("cache", "keys", "blocks_key", "deallocated", "nbytes", "pulled")
+    __slots__ = ("cache", "keys", "blocks_key", "deallocated", "nbytes")
 
     def __init__(self, cache: KvCache, nbytes: int) -> None:
         self.cache = cache
-        self.keys: dict[tuple[int, int, int], int] = {}
+        self.keys: dict[tuple[int, int, int], KeyBinding] = {}
         self.blocks_key: int | None = None
         self.deallocated = False
         self.nbytes = nbytes
-        self.pulled: dict[tuple[int, int, int], set[int]] = {}
 
 
 class CacheRegistry:
@@ -252,9 +270,10 @@ class CacheRegistry:
         self._used = 0
         self._next_id = 1
         self._entries: dict[int, _Entry] = {}
-        self._keys: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self._keys: dict[tuple[int, int, int], KeyBinding] = {}
         self._blocks_keys: dict[int, int] = {}
-        self._reserved: dict[tuple[int, int, int], set[int]] = {}
+        self._reserved: dict[KeyBinding, set[int]] = {}
+        self._generations = itertools.count(1)
         self.on_add: Callable[[KvCache], None] | None = None
         self.on_free: Callable[[KvCache], None] | None = None
         # Peers reach caches through caches(), by_id(), by_key() and by_blocks_key(). The transfer
@@ -325,7 +344,8 @@ class CacheRegistry:
             if ident in seen:
                 raise param_invalid(f"cache_keys[{row}]", f"duplicate key {key!r}")
             if ident in self._keys:
-                raise param_invalid(f"cache_keys[{row}]", f"{key!r} is already bound to cache {self._keys[ident][0]}")
+                raise param_invalid(f"cache_keys[{row}]",
+                                    f"{key!r} is already bound to cache {self._keys[ident].cache_id}")
             seen.add(ident)
             bound.append((row, key))
         return bound
@@ -352,8 +372,9 @@ class CacheRegistry:
         entry = _Entry(cache, nbytes)
         for row, key in keys:
             ident = key.lookup_key()
-            entry.keys[ident] = row
-            self._keys[ident] = (cache_id, row)
+            binding = KeyBinding(ident, cache_id, row, next(self._generations))
+            entry.keys[ident] = binding
+            self._keys[ident] = binding
         if blocks_key is not None:
             entry.blocks_key = blocks_key.model_id
             self._blocks_keys[blocks_key.model_id] = cache_id
@@ -381,10 +402,20 @@ class CacheRegistry:
         return entry.cache
 
     def by_key(self, ident: tuple[int, int, int]) -> tuple[KvCache, int] | None:
+        found = self.resolve_key(ident)
+        return None if found is None else (found[0], found[1].row)
+
+    def resolve_key(self, ident: tuple[int, int, int]) -> tuple[KvCache, KeyBinding] | None:
+        """The cache a key is bound to now and that binding, if peers may address the cache."""
         found = self._keys.get(ident)
-        if found is None or not self._peer_visible(self._entries[found[0]].cache):
+        if found is None or not self._peer_visible(self._entries[found.cache_id].cache):
             return None
-        return self._entries[found[0]].cache, found[1]
+        return self._entries[found.cache_id].cache, found
+
+    def bound_to(self, key: CacheKey, cache: KvCache) -> bool:
+        """Whether ``key`` is bound to a row of ``cache`` now (not to a cache that replaced it)."""
+        found = self._keys.get(key.lookup_key())
+        return found is not None and self._entries[found.cache_id].cache is cache
 
     def by_blocks_key(self, model_id: int) -> KvCache | None:
         cache_id = self._blocks_keys.get(model_id)
@@ -392,14 +423,14 @@ class CacheRegistry:
             return None
         return self._entries[cache_id].cache
 
-    def key_at(self, cache_id: int, row: int) -> tuple[int, int, int] | None:
-        """The key bound to ``row`` of ``cache_id``, if any (pull-by-id consumes it)."""
+    def key_at(self, cache_id: int, row: int) -> KeyBinding | None:
+        """The binding of the key bound to ``row`` of ``cache_id``, if any (pull-by-id consumes it)."""
         entry = self._entries.get(cache_id)
         if entry is None:
             return None
-        for ident, bound_row in entry.keys.items():
-            if bound_row == row:
-                return ident
+        for binding in entry.keys.values():
+            if binding.row == row:
+                return binding
         return None
 
     def deallocate(self, cache: Any) -> None:
@@ -425,47 +456,48 @@ class CacheRegistry:
         found = self._keys.get(ident)
         if found is None:
             return False
-        entry = self._entries[found[0]]
+        entry = self._entries[found.cache_id]
         self._unbind(entry, ident)
         self._maybe_free(entry)
         return True
 
-    def claim_key(self, ident: tuple[int, int, int], tensors: range) -> bool:
-        """Claim ``tensors`` of a key for one pull in flight; False if another has them."""
-        held = self._reserved.setdefault(ident, set())
+    def claim_key(self, binding: KeyBinding, tensors: range) -> bool:
+        """Claim ``tensors`` of a binding for one pull in flight; False if another has them."""
+        held = self._reserved.setdefault(binding, set())
         if held.intersection(tensors):
             return False
         held.update(tensors)
         return True
 
-    def release_key(self, ident: tuple[int, int, int], tensors: range) -> None:
-        held = self._reserved.get(ident)
+    def release_key(self, binding: KeyBinding, tensors: range) -> None:
+        """Give back what :meth:`claim_key` claimed (of that binding only)."""
+        held = self._reserved.get(binding)
         if held is not None:
             held.difference_update(tensors)
             if not held:
-                del self._reserved[ident]
+                del self._reserved[binding]
 
-    def consume(self, ident: tuple[int, int, int], tensors: range, num_tensors: int) -> None:
-        """Record a successful pull by key; the key goes once every tensor was pulled.
+    def consume(self, binding: KeyBinding, tensors: range, num_tensors: int) -> None:
+        """Record a successful pull of a binding; the key goes once every tensor was pulled.
 
+        A binding that is no longer current (its key was removed, and maybe
+        bound again since) is left alone, and so is the key's new binding.
         Registered (user-owned) caches and prefix keys keep their keys.
         """
-        found = self._keys.get(ident)
-        if found is None:
+        if self._keys.get(binding.ident) is not binding:
             return
-        entry = self._entries[found[0]]
-        if not entry.cache._owned or ident[1] != UINT64_MAX:
+        entry = self._entries[binding.cache_id]
+        if not entry.cache._owned or binding.ident[1] != UINT64_MAX:
             return
-        done = entry.pulled.setdefault(ident, set())
-        done.update(tensors)
-        if len(done) >= num_tensors:
-            self._unbind(entry, ident)
+        binding.pulled.update(tensors)
+        if len(binding.pulled) >= num_tensors:
+            self._unbind(entry, binding.ident)
             self._maybe_free(entry)
 
     def _unbind(self, entry: _Entry, ident: tuple[int, int, int]) -> None:
-        entry.keys.pop(ident, None)
-        entry.pulled.pop(ident, None)
-        self._keys.pop(ident, None)
+        binding = entry.keys.pop(ident, None)
+        if binding is not None and self._keys.get(ident) is binding:
+            del self._keys[ident]
 
     def _maybe_free(self, entry: _Entry) -> None:
         if entry.deallocated and not entry.keys:

@@ -18,7 +18,7 @@ property                   option key                meaning (default)
 ``heartbeat_interval``     ``aio.HeartbeatIntervalMs``  link heartbeat period in ms (1000)
 ``max_pending_handshakes`` ``aio.MaxPendingHandshakes``  incoming connections allowed in their
                                                      handshake at once, 1..65535 (64); more
-                                                     are dropped at once
+                                                     wait in the listen backlog
 ``tls_server_context``     ``aio.TlsServerContext``  ``ssl.SSLContext`` (``PROTOCOL_TLS_SERVER``)
                                                      for links this endpoint accepts
 ``tls_client_context``     ``aio.TlsClientContext``  ``ssl.SSLContext`` (``PROTOCOL_TLS_CLIENT``)
@@ -437,7 +437,7 @@ class LLMConfig:
     )
     max_pending_handshakes = _Setting[int](
         _check_pending_handshakes, DEFAULT_MAX_PENDING_HANDSHAKES,
-        "Incoming connections allowed in their handshake at once, 1..65535 (64); more are dropped at once.",
+        "Incoming connections allowed in their handshake at once, 1..65535 (64); more wait in the listen backlog.",
     )
     tls_server_context = _Setting[Any](
         _check_tls_server, None, "ssl.SSLContext for the links this endpoint accepts (None: no TLS)."

@@ -117,7 +117,13 @@ class LLMDataDist:
         self._links = links
 
     async def finalize(self) -> None:
-        """Unlink every peer, fail pending work, free every cache. Idempotent."""
+        """Unlink every peer, fail pending work, free every cache. Idempotent.
+
+        Link attempts still in their handshake are stopped (``link_clusters``
+        reports ``LLM_LINK_FAILED`` for them) and never register afterwards;
+        every link is closed after its peer acknowledged the unlink (at most
+        1 s), so a new endpoint with this cluster id can link at once.
+        """
         runtime, links = self._runtime, self._links
         if runtime is None:
             return
@@ -158,20 +164,30 @@ class LLMDataDist:
         link, once made, is usable from both ends.
 
         :returns: ``(overall, [status per cluster])``; failures are reported
-            there (``LLM_LINK_FAILED``, ``LLM_ALREADY_LINK``, ``LLM_TIMEOUT``),
-            not raised.
+            there (``LLM_LINK_FAILED``, ``LLM_ALREADY_LINK``, ``LLM_TIMEOUT``;
+            ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` when the link's fds do not fit
+            under ``RLIMIT_NOFILE`` on this end or the peer's, see
+            ``docs/transports.md``), not raised. At most one link per remote
+            cluster id exists: a concurrent call for the same id waits for the
+            first and then reports ``LLM_ALREADY_LINK`` if it linked.
         :raises LLMException: ``LLM_PARAM_INVALID`` for malformed arguments
-            or, on an endpoint with TLS, for a missing
-            ``aio.TlsClientContext``; ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for
-            more than 16 clusters.
+            (the same ``remote_cluster_id`` twice in one call included,
+            before anything is dialled) or, on an endpoint with TLS, for a
+            missing ``aio.TlsClientContext``;
+            ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for more than 16 clusters.
         """
         links = self._require_links()
         links.check_can_dial()
         clusters = self._check_clusters(clusters)
         timeout = check_int("timeout", timeout, lo=1, hi=2**31 - 1)
+        first: dict[int, int] = {}
         for i, c in enumerate(clusters):
             if len(c.remote_endpoints) != 1:
                 raise param_invalid(f"clusters[{i}]", "exactly one remote ip:port is needed")
+            j = first.setdefault(c.remote_cluster_id, i)
+            if j != i:
+                raise param_invalid(f"clusters[{i}]", f"remote_cluster_id {c.remote_cluster_id} is also "
+                                    f"clusters[{j}]; a cluster is linked once")
         results = await asyncio.gather(*(links.connect(c, timeout) for c in clusters))
         return _overall(results), list(results)
 

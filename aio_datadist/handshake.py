@@ -40,7 +40,7 @@ from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.types import LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
-__all__ = ["Accepted", "accept", "attach_token", "dial", "link_ok", "proof"]
+__all__ = ["Accepted", "accept", "attach_token", "dial", "link_ok", "proof", "share_proof"]
 
 ZERO32 = bytes(32)
 ZERO16 = bytes(16)
@@ -60,6 +60,14 @@ def attach_token(secret: bytes | None, token: bytes, index: int, generation: int
     if secret is None:
         return token
     return proof(secret, b"attach", token, index.to_bytes(2, "big"), generation.to_bytes(4, "big"))
+
+
+def share_proof(secret: bytes | None, token: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    """What either end of a same-host share connection proves: an HMAC over both fresh nonces and the
+    link token, under the shared secret (or, without one, under the link token itself, so the token
+    never crosses the share socket)."""
+    return hmac.new(secret if secret is not None else token, label + token + first + second,
+                    hashlib.sha256).digest()
 
 
 def _identity(auth: dict[str, Any]) -> bytes:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from aio_datadist._settle import settle
 from aio_datadist.cache import KvCache
 from aio_datadist.status import LLMException, LLMStatusCode, check_indices, check_instance, param_invalid
 from aio_datadist.task import CacheTask
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["start_transfer"]
 
 TENSORS_PER_LAYER = 2
+PUSHES_END_S = 10.0
 
 
 @dataclass
@@ -244,7 +246,9 @@ async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
         for push in pushes:
             push.cancel()
         if pushes:
-            await asyncio.gather(*pushes, return_exceptions=True)
+            # Every push returns only once nothing of it can land (run_push's give-up is bounded);
+            # the task must not end before, even when it is cancelled again meanwhile.
+            await _all_over(pushes)
     for cfg in configs:
         if cfg.index in failed:
             continue
@@ -255,6 +259,12 @@ async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
             task._set_result(cfg.index, LLMStatusCode.LLM_SUCCESS)
     if stop is not None:
         raise stop
+
+
+async def _all_over(pushes: list[asyncio.Future]) -> None:
+    """Wait for every push to end, through cancellations (re-raised once all ended); each push's
+    give-up is bounded, ``PUSHES_END_S`` only guards against a bug there."""
+    await settle(asyncio.gather(*pushes, return_exceptions=True), PUSHES_END_S)
 
 
 async def _push(rt: Runtime, task: CacheTask, cfg: _Config, layer: int, failed: set[int],

@@ -14,8 +14,9 @@ is held for good. A lease bounds that time::
 (``allocate_leased_cache(kv, desc, keys, lease_ms=...)`` returns the cache and
 its lease at once.)
 
-When the lease runs out, every key still bound is removed (as
-``remove_cache_key`` does) and the cache's id reference is dropped (as
+When the lease runs out, every key still bound to that cache is removed (as
+``remove_cache_key`` does; a key removed and bound to another cache since is
+left alone) and the cache's id reference is dropped (as
 ``deallocate_cache`` does), so the memory goes at once. A pull already in
 flight is not cut: it finishes with valid bytes (the memory stays mapped until
 the native transfer ends) and simply consumes nothing. A pull that starts after
@@ -112,8 +113,10 @@ class CacheLease:
         cache = self._cache()
         if manager is None or not manager.is_initialized():
             return  # finalize freed everything already
+        registry = manager._rt().registry
         for key in self._keys:
-            manager.remove_cache_key(key)
+            if cache is not None and registry.bound_to(key, cache):  # not a binding made after ours ended
+                manager.remove_cache_key(key)
         if cache is not None:
             try:
                 manager.deallocate_cache(cache)

@@ -5,8 +5,12 @@ abstract unix socket), runs the handshake of every incoming and outgoing
 control connection (``handshake.py``; TLS first when configured), attaches
 data channels, and keeps one :class:`~aio_datadist.links.Link` per remote
 cluster. It also feeds newly registered caches to the same-host shares and
-the NIXL plane of its links. At most ``aio.MaxPendingHandshakes`` incoming
-connections may be in their handshake at once; more are dropped on arrival.
+the NIXL plane of its links. Incoming connections are admitted at a pace
+(``admission.py``): past ``aio.MaxPendingHandshakes`` they wait in the listen
+backlog, and stalled ones make room. A link is made only when its fds fit
+under ``RLIMIT_NOFILE`` (``fd_budget.py``). There is at most one link per
+remote cluster id: a second attempt for an id waits for the first, and a
+link that finds the id taken is closed, never left behind.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from aio_datadist import handshake, wire
+from aio_datadist import fd_budget, handshake, wire
+from aio_datadist.admission import LISTEN_BACKLOG, Admission, Pending, streams
 from aio_datadist.links import SUCCESS, ZERO32, DataConn, Link, layout_hash, tune
 from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
 from aio_datadist.transfers import handle_request
 from aio_datadist.transport import tls
-from aio_datadist.transport.local import LocalListener, boot_id, connect_share
+from aio_datadist.transport.local import SHARE_AUTH_S, LocalListener, boot_id, connect_share
 from aio_datadist.transport.nixl import NixlPlane
 from aio_datadist.types import LLMClusterInfo, LLMRole
 from aio_datadist.wire import Msg, ProtocolError
@@ -39,6 +44,10 @@ __all__ = ["LinkTable"]
 log = logging.getLogger("aio_datadist.links")
 
 HANDSHAKE_LIMIT_S = 10.0
+#: How long finalize waits for peers to acknowledge UNLINK (so they have let the link go when it returns).
+UNLINK_WAIT_S = 1.0
+#: The size of a first message that is neither a TLS preamble nor an attach record: a HELLO.
+_HELLO_SIZE = len(wire.encode(Msg.HELLO, 0, nonce=bytes(wire.NONCE_BYTES)))
 
 class LinkTable:
     """The links and the listener of one LLMDataDist."""
@@ -47,9 +56,12 @@ class LinkTable:
         self.owner = owner
         self.runtime = runtime
         self.links: dict[int, Link] = {}
-        self.server: asyncio.base_events.Server | None = None
+        self.admission: Admission | None = None
         self.listen_address: tuple[str, int] | None = None
-        self._handshakes: set[asyncio.Task] = set()
+        self._accepting: set[asyncio.Task] = set()  # accepted before the listener stopped
+        self._dialling: dict[int, asyncio.Task] = {}
+        self.closing = False
+        fd_budget.raise_soft_limit()
         self.on_request: Callable[[Link, Msg, int, dict], None] = (
             lambda link, msg, req_id, fields: handle_request(runtime, link, msg, req_id, fields))
         self.local_listener: LocalListener | None = None
@@ -111,10 +123,33 @@ class LinkTable:
         if self.links.get(link.remote_cluster_id) is link:
             del self.links[link.remote_cluster_id]
 
-    def _register(self, link: Link) -> None:
+    def _live(self, remote_id: int) -> Link | None:
+        link = self.links.get(remote_id)
+        return link if link is not None and link.broken is None and not link.closed else None
+
+    def _register(self, link: Link) -> bool:
+        """Make ``link`` the link to its cluster, unless another live one is (or the table closes)."""
+        if self.closing or self._live(link.remote_cluster_id) is not None:
+            return False
         link.on_request = self.on_request
         self.links[link.remote_cluster_id] = link
         link.start()
+        return True
+
+    @property
+    def _handshakes(self) -> set[asyncio.Task]:
+        """The tasks of incoming connections not through their handshake yet."""
+        tasks = {t for t in self._accepting if not t.done()}
+        return tasks if self.admission is None else tasks | self.admission.tasks()
+
+    def _reserve(self) -> int:
+        """fds kept free besides links (see ``fd_budget``)."""
+        pending = 2 * self.runtime.settings.max_pending_handshakes if self.admission is not None else 0
+        return fd_budget.RESERVE + pending
+
+    def _claim(self) -> fd_budget.Claim:
+        per_link = fd_budget.per_link(self.runtime.settings.data_channels, self.shares_memory)
+        return fd_budget.claim(per_link, self._reserve())
 
     # -- listening ---------------------------------------------------------
 
@@ -123,15 +158,17 @@ class LinkTable:
             raise param_invalid("aio.TlsServerContext", "is needed to listen: this endpoint uses TLS "
                                 "(aio.TlsClientContext is set) and never accepts a link without it")
         try:
-            self.server = await asyncio.start_server(self._accept, ip, port, reuse_address=True)
+            sock = socket.create_server((ip, port), backlog=LISTEN_BACKLOG)
         except OSError as exc:
             raise LLMException(f"option 'llm.listenIpInfo': cannot listen on {ip}:{port}: {exc}",
                                status_code=LLMStatusCode.LLM_LINK_FAILED) from exc
-        sockname = self.server.sockets[0].getsockname()
+        sock.setblocking(False)
+        sockname = sock.getsockname()
+        self.admission = Admission(sock, self.runtime.settings.max_pending_handshakes, self._accept)
         self.listen_address = (sockname[0], sockname[1])
         if self.shares_memory and self.local_listener is None:
             try:
-                self.local_listener = LocalListener(self)
+                self.local_listener = LocalListener(self.secret, self._share_candidates)
             except OSError as exc:
                 log.info("no same-host sharing (unix socket: %s); links use TCP only", exc)
 
@@ -139,54 +176,66 @@ class LinkTable:
         if self.local_listener is not None:
             self.local_listener.close()
             self.local_listener = None
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-            self.server = None
+        if self.admission is not None:
+            admission, self.admission = self.admission, None
+            # connections accepted already finish their handshakes (or time out) as before
+            self._accepting = {t for t in self._accepting if not t.done()} | admission.tasks()
+            await admission.close()
             self.listen_address = None
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._handshakes) >= self.runtime.settings.max_pending_handshakes:
-            # Connections that never finish their handshake must not pile up: drop the excess at once.
-            log.debug("dropped an incoming connection: %d handshakes already pending", len(self._handshakes))
-            writer.transport.abort()
-            return
-        task = asyncio.current_task()
-        assert task is not None
-        self._handshakes.add(task)
+    def _first_size(self, head: bytes) -> int:
+        if head == tls.MAGIC:
+            return tls.PREAMBLE_SIZE
+        if head == wire.ATTACH_MAGIC:
+            return wire.ATTACH.size
+        return _HELLO_SIZE
+
+    async def _accept(self, conn: socket.socket, pending: Pending) -> None:
+        """One accepted connection: its first message, a handshake slot, then the handshake (``admission``)."""
+        admission = self.admission
+        assert admission is not None
+        writer: asyncio.StreamWriter | None = None
         keep = False
         try:
             async with asyncio.timeout(HANDSHAKE_LIMIT_S):
+                head = await admission.first_message(conn, self._first_size)
+                await admission.slot(pending)
+                stream, writer = await streams(conn, head)
+                reader = _Watched(stream, pending)
                 magic = await reader.readexactly(4)
                 if self.tls_server is not None:
                     if magic != tls.MAGIC:
                         raise ProtocolError("the peer does not use TLS; this endpoint requires it")
                     kind = await reader.readexactly(1)
                     if kind == tls.DATA:
-                        keep = await self._accept_tls_data(writer)
+                        keep = await self._accept_tls_data(writer, admission, pending)
                         return
                     if kind != tls.CONTROL:
                         raise ProtocolError(f"unknown TLS connection kind {kind!r}")
                     await tls.accept_control(writer, self.tls_server, HANDSHAKE_LIMIT_S)
-                    keep = await self._accept_control(await reader.readexactly(4), reader, writer)
+                    pending.progress()
+                    keep = await self._accept_control(await reader.readexactly(4), reader, writer, admission,
+                                                      pending)
                 elif magic == tls.MAGIC:
                     raise ProtocolError("the peer uses TLS; this endpoint has no aio.TlsServerContext")
                 elif magic == wire.ATTACH_MAGIC:
-                    keep = await self._accept_data(magic, reader, writer)
+                    keep = await self._accept_data(magic, reader, writer, admission, pending)
                 else:
-                    keep = await self._accept_control(magic, reader, writer)
+                    keep = await self._accept_control(magic, reader, writer, admission, pending)
         except (asyncio.IncompleteReadError, ConnectionError, OSError, ProtocolError, TimeoutError) as exc:
             log.debug("dropped an incoming connection: %r", exc)
         finally:
-            self._handshakes.discard(task)
-            if not keep:
+            admission.leave(pending)
+            if writer is None:
+                conn.close()
+            elif not keep:
                 if writer.get_extra_info("ssl_object") is not None:
                     writer.transport.abort()  # no TLS close_notify exchange with a refused peer
                 else:
                     writer.close()
 
-    async def _accept_control(self, magic: bytes, reader: asyncio.StreamReader,
-                              writer: asyncio.StreamWriter) -> bool:
+    async def _accept_control(self, magic: bytes, reader: _Watched, writer: asyncio.StreamWriter,
+                              admission: Admission, pending: Pending) -> bool:
         accepted = await handshake.accept(magic, reader, writer, secret=self.secret)
         auth = accepted.auth
         remote_id = auth["cluster_id"]
@@ -215,22 +264,34 @@ class LinkTable:
                     "between the two endpoints)")
             log.warning("refused a link from cluster %s: %s", remote_id, text)
             return await refuse(LLMStatusCode.LLM_LINK_FAILED, text)
-        existing = self.links.get(remote_id)
-        if existing is not None and existing.broken is None and not existing.closed:
+        if self.closing:
+            return await refuse(LLMStatusCode.LLM_LINK_FAILED, "this endpoint is being finalized")
+        if self._live(remote_id) is not None:
             return await refuse(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
-        token = os.urandom(32)
-        channels = self.runtime.settings.data_channels
-        if existing is not None:
-            await existing.close()
-            self.forget(existing)
-            existing = self.links.get(remote_id)  # another handshake may have linked it meanwhile
-            if existing is not None and existing.broken is None and not existing.closed:
+        try:
+            claim = self._claim()
+        except LLMException as exc:
+            log.warning("refused a link from cluster %s: %s", remote_id, exc)
+            return await refuse(exc.status_code, str(exc))
+        try:
+            existing = self.links.get(remote_id)
+            if existing is not None:
+                with pending.working():
+                    await existing.close()
+                self.forget(existing)
+                if self._live(remote_id) is not None:  # another handshake linked it meanwhile
+                    return await refuse(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
+            token = os.urandom(32)
+            channels = self.runtime.settings.data_channels
+            tune(writer.get_extra_info("socket"))
+            peer = writer.get_extra_info("peername")
+            admission.leave(pending)  # through: never dropped as stalled from here on
+            link = Link(self, remote_id, remote_role, reader.inner, writer, is_client=False, channels=channels,
+                        token=token, remote_address=(peer[0], peer[1]))
+            if not self._register(link):
                 return await refuse(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
-        tune(writer.get_extra_info("socket"))
-        peer = writer.get_extra_info("peername")
-        link = Link(self, remote_id, remote_role, reader, writer, is_client=False, channels=channels,
-                    token=token, remote_address=(peer[0], peer[1]))
-        self._register(link)
+        finally:
+            claim.release()
         local_name = self.local_listener.name if self.local_listener is not None else b""
         writer.write(handshake.link_ok(self.secret, accepted, SUCCESS, cluster_id=own_id, role=self.owner.role,
                                        token=token, channels=channels, boot=boot_id(), local_name=local_name))
@@ -248,13 +309,14 @@ class LinkTable:
             return None, index, generation
         return link, index, generation
 
-    async def _accept_data(self, magic: bytes, reader: asyncio.StreamReader,
-                           writer: asyncio.StreamWriter) -> bool:
+    async def _accept_data(self, magic: bytes, reader: _Watched, writer: asyncio.StreamWriter,
+                           admission: Admission, pending: Pending) -> bool:
         link, index, generation = self._attach_target(magic + await reader.readexactly(wire.ATTACH.size - 4))
         if link is None:
             writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
             await writer.drain()
             return False
+        admission.leave(pending)
         sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
         sock.setblocking(False)
         tune(sock)
@@ -265,16 +327,19 @@ class LinkTable:
         writer.transport.abort()
         return True
 
-    async def _accept_tls_data(self, writer: asyncio.StreamWriter) -> bool:
+    async def _accept_tls_data(self, writer: asyncio.StreamWriter, admission: Admission, pending: Pending) -> bool:
         assert self.tls_server is not None
         tune(writer.get_extra_info("socket"))
         channel = await tls.accept_data(writer, self.tls_server, HANDSHAKE_LIMIT_S)
         try:
+            pending.progress()
             link, index, generation = self._attach_target(await channel.recv_exactly(wire.ATTACH.size))
+            pending.progress()
             if link is None:
                 await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
                 channel.close()
                 return True
+            admission.leave(pending)
             link.install(index, channel, generation)
             await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, SUCCESS))
             return True
@@ -323,19 +388,42 @@ class LinkTable:
                 raise
 
     async def connect(self, cluster: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
-        """Link to one listening peer; returns a status, never raises for link failures."""
+        """Link to one listening peer; returns a status, never raises for link failures.
+
+        One attempt per remote cluster id at a time: a second waits for the
+        first (within its own timeout) and then reports ``LLM_ALREADY_LINK``
+        if that one linked, or tries itself if it did not.
+        """
         remote_id = cluster.remote_cluster_id
         address = cluster.remote_endpoints[0]
-        existing = self.links.get(remote_id)
-        if existing is not None and existing.broken is None and not existing.closed:
-            return LLMStatusCode.LLM_ALREADY_LINK
         if remote_id == self.owner.cluster_id:
             log.warning("link_clusters: cluster %s is this endpoint itself", remote_id)
             return LLMStatusCode.LLM_LINK_FAILED
-        writer = None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_ms / 1000
+        while True:
+            if self._live(remote_id) is not None:
+                return LLMStatusCode.LLM_ALREADY_LINK
+            if self.closing:
+                return LLMStatusCode.LLM_LINK_FAILED
+            other = self._dialling.get(remote_id)
+            if other is None:
+                break
+            await asyncio.wait([other], timeout=deadline - loop.time())
+            if not other.done():
+                log.warning("link to cluster %s at %s:%s timed out after %s ms (another call was linking it)",
+                            remote_id, *address, timeout_ms)
+                return LLMStatusCode.LLM_TIMEOUT
         try:
-            async with asyncio.timeout(timeout_ms / 1000):
-                return await self._handshake(remote_id, address, existing)
+            claim = self._claim()
+        except LLMException as exc:
+            log.warning("link to cluster %s at %s:%s refused here: %s", remote_id, *address, exc)
+            return exc.status_code
+        task = loop.create_task(self._handshake(remote_id, address, self.links.get(remote_id), deadline))
+        self._dialling[remote_id] = task
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await task
         except TimeoutError:
             log.warning("link to cluster %s at %s:%s timed out after %s ms", remote_id, *address, timeout_ms)
             return LLMStatusCode.LLM_TIMEOUT
@@ -345,11 +433,19 @@ class LinkTable:
         except LLMException as exc:
             log.warning("link to cluster %s at %s:%s failed: %s", remote_id, *address, exc)
             return exc.status_code
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and self.closing and (current is None or not current.cancelling()):
+                log.warning("link to cluster %s at %s:%s: the endpoint was finalized meanwhile", remote_id, *address)
+                return LLMStatusCode.LLM_LINK_FAILED
+            raise
         finally:
-            if writer is not None:
-                writer.close()
+            claim.release()
+            if self._dialling.get(remote_id) is task:
+                del self._dialling[remote_id]
 
-    async def _handshake(self, remote_id: int, address: tuple[str, int], existing: Link | None) -> LLMStatusCode:
+    async def _handshake(self, remote_id: int, address: tuple[str, int], existing: Link | None,
+                         deadline: float | None = None) -> LLMStatusCode:
         reader, writer = await asyncio.open_connection(*address)
         link: Link | None = None
         sockets: list[DataConn] = []
@@ -369,9 +465,16 @@ class LinkTable:
                         channels=channels, token=ok["link_token"], remote_address=address)
             for index, sock in enumerate(sockets):
                 link.install(index, sock, 0)
-            self._register(link)
+            if not self._register(link):
+                # Finalized meanwhile, or a link from that cluster was accepted meanwhile: this one goes, and
+                # the peer is told (it forgets its end).
+                link.send(Msg.UNLINK, link.new_req_id())
+                await link.close()
+                if self.closing:
+                    return LLMStatusCode.LLM_LINK_FAILED
+                return LLMStatusCode.LLM_ALREADY_LINK
             await self._share_with(link, ok)
-            await self._nixl_with(link)
+            await self._nixl_with(link, deadline)
             return SUCCESS
         except BaseException:
             if link is None:
@@ -383,34 +486,44 @@ class LinkTable:
                     writer.close()
             raise
 
+    def _share_candidates(self) -> list[tuple[bytes, Callable[[socket.socket], None]]]:
+        """The links a same-host peer may attach its share to now: live, sharing nothing yet."""
+        return [(lk.token, lk.attach_share) for lk in self.links.values()
+                if lk.broken is None and not lk.closed and lk.local is None]
+
     async def _share_with(self, link: Link, ok: dict) -> None:
         """Attach the same-host share channel when the peer runs on this kernel."""
         name = ok["local_name"][:1] + ok["local_name"][1:].rstrip(b"\0")
         if not self.shares_memory or not name.startswith(b"\0") or ok["boot_id"] != boot_id():
             return
         try:
-            sock = await connect_share(name, link.token)
-        except OSError as exc:
+            async with asyncio.timeout(SHARE_AUTH_S):
+                sock = await connect_share(name, link.token, self.secret)
+        except (OSError, TimeoutError) as exc:
             log.info("link to cluster %s: same-host sharing unavailable (%s); using TCP", link.remote_cluster_id, exc)
             return
         link.attach_local(sock)
         share = link.local
         # The peer's caches are mapped before link_clusters returns.
-        await asyncio.wait([share.ready], timeout=HANDSHAKE_LIMIT_S)
+        await asyncio.wait([share.ready], timeout=SHARE_AUTH_S)
         if not share.ready.done() or share.ready.cancelled():
             if link.local is share:
                 share.close()
                 link.local = None
             log.info("link to cluster %s: the peer did not finish sharing; using TCP", link.remote_cluster_id)
 
-    async def _nixl_with(self, link: Link) -> None:
-        """With ``aio.Transport=nixl``: exchange NIXL metadata and cache lists before returning."""
+    async def _nixl_with(self, link: Link, deadline: float | None = None) -> None:
+        """With ``aio.Transport=nixl``: exchange NIXL metadata and cache lists before returning.
+
+        The exchange may take a share of the time left until ``deadline`` (the
+        caller's, in loop time); a plane not set up by then falls back to TCP
+        for this link on both ends (``NixlPeer.set_up``), so a failing plane
+        never costs the link.
+        """
         peer = link.start_nixl()
         if peer is None:
             return
-        await asyncio.wait([peer.ready], timeout=HANDSHAKE_LIMIT_S)
-        if not peer.usable():
-            log.info("link to cluster %s: the peer does not use NIXL; using TCP", link.remote_cluster_id)
+        await peer.set_up(deadline, HANDSHAKE_LIMIT_S)
 
     async def disconnect(self, remote_id: int, timeout_ms: int, force: bool) -> LLMStatusCode:
         link = self.links.get(remote_id)
@@ -444,17 +557,44 @@ class LinkTable:
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None
 
     async def close(self) -> None:
+        """Stop listening, stop every link attempt, and unlink every link (peers acknowledge within
+        :data:`UNLINK_WAIT_S`, so they have let the link go when this returns)."""
+        self.closing = True
         await self.stop_listening()
-        for task in list(self._handshakes):
+        attempts = [*self._handshakes, *self._dialling.values()]
+        for task in attempts:
             task.cancel()
+        if attempts:
+            await asyncio.wait(attempts)
         links = list(self.links.values())
         self.links.clear()
+        acks = []
         for link in links:
-            if link.broken is None:
-                link.send(Msg.UNLINK, link.new_req_id())
+            if link.broken is None and not link.closed:
+                req_id = link.new_req_id()
+                acks.append(link.expect(req_id))
+                link.send(Msg.UNLINK, req_id)
+        if acks:
+            await asyncio.wait(acks, timeout=UNLINK_WAIT_S)
+        for ack in acks:
+            if ack.done() and not ack.cancelled():
+                ack.exception()  # a link that failed meanwhile: nothing to wait for
         await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
         if self.nixl is not None:
             self.nixl.close()
+
+
+class _Watched:
+    """A handshake's reader that counts every complete read as progress (``admission``)."""
+
+    def __init__(self, inner: asyncio.StreamReader, pending: Pending) -> None:
+        self.inner = inner
+        self._pending = pending
+
+    async def readexactly(self, n: int) -> bytes:
+        data = await self.inner.readexactly(n)
+        self._pending.progress()
+        return data
 
 
 def _check_attached(reply: bytes, index: int) -> None:

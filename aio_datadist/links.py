@@ -24,6 +24,7 @@ import asyncio
 import hashlib
 import logging
 import socket
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,7 @@ HEARTBEAT_MISSES = 5
 ZERO32 = bytes(32)
 NO_GENERATION = 0xFFFFFFFF
 SUCCESS = LLMStatusCode.LLM_SUCCESS
+LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes
 
 
 def layout_hash(runtime: Runtime) -> bytes:
@@ -113,6 +115,7 @@ class Link:
         self.local: LocalShare | None = None
         self.nixl: NixlPeer | None = None
         self.redialling: dict[int, asyncio.Future] = {}
+        self.deferred: set[int] = set()  # peer requests waiting for a channel we redial
 
     # -- ids, channels -----------------------------------------------------
 
@@ -172,7 +175,11 @@ class Link:
         """Close a channel whose byte stream is out of step; the client redials it.
 
         With ``tell_peer`` the peer also stops serving ``req_id``, even when
-        the channel was already reset (then only the request is named).
+        the channel was already reset (then only the request is named). The
+        native job on the channel is over when this returns (the engine
+        detaches the fd first), and a plain socket is closed with a reset, so
+        the kernel drops what it had not sent yet instead of delivering it to
+        a peer that is about to discard it.
         """
         ch = self.channels[index]
         if self.closed:
@@ -182,6 +189,11 @@ class Link:
                 self.send(Msg.ABORT, req_id, channel=index, generation=NO_GENERATION)
             return  # already reset; its redial is under way
         generation = ch.generation
+        if isinstance(ch.sock, socket.socket):
+            try:
+                ch.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
+            except OSError:
+                pass  # already dead: nothing left to drop
         self._drop_socket(ch)
         if tell_peer:
             self.send(Msg.ABORT, req_id, channel=index, generation=generation)
@@ -213,27 +225,38 @@ class Link:
         The peer may use its channel as soon as it accepted our redial, and its
         request can overtake the acknowledgement our redial is waiting for.
         """
-        await redial
-        if self.on_request is not None and not self.closed and self.broken is None:
+        try:
+            await redial
+        finally:
+            wanted = req_id in self.deferred
+            self.deferred.discard(req_id)
+        if wanted and self.on_request is not None and not self.closed and self.broken is None:
             self.on_request(self, msg, req_id, fields)
 
     def move(self, index: int, pairs: Any, *, send: bool, timeout_ms: int | None, what: str,
-             keepalive: Any) -> asyncio.Future:
+             keepalive: Any, settled: asyncio.Future | None = None) -> asyncio.Future:
         """Start sending from (or receiving into) the ``[addr, nbytes, ...]`` runs ``pairs`` on data
         channel ``index``: the future of the bytes moved. Cancelling it stops the job; the channel is
         then out of step and must be reset. Plain channels run on the native SocketEngine, TLS ones
-        on their :class:`~aio_datadist.transport.tls.TlsChannel`."""
+        on their :class:`~aio_datadist.transport.tls.TlsChannel`.
+
+        ``settled``, when given, gets a result once the job can no longer touch ``pairs``: when the
+        engine reported it over (also after a cancel), or, on TLS, once the job's future is done (the
+        channel stops filling a job's memory the moment its future is done)."""
         conn = self.channels[index].sock
         if conn is None:
             raise LLMException(f"data channel {index} to cluster {self.remote_cluster_id} is down",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
         if isinstance(conn, tls.TlsChannel):
-            return conn.start(pairs, send=send, timeout_ms=timeout_ms, what=what, keepalive=keepalive)
+            fut = conn.start(pairs, send=send, timeout_ms=timeout_ms, what=what, keepalive=keepalive)
+            if settled is not None:
+                fut.add_done_callback(lambda _: settled.done() or settled.set_result(None))
+            return fut
         fd = conn.fileno()
         engine = self.runtime.sockets
         submit = engine.submit_send if send else engine.submit_recv
         return self.runtime.completions.start(lambda t: submit(t, fd, pairs), engine.cancel, timeout_ms=timeout_ms,
-                                              what=what, keepalive=keepalive)
+                                              what=what, keepalive=keepalive, settled=settled)
 
     # -- messages ----------------------------------------------------------
 
@@ -313,7 +336,9 @@ class Link:
             self.spawn(self.close())
             return
         if msg is Msg.ABORT:
+            serving = None
             if req_id and not self.is_mine(req_id):
+                self.deferred.discard(req_id)  # still waiting for its channel's redial: never serve it
                 serving = self.serving.pop(req_id, None)
                 if serving is not None:
                     serving()
@@ -323,6 +348,10 @@ class Link:
             index = fields["channel"]
             if index < len(self.channels) and self.channels[index].generation == fields["generation"]:
                 self.reset_channel(index, tell_peer=False)
+            if req_id and not self.is_mine(req_id) and serving is None:
+                # A pusher that gave up waits for our word that nothing of its request lands here any
+                # more; a request we serve answers once its job stopped (see transfers.handle_request).
+                self.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text="aborted")
             return
         if self.is_mine(req_id) and msg in (Msg.RESP, Msg.DONE, Msg.PROBE_ACK, Msg.UNLINK_ACK):
             fut = self.pending.pop(req_id, None)
@@ -333,6 +362,7 @@ class Link:
             self._nixl_record(fields)
             return
         if msg in (Msg.PULL_REQ, Msg.PUSH_REQ) and fields["channel"] in self.redialling:
+            self.deferred.add(req_id)
             self.spawn(self._request_after_redial(self.redialling[fields["channel"]], msg, req_id, fields))
             return
         if self.on_request is not None:
@@ -352,6 +382,12 @@ class Link:
         if self.runtime.settings.remote_cache_accessible:  # else peers may not touch our caches at all
             for cache in self.runtime.registry.caches():
                 self.local.offer(cache)
+
+    def attach_share(self, sock: Any) -> None:
+        """The server's half: share with the peer whose share connection proved this link."""
+        self.attach_local(sock)
+        if self.local is not None:
+            self.local.announce_ready()
 
     def start_nixl(self) -> NixlPeer | None:
         """Begin the NIXL exchange with the peer (the client does, once linked)."""

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core
-from aio_datadist.cache import KvCache
+from aio_datadist._settle import settle
+from aio_datadist.cache import KeyBinding, KvCache
 from aio_datadist.layers import resolve_tensor_span
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status, param_invalid
 from aio_datadist.transport.nixl import notif_for
@@ -45,6 +46,17 @@ F_NIXL = 16
 
 MAX_SERVE_TIMEOUT_MS = 600_000
 NIXL_SETTLE_S = 1.0
+#: How long a given-up data-channel job may take to report itself over (the channel reset stops it at once).
+JOB_SETTLE_S = 1.0
+#: How long a given-up same-host copy may take to stop (it stops between chunks of at most 1 MiB).
+COPY_SETTLE_S = 5.0
+#: How long a pusher waits for the owner to confirm that an aborted same-host push stopped.
+ABORT_ACK_S = 1.0
+#: Source rows a same-host push may name (they travel as one opaque field); larger pushes stream.
+MAX_LOCAL_SRC_ROWS = 32768
+#: RESP.cache_id of an owner that cannot read a same-host push's source: the pusher streams it instead.
+USE_STREAM = -2
+NO_GENERATION = 0xFFFFFFFF
 
 
 def target_fields(key: Any) -> dict[str, int]:
@@ -139,7 +151,7 @@ async def _exchange(link: Link, msg: Msg, plan: Plan, timeout_ms: int, channel: 
     remote = dict(plan.remote)
     if _nixl_eligible(link, plan):
         remote["flags"] |= F_NIXL
-    elif link.local is not None and remote["target_kind"] != KIND_ADDRS:
+    elif msg is Msg.PULL_REQ and link.local is not None and remote["target_kind"] != KIND_ADDRS:
         remote["flags"] |= F_LOCAL
     link.send(msg, req_id, channel=channel, timeout_ms=timeout_ms, **remote)
     answer = await resp
@@ -175,54 +187,112 @@ async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: s
 
 async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> None:
     """Send ``plan.local``'s bytes to the owner; returns once it confirmed."""
+    if await _push_by_owner_read(link, plan, timeout_ms, what):
+        return
     await _run(rt, link, plan, timeout_ms, what, pull=False)
 
 
+class _Request:
+    """One request of ours while it runs, and what giving it up must wait for.
+
+    A request that is given up (timeout, error, cancellation) returns only
+    once no byte of it can change its destination any more: our own job on
+    the data channel (or NIXL) is over, and for a push whose bytes may be on
+    their way, the owner answered that it stopped writing and discarded the
+    rest (see :meth:`give_up`).
+    """
+
+    __slots__ = ("link", "what", "channel", "generation", "req_id", "local", "settled", "ack")
+
+    def __init__(self, link: Link, what: str) -> None:
+        self.link = link
+        self.what = what
+        self.channel = -1
+        self.generation = -1
+        self.req_id = 0
+        self.local = False  # the owner chose NIXL or same-host sharing: no data channel
+        self.settled: asyncio.Future | None = None  # done once our job can touch no byte any more
+        self.ack: asyncio.Future | None = None  # a push's DONE from the owner, once bytes may be in flight
+
+    async def give_up(self) -> None:
+        """Abandon the request and wait, bounded and through cancellations (re-raised afterwards),
+        until nothing of it can land: our job settled, then the owner's answer to the abort of a push
+        (``ABORT_ACK_S``). An owner silent past that bound loses the link, and with it every data
+        channel, so nothing more of ours reaches it."""
+        link = self.link
+        cancelled: list[asyncio.CancelledError] = []
+        if self.local:
+            if self.settled is not None:  # NIXL: let the cancelled transfer settle before the owner hears
+                await _wait_out(self.settled, NIXL_SETTLE_S, cancelled)
+            if self.req_id:
+                link.send(Msg.DONE, self.req_id, status=LLMStatusCode.LLM_FAILED, text="abandoned")
+        else:
+            _abandon(link, self.channel, self.generation, self.req_id)
+            if self.settled is not None:
+                await _wait_out(self.settled, JOB_SETTLE_S, cancelled)
+        if self.ack is not None and not self.ack.done():
+            if not await _wait_out(self.ack, ABORT_ACK_S, cancelled):
+                link.fail(LLMException(f"{self.what}: cluster {link.remote_cluster_id} did not confirm an aborted "
+                                       f"push within {ABORT_ACK_S} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
+        if self.req_id:
+            link.pending.pop(self.req_id, None)
+        if cancelled:
+            raise cancelled[0]
+
+
+async def _wait_out(future: asyncio.Future, bound_s: float, cancelled: list[asyncio.CancelledError]) -> bool:
+    """``settle`` that keeps a cancellation in ``cancelled`` instead of raising it; whether ``future`` is done."""
+    try:
+        return await settle(future, bound_s)
+    except asyncio.CancelledError as exc:
+        cancelled.append(exc)
+        return future.done()
+
+
 async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *, pull: bool) -> None:
-    channel = -1
-    req_id = 0
-    generation = -1
-    local = False
+    req = _Request(link, what)
     try:
         async with asyncio.timeout(timeout_ms / 1000):
-            if link.nixl is not None:  # a cache allocated a moment ago may still be registering
+            # A cache allocated a moment ago may still be registering (not on a link that declined NIXL).
+            if link.nixl is not None and link.nixl.usable():
                 await link.nixl.plane.registered(plan.local)
-            channel = await link.acquire()
-            generation = link.channels[channel].generation
-            req_id = link.new_req_id()
+            req.channel = channel = await link.acquire()
+            req.generation = link.channels[channel].generation
+            req.req_id = req_id = link.new_req_id()
             answer = await _exchange(link, Msg.PULL_REQ if pull else Msg.PUSH_REQ, plan, timeout_ms, channel, req_id)
             if answer["cache_id"] >= 0:
-                local = True
+                req.local = True
                 link.release(channel)
-                channel = -1
+                req.channel = -1
                 if answer["via"] == F_NIXL:
-                    await _run_nixl(link, plan, answer, req_id, what, pull=pull)
+                    await _run_nixl(link, plan, answer, req, pull=pull)
                 else:
-                    await _run_local(rt, link, plan, answer, req_id, what, pull=pull)
+                    await _run_local(rt, link, plan, answer, req_id, what)
                 return
-            if pull:
-                await link.move(channel, plan.local_pairs, send=False, timeout_ms=None, what=what,
-                                keepalive=plan.local)
+            done = None if pull else link.expect(req_id)
+            settled = asyncio.get_running_loop().create_future()
+            moving = link.move(channel, plan.local_pairs, send=not pull, timeout_ms=None, what=what,
+                               keepalive=plan.local, settled=settled)
+            req.settled, req.ack = settled, done
+            await moving
+            if done is None:
                 link.send(Msg.DONE, req_id, status=0, text="")
             else:
-                done = link.expect(req_id)
-                await link.move(channel, plan.local_pairs, send=True, timeout_ms=None, what=what,
-                                keepalive=plan.local)
-                answer = await done
+                answer = await asyncio.shield(done)  # a cut must not cancel it: give_up waits for it
                 if answer["status"] != LLMStatusCode.LLM_SUCCESS:
                     raise LLMException(f"cluster {link.remote_cluster_id}: {answer['text']}",
                                        status_code=code_to_status(answer["status"]))
-        link.release(channel)
+        link.release(req.channel)
     except _Refused:
-        link.pending.pop(req_id, None)
-        link.release(channel)
+        link.pending.pop(req.req_id, None)
+        link.release(req.channel)
         raise
     except TimeoutError:
-        _abandon(link, channel, generation, req_id, local)
+        await req.give_up()
         raise LLMException(f"{what} timed out after {timeout_ms} ms",
                            status_code=LLMStatusCode.LLM_TIMEOUT) from None
     except LLMException as exc:
-        _abandon(link, channel, generation, req_id, local)
+        await req.give_up()
         if exc.status_code == LLMStatusCode.LLM_FAILED and (link.broken is not None or link.closed):
             try:
                 link.check()  # the engine stopped the job because the link went: say so
@@ -230,13 +300,16 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
                 raise state from exc
         raise
     except BaseException:
-        _abandon(link, channel, generation, req_id, local)
+        await req.give_up()
         raise
 
 
-async def _run_local(rt: Runtime, link: Link, plan: Plan, answer: dict, req_id: int, what: str, *,
-                     pull: bool) -> None:
-    """The owner chose same-host sharing: one native copy against its mapped cache."""
+async def _run_local(rt: Runtime, link: Link, plan: Plan, answer: dict, req_id: int, what: str) -> None:
+    """The owner chose same-host sharing for a pull: one native copy out of its mapped (read-only) cache.
+
+    A copy that is given up (timeout, cancel) is stopped and waited for before
+    this returns, so no byte lands in ``plan.local`` afterwards.
+    """
     share = link.local
     region = None if share is None else share.region(answer["cache_id"])
     if region is None:
@@ -244,7 +317,7 @@ async def _run_local(rt: Runtime, link: Link, plan: Plan, answer: dict, req_id: 
                            status_code=LLMStatusCode.LLM_LINK_FAILED)
     remote = plan.remote
     first, count = one_side_span(len(region.offsets), (remote["layer_first"], remote["layer_last"]),
-                                 remote["tensor_num_per_layer"], "src_layer_range" if pull else "dst_layer_range")
+                                 remote["tensor_num_per_layer"], "src_layer_range")
     rows = list(remote["rows"]) or [answer["row"]]
     if (count != remote["tensor_count"] or not rows or min(rows) < 0 or max(rows) >= region.rows
             or remote["offset"] + remote["nbytes"] > region.row_bytes):
@@ -252,30 +325,79 @@ async def _run_local(rt: Runtime, link: Link, plan: Plan, answer: dict, req_id: 
                            status_code=LLMStatusCode.LLM_LINK_FAILED)
     theirs = _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes,
                             remote["offset"], remote["nbytes"])
-    triples = (_core.zip_segments(plan.local_pairs, theirs) if pull
-               else _core.zip_segments(theirs, plan.local_pairs))
-    copier = rt.copier
-    done = None if pull else link.expect(req_id)
-    await rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None, what=what,
-                               keepalive=(plan.local, region))
+    triples = _core.zip_segments(plan.local_pairs, theirs)
+    await _copy_settled(rt, triples, what, (plan.local, region))
     link.send(Msg.DONE, req_id, status=0, text="")
-    if done is not None:
-        answer = await done
-        if answer["status"] != LLMStatusCode.LLM_SUCCESS:
-            raise LLMException(f"cluster {link.remote_cluster_id}: {answer['text']}",
-                               status_code=code_to_status(answer["status"]))
 
 
-async def _run_nixl(link: Link, plan: Plan, answer: dict, req_id: int, what: str, *, pull: bool) -> None:
+async def _copy_settled(rt: Runtime, triples: Any, what: str, keepalive: Any) -> None:
+    """Run one host copy job; if the caller gives up, the job is stopped and waited for first."""
+    copier = rt.copier
+    settled = asyncio.get_running_loop().create_future()
+    moved = rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None, what=what,
+                                 keepalive=keepalive, settled=settled)
+    try:
+        await moved
+    except BaseException:
+        moved.cancel()
+        await settle(settled, COPY_SETTLE_S)
+        raise
+
+
+async def _push_by_owner_read(link: Link, plan: Plan, timeout_ms: int, what: str) -> bool:
+    """A same-host push: the owner copies the rows out of our shared (read-only) region itself.
+
+    Returns False when the push must take the stream path instead (no share,
+    a source the peer has not mapped, raw addresses). A push that is given up
+    (timeout, cancel) sends ``ABORT`` and returns once the owner answered
+    that its copy stopped, at most ``ABORT_ACK_S`` later; an owner silent
+    past that loses the link, so nothing it does afterwards is ours to wait for.
+    """
+    share = link.local
+    if (share is None or not share.shared(plan.local) or plan.remote["target_kind"] == KIND_ADDRS
+            or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS):
+        return False
+    link.check()
+    req_id = link.new_req_id()
+    answered = link.expect(req_id)
+    link.send(Msg.PUSH_LOCAL, req_id, channel=0, timeout_ms=timeout_ms, **plan.remote,
+              src_cache_id=plan.local.cache_id, src_first=plan.local_first, src_nbytes=plan.local_nbytes,
+              src_rows=array.array("Q", plan.local_rows).tobytes())
+    try:
+        async with asyncio.timeout(timeout_ms / 1000):
+            answer = await asyncio.shield(answered)
+    except BaseException as exc:
+        if not answered.done():
+            link.send(Msg.ABORT, req_id, channel=0, generation=NO_GENERATION)
+            if not await settle(answered, ABORT_ACK_S):
+                link.fail(LLMException(f"{what}: cluster {link.remote_cluster_id} did not confirm an aborted "
+                                       f"push within {ABORT_ACK_S} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
+        link.pending.pop(req_id, None)
+        if isinstance(exc, TimeoutError):
+            raise LLMException(f"{what} timed out after {timeout_ms} ms",
+                               status_code=LLMStatusCode.LLM_TIMEOUT) from None
+        raise
+    if answer["cache_id"] == USE_STREAM:
+        return False
+    if answer["status"] != LLMStatusCode.LLM_SUCCESS:
+        raise LLMException(f"cluster {link.remote_cluster_id}: {answer['text']}",
+                           status_code=code_to_status(answer["status"]))
+    return True
+
+
+async def _run_nixl(link: Link, plan: Plan, answer: dict, req: _Request, *, pull: bool) -> None:
     """The owner chose NIXL: one READ (pull) or WRITE with a notification (push) of whole rows.
 
     A WRITE is confirmed by the owner once its notification arrived. A
     transfer that is given up is cancelled in NIXL and waited for (at most
     ``NIXL_SETTLE_S``) before the owner hears of it, so the owner never
-    recycles memory that a WRITE of ours may still be filling.
+    recycles memory that a WRITE of ours may still be filling; a push then
+    waits for the owner's answer, after which the owner records no arrival
+    of it (see :meth:`_Request.give_up`).
     """
     peer = link.nixl
     remote = plan.remote
+    req_id, what = req.req_id, req.what
     region = None if peer is None else peer.caches.get(answer["cache_id"])
     if region is None:
         raise LLMException(f"cluster {link.remote_cluster_id} cache {answer['cache_id']} is not prepared for NIXL",
@@ -289,11 +411,11 @@ async def _run_nixl(link: Link, plan: Plan, answer: dict, req_id: int, what: str
     done = None if pull else link.expect(req_id)
     moved, settled = peer.transfer("READ" if pull else "WRITE", plan.local, plan.local_first, plan.local_rows,
                                    region.cache_id, first, rows, count, b"" if pull else notif_for(req_id), what)
+    req.settled, req.ack = settled, done
     try:
         await moved
     except BaseException as exc:
         moved.cancel()
-        await asyncio.wait([settled], timeout=NIXL_SETTLE_S)
         if isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_FAILED:
             # NIXL failed a transfer it had accepted: the peer's agent went away or the fabric failed
             raise LLMException(f"{what}: NIXL transfer with cluster {link.remote_cluster_id} failed ({exc})",
@@ -302,24 +424,20 @@ async def _run_nixl(link: Link, plan: Plan, answer: dict, req_id: int, what: str
     if done is None:
         link.send(Msg.DONE, req_id, status=0, text="")
         return
-    answer = await done
+    answer = await asyncio.shield(done)  # a cut must not cancel it: give_up waits for it
     if answer["status"] != LLMStatusCode.LLM_SUCCESS:
         raise LLMException(f"cluster {link.remote_cluster_id}: {answer['text']}",
                            status_code=code_to_status(answer["status"]))
 
 
-def _abandon(link: Link, channel: int, generation: int, req_id: int, local: bool = False) -> None:
-    """Give up a request: a channel that may carry its bytes is reset on both ends."""
-    if req_id:
-        link.pending.pop(req_id, None)
-    if local:
-        link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text="abandoned")
-        return
+def _abandon(link: Link, channel: int, generation: int, req_id: int) -> None:
+    """Give up a request's data channel: one that may carry its bytes is reset on both ends (our
+    job on it is over once this returns, see ``Link.reset_channel``)."""
     if channel < 0:
         return
     if link.channels[channel].generation != generation:
         if req_id:
-            link.send(Msg.ABORT, req_id, channel=channel, generation=0xFFFFFFFF)  # the request only
+            link.send(Msg.ABORT, req_id, channel=channel, generation=NO_GENERATION)  # the request only
         return  # the channel was already replaced under us
     if req_id:
         link.reset_channel(channel, tell_peer=True, req_id=req_id)
@@ -337,7 +455,9 @@ class _Refusal(Exception):
         self.text = text
 
 
-def _resolve_target(rt: Runtime, req: dict) -> tuple[KvCache, int | None, tuple[int, int, int] | None]:
+def _resolve_target(rt: Runtime, req: dict) -> tuple[KvCache, int | None, KeyBinding | None]:
+    """The cache a request names, its row, and the key binding a pull of it claims and consumes
+    (that binding only: a key removed and bound again meanwhile is another binding)."""
     kind = req["target_kind"]
     reg = rt.registry
     if kind == KIND_CACHE_KEY:
@@ -347,12 +467,13 @@ def _resolve_target(rt: Runtime, req: dict) -> tuple[KvCache, int | None, tuple[
             raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                            "invalid argument 'cache_key': exactly one of req_id and prefix_id must be set")
         ident = (req["key_req_id"], req["prefix_id"], req["model_id"])
-        found = reg.by_key(ident)
+        found = reg.resolve_key(ident)
         if found is None:
             raise _Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                            f"no cache is bound to key req_id={req['key_req_id']} prefix_id={req['prefix_id']} "
                            f"model_id={req['model_id']} (never bound, removed, or already pulled)")
-        return found[0], found[1], ident
+        cache, binding = found
+        return cache, binding.row, binding
     if kind == KIND_ID_INDEX:
         cache = reg.by_id(req["cache_id"])
         if cache is None:
@@ -405,13 +526,14 @@ def _serve_addrs(rt: Runtime, msg: Msg, req: dict) -> tuple[list[KvCache], Any, 
     return caches, pairs, count * max(len(blocks), 1) * nbytes, landed
 
 
-def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[Any, Any, int, tuple | None, range, list]:
+def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[Any, Any, int, KeyBinding | None, range,
+                                                                      list]:
     """Validate a peer's request; ``(keepalive, pairs, total, key, tensors, landed rows)``."""
     if not rt.settings.remote_cache_accessible:
         raise _Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                        "this endpoint's caches are not remotely accessible "
                        "(its option 'llm.EnableRemoteCacheAccessible' is '0')")
-    if not link.peer_channel_ok(req["channel"]):
+    if msg is not Msg.PUSH_LOCAL and not link.peer_channel_ok(req["channel"]):
         raise _Refusal(LLMStatusCode.LLM_LINK_FAILED, f"data channel {req['channel']} is not usable")
     if req["target_kind"] == KIND_ADDRS:
         caches, pairs, total, landed = _serve_addrs(rt, msg, req)
@@ -439,7 +561,7 @@ def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[Any, Any,
         raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                        f"invalid argument '{arg}': {what} index {bad[0]} out of range [0, {lay.rows}) "
                        f"of cache {cache.cache_id}")
-    if msg is Msg.PUSH_REQ and len(set(rows)) != len(rows):
+    if msg is not Msg.PULL_REQ and len(set(rows)) != len(rows):
         raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, "invalid argument 'dst_blocks': a block is named twice")
     per_layer = req["tensor_num_per_layer"]
     layers = (req["layer_first"], req["layer_last"])
@@ -522,6 +644,71 @@ def _serve_local(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict, cach
               text="")
 
 
+def _local_source(link: Link, req: dict, count: int, total: int) -> Any:
+    """The pusher's source rows in its region we mapped, as copy pairs; None when we have not mapped it
+    (the pusher then streams). A source that does not fit what it declared is refused."""
+    region = None if link.local is None else link.local.region(req["src_cache_id"])
+    if region is None:
+        return None
+    blob = req["src_rows"]
+    first, nbytes = req["src_first"], req["src_nbytes"]
+    if len(blob) % 8:
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID, "PUSH_LOCAL source rows are malformed")
+    rows = array.array("Q", blob)
+    if (not rows or max(rows) >= region.rows or first + count > len(region.offsets) or not 0 < nbytes
+            or nbytes > region.row_bytes or count * len(rows) * nbytes != total):
+        raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                       f"the pushed source does not fit cache {req['src_cache_id']} shared by the pusher")
+    return _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes, 0, nbytes), region
+
+
+def _serve_push_local(rt: Runtime, link: Link, req_id: int, req: dict) -> None:
+    """A same-host push: copy the pusher's rows out of its shared region into ours.
+
+    The answer (``RESP``) is sent once the copy is over, never before: on
+    success the rows are recorded as arrived; after an ``ABORT`` or a failure
+    the copy has stopped by the time the pusher reads the answer.
+    """
+    def answer(status: LLMStatusCode, text: str, cache_id: int = -1, total: int = 0) -> None:
+        link.send(Msg.RESP, req_id, status=status, total=total, cache_id=cache_id, row=-1, text=text)
+
+    try:
+        cache, pairs, total, _ident, tensors, landed = _serve_plan(rt, link, Msg.PUSH_LOCAL, req)
+        source = _local_source(link, req, len(tensors), total)
+    except _Refusal as refusal:
+        answer(refusal.code, refusal.text)
+        return
+    if source is None:
+        answer(LLMStatusCode.LLM_SUCCESS, "", cache_id=USE_STREAM)
+        return
+    src_pairs, region = source
+    timeout_ms = min(max(req["timeout_ms"], 1), MAX_SERVE_TIMEOUT_MS) + 1000
+    settled = asyncio.get_running_loop().create_future()
+    triples = _core.zip_segments(pairs, src_pairs)
+    try:
+        moved = rt.completions.start(lambda t: rt.copier.submit(t, triples), rt.copier.cancel,
+                                     timeout_ms=timeout_ms, what=f"serving PUSH_LOCAL {req_id}",
+                                     keepalive=(cache, region), settled=settled)
+    except LLMException as exc:
+        answer(exc.status_code, str(exc))
+        return
+    link.serving[req_id] = moved.cancel
+
+    def over(_: asyncio.Future) -> None:
+        if link.serving.get(req_id) == moved.cancel:
+            del link.serving[req_id]
+        if moved.done() and not moved.cancelled() and moved.exception() is None:
+            for target, rows_tensors, rows in landed:
+                rt.arrivals.record(target, rows_tensors, rows)
+            answer(LLMStatusCode.LLM_SUCCESS, "", cache_id=cache.cache_id, total=total)
+            return
+        if not moved.done():
+            moved.cancel()
+        answer(LLMStatusCode.LLM_FAILED, "the push was aborted" if moved.cancelled() else str(moved.exception()))
+
+    settled.add_done_callback(over)
+
+
 def _nixl_serves(link: Link, cache: Any, req: dict) -> bool:
     """Whether the requester may move whole rows of ``cache`` with NIXL."""
     peer = link.nixl
@@ -538,8 +725,16 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) ->
     """Serve a peer's PULL_REQ or PUSH_REQ, or its DONE after a pull (from the link's reader)."""
     if msg is Msg.DONE:
         ack = link.pull_acks.pop(req_id, None)
+        failed = req["status"] != LLMStatusCode.LLM_SUCCESS
         if ack is not None:
-            ack[0 if req["status"] == LLMStatusCode.LLM_SUCCESS else 1]()
+            ack[1 if failed else 0]()
+        if failed:
+            # A requester that gave up a NIXL or same-host transfer waits for our word that nothing of
+            # it is written or recorded here any more: the line above made sure of that.
+            link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text="aborted")
+        return
+    if msg is Msg.PUSH_LOCAL:
+        _serve_push_local(rt, link, req_id, req)
         return
     if msg not in (Msg.PULL_REQ, Msg.PUSH_REQ):
         return
@@ -556,7 +751,8 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict) ->
     if req["flags"] & F_NIXL and _nixl_serves(link, cache, req):
         _serve_local(rt, link, msg, req_id, req, cache, total, pulled_key, tensors, landed, nixl=True)
         return
-    if req["flags"] & F_LOCAL and isinstance(cache, KvCache) and link.local is not None and link.local.shared(cache):
+    if (msg is Msg.PULL_REQ and req["flags"] & F_LOCAL and isinstance(cache, KvCache) and link.local is not None
+            and link.local.shared(cache)):
         _serve_local(rt, link, msg, req_id, req, cache, total, pulled_key, tensors, landed)
         return
     channel = req["channel"]

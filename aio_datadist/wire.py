@@ -18,7 +18,7 @@ __all__ = ["HEADER", "MAX_BODY", "MAX_ROWS", "MAX_TEXT", "VERSION", "Msg", "Prot
            "decode_body", "encode", "parse_header", "ATTACH", "ATTACH_OK"]
 
 MAGIC = b"AIOD"
-VERSION = 2  # 2: the handshake sends nothing identifying before authentication
+VERSION = 3  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL
 HEADER = struct.Struct("!4sBBHQI")
 MAX_BODY = 1 << 20
 MAX_ROWS = 65536
@@ -41,6 +41,7 @@ class Msg(enum.IntEnum):
     RESP = 12
     DONE = 13
     ABORT = 14
+    PUSH_LOCAL = 15
     PROBE = 20
     PROBE_ACK = 21
     UNLINK = 22
@@ -64,6 +65,9 @@ _SCHEMAS: dict[Msg, list[tuple[str, str]]] = {
                   ("boot_id", "16s"), ("local_name", "48s"), ("proof", "32s"), ("text", "text")],
     Msg.PULL_REQ: _TRANSFER,
     Msg.PUSH_REQ: _TRANSFER,
+    # A same-host push: the owner reads the source rows out of the pusher's shared region itself.
+    Msg.PUSH_LOCAL: [*_TRANSFER, ("src_cache_id", "q"), ("src_first", "I"), ("src_nbytes", "Q"),
+                     ("src_rows", "blob")],
     Msg.RESP: [("status", "q"), ("total", "Q"), ("cache_id", "q"), ("row", "q"), ("text", "text")],
     Msg.DONE: [("status", "q"), ("text", "text")],
     Msg.ABORT: [("channel", "H"), ("generation", "I")],
@@ -77,11 +81,11 @@ _SCHEMAS: dict[Msg, list[tuple[str, str]]] = {
 }
 
 
-def _compile(fields: list[tuple[str, str]]) -> tuple[struct.Struct, list[str], str | None, bool, bool]:
+def _compile(fields: list[tuple[str, str]]) -> tuple[struct.Struct, list[str], str | None, bool, str | None]:
     fixed = [(n, f) for n, f in fields if f not in ("rows", "text", "blob")]
     rows = next((n for n, f in fields if f == "rows"), None)
     text = any(f == "text" for _, f in fields)
-    blob = any(f == "blob" for _, f in fields)
+    blob = next((n for n, f in fields if f == "blob"), None)
     return struct.Struct("!" + "".join(f for _, f in fixed)), [n for n, _ in fixed], rows, text, blob
 
 
@@ -97,7 +101,7 @@ ATTACH_OK = struct.Struct("!4sq")
 
 def encode(msg: Msg, req_id: int = 0, **fields: Any) -> bytes:
     """One framed message; ``fields`` must name every field of the schema."""
-    fixed, names, rows_name, has_text, has_blob = _COMPILED[msg]
+    fixed, names, rows_name, has_text, blob_name = _COMPILED[msg]
     parts = [fixed.pack(*(fields[n] for n in names))]
     if rows_name is not None:
         rows = fields[rows_name]
@@ -109,8 +113,8 @@ def encode(msg: Msg, req_id: int = 0, **fields: Any) -> bytes:
         text = fields.get("text", "").encode("utf-8", "replace")[:MAX_TEXT]
         parts.append(_U16.pack(len(text)))
         parts.append(text)
-    if has_blob:
-        blob = fields["blob"]
+    if blob_name is not None:
+        blob = fields[blob_name]
         if len(blob) > MAX_BLOB:
             raise ValueError(f"{len(blob)} bytes exceed the protocol's blob limit of {MAX_BLOB}")
         parts.append(_U32.pack(len(blob)))
@@ -137,7 +141,7 @@ def parse_header(data: bytes) -> tuple[Msg, int, int]:
 
 def decode_body(msg: Msg, body: bytes) -> dict[str, Any]:
     """The fields of ``body``; any length or count mismatch is a :class:`ProtocolError`."""
-    fixed, names, rows_name, has_text, has_blob = _COMPILED[msg]
+    fixed, names, rows_name, has_text, blob_name = _COMPILED[msg]
     if len(body) < fixed.size:
         raise ProtocolError(f"{msg.name} body is truncated")
     out = dict(zip(names, fixed.unpack_from(body, 0)))
@@ -160,14 +164,14 @@ def decode_body(msg: Msg, body: bytes) -> dict[str, Any]:
             raise ProtocolError(f"{msg.name} text is malformed")
         out["text"] = body[pos:pos + count].decode("utf-8", "replace")
         pos += count
-    if has_blob:
+    if blob_name is not None:
         if len(body) < pos + 4:
             raise ProtocolError(f"{msg.name} blob length is truncated")
         (count,) = _U32.unpack_from(body, pos)
         pos += 4
         if count > MAX_BLOB or len(body) < pos + count:
             raise ProtocolError(f"{msg.name} blob is malformed")
-        out["blob"] = bytes(body[pos:pos + count])
+        out[blob_name] = bytes(body[pos:pos + count])
         pos += count
     if pos != len(body):
         raise ProtocolError(f"{msg.name} body has {len(body) - pos} trailing bytes")

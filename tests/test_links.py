@@ -123,10 +123,13 @@ async def test_link_twice_is_already_link():
 
 
 async def test_same_cluster_twice_in_one_call():
+    """Refused before anything is dialled (issue 14, point 8): no link on either end."""
     async with linked_pair(link=False) as pair:
-        status, codes = await pair.decoder.link_clusters([pair.info, pair.info])
-        assert codes.count(S.LLM_SUCCESS) == 1 and status != S.LLM_SUCCESS
-        await pair.decoder.check_link_status(PROMPT_ID)
+        with pytest.raises(LLMException) as exc:
+            await pair.decoder.link_clusters([pair.info, pair.info])
+        assert code_of(exc) == S.LLM_PARAM_INVALID and "clusters[1]" in str(exc.value)
+        assert pair.decoder._links.count() == 0 and pair.prompt._links.count() == 0
+        await pair.link()  # and the cluster links afterwards
         await pair.prompt.check_link_status(DECODER_ID)
 
 

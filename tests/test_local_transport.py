@@ -17,7 +17,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
-from aio_datadist.transport.local import PeerRegion
+from aio_datadist.transport.local import PeerRegion, ShareError, parse_record
 from peers import (
     DECODER_ID,
     PROMPT_ID,
@@ -125,14 +125,23 @@ async def test_tcp_transport_never_shares():
 
 def test_a_peer_region_outside_its_mapping_is_refused():
     import os
+    import struct
 
-    fd = os.memfd_create("t")
+    page = 4096
+
+    def record(size: int, rows: int, row_bytes: int, offsets: list[int]) -> bytes:
+        return (struct.pack("!BqQIQQQ", 1, 1, size, len(offsets), rows, row_bytes, rows * row_bytes)
+                + struct.pack(f"!{len(offsets)}Q", *offsets))
+
+    with pytest.raises(ShareError):
+        parse_record(record(page, 2, page, [0]), 1, 0)  # two rows of a page in one page
+    with pytest.raises(ShareError):
+        parse_record(record(page, 1, page, [page]), 1, 0)  # a tensor past the end
+    fd = os.memfd_create("t", os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, 4096)
-        with pytest.raises(ValueError):
-            PeerRegion(1, fd, 4096, rows=2, row_bytes=4096, tensor_bytes=8192, offsets=[0])
-        with pytest.raises(ValueError):
-            PeerRegion(1, fd, 4096, rows=1, row_bytes=4096, tensor_bytes=4096, offsets=[4096])
+        os.ftruncate(fd, page)
+        with pytest.raises(ShareError):
+            PeerRegion(parse_record(record(page, 1, page, [0]), 1, 0), fd)  # not sealed: it could shrink
     finally:
         os.close(fd)
 

@@ -3,21 +3,41 @@
 Host caches live in an anonymous memory file (``memfd``) mapped into the
 process, so their memory is page-aligned (block copies into unaligned memory
 measured about 3x slower here) and can later be handed to a same-host peer
-by passing the file descriptor.
+by passing its file descriptor.
+
+The memfd is sealed right after it is sized and mapped: against shrinking
+and growing (a peer holding the fd cannot truncate it and make our own
+accesses fault with SIGBUS), against every future write or writable mapping
+(``F_SEAL_FUTURE_WRITE``: only the mapping made here stays writable, so any
+fd a peer receives is read-only whatever it does with it), and against
+changing the seals. The region keeps only a read-only open of the file
+(:attr:`HostRegion.fd`), which is what peers receive.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 
 import torch
 
-__all__ = ["HostRegion", "PAGE_SIZE", "round_up", "tensor_at"]
+__all__ = ["HostRegion", "PAGE_SIZE", "SEALS_REQUIRED", "round_up", "seal_names", "tensor_at"]
 
 PAGE_SIZE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; not named by Python 3.11
+#: What a receiver demands of a shared memfd: its size can no longer change.
+SEALS_REQUIRED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_SEALS = SEALS_REQUIRED | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+_SEAL_NAMES = ((fcntl.F_SEAL_SEAL, "seal"), (fcntl.F_SEAL_SHRINK, "shrink"), (fcntl.F_SEAL_GROW, "grow"),
+               (fcntl.F_SEAL_WRITE, "write"), (F_SEAL_FUTURE_WRITE, "future-write"))
+
+
+def seal_names(seals: int) -> str:
+    """``seals`` as words, for messages."""
+    return ",".join(name for bit, name in _SEAL_NAMES if seals & bit) or "none"
 
 
 def round_up(n: int, align: int = PAGE_SIZE) -> int:
@@ -36,18 +56,21 @@ class HostRegion:
             # Populating more than the free memory would summon the OOM killer.
             raise MemoryError(f"{self.nbytes} bytes requested, {available} bytes of memory free")
         self._fd = -1
-        self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(self._fd, self.nbytes)
+            os.ftruncate(fd, self.nbytes)
             # Populate now: a cache's first transfer should not pay page faults.
-            self._map = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_SHARED | _POPULATE)
-        except BaseException:
-            os.close(self._fd)
-            raise
+            self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+            _seal(fd)
+            self._fd = _read_only(fd)
+        finally:
+            if self._fd != fd:
+                os.close(fd)
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)
 
     @property
     def fd(self) -> int:
+        """The sealed memfd, opened read-only: what a same-host peer receives."""
         return self._fd
 
     @property
@@ -67,6 +90,24 @@ class HostRegion:
         if fd >= 0:
             os.close(fd)
             self._fd = -1
+
+
+def _seal(fd: int) -> None:
+    """Freeze the size and forbid new writers; the mapping already made stays writable."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except OSError:
+        # A kernel before 5.1 knows no F_SEAL_FUTURE_WRITE: peers then rely on the read-only fd.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS_REQUIRED | fcntl.F_SEAL_SEAL)
+
+
+def _read_only(fd: int) -> int:
+    """A read-only open of the memfd ``fd`` (the writable one is closed once mapped), or ``fd``
+    itself where /proc is missing (the seals still forbid new writers)."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return fd
 
 
 def tensor_at(address: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

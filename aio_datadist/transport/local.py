@@ -1,46 +1,68 @@
-"""Same-host transport: peers share cache memory instead of streaming it.
+"""Same-host transport: peers read each other's cache memory instead of streaming it.
 
-Allocated caches live in memfd-backed regions (``devices/host.py``). When both
-ends of a link run on one kernel (same boot id), the client connects to the
-server's abstract unix socket, proves it holds the link token, and from then
-on each end sends the other one record per shareable cache, with the memfd
-attached (SCM_RIGHTS): cache id, region size and geometry. The receiving end
-maps the region once. A pull or push then resolves its target through the
-owner exactly as over TCP (same validation, same refusals) and becomes one
-native copy between the local cache and the peer's mapping, run by the
-HostCopyEngine. Registered framework tensors are not memfd-backed: requests
-touching them take the TCP data channels.
+Allocated caches live in sealed memfd regions (``devices/host.py``). When
+both ends of a link run on one kernel (same boot id), the client connects to
+the server's abstract unix socket and both prove the link's secret there
+(see :class:`LocalListener`). From then on each end sends the other one
+record per shareable cache, with a read-only memfd attached (SCM_RIGHTS):
+cache id, region size and geometry. The receiving end checks the record
+against the fd (its size, its seals) before it maps the region, read-only.
+
+Every copy reads the peer's memory and writes our own: a pull is the
+requester copying from the owner's region into its cache, a push is the
+owner copying from the pusher's region into its cache. No peer ever holds a
+writable view of our memory. Registered framework tensors are not
+memfd-backed: requests touching them take the TCP data channels.
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
+import ctypes
+import dataclasses
+import fcntl
 import hmac
 import logging
 import mmap
 import os
 import socket
 import struct
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from aio_datadist.devices.host import SEALS_REQUIRED, seal_names
+from aio_datadist.handshake import share_proof
 from aio_datadist.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
     from aio_datadist.cache import KvCache
 
-__all__ = ["LocalListener", "LocalShare", "PeerRegion", "boot_id"]
+__all__ = ["LocalListener", "LocalShare", "PeerRegion", "ShareError", "ShareRecord", "boot_id", "connect_share",
+           "parse_record"]
 
 log = logging.getLogger("aio_datadist.local")
 
-_HELLO = struct.Struct("!4s32s")
-_HELLO_MAGIC = b"AIDL"
+# The share connection's authentication: server nonce, then the client's nonce and proof, then the server's proof.
+_MAGIC = b"AIDS"
+SHARE_VERSION = 1
+_CHALLENGE = struct.Struct("!4sB32s")
+_CLAIM = struct.Struct("!4s32s32s")
+_ACCEPT = struct.Struct("!4s32s")
+#: Share connections still proving themselves, per listener; a newcomer beyond it evicts the oldest.
+MAX_PENDING_SHARES = 16
+#: A share connection must prove itself within this many seconds.
+SHARE_AUTH_S = 2.0
+
 # kind, cache id, region bytes, tensors, rows, row bytes, tensor bytes, then one u64 offset per tensor
 _ENTRY = struct.Struct("!BqQIQQQ")
 _ADD, _DEL, _READY = 1, 2, 3
-MAX_MESSAGE = _ENTRY.size + 8 * 4096
+MAX_TENSORS = 4096
+MAX_MESSAGE = _ENTRY.size + 8 * MAX_TENSORS
+#: Regions one peer may have mapped here at once (each mapping counts against vm.max_map_count).
+MAX_REGIONS = 4096
+#: The largest region a peer may ask us to map (1 TiB).
+MAX_REGION_BYTES = 1 << 40
 
 
 def boot_id() -> bytes:
@@ -52,24 +74,91 @@ def boot_id() -> bytes:
         return bytes(16)
 
 
+class ShareError(ValueError):
+    """A share record or fd that does not hold what it declares; the share is dropped."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareRecord:
+    """One validated share message: ``kind`` is ADD (with geometry), DEL or READY."""
+
+    kind: int
+    cache_id: int
+    size: int = 0
+    rows: int = 0
+    row_bytes: int = 0
+    tensor_bytes: int = 0
+    offsets: tuple[int, ...] = ()
+
+
+def parse_record(data: bytes, nfds: int, flags: int) -> ShareRecord:
+    """Check one received share message against its declared geometry; :class:`ShareError` if it
+    is truncated, oversized, carries the wrong number of fds, or declares extents outside its region.
+    """
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        raise ShareError("message or its fds were truncated")
+    if len(data) < _ENTRY.size:
+        raise ShareError(f"record of {len(data)} bytes is shorter than {_ENTRY.size}")
+    kind, cache_id, size, tensors, rows, row_bytes, tensor_bytes = _ENTRY.unpack_from(data, 0)
+    if kind in (_DEL, _READY):
+        if nfds or len(data) != _ENTRY.size:
+            raise ShareError("a DEL or READY record carries nothing more")
+        return ShareRecord(kind, cache_id)
+    if kind != _ADD:
+        raise ShareError(f"unknown record kind {kind}")
+    if nfds != 1:
+        raise ShareError(f"an ADD record carries one fd, not {nfds}")
+    if not 0 < tensors <= MAX_TENSORS or len(data) != _ENTRY.size + 8 * tensors:
+        raise ShareError(f"record length {len(data)} does not hold {tensors} tensor offsets")
+    if cache_id < 1:
+        raise ShareError(f"cache id {cache_id}")
+    if not 0 < size <= MAX_REGION_BYTES or size % mmap.PAGESIZE:
+        raise ShareError(f"region size {size}")
+    if rows <= 0 or row_bytes <= 0 or rows * row_bytes != tensor_bytes or tensor_bytes > size:
+        raise ShareError(f"geometry {rows} rows x {row_bytes} bytes != {tensor_bytes} tensor bytes")
+    offsets = struct.unpack_from(f"!{tensors}Q", data, _ENTRY.size)
+    if any(o + tensor_bytes > size for o in offsets):
+        raise ShareError("a tensor lies outside the region")
+    return ShareRecord(kind, cache_id, size, rows, row_bytes, tensor_bytes, offsets)
+
+
+def check_fd(fd: int, size: int) -> None:
+    """The fd must be a memfd sealed against resizing whose size is exactly ``size``."""
+    st = os.fstat(fd)
+    if st.st_size != size:
+        raise ShareError(f"fd holds {st.st_size} bytes, the record declares {size}")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise ShareError(f"fd is not a sealable memfd ({exc.strerror})") from None
+    if seals & SEALS_REQUIRED != SEALS_REQUIRED:
+        raise ShareError(f"fd is not sealed against shrink and grow (seals: {seal_names(seals)})")
+
+
 class PeerRegion:
-    """A peer's cache mapped into this process, with the geometry it declared."""
+    """A peer's cache mapped read-only into this process, with the geometry it declared.
 
-    __slots__ = ("cache_id", "rows", "row_bytes", "tensor_bytes", "offsets", "base", "size", "_map", "_view")
+    The mapping is made with ``PROT_READ`` (a read-only fd allows no more) and
+    unmapped when the last reference goes: a copy in flight keeps its region
+    alive until the core reports it done.
+    """
 
-    def __init__(self, cache_id: int, fd: int, size: int, rows: int, row_bytes: int, tensor_bytes: int,
-                 offsets: list[int]) -> None:
-        if rows <= 0 or row_bytes * rows != tensor_bytes or any(o + tensor_bytes > size for o in offsets):
-            raise ValueError("peer declared a geometry outside its region")
-        self.cache_id = cache_id
-        self.rows = rows
-        self.row_bytes = row_bytes
-        self.tensor_bytes = tensor_bytes
-        self.offsets = offsets
-        self.size = size
-        self._map = mmap.mmap(fd, size)
-        self._view = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.base = self._view.data_ptr()
+    __slots__ = ("cache_id", "rows", "row_bytes", "tensor_bytes", "offsets", "base", "size", "_addr")
+
+    def __init__(self, record: ShareRecord, fd: int) -> None:
+        check_fd(fd, record.size)
+        self.cache_id = record.cache_id
+        self.rows = record.rows
+        self.row_bytes = record.row_bytes
+        self.tensor_bytes = record.tensor_bytes
+        self.offsets = list(record.offsets)
+        self.size = record.size
+        self._addr = 0
+        addr = _libc.mmap(None, record.size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot map a peer region: {os.strerror(err)}")
+        self._addr = self.base = addr
 
     def tensor_bases(self, first: int, count: int) -> array.array:
         if first < 0 or first + count > len(self.offsets):
@@ -78,15 +167,26 @@ class PeerRegion:
         return array.array("Q", [self.base + o for o in self.offsets[first:first + count]])
 
     def close(self) -> None:
-        """Forget the region. The mapping itself goes with the last reference:
-        a copy in flight keeps its region alive until the core reports it done."""
+        """Forget the region; the mapping goes with the last reference."""
         self.base = 0
+
+    def __del__(self) -> None:
+        if getattr(self, "_addr", 0):
+            _libc.munmap(self._addr, self.size)
+            self._addr = 0
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class LocalShare:
     """One link's unix socket: our shareable caches out, the peer's in."""
 
-    def __init__(self, sock: socket.socket, runtime: Any, on_lost: Any) -> None:
+    def __init__(self, sock: socket.socket, runtime: Any, on_lost: Callable[[], None]) -> None:
         self.sock = sock
         self.sock.setblocking(False)
         self.runtime = runtime
@@ -106,11 +206,13 @@ class LocalShare:
             self._lost()
 
     def offer(self, cache: KvCache) -> None:
-        """Send ``cache`` with its memfd, if it has one."""
+        """Send ``cache`` with its read-only memfd, if it has one."""
         region = cache._region
         if self.closed or region is None or cache.cache_id in self.sent:
             return
         lay = cache.layout
+        if lay.num_tensors > MAX_TENSORS:
+            return  # served over TCP
         offsets = [b - region.address for b in lay.bases]
         body = _ENTRY.pack(_ADD, cache.cache_id, region.nbytes, lay.num_tensors, lay.rows, lay.row_bytes,
                            lay.tensor_bytes) + struct.pack(f"!{len(offsets)}Q", *offsets)
@@ -137,58 +239,50 @@ class LocalShare:
     def region(self, cache_id: int) -> PeerRegion | None:
         """The peer's cache ``cache_id``; reads share records already queued first.
 
-        The owner sends a cache's record before any control message naming it,
-        so by the time a response names the cache, its record is in our queue.
+        The peer sends a cache's record before any control message naming it,
+        so by the time a message names the cache, its record is in our queue.
         """
         if cache_id not in self.regions:
             self._readable()
         return self.regions.get(cache_id)
 
     def _readable(self) -> None:
+        # A loop callback: nothing may escape it. Each received fd is closed exactly once, here.
         while not self.closed:
+            fds: list[int] = []
             try:
-                data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
+                data, fds, flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
             except BlockingIOError:
                 return
             except OSError:
                 self._lost()
                 return
-            if not data:
-                for fd in fds:
-                    os.close(fd)
-                self._lost()
-                return
             try:
-                self._apply(data, fds)
-            except (ValueError, struct.error, OSError) as exc:
-                log.warning("dropping a malformed same-host share message: %s", exc)
-                for fd in fds:
-                    os.close(fd)
+                if not data:
+                    self._lost()
+                    return
+                self._apply(parse_record(data, len(fds), flags), fds)
+            except (ShareError, OSError, ValueError) as exc:
+                log.warning("same-host share: dropping the share after a bad record from the peer: %s", exc)
                 self._lost()
                 return
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
-    def _apply(self, data: bytes, fds: list[int]) -> None:
-        kind, cache_id, size, tensors, rows, row_bytes, tensor_bytes = _ENTRY.unpack_from(data, 0)
-        if kind == _READY:
+    def _apply(self, record: ShareRecord, fds: list[int]) -> None:
+        if record.kind == _READY:
             if not self.ready.done():
                 self.ready.set_result(None)
             return
-        if kind == _DEL:
-            old = self.regions.pop(cache_id, None)
-            if old is not None:
-                old.close()
-            return
-        if kind != _ADD or len(fds) != 1 or len(data) != _ENTRY.size + 8 * tensors:
-            raise ValueError("bad share record")
-        offsets = list(struct.unpack_from(f"!{tensors}Q", data, _ENTRY.size))
-        try:
-            region = PeerRegion(cache_id, fds[0], size, rows, row_bytes, tensor_bytes, offsets)
-        finally:
-            os.close(fds[0])
-        old = self.regions.pop(cache_id, None)
+        old = self.regions.pop(record.cache_id, None)
         if old is not None:
             old.close()
-        self.regions[cache_id] = region
+        if record.kind == _DEL:
+            return
+        if len(self.regions) >= MAX_REGIONS:
+            raise ShareError(f"the peer shares more than {MAX_REGIONS} caches")
+        self.regions[record.cache_id] = PeerRegion(record, fds[0])
 
     def _lost(self) -> None:
         if not self.closed:
@@ -209,51 +303,94 @@ class LocalShare:
         self.regions.clear()
 
 
-class LocalListener:
-    """An abstract unix socket where same-host peers attach their share channel."""
+#: What the listener asks of its owner: the ``(link token, attach)`` pairs of links that may attach a
+#: share now; ``attach(sock)`` hands the authenticated connection to that link.
+Candidates = Callable[[], Iterable[tuple[bytes, Callable[[socket.socket], None]]]]
 
-    def __init__(self, table: Any) -> None:
-        self.table = table
+
+class LocalListener:
+    """An abstract unix socket where same-host peers attach their share channel.
+
+    A connection gets a fresh server nonce and must answer, within
+    ``SHARE_AUTH_S``, with its own nonce and an HMAC over both nonces and a
+    live link's token under the shared secret; it then gets the server's
+    proof and only after that any fd. A captured answer is useless on
+    another connection (the server nonce differs), the link token that
+    crossed the wire in LINK_OK is not enough without the secret, and each
+    link attaches one share. At most ``MAX_PENDING_SHARES`` connections are
+    proving themselves at once: a newcomer evicts the oldest. An honest peer
+    answers the challenge at once, so a flood evicts it only by opening more
+    than the cap within that one round trip, and the link then uses TCP.
+    """
+
+    def __init__(self, secret: bytes | None, candidates: Candidates) -> None:
+        self.secret = secret
+        self.candidates = candidates
         self.name = b"\0aio_datadist." + os.urandom(12).hex().encode()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             self.sock.bind(self.name)
-            self.sock.listen(64)
+            self.sock.listen(128)
             self.sock.setblocking(False)
         except OSError:
             self.sock.close()
             raise
         self._loop = asyncio.get_running_loop()
+        self._pending: dict[asyncio.Task, tuple[socket.socket, float]] = {}
         self._loop.add_reader(self.sock.fileno(), self._accept)
         self.closed = False
 
+    def pending(self) -> int:
+        """Share connections still proving themselves."""
+        return len(self._pending)
+
     def _accept(self) -> None:
-        while True:
+        while not self.closed:
             try:
                 conn, _ = self.sock.accept()
-            except BlockingIOError:
+            except OSError:  # BlockingIOError included; EMFILE leaves the connection queued for later
                 return
-            except OSError:
-                return
-            self._loop.create_task(self._attach(conn))
+            if len(self._pending) >= MAX_PENDING_SHARES:
+                self._evict_oldest()
+            conn.setblocking(False)
+            task = self._loop.create_task(self._attach(conn))
+            self._pending[task] = (conn, self._loop.time())
+            task.add_done_callback(self._settled)
+
+    def _evict_oldest(self) -> None:
+        task = min(self._pending.items(), key=lambda item: item[1][1])[0]
+        task.cancel()
+        del self._pending[task]
+
+    def _settled(self, task: asyncio.Task) -> None:
+        self._pending.pop(task, None)
 
     async def _attach(self, conn: socket.socket) -> None:
-        conn.setblocking(False)
+        keep = False
         try:
-            async with asyncio.timeout(5):
-                data = await self._loop.sock_recv(conn, _HELLO.size)
-            magic, token = _HELLO.unpack(data)
-        except (TimeoutError, OSError, struct.error):
-            conn.close()
-            return
-        link = next((lk for lk in self.table.links.values()
-                     if lk.broken is None and not lk.closed and hmac.compare_digest(lk.token, token)), None)
-        if magic != _HELLO_MAGIC or link is None or link.local is not None:
-            conn.close()
-            return
-        link.attach_local(conn)
-        if link.local is not None:
-            link.local.announce_ready()
+            async with asyncio.timeout(SHARE_AUTH_S):
+                server_nonce = os.urandom(32)
+                await self._loop.sock_sendall(conn, _CHALLENGE.pack(_MAGIC, SHARE_VERSION, server_nonce))
+                data = await self._loop.sock_recv(conn, _CLAIM.size + 1)
+            if len(data) != _CLAIM.size:
+                return
+            magic, client_nonce, claimed = _CLAIM.unpack(data)
+            if magic != _MAGIC:
+                return
+            for token, attach in self.candidates():
+                if hmac.compare_digest(claimed, share_proof(self.secret, token, b"share-client",
+                                                            server_nonce, client_nonce)):
+                    conn.send(_ACCEPT.pack(_MAGIC, share_proof(self.secret, token, b"share-server",
+                                                              client_nonce, server_nonce)))
+                    attach(conn)
+                    keep = True
+                    return
+            log.warning("same-host share: refused a connection that did not prove a live link")
+        except (TimeoutError, OSError):
+            pass
+        finally:
+            if not keep:
+                conn.close()
 
     def close(self) -> None:
         if self.closed:
@@ -261,17 +398,37 @@ class LocalListener:
         self.closed = True
         if not self._loop.is_closed():
             self._loop.remove_reader(self.sock.fileno())
+        for task in list(self._pending):
+            task.cancel()
         self.sock.close()
 
 
-async def connect_share(name: bytes, token: bytes) -> socket.socket:
-    """Dial a same-host peer's listener and present the link token."""
+async def connect_share(name: bytes, token: bytes, secret: bytes | None) -> socket.socket:
+    """Dial a same-host peer's share listener and prove the link to it (and it to us).
+
+    :raises OSError: the listener is unreachable, or ``ConnectionRefusedError`` when it does not
+        prove the link (a stale name taken by another process, a peer without the secret).
+    """
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         sock.setblocking(False)
         await loop.sock_connect(sock, name)
-        await loop.sock_sendall(sock, _HELLO.pack(_HELLO_MAGIC, token))
+        data = await loop.sock_recv(sock, _CHALLENGE.size + 1)
+        if len(data) != _CHALLENGE.size:
+            raise ConnectionRefusedError("same-host share: malformed challenge")
+        magic, version, server_nonce = _CHALLENGE.unpack(data)
+        if magic != _MAGIC or version != SHARE_VERSION:
+            raise ConnectionRefusedError(f"same-host share: unknown protocol {magic!r} version {version}")
+        client_nonce = os.urandom(32)
+        await loop.sock_sendall(sock, _CLAIM.pack(_MAGIC, client_nonce,
+                                                  share_proof(secret, token, b"share-client", server_nonce,
+                                                              client_nonce)))
+        # A plain recv: any fd a message carried here would be discarded by the kernel, not received.
+        data = await loop.sock_recv(sock, _ACCEPT.size + 1)
+        expected = share_proof(secret, token, b"share-server", client_nonce, server_nonce)
+        if len(data) != _ACCEPT.size or not hmac.compare_digest(_ACCEPT.unpack(data)[1], expected):
+            raise ConnectionRefusedError("same-host share: the listener did not prove the link")
         return sock
     except BaseException:
         sock.close()

@@ -5,8 +5,10 @@
   timeout + 1 s, holding nothing afterwards;
 - silent incoming connections are dropped after the handshake limit and do
   not block other links; past ``aio.MaxPendingHandshakes`` of them, more
-  are dropped on arrival, and links get through below the cap and again
-  once the stalled ones timed out;
+  wait in the listen backlog (the endpoint's fds stay bounded), stalled ones
+  make room for those that wait, and an honest link attempted meanwhile
+  waits its turn and gets through within its timeout, as does a burst of
+  links far larger than the cap;
 - a peer that stops reading in the middle of a pull (a raw client that stops
   reading; a real process under SIGSTOP) is cut off by the serving timeout or
   the heartbeat (a link fails after 5 silent ``heartbeat_interval``\\ s); the
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import socket
@@ -36,6 +39,7 @@ from aio_datadist import (
     LLMRole,
     LLMStatusCode,
     Placement,
+    admission,
     link_table,
     wire,
 )
@@ -195,47 +199,56 @@ def closed_by(socks: list[socket.socket], deadline: float) -> int:
 
 
 @pytest.mark.asyncio
-async def test_pending_handshakes_are_capped_and_links_still_get_through(monkeypatch):
-    cap, limit_s = 8, 1.0
+async def test_pending_handshakes_are_capped_and_links_wait_their_turn(monkeypatch):
+    cap, limit_s, grace_s = 8, 2.0, 0.3
     monkeypatch.setattr(link_table, "HANDSHAKE_LIMIT_S", limit_s)
+    monkeypatch.setattr(admission, "STALL_GRACE_S", grace_s)
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, max_pending_handshakes=cap) as dd, \
-            endpoint(LLMRole.DECODER, DECODER) as dec, endpoint(LLMRole.DECODER, OTHER) as other:
+            endpoint(LLMRole.DECODER, DECODER) as dec, contextlib.AsyncExitStack() as stack:
+        burst = [await stack.enter_async_context(endpoint(LLMRole.DECODER, 100 + n)) for n in range(2 * cap)]
         src = dd.kv_cache_manager.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT))
         fill(src, 4)
         dst = dec.kv_cache_manager.allocate_blocks_cache(SMALL)
         baseline, fds = state(dd), open_fds()
-        stalled = [socket.create_connection(port_of(dd)) for _ in range(cap - 1)]
-        extra: list[socket.socket] = []
+        gate = dd._links.admission
+        assert gate is not None
+        # 4 x cap connections that say nothing, then 2 x cap that send a HELLO and stop (these take handshake slots)
+        stalled = [socket.create_connection(port_of(dd)) for _ in range(4 * cap)]
+        for _ in range(2 * cap):
+            sock = socket.create_connection(port_of(dd))
+            sock.sendall(wire.encode(Msg.HELLO, 0, nonce=os.urandom(32)))
+            stalled.append(sock)
         try:
             async with asyncio.timeout(5):
-                while len(dd._links._handshakes) < cap - 1:
+                while len(gate.handshaking) < cap:
                     await asyncio.sleep(0.005)
-            # one slot left: a link (its connections come one at a time) gets through and moves bytes
-            unlinked = open_fds()
-            assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
-            link_fds = open_fds() - unlinked
+            # bounded: cap in their handshake, at most cap more accepted; the rest wait in the listen backlog
+            assert len(gate.handshaking) == cap and len(gate.arriving) <= cap
+            mine = {str(sock.fileno()) for sock in stalled}
+            assert len({fd for fd in open_fds() - fds if fd.split("->")[0] not in mine}) <= 2 * cap
+            # an honest link waits its turn (stalled handshakes make room) and gets through in its timeout
+            started = time.monotonic()
+            assert await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            assert time.monotonic() - started < 3.0
             await dec.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), dst, [0, 1, 2, 3], [3, 2, 1, 0])
             assert all(torch.equal(d, s.flip(0)) for d, s in zip(dst.tensors, src.tensors))
-            # past the cap, connections are dropped on arrival, long before the handshake limit
-            extra = [socket.create_connection(port_of(dd)) for _ in range(3 * cap)]
-            assert await asyncio.to_thread(closed_by, extra, time.monotonic() + limit_s / 2) == len(extra) - 1
-            assert len(dd._links._handshakes) == cap
-            started = time.monotonic()
-            assert await other.link_clusters([cluster_info(PROMPT, port_of(dd))]) == (
-                S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])  # refused at once while the cap is full, not hung
-            assert time.monotonic() - started < limit_s / 2
-            # the stalled ones time out; then links get through again
-            async with asyncio.timeout(limit_s + BOUND_S):
-                while dd._links._handshakes:
-                    await asyncio.sleep(0.01)
-            assert (await other.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
-            await other.check_link_status(PROMPT)
+            # every stalled connection is closed by the endpoint: to make room, or at the handshake limit
+            assert await asyncio.to_thread(closed_by, stalled, time.monotonic() + limit_s + BOUND_S) == len(stalled)
+            # a burst of 2 x cap links at once (10 x cap connections) waits its turn: every link is made
+            results = await asyncio.gather(*(d.link_clusters([cluster_info(PROMPT, port_of(dd))]) for d in burst))
+            assert results == [(S.LLM_SUCCESS, [S.LLM_SUCCESS])] * len(burst)
+            assert dd._links.count() == 1 + len(burst)
+            for d in burst:
+                await d.check_link_status(PROMPT)
             await dec.check_link_status(PROMPT)
         finally:
-            for sock in stalled + extra:
+            for sock in stalled:
                 sock.close()
-        await other.unlink_clusters([cluster_info(PROMPT, port_of(dd))])
-        await settle(dd, baseline, fds | link_fds)
+        for d in (dec, *burst):
+            assert (await d.unlink_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        assert not gate.arriving and not gate.handshaking
+        await settle(dd, baseline, fds)  # nothing of the stalled connections or the links is left
+        assert dd._links.count() == 0
 
 
 def all_closed_by(socks: list[socket.socket], deadline: float) -> None:

@@ -1,0 +1,30 @@
+"""Waiting for work to finish after its caller gave up, without giving up again."""
+
+from __future__ import annotations
+
+import asyncio
+
+__all__ = ["settle"]
+
+
+async def settle(future: asyncio.Future, bound_s: float) -> bool:
+    """Wait up to ``bound_s`` for ``future`` to be done, without cancelling it.
+
+    Cancellations that arrive meanwhile (anyio cancels again at every await)
+    are held back and re-raised once the wait is over, so cleanup that must
+    finish before a call returns does finish. Returns whether ``future`` is done.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound_s
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        try:
+            await asyncio.wait([future], timeout=left)
+        except asyncio.CancelledError as exc:
+            cancelled = cancelled or exc
+    if cancelled is not None:
+        raise cancelled  # the one that came, message included: anyio knows its own cancellations by it
+    return future.done()

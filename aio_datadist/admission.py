@@ -1,0 +1,220 @@
+"""Admission of incoming link connections: accept pacing and the dropping of stalled ones.
+
+A listener accepts a connection only when it has room for it. Connections
+beyond that wait in the kernel's listen backlog (:data:`LISTEN_BACKLOG`,
+capped by ``net.core.somaxconn``), so a burst of honest links (a prompt
+restart, a scale-out) waits a moment instead of being dropped, and a flood of
+connections that never complete holds a bounded number of fds and memory.
+
+An accepted connection passes two stages, each holding at most ``cap``
+(``aio.MaxPendingHandshakes``) connections:
+
+- *arriving*: its first message is not complete yet. An honest client sends
+  it (HELLO, a data channel's attach record, or the TLS preamble) as soon as
+  it is connected, so only a stalled or hostile one stays here. When the
+  stage is full and another connection waits in the backlog, the oldest
+  arrival older than :data:`ARRIVAL_GRACE_S` is dropped to make room. A
+  connection whose first message is complete waits here for a handshake slot
+  and is never dropped for it.
+- *handshaking*: in the handshake proper (and TLS). When every slot is taken
+  and a connection waits for one, the handshake that made no progress for the
+  longest time is dropped once it has been idle for :data:`STALL_GRACE_S`;
+  progress is each complete step the peer takes (an honest one takes
+  milliseconds), and time this end spends on its own work does not count.
+
+Whatever its stage, a connection is dropped when the handshake time limit
+since its accept runs out (``link_table.HANDSHAKE_LIMIT_S``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import select
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterator
+
+__all__ = ["ARRIVAL_GRACE_S", "LISTEN_BACKLOG", "STALL_GRACE_S", "Admission", "Pending", "streams"]
+
+log = logging.getLogger("aio_datadist.links")
+
+#: The listen backlog asked for; the kernel caps it at ``net.core.somaxconn`` (4096 on current Linux).
+LISTEN_BACKLOG = 4096
+#: An arrival this old without its first message may be dropped when the arriving stage is full.
+ARRIVAL_GRACE_S = 0.05
+#: A handshake idle this long may be dropped when every slot is taken and a connection waits for one.
+STALL_GRACE_S = 1.0
+#: How often a full stage looks again for a waiting connection and for stalled ones.
+_POLL_S = 0.05
+#: accept() errors that mean "no fd or memory for it now": the connection stays in the backlog.
+_NO_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+class Pending:
+    """One accepted connection until its handshake ends (see the module docstring)."""
+
+    __slots__ = ("conn", "task", "accepted", "last", "ready", "busy")
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.task: asyncio.Task | None = None
+        self.accepted = self.last = time.monotonic()
+        self.ready = False
+        self.busy = 0
+
+    def unread(self) -> bool:
+        """Whether bytes from the peer wait in the kernel that this end has not read yet (then the peer
+        did its part: this end is behind, not the peer)."""
+        try:
+            return bool(self.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:  # nothing to read (or the connection is gone)
+            return False
+
+    def progress(self) -> None:
+        """The peer completed a step."""
+        self.last = time.monotonic()
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        """This end is doing its own work: the connection is not idle meanwhile."""
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+            self.progress()
+
+
+class Admission:
+    """Accepts connections on a listening socket at the pace described in the module docstring.
+
+    ``serve(conn, pending)`` runs in its own task per accepted connection; it
+    calls :meth:`first_message`, then :meth:`slot`, then runs the handshake,
+    and :meth:`leave` when done (it owns ``conn``).
+    """
+
+    def __init__(self, sock: socket.socket, cap: int,
+                 serve: Callable[[socket.socket, Pending], Awaitable[None]]) -> None:
+        self.sock = sock
+        self.cap = cap
+        self._serve = serve
+        self.arriving: dict[Pending, None] = {}  # in accept order
+        self.handshaking: dict[Pending, None] = {}
+        self._loop = asyncio.get_running_loop()
+        self._changed: asyncio.Future = self._loop.create_future()
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN)
+        self._task: asyncio.Task | None = self._loop.create_task(self._run())
+
+    def tasks(self) -> set[asyncio.Task]:
+        """The tasks of every connection not through its handshake yet."""
+        return {p.task for p in (*self.arriving, *self.handshaking) if p.task is not None}
+
+    async def close(self) -> None:
+        """Stop accepting and close the listening socket; connections already accepted go on."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+        self._poll.unregister(self.sock.fileno())
+        self.sock.close()
+
+    # -- the accept loop -----------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            await self._room()
+            try:
+                conn, _ = await self._loop.sock_accept(self.sock)
+            except OSError as exc:
+                if exc.errno in _NO_ROOM:
+                    log.warning("cannot accept a connection now (%s); it waits in the listen backlog", exc)
+                    await asyncio.sleep(_POLL_S)
+                continue  # ECONNABORTED and the like: that connection is gone, not the listener
+            conn.setblocking(False)
+            pending = Pending(conn)
+            self.arriving[pending] = None
+            pending.task = self._loop.create_task(self._serve(conn, pending))
+
+    async def _room(self) -> None:
+        """Until the arriving stage has room, dropping the oldest stalled arrival when someone waits."""
+        while len(self.arriving) >= self.cap:
+            if self._backlog_waits():
+                now = time.monotonic()
+                victim = next((p for p in self.arriving
+                               if not p.ready and now - p.accepted >= ARRIVAL_GRACE_S and not p.unread()), None)
+                if victim is not None:
+                    log.debug("dropped a connection that sent no first message in %.2f s", now - victim.accepted)
+                    self._drop(victim)
+                    continue
+            await self._wait(_POLL_S)
+
+    def _backlog_waits(self) -> bool:
+        return bool(self._poll.poll(0))
+
+    # -- a connection's stages -----------------------------------------------
+
+    async def first_message(self, conn: socket.socket, size_of: Callable[[bytes], int]) -> bytes:
+        """Read exactly the first message: 4 bytes, then up to ``size_of(those 4 bytes)`` in all."""
+        data = bytearray()
+        need = 4
+        while len(data) < need:
+            chunk = await self._loop.sock_recv(conn, need - len(data))
+            if not chunk:
+                raise ConnectionError(f"closed after {len(data)} bytes of its first message")
+            data += chunk
+            if need == 4 and len(data) == 4:
+                need = max(4, size_of(bytes(data)))
+        return bytes(data)
+
+    async def slot(self, pending: Pending) -> None:
+        """Wait for a handshake slot, dropping the most stalled handshake once it is idle long enough."""
+        pending.ready = True
+        while len(self.handshaking) >= self.cap:
+            now = time.monotonic()
+            victim = min((p for p in self.handshaking if not p.busy and not p.unread()), key=lambda p: p.last,
+                         default=None)
+            if victim is not None and now - victim.last >= STALL_GRACE_S:
+                log.debug("dropped a handshake idle for %.2f s: a connection waits for its slot", now - victim.last)
+                self._drop(victim)
+                continue
+            wait = _POLL_S if victim is None else min(_POLL_S, STALL_GRACE_S - (now - victim.last))
+            await self._wait(wait)
+        self.arriving.pop(pending, None)
+        self.handshaking[pending] = None
+        pending.progress()
+        self._signal()
+
+    def leave(self, pending: Pending) -> None:
+        """The connection is through its handshake (or gone). Idempotent."""
+        if self.arriving.pop(pending, 0) is None or self.handshaking.pop(pending, 0) is None:
+            self._signal()
+
+    def _drop(self, pending: Pending) -> None:
+        self.leave(pending)
+        if pending.task is not None:
+            pending.task.cancel()
+
+    def _signal(self) -> None:
+        if not self._changed.done():
+            self._changed.set_result(None)
+        self._changed = self._loop.create_future()
+
+    async def _wait(self, timeout: float) -> None:
+        await asyncio.wait([self._changed], timeout=max(timeout, 0.001))
+
+
+async def streams(conn: socket.socket, head: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Reader and writer of an accepted connection of which ``head`` was read already."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(loop=loop)
+    reader.feed_data(head)
+    writers: list[asyncio.StreamWriter] = []
+    # With a connected callback the protocol is a server's, as asyncio.start_server makes it (start_tls
+    # then takes the server side).
+    protocol = asyncio.StreamReaderProtocol(reader, lambda _, writer: writers.append(writer), loop=loop)
+    await loop.connect_accepted_socket(lambda: protocol, conn)
+    return reader, writers[0]

@@ -1,0 +1,98 @@
+"""File descriptors: how many links fit under ``RLIMIT_NOFILE``.
+
+A link holds ``1 + 2 × aio.DataChannels`` sockets (a control connection and
+the data channels of both directions; 5 by default), plus one share socket
+when same-host sharing may be used (``aio.Transport`` ``auto`` or ``local``).
+Before it makes or accepts a link an endpoint checks that those fds fit::
+
+    open fds + fds promised to links in their handshake + fds per link + reserve <= soft RLIMIT_NOFILE
+
+where the reserve is :data:`RESERVE` (caches, engines, event loops, mapped
+peer caches, a data channel being redialled) plus, on a listening endpoint,
+``2 × aio.MaxPendingHandshakes`` for connections in their handshake
+(``admission.py``). A link that does not fit is refused with
+``LLM_CLUSTER_NUM_EXCEED_LIMIT`` instead of failing later with ``EMFILE``.
+So an endpoint can hold about ``(soft limit − fds open before linking −
+reserve) // fds per link`` links. Where the hard limit allows, the first
+endpoint of a process raises the soft limit to the hard one (at most
+:data:`SOFT_TARGET`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+
+from aio_datadist.status import LLMException, LLMStatusCode
+
+__all__ = ["RESERVE", "SOFT_TARGET", "Claim", "claim", "open_count", "per_link", "raise_soft_limit", "soft_limit"]
+
+log = logging.getLogger("aio_datadist.links")
+
+#: fds kept free for everything but links.
+RESERVE = 64
+#: The soft limit is raised towards the hard one up to this many fds.
+SOFT_TARGET = 1 << 20
+
+_promised = 0  # process-wide, as the fd table is
+
+
+def raise_soft_limit() -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` towards the hard limit where allowed; the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = SOFT_TARGET if hard == resource.RLIM_INFINITY else min(hard, SOFT_TARGET)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.debug("raised the soft RLIMIT_NOFILE from %d to %d", soft, target)
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.info("cannot raise the soft RLIMIT_NOFILE from %d: %s", soft, exc)
+    return soft
+
+
+def soft_limit() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return SOFT_TARGET if soft == resource.RLIM_INFINITY else soft
+
+
+def open_count() -> int:
+    """The fds this process has open now (0 where ``/proc`` cannot tell)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir itself used
+    except OSError:
+        return 0
+
+
+def per_link(data_channels: int, shares_memory: bool) -> int:
+    """The fds one link holds."""
+    return 1 + 2 * data_channels + (1 if shares_memory else 0)
+
+
+class Claim:
+    """fds promised to one link while it is made; :meth:`release` once they are open (or not needed)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def release(self) -> None:
+        global _promised
+        _promised -= self.n
+        self.n = 0
+
+
+def claim(n: int, reserve: int) -> Claim:
+    """Promise ``n`` fds to a link being made.
+
+    :raises LLMException: ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` naming the limit when they do not fit.
+    """
+    global _promised
+    limit = soft_limit()
+    used = open_count() + _promised
+    if used + n + reserve > limit:
+        raise LLMException(f"a link needs {n} more fds: {used} are open or promised to links being made, "
+                           f"{reserve} are kept in reserve, and RLIMIT_NOFILE is {limit}",
+                           status_code=LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT)
+    _promised += n
+    return Claim(n)

@@ -1,0 +1,396 @@
+"""A hostile local process at an endpoint's same-host share socket (run as a separate program).
+
+It imports nothing of aio_datadist: it speaks the share protocol from its
+description (docs/security.md), as an attacker would, and prints one JSON
+object with what it got. Modes:
+
+- ``sniffer NAME TOKEN_HEX [REPLAY_HEX]``: knows what crossed the wire in the
+  clear (the socket name, the link token) and, optionally, a claim that a
+  legitimate peer sent on another connection. Tries the old bearer-token
+  hello, a claim keyed by the token alone, a random claim and the replay.
+  Reports the bytes and fds received per attempt.
+- ``peer NAME TOKEN_HEX SECRET_HEX``: a peer that knows the secret (a linked,
+  hostile process). Authenticates, collects the memfds it is given and tries
+  to write through them every way it can; reports what worked.
+- ``records NAME TOKEN_HEX SECRET_HEX SEED``: authenticates, then sends one
+  malformed share record per connection (truncated, oversized, wrong fd
+  count, unsealed or resized memfds, extents outside the region, replays),
+  reconnecting after each; reports how each connection ended.
+- ``fuzz FD SEED COUNT``: sends COUNT generated (often malformed) records
+  with real memfds, sealed or not, on an inherited share socket.
+- ``flood NAME COUNT SECONDS``: opens COUNT connections and never speaks;
+  holds them SECONDS; reports how many the endpoint closed meanwhile.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import hashlib
+import hmac
+import json
+import mmap
+import os
+import random
+import socket
+import struct
+import sys
+import time
+
+MAGIC = b"AIDS"
+CHALLENGE = struct.Struct("!4sB32s")
+CLAIM = struct.Struct("!4s32s32s")
+ACCEPT = struct.Struct("!4s32s")
+ENTRY = struct.Struct("!BqQIQQQ")
+F_SEAL_FUTURE_WRITE = 0x10
+
+
+def proof(key: bytes, token: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, label + token + first + second, hashlib.sha256).digest()
+
+
+def dial(name: bytes) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(5)
+    sock.connect(name)
+    return sock
+
+
+def drain(sock: socket.socket, seconds: float = 0.5) -> tuple[int, int, bool]:
+    """(bytes, fds) received until the peer closes or ``seconds`` pass, and whether it closed."""
+    got = fds = 0
+    sock.settimeout(seconds)
+    try:
+        while True:
+            data, anc, _flags, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(64 * 4))
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    received = array.array("i", payload[:len(payload) - len(payload) % 4])
+                    fds += len(received)
+                    for fd in received:
+                        os.close(fd)
+            if not data:
+                return got, fds, True
+            got += len(data)
+    except (TimeoutError, socket.timeout):
+        return got, fds, False
+    except OSError:
+        return got, fds, True
+
+
+def sniffer(name: bytes, token: bytes, replay: bytes | None) -> dict:
+    out = {}
+    attempts = {
+        "bearer token hello": lambda nonce: b"AIDL" + token,
+        "claim keyed by the token": lambda nonce: CLAIM.pack(MAGIC, bytes(32), proof(token, token, b"share-client",
+                                                                                      nonce, bytes(32))),
+        "random claim": lambda nonce: CLAIM.pack(MAGIC, os.urandom(32), os.urandom(32)),
+    }
+    if replay is not None:
+        attempts["replayed claim"] = lambda nonce: replay
+    for what, make in attempts.items():
+        sock = dial(name)
+        try:
+            first = sock.recv(1024)
+            nonce = CHALLENGE.unpack(first)[2] if len(first) == CHALLENGE.size else bytes(32)
+            sock.send(make(nonce))
+            got, fds, closed = drain(sock)
+            out[what] = {"challenge": len(first), "bytes": got, "fds": fds, "closed": closed}
+        finally:
+            sock.close()
+    return out
+
+
+def authenticate(name: bytes, token: bytes, secret: bytes) -> socket.socket:
+    sock = dial(name)
+    _, _, server_nonce = CHALLENGE.unpack(sock.recv(1024))
+    mine = os.urandom(32)
+    sock.send(CLAIM.pack(MAGIC, mine, proof(secret, token, b"share-client", server_nonce, mine)))
+    answer = sock.recv(1024)
+    assert ACCEPT.unpack(answer)[1] == proof(secret, token, b"share-server", mine, server_nonce)
+    return sock
+
+
+def receive_fds(sock: socket.socket, seconds: float = 1.0) -> list[tuple[bytes, int]]:
+    got = []
+    sock.settimeout(seconds)
+    try:
+        while True:
+            data, anc, _flags, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(4))
+            if not data:
+                break
+            fd = -1
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fd = array.array("i", payload[:4])[0]
+            got.append((data, fd))
+            if data[0] == 3:  # READY: everything was offered
+                break
+    except (TimeoutError, socket.timeout):
+        pass
+    return got
+
+
+def attempt(fn) -> str:
+    try:
+        fn()
+        return "WORKED"
+    except OSError as exc:
+        return f"refused ({exc.strerror})"
+    except Exception as exc:  # noqa: BLE001 - what failed is the report
+        return f"refused ({type(exc).__name__})"
+
+
+def peer(name: bytes, token: bytes, secret: bytes) -> dict:
+    sock = authenticate(name, token, secret)
+    records = receive_fds(sock)
+    report = {"records": len(records), "fds": []}
+    for data, fd in records:
+        if fd < 0:
+            continue
+        size = os.fstat(fd).st_size
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        first = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)[:16]
+
+        def reopen_and_map() -> None:
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+            try:
+                m = mmap.mmap(rw, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                m[0:16] = b"\xee" * 16
+            finally:
+                os.close(rw)
+
+        def reopen_and_write() -> None:
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+            try:
+                os.pwrite(rw, b"\xee" * 16, 0)
+            finally:
+                os.close(rw)
+
+        def reopen_and_truncate() -> None:
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+            try:
+                os.ftruncate(rw, 0)
+            finally:
+                os.close(rw)
+
+        def reopen_and_grow() -> None:
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+            try:
+                os.ftruncate(rw, size + (1 << 20))
+            finally:
+                os.close(rw)
+
+        def unseal() -> None:
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+            try:
+                fcntl.fcntl(rw, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            finally:
+                os.close(rw)
+
+        report["fds"].append({
+            "size": size,
+            "read_only": mode == os.O_RDONLY,
+            "seals": seals,
+            "readable": len(first) == 16,
+            "writable map": attempt(lambda: mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)),
+            "write": attempt(lambda: os.pwrite(fd, b"\xee", 0)),
+            "truncate": attempt(lambda: os.ftruncate(fd, 0)),
+            "reopened writable map": attempt(reopen_and_map),
+            "reopened write": attempt(reopen_and_write),
+            "reopened truncate": attempt(reopen_and_truncate),
+            "reopened grow": attempt(reopen_and_grow),
+            "reopened add seal": attempt(unseal),
+        })
+        os.close(fd)
+    sock.close()
+    return report
+
+
+def memfd(size: int, seals: int) -> int:
+    fd = os.memfd_create("evil", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def entry(kind: int, cache_id: int, size: int, rows: int, row_bytes: int, offsets: list[int],
+          tensor_bytes: int | None = None) -> bytes:
+    return record(kind, cache_id, size, rows, row_bytes, rows * row_bytes if tensor_bytes is None else tensor_bytes,
+                  offsets)
+
+
+def bad_records(rng: random.Random) -> list[tuple[str, bytes, list[int]]]:
+    """(what, bytes, fds) of one malformed message each; fds are made fresh for each."""
+    page = mmap.PAGESIZE
+    good = entry(1, 7, 4 * page, 4, page, [0])
+    cases = [
+        ("truncated header", good[:10], []),
+        ("add without fd", good, []),
+        ("add with two fds", good, [memfd(4 * page, SEALED), memfd(4 * page, SEALED)]),
+        ("unsealed memfd", good, [memfd(4 * page, 0)]),
+        ("memfd sealed against shrink only", good, [memfd(4 * page, fcntl.F_SEAL_SHRINK)]),
+        ("memfd smaller than declared", entry(1, 7, 64 * page, 4, page, [0]), [memfd(4 * page, SEALED)]),
+        ("memfd larger than declared", good, [memfd(8 * page, SEALED)]),
+        ("tensor outside the region", entry(1, 7, 4 * page, 4, page, [page]), [memfd(4 * page, SEALED)]),
+        ("offset overflowing u64 math", entry(1, 7, 4 * page, 4, page, [2**64 - page]), [memfd(4 * page, SEALED)]),
+        ("geometry that does not multiply", entry(1, 7, 4 * page, 4, page, [0], tensor_bytes=3 * page),
+         [memfd(4 * page, SEALED)]),
+        ("zero rows", entry(1, 7, 4 * page, 0, page, [0]), [memfd(4 * page, SEALED)]),
+        ("absurd region size", entry(1, 7, 1 << 50, 4, page, [0]), [memfd(4 * page, SEALED)]),
+        ("tensor count without offsets", ENTRY.pack(1, 7, 4 * page, 4000, 4, page, 4 * page),
+         [memfd(4 * page, SEALED)]),
+        ("unknown kind", b"\x09" + good[1:], []),
+        ("delete with an fd", entry(2, 7, 0, 0, 0, []), [memfd(page, SEALED)]),
+        ("a pipe instead of a memfd", good, list(os.pipe())),
+        ("random bytes", rng.randbytes(rng.randrange(1, 200)), []),
+        ("oversized message", b"\x01" + rng.randbytes(40_000), []),
+    ]
+    return cases
+
+
+def records(name: bytes, token: bytes, secret: bytes, seed: int) -> dict:
+    rng = random.Random(seed)
+    report = {}
+    for what, data, fds in bad_records(rng):
+        sock = authenticate(name, token, secret)
+        receive_fds(sock, 0.3)  # what the endpoint offers us first
+        try:
+            if fds:
+                socket.send_fds(sock, [data], fds)
+            else:
+                sock.send(data)
+        except OSError as exc:
+            report[what] = f"send failed ({exc.strerror})"
+            sock.close()
+            continue
+        finally:
+            for fd in fds:
+                os.close(fd)
+        _, _, closed = drain(sock, 2.0)
+        report[what] = "dropped" if closed else "kept"
+        sock.close()
+    return report
+
+
+def flood(name: bytes, count: int, seconds: float) -> dict:
+    held = []
+    refused = 0
+    for _ in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.setblocking(False)
+        try:
+            sock.connect(name)
+            held.append(sock)
+        except OSError:
+            refused += 1
+            sock.close()
+    print(json.dumps({"holding": len(held)}), flush=True)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    closed = 0
+    for sock in held:
+        try:
+            while sock.recv(1024):  # a challenge may come first
+                pass
+            closed += 1
+        except BlockingIOError:
+            pass  # still open
+        except OSError:
+            closed += 1
+        sock.close()
+    return {"opened": len(held), "refused": refused, "closed by the endpoint": closed}
+
+
+def record(kind: int, cache_id: int, size: int, rows: int, row_bytes: int, tensor_bytes: int,
+           offsets: list[int], tensors: int | None = None) -> bytes:
+    """A share record; ``tensors`` may differ from the offsets it carries."""
+    count_field = len(offsets) if tensors is None else tensors
+    return ENTRY.pack(kind, cache_id, size, count_field, rows, row_bytes, tensor_bytes) + struct.pack(
+        f"!{len(offsets)}Q", *offsets)
+
+
+def generated(rng: random.Random) -> tuple[bytes, int, int]:
+    """A plausible record, then maybe broken: (bytes, fds it claims to carry, recv flags)."""
+    rows = rng.choice([0, 1, 2, 7, 64, 2**40])
+    row_bytes = rng.choice([0, 1, 512, mmap.PAGESIZE, 2**63])
+    tensors = rng.choice([0, 1, 2, 5, 4096, 4097])
+    tensor_bytes = rows * row_bytes if rng.random() < 0.8 else rng.randrange(0, 2**64)
+    size = rng.choice([0, mmap.PAGESIZE, 4 * mmap.PAGESIZE, tensor_bytes, tensor_bytes * 2, 2**41, 2**64 - 1]) % 2**64
+    offsets = [rng.choice([0, mmap.PAGESIZE, size, 2**64 - 1, rng.randrange(0, max(size, 1))]) % 2**64
+               for _ in range(min(tensors, 8))]
+    data = record(rng.choice([1, 1, 1, 2, 3, 0, 9]), rng.choice([1, 0, -1, 2**62]), size, rows % 2**64,
+                  row_bytes % 2**64, tensor_bytes % 2**64, offsets, tensors)
+    mutation = rng.random()
+    if mutation < 0.1:
+        data = data[:rng.randrange(len(data) + 1)]
+    elif mutation < 0.2:
+        pos = rng.randrange(len(data))
+        data = data[:pos] + bytes([rng.randrange(256)]) + data[pos + 1:]
+    elif mutation < 0.25:
+        data += rng.randbytes(rng.randrange(1, 64))
+    nfds = rng.choice([1, 1, 1, 0, 2])
+    flags = rng.choice([0, 0, 0, 0, socket.MSG_TRUNC, socket.MSG_CTRUNC])
+    return data, nfds, flags
+
+
+def fuzz(fd: int, seed: int, messages: int) -> dict:
+    """Send ``messages`` generated records with real memfds (sealed or not, of various sizes) on ``fd``."""
+    rng = random.Random(seed)
+    sock = socket.socket(fileno=fd)
+    sent = 0
+    for _ in range(messages):
+        size = rng.choice([mmap.PAGESIZE, 4 * mmap.PAGESIZE, 64 * mmap.PAGESIZE])
+        if rng.random() < 0.3:  # a record that fits its fd, so the fuzz also reaches the mapping
+            data, nfds = record(1, rng.randrange(1, 64), size, size // mmap.PAGESIZE, mmap.PAGESIZE, size, [0]), 1
+        else:
+            data, nfds, _flags = generated(rng)
+        fds = []
+        for _ in range(nfds):
+            mfd = os.memfd_create("f", os.MFD_ALLOW_SEALING)
+            os.ftruncate(mfd, size)
+            if rng.random() < 0.7:
+                fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            fds.append(mfd)
+        try:
+            if fds:
+                socket.send_fds(sock, [data[:40000] or b"\0"], fds)
+            else:
+                sock.send(data[:40000] or b"\0")
+            sent += 1
+        except OSError:
+            break  # the share dropped us
+        finally:
+            for mfd in fds:
+                os.close(mfd)
+    return {"sent": sent}
+
+
+def main(argv: list[str]) -> None:
+    mode = argv[0]
+    if mode == "fuzz":
+        print(json.dumps(fuzz(int(argv[1]), int(argv[2]), int(argv[3]))), flush=True)
+        return
+    name = bytes.fromhex(argv[1])
+    if mode == "sniffer":
+        result = sniffer(name, bytes.fromhex(argv[2]), bytes.fromhex(argv[3]) if len(argv) > 3 else None)
+    elif mode == "peer":
+        result = peer(name, bytes.fromhex(argv[2]), bytes.fromhex(argv[3]))
+    elif mode == "records":
+        result = records(name, bytes.fromhex(argv[2]), bytes.fromhex(argv[3]), int(argv[4]))
+    elif mode == "flood":
+        result = flood(name, int(argv[2]), float(argv[3]))
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,350 @@
+"""No byte after return: once a transfer call has returned, its destination does not change any more.
+
+Every test cuts a transfer of a large cache in the middle (its own ``timeout=``,
+``task.cancel()``, ``asyncio.timeout`` or an anyio cancel scope), copies the
+destination the moment the call returned, waits 300 ms and checks that not
+one byte changed; it also checks that the cut happened while bytes were
+moving (some, not all, had landed) on at least one try, and then that the
+same link moves verified bytes. TCP, TLS, NIXL and layer-wise pushes; pulls
+and pushes; the receiver of a push in this process (its memory is read
+directly) and in a process of its own (asked for digests, stopped with
+SIGSTOP). ``aio.Transport=tcp`` keeps the same-host path out of the way.
+TCP and TLS pushes go through a :class:`~_slowpath.SlowPath` (50 ms, 32 MB/s)
+so that MiBs are in flight when the call is cut, as on a real network: the
+receiver's abort then arrives well after the pusher gave up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    KvCache,
+    LayerSynchronizer,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    TransferWithCacheKeyConfig,
+)
+from aio_datadist.transfers import ABORT_ACK_S
+from peers import NIXL_MISSING, CacheSpec, EndpointSpec, cluster_info, port_of
+from tls_certs import client_context, make_pki, server_context
+
+from _forked import forked
+from _harness import endpoint
+from _slowpath import SlowPath
+from _tally import count
+
+pytestmark = pytest.mark.asyncio
+
+S = LLMStatusCode
+PROMPT, DECODER = 61, 62
+BLOCKS = 32
+#: 4 tensors (2 layers) of 32 blocks of 1 MiB: 128 MiB, a few tens of ms on loopback.
+BIG = CacheDesc(4, (BLOCKS, 512 * 1024), DataType.DT_FLOAT16, Placement.HOST)
+ALL = list(range(BLOCKS))
+#: Through a SlowPath: 4 tensors of 32 blocks of 64 KiB, 8 MiB at RATE bytes/s (about 0.25 s).
+SLOW = CacheDesc(4, (BLOCKS, 32 * 1024), DataType.DT_FLOAT16, Placement.HOST)
+RATE = 32e6
+LATENCY_S = 0.05
+DELAYS = (0.002, 0.01, 0.04, 0.08, 0.12, 0.16)  # the cut comes after this long
+QUIET_S = 0.3
+HOW = ("timeout=", "task.cancel", "asyncio.timeout", "anyio")
+PKI = make_pki("late bytes")
+
+
+def tls(listen: bool) -> dict[str, Any]:
+    return ({"tls_server_context": server_context(PKI)} if listen else {"tls_client_context": client_context(PKI)})
+
+
+def paint(cache: KvCache, value: float) -> None:
+    for t in cache.tensors:
+        t.fill_(value)
+
+
+def snap(cache: KvCache) -> list[torch.Tensor]:
+    return [t.clone() for t in cache.tensors]
+
+
+def landed(before: list[torch.Tensor], value: float) -> int:
+    """How many elements of a snapshot hold ``value``."""
+    return sum(int((t == value).sum()) for t in before)
+
+
+async def cut(call: Callable[[int], Awaitable[Any]], how: str, delay: float,
+              taken: Callable[[], Any]) -> tuple[str, Any, float]:
+    """Run ``call(timeout_ms)`` and cut it after ``delay`` the way ``how`` says.
+
+    ``taken()`` runs the moment the call returned (before anything else may
+    run on the loop); returns ``(outcome, what taken() gave, seconds past the cut)``.
+    """
+    result: list[Any] = []
+
+    async def guarded(timeout_ms: int) -> None:
+        try:
+            await call(timeout_ms)
+        finally:
+            result.append(taken())
+
+    start = time.monotonic()
+    outcome = "done"
+    if how == "timeout=":
+        try:
+            await guarded(max(1, int(delay * 1000)))
+        except LLMException as exc:
+            assert exc.status_code == S.LLM_TIMEOUT, exc
+            outcome = "timeout"
+    elif how == "task.cancel":
+        task = asyncio.ensure_future(guarded(20_000))
+        await asyncio.sleep(delay)
+        task.cancel()
+        start = time.monotonic() - delay
+        try:
+            await task
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+    elif how == "asyncio.timeout":
+        try:
+            async with asyncio.timeout(delay):
+                await guarded(20_000)
+        except TimeoutError:
+            outcome = "cancelled"
+    else:
+        with anyio.move_on_after(delay) as scope:
+            await guarded(20_000)
+        if scope.cancelled_caught:
+            outcome = "cancelled"
+    return outcome, result[0], time.monotonic() - start - delay
+
+
+async def no_late_bytes(dst: KvCache, value: float, call: Callable[[int], Awaitable[Any]], how: str,
+                        arrivals: list | None = None) -> list[float]:
+    """Cut ``call`` at growing delays; every time, nothing changes in ``dst`` after the return (nor,
+    for a cut push, is an arrival recorded in ``arrivals`` afterwards). Returns, for each call that
+    was cut (not done first), the share of ``dst`` that held ``value`` when it returned."""
+    total = sum(t.numel() for t in dst.tensors)
+    records = arrivals if arrivals is not None else []
+    shares = []
+    for delay in DELAYS:
+        paint(dst, 0)
+        outcome, (before, recorded), late = await cut(call, how, delay, lambda: (snap(dst), len(records)))
+        assert late < ABORT_ACK_S + 1.0, f"{how}: returned {late:.2f} s after the cut"
+        await asyncio.sleep(QUIET_S)
+        changed = [i for i, (t, b) in enumerate(zip(dst.tensors, before)) if not torch.equal(t, b)]
+        assert not changed, f"{how} after {delay * 1000:.0f} ms ({outcome}): tensors {changed} changed after return"
+        assert len(records) == recorded, f"{how} ({outcome}): an arrival was recorded after the call returned"
+        count("cut transfers checked for late bytes", 1)
+        if outcome != "done":
+            shares.append(landed(before, value) / total)
+            if sum(0 < share < 1 for share in shares) >= 2:
+                break
+    return shares
+
+
+def cut_mid_way(shares: list[float]) -> bool:
+    """Whether a call was cut while its bytes were moving: some, not all, had landed."""
+    return any(0 < share < 1 for share in shares)
+
+
+@contextlib.asynccontextmanager
+async def pair(desc: CacheDesc = BIG, slow: float = 0, **config: Any
+               ) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist, KvCache, KvCache]]:
+    """A linked PROMPT and DECODER with a blocks cache of ``desc`` each (keyed by model 0); with
+    ``slow``, the decoder reaches the prompt through a :class:`SlowPath` of that rate and
+    ``LATENCY_S``."""
+    prompt_cfg = dict(config, **(tls(True) if config.pop("tls", False) else {}))
+    dec_cfg = dict(config, **({"tls_client_context": client_context(PKI)} if "tls_server_context" in prompt_cfg
+                              else {}))
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, PROMPT, listen=True, **prompt_cfg))
+        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, DECODER, **dec_cfg))
+        address = port_of(prompt)
+        if slow:
+            address = (await stack.enter_async_context(SlowPath(address, slow, LATENCY_S))).address
+        src = prompt.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(PROMPT, 0))
+        dst = dec.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(DECODER, 0))
+        assert (await dec.link_clusters([cluster_info(PROMPT, address)], timeout=10_000))[0] == S.LLM_SUCCESS
+        yield prompt, dec, src, dst
+
+
+async def verified_pull(dec: LLMDataDist, src: KvCache, dst: KvCache, value: float) -> None:
+    paint(src, value)
+    paint(dst, 0)
+    await dec.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, ALL, ALL, timeout=20_000)
+    assert all(bool((t == value).all()) for t in dst.tensors)
+
+
+async def verified_push(prompt: LLMDataDist, src: KvCache, dst: KvCache, value: float) -> None:
+    paint(src, value)
+    paint(dst, 0)
+    await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(DECODER, 0), src, ALL, ALL, timeout=20_000)
+    assert all(bool((t == value).all()) for t in dst.tensors)
+
+
+# -- TCP and TLS ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_cut_tcp_pull_writes_nothing_after_it_returned(how):
+    async with pair(transport="tcp") as (_, dec, src, dst):
+        paint(src, 3)
+        shares = await no_late_bytes(dst, 3, lambda ms: dec.kv_cache_manager.pull_blocks(
+            BlocksCacheKey(PROMPT, 0), dst, ALL, ALL, timeout=ms), how)
+        assert cut_mid_way(shares), f"no cut came while bytes were moving: {shares}"
+        await verified_pull(dec, src, dst, 4)
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_cut_tcp_push_lands_nothing_after_it_returned(how):
+    async with pair(SLOW, slow=RATE, transport="tcp") as (prompt, dec, src, dst):
+        paint(src, 5)
+        shares = await no_late_bytes(dst, 5, lambda ms: prompt.kv_cache_manager.push_blocks(
+            BlocksCacheKey(DECODER, 0), src, ALL, ALL, timeout=ms), how)
+        assert cut_mid_way(shares), f"no cut came while bytes were moving: {shares}"
+        await verified_push(prompt, src, dst, 6)
+        await dec.check_link_status(PROMPT)
+
+
+@pytest.mark.parametrize("how", ["timeout=", "task.cancel"])
+async def test_cut_tls_transfers_write_nothing_after_they_returned(how):
+    async with pair(SLOW, slow=RATE, transport="tcp", tls=True) as (prompt, dec, src, dst):
+        paint(src, 7)
+        pushed = await no_late_bytes(dst, 7, lambda ms: prompt.kv_cache_manager.push_blocks(
+            BlocksCacheKey(DECODER, 0), src, ALL, ALL, timeout=ms), how)
+        pulled = await no_late_bytes(dst, 7, lambda ms: dec.kv_cache_manager.pull_blocks(
+            BlocksCacheKey(PROMPT, 0), dst, ALL, ALL, timeout=ms), how)
+        assert cut_mid_way(pushed) and cut_mid_way(pulled), f"no cut came while bytes were moving: {pushed} {pulled}"
+        await verified_push(prompt, src, dst, 8)
+        await verified_pull(dec, src, dst, 9)
+
+
+# -- NIXL ----------------------------------------------------------------------------
+
+
+async def nixl_prepared(owner: LLMDataDist, peer_id: int, cache: KvCache) -> None:
+    peer = owner._links.links[peer_id].nixl
+    async with asyncio.timeout(5):
+        while cache.cache_id not in peer.prepared:
+            await asyncio.sleep(0.005)
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
+@pytest.mark.parametrize("how", ["timeout=", "task.cancel"])
+async def test_cut_nixl_transfers_write_and_record_nothing_after_they_returned(how):
+    async with pair(transport="nixl") as (prompt, dec, src, dst):
+        await nixl_prepared(prompt, DECODER, src)
+        await nixl_prepared(dec, PROMPT, dst)
+        posted = dec._links.nixl.engine.posted
+        paint(src, 10)
+        # NIXL cannot stop a posted transfer part-way: a cut call returns once it settled, so what
+        # it moved is in place before the return, all of it (or nothing, when cut before it started).
+        pulled = await no_late_bytes(dst, 10, lambda ms: dec.kv_cache_manager.pull_blocks(
+            BlocksCacheKey(PROMPT, 0), dst, ALL, ALL, timeout=ms), how)
+        assert dec._links.nixl.engine.posted > posted, "the pulls did not go by NIXL"
+        posted = prompt._links.nixl.engine.posted
+        arrivals: list = []
+        record = dec._runtime.arrivals.record
+        dec._runtime.arrivals.record = lambda *args: (arrivals.append(args), record(*args))  # type: ignore
+        pushed = await no_late_bytes(dst, 10, lambda ms: prompt.kv_cache_manager.push_blocks(
+            BlocksCacheKey(DECODER, 0), src, ALL, ALL, timeout=ms), how, arrivals)
+        assert prompt._links.nixl.engine.posted > posted, "the pushes did not go by NIXL"
+        assert any(pulled) and any(pushed), f"no cut came while NIXL was moving bytes: {pulled} {pushed}"
+        await verified_pull(dec, src, dst, 11)
+        await verified_push(prompt, src, dst, 12)
+
+
+# -- layer-wise ----------------------------------------------------------------------
+
+
+class Ready(LayerSynchronizer):
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "layer timeout"])
+async def test_a_cut_layerwise_transfer_lands_nothing_after_it_returned(how):
+    config = {"sync_kv_timeout": 120} if how == "layer timeout" else {}  # mid-layer, past the latency
+    async with pair(SLOW, slow=RATE, transport="tcp", **config) as (prompt, dec, src, dst):
+        paint(src, 13)
+        total = sum(t.numel() for t in dst.tensors)
+        mid = 0
+        for delay in DELAYS:
+            paint(dst, 0)
+            task = prompt.kv_cache_manager.transfer_cache_async(
+                src, Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, 0))], ALL, ALL)
+            if how == "task.cancel":
+                await asyncio.sleep(delay)
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, LLMException):
+                await task
+            before = snap(dst)
+            await asyncio.sleep(QUIET_S)
+            assert all(torch.equal(t, b) for t, b in zip(dst.tensors, before)), f"{how}: bytes landed after return"
+            mid += 0 < landed(before, 13) < total
+            if how == "layer timeout" and mid:
+                break
+        assert mid, "no cut came while bytes were moving"
+        await verified_push(prompt, src, dst, 14)
+
+
+# -- the receiver of a push in a process of its own ----------------------------------------------
+
+
+def digest(cache: KvCache) -> list[str]:
+    return [hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in cache.tensors]
+
+
+async def test_a_receiver_process_lands_nothing_after_a_cut_push_and_a_stopped_one_costs_the_bound(fork_server):
+    spec = EndpointSpec(LLMRole.DECODER, DECODER, listen=False, config=(("transport", "tcp"),),
+                        caches=(CacheSpec("dst", BIG, 0, blocks=True, model_id=0),))
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt, forked(spec) as (peer,):
+        pm = prompt.kv_cache_manager
+        src = pm.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT, 0))
+        assert (await peer.call("link", PROMPT, port_of(prompt)[1]))[0] == S.LLM_SUCCESS
+
+        async def push(timeout: int) -> None:
+            await pm.push_blocks(BlocksCacheKey(DECODER, 0), src, ALL, ALL, timeout=timeout)
+
+        for n, how in enumerate(HOW):  # cut while the receiver's engine is writing: its memory settles first
+            paint(src, 20 + n)
+            outcome, _, late = await cut(push, how, 0.01, lambda: None)
+            assert late < ABORT_ACK_S + 1.0
+            first = await peer.call("digest", "dst")
+            await asyncio.sleep(QUIET_S)
+            assert await peer.call("digest", "dst") == first, f"{how} ({outcome}): the receiver changed after return"
+        paint(src, 30)
+        await push(20_000)
+        assert await peer.call("digest", "dst") == digest(src)
+
+        # A receiver that cannot answer (stopped): the pusher gives it ABORT_ACK_S, then drops the link.
+        paint(src, 31)
+        task = asyncio.ensure_future(push(20_000))
+        await asyncio.sleep(0.01)
+        peer.stop()
+        try:
+            await asyncio.sleep(0.05)
+            task.cancel()
+            cut_at = time.monotonic()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert time.monotonic() - cut_at < ABORT_ACK_S + 1.0
+        finally:
+            peer.resume()
+        with pytest.raises(LLMException) as info:
+            await prompt.check_link_status(DECODER)
+        assert info.value.status_code in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK), info.value

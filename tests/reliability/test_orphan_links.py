@@ -1,0 +1,148 @@
+"""No orphan links (issue 14, point 8): one link per remote cluster id, and nothing left after finalize.
+
+- the same remote cluster id twice in one ``link_clusters`` call (one
+  address or two) is refused with ``LLM_PARAM_INVALID`` naming
+  ``clusters[1]`` before anything is dialled: the listener sees no
+  connection;
+- two endpoints answering as the same cluster id, or one endpoint, dialled
+  by concurrent calls make exactly one link: one call succeeds, the other
+  reports ``LLM_ALREADY_LINK``; the peers hold one link between them and
+  the dialler's sockets are those of one link;
+- a link attempt still in its handshake when the endpoint is finalized
+  ends with ``LLM_LINK_FAILED`` at once, never registers, and its
+  connections are closed;
+- after a decoder's finalize its peer has let the link go: a new decoder
+  with the same cluster id links to the same prompt at once and pulls
+  verified bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from peers import CacheSpec, EndpointSpec, cluster_info
+
+from _forked import forked
+from _harness import endpoint, open_fds, options
+from test_stalled import StallingServer
+
+S = LLMStatusCode
+PROMPT, DECODER = 1, 2
+SMALL = CacheDesc(4, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
+TCP = (("transport", "tcp"),)
+
+
+@pytest.mark.asyncio
+async def test_the_same_cluster_twice_in_one_call_is_refused_before_dialling():
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    try:
+        for listener in listeners:
+            listener.setblocking(False)
+        a, b = (listener.getsockname()[:2] for listener in listeners)
+        async with endpoint(LLMRole.DECODER, DECODER) as dd:
+            for infos in ([cluster_info(7, a), cluster_info(7, a)], [cluster_info(7, a), cluster_info(7, b)],
+                          [cluster_info(8, b), cluster_info(7, a), cluster_info(7, b)]):
+                with pytest.raises(LLMException) as info:
+                    await dd.link_clusters(infos)
+                assert info.value.status_code == S.LLM_PARAM_INVALID
+                assert f"clusters[{len(infos) - 1}]" in str(info.value), str(info.value)
+            await asyncio.sleep(0.05)
+            for listener in listeners:  # nothing was dialled
+                with pytest.raises(BlockingIOError):
+                    listener.accept()
+            assert dd._links.count() == 0
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("prompts", ["one", "two"])
+async def test_concurrent_calls_for_one_cluster_id_make_exactly_one_link(fork_server, prompts):
+    specs = [EndpointSpec(LLMRole.PROMPT, PROMPT, config=TCP, lifetime=60.0, loop=loop)
+             for loop in ("asyncio", "uvloop")[:2 if prompts == "two" else 1]]
+    async with forked(*specs) as procs, endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dd:
+        targets = [procs[0], procs[-1]]
+        before = open_fds()
+        results = await asyncio.gather(*(dd.link_clusters([cluster_info(PROMPT, p.address)]) for p in targets))
+        codes = sorted(codes[0] for _, codes in results)
+        assert codes == sorted([S.LLM_SUCCESS, S.LLM_ALREADY_LINK]), results
+        assert dd._links.count() == 1
+        await dd.check_link_status(PROMPT)
+        held = [len(await p.call("links")) for p in procs]
+        assert sum(held) == 1, held
+        sockets = [fd for fd in open_fds() - before if "socket:" in fd]
+        assert len(sockets) == 1 + 2 * 2, sockets  # one link's control connection and data channels
+        assert (await dd.unlink_clusters([cluster_info(PROMPT, targets[0].address)]))[0] == S.LLM_SUCCESS
+        assert [len(await p.call("links")) for p in procs] == [0] * len(procs)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("step", ["link_ok", "attach"])
+async def test_a_link_attempt_in_its_handshake_at_finalize_never_registers(step):
+    async with StallingServer(step, PROMPT) as stall:
+        dd = LLMDataDist(LLMRole.DECODER, DECODER)
+        await dd.init(options())
+        attempt = asyncio.ensure_future(dd.link_clusters([cluster_info(PROMPT, stall.address)], timeout=10_000))
+        async with asyncio.timeout(5):
+            while len(stall.writers) < (1 if step == "link_ok" else 2):  # in the handshake, or on a data channel
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        table = dd._links
+        started = time.monotonic()
+        await dd.finalize()
+        assert await attempt == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        assert time.monotonic() - started < 1.5
+        assert not table.links and table.count() == 0
+        # the stalling peer sees every connection of the attempt closed
+        async with asyncio.timeout(2):
+            while not all(peer_closed(w) for w in stall.writers):
+                await asyncio.sleep(0.01)
+
+
+def peer_closed(writer: asyncio.StreamWriter) -> bool:
+    """Whether the other end of the server-side connection ``writer`` closed it (EOF or reset)."""
+    sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
+    try:
+        sock.setblocking(False)
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.close()
+
+
+@pytest.mark.asyncio
+async def test_after_finalize_a_new_decoder_with_the_same_id_links_at_once(fork_server):
+    spec = EndpointSpec(LLMRole.PROMPT, PROMPT, caches=(CacheSpec("blocks", SMALL, 9, blocks=True, model_id=0),),
+                        lifetime=60.0)
+    async with forked(spec) as (prompt,):
+        expected = prompt.expected("blocks")
+        for round_ in range(3):
+            async with endpoint(LLMRole.DECODER, DECODER, transport=("tcp", "auto")[round_ % 2]) as dd:
+                assert await dd.link_clusters([prompt.info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS]), round_
+                dst = dd.kv_cache_manager.allocate_blocks_cache(SMALL)
+                await dd.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, [0, 1, 2, 3], [3, 2, 1, 0])
+                assert all(torch.equal(d.view(torch.int16), e.flip(0).view(torch.int16))
+                           for d, e in zip(dst.tensors, expected))
+                del dst
+            # finalize returned: the prompt has let the link go already
+            assert await prompt.call("links") == {}, round_

@@ -1,0 +1,213 @@
+"""The same-host share socket, attacked by local processes (issue 14, points 1-5).
+
+Each attack runs as its own program (``_share_attacker.py``, which imports
+nothing of aio_datadist) against a PROMPT endpoint with a shared secret and
+no TLS, while a legitimate DECODER in this process stays linked to it:
+
+- a sniffer that saw the link's cleartext traffic (the link token, the share
+  socket's name) and a legitimate peer's claim on another connection gets
+  a challenge and nothing else: no fd, no record;
+- a linked peer that knows the secret receives only read-only, sealed
+  memfds and cannot write, truncate, grow or unseal them in any way;
+- a peer sending malformed share records loses its share; the endpoint
+  keeps running, closes each fd once and leaks nothing;
+- a flood of connections that never speak is capped and timed out; a new
+  decoder links and shares memory during it.
+After each attack the legitimate link still pulls its own bytes through
+shared memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, LLMStatusCode, Placement
+from aio_datadist.devices.host import F_SEAL_FUTURE_WRITE
+from aio_datadist.handshake import share_proof
+from aio_datadist.transport import local
+from peers import cluster_info, fill, port_of
+
+from _harness import endpoint, open_fds, settle, state
+from _tally import count
+
+S = LLMStatusCode
+PROMPT, DECODER, LATECOMER = 1, 2, 3
+SECRET = "local-secret-never-on-the-wire"
+BLOCKS = CacheDesc(2, (16, 4096), DataType.DT_UINT8, Placement.HOST)
+ATTACKER = os.path.join(os.path.dirname(__file__), "_share_attacker.py")
+SHARE = {"shared_secret": SECRET, "transport": "auto"}
+
+
+async def run_attacker(*args: str, timeout: float = 60.0) -> dict:
+    """Run the attacker program to its end (the endpoints keep serving meanwhile); its JSON report."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, ATTACKER, *args, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+async def pull_through_shared_memory(decoder, src_values) -> None:
+    """The legitimate link still shares memory and pulls its own bytes."""
+    link = decoder._links.get(PROMPT)
+    assert link.local is not None
+    dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS)
+    try:
+        await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, [0, 5, 15], [1, 2, 3])
+        for d, v in zip(dst.tensors, src_values):
+            assert torch.equal(d[[1, 2, 3]], v[[0, 5, 15]])
+    finally:
+        decoder.kv_cache_manager.deallocate_cache(dst)
+
+
+class Scene:
+    def __init__(self, prompt, decoder, values) -> None:
+        self.prompt, self.decoder, self.values = prompt, decoder, values
+
+    @property
+    def name(self) -> str:
+        return self.prompt._links.local_listener.name.hex()
+
+    def token(self, cluster: int = DECODER) -> str:
+        return self.prompt._links.links[cluster].token.hex()
+
+    @property
+    def secret(self) -> bytes:
+        return self.prompt._runtime.settings.shared_secret
+
+
+async def scene(decoder_transport: str = "auto"):
+    prompt_cm = endpoint(LLMRole.PROMPT, PROMPT, listen=True, **SHARE)
+    prompt = await prompt_cm.__aenter__()
+    decoder_cm = endpoint(LLMRole.DECODER, DECODER, shared_secret=SECRET, transport=decoder_transport)
+    decoder = await decoder_cm.__aenter__()
+    src = prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT, 0))
+    values = fill(src, 11)
+    status, _ = await decoder.link_clusters([cluster_info(PROMPT, port_of(prompt))])
+    assert status == S.LLM_SUCCESS
+    return Scene(prompt, decoder, values), (decoder_cm, prompt_cm)
+
+
+async def close(cms) -> None:
+    for cm in cms:
+        await cm.__aexit__(None, None, None)
+
+
+@pytest.mark.asyncio
+async def test_a_sniffer_without_the_secret_gets_no_fd_and_no_byte(fork_server):
+    sc, cms = await scene()
+    try:
+        # What a legitimate peer sent on a connection the sniffer watched: a valid claim for that challenge.
+        seen_challenge, seen_nonce = os.urandom(32), os.urandom(32)
+        token = bytes.fromhex(sc.token())
+        replay = local._CLAIM.pack(local._MAGIC, seen_nonce, share_proof(sc.secret, token, b"share-client",
+                                                                         seen_challenge, seen_nonce))
+        report = await run_attacker("sniffer", sc.name, sc.token(), replay.hex())
+        assert set(report) == {"bearer token hello", "claim keyed by the token", "random claim", "replayed claim"}
+        for what, got in report.items():
+            assert got == {"challenge": local._CHALLENGE.size, "bytes": 0, "fds": 0, "closed": True}, what
+        count("share attacks", len(report))
+        await pull_through_shared_memory(sc.decoder, sc.values)
+    finally:
+        await close(cms)
+
+
+@pytest.mark.asyncio
+async def test_a_linked_peer_gets_only_sealed_read_only_memfds(fork_server):
+    # The decoder links over TCP only, so its link's share is free: the attacker, who knows the secret and
+    # the link token (it is that peer), attaches it and receives the prompt's memfds.
+    sc, cms = await scene(decoder_transport="tcp")
+    try:
+        report = await run_attacker("peer", sc.name, sc.token(), sc.secret.hex())
+        assert report["records"] >= 2 and len(report["fds"]) == 1
+        for fd in report["fds"]:
+            assert fd["read_only"] and fd["readable"]
+            assert fd["seals"] & F_SEAL_FUTURE_WRITE and fd["seals"] & local.SEALS_REQUIRED == local.SEALS_REQUIRED
+            tried = {k: v for k, v in fd.items() if k not in ("size", "read_only", "seals", "readable")}
+            assert len(tried) == 8
+            assert all(v.startswith("refused") for v in tried.values()), tried
+        count("share attacks", 8)
+        # The owner's bytes are intact, and it still writes its own cache (a truncate would make this SIGBUS).
+        (cache,) = sc.prompt._runtime.registry.caches()
+        assert all(torch.equal(t, v) for t, v in zip(cache.tensors, sc.values))
+        cache.tensors[1][-1].fill_(0x5A)
+        assert bool((cache.tensors[1][-1] == 0x5A).all())
+    finally:
+        await close(cms)
+
+
+@pytest.mark.asyncio
+async def test_malformed_share_records_drop_the_share_and_nothing_else(fork_server):
+    sc, cms = await scene(decoder_transport="tcp")
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    canary_r, canary_w = os.pipe()
+    try:
+        baseline, fds = state(sc.prompt), open_fds()
+        report = await run_attacker("records", sc.name, sc.token(), sc.secret.hex(), "14")
+        assert len(report) == 18
+        assert all(v == "dropped" for v in report.values()), report
+        count("malformed share records", len(report))
+        assert errors == []
+        os.write(canary_w, b"x")  # a double close would have hit fds like these
+        assert os.read(canary_r, 1) == b"x"
+        link = sc.prompt._links.links[DECODER]
+        assert link.broken is None and link.local is None  # the share is gone, the link is not
+        await settle(sc.prompt, baseline, fds)
+        dst = sc.decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS)
+        await sc.decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, [3], [4])  # over TCP
+        assert torch.equal(dst.tensors[1][4], sc.values[1][3])
+        sc.decoder.kv_cache_manager.deallocate_cache(dst)
+    finally:
+        loop.set_exception_handler(None)
+        os.close(canary_r)
+        os.close(canary_w)
+        await close(cms)
+
+
+@pytest.mark.asyncio
+async def test_a_flood_of_silent_share_connections_is_capped_and_links_still_share(fork_server):
+    sc, cms = await scene()
+    try:
+        before = len(open_fds())
+        proc = await asyncio.create_subprocess_exec(sys.executable, ATTACKER, "flood", sc.name, "400", "4",
+                                                    stdout=asyncio.subprocess.PIPE)
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 30)
+            assert json.loads(line)["holding"] > 0
+            listener = sc.prompt._links.local_listener
+            assert listener.pending() <= local.MAX_PENDING_SHARES
+            assert len(open_fds()) <= before + local.MAX_PENDING_SHARES + 4
+            # A new decoder links during the flood and gets its share (its connection evicts a stale one).
+            async with endpoint(LLMRole.DECODER, LATECOMER, shared_secret=SECRET, transport="auto") as late:
+                status, _ = await late.link_clusters([cluster_info(PROMPT, port_of(sc.prompt))])
+                assert status == S.LLM_SUCCESS
+                assert late._links.get(PROMPT).local is not None
+                dst = late.kv_cache_manager.allocate_blocks_cache(BLOCKS)
+                await late.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, [7], [0])
+                assert torch.equal(dst.tensors[0][0], sc.values[0][7])
+            await pull_through_shared_memory(sc.decoder, sc.values)
+            out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        except BaseException:
+            proc.kill()
+            await proc.wait()
+            raise
+        report = json.loads(out.decode().strip().splitlines()[-1])
+        assert report["closed by the endpoint"] >= report["opened"] - local.MAX_PENDING_SHARES
+        count("flooding share connections", report["opened"])
+        assert listener.pending() == 0  # the rest timed out
+        await pull_through_shared_memory(sc.decoder, sc.values)
+    finally:
+        await close(cms)
