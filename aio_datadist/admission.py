@@ -6,8 +6,9 @@ capped by ``net.core.somaxconn``), so a burst of honest links (a prompt
 restart, a scale-out) waits a moment instead of being dropped, and a flood of
 connections that never complete holds a bounded number of fds and memory.
 
-An accepted connection passes two stages, each holding at most ``cap``
-(``aio.MaxPendingHandshakes``) connections:
+An accepted connection passes two stages: *arriving* holds at most
+``ARRIVAL_FACTOR * cap`` connections, *handshaking* at most ``cap``
+(``aio.MaxPendingHandshakes``):
 
 - *arriving*: its first message is not complete yet. An honest client sends
   it (HELLO, a data channel's attach record, or the TLS preamble) as soon as
@@ -35,14 +36,19 @@ import logging
 import select
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
 
-__all__ = ["ARRIVAL_GRACE_S", "LISTEN_BACKLOG", "STALL_GRACE_S", "Admission", "Pending", "streams"]
+__all__ = ["ARRIVAL_FACTOR", "ARRIVAL_GRACE_S", "LISTEN_BACKLOG", "STALL_GRACE_S", "Admission", "Pending", "streams"]
 
 log = logging.getLogger("aio_datadist.links")
 
 #: The listen backlog asked for; the kernel caps it at ``net.core.somaxconn`` (4096 on current Linux).
 LISTEN_BACKLOG = 4096
+#: The arriving stage holds this many times the handshake cap. A silent arrival costs one fd; room for
+#: several bursts' worth keeps honest connections that are slow to send their first message (a loaded
+#: machine, hundreds of links at once) from ever meeting the grace below.
+ARRIVAL_FACTOR = 4
 #: An arrival this old without its first message may be dropped when the arriving stage is full.
 ARRIVAL_GRACE_S = 0.05
 #: A handshake idle this long may be dropped when every slot is taken and a connection waits for one.
@@ -97,7 +103,7 @@ class Admission:
     """
 
     def __init__(self, sock: socket.socket, cap: int,
-                 serve: Callable[[socket.socket, Pending], Awaitable[None]]) -> None:
+                 serve: Callable[[socket.socket, Pending], Coroutine[Any, Any, None]]) -> None:
         self.sock = sock
         self.cap = cap
         self._serve = serve
@@ -141,7 +147,7 @@ class Admission:
 
     async def _room(self) -> None:
         """Until the arriving stage has room, dropping the oldest stalled arrival when someone waits."""
-        while len(self.arriving) >= self.cap:
+        while len(self.arriving) >= ARRIVAL_FACTOR * self.cap:
             if self._backlog_waits():
                 now = time.monotonic()
                 victim = next((p for p in self.arriving

@@ -7,9 +7,9 @@ Before it makes or accepts a link an endpoint checks that those fds fit::
 
     open fds + fds promised to links in their handshake + fds per link + reserve <= soft RLIMIT_NOFILE
 
-where the reserve is :data:`RESERVE` (caches, engines, event loops, mapped
-peer caches, a data channel being redialled) plus, on a listening endpoint,
-``2 × aio.MaxPendingHandshakes`` for connections in their handshake
+where the reserve is :data:`RESERVE` (caches, engines, event loops, a data
+channel being redialled) plus, on a listening endpoint,
+``5 × aio.MaxPendingHandshakes`` for connections in their handshake
 (``admission.py``). A link that does not fit is refused with
 ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` instead of failing later with ``EMFILE``.
 So an endpoint can hold about ``(soft limit − fds open before linking −

@@ -133,6 +133,7 @@ def limited_main(conn: multiprocessing.connection.Connection, parent_pid: int, r
 async def _limited(conn: multiprocessing.connection.Connection, role: Any, cluster_id: int, listen: bool,
                    config: dict[str, Any], room: int) -> None:
     from aio_datadist import LLMDataDist, LLMException, fd_budget
+    from aio_datadist.admission import ARRIVAL_FACTOR
     from peers import _next_command, cluster_info
 
     async with LLMDataDist(role, cluster_id) as dd:
@@ -140,7 +141,7 @@ async def _limited(conn: multiprocessing.connection.Connection, role: Any, clust
         raised = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         settings = dd._runtime.settings
         per_link = fd_budget.per_link(settings.data_channels, settings.transport in ("auto", "local"))
-        reserve = fd_budget.RESERVE + (2 * settings.max_pending_handshakes if listen else 0)
+        reserve = fd_budget.RESERVE + ((1 + ARRIVAL_FACTOR) * settings.max_pending_handshakes if listen else 0)
         # links that fit = (limit - fds open - reserve) // per_link = room
         limit = fd_budget.open_count() + reserve + room * per_link + 2
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, LLMStatusCode, Placement
+from aio_datadist.admission import ARRIVAL_FACTOR
 from peers import CacheSpec, EndpointSpec, cluster_info, fill, port_of
 
 from _forked import forked
@@ -94,7 +95,8 @@ async def test_a_connection_flood_costs_bounded_fds_and_blocks_nothing(fork_serv
         async with Child(flood_main, port_of(dd), FLOOD, mode) as flood:
             assert await flood.recv() == ("ready", FLOOD)
             async with asyncio.timeout(5):
-                while len(gate.arriving) < CAP:  # the endpoint took all it takes; the rest waits in its backlog
+                # the endpoint took all it takes; the rest waits in its backlog
+                while len(gate.arriving) < ARRIVAL_FACTOR * CAP:
                     await asyncio.sleep(0.01)
             most = len(open_fds() - fds)
             # while the flood holds its connections: allocation, a pull on the existing link, a new link
@@ -112,8 +114,8 @@ async def test_a_connection_flood_costs_bounded_fds_and_blocks_nothing(fork_serv
             assert all(torch.equal(d[1:3], s[1:3]) for d, s in zip(late_dst.tensors, src.tensors))
             late_fds = 2 * (1 + 2 * 2)  # both ends of the late link live in this process
             most = max(most, len(open_fds() - fds) - late_fds)
-            assert most <= 2 * CAP, f"the endpoint held {most} fds for the flood's connections"
-            assert len(gate.arriving) <= CAP and len(gate.handshaking) <= CAP
+            assert most <= (1 + ARRIVAL_FACTOR) * CAP, f"the endpoint held {most} fds for the flood's connections"
+            assert len(gate.arriving) <= ARRIVAL_FACTOR * CAP and len(gate.handshaking) <= CAP
         # the flood ended: the endpoint links and serves as before and holds nothing of the flood
         again = await stack.enter_async_context(endpoint(LLMRole.DECODER, 4, transport="tcp"))
         assert (await again.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
