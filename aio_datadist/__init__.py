@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from aio_datadist.config import LLMConfig, LlmConfig
     from aio_datadist.datadist import LLMDataDist
     from aio_datadist.manager import KvCacheManager
+    from aio_datadist.status import LLMException, LLMStatusCode, Status, code_to_status
     from aio_datadist.synchronizers import EventLayerSynchronizer
     from aio_datadist.task import CacheTask
-    from aio_datadist.status import LLMException, LLMStatusCode, Status, code_to_status
     from aio_datadist.types import (
         BlocksCacheKey,
         CacheDesc,

@@ -14,8 +14,9 @@ import argparse
 import importlib.util
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 BENCH_EXTRA = 'pip install -e ".[bench]"'
 

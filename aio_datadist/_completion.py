@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import itertools
 import os
 import threading
@@ -100,7 +101,7 @@ class Completions:
             raise
         if timeout_ms is not None:
             waiter.timer = loop.call_later(timeout_ms / 1000.0, self._on_timeout, token)
-        future.add_done_callback(lambda f, t=token: self._on_done(t, f))
+        future.add_done_callback(functools.partial(self._on_done, token))
         return future
 
     def expect(self, count: int, what: str) -> list[tuple[int, asyncio.Future]]:
@@ -220,10 +221,14 @@ def _settle(future: asyncio.Future) -> None:
     if loop.is_closed():
         return
     if _running_loop() is loop:
-        if not future.done():
-            future.set_result(None)
+        _set_done(future)
     else:
-        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+        loop.call_soon_threadsafe(_set_done, future)
+
+
+def _set_done(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

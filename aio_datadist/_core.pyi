@@ -5,6 +5,7 @@
 # number of bytes moved. Nothing here knows about asyncio.
 
 from array import array
+
 from typing_extensions import Buffer
 
 OK: int

@@ -80,7 +80,7 @@ class PushWatch:
         ms = check_int("timeout", timeout, lo=1, hi=2**31 - 1)
         try:
             await asyncio.wait_for(asyncio.shield(self._all), ms / 1000)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             missing = sorted(layer for layer, fut in self._layers.items() if not fut.done())
             raise LLMException(f"pushed layers {missing} did not land within {ms} ms",
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None

@@ -147,6 +147,12 @@ class KvCache:
     def alive(self) -> bool:
         return self._alive
 
+    @property
+    def region(self) -> HostRegion | None:
+        """The sealed host memory an allocated host cache lives in (what same-host peers map and NIXL
+        registers), or None for device and registered caches."""
+        return self._region
+
     def __repr__(self) -> str:
         kind = "blocks" if self._is_blocks else "cache"
         return f"KvCache(cache_id={self._cache_id}, {kind}, {self._desc!r})"
@@ -223,7 +229,7 @@ def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
                 raise param_invalid(arg, f"tensor {i} is on {t.device}, the cache placement needs {device}")
             out.append(t)
     spans = sorted((t.data_ptr(), t.data_ptr() + desc.size) for t in out)
-    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+    for (_, a1), (b0, _) in itertools.pairwise(spans):
         if b0 < a1:
             raise param_invalid(arg, "tensors overlap in memory")
     return out

@@ -148,7 +148,8 @@ class KvCacheManager:
     def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
         return _RUNNER.call(self._m.allocate_blocks_cache, cache_desc, blocks_cache_key)
 
-    def register_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any], cache_keys: Sequence[CacheKey] = ()) -> KvCache:
+    def register_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
+                       cache_keys: Sequence[CacheKey] = ()) -> KvCache:
         return _RUNNER.call(self._m.register_cache, cache_desc, addrs, cache_keys)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],

@@ -48,8 +48,9 @@ import json
 import os
 import re
 import ssl
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Literal, Mapping, TypeVar, overload
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from .status import (
     INT32_MAX,

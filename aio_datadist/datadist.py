@@ -11,11 +11,13 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from aio_datadist.config import Settings, parse_listen, parse_options
+from aio_datadist.config import parse_listen, parse_options
+from aio_datadist.endpoint import Endpoint
 from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
 from aio_datadist.runtime import Runtime
 from aio_datadist.status import LLMException, LLMStatusCode, check_instance, check_int, check_uint, param_invalid
+from aio_datadist.transfers import handle_request
 from aio_datadist.types import LLMClusterInfo, LLMRole
 
 __all__ = ["LLMDataDist"]
@@ -37,25 +39,20 @@ class LLMDataDist:
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
         if not isinstance(role, LLMRole):
             raise param_invalid("role", f"expected LLMRole, got {type(role).__name__}")
-        self._role = role
-        self._cluster_id = check_uint("cluster_id", cluster_id)
-        self._runtime: Runtime | None = None
-        self._settings: Settings | None = None
-        self._links: LinkTable | None = None
-        self._finalized = False
-        self._manager = KvCacheManager(self)
+        self._endpoint = Endpoint(role, check_uint("cluster_id", cluster_id))
+        self._manager = KvCacheManager(self._endpoint)
 
     # -- properties --------------------------------------------------------
 
     @property
     def cluster_id(self) -> int:
         """This endpoint's cluster id."""
-        return self._cluster_id
+        return self._endpoint.cluster_id
 
     @property
     def role(self) -> LLMRole:
         """This endpoint's current role."""
-        return self._role
+        return self._endpoint.role
 
     @property
     def kv_cache_manager(self) -> KvCacheManager:
@@ -67,18 +64,19 @@ class LLMDataDist:
         """``(ip, port)`` actually listened on (port 0 resolved), or None."""
         return None if self._links is None else self._links.listen_address
 
+    @property
+    def _runtime(self) -> Runtime | None:
+        return self._endpoint.runtime
+
+    @property
+    def _links(self) -> LinkTable | None:
+        return self._endpoint.links
+
     def _require_runtime(self) -> Runtime:
-        if self._runtime is None:
-            if self._finalized:
-                raise LLMException("LLMDataDist was finalized", status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
-            raise LLMException("LLMDataDist is not initialized; await init(options) first",
-                               status_code=LLMStatusCode.LLM_FAILED)
-        return self._runtime
+        return self._endpoint.require_runtime()
 
     def _require_links(self) -> LinkTable:
-        self._require_runtime()
-        assert self._links is not None
-        return self._links
+        return self._endpoint.require_links()
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -93,15 +91,18 @@ class LLMDataDist:
             ``LLM_LINK_FAILED`` if the listen address cannot be bound.
         A second ``init`` is a no-op.
         """
-        if self._runtime is not None:
+        endpoint = self._endpoint
+        if endpoint.runtime is not None:
             return
-        if self._finalized:
+        if endpoint.finalized:
             raise LLMException("LLMDataDist was finalized; create a new one",
                                status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         settings = parse_options(options)
         runtime = Runtime(settings)
         try:
-            links = LinkTable(self, runtime)  # with aio.Transport=nixl this starts the NIXL agent
+            # with aio.Transport=nixl this starts the NIXL agent
+            links = LinkTable(runtime, endpoint.cluster_id, lambda: endpoint.role,
+                              lambda link, msg, req_id, fields: handle_request(runtime, link, msg, req_id, fields))
         except BaseException:
             runtime.close()
             raise
@@ -112,9 +113,9 @@ class LLMDataDist:
             await links.close()
             runtime.close()
             raise
-        self._settings = settings
-        self._runtime = runtime
-        self._links = links
+        endpoint.settings = settings
+        endpoint.runtime = runtime
+        endpoint.links = links
 
     async def finalize(self) -> None:
         """Unlink every peer, fail pending work, free every cache. Idempotent.
@@ -124,12 +125,13 @@ class LLMDataDist:
         every link is closed after its peer acknowledged the unlink (at most
         1 s), so a new endpoint with this cluster id can link at once.
         """
-        runtime, links = self._runtime, self._links
+        endpoint = self._endpoint
+        runtime, links = endpoint.runtime, endpoint.links
         if runtime is None:
             return
-        self._runtime = None
-        self._links = None
-        self._finalized = True
+        endpoint.runtime = None
+        endpoint.links = None
+        endpoint.finalized = True
         try:
             if links is not None:
                 await _complete(links.close())
@@ -184,7 +186,7 @@ class LLMDataDist:
         for i, c in enumerate(clusters):
             if len(c.remote_endpoints) != 1:
                 raise param_invalid(f"clusters[{i}]", "exactly one remote ip:port is needed")
-            j = first.setdefault(c.remote_cluster_id, i)
+            j = first.setdefault(_cluster_id(c), i)
             if j != i:
                 raise param_invalid(f"clusters[{i}]", f"remote_cluster_id {c.remote_cluster_id} is also "
                                     f"clusters[{j}]; a cluster is linked once")
@@ -204,7 +206,7 @@ class LLMDataDist:
         timeout = check_int("timeout", timeout, lo=1, hi=2**31 - 1)
         if not isinstance(force, bool):
             raise param_invalid("force", f"expected bool, got {type(force).__name__}")
-        results = await asyncio.gather(*(links.disconnect(c.remote_cluster_id, timeout, force)
+        results = await asyncio.gather(*(links.disconnect(_cluster_id(c), timeout, force)
                                          for c in clusters))
         return _overall(results), list(results)
 
@@ -229,13 +231,13 @@ class LLMDataDist:
             bad options.
         """
         links = self._require_links()
-        assert self._settings is not None
-        if not self._settings.enable_switch_role:
+        assert self._endpoint.settings is not None
+        if not self._endpoint.settings.enable_switch_role:
             raise LLMException("switch_role needs LLMConfig.enable_switch_role = True",
                                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         if not isinstance(role, LLMRole):
             raise param_invalid("role", f"expected LLMRole, got {type(role).__name__}")
-        if role == self._role:
+        if role == self._endpoint.role:
             raise param_invalid("role", f"already {role.name}")
         listen = None
         if switch_options is not None:
@@ -258,7 +260,7 @@ class LLMDataDist:
             if previous is not None and links.listen_address is None:
                 await _complete(links.listen(*previous))  # a failed or cancelled switch changes nothing
             raise
-        self._role = role
+        self._endpoint.role = role
 
 
 async def _complete(awaitable: Any) -> None:
@@ -277,6 +279,13 @@ async def _complete(awaitable: Any) -> None:
     work.result()
     if cancelled:
         raise asyncio.CancelledError
+
+
+def _cluster_id(cluster: LLMClusterInfo) -> int:
+    """The remote cluster id of a cluster ``_check_clusters`` let through (so it is set)."""
+    cluster_id = cluster.remote_cluster_id
+    assert cluster_id is not None
+    return cluster_id
 
 
 def _overall(results: list[LLMStatusCode]) -> LLMStatusCode:

@@ -76,9 +76,11 @@ async def _prompt(conn, geo: Geometry, seed: int, transport: str) -> None:
         await dd.init(_config(listen=True, transport=transport))
         kv = dd.kv_cache_manager
         cache = kv.allocate_blocks_cache(geo.desc, BlocksCacheKey(PROMPT_ID, 0))
-        for dst, src in zip(cache.tensors, seeded_cache(geo, seed)):
+        for dst, src in zip(cache.tensors, seeded_cache(geo, seed), strict=True):
             dst.copy_(src)
-        conn.send(("ready", dd.listen_address[1]))
+        address = dd.listen_address
+        assert address is not None  # init listened
+        conn.send(("ready", address[1]))
         loop = asyncio.get_running_loop()
         while True:
             msg = await loop.run_in_executor(None, conn.recv)
@@ -128,14 +130,14 @@ async def _decoder(conn, geo: Geometry, seed: int, port: int, transport: str) ->
             pulls.append(time.perf_counter() - t0)
         idx_s, idx_d = torch.tensor(src), torch.tensor(dst)
         pull_ok = all(torch.equal(c[idx_d].view(torch.int16), e[idx_s].view(torch.int16))
-                      for c, e in zip(cache.tensors, expected))
+                      for c, e in zip(cache.tensors, expected, strict=True))
         push_src = rng.sample(range(geo.blocks), 16)
         push_dst = [b for b in range(geo.blocks) if b not in set(dst)][:16]
         conn.send(("push", push_src, push_dst))
         reply = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         ps, pd = torch.tensor(push_src), torch.tensor(push_dst)
         push_ok = all(torch.equal(c[pd].view(torch.int16), e[ps].view(torch.int16))
-                      for c, e in zip(cache.tensors, expected))
+                      for c, e in zip(cache.tensors, expected, strict=True))
         await dd.unlink_clusters([cluster])
         best = min(pulls)
         return {"transport": moved_by, "pull_ok": pull_ok, "push_ok": push_ok, "pull_bytes": nbytes, "pull_s": best,

@@ -33,18 +33,24 @@ import dataclasses
 import hashlib
 import hmac
 import os
-from typing import Any
+from typing import Any, Protocol
 
 from aio_datadist import wire
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.types import LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
-__all__ = ["Accepted", "accept", "attach_token", "dial", "link_ok", "proof", "share_proof"]
+__all__ = ["Accepted", "Reader", "accept", "attach_token", "dial", "link_ok", "proof"]
 
 ZERO32 = bytes(32)
 ZERO16 = bytes(16)
 SUCCESS = LLMStatusCode.LLM_SUCCESS
+
+
+class Reader(Protocol):
+    """What the server's half reads from: a stream reader, or a wrapper that notes each read."""
+
+    async def readexactly(self, n: int) -> bytes: ...
 
 
 def proof(secret: bytes | None, label: bytes, *parts: bytes) -> bytes:
@@ -62,14 +68,6 @@ def attach_token(secret: bytes | None, token: bytes, index: int, generation: int
     return proof(secret, b"attach", token, index.to_bytes(2, "big"), generation.to_bytes(4, "big"))
 
 
-def share_proof(secret: bytes | None, token: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
-    """What either end of a same-host share connection proves: an HMAC over both fresh nonces and the
-    link token, under the shared secret (or, without one, under the link token itself, so the token
-    never crosses the share socket)."""
-    return hmac.new(secret if secret is not None else token, label + token + first + second,
-                    hashlib.sha256).digest()
-
-
 def _identity(auth: dict[str, Any]) -> bytes:
     return (auth["cluster_id"].to_bytes(8, "big") + auth["role"].to_bytes(1, "big")
             + auth["peer_id"].to_bytes(8, "big") + auth["layout_hash"])
@@ -81,7 +79,7 @@ def _link_fields(ok: dict[str, Any]) -> bytes:
             + ok["boot_id"] + ok["local_name"].ljust(48, b"\0"))
 
 
-async def read_expected(reader: asyncio.StreamReader, expected: Msg) -> dict[str, Any]:
+async def read_expected(reader: Reader, expected: Msg) -> dict[str, Any]:
     """The next message, which must be ``expected`` (else :class:`ProtocolError`)."""
     msg, _req_id, length = wire.parse_header(await reader.readexactly(wire.HEADER.size))
     if msg is not expected:
@@ -136,7 +134,7 @@ class Accepted:
     authenticated: bool
 
 
-async def accept(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+async def accept(head: bytes, reader: Reader, writer: asyncio.StreamWriter, *,
                  secret: bytes | None) -> Accepted:
     """The server's half up to the client's proof; ``head`` is what was read of the first header.
 

@@ -30,7 +30,7 @@ class TensorSpan(NamedTuple):
 
     src_first: int
     dst_first: int
-    count: int
+    count: int  # type: ignore[assignment]  # the field hides tuple.count, which no caller wants
 
     @property
     def src_indices(self) -> range:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from aio_datadist._settle import settle
 from aio_datadist.cache import KvCache
 from aio_datadist.status import LLMException, LLMStatusCode, check_indices, check_instance, param_invalid
-from aio_datadist.task import CacheTask
+from aio_datadist.task import CacheTask, TaskProgress
 from aio_datadist.transfers import (
     F_BLOCKS,
     F_CONTIG,
@@ -75,7 +75,11 @@ def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
     src_layers = _layer_range(f"{arg}.src_layer_range", cfg.src_layer_range, num_layers)
     if blocks and cfg.src_batch_index != 0:
         raise param_invalid(f"{arg}.src_batch_index", "must be 0 for a blocks cache")
-    src_rows = list(src_blocks) if blocks else [_row(f"{arg}.src_batch_index", cfg.src_batch_index, lay.rows)]
+    if blocks:
+        assert src_blocks is not None and dst_blocks is not None  # start_transfer sets both for a blocks source
+        src_rows, dst_rows = list(src_blocks), list(dst_blocks)
+    else:
+        src_rows, dst_rows = [_row(f"{arg}.src_batch_index", cfg.src_batch_index, lay.rows)], []
     plans: dict[int, Plan] = {}
     if isinstance(cfg, TransferWithCacheKeyConfig):
         key = cfg.cache_key
@@ -89,8 +93,8 @@ def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
         link = links.get(key.cluster_id)
         target = target_fields(key)
         flags = (F_BLOCKS if blocks else F_CONTIG) | F_EXACT
-        remote_rows = list(dst_blocks) if blocks else []
-        for src_layer, dst_layer in zip(src_layers, dst_layers):
+        remote_rows = dst_rows
+        for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
             plans[src_layer] = build_plan(src, (src_layer, src_layer), (dst_layer, dst_layer), TENSORS_PER_LAYER,
                                           src_rows, lay.row_bytes, remote_rows, lay.row_bytes, flags, target, "src")
     else:
@@ -105,7 +109,7 @@ def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
             target = dict(target_kind=KIND_ADDRS, cluster_id=cfg.dst_cluster_id, cache_id=0,
                           key_req_id=0, prefix_id=0, model_id=0, batch_index=0)
             plan = build_plan(src, (src_layer, src_layer), (-1, -1), TENSORS_PER_LAYER, src_rows, lay.row_bytes,
-                              pair + (list(dst_blocks) if blocks else []), lay.row_bytes,
+                              pair + dst_rows, lay.row_bytes,
                               F_BLOCKS if blocks else 0, target, "src")
             plan.remote["offset"] = stride if blocks else 0
             plans[src_layer] = plan
@@ -151,9 +155,8 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
     planned = [_plan_config(rt, links, i, cfg, src, src_blocks, dst_blocks, dst_block_bytes)
                for i, cfg in enumerate(configs)]
     layers = sorted({layer for cfg in planned for layer in cfg.src_layers})
-    task = CacheTask(layers, len(planned))
-    task._start(_drive(rt, task, src, synchronizer, planned, layers))
-    return task
+    progress = TaskProgress(layers, len(planned))
+    return CacheTask(progress, _drive(rt, progress, src, synchronizer, planned, layers))
 
 
 async def _synchronize(synchronizer: Any, layer: int, timeout_ms: int) -> bool:
@@ -167,7 +170,7 @@ async def _synchronize(synchronizer: Any, layer: int, timeout_ms: int) -> bool:
     return bool(result)
 
 
-async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
+async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer: Any,
                  configs: list[_Config], layers: list[int]) -> None:
     timeout_ms = rt.default_timeout_ms()
     failed: set[int] = set()
@@ -192,9 +195,9 @@ async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
 
     def on_link_lost(link: Link, exc: LLMException) -> None:
         for cfg in configs:
-            if cfg.link is link and cfg.index not in failed and task._results[cfg.index] is None:
+            if cfg.link is link and cfg.index not in failed and progress.result(cfg.index) is None:
                 failed.add(cfg.index)
-                task._set_result(cfg.index, exc.status_code, exc)
+                progress.set_result(cfg.index, exc.status_code, exc)
         on_failure()
 
     watches = _watch_links(configs, on_link_lost)
@@ -229,13 +232,13 @@ async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
                     continue
                 if cfg.index in failed:
                     lost = LLMException(f"destination {cfg.index} failed before layer {layer}",
-                                        status_code=task._results[cfg.index] or LLMStatusCode.LLM_FAILED)
+                                        status_code=progress.result(cfg.index) or LLMStatusCode.LLM_FAILED)
                     continue
-                push = asyncio.ensure_future(_push(rt, task, cfg, layer, failed, on_failure, timeout_ms))
+                push = asyncio.ensure_future(_push(rt, progress, cfg, layer, failed, on_failure, timeout_ms))
                 pushes.append(push)
                 layer_pushes.append(push)
             finishing = [cfg.index for cfg in configs if cfg.src_layers.stop - 1 == layer]
-            previous = asyncio.ensure_future(_confirm(task, layer, layer_pushes, previous, lost, finishing, failed))
+            previous = asyncio.ensure_future(_confirm(progress, layer, layer_pushes, previous, lost, finishing, failed))
             pushes.append(previous)
         if pushes:
             await asyncio.gather(*pushes)
@@ -243,8 +246,8 @@ async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
         for link, req_id, watch in watches:
             link.pending.pop(req_id, None)
             watch.cancel()
-        for push in pushes:
-            push.cancel()
+        for started in pushes:
+            started.cancel()
         if pushes:
             # Every push returns only once nothing of it can land (run_push's give-up is bounded);
             # the task must not end before, even when it is cancelled again meanwhile.
@@ -254,9 +257,9 @@ async def _drive(rt: Runtime, task: CacheTask, src: KvCache, synchronizer: Any,
             continue
         if stop is not None and cfg.src_layers.stop - 1 >= stop_layer:
             if cfg.src_layers.start <= stop_layer:  # configs not started yet stay None
-                task._set_result(cfg.index, stop.status_code)
+                progress.set_result(cfg.index, stop.status_code)
         else:
-            task._set_result(cfg.index, LLMStatusCode.LLM_SUCCESS)
+            progress.set_result(cfg.index, LLMStatusCode.LLM_SUCCESS)
     if stop is not None:
         raise stop
 
@@ -267,14 +270,14 @@ async def _all_over(pushes: list[asyncio.Future]) -> None:
     await settle(asyncio.gather(*pushes, return_exceptions=True), PUSHES_END_S)
 
 
-async def _push(rt: Runtime, task: CacheTask, cfg: _Config, layer: int, failed: set[int],
+async def _push(rt: Runtime, progress: TaskProgress, cfg: _Config, layer: int, failed: set[int],
                 on_failure: Callable[[], None], timeout_ms: int) -> LLMException | None:
     try:
         await run_push(rt, cfg.link, cfg.plans[layer], timeout_ms, f"transfer_cache_async layer {layer}")
         return None
     except LLMException as exc:
         failed.add(cfg.index)
-        task._set_result(cfg.index, exc.status_code, exc)
+        progress.set_result(cfg.index, exc.status_code, exc)
         on_failure()
         return exc
 
@@ -292,15 +295,16 @@ def _watch_links(configs: list[_Config], on_lost: Callable[[Link, LLMException],
         watch = link.expect(req_id)
 
         def done(f: asyncio.Future, link: Link = link) -> None:
-            if not f.cancelled() and isinstance(f.exception(), LLMException):
-                on_lost(link, f.exception())
+            exc = None if f.cancelled() else f.exception()
+            if isinstance(exc, LLMException):
+                on_lost(link, exc)
 
         watch.add_done_callback(done)
         watches.append((link, req_id, watch))
     return watches
 
 
-async def _confirm(task: CacheTask, layer: int, layer_pushes: list[asyncio.Future],
+async def _confirm(progress: TaskProgress, layer: int, layer_pushes: Sequence[asyncio.Future],
                    previous: asyncio.Future | None, lost: LLMException | None,
                    finishing: list[int], failed: set[int]) -> None:
     outcomes = await asyncio.gather(*layer_pushes)
@@ -309,5 +313,5 @@ async def _confirm(task: CacheTask, layer: int, layer_pushes: list[asyncio.Futur
     error = next((e for e in outcomes if e is not None), lost)
     for index in finishing:  # every layer of these configs is confirmed in place
         if index not in failed:
-            task._set_result(index, LLMStatusCode.LLM_SUCCESS)
-    task._layer_done(layer, error)
+            progress.set_result(index, LLMStatusCode.LLM_SUCCESS)
+    progress.layer_done(layer, error)

@@ -33,14 +33,14 @@ import asyncio
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aio_datadist.cache import KvCache
 from aio_datadist.status import LLMException, LLMStatusCode, check_instance, check_int, param_invalid
 from aio_datadist.types import CacheDesc, CacheKey, LLMRole
 
 if TYPE_CHECKING:
-    from aio_datadist.manager import KvCacheManager
+    from aio_datadist.endpoint import Endpoint
 
 __all__ = ["CacheLease", "allocate_leased_cache", "lease_cache", "lease_of"]
 
@@ -51,11 +51,21 @@ log = logging.getLogger("aio_datadist.leases")
 _LEASES: weakref.WeakKeyDictionary[KvCache, CacheLease] = weakref.WeakKeyDictionary()
 
 
+class _Manager(Protocol):
+    """What leases use of a ``KvCacheManager`` (which sits above them and builds on them)."""
+
+    @property
+    def endpoint(self) -> Endpoint: ...
+
+    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = (), *,
+                       lease_ms: int | None = None) -> KvCache: ...
+
+
 class CacheLease:
     """The lease on one hand-off cache; see the module docstring."""
 
-    def __init__(self, manager: KvCacheManager, cache: KvCache, keys: Sequence[CacheKey], lease_ms: int) -> None:
-        self._manager = manager
+    def __init__(self, endpoint: Endpoint, cache: KvCache, keys: Sequence[CacheKey], lease_ms: int) -> None:
+        self._endpoint: Endpoint | None = endpoint
         self._cache = weakref.ref(cache)
         self._keys = tuple(keys)
         self._loop = _running_loop()
@@ -109,23 +119,24 @@ class CacheLease:
         if self._expired or self._cancelled:
             return
         self._expired = True
-        manager, self._manager = self._manager, None
+        endpoint, self._endpoint = self._endpoint, None
         cache = self._cache()
-        if manager is None or not manager.is_initialized():
+        if endpoint is None or endpoint.runtime is None:
             return  # finalize freed everything already
-        registry = manager._rt().registry
+        registry = endpoint.runtime.registry
         for key in self._keys:
             if cache is not None and registry.bound_to(key, cache):  # not a binding made after ours ended
-                manager.remove_cache_key(key)
+                endpoint.require_role("remove_cache_key", LLMRole.PROMPT, LLMRole.MIX)  # as remove_cache_key
+                registry.remove_key(key)
         if cache is not None:
             try:
-                manager.deallocate_cache(cache)
+                registry.deallocate(cache)  # as deallocate_cache
             except LLMException as exc:
                 if exc.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:  # already dropped by its owner
                     raise
 
 
-def lease_cache(manager: KvCacheManager, cache: KvCache, cache_keys: Sequence[CacheKey], *,
+def lease_cache(manager: _Manager, cache: KvCache, cache_keys: Sequence[CacheKey], *,
                 lease_ms: int) -> CacheLease:
     """Put a lease on an allocated hand-off cache bound to ``cache_keys``.
 
@@ -136,16 +147,17 @@ def lease_cache(manager: KvCacheManager, cache: KvCache, cache_keys: Sequence[Ca
     :raises LLMException: ``LLM_PARAM_INVALID`` for bad arguments or role,
         ``LLM_KV_CACHE_NOT_EXIST`` for a cache that is gone.
     """
-    manager._require_role("lease_cache", LLMRole.PROMPT, LLMRole.MIX)
-    cache = manager._live(cache, "cache")
+    endpoint = manager.endpoint
+    endpoint.require_role("lease_cache", LLMRole.PROMPT, LLMRole.MIX)
+    cache = endpoint.live(cache, "cache")
     if not isinstance(cache_keys, (list, tuple)):
         raise param_invalid("cache_keys", f"expected a list of CacheKey, got {type(cache_keys).__name__}")
     for i, key in enumerate(cache_keys):
         check_instance(f"cache_keys[{i}]", key, CacheKey)
-    return CacheLease(manager, cache, cache_keys, lease_ms)
+    return CacheLease(endpoint, cache, cache_keys, lease_ms)
 
 
-def allocate_leased_cache(manager: KvCacheManager, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey], *,
+def allocate_leased_cache(manager: _Manager, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey], *,
                           lease_ms: int) -> tuple[KvCache, CacheLease]:
     """``manager.allocate_cache(cache_desc, cache_keys)`` with a lease of ``lease_ms``; what
     ``allocate_cache(..., lease_ms=...)`` runs.
@@ -157,13 +169,14 @@ def allocate_leased_cache(manager: KvCacheManager, cache_desc: CacheDesc, cache_
         a running event loop. On any of them nothing is allocated.
     """
     lease_ms = check_int("lease_ms", lease_ms, lo=1, hi=MAX_LEASE_MS)
-    role = manager._owner.role
+    endpoint = manager.endpoint
+    role = endpoint.role
     if role not in (LLMRole.PROMPT, LLMRole.MIX):
         raise param_invalid("lease_ms", f"a lease removes keys, which needs role PROMPT or MIX; this "
                             f"LLMDataDist is {role.name}")
     _running_loop()
     cache = manager.allocate_cache(cache_desc, cache_keys)
-    return cache, CacheLease(manager, cache, [k for k in cache_keys if not k.is_placeholder], lease_ms)
+    return cache, CacheLease(endpoint, cache, [k for k in cache_keys if not k.is_placeholder], lease_ms)
 
 
 def lease_of(cache: KvCache) -> CacheLease | None:

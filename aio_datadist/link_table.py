@@ -25,10 +25,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import fd_budget, handshake, wire
-from aio_datadist.admission import LISTEN_BACKLOG, Admission, Pending, streams
+from aio_datadist.admission import ARRIVAL_FACTOR, LISTEN_BACKLOG, Admission, Pending, streams
 from aio_datadist.links import SUCCESS, ZERO32, DataConn, Link, layout_hash, tune
 from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
-from aio_datadist.transfers import handle_request
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import SHARE_AUTH_S, LocalListener, boot_id, connect_share
 from aio_datadist.transport.nixl import NixlPlane
@@ -36,8 +35,10 @@ from aio_datadist.types import LLMClusterInfo, LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
 if TYPE_CHECKING:
-    from aio_datadist.datadist import LLMDataDist
     from aio_datadist.runtime import Runtime
+
+#: Serves one request a peer sent over a link (``transfers.handle_request``, injected from above).
+RequestHandler = Callable[[Link, Msg, int, dict], None]
 
 __all__ = ["LinkTable"]
 
@@ -50,10 +51,17 @@ UNLINK_WAIT_S = 1.0
 _HELLO_SIZE = len(wire.encode(Msg.HELLO, 0, nonce=bytes(wire.NONCE_BYTES)))
 
 class LinkTable:
-    """The links and the listener of one LLMDataDist."""
+    """The links and the listener of one LLMDataDist.
 
-    def __init__(self, owner: LLMDataDist, runtime: Runtime) -> None:
-        self.owner = owner
+    :param cluster_id: this endpoint's cluster id.
+    :param role: returns this endpoint's current role (it changes with ``switch_role``).
+    :param on_request: serves the requests peers send over every link.
+    """
+
+    def __init__(self, runtime: Runtime, cluster_id: int, role: Callable[[], LLMRole],
+                 on_request: RequestHandler) -> None:
+        self.cluster_id = cluster_id
+        self._role = role
         self.runtime = runtime
         self.links: dict[int, Link] = {}
         self.admission: Admission | None = None
@@ -62,10 +70,9 @@ class LinkTable:
         self._dialling: dict[int, asyncio.Task] = {}
         self.closing = False
         fd_budget.raise_soft_limit()
-        self.on_request: Callable[[Link, Msg, int, dict], None] = (
-            lambda link, msg, req_id, fields: handle_request(runtime, link, msg, req_id, fields))
+        self.on_request = on_request
         self.local_listener: LocalListener | None = None
-        self.nixl = NixlPlane(runtime, owner.cluster_id) if runtime.settings.transport == "nixl" else None
+        self.nixl = NixlPlane(runtime, cluster_id) if runtime.settings.transport == "nixl" else None
         runtime.registry.on_add = self._shared
         runtime.registry.on_free = self._unshared
 
@@ -123,6 +130,15 @@ class LinkTable:
         if self.links.get(link.remote_cluster_id) is link:
             del self.links[link.remote_cluster_id]
 
+    def _new_link(self, remote_id: int, remote_role: LLMRole, reader: asyncio.StreamReader,
+                  writer: asyncio.StreamWriter, *, is_client: bool, channels: int, token: bytes,
+                  remote_address: tuple[str, int]) -> Link:
+        """A link that redials its data channels, forgets itself and finds the NIXL plane through this table."""
+        return Link(self.runtime, remote_id, remote_role, reader, writer, is_client=is_client, channels=channels,
+                    token=token, remote_address=remote_address,
+                    redial=lambda *args: self.dial_data(*args),  # looked up per call: tests may wrap dial_data
+                    forget=self.forget, nixl_plane=self.nixl)
+
     def _live(self, remote_id: int) -> Link | None:
         link = self.links.get(remote_id)
         return link if link is not None and link.broken is None and not link.closed else None
@@ -144,7 +160,8 @@ class LinkTable:
 
     def _reserve(self) -> int:
         """fds kept free besides links (see ``fd_budget``)."""
-        pending = 2 * self.runtime.settings.max_pending_handshakes if self.admission is not None else 0
+        pending = ((1 + ARRIVAL_FACTOR) * self.runtime.settings.max_pending_handshakes
+                   if self.admission is not None else 0)
         return fd_budget.RESERVE + pending
 
     def _claim(self) -> fd_budget.Claim:
@@ -252,7 +269,7 @@ class LinkTable:
             remote_role = LLMRole(auth["role"])
         except ValueError:
             raise ProtocolError("bad role") from None
-        own_id = self.owner.cluster_id
+        own_id = self.cluster_id
         if auth["peer_id"] != own_id:
             return await refuse(LLMStatusCode.LLM_LINK_FAILED, f"this endpoint is cluster {own_id}, "
                                 f"not {auth['peer_id']}")
@@ -286,14 +303,14 @@ class LinkTable:
             tune(writer.get_extra_info("socket"))
             peer = writer.get_extra_info("peername")
             admission.leave(pending)  # through: never dropped as stalled from here on
-            link = Link(self, remote_id, remote_role, reader.inner, writer, is_client=False, channels=channels,
-                        token=token, remote_address=(peer[0], peer[1]))
+            link = self._new_link(remote_id, remote_role, reader.inner, writer, is_client=False,
+                                  channels=channels, token=token, remote_address=(peer[0], peer[1]))
             if not self._register(link):
                 return await refuse(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
         finally:
             claim.release()
         local_name = self.local_listener.name if self.local_listener is not None else b""
-        writer.write(handshake.link_ok(self.secret, accepted, SUCCESS, cluster_id=own_id, role=self.owner.role,
+        writer.write(handshake.link_ok(self.secret, accepted, SUCCESS, cluster_id=own_id, role=self._role(),
                                        token=token, channels=channels, boot=boot_id(), local_name=local_name))
         return True
 
@@ -395,8 +412,9 @@ class LinkTable:
         if that one linked, or tries itself if it did not.
         """
         remote_id = cluster.remote_cluster_id
+        assert remote_id is not None  # the caller checked the clusters it was given
         address = cluster.remote_endpoints[0]
-        if remote_id == self.owner.cluster_id:
+        if remote_id == self.cluster_id:
             log.warning("link_clusters: cluster %s is this endpoint itself", remote_id)
             return LLMStatusCode.LLM_LINK_FAILED
         loop = asyncio.get_running_loop()
@@ -453,16 +471,16 @@ class LinkTable:
             tune(writer.get_extra_info("socket"))
             if self.tls_client is not None:
                 await tls.dial_control(reader, writer, self.tls_client, address[0], HANDSHAKE_LIMIT_S)
-            ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.owner.cluster_id,
-                                      role=self.owner.role, peer_id=remote_id, layout=layout_hash(self.runtime))
+            ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
+                                      role=self._role(), peer_id=remote_id, layout=layout_hash(self.runtime))
             channels = ok["channels"]
             for index in range(2 * channels):
                 sockets.append(await self.dial_data(address, ok["link_token"], index, 0))
             if existing is not None:
                 await existing.close()
                 self.forget(existing)
-            link = Link(self, remote_id, ok["role"], reader, writer, is_client=True,
-                        channels=channels, token=ok["link_token"], remote_address=address)
+            link = self._new_link(remote_id, ok["role"], reader, writer, is_client=True,
+                                  channels=channels, token=ok["link_token"], remote_address=address)
             for index, sock in enumerate(sockets):
                 link.install(index, sock, 0)
             if not self._register(link):
@@ -504,6 +522,7 @@ class LinkTable:
             return
         link.attach_local(sock)
         share = link.local
+        assert share is not None  # attach_local set it
         # The peer's caches are mapped before link_clusters returns.
         await asyncio.wait([share.ready], timeout=SHARE_AUTH_S)
         if not share.ready.done() or share.ready.cancelled():

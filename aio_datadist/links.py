@@ -25,7 +25,7 @@ import hashlib
 import logging
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import wire
@@ -33,12 +33,11 @@ from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import LocalShare
 from aio_datadist.transport.nixl import READY as NIXL_READY
-from aio_datadist.transport.nixl import NixlPeer
+from aio_datadist.transport.nixl import NixlPeer, NixlPlane
 from aio_datadist.types import LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
 if TYPE_CHECKING:
-    from aio_datadist.link_table import LinkTable
     from aio_datadist.runtime import Runtime
 
 __all__ = ["DataConn", "Link", "layout_hash", "tune"]
@@ -83,14 +82,26 @@ class _Channel:
         self.attached = False
 
 
-class Link:
-    """One established link to a peer endpoint."""
+#: Dials data channel ``index`` of a link again: ``(address, token, index, generation) -> connection``.
+Redial = Callable[[tuple[str, int], bytes, int, int], Awaitable[DataConn]]
 
-    def __init__(self, table: LinkTable, remote_cluster_id: int, remote_role: LLMRole,
+
+class Link:
+    """One established link to a peer endpoint.
+
+    What a link needs of whoever made it comes in as callables: ``redial``
+    dials a reset data channel again, ``forget`` drops the link from its table
+    when the peer unlinks; ``nixl_plane`` is this endpoint's NIXL plane, if any.
+    """
+
+    def __init__(self, runtime: Runtime, remote_cluster_id: int, remote_role: LLMRole,
                  reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, is_client: bool,
-                 channels: int, token: bytes, remote_address: tuple[str, int]) -> None:
-        self.table = table
-        self.runtime = table.runtime
+                 channels: int, token: bytes, remote_address: tuple[str, int], redial: Redial,
+                 forget: Callable[[Link], None], nixl_plane: NixlPlane | None) -> None:
+        self.runtime = runtime
+        self._redial_data = redial
+        self._forget = forget
+        self.nixl_plane = nixl_plane
         self.remote_cluster_id = remote_cluster_id
         self.remote_role = remote_role
         self.reader = reader
@@ -205,8 +216,8 @@ class Link:
     async def _redial(self, index: int, generation: int, done: asyncio.Future) -> None:
         try:
             try:
-                sock = await self.table.dial_data(self.remote_address, self.token, index, generation)
-            except (OSError, LLMException, asyncio.TimeoutError) as exc:
+                sock = await self._redial_data(self.remote_address, self.token, index, generation)
+            except (OSError, LLMException, TimeoutError) as exc:
                 self.fail(LLMException(f"could not redial data channel {index}: {exc}",
                                        status_code=LLMStatusCode.LLM_LINK_FAILED))
                 return
@@ -250,7 +261,11 @@ class Link:
         if isinstance(conn, tls.TlsChannel):
             fut = conn.start(pairs, send=send, timeout_ms=timeout_ms, what=what, keepalive=keepalive)
             if settled is not None:
-                fut.add_done_callback(lambda _: settled.done() or settled.set_result(None))
+                def settle_job(_: asyncio.Future, settled: asyncio.Future = settled) -> None:
+                    if not settled.done():
+                        settled.set_result(None)
+
+                fut.add_done_callback(settle_job)
             return fut
         fd = conn.fileno()
         engine = self.runtime.sockets
@@ -332,7 +347,7 @@ class Link:
             return
         if msg is Msg.UNLINK:
             self.send(Msg.UNLINK_ACK, req_id)
-            self.table.forget(self)
+            self._forget(self)
             self.spawn(self.close())
             return
         if msg is Msg.ABORT:
@@ -391,7 +406,7 @@ class Link:
 
     def start_nixl(self) -> NixlPeer | None:
         """Begin the NIXL exchange with the peer (the client does, once linked)."""
-        plane = self.table.nixl
+        plane = self.nixl_plane
         if plane is None or self.nixl is not None:
             return self.nixl
         self.nixl = NixlPeer(plane, self._send_nixl, self.remote_cluster_id)
@@ -403,7 +418,7 @@ class Link:
 
     def _nixl_record(self, fields: dict) -> None:
         if self.nixl is None:
-            if self.table.nixl is None:
+            if self.nixl_plane is None:
                 if fields["kind"] != NIXL_READY:
                     self._send_nixl(NIXL_READY, 0, 0, 0, (), b"")  # we do not speak NIXL: TCP it is
                 return

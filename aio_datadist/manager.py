@@ -12,12 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from aio_datadist.arrivals import PushWatch
 from aio_datadist.cache import (
     KvCache,
     allocate_host_tensors,
     check_user_tensors,
     copy_triples,
 )
+from aio_datadist.devices.ops import copy_rows, involves_device, require_host
+from aio_datadist.layerwise import start_transfer
+from aio_datadist.leases import allocate_leased_cache
 from aio_datadist.status import (
     LLMException,
     LLMStatusCode,
@@ -27,9 +31,6 @@ from aio_datadist.status import (
     check_int,
     param_invalid,
 )
-from aio_datadist.arrivals import PushWatch
-from aio_datadist.devices.ops import copy_rows, involves_device, require_host
-from aio_datadist.layerwise import start_transfer
 from aio_datadist.task import CacheTask
 from aio_datadist.transfers import (
     F_BLOCKS,
@@ -57,7 +58,7 @@ from aio_datadist.types import (
 )
 
 if TYPE_CHECKING:
-    from aio_datadist.datadist import LLMDataDist
+    from aio_datadist.endpoint import Endpoint
     from aio_datadist.runtime import Runtime
 
 __all__ = ["KvCacheManager"]
@@ -71,34 +72,34 @@ class KvCacheManager:
     ``timeout=`` in milliseconds (default: ``LLMConfig.sync_kv_timeout``).
     """
 
-    def __init__(self, owner: LLMDataDist) -> None:
-        self._owner = owner
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
 
     # -- state -----------------------------------------------------------
 
+    @property
+    def endpoint(self) -> Endpoint:
+        """The endpoint this manager works for (role, runtime, links and their checks), for the
+        library's own parts built on the manager, such as ``aio_datadist.leases``."""
+        return self._endpoint
+
     def is_initialized(self) -> bool:
         """Whether the owning LLMDataDist is initialised (False after finalize)."""
-        return self._owner._runtime is not None
+        return self._endpoint.initialized
 
     def _rt(self) -> Runtime:
-        return self._owner._require_runtime()
+        return self._endpoint.require_runtime()
 
     def _timeout(self, timeout: Any) -> int:
         if timeout is None:
             return self._rt().default_timeout_ms()
         return check_int("timeout", timeout, lo=1, hi=2**31 - 1)
 
-    def _require_role(self, call: str, *roles: LLMRole) -> None:
-        role = self._owner.role
-        if role not in roles:
-            allowed = " or ".join(r.name for r in roles)
-            raise param_invalid("role", f"{call} needs role {allowed}, this LLMDataDist is {role.name}")
-
     # -- allocation and registration --------------------------------------
 
     def _check_desc(self, cache_desc: Any) -> CacheDesc:
         check_instance("cache_desc", cache_desc, CacheDesc)
-        cache_desc.data_type.torch_dtype  # DT_STRING has no tensor form
+        _ = cache_desc.data_type.torch_dtype  # raises for DT_STRING, which has no tensor form
         return cache_desc
 
     def _device_for(self, desc: CacheDesc) -> torch.device:
@@ -122,8 +123,6 @@ class KvCacheManager:
             ``LLM_OUT_OF_MEMORY`` past the registered-memory cap.
         """
         if lease_ms is not None:
-            from aio_datadist.leases import allocate_leased_cache  # leases builds on this very call
-
             return allocate_leased_cache(self, cache_desc, cache_keys, lease_ms=lease_ms)[0]
         rt = self._rt()
         desc = self._check_desc(cache_desc)
@@ -214,22 +213,16 @@ class KvCacheManager:
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Stop offering a row under ``cache_key`` (PROMPT or MIX). No-op if unbound."""
         rt = self._rt()
-        self._require_role("remove_cache_key", LLMRole.PROMPT, LLMRole.MIX)
+        self._endpoint.require_role("remove_cache_key", LLMRole.PROMPT, LLMRole.MIX)
         check_instance("cache_key", cache_key, CacheKey)
         rt.registry.remove_key(cache_key)
 
     def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[torch.Tensor]:
         """Torch views of tensor ``tensor_index``, one per device (one here)."""
         self._rt()
-        cache = self._live(cache, "cache")
+        cache = self._endpoint.live(cache, "cache")
         index = check_index("tensor_index", tensor_index, cache.cache_desc.num_tensors)
         return [cache.tensors[index]]
-
-    def _live(self, cache: Any, arg: str) -> KvCache:
-        check_instance(arg, cache, KvCache)
-        if cache.cache_id == -1:
-            return cache
-        return self._rt().registry.get(cache, arg)
 
     # -- local copies ------------------------------------------------------
 
@@ -243,8 +236,8 @@ class KvCacheManager:
         :raises LLMException: ``LLM_PARAM_INVALID`` for blocks caches,
             mismatched descs or out-of-range rows/bytes; ``LLM_TIMEOUT``.
         """
-        dst = self._live(dst, "dst")
-        src = self._live(src, "src")
+        dst = self._endpoint.live(dst, "dst")
+        src = self._endpoint.live(src, "src")
         for arg, cache in (("dst", dst), ("src", src)):
             if cache.is_blocks_cache:
                 raise param_invalid(arg, "copy_cache needs a contiguous cache, got a blocks cache (use copy_blocks)")
@@ -256,7 +249,8 @@ class KvCacheManager:
         size = check_int("size", size, lo=-1)
         nbytes = dl.row_bytes - offset if size == -1 else size
         if size == 0 or nbytes > dl.row_bytes - offset:
-            raise param_invalid("size", f"must be -1 or in [1, {dl.row_bytes - offset}] (row bytes minus offset), got {size}")
+            raise param_invalid("size", f"must be -1 or in [1, {dl.row_bytes - offset}] (row bytes minus offset), "
+                                f"got {size}")
         if dst is src and drow == srow:
             raise param_invalid("dst_batch_index", "source and destination are the same row")
         await self._copy_rows(dst, [drow], src, [srow], offset, nbytes, "copy_cache", timeout)
@@ -269,7 +263,7 @@ class KvCacheManager:
             out-of-range blocks, a destination named twice or a destination
             that is also a source; ``LLM_TIMEOUT``.
         """
-        cache = self._live(cache, "cache")
+        cache = self._endpoint.live(cache, "cache")
         if not cache.is_blocks_cache:
             raise param_invalid("cache", "copy_blocks needs a blocks cache")
         if not isinstance(copy_block_info, Mapping) or not copy_block_info:
@@ -302,8 +296,8 @@ class KvCacheManager:
             placements, different block sizes or tensor counts, out-of-range or
             repeated destination blocks; ``LLM_TIMEOUT``.
         """
-        src = self._live(src, "src")
-        dst = self._live(dst, "dst")
+        src = self._endpoint.live(src, "src")
+        dst = self._endpoint.live(dst, "dst")
         for arg, cache in (("src", src), ("dst", dst)):
             if not cache.is_blocks_cache:
                 raise param_invalid(arg, "swap_blocks needs blocks caches")
@@ -349,7 +343,7 @@ class KvCacheManager:
         if ext_param is None:
             return (-1, -1), (-1, -1), 2
         check_instance("ext_param", ext_param, KvCacheExtParam)
-        return (tuple(ext_param.src_layer_range), tuple(ext_param.dst_layer_range),  # type: ignore[return-value]
+        return (tuple(ext_param.src_layer_range), tuple(ext_param.dst_layer_range),
                 ext_param.tensor_num_per_layer)
 
     async def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, kv_cache: KvCache,
@@ -365,9 +359,9 @@ class KvCacheManager:
             ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_TIMEOUT``, ``LLM_LINK_FAILED``.
         """
         rt = self._rt()
-        self._require_role("pull_cache", LLMRole.DECODER, LLMRole.MIX)
+        self._endpoint.require_role("pull_cache", LLMRole.DECODER, LLMRole.MIX)
         key = _check_pull_key("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
-        cache = self._live(kv_cache, "kv_cache")
+        cache = self._endpoint.live(kv_cache, "kv_cache")
         if cache.is_blocks_cache:
             raise param_invalid("kv_cache", "pull_cache needs a contiguous cache (use pull_blocks for blocks)")
         require_host("kv_cache", cache, "pull_cache")
@@ -381,7 +375,7 @@ class KvCacheManager:
         flags = F_CONTIG | (F_EXACT if size == -1 else 0)
         plan = build_plan(cache, dst, src, per_layer, [row], nbytes, (), nbytes, flags,
                           target_fields(key), "dst")
-        link = self._owner._require_links().get(key.cluster_id)
+        link = self._endpoint.require_links().get(key.cluster_id)
         await run_pull(rt, link, plan, timeout_ms, "pull_cache")
 
     async def pull_blocks(self, src_cache_key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex,
@@ -398,9 +392,9 @@ class KvCacheManager:
         :raises LLMException: as :meth:`pull_cache`.
         """
         rt = self._rt()
-        self._require_role("pull_blocks", LLMRole.DECODER, LLMRole.MIX)
+        self._endpoint.require_role("pull_blocks", LLMRole.DECODER, LLMRole.MIX)
         key = _check_pull_key("src_cache_key", src_cache_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
-        cache = self._live(dst_cache, "dst_cache")
+        cache = self._endpoint.live(dst_cache, "dst_cache")
         if not cache.is_blocks_cache:
             raise param_invalid("dst_cache", "pull_blocks needs a blocks cache")
         require_host("dst_cache", cache, "pull_blocks")
@@ -419,7 +413,7 @@ class KvCacheManager:
                 raise param_invalid("src_blocks", "must be empty when pulling a contiguous cache into blocks")
             plan = build_plan(cache, dst, src, per_layer, dsts, lay.row_bytes, (), lay.row_bytes * len(dsts),
                               F_CONTIG, target_fields(key), "dst")
-        link = self._owner._require_links().get(key.cluster_id)
+        link = self._endpoint.require_links().get(key.cluster_id)
         await run_pull(rt, link, plan, timeout_ms, "pull_blocks")
 
     async def push_blocks(self, dst_cache_index_or_key: CacheIndex | BlocksCacheKey, src_cache: KvCache,
@@ -435,11 +429,11 @@ class KvCacheManager:
             ``LLM_TIMEOUT``, ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_LINK_FAILED``.
         """
         rt = self._rt()
-        self._require_role("push_blocks", LLMRole.PROMPT, LLMRole.MIX)
+        self._endpoint.require_role("push_blocks", LLMRole.PROMPT, LLMRole.MIX)
         key = _check_pull_key("dst_cache_index_or_key", dst_cache_index_or_key, (CacheIndex, BlocksCacheKey))
         if isinstance(key, CacheIndex) and key.batch_index != 0:
             raise param_invalid("dst_cache_index_or_key", "batch_index must be 0 for a blocks cache")
-        cache = self._live(src_cache, "src_cache")
+        cache = self._endpoint.live(src_cache, "src_cache")
         if not cache.is_blocks_cache:
             raise param_invalid("src_cache", "push_blocks needs a blocks cache")
         require_host("src_cache", cache, "push_blocks")
@@ -453,7 +447,7 @@ class KvCacheManager:
         _check_unique("dst_blocks", dsts)
         plan = build_plan(cache, src, dst, per_layer, srcs, lay.row_bytes, dsts, lay.row_bytes,
                           F_BLOCKS | F_EXACT, target_fields(key), "src")
-        link = self._owner._require_links().get(key.cluster_id)
+        link = self._endpoint.require_links().get(key.cluster_id)
         await run_push(rt, link, plan, timeout_ms, "push_blocks")
 
     async def push_cache(self, dst_cache_index_or_key: CacheIndex | CacheKeyByIdAndIndex, src_cache: KvCache,
@@ -466,9 +460,9 @@ class KvCacheManager:
         :raises LLMException: as :meth:`push_blocks`.
         """
         rt = self._rt()
-        self._require_role("push_cache", LLMRole.PROMPT, LLMRole.MIX)
+        self._endpoint.require_role("push_cache", LLMRole.PROMPT, LLMRole.MIX)
         key = _check_pull_key("dst_cache_index_or_key", dst_cache_index_or_key, (CacheIndex, CacheKeyByIdAndIndex))
-        cache = self._live(src_cache, "src_cache")
+        cache = self._endpoint.live(src_cache, "src_cache")
         if cache.is_blocks_cache:
             raise param_invalid("src_cache", "push_cache needs a contiguous cache (use push_blocks for blocks)")
         require_host("src_cache", cache, "push_cache")
@@ -480,7 +474,7 @@ class KvCacheManager:
         row = check_index("src_batch_index", src_batch_index, lay.rows, what="batch index")
         plan = build_plan(cache, src, dst, per_layer, [row], lay.row_bytes, (), lay.row_bytes,
                           F_CONTIG | F_EXACT, target_fields(key), "src")
-        link = self._owner._require_links().get(key.cluster_id)
+        link = self._endpoint.require_links().get(key.cluster_id)
         await run_push(rt, link, plan, timeout_ms, "push_cache")
 
 
@@ -512,10 +506,10 @@ class KvCacheManager:
             anything is sent), ``LLM_NOT_YET_LINK`` for an unlinked destination.
         """
         self._rt()
-        self._require_role("transfer_cache_async", LLMRole.PROMPT, LLMRole.MIX)
-        cache = self._live(src_cache, "src_cache")
+        self._endpoint.require_role("transfer_cache_async", LLMRole.PROMPT, LLMRole.MIX)
+        cache = self._endpoint.live(src_cache, "src_cache")
         require_host("src_cache", cache, "transfer_cache_async")
-        return start_transfer(self._rt(), self._owner._require_links(), cache, layer_synchronizer,
+        return start_transfer(self._rt(), self._endpoint.require_links(), cache, layer_synchronizer,
                               transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size)
 
     def watch_pushes(self, cache: KvCache, rows: Sequence[int], layers: range | None = None, *,
@@ -529,7 +523,7 @@ class KvCacheManager:
         :raises LLMException: ``LLM_PARAM_INVALID`` for bad rows or layers.
         """
         rt = self._rt()
-        cache = self._live(cache, "cache")
+        cache = self._endpoint.live(cache, "cache")
         per_layer = check_int("tensors_per_layer", tensors_per_layer, lo=1, hi=255)
         num_tensors = cache.cache_desc.num_tensors
         if num_tensors % per_layer:
@@ -545,9 +539,8 @@ class KvCacheManager:
 
 def _check_pull_key(arg: str, key: Any, kinds: tuple[type, ...]) -> Any:
     check_instance(arg, key, kinds)
-    if isinstance(key, CacheKey):
-        if (key.req_id != UINT64_MAX) == (key.prefix_id != UINT64_MAX):
-            raise param_invalid(arg, "exactly one of req_id and prefix_id must be set")
+    if isinstance(key, CacheKey) and (key.req_id != UINT64_MAX) == (key.prefix_id != UINT64_MAX):
+        raise param_invalid(arg, "exactly one of req_id and prefix_id must be set")
     return key
 
 

@@ -43,8 +43,9 @@ class Runtime:
                 self.copier.close()
                 raise
         except BaseException:
-            if getattr(self, "devices", None) is not None:
-                self.devices.close()
+            devices = getattr(self, "devices", None)  # unset when select_device raised
+            if devices is not None:
+                devices.close()
             self.queue.close()
             raise
 

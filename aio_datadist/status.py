@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import ipaddress
 import operator
+from collections.abc import Iterable
 from enum import IntEnum
-from typing import Any, Iterable, TypeVar
+from typing import Any, TypeVar, cast
 
 __all__ = [
     "LLMStatusCode",
@@ -198,12 +199,9 @@ def check_instance(arg_name: str, value: Any, types: type[_T] | tuple[type, ...]
     :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name`` otherwise.
     """
     if not isinstance(value, types):
-        if isinstance(types, tuple):
-            expected = " or ".join(t.__name__ for t in types)
-        else:
-            expected = types.__name__
+        expected = " or ".join(t.__name__ for t in types) if isinstance(types, tuple) else types.__name__
         raise param_invalid(arg_name, f"expected {expected}, got {_type_name(value)}")
-    return value
+    return cast(_T, value)
 
 
 def check_int(arg_name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:

@@ -1,14 +1,55 @@
-"""CacheTask: the handle of a layer-wise transfer, with one future per layer."""
+"""CacheTask: the handle of a layer-wise transfer, with one future per layer.
+
+The driver (``layerwise.py``) reports into a :class:`TaskProgress`; the
+:class:`CacheTask` the caller holds reads it and runs the driver.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+from collections.abc import Coroutine, Generator
 from typing import Any
 
 from aio_datadist.status import LLMException, LLMStatusCode, check_int, param_invalid
 
-__all__ = ["CacheTask"]
+__all__ = ["CacheTask", "TaskProgress"]
+
+
+class TaskProgress:
+    """What a layer-wise driver reports: one result per config, one future per layer."""
+
+    def __init__(self, layers: list[int], num_configs: int) -> None:
+        loop = asyncio.get_running_loop()
+        self.layers = {layer: loop.create_future() for layer in layers}
+        self.results: list[LLMStatusCode | None] = [None] * num_configs
+        self.error: LLMException | None = None
+
+    def result(self, index: int) -> LLMStatusCode | None:
+        """Config ``index``'s result so far (None: none yet)."""
+        return self.results[index]
+
+    def set_result(self, index: int, code: LLMStatusCode, error: LLMException | None = None) -> None:
+        """Record config ``index``'s outcome; a failure is kept over a later success."""
+        if self.results[index] in (None, LLMStatusCode.LLM_SUCCESS):
+            self.results[index] = code
+            if error is not None and self.error is None:
+                self.error = error
+
+    def layer_done(self, layer: int, exc: BaseException | None) -> None:
+        """Complete layer ``layer``'s future (with ``exc`` if it failed); later calls do nothing."""
+        fut = self.layers[layer]
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            _fail_quietly(fut, exc)
+
+    def first_failure(self) -> LLMStatusCode:
+        for code in self.results:
+            if code is not None and code != LLMStatusCode.LLM_SUCCESS:
+                return code
+        return LLMStatusCode.LLM_FAILED
 
 
 class CacheTask:
@@ -24,15 +65,10 @@ class CacheTask:
     * ``task.cancel()`` stops the layers not yet sent and tells the peers.
     """
 
-    def __init__(self, layers: list[int], num_configs: int) -> None:
-        loop = asyncio.get_running_loop()
-        self._layers = {layer: loop.create_future() for layer in layers}
-        self._results: list[LLMStatusCode | None] = [None] * num_configs
-        self._error: LLMException | None = None
-        self._task: asyncio.Task | None = None
-
-    def _start(self, coro: Any) -> None:
-        self._task = asyncio.get_running_loop().create_task(coro)
+    def __init__(self, progress: TaskProgress, driver: Coroutine[Any, Any, None]) -> None:
+        """Run ``driver``, which reports into ``progress`` (``layerwise.start_transfer`` makes both)."""
+        self._progress = progress
+        self._task = asyncio.get_running_loop().create_task(driver)
         self._task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task) -> None:
@@ -40,37 +76,14 @@ class CacheTask:
             exc: BaseException = asyncio.CancelledError()
         else:
             exc = task.exception() or LLMException("the transfer stopped before this layer",
-                                                   status_code=self._first_failure())
-        for fut in self._layers.values():
+                                                   status_code=self._progress.first_failure())
+        for fut in self._progress.layers.values():
             if fut.done():
                 continue
             if isinstance(exc, asyncio.CancelledError):
                 fut.cancel()
             else:
                 _fail_quietly(fut, exc)
-
-    def _first_failure(self) -> LLMStatusCode:
-        for code in self._results:
-            if code is not None and code != LLMStatusCode.LLM_SUCCESS:
-                return code
-        return LLMStatusCode.LLM_FAILED
-
-    # -- the driver reports through these ----------------------------------
-
-    def _set_result(self, index: int, code: LLMStatusCode, error: LLMException | None = None) -> None:
-        if self._results[index] in (None, LLMStatusCode.LLM_SUCCESS):
-            self._results[index] = code
-            if error is not None and self._error is None:
-                self._error = error
-
-    def _layer_done(self, layer: int, exc: BaseException | None) -> None:
-        fut = self._layers[layer]
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(None)
-        else:
-            _fail_quietly(fut, exc)
 
     # -- public ------------------------------------------------------------
 
@@ -80,35 +93,34 @@ class CacheTask:
         Awaiting it never cancels the transfer.
         """
         index = check_int("index", index)
-        if index not in self._layers:
+        layers = self._progress.layers
+        if index not in layers:
             raise param_invalid("index", f"layer {index} is not part of this transfer "
-                                f"(layers {min(self._layers)}..{max(self._layers)})")
-        return _quiet(asyncio.shield(self._layers[index]))
+                                f"(layers {min(layers)}..{max(layers)})")
+        return _quiet(asyncio.shield(layers[index]))
 
     def done(self) -> bool:
         """Whether the transfer has ended (successfully or not)."""
-        return self._task is not None and self._task.done()
+        return self._task.done()
 
     def cancel(self) -> None:
         """Stop layers not yet sent and abort those in flight; idempotent."""
-        if self._task is not None:
-            self._task.cancel()
+        self._task.cancel()
 
     def __await__(self) -> Generator[Any, None, list[LLMStatusCode]]:
         return self._wait().__await__()
 
     async def _wait(self) -> list[LLMStatusCode]:
-        assert self._task is not None
         await self._task
-        failure = next((c for c in self._results if c not in (None, LLMStatusCode.LLM_SUCCESS)), None)
+        results, error = self._progress.results, self._progress.error
+        failure = next((c for c in results if c not in (None, LLMStatusCode.LLM_SUCCESS)), None)
         if failure is not None:
-            detail = f": {self._error.args[0]}" if self._error is not None and self._error.args else ""
-            raise LLMException(f"transfer_cache_async failed, results {[str(c) for c in self._results]}{detail}",
-                               status_code=failure) from self._error
-        return [LLMStatusCode.LLM_SUCCESS if c is None else c for c in self._results]
+            detail = f": {error.args[0]}" if error is not None and error.args else ""
+            raise LLMException(f"transfer_cache_async failed, results {[str(c) for c in results]}{detail}",
+                               status_code=failure) from error
+        return [LLMStatusCode.LLM_SUCCESS if c is None else c for c in results]
 
     async def _settle(self, timeout_in_millis: int | None) -> bool:
-        assert self._task is not None
         timeout = None
         if timeout_in_millis is not None:
             timeout = check_int("timeout_in_millis", timeout_in_millis, lo=0, hi=2**31 - 1) / 1000
@@ -123,9 +135,9 @@ class CacheTask:
         """
         if not await self._settle(timeout_in_millis):
             return LLMStatusCode.LLM_TIMEOUT
-        if self._task is not None and self._task.cancelled():
+        if self._task.cancelled():
             return LLMStatusCode.LLM_FAILED
-        return next((c for c in self._results if c not in (None, LLMStatusCode.LLM_SUCCESS)),
+        return next((c for c in self._progress.results if c not in (None, LLMStatusCode.LLM_SUCCESS)),
                     LLMStatusCode.LLM_SUCCESS)
 
     async def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
@@ -135,7 +147,7 @@ class CacheTask:
         returns what is known; the transfer goes on if it has not ended.
         """
         await self._settle(timeout_in_millis)
-        return list(self._results)
+        return list(self._progress.results)
 
 
 def _quiet(fut: asyncio.Future) -> asyncio.Future:

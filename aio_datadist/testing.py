@@ -151,7 +151,7 @@ def seeded_pattern(desc: CacheDesc, seed: int) -> list[torch.Tensor]:
 
 
 def _fill(cache: KvCache, seed: int) -> None:
-    for tensor, value in zip(cache.tensors, seeded_pattern(cache.cache_desc, seed)):
+    for tensor, value in zip(cache.tensors, seeded_pattern(cache.cache_desc, seed), strict=True):
         tensor.copy_(value)
 
 
@@ -418,10 +418,15 @@ async def _ended(process: multiprocessing.process.BaseProcess, timeout: float) -
     process.join(0)
 
 
+def _set_done(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 async def _readable(fd: int, timeout: float | None) -> bool:
     loop = asyncio.get_running_loop()
     ready = loop.create_future()
-    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    loop.add_reader(fd, _set_done, ready)
     try:
         async with asyncio.timeout(timeout):
             await ready
@@ -501,9 +506,11 @@ async def _serve_prompt(conn: multiprocessing.connection.Connection, seed: int, 
 try:
     import pytest_asyncio
 except ImportError:  # the fixtures then say what is missing when used
-    pytest_asyncio = None
+    _HAVE_PYTEST_ASYNCIO = False
+else:
+    _HAVE_PYTEST_ASYNCIO = True
 
-if pytest_asyncio is not None:
+if _HAVE_PYTEST_ASYNCIO:
 
     @pytest_asyncio.fixture
     async def datadist_pair() -> AsyncIterator[DataDistPair]:

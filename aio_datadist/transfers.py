@@ -230,10 +230,10 @@ class _Request:
             _abandon(link, self.channel, self.generation, self.req_id)
             if self.settled is not None:
                 await _wait_out(self.settled, JOB_SETTLE_S, cancelled)
-        if self.ack is not None and not self.ack.done():
-            if not await _wait_out(self.ack, ABORT_ACK_S, cancelled):
-                link.fail(LLMException(f"{self.what}: cluster {link.remote_cluster_id} did not confirm an aborted "
-                                       f"push within {ABORT_ACK_S} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
+        if (self.ack is not None and not self.ack.done()
+                and not await _wait_out(self.ack, ABORT_ACK_S, cancelled)):
+            link.fail(LLMException(f"{self.what}: cluster {link.remote_cluster_id} did not confirm an aborted "
+                                   f"push within {ABORT_ACK_S} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
         if self.req_id:
             link.pending.pop(self.req_id, None)
         if cancelled:
@@ -399,7 +399,7 @@ async def _run_nixl(link: Link, plan: Plan, answer: dict, req: _Request, *, pull
     remote = plan.remote
     req_id, what = req.req_id, req.what
     region = None if peer is None else peer.caches.get(answer["cache_id"])
-    if region is None:
+    if peer is None or region is None:
         raise LLMException(f"cluster {link.remote_cluster_id} cache {answer['cache_id']} is not prepared for NIXL",
                            status_code=LLMStatusCode.LLM_LINK_FAILED)
     first, count = one_side_span(region.tensors, (remote["layer_first"], remote["layer_last"]),
@@ -460,6 +460,7 @@ def _resolve_target(rt: Runtime, req: dict) -> tuple[KvCache, int | None, KeyBin
     (that binding only: a key removed and bound again meanwhile is another binding)."""
     kind = req["target_kind"]
     reg = rt.registry
+    cache: KvCache | None
     if kind == KIND_CACHE_KEY:
         req_valid = req["key_req_id"] != UINT64_MAX
         prefix_valid = req["prefix_id"] != UINT64_MAX
@@ -587,12 +588,14 @@ def _serve_plan(rt: Runtime, link: Link, msg: Msg, req: dict) -> tuple[Any, Any,
 
 
 def _serve_local(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict, cache: KvCache, total: int,
-                 pulled_key: tuple | None, tensors: range, landed: list, *, nixl: bool = False) -> None:
+                 pulled_key: KeyBinding | None, tensors: range, landed: list, *, nixl: bool = False) -> None:
     """Let the requester move the bytes itself: a same-host copy against our shared cache, or a
     NIXL READ/WRITE against our registered one. A pull reports back with DONE, a NIXL push
     with its WRITE's notification (a failed push with DONE)."""
     row = -1 if req["rows"] else _target_row(rt, req)
-    plane = link.nixl.plane if nixl else None
+    peer = link.nixl if nixl else None
+    assert peer is not None or not nixl, "nixl=True only once _nixl_serves saw the link's NIXL peer"
+    plane = None if peer is None else peer.plane
     notified = None
 
     def ok() -> None:
@@ -627,10 +630,10 @@ def _serve_local(rt: Runtime, link: Link, msg: Msg, req_id: int, req: dict, cach
 
     link.serving[req_id] = abort
     link.pull_acks[req_id] = (settled(ok), settled(failed))
-    if plane is not None:
-        plane.serve_begin(cache.cache_id)
+    if peer is not None:
+        peer.plane.serve_begin(cache.cache_id)
         if msg is Msg.PUSH_REQ:
-            notified = link.nixl.expect_push(req_id, f"NIXL push {req_id}")
+            notified = peer.expect_push(req_id, f"NIXL push {req_id}")
 
             def arrived(f: asyncio.Future) -> None:
                 if f.cancelled() or f.exception() is not None:
@@ -659,7 +662,8 @@ def _local_source(link: Link, req: dict, count: int, total: int) -> Any:
             or nbytes > region.row_bytes or count * len(rows) * nbytes != total):
         raise _Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                        f"the pushed source does not fit cache {req['src_cache_id']} shared by the pusher")
-    return _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes, 0, nbytes), region
+    pairs = _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes, 0, nbytes)
+    return pairs, region
 
 
 def _serve_push_local(rt: Runtime, link: Link, req_id: int, req: dict) -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 import socket
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable
 from enum import Enum, IntEnum
-from typing import TYPE_CHECKING, Any, Awaitable, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from .status import (
     INT32_MAX,
@@ -243,7 +244,7 @@ class _Value:
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return self._values() == other._values()  # type: ignore[attr-defined]
+        return self._values() == other._values()
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self._values()))
@@ -700,6 +701,7 @@ class TransferConfig(_Value):
     dst_addrs: tuple[int, ...]
     src_layer_range: range | None
     src_batch_index: int
+    _dst_layer_range: range | None
 
     def __init__(
         self,
@@ -730,7 +732,7 @@ class TransferConfig(_Value):
     @property
     def dst_layer_range(self) -> range | None:
         """Destination layers (``range``, step 1) or None; assignable."""
-        return self._dst_layer_range  # type: ignore[no-any-return]
+        return self._dst_layer_range
 
     @dst_layer_range.setter
     def dst_layer_range(self, value: range | None) -> None:

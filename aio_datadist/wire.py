@@ -144,7 +144,7 @@ def decode_body(msg: Msg, body: bytes) -> dict[str, Any]:
     fixed, names, rows_name, has_text, blob_name = _COMPILED[msg]
     if len(body) < fixed.size:
         raise ProtocolError(f"{msg.name} body is truncated")
-    out = dict(zip(names, fixed.unpack_from(body, 0)))
+    out = dict(zip(names, fixed.unpack_from(body, 0), strict=True))
     pos = fixed.size
     if rows_name is not None:
         if len(body) < pos + 4:

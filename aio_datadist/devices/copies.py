@@ -151,7 +151,7 @@ def _enqueue_torch(backend: DeviceBackend, dst: Side, src: Side, nbytes: int, ke
     src_rows = None if src.identity else backend.table(src.rows)
     dst_rows = None if dst.identity else backend.table(dst.rows)
     keep.extend((src_rows, dst_rows))
-    for s_view, d_view in zip(src.views(), dst.views()):
+    for s_view, d_view in zip(src.views(), dst.views(), strict=True):
         s = s_view[:, src.offset:src.offset + nbytes]
         d = d_view[:, dst.offset:dst.offset + nbytes]
         picked = s if src_rows is None else s.index_select(0, src_rows)

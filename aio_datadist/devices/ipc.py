@@ -118,7 +118,7 @@ class PeerDeviceCache:
         self._storages = storages
         self.bases = tuple(storages[s].data_ptr() + off for s, off in tensors)
         self._views = tuple(torch.empty(0, dtype=torch.uint8, device=device)
-                            .set_(storages[s], off, (rows, row_bytes)) for s, off in tensors)
+                            .set_(storages[s], off, (rows, row_bytes), (row_bytes, 1)) for s, off in tensors)
 
     @property
     def num_tensors(self) -> int:

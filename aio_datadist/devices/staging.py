@@ -35,6 +35,7 @@ Hook for the transfer layer (not wired here): for a device cache,
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -303,7 +304,7 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
                 pool.retire(buf)
                 raise
             fut = asyncio.ensure_future(stage(chunk, buf))
-            fut.add_done_callback(lambda f, b=buf: settle(b, f))
+            fut.add_done_callback(functools.partial(settle, buf))
             staged.append(fut)
             while staged and staged[0].done():
                 staged.popleft().result()

@@ -22,6 +22,7 @@ import asyncio
 import ctypes
 import dataclasses
 import fcntl
+import hashlib
 import hmac
 import logging
 import mmap
@@ -32,14 +33,13 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist.devices.host import SEALS_REQUIRED, seal_names
-from aio_datadist.handshake import share_proof
 from aio_datadist.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
     from aio_datadist.cache import KvCache
 
 __all__ = ["LocalListener", "LocalShare", "PeerRegion", "ShareError", "ShareRecord", "boot_id", "connect_share",
-           "parse_record"]
+           "parse_record", "share_proof"]
 
 log = logging.getLogger("aio_datadist.local")
 
@@ -72,6 +72,14 @@ def boot_id() -> bytes:
             return bytes.fromhex(f.read().strip().replace("-", ""))[:16].ljust(16, b"\0")
     except OSError:
         return bytes(16)
+
+
+def share_proof(secret: bytes | None, token: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    """What either end of a same-host share connection proves: an HMAC over both fresh nonces and the
+    link token, under the shared secret (or, without one, under the link token itself, so the token
+    never crosses the share socket)."""
+    return hmac.new(secret if secret is not None else token, label + token + first + second,
+                    hashlib.sha256).digest()
 
 
 class ShareError(ValueError):
@@ -207,7 +215,7 @@ class LocalShare:
 
     def offer(self, cache: KvCache) -> None:
         """Send ``cache`` with its read-only memfd, if it has one."""
-        region = cache._region
+        region = cache.region
         if self.closed or region is None or cache.cache_id in self.sent:
             return
         lay = cache.layout

@@ -63,7 +63,7 @@ def notif_for(req_id: int) -> bytes:
 
 def _extents(cache: KvCache) -> list[tuple[int, int]]:
     """Memory to register for ``cache``: its region, or its tensors with neighbours merged."""
-    region = cache._region
+    region = cache.region
     if region is not None:
         return [(region.address, region.nbytes)]
     lay = cache.layout
@@ -81,7 +81,7 @@ class _LocalCache:
 
     def __init__(self, cache: KvCache, regs: Any, dlist: Any) -> None:
         lay = cache.layout
-        self.cache = cache
+        self.cache: KvCache | None = cache  # None once released
         self.regs = regs
         self.dlist = dlist
         self.rows = lay.rows
@@ -245,6 +245,7 @@ class NixlPlane:
                 out.cancel()
             elif f.exception() is not None:
                 exc = f.exception()
+                assert isinstance(exc, LLMException), "completions fail with LLMException only"
                 out.set_exception(LLMException(f"{what}: {text or exc}", status_code=exc.status_code))
             else:
                 out.set_result(result if value else f.result())
@@ -523,6 +524,7 @@ class NixlPeer:
         remote_idx = indices(remote_first, count, remote_rows, remote.rows)
         nbytes = local_idx.size * entry.row_bytes
         engine, name = self.engine, self.name
+        assert name is not None  # usable() above
         settled = asyncio.get_running_loop().create_future()
         moved = self.plane.run(
             lambda t: engine.xfer(t, op, entry.dlist, local_idx, remote.dlist, remote_idx, name, notif, nbytes),
@@ -532,6 +534,7 @@ class NixlPeer:
     def expect_push(self, req_id: int, what: str) -> asyncio.Future:
         """The future of the peer's WRITE notification for push ``req_id``."""
         engine, name = self.engine, self.name
+        assert name is not None, "expect_push is for a usable peer (serves() checked it)"
         message = notif_for(req_id)
         return self.plane.run(lambda t: engine.expect_notif(t, name, message), what)
 

@@ -367,7 +367,7 @@ class NixlEngine:
     def _run_deferred(self) -> bool:
         if not self._deferred:
             return False
-        busy = set()
+        busy: set[Any] = set()
         for xfer in self._active.values():
             busy.update(xfer.uses)
         keep, ran = [], False

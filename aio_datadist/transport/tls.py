@@ -28,7 +28,7 @@ import ctypes
 import socket
 import ssl
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from aio_datadist.status import LLMException, LLMStatusCode
 
@@ -130,7 +130,7 @@ class TlsChannel(asyncio.BufferedProtocol):
 
     def __init__(self, keep: Any = None) -> None:
         self._keep = keep
-        self._transport: asyncio.BaseTransport | None = None
+        self._transport: asyncio.Transport | None = None
         self._closed = False
         self._lost: BaseException | None = None
         self._views: list[memoryview] = []  # where the TLS layer decrypts to, for the receiving task
@@ -149,9 +149,9 @@ class TlsChannel(asyncio.BufferedProtocol):
     # -- life --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # a stream connection's
 
-    def wrapped(self, transport: asyncio.BaseTransport) -> None:
+    def wrapped(self, transport: asyncio.Transport) -> None:
         """The TLS transport replaced the plain one (``start_tls`` does not call ``connection_made``)."""
         self._transport = transport
         self._reading = True  # the TLS layer reads for the application until told otherwise
@@ -187,12 +187,12 @@ class TlsChannel(asyncio.BufferedProtocol):
     def _pause(self) -> None:
         if self._reading and self._transport is not None and self._lost is None:
             self._reading = False
-            self._transport.pause_reading()  # type: ignore[attr-defined]
+            self._transport.pause_reading()
 
     def _resume(self) -> None:
         if not self._reading and self._transport is not None and self._lost is None:
             self._reading = True
-            self._transport.resume_reading()  # type: ignore[attr-defined]
+            self._transport.resume_reading()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._view < len(self._views):
@@ -210,9 +210,8 @@ class TlsChannel(asyncio.BufferedProtocol):
         if self._got == len(self._views[self._view]):
             self._view += 1
             self._got = 0
-            if self._view == len(self._views):
-                if self._filled is not None and not self._filled.done():
-                    self._filled.set_result(None)
+            if self._view == len(self._views) and self._filled is not None and not self._filled.done():
+                self._filled.set_result(None)
 
     async def _recv_into(self, views: list[memoryview]) -> None:
         if self._lost is not None:
@@ -278,7 +277,7 @@ class TlsChannel(asyncio.BufferedProtocol):
         for view in views:
             for start in range(0, len(view), CHUNK):
                 await self._drain()
-                self._transport.write(view[start:start + CHUNK])  # type: ignore[attr-defined]
+                self._transport.write(view[start:start + CHUNK])
         await self._drain()
 
     async def sendall(self, data: bytes) -> None:

@@ -29,8 +29,8 @@ import torch
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, LLMStatusCode, Placement
 from aio_datadist.devices.host import F_SEAL_FUTURE_WRITE
-from aio_datadist.handshake import share_proof
 from aio_datadist.transport import local
+from aio_datadist.transport.local import share_proof
 from peers import cluster_info, fill, port_of
 
 from _harness import endpoint, open_fds, settle, state

@@ -1,0 +1,73 @@
+"""Endpoint: what the parts of one LLMDataDist share, and the checks they make on it.
+
+The :class:`~aio_datadist.LLMDataDist` builds one and hands it down: its
+:class:`~aio_datadist.KvCacheManager` and the leases on its caches read the
+role, the runtime and the link table here, never the ``LLMDataDist`` itself
+(which sits above them). The role is the current one: ``switch_role`` changes
+it here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aio_datadist.cache import KvCache
+from aio_datadist.status import LLMException, LLMStatusCode, check_instance, param_invalid
+from aio_datadist.types import LLMRole
+
+if TYPE_CHECKING:
+    from aio_datadist.config import Settings
+    from aio_datadist.link_table import LinkTable
+    from aio_datadist.runtime import Runtime
+
+__all__ = ["Endpoint"]
+
+
+class Endpoint:
+    """Role, cluster id, settings, runtime and links of one LLMDataDist.
+
+    ``settings``, ``runtime`` and ``links`` are set between ``init`` and
+    ``finalize`` and None otherwise; ``finalized`` tells the two apart.
+    """
+
+    def __init__(self, role: LLMRole, cluster_id: int) -> None:
+        self.role = role
+        self.cluster_id = cluster_id
+        self.settings: Settings | None = None
+        self.runtime: Runtime | None = None
+        self.links: LinkTable | None = None
+        self.finalized = False
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the endpoint is between ``init`` and ``finalize``."""
+        return self.runtime is not None
+
+    def require_runtime(self) -> Runtime:
+        """The runtime, or the documented error before ``init`` and after ``finalize``."""
+        if self.runtime is None:
+            if self.finalized:
+                raise LLMException("LLMDataDist was finalized", status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
+            raise LLMException("LLMDataDist is not initialized; await init(options) first",
+                               status_code=LLMStatusCode.LLM_FAILED)
+        return self.runtime
+
+    def require_links(self) -> LinkTable:
+        """The link table, with the errors of :meth:`require_runtime`."""
+        self.require_runtime()
+        assert self.links is not None
+        return self.links
+
+    def require_role(self, call: str, *roles: LLMRole) -> None:
+        """Refuse ``call`` (``LLM_PARAM_INVALID`` naming ``role``) unless the current role is one of ``roles``."""
+        role = self.role
+        if role not in roles:
+            allowed = " or ".join(r.name for r in roles)
+            raise param_invalid("role", f"{call} needs role {allowed}, this LLMDataDist is {role.name}")
+
+    def live(self, cache: Any, arg: str) -> KvCache:
+        """``cache`` if it is a KvCache registered here (or a CPU cache), else the error naming ``arg``."""
+        check_instance(arg, cache, KvCache)
+        if cache.cache_id == -1:
+            return cache
+        return self.require_runtime().registry.get(cache, arg)
