@@ -40,6 +40,7 @@ from aio_datadist import (
 from aio_datadist.transport.tls import TlsChannel
 from aio_datadist.wire import Msg
 from peers import LOCALHOST, cluster_info, port_of
+from relay import Relay
 from tls_certs import client_context, make_pki, server_context
 
 pytestmark = pytest.mark.asyncio
@@ -109,52 +110,15 @@ class Ready(LayerSynchronizer):
         return True
 
 
-class Tap:
+class Tap(Relay):
     """A loopback relay in front of ``target`` that records every byte it forwards, both ways."""
 
     def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
+        super().__init__(target)
         self.seen = bytearray()
-        self.writers: list[asyncio.StreamWriter] = []
-        self.tasks: set[asyncio.Task] = set()
 
-    async def __aenter__(self) -> Tap:
-        self.server = await asyncio.start_server(self._relay, LOCALHOST, 0)
-        self.address = self.server.sockets[0].getsockname()[:2]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        for writer in self.writers:
-            writer.transport.abort()
-        if self.tasks:
-            await asyncio.wait(self.tasks, timeout=5)
-        await self.server.wait_closed()
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.tasks.add(task)
-        self.writers.append(writer)
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.transport.abort()
-            return
-        self.writers.append(up_writer)
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-        self.tasks.discard(task)
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(1 << 16):
-                self.seen += data
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            writer.transport.abort()
+    def seen_bytes(self, data: bytes) -> None:
+        self.seen += data
 
 
 async def test_every_transfer_runs_over_tls_and_the_wire_shows_no_plaintext():

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from relay import Relay
+
 __all__ = ["SlowPath"]
 
 
-class SlowPath:
+class SlowPath(Relay):
     """A loopback relay in front of ``target`` that acts as a long, thin network path: bytes towards
     the dialler go at ``rate`` bytes/s and arrive ``latency`` s after they were sent, so that MiBs
     are on their way at any time. What is on its way is delivered even after the sender closed or
@@ -16,48 +18,12 @@ class SlowPath:
     CHUNK = 1 << 16
 
     def __init__(self, target: tuple[str, int], rate: float, latency: float) -> None:
-        self.target = target
+        super().__init__(target)
         self.rate = rate
         self.latency = latency
-        self.writers: list[asyncio.StreamWriter] = []
-        self.tasks: set[asyncio.Task] = set()
 
-    async def __aenter__(self) -> SlowPath:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        self.address = self.server.sockets[0].getsockname()[:2]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        for writer in self.writers:
-            writer.transport.abort()
-        if self.tasks:
-            await asyncio.wait(self.tasks, timeout=5)
-        await self.server.wait_closed()
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.tasks.add(task)
-        self.writers.append(writer)
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.transport.abort()
-            self.tasks.discard(task)
-            return
-        self.writers.append(up_writer)
-        await asyncio.gather(self._pipe(reader, up_writer), self._line(up_reader, writer))
-        self.tasks.discard(task)
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(self.CHUNK):
-                writer.write(data)
-                await writer.drain()
-            writer.close()
-        except (ConnectionError, OSError):
-            writer.transport.abort()
+    async def downstream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._line(reader, writer)
 
     async def _line(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()

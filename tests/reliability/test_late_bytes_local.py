@@ -69,59 +69,38 @@ async def cut(call, how: str, after_ms: int) -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
-async def test_a_cut_same_host_pull_writes_nothing_after_it_returned(how):
+@pytest.mark.parametrize("direction", ["pull", "push"])
+async def test_a_cut_same_host_transfer_writes_nothing_after_it_returned(direction, how):
+    """A pull's destination is the requester's (the decoder's) cache, a push's the owner's (also the
+    decoder's here); either way it is watched after the call returned."""
     prompt, decoder, cms = await pair()
     try:
-        src = prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT, 0))
+        pull = direction == "pull"
+        mark = 0xAB if pull else 0xCD
+        src = prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT, 0) if pull else None)
         for t in src.tensors:
-            t.fill_(0xAB)
-        dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS)
+            t.fill_(mark)
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS, None if pull else BlocksCacheKey(DECODER, 0))
         await link(prompt, decoder)
         baseline = state(decoder)
-        for after_ms in CUTS_MS:
-            for t in dst.tensors:
-                t.zero_()
 
-            async def pull(timeout_ms: int) -> None:
+        async def transfer(timeout_ms: int | None = None) -> None:
+            if pull:
                 await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, ALL, ALL,
                                                            timeout=timeout_ms)
-
-            await cut(pull, how, after_ms)
-            await quiet(dst)
-            count("cut transfers checked for late bytes", 1)
-        await settle(decoder, baseline)
-        await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, ALL, ALL)
-        assert all(bool((t == 0xAB).all()) for t in dst.tensors)
-    finally:
-        for cm in cms:
-            await cm.__aexit__(None, None, None)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("how", ["timeout", "cancel"])
-async def test_a_cut_same_host_push_writes_nothing_after_the_pusher_returned(how):
-    prompt, decoder, cms = await pair()
-    try:
-        src = prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS)
-        for t in src.tensors:
-            t.fill_(0xCD)
-        dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER, 0))
-        await link(prompt, decoder)
-        baseline = state(decoder)
-        for after_ms in CUTS_MS:
-            for t in dst.tensors:
-                t.zero_()
-
-            async def push(timeout_ms: int) -> None:
+            else:
                 await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(DECODER, 0), src, ALL, ALL,
                                                           timeout=timeout_ms)
 
-            await cut(push, how, after_ms)
+        for after_ms in CUTS_MS:
+            for t in dst.tensors:
+                t.zero_()
+            await cut(transfer, how, after_ms)
             await quiet(dst)
             count("cut transfers checked for late bytes", 1)
         await settle(decoder, baseline)
-        await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(DECODER, 0), src, ALL, ALL)
-        assert all(bool((t == 0xCD).all()) for t in dst.tensors)
+        await transfer()
+        assert all(bool((t == mark).all()) for t in dst.tensors)
     finally:
         for cm in cms:
             await cm.__aexit__(None, None, None)
