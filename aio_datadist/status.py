@@ -121,9 +121,12 @@ class LLMException(RuntimeError):
     ``exc.args[0]`` is the bare message.
     """
 
-    def __init__(self, *args: object, status_code: LLMStatusCode | int = LLMStatusCode.LLM_FAILED) -> None:
+    def __init__(self, *args: object, status_code: LLMStatusCode | int = LLMStatusCode.LLM_FAILED,
+                 argument: str | None = None) -> None:
         super().__init__(*args)
         self._status_code = _as_status(status_code)
+        #: The argument a ``LLM_PARAM_INVALID`` error names (as :func:`param_invalid` built it), else None.
+        self.argument = argument
 
     @property
     def status_code(self) -> LLMStatusCode:
@@ -186,7 +189,8 @@ def param_invalid(arg_name: str, why: str) -> LLMException:
     :returns: ``LLMException(LLM_PARAM_INVALID)`` with the message
         ``"invalid argument '<arg_name>': <why>"``.
     """
-    return LLMException(f"invalid argument '{arg_name}': {why}", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    return LLMException(f"invalid argument '{arg_name}': {why}", status_code=LLMStatusCode.LLM_PARAM_INVALID,
+                        argument=arg_name)
 
 
 def _type_name(value: object) -> str:

@@ -115,7 +115,7 @@ def one_side_span(num_tensors: int, layers: tuple[int, int], per_layer: int, arg
         span = resolve_tensor_span(num_tensors, num_tensors, src_layer_range=rng, dst_layer_range=rng,
                                    tensor_num_per_layer=per_layer)
     except LLMException as exc:
-        if str(exc).startswith("invalid argument 'tensor_num_per_layer'"):
+        if exc.argument == "tensor_num_per_layer":
             raise  # the layer count is fine; tensor_num_per_layer does not divide the cache
         raise param_invalid(arg, str(exc).split(": ", 1)[-1]) from None
     return span.src_first, span.count
