@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import errno
 import logging
-import select
 import socket
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -53,8 +52,9 @@ ARRIVAL_FACTOR = 4
 ARRIVAL_GRACE_S = 0.05
 #: A handshake idle this long may be dropped when every slot is taken and a connection waits for one.
 STALL_GRACE_S = 1.0
-#: How often a full stage looks again for a waiting connection and for stalled ones.
-_POLL_S = 0.05
+#: How soon accept() is tried again after it failed for want of an fd or memory: nothing signals when one
+#: frees elsewhere in the process (a connection of this listener that leaves wakes it at once).
+_ACCEPT_RETRY_S = 0.05
 #: accept() errors that mean "no fd or memory for it now": the connection stays in the backlog.
 _NO_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -62,14 +62,15 @@ _NO_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 class Pending:
     """One accepted connection until its handshake ends (see the module docstring)."""
 
-    __slots__ = ("conn", "task", "accepted", "last", "ready", "busy")
+    __slots__ = ("conn", "task", "accepted", "last", "ready", "busy", "_idle")
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: socket.socket, idle: Callable[[], None] | None = None) -> None:
         self.conn = conn
         self.task: asyncio.Task | None = None
         self.accepted = self.last = time.monotonic()
         self.ready = False
         self.busy = 0
+        self._idle = idle  # told when this end's own work ends (the connection may be idle from then on)
 
     def unread(self) -> bool:
         """Whether bytes from the peer wait in the kernel that this end has not read yet (then the peer
@@ -92,6 +93,8 @@ class Pending:
         finally:
             self.busy -= 1
             self.progress()
+            if not self.busy and self._idle is not None:
+                self._idle()
 
 
 class Admission:
@@ -111,8 +114,7 @@ class Admission:
         self.handshaking: dict[Pending, None] = {}
         self._loop = asyncio.get_running_loop()
         self._changed: asyncio.Future = self._loop.create_future()
-        self._poll = select.poll()
-        self._poll.register(sock.fileno(), select.POLLIN)
+        self._backlog = False  # a connection waits in the listen backlog (seen readable since the last accept)
         self._task: asyncio.Task | None = self._loop.create_task(self._run())
 
     def tasks(self) -> set[asyncio.Task]:
@@ -125,7 +127,6 @@ class Admission:
         if task is not None:
             task.cancel()
             await asyncio.wait([task])
-        self._poll.unregister(self.sock.fileno())
         self.sock.close()
 
     # -- the accept loop -----------------------------------------------------
@@ -133,33 +134,62 @@ class Admission:
     async def _run(self) -> None:
         while True:
             await self._room()
+            self._backlog = False
             try:
                 conn, _ = await self._loop.sock_accept(self.sock)
             except OSError as exc:
                 if exc.errno in _NO_ROOM:
                     log.warning("cannot accept a connection now (%s); it waits in the listen backlog", exc)
-                    await asyncio.sleep(_POLL_S)
+                    await self._wait(_ACCEPT_RETRY_S)
                 continue  # ECONNABORTED and the like: that connection is gone, not the listener
             conn.setblocking(False)
-            pending = Pending(conn)
+            pending = Pending(conn, self._signal)
             self.arriving[pending] = None
             pending.task = self._loop.create_task(self._serve(conn, pending))
 
     async def _room(self) -> None:
-        """Until the arriving stage has room, dropping the oldest stalled arrival when someone waits."""
-        while len(self.arriving) >= ARRIVAL_FACTOR * self.cap:
-            if self._backlog_waits():
-                now = time.monotonic()
-                victim = next((p for p in self.arriving
-                               if not p.ready and now - p.accepted >= ARRIVAL_GRACE_S and not p.unread()), None)
-                if victim is not None:
-                    log.debug("dropped a connection that sent no first message in %.2f s", now - victim.accepted)
-                    self._drop(victim)
-                    continue
-            await self._wait(_POLL_S)
+        """Until the arriving stage has room, dropping the oldest stalled arrival when someone waits.
 
-    def _backlog_waits(self) -> bool:
-        return bool(self._poll.poll(0))
+        Wakes when a place frees, when a connection comes to wait in the backlog, when the oldest arrival
+        reaches its grace, and when an arrival reads part of its first message (it may be stalled again)."""
+        while len(self.arriving) >= ARRIVAL_FACTOR * self.cap:
+            if not self._backlog:
+                await self._backlog_or_change()
+                continue
+            now = time.monotonic()
+            grace: float | None = None
+            for p in self.arriving:  # oldest first
+                if p.ready:
+                    continue
+                if now - p.accepted < ARRIVAL_GRACE_S:
+                    grace = ARRIVAL_GRACE_S - (now - p.accepted)  # the ones after it are younger still
+                    break
+                if not p.unread():  # with unread bytes, its first_message reads them and wakes this
+                    log.debug("dropped a connection that sent no first message in %.2f s", now - p.accepted)
+                    self._drop(p)
+                    break
+            else:
+                await self._wait(None)
+                continue
+            if grace is not None:
+                await self._wait(grace)
+
+    async def _backlog_or_change(self) -> None:
+        """Until a connection waits in the listen backlog or a stage changes. The listening socket has this
+        reader only meanwhile: ``sock_accept`` sets its own on the same fd."""
+        waits = self._loop.create_future()
+
+        def readable() -> None:
+            self._loop.remove_reader(self.sock)  # level-triggered: once is enough
+            self._backlog = True
+            if not waits.done():
+                waits.set_result(None)
+
+        self._loop.add_reader(self.sock, readable)
+        try:
+            await self._wait(None, waits)
+        finally:
+            self._loop.remove_reader(self.sock)
 
     # -- a connection's stages -----------------------------------------------
 
@@ -174,6 +204,8 @@ class Admission:
             data += chunk
             if need == 4 and len(data) == 4:
                 need = max(4, size_of(bytes(data)))
+            if len(data) < need and len(self.arriving) >= ARRIVAL_FACTOR * self.cap:
+                self._signal()  # no unread byte now: it may be the arrival to drop
         return bytes(data)
 
     async def slot(self, pending: Pending) -> None:
@@ -181,14 +213,25 @@ class Admission:
         pending.ready = True
         while len(self.handshaking) >= self.cap:
             now = time.monotonic()
-            victim = min((p for p in self.handshaking if not p.busy and not p.unread()), key=lambda p: p.last,
-                         default=None)
+            victim: Pending | None = None
+            behind = False
+            for p in self.handshaking:
+                if p.busy:  # its working() wakes this when it ends
+                    continue
+                if p.unread():
+                    behind = True
+                elif victim is None or p.last < victim.last:
+                    victim = p
             if victim is not None and now - victim.last >= STALL_GRACE_S:
                 log.debug("dropped a handshake idle for %.2f s: a connection waits for its slot", now - victim.last)
                 self._drop(victim)
                 continue
-            wait = _POLL_S if victim is None else min(_POLL_S, STALL_GRACE_S - (now - victim.last))
-            await self._wait(wait)
+            if victim is not None:
+                await self._wait(STALL_GRACE_S - (now - victim.last))
+            else:
+                # Nothing tells when this end reads bytes that complete no step: look again one grace on, as
+                # if they were progress (the drop still goes by the last complete step).
+                await self._wait(STALL_GRACE_S if behind else None)
         self.arriving.pop(pending, None)
         self.handshaking[pending] = None
         pending.progress()
@@ -209,8 +252,10 @@ class Admission:
             self._changed.set_result(None)
         self._changed = self._loop.create_future()
 
-    async def _wait(self, timeout: float) -> None:
-        await asyncio.wait([self._changed], timeout=max(timeout, 0.001))
+    async def _wait(self, timeout: float | None, *also: asyncio.Future) -> None:
+        """Until a stage changes (or one of ``also`` is done), at most ``timeout`` seconds when given."""
+        await asyncio.wait([self._changed, *also], timeout=None if timeout is None else max(timeout, 0.001),
+                           return_when=asyncio.FIRST_COMPLETED)
 
 
 async def streams(conn: socket.socket, head: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
