@@ -26,6 +26,15 @@ can check every byte it pulled. :func:`open_pair` and
 :func:`open_process_pair` are the context managers behind the fixtures (other
 seeds or options); :func:`loopback_options` builds ``init`` options for
 endpoints of your own.
+
+Inspection helpers let a test look inside an initialized endpoint without
+reaching through its private attributes: :func:`runtime_of`,
+:func:`registry_of`, :func:`engine_state` (what a finished transfer must have
+given back), :func:`link_table_of`, :func:`links_of`, :func:`link_to`,
+:func:`usable_link`, :func:`link_count`, :func:`handshakes_in_progress`,
+:func:`admission_of`, :func:`share_listener_of` and :func:`nixl_plane_of`.
+What they return are the library's internal objects: fine to look at in a
+test, not an API to build on.
 """
 
 from __future__ import annotations
@@ -48,6 +57,13 @@ if TYPE_CHECKING:
     import torch
 
     from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, KvCache, LLMDataDist
+    from aio_datadist.admission import Admission
+    from aio_datadist.cache import CacheRegistry
+    from aio_datadist.link_table import LinkTable
+    from aio_datadist.links import Link
+    from aio_datadist.runtime import Runtime
+    from aio_datadist.transport.local import LocalListener
+    from aio_datadist.transport.nixl import NixlPlane
 
 __all__ = [
     "DECODER_CLUSTER_ID",
@@ -56,12 +72,24 @@ __all__ = [
     "ROW_REQ_IDS",
     "DataDistPair",
     "ProcessPair",
+    "admission_of",
     "blocks_desc",
+    "engine_state",
+    "handshakes_in_progress",
+    "link_count",
+    "link_table_of",
+    "link_to",
+    "links_of",
     "loopback_options",
+    "nixl_plane_of",
     "open_pair",
     "open_process_pair",
+    "registry_of",
     "rows_desc",
+    "runtime_of",
     "seeded_pattern",
+    "share_listener_of",
+    "usable_link",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -162,6 +190,91 @@ def _cluster(remote_cluster_id: int, address: tuple[str, int]) -> Any:
     info.remote_cluster_id = remote_cluster_id
     info.append_remote_ip_info(address[0], address[1])
     return info
+
+
+# -- inspection ------------------------------------------------------------------------------
+# What a test looks at inside an endpoint, in one place: the endpoint's internals may move, these
+# names stay. Each takes an initialized ``LLMDataDist`` and raises its ``LLMException``
+# (``LLM_FAILED`` before ``init``, ``LLM_ENGINE_FINALIZED`` after ``finalize``) for one that is not.
+
+
+def runtime_of(dd: LLMDataDist) -> Runtime:
+    """``dd``'s runtime: settings, engines, registry, arrivals and device of the endpoint."""
+    return dd._require_runtime()
+
+
+def registry_of(dd: LLMDataDist) -> CacheRegistry:
+    """``dd``'s cache registry (``by_key``, ``by_blocks_key``, ``caches()``, ``used_bytes``)."""
+    return dd._require_runtime().registry
+
+
+def engine_state(dd: LLMDataDist) -> dict[str, int]:
+    """What ``dd`` holds that a finished transfer must have given back.
+
+    Keys: ``"pending tokens"`` (native completions not yet delivered),
+    ``"socket jobs"`` and ``"copy jobs"`` (running in the socket and copy
+    engines), ``"registered bytes"`` and ``"caches"`` (of the registry) and
+    ``"claimed keys"`` (key bindings an owner holds while it serves them).
+    Compare one taken before with one taken after.
+    """
+    rt = dd._require_runtime()
+    return {
+        "pending tokens": rt.completions.pending_count(),
+        "socket jobs": rt.sockets.pending(),
+        "copy jobs": rt.copier.pending(),
+        "registered bytes": rt.registry.used_bytes,
+        "caches": len(rt.registry),
+        "claimed keys": len(rt.registry._reserved),
+    }
+
+
+def link_table_of(dd: LLMDataDist) -> LinkTable:
+    """``dd``'s link table itself (for a test that wraps one of its methods, or looks at it after finalize)."""
+    return dd._require_links()
+
+
+def links_of(dd: LLMDataDist) -> dict[int, Link]:
+    """A copy of ``dd``'s links by remote cluster id, in whatever state (broken or closed ones included)."""
+    return dict(dd._require_links().links)
+
+
+def link_to(dd: LLMDataDist, cluster_id: int) -> Link | None:
+    """``dd``'s link to ``cluster_id`` in whatever state, or None if it has none."""
+    return dd._require_links().links.get(cluster_id)
+
+
+def usable_link(dd: LLMDataDist, cluster_id: int) -> Link:
+    """``dd``'s usable link to ``cluster_id``, as a transfer would find it.
+
+    :raises LLMException: ``LLM_NOT_YET_LINK`` if there is none (or it is
+        closed), the link's failure (``LLM_LINK_FAILED``) if it is broken.
+    """
+    return dd._require_links().get(cluster_id)
+
+
+def link_count(dd: LLMDataDist) -> int:
+    """How many links of ``dd`` are not closed."""
+    return dd._require_links().count()
+
+
+def handshakes_in_progress(dd: LLMDataDist) -> int:
+    """Incoming connections ``dd`` accepted that are not through their handshake yet."""
+    return len(dd._require_links()._handshakes)
+
+
+def admission_of(dd: LLMDataDist) -> Admission | None:
+    """The admission gate of ``dd``'s listener (its ``arriving`` stage, ``tasks()``), or None if it does not listen."""
+    return dd._require_links().admission
+
+
+def share_listener_of(dd: LLMDataDist) -> LocalListener | None:
+    """``dd``'s same-host share listener (``name``, ``pending()``), or None if it shares no memory."""
+    return dd._require_links().local_listener
+
+
+def nixl_plane_of(dd: LLMDataDist) -> NixlPlane | None:
+    """``dd``'s NIXL plane (``engine.posted``, ``engine.in_flight()``, ``registered(cache)``), or None without NIXL."""
+    return dd._require_links().nixl
 
 
 # -- the pairs ---------------------------------------------------------------------------------

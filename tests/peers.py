@@ -48,6 +48,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist.testing import links_of
 from aio_datadist.transport.nixl_engine import NIXL_MODULES
 
 LOCALHOST = "127.0.0.1"
@@ -507,9 +508,7 @@ async def _run_command(dd: LLMDataDist, caches: dict[str, KvCache], command: str
         await dd.check_link_status(args[0])
         return None
     if command == "links":
-        table = dd._links
-        return {} if table is None else {
-            cid: ("broken" if link.broken else "up") for cid, link in table.links.items() if not link.closed}
+        return {cid: ("broken" if link.broken else "up") for cid, link in links_of(dd).items() if not link.closed}
     if command == "dump":
         return [t.numpy().tobytes() for t in caches[args[0]].tensors]
     raise ValueError(f"unknown command {command!r}")

@@ -40,6 +40,7 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.testing import engine_state
 from peers import (
     BLOCKS_DESC,
     CACHE_DESC,
@@ -72,8 +73,7 @@ REQ_ID = 77
 
 def assert_idle(*dds: LLMDataDist) -> None:
     for dd in dds:
-        assert dd._runtime is not None
-        assert dd._runtime.completions.pending_count() == 0, "native work left pending"
+        assert engine_state(dd)["pending tokens"] == 0, "native work left pending"
 
 
 def mark(cache: KvCache, seed: int) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from aio_datadist import LLMDataDist, LLMException, LLMRole, LLMStatusCode, _core
 from aio_datadist.devices import ipc, kernels
+from aio_datadist.testing import runtime_of
 
 S = LLMStatusCode
 HAVE_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
@@ -63,8 +64,8 @@ async def test_init_with_npu_device_type_fails_clearly():
 async def test_host_default_still_has_no_device_backend():
     async with LLMDataDist(LLMRole.PROMPT, 4) as dd:
         await dd.init({"aio.DeviceType": "cpu"})
-        assert dd._runtime.devices is None
-        assert dd._runtime.device == torch.device("cpu")
+        assert runtime_of(dd).devices is None
+        assert runtime_of(dd).device == torch.device("cpu")
 
 
 # ---- the backend factory -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist.testing import link_count
 from peers import (
     BLOCKS_DESC,
     DECODER_ID,
@@ -128,7 +129,7 @@ async def test_same_cluster_twice_in_one_call():
         with pytest.raises(LLMException) as exc:
             await pair.decoder.link_clusters([pair.info, pair.info])
         assert code_of(exc) == S.LLM_PARAM_INVALID and "clusters[1]" in str(exc.value)
-        assert pair.decoder._links.count() == 0 and pair.prompt._links.count() == 0
+        assert link_count(pair.decoder) == 0 and link_count(pair.prompt) == 0
         await pair.link()  # and the cluster links afterwards
         await pair.prompt.check_link_status(DECODER_ID)
 

@@ -23,6 +23,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist.testing import engine_state, registry_of
 
 S = LLMStatusCode
 INVALID, NOT_EXIST = S.LLM_PARAM_INVALID, S.LLM_KV_CACHE_NOT_EXIST
@@ -80,11 +81,11 @@ class Endpoint:
 
     @property
     def registry(self):
-        return self.dd._runtime.registry
+        return registry_of(self.dd)
 
     def assert_idle(self) -> None:
-        assert self.dd._runtime.completions.pending_count() == 0
-        assert self.dd._runtime.copier.pending() == 0
+        assert engine_state(self.dd)["pending tokens"] == 0
+        assert engine_state(self.dd)["copy jobs"] == 0
 
 
 def options(**config: Any) -> dict[str, str]:
@@ -279,8 +280,8 @@ async def test_registered_memory_cap_is_out_of_memory():
                 call()
             assert info.value.status_code is S.LLM_OUT_OF_MEMORY
         # The refused keys were not bound.
-        assert dd._runtime.registry.by_blocks_key(4) is None
-        assert dd._runtime.registry.by_key(CacheKey(1, req_id=5).lookup_key()) is None
+        assert registry_of(dd).by_blocks_key(4) is None
+        assert registry_of(dd).by_key(CacheKey(1, req_id=5).lookup_key()) is None
 
 
 @pytest.mark.asyncio
@@ -386,7 +387,7 @@ async def test_remove_cache_key_rejects_wrong_types_and_roles():
         cache = decoder.kv_cache_manager.allocate_cache(CONTIG, [key])
         with rejected(INVALID, "role"):
             decoder.kv_cache_manager.remove_cache_key(key)
-        assert decoder._runtime.registry.by_key(key.lookup_key()) == (cache, 0)
+        assert registry_of(decoder).by_key(key.lookup_key()) == (cache, 0)
 
 
 @pytest.mark.asyncio

@@ -19,6 +19,7 @@ from aio_datadist import (
     Placement,
 )
 from aio_datadist.devices.host import PAGE_SIZE
+from aio_datadist.testing import engine_state, registry_of
 
 S = LLMStatusCode
 BLOCKS = CacheDesc(4, (16, 2, 8, 16), DataType.DT_FLOAT16, Placement.HOST)   # 16 blocks of 512 B
@@ -27,7 +28,7 @@ U64_MAX = 2**64 - 1
 
 
 def registry(dd: LLMDataDist):
-    return dd._runtime.registry
+    return registry_of(dd)
 
 
 def cache_bytes(desc: CacheDesc) -> int:
@@ -219,8 +220,8 @@ async def test_create_cpu_cache_wraps_caller_memory_for_swap_blocks():
         await kv.swap_blocks(host, device, {5: 9, 1: 10})  # swap in
         for dst in device.tensors:
             assert torch.equal(dst[[9, 10]], dst[[0, 3]])
-        assert dd._runtime.completions.pending_count() == 0
-        assert dd._runtime.copier.pending() == 0
+        assert engine_state(dd)["pending tokens"] == 0
+        assert engine_state(dd)["copy jobs"] == 0
 
 
 @pytest.mark.asyncio

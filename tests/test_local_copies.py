@@ -22,6 +22,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist.testing import engine_state
 
 S = LLMStatusCode
 MIB = 1 << 20
@@ -53,8 +54,8 @@ def snapshot(cache: KvCache) -> list[torch.Tensor]:
 
 
 def assert_idle(dd: LLMDataDist) -> None:
-    assert dd._runtime.completions.pending_count() == 0
-    assert dd._runtime.copier.pending() == 0
+    assert engine_state(dd)["pending tokens"] == 0
+    assert engine_state(dd)["copy jobs"] == 0
 
 
 # ---- byte-exact copies (hypothesis) -------------------------------------------------

@@ -17,6 +17,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist.testing import usable_link
 from aio_datadist.transport.local import PeerRegion, ShareError, parse_record
 from peers import (
     DECODER_ID,
@@ -41,7 +42,7 @@ async def test_caches_are_shared_once_per_link_with_their_memfd():
     async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
         src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
         await pair.link()
-        link = pair.decoder._links.get(PROMPT_ID)
+        link = usable_link(pair.decoder, PROMPT_ID)
         assert link.local is not None
         region = link.local.region(src.cache_id)
         assert region is not None and region.rows == 32 and region.row_bytes == 16 * 256 * 2
@@ -110,7 +111,7 @@ async def test_registered_framework_tensors_fall_back_to_tcp():
         src = pair.pm.register_blocks_cache(BLOCKS, owned, BlocksCacheKey(PROMPT_ID, 0))
         dst = pair.dm.allocate_blocks_cache(BLOCKS)
         await pair.link()
-        link = pair.decoder._links.get(PROMPT_ID)
+        link = usable_link(pair.decoder, PROMPT_ID)
         assert link.local is not None and link.local.region(src.cache_id) is None  # not shareable
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1, 2], [5, 6])
         assert all(torch.equal(d[[5, 6]], o[[1, 2]]) for d, o in zip(dst.tensors, owned))
@@ -119,8 +120,8 @@ async def test_registered_framework_tensors_fall_back_to_tcp():
 @pytest.mark.asyncio
 async def test_tcp_transport_never_shares():
     async with linked_pair(prompt_config={"transport": "tcp"}, decoder_config=LOCAL) as pair:
-        assert pair.decoder._links.get(PROMPT_ID).local is None
-        assert pair.prompt._links.get(DECODER_ID).local is None
+        assert usable_link(pair.decoder, PROMPT_ID).local is None
+        assert usable_link(pair.prompt, DECODER_ID).local is None
 
 
 def test_a_peer_region_outside_its_mapping_is_refused():
@@ -154,7 +155,7 @@ async def test_between_processes_on_one_host():
         dst = dd.kv_cache_manager.allocate_blocks_cache(BLOCKS)
         async with spawned(spec) as (prompt,):
             assert (await dd.link_clusters([prompt.info]))[0] == S.LLM_SUCCESS
-            link = dd._links.get(PROMPT_ID)
+            link = usable_link(dd, PROMPT_ID)
             assert link.local is not None
             await dd.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(32)),
                                                   list(range(31, -1, -1)))

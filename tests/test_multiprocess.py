@@ -28,6 +28,7 @@ from aio_datadist import (
     Placement,
     wire,
 )
+from aio_datadist.testing import nixl_plane_of, usable_link
 from peers import (
     BLOCKS_DESC,
     CACHE_DESC,
@@ -63,7 +64,7 @@ async def expect_code(code: LLMStatusCode, awaitable) -> LLMException:
 
 def nixl_posted(dd) -> int:
     """Transfers this endpoint posted to NIXL (0 when it does not use NIXL)."""
-    plane = dd._links.nixl
+    plane = nixl_plane_of(dd)
     return 0 if plane is None else plane.engine.posted
 
 
@@ -323,7 +324,7 @@ async def test_heartbeat_detects_a_stopped_peer_without_any_call_pending():
                 while time.monotonic() - t0 < 5.0:  # 5 misses of 100 ms, plus slack
                     await asyncio.sleep(0.05)
                     try:
-                        dd._links.get(PROMPT_ID)
+                        usable_link(dd, PROMPT_ID)
                     except LLMException as exc:
                         assert exc.status_code == S.LLM_LINK_FAILED
                         break

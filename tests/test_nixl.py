@@ -26,6 +26,7 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.testing import engine_state, link_to, nixl_plane_of
 from aio_datadist.transport import nixl_engine
 from peers import (
     DECODER_ID,
@@ -53,13 +54,13 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.nixl]
 
 
 def posted(dd: LLMDataDist) -> int:
-    plane = dd._links.nixl
+    plane = nixl_plane_of(dd)
     return 0 if plane is None else plane.engine.posted
 
 
 async def prepared(owner: LLMDataDist, peer_id: int, cache) -> None:
     """Until the peer has prepared its NIXL list for ``cache``: until then requests for it use TCP."""
-    peer = owner._links.links[peer_id].nixl
+    peer = link_to(owner, peer_id).nixl
     async with asyncio.timeout(5):
         while cache.cache_id not in peer.prepared:
             await asyncio.sleep(0.005)
@@ -89,7 +90,7 @@ async def test_whole_row_pulls_and_pushes_move_by_nixl_in_both_directions():
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
         want = fill(src, 3)
         await pair.link()
-        link = pair.decoder._links.links[PROMPT_ID]
+        link = link_to(pair.decoder, PROMPT_ID)
         assert link.nixl is not None and link.nixl.usable()
 
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [0, 5, 6, 15], [1, 2, 3, 4])
@@ -141,9 +142,9 @@ async def test_a_freed_cache_is_withdrawn_and_deregistered_after_the_read_that_u
         src = pair.pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 1)])
         fill(src, 9)
         dst = pair.dm.allocate_cache(ROWS)
-        peer = pair.decoder._links.links[PROMPT_ID].nixl
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
         await prepared(pair.prompt, DECODER_ID, src)
-        plane = pair.prompt._links.nixl
+        plane = nixl_plane_of(pair.prompt)
         plane.serve_begin(src.cache_id)  # as if a peer's READ were in flight
         pair.pm.deallocate_cache(src)
         pair.pm.remove_cache_key(CacheKey(PROMPT_ID, 1))
@@ -165,7 +166,7 @@ async def test_a_timed_out_read_has_settled_before_the_call_returns_and_the_link
             t.fill_(7)
         dst = pair.dm.allocate_blocks_cache(big)
         await prepared(pair.prompt, DECODER_ID, src)
-        engine = pair.decoder._links.nixl.engine
+        engine = nixl_plane_of(pair.decoder).engine
         timed_out = 0
         for _ in range(5):
             try:
@@ -204,7 +205,7 @@ async def test_many_cancelled_nixl_transfers_leave_the_link_working():
             t.zero_()
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(16)), list(range(16)))
         assert same(snapshot(dst), want)
-        assert pair.decoder._links.nixl.engine.in_flight() == 0
+        assert nixl_plane_of(pair.decoder).engine.in_flight() == 0
 
 
 class _Ready(LayerSynchronizer):
@@ -258,7 +259,7 @@ async def test_a_prompt_killed_during_nixl_reads_and_writes_fails_them_in_time_a
     async with endpoint(LLMRole.MIX, DECODER_ID, transport="nixl", sync_kv_timeout=KILL_TIMEOUT_MS) as dd:
         kv = dd.kv_cache_manager
         dst = kv.allocate_blocks_cache(KILL_BIG, BlocksCacheKey(DECODER_ID, 0))
-        engine = dd._links.nixl.engine
+        engine = nixl_plane_of(dd).engine
         for seed in range(3):
             rng = random.Random(seed)
             async with spawned(_kill_spec(seed)) as (victim,):
@@ -282,7 +283,7 @@ async def test_a_prompt_killed_during_nixl_reads_and_writes_fails_them_in_time_a
                     assert when - killed <= KILL_TIMEOUT_MS / 1000 + 1.0, f"ended {when - killed:.2f} s after the kill"
                 assert engine.posted > before  # the reads went by NIXL
                 async with asyncio.timeout(2):
-                    while engine.in_flight() or dd._runtime.completions.pending_count():
+                    while engine.in_flight() or engine_state(dd)["pending tokens"]:
                         await asyncio.sleep(0.01)
                 victim.reap()
         async with spawned(_kill_spec(99)) as (fresh,):

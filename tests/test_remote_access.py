@@ -24,6 +24,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist.testing import link_to, nixl_plane_of, registry_of
 from peers import DECODER_ID, PROMPT_ID, TRANSPORTS, cluster_info, endpoint, fill, options, port_of, snapshot
 
 NIXL = [t for t in TRANSPORTS if t not in ("tcp", "local")]
@@ -65,15 +66,15 @@ async def test_a_closed_off_prompt_serves_no_cache_but_still_pushes(transport):
         await refused(dm.pull_blocks(BlocksCacheKey(PROMPT_ID), d_blocks, [0, 1], [0, 1]))
         assert all(torch.equal(d, b) for d, b in zip(d_rows.tensors, before))
         if transport == "auto":  # the decoder was given no mapping of the prompt's memory
-            assert dec._links.links[PROMPT_ID].local.region(rows.cache_id) is None
+            assert link_to(dec, PROMPT_ID).local.region(rows.cache_id) is None
         if transport == "nixl":  # nor the NIXL metadata that would let it read the prompt's memory
-            assert dec._links.links[PROMPT_ID].nixl.caches == {}
+            assert link_to(dec, PROMPT_ID).nixl.caches == {}
         # its own pushes to a peer that is open still go, and the key it did not serve is still bound
         await pm.push_blocks(BlocksCacheKey(DECODER_ID), p_blocks, [3], [5])
         assert all(torch.equal(d[5], v[3]) for d, v in zip(d_blocks.tensors, block_values))
         if transport == "nixl":  # a NIXL WRITE whose notification reached a peer that never saw our metadata
-            assert prompt._links.nixl.engine.posted == 1
-        assert prompt._runtime.registry.by_key((1, 2**64 - 1, 0)) is not None
+            assert nixl_plane_of(prompt).engine.posted == 1
+        assert registry_of(prompt).by_key((1, 2**64 - 1, 0)) is not None
         assert all(torch.equal(t, v) for t, v in zip(rows.tensors, values))
 
 
@@ -94,10 +95,10 @@ async def test_a_closed_off_decoder_takes_no_push_but_still_pulls(transport):
         await refused(pm.push_blocks(BlocksCacheKey(DECODER_ID), p_blocks, [0, 1], [2, 3]))
         assert all(torch.equal(d, b) for d, b in zip(d_blocks.tensors, before))
         if transport == "auto":
-            assert prompt._links.links[DECODER_ID].local.region(d_blocks.cache_id) is None
+            assert link_to(prompt, DECODER_ID).local.region(d_blocks.cache_id) is None
         if transport == "nixl":
-            assert prompt._links.links[DECODER_ID].nixl.caches == {}
+            assert link_to(prompt, DECODER_ID).nixl.caches == {}
         await dm.pull_cache(CacheKey(PROMPT_ID, 1), d_rows, batch_index=1)
         assert all(torch.equal(d[1], v[0]) for d, v in zip(d_rows.tensors, values))
         if transport == "nixl":
-            assert dec._links.nixl.engine.posted == 1
+            assert nixl_plane_of(dec).engine.posted == 1

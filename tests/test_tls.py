@@ -37,6 +37,7 @@ from aio_datadist import (
     TransferWithCacheKeyConfig,
     wire,
 )
+from aio_datadist.testing import link_to, links_of
 from aio_datadist.transport.tls import TlsChannel
 from aio_datadist.wire import Msg
 from peers import LOCALHOST, cluster_info, port_of
@@ -143,7 +144,7 @@ async def test_every_transfer_runs_over_tls_and_the_wire_shows_no_plaintext():
         async with Tap(port_of(prompt)) as tap:
             assert await dec.link_clusters([cluster_info(PROMPT, tap.address)]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
             for dd, peer in ((dec, PROMPT), (prompt, DECODER)):
-                link = dd._links.links[peer]
+                link = link_to(dd, peer)
                 assert link.writer.get_extra_info("ssl_object") is not None
                 assert all(isinstance(ch.sock, TlsChannel) for ch in link.channels)
             await dm.pull_cache(CacheKey(PROMPT, 2), d_rows, batch_index=1)
@@ -170,7 +171,7 @@ async def test_every_transfer_runs_over_tls_and_the_wire_shows_no_plaintext():
 
 def tls_jobs(dd: LLMDataDist) -> int:
     """TLS data-channel jobs still running on ``dd``'s links."""
-    return sum(ch.sock.running() for link in dd._links.links.values() for ch in link.channels
+    return sum(ch.sock.running() for link in links_of(dd).values() for ch in link.channels
                if isinstance(ch.sock, TlsChannel))
 
 
@@ -183,7 +184,7 @@ async def test_cut_tls_transfers_reset_their_channel_and_the_link_goes_on():
         values = scramble(big, 4)
         dst = dm.allocate_cache(BIG)
         assert (await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))]))[0] == S.LLM_SUCCESS
-        link = dec._links.links[PROMPT]
+        link = link_to(dec, PROMPT)
         before = [ch.generation for ch in link.channels]
 
         # a pull cut by its timeout in the middle of 64 MiB: LLM_TIMEOUT in time, the key is not consumed
@@ -242,8 +243,8 @@ async def test_a_peer_without_tls_or_with_an_untrusted_certificate_gets_no_link_
                 result = await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))], timeout=5000)
                 assert result == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED]), why
                 assert time.monotonic() - started < BOUND_S, why
-                assert dec._links.links == {}
-        assert prompt._links.links == {}
+                assert links_of(dec) == {}
+        assert links_of(prompt) == {}
         assert await answer_to_plaintext(port_of(prompt)) == b""  # not even a HELLO_ACK
 
         async with endpoint(LLMRole.DECODER, DECODER, client=client_context(PKI)) as dec:
@@ -252,7 +253,7 @@ async def test_a_peer_without_tls_or_with_an_untrusted_certificate_gets_no_link_
             result = await dec.link_clusters([cluster_info(OTHER_PROMPT, port_of(plain))], timeout=5000)
             assert result == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
             assert time.monotonic() - started < BOUND_S
-            assert plain._links.links == {}
+            assert links_of(plain) == {}
             # the trusted client links and gets its bytes
             assert (await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))]))[0] == S.LLM_SUCCESS
             dst = dec.kv_cache_manager.allocate_cache(ROWS)
@@ -266,7 +267,7 @@ async def test_tls_keeps_same_host_sharing():
         rows = prompt.kv_cache_manager.allocate_cache(ROWS, [CacheKey(PROMPT, 1)])
         values = scramble(rows, 7)
         assert (await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))]))[0] == S.LLM_SUCCESS
-        link = dec._links.links[PROMPT]
+        link = link_to(dec, PROMPT)
         assert link.writer.get_extra_info("ssl_object") is not None
         assert link.local is not None and link.local.region(rows.cache_id) is not None
         dst = dec.kv_cache_manager.allocate_cache(ROWS)

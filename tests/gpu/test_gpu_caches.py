@@ -27,6 +27,7 @@ from aio_datadist import (
 )
 from aio_datadist.devices import kernels
 from aio_datadist.devices.ops import copy_rows
+from aio_datadist.testing import registry_of, runtime_of
 
 S = LLMStatusCode
 BLOCKS = CacheDesc(8, (64, 16, 8, 128), DataType.DT_FLOAT16, Placement.DEVICE)     # 64 blocks of 32 KiB
@@ -62,7 +63,7 @@ async def test_device_caches_live_on_the_gpu_and_stay_out_of_peers_reach():
         assert cache.device == torch.device("cuda", 0)
         assert all(t.is_cuda and t.is_contiguous() and t.data_ptr() % 256 == 0 for t in cache.tensors)
         assert cache.per_device_tensor_addrs == [[t.data_ptr() for t in cache.tensors]]
-        reg = dd._runtime.registry
+        reg = registry_of(dd)
         assert reg.by_id(cache.cache_id) is None and cache not in reg.caches() and cache in reg.all_caches()
         host = kv.allocate_blocks_cache(HOST_BLOCKS)
         assert host.device.type == "cpu" and host._pin is not None  # page-locked for swaps
@@ -111,7 +112,7 @@ async def test_copy_blocks_is_byte_exact(method, seed):
             await kv.copy_blocks(cache, info)
         else:
             pairs = [(s, d) for s, ds in info.items() for d in ds]
-            moved = await copy_rows(dd._runtime, cache, [d for _, d in pairs], cache, [s for s, _ in pairs], 0,
+            moved = await copy_rows(runtime_of(dd), cache, [d for _, d in pairs], cache, [s for s, _ in pairs], 0,
                                     cache.layout.row_bytes, 5000, "copy_blocks", method)
             assert moved == len(pairs) * BLOCKS.num_tensors * cache.layout.row_bytes
         for old, t in zip(before, cache.tensors):
@@ -138,7 +139,7 @@ async def test_copy_cache_with_offsets_is_byte_exact(method):
             if method is None:
                 await kv.copy_cache(a, b, dst_batch_index=2, src_batch_index=1, offset=offset, size=size)
             else:
-                await copy_rows(dd._runtime, a, [2], b, [1], offset, nbytes, 5000, "copy_cache", method)
+                await copy_rows(runtime_of(dd), a, [2], b, [1], offset, nbytes, 5000, "copy_cache", method)
             for old, s, t in zip(before, src, a.tensors):
                 want = old.clone()
                 want[2, offset:offset + nbytes] = s[1, offset:offset + nbytes]
@@ -151,7 +152,7 @@ async def test_copy_cache_with_offsets_is_byte_exact(method):
 async def test_swap_blocks_is_byte_exact(method, to_device):
     async with LLMDataDist(LLMRole.DECODER, 1) as dd:
         await dd.init(options())
-        rt = dd._runtime
+        rt = runtime_of(dd)
         if method == "batch" and not rt.devices.batch_copies:
             pytest.skip("the driver has no cuMemcpyBatchAsync")
         if method == "staged":
@@ -203,7 +204,7 @@ async def test_registered_framework_tensors_copy_like_allocated_ones():
 async def test_copies_wait_for_the_callers_stream_and_time_out_cleanly():
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init(options())
-        kv, rt = dd.kv_cache_manager, dd._runtime
+        kv, rt = dd.kv_cache_manager, runtime_of(dd)
         cache = kv.allocate_blocks_cache(BLOCKS)
         fill(cache.tensors, 10)
         # Work on the caller's stream, enqueued before the copy, is seen by the copy.
@@ -232,7 +233,7 @@ async def test_staging_sends_and_receives_device_rows_in_wire_order():
         await dd.init(options())
         from aio_datadist.devices.staging import DeviceStaging
 
-        rt, kv = dd._runtime, dd.kv_cache_manager
+        rt, kv = runtime_of(dd), dd.kv_cache_manager
         stager = DeviceStaging(rt.completions, rt.devices, chunk_bytes=256 << 10, buffers=2)
         try:
             cache = kv.allocate_blocks_cache(BLOCKS)

@@ -10,6 +10,7 @@ import torch
 
 from aio_datadist import CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
 from aio_datadist.devices import ipc
+from aio_datadist.testing import runtime_of
 
 BLOCKS = CacheDesc(8, (64, 16, 8, 128), DataType.DT_FLOAT16, Placement.DEVICE)
 
@@ -48,7 +49,7 @@ async def test_pull_from_a_peer_process_on_the_same_gpu_is_byte_exact():
     try:
         async with LLMDataDist(LLMRole.DECODER, 2) as dd:
             await dd.init(options())
-            rt = dd._runtime
+            rt = runtime_of(dd)
             local = dd.kv_cache_manager.allocate_blocks_cache(BLOCKS)
             local_before = [t.view(torch.uint8).view(64, -1).cpu() for t in local.tensors]
             loop = asyncio.get_running_loop()

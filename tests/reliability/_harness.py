@@ -34,6 +34,7 @@ from aio_datadist import (
     LLMRole,
     LLMStatusCode,
 )
+from aio_datadist.testing import engine_state
 from peers import LOCALHOST
 
 S = LLMStatusCode
@@ -84,17 +85,8 @@ def open_fds() -> set[str]:
 
 
 def state(dd: LLMDataDist) -> dict[str, int]:
-    """What an endpoint holds that a finished transfer must have given back."""
-    rt = dd._runtime
-    assert rt is not None
-    return {
-        "pending tokens": rt.completions.pending_count(),
-        "socket jobs": rt.sockets.pending(),
-        "copy jobs": rt.copier.pending(),
-        "registered bytes": rt.registry.used_bytes,
-        "caches": len(rt.registry),
-        "claimed keys": len(rt.registry._reserved),
-    }
+    """What an endpoint holds that a finished transfer must have given back (see ``engine_state``)."""
+    return engine_state(dd)
 
 
 async def settle(dd: LLMDataDist, baseline: dict[str, int], fds: set[str] | None = None,

@@ -134,12 +134,13 @@ async def _limited(conn: multiprocessing.connection.Connection, role: Any, clust
                    config: dict[str, Any], room: int) -> None:
     from aio_datadist import LLMDataDist, LLMException, fd_budget
     from aio_datadist.admission import ARRIVAL_FACTOR
+    from aio_datadist.testing import link_count, runtime_of
     from peers import _next_command, cluster_info
 
     async with LLMDataDist(role, cluster_id) as dd:
         await dd.init(_harness.options(listen=listen, **config))
         raised = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        settings = dd._runtime.settings
+        settings = runtime_of(dd).settings
         per_link = fd_budget.per_link(settings.data_channels, settings.transport in ("auto", "local"))
         reserve = fd_budget.RESERVE + ((1 + ARRIVAL_FACTOR) * settings.max_pending_handshakes if listen else 0)
         # links that fit = (limit - fds open - reserve) // per_link = room
@@ -162,7 +163,7 @@ async def _limited(conn: multiprocessing.connection.Connection, role: Any, clust
                     await dd.check_link_status(args[0])
                     result = None
                 elif command == "links":
-                    result = dd._links.count()
+                    result = link_count(dd)
                 elif command == "fds":
                     result = fd_budget.open_count()
                 else:

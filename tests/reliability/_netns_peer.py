@@ -44,6 +44,7 @@ from aio_datadist import (
     Placement,
     link_table,
 )
+from aio_datadist.testing import links_of, nixl_plane_of
 from peers import DECODER_ID, PROMPT_ID, _next_command, fill, pattern
 
 import _harness
@@ -174,10 +175,9 @@ def _main(conn: multiprocessing.connection.Connection, ns: str, role: str, addre
 
 
 def _state(dd: LLMDataDist) -> dict[str, Any]:
-    table = dd._links
-    plane = table.nixl
+    plane = nixl_plane_of(dd)
     links = {}
-    for cid, link in table.links.items():
+    for cid, link in links_of(dd).items():
         peer = link.nixl
         links[cid] = {"nixl": peer is not None and peer.usable(), "declined": None if peer is None else peer.declined,
                       "local": link.local is not None, "broken": link.broken is not None}

@@ -23,6 +23,7 @@ import torch
 
 from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, wire
 from aio_datadist.links import layout_hash
+from aio_datadist.testing import links_of, runtime_of, share_listener_of
 from aio_datadist.transport.local import boot_id
 from aio_datadist.types import UINT64_MAX
 from aio_datadist.wire import Msg
@@ -123,13 +124,13 @@ async def test_peers_without_the_secret_get_no_link_no_metadata_no_byte():
             async with endpoint(LLMRole.DECODER, DECODER, **config) as dec:
                 assert await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]) == (
                     S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
-        assert dd._links.links == {}
+        assert links_of(dd) == {}
         # raw attackers, while a legitimate raw client holds a link
         legit = await asyncio.to_thread(RawLink(port_of(dd), DECODER, PROMPT, SECRET.encode()).connect)
         try:
             got = await asyncio.to_thread(attacks, port_of(dd), rows.cache_id, legit)
             assert got == [], f"attacks that got through: {got}"
-            assert sorted(dd._links.links) == [DECODER]
+            assert sorted(links_of(dd)) == [DECODER]
             # the legitimate link's channels are its own: a pull returns its bytes on its channel
             for channel in range(legit.channels):
                 data = await asyncio.to_thread(legit.pull, pull_fields(rows.cache_id, channel))
@@ -218,8 +219,8 @@ async def test_before_proving_the_secret_a_peer_learns_nothing_but_a_nonce():
     async with endpoint(LLMRole.PROMPT, IDENTIFIED, listen=True, shared_secret=SECRET, transport="auto") as dd:
         dd.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(IDENTIFIED))
         identifying = {"cluster id": IDENTIFIED.to_bytes(8, "big"), "boot id": boot_id(),
-                       "share socket name": dd._links.local_listener.name[1:],
-                       "blocks layout": layout_hash(dd._runtime)}
+                       "share socket name": share_listener_of(dd).name[1:],
+                       "blocks layout": layout_hash(runtime_of(dd))}
         received = await asyncio.to_thread(handshake_without_the_secret, port_of(dd))
         frames, pos = [], 0
         while pos < len(received):
@@ -234,11 +235,11 @@ async def test_before_proving_the_secret_a_peer_learns_nothing_but_a_nonce():
                    for k, v in refusal.items() if k not in ("status", "text")), refusal
         leaked = [what for what, value in identifying.items() if value in received]
         assert not leaked, f"sent before authentication: {leaked}"
-        assert dd._links.links == {}
+        assert links_of(dd) == {}
         # with the secret, the same owner names itself (after the client's proof)
         with RawLink(port_of(dd), DECODER, IDENTIFIED, SECRET.encode()) as legit:
             await asyncio.to_thread(legit.connect)
-            assert sorted(dd._links.links) == [DECODER]
+            assert sorted(links_of(dd)) == [DECODER]
 
 
 class TamperingRelay:
@@ -294,7 +295,7 @@ async def test_a_link_ok_altered_on_the_way_fails_the_link():
             endpoint(LLMRole.DECODER, DECODER, shared_secret=SECRET) as dec, TamperingRelay(port_of(dd)) as relay:
         address = relay.server.sockets[0].getsockname()[:2]
         assert await dec.link_clusters([cluster_info(PROMPT, address)]) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
-        assert relay.tampered == 1 and dec._links.links == {}
+        assert relay.tampered == 1 and links_of(dec) == {}
         async with asyncio.timeout(2):  # the owner's end breaks once the client hangs up
-            while any(link.broken is None for link in dd._links.links.values()):
+            while any(link.broken is None for link in links_of(dd).values()):
                 await asyncio.sleep(0.01)

@@ -37,6 +37,7 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.testing import link_table_of
 from peers import cluster_info, fill, port_of
 
 from _harness import endpoint, open_fds, settle, state
@@ -179,7 +180,7 @@ async def test_a_request_on_a_channel_still_being_redialled_waits_for_it():
         dst = dec.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(DECODER, 0))
         fill(src, 3)
         assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
-        table = dec._links
+        table = link_table_of(dec)
         dial = table.dial_data
 
         async def slow_dial(*args: Any) -> Any:  # the acknowledgement arrives late

@@ -31,6 +31,7 @@ from aio_datadist import (
 )
 from aio_datadist.cache import CacheRegistry
 from aio_datadist.leases import lease_of
+from aio_datadist.testing import engine_state, registry_of
 from peers import cluster_info, port_of
 
 from _harness import endpoint
@@ -114,7 +115,7 @@ async def slow_pair() -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
 async def claimed(prompt: LLMDataDist) -> None:
     """Until the prompt has claimed a binding for a pull: bytes are about to move."""
     async with asyncio.timeout(5):
-        while not prompt._runtime.registry._reserved:
+        while not engine_state(prompt)["claimed keys"]:
             await asyncio.sleep(0.002)
 
 
@@ -134,9 +135,9 @@ async def rebind_during_a_pull(prompt: LLMDataDist, dec: LLMDataDist, unbind: An
         await pull  # whatever it gives (the old bytes, here): it must not touch the new binding
     assert pull.exception() is not None or holds(dst, 1)
     async with asyncio.timeout(2):  # the owner hears the pull's DONE (or its failure) a moment later
-        while prompt._runtime.registry._reserved:
+        while engine_state(prompt)["claimed keys"]:
             await asyncio.sleep(0.005)
-    assert prompt._runtime.registry.by_key(KEY.lookup_key()) is not None, "the old pull consumed the new binding"
+    assert registry_of(prompt).by_key(KEY.lookup_key()) is not None, "the old pull consumed the new binding"
 
     paint(dst, 0)
     await dm.pull_cache(KEY, dst, 0, timeout=20_000)
@@ -168,7 +169,7 @@ async def test_a_lease_that_runs_out_after_its_key_was_bound_again_removes_nothi
         paint(new, 3)
         lease.release()  # expires now: the key is bound to another cache, not ours to remove
         assert lease.expired
-        assert prompt._runtime.registry.by_key(KEY.lookup_key()) == (new, 0)
+        assert registry_of(prompt).by_key(KEY.lookup_key()) == (new, 0)
         dst = dm.allocate_cache(SMALL)
         await dm.pull_cache(KEY, dst, 0, timeout=5_000)
         assert all(bool((t[0] == 3).all()) for t in dst.tensors)

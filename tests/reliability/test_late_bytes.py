@@ -40,6 +40,7 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.testing import link_to, nixl_plane_of, runtime_of
 from aio_datadist.transfers import ABORT_ACK_S
 from peers import NIXL_MISSING, CacheSpec, EndpointSpec, cluster_info, port_of
 from tls_certs import client_context, make_pki, server_context
@@ -236,7 +237,7 @@ async def test_cut_tls_transfers_write_nothing_after_they_returned(how):
 
 
 async def nixl_prepared(owner: LLMDataDist, peer_id: int, cache: KvCache) -> None:
-    peer = owner._links.links[peer_id].nixl
+    peer = link_to(owner, peer_id).nixl
     async with asyncio.timeout(5):
         while cache.cache_id not in peer.prepared:
             await asyncio.sleep(0.005)
@@ -249,20 +250,20 @@ async def test_cut_nixl_transfers_write_and_record_nothing_after_they_returned(h
     async with pair(transport="nixl") as (prompt, dec, src, dst):
         await nixl_prepared(prompt, DECODER, src)
         await nixl_prepared(dec, PROMPT, dst)
-        posted = dec._links.nixl.engine.posted
+        posted = nixl_plane_of(dec).engine.posted
         paint(src, 10)
         # NIXL cannot stop a posted transfer part-way: a cut call returns once it settled, so what
         # it moved is in place before the return, all of it (or nothing, when cut before it started).
         pulled = await no_late_bytes(dst, 10, lambda ms: dec.kv_cache_manager.pull_blocks(
             BlocksCacheKey(PROMPT, 0), dst, ALL, ALL, timeout=ms), how)
-        assert dec._links.nixl.engine.posted > posted, "the pulls did not go by NIXL"
-        posted = prompt._links.nixl.engine.posted
+        assert nixl_plane_of(dec).engine.posted > posted, "the pulls did not go by NIXL"
+        posted = nixl_plane_of(prompt).engine.posted
         arrivals: list = []
-        record = dec._runtime.arrivals.record
-        dec._runtime.arrivals.record = lambda *args: (arrivals.append(args), record(*args))  # type: ignore
+        record = runtime_of(dec).arrivals.record
+        runtime_of(dec).arrivals.record = lambda *args: (arrivals.append(args), record(*args))  # type: ignore
         pushed = await no_late_bytes(dst, 10, lambda ms: prompt.kv_cache_manager.push_blocks(
             BlocksCacheKey(DECODER, 0), src, ALL, ALL, timeout=ms), how, arrivals)
-        assert prompt._links.nixl.engine.posted > posted, "the pushes did not go by NIXL"
+        assert nixl_plane_of(prompt).engine.posted > posted, "the pushes did not go by NIXL"
         assert any(pulled) and any(pushed), f"no cut came while NIXL was moving bytes: {pulled} {pushed}"
         await verified_pull(dec, src, dst, 11)
         await verified_push(prompt, src, dst, 12)

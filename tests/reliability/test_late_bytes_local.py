@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement
+from aio_datadist.testing import usable_link
 from peers import cluster_info, port_of
 
 from _harness import endpoint, settle, state
@@ -47,7 +48,7 @@ async def pair():
 async def link(prompt, decoder) -> None:
     status, _ = await decoder.link_clusters([cluster_info(PROMPT, port_of(prompt))])
     assert status == S.LLM_SUCCESS
-    assert decoder._links.get(PROMPT).local is not None and prompt._links.get(DECODER).local is not None
+    assert usable_link(decoder, PROMPT).local is not None and usable_link(prompt, DECODER).local is not None
 
 
 async def cut(call, how: str, after_ms: int) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from aio_datadist import CacheDesc, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode, Placement
 from aio_datadist.leases import allocate_leased_cache, lease_cache, lease_of
+from aio_datadist.testing import engine_state
 from peers import CacheSpec, EndpointSpec, Ref, cluster_info, fill, port_of, tensors_from_dump
 
 from _forked import forked
@@ -78,7 +79,7 @@ async def test_expiry_does_not_cut_a_pull_in_flight_and_the_memory_goes_after_it
         lease, values = await hand_off(dd.kv_cache_manager, BIG_ROW, [key], seed=2, lease_ms=60_000)
         pull = asyncio.ensure_future(dec.kv_cache_manager.pull_cache(key, dst, timeout=10_000))
         async with asyncio.timeout(5):
-            while not dd._runtime.registry._reserved:  # the owner has claimed the key: bytes are moving
+            while not engine_state(dd)["claimed keys"]:  # the owner has claimed the key: bytes are moving
                 await asyncio.sleep(0)
         lease.release()
         assert lease.expired

@@ -29,6 +29,7 @@ import torch
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, LLMStatusCode, Placement
 from aio_datadist.admission import ARRIVAL_FACTOR
+from aio_datadist.testing import admission_of
 from peers import CacheSpec, EndpointSpec, cluster_info, fill, port_of
 
 from _forked import forked
@@ -90,7 +91,7 @@ async def test_a_connection_flood_costs_bounded_fds_and_blocks_nothing(fork_serv
         dst = dec.kv_cache_manager.allocate_blocks_cache(SMALL)
         assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
         baseline, fds = state(dd), open_fds()
-        gate = dd._links.admission
+        gate = admission_of(dd)
         assert gate is not None
         async with Child(flood_main, port_of(dd), FLOOD, mode) as flood:
             assert await flood.recv() == ("ready", FLOOD)

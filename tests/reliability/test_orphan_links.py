@@ -36,6 +36,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist.testing import link_count, link_table_of
 from peers import CacheSpec, EndpointSpec, cluster_info
 
 from _forked import forked
@@ -66,7 +67,7 @@ async def test_the_same_cluster_twice_in_one_call_is_refused_before_dialling():
             for listener in listeners:  # nothing was dialled
                 with pytest.raises(BlockingIOError):
                     listener.accept()
-            assert dd._links.count() == 0
+            assert link_count(dd) == 0
     finally:
         for listener in listeners:
             listener.close()
@@ -83,7 +84,7 @@ async def test_concurrent_calls_for_one_cluster_id_make_exactly_one_link(fork_se
         results = await asyncio.gather(*(dd.link_clusters([cluster_info(PROMPT, p.address)]) for p in targets))
         codes = sorted(codes[0] for _, codes in results)
         assert codes == sorted([S.LLM_SUCCESS, S.LLM_ALREADY_LINK]), results
-        assert dd._links.count() == 1
+        assert link_count(dd) == 1
         await dd.check_link_status(PROMPT)
         held = [len(await p.call("links")) for p in procs]
         assert sum(held) == 1, held
@@ -104,7 +105,7 @@ async def test_a_link_attempt_in_its_handshake_at_finalize_never_registers(step)
             while len(stall.writers) < (1 if step == "link_ok" else 2):  # in the handshake, or on a data channel
                 await asyncio.sleep(0.005)
         await asyncio.sleep(0.05)
-        table = dd._links
+        table = link_table_of(dd)
         started = time.monotonic()
         await dd.finalize()
         assert await attempt == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])

@@ -29,6 +29,7 @@ import torch
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, LLMStatusCode, Placement
 from aio_datadist.devices.host import F_SEAL_FUTURE_WRITE
+from aio_datadist.testing import link_to, registry_of, runtime_of, share_listener_of, usable_link
 from aio_datadist.transport import local
 from aio_datadist.transport.local import share_proof
 from peers import cluster_info, fill, port_of
@@ -60,7 +61,7 @@ async def run_attacker(*args: str, timeout: float = 60.0) -> dict:
 
 async def pull_through_shared_memory(decoder, src_values) -> None:
     """The legitimate link still shares memory and pulls its own bytes."""
-    link = decoder._links.get(PROMPT)
+    link = usable_link(decoder, PROMPT)
     assert link.local is not None
     dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS)
     try:
@@ -77,14 +78,14 @@ class Scene:
 
     @property
     def name(self) -> str:
-        return self.prompt._links.local_listener.name.hex()
+        return share_listener_of(self.prompt).name.hex()
 
     def token(self, cluster: int = DECODER) -> str:
-        return self.prompt._links.links[cluster].token.hex()
+        return link_to(self.prompt, cluster).token.hex()
 
     @property
     def secret(self) -> bytes:
-        return self.prompt._runtime.settings.shared_secret
+        return runtime_of(self.prompt).settings.shared_secret
 
 
 async def scene(decoder_transport: str = "auto"):
@@ -139,7 +140,7 @@ async def test_a_linked_peer_gets_only_sealed_read_only_memfds(fork_server):
             assert all(v.startswith("refused") for v in tried.values()), tried
         count("share attacks", 8)
         # The owner's bytes are intact, and it still writes its own cache (a truncate would make this SIGBUS).
-        (cache,) = sc.prompt._runtime.registry.caches()
+        (cache,) = registry_of(sc.prompt).caches()
         assert all(torch.equal(t, v) for t, v in zip(cache.tensors, sc.values))
         cache.tensors[1][-1].fill_(0x5A)
         assert bool((cache.tensors[1][-1] == 0x5A).all())
@@ -163,7 +164,7 @@ async def test_malformed_share_records_drop_the_share_and_nothing_else(fork_serv
         assert errors == []
         os.write(canary_w, b"x")  # a double close would have hit fds like these
         assert os.read(canary_r, 1) == b"x"
-        link = sc.prompt._links.links[DECODER]
+        link = link_to(sc.prompt, DECODER)
         assert link.broken is None and link.local is None  # the share is gone, the link is not
         await settle(sc.prompt, baseline, fds)
         dst = sc.decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS)
@@ -187,14 +188,14 @@ async def test_a_flood_of_silent_share_connections_is_capped_and_links_still_sha
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), 30)
             assert json.loads(line)["holding"] > 0
-            listener = sc.prompt._links.local_listener
+            listener = share_listener_of(sc.prompt)
             assert listener.pending() <= local.MAX_PENDING_SHARES
             assert len(open_fds()) <= before + local.MAX_PENDING_SHARES + 4
             # A new decoder links during the flood and gets its share (its connection evicts a stale one).
             async with endpoint(LLMRole.DECODER, LATECOMER, shared_secret=SECRET, transport="auto") as late:
                 status, _ = await late.link_clusters([cluster_info(PROMPT, port_of(sc.prompt))])
                 assert status == S.LLM_SUCCESS
-                assert late._links.get(PROMPT).local is not None
+                assert usable_link(late, PROMPT).local is not None
                 dst = late.kv_cache_manager.allocate_blocks_cache(BLOCKS)
                 await late.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, [7], [0])
                 assert torch.equal(dst.tensors[0][0], sc.values[0][7])

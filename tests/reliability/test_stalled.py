@@ -44,6 +44,7 @@ from aio_datadist import (
     wire,
 )
 from aio_datadist.admission import ARRIVAL_FACTOR
+from aio_datadist.testing import admission_of, handshakes_in_progress, link_count, link_to
 from aio_datadist.wire import Msg
 from peers import LOCALHOST, CacheSpec, EndpointSpec, Ref, cluster_info, fill, port_of
 
@@ -166,7 +167,7 @@ async def test_silent_incoming_connections_are_dropped_and_block_nothing(monkeyp
             silent.append(sock)
         try:
             async with asyncio.timeout(5):
-                while len(dd._links._handshakes) < len(silent):  # all accepted, all in their handshake
+                while handshakes_in_progress(dd) < len(silent):  # all accepted, all in their handshake
                     await asyncio.sleep(0.005)
             # a real link is made and used while they hang
             unlinked = open_fds()
@@ -211,7 +212,7 @@ async def test_pending_handshakes_are_capped_and_links_wait_their_turn(monkeypat
         fill(src, 4)
         dst = dec.kv_cache_manager.allocate_blocks_cache(SMALL)
         baseline, fds = state(dd), open_fds()
-        gate = dd._links.admission
+        gate = admission_of(dd)
         assert gate is not None
         # 4 x cap connections that say nothing, then 2 x cap that send a HELLO and stop (these take handshake slots)
         stalled = [socket.create_connection(port_of(dd)) for _ in range(4 * cap)]
@@ -239,7 +240,7 @@ async def test_pending_handshakes_are_capped_and_links_wait_their_turn(monkeypat
             # a burst of 2 x cap links at once (10 x cap connections) waits its turn: every link is made
             results = await asyncio.gather(*(d.link_clusters([cluster_info(PROMPT, port_of(dd))]) for d in burst))
             assert results == [(S.LLM_SUCCESS, [S.LLM_SUCCESS])] * len(burst)
-            assert dd._links.count() == 1 + len(burst)
+            assert link_count(dd) == 1 + len(burst)
             for d in burst:
                 await d.check_link_status(PROMPT)
             await dec.check_link_status(PROMPT)
@@ -250,7 +251,7 @@ async def test_pending_handshakes_are_capped_and_links_wait_their_turn(monkeypat
             assert (await d.unlink_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
         assert not gate.arriving and not gate.handshaking
         await settle(dd, baseline, fds)  # nothing of the stalled connections or the links is left
-        assert dd._links.count() == 0
+        assert link_count(dd) == 0
 
 
 def all_closed_by(socks: list[socket.socket], deadline: float) -> None:
@@ -331,7 +332,7 @@ async def test_a_reader_that_stops_mid_pull_is_cut_off_and_everything_is_release
                                          "caches": baseline["caches"] + 1}, within=0.3 + 1.0 + BOUND_S)
             ended = time.monotonic() - t0
             assert ended < 0.3 + 1.0 + BOUND_S
-            link = dd._links.links.get(DECODER)
+            link = link_to(dd, DECODER)
             if keep_pinging:
                 assert link is not None and link.broken is None  # the link lives on; the channel was reset
             else:

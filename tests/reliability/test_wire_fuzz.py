@@ -44,6 +44,7 @@ from aio_datadist import (
     transfers,
     wire,
 )
+from aio_datadist.testing import link_to, runtime_of
 from aio_datadist.types import UINT64_MAX
 from aio_datadist.wire import Msg, ProtocolError
 from peers import port_of
@@ -319,7 +320,7 @@ async def test_the_owner_plans_only_registered_bytes_or_refuses():
             endpoint(LLMRole.DECODER, DECODER, transport="tcp", heartbeat_interval=600_000) as dec:
         target = await make_target(dd, seed=1)
         assert (await dec.link_clusters([info(dd)]))[0] == S.LLM_SUCCESS
-        rt, link = dd._runtime, dd._links.links[DECODER]
+        rt, link = runtime_of(dd), link_to(dd, DECODER)
         outcomes: dict[str, int] = {}
 
         @settings(max_examples=PLAN_EXAMPLES, **SETTINGS)
