@@ -393,7 +393,7 @@ class Link:
 
     def attach_local(self, sock: Any) -> None:
         """Start sharing caches with a same-host peer over ``sock``."""
-        self.local = LocalShare(sock, self.runtime, self._local_lost)
+        self.local = LocalShare(sock, self._local_lost)
         if self.runtime.settings.remote_cache_accessible:  # else peers may not touch our caches at all
             for cache in self.runtime.registry.caches():
                 self.local.offer(cache)

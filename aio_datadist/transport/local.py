@@ -30,7 +30,7 @@ import os
 import socket
 import struct
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aio_datadist.devices.host import SEALS_REQUIRED, seal_names
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -194,10 +194,9 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 class LocalShare:
     """One link's unix socket: our shareable caches out, the peer's in."""
 
-    def __init__(self, sock: socket.socket, runtime: Any, on_lost: Callable[[], None]) -> None:
+    def __init__(self, sock: socket.socket, on_lost: Callable[[], None]) -> None:
         self.sock = sock
         self.sock.setblocking(False)
-        self.runtime = runtime
         self.regions: dict[int, PeerRegion] = {}
         self.sent: set[int] = set()
         self.on_lost = on_lost

@@ -103,7 +103,7 @@ async def test_a_live_share_maps_only_what_the_fd_holds_or_drops_the_peer():
         for _ in range(rounds):
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             lost = loop.create_future()
-            share = LocalShare(ours, runtime=None, on_lost=lambda f=lost: f.done() or f.set_result(None))
+            share = LocalShare(ours, on_lost=lambda f=lost: f.done() or f.set_result(None))
             share._apply = checked(share)
             proc = subprocess.Popen([sys.executable, ATTACKER, "fuzz", str(theirs.fileno()), str(rng.randrange(2**32)),
                                      str(MESSAGES)], pass_fds=[theirs.fileno()])
