@@ -12,8 +12,9 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from aio_datadist._checks import check_int, param_invalid
 from aio_datadist.cache import KvCache
-from aio_datadist.status import LLMException, LLMStatusCode, check_int, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["Arrivals", "PushWatch"]
 

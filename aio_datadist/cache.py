@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from aio_datadist import _core
+from aio_datadist._checks import check_instance, param_invalid
 from aio_datadist.devices.host import HostRegion, round_up, tensor_at
-from aio_datadist.status import LLMException, LLMStatusCode, check_instance, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import (
     UINT64_MAX,
     BlocksCacheKey,

@@ -22,9 +22,11 @@ from typing import Any, TypeVar
 from aio_datadist import datadist as _async_datadist
 from aio_datadist.cache import KvCache
 from aio_datadist.config import LLMConfig, LlmConfig
+from aio_datadist.layers import range_pair
 from aio_datadist.status import LLMException, LLMStatusCode, Status
 from aio_datadist.task import CacheTask as _AsyncCacheTask
 from aio_datadist.types import (
+    ALL_LAYERS,
     BlocksCacheKey,
     CacheDesc,
     CacheIndex,
@@ -207,12 +209,7 @@ class KvCacheManager:
 
 def _ext_param(src: range | None, dst: range | None, per_layer: int) -> KvCacheExtParam:
     def pair(arg: str, r: range | None) -> tuple[int, int]:
-        if r is None:
-            return (-1, -1)
-        if not isinstance(r, range) or r.step != 1 or not 0 <= r.start < r.stop:
-            raise LLMException(f"invalid argument '{arg}': must be a non-empty range with step 1, got {r!r}",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        return (r.start, r.stop - 1)
+        return ALL_LAYERS if r is None else range_pair(arg, r)
 
     return KvCacheExtParam(pair("src_layer_range", src), pair("dst_layer_range", dst), per_layer)
 

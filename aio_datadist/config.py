@@ -52,16 +52,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, overload
 
-from .status import (
-    INT32_MAX,
-    INT64_MAX,
-    UINT32_MAX,
-    check_bool,
-    check_int,
-    check_ipv4,
-    check_str,
-    param_invalid,
-)
+from ._checks import INT32_MAX, INT64_MAX, UINT32_MAX, check_bool, check_int, check_ipv4, check_str, param_invalid
 
 __all__ = [
     "LLMConfig",

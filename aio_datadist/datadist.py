@@ -11,12 +11,13 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aio_datadist._checks import check_instance, check_int, check_uint, param_invalid
 from aio_datadist.config import parse_listen, parse_options
 from aio_datadist.endpoint import Endpoint
 from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
 from aio_datadist.runtime import Runtime
-from aio_datadist.status import LLMException, LLMStatusCode, check_instance, check_int, check_uint, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transfers import handle_request
 from aio_datadist.types import LLMClusterInfo, LLMRole
 

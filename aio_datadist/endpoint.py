@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from aio_datadist._checks import check_instance, param_invalid
 from aio_datadist.cache import KvCache
-from aio_datadist.status import LLMException, LLMStatusCode, check_instance, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import LLMRole
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Layer ranges to tensor spans, for pull, push and layer-wise transfer calls.
+"""The layer-range rule: layer selections and the tensor spans they cover.
 
 Layer ``L`` of a cache covers tensor indices ``[L*N, L*N + N)`` with
 ``N = tensor_num_per_layer`` (2 by default: K and V), so memory is laid out
@@ -6,16 +6,34 @@ K0, V0, K1, V1, ... A range comes either as a Python ``range`` (half-open,
 step 1, non-empty; the Python API) or as an inclusive ``(first, second)``
 pair (``KvCacheExtParam``, the C++ API), where ``(-1, -1)`` means all layers.
 None also means all layers.
+
+This module is the one home of that rule: parsing a selection
+(:func:`layer_selection`, :func:`layer_pair`, :func:`range_pair`), one
+side's span (:func:`one_side_span`), both sides' spans
+(:func:`resolve_tensor_span`) and their equal length (:func:`check_spans`).
+The primitive checks it builds on sit one layer down, where the values
+need them: ``_checks.check_range`` and ``types.check_layer_pair``.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from .status import check_instance, check_int, check_range, param_invalid
+from ._checks import check_instance, check_int, check_range, param_invalid
+from .status import LLMException
 from .types import ALL_LAYERS, MAX_NUM_TENSORS, KvCacheExtParam, check_layer_pair
 
-__all__ = ["TensorSpan", "LayerRange", "resolve_tensor_span", "resolve_ext_param"]
+__all__ = [
+    "TensorSpan",
+    "LayerRange",
+    "resolve_tensor_span",
+    "resolve_ext_param",
+    "layer_selection",
+    "layer_pair",
+    "range_pair",
+    "one_side_span",
+    "check_spans",
+]
 
 LayerRange = range | tuple[int, int] | list[int] | None
 """A layer selection: a ``range``, an inclusive pair, or None for all."""
@@ -43,19 +61,78 @@ class TensorSpan(NamedTuple):
         return range(self.dst_first, self.dst_first + self.count)
 
 
-def _inclusive_layers(arg_name: str, value: object) -> tuple[int, int] | None:
-    """``(first, last)`` layer indices, or None for all layers."""
+def range_pair(arg_name: str, value: object) -> tuple[int, int]:
+    """A Python layer ``range`` (step 1, non-empty) as an inclusive ``(first, last)`` pair.
+
+    The wording of the manager and compat APIs: any malformed value gives
+    ``"must be a non-empty range with step 1, got <value>"``.
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name``.
+    """
+    try:
+        check_range(arg_name, value, allow_none=False)
+    except LLMException:
+        raise param_invalid(arg_name, f"must be a non-empty range with step 1, got {value!r}") from None
+    assert isinstance(value, range)
+    return (value.start, value.stop - 1)
+
+
+def layer_pair(arg_name: str, value: Any) -> tuple[int, int]:
+    """A keyword layer selection of the manager API as an inclusive pair, ``(-1, -1)`` for all.
+
+    :param value: None (all layers), a ``range`` or an inclusive pair of ints.
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name``.
+    """
     if value is None:
-        return None
+        return ALL_LAYERS
+    if isinstance(value, range):
+        return range_pair(arg_name, value)
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        try:
+            return check_layer_pair(arg_name, value)
+        except LLMException:
+            raise param_invalid(
+                arg_name, f"must satisfy 0 <= first <= last (inclusive), got {tuple(value)}"
+            ) from None
+    raise param_invalid(arg_name, f"expected a range or an inclusive (first, last) pair, got {value!r}")
+
+
+def layer_selection(arg_name: str, value: object) -> tuple[int, int]:
+    """A layer selection as an inclusive ``(first, last)`` pair, ``ALL_LAYERS`` for all.
+
+    :param value: None, a ``range`` (checked by ``check_range``) or an
+        inclusive pair (checked by ``check_layer_pair``).
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name``.
+    """
+    if value is None:
+        return ALL_LAYERS
     if isinstance(value, range):
         check_range(arg_name, value)
         return (value.start, value.stop - 1)
     if isinstance(value, (tuple, list)):
-        pair = check_layer_pair(arg_name, value)
-        return None if pair == ALL_LAYERS else pair
+        return check_layer_pair(arg_name, value)
     raise param_invalid(
         arg_name, f"expected a range, an inclusive (first, second) pair or None, got {type(value).__name__}"
     )
+
+
+def _check_divides(per_layer_name: str, per_layer: int, side: str, total: int) -> None:
+    if total % per_layer:
+        raise param_invalid(
+            per_layer_name,
+            f"{per_layer} does not divide the {side} cache's {total} tensors (required with layer ranges)",
+        )
+
+
+def _span(name: str, layers: tuple[int, int], total: int, per_layer: int) -> tuple[int, int]:
+    """``(first_tensor, count)`` of one side's selection (``ALL_LAYERS``: the whole cache)."""
+    if layers == ALL_LAYERS:
+        return (0, total)
+    num_layers = total // per_layer
+    first, last = layers
+    if last >= num_layers:
+        raise param_invalid(name, f"layer {last} out of range [0, {num_layers})")
+    return (first * per_layer, (last - first + 1) * per_layer)
 
 
 def _resolve(
@@ -70,10 +147,10 @@ def _resolve(
     src_total = check_int("src_num_tensors", src_num_tensors, lo=1, hi=MAX_NUM_TENSORS)
     dst_total = check_int("dst_num_tensors", dst_num_tensors, lo=1, hi=MAX_NUM_TENSORS)
     per_layer = check_int(per_layer_name, tensor_num_per_layer, lo=1, hi=255)
-    src_layers = _inclusive_layers(src_name, src_range)
-    dst_layers = _inclusive_layers(dst_name, dst_range)
+    src_layers = layer_selection(src_name, src_range)
+    dst_layers = layer_selection(dst_name, dst_range)
 
-    if src_layers is None and dst_layers is None:
+    if src_layers == ALL_LAYERS and dst_layers == ALL_LAYERS:
         if src_total != dst_total:
             raise param_invalid(
                 dst_name,
@@ -82,26 +159,12 @@ def _resolve(
             )
         return TensorSpan(0, 0, src_total)
 
-    for side, total in (("source", src_total), ("destination", dst_total)):
-        if total % per_layer:
-            raise param_invalid(
-                per_layer_name,
-                f"{per_layer} does not divide the {side} cache's {total} tensors (required with layer ranges)",
-            )
-
-    def span(name: str, layers: tuple[int, int] | None, total: int) -> tuple[int, int]:
-        if layers is None:
-            return (0, total)
-        num_layers = total // per_layer
-        first, last = layers
-        if last >= num_layers:
-            raise param_invalid(name, f"layer {last} out of range [0, {num_layers})")
-        return (first * per_layer, (last - first + 1) * per_layer)
-
-    src_first, src_count = span(src_name, src_layers, src_total)
-    dst_first, dst_count = span(dst_name, dst_layers, dst_total)
+    _check_divides(per_layer_name, per_layer, "source", src_total)
+    _check_divides(per_layer_name, per_layer, "destination", dst_total)
+    src_first, src_count = _span(src_name, src_layers, src_total, per_layer)
+    dst_first, dst_count = _span(dst_name, dst_layers, dst_total, per_layer)
     if src_count != dst_count:
-        culprit = dst_name if dst_layers is not None else src_name
+        culprit = dst_name if dst_layers != ALL_LAYERS else src_name
         raise param_invalid(
             culprit,
             f"the source span has {src_count} tensors ({src_count // per_layer} layers) but the destination "
@@ -179,3 +242,31 @@ def resolve_ext_param(
         ext_param.tensor_num_per_layer,
         ("ext_param.src_layer_range", "ext_param.dst_layer_range", "ext_param.tensor_num_per_layer"),
     )
+
+
+def one_side_span(num_tensors: int, layers: tuple[int, int], per_layer: int, arg: str) -> tuple[int, int]:
+    """``(first_tensor, count)`` one endpoint moves for its own inclusive layer selection.
+
+    :param layers: ``(first, last)``, ``(-1, -1)`` for all layers (as the
+        wire carries them; not yet checked).
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg``, or
+        ``tensor_num_per_layer`` when that is out of range or does not divide
+        ``num_tensors``.
+    """
+    total = check_int(arg, num_tensors, lo=1, hi=MAX_NUM_TENSORS)
+    per = check_int("tensor_num_per_layer", per_layer, lo=1, hi=255)
+    if layers == ALL_LAYERS:
+        return (0, total)
+    check_range(arg, range(layers[0], layers[1] + 1))
+    _check_divides("tensor_num_per_layer", per, "source", total)
+    return _span(arg, layers, total, per)
+
+
+def check_spans(src: tuple[int, int], dst: tuple[int, int]) -> None:
+    """Both layer selections, when given, must cover the same number of layers.
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``dst_layer_range``.
+    """
+    if src != ALL_LAYERS and dst != ALL_LAYERS and src[1] - src[0] != dst[1] - dst[0]:
+        raise param_invalid("dst_layer_range", f"covers {dst[1] - dst[0] + 1} layers but "
+                            f"src_layer_range covers {src[1] - src[0] + 1}")

@@ -15,9 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from aio_datadist._checks import check_indices, check_instance, param_invalid
 from aio_datadist._settle import settle
 from aio_datadist.cache import KvCache
-from aio_datadist.status import LLMException, LLMStatusCode, check_indices, check_instance, param_invalid
+from aio_datadist.layers import range_pair
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.task import CacheTask, TaskProgress
 from aio_datadist.transfers import (
     F_BLOCKS,
@@ -57,8 +59,7 @@ class _Config:
 def _layer_range(arg: str, value: Any, num_layers: int) -> range:
     if value is None:
         return range(num_layers)
-    if not isinstance(value, range) or value.step != 1 or not 0 <= value.start < value.stop:
-        raise param_invalid(arg, f"must be a non-empty range with step 1, got {value!r}")
+    range_pair(arg, value)
     if value.stop > num_layers:
         raise param_invalid(arg, f"{value!r} exceeds the {num_layers} layers of the cache")
     return value

@@ -35,8 +35,9 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from aio_datadist._checks import check_instance, check_int, param_invalid
 from aio_datadist.cache import KvCache
-from aio_datadist.status import LLMException, LLMStatusCode, check_instance, check_int, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import CacheDesc, CacheKey, LLMRole
 
 if TYPE_CHECKING:

@@ -25,9 +25,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import fd_budget, handshake, wire
+from aio_datadist._checks import param_invalid
 from aio_datadist.admission import ARRIVAL_FACTOR, LISTEN_BACKLOG, Admission, Pending, streams
 from aio_datadist.links import SUCCESS, ZERO32, DataConn, Link, layout_hash, tune
-from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import SHARE_AUTH_S, LocalListener, boot_id, connect_share
 from aio_datadist.transport.nixl import NixlPlane

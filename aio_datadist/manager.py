@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from aio_datadist._checks import check_index, check_indices, check_instance, check_int, param_invalid
 from aio_datadist.arrivals import PushWatch
 from aio_datadist.cache import (
     KvCache,
@@ -20,24 +21,16 @@ from aio_datadist.cache import (
     copy_triples,
 )
 from aio_datadist.devices.ops import copy_rows, involves_device, require_host
+from aio_datadist.layers import layer_pair
 from aio_datadist.layerwise import start_transfer
 from aio_datadist.leases import allocate_leased_cache
-from aio_datadist.status import (
-    LLMException,
-    LLMStatusCode,
-    check_index,
-    check_indices,
-    check_instance,
-    check_int,
-    param_invalid,
-)
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.task import CacheTask
 from aio_datadist.transfers import (
     F_BLOCKS,
     F_CONTIG,
     F_EXACT,
     build_plan,
-    layer_pair,
     run_pull,
     run_push,
     target_fields,

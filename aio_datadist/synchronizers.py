@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from aio_datadist.status import LLMException, LLMStatusCode, check_index, check_int, param_invalid
+from aio_datadist._checks import check_index, check_int, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import LayerSynchronizer
 
 if TYPE_CHECKING:

@@ -10,7 +10,8 @@ import asyncio
 from collections.abc import Coroutine, Generator
 from typing import Any
 
-from aio_datadist.status import LLMException, LLMStatusCode, check_int, param_invalid
+from aio_datadist._checks import check_int, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["CacheTask", "TaskProgress"]
 

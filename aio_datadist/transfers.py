@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core
+from aio_datadist._checks import param_invalid
 from aio_datadist._settle import settle
 from aio_datadist.cache import KeyBinding, KvCache
-from aio_datadist.layers import resolve_tensor_span
-from aio_datadist.status import LLMException, LLMStatusCode, code_to_status, param_invalid
+from aio_datadist.layers import check_spans, one_side_span
+from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport.nixl import notif_for
 from aio_datadist.types import UINT64_MAX, BlocksCacheKey, CacheIndex, CacheKey, CacheKeyByIdAndIndex
 from aio_datadist.wire import MAX_ROWS, Msg
@@ -88,44 +89,6 @@ class Plan:
     local_count: int = 0
     local_rows: tuple[int, ...] = ()
     local_nbytes: int = 0
-
-
-def layer_pair(arg: str, value: Any) -> tuple[int, int]:
-    """A layer selection as an inclusive ``(first, last)`` pair, (-1, -1) for all."""
-    if value is None:
-        return (-1, -1)
-    if isinstance(value, range):
-        if value.step != 1 or not 0 <= value.start < value.stop:
-            raise param_invalid(arg, f"must be a non-empty range with step 1, got {value!r}")
-        return (value.start, value.stop - 1)
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        first, last = value
-        if (first, last) == (-1, -1):
-            return (-1, -1)
-        if not 0 <= first <= last:
-            raise param_invalid(arg, f"must satisfy 0 <= first <= last (inclusive), got {tuple(value)}")
-        return (first, last)
-    raise param_invalid(arg, f"expected a range or an inclusive (first, last) pair, got {value!r}")
-
-
-def one_side_span(num_tensors: int, layers: tuple[int, int], per_layer: int, arg: str) -> tuple[int, int]:
-    """``(first_tensor, count)`` one endpoint moves for its own layer selection."""
-    rng = None if layers == (-1, -1) else range(layers[0], layers[1] + 1)
-    try:
-        span = resolve_tensor_span(num_tensors, num_tensors, src_layer_range=rng, dst_layer_range=rng,
-                                   tensor_num_per_layer=per_layer)
-    except LLMException as exc:
-        if exc.argument == "tensor_num_per_layer":
-            raise  # the layer count is fine; tensor_num_per_layer does not divide the cache
-        raise param_invalid(arg, str(exc).split(": ", 1)[-1]) from None
-    return span.src_first, span.count
-
-
-def check_spans(src: tuple[int, int], dst: tuple[int, int]) -> None:
-    """Both layer selections, when given, must cover the same number of layers."""
-    if src != (-1, -1) and dst != (-1, -1) and src[1] - src[0] != dst[1] - dst[0]:
-        raise param_invalid("dst_layer_range", f"covers {dst[1] - dst[0] + 1} layers but "
-                            f"src_layer_range covers {src[1] - src[0] + 1}")
 
 
 def build_plan(local: KvCache, local_layers: tuple[int, int], remote_layers: tuple[int, int],

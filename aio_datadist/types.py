@@ -17,7 +17,7 @@ from collections.abc import Awaitable
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from .status import (
+from ._checks import (
     INT32_MAX,
     INT64_MAX,
     UINT64_MAX,

@@ -14,17 +14,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aio_datadist.status import (
-    LLMException,
-    LLMStatusCode,
-    Status,
-    check_indices,
-    check_int,
-    check_range,
-    check_uint,
-    code_to_status,
-    param_invalid,
-)
+from aio_datadist._checks import check_indices, check_int, check_range, check_uint, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode, Status, code_to_status
 from aio_datadist.types import (
     BlocksCacheKey,
     CacheDesc,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from aio_datadist.status import param_invalid
+from aio_datadist._checks import param_invalid
 
 if TYPE_CHECKING:
     from aio_datadist import _core

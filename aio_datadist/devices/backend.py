@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from aio_datadist import _core
+from aio_datadist._checks import param_invalid
 from aio_datadist.devices.host import round_up
 from aio_datadist.devices.streams import open_notifier
-from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import CacheDesc
 
 __all__ = ["DEVICE_ALIGN", "DeviceBackend", "feature_not_enabled"]

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from aio_datadist import _core
+from aio_datadist._checks import param_invalid
 from aio_datadist.devices.backend import DeviceBackend, feature_not_enabled
-from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["CudaBackend", "HostPin", "load_driver"]
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from aio_datadist import _core
+from aio_datadist._checks import param_invalid
 from aio_datadist.devices.backend import DeviceBackend, feature_not_enabled
-from aio_datadist.status import param_invalid
 
 __all__ = ["NpuBackend", "load_torch_npu"]
 

@@ -13,9 +13,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from aio_datadist._checks import param_invalid
 from aio_datadist.cache import KvCache
 from aio_datadist.devices.copies import DeviceCopy, cache_side, choose_method
-from aio_datadist.status import LLMException, LLMStatusCode, param_invalid
+from aio_datadist.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
     from aio_datadist import _core
