@@ -26,7 +26,7 @@ from aio_datadist.layers import check_spans, one_side_span
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport.nixl import notif_for
 from aio_datadist.types import UINT64_MAX, BlocksCacheKey, CacheIndex, CacheKey, CacheKeyByIdAndIndex
-from aio_datadist.wire import MAX_ROWS, Msg
+from aio_datadist.wire import MAX_ROWS, Msg, ReqFlag, Target
 
 if TYPE_CHECKING:
     from aio_datadist.links import Link
@@ -34,16 +34,16 @@ if TYPE_CHECKING:
 
 __all__ = ["Plan", "handle_request", "run_pull", "run_push", "target_fields"]
 
-KIND_CACHE_KEY = 1
-KIND_ID_INDEX = 2
-KIND_BLOCKS_KEY = 3
-KIND_ADDRS = 4
+KIND_CACHE_KEY = Target.CACHE_KEY
+KIND_ID_INDEX = Target.ID_INDEX
+KIND_BLOCKS_KEY = Target.BLOCKS_KEY
+KIND_ADDRS = Target.ADDRS
 
-F_BLOCKS = 1
-F_CONTIG = 2
-F_EXACT = 4
-F_LOCAL = 8
-F_NIXL = 16
+F_BLOCKS = ReqFlag.BLOCKS
+F_CONTIG = ReqFlag.CONTIG
+F_EXACT = ReqFlag.EXACT
+F_LOCAL = ReqFlag.LOCAL
+F_NIXL = ReqFlag.NIXL
 
 MAX_SERVE_TIMEOUT_MS = 600_000
 NIXL_SETTLE_S = 1.0

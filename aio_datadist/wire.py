@@ -14,7 +14,7 @@ import enum
 import struct
 from typing import Any
 
-__all__ = ["HEADER", "MAX_BODY", "MAX_ROWS", "MAX_TEXT", "VERSION", "Msg", "ProtocolError",
+__all__ = ["HEADER", "MAX_BODY", "MAX_ROWS", "MAX_TEXT", "VERSION", "Msg", "ProtocolError", "ReqFlag", "Target",
            "decode_body", "encode", "parse_header", "ATTACH", "ATTACH_OK"]
 
 MAGIC = b"AIOD"
@@ -29,6 +29,25 @@ NONCE_BYTES = 32
 
 class ProtocolError(Exception):
     """A peer sent bytes that are not a valid message; the connection is dropped."""
+
+
+class Target(enum.IntEnum):
+    """How a transfer request names the owner's cache (``target_kind``)."""
+
+    CACHE_KEY = 1
+    ID_INDEX = 2
+    BLOCKS_KEY = 3
+    ADDRS = 4
+
+
+class ReqFlag(enum.IntFlag):
+    """The ``flags`` of a transfer request."""
+
+    BLOCKS = 1  # the target is a blocks cache
+    CONTIG = 2  # the target is a contiguous (batch-row) cache
+    EXACT = 4  # whole rows: offset + nbytes must be the row size
+    LOCAL = 8  # the requester can copy through a same-host share
+    NIXL = 16  # the requester can move the rows with NIXL
 
 
 class Msg(enum.IntEnum):
