@@ -297,18 +297,10 @@ class EndpointProcess:
         self.port, self.cache_ids = ready[1]["port"], ready[1]["caches"]
 
     async def _recv(self, timeout: float, what: str) -> Any:
-        loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-        fd = self._conn.fileno()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
         try:
-            async with asyncio.timeout(timeout):
-                await readable
+            await wait_readable(self._conn, timeout)
         except TimeoutError:
             raise PeerError(f"endpoint {self.spec.cluster_id}: no answer to {what} within {timeout} s") from None
-        finally:
-            loop.remove_reader(fd)
-        os.set_blocking(fd, True)  # uvloop's add_reader made it non-blocking; a message may still be arriving
         try:
             return self._conn.recv()
         except EOFError:
@@ -382,6 +374,21 @@ class EndpointProcess:
         self._conn.close()
         if self._child_conn is not None:
             self._child_conn.close()
+
+
+async def wait_readable(conn: multiprocessing.connection.Connection, timeout: float) -> None:
+    """Wait (without blocking the loop) until ``conn`` has a message; ``TimeoutError`` after ``timeout``.
+    The fd is left blocking again, so the ``recv()`` that follows reads the whole message."""
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+    fd = conn.fileno()
+    loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+    try:
+        async with asyncio.timeout(timeout):
+            await readable
+    finally:
+        loop.remove_reader(fd)
+        os.set_blocking(fd, True)  # uvloop's add_reader made it non-blocking; a message may still be arriving
 
 
 async def _join(process: multiprocessing.process.BaseProcess, timeout: float) -> None:

@@ -45,7 +45,7 @@ from aio_datadist import (
     link_table,
 )
 from aio_datadist.testing import links_of, nixl_plane_of
-from peers import DECODER_ID, PROMPT_ID, _next_command, fill, pattern
+from peers import DECODER_ID, PROMPT_ID, _next_command, fill, pattern, wait_readable
 
 import _harness
 
@@ -71,16 +71,7 @@ class NetnsPeer:
         self._done = False
 
     async def recv(self, timeout: float = 20.0) -> Any:
-        loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-        fd = self._conn.fileno()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
-        try:
-            async with asyncio.timeout(timeout):
-                await readable
-        finally:
-            loop.remove_reader(fd)
-        os.set_blocking(fd, True)  # uvloop's add_reader made it non-blocking; a message may still be arriving
+        await wait_readable(self._conn, timeout)
         try:
             kind, value = self._conn.recv()
         except EOFError:
