@@ -193,14 +193,21 @@ class _Request:
             _abandon(link, self.channel, self.generation, self.req_id)
             if self.settled is not None:
                 await _wait_out(self.settled, JOB_SETTLE_S, cancelled)
-        if (self.ack is not None and not self.ack.done()
-                and not await _wait_out(self.ack, ABORT_ACK_S, cancelled)):
-            link.fail(LLMException(f"{self.what}: cluster {link.remote_cluster_id} did not confirm an aborted "
-                                   f"push within {ABORT_ACK_S} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
+        if self.ack is not None:
+            await _abort_acknowledged(link, self.ack, self.what, cancelled)
         if self.req_id:
             link.pending.pop(self.req_id, None)
         if cancelled:
             raise cancelled[0]
+
+
+async def _abort_acknowledged(link: Link, ack: asyncio.Future, what: str,
+                              cancelled: list[asyncio.CancelledError]) -> None:
+    """Wait (``ABORT_ACK_S`` at most) for the owner's answer to an aborted push, which it sends once
+    nothing more of the push can land; an owner silent past that loses the link."""
+    if not ack.done() and not await _wait_out(ack, ABORT_ACK_S, cancelled):
+        link.fail(LLMException(f"{what}: cluster {link.remote_cluster_id} did not confirm an aborted "
+                               f"push within {ABORT_ACK_S} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
 
 
 async def _wait_out(future: asyncio.Future, bound_s: float, cancelled: list[asyncio.CancelledError]) -> bool:
@@ -330,12 +337,13 @@ async def _push_by_owner_read(link: Link, plan: Plan, timeout_ms: int, what: str
         async with asyncio.timeout(timeout_ms / 1000):
             answer = await asyncio.shield(answered)
     except BaseException as exc:
+        cancelled: list[asyncio.CancelledError] = []
         if not answered.done():
             link.send(Msg.ABORT, req_id, channel=0, generation=NO_GENERATION)
-            if not await settle(answered, ABORT_ACK_S):
-                link.fail(LLMException(f"{what}: cluster {link.remote_cluster_id} did not confirm an aborted "
-                                       f"push within {ABORT_ACK_S} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
+            await _abort_acknowledged(link, answered, what, cancelled)
         link.pending.pop(req_id, None)
+        if cancelled:
+            raise cancelled[0]
         if isinstance(exc, TimeoutError):
             raise LLMException(f"{what} timed out after {timeout_ms} ms",
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None
