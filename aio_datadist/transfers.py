@@ -343,7 +343,7 @@ async def _push_by_owner_read(link: Link, plan: Plan, timeout_ms: int, what: str
             await _abort_acknowledged(link, answered, what, cancelled)
         link.pending.pop(req_id, None)
         if cancelled:
-            raise cancelled[0]
+            raise cancelled[0] from None
         if isinstance(exc, TimeoutError):
             raise LLMException(f"{what} timed out after {timeout_ms} ms",
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None
