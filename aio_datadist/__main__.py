@@ -2,10 +2,13 @@
 
 ``bench`` runs the transfer benchmark of the source checkout
 (``benchmarks/transfer.py``: ``pull_blocks`` and ``push_blocks`` between two
-processes against a raw-socket baseline of the same run). The ``benchmarks``
-package ships with the source, not with the installed package, so ``bench``
-runs from the root of a checkout. A progress bar needs ``tqdm`` and
-``--plot`` needs ``matplotlib`` (both in the ``bench`` extra).
+processes against a raw-socket baseline of the same run) over each transport
+that can run here (``--transport all``, the default: ``tcp``, ``local`` and,
+where the NIXL package imports, ``nixl``), and names in every row the
+transport each link negotiated. The ``benchmarks`` package ships with the
+source, not with the installed package, so ``bench`` runs from the root of a
+checkout. A progress bar needs ``tqdm`` and ``--plot`` needs ``matplotlib``
+(both in the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -51,13 +54,19 @@ def _parser() -> argparse.ArgumentParser:
                            "nixl needs the nixl extra)")
     bench = sub.add_parser(
         "bench", help="benchmark pull_blocks/push_blocks between two processes (from a source checkout)",
-        description="Time pull_blocks and push_blocks between two processes on loopback against a raw "
-                    "socket moving the same bytes in the same run, and print the table of ratios. Runs the "
-                    "benchmarks/ programs of a source checkout: start it from the repository root.")
-    bench.add_argument("--quick", action="store_true", help="few repeats (about 10 s per size on 2 cores)")
+        description="Time pull_blocks and push_blocks between two processes on loopback, over each transport "
+                    "asked, against a raw TCP socket moving the same bytes in the same run, and print the table "
+                    "of ratios; each row names the transport its link negotiated. Runs the benchmarks/ programs "
+                    "of a source checkout: start it from the repository root.")
+    bench.add_argument("--quick", action="store_true", help="few repeats (seconds per size and transport)")
     bench.add_argument("--sizes", type=_block_counts, metavar="N[,N...]",
                        help="blocks per request (one block is 2 MiB over the 64 tensors); "
                             "default: the benchmark's (64,4)")
+    bench.add_argument("--transport", choices=("tcp", "local", "nixl", "all"), default="all",
+                       help="aio.Transport of both endpoints: tcp (data channels), local (same-host shared "
+                            "memory), nixl, or all (default: each of them that can run here; nixl only where "
+                            "the NIXL package imports, else the table says why it has no nixl rows). Rows name "
+                            "the transport each link negotiated")
     bench.add_argument("--uvloop", action="store_true", help="both processes run their event loop on uvloop")
     bench.add_argument("--data-channels", type=_positive, metavar="N", help="aio.DataChannels (default: the library's)")
     bench.add_argument("--format", choices=("text", "markdown", "json"), default="text", help="table format")
@@ -111,21 +120,26 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.uvloop and importlib.util.find_spec("uvloop") is None:
         parser.error("--uvloop needs uvloop, which is not installed (pip install uvloop)")
     transfer = _import_transfer_benchmark()
+    transports, absent = transfer.transports_for(args.transport)
+    if not transports:
+        parser.error(f"--transport {args.transport}: {absent[args.transport]}")
     from benchmarks._cli import emit, fits_in_memory
     from benchmarks.harness import KvGeometry, Table, machine_info, run_coroutine
 
     geometry = KvGeometry()
     counts = tuple(args.sizes or transfer.SIZES)
-    table = Table(f"aio_datadist transfers between two processes ({'quick' if args.quick else 'default'}; "
-                  f"{'uvloop' if args.uvloop else 'asyncio'}; GB = 1e9 B; value = median)", machine=machine_info())
-    if not fits_in_memory(table, "transfer", max(counts), transfer._footprint(geometry, counts)):
+    table = Table(transfer.title(args.quick, args.uvloop, transports), machine=machine_info())
+    for transport, why in absent.items():
+        print(f"no {transport} rows: {why}", file=sys.stderr)
+    if not fits_in_memory(table, "transfer", max(counts), transfer._footprint(geometry, counts, len(transports))):
         emit(table, args.format)
         return 1
     with _Progress(counts, enabled=not args.no_progress) as progress:
         measured = run_coroutine(
-            lambda: transfer._measure(geometry, counts, args.quick, args.data_channels, args.uvloop, progress),
+            lambda: transfer._measure(geometry, counts, args.quick, args.data_channels, args.uvloop, progress,
+                                      transports),
             use_uvloop=args.uvloop)
-    _fill_table(transfer, table, measured, geometry, counts, args.quick)
+    transfer.fill_table(table, measured, geometry, counts, quick=args.quick, use_uvloop=args.uvloop, absent=absent)
     emit(table, args.format)
     if args.plot is not None:
         _plot(args.plot, measured, geometry, counts, table.title)
@@ -133,44 +147,23 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _fill_table(transfer: Any, table: Any, measured: dict, geometry: Any, counts: Sequence[int], quick: bool) -> None:
-    """The rows and notes ``python -m benchmarks.transfer`` prints, from the same measurements."""
-    from benchmarks.harness import blocks_label, cache_blocks_for, format_bytes, peak_rss
-
-    for count in counts:
-        case = blocks_label(count, geometry)
-        base = measured["raw socket", count]
-        table.add("raw socket sendall/recv_into", case, base.gbps, "GB/s")
-        for name in ("pull_blocks", "push_blocks"):
-            target = transfer.TARGET.get(count) if name == "pull_blocks" else None
-            table.add(name, case, measured[name, count].gbps, "GB/s", baseline="raw socket",
-                      baseline_value=base.gbps, target=target)
-        table.add("raw socket p50 latency", case, base.p50_us / 1e3, "ms")
-        for name in ("pull_blocks", "push_blocks"):
-            table.add(f"{name} p50 latency", case, measured[name, count].p50_us / 1e3, "ms",
-                      baseline="raw socket", baseline_value=base.p50_us / 1e3)
-    rounds = transfer.ROUNDS_QUICK if quick else transfer.ROUNDS
-    table.note(f"cache {cache_blocks_for(max(counts))} blocks x {geometry.num_tensors} tensors x "
-               f"{format_bytes(geometry.block_bytes)} per process; random distinct source and destination blocks")
-    table.note(f"{rounds} alternating rounds of raw socket, pull_blocks and push_blocks per size, "
-               f"{measured['raw socket', counts[0]].summary.n} samples each at {counts[0]} blocks; "
-               "OS socket buffers everywhere")
-    table.note("latency ratios are library / raw: above 1 is slower")
-    table.note(str(peak_rss()))
-
-
-def _plot(path: Path, measured: dict, geometry: Any, counts: Sequence[int], title: str) -> None:
+def _plot(path: Path, measured: Any, geometry: Any, counts: Sequence[int], title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
+    from benchmarks.transfer import RAW
+
     sizes = sorted(set(counts))
     mib = [geometry.request_bytes(c) / 2**20 for c in sizes]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, label, style in (("raw socket", "raw socket sendall/recv_into (baseline)", "k--"),
-                               ("pull_blocks", "pull_blocks", "C0-"), ("push_blocks", "push_blocks", "C1-")):
-        ax.plot(mib, [measured[name, c].gbps for c in sizes], style, marker="o", label=label)
+    lines = [(RAW, "raw TCP socket sendall/recv_into (baseline)", "k--")]
+    for colour, asked in enumerate(measured.negotiated):
+        lines += [(measured.name(op, asked), measured.name(op, asked), f"C{colour}{style}")
+                  for op, style in (("pull_blocks", "-"), ("push_blocks", ":"))]
+    for name, label, style in lines:
+        ax.plot(mib, [measured.samples[name, c].gbps for c in sizes], style, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(mib, [f"{m:g}" for m in mib])
     ax.set_xlabel(f"request size (MiB over {geometry.num_tensors} tensors)")

@@ -405,12 +405,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"tokens {'equal to' if same_tokens else 'DIFFERENT from'} model.generate"
                   + ("" if same_tokens else f" {want['tokens']}"), flush=True)
             ok = ok and same_tokens and close_kv
-        print(f"{'OK' if ok else 'FAILED'}: {len(prompts)} prompts, disaggregated tokens "
+        print(f"{'OK' if ok else 'FAILED'}: disaggregated_generation: {len(prompts)} prompts, disaggregated tokens "
               f"{'equal' if ok else 'NOT equal'} to single-process model.generate "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
         return 0 if ok else 1
     except Exception as exc:
-        print(f"FAILED: {exc!r}", file=sys.stderr, flush=True)
+        print(f"FAILED: disaggregated_generation: {exc!r}", flush=True)
         return 1
     finally:
         if decode.is_alive():

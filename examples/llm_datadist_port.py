@@ -6,13 +6,16 @@ keys and deallocate); the second is the pull_blocks sample (registered blocks
 caches, pull_blocks, swap_blocks out to a CPU cache and back). Everything
 below is written against llm_datadist's blocking API; only the import differs.
 
-Run both roles on loopback: ``python examples/llm_datadist_port.py``.
+Run both roles on loopback: ``python examples/llm_datadist_port.py``; it ends
+with one ``OK: ...`` line naming what it checked, or a ``FAILED: ...`` line
+and exit status 1.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import sys
+import traceback
 
 import torch
 
@@ -151,7 +154,33 @@ def main(limit_s: float = 120.0) -> dict:
             conn.close()
 
 
+def checks(outcome: dict) -> list[tuple[bool, str]]:
+    """Each check of ``main()``'s outcome: whether it held, and what was found."""
+    repeat, unlink = LLMStatusCode(outcome["repeat_pull"]), LLMStatusCode(outcome["unlink"])
+    same = {True: "bytes equal", False: "bytes differ"}
+    return [
+        (outcome["pull_cache"], f"pull_cache of 2 rows by CacheKey: {same[outcome['pull_cache']]}"),
+        (repeat == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+         f"pull_cache of the consumed key again: {repeat.name} (LLM_KV_CACHE_NOT_EXIST expected)"),
+        (outcome["pull_blocks"], f"pull_blocks of 2 blocks: {same[outcome['pull_blocks']]}"),
+        (outcome["swap_blocks"], f"swap_blocks out to a CPU cache and back: {same[outcome['swap_blocks']]}"),
+        (unlink == LLMStatusCode.LLM_SUCCESS, f"unlink_clusters: {unlink.name}"),
+        (outcome["exitcodes"] == [0, 0], f"exit codes of prompt and decoder: {outcome['exitcodes']}"),
+    ]
+
+
 if __name__ == "__main__":
-    outcome = main()
-    print(outcome)
-    sys.exit(0 if outcome["pull_cache"] and outcome["pull_blocks"] and outcome["swap_blocks"] else 1)
+    try:
+        results = checks(main())
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"FAILED: llm_datadist_port: {exc}")
+        sys.exit(1)
+    for held, what in results:
+        print(f"{'ok    ' if held else 'FAILED'} {what}")
+    failed = [what for held, what in results if not held]
+    if failed:
+        print(f"FAILED: llm_datadist_port: {'; '.join(failed)}")
+        sys.exit(1)
+    print("OK: llm_datadist_port: both flows through the blocking facade; pull_cache, pull_blocks and swap_blocks "
+          "bytes equal; the consumed key refused with LLM_KV_CACHE_NOT_EXIST; unlinked")

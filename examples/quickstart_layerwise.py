@@ -14,12 +14,15 @@ deployment each runs in its own serving process.
 3. The DECODER awaits ``watch.layer(i)`` and could run its own layer ``i``
    then; the prompt awaits the task (per-destination status codes).
 
-Run: ``python examples/quickstart_layerwise.py``
+Run: ``python examples/quickstart_layerwise.py``; it ends with one ``OK: ...``
+line naming what it checked, or a ``FAILED: ...`` line and exit status 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
+import traceback
 
 import torch
 
@@ -49,6 +52,12 @@ def options(listen: str | None = None) -> dict[str, str]:
     if listen is not None:
         config.listen_ip_info = listen
     return config.generate_options()
+
+
+def check(ok: bool, what: str) -> None:
+    """Stop the example with ``what`` when ``ok`` is false (an ``assert`` would vanish under ``python -O``)."""
+    if not ok:
+        raise RuntimeError(what)
 
 
 def compute_layer(cache_tensors: list[torch.Tensor], layer: int, blocks: list[int]) -> None:
@@ -94,15 +103,23 @@ async def main() -> None:
                 for layer in range(LAYERS):
                     await watch.layer(layer)  # K and V of this layer are in place
                     for k in (2 * layer, 2 * layer + 1):
-                        assert torch.equal(decoder_cache.tensors[k][decoder_blocks],
-                                           prompt_cache.tensors[k][prompt_blocks])
+                        check(torch.equal(decoder_cache.tensors[k][decoder_blocks],
+                                          prompt_cache.tensors[k][prompt_blocks]),
+                              f"layer {layer}: tensor {k}'s blocks {decoder_blocks} differ from the prompt's")
                     print(f"decoder: layer {layer} landed in blocks {decoder_blocks}, verified")
 
             _, _, results = await asyncio.gather(prefill(), decode(), task)
         print(f"transfer_cache_async results: {[code.name for code in results]}")
+        check(results == [LLMStatusCode.LLM_SUCCESS], f"transfer_cache_async returned {[c.name for c in results]}")
         await decoder.unlink_clusters([cluster])
-    print("quickstart_layerwise OK")
+    print(f"OK: quickstart_layerwise: {LAYERS} layers pushed one by one during prefill into decoder blocks "
+          f"{decoder_blocks}, each layer's bytes equal on arrival; transfer_cache_async returned LLM_SUCCESS")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"FAILED: quickstart_layerwise: {exc}")
+        sys.exit(1)

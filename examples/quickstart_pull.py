@@ -12,12 +12,15 @@ and the code of each role stays the same.
 3. The DECODER also pulls a contiguous cache row by its ``CacheKey`` (the
    LLM-DataDist KvCacheManager flow): the pull consumes the key.
 
-Run: ``python examples/quickstart_pull.py``
+Run: ``python examples/quickstart_pull.py``; it ends with one ``OK: ...`` line
+naming what it checked, or a ``FAILED: ...`` line and exit status 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
+import traceback
 
 import torch
 
@@ -51,6 +54,12 @@ def options(listen: str | None = None) -> dict[str, str]:
     return config.generate_options()
 
 
+def check(ok: bool, what: str) -> None:
+    """Stop the example with ``what`` when ``ok`` is false (an ``assert`` would vanish under ``python -O``)."""
+    if not ok:
+        raise RuntimeError(what)
+
+
 async def main() -> None:
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as prompt, \
             LLMDataDist(LLMRole.DECODER, DECODER_ID) as decoder:
@@ -80,23 +89,36 @@ async def main() -> None:
 
         await dkv.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), local, src_blocks=request_blocks, dst_blocks=[0, 1, 2],
                               timeout=2000)
-        assert all(torch.equal(d[[0, 1, 2]], s[request_blocks]) for d, s in zip(local.tensors, paged.tensors))
+        check(all(torch.equal(d[[0, 1, 2]], s[request_blocks])
+                  for d, s in zip(local.tensors, paged.tensors, strict=True)),
+              "pull_blocks: local blocks [0, 1, 2] differ from the prompt's blocks")
         nbytes = len(request_blocks) * BLOCKS.size // BLOCKS.shape[0] * BLOCKS.num_tensors
         print(f"pull_blocks: blocks {request_blocks} of cluster {PROMPT_ID} -> local blocks [0, 1, 2], "
               f"{nbytes} bytes, verified")
 
         local_rows = dkv.allocate_cache(ROWS)
         await dkv.pull_cache(CacheKey(PROMPT_ID, req_id=42), local_rows, batch_index=1, timeout=2000)
-        assert all(torch.equal(d[1], s[0]) for d, s in zip(local_rows.tensors, rows.tensors))
+        check(all(torch.equal(d[1], s[0]) for d, s in zip(local_rows.tensors, rows.tensors, strict=True)),
+              "pull_cache: local row 1 differs from request 42's row")
         print("pull_cache: request 42 -> local row 1, verified")
         try:
             await dkv.pull_cache(CacheKey(PROMPT_ID, req_id=42), local_rows, batch_index=0, timeout=2000)
+            again = LLMStatusCode.LLM_SUCCESS
         except LLMException as exc:  # a pull by CacheKey consumed the key on the prompt
-            print(f"pulling request 42 again: {exc.status_code.name}")
+            again = exc.status_code
+        print(f"pulling request 42 again: {again.name}")
+        check(again == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+              f"pulling request 42 again gave {again.name}, not LLM_KV_CACHE_NOT_EXIST")
 
         await decoder.unlink_clusters([cluster])
-    print("quickstart_pull OK")
+    print(f"OK: quickstart_pull: pulled blocks {request_blocks} ({nbytes} bytes) and request 42's row from cluster "
+          f"{PROMPT_ID}, bytes equal; the consumed key refused with LLM_KV_CACHE_NOT_EXIST")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"FAILED: quickstart_pull: {exc}")
+        sys.exit(1)

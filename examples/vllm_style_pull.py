@@ -341,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     requests = [(req_id, rng.randrange(5, 200)) for req_id in range(args.requests)]
     if sum(blocks_for(tokens) for _, tokens in requests) > NUM_BLOCKS:
-        print(f"FAILED: {args.requests} requests need more than the {NUM_BLOCKS} blocks of the example",
-              file=sys.stderr)
+        print(f"FAILED: vllm_style_pull: {args.requests} requests need more than the {NUM_BLOCKS} blocks of the "
+              "example")
         return 1
     abandon = {args.requests // 2}
     print(f"vLLM-style pull: {args.requests} requests of {[t for _, t in requests]} tokens; paged KV of {LAYERS} "
@@ -369,14 +369,24 @@ def main(argv: list[str] | None = None) -> int:
             proc.join(30)
         read = sorted(r for r, ok in decoded["pulled"].items() if ok)
         wanted = sorted(set(range(len(requests))) - abandon)
-        ok = (read == wanted == prefilled["finished"] and prefilled["expired"] == sorted(abandon)
-              and prefilled["free"] == prefilled["size"] and all(proc.exitcode == 0 for proc in procs))
-        print(f"{'OK' if ok else 'FAILED'}: {len(read)} requests pulled and verified, blocks freed on 'finished'; "
+        problems = [what for held, what in (
+            (read == wanted, f"requests pulled with verified bytes: {read}, not {wanted}"),
+            (prefilled["finished"] == wanted, f"blocks freed on 'finished' for {prefilled['finished']}, not {wanted}"),
+            (prefilled["expired"] == sorted(abandon),
+             f"released by the abort timeout: {prefilled['expired']}, not {sorted(abandon)}"),
+            (prefilled["free"] == prefilled["size"],
+             f"prefill pool {prefilled['free']}/{prefilled['size']} blocks free at the end"),
+            (all(proc.exitcode == 0 for proc in procs), f"exit codes {[proc.exitcode for proc in procs]}"),
+        ) if not held]
+        if problems:
+            print(f"FAILED: vllm_style_pull: {'; '.join(problems)}", flush=True)
+            return 1
+        print(f"OK: vllm_style_pull: {len(read)} requests pulled and verified, blocks freed on 'finished'; "
               f"abandoned request(s) {prefilled['expired']} released by the abort timeout; prefill pool "
               f"{prefilled['free']}/{prefilled['size']} blocks free ({time.perf_counter() - start:.1f} s)", flush=True)
-        return 0 if ok else 1
+        return 0
     except Exception as exc:
-        print(f"FAILED: {exc}", file=sys.stderr, flush=True)
+        print(f"FAILED: vllm_style_pull: {exc}", flush=True)
         return 1
     finally:
         for proc in procs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,22 +29,45 @@ def test_help_lists_the_commands():
 
 
 @pytest.mark.parametrize("transport, moved_by", [
-    (None, "same-host shared memory"),
-    pytest.param("nixl", "NIXL READ/WRITE", marks=[pytest.mark.nixl, pytest.mark.skipif(
-        bool(NIXL_MISSING), reason=NIXL_MISSING)]),
+    pytest.param(None, "local (same-host shared memory), as the link negotiated it; asked aio.Transport=auto",
+                 id="auto"),
+    pytest.param("nixl", "nixl (NIXL READ/WRITE over UCX), as the link negotiated it; asked aio.Transport=nixl",
+                 id="nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)]),
 ])
 def test_the_demo_moves_a_real_kv_cache_between_two_processes(tmp_path, transport, moved_by):
-    """README's first command, run from outside the checkout as a user would."""
+    """README's first command, run from outside the checkout as a user would: it names the transport the
+    link negotiated, and times warm transfers, the cold first one shown apart."""
     result = cli("demo", *(["--transport", transport] if transport else []), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "demo OK" in result.stdout and f"transport: {moved_by}" in result.stdout
-    assert result.stdout.count("bytes verified") == 2
+    assert f"transport: {moved_by}" in result.stdout
+    name = moved_by.split()[0]
+    assert result.stdout.splitlines()[-1] == f"demo OK: pulled and pushed over {name}; bytes equal"
+    assert result.stdout.count("bytes verified") == 2 and result.stdout.count("(first, cold one: ") == 2
+    assert f"pull_blocks of 64 blocks (128 MiB) over {name}: " in result.stdout
+    assert "timings: best of 3 warm transfers; the first, cold one" in result.stdout
+
+
+def test_a_demo_whose_prompt_fails_says_so_at_once(tmp_path):
+    """Without a NIXL package the prompt's init refuses aio.Transport=nixl and its process exits 1: the demo
+    reports that process and exits 1, rather than waiting out its 120 s start-up limit."""
+    fake = tmp_path / "site"
+    for name in ("nixl", "nixl_cu12", "nixl_cu13"):  # shadow whatever NIXL is installed
+        (fake / name).mkdir(parents=True)
+        (fake / name / "__init__.py").write_text("")
+        (fake / name / "_api.py").write_text("raise ImportError('hidden by the test')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-m", "aio_datadist", "demo", "--transport", "nixl"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "demo FAILED: the prompt process exited with code 1 before the prompt start-up" in result.stderr
+    assert "the nixl transport needs the NIXL Python package" in result.stderr
 
 
 def test_bench_help_lists_its_options():
     result = cli("bench", "--help")
     assert result.returncode == 0, result.stderr
-    for option in ("--quick", "--sizes", "--uvloop", "--data-channels", "--format", "--plot", "--no-progress"):
+    for option in ("--quick", "--sizes", "--transport", "--uvloop", "--data-channels", "--format", "--plot",
+                   "--no-progress"):
         assert option in result.stdout
 
 
@@ -53,6 +77,7 @@ def test_bench_help_lists_its_options():
     (["bench", "--sizes", "4,x"], "--sizes: expected comma-separated block counts"),
     (["bench", "--data-channels", "0"], "--data-channels: expected an integer >= 1"),
     (["bench", "--format", "csv"], "--format: invalid choice"),
+    (["bench", "--transport", "rdma"], "--transport: invalid choice"),
 ])
 def test_bad_arguments_are_refused_with_usage(capsys, args, message):
     with pytest.raises(SystemExit) as exit_:
@@ -90,20 +115,68 @@ def test_bench_outside_a_checkout_says_where_to_run_it(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.fixture
+def transfer_benchmark(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks import transfer
+
+    return transfer
+
+
+def test_bench_over_nixl_where_it_does_not_import_is_refused_before_measuring(capsys, monkeypatch,
+                                                                               transfer_benchmark):
+    why = "the NIXL package does not import here (no module named nixl)"
+    monkeypatch.setattr(transfer_benchmark, "nixl_missing", lambda: why)
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--transport", "nixl", "--sizes", "1"])
+    assert exit_.value.code == 2
+    assert f"python -m aio_datadist bench: error: --transport nixl: {why}" in capsys.readouterr().err
+    assert transfer_benchmark.transports_for("all") == (("tcp", "local"), {"nixl": why})
+
+
+def test_every_bench_row_names_the_transport_its_link_negotiated(transfer_benchmark):
+    """Rows, title and notes (text, Markdown and JSON alike) name the negotiated transport; a link that fell
+    back says what was asked; a transport left out says why."""
+    from benchmarks.harness import KvGeometry, Measurement, Table
+
+    t = transfer_benchmark
+    geometry, count = KvGeometry(), 64
+    negotiated = {"tcp": "tcp", "local": "tcp"}  # the local link fell back to TCP
+    names = [t.RAW] + [t.row_name(op, asked, moved) for asked, moved in negotiated.items() for op in t.OPS]
+    measured = t.Measured({(name, count): Measurement(name, geometry.request_bytes(count), (0.1, 0.2, 0.3))
+                           for name in names}, negotiated)
+    table = Table(t.title(True, False, ["tcp", "local"]))
+    t.fill_table(table, measured, geometry, [count], quick=True, use_uvloop=False, absent={"nixl": "not here"})
+    rows = {row["benchmark"]: row for row in json.loads(table.to_json())["rows"]}
+    assert table.title.startswith("aio_datadist transfers between two processes over tcp (quick; asyncio;")
+    assert {"pull_blocks over tcp", "push_blocks over tcp", "pull_blocks over tcp (asked local)",
+            "push_blocks over tcp (asked local)", "raw TCP socket sendall/recv_into"} <= set(rows)
+    assert rows["pull_blocks over tcp (asked local)"]["target"] == ">= 0.8x"  # TCP's target: it moved over TCP
+    assert "(aio.Transport asked -> negotiated: tcp -> tcp, local -> tcp)" in table.render_text()
+    assert "- no nixl rows: not here" in table.render_markdown()
+    assert not any(" over " not in name for name in rows if name.startswith(("pull", "push")))
+
+
 @pytest.mark.slow
 def test_quick_bench_prints_ratios_and_plots(tmp_path):
     plot = tmp_path / "throughput.png"
     has_matplotlib = subprocess.run([sys.executable, "-c", "import matplotlib"], capture_output=True).returncode == 0
-    args = ["bench", "--quick", "--sizes", "1", "--format", "json"]
+    args = ["bench", "--quick", "--sizes", "1", "--format", "json"]  # every transport that runs here
     result = cli(*args, *(["--plot", str(plot)] if has_matplotlib else []))
     assert result.returncode == 0, result.stderr
     table = json.loads(result.stdout)
     rows = {row["benchmark"]: row for row in table["rows"]}
-    assert rows["raw socket sendall/recv_into"]["value"] > 0
-    for name in ("pull_blocks", "push_blocks"):
-        assert rows[name]["baseline"] == "raw socket"
-        assert rows[name]["ratio"] > 0
-        assert rows[name]["case"] == "1 blk (2 MiB)"
+    assert rows["raw TCP socket sendall/recv_into"]["value"] > 0
+    transports = ["tcp", "local"] + ([] if NIXL_MISSING else ["nixl"])
+    assert table["title"].startswith(f"aio_datadist transfers between two processes over {', '.join(transports)} (")
+    for transport in transports:
+        for op in ("pull_blocks", "push_blocks"):
+            row = rows[f"{op} over {transport}"]
+            assert row["baseline"] == "raw TCP socket" and row["ratio"] > 0 and row["case"] == "1 blk (2 MiB)"
+    asked = ", ".join(f"{t} -> {t}" for t in transports)
+    assert any(f"(aio.Transport asked -> negotiated: {asked})" in note for note in table["notes"])
+    assert any(note.startswith("no nixl rows: the NIXL package does not import here") for note in table["notes"]) \
+        == bool(NIXL_MISSING)
     # stderr is no terminal here: progress comes as plain lines
     assert "start the peer process and link..." in result.stderr and "measure 1 blocks..." in result.stderr
     if has_matplotlib:

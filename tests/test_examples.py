@@ -1,7 +1,9 @@
-"""The quickstart examples (docs/quickstart.md) run as written, each as its own program."""
+"""The quickstart examples (docs/quickstart.md) and the llm_datadist port run as written, each as its own
+program, and end with one OK line naming what they checked (or FAILED and exit status 1)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -9,16 +11,47 @@ from pathlib import Path
 
 import pytest
 
+from aio_datadist import LLMStatusCode
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.mark.parametrize("name", ["quickstart_pull", "quickstart_layerwise"])
-def test_quickstart_example_runs(name, tmp_path):
-    run = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py")], cwd=tmp_path,  # outside the checkout
-                         capture_output=True, text=True, timeout=120)
+#: What each example's last line says it checked.
+CHECKED = {
+    "quickstart_pull": "bytes equal; the consumed key refused with LLM_KV_CACHE_NOT_EXIST",
+    "quickstart_layerwise": "each layer's bytes equal on arrival; transfer_cache_async returned LLM_SUCCESS",
+    "llm_datadist_port": "pull_cache, pull_blocks and swap_blocks bytes equal; the consumed key refused",
+}
+
+
+def run_example(name: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py")], cwd=cwd, env=env,  # outside the checkout
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", list(CHECKED))
+def test_an_example_ends_with_one_ok_line_naming_what_it_checked(name, tmp_path):
+    run = run_example(name, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.splitlines()[-1] == f"{name} OK", run.stdout
-    assert "verified" in run.stdout and not run.stderr
+    last = run.stdout.splitlines()[-1]
+    assert last.startswith(f"OK: {name}: ") and CHECKED[name] in last, run.stdout
+    assert "FAILED" not in run.stdout and not run.stderr
+    bare = [code.name for code in LLMStatusCode if code > 1 and re.search(rf"\b{int(code)}\b", run.stdout)]
+    assert not bare, f"status numbers instead of names {bare}: {run.stdout}"
+
+
+@pytest.mark.parametrize("name", list(CHECKED))
+def test_an_example_whose_bytes_differ_ends_with_failed_and_exit_1(name, tmp_path):
+    """As if the transfers had moved wrong bytes: every byte comparison, in every process, says they differ."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\n\ntorch.equal = lambda a, b: False\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    run = run_example(name, tmp_path, env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    last = run.stdout.splitlines()[-1]
+    assert last.startswith(f"FAILED: {name}: ") and "differ" in last, run.stdout + run.stderr
+    assert "OK" not in run.stdout
 
 
 def test_the_quickstart_quotes_the_examples():

@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("managers", ("manager",)),
     ("LLMDataDist", ("datadist",)),
     ("compat, testing, demo, command line and the package", (
-        "compat", "testing", "demo", "__main__", "synchronizers", "",
+        "compat", "testing", "_negotiated_transport", "demo", "__main__", "synchronizers", "",
     )),
 )
 
