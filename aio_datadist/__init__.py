@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "PushWatch": "arrivals",
     "KvCache": "cache",
+    "Cache": "cache_manager",
+    "CacheManager": "cache_manager",
     "LLMConfig": "config",
     "LlmConfig": "config",
     "LLMDataDist": "datadist",
@@ -22,6 +24,9 @@ _EXPORTS = {
     "LLMStatusCode": "status",
     "Status": "status",
     "code_to_status": "status",
+    "code_2_status": "status",
+    "Tensor": "tensors",
+    "TensorDesc": "tensors",
     **{name: "types" for name in (
         "BlocksCacheKey", "CacheDesc", "CacheIndex", "CacheKey", "CacheKeyByIdAndIndex", "DataType",
         "KvCacheExtParam", "LayerSynchronizer", "LLMClusterInfo", "LLMRole", "MemInfo", "Memtype", "Placement",
@@ -31,12 +36,14 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from aio_datadist.arrivals import PushWatch
     from aio_datadist.cache import KvCache
+    from aio_datadist.cache_manager import Cache, CacheManager
     from aio_datadist.config import LLMConfig, LlmConfig
     from aio_datadist.datadist import LLMDataDist
     from aio_datadist.manager import KvCacheManager
-    from aio_datadist.status import LLMException, LLMStatusCode, Status, code_to_status
+    from aio_datadist.status import LLMException, LLMStatusCode, Status, code_2_status, code_to_status
     from aio_datadist.synchronizers import EventLayerSynchronizer
     from aio_datadist.task import CacheTask
+    from aio_datadist.tensors import Tensor, TensorDesc
     from aio_datadist.types import (
         BlocksCacheKey,
         CacheDesc,
@@ -76,10 +83,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlocksCacheKey",
+    "Cache",
     "CacheDesc",
     "CacheIndex",
     "CacheKey",
     "CacheKeyByIdAndIndex",
+    "CacheManager",
     "CacheTask",
     "DataType",
     "EventLayerSynchronizer",
@@ -100,7 +109,10 @@ __all__ = [
     "PushWatch",
     "RegisterMemStatus",
     "Status",
+    "Tensor",
+    "TensorDesc",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
+    "code_2_status",
     "code_to_status",
 ]

@@ -3,6 +3,14 @@
 Each ``check_*`` returns the checked value (converted where it says so) or
 raises the error :func:`param_invalid` builds, whose message names the
 argument as the caller spelt it: ``"invalid argument '<name>': <why>"``.
+
+Where llm_datadist raises ``TypeError`` (its ``check_isinstance``: a value of
+the wrong type) or ``ValueError`` (its ``check_uint*``/``check_int*``: an int
+outside the type's width), the error is a :class:`ParamTypeError` or
+:class:`ParamValueError`: still ``LLMException(LLM_PARAM_INVALID)``, and also
+the built-in exception llm_datadist callers catch (vllm-ascend reports
+``except (TypeError, ValueError)`` as a bad parameter, ``except LLMException``
+as a transfer failure, in that order).
 """
 
 from __future__ import annotations
@@ -15,7 +23,11 @@ from typing import Any, TypeVar, cast
 from .status import LLMException, LLMStatusCode
 
 __all__ = [
+    "ParamTypeError",
+    "ParamValueError",
     "param_invalid",
+    "param_type_error",
+    "param_value_error",
     "check_instance",
     "check_int",
     "check_uint",
@@ -53,6 +65,28 @@ def param_invalid(arg_name: str, why: str) -> LLMException:
                         argument=arg_name)
 
 
+class ParamTypeError(LLMException, TypeError):
+    """A wrong-typed argument: ``LLMException(LLM_PARAM_INVALID)`` and ``TypeError``, where
+    llm_datadist raises ``TypeError``."""
+
+
+class ParamValueError(LLMException, ValueError):
+    """An int outside its type's width (uint64, uint32, ...): ``LLMException(LLM_PARAM_INVALID)``
+    and ``ValueError``, where llm_datadist raises ``ValueError``."""
+
+
+def param_type_error(arg_name: str, why: str) -> ParamTypeError:
+    """:func:`param_invalid` for a value of the wrong type (also a ``TypeError``)."""
+    return ParamTypeError(f"invalid argument '{arg_name}': {why}", status_code=LLMStatusCode.LLM_PARAM_INVALID,
+                          argument=arg_name)
+
+
+def param_value_error(arg_name: str, why: str) -> ParamValueError:
+    """:func:`param_invalid` for an int outside its type's width (also a ``ValueError``)."""
+    return ParamValueError(f"invalid argument '{arg_name}': {why}", status_code=LLMStatusCode.LLM_PARAM_INVALID,
+                           argument=arg_name)
+
+
 def _type_name(value: object) -> str:
     return type(value).__name__
 
@@ -60,11 +94,11 @@ def _type_name(value: object) -> str:
 def check_instance(arg_name: str, value: Any, types: type[_T] | tuple[type, ...]) -> _T:
     """Return ``value`` if it is an instance of ``types``.
 
-    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name`` otherwise.
+    :raises ParamTypeError: ``LLM_PARAM_INVALID`` naming ``arg_name`` otherwise.
     """
     if not isinstance(value, types):
         expected = " or ".join(t.__name__ for t in types) if isinstance(types, tuple) else types.__name__
-        raise param_invalid(arg_name, f"expected {expected}, got {_type_name(value)}")
+        raise param_type_error(arg_name, f"expected {expected}, got {_type_name(value)}")
     return cast(_T, value)
 
 
@@ -76,14 +110,15 @@ def check_int(arg_name: str, value: object, *, lo: int | None = None, hi: int | 
 
     :param lo: smallest allowed value (inclusive), or None.
     :param hi: largest allowed value (inclusive), or None.
-    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name``.
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name`` (a
+        :class:`ParamTypeError` for a value that is not an int).
     """
     if isinstance(value, bool):
-        raise param_invalid(arg_name, "expected an int, got bool")
+        raise param_type_error(arg_name, "expected an int, got bool")
     try:
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise param_invalid(arg_name, f"expected an int, got {_type_name(value)}") from None
+        raise param_type_error(arg_name, f"expected an int, got {_type_name(value)}") from None
     if (lo is not None and number < lo) or (hi is not None and number > hi):
         if hi is None:
             raise param_invalid(arg_name, f"must be >= {lo}, got {number}")
@@ -96,31 +131,34 @@ def check_int(arg_name: str, value: object, *, lo: int | None = None, hi: int | 
 def check_uint(arg_name: str, value: object, bits: int = 64) -> int:
     """Return ``value`` as an int in ``[0, 2**bits - 1]``.
 
-    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name``.
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name``: a
+        :class:`ParamTypeError` for a value that is not an int, a
+        :class:`ParamValueError` for one outside the range.
     """
     number = check_int(arg_name, value)
     if not 0 <= number < (1 << bits):
-        raise param_invalid(arg_name, f"must be a uint{bits} in [0, {(1 << bits) - 1}], got {number}")
+        raise param_value_error(arg_name, f"must be a uint{bits} in [0, {(1 << bits) - 1}], got {number}")
     return number
 
 
 def check_bool(arg_name: str, value: object) -> bool:
     """Return ``value`` if it is a ``bool``.
 
-    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name``.
+    :raises ParamTypeError: ``LLM_PARAM_INVALID`` naming ``arg_name``.
     """
     if not isinstance(value, bool):
-        raise param_invalid(arg_name, f"expected bool, got {_type_name(value)}")
+        raise param_type_error(arg_name, f"expected bool, got {_type_name(value)}")
     return value
 
 
 def check_str(arg_name: str, value: object, *, allow_empty: bool = True) -> str:
     """Return ``value`` if it is a ``str`` (non-empty unless ``allow_empty``).
 
-    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name``.
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name`` (a
+        :class:`ParamTypeError` for a value that is not a str).
     """
     if not isinstance(value, str):
-        raise param_invalid(arg_name, f"expected str, got {_type_name(value)}")
+        raise param_type_error(arg_name, f"expected str, got {_type_name(value)}")
     if not allow_empty and not value:
         raise param_invalid(arg_name, "must not be empty")
     return value
@@ -161,10 +199,10 @@ def check_indices(
     elif hasattr(values, "tolist") and not isinstance(values, (str, bytes)):
         listed = values.tolist()
         if not isinstance(listed, list):
-            raise param_invalid(arg_name, f"expected a 1-D sequence of ints, got a 0-d {_type_name(values)}")
+            raise param_type_error(arg_name, f"expected a 1-D sequence of ints, got a 0-d {_type_name(values)}")
         items = tuple(listed)
     else:
-        raise param_invalid(arg_name, f"expected a list of ints, got {_type_name(values)}")
+        raise param_type_error(arg_name, f"expected a list of ints, got {_type_name(values)}")
     if not items:
         if allow_empty:
             return ()
@@ -193,7 +231,7 @@ def check_range(arg_name: str, value: object, *, allow_none: bool = True) -> ran
             return None
         raise param_invalid(arg_name, "a range is required")
     if not isinstance(value, range):
-        raise param_invalid(arg_name, f"expected a range, got {_type_name(value)}")
+        raise param_type_error(arg_name, f"expected a range, got {_type_name(value)}")
     if value.step != 1:
         raise param_invalid(arg_name, f"step must be 1, got {value.step}")
     if value.start < 0:

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from aio_datadist import _core
-from aio_datadist._checks import check_instance, param_invalid
+from aio_datadist._checks import check_instance, param_invalid, param_type_error
 from aio_datadist.devices.host import HostRegion, round_up, tensor_at
+from aio_datadist.mapped import check_mapped
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import (
     UINT64_MAX,
@@ -182,12 +183,14 @@ def _flatten_addrs(arg: str, addrs: Any, num_tensors: int) -> list[int]:
             raise param_invalid(arg, f"one device supported, got {len(addrs)} address lists")
         addrs = addrs[0]
     if not isinstance(addrs, (list, tuple)):
-        raise param_invalid(arg, f"expected a list of addresses, got {type(addrs).__name__}")
+        raise param_type_error(arg, f"expected a list of addresses, got {type(addrs).__name__}")
     if len(addrs) != num_tensors:
         raise param_invalid(arg, f"expected {num_tensors} addresses (num_tensors), got {len(addrs)}")
     out = []
     for i, a in enumerate(addrs):
-        if isinstance(a, bool) or not isinstance(a, int) or not 0 < a < 1 << 64:
+        if isinstance(a, bool) or not isinstance(a, int):
+            raise param_type_error(arg, f"address {i} must be an int, got {type(a).__name__}")
+        if not 0 < a < 1 << 64:
             raise param_invalid(arg, f"address {i} must be a positive int, got {a!r}")
         out.append(a)
     return out
@@ -206,20 +209,22 @@ def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
                        device: torch.device) -> list[torch.Tensor]:
     """Validate framework-owned tensors against ``desc``: count, dtype, shape, device, overlap."""
     if not isinstance(tensors, (list, tuple)):
-        raise param_invalid(arg, f"expected a list of tensors or addresses, got {type(tensors).__name__}")
+        raise param_type_error(arg, f"expected a list of tensors or addresses, got {type(tensors).__name__}")
     if len(tensors) != desc.num_tensors:
         raise param_invalid(arg, f"expected {desc.num_tensors} entries (num_tensors), got {len(tensors)}")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in tensors):
         if device.type != "cpu":
             raise param_invalid(arg, f"raw addresses are accepted for host memory only, not {device}")
         addrs = _flatten_addrs(arg, list(tensors), desc.num_tensors)
+        check_mapped(arg, [(a, desc.size) for a in addrs])  # a bare int is never trusted
         out = [tensor_at(a, desc.data_type.torch_dtype, desc.shape) for a in addrs]
     else:
         dtype = desc.data_type.torch_dtype
         out = []
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
-                raise param_invalid(arg, f"entry {i} must be a torch.Tensor or an int address, got {type(t).__name__}")
+                raise param_type_error(arg, f"entry {i} must be a torch.Tensor or an int address, "
+                                       f"got {type(t).__name__}")
             if t.dtype != dtype:
                 raise param_invalid(arg, f"tensor {i} has dtype {t.dtype}, cache_desc says {dtype}")
             if tuple(t.shape) != desc.shape:
@@ -281,6 +286,7 @@ class CacheRegistry:
         self._blocks_keys: dict[int, int] = {}
         self._reserved: dict[KeyBinding, set[int]] = {}
         self._generations = itertools.count(1)
+        self._hidden: set[int] = set()  # ids of caches registered with remote_accessible=False
         self.on_add: Callable[[KvCache], None] | None = None
         self.on_free: Callable[[KvCache], None] | None = None
         # Peers reach caches through caches(), by_id(), by_key() and by_blocks_key(). The transfer
@@ -308,7 +314,26 @@ class CacheRegistry:
         return [e.cache for e in self._entries.values()]
 
     def _peer_visible(self, cache: KvCache) -> bool:
+        if cache.cache_id in self._hidden:
+            return False
         return self.peers_see_device_caches or cache.device.type == "cpu"
+
+    def hide(self, cache: KvCache) -> None:
+        """Keep a registered cache from peers (``remote_accessible=False``): no peer request
+        resolves it any more, and the transports that offered it withdraw it (``on_free``)."""
+        self.get(cache)
+        self._hidden.add(cache.cache_id)
+        if self.on_free is not None:
+            self.on_free(cache)
+
+    def refresh(self, cache: KvCache) -> None:
+        """Withdraw a cache from the transports and offer it again (``on_free``, then ``on_add``):
+        what they registered of its memory is made anew, after its pages were replaced in place."""
+        self.get(cache)
+        if self.on_free is not None:
+            self.on_free(cache)
+        if self.on_add is not None and cache.cache_id not in self._hidden:
+            self.on_add(cache)
 
     def reserve(self, nbytes: int) -> None:
         """Raise ``LLM_OUT_OF_MEMORY`` unless ``nbytes`` more fit under the cap."""
@@ -441,13 +466,18 @@ class CacheRegistry:
         return None
 
     def deallocate(self, cache: Any) -> None:
-        """Drop the id reference; the memory goes once no key refers to it."""
+        """Drop the id reference; the memory goes once no key refers to it.
+
+        A cache deallocated before (freed, or still kept by its keys) is left
+        as it is: a no-op, as LLM-DataDist's deallocate of an id it no longer holds.
+        """
         check_instance("cache", cache, KvCache)
         entry = self._entries.get(cache.cache_id)
-        if entry is None or entry.cache is not cache or entry.deallocated:
-            raise LLMException(f"invalid argument 'cache': cache {cache.cache_id} was already deallocated "
-                               "or does not belong to this LLMDataDist",
-                               status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+        if (entry is None and not cache.alive) or (entry is not None and entry.cache is cache and entry.deallocated):
+            return
+        if entry is None or entry.cache is not cache:
+            raise LLMException(f"invalid argument 'cache': cache {cache.cache_id} does not belong to this "
+                               "LLMDataDist", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
         entry.deallocated = True
         if not entry.cache._owned:
             for ident in list(entry.keys):
@@ -509,6 +539,7 @@ class CacheRegistry:
     def _maybe_free(self, entry: _Entry) -> None:
         if entry.deallocated and not entry.keys:
             del self._entries[entry.cache.cache_id]
+            self._hidden.discard(entry.cache.cache_id)
             self._used -= entry.nbytes
             if self.on_free is not None:
                 self.on_free(entry.cache)
@@ -520,6 +551,7 @@ class CacheRegistry:
             entry.cache._alive = False
             entry.cache._region = None
         self._entries.clear()
+        self._hidden.clear()
         self._keys.clear()
         self._blocks_keys.clear()
         self._used = 0

@@ -17,14 +17,17 @@ import asyncio
 import atexit
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aio_datadist import datadist as _async_datadist
+from aio_datadist._compat_v2 import CacheManager
 from aio_datadist.cache import KvCache
+from aio_datadist.cache_manager import Cache
 from aio_datadist.config import LLMConfig, LlmConfig
 from aio_datadist.layers import range_pair
-from aio_datadist.status import LLMException, LLMStatusCode, Status
+from aio_datadist.status import LLMException, LLMStatusCode, Status, code_2_status
 from aio_datadist.task import CacheTask as _AsyncCacheTask
+from aio_datadist.tensors import Tensor, TensorDesc
 from aio_datadist.types import (
     ALL_LAYERS,
     BlocksCacheKey,
@@ -37,16 +40,23 @@ from aio_datadist.types import (
     LayerSynchronizer,
     LLMClusterInfo,
     LLMRole,
+    MemInfo,
+    Memtype,
     Placement,
+    RegisterMemStatus,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
 
+if TYPE_CHECKING:
+    from aio_datadist.types import RegisterMemStatus as _RegisterMemStatus
+
 __all__ = [
-    "BlocksCacheKey", "CacheDesc", "CacheIndex", "CacheKey", "CacheKeyByIdAndIndex", "CacheTask", "DataType",
-    "KvCache", "KvCacheExtParam", "KvCacheManager", "LLMClusterInfo", "LLMConfig", "LLMDataDist",
-    "LLMException", "LLMRole", "LLMStatusCode", "LayerSynchronizer", "LlmConfig", "Placement", "Status",
-    "TransferConfig", "TransferWithCacheKeyConfig",
+    "BlocksCacheKey", "Cache", "CacheDesc", "CacheIndex", "CacheKey", "CacheKeyByIdAndIndex", "CacheManager",
+    "CacheTask", "DataType", "KvCache", "KvCacheExtParam", "KvCacheManager", "LLMClusterInfo", "LLMConfig",
+    "LLMDataDist", "LLMException", "LLMRole", "LLMStatusCode", "LayerSynchronizer", "LlmConfig", "MemInfo",
+    "Memtype", "Placement", "RegisterMemStatus", "Status", "Tensor", "TensorDesc", "TransferConfig",
+    "TransferWithCacheKeyConfig", "code_2_status",
 ]
 
 _T = TypeVar("_T")
@@ -151,12 +161,13 @@ class KvCacheManager:
         return _RUNNER.call(self._m.allocate_blocks_cache, cache_desc, blocks_cache_key)
 
     def register_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
-                       cache_keys: Sequence[CacheKey] = ()) -> KvCache:
-        return _RUNNER.call(self._m.register_cache, cache_desc, addrs, cache_keys)
+                       cache_keys: Sequence[CacheKey] = (), remote_accessible: bool | None = None) -> KvCache:
+        return _RUNNER.call(self._m.register_cache, cache_desc, addrs, cache_keys, remote_accessible)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
-                              blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
-        return _RUNNER.call(self._m.register_blocks_cache, cache_desc, addrs, blocks_cache_key)
+                              blocks_cache_key: BlocksCacheKey | None = None,
+                              remote_accessible: bool | None = None) -> KvCache:
+        return _RUNNER.call(self._m.register_blocks_cache, cache_desc, addrs, blocks_cache_key, remote_accessible)
 
     def deallocate_cache(self, cache: KvCache) -> None:
         _RUNNER.call(self._m.deallocate_cache, cache)
@@ -171,8 +182,10 @@ class KvCacheManager:
                    **kwargs: Any) -> None:
         _RUNNER.run(self._m.pull_cache(cache_key, kv_cache, batch_index, size, **kwargs))
 
-    def pull_blocks(self, src_cache_key: Any, dst_cache: KvCache, src_blocks: Sequence[int] = (),
+    def pull_blocks(self, src_cache_key: Any = None, dst_cache: KvCache | None = None, src_blocks: Sequence[int] = (),
                     dst_blocks: Sequence[int] = (), **kwargs: Any) -> None:
+        """Also takes the KvCacheManager (v1) names ``prompt_cache_key``, ``decoder_kv_cache``,
+        ``prompt_blocks`` and ``decoder_blocks``."""
         _RUNNER.run(self._m.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, **kwargs))
 
     def push_blocks(self, dst_cache_key: Any, src_cache: KvCache, src_blocks: Sequence[int] = (),
@@ -190,7 +203,7 @@ class KvCacheManager:
 
     def copy_cache(self, dst: KvCache, src: KvCache, dst_batch_index: int = 0, src_batch_index: int = 0,
                    offset: int = 0, size: int = -1, req_id: int | None = None) -> None:
-        _RUNNER.run(self._m.copy_cache(dst, src, dst_batch_index, src_batch_index, offset, size))
+        _RUNNER.run(self._m.copy_cache(dst, src, dst_batch_index, src_batch_index, offset, size, req_id))
 
     def copy_blocks(self, cache: KvCache, copy_block_info: Mapping[int, Sequence[int]]) -> None:
         _RUNNER.run(self._m.copy_blocks(cache, copy_block_info))
@@ -220,6 +233,7 @@ class LLMDataDist:
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
         self._dd = _async_datadist.LLMDataDist(role, cluster_id)
         self._manager = KvCacheManager(self._dd.kv_cache_manager)
+        self._cache_manager: CacheManager | None = None
 
     @property
     def cluster_id(self) -> int:
@@ -235,12 +249,17 @@ class LLMDataDist:
 
     @property
     def kv_cache_manager(self) -> KvCacheManager:
+        """The blocking KvCacheManager (v1); refused once ``init`` selected CacheManager mode."""
+        self._dd.kv_cache_manager  # noqa: B018 -- the async accessor refuses in the wrong mode
         return self._manager
 
     @property
-    def cache_manager(self) -> KvCacheManager:
-        """The v2 spelling of :attr:`kv_cache_manager`."""
-        return self._manager
+    def cache_manager(self) -> CacheManager:
+        """The blocking CacheManager (v2); refused once ``init`` selected KvCacheManager mode."""
+        if self._cache_manager is None:
+            self._cache_manager = CacheManager(self._dd.cache_manager, _RUNNER, CacheTask)
+        self._dd.cache_manager  # noqa: B018 -- the async accessor refuses in the wrong mode
+        return self._cache_manager
 
     def init(self, options: Mapping[str, str]) -> None:
         _RUNNER.run(self._dd.init(options))
@@ -260,6 +279,18 @@ class LLMDataDist:
 
     def check_link_status(self, remote_cluster_id: int) -> None:
         _RUNNER.run(self._dd.check_link_status(remote_cluster_id))
+
+    def link(self, comm_name: str, cluster_rank_info: Mapping[int, int], rank_table: str) -> int:
+        """Start a bilateral link; returns its comm id at once (poll :meth:`query_register_mem_status`)."""
+        return _RUNNER.run(self._dd.link(comm_name, cluster_rank_info, rank_table))
+
+    def query_register_mem_status(self, comm_id: int) -> _RegisterMemStatus:
+        """``RegisterMemStatus.PREPARING`` until the comm's links are up, then ``OK``; ``FAILED``."""
+        return _RUNNER.call(self._dd.query_register_mem_status, comm_id)
+
+    def unlink(self, comm_id: int) -> None:
+        """Close the comm's links; the peers' comms turn ``FAILED``."""
+        _RUNNER.run(self._dd.unlink(comm_id))
 
     def switch_role(self, role: LLMRole, switch_options: Mapping[str, str] | None = None) -> None:
         _RUNNER.run(self._dd.switch_role(role, switch_options))

@@ -23,6 +23,10 @@ property                   option key                meaning (default)
                                                      for links this endpoint accepts
 ``tls_client_context``     ``aio.TlsClientContext``  ``ssl.SSLContext`` (``PROTOCOL_TLS_CLIENT``)
                                                      for links this endpoint dials
+``link_port``              ``aio.LinkPort``          ``link()``: rank ``r`` of a rank table is
+                                                     ``device_ip:LinkPort + r`` (26000)
+``rank_addresses``         ``aio.RankAddresses``     ``link()``: JSON object, rank id or device
+                                                     ip -> ``"host:port"``, overriding the rule
 =========================  ========================  ==========================================
 
 ``aio.`` keys are emitted only when set explicitly. ``parse_options`` checks
@@ -60,6 +64,7 @@ __all__ = [
     "Settings",
     "parse_options",
     "parse_listen",
+    "cache_manager_mode",
     "DeviceType",
     "TransportKind",
     "DEFAULT_SYNC_KV_TIMEOUT_MS",
@@ -75,6 +80,9 @@ DEFAULT_MEM_UTILIZATION = 0.95
 DEFAULT_DATA_CHANNELS = 2
 DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
 DEFAULT_MAX_PENDING_HANDSHAKES = 64
+DEFAULT_LINK_PORT = 26000
+#: ``link()``'s time when ``llm.LinkTotalTime`` is 0 (HCCL_CONNECT_TIMEOUT's default).
+DEFAULT_LINK_TOTAL_TIME_S = 120
 DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu")
 TRANSPORTS: tuple[str, ...] = ("auto", "tcp", "local", "nixl")
 _ROLES = ("Prompt", "Decoder", "Mix")
@@ -227,11 +235,12 @@ def _check_mem_pool_cfg(arg_name: str, value: object) -> str:
     return text
 
 
-def _check_device_id(arg_name: str, value: object) -> int | tuple[int, ...]:
+def _check_device_id(arg_name: str, value: object) -> int | list[int] | tuple[int, ...]:
     if isinstance(value, (list, tuple)):
         if not value:
             raise param_invalid(arg_name, "must not be empty")
-        return tuple(check_int(arg_name, v, lo=0, hi=INT32_MAX) for v in value)
+        ids = [check_int(arg_name, v, lo=0, hi=INT32_MAX) for v in value]
+        return ids if isinstance(value, list) else tuple(ids)  # read back as given, as LLM-DataDist's
     return check_int(arg_name, value, lo=0, hi=INT32_MAX)
 
 
@@ -301,6 +310,37 @@ _check_copy_threads = _int_check(1, 64)
 _check_data_channels = _int_check(1, 16)
 _check_heartbeat = _int_check(1, INT32_MAX)
 _check_pending_handshakes = _int_check(1, 65535)
+_check_link_port = _int_check(1, 65535)
+
+
+def _rank_addresses(arg_name: str, obj: Mapping[Any, Any]) -> dict[str, tuple[str, int]]:
+    out: dict[str, tuple[str, int]] = {}
+    for key, value in obj.items():
+        if not isinstance(key, str) or not (key.isascii() and key.isdigit()):
+            check_ipv4(f"{arg_name} key", key)
+        address = parse_listen(value, f"{arg_name}[{key!r}]")
+        if address[1] == 0:
+            raise param_invalid(f"{arg_name}[{key!r}]", "port 0 cannot be dialled; name the port")
+        out[key] = address
+    return out
+
+
+def _check_rank_addresses(arg_name: str, value: object) -> str:
+    """A JSON object (text or dict) of rank id or device ip -> "host:port", kept as its JSON text."""
+    if isinstance(value, Mapping):
+        obj: Mapping[Any, Any] = {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v
+                                  for k, v in value.items()}
+    else:
+        text = check_str(arg_name, value)
+        if not text:
+            return text
+        obj = _json_object(arg_name, text)
+    _rank_addresses(arg_name, obj)
+    return json.dumps(dict(obj), sort_keys=True)
+
+
+def _rank_addresses_text(key: str, raw: str) -> dict[str, tuple[str, int]]:
+    return _rank_addresses(key, _json_object(key, raw)) if raw else {}
 
 
 def _tls_check(side: str, wrong: Any) -> Callable[[str, object], ssl.SSLContext]:
@@ -343,7 +383,9 @@ class _Setting(Generic[_T]):
         if obj is None:
             return self
         value = obj._explicit.get(self.name, self.default)
-        return dict(value) if isinstance(value, dict) else value  # type: ignore[return-value]
+        if isinstance(value, (dict, list)):
+            return type(value)(value)  # type: ignore[return-value]  # a copy: the config keeps its own
+        return value
 
     def __set__(self, obj: LLMConfig, value: _T) -> None:
         obj._explicit[self.name] = self.check(self.name, value)
@@ -437,6 +479,13 @@ class LLMConfig:
     tls_client_context = _Setting[Any](
         _check_tls_client, None, "ssl.SSLContext for the links this endpoint dials (None: no TLS)."
     )
+    link_port = _Setting[int](
+        _check_link_port, DEFAULT_LINK_PORT, "link(): rank r of a rank table is device_ip:link_port + r (26000)."
+    )
+    rank_addresses = _Setting[str](
+        _check_rank_addresses, "", 'link(): JSON object (or dict) of rank id or device ip -> "host:port", '
+        "overriding the link_port rule for those ranks ('' = none).",
+    )
 
     def __init__(self) -> None:
         self._explicit: dict[str, Any] = {}
@@ -455,7 +504,7 @@ class LLMConfig:
         options = dict(explicit.get("ge_options", {}))
         if "device_id" in explicit:
             ids = explicit["device_id"]
-            ids = ids if isinstance(ids, tuple) else (ids,)
+            ids = ids if isinstance(ids, (list, tuple)) else (ids,)
             options["ge.exec.deviceId"] = ";".join(map(str, ids))
             options["ge.session_device_id"] = str(ids[0])
         for name, key, to_text in _EMITTED:
@@ -504,6 +553,8 @@ _EMITTED: tuple[tuple[str, str, Callable[[Any], str | None]], ...] = (
     ("max_pending_handshakes", "aio.MaxPendingHandshakes", str),
     ("tls_server_context", "aio.TlsServerContext", lambda context: context),
     ("tls_client_context", "aio.TlsClientContext", lambda context: context),
+    ("link_port", "aio.LinkPort", str),
+    ("rank_addresses", "aio.RankAddresses", _non_empty),
 )
 
 
@@ -531,6 +582,11 @@ class Settings:
     :ivar tls_client_context: TLS for dialled links, or None.
     :ivar remote_cache_accessible: whether peers may read and write this
         endpoint's caches (``llm.EnableRemoteCacheAccessible``; absent: on).
+    :ivar link_total_time_s: ``llm.LinkTotalTime``: how long ``link()`` may
+        take, in s (0: :data:`DEFAULT_LINK_TOTAL_TIME_S`).
+    :ivar link_port: ``aio.LinkPort``, the base of the rank address rule.
+    :ivar rank_addresses: ``aio.RankAddresses``: rank id or device ip ->
+        ``(host, port)``.
     :ivar raw: a copy of the options dict, unknown keys included.
     """
 
@@ -549,6 +605,9 @@ class Settings:
     tls_server_context: ssl.SSLContext | None = field(default=None, repr=False)
     tls_client_context: ssl.SSLContext | None = field(default=None, repr=False)
     remote_cache_accessible: bool = True
+    link_total_time_s: int = 0
+    link_port: int = DEFAULT_LINK_PORT
+    rank_addresses: dict[str, tuple[str, int]] = field(default_factory=dict, hash=False)
     raw: dict[str, Any] = field(default_factory=dict, hash=False, repr=False)
 
     @property
@@ -610,7 +669,7 @@ _KNOWN_KEYS: dict[str, tuple[str | None, Callable[[str, str], Any]]] = {
     "llm.RdmaTrafficClass": (None, _int_text(_check_traffic_class)),
     "llm.RdmaServiceLevel": (None, _int_text(_check_service_level)),
     "llm.LocalCommRes": (None, _check_json),
-    "llm.LinkTotalTime": (None, _int_text(_check_link_total_time)),
+    "llm.LinkTotalTime": ("link_total_time_s", _int_text(_check_link_total_time)),
     "llm.LinkRetryCount": (None, _int_text(_check_link_retry_count)),
     "llm.TransferBackend": (None, _check_transfer_backend),
     "llm.GlobalResourceConfig": (None, _check_json),
@@ -628,6 +687,8 @@ _KNOWN_KEYS: dict[str, tuple[str | None, Callable[[str, str], Any]]] = {
     "aio.MaxPendingHandshakes": ("max_pending_handshakes", _int_text(_check_pending_handshakes)),
     "aio.TlsServerContext": ("tls_server_context", _check_tls_server),
     "aio.TlsClientContext": ("tls_client_context", _check_tls_client),
+    "aio.LinkPort": ("link_port", _int_text(_check_link_port)),
+    "aio.RankAddresses": ("rank_addresses", _rank_addresses_text),
 }
 
 # Keys whose values are objects, not text.
@@ -680,3 +741,30 @@ def parse_options(options: Mapping[str, Any]) -> Settings:
         raise param_invalid("aio.Transport", "'nixl' moves cache bytes outside TLS; with aio.TlsServerContext or "
                             "aio.TlsClientContext set use 'auto', 'local' or 'tcp'")
     return settings
+
+
+def cache_manager_mode(options: Mapping[str, Any]) -> bool:
+    """Whether ``options`` (already checked by :func:`parse_options`) select CacheManager mode (v2).
+
+    As LLM-DataDist decides it: ``llm.EnableCacheManager == "1"``, which
+    defaults to ``"1"`` when ``llm.LocalCommRes`` is present (any value, ``""``
+    included). Otherwise the endpoint runs in KvCacheManager mode (v1).
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming the option when
+        ``llm.LocalCommRes`` is combined with ``llm.EnableCacheManager = "0"``,
+        or ``llm.TransferBackend`` is set without CacheManager mode, with
+        ``llm.EnableRemoteCacheAccessible = "0"`` or without a listen address.
+    """
+    local_comm_res = "llm.LocalCommRes" in options
+    enabled = options.get("llm.EnableCacheManager", "1" if local_comm_res else "0") == "1"
+    if local_comm_res and not enabled:
+        raise param_invalid("llm.LocalCommRes", "is not supported when llm.EnableCacheManager is not configured")
+    if "llm.TransferBackend" in options:
+        if not enabled:
+            raise param_invalid("llm.TransferBackend", "is not supported when llm.EnableCacheManager is not configured")
+        if options.get("llm.EnableRemoteCacheAccessible", "1") != "1":
+            raise param_invalid("llm.TransferBackend",
+                                "is not supported when llm.EnableRemoteCacheAccessible is not enabled")
+        if "llm.listenIpInfo" not in options and "llm.ListenIpInfo" not in options:
+            raise param_invalid("llm.TransferBackend", "is not supported when llm.listenIpInfo is not configured")
+    return enabled

@@ -11,15 +11,17 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from aio_datadist._checks import check_instance, check_int, check_uint, param_invalid
-from aio_datadist.config import parse_listen, parse_options
+from aio_datadist._checks import check_bool, check_instance, check_int, check_uint, param_invalid, param_type_error
+from aio_datadist.bilateral import CommTable
+from aio_datadist.cache_manager import CacheManager
+from aio_datadist.config import cache_manager_mode, parse_listen, parse_options
 from aio_datadist.endpoint import Endpoint
 from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
+from aio_datadist.owner import handle_request
 from aio_datadist.runtime import Runtime
 from aio_datadist.status import LLMException, LLMStatusCode
-from aio_datadist.transfers import handle_request
-from aio_datadist.types import LLMClusterInfo, LLMRole
+from aio_datadist.types import LLMClusterInfo, LLMRole, RegisterMemStatus
 
 __all__ = ["LLMDataDist"]
 
@@ -38,10 +40,11 @@ class LLMDataDist:
     """
 
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
-        if not isinstance(role, LLMRole):
-            raise param_invalid("role", f"expected LLMRole, got {type(role).__name__}")
+        check_instance("role", role, LLMRole)
         self._endpoint = Endpoint(role, check_uint("cluster_id", cluster_id))
         self._manager = KvCacheManager(self._endpoint)
+        self._cache_manager = CacheManager(self._manager)
+        self._comms: CommTable | None = None  # link() comms, made with the first link()
 
     # -- properties --------------------------------------------------------
 
@@ -57,8 +60,24 @@ class LLMDataDist:
 
     @property
     def kv_cache_manager(self) -> KvCacheManager:
-        """The :class:`KvCacheManager` of this endpoint."""
+        """The :class:`KvCacheManager` of this endpoint (KvCacheManager mode, v1).
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` once ``init`` selected
+            CacheManager mode (use :attr:`cache_manager`).
+        """
+        self._endpoint.require_mode("kv_cache_manager", cache_manager=False)
         return self._manager
+
+    @property
+    def cache_manager(self) -> CacheManager:
+        """The :class:`CacheManager` of this endpoint (CacheManager mode, v2: ``init`` options with
+        ``llm.EnableCacheManager = "1"`` or ``llm.LocalCommRes``).
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` once ``init`` selected
+            KvCacheManager mode (use :attr:`kv_cache_manager`).
+        """
+        self._endpoint.require_mode("cache_manager", cache_manager=True)
+        return self._cache_manager
 
     @property
     def listen_address(self) -> tuple[str, int] | None:
@@ -99,6 +118,7 @@ class LLMDataDist:
             raise LLMException("LLMDataDist was finalized; create a new one",
                                status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         settings = parse_options(options)
+        v2 = cache_manager_mode(options)
         runtime = Runtime(settings)
         try:
             # with aio.Transport=nixl this starts the NIXL agent
@@ -115,6 +135,7 @@ class LLMDataDist:
             runtime.close()
             raise
         endpoint.settings = settings
+        endpoint.cache_manager_mode = v2
         endpoint.runtime = runtime
         endpoint.links = links
 
@@ -147,50 +168,55 @@ class LLMDataDist:
 
     # -- links -------------------------------------------------------------
 
-    def _check_clusters(self, clusters: Any) -> list[LLMClusterInfo]:
+    def _check_clusters(self, clusters: Any, *, unset_ids: bool = False) -> list[LLMClusterInfo]:
         if not isinstance(clusters, (list, tuple)):
-            raise param_invalid("clusters", f"expected a list of LLMClusterInfo, got {type(clusters).__name__}")
-        if len(clusters) > MAX_CLUSTERS_PER_CALL:
-            raise LLMException(f"invalid argument 'clusters': at most {MAX_CLUSTERS_PER_CALL} per call, "
-                               f"got {len(clusters)}", status_code=LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT)
+            raise param_type_error("clusters", f"expected a list of LLMClusterInfo, got {type(clusters).__name__}")
         for i, c in enumerate(clusters):
             check_instance(f"clusters[{i}]", c, LLMClusterInfo)
-            if c.remote_cluster_id is None:
-                raise param_invalid(f"clusters[{i}]", "remote_cluster_id is not set")
+            if c.remote_cluster_id is None and not unset_ids:
+                raise param_type_error(f"clusters[{i}]", "remote_cluster_id is not set")
         return list(clusters)
 
     async def link_clusters(self, clusters: Sequence[LLMClusterInfo],
                             timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Link to the listening peers described by ``clusters`` (at most 16).
 
-        Each cluster needs ``remote_cluster_id`` and one remote ip:port. A
-        link, once made, is usable from both ends.
+        Each cluster needs one remote ip:port. Its ``remote_cluster_id`` is
+        checked against the peer's; left unset, the link goes to whichever
+        cluster listens there, under the id the peer proves in the handshake.
+        ``remote_cluster_id`` may equal this endpoint's own id (a peer
+        elsewhere that uses the same id; a link to this endpoint itself fails).
+        A link, once made, is usable from both ends.
 
         :returns: ``(overall, [status per cluster])``; failures are reported
             there (``LLM_LINK_FAILED``, ``LLM_ALREADY_LINK``, ``LLM_TIMEOUT``;
-            ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` when the link's fds do not fit
-            under ``RLIMIT_NOFILE`` on this end or the peer's, see
+            ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for more than 16 clusters, for
+            every cluster and with nothing dialled, or when the link's fds do
+            not fit under ``RLIMIT_NOFILE`` on this end or the peer's, see
             ``docs/transports.md``), not raised. At most one link per remote
             cluster id exists: a concurrent call for the same id waits for the
             first and then reports ``LLM_ALREADY_LINK`` if it linked.
         :raises LLMException: ``LLM_PARAM_INVALID`` for malformed arguments
             (the same ``remote_cluster_id`` twice in one call included,
-            before anything is dialled) or, on an endpoint with TLS, for a
-            missing ``aio.TlsClientContext``;
-            ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for more than 16 clusters.
+            before anything is dialled; ``TypeError`` too for a wrong type) or,
+            on an endpoint with TLS, for a missing ``aio.TlsClientContext``.
         """
         links = self._require_links()
         links.check_can_dial()
-        clusters = self._check_clusters(clusters)
+        clusters = self._check_clusters(clusters, unset_ids=True)
         timeout = check_int("timeout", timeout, lo=1, hi=2**31 - 1)
         first: dict[int, int] = {}
         for i, c in enumerate(clusters):
             if len(c.remote_endpoints) != 1:
                 raise param_invalid(f"clusters[{i}]", "exactly one remote ip:port is needed")
-            j = first.setdefault(_cluster_id(c), i)
+            if c.remote_cluster_id is None:
+                continue
+            j = first.setdefault(c.remote_cluster_id, i)
             if j != i:
                 raise param_invalid(f"clusters[{i}]", f"remote_cluster_id {c.remote_cluster_id} is also "
                                     f"clusters[{j}]; a cluster is linked once")
+        if len(clusters) > MAX_CLUSTERS_PER_CALL:
+            return _too_many(clusters)
         results = await asyncio.gather(*(links.connect(c, timeout) for c in clusters))
         return _overall(results), list(results)
 
@@ -200,13 +226,15 @@ class LLMDataDist:
         ``force=True`` closes only this end (use it after failures).
 
         :returns: ``(overall, [status per cluster])``; ``LLM_NOT_YET_LINK`` for
-            a cluster that is not linked.
+            a cluster that is not linked; ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for
+            every cluster of a call with more than 16 (nothing is unlinked).
         """
         links = self._require_links()
         clusters = self._check_clusters(clusters)
         timeout = check_int("timeout", timeout, lo=1, hi=2**31 - 1)
-        if not isinstance(force, bool):
-            raise param_invalid("force", f"expected bool, got {type(force).__name__}")
+        check_bool("force", force)
+        if len(clusters) > MAX_CLUSTERS_PER_CALL:
+            return _too_many(clusters)
         results = await asyncio.gather(*(links.disconnect(_cluster_id(c), timeout, force)
                                          for c in clusters))
         return _overall(results), list(results)
@@ -216,36 +244,111 @@ class LLMDataDist:
 
         :raises LLMException: ``LLM_NOT_YET_LINK`` if not linked,
             ``LLM_LINK_FAILED`` if broken, ``LLM_TIMEOUT`` after
-            ``sync_kv_timeout`` without an answer.
+            ``sync_kv_timeout`` without an answer; ``LLM_PARAM_INVALID`` in
+            CacheManager mode (KvCacheManager mode only, as in LLM-DataDist).
         """
         links = self._require_links()
+        self._endpoint.require_mode("check_link_status", cache_manager=False)
         cluster = check_uint("remote_cluster_id", remote_cluster_id)
         await links.probe(cluster, self._require_runtime().default_timeout_ms())
+
+    # -- bilateral links (CacheManager mode) -------------------------------
+
+    def _require_comms(self, call: str) -> CommTable:
+        links = self._require_links()
+        self._endpoint.require_mode(call, cache_manager=True)
+        if self._comms is None or self._comms.links is not links:
+            self._comms = CommTable(links)
+        return self._comms
+
+    async def link(self, comm_name: str, cluster_rank_info: Mapping[int, int], rank_table: str) -> int:
+        """Start a bilateral link with the clusters of ``cluster_rank_info``; returns its comm id at once.
+
+        Every member calls ``link`` with the same arguments (at about the same
+        time, within the link time), then polls
+        :meth:`query_register_mem_status` until ``OK``. No HCCL is involved:
+        each rank of ``rank_table`` (the HCCL-style JSON of LLM-DataDist) maps
+        to an endpoint address, ``device_ip:(aio.LinkPort + rank_id)``
+        (``aio.LinkPort`` defaults to 26000) unless ``aio.RankAddresses``
+        names the rank or its device ip (``docs/api.md``). Of each pair the
+        lower rank dials the higher one, which listens on its address (this
+        endpoint starts listening there if it does not listen yet) and takes
+        the dial only while its own ``link`` waits for it. Dials are retried
+        until ``llm.LinkTotalTime`` (``LLMConfig.link_total_time`` s; 0 means
+        120 s) is spent; the comm is then FAILED. Transfers with a peer fail
+        with ``LLM_NOT_YET_LINK`` until its link is up. Several ``link`` calls
+        may run at once (one per peer cluster).
+
+        :param comm_name: a non-empty name shorter than 128 characters.
+        :param cluster_rank_info: cluster id -> rank id, 2 to 4 clusters, rank
+            ids in ascending order, this endpoint's cluster id among them.
+        :param rank_table: the rank table, a JSON str (``server_list`` of
+            servers whose ``device`` entries have ``rank_id`` and ``device_ip``).
+        :returns: the comm id, never equal to an ``LLMStatusCode`` value. A
+            cluster that is linked already (by another comm or by
+            ``link_clusters``) makes the comm FAILED at once, as in LLM-DataDist.
+        :raises LLMException: ``LLM_PARAM_INVALID`` naming ``comm_name``,
+            ``cluster_rank_info`` or ``rank_table`` for a bad argument (bad
+            JSON, a rank missing from the table, two ranks at one address, this
+            endpoint listening elsewhere than its rank's address) or in
+            KvCacheManager mode; ``LLM_LINK_FAILED`` when this endpoint cannot
+            listen on its rank's address.
+        """
+        return await self._require_comms("link").link(comm_name, cluster_rank_info, rank_table)
+
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        """``PREPARING`` while the links of ``comm_id`` are being made, ``OK`` once all are up,
+        ``FAILED`` when one could not be made within the link time or went down since (a peer
+        unlinked, finalized or died).
+
+        :raises LLMException: ``LLM_NOT_YET_LINK`` for a comm id that
+            :meth:`link` did not return or that was unlinked;
+            ``LLM_PARAM_INVALID`` for a comm id that is not a uint64, or in
+            KvCacheManager mode.
+        """
+        return self._require_comms("query_register_mem_status").status(comm_id)
+
+    async def unlink(self, comm_id: int) -> None:
+        """Close the links of ``comm_id`` (telling the peers, whose comms turn ``FAILED``) and forget it.
+
+        May be called from any member, in any status, and by both at once.
+
+        :raises LLMException: ``LLM_NOT_YET_LINK`` for a comm id that
+            :meth:`link` did not return or that was unlinked already;
+            ``LLM_PARAM_INVALID`` as for :meth:`query_register_mem_status`.
+        """
+        await self._require_comms("unlink").unlink(comm_id)
 
     async def switch_role(self, role: LLMRole, switch_options: Mapping[str, str] | None = None) -> None:
         """Change role; with ``llm.listenIpInfo`` in ``switch_options`` listen
         there (moving the listener), without it stop listening.
 
+        In CacheManager mode (v2) the role is only a label: no
+        ``enable_switch_role`` is needed, the role may stay the same, and
+        option keys other than ``llm.listenIpInfo`` (``generate_options``
+        emits ``llm.MemoryUtilization`` and others) are ignored.
+
         :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` unless
-            ``enable_switch_role`` was set; ``LLM_EXIST_LINK`` while links
-            exist; ``LLM_PARAM_INVALID`` for a bad role, the current role, or
-            bad options.
+            ``enable_switch_role`` was set (v1); ``LLM_EXIST_LINK`` while links
+            exist; ``LLM_PARAM_INVALID`` for a bad role, the current role (v1),
+            or bad options.
         """
         links = self._require_links()
         assert self._endpoint.settings is not None
-        if not self._endpoint.settings.enable_switch_role:
+        v2 = bool(self._endpoint.cache_manager_mode)
+        if not v2 and not self._endpoint.settings.enable_switch_role:
             raise LLMException("switch_role needs LLMConfig.enable_switch_role = True",
                                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         if not isinstance(role, LLMRole):
             raise param_invalid("role", f"expected LLMRole, got {type(role).__name__}")
-        if role == self._endpoint.role:
+        if not v2 and role == self._endpoint.role:
             raise param_invalid("role", f"already {role.name}")
         listen = None
         if switch_options is not None:
             if not isinstance(switch_options, Mapping):
                 raise param_invalid("switch_options", f"expected a dict, got {type(switch_options).__name__}")
             for key in switch_options:
-                if key != "llm.listenIpInfo":
+                if key != "llm.listenIpInfo" and not v2:
                     raise param_invalid("switch_options", f"unsupported option {key!r} (only llm.listenIpInfo)")
             if "llm.listenIpInfo" in switch_options:
                 listen = parse_listen(switch_options["llm.listenIpInfo"])
@@ -280,6 +383,12 @@ async def _complete(awaitable: Any) -> None:
     work.result()
     if cancelled:
         raise asyncio.CancelledError
+
+
+def _too_many(clusters: list[LLMClusterInfo]) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    """The answer to a call with more than 16 clusters: LLM-DataDist's status, for every cluster."""
+    code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
+    return code, [code] * len(clusters)
 
 
 def _cluster_id(cluster: LLMClusterInfo) -> int:

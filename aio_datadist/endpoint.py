@@ -38,6 +38,8 @@ class Endpoint:
         self.runtime: Runtime | None = None
         self.links: LinkTable | None = None
         self.finalized = False
+        #: CacheManager mode (v2), decided by ``init`` and kept after ``finalize``; None before ``init``.
+        self.cache_manager_mode: bool | None = None
 
     @property
     def initialized(self) -> bool:
@@ -60,11 +62,24 @@ class Endpoint:
         return self.links
 
     def require_role(self, call: str, *roles: LLMRole) -> None:
-        """Refuse ``call`` (``LLM_PARAM_INVALID`` naming ``role``) unless the current role is one of ``roles``."""
+        """Refuse ``call`` (``LLM_PARAM_INVALID`` naming ``role``) unless the current role is one of ``roles``.
+
+        In CacheManager mode the role is only a label, as in LLM-DataDist: nothing is refused.
+        """
+        if self.cache_manager_mode:
+            return
         role = self.role
         if role not in roles:
             allowed = " or ".join(r.name for r in roles)
             raise param_invalid("role", f"{call} needs role {allowed}, this LLMDataDist is {role.name}")
+
+    def require_mode(self, call: str, *, cache_manager: bool) -> None:
+        """Refuse ``call`` in the other mode (``LLM_PARAM_INVALID``, LLM-DataDist's message); before
+        ``init`` no mode is chosen and nothing is refused."""
+        mode = self.cache_manager_mode
+        if mode is not None and mode != cache_manager:
+            raise LLMException(f"{call} is not supported when llm.EnableCacheManager is "
+                               f"{'' if mode else 'not '}configured.", status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
     def live(self, cache: Any, arg: str) -> KvCache:
         """``cache`` if it is a KvCache registered here (or a CPU cache), else the error naming ``arg``."""

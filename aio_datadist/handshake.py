@@ -8,7 +8,8 @@
     the client checks proof_s; an endpoint that cannot prove the secret gets
     nothing but a nonce from it
     AUTH       proof_c = HMAC(k, "client" | nonce_s | nonce_c | identity),
-               identity = cluster id, role, the cluster id it wants, blocks layout hash  ->
+               identity = cluster id, role, the cluster id it wants, blocks layout hash,
+               whether it is a bilateral ``link()`` dial  ->
                the server checks proof_c; a client that cannot prove the secret gets
                a refusal that carries nothing
                <-  LINK_OK  status, cluster id, role, link token, channel count, boot id,
@@ -44,6 +45,9 @@ __all__ = ["Accepted", "Reader", "accept", "attach_token", "dial", "link_ok", "p
 
 ZERO32 = bytes(32)
 ZERO16 = bytes(16)
+#: The ``peer_id`` of a dial to whichever cluster listens at the address (``LLMClusterInfo`` without
+#: ``remote_cluster_id``): the client learns the id from ``LINK_OK``.
+ANY_PEER = 2**64 - 1
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 
 
@@ -68,59 +72,80 @@ def attach_token(secret: bytes | None, token: bytes, index: int, generation: int
     return proof(secret, b"attach", token, index.to_bytes(2, "big"), generation.to_bytes(4, "big"))
 
 
-def _identity(auth: dict[str, Any]) -> bytes:
-    return (auth["cluster_id"].to_bytes(8, "big") + auth["role"].to_bytes(1, "big")
-            + auth["peer_id"].to_bytes(8, "big") + auth["layout_hash"])
+def _identity(cluster_id: int, role: int, peer_id: int, layout_hash: bytes, bilateral: int = 0) -> bytes:
+    return (cluster_id.to_bytes(8, "big") + role.to_bytes(1, "big") + peer_id.to_bytes(8, "big") + layout_hash
+            + (b"\x01" if bilateral else b""))
 
 
-def _link_fields(ok: dict[str, Any]) -> bytes:
-    return (ok["status"].to_bytes(8, "big", signed=True) + ok["cluster_id"].to_bytes(8, "big")
-            + ok["role"].to_bytes(1, "big") + ok["link_token"] + ok["channels"].to_bytes(1, "big")
-            + ok["boot_id"] + ok["local_name"].ljust(48, b"\0"))
+def _link_fields(ok: wire.LinkOk) -> bytes:
+    return (ok.status.to_bytes(8, "big", signed=True) + ok.cluster_id.to_bytes(8, "big")
+            + ok.role.to_bytes(1, "big") + ok.link_token + ok.channels.to_bytes(1, "big")
+            + ok.boot_id + ok.local_name.ljust(48, b"\0"))
 
 
-async def read_expected(reader: Reader, expected: Msg) -> dict[str, Any]:
-    """The next message, which must be ``expected`` (else :class:`ProtocolError`)."""
+async def read_expected(reader: Reader, expected: Msg) -> Any:
+    """The next message's record, which must be ``expected`` (else :class:`ProtocolError`)."""
     msg, _req_id, length = wire.parse_header(await reader.readexactly(wire.HEADER.size))
     if msg is not expected:
         raise ProtocolError(f"expected {expected.name}, got {msg.name}")
-    return wire.decode_body(msg, await reader.readexactly(length))
+    return wire.decode(msg, await reader.readexactly(length))
 
 
 async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, secret: bytes | None,
-               cluster_id: int, role: LLMRole, peer_id: int, layout: bytes) -> dict[str, Any]:
-    """The client's half; the fields of the server's successful ``LINK_OK``.
+               cluster_id: int, role: LLMRole, peer_id: int, layout: bytes, bilateral: bool = False,
+               nonce: bytes | None = None) -> Linked:
+    """The client's half; what the server's successful ``LINK_OK`` says.
+
+    ``bilateral`` marks a dial of ``LLMDataDist.link``, which the server
+    takes only while its own ``link`` for this pair waits for it. A
+    ``peer_id`` of :data:`ANY_PEER` takes whichever cluster answers (the
+    result names it). ``nonce`` is the client's HELLO nonce (random if None;
+    the link table keeps its own to recognise a dial of its own listener).
 
     :raises LLMException: ``LLM_LINK_FAILED`` when the server cannot prove
         the secret (nothing but a nonce was sent to it) or is another
         cluster; the server's status code when it refused.
     :raises ProtocolError: for malformed answers (as do stream errors).
     """
-    nonce = os.urandom(wire.NONCE_BYTES)
+    if nonce is None:
+        nonce = os.urandom(wire.NONCE_BYTES)
     writer.write(wire.encode(Msg.HELLO, 0, nonce=nonce))
-    ack = await read_expected(reader, Msg.HELLO_ACK)
-    if not hmac.compare_digest(ack["proof"], proof(secret, b"server", nonce, ack["nonce"])):
+    ack: wire.HelloAck = await read_expected(reader, Msg.HELLO_ACK)
+    if not hmac.compare_digest(ack.proof, proof(secret, b"server", nonce, ack.nonce)):
         raise LLMException("peer failed authentication (shared secret differs)",
                            status_code=LLMStatusCode.LLM_LINK_FAILED)
-    auth = dict(cluster_id=cluster_id, role=int(role), peer_id=peer_id, layout_hash=layout)
-    writer.write(wire.encode(Msg.AUTH, 0, proof=proof(secret, b"client", ack["nonce"], nonce, _identity(auth)),
-                             **auth))
-    ok = await read_expected(reader, Msg.LINK_OK)
-    if ok["status"] != SUCCESS:
-        raise LLMException(f"peer refused: {ok['text']}", status_code=code_to_status(ok["status"]))
-    if not hmac.compare_digest(ok["proof"], proof(secret, b"link", nonce, ack["nonce"], _link_fields(ok))):
+    identity = _identity(cluster_id, int(role), peer_id, layout, int(bilateral))
+    writer.write(wire.encode(Msg.AUTH, 0, proof=proof(secret, b"client", ack.nonce, nonce, identity),
+                             cluster_id=cluster_id, role=int(role), peer_id=peer_id, layout_hash=layout,
+                             bilateral=int(bilateral)))
+    ok: wire.LinkOk = await read_expected(reader, Msg.LINK_OK)
+    if ok.status != SUCCESS:
+        raise LLMException(f"peer refused: {ok.text}", status_code=code_to_status(ok.status))
+    if not hmac.compare_digest(ok.proof, proof(secret, b"link", nonce, ack.nonce, _link_fields(ok))):
         raise LLMException("peer failed authentication (LINK_OK is not proven)",
                            status_code=LLMStatusCode.LLM_LINK_FAILED)
-    if ok["cluster_id"] != peer_id:
-        raise LLMException(f"peer is cluster {ok['cluster_id']}, not {peer_id}",
+    if peer_id != ANY_PEER and ok.cluster_id != peer_id:
+        raise LLMException(f"peer is cluster {ok.cluster_id}, not {peer_id}",
                            status_code=LLMStatusCode.LLM_LINK_FAILED)
     try:
-        ok["role"] = LLMRole(ok["role"])
+        remote_role = LLMRole(ok.role)
     except ValueError:
-        raise ProtocolError(f"bad role {ok['role']}") from None
-    if not 1 <= ok["channels"] <= 16:
-        raise ProtocolError(f"bad channel count {ok['channels']}")
-    return ok
+        raise ProtocolError(f"bad role {ok.role}") from None
+    if not 1 <= ok.channels <= 16:
+        raise ProtocolError(f"bad channel count {ok.channels}")
+    return Linked(remote_role, ok.link_token, ok.channels, ok.boot_id, ok.local_name, ok.cluster_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class Linked:
+    """What a client learns from the server's ``LINK_OK``."""
+
+    role: LLMRole
+    link_token: bytes
+    channels: int
+    boot_id: bytes
+    local_name: bytes
+    cluster_id: int
 
 
 @dataclasses.dataclass
@@ -130,7 +155,7 @@ class Accepted:
     client_nonce: bytes
     server_nonce: bytes
     req_id: int
-    auth: dict[str, Any]
+    auth: wire.Auth
     authenticated: bool
 
 
@@ -144,20 +169,23 @@ async def accept(head: bytes, reader: Reader, writer: asyncio.StreamWriter, *,
     msg, req_id, length = wire.parse_header(head + await reader.readexactly(wire.HEADER.size - len(head)))
     if msg is not Msg.HELLO:
         raise ProtocolError(f"expected HELLO, got {msg.name}")
-    hello = wire.decode_body(msg, await reader.readexactly(length))
+    hello: wire.Hello = wire.decode(msg, await reader.readexactly(length))
     nonce = os.urandom(wire.NONCE_BYTES)
-    writer.write(wire.encode(Msg.HELLO_ACK, req_id, nonce=nonce, proof=proof(secret, b"server", hello["nonce"], nonce)))
-    auth = await read_expected(reader, Msg.AUTH)
-    expected = proof(secret, b"client", nonce, hello["nonce"], _identity(auth))
-    return Accepted(hello["nonce"], nonce, req_id, auth, hmac.compare_digest(auth["proof"], expected))
+    writer.write(wire.encode(Msg.HELLO_ACK, req_id, nonce=nonce, proof=proof(secret, b"server", hello.nonce, nonce)))
+    auth: wire.Auth = await read_expected(reader, Msg.AUTH)
+    expected = proof(secret, b"client", nonce, hello.nonce,
+                     _identity(auth.cluster_id, auth.role, auth.peer_id, auth.layout_hash, auth.bilateral))
+    return Accepted(hello.nonce, nonce, req_id, auth, hmac.compare_digest(auth.proof, expected))
 
 
 def link_ok(secret: bytes | None, accepted: Accepted, status: LLMStatusCode, *, cluster_id: int = 0,
             role: int = 0, token: bytes = ZERO32, channels: int = 0, boot: bytes = ZERO16, local_name: bytes = b"",
             text: str = "") -> bytes:
     """The server's final answer; a refusal (``status`` not success) carries nothing but its text."""
-    fields = dict(status=int(status), cluster_id=cluster_id, role=int(role), link_token=token, channels=channels,
-                  boot_id=boot, local_name=local_name[:48].ljust(48, b"\0"), text=text)
-    fields["proof"] = (proof(secret, b"link", accepted.client_nonce, accepted.server_nonce, _link_fields(fields))
-                       if status == SUCCESS else ZERO32)
-    return wire.encode(Msg.LINK_OK, accepted.req_id, **fields)
+    ok = wire.LinkOk(status=int(status), cluster_id=cluster_id, role=int(role), link_token=token,
+                     channels=channels, boot_id=boot, local_name=local_name[:48].ljust(48, b"\0"),
+                     proof=ZERO32, text=text)
+    if status == SUCCESS:
+        ok = dataclasses.replace(ok, proof=proof(secret, b"link", accepted.client_nonce, accepted.server_nonce,
+                                                 _link_fields(ok)))
+    return wire.encode_record(Msg.LINK_OK, accepted.req_id, ok)

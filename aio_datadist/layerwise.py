@@ -19,24 +19,17 @@ from aio_datadist._checks import check_indices, check_instance, param_invalid
 from aio_datadist._settle import settle
 from aio_datadist.cache import KvCache
 from aio_datadist.layers import range_pair
+from aio_datadist.plans import Plan, addrs_target, build_plan, target_fields
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.task import CacheTask, TaskProgress
-from aio_datadist.transfers import (
-    F_BLOCKS,
-    F_CONTIG,
-    F_EXACT,
-    KIND_ADDRS,
-    Plan,
-    build_plan,
-    run_push,
-    target_fields,
-)
+from aio_datadist.transfers import run_push
 from aio_datadist.types import (
     BlocksCacheKey,
     LayerSynchronizer,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.wire import ReqFlag
 
 if TYPE_CHECKING:
     from aio_datadist.links import Link
@@ -93,7 +86,7 @@ def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
                                 f"src_layer_range {len(src_layers)}")
         link = links.get(key.cluster_id)
         target = target_fields(key)
-        flags = (F_BLOCKS if blocks else F_CONTIG) | F_EXACT
+        flags = (ReqFlag.BLOCKS if blocks else ReqFlag.CONTIG) | ReqFlag.EXACT
         remote_rows = dst_rows
         for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
             plans[src_layer] = build_plan(src, (src_layer, src_layer), (dst_layer, dst_layer), TENSORS_PER_LAYER,
@@ -107,13 +100,10 @@ def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
         stride = dst_block_bytes if dst_block_bytes is not None else lay.row_bytes
         for i, src_layer in enumerate(src_layers):
             pair = list(addrs[TENSORS_PER_LAYER * i:TENSORS_PER_LAYER * (i + 1)])
-            target = dict(target_kind=KIND_ADDRS, cluster_id=cfg.dst_cluster_id, cache_id=0,
-                          key_req_id=0, prefix_id=0, model_id=0, batch_index=0)
-            plan = build_plan(src, (src_layer, src_layer), (-1, -1), TENSORS_PER_LAYER, src_rows, lay.row_bytes,
-                              pair + dst_rows, lay.row_bytes,
-                              F_BLOCKS if blocks else 0, target, "src")
-            plan.remote["offset"] = stride if blocks else 0
-            plans[src_layer] = plan
+            plans[src_layer] = build_plan(src, (src_layer, src_layer), (-1, -1), TENSORS_PER_LAYER, src_rows,
+                                          lay.row_bytes, pair + dst_rows, lay.row_bytes,
+                                          ReqFlag.BLOCKS if blocks else 0, addrs_target(cfg.dst_cluster_id), "src",
+                                          remote_offset=stride if blocks else 0)
     return _Config(index, link, src_layers, plans)
 
 
@@ -132,9 +122,17 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
                             "TransferWithCacheKeyConfig")
     if src.cache_desc.num_tensors % TENSORS_PER_LAYER:
         raise param_invalid("src_cache", f"num_tensors {src.cache_desc.num_tensors} is not K,V pairs of layers")
-    src_blocks = dst_blocks = None
+    src_blocks: tuple[int, ...] | None = None
+    dst_blocks: tuple[int, ...] | None = None
     dst_block_bytes = None
-    if src.is_blocks_cache:
+    if src.is_blocks_cache and _no_blocks(src_block_indices) and _no_blocks(dst_block_indices):
+        # As LLM-DataDist: a blocks source without block indices goes as a contiguous cache whose rows
+        # are its blocks, row 0 to row 0 (block 0 of every tensor of the layer; the C++ layer-wise job
+        # copies one row when no block lists are given).
+        if dst_block_memory_size not in (None, 0):
+            raise param_invalid("dst_block_memory_size", "needs block indices")
+        src_blocks = dst_blocks = (0,)
+    elif src.is_blocks_cache:
         src_blocks = check_indices("src_block_indices", src_block_indices if src_block_indices is not None else (),
                                    src.layout.rows, what="block index", allow_empty=False)
         dst_blocks = check_indices("dst_block_indices", dst_block_indices if dst_block_indices is not None else (),
@@ -160,12 +158,18 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
     return CacheTask(progress, _drive(rt, progress, src, synchronizer, planned, layers))
 
 
-async def _synchronize(synchronizer: Any, layer: int, timeout_ms: int) -> bool:
+def _no_blocks(indices: Any) -> bool:
+    """Whether block indices are absent (None or empty), which LLM-DataDist treats alike."""
+    return indices is None or (hasattr(indices, "__len__") and len(indices) == 0)
+
+
+async def _synchronize(synchronizer: Any, layer: int) -> bool:
+    # LLM-DataDist passes None for timeout_in_millis ("not supported yet"); a synchronizer bounds its own wait.
     method = synchronizer.synchronize_layer
     if inspect.iscoroutinefunction(method):
-        result = await method(layer, timeout_ms)
+        result = await method(layer, None)
     else:
-        result = await asyncio.get_running_loop().run_in_executor(None, method, layer, timeout_ms)
+        result = await asyncio.get_running_loop().run_in_executor(None, method, layer, None)
         if inspect.isawaitable(result):
             result = await result
     return bool(result)
@@ -208,7 +212,7 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
                 break
             syncing = True
             try:
-                ok = await _synchronize(synchronizer, layer, timeout_ms)
+                ok = await _synchronize(synchronizer, layer)
             except asyncio.CancelledError:
                 if abandoned and driver.uncancel() == 0:  # type: ignore[union-attr]
                     break

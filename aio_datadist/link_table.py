@@ -1,22 +1,21 @@
-"""The link table of one LLMDataDist: listening, accepting, dialling, unlinking.
+"""The link table of one LLMDataDist: its links by cluster id, dialling, unlinking.
 
-:class:`LinkTable` owns the listener (TCP and, for same-host peers, the
-abstract unix socket), runs the handshake of every incoming and outgoing
-control connection (``handshake.py``; TLS first when configured), attaches
-data channels, and keeps one :class:`~aio_datadist.links.Link` per remote
-cluster. It also feeds newly registered caches to the same-host shares and
-the NIXL plane of its links. Incoming connections are admitted at a pace
-(``admission.py``): past ``aio.MaxPendingHandshakes`` they wait in the listen
-backlog, and stalled ones make room. A link is made only when its fds fit
-under ``RLIMIT_NOFILE`` (``fd_budget.py``). There is at most one link per
-remote cluster id: a second attempt for an id waits for the first, and a
-link that finds the id taken is closed, never left behind.
+:class:`LinkTable` keeps one :class:`~aio_datadist.links.Link` per remote
+cluster. It dials peers (``connect``; the bilateral ``link()`` dials of
+``start_bilateral``) and runs the client side of the handshake
+(``handshake.py``; TLS first when configured) and of the data channels. Its
+:class:`~aio_datadist.listener.Listener` accepts incoming connections and
+asks the table whether to take each link (``refusal``, ``take``). The table
+also feeds newly registered caches to the same-host shares and the NIXL plane
+of its links. A link is made only when its fds fit under ``RLIMIT_NOFILE``
+(``fd_budget.py``). There is at most one link per remote cluster id: a second
+attempt for an id waits for the first, and a link that finds the id taken is
+closed, never left behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import socket
@@ -26,30 +25,35 @@ from typing import TYPE_CHECKING, Any
 
 from aio_datadist import fd_budget, handshake, wire
 from aio_datadist._checks import param_invalid
-from aio_datadist.admission import ARRIVAL_FACTOR, LISTEN_BACKLOG, Admission, Pending, streams
-from aio_datadist.links import SUCCESS, ZERO32, DataConn, Link, layout_hash, tune
+from aio_datadist.admission import ARRIVAL_FACTOR, Pending
+from aio_datadist.links import SUCCESS, ZERO32, DataConn, Link, tune
+from aio_datadist.listener import Listener, Refusal
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
-from aio_datadist.transport.local import SHARE_AUTH_S, LocalListener, boot_id, connect_share
-from aio_datadist.transport.nixl import NixlPlane
+from aio_datadist.transport.local import SHARE_AUTH_S, boot_id, connect_share
+from aio_datadist.transport.nixl import NixlAgent
 from aio_datadist.types import LLMClusterInfo, LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
 if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
 
-#: Serves one request a peer sent over a link (``transfers.handle_request``, injected from above).
-RequestHandler = Callable[[Link, Msg, int, dict], None]
+#: Serves one request a peer sent over a link (``owner.handle_request``, injected from above).
+RequestHandler = Callable[[Link, Msg, int, Any], None]
 
 __all__ = ["LinkTable"]
 
 log = logging.getLogger("aio_datadist.links")
 
+#: Bound on one handshake or data-channel attach, dialled or accepted (the listener reads it when the table
+#: is made).
 HANDSHAKE_LIMIT_S = 10.0
 #: How long finalize waits for peers to acknowledge UNLINK (so they have let the link go when it returns).
 UNLINK_WAIT_S = 1.0
-#: The size of a first message that is neither a TLS preamble nor an attach record: a HELLO.
-_HELLO_SIZE = len(wire.encode(Msg.HELLO, 0, nonce=bytes(wire.NONCE_BYTES)))
+#: A bilateral dial is tried again after this long, doubling up to BILATERAL_RETRY_MAX_S.
+BILATERAL_RETRY_FIRST_S = 0.05
+BILATERAL_RETRY_MAX_S = 0.5
+_NOT_AWAITED = "link() for this pair is not waiting here (not called yet, or given up)"
 
 class LinkTable:
     """The links and the listener of one LLMDataDist.
@@ -65,15 +69,15 @@ class LinkTable:
         self._role = role
         self.runtime = runtime
         self.links: dict[int, Link] = {}
-        self.admission: Admission | None = None
-        self.listen_address: tuple[str, int] | None = None
-        self._accepting: set[asyncio.Task] = set()  # accepted before the listener stopped
         self._dialling: dict[int, asyncio.Task] = {}
+        self._hellos: set[bytes] = set()  # HELLO nonces of our dials in their handshake: a dial of ourselves
+        self._bilateral: set[asyncio.Task] = set()  # link() attempts (start_bilateral)
+        self._awaited: dict[int, asyncio.Future] = {}  # remote id -> the link() that waits for its dial
         self.closing = False
         fd_budget.raise_soft_limit()
         self.on_request = on_request
-        self.local_listener: LocalListener | None = None
-        self.nixl = NixlPlane(runtime, cluster_id) if runtime.settings.transport == "nixl" else None
+        self.listener = Listener(runtime, cluster_id, role, self, HANDSHAKE_LIMIT_S)
+        self.nixl = NixlAgent(runtime, cluster_id) if runtime.settings.transport == "nixl" else None
         runtime.registry.on_add = self._shared
         runtime.registry.on_free = self._unshared
 
@@ -99,12 +103,13 @@ class LinkTable:
                 link.local.withdraw(cache.cache_id)
 
     @property
-    def secret(self) -> bytes | None:
-        return self.runtime.settings.shared_secret
+    def listen_address(self) -> tuple[str, int] | None:
+        """The address this table listens on, or None while it does not listen."""
+        return self.listener.address
 
     @property
-    def tls_server(self) -> ssl.SSLContext | None:
-        return self.runtime.settings.tls_server_context
+    def secret(self) -> bytes | None:
+        return self.runtime.settings.shared_secret
 
     @property
     def tls_client(self) -> ssl.SSLContext | None:
@@ -138,7 +143,7 @@ class LinkTable:
         return Link(self.runtime, remote_id, remote_role, reader, writer, is_client=is_client, channels=channels,
                     token=token, remote_address=remote_address,
                     redial=lambda *args: self.dial_data(*args),  # looked up per call: tests may wrap dial_data
-                    forget=self.forget, nixl_plane=self.nixl)
+                    forget=self.forget, nixl_agent=self.nixl)
 
     def _live(self, remote_id: int) -> Link | None:
         link = self.links.get(remote_id)
@@ -153,144 +158,54 @@ class LinkTable:
         link.start()
         return True
 
-    @property
-    def _handshakes(self) -> set[asyncio.Task]:
-        """The tasks of incoming connections not through their handshake yet."""
-        tasks = {t for t in self._accepting if not t.done()}
-        return tasks if self.admission is None else tasks | self.admission.tasks()
-
     def _reserve(self) -> int:
         """fds kept free besides links (see ``fd_budget``)."""
         pending = ((1 + ARRIVAL_FACTOR) * self.runtime.settings.max_pending_handshakes
-                   if self.admission is not None else 0)
+                   if self.listener.admission is not None else 0)
         return fd_budget.RESERVE + pending
 
     def _claim(self) -> fd_budget.Claim:
         per_link = fd_budget.per_link(self.runtime.settings.data_channels, self.shares_memory)
         return fd_budget.claim(per_link, self._reserve())
 
-    # -- listening ---------------------------------------------------------
+    # -- taking incoming links (for the listener) ---------------------------
 
     async def listen(self, ip: str, port: int) -> None:
-        if self.runtime.settings.tls and self.tls_server is None:
-            raise param_invalid("aio.TlsServerContext", "is needed to listen: this endpoint uses TLS "
-                                "(aio.TlsClientContext is set) and never accepts a link without it")
-        try:
-            sock = socket.create_server((ip, port), backlog=LISTEN_BACKLOG)
-        except OSError as exc:
-            raise LLMException(f"option 'llm.listenIpInfo': cannot listen on {ip}:{port}: {exc}",
-                               status_code=LLMStatusCode.LLM_LINK_FAILED) from exc
-        sock.setblocking(False)
-        sockname = sock.getsockname()
-        self.admission = Admission(sock, self.runtime.settings.max_pending_handshakes, self._accept)
-        self.listen_address = (sockname[0], sockname[1])
-        if self.shares_memory and self.local_listener is None:
-            try:
-                self.local_listener = LocalListener(self.secret, self._share_candidates)
-            except OSError as exc:
-                log.info("no same-host sharing (unix socket: %s); links use TCP only", exc)
+        """Listen for peers on ``ip:port`` (see :class:`~aio_datadist.listener.Listener`)."""
+        await self.listener.listen(ip, port)
 
     async def stop_listening(self) -> None:
-        if self.local_listener is not None:
-            self.local_listener.close()
-            self.local_listener = None
-        if self.admission is not None:
-            admission, self.admission = self.admission, None
-            # connections accepted already finish their handshakes (or time out) as before
-            self._accepting = {t for t in self._accepting if not t.done()} | admission.tasks()
-            await admission.close()
-            self.listen_address = None
+        """Stop listening; connections accepted already finish their handshakes (or time out)."""
+        await self.listener.stop()
 
-    def _first_size(self, head: bytes) -> int:
-        if head == tls.MAGIC:
-            return tls.PREAMBLE_SIZE
-        if head == wire.ATTACH_MAGIC:
-            return wire.ATTACH.size
-        return _HELLO_SIZE
-
-    async def _accept(self, conn: socket.socket, pending: Pending) -> None:
-        """One accepted connection: its first message, a handshake slot, then the handshake (``admission``)."""
-        admission = self.admission
-        assert admission is not None
-        writer: asyncio.StreamWriter | None = None
-        keep = False
-        try:
-            async with asyncio.timeout(HANDSHAKE_LIMIT_S):
-                head = await admission.first_message(conn, self._first_size)
-                await admission.slot(pending)
-                stream, writer = await streams(conn, head)
-                reader = _Watched(stream, pending)
-                magic = await reader.readexactly(4)
-                if self.tls_server is not None:
-                    if magic != tls.MAGIC:
-                        raise ProtocolError("the peer does not use TLS; this endpoint requires it")
-                    kind = await reader.readexactly(1)
-                    if kind == tls.DATA:
-                        keep = await self._accept_tls_data(writer, admission, pending)
-                        return
-                    if kind != tls.CONTROL:
-                        raise ProtocolError(f"unknown TLS connection kind {kind!r}")
-                    await tls.accept_control(writer, self.tls_server, HANDSHAKE_LIMIT_S)
-                    pending.progress()
-                    keep = await self._accept_control(await reader.readexactly(4), reader, writer, admission,
-                                                      pending)
-                elif magic == tls.MAGIC:
-                    raise ProtocolError("the peer uses TLS; this endpoint has no aio.TlsServerContext")
-                elif magic == wire.ATTACH_MAGIC:
-                    keep = await self._accept_data(magic, reader, writer, admission, pending)
-                else:
-                    keep = await self._accept_control(magic, reader, writer, admission, pending)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError, ProtocolError, TimeoutError) as exc:
-            log.debug("dropped an incoming connection: %r", exc)
-        finally:
-            admission.leave(pending)
-            if writer is None:
-                conn.close()
-            elif not keep:
-                if writer.get_extra_info("ssl_object") is not None:
-                    writer.transport.abort()  # no TLS close_notify exchange with a refused peer
-                else:
-                    writer.close()
-
-    async def _accept_control(self, magic: bytes, reader: _Watched, writer: asyncio.StreamWriter,
-                              admission: Admission, pending: Pending) -> bool:
-        accepted = await handshake.accept(magic, reader, writer, secret=self.secret)
-        auth = accepted.auth
-        remote_id = auth["cluster_id"]
-
-        async def refuse(status: LLMStatusCode, text: str) -> bool:
-            writer.write(handshake.link_ok(self.secret, accepted, status, text=text))
-            await writer.drain()
-            return False
-
-        if not accepted.authenticated:
-            log.warning("refused a link from %s: authentication failed", writer.get_extra_info("peername"))
-            return await refuse(LLMStatusCode.LLM_LINK_FAILED, "authentication failed")
-        try:
-            remote_role = LLMRole(auth["role"])
-        except ValueError:
-            raise ProtocolError("bad role") from None
+    def refusal(self, remote_id: int, peer_id: int, bilateral: bool, client_nonce: bytes) -> Refusal | None:
+        """Why an authenticated link from ``remote_id`` (that asked for ``peer_id``) is refused at once, or None."""
         own_id = self.cluster_id
-        if auth["peer_id"] != own_id:
-            return await refuse(LLMStatusCode.LLM_LINK_FAILED, f"this endpoint is cluster {own_id}, "
-                                f"not {auth['peer_id']}")
-        if remote_id == own_id:
-            return await refuse(LLMStatusCode.LLM_LINK_FAILED, "peer uses this endpoint's own cluster id")
-        mine, theirs = layout_hash(self.runtime), auth["layout_hash"]
-        if mine != ZERO32 and theirs != ZERO32 and mine != theirs:
-            text = ("blocks caches are incompatible (tensor count, dtype or block shape differ "
-                    "between the two endpoints)")
-            log.warning("refused a link from cluster %s: %s", remote_id, text)
-            return await refuse(LLMStatusCode.LLM_LINK_FAILED, text)
+        if peer_id not in (own_id, handshake.ANY_PEER):
+            return LLMStatusCode.LLM_LINK_FAILED, f"this endpoint is cluster {own_id}, not {peer_id}"
+        if client_nonce in self._hellos:
+            return LLMStatusCode.LLM_LINK_FAILED, "a link to this endpoint itself"
+        # Blocks layouts are checked per request (owner.serve_plan), so peers holding different caches link.
         if self.closing:
-            return await refuse(LLMStatusCode.LLM_LINK_FAILED, "this endpoint is being finalized")
+            return LLMStatusCode.LLM_LINK_FAILED, "this endpoint is being finalized"
         if self._live(remote_id) is not None:
-            return await refuse(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
+            return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
+        if bilateral and not self._awaits(remote_id):
+            return LLMStatusCode.LLM_NOT_YET_LINK, _NOT_AWAITED
+        return None
+
+    async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter, pending: Pending, through: Callable[[], None]) -> Link | Refusal:
+        """Make and register the link of an accepted handshake, or say why not.
+
+        ``through`` is called once the link no longer waits on the peer (its
+        connection leaves the admission gate); ``pending`` is that connection.
+        """
         try:
             claim = self._claim()
         except LLMException as exc:
             log.warning("refused a link from cluster %s: %s", remote_id, exc)
-            return await refuse(exc.status_code, str(exc))
+            return exc.status_code, str(exc)
         try:
             existing = self.links.get(remote_id)
             if existing is not None:
@@ -298,72 +213,23 @@ class LinkTable:
                     await existing.close()
                 self.forget(existing)
                 if self._live(remote_id) is not None:  # another handshake linked it meanwhile
-                    return await refuse(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
+                    return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
             token = os.urandom(32)
             channels = self.runtime.settings.data_channels
             tune(writer.get_extra_info("socket"))
             peer = writer.get_extra_info("peername")
-            admission.leave(pending)  # through: never dropped as stalled from here on
-            link = self._new_link(remote_id, remote_role, reader.inner, writer, is_client=False,
+            through()  # never dropped as stalled from here on
+            if bilateral and not self._awaits(remote_id):  # that link() gave up meanwhile
+                return LLMStatusCode.LLM_NOT_YET_LINK, _NOT_AWAITED
+            link = self._new_link(remote_id, remote_role, reader, writer, is_client=False,
                                   channels=channels, token=token, remote_address=(peer[0], peer[1]))
             if not self._register(link):
-                return await refuse(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
+                return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
+            if bilateral:
+                self._awaited.pop(remote_id).set_result(link)
+            return link
         finally:
             claim.release()
-        local_name = self.local_listener.name if self.local_listener is not None else b""
-        writer.write(handshake.link_ok(self.secret, accepted, SUCCESS, cluster_id=own_id, role=self._role(),
-                                       token=token, channels=channels, boot=boot_id(), local_name=local_name))
-        return True
-
-    def _attach_target(self, record: bytes) -> tuple[Link | None, int, int]:
-        """The link and channel a data connection's attach record names, if it may attach there."""
-        magic, version, token, index, generation = wire.ATTACH.unpack(record)
-        if magic != wire.ATTACH_MAGIC or version != wire.VERSION:
-            return None, index, generation
-        link = next((lk for lk in self.links.values() if not lk.closed and lk.broken is None and
-                     hmac.compare_digest(handshake.attach_token(self.secret, lk.token, index, generation), token)),
-                    None)
-        if link is None or not link.attach_advances(index, generation):
-            return None, index, generation
-        return link, index, generation
-
-    async def _accept_data(self, magic: bytes, reader: _Watched, writer: asyncio.StreamWriter,
-                           admission: Admission, pending: Pending) -> bool:
-        link, index, generation = self._attach_target(magic + await reader.readexactly(wire.ATTACH.size - 4))
-        if link is None:
-            writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
-            await writer.drain()
-            return False
-        admission.leave(pending)
-        sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
-        sock.setblocking(False)
-        tune(sock)
-        # Installed before it is acknowledged: a peer that has the acknowledgement may use the channel.
-        link.install(index, sock, generation)
-        writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, SUCCESS))
-        await writer.drain()
-        writer.transport.abort()
-        return True
-
-    async def _accept_tls_data(self, writer: asyncio.StreamWriter, admission: Admission, pending: Pending) -> bool:
-        assert self.tls_server is not None
-        tune(writer.get_extra_info("socket"))
-        channel = await tls.accept_data(writer, self.tls_server, HANDSHAKE_LIMIT_S)
-        try:
-            pending.progress()
-            link, index, generation = self._attach_target(await channel.recv_exactly(wire.ATTACH.size))
-            pending.progress()
-            if link is None:
-                await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
-                channel.close()
-                return True
-            admission.leave(pending)
-            link.install(index, channel, generation)
-            await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, SUCCESS))
-            return True
-        except BaseException:
-            channel.close()
-            raise
 
     # -- dialling ----------------------------------------------------------
 
@@ -412,15 +278,11 @@ class LinkTable:
         first (within its own timeout) and then reports ``LLM_ALREADY_LINK``
         if that one linked, or tries itself if it did not.
         """
-        remote_id = cluster.remote_cluster_id
-        assert remote_id is not None  # the caller checked the clusters it was given
+        remote_id = cluster.remote_cluster_id  # None: whichever cluster listens there (learned in the handshake)
         address = cluster.remote_endpoints[0]
-        if remote_id == self.cluster_id:
-            log.warning("link_clusters: cluster %s is this endpoint itself", remote_id)
-            return LLMStatusCode.LLM_LINK_FAILED
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
-        while True:
+        while remote_id is not None:
             if self._live(remote_id) is not None:
                 return LLMStatusCode.LLM_ALREADY_LINK
             if self.closing:
@@ -438,8 +300,10 @@ class LinkTable:
         except LLMException as exc:
             log.warning("link to cluster %s at %s:%s refused here: %s", remote_id, *address, exc)
             return exc.status_code
-        task = loop.create_task(self._handshake(remote_id, address, self.links.get(remote_id), deadline))
-        self._dialling[remote_id] = task
+        existing = None if remote_id is None else self.links.get(remote_id)
+        task = loop.create_task(self._handshake(remote_id, address, existing, deadline))
+        if remote_id is not None:
+            self._dialling[remote_id] = task
         try:
             async with asyncio.timeout_at(deadline):
                 return await task
@@ -460,11 +324,12 @@ class LinkTable:
             raise
         finally:
             claim.release()
-            if self._dialling.get(remote_id) is task:
+            if remote_id is not None and self._dialling.get(remote_id) is task:
                 del self._dialling[remote_id]
 
-    async def _handshake(self, remote_id: int, address: tuple[str, int], existing: Link | None,
-                         deadline: float | None = None) -> LLMStatusCode:
+    async def _handshake(self, remote_id: int | None, address: tuple[str, int], existing: Link | None,
+                         deadline: float | None = None, *, bilateral: bool = False) -> LLMStatusCode:
+        """Dial ``address`` and register the link; ``remote_id`` None takes whichever cluster answers."""
         reader, writer = await asyncio.open_connection(*address)
         link: Link | None = None
         sockets: list[DataConn] = []
@@ -472,16 +337,28 @@ class LinkTable:
             tune(writer.get_extra_info("socket"))
             if self.tls_client is not None:
                 await tls.dial_control(reader, writer, self.tls_client, address[0], HANDSHAKE_LIMIT_S)
-            ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
-                                      role=self._role(), peer_id=remote_id, layout=layout_hash(self.runtime))
-            channels = ok["channels"]
+            nonce = os.urandom(wire.NONCE_BYTES)
+            self._hellos.add(nonce)
+            try:
+                ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
+                                          role=self._role(), nonce=nonce, layout=ZERO32, bilateral=bilateral,
+                                          peer_id=handshake.ANY_PEER if remote_id is None else remote_id)
+            finally:
+                self._hellos.discard(nonce)
+            if remote_id is None:
+                remote_id = ok.cluster_id
+                existing = self.links.get(remote_id) if self._live(remote_id) is None else None
+            elif ok.cluster_id != remote_id:
+                raise LLMException(f"peer is cluster {ok.cluster_id}, not {remote_id}",
+                                   status_code=LLMStatusCode.LLM_LINK_FAILED)
+            channels = ok.channels
             for index in range(2 * channels):
-                sockets.append(await self.dial_data(address, ok["link_token"], index, 0))
+                sockets.append(await self.dial_data(address, ok.link_token, index, 0))
             if existing is not None:
                 await existing.close()
                 self.forget(existing)
-            link = self._new_link(remote_id, ok["role"], reader, writer, is_client=True,
-                                  channels=channels, token=ok["link_token"], remote_address=address)
+            link = self._new_link(remote_id, ok.role, reader, writer, is_client=True,
+                                  channels=channels, token=ok.link_token, remote_address=address)
             for index, sock in enumerate(sockets):
                 link.install(index, sock, 0)
             if not self._register(link):
@@ -505,15 +382,121 @@ class LinkTable:
                     writer.close()
             raise
 
-    def _share_candidates(self) -> list[tuple[bytes, Callable[[socket.socket], None]]]:
+    # -- bilateral links (LLMDataDist.link) ---------------------------------
+
+    def start_bilateral(self, remote_id: int, address: tuple[str, int], *, dial: bool,
+                        deadline: float) -> asyncio.Task[Link | LLMStatusCode]:
+        """Start making the link to ``remote_id`` that both ends of a ``link()`` ask for.
+
+        With ``dial`` this end dials ``address`` again and again (backing off
+        from :data:`BILATERAL_RETRY_FIRST_S` to :data:`BILATERAL_RETRY_MAX_S`)
+        until the peer takes the dial, which it does only while its own
+        ``link()`` waits for it; without, it waits for that dial. Either way
+        until ``deadline`` (loop time). The task's result is the link, once it
+        is in this table, else the status saying why not (``LLM_TIMEOUT`` when
+        the time ran out, ``LLM_ALREADY_LINK`` when another link to the
+        cluster came up meanwhile, ...); it never raises but when cancelled,
+        as :meth:`close` does.
+        """
+        work = (self._dial_bilateral(remote_id, address, deadline) if dial
+                else self._await_bilateral(remote_id, deadline))
+        task = asyncio.get_running_loop().create_task(work)
+        self._bilateral.add(task)
+        task.add_done_callback(self._bilateral.discard)
+        return task
+
+    def live(self, remote_id: int) -> Link | None:
+        """The link to ``remote_id`` if it is up (neither broken nor closed), else None."""
+        return self._live(remote_id)
+
+    def _awaits(self, remote_id: int) -> bool:
+        waiter = self._awaited.get(remote_id)
+        return waiter is not None and not waiter.done()
+
+    async def _await_bilateral(self, remote_id: int, deadline: float) -> Link | LLMStatusCode:
+        if self._awaits(remote_id):
+            return LLMStatusCode.LLM_ALREADY_LINK  # the caller lets one link() per pair wait; never here
+        waiter: asyncio.Future[Link] = asyncio.get_running_loop().create_future()
+        self._awaited[remote_id] = waiter
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await waiter
+        except TimeoutError:
+            log.warning("link(): cluster %s did not link within the link time", remote_id)
+            return LLMStatusCode.LLM_TIMEOUT
+        finally:
+            if self._awaited.get(remote_id) is waiter:
+                del self._awaited[remote_id]
+
+    async def _dial_bilateral(self, remote_id: int, address: tuple[str, int],
+                              deadline: float) -> Link | LLMStatusCode:
+        loop = asyncio.get_running_loop()
+        delay = BILATERAL_RETRY_FIRST_S
+        why: object = "no attempt"
+        while True:
+            if self.closing:
+                return LLMStatusCode.LLM_LINK_FAILED
+            if self._live(remote_id) is not None:
+                return LLMStatusCode.LLM_ALREADY_LINK
+            other = self._dialling.get(remote_id)  # a link_clusters dial of the same cluster: its turn first
+            if other is not None:
+                await asyncio.wait([other], timeout=max(0.0, deadline - loop.time()))
+            else:
+                status = await self._dial_once(remote_id, address, deadline)
+                if status == SUCCESS:
+                    link = self._live(remote_id)  # None: it went down while its share or NIXL was set up
+                    return LLMStatusCode.LLM_LINK_FAILED if link is None else link
+                if isinstance(status, LLMStatusCode):
+                    return status
+                why = status
+            left = deadline - loop.time()
+            if left <= 0:
+                log.warning("link(): no link to cluster %s at %s:%s within the link time (last: %s)",
+                            remote_id, *address, why)
+                return LLMStatusCode.LLM_TIMEOUT
+            await asyncio.sleep(min(delay, left))
+            delay = min(2 * delay, BILATERAL_RETRY_MAX_S)
+
+    async def _dial_once(self, remote_id: int, address: tuple[str, int],
+                         deadline: float) -> LLMStatusCode | BaseException:
+        """One bilateral dial: a final status, or the error to try again after (the peer is not
+        listening yet, its link() is not waiting yet, ...)."""
+        try:
+            claim = self._claim()
+        except LLMException as exc:
+            log.warning("link(): link to cluster %s refused here: %s", remote_id, exc)
+            return exc.status_code
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._handshake(remote_id, address, self.links.get(remote_id), deadline,
+                                                bilateral=True))
+        self._dialling[remote_id] = task
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await task  # success, or another link to the cluster came up meanwhile
+        except TimeoutError:
+            return LLMStatusCode.LLM_TIMEOUT
+        except (OSError, ConnectionError, asyncio.IncompleteReadError, ProtocolError, LLMException) as exc:
+            log.debug("link(): dial of cluster %s at %s:%s: %r; trying again", remote_id, *address, exc)
+            return exc
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and self.closing and (current is None or not current.cancelling()):
+                return LLMStatusCode.LLM_LINK_FAILED
+            raise
+        finally:
+            claim.release()
+            if self._dialling.get(remote_id) is task:
+                del self._dialling[remote_id]
+
+    def share_candidates(self) -> list[tuple[bytes, Callable[[socket.socket], None]]]:
         """The links a same-host peer may attach its share to now: live, sharing nothing yet."""
         return [(lk.token, lk.attach_share) for lk in self.links.values()
                 if lk.broken is None and not lk.closed and lk.local is None]
 
-    async def _share_with(self, link: Link, ok: dict) -> None:
+    async def _share_with(self, link: Link, ok: handshake.Linked) -> None:
         """Attach the same-host share channel when the peer runs on this kernel."""
-        name = ok["local_name"][:1] + ok["local_name"][1:].rstrip(b"\0")
-        if not self.shares_memory or not name.startswith(b"\0") or ok["boot_id"] != boot_id():
+        name = ok.local_name[:1] + ok.local_name[1:].rstrip(b"\0")
+        if not self.shares_memory or not name.startswith(b"\0") or ok.boot_id != boot_id():
             return
         try:
             async with asyncio.timeout(SHARE_AUTH_S):
@@ -581,7 +564,7 @@ class LinkTable:
         :data:`UNLINK_WAIT_S`, so they have let the link go when this returns)."""
         self.closing = True
         await self.stop_listening()
-        attempts = [*self._handshakes, *self._dialling.values()]
+        attempts = [*self.listener.handshakes, *self._dialling.values(), *self._bilateral]
         for task in attempts:
             task.cancel()
         if attempts:
@@ -602,19 +585,6 @@ class LinkTable:
         await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
         if self.nixl is not None:
             self.nixl.close()
-
-
-class _Watched:
-    """A handshake's reader that counts every complete read as progress (``admission``)."""
-
-    def __init__(self, inner: asyncio.StreamReader, pending: Pending) -> None:
-        self.inner = inner
-        self._pending = pending
-
-    async def readexactly(self, n: int) -> bytes:
-        data = await self.inner.readexactly(n)
-        self._pending.progress()
-        return data
 
 
 def _check_attached(reply: bytes, index: int) -> None:

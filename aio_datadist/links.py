@@ -21,26 +21,25 @@ byte after a short preamble (``transport/tls.py``), and data channels are
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import socket
 import struct
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from aio_datadist import wire
+from aio_datadist import protocol, wire
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import LocalShare
 from aio_datadist.transport.nixl import READY as NIXL_READY
-from aio_datadist.transport.nixl import NixlPeer, NixlPlane
+from aio_datadist.transport.nixl import NixlAgent, NixlPeer
 from aio_datadist.types import LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
 if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
 
-__all__ = ["DataConn", "Link", "layout_hash", "tune"]
+__all__ = ["DataConn", "Link", "tune"]
 
 log = logging.getLogger("aio_datadist.links")
 
@@ -49,19 +48,6 @@ ZERO32 = bytes(32)
 NO_GENERATION = 0xFFFFFFFF
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes
-
-
-def layout_hash(runtime: Runtime) -> bytes:
-    """Hash of the per-block layouts of this endpoint's blocks caches.
-
-    Peers serving the same model register blocks caches of the same tensor
-    count, dtype and block shape; a mismatch fails the link early.
-    """
-    shapes = sorted({(c.cache_desc.num_tensors, c.cache_desc.data_type.value, c.cache_desc.shape[1:])
-                     for c in runtime.registry.caches() if c.is_blocks_cache})
-    if not shapes:
-        return ZERO32
-    return hashlib.sha256(repr(shapes).encode()).digest()
 
 
 def tune(sock: socket.socket) -> None:
@@ -91,17 +77,17 @@ class Link:
 
     What a link needs of whoever made it comes in as callables: ``redial``
     dials a reset data channel again, ``forget`` drops the link from its table
-    when the peer unlinks; ``nixl_plane`` is this endpoint's NIXL plane, if any.
+    when the peer unlinks; ``nixl_agent`` is this endpoint's NIXL agent, if any.
     """
 
     def __init__(self, runtime: Runtime, remote_cluster_id: int, remote_role: LLMRole,
                  reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, is_client: bool,
                  channels: int, token: bytes, remote_address: tuple[str, int], redial: Redial,
-                 forget: Callable[[Link], None], nixl_plane: NixlPlane | None) -> None:
+                 forget: Callable[[Link], None], nixl_agent: NixlAgent | None) -> None:
         self.runtime = runtime
         self._redial_data = redial
         self._forget = forget
-        self.nixl_plane = nixl_plane
+        self.nixl_agent = nixl_agent
         self.remote_cluster_id = remote_cluster_id
         self.remote_role = remote_role
         self.reader = reader
@@ -122,11 +108,12 @@ class Link:
         self._reader_task: asyncio.Task | None = None
         self.last_heard = 0.0
         self._tasks: set[asyncio.Task] = set()
-        self.on_request: Callable[[Link, Msg, int, dict], None] | None = None
+        self.on_request: Callable[[Link, Msg, int, Any], None] | None = None
         self.local: LocalShare | None = None
         self.nixl: NixlPeer | None = None
         self.redialling: dict[int, asyncio.Future] = {}
         self.deferred: set[int] = set()  # peer requests waiting for a channel we redial
+        self._protocol = protocol.LinkProtocol(is_client)
 
     # -- ids, channels -----------------------------------------------------
 
@@ -136,7 +123,8 @@ class Link:
         return rid
 
     def is_mine(self, req_id: int) -> bool:
-        return (req_id % 2 == 1) == self.is_client
+        """Whether ``req_id`` names a request of ours (the protocol's parity rule)."""
+        return self._protocol.is_mine(req_id)
 
     def peer_channel_ok(self, index: int) -> bool:
         return index < 2 * self.nchannels and index not in self.own and self.channels[index].sock is not None
@@ -230,7 +218,7 @@ class Link:
                 del self.redialling[index]
             done.set_result(None)
 
-    async def _request_after_redial(self, redial: asyncio.Future, msg: Msg, req_id: int, fields: dict) -> None:
+    async def _request_after_redial(self, redial: asyncio.Future, msg: Msg, req_id: int, fields: Any) -> None:
         """Serve a request on a channel we are still redialling once it is back.
 
         The peer may use its channel as soon as it accepted our redial, and its
@@ -284,9 +272,16 @@ class Link:
                                status_code=LLMStatusCode.LLM_NOT_YET_LINK)
 
     def send(self, msg: Msg, req_id: int, **fields: Any) -> None:
+        """Send ``msg`` with its record's ``fields`` (nothing once the link is closing)."""
         if self.closed or self.writer.is_closing():
             return
         self.writer.write(wire.encode(msg, req_id, **fields))
+
+    def send_record(self, msg: Msg, req_id: int, record: wire.Record) -> None:
+        """Send ``msg`` carrying ``record`` (nothing once the link is closing)."""
+        if self.closed or self.writer.is_closing():
+            return
+        self.writer.write(wire.encode_record(msg, req_id, record))
 
     def expect(self, req_id: int) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
@@ -323,14 +318,17 @@ class Link:
             self.send(Msg.PROBE, 0)
 
     async def _read_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                header = await self.reader.readexactly(wire.HEADER.size)
-                msg, req_id, length = wire.parse_header(header)
-                body = await self.reader.readexactly(length) if length else b""
-                fields = wire.decode_body(msg, body)
-                self.last_heard = asyncio.get_running_loop().time()
-                self._dispatch(msg, req_id, fields)
+                data = await self.reader.read(1 << 16)
+                if not data:
+                    raise asyncio.IncompleteReadError(b"", None)  # EOF: reported as a short read always was
+                for event in self._protocol.receive(data):
+                    self.last_heard = loop.time()
+                    self._dispatch(event)
+                if self._protocol.error is not None:  # a bad frame after the complete ones just dispatched
+                    raise self._protocol.error
         except asyncio.CancelledError:
             raise
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
@@ -340,48 +338,46 @@ class Link:
             log.warning("link to cluster %s: protocol error: %s", self.remote_cluster_id, exc)
             self.fail(LLMException(f"protocol error: {exc}", status_code=LLMStatusCode.LLM_LINK_FAILED))
 
-    def _dispatch(self, msg: Msg, req_id: int, fields: dict) -> None:
-        if msg in (Msg.PROBE, Msg.PING):
-            if msg is Msg.PROBE:
+    def _dispatch(self, event: protocol.Event) -> None:
+        """Act on one event of the control connection (see ``protocol`` for what each is)."""
+        match event:
+            case protocol.Probe(req_id=req_id):
                 self.send(Msg.PROBE_ACK, req_id)
-            return
-        if msg is Msg.UNLINK:
-            self.send(Msg.UNLINK_ACK, req_id)
-            self._forget(self)
-            self.spawn(self.close())
-            return
-        if msg is Msg.ABORT:
-            serving = None
-            if req_id and not self.is_mine(req_id):
-                self.deferred.discard(req_id)  # still waiting for its channel's redial: never serve it
-                serving = self.serving.pop(req_id, None)
-                if serving is not None:
-                    serving()
-                ack = self.pull_acks.pop(req_id, None)  # sent everything, but the puller gave up
-                if ack is not None:
-                    ack[1]()
-            index = fields["channel"]
-            if index < len(self.channels) and self.channels[index].generation == fields["generation"]:
-                self.reset_channel(index, tell_peer=False)
-            if req_id and not self.is_mine(req_id) and serving is None:
-                # A pusher that gave up waits for our word that nothing of its request lands here any
-                # more; a request we serve answers once its job stopped (see transfers.handle_request).
-                self.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text="aborted")
-            return
-        if self.is_mine(req_id) and msg in (Msg.RESP, Msg.DONE, Msg.PROBE_ACK, Msg.UNLINK_ACK):
-            fut = self.pending.pop(req_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(fields)
-            return
-        if msg is Msg.NIXL:
-            self._nixl_record(fields)
-            return
-        if msg in (Msg.PULL_REQ, Msg.PUSH_REQ) and fields["channel"] in self.redialling:
-            self.deferred.add(req_id)
-            self.spawn(self._request_after_redial(self.redialling[fields["channel"]], msg, req_id, fields))
-            return
-        if self.on_request is not None:
-            self.on_request(self, msg, req_id, fields)
+            case protocol.Ping():
+                pass  # the peer is alive: the reader noted when it was heard
+            case protocol.Unlink(req_id=req_id):
+                self.send(Msg.UNLINK_ACK, req_id)
+                self._forget(self)
+                self.spawn(self.close())
+            case protocol.Abort(req_id=req_id, record=record, peers_request=peers_request):
+                serving = None
+                if peers_request:
+                    self.deferred.discard(req_id)  # still waiting for its channel's redial: never serve it
+                    serving = self.serving.pop(req_id, None)
+                    if serving is not None:
+                        serving()
+                    ack = self.pull_acks.pop(req_id, None)  # sent everything, but the puller gave up
+                    if ack is not None:
+                        ack[1]()
+                index = record.channel
+                if index < len(self.channels) and self.channels[index].generation == record.generation:
+                    self.reset_channel(index, tell_peer=False)
+                if peers_request and serving is None:
+                    # A pusher that gave up waits for our word that nothing of its request lands here any
+                    # more; a request we serve answers once its job stopped (see owner.handle_request).
+                    self.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text="aborted")
+            case protocol.Reply(req_id=req_id, record=record):
+                fut = self.pending.pop(req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(record)
+            case protocol.Nixl(record=record):
+                self._nixl_record(record)
+            case protocol.PeerRequest(msg=msg, req_id=req_id, record=record):
+                if msg in (Msg.PULL_REQ, Msg.PUSH_REQ) and record.channel in self.redialling:
+                    self.deferred.add(req_id)
+                    self.spawn(self._request_after_redial(self.redialling[record.channel], msg, req_id, record))
+                elif self.on_request is not None:
+                    self.on_request(self, msg, req_id, record)
 
     def fail(self, exc: LLMException) -> None:
         """Mark the link broken: every waiter fails now, later calls fail fast."""
@@ -406,7 +402,7 @@ class Link:
 
     def start_nixl(self) -> NixlPeer | None:
         """Begin the NIXL exchange with the peer (the client does, once linked)."""
-        plane = self.nixl_plane
+        plane = self.nixl_agent
         if plane is None or self.nixl is not None:
             return self.nixl
         self.nixl = NixlPeer(plane, self._send_nixl, self.remote_cluster_id)
@@ -416,10 +412,10 @@ class Link:
     def _send_nixl(self, kind: int, cache_id: int, count: int, row_bytes: int, rows: tuple, blob: bytes) -> None:
         self.send(Msg.NIXL, 0, kind=kind, cache_id=cache_id, count=count, row_bytes=row_bytes, rows=rows, blob=blob)
 
-    def _nixl_record(self, fields: dict) -> None:
+    def _nixl_record(self, fields: wire.NixlRecord) -> None:
         if self.nixl is None:
-            if self.nixl_plane is None:
-                if fields["kind"] != NIXL_READY:
+            if self.nixl_agent is None:
+                if fields.kind != NIXL_READY:
                     self._send_nixl(NIXL_READY, 0, 0, 0, (), b"")  # we do not speak NIXL: TCP it is
                 return
             self.start_nixl()

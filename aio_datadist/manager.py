@@ -12,7 +12,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aio_datadist._checks import check_index, check_indices, check_instance, check_int, param_invalid
+from aio_datadist._checks import (
+    check_bool,
+    check_index,
+    check_indices,
+    check_instance,
+    check_int,
+    check_uint,
+    param_invalid,
+    param_type_error,
+    param_value_error,
+)
 from aio_datadist.arrivals import PushWatch
 from aio_datadist.cache import (
     KvCache,
@@ -24,17 +34,10 @@ from aio_datadist.devices.ops import copy_rows, involves_device, require_host
 from aio_datadist.layers import layer_pair
 from aio_datadist.layerwise import start_transfer
 from aio_datadist.leases import allocate_leased_cache
+from aio_datadist.plans import build_plan, target_fields
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.task import CacheTask
-from aio_datadist.transfers import (
-    F_BLOCKS,
-    F_CONTIG,
-    F_EXACT,
-    build_plan,
-    run_pull,
-    run_push,
-    target_fields,
-)
+from aio_datadist.transfers import run_pull, run_push
 from aio_datadist.types import (
     UINT64_MAX,
     BlocksCacheKey,
@@ -49,6 +52,7 @@ from aio_datadist.types import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.wire import ReqFlag
 
 if TYPE_CHECKING:
     from aio_datadist.endpoint import Endpoint
@@ -158,48 +162,63 @@ class KvCacheManager:
             nbytes, keys, blocks_key)
 
     def register_cache(self, cache_desc: CacheDesc, tensors_or_addrs: Sequence[Any],
-                       cache_keys: Sequence[CacheKey] = ()) -> KvCache:
+                       cache_keys: Sequence[CacheKey] = (), remote_accessible: bool | None = None) -> KvCache:
         """Register framework-owned memory as a contiguous cache.
 
         :param tensors_or_addrs: one contiguous tensor per cache tensor (dtype,
             shape and device as the desc says), or host addresses.
+        :param remote_accessible: False keeps the cache from peers (their
+            requests for it get ``LLM_KV_CACHE_NOT_EXIST``); None or True lets
+            peers reach it.
         :raises LLMException: ``LLM_PARAM_INVALID`` for mismatched tensors,
             overlapping memory (with each other or with any registered cache)
-            or bad keys; ``LLM_OUT_OF_MEMORY`` past the cap.
+            or bad keys (``TypeError`` too for a wrong type); ``LLM_OUT_OF_MEMORY``
+            past the cap.
         """
         rt = self._rt()
         desc = self._check_desc(cache_desc)
+        hidden = _check_remote_accessible(remote_accessible)
         tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
         rt.registry.check_unregistered("tensors_or_addrs", tensors, desc.size)
         keys = rt.registry.check_keys(desc, cache_keys)
         if tensors[0].device.type != "cpu":
             _no_device_keys(keys, None)
-        return rt.registry.add(
+        cache = rt.registry.add(
             lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=False, owned=False),
             desc.size * desc.num_tensors, keys, None)
+        if hidden:
+            rt.registry.hide(cache)
+        return cache
 
     def register_blocks_cache(self, cache_desc: CacheDesc, tensors_or_addrs: Sequence[Any],
-                              blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
+                              blocks_cache_key: BlocksCacheKey | None = None,
+                              remote_accessible: bool | None = None) -> KvCache:
         """Register framework-owned memory as a blocks cache (see :meth:`register_cache`)."""
         rt = self._rt()
         desc = self._check_desc(cache_desc)
+        hidden = _check_remote_accessible(remote_accessible)
         tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
         rt.registry.check_unregistered("tensors_or_addrs", tensors, desc.size)
         key = rt.registry.check_blocks_key(blocks_cache_key)
         if tensors[0].device.type != "cpu":
             _no_device_keys([], key)
-        return rt.registry.add(
+        cache = rt.registry.add(
             lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=True, owned=False),
             desc.size * desc.num_tensors, [], key)
+        if hidden:
+            rt.registry.hide(cache)
+        return cache
 
     def deallocate_cache(self, cache: KvCache) -> None:
         """Release the cache's id reference.
 
         An allocated cache's memory goes once no key refers to it any more
         (keys go by a peer's pull or :meth:`remove_cache_key`); a registered
-        cache is unregistered at once and its memory stays the caller's.
+        cache is unregistered at once and its memory stays the caller's. A
+        second call for the same cache is a no-op, as in LLM-DataDist.
 
-        :raises LLMException: ``LLM_KV_CACHE_NOT_EXIST`` if already deallocated.
+        :raises LLMException: ``LLM_KV_CACHE_NOT_EXIST`` for a cache of another
+            LLMDataDist (or a CPU cache).
         """
         self._rt().registry.deallocate(cache)
 
@@ -220,15 +239,18 @@ class KvCacheManager:
     # -- local copies ------------------------------------------------------
 
     async def copy_cache(self, dst: KvCache, src: KvCache, dst_batch_index: int = 0,
-                         src_batch_index: int = 0, offset: int = 0, size: int = -1, *,
-                         timeout: int | None = None) -> None:
+                         src_batch_index: int = 0, offset: int = 0, size: int = -1,
+                         req_id: int | None = None, *, timeout: int | None = None) -> None:
         """Copy one batch row of every tensor from ``src`` to ``dst``.
 
         :param offset: byte offset inside the row (both sides).
         :param size: bytes per tensor; -1 copies the rest of the row.
+        :param req_id: the request the copy is for (uint64), for logs only, as in LLM-DataDist.
         :raises LLMException: ``LLM_PARAM_INVALID`` for blocks caches,
             mismatched descs or out-of-range rows/bytes; ``LLM_TIMEOUT``.
         """
+        if req_id is not None:
+            check_uint("req_id", req_id)
         dst = self._endpoint.live(dst, "dst")
         src = self._endpoint.live(src, "src")
         for arg, cache in (("dst", dst), ("src", src)):
@@ -326,7 +348,7 @@ class KvCacheManager:
     def _layer_kwargs(self, kwargs: dict[str, Any]) -> tuple[tuple[int, int], tuple[int, int], int, int]:
         unknown = set(kwargs) - {"src_layer_range", "dst_layer_range", "tensor_num_per_layer", "timeout"}
         if unknown:
-            raise param_invalid(sorted(unknown)[0], "unexpected keyword argument")
+            raise param_type_error(sorted(unknown)[0], "unexpected keyword argument")
         src = layer_pair("src_layer_range", kwargs.get("src_layer_range"))
         dst = layer_pair("dst_layer_range", kwargs.get("dst_layer_range"))
         per_layer = check_int("tensor_num_per_layer", kwargs.get("tensor_num_per_layer", 2), lo=1, hi=255)
@@ -345,9 +367,13 @@ class KvCacheManager:
 
         :param cache_key: a :class:`CacheKey` bound on the owner (consumed by a
             successful pull), or a :class:`CacheKeyByIdAndIndex`.
-        :param size: bytes per tensor; -1 pulls the whole row (row sizes must match).
+        :param size: bytes per tensor; -1 pulls the whole row (row sizes must
+            match), or with an offset the rest of the local row from
+            ``dst_cache_offset`` on.
         :param kwargs: ``src_layer_range``/``dst_layer_range`` (``range``),
-            ``tensor_num_per_layer`` (default 2), ``timeout`` (ms).
+            ``tensor_num_per_layer`` (default 2), ``src_cache_offset`` /
+            ``dst_cache_offset`` (bytes into the remote / local row, >= 0; the
+            KvCacheManager spelling of LLM-DataDist), ``timeout`` (ms).
         :raises LLMException: ``LLM_PARAM_INVALID``, ``LLM_NOT_YET_LINK``,
             ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_TIMEOUT``, ``LLM_LINK_FAILED``.
         """
@@ -358,22 +384,28 @@ class KvCacheManager:
         if cache.is_blocks_cache:
             raise param_invalid("kv_cache", "pull_cache needs a contiguous cache (use pull_blocks for blocks)")
         require_host("kv_cache", cache, "pull_cache")
+        src_offset, dst_offset = (_cache_offset(kwargs, name) for name in ("src_cache_offset", "dst_cache_offset"))
         src, dst, per_layer, timeout_ms = self._layer_kwargs(kwargs)
         lay = cache.layout
         row = check_index("batch_index", batch_index, lay.rows, what="batch index")
-        size = check_int("size", size, lo=-1, hi=lay.row_bytes)
+        local_offset = dst_offset or 0
+        if local_offset >= lay.row_bytes:
+            raise param_invalid("dst_cache_offset", f"must be below the row size {lay.row_bytes}, got {local_offset}")
+        room = lay.row_bytes - local_offset
+        size = check_int("size", size, lo=-1, hi=room)
         if size == 0:
-            raise param_invalid("size", f"must be -1 or in [1, {lay.row_bytes}], got 0")
-        nbytes = lay.row_bytes if size == -1 else size
-        flags = F_CONTIG | (F_EXACT if size == -1 else 0)
+            raise param_invalid("size", f"must be -1 or in [1, {room}], got 0")
+        nbytes = room if size == -1 else size
+        whole_rows = size == -1 and src_offset is None and dst_offset is None
+        flags = ReqFlag.CONTIG | (ReqFlag.EXACT if whole_rows else 0)
         plan = build_plan(cache, dst, src, per_layer, [row], nbytes, (), nbytes, flags,
-                          target_fields(key), "dst")
+                          target_fields(key), "dst", remote_offset=src_offset or 0, local_offset=local_offset)
         link = self._endpoint.require_links().get(key.cluster_id)
         await run_pull(rt, link, plan, timeout_ms, "pull_cache")
 
-    async def pull_blocks(self, src_cache_key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex,
-                          dst_cache: KvCache, src_blocks: Sequence[int] = (), dst_blocks: Sequence[int] = (),
-                          **kwargs: Any) -> None:
+    async def pull_blocks(self, src_cache_key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex | None = None,
+                          dst_cache: KvCache | None = None, src_blocks: Sequence[int] = (),
+                          dst_blocks: Sequence[int] = (), **kwargs: Any) -> None:
         """Pull remote blocks into ``dst_blocks`` of a local blocks cache (DECODER or MIX).
 
         With a :class:`BlocksCacheKey`, remote block ``src_blocks[i]`` lands in
@@ -381,9 +413,16 @@ class KvCacheManager:
         :class:`CacheKeyByIdAndIndex` and empty ``src_blocks``, one remote
         contiguous row is scattered over ``dst_blocks`` in order.
 
-        :param kwargs: layer ranges, ``tensor_num_per_layer``, ``timeout`` (ms).
+        :param kwargs: layer ranges, ``tensor_num_per_layer``, ``timeout``
+            (ms); the KvCacheManager (v1) keyword names ``prompt_cache_key``,
+            ``decoder_kv_cache``, ``prompt_blocks`` and ``decoder_blocks`` stand
+            for the four arguments.
         :raises LLMException: as :meth:`pull_cache`.
         """
+        src_cache_key = _alias(kwargs, "prompt_cache_key", "src_cache_key", src_cache_key, None)
+        dst_cache = _alias(kwargs, "decoder_kv_cache", "dst_cache", dst_cache, None)
+        src_blocks = _alias(kwargs, "prompt_blocks", "src_blocks", src_blocks, ())
+        dst_blocks = _alias(kwargs, "decoder_blocks", "dst_blocks", dst_blocks, ())
         rt = self._rt()
         self._endpoint.require_role("pull_blocks", LLMRole.DECODER, LLMRole.MIX)
         key = _check_pull_key("src_cache_key", src_cache_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
@@ -400,12 +439,12 @@ class KvCacheManager:
             if len(srcs) != len(dsts):
                 raise param_invalid("src_blocks", f"has {len(srcs)} blocks, dst_blocks has {len(dsts)}")
             plan = build_plan(cache, dst, src, per_layer, dsts, lay.row_bytes, srcs, lay.row_bytes,
-                              F_BLOCKS | F_EXACT, target_fields(key), "dst")
+                              ReqFlag.BLOCKS | ReqFlag.EXACT, target_fields(key), "dst")
         else:
             if check_indices("src_blocks", src_blocks, 2**63) != ():
                 raise param_invalid("src_blocks", "must be empty when pulling a contiguous cache into blocks")
             plan = build_plan(cache, dst, src, per_layer, dsts, lay.row_bytes, (), lay.row_bytes * len(dsts),
-                              F_CONTIG, target_fields(key), "dst")
+                              ReqFlag.CONTIG, target_fields(key), "dst")
         link = self._endpoint.require_links().get(key.cluster_id)
         await run_pull(rt, link, plan, timeout_ms, "pull_blocks")
 
@@ -439,7 +478,7 @@ class KvCacheManager:
             raise param_invalid("dst_blocks", f"has {len(dsts)} blocks, src_blocks has {len(srcs)}")
         _check_unique("dst_blocks", dsts)
         plan = build_plan(cache, src, dst, per_layer, srcs, lay.row_bytes, dsts, lay.row_bytes,
-                          F_BLOCKS | F_EXACT, target_fields(key), "src")
+                          ReqFlag.BLOCKS | ReqFlag.EXACT, target_fields(key), "src")
         link = self._endpoint.require_links().get(key.cluster_id)
         await run_push(rt, link, plan, timeout_ms, "push_blocks")
 
@@ -466,7 +505,7 @@ class KvCacheManager:
         lay = cache.layout
         row = check_index("src_batch_index", src_batch_index, lay.rows, what="batch index")
         plan = build_plan(cache, src, dst, per_layer, [row], lay.row_bytes, (), lay.row_bytes,
-                          F_CONTIG | F_EXACT, target_fields(key), "src")
+                          ReqFlag.CONTIG | ReqFlag.EXACT, target_fields(key), "src")
         link = self._endpoint.require_links().get(key.cluster_id)
         await run_push(rt, link, plan, timeout_ms, "push_cache")
 
@@ -481,16 +520,19 @@ class KvCacheManager:
         """Push ``src_cache`` layer by layer as prefill computes it (PROMPT or MIX).
 
         Called from a running event loop; returns at once. For each layer, in
-        order, ``layer_synchronizer.synchronize_layer(i, timeout)`` (plain or
-        ``async``) is awaited, then that layer (K and V, tensors ``2i, 2i+1``)
-        is pushed to every destination without waiting for earlier layers'
-        confirmations.
+        order, ``layer_synchronizer.synchronize_layer(i, None)`` (plain or
+        ``async``; the timeout is None, as LLM-DataDist passes it) is awaited,
+        then that layer (K and V, tensors ``2i, 2i+1``) is pushed to every
+        destination without waiting for earlier layers' confirmations.
 
         :param transfer_configs: :class:`TransferWithCacheKeyConfig` (remote
             cache by ``BlocksCacheKey`` or ``CacheKeyByIdAndIndex``) or
             :class:`TransferConfig` (raw remote tensor addresses, 2 per layer,
             checked by the receiver against its registered caches).
-        :param src_block_indices: source blocks (blocks caches).
+        :param src_block_indices: source blocks (blocks caches). Without block
+            indices (None or empty on both) a blocks cache goes as LLM-DataDist
+            moves it: as a contiguous cache whose rows are its blocks, row 0
+            (block 0 of each tensor) to row 0 of the destination.
         :param dst_block_indices: destination blocks, one per source block.
         :param dst_block_memory_size: bytes between destination blocks for a
             ``TransferConfig`` into a blocks layout (default: the source's).
@@ -528,6 +570,34 @@ class KvCacheManager:
         if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start < layers.stop <= num_layers:
             raise param_invalid("layers", f"must be a non-empty step-1 range within {num_layers} layers")
         return rt.arrivals.add(PushWatch(rt.arrivals, cache, watched, layers, per_layer))
+
+
+def _alias(kwargs: dict[str, Any], alias: str, name: str, value: Any, default: Any) -> Any:
+    """``value``, or the same argument under its KvCacheManager (v1) name ``alias`` (taken out of ``kwargs``)."""
+    if alias in kwargs:
+        if value is not default:
+            raise param_type_error(alias, f"give {name} or {alias}, not both")
+        value = kwargs.pop(alias)
+    if value is None and default is None:
+        raise param_type_error(name, "missing required argument")
+    return value
+
+
+def _cache_offset(kwargs: dict[str, Any], name: str) -> int | None:
+    """A ``pull_cache`` byte offset (taken out of ``kwargs``): None when not given, else an int >= 0
+    (``TypeError`` / ``ValueError`` otherwise, as LLM-DataDist's ``check_positive_or_set_default``)."""
+    value = kwargs.pop(name, None)
+    if value is None:
+        return None
+    number = check_int(name, value)
+    if not 0 <= number < 2**63:
+        raise param_value_error(name, f"must be an int64 >= 0, got {number}")
+    return number
+
+
+def _check_remote_accessible(value: Any) -> bool:
+    """Whether a registration keeps its cache from peers (``remote_accessible=False``)."""
+    return value is not None and not check_bool("remote_accessible", value)
 
 
 def _check_pull_key(arg: str, key: Any, kinds: tuple[type, ...]) -> Any:

@@ -18,6 +18,7 @@ __all__ = [
     "LLMException",
     "Status",
     "code_to_status",
+    "code_2_status",
 ]
 
 
@@ -83,6 +84,10 @@ def code_to_status(code: int) -> LLMStatusCode:
         return LLMStatusCode(value)
     except ValueError:
         return LLMStatusCode.LLM_FAILED
+
+
+#: LLM-DataDist's name of :func:`code_to_status`.
+code_2_status = code_to_status
 
 
 def _as_status(code: LLMStatusCode | int) -> LLMStatusCode:

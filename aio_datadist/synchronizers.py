@@ -21,12 +21,18 @@ if TYPE_CHECKING:
 
 __all__ = ["EventLayerSynchronizer"]
 
+_DEFAULT = object()
+
 
 class EventLayerSynchronizer(LayerSynchronizer):
     """One completion per layer, recorded by the prefill code.
 
     :param datadist: the initialised endpoint whose core carries the records.
     :param num_layers: how many layers will be recorded.
+    :param timeout_ms: how long :meth:`synchronize_layer` waits for a layer
+        when the transfer passes no timeout (LLM-DataDist passes None):
+        default the endpoint's ``sync_kv_timeout``; None waits until the layer
+        is recorded or the synchronizer closed.
 
     Create it inside the running event loop, one per transfer (a layer is
     recorded once); close it (or use ``with``) to release layers that were
@@ -34,9 +40,14 @@ class EventLayerSynchronizer(LayerSynchronizer):
     synchronizer had returned False.
     """
 
-    def __init__(self, datadist: LLMDataDist, num_layers: int) -> None:
+    def __init__(self, datadist: LLMDataDist, num_layers: int, *, timeout_ms: Any = _DEFAULT) -> None:
         rt = datadist._require_runtime()
         num_layers = check_int("num_layers", num_layers, lo=1, hi=1 << 16)
+        if timeout_ms is _DEFAULT:
+            timeout_ms = rt.default_timeout_ms()
+        elif timeout_ms is not None:
+            timeout_ms = check_int("timeout_ms", timeout_ms, lo=1, hi=2**31 - 1)
+        self._timeout_ms: int | None = timeout_ms
         self._completions = rt.completions
         self._queue = rt.queue
         self._layers = rt.completions.expect(num_layers, "layer event")
@@ -59,14 +70,16 @@ class EventLayerSynchronizer(LayerSynchronizer):
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None = None) -> bool:
         """Wait until ``layer_index`` was recorded.
 
-        :returns: False after ``timeout_in_millis``, or once the synchronizer
-            is closed without that layer recorded.
+        :returns: False after ``timeout_in_millis`` (None: the constructor's
+            ``timeout_ms``), or once the synchronizer is closed without that
+            layer recorded.
         """
         index = check_index("layer_index", layer_index, len(self._layers), what="layer")
         future = self._layers[index][1]
+        wait_ms = self._timeout_ms if timeout_in_millis is None else timeout_in_millis
         if not future.done():
             # asyncio.wait neither raises for the future closing cancelled nor cancels it on time-out
-            await asyncio.wait([future], timeout=None if timeout_in_millis is None else timeout_in_millis / 1000)
+            await asyncio.wait([future], timeout=None if wait_ms is None else wait_ms / 1000)
         return future.done() and not future.cancelled() and future.exception() is None
 
     def close(self) -> None:

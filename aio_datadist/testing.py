@@ -32,7 +32,7 @@ reaching through its private attributes: :func:`runtime_of`,
 :func:`registry_of`, :func:`engine_state` (what a finished transfer must have
 given back), :func:`link_table_of`, :func:`links_of`, :func:`link_to`,
 :func:`usable_link`, :func:`link_count`, :func:`handshakes_in_progress`,
-:func:`admission_of`, :func:`share_listener_of` and :func:`nixl_plane_of`.
+:func:`admission_of`, :func:`share_listener_of` and :func:`nixl_agent_of`.
 What they return are the library's internal objects: fine to look at in a
 test, not an API to build on.
 """
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from aio_datadist.links import Link
     from aio_datadist.runtime import Runtime
     from aio_datadist.transport.local import LocalListener
-    from aio_datadist.transport.nixl import NixlPlane
+    from aio_datadist.transport.nixl import NixlAgent
 
 __all__ = [
     "DECODER_CLUSTER_ID",
@@ -81,7 +81,7 @@ __all__ = [
     "link_to",
     "links_of",
     "loopback_options",
-    "nixl_plane_of",
+    "nixl_agent_of",
     "open_pair",
     "open_process_pair",
     "registry_of",
@@ -259,20 +259,20 @@ def link_count(dd: LLMDataDist) -> int:
 
 def handshakes_in_progress(dd: LLMDataDist) -> int:
     """Incoming connections ``dd`` accepted that are not through their handshake yet."""
-    return len(dd._require_links()._handshakes)
+    return len(dd._require_links().listener.handshakes)
 
 
 def admission_of(dd: LLMDataDist) -> Admission | None:
     """The admission gate of ``dd``'s listener (its ``arriving`` stage, ``tasks()``), or None if it does not listen."""
-    return dd._require_links().admission
+    return dd._require_links().listener.admission
 
 
 def share_listener_of(dd: LLMDataDist) -> LocalListener | None:
     """``dd``'s same-host share listener (``name``, ``pending()``), or None if it shares no memory."""
-    return dd._require_links().local_listener
+    return dd._require_links().listener.local_listener
 
 
-def nixl_plane_of(dd: LLMDataDist) -> NixlPlane | None:
+def nixl_agent_of(dd: LLMDataDist) -> NixlAgent | None:
     """``dd``'s NIXL plane (``engine.posted``, ``engine.in_flight()``, ``registered(cache)``), or None without NIXL."""
     return dd._require_links().nixl
 

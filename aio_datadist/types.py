@@ -28,6 +28,7 @@ from ._checks import (
     check_str,
     check_uint,
     param_invalid,
+    param_type_error,
 )
 
 if TYPE_CHECKING:
@@ -218,7 +219,7 @@ def _check_enum(arg_name: str, value: object, enum_cls: type[_E]) -> _E:
         except ValueError:
             pass
     choices = ", ".join(str(m) for m in enum_cls)
-    raise param_invalid(arg_name, f"expected one of {choices}, got {value!r}")
+    raise param_type_error(arg_name, f"expected one of {choices}, got {value!r}")
 
 
 def _show(value: object) -> str:
@@ -271,7 +272,7 @@ class _Value:
 
 def _check_shape(shape: object) -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)):
-        raise param_invalid("shape", f"expected a list or tuple of ints, got {type(shape).__name__}")
+        raise param_type_error("shape", f"expected a list or tuple of ints, got {type(shape).__name__}")
     if not 1 <= len(shape) <= MAX_DIMS:
         raise param_invalid("shape", f"must have 1 to {MAX_DIMS} dimensions, got {len(shape)}")
     dims = []
@@ -582,7 +583,7 @@ def _ip_to_int(arg_name: str, ip: object) -> int:
         return int.from_bytes(socket.inet_aton(check_ipv4(arg_name, ip)), "little")
     if isinstance(ip, int) and not isinstance(ip, bool):
         return check_uint(arg_name, ip, 32)
-    raise param_invalid(arg_name, f"expected an IPv4 str or int, got {type(ip).__name__}")
+    raise param_type_error(arg_name, f"expected an IPv4 str or int, got {type(ip).__name__}")
 
 
 def _int_to_ip(ip: int) -> str:
@@ -603,13 +604,14 @@ class LLMClusterInfo:
 
     def __init__(self) -> None:
         self._remote_cluster_id: int | None = None
-        self._remote_role_type: LLMRole | None = None
+        self._remote_role_type: LLMRole | int | None = None
         self._local: list[tuple[int, int]] = []
         self._remote: list[tuple[int, int]] = []
 
     @property
     def remote_cluster_id(self) -> int | None:
-        """The peer's cluster id (uint64); None until set."""
+        """The peer's cluster id (uint64); None until set (``link_clusters`` then links to
+        whichever cluster listens at the remote address, see ``docs/api.md``)."""
         return self._remote_cluster_id
 
     @remote_cluster_id.setter
@@ -617,13 +619,18 @@ class LLMClusterInfo:
         self._remote_cluster_id = check_uint("remote_cluster_id", value)
 
     @property
-    def remote_role_type(self) -> LLMRole | None:
-        """The peer's role, if known (an ``LLMRole`` or its int value); None until set."""
+    def remote_role_type(self) -> LLMRole | int | None:
+        """The peer's role as the caller set it; None until set. Informational: links never read it.
+
+        An int that is an ``LLMRole`` value reads back as that ``LLMRole``; any other int32 (the
+        C++ ``ClusterInfo`` counts 0 = prompt, 1 = decoder) is kept as given, as llm_datadist does.
+        """
         return self._remote_role_type
 
     @remote_role_type.setter
     def remote_role_type(self, value: LLMRole | int) -> None:
-        self._remote_role_type = _check_enum("remote_role_type", value, LLMRole)
+        number = check_int("remote_role_type", value, lo=-2**31, hi=INT32_MAX)
+        self._remote_role_type = LLMRole(number) if number in LLMRole._value2member_map_ else number
 
     def append_local_ip_info(self, ip: str | int, port: int) -> None:
         """Add a local endpoint.
@@ -712,7 +719,7 @@ class TransferConfig(_Value):
     ) -> None:
         dst_cluster_id = check_uint("dst_cluster_id", dst_cluster_id)
         if not isinstance(dst_addrs, (list, tuple)):
-            raise param_invalid("dst_addrs", f"expected a list of ints, got {type(dst_addrs).__name__}")
+            raise param_type_error("dst_addrs", f"expected a list of ints, got {type(dst_addrs).__name__}")
         addrs = tuple(check_int("dst_addrs", a, lo=1, hi=UINT64_MAX) for a in dst_addrs)
         if not addrs or len(addrs) % 2:
             raise param_invalid("dst_addrs", f"needs 2 addresses per layer (K, V), got {len(addrs)}")

@@ -10,15 +10,20 @@ object serialisation (pickle) is used anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import struct
 from typing import Any
 
-__all__ = ["HEADER", "MAX_BODY", "MAX_ROWS", "MAX_TEXT", "VERSION", "Msg", "ProtocolError", "ReqFlag", "Target",
-           "decode_body", "encode", "parse_header", "ATTACH", "ATTACH_OK"]
+__all__ = ["ATTACH", "ATTACH_OK", "HEADER", "MAX_BODY", "MAX_ROWS", "MAX_TEXT", "RECORDS", "VERSION", "Abort", "Auth",
+           "Done", "Empty", "Hello", "HelloAck", "LinkOk", "Msg", "NixlRecord", "ProtocolError", "PushLocalReq",
+           "Record", "ReqFlag", "Resp", "Target", "TransferReq", "decode", "encode", "encode_record", "fields_of",
+           "parse_header"]
 
 MAGIC = b"AIOD"
-VERSION = 3  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL
+VERSION = 4  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
+#             4: TransferReq.block_shape (blocks layouts are checked per request, not at link time),
+#                Auth.bilateral (a dial of LLMDataDist.link)
 HEADER = struct.Struct("!4sBBHQI")
 MAX_BODY = 1 << 20
 MAX_ROWS = 65536
@@ -69,35 +74,149 @@ class Msg(enum.IntEnum):
     NIXL = 30
 
 
-_TARGET = [("target_kind", "B"), ("cluster_id", "Q"), ("cache_id", "q"), ("key_req_id", "Q"),
-           ("prefix_id", "Q"), ("model_id", "Q"), ("batch_index", "I")]
-_TRANSFER = [("channel", "H"), *_TARGET, ("layer_first", "i"), ("layer_last", "i"),
-             ("tensor_num_per_layer", "B"), ("tensor_count", "I"), ("data_type", "B"), ("offset", "Q"),
-             ("nbytes", "Q"), ("flags", "B"), ("timeout_ms", "I"), ("rows", "rows")]
+def _f(fmt: str) -> Any:
+    """A record field with its wire format: a ``struct`` code, or ``rows`` (u64 list), ``text``, ``blob``."""
+    return dataclasses.field(metadata={"fmt": fmt})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hello:
+    """The client's opening nonce; nothing identifying before it proved the secret."""
+
+    nonce: bytes = _f(f"{NONCE_BYTES}s")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HelloAck:
+    """The server's nonce and its proof of the secret over both nonces."""
+
+    nonce: bytes = _f(f"{NONCE_BYTES}s")
+    proof: bytes = _f("32s")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Auth:
+    """The client's proof and identity."""
+
+    proof: bytes = _f("32s")
+    cluster_id: int = _f("Q")
+    role: int = _f("B")
+    peer_id: int = _f("Q")
+    layout_hash: bytes = _f("32s")
+    #: 1 for a dial of ``LLMDataDist.link`` (the peer takes it only while its own ``link`` waits for it).
+    bilateral: int = dataclasses.field(default=0, metadata={"fmt": "B"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinkOk:
+    """The server's answer to ``AUTH``: a refusal carries only its status and text."""
+
+    status: int = _f("q")
+    cluster_id: int = _f("Q")
+    role: int = _f("B")
+    link_token: bytes = _f("32s")
+    channels: int = _f("B")
+    boot_id: bytes = _f("16s")
+    local_name: bytes = _f("48s")
+    proof: bytes = _f("32s")
+    text: str = _f("text")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferReq:
+    """``PULL_REQ`` / ``PUSH_REQ``: which cache rows, which layers, how many bytes per row, on which channel."""
+
+    channel: int = _f("H")
+    target_kind: int = _f("B")  # a :class:`Target`; an unknown kind is refused by the owner, not the framing
+    cluster_id: int = _f("Q")
+    cache_id: int = _f("q")
+    key_req_id: int = _f("Q")
+    prefix_id: int = _f("Q")
+    model_id: int = _f("Q")
+    batch_index: int = _f("I")
+    layer_first: int = _f("i")
+    layer_last: int = _f("i")
+    tensor_num_per_layer: int = _f("B")
+    tensor_count: int = _f("I")
+    data_type: int = _f("B")
+    offset: int = _f("Q")
+    nbytes: int = _f("Q")
+    flags: ReqFlag = _f("B")
+    timeout_ms: int = _f("I")
+    rows: tuple[int, ...] = _f("rows")
+    # A digest of the requester's block shape (its blocks cache's shape[1:]) for a whole-block
+    # transfer between blocks caches, 0 otherwise; the owner compares it with its cache's.
+    block_shape: int = dataclasses.field(default=0, kw_only=True, metadata={"fmt": "Q"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PushLocalReq(TransferReq):
+    """A same-host push: the request plus the source rows the owner reads out of the pusher's region."""
+
+    src_cache_id: int = _f("q")
+    src_first: int = _f("I")
+    src_nbytes: int = _f("Q")
+    src_rows: bytes = _f("blob")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Resp:
+    """The owner's answer to a request: refused (status), or how many bytes and where they are shared."""
+
+    status: int = _f("q")
+    total: int = _f("Q")
+    cache_id: int = _f("q")
+    row: int = _f("q")
+    text: str = _f("text")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Done:
+    """A transfer's end, as the side that saw it end reports it."""
+
+    status: int = _f("q")
+    text: str = _f("text")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Abort:
+    """Stop serving a request; reset data channel ``channel`` if it is still at ``generation``."""
+
+    channel: int = _f("H")
+    generation: int = _f("I")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Empty:
+    """The body of ``PROBE``, ``PROBE_ACK``, ``UNLINK``, ``UNLINK_ACK`` and ``PING``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NixlRecord:
+    """One step of the NIXL exchange (``transport/nixl.py``): agent metadata or a cache's registration."""
+
+    kind: int = _f("B")
+    cache_id: int = _f("q")
+    count: int = _f("Q")
+    row_bytes: int = _f("Q")
+    rows: tuple[int, ...] = _f("rows")
+    blob: bytes = _f("blob")
+
+
+#: A decoded message body.
+Record = Hello | HelloAck | Auth | LinkOk | TransferReq | PushLocalReq | Resp | Done | Abort | Empty | NixlRecord
+
+RECORDS: dict[Msg, type[Any]] = {
+    # The handshake (handshake.py): nothing identifying before the client proved the secret.
+    Msg.HELLO: Hello, Msg.HELLO_ACK: HelloAck, Msg.AUTH: Auth, Msg.LINK_OK: LinkOk,
+    Msg.PULL_REQ: TransferReq, Msg.PUSH_REQ: TransferReq, Msg.PUSH_LOCAL: PushLocalReq,
+    Msg.RESP: Resp, Msg.DONE: Done, Msg.ABORT: Abort,
+    Msg.PROBE: Empty, Msg.PROBE_ACK: Empty, Msg.UNLINK: Empty, Msg.UNLINK_ACK: Empty, Msg.PING: Empty,
+    Msg.NIXL: NixlRecord,
+}
 
 _SCHEMAS: dict[Msg, list[tuple[str, str]]] = {
-    # The handshake (handshake.py): nothing identifying before the client proved the secret.
-    Msg.HELLO: [("nonce", f"{NONCE_BYTES}s")],
-    Msg.HELLO_ACK: [("nonce", f"{NONCE_BYTES}s"), ("proof", "32s")],
-    Msg.AUTH: [("proof", "32s"), ("cluster_id", "Q"), ("role", "B"), ("peer_id", "Q"), ("layout_hash", "32s")],
-    Msg.LINK_OK: [("status", "q"), ("cluster_id", "Q"), ("role", "B"), ("link_token", "32s"), ("channels", "B"),
-                  ("boot_id", "16s"), ("local_name", "48s"), ("proof", "32s"), ("text", "text")],
-    Msg.PULL_REQ: _TRANSFER,
-    Msg.PUSH_REQ: _TRANSFER,
-    # A same-host push: the owner reads the source rows out of the pusher's shared region itself.
-    Msg.PUSH_LOCAL: [*_TRANSFER, ("src_cache_id", "q"), ("src_first", "I"), ("src_nbytes", "Q"),
-                     ("src_rows", "blob")],
-    Msg.RESP: [("status", "q"), ("total", "Q"), ("cache_id", "q"), ("row", "q"), ("text", "text")],
-    Msg.DONE: [("status", "q"), ("text", "text")],
-    Msg.ABORT: [("channel", "H"), ("generation", "I")],
-    Msg.PROBE: [],
-    Msg.PROBE_ACK: [],
-    Msg.UNLINK: [],
-    Msg.UNLINK_ACK: [],
-    Msg.PING: [],
-    Msg.NIXL: [("kind", "B"), ("cache_id", "q"), ("count", "Q"), ("row_bytes", "Q"), ("rows", "rows"),
-               ("blob", "blob")],
-}
+    m: [(f.name, f.metadata["fmt"]) for f in dataclasses.fields(cls)] for m, cls in RECORDS.items()}
 
 
 def _compile(fields: list[tuple[str, str]]) -> tuple[struct.Struct, list[str], str | None, bool, str | None]:
@@ -109,6 +228,7 @@ def _compile(fields: list[tuple[str, str]]) -> tuple[struct.Struct, list[str], s
 
 
 _COMPILED = {m: _compile(f) for m, f in _SCHEMAS.items()}
+_NAMES = {m: [n for n, _ in f] for m, f in _SCHEMAS.items()}
 _U32 = struct.Struct("!I")
 _U16 = struct.Struct("!H")
 
@@ -119,8 +239,16 @@ ATTACH_OK = struct.Struct("!4sq")
 
 
 def encode(msg: Msg, req_id: int = 0, **fields: Any) -> bytes:
-    """One framed message; ``fields`` must name every field of the schema."""
+    """One framed message; ``fields`` must name every field of ``msg``'s record (a ``TypeError`` else)."""
+    return encode_record(msg, req_id, RECORDS[msg](**fields))
+
+
+def encode_record(msg: Msg, req_id: int, record: Record) -> bytes:
+    """One framed message carrying ``record``, which must be ``msg``'s record type."""
+    if type(record) is not RECORDS[msg]:
+        raise TypeError(f"{msg.name} carries {RECORDS[msg].__name__}, not {type(record).__name__}")
     fixed, names, rows_name, has_text, blob_name = _COMPILED[msg]
+    fields = {n: getattr(record, n) for n in _NAMES[msg]}
     parts = [fixed.pack(*(fields[n] for n in names))]
     if rows_name is not None:
         rows = fields[rows_name]
@@ -158,8 +286,9 @@ def parse_header(data: bytes) -> tuple[Msg, int, int]:
     return msg, req_id, length
 
 
-def decode_body(msg: Msg, body: bytes) -> dict[str, Any]:
-    """The fields of ``body``; any length or count mismatch is a :class:`ProtocolError`."""
+def decode(msg: Msg, body: bytes) -> Any:
+    """``msg``'s record from ``body`` (see :data:`RECORDS`); any length or count mismatch is a
+    :class:`ProtocolError`."""
     fixed, names, rows_name, has_text, blob_name = _COMPILED[msg]
     if len(body) < fixed.size:
         raise ProtocolError(f"{msg.name} body is truncated")
@@ -194,4 +323,12 @@ def decode_body(msg: Msg, body: bytes) -> dict[str, Any]:
         pos += count
     if pos != len(body):
         raise ProtocolError(f"{msg.name} body has {len(body) - pos} trailing bytes")
-    return out
+    if "flags" in out:
+        out["flags"] = ReqFlag(out["flags"])
+    return RECORDS[msg](**out)
+
+
+def fields_of(msg: Msg, body: bytes) -> dict[str, Any]:
+    """:func:`decode`'s record as a dict of its fields (for tools and tests that rewrite messages)."""
+    return dataclasses.asdict(decode(msg, body))
+

@@ -253,12 +253,12 @@ class EndpointProcess:
     "up" | "broken"), ``dump`` (cache name -> bytes per tensor), ``exit``.
     """
 
-    def __init__(self, spec: EndpointSpec) -> None:
+    def __init__(self, spec: EndpointSpec, target: Any = None) -> None:
         self.spec = spec
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._child_conn: multiprocessing.connection.Connection | None = child_conn
-        self._process = ctx.Process(target=_endpoint_main, args=(child_conn, spec, os.getpid()),
+        self._process = ctx.Process(target=target or _endpoint_main, args=(child_conn, spec, os.getpid()),
                                     name=f"endpoint-{spec.cluster_id}", daemon=True)
         self.port: int = 0
         self.cache_ids: dict[str, int] = {}
@@ -399,9 +399,14 @@ async def _join(process: multiprocessing.process.BaseProcess, timeout: float) ->
 
 
 @contextlib.asynccontextmanager
-async def spawned(*specs: EndpointSpec) -> AsyncIterator[list[EndpointProcess]]:
-    """Start endpoint processes together; every one is closed on exit, even on failure."""
-    procs = [EndpointProcess(spec) for spec in specs]
+async def spawned(*specs: EndpointSpec, target: Any = None) -> AsyncIterator[list[EndpointProcess]]:
+    """Start endpoint processes together; every one is closed on exit, even on failure.
+
+    ``target`` replaces the child's body (``_endpoint_main``): a module-level
+    ``(conn, spec, parent_pid)`` function that sends ``("ready", {...})`` and
+    then answers commands as :func:`run_endpoint` and ``_serve`` do.
+    """
+    procs = [EndpointProcess(spec, target) for spec in specs]
     try:
         for proc in procs:
             proc._launch()

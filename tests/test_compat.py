@@ -60,3 +60,194 @@ async def test_refuses_to_block_inside_an_event_loop():
     cfg.device_id = 0
     with pytest.raises(RuntimeError, match="async API"):
         dd.init(cfg.generate_options())
+
+
+# ---- llm_datadist's spellings and return conventions (issue 16, "what the clients still pass") ----
+
+
+def _init(role: LLMRole, cluster_id: int, *, listen: bool = False, v2: bool = False) -> LLMDataDist:
+    dd = LLMDataDist(role, cluster_id)
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    if listen:
+        cfg.listen_ip_info = "127.0.0.1:0"
+    if v2:
+        cfg.enable_cache_manager = True
+        cfg.enable_remote_cache_accessible = True
+    dd.init(cfg.generate_options())
+    return dd
+
+
+def _info(cluster_id: int | None, address: tuple[str, int]) -> compat.LLMClusterInfo:
+    info = compat.LLMClusterInfo()
+    if cluster_id is not None:
+        info.remote_cluster_id = cluster_id
+    info.append_remote_ip_info(*address)
+    return info
+
+
+def test_kv_cache_manager_keyword_spellings_of_llm_datadist(private_loop):
+    """Reference §2.4 (KvCacheManager, v1): ``pull_cache(..., src_cache_offset=, dst_cache_offset=)``
+    (bytes into the source / destination row, §4.3), ``pull_blocks(prompt_cache_key=, decoder_kv_cache=,
+    prompt_blocks=, decoder_blocks=)``, ``copy_cache(..., req_id=)``; §2.6: ``register_*(..., remote_accessible=)``."""
+    import torch
+
+    from aio_datadist.compat import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMException
+
+    prompt, decoder = _init(LLMRole.PROMPT, 1, listen=True), _init(LLMRole.DECODER, 2)
+    try:
+        pm, dm = prompt.kv_cache_manager, decoder.kv_cache_manager
+        rows_desc = CacheDesc(2, [2, 16], DataType.DT_UINT8)
+        blocks_desc = CacheDesc(2, [4, 8], DataType.DT_UINT8)
+        p_rows, p_blocks = pm.allocate_cache(rows_desc), pm.allocate_blocks_cache(blocks_desc, BlocksCacheKey(1))
+        for cache in (p_rows, p_blocks):
+            for i, t in enumerate(cache.tensors):
+                t.copy_(torch.arange(t.numel(), dtype=torch.uint8).view(t.shape) + 64 * i)
+        hidden_memory = torch.full((2, 16), 7, dtype=torch.uint8)
+        hidden = pm.register_cache(CacheDesc(1, [2, 16], DataType.DT_UINT8), [hidden_memory.data_ptr()],
+                                   remote_accessible=False)
+        assert decoder.link_clusters([_info(1, prompt.listen_address)]) == (LLMStatusCode.LLM_SUCCESS,
+                                                                             [LLMStatusCode.LLM_SUCCESS])
+        d_rows, d_blocks = dm.allocate_cache(rows_desc), dm.allocate_blocks_cache(blocks_desc)
+
+        # 5 bytes from byte 3 of remote row 1 into byte 10 of local row 0; the rest stays zero
+        dm.pull_cache(CacheKeyByIdAndIndex(1, p_rows.cache_id, 1), d_rows, 0, 5, src_cache_offset=3,
+                      dst_cache_offset=10)
+        for d, p in zip(d_rows.tensors, p_rows.tensors, strict=True):
+            assert torch.equal(d[0, 10:15], p[1, 3:8]) and not d[0, :10].any() and not d[0, 15:].any()
+            assert not d[1].any()
+        # size -1 with an offset: the rest of the local row
+        dm.pull_cache(CacheKeyByIdAndIndex(1, p_rows.cache_id, 0), d_rows, 1, dst_cache_offset=4)
+        assert all(torch.equal(d[1, 4:], p[0, :12]) for d, p in zip(d_rows.tensors, p_rows.tensors, strict=True))
+        for bad, kind in ((-1, ValueError), ("3", TypeError)):
+            with pytest.raises(kind):
+                dm.pull_cache(CacheKeyByIdAndIndex(1, p_rows.cache_id, 0), d_rows, 0, src_cache_offset=bad)
+
+        dm.pull_blocks(prompt_cache_key=BlocksCacheKey(1), decoder_kv_cache=d_blocks, prompt_blocks=[0, 3],
+                       decoder_blocks=[2, 1])
+        assert all(torch.equal(d[2], p[0]) and torch.equal(d[1], p[3])
+                   for d, p in zip(d_blocks.tensors, p_blocks.tensors, strict=True))
+        with pytest.raises(TypeError):
+            dm.pull_blocks(BlocksCacheKey(1), d_blocks, [0], [0], prompt_blocks=[1])
+
+        copy_dst = dm.allocate_cache(rows_desc)
+        dm.copy_cache(copy_dst, d_rows, 0, 1, req_id=9)
+        assert all(torch.equal(c[0], d[1]) for c, d in zip(copy_dst.tensors, d_rows.tensors, strict=True))
+        with pytest.raises(ValueError):
+            dm.copy_cache(copy_dst, d_rows, req_id=-1)
+
+        # registered with remote_accessible=False: peers cannot reach it
+        with pytest.raises(LLMException) as exc:
+            dm.pull_cache(CacheKeyByIdAndIndex(1, hidden.cache_id, 0), dm.allocate_cache(
+                CacheDesc(1, [2, 16], DataType.DT_UINT8)), 0)
+        assert exc.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        with pytest.raises(TypeError):
+            pm.register_blocks_cache(blocks_desc, [hidden_memory.data_ptr(), hidden_memory.data_ptr() + 8],
+                                     remote_accessible="no")
+    finally:
+        decoder.finalize()
+        prompt.finalize()
+
+
+def test_deallocate_twice_and_too_many_clusters_as_llm_datadist(private_loop):
+    """Reference §2.4: deallocate_cache is a no-op for a cache already freed; §2.1 / §4.9: more than
+    16 clusters is ``(LLM_CLUSTER_NUM_EXCEED_LIMIT, [...])`` returned, not raised."""
+    from aio_datadist.compat import CacheDesc, DataType
+
+    dd = _init(LLMRole.DECODER, 3)
+    try:
+        cache = dd.kv_cache_manager.allocate_cache(CacheDesc(1, [2, 8], DataType.DT_UINT8))
+        dd.kv_cache_manager.deallocate_cache(cache)
+        dd.kv_cache_manager.deallocate_cache(cache)
+        exceed = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
+        infos = [_info(100 + i, ("127.0.0.1", 1)) for i in range(17)]
+        assert dd.link_clusters(infos, 1000) == (exceed, [exceed] * 17)
+        assert dd.unlink_clusters(infos, 1000, force=True) == (exceed, [exceed] * 17)
+    finally:
+        dd.finalize()
+
+
+def test_switch_role_takes_generate_options_in_cache_manager_mode(private_loop):
+    """clients_gap items 9 and 10 (HIXL switch_role_sample): in CacheManager mode the role is a
+    label (reference §2.1, §4.7): no enable_switch_role, and ``LLMConfig().generate_options()`` (which
+    always carries ``llm.MemoryUtilization``) is taken, its listen address used, the rest ignored."""
+    dd = _init(LLMRole.PROMPT, 4, listen=True, v2=True)
+    try:
+        dd.switch_role(LLMRole.DECODER, LLMConfig().generate_options())
+        assert dd.role == LLMRole.DECODER and dd.listen_address is None
+        cfg = LLMConfig()
+        cfg.listen_ip_info = "127.0.0.1:0"
+        dd.switch_role(LLMRole.PROMPT, cfg.generate_options())
+        assert dd.role == LLMRole.PROMPT and dd.listen_address is not None
+    finally:
+        dd.finalize()
+
+
+@pytest.mark.asyncio
+async def test_the_async_managers_take_the_same_spellings():
+    """The async KvCacheManager behind the facade takes llm_datadist's keywords too (reference §2.4,
+    §2.6), on both event loops."""
+    import torch
+
+    from aio_datadist import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMException
+    from peers import linked_pair
+
+    async with linked_pair() as pair:
+        pm, dm = pair.prompt.kv_cache_manager, pair.decoder.kv_cache_manager
+        desc = CacheDesc(2, [4, 8], DataType.DT_UINT8)
+        p_blocks = pm.allocate_blocks_cache(desc, BlocksCacheKey(pair.prompt.cluster_id))
+        for i, t in enumerate(p_blocks.tensors):
+            t.copy_(torch.arange(32, dtype=torch.uint8).view(4, 8) + 100 * i)
+        p_rows = pm.allocate_cache(desc)
+        p_rows.tensors[0].copy_(p_blocks.tensors[0])
+        d_blocks, d_rows = dm.allocate_blocks_cache(desc), dm.allocate_cache(desc)
+        await dm.pull_blocks(prompt_cache_key=BlocksCacheKey(pair.prompt.cluster_id), decoder_kv_cache=d_blocks,
+                             prompt_blocks=[1], decoder_blocks=[3])
+        assert all(torch.equal(d[3], p[1]) for d, p in zip(d_blocks.tensors, p_blocks.tensors, strict=True))
+        await dm.pull_cache(CacheKeyByIdAndIndex(pair.prompt.cluster_id, p_rows.cache_id, 2), d_rows, 1, 3,
+                            src_cache_offset=5, dst_cache_offset=0)
+        assert torch.equal(d_rows.tensors[0][1, :3], p_rows.tensors[0][2, 5:8]) and not d_rows.tensors[0][1, 3:].any()
+        await dm.copy_cache(d_rows, d_rows, 0, 1, req_id=2**64 - 1)
+        assert torch.equal(d_rows.tensors[0][0], d_rows.tensors[0][1])
+        memory = torch.zeros(4, 8, dtype=torch.uint8)
+        hidden = pm.register_cache(CacheDesc(1, [4, 8], DataType.DT_UINT8), [memory.data_ptr()],
+                                   remote_accessible=False)
+        with pytest.raises(LLMException) as exc:
+            await dm.pull_cache(CacheKeyByIdAndIndex(pair.prompt.cluster_id, hidden.cache_id, 0),
+                                dm.allocate_cache(CacheDesc(1, [4, 8], DataType.DT_UINT8)))
+        assert exc.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        pm.deallocate_cache(hidden)
+        pm.deallocate_cache(hidden)  # a no-op, as LLM-DataDist's
+
+
+def test_vllm_ascend_tells_bad_parameters_from_transfer_failures(private_loop):
+    """clients_gap item 38: vllm-ascend's connector catches ``(TypeError, ValueError)`` first ("unexpected
+    parameter") and ``LLMException`` second ("Timeout during pull_blocks ..."). llm_datadist's
+    check_isinstance / check_uint* raise the former (reference §2.11), a failed transfer the latter."""
+    import torch
+
+    from aio_datadist.compat import BlocksCacheKey, CacheDesc, DataType, LLMException
+
+    def outcome(call) -> str:
+        try:
+            call()
+        except (TypeError, ValueError):
+            return "unexpected parameter"
+        except LLMException:
+            return "transfer failed"
+        return "ok"
+
+    dd = _init(LLMRole.DECODER, 6, v2=True)
+    try:
+        cm = dd.cache_manager
+        desc = CacheDesc(2, [4, 8], DataType.DT_UINT8)
+        memory = [torch.zeros(4, 8, dtype=torch.uint8) for _ in range(2)]
+        addrs = [m.data_ptr() for m in memory]
+        assert outcome(lambda: cm.register_blocks_cache(desc, "0x1000", BlocksCacheKey(6))) == "unexpected parameter"
+        assert outcome(lambda: cm.register_blocks_cache(desc, addrs, "key")) == "unexpected parameter"
+        cache = cm.register_blocks_cache(desc, addrs, BlocksCacheKey(6))
+        assert outcome(lambda: cm.pull_blocks(BlocksCacheKey(1), cache, ["0"], [0])) == "unexpected parameter"
+        assert outcome(lambda: cm.pull_blocks(BlocksCacheKey(2**64), cache, [0], [0])) == "unexpected parameter"
+        assert outcome(lambda: cm.pull_blocks(BlocksCacheKey(1), cache, [0], [0])) == "transfer failed"  # unlinked
+    finally:
+        dd.finalize()

@@ -466,3 +466,24 @@ def test_remote_cache_access_unset_means_on() -> None:
     assert parse_options(config.generate_options()).remote_cache_accessible
     config.enable_remote_cache_accessible = False
     assert not parse_options(config.generate_options()).remote_cache_accessible
+
+
+def test_device_id_lists_read_back_as_given() -> None:
+    """Reference §2.2: ``device_id`` is an int or a list/tuple of ints (``;``-joined in
+    ``ge.exec.deviceId``, the first in ``ge.session_device_id``); the property reads back what was set.
+    A wrong type raises ``TypeError`` as LLM-DataDist's check_isinstance does (and LLM_PARAM_INVALID)."""
+    config = LLMConfig()
+    config.device_id = [2, 3]
+    assert config.device_id == [2, 3] and isinstance(config.device_id, list)
+    config.device_id.append(9)  # a copy: the config is not changed behind its back
+    assert config.device_id == [2, 3]
+    assert config.generate_options()["ge.exec.deviceId"] == "2;3"
+    assert config.generate_options()["ge.session_device_id"] == "2"
+    config.device_id = (4,)
+    assert config.device_id == (4,)
+    config.device_id = [0]
+    parse_options(config.generate_options())  # one device: accepted by init
+    for bad in ("0", [0, "1"], 1.0):
+        with pytest.raises(TypeError):
+            config.device_id = bad
+    assert config.device_id == [0]

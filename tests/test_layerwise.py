@@ -832,7 +832,7 @@ async def test_bad_inputs_raise_at_call_time_with_nothing_sent() -> None:
             ("layer_synchronizer", src, (lambda i, t: True, [good], SRC_BLOCKS, DST_BLOCKS), {}),
             ("layer_synchronizer", src, (None, [good], SRC_BLOCKS, DST_BLOCKS), {}),
             ("dst_block_indices", src, (Ready(), [good], [1, 2], [3]), {}),
-            ("src_block_indices", src, (Ready(), [good], [], []), {}),
+            ("src_block_indices", src, (Ready(), [good], [], [3]), {}),  # (none on both sides: block 0, below)
             ("src_block_indices", src, (Ready(), [good], [16], [0]), {}),
             ("dst_block_indices", src, (Ready(), [good], [1, 2], [3, 3]), {}),
             ("dst_block_indices", src, (Ready(), [good], [1], [-1]), {}),
@@ -898,3 +898,62 @@ async def test_finalize_of_the_prompt_during_a_transfer() -> None:
             await asyncio.wait_for(task, BOUND_S)
         assert task.done()
 
+
+
+# -- LLM-DataDist's calling conventions ----------------------------------------------
+
+
+class Recording(LayerSynchronizer):
+    """Records the timeout each layer is asked with (plain and async flavours)."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[Any] = []
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        self.timeouts.append(timeout_in_millis)
+        return True
+
+
+class AsyncRecording(Recording):
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:  # type: ignore[override]
+        self.timeouts.append(timeout_in_millis)
+        return True
+
+
+async def test_synchronize_layer_gets_no_timeout() -> None:
+    """Reference §2.10: the timeout argument "is not supported yet; None is passed", whatever
+    sync_kv_timeout is (the HIXL transfer_cache_async sample's synchronizer takes it as Optional)."""
+    async with setup(sync_kv_timeout=4321) as s:
+        for sync in (Recording(), AsyncRecording()):
+            task = s.pm.transfer_cache_async(s.blocks_src(), sync, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+            assert await task == [SUCCESS]
+            assert sync.timeouts == [None] * LAYERS
+
+
+@pytest.mark.parametrize("indices", [(), (None, None), ([], []), (range(0), [])])
+async def test_blocks_cache_without_block_indices_moves_block_zero(indices: tuple) -> None:
+    """clients_gap item 11 (HIXL transfer_cache_async_sample: a blocks cache, no block indices):
+    LLM-DataDist's layer-wise job copies one row when no block lists are given (a blocks cache's
+    rows are its blocks: LayerWiseTransferJob::GenerateCacheToCacheTask, batch 0, ``stride`` bytes),
+    so block 0 of every tensor of the layers goes to block 0 of the destination; nothing else moves."""
+    async with setup() as s:
+        src, dst = s.blocks_src(), s.dsts[0]
+        before = snapshot(dst)
+        config = blocks_config(src_layer_range=range(1, 3), dst_layer_range=range(0, 2))
+        task = s.pm.transfer_cache_async(src, Ready(), [config], *indices)
+        assert await task == [SUCCESS]
+        for src_layer, dst_layer in ((1, 0), (2, 1)):
+            assert layer_landed(dst, src, src_layer, [0], [0], dst_layer=dst_layer)
+            for k in range(2):
+                t = 2 * dst_layer + k
+                assert torch.equal(dst.tensors[t][1:], before[t][1:]), "a block other than block 0 moved"
+        assert untouched(dst, before, [2, 3])
+        # and raw addresses (TransferConfig) take block 0 to the address itself
+        rows = s.dm.allocate_blocks_cache(BLOCKS)
+        rows_before = snapshot(rows)
+        addrs = rows.per_device_tensor_addrs[0][2:4]
+        task = s.pm.transfer_cache_async(src, Ready(), [TransferConfig(DECODER_ID, addrs, range(3, 4))], *indices)
+        assert await task == [SUCCESS]
+        assert all(torch.equal(rows.tensors[2 + k][0], src.tensors[6 + k][0]) for k in range(2))
+        assert all(torch.equal(rows.tensors[2 + k][1:], rows_before[2 + k][1:]) for k in range(2))
+        assert untouched(rows, rows_before, [0, 2, 3])

@@ -12,7 +12,9 @@ import torch
 from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
+    CacheKeyByIdAndIndex,
     DataType,
+    LLMClusterInfo,
     LLMException,
     LLMRole,
     LLMStatusCode,
@@ -21,6 +23,7 @@ from aio_datadist import (
 from aio_datadist.testing import link_count
 from peers import (
     BLOCKS_DESC,
+    CACHE_DESC,
     DECODER_ID,
     LOCALHOST,
     PROMPT_ID,
@@ -135,12 +138,16 @@ async def test_same_cluster_twice_in_one_call():
 
 
 async def test_more_than_16_clusters_per_call():
-    async with endpoint(LLMRole.DECODER, DECODER_ID) as dd:
-        infos = [cluster_info(100 + i, (LOCALHOST, 1)) for i in range(17)]
+    """Reference §2.1 (returns ``(overall, per-cluster)``, does not raise on link failure) and §4.9
+    (``LLM_CLUSTER_NUM_EXCEED_LIMIT``): a status for every cluster, nothing dialled."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        infos = [cluster_info(PROMPT_ID, port_of(prompt))] + [cluster_info(100 + i, (LOCALHOST, 1))
+                                                              for i in range(16)]
+        exceed = S.LLM_CLUSTER_NUM_EXCEED_LIMIT
         for call in (dd.link_clusters, dd.unlink_clusters):
-            with pytest.raises(LLMException) as exc:
-                await call(infos)
-            assert code_of(exc) == S.LLM_CLUSTER_NUM_EXCEED_LIMIT
+            assert await call(infos) == (exceed, [exceed] * 17)
+        assert link_count(dd) == 0 and link_count(prompt) == 0
 
 
 async def test_link_to_several_clusters_in_one_call():
@@ -187,14 +194,17 @@ async def test_link_argument_errors():
         no_address = cluster_info(1, (LOCALHOST, 1))
         no_address._remote.clear()
         good = [cluster_info(1, (LOCALHOST, 1))]
-        for clusters, kwargs in ((good[0], {}), ([object()], {}), ([no_id], {}), ([no_address], {}),
+        for clusters, kwargs in ((good[0], {}), ([object()], {}), ([no_address], {}),
                                  (good, {"timeout": 0}), (good, {"timeout": 2**31})):
             with pytest.raises(LLMException) as exc:
                 await dd.link_clusters(clusters, **kwargs)
             assert code_of(exc) == S.LLM_PARAM_INVALID, (clusters, kwargs)
-        with pytest.raises(LLMException) as exc:
-            await dd.unlink_clusters(good, force=1)
-        assert code_of(exc) == S.LLM_PARAM_INVALID
+        # unlinking needs the id (reference v2 unlink_clusters: check_uint64 of it, a TypeError for None);
+        # link_clusters learns it from the peer (test_link_without_remote_cluster_id...)
+        for clusters, kwargs in ((good, {"force": 1}), ([no_id], {})):
+            with pytest.raises(TypeError) as raised:
+                await dd.unlink_clusters(clusters, **kwargs)
+            assert isinstance(raised.value, LLMException) and raised.value.status_code == S.LLM_PARAM_INVALID
 
 
 async def test_finalize_tells_the_peer():
@@ -234,6 +244,55 @@ async def test_link_with_the_same_secret():
         await pair.prompt.check_link_status(DECODER_ID)
 
 
+# -- cluster ids as the clients give them ----------------------------------------------
+
+
+async def test_link_without_remote_cluster_id_learns_it_from_the_peer():
+    """clients_gap item 12 (SGLang's llm_datadist backend): an LLMClusterInfo with only a remote
+    ip:port. LLM-DataDist raises TypeError there (its v2 link_clusters checks remote_cluster_id as a
+    uint64, and it is None); here the link goes to whichever cluster listens at the address, under
+    the id its peer proves in the handshake (docs/differences.md), and the prefill then pushes to
+    the decoder's blocks by key, as the SGLang prefill does."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        p_blocks = prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
+        d_blocks = dd.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(DECODER_ID))
+        values = fill(p_blocks, 4)
+        info = LLMClusterInfo()
+        info.append_remote_ip_info(*port_of(prompt))
+        assert await dd.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert info.remote_cluster_id is None  # the caller's object is left as it was
+        await dd.check_link_status(PROMPT_ID)
+        await prompt.check_link_status(DECODER_ID)
+        await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(DECODER_ID), p_blocks, [0, 1], [2, 3])
+        assert all(torch.equal(d[2:4], v[0:2]) for d, v in zip(d_blocks.tensors, values, strict=True))
+        # one link per cluster, found out after the handshake too
+        assert await dd.link_clusters([info]) == (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])
+        assert link_count(dd) == 1 and link_count(prompt) == 1
+        assert await dd.unlink_clusters([cluster_info(PROMPT_ID, port_of(prompt))]) == (S.LLM_SUCCESS,
+                                                                                        [S.LLM_SUCCESS])
+        # an endpoint dialling its own listener, with or without an id, links nothing
+        assert await prompt.link_clusters([info]) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        assert link_count(prompt) == 0
+
+
+async def test_remote_cluster_id_equal_to_own_id_links_another_endpoint():
+    """clients_gap item 13 (vllm-ascend's v0 connector: cluster id 0 on both sides, the decoder
+    links to remote_cluster_id 0 and pulls CacheKeyByIdAndIndex(0, 1..4, 0)). LLM-DataDist asks for
+    unique ids (reference §2.1) but keys links by the remote id and checks nothing else, so the
+    connector works there; here too: the link is keyed by the peer's id on each end, and only a
+    link to this very endpoint is refused (test above)."""
+    async with endpoint(LLMRole.PROMPT, 0, listen=True) as prompt, endpoint(LLMRole.DECODER, 0) as dd:
+        p_rows = prompt.kv_cache_manager.allocate_cache(CACHE_DESC)
+        values = fill(p_rows, 5)
+        d_rows = dd.kv_cache_manager.allocate_cache(CACHE_DESC)
+        assert await dd.link_clusters([cluster_info(0, port_of(prompt))]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        await dd.kv_cache_manager.pull_cache(CacheKeyByIdAndIndex(0, p_rows.cache_id, 2), d_rows, 0)
+        assert all(torch.equal(d[0], v[2]) for d, v in zip(d_rows.tensors, values, strict=True))
+        await prompt.check_link_status(0)
+        await dd.check_link_status(0)
+
+
 # -- compatibility of blocks caches -------------------------------------------------
 
 _OTHER_BLOCKS = {
@@ -243,21 +302,27 @@ _OTHER_BLOCKS = {
 }
 
 
-async def test_incompatible_blocks_caches_fail_the_link():
+async def test_different_blocks_caches_link_and_mismatched_transfers_are_refused():
+    """Issue 16 (heterogeneous peers): blocks layouts are checked per transfer, not at link time; a
+    pull between blocks caches that differ (tensor count, dtype, block shape) is refused by the owner
+    with LLM_PARAM_INVALID and writes nothing. tests/test_heterogeneous_peers.py does it across processes."""
     async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt:
         prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
         info = cluster_info(PROMPT_ID, port_of(prompt))
         for n, (differs, desc) in enumerate(sorted(_OTHER_BLOCKS.items())):
             async with endpoint(LLMRole.DECODER, 10 + n) as decoder:
-                decoder.kv_cache_manager.allocate_blocks_cache(desc)
-                assert await decoder.link_clusters([info]) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED]), differs
+                mine = decoder.kv_cache_manager.allocate_blocks_cache(desc)
+                before = fill(mine, 3)
+                assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS]), differs
                 with pytest.raises(LLMException) as exc:
-                    await prompt.check_link_status(10 + n)
-                assert code_of(exc) == S.LLM_NOT_YET_LINK
+                    await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID), mine, [0, 1], [0, 1])
+                assert code_of(exc) == S.LLM_PARAM_INVALID, differs
+                assert all(torch.equal(t, b) for t, b in zip(mine.tensors, before, strict=True)), differs
         async with endpoint(LLMRole.DECODER, DECODER_ID) as decoder:  # only the block count differs
             more = CacheDesc(4, (32, 4, 16), DataType.DT_FLOAT16, Placement.HOST)
-            decoder.kv_cache_manager.allocate_blocks_cache(more)
+            mine = decoder.kv_cache_manager.allocate_blocks_cache(more)
             assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID), mine, [7], [31])
 
 
 # -- switch_role ------------------------------------------------------------------------

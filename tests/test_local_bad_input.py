@@ -352,7 +352,9 @@ async def test_register_rejects_memory_that_is_already_registered():
 
 
 @pytest.mark.asyncio
-async def test_deallocate_twice_and_foreign_caches_do_not_exist():
+async def test_deallocate_twice_is_a_no_op_and_foreign_caches_do_not_exist():
+    """Reference §2.4 ``deallocate_cache``: "No-op if already freed" (C++ ``Deallocate`` of an id it no
+    longer holds succeeds); a cache of another LLMDataDist, or a CPU cache, is still refused."""
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd, LLMDataDist(LLMRole.PROMPT, 2) as other:
         await dd.init(options())
         await other.init(options())
@@ -364,7 +366,9 @@ async def test_deallocate_twice_and_foreign_caches_do_not_exist():
         user = [torch.zeros(BLOCKS_HOST.shape, dtype=torch.float16) for _ in range(2)]
         cpu = KvCache.create_cpu_cache(BLOCKS_HOST, [t.data_ptr() for t in user])
         used = e.registry.used_bytes
-        for cache in (e.gone, keyed, foreign, cpu):
+        for cache in (e.gone, keyed):
+            kv.deallocate_cache(cache)  # again: nothing changes
+        for cache in (foreign, cpu):
             with rejected(NOT_EXIST, "cache"):
                 kv.deallocate_cache(cache)
         for bad in (None, 1, e.host.tensors):

@@ -28,7 +28,7 @@ from aio_datadist import (
     Placement,
     wire,
 )
-from aio_datadist.testing import nixl_plane_of, usable_link
+from aio_datadist.testing import nixl_agent_of, usable_link
 from peers import (
     BLOCKS_DESC,
     CACHE_DESC,
@@ -64,7 +64,7 @@ async def expect_code(code: LLMStatusCode, awaitable) -> LLMException:
 
 def nixl_posted(dd) -> int:
     """Transfers this endpoint posted to NIXL (0 when it does not use NIXL)."""
-    plane = nixl_plane_of(dd)
+    plane = nixl_agent_of(dd)
     return 0 if plane is None else plane.engine.posted
 
 
@@ -225,7 +225,7 @@ async def test_killed_prompt_fails_the_transfer_promptly_and_the_decoder_recover
 def _recv_frame(sock: socket.socket) -> tuple[wire.Msg, dict]:
     head = _recv_exactly(sock, wire.HEADER.size)
     msg, _, length = wire.parse_header(head)
-    return msg, wire.decode_body(msg, _recv_exactly(sock, length))
+    return msg, wire.fields_of(msg, _recv_exactly(sock, length))
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:

@@ -26,7 +26,7 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
-from aio_datadist.testing import engine_state, link_to, nixl_plane_of
+from aio_datadist.testing import engine_state, link_to, nixl_agent_of
 from aio_datadist.transport import nixl_engine
 from peers import (
     DECODER_ID,
@@ -54,7 +54,7 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.nixl]
 
 
 def posted(dd: LLMDataDist) -> int:
-    plane = nixl_plane_of(dd)
+    plane = nixl_agent_of(dd)
     return 0 if plane is None else plane.engine.posted
 
 
@@ -144,7 +144,7 @@ async def test_a_freed_cache_is_withdrawn_and_deregistered_after_the_read_that_u
         dst = pair.dm.allocate_cache(ROWS)
         peer = link_to(pair.decoder, PROMPT_ID).nixl
         await prepared(pair.prompt, DECODER_ID, src)
-        plane = nixl_plane_of(pair.prompt)
+        plane = nixl_agent_of(pair.prompt)
         plane.serve_begin(src.cache_id)  # as if a peer's READ were in flight
         pair.pm.deallocate_cache(src)
         pair.pm.remove_cache_key(CacheKey(PROMPT_ID, 1))
@@ -166,7 +166,7 @@ async def test_a_timed_out_read_has_settled_before_the_call_returns_and_the_link
             t.fill_(7)
         dst = pair.dm.allocate_blocks_cache(big)
         await prepared(pair.prompt, DECODER_ID, src)
-        engine = nixl_plane_of(pair.decoder).engine
+        engine = nixl_agent_of(pair.decoder).engine
         timed_out = 0
         for _ in range(5):
             try:
@@ -205,7 +205,7 @@ async def test_many_cancelled_nixl_transfers_leave_the_link_working():
             t.zero_()
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(16)), list(range(16)))
         assert same(snapshot(dst), want)
-        assert nixl_plane_of(pair.decoder).engine.in_flight() == 0
+        assert nixl_agent_of(pair.decoder).engine.in_flight() == 0
 
 
 class _Ready(LayerSynchronizer):
@@ -259,7 +259,7 @@ async def test_a_prompt_killed_during_nixl_reads_and_writes_fails_them_in_time_a
     async with endpoint(LLMRole.MIX, DECODER_ID, transport="nixl", sync_kv_timeout=KILL_TIMEOUT_MS) as dd:
         kv = dd.kv_cache_manager
         dst = kv.allocate_blocks_cache(KILL_BIG, BlocksCacheKey(DECODER_ID, 0))
-        engine = nixl_plane_of(dd).engine
+        engine = nixl_agent_of(dd).engine
         for seed in range(3):
             rng = random.Random(seed)
             async with spawned(_kill_spec(seed)) as (victim,):

@@ -24,7 +24,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
-from aio_datadist.testing import link_to, nixl_plane_of, registry_of
+from aio_datadist.testing import link_to, nixl_agent_of, registry_of
 from peers import DECODER_ID, PROMPT_ID, TRANSPORTS, cluster_info, endpoint, fill, options, port_of, snapshot
 
 NIXL = [t for t in TRANSPORTS if t not in ("tcp", "local")]
@@ -73,7 +73,7 @@ async def test_a_closed_off_prompt_serves_no_cache_but_still_pushes(transport):
         await pm.push_blocks(BlocksCacheKey(DECODER_ID), p_blocks, [3], [5])
         assert all(torch.equal(d[5], v[3]) for d, v in zip(d_blocks.tensors, block_values))
         if transport == "nixl":  # a NIXL WRITE whose notification reached a peer that never saw our metadata
-            assert nixl_plane_of(prompt).engine.posted == 1
+            assert nixl_agent_of(prompt).engine.posted == 1
         assert registry_of(prompt).by_key((1, 2**64 - 1, 0)) is not None
         assert all(torch.equal(t, v) for t, v in zip(rows.tensors, values))
 
@@ -101,4 +101,4 @@ async def test_a_closed_off_decoder_takes_no_push_but_still_pulls(transport):
         await dm.pull_cache(CacheKey(PROMPT_ID, 1), d_rows, batch_index=1)
         assert all(torch.equal(d[1], v[0]) for d, v in zip(d_rows.tensors, values))
         if transport == "nixl":
-            assert nixl_plane_of(dec).engine.posted == 1
+            assert nixl_agent_of(dec).engine.posted == 1

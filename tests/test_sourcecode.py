@@ -25,28 +25,30 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("native core", ("_core",)),
     ("status, values, config, wire and leaf helpers", (
-        "status", "_checks", "types", "config", "wire", "_settle", "fd_budget",
+        "status", "_checks", "types", "config", "wire", "protocol", "_settle", "fd_budget", "mapped", "tensors",
+        "ranktable",
     )),
     ("completions, layer rule, caches and registries", (
-        "_completion", "layers", "cache", "arrivals", "devices.host",
+        "_completion", "layers", "cache", "arrivals", "plans", "devices.host",
     )),
     ("devices and runtime", (
         "devices", "devices.backend", "devices.streams", "devices.cuda", "devices.npu", "devices.kernels",
         "devices.copies", "devices.ops", "devices.staging", "devices.ipc", "runtime",
     )),
     ("transport planes", (
-        "transport", "transport.local", "transport.nixl", "transport.nixl_engine", "transport.tls",
+        "transport", "transport.base", "transport.local", "transport.nixl", "transport.nixl_engine", "transport.tls",
+        "transport.stream", "transport.same_host", "transport.nixl_plane",
     )),
     ("handshake, links, listener and link table", (
-        "handshake", "links", "admission", "link_table", "endpoint",
+        "handshake", "links", "admission", "listener", "link_table", "endpoint", "bilateral",
     )),
     ("requester and owner, tasks, layer-wise, leases", (
-        "transfers", "task", "layerwise", "leases",
+        "transfers", "owner", "task", "layerwise", "leases",
     )),
-    ("managers", ("manager",)),
+    ("managers", ("manager", "cache_manager")),
     ("LLMDataDist", ("datadist",)),
     ("compat, testing, demo, command line and the package", (
-        "compat", "testing", "_negotiated_transport", "demo", "__main__", "synchronizers", "",
+        "compat", "_compat_v2", "testing", "_negotiated_transport", "demo", "__main__", "synchronizers", "",
     )),
 )
 

@@ -14,7 +14,7 @@ from aio_datadist.testing import (
     link_to,
     links_of,
     loopback_options,
-    nixl_plane_of,
+    nixl_agent_of,
     registry_of,
     rows_desc,
     runtime_of,
@@ -24,7 +24,7 @@ from aio_datadist.testing import (
 
 S = LLMStatusCode
 HELPERS = (runtime_of, registry_of, engine_state, link_table_of, links_of, link_count, handshakes_in_progress,
-           admission_of, share_listener_of, nixl_plane_of)
+           admission_of, share_listener_of, nixl_agent_of)
 
 pytestmark = pytest.mark.asyncio
 
@@ -79,7 +79,7 @@ async def test_listener_helpers_see_only_a_listening_endpoint(datadist_pair):
     pair = datadist_pair
     assert admission_of(pair.prompt) is not None and admission_of(pair.decoder) is None
     assert handshakes_in_progress(pair.prompt) == handshakes_in_progress(pair.decoder) == 0
-    assert nixl_plane_of(pair.prompt) is None and nixl_plane_of(pair.decoder) is None  # default transport
+    assert nixl_agent_of(pair.prompt) is None and nixl_agent_of(pair.decoder) is None  # default transport
     async with LLMDataDist(LLMRole.PROMPT, 7) as tcp_only:
         await tcp_only.init(loopback_options(listen=True, transport="tcp"))
         assert admission_of(tcp_only) is not None and share_listener_of(tcp_only) is None

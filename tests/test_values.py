@@ -479,7 +479,7 @@ def test_cluster_info_stores_ips_as_the_original_does() -> None:
         (lambda i: i.append_remote_ip_info("1.2.3.4", "80"), "port"),
         (lambda i: setattr(i, "remote_cluster_id", -1), "remote_cluster_id"),
         (lambda i: setattr(i, "remote_cluster_id", "1"), "remote_cluster_id"),
-        (lambda i: setattr(i, "remote_role_type", 7), "remote_role_type"),
+        (lambda i: setattr(i, "remote_role_type", 2**31), "remote_role_type"),
         (lambda i: setattr(i, "remote_role_type", "PROMPT"), "remote_role_type"),
     ],
 )
@@ -488,6 +488,44 @@ def test_cluster_info_rejects(action, name: str) -> None:
     with param_invalid_naming(name):
         action(info)
     assert info.local_ip_info_list == [] and info.remote_ip_info_list == []
+
+
+def test_cluster_info_defaults_and_role_ints_as_the_original() -> None:
+    """Reference §2.3 (and §3.2 ``ClusterInfo``: 0 = prompt, 1 = decoder): ``remote_role_type`` takes an
+    ``LLMRole`` or an int and keeps it; ``remote_cluster_id`` and ``remote_role_type`` start as None."""
+    info = LLMClusterInfo()
+    assert (info.remote_cluster_id, info.remote_role_type) == (None, None)
+    assert (info.local_ip_info_list, info.remote_ip_info_list) == ([], [])
+    info.remote_role_type = 0  # the C++ prompt value
+    assert info.remote_role_type == 0 and not isinstance(info.remote_role_type, LLMRole)
+    info.remote_role_type = 7
+    assert info.remote_role_type == 7
+    info.remote_role_type = 3
+    assert info.remote_role_type is LLMRole.MIX
+
+
+@pytest.mark.parametrize(
+    ("action", "kind"),
+    [
+        # configs.py LLMClusterInfo: check_isinstance -> TypeError, check_uint16 / check_uint64 range -> ValueError
+        (lambda i: i.append_local_ip_info(1.0, 1), TypeError),
+        (lambda i: i.append_local_ip_info("1.2.3.4", "80"), TypeError),
+        (lambda i: i.append_local_ip_info("1.2.3.4", 65536), ValueError),
+        (lambda i: i.append_remote_ip_info("1.2.3.4", -1), ValueError),
+        (lambda i: setattr(i, "remote_cluster_id", "1"), TypeError),
+        (lambda i: setattr(i, "remote_cluster_id", -1), ValueError),
+        (lambda i: setattr(i, "remote_cluster_id", 2**64), ValueError),
+        (lambda i: setattr(i, "remote_role_type", "PROMPT"), TypeError),
+    ],
+)
+def test_cluster_info_raises_the_originals_exception_types(action, kind: type) -> None:
+    """Reference §2.3 (port checked as uint16) and clients_gap item 38: wrong types raise TypeError,
+    uints out of range ValueError; both stay LLMException(LLM_PARAM_INVALID) naming the argument."""
+    info = LLMClusterInfo()
+    with pytest.raises(kind) as raised:
+        action(info)
+    assert isinstance(raised.value, LLMException)
+    assert raised.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
 @given(st.integers(0, 2**32 - 1), st.integers(0, 65535))
@@ -616,3 +654,58 @@ def test_layer_synchronizer_may_be_sync_or_async() -> None:
     assert Ready().synchronize_layer(1, None) is True
     assert Ready().synchronize_layer(2, None) is False
     assert asyncio.run(AsyncReady().synchronize_layer(0, None)) is True
+
+
+# ---- exception types where llm_datadist documents them -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("what", "call", "kind", "name"),
+    [
+        # reference §2.1: role must be an LLMRole, cluster_id a uint64 "otherwise TypeError/ValueError"
+        ("LLMDataDist role", lambda: _datadist(1, 5), TypeError, "role"),
+        ("LLMDataDist cluster_id str", lambda: _datadist(LLMRole.PROMPT, "5"), TypeError, "cluster_id"),
+        ("LLMDataDist cluster_id < 0", lambda: _datadist(LLMRole.PROMPT, -1), ValueError, "cluster_id"),
+        ("LLMDataDist cluster_id > uint64", lambda: _datadist(LLMRole.PROMPT, 2**64), ValueError, "cluster_id"),
+        # reference §2.8: all CacheKey / BlocksCacheKey values are uint64; CacheKeyByIdAndIndex batch_index uint32
+        ("CacheKey req_id", lambda: CacheKey(1, -1), ValueError, "req_id"),
+        ("CacheKey model_id type", lambda: CacheKey(1, 1, "0"), TypeError, "model_id"),
+        ("BlocksCacheKey cluster", lambda: BlocksCacheKey(2**64), ValueError, "prompt_cluster_id"),
+        ("CacheKeyByIdAndIndex batch_index", lambda: CacheKeyByIdAndIndex(1, 1, 2**32), ValueError, "batch_index"),
+        # reference §2.9 / §2.10: descriptors and configs check their types
+        ("CacheDesc shape type", lambda: CacheDesc(1, "4,4", DataType.DT_FLOAT), TypeError, "shape"),
+        ("CacheDesc data_type", lambda: CacheDesc(1, [4], 1), TypeError, "data_type"),
+        ("CacheDesc placement", lambda: CacheDesc(1, [4], DataType.DT_FLOAT, "HOST"), TypeError, "placement"),
+        ("TransferConfig dst_addrs", lambda: TransferConfig(1, "0x10"), TypeError, "dst_addrs"),
+        ("TransferWithCacheKeyConfig range", lambda: TransferWithCacheKeyConfig(BlocksCacheKey(1), [0, 1]),
+         TypeError, "src_layer_range"),
+    ],
+)
+def test_wrong_types_and_out_of_range_uints_raise_the_originals_exceptions(what, call, kind, name) -> None:
+    """clients_gap item 38: llm_datadist's check_isinstance raises TypeError and its check_uint* ValueError,
+    which vllm-ascend turns into "unexpected parameter" errors; here both are also
+    LLMException(LLM_PARAM_INVALID) naming the argument."""
+    with pytest.raises(kind) as raised:
+        call()
+    assert isinstance(raised.value, LLMException), what
+    assert raised.value.status_code == LLMStatusCode.LLM_PARAM_INVALID, what
+    assert f"'{name}'" in str(raised.value), (what, str(raised.value))
+
+
+def test_semantic_checks_stay_plain_llm_exceptions() -> None:
+    """Reference §2.11: validation beyond types and integer widths raises LLMException (raise_if_*),
+    which vllm-ascend must not mistake for a bad parameter type."""
+    for call in (lambda: CacheDesc(1, [4], DataType.DT_FLOAT, batch_dim_index=1),
+                 lambda: KvCacheExtParam((3, 1)),
+                 lambda: TransferConfig(1, [1, 2, 3]),
+                 lambda: check_range("src_layer_range", range(0, 4, 2))):
+        with pytest.raises(LLMException) as raised:
+            call()
+        assert raised.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert not isinstance(raised.value, (TypeError, ValueError)), raised.value
+
+
+def _datadist(role, cluster_id):
+    from aio_datadist import LLMDataDist
+
+    return LLMDataDist(role, cluster_id)

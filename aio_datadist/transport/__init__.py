@@ -1,1 +1,37 @@
-"""Data planes behind links: same-host shared memory (local)."""
+"""The planes behind links (``base.py`` is their interface) and the channels under the stream plane.
+
+``planes_for(link)`` lists the planes a link can use, fastest first; the
+NIXL plane is imported only once a link has a NIXL peer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aio_datadist.transport.base import LinkPort, Plane
+
+__all__ = ["plane", "planes_for"]
+
+_MODULES = {"stream": "stream", "same-host": "same_host", "nixl": "nixl_plane"}
+_LOADED: dict[str, Plane] = {}
+
+
+def plane(name: str) -> Plane:
+    """The plane called ``name`` (``stream``, ``same-host``, ``nixl``), imported on first use."""
+    found = _LOADED.get(name)
+    if found is None:
+        module = importlib.import_module(f"aio_datadist.transport.{_MODULES[name]}")
+        found = _LOADED[name] = module.PLANE
+    return found
+
+
+def planes_for(link: LinkPort) -> tuple[Plane, ...]:
+    """The planes ``link`` can use, in the order they are preferred: NIXL, same-host, stream."""
+    planes: tuple[Plane, ...] = ()
+    if link.nixl is not None:
+        planes += (plane("nixl"),)
+    if link.local is not None:
+        planes += (plane("same-host"),)
+    return (*planes, plane("stream"))

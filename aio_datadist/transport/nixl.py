@@ -36,12 +36,13 @@ import numpy as np
 
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.nixl_engine import NixlEngine, agent_name, row_descs
+from aio_datadist.wire import NixlRecord
 
 if TYPE_CHECKING:
     from aio_datadist.cache import KvCache
     from aio_datadist.runtime import Runtime
 
-__all__ = ["NixlPeer", "NixlPlane", "HELLO", "OFFER", "WITHDRAW", "READY", "PREPARED", "DECLINE", "SETUP_SHARE"]
+__all__ = ["NixlPeer", "NixlAgent", "HELLO", "OFFER", "WITHDRAW", "READY", "PREPARED", "DECLINE", "SETUP_SHARE"]
 
 log = logging.getLogger("aio_datadist.nixl")
 
@@ -107,7 +108,7 @@ def indices(first: int, count: int, rows: Any, per_tensor: int) -> np.ndarray:
     return (tensors + np.asarray(rows, dtype=np.int64).reshape(1, -1)).reshape(-1).astype(np.int32)
 
 
-class NixlPlane:
+class NixlAgent:
     """The NIXL side of one initialised LLMDataDist: its agent, its caches, its peers."""
 
     def __init__(self, runtime: Runtime, cluster_id: int) -> None:
@@ -271,9 +272,9 @@ def _discard(agent: Any, value: Any) -> None:
 class NixlPeer:
     """One link's NIXL state: the peer's agent and its caches' prepared lists."""
 
-    def __init__(self, plane: NixlPlane, send: Any, cluster_id: int) -> None:
-        self.plane = plane
-        self.engine = plane.engine
+    def __init__(self, agent: NixlAgent, send: Any, cluster_id: int) -> None:
+        self.agent = agent
+        self.engine = agent.engine
         self._send = send
         self.cluster_id = cluster_id
         self.name: bytes | None = None
@@ -289,7 +290,7 @@ class NixlPeer:
         self.declined: str | None = None  # why this link uses TCP only, once NIXL was given up
         self.ready = asyncio.get_running_loop().create_future()
         self.closed = False
-        plane.peers.add(self)
+        agent.peers.add(self)
 
     # -- what we send ----------------------------------------------------------
 
@@ -297,13 +298,13 @@ class NixlPeer:
         """Our agent's name and metadata; without remote access, the name only: NIXL metadata carries
         the keys to all registered memory, so a peer that never gets it cannot touch ours (we can still
         read and write its caches)."""
-        metadata = self.plane.metadata if self.plane.exposed else b""
-        self._send(HELLO, 0, 0, 0, (), self.plane.name + b"\0" + metadata)
+        metadata = self.agent.metadata if self.agent.exposed else b""
+        self._send(HELLO, 0, 0, 0, (), self.agent.name + b"\0" + metadata)
 
     def offer_all(self) -> None:
         """Offer every cache registered so far, then READY. The link is ready once the peer has
         prepared all of them and we have prepared all of its (both directions can use NIXL then)."""
-        for entry in list(self.plane.local.values()):
+        for entry in list(self.agent.local.values()):
             self.offer(entry)
         self._initial = set(self.offers_sent) - self.prepared
         self._send(READY, 0, 0, 0, (), b"")
@@ -316,11 +317,11 @@ class NixlPeer:
     def offer(self, entry: _LocalCache) -> None:
         cache = entry.cache
         if (self.closed or self.declined is not None or self.name is None or cache is None
-                or cache.cache_id in self.offers_sent or not self.plane.exposed):
+                or cache.cache_id in self.offers_sent or not self.agent.exposed):
             return
         self.offers_sent.add(cache.cache_id)
         self._send(OFFER, cache.cache_id, entry.rows, entry.row_bytes, tuple(cache.layout.bases),
-                   self.plane.metadata)
+                   self.agent.metadata)
 
     def withdraw(self, cache_id: int) -> None:
         self.prepared.discard(cache_id)
@@ -331,7 +332,7 @@ class NixlPeer:
     def serves(self, cache: Any) -> bool:
         """Whether the peer may move whole rows of our ``cache`` with NIXL: it is registered and the
         peer said it prepared the list for it."""
-        return self.usable() and cache.cache_id in self.prepared and self.plane.offered(cache)
+        return self.usable() and cache.cache_id in self.prepared and self.agent.offered(cache)
 
     # -- set-up and giving up ---------------------------------------------------
 
@@ -385,7 +386,7 @@ class NixlPeer:
 
     def _start(self, work: Any, what: str, done: Any) -> None:
         """Engine work for this peer: cancelled if we decline; ``done(fut)`` runs unless we did or closed."""
-        fut = self.plane.start(work, what, discard=_discard)
+        fut = self.agent.start(work, what, discard=_discard)
         self._pending.add(fut)
 
         def finished(f: asyncio.Future) -> None:
@@ -400,12 +401,12 @@ class NixlPeer:
 
     # -- what we receive -------------------------------------------------------
 
-    def on_message(self, fields: dict) -> None:
+    def on_message(self, fields: NixlRecord) -> None:
         """One ``Msg.NIXL`` record from the peer (validated here; a bad one is a ProtocolError)."""
         from aio_datadist.wire import ProtocolError
 
-        kind, cache_id, rows, row_bytes = fields["kind"], fields["cache_id"], fields["count"], fields["row_bytes"]
-        blob = fields["blob"]
+        kind, cache_id, rows, row_bytes = fields.kind, fields.cache_id, fields.count, fields.row_bytes
+        blob = fields.blob
         if self.declined is not None and kind in KINDS:
             return  # TCP for good: whatever the peer sent before it heard so changes nothing
         if kind == HELLO:
@@ -414,7 +415,7 @@ class NixlPeer:
                 raise ProtocolError("bad NIXL hello")
             self._load(metadata, name, None)
         elif kind == OFFER:
-            bases = fields["rows"]
+            bases = fields.rows
             if (self.name is None or cache_id <= 0 or not 0 < len(bases) <= MAX_TENSORS or rows <= 0
                     or row_bytes <= 0 or rows * row_bytes >= 1 << 48):
                 raise ProtocolError("bad NIXL offer")
@@ -510,7 +511,7 @@ class NixlPeer:
         go of it (also after a cancel). Raises ``LLM_LINK_FAILED`` when either
         end is not (or no longer) prepared for it.
         """
-        entry = self.plane.local.get(local.cache_id)
+        entry = self.agent.local.get(local.cache_id)
         remote = self.caches.get(remote_id)
         if entry is None or entry.cache is not local or remote is None or not self.usable():
             raise LLMException(f"cluster {self.cluster_id}: cache {remote_id} is not prepared for NIXL",
@@ -526,7 +527,7 @@ class NixlPeer:
         engine, name = self.engine, self.name
         assert name is not None  # usable() above
         settled = asyncio.get_running_loop().create_future()
-        moved = self.plane.run(
+        moved = self.agent.run(
             lambda t: engine.xfer(t, op, entry.dlist, local_idx, remote.dlist, remote_idx, name, notif, nbytes),
             what, keepalive=(local, entry, remote), settled=settled)
         return moved, settled
@@ -536,13 +537,13 @@ class NixlPeer:
         engine, name = self.engine, self.name
         assert name is not None, "expect_push is for a usable peer (serves() checked it)"
         message = notif_for(req_id)
-        return self.plane.run(lambda t: engine.expect_notif(t, name, message), what)
+        return self.agent.run(lambda t: engine.expect_notif(t, name, message), what)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        self.plane.peers.discard(self)
+        self.agent.peers.discard(self)
         for fut in list(self._pending):
             fut.cancel()
         caches, self.caches = self.caches, {}

@@ -44,7 +44,7 @@ from aio_datadist import (
     Placement,
     link_table,
 )
-from aio_datadist.testing import links_of, nixl_plane_of
+from aio_datadist.testing import links_of, nixl_agent_of
 from peers import DECODER_ID, PROMPT_ID, _next_command, fill, pattern, wait_readable
 
 import _harness
@@ -166,7 +166,7 @@ def _main(conn: multiprocessing.connection.Connection, ns: str, role: str, addre
 
 
 def _state(dd: LLMDataDist) -> dict[str, Any]:
-    plane = nixl_plane_of(dd)
+    plane = nixl_agent_of(dd)
     links = {}
     for cid, link in links_of(dd).items():
         peer = link.nixl

@@ -57,7 +57,7 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 def recv_frame(sock: socket.socket) -> tuple[Msg, int, dict[str, Any]]:
     msg, req_id, length = wire.parse_header(recv_exactly(sock, wire.HEADER.size))
-    return msg, req_id, wire.decode_body(msg, recv_exactly(sock, length) if length else b"")
+    return msg, req_id, wire.fields_of(msg, recv_exactly(sock, length) if length else b"")
 
 
 def rest_of_stream(sock: socket.socket, limit: int = 1 << 20) -> bytes:

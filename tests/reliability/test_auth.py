@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, wire
-from aio_datadist.links import layout_hash
-from aio_datadist.testing import links_of, runtime_of, share_listener_of
+from aio_datadist.testing import links_of, share_listener_of
 from aio_datadist.transport.local import boot_id
 from aio_datadist.types import UINT64_MAX
 from aio_datadist.wire import Msg
@@ -50,7 +49,7 @@ def only_refusals(reply: bytes) -> None:
     pos = 0
     while pos + wire.HEADER.size <= len(reply):
         msg, _, length = wire.parse_header(reply[pos:pos + wire.HEADER.size])
-        fields = wire.decode_body(msg, reply[pos + wire.HEADER.size:pos + wire.HEADER.size + length])
+        fields = wire.fields_of(msg, reply[pos + wire.HEADER.size:pos + wire.HEADER.size + length])
         assert msg in (Msg.HELLO_ACK, Msg.LINK_OK), msg
         if msg is Msg.LINK_OK:
             assert fields["status"] == S.LLM_LINK_FAILED and fields["link_token"] == bytes(32)
@@ -219,13 +218,12 @@ async def test_before_proving_the_secret_a_peer_learns_nothing_but_a_nonce():
     async with endpoint(LLMRole.PROMPT, IDENTIFIED, listen=True, shared_secret=SECRET, transport="auto") as dd:
         dd.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(IDENTIFIED))
         identifying = {"cluster id": IDENTIFIED.to_bytes(8, "big"), "boot id": boot_id(),
-                       "share socket name": share_listener_of(dd).name[1:],
-                       "blocks layout": layout_hash(runtime_of(dd))}
+                       "share socket name": share_listener_of(dd).name[1:]}  # no blocks layout travels (wire 4)
         received = await asyncio.to_thread(handshake_without_the_secret, port_of(dd))
         frames, pos = [], 0
         while pos < len(received):
             msg, _, length = wire.parse_header(received[pos:pos + wire.HEADER.size])
-            frames.append((msg, wire.decode_body(msg, received[pos + wire.HEADER.size:pos + wire.HEADER.size + length])))
+            frames.append((msg, wire.fields_of(msg, received[pos + wire.HEADER.size:pos + wire.HEADER.size + length])))
             pos += wire.HEADER.size + length
         assert [msg for msg, _ in frames] == [Msg.HELLO_ACK, Msg.LINK_OK]
         assert set(frames[0][1]) == {"nonce", "proof"}
@@ -274,7 +272,7 @@ class TamperingRelay:
             while True:
                 header = await up_reader.readexactly(wire.HEADER.size)
                 msg, req_id, length = wire.parse_header(header)
-                fields = wire.decode_body(msg, await up_reader.readexactly(length))
+                fields = wire.fields_of(msg, await up_reader.readexactly(length))
                 if msg is Msg.LINK_OK and fields["status"] == 0:
                     fields["boot_id"] = bytes(b ^ 0xFF for b in fields["boot_id"])
                     self.tampered += 1

@@ -40,8 +40,8 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
-from aio_datadist.testing import link_to, nixl_plane_of, runtime_of
-from aio_datadist.transfers import ABORT_ACK_S
+from aio_datadist.testing import link_to, nixl_agent_of, runtime_of
+from aio_datadist.transport.base import ABORT_ACK_S
 from peers import NIXL_MISSING, CacheSpec, EndpointSpec, cluster_info, port_of
 from tls_certs import client_context, make_pki, server_context
 
@@ -250,20 +250,20 @@ async def test_cut_nixl_transfers_write_and_record_nothing_after_they_returned(h
     async with pair(transport="nixl") as (prompt, dec, src, dst):
         await nixl_prepared(prompt, DECODER, src)
         await nixl_prepared(dec, PROMPT, dst)
-        posted = nixl_plane_of(dec).engine.posted
+        posted = nixl_agent_of(dec).engine.posted
         paint(src, 10)
         # NIXL cannot stop a posted transfer part-way: a cut call returns once it settled, so what
         # it moved is in place before the return, all of it (or nothing, when cut before it started).
         pulled = await no_late_bytes(dst, 10, lambda ms: dec.kv_cache_manager.pull_blocks(
             BlocksCacheKey(PROMPT, 0), dst, ALL, ALL, timeout=ms), how)
-        assert nixl_plane_of(dec).engine.posted > posted, "the pulls did not go by NIXL"
-        posted = nixl_plane_of(prompt).engine.posted
+        assert nixl_agent_of(dec).engine.posted > posted, "the pulls did not go by NIXL"
+        posted = nixl_agent_of(prompt).engine.posted
         arrivals: list = []
         record = runtime_of(dec).arrivals.record
         runtime_of(dec).arrivals.record = lambda *args: (arrivals.append(args), record(*args))  # type: ignore
         pushed = await no_late_bytes(dst, 10, lambda ms: prompt.kv_cache_manager.push_blocks(
             BlocksCacheKey(DECODER, 0), src, ALL, ALL, timeout=ms), how, arrivals)
-        assert nixl_plane_of(prompt).engine.posted > posted, "the pushes did not go by NIXL"
+        assert nixl_agent_of(prompt).engine.posted > posted, "the pushes did not go by NIXL"
         assert any(pulled) and any(pushed), f"no cut came while NIXL was moving bytes: {pulled} {pushed}"
         await verified_pull(dec, src, dst, 11)
         await verified_push(prompt, src, dst, 12)

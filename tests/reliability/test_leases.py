@@ -130,9 +130,8 @@ async def test_renew_cancel_and_pulled_keys():
         cache = kv.allocate_cache(ROWS, keys_for(40))
         lease = lease_cache(kv, cache, keys_for(40), lease_ms=50)
         await settle(dd, baseline, within=0.05 + BOUND_S)
-        with pytest.raises(LLMException) as info:
-            kv.deallocate_cache(cache)
-        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        kv.deallocate_cache(cache)  # the lease released it already: a second release is a no-op (reference 2.3)
+        assert state(dd) == baseline
         with pytest.raises(LLMException):
             lease.renew(100)
 

@@ -43,7 +43,7 @@ import torch
 import uvloop
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMStatusCode, Placement
-from aio_datadist.testing import link_to, nixl_plane_of
+from aio_datadist.testing import link_to, nixl_agent_of
 from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, fill, linked_pair, same, snapshot
 
 from _netns_peer import NetnsPeer
@@ -188,8 +188,8 @@ async def test_a_nixl_load_that_hangs_is_given_up_within_its_share_and_changes_n
         src = pair.pm.allocate_blocks_cache(HUNG_DESC, BlocksCacheKey(PROMPT_ID))
         want = fill(src, 5)
         dst = pair.dm.allocate_blocks_cache(HUNG_DESC)
-        await nixl_plane_of(pair.prompt).registered(src)
-        agent = nixl_plane_of(pair.prompt).engine.agent
+        await nixl_agent_of(pair.prompt).registered(src)
+        agent = nixl_agent_of(pair.prompt).engine.agent
         real_load = agent.add_remote_agent
         loaded = threading.Event()
 
@@ -212,7 +212,7 @@ async def test_a_nixl_load_that_hangs_is_given_up_within_its_share_and_changes_n
         assert same(snapshot(dst), want)
         assert not loaded.is_set()  # the pull did not wait for the load either
         async with asyncio.timeout(HUNG_S + 5):
-            while not loaded.is_set() or nixl_plane_of(pair.prompt).engine.in_flight():
+            while not loaded.is_set() or nixl_agent_of(pair.prompt).engine.in_flight():
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.1)  # the late load's record has been handled
         decoder_peer = link_to(pair.decoder, PROMPT_ID).nixl
@@ -223,7 +223,7 @@ async def test_a_nixl_load_that_hangs_is_given_up_within_its_share_and_changes_n
             t.zero_()
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, blocks, blocks)
         assert same(snapshot(dst), want)
-        assert nixl_plane_of(pair.decoder).engine.posted == nixl_plane_of(pair.prompt).engine.posted == 0
+        assert nixl_agent_of(pair.decoder).engine.posted == nixl_agent_of(pair.prompt).engine.posted == 0
     warned = [r.getMessage() for r in caplog.records if r.name == "aio_datadist.nixl"]
     assert len(warned) == 2, warned  # one per end, naming the other; none when the agents closed
     assert sorted(f"cluster {c}" in w for w in warned for c in (PROMPT_ID, DECODER_ID)).count(True) == 2, warned
@@ -238,9 +238,9 @@ async def test_nixl_set_up_with_cache_lists_still_being_prepared_keeps_nixl_and_
         src = pair.pm.allocate_blocks_cache(HUNG_DESC, BlocksCacheKey(PROMPT_ID))
         want = fill(src, 6)
         dst = pair.dm.allocate_blocks_cache(HUNG_DESC, BlocksCacheKey(DECODER_ID))
-        await nixl_plane_of(pair.prompt).registered(src)
-        await nixl_plane_of(pair.decoder).registered(dst)
-        agent = nixl_plane_of(pair.prompt).engine.agent
+        await nixl_agent_of(pair.prompt).registered(src)
+        await nixl_agent_of(pair.decoder).registered(dst)
+        agent = nixl_agent_of(pair.prompt).engine.agent
         real_prep = agent.prep_xfer_dlist
         prepared = threading.Event()
 
@@ -260,7 +260,7 @@ async def test_nixl_set_up_with_cache_lists_still_being_prepared_keeps_nixl_and_
         # The prompt has not prepared the decoder's cache yet: its push takes TCP meanwhile.
         await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [0, 1], [2, 3])
         assert all(torch.equal(d[[2, 3]], w[[0, 1]]) for d, w in zip(dst.tensors, want))
-        assert nixl_plane_of(pair.prompt).engine.posted == 0
+        assert nixl_agent_of(pair.prompt).engine.posted == 0
         async with asyncio.timeout(HUNG_S + 5):
             while dst.cache_id not in decoder_peer.prepared:
                 await asyncio.sleep(0.02)
@@ -268,5 +268,5 @@ async def test_nixl_set_up_with_cache_lists_still_being_prepared_keeps_nixl_and_
         await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [4, 5], [6, 7])
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [8, 9], [10, 11])
         assert all(torch.equal(d[[6, 7, 10, 11]], w[[4, 5, 8, 9]]) for d, w in zip(dst.tensors, want))
-        assert nixl_plane_of(pair.prompt).engine.posted == 1 and nixl_plane_of(pair.decoder).engine.posted == 1
+        assert nixl_agent_of(pair.prompt).engine.posted == 1 and nixl_agent_of(pair.decoder).engine.posted == 1
     assert not [r for r in caplog.records if r.name == "aio_datadist.nixl" and r.levelno >= logging.WARNING]

@@ -4,8 +4,12 @@ The owner (a PROMPT here) registers its caches out of one host tensor with
 random canary bytes before, between and after every cache tensor
 (:class:`_harness.Arena`). Whatever a peer sends,
 
-- framing and decoding end in a dict or a ``ProtocolError``, nothing else;
-- the owner's validation (``transfers._serve_plan``) refuses with a status
+- framing and decoding end in a typed record or a ``ProtocolError``, nothing else;
+- the link's protocol object (``protocol.LinkProtocol``) makes the same
+  events of the same bytes however they are cut, or fails with a
+  ``ProtocolError`` after which it parses nothing; a live link's reader acts
+  on every frame, in order, up to a malformed one or the end of the stream;
+- the owner's validation (``owner.serve_plan``) refuses with a status
   code or plans byte ranges that lie inside registered cache tensors only;
 - over a real authenticated link, a refused request changes no byte, an
   accepted one moves exactly the bytes an independent model of the layout
@@ -21,9 +25,12 @@ Counts: at least 10,000 generated cases in all (see the summary).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import random
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,16 +48,19 @@ from aio_datadist import (
     LLMRole,
     LLMStatusCode,
     Placement,
-    transfers,
+    owner,
+    protocol,
     wire,
 )
+from aio_datadist.protocol import LinkProtocol
 from aio_datadist.testing import link_to, runtime_of
 from aio_datadist.types import UINT64_MAX
-from aio_datadist.wire import Msg, ProtocolError
+from aio_datadist.transport.base import Refusal, Served
+from aio_datadist.wire import Msg, ProtocolError, ReqFlag
 from peers import port_of
 
 from _harness import Arena, endpoint, state
-from _rawpeer import RawLink, Refused, dial, recv_exactly, rest_of_stream
+from _rawpeer import RawLink, Refused, dial, recv_exactly, recv_frame, rest_of_stream
 from _budget import SEED, scaled
 from _tally import count
 
@@ -60,6 +70,7 @@ SECRET = "fuzz-secret"
 DECODE_EXAMPLES = scaled(3000)
 PLAN_EXAMPLES = scaled(5000)
 LIVE_EXAMPLES = scaled(2500)
+PROTOCOL_EXAMPLES = scaled(1000)
 MALFORMED_FRAMES = scaled(300)
 WRONG_VERSIONS = [v for v in (0, 1, 2, 255) if v != wire.VERSION]
 
@@ -141,7 +152,8 @@ def frames(draw: Any) -> bytes:
 
 
 def decode_frame(frame: bytes) -> tuple[Msg, int, dict[str, Any]]:
-    """What a reader does with a frame: header, then exactly ``length`` body bytes."""
+    """What a reader does with a frame: header, then exactly ``length`` body bytes; the message's
+    typed record (checked) as a dict of its fields."""
     if len(frame) < wire.HEADER.size:
         raise ProtocolError("short frame")
     msg, req_id, length = wire.parse_header(frame[:wire.HEADER.size])
@@ -149,7 +161,9 @@ def decode_frame(frame: bytes) -> tuple[Msg, int, dict[str, Any]]:
     body = frame[wire.HEADER.size:wire.HEADER.size + length]
     if len(body) < length:
         raise ProtocolError("short body")
-    return msg, req_id, wire.decode_body(msg, body)
+    record = wire.decode(msg, body)
+    assert type(record) is wire.RECORDS[msg]
+    return msg, req_id, dataclasses.asdict(record)
 
 
 def test_every_frame_decodes_to_fields_or_a_protocol_error():
@@ -167,6 +181,70 @@ def test_every_frame_decodes_to_fields_or_a_protocol_error():
         assert again == body[:len(again)] or "\ufffd" in fields.get("text", "")
 
     decode()
+
+
+def feed(proto: LinkProtocol, pieces: Sequence[bytes]) -> tuple[list[protocol.Event], ProtocolError | None]:
+    """Every event ``pieces`` give, and the error that failed ``proto`` (raised or left in ``error``)."""
+    events: list[protocol.Event] = []
+    for piece in pieces:
+        if proto.error is not None:
+            with pytest.raises(ProtocolError) as again:  # failed: nothing more is parsed
+                proto.receive(piece)
+            assert again.value is proto.error and proto.pending_bytes == 0
+            continue
+        try:
+            events += proto.receive(piece)
+        except ProtocolError as exc:
+            assert exc is proto.error
+    return events, proto.error
+
+
+def reference(data: bytes) -> tuple[list[tuple[Msg, int, Any]], str | None]:
+    """What a reader makes of ``data``, frame after frame, up to its first malformed or incomplete one."""
+    out, pos = [], 0
+    try:
+        while len(data) - pos >= wire.HEADER.size:
+            msg, req_id, length = wire.parse_header(data[pos:pos + wire.HEADER.size])
+            if len(data) - pos - wire.HEADER.size < length:
+                break
+            out.append((msg, req_id, wire.decode(msg, data[pos + wire.HEADER.size:pos + wire.HEADER.size + length])))
+            pos += wire.HEADER.size + length
+    except ProtocolError as exc:
+        return out, str(exc)
+    return out, None
+
+
+def test_the_link_protocol_gives_the_same_events_however_the_frames_are_cut():
+    @settings(max_examples=PROTOCOL_EXAMPLES, **SETTINGS)
+    @given(st.lists(st.one_of(frames(), st.binary(max_size=40)), min_size=1, max_size=6), st.booleans(),
+           st.lists(st.integers(0, 2**16), max_size=12), st.data())
+    def cut(parts: list[bytes], is_client: bool, cuts: list[int], data: Any) -> None:
+        count("fuzz cases (in-process)")
+        stream = b"".join(parts)
+        ends = sorted({c % (len(stream) + 1) for c in cuts})
+        chunked = [stream[a:b] for a, b in zip([0, *ends], [*ends, len(stream)], strict=True)]
+        runs = {"whole": [stream, b""], "bytes": [stream[i:i + 1] for i in range(len(stream))] + [b""],
+                "chunks": [*chunked, b""]}
+        seen = {how: feed(LinkProtocol(is_client), pieces) for how, pieces in runs.items()}
+        (events, error), = {(tuple(e), None if x is None else str(x)) for e, x in seen.values()}
+        frames_, wanted = reference(stream)
+        assert error == wanted
+        assert len(events) == len(frames_)
+        for event, (msg, req_id, record) in zip(events, frames_, strict=True):
+            assert event.req_id == req_id
+            assert getattr(event, "record", wire.Empty()) == record
+            assert getattr(event, "msg", msg) is msg
+        if error is not None:  # failed: more frames are not parsed, whatever they hold
+            proto = LinkProtocol(is_client)
+            feed(proto, runs["chunks"])
+            first = proto.error
+            assert first is not None
+            for more in (wire.encode(Msg.PROBE, 1), data.draw(frames())):
+                with pytest.raises(ProtocolError) as again:
+                    proto.receive(more)
+                assert again.value is first
+
+    cut()
 
 
 # -- 2. the owner's validation, in-process --------------------------------------------------
@@ -255,16 +333,16 @@ def requests(target: Target, channels: Sequence[int]) -> st.SearchStrategy[dict[
             near_edges = st.sampled_from([0, 0, 0, 0, 1, -1, 32, -32, 64, lay.row_bytes, -lay.row_bytes,
                                           lay.tensor_bytes - lay.row_bytes + 32, lay.tensor_bytes])
             addrs = [max(0, b + draw(near_edges)) for b in lay.bases[2 * pair:2 * pair + 2]]
-            req.update(target_kind=4, tensor_count=2, offset=lay.row_bytes, flags=transfers.F_BLOCKS,
+            req.update(target_kind=4, tensor_count=2, offset=lay.row_bytes, flags=ReqFlag.BLOCKS,
                        rows=tuple(addrs + draw(st.lists(st.integers(0, lay.rows - 1), min_size=1, max_size=4,
                                                         unique=True))))
         elif blocks:
             req.update(target_kind=draw(st.sampled_from([2, 3])), model_id=keys,
-                       flags=transfers.F_BLOCKS | transfers.F_EXACT,
+                       flags=ReqFlag.BLOCKS | ReqFlag.EXACT,
                        rows=tuple(draw(st.lists(st.integers(0, lay.rows - 1), min_size=1, max_size=4, unique=True))))
         else:
             offset = draw(st.sampled_from([0, 0, 0, 64, lay.row_bytes // 2]))
-            req.update(offset=offset, nbytes=draw(st.integers(1, lay.row_bytes - offset)), flags=transfers.F_CONTIG)
+            req.update(offset=offset, nbytes=draw(st.integers(1, lay.row_bytes - offset)), flags=ReqFlag.CONTIG)
             if keys and draw(st.booleans()):
                 row = draw(st.integers(0, len(keys) - 1))
                 req.update(target_kind=1, key_req_id=keys[row])
@@ -286,9 +364,9 @@ def requests(target: Target, channels: Sequence[int]) -> st.SearchStrategy[dict[
     return build()
 
 
-def check_plan(target: Target, planned: tuple) -> None:
+def check_plan(target: Target, planned: Served) -> None:
     """Every byte range an accepted plan hands to the native engine lies in registered memory."""
-    pairs, total = planned[1], planned[2]
+    pairs, total = planned.pairs, planned.total
     values = list(pairs)
     assert len(values) % 2 == 0
     moved = 0
@@ -328,8 +406,8 @@ async def test_the_owner_plans_only_registered_bytes_or_refuses():
         def serve(msg: Msg, req: dict[str, Any]) -> None:
             count("fuzz cases (in-process)")
             try:
-                planned = transfers._serve_plan(rt, link, msg, req)
-            except transfers._Refusal as refusal:
+                planned = owner.serve_plan(rt, link, msg, wire.TransferReq(**req))
+            except Refusal as refusal:
                 assert refusal.code in set(LLMStatusCode) - {S.LLM_SUCCESS}
                 outcomes["refused"] = outcomes.get("refused", 0) + 1
                 return
@@ -589,6 +667,59 @@ def run_malformed_frames(address: tuple[str, int], rng: random.Random) -> int:
     return sent
 
 
+# -- 5. the link's reader: frames cut anyhow on a live link -----------------------------------
+
+
+def _answers(raw: RawLink, n: int) -> list[int]:
+    """The ids of the next ``n`` PROBE_ACKs (the owner's own PROBEs and PINGs skipped)."""
+    assert raw.ctl is not None
+    ids = []
+    while len(ids) < n:
+        msg, rid, _ = recv_frame(raw.ctl)
+        if msg is Msg.PROBE_ACK:
+            ids.append(rid)
+        else:
+            assert msg in (Msg.PROBE, Msg.PING), msg
+    return ids
+
+
+def _drive_reader(address: tuple[str, int], cluster: int, bad: bytes | None) -> list[int]:
+    """A PROBE one byte at a time, 200 in one send, then a PROBE with ``bad`` (or half a frame and EOF)
+    behind it in one send; the ids of the acks, then those the peer sent before it closed."""
+    with RawLink(address, cluster, PROMPT, SECRET.encode()).connect() as raw:
+        assert raw.ctl is not None
+        for byte in wire.encode(Msg.PROBE, 2):
+            raw.ctl.sendall(bytes([byte]))
+            time.sleep(0.001)
+        got = _answers(raw, 1)
+        raw.send_raw(b"".join(wire.encode(Msg.PROBE, 4 + 2 * i) for i in range(200)))
+        got += _answers(raw, 200)
+        tail = bad if bad is not None else wire.encode(Msg.PROBE, 1000)[:7]
+        raw.send_raw(wire.encode(Msg.PROBE, 900) + tail)
+        if bad is None:
+            raw.ctl.shutdown(socket.SHUT_WR)
+        rest = rest_of_stream(raw.ctl)  # until the owner drops the link
+        pos = 0
+        while pos + wire.HEADER.size <= len(rest):
+            msg, rid, length = wire.parse_header(rest[pos:pos + wire.HEADER.size])
+            if msg is Msg.PROBE_ACK:
+                got.append(rid)
+            pos += wire.HEADER.size + length
+        return got
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("bad", [b"garbage that is no frame", None], ids=["malformed", "eof"])
+async def test_the_link_reader_acts_on_every_frame_however_cut_up_to_a_bad_one(bad: bytes | None, caplog: Any):
+    caplog.set_level(logging.INFO, logger="aio_datadist.links")
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", shared_secret=SECRET) as dd:
+        got = await asyncio.to_thread(_drive_reader, port_of(dd), 60, bad)
+    assert got == [2, *range(4, 404, 2), 900]  # in order; the PROBE just before the bad bytes too
+    why = "protocol error: bad magic" if bad is not None else "connection lost (IncompleteReadError)"
+    assert any(r.getMessage().startswith(f"link to cluster 60 failed: {why}") for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+
+
 def _next_frame(raw: RawLink) -> tuple[Msg, int, dict]:
     from _rawpeer import recv_frame
 
@@ -605,7 +736,7 @@ def assert_no_secret_leaks(reply: bytes) -> None:
     pos = 0
     while pos + wire.HEADER.size <= len(reply):
         msg, _, length = wire.parse_header(reply[pos:pos + wire.HEADER.size])
-        fields = wire.decode_body(msg, reply[pos + wire.HEADER.size:pos + wire.HEADER.size + length])
+        fields = wire.fields_of(msg, reply[pos + wire.HEADER.size:pos + wire.HEADER.size + length])
         assert msg in (Msg.HELLO_ACK, Msg.LINK_OK), msg
         if msg is Msg.LINK_OK:
             assert fields["status"] != 0

@@ -1,0 +1,207 @@
+"""The owner's half of a transfer: check a peer's request, then let a plane serve it.
+
+A request names its target (a key, an id and row, a blocks key, or raw
+addresses for a push), the owner-side rows and layer range, and how many
+bytes per row the requester expects. :func:`serve_plan` checks all of it
+against what this endpoint registered before a byte moves and refuses with
+a status code otherwise; :func:`handle_request` then claims the key a pull
+consumes and hands the request to the first plane the requester offered
+that serves it (``transport/base.py``), the stream plane last.
+"""
+
+from __future__ import annotations
+
+import array
+from typing import TYPE_CHECKING, Any
+
+from aio_datadist import _core
+from aio_datadist._checks import param_invalid
+from aio_datadist.cache import KeyBinding, KvCache
+from aio_datadist.layers import one_side_span
+from aio_datadist.plans import block_shape_digest
+from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.transport import plane, planes_for
+from aio_datadist.transport.base import Refusal, Served
+from aio_datadist.types import UINT64_MAX
+from aio_datadist.wire import Done, Msg, ReqFlag, Target, TransferReq
+
+if TYPE_CHECKING:
+    from aio_datadist.links import Link
+    from aio_datadist.runtime import Runtime
+
+__all__ = ["handle_request", "serve_plan"]
+
+
+def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any) -> None:
+    """Serve a peer's PULL_REQ, PUSH_REQ or PUSH_LOCAL, or its DONE after a pull (from the link's reader)."""
+    if msg is Msg.DONE:
+        _done(link, req_id, req)
+        return
+    if msg not in (Msg.PULL_REQ, Msg.PUSH_REQ, Msg.PUSH_LOCAL):
+        return
+    try:
+        served = serve_plan(rt, link, msg, req)
+    except Refusal as refusal:
+        link.send(Msg.RESP, req_id, status=refusal.code, total=0, cache_id=-1, row=-1, text=refusal.text)
+        return
+    if msg is Msg.PUSH_LOCAL:  # the same-host plane's own request (its move_alone)
+        plane("same-host").serve_alone(rt, link, req_id, req, served)
+        return
+    key = served.key if msg is Msg.PULL_REQ else None
+    if key is not None and not rt.registry.claim_key(key, served.tensors):
+        link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, total=0, cache_id=-1, row=-1,
+                  text="the key is being pulled by another request")
+        return
+    for candidate in planes_for(link):
+        if (not candidate.flag or req.flags & candidate.flag) and candidate.serves(link, msg, req, served):
+            candidate.serve(rt, link, msg, req_id, req, served)
+            return
+    raise AssertionError("the stream plane serves every request")  # pragma: no cover
+
+
+def _done(link: Link, req_id: int, done: Done) -> None:
+    """A requester's word that a transfer we serve in place is over (or was given up)."""
+    ack = link.pull_acks.pop(req_id, None)
+    failed = done.status != LLMStatusCode.LLM_SUCCESS
+    if ack is not None:
+        ack[1 if failed else 0]()
+    if failed:
+        # A requester that gave up a NIXL or same-host transfer waits for our word that nothing of
+        # it is written or recorded here any more: the line above made sure of that.
+        link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text="aborted")
+
+
+def _resolve_target(rt: Runtime, req: TransferReq) -> tuple[KvCache, int | None, KeyBinding | None]:
+    """The cache a request names, its row, and the key binding a pull of it claims and consumes
+    (that binding only: a key removed and bound again meanwhile is another binding)."""
+    kind = req.target_kind
+    reg = rt.registry
+    cache: KvCache | None
+    if kind == Target.CACHE_KEY:
+        req_valid = req.key_req_id != UINT64_MAX
+        prefix_valid = req.prefix_id != UINT64_MAX
+        if req_valid == prefix_valid:
+            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                           "invalid argument 'cache_key': exactly one of req_id and prefix_id must be set")
+        ident = (req.key_req_id, req.prefix_id, req.model_id)
+        found = reg.resolve_key(ident)
+        if found is None:
+            raise Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                           f"no cache is bound to key req_id={req.key_req_id} prefix_id={req.prefix_id} "
+                           f"model_id={req.model_id} (never bound, removed, or already pulled)")
+        cache, binding = found
+        return cache, binding.row, binding
+    if kind == Target.ID_INDEX:
+        cache = reg.by_id(req.cache_id)
+        if cache is None:
+            raise Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {req.cache_id} does not exist")
+        return cache, req.batch_index, reg.key_at(cache.cache_id, req.batch_index)
+    if kind == Target.BLOCKS_KEY:
+        cache = reg.by_blocks_key(req.model_id)
+        if cache is None:
+            raise Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                           f"no blocks cache is bound to model_id {req.model_id}")
+        return cache, None, None
+    raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"unknown target kind {kind}")
+
+
+def _find_tensor(rt: Runtime, start: int, end: int) -> tuple[KvCache, int] | None:
+    for cache in rt.registry.caches():
+        lay = cache.layout
+        for t, base in enumerate(lay.bases):
+            if base <= start and end <= base + lay.tensor_bytes:
+                return cache, t
+    return None
+
+
+def _serve_addrs(rt: Runtime, msg: Msg, req: TransferReq) -> tuple[list[KvCache], Any, int, list]:
+    """Check raw destination addresses (TransferConfig) against registered memory."""
+    if msg is not Msg.PUSH_REQ:
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "raw addresses can only be pushed to")
+    count, rows = req.tensor_count, list(req.rows)
+    if not 0 < count <= len(rows):
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "invalid argument 'dst_addrs': address count mismatch")
+    addrs, blocks = rows[:count], rows[count:]
+    stride, nbytes = req.offset, req.nbytes
+    if bool(req.flags & ReqFlag.BLOCKS) != bool(blocks) or nbytes == 0 or (blocks and stride < nbytes):
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "invalid argument 'dst_block_indices': bad block geometry")
+    extent = (max(blocks) * stride if blocks else 0) + nbytes
+    caches, landed = [], []
+    for i, addr in enumerate(addrs):
+        found = None if addr + extent >= 1 << 64 else _find_tensor(rt, addr, addr + extent)
+        if found is None:
+            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                           f"invalid argument 'dst_addrs': address {i} ({addr:#x}, {extent} bytes) lies outside "
+                           "every cache registered on the destination")
+        cache, t = found
+        caches.append(cache)
+        lay = cache.layout
+        offsets = [addr - lay.bases[t] + b * stride for b in (blocks or [0])]
+        if all(off % lay.row_bytes == 0 for off in offsets) and nbytes == lay.row_bytes:
+            landed.append((cache, range(t, t + 1), [off // lay.row_bytes for off in offsets]))
+    pairs = _core.segments(array.array("Q", addrs), array.array("q", blocks or [0]), stride, 0, nbytes)
+    return caches, pairs, count * max(len(blocks), 1) * nbytes, landed
+
+def serve_plan(rt: Runtime, link: Link, msg: Msg, req: TransferReq) -> Served:
+    """Check a peer's request against what we registered; what serving it moves, or :class:`Refusal`."""
+    if not rt.settings.remote_cache_accessible:
+        raise Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                       "this endpoint's caches are not remotely accessible "
+                       "(its option 'llm.EnableRemoteCacheAccessible' is '0')")
+    if msg is not Msg.PUSH_LOCAL and not link.peer_channel_ok(req.channel):
+        raise Refusal(LLMStatusCode.LLM_LINK_FAILED, f"data channel {req.channel} is not usable")
+    if req.target_kind == Target.ADDRS:
+        caches, pairs, total, landed = _serve_addrs(rt, msg, req)
+        return Served(caches, pairs, total, None, range(0), landed)
+    cache, row, ident = _resolve_target(rt, req)
+    flags = req.flags
+    if flags & ReqFlag.BLOCKS and not cache.is_blocks_cache:
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache.cache_id} is not a blocks cache")
+    if flags & ReqFlag.CONTIG and cache.is_blocks_cache:
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache.cache_id} is a blocks cache")
+    if req.data_type != cache.cache_desc.data_type.value:
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                       f"data types differ: cache {cache.cache_id} holds {cache.cache_desc.data_type.name}, "
+                       f"the request's cache holds data type {req.data_type}")
+    lay = cache.layout
+    rows = list(req.rows)
+    if not rows:
+        if row is None:
+            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "no source rows given")
+        rows = [row]
+    bad = [r for r in rows if r >= lay.rows]
+    if bad:
+        arg = "src_blocks" if msg is Msg.PULL_REQ else "dst_blocks"
+        what = "block" if cache.is_blocks_cache else "batch"
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                       f"invalid argument '{arg}': {what} index {bad[0]} out of range [0, {lay.rows}) "
+                       f"of cache {cache.cache_id}")
+    if msg is not Msg.PULL_REQ and len(set(rows)) != len(rows):
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "invalid argument 'dst_blocks': a block is named twice")
+    per_layer = req.tensor_num_per_layer
+    layers = (req.layer_first, req.layer_last)
+    arg = "src_layer_range" if msg is Msg.PULL_REQ else "dst_layer_range"
+    try:
+        if per_layer < 1:
+            raise param_invalid("tensor_num_per_layer", "must be >= 1")
+        first, count = one_side_span(lay.num_tensors, layers, per_layer, arg)
+    except LLMException as exc:
+        raise Refusal(exc.status_code, str(exc)) from None
+    if count != req.tensor_count:
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                       f"invalid argument '{arg}': the peer cache has {count} tensors in range, "
+                       f"the local side {req.tensor_count}")
+    offset, nbytes = req.offset, req.nbytes
+    if nbytes == 0 or offset + nbytes > lay.row_bytes or (flags & ReqFlag.EXACT and offset + nbytes != lay.row_bytes):
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                       f"row size mismatch: cache {cache.cache_id} rows are {lay.row_bytes} bytes, "
+                       f"the request moves {nbytes} bytes per row")
+    if req.block_shape and cache.is_blocks_cache and req.block_shape != block_shape_digest(cache):
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                       f"block shapes differ: cache {cache.cache_id} holds blocks of shape "
+                       f"{tuple(cache.cache_desc.shape[1:])}, the requester's blocks have the same bytes "
+                       "but another shape")
+    pairs = lay.segments(first, count, rows, offset, nbytes)
+    landed = [(cache, range(first, first + count), rows)] if offset == 0 and nbytes == lay.row_bytes else []
+    return Served(cache, pairs, count * len(rows) * nbytes, ident, range(first, first + count), landed, row)
+

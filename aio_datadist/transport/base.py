@@ -1,0 +1,341 @@
+"""The transport interface: planes that move a planned transfer, and what they need of a link.
+
+A *plane* is one way of moving a transfer's bytes once both ends agreed on
+them: the stream plane (the request's data channel: a socket the native
+engine drives, or a TLS channel), the same-host plane (copies against a
+peer's sealed, read-only shared memory) and the NIXL plane (READ/WRITE by
+the NIXL agent). The requester (``transfers.py``) offers the planes that can
+carry a plan in one request; the owner (``owner.py``) checks the request and
+lets the first plane that serves it do so; the requester then lets the plane
+the owner chose carry the plan. A plane that negotiates its own request
+(the same-host push, which the owner performs by reading the pusher's region)
+does so in :meth:`Plane.move_alone`.
+
+Planes sit below links and never import them: what they use of a link is
+:class:`LinkPort`, and the request of ours they carry is a
+:class:`Request`, which knows what giving it up must wait for.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from aio_datadist._settle import settle
+from aio_datadist.cache import KeyBinding, KvCache
+from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
+from aio_datadist.wire import Msg, ReqFlag, Resp, TransferReq
+
+if TYPE_CHECKING:
+    from aio_datadist.plans import Plan
+    from aio_datadist.runtime import Runtime
+    from aio_datadist.transport.local import LocalShare
+    from aio_datadist.transport.nixl import NixlPeer
+
+__all__ = ["InPlacePlane", "LinkPort", "Plane", "Refusal", "Refused", "Request", "RequestState", "Served",
+           "abort_acknowledged", "wait_out"]
+
+#: How long a given-up NIXL transfer may take to settle before the owner hears of it.
+NIXL_SETTLE_S = 1.0
+#: How long a given-up data-channel job may take to report itself over (the channel reset stops it at once).
+JOB_SETTLE_S = 1.0
+#: How long a pusher waits for the owner to confirm that an aborted push stopped.
+ABORT_ACK_S = 1.0
+#: The longest a served request may run, whatever the requester asked for.
+MAX_SERVE_TIMEOUT_MS = 600_000
+NO_GENERATION = 0xFFFFFFFF
+
+
+class LinkPort(Protocol):
+    """What planes and requests use of a link (``links.Link`` is one)."""
+
+    remote_cluster_id: int
+    runtime: Runtime
+    local: LocalShare | None
+    nixl: NixlPeer | None
+    pending: dict[int, asyncio.Future]
+    serving: dict[int, Callable[[], Any]]
+    pull_acks: dict[int, tuple[Callable[[], None], Callable[[], None]]]
+    channels: list[Any]
+    broken: LLMException | None
+    closed: bool
+
+    def send(self, msg: Msg, req_id: int, **fields: Any) -> None: ...
+    def send_record(self, msg: Msg, req_id: int, record: Any) -> None: ...
+    def expect(self, req_id: int) -> asyncio.Future: ...
+    def new_req_id(self) -> int: ...
+    def check(self) -> None: ...
+    def fail(self, exc: LLMException) -> None: ...
+    async def acquire(self) -> int: ...
+    def release(self, index: int) -> None: ...
+    def reset_channel(self, index: int, tell_peer: bool, req_id: int = 0) -> None: ...
+    def move(self, index: int, pairs: Any, *, send: bool, timeout_ms: int | None, what: str, keepalive: Any,
+             settled: asyncio.Future | None = None) -> asyncio.Future: ...
+
+
+class Refusal(Exception):
+    """The owner refuses a peer's request with ``code`` before any byte moves."""
+
+    def __init__(self, code: LLMStatusCode, text: str) -> None:
+        super().__init__(text)
+        self.code = code
+        self.text = text
+
+
+class Refused(LLMException):
+    """The owner refused our request before any byte moved."""
+
+
+@dataclasses.dataclass
+class Served:
+    """A peer's request as the owner validated it: what it moves and what it must settle afterwards."""
+
+    keepalive: Any  # the cache (or caches) the bytes live in
+    pairs: Any  # our side's copy pairs, in wire byte order
+    total: int
+    key: KeyBinding | None  # the key binding the request names (a pull claims and consumes it)
+    tensors: range
+    landed: list  # ``(cache, tensors, rows)`` a push fills whole, recorded as arrived once it is over
+    row: int | None = None  # the row the target names (a key's or an id-and-index's), if any
+
+    @property
+    def cache(self) -> KvCache | None:
+        """The one registered cache the request names, or None for raw addresses."""
+        return self.keepalive if isinstance(self.keepalive, KvCache) else None
+
+
+class RequestState(enum.Enum):
+    """Where one request of ours stands."""
+
+    NEW = "new"  # nothing sent
+    ASKED = "asked"  # the request is out, no answer yet
+    MOVING = "moving"  # the owner accepted; a plane is moving the bytes
+    DONE = "done"
+    GIVEN_UP = "given up"  # timed out, failed or cancelled: nothing of it can land any more
+
+
+class Request:
+    """One request of ours while it runs, and what giving it up must wait for.
+
+    The requester moves it through its states; a plane that carries it sets
+    ``settled`` (done once our own job can touch no byte any more) and, for
+    a push whose bytes may be on their way, ``ack`` (the owner's ``DONE``).
+    A request that is given up (timeout, error, cancellation) returns only
+    once no byte of it can change its destination any more (see
+    :meth:`give_up`).
+    """
+
+    __slots__ = ("link", "what", "state", "channel", "generation", "req_id", "in_place", "settled", "ack")
+
+    def __init__(self, link: LinkPort, what: str) -> None:
+        self.link = link
+        self.what = what
+        self.state = RequestState.NEW
+        self.channel = -1  # the data channel the request names, while we hold it
+        self.generation = -1
+        self.req_id = 0
+        self.in_place = False  # the owner chose a plane that needs no data channel (NIXL, same-host)
+        self.settled: asyncio.Future | None = None
+        self.ack: asyncio.Future | None = None
+
+    async def finish(self) -> None:
+        """Once the bytes moved: a pull tells the owner with ``DONE``; a push (``ack`` set) waits for the
+        owner's ``DONE`` and raises its refusal."""
+        if self.ack is None:
+            self.link.send(Msg.DONE, self.req_id, status=0, text="")
+            return
+        confirmed = await asyncio.shield(self.ack)  # a cut must not cancel it: give_up waits for it
+        if confirmed.status != LLMStatusCode.LLM_SUCCESS:
+            raise LLMException(f"cluster {self.link.remote_cluster_id}: {confirmed.text}",
+                               status_code=code_to_status(confirmed.status))
+
+    def release_channel(self) -> None:
+        """Hand the data channel back for the next request."""
+        if self.channel >= 0:
+            self.link.release(self.channel)
+            self.channel = -1
+
+    async def give_up(self) -> None:
+        """Abandon the request and wait, bounded and through cancellations (re-raised afterwards),
+        until nothing of it can land: our job settled, then the owner's answer to the abort of a push
+        (``ABORT_ACK_S``). An owner silent past that bound loses the link, and with it every data
+        channel, so nothing more of ours reaches it."""
+        link = self.link
+        cancelled: list[asyncio.CancelledError] = []
+        if self.in_place:
+            if self.settled is not None:  # NIXL: let the cancelled transfer settle before the owner hears
+                await wait_out(self.settled, NIXL_SETTLE_S, cancelled)
+            if self.req_id:
+                link.send(Msg.DONE, self.req_id, status=LLMStatusCode.LLM_FAILED, text="abandoned")
+        else:
+            self._abandon_channel()
+            if self.settled is not None:
+                await wait_out(self.settled, JOB_SETTLE_S, cancelled)
+        if self.ack is not None:
+            await abort_acknowledged(link, self.ack, self.what, cancelled)
+        if self.req_id:
+            link.pending.pop(self.req_id, None)
+        self.state = RequestState.GIVEN_UP
+        if cancelled:
+            raise cancelled[0]
+
+    def _abandon_channel(self) -> None:
+        """A channel that may carry the request's bytes is reset on both ends (our job on it is over
+        once this returns, see ``Link.reset_channel``)."""
+        link, channel, req_id = self.link, self.channel, self.req_id
+        self.channel = -1
+        if channel < 0:
+            return
+        if link.channels[channel].generation != self.generation:
+            if req_id:
+                link.send(Msg.ABORT, req_id, channel=channel, generation=NO_GENERATION)  # the request only
+            return  # the channel was already replaced under us
+        if req_id:
+            link.reset_channel(channel, tell_peer=True, req_id=req_id)
+        else:
+            link.release(channel)
+
+
+async def abort_acknowledged(link: LinkPort, ack: asyncio.Future, what: str,
+                             cancelled: list[asyncio.CancelledError]) -> None:
+    """Wait (``ABORT_ACK_S`` at most) for the owner's answer to an aborted push, which it sends once
+    nothing more of the push can land; an owner silent past that loses the link."""
+    if not ack.done() and not await wait_out(ack, ABORT_ACK_S, cancelled):
+        link.fail(LLMException(f"{what}: cluster {link.remote_cluster_id} did not confirm an aborted "
+                               f"push within {ABORT_ACK_S} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
+
+
+async def wait_out(future: asyncio.Future, bound_s: float, cancelled: list[asyncio.CancelledError]) -> bool:
+    """``settle`` that keeps a cancellation in ``cancelled`` instead of raising it; whether ``future`` is done."""
+    try:
+        return await settle(future, bound_s)
+    except asyncio.CancelledError as exc:
+        cancelled.append(exc)
+        return future.done()
+
+
+def serve_timeout_ms(req: TransferReq) -> int:
+    """How long the owner lets a request's native job run: what the requester asked plus a second."""
+    return min(max(req.timeout_ms, 1), MAX_SERVE_TIMEOUT_MS) + 1000
+
+
+class Plane(abc.ABC):
+    """One way of moving a transfer's bytes, with a requester's and an owner's half."""
+
+    #: The plane's name, as logs and docs say it.
+    name: ClassVar[str]
+    #: The request flag that offers this plane to the owner (none for the stream plane, always offered).
+    flag: ClassVar[ReqFlag] = ReqFlag(0)
+    #: Whether the requester moves the bytes itself against the owner's memory (no data channel).
+    in_place: ClassVar[bool] = False
+
+    # -- the requester's half --
+
+    async def prepare(self, link: LinkPort, plan: Plan) -> None:  # noqa: B027 - most planes need nothing
+        """Get ready to offer ``plan`` (a cache allocated a moment ago may still be registering)."""
+
+    def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
+        """Whether this plane may be offered for ``plan`` on ``link``."""
+        return False
+
+    async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:
+        """Carry a push by a request of this plane's own; False when the owner wants it offered the usual way."""
+        return False
+
+    @abc.abstractmethod
+    async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
+                    pull: bool) -> None:
+        """Move ``plan`` once the owner chose this plane (``answer``); confirm as the plane requires."""
+
+    # -- the owner's half --
+
+    def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
+        """Whether this plane serves ``req`` (which offered it)."""
+        return False
+
+    @abc.abstractmethod
+    def serve(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq, served: Served) -> None:
+        """Answer ``RESP`` and serve the validated request ``served``; report its end as the plane requires."""
+
+    def serve_alone(self, rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Served) -> None:
+        """The owner's half of :meth:`move_alone`: serve this plane's own request ``req``."""
+        raise NotImplementedError(f"the {self.name} plane has no request of its own")
+
+
+class InPlacePlane(Plane):
+    """A plane whose requester moves the bytes itself against the owner's memory (same-host, NIXL).
+
+    The owner answers ``RESP`` naming the cache; a pull ends with the
+    requester's ``DONE``, a push with the plane's own arrival signal (or a
+    failed ``DONE``). Subclasses add what their memory needs while a request
+    is served (:meth:`_begin`, :meth:`_arrival`).
+    """
+
+    in_place = True
+
+    def _begin(self, link: LinkPort, cache: KvCache) -> Callable[[], None] | None:
+        """A request against ``cache`` is being served; what to do once it is over, if anything."""
+        return None
+
+    def _arrival(self, link: LinkPort, req_id: int) -> asyncio.Future | None:
+        """The future of a push's arrival, when the plane itself signals it (else the requester's DONE)."""
+        return None
+
+    def serve(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq, served: Served) -> None:
+        cache = served.cache
+        assert cache is not None, "in-place planes serve registered caches only (see serves)"
+        row = -1 if req.rows or served.row is None else served.row
+        key, tensors = served.key if msg is Msg.PULL_REQ else None, served.tensors
+        arrived_by_plane: asyncio.Future | None = None
+        end: Callable[[], None] | None = None
+
+        def ok() -> None:
+            if key is not None:
+                rt.registry.release_key(key, tensors)
+                rt.registry.consume(key, tensors, cache.cache_desc.num_tensors)
+            if msg is Msg.PUSH_REQ:
+                for target, rows_tensors, rows in served.landed:
+                    rt.arrivals.record(target, rows_tensors, rows)
+                link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_SUCCESS, text="")
+
+        def failed() -> None:
+            if key is not None:
+                rt.registry.release_key(key, tensors)
+
+        def abort() -> None:
+            # The requester gave up before it saw our answer: it resets the channel it sent.
+            ack = link.pull_acks.pop(req_id, None)
+            if ack is not None:
+                ack[1]()
+
+        def settled(then: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                if link.serving.get(req_id) is abort:
+                    del link.serving[req_id]
+                if end is not None:
+                    end()
+                if arrived_by_plane is not None and not arrived_by_plane.done():
+                    arrived_by_plane.cancel()
+                then()
+            return run
+
+        link.serving[req_id] = abort
+        link.pull_acks[req_id] = (settled(ok), settled(failed))
+        end = self._begin(link, cache)
+        if msg is Msg.PUSH_REQ:
+            arrived_by_plane = self._arrival(link, req_id)
+            if arrived_by_plane is not None:
+                def arrived(f: asyncio.Future) -> None:
+                    if f.cancelled() or f.exception() is not None:
+                        return
+                    ack = link.pull_acks.pop(req_id, None)
+                    if ack is not None:
+                        ack[0]()
+
+                arrived_by_plane.add_done_callback(arrived)
+        link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=served.total, cache_id=cache.cache_id,
+                  row=row, text="")

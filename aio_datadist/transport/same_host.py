@@ -1,0 +1,206 @@
+"""The same-host plane: copies against a same-host peer's sealed, read-only shared caches.
+
+A pull is one native copy by the requester out of the owner's region it
+mapped read-only (``transport/local.py``), then ``DONE``. A push is
+``PUSH_LOCAL``: the owner copies the rows out of the pusher's region itself
+and answers once its copy is over, so no peer ever writes our memory. A copy
+that is given up is stopped and waited for before the call returns.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from aio_datadist import _core
+from aio_datadist._settle import settle
+from aio_datadist.layers import one_side_span
+from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
+from aio_datadist.transport.base import (
+    NO_GENERATION,
+    InPlacePlane,
+    LinkPort,
+    Refusal,
+    Request,
+    Served,
+    abort_acknowledged,
+    serve_timeout_ms,
+)
+from aio_datadist.wire import Msg, PushLocalReq, ReqFlag, Resp, TransferReq
+
+if TYPE_CHECKING:
+    from aio_datadist.plans import Plan
+    from aio_datadist.runtime import Runtime
+
+__all__ = ["PLANE", "SameHostPlane", "USE_STREAM"]
+
+#: How long a given-up same-host copy may take to stop (it stops between chunks of at most 1 MiB).
+COPY_SETTLE_S = 5.0
+#: Source rows a same-host push may name (they travel as one opaque field); larger pushes stream.
+MAX_LOCAL_SRC_ROWS = 32768
+#: RESP.cache_id of an owner that cannot read a same-host push's source: the pusher streams it instead.
+USE_STREAM = -2
+
+
+class SameHostPlane(InPlacePlane):
+    """Offered for pulls when the link shares memory; pushes go by :meth:`move_alone`."""
+
+    name = "same-host"
+    flag = ReqFlag.LOCAL
+
+    def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
+        return pull and link.local is not None and not plan.by_address
+
+    async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
+                    pull: bool) -> None:
+        """One native copy out of the owner's mapped (read-only) cache, then ``DONE``."""
+        share = link.local
+        region = None if share is None else share.region(answer.cache_id)
+        if region is None:
+            raise LLMException(f"cluster {link.remote_cluster_id} shared cache {answer.cache_id} is not mapped",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+        remote = plan.remote
+        first, count = one_side_span(len(region.offsets), (remote.layer_first, remote.layer_last),
+                                     remote.tensor_num_per_layer, "src_layer_range")
+        rows = list(remote.rows) or [answer.row]
+        if (count != remote.tensor_count or not rows or min(rows) < 0 or max(rows) >= region.rows
+                or remote.offset + remote.nbytes > region.row_bytes):
+            raise LLMException(f"cluster {link.remote_cluster_id} shared a cache that does not fit the request",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+        theirs = _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes,
+                                remote.offset, remote.nbytes)
+        triples = _core.zip_segments(plan.local_pairs, theirs)
+        await copy_settled(rt, triples, req.what, (plan.local, region))
+        link.send(Msg.DONE, req.req_id, status=0, text="")
+
+    async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:
+        """A same-host push: the owner copies the rows out of our shared (read-only) region itself.
+
+        Returns False when the push must take the stream path instead (no
+        share, a source the peer has not mapped, raw addresses). A push that
+        is given up (timeout, cancel) sends ``ABORT`` and returns once the
+        owner answered that its copy stopped, at most ``ABORT_ACK_S`` later;
+        an owner silent past that loses the link, so nothing it does
+        afterwards is ours to wait for.
+        """
+        share = link.local
+        if (share is None or not share.shared(plan.local) or plan.by_address
+                or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS):
+            return False
+        link.check()
+        req_id = link.new_req_id()
+        answered = link.expect(req_id)
+        fields = {name: getattr(plan.remote, name) for name in TransferReq.__dataclass_fields__}
+        fields.update(channel=0, timeout_ms=timeout_ms)
+        link.send_record(Msg.PUSH_LOCAL, req_id, PushLocalReq(
+            **fields, src_cache_id=plan.local.cache_id, src_first=plan.local_first, src_nbytes=plan.local_nbytes,
+            src_rows=array.array("Q", plan.local_rows).tobytes()))
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                answer = await asyncio.shield(answered)
+        except BaseException as exc:
+            cancelled: list[asyncio.CancelledError] = []
+            if not answered.done():
+                link.send(Msg.ABORT, req_id, channel=0, generation=NO_GENERATION)
+                await abort_acknowledged(link, answered, what, cancelled)
+            link.pending.pop(req_id, None)
+            if cancelled:
+                raise cancelled[0] from None
+            if isinstance(exc, TimeoutError):
+                raise LLMException(f"{what} timed out after {timeout_ms} ms",
+                                   status_code=LLMStatusCode.LLM_TIMEOUT) from None
+            raise
+        if answer.cache_id == USE_STREAM:
+            return False
+        if answer.status != LLMStatusCode.LLM_SUCCESS:
+            raise LLMException(f"cluster {link.remote_cluster_id}: {answer.text}",
+                               status_code=code_to_status(answer.status))
+        return True
+
+    def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
+        cache = served.cache
+        return msg is Msg.PULL_REQ and cache is not None and link.local is not None and link.local.shared(cache)
+
+    def serve_alone(self, rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Served) -> None:
+        """The owner's half of a same-host push: copy the pusher's rows out of its shared region into ours.
+
+        The answer (``RESP``) is sent once the copy is over, never before: on
+        success the rows are recorded as arrived; after an ``ABORT`` or a
+        failure the copy has stopped by the time the pusher reads the answer.
+        """
+        def answer(status: LLMStatusCode, text: str, cache_id: int = -1, total: int = 0) -> None:
+            link.send(Msg.RESP, req_id, status=status, total=total, cache_id=cache_id, row=-1, text=text)
+
+        try:
+            source = _local_source(link, req, len(served.tensors), served.total)
+        except Refusal as refusal:
+            answer(refusal.code, refusal.text)
+            return
+        if source is None:
+            answer(LLMStatusCode.LLM_SUCCESS, "", cache_id=USE_STREAM)
+            return
+        cache = served.cache
+        assert cache is not None, "PUSH_LOCAL names a registered cache"
+        src_pairs, region = source
+        settled = asyncio.get_running_loop().create_future()
+        triples = _core.zip_segments(served.pairs, src_pairs)
+        try:
+            moved = rt.completions.start(lambda t: rt.copier.submit(t, triples), rt.copier.cancel,
+                                         timeout_ms=serve_timeout_ms(req), what=f"serving PUSH_LOCAL {req_id}",
+                                         keepalive=(cache, region), settled=settled)
+        except LLMException as exc:
+            answer(exc.status_code, str(exc))
+            return
+        link.serving[req_id] = moved.cancel
+
+        def over(_: asyncio.Future) -> None:
+            if link.serving.get(req_id) == moved.cancel:
+                del link.serving[req_id]
+            if moved.done() and not moved.cancelled() and moved.exception() is None:
+                for target, rows_tensors, rows in served.landed:
+                    rt.arrivals.record(target, rows_tensors, rows)
+                answer(LLMStatusCode.LLM_SUCCESS, "", cache_id=cache.cache_id, total=served.total)
+                return
+            if not moved.done():
+                moved.cancel()
+            answer(LLMStatusCode.LLM_FAILED,
+                   "the push was aborted" if moved.cancelled() else str(moved.exception()))
+
+        settled.add_done_callback(over)
+
+
+async def copy_settled(rt: Runtime, triples: Any, what: str, keepalive: Any) -> None:
+    """Run one host copy job; if the caller gives up, the job is stopped and waited for first."""
+    copier = rt.copier
+    settled = asyncio.get_running_loop().create_future()
+    moved = rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None, what=what,
+                                 keepalive=keepalive, settled=settled)
+    try:
+        await moved
+    except BaseException:
+        moved.cancel()
+        await settle(settled, COPY_SETTLE_S)
+        raise
+
+
+def _local_source(link: LinkPort, req: PushLocalReq, count: int, total: int) -> Any:
+    """The pusher's source rows in its region we mapped, as copy pairs; None when we have not mapped it
+    (the pusher then streams). A source that does not fit what it declared is refused."""
+    region = None if link.local is None else link.local.region(req.src_cache_id)
+    if region is None:
+        return None
+    blob = req.src_rows
+    first, nbytes = req.src_first, req.src_nbytes
+    if len(blob) % 8:
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "PUSH_LOCAL source rows are malformed")
+    rows = array.array("Q", blob)
+    if (not rows or max(rows) >= region.rows or first + count > len(region.offsets) or not 0 < nbytes
+            or nbytes > region.row_bytes or count * len(rows) * nbytes != total):
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                      f"the pushed source does not fit cache {req.src_cache_id} shared by the pusher")
+    pairs = _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes, 0, nbytes)
+    return pairs, region
+
+
+PLANE = SameHostPlane()

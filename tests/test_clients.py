@@ -1,0 +1,61 @@
+"""The real llm_datadist clients' flows, unchanged but for the import, over TCP and over same-host memory.
+
+Each port in ``tests/clients/`` keeps its client's llm_datadist calls as the
+upstream repository has them (the port's docstring names the repository,
+path and commit) and replaces only the serving framework around them. Here
+each runs in two spawned processes with ``aio.Transport`` forced to ``tcp``
+and to ``local``, and must end with every check it records passing: the
+bytes the flow moved were compared on the receiving side.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CLIENTS = Path(__file__).resolve().parent / "clients"
+TWO_PROCESS_PORTS = sorted(p.stem for p in CLIENTS.glob("client_*.py") if p.stem != "client_public_names")
+#: Variants of one client's flow worth their run: vllm-ascend's MLA and sparse layouts, MindIE's flex role.
+VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    ("client_vllm_ascend_cmgr", {"layout": "mla"}),
+    ("client_vllm_ascend_cmgr", {"layout": "sparse", "same_server": False}),
+    ("client_mindie", {"decode_role": "flex"}),
+]
+
+
+def _port(name: str) -> Any:
+    if str(CLIENTS) not in sys.path:
+        sys.path.insert(0, str(CLIENTS))
+    return importlib.import_module(name)
+
+
+def _assert_ran(result: dict) -> None:
+    assert result["ok"], {k: result.get(k) for k in ("first_failure", "prefill", "decode", "exitcodes")}
+    assert result["checks"], "the flow recorded no check of the bytes it moved"
+    failed = [name for name, ok in result["checks"].items() if not ok]
+    assert not failed, failed
+
+
+def test_every_port_is_run_here():
+    assert len(TWO_PROCESS_PORTS) == 11, TWO_PROCESS_PORTS
+
+
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+@pytest.mark.parametrize("name", TWO_PROCESS_PORTS)
+def test_a_real_client_flow_runs_unchanged(name: str, transport: str, tmp_path: Path) -> None:
+    _assert_ran(_port(name).run(tmp_path, options={"aio.Transport": transport}))
+
+
+@pytest.mark.parametrize(("name", "variant"), VARIANTS, ids=[f"{n[7:]}-{'-'.join(map(str, v.values()))}"
+                                                          for n, v in VARIANTS])
+def test_a_real_client_flow_variant_runs_unchanged(name: str, variant: dict, tmp_path: Path) -> None:
+    _assert_ran(_port(name).run(tmp_path, options={"aio.Transport": "tcp"}, **variant))
+
+
+def test_every_name_the_clients_import_exists():
+    result = _port("client_public_names").run()
+    assert result["ok"] and not result["missing"], result
