@@ -277,11 +277,11 @@ class Link:
             return
         self.writer.write(wire.encode(msg, req_id, **fields))
 
-    def send_record(self, msg: Msg, req_id: int, record: wire.Record) -> None:
-        """Send ``msg`` carrying ``record`` (nothing once the link is closing)."""
+    def send_record(self, msg: Msg, req_id: int, record: wire.Record, **changes: Any) -> None:
+        """Send ``msg`` carrying ``record`` with ``changes`` to its fields (nothing once the link is closing)."""
         if self.closed or self.writer.is_closing():
             return
-        self.writer.write(wire.encode_record(msg, req_id, record))
+        self.writer.write(wire.encode_record(msg, req_id, record, **changes))
 
     def expect(self, req_id: int) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()

@@ -16,7 +16,6 @@ only once no byte of it can land any more.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import TYPE_CHECKING
 
 from aio_datadist.plans import Plan
@@ -48,9 +47,8 @@ async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: s
 async def _ask(link: Link, req: Request, plan: Plan, offered: Plane | None, timeout_ms: int, *, pull: bool) -> Resp:
     """Send the request, offering ``offered`` besides the stream plane; the owner's acceptance."""
     answered = link.expect(req.req_id)
-    remote = dataclasses.replace(plan.remote, channel=req.channel, timeout_ms=timeout_ms,
-                                 flags=plan.remote.flags | (offered.flag if offered is not None else 0))
-    link.send_record(Msg.PULL_REQ if pull else Msg.PUSH_REQ, req.req_id, remote)
+    link.send_record(Msg.PULL_REQ if pull else Msg.PUSH_REQ, req.req_id, plan.remote, channel=req.channel,
+                     timeout_ms=timeout_ms, flags=plan.remote.flags | (offered.flag if offered is not None else 0))
     req.state = RequestState.ASKED
     answer: Resp = await answered
     if answer.status != LLMStatusCode.LLM_SUCCESS:
