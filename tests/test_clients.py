@@ -11,13 +11,19 @@ bytes the flow moved were compared on the receiving side.
 from __future__ import annotations
 
 import importlib
+import multiprocessing
+import multiprocessing.forkserver
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 CLIENTS = Path(__file__).resolve().parent / "clients"
+#: The two processes of a run are forked from a server that imported torch and the library once
+#: (a spawned process spends about 2 s importing them); each still runs the port's code from its start.
+FORK = multiprocessing.get_context("forkserver")
 TWO_PROCESS_PORTS = sorted(p.stem for p in CLIENTS.glob("client_*.py") if p.stem != "client_public_names")
 #: Variants of one client's flow worth their run: vllm-ascend's MLA and sparse layouts, MindIE's flex role.
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
@@ -31,6 +37,17 @@ def _port(name: str) -> Any:
     if str(CLIENTS) not in sys.path:
         sys.path.insert(0, str(CLIENTS))
     return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fork_server() -> Iterator[None]:
+    """Start the fork server before a test's leak check snapshots the fds, and run the ports from it."""
+    harness = _port("_client_harness")
+    FORK.set_forkserver_preload(["torch", "uvloop", "aio_datadist", "aio_datadist.compat", "_client_harness"])
+    multiprocessing.forkserver.ensure_running()
+    spawn, harness.CTX = harness.CTX, FORK
+    yield
+    harness.CTX = spawn
 
 
 def _assert_ran(result: dict) -> None:

@@ -160,7 +160,10 @@ class Worker:
         while not self.stop_listening.is_set():
             if not self.peer.poll(0.1):
                 continue
-            event_msg, decode_msg = self.peer.recv()
+            try:
+                event_msg, decode_msg = self.peer.recv()
+            except harness.PeerFailed:  # the decode side is done and gone (a ZMQ ROUTER would just idle)
+                return
             event_msg = LLMDataDistCMgrEvent(event_msg)
             if event_msg == LLMDataDistCMgrEvent.ReqForMetadata:
                 if "cluster_id" in decode_msg:
