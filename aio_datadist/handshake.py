@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from aio_datadist import wire
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
-from aio_datadist.types import LLMRole
+from aio_datadist.types import UINT64_MAX, LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
 __all__ = ["Accepted", "Reader", "accept", "attach_token", "dial", "link_ok", "proof"]
@@ -47,7 +47,7 @@ ZERO32 = bytes(32)
 ZERO16 = bytes(16)
 #: The ``peer_id`` of a dial to whichever cluster listens at the address (``LLMClusterInfo`` without
 #: ``remote_cluster_id``): the client learns the id from ``LINK_OK``.
-ANY_PEER = 2**64 - 1
+ANY_PEER = UINT64_MAX
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 
 

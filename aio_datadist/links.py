@@ -45,7 +45,6 @@ log = logging.getLogger("aio_datadist.links")
 
 HEARTBEAT_MISSES = 5
 ZERO32 = bytes(32)
-NO_GENERATION = 0xFFFFFFFF
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes
 
@@ -185,7 +184,7 @@ class Link:
             return
         if ch.sock is None:
             if tell_peer and req_id:
-                self.send(Msg.ABORT, req_id, channel=index, generation=NO_GENERATION)
+                self.send(Msg.ABORT, req_id, channel=index, generation=wire.NO_GENERATION)
             return  # already reset; its redial is under way
         generation = ch.generation
         if isinstance(ch.sock, socket.socket):

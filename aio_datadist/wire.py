@@ -31,6 +31,8 @@ MAX_ROWS = 65536
 MAX_TEXT = 4096
 MAX_BLOB = 256 * 1024
 NONCE_BYTES = 32
+#: ``Abort.generation`` of an abort that names only the request (its channel was already replaced).
+NO_GENERATION = 0xFFFFFFFF
 
 
 class ProtocolError(Exception):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from aio_datadist._settle import settle
 from aio_datadist.cache import KeyBinding, KvCache
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
-from aio_datadist.wire import Msg, ReqFlag, Resp, TransferReq
+from aio_datadist.wire import NO_GENERATION, Msg, ReqFlag, Resp, TransferReq
 
 if TYPE_CHECKING:
     from aio_datadist.plans import Plan
@@ -47,7 +47,6 @@ JOB_SETTLE_S = 1.0
 ABORT_ACK_S = 1.0
 #: The longest a served request may run, whatever the requester asked for.
 MAX_SERVE_TIMEOUT_MS = 600_000
-NO_GENERATION = 0xFFFFFFFF
 
 
 class LinkPort(Protocol):

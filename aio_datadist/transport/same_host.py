@@ -18,7 +18,6 @@ from aio_datadist._settle import settle
 from aio_datadist.layers import one_side_span
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport.base import (
-    NO_GENERATION,
     InPlacePlane,
     LinkPort,
     Refusal,
@@ -27,7 +26,7 @@ from aio_datadist.transport.base import (
     abort_acknowledged,
     serve_timeout_ms,
 )
-from aio_datadist.wire import Msg, PushLocalReq, ReqFlag, Resp, TransferReq
+from aio_datadist.wire import NO_GENERATION, Msg, PushLocalReq, ReqFlag, Resp, TransferReq
 
 if TYPE_CHECKING:
     from aio_datadist.plans import Plan
