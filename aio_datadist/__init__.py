@@ -19,6 +19,9 @@ _EXPORTS = {
     "LLMDataDist": "datadist",
     "KvCacheManager": "manager",
     "EventLayerSynchronizer": "synchronizers",
+    "EndpointStats": "stats",
+    "LinkStats": "stats",
+    "TransferStats": "stats",
     "CacheTask": "task",
     "LLMException": "status",
     "LLMStatusCode": "status",
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
     from aio_datadist.config import LLMConfig, LlmConfig
     from aio_datadist.datadist import LLMDataDist
     from aio_datadist.manager import KvCacheManager
+    from aio_datadist.stats import EndpointStats, LinkStats, TransferStats
     from aio_datadist.status import LLMException, LLMStatusCode, Status, code_2_status, code_to_status
     from aio_datadist.synchronizers import EventLayerSynchronizer
     from aio_datadist.task import CacheTask
@@ -91,6 +95,7 @@ __all__ = [
     "CacheManager",
     "CacheTask",
     "DataType",
+    "EndpointStats",
     "EventLayerSynchronizer",
     "KvCache",
     "KvCacheExtParam",
@@ -102,6 +107,7 @@ __all__ = [
     "LLMRole",
     "LLMStatusCode",
     "LayerSynchronizer",
+    "LinkStats",
     "LlmConfig",
     "MemInfo",
     "Memtype",
@@ -112,6 +118,7 @@ __all__ = [
     "Tensor",
     "TensorDesc",
     "TransferConfig",
+    "TransferStats",
     "TransferWithCacheKeyConfig",
     "code_2_status",
     "code_to_status",

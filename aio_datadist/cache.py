@@ -305,6 +305,11 @@ class CacheRegistry:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def key_count(self) -> int:
+        """Keys bound now: cache keys and blocks keys."""
+        return len(self._keys) + len(self._blocks_keys)
+
     def caches(self) -> list[KvCache]:
         """Registered caches that peers may address (see ``peers_see_device_caches``)."""
         return [e.cache for e in self._entries.values() if self._peer_visible(e.cache)]

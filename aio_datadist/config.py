@@ -11,6 +11,9 @@ property                   option key                meaning (default)
 ``device_type``            ``aio.DeviceType``        ``auto`` | ``cpu`` | ``cuda`` | ``npu`` (auto)
 ``registered_memory_cap``  ``aio.RegisteredMemoryCap``  bytes of cache memory per process (50 GiB)
 ``transport``              ``aio.Transport``         ``auto`` | ``tcp`` | ``local`` | ``nixl`` (auto)
+``require_transport``      ``aio.RequireTransport``  ``tcp`` | ``local`` | ``nixl``: refuse a link or a
+                                                     transfer that would take a slower transport
+                                                     (unset: none required)
 ``copy_threads``           ``aio.CopyThreads``       host copy worker threads, 1..64
                                                      (``min(4, cpu_count)``)
 ``data_channels``          ``aio.DataChannels``      parallel data connections per link
@@ -73,6 +76,7 @@ __all__ = [
 
 DeviceType = Literal["auto", "cpu", "cuda", "npu"]
 TransportKind = Literal["auto", "tcp", "local", "nixl"]
+RequiredTransport = Literal["", "tcp", "local", "nixl"]
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_REGISTERED_MEMORY_CAP = 50 * 2**30
@@ -85,6 +89,8 @@ DEFAULT_LINK_PORT = 26000
 DEFAULT_LINK_TOTAL_TIME_S = 120
 DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu")
 TRANSPORTS: tuple[str, ...] = ("auto", "tcp", "local", "nixl")
+#: What ``aio.RequireTransport`` may name ("" = nothing required).
+REQUIRED_TRANSPORTS: tuple[str, ...] = ("", "tcp", "local", "nixl")
 _ROLES = ("Prompt", "Decoder", "Mix")
 
 _MIB2 = 2 * 2**20
@@ -305,6 +311,7 @@ _check_service_level = _int_check(0, 7)
 _check_output_max_size = _int_check(0, INT64_MAX)
 _check_device_type = _choice_check(DEVICE_TYPES)
 _check_transport = _choice_check(TRANSPORTS)
+_check_require_transport = _choice_check(REQUIRED_TRANSPORTS)
 _check_memory_cap = _int_check(1, INT64_MAX)
 _check_copy_threads = _int_check(1, 64)
 _check_data_channels = _int_check(1, 16)
@@ -460,6 +467,10 @@ class LLMConfig:
         _check_memory_cap, DEFAULT_REGISTERED_MEMORY_CAP, "Cap on registered cache memory in bytes (50 GiB)."
     )
     transport = _Setting[str](_check_transport, "auto", "'auto', 'tcp', 'local' or 'nixl' ('auto').")
+    require_transport = _Setting[str](
+        _check_require_transport, "", "'tcp', 'local' or 'nixl': links and transfers that would take a slower "
+        "transport are refused ('' = none required).",
+    )
     copy_threads = _Setting[int](
         _check_copy_threads, _default_copy_threads(), "Host copy worker threads, 1..64 (min(4, cpu_count))."
     )
@@ -547,6 +558,7 @@ _EMITTED: tuple[tuple[str, str, Callable[[Any], str | None]], ...] = (
     ("device_type", "aio.DeviceType", str),
     ("registered_memory_cap", "aio.RegisteredMemoryCap", str),
     ("transport", "aio.Transport", str),
+    ("require_transport", "aio.RequireTransport", _non_empty),
     ("copy_threads", "aio.CopyThreads", str),
     ("data_channels", "aio.DataChannels", str),
     ("heartbeat_interval", "aio.HeartbeatIntervalMs", str),
@@ -573,6 +585,7 @@ class Settings:
     :ivar device_type: ``auto``, ``cpu``, ``cuda`` or ``npu``.
     :ivar registered_memory_cap: bytes of cache memory allowed.
     :ivar transport: ``auto``, ``tcp``, ``local`` or ``nixl``.
+    :ivar require_transport: ``tcp``, ``local``, ``nixl``, or ``""`` (none required).
     :ivar copy_threads: host copy worker threads.
     :ivar data_channels: data connections per link direction.
     :ivar heartbeat_interval_ms: link heartbeat period in ms.
@@ -598,6 +611,7 @@ class Settings:
     device_type: DeviceType = "auto"
     registered_memory_cap: int = DEFAULT_REGISTERED_MEMORY_CAP
     transport: TransportKind = "auto"
+    require_transport: RequiredTransport = ""
     copy_threads: int = field(default_factory=_default_copy_threads)
     data_channels: int = DEFAULT_DATA_CHANNELS
     heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS
@@ -681,6 +695,7 @@ _KNOWN_KEYS: dict[str, tuple[str | None, Callable[[str, str], Any]]] = {
     "aio.DeviceType": ("device_type", _check_device_type),
     "aio.RegisteredMemoryCap": ("registered_memory_cap", _int_text(_check_memory_cap)),
     "aio.Transport": ("transport", _check_transport),
+    "aio.RequireTransport": ("require_transport", _check_require_transport),
     "aio.CopyThreads": ("copy_threads", _int_text(_check_copy_threads)),
     "aio.DataChannels": ("data_channels", _int_text(_check_data_channels)),
     "aio.HeartbeatIntervalMs": ("heartbeat_interval_ms", _int_text(_check_heartbeat)),
@@ -740,6 +755,12 @@ def parse_options(options: Mapping[str, Any]) -> Settings:
     if settings.tls and settings.transport == "nixl":
         raise param_invalid("aio.Transport", "'nixl' moves cache bytes outside TLS; with aio.TlsServerContext or "
                             "aio.TlsClientContext set use 'auto', 'local' or 'tcp'")
+    required = settings.require_transport
+    if required == "nixl" and settings.transport != "nixl":
+        raise param_invalid("aio.RequireTransport", f"'nixl' needs aio.Transport=nixl, not {settings.transport!r}")
+    if required == "local" and settings.transport not in ("auto", "local"):
+        raise param_invalid("aio.RequireTransport",
+                            f"'local' needs aio.Transport 'auto' or 'local', not {settings.transport!r}")
     return settings
 
 

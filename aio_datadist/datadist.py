@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from aio_datadist._checks import check_bool, check_instance, check_int, check_uint, param_invalid, param_type_error
@@ -16,10 +17,12 @@ from aio_datadist.bilateral import CommTable
 from aio_datadist.cache_manager import CacheManager
 from aio_datadist.config import cache_manager_mode, parse_listen, parse_options
 from aio_datadist.endpoint import Endpoint
+from aio_datadist.leases import active_leases
 from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
 from aio_datadist.owner import handle_request
 from aio_datadist.runtime import Runtime
+from aio_datadist.stats import EndpointStats
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import LLMClusterInfo, LLMRole, RegisterMemStatus
 
@@ -98,6 +101,24 @@ class LLMDataDist:
     def _require_links(self) -> LinkTable:
         return self._endpoint.require_links()
 
+    def stats(self) -> EndpointStats:
+        """A snapshot of what this endpoint holds and what its links did (see ``docs/observability.md``).
+
+        Cheap enough to call every second: it copies counters the transfers
+        keep anyway. Each link's counts start when the link came up.
+
+        :raises LLMException: ``LLM_FAILED`` before ``init``,
+            ``LLM_ENGINE_FINALIZED`` after ``finalize``.
+        """
+        endpoint = self._endpoint
+        rt = endpoint.require_runtime()
+        table = endpoint.require_links()
+        registry = rt.registry
+        links = {cid: link.stats() for cid, link in table.links.items() if link.broken is None and not link.closed}
+        return EndpointStats(endpoint.cluster_id, endpoint.role, registry.used_bytes, registry.cap_bytes,
+                             len(registry), registry.key_count, active_leases(endpoint), MappingProxyType(links),
+                             rt.links_up, rt.links_down)
+
     # -- lifecycle ---------------------------------------------------------
 
     async def init(self, options: Mapping[str, Any]) -> None:
@@ -120,6 +141,8 @@ class LLMDataDist:
         settings = parse_options(options)
         v2 = cache_manager_mode(options)
         runtime = Runtime(settings)
+        runtime.observers = endpoint.observers
+        runtime.loop = asyncio.get_running_loop()
         try:
             # with aio.Transport=nixl this starts the NIXL agent
             links = LinkTable(runtime, endpoint.cluster_id, lambda: endpoint.role,

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from aio_datadist.config import Settings
     from aio_datadist.link_table import LinkTable
     from aio_datadist.runtime import Runtime
+    from aio_datadist.stats import Observer
 
 __all__ = ["Endpoint"]
 
@@ -38,6 +39,8 @@ class Endpoint:
         self.runtime: Runtime | None = None
         self.links: LinkTable | None = None
         self.finalized = False
+        #: Who hears of this endpoint's transfers and links (``stats.Observer``), kept across ``init``.
+        self.observers: list[Observer] = []
         #: CacheManager mode (v2), decided by ``init`` and kept after ``finalize``; None before ``init``.
         self.cache_manager_mode: bool | None = None
 

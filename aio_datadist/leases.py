@@ -82,6 +82,11 @@ class CacheLease:
         return self._expired
 
     @property
+    def active(self) -> bool:
+        """Whether the lease still runs: neither expired (or released) nor cancelled."""
+        return not (self._expired or self._cancelled)
+
+    @property
     def deadline(self) -> float | None:
         """When the lease runs out, in event-loop time; None once expired or cancelled."""
         return None if self._timer is None else self._timer.when()
@@ -178,6 +183,11 @@ def allocate_leased_cache(manager: _Manager, cache_desc: CacheDesc, cache_keys: 
     _running_loop()
     cache = manager.allocate_cache(cache_desc, cache_keys)
     return cache, CacheLease(endpoint, cache, [k for k in cache_keys if not k.is_placeholder], lease_ms)
+
+
+def active_leases(endpoint: Endpoint) -> int:
+    """Leases of ``endpoint`` that neither expired nor were cancelled."""
+    return sum(1 for lease in list(_LEASES.values()) if lease.active and lease._endpoint is endpoint)
 
 
 def lease_of(cache: KvCache) -> CacheLease | None:

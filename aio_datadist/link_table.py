@@ -30,6 +30,7 @@ from aio_datadist.links import SUCCESS, ZERO32, DataConn, Link, tune
 from aio_datadist.listener import Listener, Refusal
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
+from aio_datadist.transport.base import meets
 from aio_datadist.transport.local import SHARE_AUTH_S, boot_id, connect_share
 from aio_datadist.transport.nixl import NixlAgent
 from aio_datadist.types import LLMClusterInfo, LLMRole
@@ -143,7 +144,7 @@ class LinkTable:
         return Link(self.runtime, remote_id, remote_role, reader, writer, is_client=is_client, channels=channels,
                     token=token, remote_address=remote_address,
                     redial=lambda *args: self.dial_data(*args),  # looked up per call: tests may wrap dial_data
-                    forget=self.forget, nixl_agent=self.nixl)
+                    forget=self.forget, nixl_agent=self.nixl, cluster_id=self.cluster_id)
 
     def _live(self, remote_id: int) -> Link | None:
         link = self.links.get(remote_id)
@@ -210,7 +211,7 @@ class LinkTable:
             existing = self.links.get(remote_id)
             if existing is not None:
                 with pending.working():
-                    await existing.close()
+                    await existing.close("replaced: the cluster linked again")
                 self.forget(existing)
                 if self._live(remote_id) is not None:  # another handshake linked it meanwhile
                     return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
@@ -225,6 +226,7 @@ class LinkTable:
                                   channels=channels, token=token, remote_address=(peer[0], peer[1]))
             if not self._register(link):
                 return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
+            link.announce("accepted")
             if bilateral:
                 self._awaited.pop(remote_id).set_result(link)
             return link
@@ -355,7 +357,7 @@ class LinkTable:
             for index in range(2 * channels):
                 sockets.append(await self.dial_data(address, ok.link_token, index, 0))
             if existing is not None:
-                await existing.close()
+                await existing.close("replaced: linked again")
                 self.forget(existing)
             link = self._new_link(remote_id, ok.role, reader, writer, is_client=True,
                                   channels=channels, token=ok.link_token, remote_address=address)
@@ -371,6 +373,8 @@ class LinkTable:
                 return LLMStatusCode.LLM_ALREADY_LINK
             await self._share_with(link, ok)
             await self._nixl_with(link, deadline)
+            await self._require_transport(link)
+            link.announce("dialled")
             return SUCCESS
         except BaseException:
             if link is None:
@@ -514,6 +518,19 @@ class LinkTable:
                 share.close()
                 link.local = None
             log.info("link to cluster %s: the peer did not finish sharing; using TCP", link.remote_cluster_id)
+
+    async def _require_transport(self, link: Link) -> None:
+        """Drop a link that negotiated a slower transport than ``aio.RequireTransport`` names: unlink it and
+        raise ``LLM_LINK_FAILED`` saying what it negotiated."""
+        required = self.runtime.settings.require_transport
+        if meets(link.transport, required):
+            return
+        why = (f"aio.RequireTransport={required} but the link to cluster {link.remote_cluster_id} negotiated "
+               f"{link.transport}")
+        link.send(Msg.UNLINK, link.new_req_id())
+        self.forget(link)
+        await link.close(why)
+        raise LLMException(why, status_code=LLMStatusCode.LLM_LINK_FAILED)
 
     async def _nixl_with(self, link: Link, deadline: float | None = None) -> None:
         """With ``aio.Transport=nixl``: exchange NIXL metadata and cache lists before returning.

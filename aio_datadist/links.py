@@ -21,13 +21,16 @@ byte after a short preamble (``transport/tls.py``), and data channels are
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import protocol, wire
+from aio_datadist.stats import LinkCounters, LinkStats
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import LocalShare
@@ -47,6 +50,8 @@ HEARTBEAT_MISSES = 5
 ZERO32 = bytes(32)
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes
+#: Link ids, unique in the process: the logs and ``LLMDataDist.stats()`` name links by them.
+_LINK_IDS = itertools.count(1)
 
 
 def tune(sock: socket.socket) -> None:
@@ -82,8 +87,16 @@ class Link:
     def __init__(self, runtime: Runtime, remote_cluster_id: int, remote_role: LLMRole,
                  reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, is_client: bool,
                  channels: int, token: bytes, remote_address: tuple[str, int], redial: Redial,
-                 forget: Callable[[Link], None], nixl_agent: NixlAgent | None) -> None:
+                 forget: Callable[[Link], None], nixl_agent: NixlAgent | None, cluster_id: int = 0) -> None:
         self.runtime = runtime
+        self.link_id = next(_LINK_IDS)
+        self.cluster_id = cluster_id
+        self.counters = LinkCounters(cluster_id, remote_cluster_id, runtime.observers)
+        self.log = logging.LoggerAdapter(log, {"cluster_id": cluster_id, "remote_cluster_id": remote_cluster_id,
+                                               "link_id": self.link_id})
+        self._announced = False  # whether the link's going up was logged and observed (so its going down is)
+        self._probe_id = 0  # the id of the heartbeat PROBE in flight, and when it left
+        self._probe_sent = 0.0
         self._redial_data = redial
         self._forget = forget
         self.nixl_agent = nixl_agent
@@ -312,9 +325,15 @@ class Link:
             await asyncio.sleep(interval)
             silent = loop.time() - self.last_heard
             if silent > HEARTBEAT_MISSES * interval:
+                self.log.warning("link %s to cluster %s: heartbeat lost (nothing heard for %.1f s)", self.link_id,
+                                 self.remote_cluster_id, silent)
                 self.fail(LLMException(f"no heartbeat for {silent:.1f} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
                 return
-            self.send(Msg.PROBE, 0)
+            # An id of ours, so that the answer (a Reply) gives the round trip; a PROBE_ACK nobody waits for
+            # is dropped, as peers have always done with the id-0 probes of older versions.
+            self._probe_id = self.new_req_id()
+            self._probe_sent = time.perf_counter()
+            self.send(Msg.PROBE, self._probe_id)
 
     async def _read_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -366,6 +385,10 @@ class Link:
                     # more; a request we serve answers once its job stopped (see owner.handle_request).
                     self.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text="aborted")
             case protocol.Reply(req_id=req_id, record=record):
+                if req_id == self._probe_id:
+                    self.counters.rtt_s = time.perf_counter() - self._probe_sent
+                    self._probe_id = 0
+                    return
                 fut = self.pending.pop(req_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(record)
@@ -383,7 +406,7 @@ class Link:
         if self.broken is not None or self.closed:
             return
         self.broken = exc
-        log.info("link to cluster %s failed: %s", self.remote_cluster_id, exc)
+        self._went_down(f"failed: {exc}")
         self._teardown(exc)
 
     def attach_local(self, sock: Any) -> None:
@@ -398,6 +421,8 @@ class Link:
         self.attach_local(sock)
         if self.local is not None:
             self.local.announce_ready()
+            self.log.info("link %s to cluster %s: transport local (the peer attached its same-host share)",
+                          self.link_id, self.remote_cluster_id)
 
     def start_nixl(self) -> NixlPeer | None:
         """Begin the NIXL exchange with the peer (the client does, once linked)."""
@@ -422,8 +447,50 @@ class Link:
         self.nixl.on_message(fields)
 
     def _local_lost(self) -> None:
-        log.info("link to cluster %s: same-host sharing stopped; using TCP", self.remote_cluster_id)
+        self.log.info("link %s to cluster %s: same-host sharing stopped; using %s", self.link_id,
+                      self.remote_cluster_id, self.data_transport)
         self.local = None
+
+    # -- what the link is and did ---------------------------------------------
+
+    @property
+    def data_transport(self) -> str:
+        """What the data channels are: ``"tls"`` or ``"tcp"``."""
+        return "tls" if self.runtime.settings.tls else "tcp"
+
+    @property
+    def transport(self) -> str:
+        """The transport the link negotiated: ``"nixl"``, ``"local"``, or its data channels' (``data_transport``)."""
+        if self.nixl is not None and self.nixl.usable():
+            return "nixl"
+        if self.local is not None:
+            return "local"
+        return self.data_transport
+
+    def announce(self, how: str) -> None:
+        """Log (once, at INFO) that the link is up and what it negotiated; tell the observers."""
+        if self._announced or self.closed or self.broken is not None:
+            return
+        self._announced = True
+        self.runtime.links_up += 1
+        transport = self.transport
+        self.log.info("link %s to cluster %s (%s) up, %s: transport %s", self.link_id, self.remote_cluster_id,
+                      self.remote_role.name, how, transport)
+        for observer in self.counters.observers:
+            observer.link(self.cluster_id, self.remote_cluster_id, True)
+
+    def _went_down(self, why: str) -> None:
+        if not self._announced:
+            return
+        self._announced = False
+        self.runtime.links_down += 1
+        self.log.info("link %s to cluster %s down: %s", self.link_id, self.remote_cluster_id, why)
+        for observer in self.counters.observers:
+            observer.link(self.cluster_id, self.remote_cluster_id, False)
+
+    def stats(self) -> LinkStats:
+        """A snapshot of the link's counters."""
+        return self.counters.snapshot(self.remote_role, self.link_id, self.transport)
 
     def _teardown(self, exc: LLMException) -> None:
         pending, self.pending = self.pending, {}
@@ -450,10 +517,11 @@ class Link:
         self.writer.close()
         self.free.put_nowait(-1)
 
-    async def close(self) -> None:
+    async def close(self, why: str = "unlinked") -> None:
         if self.closed:
             return
         if self.broken is None:
+            self._went_down(why)
             self._teardown(LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
                                         status_code=LLMStatusCode.LLM_NOT_YET_LINK))
         self.closed = True

@@ -19,9 +19,10 @@ from aio_datadist._checks import param_invalid
 from aio_datadist.cache import KeyBinding, KvCache
 from aio_datadist.layers import one_side_span
 from aio_datadist.plans import block_shape_digest
+from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import plane, planes_for
-from aio_datadist.transport.base import Refusal, Served
+from aio_datadist.transport.base import Plane, Refusal, Served, meets
 from aio_datadist.types import UINT64_MAX
 from aio_datadist.wire import Done, Msg, ReqFlag, Target, TransferReq
 
@@ -39,24 +40,51 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any) -> 
         return
     if msg not in (Msg.PULL_REQ, Msg.PUSH_REQ, Msg.PUSH_LOCAL):
         return
+    kind = "served_pull" if msg is Msg.PULL_REQ else "served_push"
     try:
         served = serve_plan(rt, link, msg, req)
     except Refusal as refusal:
+        link.counters.refused(kind, link.transport, refusal.code)
         link.send(Msg.RESP, req_id, status=refusal.code, total=0, cache_id=-1, row=-1, text=refusal.text)
         return
     if msg is Msg.PUSH_LOCAL:  # the same-host plane's own request (its move_alone)
         plane("same-host").serve_alone(rt, link, req_id, req, served)
         return
-    key = served.key if msg is Msg.PULL_REQ else None
-    if key is not None and not rt.registry.claim_key(key, served.tensors):
-        link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, total=0, cache_id=-1, row=-1,
-                  text="the key is being pulled by another request")
-        return
     for candidate in planes_for(link):
         if (not candidate.flag or req.flags & candidate.flag) and candidate.serves(link, msg, req, served):
-            candidate.serve(rt, link, msg, req_id, req, served)
+            _serve(rt, link, msg, req_id, req, served, candidate, kind)
             return
     raise AssertionError("the stream plane serves every request")  # pragma: no cover
+
+
+def _serve(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any, served: Served, chosen: Plane,
+           kind: str) -> None:
+    """Let ``chosen`` serve ``served``, once the transport it is meets ``aio.RequireTransport`` and the key a
+    pull consumes is ours; count it on the link."""
+    transport = chosen.transport_on(link)
+    refusal: Refusal | None = None
+    required = rt.settings.require_transport
+    if not meets(transport, required):
+        refusal = Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                          f"cluster {link.cluster_id} requires transport {required} (aio.RequireTransport); "
+                          f"this request would take {transport}")
+    key = served.key if msg is Msg.PULL_REQ else None
+    if refusal is None and key is not None and not rt.registry.claim_key(key, served.tensors):
+        refusal = Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, "the key is being pulled by another request")
+    counters = link.counters
+    if refusal is not None:
+        counters.refused(kind, transport, refusal.code)
+        link.send(Msg.RESP, req_id, status=refusal.code, total=0, cache_id=-1, row=-1, text=refusal.text)
+        return
+    started = counters.begin(kind)
+    total = served.total
+
+    def report(ok: bool) -> None:
+        counters.end(kind, transport, total, started, Outcome.OK if ok else Outcome.FAILED,
+                     LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED)
+
+    served.report = report
+    chosen.serve(rt, link, msg, req_id, req, served)
 
 
 def _done(link: Link, req_id: int, done: Done) -> None:

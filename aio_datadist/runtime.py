@@ -6,6 +6,7 @@ the link layer reach their engines through it.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,7 @@ from aio_datadist.devices import select_device
 
 if TYPE_CHECKING:
     from aio_datadist.devices.staging import DeviceStaging
+    from aio_datadist.stats import Observer
 
 __all__ = ["Runtime", "select_device"]
 
@@ -30,6 +32,12 @@ class Runtime:
         self.settings = settings
         self.registry = CacheRegistry(settings.registered_memory_cap)
         self.arrivals = Arrivals()
+        #: Who hears of transfers and links (``stats.Observer``); the endpoint replaces it with its own list.
+        self.observers: list[Observer] = []
+        #: The event loop the endpoint was initialised on (set by ``LLMDataDist.init``).
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.links_up = 0  # links that came up, and went down, since init (LLMDataDist.stats)
+        self.links_down = 0
         self.queue = _core.CompletionQueue()
         self._staging: DeviceStaging | None = None
         try:

@@ -16,12 +16,14 @@ only once no byte of it can land any more.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from aio_datadist.plans import Plan
+from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport import plane, planes_for
-from aio_datadist.transport.base import Plane, Refused, Request, RequestState
+from aio_datadist.transport.base import Plane, Refused, Request, RequestState, meets
 from aio_datadist.wire import Msg, Resp
 
 if TYPE_CHECKING:
@@ -33,15 +35,52 @@ __all__ = ["run_pull", "run_push"]
 
 async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> None:
     """Ask the owner for bytes and receive them straight into ``plan.local``."""
-    await _run(rt, link, plan, timeout_ms, what, pull=True)
+    await _counted(link, "pull", plan.total, _run(rt, link, plan, timeout_ms, what, pull=True))
 
 
 async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> None:
     """Send ``plan.local``'s bytes to the owner; returns once it confirmed."""
+    await _counted(link, "push", plan.total, _push(rt, link, plan, timeout_ms, what))
+
+
+async def _push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> str:
     for candidate in planes_for(link):
         if await candidate.move_alone(rt, link, plan, timeout_ms, what):
-            return
-    await _run(rt, link, plan, timeout_ms, what, pull=False)
+            return candidate.transport_on(link)
+    return await _run(rt, link, plan, timeout_ms, what, pull=False)
+
+
+async def _counted(link: Link, kind: str, nbytes: int, moving: Coroutine[Any, Any, str]) -> None:
+    """Run ``moving`` (a transfer that returns the transport it took) and count how it ended on the link."""
+    counters = link.counters
+    started = counters.begin(kind)
+    try:
+        transport = await moving
+    except asyncio.CancelledError:
+        counters.end(kind, link.transport, nbytes, started, Outcome.CANCELLED, LLMStatusCode.LLM_FAILED)
+        raise
+    except LLMException as exc:
+        timed_out = exc.status_code == LLMStatusCode.LLM_TIMEOUT
+        counters.end(kind, link.transport, nbytes, started, Outcome.TIMEOUT if timed_out else Outcome.FAILED,
+                     exc.status_code)
+        raise
+    except BaseException:
+        counters.end(kind, link.transport, nbytes, started, Outcome.FAILED, LLMStatusCode.LLM_FAILED)
+        raise
+    counters.end(kind, transport, nbytes, started, Outcome.OK)
+
+
+def _required_plane(rt: Runtime, link: Link, offered: Plane | None, what: str) -> None:
+    """Refuse, before anything is sent, a transfer that would take a slower transport than
+    ``aio.RequireTransport`` names."""
+    required = rt.settings.require_transport
+    taken = link.data_transport if offered is None else offered.transport_on(link)
+    if meets(taken, required):
+        return
+    raise LLMException(f"{what}: aio.RequireTransport={required}, but on the link to cluster "
+                       f"{link.remote_cluster_id} (transport {link.transport}) this transfer would take {taken} "
+                       "(raw addresses, a cache the peer has not shared over it, or a link that negotiated less)",
+                       status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
 
 async def _ask(link: Link, req: Request, plan: Plan, offered: Plane | None, timeout_ms: int, *, pull: bool) -> Resp:
@@ -59,17 +98,19 @@ async def _ask(link: Link, req: Request, plan: Plan, offered: Plane | None, time
     return answer
 
 
-async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *, pull: bool) -> None:
+async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *, pull: bool) -> str:
+    """One transfer through the planes; the transport that carried it."""
     req = Request(link, what)
     try:
         async with asyncio.timeout(timeout_ms / 1000):
             planes = planes_for(link)
             for candidate in planes:
                 await candidate.prepare(link, plan)
+            offered = next((p for p in planes if p.in_place and p.can_carry(link, plan, pull=pull)), None)
+            _required_plane(rt, link, offered, what)
             req.channel = await link.acquire()
             req.generation = link.channels[req.channel].generation
             req.req_id = link.new_req_id()
-            offered = next((p for p in planes if p.in_place and p.can_carry(link, plan, pull=pull)), None)
             answer = await _ask(link, req, plan, offered, timeout_ms, pull=pull)
             chosen = plane("stream")
             if answer.cache_id >= 0:  # the owner chose the in-place plane we offered
@@ -79,10 +120,13 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
                 chosen = offered
                 req.in_place = True
                 req.release_channel()
+            elif offered is not None:
+                _required_plane(rt, link, None, what)  # the owner chose the stream plane after all
             req.state = RequestState.MOVING
             await chosen.carry(rt, link, plan, answer, req, pull=pull)
         req.state = RequestState.DONE
         req.release_channel()
+        return chosen.transport_on(link)
     except Refused:
         link.pending.pop(req.req_id, None)
         req.release_channel()

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("native core", ("_core",)),
     ("status, values, config, wire and leaf helpers", (
         "status", "_checks", "types", "config", "wire", "protocol", "_settle", "fd_budget", "mapped", "tensors",
-        "ranktable",
+        "ranktable", "stats",
     )),
     ("completions, layer rule, caches and registries", (
         "_completion", "layers", "cache", "arrivals", "plans", "devices.host",
@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("managers", ("manager", "cache_manager")),
     ("LLMDataDist", ("datadist",)),
     ("compat, testing, demo, command line and the package", (
-        "compat", "_compat_v2", "testing", "_negotiated_transport", "demo", "__main__", "synchronizers", "",
+        "compat", "_compat_v2", "testing", "_negotiated_transport", "metrics", "demo", "__main__", "synchronizers", "",
     )),
 )
 

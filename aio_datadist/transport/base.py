@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from aio_datadist._settle import settle
 from aio_datadist.cache import KeyBinding, KvCache
+from aio_datadist.stats import LinkCounters
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.wire import NO_GENERATION, Msg, ReqFlag, Resp, TransferReq
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from aio_datadist.transport.nixl import NixlPeer
 
 __all__ = ["InPlacePlane", "LinkPort", "Plane", "Refusal", "Refused", "Request", "RequestState", "Served",
-           "abort_acknowledged", "wait_out"]
+           "abort_acknowledged", "meets", "wait_out"]
 
 #: How long a given-up NIXL transfer may take to settle before the owner hears of it.
 NIXL_SETTLE_S = 1.0
@@ -49,11 +50,18 @@ ABORT_ACK_S = 1.0
 MAX_SERVE_TIMEOUT_MS = 600_000
 
 
+def meets(transport: str, required: str) -> bool:
+    """Whether ``transport`` (``tcp``, ``tls``, ``local``, ``nixl``) is what ``aio.RequireTransport=required``
+    asks for: any transport meets ``tcp`` (or nothing required); ``local`` and ``nixl`` are met by themselves."""
+    return required in ("", "tcp") or transport == required
+
+
 class LinkPort(Protocol):
     """What planes and requests use of a link (``links.Link`` is one)."""
 
     remote_cluster_id: int
     runtime: Runtime
+    counters: LinkCounters
     local: LocalShare | None
     nixl: NixlPeer | None
     pending: dict[int, asyncio.Future]
@@ -63,6 +71,8 @@ class LinkPort(Protocol):
     broken: LLMException | None
     closed: bool
 
+    @property
+    def data_transport(self) -> str: ...
     def send(self, msg: Msg, req_id: int, **fields: Any) -> None: ...
     def send_record(self, msg: Msg, req_id: int, record: Any, **changes: Any) -> None: ...
     def expect(self, req_id: int) -> asyncio.Future: ...
@@ -100,6 +110,14 @@ class Served:
     tensors: range
     landed: list  # ``(cache, tensors, rows)`` a push fills whole, recorded as arrived once it is over
     row: int | None = None  # the row the target names (a key's or an id-and-index's), if any
+    #: Told once how serving ended (True: every byte moved); set by the owner to count it (``stats``).
+    report: Callable[[bool], None] | None = None
+
+    def ended(self, ok: bool) -> None:
+        """The plane serving the request is done with it (``ok``: every byte moved); tells ``report`` once."""
+        report, self.report = self.report, None
+        if report is not None:
+            report(ok)
 
     @property
     def cache(self) -> KvCache | None:
@@ -227,10 +245,16 @@ class Plane(abc.ABC):
 
     #: The plane's name, as logs and docs say it.
     name: ClassVar[str]
+    #: The transport the plane is, as ``LLMDataDist.stats()`` and ``aio.RequireTransport`` name it.
+    transport: ClassVar[str] = ""
     #: The request flag that offers this plane to the owner (none for the stream plane, always offered).
     flag: ClassVar[ReqFlag] = ReqFlag(0)
     #: Whether the requester moves the bytes itself against the owner's memory (no data channel).
     in_place: ClassVar[bool] = False
+
+    def transport_on(self, link: LinkPort) -> str:
+        """The transport this plane is on ``link`` (the stream plane's depends on the link: TCP or TLS)."""
+        return self.transport
 
     # -- the requester's half --
 
@@ -293,6 +317,7 @@ class InPlacePlane(Plane):
         end: Callable[[], None] | None = None
 
         def ok() -> None:
+            served.ended(True)
             if key is not None:
                 rt.registry.release_key(key, tensors)
                 rt.registry.consume(key, tensors, cache.cache_desc.num_tensors)
@@ -302,6 +327,7 @@ class InPlacePlane(Plane):
                 link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_SUCCESS, text="")
 
         def failed() -> None:
+            served.ended(False)
             if key is not None:
                 rt.registry.release_key(key, tensors)
 

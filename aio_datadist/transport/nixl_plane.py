@@ -33,6 +33,7 @@ class NixlPlane(InPlacePlane):
     """Offered when the link's NIXL peer is usable and the plan moves whole rows of a registered cache."""
 
     name = "nixl"
+    transport = "nixl"
     flag = ReqFlag.NIXL
 
     async def prepare(self, link: LinkPort, plan: Plan) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from aio_datadist import _core
 from aio_datadist._settle import settle
 from aio_datadist.layers import one_side_span
+from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport.base import (
     InPlacePlane,
@@ -46,6 +47,7 @@ class SameHostPlane(InPlacePlane):
     """Offered for pulls when the link shares memory; pushes go by :meth:`move_alone`."""
 
     name = "same-host"
+    transport = "local"
     flag = ReqFlag.LOCAL
 
     def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
@@ -134,6 +136,7 @@ class SameHostPlane(InPlacePlane):
         try:
             source = _local_source(link, req, len(served.tensors), served.total)
         except Refusal as refusal:
+            link.counters.refused("served_push", self.transport, refusal.code)
             answer(refusal.code, refusal.text)
             return
         if source is None:
@@ -144,11 +147,13 @@ class SameHostPlane(InPlacePlane):
         src_pairs, region = source
         settled = asyncio.get_running_loop().create_future()
         triples = _core.zip_segments(served.pairs, src_pairs)
+        counters, started = link.counters, link.counters.begin("served_push")
         try:
             moved = rt.completions.start(lambda t: rt.copier.submit(t, triples), rt.copier.cancel,
                                          timeout_ms=serve_timeout_ms(req), what=f"serving PUSH_LOCAL {req_id}",
                                          keepalive=(cache, region), settled=settled)
         except LLMException as exc:
+            counters.end("served_push", self.transport, served.total, started, Outcome.FAILED, exc.status_code)
             answer(exc.status_code, str(exc))
             return
         link.serving[req_id] = moved.cancel
@@ -156,7 +161,10 @@ class SameHostPlane(InPlacePlane):
         def over(_: asyncio.Future) -> None:
             if link.serving.get(req_id) == moved.cancel:
                 del link.serving[req_id]
-            if moved.done() and not moved.cancelled() and moved.exception() is None:
+            ok = moved.done() and not moved.cancelled() and moved.exception() is None
+            counters.end("served_push", self.transport, served.total, started, Outcome.OK if ok else Outcome.FAILED,
+                         LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED)
+            if ok:
                 for target, rows_tensors, rows in served.landed:
                     rt.arrivals.record(target, rows_tensors, rows)
                 answer(LLMStatusCode.LLM_SUCCESS, "", cache_id=cache.cache_id, total=served.total)

@@ -28,6 +28,10 @@ class StreamPlane(Plane):
     """Always offered, serves every request the other planes do not, including raw addresses."""
 
     name = "stream"
+    transport = "tcp"
+
+    def transport_on(self, link: LinkPort) -> str:
+        return link.data_transport
 
     def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
         return True
@@ -78,6 +82,7 @@ class StreamPlane(Plane):
             if link.serving.get(req_id) is abort:
                 del link.serving[req_id]
             exc = None if f.cancelled() else f.exception()
+            served.ended(exc is None and not f.cancelled())
             if exc is None and not f.cancelled():
                 if msg is Msg.PUSH_REQ:
                     for target, rows_tensors, rows in served.landed:
