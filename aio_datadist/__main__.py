@@ -44,6 +44,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m aio_datadist",
                                      description="asyncio-native KV-cache transfer (LLM-DataDist API)")
@@ -52,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--transport", choices=("auto", "tcp", "local", "nixl"), default="auto",
                       help="aio.Transport of both endpoints (default auto: same-host sharing here; "
                            "nixl needs the nixl extra)")
+    demo.add_argument("--metrics-port", type=_port, metavar="N",
+                      help="export both endpoints' Prometheus metrics on 127.0.0.1 (the decoder on N, the prompt "
+                           "on a free port; 0: any free port) and print a scrape of both (needs the metrics extra)")
     bench = sub.add_parser(
         "bench", help="benchmark pull_blocks/push_blocks between two processes (from a source checkout)",
         description="Time pull_blocks and push_blocks between two processes on loopback, over each transport "
@@ -83,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from aio_datadist.demo import main as demo
 
-        return demo(args.transport)
+        return demo(args.transport, args.metrics_port)
     if args.command == "bench":
         return _bench(args.subparser, args)
     return 2

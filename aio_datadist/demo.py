@@ -82,8 +82,31 @@ def _config(listen: bool, transport: str) -> dict[str, str]:
     return cfg.generate_options()
 
 
-async def _prompt(conn, geo: Geometry, seed: int, transport: str) -> None:
+def _export(dd: LLMDataDist, port: int | None) -> tuple[Any, int]:
+    """Serve ``dd``'s metrics on 127.0.0.1:``port`` (0: any free port); the server and its port."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from aio_datadist.metrics import instrument
+
+    registry = CollectorRegistry()
+    instrument(dd, registry)
+    server, _ = start_http_server(port or 0, addr="127.0.0.1", registry=registry)
+    return server, server.server_port
+
+
+def _scrape(url: str) -> list[str]:
+    """The ``aio_datadist_`` samples at ``url`` (no buckets, no ``_created``), as text lines."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        text = answer.read().decode()
+    return [line for line in text.splitlines() if line.startswith("aio_datadist_")
+            and "_bucket{" not in line and "_created{" not in line]
+
+
+async def _prompt(conn, geo: Geometry, seed: int, transport: str, metrics_port: int | None = None) -> None:
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
+        server, metrics_at = _export(dd, 0 if metrics_port else None) if metrics_port is not None else (None, 0)
         await dd.init(_config(listen=True, transport=transport))
         kv = dd.kv_cache_manager
         cache = kv.allocate_blocks_cache(geo.desc, BlocksCacheKey(PROMPT_ID, 0))
@@ -91,7 +114,7 @@ async def _prompt(conn, geo: Geometry, seed: int, transport: str) -> None:
             dst.copy_(src)
         address = dd.listen_address
         assert address is not None  # init listened
-        conn.send(("ready", address[1]))
+        conn.send(("ready", address[1], metrics_at))
         loop = asyncio.get_running_loop()
         while True:
             msg = await loop.run_in_executor(None, conn.recv)
@@ -107,13 +130,21 @@ async def _prompt(conn, geo: Geometry, seed: int, transport: str) -> None:
                     times.append(time.perf_counter() - t0)
                 conn.send(("pushed", times[0], min(times[1:])))
             elif msg[0] == "stop":
+                if server is not None:
+                    server.shutdown()
+                    server.server_close()
                 conn.send(("stopped",))
                 return
 
 
-async def _decoder(conn, geo: Geometry, seed: int, port: int, transport: str) -> dict:
+async def _decoder(conn, geo: Geometry, seed: int, port: int, transport: str,
+                   metrics: tuple[int, int] | None = None) -> dict:
     rng = random.Random(seed)
     async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as dd:
+        server = None
+        if metrics is not None:
+            server, own_port = _export(dd, metrics[0])
+            metrics = (own_port, metrics[1])
         await dd.init(_config(listen=False, transport=transport))
         kv = dd.kv_cache_manager
         cache = kv.allocate_blocks_cache(geo.desc, BlocksCacheKey(DECODER_ID, 0))
@@ -145,18 +176,27 @@ async def _decoder(conn, geo: Geometry, seed: int, port: int, transport: str) ->
         ps, pd = torch.tensor(push_src), torch.tensor(push_dst)
         push_ok = all(torch.equal(c[pd].view(torch.int16), e[ps].view(torch.int16))
                       for c, e in zip(cache.tensors, expected, strict=True))
+        scraped: dict[str, list[str]] = {}
+        if metrics is not None:
+            for at in metrics:  # the decoder's, then the prompt's
+                url = f"http://127.0.0.1:{at}/metrics"
+                scraped[url] = await asyncio.to_thread(_scrape, url)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
         await dd.unlink_clusters([cluster])
-        return {"transport": moved_by, "pull_ok": pull_ok, "push_ok": push_ok, "pull_bytes": nbytes,
+        return {"scraped": scraped, "transport": moved_by, "pull_ok": pull_ok, "push_ok": push_ok, "pull_bytes": nbytes,
                 "pull_cold_s": pulls[0], "pull_s": min(pulls[1:]), "push_bytes": 16 * geo.block_bytes * 2 * geo.layers,
                 "push_cold_s": reply[1], "push_s": reply[2]}
 
 
-def _run_prompt(conn, geo: Geometry, seed: int, transport: str) -> None:
-    asyncio.run(_prompt(conn, geo, seed, transport))
+def _run_prompt(conn, geo: Geometry, seed: int, transport: str, metrics_port: int | None) -> None:
+    asyncio.run(_prompt(conn, geo, seed, transport, metrics_port))
 
 
-def _run_decoder(conn, result, geo: Geometry, seed: int, port: int, transport: str) -> None:
-    result.send(asyncio.run(_decoder(conn, geo, seed, port, transport)))
+def _run_decoder(conn, result, geo: Geometry, seed: int, port: int, transport: str,
+                 metrics: tuple[int, int] | None) -> None:
+    result.send(asyncio.run(_decoder(conn, geo, seed, port, transport, metrics)))
 
 
 def _recv(conn, what: str, limit: float, sender: mp.process.BaseProcess, procs: list) -> Any:
@@ -179,23 +219,24 @@ def _timing(nbytes: int, best_s: float, cold_s: float) -> str:
     return f"{best_s * 1e3:.1f} ms, {nbytes / best_s / 1e9:.2f} GB/s (first, cold one: {cold_s * 1e3:.1f} ms)"
 
 
-def main(transport: str = "auto") -> int:
+def main(transport: str = "auto", metrics_port: int | None = None) -> int:
     """Run the demo with both endpoints on ``aio.Transport=transport``; returns 0 when every byte
-    arrived intact."""
+    arrived intact. With ``metrics_port`` both export Prometheus metrics and the scrape is printed."""
     geo = Geometry()
     seed = 1234
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
     r_conn, r_child = ctx.Pipe()
-    prompt = ctx.Process(target=_run_prompt, args=(p_child, geo, seed, transport), name="prompt")
+    prompt = ctx.Process(target=_run_prompt, args=(p_child, geo, seed, transport, metrics_port), name="prompt")
     procs = [prompt]
     try:
         t_start = time.perf_counter()
         prompt.start()
-        _, port = _recv(p_conn, "prompt start-up", SPAWN_LIMIT_S, prompt, procs)
+        _, port, prompt_metrics = _recv(p_conn, "prompt start-up", SPAWN_LIMIT_S, prompt, procs)
         t_ready = time.perf_counter()
-        decoder = ctx.Process(target=_run_decoder, args=(d_child, r_child, geo, seed, port, transport),
+        metrics = None if metrics_port is None else (metrics_port, prompt_metrics)
+        decoder = ctx.Process(target=_run_decoder, args=(d_child, r_child, geo, seed, port, transport, metrics),
                               name="decoder")
         procs.append(decoder)
         decoder.start()
@@ -225,6 +266,10 @@ def main(transport: str = "auto") -> int:
               "one-time set-up) is left out and shown apart")
         print(f"  total wall time {time.perf_counter() - t_start:.1f} s ({t_ready - t_start:.1f} s of it starting "
               "the prompt process: Python, torch, init; a first run after installing also compiles bytecode)")
+        for url, lines in result["scraped"].items():
+            print(f"  metrics scraped from {url} (no buckets):")
+            for line in lines:
+                print(f"    {line}")
         failed = [what for what, held in (("pulled bytes differ", result["pull_ok"]),
                                           ("pushed bytes differ", result["push_ok"]),
                                           (f"exit codes {[p.exitcode for p in procs]}",

@@ -366,7 +366,7 @@ class LinkTable:
             if not self._register(link):
                 # Finalized meanwhile, or a link from that cluster was accepted meanwhile: this one goes, and
                 # the peer is told (it forgets its end).
-                link.send(Msg.UNLINK, link.new_req_id())
+                link.send_unlink(link.new_req_id())
                 await link.close()
                 if self.closing:
                     return LLMStatusCode.LLM_LINK_FAILED
@@ -527,7 +527,7 @@ class LinkTable:
             return
         why = (f"aio.RequireTransport={required} but the link to cluster {link.remote_cluster_id} negotiated "
                f"{link.transport}")
-        link.send(Msg.UNLINK, link.new_req_id())
+        link.send_unlink(link.new_req_id())
         self.forget(link)
         await link.close(why)
         raise LLMException(why, status_code=LLMStatusCode.LLM_LINK_FAILED)
@@ -554,7 +554,7 @@ class LinkTable:
         if not force and link.broken is None:
             req_id = link.new_req_id()
             fut = link.expect(req_id)
-            link.send(Msg.UNLINK, req_id)
+            link.send_unlink(req_id)
             try:
                 async with asyncio.timeout(timeout_ms / 1000):
                     await fut
@@ -593,7 +593,7 @@ class LinkTable:
             if link.broken is None and not link.closed:
                 req_id = link.new_req_id()
                 acks.append(link.expect(req_id))
-                link.send(Msg.UNLINK, req_id)
+                link.send_unlink(req_id)
         if acks:
             await asyncio.wait(acks, timeout=UNLINK_WAIT_S)
         for ack in acks:

@@ -94,6 +94,7 @@ class Link:
         self.counters = LinkCounters(cluster_id, remote_cluster_id, runtime.observers)
         self.log = logging.LoggerAdapter(log, {"cluster_id": cluster_id, "remote_cluster_id": remote_cluster_id,
                                                "link_id": self.link_id})
+        self.unlinking = False  # we sent UNLINK: the peer closing the connection now is no failure
         self._announced = False  # whether the link's going up was logged and observed (so its going down is)
         self._probe_id = 0  # the id of the heartbeat PROBE in flight, and when it left
         self._probe_sent = 0.0
@@ -295,6 +296,11 @@ class Link:
             return
         self.writer.write(wire.encode_record(msg, req_id, record, **changes))
 
+    def send_unlink(self, req_id: int) -> None:
+        """Tell the peer we unlink (it acknowledges, then closes its end)."""
+        self.unlinking = True
+        self.send(Msg.UNLINK, req_id)
+
     def expect(self, req_id: int) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         self.pending[req_id] = fut
@@ -406,7 +412,7 @@ class Link:
         if self.broken is not None or self.closed:
             return
         self.broken = exc
-        self._went_down(f"failed: {exc}")
+        self._went_down("unlinked" if self.unlinking else f"failed: {exc}")
         self._teardown(exc)
 
     def attach_local(self, sock: Any) -> None:

@@ -1,0 +1,248 @@
+"""What an operator sees: ``LLMDataDist.stats()``, the Prometheus exporter, and the link logs.
+
+Each test moves real bytes between two endpoints (in this process, or a
+prompt in a process of its own that can be stopped mid-transfer), then
+checks the numbers both ends report and what a scrape of the registry says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+import aio_datadist as aio
+from aio_datadist import LLMClusterInfo, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from aio_datadist.metrics import instrument
+from aio_datadist.testing import (
+    DECODER_CLUSTER_ID,
+    PROMPT_CLUSTER_ID,
+    blocks_desc,
+    loopback_options,
+    open_pair,
+    open_process_pair,
+)
+
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """A sample's value in the registry, 0 when the series does not exist (yet)."""
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def eventually(check, what: str, limit_s: float = 2.0) -> None:
+    """Wait (bounded) until ``check()`` holds: an owner counts a pull once the requester's DONE arrived."""
+    for _ in range(int(limit_s / 0.02)):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not within {limit_s} s: {what}")
+
+
+def cluster(remote_id: int, address: tuple[str, int]) -> LLMClusterInfo:
+    info = LLMClusterInfo()
+    info.remote_cluster_id = remote_id
+    info.append_local_ip_info("127.0.0.1", 0)
+    info.append_remote_ip_info(*address)
+    return info
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+async def test_stats_count_pulls_pushes_and_refusals_on_both_ends(transport):
+    moved_by = "tcp" if transport == "tcp" else "local"
+    config = {"transport": transport, "heartbeat_interval": 50}
+    registry = CollectorRegistry()
+    async with open_pair(prompt_config=config, decoder_config=config) as pair:
+        instrument(pair.decoder, registry)
+        instrument(pair.prompt, registry)
+        kv = pair.decoder.kv_cache_manager
+        block = pair.decoder_blocks.layout.row_bytes * pair.decoder_blocks.cache_desc.num_tensors
+        for _ in range(3):
+            await kv.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0, 1], [2, 3])
+        await pair.prompt.kv_cache_manager.push_blocks(pair.decoder_blocks_key, pair.prompt_blocks, [1], [0])
+        with pytest.raises(LLMException) as refused:
+            await kv.pull_cache(aio.CacheKey(PROMPT_CLUSTER_ID, 987654), pair.decoder_rows)
+        assert refused.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        await asyncio.sleep(0.3)  # a few heartbeats: their round trips are measured
+
+        mine, theirs = pair.decoder.stats(), pair.prompt.stats()
+        link = mine.links[PROMPT_CLUSTER_ID]
+        assert (mine.cluster_id, mine.role, link.remote_role) == (DECODER_CLUSTER_ID, LLMRole.DECODER, LLMRole.PROMPT)
+        assert link.transport == moved_by
+        assert link.kinds["pull"].transfers == 4 - 1 and link.kinds["pull"].bytes == 3 * 2 * block
+        assert dict(link.kinds["pull"].failures) == {"LLM_KV_CACHE_NOT_EXIST": 1}
+        assert link.kinds["served_push"].transfers == 1 and link.kinds["served_push"].bytes == block
+        assert link.transports == {"pull": moved_by, "served_push": moved_by}
+        assert (link.bytes_in, link.bytes_out) == (7 * block, 0)
+        assert all(s.in_flight == 0 and s.timeouts == 0 and s.cancellations == 0 for s in link.kinds.values())
+        assert link.heartbeat_rtt_ms is not None and 0 < link.heartbeat_rtt_ms < 1000
+        assert mine.caches == 2 and mine.registered_bytes > 0 and mine.links_up == 1 and mine.links_down == 0
+
+        back = theirs.links[DECODER_CLUSTER_ID]
+        assert back.kinds["served_pull"].transfers == 3 and back.kinds["served_pull"].bytes == 6 * block
+        assert dict(back.kinds["served_pull"].failures) == {"LLM_KV_CACHE_NOT_EXIST": 1}
+        assert back.kinds["push"].transfers == 1 and (back.bytes_in, back.bytes_out) == (0, 7 * block)
+        assert theirs.keys >= 2  # the blocks key and the rows keys
+
+        # The exporter counted the same transfers.
+        assert sample(registry, "aio_datadist_transfers_total", cluster_id="2", kind="pull", transport=moved_by,
+                      outcome="ok") == 3
+        assert sample(registry, "aio_datadist_transfer_bytes_total", cluster_id="2", kind="pull",
+                      transport=moved_by) == 6 * block
+        assert sample(registry, "aio_datadist_transfer_errors_total", cluster_id="2", kind="pull",
+                      status="LLM_KV_CACHE_NOT_EXIST") == 1
+        assert sample(registry, "aio_datadist_transfer_errors_total", cluster_id="1", kind="served_pull",
+                      status="LLM_KV_CACHE_NOT_EXIST") == 1
+        assert sample(registry, "aio_datadist_transfer_duration_seconds_count", cluster_id="1", kind="push",
+                      transport=moved_by, size_class="64KiB") == 1
+        assert sample(registry, "aio_datadist_links", cluster_id="2", transport=moved_by) == 1
+        assert sample(registry, "aio_datadist_registered_bytes", cluster_id="1") == theirs.registered_bytes
+        assert sample(registry, "aio_datadist_heartbeat_rtt_seconds", cluster_id="2", remote_cluster_id="1") > 0
+
+
+@pytest.mark.asyncio
+async def test_timeouts_and_cancellations_are_counted_and_nothing_lands_later():
+    """A prompt stopped (SIGSTOP) mid-pull: the pull times out, a second one is cancelled; both are counted
+    as such, neither is in flight afterwards, and once the prompt runs again no byte of either lands."""
+    registry = CollectorRegistry()
+    async with open_process_pair(prompt_config={"transport": "tcp"}, decoder_config={"transport": "tcp"}) as pair:
+        instrument(pair.decoder, registry)
+        kv = pair.decoder.kv_cache_manager
+        os.kill(pair.prompt_pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(LLMException) as timed_out:
+                await kv.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0, 1], [0, 1], timeout=300)
+            assert timed_out.value.status_code == LLMStatusCode.LLM_TIMEOUT
+            pulling = asyncio.ensure_future(kv.pull_blocks(pair.blocks_key, pair.decoder_blocks, [2], [2],
+                                                           timeout=5000))
+            await asyncio.sleep(0.2)
+            assert pair.decoder.stats().links[PROMPT_CLUSTER_ID].kinds["pull"].in_flight == 1
+            pulling.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pulling
+        finally:
+            os.kill(pair.prompt_pid, signal.SIGCONT)
+        await asyncio.sleep(0.5)  # the stopped prompt wakes: whatever it still sends must not land
+        assert all(int(t[:3].abs().sum()) == 0 for t in pair.decoder_blocks.tensors)
+        pull = pair.decoder.stats().links[PROMPT_CLUSTER_ID].kinds["pull"]
+        assert (pull.transfers, pull.timeouts, pull.cancellations, pull.in_flight) == (0, 1, 1, 0)
+        assert dict(pull.failures) == {"LLM_TIMEOUT": 1}
+        await kv.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
+        assert pair.decoder.stats().links[PROMPT_CLUSTER_ID].kinds["pull"].transfers == 1
+        for outcome, count in (("timeout", 1), ("cancelled", 1), ("ok", 1)):
+            assert sample(registry, "aio_datadist_transfers_total", cluster_id="2", kind="pull", transport="tcp",
+                          outcome=outcome) == count
+        assert sample(registry, "aio_datadist_transfer_errors_total", cluster_id="2", kind="pull",
+                      status="LLM_TIMEOUT") == 1
+
+
+@pytest.mark.asyncio
+async def test_links_up_and_down_are_counted_logged_once_and_transfers_log_nothing_at_info(caplog):
+    registry = CollectorRegistry()
+    prompt, decoder = LLMDataDist(LLMRole.PROMPT, 11), LLMDataDist(LLMRole.DECODER, 12)
+    instrument(prompt, registry)
+    instrument(decoder, registry)
+    caplog.set_level(logging.INFO, logger="aio_datadist")
+    async with prompt, decoder:
+        await prompt.init(loopback_options(listen=True, transport="tcp"))
+        await decoder.init(loopback_options(transport="tcp"))
+        cache = prompt.kv_cache_manager.allocate_blocks_cache(blocks_desc(), aio.BlocksCacheKey(11, 0))
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(blocks_desc())
+        assert prompt.listen_address is not None
+        for attempt in range(2):  # link, unlink, link again
+            status, _ = await decoder.link_clusters([cluster(11, prompt.listen_address)], timeout=3000)
+            assert status == LLMStatusCode.LLM_SUCCESS
+            if attempt == 0:
+                await decoder.unlink_clusters([cluster(11, prompt.listen_address)])
+        up = [r for r in caplog.records if r.levelno == logging.INFO and " up, " in r.getMessage()]
+        assert len(up) == 4  # two links, each logged once by each end
+        dialled = [r for r in up if r.cluster_id == 12]
+        assert [r.remote_cluster_id for r in dialled] == [11, 11]
+        assert "transport tcp" in dialled[0].getMessage() and dialled[0].link_id != dialled[1].link_id
+        assert decoder.stats().links[11].link_id == dialled[1].link_id
+        before = len([r for r in caplog.records if r.levelno >= logging.INFO])
+        for _ in range(20):
+            await decoder.kv_cache_manager.pull_blocks(aio.BlocksCacheKey(11, 0), dst, [0], [1])
+        assert len([r for r in caplog.records if r.levelno >= logging.INFO]) == before
+        for dd, cid in ((decoder, "12"), (prompt, "11")):
+            stats = dd.stats()
+            assert (stats.links_up, stats.links_down) == (2, 1)
+            assert sample(registry, "aio_datadist_link_events_total", cluster_id=cid, event="up") == 2
+            assert sample(registry, "aio_datadist_link_events_total", cluster_id=cid, event="down") == 1
+        del cache, dst
+    downs = [r.getMessage() for r in caplog.records if " down: " in r.getMessage()]
+    assert len(downs) == 4 and all(m.endswith(" down: unlinked") for m in downs), downs
+
+
+@pytest.mark.asyncio
+async def test_stats_before_init_and_after_finalize_say_so():
+    dd = LLMDataDist(LLMRole.DECODER, 5)
+    with pytest.raises(LLMException) as early:
+        dd.stats()
+    assert early.value.status_code == LLMStatusCode.LLM_FAILED
+    await dd.init(loopback_options())
+    assert dd.stats().links == {}
+    await dd.finalize()
+    with pytest.raises(LLMException) as late:
+        dd.stats()
+    assert late.value.status_code == LLMStatusCode.LLM_ENGINE_FINALIZED
+
+
+@pytest.mark.asyncio
+async def test_a_scrape_from_another_thread_reads_the_endpoint_on_its_own_loop():
+    registry = CollectorRegistry()
+    async with open_pair() as pair:
+        instrument(pair.decoder, registry)
+        await pair.decoder.kv_cache_manager.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
+        text = (await asyncio.to_thread(generate_latest, registry)).decode()
+        assert 'aio_datadist_links{cluster_id="2",transport="local"} 1.0' in text
+        assert 'aio_datadist_caches{cluster_id="2"} 2.0' in text
+    text = (await asyncio.to_thread(generate_latest, registry)).decode()
+    assert "aio_datadist_caches{" not in text  # finalized: no gauges, counters stay
+
+
+def test_instrument_refuses_what_is_not_an_endpoint_and_says_which_extra_is_missing(monkeypatch):
+    with pytest.raises(LLMException) as bad:
+        instrument(object(), CollectorRegistry())  # type: ignore[arg-type]
+    assert bad.value.status_code == LLMStatusCode.LLM_PARAM_INVALID and "'dd'" in str(bad.value)
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(LLMException) as missing:
+        instrument(LLMDataDist(LLMRole.PROMPT, 1), CollectorRegistry())
+    assert missing.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    assert "aio_datadist[metrics]" in str(missing.value)
+
+
+@pytest.mark.asyncio
+async def test_two_endpoints_share_one_registry_by_cluster_id():
+    registry = CollectorRegistry()
+    async with open_pair() as pair:
+        first = instrument(pair.decoder, registry)
+        assert instrument(pair.prompt, registry) is first
+        instrument(pair.prompt, registry)  # again: nothing doubles
+        await pair.decoder.kv_cache_manager.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
+        await eventually(lambda: sample(registry, "aio_datadist_transfers_total", cluster_id="1", kind="served_pull",
+                                        transport="local", outcome="ok") == 1, "the prompt counted its served pull")
+        first.unwatch(pair.prompt)
+        await pair.decoder.kv_cache_manager.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
+        await asyncio.sleep(0.1)  # the DONE that would have counted it, had it still been watched
+        assert sample(registry, "aio_datadist_transfers_total", cluster_id="1", kind="served_pull",
+                      transport="local", outcome="ok") == 1
+        assert sample(registry, "aio_datadist_transfers_total", cluster_id="2", kind="pull",
+                      transport="local", outcome="ok") == 2
+
+
+def test_metrics_cost_nothing_to_import_without_being_used():
+    """``import aio_datadist`` and its stats never import prometheus_client (an optional extra)."""
+    import subprocess
+
+    code = ("import sys, aio_datadist, aio_datadist.stats, aio_datadist.datadist; "
+            "print('prometheus_client' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
