@@ -86,6 +86,7 @@ TCP_VS_RAW = ">= 0.9x"
 TCP_VS_GLOO = ">= 1.3x"
 LOCAL_VS_MEMCPY = ">= 0.8x"
 LATENCY_VS_RTT = "<= 2x"
+METRICS_COST = "<= 1.02x"
 RSS_FLAT = "< 0.05x"  # growth against one request: a buffer of 1/20 of it would show
 
 CONCURRENT = 64
@@ -177,9 +178,10 @@ async def _prompt_main(conn: Any, geometry: KvGeometry, cache_blocks: int) -> No
     from benchmarks.harness import stamp_blocks
 
     async with AsyncExitStack() as stack:
-        kv, caches, ports = {}, {}, {}
+        kv, caches, ports, dds = {}, {}, {}, {}
         for transport in TRANSPORTS:
             dd = await stack.enter_async_context(LLMDataDist(LLMRole.PROMPT, PROMPT_ID[transport]))
+            dds[transport] = dd
             await dd.init(endpoint_options(transport, listen=True, timeout_ms=TRANSFER_TIMEOUT_MS))
             kv[transport] = dd.kv_cache_manager
             caches[transport] = kv[transport].allocate_blocks_cache(
@@ -191,6 +193,10 @@ async def _prompt_main(conn: Any, geometry: KvGeometry, cache_blocks: int) -> No
             command = await _next_command(conn)
             if command[0] == "exit":
                 return
+            if command[0] == "metrics":
+                _metrics_on(dds.values(), command[1])
+                conn.send("ok")
+                continue
             _, transport, count, repeats, warmup, dst_cache_id = command
             src_blocks, dst_blocks = block_lists(cache_blocks, count, SEED)
             target = CacheIndex(DECODER_ID[transport], dst_cache_id)
@@ -199,6 +205,33 @@ async def _prompt_main(conn: Any, geometry: KvGeometry, cache_blocks: int) -> No
                 lambda: manager.push_blocks(target, cache, src_blocks, dst_blocks, timeout=TRANSFER_TIMEOUT_MS),
                 repeats=repeats, warmup=warmup)
             conn.send(samples)
+
+
+def metrics_available() -> bool:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_EXPORTER: Any = None
+
+
+def _metrics_on(dds: Any, on: bool) -> None:
+    """Count the endpoints' transfers in a Prometheus registry of this process's own (``on``), or stop."""
+    global _EXPORTER
+    from aio_datadist.metrics import PrometheusMetrics
+
+    if _EXPORTER is None:
+        from prometheus_client import CollectorRegistry
+
+        _EXPORTER = PrometheusMetrics(CollectorRegistry())
+    for dd in dds:
+        if on:
+            _EXPORTER.watch(dd)
+        else:
+            _EXPORTER.unwatch(dd)
 
 
 # -- this process: the DECODER ------------------------------------------------------------------
@@ -299,6 +332,12 @@ class Decoder:
         self.check(transport, "push_blocks", dst, src)
         return samples
 
+    async def metrics(self, on: bool) -> None:
+        """Count both ends' transfers in Prometheus metrics (``on``), or stop counting."""
+        _metrics_on(self.dds.values(), on)
+        self.peer.send(("metrics", on))
+        await self.peer.recv_async(60.0)
+
     async def concurrent_pulls(self, transport: str, each: int, batches: int, warmup: int) -> list[float]:
         from aio_datadist import BlocksCacheKey
 
@@ -328,6 +367,7 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], plan: Plan, gloo
     gloo_after = ({round(i * (plan.rounds - 1) / max(1, plan.gloo_rounds - 1)) for i in range(plan.gloo_rounds)}
                   if gloo else set())
     concurrent = [b for b in CONCURRENT_BLOCKS if b in counts]
+    metrics = metrics_available()
     t0 = time.perf_counter()
     with Peer(_prompt_peer, geometry, cache_blocks, timeout=PEER_LIFETIME_S, name="prompt") as peer, \
             baselines.TcpReplyPeer(raw_bytes, timeout=PEER_LIFETIME_S) as raw:
@@ -347,6 +387,8 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], plan: Plan, gloo
                     nbytes = request[count]
                     n, w = plan.per_round(nbytes), plan.warmup(r, nbytes)
                     cases = [("raw", "tcp")] + [(op, t) for t in TRANSPORTS for op in ("pull", "push")]
+                    if count == 1 and metrics:  # the cost of the Prometheus exporter on a 1-block pull
+                        cases += [("pull+metrics", t) for t in TRANSPORTS]
                     shift = r % len(cases)
                     for op, transport in cases[shift:] + cases[:shift]:
                         key = (op, transport, str(count))
@@ -356,6 +398,12 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], plan: Plan, gloo
                             res.add(key, nbytes, m.samples)
                         elif op == "pull":
                             res.add(key, nbytes, await dec.pull(transport, count, n, w))
+                        elif op == "pull+metrics":
+                            await dec.metrics(True)
+                            try:
+                                res.add(key, nbytes, await dec.pull(transport, count, n, w))
+                            finally:
+                                await dec.metrics(False)
                         else:
                             res.add(key, nbytes, await dec.push(transport, count, n, w))
                 for each in concurrent:
@@ -489,8 +537,16 @@ def _latency_table(res: Results, geometry: KvGeometry, machine: str, mode: str) 
                       baseline_value=raw.p50_us, target=LATENCY_VS_RTT if op == "pull" else None)
             table.add(f"{op}_blocks {LABEL[transport]} p99", "1 blk", m.p99_us, "us", baseline="raw TCP p99",
                       baseline_value=raw.p99_us)
+    if res.has("pull+metrics", TRANSPORTS[0], "1"):
+        for transport in TRANSPORTS:
+            m, bare = res.m("pull+metrics", transport, "1"), res.m("pull", transport, "1")
+            table.add(f"pull_blocks {LABEL[transport]} p50, Prometheus metrics on", "1 blk", m.p50_us, "us",
+                      baseline="the same pull, metrics off", baseline_value=bare.p50_us, target=METRICS_COST)
     table.note(f"{raw.summary.n} samples per case; ratios above 1 are slower than raw TCP; push_blocks for "
-               "information (timed in the PROMPT process)")
+               "information (timed in the PROMPT process); 'metrics on': both ends count every transfer in "
+               "aio_datadist.metrics (counters and the latency histogram), measured in the same rounds"
+               + ("" if res.has("pull+metrics", TRANSPORTS[0], "1") else
+                  "; no metrics rows: prometheus_client is not installed (pip install 'aio_datadist[metrics]')"))
     return table
 
 
