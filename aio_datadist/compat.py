@@ -49,6 +49,7 @@ from aio_datadist.types import (
 )
 
 if TYPE_CHECKING:
+    from aio_datadist.stats import EndpointStats
     from aio_datadist.types import RegisterMemStatus as _RegisterMemStatus
 
 __all__ = [
@@ -279,6 +280,10 @@ class LLMDataDist:
 
     def check_link_status(self, remote_cluster_id: int) -> None:
         _RUNNER.run(self._dd.check_link_status(remote_cluster_id))
+
+    def stats(self) -> EndpointStats:
+        """:meth:`aio_datadist.LLMDataDist.stats`, taken on the facade's loop."""
+        return _RUNNER.call(self._dd.stats)
 
     def link(self, comm_name: str, cluster_rank_info: Mapping[int, int], rank_table: str) -> int:
         """Start a bilateral link; returns its comm id at once (poll :meth:`query_register_mem_status`)."""

@@ -55,6 +55,8 @@ def _prometheus() -> Any:
 def instrument(dd: LLMDataDist, registry: Any = None) -> PrometheusMetrics:
     """Export ``dd``'s metrics on ``registry`` (default: ``prometheus_client.REGISTRY``); the exporter.
 
+    ``dd`` is an :class:`aio_datadist.LLMDataDist` or the blocking ``aio_datadist.compat.LLMDataDist``.
+
     One exporter serves each registry; instrumenting a second endpoint on the
     same registry adds its series (labelled with its ``cluster_id``).
 
@@ -63,6 +65,9 @@ def instrument(dd: LLMDataDist, registry: Any = None) -> PrometheusMetrics:
     """
     from aio_datadist.datadist import LLMDataDist
 
+    inner = getattr(dd, "_dd", None)  # the blocking facade (aio_datadist.compat) wraps the async endpoint
+    if isinstance(inner, LLMDataDist):
+        dd = inner
     if not isinstance(dd, LLMDataDist):
         raise LLMException(f"invalid argument 'dd': expected an LLMDataDist, got {type(dd).__name__}",
                            status_code=LLMStatusCode.LLM_PARAM_INVALID)

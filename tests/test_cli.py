@@ -37,8 +37,16 @@ def test_help_lists_the_commands():
 def test_the_demo_moves_a_real_kv_cache_between_two_processes(tmp_path, transport, moved_by):
     """README's first command, run from outside the checkout as a user would: it names the transport the
     link negotiated, and times warm transfers, the cold first one shown apart."""
-    result = cli("demo", *(["--transport", transport] if transport else []), cwd=tmp_path)
+    # The nixl run also exports Prometheus metrics: each process's scrape is printed.
+    metrics = ["--metrics-port", "0"] if transport == "nixl" else []
+    result = cli("demo", *(["--transport", transport] if transport else []), *metrics, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+    if metrics:
+        assert result.stdout.count("metrics scraped from http://127.0.0.1:") == 2
+        for cluster_id, kind in (("2", "pull"), ("1", "served_pull")):  # the cold pull and three warm ones
+            assert (f'aio_datadist_transfers_total{{cluster_id="{cluster_id}",kind="{kind}",outcome="ok",'
+                    f'transport="nixl"}} 4.0') in result.stdout
+        assert 'aio_datadist_links{cluster_id="2",transport="nixl"} 1.0' in result.stdout
     assert f"transport: {moved_by}" in result.stdout
     name = moved_by.split()[0]
     assert result.stdout.splitlines()[-1] == f"demo OK: pulled and pushed over {name}; bytes equal"

@@ -246,3 +246,29 @@ def test_metrics_cost_nothing_to_import_without_being_used():
             "print('prometheus_client' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_blocking_facade_has_stats_and_can_be_instrumented():
+    from aio_datadist import compat
+
+    registry = CollectorRegistry()
+    prompt, decoder = compat.LLMDataDist(LLMRole.PROMPT, 31), compat.LLMDataDist(LLMRole.DECODER, 32)
+    try:
+        prompt.init(loopback_options(listen=True))
+        instrument(decoder, registry)
+        decoder.init(loopback_options())
+        prompt.kv_cache_manager.allocate_blocks_cache(blocks_desc(), aio.BlocksCacheKey(31, 0))
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(blocks_desc())
+        assert prompt.listen_address is not None
+        status, _ = decoder.link_clusters([cluster(31, prompt.listen_address)])
+        assert status == LLMStatusCode.LLM_SUCCESS
+        decoder.kv_cache_manager.pull_blocks(aio.BlocksCacheKey(31, 0), dst, [0], [0])
+        assert decoder.stats().links[31].kinds["pull"].transfers == 1
+        text = generate_latest(registry).decode()  # from this thread, while the facade's loop runs
+        assert 'aio_datadist_caches{cluster_id="32"} 1.0' in text
+        assert sample(registry, "aio_datadist_link_events_total", cluster_id="32", event="up") == 1
+        del dst
+    finally:
+        decoder.finalize()
+        prompt.finalize()
+        compat._RUNNER.stop()  # the facade's loop thread lives for the process; end it for the leak check
