@@ -391,7 +391,7 @@ class Link:
                     # more; a request we serve answers once its job stopped (see owner.handle_request).
                     self.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text="aborted")
             case protocol.Reply(req_id=req_id, record=record):
-                if req_id == self._probe_id:
+                if req_id and req_id == self._probe_id:
                     self.counters.rtt_s = time.perf_counter() - self._probe_sent
                     self._probe_id = 0
                     return
@@ -482,8 +482,7 @@ class Link:
         transport = self.transport
         self.log.info("link %s to cluster %s (%s) up, %s: transport %s", self.link_id, self.remote_cluster_id,
                       self.remote_role.name, how, transport)
-        for observer in self.counters.observers:
-            observer.link(self.cluster_id, self.remote_cluster_id, True)
+        self.counters.link_event(up=True)
 
     def _went_down(self, why: str) -> None:
         if not self._announced:
@@ -491,8 +490,7 @@ class Link:
         self._announced = False
         self.runtime.links_down += 1
         self.log.info("link %s to cluster %s down: %s", self.link_id, self.remote_cluster_id, why)
-        for observer in self.counters.observers:
-            observer.link(self.cluster_id, self.remote_cluster_id, False)
+        self.counters.link_event(up=False)
 
     def stats(self) -> LinkStats:
         """A snapshot of the link's counters."""

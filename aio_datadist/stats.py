@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -26,6 +27,8 @@ from aio_datadist.types import LLMRole
 
 __all__ = ["KINDS", "SIZE_CLASSES", "EndpointStats", "LinkCounters", "LinkStats", "Observer", "Outcome",
            "TransferStats", "size_class"]
+
+log = logging.getLogger("aio_datadist.stats")
 
 #: The kinds of transfer a link counts: what this end asked for, and what it served for the peer.
 KINDS = ("pull", "push", "served_pull", "served_push")
@@ -205,7 +208,18 @@ class LinkCounters:
             if outcome is Outcome.TIMEOUT:
                 t.timeouts += 1
         for observer in self.observers:
-            observer.transfer(self.cluster_id, kind, transport, nbytes, seconds, outcome, status)
+            try:
+                observer.transfer(self.cluster_id, kind, transport, nbytes, seconds, outcome, status)
+            except Exception:  # an observer's failure is its own: never the transfer's
+                log.exception("an aio_datadist observer failed on a finished transfer")
+
+    def link_event(self, *, up: bool) -> None:
+        """The link came up (``up``) or went down: tell the observers."""
+        for observer in self.observers:
+            try:
+                observer.link(self.cluster_id, self.remote_cluster_id, up)
+            except Exception:
+                log.exception("an aio_datadist observer failed on a link event")
 
     def refused(self, kind: str, transport: str, status: LLMStatusCode) -> None:
         """A request of ``kind`` was refused before it began (counted as a failure with ``status``)."""

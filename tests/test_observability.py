@@ -272,3 +272,19 @@ def test_the_blocking_facade_has_stats_and_can_be_instrumented():
         decoder.finalize()
         prompt.finalize()
         compat._RUNNER.stop()  # the facade's loop thread lives for the process; end it for the leak check
+
+
+@pytest.mark.asyncio
+async def test_an_observer_that_fails_does_not_fail_the_transfer(caplog):
+    class Broken:
+        def transfer(self, *args):
+            raise RuntimeError("observer bug")
+
+        def link(self, *args):
+            raise RuntimeError("observer bug")
+
+    async with open_pair() as pair:
+        pair.decoder._endpoint.observers.append(Broken())
+        await pair.decoder.kv_cache_manager.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
+        assert pair.decoder.stats().links[PROMPT_CLUSTER_ID].kinds["pull"].transfers == 1
+    assert any("observer failed" in r.getMessage() for r in caplog.records)
