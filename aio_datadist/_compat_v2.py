@@ -66,12 +66,22 @@ class CacheManager:
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: Mapping[int, int]) -> None:
         self._runner.run(self._m.swap_blocks(src_cache, dst_cache, src_to_dst))
 
-    def pull_cache(self, cache_key: Any, cache: Cache, batch_index: int = 0, size: int = -1, **kwargs: Any) -> None:
-        self._runner.run(self._m.pull_cache(cache_key, cache, batch_index, size, **kwargs))
+    def pull_cache(self, cache_key: Any, cache: Cache, batch_index: int = 0, size: int = -1, *,
+                   src_layer_range: range | None = None, dst_layer_range: range | None = None,
+                   tensor_num_per_layer: int = 2, timeout: int | None = None, **unknown: Any) -> None:
+        """Blocking :meth:`aio_datadist.CacheManager.pull_cache` (same arguments)."""
+        self._runner.run(self._m.pull_cache(cache_key, cache, batch_index, size, src_layer_range=src_layer_range,
+                                            dst_layer_range=dst_layer_range,
+                                            tensor_num_per_layer=tensor_num_per_layer, timeout=timeout, **unknown))
 
     def pull_blocks(self, src_cache_key: Any, dst_cache: Cache, src_blocks: Sequence[int] | None = (),
-                    dst_blocks: Sequence[int] = (), **kwargs: Any) -> None:
-        self._runner.run(self._m.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, **kwargs))
+                    dst_blocks: Sequence[int] = (), *, src_layer_range: range | None = None,
+                    dst_layer_range: range | None = None, tensor_num_per_layer: int = 2, timeout: int | None = None,
+                    **unknown: Any) -> None:
+        """Blocking :meth:`aio_datadist.CacheManager.pull_blocks` (same arguments)."""
+        self._runner.run(self._m.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks,
+                                             src_layer_range=src_layer_range, dst_layer_range=dst_layer_range,
+                                             tensor_num_per_layer=tensor_num_per_layer, timeout=timeout, **unknown))
 
     def push_cache(self, dst_cache_key: Any, src_cache: Cache, src_batch_index: int = 0,
                    src_layer_range: range | None = None, dst_layer_range: range | None = None, size: int = -1,

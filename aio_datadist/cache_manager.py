@@ -61,7 +61,6 @@ __all__ = ["Cache", "CacheManager"]
 #: ``is_blocks_cache`` and ``Cache.create_cpu_cache(cache_desc, addrs)`` as the reference lists them.
 Cache = KvCache
 
-_PULL_KEYWORDS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer", "timeout"})
 
 
 class CacheManager:
@@ -254,36 +253,44 @@ class CacheManager:
     # -- transfers with peers -------------------------------------------------
 
     async def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: KvCache, batch_index: int = 0,
-                         size: int = -1, **kwargs: Any) -> None:
+                         size: int = -1, *, src_layer_range: range | None = None, dst_layer_range: range | None = None,
+                         tensor_num_per_layer: int = 2, timeout: int | None = None, **unknown: Any) -> None:
         """Pull one remote batch row into row ``batch_index`` of the contiguous ``cache``.
 
-        :param kwargs: ``src_layer_range`` / ``dst_layer_range`` (``range``),
-            ``tensor_num_per_layer`` (default 2), ``timeout`` (ms).
+        :param src_layer_range: the owner's layers (``range``; None: all).
+        :param dst_layer_range: the local layers (``range``; None: all).
+        :param tensor_num_per_layer: tensors per layer (2: K and V).
+        :param timeout: ms; None: ``sync_kv_timeout``.
+        :param unknown: refused with ``LLM_PARAM_INVALID`` naming the keyword (v2 has no offsets).
         :raises LLMException: ``LLM_PARAM_INVALID``, ``LLM_NOT_YET_LINK``,
             ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_TIMEOUT``, ``LLM_LINK_FAILED``.
         """
         self._rt()
+        keywords = _pull_keywords(src_layer_range, dst_layer_range, tensor_num_per_layer, timeout, unknown)
         check_instance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
         cache = self._endpoint.live(cache, "cache")
         if cache.is_blocks_cache:
             raise param_invalid("cache", "can not be a blocks cache (use pull_blocks)")
         require_host("cache", cache, "pull_cache")
-        await self._kv.pull_cache(cache_key, cache, batch_index, size, **_pull_keywords(kwargs))
+        await self._kv.pull_cache(cache_key, cache, batch_index, size, **keywords)
 
     async def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, dst_cache: KvCache,
-                          src_blocks: Sequence[int] | None = (), dst_blocks: Sequence[int] = (),
-                          **kwargs: Any) -> None:
+                          src_blocks: Sequence[int] | None = (), dst_blocks: Sequence[int] = (), *,
+                          src_layer_range: range | None = None, dst_layer_range: range | None = None,
+                          tensor_num_per_layer: int = 2, timeout: int | None = None, **unknown: Any) -> None:
         """Pull remote blocks (a :class:`BlocksCacheKey` and ``src_blocks``) or one remote
         contiguous row (a :class:`CacheKey` / :class:`CacheKeyByIdAndIndex`, ``src_blocks`` empty)
         into ``dst_blocks`` of the blocks cache ``dst_cache``.
 
-        :param kwargs: as :meth:`pull_cache`.
+        Keywords as :meth:`pull_cache`.
+
         :raises LLMException: as :meth:`pull_cache`.
         """
         self._rt()
+        keywords = _pull_keywords(src_layer_range, dst_layer_range, tensor_num_per_layer, timeout, unknown)
         check_instance("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
         await self._kv.pull_blocks(src_cache_key, dst_cache, () if src_blocks is None else src_blocks, dst_blocks,
-                                   **_pull_keywords(kwargs))
+                                   **keywords)
 
     async def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: KvCache, src_batch_index: int = 0,
                          src_layer_range: range | None = None, dst_layer_range: range | None = None,
@@ -373,15 +380,15 @@ def _v2_argument(v1_name: str, v2_name: str) -> Iterator[None]:
         raise type(exc)(message, status_code=exc.status_code, argument=v2_name) from None
 
 
-def _pull_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The v2 pull keywords (LLM-DataDist's v2 has no offsets); anything else names itself."""
-    unknown = sorted(set(kwargs) - _PULL_KEYWORDS)
+def _pull_keywords(src_layer_range: Any, dst_layer_range: Any, tensor_num_per_layer: Any, timeout: Any,
+                   unknown: dict[str, Any]) -> dict[str, Any]:
+    """The v2 pull keywords for the v1 call (LLM-DataDist's v2 has no offsets); anything else names itself."""
     if unknown:
-        raise param_invalid(unknown[0], "is not a keyword of the v2 pull calls (src_layer_range, dst_layer_range, "
-                            "tensor_num_per_layer, timeout)")
-    if "tensor_num_per_layer" in kwargs:
-        check_int("tensor_num_per_layer", kwargs["tensor_num_per_layer"], lo=1, hi=UINT32_MAX)
-    return kwargs
+        raise param_invalid(sorted(unknown)[0], "is not a keyword of the v2 pull calls (src_layer_range, "
+                            "dst_layer_range, tensor_num_per_layer, timeout)")
+    check_int("tensor_num_per_layer", tensor_num_per_layer, lo=1, hi=UINT32_MAX)
+    return {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
+            "tensor_num_per_layer": tensor_num_per_layer, "timeout": timeout}
 
 
 def _push_layers(src_cache: KvCache, src_layer_range: Any, dst_layer_range: Any,

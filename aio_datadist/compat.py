@@ -179,15 +179,29 @@ class KvCacheManager:
     def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[Any]:
         return _RUNNER.call(self._m.get_cache_tensors, cache, tensor_index)
 
-    def pull_cache(self, cache_key: Any, kv_cache: KvCache, batch_index: int = 0, size: int = -1,
-                   **kwargs: Any) -> None:
-        _RUNNER.run(self._m.pull_cache(cache_key, kv_cache, batch_index, size, **kwargs))
+    def pull_cache(self, cache_key: Any, kv_cache: KvCache, batch_index: int = 0, size: int = -1, *,
+                   src_layer_range: range | None = None, dst_layer_range: range | None = None,
+                   tensor_num_per_layer: int = 2, src_cache_offset: int | None = None,
+                   dst_cache_offset: int | None = None, timeout: int | None = None, **unknown: Any) -> None:
+        """Blocking :meth:`aio_datadist.KvCacheManager.pull_cache` (same arguments)."""
+        _RUNNER.run(self._m.pull_cache(cache_key, kv_cache, batch_index, size, src_layer_range=src_layer_range,
+                                       dst_layer_range=dst_layer_range, tensor_num_per_layer=tensor_num_per_layer,
+                                       src_cache_offset=src_cache_offset, dst_cache_offset=dst_cache_offset,
+                                       timeout=timeout, **unknown))
 
     def pull_blocks(self, src_cache_key: Any = None, dst_cache: KvCache | None = None, src_blocks: Sequence[int] = (),
-                    dst_blocks: Sequence[int] = (), **kwargs: Any) -> None:
-        """Also takes the KvCacheManager (v1) names ``prompt_cache_key``, ``decoder_kv_cache``,
-        ``prompt_blocks`` and ``decoder_blocks``."""
-        _RUNNER.run(self._m.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, **kwargs))
+                    dst_blocks: Sequence[int] = (), *, src_layer_range: range | None = None,
+                    dst_layer_range: range | None = None, tensor_num_per_layer: int = 2, timeout: int | None = None,
+                    prompt_cache_key: Any = None, decoder_kv_cache: KvCache | None = None,
+                    prompt_blocks: Sequence[int] | None = None, decoder_blocks: Sequence[int] | None = None,
+                    **unknown: Any) -> None:
+        """Blocking :meth:`aio_datadist.KvCacheManager.pull_blocks`; also takes the KvCacheManager (v1)
+        names ``prompt_cache_key``, ``decoder_kv_cache``, ``prompt_blocks`` and ``decoder_blocks``."""
+        _RUNNER.run(self._m.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks,
+                                        src_layer_range=src_layer_range, dst_layer_range=dst_layer_range,
+                                        tensor_num_per_layer=tensor_num_per_layer, timeout=timeout,
+                                        prompt_cache_key=prompt_cache_key, decoder_kv_cache=decoder_kv_cache,
+                                        prompt_blocks=prompt_blocks, decoder_blocks=decoder_blocks, **unknown))
 
     def push_blocks(self, dst_cache_key: Any, src_cache: KvCache, src_blocks: Sequence[int] = (),
                     dst_blocks: Sequence[int] = (), src_layer_range: range | None = None,

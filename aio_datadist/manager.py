@@ -345,14 +345,12 @@ class KvCacheManager:
 
     # -- transfers with peers -----------------------------------------------
 
-    def _layer_kwargs(self, kwargs: dict[str, Any]) -> tuple[tuple[int, int], tuple[int, int], int, int]:
-        unknown = set(kwargs) - {"src_layer_range", "dst_layer_range", "tensor_num_per_layer", "timeout"}
-        if unknown:
-            raise param_type_error(sorted(unknown)[0], "unexpected keyword argument")
-        src = layer_pair("src_layer_range", kwargs.get("src_layer_range"))
-        dst = layer_pair("dst_layer_range", kwargs.get("dst_layer_range"))
-        per_layer = check_int("tensor_num_per_layer", kwargs.get("tensor_num_per_layer", 2), lo=1, hi=255)
-        return src, dst, per_layer, self._timeout(kwargs.get("timeout"))
+    def _layer_args(self, src_layer_range: Any, dst_layer_range: Any, tensor_num_per_layer: Any,
+                    timeout: Any) -> tuple[tuple[int, int], tuple[int, int], int, int]:
+        src = layer_pair("src_layer_range", src_layer_range)
+        dst = layer_pair("dst_layer_range", dst_layer_range)
+        per_layer = check_int("tensor_num_per_layer", tensor_num_per_layer, lo=1, hi=255)
+        return src, dst, per_layer, self._timeout(timeout)
 
     def _ext_param(self, ext_param: Any) -> tuple[tuple[int, int], tuple[int, int], int]:
         if ext_param is None:
@@ -362,7 +360,10 @@ class KvCacheManager:
                 ext_param.tensor_num_per_layer)
 
     async def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, kv_cache: KvCache,
-                         batch_index: int = 0, size: int = -1, **kwargs: Any) -> None:
+                         batch_index: int = 0, size: int = -1, *, src_layer_range: range | None = None,
+                         dst_layer_range: range | None = None, tensor_num_per_layer: int = 2,
+                         src_cache_offset: int | None = None, dst_cache_offset: int | None = None,
+                         timeout: int | None = None, **unknown: Any) -> None:
         """Pull one remote batch row into row ``batch_index`` of ``kv_cache`` (DECODER or MIX).
 
         :param cache_key: a :class:`CacheKey` bound on the owner (consumed by a
@@ -370,13 +371,18 @@ class KvCacheManager:
         :param size: bytes per tensor; -1 pulls the whole row (row sizes must
             match), or with an offset the rest of the local row from
             ``dst_cache_offset`` on.
-        :param kwargs: ``src_layer_range``/``dst_layer_range`` (``range``),
-            ``tensor_num_per_layer`` (default 2), ``src_cache_offset`` /
-            ``dst_cache_offset`` (bytes into the remote / local row, >= 0; the
-            KvCacheManager spelling of LLM-DataDist), ``timeout`` (ms).
+        :param src_layer_range: the owner's layers (``range``; None: all).
+        :param dst_layer_range: the local layers (``range``; None: all).
+        :param tensor_num_per_layer: tensors per layer (2: K and V).
+        :param src_cache_offset: bytes into the remote row (>= 0), LLM-DataDist's
+            KvCacheManager spelling; None: 0.
+        :param dst_cache_offset: bytes into the local row (>= 0); None: 0.
+        :param timeout: ms; None: ``sync_kv_timeout``.
+        :param unknown: any other keyword is refused (``LLM_PARAM_INVALID`` naming it, a ``TypeError``).
         :raises LLMException: ``LLM_PARAM_INVALID``, ``LLM_NOT_YET_LINK``,
             ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_TIMEOUT``, ``LLM_LINK_FAILED``.
         """
+        _no_unknown(unknown)
         rt = self._rt()
         self._endpoint.require_role("pull_cache", LLMRole.DECODER, LLMRole.MIX)
         key = _check_pull_key("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
@@ -384,8 +390,10 @@ class KvCacheManager:
         if cache.is_blocks_cache:
             raise param_invalid("kv_cache", "pull_cache needs a contiguous cache (use pull_blocks for blocks)")
         require_host("kv_cache", cache, "pull_cache")
-        src_offset, dst_offset = (_cache_offset(kwargs, name) for name in ("src_cache_offset", "dst_cache_offset"))
-        src, dst, per_layer, timeout_ms = self._layer_kwargs(kwargs)
+        src_offset = _cache_offset("src_cache_offset", src_cache_offset)
+        dst_offset = _cache_offset("dst_cache_offset", dst_cache_offset)
+        src, dst, per_layer, timeout_ms = self._layer_args(src_layer_range, dst_layer_range, tensor_num_per_layer,
+                                                           timeout)
         lay = cache.layout
         row = check_index("batch_index", batch_index, lay.rows, what="batch index")
         local_offset = dst_offset or 0
@@ -405,7 +413,11 @@ class KvCacheManager:
 
     async def pull_blocks(self, src_cache_key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex | None = None,
                           dst_cache: KvCache | None = None, src_blocks: Sequence[int] = (),
-                          dst_blocks: Sequence[int] = (), **kwargs: Any) -> None:
+                          dst_blocks: Sequence[int] = (), *, src_layer_range: range | None = None,
+                          dst_layer_range: range | None = None, tensor_num_per_layer: int = 2,
+                          timeout: int | None = None, prompt_cache_key: Any = None, decoder_kv_cache: Any = None,
+                          prompt_blocks: Sequence[int] | None = None,
+                          decoder_blocks: Sequence[int] | None = None, **unknown: Any) -> None:
         """Pull remote blocks into ``dst_blocks`` of a local blocks cache (DECODER or MIX).
 
         With a :class:`BlocksCacheKey`, remote block ``src_blocks[i]`` lands in
@@ -413,16 +425,19 @@ class KvCacheManager:
         :class:`CacheKeyByIdAndIndex` and empty ``src_blocks``, one remote
         contiguous row is scattered over ``dst_blocks`` in order.
 
-        :param kwargs: layer ranges, ``tensor_num_per_layer``, ``timeout``
-            (ms); the KvCacheManager (v1) keyword names ``prompt_cache_key``,
-            ``decoder_kv_cache``, ``prompt_blocks`` and ``decoder_blocks`` stand
-            for the four arguments.
+        :param src_layer_range: the owner's layers (``range``; None: all).
+        :param dst_layer_range: the local layers (``range``; None: all).
+        :param tensor_num_per_layer: tensors per layer (2: K and V).
+        :param timeout: ms; None: ``sync_kv_timeout``.
+        :param prompt_cache_key: the KvCacheManager (v1) name of ``src_cache_key``
+            (likewise ``decoder_kv_cache`` of ``dst_cache``, ``prompt_blocks`` of
+            ``src_blocks``, ``decoder_blocks`` of ``dst_blocks``); give one name or the other.
         :raises LLMException: as :meth:`pull_cache`.
         """
-        src_cache_key = _alias(kwargs, "prompt_cache_key", "src_cache_key", src_cache_key, None)
-        dst_cache = _alias(kwargs, "decoder_kv_cache", "dst_cache", dst_cache, None)
-        src_blocks = _alias(kwargs, "prompt_blocks", "src_blocks", src_blocks, ())
-        dst_blocks = _alias(kwargs, "decoder_blocks", "dst_blocks", dst_blocks, ())
+        src_cache_key = _alias(prompt_cache_key, "prompt_cache_key", "src_cache_key", src_cache_key, None)
+        dst_cache = _alias(decoder_kv_cache, "decoder_kv_cache", "dst_cache", dst_cache, None)
+        src_blocks = _alias(prompt_blocks, "prompt_blocks", "src_blocks", src_blocks, ())
+        dst_blocks = _alias(decoder_blocks, "decoder_blocks", "dst_blocks", dst_blocks, ())
         rt = self._rt()
         self._endpoint.require_role("pull_blocks", LLMRole.DECODER, LLMRole.MIX)
         key = _check_pull_key("src_cache_key", src_cache_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
@@ -430,7 +445,8 @@ class KvCacheManager:
         if not cache.is_blocks_cache:
             raise param_invalid("dst_cache", "pull_blocks needs a blocks cache")
         require_host("dst_cache", cache, "pull_blocks")
-        src, dst, per_layer, timeout_ms = self._layer_kwargs(kwargs)
+        src, dst, per_layer, timeout_ms = self._layer_args(src_layer_range, dst_layer_range, tensor_num_per_layer,
+                                                           timeout)
         lay = cache.layout
         dsts = check_indices("dst_blocks", dst_blocks, lay.rows, what="block index", allow_empty=False)
         _check_unique("dst_blocks", dsts)
@@ -572,21 +588,25 @@ class KvCacheManager:
         return rt.arrivals.add(PushWatch(rt.arrivals, cache, watched, layers, per_layer))
 
 
-def _alias(kwargs: dict[str, Any], alias: str, name: str, value: Any, default: Any) -> Any:
-    """``value``, or the same argument under its KvCacheManager (v1) name ``alias`` (taken out of ``kwargs``)."""
-    if alias in kwargs:
+def _no_unknown(unknown: dict[str, Any]) -> None:
+    if unknown:
+        raise param_type_error(sorted(unknown)[0], "unexpected keyword argument")
+
+
+def _alias(given: Any, alias: str, name: str, value: Any, default: Any) -> Any:
+    """``value``, or ``given``: the same argument under its KvCacheManager (v1) name ``alias``."""
+    if given is not None:
         if value is not default:
             raise param_type_error(alias, f"give {name} or {alias}, not both")
-        value = kwargs.pop(alias)
+        value = given
     if value is None and default is None:
         raise param_type_error(name, "missing required argument")
     return value
 
 
-def _cache_offset(kwargs: dict[str, Any], name: str) -> int | None:
-    """A ``pull_cache`` byte offset (taken out of ``kwargs``): None when not given, else an int >= 0
-    (``TypeError`` / ``ValueError`` otherwise, as LLM-DataDist's ``check_positive_or_set_default``)."""
-    value = kwargs.pop(name, None)
+def _cache_offset(name: str, value: Any) -> int | None:
+    """A ``pull_cache`` byte offset: None when not given, else an int >= 0 (``TypeError`` /
+    ``ValueError`` otherwise, as LLM-DataDist's ``check_positive_or_set_default``)."""
     if value is None:
         return None
     number = check_int(name, value)

@@ -74,3 +74,15 @@ def test_the_quickstart_quotes_the_examples():
             elif "## " in part:
                 source = None
     assert quoted > 30
+
+
+def test_the_readme_program_runs_as_written(tmp_path):
+    """README's "A first look" is a complete program: run it as it stands, from outside the checkout."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    program = re.search(r"## A first look.*?```python\n(.*?)```", readme, re.S)
+    assert program is not None, "README has no python block under 'A first look'"
+    (tmp_path / "first_look.py").write_text(program.group(1))
+    result = subprocess.run([sys.executable, "first_look.py"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "pulled 3 blocks over local"
