@@ -71,7 +71,7 @@ __all__ = [
     "DEFAULT_REGISTERED_MEMORY_CAP",
 ]
 
-DeviceType = Literal["auto", "cpu", "cuda", "npu"]
+DeviceType = Literal["auto", "cpu", "cuda", "npu", "host"]
 TransportKind = Literal["auto", "tcp", "local", "nixl"]
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
@@ -83,7 +83,7 @@ DEFAULT_MAX_PENDING_HANDSHAKES = 64
 DEFAULT_LINK_PORT = 26000
 #: ``link()``'s time when ``llm.LinkTotalTime`` is 0 (HCCL_CONNECT_TIMEOUT's default).
 DEFAULT_LINK_TOTAL_TIME_S = 120
-DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu")
+DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu", "host")
 TRANSPORTS: tuple[str, ...] = ("auto", "tcp", "local", "nixl")
 _ROLES = ("Prompt", "Decoder", "Mix")
 
@@ -455,7 +455,7 @@ class LLMConfig:
     shared_secret = _Setting[Any](
         _check_secret, None, "Secret (non-empty str) both ends prove with HMAC before a link is accepted."
     )
-    device_type = _Setting[str](_check_device_type, "auto", "'auto', 'cpu', 'cuda' or 'npu' ('auto').")
+    device_type = _Setting[str](_check_device_type, "auto", "'auto', 'cpu', 'cuda', 'npu' or 'host' ('auto').")
     registered_memory_cap = _Setting[int](
         _check_memory_cap, DEFAULT_REGISTERED_MEMORY_CAP, "Cap on registered cache memory in bytes (50 GiB)."
     )

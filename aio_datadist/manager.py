@@ -144,10 +144,9 @@ class KvCacheManager:
         nbytes = desc.size * desc.num_tensors
         rt.registry.reserve(nbytes)
         if rt.devices is not None and desc.placement == Placement.DEVICE:
-            _no_device_keys(keys, blocks_key)
             tensors = _allocate_device(rt, desc, nbytes)
             return rt.registry.add(
-                lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=is_blocks, owned=True),
+                lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=is_blocks, owned=True, on_device=True),
                 nbytes, keys, blocks_key)
         try:
             region, tensors = allocate_host_tensors(desc)
@@ -181,10 +180,9 @@ class KvCacheManager:
         tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
         rt.registry.check_unregistered("tensors_or_addrs", tensors, desc.size)
         keys = rt.registry.check_keys(desc, cache_keys)
-        if tensors[0].device.type != "cpu":
-            _no_device_keys(keys, None)
+        on_device = rt.devices is not None and desc.placement == Placement.DEVICE
         cache = rt.registry.add(
-            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=False, owned=False),
+            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=False, owned=False, on_device=on_device),
             desc.size * desc.num_tensors, keys, None)
         if hidden:
             rt.registry.hide(cache)
@@ -200,10 +198,9 @@ class KvCacheManager:
         tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
         rt.registry.check_unregistered("tensors_or_addrs", tensors, desc.size)
         key = rt.registry.check_blocks_key(blocks_cache_key)
-        if tensors[0].device.type != "cpu":
-            _no_device_keys([], key)
+        on_device = rt.devices is not None and desc.placement == Placement.DEVICE
         cache = rt.registry.add(
-            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=True, owned=False),
+            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=True, owned=False, on_device=on_device),
             desc.size * desc.num_tensors, [], key)
         if hidden:
             rt.registry.hide(cache)
@@ -634,15 +631,6 @@ def _plain_block_pairs(info: Mapping[Any, Any], rows: int) -> tuple[list[int], l
     if any(type(d) is not int for d in dsts) or min(min(srcs), min(dsts)) < 0 or max(max(srcs), max(dsts)) >= rows:
         return None
     return srcs, dsts
-
-
-def _no_device_keys(keys: list, blocks_key: BlocksCacheKey | None) -> None:
-    """Keys offer a cache to peers, and peers reach host caches only (see devices/ops.py)."""
-    if keys or blocks_key is not None:
-        raise LLMException(
-            "invalid argument 'cache_keys' / 'blocks_cache_key': device caches cannot be offered to peers yet "
-            "(transfers between processes move host caches only); allocate it without keys",
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
 
 def _allocate_device(rt: Runtime, desc: CacheDesc, nbytes: int) -> list[torch.Tensor]:

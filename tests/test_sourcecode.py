@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     )),
     ("devices and runtime", (
         "devices", "devices.backend", "devices.streams", "devices.cuda", "devices.npu", "devices.kernels",
-        "devices.copies", "devices.ops", "devices.staging", "devices.ipc", "runtime",
+        "devices.copies", "devices.ops", "devices.staging", "devices.ipc", "devices.host_backend", "runtime",
     )),
     ("transport planes", (
         "transport", "transport.base", "transport.local", "transport.nixl", "transport.nixl_engine", "transport.tls",
