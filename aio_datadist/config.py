@@ -8,7 +8,7 @@ property                   option key                meaning (default)
 =========================  ========================  ==========================================
 ``shared_secret``          ``aio.SharedSecret``      HMAC key both ends of a link must share
                                                      (unset: links are not authenticated)
-``device_type``            ``aio.DeviceType``        ``auto`` | ``cpu`` | ``cuda`` | ``npu`` (auto)
+``device_type``            ``aio.DeviceType``        ``auto`` | ``cpu`` | ``cuda`` | ``npu`` | ``host`` (auto)
 ``registered_memory_cap``  ``aio.RegisteredMemoryCap``  bytes of cache memory per process (50 GiB)
 ``transport``              ``aio.Transport``         ``auto`` | ``tcp`` | ``local`` | ``nixl`` (auto)
 ``copy_threads``           ``aio.CopyThreads``       host copy worker threads, 1..64
@@ -570,7 +570,7 @@ class Settings:
     :ivar enable_switch_role: ``llm.EnableSwitchRole``.
     :ivar listen: ``(ip, port)`` to listen on, or None.
     :ivar shared_secret: the link-authentication key (UTF-8), or None.
-    :ivar device_type: ``auto``, ``cpu``, ``cuda`` or ``npu``.
+    :ivar device_type: ``auto``, ``cpu``, ``cuda``, ``npu`` or ``host``.
     :ivar registered_memory_cap: bytes of cache memory allowed.
     :ivar transport: ``auto``, ``tcp``, ``local`` or ``nixl``.
     :ivar copy_threads: host copy worker threads.

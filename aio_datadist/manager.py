@@ -30,7 +30,7 @@ from aio_datadist.cache import (
     check_user_tensors,
     copy_triples,
 )
-from aio_datadist.devices.ops import copy_rows, involves_device, require_host
+from aio_datadist.devices.ops import copy_rows, involves_device
 from aio_datadist.layers import layer_pair
 from aio_datadist.layerwise import start_transfer
 from aio_datadist.leases import allocate_leased_cache
@@ -380,7 +380,6 @@ class KvCacheManager:
         cache = self._endpoint.live(kv_cache, "kv_cache")
         if cache.is_blocks_cache:
             raise param_invalid("kv_cache", "pull_cache needs a contiguous cache (use pull_blocks for blocks)")
-        require_host("kv_cache", cache, "pull_cache")
         src_offset, dst_offset = (_cache_offset(kwargs, name) for name in ("src_cache_offset", "dst_cache_offset"))
         src, dst, per_layer, timeout_ms = self._layer_kwargs(kwargs)
         lay = cache.layout
@@ -426,7 +425,6 @@ class KvCacheManager:
         cache = self._endpoint.live(dst_cache, "dst_cache")
         if not cache.is_blocks_cache:
             raise param_invalid("dst_cache", "pull_blocks needs a blocks cache")
-        require_host("dst_cache", cache, "pull_blocks")
         src, dst, per_layer, timeout_ms = self._layer_kwargs(kwargs)
         lay = cache.layout
         dsts = check_indices("dst_blocks", dst_blocks, lay.rows, what="block index", allow_empty=False)
@@ -465,7 +463,6 @@ class KvCacheManager:
         cache = self._endpoint.live(src_cache, "src_cache")
         if not cache.is_blocks_cache:
             raise param_invalid("src_cache", "push_blocks needs a blocks cache")
-        require_host("src_cache", cache, "push_blocks")
         src, dst, per_layer = self._ext_param(ext_param)
         timeout_ms = self._timeout(timeout)
         lay = cache.layout
@@ -494,7 +491,6 @@ class KvCacheManager:
         cache = self._endpoint.live(src_cache, "src_cache")
         if cache.is_blocks_cache:
             raise param_invalid("src_cache", "push_cache needs a contiguous cache (use push_blocks for blocks)")
-        require_host("src_cache", cache, "push_cache")
         if size != -1:
             raise param_invalid("size", f"only -1 (whole rows) is supported, got {size!r}")
         src, dst, per_layer = self._ext_param(ext_param)
@@ -540,7 +536,6 @@ class KvCacheManager:
         self._rt()
         self._endpoint.require_role("transfer_cache_async", LLMRole.PROMPT, LLMRole.MIX)
         cache = self._endpoint.live(src_cache, "src_cache")
-        require_host("src_cache", cache, "transfer_cache_async")
         return start_transfer(self._rt(), self._endpoint.require_links(), cache, layer_synchronizer,
                               transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size)
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from aio_datadist.devices.backend import DeviceBackend
     from aio_datadist.devices.staging import DeviceStaging
 
-__all__ = ["DeviceRuntime", "copy_rows", "involves_device", "require_host"]
+__all__ = ["DeviceRuntime", "copy_rows", "involves_device"]
 
 
 class DeviceRuntime(Protocol):
@@ -43,15 +43,6 @@ class DeviceRuntime(Protocol):
 
 def involves_device(*caches: KvCache) -> bool:
     return any(c.on_device for c in caches)
-
-
-def require_host(arg: str, cache: KvCache, call: str) -> None:
-    """``LLM_FEATURE_NOT_ENABLED`` for a device cache in a call that moves bytes between processes."""
-    if cache.on_device:
-        raise LLMException(
-            f"invalid argument '{arg}': {call} of a device cache ({cache.device}) is not available yet: "
-            "transfers between processes move host caches only (copy it to a HOST cache with swap_blocks)",
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
 
 async def copy_rows(rt: DeviceRuntime, dst: KvCache, dst_rows: Sequence[int], src: KvCache, src_rows: Sequence[int],
