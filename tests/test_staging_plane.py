@@ -8,13 +8,24 @@ staging pipeline, exactly as a CUDA cache's do; the CUDA runs are in
 
 from __future__ import annotations
 
+import array
 import asyncio
 
 import pytest
 import torch
 from peers import DECODER_ID, PROMPT_ID, TRANSPORT, fill, linked_pair, snapshot
 
-from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    EventLayerSynchronizer,
+    LLMException,
+    LLMStatusCode,
+    Placement,
+    TransferWithCacheKeyConfig,
+)
 from aio_datadist.devices.staging import DeviceStaging
 from aio_datadist.owner import _serve_addrs
 from aio_datadist.plans import addrs_target
@@ -135,3 +146,44 @@ async def test_raw_addresses_into_a_device_cache_are_refused():
         with pytest.raises(Refusal) as info:
             _serve_addrs(runtime_of(pair.decoder), Msg.PUSH_REQ, req)
         assert info.value.code == S.LLM_FEATURE_NOT_ENABLED and "device cache" in info.value.text
+
+
+LAYERS = 3
+LAYERED = CacheDesc(2 * LAYERS, (4, 2, 256), DataType.DT_FLOAT16, Placement.DEVICE)
+
+
+async def test_layers_recorded_on_a_compute_stream_go_once_the_stream_gets_there():
+    """transfer_cache_async from a device cache; EventLayerSynchronizer.record(i, stream=compute)."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST, link=False) as pair:
+        small_staging(pair.prompt)
+        dst = pair.dm.allocate_blocks_cache(LAYERED, BlocksCacheKey(DECODER_ID, 0))
+        await pair.link()
+        src = pair.pm.allocate_blocks_cache(LAYERED)
+        staged = pair.pm.allocate_blocks_cache(host_desc(LAYERED))  # what the "model" writes
+        values = fill(staged, 5)
+        backend = runtime_of(pair.prompt).devices
+        compute = backend.new_stream()
+        with EventLayerSynchronizer(pair.prompt, LAYERS) as events:
+            task = pair.pm.transfer_cache_async(src, events, [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER_ID, 0))],
+                                                [0, 2], [3, 1])
+            gates = []
+            for layer in range(LAYERS):
+                gates.append(compute.gate())  # the layer's compute is slow to finish
+                for t in (2 * layer, 2 * layer + 1):
+                    dst_t, src_t = src.tensors[t].view(torch.uint8), staged.tensors[t].view(torch.uint8)
+                    compute.enqueue_copies(array.array("Q", [dst_t.data_ptr()]), array.array("Q", [src_t.data_ptr()]),
+                                           array.array("Q", [dst_t.numel()]))
+                events.record(layer, stream=compute)
+            await asyncio.sleep(0.3)
+            assert not task.layer(0).done()  # the stream has not reached layer 0's mark
+            gates[0].open()
+            await asyncio.wait_for(task.layer(0), 5)
+            assert not task.layer(1).done()
+            for g in gates[1:]:
+                g.open()
+            assert await asyncio.wait_for(task, 5) == [S.LLM_SUCCESS]
+        for t in range(2 * LAYERS):
+            assert eq(dst.tensors[t][3], values[t][0]) and eq(dst.tensors[t][1], values[t][2])
+        with EventLayerSynchronizer(pair.prompt, 1) as other, pytest.raises(LLMException) as info:
+            other.record(0, stream=object())
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "stream" in str(info.value)

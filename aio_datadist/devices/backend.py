@@ -200,7 +200,10 @@ class DeviceBackend:
         What a device-event layer synchronizer needs: ``record(i, stream)``
         becomes ``notify_on(token_of_layer_i, stream)``.
         """
-        handle = self._handle(self.current_stream() if stream is None else stream)
+        try:
+            handle = self._handle(self.current_stream() if stream is None else stream)
+        except (AttributeError, TypeError) as exc:
+            raise param_invalid("stream", f"expected a {self.kind} stream, got {type(stream).__name__}") from exc
         try:
             self.notifier.notify(token, handle, aux)
         except OSError as exc:
