@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     )),
     ("transport planes", (
         "transport", "transport.base", "transport.local", "transport.nixl", "transport.nixl_engine", "transport.tls",
-        "transport.stream", "transport.same_host", "transport.nixl_plane",
+        "transport.stream", "transport.staging", "transport.same_host", "transport.nixl_plane",
     )),
     ("handshake, links, listener and link table", (
         "handshake", "links", "admission", "listener", "link_table", "endpoint", "bilateral",

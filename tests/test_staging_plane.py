@@ -164,8 +164,8 @@ async def test_layers_recorded_on_a_compute_stream_go_once_the_stream_gets_there
         backend = runtime_of(pair.prompt).devices
         compute = backend.new_stream()
         with EventLayerSynchronizer(pair.prompt, LAYERS) as events:
-            task = pair.pm.transfer_cache_async(src, events, [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER_ID, 0))],
-                                                [0, 2], [3, 1])
+            config = TransferWithCacheKeyConfig(BlocksCacheKey(DECODER_ID, 0))
+            task = pair.pm.transfer_cache_async(src, events, [config], [0, 2], [3, 1])
             gates = []
             for layer in range(LAYERS):
                 gates.append(compute.gate())  # the layer's compute is slow to finish
