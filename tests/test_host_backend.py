@@ -9,7 +9,7 @@ import ctypes
 import pytest
 import torch
 
-from aio_datadist import CacheDesc, DataType, LLMDataDist, LLMRole, LLMStatusCode, Placement, _core
+from aio_datadist import CacheDesc, DataType, LLMDataDist, LLMException, LLMRole, LLMStatusCode, Placement, _core
 from aio_datadist.testing import runtime_of
 
 S = LLMStatusCode
@@ -99,3 +99,108 @@ async def test_host_backend_device_caches_swap_and_copy_byte_exact():
     finally:
         await dd.finalize()
     assert _core.live_objects() == before
+
+
+class _RefusingNotifier:
+    """The backend's notifier, with notify refused as a driver would (EIO, or EBUSY under graph capture)."""
+
+    def __init__(self, real: _core.StreamNotifier, err: int) -> None:
+        self.real = real
+        self.err = err
+
+    def notify(self, token: int, stream: int, aux: int = 0) -> None:
+        raise OSError(self.err, "refused by the test")
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fail", ["enqueue", "notify"])
+async def test_a_failed_submission_keeps_its_memory_until_the_stream_drained(fail):
+    """After some copies were enqueued, a failing enqueue or notify must not free what they touch."""
+    import gc
+    import weakref
+
+    from aio_datadist.devices.copies import DeviceCopy, cache_side
+
+    before = _core.live_objects()
+    dd = await _host_dd()
+    try:
+        rt = runtime_of(dd)
+        backend = rt.devices
+        mgr = dd.kv_cache_manager
+        dev = mgr.allocate_blocks_cache(_desc(Placement.DEVICE))
+        gate = backend.stream.gate()  # the stream cannot get past the copies enqueued before the failure
+        staging_buf = torch.zeros(4096, dtype=torch.uint8)
+        buf_ref = weakref.ref(staging_buf)
+        src = cache_side(dev, [0], 0, 66)
+        dst = cache_side(dev, [1], 0, 66)
+        job = DeviceCopy(backend, dst, src, 66, "batch", keepalive=staging_buf)
+        real_enqueue = backend.memcpy_batch
+        if fail == "enqueue":
+            calls = []
+
+            def second_call_fails(*args):
+                calls.append(1)
+                if len(calls) > 1:
+                    raise RuntimeError("driver refused the second batch")
+                return real_enqueue(*args)
+
+            backend.memcpy_batch = second_call_fails
+
+            def enqueue_twice():
+                from aio_datadist.devices.copies import enqueue_rows
+
+                enqueue_rows(backend, dst, src, 66, "batch", job.keep)
+                enqueue_rows(backend, dst, src, 66, "batch", job.keep)
+
+            submit = lambda token: backend.enqueue_and_notify(token, enqueue_twice, 0, job, "test copy")  # noqa: E731
+        else:
+            backend.notifier = _RefusingNotifier(backend.notifier, 5)
+            submit = job.submit
+        with pytest.raises(LLMException) as info:
+            await rt.completions.start(submit, job.cancel, timeout_ms=1000, what="test copy", keepalive=job)
+        assert info.value.status_code == S.LLM_FAILED
+        del info  # its traceback's frames hold the copy too
+        if fail == "notify":
+            backend.notifier = backend.notifier.real
+        del job, staging_buf, submit
+        gc.collect()
+        assert backend.held == 1 and buf_ref() is not None  # still held: the stream has not drained
+        gate.open()
+    finally:
+        await dd.finalize()
+    assert buf_ref() is None  # released once close drained the stream
+    assert _core.live_objects() == before
+
+
+@pytest.mark.asyncio
+async def test_a_notify_under_graph_capture_is_a_clear_param_error():
+    dd = await _host_dd()
+    try:
+        backend = runtime_of(dd).devices
+        backend.notifier = _RefusingNotifier(backend.notifier, 16)  # EBUSY: what the core says under capture
+        with pytest.raises(LLMException) as info:
+            backend.notify_on(1, backend.default_stream)
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "'stream'" in str(info.value)
+        backend.notifier = backend.notifier.real
+    finally:
+        await dd.finalize()
+
+
+def test_kernel_side_of_a_pinned_host_cache_uses_the_mapped_device_pointer():
+    from aio_datadist.devices.copies import Side, kernel_side
+
+    class Pin:
+        address, nbytes, device_address = 0x10000, 0x4000, 0x7F0000010000
+
+    side = Side((0x10000, 0x12000), 64, (0, 1), 0, torch.device("cpu"), lambda: (), on_host=True)
+    mapped = kernel_side(side, Pin())
+    assert mapped.bases == (0x7F0000010000, 0x7F0000012000) and mapped.rows == side.rows
+    Pin.device_address = Pin.address  # a device that uses host pointers directly: unchanged
+    assert kernel_side(side, Pin()) is side
+    Pin.device_address = 0x7F0000010000
+    outside = Side((0x90000,), 64, (0,), 0, torch.device("cpu"), lambda: (), on_host=True)
+    with pytest.raises(AssertionError):
+        kernel_side(outside, Pin())

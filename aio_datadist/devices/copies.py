@@ -23,6 +23,7 @@ bounds once more, since the addresses go to a kernel or the driver.
 from __future__ import annotations
 
 import array
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,8 @@ from aio_datadist.cache import KvCache, check_bounds
 from aio_datadist.devices import kernels
 from aio_datadist.devices.backend import DeviceBackend
 
-__all__ = ["METHODS", "DeviceCopy", "Side", "cache_side", "choose_method", "enqueue_rows", "buffer_side"]
+__all__ = ["METHODS", "DeviceCopy", "Side", "buffer_side", "cache_side", "choose_method", "enqueue_rows",
+           "kernel_side"]
 
 METHODS = ("kernel", "torch", "batch", "staged")
 
@@ -77,6 +79,19 @@ def cache_side(cache: KvCache, rows: Sequence[int], offset: int, nbytes: int,
 
     return Side(tuple(lay.bases[first:first + count]), lay.row_bytes, tuple(rows), offset, cache.device, views,
                 on_host=not cache.on_device)
+
+
+def kernel_side(side: Side, pin: Any) -> Side:
+    """``side`` of a page-locked host cache as a kernel on the device addresses it: through the pin's
+    mapped device pointer (``HostPin.device_address``), which equals the host address only where the
+    device can use host pointers for registered memory."""
+    shift = pin.device_address - pin.address
+    if shift == 0:
+        return side
+    for b in side.bases:
+        if not pin.address <= b < pin.address + pin.nbytes:
+            raise AssertionError("a tensor outside the cache's page-locked region")
+    return dataclasses.replace(side, bases=tuple(b + shift for b in side.bases))
 
 
 def buffer_side(buffer: torch.Tensor, position: int, tensors: int, rows: int, nbytes: int) -> Side:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from aio_datadist._checks import param_invalid
 from aio_datadist.cache import KvCache
-from aio_datadist.devices.copies import DeviceCopy, cache_side, choose_method
+from aio_datadist.devices.copies import DeviceCopy, cache_side, choose_method, kernel_side
 from aio_datadist.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
@@ -63,9 +63,14 @@ async def copy_rows(rt: DeviceRuntime, dst: KvCache, dst_rows: Sequence[int], sr
     dst_side = cache_side(dst, dst_rows, offset, nbytes)
     src_side = cache_side(src, src_rows, offset, nbytes)
     method = method or choose_method(backend, dst_side, src_side)
-    if method == "kernel" and any(not c.on_device and c._pin is None for c in (dst, src)):
-        # A kernel can reach host memory only where the driver mapped it; anything else is a device fault.
-        raise param_invalid("method", "the copy kernel reaches host caches only when they are page-locked")
+    if method == "kernel":
+        if any(not c.on_device and c._pin is None for c in (dst, src)):
+            # A kernel can reach host memory only where the driver mapped it; anything else is a device fault.
+            raise param_invalid("method", "the copy kernel reaches host caches only when they are page-locked")
+        if not dst.on_device:
+            dst_side = kernel_side(dst_side, dst._pin)
+        if not src.on_device:
+            src_side = kernel_side(src_side, src._pin)
     if method == "staged":
         from aio_datadist.devices.staging import swap_staged
 
