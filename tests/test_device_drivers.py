@@ -96,7 +96,7 @@ def test_acl_notifiers_share_one_report_thread_which_sleeps_with_nothing_subscri
 
 
 def test_cuda_notify_refuses_a_stream_under_graph_capture_and_posts_nothing(cuda):
-    path, lib = cuda
+    path, _ = cuda
     queue = _core.CompletionQueue()
     notifier = _core.StreamNotifier(queue, "cuda", 0, path)
     try:
@@ -134,7 +134,7 @@ def test_cuda_primary_context_is_retained_once_per_notifier_and_released_at_clos
 
 
 def test_mapped_host_pointer_and_host_addressability_come_from_the_driver(cuda):
-    path, lib = cuda
+    path, _ = cuda
     driver = _core.cuda_driver(path)
     assert driver.can_map_host(0) is False  # this stand-in device cannot use host pointers directly
     assert driver.host_device_pointer(0, 0x7000) == 0x7000 + (1 << 32)

@@ -136,7 +136,7 @@ async def test_a_failed_submission_keeps_its_memory_until_the_stream_drained(fai
         buf_ref = weakref.ref(staging_buf)
         src = cache_side(dev, [0], 0, 66)
         dst = cache_side(dev, [1], 0, 66)
-        job = DeviceCopy(backend, dst, src, 66, "batch", keepalive=staging_buf)
+        jobs = [DeviceCopy(backend, dst, src, 66, "batch", keepalive=staging_buf)]
         real_enqueue = backend.memcpy_batch
         if fail == "enqueue":
             calls = []
@@ -152,20 +152,22 @@ async def test_a_failed_submission_keeps_its_memory_until_the_stream_drained(fai
             def enqueue_twice():
                 from aio_datadist.devices.copies import enqueue_rows
 
-                enqueue_rows(backend, dst, src, 66, "batch", job.keep)
-                enqueue_rows(backend, dst, src, 66, "batch", job.keep)
+                enqueue_rows(backend, dst, src, 66, "batch", jobs[0].keep)
+                enqueue_rows(backend, dst, src, 66, "batch", jobs[0].keep)
 
-            submit = lambda token: backend.enqueue_and_notify(token, enqueue_twice, 0, job, "test copy")  # noqa: E731
+            def submit(token):
+                backend.enqueue_and_notify(token, enqueue_twice, 0, jobs[0], "test copy")
         else:
             backend.notifier = _RefusingNotifier(backend.notifier, 5)
-            submit = job.submit
+            submit = jobs[0].submit
         with pytest.raises(LLMException) as info:
-            await rt.completions.start(submit, job.cancel, timeout_ms=1000, what="test copy", keepalive=job)
+            await rt.completions.start(submit, jobs[0].cancel, timeout_ms=1000, what="test copy", keepalive=jobs[0])
         assert info.value.status_code == S.LLM_FAILED
         del info  # its traceback's frames hold the copy too
         if fail == "notify":
             backend.notifier = backend.notifier.real
-        del job, staging_buf, submit
+        jobs.clear()
+        del staging_buf, submit
         gc.collect()
         assert backend.held == 1 and buf_ref() is not None  # still held: the stream has not drained
         gate.open()
