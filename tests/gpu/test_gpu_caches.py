@@ -16,7 +16,6 @@ from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
-    CacheKeyByIdAndIndex,
     DataType,
     LLMConfig,
     LLMDataDist,
