@@ -206,3 +206,24 @@ def test_kernel_side_of_a_pinned_host_cache_uses_the_mapped_device_pointer():
     outside = Side((0x90000,), 64, (0,), 0, torch.device("cpu"), lambda: (), on_host=True)
     with pytest.raises(AssertionError):
         kernel_side(outside, Pin())
+
+
+def test_auto_picks_cuda_then_npu_then_cpu(monkeypatch):
+    import importlib.machinery
+    import sys
+    import types
+
+    from aio_datadist.devices import auto_device
+
+    assert auto_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert auto_device() == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake = types.ModuleType("torch_npu")
+    fake.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True), raising=False)
+    assert auto_device() == "npu"
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False), raising=False)
+    assert auto_device() == "cpu"
