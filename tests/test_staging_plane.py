@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 import torch
-from peers import DECODER_ID, PROMPT_ID, TRANSPORT, fill, linked_pair, snapshot
+from peers import DECODER_ID, PROMPT_ID, TRANSPORT, TRANSPORTS, fill, linked_pair, snapshot
 
 from aio_datadist import (
     BlocksCacheKey,
@@ -40,9 +40,10 @@ HOST = {"device_type": "host"}
 BLOCKS = CacheDesc(4, (6, 3, 512), DataType.DT_FLOAT16, Placement.DEVICE)
 
 
-@pytest.fixture(autouse=True, params=["tcp", "local"])
+@pytest.fixture(autouse=True, params=TRANSPORTS)
 def transport(request):
-    """TCP data channels, and a same-host link (whose shared-memory plane never takes device caches)."""
+    """TCP data channels, a same-host link and a NIXL link: neither the shared-memory plane nor NIXL
+    takes device caches, so every device transfer here goes through the staging plane."""
     TRANSPORT["default"] = request.param
     yield request.param
     TRANSPORT["default"] = "tcp"
