@@ -42,7 +42,12 @@ class HostBackend(DeviceBackend):
         self._streams: list[_core.HostStream] = []
         #: The stream callers' work runs on unless they pick another (what torch calls the current stream).
         self.default_stream = self.new_stream()
-        super().__init__(device, queue)
+        try:
+            super().__init__(device, queue)
+        except BaseException:
+            for stream in self._streams:
+                stream.close()
+            raise
 
     @classmethod
     def open(cls, device_id: int | None, queue: _core.CompletionQueue) -> HostBackend:
