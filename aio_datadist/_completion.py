@@ -84,6 +84,12 @@ class Completions:
         (bytes moved). ``settled``, when given, gets a result once the core
         reported the work over, even after the returned future was cancelled
         or timed out. Must be called from a running loop.
+
+        If ``submit`` raises, no record will come and the token is forgotten
+        with its keepalive (``settled`` is set). A submit that may have
+        started native work before failing keeps what that work touches
+        itself: device submits hand it to their backend, which holds it until
+        the stream drained (``DeviceBackend.enqueue_and_notify``).
         """
         if self._closed:
             raise LLMException(f"{what}: the transfer engine is closed",
@@ -98,6 +104,8 @@ class Completions:
             submit(token)
         except BaseException:
             del self._pending[token]
+            if settled is not None:
+                _settle(settled)
             raise
         if timeout_ms is not None:
             waiter.timer = loop.call_later(timeout_ms / 1000.0, self._on_timeout, token)

@@ -11,7 +11,8 @@ from aio_datadist._drivers cimport (
     CUcontext, CUdevice, CUresult, CUstream, CUdeviceptr, CUmemcpyAttributes,
     cuInit_t, cuGetErrorString_t, cuGetErrorName_t, cuDeviceGet_t, cuDeviceGetCount_t,
     cuDevicePrimaryCtxRetain_t, cuCtxPushCurrent_t, cuCtxPopCurrent_t, cuLaunchHostFunc_t,
-    cuMemcpyBatchAsync_v1_t, cuMemcpyBatchAsync_v2_t,
+    cuMemcpyBatchAsync_v1_t, cuMemcpyBatchAsync_v2_t, cuDevicePrimaryCtxRelease_t, cuStreamIsCapturing_t,
+    cuDeviceGetAttribute_t, cuMemHostGetDevicePointer_t,
     aclError, aclrtContext, aclrtLaunchCallback_t, aclrtSubscribeReport_t, aclrtUnSubscribeReport_t,
     aclrtProcessReport_t, aclrtGetCurrentContext_t, aclrtSetCurrentContext_t, aclGetRecentErrMsg_t,
 )
@@ -155,9 +156,15 @@ cdef class CudaDriver:
     cdef cuLaunchHostFunc_t _launch_host_func
     cdef cuMemcpyBatchAsync_v2_t _batch_v2
     cdef cuMemcpyBatchAsync_v1_t _batch_v1
+    cdef cuDevicePrimaryCtxRelease_t _primary_release
+    cdef cuStreamIsCapturing_t _is_capturing
+    cdef cuDeviceGetAttribute_t _device_attribute
+    cdef cuMemHostGetDevicePointer_t _host_device_pointer
     cdef dict _contexts
+    cdef dict _retains
     cdef str _describe(self, CUresult rc)
-    cdef CUcontext _context(self, int device) except? NULL
+    cdef CUcontext _retain(self, int device) except? NULL
+    cdef void _release(self, int device)
 
 
 cdef class AclDriver:
@@ -173,6 +180,23 @@ cdef class AclDriver:
     cdef str _describe(self, aclError rc)
 
 
+# One report thread per process and ACL runtime: a stream can be subscribed to
+# one report thread only, so every notifier shares it. It sleeps on ``wake``
+# while nothing is subscribed.
+cdef class _AclReporter:
+    cdef AclDriver _acl
+    cdef aclrtContext _ctx
+    cdef pthread_mutex_t _lock
+    cdef pthread_cond_t _wake
+    cdef pthread_t _thread
+    cdef bint _started
+    cdef bint _stop
+    cdef unordered_map[uint64_t, int] _streams
+    cdef uint64_t _rounds
+    cdef void _loop(self) noexcept nogil
+    cdef int _subscribe(self, uint64_t stream, aclrtContext ctx) except -1
+    cdef void _unsubscribe(self, uint64_t stream, aclrtContext ctx) noexcept nogil
+
 cdef class StreamNotifier:
     cdef CompletionQueue _queue
     cdef NotifyState *_state
@@ -180,17 +204,40 @@ cdef class StreamNotifier:
     cdef int _device
     cdef CudaDriver _cuda
     cdef CUcontext _ctx
+    cdef bint _retained
     cdef AclDriver _acl
     cdef aclrtContext _acl_ctx
-    cdef pthread_t _report_thread
-    cdef bint _report_started
-    cdef bint _report_stop
+    cdef _AclReporter _reporter
     cdef vector[uint64_t] _subscribed
     cdef bint _closed
     cdef bint _counted
-    cdef void _report_loop(self) noexcept nogil
+    cdef _prune(self)
     cdef _shutdown(self, double timeout_s)
 
+# ---- the host backend's stream: an ordered native copy queue ----------------------------
+cdef cppclass HostEvent:
+    bint done
+    int refs
+
+cdef cppclass HostOp:
+    int kind
+    vector[CopySeg] segs
+    void *slot
+    HostEvent *event
+
+cdef class HostStream:
+    cdef pthread_mutex_t _lock
+    cdef pthread_cond_t _cond
+    cdef deque[HostOp *] _ops
+    cdef pthread_t _thread
+    cdef bint _started
+    cdef bint _stop
+    cdef bint _counted
+    cdef uint64_t _enqueued
+    cdef uint64_t _done
+    cdef void _run(self) noexcept nogil
+    cdef int _push(self, HostOp *op) except -1
+    cdef _close(self)
 
 cdef class _HostFnLine:
     cdef CompletionQueue _queue

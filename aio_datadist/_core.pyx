@@ -40,7 +40,9 @@ from aio_datadist._drivers cimport (
     CUDA_SUCCESS, aclError, aclrtContext, aclrtStream, CUcontext, CUdevice, CUdeviceptr,
     CUmemcpyAttributes, CUresult, CUstream, cuInit_t, cuGetErrorString_t, cuGetErrorName_t, cuDeviceGet_t,
     cuDeviceGetCount_t, cuDevicePrimaryCtxRetain_t, cuCtxPushCurrent_t, cuCtxPopCurrent_t, cuLaunchHostFunc_t,
-    cuMemcpyBatchAsync_v1_t, cuMemcpyBatchAsync_v2_t, aclrtLaunchCallback_t, aclrtSubscribeReport_t,
+    cuMemcpyBatchAsync_v1_t, cuMemcpyBatchAsync_v2_t, cuDevicePrimaryCtxRelease_t, cuStreamIsCapturing_t,
+    cuDeviceGetAttribute_t, cuMemHostGetDevicePointer_t, CU_STREAM_CAPTURE_STATUS_NONE,
+    CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, aclrtLaunchCallback_t, aclrtSubscribeReport_t,
     aclrtUnSubscribeReport_t, aclrtProcessReport_t, aclrtGetCurrentContext_t, aclrtSetCurrentContext_t,
     aclGetRecentErrMsg_t,
 )
@@ -48,6 +50,7 @@ from cpython.ref cimport Py_INCREF
 from libcpp.deque cimport deque
 
 import array as _pyarray
+import errno as _errno
 import os as _os
 import warnings as _warnings
 
@@ -59,7 +62,8 @@ cdef array.array _U64 = _pyarray.array("Q")
 cdef uint64_t _MIN_SPLIT = 1 << 20
 cdef uint64_t _CANCEL_STEP = 1 << 20
 
-_live = {"CompletionQueue": 0, "HostCopyEngine": 0, "SocketEngine": 0, "StreamNotifier": 0, "_HostFnLine": 0}
+_live = {"CompletionQueue": 0, "HostCopyEngine": 0, "SocketEngine": 0, "StreamNotifier": 0, "_HostFnLine": 0,
+         "HostStream": 0}
 
 
 def live_objects():
@@ -979,6 +983,7 @@ cdef class CudaDriver:
         needs = "the NVIDIA driver is too old (R525 / CUDA 12.0 or newer is needed)"
         self._library = library
         self._contexts = {}
+        self._retains = {}
         self._lib = _open_library(library, "no NVIDIA driver is installed on this machine")
         self._init = <cuInit_t>_symbol(self._lib, library, "cuInit", True, needs)
         self._error_string = <cuGetErrorString_t>_symbol(self._lib, library, "cuGetErrorString", True, needs)
@@ -990,6 +995,13 @@ cdef class CudaDriver:
         self._ctx_push = <cuCtxPushCurrent_t>_symbol(self._lib, library, "cuCtxPushCurrent_v2", True, needs)
         self._ctx_pop = <cuCtxPopCurrent_t>_symbol(self._lib, library, "cuCtxPopCurrent_v2", True, needs)
         self._launch_host_func = <cuLaunchHostFunc_t>_symbol(self._lib, library, "cuLaunchHostFunc", True, needs)
+        self._primary_release = <cuDevicePrimaryCtxRelease_t>_symbol(
+            self._lib, library, "cuDevicePrimaryCtxRelease_v2", True, needs)
+        self._is_capturing = <cuStreamIsCapturing_t>_symbol(self._lib, library, "cuStreamIsCapturing", True, needs)
+        self._device_attribute = <cuDeviceGetAttribute_t>_symbol(
+            self._lib, library, "cuDeviceGetAttribute", True, needs)
+        self._host_device_pointer = <cuMemHostGetDevicePointer_t>_symbol(
+            self._lib, library, "cuMemHostGetDevicePointer_v2", True, needs)
         self._batch_v2 = <cuMemcpyBatchAsync_v2_t>_symbol(self._lib, library, "cuMemcpyBatchAsync_v2", False, "")
         self._batch_v1 = <cuMemcpyBatchAsync_v1_t>_symbol(self._lib, library, "cuMemcpyBatchAsync", False, "")
         with nogil:
@@ -1006,13 +1018,15 @@ cdef class CudaDriver:
         t = text.decode(errors="replace") if text != NULL else "unknown error"
         return f"{n} ({t})"
 
-    cdef CUcontext _context(self, int device) except? NULL:
-        # The primary context, which the CUDA runtime (and so torch) uses too.
+    cdef CUcontext _retain(self, int device) except? NULL:
+        # The primary context (the one the CUDA runtime, and so torch, uses), retained once per user:
+        # each _retain is matched by one _release, and the last release gives it back to the driver.
         cdef CUdevice dev
         cdef CUcontext ctx = NULL
         cdef CUresult rc
         cached = self._contexts.get(device)
         if cached is not None:
+            self._retains[device] += 1
             return <CUcontext><size_t>cached
         rc = self._device_get(&dev, device)
         if rc != CUDA_SUCCESS:
@@ -1021,7 +1035,60 @@ cdef class CudaDriver:
         if rc != CUDA_SUCCESS:
             raise OSError(EIO, f"cuDevicePrimaryCtxRetain({device}) failed: {self._describe(rc)}")
         self._contexts[device] = <size_t>ctx
+        self._retains[device] = 1
         return ctx
+
+    cdef void _release(self, int device):
+        cdef CUdevice dev
+        left = self._retains.get(device, 0) - 1
+        if left < 0:
+            return
+        if left > 0:
+            self._retains[device] = left
+            return
+        del self._retains[device]
+        del self._contexts[device]
+        if self._device_get(&dev, device) == CUDA_SUCCESS:
+            self._primary_release(dev)
+
+    def retain_context(self, int device):
+        """Retain ``device``'s primary context for the caller (matched by :meth:`release_context`)."""
+        self._retain(device)
+
+    def release_context(self, int device):
+        """Release one :meth:`retain_context`; the last one gives the context back to the driver."""
+        self._release(device)
+
+    def retained(self, int device):
+        """How many users hold ``device``'s primary context through this driver object."""
+        return self._retains.get(device, 0)
+
+    def can_map_host(self, int device):
+        """Whether kernels on ``device`` can use registered host memory at its host address."""
+        cdef CUdevice dev
+        cdef int value = 0
+        if self._device_get(&dev, device) != CUDA_SUCCESS:
+            return False
+        if self._device_attribute(&value, CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, dev) != 0:
+            return False
+        return value != 0
+
+    def host_device_pointer(self, int device, size_t address):
+        """The device address of registered (mapped) host memory at ``address``; OSError(EIO) if unmapped."""
+        cdef CUdeviceptr dptr = 0
+        cdef CUcontext ctx, popped
+        cdef CUresult rc
+        ctx = self._retain(device)
+        try:
+            rc = self._ctx_push(ctx)
+            if rc == CUDA_SUCCESS:
+                rc = self._host_device_pointer(&dptr, <void *>address, 0)
+                self._ctx_pop(&popped)
+        finally:
+            self._release(device)
+        if rc != CUDA_SUCCESS:
+            raise OSError(EIO, f"cuMemHostGetDevicePointer failed: {self._describe(rc)}")
+        return dptr
 
     @property
     def library(self):
@@ -1070,7 +1137,7 @@ cdef class CudaDriver:
             return 0
         for i in range(n):
             total += sizes[i]
-        ctx = self._context(device)
+        ctx = self._retain(device)
         attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
         attr.srcLocHint.type = 0
         attr.srcLocHint.id = 0
@@ -1087,6 +1154,7 @@ cdef class CudaDriver:
                     rc = self._batch_v1(<CUdeviceptr *>&dsts[0], <CUdeviceptr *>&srcs[0], <size_t *>&sizes[0], n,
                                         &attr, &attr_idx, 1, &fail_idx, <CUstream>stream)
                 self._ctx_pop(&popped)
+        self._release(device)
         if rc != CUDA_SUCCESS:
             raise OSError(EIO, f"cuMemcpyBatchAsync of {n} copies failed: {self._describe(rc)}")
         return total
@@ -1228,46 +1296,188 @@ cdef void _notify_fire(void *arg) noexcept nogil:
     del slot
 
 
+DEF BACKEND_CUDA = 1
+DEF BACKEND_NPU = 2
+DEF BACKEND_HOST = 3
+DEF REPORT_WAIT_MS = 100
+DEF REPORT_ERROR_PAUSE_MS = 10
+DEF PRUNE_AT = 64
+DEF OP_COPY = 1
+DEF OP_FIRE = 2
+DEF OP_SIGNAL = 3
+DEF OP_WAIT = 4
+
+
 cdef void *_report_main(void *arg) noexcept nogil:
-    (<StreamNotifier>arg)._report_loop()
+    (<_AclReporter>arg)._loop()
     return NULL
 
 
-DEF BACKEND_CUDA = 1
-DEF BACKEND_NPU = 2
-DEF REPORT_WAIT_MS = 100
+cdef void _deadline_in(timespec *deadline, long ms) noexcept nogil:
+    clock_gettime(CLOCK_REALTIME, deadline)
+    deadline.tv_sec += ms // 1000
+    deadline.tv_nsec += (ms % 1000) * 1000000
+    if deadline.tv_nsec >= 1000000000:
+        deadline.tv_sec += 1
+        deadline.tv_nsec -= 1000000000
+
+
+_reporters = {}
+
+
+def _acl_reporter(AclDriver acl):
+    """The process's one report thread for ``acl`` (started on the first subscription)."""
+    found = _reporters.get(acl.library)
+    if found is None:
+        found = _reporters[acl.library] = _AclReporter(acl)
+    return found
+
+
+cdef class _AclReporter:
+    """The one Ascend report thread of the process, shared by every StreamNotifier.
+
+    ACL subscribes a stream to one report thread only, so notifiers cannot
+    each run their own. Streams are subscribed on first use and counted per
+    notifier that uses them; the last notifier to let go unsubscribes. With
+    nothing subscribed the thread sleeps on a condition (it never calls
+    ``aclrtProcessReport`` then, so it cannot spin on its errors).
+    """
+
+    def __cinit__(self, AclDriver acl):
+        self._acl = acl
+        self._ctx = NULL
+        self._started = False
+        self._stop = False
+        self._rounds = 0
+        pthread_mutex_init(&self._lock, NULL)
+        pthread_cond_init(&self._wake, NULL)
+
+    def __dealloc__(self):
+        # Module-lifetime object: reached only at interpreter exit.
+        if self._started:
+            pthread_mutex_lock(&self._lock)
+            self._stop = True
+            pthread_cond_broadcast(&self._wake)
+            pthread_mutex_unlock(&self._lock)
+            with nogil:
+                pthread_join(self._thread, NULL)
+        pthread_cond_destroy(&self._wake)
+        pthread_mutex_destroy(&self._lock)
+
+    @property
+    def rounds(self):
+        """How many times the thread called ``aclrtProcessReport`` (tests check that it does not spin)."""
+        return self._rounds
+
+    @property
+    def subscribed(self):
+        return self._streams.size()
+
+    @property
+    def thread_id(self):
+        return <uint64_t>self._thread if self._started else 0
+
+    cdef void _loop(self) noexcept nogil:
+        cdef aclError rc
+        cdef timespec deadline
+        cdef bint context_set = False
+        while True:
+            pthread_mutex_lock(&self._lock)
+            while self._streams.empty() and not self._stop:
+                pthread_cond_wait(&self._wake, &self._lock)
+            if self._stop:
+                pthread_mutex_unlock(&self._lock)
+                return
+            if not context_set:
+                self._acl._set_context(self._ctx)
+                context_set = True
+            self._rounds += 1
+            pthread_mutex_unlock(&self._lock)
+            # Blocks in the runtime until a callback is due; the time-out only bounds how late a change is seen.
+            rc = self._acl._process_report(REPORT_WAIT_MS)
+            if rc != ACL_SUCCESS:
+                # A time-out, or a runtime that refuses at once: pause so an immediate error cannot spin.
+                pthread_mutex_lock(&self._lock)
+                if not self._stop:
+                    _deadline_in(&deadline, REPORT_ERROR_PAUSE_MS)
+                    pthread_cond_timedwait(&self._wake, &self._lock, &deadline)
+                pthread_mutex_unlock(&self._lock)
+
+    cdef int _subscribe(self, uint64_t stream, aclrtContext ctx) except -1:
+        cdef aclError arc
+        cdef bint fresh = False
+        pthread_mutex_lock(&self._lock)
+        if self._ctx == NULL:
+            self._ctx = ctx
+        if not self._started:
+            if pthread_create(&self._thread, NULL, _report_main, <void *>self) != 0:
+                pthread_mutex_unlock(&self._lock)
+                raise OSError(EIO, "could not start the Ascend report thread")
+            self._started = True
+        if self._streams.count(stream):
+            self._streams[stream] += 1
+            pthread_mutex_unlock(&self._lock)
+            return 0
+        pthread_mutex_unlock(&self._lock)
+        with nogil:
+            self._acl._set_context(ctx)
+            arc = self._acl._subscribe(<uint64_t>self._thread, <aclrtStream>stream)
+        if arc != ACL_SUCCESS:
+            raise OSError(EIO, f"aclrtSubscribeReport failed: {self._acl._describe(arc)}")
+        pthread_mutex_lock(&self._lock)
+        self._streams[stream] += 1
+        pthread_cond_broadcast(&self._wake)
+        pthread_mutex_unlock(&self._lock)
+        return 0
+
+    cdef void _unsubscribe(self, uint64_t stream, aclrtContext ctx) noexcept nogil:
+        cdef bint last = False
+        pthread_mutex_lock(&self._lock)
+        if self._streams.count(stream):
+            self._streams[stream] -= 1
+            if self._streams[stream] <= 0:
+                self._streams.erase(stream)
+                last = True
+        pthread_mutex_unlock(&self._lock)
+        if last:
+            self._acl._set_context(ctx)
+            self._acl._unsubscribe(<uint64_t>self._thread, <aclrtStream>stream)
+
+
+_host_streams = {}
 
 
 cdef class StreamNotifier:
     """Completion records for "everything enqueued on this stream so far".
 
-    :meth:`notify` enqueues a host function on a device stream; when the
-    stream reaches it, the record ``(token, 0, aux)`` is posted to the queue.
-    No thread waits per operation and nothing polls: CUDA runs the host
-    function on its own driver thread (``cuLaunchHostFunc``); Ascend runs it
-    on this notifier's one report thread (``aclrtLaunchCallback``).
+    :meth:`notify` enqueues a host function on a stream; when the stream
+    reaches it, the record ``(token, 0, aux)`` is posted to the queue. No
+    thread waits per operation and nothing polls: CUDA runs the host function
+    on its own driver thread (``cuLaunchHostFunc``); Ascend runs it on the
+    process's one report thread (``aclrtLaunchCallback``); the host backend
+    runs it on the :class:`HostStream`'s own thread, in order with its copies.
 
     Queued device work cannot be recalled: :meth:`cancel` only marks the
     token, whose record then still arrives (with ``CANCELLED``) once the
     stream gets there. Whatever memory that work touches must stay alive
     until the record, as for every engine.
 
-    ``backend`` is ``"cuda"`` or ``"npu"``; ``device`` the device ordinal;
-    ``library`` overrides the driver library's name. OSError(ENODEV) when the
-    driver or the device is missing.
+    ``backend`` is ``"cuda"``, ``"npu"`` or ``"host"``; ``device`` the device
+    ordinal; ``library`` overrides the driver library's name. OSError(ENODEV)
+    when the driver or the device is missing.
     """
 
     def __cinit__(self, CompletionQueue queue not None, str backend, int device=0, library=None):
         cdef aclError arc
         self._closed = True
         self._state = NULL
-        self._report_started = False
-        self._report_stop = False
+        self._retained = False
         queue._check_open()
         if backend == "cuda":
             self._backend = BACKEND_CUDA
             self._cuda = cuda_driver("libcuda.so.1" if library is None else library)
-            self._ctx = self._cuda._context(device)
+            self._ctx = self._cuda._retain(device)
+            self._retained = True
         elif backend == "npu":
             self._backend = BACKEND_NPU
             self._acl = acl_driver("libascendcl.so" if library is None else library)
@@ -1275,17 +1485,14 @@ cdef class StreamNotifier:
             if arc != ACL_SUCCESS or self._acl_ctx == NULL:
                 raise OSError(ENODEV, f"no current Ascend context on this thread (set the NPU device first): "
                                       f"{self._acl._describe(arc)}")
+            self._reporter = _acl_reporter(self._acl)
+        elif backend == "host":
+            self._backend = BACKEND_HOST
         else:
-            raise ValueError(f"backend must be 'cuda' or 'npu', got {backend!r}")
+            raise ValueError(f"backend must be 'cuda', 'npu' or 'host', got {backend!r}")
         self._device = device
         self._queue = queue
         self._state = _state_new(queue)
-        if self._backend == BACKEND_NPU:
-            if pthread_create(&self._report_thread, NULL, _report_main, <void *>self) != 0:
-                _state_free(self._state)
-                self._state = NULL
-                raise OSError(EIO, "could not start the Ascend report thread")
-            self._report_started = True
         self._closed = False
         self._counted = True
         _live["StreamNotifier"] += 1
@@ -1300,7 +1507,7 @@ cdef class StreamNotifier:
 
     @property
     def backend(self):
-        return "cuda" if self._backend == BACKEND_CUDA else "npu"
+        return {BACKEND_CUDA: "cuda", BACKEND_NPU: "npu"}.get(self._backend, "host")
 
     @property
     def device(self):
@@ -1310,24 +1517,44 @@ cdef class StreamNotifier:
     def closed(self):
         return self._closed
 
+    @property
+    def subscribed(self):
+        """Ascend streams this notifier holds a report subscription for."""
+        return [self._subscribed[i] for i in range(self._subscribed.size())]
+
     def notify(self, uint64_t token, size_t stream, int64_t aux=0):
         """Post ``(token, 0, aux)`` once ``stream`` has finished all work enqueued so far.
 
-        ``stream`` is the raw handle (``torch.cuda.Stream.cuda_stream``, or
-        the NPU stream's handle); 0 is the legacy default stream. ValueError
-        for a token in use or a closed notifier; OSError(EIO) when the driver
-        refuses (no record is posted then).
+        ``stream`` is the raw handle (``torch.cuda.Stream.cuda_stream``, the
+        NPU stream's handle, or :attr:`HostStream.handle`); 0 is the legacy
+        default stream. ValueError for a token in use or a closed notifier;
+        OSError(EBUSY) for a CUDA stream being captured into a graph (a host
+        function would become part of the graph); OSError(EIO) when the
+        driver refuses (no record is posted then).
         """
         cdef NotifySlot *slot
         cdef CUresult rc = 0
         cdef aclError arc = 0
         cdef CUcontext popped
+        cdef int capture = CU_STREAM_CAPTURE_STATUS_NONE
         cdef bint known = False
         cdef size_t i
+        cdef HostStream host
+        cdef HostOp *op
         if self._closed:
             raise ValueError("StreamNotifier is closed")
-        slot = _state_arm(self._state, token, aux)
         if self._backend == BACKEND_CUDA:
+            with nogil:
+                rc = self._cuda._ctx_push(self._ctx)
+                if rc == CUDA_SUCCESS:
+                    rc = self._cuda._is_capturing(<CUstream>stream, &capture)
+                    self._cuda._ctx_pop(&popped)
+            if rc != CUDA_SUCCESS:
+                raise OSError(EIO, f"cuStreamIsCapturing failed: {self._cuda._describe(rc)}")
+            if capture != CU_STREAM_CAPTURE_STATUS_NONE:
+                raise OSError(_errno.EBUSY, "the stream is being captured into a CUDA graph: a completion "
+                                            "notification cannot be part of a graph; record it outside the capture")
+            slot = _state_arm(self._state, token, aux)
             with nogil:
                 rc = self._cuda._ctx_push(self._ctx)
                 if rc == CUDA_SUCCESS:
@@ -1337,20 +1564,69 @@ cdef class StreamNotifier:
                 _state_disarm(self._state, slot)
                 raise OSError(EIO, f"cuLaunchHostFunc failed: {self._cuda._describe(rc)}")
             return
+        if self._backend == BACKEND_HOST:
+            host = _host_streams.get(stream)
+            if host is None:
+                raise OSError(EIO, f"no open host stream has handle {stream:#x}")
+            slot = _state_arm(self._state, token, aux)
+            op = new HostOp()
+            op.kind = OP_FIRE
+            op.slot = <void *>slot
+            try:
+                host._push(op)
+            except BaseException:
+                del op
+                _state_disarm(self._state, slot)
+                raise
+            return
         for i in range(self._subscribed.size()):
             if self._subscribed[i] == stream:
                 known = True
         if not known:
-            arc = self._acl._subscribe(<uint64_t>self._report_thread, <aclrtStream>stream)
-            if arc != ACL_SUCCESS:
-                _state_disarm(self._state, slot)
-                raise OSError(EIO, f"aclrtSubscribeReport failed: {self._acl._describe(arc)}")
+            if self._subscribed.size() >= PRUNE_AT:
+                self._prune()
+            self._reporter._subscribe(stream, self._acl_ctx)
             self._subscribed.push_back(stream)
+        slot = _state_arm(self._state, token, aux)
         with nogil:
+            # The calling thread may not be the one that opened the notifier: launch in its context.
+            self._acl._set_context(self._acl_ctx)
             arc = self._acl._launch_callback(_notify_fire, <void *>slot, ACL_CALLBACK_NO_BLOCK, <aclrtStream>stream)
         if arc != ACL_SUCCESS:
             _state_disarm(self._state, slot)
             raise OSError(EIO, f"aclrtLaunchCallback failed: {self._acl._describe(arc)}")
+
+    def release_stream(self, size_t stream):
+        """Drop this notifier's report subscription of an Ascend ``stream`` that is going away.
+
+        Call it only once the stream has no notification pending (a
+        destroyed stream's handle may be reused). No-op elsewhere.
+        """
+        cdef size_t i
+        cdef vector[uint64_t] kept
+        cdef bint found = False
+        if self._backend != BACKEND_NPU:
+            return
+        for i in range(self._subscribed.size()):
+            if self._subscribed[i] == stream:
+                found = True
+            else:
+                kept.push_back(self._subscribed[i])
+        if found:
+            self._subscribed = kept
+            with nogil:
+                self._reporter._unsubscribe(stream, self._acl_ctx)
+
+    cdef _prune(self):
+        # Many streams seen: let go of every subscription but the copy stream's (the first one); a
+        # stream used again is subscribed again. Only when nothing is pending, so no callback is lost.
+        cdef size_t i
+        if _state_pending(self._state) != 0:
+            return
+        for i in range(1, self._subscribed.size()):
+            with nogil:
+                self._reporter._unsubscribe(self._subscribed[i], self._acl_ctx)
+        self._subscribed.resize(1)
 
     def cancel(self, uint64_t token):
         """Mark ``token`` cancelled; its record (CANCELLED) comes when the stream gets there.
@@ -1367,19 +1643,14 @@ cdef class StreamNotifier:
             return 0
         return _state_pending(self._state)
 
-    cdef void _report_loop(self) noexcept nogil:
-        self._acl._set_context(self._acl_ctx)
-        while not (<volatile bint>self._report_stop):
-            # Blocks in the runtime until a callback is due; the time-out only bounds how late a close is noticed.
-            self._acl._process_report(REPORT_WAIT_MS)
-
     def close(self, double timeout=30.0):
         """Wait (up to ``timeout`` seconds) for enqueued notifications, then release.
 
         Every record still arrives before close returns. If the device does
         not get there in time, the bookkeeping is left allocated (and a
         ResourceWarning says so) so that a late host function stays safe.
-        Idempotent.
+        The retained CUDA primary context and the Ascend report subscriptions
+        are given back. Idempotent.
         """
         if self._counted:
             self._shutdown(timeout)
@@ -1391,19 +1662,19 @@ cdef class StreamNotifier:
         if self._state != NULL:
             with nogil:
                 drained = _state_drain(self._state, timeout_s)
-        if self._report_started:
+        if self._backend == BACKEND_NPU and self._reporter is not None:
             for i in range(self._subscribed.size()):
-                self._acl._unsubscribe(<uint64_t>self._report_thread, <aclrtStream>self._subscribed[i])
+                with nogil:
+                    self._reporter._unsubscribe(self._subscribed[i], self._acl_ctx)
             self._subscribed.clear()
-            self._report_stop = True
-            with nogil:
-                pthread_join(self._report_thread, NULL)
-            self._report_started = False
         if self._state != NULL:
             if drained:
                 _state_free(self._state)
+                if self._retained:
+                    self._retained = False
+                    self._cuda._release(self._device)
             else:
-                # A host function may still run: it needs the state and the queue.
+                # A host function may still run: it needs the state and the queue (and the context).
                 Py_INCREF(self._queue)
                 _warnings.warn(f"StreamNotifier closed with {_state_pending(self._state)} notification(s) the "
                                "device has not reached; their bookkeeping is leaked", ResourceWarning)
@@ -1411,6 +1682,260 @@ cdef class StreamNotifier:
         if self._counted:
             self._counted = False
             _live["StreamNotifier"] -= 1
+
+
+# --------------------------------------------------------------------------
+# HostStream: the host backend's stream
+
+cdef pthread_mutex_t _event_lock
+cdef pthread_cond_t _event_cond
+pthread_mutex_init(&_event_lock, NULL)
+pthread_cond_init(&_event_cond, NULL)
+
+
+cdef HostEvent *_event_new(int refs) noexcept nogil:
+    cdef HostEvent *ev = new HostEvent()
+    ev.done = False
+    ev.refs = refs
+    return ev
+
+
+cdef void _event_unref(HostEvent *ev) noexcept nogil:
+    # Called with _event_lock held.
+    ev.refs -= 1
+    if ev.refs == 0:
+        del ev
+
+
+cdef void *_host_stream_main(void *arg) noexcept nogil:
+    (<HostStream>arg)._run()
+    return NULL
+
+
+cdef class HostGate:
+    """Test aid: a point in a :class:`HostStream` it does not pass until :meth:`open` (or the stream closes)."""
+
+    cdef HostEvent *_event
+
+    def __dealloc__(self):
+        if self._event != NULL:
+            pthread_mutex_lock(&_event_lock)
+            self._event.done = True
+            pthread_cond_broadcast(&_event_cond)
+            _event_unref(self._event)
+            pthread_mutex_unlock(&_event_lock)
+            self._event = NULL
+
+    def open(self):
+        if self._event != NULL:
+            pthread_mutex_lock(&_event_lock)
+            self._event.done = True
+            pthread_cond_broadcast(&_event_cond)
+            pthread_mutex_unlock(&_event_lock)
+
+
+cdef class HostStream:
+    """The host backend's stream: an ordered queue of native copies run by one thread of its own.
+
+    What a device stream is to the CUDA and Ascend backends: work enqueued on
+    it runs in order and asynchronously (:meth:`enqueue_copies` returns at
+    once), :meth:`wait_stream` orders it after another stream's work so far,
+    and a :class:`StreamNotifier` opened with backend ``"host"`` posts its
+    record once the stream reaches it. No device is involved: device caches
+    of the host backend live in host memory, so CI runs every device path
+    (staging, layer-wise, failure paths) without a GPU.
+    """
+
+    def __cinit__(self):
+        pthread_mutex_init(&self._lock, NULL)
+        pthread_cond_init(&self._cond, NULL)
+        self._stop = False
+        self._enqueued = 0
+        self._done = 0
+        if pthread_create(&self._thread, NULL, _host_stream_main, <void *>self) != 0:
+            pthread_cond_destroy(&self._cond)
+            pthread_mutex_destroy(&self._lock)
+            raise OSError(EIO, "could not start a host stream thread")
+        self._started = True
+        self._counted = True
+        _live["HostStream"] += 1
+        _host_streams[<size_t><void *>self] = self
+
+    def __dealloc__(self):
+        if self._started:
+            self._close()
+        pthread_cond_destroy(&self._cond)
+        pthread_mutex_destroy(&self._lock)
+
+    @property
+    def handle(self):
+        """The stream's handle, as :meth:`StreamNotifier.notify` takes it."""
+        return <size_t><void *>self
+
+    cdef void _run(self) noexcept nogil:
+        cdef HostOp *op
+        cdef size_t i
+        while True:
+            pthread_mutex_lock(&self._lock)
+            while self._ops.empty() and not self._stop:
+                pthread_cond_wait(&self._cond, &self._lock)
+            if self._ops.empty():
+                pthread_mutex_unlock(&self._lock)
+                return
+            op = self._ops.front()
+            pthread_mutex_unlock(&self._lock)
+            if op.kind == OP_COPY:
+                for i in range(op.segs.size()):
+                    memcpy(<void *>op.segs[i].dst, <const void *>op.segs[i].src, op.segs[i].nbytes)
+            elif op.kind == OP_FIRE:
+                _notify_fire(op.slot)
+            elif op.kind == OP_SIGNAL:
+                pthread_mutex_lock(&_event_lock)
+                op.event.done = True
+                pthread_cond_broadcast(&_event_cond)
+                _event_unref(op.event)
+                pthread_mutex_unlock(&_event_lock)
+            elif op.kind == OP_WAIT:
+                pthread_mutex_lock(&_event_lock)
+                while not op.event.done and not (<volatile bint>self._stop):
+                    pthread_cond_wait(&_event_cond, &_event_lock)
+                _event_unref(op.event)
+                pthread_mutex_unlock(&_event_lock)
+            pthread_mutex_lock(&self._lock)
+            self._ops.pop_front()
+            self._done += 1
+            pthread_cond_broadcast(&self._cond)
+            pthread_mutex_unlock(&self._lock)
+            del op
+
+    cdef int _push(self, HostOp *op) except -1:
+        pthread_mutex_lock(&self._lock)
+        if self._stop:
+            pthread_mutex_unlock(&self._lock)
+            raise OSError(EIO, "the host stream is closed")
+        self._ops.push_back(op)
+        self._enqueued += 1
+        pthread_cond_broadcast(&self._cond)
+        pthread_mutex_unlock(&self._lock)
+        return 0
+
+    def enqueue_copies(self, const uint64_t[::1] dsts not None, const uint64_t[::1] srcs not None,
+                       const uint64_t[::1] sizes not None):
+        """Enqueue ``memcpy(dsts[i], srcs[i], sizes[i])`` for every i, after all earlier work; returns the bytes.
+
+        Every address must stay valid until the stream passes the copies.
+        """
+        cdef size_t n = dsts.shape[0], i
+        cdef uint64_t total = 0
+        cdef HostOp *op
+        cdef CopySeg seg
+        if srcs.shape[0] != n or sizes.shape[0] != n:
+            raise ValueError("dsts, srcs and sizes must have one entry per copy")
+        op = new HostOp()
+        op.kind = OP_COPY
+        for i in range(n):
+            seg.dst = dsts[i]
+            seg.src = srcs[i]
+            seg.nbytes = sizes[i]
+            total += sizes[i]
+            op.segs.push_back(seg)
+        try:
+            self._push(op)
+        except BaseException:
+            del op
+            raise
+        return total
+
+    def wait_stream(self, HostStream other not None):
+        """Order everything enqueued here from now on after all work enqueued on ``other`` so far."""
+        cdef HostOp *signal
+        cdef HostOp *wait
+        cdef HostEvent *ev
+        if other is self:
+            return
+        ev = _event_new(2)
+        signal = new HostOp()
+        signal.kind = OP_SIGNAL
+        signal.event = ev
+        wait = new HostOp()
+        wait.kind = OP_WAIT
+        wait.event = ev
+        try:
+            other._push(signal)
+        except BaseException:
+            del signal
+            del wait
+            del ev
+            raise
+        try:
+            self._push(wait)
+        except BaseException:
+            del wait
+            pthread_mutex_lock(&_event_lock)
+            _event_unref(ev)
+            pthread_mutex_unlock(&_event_lock)
+            raise
+
+    def gate(self):
+        """Test aid: hold the stream at this point until the returned :class:`HostGate` is opened."""
+        cdef HostOp *wait
+        cdef HostEvent *ev
+        cdef HostGate gate = HostGate.__new__(HostGate)
+        ev = _event_new(2)
+        wait = new HostOp()
+        wait.kind = OP_WAIT
+        wait.event = ev
+        try:
+            self._push(wait)
+        except BaseException:
+            del wait
+            del ev
+            raise
+        gate._event = ev
+        return gate
+
+    def pending(self):
+        """Operations enqueued and not finished yet."""
+        return self._enqueued - self._done
+
+    def synchronize(self, double timeout=30.0):
+        """Block until everything enqueued so far is done; False if ``timeout`` passed first."""
+        cdef uint64_t target
+        cdef timespec deadline
+        cdef bint ok = True
+        pthread_mutex_lock(&self._lock)
+        target = self._enqueued
+        pthread_mutex_unlock(&self._lock)
+        _deadline_in(&deadline, <long>(timeout * 1000))
+        with nogil:
+            pthread_mutex_lock(&self._lock)
+            while self._done < target:
+                if pthread_cond_timedwait(&self._cond, &self._lock, &deadline) == ETIMEDOUT:
+                    ok = self._done >= target
+                    break
+            pthread_mutex_unlock(&self._lock)
+        return ok
+
+    def close(self):
+        """Run what is enqueued (waits on gates and other streams are released), then stop. Idempotent."""
+        if self._started:
+            self._close()
+
+    cdef _close(self):
+        pthread_mutex_lock(&self._lock)
+        self._stop = True
+        pthread_cond_broadcast(&self._cond)
+        pthread_mutex_unlock(&self._lock)
+        pthread_mutex_lock(&_event_lock)
+        pthread_cond_broadcast(&_event_cond)
+        pthread_mutex_unlock(&_event_lock)
+        with nogil:
+            pthread_join(self._thread, NULL)
+        self._started = False
+        _host_streams.pop(<size_t><void *>self, None)
+        if self._counted:
+            self._counted = False
+            _live["HostStream"] -= 1
 
 
 cdef void *_line_fire_main(void *arg) noexcept nogil:

@@ -37,6 +37,9 @@ ctypedef CUresult (*cuDevicePrimaryCtxRelease_t)(CUdevice device) noexcept nogil
 ctypedef CUresult (*cuCtxPushCurrent_t)(CUcontext ctx) noexcept nogil                               # cuCtxPushCurrent_v2
 ctypedef CUresult (*cuCtxPopCurrent_t)(CUcontext *ctx) noexcept nogil                               # cuCtxPopCurrent_v2
 ctypedef CUresult (*cuLaunchHostFunc_t)(CUstream stream, CUhostFn fn, void *user_data) noexcept nogil  # cuLaunchHostFunc
+ctypedef CUresult (*cuStreamIsCapturing_t)(CUstream stream, int *status) noexcept nogil            # cuStreamIsCapturing
+ctypedef CUresult (*cuDeviceGetAttribute_t)(int *value, int attrib, CUdevice device) noexcept nogil  # cuDeviceGetAttribute
+ctypedef CUresult (*cuMemHostGetDevicePointer_t)(CUdeviceptr *dptr, void *p, unsigned int flags) noexcept nogil  # cuMemHostGetDevicePointer_v2
 # CUDA 12.8+: one call for many copies; CUDA 13 dropped the failIdx argument (the _v2 symbol).
 ctypedef CUresult (*cuMemcpyBatchAsync_v2_t)(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
                                              CUmemcpyAttributes *attrs, size_t *attr_idxs, size_t num_attrs,
@@ -54,6 +57,8 @@ cdef enum:
     CU_MEM_LOCATION_TYPE_DEVICE = 1
     CU_MEM_LOCATION_TYPE_HOST = 2
     CU_MEMCPY_FLAG_DEFAULT = 0
+    CU_STREAM_CAPTURE_STATUS_NONE = 0
+    CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 
 # ---- Ascend ACL runtime (libascendcl.so) -----------------------------------------------
 

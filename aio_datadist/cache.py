@@ -92,10 +92,11 @@ class KvCache:
     """
 
     __slots__ = ("_cache_id", "_desc", "_tensors", "_layout", "_is_blocks", "_region",
-                 "_owned", "_alive", "_pin", "__weakref__")
+                 "_owned", "_alive", "_pin", "_on_device", "__weakref__")
 
     def __init__(self, cache_id: int, desc: CacheDesc, tensors: list[torch.Tensor], *,
-                 is_blocks: bool, owned: bool, region: Any = None, pin: Any = None) -> None:
+                 is_blocks: bool, owned: bool, region: Any = None, pin: Any = None,
+                 on_device: bool | None = None) -> None:
         self._cache_id = cache_id
         self._desc = desc
         self._tensors = tensors
@@ -105,6 +106,7 @@ class KvCache:
         self._region = region
         # Page-locks host memory for device copies while this object (and any copy keeping it) lives.
         self._pin = pin
+        self._on_device = tensors[0].device.type != "cpu" if on_device is None else on_device
         self._alive = True
 
     @property
@@ -144,6 +146,13 @@ class KvCache:
     @property
     def device(self) -> torch.device:
         return self._tensors[0].device
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the cache lives on the endpoint's device backend (``Placement.DEVICE`` with
+        ``aio.DeviceType`` cuda, npu or host): its bytes move through device streams, never straight
+        between a socket and its memory."""
+        return self._on_device
 
     @property
     def alive(self) -> bool:
@@ -289,9 +298,8 @@ class CacheRegistry:
         self._hidden: set[int] = set()  # ids of caches registered with remote_accessible=False
         self.on_add: Callable[[KvCache], None] | None = None
         self.on_free: Callable[[KvCache], None] | None = None
-        # Peers reach caches through caches(), by_id(), by_key() and by_blocks_key(). The transfer
-        # paths move host memory only, so device caches stay out of those answers until a device
-        # path (devices/staging.py, devices/ipc.py) is wired in; whoever wires it sets this.
+        # Peers reach caches through caches(), by_id(), by_key() and by_blocks_key(). Device caches
+        # are among those answers once the runtime can move them (the staging plane): it sets this.
         self.peers_see_device_caches = False
 
     @property
@@ -321,7 +329,7 @@ class CacheRegistry:
     def _peer_visible(self, cache: KvCache) -> bool:
         if cache.cache_id in self._hidden:
             return False
-        return self.peers_see_device_caches or cache.device.type == "cpu"
+        return self.peers_see_device_caches or not cache.on_device
 
     def hide(self, cache: KvCache) -> None:
         """Keep a registered cache from peers (``remote_accessible=False``): no peer request

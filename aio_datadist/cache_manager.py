@@ -33,7 +33,6 @@ from aio_datadist._checks import (
 )
 from aio_datadist.arrivals import PushWatch
 from aio_datadist.cache import KvCache
-from aio_datadist.devices.ops import require_host
 from aio_datadist.layers import range_pair
 from aio_datadist.manager import KvCacheManager
 from aio_datadist.status import LLMException
@@ -271,7 +270,6 @@ class CacheManager:
         cache = self._endpoint.live(cache, "cache")
         if cache.is_blocks_cache:
             raise param_invalid("cache", "can not be a blocks cache (use pull_blocks)")
-        require_host("cache", cache, "pull_cache")
         await self._kv.pull_cache(cache_key, cache, batch_index, size, **keywords)
 
     async def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, dst_cache: KvCache,

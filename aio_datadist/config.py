@@ -8,7 +8,7 @@ property                   option key                meaning (default)
 =========================  ========================  ==========================================
 ``shared_secret``          ``aio.SharedSecret``      HMAC key both ends of a link must share
                                                      (unset: links are not authenticated)
-``device_type``            ``aio.DeviceType``        ``auto`` | ``cpu`` | ``cuda`` | ``npu`` (auto)
+``device_type``            ``aio.DeviceType``        ``auto`` | ``cpu`` | ``cuda`` | ``npu`` | ``host`` (auto)
 ``registered_memory_cap``  ``aio.RegisteredMemoryCap``  bytes of cache memory per process (50 GiB)
 ``transport``              ``aio.Transport``         ``auto`` | ``tcp`` | ``local`` | ``nixl`` (auto)
 ``require_transport``      ``aio.RequireTransport``  ``tcp`` | ``local`` | ``nixl``: refuse a link or a
@@ -74,7 +74,7 @@ __all__ = [
     "DEFAULT_REGISTERED_MEMORY_CAP",
 ]
 
-DeviceType = Literal["auto", "cpu", "cuda", "npu"]
+DeviceType = Literal["auto", "cpu", "cuda", "npu", "host"]
 TransportKind = Literal["auto", "tcp", "local", "nixl"]
 RequiredTransport = Literal["", "tcp", "local", "nixl"]
 
@@ -87,7 +87,7 @@ DEFAULT_MAX_PENDING_HANDSHAKES = 64
 DEFAULT_LINK_PORT = 26000
 #: ``link()``'s time when ``llm.LinkTotalTime`` is 0 (HCCL_CONNECT_TIMEOUT's default).
 DEFAULT_LINK_TOTAL_TIME_S = 120
-DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu")
+DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu", "host")
 TRANSPORTS: tuple[str, ...] = ("auto", "tcp", "local", "nixl")
 #: What ``aio.RequireTransport`` may name ("" = nothing required).
 REQUIRED_TRANSPORTS: tuple[str, ...] = ("", "tcp", "local", "nixl")
@@ -462,7 +462,7 @@ class LLMConfig:
     shared_secret = _Setting[Any](
         _check_secret, None, "Secret (non-empty str) both ends prove with HMAC before a link is accepted."
     )
-    device_type = _Setting[str](_check_device_type, "auto", "'auto', 'cpu', 'cuda' or 'npu' ('auto').")
+    device_type = _Setting[str](_check_device_type, "auto", "'auto', 'cpu', 'cuda', 'npu' or 'host' ('auto').")
     registered_memory_cap = _Setting[int](
         _check_memory_cap, DEFAULT_REGISTERED_MEMORY_CAP, "Cap on registered cache memory in bytes (50 GiB)."
     )
@@ -582,7 +582,7 @@ class Settings:
     :ivar enable_switch_role: ``llm.EnableSwitchRole``.
     :ivar listen: ``(ip, port)`` to listen on, or None.
     :ivar shared_secret: the link-authentication key (UTF-8), or None.
-    :ivar device_type: ``auto``, ``cpu``, ``cuda`` or ``npu``.
+    :ivar device_type: ``auto``, ``cpu``, ``cuda``, ``npu`` or ``host``.
     :ivar registered_memory_cap: bytes of cache memory allowed.
     :ivar transport: ``auto``, ``tcp``, ``local`` or ``nixl``.
     :ivar require_transport: ``tcp``, ``local``, ``nixl``, or ``""`` (none required).

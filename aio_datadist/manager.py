@@ -30,7 +30,7 @@ from aio_datadist.cache import (
     check_user_tensors,
     copy_triples,
 )
-from aio_datadist.devices.ops import copy_rows, involves_device, require_host
+from aio_datadist.devices.ops import copy_rows, involves_device
 from aio_datadist.layers import layer_pair
 from aio_datadist.layerwise import start_transfer
 from aio_datadist.leases import allocate_leased_cache
@@ -144,10 +144,9 @@ class KvCacheManager:
         nbytes = desc.size * desc.num_tensors
         rt.registry.reserve(nbytes)
         if rt.devices is not None and desc.placement == Placement.DEVICE:
-            _no_device_keys(keys, blocks_key)
             tensors = _allocate_device(rt, desc, nbytes)
             return rt.registry.add(
-                lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=is_blocks, owned=True),
+                lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=is_blocks, owned=True, on_device=True),
                 nbytes, keys, blocks_key)
         try:
             region, tensors = allocate_host_tensors(desc)
@@ -181,10 +180,9 @@ class KvCacheManager:
         tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
         rt.registry.check_unregistered("tensors_or_addrs", tensors, desc.size)
         keys = rt.registry.check_keys(desc, cache_keys)
-        if tensors[0].device.type != "cpu":
-            _no_device_keys(keys, None)
+        on_device = rt.devices is not None and desc.placement == Placement.DEVICE
         cache = rt.registry.add(
-            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=False, owned=False),
+            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=False, owned=False, on_device=on_device),
             desc.size * desc.num_tensors, keys, None)
         if hidden:
             rt.registry.hide(cache)
@@ -200,10 +198,9 @@ class KvCacheManager:
         tensors = check_user_tensors("tensors_or_addrs", desc, tensors_or_addrs, self._device_for(desc))
         rt.registry.check_unregistered("tensors_or_addrs", tensors, desc.size)
         key = rt.registry.check_blocks_key(blocks_cache_key)
-        if tensors[0].device.type != "cpu":
-            _no_device_keys([], key)
+        on_device = rt.devices is not None and desc.placement == Placement.DEVICE
         cache = rt.registry.add(
-            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=True, owned=False),
+            lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=True, owned=False, on_device=on_device),
             desc.size * desc.num_tensors, [], key)
         if hidden:
             rt.registry.hide(cache)
@@ -389,7 +386,6 @@ class KvCacheManager:
         cache = self._endpoint.live(kv_cache, "kv_cache")
         if cache.is_blocks_cache:
             raise param_invalid("kv_cache", "pull_cache needs a contiguous cache (use pull_blocks for blocks)")
-        require_host("kv_cache", cache, "pull_cache")
         src_offset = _cache_offset("src_cache_offset", src_cache_offset)
         dst_offset = _cache_offset("dst_cache_offset", dst_cache_offset)
         src, dst, per_layer, timeout_ms = self._layer_args(src_layer_range, dst_layer_range, tensor_num_per_layer,
@@ -444,7 +440,6 @@ class KvCacheManager:
         cache = self._endpoint.live(dst_cache, "dst_cache")
         if not cache.is_blocks_cache:
             raise param_invalid("dst_cache", "pull_blocks needs a blocks cache")
-        require_host("dst_cache", cache, "pull_blocks")
         src, dst, per_layer, timeout_ms = self._layer_args(src_layer_range, dst_layer_range, tensor_num_per_layer,
                                                            timeout)
         lay = cache.layout
@@ -484,7 +479,6 @@ class KvCacheManager:
         cache = self._endpoint.live(src_cache, "src_cache")
         if not cache.is_blocks_cache:
             raise param_invalid("src_cache", "push_blocks needs a blocks cache")
-        require_host("src_cache", cache, "push_blocks")
         src, dst, per_layer = self._ext_param(ext_param)
         timeout_ms = self._timeout(timeout)
         lay = cache.layout
@@ -513,7 +507,6 @@ class KvCacheManager:
         cache = self._endpoint.live(src_cache, "src_cache")
         if cache.is_blocks_cache:
             raise param_invalid("src_cache", "push_cache needs a contiguous cache (use push_blocks for blocks)")
-        require_host("src_cache", cache, "push_cache")
         if size != -1:
             raise param_invalid("size", f"only -1 (whole rows) is supported, got {size!r}")
         src, dst, per_layer = self._ext_param(ext_param)
@@ -559,7 +552,6 @@ class KvCacheManager:
         self._rt()
         self._endpoint.require_role("transfer_cache_async", LLMRole.PROMPT, LLMRole.MIX)
         cache = self._endpoint.live(src_cache, "src_cache")
-        require_host("src_cache", cache, "transfer_cache_async")
         return start_transfer(self._rt(), self._endpoint.require_links(), cache, layer_synchronizer,
                               transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size)
 
@@ -654,15 +646,6 @@ def _plain_block_pairs(info: Mapping[Any, Any], rows: int) -> tuple[list[int], l
     if any(type(d) is not int for d in dsts) or min(min(srcs), min(dsts)) < 0 or max(max(srcs), max(dsts)) >= rows:
         return None
     return srcs, dsts
-
-
-def _no_device_keys(keys: list, blocks_key: BlocksCacheKey | None) -> None:
-    """Keys offer a cache to peers, and peers reach host caches only (see devices/ops.py)."""
-    if keys or blocks_key is not None:
-        raise LLMException(
-            "invalid argument 'cache_keys' / 'blocks_cache_key': device caches cannot be offered to peers yet "
-            "(transfers between processes move host caches only); allocate it without keys",
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
 
 def _allocate_device(rt: Runtime, desc: CacheDesc, nbytes: int) -> list[torch.Tensor]:

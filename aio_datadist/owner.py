@@ -162,6 +162,10 @@ def _serve_addrs(rt: Runtime, msg: Msg, req: TransferReq) -> tuple[list[KvCache]
                            f"invalid argument 'dst_addrs': address {i} ({addr:#x}, {extent} bytes) lies outside "
                            "every cache registered on the destination")
         cache, t = found
+        if cache.on_device:
+            raise Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                           f"invalid argument 'dst_addrs': address {i} ({addr:#x}) lies in a device cache; raw "
+                           "addresses reach host memory only (name the cache by key or id instead)")
         caches.append(cache)
         lay = cache.layout
         offsets = [addr - lay.bases[t] + b * stride for b in (blocks or [0])]

@@ -65,6 +65,7 @@ class Plan:
     local_count: int = 0
     local_rows: tuple[int, ...] = ()
     local_nbytes: int = 0
+    local_offset: int = 0
 
     @property
     def by_address(self) -> bool:
@@ -97,4 +98,4 @@ def build_plan(local: KvCache, local_layers: tuple[int, int], remote_layers: tup
                          data_type=local.cache_desc.data_type.value, offset=remote_offset, nbytes=remote_nbytes,
                          flags=ReqFlag(flags), timeout_ms=0, rows=tuple(remote_rows),
                          block_shape=block_shape_digest(local) if whole_blocks else 0)
-    return Plan(local, pairs, total, remote, first, count, tuple(local_rows), local_nbytes)
+    return Plan(local, pairs, total, remote, first, count, tuple(local_rows), local_nbytes, local_offset)

@@ -43,6 +43,8 @@ class Runtime:
         try:
             self.devices = select_device(settings.device_type, settings.device_id, self.queue)
             self.device = torch.device("cpu") if self.devices is None else self.devices.device
+            # Device caches reach peers through the staging plane (transport/staging.py).
+            self.registry.peers_see_device_caches = self.devices is not None
             self.completions = Completions(self.queue)
             self.copier = _core.HostCopyEngine(self.queue, threads=settings.copy_threads)
             try:

@@ -4,7 +4,10 @@
 with :meth:`~EventLayerSynchronizer.record` (from any thread); the layer-wise
 transfer waits for that mark through the core's completion fd, so no thread
 blocks and nothing polls. On the CPU a record is immediate (the layer's
-compute has returned when ``record`` is called).
+compute has returned when ``record`` is called). With a device backend,
+``record(i, stream=s)`` enqueues the mark on stream ``s`` through the core's
+StreamNotifier: layer ``i`` starts once ``s`` has finished the work enqueued
+on it so far, and no thread synchronizes with the device.
 """
 
 from __future__ import annotations
@@ -50,22 +53,37 @@ class EventLayerSynchronizer(LayerSynchronizer):
         self._timeout_ms: int | None = timeout_ms
         self._completions = rt.completions
         self._queue = rt.queue
+        self._devices = rt.devices
         self._layers = rt.completions.expect(num_layers, "layer event")
         self._closed = False
 
     def record(self, layer_index: int, stream: Any = None) -> None:
         """Mark layer ``layer_index`` computed. Safe from any thread.
 
-        :param stream: a device stream whose queued work must finish first;
-            only the CPU (None) is supported by this build.
+        :param stream: a stream of the endpoint's device backend (a
+            ``torch.cuda.Stream``, an NPU stream, or a host backend stream)
+            whose work enqueued so far must finish before the layer is
+            transferred; None: the layer is ready now.
+        :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` for a stream on an
+            endpoint without a device backend; ``LLM_PARAM_INVALID`` for a
+            stream of another kind, one being captured into a CUDA graph, or
+            a layer recorded twice on a stream.
         """
         index = check_index("layer_index", layer_index, len(self._layers), what="layer")
-        if stream is not None:
-            raise LLMException("argument 'stream': device streams are not supported by this build; "
+        if stream is not None and self._devices is None:
+            raise LLMException("argument 'stream': this endpoint has no device backend (aio.DeviceType cpu); "
                                "record on the CPU (stream=None)", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         if self._closed:
             raise param_invalid("layer_index", "the synchronizer is closed")
-        self._queue.post(self._layers[index][0], 0, 0)
+        token = self._layers[index][0]
+        if stream is None:
+            self._queue.post(token, 0, 0)
+            return
+        assert self._devices is not None
+        try:
+            self._devices.notify_on(token, stream)
+        except ValueError as exc:  # the token is armed already
+            raise param_invalid("layer_index", f"layer {index} is already recorded on a stream") from exc
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None = None) -> bool:
         """Wait until ``layer_index`` was recorded.

@@ -112,7 +112,7 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
             req.generation = link.channels[req.channel].generation
             req.req_id = link.new_req_id()
             answer = await _ask(link, req, plan, offered, timeout_ms, pull=pull)
-            chosen = plane("stream")
+            chosen = plane("staging" if plan.local.on_device else "stream")  # device memory goes through staging
             if answer.cache_id >= 0:  # the owner chose the in-place plane we offered
                 if offered is None:
                     raise LLMException(f"cluster {link.remote_cluster_id} answered for a plane we did not offer",

@@ -24,7 +24,12 @@ Steps, each bounded so the whole run stays inside ``--budget`` seconds
    * completion latency p50/p99, stream done -> awaiting coroutine resumed,
      against a thread-pool ``event.synchronize()`` and a ctypes
      ``cuLaunchHostFunc`` callback measured the same way;
-   * a cross-process same-GPU pull through CUDA IPC against the device copy rate.
+   * a cross-process same-GPU pull through CUDA IPC against the device copy rate;
+   * a device-to-device pull between two endpoints over loopback TCP through
+     the staging plane (D2H chunks, socket, H2D chunks, all overlapped)
+     against a hand-written D2H + send + H2D pipeline over the same bytes
+     and the same chunk size (torch copies on two streams, pinned buffers,
+     a thread per side, double-buffered).
 
 Results go to ``$OUT`` (or ``--out``): ``gpu_results.md`` (the table),
 ``gpu_results.json``, ``gpu_tests.log``; the table is also printed. Results
@@ -150,7 +155,8 @@ def build(report: Report, timeout: float) -> bool:
 
 def run_tests(report: Report, env: dict[str, str], timeout: float) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu",
-           "tests/test_stream_notifier.py", "tests/test_device_cpu.py", "tests/test_device_staging.py"]
+           "tests/test_stream_notifier.py", "tests/test_device_cpu.py", "tests/test_device_staging.py",
+           "tests/test_host_backend.py", "tests/test_staging_plane.py", "tests/test_device_drivers.py"]
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -568,6 +574,147 @@ async def bench_ipc(report: Report, dd: Any, ceiling: float | None, deadline: fl
         kv.deallocate_cache(local)
 
 
+STAGED_BLOCKS = 128  # 128 blocks x 64 tensors x 32 KiB = 256 MiB per pull
+
+
+def _hand_pipeline(src: Any, dst: Any, chunk: int, buffers: int = 2) -> float:
+    """Seconds to move ``src`` (device bytes) into ``dst`` (device bytes) as D2H -> loopback TCP -> H2D
+    in ``chunk``-byte pieces, each side double-buffered with page-locked memory and its own stream."""
+    import socket
+    import threading
+
+    import torch
+
+    n = src.numel()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    out = socket.create_connection(("127.0.0.1", port))
+    inn, _ = listener.accept()
+    listener.close()
+    for sock in (out, inn):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    errors: list[BaseException] = []
+
+    def sender() -> None:
+        try:
+            stream = torch.cuda.Stream()
+            bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(buffers)]
+            events = [torch.cuda.Event() for _ in range(buffers)]
+            pos = [0] * buffers
+            starts = list(range(0, n, chunk))
+            with torch.cuda.stream(stream):
+                for i, start in enumerate(starts[:buffers]):
+                    size = min(chunk, n - start)
+                    bufs[i][:size].copy_(src[start:start + size], non_blocking=True)
+                    events[i].record(stream)
+                    pos[i] = start
+                for k, start in enumerate(starts):
+                    i = k % buffers
+                    size = min(chunk, n - start)
+                    events[i].synchronize()
+                    out.sendall(memoryview(bufs[i].numpy())[:size])
+                    nxt = k + buffers
+                    if nxt < len(starts):
+                        s2 = starts[nxt]
+                        size2 = min(chunk, n - s2)
+                        bufs[i][:size2].copy_(src[s2:s2 + size2], non_blocking=True)
+                        events[i].record(stream)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def receiver() -> None:
+        try:
+            stream = torch.cuda.Stream()
+            bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(buffers)]
+            events: list[Any] = [None] * buffers
+            with torch.cuda.stream(stream):
+                for k, start in enumerate(range(0, n, chunk)):
+                    i = k % buffers
+                    size = min(chunk, n - start)
+                    if events[i] is not None:
+                        events[i].synchronize()  # the H2D of this buffer's last chunk is done
+                    view = memoryview(bufs[i].numpy())[:size]
+                    got = 0
+                    while got < size:
+                        got += inn.recv_into(view[got:], size - got)
+                    dst[start:start + size].copy_(bufs[i][:size], non_blocking=True)
+                    events[i] = torch.cuda.Event()
+                    events[i].record(stream)
+            stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=sender), threading.Thread(target=receiver)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    took = time.perf_counter() - t0
+    out.close()
+    inn.close()
+    if errors:
+        raise errors[0]
+    return took
+
+
+async def bench_staging(report: Report, deadline: float) -> None:
+    """A device pull over TCP through the staging plane against a hand-written pipeline over the same bytes."""
+    import torch
+
+    from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole
+    from aio_datadist import Placement
+    from aio_datadist.devices.staging import DEFAULT_CHUNK_BYTES
+
+    if time.monotonic() > deadline:
+        report.note("staging pull: skipped (time budget)")
+        return
+
+    def cfg(listen: bool) -> dict[str, str]:
+        c = LLMConfig()
+        c.device_id = 0
+        c.device_type = "cuda"
+        c.transport = "tcp"
+        c.sync_kv_timeout = 60000
+        if listen:
+            c.listen_ip_info = "127.0.0.1:0"
+        return c.generate_options()
+
+    desc = CacheDesc(TENSORS, (STAGED_BLOCKS * 2, *BLOCK_SHAPE), DataType.DT_FLOAT16, Placement.DEVICE)
+    async with LLMDataDist(LLMRole.PROMPT, 1) as prompt, LLMDataDist(LLMRole.DECODER, 2) as decoder:
+        await prompt.init(cfg(True))
+        await decoder.init(cfg(False))
+        src = prompt.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(desc)
+        random_fill(src.tensors)
+        torch.cuda.synchronize()
+        info = LLMClusterInfo()
+        info.remote_cluster_id = 1
+        host, port = prompt.listen_address
+        info.append_remote_ip_info(host, port)
+        await decoder.link_clusters([info], timeout=5000)
+        rng = random.Random(5)
+        blocks = rng.sample(range(STAGED_BLOCKS * 2), STAGED_BLOCKS)
+        into = rng.sample(range(STAGED_BLOCKS * 2), STAGED_BLOCKS)
+        nbytes = STAGED_BLOCKS * TENSORS * src.layout.row_bytes
+        times = await wall_time(lambda: decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks,
+                                                                              into), 5, warm=1)
+        got = dst.tensors[7].view(torch.uint8).view(STAGED_BLOCKS * 2, -1)[into[3]]
+        want = src.tensors[7].view(torch.uint8).view(STAGED_BLOCKS * 2, -1)[blocks[3]]
+        if not torch.equal(got, want):
+            report.note("staging pull: BYTES DIFFER for a checked block")
+        a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        loop = asyncio.get_running_loop()
+        hand = [await loop.run_in_executor(None, _hand_pipeline, a, b, DEFAULT_CHUNK_BYTES) for _ in range(3)]
+        report.row(f"device pull over TCP through the staging plane, {STAGED_BLOCKS} random blocks x {TENSORS} "
+                   "tensors (call -> resumed)", gbps(nbytes, statistics.median(times)), "GB/s",
+                   "hand-written D2H + send + H2D pipeline, same bytes and chunk size",
+                   gbps(nbytes, statistics.median(hand)), ">= 0.8x",
+                   f"median of 5 (ceiling: median of 3), {nbytes / MIB:.0f} MiB")
+
+
 async def run_benchmarks(report: Report, deadline: float) -> None:
     from aio_datadist import LLMDataDist, LLMRole
 
@@ -593,6 +740,11 @@ async def run_benchmarks(report: Report, deadline: float) -> None:
         report.note(f"swap_blocks section: {time.monotonic() - t0:.0f} s")
         await bench_ipc(report, dd, ceilings.get(512), deadline - 40)
         torch.cuda.empty_cache()
+    try:
+        await bench_staging(report, deadline - 30)
+    except Exception as exc:  # noqa: BLE001
+        report.note(f"staging pull failed: {exc!r}\n{traceback.format_exc()[-2000:]}")
+    torch.cuda.empty_cache()
     if time.monotonic() < deadline - 20:
         latency_uvloop(report)
 

@@ -81,7 +81,8 @@ TRANSPORTS = ["tcp", "local", pytest.param("nixl", marks=[pytest.mark.nixl, *(
 
 def options(*, listen: bool = False, secret: str | None = None, sync_kv_timeout: int | None = None,
             switch_role: bool = False, data_channels: int | None = None,
-            heartbeat_interval: int | None = None, transport: str | None = None) -> dict[str, str]:
+            heartbeat_interval: int | None = None, transport: str | None = None,
+            device_type: str | None = None) -> dict[str, str]:
     """``LLMConfig(...).generate_options()`` for a loopback endpoint (port 0 when listening).
 
     The transport defaults to ``TRANSPORT["default"]``: TCP data channels, so
@@ -102,6 +103,8 @@ def options(*, listen: bool = False, secret: str | None = None, sync_kv_timeout:
         config.data_channels = data_channels
     if heartbeat_interval is not None:
         config.heartbeat_interval = heartbeat_interval
+    if device_type is not None:
+        config.device_type = device_type
     return config.generate_options()
 
 

@@ -131,6 +131,7 @@ def test_geometry_rejects_empty_rows():
 
 
 @pytest.mark.skipif(HAVE_TRITON, reason="Triton is installed here")
+@pytest.mark.skipif(HAVE_TRITON, reason="Triton is installed here")
 def test_kernels_module_imports_and_reports_no_triton():
     assert kernels.available() is False
 

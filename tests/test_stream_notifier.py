@@ -92,7 +92,7 @@ def test_a_library_that_is_not_the_driver_is_refused_by_symbol(queue):
 
 def test_bad_backend_and_closed_queue_are_refused(queue):
     before = _core.live_objects()
-    with pytest.raises(ValueError, match="backend must be 'cuda' or 'npu'"):
+    with pytest.raises(ValueError, match="backend must be 'cuda', 'npu' or 'host'"):
         _core.StreamNotifier(queue, "tpu")
     closed = _core.CompletionQueue()
     closed.close()

@@ -13,6 +13,7 @@ Kept light: every ``import aio_datadist.cache`` runs it (through
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 from aio_datadist._checks import param_invalid
@@ -21,16 +22,17 @@ if TYPE_CHECKING:
     from aio_datadist import _core
     from aio_datadist.devices.backend import DeviceBackend
 
-__all__ = ["DEVICE_KINDS", "HOST_KINDS", "open_backend", "select_device"]
+__all__ = ["DEVICE_KINDS", "HOST_KINDS", "auto_device", "open_backend", "select_device"]
 
 # ``aio.DeviceType`` -> the module and class of its backend.
 _BACKENDS = {
     "cuda": ("aio_datadist.devices.cuda", "CudaBackend"),
     "npu": ("aio_datadist.devices.npu", "NpuBackend"),
+    "host": ("aio_datadist.devices.host_backend", "HostBackend"),
 }
 DEVICE_KINDS = tuple(_BACKENDS)
-# The device types that keep ``Placement.DEVICE`` caches in host memory (no backend).
-HOST_KINDS = ("auto", "cpu")
+# The device type that keeps ``Placement.DEVICE`` caches in host memory (no backend).
+HOST_KINDS = ("cpu",)
 
 
 def open_backend(kind: str, device_id: int | None, queue: _core.CompletionQueue) -> DeviceBackend:
@@ -48,16 +50,38 @@ def open_backend(kind: str, device_id: int | None, queue: _core.CompletionQueue)
     return backend.open(device_id, queue)
 
 
+def auto_device() -> str:
+    """What ``aio.DeviceType=auto`` means here: ``cuda`` where torch sees a CUDA device, else ``npu``
+    where torch_npu is installed and sees an NPU, else ``cpu``."""
+    import torch
+
+    if torch.version.cuda is not None and torch.cuda.is_available():
+        return "cuda"
+    if importlib.util.find_spec("torch_npu") is not None:
+        try:
+            importlib.import_module("torch_npu")
+        except Exception:  # a broken torch_npu install picks no NPU, as a missing one does
+            return "cpu"
+        npu = getattr(torch, "npu", None)
+        if npu is not None and npu.is_available():
+            return "npu"
+    return "cpu"
+
+
 def select_device(device_type: str, device_id: int | None, queue: _core.CompletionQueue) -> DeviceBackend | None:
     """The backend ``Placement.DEVICE`` caches live on, or None for host memory.
 
-    ``auto`` and ``cpu`` keep device caches in host memory. ``cuda`` and
-    ``npu`` open that device (``devices/cuda.py``, ``devices/npu.py``).
+    ``cpu`` keeps device caches in host memory; ``auto`` is :func:`auto_device`.
+    ``cuda`` and ``npu`` open that device (``devices/cuda.py``,
+    ``devices/npu.py``); ``host`` opens the host backend
+    (``devices/host_backend.py``), which CI runs the device paths on.
 
     :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` naming what is missing
         (driver, torch build, torch_npu, device); ``LLM_PARAM_INVALID`` for a
         device id the machine does not have.
     """
+    if device_type == "auto":
+        device_type = auto_device()
     if device_type in HOST_KINDS:
         return None
     return open_backend(device_type, device_id, queue)

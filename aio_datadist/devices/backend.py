@@ -16,7 +16,8 @@ operation's completion record once the stream gets there (``devices/streams.py``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import errno
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ class DeviceBackend:
 
     def __init__(self, device: torch.device, queue: _core.CompletionQueue) -> None:
         self.device = device
-        self.notifier = open_notifier(queue, self.kind, device.index)
+        self.notifier = open_notifier(queue, self.kind, device.index or 0)
         try:
             self.stream = self._new_stream()
             self.stream_handle = self._handle(self.stream)
@@ -61,6 +62,8 @@ class DeviceBackend:
             raise
         self._tables: dict[tuple[int, ...], torch.Tensor] = {}
         self._alignments: dict[tuple[int, ...], int] = {}
+        # What failed submissions left on the copy stream may still touch (see enqueue_and_notify).
+        self._held: list[Any] = []
         self.closed = False
 
     # -- what differs between CUDA and Ascend -------------------------------------------
@@ -159,8 +162,37 @@ class DeviceBackend:
         try:
             self.notifier.notify(token, self.stream_handle, aux)
         except OSError as exc:
+            if exc.errno == errno.EBUSY:
+                raise param_invalid("stream", str(exc.strerror)) from exc
             raise LLMException(f"device completion could not be enqueued: {exc.strerror}",
                                status_code=LLMStatusCode.LLM_FAILED) from exc
+
+    def enqueue_and_notify(self, token: int, enqueue: Callable[[], Any], aux: int, keep: Any, what: str) -> None:
+        """Run ``enqueue()`` on the copy stream, then :meth:`notify` ``token``.
+
+        If either fails, some copies may already be on the stream with no
+        record to say when they are done: ``keep`` (every buffer and
+        keepalive they touch) is held until the stream has drained (at
+        :meth:`close` at the latest), never released with the exception.
+        """
+        try:
+            with self.on_copy_stream():
+                enqueue()
+        except BaseException as exc:
+            self._held.append(keep)
+            if isinstance(exc, LLMException):
+                raise
+            raise LLMException(f"{what} could not be enqueued: {exc}", status_code=LLMStatusCode.LLM_FAILED) from exc
+        try:
+            self.notify(token, aux)
+        except BaseException:
+            self._held.append(keep)
+            raise
+
+    @property
+    def held(self) -> int:
+        """Failed submissions whose memory is kept until the copy stream drains."""
+        return len(self._held)
 
     def notify_on(self, token: int, stream: Any = None, aux: int = 0) -> None:
         """Post ``token``'s record once ``stream`` (default: the caller's current one) is past its work.
@@ -168,10 +200,15 @@ class DeviceBackend:
         What a device-event layer synchronizer needs: ``record(i, stream)``
         becomes ``notify_on(token_of_layer_i, stream)``.
         """
-        handle = self._handle(self.current_stream() if stream is None else stream)
+        try:
+            handle = self._handle(self.current_stream() if stream is None else stream)
+        except (AttributeError, TypeError) as exc:
+            raise param_invalid("stream", f"expected a {self.kind} stream, got {type(stream).__name__}") from exc
         try:
             self.notifier.notify(token, handle, aux)
         except OSError as exc:
+            if exc.errno == errno.EBUSY:  # the stream is being captured into a CUDA graph
+                raise param_invalid("stream", str(exc.strerror)) from exc
             raise LLMException(f"device completion could not be enqueued: {exc.strerror}",
                                status_code=LLMStatusCode.LLM_FAILED) from exc
 
@@ -185,3 +222,10 @@ class DeviceBackend:
         self.closed = True
         self._tables.clear()
         self.notifier.close()
+        if self._held:
+            self.synchronize()
+            self._held.clear()
+
+    def synchronize(self) -> None:
+        """Block until the copy stream has done everything enqueued (close and failure paths only)."""
+        self.stream.synchronize()

@@ -23,6 +23,7 @@ bounds once more, since the addresses go to a kernel or the driver.
 from __future__ import annotations
 
 import array
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +35,9 @@ from aio_datadist import _core
 from aio_datadist.cache import KvCache, check_bounds
 from aio_datadist.devices import kernels
 from aio_datadist.devices.backend import DeviceBackend
-from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ["METHODS", "DeviceCopy", "Side", "cache_side", "choose_method", "enqueue_rows", "buffer_side"]
+__all__ = ["METHODS", "DeviceCopy", "Side", "buffer_side", "cache_side", "choose_method", "enqueue_rows",
+           "kernel_side"]
 
 METHODS = ("kernel", "torch", "batch", "staged")
 
@@ -58,10 +59,8 @@ class Side:
     device: torch.device
     make_views: Callable[[], tuple[torch.Tensor, ...]]
     identity: bool = False
-
-    @property
-    def on_host(self) -> bool:
-        return self.device.type == "cpu"
+    #: Plain host memory (a host cache, a staging buffer), as opposed to the device backend's memory.
+    on_host: bool = False
 
     def views(self) -> tuple[torch.Tensor, ...]:
         return self.make_views()
@@ -78,7 +77,21 @@ def cache_side(cache: KvCache, rows: Sequence[int], offset: int, nbytes: int,
     def views() -> tuple[torch.Tensor, ...]:
         return tuple(t.view(torch.uint8).view(lay.rows, lay.row_bytes) for t in tensors)
 
-    return Side(tuple(lay.bases[first:first + count]), lay.row_bytes, tuple(rows), offset, cache.device, views)
+    return Side(tuple(lay.bases[first:first + count]), lay.row_bytes, tuple(rows), offset, cache.device, views,
+                on_host=not cache.on_device)
+
+
+def kernel_side(side: Side, pin: Any) -> Side:
+    """``side`` of a page-locked host cache as a kernel on the device addresses it: through the pin's
+    mapped device pointer (``HostPin.device_address``), which equals the host address only where the
+    device can use host pointers for registered memory."""
+    shift = pin.device_address - pin.address
+    if shift == 0:
+        return side
+    for b in side.bases:
+        if not pin.address <= b < pin.address + pin.nbytes:
+            raise AssertionError("a tensor outside the cache's page-locked region")
+    return dataclasses.replace(side, bases=tuple(b + shift for b in side.bases))
 
 
 def buffer_side(buffer: torch.Tensor, position: int, tensors: int, rows: int, nbytes: int) -> Side:
@@ -93,13 +106,15 @@ def buffer_side(buffer: torch.Tensor, position: int, tensors: int, rows: int, nb
         return tuple(packed[t] for t in range(tensors))
 
     return Side(tuple(base + t * rows * nbytes for t in range(tensors)), nbytes, tuple(range(rows)), 0,
-                buffer.device, views, identity=True)
+                buffer.device, views, identity=True, on_host=True)
 
 
 def choose_method(backend: DeviceBackend, dst: Side, src: Side) -> str:
     """The default method for a copy between ``dst`` and ``src`` (see the module docstring)."""
     if dst.on_host or src.on_host:
         return "batch" if backend.batch_copies else "staged"
+    if backend.kind == "host":
+        return "batch"  # the host backend's stream runs driver-style copy lists
     return "kernel" if backend.kind == "cuda" and kernels.available() else "torch"
 
 
@@ -187,18 +202,11 @@ class DeviceCopy:
         self.total = len(dst.bases) * len(dst.rows) * nbytes
 
     def submit(self, token: int) -> None:
-        backend = self.backend
-        try:
-            with backend.on_copy_stream():
-                enqueue_rows(backend, self.dst, self.src, self.nbytes, self.method, self.keep)
-        except BaseException as exc:
-            # Part of the copy may be enqueued: let it finish before anything it touches can go.
-            backend.stream.synchronize()
-            if isinstance(exc, LLMException):
-                raise
-            raise LLMException(f"device copy ({self.method}) could not be enqueued: {exc}",
-                               status_code=LLMStatusCode.LLM_FAILED) from exc
-        backend.notify(token, self.total)
+        # Part of the copy may be enqueued when this fails: the backend then holds the copy (and with
+        # it the caches and temporaries) until the stream drained; nothing blocks.
+        self.backend.enqueue_and_notify(
+            token, lambda: enqueue_rows(self.backend, self.dst, self.src, self.nbytes, self.method, self.keep),
+            self.total, self, f"device copy ({self.method})")
 
     def cancel(self, token: int) -> bool:
         return self.backend.cancel(token)

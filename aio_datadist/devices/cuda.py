@@ -44,9 +44,10 @@ class HostPin:
     so every copy in flight that keeps the cache alive) exists.
     """
 
-    __slots__ = ("_mapping", "address", "nbytes")
+    __slots__ = ("_mapping", "address", "nbytes", "device_address")
 
-    def __init__(self, mapping: Any, address: int, nbytes: int) -> None:
+    def __init__(self, mapping: Any, address: int, nbytes: int, driver: _core.CudaDriver | None = None,
+                 device: int = 0) -> None:
         self._mapping = None
         err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _REGISTER_FLAGS)
         if int(err) != 0:
@@ -55,6 +56,17 @@ class HostPin:
         self._mapping = mapping
         self.address = address
         self.nbytes = nbytes
+        #: Where kernels on the device reach this memory: the host address itself where the device can
+        #: use host pointers for registered memory, else the mapped device pointer the driver gives.
+        self.device_address = address
+        if driver is not None and not driver.can_map_host(device):
+            try:
+                self.device_address = driver.host_device_pointer(device, address)
+            except OSError as exc:
+                torch.cuda.cudart().cudaHostUnregister(address)
+                self._mapping = None
+                raise LLMException(f"mapping the page-locked host cache for the device failed: {exc.strerror}",
+                                   status_code=LLMStatusCode.LLM_FAILED) from exc
 
     def __del__(self) -> None:
         if self._mapping is not None:
@@ -103,7 +115,7 @@ class CudaBackend(DeviceBackend):
 
     def pin_host(self, region: Any) -> HostPin | None:
         try:
-            return HostPin(region._map, region.address, region.nbytes)
+            return HostPin(region._map, region.address, region.nbytes, self.driver, self.device.index or 0)
         except LLMException as exc:
             # Still correct unpinned (batched copies take pageable memory, staging copies through pinned
             # chunks), only slower: say so rather than refuse the cache.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from aio_datadist._checks import param_invalid
 from aio_datadist.cache import KvCache
-from aio_datadist.devices.copies import DeviceCopy, cache_side, choose_method
+from aio_datadist.devices.copies import DeviceCopy, cache_side, choose_method, kernel_side
 from aio_datadist.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from aio_datadist.devices.backend import DeviceBackend
     from aio_datadist.devices.staging import DeviceStaging
 
-__all__ = ["DeviceRuntime", "copy_rows", "involves_device", "require_host"]
+__all__ = ["DeviceRuntime", "copy_rows", "involves_device"]
 
 
 class DeviceRuntime(Protocol):
@@ -42,16 +42,7 @@ class DeviceRuntime(Protocol):
 
 
 def involves_device(*caches: KvCache) -> bool:
-    return any(c.device.type != "cpu" for c in caches)
-
-
-def require_host(arg: str, cache: KvCache, call: str) -> None:
-    """``LLM_FEATURE_NOT_ENABLED`` for a device cache in a call that moves bytes between processes."""
-    if cache.device.type != "cpu":
-        raise LLMException(
-            f"invalid argument '{arg}': {call} of a device cache ({cache.device}) is not available yet: "
-            "transfers between processes move host caches only (copy it to a HOST cache with swap_blocks)",
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+    return any(c.on_device for c in caches)
 
 
 async def copy_rows(rt: DeviceRuntime, dst: KvCache, dst_rows: Sequence[int], src: KvCache, src_rows: Sequence[int],
@@ -67,14 +58,19 @@ async def copy_rows(rt: DeviceRuntime, dst: KvCache, dst_rows: Sequence[int], sr
     if backend is None:
         raise AssertionError("device caches exist only with a device backend")
     for arg, cache in (("dst", dst), ("src", src)):
-        if cache.device.type != "cpu" and cache.device != backend.device:
+        if cache.on_device and cache.device != backend.device:
             raise param_invalid(arg, f"cache is on {cache.device}, this LLMDataDist uses {backend.device}")
     dst_side = cache_side(dst, dst_rows, offset, nbytes)
     src_side = cache_side(src, src_rows, offset, nbytes)
     method = method or choose_method(backend, dst_side, src_side)
-    if method == "kernel" and any(c.device.type == "cpu" and c._pin is None for c in (dst, src)):
-        # A kernel can reach host memory only where the driver mapped it; anything else is a device fault.
-        raise param_invalid("method", "the copy kernel reaches host caches only when they are page-locked")
+    if method == "kernel":
+        if any(not c.on_device and c._pin is None for c in (dst, src)):
+            # A kernel can reach host memory only where the driver mapped it; anything else is a device fault.
+            raise param_invalid("method", "the copy kernel reaches host caches only when they are page-locked")
+        if not dst.on_device:
+            dst_side = kernel_side(dst_side, dst._pin)
+        if not src.on_device:
+            src_side = kernel_side(src_side, src._pin)
     if method == "staged":
         from aio_datadist.devices.staging import swap_staged
 

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from aio_datadist.devices.backend import DeviceBackend
 
 __all__ = ["Chunk", "DeviceStaging", "Rect", "StagingPool", "pipeline_in", "pipeline_out", "plan_chunks",
-           "swap_staged", "DEFAULT_CHUNK_BYTES", "DEFAULT_BUFFERS"]
+           "settle_all", "swap_staged", "DEFAULT_CHUNK_BYTES", "DEFAULT_BUFFERS"]
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 DEFAULT_BUFFERS = 4
@@ -316,6 +316,20 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
             _abandon(staged.popleft())
 
 
+async def settle_all(futures: Sequence[asyncio.Future]) -> None:
+    """Wait until every future in ``futures`` (each set once a native job reported over) is done,
+    through cancellations, which are raised again afterwards."""
+    cancelled: asyncio.CancelledError | None = None
+    for fut in futures:
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+    if cancelled is not None:
+        raise cancelled
+
+
 def _abandon(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.cancel()
@@ -346,7 +360,7 @@ class DeviceStaging:
         return plan_chunks(count, rows, nbytes, self.pool.chunk_bytes)
 
     def _stage(self, chunk: Chunk, buf: torch.Tensor, cache: KvCache, first: int, rows: Sequence[int],
-               offset: int, to_device: bool, what: str) -> asyncio.Future:
+               offset: int, to_device: bool, what: str, settles: list[asyncio.Future]) -> asyncio.Future:
         pairs = []
         pos = 0
         for rect in chunk.rects:
@@ -356,30 +370,51 @@ class DeviceStaging:
             pos += rect.nbytes
             pairs.append(((dev, host) if to_device else (host, dev), rect.length))
         backend, method, keep = self.backend, self.method, [buf, cache]
+        settled = asyncio.get_running_loop().create_future()
+        settles.append(settled)
+
+        def enqueue() -> None:
+            for (dst, src), length in pairs:
+                enqueue_rows(backend, dst, src, length, method, keep)
 
         def submit(token: int) -> None:
-            with backend.on_copy_stream():
-                for (dst, src), length in pairs:
-                    enqueue_rows(backend, dst, src, length, method, keep)
-            backend.notify(token, chunk.nbytes)
+            # Some rectangles may be enqueued when one fails: the backend holds ``keep`` (the chunk
+            # buffer among it) until its stream drained, so the buffer is not reused under the copy.
+            backend.enqueue_and_notify(token, enqueue, chunk.nbytes, keep, what)
 
-        return self.completions.start(submit, backend.cancel, timeout_ms=None, what=what, keepalive=keep)
+        return self.completions.start(submit, backend.cancel, timeout_ms=None, what=what, keepalive=keep,
+                                      settled=settled)
 
     async def send(self, cache: KvCache, first: int, count: int, rows: Sequence[int], offset: int, nbytes: int,
                    consume: Use, what: str = "staged send") -> None:
-        """Gather rows of tensors ``[first, first+count)`` chunk by chunk and hand each to ``consume``."""
+        """Gather rows of tensors ``[first, first+count)`` chunk by chunk and hand each to ``consume``.
+
+        Returns or raises only once every gather it enqueued is done on the
+        stream (a cancelled one included)."""
         rows = list(rows)
         chunks = self.plan(count, len(rows), nbytes)
-        await pipeline_out(chunks, self.pool,
-                           lambda c, b: self._stage(c, b, cache, first, rows, offset, False, what), consume)
+        settles: list[asyncio.Future] = []
+        try:
+            await pipeline_out(chunks, self.pool,
+                               lambda c, b: self._stage(c, b, cache, first, rows, offset, False, what, settles),
+                               consume)
+        finally:
+            await settle_all(settles)
 
     async def receive(self, cache: KvCache, first: int, count: int, rows: Sequence[int], offset: int,
                       nbytes: int, fill: Use, what: str = "staged receive") -> None:
-        """Take each chunk from ``fill`` and scatter it into rows of tensors ``[first, first+count)``."""
+        """Take each chunk from ``fill`` and scatter it into rows of tensors ``[first, first+count)``.
+
+        Returns or raises only once every scatter it enqueued is done on the
+        stream (a cancelled one included): no byte lands in ``cache`` after."""
         rows = list(rows)
         chunks = self.plan(count, len(rows), nbytes)
-        await pipeline_in(chunks, self.pool, fill,
-                          lambda c, b: self._stage(c, b, cache, first, rows, offset, True, what))
+        settles: list[asyncio.Future] = []
+        try:
+            await pipeline_in(chunks, self.pool, fill,
+                              lambda c, b: self._stage(c, b, cache, first, rows, offset, True, what, settles))
+        finally:
+            await settle_all(settles)
 
     def close(self) -> None:
         self.pool.close()
@@ -421,7 +456,7 @@ async def swap_staged(staging: DeviceStaging, copier: _core.HostCopyEngine, dst:
         await staging.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None,
                                    what=what, keepalive=keep)
 
-    if src.device.type != "cpu":
+    if src.on_device:
         async def consume(chunk: Chunk, view: torch.Tensor) -> None:
             await host_copy(host_chunk_triples(dst, 0, dst_rows, offset, chunk, view, True), (view, dst))
 

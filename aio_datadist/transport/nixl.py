@@ -128,8 +128,8 @@ class NixlAgent:
     def register(self, cache: KvCache) -> None:
         """Register ``cache`` with the agent (on its worker); offer it to peers once done."""
         lay = cache.layout
-        if cache.device.type != "cpu":
-            return  # device memory: staged over TCP until the device path lands
+        if cache.on_device:
+            return  # device memory is not registered: its transfers take the staging plane
         extents = _extents(cache)
         descs = row_descs(lay.bases, lay.rows, lay.row_bytes)
 

@@ -51,7 +51,7 @@ class SameHostPlane(InPlacePlane):
     flag = ReqFlag.LOCAL
 
     def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
-        return pull and link.local is not None and not plan.by_address
+        return pull and link.local is not None and not plan.by_address and not plan.local.on_device
 
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:

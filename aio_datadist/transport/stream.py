@@ -55,8 +55,7 @@ class StreamPlane(Plane):
         generation = link.channels[channel].generation
         link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=served.total, cache_id=-1, row=-1,
                   text="")
-        fut = link.move(channel, served.pairs, send=msg is Msg.PULL_REQ, timeout_ms=serve_timeout_ms(req),
-                        what=f"serving {msg.name} {req_id}", keepalive=served.keepalive)
+        fut = self._serve_move(rt, link, msg, req_id, req, served)
         key, tensors = served.key if msg is Msg.PULL_REQ else None, served.tensors
         if key is not None:
             cache = served.cache
@@ -101,6 +100,12 @@ class StreamPlane(Plane):
                               text="cancelled" if exc is None else str(exc))
 
         fut.add_done_callback(finished)
+
+    def _serve_move(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq,
+                    served: Served) -> asyncio.Future:
+        """The owner's job on the request's channel; done once nothing of it touches a byte any more."""
+        return link.move(req.channel, served.pairs, send=msg is Msg.PULL_REQ, timeout_ms=serve_timeout_ms(req),
+                         what=f"serving {msg.name} {req_id}", keepalive=served.keepalive)
 
 
 PLANE = StreamPlane()

@@ -16,7 +16,6 @@ from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
-    CacheKeyByIdAndIndex,
     DataType,
     LLMConfig,
     LLMDataDist,
@@ -55,30 +54,22 @@ def rows(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.asyncio
-async def test_device_caches_live_on_the_gpu_and_stay_out_of_peers_reach():
+async def test_device_caches_live_on_the_gpu_and_peers_reach_them_by_key():
     async with LLMDataDist(LLMRole.MIX, 1) as dd:
         await dd.init(options())
         kv = dd.kv_cache_manager
         cache = kv.allocate_blocks_cache(BLOCKS)
-        assert cache.device == torch.device("cuda", 0)
+        assert cache.device == torch.device("cuda", 0) and cache.on_device
         assert all(t.is_cuda and t.is_contiguous() and t.data_ptr() % 256 == 0 for t in cache.tensors)
         assert cache.per_device_tensor_addrs == [[t.data_ptr() for t in cache.tensors]]
         reg = registry_of(dd)
-        assert reg.by_id(cache.cache_id) is None and cache not in reg.caches() and cache in reg.all_caches()
+        assert reg.by_id(cache.cache_id) is cache and cache in reg.caches()  # the staging plane moves them
         host = kv.allocate_blocks_cache(HOST_BLOCKS)
-        assert host.device.type == "cpu" and host._pin is not None  # page-locked for swaps
-        with pytest.raises(LLMException) as info:
-            kv.allocate_blocks_cache(BLOCKS, BlocksCacheKey(1, 0))
-        assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
-        with pytest.raises(LLMException) as info:
-            kv.allocate_cache(CONTIG, [CacheKey(1, 5)])
-        assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
-        with pytest.raises(LLMException) as info:
-            await kv.pull_blocks(BlocksCacheKey(9, 0), cache, [0], [0])
-        assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED and "dst_cache" in str(info.value)
-        with pytest.raises(LLMException) as info:
-            await kv.pull_cache(CacheKeyByIdAndIndex(9, 1, 0), kv.allocate_cache(CONTIG))
-        assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED and "kv_cache" in str(info.value)
+        assert host.device.type == "cpu" and host._pin is not None and not host.on_device  # page-locked for swaps
+        keyed = kv.allocate_blocks_cache(BLOCKS, BlocksCacheKey(1, 0))
+        assert reg.by_blocks_key(0) is keyed and keyed.on_device
+        contig = kv.allocate_cache(CONTIG, [CacheKey(1, 5)])
+        assert contig.on_device
 
 
 @pytest.mark.asyncio

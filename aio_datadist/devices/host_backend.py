@@ -1,0 +1,97 @@
+"""The host backend: the device backend interface with host memory and native copy queues as its "device".
+
+``aio.DeviceType=host`` opens it. It is what CI runs every device path on:
+``Placement.DEVICE`` caches live in host memory, but they are device caches
+in every other respect. Their bytes move only through streams, each stream
+is an ordered queue of native copies run by a thread of its own
+(``_core.HostStream``), and completions come from the core's
+:class:`~aio_datadist._core.StreamNotifier` (backend ``"host"``) through the
+same completion records as CUDA's ``cuLaunchHostFunc`` and Ascend's
+``aclrtLaunchCallback``. Staging, the staging plane, layer-wise transfers
+with stream-recorded layers, failure paths and cancellation are therefore
+the same code on a CPU as on a GPU; only the symbol tables and the stream
+calls differ.
+
+It is a test and development backend: it is slower than host caches (each
+copy is staged through chunk buffers like device memory) and gives nothing
+a host cache does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from aio_datadist import _core
+from aio_datadist.devices.backend import DeviceBackend
+
+__all__ = ["HostBackend"]
+
+
+class HostBackend(DeviceBackend):
+    """Device caches in host memory, moved by :class:`~aio_datadist._core.HostStream` queues."""
+
+    kind = "host"
+
+    def __init__(self, device: torch.device, queue: _core.CompletionQueue) -> None:
+        self._current = threading.local()
+        self._streams: list[_core.HostStream] = []
+        #: The stream callers' work runs on unless they pick another (what torch calls the current stream).
+        self.default_stream = self.new_stream()
+        try:
+            super().__init__(device, queue)
+        except BaseException:
+            for stream in self._streams:
+                stream.close()
+            raise
+
+    @classmethod
+    def open(cls, device_id: int | None, queue: _core.CompletionQueue) -> HostBackend:
+        return cls(torch.device("cpu"), queue)
+
+    def new_stream(self) -> _core.HostStream:
+        """A new stream of this backend (closed with it)."""
+        stream = _core.HostStream()
+        self._streams.append(stream)
+        return stream
+
+    def _new_stream(self) -> _core.HostStream:
+        return self.new_stream()
+
+    def _handle(self, stream: _core.HostStream) -> int:
+        return stream.handle
+
+    def current_stream(self) -> _core.HostStream:
+        return getattr(self._current, "stream", None) or self.default_stream
+
+    @contextlib.contextmanager
+    def _use(self, stream: _core.HostStream) -> Iterator[None]:
+        before = getattr(self._current, "stream", None)
+        self._current.stream = stream
+        try:
+            yield
+        finally:
+            self._current.stream = before
+
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
+        return self._use(stream)
+
+    @property
+    def batch_copies(self) -> bool:
+        return True
+
+    def memcpy_batch(self, dsts: Any, srcs: Any, sizes: Any) -> int:
+        # Like cuMemcpyBatchAsync: on the copy stream, in order after what is already there.
+        return self.stream.enqueue_copies(dsts, srcs, sizes)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        for stream in self._streams:
+            stream.close()
+        self._streams.clear()

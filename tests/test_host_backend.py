@@ -1,0 +1,229 @@
+"""The host backend (``aio.DeviceType=host``): device caches in host memory, moved only through
+ordered native copy queues and completed by the core's StreamNotifier, so every device path runs on CI."""
+
+from __future__ import annotations
+
+import array
+import ctypes
+
+import pytest
+import torch
+
+from aio_datadist import CacheDesc, DataType, LLMDataDist, LLMException, LLMRole, LLMStatusCode, Placement, _core
+from aio_datadist.testing import runtime_of
+
+S = LLMStatusCode
+
+
+def _addr(buf: bytearray) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+
+
+def _q(*values: int) -> array.array:
+    return array.array("Q", values)
+
+
+def test_host_stream_runs_copies_in_order_after_the_streams_it_waits_for():
+    queue = _core.CompletionQueue()
+    notifier = _core.StreamNotifier(queue, "host")
+    compute, copy = _core.HostStream(), _core.HostStream()
+    try:
+        src, mid, dst = bytearray(b"a" * 64), bytearray(64), bytearray(64)
+        gate = compute.gate()
+        compute.enqueue_copies(_q(_addr(mid)), _q(_addr(src)), _q(64))
+        copy.wait_stream(compute)
+        copy.enqueue_copies(_q(_addr(dst)), _q(_addr(mid)), _q(64))
+        notifier.notify(5, copy.handle, 64)
+        assert not copy.synchronize(0.2)  # held behind the gate on the other stream
+        assert queue.drain() == [] and bytes(dst) == bytes(64)
+        gate.open()
+        assert copy.synchronize(5)
+        assert bytes(dst) == b"a" * 64
+        assert queue.drain() == [(5, 0, 64)]
+        with pytest.raises(OSError, match="no open host stream"):
+            notifier.notify(6, 12345, 0)
+    finally:
+        notifier.close()
+        compute.close()
+        copy.close()
+        queue.close()
+
+
+def test_closing_a_host_stream_releases_its_gates_and_refuses_more_work():
+    stream = _core.HostStream()
+    stream.gate()
+    stream.close()
+    with pytest.raises(OSError, match="closed"):
+        stream.enqueue_copies(_q(0), _q(0), _q(0))
+
+
+async def _host_dd(cluster: int = 1) -> LLMDataDist:
+    dd = LLMDataDist(LLMRole.MIX, cluster)
+    await dd.init({"aio.DeviceType": "host"})
+    return dd
+
+
+def _desc(placement: Placement, rows: int = 8, width: int = 33) -> CacheDesc:
+    return CacheDesc(num_tensors=3, shape=[rows, width], data_type=DataType.DT_FLOAT16, placement=placement)
+
+
+@pytest.mark.asyncio
+async def test_host_backend_device_caches_swap_and_copy_byte_exact():
+    before = _core.live_objects()
+    dd = await _host_dd()
+    try:
+        rt = runtime_of(dd)
+        assert rt.devices is not None and rt.devices.kind == "host"
+        mgr = dd.kv_cache_manager
+        dev = mgr.allocate_blocks_cache(_desc(Placement.DEVICE))
+        host = mgr.allocate_blocks_cache(_desc(Placement.HOST))
+        assert dev.on_device and not host.on_device
+        gen = torch.Generator().manual_seed(3)
+        for t in host.tensors:
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
+                                                    generator=gen))
+        await mgr.swap_blocks(host, dev, {0: 7, 3: 1, 5: 5})
+        for h, d in zip(host.tensors, dev.tensors, strict=True):
+            assert torch.equal(d[7].view(torch.uint8), h[0].view(torch.uint8))
+            assert torch.equal(d[1].view(torch.uint8), h[3].view(torch.uint8))
+        await mgr.copy_blocks(dev, {7: [2, 3], 1: [6]})
+        for d in dev.tensors:
+            assert torch.equal(d[2].view(torch.uint8), d[7].view(torch.uint8))
+            assert torch.equal(d[6].view(torch.uint8), d[1].view(torch.uint8))
+        back = mgr.allocate_blocks_cache(_desc(Placement.HOST))
+        await mgr.swap_blocks(dev, back, {2: 0, 6: 1})
+        for h, b in zip(host.tensors, back.tensors, strict=True):
+            assert torch.equal(b[0].view(torch.uint8), h[0].view(torch.uint8))
+            assert torch.equal(b[1].view(torch.uint8), h[3].view(torch.uint8))
+        assert rt.completions.pending_count() == 0
+    finally:
+        await dd.finalize()
+    assert _core.live_objects() == before
+
+
+class _RefusingNotifier:
+    """The backend's notifier, with notify refused as a driver would (EIO, or EBUSY under graph capture)."""
+
+    def __init__(self, real: _core.StreamNotifier, err: int) -> None:
+        self.real = real
+        self.err = err
+
+    def notify(self, token: int, stream: int, aux: int = 0) -> None:
+        raise OSError(self.err, "refused by the test")
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fail", ["enqueue", "notify"])
+async def test_a_failed_submission_keeps_its_memory_until_the_stream_drained(fail):
+    """After some copies were enqueued, a failing enqueue or notify must not free what they touch."""
+    import gc
+    import weakref
+
+    from aio_datadist.devices.copies import DeviceCopy, cache_side
+
+    before = _core.live_objects()
+    dd = await _host_dd()
+    try:
+        rt = runtime_of(dd)
+        backend = rt.devices
+        mgr = dd.kv_cache_manager
+        dev = mgr.allocate_blocks_cache(_desc(Placement.DEVICE))
+        gate = backend.stream.gate()  # the stream cannot get past the copies enqueued before the failure
+        staging_buf = torch.zeros(4096, dtype=torch.uint8)
+        buf_ref = weakref.ref(staging_buf)
+        src = cache_side(dev, [0], 0, 66)
+        dst = cache_side(dev, [1], 0, 66)
+        jobs = [DeviceCopy(backend, dst, src, 66, "batch", keepalive=staging_buf)]
+        real_enqueue = backend.memcpy_batch
+        if fail == "enqueue":
+            calls = []
+
+            def second_call_fails(*args):
+                calls.append(1)
+                if len(calls) > 1:
+                    raise RuntimeError("driver refused the second batch")
+                return real_enqueue(*args)
+
+            backend.memcpy_batch = second_call_fails
+
+            def enqueue_twice():
+                from aio_datadist.devices.copies import enqueue_rows
+
+                enqueue_rows(backend, dst, src, 66, "batch", jobs[0].keep)
+                enqueue_rows(backend, dst, src, 66, "batch", jobs[0].keep)
+
+            def submit(token):
+                backend.enqueue_and_notify(token, enqueue_twice, 0, jobs[0], "test copy")
+        else:
+            backend.notifier = _RefusingNotifier(backend.notifier, 5)
+            submit = jobs[0].submit
+        with pytest.raises(LLMException) as info:
+            await rt.completions.start(submit, jobs[0].cancel, timeout_ms=1000, what="test copy", keepalive=jobs[0])
+        assert info.value.status_code == S.LLM_FAILED
+        del info  # its traceback's frames hold the copy too
+        if fail == "notify":
+            backend.notifier = backend.notifier.real
+        jobs.clear()
+        del staging_buf, submit
+        gc.collect()
+        assert backend.held == 1 and buf_ref() is not None  # still held: the stream has not drained
+        gate.open()
+    finally:
+        await dd.finalize()
+    assert buf_ref() is None  # released once close drained the stream
+    assert _core.live_objects() == before
+
+
+@pytest.mark.asyncio
+async def test_a_notify_under_graph_capture_is_a_clear_param_error():
+    dd = await _host_dd()
+    try:
+        backend = runtime_of(dd).devices
+        backend.notifier = _RefusingNotifier(backend.notifier, 16)  # EBUSY: what the core says under capture
+        with pytest.raises(LLMException) as info:
+            backend.notify_on(1, backend.default_stream)
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "'stream'" in str(info.value)
+        backend.notifier = backend.notifier.real
+    finally:
+        await dd.finalize()
+
+
+def test_kernel_side_of_a_pinned_host_cache_uses_the_mapped_device_pointer():
+    from aio_datadist.devices.copies import Side, kernel_side
+
+    class Pin:
+        address, nbytes, device_address = 0x10000, 0x4000, 0x7F0000010000
+
+    side = Side((0x10000, 0x12000), 64, (0, 1), 0, torch.device("cpu"), lambda: (), on_host=True)
+    mapped = kernel_side(side, Pin())
+    assert mapped.bases == (0x7F0000010000, 0x7F0000012000) and mapped.rows == side.rows
+    Pin.device_address = Pin.address  # a device that uses host pointers directly: unchanged
+    assert kernel_side(side, Pin()) is side
+    Pin.device_address = 0x7F0000010000
+    outside = Side((0x90000,), 64, (0,), 0, torch.device("cpu"), lambda: (), on_host=True)
+    with pytest.raises(AssertionError):
+        kernel_side(outside, Pin())
+
+
+def test_auto_picks_cuda_then_npu_then_cpu(monkeypatch):
+    import importlib.machinery
+    import sys
+    import types
+
+    from aio_datadist.devices import auto_device
+
+    assert auto_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert auto_device() == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake = types.ModuleType("torch_npu")
+    fake.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True), raising=False)
+    assert auto_device() == "npu"
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False), raising=False)
+    assert auto_device() == "cpu"

@@ -1,0 +1,190 @@
+"""The staging plane on the host backend: device caches between processes through bounded host chunks.
+
+Every device cache here lives on the host backend (``aio.DeviceType=host``):
+its bytes move only through the backend's ordered copy queues and the
+staging pipeline, exactly as a CUDA cache's do; the CUDA runs are in
+``tests/gpu/``. Both ends are real endpoints linked over loopback sockets.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+
+import pytest
+import torch
+from peers import DECODER_ID, PROMPT_ID, TRANSPORT, TRANSPORTS, fill, linked_pair, snapshot
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    EventLayerSynchronizer,
+    LLMException,
+    LLMStatusCode,
+    Placement,
+    TransferWithCacheKeyConfig,
+)
+from aio_datadist.devices.staging import DeviceStaging
+from aio_datadist.owner import _serve_addrs
+from aio_datadist.plans import addrs_target
+from aio_datadist.testing import runtime_of
+from aio_datadist.transport.base import Refusal
+from aio_datadist.wire import Msg, ReqFlag, TransferReq
+
+S = LLMStatusCode
+pytestmark = pytest.mark.asyncio
+HOST = {"device_type": "host"}
+# 6 blocks of 3 KiB per tensor, 4 tensors: 72 KiB, many 4 KiB chunks, units split across chunks too.
+BLOCKS = CacheDesc(4, (6, 3, 512), DataType.DT_FLOAT16, Placement.DEVICE)
+
+
+@pytest.fixture(autouse=True, params=TRANSPORTS)
+def transport(request):
+    """TCP data channels, a same-host link and a NIXL link: neither the shared-memory plane nor NIXL
+    takes device caches, so every device transfer here goes through the staging plane."""
+    TRANSPORT["default"] = request.param
+    yield request.param
+    TRANSPORT["default"] = "tcp"
+
+
+def small_staging(dd, buffers: int = 2) -> DeviceStaging:
+    """Four-KiB chunks, ``buffers`` of them: many chunks per transfer, and the bound is easy to check."""
+    rt = runtime_of(dd)
+    rt._staging = DeviceStaging(rt.completions, rt.devices, chunk_bytes=4096, buffers=buffers)
+    return rt._staging
+
+
+def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte-exact (uninitialised device memory may hold NaNs)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def host_desc(desc: CacheDesc) -> CacheDesc:
+    return CacheDesc(desc.num_tensors, desc.shape, desc.data_type, Placement.HOST)
+
+
+@pytest.mark.parametrize("src_place,dst_place", [(Placement.DEVICE, Placement.DEVICE),
+                                                 (Placement.HOST, Placement.DEVICE),
+                                                 (Placement.DEVICE, Placement.HOST)])
+async def test_pull_blocks_with_device_caches_lands_exactly_the_named_blocks(src_place, dst_place):
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        theirs, ours = small_staging(pair.prompt), small_staging(pair.decoder)
+        src_desc = BLOCKS if src_place is Placement.DEVICE else host_desc(BLOCKS)
+        dst_desc = BLOCKS if dst_place is Placement.DEVICE else host_desc(BLOCKS)
+        src = pair.pm.allocate_blocks_cache(src_desc, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 7)
+        dst = pair.dm.allocate_blocks_cache(dst_desc)
+        assert src.on_device is (src_place is Placement.DEVICE) and dst.on_device is (dst_place is Placement.DEVICE)
+        before = snapshot(dst)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [5, 0, 3], [1, 4, 2])
+        for d, v, b in zip(dst.tensors, values, before, strict=True):
+            assert eq(d[1], v[5]) and eq(d[4], v[0]) and eq(d[2], v[3])
+            assert eq(d[0], b[0]) and eq(d[3], b[3]) and eq(d[5], b[5])
+        for staging in (theirs, ours):
+            assert staging.pool.peak <= staging.pool.buffers
+        assert runtime_of(pair.decoder).completions.pending_count() == 0
+
+
+async def test_push_blocks_and_pull_cache_by_key_between_device_caches():
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        small_staging(pair.prompt, 3)
+        small_staging(pair.decoder, 1)  # one buffer: nothing overlaps, everything still arrives
+        src = pair.pm.allocate_blocks_cache(BLOCKS)
+        values = fill(src, 3)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 1))
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 1), src, [0, 2], [3, 5])
+        for d, v in zip(dst.tensors, values, strict=True):
+            assert eq(d[3], v[0]) and eq(d[5], v[2])
+
+        desc = CacheDesc(2, (3, 1536), DataType.DT_INT8, Placement.DEVICE)  # rows of 1.5 KiB
+        keyed = pair.pm.allocate_cache(desc, [CacheKey(PROMPT_ID, 10), CacheKey(PROMPT_ID, 11)])
+        values = fill(keyed, 4)
+        into = pair.dm.allocate_cache(desc)
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 11), into, batch_index=2)
+        for d, v in zip(into.tensors, values, strict=True):
+            assert eq(d[2], v[1])
+
+
+async def test_a_timed_out_pull_into_a_held_device_stream_returns_only_once_nothing_can_land():
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        small_staging(pair.prompt)
+        small_staging(pair.decoder)
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        fill(src, 9)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        backend = runtime_of(pair.decoder).devices
+        gate = backend.stream.gate()  # the decoder's copy stream stops here: scatters queue up behind it
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.6, gate.open)
+        with pytest.raises(LLMException) as info:
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(6)), list(range(6)),
+                                      timeout=200)
+        assert info.value.status_code == S.LLM_TIMEOUT
+        after = snapshot(dst)
+        assert backend.stream.pending() == 0  # every scatter it enqueued ran before it returned
+        await asyncio.sleep(0.2)
+        for a, t in zip(after, dst.tensors, strict=True):
+            assert eq(a, t)  # no byte after return
+        rt = runtime_of(pair.decoder)
+        assert rt.completions.pending_count() == 0
+        assert rt.staging.pool.live <= rt.staging.pool.buffers
+        # The link and the staging pool are fine afterwards.
+        values = fill(src, 10)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1], [1])
+        assert all(eq(d[1], v[1]) for d, v in zip(dst.tensors, values, strict=True))
+
+
+async def test_raw_addresses_into_a_device_cache_are_refused():
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        assert dst.on_device
+        # The owner finds the address in a device cache and refuses before any byte moves.
+        req = TransferReq(channel=0, **addrs_target(DECODER_ID), layer_first=0, layer_last=0, tensor_num_per_layer=1,
+                          tensor_count=1, data_type=BLOCKS.data_type.value, offset=0, nbytes=64,
+                          flags=ReqFlag(0), timeout_ms=0, rows=(dst.tensor_addrs[0],), block_shape=0)
+        with pytest.raises(Refusal) as info:
+            _serve_addrs(runtime_of(pair.decoder), Msg.PUSH_REQ, req)
+        assert info.value.code == S.LLM_FEATURE_NOT_ENABLED and "device cache" in info.value.text
+
+
+LAYERS = 3
+LAYERED = CacheDesc(2 * LAYERS, (4, 2, 256), DataType.DT_FLOAT16, Placement.DEVICE)
+
+
+async def test_layers_recorded_on_a_compute_stream_go_once_the_stream_gets_there():
+    """transfer_cache_async from a device cache; EventLayerSynchronizer.record(i, stream=compute)."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST, link=False) as pair:
+        small_staging(pair.prompt)
+        dst = pair.dm.allocate_blocks_cache(LAYERED, BlocksCacheKey(DECODER_ID, 0))
+        await pair.link()
+        src = pair.pm.allocate_blocks_cache(LAYERED)
+        staged = pair.pm.allocate_blocks_cache(host_desc(LAYERED))  # what the "model" writes
+        values = fill(staged, 5)
+        backend = runtime_of(pair.prompt).devices
+        compute = backend.new_stream()
+        with EventLayerSynchronizer(pair.prompt, LAYERS) as events:
+            config = TransferWithCacheKeyConfig(BlocksCacheKey(DECODER_ID, 0))
+            task = pair.pm.transfer_cache_async(src, events, [config], [0, 2], [3, 1])
+            gates = []
+            for layer in range(LAYERS):
+                gates.append(compute.gate())  # the layer's compute is slow to finish
+                for t in (2 * layer, 2 * layer + 1):
+                    dst_t, src_t = src.tensors[t].view(torch.uint8), staged.tensors[t].view(torch.uint8)
+                    compute.enqueue_copies(array.array("Q", [dst_t.data_ptr()]), array.array("Q", [src_t.data_ptr()]),
+                                           array.array("Q", [dst_t.numel()]))
+                events.record(layer, stream=compute)
+            await asyncio.sleep(0.3)
+            assert not task.layer(0).done()  # the stream has not reached layer 0's mark
+            gates[0].open()
+            await asyncio.wait_for(task.layer(0), 5)
+            assert not task.layer(1).done()
+            for g in gates[1:]:
+                g.open()
+            assert await asyncio.wait_for(task, 5) == [S.LLM_SUCCESS]
+        for t in range(2 * LAYERS):
+            assert eq(dst.tensors[t][3], values[t][0]) and eq(dst.tensors[t][1], values[t][2])
+        with EventLayerSynchronizer(pair.prompt, 1) as other, pytest.raises(LLMException) as info:
+            other.record(0, stream=object())
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "stream" in str(info.value)
