@@ -123,7 +123,8 @@ def _serve(conn: socket.socket, model: str, kv_transfer: dict[str, Any] | None) 
                     conn.sendall((json.dumps(reply) + "\n").encode())
 
 
-def _node_main(port: int, model: str, kv_transfer: dict[str, Any] | None) -> None:
+def _node_main(port: int, model: str, kv_transfer: dict[str, Any] | None, env: dict[str, str]) -> None:
+    os.environ.update(env)
     conn = socket.create_connection(("127.0.0.1", port))
     try:
         _serve(conn, model, kv_transfer)
@@ -137,11 +138,12 @@ def _node_main(port: int, model: str, kv_transfer: dict[str, Any] | None) -> Non
 class Node:
     """A vLLM engine in a spawned process, driven over a loopback socket (JSON lines)."""
 
-    def __init__(self, name: str, model: str, kv_transfer: dict[str, Any] | None = None) -> None:
+    def __init__(self, name: str, model: str, kv_transfer: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         listener = socket.create_server(("127.0.0.1", 0))
         self.process = mp.get_context("spawn").Process(target=_node_main, name=name, daemon=False,
-                                                       args=(listener.getsockname()[1], model, kv_transfer))
+                                                       args=(listener.getsockname()[1], model, kv_transfer, dict(env or {})))
         self.process.start()
         listener.settimeout(START_LIMIT_S)
         try:

