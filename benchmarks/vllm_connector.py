@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-import vllm_disaggregated as vd  # noqa: E402
+import vllm_disaggregated as vd
 
 LENGTHS = (256, 1024, 1792)
 

@@ -80,10 +80,17 @@ def _engine(model: str, kv_transfer: dict[str, Any] | None) -> Any:
 
 
 def _serve(conn: socket.socket, model: str, kv_transfer: dict[str, Any] | None) -> None:
+    engine = _engine(model, kv_transfer)
+    try:
+        _loop(conn, engine)
+    finally:
+        engine.engine_core.shutdown()  # its engine-core and worker processes end with it
+
+
+def _loop(conn: socket.socket, engine: Any) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine = _engine(model, kv_transfer)
     conn.sendall(b'{"ready": true}\n')
     buffered = b""
     started: dict[str, float] = {}
@@ -142,8 +149,8 @@ class Node:
                  env: dict[str, str] | None = None) -> None:
         self.name = name
         listener = socket.create_server(("127.0.0.1", 0))
-        self.process = mp.get_context("spawn").Process(target=_node_main, name=name, daemon=False,
-                                                       args=(listener.getsockname()[1], model, kv_transfer, dict(env or {})))
+        args = (listener.getsockname()[1], model, kv_transfer, dict(env or {}))
+        self.process = mp.get_context("spawn").Process(target=_node_main, name=name, daemon=False, args=args)
         self.process.start()
         listener.settimeout(START_LIMIT_S)
         try:
@@ -192,7 +199,24 @@ class Node:
                 self.pending[line["id"]] = line
         return {r: self.pending.pop(r) for r in req_ids}
 
+    def descendants(self) -> list[int]:
+        """Process ids of this node's engine-core and worker processes."""
+        found, parents = [], {self.process.pid}
+        for _ in range(3):
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and int(entry) not in found:
+                    try:
+                        with open(f"/proc/{entry}/stat") as stat:
+                            parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                    except (OSError, ValueError, IndexError):
+                        continue
+                    if parent in parents:
+                        found.append(int(entry))
+            parents |= set(found)
+        return found
+
     def close(self) -> None:
+        children = self.descendants()
         try:
             self.send(op="quit")
         except OSError:
@@ -201,6 +225,11 @@ class Node:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(10)
+        for pid in children:  # an engine that did not shut down with its node
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
         self.conn.close()
 
 

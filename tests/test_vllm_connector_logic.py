@@ -61,7 +61,8 @@ def test_the_codec_refuses_bad_frames() -> None:
     bad_bodies = {
         b"\xff\xfe": "frame", b"[1, 2]": "frame", b'{"id": 1, "op": "hello"': "frame",
         b'{"id": -1, "op": "hello"}': "id", b'{"id": 1.5, "op": "hello"}': "id", b'{"op": "hello"}': "id",
-        b'{"id": 1, "op": "pickle"}': "op", b'{"id": 1, "op": "claim"}': "req", b'{"id": 1, "op": "claim", "req": 5}': "req",
+        b'{"id": 1, "op": "pickle"}': "op", b'{"id": 1, "op": "claim"}': "req",
+        b'{"id": 1, "op": "claim", "req": 5}': "req",
         b'{"id": 1, "op": "hello", "x": 1}': "x", b'{"id": NaN, "op": "hello"}': "frame",
         b"[" * 100_000: "frame",
     }

@@ -25,8 +25,8 @@ pytest.importorskip("vllm", reason="vllm is not installed here (tools/check_vllm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import vllm_disaggregated as vd  # noqa: E402
-from relay import Relay  # noqa: E402
+import vllm_disaggregated as vd
+from relay import Relay
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -154,7 +154,7 @@ def test_a_request_aborted_mid_transfer_frees_its_blocks_and_nothing_lands_late(
     # the freed decode blocks are reused at once; a late byte of the aborted pull would change these tokens
     again = {f"after-abort-{r}": p for r, p in cluster["batch"].items()}
     out = vd.disaggregate(cluster["prefill"], cluster["decode"], again, MAX_TOKENS)
-    for req, prompt in cluster["batch"].items():
+    for req in cluster["batch"]:
         assert out[f"after-abort-{req}"]["tokens"] == cluster["reference"][req]["tokens"], req
 
 
@@ -162,7 +162,7 @@ def test_a_decode_killed_while_pulling_lets_the_prefill_free_its_blocks(cluster)
     prompt = cluster["batch"]["ref-long"]
     _slow_pull_started(cluster, "kill-1", prompt)
     decode = cluster["decode"]
-    for child in _children(decode.process.pid):
+    for child in decode.descendants():
         os.kill(child, signal.SIGKILL)
     decode.process.kill()
     started = time.monotonic()
@@ -174,17 +174,3 @@ def test_a_decode_killed_while_pulling_lets_the_prefill_free_its_blocks(cluster)
     params = cluster["prefill"].wait({"after-kill"})["after-kill"]["kv_transfer_params"]
     assert params["remote_block_ids"]
 
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if parent == pid:
-                found.append(int(entry))
-                found.extend(_children(int(entry)))
-    return found
