@@ -261,10 +261,20 @@ def alone(node: Node, batch: dict[str, list[int]], max_tokens: int, timeout_s: f
 
 
 def read_stats(path: str) -> list[dict[str, Any]]:
+    """The connector's ``stats_path`` lines, ``req`` as the proxy named the request.
+
+    vLLM appends ``-`` and 8 hex digits to each request id it is given; ``vllm_id`` keeps the full one.
+    """
     if not os.path.exists(path):
         return []
     with open(path) as lines:
-        return [json.loads(line) for line in lines if line.strip()]
+        events = [json.loads(line) for line in lines if line.strip()]
+    for event in events:
+        event["vllm_id"] = event["req"]
+        base, _, suffix = event["req"].rpartition("-")
+        if base and len(suffix) == 8:
+            event["req"] = base
+    return events
 
 
 def main(argv: list[str] | None = None) -> int:
