@@ -50,6 +50,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("compat, testing, demo, command line and the package", (
         "compat", "_compat_v2", "testing", "_negotiated_transport", "metrics", "demo", "__main__", "synchronizers", "",
     )),
+    ("integrations with serving engines (vLLM is imported only by integrations.vllm)", (
+        "integrations", "integrations.vllm_wire", "integrations.vllm_state", "integrations.vllm_agent",
+        "integrations.vllm",
+    )),
 )
 
 

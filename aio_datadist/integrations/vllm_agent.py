@@ -1,0 +1,423 @@
+"""The vLLM connector's worker machinery: an event loop of its own, the endpoint, the side channel, the pulls.
+
+Nothing here imports vLLM: the worker half of the connector hands it tensors
+and block ids. Every coroutine runs on :class:`LoopThread`'s loop; vLLM's
+thread submits work and never waits on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aio_datadist.config import LLMConfig
+from aio_datadist.datadist import LLMDataDist
+from aio_datadist.integrations.vllm_state import DecodePulls, PrefillHolds
+from aio_datadist.integrations.vllm_wire import (
+    HEADER,
+    Layout,
+    RemotePrefill,
+    decode_frame,
+    decode_reply,
+    encode_frame,
+    frame_length,
+)
+from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.types import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMRole, Placement
+
+__all__ = ["AgentOptions", "LoopThread", "Agent", "kv_layout"]
+
+log = logging.getLogger("aio_datadist.integrations.vllm")
+
+DTYPES = {torch.bfloat16: DataType.DT_BF16, torch.float16: DataType.DT_FLOAT16, torch.float32: DataType.DT_FLOAT,
+          torch.uint8: DataType.DT_UINT8, torch.int8: DataType.DT_INT8}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        DTYPES[getattr(torch, _name)] = DataType.DT_UINT8
+
+
+@dataclass
+class AgentOptions:
+    """``kv_connector_extra_config`` as the worker uses it (see docs/vllm.md)."""
+
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    data_host: str = "127.0.0.1"
+    data_port: int = 0
+    advertise_data: str = ""  # "host:port" decoders dial instead of the listen address
+    pull_timeout_ms: int = 30_000
+    lease_s: float = 120.0
+    claim_grace_s: float = 5.0
+    claim_wait_s: float = 5.0
+    link_timeout_ms: int = 5_000
+    transport: str = ""
+    stats_path: str = ""  # append one JSON line per pull and per release here
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> AgentOptions:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(extra) - known - {"load_failure_log"})
+        if unknown:
+            raise LLMException(f"invalid argument 'kv_connector_extra_config': unknown key {unknown[0]!r}",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        opts = cls()
+        for name in known & set(extra):
+            kind = type(getattr(opts, name))
+            try:
+                setattr(opts, name, kind(extra[name]))
+            except (TypeError, ValueError):
+                raise LLMException(f"invalid argument '{name}': must be {kind.__name__}, got {extra[name]!r:.60}",
+                                   status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
+        if opts.pull_timeout_ms <= 0 or opts.lease_s <= 0:
+            raise LLMException("invalid argument 'pull_timeout_ms': pull_timeout_ms and lease_s must be > 0",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        return opts
+
+
+def kv_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int,
+              block_tokens: int) -> tuple[list[torch.Tensor], Layout, int]:
+    """vLLM's per-layer KV tensors as cache tensors with blocks first, their layout, and tensors per layer.
+
+    A layer tensor with ``num_blocks`` blocks outermost is one cache tensor;
+    one shaped ``(2, num_blocks, ...)`` (K and V apart) is two.
+    """
+    tensors: list[torch.Tensor] = []
+    per_layer = 0
+    for name, t in kv_caches.items():
+        if not t.is_contiguous():
+            raise LLMException(f"invalid argument 'kv_caches': layer {name} is not contiguous",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        if t.shape[0] == num_blocks:
+            parts = [t]
+        elif t.dim() > 1 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            parts = [t[0], t[1]]
+        else:
+            raise LLMException(f"invalid argument 'kv_caches': layer {name} has shape {tuple(t.shape)}, without "
+                               f"its {num_blocks} blocks outermost", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        if per_layer and len(parts) != per_layer:
+            raise LLMException(f"invalid argument 'kv_caches': layer {name} differs from the first",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        per_layer = len(parts)
+        tensors.extend(parts)
+    first = tensors[0]
+    if any(t.shape != first.shape or t.dtype != first.dtype or t.device != first.device for t in tensors):
+        raise LLMException("invalid argument 'kv_caches': layers differ in shape, dtype or device",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    if first.dtype not in DTYPES:
+        raise LLMException(f"invalid argument 'kv_caches': dtype {first.dtype} is not supported",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    block_bytes = first[0].numel() * first.element_size()
+    return tensors, Layout(len(tensors), num_blocks, block_bytes, block_tokens, str(first.dtype)), per_layer
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread of its own."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout_s: float = 60.0) -> Any:
+        return self.submit(coro).result(timeout_s)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class _Peer:
+    """A decode worker's side-channel connection to one prefill worker, and its link."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.replies: dict[int, tuple[str, asyncio.Future]] = {}
+        self.next_id = 1
+        self.cluster_id = 0
+        self.task: asyncio.Task | None = None
+        self.broken: BaseException | None = None
+
+    async def request(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
+        if self.broken is not None:
+            raise ConnectionError(f"side channel lost: {self.broken}")
+        rid, self.next_id = self.next_id, self.next_id + 1
+        future = asyncio.get_running_loop().create_future()
+        self.replies[rid] = (op, future)
+        try:
+            self.writer.write(encode_frame({"id": rid, "op": op, **fields}))
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self.replies.pop(rid, None)
+
+    async def read_replies(self) -> None:
+        try:
+            while True:
+                body = await self.reader.readexactly(frame_length(await self.reader.readexactly(HEADER.size)))
+                rid = decode_reply(body, "")["id"]
+                op, future = self.replies.get(rid, ("", None))
+                if future is not None and not future.done():
+                    future.set_result(decode_reply(body, op))
+        except (OSError, EOFError, asyncio.IncompleteReadError, LLMException) as exc:
+            self.broken = exc
+        finally:
+            self.writer.close()
+            for _, future in self.replies.values():
+                if not future.done():
+                    future.set_exception(ConnectionError("side channel closed"))
+
+
+class Agent:
+    """One vLLM worker's aio_datadist endpoint: a prefill serves its blocks, a decode pulls them."""
+
+    def __init__(self, producer: bool, consumer: bool, engine_id: str, options: AgentOptions) -> None:
+        self.producer, self.consumer = producer, consumer
+        self.engine_id = engine_id
+        self.options = options
+        self.holds = PrefillHolds()
+        self.pulls = DecodePulls()
+        self.loop = LoopThread("aio-datadist-vllm")
+        self.cluster_id = random.getrandbits(63)
+        self.layout: Layout | None = None
+        self.side_channel: tuple[str, int] | None = None
+        self._dd: LLMDataDist | None = None
+        self._cache: Any = None
+        self._server: asyncio.Server | None = None
+        self._peers: dict[tuple[str, int], asyncio.Task] = {}
+        self._conns: set[asyncio.StreamWriter] = set()
+        self._expiry: asyncio.TimerHandle | None = None
+
+    def record(self, event: str, **fields: Any) -> None:
+        """One JSON line in ``stats_path`` (pulls, releases): the figures and the tests read them."""
+        if self.options.stats_path:
+            with open(self.options.stats_path, "a") as out:
+                out.write(json.dumps({"event": event, "t": time.time(), "engine": self.engine_id, **fields}) + "\n")
+
+    # -- set-up and shutdown ------------------------------------------------------------
+
+    def register(self, tensors: Sequence[torch.Tensor], layout: Layout) -> None:
+        """Start the endpoint, register vLLM's KV tensors, and (prefill) open the side channel."""
+        self.layout = layout
+        self.loop.call(self._start(list(tensors), layout))
+
+    async def _start(self, tensors: list[torch.Tensor], layout: Layout) -> None:
+        role = LLMRole.MIX if self.producer and self.consumer else LLMRole.PROMPT if self.producer else LLMRole.DECODER
+        config = LLMConfig()
+        config.device_id = 0
+        config.sync_kv_timeout = self.options.pull_timeout_ms
+        if self.producer:
+            config.listen_ip_info = f"{self.options.data_host}:{self.options.data_port}"
+        options = config.generate_options()
+        if self.options.transport:
+            options["aio.Transport"] = self.options.transport
+        self._dd = LLMDataDist(role, self.cluster_id)
+        await self._dd.init(options)
+        desc = CacheDesc(layout.tensors, tuple(tensors[0].shape), DTYPES[tensors[0].dtype], Placement.HOST)
+        key = BlocksCacheKey(self.cluster_id, 0) if self.producer else None
+        self._cache = self._dd.kv_cache_manager.register_blocks_cache(desc, tensors, key)
+        if self.producer:
+            self._server = await asyncio.start_server(self._serve, self.options.side_channel_host,
+                                                      self.options.side_channel_port)
+            self.side_channel = self._server.sockets[0].getsockname()[:2]
+            self._tick()
+
+    def _tick(self) -> None:
+        for req_id in self.holds.expire():
+            log.warning("request %s: blocks released unpulled after its lease or claim ran out", req_id)
+            self.record("release", req=req_id, why="expired")
+        self._expiry = self.loop.loop.call_later(0.5, self._tick)
+
+    def close(self) -> None:
+        if not self.loop.loop.is_closed():
+            with contextlib.suppress(Exception):
+                self.loop.call(self._close(), 30)
+        self.loop.stop()
+
+    async def _close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._conns):
+            writer.transport.abort()
+        for task in self._peers.values():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                peer = await task
+                peer.writer.transport.abort()
+                if peer.task is not None:
+                    peer.task.cancel()
+        if self._dd is not None:
+            await self._dd.finalize()
+
+    # -- prefill: the side-channel server -------------------------------------------------
+
+    def _hello(self) -> dict[str, Any]:
+        assert self._dd is not None and self.layout is not None
+        address = self._dd.listen_address
+        assert address is not None
+        host, port = address
+        if self.options.advertise_data:
+            host, _, text = self.options.advertise_data.rpartition(":")
+            port = int(text)
+        return {"ok": True, "cluster_id": self.cluster_id, "data_host": host, "data_port": port,
+                "engine_id": self.engine_id, "layout": self.layout.as_json()}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._conns.add(writer)
+        owner = id(writer)
+        hold_s = self.options.pull_timeout_ms / 1000 + self.options.claim_grace_s
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(HEADER.size)
+                    message = decode_frame(await reader.readexactly(frame_length(header)))
+                except LLMException as exc:  # a bad frame ends the connection: nothing of it is acted on
+                    log.warning("side channel from %s: %s", writer.get_extra_info("peername"), exc)
+                    writer.write(encode_frame({"id": 0, "ok": False, "error": str(exc)[:200]}))
+                    return
+                op, rid = message["op"], message["id"]
+                if op == "hello":
+                    reply = self._hello()
+                elif op == "claim":
+                    req = message["req"]
+                    if not self.holds.known(req):  # vLLM's metadata naming it may come a step later
+                        deadline = time.monotonic() + self.options.claim_wait_s
+                        while not self.holds.known(req) and time.monotonic() < deadline:
+                            await asyncio.sleep(0.005)
+                    if self.holds.claim(req, owner, hold_s):
+                        reply = {"ok": True, "hold_ms": int(hold_s * 1000)}
+                    else:
+                        reply = {"ok": False, "error": f"request {req} holds no blocks here (finished or expired)"}
+                else:
+                    reply = {"ok": self.holds.done(message["req"], owner)}
+                    if reply["ok"]:
+                        self.record("release", req=message["req"], why="done")
+                    else:
+                        reply["error"] = "not claimed by this connection"
+                writer.write(encode_frame({"id": rid, **reply}))
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._conns.discard(writer)
+            gone = self.holds.drop_owner(owner)
+            if gone:
+                log.warning("side channel closed with requests %s claimed: their blocks are released", gone)
+            for req_id in gone:
+                self.record("release", req=req_id, why="closed")
+            writer.close()
+
+    # -- decode: pulls ---------------------------------------------------------------------
+
+    def start_pull(self, req_id: str, remote: RemotePrefill, local_blocks: Sequence[int]) -> None:
+        """Pull ``remote``'s blocks into ``local_blocks`` in the background; the result lands in :attr:`pulls`."""
+        self.pulls.start(req_id, tuple(local_blocks))
+        self.loop.submit(self._pull(req_id, remote, tuple(local_blocks)))
+
+    async def _peer(self, host: str, port: int) -> _Peer:
+        task = self._peers.get((host, port))
+        if task is not None and task.done() and (task.exception() is not None or task.result().broken is not None):
+            task = None
+        if task is None:
+            task = self._peers[(host, port)] = asyncio.ensure_future(self._connect(host, port))
+        return await asyncio.shield(task)
+
+    async def _connect(self, host: str, port: int) -> _Peer:
+        timeout_s = self.options.link_timeout_ms / 1000
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        peer = _Peer(reader, writer)
+        peer.task = asyncio.ensure_future(peer.read_replies())
+        try:
+            hello = await peer.request("hello", timeout_s)
+            if not hello["ok"]:
+                raise ConnectionError(f"prefill refused hello: {hello['error']}")
+            theirs: Layout = hello["layout"]
+            assert self.layout is not None
+            if (theirs.tensors, theirs.block_bytes, theirs.block_tokens, theirs.dtype) != (
+                    self.layout.tensors, self.layout.block_bytes, self.layout.block_tokens, self.layout.dtype):
+                raise ConnectionError(f"prefill KV layout {theirs} differs from ours {self.layout}")
+            cluster = LLMClusterInfo()
+            cluster.remote_cluster_id = hello["cluster_id"]
+            cluster.append_remote_ip_info(hello["data_host"], hello["data_port"])
+            assert self._dd is not None
+            status, per = await self._dd.link_clusters([cluster], timeout=self.options.link_timeout_ms)
+            if status != LLMStatusCode.LLM_SUCCESS:
+                raise ConnectionError(f"link to prefill {hello['engine_id']} failed: {per}")
+            peer.cluster_id = hello["cluster_id"]
+            return peer
+        except BaseException:
+            writer.transport.abort()
+            peer.task.cancel()
+            raise
+
+    async def _pull(self, req_id: str, remote: RemotePrefill, local: tuple[int, ...]) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        self.pulls.set_cancel(req_id, lambda: loop.call_soon_threadsafe(task.cancel))
+        ok, error, peer = False, "", None
+        claimed = False
+        started = time.monotonic()
+        try:
+            if len(local) > len(remote.block_ids):
+                raise ValueError(f"{len(local)} local blocks for {len(remote.block_ids)} remote ones")
+            # blocks the decode found in its own prefix cache are not pulled: pull the tail
+            src = list(remote.block_ids[len(remote.block_ids) - len(local):])
+            peer = await self._peer(remote.host, remote.port)
+            reply = await peer.request("claim", self.options.link_timeout_ms / 1000, req=remote.request_id)
+            if not reply["ok"]:
+                raise ConnectionError(reply["error"])
+            claimed = True
+            assert self._dd is not None
+            await self._dd.kv_cache_manager.pull_blocks(BlocksCacheKey(peer.cluster_id, 0), self._cache,
+                                                        src_blocks=src, dst_blocks=list(local),
+                                                        timeout=self.options.pull_timeout_ms)
+            ok = True
+        except asyncio.CancelledError:
+            error = "aborted"
+        except Exception as exc:  # the request is recomputed (or failed) by vLLM's load-failure policy
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("request %s: pull from %s:%s failed: %s", req_id, remote.host, remote.port, error)
+        finally:
+            # pull_blocks has returned or raised: no byte of it can land in `local` any more
+            self.pulls.end(req_id, ok, error)
+            seconds = time.monotonic() - started
+            self.record("pull", req=req_id, ok=ok, error=error, seconds=seconds, blocks=len(local),
+                        bytes=len(local) * (self.layout.block_bytes * self.layout.tensors if self.layout else 0))
+            if claimed and peer is not None:
+                with contextlib.suppress(Exception):
+                    peer.writer.write(encode_frame({"id": 0, "op": "done", "req": remote.request_id}))
+
+    def release_unpulled(self, remote: RemotePrefill) -> None:
+        """Tell the prefill that this decode will not pull ``remote`` (aborted, or a local prefix-cache hit)."""
+        self.loop.submit(self._release(remote))
+
+    async def _release(self, remote: RemotePrefill) -> None:
+        try:
+            peer = await self._peer(remote.host, remote.port)
+            reply = await peer.request("claim", self.options.link_timeout_ms / 1000, req=remote.request_id)
+            if reply["ok"]:
+                peer.writer.write(encode_frame({"id": 0, "op": "done", "req": remote.request_id}))
+        except Exception as exc:  # the prefill's lease frees the blocks in the end
+            log.warning("request %s: could not tell the prefill to free its blocks: %s", remote.request_id, exc)

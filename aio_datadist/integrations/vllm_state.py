@@ -1,0 +1,174 @@
+"""The vLLM connector's bookkeeping, free of vLLM and of I/O: what a prefill holds, what a decode pulls.
+
+Both tables are touched from vLLM's thread (metadata, ``get_finished``) and
+from the connector's event-loop thread (side channel, pulls), so each method
+takes the table's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+__all__ = ["Held", "PrefillHolds", "DecodePulls"]
+
+
+@dataclass
+class Held:
+    """A finished prefill request whose blocks wait for a decoder."""
+
+    deadline: float
+    owner: Hashable | None = None  # the side-channel connection that claimed it
+
+
+class PrefillHolds:
+    """Prefill side: blocks held per request until pulled, given up, or timed out.
+
+    A request is freed (reported once by :meth:`take_released`) when its
+    claimer says ``done``, when the claimer's connection closes, when a claim
+    runs past ``hold_s``, or, unclaimed, when its lease runs out.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._held: dict[str, Held] = {}
+        self._released: set[str] = set()
+        self._changed = threading.Condition(self._lock)
+
+    def add(self, req_id: str, lease_s: float) -> None:
+        """vLLM delayed freeing ``req_id``'s blocks: hold them for at most ``lease_s`` unclaimed."""
+        with self._lock:
+            if req_id not in self._held:
+                self._held[req_id] = Held(self._clock() + lease_s)
+                self._changed.notify_all()
+
+    def known(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self._held
+
+    def claim(self, req_id: str, owner: Hashable, hold_s: float) -> bool:
+        """Keep ``req_id`` for ``owner`` (at most ``hold_s`` from now); False if not held (any more)."""
+        with self._lock:
+            held = self._held.get(req_id)
+            if held is None or (held.owner is not None and held.owner != owner):
+                return False
+            held.owner = owner
+            held.deadline = self._clock() + hold_s
+            return True
+
+    def done(self, req_id: str, owner: Hashable) -> bool:
+        """The claimer is finished with ``req_id``: free it. False if it did not hold it."""
+        with self._lock:
+            held = self._held.get(req_id)
+            if held is None or held.owner != owner:
+                return False
+            self._release(req_id)
+            return True
+
+    def drop_owner(self, owner: Hashable) -> list[str]:
+        """A claimer's connection is gone: nothing it pulls can still be used, free its requests."""
+        with self._lock:
+            gone = [r for r, h in self._held.items() if h.owner == owner]
+            for req_id in gone:
+                self._release(req_id)
+            return gone
+
+    def expire(self) -> list[str]:
+        """Free every request past its deadline."""
+        now = self._clock()
+        with self._lock:
+            gone = [r for r, h in self._held.items() if now >= h.deadline]
+            for req_id in gone:
+                self._release(req_id)
+            return gone
+
+    def take_released(self) -> set[str]:
+        """Requests freed since the last call (vLLM's ``finished_sending``)."""
+        self.expire()
+        with self._lock:
+            released, self._released = self._released, set()
+            return released
+
+    def wait_known(self, req_id: str, timeout_s: float) -> bool:
+        """Block until vLLM's metadata named ``req_id`` (a claim can outrun it), or time out."""
+        with self._changed:
+            return self._changed.wait_for(lambda: req_id in self._held or req_id in self._released, timeout_s)
+
+    @property
+    def held(self) -> dict[str, Held]:
+        with self._lock:
+            return dict(self._held)
+
+    def _release(self, req_id: str) -> None:
+        del self._held[req_id]
+        self._released.add(req_id)
+
+
+@dataclass
+class Pull:
+    """A decode request's load: local blocks, and what became of it."""
+
+    local_blocks: tuple[int, ...]
+    cancel: Callable[[], object] | None = None
+    ok: bool | None = None  # None while the pull may still write
+    error: str = ""
+    started: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0
+
+
+class DecodePulls:
+    """Decode side: pulls in flight, reported finished only once nothing can write their blocks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pulls: dict[str, Pull] = {}
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
+        self._bad_blocks: set[int] = set()
+        self.log: list[tuple[str, bool, float, int]] = []  # (req, ok, seconds, blocks): the figures
+
+    def start(self, req_id: str, local_blocks: tuple[int, ...]) -> Pull:
+        with self._lock:
+            if req_id in self._pulls:
+                raise ValueError(f"request {req_id!r} is already being pulled")
+            pull = self._pulls[req_id] = Pull(tuple(local_blocks))
+            return pull
+
+    def set_cancel(self, req_id: str, cancel: Callable[[], object]) -> None:
+        with self._lock:
+            pull = self._pulls.get(req_id)
+            if pull is not None and pull.ok is None:
+                pull.cancel = cancel
+
+    def end(self, req_id: str, ok: bool, error: str = "") -> None:
+        """The pull stopped (its task ended: no byte can land any more); ``ok`` if all its bytes are in."""
+        with self._lock:
+            pull = self._pulls.pop(req_id)
+            pull.ok, pull.error = ok, error
+            pull.seconds = time.monotonic() - pull.started
+            self._finished.add(req_id)
+            self.log.append((req_id, ok, pull.seconds, len(pull.local_blocks)))
+            if not ok:
+                self._failed.add(req_id)
+                self._bad_blocks.update(pull.local_blocks)
+
+    def abort(self, req_ids: set[str]) -> None:
+        """vLLM finished these requests (aborted): cancel their pulls; they are reported once stopped."""
+        with self._lock:
+            cancels = [p.cancel for r, p in self._pulls.items() if r in req_ids and p.cancel is not None]
+        for cancel in cancels:
+            cancel()
+
+    def pending(self) -> set[str]:
+        with self._lock:
+            return set(self._pulls)
+
+    def take_finished(self) -> tuple[set[str], set[str], set[int]]:
+        """(finished_recving, failed_recving, block ids that failed to load) since the last call."""
+        with self._lock:
+            out = (self._finished, self._failed, self._bad_blocks)
+            self._finished, self._failed, self._bad_blocks = set(), set(), set()
+            return out

@@ -1,0 +1,180 @@
+"""What the vLLM connector sends: its side-channel frames and its ``kv_transfer_params``.
+
+The side channel is one TCP connection from a decode worker to each prefill
+worker it pulls from. A frame is a 4-byte big-endian length and a UTF-8 JSON
+object of at most :data:`MAX_FRAME` bytes; nothing is ever unpickled. Each
+request carries an ``id`` its reply repeats, so one connection carries many
+requests at once:
+
+- ``{"id", "op": "hello"}`` -> where the prefill's KV memory is served
+  (``cluster_id``, ``data_host``, ``data_port``) and its layout;
+- ``{"id", "op": "claim", "req"}`` -> ``ok`` while the request's blocks are
+  still held; they are then kept for this connection until ``done``, until
+  the connection closes, or until ``hold_ms`` after the reply;
+- ``{"id", "op": "done", "req"}`` -> the prefill may free the blocks.
+
+:func:`decode_frame` checks every field before anything acts on it and raises
+``LLMException(LLM_PARAM_INVALID)`` naming the field otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from aio_datadist._checks import param_invalid
+
+__all__ = [
+    "MAX_FRAME", "HEADER", "CONNECTOR_TAG", "Layout", "RemotePrefill", "encode_frame", "frame_length",
+    "decode_frame", "decode_reply", "transfer_params", "parse_transfer_params",
+]
+
+MAX_FRAME = 64 * 1024
+HEADER = struct.Struct(">I")
+CONNECTOR_TAG = "aio_datadist"
+MAX_TEXT = 256
+MAX_BLOCKS = 1 << 20
+UINT64_MAX = 2**64 - 1
+OPS = ("hello", "claim", "done")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The KV memory a worker registered: ``tensors`` tensors of ``num_blocks`` blocks of ``block_bytes``."""
+
+    tensors: int
+    num_blocks: int
+    block_bytes: int
+    block_tokens: int
+    dtype: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"tensors": self.tensors, "num_blocks": self.num_blocks, "block_bytes": self.block_bytes,
+                "block_tokens": self.block_tokens, "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """A decode request's ``kv_transfer_params``: where its prompt's KV lies."""
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+def encode_frame(message: dict[str, Any]) -> bytes:
+    """One frame: length and compact JSON. Raises ``LLM_PARAM_INVALID`` past :data:`MAX_FRAME`."""
+    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    if len(body) > MAX_FRAME:
+        raise param_invalid("message", f"encodes to {len(body)} bytes, more than {MAX_FRAME}")
+    return HEADER.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    """The body length a frame header announces, refused past :data:`MAX_FRAME`."""
+    if len(header) != HEADER.size:
+        raise param_invalid("header", f"must be {HEADER.size} bytes, got {len(header)}")
+    (length,) = HEADER.unpack(header)
+    if not 0 < length <= MAX_FRAME:
+        raise param_invalid("header", f"announces {length} bytes, not in [1, {MAX_FRAME}]")
+    return length
+
+
+def _object(body: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise param_invalid("frame", f"is not UTF-8 JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise param_invalid("frame", f"must be a JSON object, got {type(message).__name__}")
+    return message
+
+
+def _no_constant(name: str) -> Any:
+    raise json.JSONDecodeError(f"{name} is not allowed", name, 0)
+
+
+def _int(message: dict[str, Any], name: str, lo: int, hi: int) -> int:
+    value = message.get(name)
+    if type(value) is not int or not lo <= value <= hi:
+        raise param_invalid(name, f"must be an integer in [{lo}, {hi}], got {value!r:.60}")
+    return value
+
+
+def _text(message: dict[str, Any], name: str) -> str:
+    value = message.get(name)
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TEXT:
+        raise param_invalid(name, f"must be a non-empty string of at most {MAX_TEXT} characters, got {value!r:.60}")
+    return value
+
+
+def decode_frame(body: bytes) -> dict[str, Any]:
+    """A request frame's body, checked: ``id`` and ``op``, and ``req`` for claim and done."""
+    message = _object(body)
+    _int(message, "id", 0, UINT64_MAX)
+    op = message.get("op")
+    if op not in OPS:
+        raise param_invalid("op", f"must be one of {', '.join(OPS)}, got {op!r:.60}")
+    if op != "hello":
+        _text(message, "req")
+    extra = set(message) - {"id", "op", "req"}
+    if extra:
+        raise param_invalid(sorted(extra)[0], "is not a field of a side-channel request")
+    return message
+
+
+def decode_reply(body: bytes, op: str) -> dict[str, Any]:
+    """A reply frame's body, checked for what the request ``op`` needs."""
+    message = _object(body)
+    _int(message, "id", 0, UINT64_MAX)
+    if not isinstance(message.get("ok"), bool):
+        raise param_invalid("ok", f"must be true or false, got {message.get('ok')!r:.60}")
+    if not message["ok"]:
+        _text(message, "error")
+        return message
+    if op == "hello":
+        _int(message, "cluster_id", 0, UINT64_MAX)
+        _text(message, "data_host")
+        _int(message, "data_port", 1, 65535)
+        _text(message, "engine_id")
+        layout = message.get("layout")
+        if not isinstance(layout, dict):
+            raise param_invalid("layout", "must be an object")
+        message["layout"] = Layout(
+            _int(layout, "tensors", 1, 4096), _int(layout, "num_blocks", 1, 2**40),
+            _int(layout, "block_bytes", 1, 2**40), _int(layout, "block_tokens", 1, 2**20), _text(layout, "dtype"))
+    elif op == "claim":
+        _int(message, "hold_ms", 1, 2**31 - 1)
+    return message
+
+
+def transfer_params(*, engine_id: str, request_id: str, host: str, port: int, block_ids: list[int],
+                    num_tokens: int) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a prefill returns for a request: JSON-able, forwarded as they are."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "connector": CONNECTOR_TAG,
+            "remote_engine_id": engine_id, "remote_request_id": request_id, "remote_host": host,
+            "remote_port": port, "remote_block_ids": list(block_ids), "remote_num_tokens": num_tokens}
+
+
+def parse_transfer_params(params: dict[str, Any]) -> RemotePrefill:
+    """A decode request's ``kv_transfer_params``, checked (``LLM_PARAM_INVALID`` naming the field)."""
+    if not isinstance(params, dict):
+        raise param_invalid("kv_transfer_params", f"must be a dict, got {type(params).__name__}")
+    if params.get("connector") != CONNECTOR_TAG:
+        raise param_invalid("connector", f"must be {CONNECTOR_TAG!r}, got {params.get('connector')!r:.60}")
+    blocks = params.get("remote_block_ids")
+    if isinstance(blocks, (list, tuple)) and len(blocks) == 1 and isinstance(blocks[0], (list, tuple)):
+        blocks = blocks[0]  # vLLM's one-group form, [[...]]
+    if (not isinstance(blocks, (list, tuple)) or not 0 < len(blocks) <= MAX_BLOCKS
+            or any(type(b) is not int or not 0 <= b < 2**40 for b in blocks)):
+        raise param_invalid("remote_block_ids", f"must be a non-empty list of block ids, got {blocks!r:.60}")
+    if len(set(blocks)) != len(blocks):
+        raise param_invalid("remote_block_ids", "has a block id twice")
+    return RemotePrefill(_text(params, "remote_engine_id"), _text(params, "remote_request_id"),
+                         _text(params, "remote_host"), _int(params, "remote_port", 1, 65535), tuple(blocks),
+                         _int(params, "remote_num_tokens", 1, 2**40))

@@ -1,0 +1,203 @@
+"""The vLLM connector's own logic, without vLLM: its codec, its tables, and two workers' agents on loopback.
+
+The agents here are the connector's worker machinery as vLLM drives it (a
+prefill registers paged KV tensors and holds a finished request's blocks; a
+decode pulls them), over real sockets; ``tests/test_vllm_integration.py``
+runs the connector inside real vLLM engines.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import pytest
+import torch
+
+from aio_datadist import LLMException, LLMStatusCode
+from aio_datadist.integrations.vllm_agent import Agent, AgentOptions, kv_layout
+from aio_datadist.integrations.vllm_state import DecodePulls, PrefillHolds
+from aio_datadist.integrations.vllm_wire import (
+    MAX_FRAME,
+    RemotePrefill,
+    decode_frame,
+    decode_reply,
+    encode_frame,
+    frame_length,
+    parse_transfer_params,
+    transfer_params,
+)
+
+LAYERS, BLOCKS, BLOCK_TOKENS, HEADS, DIM = 3, 16, 8, 2, 16
+
+
+def _params(**change: object) -> dict:
+    params = transfer_params(engine_id="p0", request_id="r1", host="127.0.0.1", port=5000, block_ids=[4, 2, 9],
+                             num_tokens=20)
+    params.update(change)
+    return params
+
+
+def test_transfer_params_round_trip_and_refusals() -> None:
+    remote = parse_transfer_params(_params())
+    assert remote == RemotePrefill("p0", "r1", "127.0.0.1", 5000, (4, 2, 9), 20)
+    assert parse_transfer_params(_params(remote_block_ids=[[4, 2, 9]])).block_ids == (4, 2, 9)  # vLLM's groups
+    for field, bad in (("remote_block_ids", []), ("remote_block_ids", [1, 1]), ("remote_block_ids", [1, -2]),
+                       ("remote_block_ids", "1,2"), ("remote_port", 0), ("remote_port", "5000"),
+                       ("remote_host", ""), ("remote_host", "h" * 300), ("remote_num_tokens", True),
+                       ("remote_engine_id", None)):
+        with pytest.raises(LLMException) as caught:
+            parse_transfer_params(_params(**{field: bad}))
+        assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID and field in str(caught.value)
+    with pytest.raises(LLMException, match="connector"):
+        parse_transfer_params(_params(connector="nixl"))
+
+
+def test_the_codec_refuses_bad_frames() -> None:
+    frame = encode_frame({"id": 7, "op": "claim", "req": "r1"})
+    assert frame_length(frame[:4]) == len(frame) - 4
+    assert decode_frame(frame[4:]) == {"id": 7, "op": "claim", "req": "r1"}
+    bad_bodies = {
+        b"\xff\xfe": "frame", b"[1, 2]": "frame", b'{"id": 1, "op": "hello"': "frame",
+        b'{"id": -1, "op": "hello"}': "id", b'{"id": 1.5, "op": "hello"}': "id", b'{"op": "hello"}': "id",
+        b'{"id": 1, "op": "pickle"}': "op", b'{"id": 1, "op": "claim"}': "req",
+        b'{"id": 1, "op": "claim", "req": 5}': "req",
+        b'{"id": 1, "op": "hello", "x": 1}': "x", b'{"id": NaN, "op": "hello"}': "frame",
+        b"[" * 100_000: "frame",
+    }
+    for body, field in bad_bodies.items():
+        with pytest.raises(LLMException) as caught:
+            decode_frame(body)
+        assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID and f"'{field}'" in str(caught.value)
+    for header in (struct.pack(">I", 0), struct.pack(">I", MAX_FRAME + 1), b"\x00\x01"):
+        with pytest.raises(LLMException, match="'header'"):
+            frame_length(header)
+    with pytest.raises(LLMException, match="'message'"):
+        encode_frame({"id": 1, "op": "claim", "req": "x" * MAX_FRAME})
+    with pytest.raises(LLMException, match="'layout'"):
+        decode_reply(b'{"id": 1, "ok": true, "cluster_id": 3, "data_host": "h", "data_port": 1, "engine_id": "e"}',
+                     "hello")
+
+
+def test_prefill_holds_free_once_done_closed_or_timed_out() -> None:
+    now = [100.0]
+    holds = PrefillHolds(clock=lambda: now[0])
+    for req in ("a", "b", "c", "d"):
+        holds.add(req, lease_s=10)
+    assert not holds.claim("zzz", "conn1", 5)  # never held
+    assert holds.claim("a", "conn1", 5) and holds.claim("b", "conn1", 5) and holds.claim("c", "conn2", 5)
+    assert not holds.claim("a", "conn2", 5)  # another decoder cannot take it over
+    assert not holds.done("a", "conn2") and holds.done("a", "conn1")
+    assert holds.take_released() == {"a"} and holds.take_released() == set()
+    assert holds.drop_owner("conn1") == ["b"]  # its decoder's side channel closed
+    now[0] += 5.5  # past c's claim (5 s), before d's lease (10 s)
+    assert holds.take_released() == {"b", "c"}
+    assert set(holds.held) == {"d"}
+    now[0] += 5
+    assert holds.take_released() == {"d"} and not holds.held
+    assert not holds.claim("d", "conn1", 5)  # a late decoder is refused
+
+
+def test_decode_pulls_report_only_stopped_pulls() -> None:
+    pulls = DecodePulls()
+    cancelled: list[str] = []
+    pulls.start("x", (1, 2))
+    pulls.start("y", (3,))
+    pulls.set_cancel("x", lambda: cancelled.append("x"))
+    with pytest.raises(ValueError):
+        pulls.start("x", (5,))
+    pulls.abort({"x", "other"})
+    assert cancelled == ["x"]
+    assert pulls.take_finished() == (set(), set(), set())  # aborted, not yet stopped: not reported
+    pulls.end("x", ok=False, error="aborted")
+    pulls.end("y", ok=True)
+    assert pulls.take_finished() == ({"x", "y"}, {"x"}, {1, 2})
+    assert pulls.pending() == set()
+
+
+def _kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    shape = (2, BLOCKS, HEADS, BLOCK_TOKENS, DIM)  # vLLM's (K/V, blocks, ...) per layer
+    return {f"layers.{i}": (torch.randn(shape, generator=gen) if gen else torch.zeros(shape)).to(torch.bfloat16)
+            for i in range(LAYERS)}
+
+
+def test_kv_layout_splits_k_and_v_and_refuses_other_shapes() -> None:
+    tensors, layout, per_layer = kv_layout(_kv_caches(0), BLOCKS, BLOCK_TOKENS)
+    assert per_layer == 2 and layout.tensors == 2 * LAYERS and layout.num_blocks == BLOCKS
+    assert layout.block_bytes == HEADS * BLOCK_TOKENS * DIM * 2 and all(t.shape[0] == BLOCKS for t in tensors)
+    with pytest.raises(LLMException, match="blocks outermost"):
+        kv_layout({"l0": torch.zeros(BLOCKS + 1, 4)}, BLOCKS, BLOCK_TOKENS)
+    with pytest.raises(LLMException, match="not contiguous"):
+        kv_layout({"l0": torch.zeros(4, BLOCKS).t()}, BLOCKS, BLOCK_TOKENS)
+
+
+def _wait(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def agents():
+    made: list[Agent] = []
+
+    def make(producer: bool, **options: object) -> tuple[Agent, dict[str, torch.Tensor]]:
+        agent = Agent(producer, not producer, "engine-p" if producer else "engine-d",
+                      AgentOptions(**options))  # type: ignore[arg-type]
+        made.append(agent)
+        caches = _kv_caches(1 if producer else None)
+        tensors, layout, _ = kv_layout(caches, BLOCKS, BLOCK_TOKENS)
+        agent.register(tensors, layout)
+        return agent, caches
+
+    yield make
+    for agent in made:
+        agent.close()
+
+
+def test_a_decode_pulls_held_blocks_and_the_prefill_frees_them(agents) -> None:
+    prefill, p_kv = agents(True)
+    decode, d_kv = agents(False)
+    host, port = prefill.side_channel
+    prefill.holds.add("r1", lease_s=60)
+    remote = parse_transfer_params(transfer_params(engine_id="engine-p", request_id="r1", host=host, port=port,
+                                                   block_ids=[5, 3, 11], num_tokens=3 * BLOCK_TOKENS))
+    decode.start_pull("d1", remote, [2, 7])  # a local prefix-cache hit covered the first block: the tail moves
+    _wait(lambda: not decode.pulls.pending())
+    assert decode.pulls.take_finished() == ({"d1"}, set(), set())
+    for name in p_kv:
+        for k_or_v in range(2):
+            assert torch.equal(d_kv[name][k_or_v][[2, 7]], p_kv[name][k_or_v][[3, 11]])
+            assert not d_kv[name][k_or_v][[0, 1, 3]].any()  # nothing else written
+    _wait(lambda: prefill.holds.take_released() == {"r1"})
+
+
+def test_an_unheld_request_fails_its_pull_and_writes_nothing(agents) -> None:
+    prefill, _ = agents(True, claim_wait_s=0.2)
+    decode, d_kv = agents(False)
+    host, port = prefill.side_channel
+    remote = parse_transfer_params(transfer_params(engine_id="engine-p", request_id="gone", host=host, port=port,
+                                                   block_ids=[1], num_tokens=BLOCK_TOKENS))
+    decode.start_pull("d2", remote, [4])
+    _wait(lambda: not decode.pulls.pending())
+    assert decode.pulls.take_finished() == ({"d2"}, {"d2"}, {4})  # reported failed: vLLM recomputes
+    assert not any(t.any() for t in d_kv.values())
+
+
+def test_a_bad_frame_ends_the_connection_and_frees_its_claims(agents) -> None:
+    prefill, _ = agents(True)
+    prefill.holds.add("r9", lease_s=60)
+    with socket.create_connection(prefill.side_channel, timeout=5) as sock:
+        sock.sendall(encode_frame({"id": 1, "op": "claim", "req": "r9"}))
+        reply = sock.recv(4096)
+        assert decode_reply(reply[4:], "claim")["ok"]
+        sock.sendall(struct.pack(">I", 9) + b"cos\nsystem")  # a pickle-looking body: refused, never loaded
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+        error = decode_reply(data[4:], "claim")
+        assert not error["ok"] and "'frame'" in error["error"]
+    _wait(lambda: prefill.holds.take_released() == {"r9"})  # the claimer is gone: its blocks are freed
