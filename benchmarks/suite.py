@@ -87,6 +87,7 @@ TCP_VS_GLOO = ">= 1.3x"
 LOCAL_VS_MEMCPY = ">= 0.8x"
 LATENCY_VS_RTT = "<= 2x"
 METRICS_COST = "<= 1.02x"
+METRICS_BLOCKS = 6  # alternating off/on blocks per round of the metrics a/b case
 RSS_FLAT = "< 0.05x"  # growth against one request: a buffer of 1/20 of it would show
 
 CONCURRENT = 64
@@ -388,7 +389,7 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], plan: Plan, gloo
                     n, w = plan.per_round(nbytes), plan.warmup(r, nbytes)
                     cases = [("raw", "tcp")] + [(op, t) for t in TRANSPORTS for op in ("pull", "push")]
                     if count == 1 and metrics:  # the cost of the Prometheus exporter on a 1-block pull
-                        cases += [("pull+metrics", t) for t in TRANSPORTS]
+                        cases += [("metrics a/b", t) for t in TRANSPORTS]
                     shift = r % len(cases)
                     for op, transport in cases[shift:] + cases[:shift]:
                         key = (op, transport, str(count))
@@ -398,12 +399,15 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], plan: Plan, gloo
                             res.add(key, nbytes, m.samples)
                         elif op == "pull":
                             res.add(key, nbytes, await dec.pull(transport, count, n, w))
-                        elif op == "pull+metrics":
-                            await dec.metrics(True)
-                            try:
-                                res.add(key, nbytes, await dec.pull(transport, count, n, w))
-                            finally:
-                                await dec.metrics(False)
+                        elif op == "metrics a/b":
+                            # metrics off and on in short alternating blocks, so drift hits both alike
+                            for block in range(METRICS_BLOCKS):
+                                for on in ((False, True) if block % 2 == 0 else (True, False)):
+                                    await dec.metrics(on)
+                                    samples = await dec.pull(transport, count, max(1, n // METRICS_BLOCKS), w)
+                                    res.add(("pull+metrics" if on else "pull, metrics a/b", transport, str(count)),
+                                            nbytes, samples)
+                            await dec.metrics(False)
                         else:
                             res.add(key, nbytes, await dec.push(transport, count, n, w))
                 for each in concurrent:
@@ -539,12 +543,13 @@ def _latency_table(res: Results, geometry: KvGeometry, machine: str, mode: str) 
                       baseline_value=raw.p99_us)
     if res.has("pull+metrics", TRANSPORTS[0], "1"):
         for transport in TRANSPORTS:
-            m, bare = res.m("pull+metrics", transport, "1"), res.m("pull", transport, "1")
+            m, bare = res.m("pull+metrics", transport, "1"), res.m("pull, metrics a/b", transport, "1")
             table.add(f"pull_blocks {LABEL[transport]} p50, Prometheus metrics on", "1 blk", m.p50_us, "us",
                       baseline="the same pull, metrics off", baseline_value=bare.p50_us, target=METRICS_COST)
     table.note(f"{raw.summary.n} samples per case; ratios above 1 are slower than raw TCP; push_blocks for "
                "information (timed in the PROMPT process); 'metrics on': both ends count every transfer in "
-               "aio_datadist.metrics (counters and the latency histogram), measured in the same rounds"
+               "aio_datadist.metrics (counters and the latency histogram), against the same pull with them off, "
+               f"in {METRICS_BLOCKS} alternating blocks per round"
                + ("" if res.has("pull+metrics", TRANSPORTS[0], "1") else
                   "; no metrics rows: prometheus_client is not installed (pip install 'aio_datadist[metrics]')"))
     return table
