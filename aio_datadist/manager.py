@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from aio_datadist import _trace
 from aio_datadist._checks import (
     check_bool,
     check_index,
@@ -428,8 +429,12 @@ class KvCacheManager:
         :param prompt_cache_key: the KvCacheManager (v1) name of ``src_cache_key``
             (likewise ``decoder_kv_cache`` of ``dst_cache``, ``prompt_blocks`` of
             ``src_blocks``, ``decoder_blocks`` of ``dst_blocks``); give one name or the other.
+        :param unknown: any other keyword is refused, as by :meth:`pull_cache`.
         :raises LLMException: as :meth:`pull_cache`.
         """
+        if _trace.ON:
+            _trace.mark("call")
+        _no_unknown(unknown)
         src_cache_key = _alias(prompt_cache_key, "prompt_cache_key", "src_cache_key", src_cache_key, None)
         dst_cache = _alias(decoder_kv_cache, "decoder_kv_cache", "dst_cache", dst_cache, None)
         src_blocks = _alias(prompt_blocks, "prompt_blocks", "src_blocks", src_blocks, ())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import array
 from typing import TYPE_CHECKING, Any
 
-from aio_datadist import _core
+from aio_datadist import _core, _trace
 from aio_datadist._checks import param_invalid
 from aio_datadist.cache import KeyBinding, KvCache
 from aio_datadist.layers import one_side_span
@@ -40,6 +40,8 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any) -> 
         return
     if msg not in (Msg.PULL_REQ, Msg.PUSH_REQ, Msg.PUSH_LOCAL):
         return
+    if _trace.ON:
+        _trace.mark("owner: request read")
     kind = "served_pull" if msg is Msg.PULL_REQ else "served_push"
     try:
         served = serve_plan(rt, link, msg, req)
@@ -84,7 +86,11 @@ def _serve(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any, served: Ser
                      LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED)
 
     served.report = report
+    if _trace.ON:
+        _trace.mark("owner: planned")
     chosen.serve(rt, link, msg, req_id, req, served)
+    if _trace.ON:
+        _trace.mark("owner: answered")
 
 
 def _done(link: Link, req_id: int, done: Done) -> None:

@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
+from aio_datadist import _trace
 from aio_datadist.plans import Plan
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
@@ -89,7 +90,11 @@ async def _ask(link: Link, req: Request, plan: Plan, offered: Plane | None, time
     link.send_record(Msg.PULL_REQ if pull else Msg.PUSH_REQ, req.req_id, plan.remote, channel=req.channel,
                      timeout_ms=timeout_ms, flags=plan.remote.flags | (offered.flag if offered is not None else 0))
     req.state = RequestState.ASKED
+    if _trace.ON:
+        _trace.mark("request sent")
     answer: Resp = await answered
+    if _trace.ON:
+        _trace.mark("answer read")
     if answer.status != LLMStatusCode.LLM_SUCCESS:
         raise Refused(f"cluster {link.remote_cluster_id}: {answer.text}", status_code=code_to_status(answer.status))
     if answer.total != plan.total:
@@ -100,6 +105,8 @@ async def _ask(link: Link, req: Request, plan: Plan, offered: Plane | None, time
 
 async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *, pull: bool) -> str:
     """One transfer through the planes; the transport that carried it."""
+    if _trace.ON:
+        _trace.mark("planned")
     req = Request(link, what)
     try:
         async with asyncio.timeout(timeout_ms / 1000):
@@ -126,6 +133,8 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
             await chosen.carry(rt, link, plan, answer, req, pull=pull)
         req.state = RequestState.DONE
         req.release_channel()
+        if _trace.ON:
+            _trace.mark("returned")
         return chosen.transport_on(link)
     except Refused:
         link.pending.pop(req.req_id, None)

@@ -109,6 +109,7 @@ async def test_param_invalid_found_locally():
             dm.pull_cache(ckey, rows, timeout=0),
             # pull_blocks
             dm.pull_blocks(bkey, rows, [0], [0]),
+            dm.pull_blocks(bkey, blocks, [0], [0], offset=3),  # no such keyword
             dm.pull_blocks(bkey, blocks, [0], []),
             dm.pull_blocks(bkey, blocks, [], [0]),
             dm.pull_blocks(bkey, blocks, [0, 1], [0]),

@@ -13,7 +13,7 @@ import array
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from aio_datadist import _core
+from aio_datadist import _core, _trace
 from aio_datadist._settle import settle
 from aio_datadist.layers import one_side_span
 from aio_datadist.stats import Outcome
@@ -72,7 +72,11 @@ class SameHostPlane(InPlacePlane):
         theirs = _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes,
                                 remote.offset, remote.nbytes)
         triples = _core.zip_segments(plan.local_pairs, theirs)
+        if _trace.ON:
+            _trace.mark("job submitted")
         await copy_settled(rt, triples, req.what, (plan.local, region))
+        if _trace.ON:
+            _trace.mark("job done")
         link.send(Msg.DONE, req.req_id, status=0, text="")
 
     async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:

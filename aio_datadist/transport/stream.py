@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from aio_datadist import _trace
 from aio_datadist.status import LLMStatusCode
 from aio_datadist.transport.base import LinkPort, Plane, Request, Served, serve_timeout_ms
 from aio_datadist.wire import Msg, Resp, TransferReq
@@ -44,7 +45,11 @@ class StreamPlane(Plane):
         moving = link.move(req.channel, plan.local_pairs, send=not pull, timeout_ms=None, what=req.what,
                            keepalive=plan.local, settled=settled)
         req.settled, req.ack = settled, done
+        if _trace.ON:
+            _trace.mark("job submitted")
         await moving
+        if _trace.ON:
+            _trace.mark("job done")
         await req.finish()
 
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
@@ -81,6 +86,8 @@ class StreamPlane(Plane):
             if link.serving.get(req_id) is abort:
                 del link.serving[req_id]
             exc = None if f.cancelled() else f.exception()
+            if _trace.ON:
+                _trace.mark("owner: job done")
             served.ended(exc is None and not f.cancelled())
             if exc is None and not f.cancelled():
                 if msg is Msg.PUSH_REQ:
