@@ -1,0 +1,150 @@
+"""Where the time of a 1-block pull goes: ``python -m benchmarks.breakdown [--transport tcp,local] [--n 400]``.
+
+A PROMPT process (spawned) and the DECODER (this process) run with
+``AIO_DATADIST_TRACE=1``: the library notes the time each pull reaches each
+stage (``aio_datadist/_trace.py``), on both ends, on CLOCK_MONOTONIC, so the
+two processes' marks line up. After warm-up pulls, ``--n`` 1-block pulls run
+one after another; the table gives, per stage, the median time from the
+previous stage, and where it is spent:
+
+- ``call -> planned``: the requester's checks and plan (the loop, here);
+- ``planned -> request sent``: the link's channel, the request record, the write;
+- ``request sent -> owner: request read``: loopback and the owner's wake-up;
+- ``owner: ...``: the owner's checks, its answer and the start of its job;
+- ``owner: answered -> answer read``: loopback and our wake-up;
+- ``answer read -> job submitted``: handing our half to the engine (a thread);
+- ``job submitted -> job done``: the bytes (TCP: the owner's send and our
+  receive; same-host: one copy) and the engine's completion reaching the loop;
+- ``job done -> returned``: the confirmation (``DONE``) and the return.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks._endpoints import blocks_desc, endpoint_options
+from benchmarks._peer import Peer
+from benchmarks._workload import KvGeometry
+
+PROMPT_ID, DECODER_ID = 1, 2
+CACHE_BLOCKS = 64
+TIMEOUT_MS = 20_000
+WARMUP = 60
+#: The stages of one pull in the order they happen (the owner's job may end before or after ours).
+ORDER = ("call", "planned", "request sent", "owner: request read", "owner: planned", "owner: answered",
+         "answer read", "job submitted", "job done", "returned")
+
+
+def _prompt_peer(conn: Any, transport: str) -> None:
+    asyncio.run(_prompt_main(conn, transport))
+
+
+async def _prompt_main(conn: Any, transport: str) -> None:
+    from aio_datadist import BlocksCacheKey, LLMDataDist, LLMRole, _trace
+
+    geometry = KvGeometry()
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
+        await dd.init(endpoint_options(transport, listen=True, timeout_ms=TIMEOUT_MS))
+        cache = dd.kv_cache_manager.allocate_blocks_cache(blocks_desc(geometry, CACHE_BLOCKS),
+                                                          BlocksCacheKey(PROMPT_ID, 0))
+        for t in cache.tensors:
+            t.fill_(1)
+        assert dd.listen_address is not None
+        conn.send(dd.listen_address[1])
+        loop = asyncio.get_running_loop()
+        while True:
+            command = await loop.run_in_executor(None, conn.recv)
+            if command == "marks":
+                conn.send(_trace.take())
+            elif command == "exit":
+                return
+
+
+def _runs(marks: list[tuple[int, str]], first: str) -> list[dict[str, int]]:
+    """The marks cut into one ``{stage: ns}`` per pull, each starting at ``first``."""
+    runs: list[dict[str, int]] = []
+    for t, stage in marks:
+        if stage == first:
+            runs.append({})
+        if runs and stage not in runs[-1]:
+            runs[-1][stage] = t
+    return runs
+
+
+def _breakdown(mine: list[dict[str, int]], theirs: list[dict[str, int]]) -> list[tuple[str, float]]:
+    rows: dict[str, list[float]] = {}
+    for ours, owner in zip(mine, theirs, strict=False):
+        merged = {**ours, **owner}
+        stages = [s for s in ORDER if s in merged]
+        for before, after in zip(stages, stages[1:]):
+            rows.setdefault(f"{before} -> {after}", []).append((merged[after] - merged[before]) / 1000)
+        if "returned" in merged:
+            rows.setdefault("total (call -> returned)", []).append((merged["returned"] - merged["call"]) / 1000)
+    return [(name, statistics.median(values)) for name, values in rows.items()]
+
+
+async def _decoder(peer: Peer, transport: str, n: int) -> list[tuple[str, float]]:
+    from aio_datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole, LLMStatusCode, _trace
+
+    geometry = KvGeometry()
+    port = await peer.recv_async(120.0)
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as dd:
+        await dd.init(endpoint_options(transport, listen=False, timeout_ms=TIMEOUT_MS))
+        cache = dd.kv_cache_manager.allocate_blocks_cache(blocks_desc(geometry, CACHE_BLOCKS))
+        info = LLMClusterInfo()
+        info.remote_cluster_id = PROMPT_ID
+        info.append_remote_ip_info("127.0.0.1", port)
+        status, _ = await dd.link_clusters([info])
+        if status != LLMStatusCode.LLM_SUCCESS:
+            raise RuntimeError(f"link_clusters failed: {status!r}")
+        negotiated = dd.stats().links[PROMPT_ID].transport
+        if negotiated != transport:
+            raise RuntimeError(f"asked for {transport}, the link negotiated {negotiated}")
+        key = BlocksCacheKey(PROMPT_ID, 0)
+        for i in range(WARMUP):
+            await dd.kv_cache_manager.pull_blocks(key, cache, [i % CACHE_BLOCKS], [i % CACHE_BLOCKS])
+        await asyncio.sleep(0.05)  # the owner's last DONE is read
+        _trace.take()
+        peer.send("marks")
+        await peer.recv_async(30.0)
+        for i in range(n):
+            await dd.kv_cache_manager.pull_blocks(key, cache, [i % CACHE_BLOCKS], [(i + 1) % CACHE_BLOCKS])
+        await asyncio.sleep(0.05)
+        mine = _runs(_trace.take(), "call")
+        peer.send("marks")
+        theirs = _runs(await peer.recv_async(30.0), "owner: request read")
+        peer.send("exit")
+        if len(mine) != n or len(theirs) != n:
+            raise RuntimeError(f"expected {n} pulls of marks on each end, got {len(mine)} and {len(theirs)}")
+        return _breakdown(mine, theirs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__.splitlines()[0])
+    parser.add_argument("--transport", default="tcp,local", help="comma-separated: tcp, local (default both)")
+    parser.add_argument("--n", type=int, default=400, help="timed pulls per transport (default 400)")
+    args = parser.parse_args(argv)
+    os.environ["AIO_DATADIST_TRACE"] = "1"  # before the library is imported, here and in the peer
+    if "aio_datadist._trace" in sys.modules:
+        raise RuntimeError("run benchmarks.breakdown as its own program: the library was imported already")
+    geometry = KvGeometry()
+    print(f"# Where a 1-block pull's time goes ({geometry.request_bytes(1) >> 20} MiB; median of {args.n} "
+          "pulls, us)\n")
+    for transport in args.transport.split(","):
+        with Peer(_prompt_peer, transport, timeout=600.0, name="prompt") as peer:
+            rows = asyncio.run(_decoder(peer, transport, args.n))
+        print(f"## {transport}\n\n| stage | median us |\n|---|---:|")
+        for name, us in rows:
+            print(f"| {name} | {us:.0f} |")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
