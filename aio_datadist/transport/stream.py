@@ -2,8 +2,9 @@
 
 Both ends run one native scatter/gather job on the channel the request
 names (``Link.move``): the byte stream is tensor-major, then row order,
-identical on both ends. A pull acknowledges with ``DONE`` so the owner can
-consume the key; a push is over when the owner confirms with ``DONE``. A job
+identical on both ends. A pull of a key acknowledges with ``DONE`` so the
+owner can consume the key (a pull of blocks by their blocks key consumes
+nothing and sends none); a push is over when the owner confirms with ``DONE``. A job
 that stops part-way leaves the channel out of step: both ends reset it
 (``ABORT``) and the client dials it again.
 """
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 from aio_datadist import _trace
 from aio_datadist.status import LLMStatusCode
 from aio_datadist.transport.base import LinkPort, Plane, Request, Served, serve_timeout_ms
-from aio_datadist.wire import Msg, Resp, TransferReq
+from aio_datadist.wire import Msg, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
     from aio_datadist.plans import Plan
@@ -50,6 +51,8 @@ class StreamPlane(Plane):
         await moving
         if _trace.ON:
             _trace.mark("job done")
+        if pull and plan.remote.target_kind == Target.BLOCKS_KEY:
+            return  # the owner's job is its own confirmation: no key to consume, so no DONE to wait for
         await req.finish()
 
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
