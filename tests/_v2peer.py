@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import multiprocessing
 import multiprocessing.connection
-import os
 import traceback
 from collections.abc import AsyncIterator
 from typing import Any
@@ -60,10 +59,7 @@ class V2Endpoint(EndpointProcess):
     """An :class:`EndpointProcess` whose child runs :func:`_serve` (v2) instead of the v1 server."""
 
     def __init__(self, spec: EndpointSpec) -> None:
-        super().__init__(spec)
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=_main, args=(self._child_conn, spec, os.getpid()), name=f"v2-endpoint-{spec.cluster_id}",
-            daemon=True)
+        super().__init__(spec, target=_main)
 
     async def register(self, name: str, desc: CacheDesc, seed: int, *, blocks: bool = False,
                        model_id: int | None = None, req_ids: tuple[int, ...] = (),

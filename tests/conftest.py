@@ -5,12 +5,31 @@ from __future__ import annotations
 import asyncio
 import gc
 import multiprocessing
+import multiprocessing.forkserver
 import os
 
 import pytest
 import uvloop
 
 from aio_datadist import _core
+
+
+#: What the fork server imports once, so that each peer forked from it starts in tens of milliseconds
+#: instead of the ~2 s a ``spawn`` start with torch costs here (modules of another test folder that is
+#: not on the path are skipped by multiprocessing).
+FORK_PRELOAD = ["torch", "uvloop", "aio_datadist", "aio_datadist.compat", "peers", "_harness", "_forked",
+                "_client_harness", "_v2peer"]
+
+
+@pytest.fixture(scope="session")
+def fork_server() -> None:
+    """Start the fork server (torch and aio_datadist preloaded) before a test snapshots its fds.
+
+    ``peers.EndpointProcess`` and the reliability suite's ``ForkedEndpoint`` fork their processes from it
+    once it runs (``peers.process_context``); request this fixture in every module that starts them.
+    """
+    multiprocessing.set_forkserver_preload(FORK_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
 
 
 def pytest_asyncio_loop_factories(config, item):

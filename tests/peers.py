@@ -7,8 +7,9 @@
   the fastest tests.
 - :func:`fill`, :func:`pattern`: seeded, exactly representable cache
   contents, so a spawned peer's bytes can be checked here without sending them.
-- :class:`EndpointProcess` / :func:`spawned`: an endpoint in a process of the
-  ``spawn`` context, on loopback only, that allocates the caches of a
+- :class:`EndpointProcess` / :func:`spawned`: an endpoint in a process of its own
+  (forked from the preloaded fork server once the ``fork_server`` fixture
+  started it, else spawned), on loopback only, that allocates the caches of a
   :class:`CacheSpec` list with seeded contents, reports its port through a
   pipe and is then driven by small commands. It always ends: an ``exit``
   command, then terminate, then kill, each bounded in time, and it exits by
@@ -258,7 +259,7 @@ class EndpointProcess:
 
     def __init__(self, spec: EndpointSpec, target: Any = None) -> None:
         self.spec = spec
-        ctx = multiprocessing.get_context("spawn")
+        ctx = process_context()
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._child_conn: multiprocessing.connection.Connection | None = child_conn
         self._process = ctx.Process(target=target or _endpoint_main, args=(child_conn, spec, os.getpid()),
@@ -425,9 +426,23 @@ async def spawned(*specs: EndpointSpec, target: Any = None) -> AsyncIterator[lis
 # -- the child's side ---------------------------------------------------------------
 
 
+def process_context() -> Any:
+    """The fork server's context once it runs (the ``fork_server`` fixture starts it before a test looks at
+    its fds), else ``spawn``: a peer forked from the preloaded server starts in tens of milliseconds."""
+    from multiprocessing import forkserver
+
+    running = getattr(forkserver._forkserver, "_forkserver_pid", None) is not None
+    return multiprocessing.get_context("forkserver" if running else "spawn")
+
+
 def _watchdog(parent_pid: int, deadline: float) -> None:
+    # The test process may not be our parent (a fork server's children are the server's): ask whether it lives.
     while True:
-        if os.getppid() != parent_pid or time.monotonic() > deadline:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(70)
+        if time.monotonic() > deadline:
             os._exit(70)
         time.sleep(0.2)
 

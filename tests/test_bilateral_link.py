@@ -51,6 +51,8 @@ from aio_datadist._negotiated_transport import negotiated_transport
 from aio_datadist.ranktable import RankEntry, rank_address
 from aio_datadist.testing import link_to
 
+pytestmark = pytest.mark.usefixtures("fork_server")  # peers are forked from it
+
 S = LLMStatusCode
 OK, PREPARING, FAILED = RegisterMemStatus.OK, RegisterMemStatus.PREPARING, RegisterMemStatus.FAILED
 PROMPT_IP, DECODER_IP, THIRD_IP = "127.0.0.1", "127.0.0.2", "127.0.0.3"

@@ -53,7 +53,7 @@ from aio_datadist import (
 )
 from aio_datadist.testing import registry_of
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("fork_server")]
 S = LLMStatusCode
 INVALID = S.LLM_PARAM_INVALID
 

@@ -45,7 +45,7 @@ from peers import (
 )
 
 S = LLMStatusCode
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("fork_server")]
 
 KV = CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, Placement.HOST)  # 2 layers, 8 blocks of 128 B
 #: Prefill-only caches, each differing from KV in one respect.

@@ -34,7 +34,7 @@ from peers import (
 )
 from test_layerwise import BLOCKS, DST_BLOCKS, LAYERS, SRC_BLOCKS, Gate, Ready, blocks_config, layer_landed
 
-pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+pytestmark = [pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"]), pytest.mark.usefixtures("fork_server")]
 
 SYNC_KV_TIMEOUT_MS = 1000
 ENDED = (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_TIMEOUT)

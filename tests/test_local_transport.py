@@ -32,6 +32,8 @@ from peers import (
     spawned,
 )
 
+pytestmark = pytest.mark.usefixtures("fork_server")  # peers are forked from it
+
 S = LLMStatusCode
 BLOCKS = CacheDesc(8, (32, 16, 256), DataType.DT_FLOAT16, Placement.HOST)  # 8 KiB blocks
 LOCAL = {"transport": "local"}

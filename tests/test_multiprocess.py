@@ -44,6 +44,8 @@ from peers import (
     tensors_from_dump,
 )
 
+pytestmark = pytest.mark.usefixtures("fork_server")  # peers are forked from it
+
 S = LLMStatusCode
 ROWS_DESC = CacheDesc(4, (6, 256), DataType.DT_FLOAT16, Placement.HOST)  # 6 rows of 512 B
 

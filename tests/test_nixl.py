@@ -50,7 +50,7 @@ ROWS = CacheDesc(4, (3, 256), DataType.DT_FLOAT16, Placement.HOST)
 
 needs_nixl = pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.nixl]
+pytestmark = [pytest.mark.asyncio, pytest.mark.nixl, pytest.mark.usefixtures("fork_server")]
 
 
 def posted(dd: LLMDataDist) -> int:

@@ -55,11 +55,6 @@ from peers import EndpointProcess, EndpointSpec, Ref, _next_command, _run_comman
 import _harness
 
 _CTX = multiprocessing.get_context("forkserver")
-PRELOAD = ["torch", "uvloop", "aio_datadist", "peers", "_harness", "_forked"]
-
-
-def preload() -> None:
-    _CTX.set_forkserver_preload(PRELOAD)
 
 
 class ForkedEndpoint(EndpointProcess):
