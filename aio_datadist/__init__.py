@@ -20,6 +20,7 @@ _EXPORTS = {
     "KvCacheManager": "manager",
     "EventLayerSynchronizer": "synchronizers",
     "EndpointStats": "stats",
+    "LinkLogFields": "logfields",
     "LinkStats": "stats",
     "TransferStats": "stats",
     "CacheTask": "task",
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from aio_datadist.cache_manager import Cache, CacheManager
     from aio_datadist.config import LLMConfig, LlmConfig
     from aio_datadist.datadist import LLMDataDist
+    from aio_datadist.logfields import LinkLogFields
     from aio_datadist.manager import KvCacheManager
     from aio_datadist.stats import EndpointStats, LinkStats, TransferStats
     from aio_datadist.status import LLMException, LLMStatusCode, Status, code_2_status, code_to_status
@@ -107,6 +109,7 @@ __all__ = [
     "LLMRole",
     "LLMStatusCode",
     "LayerSynchronizer",
+    "LinkLogFields",
     "LinkStats",
     "LlmConfig",
     "MemInfo",

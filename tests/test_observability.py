@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -288,3 +289,29 @@ async def test_an_observer_that_fails_does_not_fail_the_transfer(caplog):
         await pair.decoder.kv_cache_manager.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
         assert pair.decoder.stats().links[PROMPT_CLUSTER_ID].kinds["pull"].transfers == 1
     assert any("observer failed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.asyncio
+async def test_one_format_with_the_link_fields_serves_every_record():
+    import io
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(aio.LinkLogFields())
+    handler.setFormatter(logging.Formatter("%(name)s [%(cluster_id)s->%(remote_cluster_id)s #%(link_id)s] "
+                                           "%(message)s"))
+    logger = logging.getLogger("aio_datadist")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        async with open_pair(prompt_config={"transport": "tcp"}, decoder_config={"transport": "tcp"}) as pair:
+            logging.getLogger("aio_datadist.links").info("a record of no link")
+            assert pair.decoder.stats().links
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    lines = stream.getvalue().splitlines()
+    assert any(re.fullmatch(r"aio_datadist\.links \[2->1 #\d+\] link \d+ to cluster 1 \(PROMPT\) up, dialled: "
+                            r"transport tcp", line) for line in lines), lines
+    assert "aio_datadist.links [-->- #-] a record of no link" in lines

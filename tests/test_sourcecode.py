@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("native core", ("_core",)),
     ("status, values, config, wire and leaf helpers", (
         "status", "_checks", "types", "config", "wire", "protocol", "_settle", "fd_budget", "mapped", "tensors",
-        "ranktable", "stats", "_trace",
+        "ranktable", "stats", "_trace", "logfields",
     )),
     ("completions, layer rule, caches and registries", (
         "_completion", "layers", "cache", "arrivals", "plans", "devices.host",
