@@ -19,6 +19,7 @@ endpoint's ``cluster_id``.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import threading
 import weakref
@@ -82,83 +83,112 @@ def instrument(dd: LLMDataDist, registry: Any = None) -> PrometheusMetrics:
 
 
 class PrometheusMetrics:
-    """The metrics of the endpoints watched, registered on one ``prometheus_client`` registry."""
+    """The metrics of the endpoints watched, registered on one ``prometheus_client`` registry.
+
+    Each endpoint's transfers and link events are counted by an observer of
+    its own, in plain integers on the endpoint's loop (no lock, no label
+    lookup on the transfer's path); the registry reads them, and the gauges,
+    when it is collected.
+    """
 
     def __init__(self, registry: Any) -> None:
-        prom = _prometheus()
+        _prometheus()
         self.registry = registry
+        self._lock = threading.Lock()
+        # id(dd) -> (the endpoint, its observer); observers of endpoints no longer watched stay in
+        # _retired, so their counters keep what they counted (counters never go down)
         self._watched: dict[int, tuple[weakref.ref[LLMDataDist], _Observer]] = {}
-        self.transfers = prom.Counter(
-            "aio_datadist_transfers", "Transfers that ended, by kind, transport and outcome.",
-            ("cluster_id", "kind", "transport", "outcome"), registry=registry)
-        self.transfer_bytes = prom.Counter(
-            "aio_datadist_transfer_bytes", "Bytes moved by transfers that completed.",
-            ("cluster_id", "kind", "transport"), registry=registry)
-        self.errors = prom.Counter(
-            "aio_datadist_transfer_errors", "Transfers that failed or timed out, by status code.",
-            ("cluster_id", "kind", "status"), registry=registry)
-        self.duration = prom.Histogram(
-            "aio_datadist_transfer_duration_seconds", "Time from the call to its return, of transfers that completed.",
-            ("cluster_id", "kind", "transport", "size_class"), buckets=DURATION_BUCKETS, registry=registry)
-        self.link_events = prom.Counter(
-            "aio_datadist_link_events", "Links that came up or went down.", ("cluster_id", "event"),
-            registry=registry)
-        registry.register(_Gauges(self))
+        self._retired: list[_Observer] = []
+        registry.register(_Collector(self))
 
     def watch(self, dd: LLMDataDist) -> None:
-        """Add ``dd``'s series (again a no-op)."""
-        key = id(dd)
-        if key in self._watched and self._watched[key][0]() is dd:
-            return
-        observer = _Observer(self, str(dd.cluster_id))
-        dd._endpoint.observers.append(observer)
-        self._watched[key] = (weakref.ref(dd), observer)
+        """Count ``dd``'s transfers and export its series (again: a no-op)."""
+        with self._lock:
+            key = id(dd)
+            if key in self._watched and self._watched[key][0]() is dd:
+                return
+            observer = _Observer(str(dd.cluster_id))
+            dd._endpoint.observers.append(observer)
+            self._watched[key] = (weakref.ref(dd), observer)
 
     def unwatch(self, dd: LLMDataDist) -> None:
-        """Stop counting ``dd``'s transfers and drop its gauges (counters keep what they counted)."""
-        entry = self._watched.pop(id(dd), None)
-        if entry is not None and entry[1] in dd._endpoint.observers:
-            dd._endpoint.observers.remove(entry[1])
+        """Stop counting ``dd``'s transfers and drop its gauges; its counters keep what they counted."""
+        with self._lock:
+            entry = self._watched.pop(id(dd), None)
+            if entry is None:
+                return
+            if entry[1] in dd._endpoint.observers:
+                dd._endpoint.observers.remove(entry[1])
+            self._retired.append(entry[1])
 
     def endpoints(self) -> list[LLMDataDist]:
-        return [dd for ref, _ in list(self._watched.values()) if (dd := ref()) is not None]
+        """The endpoints watched (those still alive)."""
+        with self._lock:
+            return [dd for ref, _ in self._watched.values() if (dd := ref()) is not None]
+
+    def _sources(self) -> tuple[list[tuple[LLMDataDist | None, _Observer]], list[_Observer]]:
+        with self._lock:
+            return [(ref(), obs) for ref, obs in self._watched.values()], list(self._retired)
+
+
+class _Done:
+    """Completed transfers of one kind, transport and size class: count, bytes, time, latency buckets."""
+
+    __slots__ = ("count", "bytes", "seconds", "buckets")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.bytes = 0
+        self.seconds = 0.0
+        self.buckets = [0] * (len(DURATION_BUCKETS) + 1)  # the last is +Inf
+
+    def copy(self) -> _Done:
+        other = _Done()
+        other.count, other.bytes, other.seconds, other.buckets = self.count, self.bytes, self.seconds, self.buckets[:]
+        return other
 
 
 class _Observer:
-    """Feeds the counters from one endpoint's transfers and links (on its event loop)."""
+    """Counts one endpoint's transfers and link events (on its event loop) for :class:`_Collector`."""
 
-    __slots__ = ("_metrics", "_cluster", "_children")
+    __slots__ = ("cluster", "done", "ended", "links")
 
-    def __init__(self, metrics: PrometheusMetrics, cluster: str) -> None:
-        self._metrics = metrics
-        self._cluster = cluster
-        self._children: dict[tuple, tuple[Any, Any, Any]] = {}
+    def __init__(self, cluster: str) -> None:
+        self.cluster = cluster
+        self.done: dict[tuple[str, str, str], _Done] = {}  # (kind, transport, size class)
+        self.ended: dict[tuple[str, str, str, str], int] = {}  # (kind, transport, outcome, status) of the rest
+        self.links = {"up": 0, "down": 0}
 
     def transfer(self, cluster_id: int, kind: str, transport: str, nbytes: int, seconds: float,
                  outcome: Outcome, status: LLMStatusCode) -> None:
-        m = self._metrics
         if outcome is not Outcome.OK:
-            m.transfers.labels(self._cluster, kind, transport, outcome.value).inc()
-            if outcome is not Outcome.CANCELLED:
-                m.errors.labels(self._cluster, kind, status.name).inc()
+            key = (kind, transport, outcome.value, status.name)
+            self.ended[key] = self.ended.get(key, 0) + 1
             return
-        key = (kind, transport, size_class(nbytes))
-        children = self._children.get(key)
-        if children is None:  # label lookups cost more than the updates: once per label set
-            children = self._children[key] = (m.transfers.labels(self._cluster, kind, transport, "ok"),
-                                              m.transfer_bytes.labels(self._cluster, kind, transport),
-                                              m.duration.labels(self._cluster, *key))
-        count, moved, duration = children
-        count.inc()
-        moved.inc(nbytes)
-        duration.observe(seconds)
+        key3 = (kind, transport, size_class(nbytes))
+        done = self.done.get(key3)
+        if done is None:
+            done = self.done[key3] = _Done()
+        done.count += 1
+        done.bytes += nbytes
+        done.seconds += seconds
+        done.buckets[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
 
     def link(self, cluster_id: int, remote_cluster_id: int, up: bool) -> None:
-        self._metrics.link_events.labels(self._cluster, "up" if up else "down").inc()
+        self.links["up" if up else "down"] += 1
+
+    def copy(self) -> _Observer:
+        """A copy to read from another thread (taken on the endpoint's loop)."""
+        other = _Observer(self.cluster)
+        other.done = {key: done.copy() for key, done in self.done.items()}
+        other.ended = dict(self.ended)
+        other.links = dict(self.links)
+        return other
 
 
-class _Gauges:
-    """The gauges, read from each watched endpoint's ``stats()`` at scrape time."""
+class _Collector:
+    """Every series, read at collection time: counters and the histogram from the observers, gauges from
+    each watched endpoint's ``stats()`` (both taken on the endpoint's own loop)."""
 
     def __init__(self, metrics: PrometheusMetrics) -> None:
         self._metrics = metrics
@@ -167,9 +197,24 @@ class _Gauges:
         return []  # the series depend on the endpoints watched: no up-front description
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        families = {
+        counters = {
+            "transfers": CounterMetricFamily("aio_datadist_transfers",
+                                             "Transfers that ended, by kind, transport and outcome.",
+                                             labels=("cluster_id", "kind", "transport", "outcome")),
+            "bytes": CounterMetricFamily("aio_datadist_transfer_bytes", "Bytes moved by transfers that completed.",
+                                         labels=("cluster_id", "kind", "transport")),
+            "errors": CounterMetricFamily("aio_datadist_transfer_errors",
+                                          "Transfers that failed or timed out, by status code.",
+                                          labels=("cluster_id", "kind", "status")),
+            "links": CounterMetricFamily("aio_datadist_link_events", "Links that came up or went down.",
+                                         labels=("cluster_id", "event")),
+        }
+        duration = HistogramMetricFamily("aio_datadist_transfer_duration_seconds",
+                                         "Time from the call to its return, of transfers that completed.",
+                                         labels=("cluster_id", "kind", "transport", "size_class"))
+        gauges = {
             "links": GaugeMetricFamily("aio_datadist_links", "Links up now, by the transport each negotiated.",
                                        labels=("cluster_id", "transport")),
             "registered": GaugeMetricFamily("aio_datadist_registered_bytes", "Cache memory registered.",
@@ -187,62 +232,109 @@ class _Gauges:
                                      "Round trip of the last answered heartbeat, per link.",
                                      labels=("cluster_id", "remote_cluster_id")),
         }
-        for dd in self._metrics.endpoints():
-            snap = _snapshot(dd)
-            if snap is None:
-                continue
-            cid = str(snap.cluster_id)
-            by_transport: dict[str, int] = {}
-            for link in snap.links.values():
-                by_transport[link.transport] = by_transport.get(link.transport, 0) + 1
-            for transport in ("tcp", "tls", "local", "nixl"):
-                families["links"].add_metric((cid, transport), by_transport.get(transport, 0))
-            families["registered"].add_metric((cid,), snap.registered_bytes)
-            families["cap"].add_metric((cid,), snap.registered_cap_bytes)
-            families["caches"].add_metric((cid,), snap.caches)
-            families["keys"].add_metric((cid,), snap.keys)
-            families["leases"].add_metric((cid,), snap.leases)
-            for kind in KINDS:
-                families["in_flight"].add_metric((cid, kind), sum(link.kinds[kind].in_flight
-                                                                  for link in snap.links.values()))
-            for remote, link in snap.links.items():
-                if link.heartbeat_rtt_ms is not None:
-                    families["rtt"].add_metric((cid, str(remote)), link.heartbeat_rtt_ms / 1000)
-        yield from families.values()
+        watched, retired = self._metrics._sources()
+        for dd, observer in watched:
+            snap, counted = _snapshot(dd, observer)
+            _add_counts(counters, duration, counted)
+            if snap is not None:
+                _add_gauges(gauges, snap)
+        for observer in retired:
+            _add_counts(counters, duration, _copy(observer))
+        yield from counters.values()
+        yield duration
+        yield from gauges.values()
 
 
-def _snapshot(dd: LLMDataDist) -> EndpointStats | None:
-    """``dd.stats()`` taken on its event loop's thread (a scrape usually comes from a server thread); None
-    when the endpoint is not initialised or its loop does not answer within :data:`SCRAPE_WAIT_S`."""
-    runtime = dd._endpoint.runtime
-    if runtime is None:
-        return None
-    loop = runtime.loop
+def _add_counts(counters: dict[str, Any], duration: Any, observer: _Observer) -> None:
+    cid = observer.cluster
+    ok: dict[tuple[str, str], list[int]] = {}
+    for (kind, transport, size), done in sorted(observer.done.items()):
+        sums = ok.setdefault((kind, transport), [0, 0])
+        sums[0] += done.count
+        sums[1] += done.bytes
+        cumulative, buckets = 0, []
+        for bound, n in zip((*DURATION_BUCKETS, float("inf")), done.buckets, strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        duration.add_metric((cid, kind, transport, size), buckets, done.seconds)
+    for (kind, transport), (count, nbytes) in ok.items():
+        counters["transfers"].add_metric((cid, kind, transport, "ok"), count)
+        counters["bytes"].add_metric((cid, kind, transport), nbytes)
+    ended: dict[tuple[str, str, str], int] = {}
+    errors: dict[tuple[str, str], int] = {}
+    for (kind, transport, outcome, status), n in sorted(observer.ended.items()):
+        ended[(kind, transport, outcome)] = ended.get((kind, transport, outcome), 0) + n
+        if outcome != Outcome.CANCELLED.value:
+            errors[(kind, status)] = errors.get((kind, status), 0) + n
+    for (kind, transport, outcome), n in ended.items():
+        counters["transfers"].add_metric((cid, kind, transport, outcome), n)
+    for (kind, status), n in errors.items():
+        counters["errors"].add_metric((cid, kind, status), n)
+    for event, n in observer.links.items():
+        if n:
+            counters["links"].add_metric((cid, event), n)
+
+
+def _add_gauges(gauges: dict[str, Any], snap: EndpointStats) -> None:
+    cid = str(snap.cluster_id)
+    by_transport: dict[str, int] = {}
+    for link in snap.links.values():
+        by_transport[link.transport] = by_transport.get(link.transport, 0) + 1
+    for transport in ("tcp", "tls", "local", "nixl"):
+        gauges["links"].add_metric((cid, transport), by_transport.get(transport, 0))
+    gauges["registered"].add_metric((cid,), snap.registered_bytes)
+    gauges["cap"].add_metric((cid,), snap.registered_cap_bytes)
+    gauges["caches"].add_metric((cid,), snap.caches)
+    gauges["keys"].add_metric((cid,), snap.keys)
+    gauges["leases"].add_metric((cid,), snap.leases)
+    for kind in KINDS:
+        gauges["in_flight"].add_metric((cid, kind), sum(link.kinds[kind].in_flight for link in snap.links.values()))
+    for remote, link in snap.links.items():
+        if link.heartbeat_rtt_ms is not None:
+            gauges["rtt"].add_metric((cid, str(remote)), link.heartbeat_rtt_ms / 1000)
+
+
+def _snapshot(dd: LLMDataDist | None, observer: _Observer) -> tuple[EndpointStats | None, _Observer]:
+    """``dd.stats()`` (None when not initialised) and a copy of ``observer``, taken on the endpoint's loop
+    thread (a scrape usually comes from a server thread); when the loop does not answer within
+    :data:`SCRAPE_WAIT_S`, no gauges and the counts as last copied."""
+    runtime = None if dd is None else dd._endpoint.runtime
+    loop = None if runtime is None else runtime.loop
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:
         running = None
     if loop is None or running is loop or loop.is_closed() or not loop.is_running():
-        return _stats(dd)
-    answer: concurrent.futures.Future[EndpointStats | None] = concurrent.futures.Future()
+        return (None if dd is None else _stats(dd)), _copy(observer)
+    answer: concurrent.futures.Future[tuple[EndpointStats | None, _Observer]] = concurrent.futures.Future()
 
     def take() -> None:
         if answer.set_running_or_notify_cancel():
-            answer.set_result(_stats(dd))
+            answer.set_result((_stats(dd), observer.copy()))
 
     try:
         loop.call_soon_threadsafe(take)
-    except RuntimeError:  # closed meanwhile
-        return None
-    try:
         return answer.result(SCRAPE_WAIT_S)
-    except concurrent.futures.TimeoutError:
+    except (RuntimeError, concurrent.futures.TimeoutError):  # closed meanwhile, or busy past the wait
         answer.cancel()
+        return None, _copy(observer)
+
+
+def _copy(observer: _Observer) -> _Observer:
+    """``observer.copy()`` from a thread other than the one counting: tried again if a count was added
+    during the copy (a dict that grew); empty after a few tries."""
+    for _ in range(5):
+        try:
+            return observer.copy()
+        except RuntimeError:
+            continue
+    return _Observer(observer.cluster)
+
+
+def _stats(dd: LLMDataDist | None) -> EndpointStats | None:
+    if dd is None:
         return None
-
-
-def _stats(dd: LLMDataDist) -> EndpointStats | None:
     try:
         return dd.stats()
-    except LLMException:  # finalized meanwhile
+    except LLMException:  # not initialised, or finalized meanwhile
         return None

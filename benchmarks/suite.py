@@ -87,7 +87,7 @@ TCP_VS_GLOO = ">= 1.3x"
 LOCAL_VS_MEMCPY = ">= 0.8x"
 LATENCY_VS_RTT = "<= 2x"
 METRICS_COST = "<= 1.02x"
-METRICS_BLOCKS = 6  # alternating off/on blocks per round of the metrics a/b case
+METRICS_BLOCKS = 10  # alternating off/on blocks per round of the metrics a/b case
 RSS_FLAT = "< 0.05x"  # growth against one request: a buffer of 1/20 of it would show
 
 CONCURRENT = 64
