@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows: dict[str, dict[int, dict[str, list[float]]]] = {}
     notes: list[str] = []
+    os.environ.setdefault(vd.SECRET_ENV, vd.secrets.token_hex(16))  # authenticated, as a deployment should be
     with tempfile.TemporaryDirectory(prefix="vllm_bench_") as work:
         model = vd.make_model(os.path.join(work, "model"))
         batches = {n: {f"n{n}-r{r}": vd.prompts(1, seed=100 * n + r, lengths=(n, n + 1))[0]

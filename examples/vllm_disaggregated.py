@@ -29,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import secrets
 import select
 import socket
 import sys
@@ -36,6 +37,8 @@ import tempfile
 import time
 import traceback
 from typing import Any
+
+SECRET_ENV = "AIO_DATADIST_SECRET"  # the connector's shared secret, when its config names none
 
 CONNECTOR = {"kv_connector": "AioDatadistConnector", "kv_connector_module_path": "aio_datadist.integrations.vllm"}
 VOCAB = 512
@@ -283,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args(argv)
     nodes: list[Node] = []
+    # both instances (and their workers) inherit it: the side channel and the KV links authenticate
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))
     try:
         with tempfile.TemporaryDirectory(prefix="vllm_disagg_") as work:
             model = make_model(os.path.join(work, "model"))
