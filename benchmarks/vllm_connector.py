@@ -26,9 +26,13 @@ import tempfile
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+# benchmarks/nixl.py would shadow the `nixl` package NixlConnector imports (vLLM then says "NIXL is not
+# available"): this directory leaves the path, here and in the engines' processes, which inherit it
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != HERE]
+sys.path.insert(0, str(HERE.parent / "examples"))
 
-import vllm_disaggregated as vd
+import vllm_disaggregated as vd  # noqa: E402 - after the path is set
 
 LENGTHS = (256, 1024, 1792)
 
