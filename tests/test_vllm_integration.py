@@ -128,6 +128,7 @@ def test_tokens_equal_one_instance_for_several_prompts_and_lengths(cluster) -> N
     pulls = {e["req"]: e for e in _events(cluster["stats"], "pull")}
     for req, prompt in cluster["batch"].items():
         assert pulls[req]["ok"] and pulls[req]["blocks"] == -(-len(prompt) // vd.BLOCK_TOKENS), req
+        assert pulls[req]["authenticated"], req  # the decode ran with SECRET: handshake and aio.SharedSecret
         assert _released(cluster["stats"], req)["why"] == "done"
     assert len({tuple(r["tokens"]) for r in cluster["reference"].values()}) > 1  # prompts give different outputs
 

@@ -485,6 +485,7 @@ class Agent:
             self.pulls.end(req_id, ok, error)
             seconds = time.monotonic() - started
             self.record("pull", req=req_id, ok=ok, error=error, seconds=seconds, blocks=len(local),
+                        authenticated=self._secret is not None,
                         bytes=len(local) * (self.layout.block_bytes * self.layout.tensors if self.layout else 0))
             if claimed and peer is not None:
                 with contextlib.suppress(Exception):
