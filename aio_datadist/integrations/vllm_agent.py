@@ -49,6 +49,9 @@ SECRET_ENV = "AIO_DATADIST_SECRET"
 MAX_PENDING_HANDSHAKES = 16
 #: Side-channel connections at once (handshaking or not); a newcomer past it is closed at once.
 MAX_CONNECTIONS = 1024
+#: Side-channel connections a decode tries (within ``link_timeout_ms``) when the prefill closes one in
+#: the handshake.
+HANDSHAKE_ATTEMPTS = 3
 #: At most one WARNING per this many seconds about refused side-channel connections.
 REFUSAL_LOG_EVERY_S = 30.0
 
@@ -420,10 +423,19 @@ class Agent:
 
     async def _connect(self, host: str, port: int) -> _Peer:
         timeout_s = self.options.link_timeout_ms / 1000
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-        if self._secret is not None:
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(HANDSHAKE_ATTEMPTS):
+            left = max(0.0, deadline - time.monotonic())
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), left)
+            if self._secret is None:
+                break
             try:
-                await asyncio.wait_for(vllm_auth.dial(reader, writer, self._secret), timeout_s)
+                await asyncio.wait_for(vllm_auth.dial(reader, writer, self._secret), deadline - time.monotonic())
+                break
+            except vllm_auth.HandshakeClosed:  # a flood at the prefill may have evicted us: try again
+                writer.transport.abort()
+                if attempt == HANDSHAKE_ATTEMPTS - 1 or time.monotonic() >= deadline:
+                    raise
             except BaseException:
                 writer.transport.abort()
                 raise

@@ -26,7 +26,8 @@ import hashlib
 import hmac
 import os
 
-__all__ = ["MAGIC", "NONCE_BYTES", "PROOF_BYTES", "HELLO_BYTES", "AuthError", "proof", "dial", "accept"]
+__all__ = ["MAGIC", "NONCE_BYTES", "PROOF_BYTES", "HELLO_BYTES", "AuthError", "HandshakeClosed", "proof", "dial",
+           "accept"]
 
 MAGIC = b"AIODDVS1"  # aio_datadist vLLM side channel, version 1
 LABEL = b"aio_datadist/vllm-side-channel/v1|"
@@ -37,6 +38,10 @@ HELLO_BYTES = len(MAGIC) + NONCE_BYTES
 
 class AuthError(ConnectionError):
     """The other end did not prove the shared secret (or did not speak the handshake)."""
+
+
+class HandshakeClosed(AuthError):
+    """The prefill closed the connection before its proof: no secret there, or it evicted us (a flood)."""
 
 
 def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
@@ -51,7 +56,7 @@ async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secre
     try:
         answer = await reader.readexactly(NONCE_BYTES + PROOF_BYTES)
     except asyncio.IncompleteReadError:
-        raise AuthError("the prefill closed the side channel during the handshake "
+        raise HandshakeClosed("the prefill closed the side channel during the handshake "
                         "(no shared_secret there, or another one)") from None
     theirs, their_proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
     if not hmac.compare_digest(their_proof, proof(secret, b"prefill", nonce, theirs)):
