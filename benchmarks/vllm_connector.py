@@ -26,9 +26,13 @@ import tempfile
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+# benchmarks/nixl.py would shadow the `nixl` package NixlConnector imports (vLLM then says "NIXL is not
+# available"): this directory leaves the path, here and in the engines' processes, which inherit it
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != HERE]
+sys.path.insert(0, str(HERE.parent / "examples"))
 
-import vllm_disaggregated as vd
+import vllm_disaggregated as vd  # noqa: E402 - after the path is set
 
 LENGTHS = (256, 1024, 1792)
 
@@ -51,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows: dict[str, dict[int, dict[str, list[float]]]] = {}
     notes: list[str] = []
+    os.environ.setdefault(vd.SECRET_ENV, vd.secrets.token_hex(16))  # authenticated, as a deployment should be
     with tempfile.TemporaryDirectory(prefix="vllm_bench_") as work:
         model = vd.make_model(os.path.join(work, "model"))
         batches = {n: {f"n{n}-r{r}": vd.prompts(1, seed=100 * n + r, lengths=(n, n + 1))[0]

@@ -29,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import secrets
 import select
 import socket
 import sys
@@ -36,6 +37,8 @@ import tempfile
 import time
 import traceback
 from typing import Any
+
+SECRET_ENV = "AIO_DATADIST_SECRET"  # the connector's shared secret, when its config names none
 
 CONNECTOR = {"kv_connector": "AioDatadistConnector", "kv_connector_module_path": "aio_datadist.integrations.vllm"}
 VOCAB = 512
@@ -283,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args(argv)
     nodes: list[Node] = []
+    # both instances (and their workers) inherit it: the side channel and the KV links authenticate
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))
     try:
         with tempfile.TemporaryDirectory(prefix="vllm_disagg_") as work:
             model = make_model(os.path.join(work, "model"))
@@ -307,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                 problems.append(f"tokens differ from one vLLM alone for {wrong}")
             if len(pulls) != len(batch) or not all(p["ok"] for p in pulls):
                 problems.append(f"{len(pulls)} pulls logged for {len(batch)} requests, ok: {[p['ok'] for p in pulls]}")
+            if not all(p["authenticated"] for p in pulls):
+                problems.append("a pull ran without the shared secret")
             deadline = time.monotonic() + 10
             while len([e for e in read_stats(stats) if e["event"] == "release"]) < len(batch):
                 if time.monotonic() > deadline:
@@ -319,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             moved = sum(p["bytes"] for p in pulls)
             print(f"OK: vllm_disaggregated: {len(batch)} prompts of {[len(p) for p in batch.values()]} tokens, "
                   f"{args.max_tokens} greedy tokens each identical to one vLLM alone; {len(pulls)} pulls moved "
-                  f"{moved / 2**20:.1f} MiB, prefill blocks released after each pull "
+                  f"{moved / 2**20:.1f} MiB (side channel and links authenticated), prefill blocks released "
+                  "after each pull "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
             return 0
     except Exception as exc:

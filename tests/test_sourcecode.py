@@ -51,8 +51,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "compat", "_compat_v2", "testing", "_negotiated_transport", "metrics", "demo", "__main__", "synchronizers", "",
     )),
     ("integrations with serving engines (vLLM is imported only by integrations.vllm)", (
-        "integrations", "integrations.vllm_wire", "integrations.vllm_state", "integrations.vllm_agent",
-        "integrations.vllm",
+        "integrations", "integrations.vllm_wire", "integrations.vllm_auth", "integrations.vllm_state",
+        "integrations.vllm_agent", "integrations.vllm",
     )),
 )
 

@@ -31,6 +31,7 @@ from relay import Relay
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MAX_TOKENS = 12
+SECRET = "check-vllm-side-channel-secret"  # the authenticated path: side channel and KV links
 
 
 @pytest.fixture(autouse=True)
@@ -90,11 +91,12 @@ def cluster(tmp_path_factory):
     stats = str(work / "stats.jsonl")
     host, rport = relay.relay.address
     prefill = vd.Node("prefill", model, vd.connector_config("kv_producer", {
-        "stats_path": stats, "data_port": data_port, "advertise_data": f"{host}:{rport}", "lease_s": 60}))
+        "stats_path": stats, "data_port": data_port, "advertise_data": f"{host}:{rport}", "lease_s": 60,
+        "shared_secret": SECRET}))
     nodes = [prefill]
     try:
-        decode = vd.Node("decode", model, vd.connector_config("kv_consumer", {"stats_path": stats,
-                                                                            "pull_timeout_ms": 20_000}))
+        decode = vd.Node("decode", model, vd.connector_config("kv_consumer", {
+            "stats_path": stats, "shared_secret": SECRET, "pull_timeout_ms": 20_000}))
         nodes.append(decode)
         yield {"model": model, "batch": batch, "reference": reference, "prefill": prefill, "decode": decode,
                "relay": relay.relay, "stats": stats, "nodes": nodes}
@@ -126,6 +128,7 @@ def test_tokens_equal_one_instance_for_several_prompts_and_lengths(cluster) -> N
     pulls = {e["req"]: e for e in _events(cluster["stats"], "pull")}
     for req, prompt in cluster["batch"].items():
         assert pulls[req]["ok"] and pulls[req]["blocks"] == -(-len(prompt) // vd.BLOCK_TOKENS), req
+        assert pulls[req]["authenticated"], req  # the decode ran with SECRET: handshake and aio.SharedSecret
         assert _released(cluster["stats"], req)["why"] == "done"
     assert len({tuple(r["tokens"]) for r in cluster["reference"].values()}) > 1  # prompts give different outputs
 

@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -23,6 +24,7 @@ import torch
 
 from aio_datadist.config import LLMConfig
 from aio_datadist.datadist import LLMDataDist
+from aio_datadist.integrations import vllm_auth
 from aio_datadist.integrations.vllm_state import DecodePulls, PrefillHolds
 from aio_datadist.integrations.vllm_wire import (
     HEADER,
@@ -36,9 +38,22 @@ from aio_datadist.integrations.vllm_wire import (
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMRole, Placement
 
-__all__ = ["AgentOptions", "LoopThread", "Agent", "kv_layout"]
+__all__ = ["AgentOptions", "LoopThread", "Agent", "kv_layout", "SECRET_ENV", "MAX_PENDING_HANDSHAKES",
+           "MAX_CONNECTIONS"]
 
 log = logging.getLogger("aio_datadist.integrations.vllm")
+
+#: Where the shared secret is read from when ``kv_connector_extra_config`` has no ``shared_secret``.
+SECRET_ENV = "AIO_DATADIST_SECRET"
+#: Side-channel connections still in the handshake at once; a newcomer past it evicts the oldest.
+MAX_PENDING_HANDSHAKES = 16
+#: Side-channel connections at once (handshaking or not); a newcomer past it is closed at once.
+MAX_CONNECTIONS = 1024
+#: Side-channel connections a decode tries (within ``link_timeout_ms``) when the prefill closes one in
+#: the handshake.
+HANDSHAKE_ATTEMPTS = 3
+#: At most one WARNING per this many seconds about refused side-channel connections.
+REFUSAL_LOG_EVERY_S = 30.0
 
 DTYPES = {torch.bfloat16: DataType.DT_BF16, torch.float16: DataType.DT_FLOAT16, torch.float32: DataType.DT_FLOAT,
           torch.uint8: DataType.DT_UINT8, torch.int8: DataType.DT_INT8}
@@ -63,6 +78,12 @@ class AgentOptions:
     link_timeout_ms: int = 5_000
     transport: str = ""
     stats_path: str = ""  # append one JSON line per pull and per release here
+    shared_secret: str = ""  # side channel handshake and aio.SharedSecret; else $AIO_DATADIST_SECRET
+    max_claims_per_connection: int = 4096
+
+    def __repr__(self) -> str:  # the secret stays out of logs and tracebacks
+        shown = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "shared_secret"}
+        return f"AgentOptions(shared_secret={'<set>' if self.shared_secret else '<none>'}, {shown})"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> AgentOptions:
@@ -79,6 +100,11 @@ class AgentOptions:
             except (TypeError, ValueError):
                 raise LLMException(f"invalid argument '{name}': must be {kind.__name__}, got {extra[name]!r:.60}",
                                    status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
+        if "shared_secret" not in extra:
+            opts.shared_secret = os.environ.get(SECRET_ENV, "")
+        if opts.max_claims_per_connection <= 0:
+            raise LLMException("invalid argument 'max_claims_per_connection': must be > 0",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
         if opts.pull_timeout_ms <= 0 or opts.lease_s <= 0:
             raise LLMException("invalid argument 'pull_timeout_ms': pull_timeout_ms and lease_s must be > 0",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
@@ -206,6 +232,11 @@ class Agent:
         self._server: asyncio.Server | None = None
         self._peers: dict[tuple[str, int], asyncio.Task] = {}
         self._conns: set[asyncio.StreamWriter] = set()
+        self._handshaking: dict[asyncio.StreamWriter, None] = {}  # oldest first
+        self._secret = options.shared_secret.encode() if options.shared_secret else None
+        self._refused = 0
+        self._refusal_logged = -REFUSAL_LOG_EVERY_S
+        self.refusals = 0  # side-channel connections refused or evicted, all told
         self._expiry: asyncio.TimerHandle | None = None
 
     def record(self, event: str, **fields: Any) -> None:
@@ -231,6 +262,12 @@ class Agent:
         options = config.generate_options()
         if self.options.transport:
             options["aio.Transport"] = self.options.transport
+        if self._secret is not None:
+            options["aio.SharedSecret"] = self.options.shared_secret
+        else:
+            log.warning("aio_datadist connector: no shared_secret (nor $%s): the side channel and the KV "
+                        "links are unauthenticated; any process that reaches them can claim, release or "
+                        "read held blocks", SECRET_ENV)
         self._dd = LLMDataDist(role, self.cluster_id)
         await self._dd.init(options)
         desc = CacheDesc(layout.tensors, tuple(tensors[0].shape), DTYPES[tensors[0].dtype], Placement.HOST)
@@ -284,11 +321,49 @@ class Agent:
         return {"ok": True, "cluster_id": self.cluster_id, "data_host": host, "data_port": port,
                 "engine_id": self.engine_id, "layout": self.layout.as_json()}
 
+    def _refuse(self, writer: asyncio.StreamWriter, why: object) -> None:
+        """Note a refused side-channel connection: one WARNING per REFUSAL_LOG_EVERY_S, with a count."""
+        self.refusals += 1
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged >= REFUSAL_LOG_EVERY_S:
+            log.warning("side channel from %s refused: %s (%d refused since the last such warning)",
+                        writer.get_extra_info("peername"), why, self._refused)
+            self._refusal_logged, self._refused = now, 0
+
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """The handshake, bounded in time and in how many run at once; False: the connection is refused."""
+        assert self._secret is not None
+        if len(self._handshaking) >= MAX_PENDING_HANDSHAKES:
+            oldest = next(iter(self._handshaking))
+            del self._handshaking[oldest]
+            oldest.transport.abort()
+        self._handshaking[writer] = None
+        try:
+            await asyncio.wait_for(vllm_auth.accept(reader, writer, self._secret),
+                                   self.options.link_timeout_ms / 1000)
+            return True
+        except (vllm_auth.AuthError, OSError, TimeoutError) as exc:
+            if writer not in self._handshaking:
+                why = f"evicted: {MAX_PENDING_HANDSHAKES} newer connections in the handshake"
+            else:
+                why = str(exc) or "the handshake timed out"
+            self._refuse(writer, why)
+            return False
+        finally:
+            self._handshaking.pop(writer, None)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._conns) >= MAX_CONNECTIONS:
+            self._refuse(writer, f"{MAX_CONNECTIONS} side-channel connections open already")
+            writer.transport.abort()
+            return
         self._conns.add(writer)
         owner = id(writer)
         hold_s = self.options.pull_timeout_ms / 1000 + self.options.claim_grace_s
         try:
+            if self._secret is not None and not await self._authenticate(reader, writer):
+                return
             while True:
                 try:
                     header = await reader.readexactly(HEADER.size)
@@ -306,10 +381,12 @@ class Agent:
                         deadline = time.monotonic() + self.options.claim_wait_s
                         while not self.holds.known(req) and time.monotonic() < deadline:
                             await asyncio.sleep(0.005)
-                    if self.holds.claim(req, owner, hold_s):
+                    limit = self.options.max_claims_per_connection
+                    if self.holds.claim(req, owner, hold_s, max_owned=limit):
                         reply = {"ok": True, "hold_ms": int(hold_s * 1000)}
                     else:
-                        reply = {"ok": False, "error": f"request {req} holds no blocks here (finished or expired)"}
+                        reply = {"ok": False, "error": f"request {req} holds no blocks here (finished or expired), "
+                                                       f"or this connection holds {limit} claims already"}
                 else:
                     reply = {"ok": self.holds.done(message["req"], owner)}
                     if reply["ok"]:
@@ -321,6 +398,7 @@ class Agent:
             pass
         finally:
             self._conns.discard(writer)
+            self._handshaking.pop(writer, None)
             gone = self.holds.drop_owner(owner)
             if gone:
                 log.warning("side channel closed with requests %s claimed: their blocks are released", gone)
@@ -345,7 +423,22 @@ class Agent:
 
     async def _connect(self, host: str, port: int) -> _Peer:
         timeout_s = self.options.link_timeout_ms / 1000
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(HANDSHAKE_ATTEMPTS):
+            left = max(0.0, deadline - time.monotonic())
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), left)
+            if self._secret is None:
+                break
+            try:
+                await asyncio.wait_for(vllm_auth.dial(reader, writer, self._secret), deadline - time.monotonic())
+                break
+            except vllm_auth.HandshakeClosed:  # a flood at the prefill may have evicted us: try again
+                writer.transport.abort()
+                if attempt == HANDSHAKE_ATTEMPTS - 1 or time.monotonic() >= deadline:
+                    raise
+            except BaseException:
+                writer.transport.abort()
+                raise
         peer = _Peer(reader, writer)
         peer.task = asyncio.ensure_future(peer.read_replies())
         try:
@@ -404,6 +497,7 @@ class Agent:
             self.pulls.end(req_id, ok, error)
             seconds = time.monotonic() - started
             self.record("pull", req=req_id, ok=ok, error=error, seconds=seconds, blocks=len(local),
+                        authenticated=self._secret is not None,
                         bytes=len(local) * (self.layout.block_bytes * self.layout.tensors if self.layout else 0))
             if claimed and peer is not None:
                 with contextlib.suppress(Exception):

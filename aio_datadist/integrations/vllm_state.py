@@ -49,11 +49,15 @@ class PrefillHolds:
         with self._lock:
             return req_id in self._held
 
-    def claim(self, req_id: str, owner: Hashable, hold_s: float) -> bool:
-        """Keep ``req_id`` for ``owner`` (at most ``hold_s`` from now); False if not held (any more)."""
+    def claim(self, req_id: str, owner: Hashable, hold_s: float, max_owned: int | None = None) -> bool:
+        """Keep ``req_id`` for ``owner`` (at most ``hold_s`` from now); False if not held (any more), held
+        by another owner, or if ``owner`` holds ``max_owned`` other requests already."""
         with self._lock:
             held = self._held.get(req_id)
             if held is None or (held.owner is not None and held.owner != owner):
+                return False
+            if (max_owned is not None and held.owner is None
+                    and sum(1 for h in self._held.values() if h.owner == owner) >= max_owned):
                 return False
             held.owner = owner
             held.deadline = self._clock() + hold_s

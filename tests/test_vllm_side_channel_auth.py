@@ -1,0 +1,229 @@
+"""The vLLM connector's side channel with a shared secret, against peers in other processes.
+
+The prefill and the honest decode are the connector's worker agents (as in
+``test_vllm_connector_logic.py``); the attacker is
+``tests/vllm_side_channel_peer.py`` in a process of its own, over real
+loopback sockets: no secret, a wrong secret, a replayed recording, a flood
+of silent connections, frame headers that lie.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from aio_datadist import LLMException
+from aio_datadist.integrations.vllm_agent import (
+    MAX_PENDING_HANDSHAKES,
+    SECRET_ENV,
+    Agent,
+    AgentOptions,
+    kv_layout,
+)
+from aio_datadist.integrations.vllm_wire import RemotePrefill
+
+LAYERS, BLOCKS, BLOCK_TOKENS, HEADS, DIM = 2, 8, 4, 2, 8
+SECRET = "side-channel-test-secret"
+PEER = str(Path(__file__).with_name("vllm_side_channel_peer.py"))
+
+
+def _kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    shape = (2, BLOCKS, HEADS, BLOCK_TOKENS, DIM)
+    return {f"layers.{i}": (torch.randn(shape, generator=gen) if gen else torch.zeros(shape)).to(torch.bfloat16)
+            for i in range(LAYERS)}
+
+
+@pytest.fixture
+def agents():
+    made: list[Agent] = []
+
+    def make(producer: bool, **options: object) -> tuple[Agent, dict[str, torch.Tensor]]:
+        agent = Agent(producer, not producer, "engine-p" if producer else "engine-d",
+                      AgentOptions(**options))  # type: ignore[arg-type]
+        made.append(agent)
+        caches = _kv_caches(1 if producer else None)
+        tensors, layout, _ = kv_layout(caches, BLOCKS, BLOCK_TOKENS)
+        agent.register(tensors, layout)
+        return agent, caches
+
+    yield make
+    for agent in made:
+        agent.close()
+
+
+def _peer(*args: object, timeout_s: float = 30) -> dict:
+    done = subprocess.run([sys.executable, PEER, *map(str, args)], capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _pull(decode: Agent, host: str, port: int, req: str, timeout_s: float = 20) -> tuple[bool, float]:
+    """The honest decode pulls ``req``'s blocks 5 and 2 into its blocks 1 and 6: (ok, seconds)."""
+    started = time.monotonic()
+    decode.start_pull(f"d-{req}", RemotePrefill("engine-p", req, host, port, (5, 2), 2 * BLOCK_TOKENS), [1, 6])
+    while decode.pulls.pending():
+        assert time.monotonic() - started < timeout_s, "the honest pull did not finish"
+        time.sleep(0.01)
+    finished, failed, _ = decode.pulls.take_finished()
+    assert finished == {f"d-{req}"}
+    return not failed, time.monotonic() - started
+
+
+def _landed(p_kv: dict[str, torch.Tensor], d_kv: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(d_kv[n][kv][[1, 6]], p_kv[n][kv][[5, 2]]) for n in p_kv for kv in range(2))
+
+
+def _still_held(prefill: Agent, *reqs: str) -> bool:
+    held = prefill.holds.held
+    return set(held) == set(reqs) and all(h.owner is None for h in held.values()) \
+        and not prefill.holds.take_released()
+
+
+def _sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # closed meanwhile
+            pass
+    return count
+
+
+def _wait(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_peer_without_the_secret_can_neither_claim_nor_release(agents) -> None:
+    prefill, p_kv = agents(True, shared_secret=SECRET)
+    decode, d_kv = agents(False, shared_secret=SECRET)
+    prefill.holds.add("r1", lease_s=60)
+    host, port = prefill.side_channel
+    plain = _peer("plain", host, port, "r1")
+    assert plain == {"prefill_proved": None, "got": "", "closed": True}  # not one byte answered
+    wrong = _peer("secret", host, port, "r1", "another-secret")
+    assert wrong["prefill_proved"] is False and wrong["got"] == "" and wrong["closed"]
+    assert _still_held(prefill, "r1") and prefill.refusals == 2
+    ok, _ = _pull(decode, host, port, "r1")  # the honest decoder's claim still works
+    assert ok and _landed(p_kv, d_kv)
+    _wait(lambda: not prefill.holds.held)
+
+
+def test_a_replayed_handshake_is_refused(agents, tmp_path) -> None:
+    prefill, p_kv = agents(True, shared_secret=SECRET)
+    decode, d_kv = agents(False, shared_secret=SECRET)
+    prefill.holds.add("r1", lease_s=60)
+    host, port = prefill.side_channel
+    transcript = tmp_path / "c2s.bin"
+    relay = subprocess.Popen([sys.executable, PEER, "relay", host, str(port), str(transcript)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert relay.stdout is not None
+        relay_port = json.loads(relay.stdout.readline())["port"]
+        ok, _ = _pull(decode, "127.0.0.1", relay_port, "r1")  # through the sniffing relay
+        assert ok and _landed(p_kv, d_kv)
+        _wait(lambda: not prefill.holds.held)
+        decode.close()  # ends the recorded connection
+        relay.wait(10)
+    finally:
+        relay.kill()
+        relay.wait()
+        assert relay.stdout is not None
+        relay.stdout.close()
+    recorded = transcript.read_bytes()
+    assert len(recorded) > 40 + 32 + 2 * 4  # nonce, proof and at least the hello and claim frames
+    assert prefill.holds.take_released() == {"r1"}
+    prefill.holds.add("r1", lease_s=60)  # held again: the recorded claim and done name it
+    replayed = _peer("replay", host, port, transcript)
+    assert replayed["closed"] and len(bytes.fromhex(replayed["got"])) == 64  # a fresh nonce and proof, no more
+    assert _still_held(prefill, "r1") and prefill.refusals == 1
+
+
+def test_a_flood_of_silent_connections_does_not_block_an_honest_decoder(agents) -> None:
+    prefill, p_kv = agents(True, shared_secret=SECRET)
+    decode, d_kv = agents(False, shared_secret=SECRET)
+    prefill.holds.add("r1", lease_s=60)
+    host, port = prefill.side_channel
+    before = _sockets()
+    flood = subprocess.Popen([sys.executable, PEER, "flood", host, str(port), "300"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout is not None and flood.stdin is not None
+        assert json.loads(flood.stdout.readline())["opened"] >= 250
+        ok, seconds = _pull(decode, host, port, "r1")  # while new silent connections keep coming
+        assert ok and _landed(p_kv, d_kv) and seconds < 10
+        # of 300 and more, the flood holds at most MAX_PENDING_HANDSHAKES of ours; the rest are the
+        # honest decode's side channel and link (14 sockets, both ends in this process)
+        assert _sockets() - before <= MAX_PENDING_HANDSHAKES + 20, (before, _sockets())
+        flood.stdin.close()
+        total = json.loads(flood.stdout.readline())["opened"]
+        flood.wait(10)
+    finally:
+        flood.kill()
+        flood.wait()
+        for pipe in (flood.stdin, flood.stdout):
+            if pipe is not None:
+                pipe.close()
+    assert prefill.refusals >= total - MAX_PENDING_HANDSHAKES - 1 >= 250
+    _wait(lambda: not prefill.holds.held)
+
+
+def test_frames_that_lie_about_their_size_are_dropped_and_release_nothing(agents) -> None:
+    prefill, p_kv = agents(True, shared_secret=SECRET, link_timeout_ms=1000)  # the handshake's time limit
+    decode, d_kv = agents(False, shared_secret=SECRET)
+    prefill.holds.add("r1", lease_s=60)
+    prefill.holds.add("r2", lease_s=60)
+    host, port = prefill.side_channel
+    unauthenticated = _peer("lie", host, port, "-")  # too short for the handshake: timed out, unanswered
+    assert all(seen == {"got": "", "closed": True} for seen in unauthenticated.values()), unauthenticated
+    authenticated = _peer("lie", host, port, SECRET)  # a buggy peer with the secret
+    for name, seen in authenticated.items():
+        assert seen["closed"], name
+        if name != "short_body":  # a header out of bounds is answered with the error, then the connection ends
+            assert b"'header'" in bytes.fromhex(seen["got"]), name
+    assert _still_held(prefill, "r1", "r2")
+    ok, _ = _pull(decode, host, port, "r1")
+    assert ok and _landed(p_kv, d_kv)
+    _wait(lambda: set(prefill.holds.held) == {"r2"})
+
+
+def test_the_secret_option_env_and_warning(monkeypatch, caplog) -> None:
+    monkeypatch.setenv(SECRET_ENV, "from-env")
+    assert AgentOptions.from_extra({}).shared_secret == "from-env"
+    assert AgentOptions.from_extra({"shared_secret": "from-config"}).shared_secret == "from-config"  # config wins
+    assert "from-config" not in repr(AgentOptions.from_extra({"shared_secret": "from-config"}))
+    monkeypatch.delenv(SECRET_ENV)
+    assert AgentOptions.from_extra({}).shared_secret == ""
+    with pytest.raises(LLMException, match="max_claims_per_connection"):
+        AgentOptions.from_extra({"max_claims_per_connection": 0})
+    agent = Agent(True, False, "engine-p", AgentOptions())
+    try:
+        with caplog.at_level(logging.WARNING, logger="aio_datadist.integrations.vllm"):
+            tensors, layout, _ = kv_layout(_kv_caches(None), BLOCKS, BLOCK_TOKENS)
+            agent.register(tensors, layout)
+    finally:
+        agent.close()
+    assert [r.message for r in caplog.records].count(next(
+        r.message for r in caplog.records if "unauthenticated" in r.message)) == 1
+
+
+def test_a_connection_holds_at_most_its_claim_limit(agents) -> None:
+    prefill, _ = agents(True, shared_secret=SECRET, max_claims_per_connection=2)
+    for req in ("r1", "r2", "r3"):
+        prefill.holds.add(req, lease_s=60)
+    host, port = prefill.side_channel
+    replies = _peer("claims", host, port, SECRET, "r1", "r2", "r3", "r1")["replies"]
+    assert [r["ok"] for r in replies] == [True, True, False, True]  # r1 again: its own claim
+    assert "2 claims" in replies[2]["error"]
+    _wait(lambda: set(prefill.holds.held) == {"r3"})  # its connection closed: its two claims are freed
