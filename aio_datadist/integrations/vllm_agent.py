@@ -232,7 +232,7 @@ class Agent:
         self._server: asyncio.Server | None = None
         self._peers: dict[tuple[str, int], asyncio.Task] = {}
         self._conns: set[asyncio.StreamWriter] = set()
-        self._handshaking: dict[asyncio.StreamWriter, None] = {}  # oldest first
+        self._handshaking: dict[asyncio.StreamWriter, bool] = {}  # oldest first; True once it sent its hello
         self._secret = options.shared_secret.encode() if options.shared_secret else None
         self._refused = 0
         self._refusal_logged = -REFUSAL_LOG_EVERY_S
@@ -335,12 +335,19 @@ class Agent:
         """The handshake, bounded in time and in how many run at once; False: the connection is refused."""
         assert self._secret is not None
         if len(self._handshaking) >= MAX_PENDING_HANDSHAKES:
-            oldest = next(iter(self._handshaking))
-            del self._handshaking[oldest]
-            oldest.transport.abort()
-        self._handshaking[writer] = None
+            # the oldest that has said nothing yet (a flood of silent connections never pushes out a decode
+            # that sent its hello), else the oldest
+            victim = next((w for w, spoke in self._handshaking.items() if not spoke), next(iter(self._handshaking)))
+            del self._handshaking[victim]
+            victim.transport.abort()
+        self._handshaking[writer] = False
+
+        def spoke() -> None:
+            if writer in self._handshaking:
+                self._handshaking[writer] = True
+
         try:
-            await asyncio.wait_for(vllm_auth.accept(reader, writer, self._secret),
+            await asyncio.wait_for(vllm_auth.accept(reader, writer, self._secret, spoke),
                                    self.options.link_timeout_ms / 1000)
             return True
         except (vllm_auth.AuthError, OSError, TimeoutError) as exc:

@@ -25,6 +25,7 @@ import asyncio
 import hashlib
 import hmac
 import os
+from collections.abc import Callable
 
 __all__ = ["MAGIC", "NONCE_BYTES", "PROOF_BYTES", "HELLO_BYTES", "AuthError", "HandshakeClosed", "proof", "dial",
            "accept"]
@@ -55,7 +56,7 @@ async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secre
     writer.write(MAGIC + nonce)
     try:
         answer = await reader.readexactly(NONCE_BYTES + PROOF_BYTES)
-    except asyncio.IncompleteReadError:
+    except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError):  # closed, or aborted (a reset)
         raise HandshakeClosed("the prefill closed the side channel during the handshake "
                         "(no shared_secret there, or another one)") from None
     theirs, their_proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
@@ -64,17 +65,22 @@ async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secre
     writer.write(proof(secret, b"decode", theirs, nonce))
 
 
-async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes) -> None:
+async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
+                 spoke: Callable[[], None] | None = None) -> None:
     """The prefill's half: raises :class:`AuthError` unless the decode proves ``secret``.
 
     The caller bounds it in time; it reads exactly :data:`HELLO_BYTES` and
-    then :data:`PROOF_BYTES`, whatever the peer sends.
+    then :data:`PROOF_BYTES`, whatever the peer sends. ``spoke`` is called once
+    the decode's first message arrived (the server prefers to drop connections
+    that said nothing yet).
     """
     try:
         hello = await reader.readexactly(HELLO_BYTES)
         if not hmac.compare_digest(hello[:len(MAGIC)], MAGIC):
             raise AuthError("not the side-channel handshake (no shared_secret at the decode?)")
         theirs = hello[len(MAGIC):]
+        if spoke is not None:
+            spoke()
         nonce = os.urandom(NONCE_BYTES)
         writer.write(nonce + proof(secret, b"prefill", theirs, nonce))
         their_proof = await reader.readexactly(PROOF_BYTES)
