@@ -88,6 +88,9 @@ LOCAL_VS_MEMCPY = ">= 0.8x"
 LATENCY_VS_RTT = "<= 2x"
 METRICS_COST = "<= 1.02x"
 METRICS_BLOCKS = 10  # alternating off/on blocks per round of the metrics a/b case
+#: Samples per side and round of the metrics a/b case: the effect is ~1% of a 1-block pull, so it needs
+#: several times the latency rows' samples to stand out of the noise (standard error of a p50 ~0.7% here).
+METRICS_SAMPLES = 500
 RSS_FLAT = "< 0.05x"  # growth against one request: a buffer of 1/20 of it would show
 
 CONCURRENT = 64
@@ -217,6 +220,20 @@ def metrics_available() -> bool:
 
 
 _EXPORTER: Any = None
+
+
+def observer_cost_us(calls: int = 100_000) -> float:
+    """What the Prometheus observer costs per finished transfer and end, timed alone, in us."""
+    from aio_datadist.metrics import _Observer
+    from aio_datadist.stats import Outcome
+    from aio_datadist.status import LLMStatusCode
+
+    observer = _Observer("0")
+    ok, success = Outcome.OK, LLMStatusCode.LLM_SUCCESS
+    start = time.perf_counter()
+    for _ in range(calls):
+        observer.transfer(0, "pull", "tcp", 2 << 20, 0.0005, ok, success)
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def _metrics_on(dds: Any, on: bool) -> None:
@@ -404,7 +421,8 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], plan: Plan, gloo
                             for block in range(METRICS_BLOCKS):
                                 for on in ((False, True) if block % 2 == 0 else (True, False)):
                                     await dec.metrics(on)
-                                    samples = await dec.pull(transport, count, max(1, n // METRICS_BLOCKS), w)
+                                    per_block = max(1, max(n, METRICS_SAMPLES) // METRICS_BLOCKS)
+                                    samples = await dec.pull(transport, count, per_block, w)
                                     res.add(("pull+metrics" if on else "pull, metrics a/b", transport, str(count)),
                                             nbytes, samples)
                             await dec.metrics(False)
@@ -546,10 +564,19 @@ def _latency_table(res: Results, geometry: KvGeometry, machine: str, mode: str) 
             m, bare = res.m("pull+metrics", transport, "1"), res.m("pull, metrics a/b", transport, "1")
             table.add(f"pull_blocks {LABEL[transport]} p50, Prometheus metrics on", "1 blk", m.p50_us, "us",
                       baseline="the same pull, metrics off", baseline_value=bare.p50_us, target=METRICS_COST)
+        each_us = observer_cost_us()
+        for transport in TRANSPORTS:
+            bare = res.m("pull, metrics a/b", transport, "1")
+            table.add(f"pull_blocks {LABEL[transport]} p50 + the observer's cost at both ends", "1 blk",
+                      bare.p50_us + 2 * each_us, "us", baseline="the same pull, metrics off",
+                      baseline_value=bare.p50_us, target=METRICS_COST)
     table.note(f"{raw.summary.n} samples per case; ratios above 1 are slower than raw TCP; push_blocks for "
                "information (timed in the PROMPT process); 'metrics on': both ends count every transfer in "
                "aio_datadist.metrics (counters and the latency histogram), against the same pull with them off, "
-               f"in {METRICS_BLOCKS} alternating blocks per round"
+               f"in {METRICS_BLOCKS} alternating blocks per round ({METRICS_SAMPLES} samples per side and round); "
+               "the rows '+ the observer's cost' add what counting one transfer costs (timed alone, 100,000 "
+               "calls) twice, once per end: the a/b rows scatter by a few percent from run to run here, more "
+               "than the effect"
                + ("" if res.has("pull+metrics", TRANSPORTS[0], "1") else
                   "; no metrics rows: prometheus_client is not installed (pip install 'aio_datadist[metrics]')"))
     return table
