@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 
 import pytest
 import torch
 
 from aio_datadist import LLMException, LLMStatusCode
-from aio_datadist.integrations.vllm_agent import Agent, AgentOptions, kv_layout
+from aio_datadist.integrations.vllm_agent import kv_layout
 from aio_datadist.integrations.vllm_state import DecodePulls, PrefillHolds
 from aio_datadist.integrations.vllm_wire import (
     MAX_FRAME,
@@ -28,8 +27,11 @@ from aio_datadist.integrations.vllm_wire import (
     parse_transfer_params,
     transfer_params,
 )
+import _vllm_agents
+from _vllm_agents import BLOCK_TOKENS, BLOCKS, DIM, HEADS, LAYERS, kv_caches, wait
 
-LAYERS, BLOCKS, BLOCK_TOKENS, HEADS, DIM = 3, 16, 8, 2, 16
+agents = _vllm_agents.agents  # the fixture
+
 
 
 def _params(**change: object) -> dict:
@@ -116,15 +118,9 @@ def test_decode_pulls_report_only_stopped_pulls() -> None:
     assert pulls.pending() == set()
 
 
-def _kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    shape = (2, BLOCKS, HEADS, BLOCK_TOKENS, DIM)  # vLLM's (K/V, blocks, ...) per layer
-    return {f"layers.{i}": (torch.randn(shape, generator=gen) if gen else torch.zeros(shape)).to(torch.bfloat16)
-            for i in range(LAYERS)}
-
 
 def test_kv_layout_splits_k_and_v_and_refuses_other_shapes() -> None:
-    tensors, layout, per_layer = kv_layout(_kv_caches(0), BLOCKS, BLOCK_TOKENS)
+    tensors, layout, per_layer = kv_layout(kv_caches(0), BLOCKS, BLOCK_TOKENS)
     assert per_layer == 2 and layout.tensors == 2 * LAYERS and layout.num_blocks == BLOCKS
     assert layout.block_bytes == HEADS * BLOCK_TOKENS * DIM * 2 and all(t.shape[0] == BLOCKS for t in tensors)
     with pytest.raises(LLMException, match="blocks outermost"):
@@ -133,29 +129,6 @@ def test_kv_layout_splits_k_and_v_and_refuses_other_shapes() -> None:
         kv_layout({"l0": torch.zeros(4, BLOCKS).t()}, BLOCKS, BLOCK_TOKENS)
 
 
-def _wait(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-@pytest.fixture
-def agents():
-    made: list[Agent] = []
-
-    def make(producer: bool, **options: object) -> tuple[Agent, dict[str, torch.Tensor]]:
-        agent = Agent(producer, not producer, "engine-p" if producer else "engine-d",
-                      AgentOptions(**options))  # type: ignore[arg-type]
-        made.append(agent)
-        caches = _kv_caches(1 if producer else None)
-        tensors, layout, _ = kv_layout(caches, BLOCKS, BLOCK_TOKENS)
-        agent.register(tensors, layout)
-        return agent, caches
-
-    yield make
-    for agent in made:
-        agent.close()
 
 
 def test_a_decode_pulls_held_blocks_and_the_prefill_frees_them(agents) -> None:
@@ -166,13 +139,13 @@ def test_a_decode_pulls_held_blocks_and_the_prefill_frees_them(agents) -> None:
     remote = parse_transfer_params(transfer_params(engine_id="engine-p", request_id="r1", host=host, port=port,
                                                    block_ids=[5, 3, 11], num_tokens=3 * BLOCK_TOKENS))
     decode.start_pull("d1", remote, [2, 7])  # a local prefix-cache hit covered the first block: the tail moves
-    _wait(lambda: not decode.pulls.pending())
+    wait(lambda: not decode.pulls.pending())
     assert decode.pulls.take_finished() == ({"d1"}, set(), set())
     for name in p_kv:
         for k_or_v in range(2):
             assert torch.equal(d_kv[name][k_or_v][[2, 7]], p_kv[name][k_or_v][[3, 11]])
             assert not d_kv[name][k_or_v][[0, 1, 3]].any()  # nothing else written
-    _wait(lambda: prefill.holds.take_released() == {"r1"})
+    wait(lambda: prefill.holds.take_released() == {"r1"})
 
 
 def test_an_unheld_request_fails_its_pull_and_writes_nothing(agents) -> None:
@@ -182,7 +155,7 @@ def test_an_unheld_request_fails_its_pull_and_writes_nothing(agents) -> None:
     remote = parse_transfer_params(transfer_params(engine_id="engine-p", request_id="gone", host=host, port=port,
                                                    block_ids=[1], num_tokens=BLOCK_TOKENS))
     decode.start_pull("d2", remote, [4])
-    _wait(lambda: not decode.pulls.pending())
+    wait(lambda: not decode.pulls.pending())
     assert decode.pulls.take_finished() == ({"d2"}, {"d2"}, {4})  # reported failed: vLLM recomputes
     assert not any(t.any() for t in d_kv.values())
 
@@ -200,4 +173,4 @@ def test_a_bad_frame_ends_the_connection_and_frees_its_claims(agents) -> None:
             data += chunk
         error = decode_reply(data[4:], "claim")
         assert not error["ok"] and "'frame'" in error["error"]
-    _wait(lambda: prefill.holds.take_released() == {"r9"})  # the claimer is gone: its blocks are freed
+    wait(lambda: prefill.holds.take_released() == {"r9"})  # the claimer is gone: its blocks are freed

@@ -29,35 +29,15 @@ from aio_datadist.integrations.vllm_agent import (
     kv_layout,
 )
 from aio_datadist.integrations.vllm_wire import RemotePrefill
+import _vllm_agents
+from _vllm_agents import BLOCK_TOKENS, BLOCKS, kv_caches, wait
 
-LAYERS, BLOCKS, BLOCK_TOKENS, HEADS, DIM = 2, 8, 4, 2, 8
+agents = _vllm_agents.agents  # the fixture
+
 SECRET = "side-channel-test-secret"
 PEER = str(Path(__file__).with_name("vllm_side_channel_peer.py"))
 
 
-def _kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    shape = (2, BLOCKS, HEADS, BLOCK_TOKENS, DIM)
-    return {f"layers.{i}": (torch.randn(shape, generator=gen) if gen else torch.zeros(shape)).to(torch.bfloat16)
-            for i in range(LAYERS)}
-
-
-@pytest.fixture
-def agents():
-    made: list[Agent] = []
-
-    def make(producer: bool, **options: object) -> tuple[Agent, dict[str, torch.Tensor]]:
-        agent = Agent(producer, not producer, "engine-p" if producer else "engine-d",
-                      AgentOptions(**options))  # type: ignore[arg-type]
-        made.append(agent)
-        caches = _kv_caches(1 if producer else None)
-        tensors, layout, _ = kv_layout(caches, BLOCKS, BLOCK_TOKENS)
-        agent.register(tensors, layout)
-        return agent, caches
-
-    yield make
-    for agent in made:
-        agent.close()
 
 
 def _peer(*args: object, timeout_s: float = 30) -> dict:
@@ -98,12 +78,6 @@ def _sockets() -> int:
     return count
 
 
-def _wait(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
 
 def test_a_peer_without_the_secret_can_neither_claim_nor_release(agents) -> None:
     prefill, p_kv = agents(True, shared_secret=SECRET)
@@ -117,7 +91,7 @@ def test_a_peer_without_the_secret_can_neither_claim_nor_release(agents) -> None
     assert _still_held(prefill, "r1") and prefill.refusals == 2
     ok, _ = _pull(decode, host, port, "r1")  # the honest decoder's claim still works
     assert ok and _landed(p_kv, d_kv)
-    _wait(lambda: not prefill.holds.held)
+    wait(lambda: not prefill.holds.held)
 
 
 def test_a_replayed_handshake_is_refused(agents, tmp_path) -> None:
@@ -133,7 +107,7 @@ def test_a_replayed_handshake_is_refused(agents, tmp_path) -> None:
         relay_port = json.loads(relay.stdout.readline())["port"]
         ok, _ = _pull(decode, "127.0.0.1", relay_port, "r1")  # through the sniffing relay
         assert ok and _landed(p_kv, d_kv)
-        _wait(lambda: not prefill.holds.held)
+        wait(lambda: not prefill.holds.held)
         decode.close()  # ends the recorded connection
         relay.wait(10)
     finally:
@@ -176,7 +150,7 @@ def test_a_flood_of_silent_connections_does_not_block_an_honest_decoder(agents) 
             if pipe is not None:
                 pipe.close()
     assert prefill.refusals >= total - MAX_PENDING_HANDSHAKES - 1 >= 250
-    _wait(lambda: not prefill.holds.held)
+    wait(lambda: not prefill.holds.held)
 
 
 def test_frames_that_lie_about_their_size_are_dropped_and_release_nothing(agents) -> None:
@@ -195,7 +169,7 @@ def test_frames_that_lie_about_their_size_are_dropped_and_release_nothing(agents
     assert _still_held(prefill, "r1", "r2")
     ok, _ = _pull(decode, host, port, "r1")
     assert ok and _landed(p_kv, d_kv)
-    _wait(lambda: set(prefill.holds.held) == {"r2"})
+    wait(lambda: set(prefill.holds.held) == {"r2"})
 
 
 def test_the_secret_option_env_and_warning(monkeypatch, caplog) -> None:
@@ -210,7 +184,7 @@ def test_the_secret_option_env_and_warning(monkeypatch, caplog) -> None:
     agent = Agent(True, False, "engine-p", AgentOptions())
     try:
         with caplog.at_level(logging.WARNING, logger="aio_datadist.integrations.vllm"):
-            tensors, layout, _ = kv_layout(_kv_caches(None), BLOCKS, BLOCK_TOKENS)
+            tensors, layout, _ = kv_layout(kv_caches(None), BLOCKS, BLOCK_TOKENS)
             agent.register(tensors, layout)
     finally:
         agent.close()
@@ -226,4 +200,4 @@ def test_a_connection_holds_at_most_its_claim_limit(agents) -> None:
     replies = _peer("claims", host, port, SECRET, "r1", "r2", "r3", "r1")["replies"]
     assert [r["ok"] for r in replies] == [True, True, False, True]  # r1 again: its own claim
     assert "2 claims" in replies[2]["error"]
-    _wait(lambda: set(prefill.holds.held) == {"r3"})  # its connection closed: its two claims are freed
+    wait(lambda: set(prefill.holds.held) == {"r3"})  # its connection closed: its two claims are freed
