@@ -121,11 +121,6 @@ class PrometheusMetrics:
                 dd._endpoint.observers.remove(entry[1])
             self._retired.append(entry[1])
 
-    def endpoints(self) -> list[LLMDataDist]:
-        """The endpoints watched (those still alive)."""
-        with self._lock:
-            return [dd for ref, _ in self._watched.values() if (dd := ref()) is not None]
-
     def _sources(self) -> tuple[list[tuple[LLMDataDist | None, _Observer]], list[_Observer]]:
         with self._lock:
             return [(ref(), obs) for ref, obs in self._watched.values()], list(self._retired)
