@@ -52,6 +52,8 @@ cdef cppclass IoJob:
     size_t pos
     uint64_t moved
     uint64_t total
+    char *gate  # a gated receive: its first segment is an answer header, checked before the rest
+    uint64_t gate_id  # the request id the header must name
 
 
 cdef cppclass FdState:
@@ -110,6 +112,7 @@ cdef class SocketEngine:
     cdef vector[IoCommand] _commands
     cdef unordered_map[int, FdState *] _fds
     cdef unordered_map[uint64_t, IoJob *] _jobs
+    cdef unordered_map[int, size_t] _busy_sends  # send jobs the thread holds, per fd (under _lock)
     cdef void _run(self) noexcept nogil
     cdef void _apply(self, IoCommand cmd) noexcept nogil
     cdef void _progress(self, int fd, FdState *st, bint sending) noexcept nogil

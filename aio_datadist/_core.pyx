@@ -21,7 +21,7 @@ from cpython cimport array
 from cython.operator cimport dereference as deref, preincrement as inc
 from libc.errno cimport errno, EAGAIN, EINTR
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 from libcpp.vector cimport vector
 from posix.uio cimport iovec, readv, writev
 
@@ -60,6 +60,9 @@ CONNECTION_LOST = -ECONNRESET
 
 cdef array.array _U64 = _pyarray.array("Q")
 cdef uint64_t _MIN_SPLIT = 1 << 20
+#: The size of the answer header a gated receive starts with (``SocketEngine.submit_recv_gated``).
+cdef uint64_t GATE_BYTES_C = 24
+GATE_BYTES = GATE_BYTES_C
 cdef uint64_t _CANCEL_STEP = 1 << 20
 
 _live = {"CompletionQueue": 0, "HostCopyEngine": 0, "SocketEngine": 0, "StreamNotifier": 0, "_HostFnLine": 0,
@@ -424,6 +427,40 @@ DEF CMD_STOP = 4
 DEF MAX_EVENTS = 64
 
 
+cdef void _consume(IoJob *job, ssize_t r) noexcept nogil:
+    """Advance ``job`` past ``r`` bytes moved."""
+    job.moved += r
+    while r > 0:
+        if <size_t>r >= job.iov[job.pos].iov_len:
+            r -= job.iov[job.pos].iov_len
+            job.iov[job.pos].iov_len = 0
+            job.pos += 1
+        else:
+            job.iov[job.pos].iov_base = <char *>job.iov[job.pos].iov_base + r
+            job.iov[job.pos].iov_len -= r
+            r = 0
+
+
+cdef int _send_now(IoJob *job) noexcept nogil:
+    """Write what the socket takes of a send job now: 1 all of it, 0 the socket is full, else -errno."""
+    cdef ssize_t r
+    cdef int cnt, err
+    cdef size_t left
+    while job.pos < job.iov.size():
+        left = job.iov.size() - job.pos
+        cnt = IOV_MAX if left > <size_t>IOV_MAX else <int>left
+        r = writev(job.fd, &job.iov[job.pos], cnt)
+        if r < 0:
+            err = errno
+            if err == EINTR:
+                continue
+            if err == EAGAIN:
+                return 0
+            return -err
+        _consume(job, r)
+    return 1
+
+
 cdef void *_io_main(void *arg) noexcept nogil:
     (<SocketEngine>arg)._run()
     return NULL
@@ -496,9 +533,12 @@ cdef class SocketEngine:
         write(self._wakefd, &one, 8)
         return ticket
 
-    def _submit(self, uint64_t token, int fd, bint is_send, const uint64_t[::1] pairs):
+    def _submit(self, uint64_t token, int fd, bint is_send, const uint64_t[::1] pairs, bint gated=False,
+                bint inline=False, uint64_t gate_id=0):
         cdef size_t n = pairs.shape[0]
         cdef size_t i
+        cdef int sent
+        cdef bint busy
         cdef iovec v
         cdef IoJob *job
         cdef IoCommand cmd
@@ -515,6 +555,13 @@ cdef class SocketEngine:
         job.pos = 0
         job.moved = 0
         job.total = 0
+        job.gate = NULL
+        if gated:
+            if n < 2 or pairs[1] != GATE_BYTES_C:
+                del job
+                raise ValueError(f"a gated receive starts with its {GATE_BYTES}-byte header")
+            job.gate = <char *>pairs[0]
+            job.gate_id = gate_id
         with nogil:
             i = 0
             while i < n:
@@ -524,16 +571,31 @@ cdef class SocketEngine:
                 if v.iov_len == 0:
                     continue
                 job.total += v.iov_len
-                if job.iov.size() > 0 and <char *>job.iov.back().iov_base + job.iov.back().iov_len == <char *>v.iov_base:
+                if (job.iov.size() > 0 and (job.gate == NULL or job.iov.size() > 1)
+                        and <char *>job.iov.back().iov_base + job.iov.back().iov_len == <char *>v.iov_base):
                     job.iov[job.iov.size() - 1].iov_len += v.iov_len
                 else:
                     job.iov.push_back(v)
+        if inline and job.total > 0:
+            pthread_mutex_lock(&self._lock)
+            busy = self._busy_sends.count(fd) > 0 or self._jobs.count(token) > 0
+            pthread_mutex_unlock(&self._lock)
+            if not busy:  # nothing of ours is queued on the fd: write what the socket takes right here
+                with nogil:
+                    sent = _send_now(job)
+                if sent != 0:  # all of it written, or the socket failed: the job is over
+                    n = job.total
+                    self._queue.push(token, 0 if sent == 1 else sent, <int64_t>job.moved)
+                    del job
+                    return n
         pthread_mutex_lock(&self._lock)
         if self._jobs.count(token):
             pthread_mutex_unlock(&self._lock)
             del job
             raise ValueError(f"token {token} is already in use")
         self._jobs[token] = job
+        if is_send:
+            self._busy_sends[fd] += 1
         pthread_mutex_unlock(&self._lock)
         cmd.kind = CMD_SUBMIT
         cmd.job = job
@@ -542,13 +604,34 @@ cdef class SocketEngine:
         self._post(cmd)
         return job.total
 
-    def submit_send(self, uint64_t token, int fd, const uint64_t[::1] pairs not None):
-        """Queue a send of ``[addr0, n0, addr1, n1, ...]``; returns its byte count."""
-        return self._submit(token, fd, True, pairs)
+    def submit_send(self, uint64_t token, int fd, const uint64_t[::1] pairs not None, bint inline=False):
+        """Queue a send of ``[addr0, n0, addr1, n1, ...]``; returns its byte count.
+
+        ``inline``: when no earlier send job is queued on ``fd``, first write
+        what the socket takes now, in the calling thread (without the GIL);
+        the engine thread sends the rest. The bytes start at once, with no
+        hand-off to the engine thread in front of them. The record comes
+        through the queue as always, also for a job finished inline.
+        """
+        return self._submit(token, fd, True, pairs, False, inline)
 
     def submit_recv(self, uint64_t token, int fd, const uint64_t[::1] pairs not None):
         """Queue a receive into ``[addr0, n0, addr1, n1, ...]``; returns its byte count."""
         return self._submit(token, fd, False, pairs)
+
+    def submit_recv_gated(self, uint64_t token, int fd, const uint64_t[::1] pairs not None, uint64_t req_id):
+        """Queue a receive whose first segment is a ``GATE_BYTES`` answer header.
+
+        The header (``wire.ANSWER``: magic ``AIOA``, u32 status, u64 request
+        id, u64 total, little-endian) is read alone first. Unless it has the
+        magic, status 0, ``req_id`` and, as total, the size of the other
+        segments, the job ends there, successfully, with ``aux`` = the
+        header's size: nothing after the header is read, so no payload byte
+        lands, and a refusal (whose text follows) leaves the byte stream in
+        step. Otherwise the job goes on into the other segments. Returns the
+        byte count.
+        """
+        return self._submit(token, fd, False, pairs, True, False, req_id)
 
     def cancel(self, uint64_t token):
         """Cancel a job; its record carries ``CANCELLED``. Idempotent.
@@ -599,6 +682,13 @@ cdef class SocketEngine:
     cdef void _finish(self, IoJob *job, int32_t status) noexcept nogil:
         pthread_mutex_lock(&self._lock)
         self._jobs.erase(job.token)
+        if job.is_send:
+            it = self._busy_sends.find(job.fd)
+            if it != self._busy_sends.end():
+                if deref(it).second <= 1:
+                    self._busy_sends.erase(it)
+                else:
+                    deref(it).second -= 1
         pthread_mutex_unlock(&self._lock)
         self._queue.push(job.token, status, <int64_t>job.moved)
         del job
@@ -639,6 +729,8 @@ cdef class SocketEngine:
 
     cdef void _progress(self, int fd, FdState *st, bint sending) noexcept nogil:
         cdef IoJob *job
+        cdef int32_t gate_status
+        cdef uint64_t gate_total, gate_id
         cdef ssize_t r
         cdef int cnt, err
         cdef size_t left
@@ -654,6 +746,8 @@ cdef class SocketEngine:
             while job.pos < job.iov.size():
                 left = job.iov.size() - job.pos
                 cnt = IOV_MAX if left > <size_t>IOV_MAX else <int>left
+                if job.gate != NULL and job.pos == 0:
+                    cnt = 1  # the header alone: nothing past it is read before it is checked
                 if sending:
                     r = writev(fd, &job.iov[job.pos], cnt)
                 else:
@@ -669,16 +763,16 @@ cdef class SocketEngine:
                 if r == 0 and not sending:
                     self._fail_fd(fd, st, -ECONNRESET)
                     return
-                job.moved += r
-                while r > 0:
-                    if <size_t>r >= job.iov[job.pos].iov_len:
-                        r -= job.iov[job.pos].iov_len
-                        job.iov[job.pos].iov_len = 0
-                        job.pos += 1
-                    else:
-                        job.iov[job.pos].iov_base = <char *>job.iov[job.pos].iov_base + r
-                        job.iov[job.pos].iov_len -= r
-                        r = 0
+                _consume(job, r)
+                if job.gate != NULL and job.pos >= 1:
+                    memcpy(&gate_status, job.gate + 4, 4)
+                    memcpy(&gate_id, job.gate + 8, 8)
+                    memcpy(&gate_total, job.gate + 16, 8)
+                    if (memcmp(job.gate, b"AIOA", 4) != 0 or gate_status != 0 or gate_id != job.gate_id
+                            or gate_total != job.total - GATE_BYTES_C):
+                        job.gate = NULL
+                        break  # refused, or not the answer we asked for: the job ends after its header
+                    job.gate = NULL
             if sending:
                 st.sends.pop_front()
             else:

@@ -245,8 +245,13 @@ class Link:
         if wanted and self.on_request is not None and not self.closed and self.broken is None:
             self.on_request(self, msg, req_id, fields)
 
+    def posts(self, index: int) -> bool:
+        """Whether a receive can be posted on channel ``index`` ahead of its request (``ReqFlag.POSTED``):
+        a plain socket, which the native engine reads with a gated receive."""
+        return isinstance(self.channels[index].sock, socket.socket)
+
     def move(self, index: int, pairs: Any, *, send: bool, timeout_ms: int | None, what: str,
-             keepalive: Any, settled: asyncio.Future | None = None) -> asyncio.Future:
+             keepalive: Any, settled: asyncio.Future | None = None, gated: int = 0) -> asyncio.Future:
         """Start sending from (or receiving into) the ``[addr, nbytes, ...]`` runs ``pairs`` on data
         channel ``index``: the future of the bytes moved. Cancelling it stops the job; the channel is
         then out of step and must be reset. Plain channels run on the native SocketEngine, TLS ones
@@ -254,7 +259,11 @@ class Link:
 
         ``settled``, when given, gets a result once the job can no longer touch ``pairs``: when the
         engine reported it over (also after a cancel), or, on TLS, once the job's future is done (the
-        channel stops filling a job's memory the moment its future is done)."""
+        channel stops filling a job's memory the moment its future is done).
+
+        ``gated`` (a request id; plain sockets only, see :meth:`posts`): a receive whose first run is the
+        answer header (``wire.ANSWER``) to that request, checked before anything else is read
+        (``SocketEngine.submit_recv_gated``)."""
         conn = self.channels[index].sock
         if conn is None:
             raise LLMException(f"data channel {index} to cluster {self.remote_cluster_id} is down",
@@ -270,9 +279,17 @@ class Link:
             return fut
         fd = conn.fileno()
         engine = self.runtime.sockets
-        submit = engine.submit_send if send else engine.submit_recv
-        return self.runtime.completions.start(lambda t: submit(t, fd, pairs), engine.cancel, timeout_ms=timeout_ms,
-                                              what=what, keepalive=keepalive, settled=settled)
+        if send:  # inline: the first bytes leave from here, without waiting for the engine thread to wake
+            def submit(t: int) -> Any:
+                return engine.submit_send(t, fd, pairs, True)
+        elif gated:
+            def submit(t: int) -> Any:
+                return engine.submit_recv_gated(t, fd, pairs, gated)
+        else:
+            def submit(t: int) -> Any:
+                return engine.submit_recv(t, fd, pairs)
+        return self.runtime.completions.start(submit, engine.cancel, timeout_ms=timeout_ms, what=what,
+                                              keepalive=keepalive, settled=settled)
 
     # -- messages ----------------------------------------------------------
 

@@ -23,6 +23,7 @@ from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import plane, planes_for
 from aio_datadist.transport.base import Plane, Refusal, Served, meets
+from aio_datadist.transport.stream import refuse_posted
 from aio_datadist.types import UINT64_MAX
 from aio_datadist.wire import Done, Msg, ReqFlag, Target, TransferReq
 
@@ -47,7 +48,7 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any) -> 
         served = serve_plan(rt, link, msg, req)
     except Refusal as refusal:
         link.counters.refused(kind, link.transport, refusal.code)
-        link.send(Msg.RESP, req_id, status=refusal.code, total=0, cache_id=-1, row=-1, text=refusal.text)
+        _refuse(link, msg, req_id, req, refusal)
         return
     if msg is Msg.PUSH_LOCAL:  # the same-host plane's own request (its move_alone)
         plane("same-host").serve_alone(rt, link, req_id, req, served)
@@ -76,7 +77,7 @@ def _serve(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any, served: Ser
     counters = link.counters
     if refusal is not None:
         counters.refused(kind, transport, refusal.code)
-        link.send(Msg.RESP, req_id, status=refusal.code, total=0, cache_id=-1, row=-1, text=refusal.text)
+        _refuse(link, msg, req_id, req, refusal)
         return
     started = counters.begin(kind)
     total = served.total
@@ -91,6 +92,14 @@ def _serve(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any, served: Ser
     chosen.serve(rt, link, msg, req_id, req, served)
     if _trace.ON:
         _trace.mark("owner: answered")
+
+
+def _refuse(link: Link, msg: Msg, req_id: int, req: Any, refusal: Refusal) -> None:
+    """Refuse with ``RESP``, or on its channel a pull whose receive is posted there."""
+    if msg is Msg.PULL_REQ and req.flags & ReqFlag.POSTED and refuse_posted(link, req_id, req, refusal.code,
+                                                                              refusal.text):
+        return
+    link.send(Msg.RESP, req_id, status=refusal.code, total=0, cache_id=-1, row=-1, text=refusal.text)
 
 
 def _done(link: Link, req_id: int, done: Done) -> None:

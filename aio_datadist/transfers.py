@@ -4,7 +4,9 @@ A :class:`~aio_datadist.plans.Plan` names the local rows and the request
 for the owner. The requester sends the request once, on a data channel of
 its own, offering the fastest in-place plane that can carry it (NIXL, then
 same-host) besides the stream plane; the owner checks it (``owner.py``) and
-answers ``RESP``, naming a cache when it chose the in-place plane. The plane
+answers ``RESP``, naming a cache when it chose the in-place plane. A pull
+with no in-place plane to offer posts its receive first and takes its
+answer on the data channel (``StreamPlane.pull_posted``). The plane
 the owner chose then moves the bytes (``transport/``). A same-host push is
 the same-host plane's own request (its ``move_alone``), tried first.
 
@@ -25,6 +27,7 @@ from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport import plane, planes_for
 from aio_datadist.transport.base import Plane, Refused, Request, RequestState, meets
+from aio_datadist.transport.stream import PLANE as STREAM_PLANE
 from aio_datadist.wire import Msg, Resp
 
 if TYPE_CHECKING:
@@ -118,6 +121,14 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
             req.channel = await link.acquire()
             req.generation = link.channels[req.channel].generation
             req.req_id = link.new_req_id()
+            if pull and offered is None and not plan.local.on_device and link.posts(req.channel):
+                stream = STREAM_PLANE
+                await stream.pull_posted(link, plan, req, timeout_ms)
+                req.state = RequestState.DONE
+                req.release_channel()
+                if _trace.ON:
+                    _trace.mark("returned")
+                return stream.transport_on(link)
             answer = await _ask(link, req, plan, offered, timeout_ms, pull=pull)
             chosen = plane("staging" if plan.local.on_device else "stream")  # device memory goes through staging
             if answer.cache_id >= 0:  # the owner chose the in-place plane we offered

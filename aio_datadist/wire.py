@@ -16,15 +16,15 @@ import operator
 import struct
 from typing import Any
 
-__all__ = ["ATTACH", "ATTACH_OK", "HEADER", "MAX_BODY", "MAX_ROWS", "MAX_TEXT", "RECORDS", "VERSION", "Abort", "Auth",
-           "Done", "Empty", "Hello", "HelloAck", "LinkOk", "Msg", "NixlRecord", "ProtocolError", "PushLocalReq",
-           "Record", "ReqFlag", "Resp", "Target", "TransferReq", "decode", "encode", "encode_record", "fields_of",
-           "parse_header"]
+__all__ = ["ANSWER", "ANSWER_MAGIC", "ATTACH", "ATTACH_OK", "HEADER", "MAX_BODY", "MAX_ROWS", "MAX_TEXT", "RECORDS",
+           "VERSION", "Abort", "Auth", "Done", "Empty", "Hello", "HelloAck", "LinkOk", "Msg", "NixlRecord",
+           "ProtocolError", "PushLocalReq", "Record", "ReqFlag", "Resp", "Target", "TransferReq", "decode", "encode",
+           "encode_record", "fields_of", "parse_header"]
 
 MAGIC = b"AIOD"
-VERSION = 4  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
+VERSION = 5  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
 #             4: TransferReq.block_shape (blocks layouts are checked per request, not at link time),
-#                Auth.bilateral (a dial of LLMDataDist.link)
+#                Auth.bilateral (a dial of LLMDataDist.link); 5: ReqFlag.POSTED and the ANSWER header
 HEADER = struct.Struct("!4sBBHQI")
 MAX_BODY = 1 << 20
 MAX_ROWS = 65536
@@ -33,6 +33,15 @@ MAX_BLOB = 256 * 1024
 NONCE_BYTES = 32
 #: ``Abort.generation`` of an abort that names only the request (its channel was already replaced).
 NO_GENERATION = 0xFFFFFFFF
+
+
+#: The answer to a posted pull (``ReqFlag.POSTED``), on its data channel ahead of the bytes: magic, status
+#: (0: accepted; else the refusal's status code, as u32), request id, total (accepted: the bytes that follow;
+#: refused: the length of the refusal's UTF-8 text that follows, at most ``MAX_TEXT``). The requester's gated
+#: receive reads it before anything else and stops after it when the status is not 0 (``_core.GATE_BYTES``).
+#: An owner that cannot answer on the channel (one it does not hold in step) refuses with ``RESP``.
+ANSWER = struct.Struct("<4sIQQ")
+ANSWER_MAGIC = b"AIOA"
 
 
 class ProtocolError(Exception):
@@ -56,6 +65,7 @@ class ReqFlag(enum.IntFlag):
     EXACT = 4  # whole rows: offset + nbytes must be the row size
     LOCAL = 8  # the requester can copy through a same-host share
     NIXL = 16  # the requester can move the rows with NIXL
+    POSTED = 64  # the requester's receive is posted on the data channel: answer there (ANSWER), not with RESP
 
 
 class Msg(enum.IntEnum):

@@ -16,6 +16,13 @@ previous stage, and where it is spent:
 - ``job submitted -> job done``: the bytes (TCP: the owner's send and our
   receive; same-host: one copy) and the engine's completion reaching the loop;
 - ``job done -> returned``: the confirmation (``DONE``) and the return.
+
+A pull over a plain TCP channel posts its receive before the request goes
+out and takes the owner's answer on the channel (``ReqFlag.POSTED``): it
+has no ``answer read`` or ``job submitted`` marks, and ``owner: answered ->
+job done`` is the bytes. The last rows are the raw TCP round trip of the same
+bytes (a 32-byte request, the reply; ``benchmarks.baselines``), measured in
+stretches of 50 between the pulls, and the ratio of the two medians.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks._endpoints import blocks_desc, endpoint_options
+from benchmarks.baselines import TcpReplyPeer
 from benchmarks._peer import Peer
 from benchmarks._workload import KvGeometry
 
@@ -36,6 +44,7 @@ PROMPT_ID, DECODER_ID = 1, 2
 CACHE_BLOCKS = 64
 TIMEOUT_MS = 20_000
 WARMUP = 60
+RAW_EVERY = 50  # pulls between stretches of as many raw TCP round trips
 #: The stages of one pull in the order they happen (the owner's job may end before or after ours).
 ORDER = ("call", "planned", "request sent", "owner: request read", "owner: planned", "owner: answered",
          "answer read", "job submitted", "job done", "returned")
@@ -89,7 +98,7 @@ def _breakdown(mine: list[dict[str, int]], theirs: list[dict[str, int]]) -> list
     return [(name, statistics.median(values)) for name, values in rows.items()]
 
 
-async def _decoder(peer: Peer, transport: str, n: int) -> list[tuple[str, float]]:
+async def _decoder(peer: Peer, transport: str, n: int, blocks: int = 1) -> list[tuple[str, float]]:
     from aio_datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole, LLMStatusCode, _trace
 
     geometry = KvGeometry()
@@ -113,8 +122,14 @@ async def _decoder(peer: Peer, transport: str, n: int) -> list[tuple[str, float]
         _trace.take()
         peer.send("marks")
         await peer.recv_async(30.0)
-        for i in range(n):
-            await dd.kv_cache_manager.pull_blocks(key, cache, [i % CACHE_BLOCKS], [(i + 1) % CACHE_BLOCKS])
+        raw_us: list[float] = []
+        with TcpReplyPeer(geometry.request_bytes(blocks)) as raw:
+            for i in range(n):
+                if i % RAW_EVERY == 0:  # the baseline in alternating stretches, so drift hits both alike
+                    m = await asyncio.to_thread(raw.rtt, geometry.request_bytes(blocks), RAW_EVERY, warmup=2)
+                    raw_us.extend(t * 1e6 for t in m.samples)
+                src = [(i * blocks + j) % CACHE_BLOCKS for j in range(blocks)]
+                await dd.kv_cache_manager.pull_blocks(key, cache, src, [(b + 1) % CACHE_BLOCKS for b in src])
         await asyncio.sleep(0.05)
         mine = _runs(_trace.take(), "call")
         peer.send("marks")
@@ -122,26 +137,30 @@ async def _decoder(peer: Peer, transport: str, n: int) -> list[tuple[str, float]
         peer.send("exit")
         if len(mine) != n or len(theirs) != n:
             raise RuntimeError(f"expected {n} pulls of marks on each end, got {len(mine)} and {len(theirs)}")
-        return _breakdown(mine, theirs)
+        return [*_breakdown(mine, theirs), ("raw TCP round trip of the same bytes (baseline)",
+                                            statistics.median(raw_us))]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__.splitlines()[0])
     parser.add_argument("--transport", default="tcp,local", help="comma-separated: tcp, local (default both)")
     parser.add_argument("--n", type=int, default=400, help="timed pulls per transport (default 400)")
+    parser.add_argument("--blocks", type=int, default=1, help="blocks per pull (default 1: 2 MiB)")
     args = parser.parse_args(argv)
     os.environ["AIO_DATADIST_TRACE"] = "1"  # before the library is imported, here and in the peer
     if "aio_datadist._trace" in sys.modules:
         raise RuntimeError("run benchmarks.breakdown as its own program: the library was imported already")
     geometry = KvGeometry()
-    print(f"# Where a 1-block pull's time goes ({geometry.request_bytes(1) >> 20} MiB; median of {args.n} "
+    print(f"# Where a {args.blocks}-block pull's time goes ({geometry.request_bytes(args.blocks) >> 20} MiB; median of {args.n} "
           "pulls, us)\n")
     for transport in args.transport.split(","):
         with Peer(_prompt_peer, transport, timeout=600.0, name="prompt") as peer:
-            rows = asyncio.run(_decoder(peer, transport, args.n))
+            rows = asyncio.run(_decoder(peer, transport, args.n, args.blocks))
         print(f"## {transport}\n\n| stage | median us |\n|---|---:|")
         for name, us in rows:
             print(f"| {name} | {us:.0f} |")
+        total, raw_rtt = dict(rows)["total (call -> returned)"], rows[-1][1]
+        print(f"| total / raw round trip | {total / raw_rtt:.2f}x |")
         print()
     return 0
 

@@ -13,6 +13,7 @@ import os
 import pathlib
 import select
 import socket
+import struct
 import threading
 import time
 
@@ -382,6 +383,82 @@ def test_socket_engine_detach_and_close_cancel_queued_jobs(queue, socket_pair):
         engine.submit_send(4, a.fileno(), u64([addr(buf), 1]))
     assert engine.cancel(3) is False
     engine.detach(a.fileno())  # a no-op once closed
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    sock.settimeout(10)
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, "the peer closed"
+        out += chunk
+    return bytes(out)
+
+
+def _answer(status: int, total: int) -> bytes:
+    """An answer header as ``wire.ANSWER`` lays it out (magic, status, request id 7, total)."""
+    return b"AIOA" + struct.pack("<IQQ", status, 7, total)
+
+
+def test_gated_receive_takes_the_header_then_the_payload(sockets, queue, socket_pair):
+    a, b = socket_pair
+    header, payload = np.zeros(_core.GATE_BYTES, np.uint8), np.zeros(4096, np.uint8)
+    sockets.submit_recv_gated(1, b.fileno(), u64([addr(header), _core.GATE_BYTES, addr(payload), 4096]), 7)
+    a.sendall(_answer(0, 4096) + bytes(range(256)) * 16)
+    assert wait_records(queue, [1]) == {1: (_core.OK, _core.GATE_BYTES + 4096)}
+    assert header.tobytes() == _answer(0, 4096) and payload.tobytes() == bytes(range(256)) * 16
+    sockets.detach(b.fileno())
+
+
+@pytest.mark.parametrize("magic, status, req_id, total", [
+    (b"AIOA", 1, 7, 12), (b"AIOA", 0x50110005, 7, 0),  # refusals
+    (b"AIOA", 0, 7, 4095), (b"AIOA", 0, 7, 4097), (b"AIOA", 0, 7, 1 << 63),  # another size
+    (b"AIOA", 0, 9, 4096), (b"AIOB", 0, 7, 4096), (b"\0\0\0\0", 0, 0, 0),  # another request, not an answer
+])
+def test_gated_receive_stops_after_a_refusal_or_another_answer(sockets, queue, socket_pair, magic, status, req_id,
+                                                                total):
+    """A refusal, an offer of another size, an answer to another request or no answer at all: the job
+    ends after the header and nothing behind it is read: the payload stays untouched and the next bytes
+    wait on the socket."""
+    a, b = socket_pair
+    header, payload = np.zeros(_core.GATE_BYTES, np.uint8), np.zeros(4096, np.uint8)
+    behind = b"refused: no such key" + b"\xee" * 4096  # sent with the header: the peer lies or explains
+    a.sendall(magic + struct.pack("<IQQ", status, req_id, total) + behind)
+    sockets.submit_recv_gated(1, b.fileno(), u64([addr(header), _core.GATE_BYTES, addr(payload), 4096]), 7)
+    assert wait_records(queue, [1]) == {1: (_core.OK, _core.GATE_BYTES)}
+    assert not payload.any()
+    b.setblocking(True)
+    assert recv_exactly(b, len(behind)) == behind  # the stream is in step after the header
+    sockets.detach(b.fileno())
+
+
+def test_gated_receive_needs_its_header_first(sockets, socket_pair):
+    _, b = socket_pair
+    buf = np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match="header"):
+        sockets.submit_recv_gated(1, b.fileno(), u64([addr(buf), 64]), 7)
+    with pytest.raises(ValueError, match="header"):
+        sockets.submit_recv_gated(1, b.fileno(), u64([]), 7)
+    assert sockets.pending() == 0
+
+
+def test_inline_send_writes_at_once_and_still_reports(sockets, queue, socket_pair):
+    """``inline``: the bytes the socket takes leave in the caller's thread; the record still comes, and a
+    send queued behind a busy one waits its turn (the byte stream keeps submission order)."""
+    a, b = socket_pair
+    small = np.arange(64, dtype=np.uint8)
+    sockets.submit_send(1, a.fileno(), u64([addr(small), 64]), True)
+    b.setblocking(True)
+    assert recv_exactly(b, 64) == small.tobytes()  # before any record was drained
+    assert wait_records(queue, [1]) == {1: (_core.OK, 64)}
+    big = np.full(16 * MIB, 3, np.uint8)
+    tail = np.full(1024, 9, np.uint8)
+    sockets.submit_send(2, a.fileno(), u64([addr(big), big.nbytes]), True)  # more than the socket holds
+    sockets.submit_send(3, a.fileno(), u64([addr(tail), 1024]), True)  # queued behind it, not inline
+    got = recv_exactly(b, big.nbytes + 1024)
+    assert got == big.tobytes() + tail.tobytes()
+    assert wait_records(queue, [2, 3]) == {2: (_core.OK, big.nbytes), 3: (_core.OK, 1024)}
+    sockets.detach(a.fileno())
 
 
 def test_socket_engine_rejects_bad_submissions(sockets, queue, socket_pair):

@@ -98,7 +98,7 @@ class StagingPlane(StreamPlane):
         return cache is not None and cache.on_device
 
     def _serve_move(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq,
-                    served: Served) -> asyncio.Future:
+                    served: Served, answer: tuple[array.array, array.array] | None) -> asyncio.Future:
         cache = served.cache
         assert cache is not None, "serves() saw a registered device cache"
         assert req.rows or served.row is not None, "serve_plan refuses a request without rows"
@@ -106,6 +106,9 @@ class StagingPlane(StreamPlane):
 
         async def run() -> None:
             async with asyncio.timeout(serve_timeout_ms(req) / 1000):
+                if answer is not None:  # a posted pull: its header first, on the same channel
+                    await link.move(req.channel, answer[1], send=True, timeout_ms=None,
+                                    what=f"answering {req_id}", keepalive=answer[0])
                 await staged_move(rt, link, req.channel, cache, served.tensors.start, len(served.tensors), rows,
                                   req.offset, req.nbytes, send=msg is Msg.PULL_REQ,
                                   what=f"serving {msg.name} {req_id}")

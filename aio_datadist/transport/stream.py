@@ -2,7 +2,10 @@
 
 Both ends run one native scatter/gather job on the channel the request
 names (``Link.move``): the byte stream is tensor-major, then row order,
-identical on both ends. A pull of a key acknowledges with ``DONE`` so the
+identical on both ends. A pull over a plain socket posts its receive before
+the request goes out (``ReqFlag.POSTED``): the owner answers on the channel
+with an ``ANSWER`` header ahead of the bytes instead of ``RESP``, and the
+requester's gated receive reads the header before anything else. A pull of a key acknowledges with ``DONE`` so the
 owner can consume the key (a pull of blocks by their blocks key consumes
 nothing and sends none); a push is over when the owner confirms with ``DONE``. A job
 that stops part-way leaves the channel out of step: both ends reset it
@@ -11,19 +14,46 @@ that stops part-way leaves the channel out of step: both ends reset it
 
 from __future__ import annotations
 
+import array
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _trace
-from aio_datadist.status import LLMStatusCode
-from aio_datadist.transport.base import LinkPort, Plane, Request, Served, serve_timeout_ms
-from aio_datadist.wire import Msg, Resp, Target, TransferReq
+from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
+from aio_datadist.transport.base import LinkPort, Plane, Refused, Request, RequestState, Served, serve_timeout_ms
+from aio_datadist.wire import ANSWER, ANSWER_MAGIC, MAX_TEXT, Msg, ReqFlag, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
     from aio_datadist.plans import Plan
     from aio_datadist.runtime import Runtime
 
-__all__ = ["PLANE", "StreamPlane"]
+__all__ = ["PLANE", "StreamPlane", "answer_header", "refuse_posted"]
+
+
+def answer_header(status: int, req_id: int, total: int, text: bytes = b"") -> tuple[array.array, array.array]:
+    """The ``ANSWER`` header of a posted pull (and a refusal's text after it), and its ``[addr, nbytes]``
+    run; the array must be kept alive while a job sends it."""
+    header = array.array("B", ANSWER.pack(ANSWER_MAGIC, status & 0xFFFFFFFF, req_id, total) + text)
+    return header, array.array("Q", (header.buffer_info()[0], len(header)))
+
+
+def refuse_posted(link: LinkPort, req_id: int, req: TransferReq, status: int, text: str) -> bool:
+    """Refuse a pull whose receive is posted on its channel (``ReqFlag.POSTED``) there: the header with
+    the status, then the text. False when we do not hold that channel in step (refuse with ``RESP``)."""
+    if not link.peer_channel_ok(req.channel):
+        return False
+    raw = text.encode()[:MAX_TEXT]
+    header, pairs = answer_header(status, req_id, len(raw), raw)
+    sent = link.move(req.channel, pairs, send=True, timeout_ms=serve_timeout_ms(req), what=f"refusing {req_id}",
+                     keepalive=header)
+    sent.add_done_callback(_quiet)
+    return True
+
+
+def _quiet(f: asyncio.Future) -> None:
+    """A refusal that could not be sent: the requester's receive fails with its channel."""
+    if not f.cancelled():
+        f.exception()
 
 
 class StreamPlane(Plane):
@@ -55,15 +85,86 @@ class StreamPlane(Plane):
             return  # the owner's job is its own confirmation: no key to consume, so no DONE to wait for
         await req.finish()
 
+    async def pull_posted(self, link: LinkPort, plan: Plan, req: Request, timeout_ms: int) -> None:
+        """A pull whose receive is posted before its request goes out (``ReqFlag.POSTED``): one gated
+        receive on the request's channel takes the owner's ``ANSWER`` header and then the bytes, so
+        no ``RESP`` round trip and no second hand-off to the engine stand between the request and
+        its bytes. A refusal is the header and its text on the channel, which stays in step; an owner
+        that refuses with ``RESP`` instead (a channel it does not hold in step) gets the channel reset."""
+        req_id = req.req_id
+        header, pairs = answer_header(0, 0, 0)
+        pairs.extend(plan.local_pairs)
+        loop = asyncio.get_running_loop()
+        settled = loop.create_future()
+        answered = link.expect(req_id)
+        moving = link.move(req.channel, pairs, send=False, timeout_ms=None, what=req.what,
+                           keepalive=(plan.local, header), settled=settled, gated=req_id)
+        req.settled = settled
+        link.send_record(Msg.PULL_REQ, req_id, plan.remote, channel=req.channel, timeout_ms=timeout_ms,
+                         flags=plan.remote.flags | ReqFlag.POSTED)
+        req.state = RequestState.ASKED
+        if _trace.ON:
+            _trace.mark("request sent")
+        first = loop.create_future()
+
+        def wake(_: asyncio.Future) -> None:
+            if not first.done():
+                first.set_result(None)
+
+        moving.add_done_callback(wake)
+        answered.add_done_callback(wake)
+        await first
+        if not moving.done():  # RESP: the owner refused without touching the channel
+            answer: Resp = answered.result()
+            raise LLMException(f"cluster {link.remote_cluster_id}: {answer.text}",
+                               status_code=code_to_status(answer.status) if answer.status else
+                               LLMStatusCode.LLM_LINK_FAILED)
+        link.pending.pop(req_id, None)
+        moved = moving.result()
+        if _trace.ON:
+            _trace.mark("job done")
+        magic, status, answered_id, total = ANSWER.unpack(header)
+        if magic != ANSWER_MAGIC or answered_id != req_id:
+            raise LLMException(f"cluster {link.remote_cluster_id} answered request {req_id} on data channel "
+                               f"{req.channel} with a malformed header", status_code=LLMStatusCode.LLM_LINK_FAILED)
+        if status:
+            raise Refused(f"cluster {link.remote_cluster_id}: {await self._refusal_text(link, req, total)}",
+                          status_code=code_to_status(status))
+        if total != plan.total or moved != ANSWER.size + plan.total:  # the gate stopped after the header
+            raise LLMException(f"cluster {link.remote_cluster_id} offers {total} bytes, {plan.total} expected",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        req.state = RequestState.MOVING
+        if plan.remote.target_kind != Target.BLOCKS_KEY:
+            await req.finish()  # DONE: the owner may consume the key
+
+    @staticmethod
+    async def _refusal_text(link: LinkPort, req: Request, length: int) -> str:
+        """The text after a refusal's header (the channel is in step again once it is read)."""
+        if length > MAX_TEXT:
+            raise LLMException(f"cluster {link.remote_cluster_id} refused request {req.req_id} with a "
+                               f"{length}-byte text (at most {MAX_TEXT})", status_code=LLMStatusCode.LLM_LINK_FAILED)
+        if not length:
+            return "refused"
+        text = array.array("B", bytes(length))
+        settled = asyncio.get_running_loop().create_future()
+        req.settled = settled
+        await link.move(req.channel, array.array("Q", (text.buffer_info()[0], length)), send=False,
+                        timeout_ms=None, what=req.what, keepalive=text, settled=settled)
+        return text.tobytes().decode(errors="replace")
+
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
         return True
 
     def serve(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq, served: Served) -> None:
         channel = req.channel
         generation = link.channels[channel].generation
-        link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=served.total, cache_id=-1, row=-1,
-                  text="")
-        fut = self._serve_move(rt, link, msg, req_id, req, served)
+        answer = None
+        if msg is Msg.PULL_REQ and req.flags & ReqFlag.POSTED:
+            answer = answer_header(0, req_id, served.total)
+        else:
+            link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=served.total, cache_id=-1, row=-1,
+                      text="")
+        fut = self._serve_move(rt, link, msg, req_id, req, served, answer)
         key, tensors = served.key if msg is Msg.PULL_REQ else None, served.tensors
         if key is not None:
             cache = served.cache
@@ -112,10 +213,17 @@ class StreamPlane(Plane):
         fut.add_done_callback(finished)
 
     def _serve_move(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq,
-                    served: Served) -> asyncio.Future:
-        """The owner's job on the request's channel; done once nothing of it touches a byte any more."""
-        return link.move(req.channel, served.pairs, send=msg is Msg.PULL_REQ, timeout_ms=serve_timeout_ms(req),
-                         what=f"serving {msg.name} {req_id}", keepalive=served.keepalive)
+                    served: Served, answer: tuple[array.array, array.array] | None) -> asyncio.Future:
+        """The owner's job on the request's channel (after the ``answer`` header of a posted pull, in the
+        same job); done once nothing of it touches a byte any more."""
+        pairs: Any = served.pairs
+        keepalive = served.keepalive
+        if answer is not None:
+            header, pairs = answer
+            pairs.extend(served.pairs)
+            keepalive = (keepalive, header)
+        return link.move(req.channel, pairs, send=msg is Msg.PULL_REQ, timeout_ms=serve_timeout_ms(req),
+                         what=f"serving {msg.name} {req_id}", keepalive=keepalive)
 
 
 PLANE = StreamPlane()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import select
 import socket
 import time
 from typing import Any
@@ -190,12 +191,32 @@ class RawLink:
         """Send a PULL_REQ; the bytes the owner sent, or :class:`Refused`."""
         rid = self.new_req_id()
         self.send_raw(wire.encode(Msg.PULL_REQ, rid, **fields))
+        if fields.get("flags", 0) & wire.ReqFlag.POSTED and fields["channel"] < len(self.data):
+            return self._posted_answer(rid, self.data[fields["channel"]])
         _, resp = self.answer(rid)
         if resp["status"] != 0:
             raise Refused(resp["status"], resp["text"])
         data = recv_exactly(self.data[fields["channel"]], resp["total"])
         self.send_raw(wire.encode(Msg.DONE, rid, status=0, text=""))
         return data
+
+    def _posted_answer(self, rid: int, data: socket.socket) -> bytes:
+        """A posted pull's answer: the ANSWER header on its channel (then the bytes, or the refusal's
+        text), or a RESP refusal when the owner does not answer on the channel."""
+        assert self.ctl is not None
+        readable, _, _ = select.select([data, self.ctl], [], [], TIMEOUT_S)
+        if data not in readable:
+            _, resp = self.answer(rid)
+            assert resp["status"] != 0, "a posted pull is accepted on its channel only"
+            raise Refused(resp["status"], resp["text"])
+        magic, status, answered, total = wire.ANSWER.unpack(recv_exactly(data, wire.ANSWER.size))
+        assert magic == wire.ANSWER_MAGIC and answered == rid, (magic, answered, rid)
+        if status:
+            assert total <= wire.MAX_TEXT
+            raise Refused(status, recv_exactly(data, total).decode())
+        payload = recv_exactly(data, total)
+        self.send_raw(wire.encode(Msg.DONE, rid, status=0, text=""))
+        return payload
 
     def offer(self, msg: Msg, fields: dict[str, Any]) -> tuple[int, int]:
         """Send a request; ``(req_id, total)`` once the owner accepted it, or :class:`Refused`."""

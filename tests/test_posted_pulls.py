@@ -1,0 +1,129 @@
+"""Pulls whose receive is posted before the request (``ReqFlag.POSTED``), against an owner that lies.
+
+A pull over a plain TCP channel posts one gated receive: the owner's
+``ANSWER`` header, then the bytes (``transport/stream.py``). A relay in
+front of an honest owner rewrites the headers on the data connections the
+way a buggy or hostile owner would: an answer to another request, another
+size, a refusal whose text never ends, a refusal. Each time the pull fails
+with the documented status, the destination keeps every byte it had (the
+core reads nothing past a header it did not ask for), and the next pull on
+the same link moves the right bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from peers import BLOCKS_DESC, DECODER_ID, PROMPT_ID, cluster_info, endpoint, fill, port_of, snapshot
+from relay import Relay
+
+from aio_datadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode, wire
+from aio_datadist.testing import links_of
+
+pytestmark = pytest.mark.asyncio
+S = LLMStatusCode
+TEXT = b"no blocks cache is bound to that model (the relay says)"
+
+
+class LyingOwner(Relay):
+    """Forwards a link, rewriting the next ``ANSWER`` on a data connection as ``lie`` says (once)."""
+
+    def __init__(self, target: tuple[str, int], lie: str) -> None:
+        super().__init__(target)
+        self.lie = lie
+        self.lied = 0
+
+    async def downstream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            first = await reader.readexactly(4)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        writer.write(first)
+        if first != wire.ATTACH_MAGIC:  # the control connection
+            await self.pipe(reader, writer)
+            return
+        try:
+            writer.write(await reader.readexactly(wire.ATTACH_OK.size - 4))
+            while True:
+                magic, status, req_id, total = wire.ANSWER.unpack(await reader.readexactly(wire.ANSWER.size))
+                body = await reader.readexactly(total)
+                if not self.lied:
+                    self.lied += 1
+                    writer.write(self.rewrite(status, req_id, total, body))
+                else:
+                    writer.write(wire.ANSWER.pack(magic, status, req_id, total) + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            writer.transport.abort()
+
+    def rewrite(self, status: int, req_id: int, total: int, body: bytes) -> bytes:
+        answer = wire.ANSWER.pack
+        if self.lie == "another request":
+            return answer(wire.ANSWER_MAGIC, status, req_id + 2, total) + body
+        if self.lie == "fewer bytes":
+            return answer(wire.ANSWER_MAGIC, status, req_id, total - 64) + body
+        if self.lie == "more bytes":
+            return answer(wire.ANSWER_MAGIC, status, req_id, total + 64) + body + bytes(64)
+        if self.lie == "not an answer":
+            return b"AIOD" + answer(wire.ANSWER_MAGIC, status, req_id, total)[4:] + body
+        if self.lie == "endless refusal":
+            return answer(wire.ANSWER_MAGIC, int(S.LLM_KV_CACHE_NOT_EXIST), req_id, wire.MAX_TEXT + 1) + body
+        assert self.lie == "refusal"
+        return answer(wire.ANSWER_MAGIC, int(S.LLM_KV_CACHE_NOT_EXIST), req_id, len(TEXT)) + TEXT
+
+
+@pytest.mark.parametrize("lie, code", [
+    ("another request", S.LLM_LINK_FAILED),
+    ("not an answer", S.LLM_LINK_FAILED),
+    ("fewer bytes", S.LLM_PARAM_INVALID),
+    ("more bytes", S.LLM_PARAM_INVALID),
+    ("endless refusal", S.LLM_LINK_FAILED),
+    ("refusal", S.LLM_KV_CACHE_NOT_EXIST),
+])
+async def test_a_lying_answer_fails_the_pull_lands_nothing_and_the_link_goes_on(lie, code):
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport="tcp") as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="tcp") as decoder:
+        src = prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
+        values = fill(src, 3)
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC)
+        before = snapshot(dst)
+        async with LyingOwner(port_of(prompt), lie) as relay:
+            status, _ = await decoder.link_clusters([cluster_info(PROMPT_ID, relay.address)], timeout=3000)
+            assert status == S.LLM_SUCCESS
+            link = links_of(decoder)[PROMPT_ID]
+            generations = [ch.generation for ch in link.channels]
+            with pytest.raises(LLMException) as caught:
+                await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [1, 2], [5, 6],
+                                                           timeout=3000)
+            assert caught.value.status_code == code, caught.value
+            assert relay.lied == 1
+            if lie == "refusal":
+                assert TEXT.decode() in str(caught.value)
+                assert [ch.generation for ch in link.channels] == generations  # in step: nothing reset
+            assert all(torch.equal(d, b) for d, b in zip(dst.tensors, before, strict=True)), "a byte landed"
+            await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [1, 2], [5, 6],
+                                                       timeout=3000)
+            assert all(torch.equal(d[5:7], v[1:3]) for d, v in zip(dst.tensors, values, strict=True))
+            await decoder.unlink_clusters([cluster_info(PROMPT_ID, relay.address)])
+
+
+async def test_an_honest_refusal_of_a_posted_pull_keeps_the_channel():
+    """The owner refuses on the channel (header and text): the requester gets the status and text, and
+    the channel is not reset."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport="tcp") as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="tcp") as decoder:
+        prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC)
+        assert (await decoder.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))]))[0] == S.LLM_SUCCESS
+        link = links_of(decoder)[PROMPT_ID]
+        generations = [ch.generation for ch in link.channels]
+        for _ in range(3 * link.nchannels):
+            with pytest.raises(LLMException) as caught:
+                await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 7), dst, [1], [1])
+            assert caught.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+            assert "model_id 7" in str(caught.value)
+        assert [ch.generation for ch in link.channels] == generations
+        assert link.pending == {}
