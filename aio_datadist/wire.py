@@ -56,6 +56,7 @@ class ReqFlag(enum.IntFlag):
     EXACT = 4  # whole rows: offset + nbytes must be the row size
     LOCAL = 8  # the requester can copy through a same-host share
     NIXL = 16  # the requester can move the rows with NIXL
+    DEVICE = 32  # the requester can copy from a same-host peer's device cache it mapped (device IPC)
 
 
 class Msg(enum.IntEnum):
