@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("devices and runtime", (
         "devices", "devices.backend", "devices.streams", "devices.cuda", "devices.npu", "devices.kernels",
         "devices.copies", "devices.ops", "devices.staging", "devices.ipc", "devices.peer_cache", "devices.host_backend",
-        "runtime",
+        "devices.cuda_vmm", "runtime",
     )),
     ("transport planes", (
         "transport", "transport.base", "transport.local", "transport.nixl", "transport.nixl_engine", "transport.tls",
