@@ -12,18 +12,33 @@ The CUDA calls themselves are tested against the stand-in libcuda
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import os
+import socket
+import struct
+from multiprocessing import reduction
 
 import pytest
 import torch
-from peers import DECODER_ID, PROMPT_ID, TRANSPORT, fill, linked_pair, snapshot
+from peers import DECODER_ID, PROMPT_ID, TRANSPORT, endpoint, fill, linked_pair, process_context, snapshot
 
-from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
 from aio_datadist.devices.ipc import IpcUnavailable
 from aio_datadist.testing import runtime_of, usable_link
+from aio_datadist.transport.local import LocalShare
 
 S = LLMStatusCode
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("fork_server")]
 HOST = {"device_type": "host", "transport": "local"}
 BLOCKS = CacheDesc(4, (6, 3, 512), DataType.DT_FLOAT16, Placement.DEVICE)
 
@@ -191,3 +206,98 @@ async def test_a_pull_given_up_mid_copy_returns_only_once_nothing_can_land(how):
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1], [1])
         assert all(eq(d[1], v[1]) for d, v in zip(dst.tensors, values, strict=True))
         assert link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "local"
+
+
+# ---- a hostile same-host peer (it proved the link) sends device records that lie ---------------
+
+ENTRY, DEVICE = struct.Struct("!BqQIQQQ"), struct.Struct("!B16s")
+ADD_DEVICE, MAPPED = 4, 5
+SIZE = 8192
+
+
+def _record(size: int, rows: int, row_bytes: int, offsets: list[int], kind: int = 1) -> bytes:
+    return (ENTRY.pack(ADD_DEVICE, 7, size, len(offsets), rows, row_bytes, rows * row_bytes)
+            + struct.pack(f"!{len(offsets)}Q", *offsets) + DEVICE.pack(kind, bytes(16)))
+
+
+def _memfd(size: int, sealed: bool) -> int:
+    fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+CASES = {  # what the peer sends: (record, how to make the fd or None for no fd)
+    "a pipe, not a memfd": (_record(SIZE, 4, 256, [0]), "pipe"),
+    "an unsealed memfd": (_record(SIZE, 4, 256, [0]), "unsealed"),
+    "a memfd smaller than declared": (_record(SIZE * 4, 4, 256, [0]), "sealed"),
+    "a tensor outside the export": (_record(SIZE, 4, 256, [SIZE - 512]), "sealed"),
+    "geometry that does not multiply": (ENTRY.pack(ADD_DEVICE, 7, SIZE, 1, 4, 256, 999) + struct.pack("!Q", 0)
+                                        + DEVICE.pack(1, bytes(16)), "sealed"),
+    "an unknown device kind": (_record(SIZE, 4, 256, [0], kind=9), "sealed"),
+    "no fd": (_record(SIZE, 4, 256, [0]), None),
+    "an honest export": (_record(SIZE, 4, 256, [0, 1024]), "sealed"),
+}
+
+
+def _hostile_peer(conn) -> None:
+    """In its own process: for each case, take a share socket, send that one record, report what came back."""
+    for name, (record, fd_kind) in CASES.items():
+        sock = socket.socket(fileno=reduction.recv_handle(conn))
+        fds: list[int] = []
+        if fd_kind == "pipe":
+            r, w = os.pipe()
+            fds, spare = [r], [w]
+        elif fd_kind is not None:
+            fds, spare = [_memfd(SIZE, fd_kind == "sealed")], []
+        else:
+            spare = []
+        socket.send_fds(sock, [record], fds)
+        sock.settimeout(5)
+        try:
+            answer = sock.recv(64)
+        except OSError:
+            answer = b""
+        conn.send((name, answer[:1]))
+        if answer[:1] == bytes([MAPPED]):
+            conn.recv()  # keep the share open while the endpoint's state is checked
+        for fd in fds + spare:
+            os.close(fd)
+        sock.close()
+
+
+async def test_device_records_that_lie_drop_the_share_and_map_nothing():
+    async with endpoint(LLMRole.DECODER, DECODER_ID, device_type="host") as dd:
+        backend = runtime_of(dd).devices
+        ctx = process_context()
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_hostile_peer, args=(theirs,))
+        proc.start()
+        theirs.close()
+        loop = asyncio.get_running_loop()
+        try:
+            for name in CASES:
+                ours, peer_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                lost: list[bool] = []
+                share = LocalShare(ours, lambda lost=lost: lost.append(True), backend, "test link")
+                reduction.send_handle(mine, peer_end.fileno(), proc.pid)
+                peer_end.close()
+                got = await loop.run_in_executor(None, lambda: mine.recv() if mine.poll(10) else None)
+                assert got is not None and got[0] == name
+                if name == "an honest export":
+                    assert got[1] == bytes([MAPPED]) and not lost and list(share.device_regions) == [7]
+                    assert share.device_regions[7].side([3], 0, 256, 1, 1).bases[0] == (
+                        share.device_regions[7].mapping.address + 1024)
+                    mine.send("checked")
+                else:
+                    assert got[1] == b"" and lost == [True] and share.closed, name  # dropped, nothing answered
+                    assert not share.device_regions
+                share.close()
+        finally:
+            mine.close()
+            proc.join(10)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        assert proc.exitcode == 0
