@@ -42,6 +42,7 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what share tests check fds against
 from aio_datadist.devices.host import check_sealed
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
 from aio_datadist.devices.peer_cache import PeerDeviceCache
