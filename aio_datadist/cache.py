@@ -92,11 +92,11 @@ class KvCache:
     """
 
     __slots__ = ("_cache_id", "_desc", "_tensors", "_layout", "_is_blocks", "_region",
-                 "_owned", "_alive", "_pin", "_on_device", "__weakref__")
+                 "_owned", "_alive", "_pin", "_on_device", "_device_export", "__weakref__")
 
     def __init__(self, cache_id: int, desc: CacheDesc, tensors: list[torch.Tensor], *,
                  is_blocks: bool, owned: bool, region: Any = None, pin: Any = None,
-                 on_device: bool | None = None) -> None:
+                 on_device: bool | None = None, device_export: Any = None) -> None:
         self._cache_id = cache_id
         self._desc = desc
         self._tensors = tensors
@@ -107,6 +107,8 @@ class KvCache:
         # Page-locks host memory for device copies while this object (and any copy keeping it) lives.
         self._pin = pin
         self._on_device = tensors[0].device.type != "cpu" if on_device is None else on_device
+        # The exportable allocation a library-allocated device cache lives in (devices/ipc.py), if any.
+        self._device_export = device_export
         self._alive = True
 
     @property
@@ -163,6 +165,12 @@ class KvCache:
         """The sealed host memory an allocated host cache lives in (what same-host peers map and NIXL
         registers), or None for device and registered caches."""
         return self._region
+
+    @property
+    def device_export(self) -> Any:
+        """The allocation a same-host peer may map read-only (``devices/ipc.py``): library-allocated device
+        caches on a backend that exports; None for host, registered and unexportable caches."""
+        return self._device_export
 
     def __repr__(self) -> str:
         kind = "blocks" if self._is_blocks else "cache"
@@ -558,11 +566,13 @@ class CacheRegistry:
                 self.on_free(entry.cache)
             entry.cache._alive = False
             entry.cache._region = None
+            entry.cache._device_export = None
 
     def clear(self) -> None:
         for entry in self._entries.values():
             entry.cache._alive = False
             entry.cache._region = None
+            entry.cache._device_export = None
         self._entries.clear()
         self._hidden.clear()
         self._keys.clear()

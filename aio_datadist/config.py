@@ -9,6 +9,9 @@ property                   option key                meaning (default)
 ``shared_secret``          ``aio.SharedSecret``      HMAC key both ends of a link must share
                                                      (unset: links are not authenticated)
 ``device_type``            ``aio.DeviceType``        ``auto`` | ``cpu`` | ``cuda`` | ``npu`` | ``host`` (auto)
+``device_ipc``             ``aio.DeviceIpc``         ``auto`` | ``on`` | ``off``: device caches between
+                                                     processes of one host by device IPC (auto:
+                                                     where the peer cannot write what it maps)
 ``registered_memory_cap``  ``aio.RegisteredMemoryCap``  bytes of cache memory per process (50 GiB)
 ``transport``              ``aio.Transport``         ``auto`` | ``tcp`` | ``local`` | ``nixl`` (auto)
 ``require_transport``      ``aio.RequireTransport``  ``tcp`` | ``local`` | ``nixl``: refuse a link or a
@@ -77,6 +80,7 @@ __all__ = [
 DeviceType = Literal["auto", "cpu", "cuda", "npu", "host"]
 TransportKind = Literal["auto", "tcp", "local", "nixl"]
 RequiredTransport = Literal["", "tcp", "local", "nixl"]
+DeviceIpc = Literal["auto", "on", "off"]
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_REGISTERED_MEMORY_CAP = 50 * 2**30
@@ -91,6 +95,8 @@ DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu", "host")
 TRANSPORTS: tuple[str, ...] = ("auto", "tcp", "local", "nixl")
 #: What ``aio.RequireTransport`` may name ("" = nothing required).
 REQUIRED_TRANSPORTS: tuple[str, ...] = ("", "tcp", "local", "nixl")
+#: What ``aio.DeviceIpc`` may be.
+DEVICE_IPC: tuple[str, ...] = ("auto", "on", "off")
 _ROLES = ("Prompt", "Decoder", "Mix")
 
 _MIB2 = 2 * 2**20
@@ -312,6 +318,7 @@ _check_output_max_size = _int_check(0, INT64_MAX)
 _check_device_type = _choice_check(DEVICE_TYPES)
 _check_transport = _choice_check(TRANSPORTS)
 _check_require_transport = _choice_check(REQUIRED_TRANSPORTS)
+_check_device_ipc = _choice_check(DEVICE_IPC)
 _check_memory_cap = _int_check(1, INT64_MAX)
 _check_copy_threads = _int_check(1, 64)
 _check_data_channels = _int_check(1, 16)
@@ -463,6 +470,10 @@ class LLMConfig:
         _check_secret, None, "Secret (non-empty str) both ends prove with HMAC before a link is accepted."
     )
     device_type = _Setting[str](_check_device_type, "auto", "'auto', 'cpu', 'cuda', 'npu' or 'host' ('auto').")
+    device_ipc = _Setting[str](
+        _check_device_ipc, "auto", "'auto', 'on' or 'off': device caches between processes of one host by device "
+        "IPC; 'auto' only where the peer cannot write what it maps (not CUDA), 'on' also there ('auto').",
+    )
     registered_memory_cap = _Setting[int](
         _check_memory_cap, DEFAULT_REGISTERED_MEMORY_CAP, "Cap on registered cache memory in bytes (50 GiB)."
     )
@@ -556,6 +567,7 @@ _EMITTED: tuple[tuple[str, str, Callable[[Any], str | None]], ...] = (
     ("output_max_size", "llm.OutputMaxSize", str),
     ("shared_secret", "aio.SharedSecret", str),
     ("device_type", "aio.DeviceType", str),
+    ("device_ipc", "aio.DeviceIpc", str),
     ("registered_memory_cap", "aio.RegisteredMemoryCap", str),
     ("transport", "aio.Transport", str),
     ("require_transport", "aio.RequireTransport", _non_empty),
@@ -583,6 +595,7 @@ class Settings:
     :ivar listen: ``(ip, port)`` to listen on, or None.
     :ivar shared_secret: the link-authentication key (UTF-8), or None.
     :ivar device_type: ``auto``, ``cpu``, ``cuda``, ``npu`` or ``host``.
+    :ivar device_ipc: ``auto``, ``on`` or ``off`` (``aio.DeviceIpc``).
     :ivar registered_memory_cap: bytes of cache memory allowed.
     :ivar transport: ``auto``, ``tcp``, ``local`` or ``nixl``.
     :ivar require_transport: ``tcp``, ``local``, ``nixl``, or ``""`` (none required).
@@ -609,6 +622,7 @@ class Settings:
     listen: tuple[str, int] | None = None
     shared_secret: bytes | None = field(default=None, repr=False)
     device_type: DeviceType = "auto"
+    device_ipc: DeviceIpc = "auto"
     registered_memory_cap: int = DEFAULT_REGISTERED_MEMORY_CAP
     transport: TransportKind = "auto"
     require_transport: RequiredTransport = ""
@@ -693,6 +707,7 @@ _KNOWN_KEYS: dict[str, tuple[str | None, Callable[[str, str], Any]]] = {
     "ge.flowGraphMemMaxSize": (None, _digits_text),
     "aio.SharedSecret": ("shared_secret", _secret_text),
     "aio.DeviceType": ("device_type", _check_device_type),
+    "aio.DeviceIpc": ("device_ipc", _check_device_ipc),
     "aio.RegisteredMemoryCap": ("registered_memory_cap", _int_text(_check_memory_cap)),
     "aio.Transport": ("transport", _check_transport),
     "aio.RequireTransport": ("require_transport", _check_require_transport),

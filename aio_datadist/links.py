@@ -434,7 +434,8 @@ class Link:
 
     def attach_local(self, sock: Any) -> None:
         """Start sharing caches with a same-host peer over ``sock``."""
-        self.local = LocalShare(sock, self._local_lost)
+        self.local = LocalShare(sock, self._local_lost, self.runtime.devices,
+                                f"link {self.link_id} to cluster {self.remote_cluster_id}")
         if self.runtime.settings.remote_cache_accessible:  # else peers may not touch our caches at all
             for cache in self.runtime.registry.caches():
                 self.local.offer(cache)
@@ -511,7 +512,10 @@ class Link:
 
     def stats(self) -> LinkStats:
         """A snapshot of the link's counters."""
-        return self.counters.snapshot(self.remote_role, self.link_id, self.transport)
+        off = None
+        if self.runtime.devices is not None:
+            off = "the link shares no memory (no same-host share)" if self.local is None else self.local.ipc_off
+        return self.counters.snapshot(self.remote_role, self.link_id, self.transport, off)
 
     def _teardown(self, exc: LLMException) -> None:
         pending, self.pending = self.pending, {}

@@ -145,9 +145,10 @@ class KvCacheManager:
         nbytes = desc.size * desc.num_tensors
         rt.registry.reserve(nbytes)
         if rt.devices is not None and desc.placement == Placement.DEVICE:
-            tensors = _allocate_device(rt, desc, nbytes)
+            tensors, export = _allocate_device(rt, desc, nbytes)
             return rt.registry.add(
-                lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=is_blocks, owned=True, on_device=True),
+                lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=is_blocks, owned=True, on_device=True,
+                                         device_export=export),
                 nbytes, keys, blocks_key)
         try:
             region, tensors = allocate_host_tensors(desc)
@@ -653,9 +654,9 @@ def _plain_block_pairs(info: Mapping[Any, Any], rows: int) -> tuple[list[int], l
     return srcs, dsts
 
 
-def _allocate_device(rt: Runtime, desc: CacheDesc, nbytes: int) -> list[torch.Tensor]:
+def _allocate_device(rt: Runtime, desc: CacheDesc, nbytes: int) -> tuple[list[torch.Tensor], Any]:
     try:
-        return rt.devices.allocate(desc)  # type: ignore[union-attr]
+        return rt.devices.allocate_shared(desc)  # type: ignore[union-attr]
     except torch.OutOfMemoryError as exc:
         raise LLMException(f"allocating {nbytes} bytes on {rt.device} failed: {exc}",
                            status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc

@@ -42,6 +42,8 @@ class Runtime:
         self._staging: DeviceStaging | None = None
         try:
             self.devices = select_device(settings.device_type, settings.device_id, self.queue)
+            if self.devices is not None:
+                self.devices.ipc_policy = settings.device_ipc
             self.device = torch.device("cpu") if self.devices is None else self.devices.device
             # Device caches reach peers through the staging plane (transport/staging.py).
             self.registry.peers_see_device_caches = self.devices is not None

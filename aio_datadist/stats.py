@@ -105,6 +105,11 @@ class LinkStats:
     :ivar bytes_in: bytes that landed here (our pulls, pushes we served).
     :ivar bytes_out: bytes that left (our pushes, pulls we served).
     :ivar kinds: per kind of transfer (``pull``, ``push``, ``served_pull``, ``served_push``) its counts.
+    :ivar device_ipc_off: with a device backend, why device caches on this link take the staging plane
+        (the transport of their transfers is then ``tcp`` or ``tls``) rather than device IPC (``local``):
+        no same-host share, a backend that does not export, a peer that could not map our caches or whose
+        caches we could not map, registered caches. None where device IPC is available (or without a
+        device backend).
     """
 
     remote_cluster_id: int
@@ -116,6 +121,7 @@ class LinkStats:
     bytes_in: int
     bytes_out: int
     kinds: Mapping[str, TransferStats]
+    device_ipc_off: str | None = None
 
     @property
     def transports(self) -> dict[str, str]:
@@ -225,10 +231,11 @@ class LinkCounters:
         """A request of ``kind`` was refused before it began (counted as a failure with ``status``)."""
         self.end(kind, transport, 0, time.perf_counter(), Outcome.FAILED, status, began=False)
 
-    def snapshot(self, remote_role: LLMRole, link_id: int, transport: str) -> LinkStats:
+    def snapshot(self, remote_role: LLMRole, link_id: int, transport: str,
+                 device_ipc_off: str | None = None) -> LinkStats:
         kinds = {kind: t.frozen() for kind, t in self._kinds.items()}
         bytes_in = sum(s.bytes for kind, s in kinds.items() if kind in _INBOUND)
         bytes_out = sum(s.bytes for kind, s in kinds.items() if kind not in _INBOUND)
         rtt = None if self.rtt_s is None else self.rtt_s * 1000
         return LinkStats(self.remote_cluster_id, remote_role, link_id, transport, time.monotonic() - self.started,
-                         rtt, bytes_in, bytes_out, MappingProxyType(kinds))
+                         rtt, bytes_in, bytes_out, MappingProxyType(kinds), device_ipc_off)

@@ -24,7 +24,8 @@ __all__ = ["ANSWER", "ANSWER_MAGIC", "ATTACH", "ATTACH_OK", "HEADER", "MAX_BODY"
 MAGIC = b"AIOD"
 VERSION = 5  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
 #             4: TransferReq.block_shape (blocks layouts are checked per request, not at link time),
-#                Auth.bilateral (a dial of LLMDataDist.link); 5: ReqFlag.POSTED and the ANSWER header
+#                Auth.bilateral (a dial of LLMDataDist.link); 5: ReqFlag.POSTED and the ANSWER header,
+#                ReqFlag.DEVICE and the share's device records
 HEADER = struct.Struct("!4sBBHQI")
 MAX_BODY = 1 << 20
 MAX_ROWS = 65536
@@ -65,6 +66,7 @@ class ReqFlag(enum.IntFlag):
     EXACT = 4  # whole rows: offset + nbytes must be the row size
     LOCAL = 8  # the requester can copy through a same-host share
     NIXL = 16  # the requester can move the rows with NIXL
+    DEVICE = 32  # the requester can copy from a same-host peer's device cache it mapped (device IPC)
     POSTED = 64  # the requester's receive is posted on the data channel: answer there (ANSWER), not with RESP
 
 

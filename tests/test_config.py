@@ -487,3 +487,18 @@ def test_device_id_lists_read_back_as_given() -> None:
         with pytest.raises(TypeError):
             config.device_id = bad
     assert config.device_id == [0]
+
+
+def test_option_device_ipc_is_checked():
+    from aio_datadist.config import parse_options
+
+    cfg = LLMConfig()
+    cfg.device_ipc = "on"
+    assert cfg.generate_options()["aio.DeviceIpc"] == "on"
+    assert parse_options(cfg.generate_options()).device_ipc == "on"
+    with pytest.raises(LLMException) as caught:
+        cfg.device_ipc = "always"
+    assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID and "device_ipc" in str(caught.value)
+    with pytest.raises(LLMException) as caught:
+        parse_options({"aio.DeviceIpc": "yes"})
+    assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID and "aio.DeviceIpc" in str(caught.value)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import struct
 import subprocess
 import sys
 import textwrap
@@ -20,7 +19,9 @@ import pytest
 import torch
 
 from aio_datadist import LLMDataDist, LLMException, LLMRole, LLMStatusCode, _core
-from aio_datadist.devices import ipc, kernels
+from aio_datadist.devices import kernels
+from aio_datadist.devices.ipc import ExportInvalid
+from aio_datadist.devices.peer_cache import PeerDeviceCache
 from aio_datadist.testing import runtime_of
 
 S = LLMStatusCode
@@ -192,36 +193,37 @@ def test_kernel_is_byte_exact_under_the_triton_interpreter():
     assert done.stdout.strip() == "exact"
 
 
-# ---- IPC export parsing (validated before any CUDA call) ---------------------------------------
+# ---- a peer's device export: its declared geometry is checked against the mapping ---------------
 
 
-def _export(storages=1, tensors=2, rows=4, row_bytes=256, storage_bytes=4096, offsets=(0, 1024), tail=b""):
-    out = bytearray(ipc._HEAD.pack(ipc._MAGIC, ipc._VERSION, 0, storages, tensors, rows, row_bytes,
-                                   rows * row_bytes))
-    for _ in range(storages):
-        for field in (b"h" * 64, b"/torch_ref", b"e" * 64):
-            out += struct.pack("<H", len(field)) + field
-        out += ipc._STORAGE.pack(storage_bytes, 0, 0, 1)
-    for off in offsets:
-        out += ipc._TENSOR.pack(0, off)
-    return bytes(out) + tail
+class _Mapping:
+    address, nbytes = 1 << 20, 4096
+
+    def view(self, offset, nbytes):
+        raise AssertionError("the kernel and batch paths never build views")
+
+    def close(self):
+        pass
 
 
-@pytest.mark.parametrize(("data", "why"), [
-    (b"AIOI", "truncated"),
-    (b"XXXX" + _export()[4:], "not an aio_datadist IPC export"),
-    (_export()[:-3], "truncated"),
-    (_export(tail=b"\0"), "trailing bytes"),
-    (_export(offsets=(0, 3900)), "outside its storage"),
-    (_export(tensors=0, offsets=()), "bad tensor or storage count"),
-    (_export(storages=3), "bad tensor or storage count"),
-    (_export(row_bytes=0), "bad cache geometry"),
+@pytest.mark.parametrize(("rows", "row_bytes", "tensor_bytes", "offsets", "why"), [
+    (4, 256, 1000, (0,), "geometry"),
+    (0, 256, 0, (0,), "geometry"),
+    (4, 256, 1024, (), "outside"),
+    (4, 256, 1024, (3200,), "outside"),
+    (4, 256, 1024, (-8,), "outside"),
 ])
-def test_malformed_ipc_exports_are_refused_before_mapping(data, why):
-    with pytest.raises(ValueError, match=why):
-        ipc.open_export(data, torch.device("cuda", 0))
+def test_a_peer_export_that_does_not_fit_its_mapping_is_refused(rows, row_bytes, tensor_bytes, offsets, why):
+    with pytest.raises(ExportInvalid, match=why):
+        PeerDeviceCache(1, _Mapping(), rows, row_bytes, tensor_bytes, offsets, torch.device("cpu"))
 
 
-def test_ipc_export_for_another_device_is_refused():
-    with pytest.raises(ValueError, match="cuda:0, this process uses cuda:1"):
-        ipc.open_export(_export(), torch.device("cuda", 1))
+def test_rows_and_bytes_outside_a_peer_cache_never_reach_a_copy():
+    peer = PeerDeviceCache(1, _Mapping(), 4, 256, 1024, (0, 2048), torch.device("cpu"))
+    side = peer.side([3, 0], 16, 32, 1, 1)
+    assert side.bases == (_Mapping.address + 2048,) and side.rows == (3, 0) and side.offset == 16
+    for rows, offset, nbytes, first, count in [([4], 0, 8, 0, 1), ([-1], 0, 8, 0, 1), ([0], 250, 8, 0, 1),
+                                               ([0], 0, 8, 1, 2), ([], 0, 8, 0, 1), ([0], 0, 0, 0, 1)]:
+        with pytest.raises(ExportInvalid):
+            peer.side(rows, offset, nbytes, first, count)
+    peer.close()

@@ -33,11 +33,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     )),
     ("devices and runtime", (
         "devices", "devices.backend", "devices.streams", "devices.cuda", "devices.npu", "devices.kernels",
-        "devices.copies", "devices.ops", "devices.staging", "devices.ipc", "devices.host_backend", "runtime",
+        "devices.copies", "devices.ops", "devices.staging", "devices.ipc", "devices.peer_cache", "devices.host_backend",
+        "devices.cuda_vmm", "runtime",
     )),
     ("transport planes", (
         "transport", "transport.base", "transport.local", "transport.nixl", "transport.nixl_engine", "transport.tls",
-        "transport.stream", "transport.staging", "transport.same_host", "transport.nixl_plane",
+        "transport.stream", "transport.staging", "transport.same_host", "transport.device_ipc", "transport.nixl_plane",
     )),
     ("handshake, links, listener and link table", (
         "handshake", "links", "admission", "listener", "link_table", "endpoint", "bilateral",

@@ -25,15 +25,29 @@ import torch
 from aio_datadist import _core
 from aio_datadist._checks import param_invalid
 from aio_datadist.devices.host import round_up
+from aio_datadist.devices.ipc import IDENTITY_BYTES, IpcUnavailable, PeerMapping, SharedAllocation
 from aio_datadist.devices.streams import open_notifier
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import CacheDesc
 
-__all__ = ["DEVICE_ALIGN", "DeviceBackend", "feature_not_enabled"]
+__all__ = ["DEVICE_ALIGN", "DeviceBackend", "carve", "feature_not_enabled", "shared_bytes"]
 
 # Device tensors of a cache start on this boundary (the copy kernel's widest access is 16 bytes;
 # 256 keeps every tensor on its own cache lines and matches the CUDA allocator's granularity).
 DEVICE_ALIGN = 256
+
+
+def shared_bytes(desc: CacheDesc) -> int:
+    """The bytes a cache of ``desc`` takes in one allocation (tensors ``DEVICE_ALIGN`` apart)."""
+    return round_up(desc.size, DEVICE_ALIGN) * desc.num_tensors
+
+
+def carve(desc: CacheDesc, buffer: torch.Tensor, start: int = 0) -> list[torch.Tensor]:
+    """The tensors of ``desc`` in the uint8 ``buffer``, from byte ``start``, ``DEVICE_ALIGN`` apart."""
+    stride = round_up(desc.size, DEVICE_ALIGN)
+    dtype = desc.data_type.torch_dtype
+    return [buffer[start + i * stride:start + i * stride + desc.size].view(dtype).view(desc.shape)
+            for i in range(desc.num_tensors)]
 
 
 def feature_not_enabled(text: str) -> LLMException:
@@ -103,15 +117,52 @@ class DeviceBackend:
     def allocate(self, desc: CacheDesc) -> list[torch.Tensor]:
         """``desc.num_tensors`` tensors of ``desc.shape`` in one device allocation.
 
-        One allocation keeps the tensors' base table regular and makes the
-        whole cache one IPC export.
+        One allocation keeps the tensors' base table regular.
         """
-        stride = round_up(desc.size, DEVICE_ALIGN)
-        buffer = torch.empty(stride * desc.num_tensors + DEVICE_ALIGN, dtype=torch.uint8, device=self.device)
-        start = (-buffer.data_ptr()) % DEVICE_ALIGN
-        dtype = desc.data_type.torch_dtype
-        return [buffer[start + i * stride:start + i * stride + desc.size].view(dtype).view(desc.shape)
-                for i in range(desc.num_tensors)]
+        buffer = torch.empty(shared_bytes(desc) + DEVICE_ALIGN, dtype=torch.uint8, device=self.device)
+        return carve(desc, buffer, (-buffer.data_ptr()) % DEVICE_ALIGN)
+
+    # -- same-host exports (devices/ipc.py); backends that can share memory override these --
+
+    def allocate_shared(self, desc: CacheDesc) -> tuple[list[torch.Tensor], SharedAllocation | None]:
+        """Like :meth:`allocate`, in one allocation a same-host peer can map (None: not exportable here)."""
+        return self.allocate(desc), None
+
+    def ipc_identity(self) -> bytes:
+        """:data:`~aio_datadist.devices.ipc.IDENTITY_BYTES` naming this device to same-host peers."""
+        return bytes(IDENTITY_BYTES)
+
+    def ipc_unavailable(self) -> str | None:
+        """Why this backend neither exports nor imports device caches, or None when it does."""
+        return f"{self.kind} device caches have no same-host export"
+
+    #: ``aio.DeviceIpc`` (set by the runtime): ``auto`` exports our device caches only where the peer cannot
+    #: map them writable, ``on`` also elsewhere, ``off`` never.
+    ipc_policy = "auto"
+    #: Whether a peer importing our export can only ever map it read-only (the kernel or driver enforces it).
+    ipc_read_only_enforced = False
+
+    def ipc_export_refused(self) -> str | None:
+        """Why ``aio.DeviceIpc`` keeps our device caches from being exported (None: it does not)."""
+        if self.ipc_policy == "off":
+            return "option 'aio.DeviceIpc' is 'off'"
+        if self.ipc_policy == "auto" and not self.ipc_read_only_enforced:
+            return (f"option 'aio.DeviceIpc' is 'auto', and a peer could map {self.kind} exports writable (the "
+                    "read-only import is the importer's choice, not enforced); 'on' exports them anyway")
+        return None
+
+    def ipc_import(self, kind: str, identity: bytes, fd: int, nbytes: int) -> PeerMapping:
+        """Map a same-host peer's export (``kind`` backend, on device ``identity``) read-only.
+
+        :raises IpcUnavailable: this process cannot map it (the reason says why).
+        :raises ExportInvalid: ``fd`` does not hold what the peer declared.
+        """
+        raise IpcUnavailable(self.ipc_unavailable() or "no import")
+
+    def fence(self, token: int) -> None:
+        """Post ``token``'s record once the copy stream is past everything on the caller's current stream
+        (what a peer reading our memory waits for)."""
+        self.enqueue_and_notify(token, lambda: None, 0, None, "stream fence")
 
     def check_tensor(self, arg: str, index: int, tensor: torch.Tensor) -> None:
         if tensor.device != self.device:

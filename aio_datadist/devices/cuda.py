@@ -4,12 +4,18 @@ Opening it checks, in order, that the NVIDIA driver loads (``libcuda.so.1``,
 through the core), that torch is a CUDA build that sees a device, and that
 the configured device exists; each missing piece is its own
 ``LLM_FEATURE_NOT_ENABLED`` message.
+
+Library-allocated caches are driver VMM allocations a same-host peer can map
+read-only (``devices/cuda_vmm.py``), wrapped as torch tensors through the CUDA
+array interface; where the device or driver cannot export, they come from
+torch's allocator and take the staging plane.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import warnings
 from typing import Any
 
@@ -17,8 +23,14 @@ import torch
 
 from aio_datadist import _core
 from aio_datadist._checks import param_invalid
-from aio_datadist.devices.backend import DeviceBackend, feature_not_enabled
+from aio_datadist.devices.backend import DeviceBackend, carve, feature_not_enabled, shared_bytes
+from aio_datadist.devices.cuda_vmm import DriverError, VmmAllocation, VmmDriver, VmmMapping
+from aio_datadist.devices.ipc import IpcUnavailable
 from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.types import CacheDesc
+
+log = logging.getLogger("aio_datadist.devices")
+_OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
 
 __all__ = ["CudaBackend", "HostPin", "load_driver"]
 
@@ -82,7 +94,49 @@ class CudaBackend(DeviceBackend):
 
     def __init__(self, device: torch.device, queue: _core.CompletionQueue, driver: _core.CudaDriver) -> None:
         self.driver = driver
+        self._vmm: VmmDriver | None = None
+        self._ipc_off: str | None = ""
         super().__init__(device, queue)
+
+    # -- same-host exports (devices/ipc.py, devices/cuda_vmm.py) --------------------------
+
+    @property
+    def vmm(self) -> VmmDriver:
+        if self._vmm is None:
+            self._vmm = VmmDriver(self.driver.library)
+        return self._vmm
+
+    def ipc_unavailable(self) -> str | None:
+        if self._ipc_off == "":
+            try:
+                self._ipc_off = self.vmm.unavailable(self.device.index or 0)
+            except IpcUnavailable as exc:
+                self._ipc_off = str(exc)
+        return self._ipc_off
+
+    def ipc_identity(self) -> bytes:
+        return self.vmm.identity(self.device.index or 0)
+
+    def allocate_shared(self, desc: CacheDesc) -> tuple[list[torch.Tensor], VmmAllocation | None]:
+        if self.ipc_export_refused() is not None or self.ipc_unavailable() is not None:
+            return self.allocate(desc), None
+        try:
+            alloc = self.vmm.allocate(self.device.index or 0, shared_bytes(desc))
+        except DriverError as exc:
+            if exc.code == _OUT_OF_MEMORY:
+                raise torch.OutOfMemoryError(str(exc)) from None
+            log.warning("exportable device allocation failed (%s); this cache comes from torch's allocator and "
+                        "takes the staging plane between same-host processes", exc)
+            return self.allocate(desc), None
+        return carve(desc, _device_tensor(alloc.address, alloc.nbytes, alloc, self.device)), alloc
+
+    def ipc_import(self, kind: str, identity: bytes, fd: int, nbytes: int) -> VmmMapping:
+        if kind != self.kind:
+            raise IpcUnavailable(f"the peer's device caches are {kind} memory, ours are on {self.device}")
+        mapping = self.vmm.import_fd(self.device.index or 0, identity, fd, nbytes)
+        device = self.device
+        mapping.view_maker = lambda address, n, owner: _device_tensor(address, n, owner, device)
+        return mapping
 
     @classmethod
     def open(cls, device_id: int | None, queue: _core.CompletionQueue) -> CudaBackend:
@@ -132,3 +186,18 @@ class CudaBackend(DeviceBackend):
         except OSError as exc:
             raise LLMException(f"batched host<->device copy failed: {exc.strerror}",
                                status_code=LLMStatusCode.LLM_FAILED) from exc
+
+
+class _DeviceMemory:
+    """Device memory torch does not own, handed to ``torch.as_tensor`` through the CUDA array interface;
+    the tensor keeps this object, and so ``owner`` (the allocation or mapping), alive."""
+
+    def __init__(self, address: int, nbytes: int, owner: Any) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 2}
+        self.owner = owner
+
+
+def _device_tensor(address: int, nbytes: int, owner: Any, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of device memory at ``address`` that keeps ``owner`` alive."""
+    return torch.as_tensor(_DeviceMemory(address, nbytes, owner), device=device)

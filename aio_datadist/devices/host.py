@@ -20,10 +20,12 @@ import ctypes
 import fcntl
 import mmap
 import os
+import stat
 
 import torch
 
-__all__ = ["HostRegion", "PAGE_SIZE", "SEALS_REQUIRED", "round_up", "seal_names", "tensor_at"]
+__all__ = ["HostRegion", "PAGE_SIZE", "ReadOnlyMapping", "SEALS_REQUIRED", "check_sealed", "round_up", "seal_names",
+           "tensor_at"]
 
 PAGE_SIZE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -118,3 +120,58 @@ def tensor_at(address: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     raw = (ctypes.c_uint8 * nbytes).from_address(address)
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def check_sealed(fd: int, size: int) -> None:
+    """``fd`` must be a memfd of exactly ``size`` bytes, sealed against shrink and grow; ValueError else."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("fd is not a memory file")
+    if st.st_size != size:
+        raise ValueError(f"fd holds {st.st_size} bytes, the record declares {size}")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise ValueError(f"fd is not a sealable memfd ({exc.strerror})") from None
+    if seals & SEALS_REQUIRED != SEALS_REQUIRED:
+        raise ValueError(f"fd is not sealed against shrink and grow (seals: {seal_names(seals)})")
+
+
+class ReadOnlyMapping:
+    """``size`` bytes of a (checked) memfd mapped ``PROT_READ`` here; unmapped at :meth:`close` or collection.
+
+    Copies in flight keep it alive through their keepalives, so :meth:`close`
+    only forgets the address; the mapping goes with the last reference.
+    """
+
+    __slots__ = ("address", "nbytes", "_addr", "__weakref__")
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._addr = 0
+        self.nbytes = size
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot map a peer region: {os.strerror(err)}")
+        self._addr = self.address = addr
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        if not self._addr or offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError("view outside the mapping")
+        raw = (ctypes.c_uint8 * nbytes).from_address(self._addr + offset)
+        return torch.frombuffer(raw, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.address = 0
+
+    def __del__(self) -> None:
+        if getattr(self, "_addr", 0):
+            _libc.munmap(self._addr, self.nbytes)
+            self._addr = 0
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value

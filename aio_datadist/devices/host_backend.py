@@ -12,6 +12,12 @@ with stream-recorded layers, failure paths and cancellation are therefore
 the same code on a CPU as on a GPU; only the symbol tables and the stream
 calls differ.
 
+Same-host exports (``devices/ipc.py``) work as CUDA's do, with a sealed
+memfd standing in for the driver's shareable handle: a library-allocated
+device cache lives in a sealed memfd region, a peer receives it opened
+read-only and maps it ``PROT_READ``, and a pull is one batched copy out of
+that mapping on the puller's copy stream.
+
 It is a test and development backend: it is slower than host caches (each
 copy is staged through chunk buffers like device memory) and gives nothing
 a host cache does not.
@@ -27,7 +33,11 @@ from typing import Any
 import torch
 
 from aio_datadist import _core
-from aio_datadist.devices.backend import DeviceBackend
+from aio_datadist.devices.backend import DeviceBackend, carve, shared_bytes
+from aio_datadist.devices.host import HostRegion, ReadOnlyMapping, check_sealed
+from aio_datadist.devices.ipc import ExportInvalid, IpcUnavailable
+from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.types import CacheDesc
 
 __all__ = ["HostBackend"]
 
@@ -36,6 +46,7 @@ class HostBackend(DeviceBackend):
     """Device caches in host memory, moved by :class:`~aio_datadist._core.HostStream` queues."""
 
     kind = "host"
+    ipc_read_only_enforced = True  # a sealed memfd handed over opened read-only: the kernel refuses PROT_WRITE
 
     def __init__(self, device: torch.device, queue: _core.CompletionQueue) -> None:
         self._current = threading.local()
@@ -80,6 +91,29 @@ class HostBackend(DeviceBackend):
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
         return self._use(stream)
 
+    def allocate(self, desc: CacheDesc) -> list[torch.Tensor]:
+        return self.allocate_shared(desc)[0]
+
+    def allocate_shared(self, desc: CacheDesc) -> tuple[list[torch.Tensor], HostExport]:
+        try:
+            region = HostRegion(shared_bytes(desc), "aio_datadist.device")
+        except (OSError, MemoryError) as exc:
+            raise LLMException(f"allocating {shared_bytes(desc)} bytes for a host-backend device cache failed: "
+                               f"{exc}", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
+        return carve(desc, region.tensor(0, torch.uint8, (region.nbytes,))), HostExport(region)
+
+    def ipc_unavailable(self) -> str | None:
+        return None
+
+    def ipc_import(self, kind: str, identity: bytes, fd: int, nbytes: int) -> ReadOnlyMapping:
+        if kind != self.kind:
+            raise IpcUnavailable(f"the peer's device caches are {kind} memory, ours are {self.kind} memory")
+        try:
+            check_sealed(fd, nbytes)
+        except ValueError as exc:
+            raise ExportInvalid(str(exc)) from None
+        return ReadOnlyMapping(fd, nbytes)
+
     @property
     def batch_copies(self) -> bool:
         return True
@@ -95,3 +129,18 @@ class HostBackend(DeviceBackend):
         for stream in self._streams:
             stream.close()
         self._streams.clear()
+
+
+class HostExport:
+    """A host-backend device cache's sealed memfd region; peers receive its read-only fd."""
+
+    __slots__ = ("region", "address", "nbytes")
+
+    def __init__(self, region: HostRegion) -> None:
+        self.region = region
+        self.address = region.address
+        self.nbytes = region.nbytes
+
+    @property
+    def fd(self) -> int:
+        return self.region.fd

@@ -14,12 +14,14 @@ if TYPE_CHECKING:
 
 __all__ = ["plane", "planes_for"]
 
-_MODULES = {"stream": "stream", "staging": "staging", "same-host": "same_host", "nixl": "nixl_plane"}
+_MODULES = {"stream": "stream", "staging": "staging", "same-host": "same_host", "device-ipc": "device_ipc",
+            "nixl": "nixl_plane"}
 _LOADED: dict[str, Plane] = {}
 
 
 def plane(name: str) -> Plane:
-    """The plane called ``name`` (``stream``, ``staging``, ``same-host``, ``nixl``), imported on first use."""
+    """The plane called ``name`` (``stream``, ``staging``, ``same-host``, ``device-ipc``, ``nixl``), imported on
+    first use."""
     found = _LOADED.get(name)
     if found is None:
         module = importlib.import_module(f"aio_datadist.transport.{_MODULES[name]}")
@@ -28,11 +30,11 @@ def plane(name: str) -> Plane:
 
 
 def planes_for(link: LinkPort) -> tuple[Plane, ...]:
-    """The planes ``link`` can use, in the order they are preferred: NIXL, same-host, staging (device
-    caches only), stream."""
+    """The planes ``link`` can use, in the order they are preferred: NIXL, same-host, device IPC (device caches
+    on a same-host link), staging (device caches only), stream."""
     planes: tuple[Plane, ...] = ()
     if link.nixl is not None:
         planes += (plane("nixl"),)
     if link.local is not None:
-        planes += (plane("same-host"),)
+        planes += (plane("same-host"), plane("device-ipc"))
     return (*planes, plane("staging"), plane("stream"))

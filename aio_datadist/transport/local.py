@@ -13,6 +13,17 @@ requester copying from the owner's region into its cache, a push is the
 owner copying from the pusher's region into its cache. No peer ever holds a
 writable view of our memory. Registered framework tensors are not
 memfd-backed: requests touching them take the TCP data channels.
+
+Device caches the library allocated on a backend that exports them
+(``devices/ipc.py``) go the same way with a record of their own
+(``ADD_DEVICE``: the geometry, the backend kind and the device's identity,
+and the export's fd): the receiver maps the export read-only through its own
+device backend and answers ``MAPPED``, and only caches the peer answered
+for are served by device IPC (``transport/device_ipc.py``). When it cannot
+map them (no backend, another kind of device, no P2P between the GPUs, a
+driver or VM that refuses), it says why once per link at INFO and the
+link's device caches keep taking the staging plane; an export that does not
+hold what its record declares drops the share, as a bad memfd does.
 """
 
 from __future__ import annotations
@@ -21,7 +32,6 @@ import array
 import asyncio
 import ctypes
 import dataclasses
-import fcntl
 import hashlib
 import hmac
 import logging
@@ -32,11 +42,15 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from aio_datadist.devices.host import SEALS_REQUIRED, seal_names
+from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what share tests check fds against
+from aio_datadist.devices.host import check_sealed
+from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
+from aio_datadist.devices.peer_cache import PeerDeviceCache
 from aio_datadist.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
     from aio_datadist.cache import KvCache
+    from aio_datadist.devices.backend import DeviceBackend
 
 __all__ = ["LocalListener", "LocalShare", "PeerRegion", "ShareError", "ShareRecord", "boot_id", "connect_share",
            "parse_record", "share_proof"]
@@ -56,9 +70,13 @@ SHARE_AUTH_S = 2.0
 
 # kind, cache id, region bytes, tensors, rows, row bytes, tensor bytes, then one u64 offset per tensor
 _ENTRY = struct.Struct("!BqQIQQQ")
-_ADD, _DEL, _READY = 1, 2, 3
+_ADD, _DEL, _READY, _ADD_DEVICE, _MAPPED = 1, 2, 3, 4, 5
+# After an ADD_DEVICE record's offsets: the exporting backend's kind, the identity of its device.
+_DEVICE = struct.Struct(f"!B{IDENTITY_BYTES}s")
+DEVICE_KINDS = {1: "host", 2: "cuda"}
+_DEVICE_CODES = {kind: code for code, kind in DEVICE_KINDS.items()}
 MAX_TENSORS = 4096
-MAX_MESSAGE = _ENTRY.size + 8 * MAX_TENSORS
+MAX_MESSAGE = _ENTRY.size + 8 * MAX_TENSORS + _DEVICE.size
 #: Regions one peer may have mapped here at once (each mapping counts against vm.max_map_count).
 MAX_REGIONS = 4096
 #: The largest region a peer may ask us to map (1 TiB).
@@ -88,7 +106,7 @@ class ShareError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ShareRecord:
-    """One validated share message: ``kind`` is ADD (with geometry), DEL or READY."""
+    """One validated share message: ``kind`` is ADD or ADD_DEVICE (with geometry), DEL, READY or MAPPED."""
 
     kind: int
     cache_id: int
@@ -97,6 +115,8 @@ class ShareRecord:
     row_bytes: int = 0
     tensor_bytes: int = 0
     offsets: tuple[int, ...] = ()
+    device_kind: str = ""  # ADD_DEVICE: the exporting backend
+    identity: bytes = b""  # ADD_DEVICE: the device the export lives on
 
 
 def parse_record(data: bytes, nfds: int, flags: int) -> ShareRecord:
@@ -108,15 +128,16 @@ def parse_record(data: bytes, nfds: int, flags: int) -> ShareRecord:
     if len(data) < _ENTRY.size:
         raise ShareError(f"record of {len(data)} bytes is shorter than {_ENTRY.size}")
     kind, cache_id, size, tensors, rows, row_bytes, tensor_bytes = _ENTRY.unpack_from(data, 0)
-    if kind in (_DEL, _READY):
+    if kind in (_DEL, _READY, _MAPPED):
         if nfds or len(data) != _ENTRY.size:
-            raise ShareError("a DEL or READY record carries nothing more")
+            raise ShareError("a DEL, READY or MAPPED record carries nothing more")
         return ShareRecord(kind, cache_id)
-    if kind != _ADD:
+    if kind not in (_ADD, _ADD_DEVICE):
         raise ShareError(f"unknown record kind {kind}")
     if nfds != 1:
         raise ShareError(f"an ADD record carries one fd, not {nfds}")
-    if not 0 < tensors <= MAX_TENSORS or len(data) != _ENTRY.size + 8 * tensors:
+    trailer = _DEVICE.size if kind == _ADD_DEVICE else 0
+    if not 0 < tensors <= MAX_TENSORS or len(data) != _ENTRY.size + 8 * tensors + trailer:
         raise ShareError(f"record length {len(data)} does not hold {tensors} tensor offsets")
     if cache_id < 1:
         raise ShareError(f"cache id {cache_id}")
@@ -127,20 +148,20 @@ def parse_record(data: bytes, nfds: int, flags: int) -> ShareRecord:
     offsets = struct.unpack_from(f"!{tensors}Q", data, _ENTRY.size)
     if any(o + tensor_bytes > size for o in offsets):
         raise ShareError("a tensor lies outside the region")
+    if kind == _ADD_DEVICE:
+        code, identity = _DEVICE.unpack_from(data, _ENTRY.size + 8 * tensors)
+        if code not in DEVICE_KINDS:
+            raise ShareError(f"unknown device kind {code}")
+        return ShareRecord(kind, cache_id, size, rows, row_bytes, tensor_bytes, offsets, DEVICE_KINDS[code], identity)
     return ShareRecord(kind, cache_id, size, rows, row_bytes, tensor_bytes, offsets)
 
 
 def check_fd(fd: int, size: int) -> None:
     """The fd must be a memfd sealed against resizing whose size is exactly ``size``."""
-    st = os.fstat(fd)
-    if st.st_size != size:
-        raise ShareError(f"fd holds {st.st_size} bytes, the record declares {size}")
     try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError as exc:
-        raise ShareError(f"fd is not a sealable memfd ({exc.strerror})") from None
-    if seals & SEALS_REQUIRED != SEALS_REQUIRED:
-        raise ShareError(f"fd is not sealed against shrink and grow (seals: {seal_names(seals)})")
+        check_sealed(fd, size)
+    except ValueError as exc:
+        raise ShareError(str(exc)) from None
 
 
 class PeerRegion:
@@ -194,12 +215,22 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 class LocalShare:
     """One link's unix socket: our shareable caches out, the peer's in."""
 
-    def __init__(self, sock: socket.socket, on_lost: Callable[[], None]) -> None:
+    def __init__(self, sock: socket.socket, on_lost: Callable[[], None], devices: DeviceBackend | None = None,
+                 name: str = "same-host share") -> None:
         self.sock = sock
         self.sock.setblocking(False)
         self.regions: dict[int, PeerRegion] = {}
         self.sent: set[int] = set()
         self.on_lost = on_lost
+        self.devices = devices
+        self.name = name
+        #: The peer's device caches we mapped, and ours the peer said it mapped (``MAPPED``).
+        self.device_regions: dict[int, PeerDeviceCache] = {}
+        self.sent_device: set[int] = set()
+        self.peer_mapped: set[int] = set()
+        #: Why device caches on this link take the staging plane (the last reason logged), or None.
+        self.ipc_off: str | None = None
+        self._said: set[str] = set()
         self._loop = asyncio.get_running_loop()
         self.ready = self._loop.create_future()
         self._loop.add_reader(sock.fileno(), self._readable)
@@ -213,7 +244,10 @@ class LocalShare:
             self._lost()
 
     def offer(self, cache: KvCache) -> None:
-        """Send ``cache`` with its read-only memfd, if it has one."""
+        """Send ``cache`` with its read-only memfd, if it has one (a device cache: its export)."""
+        if cache.on_device:
+            self._offer_device(cache)
+            return
         region = cache.region
         if self.closed or region is None or cache.cache_id in self.sent:
             return
@@ -231,8 +265,65 @@ class LocalShare:
             return
         self.sent.add(cache.cache_id)
 
+    def _offer_device(self, cache: KvCache) -> None:
+        export = cache.device_export
+        if self.closed or cache.cache_id in self.sent_device or self.devices is None:
+            return
+        why = self.devices.ipc_export_refused() or self.devices.ipc_unavailable()
+        if why is None and export is None:
+            why = "registered (framework-owned) device caches are not exported; only allocated ones are"
+        if why is not None:
+            self.say_ipc_off(f"our device caches are not exported: {why}")
+            return
+        lay = cache.layout
+        if lay.num_tensors > MAX_TENSORS:
+            return
+        offsets = [b - export.address for b in lay.bases]
+        body = (_ENTRY.pack(_ADD_DEVICE, cache.cache_id, export.nbytes, lay.num_tensors, lay.rows, lay.row_bytes,
+                            lay.tensor_bytes) + struct.pack(f"!{len(offsets)}Q", *offsets)
+                + _DEVICE.pack(_DEVICE_CODES[self.devices.kind], self.devices.ipc_identity()))
+        try:
+            socket.send_fds(self.sock, [body], [export.fd])
+        except OSError as exc:
+            log.info("same-host share lost: %s", exc)
+            self._lost()
+            return
+        self.sent_device.add(cache.cache_id)
+
+    def say_ipc_off(self, why: str) -> None:
+        """Device caches on this link take the staging plane because of ``why``: say so once (INFO)."""
+        self.ipc_off = why
+        if why not in self._said:
+            self._said.add(why)
+            log.info("%s: device caches take the staging plane, not device IPC: %s", self.name, why)
+
+    def device_shared(self, cache: KvCache) -> bool:
+        """Whether the peer mapped our device cache ``cache`` (it answered ``MAPPED``)."""
+        return cache.cache_id in self.peer_mapped and not self.closed
+
+    def device_region(self, cache_id: int) -> PeerDeviceCache | None:
+        """The peer's device cache ``cache_id`` as we mapped it (records already queued are read first)."""
+        if cache_id not in self.device_regions:
+            self._readable()
+        return self.device_regions.get(cache_id)
+
+    @property
+    def imports_devices(self) -> bool:
+        """Whether this end can map a peer's device caches at all."""
+        return self.devices is not None and self.devices.ipc_unavailable() is None and not self.closed
+
     def withdraw(self, cache_id: int) -> None:
-        if self.closed or cache_id not in self.sent:
+        if self.closed:
+            return
+        if cache_id in self.sent_device:
+            self.sent_device.discard(cache_id)
+            self.peer_mapped.discard(cache_id)
+            try:
+                self.sock.send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
+            except OSError:
+                self._lost()
+            return
+        if cache_id not in self.sent:
             return
         self.sent.discard(cache_id)
         try:
@@ -282,14 +373,47 @@ class LocalShare:
             if not self.ready.done():
                 self.ready.set_result(None)
             return
+        if record.kind == _MAPPED:
+            if record.cache_id in self.sent_device:  # anything else is ignored: it grants nothing
+                self.peer_mapped.add(record.cache_id)
+            return
         old = self.regions.pop(record.cache_id, None)
         if old is not None:
             old.close()
+        old_device = self.device_regions.pop(record.cache_id, None)
+        if old_device is not None:
+            old_device.close()
         if record.kind == _DEL:
             return
-        if len(self.regions) >= MAX_REGIONS:
+        if len(self.regions) + len(self.device_regions) >= MAX_REGIONS:
             raise ShareError(f"the peer shares more than {MAX_REGIONS} caches")
+        if record.kind == _ADD_DEVICE:
+            self._map_device(record, fds[0])
+            return
         self.regions[record.cache_id] = PeerRegion(record, fds[0])
+
+    def _map_device(self, record: ShareRecord, fd: int) -> None:
+        """Map a peer's device cache read-only and answer ``MAPPED``; say why not where we cannot."""
+        devices = self.devices
+        if devices is None:
+            self.say_ipc_off("the peer's device caches cannot be mapped: this endpoint has no device backend "
+                             "(aio.DeviceType)")
+            return
+        try:
+            mapping = devices.ipc_import(record.device_kind, record.identity, fd, record.size)
+        except IpcUnavailable as exc:
+            self.say_ipc_off(f"the peer's device caches cannot be mapped here: {exc}")
+            return
+        except ExportInvalid as exc:
+            raise ShareError(f"device export of cache {record.cache_id}: {exc}") from None
+        try:
+            peer = PeerDeviceCache(record.cache_id, mapping, record.rows, record.row_bytes, record.tensor_bytes,
+                                   record.offsets, devices.device)
+        except ExportInvalid as exc:
+            mapping.close()
+            raise ShareError(f"device export of cache {record.cache_id}: {exc}") from None
+        self.device_regions[record.cache_id] = peer
+        self.sock.send(_ENTRY.pack(_MAPPED, record.cache_id, 0, 0, 0, 0, 0))
 
     def _lost(self) -> None:
         if not self.closed:
@@ -308,6 +432,10 @@ class LocalShare:
         for region in self.regions.values():
             region.close()
         self.regions.clear()
+        for device_region in self.device_regions.values():
+            device_region.close()
+        self.device_regions.clear()
+        self.peer_mapped.clear()
 
 
 #: What the listener asks of its owner: the ``(link token, attach)`` pairs of links that may attach a

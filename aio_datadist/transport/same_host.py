@@ -18,6 +18,7 @@ from aio_datadist._settle import settle
 from aio_datadist.layers import one_side_span
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
+from aio_datadist.transport import plane
 from aio_datadist.transport.base import (
     InPlacePlane,
     LinkPort,
@@ -90,38 +91,10 @@ class SameHostPlane(InPlacePlane):
         afterwards is ours to wait for.
         """
         share = link.local
-        if (share is None or not share.shared(plan.local) or plan.by_address
+        if (share is None or plan.local.on_device or not share.shared(plan.local) or plan.by_address
                 or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS):
-            return False
-        link.check()
-        req_id = link.new_req_id()
-        answered = link.expect(req_id)
-        fields = {name: getattr(plan.remote, name) for name in TransferReq.__dataclass_fields__}
-        fields.update(channel=0, timeout_ms=timeout_ms)
-        link.send_record(Msg.PUSH_LOCAL, req_id, PushLocalReq(
-            **fields, src_cache_id=plan.local.cache_id, src_first=plan.local_first, src_nbytes=plan.local_nbytes,
-            src_rows=array.array("Q", plan.local_rows).tobytes()))
-        try:
-            async with asyncio.timeout(timeout_ms / 1000):
-                answer = await asyncio.shield(answered)
-        except BaseException as exc:
-            cancelled: list[asyncio.CancelledError] = []
-            if not answered.done():
-                link.send(Msg.ABORT, req_id, channel=0, generation=NO_GENERATION)
-                await abort_acknowledged(link, answered, what, cancelled)
-            link.pending.pop(req_id, None)
-            if cancelled:
-                raise cancelled[0] from None
-            if isinstance(exc, TimeoutError):
-                raise LLMException(f"{what} timed out after {timeout_ms} ms",
-                                   status_code=LLMStatusCode.LLM_TIMEOUT) from None
-            raise
-        if answer.cache_id == USE_STREAM:
-            return False
-        if answer.status != LLMStatusCode.LLM_SUCCESS:
-            raise LLMException(f"cluster {link.remote_cluster_id}: {answer.text}",
-                               status_code=code_to_status(answer.status))
-        return True
+            return False  # device caches: the device IPC plane's move_alone
+        return await push_local(link, plan, timeout_ms, what)
 
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
         cache = served.cache
@@ -133,7 +106,13 @@ class SameHostPlane(InPlacePlane):
         The answer (``RESP``) is sent once the copy is over, never before: on
         success the rows are recorded as arrived; after an ``ABORT`` or a
         failure the copy has stopped by the time the pusher reads the answer.
+        A push into a device cache is the device IPC plane's.
         """
+        cache = served.cache
+        if cache is not None and cache.on_device:
+            plane("device-ipc").serve_alone(rt, link, req_id, req, served)
+            return
+
         def answer(status: LLMStatusCode, text: str, cache_id: int = -1, total: int = 0) -> None:
             link.send(Msg.RESP, req_id, status=status, total=total, cache_id=cache_id, row=-1, text=text)
 
@@ -146,39 +125,83 @@ class SameHostPlane(InPlacePlane):
         if source is None:
             answer(LLMStatusCode.LLM_SUCCESS, "", cache_id=USE_STREAM)
             return
-        cache = served.cache
         assert cache is not None, "PUSH_LOCAL names a registered cache"
         src_pairs, region = source
-        settled = asyncio.get_running_loop().create_future()
         triples = _core.zip_segments(served.pairs, src_pairs)
-        counters, started = link.counters, link.counters.begin("served_push")
-        try:
-            moved = rt.completions.start(lambda t: rt.copier.submit(t, triples), rt.copier.cancel,
-                                         timeout_ms=serve_timeout_ms(req), what=f"serving PUSH_LOCAL {req_id}",
-                                         keepalive=(cache, region), settled=settled)
-        except LLMException as exc:
-            counters.end("served_push", self.transport, served.total, started, Outcome.FAILED, exc.status_code)
-            answer(exc.status_code, str(exc))
+        serve_copy(rt, link, req_id, req, served, lambda t: rt.copier.submit(t, triples), rt.copier.cancel,
+                   (cache, region), self.transport)
+
+
+def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Served, submit: Any, cancel: Any,
+               keepalive: Any, transport: str) -> None:
+    """Run the owner's copy of a same-host push and answer ``RESP`` once it is over (never before)."""
+    cache = served.cache
+    assert cache is not None, "PUSH_LOCAL names a registered cache"
+
+    def answer(status: LLMStatusCode, text: str, cache_id: int = -1, total: int = 0) -> None:
+        link.send(Msg.RESP, req_id, status=status, total=total, cache_id=cache_id, row=-1, text=text)
+
+    settled = asyncio.get_running_loop().create_future()
+    counters, started = link.counters, link.counters.begin("served_push")
+    try:
+        moved = rt.completions.start(submit, cancel, timeout_ms=serve_timeout_ms(req),
+                                     what=f"serving PUSH_LOCAL {req_id}", keepalive=keepalive, settled=settled)
+    except LLMException as exc:
+        counters.end("served_push", transport, served.total, started, Outcome.FAILED, exc.status_code)
+        answer(exc.status_code, str(exc))
+        return
+    link.serving[req_id] = moved.cancel
+
+    def over(_: asyncio.Future) -> None:
+        if link.serving.get(req_id) == moved.cancel:
+            del link.serving[req_id]
+        ok = moved.done() and not moved.cancelled() and moved.exception() is None
+        counters.end("served_push", transport, served.total, started, Outcome.OK if ok else Outcome.FAILED,
+                     LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED)
+        if ok:
+            for target, rows_tensors, rows in served.landed:
+                rt.arrivals.record(target, rows_tensors, rows)
+            answer(LLMStatusCode.LLM_SUCCESS, "", cache_id=cache.cache_id, total=served.total)
             return
-        link.serving[req_id] = moved.cancel
+        if not moved.done():
+            moved.cancel()
+        answer(LLMStatusCode.LLM_FAILED, "the push was aborted" if moved.cancelled() else str(moved.exception()))
 
-        def over(_: asyncio.Future) -> None:
-            if link.serving.get(req_id) == moved.cancel:
-                del link.serving[req_id]
-            ok = moved.done() and not moved.cancelled() and moved.exception() is None
-            counters.end("served_push", self.transport, served.total, started, Outcome.OK if ok else Outcome.FAILED,
-                         LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED)
-            if ok:
-                for target, rows_tensors, rows in served.landed:
-                    rt.arrivals.record(target, rows_tensors, rows)
-                answer(LLMStatusCode.LLM_SUCCESS, "", cache_id=cache.cache_id, total=served.total)
-                return
-            if not moved.done():
-                moved.cancel()
-            answer(LLMStatusCode.LLM_FAILED,
-                   "the push was aborted" if moved.cancelled() else str(moved.exception()))
+    settled.add_done_callback(over)
 
-        settled.add_done_callback(over)
+
+async def push_local(link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:
+    """Send ``PUSH_LOCAL`` for ``plan`` and wait for the owner's answer (see :meth:`SameHostPlane.move_alone`);
+    False when the owner wants it streamed."""
+    link.check()
+    req_id = link.new_req_id()
+    answered = link.expect(req_id)
+    fields = {name: getattr(plan.remote, name) for name in TransferReq.__dataclass_fields__}
+    fields.update(channel=0, timeout_ms=timeout_ms)
+    link.send_record(Msg.PUSH_LOCAL, req_id, PushLocalReq(
+        **fields, src_cache_id=plan.local.cache_id, src_first=plan.local_first, src_nbytes=plan.local_nbytes,
+        src_rows=array.array("Q", plan.local_rows).tobytes()))
+    try:
+        async with asyncio.timeout(timeout_ms / 1000):
+            answer = await asyncio.shield(answered)
+    except BaseException as exc:
+        cancelled: list[asyncio.CancelledError] = []
+        if not answered.done():
+            link.send(Msg.ABORT, req_id, channel=0, generation=NO_GENERATION)
+            await abort_acknowledged(link, answered, what, cancelled)
+        link.pending.pop(req_id, None)
+        if cancelled:
+            raise cancelled[0] from None
+        if isinstance(exc, TimeoutError):
+            raise LLMException(f"{what} timed out after {timeout_ms} ms",
+                               status_code=LLMStatusCode.LLM_TIMEOUT) from None
+        raise
+    if answer.cache_id == USE_STREAM:
+        return False
+    if answer.status != LLMStatusCode.LLM_SUCCESS:
+        raise LLMException(f"cluster {link.remote_cluster_id}: {answer.text}",
+                           status_code=code_to_status(answer.status))
+    return True
 
 
 async def copy_settled(rt: Runtime, triples: Any, what: str, keepalive: Any) -> None:

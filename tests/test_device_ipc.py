@@ -1,0 +1,329 @@
+"""Device IPC on one host, on the host backend: device caches mapped read-only, one batched copy per pull.
+
+Both ends are real endpoints on a same-host link (the authenticated share
+socket, real memfds passed with SCM_RIGHTS, real read-only mappings); their
+device caches live on the host backend (``aio.DeviceType=host``), whose
+exports are sealed memfds and whose copies run on ``HostStream`` queues, as a
+CUDA cache's would on its stream with the driver's export (``devices/ipc.py``).
+The CUDA calls themselves are tested against the stand-in libcuda
+(``test_device_vmm.py``) and on a GPU (``tests/gpu/test_gpu_ipc.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import socket
+import struct
+from multiprocessing import reduction
+
+import pytest
+import torch
+from peers import DECODER_ID, PROMPT_ID, TRANSPORT, endpoint, fill, linked_pair, process_context, snapshot
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aio_datadist.devices.ipc import IpcUnavailable
+from aio_datadist.testing import runtime_of, usable_link
+from aio_datadist.transport.local import LocalShare
+
+S = LLMStatusCode
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("fork_server")]
+HOST = {"device_type": "host", "transport": "local"}
+BLOCKS = CacheDesc(4, (6, 3, 512), DataType.DT_FLOAT16, Placement.DEVICE)
+
+
+@pytest.fixture(autouse=True)
+def local_transport():
+    TRANSPORT["default"] = "local"
+    yield
+    TRANSPORT["default"] = "tcp"
+
+
+def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def count_batches(dd) -> list[int]:
+    """Count the batched copies the endpoint's copy stream gets (each call: one list of copies)."""
+    backend = runtime_of(dd).devices
+    calls: list[int] = []
+    inner = backend.memcpy_batch
+
+    def counted(dsts, srcs, sizes):
+        calls.append(len(dsts))
+        return inner(dsts, srcs, sizes)
+
+    backend.memcpy_batch = counted
+    return calls
+
+
+async def mapped(pair, cache_id: int, *, by_decoder: bool = True) -> None:
+    """Wait until the other end answered MAPPED for our cache (device IPC is then offered for it)."""
+    owner = pair.prompt if by_decoder else pair.decoder
+    other = DECODER_ID if by_decoder else PROMPT_ID
+    share = usable_link(owner, other).local
+    for _ in range(200):
+        share._readable()
+        if cache_id in share.peer_mapped:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"cache {cache_id} was never mapped by the peer")
+
+
+def link_stats(dd, other: int):
+    return dd.stats().links[other]
+
+
+async def test_a_pull_between_device_caches_is_one_batched_copy_out_of_the_read_only_export():
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 7)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await mapped(pair, src.cache_id)
+        before = snapshot(dst)
+        theirs, ours = count_batches(pair.prompt), count_batches(pair.decoder)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [5, 0, 3], [1, 4, 2])
+        for d, v, b in zip(dst.tensors, values, before, strict=True):
+            assert eq(d[1], v[5]) and eq(d[4], v[0]) and eq(d[2], v[3])
+            assert eq(d[0], b[0]) and eq(d[3], b[3]) and eq(d[5], b[5])
+        assert len(ours) == 1 and ours[0] >= 1  # one batched copy on the requester's stream
+        assert theirs == []  # the owner copied nothing (only fenced its stream)
+        assert runtime_of(pair.decoder)._staging is None and runtime_of(pair.prompt)._staging is None
+        mine = link_stats(pair.decoder, PROMPT_ID)
+        assert mine.kinds["pull"].transport == "local" and mine.device_ipc_off is None
+        for _ in range(100):  # the owner counts the pull once our DONE reached it
+            if link_stats(pair.prompt, DECODER_ID).kinds["served_pull"].transfers:
+                break
+            await asyncio.sleep(0.01)
+        assert link_stats(pair.prompt, DECODER_ID).kinds["served_pull"].transport == "local"
+        assert runtime_of(pair.decoder).completions.pending_count() == 0
+
+
+async def test_a_push_and_a_pull_by_key_go_by_device_ipc_too():
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS)
+        values = fill(src, 3)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 1))
+        await mapped(pair, src.cache_id, by_decoder=True)
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 1), src, [0, 2], [3, 5])
+        for d, v in zip(dst.tensors, values, strict=True):
+            assert eq(d[3], v[0]) and eq(d[5], v[2])
+        assert link_stats(pair.prompt, DECODER_ID).kinds["push"].transport == "local"
+        assert link_stats(pair.decoder, PROMPT_ID).kinds["served_push"].transport == "local"
+
+        desc = CacheDesc(2, (3, 1536), DataType.DT_INT8, Placement.DEVICE)
+        keyed = pair.pm.allocate_cache(desc, [CacheKey(PROMPT_ID, 10), CacheKey(PROMPT_ID, 11)])
+        values = fill(keyed, 4)
+        into = pair.dm.allocate_cache(desc)
+        await mapped(pair, keyed.cache_id)
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 11), into, batch_index=2)
+        for d, v in zip(into.tensors, values, strict=True):
+            assert eq(d[2], v[1])
+        with pytest.raises(LLMException) as info:  # a pull by key consumes it, as on every plane
+            await pair.dm.pull_cache(CacheKey(PROMPT_ID, 11), into, batch_index=0)
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        assert link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "local"
+
+
+async def test_registered_device_caches_take_the_staging_plane_and_the_link_says_why():
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        tensors = [torch.zeros(BLOCKS.shape, dtype=torch.float16) for _ in range(BLOCKS.num_tensors)]
+        src = pair.pm.register_blocks_cache(BLOCKS, tensors, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 5)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1, 2], [0, 5])
+        for d, v in zip(dst.tensors, values, strict=True):
+            assert eq(d[0], v[1]) and eq(d[5], v[2])
+        assert link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "tcp"  # staged over the channel
+        assert "registered" in link_stats(pair.prompt, DECODER_ID).device_ipc_off
+
+
+@pytest.mark.parametrize("policy, enforced, exported", [
+    ("off", True, False), ("auto", True, True), ("on", True, True),
+    ("auto", False, False), ("on", False, True),  # a backend whose exports a peer could map writable (CUDA)
+])
+async def test_option_device_ipc_decides_what_is_exported(monkeypatch, policy, enforced, exported):
+    """``aio.DeviceIpc``: ``auto`` exports only where the peer cannot map the export writable (the host
+    backend's sealed read-only memfds; not CUDA, whose read-only import is the importer's choice), ``on``
+    also there, ``off`` never. What is not exported takes the staging plane and the link says why."""
+    from aio_datadist.devices.host_backend import HostBackend
+
+    monkeypatch.setattr(HostBackend, "ipc_read_only_enforced", enforced)
+    config = dict(HOST, device_ipc=policy)
+    async with linked_pair(prompt_config=config, decoder_config=config) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 4)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        if exported:
+            await mapped(pair, src.cache_id)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [3], [1])
+        assert all(eq(d[1], v[3]) for d, v in zip(dst.tensors, values, strict=True))
+        taken = link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport
+        assert taken == ("local" if exported else "tcp"), taken
+        off = link_stats(pair.prompt, DECODER_ID).device_ipc_off
+        assert (off is None) == exported and (exported or "aio.DeviceIpc" in off), off
+
+
+async def test_a_peer_that_cannot_map_device_exports_falls_back_to_staging_and_says_why(monkeypatch, caplog):
+    why = "no P2P between GPU 0 and GPU 1"
+
+    def refuse(self, kind, identity, fd, nbytes):
+        raise IpcUnavailable(why)
+
+    from aio_datadist.devices.host_backend import HostBackend
+
+    monkeypatch.setattr(HostBackend, "ipc_import", refuse)
+    caplog.set_level(logging.INFO, logger="aio_datadist.local")
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        pair.pm.allocate_blocks_cache(BLOCKS)
+        values = fill(src, 2)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [4], [4])
+        assert all(eq(d[4], v[4]) for d, v in zip(dst.tensors, values, strict=True))
+        stats = link_stats(pair.decoder, PROMPT_ID)
+        assert stats.kinds["pull"].transport == "tcp" and why in stats.device_ipc_off
+        lines = [r for r in caplog.records if why in r.getMessage() and r.levelno == logging.INFO]
+        # Three caches crossed the link; each end said why once (its own mapping was refused).
+        assert sorted(r.getMessage().split(":")[0] for r in lines) == sorted(
+            [f"link {usable_link(pair.decoder, PROMPT_ID).link_id} to cluster {PROMPT_ID}",
+             f"link {usable_link(pair.prompt, DECODER_ID).link_id} to cluster {DECODER_ID}"])
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+async def test_a_pull_given_up_mid_copy_returns_only_once_nothing_can_land(how):
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        fill(src, 9)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await mapped(pair, src.cache_id)
+        backend = runtime_of(pair.decoder).devices
+        gate = backend.stream.gate()  # the requester's copy stream stops here: the copy queues behind it
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.5, gate.open)
+        pull = pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(6)), list(range(6)),
+                                   timeout=150 if how == "timeout" else 10_000)
+        task = asyncio.ensure_future(pull)
+        if how == "cancel":
+            await asyncio.sleep(0.15)
+            task.cancel()
+        with pytest.raises((LLMException, asyncio.CancelledError)) as info:
+            await task
+        if how == "timeout":
+            assert info.value.status_code == S.LLM_TIMEOUT
+        assert backend.stream.pending() == 0  # the copy it enqueued was over before it returned
+        after = snapshot(dst)
+        await asyncio.sleep(0.2)
+        for a, t in zip(after, dst.tensors, strict=True):
+            assert eq(a, t)  # no byte after return
+        assert runtime_of(pair.decoder).completions.pending_count() == 0
+        values = fill(src, 10)  # the link still pulls by device IPC afterwards
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1], [1])
+        assert all(eq(d[1], v[1]) for d, v in zip(dst.tensors, values, strict=True))
+        assert link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "local"
+
+
+# ---- a hostile same-host peer (it proved the link) sends device records that lie ---------------
+
+ENTRY, DEVICE = struct.Struct("!BqQIQQQ"), struct.Struct("!B16s")
+ADD_DEVICE, MAPPED = 4, 5
+SIZE = 8192
+
+
+def _record(size: int, rows: int, row_bytes: int, offsets: list[int], kind: int = 1) -> bytes:
+    return (ENTRY.pack(ADD_DEVICE, 7, size, len(offsets), rows, row_bytes, rows * row_bytes)
+            + struct.pack(f"!{len(offsets)}Q", *offsets) + DEVICE.pack(kind, bytes(16)))
+
+
+def _memfd(size: int, sealed: bool) -> int:
+    fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+CASES = {  # what the peer sends: (record, how to make the fd or None for no fd)
+    "a pipe, not a memfd": (_record(SIZE, 4, 256, [0]), "pipe"),
+    "an unsealed memfd": (_record(SIZE, 4, 256, [0]), "unsealed"),
+    "a memfd smaller than declared": (_record(SIZE * 4, 4, 256, [0]), "sealed"),
+    "a tensor outside the export": (_record(SIZE, 4, 256, [SIZE - 512]), "sealed"),
+    "geometry that does not multiply": (ENTRY.pack(ADD_DEVICE, 7, SIZE, 1, 4, 256, 999) + struct.pack("!Q", 0)
+                                        + DEVICE.pack(1, bytes(16)), "sealed"),
+    "an unknown device kind": (_record(SIZE, 4, 256, [0], kind=9), "sealed"),
+    "no fd": (_record(SIZE, 4, 256, [0]), None),
+    "an honest export": (_record(SIZE, 4, 256, [0, 1024]), "sealed"),
+}
+
+
+def _hostile_peer(conn) -> None:
+    """In its own process: for each case, take a share socket, send that one record, report what came back."""
+    for name, (record, fd_kind) in CASES.items():
+        sock = socket.socket(fileno=reduction.recv_handle(conn))
+        fds: list[int] = []
+        if fd_kind == "pipe":
+            r, w = os.pipe()
+            fds, spare = [r], [w]
+        elif fd_kind is not None:
+            fds, spare = [_memfd(SIZE, fd_kind == "sealed")], []
+        else:
+            spare = []
+        socket.send_fds(sock, [record], fds)
+        sock.settimeout(5)
+        try:
+            answer = sock.recv(64)
+        except OSError:
+            answer = b""
+        conn.send((name, answer[:1]))
+        if answer[:1] == bytes([MAPPED]):
+            conn.recv()  # keep the share open while the endpoint's state is checked
+        for fd in fds + spare:
+            os.close(fd)
+        sock.close()
+
+
+async def test_device_records_that_lie_drop_the_share_and_map_nothing():
+    async with endpoint(LLMRole.DECODER, DECODER_ID, device_type="host") as dd:
+        backend = runtime_of(dd).devices
+        ctx = process_context()
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_hostile_peer, args=(theirs,))
+        proc.start()
+        theirs.close()
+        loop = asyncio.get_running_loop()
+        try:
+            for name in CASES:
+                ours, peer_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                lost: list[bool] = []
+                share = LocalShare(ours, lambda lost=lost: lost.append(True), backend, "test link")
+                reduction.send_handle(mine, peer_end.fileno(), proc.pid)
+                peer_end.close()
+                got = await loop.run_in_executor(None, lambda: mine.recv() if mine.poll(10) else None)
+                assert got is not None and got[0] == name
+                if name == "an honest export":
+                    assert got[1] == bytes([MAPPED]) and not lost and list(share.device_regions) == [7]
+                    assert share.device_regions[7].side([3], 0, 256, 1, 1).bases[0] == (
+                        share.device_regions[7].mapping.address + 1024)
+                    mine.send("checked")
+                else:
+                    assert got[1] == b"" and lost == [True] and share.closed, name  # dropped, nothing answered
+                    assert not share.device_regions
+                share.close()
+        finally:
+            mine.close()
+            proc.join(10)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        assert proc.exitcode == 0
