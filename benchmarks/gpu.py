@@ -515,6 +515,7 @@ def ipc_options(listen: bool) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.device_type = "cuda"
+    cfg.device_ipc = "on"  # CUDA exports are off by default (aio.DeviceIpc=auto)
     cfg.transport = "local"
     cfg.sync_kv_timeout = 60000
     if listen:

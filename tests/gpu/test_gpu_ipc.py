@@ -34,6 +34,7 @@ def options(listen: bool) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.device_type = "cuda"
+    cfg.device_ipc = "on"  # CUDA exports are off by default (aio.DeviceIpc=auto)
     cfg.transport = "local"
     if listen:
         cfg.listen_ip_info = "127.0.0.1:0"
