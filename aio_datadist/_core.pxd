@@ -112,7 +112,6 @@ cdef class SocketEngine:
     cdef vector[IoCommand] _commands
     cdef unordered_map[int, FdState *] _fds
     cdef unordered_map[uint64_t, IoJob *] _jobs
-    cdef unordered_map[int, size_t] _busy_sends  # send jobs the thread holds, per fd (under _lock)
     cdef void _run(self) noexcept nogil
     cdef void _apply(self, IoCommand cmd) noexcept nogil
     cdef void _progress(self, int fd, FdState *st, bint sending) noexcept nogil

@@ -441,15 +441,23 @@ cdef void _consume(IoJob *job, ssize_t r) noexcept nogil:
             r = 0
 
 
-cdef int _send_now(IoJob *job) noexcept nogil:
-    """Write what the socket takes of a send job now: 1 all of it, 0 the socket is full, else -errno."""
+cdef int _step(IoJob *job, bint sending) noexcept nogil:
+    """Move what the socket takes of ``job`` now: 1 the job is over (every byte, or a gated receive stopped
+    after its header), 0 the socket would block, else -errno (-ECONNRESET: the peer closed)."""
+    cdef int32_t gate_status
+    cdef uint64_t gate_total, gate_id
     cdef ssize_t r
     cdef int cnt, err
     cdef size_t left
     while job.pos < job.iov.size():
         left = job.iov.size() - job.pos
         cnt = IOV_MAX if left > <size_t>IOV_MAX else <int>left
-        r = writev(job.fd, &job.iov[job.pos], cnt)
+        if job.gate != NULL and job.pos == 0:
+            cnt = 1  # the header alone: nothing past it is read before it is checked
+        if sending:
+            r = writev(job.fd, &job.iov[job.pos], cnt)
+        else:
+            r = readv(job.fd, &job.iov[job.pos], cnt)
         if r < 0:
             err = errno
             if err == EINTR:
@@ -457,8 +465,98 @@ cdef int _send_now(IoJob *job) noexcept nogil:
             if err == EAGAIN:
                 return 0
             return -err
+        if r == 0 and not sending:
+            return -ECONNRESET
         _consume(job, r)
+        if job.gate != NULL and job.pos >= 1:
+            memcpy(&gate_status, job.gate + 4, 4)
+            memcpy(&gate_id, job.gate + 8, 8)
+            memcpy(&gate_total, job.gate + 16, 8)
+            if (memcmp(job.gate, b"AIOA", 4) != 0 or gate_status != 0 or gate_id != job.gate_id
+                    or gate_total != job.total - GATE_BYTES_C):
+                job.gate = NULL
+                return 1  # refused, or not the answer we asked for: the job ends after its header
+            job.gate = NULL
     return 1
+
+
+cdef bint _fill_job(IoJob *job, const uint64_t[::1] pairs, bint gated, uint64_t gate_id) except 0:
+    """Set ``job``'s segments from ``[addr, nbytes, ...]`` (adjacent runs merged, never into a gate's header)."""
+    cdef size_t n = pairs.shape[0]
+    cdef size_t i
+    cdef iovec v
+    if n % 2 != 0:
+        raise ValueError("pairs must hold addr, nbytes pairs")
+    job.pos = 0
+    job.moved = 0
+    job.total = 0
+    job.gate = NULL
+    if gated:
+        if n < 2 or pairs[1] != GATE_BYTES_C:
+            raise ValueError(f"a gated receive starts with its {GATE_BYTES_C}-byte header")
+        job.gate = <char *>pairs[0]
+        job.gate_id = gate_id
+    with nogil:
+        i = 0
+        while i < n:
+            v.iov_base = <void *>pairs[i]
+            v.iov_len = pairs[i + 1]
+            i += 2
+            if v.iov_len == 0:
+                continue
+            job.total += v.iov_len
+            if (job.iov.size() > 0 and (job.gate == NULL or job.iov.size() > 1)
+                    and <char *>job.iov.back().iov_base + job.iov.back().iov_len == <char *>v.iov_base):
+                job.iov[job.iov.size() - 1].iov_len += v.iov_len
+            else:
+                job.iov.push_back(v)
+    return 1
+
+
+cdef class LoopJob:
+    """A send or (gated) receive that the event loop drives itself, for small transfers.
+
+    The loop calls :meth:`step` when the non-blocking socket is ready (and
+    once at the start); each call moves what the socket takes now, without
+    the GIL, and says whether the job is over. No thread is involved, so once
+    the loop stops calling, nothing of the job touches memory any more. The
+    same gate as ``SocketEngine.submit_recv_gated`` applies to a gated one.
+    """
+
+    cdef IoJob *_job
+    cdef readonly bint sending
+
+    def __cinit__(self, int fd, bint send, const uint64_t[::1] pairs not None, uint64_t gate_id=0,
+                  bint gated=False):
+        if fd < 0:
+            raise ValueError("fd must be a valid descriptor")
+        if send and gated:
+            raise ValueError("only a receive is gated")
+        self._job = new IoJob()
+        self._job.fd = fd
+        self._job.is_send = send
+        self.sending = send
+        _fill_job(self._job, pairs, gated, gate_id)
+
+    def __dealloc__(self):
+        if self._job != NULL:
+            del self._job
+            self._job = NULL
+
+    def step(self):
+        """Move what the socket takes now: 1 over, 0 it would block, else -errno."""
+        cdef int rc
+        with nogil:
+            rc = _step(self._job, self.sending)
+        return rc
+
+    @property
+    def moved(self):
+        return self._job.moved
+
+    @property
+    def total(self):
+        return self._job.total
 
 
 cdef void *_io_main(void *arg) noexcept nogil:
@@ -534,16 +632,9 @@ cdef class SocketEngine:
         return ticket
 
     def _submit(self, uint64_t token, int fd, bint is_send, const uint64_t[::1] pairs, bint gated=False,
-                bint inline=False, uint64_t gate_id=0):
-        cdef size_t n = pairs.shape[0]
-        cdef size_t i
-        cdef int sent
-        cdef bint busy
-        cdef iovec v
+                uint64_t gate_id=0):
         cdef IoJob *job
         cdef IoCommand cmd
-        if n % 2 != 0:
-            raise ValueError("pairs must hold addr, nbytes pairs")
         if fd < 0:
             raise ValueError("fd must be a valid descriptor")
         if self._closed:
@@ -552,50 +643,17 @@ cdef class SocketEngine:
         job.token = token
         job.fd = fd
         job.is_send = is_send
-        job.pos = 0
-        job.moved = 0
-        job.total = 0
-        job.gate = NULL
-        if gated:
-            if n < 2 or pairs[1] != GATE_BYTES_C:
-                del job
-                raise ValueError(f"a gated receive starts with its {GATE_BYTES}-byte header")
-            job.gate = <char *>pairs[0]
-            job.gate_id = gate_id
-        with nogil:
-            i = 0
-            while i < n:
-                v.iov_base = <void *>pairs[i]
-                v.iov_len = pairs[i + 1]
-                i += 2
-                if v.iov_len == 0:
-                    continue
-                job.total += v.iov_len
-                if (job.iov.size() > 0 and (job.gate == NULL or job.iov.size() > 1)
-                        and <char *>job.iov.back().iov_base + job.iov.back().iov_len == <char *>v.iov_base):
-                    job.iov[job.iov.size() - 1].iov_len += v.iov_len
-                else:
-                    job.iov.push_back(v)
-        if inline and job.total > 0:
-            pthread_mutex_lock(&self._lock)
-            busy = self._busy_sends.count(fd) > 0 or self._jobs.count(token) > 0
-            pthread_mutex_unlock(&self._lock)
-            if not busy:  # nothing of ours is queued on the fd: write what the socket takes right here
-                with nogil:
-                    sent = _send_now(job)
-                if sent != 0:  # all of it written, or the socket failed: the job is over
-                    n = job.total
-                    self._queue.push(token, 0 if sent == 1 else sent, <int64_t>job.moved)
-                    del job
-                    return n
+        try:
+            _fill_job(job, pairs, gated, gate_id)
+        except BaseException:
+            del job
+            raise
         pthread_mutex_lock(&self._lock)
         if self._jobs.count(token):
             pthread_mutex_unlock(&self._lock)
             del job
             raise ValueError(f"token {token} is already in use")
         self._jobs[token] = job
-        if is_send:
-            self._busy_sends[fd] += 1
         pthread_mutex_unlock(&self._lock)
         cmd.kind = CMD_SUBMIT
         cmd.job = job
@@ -604,16 +662,9 @@ cdef class SocketEngine:
         self._post(cmd)
         return job.total
 
-    def submit_send(self, uint64_t token, int fd, const uint64_t[::1] pairs not None, bint inline=False):
-        """Queue a send of ``[addr0, n0, addr1, n1, ...]``; returns its byte count.
-
-        ``inline``: when no earlier send job is queued on ``fd``, first write
-        what the socket takes now, in the calling thread (without the GIL);
-        the engine thread sends the rest. The bytes start at once, with no
-        hand-off to the engine thread in front of them. The record comes
-        through the queue as always, also for a job finished inline.
-        """
-        return self._submit(token, fd, True, pairs, False, inline)
+    def submit_send(self, uint64_t token, int fd, const uint64_t[::1] pairs not None):
+        """Queue a send of ``[addr0, n0, addr1, n1, ...]``; returns its byte count."""
+        return self._submit(token, fd, True, pairs)
 
     def submit_recv(self, uint64_t token, int fd, const uint64_t[::1] pairs not None):
         """Queue a receive into ``[addr0, n0, addr1, n1, ...]``; returns its byte count."""
@@ -631,7 +682,7 @@ cdef class SocketEngine:
         step. Otherwise the job goes on into the other segments. Returns the
         byte count.
         """
-        return self._submit(token, fd, False, pairs, True, False, req_id)
+        return self._submit(token, fd, False, pairs, True, req_id)
 
     def cancel(self, uint64_t token):
         """Cancel a job; its record carries ``CANCELLED``. Idempotent.
@@ -682,13 +733,6 @@ cdef class SocketEngine:
     cdef void _finish(self, IoJob *job, int32_t status) noexcept nogil:
         pthread_mutex_lock(&self._lock)
         self._jobs.erase(job.token)
-        if job.is_send:
-            it = self._busy_sends.find(job.fd)
-            if it != self._busy_sends.end():
-                if deref(it).second <= 1:
-                    self._busy_sends.erase(it)
-                else:
-                    deref(it).second -= 1
         pthread_mutex_unlock(&self._lock)
         self._queue.push(job.token, status, <int64_t>job.moved)
         del job
@@ -729,11 +773,7 @@ cdef class SocketEngine:
 
     cdef void _progress(self, int fd, FdState *st, bint sending) noexcept nogil:
         cdef IoJob *job
-        cdef int32_t gate_status
-        cdef uint64_t gate_total, gate_id
-        cdef ssize_t r
-        cdef int cnt, err
-        cdef size_t left
+        cdef int rc
         while True:
             if sending:
                 if st.sends.empty():
@@ -743,36 +783,12 @@ cdef class SocketEngine:
                 if st.recvs.empty():
                     return
                 job = st.recvs.front()
-            while job.pos < job.iov.size():
-                left = job.iov.size() - job.pos
-                cnt = IOV_MAX if left > <size_t>IOV_MAX else <int>left
-                if job.gate != NULL and job.pos == 0:
-                    cnt = 1  # the header alone: nothing past it is read before it is checked
-                if sending:
-                    r = writev(fd, &job.iov[job.pos], cnt)
-                else:
-                    r = readv(fd, &job.iov[job.pos], cnt)
-                if r < 0:
-                    err = errno
-                    if err == EINTR:
-                        continue
-                    if err == EAGAIN:
-                        return
-                    self._fail_fd(fd, st, -err)
-                    return
-                if r == 0 and not sending:
-                    self._fail_fd(fd, st, -ECONNRESET)
-                    return
-                _consume(job, r)
-                if job.gate != NULL and job.pos >= 1:
-                    memcpy(&gate_status, job.gate + 4, 4)
-                    memcpy(&gate_id, job.gate + 8, 8)
-                    memcpy(&gate_total, job.gate + 16, 8)
-                    if (memcmp(job.gate, b"AIOA", 4) != 0 or gate_status != 0 or gate_id != job.gate_id
-                            or gate_total != job.total - GATE_BYTES_C):
-                        job.gate = NULL
-                        break  # refused, or not the answer we asked for: the job ends after its header
-                    job.gate = NULL
+            rc = _step(job, sending)
+            if rc == 0:
+                return
+            if rc < 0:
+                self._fail_fd(fd, st, rc)
+                return
             if sending:
                 st.sends.pop_front()
             else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import socket
 import struct
 import time
@@ -30,6 +31,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import protocol, wire
+from aio_datadist._core import LoopJob
+from aio_datadist.loop_io import LoopIo
 from aio_datadist.stats import LinkCounters, LinkStats
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
@@ -47,6 +50,9 @@ __all__ = ["DataConn", "Link", "tune"]
 log = logging.getLogger("aio_datadist.links")
 
 HEARTBEAT_MISSES = 5
+#: Jobs on plain data channels up to this size are driven by the event loop itself (``loop_io``), larger
+#: ones by the native SocketEngine's thread.
+LOOP_IO_MAX = int(os.environ.get("AIO_DATADIST_LOOP_IO_MAX", 8 << 20))
 ZERO32 = bytes(32)
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes
@@ -63,13 +69,14 @@ DataConn = socket.socket | tls.TlsChannel
 
 
 class _Channel:
-    __slots__ = ("index", "sock", "generation", "attached")
+    __slots__ = ("index", "sock", "generation", "attached", "loop_jobs")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.sock: DataConn | None = None
         self.generation = 0
         self.attached = False
+        self.loop_jobs: set[LoopIo] = set()  # jobs the loop drives on this socket (stopped before it closes)
 
 
 #: Dials data channel ``index`` of a link again: ``(address, token, index, generation) -> connection``.
@@ -153,6 +160,10 @@ class Link:
 
     def _drop_socket(self, ch: _Channel) -> None:
         if ch.sock is not None:
+            for job in list(ch.loop_jobs):
+                job.stop(LLMException(f"data channel {ch.index} to cluster {self.remote_cluster_id} was closed",
+                                      status_code=LLMStatusCode.LLM_FAILED))
+            ch.loop_jobs.clear()
             if isinstance(ch.sock, socket.socket):
                 self.runtime.sockets.detach(ch.sock.fileno())
             ch.sock.close()
@@ -278,10 +289,13 @@ class Link:
                 fut.add_done_callback(settle_job)
             return fut
         fd = conn.fileno()
+        job = LoopJob(fd, send, pairs, gated, bool(gated))
+        if job.total <= LOOP_IO_MAX:
+            return self._loop_move(self.channels[index], fd, job, what, keepalive, timeout_ms, settled)
         engine = self.runtime.sockets
-        if send:  # inline: the first bytes leave from here, without waiting for the engine thread to wake
+        if send:
             def submit(t: int) -> Any:
-                return engine.submit_send(t, fd, pairs, True)
+                return engine.submit_send(t, fd, pairs)
         elif gated:
             def submit(t: int) -> Any:
                 return engine.submit_recv_gated(t, fd, pairs, gated)
@@ -290,6 +304,15 @@ class Link:
                 return engine.submit_recv(t, fd, pairs)
         return self.runtime.completions.start(submit, engine.cancel, timeout_ms=timeout_ms, what=what,
                                               keepalive=keepalive, settled=settled)
+
+    @staticmethod
+    def _loop_move(ch: _Channel, fd: int, job: LoopJob, what: str, keepalive: Any, timeout_ms: int | None,
+                   settled: asyncio.Future | None) -> asyncio.Future:
+        io = LoopIo(fd, job, what=what, keepalive=keepalive, timeout_ms=timeout_ms, settled=settled)
+        if not io.future.done():
+            ch.loop_jobs.add(io)
+            io.future.add_done_callback(lambda _: ch.loop_jobs.discard(io))
+        return io.future
 
     # -- messages ----------------------------------------------------------
 

@@ -98,7 +98,7 @@ def _breakdown(mine: list[dict[str, int]], theirs: list[dict[str, int]]) -> list
     return [(name, statistics.median(values)) for name, values in rows.items()]
 
 
-async def _decoder(peer: Peer, transport: str, n: int, blocks: int = 1) -> list[tuple[str, float]]:
+async def _decoder(peer: Peer, transport: str, n: int, blocks: int = 1, hot: bool = False) -> list[tuple[str, float]]:
     from aio_datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole, LLMStatusCode, _trace
 
     geometry = KvGeometry()
@@ -128,7 +128,7 @@ async def _decoder(peer: Peer, transport: str, n: int, blocks: int = 1) -> list[
                 if i % RAW_EVERY == 0:  # the baseline in alternating stretches, so drift hits both alike
                     m = await asyncio.to_thread(raw.rtt, geometry.request_bytes(blocks), RAW_EVERY, warmup=2)
                     raw_us.extend(t * 1e6 for t in m.samples)
-                src = [(i * blocks + j) % CACHE_BLOCKS for j in range(blocks)]
+                src = [((0 if hot else i) * blocks + j) % CACHE_BLOCKS for j in range(blocks)]
                 await dd.kv_cache_manager.pull_blocks(key, cache, src, [(b + 1) % CACHE_BLOCKS for b in src])
         await asyncio.sleep(0.05)
         mine = _runs(_trace.take(), "call")
@@ -146,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--transport", default="tcp,local", help="comma-separated: tcp, local (default both)")
     parser.add_argument("--n", type=int, default=400, help="timed pulls per transport (default 400)")
     parser.add_argument("--blocks", type=int, default=1, help="blocks per pull (default 1: 2 MiB)")
+    parser.add_argument("--hot", action="store_true",
+                        help="pull the same blocks every time (their memory stays in the CPU caches, as the raw "
+                             "baseline's buffer does) instead of the next ones round the 128 MiB cache")
     args = parser.parse_args(argv)
     os.environ["AIO_DATADIST_TRACE"] = "1"  # before the library is imported, here and in the peer
     if "aio_datadist._trace" in sys.modules:
@@ -155,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "pulls, us)\n")
     for transport in args.transport.split(","):
         with Peer(_prompt_peer, transport, timeout=600.0, name="prompt") as peer:
-            rows = asyncio.run(_decoder(peer, transport, args.n, args.blocks))
+            rows = asyncio.run(_decoder(peer, transport, args.n, args.blocks, args.hot))
         print(f"## {transport}\n\n| stage | median us |\n|---|---:|")
         for name, us in rows:
             print(f"| {name} | {us:.0f} |")

@@ -442,23 +442,45 @@ def test_gated_receive_needs_its_header_first(sockets, socket_pair):
     assert sockets.pending() == 0
 
 
-def test_inline_send_writes_at_once_and_still_reports(sockets, queue, socket_pair):
-    """``inline``: the bytes the socket takes leave in the caller's thread; the record still comes, and a
-    send queued behind a busy one waits its turn (the byte stream keeps submission order)."""
+def test_loop_job_moves_what_the_socket_takes_each_step(socket_pair):
+    """A LoopJob steps until over: 0 while the socket is full or empty, 1 once every byte moved."""
     a, b = socket_pair
-    small = np.arange(64, dtype=np.uint8)
-    sockets.submit_send(1, a.fileno(), u64([addr(small), 64]), True)
-    b.setblocking(True)
-    assert recv_exactly(b, 64) == small.tobytes()  # before any record was drained
-    assert wait_records(queue, [1]) == {1: (_core.OK, 64)}
-    big = np.full(16 * MIB, 3, np.uint8)
-    tail = np.full(1024, 9, np.uint8)
-    sockets.submit_send(2, a.fileno(), u64([addr(big), big.nbytes]), True)  # more than the socket holds
-    sockets.submit_send(3, a.fileno(), u64([addr(tail), 1024]), True)  # queued behind it, not inline
-    got = recv_exactly(b, big.nbytes + 1024)
-    assert got == big.tobytes() + tail.tobytes()
-    assert wait_records(queue, [2, 3]) == {2: (_core.OK, big.nbytes), 3: (_core.OK, 1024)}
-    sockets.detach(a.fileno())
+    src = np.random.default_rng(5).integers(0, 256, 8 * MIB, dtype=np.uint8)
+    dst = np.zeros(8 * MIB, dtype=np.uint8)
+    send = _core.LoopJob(a.fileno(), True, u64([addr(src, 4 * MIB), 4 * MIB, addr(src), 4 * MIB]))
+    recv = _core.LoopJob(b.fileno(), False, u64([addr(dst), 8 * MIB]))
+    assert send.sending and not recv.sending and send.total == recv.total == 8 * MIB
+    assert recv.step() == 0 and recv.moved == 0  # nothing sent yet
+    for _ in range(100_000):
+        sent, got = send.step(), recv.step()
+        if sent == 1 and got == 1:
+            break
+        assert sent in (0, 1) and got in (0, 1)
+    assert send.moved == recv.moved == 8 * MIB
+    assert np.array_equal(dst, np.concatenate([src[4 * MIB:], src[:4 * MIB]]))
+
+
+def test_loop_job_gate_and_errors(socket_pair):
+    a, b = socket_pair
+    header, payload = np.zeros(_core.GATE_BYTES, np.uint8), np.zeros(64, np.uint8)
+    job = _core.LoopJob(b.fileno(), False, u64([addr(header), _core.GATE_BYTES, addr(payload), 64]), 7, True)
+    a.send(_answer(0, 64)[:10])
+    assert job.step() == 0 and job.moved == 10  # part of the header: nothing past it
+    a.send(_answer(0, 64)[10:] + b"x" * 64)
+    assert job.step() == 1 and payload.tobytes() == b"x" * 64
+    refused = _core.LoopJob(b.fileno(), False, u64([addr(header), _core.GATE_BYTES, addr(payload), 64]), 8, True)
+    a.send(_answer(0, 64) + b"y" * 64)  # an answer to request 7, not 8
+    assert refused.step() == 1 and refused.moved == _core.GATE_BYTES and payload.tobytes() == b"x" * 64
+    a.close()
+    lost = _core.LoopJob(b.fileno(), False, u64([addr(payload), 64]))
+    assert lost.step() == 1 and lost.moved == 64  # the 64 bytes still queued
+    assert _core.LoopJob(b.fileno(), False, u64([addr(payload), 64])).step() == _core.CONNECTION_LOST
+    with pytest.raises(ValueError, match="header"):
+        _core.LoopJob(b.fileno(), False, u64([addr(payload), 64]), 1, True)
+    with pytest.raises(ValueError, match="gated"):
+        _core.LoopJob(b.fileno(), True, u64([addr(header), _core.GATE_BYTES]), 1, True)
+    with pytest.raises(ValueError, match="pairs"):
+        _core.LoopJob(b.fileno(), False, u64([addr(payload)]))
 
 
 def test_socket_engine_rejects_bad_submissions(sockets, queue, socket_pair):

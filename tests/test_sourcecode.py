@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "ranktable", "stats", "_trace", "logfields",
     )),
     ("completions, layer rule, caches and registries", (
-        "_completion", "layers", "cache", "arrivals", "plans", "devices.host",
+        "_completion", "loop_io", "layers", "cache", "arrivals", "plans", "devices.host",
     )),
     ("devices and runtime", (
         "devices", "devices.backend", "devices.streams", "devices.cuda", "devices.npu", "devices.kernels",

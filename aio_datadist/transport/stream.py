@@ -86,7 +86,7 @@ class StreamPlane(Plane):
         await req.finish()
 
     async def pull_posted(self, link: LinkPort, plan: Plan, req: Request, timeout_ms: int) -> None:
-        """A pull whose receive is posted before its request goes out (``ReqFlag.POSTED``): one gated
+        """A pull whose receive is posted with its request (``ReqFlag.POSTED``): one gated
         receive on the request's channel takes the owner's ``ANSWER`` header and then the bytes, so
         no ``RESP`` round trip and no second hand-off to the engine stand between the request and
         its bytes. A refusal is the header and its text on the channel, which stays in step; an owner
@@ -97,14 +97,16 @@ class StreamPlane(Plane):
         loop = asyncio.get_running_loop()
         settled = loop.create_future()
         answered = link.expect(req_id)
-        moving = link.move(req.channel, pairs, send=False, timeout_ms=None, what=req.what,
-                           keepalive=(plan.local, header), settled=settled, gated=req_id)
-        req.settled = settled
+        # The request leaves first: the answer waits in the socket until the receive is queued, and the
+        # hand-off to the engine thread overlaps the owner's work instead of delaying the request.
         link.send_record(Msg.PULL_REQ, req_id, plan.remote, channel=req.channel, timeout_ms=timeout_ms,
                          flags=plan.remote.flags | ReqFlag.POSTED)
         req.state = RequestState.ASKED
         if _trace.ON:
             _trace.mark("request sent")
+        moving = link.move(req.channel, pairs, send=False, timeout_ms=None, what=req.what,
+                           keepalive=(plan.local, header), settled=settled, gated=req_id)
+        req.settled = settled
         first = loop.create_future()
 
         def wake(_: asyncio.Future) -> None:
