@@ -39,6 +39,7 @@ import time
 from typing import Any, Sequence
 
 from benchmarks._cli import Progress, emit, fits_in_memory
+from benchmarks._machine import OtherCpuLoad
 from benchmarks._spinner import Spinner
 from benchmarks.harness import (
     block_lists,
@@ -286,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         emit(table, args.format)
         return 1
     started = time.perf_counter()
+    load = OtherCpuLoad(live_children=True)
     with contextlib.ExitStack() as stack:
         # created here, on the main thread: the child's death signal follows the thread that started it
         spinner = None if args.no_load else stack.enter_context(Spinner(args.load_cpu))
@@ -328,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         table.note("no loaded rows: run without --no-load")
     table.note(str(peak_rss()))
+    table.note(load.describe())
     emit(table, args.format)
     return 0
 

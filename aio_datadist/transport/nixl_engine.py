@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from aio_datadist import _trace
 from aio_datadist._core import CompletionQueue
 from aio_datadist.status import LLMException, LLMStatusCode
 
@@ -292,9 +293,15 @@ class NixlEngine:
 
     def _start(self, token: int, op: str, local: Any, local_idx: np.ndarray, remote: Any,
                remote_idx: np.ndarray, peer: bytes, notif: bytes, nbytes: int) -> None:
+        if _trace.ON:
+            _trace.mark("nixl: worker took it")
         handle = self.agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
         xfer = _Xfer(token, handle, nbytes, (id(local), id(remote), peer))
+        if _trace.ON:
+            _trace.mark("nixl: handle made")
         state = self.agent.transfer(handle, notif)
+        if _trace.ON:
+            _trace.mark("nixl: transfer() returned")
         self.posted += 1
         self.posted_bytes += nbytes
         if state == "PROC":
@@ -303,6 +310,8 @@ class NixlEngine:
         self._settle(xfer, state)
 
     def _settle(self, xfer: _Xfer, state: str) -> None:
+        if _trace.ON:
+            _trace.mark("nixl: settled")
         try:
             xfer.handle.release()
         except Exception as exc:
