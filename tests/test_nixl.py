@@ -145,14 +145,14 @@ async def test_a_freed_cache_is_withdrawn_and_deregistered_after_the_read_that_u
         peer = link_to(pair.decoder, PROMPT_ID).nixl
         await prepared(pair.prompt, DECODER_ID, src)
         plane = nixl_agent_of(pair.prompt)
-        served = plane.serve_begin(src.cache_id)  # as if a peer's READ were in flight
+        plane.serve_begin(src.cache_id)  # as if a peer's READ were in flight
         pair.pm.deallocate_cache(src)
         pair.pm.remove_cache_key(CacheKey(PROMPT_ID, 1))
         assert src.cache_id not in plane.local and src.cache_id in plane._doomed
         async with asyncio.timeout(5):
             while src.cache_id in peer.caches:  # the WITHDRAW reached the decoder
                 await asyncio.sleep(0.01)
-        served()
+        plane.serve_end(src.cache_id)
         assert src.cache_id not in plane._doomed
         await expect_code(S.LLM_KV_CACHE_NOT_EXIST, pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), dst))
 

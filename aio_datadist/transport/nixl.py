@@ -193,35 +193,14 @@ class NixlAgent:
         else:
             self._release(entry)
 
-    def serve_begin(self, cache_id: int) -> Callable[[], None]:
-        """A peer's READ or WRITE against ``cache_id`` may start: keep it registered, make progress.
-
-        Returns what to call once it settled. The engine is woken for the peer's transfer in the
-        loop's next step, after the answer that lets the peer start has been sent: woken at once,
-        its worker would take the interpreter lock (NIXL's calls hold it) while that answer is
-        still being written.
-        """
+    def serve_begin(self, cache_id: int) -> None:
+        """A peer's READ or WRITE against ``cache_id`` may start: keep it registered, make progress."""
         self.serving[cache_id] += 1
-        engine = self.engine
-        state = [False, False]  # held, ended
+        self.engine.hold()
 
-        def hold() -> None:
-            if not state[1]:
-                state[0] = True
-                engine.hold()
-
-        def end() -> None:
-            if state[1]:
-                return
-            state[1] = True
-            if state[0]:
-                engine.unhold()
-            self._served(cache_id)
-
-        asyncio.get_running_loop().call_soon(hold)
-        return end
-
-    def _served(self, cache_id: int) -> None:
+    def serve_end(self, cache_id: int) -> None:
+        """A peer's READ or WRITE against ``cache_id`` settled."""
+        self.engine.unhold()
         self.serving[cache_id] -= 1
         if self.serving[cache_id] <= 0:
             del self.serving[cache_id]

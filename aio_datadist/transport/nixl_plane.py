@@ -94,7 +94,9 @@ class NixlPlane(InPlacePlane):
 
     def _begin(self, link: LinkPort, cache: KvCache) -> Callable[[], None]:
         assert link.nixl is not None, "serves() saw the link's NIXL peer"
-        return link.nixl.agent.serve_begin(cache.cache_id)  # the agent keeps the registration until then
+        agent, cache_id = link.nixl.agent, cache.cache_id
+        agent.serve_begin(cache_id)  # the agent keeps the registration until serve_end
+        return lambda: agent.serve_end(cache_id)
 
     def _arrival(self, link: LinkPort, req_id: int) -> asyncio.Future | None:
         assert link.nixl is not None
