@@ -1,4 +1,4 @@
-"""Where the time of a 1-block pull goes: ``python -m benchmarks.breakdown [--transport tcp,local] [--n 400]``.
+"""Where the time of a pull goes: ``python -m benchmarks.breakdown [--transport tcp,local,nixl] [--blocks N]``.
 
 A PROMPT process (spawned) and the DECODER (this process) run with
 ``AIO_DATADIST_TRACE=1``: the library notes the time each pull reaches each
@@ -23,6 +23,14 @@ has no ``answer read`` or ``job submitted`` marks, and ``owner: answered ->
 job done`` is the bytes. The last rows are the raw TCP round trip of the same
 bytes (a 32-byte request, the reply; ``benchmarks.baselines``), measured in
 stretches of 50 between the pulls, and the ratio of the two medians.
+
+Over NIXL (``--transport nixl``, needs the NIXL package) the job is the
+NIXL engine's: ``job submitted -> nixl: worker took it`` is the hand-off to
+its worker thread, ``-> nixl: handle made`` NIXL's ``make_prepped_xfer``,
+``-> nixl: transfer() returned`` the posting call (with UCX shared memory the
+copy runs inside it), ``-> nixl: settled`` the polling until NIXL said DONE,
+``-> job done`` the completion reaching the loop. ``--blocks 4`` is the
+8 MiB request of ``benchmarks.nixl``.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ WARMUP = 60
 RAW_EVERY = 50  # pulls between stretches of as many raw TCP round trips
 #: The stages of one pull in the order they happen (the owner's job may end before or after ours).
 ORDER = ("call", "planned", "request sent", "owner: request read", "owner: planned", "owner: answered",
-         "answer read", "job submitted", "job done", "returned")
+         "answer read", "job submitted", "nixl: worker took it", "nixl: handle made", "nixl: transfer() returned",
+         "nixl: settled", "job done", "returned")
 
 
 def _prompt_peer(conn: Any, transport: str) -> None:
@@ -98,7 +107,13 @@ def _breakdown(mine: list[dict[str, int]], theirs: list[dict[str, int]]) -> list
     return [(name, statistics.median(values)) for name, values in rows.items()]
 
 
-async def _decoder(peer: Peer, transport: str, n: int, blocks: int = 1, hot: bool = False) -> list[tuple[str, float]]:
+def _lists(i: int, blocks: int) -> tuple[list[int], list[int]]:
+    """Pull ``i``'s source and destination blocks: distinct within each list, moving along the cache."""
+    return ([(i * blocks + j) % CACHE_BLOCKS for j in range(blocks)],
+            [((i + 1) * blocks + j) % CACHE_BLOCKS for j in range(blocks)])
+
+
+async def _decoder(peer: Peer, transport: str, n: int, blocks: int, hot: bool = False) -> list[tuple[str, float]]:
     from aio_datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole, LLMStatusCode, _trace
 
     geometry = KvGeometry()
@@ -117,7 +132,7 @@ async def _decoder(peer: Peer, transport: str, n: int, blocks: int = 1, hot: boo
             raise RuntimeError(f"asked for {transport}, the link negotiated {negotiated}")
         key = BlocksCacheKey(PROMPT_ID, 0)
         for i in range(WARMUP):
-            await dd.kv_cache_manager.pull_blocks(key, cache, [i % CACHE_BLOCKS], [i % CACHE_BLOCKS])
+            await dd.kv_cache_manager.pull_blocks(key, cache, *_lists(i, blocks))
         await asyncio.sleep(0.05)  # the owner's last DONE is read
         _trace.take()
         peer.send("marks")
@@ -128,8 +143,7 @@ async def _decoder(peer: Peer, transport: str, n: int, blocks: int = 1, hot: boo
                 if i % RAW_EVERY == 0:  # the baseline in alternating stretches, so drift hits both alike
                     m = await asyncio.to_thread(raw.rtt, geometry.request_bytes(blocks), RAW_EVERY, warmup=2)
                     raw_us.extend(t * 1e6 for t in m.samples)
-                src = [((0 if hot else i) * blocks + j) % CACHE_BLOCKS for j in range(blocks)]
-                await dd.kv_cache_manager.pull_blocks(key, cache, src, [(b + 1) % CACHE_BLOCKS for b in src])
+                await dd.kv_cache_manager.pull_blocks(key, cache, *_lists(0 if hot else i, blocks))
         await asyncio.sleep(0.05)
         mine = _runs(_trace.take(), "call")
         peer.send("marks")
@@ -143,9 +157,10 @@ async def _decoder(peer: Peer, transport: str, n: int, blocks: int = 1, hot: boo
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__.splitlines()[0])
-    parser.add_argument("--transport", default="tcp,local", help="comma-separated: tcp, local (default both)")
+    parser.add_argument("--transport", default="tcp,local",
+                        help="comma-separated: tcp, local, nixl (default tcp,local)")
+    parser.add_argument("--blocks", type=int, default=1, help="blocks per pull (default 1: 2 MiB; 4: 8 MiB)")
     parser.add_argument("--n", type=int, default=400, help="timed pulls per transport (default 400)")
-    parser.add_argument("--blocks", type=int, default=1, help="blocks per pull (default 1: 2 MiB)")
     parser.add_argument("--hot", action="store_true",
                         help="pull the same blocks every time (their memory stays in the CPU caches, as the raw "
                              "baseline's buffer does) instead of the next ones round the 128 MiB cache")
@@ -154,8 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "aio_datadist._trace" in sys.modules:
         raise RuntimeError("run benchmarks.breakdown as its own program: the library was imported already")
     geometry = KvGeometry()
-    print(f"# Where a {args.blocks}-block pull's time goes ({geometry.request_bytes(args.blocks) >> 20} MiB; median of {args.n} "
-          "pulls, us)\n")
+    if not 1 <= args.blocks <= CACHE_BLOCKS // 2:
+        parser.error(f"--blocks must be within 1..{CACHE_BLOCKS // 2}")
+    print(f"# Where a {args.blocks}-block pull's time goes ({geometry.request_bytes(args.blocks) >> 20} MiB; "
+          f"median of {args.n} pulls, us)\n")
     for transport in args.transport.split(","):
         with Peer(_prompt_peer, transport, timeout=600.0, name="prompt") as peer:
             rows = asyncio.run(_decoder(peer, transport, args.n, args.blocks, args.hot))

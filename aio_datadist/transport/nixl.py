@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import struct
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -104,8 +106,18 @@ class _RemoteCache:
 def indices(first: int, count: int, rows: Any, per_tensor: int) -> np.ndarray:
     """Descriptor indices of ``rows`` of tensors ``[first, first + count)``, tensor-major (the
     order both ends agree on)."""
-    tensors = np.arange(first, first + count, dtype=np.int64).reshape(-1, 1) * per_tensor
-    return (tensors + np.asarray(rows, dtype=np.int64).reshape(1, -1)).reshape(-1).astype(np.int32)
+    return np.add(_tensor_starts(first, count, per_tensor), np.asarray(rows, dtype=np.int32)).ravel()
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor_starts(first: int, count: int, per_tensor: int) -> np.ndarray:
+    """The first descriptor of each tensor as a column (read-only; a request adds its rows to it)."""
+    if (first + count) * per_tensor > 2**31:
+        raise LLMException(f"a NIXL descriptor list of {(first + count) * per_tensor} entries is beyond its "
+                           "32-bit indices", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    out = (np.arange(first, first + count, dtype=np.int32) * np.int32(per_tensor)).reshape(-1, 1)
+    out.flags.writeable = False
+    return out
 
 
 class NixlAgent:
@@ -504,12 +516,15 @@ class NixlPeer:
 
     def transfer(self, op: str, local: KvCache, local_first: int, local_rows: Any, remote_id: int,
                  remote_first: int, remote_rows: Any, count: int, notif: bytes,
-                 what: str) -> tuple[asyncio.Future, asyncio.Future]:
+                 what: str) -> tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]]:
         """Post ``op`` between whole rows of ``local`` and the peer's cache ``remote_id``.
 
-        Returns the transfer's future and one that completes once NIXL has let
-        go of it (also after a cancel). Raises ``LLM_LINK_FAILED`` when either
-        end is not (or no longer) prepared for it.
+        Returns the transfer's future (the completion's own, resolved by the
+        record: no future in between, one loop step less per transfer; its
+        result is the bytes moved, cancelling it cancels the transfer), one that
+        completes once NIXL has let go of it (also after a cancel), and a
+        function giving NIXL's own words for a failure of the first. Raises
+        ``LLM_LINK_FAILED`` when either end is not (or no longer) prepared for it.
         """
         entry = self.agent.local.get(local.cache_id)
         remote = self.caches.get(remote_id)
@@ -527,10 +542,18 @@ class NixlPeer:
         engine, name = self.engine, self.name
         assert name is not None  # usable() above
         settled = asyncio.get_running_loop().create_future()
-        moved = self.agent.run(
-            lambda t: engine.xfer(t, op, entry.dlist, local_idx, remote.dlist, remote_idx, name, notif, nbytes),
-            what, keepalive=(local, entry, remote), settled=settled)
-        return moved, settled
+        tokens: list[int] = []
+
+        def submit(token: int) -> None:
+            tokens.append(token)
+            engine.xfer(token, op, entry.dlist, local_idx, remote.dlist, remote_idx, name, notif, nbytes)
+
+        def failure(exc: BaseException) -> str:
+            return (engine.error(tokens[0]) if tokens else None) or str(exc)
+
+        moved = self.agent.runtime.completions.start(submit, engine.cancel, timeout_ms=None, what=what,
+                                                     keepalive=(local, entry, remote), settled=settled)
+        return moved, settled, failure
 
     def expect_push(self, req_id: int, what: str) -> asyncio.Future:
         """The future of the peer's WRITE notification for push ``req_id``."""

@@ -15,9 +15,11 @@ for as long as the agent lives (measured here: 3.0 s of CPU in 3 s idle), on
 2-core hosts half the machine. Progress is made by the worker instead, and
 only while something needs it: transfers in flight, notifications awaited, or
 a peer's transfer against our memory under way (:meth:`hold`). Then it checks
-with a backoff of 10 us growing to 500 us between rounds, which is the
-cheapest way to learn of NIXL completions: the Python API has no completion
-fd. Otherwise it sleeps on a condition variable.
+with a backoff of 10 us growing to 500 us between rounds (100 us while one of
+our transfers or an awaited notification is outstanding, which bounds how late
+a request learns that it is over), which is the cheapest way to learn of NIXL
+completions: the Python API has no completion fd. Otherwise it sleeps on a
+condition variable.
 
 A transfer that is cancelled (or timed out) is not forgotten: its handle is
 kept and checked until NIXL reports it settled, and only then released and
@@ -39,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from aio_datadist import _trace
 from aio_datadist._core import CompletionQueue
 from aio_datadist.status import LLMException, LLMStatusCode
 
@@ -50,6 +53,11 @@ NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 INSTALL_HINT = "pip install 'aio_datadist[nixl]' (or the nixl / nixl-cu12 package)"
 _MIN_WAIT_S = 10e-6
 _MAX_WAIT_S = 500e-6
+#: The longest wait while the worker awaits something that ends a request (a transfer it posted that
+#: NIXL did not finish in the posting call, or a peer's WRITE notification): each round checks it,
+#: so this bounds how late the request learns of it. Holding alone (a peer's READ of our memory)
+#: needs progress only, and backs off to _MAX_WAIT_S.
+_AWAITED_MAX_WAIT_S = 100e-6
 _SETTLE_LIMIT_S = 10.0
 
 
@@ -247,7 +255,8 @@ class NixlEngine:
             progressed |= self._check_active()
             progressed |= self._check_notifs(holding)
             progressed |= self._run_deferred()
-            wait = _MIN_WAIT_S if progressed else min(wait * 2, _MAX_WAIT_S)
+            cap = _AWAITED_MAX_WAIT_S if self._active or self._notifs else _MAX_WAIT_S
+            wait = _MIN_WAIT_S if progressed else min(wait * 2, cap)
             if closing:
                 self._shutdown()
                 return
@@ -292,9 +301,15 @@ class NixlEngine:
 
     def _start(self, token: int, op: str, local: Any, local_idx: np.ndarray, remote: Any,
                remote_idx: np.ndarray, peer: bytes, notif: bytes, nbytes: int) -> None:
+        if _trace.ON:
+            _trace.mark("nixl: worker took it")
         handle = self.agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
         xfer = _Xfer(token, handle, nbytes, (id(local), id(remote), peer))
+        if _trace.ON:
+            _trace.mark("nixl: handle made")
         state = self.agent.transfer(handle, notif)
+        if _trace.ON:
+            _trace.mark("nixl: transfer() returned")
         self.posted += 1
         self.posted_bytes += nbytes
         if state == "PROC":
@@ -303,6 +318,8 @@ class NixlEngine:
         self._settle(xfer, state)
 
     def _settle(self, xfer: _Xfer, state: str) -> None:
+        if _trace.ON:
+            _trace.mark("nixl: settled")
         try:
             xfer.handle.release()
         except Exception as exc:

@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from aio_datadist import _trace
 from aio_datadist.cache import KvCache
 from aio_datadist.layers import one_side_span
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -65,8 +66,11 @@ class NixlPlane(InPlacePlane):
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
         rows = list(remote.rows) or [answer.row]
         done = None if pull else link.expect(req_id)
-        moved, settled = peer.transfer("READ" if pull else "WRITE", plan.local, plan.local_first, plan.local_rows,
-                                       region.cache_id, first, rows, count, b"" if pull else notif_for(req_id), what)
+        if _trace.ON:
+            _trace.mark("job submitted")
+        moved, settled, failure = peer.transfer("READ" if pull else "WRITE", plan.local, plan.local_first,
+                                                plan.local_rows, region.cache_id, first, rows, count,
+                                                b"" if pull else notif_for(req_id), what)
         req.settled, req.ack = settled, done
         try:
             await moved
@@ -74,9 +78,12 @@ class NixlPlane(InPlacePlane):
             moved.cancel()
             if isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_FAILED:
                 # NIXL failed a transfer it had accepted: the peer's agent went away or the fabric failed
-                raise LLMException(f"{what}: NIXL transfer with cluster {link.remote_cluster_id} failed ({exc})",
+                raise LLMException(f"{what}: NIXL transfer with cluster {link.remote_cluster_id} failed "
+                                   f"({failure(exc)})",
                                    status_code=LLMStatusCode.LLM_LINK_FAILED) from None
             raise
+        if _trace.ON:
+            _trace.mark("job done")
         await req.finish()
 
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
