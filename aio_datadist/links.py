@@ -51,8 +51,9 @@ log = logging.getLogger("aio_datadist.links")
 
 HEARTBEAT_MISSES = 5
 #: Jobs on plain data channels up to this size are driven by the event loop itself (``loop_io``), larger
-#: ones by the native SocketEngine's thread.
-LOOP_IO_MAX = int(os.environ.get("AIO_DATADIST_LOOP_IO_MAX", 8 << 20))
+#: ones by the native SocketEngine's thread. ``$AIO_DATADIST_LOOP_IO_MAX`` (bytes) overrides it; 0 sends
+#: every job through the engine thread (for comparisons: ``docs/transports.md``).
+LOOP_IO_MAX = int(os.environ.get("AIO_DATADIST_LOOP_IO_MAX", 16 << 20))
 ZERO32 = bytes(32)
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes

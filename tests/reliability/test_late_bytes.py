@@ -27,6 +27,7 @@ import anyio
 import pytest
 import torch
 
+from aio_datadist import links
 from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
@@ -207,6 +208,19 @@ async def test_a_cut_tcp_pull_writes_nothing_after_it_returned(how):
             BlocksCacheKey(PROMPT, 0), dst, ALL, ALL, timeout=ms), how)
         assert cut_mid_way(shares), f"no cut came while bytes were moving: {shares}"
         await verified_pull(dec, src, dst, 4)
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_cut_loop_driven_tcp_pull_writes_nothing_after_it_returned(how):
+    """Pulls of up to 16 MiB are stepped by the event loop itself (``loop_io``, a posted gated receive), not the
+    engine thread: cut while the bytes come through the slow path, they land nothing after the return."""
+    async with pair(SLOW, slow=RATE, transport="tcp") as (_, dec, src, dst):
+        assert sum(t.numel() * t.element_size() for t in dst.tensors) <= links.LOOP_IO_MAX
+        paint(src, 7)
+        shares = await no_late_bytes(dst, 7, lambda ms: dec.kv_cache_manager.pull_blocks(
+            BlocksCacheKey(PROMPT, 0), dst, ALL, ALL, timeout=ms), how)
+        assert cut_mid_way(shares), f"no cut came while bytes were moving: {shares}"
+        await verified_pull(dec, src, dst, 8)
 
 
 @pytest.mark.parametrize("how", HOW)
