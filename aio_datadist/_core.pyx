@@ -1884,6 +1884,7 @@ cdef class HostStream:
 
     cdef void _run(self) noexcept nogil:
         cdef HostOp *op
+        cdef void *slot
         cdef size_t i
         while True:
             pthread_mutex_lock(&self._lock)
@@ -1893,12 +1894,20 @@ cdef class HostStream:
                 pthread_mutex_unlock(&self._lock)
                 return
             op = self._ops.front()
+            if op.kind == OP_FIRE:
+                # Counted done before it fires: whoever its record wakes sees pending() without it.
+                slot = op.slot
+                self._ops.pop_front()
+                self._done += 1
+                pthread_cond_broadcast(&self._cond)
+                pthread_mutex_unlock(&self._lock)
+                del op
+                _notify_fire(slot)
+                continue
             pthread_mutex_unlock(&self._lock)
             if op.kind == OP_COPY:
                 for i in range(op.segs.size()):
                     memcpy(<void *>op.segs[i].dst, <const void *>op.segs[i].src, op.segs[i].nbytes)
-            elif op.kind == OP_FIRE:
-                _notify_fire(op.slot)
             elif op.kind == OP_SIGNAL:
                 pthread_mutex_lock(&_event_lock)
                 op.event.done = True
