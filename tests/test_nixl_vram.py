@@ -170,3 +170,111 @@ async def test_a_vram_offer_carries_the_gpu_and_is_prepared_as_vram_on_it():
     assert offered_bases == tuple(cache.layout.bases) and blob == nixl.VRAM_DEVICE.pack(1) + b"our-meta"
     peer.close()
     assert agent.nixl.calls[-1] == ("remove_remote_agent", "peer")
+
+
+# -- real endpoints over a real NIXL link ------------------------------------------------------------------
+
+
+async def _served(dd, other: int, kind: str) -> None:
+    for _ in range(200):  # the owner counts a pull once the requester's DONE reached it
+        if dd.stats().links[other].kinds[kind].transfers:
+            return
+        await asyncio.sleep(0.01)
+
+
+@needs_nixl
+@pytest.mark.asyncio
+async def test_host_backend_device_caches_take_the_staging_plane_over_nixl_and_the_link_says_why(caplog):
+    caplog.set_level(logging.INFO, logger="aio_datadist.nixl")
+    async with linked_pair(prompt_config=HOST_NIXL, decoder_config=HOST_NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 3)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        assert nixl_agent_of(pair.decoder).vram_off is not None
+        for _ in range(2):
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [5, 0], [1, 4])
+        for d, v in zip(dst.tensors, values, strict=True):
+            assert eq(d[1], v[5]) and eq(d[4], v[0])
+        assert nixl_agent_of(pair.decoder).engine.posted == 0 == nixl_agent_of(pair.prompt).engine.posted
+        await _served(pair.prompt, DECODER_ID, "served_pull")
+        for dd, other, kind in ((pair.decoder, PROMPT_ID, "pull"), (pair.prompt, DECODER_ID, "served_pull")):
+            stats = dd.stats().links[other]
+            assert stats.transport == "nixl" and stats.kinds[kind].transport == "tcp"
+            assert "host memory" in stats.nixl_vram_off and "VRAM" in stats.nixl_vram_off
+        said = [r for r in caplog.records if "take the staging plane, not NIXL" in r.getMessage()]
+        assert len(said) == 2, [r.getMessage() for r in said]  # once per link and end, not per transfer
+
+
+@pytest.fixture
+def host_as_dram(monkeypatch):
+    """The host backend's device caches registered with NIXL as what they are, host memory: the NIXL plane
+    then carries device caches on CPU, fences included (the VRAM path but for the memory type)."""
+    real = nixl.registration
+
+    def as_dram(cache, off):
+        if not cache.on_device:
+            return real(cache, off)
+        return real(types.SimpleNamespace(on_device=False, region=None, layout=cache.layout), None)
+
+    monkeypatch.setattr(nixl, "vram_off", lambda kind, mem_types: None)
+    monkeypatch.setattr(nixl, "registration", as_dram)
+
+
+def _write_behind_gate(dd, cache, values, row: int):
+    """Enqueue on ``dd``'s current stream, behind a closed gate, copies writing ``values``' row ``row`` into
+    ``cache``'s row ``row``: the rows are final on the device once the gate opens."""
+    stream = runtime_of(dd).devices.current_stream()
+    gate = stream.gate()
+    staged = [v.clone() for v in values]  # kept alive by the caller until the stream is past the gate
+    for t, s in zip(cache.tensors, staged, strict=True):
+        d8, s8 = t[row].view(torch.uint8), s[row].contiguous().view(torch.uint8)
+        stream.enqueue_copies(array.array("Q", [d8.data_ptr()]), array.array("Q", [s8.data_ptr()]),
+                              array.array("Q", [d8.numel()]))
+    return gate, staged
+
+
+async def _prepared(owner, peer_id: int, cache) -> None:
+    peer = link_to(owner, peer_id).nixl
+    async with asyncio.timeout(5):
+        while cache.cache_id not in peer.prepared:
+            await asyncio.sleep(0.005)
+
+
+@needs_nixl
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("host_as_dram")
+async def test_a_nixl_read_of_a_device_cache_is_answered_once_the_owners_stream_made_the_rows_final():
+    async with linked_pair(prompt_config=HOST_NIXL, decoder_config=HOST_NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        old = fill(src, 1)
+        final = [v + 1 for v in old]
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await _prepared(pair.prompt, DECODER_ID, src)
+        posted = nixl_agent_of(pair.decoder).engine.posted
+        gate, staged = _write_behind_gate(pair.prompt, src, final, 2)
+        asyncio.get_running_loop().call_later(0.3, gate.open)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [2], [4])
+        assert all(eq(d[4], f[2]) for d, f in zip(dst.tensors, final, strict=True))  # not the rows before
+        assert nixl_agent_of(pair.decoder).engine.posted == posted + 1
+        stats = pair.decoder.stats().links[PROMPT_ID]
+        assert stats.kinds["pull"].transport == "nixl" and stats.nixl_vram_off is None
+        del staged
+
+
+@needs_nixl
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("host_as_dram")
+async def test_a_nixl_write_from_a_device_cache_waits_for_the_pushers_stream_and_has_landed_on_return():
+    async with linked_pair(prompt_config=HOST_NIXL, decoder_config=HOST_NIXL) as pair:
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
+        src = pair.pm.allocate_blocks_cache(BLOCKS)
+        final = [v + 2 for v in fill(src, 4)]
+        before = snapshot(dst)
+        await _prepared(pair.decoder, PROMPT_ID, dst)
+        gate, staged = _write_behind_gate(pair.prompt, src, final, 1)
+        asyncio.get_running_loop().call_later(0.3, gate.open)
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [1], [5])
+        for d, f, b in zip(dst.tensors, final, before, strict=True):  # every byte there on return
+            assert eq(d[5], f[1]) and eq(d[:5], b[:5])
+        assert pair.prompt.stats().links[DECODER_ID].kinds["push"].transport == "nixl"
+        del staged

@@ -14,7 +14,7 @@ the endpoint's copy stream is past the work its current stream had enqueued
 (a fence): the requester fences before it posts its READ or WRITE, the owner
 before it answers. A device cache that is not registered (``vram_off``) is
 not offered here: the staging plane moves it, and the link says why
-(``LinkStats.nixl_vram_off``).
+(``LinkStats.nixl_vram_off``, set by the staging plane).
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ class NixlPlane(InPlacePlane):
         # A cache allocated a moment ago may still be registering (not on a link that declined NIXL).
         if link.nixl is not None and link.nixl.usable():
             await link.nixl.agent.registered(plan.local)
-            if plan.local.on_device:
-                _note_staged(link, plan.local)
 
     def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
         peer = link.nixl
@@ -104,8 +102,6 @@ class NixlPlane(InPlacePlane):
         cache = served.keepalive
         if not isinstance(cache, KvCache) or peer is None:
             return False
-        if cache.on_device and peer.usable():
-            _note_staged(link, cache)
         return peer.serves(cache) and req.offset == 0 and req.nbytes == cache.layout.row_bytes
 
     def serve(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq, served: Served) -> None:
@@ -126,16 +122,6 @@ class NixlPlane(InPlacePlane):
     def _arrival(self, link: LinkPort, req_id: int) -> asyncio.Future | None:
         assert link.nixl is not None
         return link.nixl.expect_push(req_id, f"NIXL push {req_id}")
-
-
-def _note_staged(link: LinkPort, cache: KvCache) -> None:
-    """A device cache on a NIXL link: if NIXL cannot move it, record and say (once per link) why."""
-    peer = link.nixl
-    assert peer is not None, "a NIXL link"
-    why = peer.agent.device_staged(cache)
-    if why is not None:
-        link.counters.nixl_vram_off = why
-        peer.say_staged(why)
 
 
 PLANE = NixlPlane()
