@@ -110,6 +110,10 @@ class LinkStats:
         no same-host share, a backend that does not export, a peer that could not map our caches or whose
         caches we could not map, registered caches. None where device IPC is available (or without a
         device backend).
+    :ivar nixl_vram_off: on a NIXL link, why device caches took the staging plane there rather than NIXL
+        (set once a transfer of a device cache on the link did): the device caches are not CUDA memory
+        (the host backend, NPU), the agent's NIXL backend lists no VRAM memory type, or registering the
+        cache as VRAM failed. None while no device cache was staged on the link.
     """
 
     remote_cluster_id: int
@@ -122,6 +126,7 @@ class LinkStats:
     bytes_out: int
     kinds: Mapping[str, TransferStats]
     device_ipc_off: str | None = None
+    nixl_vram_off: str | None = None
 
     @property
     def transports(self) -> dict[str, str]:
@@ -180,7 +185,7 @@ class _Traffic:
 class LinkCounters:
     """The counters of one link; the link's transfers report to it (see the module docstring)."""
 
-    __slots__ = ("cluster_id", "remote_cluster_id", "observers", "_kinds", "rtt_s", "started")
+    __slots__ = ("cluster_id", "remote_cluster_id", "observers", "_kinds", "rtt_s", "started", "nixl_vram_off")
 
     def __init__(self, cluster_id: int, remote_cluster_id: int, observers: list[Observer]) -> None:
         self.cluster_id = cluster_id
@@ -189,6 +194,8 @@ class LinkCounters:
         self._kinds = {kind: _Traffic() for kind in KINDS}
         self.rtt_s: float | None = None
         self.started = time.monotonic()
+        #: Why a device cache on this link took the staging plane rather than NIXL (the last reason), or None.
+        self.nixl_vram_off: str | None = None
 
     def begin(self, kind: str) -> float:
         """A transfer of ``kind`` starts: it is in flight; the time it started, for :meth:`end`."""
@@ -238,4 +245,4 @@ class LinkCounters:
         bytes_out = sum(s.bytes for kind, s in kinds.items() if kind not in _INBOUND)
         rtt = None if self.rtt_s is None else self.rtt_s * 1000
         return LinkStats(self.remote_cluster_id, remote_role, link_id, transport, time.monotonic() - self.started,
-                         rtt, bytes_in, bytes_out, MappingProxyType(kinds), device_ipc_off)
+                         rtt, bytes_in, bytes_out, MappingProxyType(kinds), device_ipc_off, self.nixl_vram_off)

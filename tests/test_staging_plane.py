@@ -43,9 +43,9 @@ BLOCKS = CacheDesc(4, (6, 3, 512), DataType.DT_FLOAT16, Placement.DEVICE)
 @pytest.fixture(autouse=True, params=TRANSPORTS)
 def transport(request, monkeypatch):
     """TCP data channels, a same-host link and a NIXL link, every device transfer through the staging
-    plane: NIXL does not take device caches, and on the same-host link device IPC is switched off here
-    (as where a driver has no exportable memory) so that staging is what runs; device IPC has its own
-    tests (``test_device_ipc.py``)."""
+    plane: NIXL does not register the host backend's device caches (they are not VRAM), and on the
+    same-host link device IPC is switched off here (as where a driver has no exportable memory) so that
+    staging is what runs; device IPC has its own tests (``test_device_ipc.py``)."""
     from aio_datadist.devices.host_backend import HostBackend
 
     monkeypatch.setattr(HostBackend, "ipc_unavailable", lambda self: "switched off by test_staging_plane.py")

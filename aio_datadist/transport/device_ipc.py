@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist.devices.copies import DeviceCopy, cache_side
@@ -65,8 +66,9 @@ async def copy_rows_settled(rt: Runtime, dst: Side, src: Side, nbytes: int, what
         raise
 
 
-async def fence(rt: Runtime, timeout_ms: int, what: str) -> None:
-    """Wait until the copy stream is past the work on the caller's current stream."""
+async def fence(rt: Runtime, timeout_ms: int | None, what: str) -> None:
+    """Wait until the copy stream is past the work on the caller's current stream (``timeout_ms`` None: the
+    caller's own timeout bounds it)."""
     backend = rt.devices
     assert backend is not None, "device caches exist only with a device backend"
     done = rt.completions.start(backend.fence, backend.cancel, timeout_ms=timeout_ms, what=f"{what} (stream fence)")
@@ -124,46 +126,9 @@ class DeviceIpcPlane(InPlacePlane):
 
     def serve(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq, served: Served) -> None:
         """Answer once our copy stream is past what our current stream had enqueued (a fence), then as
-        every in-place plane does. A requester that gives up meanwhile (``DONE`` failed) is heard."""
-        backend = rt.devices
-        assert backend is not None, "serves() saw a device cache"
-        given_up: list[bool] = []
-
-        def hear() -> None:
-            given_up.append(True)
-
-        waiting = (hear, hear)
-        link.pull_acks[req_id] = waiting
-
-        def failed(status: LLMStatusCode, text: str) -> None:
-            served.ended(False)
-            if served.key is not None:
-                rt.registry.release_key(served.key, served.tensors)
-            if not given_up and not link.closed and link.broken is None:
-                link.send(Msg.RESP, req_id, status=status, total=0, cache_id=-1, row=-1, text=text)
-
-        def fenced(f: asyncio.Future) -> None:
-            if link.pull_acks.get(req_id) is waiting:
-                del link.pull_acks[req_id]
-            if f.cancelled() or f.exception() is not None:
-                exc = None if f.cancelled() else f.exception()
-                code = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
-                failed(code, f"device stream fence failed: {exc}")
-                return
-            if given_up or link.closed or link.broken is not None:
-                failed(LLMStatusCode.LLM_FAILED, "abandoned")
-                return
-            InPlacePlane.serve(self, rt, link, msg, req_id, req, served)
-
-        try:
-            done = rt.completions.start(backend.fence, backend.cancel, timeout_ms=serve_timeout_ms(req),
-                                        what=f"serving {msg.name} {req_id} (stream fence)")
-        except LLMException as exc:
-            if link.pull_acks.get(req_id) is waiting:
-                del link.pull_acks[req_id]
-            failed(exc.status_code, str(exc))
-            return
-        done.add_done_callback(fenced)
+        every in-place plane does."""
+        serve_fenced(rt, link, msg, req_id, req, served, lambda: InPlacePlane.serve(self, rt, link, msg, req_id,
+                                                                                    req, served))
 
     def serve_alone(self, rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Served) -> None:
         """The owner's half of a device push: copy the pusher's rows out of its mapped export into our device
@@ -187,6 +152,52 @@ class DeviceIpcPlane(InPlacePlane):
         assert backend is not None, "device caches exist only with a device backend"
         job = DeviceCopy(backend, dst, src, nbytes, keepalive=(cache, peer))
         serve_copy(rt, link, req_id, req, served, job.submit, job.cancel, job, self.transport)
+
+
+def serve_fenced(rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq, served: Served,
+                 answer: Callable[[], None]) -> None:
+    """Serve a request against a device cache in place: ``answer()`` (which sends ``RESP``) only once our copy
+    stream is past what our current stream had enqueued (a fence), so the peer touches final rows. A
+    requester that gives up meanwhile (``DONE`` failed) is heard; a fence that fails refuses the request."""
+    backend = rt.devices
+    assert backend is not None, "serves() saw a device cache"
+    given_up: list[bool] = []
+
+    def hear() -> None:
+        given_up.append(True)
+
+    waiting = (hear, hear)
+    link.pull_acks[req_id] = waiting
+
+    def failed(status: LLMStatusCode, text: str) -> None:
+        served.ended(False)
+        if served.key is not None:
+            rt.registry.release_key(served.key, served.tensors)
+        if not given_up and not link.closed and link.broken is None:
+            link.send(Msg.RESP, req_id, status=status, total=0, cache_id=-1, row=-1, text=text)
+
+    def fenced(f: asyncio.Future) -> None:
+        if link.pull_acks.get(req_id) is waiting:
+            del link.pull_acks[req_id]
+        if f.cancelled() or f.exception() is not None:
+            exc = None if f.cancelled() else f.exception()
+            code = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
+            failed(code, f"device stream fence failed: {exc}")
+            return
+        if given_up or link.closed or link.broken is not None:
+            failed(LLMStatusCode.LLM_FAILED, "abandoned")
+            return
+        answer()
+
+    try:
+        done = rt.completions.start(backend.fence, backend.cancel, timeout_ms=serve_timeout_ms(req),
+                                    what=f"serving {msg.name} {req_id} (stream fence)")
+    except LLMException as exc:
+        if link.pull_acks.get(req_id) is waiting:
+            del link.pull_acks[req_id]
+        failed(exc.status_code, str(exc))
+        return
+    done.add_done_callback(fenced)
 
 
 def _push_sides(link: LinkPort, req: Any, served: Served) -> tuple[Side, Side, int, Any] | None:

@@ -5,10 +5,16 @@ and status codes stay ours; only the bytes move differently:
 
 - Every registered cache is registered with this endpoint's NIXL agent, and a
   descriptor list with one entry per (tensor, row) is prepared for it once.
-- Peers learn each other's agent metadata and per-cache geometry over our
-  control connection (``Msg.NIXL`` records carrying NIXL's serialized
-  metadata as an opaque, length-checked field; no pickle). Each side prepares
-  one remote descriptor list per peer cache, once.
+  Host caches are registered as ``DRAM``; CUDA device caches as ``VRAM`` with
+  their GPU's id, where the agent's backend lists VRAM among its memory types
+  (:func:`vram_off`). Other device caches (the host backend's, NPU memory, or
+  a backend without VRAM) are not registered: their transfers take the
+  staging plane, and the link says why (``LinkStats.nixl_vram_off``).
+- Peers learn each other's agent metadata and per-cache geometry (and, for
+  VRAM, the memory type and GPU id: ``OFFER_VRAM``) over our control
+  connection (``Msg.NIXL`` records carrying NIXL's serialized metadata as an
+  opaque, length-checked field; no pickle). Each side prepares one remote
+  descriptor list per peer cache, once.
 - A request is validated by the owner exactly as over TCP. The owner answers
   with the cache it resolved; the requester then selects descriptors by index
   from the prepared lists (no list is rebuilt per request) and posts a NIXL
@@ -31,7 +37,7 @@ import collections
 import functools
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,12 +50,13 @@ if TYPE_CHECKING:
     from aio_datadist.cache import KvCache
     from aio_datadist.runtime import Runtime
 
-__all__ = ["NixlPeer", "NixlAgent", "HELLO", "OFFER", "WITHDRAW", "READY", "PREPARED", "DECLINE", "SETUP_SHARE"]
+__all__ = ["NixlPeer", "NixlAgent", "HELLO", "OFFER", "WITHDRAW", "READY", "PREPARED", "DECLINE", "OFFER_VRAM",
+           "SETUP_SHARE", "vram_off"]
 
 log = logging.getLogger("aio_datadist.nixl")
 
-HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE = 1, 2, 3, 4, 5, 6
-KINDS = (HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE)
+HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM = 1, 2, 3, 4, 5, 6, 7
+KINDS = (HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM)
 #: The share of the time ``link_clusters`` has left that the NIXL exchange may use; the link falls
 #: back to TCP when it is spent, and the rest is the caller's margin.
 SETUP_SHARE = 0.5
@@ -57,6 +64,50 @@ MAX_REASON = 512
 MAX_TENSORS = 4096
 NOTIF = struct.Struct("!4sQ")
 NOTIF_MAGIC = b"AIDN"
+#: The GPU id an ``OFFER_VRAM`` record's blob starts with (NIXL's metadata follows).
+VRAM_DEVICE = struct.Struct("!I")
+#: How NIXL backends name device memory among their memory types (``get_backend_mem_types``).
+VRAM_TYPES = frozenset({"VRAM", "VRAM_SEG"})
+
+
+def vram_off(device_kind: str | None, mem_types: Mapping[str, Sequence[str]]) -> str | None:
+    """Why this endpoint's device caches cannot be registered with NIXL as VRAM (None: they can).
+
+    ``device_kind`` is the endpoint's device backend (``"cuda"``, ``"npu"``, ``"host"``; None without
+    one); ``mem_types`` the memory types each of the agent's backends reports.
+    """
+    if device_kind is None:
+        return None
+    if device_kind != "cuda":
+        return (f"the device caches are {device_kind} memory; NIXL registers CUDA device memory (VRAM) only")
+    if not any(VRAM_TYPES.intersection(types) for types in mem_types.values()):
+        listed = "; ".join(f"{b}: {', '.join(t) or 'none'}" for b, t in mem_types.items()) or "no backend"
+        return f"no NIXL backend of this agent lists VRAM among its memory types ({listed})"
+    return None
+
+
+def registration(cache: KvCache, off: str | None) -> tuple[str, int, Callable[[Any], tuple]] | None:
+    """How ``cache`` is registered with NIXL: its memory type, device id and the worker's work (given the
+    NIXL agent: register the memory, prepare the local descriptor list over its rows; returns both and the
+    agent's new metadata). Host caches are ``DRAM``; device caches ``VRAM`` on their GPU, or None (not
+    registered) when ``off`` (:func:`vram_off`) says why they cannot be."""
+    if cache.on_device and off is not None:
+        return None
+    mem, device = ("VRAM", cache.device.index or 0) if cache.on_device else ("DRAM", 0)
+    lay = cache.layout
+    extents = _extents(cache)
+    descs = row_descs(lay.bases, lay.rows, lay.row_bytes, device)
+
+    def work(agent: Any) -> tuple[Any, Any, bytes]:
+        regs = agent.register_memory([(a, n, device, "") for a, n in extents], mem)
+        try:
+            dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem)
+        except Exception:
+            agent.deregister_memory(regs)
+            raise
+        return regs, dlist, agent.get_agent_metadata()
+
+    return mem, device, work
 
 
 def notif_for(req_id: int) -> bytes:
@@ -80,13 +131,15 @@ def _extents(cache: KvCache) -> list[tuple[int, int]]:
 
 
 class _LocalCache:
-    __slots__ = ("cache", "regs", "dlist", "rows", "tensors", "row_bytes")
+    __slots__ = ("cache", "regs", "dlist", "rows", "tensors", "row_bytes", "mem", "device")
 
-    def __init__(self, cache: KvCache, regs: Any, dlist: Any) -> None:
+    def __init__(self, cache: KvCache, regs: Any, dlist: Any, mem: str = "DRAM", device: int = 0) -> None:
         lay = cache.layout
         self.cache: KvCache | None = cache  # None once released
         self.regs = regs
         self.dlist = dlist
+        self.mem = mem
+        self.device = device
         self.rows = lay.rows
         self.tensors = lay.num_tensors
         self.row_bytes = lay.row_bytes
@@ -134,28 +187,24 @@ class NixlAgent:
         self.serving: collections.Counter[int] = collections.Counter()
         self._doomed: dict[int, _LocalCache] = {}
         self._registering: dict[int, asyncio.Future] = {}
+        devices = runtime.devices
+        #: Why device caches are not registered with NIXL (they take the staging plane), or None.
+        self.vram_off = vram_off(None if devices is None else devices.kind, self.engine.mem_types)
+        #: Device caches whose VRAM registration failed, with NIXL's words (they take the staging plane).
+        self.vram_failed: dict[int, str] = {}
+        if self.vram_off is not None:
+            log.info("device caches are not registered with NIXL (they take the staging plane): %s", self.vram_off)
 
     # -- our caches ------------------------------------------------------------
 
     def register(self, cache: KvCache) -> None:
         """Register ``cache`` with the agent (on its worker); offer it to peers once done."""
-        lay = cache.layout
-        if cache.on_device:
-            return  # device memory is not registered: its transfers take the staging plane
-        extents = _extents(cache)
-        descs = row_descs(lay.bases, lay.rows, lay.row_bytes)
-
-        def work(agent: Any) -> tuple[Any, Any, bytes]:
-            regs = agent.register_memory([(a, n, 0, "") for a, n in extents], "DRAM")
-            try:
-                dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, "DRAM")
-            except Exception:
-                agent.deregister_memory(regs)
-                raise
-            return regs, dlist, agent.get_agent_metadata()
-
-        fut = self.start(work, f"registering cache {cache.cache_id} with NIXL", keepalive=cache)
-        fut.add_done_callback(lambda f: self._registered(cache, f))
+        how = registration(cache, self.vram_off)
+        if how is None:
+            return  # not registered: its transfers take the staging plane (device_staged says why)
+        mem, device, work = how
+        fut = self.start(work, f"registering cache {cache.cache_id} with NIXL as {mem}", keepalive=cache)
+        fut.add_done_callback(lambda f: self._registered(cache, f, mem, device))
         self._registering[cache.cache_id] = fut
 
     async def registered(self, cache: KvCache) -> None:
@@ -164,15 +213,19 @@ class NixlAgent:
         if fut is not None:
             await asyncio.wait([fut])
 
-    def _registered(self, cache: KvCache, fut: asyncio.Future) -> None:
+    def _registered(self, cache: KvCache, fut: asyncio.Future, mem: str, device: int) -> None:
         if self._registering.get(cache.cache_id) is fut:
             del self._registering[cache.cache_id]
         if fut.cancelled() or fut.exception() is not None:
             exc = None if fut.cancelled() else fut.exception()
-            log.warning("cache %s is not registered with NIXL (%s); it moves over TCP", cache.cache_id, exc)
+            if cache.on_device:
+                self.vram_failed[cache.cache_id] = f"registering device cache {cache.cache_id} as VRAM failed: {exc}"
+                log.warning("%s; it takes the staging plane", self.vram_failed[cache.cache_id])
+            else:
+                log.warning("cache %s is not registered with NIXL (%s); it moves over TCP", cache.cache_id, exc)
             return
         regs, dlist, metadata = fut.result()
-        entry = _LocalCache(cache, regs, dlist)
+        entry = _LocalCache(cache, regs, dlist, mem, device)
         if not cache.alive:
             self._release(entry)
             return
@@ -181,8 +234,16 @@ class NixlAgent:
         for peer in list(self.peers):
             peer.offer(entry)
 
+    def device_staged(self, cache: KvCache) -> str | None:
+        """Why device ``cache`` is not moved by NIXL (the staging plane moves it), or None: a host cache,
+        or a device cache registered as VRAM (or still registering)."""
+        if not cache.on_device:
+            return None
+        return self.vram_off or self.vram_failed.get(cache.cache_id)
+
     def unregister(self, cache: KvCache) -> None:
         """Withdraw ``cache`` from peers now; deregister once no transfer can touch it."""
+        self.vram_failed.pop(cache.cache_id, None)
         entry = self.local.pop(cache.cache_id, None)
         if entry is None:
             return
@@ -281,6 +342,14 @@ def _discard(agent: Any, value: Any) -> None:
         value.dlist.release()
 
 
+def prepare_remote(agent: Any, name: str, cache_id: int, rows: int, row_bytes: int, bases: Sequence[int],
+                   mem: str, device: int) -> _RemoteCache:
+    """On the worker: the descriptor list of a peer's offered cache (``mem`` ``DRAM`` or ``VRAM`` on GPU
+    ``device`` of the peer's), one entry per (tensor, row)."""
+    dlist = agent.prep_xfer_dlist(name, row_descs(bases, rows, row_bytes, device), mem)
+    return _RemoteCache(cache_id, rows, len(bases), row_bytes, dlist)
+
+
 class NixlPeer:
     """One link's NIXL state: the peer's agent and its caches' prepared lists."""
 
@@ -300,6 +369,7 @@ class NixlPeer:
         self._agent_loaded = False  # set on the worker: the agent holds the peer's metadata, to remove at close
         self._pending: set[asyncio.Future] = set()  # engine work for this peer, cancelled when we decline
         self.declined: str | None = None  # why this link uses TCP only, once NIXL was given up
+        self._said: set[str] = set()  # why device caches took the staging plane, as logged once per link
         self.ready = asyncio.get_running_loop().create_future()
         self.closed = False
         agent.peers.add(self)
@@ -332,6 +402,10 @@ class NixlPeer:
                 or cache.cache_id in self.offers_sent or not self.agent.exposed):
             return
         self.offers_sent.add(cache.cache_id)
+        if entry.mem == "VRAM":
+            self._send(OFFER_VRAM, cache.cache_id, entry.rows, entry.row_bytes, tuple(cache.layout.bases),
+                       VRAM_DEVICE.pack(entry.device) + self.agent.metadata)
+            return
         self._send(OFFER, cache.cache_id, entry.rows, entry.row_bytes, tuple(cache.layout.bases),
                    self.agent.metadata)
 
@@ -340,6 +414,12 @@ class NixlPeer:
         if cache_id in self.offers_sent and not self.closed and self.declined is None:
             self.offers_sent.discard(cache_id)
             self._send(WITHDRAW, cache_id, 0, 0, (), b"")
+
+    def say_staged(self, why: str) -> None:
+        """Device caches on this link take the staging plane because of ``why``: say so once (INFO)."""
+        if why not in self._said:
+            self._said.add(why)
+            log.info("link to cluster %s: device caches take the staging plane, not NIXL: %s", self.cluster_id, why)
 
     def serves(self, cache: Any) -> bool:
         """Whether the peer may move whole rows of our ``cache`` with NIXL: it is registered and the
@@ -426,12 +506,17 @@ class NixlPeer:
             if not sep or not name or self.name is not None:
                 raise ProtocolError("bad NIXL hello")
             self._load(metadata, name, None)
-        elif kind == OFFER:
+        elif kind in (OFFER, OFFER_VRAM):
             bases = fields.rows
             if (self.name is None or cache_id <= 0 or not 0 < len(bases) <= MAX_TENSORS or rows <= 0
-                    or row_bytes <= 0 or rows * row_bytes >= 1 << 48):
+                    or row_bytes <= 0 or rows * row_bytes >= 1 << 48
+                    or (kind == OFFER_VRAM and len(blob) < VRAM_DEVICE.size)):
                 raise ProtocolError("bad NIXL offer")
-            self._load(blob, self.name, (cache_id, rows, row_bytes, bases))
+            mem, device = "DRAM", 0
+            if kind == OFFER_VRAM:
+                mem, (device,) = "VRAM", VRAM_DEVICE.unpack_from(blob)
+                blob = blob[VRAM_DEVICE.size:]
+            self._load(blob, self.name, (cache_id, rows, row_bytes, bases, mem, device))
         elif kind == WITHDRAW:
             gone = self.caches.pop(cache_id, None)
             if gone is not None:
@@ -474,9 +559,7 @@ class NixlPeer:
             self._agent_loaded = True
             if cache is None:
                 return None
-            cache_id, rows, row_bytes, bases = cache
-            dlist = agent.prep_xfer_dlist(name.decode(), row_descs(bases, rows, row_bytes), "DRAM")
-            return _RemoteCache(cache_id, rows, len(bases), row_bytes, dlist)
+            return prepare_remote(agent, name.decode(), *cache)
 
         if cache is None:
             self.name = name

@@ -77,15 +77,15 @@ def load_nixl() -> Any:
                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
 
-def row_descs(bases: Any, rows: int, row_bytes: int) -> np.ndarray:
-    """An ``N x 3`` descriptor array, one ``(address, row_bytes, 0)`` row per (tensor, row):
-    entry ``t * rows + r`` is row ``r`` of tensor ``t``."""
+def row_descs(bases: Any, rows: int, row_bytes: int, device: int = 0) -> np.ndarray:
+    """An ``N x 3`` descriptor array, one ``(address, row_bytes, device)`` row per (tensor, row):
+    entry ``t * rows + r`` is row ``r`` of tensor ``t`` (``device``: the GPU of VRAM, 0 for DRAM)."""
     base = np.asarray(bases, dtype=np.uint64).reshape(-1, 1)
     starts = (base + np.arange(rows, dtype=np.uint64) * np.uint64(row_bytes)).reshape(-1)
     out = np.empty((starts.size, 3), dtype=np.uint64)
     out[:, 0] = starts
     out[:, 1] = row_bytes
-    out[:, 2] = 0
+    out[:, 2] = device
     return out
 
 
@@ -136,6 +136,9 @@ class NixlEngine:
             raise LLMException(f"option 'aio.Transport': NIXL has none of the backends {list(backends)}",
                                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         self.metadata: bytes = self.agent.get_agent_metadata()
+        #: The memory types each backend reports it can register (``DRAM_SEG``, ``VRAM_SEG``, ...).
+        self.mem_types: dict[str, list[str]] = {b: list(self.agent.get_backend_mem_types(b))
+                                                for b in self.agent.backends}
         self._cv = threading.Condition()
         self._commands: collections.deque = collections.deque()
         self._active: dict[int, _Xfer] = {}

@@ -7,6 +7,14 @@ transfer that is given up is cancelled in NIXL and waited for (at most
 ``NIXL_SETTLE_S``) before the owner hears of it, so the owner never recycles
 memory that a WRITE of ours may still be filling. Loaded on first use, by
 links that set up NIXL.
+
+Device caches registered as VRAM move the same way, with the ordering the
+staging plane and device IPC keep: NIXL touches a device cache only once
+the endpoint's copy stream is past the work its current stream had enqueued
+(a fence): the requester fences before it posts its READ or WRITE, the owner
+before it answers. A device cache that is not registered (``vram_off``) is
+not offered here: the staging plane moves it, and the link says why
+(``LinkStats.nixl_vram_off``, set by the staging plane).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from aio_datadist.cache import KvCache
 from aio_datadist.layers import one_side_span
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.base import InPlacePlane, LinkPort, Request, Served
+from aio_datadist.transport.device_ipc import fence, serve_fenced
 from aio_datadist.transport.nixl import notif_for
 from aio_datadist.wire import Msg, ReqFlag, Resp, TransferReq
 
@@ -65,6 +74,8 @@ class NixlPlane(InPlacePlane):
             raise LLMException(f"cluster {link.remote_cluster_id} resolved a cache that does not fit the request",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
         rows = list(remote.rows) or [answer.row]
+        if plan.local.on_device:  # NIXL reads or writes final rows only (the owner fenced before it answered)
+            await fence(rt, None, what)
         done = None if pull else link.expect(req_id)
         if _trace.ON:
             _trace.mark("job submitted")
@@ -89,8 +100,18 @@ class NixlPlane(InPlacePlane):
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
         peer = link.nixl
         cache = served.keepalive
-        return (isinstance(cache, KvCache) and peer is not None and peer.serves(cache)
-                and req.offset == 0 and req.nbytes == cache.layout.row_bytes)
+        if not isinstance(cache, KvCache) or peer is None:
+            return False
+        return peer.serves(cache) and req.offset == 0 and req.nbytes == cache.layout.row_bytes
+
+    def serve(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq, served: Served) -> None:
+        """As every in-place plane; a device cache once our copy stream is past our current stream's work."""
+        cache = served.cache
+        if cache is not None and cache.on_device:
+            serve_fenced(rt, link, msg, req_id, req, served,
+                         lambda: InPlacePlane.serve(self, rt, link, msg, req_id, req, served))
+            return
+        InPlacePlane.serve(self, rt, link, msg, req_id, req, served)
 
     def _begin(self, link: LinkPort, cache: KvCache) -> Callable[[], None]:
         assert link.nixl is not None, "serves() saw the link's NIXL peer"

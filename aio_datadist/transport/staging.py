@@ -13,7 +13,9 @@ and nothing on the wire changes.
 
 Staging memory is the runtime's pool (``buffers x chunk_bytes``); a buffer is
 reused only after the stream reported its copy done and its socket job is
-over. A transfer returns, fails or is given up only once every copy it
+over. On a NIXL link, a device cache that NIXL cannot take (not registered as
+VRAM) is staged here, and the link records and logs once why
+(``LinkStats.nixl_vram_off``). A transfer returns, fails or is given up only once every copy it
 enqueued is done on the stream and every socket job settled, so no byte
 lands after it returns.
 """
@@ -75,6 +77,17 @@ async def staged_move(rt: Runtime, link: LinkPort, channel: int, cache: Any, fir
                 on_settled.set_result(None)
 
 
+def _nixl_off(link: LinkPort, cache: Any) -> None:
+    """A device cache staged on a NIXL link: if NIXL cannot take it, record and say (once per link) why."""
+    peer = link.nixl
+    if peer is None or not peer.usable():
+        return
+    why = peer.agent.device_staged(cache)
+    if why is not None:
+        link.counters.nixl_vram_off = why
+        peer.say_staged(why)
+
+
 class StagingPlane(StreamPlane):
     """The stream plane for an end whose cache is on the device (see the module docstring)."""
 
@@ -85,6 +98,7 @@ class StagingPlane(StreamPlane):
 
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
+        _nixl_off(link, plan.local)
         done = None if pull else link.expect(req.req_id)
         settled = asyncio.get_running_loop().create_future()
         req.settled, req.ack = settled, done
@@ -103,6 +117,7 @@ class StagingPlane(StreamPlane):
         assert cache is not None, "serves() saw a registered device cache"
         assert req.rows or served.row is not None, "serve_plan refuses a request without rows"
         rows = list(req.rows) or [served.row or 0]
+        _nixl_off(link, cache)
 
         async def run() -> None:
             async with asyncio.timeout(serve_timeout_ms(req) / 1000):
