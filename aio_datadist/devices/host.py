@@ -24,8 +24,8 @@ import stat
 
 import torch
 
-__all__ = ["HostRegion", "PAGE_SIZE", "ReadOnlyMapping", "SEALS_REQUIRED", "check_sealed", "round_up", "seal_names",
-           "tensor_at"]
+__all__ = ["HostRegion", "PAGE_SIZE", "ReadOnlyMapping", "SEALS_REQUIRED", "check_sealed", "map_read_only", "round_up",
+           "seal_names", "tensor_at", "unmap"]
 
 PAGE_SIZE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -149,11 +149,7 @@ class ReadOnlyMapping:
     def __init__(self, fd: int, size: int) -> None:
         self._addr = 0
         self.nbytes = size
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise OSError(err, f"cannot map a peer region: {os.strerror(err)}")
-        self._addr = self.address = addr
+        self._addr = self.address = map_read_only(fd, size)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         if not self._addr or offset < 0 or offset + nbytes > self.nbytes:
@@ -166,8 +162,22 @@ class ReadOnlyMapping:
 
     def __del__(self) -> None:
         if getattr(self, "_addr", 0):
-            _libc.munmap(self._addr, self.nbytes)
+            unmap(self._addr, self.nbytes)
             self._addr = 0
+
+
+def map_read_only(fd: int, size: int) -> int:
+    """Map ``size`` bytes of a peer's ``fd`` shared and read-only; the address (``OSError`` if refused)."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map a peer region: {os.strerror(err)}")
+    return int(addr)
+
+
+def unmap(addr: int, size: int) -> None:
+    """Undo :func:`map_read_only`."""
+    _libc.munmap(addr, size)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import ctypes
 import dataclasses
 import hashlib
 import hmac
@@ -43,7 +42,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what share tests check fds against
-from aio_datadist.devices.host import check_sealed
+from aio_datadist.devices.host import check_sealed, map_read_only, unmap
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
 from aio_datadist.devices.peer_cache import PeerDeviceCache
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -183,11 +182,7 @@ class PeerRegion:
         self.offsets = list(record.offsets)
         self.size = record.size
         self._addr = 0
-        addr = _libc.mmap(None, record.size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise OSError(err, f"cannot map a peer region: {os.strerror(err)}")
-        self._addr = self.base = addr
+        self._addr = self.base = map_read_only(fd, record.size)
 
     def tensor_bases(self, first: int, count: int) -> array.array:
         if first < 0 or first + count > len(self.offsets):
@@ -201,15 +196,8 @@ class PeerRegion:
 
     def __del__(self) -> None:
         if getattr(self, "_addr", 0):
-            _libc.munmap(self._addr, self.size)
+            unmap(self._addr, self.size)
             self._addr = 0
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class LocalShare:
