@@ -291,8 +291,11 @@ class Link:
             return fut
         fd = conn.fileno()
         job = LoopJob(fd, send, pairs, gated, bool(gated))
-        if job.total <= LOOP_IO_MAX:
-            return self._loop_move(self.channels[index], fd, job, what, keepalive, timeout_ms, settled)
+        ch = self.channels[index]
+        # One loop watcher per socket and direction: a second job that way (only a peer that sends two
+        # requests on one channel makes one) queues on the engine instead.
+        if job.total <= LOOP_IO_MAX and not any(other.sending == send for other in ch.loop_jobs):
+            return self._loop_move(ch, fd, job, what, keepalive, timeout_ms, settled)
         engine = self.runtime.sockets
         if send:
             def submit(t: int) -> Any:

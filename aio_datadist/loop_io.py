@@ -34,6 +34,10 @@ class LoopIo:
     __slots__ = ("_fd", "_job", "_loop", "_what", "_keepalive", "_timeout_ms", "_timer", "_settled", "_watching",
                  "future")
 
+    @property
+    def sending(self) -> bool:
+        return self._job.sending
+
     def __init__(self, fd: int, job: LoopJob, *, what: str, keepalive: Any, timeout_ms: int | None,
                  settled: asyncio.Future | None) -> None:
         loop = asyncio.get_running_loop()

@@ -19,8 +19,8 @@ import torch
 from peers import BLOCKS_DESC, DECODER_ID, PROMPT_ID, cluster_info, endpoint, fill, port_of, snapshot
 from relay import Relay
 
-from aio_datadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode, wire
-from aio_datadist.testing import links_of
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement, wire
+from aio_datadist.testing import links_of, runtime_of
 
 pytestmark = pytest.mark.asyncio
 S = LLMStatusCode
@@ -127,3 +127,46 @@ async def test_an_honest_refusal_of_a_posted_pull_keeps_the_channel():
             assert "model_id 7" in str(caught.value)
         assert [ch.generation for ch in link.channels] == generations
         assert link.pending == {}
+
+
+#: 4 tensors of 8 blocks of 256 KiB: one request of all blocks is 8 MiB, more than the socket buffers hold, so
+#: the owner's first job is still waiting to write when the second request comes.
+WIDE = CacheDesc(4, (8, 128 * 1024), DataType.DT_FLOAT16, Placement.HOST)
+
+
+def _two_requests_on_one_channel(address: tuple[str, int], cache_id: int, row_bytes: int) -> int:
+    """A peer that sends two posted pulls on data channel 0 back to back, then reads what comes."""
+    from aio_datadist.types import UINT64_MAX
+    from reliability._rawpeer import RawLink, recv_exactly
+
+    with RawLink(address, 60, PROMPT_ID, None).connect() as raw:
+        fields = dict(channel=0, target_kind=2, cluster_id=PROMPT_ID, cache_id=cache_id, key_req_id=UINT64_MAX,
+                      prefix_id=UINT64_MAX, model_id=0, batch_index=0, layer_first=-1, layer_last=-1,
+                      tensor_num_per_layer=2, tensor_count=WIDE.num_tensors,
+                      data_type=WIDE.data_type.value, offset=0, nbytes=row_bytes,
+                      flags=int(wire.ReqFlag.BLOCKS | wire.ReqFlag.EXACT | wire.ReqFlag.POSTED), timeout_ms=2000,
+                      rows=tuple(range(8)))
+        for _ in range(2):
+            raw.send_raw(wire.encode(wire.Msg.PULL_REQ, raw.new_req_id(), **fields))
+        total = WIDE.num_tensors * 8 * row_bytes
+        got = recv_exactly(raw.data[0], 2 * (wire.ANSWER.size + total))  # interleaved or not: all of both
+        return len(got)
+
+
+async def test_two_posted_pulls_on_one_channel_both_end_and_the_owner_serves_on():
+    """A peer that breaks the one-request-per-channel rule gets both answers' bytes (in whatever order the
+    two jobs wrote them: its own stream), nothing of the owner hangs, and honest links are served."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport="tcp") as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="tcp") as decoder:
+        src = prompt.kv_cache_manager.allocate_blocks_cache(WIDE, BlocksCacheKey(PROMPT_ID))
+        values = fill(src, 11)
+        row_bytes = src.layout.row_bytes
+        got = await asyncio.wait_for(asyncio.to_thread(_two_requests_on_one_channel, port_of(prompt),
+                                                       src.cache_id, row_bytes), 20)
+        assert got == 2 * (wire.ANSWER.size + WIDE.num_tensors * 8 * row_bytes)
+        assert runtime_of(prompt).completions.pending_count() == 0
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(WIDE)
+        assert (await decoder.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))]))[0] == S.LLM_SUCCESS
+        await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [0, 7], [3, 4], timeout=3000)
+        assert all(torch.equal(d[3], v[0]) and torch.equal(d[4], v[7]) for d, v in zip(dst.tensors, values,
+                                                                                       strict=True))
