@@ -227,7 +227,13 @@ async def test_pending_handshakes_are_capped_and_links_wait_their_turn(monkeypat
             # bounded: cap in their handshake, at most ARRIVAL_FACTOR x cap more accepted; the rest wait in the backlog
             assert len(gate.handshaking) == cap and len(gate.arriving) <= ARRIVAL_FACTOR * cap
             mine = {str(sock.fileno()) for sock in stalled}
-            held = {fd for fd in open_fds() - fds if fd.split("->")[0] not in mine}
+            # Counted once the gate is still: while it accepts one more connection to close it (over the bound)
+            # or moves one between its sets, a loaded machine can catch one fd in flight (seen: 41 for 40).
+            for _ in range(50):
+                held = {fd for fd in open_fds() - fds if fd.split("->")[0] not in mine}
+                if len(held) <= (1 + ARRIVAL_FACTOR) * cap:
+                    break
+                await asyncio.sleep(0.02)
             assert len(held) <= (1 + ARRIVAL_FACTOR) * cap
             # an honest link waits its turn (stalled handshakes make room) and gets through in its timeout
             started = time.monotonic()
