@@ -10,40 +10,17 @@ the owner's own bytes unchanged afterwards.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 
 import pytest
 import torch
+from _owner_process import BLOCKS, cuda_options, expected, owner_at, owner_process, rows
 
-from aio_datadist import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    Placement,
-)
+from aio_datadist import BlocksCacheKey, LLMDataDist, LLMRole
 from aio_datadist.testing import runtime_of, usable_link
-
-BLOCKS = CacheDesc(8, (64, 16, 8, 128), DataType.DT_FLOAT16, Placement.DEVICE)
 
 
 def options(listen: bool) -> dict[str, str]:
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.device_type = "cuda"
-    cfg.device_ipc = "on"  # CUDA exports are off by default (aio.DeviceIpc=auto)
-    cfg.transport = "local"
-    if listen:
-        cfg.listen_ip_info = "127.0.0.1:0"
-    return cfg.generate_options()
-
-
-def expected(seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (64, 32768), dtype=torch.uint8, generator=gen) for _ in range(8)]
+    return cuda_options(listen, "local", device_ipc="on")  # CUDA exports are off by default (aio.DeviceIpc=auto)
 
 
 def _owner(conn, seed: int) -> None:
@@ -64,23 +41,13 @@ def _owner(conn, seed: int) -> None:
 
 @pytest.mark.asyncio
 async def test_a_pull_from_a_peer_process_on_the_same_gpu_goes_by_device_ipc():
-    ctx = multiprocessing.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    owner = ctx.Process(target=_owner, args=(theirs, 21))
-    owner.start()
-    try:
-        loop = asyncio.get_running_loop()
-        assert await loop.run_in_executor(None, mine.poll, 120), "the owner process never started"
-        port, exported = mine.recv()
+    async with owner_process(_owner, 21) as (conn, (port, exported)):
         assert exported, "the owner's cache is not a VMM export (see its log for the reason)"
         async with LLMDataDist(LLMRole.DECODER, 2) as dd:
             await dd.init(options(False))
             local = dd.kv_cache_manager.allocate_blocks_cache(BLOCKS)
-            before = [t.view(torch.uint8).view(64, -1).cpu() for t in local.tensors]
-            info = LLMClusterInfo()
-            info.remote_cluster_id = 1
-            info.append_remote_ip_info("127.0.0.1", port)
-            await dd.link_clusters([info], timeout=10000)
+            before = rows(local)
+            await dd.link_clusters([owner_at(port)], timeout=10000)
             src_blocks, dst_blocks = [63, 0, 31, 7], [1, 2, 3, 60]
             await dd.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), local, src_blocks, dst_blocks)
             stats = dd.stats().links[1]
@@ -96,13 +63,6 @@ async def test_a_pull_from_a_peer_process_on_the_same_gpu_goes_by_device_ipc():
             peer = usable_link(dd, 1).local.device_regions
             assert peer and all(p.mapping.address for p in peer.values())
             assert runtime_of(dd).completions.pending_count() == 0
-        mine.send(b"done")
-        assert await loop.run_in_executor(None, mine.poll, 60) and mine.recv() is True
-    finally:
-        owner.join(60)
-        if owner.is_alive():
-            owner.kill()
-            owner.join()
-        mine.close()
-        theirs.close()
-    assert owner.exitcode == 0
+        conn.send(b"done")
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, conn.poll, 60) and conn.recv() is True

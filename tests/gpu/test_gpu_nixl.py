@@ -10,21 +10,12 @@ owner's bytes after the push.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 
 import pytest
 import torch
+from _owner_process import BLOCKS, cuda_options, expected, owner_at, owner_process, rows
 
-from aio_datadist import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    Placement,
-)
+from aio_datadist import BlocksCacheKey, LLMDataDist, LLMRole
 from aio_datadist.testing import link_to, nixl_agent_of
 
 try:
@@ -33,26 +24,10 @@ except ImportError:  # run from tests/gpu alone
     NIXL_MISSING = ""
 
 pytestmark = pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING or "nixl")
-BLOCKS = CacheDesc(8, (64, 16, 8, 128), DataType.DT_FLOAT16, Placement.DEVICE)
 
 
 def options(listen: bool) -> dict[str, str]:
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.device_type = "cuda"
-    cfg.transport = "nixl"
-    if listen:
-        cfg.listen_ip_info = "127.0.0.1:0"
-    return cfg.generate_options()
-
-
-def expected(seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (64, 32768), dtype=torch.uint8, generator=gen) for _ in range(8)]
-
-
-def rows(cache) -> list[torch.Tensor]:
-    return [t.view(torch.uint8).view(64, -1).cpu() for t in cache.tensors]
+    return cuda_options(listen, "nixl")
 
 
 def _owner(conn, seed: int) -> None:
@@ -73,14 +48,7 @@ def _owner(conn, seed: int) -> None:
 
 @pytest.mark.asyncio
 async def test_a_device_cache_pull_and_push_between_processes_go_by_nixl_vram():
-    ctx = multiprocessing.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    owner = ctx.Process(target=_owner, args=(theirs, 31))
-    owner.start()
-    try:
-        loop = asyncio.get_running_loop()
-        assert await loop.run_in_executor(None, mine.poll, 120), "the owner process never started"
-        port, off, registered = mine.recv()
+    async with owner_process(_owner, 31) as (conn, (port, off, registered)):
         assert off is None and registered, f"the owner did not register its cache as VRAM: {off}"
         async with LLMDataDist(LLMRole.DECODER, 2) as dd:
             await dd.init(options(False))
@@ -89,10 +57,7 @@ async def test_a_device_cache_pull_and_push_between_processes_go_by_nixl_vram():
             await agent.registered(local)
             assert agent.vram_off is None and agent.local[local.cache_id].mem == "VRAM"
             before = rows(local)
-            info = LLMClusterInfo()
-            info.remote_cluster_id = 1
-            info.append_remote_ip_info("127.0.0.1", port)
-            await dd.link_clusters([info], timeout=20000)
+            await dd.link_clusters([owner_at(port)], timeout=20000)
             peer = link_to(dd, 1).nixl
             async with asyncio.timeout(10):
                 while not peer.caches:
@@ -112,16 +77,9 @@ async def test_a_device_cache_pull_and_push_between_processes_go_by_nixl_vram():
             assert stats.kinds["pull"].transport == "nixl" and stats.kinds["push"].transport == "nixl"
             assert stats.nixl_vram_off is None
             assert agent.engine.posted >= 2
-        mine.send(b"done")
-        assert await loop.run_in_executor(None, mine.poll, 60)
-        theirs_now = mine.recv()
+        conn.send(b"done")
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, conn.poll, 60)
+        theirs_now = conn.recv()
         assert bool((theirs_now[0][40] == 0x5A).all())
         assert torch.equal(theirs_now[0][:40], expected(31)[0][:40])
-    finally:
-        owner.join(60)
-        if owner.is_alive():
-            owner.kill()
-            owner.join()
-        mine.close()
-        theirs.close()
-    assert owner.exitcode == 0
