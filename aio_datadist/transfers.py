@@ -106,6 +106,25 @@ async def _ask(link: Link, req: Request, plan: Plan, offered: Plane | None, time
     return answer
 
 
+async def _ask_and_carry(rt: Runtime, link: Link, plan: Plan, req: Request, offered: Plane | None, timeout_ms: int,
+                         what: str, *, pull: bool) -> Plane:
+    """Ask with ``RESP`` as the answer, then let the plane the owner chose move the bytes; that plane."""
+    answer = await _ask(link, req, plan, offered, timeout_ms, pull=pull)
+    chosen = plane("staging" if plan.local.on_device else "stream")  # device memory goes through staging
+    if answer.cache_id >= 0:  # the owner chose the in-place plane we offered
+        if offered is None:
+            raise LLMException(f"cluster {link.remote_cluster_id} answered for a plane we did not offer",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+        chosen = offered
+        req.in_place = True
+        req.release_channel()
+    elif offered is not None:
+        _required_plane(rt, link, None, what)  # the owner chose the stream plane after all
+    req.state = RequestState.MOVING
+    await chosen.carry(rt, link, plan, answer, req, pull=pull)
+    return chosen
+
+
 async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *, pull: bool) -> str:
     """One transfer through the planes; the transport that carried it."""
     if _trace.ON:
@@ -122,26 +141,10 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
             req.generation = link.channels[req.channel].generation
             req.req_id = link.new_req_id()
             if pull and offered is None and not plan.local.on_device and link.posts(req.channel):
-                stream = STREAM_PLANE
-                await stream.pull_posted(link, plan, req, timeout_ms)
-                req.state = RequestState.DONE
-                req.release_channel()
-                if _trace.ON:
-                    _trace.mark("returned")
-                return stream.transport_on(link)
-            answer = await _ask(link, req, plan, offered, timeout_ms, pull=pull)
-            chosen = plane("staging" if plan.local.on_device else "stream")  # device memory goes through staging
-            if answer.cache_id >= 0:  # the owner chose the in-place plane we offered
-                if offered is None:
-                    raise LLMException(f"cluster {link.remote_cluster_id} answered for a plane we did not offer",
-                                       status_code=LLMStatusCode.LLM_LINK_FAILED)
-                chosen = offered
-                req.in_place = True
-                req.release_channel()
-            elif offered is not None:
-                _required_plane(rt, link, None, what)  # the owner chose the stream plane after all
-            req.state = RequestState.MOVING
-            await chosen.carry(rt, link, plan, answer, req, pull=pull)
+                chosen: Plane = STREAM_PLANE
+                await STREAM_PLANE.pull_posted(link, plan, req, timeout_ms)
+            else:
+                chosen = await _ask_and_carry(rt, link, plan, req, offered, timeout_ms, what, pull=pull)
         req.state = RequestState.DONE
         req.release_channel()
         if _trace.ON:
