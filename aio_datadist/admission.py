@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
+from aio_datadist.control_reader import ControlReader
+
 __all__ = ["ARRIVAL_FACTOR", "ARRIVAL_GRACE_S", "LISTEN_BACKLOG", "STALL_GRACE_S", "Admission", "Pending", "streams"]
 
 log = logging.getLogger("aio_datadist.links")
@@ -258,10 +260,10 @@ class Admission:
                            return_when=asyncio.FIRST_COMPLETED)
 
 
-async def streams(conn: socket.socket, head: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def streams(conn: socket.socket, head: bytes) -> tuple[ControlReader, asyncio.StreamWriter]:
     """Reader and writer of an accepted connection of which ``head`` was read already."""
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(loop=loop)
+    reader = ControlReader(loop=loop)
     reader.feed_data(head)
     writers: list[asyncio.StreamWriter] = []
     # With a connected callback the protocol is a server's, as asyncio.start_server makes it (start_tls

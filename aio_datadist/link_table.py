@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from aio_datadist import fd_budget, handshake, wire
 from aio_datadist._checks import param_invalid
 from aio_datadist.admission import ARRIVAL_FACTOR, Pending
+from aio_datadist.control_reader import ControlReader, open_control
 from aio_datadist.links import SUCCESS, ZERO32, DataConn, Link, tune
 from aio_datadist.listener import Listener, Refusal
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -137,7 +138,7 @@ class LinkTable:
         if self.links.get(link.remote_cluster_id) is link:
             del self.links[link.remote_cluster_id]
 
-    def _new_link(self, remote_id: int, remote_role: LLMRole, reader: asyncio.StreamReader,
+    def _new_link(self, remote_id: int, remote_role: LLMRole, reader: ControlReader,
                   writer: asyncio.StreamWriter, *, is_client: bool, channels: int, token: bytes,
                   remote_address: tuple[str, int]) -> Link:
         """A link that redials its data channels, forgets itself and finds the NIXL plane through this table."""
@@ -195,7 +196,7 @@ class LinkTable:
             return LLMStatusCode.LLM_NOT_YET_LINK, _NOT_AWAITED
         return None
 
-    async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, reader: asyncio.StreamReader,
+    async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, reader: ControlReader,
                    writer: asyncio.StreamWriter, pending: Pending, through: Callable[[], None]) -> Link | Refusal:
         """Make and register the link of an accepted handshake, or say why not.
 
@@ -332,7 +333,7 @@ class LinkTable:
     async def _handshake(self, remote_id: int | None, address: tuple[str, int], existing: Link | None,
                          deadline: float | None = None, *, bilateral: bool = False) -> LLMStatusCode:
         """Dial ``address`` and register the link; ``remote_id`` None takes whichever cluster answers."""
-        reader, writer = await asyncio.open_connection(*address)
+        reader, writer = await open_control(address)
         link: Link | None = None
         sockets: list[DataConn] = []
         try:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from aio_datadist import protocol, wire
 from aio_datadist._core import LoopJob
+from aio_datadist.control_reader import ControlReader
 from aio_datadist.loop_io import LoopIo
 from aio_datadist.stats import LinkCounters, LinkStats
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -93,7 +94,7 @@ class Link:
     """
 
     def __init__(self, runtime: Runtime, remote_cluster_id: int, remote_role: LLMRole,
-                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, is_client: bool,
+                 reader: ControlReader, writer: asyncio.StreamWriter, *, is_client: bool,
                  channels: int, token: bytes, remote_address: tuple[str, int], redial: Redial,
                  forget: Callable[[Link], None], nixl_agent: NixlAgent | None, cluster_id: int = 0) -> None:
         self.runtime = runtime
@@ -126,7 +127,6 @@ class Link:
         self.broken: LLMException | None = None
         self.closed = False
         self._next_req = 1 if is_client else 2
-        self._reader_task: asyncio.Task | None = None
         self.last_heard = 0.0
         self._tasks: set[asyncio.Task] = set()
         self.on_request: Callable[[Link, Msg, int, Any], None] | None = None
@@ -358,7 +358,7 @@ class Link:
 
     def start(self) -> None:
         self.last_heard = asyncio.get_running_loop().time()
-        self._reader_task = self.spawn(self._read_loop())
+        self.reader.feed_to(self._control_data, self._control_end)
         self.spawn(self._heartbeat(self.runtime.settings.heartbeat_interval_ms / 1000))
 
     async def _heartbeat(self, interval: float) -> None:
@@ -385,26 +385,31 @@ class Link:
             self._probe_sent = time.perf_counter()
             self.send(Msg.PROBE, self._probe_id)
 
-    async def _read_loop(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _control_data(self, data: bytes) -> None:
+        """A chunk of the control connection, straight from its protocol's callback: act on each
+        complete message in it, in order."""
+        if self.closed or self.broken is not None:
+            return
         try:
-            while True:
-                data = await self.reader.read(1 << 16)
-                if not data:
-                    raise asyncio.IncompleteReadError(b"", None)  # EOF: reported as a short read always was
-                for event in self._protocol.receive(data):
-                    self.last_heard = loop.time()
+            events = self._protocol.receive(data)
+            if events:
+                self.last_heard = asyncio.get_running_loop().time()
+                for event in events:
                     self._dispatch(event)
-                if self._protocol.error is not None:  # a bad frame after the complete ones just dispatched
-                    raise self._protocol.error
-        except asyncio.CancelledError:
-            raise
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            self.fail(LLMException(f"connection lost ({type(exc).__name__})",
-                                   status_code=LLMStatusCode.LLM_LINK_FAILED))
+            if self._protocol.error is not None:  # a bad frame after the complete ones just dispatched
+                raise self._protocol.error
         except ProtocolError as exc:
             log.warning("link to cluster %s: protocol error: %s", self.remote_cluster_id, exc)
             self.fail(LLMException(f"protocol error: {exc}", status_code=LLMStatusCode.LLM_LINK_FAILED))
+        except Exception as exc:  # a bug of ours: the link cannot be trusted to be in step any more
+            log.exception("link to cluster %s: acting on a control message failed", self.remote_cluster_id)
+            self.fail(LLMException(f"internal error on the control connection ({type(exc).__name__}: {exc})",
+                                   status_code=LLMStatusCode.LLM_LINK_FAILED))
+
+    def _control_end(self, exc: BaseException | None) -> None:
+        """The control connection ended (``None``: the peer closed it)."""
+        what = "IncompleteReadError" if exc is None else type(exc).__name__  # as a short read always said
+        self.fail(LLMException(f"connection lost ({what})", status_code=LLMStatusCode.LLM_LINK_FAILED))
 
     def _dispatch(self, event: protocol.Event) -> None:
         """Act on one event of the control connection (see ``protocol`` for what each is)."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 from aio_datadist import handshake, wire
 from aio_datadist._checks import param_invalid
 from aio_datadist.admission import LISTEN_BACKLOG, Admission, Pending, streams
+from aio_datadist.control_reader import ControlReader
 from aio_datadist.links import SUCCESS, Link, tune
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
@@ -57,7 +58,7 @@ class Table(Protocol):
     def refusal(self, remote_id: int, peer_id: int, bilateral: bool, client_nonce: bytes) -> Refusal | None:
         """Why an authenticated link from ``remote_id`` is refused at once, or None."""
 
-    async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, reader: asyncio.StreamReader,
+    async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, reader: ControlReader,
                    writer: asyncio.StreamWriter, pending: Pending, through: Callable[[], None]) -> Link | Refusal:
         """The link made and registered for an accepted handshake, or why not."""
 
@@ -267,7 +268,7 @@ class Listener:
 class _Watched:
     """A handshake's reader that counts every complete read as progress (``admission``)."""
 
-    def __init__(self, inner: asyncio.StreamReader, pending: Pending) -> None:
+    def __init__(self, inner: ControlReader, pending: Pending) -> None:
         self.inner = inner
         self._pending = pending
 

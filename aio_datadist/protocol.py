@@ -4,7 +4,7 @@ A :class:`LinkProtocol` is what one end of an established link makes of the
 bytes its control connection receives, in the manner of h11's connection
 object for HTTP: it owns no socket, no loop and no timer, so a test (or a
 fuzzer) drives it with any byte string cut at any point. The link's reader
-(``Link._read_loop``) feeds it each chunk it reads and acts on the events, in
+(``Link._control_data``) feeds it each chunk it reads and acts on the events, in
 order; answering them (a ``PROBE_ACK``, failing a link) is the reader's job.
 
 Framing: a 20-byte header (``wire.parse_header``), then the body its length
