@@ -10,6 +10,7 @@ The requester (``transfers.py``) fills those in and sends it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +27,12 @@ __all__ = ["Plan", "addrs_target", "block_shape_digest", "build_plan", "target_f
 def block_shape_digest(cache: KvCache) -> int:
     """A non-zero 64-bit digest of a blocks cache's block shape (``shape[1:]``), for the owner to
     compare with its own: blocks of equal bytes but another shape are another layout."""
-    digest = hashlib.blake2b(repr(tuple(cache.cache_desc.shape[1:])).encode(), digest_size=8).digest()
+    return _shape_digest(tuple(cache.cache_desc.shape[1:]))
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_digest(shape: tuple[int, ...]) -> int:
+    digest = hashlib.blake2b(repr(shape).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") or 1
 
 

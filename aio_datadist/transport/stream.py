@@ -94,8 +94,7 @@ class StreamPlane(Plane):
         req_id = req.req_id
         header, pairs = answer_header(0, 0, 0)
         pairs.extend(plan.local_pairs)
-        loop = asyncio.get_running_loop()
-        settled = loop.create_future()
+        settled = asyncio.get_running_loop().create_future()
         answered = link.expect(req_id)
         # The request leaves first: the answer waits in the socket until the receive is queued, and the
         # hand-off to the engine thread overlaps the owner's work instead of delaying the request.
@@ -107,22 +106,23 @@ class StreamPlane(Plane):
         moving = link.move(req.channel, pairs, send=False, timeout_ms=None, what=req.what,
                            keepalive=(plan.local, header), settled=settled, gated=req_id)
         req.settled = settled
-        first = loop.create_future()
 
-        def wake(_: asyncio.Future) -> None:
-            if not first.done():
-                first.set_result(None)
+        def answered_instead(f: asyncio.Future) -> None:
+            if not f.cancelled() and not moving.done():
+                moving.cancel()  # RESP (or the link failed): the owner will not answer on the channel
 
-        moving.add_done_callback(wake)
-        answered.add_done_callback(wake)
-        await first
-        if not moving.done():  # RESP: the owner refused without touching the channel
-            answer: Resp = answered.result()
+        answered.add_done_callback(answered_instead)
+        try:
+            moved = await moving
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling() or not answered.done():
+                raise  # our caller cancelled us
+            answer: Resp = answered.result()  # the link's failure, if that was it
             raise LLMException(f"cluster {link.remote_cluster_id}: {answer.text}",
                                status_code=code_to_status(answer.status) if answer.status else
-                               LLMStatusCode.LLM_LINK_FAILED)
+                               LLMStatusCode.LLM_LINK_FAILED) from None
         link.pending.pop(req_id, None)
-        moved = moving.result()
         if _trace.ON:
             _trace.mark("job done")
         magic, status, answered_id, total = ANSWER.unpack(header)
