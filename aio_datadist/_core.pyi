@@ -166,6 +166,10 @@ class SocketEngine:
 # ``bases[t] + indices[i] * stride + offset``, tensor-major. Callers validate.
 def segments(bases: Buffer, indices: Buffer, stride: int, offset: int, nbytes: int) -> array[int]: ...
 
+# Runs a ``[dst, src, nbytes, ...]`` copy list on the calling thread (GIL released); bytes copied.
+# ValueError when the list is not triples. Callers validate the addresses.
+def copy_now(triples: Buffer) -> int: ...
+
 # Coalesced ``[dst, src, nbytes, ...]`` pairing tensor t / index i of both
 # layouts. ValueError when the tensor or index counts differ.
 def copy_segments(dst_bases: Buffer, dst_indices: Buffer, dst_stride: int, dst_offset: int,

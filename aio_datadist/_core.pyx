@@ -989,6 +989,25 @@ def copy_segments(const uint64_t[::1] dst_bases not None, const int64_t[::1] dst
     return out
 
 
+def copy_now(const uint64_t[::1] triples not None):
+    """Run a ``[dst, src, nbytes, ...]`` copy list here and now, without the GIL; the bytes copied.
+
+    For small copies whose hand-off to a ``HostCopyEngine`` thread and back
+    would cost more than the copy: the caller's thread is busy until it is
+    over, and nothing of it runs after this returns. Callers validate the
+    addresses first, as for the engine.
+    """
+    cdef size_t n = triples.shape[0], i
+    if n % 3:
+        raise ValueError("a copy list holds dst, src, nbytes triples")
+    cdef uint64_t total = 0
+    with nogil:
+        for i in range(0, n, 3):
+            memcpy(<void *>triples[i], <const void *>triples[i + 1], triples[i + 2])
+            total += triples[i + 2]
+    return total
+
+
 def zip_segments(const uint64_t[::1] dst not None, const uint64_t[::1] src not None):
     """Pair two ``[addr, nbytes, ...]`` streams of equal total into copy triples.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
@@ -42,6 +43,12 @@ COPY_SETTLE_S = 5.0
 MAX_LOCAL_SRC_ROWS = 32768
 #: RESP.cache_id of an owner that cannot read a same-host push's source: the pusher streams it instead.
 USE_STREAM = -2
+#: Copies up to this many bytes run on the loop's thread when no other copy of ours is running (a 2 MiB
+#: copy takes 0.1-0.3 ms; its hand-off to a copy thread and the completion back cost about as much), larger
+#: or concurrent ones on the copy threads. ``$AIO_DATADIST_INLINE_COPY_MAX`` (bytes) overrides it; 0 hands
+#: every copy to the threads (for comparisons: ``docs/transports.md``).
+INLINE_COPY_MAX = int(os.environ.get("AIO_DATADIST_INLINE_COPY_MAX", 2 << 20))
+_threaded = 0  # copies of ours on the copy threads now (in any runtime of the process)
 
 
 class SameHostPlane(InPlacePlane):
@@ -211,7 +218,22 @@ async def push_local(link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> 
 
 
 async def copy_settled(rt: Runtime, triples: Any, what: str, keepalive: Any) -> None:
-    """Run one host copy job; if the caller gives up, the job is stopped and waited for first."""
+    """Run one host copy job; if the caller gives up, the job is stopped and waited for first.
+
+    A small one while no other runs goes here and now (``INLINE_COPY_MAX``): nothing can give it up
+    part-way, and it is over before this returns."""
+    global _threaded
+    if not _threaded and sum(triples[2::3]) <= INLINE_COPY_MAX:
+        _core.copy_now(triples)
+        return
+    _threaded += 1
+    try:
+        await _threaded_copy(rt, triples, what, keepalive)
+    finally:
+        _threaded -= 1
+
+
+async def _threaded_copy(rt: Runtime, triples: Any, what: str, keepalive: Any) -> None:
     copier = rt.copier
     settled = asyncio.get_running_loop().create_future()
     moved = rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None, what=what,

@@ -1,0 +1,115 @@
+"""Small same-host copies run on the loop's thread (``same_host.INLINE_COPY_MAX``); large or concurrent
+ones on the copy threads. Either way the bytes are exact and nothing runs after the call returned."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import ctypes
+
+import pytest
+import torch
+
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, Placement, _core
+from aio_datadist.transport import same_host
+from peers import DECODER_ID, PROMPT_ID, fill, linked_pair
+
+pytestmark = pytest.mark.usefixtures("fork_server")
+
+SMALL = CacheDesc(4, (16, 64, 1024), DataType.DT_UINT8, Placement.HOST)  # 64 KiB blocks, 1 MiB a tensor
+BIG = CacheDesc(2, (64, 1 << 20), DataType.DT_UINT8, Placement.HOST)  # 1 MiB blocks, 64 MiB a tensor
+LOCAL = {"transport": "local"}
+
+
+class CountingCopier:
+    """The runtime's copy engine, counting the jobs handed to it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.jobs = inner, 0
+
+    def submit(self, token, triples):
+        self.jobs += 1
+        return self.inner.submit(token, triples)
+
+    def cancel(self, token):
+        return self.inner.cancel(token)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def counting(dd) -> CountingCopier:
+    rt = dd._require_runtime()
+    rt.copier = CountingCopier(rt.copier)
+    return rt.copier
+
+
+def test_copy_now_copies_every_triple_and_returns_the_bytes():
+    src, dst = bytearray(range(200)), bytearray(200)
+    a = ctypes.addressof((ctypes.c_char * 200).from_buffer(src))
+    b = ctypes.addressof((ctypes.c_char * 200).from_buffer(dst))
+    assert _core.copy_now(array.array("Q", [b, a, 10, b + 100, a + 50, 30])) == 40
+    assert dst[:10] == src[:10] and dst[100:130] == src[50:80]
+    assert dst[10:100] == bytearray(90) and dst[130:] == bytearray(70)
+    with pytest.raises(ValueError, match="triples"):
+        _core.copy_now(array.array("Q", [b, a]))
+
+
+@pytest.mark.asyncio
+async def test_a_small_pull_copies_inline_and_a_large_one_on_the_threads():
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 3)
+        dst = pair.dm.allocate_blocks_cache(SMALL, BlocksCacheKey(DECODER_ID, 0))
+        await pair.link()
+        copier = counting(pair.decoder)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1, 7], [2, 9])  # 4 x 2 x 64 KiB
+        assert copier.jobs == 0
+        for d, v in zip(dst.tensors, values):
+            assert torch.equal(d[[2, 9]], v[[1, 7]])
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(16)), list(range(16)))  # 4 MiB
+        assert copier.jobs == 1
+        for d, v in zip(dst.tensors, values):
+            assert torch.equal(d, v)
+
+
+@pytest.mark.asyncio
+async def test_the_threshold_zero_hands_every_copy_to_the_threads(monkeypatch):
+    monkeypatch.setattr(same_host, "INLINE_COPY_MAX", 0)
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 4)
+        dst = pair.dm.allocate_blocks_cache(SMALL, BlocksCacheKey(DECODER_ID, 0))
+        await pair.link()
+        copier = counting(pair.decoder)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [5], [6])
+        assert copier.jobs == 1
+        for d, v in zip(dst.tensors, values):
+            assert torch.equal(d[6], v[5])
+
+
+@pytest.mark.asyncio
+async def test_a_small_pull_beside_a_running_copy_goes_to_the_threads_too():
+    """Inline copies would hold the loop while the threads have work: the second copy queues there."""
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        big_src = pair.pm.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT_ID, 0))
+        small_src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 1))
+        big_values, small_values = fill(big_src, 5), fill(small_src, 6)
+        big_dst = pair.dm.allocate_blocks_cache(BIG, BlocksCacheKey(DECODER_ID, 0))
+        small_dst = pair.dm.allocate_blocks_cache(SMALL, BlocksCacheKey(DECODER_ID, 1))
+        await pair.link()
+        copier = counting(pair.decoder)
+        big = asyncio.ensure_future(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), big_dst, list(range(64)),
+                                                        list(range(64))))
+        for _ in range(2000):  # until the 128 MiB copy is on the threads (bounded: 2 s)
+            if same_host._threaded or big.done():
+                break
+            await asyncio.sleep(0.001)
+        assert same_host._threaded == 1, "the large copy never started"
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 1), small_dst, [0], [3])
+        await big
+        assert copier.jobs == 2 and same_host._threaded == 0
+        for d, v in zip(big_dst.tensors, big_values):
+            assert torch.equal(d, v)
+        for d, v in zip(small_dst.tensors, small_values):
+            assert torch.equal(d[3], v[0])
