@@ -151,13 +151,15 @@ class LinkTable:
         link = self.links.get(remote_id)
         return link if link is not None and link.broken is None and not link.closed else None
 
-    def _register(self, link: Link) -> bool:
-        """Make ``link`` the link to its cluster, unless another live one is (or the table closes)."""
+    def _register(self, link: Link, *, start: bool = True) -> bool:
+        """Make ``link`` the link to its cluster, unless another live one is (or the table closes); ``start``
+        it reading (the accepting side starts it once ``LINK_OK`` is written: see :meth:`take`)."""
         if self.closing or self._live(link.remote_cluster_id) is not None:
             return False
         link.on_request = self.on_request
         self.links[link.remote_cluster_id] = link
-        link.start()
+        if start:
+            link.start()
         return True
 
     def _reserve(self) -> int:
@@ -202,6 +204,9 @@ class LinkTable:
 
         ``through`` is called once the link no longer waits on the peer (its
         connection leaves the admission gate); ``pending`` is that connection.
+        The caller starts the link (:meth:`Link.start`) once it has written
+        ``LINK_OK``: a peer that sent messages right behind its ``AUTH`` gets
+        no answer before the handshake's last record.
         """
         try:
             claim = self._claim()
@@ -225,7 +230,7 @@ class LinkTable:
                 return LLMStatusCode.LLM_NOT_YET_LINK, _NOT_AWAITED
             link = self._new_link(remote_id, remote_role, reader, writer, is_client=False,
                                   channels=channels, token=token, remote_address=(peer[0], peer[1]))
-            if not self._register(link):
+            if not self._register(link, start=False):
                 return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
             link.announce("accepted")
             if bilateral:

@@ -395,6 +395,8 @@ class Link:
             if events:
                 self.last_heard = asyncio.get_running_loop().time()
                 for event in events:
+                    if self.closed or self.broken is not None:
+                        return  # an earlier message of this chunk ended the link: the rest is not acted on
                     self._dispatch(event)
             if self._protocol.error is not None:  # a bad frame after the complete ones just dispatched
                 raise self._protocol.error

@@ -212,6 +212,7 @@ class Listener:
         writer.write(handshake.link_ok(self.secret, accepted, SUCCESS, cluster_id=self.cluster_id,
                                        role=self._role(), token=taken.token, channels=taken.nchannels,
                                        boot=boot_id(), local_name=local_name))
+        taken.start()  # only now: what the peer sent behind its AUTH is answered after LINK_OK
         return True
 
     def _attach_target(self, record: bytes) -> tuple[Link | None, int, int]:

@@ -1,5 +1,5 @@
-"""Small same-host copies run on the loop's thread (``same_host.INLINE_COPY_MAX``); large or concurrent
-ones on the copy threads. Either way the bytes are exact and nothing runs after the call returned."""
+"""Small same-host copies run on the loop's thread (``same_host.INLINE_COPY_MAX``) while the copy threads
+have no job; large ones, and any while the threads have work, on the threads. The bytes are exact."""
 
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ async def test_the_threshold_zero_hands_every_copy_to_the_threads(monkeypatch):
 
 @pytest.mark.asyncio
 async def test_a_small_pull_beside_a_running_copy_goes_to_the_threads_too():
-    """Inline copies would hold the loop while the threads have work: the second copy queues there."""
+    """While the threads have work (any copy of the runtime's, here a large pull), a small copy queues there
+    too instead of holding the loop."""
     async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
         big_src = pair.pm.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT_ID, 0))
         small_src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 1))
@@ -102,13 +103,13 @@ async def test_a_small_pull_beside_a_running_copy_goes_to_the_threads_too():
         big = asyncio.ensure_future(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), big_dst, list(range(64)),
                                                         list(range(64))))
         for _ in range(2000):  # until the 128 MiB copy is on the threads (bounded: 2 s)
-            if same_host._threaded or big.done():
+            if copier.pending() or big.done():
                 break
             await asyncio.sleep(0.001)
-        assert same_host._threaded == 1, "the large copy never started"
+        assert copier.pending() == 1, "the large copy never started"
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 1), small_dst, [0], [3])
         await big
-        assert copier.jobs == 2 and same_host._threaded == 0
+        assert copier.jobs == 2 and copier.pending() == 0
         for d, v in zip(big_dst.tensors, big_values):
             assert torch.equal(d, v)
         for d, v in zip(small_dst.tensors, small_values):

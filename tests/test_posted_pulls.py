@@ -170,3 +170,36 @@ async def test_two_posted_pulls_on_one_channel_both_end_and_the_owner_serves_on(
         await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [0, 7], [3, 4], timeout=3000)
         assert all(torch.equal(d[3], v[0]) and torch.equal(d[4], v[7]) for d, v in zip(dst.tensors, values,
                                                                                        strict=True))
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_in_the_cleanup_of_a_cancelled_task_is_still_the_refusal():
+    """A task that is being cancelled (``cancelling() == 1``) and pulls in its cleanup: an owner that
+    refuses with ``RESP`` gives that pull an ``LLMException``, not a ``CancelledError`` of its own."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport="tcp") as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="tcp") as decoder:
+        prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC)
+        assert (await decoder.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))]))[0] == S.LLM_SUCCESS
+        links_of(prompt)[DECODER_ID].peer_channel_ok = lambda index: False  # the owner refuses with RESP
+        seen: list[BaseException] = []
+
+        async def worker() -> None:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                try:
+                    await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [1], [1],
+                                                               timeout=3000)
+                except BaseException as exc:  # noqa: BLE001 - what the pull raised is the point
+                    seen.append(exc)
+                raise
+
+        task = asyncio.ensure_future(worker())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert [type(e) for e in seen] == [LLMException]
+        assert seen[0].status_code == S.LLM_LINK_FAILED
+        seen.clear()  # its traceback holds dst

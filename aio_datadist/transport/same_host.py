@@ -43,12 +43,11 @@ COPY_SETTLE_S = 5.0
 MAX_LOCAL_SRC_ROWS = 32768
 #: RESP.cache_id of an owner that cannot read a same-host push's source: the pusher streams it instead.
 USE_STREAM = -2
-#: Copies up to this many bytes run on the loop's thread when no other copy of ours is running (a 2 MiB
-#: copy takes 0.1-0.3 ms; its hand-off to a copy thread and the completion back cost about as much), larger
-#: or concurrent ones on the copy threads. ``$AIO_DATADIST_INLINE_COPY_MAX`` (bytes) overrides it; 0 hands
-#: every copy to the threads (for comparisons: ``docs/transports.md``).
+#: Copies up to this many bytes run on the loop's thread when the runtime's copy threads have no job (a
+#: 2 MiB copy takes 0.1-0.3 ms; its hand-off to a copy thread and the completion back cost about as much),
+#: larger ones, or any while the threads have work, on the copy threads. ``$AIO_DATADIST_INLINE_COPY_MAX``
+#: (bytes) overrides it; 0 hands every copy to the threads (for comparisons: ``docs/transports.md``).
 INLINE_COPY_MAX = int(os.environ.get("AIO_DATADIST_INLINE_COPY_MAX", 2 << 20))
-_threaded = 0  # copies of ours on the copy threads now (in any runtime of the process)
 
 
 class SameHostPlane(InPlacePlane):
@@ -82,7 +81,7 @@ class SameHostPlane(InPlacePlane):
         triples = _core.zip_segments(plan.local_pairs, theirs)
         if _trace.ON:
             _trace.mark("job submitted")
-        await copy_settled(rt, triples, req.what, (plan.local, region))
+        await copy_settled(rt, triples, plan.total, req.what, (plan.local, region))
         if _trace.ON:
             _trace.mark("job done")
         req_id = req.req_id
@@ -217,24 +216,15 @@ async def push_local(link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> 
     return True
 
 
-async def copy_settled(rt: Runtime, triples: Any, what: str, keepalive: Any) -> None:
-    """Run one host copy job; if the caller gives up, the job is stopped and waited for first.
+async def copy_settled(rt: Runtime, triples: Any, nbytes: int, what: str, keepalive: Any) -> None:
+    """Run one host copy job of ``nbytes``; if the caller gives up, the job is stopped and waited for first.
 
-    A small one while no other runs goes here and now (``INLINE_COPY_MAX``): nothing can give it up
-    part-way, and it is over before this returns."""
-    global _threaded
-    if not _threaded and sum(triples[2::3]) <= INLINE_COPY_MAX:
+    A small one while the copy threads have no job runs here and now (``INLINE_COPY_MAX``): nothing
+    can give it up part-way, and it is over before this returns."""
+    copier = rt.copier
+    if nbytes <= INLINE_COPY_MAX and not copier.pending():
         _core.copy_now(triples)
         return
-    _threaded += 1
-    try:
-        await _threaded_copy(rt, triples, what, keepalive)
-    finally:
-        _threaded -= 1
-
-
-async def _threaded_copy(rt: Runtime, triples: Any, what: str, keepalive: Any) -> None:
-    copier = rt.copier
     settled = asyncio.get_running_loop().create_future()
     moved = rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None, what=what,
                                  keepalive=keepalive, settled=settled)

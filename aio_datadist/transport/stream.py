@@ -112,11 +112,12 @@ class StreamPlane(Plane):
                 moving.cancel()  # RESP (or the link failed): the owner will not answer on the channel
 
         answered.add_done_callback(answered_instead)
+        task = asyncio.current_task()
+        cancelling = 0 if task is None else task.cancelling()  # a task in its own cleanup may be at 1 already
         try:
             moved = await moving
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is None or task.cancelling() or not answered.done():
+            if task is None or task.cancelling() > cancelling or not answered.done():
                 raise  # our caller cancelled us
             answer: Resp = answered.result()  # the link's failure, if that was it
             raise LLMException(f"cluster {link.remote_cluster_id}: {answer.text}",

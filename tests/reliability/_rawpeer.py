@@ -96,7 +96,9 @@ class RawLink:
 
     # -- handshake ---------------------------------------------------------
 
-    def connect(self) -> RawLink:
+    def connect(self, behind_auth: bytes = b"") -> RawLink:
+        """Link (and attach every data channel); ``behind_auth`` goes in the same send as ``AUTH``, as a
+        client that pipelines its first messages would send them."""
         ctl = dial(self.address)
         self.ctl = ctl
         nonce = os.urandom(wire.NONCE_BYTES)
@@ -109,7 +111,7 @@ class RawLink:
                     + self.remote_id.to_bytes(8, "big") + bytes(32))
         self.send_raw(wire.encode(Msg.AUTH, 0, proof=proof(self.secret, b"client", ack["nonce"], nonce, identity),
                                   cluster_id=self.cluster_id, role=int(self.role), peer_id=self.remote_id,
-                                  layout_hash=bytes(32)))
+                                  layout_hash=bytes(32)) + behind_auth)
         msg, _, ok = recv_frame(ctl)
         assert msg is Msg.LINK_OK, msg
         if ok["status"] != 0:

@@ -288,6 +288,23 @@ class TamperingRelay:
 
 
 @pytest.mark.asyncio
+async def test_messages_sent_right_behind_auth_are_answered_after_link_ok():
+    """A client that pipelines a PROBE and a pull request behind its AUTH gets LINK_OK first (the
+    handshake's last record), then the answers, in order: the accepted link starts reading only once
+    LINK_OK is written."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, shared_secret=SECRET) as dd:
+        early = wire.encode(Msg.PROBE, 7) + wire.encode(Msg.PING, 9)
+
+        def pipelined() -> list[tuple[Msg, int]]:
+            with RawLink(port_of(dd), 71, PROMPT, SECRET.encode()).connect(behind_auth=early) as raw:
+                assert raw.ctl is not None
+                msg, req_id, _ = recv_frame(raw.ctl)  # connect() read LINK_OK first, or it failed
+                return [(msg, req_id)]
+
+        assert await asyncio.to_thread(pipelined) == [(Msg.PROBE_ACK, 7)]
+
+
+@pytest.mark.asyncio
 async def test_a_link_ok_altered_on_the_way_fails_the_link():
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, shared_secret=SECRET) as dd, \
             endpoint(LLMRole.DECODER, DECODER, shared_secret=SECRET) as dec, TamperingRelay(port_of(dd)) as relay:
