@@ -56,7 +56,11 @@ def test_copy_now_copies_every_triple_and_returns_the_bytes():
 
 
 @pytest.mark.asyncio
-async def test_a_small_pull_copies_inline_and_a_large_one_on_the_threads():
+@pytest.mark.parametrize("threshold", [None, 0], ids=["default", "zero"])
+async def test_a_small_pull_copies_inline_and_a_large_one_on_the_threads(monkeypatch, threshold):
+    """Threshold 0 (``AIO_DATADIST_INLINE_COPY_MAX=0``, for comparisons) hands every copy to the threads."""
+    if threshold is not None:
+        monkeypatch.setattr(same_host, "INLINE_COPY_MAX", threshold)
     async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
         src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 0))
         values = fill(src, 3)
@@ -64,28 +68,13 @@ async def test_a_small_pull_copies_inline_and_a_large_one_on_the_threads():
         await pair.link()
         copier = counting(pair.decoder)
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1, 7], [2, 9])  # 4 x 2 x 64 KiB
-        assert copier.jobs == 0
+        assert copier.jobs == (0 if threshold is None else 1)
         for d, v in zip(dst.tensors, values):
             assert torch.equal(d[[2, 9]], v[[1, 7]])
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(16)), list(range(16)))  # 4 MiB
-        assert copier.jobs == 1
+        assert copier.jobs == (1 if threshold is None else 2)
         for d, v in zip(dst.tensors, values):
             assert torch.equal(d, v)
-
-
-@pytest.mark.asyncio
-async def test_the_threshold_zero_hands_every_copy_to_the_threads(monkeypatch):
-    monkeypatch.setattr(same_host, "INLINE_COPY_MAX", 0)
-    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
-        src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 0))
-        values = fill(src, 4)
-        dst = pair.dm.allocate_blocks_cache(SMALL, BlocksCacheKey(DECODER_ID, 0))
-        await pair.link()
-        copier = counting(pair.decoder)
-        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [5], [6])
-        assert copier.jobs == 1
-        for d, v in zip(dst.tensors, values):
-            assert torch.equal(d[6], v[5])
 
 
 @pytest.mark.asyncio
