@@ -103,3 +103,22 @@ async def test_a_small_pull_beside_a_running_copy_goes_to_the_threads_too():
             assert torch.equal(d, v)
         for d, v in zip(small_dst.tensors, small_values):
             assert torch.equal(d[3], v[0])
+
+
+@pytest.mark.asyncio
+async def test_the_owner_of_a_small_push_copies_inline_and_of_a_large_one_on_the_threads():
+    """A same-host push is the owner's copy out of the pusher's region (``PUSH_LOCAL``): the same rule."""
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 8)
+        dst = pair.dm.allocate_blocks_cache(SMALL, BlocksCacheKey(DECODER_ID, 0))
+        await pair.link()
+        copier = counting(pair.decoder)  # the owner of the pushed-into cache copies
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [4, 5], [10, 12])
+        assert copier.jobs == 0
+        for d, v in zip(dst.tensors, values):
+            assert torch.equal(d[[10, 12]], v[[4, 5]])
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, list(range(16)), list(range(15, -1, -1)))
+        assert copier.jobs == 1
+        for d, v in zip(dst.tensors, values):
+            assert torch.equal(d, v.flip(0))

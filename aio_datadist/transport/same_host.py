@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import asyncio
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
@@ -140,21 +141,37 @@ class SameHostPlane(InPlacePlane):
         assert cache is not None, "PUSH_LOCAL names a registered cache"
         src_pairs, region = source
         triples = _core.zip_segments(served.pairs, src_pairs)
+        inline = None
+        if served.total <= INLINE_COPY_MAX and not rt.copier.pending():  # as copy_settled decides for pulls
+            def inline() -> None:
+                _core.copy_now(triples)
         serve_copy(rt, link, req_id, req, served, lambda t: rt.copier.submit(t, triples), rt.copier.cancel,
-                   (cache, region), self.transport)
+                   (cache, region), self.transport, inline)
 
 
 def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Served, submit: Any, cancel: Any,
-               keepalive: Any, transport: str) -> None:
-    """Run the owner's copy of a same-host push and answer ``RESP`` once it is over (never before)."""
+               keepalive: Any, transport: str, inline: Callable[[], None] | None = None) -> None:
+    """Run the owner's copy of a same-host push and answer ``RESP`` once it is over (never before); ``inline``,
+    when given, is the copy run here and now instead of a job."""
     cache = served.cache
     assert cache is not None, "PUSH_LOCAL names a registered cache"
 
     def answer(status: LLMStatusCode, text: str, cache_id: int = -1, total: int = 0) -> None:
         link.send(Msg.RESP, req_id, status=status, total=total, cache_id=cache_id, row=-1, text=text)
 
-    settled = asyncio.get_running_loop().create_future()
     counters, started = link.counters, link.counters.begin("served_push")
+
+    def landed() -> None:
+        counters.end("served_push", transport, served.total, started, Outcome.OK, LLMStatusCode.LLM_SUCCESS)
+        for target, rows_tensors, rows in served.landed:
+            rt.arrivals.record(target, rows_tensors, rows)
+        answer(LLMStatusCode.LLM_SUCCESS, "", cache_id=cache.cache_id, total=served.total)
+
+    if inline is not None:
+        inline()
+        landed()
+        return
+    settled = asyncio.get_running_loop().create_future()
     try:
         moved = rt.completions.start(submit, cancel, timeout_ms=serve_timeout_ms(req),
                                      what=f"serving PUSH_LOCAL {req_id}", keepalive=keepalive, settled=settled)
@@ -167,14 +184,10 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
     def over(_: asyncio.Future) -> None:
         if link.serving.get(req_id) == moved.cancel:
             del link.serving[req_id]
-        ok = moved.done() and not moved.cancelled() and moved.exception() is None
-        counters.end("served_push", transport, served.total, started, Outcome.OK if ok else Outcome.FAILED,
-                     LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED)
-        if ok:
-            for target, rows_tensors, rows in served.landed:
-                rt.arrivals.record(target, rows_tensors, rows)
-            answer(LLMStatusCode.LLM_SUCCESS, "", cache_id=cache.cache_id, total=served.total)
+        if moved.done() and not moved.cancelled() and moved.exception() is None:
+            landed()
             return
+        counters.end("served_push", transport, served.total, started, Outcome.FAILED, LLMStatusCode.LLM_FAILED)
         if not moved.done():
             moved.cancel()
         answer(LLMStatusCode.LLM_FAILED, "the push was aborted" if moved.cancelled() else str(moved.exception()))
