@@ -29,7 +29,7 @@ from aio_datadist import (
 from aio_datadist.devices.staging import DeviceStaging
 from aio_datadist.owner import _serve_addrs
 from aio_datadist.plans import addrs_target
-from aio_datadist.testing import runtime_of
+from aio_datadist.testing import links_of, runtime_of
 from aio_datadist.transport.base import Refusal
 from aio_datadist.wire import Msg, ReqFlag, TransferReq
 
@@ -61,6 +61,21 @@ def small_staging(dd, buffers: int = 2) -> DeviceStaging:
     return rt._staging
 
 
+async def offer_settled(decoder, src) -> None:
+    """On a NIXL link, wait (at most 5 s) until the decoder prepared the NIXL descriptors of ``src``, a host
+    cache the prompt allocated after linking (its offer is prepared in the background, on the NIXL worker),
+    so that a test that checks that a pull left nothing pending counts only the pull's own work."""
+    if TRANSPORT["default"] != "nixl" or src.on_device:
+        return
+    peer = links_of(decoder)[PROMPT_ID].nixl
+    completions = runtime_of(decoder).completions
+    for _ in range(500):
+        if peer is None or (src.cache_id in peer.caches and completions.pending_count() == 0):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the offer of cache {src.cache_id} was not prepared within 5 s")
+
+
 def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Byte-exact (uninitialised device memory may hold NaNs)."""
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
@@ -83,6 +98,7 @@ async def test_pull_blocks_with_device_caches_lands_exactly_the_named_blocks(src
         dst = pair.dm.allocate_blocks_cache(dst_desc)
         assert src.on_device is (src_place is Placement.DEVICE) and dst.on_device is (dst_place is Placement.DEVICE)
         before = snapshot(dst)
+        await offer_settled(pair.decoder, src)
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [5, 0, 3], [1, 4, 2])
         for d, v, b in zip(dst.tensors, values, before, strict=True):
             assert eq(d[1], v[5]) and eq(d[4], v[0]) and eq(d[2], v[3])
