@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 
 import pytest
 
 from aio_datadist.control_reader import ControlReader, open_control
 
 
-async def connected(limit: int = 1 << 16) -> tuple[ControlReader, asyncio.StreamWriter, socket.socket]:
-    """A ControlReader on a dialled loopback connection, and the accepted far end (blocking, 5 s bound)."""
+@contextlib.asynccontextmanager
+async def connected(limit: int = 1 << 16) -> AsyncIterator[tuple[ControlReader, asyncio.StreamWriter, socket.socket]]:
+    """A ControlReader on a dialled loopback connection, and the accepted far end (blocking, 5 s bound);
+    both ends are closed on exit."""
     server = socket.create_server(("127.0.0.1", 0))
     try:
         reader, writer = await open_control(server.getsockname()[:2])
@@ -20,7 +24,11 @@ async def connected(limit: int = 1 << 16) -> tuple[ControlReader, asyncio.Stream
         server.close()
     far.settimeout(5.0)
     reader._limit = limit  # a small limit makes the reader pause the connection sooner
-    return reader, writer, far
+    try:
+        yield reader, writer, far
+    finally:
+        writer.close()
+        far.close()
 
 
 async def until(condition, what: str) -> None:
@@ -33,8 +41,7 @@ async def until(condition, what: str) -> None:
 
 @pytest.mark.asyncio
 async def test_it_reads_like_a_stream_reader_then_feeds_the_rest_in_order():
-    reader, writer, far = await connected()
-    try:
+    async with connected() as (reader, writer, far):
         far.sendall(b"HELLO" + b"left-over ")
         assert await reader.readexactly(5) == b"HELLO"
         await until(lambda: len(reader._buffer) == 10, "the left-over bytes")
@@ -47,15 +54,11 @@ async def test_it_reads_like_a_stream_reader_then_feeds_the_rest_in_order():
         assert not ends
         far.close()
         await until(lambda: ends == [None], "the end of the stream")
-    finally:
-        writer.close()
-        far.close()
 
 
 @pytest.mark.asyncio
 async def test_a_stream_that_ended_during_the_handshake_ends_the_feed_at_once():
-    reader, writer, far = await connected()
-    try:
+    async with connected() as (reader, writer, far):
         far.sendall(b"last words")
         far.close()
         await until(lambda: reader._eof, "the end of the stream")
@@ -63,14 +66,11 @@ async def test_a_stream_that_ended_during_the_handshake_ends_the_feed_at_once():
         ends: list[BaseException | None] = []
         reader.feed_to(chunks.append, ends.append)
         assert chunks == [b"last words"] and ends == [None]
-    finally:
-        writer.close()
 
 
 @pytest.mark.asyncio
 async def test_a_reset_connection_ends_the_feed_with_its_error_and_later_bytes_are_dropped():
-    reader, writer, far = await connected()
-    try:
+    async with connected() as (reader, writer, far):
         chunks: list[bytes] = []
         ends: list[BaseException | None] = []
         reader.feed_to(chunks.append, ends.append)
@@ -81,16 +81,13 @@ async def test_a_reset_connection_ends_the_feed_with_its_error_and_later_bytes_a
         reader.feed_data(b"late")  # what a protocol might still deliver: nobody reads it
         reader.feed_eof()
         assert chunks == [] and len(ends) == 1
-    finally:
-        writer.close()
 
 
 @pytest.mark.asyncio
 async def test_a_reader_paused_by_a_flood_reads_again_once_fed():
     """A peer that floods right after the handshake filled the buffer past its limit, which paused the
     connection; handing over must resume it, or the link would stall."""
-    reader, writer, far = await connected(limit=1024)
-    try:
+    async with connected(limit=1024) as (reader, writer, far):
         flood = bytes(range(256)) * 64  # 16 KiB, well past 2 x 1 KiB
         far.sendall(flood)
         await until(lambda: reader._paused, "the reader pausing")
@@ -98,21 +95,14 @@ async def test_a_reader_paused_by_a_flood_reads_again_once_fed():
         reader.feed_to(received.extend, lambda exc: None)
         far.sendall(b"and more")
         await until(lambda: bytes(received) == flood + b"and more", "every byte")
-    finally:
-        writer.close()
-        far.close()
 
 
 @pytest.mark.asyncio
 async def test_it_feeds_one_link_only():
-    reader, writer, far = await connected()
-    try:
+    async with connected() as (reader, writer, far):
         reader.feed_to(lambda data: None, lambda exc: None)
         with pytest.raises(RuntimeError, match="feeds a link already"):
             reader.feed_to(lambda data: None, lambda exc: None)
-    finally:
-        writer.close()
-        far.close()
 
 
 @pytest.mark.asyncio

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import functools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -141,16 +142,13 @@ class SameHostPlane(InPlacePlane):
         assert cache is not None, "PUSH_LOCAL names a registered cache"
         src_pairs, region = source
         triples = _core.zip_segments(served.pairs, src_pairs)
-        inline = None
-        if served.total <= INLINE_COPY_MAX and not rt.copier.pending():  # as copy_settled decides for pulls
-            def inline() -> None:
-                _core.copy_now(triples)
+        inline = functools.partial(_core.copy_now, triples) if copies_inline(rt, served.total) else None
         serve_copy(rt, link, req_id, req, served, lambda t: rt.copier.submit(t, triples), rt.copier.cancel,
                    (cache, region), self.transport, inline)
 
 
 def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Served, submit: Any, cancel: Any,
-               keepalive: Any, transport: str, inline: Callable[[], None] | None = None) -> None:
+               keepalive: Any, transport: str, inline: Callable[[], Any] | None = None) -> None:
     """Run the owner's copy of a same-host push and answer ``RESP`` once it is over (never before); ``inline``,
     when given, is the copy run here and now instead of a job."""
     cache = served.cache
@@ -229,15 +227,20 @@ async def push_local(link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> 
     return True
 
 
+def copies_inline(rt: Runtime, nbytes: int) -> bool:
+    """Whether a host copy of ``nbytes`` runs on the loop's thread (``INLINE_COPY_MAX``, the copy threads idle)."""
+    return nbytes <= INLINE_COPY_MAX and not rt.copier.pending()
+
+
 async def copy_settled(rt: Runtime, triples: Any, nbytes: int, what: str, keepalive: Any) -> None:
     """Run one host copy job of ``nbytes``; if the caller gives up, the job is stopped and waited for first.
 
     A small one while the copy threads have no job runs here and now (``INLINE_COPY_MAX``): nothing
     can give it up part-way, and it is over before this returns."""
-    copier = rt.copier
-    if nbytes <= INLINE_COPY_MAX and not copier.pending():
+    if copies_inline(rt, nbytes):
         _core.copy_now(triples)
         return
+    copier = rt.copier
     settled = asyncio.get_running_loop().create_future()
     moved = rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None, what=what,
                                  keepalive=keepalive, settled=settled)
