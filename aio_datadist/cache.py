@@ -476,6 +476,13 @@ class CacheRegistry:
             return None
         return self._entries[cache_id].cache
 
+    def blocks_key_of(self, cache_id: int) -> int | None:
+        """The model id of the blocks key bound to ``cache_id``, if one is and peers may reach the cache."""
+        entry = self._entries.get(cache_id)
+        if entry is None or not self._peer_visible(entry.cache):
+            return None
+        return entry.blocks_key
+
     def key_at(self, cache_id: int, row: int) -> KeyBinding | None:
         """The binding of the key bound to ``row`` of ``cache_id``, if any (pull-by-id consumes it)."""
         entry = self._entries.get(cache_id)

@@ -16,6 +16,7 @@ closed, never left behind.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -32,7 +33,8 @@ from aio_datadist.listener import Listener, Refusal
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
 from aio_datadist.transport.base import meets
-from aio_datadist.transport.local import SHARE_AUTH_S, boot_id, connect_share
+from aio_datadist.transport.ledger import Ledger
+from aio_datadist.transport.local import MAX_TENSORS, SHARE_AUTH_S, boot_id, connect_share
 from aio_datadist.transport.nixl import NixlAgent
 from aio_datadist.types import LLMClusterInfo, LLMRole
 from aio_datadist.wire import Msg, ProtocolError
@@ -82,6 +84,12 @@ class LinkTable:
         self.nixl = NixlAgent(runtime, cluster_id) if runtime.settings.transport == "nixl" else None
         runtime.registry.on_add = self._shared
         runtime.registry.on_free = self._unshared
+        self._ledger: Ledger | None = None  # the read ledger (transport/ledger.py), made last: nothing fails after
+        if self.shares_memory and meets("local", runtime.settings.require_transport):
+            try:
+                self._ledger = Ledger()
+            except (OSError, MemoryError) as exc:
+                log.info("no read ledger (%s): same-host peers ask for every pull", exc)
 
     @property
     def shares_memory(self) -> bool:
@@ -93,16 +101,33 @@ class LinkTable:
             self.nixl.register(cache)
         if not self.runtime.settings.remote_cache_accessible:
             return
+        if self._ledger is not None:
+            self._list(self._ledger, cache)
         for link in self.links.values():
             if link.local is not None:
                 link.local.offer(cache)
 
     def _unshared(self, cache: Any) -> None:
+        if self._ledger is not None:
+            self._ledger.retract(cache.cache_id)  # before anything else: from now on peers ask
         if self.nixl is not None:
             self.nixl.unregister(cache)
         for link in self.links.values():
             if link.local is not None:
                 link.local.withdraw(cache.cache_id)
+
+    def ledger(self) -> Ledger | None:
+        """This endpoint's read ledger; None when same-host peers must ask for every pull (no memory sharing,
+        ``aio.RequireTransport`` not met by ``local``, or it could not be made)."""
+        return self._ledger
+
+    def _list(self, ledger: Ledger, cache: Any) -> None:
+        """Publish ``cache`` in ``ledger`` if it is an allocated blocks cache in shareable memory, bound to a blocks
+        key."""
+        model_id = self.runtime.registry.blocks_key_of(cache.cache_id)
+        if (model_id is not None and cache.region is not None and not cache.on_device
+                and cache.layout.num_tensors <= MAX_TENSORS):  # a larger one is never shared
+            ledger.publish(cache.cache_id, model_id)
 
     @property
     def listen_address(self) -> tuple[str, int] | None:
@@ -500,7 +525,8 @@ class LinkTable:
 
     def share_candidates(self) -> list[tuple[bytes, Callable[[socket.socket], None]]]:
         """The links a same-host peer may attach its share to now: live, sharing nothing yet."""
-        return [(lk.token, lk.attach_share) for lk in self.links.values()
+        ledger = self.ledger()
+        return [(lk.token, functools.partial(lk.attach_share, ledger=ledger)) for lk in self.links.values()
                 if lk.broken is None and not lk.closed and lk.local is None]
 
     async def _share_with(self, link: Link, ok: handshake.Linked) -> None:
@@ -514,7 +540,7 @@ class LinkTable:
         except (OSError, TimeoutError) as exc:
             log.info("link to cluster %s: same-host sharing unavailable (%s); using TCP", link.remote_cluster_id, exc)
             return
-        link.attach_local(sock)
+        link.attach_local(sock, self.ledger())
         share = link.local
         assert share is not None  # attach_local set it
         # The peer's caches are mapped before link_clusters returns.
@@ -608,6 +634,9 @@ class LinkTable:
         await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
         if self.nixl is not None:
             self.nixl.close()
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
 
 
 def _check_attached(reply: bytes, index: int) -> None:

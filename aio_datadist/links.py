@@ -34,7 +34,7 @@ from aio_datadist import protocol, wire
 from aio_datadist._core import LoopJob
 from aio_datadist.control_reader import ControlReader
 from aio_datadist.loop_io import LoopIo
-from aio_datadist.stats import LinkCounters, LinkStats
+from aio_datadist.stats import LinkCounters, LinkStats, Outcome
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import LocalShare
@@ -45,6 +45,7 @@ from aio_datadist.wire import Msg, ProtocolError
 
 if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
+    from aio_datadist.transport.ledger import Ledger
 
 __all__ = ["DataConn", "Link", "tune"]
 
@@ -466,17 +467,25 @@ class Link:
         self._went_down("unlinked" if self.unlinking else f"failed: {exc}")
         self._teardown(exc)
 
-    def attach_local(self, sock: Any) -> None:
-        """Start sharing caches with a same-host peer over ``sock``."""
-        self.local = LocalShare(sock, self._local_lost, self.runtime.devices,
-                                f"link {self.link_id} to cluster {self.remote_cluster_id}")
-        if self.runtime.settings.remote_cache_accessible:  # else peers may not touch our caches at all
-            for cache in self.runtime.registry.caches():
-                self.local.offer(cache)
+    def attach_local(self, sock: Any, ledger: Ledger | None) -> None:
+        """Start sharing caches with a same-host peer over ``sock``; ``ledger`` is this endpoint's."""
+        share = self.local = LocalShare(sock, self._local_lost, self.runtime.devices,
+                                        f"link {self.link_id} to cluster {self.remote_cluster_id}", ledger,
+                                        self._read_by_peer)
+        # Without llm.EnableRemoteCacheAccessible peers may not touch our caches at all.
+        share.start(self.runtime.registry.caches() if self.runtime.settings.remote_cache_accessible else ())
 
-    def attach_share(self, sock: Any) -> None:
+    def _read_by_peer(self, count: int, nbytes: int, seconds: float) -> None:
+        """The peer pulled ``count`` times, ``nbytes`` in all, from a cache of ours without asking (the ledger let
+        it): count each pull, with its share of the bytes and of the time."""
+        now, each = time.perf_counter(), seconds / count
+        for i in range(count):
+            self.counters.end("served_pull", "local", nbytes // count + (i < nbytes % count), now - each, Outcome.OK,
+                              began=False)
+
+    def attach_share(self, sock: Any, ledger: Ledger | None) -> None:
         """The server's half: share with the peer whose share connection proved this link."""
-        self.attach_local(sock)
+        self.attach_local(sock, ledger)
         if self.local is not None:
             self.local.announce_ready()
             self.log.info("link %s to cluster %s: transport local (the peer attached its same-host share)",

@@ -15,14 +15,12 @@ import array
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
-from aio_datadist._checks import param_invalid
 from aio_datadist.cache import KeyBinding, KvCache
-from aio_datadist.layers import one_side_span
-from aio_datadist.plans import block_shape_digest
 from aio_datadist.stats import Outcome
-from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.status import LLMStatusCode
 from aio_datadist.transport import plane, planes_for
 from aio_datadist.transport.base import Plane, Refusal, Served, meets
+from aio_datadist.transport.fit import fit, geometry_of
 from aio_datadist.transport.stream import refuse_posted
 from aio_datadist.types import UINT64_MAX
 from aio_datadist.wire import Done, Msg, ReqFlag, Target, TransferReq
@@ -201,53 +199,8 @@ def serve_plan(rt: Runtime, link: Link, msg: Msg, req: TransferReq) -> Served:
         caches, pairs, total, landed = _serve_addrs(rt, msg, req)
         return Served(caches, pairs, total, None, range(0), landed)
     cache, row, ident = _resolve_target(rt, req)
-    flags = req.flags
-    if flags & ReqFlag.BLOCKS and not cache.is_blocks_cache:
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache.cache_id} is not a blocks cache")
-    if flags & ReqFlag.CONTIG and cache.is_blocks_cache:
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache.cache_id} is a blocks cache")
-    if req.data_type != cache.cache_desc.data_type.value:
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                       f"data types differ: cache {cache.cache_id} holds {cache.cache_desc.data_type.name}, "
-                       f"the request's cache holds data type {req.data_type}")
-    lay = cache.layout
-    rows = list(req.rows)
-    if not rows:
-        if row is None:
-            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "no source rows given")
-        rows = [row]
-    bad = [r for r in rows if r >= lay.rows]
-    if bad:
-        arg = "src_blocks" if msg is Msg.PULL_REQ else "dst_blocks"
-        what = "block" if cache.is_blocks_cache else "batch"
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                       f"invalid argument '{arg}': {what} index {bad[0]} out of range [0, {lay.rows}) "
-                       f"of cache {cache.cache_id}")
-    if msg is not Msg.PULL_REQ and len(set(rows)) != len(rows):
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "invalid argument 'dst_blocks': a block is named twice")
-    per_layer = req.tensor_num_per_layer
-    layers = (req.layer_first, req.layer_last)
-    arg = "src_layer_range" if msg is Msg.PULL_REQ else "dst_layer_range"
-    try:
-        if per_layer < 1:
-            raise param_invalid("tensor_num_per_layer", "must be >= 1")
-        first, count = one_side_span(lay.num_tensors, layers, per_layer, arg)
-    except LLMException as exc:
-        raise Refusal(exc.status_code, str(exc)) from None
-    if count != req.tensor_count:
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                       f"invalid argument '{arg}': the peer cache has {count} tensors in range, "
-                       f"the local side {req.tensor_count}")
-    offset, nbytes = req.offset, req.nbytes
-    if nbytes == 0 or offset + nbytes > lay.row_bytes or (flags & ReqFlag.EXACT and offset + nbytes != lay.row_bytes):
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                       f"row size mismatch: cache {cache.cache_id} rows are {lay.row_bytes} bytes, "
-                       f"the request moves {nbytes} bytes per row")
-    if req.block_shape and cache.is_blocks_cache and req.block_shape != block_shape_digest(cache):
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                       f"block shapes differ: cache {cache.cache_id} holds blocks of shape "
-                       f"{tuple(cache.cache_desc.shape[1:])}, the requester's blocks have the same bytes "
-                       "but another shape")
+    rows, first, count = fit(geometry_of(cache), req, pull=msg is Msg.PULL_REQ, row=row)
+    lay, offset, nbytes = cache.layout, req.offset, req.nbytes
     pairs = lay.segments(first, count, rows, offset, nbytes)
     landed = [(cache, range(first, first + count), rows)] if offset == 0 and nbytes == lay.row_bytes else []
     return Served(cache, pairs, count * len(rows) * nbytes, ident, range(first, first + count), landed, row)

@@ -370,8 +370,10 @@ class ProcessPair(_Decoder):
         return self._process.pid
 
     def kill_prompt(self) -> None:
-        """SIGKILL the prompt process now (a crash: no unlink); the fixture still reaps it."""
+        """SIGKILL the prompt process (a crash: no unlink) and return once it is gone (at most 5 s), so that its
+        sockets are closed and its peers can tell; the fixture still reaps it."""
         self._process.kill()
+        self._process.join(5)
 
     async def prompt_push_blocks(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], *,
                                  timeout: int = 5000) -> None:

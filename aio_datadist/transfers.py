@@ -8,7 +8,9 @@ answers ``RESP``, naming a cache when it chose the in-place plane. A pull
 with no in-place plane to offer posts its receive first and takes its
 answer on the data channel (``StreamPlane.pull_posted``). The plane
 the owner chose then moves the bytes (``transport/``). A same-host push is
-the same-host plane's own request (its ``move_alone``), tried first.
+the same-host plane's own request (its ``move_alone``), tried first; a pull
+a plane can carry without asking (its ``reader``: the same-host plane, for a
+blocks cache the owner's read ledger lists) asks nothing.
 
 One :class:`~aio_datadist.transport.base.Request` per transfer holds its
 state and the one timer that bounds it; a request that is given up returns
@@ -39,12 +41,20 @@ __all__ = ["run_pull", "run_push"]
 
 async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> None:
     """Ask the owner for bytes and receive them straight into ``plan.local``."""
-    await _counted(link, "pull", plan.total, _run(rt, link, plan, timeout_ms, what, pull=True))
+    await _counted(link, "pull", plan.total, _pull(rt, link, plan, timeout_ms, what))
 
 
 async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> None:
     """Send ``plan.local``'s bytes to the owner; returns once it confirmed."""
     await _counted(link, "push", plan.total, _push(rt, link, plan, timeout_ms, what))
+
+
+async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> str:
+    for candidate in planes_for(link):
+        read = candidate.reader(rt, link, plan)
+        if read is not None and await read(timeout_ms, what):
+            return candidate.transport_on(link)
+    return await _run(rt, link, plan, timeout_ms, what, pull=True)
 
 
 async def _push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> str:

@@ -21,14 +21,17 @@ import fcntl
 import mmap
 import os
 import stat
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 __all__ = ["HostRegion", "PAGE_SIZE", "ReadOnlyMapping", "SEALS_REQUIRED", "check_sealed", "map_read_only", "round_up",
-           "seal_names", "tensor_at", "unmap"]
+           "map_writable", "seal_names", "sealed_memfd", "tensor_at", "unmap"]
 
 PAGE_SIZE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+Mapped = TypeVar("Mapped")
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; not named by Python 3.11
 #: What a receiver demands of a shared memfd: its size can no longer change.
 SEALS_REQUIRED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -58,16 +61,9 @@ class HostRegion:
             # Populating more than the free memory would summon the OOM killer.
             raise MemoryError(f"{self.nbytes} bytes requested, {available} bytes of memory free")
         self._fd = -1
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, self.nbytes)
-            # Populate now: a cache's first transfer should not pay page faults.
-            self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED | _POPULATE)
-            _seal(fd)
-            self._fd = _read_only(fd)
-        finally:
-            if self._fd != fd:
-                os.close(fd)
+        # Populated now: a cache's first transfer should not pay page faults.
+        self._map, self._fd = sealed_memfd(
+            self.nbytes, name, lambda fd: mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED | _POPULATE))
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)
 
     @property
@@ -92,6 +88,39 @@ class HostRegion:
         if fd >= 0:
             os.close(fd)
             self._fd = -1
+
+
+def sealed_memfd(nbytes: int, name: str, map_it: Callable[[int], Mapped],
+                 unmap_it: Callable[[Mapped], object] | None = None) -> tuple[Mapped, int]:
+    """A memfd of ``nbytes`` (a multiple of the page size) mapped writable here by ``map_it(fd)``, then sealed:
+    what ``map_it`` returned, and a read-only fd of the file (what peers receive). Should sealing fail, the
+    mapping is undone by ``unmap_it`` (or left to the collector)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    ro = -1
+    try:
+        os.ftruncate(fd, nbytes)
+        mapped = map_it(fd)
+        try:
+            _seal(fd)
+            ro = _read_only(fd)
+        except BaseException:
+            if unmap_it is not None:
+                unmap_it(mapped)
+            raise
+    finally:
+        if ro != fd:
+            os.close(fd)
+    return mapped, ro
+
+
+def map_writable(fd: int, size: int) -> int:
+    """Map ``size`` bytes of our own memfd ``fd`` shared, readable and writable, populated; the address. Unlike
+    ``mmap.mmap`` it keeps no fd of its own open. Undo with :func:`unmap`."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _POPULATE, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map a memfd: {os.strerror(err)}")
+    return int(addr)
 
 
 def _seal(fd: int) -> None:

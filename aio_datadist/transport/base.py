@@ -9,7 +9,9 @@ carry a plan in one request; the owner (``owner.py``) checks the request and
 lets the first plane that serves it do so; the requester then lets the plane
 the owner chose carry the plan. A plane that negotiates its own request
 (the same-host push, which the owner performs by reading the pusher's region)
-does so in :meth:`Plane.move_alone`.
+does so in :meth:`Plane.move_alone`; one that can carry a pull without asking
+(the same-host plane, where the owner's read ledger lists the cache) says so
+in :meth:`Plane.reader`.
 
 Planes sit below links and never import them: what they use of a link is
 :class:`LinkPort`, and the request of ours they carry is a
@@ -22,13 +24,14 @@ import abc
 import asyncio
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from aio_datadist._settle import settle
 from aio_datadist.cache import KeyBinding, KvCache
 from aio_datadist.stats import LinkCounters
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
+from aio_datadist.transport.fit import Refusal
 from aio_datadist.wire import NO_GENERATION, Msg, ReqFlag, Resp, TransferReq
 
 if TYPE_CHECKING:
@@ -86,15 +89,6 @@ class LinkPort(Protocol):
     def peer_channel_ok(self, index: int) -> bool: ...
     def move(self, index: int, pairs: Any, *, send: bool, timeout_ms: int | None, what: str, keepalive: Any,
              settled: asyncio.Future | None = None, gated: int = 0) -> asyncio.Future: ...
-
-
-class Refusal(Exception):
-    """The owner refuses a peer's request with ``code`` before any byte moves."""
-
-    def __init__(self, code: LLMStatusCode, text: str) -> None:
-        super().__init__(text)
-        self.code = code
-        self.text = text
 
 
 class Refused(LLMException):
@@ -270,6 +264,12 @@ class Plane(abc.ABC):
     async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:
         """Carry a push by a request of this plane's own; False when the owner wants it offered the usual way."""
         return False
+
+    def reader(self, rt: Runtime, link: LinkPort, plan: Plan) -> Callable[[int, str], Awaitable[bool]] | None:
+        """A pull this plane can carry without asking the owner (what it read tells the owner so), as
+        ``read(timeout_ms, what)``, which returns False when the owner must be asked after all; None when
+        the owner must be asked."""
+        return None
 
     @abc.abstractmethod
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,

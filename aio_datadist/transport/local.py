@@ -7,6 +7,9 @@ the server's abstract unix socket and both prove the link's secret there
 record per shareable cache, with a read-only memfd attached (SCM_RIGHTS):
 cache id, region size and geometry. The receiving end checks the record
 against the fd (its size, its seals) before it maps the region, read-only.
+The first record of each end is its read ledger (``LEDGER``,
+``transport/ledger.py``): a cache's record names its slot there, and a pull
+that read a listed cache without asking is reported back (``READ``).
 
 Every copy reads the peer's memory and writes our own: a pull is the
 requester copying from the owner's region into its cache, a push is the
@@ -46,6 +49,8 @@ from aio_datadist.devices.host import check_sealed, map_read_only, unmap
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
 from aio_datadist.devices.peer_cache import PeerDeviceCache
 from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.transport.fit import Geometry, geometry_of
+from aio_datadist.transport.ledger import LEDGER_BYTES, NO_SLOT, SLOTS, Ledger, PeerLedger
 
 if TYPE_CHECKING:
     from aio_datadist.cache import KvCache
@@ -58,7 +63,7 @@ log = logging.getLogger("aio_datadist.local")
 
 # The share connection's authentication: server nonce, then the client's nonce and proof, then the server's proof.
 _MAGIC = b"AIDS"
-SHARE_VERSION = 1
+SHARE_VERSION = 2  # 2: the read ledger (LEDGER and READ records, ADD's readable trailer)
 _CHALLENGE = struct.Struct("!4sB32s")
 _CLAIM = struct.Struct("!4s32s32s")
 _ACCEPT = struct.Struct("!4s32s")
@@ -67,19 +72,31 @@ MAX_PENDING_SHARES = 16
 #: A share connection must prove itself within this many seconds.
 SHARE_AUTH_S = 2.0
 
-# kind, cache id, region bytes, tensors, rows, row bytes, tensor bytes, then one u64 offset per tensor
+# kind, cache id, region bytes, tensors, rows, row bytes, tensor bytes, then one u64 offset per tensor.
+# READ (pulls that read the cache without asking) puts their count in the tensors field, their bytes in the region
+# field and their microseconds in rows; LEDGER carries the ledger's fd and size.
 _ENTRY = struct.Struct("!BqQIQQQ")
-_ADD, _DEL, _READY, _ADD_DEVICE, _MAPPED = 1, 2, 3, 4, 5
+_ADD, _DEL, _READY, _ADD_DEVICE, _MAPPED, _LEDGER, _READ = 1, 2, 3, 4, 5, 6, 7
+# After an ADD record's offsets: the cache's ledger slot (NO_SLOT: ask for it), its blocks key's model id, its
+# data type and the digest of its block shape (transport/ledger.py).
+_READABLE = struct.Struct("!IQBQ")
 # After an ADD_DEVICE record's offsets: the exporting backend's kind, the identity of its device.
 _DEVICE = struct.Struct(f"!B{IDENTITY_BYTES}s")
 DEVICE_KINDS = {1: "host", 2: "cuda"}
 _DEVICE_CODES = {kind: code for code, kind in DEVICE_KINDS.items()}
 MAX_TENSORS = 4096
-MAX_MESSAGE = _ENTRY.size + 8 * MAX_TENSORS + _DEVICE.size
+MAX_MESSAGE = _ENTRY.size + 8 * MAX_TENSORS + max(_DEVICE.size, _READABLE.size)
 #: Regions one peer may have mapped here at once (each mapping counts against vm.max_map_count).
 MAX_REGIONS = 4096
 #: The largest region a peer may ask us to map (1 TiB).
 MAX_REGION_BYTES = 1 << 40
+#: The longest a pull that read without asking may say it took (a ``READ`` record), for our counters.
+READ_MICROS_MAX = 3_600_000_000
+#: The most reads one ``READ`` record may report; reads beyond it while the socket is full go uncounted.
+MAX_READS = 1 << 16
+#: How long reads are summed before they are reported (``READ``): a report per pull would wake the peer per
+#: pull, and on 2 cores that wake-up cost the 2 MiB pull about 90 us (``benchmarks.ab_trees``).
+REPORT_AFTER_S = 0.01
 
 
 def boot_id() -> bytes:
@@ -105,7 +122,8 @@ class ShareError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ShareRecord:
-    """One validated share message: ``kind`` is ADD or ADD_DEVICE (with geometry), DEL, READY or MAPPED."""
+    """One validated share message: ``kind`` is ADD or ADD_DEVICE (with geometry), DEL, READY, MAPPED, LEDGER
+    (``size``: the ledger's) or READ (``tensor_bytes`` reads of ``size`` bytes in all, in ``rows`` microseconds)."""
 
     kind: int
     cache_id: int
@@ -116,6 +134,10 @@ class ShareRecord:
     offsets: tuple[int, ...] = ()
     device_kind: str = ""  # ADD_DEVICE: the exporting backend
     identity: bytes = b""  # ADD_DEVICE: the device the export lives on
+    slot: int = NO_SLOT  # ADD: the cache's word in the owner's ledger, and what reading it needs
+    model_id: int = 0
+    data_type: int = 0
+    block_shape: int = 0
 
 
 def parse_record(data: bytes, nfds: int, flags: int) -> ShareRecord:
@@ -127,15 +149,23 @@ def parse_record(data: bytes, nfds: int, flags: int) -> ShareRecord:
     if len(data) < _ENTRY.size:
         raise ShareError(f"record of {len(data)} bytes is shorter than {_ENTRY.size}")
     kind, cache_id, size, tensors, rows, row_bytes, tensor_bytes = _ENTRY.unpack_from(data, 0)
-    if kind in (_DEL, _READY, _MAPPED):
+    if kind in (_DEL, _READY, _MAPPED, _READ):
         if nfds or len(data) != _ENTRY.size:
-            raise ShareError("a DEL, READY or MAPPED record carries nothing more")
-        return ShareRecord(kind, cache_id)
+            raise ShareError("a DEL, READY, MAPPED or READ record carries nothing more")
+        if kind != _READ:
+            return ShareRecord(kind, cache_id)
+        if not 0 < tensors <= MAX_READS:
+            raise ShareError(f"a READ record reports {tensors} reads")
+        return ShareRecord(kind, cache_id, size=size, rows=rows, tensor_bytes=tensors)
+    if kind == _LEDGER:
+        if nfds != 1 or len(data) != _ENTRY.size or size != LEDGER_BYTES:
+            raise ShareError(f"a LEDGER record carries one fd and declares {LEDGER_BYTES} bytes")
+        return ShareRecord(kind, 0, size)
     if kind not in (_ADD, _ADD_DEVICE):
         raise ShareError(f"unknown record kind {kind}")
     if nfds != 1:
         raise ShareError(f"an ADD record carries one fd, not {nfds}")
-    trailer = _DEVICE.size if kind == _ADD_DEVICE else 0
+    trailer = _DEVICE.size if kind == _ADD_DEVICE else _READABLE.size
     if not 0 < tensors <= MAX_TENSORS or len(data) != _ENTRY.size + 8 * tensors + trailer:
         raise ShareError(f"record length {len(data)} does not hold {tensors} tensor offsets")
     if cache_id < 1:
@@ -152,7 +182,11 @@ def parse_record(data: bytes, nfds: int, flags: int) -> ShareRecord:
         if code not in DEVICE_KINDS:
             raise ShareError(f"unknown device kind {code}")
         return ShareRecord(kind, cache_id, size, rows, row_bytes, tensor_bytes, offsets, DEVICE_KINDS[code], identity)
-    return ShareRecord(kind, cache_id, size, rows, row_bytes, tensor_bytes, offsets)
+    slot, model_id, data_type, block_shape = _READABLE.unpack_from(data, _ENTRY.size + 8 * tensors)
+    if slot != NO_SLOT and slot >= SLOTS:
+        raise ShareError(f"ledger slot {slot} is outside the ledger's {SLOTS}")
+    return ShareRecord(kind, cache_id, size, rows, row_bytes, tensor_bytes, offsets, slot=slot, model_id=model_id,
+                       data_type=data_type, block_shape=block_shape)
 
 
 def check_fd(fd: int, size: int) -> None:
@@ -171,7 +205,8 @@ class PeerRegion:
     alive until the core reports it done.
     """
 
-    __slots__ = ("cache_id", "rows", "row_bytes", "tensor_bytes", "offsets", "base", "size", "_addr")
+    __slots__ = ("cache_id", "rows", "row_bytes", "tensor_bytes", "offsets", "base", "size", "slot", "model_id",
+                 "geometry", "_addr")
 
     def __init__(self, record: ShareRecord, fd: int) -> None:
         check_fd(fd, record.size)
@@ -181,6 +216,13 @@ class PeerRegion:
         self.tensor_bytes = record.tensor_bytes
         self.offsets = list(record.offsets)
         self.size = record.size
+        #: Where the owner's ledger says whether we may read this (blocks) cache without asking, and what the
+        #: owner would check a request against (NO_SLOT and None: ask).
+        self.slot = record.slot
+        self.model_id = record.model_id
+        self.geometry = None if record.slot == NO_SLOT else Geometry(
+            record.cache_id, True, record.data_type, len(record.offsets), record.rows, record.row_bytes,
+            record.block_shape)
         self._addr = 0
         self._addr = self.base = map_read_only(fd, record.size)
 
@@ -201,15 +243,28 @@ class PeerRegion:
 
 
 class LocalShare:
-    """One link's unix socket: our shareable caches out, the peer's in."""
+    """One link's unix socket: our shareable caches out, the peer's in.
+
+    ``ledger`` is ours (:meth:`start` sends it); ``on_read(count, nbytes, seconds)`` hears of the pulls of our
+    caches the peer served itself from the ledger (its ``READ`` records), for our counters.
+    """
 
     def __init__(self, sock: socket.socket, on_lost: Callable[[], None], devices: DeviceBackend | None = None,
-                 name: str = "same-host share") -> None:
+                 name: str = "same-host share", ledger: Ledger | None = None,
+                 on_read: Callable[[int, int, float], None] | None = None) -> None:
         self.sock = sock
         self.sock.setblocking(False)
         self.regions: dict[int, PeerRegion] = {}
         self.sent: set[int] = set()
         self.on_lost = on_lost
+        self.ledger = ledger
+        self.on_read = on_read
+        #: The peer's ledger, and its blocks caches listed there, by blocks key (model id).
+        self.peer_ledger: PeerLedger | None = None
+        self.listed: dict[int, PeerRegion] = {}
+        #: Reads of the peer's caches not reported yet: cache id -> [count, bytes, seconds] (see tell_read).
+        self._reads: dict[int, list] = {}
+        self._reporting: asyncio.TimerHandle | None = None  # the report scheduled, until it is sent
         self.devices = devices
         self.name = name
         #: The peer's device caches we mapped, and ours the peer said it mapped (``MAPPED``).
@@ -223,6 +278,18 @@ class LocalShare:
         self.ready = self._loop.create_future()
         self._loop.add_reader(sock.fileno(), self._readable)
         self.closed = False
+
+    def start(self, caches: Iterable[KvCache]) -> None:
+        """Send our ledger, then offer ``caches``."""
+        if self.ledger is not None:
+            try:
+                socket.send_fds(self.sock, [_ENTRY.pack(_LEDGER, 0, LEDGER_BYTES, 0, 0, 0, 0)], [self.ledger.fd])
+            except OSError as exc:
+                log.info("same-host share lost: %s", exc)
+                self._lost()
+                return
+        for cache in caches:
+            self.offer(cache)
 
     def announce_ready(self) -> None:
         """Tell the peer every cache we had has been offered."""
@@ -243,8 +310,12 @@ class LocalShare:
         if lay.num_tensors > MAX_TENSORS:
             return  # served over TCP
         offsets = [b - region.address for b in lay.bases]
-        body = _ENTRY.pack(_ADD, cache.cache_id, region.nbytes, lay.num_tensors, lay.rows, lay.row_bytes,
-                           lay.tensor_bytes) + struct.pack(f"!{len(offsets)}Q", *offsets)
+        listed = None if self.ledger is None else self.ledger.entry(cache.cache_id)
+        slot, model_id = (NO_SLOT, 0) if listed is None else listed
+        geo = geometry_of(cache)
+        body = (_ENTRY.pack(_ADD, cache.cache_id, region.nbytes, lay.num_tensors, lay.rows, lay.row_bytes,
+                            lay.tensor_bytes) + struct.pack(f"!{len(offsets)}Q", *offsets)
+                + _READABLE.pack(slot, model_id, geo.data_type, geo.block_shape))
         try:
             socket.send_fds(self.sock, [body], [region.fd])
         except OSError as exc:
@@ -322,6 +393,58 @@ class LocalShare:
     def shared(self, cache: KvCache) -> bool:
         return cache.cache_id in self.sent and not self.closed
 
+    def listed_region(self, model_id: int) -> PeerRegion | None:
+        """The peer's blocks cache bound to blocks key ``model_id`` if its ledger lets us read it without
+        asking, now."""
+        region = self.listed.get(model_id)
+        if region is None:  # the peer may have just shared it: its record would be queued here
+            self._readable()
+            region = self.listed.get(model_id)
+        if region is None or self.peer_ledger is None or not self.peer_ledger.holds(region.slot, region.cache_id):
+            return None
+        return region
+
+    def tell_read(self, cache_id: int, nbytes: int, seconds: float) -> None:
+        """Tell the peer we read ``nbytes`` of its cache ``cache_id`` without asking (``READ``). Reads are
+        summed per cache and reported ``REPORT_AFTER_S`` after the first, or once the socket takes more: a
+        burst of reads never fills the socket, and a full one loses nothing but reads beyond ``MAX_READS``
+        per cache."""
+        if self.closed:
+            return
+        reads = self._reads.get(cache_id)
+        if reads is None:
+            self._reads[cache_id] = [1, nbytes, seconds]
+        elif reads[0] < MAX_READS:
+            reads[0] += 1
+            reads[1] += nbytes
+            reads[2] += seconds
+        if self._reporting is None:
+            self._reporting = self._loop.call_later(REPORT_AFTER_S, self._report_reads)
+
+    def _report_reads(self) -> None:
+        # A loop callback (and the writer's): nothing may escape it.
+        while self._reads and not self.closed:
+            cache_id, (count, nbytes, seconds) = next(iter(self._reads.items()))
+            try:
+                self.sock.send(_ENTRY.pack(_READ, cache_id, nbytes, count, min(int(seconds * 1e6), READ_MICROS_MAX),
+                                           0, 0))
+            except BlockingIOError:
+                self._loop.add_writer(self.sock.fileno(), self._writable)
+                return
+            except OSError:
+                self._lost()
+                return
+            del self._reads[cache_id]
+        self._reporting = None
+
+    def _writable(self) -> None:
+        self._loop.remove_writer(self.sock.fileno())
+        self._report_reads()
+
+    def catch_up(self) -> None:
+        """Act on the records the peer sent that are queued here (a withdrawal, the end of the share)."""
+        self._readable()
+
     def region(self, cache_id: int) -> PeerRegion | None:
         """The peer's cache ``cache_id``; reads share records already queued first.
 
@@ -365,9 +488,22 @@ class LocalShare:
             if record.cache_id in self.sent_device:  # anything else is ignored: it grants nothing
                 self.peer_mapped.add(record.cache_id)
             return
+        if record.kind == _READ:
+            # Counted whatever the cache's fate since (the reader may free it right after the pull): a peer that
+            # lies here inflates only its own link's counters.
+            if self.on_read is not None:
+                self.on_read(record.tensor_bytes, record.size, min(record.rows, READ_MICROS_MAX) / 1e6)
+            return
+        if record.kind == _LEDGER:
+            if self.peer_ledger is not None:
+                raise ShareError("the peer sent a second ledger")
+            self.peer_ledger = PeerLedger(fds[0])
+            return
         old = self.regions.pop(record.cache_id, None)
         if old is not None:
             old.close()
+            if self.listed.get(old.model_id) is old:
+                del self.listed[old.model_id]
         old_device = self.device_regions.pop(record.cache_id, None)
         if old_device is not None:
             old_device.close()
@@ -378,7 +514,11 @@ class LocalShare:
         if record.kind == _ADD_DEVICE:
             self._map_device(record, fds[0])
             return
-        self.regions[record.cache_id] = PeerRegion(record, fds[0])
+        if record.slot != NO_SLOT and self.peer_ledger is None:
+            raise ShareError(f"cache {record.cache_id} names a ledger slot before the peer sent its ledger")
+        region = self.regions[record.cache_id] = PeerRegion(record, fds[0])
+        if region.geometry is not None:
+            self.listed[region.model_id] = region
 
     def _map_device(self, record: ShareRecord, fd: int) -> None:
         """Map a peer's device cache read-only and answer ``MAPPED``; say why not where we cannot."""
@@ -416,10 +556,18 @@ class LocalShare:
             self.ready.cancel()
         if not self._loop.is_closed():
             self._loop.remove_reader(self.sock.fileno())
+            self._loop.remove_writer(self.sock.fileno())
         self.sock.close()
         for region in self.regions.values():
             region.close()
         self.regions.clear()
+        self.listed.clear()
+        self._reads.clear()
+        if self._reporting is not None:
+            self._reporting.cancel()
+        if self.peer_ledger is not None:
+            self.peer_ledger.close()
+            self.peer_ledger = None
         for device_region in self.device_regions.values():
             device_region.close()
         self.device_regions.clear()

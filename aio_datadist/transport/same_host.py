@@ -1,7 +1,9 @@
 """The same-host plane: copies against a same-host peer's sealed, read-only shared caches.
 
 A pull is one native copy by the requester out of the owner's region it
-mapped read-only (``transport/local.py``), then ``DONE``. A push is
+mapped read-only (``transport/local.py``), then ``DONE``; a pull of a blocks
+cache the owner's read ledger lists (``transport/ledger.py``) does not ask
+first, and tells the owner afterwards (``READ``). A push is
 ``PUSH_LOCAL``: the owner copies the rows out of the pusher's region itself
 and answers once its copy is over, so no peer ever writes our memory. A copy
 that is given up is stopped and waited for before the call returns.
@@ -13,7 +15,8 @@ import array
 import asyncio
 import functools
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
@@ -29,13 +32,16 @@ from aio_datadist.transport.base import (
     Request,
     Served,
     abort_acknowledged,
+    meets,
     serve_timeout_ms,
 )
+from aio_datadist.transport.fit import fit
 from aio_datadist.wire import NO_GENERATION, Msg, PushLocalReq, ReqFlag, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
     from aio_datadist.plans import Plan
     from aio_datadist.runtime import Runtime
+    from aio_datadist.transport.local import LocalShare, PeerRegion
 
 __all__ = ["PLANE", "SameHostPlane", "USE_STREAM"]
 
@@ -61,6 +67,26 @@ class SameHostPlane(InPlacePlane):
 
     def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
         return pull and link.local is not None and not plan.by_address and not plan.local.on_device
+
+    def reader(self, rt: Runtime, link: LinkPort, plan: Plan) -> Callable[[int, str], Awaitable[bool]] | None:
+        """A pull of a blocks cache the owner's ledger lets us read without asking (``transport/ledger.py``),
+        checked as the owner would check it; None for every other pull and whenever in doubt."""
+        share, remote = link.local, plan.remote
+        if (share is None or remote.target_kind != Target.BLOCKS_KEY or plan.local.on_device
+                or not meets(self.transport, rt.settings.require_transport)):
+            return None
+        region = share.listed_region(remote.model_id)
+        if region is None or region.geometry is None:
+            return None
+        try:
+            rows, first, count = fit(region.geometry, remote, pull=True, row=None)
+        except Refusal:
+            return None  # the owner says why
+        if count * len(rows) * remote.nbytes != plan.total:
+            return None
+        theirs = _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes,
+                                remote.offset, remote.nbytes)
+        return functools.partial(_read, rt, share, plan, region, _core.zip_segments(plan.local_pairs, theirs))
 
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
@@ -224,6 +250,32 @@ async def push_local(link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> 
     if answer.status != LLMStatusCode.LLM_SUCCESS:
         raise LLMException(f"cluster {link.remote_cluster_id}: {answer.text}",
                            status_code=code_to_status(answer.status))
+    return True
+
+
+async def _read(rt: Runtime, share: LocalShare, plan: Plan, region: PeerRegion, triples: Any, timeout_ms: int,
+                what: str) -> bool:
+    """Copy a pull out of the owner's region without asking; the owner hears of it once we returned. False when
+    the owner must be asked after all: the share ended, or the ledger no longer lists the cache.
+
+    The loop turns once before the copy, so that a loop of small pulls (each copied at once) lets other tasks
+    run and a cancellation lands before any byte; then the share's queued records are read (a peer that
+    withdrew the cache, or that is gone) and the ledger is read again."""
+    started = time.perf_counter()
+    await asyncio.sleep(0)
+    share.catch_up()
+    if share.closed or share.listed_region(region.model_id) is not region:
+        return False
+    if _trace.ON:
+        _trace.mark("job submitted")
+    try:
+        async with asyncio.timeout(timeout_ms / 1000):
+            await copy_settled(rt, triples, plan.total, what, (plan.local, region))
+    except TimeoutError:
+        raise LLMException(f"{what} timed out after {timeout_ms} ms", status_code=LLMStatusCode.LLM_TIMEOUT) from None
+    if _trace.ON:
+        _trace.mark("job done")
+    share.tell_read(region.cache_id, plan.total, time.perf_counter() - started)  # sent after we returned
     return True
 
 

@@ -18,6 +18,8 @@ object with what it got. Modes:
   reconnecting after each; reports how each connection ended.
 - ``fuzz FD SEED COUNT``: sends COUNT generated (often malformed) records
   with real memfds, sealed or not, on an inherited share socket.
+- ``ledger FD``: plays an owner with a read ledger on an inherited share
+  socket and sets its ledger's word as told on stdin.
 - ``flood NAME COUNT SECONDS``: opens COUNT connections and never speaks;
   holds them SECONDS; reports how many the endpoint closed meanwhile.
 """
@@ -42,6 +44,9 @@ CHALLENGE = struct.Struct("!4sB32s")
 CLAIM = struct.Struct("!4s32s32s")
 ACCEPT = struct.Struct("!4s32s")
 ENTRY = struct.Struct("!BqQIQQQ")
+READABLE = struct.Struct("!IQBQ")  # after an ADD record's offsets: ledger slot, model id, data type, shape digest
+NO_SLOT = 0xFFFFFFFF
+LEDGER_BYTES = 4096 * 8
 F_SEAL_FUTURE_WRITE = 0x10
 
 
@@ -226,10 +231,16 @@ def entry(kind: int, cache_id: int, size: int, rows: int, row_bytes: int, offset
                   offsets)
 
 
-def bad_records(rng: random.Random) -> list[tuple[str, bytes, list[int]]]:
-    """(what, bytes, fds) of one malformed message each; fds are made fresh for each."""
+def ledger_record() -> bytes:
+    return ENTRY.pack(6, 0, LEDGER_BYTES, 0, 0, 0, 0)
+
+
+def bad_records(rng: random.Random) -> list[tuple[str, bytes | list[tuple[bytes, list[int]]], list[int]]]:
+    """(what, bytes, fds) of one malformed message each, or (what, [(bytes, fds), ...], []) of a sequence whose
+    last message is the bad one; fds are made fresh for each."""
     page = mmap.PAGESIZE
     good = entry(1, 7, 4 * page, 4, page, [0])
+    listed = record(1, 7, 4 * page, 4, page, 4 * page, [0], slot=3, model_id=0)
     cases = [
         ("truncated header", good[:10], []),
         ("add without fd", good, []),
@@ -251,6 +262,22 @@ def bad_records(rng: random.Random) -> list[tuple[str, bytes, list[int]]]:
         ("a pipe instead of a memfd", good, list(os.pipe())),
         ("random bytes", rng.randbytes(rng.randrange(1, 200)), []),
         ("oversized message", b"\x01" + rng.randbytes(40_000), []),
+        # The read ledger (docs/security.md, "The read ledger").
+        ("ledger without fd", ledger_record(), []),
+        ("ledger of another size", ledger_record(), [memfd(LEDGER_BYTES // 2, SEALED)]),
+        ("ledger declaring another size", ENTRY.pack(6, 0, 2 * LEDGER_BYTES, 0, 0, 0, 0),
+         [memfd(2 * LEDGER_BYTES, SEALED)]),
+        ("unsealed ledger", ledger_record(), [memfd(LEDGER_BYTES, 0)]),
+        ("a pipe for a ledger", ledger_record(), list(os.pipe())),
+        ("a slot before any ledger", listed, [memfd(4 * page, SEALED)]),
+        ("a slot outside the ledger", [(ledger_record(), [memfd(LEDGER_BYTES, SEALED)]),
+                                       (record(1, 7, 4 * page, 4, page, 4 * page, [0], slot=4096), [
+                                           memfd(4 * page, SEALED)])], []),
+        ("a second ledger", [(ledger_record(), [memfd(LEDGER_BYTES, SEALED)]),
+                             (ledger_record(), [memfd(LEDGER_BYTES, SEALED)])], []),
+        ("a read record with an fd", ENTRY.pack(7, 1, 4096, 1, 10, 0, 0), [memfd(page, SEALED)]),
+        ("a read record of no reads", ENTRY.pack(7, 1, 4096, 0, 10, 0, 0), []),
+        ("a read record of 2**32 - 1 reads", ENTRY.pack(7, 1, 4096, 2**32 - 1, 10, 0, 0), []),
     ]
     return cases
 
@@ -261,18 +288,21 @@ def records(name: bytes, token: bytes, secret: bytes, seed: int) -> dict:
     for what, data, fds in bad_records(rng):
         sock = authenticate(name, token, secret)
         receive_fds(sock, 0.3)  # what the endpoint offers us first
+        messages = data if isinstance(data, list) else [(data, fds)]
         try:
-            if fds:
-                socket.send_fds(sock, [data], fds)
-            else:
-                sock.send(data)
+            for body, carried in messages:
+                if carried:
+                    socket.send_fds(sock, [body], carried)
+                else:
+                    sock.send(body)
         except OSError as exc:
             report[what] = f"send failed ({exc.strerror})"
             sock.close()
             continue
         finally:
-            for fd in fds:
-                os.close(fd)
+            for _body, carried in messages:
+                for fd in carried:
+                    os.close(fd)
         _, _, closed = drain(sock, 2.0)
         report[what] = "dropped" if closed else "kept"
         sock.close()
@@ -310,11 +340,12 @@ def flood(name: bytes, count: int, seconds: float) -> dict:
 
 
 def record(kind: int, cache_id: int, size: int, rows: int, row_bytes: int, tensor_bytes: int,
-           offsets: list[int], tensors: int | None = None) -> bytes:
-    """A share record; ``tensors`` may differ from the offsets it carries."""
+           offsets: list[int], tensors: int | None = None, slot: int = NO_SLOT, model_id: int = 0) -> bytes:
+    """A share record (an ADD with its readable trailer); ``tensors`` may differ from the offsets it carries."""
     count_field = len(offsets) if tensors is None else tensors
-    return ENTRY.pack(kind, cache_id, size, count_field, rows, row_bytes, tensor_bytes) + struct.pack(
+    body = ENTRY.pack(kind, cache_id, size, count_field, rows, row_bytes, tensor_bytes) + struct.pack(
         f"!{len(offsets)}Q", *offsets)
+    return body + READABLE.pack(slot, model_id, 1, 0) if kind == 1 else body
 
 
 def generated(rng: random.Random) -> tuple[bytes, int, int]:
@@ -326,8 +357,12 @@ def generated(rng: random.Random) -> tuple[bytes, int, int]:
     size = rng.choice([0, mmap.PAGESIZE, 4 * mmap.PAGESIZE, tensor_bytes, tensor_bytes * 2, 2**41, 2**64 - 1]) % 2**64
     offsets = [rng.choice([0, mmap.PAGESIZE, size, 2**64 - 1, rng.randrange(0, max(size, 1))]) % 2**64
                for _ in range(min(tensors, 8))]
-    data = record(rng.choice([1, 1, 1, 2, 3, 0, 9]), rng.choice([1, 0, -1, 2**62]), size, rows % 2**64,
-                  row_bytes % 2**64, tensor_bytes % 2**64, offsets, tensors)
+    kind = rng.choice([1, 1, 1, 2, 3, 0, 9, 6, 7])
+    if kind == 6:  # LEDGER: its own size, or another
+        size = rng.choice([LEDGER_BYTES, LEDGER_BYTES, mmap.PAGESIZE, 2**64 - 1])
+    data = record(kind, rng.choice([1, 0, -1, 2**62]), size, rows % 2**64, row_bytes % 2**64, tensor_bytes % 2**64,
+                  offsets, tensors, slot=rng.choice([NO_SLOT, NO_SLOT, 0, 4095, 4096, 2**31]),
+                  model_id=rng.randrange(2**64))
     mutation = rng.random()
     if mutation < 0.1:
         data = data[:rng.randrange(len(data) + 1)]
@@ -347,9 +382,13 @@ def fuzz(fd: int, seed: int, messages: int) -> dict:
     sock = socket.socket(fileno=fd)
     sent = 0
     for _ in range(messages):
-        size = rng.choice([mmap.PAGESIZE, 4 * mmap.PAGESIZE, 64 * mmap.PAGESIZE])
-        if rng.random() < 0.3:  # a record that fits its fd, so the fuzz also reaches the mapping
-            data, nfds = record(1, rng.randrange(1, 64), size, size // mmap.PAGESIZE, mmap.PAGESIZE, size, [0]), 1
+        size = rng.choice([mmap.PAGESIZE, 4 * mmap.PAGESIZE, LEDGER_BYTES, 64 * mmap.PAGESIZE])
+        chance = rng.random()
+        if chance < 0.3:  # a record that fits its fd, so the fuzz also reaches the mapping
+            data, nfds = record(1, rng.randrange(1, 64), size, size // mmap.PAGESIZE, mmap.PAGESIZE, size, [0],
+                                slot=rng.choice([NO_SLOT, rng.randrange(4096)]), model_id=rng.randrange(4)), 1
+        elif chance < 0.4:  # a ledger, often of the right size, so slots are reached too
+            data, nfds = ENTRY.pack(6, 0, LEDGER_BYTES, 0, 0, 0, 0), 1
         else:
             data, nfds, _flags = generated(rng)
         fds = []
@@ -373,8 +412,31 @@ def fuzz(fd: int, seed: int, messages: int) -> dict:
     return {"sent": sent}
 
 
+def ledger(fd: int) -> None:
+    """Play an owner with a read ledger on an inherited share socket: send a sealed ledger and one cache listed
+    at slot 5 for blocks key 3, then set the slot's word as told on stdin (``list``: the cache's id 9,
+    ``clear``: 0, ``other``: another id), printing one JSON line after each."""
+    sock = socket.socket(fileno=fd)
+    page = mmap.PAGESIZE
+    words_fd, region_fd = memfd(LEDGER_BYTES, 0), memfd(4 * page, 0)
+    words = mmap.mmap(words_fd, LEDGER_BYTES, flags=mmap.MAP_SHARED)
+    for sealed in (words_fd, region_fd):
+        fcntl.fcntl(sealed, fcntl.F_ADD_SEALS, SEALED)
+    socket.send_fds(sock, [ENTRY.pack(6, 0, LEDGER_BYTES, 0, 0, 0, 0)], [words_fd])
+    socket.send_fds(sock, [record(1, 9, 4 * page, 4, page, 4 * page, [0], slot=5, model_id=3)], [region_fd])
+    states = {"list": (9, "listed"), "clear": (0, "cleared"), "other": (10, "another id")}
+    for line in sys.stdin:
+        value, state = states[line.strip()]
+        struct.pack_into("Q", words, 5 * 8, value)
+        print(json.dumps({"state": state}), flush=True)
+    sock.close()
+
+
 def main(argv: list[str]) -> None:
     mode = argv[0]
+    if mode == "ledger":
+        ledger(int(argv[1]))
+        return
     if mode == "fuzz":
         print(json.dumps(fuzz(int(argv[1]), int(argv[2]), int(argv[3]))), flush=True)
         return

@@ -30,7 +30,7 @@ import torch
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, LLMStatusCode, Placement
 from aio_datadist.devices.host import F_SEAL_FUTURE_WRITE
 from aio_datadist.testing import link_to, registry_of, runtime_of, share_listener_of, usable_link
-from aio_datadist.transport import local
+from aio_datadist.transport import ledger, local
 from aio_datadist.transport.local import share_proof
 from peers import cluster_info, fill, port_of
 
@@ -131,7 +131,9 @@ async def test_a_linked_peer_gets_only_sealed_read_only_memfds(fork_server):
     sc, cms = await scene(decoder_transport="tcp")
     try:
         report = await run_attacker("peer", sc.name, sc.token(), sc.secret.hex())
-        assert report["records"] >= 2 and len(report["fds"]) == 1
+        # The prompt's read ledger, then its cache's memfd, then READY: the ledger is attacked as the cache is.
+        assert report["records"] >= 3 and len(report["fds"]) == 2
+        assert sorted(fd["size"] for fd in report["fds"])[0] == ledger.LEDGER_BYTES
         for fd in report["fds"]:
             assert fd["read_only"] and fd["readable"]
             assert fd["seals"] & F_SEAL_FUTURE_WRITE and fd["seals"] & local.SEALS_REQUIRED == local.SEALS_REQUIRED
@@ -158,7 +160,7 @@ async def test_malformed_share_records_drop_the_share_and_nothing_else(fork_serv
     try:
         baseline, fds = state(sc.prompt), open_fds()
         report = await run_attacker("records", sc.name, sc.token(), sc.secret.hex(), "14")
-        assert len(report) == 18
+        assert len(report) == 29
         assert all(v == "dropped" for v in report.values()), report
         count("malformed share records", len(report))
         assert errors == []

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aio_datadist.transport import local
+from aio_datadist.transport import ledger, local
 from aio_datadist.transport.local import LocalShare, ShareError, parse_record
 
 from _harness import open_fds
@@ -41,14 +41,18 @@ ATTACKER = os.path.join(os.path.dirname(__file__), "_share_attacker.py")
 
 def check_accepted(rec: local.ShareRecord, nfds: int, flags: int) -> None:
     assert flags == 0
-    if rec.kind in (local._DEL, local._READY):
+    if rec.kind in (local._DEL, local._READY, local._READ):
         assert nfds == 0
+        return
+    if rec.kind == local._LEDGER:
+        assert nfds == 1 and rec.size == ledger.LEDGER_BYTES
         return
     assert rec.kind == local._ADD and nfds == 1 and rec.cache_id >= 1
     assert 0 < rec.size <= local.MAX_REGION_BYTES and rec.size % PAGE == 0
     assert rec.rows > 0 and rec.row_bytes > 0 and rec.rows * rec.row_bytes == rec.tensor_bytes
     assert 0 < len(rec.offsets) <= local.MAX_TENSORS
     assert all(0 <= o and o + rec.tensor_bytes <= rec.size for o in rec.offsets)
+    assert rec.slot == ledger.NO_SLOT or 0 <= rec.slot < ledger.SLOTS
 
 
 def test_every_generated_share_record_is_valid_or_refused():

@@ -1,0 +1,294 @@
+"""The read ledger: a same-host pull of a blocks cache by its blocks key reads the owner's cache without asking
+while the owner's ledger lists it, and asks whenever in doubt (``transport/ledger.py``).
+
+Each test watches the owner's link for the requests it gets, so "read without asking" and "asked" are
+facts, not guesses; the bytes are checked either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
+from aio_datadist.testing import usable_link
+from aio_datadist.transport.local import LocalShare
+from aio_datadist.wire import Msg
+from peers import DECODER_ID, PROMPT_ID, fill, linked_pair, same, snapshot
+
+pytestmark = pytest.mark.usefixtures("fork_server")
+
+S = LLMStatusCode
+BLOCKS = CacheDesc(4, (16, 8, 256), DataType.DT_FLOAT16, Placement.HOST)  # 4 KiB blocks
+BIG = CacheDesc(2, (64, 1 << 20), DataType.DT_UINT8, Placement.HOST)  # 2 x 64 blocks of 1 MiB
+LOCAL = {"transport": "local"}
+KEY = BlocksCacheKey(PROMPT_ID, 0)
+ATTACKER = os.path.join(os.path.dirname(__file__), "reliability", "_share_attacker.py")
+
+
+def asked(dd) -> list[Msg]:
+    """The transfer requests ``dd`` gets from the decoder from now on (its link's handler, watched)."""
+    link = usable_link(dd, DECODER_ID)
+    seen: list[Msg] = []
+    serve = link.on_request
+    assert serve is not None
+
+    def watched(lk, msg, req_id, fields):
+        if msg in (Msg.PULL_REQ, Msg.PUSH_REQ, Msg.PUSH_LOCAL):
+            seen.append(msg)
+        serve(lk, msg, req_id, fields)
+
+    link.on_request = watched
+    return seen
+
+
+async def eventually(check, limit_s: float = 2.0) -> None:
+    for _ in range(int(limit_s / 0.01)):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    assert check()
+
+
+@pytest.mark.asyncio
+async def test_a_blocks_pull_reads_without_asking_and_the_owner_counts_it():
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, KEY)
+        values = fill(src, 4)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        seen = asked(pair.prompt)
+        await pair.dm.pull_blocks(KEY, dst, [3, 0, 15], [1, 2, 3])
+        assert seen == []
+        for d, v in zip(dst.tensors, values):
+            assert torch.equal(d[[1, 2, 3]], v[[3, 0, 15]])
+        mine = pair.decoder.stats().links[PROMPT_ID].kinds["pull"]
+        assert mine.transfers == 1 and mine.transport == "local"
+
+        def served():
+            return pair.prompt.stats().links[DECODER_ID].kinds["served_pull"]
+        await eventually(lambda: served().transfers == 1)  # the READ record follows the return
+        assert served().bytes == 3 * 4 * BLOCKS.size // 16 and served().transport == "local"
+
+
+@pytest.mark.asyncio
+async def test_a_pull_right_after_deallocate_asks_and_is_refused():
+    """The owner clears the cache's word before ``deallocate_cache`` returns: a pull that starts after it
+    asks, though the withdrawal of the cache has not reached the decoder yet."""
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, KEY)
+        fill(src, 5)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        share = usable_link(pair.decoder, PROMPT_ID).local
+        assert share is not None and share.listed_region(0) is not None
+        seen = asked(pair.prompt)
+        before = snapshot(dst)
+        pair.pm.deallocate_cache(src)
+        assert 0 in share.listed  # the decoder has not read the withdrawal yet: only the ledger says so
+        assert share.listed_region(0) is None
+        with pytest.raises(LLMException) as exc:
+            await pair.dm.pull_blocks(KEY, dst, [0], [0])
+        assert exc.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        assert seen == [Msg.PULL_REQ]
+        assert same(before, snapshot(dst))
+
+
+@pytest.mark.asyncio
+async def test_a_key_bound_to_another_cache_reads_that_cache():
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        old = pair.pm.allocate_blocks_cache(BLOCKS, KEY)
+        fill(old, 6)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        pair.pm.deallocate_cache(old)
+        new = pair.pm.allocate_blocks_cache(BLOCKS, KEY)
+        values = fill(new, 7)
+        await pair.dm.pull_blocks(KEY, dst, [2], [2])  # asked (the old word is clear) or read from the new one
+        await pair.dm.pull_blocks(KEY, dst, [9], [9])  # the new cache's record has arrived by now: read
+        for d, v in zip(dst.tensors, values):
+            assert torch.equal(d[[2, 9]], v[[2, 9]])
+        share = usable_link(pair.decoder, PROMPT_ID).local
+        assert share is not None
+        region = share.listed_region(0)
+        assert region is not None and region.cache_id == new.cache_id
+
+
+@pytest.mark.asyncio
+async def test_what_does_not_fit_or_consumes_a_key_is_asked_and_refused_by_the_owner():
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, KEY)
+        fill(src, 8)
+        rows = CacheDesc(2, (4, 512), DataType.DT_FLOAT16, Placement.HOST)
+        keyed = pair.pm.allocate_cache(rows, [CacheKey(PROMPT_ID, 10)])
+        values = fill(keyed, 9)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        other_type = pair.dm.allocate_blocks_cache(CacheDesc(4, (16, 8, 128), DataType.DT_FLOAT, Placement.HOST))
+        rows_dst = pair.dm.allocate_cache(rows)
+        await pair.link()
+        seen = asked(pair.prompt)
+        before = snapshot(dst)
+        with pytest.raises(LLMException) as exc:
+            await pair.dm.pull_blocks(KEY, dst, [16], [0])  # one past the end
+        assert exc.value.status_code == S.LLM_PARAM_INVALID and "src_blocks" in str(exc.value)
+        with pytest.raises(LLMException) as exc:
+            await pair.dm.pull_blocks(KEY, other_type, [0], [0])  # same bytes, another data type
+        assert exc.value.status_code == S.LLM_PARAM_INVALID and "data types differ" in str(exc.value)
+        with pytest.raises(LLMException) as exc:
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 3), dst, [0], [0])  # no such key
+        assert exc.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        assert seen == [Msg.PULL_REQ] * 3 and same(before, snapshot(dst))
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 10), rows_dst, batch_index=1)  # a key it consumes
+        assert seen == [Msg.PULL_REQ] * 4
+        assert all(torch.equal(d[1], v[0]) for d, v in zip(rows_dst.tensors, values))
+
+
+@pytest.mark.asyncio
+async def test_a_burst_of_reads_keeps_the_share_and_the_owner_counts_every_one():
+    """Reads are reported in sums, once per loop pass: 2,000 reads, one after another and 500 at once, neither
+    fill the share socket (which would end the share) nor go uncounted; a cache freed right after its pull
+    returned is counted too."""
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, KEY)
+        values = fill(src, 11)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        seen = asked(pair.prompt)
+        link = usable_link(pair.decoder, PROMPT_ID)
+        for i in range(1500):
+            await pair.dm.pull_blocks(KEY, dst, [i % 16], [15 - i % 16])
+        await asyncio.gather(*(pair.dm.pull_blocks(KEY, dst, [i % 16], [15 - i % 16]) for i in range(500)))
+        for d, v in zip(dst.tensors, values):
+            assert torch.equal(d, v.flip(0))
+        last = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 1))
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 1), dst, [0], [0])
+        pair.pm.deallocate_cache(last)  # before the READ of that pull left
+
+        def served():
+            return pair.prompt.stats().links[DECODER_ID].kinds["served_pull"]
+        await eventually(lambda: served().transfers == 2001)
+        assert served().bytes == 2001 * 4 * BLOCKS.size // 16
+        assert seen == [] and link.local is not None and pair.decoder.stats().links[PROMPT_ID].transport == "local"
+
+
+@pytest.mark.asyncio
+async def test_a_loop_of_small_reads_lets_other_tasks_run_and_timeouts_fire():
+    """A read turns the loop once before it copies, though its copy runs on the loop's thread."""
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        pair.pm.allocate_blocks_cache(BLOCKS, KEY)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        other = asyncio.ensure_future(ticker())
+        try:
+            for i in range(50):
+                await pair.dm.pull_blocks(KEY, dst, [i % 16], [i % 16])
+            assert ticks >= 50
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.02):
+                    for i in range(100_000):
+                        await pair.dm.pull_blocks(KEY, dst, [i % 16], [i % 16])
+        finally:
+            other.cancel()
+
+
+@pytest.mark.asyncio
+async def test_the_owner_refuses_other_block_shapes_with_its_own_words():
+    """Same bytes, another block shape: the owner's refusal names its shape (here the 1-D blocks' ``()``)."""
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        pair.pm.allocate_blocks_cache(CacheDesc(2, (16,), DataType.DT_FLOAT16, Placement.HOST), KEY)
+        dst = pair.dm.allocate_blocks_cache(CacheDesc(2, (16, 1), DataType.DT_FLOAT16, Placement.HOST))
+        await pair.link()
+        seen = asked(pair.prompt)
+        with pytest.raises(LLMException) as exc:
+            await pair.dm.pull_blocks(KEY, dst, [0], [0])
+        assert exc.value.status_code == S.LLM_PARAM_INVALID and "holds blocks of shape ()" in str(exc.value)
+        assert seen == [Msg.PULL_REQ]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+async def test_a_cut_read_stops_its_copy_before_returning(how):
+    """A 128 MiB read goes to the copy threads; cut, it returns only once the copy stopped: nothing lands
+    afterwards. Then the next read is whole."""
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BIG, KEY)
+        for t in src.tensors:
+            t.fill_(0x5C)
+        dst = pair.dm.allocate_blocks_cache(BIG)
+        await pair.link()
+        seen = asked(pair.prompt)
+        everything = list(range(64))
+        if how == "timeout":
+            with pytest.raises(LLMException) as exc:
+                await pair.dm.pull_blocks(KEY, dst, everything, everything, timeout=2)
+            assert exc.value.status_code == S.LLM_TIMEOUT
+        else:
+            task = asyncio.ensure_future(pair.dm.pull_blocks(KEY, dst, everything, everything))
+            await asyncio.sleep(0.003)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        after = snapshot(dst)
+        assert not all(bool((t == 0x5C).all()) for t in after), "the copy finished before the cut"
+        await asyncio.sleep(0.3)
+        assert same(after, snapshot(dst)), "bytes landed after the call returned"
+        await pair.dm.pull_blocks(KEY, dst, everything, everything)
+        assert all(bool((t == 0x5C).all()) for t in dst.tensors)
+        assert seen == []
+
+
+def test_a_peer_ledger_decides_only_which_of_its_own_regions_is_read():
+    """A separate process plays the owner: it sends a real sealed ledger and a cache listed in it, then
+    lists, clears and re-lists the word with another id. The share follows the word, and the region it
+    would read is the one the fd holds, checked against its size."""
+    loop = asyncio.new_event_loop()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = subprocess.Popen([sys.executable, ATTACKER, "ledger", str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    theirs.close()
+    lost: list[bool] = []
+
+    async def run() -> None:
+        share = LocalShare(ours, on_lost=lambda: lost.append(True))
+        try:
+            def step(command: str) -> str:
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(command + "\n")
+                proc.stdin.flush()
+                return json.loads(proc.stdout.readline())["state"]
+
+            assert step("list") == "listed"
+            await eventually(lambda: 9 in share.regions)
+            region = share.listed_region(3)
+            assert region is not None and region.cache_id == 9 and region.size == region.rows * region.row_bytes
+            assert step("clear") == "cleared" and share.listed_region(3) is None
+            assert step("other") == "another id" and share.listed_region(3) is None
+            assert step("list") == "listed" and share.listed_region(3) is region
+            assert not lost and not share.closed
+        finally:
+            share.close()
+
+    try:
+        loop.run_until_complete(run())
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        loop.close()
