@@ -8,6 +8,7 @@ facts, not guesses; the bytes are checked either way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -49,6 +50,17 @@ def asked(dd) -> list[Msg]:
     return seen
 
 
+@contextlib.asynccontextmanager
+async def listed(seed: int):
+    """A same-host pair whose prompt holds a blocks cache under ``KEY`` filled with ``seed``'s pattern, and a
+    decoder blocks cache to pull into; yields the pair, the values, the destination and the owner's requests."""
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        values = fill(pair.pm.allocate_blocks_cache(BLOCKS, KEY), seed)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        yield pair, values, dst, asked(pair.prompt)
+
+
 async def eventually(check, limit_s: float = 2.0) -> None:
     for _ in range(int(limit_s / 0.01)):
         if check():
@@ -59,12 +71,7 @@ async def eventually(check, limit_s: float = 2.0) -> None:
 
 @pytest.mark.asyncio
 async def test_a_blocks_pull_reads_without_asking_and_the_owner_counts_it():
-    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, KEY)
-        values = fill(src, 4)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await pair.link()
-        seen = asked(pair.prompt)
+    async with listed(4) as (pair, values, dst, seen):
         await pair.dm.pull_blocks(KEY, dst, [3, 0, 15], [1, 2, 3])
         assert seen == []
         for d, v in zip(dst.tensors, values):
@@ -152,15 +159,10 @@ async def test_what_does_not_fit_or_consumes_a_key_is_asked_and_refused_by_the_o
 
 @pytest.mark.asyncio
 async def test_a_burst_of_reads_keeps_the_share_and_the_owner_counts_every_one():
-    """Reads are reported in sums, once per loop pass: 2,000 reads, one after another and 500 at once, neither
-    fill the share socket (which would end the share) nor go uncounted; a cache freed right after its pull
-    returned is counted too."""
-    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, KEY)
-        values = fill(src, 11)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await pair.link()
-        seen = asked(pair.prompt)
+    """Reads are reported in sums over 10 ms: 2,000 reads, one after another and 500 at once, neither fill the
+    share socket (which would end the share) nor go uncounted; a cache freed right after its pull returned is
+    counted too."""
+    async with listed(11) as (pair, values, dst, seen):
         link = usable_link(pair.decoder, PROMPT_ID)
         for i in range(1500):
             await pair.dm.pull_blocks(KEY, dst, [i % 16], [15 - i % 16])
@@ -181,10 +183,7 @@ async def test_a_burst_of_reads_keeps_the_share_and_the_owner_counts_every_one()
 @pytest.mark.asyncio
 async def test_a_loop_of_small_reads_lets_other_tasks_run_and_timeouts_fire():
     """A read turns the loop once before it copies, though its copy runs on the loop's thread."""
-    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
-        pair.pm.allocate_blocks_cache(BLOCKS, KEY)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await pair.link()
+    async with listed(12) as (pair, _values, dst, _seen):
         ticks = 0
 
         async def ticker() -> None:
