@@ -33,7 +33,7 @@ from aio_datadist._sys cimport (
     pthread_cond_broadcast, pthread_cond_destroy, pthread_cond_init,
     pthread_cond_signal, pthread_cond_timedwait, pthread_cond_wait, pthread_create, pthread_join,
     pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock,
-    pthread_mutex_unlock, pthread_t, read, timespec, write,
+    pthread_mutex_unlock, pthread_t, read, setsockopt, SO_RCVLOWAT, SOL_SOCKET, timespec, write,
 )
 from aio_datadist._drivers cimport (
     ACL_CALLBACK_NO_BLOCK, ACL_SUCCESS, CU_MEMCPY_FLAG_DEFAULT, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
@@ -525,13 +525,19 @@ cdef class LoopJob:
 
     cdef IoJob *_job
     cdef readonly bint sending
+    cdef int _lowat  # the SO_RCVLOWAT this receive set on its socket while it waits (0: the socket's default)
+    cdef int _lowat_max
 
     def __cinit__(self, int fd, bint send, const uint64_t[::1] pairs not None, uint64_t gate_id=0,
-                  bint gated=False):
+                  bint gated=False, int lowat_max=0):
         if fd < 0:
             raise ValueError("fd must be a valid descriptor")
         if send and gated:
             raise ValueError("only a receive is gated")
+        if lowat_max < 0:
+            raise ValueError("lowat_max must be >= 0")
+        self._lowat = 0
+        self._lowat_max = lowat_max
         self._job = new IoJob()
         self._job.fd = fd
         self._job.is_send = send
@@ -544,11 +550,40 @@ cdef class LoopJob:
             self._job = NULL
 
     def step(self):
-        """Move what the socket takes now: 1 over, 0 it would block, else -errno."""
+        """Move what the socket takes now: 1 over, 0 it would block, else -errno.
+
+        With ``lowat_max``, a receive that must wait for more of its bytes (its header checked, if
+        gated) sets the socket's ``SO_RCVLOWAT`` to what is left, at most ``lowat_max``, so the loop
+        sees the socket ready once that much can be read instead of at every segment that arrives (the
+        kernel caps it by the receive buffer and still signals when the window closes, at the end of
+        the stream or on an error); a job that ends puts the socket's default back."""
         cdef int rc
+        cdef uint64_t left
+        cdef int want
         with nogil:
             rc = _step(self._job, self.sending)
+            if self._lowat_max and not self.sending:
+                if rc == 0:
+                    if self._job.gate == NULL:
+                        left = self._job.total - self._job.moved
+                        want = self._lowat_max if left > <uint64_t>self._lowat_max else <int>left
+                        if want != self._lowat and (want > 1 or self._lowat):
+                            if setsockopt(self._job.fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(int)) == 0:
+                                self._lowat = want
+                elif self._lowat:
+                    self._reset_lowat()
         return rc
+
+    cdef void _reset_lowat(self) noexcept nogil:
+        cdef int one = 1
+        setsockopt(self._job.fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(int))
+        self._lowat = 0
+
+    def release(self):
+        """Put back the socket's ``SO_RCVLOWAT`` if this job set it (for a job stopped before it ended; call
+        it before the socket is closed)."""
+        if self._lowat:
+            self._reset_lowat()
 
     @property
     def moved(self):

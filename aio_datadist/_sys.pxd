@@ -84,3 +84,8 @@ cdef extern from "<errno.h>" nogil:
     int ENODEV
     int EIO
     int ETIMEDOUT
+
+cdef extern from "<sys/socket.h>" nogil:
+    int setsockopt(int fd, int level, int optname, const void *optval, unsigned int optlen)
+    int SOL_SOCKET
+    int SO_RCVLOWAT

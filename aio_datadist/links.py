@@ -56,6 +56,13 @@ HEARTBEAT_MISSES = 5
 #: ones by the native SocketEngine's thread. ``$AIO_DATADIST_LOOP_IO_MAX`` (bytes) overrides it; 0 sends
 #: every job through the engine thread (for comparisons: ``docs/transports.md``).
 LOOP_IO_MAX = int(os.environ.get("AIO_DATADIST_LOOP_IO_MAX", 16 << 20))
+#: A receive the event loop drives asks the kernel to wake it only once this many of its remaining bytes (or
+#: all of them, when fewer are left) can be read (``SO_RCVLOWAT``, see ``_core.LoopJob.step``): a 2 MiB pull
+#: then wakes the loop two or three times instead of at every few hundred KiB that arrive, on both ends of the
+#: loopback. The bound keeps bytes landing as they come on a slow path and the copy after the last byte
+#: short. ``$AIO_DATADIST_LOOP_LOWAT_MAX`` (bytes) overrides it; 0 leaves the socket's default (wake at
+#: every arrival).
+LOOP_LOWAT_MAX = int(os.environ.get("AIO_DATADIST_LOOP_LOWAT_MAX", 1 << 20))
 ZERO32 = bytes(32)
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes
@@ -291,7 +298,7 @@ class Link:
                 fut.add_done_callback(settle_job)
             return fut
         fd = conn.fileno()
-        job = LoopJob(fd, send, pairs, gated, bool(gated))
+        job = LoopJob(fd, send, pairs, gated, bool(gated), LOOP_LOWAT_MAX)
         ch = self.channels[index]
         # One loop watcher per socket and direction: a second job that way (only a peer that sends two
         # requests on one channel makes one) queues on the engine instead.

@@ -90,6 +90,7 @@ class LoopIo:
                 self._loop.remove_writer(self._fd)
             else:
                 self._loop.remove_reader(self._fd)
+                self._job.release()
             self._watching = False
         if self._timer is not None:
             self._timer.cancel()

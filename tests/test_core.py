@@ -483,6 +483,40 @@ def test_loop_job_gate_and_errors(socket_pair):
         _core.LoopJob(b.fileno(), False, u64([addr(payload)]))
 
 
+def test_a_waiting_loop_receive_sets_the_low_water_mark_and_puts_it_back(socket_pair):
+    """A receive that waits for the rest of its bytes (its header checked, if gated) asks the kernel to
+    signal only once all of them are there (SO_RCVLOWAT), and its end, or ``release``, puts the default back."""
+    a, b = socket_pair
+
+    def lowat() -> int:
+        return b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+    header, payload = np.zeros(_core.GATE_BYTES, np.uint8), np.zeros(4096, np.uint8)
+    job = _core.LoopJob(b.fileno(), False, u64([addr(header), _core.GATE_BYTES, addr(payload), 4096]), 7, True,
+                        lowat_max=1 << 20)
+    assert job.step() == 0 and lowat() == 1  # the header is not checked yet: a refusal's short text must wake us
+    a.send(_answer(0, 4096) + b"x" * 1000)
+    assert job.step() == 0 and job.moved == _core.GATE_BYTES + 1000 and lowat() == 3096
+    a.send(b"x" * 3096)
+    assert job.step() == 1 and lowat() == 1 and payload.tobytes() == b"x" * 4096
+    capped = _core.LoopJob(b.fileno(), False, u64([addr(payload), 4096]), lowat_max=1000)
+    assert capped.step() == 0 and lowat() == 1000  # at most lowat_max
+    a.send(b"z" * 4096)
+    assert capped.step() == 1 and lowat() == 1
+    unset = _core.LoopJob(b.fileno(), False, u64([addr(payload), 4096]))
+    assert unset.step() == 0 and lowat() == 1  # without lowat_max: the socket's default
+    unset.release()
+    plain = _core.LoopJob(b.fileno(), False, u64([addr(payload), 4096]), lowat_max=1 << 20)
+    a.send(b"y" * 96)
+    assert plain.step() == 0 and lowat() == 4000
+    plain.release()
+    assert lowat() == 1
+    plain.release()  # a no-op once put back
+    assert plain.step() == 0 and lowat() == 4000
+    a.close()
+    assert plain.step() == _core.CONNECTION_LOST and lowat() == 1
+
+
 def test_socket_engine_rejects_bad_submissions(sockets, queue, socket_pair):
     a, _ = socket_pair
     buf = np.zeros(8, dtype=np.uint8)
