@@ -16,7 +16,6 @@ closed, never left behind.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import socket
@@ -101,8 +100,7 @@ class LinkTable:
             self.nixl.register(cache)
         if not self.runtime.settings.remote_cache_accessible:
             return
-        if self._ledger is not None:
-            self._list(self._ledger, cache)
+        self._list(cache)
         for link in self.links.values():
             if link.local is not None:
                 link.local.offer(cache)
@@ -116,18 +114,15 @@ class LinkTable:
             if link.local is not None:
                 link.local.withdraw(cache.cache_id)
 
-    def ledger(self) -> Ledger | None:
-        """This endpoint's read ledger; None when same-host peers must ask for every pull (no memory sharing,
-        ``aio.RequireTransport`` not met by ``local``, or it could not be made)."""
-        return self._ledger
-
-    def _list(self, ledger: Ledger, cache: Any) -> None:
-        """Publish ``cache`` in ``ledger`` if it is an allocated blocks cache in shareable memory, bound to a blocks
-        key."""
+    def _list(self, cache: Any) -> None:
+        """Publish ``cache`` in the read ledger if it is an allocated blocks cache in shareable memory, bound to a
+        blocks key."""
+        if self._ledger is None:
+            return
         model_id = self.runtime.registry.blocks_key_of(cache.cache_id)
         if (model_id is not None and cache.region is not None and not cache.on_device
                 and cache.layout.num_tensors <= MAX_TENSORS):  # a larger one is never shared
-            ledger.publish(cache.cache_id, model_id)
+            self._ledger.publish(cache.cache_id, model_id)
 
     @property
     def listen_address(self) -> tuple[str, int] | None:
@@ -170,7 +165,7 @@ class LinkTable:
         return Link(self.runtime, remote_id, remote_role, reader, writer, is_client=is_client, channels=channels,
                     token=token, remote_address=remote_address,
                     redial=lambda *args: self.dial_data(*args),  # looked up per call: tests may wrap dial_data
-                    forget=self.forget, nixl_agent=self.nixl, cluster_id=self.cluster_id)
+                    forget=self.forget, nixl_agent=self.nixl, ledger=self._ledger, cluster_id=self.cluster_id)
 
     def _live(self, remote_id: int) -> Link | None:
         link = self.links.get(remote_id)
@@ -525,8 +520,7 @@ class LinkTable:
 
     def share_candidates(self) -> list[tuple[bytes, Callable[[socket.socket], None]]]:
         """The links a same-host peer may attach its share to now: live, sharing nothing yet."""
-        ledger = self.ledger()
-        return [(lk.token, functools.partial(lk.attach_share, ledger=ledger)) for lk in self.links.values()
+        return [(lk.token, lk.attach_share) for lk in self.links.values()
                 if lk.broken is None and not lk.closed and lk.local is None]
 
     async def _share_with(self, link: Link, ok: handshake.Linked) -> None:
@@ -540,7 +534,7 @@ class LinkTable:
         except (OSError, TimeoutError) as exc:
             log.info("link to cluster %s: same-host sharing unavailable (%s); using TCP", link.remote_cluster_id, exc)
             return
-        link.attach_local(sock, self.ledger())
+        link.attach_local(sock)
         share = link.local
         assert share is not None  # attach_local set it
         # The peer's caches are mapped before link_clusters returns.

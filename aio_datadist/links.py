@@ -98,13 +98,15 @@ class Link:
 
     What a link needs of whoever made it comes in as callables: ``redial``
     dials a reset data channel again, ``forget`` drops the link from its table
-    when the peer unlinks; ``nixl_agent`` is this endpoint's NIXL agent, if any.
+    when the peer unlinks; ``nixl_agent`` is this endpoint's NIXL agent, ``ledger`` its read ledger
+    (``transport/ledger.py``), if any.
     """
 
     def __init__(self, runtime: Runtime, remote_cluster_id: int, remote_role: LLMRole,
                  reader: ControlReader, writer: asyncio.StreamWriter, *, is_client: bool,
                  channels: int, token: bytes, remote_address: tuple[str, int], redial: Redial,
-                 forget: Callable[[Link], None], nixl_agent: NixlAgent | None, cluster_id: int = 0) -> None:
+                 forget: Callable[[Link], None], nixl_agent: NixlAgent | None, ledger: Ledger | None = None,
+                 cluster_id: int = 0) -> None:
         self.runtime = runtime
         self.link_id = next(_LINK_IDS)
         self.cluster_id = cluster_id
@@ -118,6 +120,7 @@ class Link:
         self._redial_data = redial
         self._forget = forget
         self.nixl_agent = nixl_agent
+        self.ledger = ledger
         self.remote_cluster_id = remote_cluster_id
         self.remote_role = remote_role
         self.reader = reader
@@ -474,10 +477,10 @@ class Link:
         self._went_down("unlinked" if self.unlinking else f"failed: {exc}")
         self._teardown(exc)
 
-    def attach_local(self, sock: Any, ledger: Ledger | None) -> None:
-        """Start sharing caches with a same-host peer over ``sock``; ``ledger`` is this endpoint's."""
+    def attach_local(self, sock: Any) -> None:
+        """Start sharing caches with a same-host peer over ``sock``."""
         share = self.local = LocalShare(sock, self._local_lost, self.runtime.devices,
-                                        f"link {self.link_id} to cluster {self.remote_cluster_id}", ledger,
+                                        f"link {self.link_id} to cluster {self.remote_cluster_id}", self.ledger,
                                         self._read_by_peer)
         # Without llm.EnableRemoteCacheAccessible peers may not touch our caches at all.
         share.start(self.runtime.registry.caches() if self.runtime.settings.remote_cache_accessible else ())
@@ -490,9 +493,9 @@ class Link:
             self.counters.end("served_pull", "local", nbytes // count + (i < nbytes % count), now - each, Outcome.OK,
                               began=False)
 
-    def attach_share(self, sock: Any, ledger: Ledger | None) -> None:
+    def attach_share(self, sock: Any) -> None:
         """The server's half: share with the peer whose share connection proved this link."""
-        self.attach_local(sock, ledger)
+        self.attach_local(sock)
         if self.local is not None:
             self.local.announce_ready()
             self.log.info("link %s to cluster %s: transport local (the peer attached its same-host share)",
