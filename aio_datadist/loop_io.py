@@ -50,9 +50,14 @@ class LoopIo:
         self._settled = settled
         self._watching = False
         self.future: asyncio.Future = loop.create_future()
-        self._timer = None if timeout_ms is None else loop.call_later(timeout_ms / 1000, self._expire)
+        self._timer = None
         self.future.add_done_callback(self._finished)
+        # Most small jobs end in this first step (a send the socket takes at once): the timer, counted
+        # from now, is set only for a job that has to wait.
+        start = loop.time()
         self._advance()
+        if timeout_ms is not None and self._watching:
+            self._timer = loop.call_at(start + timeout_ms / 1000, self._expire)
 
     def _advance(self) -> None:
         if self.future.done():

@@ -1,0 +1,103 @@
+"""Loop-driven socket jobs (``LoopIo``): timeouts counted from the start, no byte after the end."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from aio_datadist import LLMException, LLMStatusCode
+from aio_datadist._core import LoopJob
+from aio_datadist.loop_io import LoopIo
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def socket_pair():
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def pairs(buf: np.ndarray) -> array.array:
+    return array.array("Q", (buf.ctypes.data, buf.nbytes))
+
+
+def start(sock: socket.socket, buf: np.ndarray, *, send: bool, timeout_ms: int | None) -> LoopIo:
+    return LoopIo(sock.fileno(), LoopJob(sock.fileno(), send, pairs(buf)), what="test job", keepalive=buf,
+                  timeout_ms=timeout_ms, settled=None)
+
+
+@pytest.mark.asyncio
+async def test_a_job_the_socket_takes_at_once_ends_in_its_first_step_without_a_timer(socket_pair):
+    a, b = socket_pair
+    src = np.full(1000, 7, np.uint8)
+    io = start(a, src, send=True, timeout_ms=50)
+    assert io.future.done() and io.future.result() == 1000
+    assert io._timer is None  # nothing left to time
+    assert b.recv(2000) == src.tobytes()
+    await asyncio.sleep(0.1)  # and nothing fires later
+
+
+@pytest.mark.asyncio
+async def test_a_stuck_send_times_out_counted_from_its_start_and_sends_nothing_after(socket_pair):
+    a, b = socket_pair
+    src = np.ones(64 * MIB, np.uint8)  # far more than the socket pair's buffers
+    t0 = time.monotonic()
+    io = start(a, src, send=True, timeout_ms=300)
+    assert not io.future.done()
+    with pytest.raises(LLMException) as err:
+        await io.future
+    took = time.monotonic() - t0
+    assert err.value.status_code == LLMStatusCode.LLM_TIMEOUT and "test job timed out after 300 ms" in str(err.value)
+    assert 0.25 <= took < 5.0
+    moved = io._job.moved
+    assert 0 < moved < src.nbytes
+    got = 0
+    for _ in range(10_000):  # drain the peer's end: exactly what was sent before the timeout
+        try:
+            chunk = b.recv(1 << 20)
+        except BlockingIOError:
+            await asyncio.sleep(0.01)
+            try:
+                chunk = b.recv(1 << 20)
+            except BlockingIOError:
+                break
+        got += len(chunk)
+    assert got == moved
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cut", ["timeout", "cancel"])
+async def test_a_cut_receive_writes_nothing_once_it_is_over(socket_pair, cut):
+    a, b = socket_pair
+    dst = np.zeros(4 * MIB, np.uint8)
+    a.send(b"\x01" * 1000)
+    io = start(b, dst, send=False, timeout_ms=200 if cut == "timeout" else None)
+    assert not io.future.done() and io._job.moved == 1000
+    if cut == "timeout":
+        with pytest.raises(LLMException) as err:
+            await io.future
+        assert err.value.status_code == LLMStatusCode.LLM_TIMEOUT
+    else:
+        await asyncio.sleep(0.05)
+        io.future.cancel()
+    before = dst.copy()
+    sent = 0
+    for _ in range(1000):  # the rest arrives after the end, until the socket's buffer is full
+        try:
+            sent += a.send(b"\x02" * MIB)
+        except BlockingIOError:
+            break
+        await asyncio.sleep(0)
+    assert sent > 0
+    await asyncio.sleep(0.1)  # loop turns in which a job still watching would read
+    assert np.array_equal(dst, before) and int(dst[:1000].sum()) == 1000 and not dst[1000:].any()
