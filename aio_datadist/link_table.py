@@ -400,6 +400,10 @@ class LinkTable:
             await self._share_with(link, ok)
             await self._nixl_with(link, deadline)
             await self._require_transport(link)
+            if link.closed or link.broken is not None:  # the peer went away while the link was set up
+                why = "it was unlinked" if link.broken is None else str(link.broken)
+                raise LLMException(f"link to cluster {remote_id} went down before it was up: {why}",
+                                   status_code=LLMStatusCode.LLM_LINK_FAILED)
             link.announce("dialled")
             return SUCCESS
         except BaseException:

@@ -438,3 +438,38 @@ async def test_cancelled_link_clusters_leaves_a_usable_state():
             assert status in (S.LLM_SUCCESS, S.LLM_ALREADY_LINK)  # the cancelled call may have finished first
             await pair.decoder.check_link_status(PROMPT_ID)
             await pair.prompt.check_link_status(DECODER_ID)
+
+
+async def test_a_link_that_goes_down_while_it_is_set_up_is_not_reported_linked(monkeypatch):
+    """The peer goes away after LINK_OK, while the dialling end still sets the link up (share, NIXL, transport
+    check): link_clusters says LLM_LINK_FAILED for it, not success, and linking again works."""
+    from aio_datadist.link_table import LinkTable
+    from aio_datadist.testing import link_to, runtime_of
+
+    async with endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt:
+            info = cluster_info(PROMPT_ID, port_of(prompt))
+            original = LinkTable._require_transport
+
+            async def peer_goes_away(self, link):
+                if self.runtime is not prompt_runtime:
+                    await prompt.finalize()
+                    for _ in range(500):  # until the dialling end has seen its control connection end
+                        if link.broken is not None or link.closed:
+                            break
+                        await asyncio.sleep(0.01)
+                await original(self, link)
+
+            prompt_runtime = runtime_of(prompt)
+            monkeypatch.setattr(LinkTable, "_require_transport", peer_goes_away)
+            assert await dd.link_clusters([info], timeout=3000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+            monkeypatch.setattr(LinkTable, "_require_transport", original)
+            link = link_to(dd, PROMPT_ID)
+            assert link is None or link.broken is not None or link.closed
+            with pytest.raises(LLMException) as exc:
+                await dd.check_link_status(PROMPT_ID)
+            assert code_of(exc) in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK)
+        async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as again:
+            info = cluster_info(PROMPT_ID, port_of(again))
+            assert await dd.link_clusters([info], timeout=3000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            await dd.check_link_status(PROMPT_ID)
