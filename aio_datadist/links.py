@@ -34,7 +34,7 @@ from aio_datadist import protocol, wire
 from aio_datadist._core import LoopJob
 from aio_datadist.control_reader import ControlReader
 from aio_datadist.loop_io import LoopIo
-from aio_datadist.stats import LinkCounters, LinkStats, Outcome
+from aio_datadist.stats import LinkCounters, LinkStats
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import LocalShare
@@ -62,7 +62,7 @@ LOOP_IO_MAX = int(os.environ.get("AIO_DATADIST_LOOP_IO_MAX", 16 << 20))
 #: loopback. The bound keeps bytes landing as they come on a slow path and the copy after the last byte
 #: short. ``$AIO_DATADIST_LOOP_LOWAT_MAX`` (bytes) overrides it; 0 leaves the socket's default (wake at
 #: every arrival).
-LOOP_LOWAT_MAX = int(os.environ.get("AIO_DATADIST_LOOP_LOWAT_MAX", 1 << 20))
+LOOP_LOWAT_MAX = max(0, min(int(os.environ.get("AIO_DATADIST_LOOP_LOWAT_MAX", 1 << 20)), 1 << 30))
 ZERO32 = bytes(32)
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes
@@ -488,10 +488,7 @@ class Link:
     def _read_by_peer(self, count: int, nbytes: int, seconds: float) -> None:
         """The peer pulled ``count`` times, ``nbytes`` in all, from a cache of ours without asking (the ledger let
         it): count each pull, with its share of the bytes and of the time."""
-        now, each = time.perf_counter(), seconds / count
-        for i in range(count):
-            self.counters.end("served_pull", "local", nbytes // count + (i < nbytes % count), now - each, Outcome.OK,
-                              began=False)
+        self.counters.ended_many("served_pull", "local", count, nbytes, seconds)
 
     def attach_share(self, sock: Any) -> None:
         """The server's half: share with the peer whose share connection proved this link."""

@@ -226,6 +226,26 @@ class LinkCounters:
             except Exception:  # an observer's failure is its own: never the transfer's
                 log.exception("an aio_datadist observer failed on a finished transfer")
 
+    def ended_many(self, kind: str, transport: str, count: int, nbytes: int, seconds: float) -> None:
+        """``count`` transfers of ``kind`` we did not begin ended well, ``nbytes`` and ``seconds`` in all (a peer's
+        ``READ`` report): the counters move once, whatever ``count``; observers still hear of each."""
+        t = self._kinds[kind]
+        t.transfers += count
+        t.bytes += nbytes
+        t.seconds += seconds
+        t.transport = transport
+        if not self.observers:
+            return
+        each = seconds / count
+        for i in range(count):
+            share = nbytes // count + (i < nbytes % count)
+            for observer in self.observers:
+                try:
+                    observer.transfer(self.cluster_id, kind, transport, share, each, Outcome.OK,
+                                      LLMStatusCode.LLM_SUCCESS)
+                except Exception:
+                    log.exception("an aio_datadist observer failed on a finished transfer")
+
     def link_event(self, *, up: bool) -> None:
         """The link came up (``up``) or went down: tell the observers."""
         for observer in self.observers:

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -291,3 +292,53 @@ def test_a_peer_ledger_decides_only_which_of_its_own_regions_is_read():
         if proc.stdout is not None:
             proc.stdout.close()
         loop.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("observed", [False, True])
+async def test_a_flood_of_read_reports_does_not_stall_the_owners_loop(observed):
+    """A linked same-host peer sends READ records saying as many reads as a record may (MAX_READS), far more
+    than the share socket's worth: the owner's loop keeps turning (every other link's heartbeats wait behind
+    it), counts every read, and an observer (as metrics adds) still hears of each."""
+    from aio_datadist.transport.local import _ENTRY, _READ, MAX_READS
+
+    async with listed(21) as (pair, _values, _dst, _seen):
+        theirs = usable_link(pair.decoder, PROMPT_ID).local  # the peer's end of the share socket
+        assert theirs is not None
+        owners = usable_link(pair.prompt, DECODER_ID)
+        assert owners.local is not None
+        cache_id = next(iter(owners.local.sent))
+        heard: list[int] = []
+
+        class Counting:
+            def transfer(self, *args):
+                heard.append(args[3])
+
+            def link(self, *args):
+                pass
+
+        if observed:
+            owners.counters.observers.append(Counting())
+        gaps: list[float] = []
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            for _ in range(2000):
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.ensure_future(ticker())
+        try:
+            await asyncio.sleep(0.05)
+            for _ in range(30):
+                theirs.sock.send(_ENTRY.pack(_READ, cache_id, 1 << 20, MAX_READS, 1, 0, 0))
+            await asyncio.sleep(1.5)
+        finally:
+            tick.cancel()
+            if observed:
+                owners.counters.observers.pop()
+        assert max(gaps) < 0.25, f"the owner's loop stalled {max(gaps):.2f} s on READ records"
+        assert pair.prompt.stats().links[DECODER_ID].kinds["served_pull"].transfers == 30 * MAX_READS
+        assert len(heard) == (30 * MAX_READS if observed else 0) and owners.local is not None

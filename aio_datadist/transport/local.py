@@ -93,10 +93,13 @@ MAX_REGION_BYTES = 1 << 40
 #: The longest a pull that read without asking may say it took (a ``READ`` record), for our counters.
 READ_MICROS_MAX = 3_600_000_000
 #: The most reads one ``READ`` record may report; reads beyond it while the socket is full go uncounted.
-MAX_READS = 1 << 16
+MAX_READS = 1 << 10
 #: How long reads are summed before they are reported (``READ``): a report per pull would wake the peer per
 #: pull, and on 2 cores that wake-up cost the 2 MiB pull about 90 us (``benchmarks.ab_trees``).
 REPORT_AFTER_S = 0.01
+#: Records one turn of the loop acts on when the share socket is readable; the rest wait for the next turn, so a
+#: peer's flood of records never holds the loop (the synchronous callers still read everything queued).
+RECORDS_PER_TURN = 16
 
 
 def boot_id() -> bytes:
@@ -276,7 +279,7 @@ class LocalShare:
         self._said: set[str] = set()
         self._loop = asyncio.get_running_loop()
         self.ready = self._loop.create_future()
-        self._loop.add_reader(sock.fileno(), self._readable)
+        self._loop.add_reader(sock.fileno(), self._readable, RECORDS_PER_TURN)
         self.closed = False
 
     def start(self, caches: Iterable[KvCache]) -> None:
@@ -418,6 +421,12 @@ class LocalShare:
             reads[0] += 1
             reads[1] += nbytes
             reads[2] += seconds
+            if reads[0] == MAX_READS:  # a record says at most MAX_READS: the sums leave now (unless the socket is full)
+                if self._reporting is not None:
+                    self._reporting.cancel()
+                    self._reporting = None
+                self._report_reads()
+                return
         if self._reporting is None:
             self._reporting = self._loop.call_later(REPORT_AFTER_S, self._report_reads)
 
@@ -455,9 +464,13 @@ class LocalShare:
             self._readable()
         return self.regions.get(cache_id)
 
-    def _readable(self) -> None:
+    def _readable(self, budget: int | None = None) -> None:
         # A loop callback: nothing may escape it. Each received fd is closed exactly once, here.
         while not self.closed:
+            if budget is not None:
+                if budget <= 0:
+                    return  # the reader fires again next turn
+                budget -= 1
             fds: list[int] = []
             try:
                 data, fds, flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
