@@ -225,6 +225,11 @@ class TcpReplyPeer:
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
         )
 
+    @property
+    def pid(self) -> int:
+        """The peer process's id (0 before it started)."""
+        return 0 if self._peer is None else self._peer.pid or 0
+
     def _require_sock(self) -> socket.socket:
         if self._sock is None:
             raise RuntimeError("TcpReplyPeer is not open; use it as a context manager")
