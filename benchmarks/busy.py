@@ -21,7 +21,6 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from benchmarks import breakdown as bd
 from benchmarks._endpoints import blocks_desc, endpoint_options
@@ -146,9 +145,9 @@ async def _main(concurrent: int, seconds: float, rounds: int) -> None:
     print("\n| case | process | thread | busy (share of one core) |")
     print("|---|---|---|---:|")
     for name in ("raw", "pulls"):
-        for who, threads in cases[name][1].items():
-            for thread, (user, system) in sorted(threads.items(), key=lambda t: -sum(t[1])):
-                busy = (user + system) / wall_each
+        for who, per_thread in cases[name][1].items():
+            for thread, (user_s, system_s) in sorted(per_thread.items(), key=lambda t: -sum(t[1])):
+                busy = (user_s + system_s) / wall_each
                 if busy >= 0.01:
                     print(f"| {name} | {who} | {thread} | {busy:.0%} |")
     print("\nthe raw case's requester thread is this process's worker thread; CPU comes in clock ticks "
