@@ -7,6 +7,7 @@ import gc
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import socket
 
 import pytest
 import uvloop
@@ -19,6 +20,17 @@ from aio_datadist import _core
 #: not on the path are skipped by multiprocessing).
 FORK_PRELOAD = ["torch", "uvloop", "aio_datadist", "aio_datadist.compat", "peers", "_harness", "_forked",
                 "_client_harness", "_v2peer"]
+
+
+@pytest.fixture
+def socket_pair():
+    """Two connected non-blocking unix stream sockets, closed after the test."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    yield a, b
+    a.close()
+    b.close()
 
 
 @pytest.fixture(scope="session")

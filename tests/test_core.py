@@ -86,16 +86,6 @@ def sockets(queue):
     engine.close()
 
 
-@pytest.fixture
-def socket_pair():
-    a, b = socket.socketpair()
-    a.setblocking(False)
-    b.setblocking(False)
-    yield a, b
-    a.close()
-    b.close()
-
-
 # ---- CompletionQueue -------------------------------------------------------------
 
 

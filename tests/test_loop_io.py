@@ -17,16 +17,6 @@ from aio_datadist.loop_io import LoopIo
 MIB = 1 << 20
 
 
-@pytest.fixture
-def socket_pair():
-    a, b = socket.socketpair()
-    a.setblocking(False)
-    b.setblocking(False)
-    yield a, b
-    a.close()
-    b.close()
-
-
 def pairs(buf: np.ndarray) -> array.array:
     return array.array("Q", (buf.ctypes.data, buf.nbytes))
 
