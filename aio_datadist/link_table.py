@@ -58,6 +58,12 @@ BILATERAL_RETRY_FIRST_S = 0.05
 BILATERAL_RETRY_MAX_S = 0.5
 _NOT_AWAITED = "link() for this pair is not waiting here (not called yet, or given up)"
 
+
+class _WentDown(LLMException):
+    """The link went down while it was set up: final for a bilateral dial (the peer's link() took it), never
+    a reason to dial again."""
+
+
 class LinkTable:
     """The links and the listener of one LLMDataDist.
 
@@ -402,8 +408,8 @@ class LinkTable:
             await self._require_transport(link)
             if link.closed or link.broken is not None:  # the peer went away while the link was set up
                 why = "it was unlinked" if link.broken is None else str(link.broken)
-                raise LLMException(f"link to cluster {remote_id} went down before it was up: {why}",
-                                   status_code=LLMStatusCode.LLM_LINK_FAILED)
+                raise _WentDown(f"link to cluster {remote_id} went down before it was up: {why}",
+                                status_code=LLMStatusCode.LLM_LINK_FAILED)
             link.announce("dialled")
             return SUCCESS
         except BaseException:
@@ -509,6 +515,9 @@ class LinkTable:
                 return await task  # success, or another link to the cluster came up meanwhile
         except TimeoutError:
             return LLMStatusCode.LLM_TIMEOUT
+        except _WentDown as exc:
+            log.warning("link(): %s", exc)
+            return exc.status_code
         except (OSError, ConnectionError, asyncio.IncompleteReadError, ProtocolError, LLMException) as exc:
             log.debug("link(): dial of cluster %s at %s:%s: %r; trying again", remote_id, *address, exc)
             return exc

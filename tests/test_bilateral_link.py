@@ -574,3 +574,41 @@ async def test_finalize_ends_comms_in_any_state():
         await d.finalize()
         assert await settled(p, comm_p) is FAILED
         await p.unlink(comm_p)
+
+
+@pytest.mark.asyncio
+async def test_a_bilateral_link_that_goes_down_while_it_is_set_up_fails_at_once(monkeypatch):
+    """The dialling end of link() sees the peer finalize after LINK_OK (during the transport check): its comm
+    is FAILED at once, not after dialling the gone peer again for the whole link time."""
+    from aio_datadist.link_table import LinkTable
+    from aio_datadist.testing import runtime_of
+
+    addresses = {PROMPT_IP: f"{PROMPT_IP}:{free_port(PROMPT_IP)}", DECODER_IP: f"{DECODER_IP}:{free_port(DECODER_IP)}"}
+    config = {"rank_addresses": json.dumps(addresses), "link_total_time": 8}
+    original = LinkTable._require_transport
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+        await p.init(v2_options(**config))
+        await d.init(v2_options(**config))
+        p_runtime = runtime_of(p)
+
+        async def peer_goes_away(self, link):
+            if self.runtime is p_runtime:
+                await d.finalize()
+                for _ in range(500):  # until the dialling end has seen its control connection end
+                    if link.broken is not None or link.closed:
+                        break
+                    await asyncio.sleep(0.01)
+            await original(self, link)
+
+        monkeypatch.setattr(LinkTable, "_require_transport", peer_goes_away)
+        info = {PROMPT_ID: 0, DECODER_ID: 1}
+        table = rank_table(PROMPT_IP, DECODER_IP)
+        await d.link("c", info, table)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        comm = await p.link("c", info, table)
+        status = await settled(p, comm, limit_s=15)
+        took = loop.time() - t0
+        assert status is RegisterMemStatus.FAILED
+        assert took < 4, f"the comm stayed PREPARING {took:.1f} s (dialled a peer that is gone again)"
+        await p.unlink(comm)

@@ -342,3 +342,57 @@ async def test_a_flood_of_read_reports_does_not_stall_the_owners_loop(observed):
         assert max(gaps) < 0.25, f"the owner's loop stalled {max(gaps):.2f} s on READ records"
         assert pair.prompt.stats().links[DECODER_ID].kinds["served_pull"].transfers == 30 * MAX_READS
         assert len(heard) == (30 * MAX_READS if observed else 0) and owners.local is not None
+
+
+FLOODER = """
+import socket, sys, time
+from aio_datadist.transport.local import _ENTRY, _READ, MAX_READS
+sock = socket.socket(fileno=int(sys.argv[1]))
+record = _ENTRY.pack(_READ, int(sys.argv[2]), 1 << 20, MAX_READS, 1, 0, 0)
+end = time.monotonic() + float(sys.argv[3])
+sys.stdout.write("go\\n")
+sys.stdout.flush()
+while time.monotonic() < end:
+    try:
+        sock.send(record)
+    except BlockingIOError:
+        time.sleep(0.0002)
+sock.detach()
+"""
+
+
+@pytest.mark.asyncio
+async def test_a_flood_of_read_reports_does_not_hold_a_synchronous_catch_up():
+    """Another process keeps the share socket full of READ records for 3 s: the owner's own catch_up() (each
+    read of the peer's caches without asking runs it, as region() and listed_region() read the queue too)
+    returns in bounded time instead of reading for as long as the peer keeps sending."""
+    async with listed(21) as (pair, _values, _dst, _seen):
+        theirs = usable_link(pair.decoder, PROMPT_ID).local
+        owners = usable_link(pair.prompt, DECODER_ID)
+        assert theirs is not None and owners.local is not None
+        cache_id = next(iter(owners.local.sent))
+
+        class Counting:  # what metrics adds: an observer that hears of each read
+            def transfer(self, *args):
+                pass
+
+            def link(self, *args):
+                pass
+
+        owners.counters.observers.append(Counting())
+        fd = os.dup(theirs.sock.fileno())
+        proc = subprocess.Popen([sys.executable, "-c", FLOODER, str(fd), str(cache_id), "3"], pass_fds=[fd],
+                                stdout=subprocess.PIPE)
+        os.close(fd)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == b"go\n"
+            time.sleep(0.2)  # the socket fills: nothing reads it meanwhile (the loop does not turn)
+            t0 = time.perf_counter()
+            owners.local.catch_up()
+            took = time.perf_counter() - t0
+        finally:
+            proc.wait(10)
+            assert proc.stdout is not None
+            proc.stdout.close()
+            owners.counters.observers.pop()
+        assert took < 0.5, f"catch_up() held the loop {took:.2f} s while the peer flooded"

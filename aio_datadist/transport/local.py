@@ -93,13 +93,17 @@ MAX_REGION_BYTES = 1 << 40
 #: The longest a pull that read without asking may say it took (a ``READ`` record), for our counters.
 READ_MICROS_MAX = 3_600_000_000
 #: The most reads one ``READ`` record may report; reads beyond it while the socket is full go uncounted.
-MAX_READS = 1 << 10
+MAX_READS = 1 << 8
 #: How long reads are summed before they are reported (``READ``): a report per pull would wake the peer per
 #: pull, and on 2 cores that wake-up cost the 2 MiB pull about 90 us (``benchmarks.ab_trees``).
 REPORT_AFTER_S = 0.01
 #: Records one turn of the loop acts on when the share socket is readable; the rest wait for the next turn, so a
 #: peer's flood of records never holds the loop (the synchronous callers still read everything queued).
 RECORDS_PER_TURN = 16
+#: The most records a synchronous read of the queue (catch_up, region, ...) acts on: more than an honest peer's
+#: full share socket holds (278 small records with the default buffers), so only a peer that keeps flooding meets
+#: it, and it can no longer hold the caller for as long as it keeps sending.
+SYNC_RECORDS_MAX = 512
 
 
 def boot_id() -> bytes:
@@ -366,7 +370,7 @@ class LocalShare:
     def device_region(self, cache_id: int) -> PeerDeviceCache | None:
         """The peer's device cache ``cache_id`` as we mapped it (records already queued are read first)."""
         if cache_id not in self.device_regions:
-            self._readable()
+            self._readable(SYNC_RECORDS_MAX)
         return self.device_regions.get(cache_id)
 
     @property
@@ -401,7 +405,7 @@ class LocalShare:
         asking, now."""
         region = self.listed.get(model_id)
         if region is None:  # the peer may have just shared it: its record would be queued here
-            self._readable()
+            self._readable(SYNC_RECORDS_MAX)
             region = self.listed.get(model_id)
         if region is None or self.peer_ledger is None or not self.peer_ledger.holds(region.slot, region.cache_id):
             return None
@@ -452,7 +456,7 @@ class LocalShare:
 
     def catch_up(self) -> None:
         """Act on the records the peer sent that are queued here (a withdrawal, the end of the share)."""
-        self._readable()
+        self._readable(SYNC_RECORDS_MAX)
 
     def region(self, cache_id: int) -> PeerRegion | None:
         """The peer's cache ``cache_id``; reads share records already queued first.
@@ -461,7 +465,7 @@ class LocalShare:
         so by the time a message names the cache, its record is in our queue.
         """
         if cache_id not in self.regions:
-            self._readable()
+            self._readable(SYNC_RECORDS_MAX)
         return self.regions.get(cache_id)
 
     def _readable(self, budget: int | None = None) -> None:
