@@ -169,6 +169,23 @@ class _Observer:
         done.seconds += seconds
         done.buckets[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
 
+    def transfers(self, cluster_id: int, kind: str, transport: str, count: int, nbytes: int,
+                  seconds: float) -> None:
+        # count transfers of nbytes // count bytes (the first nbytes % count one byte more), seconds / count each
+        share, more = divmod(nbytes, count)
+        bucket = bisect.bisect_left(DURATION_BUCKETS, seconds / count)
+        for size, n in ((share + 1, more), (share, count - more)):
+            if n == 0:
+                continue
+            key3 = (kind, transport, size_class(size))
+            done = self.done.get(key3)
+            if done is None:
+                done = self.done[key3] = _Done()
+            done.count += n
+            done.bytes += size * n
+            done.seconds += seconds / count * n
+            done.buckets[bucket] += n
+
     def link(self, cluster_id: int, remote_cluster_id: int, up: bool) -> None:
         self.links["up" if up else "down"] += 1
 

@@ -63,6 +63,11 @@ class Observer(Protocol):
     def transfer(self, cluster_id: int, kind: str, transport: str, nbytes: int, seconds: float,
                  outcome: Outcome, status: LLMStatusCode) -> None: ...
 
+    def transfers(self, cluster_id: int, kind: str, transport: str, count: int, nbytes: int,
+                  seconds: float) -> None:
+        """``count`` transfers ended well, ``nbytes`` and ``seconds`` in all, shared evenly (a peer's ``READ``
+        report): the same as ``count`` calls of :meth:`transfer` with ``Outcome.OK``."""
+
     def link(self, cluster_id: int, remote_cluster_id: int, up: bool) -> None: ...
 
 
@@ -228,23 +233,17 @@ class LinkCounters:
 
     def ended_many(self, kind: str, transport: str, count: int, nbytes: int, seconds: float) -> None:
         """``count`` transfers of ``kind`` we did not begin ended well, ``nbytes`` and ``seconds`` in all (a peer's
-        ``READ`` report): the counters move once, whatever ``count``; observers still hear of each."""
+        ``READ`` report): the counters and each observer move once, whatever ``count``."""
         t = self._kinds[kind]
         t.transfers += count
         t.bytes += nbytes
         t.seconds += seconds
         t.transport = transport
-        if not self.observers:
-            return
-        each = seconds / count
-        for i in range(count):
-            share = nbytes // count + (i < nbytes % count)
-            for observer in self.observers:
-                try:
-                    observer.transfer(self.cluster_id, kind, transport, share, each, Outcome.OK,
-                                      LLMStatusCode.LLM_SUCCESS)
-                except Exception:
-                    log.exception("an aio_datadist observer failed on a finished transfer")
+        for observer in self.observers:
+            try:
+                observer.transfers(self.cluster_id, kind, transport, count, nbytes, seconds)
+            except Exception:  # an observer's failure is its own: never the transfer's
+                log.exception("an aio_datadist observer failed on finished transfers")
 
     def link_event(self, *, up: bool) -> None:
         """The link came up (``up``) or went down: tell the observers."""

@@ -315,3 +315,23 @@ async def test_one_format_with_the_link_fields_serves_every_record():
     assert any(re.fullmatch(r"aio_datadist\.links \[2->1 #\d+\] link \d+ to cluster 1 \(PROMPT\) up, dialled: "
                             r"transport tcp", line) for line in lines), lines
     assert "aio_datadist.links [-->- #-] a record of no link" in lines
+
+
+def test_transfers_reported_at_once_count_as_each_one_would():
+    """A READ report's ``count`` reads reach the metrics observer in one call, counted exactly as ``count``
+    calls of ``transfer`` would be: per size class, bytes, seconds and duration bucket."""
+    from aio_datadist.metrics import _Observer
+    from aio_datadist.stats import Outcome
+
+    for count, nbytes, seconds in ((1, 2 << 20, 0.0003), (256, 256 * 4096 + 255, 0.5), (7, 4096 * 7 - 3, 7e-6),
+                                   (5, 0, 0.0)):
+        batched, single = _Observer("x"), _Observer("x")
+        batched.transfers(1, "served_pull", "local", count, nbytes, seconds)
+        for i in range(count):
+            share = nbytes // count + (i < nbytes % count)
+            single.transfer(1, "served_pull", "local", share, seconds / count, Outcome.OK, LLMStatusCode.LLM_SUCCESS)
+        assert batched.done.keys() == single.done.keys()
+        for key, done in single.done.items():
+            other = batched.done[key]
+            assert (other.count, other.bytes, other.buckets) == (done.count, done.bytes, done.buckets)
+            assert other.seconds == pytest.approx(done.seconds)

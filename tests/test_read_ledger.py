@@ -308,17 +308,11 @@ async def test_a_flood_of_read_reports_does_not_stall_the_owners_loop(observed):
         owners = usable_link(pair.prompt, DECODER_ID)
         assert owners.local is not None
         cache_id = next(iter(owners.local.sent))
-        heard: list[int] = []
+        from aio_datadist.metrics import _Observer
 
-        class Counting:
-            def transfer(self, *args):
-                heard.append(args[3])
-
-            def link(self, *args):
-                pass
-
+        metrics = _Observer("owner")  # what instrument() adds: it hears of each pull
         if observed:
-            owners.counters.observers.append(Counting())
+            owners.counters.observers.append(metrics)
         gaps: list[float] = []
 
         async def ticker() -> None:
@@ -341,7 +335,10 @@ async def test_a_flood_of_read_reports_does_not_stall_the_owners_loop(observed):
                 owners.counters.observers.pop()
         assert max(gaps) < 0.25, f"the owner's loop stalled {max(gaps):.2f} s on READ records"
         assert pair.prompt.stats().links[DECODER_ID].kinds["served_pull"].transfers == 30 * MAX_READS
-        assert len(heard) == (30 * MAX_READS if observed else 0) and owners.local is not None
+        heard = sum(done.count for done in metrics.done.values())
+        assert heard == (30 * MAX_READS if observed else 0) and owners.local is not None
+        if observed:
+            assert sum(done.bytes for done in metrics.done.values()) == 30 * (1 << 20)
 
 
 FLOODER = """
@@ -372,14 +369,9 @@ async def test_a_flood_of_read_reports_does_not_hold_a_synchronous_catch_up():
         assert theirs is not None and owners.local is not None
         cache_id = next(iter(owners.local.sent))
 
-        class Counting:  # what metrics adds: an observer that hears of each read
-            def transfer(self, *args):
-                pass
+        from aio_datadist.metrics import _Observer
 
-            def link(self, *args):
-                pass
-
-        owners.counters.observers.append(Counting())
+        owners.counters.observers.append(_Observer("owner"))  # what instrument() adds: it hears of each read
         fd = os.dup(theirs.sock.fileno())
         proc = subprocess.Popen([sys.executable, "-c", FLOODER, str(fd), str(cache_id), "3"], pass_fds=[fd],
                                 stdout=subprocess.PIPE)
