@@ -74,7 +74,7 @@ async def mapped(pair, cache_id: int, *, by_decoder: bool = True) -> None:
     other = DECODER_ID if by_decoder else PROMPT_ID
     share = usable_link(owner, other).local
     for _ in range(200):
-        share._readable()
+        share.catch_up()
         if cache_id in share.peer_mapped:
             return
         await asyncio.sleep(0.01)

@@ -98,7 +98,7 @@ MAX_READS = 1 << 8
 #: pull, and on 2 cores that wake-up cost the 2 MiB pull about 90 us (``benchmarks.ab_trees``).
 REPORT_AFTER_S = 0.01
 #: Records one turn of the loop acts on when the share socket is readable; the rest wait for the next turn, so a
-#: peer's flood of records never holds the loop (the synchronous callers still read everything queued).
+#: peer's flood of records never holds the loop (a synchronous read takes up to ``SYNC_RECORDS_MAX``).
 RECORDS_PER_TURN = 16
 #: The most records a synchronous read of the queue (catch_up, region, ...) acts on: more than an honest peer's
 #: full share socket holds (278 small records with the default buffers), so only a peer that keeps flooding meets
@@ -468,13 +468,11 @@ class LocalShare:
             self._readable(SYNC_RECORDS_MAX)
         return self.regions.get(cache_id)
 
-    def _readable(self, budget: int | None = None) -> None:
-        # A loop callback: nothing may escape it. Each received fd is closed exactly once, here.
-        while not self.closed:
-            if budget is not None:
-                if budget <= 0:
-                    return  # the reader fires again next turn
-                budget -= 1
+    def _readable(self, budget: int) -> None:
+        # A loop callback: nothing may escape it. Each received fd is closed exactly once, here. Acts on at most
+        # ``budget`` records (the reader fires again next turn for the rest).
+        while not self.closed and budget > 0:
+            budget -= 1
             fds: list[int] = []
             try:
                 data, fds, flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
