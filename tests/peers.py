@@ -111,6 +111,27 @@ def options(*, listen: bool = False, secret: str | None = None, sync_kv_timeout:
     return config.generate_options()
 
 
+def leave_during_set_up(monkeypatch: pytest.MonkeyPatch, dialler: LLMDataDist, peer: LLMDataDist) -> None:
+    """Make ``peer`` finalize while ``dialler`` sets up its next link (after ``LINK_OK``, in its transport
+    check); the dialler goes on once it has seen the link's control connection end (at most 5 s)."""
+    from aio_datadist.link_table import LinkTable
+    from aio_datadist.testing import runtime_of
+
+    original = LinkTable._require_transport
+    dialler_runtime = runtime_of(dialler)
+
+    async def peer_goes_away(self: LinkTable, link: Any) -> None:
+        if self.runtime is dialler_runtime:
+            await peer.finalize()
+            for _ in range(500):
+                if link.broken is not None or link.closed:
+                    break
+                await asyncio.sleep(0.01)
+        await original(self, link)
+
+    monkeypatch.setattr(LinkTable, "_require_transport", peer_goes_away)
+
+
 def cluster_info(remote_cluster_id: int, address: tuple[str, int]) -> LLMClusterInfo:
     """An :class:`LLMClusterInfo` naming a peer that listens on ``address``."""
     info = LLMClusterInfo()

@@ -29,6 +29,7 @@ from peers import (
     _next_command,
     _watchdog,
     fill,
+    leave_during_set_up,
     pattern,
     run_endpoint,
     spawned,
@@ -580,27 +581,12 @@ async def test_finalize_ends_comms_in_any_state():
 async def test_a_bilateral_link_that_goes_down_while_it_is_set_up_fails_at_once(monkeypatch):
     """The dialling end of link() sees the peer finalize after LINK_OK (during the transport check): its comm
     is FAILED at once, not after dialling the gone peer again for the whole link time."""
-    from aio_datadist.link_table import LinkTable
-    from aio_datadist.testing import runtime_of
-
     addresses = {PROMPT_IP: f"{PROMPT_IP}:{free_port(PROMPT_IP)}", DECODER_IP: f"{DECODER_IP}:{free_port(DECODER_IP)}"}
     config = {"rank_addresses": json.dumps(addresses), "link_total_time": 8}
-    original = LinkTable._require_transport
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
         await p.init(v2_options(**config))
         await d.init(v2_options(**config))
-        p_runtime = runtime_of(p)
-
-        async def peer_goes_away(self, link):
-            if self.runtime is p_runtime:
-                await d.finalize()
-                for _ in range(500):  # until the dialling end has seen its control connection end
-                    if link.broken is not None or link.closed:
-                        break
-                    await asyncio.sleep(0.01)
-            await original(self, link)
-
-        monkeypatch.setattr(LinkTable, "_require_transport", peer_goes_away)
+        leave_during_set_up(monkeypatch, p, d)
         info = {PROMPT_ID: 0, DECODER_ID: 1}
         table = rank_table(PROMPT_IP, DECODER_IP)
         await d.link("c", info, table)

@@ -30,6 +30,7 @@ from peers import (
     cluster_info,
     endpoint,
     fill,
+    leave_during_set_up,
     linked_pair,
     port_of,
 )
@@ -443,27 +444,14 @@ async def test_cancelled_link_clusters_leaves_a_usable_state():
 async def test_a_link_that_goes_down_while_it_is_set_up_is_not_reported_linked(monkeypatch):
     """The peer goes away after LINK_OK, while the dialling end still sets the link up (share, NIXL, transport
     check): link_clusters says LLM_LINK_FAILED for it, not success, and linking again works."""
-    from aio_datadist.link_table import LinkTable
-    from aio_datadist.testing import link_to, runtime_of
+    from aio_datadist.testing import link_to
 
     async with endpoint(LLMRole.DECODER, DECODER_ID) as dd:
         async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt:
             info = cluster_info(PROMPT_ID, port_of(prompt))
-            original = LinkTable._require_transport
-
-            async def peer_goes_away(self, link):
-                if self.runtime is not prompt_runtime:
-                    await prompt.finalize()
-                    for _ in range(500):  # until the dialling end has seen its control connection end
-                        if link.broken is not None or link.closed:
-                            break
-                        await asyncio.sleep(0.01)
-                await original(self, link)
-
-            prompt_runtime = runtime_of(prompt)
-            monkeypatch.setattr(LinkTable, "_require_transport", peer_goes_away)
-            assert await dd.link_clusters([info], timeout=3000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
-            monkeypatch.setattr(LinkTable, "_require_transport", original)
+            with monkeypatch.context() as patched:
+                leave_during_set_up(patched, dd, prompt)
+                assert await dd.link_clusters([info], timeout=3000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
             link = link_to(dd, PROMPT_ID)
             assert link is None or link.broken is not None or link.closed
             with pytest.raises(LLMException) as exc:
