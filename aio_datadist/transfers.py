@@ -53,6 +53,8 @@ async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str)
     for candidate in planes_for(link):
         read = candidate.reader(rt, link, plan)
         if read is not None and await read(timeout_ms, what):
+            if _trace.ON:
+                _trace.mark("returned")
             return candidate.transport_on(link)
     return await _run(rt, link, plan, timeout_ms, what, pull=True)
 

@@ -23,7 +23,6 @@ import time
 from collections.abc import Sequence
 
 from benchmarks import breakdown as bd
-from benchmarks._endpoints import blocks_desc, endpoint_options
 from benchmarks._peer import Peer
 from benchmarks._workload import KvGeometry
 from benchmarks.baselines import TcpReplyPeer
@@ -54,12 +53,13 @@ class _Sample:
         self.start = {who: _times(pid) for who, pid in pids.items()}
 
     def stop(self) -> dict[str, dict[str, tuple[str, float, float]]]:
-        out = {}
+        out: dict[str, dict[str, tuple[str, float, float]]] = {}
         for who, pid in self.pids.items():
             end, start = _times(pid), self.start[who]
-            out[who] = {tid: (name, user - start.get(tid, (name, 0.0, 0.0))[1],
-                              system - start.get(tid, (name, 0.0, 0.0))[2])
-                        for tid, (name, user, system) in end.items()}
+            out[who] = {}
+            for tid, (name, user, system) in end.items():
+                _, user0, system0 = start.get(tid, (name, 0.0, 0.0))  # a thread started meanwhile: from 0
+                out[who][tid] = (name, user - user0, system - system0)
         return out
 
 
@@ -72,20 +72,14 @@ def _add(total: dict[str, dict[str, list[float]]], sample: dict[str, dict[str, t
 
 
 async def _main(concurrent: int, seconds: float, rounds: int) -> None:
-    from aio_datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole
+    from aio_datadist import LLMDataDist, LLMRole
 
-    geometry = KvGeometry()
-    nbytes = geometry.request_bytes(1)
+    nbytes = KvGeometry().request_bytes(1)
     with TcpReplyPeer(nbytes) as raw, Peer(bd._prompt_peer, "tcp", timeout=600.0, name="prompt") as prompt:
         port = await prompt.recv_async(120.0)
         async with LLMDataDist(LLMRole.DECODER, bd.DECODER_ID) as dd:
-            await dd.init(endpoint_options("tcp", listen=False, timeout_ms=bd.TIMEOUT_MS))
-            cache = dd.kv_cache_manager.allocate_blocks_cache(blocks_desc(geometry, bd.CACHE_BLOCKS))
-            info = LLMClusterInfo()
-            info.remote_cluster_id = bd.PROMPT_ID
-            info.append_remote_ip_info("127.0.0.1", port)
-            await dd.link_clusters([info])
-            key, kv = BlocksCacheKey(bd.PROMPT_ID, 0), dd.kv_cache_manager
+            cache, key = await bd.link_decoder(dd, port, "tcp")
+            kv = dd.kv_cache_manager
             blocks = min(concurrent, bd.CACHE_BLOCKS)
 
             async def pulls(until: float) -> int:

@@ -177,18 +177,12 @@ class _Floor(_Case):
 
 async def _library(peer: Peer, blocks: int) -> tuple[Any, Callable[[int], Any]]:
     """A DECODER linked over TCP to ``peer`` (a ``benchmarks.breakdown`` prompt) and its pull loop."""
-    from aio_datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole
-    from benchmarks._endpoints import blocks_desc, endpoint_options
+    from aio_datadist import LLMDataDist, LLMRole
 
     port = await peer.recv_async(120.0)
     dd = LLMDataDist(LLMRole.DECODER, bd.DECODER_ID)
-    await dd.init(endpoint_options("tcp", listen=False, timeout_ms=bd.TIMEOUT_MS))
-    cache = dd.kv_cache_manager.allocate_blocks_cache(blocks_desc(KvGeometry(), CACHE_BLOCKS))
-    info = LLMClusterInfo()
-    info.remote_cluster_id = bd.PROMPT_ID
-    info.append_remote_ip_info("127.0.0.1", port)
-    await dd.link_clusters([info])
-    key, state = BlocksCacheKey(bd.PROMPT_ID, 0), [0]
+    cache, key = await bd.link_decoder(dd, port, "tcp")
+    state = [0]
 
     async def pulls(n: int) -> list[float]:
         times = []
