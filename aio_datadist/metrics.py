@@ -160,31 +160,27 @@ class _Observer:
             key = (kind, transport, outcome.value, status.name)
             self.ended[key] = self.ended.get(key, 0) + 1
             return
-        key3 = (kind, transport, size_class(nbytes))
-        done = self.done.get(key3)
-        if done is None:
-            done = self.done[key3] = _Done()
-        done.count += 1
-        done.bytes += nbytes
-        done.seconds += seconds
-        done.buckets[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
+        self._count(kind, transport, 1, nbytes, seconds)
 
     def transfers(self, cluster_id: int, kind: str, transport: str, count: int, nbytes: int,
                   seconds: float) -> None:
         # count transfers of nbytes // count bytes (the first nbytes % count one byte more), seconds / count each
         share, more = divmod(nbytes, count)
-        bucket = bisect.bisect_left(DURATION_BUCKETS, seconds / count)
-        for size, n in ((share + 1, more), (share, count - more)):
-            if n == 0:
-                continue
-            key3 = (kind, transport, size_class(size))
-            done = self.done.get(key3)
-            if done is None:
-                done = self.done[key3] = _Done()
-            done.count += n
-            done.bytes += size * n
-            done.seconds += seconds / count * n
-            done.buckets[bucket] += n
+        if more:
+            self._count(kind, transport, more, share + 1, seconds / count)
+        if count > more:
+            self._count(kind, transport, count - more, share, seconds / count)
+
+    def _count(self, kind: str, transport: str, n: int, nbytes: int, seconds: float) -> None:
+        """``n`` finished transfers of ``nbytes`` each that took ``seconds`` each."""
+        key3 = (kind, transport, size_class(nbytes))
+        done = self.done.get(key3)
+        if done is None:
+            done = self.done[key3] = _Done()
+        done.count += n
+        done.bytes += nbytes * n
+        done.seconds += seconds * n
+        done.buckets[bisect.bisect_left(DURATION_BUCKETS, seconds)] += n
 
     def link(self, cluster_id: int, remote_cluster_id: int, up: bool) -> None:
         self.links["up" if up else "down"] += 1
