@@ -40,6 +40,9 @@ issue with its mark, the loaded ratios and loaded / quiet, and the 128 MiB
 ratios against a saved reference run (``--reference``; the default is
 ``benchmarks/results/suite-default-reference.json``, written by ``--format json``).
 
+Both library processes run asyncio's default event loop; ``--uvloop`` runs them
+on uvloop instead (the raw baselines use no event loop either way).
+
 Targets are marks in the table, never assertions.
 """
 
@@ -159,6 +162,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="skip the pass under load (a busy child process) of the small-request cases")
     p.add_argument("--load-cpu", type=int, default=None, metavar="CPU",
                    help="pin the busy child to this CPU (default: not pinned)")
+    p.add_argument("--uvloop", action="store_true",
+                   help="run both library processes' event loops on uvloop (default: asyncio's; the raw baselines "
+                        "use no event loop)")
     p.add_argument("--reference", default=str(small_requests.DEFAULT_REFERENCE), metavar="FILE|none",
                    help="a saved --format json run to compare the 128 MiB ratios with (default: %(default)s)")
     return p.parse_args(argv)
@@ -176,8 +182,8 @@ def _concurrent_lists(cache_blocks: int, each: int) -> list[tuple[list[int], lis
 # -- the PROMPT process -------------------------------------------------------------------------
 
 
-def _prompt_peer(conn: Any, geometry: KvGeometry, cache_blocks: int) -> None:
-    run_coroutine(lambda: _prompt_main(conn, geometry, cache_blocks))
+def _prompt_peer(conn: Any, geometry: KvGeometry, cache_blocks: int, use_uvloop: bool) -> None:
+    run_coroutine(lambda: _prompt_main(conn, geometry, cache_blocks), use_uvloop=use_uvloop)
 
 
 async def _next_command(conn: Any) -> Any:
@@ -416,7 +422,7 @@ async def _loaded_pass(res: Results, dec: Decoder, raw: Any, spinner: Spinner, c
 
 
 async def _measure(geometry: KvGeometry, counts: Sequence[int], plan: Plan, gloo: bool,
-                   progress: Progress, spinner: Spinner | None = None) -> Results:
+                   progress: Progress, spinner: Spinner | None = None, use_uvloop: bool = False) -> Results:
     from contextlib import AsyncExitStack
 
     res = Results()
@@ -429,7 +435,7 @@ async def _measure(geometry: KvGeometry, counts: Sequence[int], plan: Plan, gloo
     concurrent = [b for b in CONCURRENT_BLOCKS if b in counts]
     metrics = metrics_available()
     t0 = time.perf_counter()
-    with Peer(_prompt_peer, geometry, cache_blocks, timeout=PEER_LIFETIME_S, name="prompt") as peer, \
+    with Peer(_prompt_peer, geometry, cache_blocks, use_uvloop, timeout=PEER_LIFETIME_S, name="prompt") as peer, \
             baselines.TcpReplyPeer(raw_bytes, timeout=PEER_LIFETIME_S) as raw:
         prompt_rss, my_rss = RssWatch(peer.pid), RssWatch()
         async with AsyncExitStack() as stack:
@@ -705,7 +711,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = Plan.for_mode(args.quick, args.full)
     progress = Progress(args.verbose)
     gloo = not args.no_gloo
-    mode = mode_label(args)
+    mode = mode_label(args) + (", uvloop" if args.uvloop else "")
     machine = machine_info()
     wanted = sorted(set(block_counts(args)) | {1})
     head = Table(f"aio_datadist performance suite ({mode})", machine=machine)
@@ -724,7 +730,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         # created here, on the main thread: the child's death signal follows the thread that started it
         spinner = None if args.no_load else stack.enter_context(Spinner(args.load_cpu))
-        res = run_coroutine(lambda: _measure(geometry, counts, plan, gloo, progress, spinner))
+        res = run_coroutine(lambda: _measure(geometry, counts, plan, gloo, progress, spinner, args.uvloop),
+                            use_uvloop=args.uvloop)
         spun = None if spinner is None else {"what": spinner.describe(),
                                              "cores": res.spinner_cpu / max(res.spinner_wall, 1e-9)}
     throughput = _throughput_table(res, counts, geometry, machine, mode, gloo)
@@ -745,7 +752,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary.note(f"{plan.rounds} rounds; cases rotate their order each round; cache {cache_blocks} blocks x "
                  f"{geometry.num_tensors} tensors x {format_bytes(geometry.block_bytes)}; library defaults "
                  f"otherwise ({res.settings.get('data channels')} data channels, "
-                 f"{res.settings.get('copy threads')} copy threads, asyncio loop)")
+                 f"{res.settings.get('copy threads')} copy threads, {'uvloop' if args.uvloop else 'asyncio'} loop)")
     summary.note("run time " + ", ".join(f"{k} {v:.0f} s" for k, v in res.sections.items())
                  + f"; total {time.perf_counter() - t_start:.0f} s")
     _emit_all(tables, args.format)
