@@ -513,7 +513,7 @@ class KvCacheManager:
         cache = self._endpoint.live(src_cache, "src_cache")
         if cache.is_blocks_cache:
             raise param_invalid("src_cache", "push_cache needs a contiguous cache (use push_blocks for blocks)")
-        if size != -1:
+        if check_int("size", size) != -1:
             raise param_invalid("size", f"only -1 (whole rows) is supported, got {size!r}")
         src, dst, per_layer = self._ext_param(ext_param)
         timeout_ms = self._timeout(timeout)

@@ -358,6 +358,15 @@ async def test_local_copies():
         assert all(torch.equal(host_t[i][4], blocks_t[i][1]) for i in range(4))
 
 
+async def test_push_cache_size_is_the_int_minus_one():
+    async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        cm = dd.cache_manager
+        rows, _ = register(cm, ROWS, 1)
+        for size in (-1.0, True, "-1"):
+            with rejected(INVALID, "size", TypeError):  # before the link is looked up
+                await cm.push_cache(CacheKeyByIdAndIndex(PROMPT_ID, 1, 0), rows, size=size)
+
+
 # -- transfers between two processes ----------------------------------------------------
 
 
