@@ -349,8 +349,11 @@ class CacheRegistry:
 
     def refresh(self, cache: KvCache) -> None:
         """Withdraw a cache from the transports and offer it again (``on_free``, then ``on_add``):
-        what they registered of its memory is made anew, after its pages were replaced in place."""
-        self.get(cache)
+        what they registered of its memory is made anew, after its pages were replaced in place.
+        A cache deallocated but still kept by its keys is offered too, so it is refreshed as well."""
+        entry = self._entries.get(cache.cache_id)
+        if entry is None or entry.cache is not cache:
+            self.get(cache)
         if self.on_free is not None:
             self.on_free(cache)
         if self.on_add is not None and cache.cache_id not in self._hidden:

@@ -339,6 +339,15 @@ async def test_release_calls_and_their_second_calls():
             assert theirs.alive
 
 
+async def test_remap_covers_a_deallocated_cache_its_keys_still_offer():
+    async with v2_endpoint(LLMRole.PROMPT, PROMPT_ID) as dd:
+        cm = dd.cache_manager
+        kept = cm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 5)])
+        cm.deallocate_cache(kept)  # its key still offers it to peers
+        cm.remap_registered_memory(MemInfo(Memtype.MEM_TYPE_DEVICE, kept.tensor_addrs[0], 64))
+        assert kept.alive and registry_of(dd).by_key(CacheKey(PROMPT_ID, 5).lookup_key()) == (kept, 0)
+
+
 async def test_local_copies():
     async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
         cm = dd.cache_manager
