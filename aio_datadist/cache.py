@@ -385,7 +385,8 @@ class CacheRegistry:
     def check_keys(self, desc: CacheDesc, cache_keys: Iterable[Any]) -> list[tuple[int, CacheKey]]:
         """Validate keys for a new cache; returns ``(row, key)`` of the real ones."""
         if not isinstance(cache_keys, (list, tuple)):
-            raise param_invalid("cache_keys", f"expected a list or tuple of CacheKey, got {type(cache_keys).__name__}")
+            raise param_type_error("cache_keys",
+                                   f"expected a list or tuple of CacheKey, got {type(cache_keys).__name__}")
         if len(cache_keys) > desc.batch_size:
             raise param_invalid("cache_keys", f"{len(cache_keys)} keys for batch size {desc.batch_size}")
         seen: set[tuple[int, int, int]] = set()

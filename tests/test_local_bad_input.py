@@ -266,6 +266,21 @@ async def test_allocate_rejects_bad_descs_and_keys():
 
 
 @pytest.mark.asyncio
+async def test_cache_keys_not_a_list_are_a_type_error():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options())
+        kv = dd.kv_cache_manager
+        key = CacheKey(1, req_id=1)
+        for call in (lambda: kv.allocate_cache(CONTIG, key), lambda: kv.allocate_cache(CONTIG, {key}),
+                     lambda: kv.register_cache(CONTIG, [torch.zeros(3, 8, 16) for _ in range(2)], key)):
+            with pytest.raises(LLMException) as info:
+                call()
+            assert isinstance(info.value, TypeError) and info.value.status_code is INVALID, str(info.value)
+            assert "'cache_keys'" in str(info.value)
+        assert len(registry_of(dd)) == 0
+
+
+@pytest.mark.asyncio
 async def test_registered_memory_cap_is_out_of_memory():
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init(options(registered_memory_cap=2 * BLOCKS_HOST.size * BLOCKS_HOST.num_tensors))
