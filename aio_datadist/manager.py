@@ -257,9 +257,9 @@ class KvCacheManager:
                 raise param_invalid(arg, "copy_cache needs a contiguous cache, got a blocks cache (use copy_blocks)")
         _check_same_rows("src", dst, src)
         dl, sl = dst.layout, src.layout
-        drow = check_index("dst_batch_index", dst_batch_index, dl.rows, what="batch index")
-        srow = check_index("src_batch_index", src_batch_index, sl.rows, what="batch index")
-        offset = check_int("offset", offset, lo=0, hi=dl.row_bytes - 1)
+        drow = _check_batch_index("dst_batch_index", dst_batch_index, dl.rows)
+        srow = _check_batch_index("src_batch_index", src_batch_index, sl.rows)
+        offset = check_int("offset", check_uint("offset", offset), hi=dl.row_bytes - 1)
         size = check_int("size", size, lo=-1)
         nbytes = dl.row_bytes - offset if size == -1 else size
         if size == 0 or nbytes > dl.row_bytes - offset:
@@ -393,7 +393,7 @@ class KvCacheManager:
         src, dst, per_layer, timeout_ms = self._layer_args(src_layer_range, dst_layer_range, tensor_num_per_layer,
                                                            timeout)
         lay = cache.layout
-        row = check_index("batch_index", batch_index, lay.rows, what="batch index")
+        row = _check_batch_index("batch_index", batch_index, lay.rows)
         local_offset = dst_offset or 0
         if local_offset >= lay.row_bytes:
             raise param_invalid("dst_cache_offset", f"must be below the row size {lay.row_bytes}, got {local_offset}")
@@ -518,7 +518,7 @@ class KvCacheManager:
         src, dst, per_layer = self._ext_param(ext_param)
         timeout_ms = self._timeout(timeout)
         lay = cache.layout
-        row = check_index("src_batch_index", src_batch_index, lay.rows, what="batch index")
+        row = _check_batch_index("src_batch_index", src_batch_index, lay.rows)
         plan = build_plan(cache, src, dst, per_layer, [row], lay.row_bytes, (), lay.row_bytes,
                           ReqFlag.CONTIG | ReqFlag.EXACT, target_fields(key), "src")
         link = self._endpoint.require_links().get(key.cluster_id)
@@ -623,6 +623,11 @@ def _check_pull_key(arg: str, key: Any, kinds: tuple[type, ...]) -> Any:
     if isinstance(key, CacheKey) and (key.req_id != UINT64_MAX) == (key.prefix_id != UINT64_MAX):
         raise param_invalid(arg, "exactly one of req_id and prefix_id must be set")
     return key
+
+
+def _check_batch_index(arg: str, value: Any, rows: int) -> int:
+    """A batch row: a uint32 (a ``ValueError`` too outside it, as LLM-DataDist's ``check_uint32``) below ``rows``."""
+    return check_index(arg, check_uint(arg, value, 32), rows, what="batch index")
 
 
 def _check_unique(arg: str, blocks: Sequence[int]) -> None:

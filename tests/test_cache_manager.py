@@ -367,6 +367,25 @@ async def test_local_copies():
         assert all(torch.equal(host_t[i][4], blocks_t[i][1]) for i in range(4))
 
 
+async def test_negative_batch_index_or_offset_is_a_value_error():
+    async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        cm = dd.cache_manager
+        a, a_t = register(cm, ROWS, 1)
+        b, b_t = register(cm, ROWS, 2)
+        remote = CacheKeyByIdAndIndex(PROMPT_ID, 1, 0)
+        calls = [
+            ("dst_batch_index", lambda: cm.copy_cache(b, a, dst_batch_index=-1)),
+            ("src_batch_index", lambda: cm.copy_cache(b, a, src_batch_index=-1)),
+            ("offset", lambda: cm.copy_cache(b, a, 1, 0, offset=-1)),
+            ("batch_index", lambda: cm.pull_cache(remote, b, -1)),
+            ("src_batch_index", lambda: cm.push_cache(remote, a, -1)),
+        ]
+        for arg, call in calls:  # LLM-DataDist's check_uint32 / check_uint64, before the link is looked up
+            with rejected(INVALID, arg, ValueError):
+                await call()
+        assert same(a.tensors, pattern(ROWS, 1)) and same(b.tensors, pattern(ROWS, 2))
+
+
 async def test_push_cache_size_is_the_int_minus_one():
     async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
         cm = dd.cache_manager
