@@ -298,7 +298,7 @@ class CacheManager:
         :param dst_cache_key: remote cluster, cache id and destination row.
         :param src_layer_range: local layers (None: all of ``src_cache``).
         :param dst_layer_range: remote layers, as many as ``src_layer_range``
-            (None: the same count from layer 0).
+            (None: every layer of ``src_cache``).
         :param size: must be -1 (whole rows).
         :returns: once the peer confirmed the bytes are in place.
         :raises LLMException: ``LLM_PARAM_INVALID``, ``LLM_NOT_YET_LINK``,
