@@ -174,3 +174,33 @@ def test_a_bad_frame_ends_the_connection_and_frees_its_claims(agents) -> None:
         error = decode_reply(data[4:], "claim")
         assert not error["ok"] and "'frame'" in error["error"]
     wait(lambda: prefill.holds.take_released() == {"r9"})  # the claimer is gone: its blocks are freed
+
+
+def _remote(prefill, req: str, blocks: list[int]) -> RemotePrefill:
+    host, port = prefill.side_channel
+    return parse_transfer_params(transfer_params(engine_id="engine-p", request_id=req, host=host, port=port,
+                                                 block_ids=blocks, num_tokens=len(blocks) * BLOCK_TOKENS))
+
+
+def test_a_side_channel_lost_while_the_link_stays_up_is_dialled_again(agents) -> None:
+    prefill, p_kv = agents(True)
+    decode, d_kv = agents(False)
+    prefill.holds.add("r1", lease_s=60)
+    decode.start_pull("d1", _remote(prefill, "r1", [5]), [2])
+    wait(lambda: not decode.pulls.pending())
+    assert decode.pulls.take_finished() == ({"d1"}, set(), set())
+
+    async def drop_side_channels() -> None:  # e.g. an idle timeout on the way; the KV link stays up
+        for writer in list(prefill._conns):
+            writer.transport.abort()
+
+    prefill.loop.call(drop_side_channels())
+    peer_task = decode._peers[prefill.side_channel]
+    wait(lambda: peer_task.done() and peer_task.result().broken is not None)
+    prefill.holds.add("r2", lease_s=60)
+    decode.start_pull("d2", _remote(prefill, "r2", [9]), [4])
+    wait(lambda: not decode.pulls.pending())
+    assert decode.pulls.take_finished() == ({"d2"}, set(), set())
+    for name in p_kv:
+        for k_or_v in range(2):
+            assert torch.equal(d_kv[name][k_or_v][4], p_kv[name][k_or_v][9])

@@ -462,7 +462,8 @@ class Agent:
             cluster.append_remote_ip_info(hello["data_host"], hello["data_port"])
             assert self._dd is not None
             status, per = await self._dd.link_clusters([cluster], timeout=self.options.link_timeout_ms)
-            if status != LLMStatusCode.LLM_SUCCESS:
+            # LLM_ALREADY_LINK: only the side channel was lost (a broken link would have been replaced)
+            if status != LLMStatusCode.LLM_SUCCESS and per != [LLMStatusCode.LLM_ALREADY_LINK]:
                 raise ConnectionError(f"link to prefill {hello['engine_id']} failed: {per}")
             peer.cluster_id = hello["cluster_id"]
             return peer
