@@ -9,6 +9,7 @@ runs the connector inside real vLLM engines.
 from __future__ import annotations
 
 import socket
+import time
 import struct
 
 import pytest
@@ -204,3 +205,27 @@ def test_a_side_channel_lost_while_the_link_stays_up_is_dialled_again(agents) ->
     for name in p_kv:
         for k_or_v in range(2):
             assert torch.equal(d_kv[name][k_or_v][4], p_kv[name][k_or_v][9])
+
+
+def test_an_abort_that_comes_before_the_pull_runs_still_cancels_it() -> None:
+    pulls = DecodePulls()
+    cancelled: list[str] = []
+    pulls.start("x", (1, 2))  # start_pull: the pull's task has not run yet (it sets its cancel when it does)
+    pulls.abort({"x"})  # vLLM aborts the request in the same step
+    pulls.set_cancel("x", lambda: cancelled.append("x"))
+    assert cancelled == ["x"]
+    pulls.end("x", ok=False, error="aborted")
+    assert pulls.take_finished() == ({"x"}, {"x"}, {1, 2})
+
+
+def test_a_pull_aborted_before_its_task_ran_moves_nothing(agents) -> None:
+    prefill, _ = agents(True)
+    decode, d_kv = agents(False)
+    prefill.holds.add("r4", lease_s=60)
+    decode.loop.loop.call_soon_threadsafe(time.sleep, 0.3)  # the decode's loop is busy: the pull waits to run
+    decode.start_pull("d4", _remote(prefill, "r4", [6]), [3])
+    decode.pulls.abort({"d4"})
+    wait(lambda: not decode.pulls.pending())
+    assert decode.pulls.take_finished() == ({"d4"}, {"d4"}, {3})
+    time.sleep(0.2)
+    assert not any(t.any() for t in d_kv.values())

@@ -118,6 +118,7 @@ class Pull:
     local_blocks: tuple[int, ...]
     cancel: Callable[[], object] | None = None
     ok: bool | None = None  # None while the pull may still write
+    aborted: bool = False  # vLLM aborted it (perhaps before its cancel was set)
     error: str = ""
     started: float = field(default_factory=time.monotonic)
     seconds: float = 0.0
@@ -144,8 +145,12 @@ class DecodePulls:
     def set_cancel(self, req_id: str, cancel: Callable[[], object]) -> None:
         with self._lock:
             pull = self._pulls.get(req_id)
-            if pull is not None and pull.ok is None:
-                pull.cancel = cancel
+            if pull is None or pull.ok is not None:
+                return
+            pull.cancel = cancel
+            aborted = pull.aborted
+        if aborted:  # the abort came before the pull could be cancelled
+            cancel()
 
     def end(self, req_id: str, ok: bool, error: str = "") -> None:
         """The pull stopped (its task ended: no byte can land any more); ``ok`` if all its bytes are in."""
@@ -162,7 +167,12 @@ class DecodePulls:
     def abort(self, req_ids: set[str]) -> None:
         """vLLM finished these requests (aborted): cancel their pulls; they are reported once stopped."""
         with self._lock:
-            cancels = [p.cancel for r, p in self._pulls.items() if r in req_ids and p.cancel is not None]
+            cancels = []
+            for req_id in req_ids & self._pulls.keys():
+                pull = self._pulls[req_id]
+                pull.aborted = True
+                if pull.cancel is not None:
+                    cancels.append(pull.cancel)
         for cancel in cancels:
             cancel()
 
