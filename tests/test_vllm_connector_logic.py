@@ -229,3 +229,45 @@ def test_a_pull_aborted_before_its_task_ran_moves_nothing(agents) -> None:
     assert decode.pulls.take_finished() == ({"d4"}, {"d4"}, {3})
     time.sleep(0.2)
     assert not any(t.any() for t in d_kv.values())
+
+
+def _released_soon(prefill, req: str, timeout_s: float = 3.0) -> None:
+    """``req``'s blocks are freed within ``timeout_s`` (far before its lease or claim timeout)."""
+    released: set[str] = set()
+
+    def freed() -> bool:
+        released.update(prefill.holds.take_released())
+        return req in released
+
+    wait(freed, timeout_s)
+
+
+def test_a_pull_aborted_before_it_claimed_lets_the_prefill_free_the_blocks(agents) -> None:
+    prefill, _ = agents(True)
+    decode, d_kv = agents(False)
+    prefill.holds.add("r5", lease_s=60)
+    decode.loop.loop.call_soon_threadsafe(time.sleep, 0.3)  # aborted before the pull ran: nothing claimed
+    decode.start_pull("d5", _remote(prefill, "r5", [6]), [3])
+    decode.pulls.abort({"d5"})
+    wait(lambda: not decode.pulls.pending())
+    assert decode.pulls.take_finished() == ({"d5"}, {"d5"}, {3})
+    _released_soon(prefill, "r5")  # not only after its 60 s lease
+    assert not any(t.any() for t in d_kv.values())
+
+
+def test_a_pull_aborted_while_its_claim_waits_lets_the_prefill_free_the_blocks(agents) -> None:
+    prefill, _ = agents(True, claim_wait_s=3.0)
+    decode, d_kv = agents(False)
+    decode.start_pull("d6", _remote(prefill, "r6", [6]), [3])  # vLLM's metadata naming r6 is late at the prefill
+
+    def claim_waiting() -> bool:
+        task = decode._peers.get(prefill.side_channel)
+        return task is not None and task.done() and any(op == "claim" for op, _ in task.result().replies.values())
+
+    wait(claim_waiting)
+    decode.pulls.abort({"d6"})
+    wait(lambda: not decode.pulls.pending())
+    assert decode.pulls.take_finished() == ({"d6"}, {"d6"}, {3})
+    prefill.holds.add("r6", lease_s=60)  # the waiting claim now succeeds for the decode's connection
+    _released_soon(prefill, "r6")  # not only after the claim's 35 s (pull_timeout_ms + claim_grace_s)
+    assert not any(t.any() for t in d_kv.values())

@@ -478,7 +478,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         self.pulls.set_cancel(req_id, lambda: loop.call_soon_threadsafe(task.cancel))
         ok, error, peer = False, "", None
-        claimed = False
+        claimed = asking = False
         started = time.monotonic()
         try:
             if len(local) > len(remote.block_ids):
@@ -486,7 +486,9 @@ class Agent:
             # blocks the decode found in its own prefix cache are not pulled: pull the tail
             src = list(remote.block_ids[len(remote.block_ids) - len(local):])
             peer = await self._peer(remote.host, remote.port)
+            asking = True
             reply = await peer.request("claim", self.options.link_timeout_ms / 1000, req=remote.request_id)
+            asking = False
             if not reply["ok"]:
                 raise ConnectionError(reply["error"])
             claimed = True
@@ -510,6 +512,10 @@ class Agent:
             if claimed and peer is not None:
                 with contextlib.suppress(Exception):
                     peer.writer.write(encode_frame({"id": 0, "op": "done", "req": remote.request_id}))
+        if not claimed and (asking or error == "aborted"):
+            # aborted before its claim was sent, or its claim unanswered (it may still succeed at the prefill):
+            # free the blocks as for a request aborted before its load (claim + done), not only after a timeout
+            await self._release(remote)
 
     def release_unpulled(self, remote: RemotePrefill) -> None:
         """Tell the prefill that this decode will not pull ``remote`` (aborted, or a local prefix-cache hit)."""
