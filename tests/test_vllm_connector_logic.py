@@ -8,6 +8,7 @@ runs the connector inside real vLLM engines.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 import struct
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from aio_datadist import LLMException, LLMStatusCode
-from aio_datadist.integrations.vllm_agent import kv_layout
+from aio_datadist.integrations.vllm_agent import LoopThread, kv_layout
 from aio_datadist.integrations.vllm_state import DecodePulls, PrefillHolds
 from aio_datadist.integrations.vllm_wire import (
     MAX_FRAME,
@@ -29,6 +30,7 @@ from aio_datadist.integrations.vllm_wire import (
     transfer_params,
 )
 import _vllm_agents
+from relay import Relay
 from _vllm_agents import BLOCK_TOKENS, BLOCKS, DIM, HEADS, LAYERS, kv_caches, wait
 
 agents = _vllm_agents.agents  # the fixture
@@ -271,3 +273,50 @@ def test_a_pull_aborted_while_its_claim_waits_lets_the_prefill_free_the_blocks(a
     prefill.holds.add("r6", lease_s=60)  # the waiting claim now succeeds for the decode's connection
     _released_soon(prefill, "r6")  # not only after the claim's 35 s (pull_timeout_ms + claim_grace_s)
     assert not any(t.any() for t in d_kv.values())
+
+
+class _SlowRelay(Relay):
+    """Forwards a link's bytes; while ``rate`` (bytes/s) is set, the prefill-to-decode direction is paced."""
+
+    rate: float | None = None
+
+    async def downstream(self, reader, writer) -> None:
+        try:
+            while data := await reader.read(1024):
+                if self.rate:
+                    await asyncio.sleep(len(data) / self.rate)
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+        except (ConnectionError, OSError):
+            writer.transport.abort()
+
+
+def test_a_pull_whose_side_channel_closes_meanwhile_is_reported_failed(agents) -> None:
+    """The prefill frees a claim whose side channel closed: a decode that goes on pulling reads freed blocks."""
+    relay_loop = LoopThread("relay")
+    relay = _SlowRelay(("127.0.0.1", 0))
+    try:
+        prefill, _ = agents(True, transport="tcp")
+        relay.target = prefill._dd.listen_address
+        relay_loop.call(relay.__aenter__())
+        prefill.options.advertise_data = "%s:%d" % relay.address
+        decode, d_kv = agents(False, transport="tcp")
+        prefill.holds.add("r7", lease_s=60)
+        relay.rate = 4096.0  # the pull (6 KiB here) takes about 1.5 s
+        decode.start_pull("d7", _remote(prefill, "r7", [6, 8]), [3, 5])
+        wait(lambda: prefill.holds.held.get("r7", None) is not None and prefill.holds.held["r7"].owner is not None)
+
+        async def drop_side_channels() -> None:
+            for writer in list(prefill._conns):
+                writer.transport.abort()
+
+        prefill.loop.call(drop_side_channels())
+        assert decode.pulls.pending() == {"d7"}  # still pulling
+        _released_soon(prefill, "r7")  # the prefill let go of the blocks: vLLM may reuse them now
+        wait(lambda: not decode.pulls.pending())
+        assert decode.pulls.take_finished() == ({"d7"}, {"d7"}, {3, 5})  # not a load to use
+    finally:
+        relay.rate = None
+        relay_loop.call(relay.__aexit__(None, None, None))
+        relay_loop.stop()

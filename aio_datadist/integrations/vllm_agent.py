@@ -496,6 +496,9 @@ class Agent:
             await self._dd.kv_cache_manager.pull_blocks(BlocksCacheKey(peer.cluster_id, 0), self._cache,
                                                         src_blocks=src, dst_blocks=list(local),
                                                         timeout=self.options.pull_timeout_ms)
+            if peer.task is None or peer.task.done() or peer.reader.at_eof() or peer.writer.is_closing():
+                # the prefill frees a claim whose side channel closed: what was read may be another request's
+                raise ConnectionError("side channel lost during the pull: the prefill released the blocks")
             ok = True
         except asyncio.CancelledError:
             error = "aborted"
