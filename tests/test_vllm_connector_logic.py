@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 import struct
+import time
 
+import _vllm_agents
 import pytest
 import torch
+from _vllm_agents import BLOCK_TOKENS, BLOCKS, DIM, HEADS, LAYERS, kv_caches, wait
+from relay import Relay
 
 from aio_datadist import LLMException, LLMStatusCode
 from aio_datadist.integrations.vllm_agent import LoopThread, kv_layout
@@ -29,9 +32,6 @@ from aio_datadist.integrations.vllm_wire import (
     parse_transfer_params,
     transfer_params,
 )
-import _vllm_agents
-from relay import Relay
-from _vllm_agents import BLOCK_TOKENS, BLOCKS, DIM, HEADS, LAYERS, kv_caches, wait
 
 agents = _vllm_agents.agents  # the fixture
 
@@ -300,8 +300,8 @@ def test_a_pull_whose_side_channel_closes_meanwhile_is_reported_failed(agents) -
         prefill, _ = agents(True, transport="tcp")
         relay.target = prefill._dd.listen_address
         relay_loop.call(relay.__aenter__())
-        prefill.options.advertise_data = "%s:%d" % relay.address
-        decode, d_kv = agents(False, transport="tcp")
+        prefill.options.advertise_data = "{}:{}".format(*relay.address)
+        decode, _ = agents(False, transport="tcp")
         prefill.holds.add("r7", lease_s=60)
         relay.rate = 4096.0  # the pull (6 KiB here) takes about 1.5 s
         decode.start_pull("d7", _remote(prefill, "r7", [6, 8]), [3, 5])
