@@ -209,6 +209,37 @@ def test_a_side_channel_lost_while_the_link_stays_up_is_dialled_again(agents) ->
             assert torch.equal(d_kv[name][k_or_v][4], p_kv[name][k_or_v][9])
 
 
+def test_a_kv_link_lost_while_the_side_channel_stays_up_is_linked_again(agents) -> None:
+    prefill, p_kv = agents(True)
+    decode, d_kv = agents(False)
+    prefill.holds.add("r1", lease_s=60)
+    decode.start_pull("d1", _remote(prefill, "r1", [5]), [2])
+    wait(lambda: not decode.pulls.pending())
+    assert decode.pulls.take_finished() == ({"d1"}, set(), set())
+    peer = decode._peers[prefill.side_channel].result()
+
+    async def drop_kv_link() -> None:  # e.g. the data network failed for a while; the side channel stays up
+        link = decode._dd._links.links[peer.cluster_id]
+        link.writer.transport.abort()
+        for _ in range(200):
+            if link.broken is not None:
+                return
+            await asyncio.sleep(0.01)
+
+    decode.loop.call(drop_kv_link())
+    assert peer.broken is None
+    pulled = set()
+    for i, (req, blocks) in enumerate([("r2", [9]), ("r3", [11])]):  # the first may fail: it finds the link gone
+        prefill.holds.add(req, lease_s=60)
+        decode.start_pull(f"d{i + 2}", _remote(prefill, req, blocks), [4 + i])
+        wait(lambda: not decode.pulls.pending())
+        pulled |= decode.pulls.take_finished()[0]
+    assert "d3" in pulled
+    for name in p_kv:
+        for k_or_v in range(2):
+            assert torch.equal(d_kv[name][k_or_v][5], p_kv[name][k_or_v][11])
+
+
 def test_an_abort_that_comes_before_the_pull_runs_still_cancels_it() -> None:
     pulls = DecodePulls()
     cancelled: list[str] = []

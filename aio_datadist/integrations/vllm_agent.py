@@ -182,6 +182,9 @@ class _Peer:
         self.replies: dict[int, tuple[str, asyncio.Future]] = {}
         self.next_id = 1
         self.cluster_id = 0
+        self.cluster: LLMClusterInfo | None = None  # how to link its KV endpoint (again)
+        self.link_lost = False  # a pull found the KV link failed while this side channel stayed up
+        self.relinking = asyncio.Lock()
         self.task: asyncio.Task | None = None
         self.broken: BaseException | None = None
 
@@ -460,17 +463,28 @@ class Agent:
             cluster = LLMClusterInfo()
             cluster.remote_cluster_id = hello["cluster_id"]
             cluster.append_remote_ip_info(hello["data_host"], hello["data_port"])
-            assert self._dd is not None
-            status, per = await self._dd.link_clusters([cluster], timeout=self.options.link_timeout_ms)
-            # LLM_ALREADY_LINK: only the side channel was lost (a broken link would have been replaced)
-            if status != LLMStatusCode.LLM_SUCCESS and per != [LLMStatusCode.LLM_ALREADY_LINK]:
-                raise ConnectionError(f"link to prefill {hello['engine_id']} failed: {per}")
-            peer.cluster_id = hello["cluster_id"]
+            await self._link(cluster)
+            peer.cluster_id, peer.cluster = hello["cluster_id"], cluster
             return peer
         except BaseException:
             writer.transport.abort()
             peer.task.cancel()
             raise
+
+    async def _link(self, cluster: LLMClusterInfo) -> None:
+        assert self._dd is not None
+        status, per = await self._dd.link_clusters([cluster], timeout=self.options.link_timeout_ms)
+        # LLM_ALREADY_LINK: only the side channel was lost (a broken link is replaced, not reported so)
+        if status != LLMStatusCode.LLM_SUCCESS and per != [LLMStatusCode.LLM_ALREADY_LINK]:
+            raise ConnectionError(f"link to prefill cluster {cluster.remote_cluster_id} failed: {per}")
+
+    async def _relink_if_lost(self, peer: _Peer) -> None:
+        """Link the KV endpoint again after a pull found its link failed (one relink for all pulls waiting)."""
+        async with peer.relinking:
+            if peer.link_lost:
+                assert peer.cluster is not None
+                await self._link(peer.cluster)
+                peer.link_lost = False
 
     async def _pull(self, req_id: str, remote: RemotePrefill, local: tuple[int, ...]) -> None:
         task = asyncio.current_task()
@@ -486,6 +500,7 @@ class Agent:
             # blocks the decode found in its own prefix cache are not pulled: pull the tail
             src = list(remote.block_ids[len(remote.block_ids) - len(local):])
             peer = await self._peer(remote.host, remote.port)
+            await self._relink_if_lost(peer)
             asking = True
             reply = await peer.request("claim", self.options.link_timeout_ms / 1000, req=remote.request_id)
             asking = False
@@ -504,6 +519,9 @@ class Agent:
             error = "aborted"
         except Exception as exc:  # the request is recomputed (or failed) by vLLM's load-failure policy
             error = f"{type(exc).__name__}: {exc}"
+            if peer is not None and isinstance(exc, LLMException) and exc.status_code in (
+                    LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK):
+                peer.link_lost = True  # the next pull through this side channel links again first
             log.warning("request %s: pull from %s:%s failed: %s", req_id, remote.host, remote.port, error)
         finally:
             # pull_blocks has returned or raised: no byte of it can land in `local` any more
