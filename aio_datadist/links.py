@@ -52,6 +52,11 @@ __all__ = ["DataConn", "Link", "tune"]
 log = logging.getLogger("aio_datadist.links")
 
 HEARTBEAT_MISSES = 5
+#: A control connection's chunk at least this big makes the link skip one turn of the loop before it reads
+#: that connection again. uvloop (libuv) reads a readable connection up to 32 times in one turn, each read
+#: acted on at once: a peer that floods its control connection would hold the loop for seconds' worth of
+#: messages per turn (asyncio's loop reads each connection once per turn, at most 256 KiB).
+CONTROL_TURN_BYTES = 64 * 1024
 #: Jobs on plain data channels up to this size are driven by the event loop itself (``loop_io``), larger
 #: ones by the native SocketEngine's thread. ``$AIO_DATADIST_LOOP_IO_MAX`` (bytes) overrides it; 0 sends
 #: every job through the engine thread (for comparisons: ``docs/transports.md``).
@@ -146,6 +151,7 @@ class Link:
         self.redialling: dict[int, asyncio.Future] = {}
         self.deferred: set[int] = set()  # peer requests waiting for a channel we redial
         self._protocol = protocol.LinkProtocol(is_client)
+        self._turn_skipped = False  # the control connection is not read until the loop's next turn
 
     # -- ids, channels -----------------------------------------------------
 
@@ -411,6 +417,10 @@ class Link:
                     self._dispatch(event)
             if self._protocol.error is not None:  # a bad frame after the complete ones just dispatched
                 raise self._protocol.error
+            if len(data) >= CONTROL_TURN_BYTES and not self._turn_skipped and not self.closed and self.broken is None:
+                self._turn_skipped = True
+                self.writer.transport.pause_reading()
+                asyncio.get_running_loop().call_soon(self._next_turn)
         except ProtocolError as exc:
             log.warning("link to cluster %s: protocol error: %s", self.remote_cluster_id, exc)
             self.fail(LLMException(f"protocol error: {exc}", status_code=LLMStatusCode.LLM_LINK_FAILED))
@@ -418,6 +428,12 @@ class Link:
             log.exception("link to cluster %s: acting on a control message failed", self.remote_cluster_id)
             self.fail(LLMException(f"internal error on the control connection ({type(exc).__name__}: {exc})",
                                    status_code=LLMStatusCode.LLM_LINK_FAILED))
+
+    def _next_turn(self) -> None:
+        """Read the control connection again (see :data:`CONTROL_TURN_BYTES`)."""
+        self._turn_skipped = False
+        if not self.closed and self.broken is None:
+            self.writer.transport.resume_reading()
 
     def _control_end(self, exc: BaseException | None) -> None:
         """The control connection ended (``None``: the peer closed it)."""

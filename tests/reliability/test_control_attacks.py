@@ -1,0 +1,66 @@
+"""A linked peer that misuses its control connection (attacker: ``_control_attacker.py``, its own process).
+
+- A peer that floods its control connection does not hold the endpoint's
+  loop: each turn reads at most one big chunk of it (uvloop read up to 32),
+  and the endpoint's other links keep their heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+from _harness import endpoint
+from peers import cluster_info, fill, port_of
+
+from aio_datadist import CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement
+from aio_datadist.testing import link_to
+
+S = LLMStatusCode
+PROMPT, ATTACKER, HONEST = 1, 2, 3
+ATTACKER_PROGRAM = os.path.join(os.path.dirname(__file__), "_control_attacker.py")
+SMALL = CacheDesc(4, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
+
+
+@pytest.mark.asyncio
+async def test_a_flood_of_control_messages_does_not_hold_the_endpoints_loop():
+    """PINGs need no answer, so nothing but reading them costs the endpoint: each turn of its loop reads at most
+    one chunk of the flooding connection, its other links keep their heartbeat and move bytes."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", heartbeat_interval=100) as dd, \
+            endpoint(LLMRole.DECODER, HONEST, transport="tcp") as honest:
+        small = dd.kv_cache_manager.allocate_cache(SMALL, [CacheKey(PROMPT, 8)])
+        fill(small, 5)
+        assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        host, port = port_of(dd)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, ATTACKER_PROGRAM, "pings", host, str(port), str(ATTACKER), str(PROMPT), "3",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            communicate = asyncio.ensure_future(proc.communicate())
+            while link_to(dd, ATTACKER) is None and not communicate.done():
+                await asyncio.sleep(0.005)
+            longest, last, deadline = 0.0, time.monotonic(), time.monotonic() + 20
+            while not communicate.done() and time.monotonic() < deadline:  # a 5 ms ticker
+                await asyncio.sleep(0.005)
+                now = time.monotonic()
+                longest, last = max(longest, now - last), now
+            out, err = await asyncio.wait_for(communicate, 20)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode == 0, err.decode()[-3000:]
+        report = json.loads(out.decode().strip().splitlines()[-1])
+        assert report["ended"] == "time" and report["sent"] > 8 << 20, report  # a flood, and the link stayed up
+        assert longest < 0.25, f"the endpoint's loop was held {longest:.2f} s at once"
+        assert link_to(dd, HONEST).broken is None  # its heartbeat (5 x 100 ms) held throughout
+        mine = honest.kv_cache_manager.allocate_cache(SMALL)
+        await honest.kv_cache_manager.pull_cache(CacheKey(PROMPT, 8), mine, timeout=5000)
+        assert all(torch.equal(m[0], s[0]) for m, s in zip(mine.tensors, small.tensors, strict=True))
+        honest.kv_cache_manager.deallocate_cache(mine)
+        del mine
