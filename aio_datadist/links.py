@@ -57,6 +57,11 @@ HEARTBEAT_MISSES = 5
 #: acted on at once: a peer that floods its control connection would hold the loop for seconds' worth of
 #: messages per turn (asyncio's loop reads each connection once per turn, at most 256 KiB).
 CONTROL_TURN_BYTES = 64 * 1024
+#: The most bytes a control connection may have waiting to be sent before the link stops reading it: a peer
+#: that sends requests (or PROBEs) and never reads the answers must not make us buffer them without bound.
+#: Reading resumes once the peer took them; a peer that never does is not heard any more, and the heartbeat
+#: fails its link. Honest control traffic stays far below this (requests wait for data channels).
+CONTROL_WRITE_LIMIT = 4 << 20
 #: Jobs on plain data channels up to this size are driven by the event loop itself (``loop_io``), larger
 #: ones by the native SocketEngine's thread. ``$AIO_DATADIST_LOOP_IO_MAX`` (bytes) overrides it; 0 sends
 #: every job through the engine thread (for comparisons: ``docs/transports.md``).
@@ -152,6 +157,8 @@ class Link:
         self.deferred: set[int] = set()  # peer requests waiting for a channel we redial
         self._protocol = protocol.LinkProtocol(is_client)
         self._turn_skipped = False  # the control connection is not read until the loop's next turn
+        self._write_blocked = False  # nor until the peer took what we have for it (CONTROL_WRITE_LIMIT)
+        self._read_paused = False  # whether we paused reading it (for either reason)
 
     # -- ids, channels -----------------------------------------------------
 
@@ -417,10 +424,14 @@ class Link:
                     self._dispatch(event)
             if self._protocol.error is not None:  # a bad frame after the complete ones just dispatched
                 raise self._protocol.error
-            if len(data) >= CONTROL_TURN_BYTES and not self._turn_skipped and not self.closed and self.broken is None:
-                self._turn_skipped = True
-                self.writer.transport.pause_reading()
-                asyncio.get_running_loop().call_soon(self._next_turn)
+            if not self.closed and self.broken is None:
+                if len(data) >= CONTROL_TURN_BYTES and not self._turn_skipped:
+                    self._turn_skipped = True
+                    asyncio.get_running_loop().call_soon(self._next_turn)
+                if not self._write_blocked and self.writer.transport.get_write_buffer_size() > CONTROL_WRITE_LIMIT:
+                    self._write_blocked = True
+                    self.spawn(self._read_once_drained())
+                self._pace_reading()
         except ProtocolError as exc:
             log.warning("link to cluster %s: protocol error: %s", self.remote_cluster_id, exc)
             self.fail(LLMException(f"protocol error: {exc}", status_code=LLMStatusCode.LLM_LINK_FAILED))
@@ -432,8 +443,29 @@ class Link:
     def _next_turn(self) -> None:
         """Read the control connection again (see :data:`CONTROL_TURN_BYTES`)."""
         self._turn_skipped = False
-        if not self.closed and self.broken is None:
-            self.writer.transport.resume_reading()
+        self._pace_reading()
+
+    async def _read_once_drained(self) -> None:
+        """Read the control connection again once the peer took what we had for it (:data:`CONTROL_WRITE_LIMIT`)."""
+        try:
+            await self.writer.drain()
+        except (ConnectionError, OSError):
+            return  # the connection went: its end fails the link
+        self._write_blocked = False
+        self._pace_reading()
+
+    def _pace_reading(self) -> None:
+        """Pause or resume reading the control connection as :data:`CONTROL_TURN_BYTES` and
+        :data:`CONTROL_WRITE_LIMIT` say."""
+        if self.closed or self.broken is not None:
+            return
+        paused = self._turn_skipped or self._write_blocked
+        if paused != self._read_paused:
+            self._read_paused = paused
+            if paused:
+                self.writer.transport.pause_reading()
+            else:
+                self.writer.transport.resume_reading()
 
     def _control_end(self, exc: BaseException | None) -> None:
         """The control connection ended (``None``: the peer closed it)."""
@@ -605,7 +637,12 @@ class Link:
         if self.nixl is not None:
             self.nixl.close()
             self.nixl = None
-        self.writer.close()
+        if self.broken is not None and self.writer.transport.get_write_buffer_size():
+            # Failed while the peer was not taking what we sent: a close would wait for it to read (and hold
+            # the socket and the bytes for as long as it does not); what is left is moot now.
+            self.writer.transport.abort()
+        else:
+            self.writer.close()
         self.free.put_nowait(-1)
 
     async def close(self, why: str = "unlinked") -> None:

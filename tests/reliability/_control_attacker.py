@@ -3,6 +3,12 @@
 It links by hand (``_rawpeer``, written from the protocol's description) and
 prints one JSON object with what happened. Modes:
 
+- ``unread HOST PORT CLUSTER_ID REMOTE_ID MIB SECONDS``: links, then sends
+  requests the owner refuses (each refusal is a ``RESP`` with a text, larger
+  than the request) and never reads a byte of the control connection again;
+  stops after MIB MiB of requests, SECONDS seconds, or once the endpoint
+  drops the connection. Its receive buffer is kept small, so what the
+  endpoint cannot send waits in the endpoint.
 - ``pings HOST PORT CLUSTER_ID REMOTE_ID SECONDS``: links, then sends ``PING``
   frames (which need no answer) as fast as the connection takes them for
   SECONDS seconds, reading and answering what the endpoint sends meanwhile
@@ -13,13 +19,60 @@ from __future__ import annotations
 
 import json
 import select
+import socket
 import sys
 import time
 
+import _rawpeer
 from _rawpeer import RawLink
 
 from aio_datadist import wire
-from aio_datadist.wire import Msg
+from aio_datadist.types import UINT64_MAX
+from aio_datadist.wire import Msg, Target
+
+
+def refused_request(req_id: int) -> bytes:
+    """A PULL_REQ for a key nobody bound: refused with a RESP that names the key (about 200 bytes)."""
+    return wire.encode(Msg.PULL_REQ, req_id, channel=0, target_kind=Target.CACHE_KEY, cluster_id=0, cache_id=-1,
+                       key_req_id=UINT64_MAX - 1, prefix_id=UINT64_MAX, model_id=UINT64_MAX - 1, batch_index=0,
+                       layer_first=0, layer_last=-1, tensor_num_per_layer=1, tensor_count=1, data_type=1,
+                       offset=0, nbytes=1, flags=wire.ReqFlag(0), timeout_ms=1000, rows=())
+
+
+def small_receive_buffer_dial(address: tuple[str, int]) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # before connect: the window stays small
+    sock.settimeout(_rawpeer.TIMEOUT_S)
+    sock.connect(address)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def unread(host: str, port: int, cluster_id: int, remote_id: int, mib: float, seconds: float) -> dict:
+    _rawpeer.dial = small_receive_buffer_dial
+    link = RawLink((host, port), cluster_id, remote_id, None).connect()
+    assert link.ctl is not None
+    chunk = b"".join(refused_request(2 * i + 1) for i in range(512))  # odd ids: the client's
+    link.ctl.settimeout(0.5)
+    sent, ended = 0, "budget"
+    view, pos = memoryview(chunk), 0
+    deadline = time.monotonic() + seconds
+    try:
+        while sent < mib * (1 << 20):
+            if time.monotonic() > deadline:
+                ended = "time"
+                break
+            try:
+                n = link.ctl.send(view[pos:])  # frames stay whole across sends: the stream goes on at pos
+            except TimeoutError:
+                continue  # the endpoint stopped reading us: wait (bounded by the deadline)
+            sent += n
+            pos = (pos + n) % len(chunk)
+    except (BrokenPipeError, ConnectionResetError):
+        ended = "closed by the endpoint"
+    finally:
+        link.close()
+    return {"sent": sent, "ended": ended, "request_bytes": len(refused_request(1))}
 
 
 def pings(host: str, port: int, cluster_id: int, remote_id: int, seconds: float) -> dict:
@@ -66,7 +119,10 @@ def pings(host: str, port: int, cluster_id: int, remote_id: int, seconds: float)
 
 def main() -> None:
     mode, *args = sys.argv[1:]
-    if mode == "pings":
+    if mode == "unread":
+        host, port, cluster_id, remote_id, mib, seconds = args
+        print(json.dumps(unread(host, int(port), int(cluster_id), int(remote_id), float(mib), float(seconds))))
+    elif mode == "pings":
         host, port, cluster_id, remote_id, seconds = args
         print(json.dumps(pings(host, int(port), int(cluster_id), int(remote_id), float(seconds))))
     else:

@@ -3,6 +3,11 @@
 - A peer that floods its control connection does not hold the endpoint's
   loop: each turn reads at most one big chunk of it (uvloop read up to 32),
   and the endpoint's other links keep their heartbeat.
+- A peer that keeps sending requests but never reads the answers does not
+  make the endpoint buffer answers without bound: the endpoint stops
+  reading that connection while too much waits to be sent to it, the
+  heartbeat then fails the link (the peer is not heard any more), the
+  connection is dropped, and the endpoint's other links work throughout.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 
 import pytest
 import torch
-from _harness import endpoint
+from _harness import endpoint, open_fds, settle, state
 from peers import cluster_info, fill, port_of
 
 from aio_datadist import CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement
@@ -25,6 +30,55 @@ S = LLMStatusCode
 PROMPT, ATTACKER, HONEST = 1, 2, 3
 ATTACKER_PROGRAM = os.path.join(os.path.dirname(__file__), "_control_attacker.py")
 SMALL = CacheDesc(4, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
+#: What the endpoint may hold unsent for one control connection: its limit (4 MiB) and the answers to one read.
+BUFFER_BOUND = 6 << 20
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_never_reads_its_answers_does_not_grow_the_endpoints_memory():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", heartbeat_interval=100) as dd, \
+            endpoint(LLMRole.DECODER, HONEST, transport="tcp") as honest:
+        small = dd.kv_cache_manager.allocate_cache(SMALL, [CacheKey(PROMPT, 8)])
+        fill(small, 5)
+        assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        baseline, fds = state(dd), open_fds()
+        host, port = port_of(dd)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, ATTACKER_PROGRAM, "unread", host, str(port), str(ATTACKER), str(PROMPT), "64", "15",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            most, linked_at, failed_at = 0, None, None
+            deadline = time.monotonic() + 20
+            communicate = asyncio.ensure_future(proc.communicate())
+            while not communicate.done() and time.monotonic() < deadline:
+                link = link_to(dd, ATTACKER)
+                if link is not None:
+                    linked_at = linked_at or time.monotonic()
+                    if link.broken is None:
+                        most = max(most, link.writer.transport.get_write_buffer_size())
+                    elif failed_at is None:
+                        failed_at = time.monotonic()
+                if most > BUFFER_BOUND:
+                    break  # unbounded: no need to watch it grow further
+                await asyncio.sleep(0.005)
+            assert most <= BUFFER_BOUND, f"the endpoint buffered {most} bytes for a peer that does not read"
+            out, err = await asyncio.wait_for(communicate, 20)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode == 0, err.decode()[-3000:]
+        report = json.loads(out.decode().strip().splitlines()[-1])
+        assert report["sent"] > BUFFER_BOUND, report  # it did send enough to be answered past the bound
+        assert report["ended"] == "closed by the endpoint", report
+        assert linked_at is not None and failed_at is not None
+        # The endpoint's other link works and nothing of the attacker's link is left.
+        mine = honest.kv_cache_manager.allocate_cache(SMALL)
+        await honest.kv_cache_manager.pull_cache(CacheKey(PROMPT, 8), mine, timeout=5000)
+        assert all(torch.equal(m[0], s[0]) for m, s in zip(mine.tensors, small.tensors, strict=True))
+        honest.kv_cache_manager.deallocate_cache(mine)
+        del mine
+        await settle(dd, baseline, fds, within=3.0)
 
 
 @pytest.mark.asyncio
