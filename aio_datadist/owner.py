@@ -43,6 +43,10 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any) -> 
         _trace.mark("owner: request read")
     kind = "served_pull" if msg is Msg.PULL_REQ else "served_push"
     try:
+        if req_id in link.serving or req_id in link.pull_acks:
+            # What we hold for a request is kept by its id: a second one would take the first's place, and
+            # the first's claim of its key would never be given back.
+            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"request id {req_id} is in use by a request still served")
         served = serve_plan(rt, link, msg, req)
     except Refusal as refusal:
         link.counters.refused(kind, link.transport, refusal.code)

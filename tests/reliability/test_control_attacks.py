@@ -21,10 +21,12 @@ import time
 import pytest
 import torch
 from _harness import endpoint, open_fds, settle, state
+from _rawpeer import RawLink
 from peers import cluster_info, fill, port_of
 
-from aio_datadist import CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement
+from aio_datadist import CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, wire
 from aio_datadist.testing import link_to
+from aio_datadist.wire import Msg
 
 S = LLMStatusCode
 PROMPT, ATTACKER, HONEST = 1, 2, 3
@@ -116,5 +118,46 @@ async def test_a_flood_of_control_messages_does_not_hold_the_endpoints_loop():
         mine = honest.kv_cache_manager.allocate_cache(SMALL)
         await honest.kv_cache_manager.pull_cache(CacheKey(PROMPT, 8), mine, timeout=5000)
         assert all(torch.equal(m[0], s[0]) for m, s in zip(mine.tensors, small.tensors, strict=True))
+        honest.kv_cache_manager.deallocate_cache(mine)
+        del mine
+
+
+def pull_key_layer(req_id_key: int, layer: int, channel: int) -> dict:
+    """A PULL_REQ of layer ``layer`` (2 tensors a layer) of the row bound to key ``req_id_key``."""
+    return dict(channel=channel, target_kind=1, cluster_id=PROMPT, cache_id=-1, key_req_id=req_id_key,
+                prefix_id=2**64 - 1, model_id=0, batch_index=0, layer_first=layer, layer_last=layer,
+                tensor_num_per_layer=2, tensor_count=2, data_type=int(SMALL.data_type.value), offset=0,
+                nbytes=512, flags=wire.ReqFlag(0), timeout_ms=1000, rows=())
+
+
+def reuse_one_request_id(address: tuple[str, int]) -> list[int]:
+    """Two pulls of one key (its two layers, on two channels) under one request id, then the peer goes."""
+    with RawLink(address, ATTACKER, PROMPT, None) as raw:
+        raw.connect()
+        for layer in (0, 1):
+            raw.send_raw(wire.encode(Msg.PULL_REQ, 1, **pull_key_layer(9, layer, layer)))
+        return [raw.answer(1)[1]["status"] for _ in range(2)]
+
+
+@pytest.mark.asyncio
+async def test_a_request_id_used_twice_leaves_no_claimed_key_behind():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd, \
+            endpoint(LLMRole.DECODER, HONEST, transport="tcp") as honest:
+        key = CacheKey(PROMPT, 9)
+        row = dd.kv_cache_manager.allocate_cache(SMALL, [key])
+        fill(row, 3)
+        assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        baseline = state(dd)
+        statuses = await asyncio.wait_for(asyncio.to_thread(reuse_one_request_id, port_of(dd)), 20)
+        assert statuses[0] == 0, statuses  # the first is served; the second must not take its place
+        for _ in range(400):  # the attacker's link goes (its connections closed)
+            link = link_to(dd, ATTACKER)
+            if link is None or link.broken is not None:
+                break
+            await asyncio.sleep(0.005)
+        await settle(dd, baseline, within=3.0)  # no claim of the key is left
+        mine = honest.kv_cache_manager.allocate_cache(SMALL)
+        await honest.kv_cache_manager.pull_cache(key, mine, timeout=5000)
+        assert all(torch.equal(m[0], r[0]) for m, r in zip(mine.tensors, row.tensors, strict=True))
         honest.kv_cache_manager.deallocate_cache(mine)
         del mine
