@@ -28,7 +28,7 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from aio_datadist import protocol, wire
 from aio_datadist._core import LoopJob
@@ -462,10 +462,11 @@ class Link:
         paused = self._turn_skipped or self._write_blocked
         if paused != self._read_paused:
             self._read_paused = paused
+            transport = cast(asyncio.Transport, self.writer.transport)  # a TCP connection's: it reads too
             if paused:
-                self.writer.transport.pause_reading()
+                transport.pause_reading()
             else:
-                self.writer.transport.resume_reading()
+                transport.resume_reading()
 
     def _control_end(self, exc: BaseException | None) -> None:
         """The control connection ended (``None``: the peer closed it)."""
