@@ -240,6 +240,34 @@ def test_a_kv_link_lost_while_the_side_channel_stays_up_is_linked_again(agents) 
             assert torch.equal(d_kv[name][k_or_v][5], p_kv[name][k_or_v][11])
 
 
+def test_pulls_waiting_on_a_failed_relink_fail_with_it(agents) -> None:
+    prefill, _ = agents(True)
+    decode, _ = agents(False)
+    prefill.holds.add("r1", lease_s=60)
+    decode.start_pull("d1", _remote(prefill, "r1", [5]), [2])
+    wait(lambda: not decode.pulls.pending())
+    assert decode.pulls.take_finished() == ({"d1"}, set(), set())
+    peer = decode._peers[prefill.side_channel].result()
+    attempts = []
+
+    async def link_fails(cluster) -> None:  # the prefill's data port no longer answers
+        attempts.append(cluster.remote_cluster_id)
+        await asyncio.sleep(0.3)
+        raise ConnectionError("link refused")
+
+    decode._link = link_fails
+    peer.link_lost = True
+    started = time.monotonic()
+    for i in range(3):
+        prefill.holds.add(f"r{i + 2}", lease_s=60)
+        decode.start_pull(f"d{i + 2}", _remote(prefill, f"r{i + 2}", [9 + i]), [4 + i])
+    wait(lambda: not decode.pulls.pending())
+    finished, failed, _ = decode.pulls.take_finished()
+    assert finished == failed == {"d2", "d3", "d4"}
+    assert attempts == [peer.cluster_id]  # one attempt for the three, not one each in turn
+    assert time.monotonic() - started < 2.0
+
+
 def test_an_abort_that_comes_before_the_pull_runs_still_cancels_it() -> None:
     pulls = DecodePulls()
     cancelled: list[str] = []

@@ -185,6 +185,7 @@ class _Peer:
         self.cluster: LLMClusterInfo | None = None  # how to link its KV endpoint (again)
         self.link_lost = False  # a pull found the KV link failed while this side channel stayed up
         self.relinking = asyncio.Lock()
+        self.relinks = 0  # attempts to link again that ended
         self.task: asyncio.Task | None = None
         self.broken: BaseException | None = None
 
@@ -479,12 +480,22 @@ class Agent:
             raise ConnectionError(f"link to prefill cluster {cluster.remote_cluster_id} failed: {per}")
 
     async def _relink_if_lost(self, peer: _Peer) -> None:
-        """Link the KV endpoint again after a pull found its link failed (one relink for all pulls waiting)."""
+        """Link the KV endpoint again after a pull found its link failed: one attempt for all the pulls
+        waiting, and those pulls fail with it (rather than each trying again in turn)."""
+        if not peer.link_lost:
+            return
+        tried = peer.relinks
         async with peer.relinking:
-            if peer.link_lost:
-                assert peer.cluster is not None
+            if not peer.link_lost:
+                return
+            if peer.relinks != tried:  # an attempt ended while we waited, and failed
+                raise ConnectionError(f"link to prefill cluster {peer.cluster_id} is lost: linking again failed")
+            assert peer.cluster is not None
+            try:
                 await self._link(peer.cluster)
-                peer.link_lost = False
+            finally:
+                peer.relinks += 1
+            peer.link_lost = False
 
     async def _pull(self, req_id: str, remote: RemotePrefill, local: tuple[int, ...]) -> None:
         task = asyncio.current_task()
