@@ -268,6 +268,26 @@ def test_pulls_waiting_on_a_failed_relink_fail_with_it(agents) -> None:
     assert time.monotonic() - started < 2.0
 
 
+def test_a_claim_waiting_for_its_request_does_not_hold_up_the_others(agents) -> None:
+    prefill, p_kv = agents(True, claim_wait_s=3.0)
+    decode, d_kv = agents(False)
+    decode.start_pull("ghost", _remote(prefill, "unknown-yet", [3]), [1])  # its claim waits at the prefill
+    wait(lambda: prefill._conns)
+    time.sleep(0.2)
+    prefill.holds.add("r1", lease_s=60)
+    started = time.monotonic()
+    decode.start_pull("d1", _remote(prefill, "r1", [5]), [2])
+    wait(lambda: "d1" not in decode.pulls.pending())
+    assert time.monotonic() - started < 1.5  # not after the other claim's 3 s
+    assert "ghost" in decode.pulls.pending()
+    for name in p_kv:
+        for k_or_v in range(2):
+            assert torch.equal(d_kv[name][k_or_v][2], p_kv[name][k_or_v][5])
+    wait(lambda: not decode.pulls.pending())
+    finished, failed, _ = decode.pulls.take_finished()
+    assert finished == {"d1", "ghost"} and failed == {"ghost"}
+
+
 def test_an_abort_that_comes_before_the_pull_runs_still_cancels_it() -> None:
     pulls = DecodePulls()
     cancelled: list[str] = []

@@ -52,6 +52,9 @@ MAX_CONNECTIONS = 1024
 #: Side-channel connections a decode tries (within ``link_timeout_ms``) when the prefill closes one in
 #: the handshake.
 HANDSHAKE_ATTEMPTS = 3
+#: Claims one side-channel connection may have waiting, aside, for vLLM to name their request (``claim_wait_s``)
+#: while its later frames are served; past it a claim waits in line.
+MAX_WAITING_CLAIMS = 64
 #: At most one WARNING per this many seconds about refused side-channel connections.
 REFUSAL_LOG_EVERY_S = 30.0
 
@@ -372,6 +375,7 @@ class Agent:
         self._conns.add(writer)
         owner = id(writer)
         hold_s = self.options.pull_timeout_ms / 1000 + self.options.claim_grace_s
+        waiting: set[asyncio.Task] = set()  # claims waiting for their request to be named
         try:
             if self._secret is not None and not await self._authenticate(reader, writer):
                 return
@@ -388,16 +392,13 @@ class Agent:
                     reply = self._hello()
                 elif op == "claim":
                     req = message["req"]
-                    if not self.holds.known(req):  # vLLM's metadata naming it may come a step later
-                        deadline = time.monotonic() + self.options.claim_wait_s
-                        while not self.holds.known(req) and time.monotonic() < deadline:
-                            await asyncio.sleep(0.005)
-                    limit = self.options.max_claims_per_connection
-                    if self.holds.claim(req, owner, hold_s, max_owned=limit):
-                        reply = {"ok": True, "hold_ms": int(hold_s * 1000)}
-                    else:
-                        reply = {"ok": False, "error": f"request {req} holds no blocks here (finished or expired), "
-                                                       f"or this connection holds {limit} claims already"}
+                    if not self.holds.known(req) and len(waiting) < MAX_WAITING_CLAIMS:
+                        # vLLM's metadata naming it may come a step later: wait aside, the next frames go on
+                        task = asyncio.ensure_future(self._answer_claim(writer, rid, req, owner, hold_s))
+                        waiting.add(task)
+                        task.add_done_callback(waiting.discard)
+                        continue
+                    reply = await self._claim(req, owner, hold_s)
                 else:
                     reply = {"ok": self.holds.done(message["req"], owner)}
                     if reply["ok"]:
@@ -408,6 +409,8 @@ class Agent:
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
+            for task in list(waiting):  # before the claims are dropped: none of these may claim afterwards
+                task.cancel()
             self._conns.discard(writer)
             self._handshaking.pop(writer, None)
             gone = self.holds.drop_owner(owner)
@@ -416,6 +419,22 @@ class Agent:
             for req_id in gone:
                 self.record("release", req=req_id, why="closed")
             writer.close()
+
+    async def _claim(self, req: str, owner: int, hold_s: float) -> dict[str, Any]:
+        """Claim ``req`` for the connection ``owner``, once vLLM named it (``claim_wait_s`` at most); the reply."""
+        deadline = time.monotonic() + self.options.claim_wait_s
+        while not self.holds.known(req) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        limit = self.options.max_claims_per_connection
+        if self.holds.claim(req, owner, hold_s, max_owned=limit):
+            return {"ok": True, "hold_ms": int(hold_s * 1000)}
+        return {"ok": False, "error": f"request {req} holds no blocks here (finished or expired), "
+                                      f"or this connection holds {limit} claims already"}
+
+    async def _answer_claim(self, writer: asyncio.StreamWriter, rid: int, req: str, owner: int,
+                            hold_s: float) -> None:
+        reply = await self._claim(req, owner, hold_s)
+        writer.write(encode_frame({"id": rid, **reply}))  # claimed and answered in one step of the loop
 
     # -- decode: pulls ---------------------------------------------------------------------
 
