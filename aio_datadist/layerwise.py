@@ -213,10 +213,15 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
             syncing = True
             try:
                 ok = await _synchronize(synchronizer, layer)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as exc:
                 if abandoned and driver.uncancel() == 0:  # type: ignore[union-attr]
                     break
-                raise
+                if abandoned or driver.cancelling():  # type: ignore[union-attr]
+                    raise
+                # Nobody cancelled the task: the synchronizer raised a CancelledError of its own.
+                stop = LLMException(f"layer_synchronizer raised at layer {layer}: {exc!r}",
+                                    status_code=LLMStatusCode.LLM_FAILED)
+                stop.__cause__ = exc
             except Exception as exc:
                 stop = LLMException(f"layer_synchronizer raised at layer {layer}: {exc!r}",
                                     status_code=LLMStatusCode.LLM_FAILED)

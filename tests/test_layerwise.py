@@ -268,6 +268,25 @@ async def test_synchronizer_that_raises() -> None:
         assert await s.pm.transfer_cache_async(src, Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS) == [SUCCESS]
 
 
+async def test_synchronizer_that_raises_cancelled_error_is_a_failure_not_a_cancel() -> None:
+    """A CancelledError of the synchronizer's own (a future it awaited was cancelled), with nobody
+    cancelling the task, stops it as any raising synchronizer does: LLM_FAILED, not a cancelled task."""
+    async with setup() as s:
+        src, dst = s.blocks_src(), s.dsts[0]
+        before = snapshot(dst)
+        gate = Gate({1: asyncio.CancelledError()})
+        gate.open(*range(LAYERS))
+        task = s.pm.transfer_cache_async(src, gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        async with asyncio.timeout(5):
+            assert await code_of(task) == LLMStatusCode.LLM_FAILED
+        assert await task.synchronize() == LLMStatusCode.LLM_FAILED
+        assert await task.get_results() == [LLMStatusCode.LLM_FAILED]
+        await task.layer(0)
+        assert layer_landed(dst, src, 0, DST_BLOCKS, SRC_BLOCKS)
+        assert await code_of(task.layer(1)) == LLMStatusCode.LLM_FAILED
+        assert untouched(dst, before, [1, 2, 3])
+
+
 # -- EventLayerSynchronizer ----------------------------------------------------------
 
 
