@@ -311,6 +311,11 @@ def _watch_links(configs: list[_Config], on_lost: Callable[[Link, LLMException],
 
         watch.add_done_callback(done)
         watches.append((link, req_id, watch))
+        try:
+            link.check()  # a link that failed before the driver started fails no future of ours any more
+        except LLMException as exc:
+            watch.set_exception(exc)
+            watch.exception()
     return watches
 
 

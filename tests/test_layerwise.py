@@ -36,6 +36,7 @@ from aio_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.testing import link_to
 from peers import DECODER_ID, PROMPT_ID, TRANSPORT, TRANSPORTS, cluster_info, endpoint, fill, port_of, same, snapshot
 
 pytestmark = pytest.mark.asyncio
@@ -572,6 +573,22 @@ async def test_task_ends_when_its_remaining_destination_goes_while_prefill_stall
         assert code in (LLMStatusCode.LLM_NOT_YET_LINK, LLMStatusCode.LLM_LINK_FAILED)
         assert await task.get_results() == [SUCCESS, code]
         assert await code_of(task.layer(1)) == code
+
+
+async def test_task_ends_when_its_destination_went_before_the_driver_started_while_prefill_stalls() -> None:
+    """The link fails between transfer_cache_async and the driver's first step (a callback that ran first in
+    that turn of the loop): the task still ends with the link's failure although no layer is ever released."""
+    async with setup() as s:
+        src = s.blocks_src()
+        gate = Gate()  # no layer ever comes
+        task = s.pm.transfer_cache_async(src, gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        link = link_to(s.prompt, DECODER_ID)
+        assert link is not None
+        link.fail(LLMException("connection lost (test)", status_code=LLMStatusCode.LLM_LINK_FAILED))
+        code = await asyncio.wait_for(code_of(task), BOUND_S)
+        assert code == LLMStatusCode.LLM_LINK_FAILED
+        assert await task.get_results() == [code]
+        assert await code_of(task.layer(0)) == code
 
 
 # -- keys, rows and layer ranges -----------------------------------------------------------
