@@ -73,6 +73,15 @@ LOOP_IO_MAX = int(os.environ.get("AIO_DATADIST_LOOP_IO_MAX", 16 << 20))
 #: short. ``$AIO_DATADIST_LOOP_LOWAT_MAX`` (bytes) overrides it; 0 leaves the socket's default (wake at
 #: every arrival).
 LOOP_LOWAT_MAX = max(0, min(int(os.environ.get("AIO_DATADIST_LOOP_LOWAT_MAX", 1 << 20)), 1 << 30))
+#: The most requests of the peer's that we serve at once on one of its data channels (a job each, answering it
+#: on that channel: its bytes, or a refusal there). A request past it is refused with ``RESP`` and nothing
+#: of it is planned. Without a bound a peer that never reads its channel queued one job per request (a job
+#: list of 16 bytes per row and tensor, rows repeated as often as ``wire.MAX_ROWS``, so about 160 MiB from a
+#: 512 KiB request of 160 tensors) for up to ``MAX_SERVE_TIMEOUT_MS``. An honest requester sends a request on
+#: a channel only once its last one there ended on its side: the owner's earlier jobs there have then sent
+#: everything, though their end may not have reached our loop yet; two at once (docs/reliability.md row 88)
+#: are served.
+MAX_SERVED_PER_CHANNEL = 4
 ZERO32 = bytes(32)
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes
@@ -89,7 +98,7 @@ DataConn = socket.socket | tls.TlsChannel
 
 
 class _Channel:
-    __slots__ = ("index", "sock", "generation", "attached", "loop_jobs")
+    __slots__ = ("index", "sock", "generation", "attached", "loop_jobs", "answering")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -97,6 +106,7 @@ class _Channel:
         self.generation = 0
         self.attached = False
         self.loop_jobs: set[LoopIo] = set()  # jobs the loop drives on this socket (stopped before it closes)
+        self.answering: set[asyncio.Future] = set()  # our jobs answering the peer's requests here (see answers)
 
 
 #: Dials data channel ``index`` of a link again: ``(address, token, index, generation) -> connection``.
@@ -173,6 +183,19 @@ class Link:
 
     def peer_channel_ok(self, index: int) -> bool:
         return index < 2 * self.nchannels and index not in self.own and self.channels[index].sock is not None
+
+    def answers(self, index: int) -> int:
+        """How many requests of the peer's we answer on its channel ``index`` now (:data:`MAX_SERVED_PER_CHANNEL`)."""
+        if index >= len(self.channels):
+            return 0
+        return sum(1 for job in self.channels[index].answering if not job.done())
+
+    def answering(self, index: int, job: asyncio.Future) -> None:
+        """``job`` answers a request of the peer's on its channel ``index`` (counted by :meth:`answers` until done)."""
+        jobs = self.channels[index].answering
+        if not job.done():
+            jobs.add(job)
+            job.add_done_callback(jobs.discard)
 
     def install(self, index: int, sock: DataConn, generation: int) -> None:
         ch = self.channels[index]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
 from aio_datadist.cache import KeyBinding, KvCache
+from aio_datadist.links import MAX_SERVED_PER_CHANNEL
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMStatusCode
 from aio_datadist.transport import plane, planes_for
@@ -47,6 +48,11 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any) -> 
             # What we hold for a request is kept by its id: a second one would take the first's place, and
             # the first's claim of its key would never be given back.
             raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"request id {req_id} is in use by a request still served")
+        if msg is not Msg.PUSH_LOCAL and link.answers(req.channel) >= MAX_SERVED_PER_CHANNEL:
+            # Checked before anything is planned: a job list may be far larger than its request.
+            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                          f"data channel {req.channel} already carries {MAX_SERVED_PER_CHANNEL} requests of yours "
+                          "that are being served (send one request per channel at a time)")
         served = serve_plan(rt, link, msg, req)
     except Refusal as refusal:
         link.counters.refused(kind, link.transport, refusal.code)
@@ -98,8 +104,9 @@ def _serve(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any, served: Ser
 
 def _refuse(link: Link, msg: Msg, req_id: int, req: Any, refusal: Refusal) -> None:
     """Refuse with ``RESP``, or on its channel a pull whose receive is posted there."""
-    if msg is Msg.PULL_REQ and req.flags & ReqFlag.POSTED and refuse_posted(link, req_id, req, refusal.code,
-                                                                              refusal.text):
+    # Not on a channel that is full already: a refusal there would be one more job queued on it.
+    if (msg is Msg.PULL_REQ and req.flags & ReqFlag.POSTED and link.answers(req.channel) < MAX_SERVED_PER_CHANNEL
+            and refuse_posted(link, req_id, req, refusal.code, refusal.text)):
         return
     link.send(Msg.RESP, req_id, status=refusal.code, total=0, cache_id=-1, row=-1, text=refusal.text)
 

@@ -47,6 +47,7 @@ def refuse_posted(link: LinkPort, req_id: int, req: TransferReq, status: int, te
     sent = link.move(req.channel, pairs, send=True, timeout_ms=serve_timeout_ms(req), what=f"refusing {req_id}",
                      keepalive=header)
     sent.add_done_callback(_quiet)
+    link.answering(req.channel, sent)
     return True
 
 
@@ -168,6 +169,7 @@ class StreamPlane(Plane):
             link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=served.total, cache_id=-1, row=-1,
                       text="")
         fut = self._serve_move(rt, link, msg, req_id, req, served, answer)
+        link.answering(channel, fut)
         key, tensors = served.key if msg is Msg.PULL_REQ else None, served.tensors
         if key is not None:
             cache = served.cache

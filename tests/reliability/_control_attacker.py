@@ -13,6 +13,11 @@ prints one JSON object with what happened. Modes:
   frames (which need no answer) as fast as the connection takes them for
   SECONDS seconds, reading and answering what the endpoint sends meanwhile
   (its PROBEs), so the link stays up.
+- ``rows HOST PORT CLUSTER_ID REMOTE_ID TENSORS ROW_BYTES DATA_TYPE COUNT SECONDS``: links, then sends COUNT
+  posted pulls of the blocks cache bound to model 0 (TENSORS tensors, rows of ROW_BYTES bytes) on data
+  channel 0, each naming block 0 as many times as the protocol carries (``wire.MAX_ROWS``) and asking for
+  600 s, and never reads a data channel; prints a line once they are sent, then answers PROBEs and counts
+  the ``RESP`` statuses it gets for SECONDS seconds.
 """
 
 from __future__ import annotations
@@ -117,6 +122,54 @@ def pings(host: str, port: int, cluster_id: int, remote_id: int, seconds: float)
     return {"sent": sent, "ended": "time"}
 
 
+def repeated_rows(req_id: int, tensors: int, row_bytes: int, data_type: int) -> bytes:
+    """A posted PULL_REQ of block 0 of every tensor, repeated ``wire.MAX_ROWS`` times (512 KiB of rows)."""
+    return wire.encode(Msg.PULL_REQ, req_id, channel=0, target_kind=Target.BLOCKS_KEY, cluster_id=0, cache_id=0,
+                       key_req_id=UINT64_MAX, prefix_id=UINT64_MAX, model_id=0, batch_index=0, layer_first=-1,
+                       layer_last=-1, tensor_num_per_layer=1, tensor_count=tensors, data_type=data_type, offset=0,
+                       nbytes=row_bytes, flags=wire.ReqFlag.BLOCKS | wire.ReqFlag.POSTED, timeout_ms=600_000,
+                       rows=(0,) * wire.MAX_ROWS)
+
+
+def rows(host: str, port: int, cluster_id: int, remote_id: int, tensors: int, row_bytes: int, data_type: int,
+         count: int, seconds: float) -> dict:
+    link = RawLink((host, port), cluster_id, remote_id, None).connect()
+    ctl = link.ctl
+    assert ctl is not None
+    statuses: dict[str, int] = {}
+    try:
+        for i in range(count):
+            link.send_raw(repeated_rows(2 * i + 1, tensors, row_bytes, data_type))  # odd ids: the client's
+        print("sent", flush=True)
+        ctl.settimeout(0.1)
+        inbox = bytearray()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                data = ctl.recv(65536)
+            except TimeoutError:
+                continue
+            if not data:
+                return {"statuses": statuses, "ended": "closed by the endpoint"}
+            inbox += data
+            while len(inbox) >= wire.HEADER.size:
+                msg, rid, length = wire.parse_header(bytes(inbox[:wire.HEADER.size]))
+                if len(inbox) < wire.HEADER.size + length:
+                    break
+                body = bytes(inbox[wire.HEADER.size:wire.HEADER.size + length])
+                del inbox[:wire.HEADER.size + length]
+                if msg is Msg.PROBE:
+                    ctl.sendall(wire.encode(Msg.PROBE_ACK, rid))
+                elif msg is Msg.RESP:
+                    status = str(wire.fields_of(msg, body)["status"])
+                    statuses[status] = statuses.get(status, 0) + 1
+    except (BrokenPipeError, ConnectionResetError):
+        return {"statuses": statuses, "ended": "closed by the endpoint"}
+    finally:
+        link.close()
+    return {"statuses": statuses, "ended": "time"}
+
+
 def main() -> None:
     mode, *args = sys.argv[1:]
     if mode == "unread":
@@ -125,6 +178,11 @@ def main() -> None:
     elif mode == "pings":
         host, port, cluster_id, remote_id, seconds = args
         print(json.dumps(pings(host, int(port), int(cluster_id), int(remote_id), float(seconds))))
+    elif mode == "rows":
+        host, port, *numbers = args
+        cluster_id, remote_id, tensors, row_bytes, data_type, count = (int(a) for a in numbers[:6])
+        print(json.dumps(rows(host, int(port), cluster_id, remote_id, tensors, row_bytes, data_type, count,
+                              float(numbers[6]))))
     else:
         raise SystemExit(f"unknown mode {mode}")
 

@@ -8,11 +8,15 @@
   reading that connection while too much waits to be sent to it, the
   heartbeat then fails the link (the peer is not heard any more), the
   connection is dropped, and the endpoint's other links work throughout.
+- A peer that sends pulls repeating one block as often as the protocol allows and never reads its data
+  channel gets at most ``links.MAX_SERVED_PER_CHANNEL`` of them served at once there; the rest are refused
+  before their job lists are made.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -24,7 +28,8 @@ from _harness import endpoint, open_fds, settle, state
 from _rawpeer import RawLink
 from peers import cluster_info, fill, port_of
 
-from aio_datadist import CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, wire
+from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, wire
+from aio_datadist.links import MAX_SERVED_PER_CHANNEL
 from aio_datadist.testing import link_to
 from aio_datadist.wire import Msg
 
@@ -161,3 +166,74 @@ async def test_a_request_id_used_twice_leaves_no_claimed_key_behind():
         assert all(torch.equal(m[0], r[0]) for m, r in zip(mine.tensors, row.tensors, strict=True))
         honest.kv_cache_manager.deallocate_cache(mine)
         del mine
+
+
+#: 8 tensors of 2 blocks of 64 bytes. A posted pull of block 0 named ``wire.MAX_ROWS`` times (a 512 KiB
+#: request) is 32 MiB to send and a job list of 8 MiB (16 bytes a run, each run a block of one tensor).
+ROWS_DESC = CacheDesc(8, (2, 32), DataType.DT_FLOAT16, Placement.HOST)
+#: Requests the attacker sends on one channel (8 MiB of requests; before the bound: about 400 MiB held).
+ROWS_REQUESTS = 16
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def served_pulls(link) -> tuple[int, int]:
+    """Pulls the link serves now, and pulls it refused (every one of the attacker's is one or the other)."""
+    kind = link.stats().kinds["served_pull"]
+    return kind.in_flight, sum(kind.failures.values())
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_repeats_rows_and_never_reads_is_served_a_bounded_number_of_requests():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd, \
+            endpoint(LLMRole.DECODER, HONEST, transport="tcp") as honest:
+        src = dd.kv_cache_manager.allocate_blocks_cache(ROWS_DESC, BlocksCacheKey(PROMPT))
+        values = fill(src, 5)
+        assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        baseline, fds = state(dd), open_fds()
+        gc.collect()
+        rss_before = rss_bytes()
+        host, port = port_of(dd)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, ATTACKER_PROGRAM, "rows", host, str(port), str(ATTACKER), str(PROMPT),
+            str(ROWS_DESC.num_tensors), str(src.layout.row_bytes), str(ROWS_DESC.data_type.value),
+            str(ROWS_REQUESTS), "3", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 20)
+            assert line.strip() == b"sent", line
+            link = None
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # until the owner read every request
+                link = link_to(dd, ATTACKER)
+                if link is not None and sum(served_pulls(link)) == ROWS_REQUESTS:
+                    break
+                await asyncio.sleep(0.01)
+            assert link is not None and link.broken is None
+            serving, refused = served_pulls(link)
+            await asyncio.sleep(0.3)  # what serving them holds is there now
+            grown = rss_bytes() - rss_before
+            seen = dict(serving=serving, refused=refused, socket_jobs=state(dd)["socket jobs"],
+                        grown_mib=grown >> 20)
+            assert serving + refused == ROWS_REQUESTS, seen
+            assert serving <= MAX_SERVED_PER_CHANNEL, seen  # before: all 16, 16 socket jobs, 355 MiB
+            assert grown < 160 << 20, f"the owner grew {grown / 2**20:.0f} MiB for {ROWS_REQUESTS} requests"
+            # The owner's other link is served meanwhile.
+            mine = honest.kv_cache_manager.allocate_blocks_cache(ROWS_DESC)
+            await honest.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), mine, [0, 1], [1, 0], timeout=5000)
+            assert all(torch.equal(m[1], v[0]) and torch.equal(m[0], v[1])
+                       for m, v in zip(mine.tensors, values, strict=True))
+            honest.kv_cache_manager.deallocate_cache(mine)
+            del mine
+            out, err = await asyncio.wait_for(proc.communicate(), 20)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode == 0, err.decode()[-3000:]
+        report = json.loads(out.decode().strip().splitlines()[-1])
+        assert report["statuses"].get(str(int(S.LLM_PARAM_INVALID)), 0) == refused, report
+        await settle(dd, baseline, fds, within=3.0)
