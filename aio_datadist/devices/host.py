@@ -153,17 +153,19 @@ def tensor_at(address: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch
 
 def check_sealed(fd: int, size: int) -> None:
     """``fd`` must be a memfd of exactly ``size`` bytes, sealed against shrink and grow; ValueError else."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise ValueError("fd is not a memory file")
-    if st.st_size != size:
-        raise ValueError(f"fd holds {st.st_size} bytes, the record declares {size}")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
         raise ValueError(f"fd is not a sealable memfd ({exc.strerror})") from None
     if seals & SEALS_REQUIRED != SEALS_REQUIRED:
         raise ValueError(f"fd is not sealed against shrink and grow (seals: {seal_names(seals)})")
+    # The size only now: sealed, it can no longer change. Read before the seals, it could be changed in between
+    # by the sender, which still holds the fd (a shrink, then the seals), and we would map past the file's end.
+    st_size = os.fstat(fd).st_size
+    if st_size != size:
+        raise ValueError(f"fd holds {st_size} bytes, the record declares {size}")
 
 
 class ReadOnlyMapping:

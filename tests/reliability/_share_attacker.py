@@ -22,6 +22,14 @@ object with what it got. Modes:
   socket and sets its ledger's word as told on stdin.
 - ``flood NAME COUNT SECONDS``: opens COUNT connections and never speaks;
   holds them SECONDS; reports how many the endpoint closed meanwhile.
+- ``seal_race FD...``: on each inherited share socket in turn, sends an ADD of
+  a 64-page memfd that is not sealed yet; once the receiver has taken the
+  record off the socket it waits a little, shrinks the
+  memfd to one page and only then seals it against shrink and grow (50 ms
+  later: the receiver's thread may be preempted between two syscalls that
+  long), so a receiver that checked the size before the seals maps 63 pages
+  past the end of the file. Moves to the next socket when the receiver
+  closes this one.
 """
 
 from __future__ import annotations
@@ -432,8 +440,42 @@ def ledger(fd: int) -> None:
     sock.close()
 
 
+def unread(sock: socket.socket) -> int:
+    """Bytes we sent on ``sock`` that the receiver has not taken yet (SIOCOUTQ)."""
+    import termios
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def seal_race(fds: list[int]) -> dict:
+    page = mmap.PAGESIZE
+    sent = 0
+    for fd in fds:
+        sock = socket.socket(fileno=fd)
+        region = memfd(64 * page, 0)
+        try:
+            try:
+                socket.send_fds(sock, [record(1, 7, 64 * page, 64, page, 64 * page, [0])], [region])
+            except OSError:
+                break  # the receiver is gone
+            sent += 1
+            deadline = time.monotonic() + 2.0
+            while unread(sock) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.05)  # the receiver is checking the fd meanwhile
+            os.ftruncate(region, page)
+            fcntl.fcntl(region, fcntl.F_ADD_SEALS, SEALED)
+        finally:
+            os.close(region)
+        drain(sock, 5.0)  # until the receiver is done with this attempt
+        sock.close()
+    return {"sent": sent}
+
+
 def main(argv: list[str]) -> None:
     mode = argv[0]
+    if mode == "seal_race":
+        print(json.dumps(seal_race([int(fd) for fd in argv[1:]])), flush=True)
+        return
     if mode == "ledger":
         ledger(int(argv[1]))
         return

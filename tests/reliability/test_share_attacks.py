@@ -12,7 +12,9 @@ no TLS, while a legitimate DECODER in this process stays linked to it:
 - a peer sending malformed share records loses its share; the endpoint
   keeps running, closes each fd once and leaks nothing;
 - a flood of connections that never speak is capped and timed out; a new
-  decoder links and shares memory during it.
+  decoder links and shares memory during it;
+- a memfd shrunk and only then sealed after we took its record is refused,
+  not mapped past its end (the receiver in its own process, which may die).
 After each attack the legitimate link still pulls its own bytes through
 shared memory.
 """
@@ -22,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -42,6 +46,7 @@ PROMPT, DECODER, LATECOMER = 1, 2, 3
 SECRET = "local-secret-never-on-the-wire"
 BLOCKS = CacheDesc(2, (16, 4096), DataType.DT_UINT8, Placement.HOST)
 ATTACKER = os.path.join(os.path.dirname(__file__), "_share_attacker.py")
+VICTIM = os.path.join(os.path.dirname(__file__), "_share_victim.py")
 SHARE = {"shared_secret": SECRET, "transport": "auto"}
 
 
@@ -214,3 +219,18 @@ async def test_a_flood_of_silent_share_connections_is_capped_and_links_still_sha
         await pull_through_shared_memory(sc.decoder, sc.values)
     finally:
         await close(cms)
+
+
+def test_a_memfd_shrunk_before_it_is_sealed_is_refused_not_mapped_past_its_end():
+    """A linked peer sends an ADD whose memfd is the declared size but not sealed yet; once we took the record,
+    it shrinks the file to one page and only then seals it. Our checks of the fd must see the seals before the
+    size: read the other way round, a thread preempted between the two (here: 200 ms after each syscall on the
+    fd) saw the old size and then the seals, mapped 64 pages of a one-page file and died of SIGBUS on the first
+    copy out of its last row. The receiver runs in its own process (``_share_victim.py``) so that it may die."""
+    proc = subprocess.run([sys.executable, VICTIM, "seal_race", "2"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, (f"the receiver ended with {proc.returncode} (SIGBUS is -{signal.SIGBUS}): "
+                                  f"{proc.stdout[-500:]} {proc.stderr[-1500:]}")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"mapped": 0, "refused": 2, "nothing": 0, "read": 0}, report
+    count("share attacks", 2)

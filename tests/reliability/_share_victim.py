@@ -1,0 +1,100 @@
+"""The receiving end of same-host shares, as a separate process, for attacks that would crash it.
+
+``seal_race ATTEMPTS``: opens ATTEMPTS share sockets (socket pairs), hands the
+other ends to ``_share_attacker.py seal_race`` and, on each, waits for the
+attacker's record; when the share maps the region, it copies the region's
+last row out as a pull or a same-host push does (``_core.copy_now`` over the
+region's segments). The thread that checks a received fd is preempted for
+200 ms after each of its syscalls on it (``fstat``, ``fcntl``), as a loaded
+host may do to any thread at any point. Prints one JSON object with what
+happened; a region mapped past the end of its file kills this process with
+SIGBUS instead.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import ctypes
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from aio_datadist import _core
+from aio_datadist.devices import host
+from aio_datadist.transport.local import LocalShare
+
+ATTACKER = os.path.join(os.path.dirname(__file__), "_share_attacker.py")
+PREEMPTED_S = 0.2
+
+
+class _Preempted:
+    """A module seen through this proxy pauses after each call of the names it wraps."""
+
+    def __init__(self, module: Any, *names: str) -> None:
+        self._module, self._names = module, names
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        if name not in self._names:
+            return value
+
+        def call(*args: Any) -> Any:
+            try:
+                return value(*args)
+            finally:
+                time.sleep(PREEMPTED_S)
+        return call
+
+
+async def attempt(sock: socket.socket, report: dict) -> None:
+    lost: list[bool] = []
+    share = LocalShare(sock, on_lost=lambda: lost.append(True))
+    try:
+        deadline = time.monotonic() + 5.0
+        while 7 not in share.regions and not lost and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        region = share.regions.get(7)
+        if region is None:
+            report["refused" if lost else "nothing"] += 1
+            return
+        report["mapped"] += 1
+        last = bytearray(region.row_bytes)
+        dst = array.array("Q", [ctypes.addressof((ctypes.c_char * len(last)).from_buffer(last)), len(last)])
+        src = _core.segments(region.tensor_bases(0, 1), array.array("q", [region.rows - 1]), region.row_bytes, 0,
+                             region.row_bytes)
+        print(json.dumps({"copying": region.size}), flush=True)
+        _core.copy_now(_core.zip_segments(dst, src))
+        report["read"] += 1
+    finally:
+        share.close()
+
+
+def seal_race(attempts: int) -> dict:
+    host.os = _Preempted(os, "fstat")  # type: ignore[assignment]
+    host.fcntl = _Preempted(host.fcntl, "fcntl")  # type: ignore[assignment]
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(attempts)]
+    theirs = [b.fileno() for _, b in pairs]
+    proc = subprocess.Popen([sys.executable, ATTACKER, "seal_race", *map(str, theirs)], pass_fds=theirs,
+                            stdout=subprocess.DEVNULL)
+    for _, b in pairs:
+        b.close()
+    report = {"mapped": 0, "refused": 0, "nothing": 0, "read": 0}
+    try:
+        loop = asyncio.new_event_loop()
+        try:
+            for ours, _ in pairs:
+                loop.run_until_complete(attempt(ours, report))
+        finally:
+            loop.close()
+    finally:
+        proc.wait(timeout=30)
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(seal_race(int(sys.argv[2]))), flush=True)
