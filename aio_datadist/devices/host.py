@@ -17,22 +17,30 @@ changing the seals. The region keeps only a read-only open of the file
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
 __all__ = ["HostRegion", "PAGE_SIZE", "ReadOnlyMapping", "SEALS_REQUIRED", "check_sealed", "map_read_only", "round_up",
-           "map_writable", "seal_names", "sealed_memfd", "tensor_at", "unmap"]
+           "map_writable", "seal_names", "sealed_memfd", "tensor_at", "unmap", "unmap_read_only"]
 
 PAGE_SIZE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 Mapped = TypeVar("Mapped")
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; not named by Python 3.11
+#: The most bytes of peers' memory this process maps at once, all peers and links together: a quarter of the
+#: 128 TiB a process can map. One peer may send 4096 regions of 1 TiB (``transport/local.py``), and sparse
+#: memfds of that size cost it nothing; mapped, they left us no address space for our own allocations.
+MAX_PEER_MAPPED_BYTES = 1 << 45
+_peer_mapped = 0
+_peer_mapped_lock = threading.RLock()  # a region's __del__ may run on any thread, even inside map_read_only
 #: What a receiver demands of a shared memfd: its size can no longer change.
 SEALS_REQUIRED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _SEALS = SEALS_REQUIRED | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
@@ -193,21 +201,36 @@ class ReadOnlyMapping:
 
     def __del__(self) -> None:
         if getattr(self, "_addr", 0):
-            unmap(self._addr, self.nbytes)
+            unmap_read_only(self._addr, self.nbytes)
             self._addr = 0
 
 
 def map_read_only(fd: int, size: int) -> int:
-    """Map ``size`` bytes of a peer's ``fd`` shared and read-only; the address (``OSError`` if refused)."""
-    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise OSError(err, f"cannot map a peer region: {os.strerror(err)}")
-    return int(addr)
+    """Map ``size`` bytes of a peer's ``fd`` shared and read-only; the address (``OSError`` if refused, also
+    when peers' mappings would take more than ``MAX_PEER_MAPPED_BYTES``). Undo with :func:`unmap_read_only`."""
+    global _peer_mapped
+    with _peer_mapped_lock:
+        if _peer_mapped + size > MAX_PEER_MAPPED_BYTES:
+            raise OSError(errno.ENOMEM, f"cannot map a peer region of {size} bytes: peers' regions mapped here "
+                          f"would take more than {MAX_PEER_MAPPED_BYTES} bytes")
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot map a peer region: {os.strerror(err)}")
+        _peer_mapped += size
+        return int(addr)
+
+
+def unmap_read_only(addr: int, size: int) -> None:
+    """Undo :func:`map_read_only`."""
+    global _peer_mapped
+    with _peer_mapped_lock:
+        _libc.munmap(addr, size)
+        _peer_mapped -= size
 
 
 def unmap(addr: int, size: int) -> None:
-    """Undo :func:`map_read_only`."""
+    """Undo :func:`map_writable`."""
     _libc.munmap(addr, size)
 
 

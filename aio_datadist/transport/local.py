@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what share tests check fds against
-from aio_datadist.devices.host import check_sealed, map_read_only, unmap
+from aio_datadist.devices.host import check_sealed, map_read_only, unmap_read_only
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
 from aio_datadist.devices.peer_cache import PeerDeviceCache
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -245,7 +245,7 @@ class PeerRegion:
 
     def __del__(self) -> None:
         if getattr(self, "_addr", 0):
-            unmap(self._addr, self.size)
+            unmap_read_only(self._addr, self.size)
             self._addr = 0
 
 

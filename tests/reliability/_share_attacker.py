@@ -30,6 +30,13 @@ object with what it got. Modes:
   long), so a receiver that checked the size before the seals maps 63 pages
   past the end of the file. Moves to the next socket when the receiver
   closes this one.
+- ``address_space FD...``: spends the receiver's address space with sparse
+  memfds, sealed and of sizes the records allow (at most 1 TiB each, which
+  cost this process nothing), from 1 TiB down to 64 MiB: at each size it
+  first finds, on a share it gives up, how many more regions the receiver
+  still maps before a mapping fails (the receiver then drops that share and
+  unmaps it), then sends exactly that many on a share it keeps. Prints one
+  JSON line with what it holds, then waits for its stdin to close.
 """
 
 from __future__ import annotations
@@ -471,8 +478,65 @@ def seal_race(fds: list[int]) -> dict:
     return {"sent": sent}
 
 
+def address_space(fds: list[int]) -> dict:
+    socks = [socket.socket(fileno=fd) for fd in fds]
+    for sock in socks:
+        sock.setblocking(False)
+    kept: list[socket.socket] = []
+
+    def closed(sock: socket.socket) -> bool:
+        deadline = time.monotonic() + 2.0
+        while unread(sock) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        time.sleep(0.005)  # the receiver mapped it or dropped the share by now
+        try:
+            return sock.recv(64) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def add(sock: socket.socket, cache_id: int, size: int, fd: int) -> None:
+        socket.send_fds(sock, [record(1, cache_id, size, 1, size, size, [0])], [fd])
+
+    held = 0
+    for bits in range(40, 25, -1):
+        size = 1 << bits
+        fd = memfd(size, SEALED)
+        try:
+            probe = socks.pop()
+            fits = 0
+            while fits < 4000:
+                try:
+                    add(probe, fits + 1, size, fd)
+                except OSError:
+                    break
+                if closed(probe):
+                    break
+                fits += 1
+            probe.close()
+            if fits:
+                keep = socks.pop()
+                for n in range(fits):
+                    add(keep, n + 1, size, fd)
+                if closed(keep):
+                    return {"held": held, "error": f"a share of {fits} regions of {size} bytes was dropped"}
+                kept.append(keep)
+                held += fits * size
+        finally:
+            os.close(fd)
+    print(json.dumps({"held": held, "shares": len(kept)}), flush=True)
+    sys.stdin.read()
+    for sock in kept + socks:
+        sock.close()
+    return {"held": held}
+
+
 def main(argv: list[str]) -> None:
     mode = argv[0]
+    if mode == "address_space":
+        address_space([int(fd) for fd in argv[1:]])
+        return
     if mode == "seal_race":
         print(json.dumps(seal_race([int(fd) for fd in argv[1:]])), flush=True)
         return

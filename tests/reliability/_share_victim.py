@@ -9,6 +9,12 @@ region's segments). The thread that checks a received fd is preempted for
 host may do to any thread at any point. Prints one JSON object with what
 happened; a region mapped past the end of its file kills this process with
 SIGBUS instead.
+
+``address_space SHARES``: opens SHARES share sockets, hands the other ends to
+``_share_attacker.py address_space`` and serves them all until the attacker
+says what it holds; then allocates a 64 MiB cache region (``HostRegion``, as
+``allocate_cache`` does) and reports whether it could, and how many bytes of
+peers' regions it has mapped.
 """
 
 from __future__ import annotations
@@ -96,5 +102,37 @@ def seal_race(attempts: int) -> dict:
     return report
 
 
+async def address_space(shares: int) -> dict:
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(shares)]
+    theirs = [b.fileno() for _, b in pairs]
+    proc = await asyncio.create_subprocess_exec(sys.executable, ATTACKER, "address_space", *map(str, theirs),
+                                                pass_fds=theirs, stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE)
+    for _, b in pairs:
+        b.close()
+    live = [LocalShare(ours, on_lost=lambda: None) for ours, _ in pairs]
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        said = json.loads(await asyncio.wait_for(proc.stdout.readline(), 120))
+        mapped = sum(region.size for share in live for region in share.regions.values())
+        try:
+            host.HostRegion(64 << 20)
+            allocated = "yes"
+        except (OSError, MemoryError) as exc:
+            allocated = f"no: {exc}"
+        proc.stdin.close()
+        await asyncio.wait_for(proc.wait(), 30)
+        return {"attacker holds": said["held"], "mapped": mapped, "64 MiB allocated": allocated}
+    finally:
+        for share in live:
+            share.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 if __name__ == "__main__":
-    print(json.dumps(seal_race(int(sys.argv[2]))), flush=True)
+    if sys.argv[1] == "seal_race":
+        print(json.dumps(seal_race(int(sys.argv[2]))), flush=True)
+    else:
+        print(json.dumps(asyncio.run(address_space(int(sys.argv[2])))), flush=True)

@@ -14,7 +14,9 @@ no TLS, while a legitimate DECODER in this process stays linked to it:
 - a flood of connections that never speak is capped and timed out; a new
   decoder links and shares memory during it;
 - a memfd shrunk and only then sealed after we took its record is refused,
-  not mapped past its end (the receiver in its own process, which may die).
+  not mapped past its end (the receiver in its own process, which may die);
+- sparse regions of the largest size a record allows, as many as the
+  receiver maps, do not take its address space.
 After each attack the legitimate link still pulls its own bytes through
 shared memory.
 """
@@ -32,6 +34,7 @@ import pytest
 import torch
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, LLMStatusCode, Placement
+from aio_datadist.devices import host
 from aio_datadist.devices.host import F_SEAL_FUTURE_WRITE
 from aio_datadist.testing import link_to, registry_of, runtime_of, share_listener_of, usable_link
 from aio_datadist.transport import ledger, local
@@ -234,3 +237,19 @@ def test_a_memfd_shrunk_before_it_is_sealed_is_refused_not_mapped_past_its_end()
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"mapped": 0, "refused": 2, "nothing": 0, "read": 0}, report
     count("share attacks", 2)
+
+
+def test_peers_cannot_take_our_address_space_with_sparse_regions():
+    """A linked peer's records may each declare a region of up to 1 TiB and a share up to 4096 of them: sparse,
+    sealed memfds that cost the peer nothing. Mapped, they spent our address space: the attacker, finding at
+    each size from 1 TiB down to 64 MiB how many more we still mapped (on shares it then gave up), held all
+    128 TiB of it and we could no longer allocate a 64 MiB cache. Peers' regions now take at most
+    ``host.MAX_PEER_MAPPED_BYTES`` of this process together; a region past it drops its share. The receiver
+    runs in its own process (``_share_victim.py``), with 40 shares on socket pairs."""
+    proc = subprocess.run([sys.executable, VICTIM, "address_space", "40"], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["64 MiB allocated"] == "yes", report
+    assert 0 < report["mapped"] <= host.MAX_PEER_MAPPED_BYTES, report
+    count("share attacks", 1)
