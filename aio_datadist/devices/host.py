@@ -39,7 +39,21 @@ F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
 #: 128 TiB a process can map. One peer may send 4096 regions of 1 TiB (``transport/local.py``), and sparse
 #: memfds of that size cost it nothing; mapped, they left us no address space for our own allocations.
 MAX_PEER_MAPPED_BYTES = 1 << 45
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+#: The most peers' regions this process maps at once, all peers and links together: a quarter of
+#: ``vm.max_map_count``. One peer may map 4096 (``transport/local.py``); 16 of them left us no mapping for our own.
+MAX_PEER_MAPPINGS = _max_map_count() // 4
 _peer_mapped = 0
+_peer_mappings = 0
 _peer_mapped_lock = threading.RLock()  # a region's __del__ may run on any thread, even inside map_read_only
 #: What a receiver demands of a shared memfd: its size can no longer change.
 SEALS_REQUIRED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -207,26 +221,29 @@ class ReadOnlyMapping:
 
 def map_read_only(fd: int, size: int) -> int:
     """Map ``size`` bytes of a peer's ``fd`` shared and read-only; the address (``OSError`` if refused, also
-    when peers' mappings would take more than ``MAX_PEER_MAPPED_BYTES``). Undo with :func:`unmap_read_only`."""
-    global _peer_mapped
+    when peers' mappings would take more than ``MAX_PEER_MAPPED_BYTES`` or ``MAX_PEER_MAPPINGS``). Undo with
+    :func:`unmap_read_only`."""
+    global _peer_mapped, _peer_mappings
     with _peer_mapped_lock:
-        if _peer_mapped + size > MAX_PEER_MAPPED_BYTES:
+        if _peer_mapped + size > MAX_PEER_MAPPED_BYTES or _peer_mappings >= MAX_PEER_MAPPINGS:
             raise OSError(errno.ENOMEM, f"cannot map a peer region of {size} bytes: peers' regions mapped here "
-                          f"would take more than {MAX_PEER_MAPPED_BYTES} bytes")
+                          f"would take more than {MAX_PEER_MAPPED_BYTES} bytes or {MAX_PEER_MAPPINGS} mappings")
         addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr in (None, _MAP_FAILED):
             err = ctypes.get_errno()
             raise OSError(err, f"cannot map a peer region: {os.strerror(err)}")
         _peer_mapped += size
+        _peer_mappings += 1
         return int(addr)
 
 
 def unmap_read_only(addr: int, size: int) -> None:
     """Undo :func:`map_read_only`."""
-    global _peer_mapped
+    global _peer_mapped, _peer_mappings
     with _peer_mapped_lock:
         _libc.munmap(addr, size)
         _peer_mapped -= size
+        _peer_mappings -= 1
 
 
 def unmap(addr: int, size: int) -> None:

@@ -37,6 +37,10 @@ object with what it got. Modes:
   still maps before a mapping fails (the receiver then drops that share and
   unmaps it), then sends exactly that many on a share it keeps. Prints one
   JSON line with what it holds, then waits for its stdin to close.
+- ``map_count FD...``: spends the receiver's mappings (``vm.max_map_count``)
+  with one-page regions: 4096 a share (as many as one share may map) until a
+  share is dropped, then 2048, 1024, ... 1 on fresh shares, keeping each that
+  is not dropped. Reports as ``address_space`` does.
 """
 
 from __future__ import annotations
@@ -532,8 +536,57 @@ def address_space(fds: list[int]) -> dict:
     return {"held": held}
 
 
+def map_count(fds: list[int]) -> dict:
+    socks = [socket.socket(fileno=fd) for fd in fds]
+    kept: list[socket.socket] = []
+    page = mmap.PAGESIZE
+    one = memfd(page, SEALED)
+
+    def fill(count: int) -> bool:
+        """``count`` regions on a fresh share; whether the receiver kept them all."""
+        sock = socks.pop()
+        sock.settimeout(10)
+        try:
+            for n in range(count):
+                socket.send_fds(sock, [record(1, n + 1, page, 1, page, page, [0])], [one])
+            deadline = time.monotonic() + 10.0
+            while unread(sock) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.02)
+            sock.setblocking(False)
+            sock.recv(64)
+            dropped = True  # b"": closed
+        except BlockingIOError:
+            dropped = False
+        except OSError:
+            dropped = True
+        if dropped:
+            sock.close()
+            return False
+        kept.append(sock)
+        return True
+
+    held = 0
+    try:
+        while len(socks) > 12 and fill(4096):
+            held += 4096
+        for bits in range(11, -1, -1):
+            if socks and fill(1 << bits):
+                held += 1 << bits
+    finally:
+        os.close(one)
+    print(json.dumps({"held": held * page, "regions": held, "shares": len(kept)}), flush=True)
+    sys.stdin.read()
+    for sock in kept + socks:
+        sock.close()
+    return {"held": held}
+
+
 def main(argv: list[str]) -> None:
     mode = argv[0]
+    if mode == "map_count":
+        map_count([int(fd) for fd in argv[1:]])
+        return
     if mode == "address_space":
         address_space([int(fd) for fd in argv[1:]])
         return

@@ -10,8 +10,8 @@ host may do to any thread at any point. Prints one JSON object with what
 happened; a region mapped past the end of its file kills this process with
 SIGBUS instead.
 
-``address_space SHARES``: opens SHARES share sockets, hands the other ends to
-``_share_attacker.py address_space`` and serves them all until the attacker
+``address_space SHARES`` (or ``map_count SHARES``): opens SHARES share sockets,
+hands the other ends to ``_share_attacker.py address_space`` (``map_count``) and serves them all until the attacker
 says what it holds; then allocates a 64 MiB cache region (``HostRegion``, as
 ``allocate_cache`` does) and reports whether it could, and how many bytes of
 peers' regions it has mapped.
@@ -102,10 +102,10 @@ def seal_race(attempts: int) -> dict:
     return report
 
 
-async def address_space(shares: int) -> dict:
+async def address_space(shares: int, mode: str = "address_space") -> dict:
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(shares)]
     theirs = [b.fileno() for _, b in pairs]
-    proc = await asyncio.create_subprocess_exec(sys.executable, ATTACKER, "address_space", *map(str, theirs),
+    proc = await asyncio.create_subprocess_exec(sys.executable, ATTACKER, mode, *map(str, theirs),
                                                 pass_fds=theirs, stdin=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.PIPE)
     for _, b in pairs:
@@ -115,6 +115,7 @@ async def address_space(shares: int) -> dict:
         assert proc.stdout is not None and proc.stdin is not None
         said = json.loads(await asyncio.wait_for(proc.stdout.readline(), 120))
         mapped = sum(region.size for share in live for region in share.regions.values())
+        regions = sum(len(share.regions) for share in live)
         try:
             host.HostRegion(64 << 20)
             allocated = "yes"
@@ -122,7 +123,8 @@ async def address_space(shares: int) -> dict:
             allocated = f"no: {exc}"
         proc.stdin.close()
         await asyncio.wait_for(proc.wait(), 30)
-        return {"attacker holds": said["held"], "mapped": mapped, "64 MiB allocated": allocated}
+        return {"attacker holds": said["held"], "mapped": mapped, "regions": regions,
+                "64 MiB allocated": allocated}
     finally:
         for share in live:
             share.close()
@@ -135,4 +137,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "seal_race":
         print(json.dumps(seal_race(int(sys.argv[2]))), flush=True)
     else:
-        print(json.dumps(asyncio.run(address_space(int(sys.argv[2])))), flush=True)
+        print(json.dumps(asyncio.run(address_space(int(sys.argv[2]), sys.argv[1]))), flush=True)

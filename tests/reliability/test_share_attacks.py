@@ -253,3 +253,17 @@ def test_peers_cannot_take_our_address_space_with_sparse_regions():
     assert report["64 MiB allocated"] == "yes", report
     assert 0 < report["mapped"] <= host.MAX_PEER_MAPPED_BYTES, report
     count("share attacks", 1)
+
+
+def test_peers_cannot_take_our_mappings_with_one_page_regions():
+    """One share may map 4096 regions, so 16 shares of one-page regions spent ``vm.max_map_count`` (65,530): the
+    attacker filled 4096 a share until one was dropped, then 2048, 1024, ... 1 on fresh shares, and we could no
+    longer map a 64 MiB cache (ENOMEM). Peers' regions now take at most ``host.MAX_PEER_MAPPINGS`` (a quarter
+    of ``vm.max_map_count``) of this process together. The receiver runs in its own process, 40 shares."""
+    proc = subprocess.run([sys.executable, VICTIM, "map_count", "40"], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["64 MiB allocated"] == "yes", report
+    assert 0 < report["regions"] <= host.MAX_PEER_MAPPINGS, report
+    count("share attacks", 1)
