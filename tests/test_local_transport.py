@@ -56,6 +56,30 @@ async def test_caches_are_shared_once_per_link_with_their_memfd():
 
 
 @pytest.mark.asyncio
+async def test_received_memfds_are_close_on_exec(monkeypatch):
+    # An fd received from a peer is held while its record is checked; a fork and exec on another thread
+    # meanwhile must not hand the peer's memory to the new program.
+    import fcntl
+
+    from aio_datadist.transport import local
+
+    flags = []
+    check = local.check_sealed
+
+    def checking(fd: int, size: int) -> None:
+        flags.append(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC)
+        check(fd, size)
+
+    monkeypatch.setattr(local, "check_sealed", checking)
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        await pair.link()
+        link = usable_link(pair.decoder, PROMPT_ID)
+        assert link.local is not None and link.local.regions
+    assert flags and all(flags)
+
+
+@pytest.mark.asyncio
 async def test_pull_and_push_are_byte_exact_through_shared_memory():
     async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
         src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))

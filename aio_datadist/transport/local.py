@@ -196,6 +196,18 @@ def parse_record(data: bytes, nfds: int, flags: int) -> ShareRecord:
                        data_type=data_type, block_shape=block_shape)
 
 
+def _recv_record(sock: socket.socket) -> tuple[bytes, list[int], int]:
+    """One record and its fd, if any: ``(data, fds, msg_flags)``. Received close-on-exec (a fork and exec on
+    another thread while we hold it must not hand the peer's memory on), which ``socket.recv_fds`` cannot do:
+    Python 3.11's ignores its flags."""
+    fds = array.array("i")
+    data, ancdata, flags, _addr = sock.recvmsg(MAX_MESSAGE, socket.CMSG_LEN(fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), flags
+
+
 def check_fd(fd: int, size: int) -> None:
     """The fd must be a memfd sealed against resizing whose size is exactly ``size``."""
     try:
@@ -475,7 +487,7 @@ class LocalShare:
             budget -= 1
             fds: list[int] = []
             try:
-                data, fds, flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
+                data, fds, flags = _recv_record(self.sock)
             except BlockingIOError:
                 return
             except OSError:
