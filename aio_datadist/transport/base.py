@@ -316,6 +316,12 @@ class InPlacePlane(Plane):
         assert cache is not None, "in-place planes serve registered caches only (see serves)"
         row = -1 if req.rows or served.row is None else served.row
         key, tensors = served.key if msg is Msg.PULL_REQ else None, served.tensors
+        # The requester moves the bytes itself: our job list (16 bytes per row and tensor, rows repeated as
+        # often as wire.MAX_ROWS) and, for a pull, the rows a push would record are not needed, and what is
+        # kept here lasts until the peer's word, which a buggy or hostile peer never sends.
+        served.pairs = None
+        if msg is not Msg.PUSH_REQ:
+            served.landed = []
         arrived_by_plane: asyncio.Future | None = None
         end: Callable[[], None] | None = None
 

@@ -11,6 +11,8 @@
 - A peer that sends pulls repeating one block as often as the protocol allows and never reads its data
   channel gets at most ``links.MAX_SERVED_PER_CHANNEL`` of them served at once there; the rest are refused
   before their job lists are made.
+- A same-host peer (a real endpoint) whose pulls the owner serves in place and that never sends the
+  ``DONE`` ending them does not make the owner keep their job lists (``_inplace_attacker.py``).
 """
 
 from __future__ import annotations
@@ -236,4 +238,72 @@ async def test_a_peer_that_repeats_rows_and_never_reads_is_served_a_bounded_numb
         assert proc.returncode == 0, err.decode()[-3000:]
         report = json.loads(out.decode().strip().splitlines()[-1])
         assert report["statuses"].get(str(int(S.LLM_PARAM_INVALID)), 0) == refused, report
+        await settle(dd, baseline, fds, within=3.0)
+
+
+INPLACE_PROGRAM = os.path.join(os.path.dirname(__file__), "_inplace_attacker.py")
+#: In-place pulls of block 0 named ``wire.MAX_ROWS`` times the same-host attacker leaves without DONE (a job
+#: list of 8 MiB each from ``ROWS_DESC``: before it was dropped, about 200 MiB held until the link went).
+INPLACE_REQUESTS = 24
+
+
+async def in_place_attack(dd, count: int, rows: int):
+    """Start ``_inplace_attacker.py`` against ``dd`` (``count`` same-host pulls naming block 0 ``rows`` times,
+    never a DONE); the process, still linked, and its report once every pull was answered."""
+    host, port = port_of(dd)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, INPLACE_PROGRAM, host, str(port), str(PROMPT), str(ATTACKER), str(ROWS_DESC.num_tensors),
+        str(ROWS_DESC.shape[1] * 2), str(ROWS_DESC.data_type.value), str(count), str(rows), "20",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 30)
+    if not line:
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+        raise AssertionError(err.decode()[-3000:])
+    return proc, json.loads(line)
+
+
+async def stop_attacker(proc) -> None:
+    try:
+        assert proc.stdin is not None
+        proc.stdin.close()  # the attacker goes (its endpoint unlinks)
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+        assert proc.returncode == 0, err.decode()[-3000:]
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+@pytest.mark.asyncio
+async def test_a_same_host_peer_that_never_says_done_holds_no_job_lists():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="local") as dd, \
+            endpoint(LLMRole.DECODER, HONEST, transport="local") as honest:
+        src = dd.kv_cache_manager.allocate_blocks_cache(ROWS_DESC, BlocksCacheKey(PROMPT))
+        values = fill(src, 5)
+        assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        baseline, fds = state(dd), open_fds()
+        gc.collect()
+        rss_before = rss_bytes()
+        proc, report = await in_place_attack(dd, INPLACE_REQUESTS, wire.MAX_ROWS)
+        try:
+            assert report["in_place"] == INPLACE_REQUESTS, report  # the owner chose the same-host plane
+            link = link_to(dd, ATTACKER)
+            assert link is not None and link.broken is None and link.local is not None
+            await asyncio.sleep(0.3)
+            gc.collect()
+            grown = rss_bytes() - rss_before
+            seen = dict(awaiting_done=len(link.pull_acks), serving=len(link.serving), grown_mib=grown >> 20)
+            assert len(link.pull_acks) == INPLACE_REQUESTS, seen  # each still awaits its DONE
+            # Before: 205 MiB (a job list of 8 MiB each, kept until DONE); now under 10 MiB.
+            assert grown < 64 << 20, f"the owner grew {grown / 2**20:.0f} MiB for {INPLACE_REQUESTS} requests: {seen}"
+            # The owner's other link is served meanwhile (through shared memory too).
+            mine = honest.kv_cache_manager.allocate_blocks_cache(ROWS_DESC)
+            await honest.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), mine, [0, 1], [1, 0], timeout=5000)
+            assert all(torch.equal(m[1], v[0]) and torch.equal(m[0], v[1])
+                       for m, v in zip(mine.tensors, values, strict=True))
+            honest.kv_cache_manager.deallocate_cache(mine)
+            del mine
+        finally:
+            await stop_attacker(proc)
         await settle(dd, baseline, fds, within=3.0)
