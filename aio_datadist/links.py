@@ -82,6 +82,14 @@ LOOP_LOWAT_MAX = max(0, min(int(os.environ.get("AIO_DATADIST_LOOP_LOWAT_MAX", 1 
 #: everything, though their end may not have reached our loop yet; two at once (docs/reliability.md row 88)
 #: are served.
 MAX_SERVED_PER_CHANNEL = 4
+#: The most requests of the peer's that we keep while waiting for its word that they are over (``pull_acks``:
+#: requests served in place, which end with its ``DONE`` or a NIXL push's notification, and key pulls, whose
+#: key stays claimed until its ``DONE``). A request past it is refused with ``RESP`` before it is planned.
+#: In-place requests use no data channel once answered, so nothing else bounds them: a peer that never sent
+#: ``DONE`` held about 3 KiB (the key it claimed, for a key) per request of about 170 bytes, for as long as the
+#: link lived. An honest requester has one such request per transfer it runs on the link at once, and ends
+#: each as soon as its bytes moved.
+MAX_AWAITED_PER_LINK = 4096
 ZERO32 = bytes(32)
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
 from aio_datadist.cache import KeyBinding, KvCache
-from aio_datadist.links import MAX_SERVED_PER_CHANNEL
+from aio_datadist.links import MAX_AWAITED_PER_LINK, MAX_SERVED_PER_CHANNEL
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMStatusCode
 from aio_datadist.transport import plane, planes_for
@@ -53,6 +53,9 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any) -> 
             raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                           f"data channel {req.channel} already carries {MAX_SERVED_PER_CHANNEL} requests of yours "
                           "that are being served (send one request per channel at a time)")
+        if msg is not Msg.PUSH_LOCAL and len(link.pull_acks) >= MAX_AWAITED_PER_LINK:
+            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                          f"{MAX_AWAITED_PER_LINK} requests of yours wait for your word that they are over (DONE)")
         served = serve_plan(rt, link, msg, req)
     except Refusal as refusal:
         link.counters.refused(kind, link.transport, refusal.code)

@@ -13,6 +13,8 @@
   before their job lists are made.
 - A same-host peer (a real endpoint) whose pulls the owner serves in place and that never sends the
   ``DONE`` ending them does not make the owner keep their job lists (``_inplace_attacker.py``).
+  At most ``links.MAX_AWAITED_PER_LINK`` of them wait for their ``DONE``; the rest are refused before they
+  are planned.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from _rawpeer import RawLink
 from peers import cluster_info, fill, port_of
 
 from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, wire
-from aio_datadist.links import MAX_SERVED_PER_CHANNEL
+from aio_datadist.links import MAX_AWAITED_PER_LINK, MAX_SERVED_PER_CHANNEL
 from aio_datadist.testing import link_to
 from aio_datadist.wire import Msg
 
@@ -297,6 +299,40 @@ async def test_a_same_host_peer_that_never_says_done_holds_no_job_lists():
             assert len(link.pull_acks) == INPLACE_REQUESTS, seen  # each still awaits its DONE
             # Before: 205 MiB (a job list of 8 MiB each, kept until DONE); now under 10 MiB.
             assert grown < 64 << 20, f"the owner grew {grown / 2**20:.0f} MiB for {INPLACE_REQUESTS} requests: {seen}"
+            # The owner's other link is served meanwhile (through shared memory too).
+            mine = honest.kv_cache_manager.allocate_blocks_cache(ROWS_DESC)
+            await honest.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), mine, [0, 1], [1, 0], timeout=5000)
+            assert all(torch.equal(m[1], v[0]) and torch.equal(m[0], v[1])
+                       for m, v in zip(mine.tensors, values, strict=True))
+            honest.kv_cache_manager.deallocate_cache(mine)
+            del mine
+        finally:
+            await stop_attacker(proc)
+        await settle(dd, baseline, fds, within=3.0)
+
+
+@pytest.mark.asyncio
+async def test_a_same_host_peer_that_never_says_done_is_served_a_bounded_number_of_requests():
+    count = MAX_AWAITED_PER_LINK + 64
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="local") as dd, \
+            endpoint(LLMRole.DECODER, HONEST, transport="local") as honest:
+        src = dd.kv_cache_manager.allocate_blocks_cache(ROWS_DESC, BlocksCacheKey(PROMPT))
+        values = fill(src, 5)
+        assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        baseline, fds = state(dd), open_fds()
+        gc.collect()
+        rss_before = rss_bytes()
+        proc, report = await in_place_attack(dd, count, 1)
+        try:
+            link = link_to(dd, ATTACKER)
+            assert link is not None and link.broken is None
+            gc.collect()
+            seen = dict(report, awaiting_done=len(link.pull_acks), serving=len(link.serving),
+                        grown_kib=(rss_bytes() - rss_before) >> 10)
+            # Before: all 4160 were served in place and awaited their DONE (40,000: +110 MiB, unbounded).
+            assert report["in_place"] == MAX_AWAITED_PER_LINK, seen
+            assert report["statuses"].get(str(int(S.LLM_PARAM_INVALID))) == 64, seen
+            assert len(link.pull_acks) == len(link.serving) == MAX_AWAITED_PER_LINK, seen
             # The owner's other link is served meanwhile (through shared memory too).
             mine = honest.kv_cache_manager.allocate_blocks_cache(ROWS_DESC)
             await honest.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), mine, [0, 1], [1, 0], timeout=5000)
