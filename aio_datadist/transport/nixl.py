@@ -555,6 +555,10 @@ class NixlPeer:
             loaded = agent.add_remote_agent(metadata)
             loaded = loaded if isinstance(loaded, bytes) else str(loaded).encode()
             if loaded != name:
+                # NIXL loaded it under that name: unload it, or it stays (sections, a UCX endpoint) for good,
+                # unless it is the agent of another of our links (NIXL refused new content for it then).
+                if loaded not in [peer.name for peer in list(self.agent.peers) if peer is not self]:
+                    agent.remove_remote_agent(loaded.decode())
                 raise ValueError(f"metadata names agent {loaded!r}, not {name!r}")
             self._agent_loaded = True
             if cache is None:
