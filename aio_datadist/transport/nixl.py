@@ -664,7 +664,9 @@ class NixlPeer:
         name = self.name
         if name is not None:
             def remove(agent: Any) -> None:
-                if self._agent_loaded:  # read on the worker, after any load of it already queued
+                # Read on the worker, after any load of it already queued. Not while a newer link to the same
+                # endpoint uses its agent: that link's load found it still loaded (a transfer of ours deferred this).
+                if self._agent_loaded and name not in [peer.name for peer in list(self.agent.peers)]:
                     agent.remove_remote_agent(name.decode())
 
             try:
