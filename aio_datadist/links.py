@@ -39,7 +39,7 @@ from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import LocalShare
 from aio_datadist.transport.nixl import READY as NIXL_READY
-from aio_datadist.transport.nixl import NixlAgent, NixlPeer
+from aio_datadist.transport.nixl import NixlAgent, NixlPeer, link_tag
 from aio_datadist.types import LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
@@ -583,7 +583,7 @@ class Link:
         plane = self.nixl_agent
         if plane is None or self.nixl is not None:
             return self.nixl
-        self.nixl = NixlPeer(plane, self._send_nixl, self.remote_cluster_id)
+        self.nixl = NixlPeer(plane, self._send_nixl, self.remote_cluster_id, link_tag(self.token))
         self.nixl.hello()
         return self.nixl
 

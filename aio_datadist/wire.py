@@ -22,10 +22,11 @@ __all__ = ["ANSWER", "ANSWER_MAGIC", "ATTACH", "ATTACH_OK", "HEADER", "MAX_BODY"
            "encode_record", "fields_of", "parse_header"]
 
 MAGIC = b"AIOD"
-VERSION = 6  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
+VERSION = 7  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
 #             4: TransferReq.block_shape (blocks layouts are checked per request, not at link time),
 #                Auth.bilateral (a dial of LLMDataDist.link); 5: ReqFlag.POSTED and the ANSWER header,
-#                ReqFlag.DEVICE and the share's device records; 6: the NIXL record OFFER_VRAM
+#                ReqFlag.DEVICE and the share's device records; 6: the NIXL record OFFER_VRAM;
+#             7: a NIXL push's notification names its link (transport/nixl.py link_tag)
 HEADER = struct.Struct("!4sBBHQI")
 MAX_BODY = 1 << 20
 MAX_ROWS = 65536

@@ -121,9 +121,6 @@ async def test_closing_a_link_does_not_unload_the_agent_of_the_next_link_to_the_
         await pair.link()
         await push_cut_by_unlink(pair, src, dst)
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [2], [2])  # the cut WRITE settles now
-        # Request ids start again on every link and a late notification of link 1 would confirm link 2's push
-        # of the same id early (an open issue, not fixed here): these pushes take new ids.
-        link_to(pair.prompt, DECODER_ID)._next_req += 100
         want = fill(src, 4)
         posted = posted_count(pair.prompt)
         for n in range(3):  # the prompt writes the decoder's cache: its agent must still know the decoder's
@@ -134,3 +131,25 @@ async def test_closing_a_link_does_not_unload_the_agent_of_the_next_link_to_the_
 
 def posted_count(dd) -> int:
     return nixl_agent_of(dd).engine.posted
+
+
+@needs_nixl
+async def test_a_late_notification_of_an_earlier_link_does_not_confirm_a_push_of_the_next():
+    """Request ids start again on every link. A WRITE cut by its link's end stays in flight over UCX shared
+    memory until the owner's agent progresses again, on the next link to the same peer, and its notification
+    then comes late. It must not confirm the next link's push of the same id: before, that push was reported
+    done before its own WRITE was even posted, its bytes not in place."""
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
+        await pair.link()
+        await push_cut_by_unlink(pair, src, dst)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [2], [2])  # the decoder's agent progresses
+        want = fill(src, 4)
+        posted, restore = slowed_writes(pair.prompt, 0.3)  # the late notification is there first
+        try:
+            await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [0], [0], timeout=3000)
+            assert posted, "confirmed before its WRITE was posted"
+            assert all(torch.equal(d[0], w[0]) for d, w in zip(dst.tensors, want, strict=True))
+        finally:
+            restore()

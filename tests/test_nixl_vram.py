@@ -146,7 +146,7 @@ class _StandInAgent:
 async def test_a_vram_offer_carries_the_gpu_and_is_prepared_as_vram_on_it():
     agent = _StandInAgent()
     sent: list[tuple] = []
-    peer = nixl.NixlPeer(agent, lambda *record: sent.append(record), 9)
+    peer = nixl.NixlPeer(agent, lambda *record: sent.append(record), 9, bytes(8))
     peer.on_message(NixlRecord(kind=nixl.HELLO, cache_id=0, count=0, row_bytes=0, rows=(), blob=b"peer\0their-meta"))
     await asyncio.sleep(0)
     assert sent[-1][0] == nixl.READY

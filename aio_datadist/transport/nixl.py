@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import hashlib
 import logging
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -50,8 +51,8 @@ if TYPE_CHECKING:
     from aio_datadist.cache import KvCache
     from aio_datadist.runtime import Runtime
 
-__all__ = ["NixlPeer", "NixlAgent", "HELLO", "OFFER", "WITHDRAW", "READY", "PREPARED", "DECLINE", "OFFER_VRAM",
-           "SETUP_SHARE", "vram_off"]
+__all__ = ["NixlPeer", "NixlAgent", "link_tag", "HELLO", "OFFER", "WITHDRAW", "READY", "PREPARED", "DECLINE",
+           "OFFER_VRAM", "SETUP_SHARE", "vram_off"]
 
 log = logging.getLogger("aio_datadist.nixl")
 
@@ -62,7 +63,8 @@ KINDS = (HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM)
 SETUP_SHARE = 0.5
 MAX_REASON = 512
 MAX_TENSORS = 4096
-NOTIF = struct.Struct("!4sQ")
+#: A push's WRITE notification: magic, the link's tag (:func:`link_tag`), request id.
+NOTIF = struct.Struct("!4s8sQ")
 NOTIF_MAGIC = b"AIDN"
 #: The GPU id an ``OFFER_VRAM`` record's blob starts with (NIXL's metadata follows).
 VRAM_DEVICE = struct.Struct("!I")
@@ -110,9 +112,16 @@ def registration(cache: KvCache, off: str | None) -> tuple[str, int, Callable[[A
     return mem, device, work
 
 
-def notif_for(req_id: int) -> bytes:
-    """The notification a push request's WRITE carries."""
-    return NOTIF.pack(NOTIF_MAGIC, req_id)
+def link_tag(token: bytes) -> bytes:
+    """Eight bytes that name one link, derived from its token by both ends. Request ids start again on every
+    link, and a WRITE cut by its link's end can stay in flight until the owner's agent progresses on the next
+    link to the same peer: its late notification must not confirm that link's push of the same id."""
+    return hashlib.blake2b(token, digest_size=8, person=b"aio-dd-notif").digest()
+
+
+def notif_for(tag: bytes, req_id: int) -> bytes:
+    """The notification a push request's WRITE carries on the link ``tag`` names."""
+    return NOTIF.pack(NOTIF_MAGIC, tag, req_id)
 
 
 def _extents(cache: KvCache) -> list[tuple[int, int]]:
@@ -353,8 +362,9 @@ def prepare_remote(agent: Any, name: str, cache_id: int, rows: int, row_bytes: i
 class NixlPeer:
     """One link's NIXL state: the peer's agent and its caches' prepared lists."""
 
-    def __init__(self, agent: NixlAgent, send: Any, cluster_id: int) -> None:
+    def __init__(self, agent: NixlAgent, send: Any, cluster_id: int, tag: bytes) -> None:
         self.agent = agent
+        self.tag = tag  # the link's, in its pushes' notifications (link_tag)
         self.engine = agent.engine
         self._send = send
         self.cluster_id = cluster_id
@@ -646,7 +656,7 @@ class NixlPeer:
         """The future of the peer's WRITE notification for push ``req_id``."""
         engine, name = self.engine, self.name
         assert name is not None, "expect_push is for a usable peer (serves() checked it)"
-        message = notif_for(req_id)
+        message = notif_for(self.tag, req_id)
         return self.agent.run(lambda t: engine.expect_notif(t, name, message), what)
 
     def close(self) -> None:

@@ -81,7 +81,7 @@ class NixlPlane(InPlacePlane):
             _trace.mark("job submitted")
         moved, settled, failure = peer.transfer("READ" if pull else "WRITE", plan.local, plan.local_first,
                                                 plan.local_rows, region.cache_id, first, rows, count,
-                                                b"" if pull else notif_for(req_id), what)
+                                                b"" if pull else notif_for(peer.tag, req_id), what)
         req.settled, req.ack = settled, done
         try:
             await moved
