@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 BENCH_EXTRA = 'pip install -e ".[bench]"'
+#: The most aio.DataChannels takes (config.py).
+MAX_DATA_CHANNELS = 16
 
 
 def _block_counts(text: str) -> tuple[int, ...]:
@@ -41,6 +43,14 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _data_channels(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_DATA_CHANNELS:
+        raise argparse.ArgumentTypeError(f"expected an integer in 1..{MAX_DATA_CHANNELS} (aio.DataChannels), "
+                                         f"got {text!r}")
     return value
 
 
@@ -81,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
                             "the NIXL package imports, else the table says why it has no nixl rows). Rows name "
                             "the transport each link negotiated")
     bench.add_argument("--uvloop", action="store_true", help="both processes run their event loop on uvloop")
-    bench.add_argument("--data-channels", type=_positive, metavar="N", help="aio.DataChannels (default: the library's)")
+    bench.add_argument("--data-channels", type=_data_channels, metavar="N",
+                       help=f"aio.DataChannels, 1..{MAX_DATA_CHANNELS} (default: the library's)")
     bench.add_argument("--format", choices=("text", "markdown", "json"), default="text", help="table format")
     bench.add_argument("--plot", type=Path, metavar="OUT.png",
                        help=f"also write a plot of throughput against request size (needs matplotlib: {BENCH_EXTRA})")

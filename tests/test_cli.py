@@ -94,6 +94,18 @@ def test_bad_arguments_are_refused_with_usage(capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+def test_data_channels_beyond_what_init_accepts_are_refused_with_usage(capsys):
+    """aio.DataChannels is 1..16: a larger --data-channels is a usage error, not an LLMException traceback
+    from init after the peer process started. Only the parser runs here (no benchmark)."""
+    from aio_datadist.__main__ import _parser
+
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["bench", "--data-channels", "17"])
+    assert exit_.value.code == 2
+    assert "--data-channels: expected an integer in 1..16" in capsys.readouterr().err
+    assert _parser().parse_args(["bench", "--data-channels", "16"]).data_channels == 16
+
+
 def test_plot_without_matplotlib_is_refused_before_measuring(capsys, monkeypatch, tmp_path):
     for name in ["matplotlib", *(m for m in sys.modules if m.startswith("matplotlib."))]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
