@@ -332,6 +332,10 @@ def _rank_addresses(arg_name: str, obj: Mapping[Any, Any]) -> dict[str, tuple[st
     for key, value in obj.items():
         if not isinstance(key, str) or not (key.isascii() and key.isdigit()):
             check_ipv4(f"{arg_name} key", key)
+        elif len(key) > len(str(UINT32_MAX)) or key != str(int(key)) or int(key) > UINT32_MAX:
+            # never looked up: ranktable.rank_address asks for str(rank_id) of a uint32
+            raise param_invalid(f"{arg_name} key", f"a rank id must be a uint32 in decimal without leading "
+                                f"zeros, got {key!r}")
         address = parse_listen(value, f"{arg_name}[{key!r}]")
         if address[1] == 0:
             raise param_invalid(f"{arg_name}[{key!r}]", "port 0 cannot be dialled; name the port")
@@ -344,6 +348,8 @@ def _check_rank_addresses(arg_name: str, value: object) -> str:
     if isinstance(value, Mapping):
         obj: Mapping[Any, Any] = {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v
                                   for k, v in value.items()}
+        if len(obj) != len(value):
+            raise param_invalid(arg_name, "names a rank id twice (as an int and as a str)")
     else:
         text = check_str(arg_name, value)
         if not text:

@@ -502,3 +502,20 @@ def test_option_device_ipc_is_checked():
     with pytest.raises(LLMException) as caught:
         parse_options({"aio.DeviceIpc": "yes"})
     assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID and "aio.DeviceIpc" in str(caught.value)
+
+
+@pytest.mark.parametrize("addresses", [{"01": "127.0.0.1:5"}, {"4294967296": "127.0.0.1:5"},
+                                       {"9" * 5000: "127.0.0.1:5"}, {1: "127.0.0.1:5", "1": "127.0.0.2:6"}])
+def test_rank_address_keys_that_no_rank_would_match_are_refused(addresses: dict[object, str]) -> None:
+    """aio.RankAddresses maps a rank id (``str(rank_id)``, a uint32) or a device ip: a key such as ``"01"`` or
+    one above the uint32 range is never looked up (``ranktable.rank_address`` asks for ``str(rank_id)``), and a
+    property dict naming rank 1 twice (``1`` and ``"1"``) would keep only one of them; each was accepted and
+    silently ignored."""
+    with param_invalid_naming("rank_addresses"):
+        LLMConfig().rank_addresses = addresses
+    if all(isinstance(key, str) for key in addresses):
+        with param_invalid_naming("aio.RankAddresses"):
+            parse_options({"aio.RankAddresses": json.dumps(addresses)})
+    config = LLMConfig()
+    config.rank_addresses = {1: "127.0.0.1:5", "4294967295": "127.0.0.1:6"}
+    assert set(parse_options(config.generate_options()).rank_addresses) == {"1", "4294967295"}
