@@ -128,7 +128,7 @@ def parse_listen(value: object, arg_name: str = "llm.listenIpInfo") -> tuple[str
     check_ipv4(arg_name, ip)
     if not port_text.isdigit() or not port_text.isascii():
         raise param_invalid(arg_name, f"port must be an int in [0, 65535], got {port_text!r}")
-    port = int(port_text)
+    port = _int_from_text(arg_name, port_text)
     if port > 65535:
         raise param_invalid(arg_name, f"port must be an int in [0, 65535], got {port}")
     return ip, port
@@ -137,7 +137,10 @@ def parse_listen(value: object, arg_name: str = "llm.listenIpInfo") -> tuple[str
 def _int_from_text(arg_name: str, raw: str) -> int:
     if not _INT_TEXT.fullmatch(raw):
         raise param_invalid(arg_name, f"expected an integer, got {raw!r}")
-    return int(raw)
+    try:
+        return int(raw)
+    except ValueError:  # more digits than sys.get_int_max_str_digits() allows
+        raise param_invalid(arg_name, f"integer out of range ({len(raw)} digits)") from None
 
 
 def _int_check(lo: int, hi: int, *, multiple_of: int = 1) -> Callable[[str, object], int]:

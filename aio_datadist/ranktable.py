@@ -130,7 +130,10 @@ def _entry(arg: str, where: str, device: object) -> RankEntry:
         raise param_invalid(arg, f"{where}: expected an object, got {type(device).__name__}")
     raw = device.get("rank_id")
     if isinstance(raw, str) and raw.isascii() and raw.isdigit():
-        rank = int(raw)
+        digits = raw.lstrip("0") or "0"
+        if len(digits) > len(str(UINT32_MAX)):  # not a uint32 (and int() refuses over 4300 digits)
+            raise param_invalid(arg, f"{where}: 'rank_id' of {len(digits)} digits is not a uint32")
+        rank = int(digits)
     elif isinstance(raw, int) and not isinstance(raw, bool):
         rank = raw
     else:

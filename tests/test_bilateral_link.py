@@ -598,3 +598,14 @@ async def test_a_bilateral_link_that_goes_down_while_it_is_set_up_fails_at_once(
         assert status is RegisterMemStatus.FAILED
         assert took < 4, f"the comm stayed PREPARING {took:.1f} s (dialled a peer that is gone again)"
         await p.unlink(comm)
+
+
+def test_a_rank_id_longer_than_python_converts_is_param_invalid():
+    """A 5000-digit ``rank_id`` string raised a bare ValueError from int(), not LLM_PARAM_INVALID naming
+    ``rank_table``."""
+    from aio_datadist.ranktable import parse_rank_table
+
+    table = json.dumps({"server_list": [{"device": [{"device_ip": PROMPT_IP, "rank_id": "9" * 5000}]}]})
+    with pytest.raises(LLMException) as exc:
+        parse_rank_table(table, [0, 1])
+    assert exc.value.status_code == S.LLM_PARAM_INVALID and exc.value.argument == "rank_table"

@@ -519,3 +519,19 @@ def test_rank_address_keys_that_no_rank_would_match_are_refused(addresses: dict[
     config = LLMConfig()
     config.rank_addresses = {1: "127.0.0.1:5", "4294967295": "127.0.0.1:6"}
     assert set(parse_options(config.generate_options()).rank_addresses) == {"1", "4294967295"}
+
+
+@pytest.mark.parametrize(("options", "name"), [
+    ({"llm.SyncKvCacheWaitTime": "9" * 5000}, "llm.SyncKvCacheWaitTime"),
+    ({"aio.DataChannels": "1" + "0" * 5000}, "aio.DataChannels"),
+    ({"llm.LinkTotalTime": "9" * 5000}, "llm.LinkTotalTime"),
+    ({"ge.exec.deviceId": "9" * 5000}, "ge.exec.deviceId"),
+    ({"llm.listenIpInfo": "127.0.0.1:" + "9" * 5000}, "llm.listenIpInfo"),
+])
+def test_integers_longer_than_python_converts_are_param_invalid(options: dict[str, str], name: str) -> None:
+    """A numeric option of more than 4300 digits (sys.get_int_max_str_digits) raised a bare ValueError
+    from int() that named nothing, not LLM_PARAM_INVALID naming the option."""
+    with param_invalid_naming(name):
+        parse_options(options)
+    with param_invalid_naming("sync_kv_timeout"):
+        LLMConfig().sync_kv_timeout = "9" * 5000
