@@ -227,3 +227,56 @@ def test_auto_picks_cuda_then_npu_then_cpu(monkeypatch):
     assert auto_device() == "npu"
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False), raising=False)
     assert auto_device() == "cpu"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cut", ["timeout", "cancel"])
+@pytest.mark.parametrize("op", ["copy_blocks", "swap_out", "swap_in"])
+async def test_a_local_device_copy_given_up_on_a_held_stream_lands_nothing_after_it_returned(op, cut):
+    """copy_blocks / swap_blocks of a device cache whose copy waits on the held copy stream: a timeout or a
+    cancel returns only once the stream reported the copy over, so the destination never changes afterwards."""
+    import asyncio
+
+    dd = await _host_dd()
+    try:
+        rt = runtime_of(dd)
+        backend = rt.devices
+        mgr = dd.kv_cache_manager
+        dev = mgr.allocate_blocks_cache(_desc(Placement.DEVICE))
+        host = mgr.allocate_blocks_cache(_desc(Placement.HOST))
+        for t in dev.tensors:
+            for r in range(8):
+                t[r].view(torch.uint8).fill_(r + 1)
+        for t in host.tensors:
+            t.view(torch.uint8).fill_(0xEE)
+        dst, row = {"copy_blocks": (dev, 5), "swap_out": (host, 5), "swap_in": (dev, 6)}[op]
+
+        def call(timeout: int):
+            if op == "copy_blocks":
+                return mgr.copy_blocks(dev, {1: [5]}, timeout=timeout)
+            if op == "swap_out":
+                return mgr.swap_blocks(dev, host, {1: 5}, timeout=timeout)
+            return mgr.swap_blocks(host, dev, {1: 6}, timeout=timeout)
+
+        gate = backend.stream.gate()  # the copy queues up behind this point of the copy stream
+        asyncio.get_running_loop().call_later(0.4, gate.open)
+        if cut == "timeout":
+            with pytest.raises(LLMException) as info:
+                await call(100)
+            assert info.value.status_code == S.LLM_TIMEOUT
+        else:
+            task = asyncio.ensure_future(call(5000))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        after = [t[row].view(torch.uint8).clone() for t in dst.tensors]
+        assert backend.stream.pending() == 0  # the copy it enqueued is over
+        await asyncio.sleep(0.5)  # the gate is open by now: a copy still queued would have run
+        for a, t in zip(after, dst.tensors, strict=True):
+            assert torch.equal(a, t[row].view(torch.uint8)), "a byte landed after the call returned"
+        assert rt.completions.pending_count() == 0
+        await mgr.copy_blocks(dev, {2: [7]})  # the stream works afterwards
+        assert all(torch.equal(t[7], t[2]) for t in dev.tensors)
+    finally:
+        await dd.finalize()
