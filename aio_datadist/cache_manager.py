@@ -247,7 +247,8 @@ class CacheManager:
                           timeout: int | None = None) -> None:
         """Copy blocks between a HOST and a DEVICE blocks cache: ``{src_block: dst_block}``."""
         self._rt()
-        await self._kv.swap_blocks(src_cache, dst_cache, src_to_dst, timeout=timeout)
+        with _v2_argument("src", "src_cache"), _v2_argument("dst", "dst_cache"):
+            await self._kv.swap_blocks(src_cache, dst_cache, src_to_dst, timeout=timeout)
 
     # -- transfers with peers -------------------------------------------------
 

@@ -367,6 +367,31 @@ async def test_local_copies():
         assert all(torch.equal(host_t[i][4], blocks_t[i][1]) for i in range(4))
 
 
+async def test_swap_blocks_errors_name_the_v2_arguments():
+    """v2's swap_blocks takes src_cache and dst_cache: its errors name those, and nothing is written."""
+    async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        cm = dd.cache_manager
+        blocks, blocks_t = register(cm, BLOCKS, 3, blocks=True)
+        rows, _ = register(cm, ROWS, 4)
+        host_desc = CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, Placement.HOST)
+        host_t = [torch.zeros(host_desc.shape, dtype=torch.float16) for _ in range(4)]
+        host = Cache.create_cpu_cache(host_desc, [t.data_ptr() for t in host_t])
+        host_t_addrs = [t.data_ptr() for t in host_t]
+        before = [t.clone() for t in host_t + blocks_t]
+        calls = [
+            ("src_cache", lambda: cm.swap_blocks("cache", host, {0: 0})),
+            ("dst_cache", lambda: cm.swap_blocks(blocks, [host], {0: 0})),
+            ("src_cache", lambda: cm.swap_blocks(rows, host, {0: 0})),
+            ("dst_cache", lambda: cm.swap_blocks(blocks, rows, {0: 0})),
+            ("dst_cache", lambda: cm.swap_blocks(host, Cache.create_cpu_cache(host_desc, host_t_addrs), {0: 0})),
+            ("src_to_dst", lambda: cm.swap_blocks(blocks, host, {0: 9})),
+        ]
+        for arg, call in calls:
+            with rejected(INVALID, arg):
+                await call()
+        assert all(torch.equal(a, b) for a, b in zip(before, host_t + blocks_t, strict=True))
+
+
 async def test_negative_batch_index_or_offset_is_a_value_error():
     async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
         cm = dd.cache_manager
