@@ -115,6 +115,24 @@ async def test_pool_never_holds_more_than_its_bound():
         await pool.acquire()
 
 
+@pytest.mark.asyncio
+async def test_a_waiter_cancelled_after_its_wakeup_passes_the_buffer_on():
+    """Two transfers wait for the one buffer; it is released, and the waiter it woke is given up before it
+    ran: the other waiter gets the buffer (no lost wakeup that would leave it waiting with a buffer free)."""
+    pool = StagingPool(MIN_CHUNK_BYTES, 1)
+    a = await pool.acquire()
+    first = asyncio.ensure_future(pool.acquire())
+    second = asyncio.ensure_future(pool.acquire())
+    await asyncio.sleep(0.01)
+    assert not first.done() and not second.done()
+    pool.release(a)  # wakes the first waiter...
+    first.cancel()  # ...which is given up before it could take the buffer
+    assert await asyncio.wait_for(second, 1) is a
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    pool.close()
+
+
 def test_pool_rejects_bad_sizes():
     with pytest.raises(ValueError):
         StagingPool(100, 2)

@@ -199,6 +199,10 @@ class StagingPool:
             self._waiters.append(waiter)
             try:
                 await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # woken, then given up before it ran: pass the wakeup on to the next waiter
+                raise
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
