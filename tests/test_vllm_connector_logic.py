@@ -185,13 +185,25 @@ def _remote(prefill, req: str, blocks: list[int]) -> RemotePrefill:
                                                  block_ids=blocks, num_tokens=len(blocks) * BLOCK_TOKENS))
 
 
-def test_a_side_channel_lost_while_the_link_stays_up_is_dialled_again(agents) -> None:
-    prefill, p_kv = agents(True)
-    decode, d_kv = agents(False)
+def _pull_one(prefill, decode) -> None:
+    """A first pull (prefill block 5 into decode block 2): the decode's side channel and link are up."""
     prefill.holds.add("r1", lease_s=60)
     decode.start_pull("d1", _remote(prefill, "r1", [5]), [2])
     wait(lambda: not decode.pulls.pending())
     assert decode.pulls.take_finished() == ({"d1"}, set(), set())
+
+
+def _assert_block(d_kv, dst: int, p_kv, src: int) -> None:
+    """Decode block ``dst`` holds prefill block ``src``, K and V of every layer."""
+    for name in p_kv:
+        for k_or_v in range(2):
+            assert torch.equal(d_kv[name][k_or_v][dst], p_kv[name][k_or_v][src])
+
+
+def test_a_side_channel_lost_while_the_link_stays_up_is_dialled_again(agents) -> None:
+    prefill, p_kv = agents(True)
+    decode, d_kv = agents(False)
+    _pull_one(prefill, decode)
 
     async def drop_side_channels() -> None:  # e.g. an idle timeout on the way; the KV link stays up
         for writer in list(prefill._conns):
@@ -204,18 +216,13 @@ def test_a_side_channel_lost_while_the_link_stays_up_is_dialled_again(agents) ->
     decode.start_pull("d2", _remote(prefill, "r2", [9]), [4])
     wait(lambda: not decode.pulls.pending())
     assert decode.pulls.take_finished() == ({"d2"}, set(), set())
-    for name in p_kv:
-        for k_or_v in range(2):
-            assert torch.equal(d_kv[name][k_or_v][4], p_kv[name][k_or_v][9])
+    _assert_block(d_kv, 4, p_kv, 9)
 
 
 def test_a_kv_link_lost_while_the_side_channel_stays_up_is_linked_again(agents) -> None:
     prefill, p_kv = agents(True)
     decode, d_kv = agents(False)
-    prefill.holds.add("r1", lease_s=60)
-    decode.start_pull("d1", _remote(prefill, "r1", [5]), [2])
-    wait(lambda: not decode.pulls.pending())
-    assert decode.pulls.take_finished() == ({"d1"}, set(), set())
+    _pull_one(prefill, decode)
     peer = decode._peers[prefill.side_channel].result()
 
     async def drop_kv_link() -> None:  # e.g. the data network failed for a while; the side channel stays up
@@ -235,18 +242,13 @@ def test_a_kv_link_lost_while_the_side_channel_stays_up_is_linked_again(agents) 
         wait(lambda: not decode.pulls.pending())
         pulled |= decode.pulls.take_finished()[0]
     assert "d3" in pulled
-    for name in p_kv:
-        for k_or_v in range(2):
-            assert torch.equal(d_kv[name][k_or_v][5], p_kv[name][k_or_v][11])
+    _assert_block(d_kv, 5, p_kv, 11)
 
 
 def test_pulls_waiting_on_a_failed_relink_fail_with_it(agents) -> None:
     prefill, _ = agents(True)
     decode, _ = agents(False)
-    prefill.holds.add("r1", lease_s=60)
-    decode.start_pull("d1", _remote(prefill, "r1", [5]), [2])
-    wait(lambda: not decode.pulls.pending())
-    assert decode.pulls.take_finished() == ({"d1"}, set(), set())
+    _pull_one(prefill, decode)
     peer = decode._peers[prefill.side_channel].result()
     attempts = []
 
@@ -280,9 +282,7 @@ def test_a_claim_waiting_for_its_request_does_not_hold_up_the_others(agents) -> 
     wait(lambda: "d1" not in decode.pulls.pending())
     assert time.monotonic() - started < 1.5  # not after the other claim's 3 s
     assert "ghost" in decode.pulls.pending()
-    for name in p_kv:
-        for k_or_v in range(2):
-            assert torch.equal(d_kv[name][k_or_v][2], p_kv[name][k_or_v][5])
+    _assert_block(d_kv, 2, p_kv, 5)
     wait(lambda: not decode.pulls.pending())
     finished, failed, _ = decode.pulls.take_finished()
     assert finished == {"d1", "ghost"} and failed == {"ghost"}
