@@ -239,6 +239,14 @@ def test_a_memfd_shrunk_before_it_is_sealed_is_refused_not_mapped_past_its_end()
     count("share attacks", 2)
 
 
+def _victim_report(mode: str, shares: int) -> dict:
+    """Run ``_share_victim.py mode shares`` (the receiver in its own process) and return its JSON report."""
+    proc = subprocess.run([sys.executable, VICTIM, mode, str(shares)], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_peers_cannot_take_our_address_space_with_sparse_regions():
     """A linked peer's records may each declare a region of up to 1 TiB and a share up to 4096 of them: sparse,
     sealed memfds that cost the peer nothing. Mapped, they spent our address space: the attacker, finding at
@@ -246,10 +254,7 @@ def test_peers_cannot_take_our_address_space_with_sparse_regions():
     128 TiB of it and we could no longer allocate a 64 MiB cache. Peers' regions now take at most
     ``host.MAX_PEER_MAPPED_BYTES`` of this process together; a region past it drops its share. The receiver
     runs in its own process (``_share_victim.py``), with 40 shares on socket pairs."""
-    proc = subprocess.run([sys.executable, VICTIM, "address_space", "40"], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = _victim_report("address_space", 40)
     assert report["64 MiB allocated"] == "yes", report
     assert 0 < report["mapped"] <= host.MAX_PEER_MAPPED_BYTES, report
     count("share attacks", 1)
@@ -260,10 +265,7 @@ def test_peers_cannot_take_our_mappings_with_one_page_regions():
     attacker filled 4096 a share until one was dropped, then 2048, 1024, ... 1 on fresh shares, and we could no
     longer map a 64 MiB cache (ENOMEM). Peers' regions now take at most ``host.MAX_PEER_MAPPINGS`` (a quarter
     of ``vm.max_map_count``) of this process together. The receiver runs in its own process, 40 shares."""
-    proc = subprocess.run([sys.executable, VICTIM, "map_count", "40"], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = _victim_report("map_count", 40)
     assert report["64 MiB allocated"] == "yes", report
     assert 0 < report["regions"] <= host.MAX_PEER_MAPPINGS, report
     count("share attacks", 1)
