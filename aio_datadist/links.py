@@ -36,6 +36,7 @@ from aio_datadist.control_reader import ControlReader
 from aio_datadist.loop_io import LoopIo
 from aio_datadist.stats import LinkCounters, LinkStats
 from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.transport import base as transport_base
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import LocalShare
 from aio_datadist.transport.nixl import READY as NIXL_READY
@@ -87,9 +88,11 @@ MAX_SERVED_PER_CHANNEL = 4
 #: key stays claimed until its ``DONE``). A request past it is refused with ``RESP`` before it is planned.
 #: In-place requests use no data channel once answered, so nothing else bounds them: a peer that never sent
 #: ``DONE`` held about 3 KiB (the key it claimed, for a key) per request of about 170 bytes, for as long as the
-#: link lived. An honest requester has one such request per transfer it runs on the link at once, and ends
-#: each as soon as its bytes moved.
+#: link lived; each is now given up past its own timeout (``transport.base.DONE_GRACE_S``). An honest requester
+#: has one such request per transfer it runs on the link at once, and ends each as soon as its bytes moved.
 MAX_AWAITED_PER_LINK = 4096
+#: At most one warning per link in this many seconds about requests given up for want of the peer's ``DONE``.
+OVERDUE_WARN_EVERY_S = 60.0
 ZERO32 = bytes(32)
 SUCCESS = LLMStatusCode.LLM_SUCCESS
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes
@@ -177,6 +180,21 @@ class Link:
         self._turn_skipped = False  # the control connection is not read until the loop's next turn
         self._write_blocked = False  # nor until the peer took what we have for it (CONTROL_WRITE_LIMIT)
         self._read_paused = False  # whether we paused reading it (for either reason)
+        self._overdue_warned = -OVERDUE_WARN_EVERY_S  # when we last warned of a peer's missing DONE
+        self._overdue_unsaid = 0  # requests given up for it since
+
+    def done_overdue(self, req_id: int, timeout_ms: int) -> None:
+        """The peer's request ``req_id`` was given up: its ``DONE`` did not come within its timeout plus the
+        grace (``transport.base.await_done``). Warns once per :data:`OVERDUE_WARN_EVERY_S` on this link."""
+        self._overdue_unsaid += 1
+        now = time.monotonic()
+        if now - self._overdue_warned < OVERDUE_WARN_EVERY_S:
+            return
+        self.log.warning("link %s to cluster %s: gave up %d request(s) of the peer's that it never said were over "
+                         "(no DONE within its timeout plus %.1f s; the last: request %s, timeout %s ms): what they "
+                         "held is released and the keys they pulled stay bound", self.link_id,
+                         self.remote_cluster_id, self._overdue_unsaid, transport_base.DONE_GRACE_S, req_id, timeout_ms)
+        self._overdue_warned, self._overdue_unsaid = now, 0
 
     # -- ids, channels -----------------------------------------------------
 

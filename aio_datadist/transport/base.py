@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from aio_datadist.transport.nixl import NixlPeer
 
 __all__ = ["InPlacePlane", "LinkPort", "Plane", "Refusal", "Refused", "Request", "RequestState", "Served",
-           "abort_acknowledged", "meets", "wait_out"]
+           "abort_acknowledged", "await_done", "meets", "wait_out"]
 
 #: How long a given-up NIXL transfer may take to settle before the owner hears of it.
 NIXL_SETTLE_S = 1.0
@@ -51,6 +51,11 @@ JOB_SETTLE_S = 1.0
 ABORT_ACK_S = 1.0
 #: The longest a served request may run, whatever the requester asked for.
 MAX_SERVE_TIMEOUT_MS = 600_000
+#: How long past a request's own timeout (counted from our answer) the owner waits for the requester's word that
+#: it is over (``DONE``, or a NIXL push's notification) before it gives the request up as failed. The requester
+#: sends it before its timeout, or gave up by then and says so within ``NIXL_SETTLE_S``: a peer silent past
+#: this is buggy or hostile, and what it held (a key's claim, a NIXL registration) is released.
+DONE_GRACE_S = 2.0
 
 
 def meets(transport: str, required: str) -> bool:
@@ -77,6 +82,7 @@ class LinkPort(Protocol):
     @property
     def data_transport(self) -> str: ...
     def send(self, msg: Msg, req_id: int, **fields: Any) -> None: ...
+    def done_overdue(self, req_id: int, timeout_ms: int) -> None: ...
     def send_record(self, msg: Msg, req_id: int, record: Any, **changes: Any) -> None: ...
     def expect(self, req_id: int) -> asyncio.Future: ...
     def new_req_id(self) -> int: ...
@@ -109,6 +115,9 @@ class Served:
     row: int | None = None  # the row the target names (a key's or an id-and-index's), if any
     #: Told once how serving ended (True: every byte moved); set by the owner to count it (``stats``).
     report: Callable[[bool], None] | None = None
+    #: Counts a request given up for want of the requester's ``DONE`` after ``report`` was told (its bytes
+    #: moved: a stream pull of a key); set by the owner.
+    overdue: Callable[[], None] | None = None
 
     def ended(self, ok: bool) -> None:
         """The plane serving the request is done with it (``ok``: every byte moved); tells ``report`` once."""
@@ -230,6 +239,43 @@ async def wait_out(future: asyncio.Future, bound_s: float, cancelled: list[async
     except asyncio.CancelledError as exc:
         cancelled.append(exc)
         return future.done()
+
+
+def await_done(link: LinkPort, req_id: int, req: TransferReq, served: Served, ok: Callable[[], None],
+               failed: Callable[[], None]) -> None:
+    """Keep ``(ok, failed)`` in ``link.pull_acks`` until the requester's word that ``req_id`` is over (or the
+    link's end) runs one of them, for the request's own timeout plus :data:`DONE_GRACE_S` at most: past that,
+    the request is given up as a failed ``DONE`` would (``failed``; serving stopped), and a ``DONE`` that comes
+    later is one of a request we do not know. One timer per request, cancelled by whichever ends it."""
+    loop = asyncio.get_running_loop()
+
+    def expire() -> None:
+        if link.pull_acks.get(req_id) is not entry:
+            return
+        moved = served.report is None  # the bytes moved and were counted so: count its end here
+        stop = link.serving.pop(req_id, None)
+        if stop is not None:
+            stop()
+        ack = link.pull_acks.pop(req_id, None)
+        if ack is not None:
+            ack[1]()
+        if moved and served.overdue is not None:
+            served.overdue()
+        link.done_overdue(req_id, req.timeout_ms)
+
+    timer = loop.call_at(loop.time() + min(max(req.timeout_ms, 1), MAX_SERVE_TIMEOUT_MS) / 1000 + DONE_GRACE_S,
+                         expire)
+
+    def done_ok() -> None:
+        timer.cancel()
+        ok()
+
+    def done_failed() -> None:
+        timer.cancel()
+        failed()
+
+    entry = (done_ok, done_failed)
+    link.pull_acks[req_id] = entry
 
 
 def serve_timeout_ms(req: TransferReq) -> int:
@@ -358,7 +404,7 @@ class InPlacePlane(Plane):
             return run
 
         link.serving[req_id] = abort
-        link.pull_acks[req_id] = (settled(ok), settled(failed))
+        await_done(link, req_id, req, served, settled(ok), settled(failed))
         end = self._begin(link, cache)
         if msg is Msg.PUSH_REQ:
             arrived_by_plane = self._arrival(link, req_id)

@@ -20,7 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _trace
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
-from aio_datadist.transport.base import LinkPort, Plane, Refused, Request, RequestState, Served, serve_timeout_ms
+from aio_datadist.transport.base import (
+    LinkPort,
+    Plane,
+    Refused,
+    Request,
+    RequestState,
+    Served,
+    await_done,
+    serve_timeout_ms,
+)
 from aio_datadist.wire import ANSWER, ANSWER_MAGIC, MAX_TEXT, Msg, ReqFlag, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
@@ -180,7 +189,7 @@ class StreamPlane(Plane):
                 rt.registry.release_key(key, tensors)
                 rt.registry.consume(key, tensors, num)
 
-            link.pull_acks[req_id] = (consumed, lambda: rt.registry.release_key(key, tensors))
+            await_done(link, req_id, req, served, consumed, lambda: rt.registry.release_key(key, tensors))
 
         def abort() -> None:
             # Runs before the next control message is read: the key must be free again by then.
