@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -184,6 +185,26 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@contextlib.asynccontextmanager
+async def rows_owner(transport: str):
+    """A PROMPT with a blocks cache of ``ROWS_DESC`` bound to its blocks key (filled) and an honest DECODER
+    linked to it, both over ``transport``: ``(prompt, decoder, cache, its values)``."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport=transport) as dd, \
+            endpoint(LLMRole.DECODER, HONEST, transport=transport) as honest:
+        src = dd.kv_cache_manager.allocate_blocks_cache(ROWS_DESC, BlocksCacheKey(PROMPT))
+        values = fill(src, 5)
+        assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        yield dd, honest, src, values
+
+
+async def pulls_verified_blocks(honest, values) -> None:
+    """The honest decoder pulls the owner's blocks 0 and 1 (crossed) and gets ``values``' bytes."""
+    mine = honest.kv_cache_manager.allocate_blocks_cache(ROWS_DESC)
+    await honest.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), mine, [0, 1], [1, 0], timeout=5000)
+    assert all(torch.equal(m[1], v[0]) and torch.equal(m[0], v[1]) for m, v in zip(mine.tensors, values, strict=True))
+    honest.kv_cache_manager.deallocate_cache(mine)
+
+
 def served_pulls(link) -> tuple[int, int]:
     """Pulls the link serves now, and pulls it refused (every one of the attacker's is one or the other)."""
     kind = link.stats().kinds["served_pull"]
@@ -192,11 +213,7 @@ def served_pulls(link) -> tuple[int, int]:
 
 @pytest.mark.asyncio
 async def test_a_peer_that_repeats_rows_and_never_reads_is_served_a_bounded_number_of_requests():
-    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd, \
-            endpoint(LLMRole.DECODER, HONEST, transport="tcp") as honest:
-        src = dd.kv_cache_manager.allocate_blocks_cache(ROWS_DESC, BlocksCacheKey(PROMPT))
-        values = fill(src, 5)
-        assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+    async with rows_owner("tcp") as (dd, honest, src, values):
         baseline, fds = state(dd), open_fds()
         gc.collect()
         rss_before = rss_bytes()
@@ -226,12 +243,7 @@ async def test_a_peer_that_repeats_rows_and_never_reads_is_served_a_bounded_numb
             assert serving <= MAX_SERVED_PER_CHANNEL, seen  # before: all 16, 16 socket jobs, 355 MiB
             assert grown < 160 << 20, f"the owner grew {grown / 2**20:.0f} MiB for {ROWS_REQUESTS} requests"
             # The owner's other link is served meanwhile.
-            mine = honest.kv_cache_manager.allocate_blocks_cache(ROWS_DESC)
-            await honest.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), mine, [0, 1], [1, 0], timeout=5000)
-            assert all(torch.equal(m[1], v[0]) and torch.equal(m[0], v[1])
-                       for m, v in zip(mine.tensors, values, strict=True))
-            honest.kv_cache_manager.deallocate_cache(mine)
-            del mine
+            await pulls_verified_blocks(honest, values)
             out, err = await asyncio.wait_for(proc.communicate(), 20)
         finally:
             if proc.returncode is None:
@@ -279,11 +291,7 @@ async def stop_attacker(proc) -> None:
 
 @pytest.mark.asyncio
 async def test_a_same_host_peer_that_never_says_done_holds_no_job_lists():
-    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="local") as dd, \
-            endpoint(LLMRole.DECODER, HONEST, transport="local") as honest:
-        src = dd.kv_cache_manager.allocate_blocks_cache(ROWS_DESC, BlocksCacheKey(PROMPT))
-        values = fill(src, 5)
-        assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+    async with rows_owner("local") as (dd, honest, _, values):
         baseline, fds = state(dd), open_fds()
         gc.collect()
         rss_before = rss_bytes()
@@ -300,12 +308,7 @@ async def test_a_same_host_peer_that_never_says_done_holds_no_job_lists():
             # Before: 205 MiB (a job list of 8 MiB each, kept until DONE); now under 10 MiB.
             assert grown < 64 << 20, f"the owner grew {grown / 2**20:.0f} MiB for {INPLACE_REQUESTS} requests: {seen}"
             # The owner's other link is served meanwhile (through shared memory too).
-            mine = honest.kv_cache_manager.allocate_blocks_cache(ROWS_DESC)
-            await honest.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), mine, [0, 1], [1, 0], timeout=5000)
-            assert all(torch.equal(m[1], v[0]) and torch.equal(m[0], v[1])
-                       for m, v in zip(mine.tensors, values, strict=True))
-            honest.kv_cache_manager.deallocate_cache(mine)
-            del mine
+            await pulls_verified_blocks(honest, values)
         finally:
             await stop_attacker(proc)
         await settle(dd, baseline, fds, within=3.0)
@@ -314,11 +317,7 @@ async def test_a_same_host_peer_that_never_says_done_holds_no_job_lists():
 @pytest.mark.asyncio
 async def test_a_same_host_peer_that_never_says_done_is_served_a_bounded_number_of_requests():
     count = MAX_AWAITED_PER_LINK + 64
-    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="local") as dd, \
-            endpoint(LLMRole.DECODER, HONEST, transport="local") as honest:
-        src = dd.kv_cache_manager.allocate_blocks_cache(ROWS_DESC, BlocksCacheKey(PROMPT))
-        values = fill(src, 5)
-        assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+    async with rows_owner("local") as (dd, honest, _, values):
         baseline, fds = state(dd), open_fds()
         gc.collect()
         rss_before = rss_bytes()
@@ -334,12 +333,7 @@ async def test_a_same_host_peer_that_never_says_done_is_served_a_bounded_number_
             assert report["statuses"].get(str(int(S.LLM_PARAM_INVALID))) == 64, seen
             assert len(link.pull_acks) == len(link.serving) == MAX_AWAITED_PER_LINK, seen
             # The owner's other link is served meanwhile (through shared memory too).
-            mine = honest.kv_cache_manager.allocate_blocks_cache(ROWS_DESC)
-            await honest.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), mine, [0, 1], [1, 0], timeout=5000)
-            assert all(torch.equal(m[1], v[0]) and torch.equal(m[0], v[1])
-                       for m, v in zip(mine.tensors, values, strict=True))
-            honest.kv_cache_manager.deallocate_cache(mine)
-            del mine
+            await pulls_verified_blocks(honest, values)
         finally:
             await stop_attacker(proc)
         await settle(dd, baseline, fds, within=3.0)
