@@ -331,17 +331,38 @@ cdef class HostCopyEngine:
     def cancel(self, uint64_t token):
         """Cancel a queued or running job. Idempotent; True if it was pending.
 
-        Chunks not yet started are skipped and a running chunk stops within
-        1 MiB; the job's record, posted once every thread working on the job
-        has stopped, then carries ``CANCELLED``.
+        Its chunks not yet started leave the queue and a running chunk stops
+        within 1 MiB; the job's record, posted once no thread works on the job
+        any more (here and now when none did), then carries ``CANCELLED``. So
+        the record of a job queued behind others does not wait for them.
         """
         cdef bint found = False
+        cdef bint over = False
+        cdef CopyJob *job = NULL
+        cdef CopyChunk chunk
+        cdef size_t i, n
         pthread_mutex_lock(&self._lock)
         it = self._jobs.find(token)
         if it != self._jobs.end():
-            deref(it).second.cancelled = True
             found = True
+            job = deref(it).second
+            if not job.cancelled:
+                job.cancelled = True
+                n = self._chunks.size()
+                for i in range(n):  # one turn of the queue, the other jobs' chunks kept in order
+                    chunk = self._chunks.front()
+                    self._chunks.pop_front()
+                    if chunk.job == job:
+                        job.remaining -= 1
+                    else:
+                        self._chunks.push_back(chunk)
+                if job.remaining == 0:
+                    self._jobs.erase(it)
+                    over = True
         pthread_mutex_unlock(&self._lock)
+        if over:
+            self._queue.push(token, -ECANCELED, 0)
+            del job
         return found
 
     def pending(self):

@@ -351,6 +351,27 @@ async def test_cancel_of_a_queued_copy_then_another_copy_succeeds():
         assert_idle(dd)
 
 
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+@pytest.mark.asyncio
+async def test_a_running_copy_given_up_returns_only_once_no_thread_copies_it(how):
+    """A copy thread may be inside a chunk of a copy given up mid-way (it stops within 1 MiB): the call returns
+    only once the engine holds no job of it any more, so no byte of it lands afterwards. Before, the call
+    returned at once and the running chunk went on writing the destination."""
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(one_copy_thread())
+        kv = dd.kv_cache_manager
+        big = kv.allocate_blocks_cache(Queued.BIG)
+        for _ in range(3):
+            copy = asyncio.create_task(kv.copy_blocks(big, {0: [1]}, timeout=30 if how == "timeout" else 30_000))
+            await asyncio.sleep(0.01)  # the copy thread is inside it (256 MiB take longer)
+            if how == "cancel":
+                copy.cancel()
+            with pytest.raises((asyncio.CancelledError, LLMException)):
+                await copy
+            assert engine_state(dd)["copy jobs"] == 0, "returned while a copy thread still copied it"
+        assert_idle(dd)
+
+
 @pytest.mark.asyncio
 async def test_asyncio_timeout_and_anyio_scopes_around_a_queued_copy():
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
