@@ -7,7 +7,6 @@ before any memory is touched.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +24,6 @@ from aio_datadist._checks import (
     param_type_error,
     param_value_error,
 )
-from aio_datadist._settle import settle
 from aio_datadist.arrivals import PushWatch
 from aio_datadist.cache import (
     KvCache,
@@ -41,7 +39,7 @@ from aio_datadist.plans import build_plan, target_fields
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.task import CacheTask
 from aio_datadist.transfers import run_pull, run_push
-from aio_datadist.transport.same_host import COPY_SETTLE_S
+from aio_datadist.transport.same_host import run_copy_job
 from aio_datadist.types import (
     UINT64_MAX,
     BlocksCacheKey,
@@ -340,18 +338,7 @@ class KvCacheManager:
             return
         triples = copy_triples(dst.layout, 0, dst_rows, offset, src.layout, 0, src_rows, offset,
                                dst.layout.num_tensors, nbytes)
-        copier = rt.copier
-        settled = asyncio.get_running_loop().create_future()
-        moved = rt.completions.start(lambda token: copier.submit(token, triples), copier.cancel,
-                                     timeout_ms=timeout_ms, what=what, keepalive=(dst, src), settled=settled)
-        try:
-            await moved
-        except BaseException:
-            # Given up (timeout, cancel): a copy thread may be inside a chunk of it; return once it stopped, so
-            # that no byte lands after the call returned (a queued job's record comes at once).
-            moved.cancel()
-            await settle(settled, COPY_SETTLE_S)
-            raise
+        await run_copy_job(rt, triples, what, (dst, src), timeout_ms)
 
 
     # -- transfers with peers -----------------------------------------------

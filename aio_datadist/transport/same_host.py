@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
     from aio_datadist.transport.local import LocalShare, PeerRegion
 
-__all__ = ["PLANE", "SameHostPlane", "USE_STREAM"]
+__all__ = ["PLANE", "SameHostPlane", "USE_STREAM", "run_copy_job"]
 
 #: How long a given-up same-host copy may take to stop (it stops between chunks of at most 1 MiB).
 COPY_SETTLE_S = 5.0
@@ -292,10 +292,16 @@ async def copy_settled(rt: Runtime, triples: Any, nbytes: int, what: str, keepal
     if copies_inline(rt, nbytes):
         _core.copy_now(triples)
         return
+    await run_copy_job(rt, triples, what, keepalive)
+
+
+async def run_copy_job(rt: Runtime, triples: Any, what: str, keepalive: Any, timeout_ms: int | None = None) -> None:
+    """Run one host copy job on the copy threads. If the caller gives up (``timeout_ms``, a cancel), this returns
+    only once no copy thread works on it any more (``COPY_SETTLE_S`` at most), so no byte of it lands afterwards."""
     copier = rt.copier
     settled = asyncio.get_running_loop().create_future()
-    moved = rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None, what=what,
-                                 keepalive=keepalive, settled=settled)
+    moved = rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=timeout_ms,
+                                 what=what, keepalive=keepalive, settled=settled)
     try:
         await moved
     except BaseException:
