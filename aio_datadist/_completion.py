@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aio_datadist._core import CompletionQueue
+from aio_datadist._settle import settle
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["Completions", "status_for_errno"]
@@ -111,6 +112,20 @@ class Completions:
             waiter.timer = loop.call_later(timeout_ms / 1000.0, self._on_timeout, token)
         future.add_done_callback(functools.partial(self._on_done, token))
         return future
+
+    async def run(self, submit: Callable[[int], Any], cancel: Callable[[int], Any], *, timeout_ms: int | None,
+                  what: str, keepalive: Any = None, settle_s: float | None = None) -> Any:
+        """:meth:`start` the work and wait for it. If the caller gives up (the timeout, a cancel), the work is
+        cancelled and this returns only once the core reported it over, so nothing of it runs afterwards:
+        within ``settle_s`` (None: however long that takes, for work that always ends, as a device stream's)."""
+        settled = asyncio.get_running_loop().create_future()
+        moved = self.start(submit, cancel, timeout_ms=timeout_ms, what=what, keepalive=keepalive, settled=settled)
+        try:
+            return await moved
+        except BaseException:
+            moved.cancel()
+            await settle(settled, settle_s)
+            raise
 
     def expect(self, count: int, what: str) -> list[tuple[int, asyncio.Future]]:
         """Tokens whose records are posted by someone else (``queue.post`` or a

@@ -7,19 +7,19 @@ import asyncio
 __all__ = ["settle"]
 
 
-async def settle(future: asyncio.Future, bound_s: float) -> bool:
-    """Wait up to ``bound_s`` for ``future`` to be done, without cancelling it.
+async def settle(future: asyncio.Future, bound_s: float | None) -> bool:
+    """Wait up to ``bound_s`` (None: however long it takes) for ``future`` to be done, without cancelling it.
 
     Cancellations that arrive meanwhile (anyio cancels again at every await)
     are held back and re-raised once the wait is over, so cleanup that must
     finish before a call returns does finish. Returns whether ``future`` is done.
     """
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + bound_s
+    deadline = None if bound_s is None else loop.time() + bound_s
     cancelled: asyncio.CancelledError | None = None
     while not future.done():
-        left = deadline - loop.time()
-        if left <= 0:
+        left = None if deadline is None else deadline - loop.time()
+        if left is not None and left <= 0:
             break
         try:
             await asyncio.wait([future], timeout=left)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Protocol
 from aio_datadist._checks import param_invalid
 from aio_datadist.cache import KvCache
 from aio_datadist.devices.copies import DeviceCopy, cache_side, choose_method, kernel_side
-from aio_datadist.devices.staging import settle_all
 from aio_datadist.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
@@ -82,14 +81,6 @@ async def copy_rows(rt: DeviceRuntime, dst: KvCache, dst_rows: Sequence[int], sr
             raise LLMException(f"{what} timed out after {timeout_ms} ms",
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None
     job = DeviceCopy(backend, dst_side, src_side, nbytes, method, keepalive=(dst, src))
-    settled = asyncio.get_running_loop().create_future()
-    moved = rt.completions.start(job.submit, job.cancel, timeout_ms=timeout_ms, what=what, keepalive=job,
-                                 settled=settled)
-    try:
-        return await moved
-    except BaseException:
-        # Queued device work cannot be recalled: a copy given up (timeout, cancel) still runs when the stream
-        # gets there. Return only once it reported over, so that no byte lands after the call returned.
-        moved.cancel()
-        await settle_all([settled])
-        raise
+    # Queued device work cannot be recalled: a copy given up (timeout, cancel) still runs when the stream gets
+    # there. Return only once it reported over (no bound: the stream does get there), so no byte lands afterwards.
+    return await rt.completions.run(job.submit, job.cancel, timeout_ms=timeout_ms, what=what, keepalive=job)

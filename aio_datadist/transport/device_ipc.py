@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 from aio_datadist.devices.copies import DeviceCopy, cache_side
 from aio_datadist.devices.ipc import ExportInvalid
-from aio_datadist.devices.staging import settle_all
 from aio_datadist.layers import one_side_span
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.base import InPlacePlane, LinkPort, Refusal, Request, Served, serve_timeout_ms
@@ -56,14 +55,8 @@ async def copy_rows_settled(rt: Runtime, dst: Side, src: Side, nbytes: int, what
     backend = rt.devices
     assert backend is not None, "device caches exist only with a device backend"
     job = DeviceCopy(backend, dst, src, nbytes, keepalive=keepalive)
-    settled = asyncio.get_running_loop().create_future()
-    moved = rt.completions.start(job.submit, job.cancel, timeout_ms=None, what=what, keepalive=job, settled=settled)
-    try:
-        return await moved
-    except BaseException:
-        moved.cancel()
-        await settle_all([settled])  # our own stream: it does get there, and nothing may land afterwards
-        raise
+    # Our own stream: it does get there, and nothing may land afterwards (so no bound on the wait).
+    return await rt.completions.run(job.submit, job.cancel, timeout_ms=None, what=what, keepalive=job)
 
 
 async def fence(rt: Runtime, timeout_ms: int | None, what: str) -> None:

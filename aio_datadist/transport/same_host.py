@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
-from aio_datadist._settle import settle
 from aio_datadist.layers import one_side_span
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
@@ -299,15 +298,8 @@ async def run_copy_job(rt: Runtime, triples: Any, what: str, keepalive: Any, tim
     """Run one host copy job on the copy threads. If the caller gives up (``timeout_ms``, a cancel), this returns
     only once no copy thread works on it any more (``COPY_SETTLE_S`` at most), so no byte of it lands afterwards."""
     copier = rt.copier
-    settled = asyncio.get_running_loop().create_future()
-    moved = rt.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=timeout_ms,
-                                 what=what, keepalive=keepalive, settled=settled)
-    try:
-        await moved
-    except BaseException:
-        moved.cancel()
-        await settle(settled, COPY_SETTLE_S)
-        raise
+    await rt.completions.run(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=timeout_ms, what=what,
+                             keepalive=keepalive, settle_s=COPY_SETTLE_S)
 
 
 def _local_source(link: LinkPort, req: PushLocalReq, count: int, total: int) -> Any:
