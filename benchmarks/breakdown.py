@@ -29,10 +29,14 @@ A same-host pull that the owner's read ledger lists never reaches the owner
 alone, ``job submitted -> job done`` being the copy.
 
 Over NIXL (``--transport nixl``, needs the NIXL package) the job is the
-NIXL engine's: ``job submitted -> nixl: worker took it`` is the hand-off to
-its worker thread, ``-> nixl: handle made`` NIXL's ``make_prepped_xfer``,
-``-> nixl: transfer() returned`` the posting call (with UCX shared memory the
-copy runs inside it), ``-> nixl: settled`` the polling until NIXL said DONE,
+NIXL engine's. A transfer of at most ``nixl_engine.INLINE_MAX`` is posted
+from the loop while the worker is idle: ``job submitted -> nixl: transfer()
+returned`` is then ``make_prepped_xfer`` and the posting call (with UCX
+shared memory the copy runs inside it). Otherwise (or with
+``AIO_DATADIST_NIXL_INLINE_MAX=0``) ``job submitted -> nixl: worker took
+it`` is the hand-off to its worker thread, ``-> nixl: handle made`` NIXL's
+``make_prepped_xfer``, ``-> nixl: transfer() returned`` the posting call,
+``-> nixl: settled`` the polling until NIXL said DONE,
 ``-> job done`` the completion reaching the loop. ``--blocks 4`` is the
 8 MiB request of ``benchmarks.nixl``.
 """

@@ -76,18 +76,21 @@ async def test_metadata_naming_another_agent_is_not_kept_loaded():
 
 
 def slowed_writes(dd, seconds: float) -> tuple[list[float], Callable[[], None]]:
-    """Make ``dd``'s NIXL worker wait ``seconds`` before it posts each transfer: when each was posted, and a
-    function that ends the delay."""
+    """Make ``dd``'s NIXL worker post every transfer (none from the loop, as when the worker is busy) and wait
+    ``seconds`` before each: when each was posted, and a function that ends the delay."""
     engine = nixl_agent_of(dd).engine
-    start, posted = engine._start, []
+    start, try_post, posted = engine._start, engine.try_post, []
 
     def slow(*args):
         time.sleep(seconds)
         posted.append(time.monotonic())
         return start(*args)
 
-    engine._start = slow
-    return posted, lambda: setattr(engine, "_start", start)
+    def restore() -> None:
+        engine._start, engine.try_post = start, try_post
+
+    engine._start, engine.try_post = slow, lambda *args: None
+    return posted, restore
 
 
 async def push_cut_by_unlink(pair, src, dst) -> None:

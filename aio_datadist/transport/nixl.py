@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aio_datadist.status import LLMException, LLMStatusCode
-from aio_datadist.transport.nixl_engine import NixlEngine, agent_name, row_descs
+from aio_datadist.transport.nixl_engine import INLINE_MAX, NixlEngine, agent_name, row_descs
 from aio_datadist.wire import NixlRecord
 
 if TYPE_CHECKING:
@@ -638,12 +638,23 @@ class NixlPeer:
         nbytes = local_idx.size * entry.row_bytes
         engine, name = self.engine, self.name
         assert name is not None  # usable() above
-        settled = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        settled = loop.create_future()
         tokens: list[int] = []
+        posted = self._post_now(op, entry, local_idx, remote, remote_idx, notif, nbytes, what)
+        if posted is not None and posted[0] != "PROC":  # NIXL moved it inside the posting call
+            moved = loop.create_future()
+            moved.set_result(nbytes)
+            settled.set_result(True)
+            return moved, settled, str
+        handle = None if posted is None else posted[1]
 
         def submit(token: int) -> None:
             tokens.append(token)
-            engine.xfer(token, op, entry.dlist, local_idx, remote.dlist, remote_idx, name, notif, nbytes)
+            if handle is not None:
+                engine.adopt(token, handle, nbytes, (id(entry.dlist), id(remote.dlist), name))
+            else:
+                engine.xfer(token, op, entry.dlist, local_idx, remote.dlist, remote_idx, name, notif, nbytes)
 
         def failure(exc: BaseException) -> str:
             return (engine.error(tokens[0]) if tokens else None) or str(exc)
@@ -651,6 +662,25 @@ class NixlPeer:
         moved = self.agent.runtime.completions.start(submit, engine.cancel, timeout_ms=None, what=what,
                                                      keepalive=(local, entry, remote), settled=settled)
         return moved, settled, failure
+
+    def _post_now(self, op: str, entry: _LocalCache, local_idx: np.ndarray, remote: _RemoteCache,
+                  remote_idx: np.ndarray, notif: bytes, nbytes: int, what: str) -> tuple[str, Any] | None:
+        """Post from the loop's thread when that is allowed (``INLINE_MAX``) and the worker is not inside the
+        agent: ``(state, handle)``, ``DONE`` or ``PROC``; None to hand the post to the worker. A transfer NIXL
+        refuses to post, or reports failed, raises ``LLM_LINK_FAILED`` with NIXL's words, as one the worker
+        posted does (``NixlPlane.carry``)."""
+        if nbytes > INLINE_MAX:
+            return None
+        try:
+            posted = self.engine.try_post(op, entry.dlist, local_idx, remote.dlist, remote_idx, notif, nbytes)
+        except Exception as exc:  # NIXL raises its own exception types for every failure
+            words = f"{type(exc).__name__}: {exc}"
+        else:
+            if posted is None or posted[0] in ("DONE", "PROC"):
+                return posted
+            words = "NIXL reported the transfer failed (ERR)"
+        raise LLMException(f"{what}: NIXL transfer with cluster {self.cluster_id} failed ({words})",
+                           status_code=LLMStatusCode.LLM_LINK_FAILED)
 
     def expect_push(self, req_id: int, what: str) -> asyncio.Future:
         """The future of the peer's WRITE notification for push ``req_id``."""

@@ -1,0 +1,165 @@
+"""Who posts a NIXL transfer.
+
+A transfer of at most ``nixl_engine.INLINE_MAX`` bytes is posted from the
+loop's thread when the NIXL worker is not inside the agent; otherwise, or when
+NIXL leaves it in progress, the worker takes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
+from aio_datadist.testing import link_to, nixl_agent_of
+from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, fill, linked_pair, same, snapshot
+
+S = LLMStatusCode
+NIXL = {"transport": "nixl"}
+BLOCKS = CacheDesc(4, (16, 4, 64), DataType.DT_FLOAT16, Placement.HOST)  # 16 blocks of 512 B
+ROWS = CacheDesc(2, (3, 256), DataType.DT_FLOAT16, Placement.HOST)
+BUSY_S = 0.3
+
+needs_nixl = pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("fork_server")]
+
+
+async def prepared(owner, peer_id: int, cache) -> None:
+    peer = link_to(owner, peer_id).nixl
+    async with asyncio.timeout(5):
+        while cache.cache_id not in peer.prepared:
+            await asyncio.sleep(0.005)
+
+
+def worker_posts(dd) -> list[int]:
+    """Count the transfers ``dd``'s NIXL worker posts itself (not the loop)."""
+    engine = nixl_agent_of(dd).engine
+    start, posts = engine._start, []
+
+    def counted(token, *args):
+        posts.append(token)
+        return start(token, *args)
+
+    engine._start = counted
+    return posts
+
+
+def occupy_worker(dd, seconds: float) -> None:
+    """Keep ``dd``'s NIXL worker inside the agent for ``seconds`` (as a slow registration would)."""
+    nixl_agent_of(dd).engine.call(0, lambda agent: time.sleep(seconds))
+
+
+@needs_nixl
+@pytest.mark.nixl
+async def test_a_pull_is_posted_from_the_loop_while_the_worker_is_idle_and_by_the_worker_while_it_is_busy():
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        want = fill(src, 3)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await prepared(pair.prompt, DECODER_ID, src)
+        engine = nixl_agent_of(pair.decoder).engine
+        posts = worker_posts(pair.decoder)
+        before = engine.posted
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(8)), list(range(8)))
+        assert engine.posted == before + 1 and posts == []  # the loop posted it; NIXL finished it in the call
+
+        occupy_worker(pair.decoder, BUSY_S)
+        await asyncio.sleep(0.05)  # the worker is inside the agent now
+        started = time.monotonic()
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(8, 16)), list(range(8, 16)))
+        assert len(posts) == 1  # the loop did not wait for the agent: the worker posted it once free
+        assert time.monotonic() - started >= BUSY_S / 2
+        assert same(snapshot(dst), want)
+        assert engine.in_flight() == 0
+
+
+@needs_nixl
+@pytest.mark.nixl
+async def test_a_transfer_left_in_progress_is_settled_by_the_worker_before_its_cancelled_pull_returns():
+    """NIXL may return from the posting call with the transfer still moving (``PROC``): the worker adopts the
+    handle. A pull given up meanwhile returns only once the worker saw NIXL let go of it, even when the
+    worker is busy elsewhere when the handle reaches it; then the link moves verified bytes again."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        want = fill(src, 5)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await prepared(pair.prompt, DECODER_ID, src)
+        engine = nixl_agent_of(pair.decoder).engine
+        agent, real_transfer, adopted = engine.agent, engine.agent.transfer, []
+
+        def in_progress(handle, notif=b""):  # on the loop's thread, inside try_post
+            state = real_transfer(handle, notif)
+            occupy_worker(pair.decoder, BUSY_S)  # the worker is busy when the handle is handed over
+            adopted.append(state)
+            return "PROC"
+
+        agent.transfer = in_progress
+        try:
+            pull = asyncio.create_task(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [1, 2], [1, 2]))
+            async with asyncio.timeout(5):
+                while not adopted:
+                    await asyncio.sleep(0.005)
+            started = time.monotonic()
+            pull.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pull
+            waited = time.monotonic() - started
+        finally:
+            agent.transfer = real_transfer
+        assert waited >= BUSY_S / 2, waited  # it waited for the worker to take and settle the handle
+        assert engine.in_flight() == 0
+        for t in dst.tensors:
+            t.zero_()
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(16)), list(range(16)))
+        assert same(snapshot(dst), want)
+
+
+@needs_nixl
+@pytest.mark.nixl
+async def test_a_transfer_left_in_progress_completes_the_pull_once_the_worker_sees_it_done():
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        want = fill(src, 6)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await prepared(pair.prompt, DECODER_ID, src)
+        engine = nixl_agent_of(pair.decoder).engine
+        real_transfer = engine.agent.transfer
+        engine.agent.transfer = lambda handle, notif=b"": (real_transfer(handle, notif), "PROC")[1]
+        try:
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(16)), list(range(16)))
+        finally:
+            engine.agent.transfer = real_transfer
+        assert same(snapshot(dst), want)
+        assert engine.in_flight() == 0
+
+
+@needs_nixl
+@pytest.mark.nixl
+async def test_a_nixl_post_that_fails_on_the_loop_fails_the_pull_as_a_link_failure_and_posts_nothing():
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        fill(src, 7)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await prepared(pair.prompt, DECODER_ID, src)
+        engine = nixl_agent_of(pair.decoder).engine
+        real_transfer, before = engine.agent.transfer, engine.posted
+
+        def refused(handle, notif=b""):
+            raise RuntimeError("NIXL_ERR_BACKEND (injected)")
+
+        engine.agent.transfer = refused
+        try:
+            with pytest.raises(LLMException) as info:
+                await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [0], [0])
+        finally:
+            engine.agent.transfer = real_transfer
+        assert info.value.status_code == S.LLM_LINK_FAILED
+        assert "NIXL_ERR_BACKEND (injected)" in str(info.value)
+        assert engine.posted == before and engine.in_flight() == 0
+        served = link_to(pair.prompt, DECODER_ID)
+        async with asyncio.timeout(5):  # the owner heard the pull was abandoned
+            while served.serving:
+                await asyncio.sleep(0.01)
