@@ -156,6 +156,7 @@ class Link:
         self.remote_role = remote_role
         self.reader = reader
         self.writer = writer
+        self._soon: list[bytes] = []  # records send_soon holds until the next write or the end of this loop pass
         self.is_client = is_client
         self.token = token
         self.remote_address = remote_address
@@ -405,13 +406,38 @@ class Link:
         """Send ``msg`` with its record's ``fields`` (nothing once the link is closing)."""
         if self.closed or self.writer.is_closing():
             return
-        self.writer.write(wire.encode(msg, req_id, **fields))
+        self._write(wire.encode(msg, req_id, **fields))
 
     def send_record(self, msg: Msg, req_id: int, record: wire.Record, **changes: Any) -> None:
         """Send ``msg`` carrying ``record`` with ``changes`` to its fields (nothing once the link is closing)."""
         if self.closed or self.writer.is_closing():
             return
-        self.writer.write(wire.encode_record(msg, req_id, record, **changes))
+        self._write(wire.encode_record(msg, req_id, record, **changes))
+
+    def send_soon(self, msg: Msg, req_id: int, **fields: Any) -> None:
+        """Send ``msg`` at the end of this loop pass, or with the next record sent before then (one write for
+        both, in order): for a word the peer needs soon and our caller need not wait for, a pull's ``DONE``.
+        Each write to the control connection wakes the peer's process, which on the hosts measured costs the
+        writer about 100 us; this takes that off the pull's return."""
+        if self.closed or self.writer.is_closing():
+            return
+        if not self._soon:
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+        self._soon.append(wire.encode(msg, req_id, **fields))
+
+    def _write(self, data: bytes) -> None:
+        if self._soon:
+            data = b"".join((*self._soon, data))
+            self._soon.clear()
+        self.writer.write(data)
+
+    def _flush_soon(self) -> None:
+        if not self._soon:
+            return
+        data = b"".join(self._soon)
+        self._soon.clear()
+        if not self.closed and not self.writer.is_closing():
+            self.writer.write(data)
 
     def send_unlink(self, req_id: int) -> None:
         """Tell the peer we unlink (it acknowledges, then closes its end)."""

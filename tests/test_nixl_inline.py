@@ -1,8 +1,10 @@
-"""Who posts a NIXL transfer.
+"""Who posts a NIXL transfer, and a pull's ``DONE`` that rides with the next record.
 
 A transfer of at most ``nixl_engine.INLINE_MAX`` bytes is posted from the
 loop's thread when the NIXL worker is not inside the agent; otherwise, or when
-NIXL leaves it in progress, the worker takes it.
+NIXL leaves it in progress, the worker takes it. A pull's ``DONE`` is written at
+the end of the loop pass that returned the pull, or with the next record sent
+on the link before then, ahead of it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import time
 
 import pytest
 
-from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
+from aio_datadist import wire
+from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
 from aio_datadist.testing import link_to, nixl_agent_of
+from aio_datadist.wire import Msg
 from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, fill, linked_pair, same, snapshot
 
 S = LLMStatusCode
@@ -163,3 +167,71 @@ async def test_a_nixl_post_that_fails_on_the_loop_fails_the_pull_as_a_link_failu
         async with asyncio.timeout(5):  # the owner heard the pull was abandoned
             while served.serving:
                 await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("transport", [pytest.param("nixl", marks=[needs_nixl, pytest.mark.nixl]), "local"])
+async def test_a_pulls_done_reaches_the_owner_before_whatever_the_caller_sends_next(transport):
+    """The ``DONE`` of a pull by key (in place: NIXL, same-host) is held until the end of the loop pass, or
+    written with the next record, ahead of it. A pull followed at once by an unlink still consumes the key,
+    and with nothing following, the owner still hears of it: its request is over, the cache's hold gone."""
+    config = {"transport": transport}
+    async with linked_pair(prompt_config=config, decoder_config=config) as pair:
+        src = pair.pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 1), CacheKey(PROMPT_ID, 2), CacheKey(PROMPT_ID, 3)])
+        want = fill(src, 8)
+        dst = pair.dm.allocate_cache(ROWS)
+        owner = link_to(pair.prompt, DECODER_ID)
+        if transport == "nixl":
+            await prepared(pair.prompt, DECODER_ID, src)
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), dst, batch_index=0)
+        async with asyncio.timeout(5):  # nothing followed: written at the end of the loop pass
+            while owner.serving:
+                await asyncio.sleep(0.01)
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 2), dst, batch_index=1)
+        stats = pair.decoder.stats().links[PROMPT_ID].kinds["pull"]
+        assert stats.transport == transport, stats
+        await pair.unlink()  # in the same step as the pull's return: the UNLINK follows its DONE
+        await pair.link()
+        with pytest.raises(LLMException) as info:
+            await pair.dm.pull_cache(CacheKey(PROMPT_ID, 2), dst, batch_index=2)
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST  # consumed by the first link's DONE
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 3), dst, batch_index=2)
+        assert same(snapshot(dst), want)
+
+
+def records(data: bytes) -> list[tuple[Msg, int]]:
+    """The (message, request id) of each record in ``data``, a run of whole records."""
+    out, at = [], 0
+    while at < len(data):
+        _magic, _version, msg, _flags, req_id, body = wire.HEADER.unpack_from(data, at)
+        out.append((Msg(msg), req_id))
+        at += wire.HEADER.size + body
+    return out
+
+
+@pytest.mark.parametrize("transport", [pytest.param("nixl", marks=[needs_nixl, pytest.mark.nixl]), "local"])
+async def test_a_pulls_done_goes_out_ahead_of_the_next_request_in_one_write_when_sent_in_the_same_pass(transport):
+    """(A same-host pull takes a loop pass before its request: its DONE went out at the end of the pass.)"""
+    config = {"transport": transport}
+    async with linked_pair(prompt_config=config, decoder_config=config) as pair:
+        src = pair.pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 1), CacheKey(PROMPT_ID, 2)])
+        fill(src, 9)
+        dst = pair.dm.allocate_cache(ROWS)
+        if transport == "nixl":
+            await prepared(pair.prompt, DECODER_ID, src)
+        link = link_to(pair.decoder, PROMPT_ID)
+        writes: list[list[tuple[Msg, int]]] = []
+        real_write = link.writer.write
+        link.writer.write = lambda data: (writes.append(records(bytes(data))), real_write(data))[1]
+        try:
+            await pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), dst, batch_index=0)
+            await pair.dm.pull_cache(CacheKey(PROMPT_ID, 2), dst, batch_index=1)
+            await asyncio.sleep(0.05)
+        finally:
+            link.writer.write = real_write
+        sent = [r for w in writes for r in w]
+        (_, first), (_, second) = [r for r in sent if r[0] is Msg.PULL_REQ]
+        done = [(m, i) for m, i in sent if m is Msg.DONE]
+        assert [i for _, i in done] == [first, second], sent
+        assert sent.index((Msg.DONE, first)) < sent.index((Msg.PULL_REQ, second)), sent
+        if transport == "nixl":  # the second request is sent in the pass the first pull returned in
+            assert [(Msg.DONE, first), (Msg.PULL_REQ, second)] in writes, writes  # one write, DONE ahead

@@ -51,12 +51,16 @@ def _silence(monkeypatch: pytest.MonkeyPatch, buggy: LLMDataDist) -> None:
     """``buggy``'s link to the owner never sends the DONE that ends a pull well (a failed one still leaves)."""
     link = usable_link(buggy, PROMPT)
 
-    def send(msg: Msg, req_id: int, **fields: Any) -> None:
-        if msg is Msg.DONE and fields.get("status") == LLMStatusCode.LLM_SUCCESS:
-            return
-        Link.send(link, msg, req_id, **fields)
+    def quiet(real: Any) -> Any:
+        def send(msg: Msg, req_id: int, **fields: Any) -> None:
+            if msg is Msg.DONE and fields.get("status") == LLMStatusCode.LLM_SUCCESS:
+                return
+            real(link, msg, req_id, **fields)
 
-    monkeypatch.setattr(link, "send", send)
+        return send
+
+    monkeypatch.setattr(link, "send", quiet(Link.send))
+    monkeypatch.setattr(link, "send_soon", quiet(Link.send_soon))  # how a pull's DONE leaves (after it returned)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
