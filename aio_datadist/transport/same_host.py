@@ -111,13 +111,7 @@ class SameHostPlane(InPlacePlane):
         await copy_settled(rt, triples, plan.total, req.what, (plan.local, region))
         if _trace.ON:
             _trace.mark("job done")
-        req_id = req.req_id
-        if remote.target_kind != Target.BLOCKS_KEY:
-            link.send(Msg.DONE, req_id, status=0, text="")  # before we return: the owner consumes the key
-            return
-        # Nothing to consume: our word that we are done reading leaves right after we return, so the
-        # caller has its rows without waiting for the send (on loopback it delivers in our thread).
-        asyncio.get_running_loop().call_soon(lambda: link.send(Msg.DONE, req_id, status=0, text=""))
+        await req.finish()  # DONE, written once we returned (ahead of anything we send next on the link)
 
     async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:
         """A same-host push: the owner copies the rows out of our shared (read-only) region itself.
