@@ -235,3 +235,42 @@ async def test_a_pulls_done_goes_out_ahead_of_the_next_request_in_one_write_when
         assert sent.index((Msg.DONE, first)) < sent.index((Msg.PULL_REQ, second)), sent
         if transport == "nixl":  # the second request is sent in the pass the first pull returned in
             assert [(Msg.DONE, first), (Msg.PULL_REQ, second)] in writes, writes  # one write, DONE ahead
+
+
+@needs_nixl
+@pytest.mark.nixl
+async def test_a_push_whose_notification_the_owner_reads_before_its_expectation_reached_the_worker_completes():
+    """The owner registers a push's expectation (``expect_notif``, a command for its worker) and answers; the
+    worker may be in a round whose commands it took before that, and that round's progress may read the
+    push's notification (a pusher posting from its loop gets there the sooner). It is kept for the
+    expectation that follows: before, it was dropped as unexpected and the push timed out. The owner's
+    rounds are stretched here as on a loaded host (each progress call spread over 40 ms)."""
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
+        want = fill(src, 10)
+        await pair.link()
+        await prepared(pair.prompt, DECODER_ID, src)
+        await prepared(pair.decoder, PROMPT_ID, dst)
+        engine = nixl_agent_of(pair.decoder).engine
+        real = engine.agent.get_new_notifs
+
+        def slow_round() -> dict:  # on the owner's worker
+            out: dict = {}
+            for _ in range(8):
+                for peer, messages in real().items():
+                    out.setdefault(peer, []).extend(messages)
+                time.sleep(0.005)
+            return out
+
+        engine.agent.get_new_notifs = slow_round
+        engine.hold()  # a peer's transfer against our memory is under way: the worker keeps progressing
+        try:
+            await asyncio.sleep(0.01)
+            blocks = list(range(16))
+            for block in blocks:
+                await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [block], [block], timeout=2000)
+        finally:
+            engine.unhold()
+            engine.agent.get_new_notifs = real
+        assert same(snapshot(dst), want)

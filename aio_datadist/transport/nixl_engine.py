@@ -158,6 +158,10 @@ class NixlEngine:
         self._commands: collections.deque = collections.deque()
         self._active: dict[int, _Xfer] = {}
         self._notifs: dict[tuple[bytes, bytes], int] = {}
+        # Notifications read before their expect_notif reached the worker: a round's batch is taken before
+        # the owner registers a push's expectation and answers, and the same round's progress may already
+        # read the push's notification. Kept (the most recent only) for the expectation that follows.
+        self._early: _Recent = _Recent()
         self._deferred: list[tuple[tuple, Callable[[Any], None]]] = []
         # Read by the waiter of a token when its record arrives; a waiter that gave up first never
         # reads, so both keep only the most recent entries.
@@ -346,7 +350,10 @@ class NixlEngine:
                 handle, nbytes, uses = args
                 self._active[token] = _Xfer(token, handle, nbytes, uses)
             elif kind == "notif":
-                self._notifs[args] = token
+                if self._early.pop(args, None) is not None:
+                    self._post(token, 0)
+                else:
+                    self._notifs[args] = token
             elif kind == "release":
                 self._deferred.append(args)
         except Exception as exc:  # NIXL raises its own exception types for every failure
@@ -421,7 +428,8 @@ class NixlEngine:
         return progressed
 
     def _check_notifs(self, holding: bool) -> bool:
-        """Read notifications, which also progresses the agent; unexpected ones are dropped."""
+        """Read notifications, which also progresses the agent; unexpected ones are kept (``_early``) for an
+        expectation still on its way to the worker."""
         if not self._notifs and not holding:
             return False
         try:
@@ -433,10 +441,13 @@ class NixlEngine:
         for peer, messages in arrived.items():
             name = peer if isinstance(peer, bytes) else str(peer).encode()
             for message in messages:
-                token = self._notifs.pop((name, bytes(message)), None)
+                key = (name, bytes(message))
+                token = self._notifs.pop(key, None)
                 if token is not None:
                     self._post(token, 0)
                     progressed = True
+                else:
+                    self._early[key] = True
         return progressed
 
     def _run_deferred(self) -> bool:
