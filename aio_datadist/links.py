@@ -21,6 +21,7 @@ byte after a short preamble (``transport/tls.py``), and data channels are
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -605,14 +606,14 @@ class Link:
         """Start sharing caches with a same-host peer over ``sock``."""
         share = self.local = LocalShare(sock, self._local_lost, self.runtime.devices,
                                         f"link {self.link_id} to cluster {self.remote_cluster_id}", self.ledger,
-                                        self._read_by_peer)
+                                        functools.partial(self._read_by_peer, "local"))
         # Without llm.EnableRemoteCacheAccessible peers may not touch our caches at all.
         share.start(self.runtime.registry.caches() if self.runtime.settings.remote_cache_accessible else ())
 
-    def _read_by_peer(self, count: int, nbytes: int, seconds: float) -> None:
-        """The peer pulled ``count`` times, ``nbytes`` in all, from a cache of ours without asking (the ledger let
-        it): count each pull, with its share of the bytes and of the time."""
-        self.counters.ended_many("served_pull", "local", count, nbytes, seconds)
+    def _read_by_peer(self, transport: str, count: int, nbytes: int, seconds: float) -> None:
+        """The peer pulled ``count`` times, ``nbytes`` in all, from a cache of ours without asking over
+        ``transport`` (our read ledger let it): count each pull, with its share of the bytes and of the time."""
+        self.counters.ended_many("served_pull", transport, count, nbytes, seconds)
 
     def attach_share(self, sock: Any) -> None:
         """The server's half: share with the peer whose share connection proved this link."""
@@ -627,7 +628,8 @@ class Link:
         plane = self.nixl_agent
         if plane is None or self.nixl is not None:
             return self.nixl
-        self.nixl = NixlPeer(plane, self._send_nixl, self.remote_cluster_id, link_tag(self.token))
+        self.nixl = NixlPeer(plane, self._send_nixl, self.remote_cluster_id, link_tag(self.token),
+                             functools.partial(self._read_by_peer, "nixl"))
         self.nixl.hello()
         return self.nixl
 

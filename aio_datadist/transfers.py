@@ -9,8 +9,8 @@ with no in-place plane to offer posts its receive first and takes its
 answer on the data channel (``StreamPlane.pull_posted``). The plane
 the owner chose then moves the bytes (``transport/``). A same-host push is
 the same-host plane's own request (its ``move_alone``), tried first; a pull
-a plane can carry without asking (its ``reader``: the same-host plane, for a
-blocks cache the owner's read ledger lists) asks nothing.
+a plane can carry without asking (its ``reader``: the same-host and NIXL
+planes, for a blocks cache the owner's read ledger lists) asks nothing.
 
 One :class:`~aio_datadist.transport.base.Request` per transfer holds its
 state and the one timer that bounds it; a request that is given up returns

@@ -22,11 +22,12 @@ __all__ = ["ANSWER", "ANSWER_MAGIC", "ATTACH", "ATTACH_OK", "HEADER", "MAX_BODY"
            "encode_record", "fields_of", "parse_header"]
 
 MAGIC = b"AIOD"
-VERSION = 7  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
+VERSION = 8  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
 #             4: TransferReq.block_shape (blocks layouts are checked per request, not at link time),
 #                Auth.bilateral (a dial of LLMDataDist.link); 5: ReqFlag.POSTED and the ANSWER header,
 #                ReqFlag.DEVICE and the share's device records; 6: the NIXL record OFFER_VRAM;
-#             7: a NIXL push's notification names its link (transport/nixl.py link_tag)
+#             7: a NIXL push's notification names its link (transport/nixl.py link_tag);
+#             8: NIXL reads without asking (the NIXL records LEDGER, GRANT, REVOKE, REVOKED, READS)
 HEADER = struct.Struct("!4sBBHQI")
 MAX_BODY = 1 << 20
 MAX_ROWS = 65536

@@ -132,6 +132,10 @@ class _StandInAgent:
         self.name = b"ours"
         self.metadata = b"our-meta"
         self.exposed = True
+        self.ledger = None  # no reads without asking here
+
+    def granted(self, cache_id):
+        return None
 
     def start(self, work, what, keepalive=None, discard=None):
         fut = asyncio.get_running_loop().create_future()

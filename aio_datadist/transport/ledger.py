@@ -56,6 +56,11 @@ class Ledger:
         self.closed = False
 
     @property
+    def address(self) -> int:
+        """Where the words are mapped here (the NIXL transport registers them for peers to read)."""
+        return self._addr
+
+    @property
     def fd(self) -> int:
         """The sealed memfd, read-only: what each same-host peer receives."""
         return self._fd

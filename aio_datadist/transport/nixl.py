@@ -21,6 +21,20 @@ and status codes stay ours; only the bytes move differently:
   READ (pulls) or WRITE (pushes). A push carries a notification that the
   owner turns into its arrival record and its confirmation; a pull is
   confirmed by the requester over the control connection.
+- A pull of a blocks cache by its blocks key does not ask when the owner
+  granted it (``GRANT``, sent with the cache's ``OFFER``): the requester runs
+  the owner's own check against the granted geometry (``transport/fit.py``),
+  posts its READ, then reads the owner's ledger word for the cache
+  (``transport/ledger.py``, registered with NIXL and offered as ``LEDGER``)
+  into a word of its own. The word holds the cache's id exactly while the
+  owner binds the key to it and offers it; a word that differs after the READ
+  means the rows read may be another binding's, and the pull asks the owner
+  after all (which moves them again, or refuses). The owner clears the word
+  before it withdraws or frees the cache, then sends ``REVOKE`` and keeps the
+  cache registered (and its memory alive) until the peer says ``REVOKED``,
+  which it does once no read of it is in flight (``REVOKE_WAIT_S`` at most),
+  or the link ends. The owner hears of such reads afterwards (``READS``,
+  summed over ``REPORT_AFTER_S``), for its counters.
 - Requests NIXL cannot express as whole rows of registered caches (raw
   addresses, partial rows, rows of different sizes on the two ends) take the
   TCP data channels of the same link.
@@ -43,7 +57,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from aio_datadist.plans import block_shape_digest
 from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.transport.fit import Geometry
+from aio_datadist.transport.ledger import LEDGER_BYTES, SLOTS, Ledger
 from aio_datadist.transport.nixl_engine import INLINE_MAX, NixlEngine, agent_name, row_descs
 from aio_datadist.wire import NixlRecord
 
@@ -57,7 +74,11 @@ __all__ = ["NixlPeer", "NixlAgent", "link_tag", "HELLO", "OFFER", "WITHDRAW", "R
 log = logging.getLogger("aio_datadist.nixl")
 
 HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM = 1, 2, 3, 4, 5, 6, 7
-KINDS = (HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM)
+#: Reads without asking (module docstring): our ledger's words, a cache peers may read, its end, the peer's
+#: word that it no longer reads it, and the reads it made.
+#: NUDGE: a read of ours is waiting for the owner's progress.
+LEDGER, GRANT, REVOKE, REVOKED, READS, NUDGE = 8, 9, 10, 11, 12, 13
+KINDS = (HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM, LEDGER, GRANT, REVOKE, REVOKED, READS, NUDGE)
 #: The share of the time ``link_clusters`` has left that the NIXL exchange may use; the link falls
 #: back to TCP when it is spent, and the rest is the caller's margin.
 SETUP_SHARE = 0.5
@@ -70,6 +91,21 @@ NOTIF_MAGIC = b"AIDN"
 VRAM_DEVICE = struct.Struct("!I")
 #: How NIXL backends name device memory among their memory types (``get_backend_mem_types``).
 VRAM_TYPES = frozenset({"VRAM", "VRAM_SEG"})
+#: A ``GRANT`` record's blob: the cache's blocks key (model id), data type and block-shape digest.
+GRANT_INFO = struct.Struct("!QIQ")
+#: How long the owner keeps a cache it revoked registered for a peer that does not say ``REVOKED``.
+REVOKE_WAIT_S = 10.0
+#: Words of our own that peers' ledger words are read into, one per read being confirmed at once.
+SCRATCH_WORDS = 256
+#: How long reads made without asking are summed before they are reported (``READS``), and the most one
+#: report counts.
+REPORT_AFTER_S = 0.01
+MAX_READS = 1 << 20
+#: A read without asking still in progress this long asks the owner to make progress (``NUDGE``), which it
+#: does for ``NUDGE_HOLD_S`` after the last nudge. UCX over shared memory or RDMA reads one-sidedly once
+#: the endpoint is wired up, which needs the owner's progress once; UCX over TCP needs it for every read.
+NUDGE_AFTER_S = 0.002
+NUDGE_HOLD_S = 1.0
 
 
 def vram_off(device_kind: str | None, mem_types: Mapping[str, Sequence[str]]) -> str | None:
@@ -203,6 +239,54 @@ class NixlAgent:
         self.vram_failed: dict[int, str] = {}
         if self.vram_off is not None:
             log.info("device caches are not registered with NIXL (they take the staging plane): %s", self.vram_off)
+        #: Reads without asking: our ledger (what peers may read), and our words that peers' ledger words are
+        #: read into, with the list over them and the free ones. None each: every pull asks.
+        self.ledger: Ledger | None = None
+        self.scratch: np.ndarray | None = None
+        self.scratch_list: Any = None
+        self._scratch_free: list[int] = []
+        self._reads_regs: Any = None
+        self._set_up_reads()
+
+    def _set_up_reads(self) -> None:
+        try:
+            ledger = Ledger()
+        except (OSError, MemoryError) as exc:
+            log.info("no NIXL read ledger (%s): peers ask for every pull", exc)
+            return
+        scratch = np.zeros(SCRATCH_WORDS, dtype=np.uint64)
+        base = scratch.ctypes.data
+
+        def work(agent: Any) -> tuple[Any, Any, bytes]:
+            regs = agent.register_memory([(ledger.address, LEDGER_BYTES, 0, ""), (base, scratch.nbytes, 0, "")],
+                                         "DRAM")
+            try:
+                dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", row_descs([base], SCRATCH_WORDS, 8), "DRAM")
+            except Exception:
+                agent.deregister_memory(regs)
+                raise
+            return regs, dlist, agent.get_agent_metadata()
+
+        try:
+            self._reads_regs, self.scratch_list, self.metadata = self.engine.call_now(work)
+        except Exception as exc:  # NIXL raises its own exception types
+            ledger.close()
+            log.info("no NIXL read ledger (registering it failed: %s): peers ask for every pull", exc)
+            return
+        self.ledger, self.scratch = ledger, scratch
+        self._scratch_free = list(range(SCRATCH_WORDS - 1, -1, -1))
+
+    def take_scratch(self) -> int | None:
+        """A word of ours to read a peer's ledger word into, or None when all are in use (the pull asks)."""
+        return self._scratch_free.pop() if self._scratch_free else None
+
+    def give_scratch(self, index: int) -> None:
+        """Hand back a word no NIXL READ may still write."""
+        self._scratch_free.append(index)
+
+    def granted(self, cache_id: int) -> tuple[int, int] | None:
+        """``(slot, model_id)`` of a cache of ours that peers may read without asking now, or None."""
+        return None if self.ledger is None else self.ledger.entry(cache_id)
 
     # -- our caches ------------------------------------------------------------
 
@@ -240,6 +324,9 @@ class NixlAgent:
             return
         self.local[cache.cache_id] = entry
         self.metadata = metadata
+        model_id = self.runtime.registry.blocks_key_of(cache.cache_id)
+        if self.ledger is not None and self.exposed and mem == "DRAM" and model_id is not None:
+            self.ledger.publish(cache.cache_id, model_id)  # peers may read it without asking from now on
         for peer in list(self.peers):
             peer.offer(entry)
 
@@ -251,8 +338,11 @@ class NixlAgent:
         return self.vram_off or self.vram_failed.get(cache.cache_id)
 
     def unregister(self, cache: KvCache) -> None:
-        """Withdraw ``cache`` from peers now; deregister once no transfer can touch it."""
+        """Withdraw ``cache`` from peers now; deregister once no transfer can touch it (and every peer that
+        could read it without asking said it no longer does)."""
         self.vram_failed.pop(cache.cache_id, None)
+        if self.ledger is not None:
+            self.ledger.retract(cache.cache_id)  # before anything else: a read confirmed from now on fails
         entry = self.local.pop(cache.cache_id, None)
         if entry is None:
             return
@@ -340,9 +430,23 @@ class NixlAgent:
     def close(self) -> None:
         for peer in list(self.peers):
             peer.close()
+        if self._reads_regs is not None:
+            regs, dlist = self._reads_regs, self.scratch_list
+
+            def release(agent: Any) -> None:
+                dlist.release()
+                agent.deregister_memory(regs)
+
+            try:
+                self.engine.release_when_idle((id(dlist),), release)  # before the ledger's memory goes
+            except LLMException:
+                pass
         self.engine.close()
         self.local.clear()
         self._doomed.clear()
+        self.scratch_list = self._reads_regs = None  # NIXL's handles hold its agent
+        if self.ledger is not None:
+            self.ledger.close()  # deregistered with the rest when the engine closed
 
 
 def _discard(agent: Any, value: Any) -> None:
@@ -362,9 +466,26 @@ def prepare_remote(agent: Any, name: str, cache_id: int, rows: int, row_bytes: i
 class NixlPeer:
     """One link's NIXL state: the peer's agent and its caches' prepared lists."""
 
-    def __init__(self, agent: NixlAgent, send: Any, cluster_id: int, tag: bytes) -> None:
+    def __init__(self, agent: NixlAgent, send: Any, cluster_id: int, tag: bytes,
+                 on_read: Callable[[int, int, float], None] | None = None) -> None:
         self.agent = agent
         self.tag = tag  # the link's, in its pushes' notifications (link_tag)
+        self._on_read = on_read  # (count, nbytes, seconds): the peer read caches of ours without asking
+        # Reads without asking, as the requester: the peer's ledger, the caches it granted (cache id -> slot,
+        # model id, data type, block-shape digest) and by blocks key, our reads of each in flight, the caches it
+        # revoked that we still read, and our reads not yet reported.
+        self.ledger: _RemoteCache | None = None
+        self.grants: dict[int, tuple[int, int, int, int]] = {}
+        self.by_model: dict[int, int] = {}
+        self.reading: collections.Counter[int] = collections.Counter()
+        self._revoked: set[int] = set()
+        self._reads: dict[int, list] = {}
+        self._reporting: asyncio.TimerHandle | None = None
+        # ... as the owner: caches we granted the peer, and those revoked that it has not said REVOKED of yet.
+        self.grants_sent: set[int] = set()
+        self._revoking: dict[int, asyncio.TimerHandle] = {}
+        self._nudge_end: asyncio.TimerHandle | None = None  # while set, we make progress for the peer's reads
+        self._nudged = 0.0  # when we last nudged the peer (loop time)
         self.engine = agent.engine
         self._send = send
         self.cluster_id = cluster_id
@@ -396,6 +517,9 @@ class NixlPeer:
     def offer_all(self) -> None:
         """Offer every cache registered so far, then READY. The link is ready once the peer has
         prepared all of them and we have prepared all of its (both directions can use NIXL then)."""
+        ledger = self.agent.ledger
+        if ledger is not None and self.agent.exposed:
+            self._send(LEDGER, 0, SLOTS, 8, (ledger.address,), self.agent.metadata)
         for entry in list(self.agent.local.values()):
             self.offer(entry)
         self._initial = set(self.offers_sent) - self.prepared
@@ -418,12 +542,38 @@ class NixlPeer:
             return
         self._send(OFFER, cache.cache_id, entry.rows, entry.row_bytes, tuple(cache.layout.bases),
                    self.agent.metadata)
+        listed = self.agent.granted(cache.cache_id)
+        if listed is not None:
+            slot, model_id = listed
+            self.grants_sent.add(cache.cache_id)
+            info = GRANT_INFO.pack(model_id, cache.cache_desc.data_type.value, block_shape_digest(cache))
+            self._send(GRANT, cache.cache_id, slot, 0, (), info)
 
     def withdraw(self, cache_id: int) -> None:
         self.prepared.discard(cache_id)
+        if cache_id in self.grants_sent:  # its ledger word is clear: keep it registered until the peer's REVOKED
+            self.grants_sent.discard(cache_id)
+            if not self.closed:  # (after a DECLINE the peer ignores REVOKE: the wait's end releases it)
+                if self.declined is None:
+                    self._send(REVOKE, cache_id, 0, 0, (), b"")
+                self.agent.serve_begin(cache_id)
+                loop = asyncio.get_running_loop()
+                self._revoking[cache_id] = loop.call_later(REVOKE_WAIT_S, self._revoke_over, cache_id, True)
         if cache_id in self.offers_sent and not self.closed and self.declined is None:
             self.offers_sent.discard(cache_id)
             self._send(WITHDRAW, cache_id, 0, 0, (), b"")
+
+    def _revoke_over(self, cache_id: int, late: bool = False) -> None:
+        """The peer no longer reads ``cache_id`` without asking (it said so, it is gone, or ``late``: it did not
+        say so within ``REVOKE_WAIT_S``): the cache may be deregistered as far as this link is concerned."""
+        timer = self._revoking.pop(cache_id, None)
+        if timer is None:
+            return
+        timer.cancel()
+        if late:
+            log.warning("cluster %s did not say it stopped reading cache %s within %.0f s; deregistering it",
+                        self.cluster_id, cache_id, REVOKE_WAIT_S)
+        self.agent.serve_end(cache_id)
 
     def say_staged(self, why: str) -> None:
         """Device caches on this link take the staging plane because of ``why``: say so once (INFO)."""
@@ -479,6 +629,7 @@ class NixlPeer:
             self._send(DECLINE, 0, 0, 0, (), reason.encode()[:MAX_REASON])
         for fut in list(self._pending):
             fut.cancel()
+        self._forget_grants()
         caches, self.caches = self.caches, {}
         for remote in caches.values():
             self._drop(remote)
@@ -546,6 +697,30 @@ class NixlPeer:
         elif kind == DECLINE:
             text = blob[:MAX_REASON].decode("utf-8", "replace")
             self.decline(f"cluster {self.cluster_id} gave it up: {text}", tell=False)
+        elif kind == LEDGER:
+            if (self.name is None or self.ledger is not None or rows != SLOTS or row_bytes != 8
+                    or len(fields.rows) != 1):
+                raise ProtocolError("bad NIXL ledger")
+            self._load(blob, self.name, (0, SLOTS, 8, fields.rows, "DRAM", 0))
+        elif kind == GRANT:
+            if cache_id <= 0 or rows >= SLOTS or len(blob) != GRANT_INFO.size or cache_id in self.grants:
+                raise ProtocolError("bad NIXL grant")
+            model_id, data_type, shape = GRANT_INFO.unpack(blob)
+            self.grants[cache_id] = (rows, model_id, data_type, shape)
+            self.by_model[model_id] = cache_id
+        elif kind == REVOKE:
+            self._ungrant(cache_id)
+            if self.reading[cache_id] > 0:
+                self._revoked.add(cache_id)  # REVOKED once our last read of it settled (read_ended)
+            else:
+                self._send(REVOKED, cache_id, 0, 0, (), b"")
+        elif kind == REVOKED:
+            self._revoke_over(cache_id)
+        elif kind == NUDGE:
+            self._progress_for_reads()
+        elif kind == READS:  # only our counters believe it
+            if 0 < rows <= MAX_READS and len(fields.rows) == 1 and self._on_read is not None:
+                self._on_read(rows, row_bytes, min(fields.rows[0], 3600_000_000) / 1e6)
         else:
             raise ProtocolError(f"unknown NIXL record kind {kind}")
 
@@ -594,6 +769,9 @@ class NixlPeer:
             self._hello_loaded = True
             self.offer_all()
             return
+        if remote.cache_id == 0:  # the peer's ledger (LEDGER)
+            self.ledger = remote
+            return
         old = self.caches.pop(remote.cache_id, None)
         if old is not None:
             self._drop(old)
@@ -636,12 +814,20 @@ class NixlPeer:
         local_idx = indices(local_first, count, local_rows, entry.rows)
         remote_idx = indices(remote_first, count, remote_rows, remote.rows)
         nbytes = local_idx.size * entry.row_bytes
+        return self._post(op, entry.dlist, local_idx, remote.dlist, remote_idx, notif, nbytes, what,
+                          (local, entry, remote))
+
+    def _post(self, op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes,
+              nbytes: int, what: str, keepalive: Any, counted: bool = True
+              ) -> tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]]:
+        """Post ``op`` between two prepared lists (:meth:`transfer`'s three results; ``counted`` in the engine's
+        ``posted`` unless it is a ledger word)."""
         engine, name = self.engine, self.name
-        assert name is not None  # usable() above
+        assert name is not None  # usable() was checked
         loop = asyncio.get_running_loop()
         settled = loop.create_future()
         tokens: list[int] = []
-        posted = self._post_now(op, entry, local_idx, remote, remote_idx, notif, nbytes, what)
+        posted = self._post_now(op, local, local_idx, remote, remote_idx, notif, nbytes, what, counted)
         if posted is not None and posted[0] != "PROC":  # NIXL moved it inside the posting call
             moved = loop.create_future()
             moved.set_result(nbytes)
@@ -652,19 +838,118 @@ class NixlPeer:
         def submit(token: int) -> None:
             tokens.append(token)
             if handle is not None:
-                engine.adopt(token, handle, nbytes, (id(entry.dlist), id(remote.dlist), name))
+                engine.adopt(token, handle, nbytes, (id(local), id(remote), name))
             else:
-                engine.xfer(token, op, entry.dlist, local_idx, remote.dlist, remote_idx, name, notif, nbytes)
+                engine.xfer(token, op, local, local_idx, remote, remote_idx, name, notif, nbytes, counted)
 
         def failure(exc: BaseException) -> str:
             return (engine.error(tokens[0]) if tokens else None) or str(exc)
 
         moved = self.agent.runtime.completions.start(submit, engine.cancel, timeout_ms=None, what=what,
-                                                     keepalive=(local, entry, remote), settled=settled)
+                                                     keepalive=keepalive, settled=settled)
         return moved, settled, failure
 
-    def _post_now(self, op: str, entry: _LocalCache, local_idx: np.ndarray, remote: _RemoteCache,
-                  remote_idx: np.ndarray, notif: bytes, nbytes: int, what: str) -> tuple[str, Any] | None:
+    # -- reads without asking (the requester's side) ------------------------------
+
+    def grant_for(self, model_id: int) -> tuple[_RemoteCache, Geometry, int] | None:
+        """The peer's cache bound to blocks key ``model_id`` that it lets us read without asking: its prepared
+        list, its geometry (for ``fit``) and its ledger slot; None when we must ask."""
+        cache_id = self.by_model.get(model_id)
+        if cache_id is None or self.ledger is None or not self.usable() or cache_id in self._revoked:
+            return None
+        remote = self.caches.get(cache_id)
+        grant = self.grants.get(cache_id)
+        if remote is None or grant is None:
+            return None
+        slot, _model_id, data_type, shape = grant
+        geo = Geometry(cache_id, True, data_type, remote.tensors, remote.rows, remote.row_bytes, shape)
+        return remote, geo, slot
+
+    def read_started(self, cache_id: int) -> bool:
+        """A read of ``cache_id`` without asking starts, if the peer still grants it."""
+        if cache_id not in self.grants or not self.usable():
+            return False
+        self.reading[cache_id] += 1
+        return True
+
+    def read_ended(self, cache_id: int) -> None:
+        """That read settled (NIXL let go of it): once no read of a revoked cache is left, say ``REVOKED``."""
+        self.reading[cache_id] -= 1
+        if self.reading[cache_id] <= 0:
+            del self.reading[cache_id]
+            if cache_id in self._revoked:
+                self._revoked.discard(cache_id)
+                if not self.closed:
+                    self._send(REVOKED, cache_id, 0, 0, (), b"")
+
+    def read_word(self, index: int, slot: int,
+                  what: str) -> tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]]:
+        """READ the peer's ledger word ``slot`` into our scratch word ``index`` (:meth:`transfer`'s results)."""
+        ledger, scratch = self.ledger, self.agent.scratch_list
+        if ledger is None or scratch is None or not self.usable():
+            raise LLMException(f"cluster {self.cluster_id}: its NIXL ledger is not prepared",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+        return self._post("READ", scratch, np.array([index], dtype=np.int32), ledger.dlist,
+                          np.array([slot], dtype=np.int32), b"", 8, what, (ledger, self.agent.scratch), False)
+
+    def tell_read(self, cache_id: int, nbytes: int, seconds: float) -> None:
+        """We read ``nbytes`` of the peer's cache ``cache_id`` without asking: summed, reported ``REPORT_AFTER_S``
+        after the first (``READS``: count, bytes, microseconds)."""
+        reads = self._reads.setdefault(cache_id, [0, 0, 0.0])
+        if reads[0] >= MAX_READS:
+            return
+        reads[0] += 1
+        reads[1] += nbytes
+        reads[2] += seconds
+        if self._reporting is None and not self.closed:
+            self._reporting = asyncio.get_running_loop().call_later(REPORT_AFTER_S, self._report_reads)
+
+    def _report_reads(self) -> None:
+        self._reporting = None
+        reads, self._reads = self._reads, {}
+        if self.closed or self.declined is not None:
+            return
+        for cache_id, (count, nbytes, seconds) in reads.items():
+            self._send(READS, cache_id, count, nbytes, (int(seconds * 1e6),), b"")
+
+    def nudge(self) -> None:
+        """A read of ours waits for the owner's progress: ask for it (at most once per ``NUDGE_AFTER_S``)."""
+        now = asyncio.get_running_loop().time()
+        if now - self._nudged >= NUDGE_AFTER_S and not self.closed:
+            self._nudged = now
+            self._send(NUDGE, 0, 0, 0, (), b"")
+
+    def _progress_for_reads(self) -> None:
+        """As the owner: the peer's reads need our progress; make it for ``NUDGE_HOLD_S`` from now."""
+        if self.closed or not self.grants_sent:
+            return  # nothing of ours may be read without asking
+        if self._nudge_end is None:
+            self.engine.hold()
+        else:
+            self._nudge_end.cancel()
+        self._nudge_end = asyncio.get_running_loop().call_later(NUDGE_HOLD_S, self._progress_over)
+
+    def _progress_over(self) -> None:
+        if self._nudge_end is not None:
+            self._nudge_end = None
+            self.engine.unhold()
+
+    def _ungrant(self, cache_id: int) -> None:
+        grant = self.grants.pop(cache_id, None)
+        if grant is not None and self.by_model.get(grant[1]) == cache_id:
+            del self.by_model[grant[1]]
+
+    def _forget_grants(self) -> None:
+        """Read nothing more without asking on this link (declined or closed)."""
+        self.grants.clear()
+        self.by_model.clear()
+        ledger, self.ledger = self.ledger, None
+        if ledger is not None:
+            self._drop(ledger)
+
+    def _post_now(self, op: str, local: Any, local_idx: np.ndarray, remote: Any,
+                  remote_idx: np.ndarray, notif: bytes, nbytes: int, what: str,
+                  counted: bool = True) -> tuple[str, Any] | None:
         """Post from the loop's thread when that is allowed (``INLINE_MAX``) and the worker is not inside the
         agent: ``(state, handle)``, ``DONE`` or ``PROC``; None to hand the post to the worker. A transfer NIXL
         refuses to post, or reports failed, raises ``LLM_LINK_FAILED`` with NIXL's words, as one the worker
@@ -672,7 +957,7 @@ class NixlPeer:
         if nbytes > INLINE_MAX:
             return None
         try:
-            posted = self.engine.try_post(op, entry.dlist, local_idx, remote.dlist, remote_idx, notif, nbytes)
+            posted = self.engine.try_post(op, local, local_idx, remote, remote_idx, notif, nbytes, counted)
         except Exception as exc:  # NIXL raises its own exception types for every failure
             words = f"{type(exc).__name__}: {exc}"
         else:
@@ -696,6 +981,17 @@ class NixlPeer:
         self.agent.peers.discard(self)
         for fut in list(self._pending):
             fut.cancel()
+        self._forget_grants()
+        self.grants_sent.clear()
+        if self._nudge_end is not None:
+            self._nudge_end.cancel()
+            self._nudge_end = None
+            self.engine.unhold()
+        for cache_id in list(self._revoking):  # the peer is gone: nothing of it reads through this link
+            self._revoke_over(cache_id)
+        if self._reporting is not None:
+            self._reporting.cancel()
+            self._reporting = None
         caches, self.caches = self.caches, {}
         for remote in caches.values():
             self._drop(remote)

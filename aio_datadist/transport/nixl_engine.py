@@ -193,12 +193,13 @@ class NixlEngine:
         self._submit(("call", token, (fn, discard)))
 
     def xfer(self, token: int, op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
-             peer: bytes, notif: bytes, nbytes: int) -> None:
-        """Post ``op`` (READ or WRITE) between two prepared lists, selected by index."""
-        self._submit(("xfer", token, (op, local, local_idx, remote, remote_idx, peer, notif, nbytes)))
+             peer: bytes, notif: bytes, nbytes: int, counted: bool = True) -> None:
+        """Post ``op`` (READ or WRITE) between two prepared lists, selected by index (``counted`` in
+        ``posted`` unless it is a word of our own bookkeeping)."""
+        self._submit(("xfer", token, (op, local, local_idx, remote, remote_idx, peer, notif, nbytes, counted)))
 
     def try_post(self, op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
-                 notif: bytes, nbytes: int) -> tuple[str, Any] | None:
+                 notif: bytes, nbytes: int, counted: bool = True) -> tuple[str, Any] | None:
         """Post ``op`` from the calling (loop's) thread if the worker is not inside the agent now.
 
         Returns None when it is (or the engine is closing): :meth:`xfer` it
@@ -220,13 +221,22 @@ class NixlEngine:
                 raise
             if _trace.ON:
                 _trace.mark("nixl: transfer() returned")
-            self.posted += 1
-            self.posted_bytes += nbytes
+            if counted:
+                self.posted += 1
+                self.posted_bytes += nbytes
             if state != "PROC":
                 handle.release()
             return state, handle
         finally:
             self._agent_lock.release()
+
+    def call_now(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(agent)`` on the calling thread, waiting for the worker to leave the agent (set-up only,
+        before any work is queued: it may wait as long as the worker's current call)."""
+        with self._agent_lock:
+            if self._closing or self.agent is None:
+                raise LLMException("the NIXL engine is closed", status_code=LLMStatusCode.LLM_FAILED)
+            return fn(self.agent)
 
     def adopt(self, token: int, handle: Any, nbytes: int, uses: tuple) -> None:
         """Check a transfer :meth:`try_post` left in progress until it settles; report it as ``token``."""
@@ -249,7 +259,6 @@ class NixlEngine:
     def unhold(self) -> None:
         with self._cv:
             self._holds -= 1
-
     def cancel(self, token: int) -> bool:
         """Cancel ``token``'s work; its record follows once NIXL has let go of it."""
         with self._cv:
@@ -365,7 +374,7 @@ class NixlEngine:
             return token in self._cancelled
 
     def _start(self, token: int, op: str, local: Any, local_idx: np.ndarray, remote: Any,
-               remote_idx: np.ndarray, peer: bytes, notif: bytes, nbytes: int) -> None:
+               remote_idx: np.ndarray, peer: bytes, notif: bytes, nbytes: int, counted: bool = True) -> None:
         if _trace.ON:
             _trace.mark("nixl: worker took it")
         handle = self.agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
@@ -375,8 +384,9 @@ class NixlEngine:
         state = self.agent.transfer(handle, notif)
         if _trace.ON:
             _trace.mark("nixl: transfer() returned")
-        self.posted += 1
-        self.posted_bytes += nbytes
+        if counted:
+            self.posted += 1
+            self.posted_bytes += nbytes
         if state == "PROC":
             self._active[token] = xfer
             return

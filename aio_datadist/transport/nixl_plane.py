@@ -20,17 +20,20 @@ not offered here: the staging plane moves it, and the link says why
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import functools
+import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aio_datadist import _trace
 from aio_datadist.cache import KvCache
 from aio_datadist.layers import one_side_span
 from aio_datadist.status import LLMException, LLMStatusCode
-from aio_datadist.transport.base import InPlacePlane, LinkPort, Request, Served
+from aio_datadist.transport.base import NIXL_SETTLE_S, InPlacePlane, LinkPort, Request, Served, meets, wait_out
 from aio_datadist.transport.device_ipc import fence, serve_fenced
-from aio_datadist.transport.nixl import notif_for
-from aio_datadist.wire import Msg, ReqFlag, Resp, TransferReq
+from aio_datadist.transport.fit import Refusal, fit
+from aio_datadist.transport.nixl import NUDGE_AFTER_S, NixlPeer, notif_for
+from aio_datadist.wire import Msg, ReqFlag, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
     from aio_datadist.plans import Plan
@@ -58,6 +61,26 @@ class NixlPlane(InPlacePlane):
         row_bytes = plan.local.layout.row_bytes
         return (peer.agent.offered(plan.local) and plan.local_nbytes == row_bytes
                 and plan.remote.nbytes == row_bytes and plan.remote.offset == 0)
+
+    def reader(self, rt: Runtime, link: LinkPort, plan: Plan) -> Callable[[int, str], Awaitable[bool]] | None:
+        """A pull of a host blocks cache by its blocks key that the owner granted (``transport/nixl.py``), checked
+        as the owner would check it; None for every other pull and whenever in doubt."""
+        peer, remote = link.nixl, plan.remote
+        if (peer is None or remote.target_kind != Target.BLOCKS_KEY or plan.local.on_device
+                or not meets(self.transport, rt.settings.require_transport)
+                or not self.can_carry(link, plan, pull=True)):
+            return None
+        grant = peer.grant_for(remote.model_id)
+        if grant is None:
+            return None
+        region, geo, slot = grant
+        try:
+            rows, first, count = fit(geo, remote, pull=True, row=None)
+        except Refusal:
+            return None  # the owner says why
+        if count != plan.local_count or count * len(rows) * remote.nbytes != plan.total:
+            return None
+        return functools.partial(_read, peer, plan, region.cache_id, slot, first, rows, count)
 
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
@@ -122,6 +145,86 @@ class NixlPlane(InPlacePlane):
     def _arrival(self, link: LinkPort, req_id: int) -> asyncio.Future | None:
         assert link.nixl is not None
         return link.nixl.expect_push(req_id, f"NIXL push {req_id}")
+
+
+async def _read(peer: NixlPeer, plan: Plan, cache_id: int, slot: int, first: int, rows: list[int], count: int,
+                timeout_ms: int, what: str) -> bool:
+    """Read the owner's ledger word for its granted cache, then READ the pull out of the cache without asking;
+    the owner hears of it once we returned. False, with nothing written, when the owner must be asked after
+    all: the grant is gone, or the word no longer names the cache (unbound, withdrawn or freed).
+
+    As the same-host read ledger's: the word is read before any byte moves, and the owner keeps a cache it
+    revoked registered until we said no read of it is in flight (``REVOKED``). The loop turns once first, so
+    that a loop of small pulls lets other tasks run and a cancellation lands before any byte. A READ given up
+    returns once NIXL let go of it (``NIXL_SETTLE_S`` at most)."""
+    started = time.perf_counter()
+    await asyncio.sleep(0)
+    if not peer.read_started(cache_id):
+        return False
+    cancelled: list[asyncio.CancelledError] = []
+    try:
+        async with asyncio.timeout(timeout_ms / 1000):
+            if not await _word_names(peer, slot, cache_id, what, cancelled):
+                return False
+            if _trace.ON:
+                _trace.mark("job submitted")
+            await _settled(peer.transfer("READ", plan.local, plan.local_first, plan.local_rows, cache_id, first,
+                                         rows, count, b"", what), peer, what, cancelled)
+            if _trace.ON:
+                _trace.mark("job done")
+    except TimeoutError:
+        if cancelled:  # cancelled while a READ settled: the cancel wins
+            raise cancelled[0] from None
+        raise LLMException(f"{what} timed out after {timeout_ms} ms", status_code=LLMStatusCode.LLM_TIMEOUT) from None
+    finally:
+        peer.read_ended(cache_id)
+    if cancelled:
+        raise cancelled[0]
+    peer.tell_read(cache_id, plan.total, time.perf_counter() - started)  # sent after we returned
+    return True
+
+
+async def _word_names(peer: NixlPeer, slot: int, cache_id: int, what: str,
+                      cancelled: list[asyncio.CancelledError]) -> bool:
+    """Whether the owner's ledger word ``slot`` names ``cache_id`` now (False too when no word of ours is free)."""
+    index = peer.agent.take_scratch()
+    if index is None:
+        return False
+    try:
+        posted = peer.read_word(index, slot, what)
+    except BaseException:
+        peer.agent.give_scratch(index)  # nothing was posted
+        raise
+    try:
+        await _settled(posted, peer, what, cancelled)
+    finally:
+        if posted[1].done():  # no READ may still write our word
+            peer.agent.give_scratch(index)
+    scratch = peer.agent.scratch
+    assert scratch is not None, "read_word checked it"
+    return int(scratch[index]) == cache_id
+
+
+async def _settled(posted: tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]], peer: NixlPeer,
+                   what: str, cancelled: list[asyncio.CancelledError]) -> None:
+    """Wait for a posted READ (nudging the owner when it does not end at once: it may need the owner's progress);
+    given up (cancel, timeout), cancel it and return only once NIXL let go of it."""
+    moved, settled, failure = posted
+    try:
+        if not moved.done():
+            await asyncio.wait([moved], timeout=NUDGE_AFTER_S)
+            if not moved.done():
+                peer.nudge()
+        await moved
+    except BaseException as exc:
+        moved.cancel()
+        if not settled.done():
+            peer.nudge()  # settling it may need the owner's progress too
+        await wait_out(settled, NIXL_SETTLE_S, cancelled)
+        if isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_FAILED:
+            raise LLMException(f"{what}: NIXL transfer with cluster {peer.cluster_id} failed ({failure(exc)})",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED) from None
+        raise
 
 
 PLANE = NixlPlane()

@@ -1,0 +1,200 @@
+"""NIXL pulls without asking: a blocks cache the owner granted is read after its ledger word is checked.
+
+The owner clears the word before it withdraws or frees the cache, tells the
+peer (``REVOKE``) and keeps the cache registered until the peer says no read
+of it is in flight (``REVOKED``). Here the owner's records to the decoder are
+held back where a test needs the decoder to act on a grant the owner already
+revoked, as a slow control connection would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
+from aio_datadist import wire
+from aio_datadist.testing import link_to, nixl_agent_of
+from aio_datadist.transport import nixl
+from aio_datadist.wire import Msg, NixlRecord, ProtocolError
+from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, fill, linked_pair, same, snapshot
+
+S = LLMStatusCode
+NIXL = {"transport": "nixl"}
+BLOCKS = CacheDesc(4, (16, 4, 64), DataType.DT_FLOAT16, Placement.HOST)  # 16 blocks of 512 B
+ALL = list(range(16))
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.nixl, pytest.mark.usefixtures("fork_server"),
+              pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)]
+
+
+async def granted(decoder, cache) -> None:
+    """Until the decoder may read the prompt's ``cache`` without asking."""
+    peer = link_to(decoder, PROMPT_ID).nixl
+    async with asyncio.timeout(5):
+        while peer.grant_for(BlocksCacheKey(PROMPT_ID).model_id) is None or peer.grants.keys() != {cache.cache_id}:
+            await asyncio.sleep(0.005)
+
+
+def requests_sent(dd) -> list[Msg]:
+    """The messages ``dd``'s link to the prompt writes from now on."""
+    link = link_to(dd, PROMPT_ID)
+    real, sent = link.writer.write, []
+
+    def write(data):
+        at = 0
+        while at < len(data):
+            _magic, _version, msg, _flags, _req_id, body = wire.HEADER.unpack_from(bytes(data), at)
+            sent.append(Msg(msg))
+            at += wire.HEADER.size + body
+        return real(data)
+
+    link.writer.write = write
+    return sent
+
+
+def hold_back(dd, kinds: set[int]) -> list[NixlRecord]:
+    """``dd``'s NIXL peer on the link to the prompt sets aside the prompt's records of ``kinds`` (returned):
+    as if they were still on their way."""
+    peer = link_to(dd, PROMPT_ID).nixl
+    real, held = peer.on_message, []
+
+    def on_message(fields):
+        if fields.kind in kinds:
+            held.append(fields)
+            return None
+        return real(fields)
+
+    peer.on_message = on_message
+    return held
+
+
+async def test_a_granted_pull_reads_without_asking_and_the_owner_counts_it():
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        want = fill(src, 3)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await granted(pair.decoder, src)
+        sent = requests_sent(pair.decoder)
+        for block in ALL:
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [block], [block])
+        assert same(snapshot(dst), want)
+        assert Msg.PULL_REQ not in sent, sent  # nothing asked
+        served = pair.prompt.stats().links[DECODER_ID].kinds
+        async with asyncio.timeout(5):  # the reads are reported, summed, after REPORT_AFTER_S
+            while "served_pull" not in served or served["served_pull"].transfers < 16:
+                await asyncio.sleep(0.01)
+                served = pair.prompt.stats().links[DECODER_ID].kinds
+        assert served["served_pull"].transport == "nixl"
+        assert pair.decoder.stats().links[PROMPT_ID].kinds["pull"].transport == "nixl"
+
+
+async def test_a_pull_that_starts_after_deallocate_returned_writes_nothing_and_gets_the_refusal():
+    """The decoder has not heard of the revocation yet (its records are held back): the owner's word, read
+    before any byte, is clear, so the pull asks and gets the owner's answer; the owner keeps the cache registered
+    until the decoder, once it heard, said it no longer reads it."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        fill(src, 4)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await granted(pair.decoder, src)
+        held = hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW})
+        plane = nixl_agent_of(pair.prompt)
+        pair.pm.deallocate_cache(src)
+        assert src.cache_id in plane._doomed  # registered until the decoder says REVOKED
+        before = snapshot(dst)
+        with pytest.raises(LLMException) as info:
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL)
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        assert same(snapshot(dst), before)
+        assert [r.kind for r in held] == [nixl.REVOKE, nixl.WITHDRAW]
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        for record in held:
+            type(peer).on_message(peer, record)
+        async with asyncio.timeout(5):
+            while src.cache_id in plane._doomed:
+                await asyncio.sleep(0.01)
+
+
+async def test_a_key_bound_again_is_read_from_its_new_cache_never_from_the_old_one():
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        old = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        fill(old, 5)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await granted(pair.decoder, old)
+        hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW, nixl.OFFER, nixl.GRANT})  # the decoder still knows old
+        pair.pm.deallocate_cache(old)
+        new = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        want = fill(new, 6)
+        await nixl_agent_of(pair.prompt).registered(new)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL)  # asked: over TCP
+        assert same(snapshot(dst), want)
+
+
+async def test_a_peer_that_never_says_revoked_holds_the_cache_registered_only_for_revoke_wait_s(
+        monkeypatch, caplog):
+    monkeypatch.setattr(nixl, "REVOKE_WAIT_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="aio_datadist.nixl")
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        fill(src, 7)
+        await granted(pair.decoder, src)
+        hold_back(pair.decoder, {nixl.REVOKE})  # so it never answers REVOKED
+        plane = nixl_agent_of(pair.prompt)
+        pair.pm.deallocate_cache(src)
+        assert src.cache_id in plane._doomed
+        await asyncio.sleep(0.1)
+        assert src.cache_id in plane._doomed
+        async with asyncio.timeout(5):
+            while src.cache_id in plane._doomed:
+                await asyncio.sleep(0.02)
+        assert any("did not say it stopped reading" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_cancelled_read_settles_before_it_returns_and_the_revocation_waits_for_it():
+    big = CacheDesc(2, (64, 256 * 1024), DataType.DT_INT8, Placement.HOST)  # 2 x 16 MiB: posted by the worker
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(big, BlocksCacheKey(PROMPT_ID))
+        for t in src.tensors:
+            t.fill_(9)
+        dst = pair.dm.allocate_blocks_cache(big)
+        await granted(pair.decoder, src)
+        engine = nixl_agent_of(pair.decoder).engine
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        blocks = list(range(64))
+        for delay in (0.0, 0.001, 0.003):
+            pull = asyncio.create_task(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, blocks, blocks))
+            await asyncio.sleep(delay)
+            pull.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pull
+            assert engine.in_flight() == 0 and not peer.reading  # NIXL let go before the call returned
+            before = snapshot(dst)
+            await asyncio.sleep(0.3)
+            assert same(snapshot(dst), before)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, blocks, blocks)
+        assert all(bool((t == 9).all()) for t in dst.tensors)
+
+
+async def test_bad_ledger_and_grant_records_are_protocol_errors():
+    """What a linked peer's NIXL records may not say (each would break the link, as every bad record does)."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        bad = [
+            NixlRecord(kind=nixl.GRANT, cache_id=5, count=nixl.SLOTS, row_bytes=0, rows=(),
+                       blob=nixl.GRANT_INFO.pack(0, 1, 1)),  # a slot past the ledger
+            NixlRecord(kind=nixl.GRANT, cache_id=0, count=1, row_bytes=0, rows=(), blob=nixl.GRANT_INFO.pack(0, 1, 1)),
+            NixlRecord(kind=nixl.GRANT, cache_id=5, count=1, row_bytes=0, rows=(), blob=b"short"),
+            NixlRecord(kind=nixl.LEDGER, cache_id=0, count=nixl.SLOTS + 1, row_bytes=8, rows=(4096,), blob=b""),
+            NixlRecord(kind=nixl.LEDGER, cache_id=0, count=nixl.SLOTS, row_bytes=16, rows=(4096,), blob=b""),
+        ]
+        for record in bad:
+            with pytest.raises(ProtocolError):
+                peer.on_message(record)
+        # Reports are believed by counters only; a REVOKED of a cache never revoked changes nothing.
+        peer.on_message(NixlRecord(kind=nixl.READS, cache_id=77, count=0, row_bytes=1 << 60, rows=(1,), blob=b""))
+        peer.on_message(NixlRecord(kind=nixl.REVOKED, cache_id=77, count=0, row_bytes=0, rows=(), blob=b""))
+        served = pair.decoder.stats().links[PROMPT_ID].kinds.get("served_pull")
+        assert served is None or served.transfers == 0
