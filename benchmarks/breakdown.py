@@ -26,7 +26,10 @@ stretches of 50 between the pulls, and the ratio of the two medians.
 
 A same-host pull that the owner's read ledger lists never reaches the owner
 (``docs/transports.md``, "The read ledger"): its rows are the requester's
-alone, ``job submitted -> job done`` being the copy.
+alone, ``job submitted -> job done`` being the copy. Nor does a NIXL pull
+the owner granted (``docs/nixl.md``, "Pulls without asking"): ``call ->
+job submitted`` holds its checks, a loop turn and the READ of the owner's
+ledger word.
 
 Over NIXL (``--transport nixl``, needs the NIXL package) the job is the
 NIXL engine's. A transfer of at most ``nixl_engine.INLINE_MAX`` is posted

@@ -10,7 +10,10 @@ on the link before then, ahead of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -38,6 +41,18 @@ async def prepared(owner, peer_id: int, cache) -> None:
             await asyncio.sleep(0.005)
 
 
+@contextlib.asynccontextmanager
+async def blocks_pair(seed: int) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
+    """A NIXL pair, the prompt's blocks cache filled with ``seed`` and prepared by the decoder, the decoder's empty
+    one: ``(pair, want, dst, the decoder's NIXL engine)``."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        want = fill(src, seed)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await prepared(pair.prompt, DECODER_ID, src)
+        yield pair, want, dst, nixl_agent_of(pair.decoder).engine
+
+
 def worker_posts(dd) -> list[int]:
     """Count the transfers ``dd``'s NIXL worker posts itself (not the loop)."""
     engine = nixl_agent_of(dd).engine
@@ -59,12 +74,7 @@ def occupy_worker(dd, seconds: float) -> None:
 @needs_nixl
 @pytest.mark.nixl
 async def test_a_pull_is_posted_from_the_loop_while_the_worker_is_idle_and_by_the_worker_while_it_is_busy():
-    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
-        want = fill(src, 3)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await prepared(pair.prompt, DECODER_ID, src)
-        engine = nixl_agent_of(pair.decoder).engine
+    async with blocks_pair(3) as (pair, want, dst, engine):
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [0], [0])  # the link's first READ wires UCX up
         await asyncio.sleep(0.05)  # the worker is idle again
         posts = worker_posts(pair.decoder)
@@ -88,12 +98,7 @@ async def test_a_transfer_left_in_progress_is_settled_by_the_worker_before_its_c
     """NIXL may return from the posting call with the transfer still moving (``PROC``): the worker adopts the
     handle. A pull given up meanwhile returns only once the worker saw NIXL let go of it, even when the
     worker is busy elsewhere when the handle reaches it; then the link moves verified bytes again."""
-    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
-        want = fill(src, 5)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await prepared(pair.prompt, DECODER_ID, src)
-        engine = nixl_agent_of(pair.decoder).engine
+    async with blocks_pair(5) as (pair, want, dst, engine):
         agent, real_transfer, adopted = engine.agent, engine.agent.transfer, []
 
         def in_progress(handle, notif=b""):  # on the loop's thread, inside try_post
@@ -126,12 +131,7 @@ async def test_a_transfer_left_in_progress_is_settled_by_the_worker_before_its_c
 @needs_nixl
 @pytest.mark.nixl
 async def test_a_transfer_left_in_progress_completes_the_pull_once_the_worker_sees_it_done():
-    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
-        want = fill(src, 6)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await prepared(pair.prompt, DECODER_ID, src)
-        engine = nixl_agent_of(pair.decoder).engine
+    async with blocks_pair(6) as (pair, want, dst, engine):
         real_transfer = engine.agent.transfer
         engine.agent.transfer = lambda handle, notif=b"": (real_transfer(handle, notif), "PROC")[1]
         try:
@@ -145,12 +145,7 @@ async def test_a_transfer_left_in_progress_completes_the_pull_once_the_worker_se
 @needs_nixl
 @pytest.mark.nixl
 async def test_a_nixl_post_that_fails_on_the_loop_fails_the_pull_as_a_link_failure_and_posts_nothing():
-    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
-        fill(src, 7)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await prepared(pair.prompt, DECODER_ID, src)
-        engine = nixl_agent_of(pair.decoder).engine
+    async with blocks_pair(7) as (pair, _want, dst, engine):
         real_transfer, before = engine.agent.transfer, engine.posted
 
         def refused(handle, notif=b""):
