@@ -16,7 +16,7 @@ import pytest
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
 from aio_datadist import wire
-from aio_datadist.testing import link_to, nixl_agent_of
+from aio_datadist.testing import link_to, nixl_agent_of, registry_of
 from aio_datadist.transport import nixl
 from aio_datadist.wire import Msg, NixlRecord, ProtocolError
 from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, fill, linked_pair, same, snapshot
@@ -198,3 +198,57 @@ async def test_bad_ledger_and_grant_records_are_protocol_errors():
         peer.on_message(NixlRecord(kind=nixl.REVOKED, cache_id=77, count=0, row_bytes=0, rows=(), blob=b""))
         served = pair.decoder.stats().links[PROMPT_ID].kinds.get("served_pull")
         assert served is None or served.transfers == 0
+
+
+def hold_sent(dd, kinds: set[int]) -> list[tuple]:
+    """``dd``'s NIXL peer on the link to the prompt keeps its own records of ``kinds`` (returned, as the
+    arguments of its send) instead of sending them: as if they were still on their way."""
+    peer = link_to(dd, PROMPT_ID).nixl
+    real, held = peer._send, []
+
+    def send(kind, *args):
+        if kind in kinds:
+            held.append((kind, *args))
+            return None
+        return real(kind, *args)
+
+    peer._send = send
+    held.append(real)  # held[0]: the real send
+    return held
+
+
+async def test_a_cache_revoked_twice_before_the_peer_answered_is_released_once_both_answers_came():
+    """A granted cache refreshed (withdrawn, registered and granted again: the same cache id) and then freed
+    before the decoder's first REVOKED reached the owner: two revocations of one id are outstanding. Once both
+    REVOKEDs arrived, both registrations are released and nothing of them is held (engine holds, timers).
+    Before, the second revocation replaced the first's timer and doomed registration: one REVOKED ended it, the
+    other changed nothing, and the cache stayed counted as served (its first registration never released, the
+    engine making progress for good)."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        fill(src, 8)
+        await granted(pair.decoder, src)
+        plane = nixl_agent_of(pair.prompt)
+        peer = link_to(pair.prompt, DECODER_ID).nixl
+        held = hold_sent(pair.decoder, {nixl.REVOKED})
+        first = plane.local[src.cache_id]
+        registry_of(pair.prompt).refresh(src)  # REVOKE (answered, held), WITHDRAW, then OFFER and GRANT again
+        await plane.registered(src)
+        await granted(pair.decoder, src)
+        second = plane.local[src.cache_id]
+        assert second is not first
+        pair.pm.deallocate_cache(src)
+        async with asyncio.timeout(5):
+            while len(held) < 3:  # both REVOKEDs, held
+                await asyncio.sleep(0.005)
+        real = held[0]
+        for record in held[1:]:
+            real(*record)
+        for _ in range(100):
+            if not (plane._doomed or plane.serving or peer._revoking):
+                break
+            await asyncio.sleep(0.02)
+        assert not (plane._doomed or plane.serving or peer._revoking), (plane._doomed, plane.serving, peer._revoking)
+        assert first.cache is None and second.cache is None  # both deregistered
+        assert plane.engine._holds == 0
+

@@ -230,7 +230,9 @@ class NixlAgent:
         self.local: dict[int, _LocalCache] = {}
         self.peers: set[NixlPeer] = set()
         self.serving: collections.Counter[int] = collections.Counter()
-        self._doomed: dict[int, _LocalCache] = {}
+        # Registrations withdrawn while served, by cache id: more than one once a cache was refreshed
+        # (registry.refresh: the same id registered again) before its first registration was released.
+        self._doomed: dict[int, list[_LocalCache]] = {}
         self._registering: dict[int, asyncio.Future] = {}
         devices = runtime.devices
         #: Why device caches are not registered with NIXL (they take the staging plane), or None.
@@ -349,7 +351,7 @@ class NixlAgent:
         for peer in list(self.peers):
             peer.withdraw(cache.cache_id)
         if self.serving[cache.cache_id]:
-            self._doomed[cache.cache_id] = entry
+            self._doomed.setdefault(cache.cache_id, []).append(entry)
         else:
             self._release(entry)
 
@@ -364,8 +366,7 @@ class NixlAgent:
         self.serving[cache_id] -= 1
         if self.serving[cache_id] <= 0:
             del self.serving[cache_id]
-            entry = self._doomed.pop(cache_id, None)
-            if entry is not None:
+            for entry in self._doomed.pop(cache_id, ()):
                 self._release(entry)
 
     def _release(self, entry: _LocalCache) -> None:
@@ -478,12 +479,14 @@ class NixlPeer:
         self.grants: dict[int, tuple[int, int, int, int]] = {}
         self.by_model: dict[int, int] = {}
         self.reading: collections.Counter[int] = collections.Counter()
-        self._revoked: set[int] = set()
+        self._revoked: collections.Counter[int] = collections.Counter()  # REVOKEs to answer once reads end
         self._reads: dict[int, list] = {}
         self._reporting: asyncio.TimerHandle | None = None
         # ... as the owner: caches we granted the peer, and those revoked that it has not said REVOKED of yet.
         self.grants_sent: set[int] = set()
-        self._revoking: dict[int, asyncio.TimerHandle] = {}
+        # One timer per REVOKE not answered yet, oldest first: a cache refreshed (the same id granted again)
+        # may be revoked again before the peer answered the first; each REVOKED answers the oldest.
+        self._revoking: dict[int, list[asyncio.TimerHandle]] = {}
         self._nudge_end: asyncio.TimerHandle | None = None  # while set, we make progress for the peer's reads
         self._nudged = 0.0  # when we last nudged the peer (loop time)
         self.engine = agent.engine
@@ -558,19 +561,26 @@ class NixlPeer:
                     self._send(REVOKE, cache_id, 0, 0, (), b"")
                 self.agent.serve_begin(cache_id)
                 loop = asyncio.get_running_loop()
-                self._revoking[cache_id] = loop.call_later(REVOKE_WAIT_S, self._revoke_over, cache_id, True)
+                # (the lambda reads ``timer`` when it runs: the handle itself)
+                timer = loop.call_later(REVOKE_WAIT_S, lambda: self._revoke_over(cache_id, timer))
+                self._revoking.setdefault(cache_id, []).append(timer)
         if cache_id in self.offers_sent and not self.closed and self.declined is None:
             self.offers_sent.discard(cache_id)
             self._send(WITHDRAW, cache_id, 0, 0, (), b"")
 
-    def _revoke_over(self, cache_id: int, late: bool = False) -> None:
-        """The peer no longer reads ``cache_id`` without asking (it said so, it is gone, or ``late``: it did not
-        say so within ``REVOKE_WAIT_S``): the cache may be deregistered as far as this link is concerned."""
-        timer = self._revoking.pop(cache_id, None)
-        if timer is None:
+    def _revoke_over(self, cache_id: int, late: asyncio.TimerHandle | None = None) -> None:
+        """The peer no longer reads ``cache_id`` without asking as far as our oldest revocation of it goes (it
+        said so, or it is gone), or ``late``: it did not answer that revocation within ``REVOKE_WAIT_S``: that
+        revocation no longer keeps the cache registered."""
+        timers = self._revoking.get(cache_id)
+        if not timers or (late is not None and late not in timers):
             return
+        timer = late if late is not None else timers[0]
+        timers.remove(timer)
+        if not timers:
+            del self._revoking[cache_id]
         timer.cancel()
-        if late:
+        if late is not None:
             log.warning("cluster %s did not say it stopped reading cache %s within %.0f s; deregistering it",
                         self.cluster_id, cache_id, REVOKE_WAIT_S)
         self.agent.serve_end(cache_id)
@@ -711,7 +721,7 @@ class NixlPeer:
         elif kind == REVOKE:
             self._ungrant(cache_id)
             if self.reading[cache_id] > 0:
-                self._revoked.add(cache_id)  # REVOKED once our last read of it settled (read_ended)
+                self._revoked[cache_id] += 1  # REVOKED once our last read of it settled (read_ended)
             else:
                 self._send(REVOKED, cache_id, 0, 0, (), b"")
         elif kind == REVOKED:
@@ -877,8 +887,7 @@ class NixlPeer:
         self.reading[cache_id] -= 1
         if self.reading[cache_id] <= 0:
             del self.reading[cache_id]
-            if cache_id in self._revoked:
-                self._revoked.discard(cache_id)
+            for _ in range(self._revoked.pop(cache_id, 0)):  # one REVOKED per REVOKE
                 if not self.closed:
                     self._send(REVOKED, cache_id, 0, 0, (), b"")
 
@@ -987,8 +996,9 @@ class NixlPeer:
             self._nudge_end.cancel()
             self._nudge_end = None
             self.engine.unhold()
-        for cache_id in list(self._revoking):  # the peer is gone: nothing of it reads through this link
-            self._revoke_over(cache_id)
+        for cache_id, timers in list(self._revoking.items()):  # the peer is gone: nothing of it reads through
+            for _ in list(timers):                                # this link
+                self._revoke_over(cache_id)
         if self._reporting is not None:
             self._reporting.cancel()
             self._reporting = None
