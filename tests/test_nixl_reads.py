@@ -252,3 +252,52 @@ async def test_a_cache_revoked_twice_before_the_peer_answered_is_released_once_b
         assert first.cache is None and second.cache is None  # both deregistered
         assert plane.engine._holds == 0
 
+
+
+
+async def test_a_read_given_up_before_nixl_let_go_of_it_keeps_the_revocation_until_it_settles(monkeypatch):
+    """A read cut while NIXL still has it past ``NIXL_SETTLE_S`` (a NIXL that is slow to let go, stood in for here:
+    the READ's futures are the test's) may still read the owner's cache after the pull returned: the decoder says
+    ``REVOKED`` only once NIXL let go of it, so the owner keeps the cache registered meanwhile; the decoder's ledger
+    word goes back to its free words then too. Before, the read stopped counting when the pull returned, and the
+    owner's ``REVOKE`` was answered at once, with the READ still in flight."""
+    from aio_datadist.transport import nixl_plane
+    monkeypatch.setattr(nixl_plane, "NIXL_SETTLE_S", 0.05)
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        fill(src, 9)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await granted(pair.decoder, src)
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        loop = asyncio.get_running_loop()
+        moved, settled = loop.create_future(), loop.create_future()  # a READ NIXL has not let go of
+
+        def transfer(*args, **kwargs):
+            return moved, settled, str
+
+        peer.transfer = transfer
+        held = hold_sent(pair.decoder, {nixl.REVOKED})
+        pull = asyncio.create_task(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL))
+        async with asyncio.timeout(5):
+            while not peer.reading:
+                await asyncio.sleep(0)
+        await asyncio.sleep(0.01)  # past the ledger word: the rows' READ is posted
+        pull.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pull
+        assert moved.cancelled() and not settled.done()
+        plane = nixl_agent_of(pair.prompt)
+        pair.pm.deallocate_cache(src)  # REVOKE
+        await asyncio.sleep(0.2)
+        assert held[1:] == [], held[1:]  # not answered while NIXL may still read the cache
+        assert src.cache_id in plane._doomed
+        free = len(nixl_agent_of(pair.decoder)._scratch_free)
+        settled.set_result(True)  # NIXL let go of it
+        await asyncio.sleep(0)
+        assert [record[0] for record in held[1:]] == [nixl.REVOKED]
+        assert not peer.reading
+        held[0](*held[1])
+        async with asyncio.timeout(5):
+            while src.cache_id in plane._doomed:
+                await asyncio.sleep(0.005)
+        assert len(nixl_agent_of(pair.decoder)._scratch_free) == free  # the word's READ had settled: given back

@@ -162,14 +162,16 @@ async def _read(peer: NixlPeer, plan: Plan, cache_id: int, slot: int, first: int
     if not peer.read_started(cache_id):
         return False
     cancelled: list[asyncio.CancelledError] = []
+    posted = None
     try:
         async with asyncio.timeout(timeout_ms / 1000):
             if not await _word_names(peer, slot, cache_id, what, cancelled):
                 return False
             if _trace.ON:
                 _trace.mark("job submitted")
-            await _settled(peer.transfer("READ", plan.local, plan.local_first, plan.local_rows, cache_id, first,
-                                         rows, count, b"", what), peer, what, cancelled)
+            posted = peer.transfer("READ", plan.local, plan.local_first, plan.local_rows, cache_id, first, rows,
+                                   count, b"", what)
+            await _settled(posted, peer, what, cancelled)
             if _trace.ON:
                 _trace.mark("job done")
     except TimeoutError:
@@ -177,7 +179,12 @@ async def _read(peer: NixlPeer, plan: Plan, cache_id: int, slot: int, first: int
             raise cancelled[0] from None
         raise LLMException(f"{what} timed out after {timeout_ms} ms", status_code=LLMStatusCode.LLM_TIMEOUT) from None
     finally:
-        peer.read_ended(cache_id)
+        if posted is not None and not posted[1].done():
+            # Given up past NIXL_SETTLE_S with NIXL still holding the READ: it may still read the cache, so it
+            # counts (the owner keeps a cache it revoked registered) until NIXL let go of it.
+            posted[1].add_done_callback(lambda _: peer.read_ended(cache_id))
+        else:
+            peer.read_ended(cache_id)
     if cancelled:
         raise cancelled[0]
     peer.tell_read(cache_id, plan.total, time.perf_counter() - started)  # sent after we returned
@@ -200,6 +207,8 @@ async def _word_names(peer: NixlPeer, slot: int, cache_id: int, what: str,
     finally:
         if posted[1].done():  # no READ may still write our word
             peer.agent.give_scratch(index)
+        else:  # given up before NIXL let go of it: the word is ours again once it did
+            posted[1].add_done_callback(lambda _: peer.agent.give_scratch(index))
     scratch = peer.agent.scratch
     assert scratch is not None, "read_word checked it"
     return int(scratch[index]) == cache_id
