@@ -561,9 +561,9 @@ class NixlPeer:
                     self._send(REVOKE, cache_id, 0, 0, (), b"")
                 self.agent.serve_begin(cache_id)
                 loop = asyncio.get_running_loop()
-                # (the lambda reads ``timer`` when it runs: the handle itself)
-                timer = loop.call_later(REVOKE_WAIT_S, lambda: self._revoke_over(cache_id, timer))
-                self._revoking.setdefault(cache_id, []).append(timer)
+                timer: list[asyncio.TimerHandle] = []  # the lambda reads it when it runs: the handle itself
+                timer.append(loop.call_later(REVOKE_WAIT_S, lambda: self._revoke_over(cache_id, timer[0])))
+                self._revoking.setdefault(cache_id, []).append(timer[0])
         if cache_id in self.offers_sent and not self.closed and self.declined is None:
             self.offers_sent.discard(cache_id)
             self._send(WITHDRAW, cache_id, 0, 0, (), b"")
