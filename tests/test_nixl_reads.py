@@ -301,3 +301,46 @@ async def test_a_read_given_up_before_nixl_let_go_of_it_keeps_the_revocation_unt
             while src.cache_id in plane._doomed:
                 await asyncio.sleep(0.005)
         assert len(nixl_agent_of(pair.decoder)._scratch_free) == free  # the word's READ had settled: given back
+
+
+async def test_a_cache_withdrawn_while_its_word_was_read_is_asked_for_not_failed():
+    """The owner's word named the cache when the decoder read it, but the owner freed the cache and its WITHDRAW
+    reached the decoder before the rows' READ was posted (records read while the word's READ was on its way):
+    the pull asks, and gets the owner's refusal, as the same-host reader does. Before, it failed with
+    ``LLM_LINK_FAILED`` ("cache ... is not prepared for NIXL"), as if the link had failed."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        fill(src, 10)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await granted(pair.decoder, src)
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        held = hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW})
+        real_read_word, words = peer.read_word, []
+
+        def read_word(index, slot, what):
+            moved, settled, failure = real_read_word(index, slot, what)
+            later = asyncio.get_running_loop().create_future()
+
+            def read(_):
+                words.append(int(nixl_agent_of(pair.decoder).scratch[index]))
+                pair.pm.deallocate_cache(src)  # the word is cleared now, after it was read
+                for kind in (nixl.REVOKE, nixl.WITHDRAW):  # and the owner's records arrive
+                    type(peer).on_message(peer, NixlRecord(kind=kind, cache_id=src.cache_id, count=0, row_bytes=0,
+                                                           rows=(), blob=b""))
+                later.set_result(8)
+
+            moved.add_done_callback(read)
+            return later, settled, failure
+
+        peer.read_word = read_word
+        before = snapshot(dst)
+        with pytest.raises(LLMException) as info:
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL)
+        assert words == [src.cache_id]  # the word named the cache
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST, info.value
+        assert same(snapshot(dst), before)
+        assert [r.kind for r in held] == [nixl.REVOKE, nixl.WITHDRAW]
+        plane = nixl_agent_of(pair.prompt)
+        async with asyncio.timeout(5):
+            while src.cache_id in plane._doomed:
+                await asyncio.sleep(0.01)

@@ -38,6 +38,7 @@ from aio_datadist.wire import Msg, ReqFlag, Resp, Target, TransferReq
 if TYPE_CHECKING:
     from aio_datadist.plans import Plan
     from aio_datadist.runtime import Runtime
+    from aio_datadist.transport.nixl import _RemoteCache
 
 __all__ = ["PLANE", "NixlPlane"]
 
@@ -80,7 +81,7 @@ class NixlPlane(InPlacePlane):
             return None  # the owner says why
         if count != plan.local_count or count * len(rows) * remote.nbytes != plan.total:
             return None
-        return functools.partial(_read, peer, plan, region.cache_id, slot, first, rows, count)
+        return functools.partial(_read, peer, plan, region, slot, first, rows, count)
 
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
@@ -147,8 +148,8 @@ class NixlPlane(InPlacePlane):
         return link.nixl.expect_push(req_id, f"NIXL push {req_id}")
 
 
-async def _read(peer: NixlPeer, plan: Plan, cache_id: int, slot: int, first: int, rows: list[int], count: int,
-                timeout_ms: int, what: str) -> bool:
+async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, first: int, rows: list[int],
+                count: int, timeout_ms: int, what: str) -> bool:
     """Read the owner's ledger word for its granted cache, then READ the pull out of the cache without asking;
     the owner hears of it once we returned. False, with nothing written, when the owner must be asked after
     all: the grant is gone, or the word no longer names the cache (unbound, withdrawn or freed).
@@ -158,6 +159,7 @@ async def _read(peer: NixlPeer, plan: Plan, cache_id: int, slot: int, first: int
     that a loop of small pulls lets other tasks run and a cancellation lands before any byte. A READ given up
     returns once NIXL let go of it (``NIXL_SETTLE_S`` at most)."""
     started = time.perf_counter()
+    cache_id = region.cache_id
     await asyncio.sleep(0)
     if not peer.read_started(cache_id):
         return False
@@ -166,6 +168,8 @@ async def _read(peer: NixlPeer, plan: Plan, cache_id: int, slot: int, first: int
     try:
         async with asyncio.timeout(timeout_ms / 1000):
             if not await _word_names(peer, slot, cache_id, what, cancelled):
+                return False
+            if peer.caches.get(cache_id) is not region:  # withdrawn (or offered anew) while the word was read
                 return False
             if _trace.ON:
                 _trace.mark("job submitted")
