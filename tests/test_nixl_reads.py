@@ -344,3 +344,26 @@ async def test_a_cache_withdrawn_while_its_word_was_read_is_asked_for_not_failed
         async with asyncio.timeout(5):
             while src.cache_id in plane._doomed:
                 await asyncio.sleep(0.01)
+
+
+async def test_a_second_ledger_is_a_protocol_error_also_while_the_first_is_still_loading(monkeypatch):
+    """A peer that sends ``LEDGER`` twice in a row (the second before the worker loaded the first) breaks the
+    link, as a second ledger sent later does. Before, both were loaded, the second list replaced the first, and
+    the first was never released (a prepared NIXL list per record, for as long as the endpoint lives)."""
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        prompt_agent = nixl_agent_of(pair.prompt)
+        real = nixl.NixlPeer.offer_all
+
+        def offer_all(self):
+            if self.agent is prompt_agent:  # the prompt's peer says LEDGER once more than it should
+                self._send(nixl.LEDGER, 0, nixl.SLOTS, 8, (prompt_agent.ledger.address,), prompt_agent.metadata)
+            real(self)
+
+        monkeypatch.setattr(nixl.NixlPeer, "offer_all", offer_all)
+        await pair.decoder.link_clusters([pair.info], timeout=3000)
+        async with asyncio.timeout(5):
+            while True:
+                link = link_to(pair.decoder, PROMPT_ID)
+                if link is None or link.broken is not None or link.closed:
+                    break
+                await asyncio.sleep(0.01)

@@ -476,6 +476,7 @@ class NixlPeer:
         # model id, data type, block-shape digest) and by blocks key, our reads of each in flight, the caches it
         # revoked that we still read, and our reads not yet reported.
         self.ledger: _RemoteCache | None = None
+        self._ledger_said = False  # the peer sent its LEDGER (loaded or still loading): a second one is an error
         self.grants: dict[int, tuple[int, int, int, int]] = {}
         self.by_model: dict[int, int] = {}
         self.reading: collections.Counter[int] = collections.Counter()
@@ -708,9 +709,10 @@ class NixlPeer:
             text = blob[:MAX_REASON].decode("utf-8", "replace")
             self.decline(f"cluster {self.cluster_id} gave it up: {text}", tell=False)
         elif kind == LEDGER:
-            if (self.name is None or self.ledger is not None or rows != SLOTS or row_bytes != 8
+            if (self.name is None or self._ledger_said or rows != SLOTS or row_bytes != 8
                     or len(fields.rows) != 1):
                 raise ProtocolError("bad NIXL ledger")
+            self._ledger_said = True
             self._load(blob, self.name, (0, SLOTS, 8, fields.rows, "DRAM", 0))
         elif kind == GRANT:
             if cache_id <= 0 or rows >= SLOTS or len(blob) != GRANT_INFO.size or cache_id in self.grants:
