@@ -367,3 +367,27 @@ async def test_a_second_ledger_is_a_protocol_error_also_while_the_first_is_still
                 if link is None or link.broken is not None or link.closed:
                     break
                 await asyncio.sleep(0.01)
+
+
+async def test_a_granted_cache_freed_after_nixl_was_declined_is_released_once_the_peer_answers(caplog):
+    """After a link gave NIXL up (``DECLINE``) the peer may still have reads without asking in flight, so the owner
+    still revokes what it granted; the peer still answers, and the cache is released at once when none is in
+    flight. Before, the owner sent no ``REVOKE`` after a decline (and the peer ignored one): every granted cache
+    freed afterwards stayed registered, the owner's engine making progress for it, for ``REVOKE_WAIT_S`` (10 s),
+    then a warning said the peer had not answered."""
+    caplog.set_level(logging.WARNING, logger="aio_datadist.nixl")
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        await granted(pair.decoder, src)
+        owner = link_to(pair.prompt, DECODER_ID).nixl
+        link_to(pair.decoder, PROMPT_ID).nixl.decline("the test gives NIXL up")
+        async with asyncio.timeout(5):
+            while owner.declined is None:
+                await asyncio.sleep(0.005)
+        plane = nixl_agent_of(pair.prompt)
+        pair.pm.deallocate_cache(src)
+        async with asyncio.timeout(2):
+            while src.cache_id in plane._doomed:
+                await asyncio.sleep(0.01)
+        assert not owner._revoking and plane.engine._holds == 0
+        assert not any("did not say it stopped reading" in r.getMessage() for r in caplog.records)

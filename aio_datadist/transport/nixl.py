@@ -557,9 +557,8 @@ class NixlPeer:
         self.prepared.discard(cache_id)
         if cache_id in self.grants_sent:  # its ledger word is clear: keep it registered until the peer's REVOKED
             self.grants_sent.discard(cache_id)
-            if not self.closed:  # (after a DECLINE the peer ignores REVOKE: the wait's end releases it)
-                if self.declined is None:
-                    self._send(REVOKE, cache_id, 0, 0, (), b"")
+            if not self.closed:  # (also after a DECLINE: reads the peer started before may be in flight)
+                self._send(REVOKE, cache_id, 0, 0, (), b"")
                 self.agent.serve_begin(cache_id)
                 loop = asyncio.get_running_loop()
                 timer: list[asyncio.TimerHandle] = []  # the lambda reads it when it runs: the handle itself
@@ -671,8 +670,9 @@ class NixlPeer:
 
         kind, cache_id, rows, row_bytes = fields.kind, fields.cache_id, fields.count, fields.row_bytes
         blob = fields.blob
-        if self.declined is not None and kind in KINDS:
-            return  # TCP for good: whatever the peer sent before it heard so changes nothing
+        if self.declined is not None and kind in KINDS and kind not in (REVOKE, REVOKED):
+            return  # TCP for good: whatever the peer sent before it heard so changes nothing (but reads without
+            # asking started before may still be in flight: their revocations are still answered and heard)
         if kind == HELLO:
             name, sep, metadata = blob.partition(b"\0")
             if not sep or not name or self.name is not None:
