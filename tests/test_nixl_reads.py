@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 import pytest
+import torch
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
 from aio_datadist import wire
@@ -184,9 +185,12 @@ async def test_bad_ledger_and_grant_records_are_protocol_errors():
         peer = link_to(pair.decoder, PROMPT_ID).nixl
         bad = [
             NixlRecord(kind=nixl.GRANT, cache_id=5, count=nixl.SLOTS, row_bytes=0, rows=(),
-                       blob=nixl.GRANT_INFO.pack(0, 1, 1)),  # a slot past the ledger
-            NixlRecord(kind=nixl.GRANT, cache_id=0, count=1, row_bytes=0, rows=(), blob=nixl.GRANT_INFO.pack(0, 1, 1)),
+                       blob=nixl.GRANT_INFO.pack(0, 1, 1, 1)),  # a slot past the ledger
+            NixlRecord(kind=nixl.GRANT, cache_id=0, count=1, row_bytes=0, rows=(),
+                       blob=nixl.GRANT_INFO.pack(0, 1, 1, 1)),
             NixlRecord(kind=nixl.GRANT, cache_id=5, count=1, row_bytes=0, rows=(), blob=b"short"),
+            NixlRecord(kind=nixl.GRANT, cache_id=5, count=1, row_bytes=0, rows=(),
+                       blob=nixl.GRANT_INFO.pack(0, 1, 1, 0)),  # a word a cleared slot holds
             NixlRecord(kind=nixl.LEDGER, cache_id=0, count=nixl.SLOTS + 1, row_bytes=8, rows=(4096,), blob=b""),
             NixlRecord(kind=nixl.LEDGER, cache_id=0, count=nixl.SLOTS, row_bytes=16, rows=(4096,), blob=b""),
         ]
@@ -336,7 +340,7 @@ async def test_a_cache_withdrawn_while_its_word_was_read_is_asked_for_not_failed
         before = snapshot(dst)
         with pytest.raises(LLMException) as info:
             await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL)
-        assert words == [src.cache_id]  # the word named the cache
+        assert len(words) == 1 and words[0] & 0xFFFFFFFF == src.cache_id  # the word named the cache
         assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST, info.value
         assert same(snapshot(dst), before)
         assert [r.kind for r in held] == [nixl.REVOKE, nixl.WITHDRAW]
@@ -391,3 +395,40 @@ async def test_a_granted_cache_freed_after_nixl_was_declined_is_released_once_th
                 await asyncio.sleep(0.01)
         assert not owner._revoking and plane.engine._holds == 0
         assert not any("did not say it stopped reading" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_cache_registered_anew_gets_a_new_word_and_a_peer_holding_the_old_list_asks():
+    """``registry.refresh`` registers a cache anew under the same id (pages replaced in place): its word holds the
+    new registration's number, so a peer that has not heard of it yet reads a word that differs from its grant
+    and asks, instead of reading through the old registration's list."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        want = fill(src, 12)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await granted(pair.decoder, src)
+        hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW, nixl.OFFER, nixl.GRANT})
+        plane = nixl_agent_of(pair.prompt)
+        old = plane.local[src.cache_id]
+        registry_of(pair.prompt).refresh(src)
+        async with asyncio.timeout(5):
+            while plane.local.get(src.cache_id) in (None, old):
+                await asyncio.sleep(0.005)
+        sent = requests_sent(pair.decoder)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL)
+        assert same(snapshot(dst), want)
+        assert Msg.PULL_REQ in sent, sent  # asked: the old grant's word is gone
+
+
+async def test_a_cache_registered_hidden_is_never_offered_over_nixl():
+    """A cache registered with ``remote_accessible=False`` starts its NIXL registration (on_add) before it is
+    hidden; the registration that finishes afterwards is released, never kept or offered to peers."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        tensors = [torch.zeros(BLOCKS.shape, dtype=torch.float16) for _ in range(BLOCKS.num_tensors)]
+        hidden = pair.pm.register_blocks_cache(BLOCKS, tensors, BlocksCacheKey(PROMPT_ID, 7), remote_accessible=False)
+        plane = nixl_agent_of(pair.prompt)
+        async with asyncio.timeout(5):
+            while plane.engine.in_flight():
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        assert hidden.cache_id not in plane.local and plane.granted(hidden.cache_id) is None
+        assert hidden.cache_id not in link_to(pair.decoder, PROMPT_ID).nixl.caches

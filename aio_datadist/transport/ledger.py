@@ -52,6 +52,7 @@ class Ledger:
                                             lambda addr: unmap(addr, LEDGER_BYTES))
         self._words = (ctypes.c_uint64 * SLOTS).from_address(self._addr)  # an aligned word is one store
         self._entries: dict[int, tuple[int, int]] = {}  # cache id -> (slot, blocks key's model id)
+        self._values: dict[int, int] = {}  # cache id -> its word, where it is not the id itself
         self._free = list(range(SLOTS - 1, -1, -1))
         self.closed = False
 
@@ -65,17 +66,21 @@ class Ledger:
         """The sealed memfd, read-only: what each same-host peer receives."""
         return self._fd
 
-    def publish(self, cache_id: int, model_id: int) -> None:
-        """Let peers read cache ``cache_id``, bound to blocks key ``model_id``, without asking."""
+    def publish(self, cache_id: int, model_id: int, word: int | None = None) -> None:
+        """Let peers read cache ``cache_id``, bound to blocks key ``model_id``, without asking: its slot's word
+        holds ``word`` (non-zero; the cache id unless given) until :meth:`retract`."""
         if cache_id in self._entries or not self._free or self.closed:
             return
         slot = self._free.pop()
         self._entries[cache_id] = (slot, model_id)
-        self._words[slot] = cache_id
+        if word is not None:
+            self._values[cache_id] = word
+        self._words[slot] = cache_id if word is None else word
 
     def retract(self, cache_id: int) -> None:
         """From now on peers ask for ``cache_id`` again (it is being withdrawn, unbound or freed)."""
         entry = self._entries.pop(cache_id, None)
+        self._values.pop(cache_id, None)
         if entry is None or self.closed:
             return
         self._words[entry[0]] = 0
@@ -84,6 +89,10 @@ class Ledger:
     def entry(self, cache_id: int) -> tuple[int, int] | None:
         """``(slot, model_id)`` of a published cache, or None."""
         return self._entries.get(cache_id)
+
+    def word(self, cache_id: int) -> int:
+        """What the word of a published cache holds."""
+        return self._values.get(cache_id, cache_id)
 
     def close(self) -> None:
         """Clear every word and let the memory go (peers' mappings keep reading zeros)."""

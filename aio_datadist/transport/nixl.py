@@ -50,6 +50,7 @@ import asyncio
 import collections
 import functools
 import hashlib
+import itertools
 import logging
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -91,8 +92,11 @@ NOTIF_MAGIC = b"AIDN"
 VRAM_DEVICE = struct.Struct("!I")
 #: How NIXL backends name device memory among their memory types (``get_backend_mem_types``).
 VRAM_TYPES = frozenset({"VRAM", "VRAM_SEG"})
-#: A ``GRANT`` record's blob: the cache's blocks key (model id), data type and block-shape digest.
-GRANT_INFO = struct.Struct("!QIQ")
+#: A ``GRANT`` record's blob: the cache's blocks key (model id), data type, block-shape digest, and what its
+#: ledger word holds while the grant stands: the cache id and, above it, which registration of the cache this
+#: is (a cache registered anew, ``registry.refresh``, gets a new word: a peer still holding the old
+#: registration's list reads a word that differs and asks).
+GRANT_INFO = struct.Struct("!QIQQ")
 #: How long the owner keeps a cache it revoked registered for a peer that does not say ``REVOKED``.
 REVOKE_WAIT_S = 10.0
 #: Words of our own that peers' ledger words are read into, one per read being confirmed at once.
@@ -234,6 +238,7 @@ class NixlAgent:
         # (registry.refresh: the same id registered again) before its first registration was released.
         self._doomed: dict[int, list[_LocalCache]] = {}
         self._registering: dict[int, asyncio.Future] = {}
+        self._registrations = itertools.count(1)  # numbers each registration in its ledger word (GRANT_INFO)
         devices = runtime.devices
         #: Why device caches are not registered with NIXL (they take the staging plane), or None.
         self.vram_off = vram_off(None if devices is None else devices.kind, self.engine.mem_types)
@@ -286,9 +291,12 @@ class NixlAgent:
         """Hand back a word no NIXL READ may still write."""
         self._scratch_free.append(index)
 
-    def granted(self, cache_id: int) -> tuple[int, int] | None:
-        """``(slot, model_id)`` of a cache of ours that peers may read without asking now, or None."""
-        return None if self.ledger is None else self.ledger.entry(cache_id)
+    def granted(self, cache_id: int) -> tuple[int, int, int] | None:
+        """``(slot, model_id, word)`` of a cache of ours that peers may read without asking now, or None."""
+        listed = None if self.ledger is None else self.ledger.entry(cache_id)
+        if listed is None or self.ledger is None:
+            return None
+        return listed[0], listed[1], self.ledger.word(cache_id)
 
     # -- our caches ------------------------------------------------------------
 
@@ -309,7 +317,10 @@ class NixlAgent:
             await asyncio.wait([fut])
 
     def _registered(self, cache: KvCache, fut: asyncio.Future, mem: str, device: int) -> None:
-        if self._registering.get(cache.cache_id) is fut:
+        # Not the cache's current registration any more when it was unregistered meanwhile (freed, hidden:
+        # remote_accessible=False, or refreshed and registered anew): then it is released, never offered.
+        current = self._registering.get(cache.cache_id) is fut
+        if current:
             del self._registering[cache.cache_id]
         if fut.cancelled() or fut.exception() is not None:
             exc = None if fut.cancelled() else fut.exception()
@@ -321,14 +332,15 @@ class NixlAgent:
             return
         regs, dlist, metadata = fut.result()
         entry = _LocalCache(cache, regs, dlist, mem, device)
-        if not cache.alive:
+        if not current or not cache.alive:
             self._release(entry)
             return
         self.local[cache.cache_id] = entry
         self.metadata = metadata
         model_id = self.runtime.registry.blocks_key_of(cache.cache_id)
-        if self.ledger is not None and self.exposed and mem == "DRAM" and model_id is not None:
-            self.ledger.publish(cache.cache_id, model_id)  # peers may read it without asking from now on
+        if (self.ledger is not None and self.exposed and mem == "DRAM" and model_id is not None
+                and 0 < cache.cache_id < 1 << 32):  # peers may read it without asking from now on
+            self.ledger.publish(cache.cache_id, model_id, next(self._registrations) << 32 | cache.cache_id)
         for peer in list(self.peers):
             peer.offer(entry)
 
@@ -345,6 +357,7 @@ class NixlAgent:
         self.vram_failed.pop(cache.cache_id, None)
         if self.ledger is not None:
             self.ledger.retract(cache.cache_id)  # before anything else: a read confirmed from now on fails
+        self._registering.pop(cache.cache_id, None)  # a registration still running is released when it ends
         entry = self.local.pop(cache.cache_id, None)
         if entry is None:
             return
@@ -477,7 +490,7 @@ class NixlPeer:
         # revoked that we still read, and our reads not yet reported.
         self.ledger: _RemoteCache | None = None
         self._ledger_said = False  # the peer sent its LEDGER (loaded or still loading): a second one is an error
-        self.grants: dict[int, tuple[int, int, int, int]] = {}
+        self.grants: dict[int, tuple[int, int, int, int, int]] = {}
         self.by_model: dict[int, int] = {}
         self.reading: collections.Counter[int] = collections.Counter()
         self._revoked: collections.Counter[int] = collections.Counter()  # REVOKEs to answer once reads end
@@ -548,9 +561,9 @@ class NixlPeer:
                    self.agent.metadata)
         listed = self.agent.granted(cache.cache_id)
         if listed is not None:
-            slot, model_id = listed
+            slot, model_id, word = listed
             self.grants_sent.add(cache.cache_id)
-            info = GRANT_INFO.pack(model_id, cache.cache_desc.data_type.value, block_shape_digest(cache))
+            info = GRANT_INFO.pack(model_id, cache.cache_desc.data_type.value, block_shape_digest(cache), word)
             self._send(GRANT, cache.cache_id, slot, 0, (), info)
 
     def withdraw(self, cache_id: int) -> None:
@@ -717,8 +730,10 @@ class NixlPeer:
         elif kind == GRANT:
             if cache_id <= 0 or rows >= SLOTS or len(blob) != GRANT_INFO.size or cache_id in self.grants:
                 raise ProtocolError("bad NIXL grant")
-            model_id, data_type, shape = GRANT_INFO.unpack(blob)
-            self.grants[cache_id] = (rows, model_id, data_type, shape)
+            model_id, data_type, shape, word = GRANT_INFO.unpack(blob)
+            if word == 0:
+                raise ProtocolError("bad NIXL grant")
+            self.grants[cache_id] = (rows, model_id, data_type, shape, word)
             self.by_model[model_id] = cache_id
         elif kind == REVOKE:
             self._ungrant(cache_id)
@@ -863,9 +878,10 @@ class NixlPeer:
 
     # -- reads without asking (the requester's side) ------------------------------
 
-    def grant_for(self, model_id: int) -> tuple[_RemoteCache, Geometry, int] | None:
+    def grant_for(self, model_id: int) -> tuple[_RemoteCache, Geometry, int, int] | None:
         """The peer's cache bound to blocks key ``model_id`` that it lets us read without asking: its prepared
-        list, its geometry (for ``fit``) and its ledger slot; None when we must ask."""
+        list, its geometry (for ``fit``), its ledger slot and what the word there holds while the grant stands;
+        None when we must ask."""
         cache_id = self.by_model.get(model_id)
         if cache_id is None or self.ledger is None or not self.usable() or cache_id in self._revoked:
             return None
@@ -873,9 +889,9 @@ class NixlPeer:
         grant = self.grants.get(cache_id)
         if remote is None or grant is None:
             return None
-        slot, _model_id, data_type, shape = grant
+        slot, _model_id, data_type, shape, word = grant
         geo = Geometry(cache_id, True, data_type, remote.tensors, remote.rows, remote.row_bytes, shape)
-        return remote, geo, slot
+        return remote, geo, slot, word
 
     def read_started(self, cache_id: int) -> bool:
         """A read of ``cache_id`` without asking starts, if the peer still grants it."""

@@ -74,14 +74,14 @@ class NixlPlane(InPlacePlane):
         grant = peer.grant_for(remote.model_id)
         if grant is None:
             return None
-        region, geo, slot = grant
+        region, geo, slot, word = grant
         try:
             rows, first, count = fit(geo, remote, pull=True, row=None)
         except Refusal:
             return None  # the owner says why
         if count != plan.local_count or count * len(rows) * remote.nbytes != plan.total:
             return None
-        return functools.partial(_read, peer, plan, region, slot, first, rows, count)
+        return functools.partial(_read, peer, plan, region, slot, word, first, rows, count)
 
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
@@ -148,8 +148,8 @@ class NixlPlane(InPlacePlane):
         return link.nixl.expect_push(req_id, f"NIXL push {req_id}")
 
 
-async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, first: int, rows: list[int],
-                count: int, timeout_ms: int, what: str) -> bool:
+async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, word: int, first: int,
+                rows: list[int], count: int, timeout_ms: int, what: str) -> bool:
     """Read the owner's ledger word for its granted cache, then READ the pull out of the cache without asking;
     the owner hears of it once we returned. False, with nothing written, when the owner must be asked after
     all: the grant is gone, or the word no longer names the cache (unbound, withdrawn or freed).
@@ -167,7 +167,7 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, fir
     posted = None
     try:
         async with asyncio.timeout(timeout_ms / 1000):
-            if not await _word_names(peer, slot, cache_id, what, cancelled):
+            if not await _word_holds(peer, slot, word, what, cancelled):
                 return False
             if peer.caches.get(cache_id) is not region:  # withdrawn (or offered anew) while the word was read
                 return False
@@ -195,9 +195,9 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, fir
     return True
 
 
-async def _word_names(peer: NixlPeer, slot: int, cache_id: int, what: str,
+async def _word_holds(peer: NixlPeer, slot: int, word: int, what: str,
                       cancelled: list[asyncio.CancelledError]) -> bool:
-    """Whether the owner's ledger word ``slot`` names ``cache_id`` now (False too when no word of ours is free)."""
+    """Whether the owner's ledger word ``slot`` holds ``word`` now (False too when no word of ours is free)."""
     index = peer.agent.take_scratch()
     if index is None:
         return False
@@ -215,7 +215,7 @@ async def _word_names(peer: NixlPeer, slot: int, cache_id: int, what: str,
             posted[1].add_done_callback(lambda _: peer.agent.give_scratch(index))
     scratch = peer.agent.scratch
     assert scratch is not None, "read_word checked it"
-    return int(scratch[index]) == cache_id
+    return int(scratch[index]) == word
 
 
 async def _settled(posted: tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]], peer: NixlPeer,
