@@ -110,6 +110,8 @@ MAX_READS = 1 << 20
 #: the endpoint is wired up, which needs the owner's progress once; UCX over TCP needs it for every read.
 NUDGE_AFTER_S = 0.002
 NUDGE_HOLD_S = 1.0
+#: ... plus its bytes at this rate (B/s): a large READ still copying is not waiting for anyone.
+NUDGE_RATE = 2e9
 
 
 def vram_off(device_kind: str | None, mem_types: Mapping[str, Sequence[str]]) -> str | None:

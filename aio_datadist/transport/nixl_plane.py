@@ -32,7 +32,7 @@ from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.base import NIXL_SETTLE_S, InPlacePlane, LinkPort, Request, Served, meets, wait_out
 from aio_datadist.transport.device_ipc import fence, serve_fenced
 from aio_datadist.transport.fit import Refusal, fit
-from aio_datadist.transport.nixl import NUDGE_AFTER_S, NixlPeer, notif_for
+from aio_datadist.transport.nixl import NUDGE_AFTER_S, NUDGE_RATE, NixlPeer, notif_for
 from aio_datadist.wire import Msg, ReqFlag, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
                 _trace.mark("job submitted")
             posted = peer.transfer("READ", plan.local, plan.local_first, plan.local_rows, cache_id, first, rows,
                                    count, b"", what)
-            await _settled(posted, peer, what, cancelled)
+            await _settled(posted, peer, what, cancelled, plan.total)
             if _trace.ON:
                 _trace.mark("job done")
     except TimeoutError:
@@ -207,7 +207,7 @@ async def _word_holds(peer: NixlPeer, slot: int, word: int, what: str,
         peer.agent.give_scratch(index)  # nothing was posted
         raise
     try:
-        await _settled(posted, peer, what, cancelled)
+        await _settled(posted, peer, what, cancelled, 8)
     finally:
         if posted[1].done():  # no READ may still write our word
             peer.agent.give_scratch(index)
@@ -219,13 +219,13 @@ async def _word_holds(peer: NixlPeer, slot: int, word: int, what: str,
 
 
 async def _settled(posted: tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]], peer: NixlPeer,
-                   what: str, cancelled: list[asyncio.CancelledError]) -> None:
+                   what: str, cancelled: list[asyncio.CancelledError], nbytes: int) -> None:
     """Wait for a posted READ (nudging the owner when it does not end at once: it may need the owner's progress);
     given up (cancel, timeout), cancel it and return only once NIXL let go of it."""
     moved, settled, failure = posted
     try:
         if not moved.done():
-            await asyncio.wait([moved], timeout=NUDGE_AFTER_S)
+            await asyncio.wait([moved], timeout=NUDGE_AFTER_S + nbytes / NUDGE_RATE)
             if not moved.done():
                 peer.nudge()
         await moved
