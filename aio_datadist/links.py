@@ -720,6 +720,7 @@ class Link:
             # the socket and the bytes for as long as it does not); what is left is moot now.
             self.writer.transport.abort()
         else:
+            self._flush_soon()  # a DONE held for the end of this loop pass still reaches the peer
             self.writer.close()
         self.free.put_nowait(-1)
 

@@ -271,3 +271,30 @@ async def test_a_push_whose_notification_the_owner_reads_before_its_expectation_
             engine.unhold()
             engine.agent.get_new_notifs = real
         assert same(snapshot(dst), want)
+
+
+@pytest.mark.parametrize("transport", [pytest.param("nixl", marks=[needs_nixl, pytest.mark.nixl]), "local"])
+async def test_a_held_done_still_reaches_the_owner_when_the_link_closes_in_the_same_pass(transport):
+    """A link closed outright (no UNLINK first) in the loop pass its pull returned in still writes the DONE it
+    held: the owner consumes the key."""
+    config = {"transport": transport}
+    async with linked_pair(prompt_config=config, decoder_config=config) as pair:
+        src = pair.pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 1), CacheKey(PROMPT_ID, 2)])
+        want = fill(src, 10)
+        dst = pair.dm.allocate_cache(ROWS)
+        if transport == "nixl":
+            await prepared(pair.prompt, DECODER_ID, src)
+        served = link_to(pair.prompt, DECODER_ID)
+        link = link_to(pair.decoder, PROMPT_ID)
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), dst, batch_index=0)
+        await link.close()  # the same pass: the DONE was still held
+        async with asyncio.timeout(5):
+            while not (served.closed or served.broken):
+                await asyncio.sleep(0.01)
+        await pair.unlink(force=True)
+        await pair.link()
+        with pytest.raises(LLMException) as info:
+            await pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), dst, batch_index=1)
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST  # consumed by the DONE written at the close
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 2), dst, batch_index=1)
+        assert same([t[:2] for t in snapshot(dst)], [w[:2] for w in want])
