@@ -213,6 +213,14 @@ def indices(first: int, count: int, rows: Any, per_tensor: int) -> np.ndarray:
     return np.add(_tensor_starts(first, count, per_tensor), np.asarray(rows, dtype=np.int32)).ravel()
 
 
+@functools.lru_cache(maxsize=SLOTS + SCRATCH_WORDS)
+def _single(index: int) -> np.ndarray:
+    """A one-entry descriptor index array (read-only): a ledger slot or one of our scratch words."""
+    out = np.array([index], dtype=np.int32)
+    out.flags.writeable = False
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def _tensor_starts(first: int, count: int, per_tensor: int) -> np.ndarray:
     """The first descriptor of each tensor as a column (read-only; a request adds its rows to it)."""
@@ -918,8 +926,8 @@ class NixlPeer:
         if ledger is None or scratch is None or not self.usable():
             raise LLMException(f"cluster {self.cluster_id}: its NIXL ledger is not prepared",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
-        return self._post("READ", scratch, np.array([index], dtype=np.int32), ledger.dlist,
-                          np.array([slot], dtype=np.int32), b"", 8, what, (ledger, self.agent.scratch), False)
+        return self._post("READ", scratch, _single(index), ledger.dlist, _single(slot), b"", 8, what,
+                          (ledger, self.agent.scratch), False)
 
     def tell_read(self, cache_id: int, nbytes: int, seconds: float) -> None:
         """We read ``nbytes`` of the peer's cache ``cache_id`` without asking: summed, reported ``REPORT_AFTER_S``

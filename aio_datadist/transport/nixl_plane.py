@@ -163,21 +163,22 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
     await asyncio.sleep(0)
     if not peer.read_started(cache_id):
         return False
+    # No timer unless a READ is left in progress (NIXL usually finishes one inside the posting call).
+    deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
     cancelled: list[asyncio.CancelledError] = []
     posted = None
     try:
-        async with asyncio.timeout(timeout_ms / 1000):
-            if not await _word_holds(peer, slot, word, what, cancelled):
-                return False
-            if peer.caches.get(cache_id) is not region:  # withdrawn (or offered anew) while the word was read
-                return False
-            if _trace.ON:
-                _trace.mark("job submitted")
-            posted = peer.transfer("READ", plan.local, plan.local_first, plan.local_rows, cache_id, first, rows,
-                                   count, b"", what)
-            await _settled(posted, peer, what, cancelled, plan.total)
-            if _trace.ON:
-                _trace.mark("job done")
+        if not await _word_holds(peer, slot, word, what, cancelled, deadline):
+            return False
+        if peer.caches.get(cache_id) is not region:  # withdrawn (or offered anew) while the word was read
+            return False
+        if _trace.ON:
+            _trace.mark("job submitted")
+        posted = peer.transfer("READ", plan.local, plan.local_first, plan.local_rows, cache_id, first, rows,
+                               count, b"", what)
+        await _settled(posted, peer, what, cancelled, plan.total, deadline)
+        if _trace.ON:
+            _trace.mark("job done")
     except TimeoutError:
         if cancelled:  # cancelled while a READ settled: the cancel wins
             raise cancelled[0] from None
@@ -195,8 +196,8 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
     return True
 
 
-async def _word_holds(peer: NixlPeer, slot: int, word: int, what: str,
-                      cancelled: list[asyncio.CancelledError]) -> bool:
+async def _word_holds(peer: NixlPeer, slot: int, word: int, what: str, cancelled: list[asyncio.CancelledError],
+                      deadline: float) -> bool:
     """Whether the owner's ledger word ``slot`` holds ``word`` now (False too when no word of ours is free)."""
     index = peer.agent.take_scratch()
     if index is None:
@@ -207,7 +208,7 @@ async def _word_holds(peer: NixlPeer, slot: int, word: int, what: str,
         peer.agent.give_scratch(index)  # nothing was posted
         raise
     try:
-        await _settled(posted, peer, what, cancelled, 8)
+        await _settled(posted, peer, what, cancelled, 8, deadline)
     finally:
         if posted[1].done():  # no READ may still write our word
             peer.agent.give_scratch(index)
@@ -219,15 +220,21 @@ async def _word_holds(peer: NixlPeer, slot: int, word: int, what: str,
 
 
 async def _settled(posted: tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]], peer: NixlPeer,
-                   what: str, cancelled: list[asyncio.CancelledError], nbytes: int) -> None:
-    """Wait for a posted READ (nudging the owner when it does not end at once: it may need the owner's progress);
-    given up (cancel, timeout), cancel it and return only once NIXL let go of it."""
+                   what: str, cancelled: list[asyncio.CancelledError], nbytes: int, deadline: float) -> None:
+    """Wait for a posted READ until ``deadline`` (loop time; ``TimeoutError`` then), nudging the owner when it
+    does not end soon (it may need the owner's progress); given up (cancel, timeout), cancel it and return only
+    once NIXL let go of it."""
     moved, settled, failure = posted
     try:
         if not moved.done():
-            await asyncio.wait([moved], timeout=NUDGE_AFTER_S + nbytes / NUDGE_RATE)
+            loop = asyncio.get_running_loop()
+            await asyncio.wait([moved], timeout=min(NUDGE_AFTER_S + nbytes / NUDGE_RATE,
+                                                    max(deadline - loop.time(), 0.0)))
             if not moved.done():
                 peer.nudge()
+                await asyncio.wait([moved], timeout=max(deadline - loop.time(), 0.0))
+            if not moved.done():
+                raise TimeoutError
         await moved
     except BaseException as exc:
         moved.cancel()
