@@ -10,7 +10,10 @@ revoked, as a slow control connection would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -37,6 +40,18 @@ async def granted(decoder, cache) -> None:
     async with asyncio.timeout(5):
         while peer.grant_for(BlocksCacheKey(PROMPT_ID).model_id) is None or peer.grants.keys() != {cache.cache_id}:
             await asyncio.sleep(0.005)
+
+
+@contextlib.asynccontextmanager
+async def granted_pair(seed: int) -> AsyncIterator[tuple[Any, Any, list, Any]]:
+    """A NIXL pair whose decoder may read the prompt's blocks cache (filled with ``seed``) without asking:
+    ``(pair, the prompt's cache, its values, the decoder's empty blocks cache)``."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        want = fill(src, seed)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await granted(pair.decoder, src)
+        yield pair, src, want, dst
 
 
 def requests_sent(dd) -> list[Msg]:
@@ -73,11 +88,7 @@ def hold_back(dd, kinds: set[int]) -> list[NixlRecord]:
 
 
 async def test_a_granted_pull_reads_without_asking_and_the_owner_counts_it():
-    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
-        want = fill(src, 3)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await granted(pair.decoder, src)
+    async with granted_pair(3) as (pair, src, want, dst):
         sent = requests_sent(pair.decoder)
         for block in ALL:
             await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [block], [block])
@@ -96,11 +107,7 @@ async def test_a_pull_that_starts_after_deallocate_returned_writes_nothing_and_g
     """The decoder has not heard of the revocation yet (its records are held back): the owner's word, read
     before any byte, is clear, so the pull asks and gets the owner's answer; the owner keeps the cache registered
     until the decoder, once it heard, said it no longer reads it."""
-    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
-        fill(src, 4)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await granted(pair.decoder, src)
+    async with granted_pair(4) as (pair, src, _want, dst):
         held = hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW})
         plane = nixl_agent_of(pair.prompt)
         pair.pm.deallocate_cache(src)
@@ -120,11 +127,7 @@ async def test_a_pull_that_starts_after_deallocate_returned_writes_nothing_and_g
 
 
 async def test_a_key_bound_again_is_read_from_its_new_cache_never_from_the_old_one():
-    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        old = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
-        fill(old, 5)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await granted(pair.decoder, old)
+    async with granted_pair(5) as (pair, old, _want, dst):
         hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW, nixl.OFFER, nixl.GRANT})  # the decoder still knows old
         pair.pm.deallocate_cache(old)
         new = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
@@ -267,11 +270,7 @@ async def test_a_read_given_up_before_nixl_let_go_of_it_keeps_the_revocation_unt
     owner's ``REVOKE`` was answered at once, with the READ still in flight."""
     from aio_datadist.transport import nixl_plane
     monkeypatch.setattr(nixl_plane, "NIXL_SETTLE_S", 0.05)
-    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
-        fill(src, 9)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await granted(pair.decoder, src)
+    async with granted_pair(9) as (pair, src, _want, dst):
         peer = link_to(pair.decoder, PROMPT_ID).nixl
         loop = asyncio.get_running_loop()
         moved, settled = loop.create_future(), loop.create_future()  # a READ NIXL has not let go of
@@ -312,11 +311,7 @@ async def test_a_cache_withdrawn_while_its_word_was_read_is_asked_for_not_failed
     reached the decoder before the rows' READ was posted (records read while the word's READ was on its way):
     the pull asks, and gets the owner's refusal, as the same-host reader does. Before, it failed with
     ``LLM_LINK_FAILED`` ("cache ... is not prepared for NIXL"), as if the link had failed."""
-    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
-        fill(src, 10)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await granted(pair.decoder, src)
+    async with granted_pair(10) as (pair, src, _want, dst):
         peer = link_to(pair.decoder, PROMPT_ID).nixl
         held = hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW})
         real_read_word, words = peer.read_word, []
@@ -401,11 +396,7 @@ async def test_a_cache_registered_anew_gets_a_new_word_and_a_peer_holding_the_ol
     """``registry.refresh`` registers a cache anew under the same id (pages replaced in place): its word holds the
     new registration's number, so a peer that has not heard of it yet reads a word that differs from its grant
     and asks, instead of reading through the old registration's list."""
-    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
-        want = fill(src, 12)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS)
-        await granted(pair.decoder, src)
+    async with granted_pair(12) as (pair, src, want, dst):
         hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW, nixl.OFFER, nixl.GRANT})
         plane = nixl_agent_of(pair.prompt)
         old = plane.local[src.cache_id]
