@@ -1001,8 +1001,13 @@ class NixlPeer:
             if posted is None or posted[0] in ("DONE", "PROC"):
                 return posted
             words = "NIXL reported the transfer failed (ERR)"
-        raise LLMException(f"{what}: NIXL transfer with cluster {self.cluster_id} failed ({words})",
-                           status_code=LLMStatusCode.LLM_LINK_FAILED)
+        raise self.failed(what, words)
+
+    def failed(self, what: str, words: str) -> LLMException:
+        """A NIXL transfer with this peer failed, in NIXL's ``words``: the peer's agent went away or the fabric
+        failed, which the caller sees as the link's failure."""
+        return LLMException(f"{what}: NIXL transfer with cluster {self.cluster_id} failed ({words})",
+                            status_code=LLMStatusCode.LLM_LINK_FAILED)
 
     def expect_push(self, req_id: int, what: str) -> asyncio.Future:
         """The future of the peer's WRITE notification for push ``req_id``."""

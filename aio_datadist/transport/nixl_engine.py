@@ -221,9 +221,7 @@ class NixlEngine:
                 raise
             if _trace.ON:
                 _trace.mark("nixl: transfer() returned")
-            if counted:
-                self.posted += 1
-                self.posted_bytes += nbytes
+            self._count(nbytes, counted)
             if state != "PROC":
                 handle.release()
             return state, handle
@@ -384,13 +382,17 @@ class NixlEngine:
         state = self.agent.transfer(handle, notif)
         if _trace.ON:
             _trace.mark("nixl: transfer() returned")
-        if counted:
-            self.posted += 1
-            self.posted_bytes += nbytes
+        self._count(nbytes, counted)
         if state == "PROC":
             self._active[token] = xfer
             return
         self._settle(xfer, state)
+
+    def _count(self, nbytes: int, counted: bool) -> None:
+        """A transfer was posted (under the agent lock): count it, unless it is a word of our own bookkeeping."""
+        if counted:
+            self.posted += 1
+            self.posted_bytes += nbytes
 
     def _settle(self, xfer: _Xfer, state: str) -> None:
         if _trace.ON:

@@ -112,10 +112,7 @@ class NixlPlane(InPlacePlane):
         except BaseException as exc:
             moved.cancel()
             if isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_FAILED:
-                # NIXL failed a transfer it had accepted: the peer's agent went away or the fabric failed
-                raise LLMException(f"{what}: NIXL transfer with cluster {link.remote_cluster_id} failed "
-                                   f"({failure(exc)})",
-                                   status_code=LLMStatusCode.LLM_LINK_FAILED) from None
+                raise peer.failed(what, failure(exc)) from None  # NIXL failed a transfer it had accepted
             raise
         if _trace.ON:
             _trace.mark("job done")
@@ -242,8 +239,7 @@ async def _settled(posted: tuple[asyncio.Future, asyncio.Future, Callable[[BaseE
             peer.nudge()  # settling it may need the owner's progress too
         await wait_out(settled, NIXL_SETTLE_S, cancelled)
         if isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_FAILED:
-            raise LLMException(f"{what}: NIXL transfer with cluster {peer.cluster_id} failed ({failure(exc)})",
-                               status_code=LLMStatusCode.LLM_LINK_FAILED) from None
+            raise peer.failed(what, failure(exc)) from None
         raise
 
 
