@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aio_datadist._checks import param_invalid
-from aio_datadist.cache import KvCache
+from aio_datadist.cache import KvCache, check_bounds
 from aio_datadist.layers import check_spans, one_side_span
 from aio_datadist.types import UINT64_MAX, BlocksCacheKey, CacheIndex, CacheKey, CacheKeyByIdAndIndex
 from aio_datadist.wire import MAX_ROWS, ReqFlag, Target, TransferReq
@@ -64,7 +64,6 @@ class Plan:
     """A validated request: the local half and what to ask the owner (``remote``, channel and timeout unset)."""
 
     local: KvCache
-    local_pairs: Any
     total: int
     remote: TransferReq
     local_first: int = 0
@@ -72,6 +71,12 @@ class Plan:
     local_rows: tuple[int, ...] = ()
     local_nbytes: int = 0
     local_offset: int = 0
+
+    @functools.cached_property
+    def local_pairs(self) -> Any:
+        """The local half as copy pairs (made when a plane copies by address: NIXL reads by row index)."""
+        return self.local.layout.segments(self.local_first, self.local_count, list(self.local_rows),
+                                          self.local_offset, self.local_nbytes)
 
     @property
     def by_address(self) -> bool:
@@ -96,7 +101,7 @@ def build_plan(local: KvCache, local_layers: tuple[int, int], remote_layers: tup
     check_spans(remote_layers, local_layers)
     first, count = one_side_span(local.cache_desc.num_tensors, local_layers, per_layer,
                                  "dst_layer_range" if local_arg == "dst" else "src_layer_range")
-    pairs = local.layout.segments(first, count, list(local_rows), local_offset, local_nbytes)
+    check_bounds(local.layout, first, count, local_rows, local_offset, local_nbytes)  # before anything is sent
     total = count * len(local_rows) * local_nbytes
     whole_blocks = local.is_blocks_cache and flags & ReqFlag.BLOCKS and flags & ReqFlag.EXACT
     remote = TransferReq(channel=0, **target, layer_first=remote_layers[0], layer_last=remote_layers[1],
@@ -104,4 +109,4 @@ def build_plan(local: KvCache, local_layers: tuple[int, int], remote_layers: tup
                          data_type=local.cache_desc.data_type.value, offset=remote_offset, nbytes=remote_nbytes,
                          flags=ReqFlag(flags), timeout_ms=0, rows=tuple(remote_rows),
                          block_shape=block_shape_digest(local) if whole_blocks else 0)
-    return Plan(local, pairs, total, remote, first, count, tuple(local_rows), local_nbytes, local_offset)
+    return Plan(local, total, remote, first, count, tuple(local_rows), local_nbytes, local_offset)

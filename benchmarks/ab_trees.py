@@ -86,7 +86,7 @@ def _quantile(values: Sequence[float], q: float) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.ab_trees", description=__doc__.splitlines()[0])
     parser.add_argument("trees", help="comma-separated TREE or TREE=ENV_NAME:VALUE")
-    parser.add_argument("--transport", default="tcp", choices=("tcp", "local"))
+    parser.add_argument("--transport", default="tcp", choices=("tcp", "local", "nixl"))
     parser.add_argument("--blocks", type=int, default=1, help="blocks per pull (default 1: 2 MiB)")
     parser.add_argument("--rounds", type=int, default=30, help="rounds, the first one warm-up (default 30)")
     parser.add_argument("--per", type=int, default=40, help="pulls per side and round (default 40)")

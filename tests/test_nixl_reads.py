@@ -275,10 +275,10 @@ async def test_a_read_given_up_before_nixl_let_go_of_it_keeps_the_revocation_unt
         loop = asyncio.get_running_loop()
         moved, settled = loop.create_future(), loop.create_future()  # a READ NIXL has not let go of
 
-        def transfer(*args, **kwargs):
+        def read_rows(*args, **kwargs):
             return moved, settled, str
 
-        peer.transfer = transfer
+        peer.read_rows = read_rows
         held = hold_sent(pair.decoder, {nixl.REVOKED})
         pull = asyncio.create_task(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL))
         async with asyncio.timeout(5):
@@ -317,10 +317,11 @@ async def test_a_cache_withdrawn_while_its_word_was_read_is_asked_for_not_failed
         real_read_word, words = peer.read_word, []
 
         def read_word(index, slot, what):
-            moved, settled, failure = real_read_word(index, slot, what)
-            later = asyncio.get_running_loop().create_future()
+            posted = real_read_word(index, slot, what)
+            loop = asyncio.get_running_loop()
+            later = loop.create_future()
 
-            def read(_):
+            def read(_=None):
                 words.append(int(nixl_agent_of(pair.decoder).scratch[index]))
                 pair.pm.deallocate_cache(src)  # the word is cleared now, after it was read
                 for kind in (nixl.REVOKE, nixl.WITHDRAW):  # and the owner's records arrive
@@ -328,6 +329,12 @@ async def test_a_cache_withdrawn_while_its_word_was_read_is_asked_for_not_failed
                                                            rows=(), blob=b""))
                 later.set_result(8)
 
+            if posted is None:  # NIXL read the word inside the posting call
+                settled = loop.create_future()
+                settled.set_result(True)
+                loop.call_soon(read)
+                return later, settled, str
+            moved, settled, failure = posted
             moved.add_done_callback(read)
             return later, settled, failure
 

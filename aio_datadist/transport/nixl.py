@@ -502,6 +502,7 @@ class NixlPeer:
         self._ledger_said = False  # the peer sent its LEDGER (loaded or still loading): a second one is an error
         self.grants: dict[int, tuple[int, int, int, int, int]] = {}
         self.by_model: dict[int, int] = {}
+        self._geometries: dict[int, tuple[_RemoteCache, tuple, Geometry]] = {}  # grant_for's, per offer and grant
         self.reading: collections.Counter[int] = collections.Counter()
         self._revoked: collections.Counter[int] = collections.Counter()  # REVOKEs to answer once reads end
         self._reads: dict[int, list] = {}
@@ -838,6 +839,22 @@ class NixlPeer:
         function giving NIXL's own words for a failure of the first. Raises
         ``LLM_LINK_FAILED`` when either end is not (or no longer) prepared for it.
         """
+        posted = self._rows(op, local, local_first, local_rows, remote_id, remote_first, remote_rows, count, notif,
+                            what, inline=False)
+        assert posted is not None, "inline=False"
+        return posted
+
+    def read_rows(self, local: KvCache, local_first: int, local_rows: Any, remote_id: int, remote_first: int,
+                  remote_rows: Any, count: int,
+                  what: str) -> tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]] | None:
+        """A READ as :meth:`transfer`'s, but None when NIXL moved the bytes inside the posting call (no future is
+        made then: a read without asking of a few MiB mostly ends so)."""
+        return self._rows("READ", local, local_first, local_rows, remote_id, remote_first, remote_rows, count, b"",
+                          what, inline=True)
+
+    def _rows(self, op: str, local: KvCache, local_first: int, local_rows: Any, remote_id: int, remote_first: int,
+              remote_rows: Any, count: int, notif: bytes, what: str, *,
+              inline: bool) -> tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]] | None:
         entry = self.agent.local.get(local.cache_id)
         remote = self.caches.get(remote_id)
         if entry is None or entry.cache is not local or remote is None or not self.usable():
@@ -852,25 +869,29 @@ class NixlPeer:
         remote_idx = indices(remote_first, count, remote_rows, remote.rows)
         nbytes = local_idx.size * entry.row_bytes
         return self._post(op, entry.dlist, local_idx, remote.dlist, remote_idx, notif, nbytes, what,
-                          (local, entry, remote))
+                          (local, entry, remote), inline=inline)
 
     def _post(self, op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes,
-              nbytes: int, what: str, keepalive: Any, counted: bool = True
-              ) -> tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]]:
-        """Post ``op`` between two prepared lists (:meth:`transfer`'s three results; ``counted`` in the engine's
-        ``posted`` unless it is a ledger word)."""
+              nbytes: int, what: str, keepalive: Any, counted: bool = True, *, inline: bool
+              ) -> tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]] | None:
+        """Post ``op`` between two prepared lists (:meth:`transfer`'s three results, or None if ``inline`` and
+        NIXL moved it inside the posting call; ``counted`` in the engine's ``posted`` unless it is a ledger
+        word)."""
         engine, name = self.engine, self.name
         assert name is not None  # usable() was checked
-        loop = asyncio.get_running_loop()
-        settled = loop.create_future()
-        tokens: list[int] = []
         posted = self._post_now(op, local, local_idx, remote, remote_idx, notif, nbytes, what, counted)
+        loop = asyncio.get_running_loop()
         if posted is not None and posted[0] != "PROC":  # NIXL moved it inside the posting call
+            if inline:
+                return None
+            settled = loop.create_future()
             moved = loop.create_future()
             moved.set_result(nbytes)
             settled.set_result(True)
             return moved, settled, str
         handle = None if posted is None else posted[1]
+        settled = loop.create_future()
+        tokens: list[int] = []
 
         def submit(token: int) -> None:
             tokens.append(token)
@@ -900,8 +921,12 @@ class NixlPeer:
         if remote is None or grant is None:
             return None
         slot, _model_id, data_type, shape, word = grant
-        geo = Geometry(cache_id, True, data_type, remote.tensors, remote.rows, remote.row_bytes, shape)
-        return remote, geo, slot, word
+        known = self._geometries.get(cache_id)
+        if known is None or known[0] is not remote or known[1] is not grant:  # made once per offer and grant
+            known = (remote, grant, Geometry(cache_id, True, data_type, remote.tensors, remote.rows, remote.row_bytes,
+                                             shape))
+            self._geometries[cache_id] = known
+        return remote, known[2], slot, word
 
     def read_started(self, cache_id: int) -> bool:
         """A read of ``cache_id`` without asking starts, if the peer still grants it."""
@@ -920,14 +945,14 @@ class NixlPeer:
                     self._send(REVOKED, cache_id, 0, 0, (), b"")
 
     def read_word(self, index: int, slot: int,
-                  what: str) -> tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]]:
-        """READ the peer's ledger word ``slot`` into our scratch word ``index`` (:meth:`transfer`'s results)."""
+                  what: str) -> tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]] | None:
+        """READ the peer's ledger word ``slot`` into our scratch word ``index`` (:meth:`read_rows`' results)."""
         ledger, scratch = self.ledger, self.agent.scratch_list
         if ledger is None or scratch is None or not self.usable():
             raise LLMException(f"cluster {self.cluster_id}: its NIXL ledger is not prepared",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
         return self._post("READ", scratch, _single(index), ledger.dlist, _single(slot), b"", 8, what,
-                          (ledger, self.agent.scratch), False)
+                          (ledger, self.agent.scratch), False, inline=True)
 
     def tell_read(self, cache_id: int, nbytes: int, seconds: float) -> None:
         """We read ``nbytes`` of the peer's cache ``cache_id`` without asking: summed, reported ``REPORT_AFTER_S``
@@ -972,6 +997,7 @@ class NixlPeer:
             self.engine.unhold()
 
     def _ungrant(self, cache_id: int) -> None:
+        self._geometries.pop(cache_id, None)
         grant = self.grants.pop(cache_id, None)
         if grant is not None and self.by_model.get(grant[1]) == cache_id:
             del self.by_model[grant[1]]
@@ -980,6 +1006,7 @@ class NixlPeer:
         """Read nothing more without asking on this link (declined or closed)."""
         self.grants.clear()
         self.by_model.clear()
+        self._geometries.clear()
         ledger, self.ledger = self.ledger, None
         if ledger is not None:
             self._drop(ledger)

@@ -171,9 +171,9 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
             return False
         if _trace.ON:
             _trace.mark("job submitted")
-        posted = peer.transfer("READ", plan.local, plan.local_first, plan.local_rows, cache_id, first, rows,
-                               count, b"", what)
-        await _settled(posted, peer, what, cancelled, plan.total, deadline)
+        posted = peer.read_rows(plan.local, plan.local_first, plan.local_rows, cache_id, first, rows, count, what)
+        if posted is not None:  # NIXL left it in progress
+            await _settled(posted, peer, what, cancelled, plan.total, deadline)
         if _trace.ON:
             _trace.mark("job done")
     except TimeoutError:
@@ -205,9 +205,10 @@ async def _word_holds(peer: NixlPeer, slot: int, word: int, what: str, cancelled
         peer.agent.give_scratch(index)  # nothing was posted
         raise
     try:
-        await _settled(posted, peer, what, cancelled, 8, deadline)
+        if posted is not None:  # NIXL left it in progress
+            await _settled(posted, peer, what, cancelled, 8, deadline)
     finally:
-        if posted[1].done():  # no READ may still write our word
+        if posted is None or posted[1].done():  # no READ may still write our word
             peer.agent.give_scratch(index)
         else:  # given up before NIXL let go of it: the word is ours again once it did
             posted[1].add_done_callback(lambda _: peer.agent.give_scratch(index))
