@@ -166,6 +166,10 @@ class CommTable:
         """The comm's status (see the module docstring); ``LLM_NOT_YET_LINK`` for an unknown id."""
         return self.status_of(self._comm(comm_id))
 
+    def preparing(self) -> list[int]:
+        """The ids of the comms whose links are still being made."""
+        return [comm_id for comm_id, comm in self.comms.items() if self.status_of(comm) is RegisterMemStatus.PREPARING]
+
     def status_of(self, comm: Comm) -> RegisterMemStatus:
         if comm.refused:
             return RegisterMemStatus.FAILED

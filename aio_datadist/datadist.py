@@ -8,6 +8,7 @@ listener, links and caches (cache ids count from 1 per instance).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -29,6 +30,8 @@ from aio_datadist.types import LLMClusterInfo, LLMRole, RegisterMemStatus
 __all__ = ["LLMDataDist"]
 
 MAX_CLUSTERS_PER_CALL = 16
+
+log = logging.getLogger("aio_datadist.links")
 
 
 class LLMDataDist:
@@ -378,14 +381,24 @@ class LLMDataDist:
         if links.count():
             raise LLMException(f"switch_role: {links.count()} link(s) still exist; unlink them first",
                                status_code=LLMStatusCode.LLM_EXIST_LINK)
+        preparing = [] if self._comms is None or self._comms.links is not links else self._comms.preparing()
+        if preparing:  # its links are being made, maybe on our listener: they count as links
+            raise LLMException(f"switch_role: link() comm(s) {preparing} still being linked; unlink them first",
+                               status_code=LLMStatusCode.LLM_EXIST_LINK)
         previous = links.listen_address
         try:
             await links.stop_listening()
             if listen is not None:
                 await links.listen(*listen)
-        except BaseException:
+        except BaseException as exc:
             if previous is not None and links.listen_address is None:
-                await _complete(links.listen(*previous))  # a failed or cancelled switch changes nothing
+                try:  # a failed or cancelled switch changes nothing...
+                    await _complete(links.listen(*previous))
+                except Exception as again:  # ... unless the old address is gone too: say so, with the first error
+                    log.warning("switch_role: listening again on %s:%s failed (%s); the endpoint does not listen",
+                                previous[0], previous[1], again)
+                    exc.add_note(f"listening again on {previous[0]}:{previous[1]} failed too ({again}): the endpoint "
+                                 "does not listen now")
             raise
         self._endpoint.role = role
 

@@ -397,6 +397,28 @@ async def test_a_dial_is_taken_only_while_the_peer_links():
         await d.unlink(other)
 
 
+@pytest.mark.asyncio
+async def test_switch_role_while_a_comm_waits_for_its_dial_is_exist_link():
+    """A comm still PREPARING counts as a link for ``switch_role``: the rank that waits for the dial keeps
+    listening (``LLM_EXIST_LINK``, role unchanged) and the comm comes up once the other rank links. Before,
+    switch_role stopped the listener under the waiting comm, and the comm failed after the link time."""
+    addresses = {PROMPT_IP: f"{PROMPT_IP}:{free_port(PROMPT_IP)}", DECODER_IP: f"{DECODER_IP}:{free_port(DECODER_IP)}"}
+    config = {"rank_addresses": json.dumps(addresses), "link_total_time": 5}
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+        await p.init(v2_options(**config))
+        await d.init(v2_options(**config))
+        waiting = await d.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP))
+        assert d.query_register_mem_status(waiting) is PREPARING and d.listen_address is not None
+        for options in (None, {"llm.listenIpInfo": f"{DECODER_IP}:0"}):
+            await expect_code(S.LLM_EXIST_LINK, d.switch_role(LLMRole.PROMPT, options))
+        assert d.role is LLMRole.DECODER and d.listen_address is not None
+        dialling = await p.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP))
+        assert await settled(p, dialling, limit_s=10) is OK
+        assert await settled(d, waiting, limit_s=10) is OK
+        await p.unlink(dialling)
+        await d.unlink(waiting)
+
+
 def _bad(table: str = "", **changes: Any) -> str:
     obj = json.loads(table or rank_table(PROMPT_IP, DECODER_IP))
     for path, value in changes.items():

@@ -412,6 +412,32 @@ async def test_switch_role_to_a_busy_port_fails_cleanly():
             assert await peer.link_clusters([cluster_info(PROMPT_ID, before)]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
 
+async def test_a_failed_switch_whose_listener_cannot_come_back_says_both(monkeypatch):
+    """The new address is refused, and listening again where it was fails too (its port taken meanwhile): the
+    caller gets the first error, the one that failed the switch, with a note saying the endpoint no longer listens.
+    Before, the second error replaced the first."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, switch_role=True) as dd:
+        before = port_of(dd)
+        links = dd._endpoint.require_links()
+        real_listen, calls = links.listen, []
+
+        async def listen(host, port):
+            calls.append((host, port))
+            if len(calls) == 1:
+                raise LLMException("the new address is refused", status_code=S.LLM_LINK_FAILED)
+            raise LLMException("the old port is taken meanwhile", status_code=S.LLM_LINK_FAILED)
+
+        monkeypatch.setattr(links, "listen", listen)
+        with pytest.raises(LLMException) as exc:
+            await dd.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": f"{LOCALHOST}:0"})
+        assert calls == [(LOCALHOST, 0), before]
+        assert "the new address is refused" in str(exc.value), exc.value
+        notes = " ".join(getattr(exc.value, "__notes__", []))
+        assert "the old port is taken meanwhile" in notes and "does not listen" in notes, notes
+        assert dd.role == LLMRole.PROMPT and dd.listen_address is None
+        monkeypatch.setattr(links, "listen", real_listen)
+
+
 async def test_calls_after_finalize():
     dd = await _finalized()
     with pytest.raises(LLMException) as exc:
