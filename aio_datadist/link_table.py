@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from aio_datadist import fd_budget, handshake, wire
 from aio_datadist._checks import param_invalid
+from aio_datadist._settle import settle
 from aio_datadist.admission import ARRIVAL_FACTOR, Pending
 from aio_datadist.control_reader import ControlReader, open_control
 from aio_datadist.links import SUCCESS, ZERO32, DataConn, Link, tune
@@ -53,6 +54,8 @@ log = logging.getLogger("aio_datadist.links")
 HANDSHAKE_LIMIT_S = 10.0
 #: How long finalize waits for peers to acknowledge UNLINK (so they have let the link go when it returns).
 UNLINK_WAIT_S = 1.0
+#: How long a dialled link that was not set up in time may take to close before the call returns.
+SET_UP_CLOSE_S = 2.0
 #: A bilateral dial is tried again after this long, doubling up to BILATERAL_RETRY_MAX_S.
 BILATERAL_RETRY_FIRST_S = 0.05
 BILATERAL_RETRY_MAX_S = 0.5
@@ -420,6 +423,13 @@ class LinkTable:
                     writer.transport.abort()
                 else:
                     writer.close()
+            elif self.links.get(link.remote_cluster_id) is link:
+                # Registered, but not set up (the caller's time ran out, or a step failed): it goes, and the
+                # peer is told (it forgets its end), so no link is left behind a call that did not link.
+                self.forget(link)
+                if link.broken is None and not link.closed:
+                    link.send_unlink(link.new_req_id())
+                await settle(asyncio.ensure_future(link.close("not set up")), SET_UP_CLOSE_S)
             raise
 
     # -- bilateral links (LLMDataDist.link) ---------------------------------

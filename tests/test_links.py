@@ -438,6 +438,39 @@ async def test_a_failed_switch_whose_listener_cannot_come_back_says_both(monkeyp
         monkeypatch.setattr(links, "listen", real_listen)
 
 
+@pytest.mark.parametrize("stage", ["_share_with", "_nixl_with"])
+async def test_a_link_whose_time_runs_out_after_the_handshake_is_not_left_registered(monkeypatch, stage):
+    """``link_clusters`` whose timeout fires after the handshake, while the link is set up (the same-host
+    share, the NIXL exchange), reports ``LLM_TIMEOUT`` and leaves no link on either end: the dialler closes the
+    one it registered and tells the peer, and the next ``link_clusters`` links. Before, the timed-out link
+    stayed registered and usable on both ends while the call said ``LLM_TIMEOUT``, and linking again gave
+    ``LLM_ALREADY_LINK``."""
+    from aio_datadist.link_table import LinkTable
+
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as decoder:
+        original = getattr(LinkTable, stage)
+        slow = True
+
+        async def stalls(self, link, *args):
+            if slow:
+                await asyncio.sleep(2)
+            await original(self, link, *args)
+
+        monkeypatch.setattr(LinkTable, stage, stalls)
+        info = cluster_info(PROMPT_ID, port_of(prompt))
+        assert await decoder.link_clusters([info], timeout=300) == (S.LLM_TIMEOUT, [S.LLM_TIMEOUT])
+        assert link_count(decoder) == 0
+        for _ in range(200):  # the peer hears of it
+            if link_count(prompt) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert link_count(prompt) == 0
+        slow = False
+        assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        await decoder.check_link_status(PROMPT_ID)
+
+
 async def test_calls_after_finalize():
     dd = await _finalized()
     with pytest.raises(LLMException) as exc:
