@@ -21,7 +21,7 @@ import torch
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
 from aio_datadist import wire
 from aio_datadist.testing import link_to, nixl_agent_of, registry_of
-from aio_datadist.transport import nixl
+from aio_datadist.transport import nixl, nixl_grants
 from aio_datadist.wire import Msg, NixlRecord, ProtocolError
 from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, fill, linked_pair, same, snapshot
 
@@ -38,7 +38,8 @@ async def granted(decoder, cache) -> None:
     """Until the decoder may read the prompt's ``cache`` without asking."""
     peer = link_to(decoder, PROMPT_ID).nixl
     async with asyncio.timeout(5):
-        while peer.grant_for(BlocksCacheKey(PROMPT_ID).model_id) is None or peer.grants.keys() != {cache.cache_id}:
+        while (peer.grant_for(BlocksCacheKey(PROMPT_ID).model_id) is None
+               or peer.granted.grants.keys() != {cache.cache_id}):
             await asyncio.sleep(0.005)
 
 
@@ -108,7 +109,7 @@ async def test_a_pull_that_starts_after_deallocate_returned_writes_nothing_and_g
     before any byte, is clear, so the pull asks and gets the owner's answer; the owner keeps the cache registered
     until the decoder, once it heard, said it no longer reads it."""
     async with granted_pair(4) as (pair, src, _want, dst):
-        held = hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW})
+        held = hold_back(pair.decoder, {nixl_grants.REVOKE, nixl.WITHDRAW})
         plane = nixl_agent_of(pair.prompt)
         pair.pm.deallocate_cache(src)
         assert src.cache_id in plane._doomed  # registered until the decoder says REVOKED
@@ -117,7 +118,7 @@ async def test_a_pull_that_starts_after_deallocate_returned_writes_nothing_and_g
             await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL)
         assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
         assert same(snapshot(dst), before)
-        assert [r.kind for r in held] == [nixl.REVOKE, nixl.WITHDRAW]
+        assert [r.kind for r in held] == [nixl_grants.REVOKE, nixl.WITHDRAW]
         peer = link_to(pair.decoder, PROMPT_ID).nixl
         for record in held:
             type(peer).on_message(peer, record)
@@ -128,7 +129,8 @@ async def test_a_pull_that_starts_after_deallocate_returned_writes_nothing_and_g
 
 async def test_a_key_bound_again_is_read_from_its_new_cache_never_from_the_old_one():
     async with granted_pair(5) as (pair, old, _want, dst):
-        hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW, nixl.OFFER, nixl.GRANT})  # the decoder still knows old
+        # The decoder still knows old:
+        hold_back(pair.decoder, {nixl_grants.REVOKE, nixl.WITHDRAW, nixl.OFFER, nixl_grants.GRANT})
         pair.pm.deallocate_cache(old)
         new = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
         want = fill(new, 6)
@@ -139,13 +141,13 @@ async def test_a_key_bound_again_is_read_from_its_new_cache_never_from_the_old_o
 
 async def test_a_peer_that_never_says_revoked_holds_the_cache_registered_only_for_revoke_wait_s(
         monkeypatch, caplog):
-    monkeypatch.setattr(nixl, "REVOKE_WAIT_S", 0.3)
+    monkeypatch.setattr(nixl_grants, "REVOKE_WAIT_S", 0.3)
     caplog.set_level(logging.WARNING, logger="aio_datadist.nixl")
     async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
         src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
         fill(src, 7)
         await granted(pair.decoder, src)
-        hold_back(pair.decoder, {nixl.REVOKE})  # so it never answers REVOKED
+        hold_back(pair.decoder, {nixl_grants.REVOKE})  # so it never answers REVOKED
         plane = nixl_agent_of(pair.prompt)
         pair.pm.deallocate_cache(src)
         assert src.cache_id in plane._doomed
@@ -174,7 +176,7 @@ async def test_a_cancelled_read_settles_before_it_returns_and_the_revocation_wai
             pull.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await pull
-            assert engine.in_flight() == 0 and not peer.reading  # NIXL let go before the call returned
+            assert engine.in_flight() == 0 and not peer.granted.reading  # NIXL let go before the call returned
             before = snapshot(dst)
             await asyncio.sleep(0.3)
             assert same(snapshot(dst), before)
@@ -187,22 +189,23 @@ async def test_bad_ledger_and_grant_records_are_protocol_errors():
     async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
         peer = link_to(pair.decoder, PROMPT_ID).nixl
         bad = [
-            NixlRecord(kind=nixl.GRANT, cache_id=5, count=nixl.SLOTS, row_bytes=0, rows=(),
-                       blob=nixl.GRANT_INFO.pack(0, 1, 1, 1)),  # a slot past the ledger
-            NixlRecord(kind=nixl.GRANT, cache_id=0, count=1, row_bytes=0, rows=(),
-                       blob=nixl.GRANT_INFO.pack(0, 1, 1, 1)),
-            NixlRecord(kind=nixl.GRANT, cache_id=5, count=1, row_bytes=0, rows=(), blob=b"short"),
-            NixlRecord(kind=nixl.GRANT, cache_id=5, count=1, row_bytes=0, rows=(),
-                       blob=nixl.GRANT_INFO.pack(0, 1, 1, 0)),  # a word a cleared slot holds
-            NixlRecord(kind=nixl.LEDGER, cache_id=0, count=nixl.SLOTS + 1, row_bytes=8, rows=(4096,), blob=b""),
-            NixlRecord(kind=nixl.LEDGER, cache_id=0, count=nixl.SLOTS, row_bytes=16, rows=(4096,), blob=b""),
+            NixlRecord(kind=nixl_grants.GRANT, cache_id=5, count=nixl.SLOTS, row_bytes=0, rows=(),
+                       blob=nixl_grants.GRANT_INFO.pack(0, 1, 1, 1)),  # a slot past the ledger
+            NixlRecord(kind=nixl_grants.GRANT, cache_id=0, count=1, row_bytes=0, rows=(),
+                       blob=nixl_grants.GRANT_INFO.pack(0, 1, 1, 1)),
+            NixlRecord(kind=nixl_grants.GRANT, cache_id=5, count=1, row_bytes=0, rows=(), blob=b"short"),
+            NixlRecord(kind=nixl_grants.GRANT, cache_id=5, count=1, row_bytes=0, rows=(),
+                       blob=nixl_grants.GRANT_INFO.pack(0, 1, 1, 0)),  # a word a cleared slot holds
+            NixlRecord(kind=nixl_grants.LEDGER, cache_id=0, count=nixl.SLOTS + 1, row_bytes=8, rows=(4096,), blob=b""),
+            NixlRecord(kind=nixl_grants.LEDGER, cache_id=0, count=nixl.SLOTS, row_bytes=16, rows=(4096,), blob=b""),
         ]
         for record in bad:
             with pytest.raises(ProtocolError):
                 peer.on_message(record)
         # Reports are believed by counters only; a REVOKED of a cache never revoked changes nothing.
-        peer.on_message(NixlRecord(kind=nixl.READS, cache_id=77, count=0, row_bytes=1 << 60, rows=(1,), blob=b""))
-        peer.on_message(NixlRecord(kind=nixl.REVOKED, cache_id=77, count=0, row_bytes=0, rows=(), blob=b""))
+        peer.on_message(NixlRecord(kind=nixl_grants.READS, cache_id=77, count=0, row_bytes=1 << 60, rows=(1,),
+                                   blob=b""))
+        peer.on_message(NixlRecord(kind=nixl_grants.REVOKED, cache_id=77, count=0, row_bytes=0, rows=(), blob=b""))
         served = pair.decoder.stats().links[PROMPT_ID].kinds.get("served_pull")
         assert served is None or served.transfers == 0
 
@@ -219,7 +222,7 @@ def hold_sent(dd, kinds: set[int]) -> list[tuple]:
             return None
         return real(kind, *args)
 
-    peer._send = send
+    peer._send = peer.granted._send = peer.revocations._send = send
     held.append(real)  # held[0]: the real send
     return held
 
@@ -237,7 +240,7 @@ async def test_a_cache_revoked_twice_before_the_peer_answered_is_released_once_b
         await granted(pair.decoder, src)
         plane = nixl_agent_of(pair.prompt)
         peer = link_to(pair.prompt, DECODER_ID).nixl
-        held = hold_sent(pair.decoder, {nixl.REVOKED})
+        held = hold_sent(pair.decoder, {nixl_grants.REVOKED})
         first = plane.local[src.cache_id]
         registry_of(pair.prompt).refresh(src)  # REVOKE (answered, held), WITHDRAW, then OFFER and GRANT again
         await plane.registered(src)
@@ -251,11 +254,12 @@ async def test_a_cache_revoked_twice_before_the_peer_answered_is_released_once_b
         real = held[0]
         for record in held[1:]:
             real(*record)
+        revoking = peer.revocations._revoking
         for _ in range(100):
-            if not (plane._doomed or plane.serving or peer._revoking):
+            if not (plane._doomed or plane.serving or revoking):
                 break
             await asyncio.sleep(0.02)
-        assert not (plane._doomed or plane.serving or peer._revoking), (plane._doomed, plane.serving, peer._revoking)
+        assert not (plane._doomed or plane.serving or revoking), (plane._doomed, plane.serving, revoking)
         assert first.cache is None and second.cache is None  # both deregistered
         assert plane.engine._holds == 0
 
@@ -279,10 +283,10 @@ async def test_a_read_given_up_before_nixl_let_go_of_it_keeps_the_revocation_unt
             return moved, settled, str
 
         peer.read_rows = read_rows
-        held = hold_sent(pair.decoder, {nixl.REVOKED})
+        held = hold_sent(pair.decoder, {nixl_grants.REVOKED})
         pull = asyncio.create_task(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL))
         async with asyncio.timeout(5):
-            while not peer.reading:
+            while not peer.granted.reading:
                 await asyncio.sleep(0)
         await asyncio.sleep(0.01)  # past the ledger word: the rows' READ is posted
         pull.cancel()
@@ -297,8 +301,8 @@ async def test_a_read_given_up_before_nixl_let_go_of_it_keeps_the_revocation_unt
         free = len(nixl_agent_of(pair.decoder)._scratch_free)
         settled.set_result(True)  # NIXL let go of it
         await asyncio.sleep(0)
-        assert [record[0] for record in held[1:]] == [nixl.REVOKED]
-        assert not peer.reading
+        assert [record[0] for record in held[1:]] == [nixl_grants.REVOKED]
+        assert not peer.granted.reading
         held[0](*held[1])
         async with asyncio.timeout(5):
             while src.cache_id in plane._doomed:
@@ -313,7 +317,7 @@ async def test_a_cache_withdrawn_while_its_word_was_read_is_asked_for_not_failed
     ``LLM_LINK_FAILED`` ("cache ... is not prepared for NIXL"), as if the link had failed."""
     async with granted_pair(10) as (pair, src, _want, dst):
         peer = link_to(pair.decoder, PROMPT_ID).nixl
-        held = hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW})
+        held = hold_back(pair.decoder, {nixl_grants.REVOKE, nixl.WITHDRAW})
         real_read_word, words = peer.read_word, []
 
         def read_word(index, slot, what):
@@ -324,7 +328,7 @@ async def test_a_cache_withdrawn_while_its_word_was_read_is_asked_for_not_failed
             def read(_=None):
                 words.append(int(nixl_agent_of(pair.decoder).scratch[index]))
                 pair.pm.deallocate_cache(src)  # the word is cleared now, after it was read
-                for kind in (nixl.REVOKE, nixl.WITHDRAW):  # and the owner's records arrive
+                for kind in (nixl_grants.REVOKE, nixl.WITHDRAW):  # and the owner's records arrive
                     type(peer).on_message(peer, NixlRecord(kind=kind, cache_id=src.cache_id, count=0, row_bytes=0,
                                                            rows=(), blob=b""))
                 later.set_result(8)
@@ -345,7 +349,7 @@ async def test_a_cache_withdrawn_while_its_word_was_read_is_asked_for_not_failed
         assert len(words) == 1 and words[0] & 0xFFFFFFFF == src.cache_id  # the word named the cache
         assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST, info.value
         assert same(snapshot(dst), before)
-        assert [r.kind for r in held] == [nixl.REVOKE, nixl.WITHDRAW]
+        assert [r.kind for r in held] == [nixl_grants.REVOKE, nixl.WITHDRAW]
         plane = nixl_agent_of(pair.prompt)
         async with asyncio.timeout(5):
             while src.cache_id in plane._doomed:
@@ -362,7 +366,7 @@ async def test_a_second_ledger_is_a_protocol_error_also_while_the_first_is_still
 
         def offer_all(self):
             if self.agent is prompt_agent:  # the prompt's peer says LEDGER once more than it should
-                self._send(nixl.LEDGER, 0, nixl.SLOTS, 8, (prompt_agent.ledger.address,), prompt_agent.metadata)
+                self._send(nixl_grants.LEDGER, 0, nixl.SLOTS, 8, (prompt_agent.ledger.address,), prompt_agent.metadata)
             real(self)
 
         monkeypatch.setattr(nixl.NixlPeer, "offer_all", offer_all)
@@ -395,7 +399,7 @@ async def test_a_granted_cache_freed_after_nixl_was_declined_is_released_once_th
         async with asyncio.timeout(2):
             while src.cache_id in plane._doomed:
                 await asyncio.sleep(0.01)
-        assert not owner._revoking and plane.engine._holds == 0
+        assert not owner.revocations._revoking and plane.engine._holds == 0
         assert not any("did not say it stopped reading" in r.getMessage() for r in caplog.records)
 
 
@@ -404,7 +408,7 @@ async def test_a_cache_registered_anew_gets_a_new_word_and_a_peer_holding_the_ol
     new registration's number, so a peer that has not heard of it yet reads a word that differs from its grant
     and asks, instead of reading through the old registration's list."""
     async with granted_pair(12) as (pair, src, want, dst):
-        hold_back(pair.decoder, {nixl.REVOKE, nixl.WITHDRAW, nixl.OFFER, nixl.GRANT})
+        hold_back(pair.decoder, {nixl_grants.REVOKE, nixl.WITHDRAW, nixl.OFFER, nixl_grants.GRANT})
         plane = nixl_agent_of(pair.prompt)
         old = plane.local[src.cache_id]
         registry_of(pair.prompt).refresh(src)

@@ -137,6 +137,12 @@ class _StandInAgent:
     def granted(self, cache_id):
         return None
 
+    def serve_begin(self, cache_id):
+        pass
+
+    def serve_end(self, cache_id):
+        pass
+
     def start(self, work, what, keepalive=None, discard=None):
         fut = asyncio.get_running_loop().create_future()
         fut.set_result(work(self.nixl))

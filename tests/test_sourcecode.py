@@ -37,7 +37,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "devices.cuda_vmm", "runtime",
     )),
     ("transport planes", (
-        "transport", "transport.base", "transport.fit", "transport.ledger", "transport.local", "transport.nixl", "transport.nixl_engine", "transport.tls",
+        "transport", "transport.base", "transport.fit", "transport.ledger", "transport.local", "transport.nixl", "transport.nixl_engine",
+        "transport.nixl_grants", "transport.tls",
         "transport.stream", "transport.staging", "transport.same_host", "transport.device_ipc", "transport.nixl_plane",
     )),
     ("handshake, links, listener and link table", (

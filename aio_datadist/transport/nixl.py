@@ -22,19 +22,10 @@ and status codes stay ours; only the bytes move differently:
   owner turns into its arrival record and its confirmation; a pull is
   confirmed by the requester over the control connection.
 - A pull of a blocks cache by its blocks key does not ask when the owner
-  granted it (``GRANT``, sent with the cache's ``OFFER``): the requester runs
-  the owner's own check against the granted geometry (``transport/fit.py``),
-  posts its READ, then reads the owner's ledger word for the cache
-  (``transport/ledger.py``, registered with NIXL and offered as ``LEDGER``)
-  into a word of its own. The word holds the cache's id exactly while the
-  owner binds the key to it and offers it; a word that differs after the READ
-  means the rows read may be another binding's, and the pull asks the owner
-  after all (which moves them again, or refuses). The owner clears the word
-  before it withdraws or frees the cache, then sends ``REVOKE`` and keeps the
-  cache registered (and its memory alive) until the peer says ``REVOKED``,
-  which it does once no read of it is in flight (``REVOKE_WAIT_S`` at most),
-  or the link ends. The owner hears of such reads afterwards (``READS``,
-  summed over ``REPORT_AFTER_S``), for its counters.
+  granted it (``GRANT``, sent with the cache's ``OFFER``): it reads the
+  owner's ledger word for the cache (offered as ``LEDGER``) and the rows
+  one-sidedly, and the owner keeps a cache it revoked registered until the
+  peer no longer reads it (``transport/nixl_grants.py`` describes how).
 - Requests NIXL cannot express as whole rows of registered caches (raw
   addresses, partial rows, rows of different sizes on the two ends) take the
   TCP data channels of the same link.
@@ -58,11 +49,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from aio_datadist.plans import block_shape_digest
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.fit import Geometry
 from aio_datadist.transport.ledger import LEDGER_BYTES, SLOTS, Ledger
 from aio_datadist.transport.nixl_engine import INLINE_MAX, NixlEngine, agent_name, row_descs
+from aio_datadist.transport.nixl_grants import GRANT, LEDGER, NUDGE, READS, REVOKE, REVOKED, ReadGrants, Revocations
 from aio_datadist.wire import NixlRecord
 
 if TYPE_CHECKING:
@@ -75,10 +66,7 @@ __all__ = ["NixlPeer", "NixlAgent", "link_tag", "HELLO", "OFFER", "WITHDRAW", "R
 log = logging.getLogger("aio_datadist.nixl")
 
 HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM = 1, 2, 3, 4, 5, 6, 7
-#: Reads without asking (module docstring): our ledger's words, a cache peers may read, its end, the peer's
-#: word that it no longer reads it, and the reads it made.
-#: NUDGE: a read of ours is waiting for the owner's progress.
-LEDGER, GRANT, REVOKE, REVOKED, READS, NUDGE = 8, 9, 10, 11, 12, 13
+#: ... and those of reads without asking (``transport/nixl_grants.py``), numbered after them.
 KINDS = (HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM, LEDGER, GRANT, REVOKE, REVOKED, READS, NUDGE)
 #: The share of the time ``link_clusters`` has left that the NIXL exchange may use; the link falls
 #: back to TCP when it is spent, and the rest is the caller's margin.
@@ -92,26 +80,8 @@ NOTIF_MAGIC = b"AIDN"
 VRAM_DEVICE = struct.Struct("!I")
 #: How NIXL backends name device memory among their memory types (``get_backend_mem_types``).
 VRAM_TYPES = frozenset({"VRAM", "VRAM_SEG"})
-#: A ``GRANT`` record's blob: the cache's blocks key (model id), data type, block-shape digest, and what its
-#: ledger word holds while the grant stands: the cache id and, above it, which registration of the cache this
-#: is (a cache registered anew, ``registry.refresh``, gets a new word: a peer still holding the old
-#: registration's list reads a word that differs and asks).
-GRANT_INFO = struct.Struct("!QIQQ")
-#: How long the owner keeps a cache it revoked registered for a peer that does not say ``REVOKED``.
-REVOKE_WAIT_S = 10.0
 #: Words of our own that peers' ledger words are read into, one per read being confirmed at once.
 SCRATCH_WORDS = 256
-#: How long reads made without asking are summed before they are reported (``READS``), and the most one
-#: report counts.
-REPORT_AFTER_S = 0.01
-MAX_READS = 1 << 20
-#: A read without asking still in progress this long asks the owner to make progress (``NUDGE``), which it
-#: does for ``NUDGE_HOLD_S`` after the last nudge. UCX over shared memory or RDMA reads one-sidedly once
-#: the endpoint is wired up, which needs the owner's progress once; UCX over TCP needs it for every read.
-NUDGE_AFTER_S = 0.002
-NUDGE_HOLD_S = 1.0
-#: ... plus its bytes at this rate (B/s): a large READ still copying is not waiting for anyone.
-NUDGE_RATE = 2e9
 
 
 def vram_off(device_kind: str | None, mem_types: Mapping[str, Sequence[str]]) -> str | None:
@@ -488,32 +458,21 @@ def prepare_remote(agent: Any, name: str, cache_id: int, rows: int, row_bytes: i
 
 
 class NixlPeer:
-    """One link's NIXL state: the peer's agent and its caches' prepared lists."""
+    """One link's NIXL state: the peer's agent and its caches' prepared lists; its grants of reads without
+    asking are held by ``granted`` (ours of the peer's caches) and ``revocations`` (the peer's of ours)."""
 
     def __init__(self, agent: NixlAgent, send: Any, cluster_id: int, tag: bytes,
                  on_read: Callable[[int, int, float], None] | None = None) -> None:
         self.agent = agent
         self.tag = tag  # the link's, in its pushes' notifications (link_tag)
-        self._on_read = on_read  # (count, nbytes, seconds): the peer read caches of ours without asking
-        # Reads without asking, as the requester: the peer's ledger, the caches it granted (cache id -> slot,
-        # model id, data type, block-shape digest) and by blocks key, our reads of each in flight, the caches it
-        # revoked that we still read, and our reads not yet reported.
+        # Reads without asking (transport/nixl_grants.py): the peer's ledger, prepared for NIXL, and what the peer
+        # granted us; what we granted the peer.
         self.ledger: _RemoteCache | None = None
         self._ledger_said = False  # the peer sent its LEDGER (loaded or still loading): a second one is an error
-        self.grants: dict[int, tuple[int, int, int, int, int]] = {}
-        self.by_model: dict[int, int] = {}
-        self._geometries: dict[int, tuple[_RemoteCache, tuple, Geometry]] = {}  # grant_for's, per offer and grant
-        self.reading: collections.Counter[int] = collections.Counter()
-        self._revoked: collections.Counter[int] = collections.Counter()  # REVOKEs to answer once reads end
-        self._reads: dict[int, list] = {}
-        self._reporting: asyncio.TimerHandle | None = None
-        # ... as the owner: caches we granted the peer, and those revoked that it has not said REVOKED of yet.
-        self.grants_sent: set[int] = set()
-        # One timer per REVOKE not answered yet, oldest first: a cache refreshed (the same id granted again)
-        # may be revoked again before the peer answered the first; each REVOKED answers the oldest.
-        self._revoking: dict[int, list[asyncio.TimerHandle]] = {}
-        self._nudge_end: asyncio.TimerHandle | None = None  # while set, we make progress for the peer's reads
-        self._nudged = 0.0  # when we last nudged the peer (loop time)
+        loop = asyncio.get_running_loop()
+        self.granted = ReadGrants(send, loop)
+        self.revocations = Revocations(send, loop, agent.engine, cluster_id, agent.serve_begin, agent.serve_end,
+                                       on_read)
         self.engine = agent.engine
         self._send = send
         self.cluster_id = cluster_id
@@ -529,7 +488,7 @@ class NixlPeer:
         self._pending: set[asyncio.Future] = set()  # engine work for this peer, cancelled when we decline
         self.declined: str | None = None  # why this link uses TCP only, once NIXL was given up
         self._said: set[str] = set()  # why device caches took the staging plane, as logged once per link
-        self.ready = asyncio.get_running_loop().create_future()
+        self.ready = loop.create_future()
         self.closed = False
         agent.peers.add(self)
 
@@ -572,42 +531,14 @@ class NixlPeer:
                    self.agent.metadata)
         listed = self.agent.granted(cache.cache_id)
         if listed is not None:
-            slot, model_id, word = listed
-            self.grants_sent.add(cache.cache_id)
-            info = GRANT_INFO.pack(model_id, cache.cache_desc.data_type.value, block_shape_digest(cache), word)
-            self._send(GRANT, cache.cache_id, slot, 0, (), info)
+            self.revocations.grant(cache, *listed)
 
     def withdraw(self, cache_id: int) -> None:
         self.prepared.discard(cache_id)
-        if cache_id in self.grants_sent:  # its ledger word is clear: keep it registered until the peer's REVOKED
-            self.grants_sent.discard(cache_id)
-            if not self.closed:  # (also after a DECLINE: reads the peer started before may be in flight)
-                self._send(REVOKE, cache_id, 0, 0, (), b"")
-                self.agent.serve_begin(cache_id)
-                loop = asyncio.get_running_loop()
-                timer: list[asyncio.TimerHandle] = []  # the lambda reads it when it runs: the handle itself
-                timer.append(loop.call_later(REVOKE_WAIT_S, lambda: self._revoke_over(cache_id, timer[0])))
-                self._revoking.setdefault(cache_id, []).append(timer[0])
+        self.revocations.revoke(cache_id)  # before WITHDRAW: its ledger word is clear already
         if cache_id in self.offers_sent and not self.closed and self.declined is None:
             self.offers_sent.discard(cache_id)
             self._send(WITHDRAW, cache_id, 0, 0, (), b"")
-
-    def _revoke_over(self, cache_id: int, late: asyncio.TimerHandle | None = None) -> None:
-        """The peer no longer reads ``cache_id`` without asking as far as our oldest revocation of it goes (it
-        said so, or it is gone), or ``late``: it did not answer that revocation within ``REVOKE_WAIT_S``: that
-        revocation no longer keeps the cache registered."""
-        timers = self._revoking.get(cache_id)
-        if not timers or (late is not None and late not in timers):
-            return
-        timer = late if late is not None else timers[0]
-        timers.remove(timer)
-        if not timers:
-            del self._revoking[cache_id]
-        timer.cancel()
-        if late is not None:
-            log.warning("cluster %s did not say it stopped reading cache %s within %.0f s; deregistering it",
-                        self.cluster_id, cache_id, REVOKE_WAIT_S)
-        self.agent.serve_end(cache_id)
 
     def say_staged(self, why: str) -> None:
         """Device caches on this link take the staging plane because of ``why``: say so once (INFO)."""
@@ -663,7 +594,8 @@ class NixlPeer:
             self._send(DECLINE, 0, 0, 0, (), reason.encode()[:MAX_REASON])
         for fut in list(self._pending):
             fut.cancel()
-        self._forget_grants()
+        self.granted.decline()
+        self._drop_ledger()
         caches, self.caches = self.caches, {}
         for remote in caches.values():
             self._drop(remote)
@@ -739,26 +671,15 @@ class NixlPeer:
             self._ledger_said = True
             self._load(blob, self.name, (0, SLOTS, 8, fields.rows, "DRAM", 0))
         elif kind == GRANT:
-            if cache_id <= 0 or rows >= SLOTS or len(blob) != GRANT_INFO.size or cache_id in self.grants:
-                raise ProtocolError("bad NIXL grant")
-            model_id, data_type, shape, word = GRANT_INFO.unpack(blob)
-            if word == 0:
-                raise ProtocolError("bad NIXL grant")
-            self.grants[cache_id] = (rows, model_id, data_type, shape, word)
-            self.by_model[model_id] = cache_id
+            self.granted.on_grant(cache_id, rows, blob)
         elif kind == REVOKE:
-            self._ungrant(cache_id)
-            if self.reading[cache_id] > 0:
-                self._revoked[cache_id] += 1  # REVOKED once our last read of it settled (read_ended)
-            else:
-                self._send(REVOKED, cache_id, 0, 0, (), b"")
+            self.granted.on_revoke(cache_id)
         elif kind == REVOKED:
-            self._revoke_over(cache_id)
+            self.revocations.on_revoked(cache_id)
         elif kind == NUDGE:
-            self._progress_for_reads()
-        elif kind == READS:  # only our counters believe it
-            if 0 < rows <= MAX_READS and len(fields.rows) == 1 and self._on_read is not None:
-                self._on_read(rows, row_bytes, min(fields.rows[0], 3600_000_000) / 1e6)
+            self.revocations.on_nudge()
+        elif kind == READS:
+            self.revocations.on_reads(rows, row_bytes, fields.rows)
         else:
             raise ProtocolError(f"unknown NIXL record kind {kind}")
 
@@ -907,42 +828,20 @@ class NixlPeer:
                                                      keepalive=keepalive, settled=settled)
         return moved, settled, failure
 
-    # -- reads without asking (the requester's side) ------------------------------
+    # -- reads without asking (the requester's side: transport/nixl_grants.py) ------
 
     def grant_for(self, model_id: int) -> tuple[_RemoteCache, Geometry, int, int] | None:
         """The peer's cache bound to blocks key ``model_id`` that it lets us read without asking: its prepared
         list, its geometry (for ``fit``), its ledger slot and what the word there holds while the grant stands;
         None when we must ask."""
-        cache_id = self.by_model.get(model_id)
-        if cache_id is None or self.ledger is None or not self.usable() or cache_id in self._revoked:
+        if self.ledger is None or not self.usable():
             return None
-        remote = self.caches.get(cache_id)
-        grant = self.grants.get(cache_id)
-        if remote is None or grant is None:
-            return None
-        slot, _model_id, data_type, shape, word = grant
-        known = self._geometries.get(cache_id)
-        if known is None or known[0] is not remote or known[1] is not grant:  # made once per offer and grant
-            known = (remote, grant, Geometry(cache_id, True, data_type, remote.tensors, remote.rows, remote.row_bytes,
-                                             shape))
-            self._geometries[cache_id] = known
-        return remote, known[2], slot, word
+        return self.granted.grant_for(model_id, self.caches)
 
     def read_started(self, cache_id: int) -> bool:
-        """A read of ``cache_id`` without asking starts, if the peer still grants it."""
-        if cache_id not in self.grants or not self.usable():
-            return False
-        self.reading[cache_id] += 1
-        return True
-
-    def read_ended(self, cache_id: int) -> None:
-        """That read settled (NIXL let go of it): once no read of a revoked cache is left, say ``REVOKED``."""
-        self.reading[cache_id] -= 1
-        if self.reading[cache_id] <= 0:
-            del self.reading[cache_id]
-            for _ in range(self._revoked.pop(cache_id, 0)):  # one REVOKED per REVOKE
-                if not self.closed:
-                    self._send(REVOKED, cache_id, 0, 0, (), b"")
+        """A read of ``cache_id`` without asking starts, if the peer still grants it (``granted.read_ended``
+        ends it)."""
+        return self.usable() and self.granted.read_started(cache_id)
 
     def read_word(self, index: int, slot: int,
                   what: str) -> tuple[asyncio.Future, asyncio.Future, Callable[[BaseException], str]] | None:
@@ -954,59 +853,7 @@ class NixlPeer:
         return self._post("READ", scratch, _single(index), ledger.dlist, _single(slot), b"", 8, what,
                           (ledger, self.agent.scratch), False, inline=True)
 
-    def tell_read(self, cache_id: int, nbytes: int, seconds: float) -> None:
-        """We read ``nbytes`` of the peer's cache ``cache_id`` without asking: summed, reported ``REPORT_AFTER_S``
-        after the first (``READS``: count, bytes, microseconds)."""
-        reads = self._reads.setdefault(cache_id, [0, 0, 0.0])
-        if reads[0] >= MAX_READS:
-            return
-        reads[0] += 1
-        reads[1] += nbytes
-        reads[2] += seconds
-        if self._reporting is None and not self.closed:
-            self._reporting = asyncio.get_running_loop().call_later(REPORT_AFTER_S, self._report_reads)
-
-    def _report_reads(self) -> None:
-        self._reporting = None
-        reads, self._reads = self._reads, {}
-        if self.closed or self.declined is not None:
-            return
-        for cache_id, (count, nbytes, seconds) in reads.items():
-            self._send(READS, cache_id, count, nbytes, (int(seconds * 1e6),), b"")
-
-    def nudge(self) -> None:
-        """A read of ours waits for the owner's progress: ask for it (at most once per ``NUDGE_AFTER_S``)."""
-        now = asyncio.get_running_loop().time()
-        if now - self._nudged >= NUDGE_AFTER_S and not self.closed:
-            self._nudged = now
-            self._send(NUDGE, 0, 0, 0, (), b"")
-
-    def _progress_for_reads(self) -> None:
-        """As the owner: the peer's reads need our progress; make it for ``NUDGE_HOLD_S`` from now."""
-        if self.closed or not self.grants_sent:
-            return  # nothing of ours may be read without asking
-        if self._nudge_end is None:
-            self.engine.hold()
-        else:
-            self._nudge_end.cancel()
-        self._nudge_end = asyncio.get_running_loop().call_later(NUDGE_HOLD_S, self._progress_over)
-
-    def _progress_over(self) -> None:
-        if self._nudge_end is not None:
-            self._nudge_end = None
-            self.engine.unhold()
-
-    def _ungrant(self, cache_id: int) -> None:
-        self._geometries.pop(cache_id, None)
-        grant = self.grants.pop(cache_id, None)
-        if grant is not None and self.by_model.get(grant[1]) == cache_id:
-            del self.by_model[grant[1]]
-
-    def _forget_grants(self) -> None:
-        """Read nothing more without asking on this link (declined or closed)."""
-        self.grants.clear()
-        self.by_model.clear()
-        self._geometries.clear()
+    def _drop_ledger(self) -> None:
         ledger, self.ledger = self.ledger, None
         if ledger is not None:
             self._drop(ledger)
@@ -1050,18 +897,9 @@ class NixlPeer:
         self.agent.peers.discard(self)
         for fut in list(self._pending):
             fut.cancel()
-        self._forget_grants()
-        self.grants_sent.clear()
-        if self._nudge_end is not None:
-            self._nudge_end.cancel()
-            self._nudge_end = None
-            self.engine.unhold()
-        for cache_id, timers in list(self._revoking.items()):  # the peer is gone: nothing of it reads through
-            for _ in list(timers):                                # this link
-                self._revoke_over(cache_id)
-        if self._reporting is not None:
-            self._reporting.cancel()
-            self._reporting = None
+        self.granted.close()
+        self._drop_ledger()
+        self.revocations.close()  # the peer is gone: nothing of it reads through this link
         caches, self.caches = self.caches, {}
         for remote in caches.values():
             self._drop(remote)

@@ -32,7 +32,8 @@ from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.base import NIXL_SETTLE_S, InPlacePlane, LinkPort, Request, Served, meets, wait_out
 from aio_datadist.transport.device_ipc import fence, serve_fenced
 from aio_datadist.transport.fit import Refusal, fit
-from aio_datadist.transport.nixl import NUDGE_AFTER_S, NUDGE_RATE, NixlPeer, notif_for
+from aio_datadist.transport.nixl import NixlPeer, notif_for
+from aio_datadist.transport.nixl_grants import NUDGE_AFTER_S, NUDGE_RATE
 from aio_datadist.wire import Msg, ReqFlag, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
@@ -64,8 +65,8 @@ class NixlPlane(InPlacePlane):
                 and plan.remote.nbytes == row_bytes and plan.remote.offset == 0)
 
     def reader(self, rt: Runtime, link: LinkPort, plan: Plan) -> Callable[[int, str], Awaitable[bool]] | None:
-        """A pull of a host blocks cache by its blocks key that the owner granted (``transport/nixl.py``), checked
-        as the owner would check it; None for every other pull and whenever in doubt."""
+        """A pull of a host blocks cache by its blocks key that the owner granted (``transport/nixl_grants.py``),
+        checked as the owner would check it; None for every other pull and whenever in doubt."""
         peer, remote = link.nixl, plan.remote
         if (peer is None or remote.target_kind != Target.BLOCKS_KEY or plan.local.on_device
                 or not meets(self.transport, rt.settings.require_transport)
@@ -184,12 +185,12 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
         if posted is not None and not posted[1].done():
             # Given up past NIXL_SETTLE_S with NIXL still holding the READ: it may still read the cache, so it
             # counts (the owner keeps a cache it revoked registered) until NIXL let go of it.
-            posted[1].add_done_callback(lambda _: peer.read_ended(cache_id))
+            posted[1].add_done_callback(lambda _: peer.granted.read_ended(cache_id))
         else:
-            peer.read_ended(cache_id)
+            peer.granted.read_ended(cache_id)
     if cancelled:
         raise cancelled[0]
-    peer.tell_read(cache_id, plan.total, time.perf_counter() - started)  # sent after we returned
+    peer.granted.tell_read(cache_id, plan.total, time.perf_counter() - started)  # sent after we returned
     return True
 
 
@@ -229,7 +230,7 @@ async def _settled(posted: tuple[asyncio.Future, asyncio.Future, Callable[[BaseE
             await asyncio.wait([moved], timeout=min(NUDGE_AFTER_S + nbytes / NUDGE_RATE,
                                                     max(deadline - loop.time(), 0.0)))
             if not moved.done():
-                peer.nudge()
+                peer.granted.nudge()
                 await asyncio.wait([moved], timeout=max(deadline - loop.time(), 0.0))
             if not moved.done():
                 raise TimeoutError
@@ -237,7 +238,7 @@ async def _settled(posted: tuple[asyncio.Future, asyncio.Future, Callable[[BaseE
     except BaseException as exc:
         moved.cancel()
         if not settled.done():
-            peer.nudge()  # settling it may need the owner's progress too
+            peer.granted.nudge()  # settling it may need the owner's progress too
         await wait_out(settled, NIXL_SETTLE_S, cancelled)
         if isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_FAILED:
             raise peer.failed(what, failure(exc)) from None
