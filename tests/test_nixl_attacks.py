@@ -7,15 +7,17 @@ records of its own making on its link (``NixlPeer._send``).
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import struct
 import time
 from collections.abc import Callable
 
 import pytest
 import torch
-from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, fill, linked_pair
+from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, endpoint, fill, linked_pair
 
-from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, Placement
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement
 from aio_datadist.testing import link_to, nixl_agent_of
 from aio_datadist.transport import nixl
 
@@ -156,3 +158,106 @@ async def test_a_late_notification_of_an_earlier_link_does_not_confirm_a_push_of
             assert all(torch.equal(d[0], w[0]) for d, w in zip(dst.tensors, want, strict=True))
         finally:
             restore()
+
+
+ATTACKER_ID = 3
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+async def watched(stop: asyncio.Event) -> tuple[float, float]:
+    """Until ``stop``: the largest growth of this process's RSS over its start (MiB) and the longest wait of a
+    5 ms ticker (s), i.e. how long the loop was held."""
+    loop = asyncio.get_running_loop()
+    start, grown, held = rss_mib(), 0.0, 0.0
+    last = loop.time()
+    while not stop.is_set():
+        await asyncio.sleep(0.005)
+        now = loop.time()
+        held, last = max(held, now - last), now
+        grown = max(grown, rss_mib() - start)
+    return grown, held
+
+
+@needs_nixl
+@pytest.mark.parametrize("tensors, rows", [(4096, 1 << 40), (4096, 8192)], ids=["4.5e15", "2**25"])
+async def test_an_offer_of_too_many_descriptors_is_refused_and_the_endpoint_stays_healthy(tensors, rows):
+    """A linked peer's OFFER declaring more (tensor, row) descriptors than ``nixl.MAX_DESCRIPTORS`` is a protocol
+    error on its link: no descriptor list is built for it (before: the endpoint's NIXL worker built one entry per
+    tensor and row, 2**25 of 1 byte over the peer's real 16 KiB cache held the worker for seconds and grew the
+    process by gigabytes, with every NIXL transfer of the endpoint waiting behind it). The endpoint's other link
+    pushes verified bytes by NIXL meanwhile, without waiting."""
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair, \
+            endpoint(LLMRole.DECODER, ATTACKER_ID, **NIXL) as attacker_dd:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
+        bait = attacker_dd.kv_cache_manager.allocate_cache(CacheDesc(1, (8192,), DataType.DT_FLOAT16,
+                                                                     Placement.HOST))
+        await pair.link()
+        status, per_cluster = await attacker_dd.link_clusters([pair.info], timeout=3000)
+        assert (status, per_cluster) == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+        await prepared(pair.decoder, PROMPT_ID, dst)  # the prompt pushes into it by NIXL
+        await prepared(attacker_dd, PROMPT_ID, bait)  # the attacker's real cache, registered with NIXL
+        attacker = link_to(attacker_dd, PROMPT_ID).nixl
+        victim_link = link_to(pair.prompt, ATTACKER_ID)
+        assert attacker.usable() and victim_link.nixl.usable()
+        want = fill(src, 5)
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [0], [0], timeout=2000)  # warm
+        posted = posted_count(pair.prompt)
+
+        # Every tensor at the bait's base, rows of 1 byte: all of it inside the attacker's registered memory.
+        attacker._send(nixl.OFFER, 1 << 20, rows, 1, (bait.layout.bases[0],) * tensors,
+                       nixl_agent_of(attacker_dd).metadata)
+        stop = asyncio.Event()
+        watch = asyncio.create_task(watched(stop))
+        took = []
+        for n in range(1, 6):
+            started = time.perf_counter()
+            await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [n], [n], timeout=10_000)
+            took.append(time.perf_counter() - started)
+        await asyncio.sleep(0.5)  # what the worker was given is done by now, or still under way
+        stop.set()
+        grown, held = await watch
+        refused = victim_link.broken is not None
+        summary = (f"refused: {refused}; pushes {', '.join(f'{t * 1000:.0f}' for t in took)} ms; "
+                   f"RSS +{grown:.0f} MiB; loop held {held * 1000:.0f} ms")
+        print(summary)
+        assert refused, summary
+        assert "protocol error" in str(victim_link.broken), summary
+        assert max(took) < 0.5 and grown < 100, summary
+        assert posted_count(pair.prompt) == posted + 5  # by NIXL
+        assert all(torch.equal(d[1:6], w[1:6]) for d, w in zip(dst.tensors, want, strict=True))
+        # The endpoint's worker is free: nothing of the offer is left queued behind.
+        assert await asyncio.wait_for(on_worker(pair.prompt, lambda agent: True), 1.0)
+
+
+@needs_nixl
+async def test_a_cache_of_too_many_descriptors_is_not_offered_and_moves_over_tcp(caplog):
+    """Our own side never offers a cache its peer would refuse (``nixl.MAX_DESCRIPTORS``): such a cache is not
+    registered with NIXL, says so once (INFO), and moves over TCP; the link stays up and NIXL moves the rest."""
+    caplog.set_level(logging.INFO, logger="aio_datadist.nixl")
+    big = CacheDesc(4096, (4097, 1), DataType.DT_INT8, Placement.HOST)  # 2**24 + 4096 descriptors, 16 MiB
+    assert 4096 * 4097 > nixl.MAX_DESCRIPTORS >= 4096 * 4096
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(big, BlocksCacheKey(PROMPT_ID))
+        dst = pair.dm.allocate_blocks_cache(big)
+        small = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 1))
+        small_dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        await prepared(pair.prompt, DECODER_ID, small)
+        for dd, cache in ((pair.prompt, src), (pair.decoder, dst)):
+            assert not nixl_agent_of(dd).offered(cache)
+            assert any(f"cache {cache.cache_id} is not registered with NIXL" in r.getMessage()
+                       and "its transfers take TCP" in r.getMessage() for r in caplog.records)
+        want, small_want = fill(src, 6), fill(small, 7)
+        posted = posted_count(pair.decoder)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [4096, 3], [0, 4096], timeout=5000)
+        assert posted_count(pair.decoder) == posted  # over TCP
+        assert all(torch.equal(d[[0, 4096]], w[[4096, 3]]) for d, w in zip(dst.tensors, want, strict=True))
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 1), small_dst, [2], [2], timeout=5000)
+        assert posted_count(pair.decoder) == posted + 1  # by NIXL
+        assert all(torch.equal(d[2], w[2]) for d, w in zip(small_dst.tensors, small_want, strict=True))
+        assert link_to(pair.decoder, PROMPT_ID).broken is None and link_to(pair.prompt, DECODER_ID).broken is None

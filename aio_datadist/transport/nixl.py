@@ -73,6 +73,15 @@ KINDS = (HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM, LEDGER, G
 SETUP_SHARE = 0.5
 MAX_REASON = 512
 MAX_TENSORS = 4096
+#: The most (tensor, row) descriptors a cache may have over NIXL: a cache of more is not registered (its
+#: transfers take TCP, a device cache's the staging plane), and a peer's ``OFFER`` of more is a protocol error.
+#: Each is one entry of a list NIXL's worker prepares, on each end, while every other NIXL transfer of the
+#: endpoint waits: measured with plain agents, about 0.1-0.2 us and 70 B at the peak per entry (2**24: 0.7-2 s,
+#: 1.2 GB at the peak; 2**27: 27 s, 9.3 GB). 2**24 is e.g. 160 tensors of 104,857 rows, or 4096 of 4096.
+MAX_DESCRIPTORS = 1 << 24
+#: NIXL's descriptor indices are 32-bit: a list's entries are numbered below this (:func:`_tensor_starts`).
+MAX_INDICES = 1 << 31
+assert MAX_DESCRIPTORS <= MAX_INDICES
 #: A push's WRITE notification: magic, the link's tag (:func:`link_tag`), request id.
 NOTIF = struct.Struct("!4s8sQ")
 NOTIF_MAGIC = b"AIDN"
@@ -110,9 +119,9 @@ def registration(cache: KvCache, off: str | None) -> tuple[str, int, Callable[[A
     mem, device = ("VRAM", cache.device.index or 0) if cache.on_device else ("DRAM", 0)
     lay = cache.layout
     extents = _extents(cache)
-    descs = row_descs(lay.bases, lay.rows, lay.row_bytes, device)
 
     def work(agent: Any) -> tuple[Any, Any, bytes]:
+        descs = row_descs(lay.bases, lay.rows, lay.row_bytes, device)  # on the worker: up to MAX_DESCRIPTORS
         regs = agent.register_memory([(a, n, device, "") for a, n in extents], mem)
         try:
             dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem)
@@ -122,6 +131,14 @@ def registration(cache: KvCache, off: str | None) -> tuple[str, int, Callable[[A
         return regs, dlist, agent.get_agent_metadata()
 
     return mem, device, work
+
+
+def too_many_descriptors(tensors: int, rows: int) -> str | None:
+    """Why a cache of ``tensors`` x ``rows`` is not moved by NIXL (``MAX_DESCRIPTORS``), or None."""
+    if tensors * rows <= MAX_DESCRIPTORS:
+        return None
+    return (f"{tensors} tensors x {rows} rows are {tensors * rows} NIXL descriptors, more than the "
+            f"{MAX_DESCRIPTORS} a peer accepts")
 
 
 def link_tag(token: bytes) -> bytes:
@@ -194,7 +211,7 @@ def _single(index: int) -> np.ndarray:
 @functools.lru_cache(maxsize=256)
 def _tensor_starts(first: int, count: int, per_tensor: int) -> np.ndarray:
     """The first descriptor of each tensor as a column (read-only; a request adds its rows to it)."""
-    if (first + count) * per_tensor > 2**31:
+    if (first + count) * per_tensor > MAX_INDICES:
         raise LLMException(f"a NIXL descriptor list of {(first + count) * per_tensor} entries is beyond its "
                            "32-bit indices", status_code=LLMStatusCode.LLM_PARAM_INVALID)
     out = (np.arange(first, first + count, dtype=np.int32) * np.int32(per_tensor)).reshape(-1, 1)
@@ -282,6 +299,13 @@ class NixlAgent:
 
     def register(self, cache: KvCache) -> None:
         """Register ``cache`` with the agent (on its worker); offer it to peers once done."""
+        too_many = too_many_descriptors(cache.layout.num_tensors, cache.layout.rows)
+        if too_many is not None:  # peers would refuse its OFFER: not registered, not offered
+            if cache.on_device:
+                self.vram_failed[cache.cache_id] = f"device cache {cache.cache_id}: {too_many}"
+            log.info("cache %s is not registered with NIXL (%s); its transfers take %s", cache.cache_id, too_many,
+                     "the staging plane" if cache.on_device else "TCP")
+            return
         how = registration(cache, self.vram_off)
         if how is None:
             return  # not registered: its transfers take the staging plane (device_staged says why)
@@ -452,7 +476,9 @@ def _discard(agent: Any, value: Any) -> None:
 def prepare_remote(agent: Any, name: str, cache_id: int, rows: int, row_bytes: int, bases: Sequence[int],
                    mem: str, device: int) -> _RemoteCache:
     """On the worker: the descriptor list of a peer's offered cache (``mem`` ``DRAM`` or ``VRAM`` on GPU
-    ``device`` of the peer's), one entry per (tensor, row)."""
+    ``device`` of the peer's), one entry per (tensor, row); ``on_message`` refused more than ``MAX_DESCRIPTORS``."""
+    if too_many_descriptors(len(bases), rows) is not None:
+        raise ValueError(too_many_descriptors(len(bases), rows))
     dlist = agent.prep_xfer_dlist(name, row_descs(bases, rows, row_bytes, device), mem)
     return _RemoteCache(cache_id, rows, len(bases), row_bytes, dlist)
 
@@ -638,6 +664,7 @@ class NixlPeer:
             bases = fields.rows
             if (self.name is None or cache_id <= 0 or not 0 < len(bases) <= MAX_TENSORS or rows <= 0
                     or row_bytes <= 0 or rows * row_bytes >= 1 << 48
+                    or too_many_descriptors(len(bases), rows) is not None  # we never offer such a cache
                     or (kind == OFFER_VRAM and len(blob) < VRAM_DEVICE.size)):
                 raise ProtocolError("bad NIXL offer")
             mem, device = "DRAM", 0
