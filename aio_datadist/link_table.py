@@ -345,6 +345,8 @@ class LinkTable:
             async with asyncio.timeout_at(deadline):
                 return await task
         except TimeoutError:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                return task.result()  # it ended in the loop pass its time ran out: the link is up, and stays
             log.warning("link to cluster %s at %s:%s timed out after %s ms", remote_id, *address, timeout_ms)
             return LLMStatusCode.LLM_TIMEOUT
         except (OSError, ConnectionError, asyncio.IncompleteReadError, ProtocolError) as exc:

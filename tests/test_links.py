@@ -471,6 +471,41 @@ async def test_a_link_whose_time_runs_out_after_the_handshake_is_not_left_regist
         await decoder.check_link_status(PROMPT_ID)
 
 
+async def test_a_link_set_up_in_the_loop_pass_its_time_runs_out_is_not_left_behind_a_timeout(monkeypatch):
+    """The set-up's last step runs in the same loop pass as the deadline (the loop was busy until past it): the
+    call says ``LLM_SUCCESS`` with the link up (the default loop), or ``LLM_TIMEOUT`` with no link (uvloop runs
+    the timer first); never ``LLM_TIMEOUT`` with the link left up (before, on the default loop: linking again
+    gave ``LLM_ALREADY_LINK``)."""
+    from aio_datadist.link_table import LinkTable
+
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as decoder:
+        original = LinkTable._require_transport
+
+        async def busy_past_the_deadline(self, link):
+            loop = asyncio.get_running_loop()
+            resumed = loop.create_future()
+
+            def busy() -> None:
+                time.sleep(0.4)  # this loop pass crosses the call's deadline (300 ms) ...
+                resumed.set_result(None)  # ... and the set-up's last step is due in the next pass, before its timer
+
+            loop.call_soon(busy)
+            await resumed
+            await original(self, link)
+
+        monkeypatch.setattr(LinkTable, "_require_transport", busy_past_the_deadline)
+        info = cluster_info(PROMPT_ID, port_of(prompt))
+        status = await decoder.link_clusters([info], timeout=300)
+        monkeypatch.setattr(LinkTable, "_require_transport", original)
+        if status != (S.LLM_SUCCESS, [S.LLM_SUCCESS]):
+            assert link_count(decoder) == 0, (status, link_count(decoder))
+        assert await decoder.link_clusters([info]) in ((S.LLM_SUCCESS, [S.LLM_SUCCESS]),
+                                                       (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK]))
+        assert link_count(decoder) == 1
+        await decoder.check_link_status(PROMPT_ID)
+
+
 async def test_calls_after_finalize():
     dd = await _finalized()
     with pytest.raises(LLMException) as exc:
