@@ -356,7 +356,7 @@ class LLMDataDist:
 
         :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` unless
             ``enable_switch_role`` was set (v1); ``LLM_EXIST_LINK`` while links
-            exist; ``LLM_PARAM_INVALID`` for a bad role, the current role (v1),
+            exist or a ``link`` comm is still ``PREPARING``; ``LLM_PARAM_INVALID`` for a bad role, the current role (v1),
             or bad options.
         """
         links = self._require_links()
