@@ -506,6 +506,35 @@ async def test_a_link_set_up_in_the_loop_pass_its_time_runs_out_is_not_left_behi
         await decoder.check_link_status(PROMPT_ID)
 
 
+async def test_a_link_whose_caller_is_cancelled_while_it_is_set_up_is_not_left_registered(monkeypatch):
+    """The caller gives up (``asyncio.timeout`` around ``link_clusters``) while the link is set up after its
+    handshake: the call raises, and no link is left on either end; the next call links."""
+    from aio_datadist.link_table import LinkTable
+
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as decoder:
+        original, slow = LinkTable._share_with, [True]
+
+        async def stalls(self, link, *args):
+            if slow[0]:
+                await asyncio.sleep(2)
+            await original(self, link, *args)
+
+        monkeypatch.setattr(LinkTable, "_share_with", stalls)
+        info = cluster_info(PROMPT_ID, port_of(prompt))
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await decoder.link_clusters([info], timeout=10_000)
+        assert link_count(decoder) == 0
+        for _ in range(200):
+            if link_count(prompt) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert link_count(prompt) == 0
+        slow[0] = False
+        assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+
 async def test_calls_after_finalize():
     dd = await _finalized()
     with pytest.raises(LLMException) as exc:
