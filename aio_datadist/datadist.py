@@ -356,8 +356,8 @@ class LLMDataDist:
 
         :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` unless
             ``enable_switch_role`` was set (v1); ``LLM_EXIST_LINK`` while links
-            exist or a ``link`` comm is still ``PREPARING``; ``LLM_PARAM_INVALID`` for a bad role, the current role (v1),
-            or bad options.
+            exist or a ``link`` comm is still ``PREPARING``; ``LLM_PARAM_INVALID``
+            for a bad role, the current role (v1), or bad options.
         """
         links = self._require_links()
         assert self._endpoint.settings is not None
@@ -405,20 +405,21 @@ class LLMDataDist:
 
 async def _complete(awaitable: Any) -> None:
     """Run cleanup to its end even if the caller is cancelled meanwhile (anyio
-    cancels again at every await), then let the cancellation through. The
-    cleanups passed here are bounded in time."""
+    cancels again at every await), then let the cancellation through, also
+    when the cleanup failed (its error is logged then). The cleanups passed
+    here are bounded in time."""
     work = asyncio.ensure_future(awaitable)
-    cancelled = False
+    cancelled: asyncio.CancelledError | None = None
     while not work.done():
         try:
-            await asyncio.shield(work)
-        except asyncio.CancelledError:
-            if work.done() and work.cancelled():
-                raise
-            cancelled = True
+            await asyncio.wait([work])  # neither raises its error nor cancels it when we are cancelled
+        except asyncio.CancelledError as exc:
+            cancelled = cancelled or exc
+    if cancelled is not None:
+        if not work.cancelled() and work.exception() is not None:
+            log.warning("cleanup failed while its caller was cancelled: %s", work.exception())
+        raise cancelled  # the one that came, message included: anyio knows its own cancellations by it
     work.result()
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 def _too_many(clusters: list[LLMClusterInfo]) -> tuple[LLMStatusCode, list[LLMStatusCode]]:

@@ -535,6 +535,34 @@ async def test_a_link_whose_caller_is_cancelled_while_it_is_set_up_is_not_left_r
         assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
 
+async def test_a_cancel_while_a_failed_switch_listens_again_is_not_lost(monkeypatch):
+    """The switch failed, and while it listens where it did before the caller cancels it; that listen fails
+    too. The cancellation reaches the caller (an ``asyncio.timeout`` around it turns into ``TimeoutError``),
+    not the listen's error. Before, the second listen's error replaced the cancellation."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, switch_role=True) as dd:
+        links = dd._endpoint.require_links()
+        relistening = asyncio.Event()
+        let_go = asyncio.Event()
+
+        async def listen(host, port):
+            if not relistening.is_set():
+                relistening.set()
+                raise LLMException("the new address is refused", status_code=S.LLM_LINK_FAILED)
+            await let_go.wait()
+            raise LLMException("the old port is taken meanwhile", status_code=S.LLM_LINK_FAILED)
+
+        monkeypatch.setattr(links, "listen", listen)
+        switching = asyncio.create_task(dd.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": f"{LOCALHOST}:0"}))
+        await relistening.wait()
+        await asyncio.sleep(0.01)  # inside the second listen now
+        switching.cancel()
+        await asyncio.sleep(0.01)
+        let_go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await switching
+        assert dd.role == LLMRole.PROMPT
+
+
 async def test_calls_after_finalize():
     dd = await _finalized()
     with pytest.raises(LLMException) as exc:
