@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -298,3 +299,39 @@ async def test_a_held_done_still_reaches_the_owner_when_the_link_closes_in_the_s
         assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST  # consumed by the DONE written at the close
         await pair.dm.pull_cache(CacheKey(PROMPT_ID, 2), dst, batch_index=1)
         assert same([t[:2] for t in snapshot(dst)], [w[:2] for w in want])
+
+
+@needs_nixl
+@pytest.mark.nixl
+async def test_a_transfer_whose_handle_fails_to_release_after_it_moved_its_bytes_still_succeeds(monkeypatch, caplog):
+    """NIXL finished the READ inside the posting call, then releasing its handle raises: the bytes are in place,
+    so the pull succeeds (a warning says what failed) instead of failing the link with ``LLM_LINK_FAILED``."""
+    async with blocks_pair(7) as (pair, want, dst, engine):
+        handle_type, failures = None, []
+        real_make = engine.agent.make_prepped_xfer
+
+        def make(*args, **kwargs):
+            nonlocal handle_type
+            handle = real_make(*args, **kwargs)
+            if handle_type is None:
+                handle_type = type(handle)
+                real_release = handle_type.release
+
+                def release(self):
+                    if not failures and threading.current_thread() is threading.main_thread():  # in try_post
+                        failures.append(self)
+                        raise RuntimeError("NIXL could not release the handle")
+                    real_release(self)
+
+                monkeypatch.setattr(handle_type, "release", release)
+            return handle
+
+        monkeypatch.setattr(engine.agent, "make_prepped_xfer", make)
+        with caplog.at_level("WARNING", logger="aio_datadist.nixl"):
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(16)), list(range(16)))
+        assert failures, "the release failed once"
+        assert same(snapshot(dst), want)
+        assert any("could not release" in r.getMessage() for r in caplog.records), caplog.text
+        monkeypatch.undo()
+        failures.pop().release()  # let NIXL have it back
+        caplog.clear()  # the records hold the exception, and through its frames the handle and the agent
