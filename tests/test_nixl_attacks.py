@@ -261,3 +261,76 @@ async def test_a_cache_of_too_many_descriptors_is_not_offered_and_moves_over_tcp
         assert posted_count(pair.decoder) == posted + 1  # by NIXL
         assert all(torch.equal(d[2], w[2]) for d, w in zip(small_dst.tensors, small_want, strict=True))
         assert link_to(pair.decoder, PROMPT_ID).broken is None and link_to(pair.prompt, DECODER_ID).broken is None
+
+
+@needs_nixl
+async def test_offers_beyond_the_links_budget_are_refused_and_a_withdrawal_frees_its_share(monkeypatch):
+    """A linked peer may keep at most ``nixl.MAX_LINK_CACHES`` caches offered on a link (and
+    ``MAX_LINK_DESCRIPTORS`` descriptors in all; the test lowers the first to 3): each offer costs the worker a
+    metadata load and a descriptor list, so before, offer after offer, each under ``MAX_DESCRIPTORS``, kept it
+    busy without end. A withdrawn cache gives its share back; one offer more than the budget breaks the link
+    with a protocol error, and the endpoint's other link moves verified bytes by NIXL meanwhile."""
+    monkeypatch.setattr(nixl, "MAX_LINK_CACHES", 3)
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair, \
+            endpoint(LLMRole.DECODER, ATTACKER_ID, **NIXL) as attacker_dd:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
+        bait = attacker_dd.kv_cache_manager.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))
+        await pair.link()
+        assert (await attacker_dd.link_clusters([pair.info], timeout=3000))[0] == LLMStatusCode.LLM_SUCCESS
+        await prepared(pair.decoder, PROMPT_ID, dst)
+        await prepared(attacker_dd, PROMPT_ID, bait)  # one cache offered on the attacker's link
+        attacker = link_to(attacker_dd, PROMPT_ID).nixl
+        victim_link = link_to(pair.prompt, ATTACKER_ID)
+        metadata = nixl_agent_of(attacker_dd).metadata
+
+        def offer(cache_id: int) -> None:  # 8 rows of 16 bytes inside the bait's registered memory
+            attacker._send(nixl.OFFER, cache_id, 8, 16, (bait.layout.bases[0],), metadata)
+
+        async def loaded(cache_id: int) -> None:
+            async with asyncio.timeout(5):
+                while cache_id not in victim_link.nixl.caches:
+                    await asyncio.sleep(0.005)
+
+        offer(1 << 20)
+        offer((1 << 20) + 1)  # three offered: the budget
+        await loaded((1 << 20) + 1)
+        attacker._send(nixl.WITHDRAW, 1 << 20, 0, 0, (), b"")
+        offer((1 << 20) + 2)  # fits again
+        await loaded((1 << 20) + 2)
+        assert victim_link.broken is None
+        want = fill(src, 8)
+        offer((1 << 20) + 3)  # one more than the budget
+        async with asyncio.timeout(5):
+            while victim_link.broken is None:
+                await asyncio.sleep(0.005)
+        assert "protocol error" in str(victim_link.broken), victim_link.broken
+        posted = posted_count(pair.prompt)
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [3], [3], timeout=5000)
+        assert posted_count(pair.prompt) == posted + 1  # by NIXL
+        assert all(torch.equal(d[3], w[3]) for d, w in zip(dst.tensors, want, strict=True))
+
+
+@needs_nixl
+async def test_our_caches_beyond_the_links_budget_are_not_offered_and_move_over_tcp(monkeypatch, caplog):
+    """Our own side never offers more than the budget its peer accepts (``nixl.MAX_LINK_CACHES``, lowered to 2
+    here): the third cache is not offered on that link, says so once (INFO), and moves over TCP; the link stays up
+    and NIXL moves the others."""
+    monkeypatch.setattr(nixl, "MAX_LINK_CACHES", 2)
+    caplog.set_level(logging.INFO, logger="aio_datadist.nixl")
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        srcs = [pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, m)) for m in range(3)]
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        for cache in srcs[:2]:
+            await prepared(pair.prompt, DECODER_ID, cache)
+        peer = link_to(pair.prompt, DECODER_ID).nixl
+        assert srcs[2].cache_id not in peer.offers_sent
+        assert any(f"cache {srcs[2].cache_id} is not offered over NIXL" in r.getMessage() for r in caplog.records)
+        wants = [fill(cache, 10 + m) for m, cache in enumerate(srcs)]
+        for m, want in enumerate(wants):
+            posted = posted_count(pair.decoder)
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, m), dst, [m], [m], timeout=5000)
+            assert posted_count(pair.decoder) == posted + (m < 2)  # the third over TCP
+            assert all(torch.equal(d[m], w[m]) for d, w in zip(dst.tensors, want, strict=True))
+        assert link_to(pair.decoder, PROMPT_ID).broken is None and peer.usable()

@@ -79,6 +79,13 @@ MAX_TENSORS = 4096
 #: endpoint waits: measured with plain agents, about 0.1-0.2 us and 70 B at the peak per entry (2**24: 0.7-2 s,
 #: 1.2 GB at the peak; 2**27: 27 s, 9.3 GB). 2**24 is e.g. 160 tensors of 104,857 rows, or 4096 of 4096.
 MAX_DESCRIPTORS = 1 << 24
+#: The most caches, and (tensor, row) descriptors in all, one end offers the other over one link: a cache
+#: beyond either is not offered (its transfers on that link take TCP), and a peer's ``OFFER`` beyond either is
+#: a protocol error. Each offer costs the receiving worker a metadata load and a list of its descriptors, while
+#: every other NIXL transfer of the endpoint waits: without a bound per link, a peer could keep it busy with
+#: offer after offer, each under ``MAX_DESCRIPTORS``.
+MAX_LINK_CACHES = 1024
+MAX_LINK_DESCRIPTORS = 1 << 26
 #: NIXL's descriptor indices are 32-bit: a list's entries are numbered below this (:func:`_tensor_starts`).
 MAX_INDICES = 1 << 31
 assert MAX_DESCRIPTORS <= MAX_INDICES
@@ -131,6 +138,18 @@ def registration(cache: KvCache, off: str | None) -> tuple[str, int, Callable[[A
         return regs, dlist, agent.get_agent_metadata()
 
     return mem, device, work
+
+
+def over_link_budget(offered: Mapping[int, int], cache_id: int, descriptors: int) -> str | None:
+    """Why one more cache (``cache_id``, of ``descriptors``) does not fit beside ``offered`` (cache id ->
+    descriptors) on one link (``MAX_LINK_CACHES``, ``MAX_LINK_DESCRIPTORS``), or None."""
+    others = {k: v for k, v in offered.items() if k != cache_id}
+    if len(others) >= MAX_LINK_CACHES:
+        return f"{len(others)} caches are offered on the link already, the most a peer accepts"
+    if sum(others.values()) + descriptors > MAX_LINK_DESCRIPTORS:
+        return (f"{sum(others.values()) + descriptors} NIXL descriptors on the link with it, more than the "
+                f"{MAX_LINK_DESCRIPTORS} a peer accepts")
+    return None
 
 
 def too_many_descriptors(tensors: int, rows: int) -> str | None:
@@ -505,6 +524,9 @@ class NixlPeer:
         self.name: bytes | None = None
         self.caches: dict[int, _RemoteCache] = {}
         self.offers_sent: set[int] = set()
+        self._offered: dict[int, int] = {}  # descriptors of each cache we offered (over_link_budget)
+        self._declared: dict[int, int] = {}  # ... and of each the peer offered us, until it withdraws it
+        self._over_budget_said = False
         self.prepared: set[int] = set()  # our caches the peer has prepared a descriptor list for
         self._initial: set[int] | None = None  # caches offered at link time, not yet prepared by the peer
         self._peer_ready = False  # the peer's link-time offers are all prepared here
@@ -548,6 +570,15 @@ class NixlPeer:
         if (self.closed or self.declined is not None or self.name is None or cache is None
                 or cache.cache_id in self.offers_sent or not self.agent.exposed):
             return
+        descriptors = entry.rows * len(cache.layout.bases)
+        over = over_link_budget(self._offered, cache.cache_id, descriptors)
+        if over is not None:  # the peer would refuse it: not offered, its transfers on this link take TCP
+            if not self._over_budget_said:
+                self._over_budget_said = True
+                log.info("link to cluster %s: cache %s is not offered over NIXL (%s); its transfers take TCP "
+                         "(said once per link)", self.cluster_id, cache.cache_id, over)
+            return
+        self._offered[cache.cache_id] = descriptors
         self.offers_sent.add(cache.cache_id)
         if entry.mem == "VRAM":
             self._send(OFFER_VRAM, cache.cache_id, entry.rows, entry.row_bytes, tuple(cache.layout.bases),
@@ -564,6 +595,7 @@ class NixlPeer:
         self.revocations.revoke(cache_id)  # before WITHDRAW: its ledger word is clear already
         if cache_id in self.offers_sent and not self.closed and self.declined is None:
             self.offers_sent.discard(cache_id)
+            self._offered.pop(cache_id, None)
             self._send(WITHDRAW, cache_id, 0, 0, (), b"")
 
     def say_staged(self, why: str) -> None:
@@ -667,12 +699,16 @@ class NixlPeer:
                     or too_many_descriptors(len(bases), rows) is not None  # we never offer such a cache
                     or (kind == OFFER_VRAM and len(blob) < VRAM_DEVICE.size)):
                 raise ProtocolError("bad NIXL offer")
+            if over_link_budget(self._declared, cache_id, len(bases) * rows) is not None:  # nor beyond the budget
+                raise ProtocolError("NIXL offers beyond the link's budget")
+            self._declared[cache_id] = len(bases) * rows
             mem, device = "DRAM", 0
             if kind == OFFER_VRAM:
                 mem, (device,) = "VRAM", VRAM_DEVICE.unpack_from(blob)
                 blob = blob[VRAM_DEVICE.size:]
             self._load(blob, self.name, (cache_id, rows, row_bytes, bases, mem, device))
         elif kind == WITHDRAW:
+            self._declared.pop(cache_id, None)
             gone = self.caches.pop(cache_id, None)
             if gone is not None:
                 self._drop(gone)
