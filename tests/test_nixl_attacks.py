@@ -334,3 +334,68 @@ async def test_our_caches_beyond_the_links_budget_are_not_offered_and_move_over_
             assert posted_count(pair.decoder) == posted + (m < 2)  # the third over TCP
             assert all(torch.equal(d[m], w[m]) for d, w in zip(dst.tensors, want, strict=True))
         assert link_to(pair.decoder, PROMPT_ID).broken is None and peer.usable()
+
+
+def counted_loads(monkeypatch, first_id: int, seconds: float = 0.0) -> list[int]:
+    """The ids (``>= first_id``) of the peer's caches our workers build descriptor lists for, each taking
+    ``seconds`` more."""
+    loads: list[int] = []
+    real = nixl.prepare_remote
+
+    def counting(agent, name, cache_id, *rest):
+        if cache_id >= first_id:
+            loads.append(cache_id)
+            time.sleep(seconds)
+        return real(agent, name, cache_id, *rest)
+
+    monkeypatch.setattr(nixl, "prepare_remote", counting)
+    return loads
+
+
+@needs_nixl
+async def test_a_cache_offered_again_without_its_withdrawal_is_a_protocol_error(monkeypatch):
+    """The budget counts a cache once, so a peer that offers the same cache id again and again (no WITHDRAW
+    between: an honest peer never does) would cost the worker a metadata load and a descriptor list each time
+    within the budget: the second offer breaks the link, nothing more is loaded for it."""
+    loads = counted_loads(monkeypatch, 1 << 20)
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))
+        await pair.link()
+        await prepared(pair.decoder, PROMPT_ID, bait)
+        attacker = link_to(pair.decoder, PROMPT_ID).nixl
+        victim_link = link_to(pair.prompt, DECODER_ID)
+        metadata = nixl_agent_of(pair.decoder).metadata
+        for _ in range(20):
+            attacker._send(nixl.OFFER, 1 << 20, 8, 16, (bait.layout.bases[0],), metadata)
+        async with asyncio.timeout(5):
+            while victim_link.broken is None:
+                await asyncio.sleep(0.005)
+        assert "protocol error" in str(victim_link.broken), victim_link.broken
+        assert len(loads) <= 1, f"{len(loads)} loads for one cache id"
+
+
+@needs_nixl
+async def test_offers_withdrawn_before_they_are_loaded_are_not_loaded(monkeypatch):
+    """A withdrawal gives a cache's share of the budget back at once, so an offer withdrawn while its load
+    still waits for the worker must not be loaded: else OFFER, WITHDRAW, OFFER, ... would queue loads without
+    bound within the budget. Nor is a withdrawn cache kept (or said PREPARED) when its load ends after it."""
+    loads = counted_loads(monkeypatch, 1 << 20, seconds=0.1)
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))
+        await pair.link()
+        await prepared(pair.decoder, PROMPT_ID, bait)
+        attacker = link_to(pair.decoder, PROMPT_ID).nixl
+        victim_link = link_to(pair.prompt, DECODER_ID)
+        victim = victim_link.nixl
+        metadata = nixl_agent_of(pair.decoder).metadata
+        for _ in range(20):
+            attacker._send(nixl.OFFER, 1 << 20, 8, 16, (bait.layout.bases[0],), metadata)
+            attacker._send(nixl.WITHDRAW, 1 << 20, 0, 0, (), b"")
+        attacker._send(nixl.OFFER, 1 << 21, 8, 16, (bait.layout.bases[0],), metadata)  # loaded after them all
+        async with asyncio.timeout(10):
+            while (1 << 21) not in victim.caches:
+                await asyncio.sleep(0.01)
+        assert victim_link.broken is None and victim.usable()
+        loads.remove(1 << 21)
+        assert len(loads) <= 2, f"{len(loads)} loads of offers withdrawn before they were loaded"
+        assert (1 << 20) not in victim.caches

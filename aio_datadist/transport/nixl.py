@@ -526,6 +526,7 @@ class NixlPeer:
         self.offers_sent: set[int] = set()
         self._offered: dict[int, int] = {}  # descriptors of each cache we offered (over_link_budget)
         self._declared: dict[int, int] = {}  # ... and of each the peer offered us, until it withdraws it
+        self._loading: dict[int, asyncio.Future] = {}  # the load of each the peer offered us, until it ends
         self._over_budget_said = False
         self.prepared: set[int] = set()  # our caches the peer has prepared a descriptor list for
         self._initial: set[int] | None = None  # caches offered at link time, not yet prepared by the peer
@@ -661,7 +662,7 @@ class NixlPeer:
         if not self.ready.done():
             self.ready.set_result(False)
 
-    def _start(self, work: Any, what: str, done: Any) -> None:
+    def _start(self, work: Any, what: str, done: Any) -> asyncio.Future:
         """Engine work for this peer: cancelled if we decline; ``done(fut)`` runs unless we did or closed."""
         fut = self.agent.start(work, what, discard=_discard)
         self._pending.add(fut)
@@ -675,6 +676,7 @@ class NixlPeer:
             done(f)
 
         fut.add_done_callback(finished)
+        return fut
 
     # -- what we receive -------------------------------------------------------
 
@@ -699,6 +701,8 @@ class NixlPeer:
                     or too_many_descriptors(len(bases), rows) is not None  # we never offer such a cache
                     or (kind == OFFER_VRAM and len(blob) < VRAM_DEVICE.size)):
                 raise ProtocolError("bad NIXL offer")
+            if cache_id in self._declared:  # an honest peer withdraws it first: else each costs a load
+                raise ProtocolError("NIXL offer of a cache offered already")
             if over_link_budget(self._declared, cache_id, len(bases) * rows) is not None:  # nor beyond the budget
                 raise ProtocolError("NIXL offers beyond the link's budget")
             self._declared[cache_id] = len(bases) * rows
@@ -706,9 +710,14 @@ class NixlPeer:
             if kind == OFFER_VRAM:
                 mem, (device,) = "VRAM", VRAM_DEVICE.unpack_from(blob)
                 blob = blob[VRAM_DEVICE.size:]
-            self._load(blob, self.name, (cache_id, rows, row_bytes, bases, mem, device))
+            loading = self._load(blob, self.name, (cache_id, rows, row_bytes, bases, mem, device))
+            self._loading[cache_id] = loading
+            loading.add_done_callback(lambda f: self._loading.get(cache_id) is f and self._loading.pop(cache_id))
         elif kind == WITHDRAW:
             self._declared.pop(cache_id, None)
+            loading = self._loading.pop(cache_id, None)
+            if loading is not None:  # its share of the budget is back: its load must not run (nor be kept)
+                loading.cancel()
             gone = self.caches.pop(cache_id, None)
             if gone is not None:
                 self._drop(gone)
@@ -755,7 +764,7 @@ class NixlPeer:
         self._peer_ready = True
         self._check_ready()
 
-    def _load(self, metadata: bytes, name: bytes, cache: tuple | None) -> None:
+    def _load(self, metadata: bytes, name: bytes, cache: tuple | None) -> asyncio.Future:
         def work(agent: Any) -> Any:
             if not metadata and cache is None:
                 return None  # the peer keeps its memory to itself; it may still use ours
@@ -774,10 +783,12 @@ class NixlPeer:
 
         if cache is None:
             self.name = name
-        self._start(work, f"loading NIXL metadata of cluster {self.cluster_id}",
-                    lambda f: self._loaded(f, cache is None))
+        return self._start(work, f"loading NIXL metadata of cluster {self.cluster_id}",
+                           lambda f: self._loaded(f, cache is None))
 
     def _loaded(self, fut: asyncio.Future, hello: bool) -> None:
+        if fut.cancelled() and not hello:
+            return  # the peer withdrew the cache before it was loaded
         if fut.cancelled() or fut.exception() is not None:
             exc = None if fut.cancelled() else fut.exception()
             if hello:  # we cannot reach the peer's memory: tell it, so that neither end tries
