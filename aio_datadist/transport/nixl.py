@@ -712,12 +712,17 @@ class NixlPeer:
                 blob = blob[VRAM_DEVICE.size:]
             loading = self._load(blob, self.name, (cache_id, rows, row_bytes, bases, mem, device))
             self._loading[cache_id] = loading
-            loading.add_done_callback(lambda f: self._loading.get(cache_id) is f and self._loading.pop(cache_id))
+
+            def loaded(f: asyncio.Future, cache_id: int = cache_id) -> None:
+                if self._loading.get(cache_id) is f:
+                    del self._loading[cache_id]
+
+            loading.add_done_callback(loaded)
         elif kind == WITHDRAW:
             self._declared.pop(cache_id, None)
-            loading = self._loading.pop(cache_id, None)
-            if loading is not None:  # its share of the budget is back: its load must not run (nor be kept)
-                loading.cancel()
+            queued = self._loading.pop(cache_id, None)
+            if queued is not None:  # its share of the budget is back: its load must not run (nor be kept)
+                queued.cancel()
             gone = self.caches.pop(cache_id, None)
             if gone is not None:
                 self._drop(gone)
