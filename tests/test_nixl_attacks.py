@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 
@@ -399,3 +400,33 @@ async def test_offers_withdrawn_before_they_are_loaded_are_not_loaded(monkeypatc
         loads.remove(1 << 21)
         assert len(loads) <= 2, f"{len(loads)} loads of offers withdrawn before they were loaded"
         assert (1 << 20) not in victim.caches
+
+
+@needs_nixl
+async def test_a_cache_freed_while_the_link_is_set_up_does_not_hold_up_link_clusters(monkeypatch):
+    """The dialling end frees one of its caches after offering it and before the peer prepared it: the link's
+    NIXL set-up no longer waits for that cache (its WITHDRAW went instead), so ``link_clusters`` returns as soon
+    as the rest is ready, with NIXL up. Before, the set-up waited out its whole share of the call's time
+    (``nixl.SETUP_SHARE``: 2 s of a 4 s timeout) for a PREPARED that could not come."""
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        doomed = pair.dm.allocate_blocks_cache(BLOCKS)
+        decoder_agent = nixl_agent_of(pair.decoder).engine.name
+        real_prepare, entered = nixl.prepare_remote, threading.Event()
+
+        def slow_prepare(agent, name, cache_id, *args):
+            if name == decoder_agent and cache_id == doomed.cache_id and not entered.is_set():
+                entered.set()
+                time.sleep(0.5)  # on the prompt's worker: the decoder's cache is not prepared yet
+            return real_prepare(agent, name, cache_id, *args)
+
+        monkeypatch.setattr(nixl, "prepare_remote", slow_prepare)
+        started = time.monotonic()
+        linking = asyncio.create_task(pair.decoder.link_clusters([pair.info], timeout=4000))
+        async with asyncio.timeout(5):
+            while not entered.is_set():
+                await asyncio.sleep(0.005)
+        pair.dm.deallocate_cache(doomed)  # WITHDRAW, before the prompt said PREPARED
+        assert await linking == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+        took = time.monotonic() - started
+        assert took < 1.5, f"link_clusters took {took:.2f} s"
+        assert link_to(pair.decoder, PROMPT_ID).nixl.usable()

@@ -593,6 +593,9 @@ class NixlPeer:
 
     def withdraw(self, cache_id: int) -> None:
         self.prepared.discard(cache_id)
+        if self._initial is not None and cache_id in self._initial:  # the set-up waits for it no longer
+            self._initial.discard(cache_id)
+            self._check_ready()
         self.revocations.revoke(cache_id)  # before WITHDRAW: its ledger word is clear already
         if cache_id in self.offers_sent and not self.closed and self.declined is None:
             self.offers_sent.discard(cache_id)
