@@ -7,6 +7,7 @@ records of its own making on its link (``NixlPeer._send``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import struct
@@ -430,3 +431,42 @@ async def test_a_cache_freed_while_the_link_is_set_up_does_not_hold_up_link_clus
         took = time.monotonic() - started
         assert took < 1.5, f"link_clusters took {took:.2f} s"
         assert link_to(pair.decoder, PROMPT_ID).nixl.usable()
+
+
+@needs_nixl
+async def test_a_peer_that_offers_and_withdraws_in_turn_is_paced(monkeypatch):
+    """Offering a cache, waiting for it to be prepared, withdrawing it and again stays within the budget each
+    time, so the budget alone let a peer keep the worker building one list after another. The loads draw on
+    ``nixl.MAX_LINK_DESCRIPTORS`` entries given back at ``nixl.OFFER_RATE`` (lowered here to 256 entries and 128
+    per second, offers of 128): after the first two, one load per second, the offers in between wait (their
+    caches move over TCP meanwhile), and a paced offer is still prepared once its turn comes. Before, the peer
+    had 12 lists built in the same time."""
+    monkeypatch.setattr(nixl, "MAX_LINK_DESCRIPTORS", 256)
+    monkeypatch.setattr(nixl, "OFFER_RATE", 128.0)
+    loads = counted_loads(monkeypatch, 1 << 20)
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))  # 1 entry
+        await pair.link()
+        await prepared(pair.decoder, PROMPT_ID, bait)
+        attacker = link_to(pair.decoder, PROMPT_ID).nixl
+        victim_link = link_to(pair.prompt, DECODER_ID)
+        victim = victim_link.nixl
+        metadata = nixl_agent_of(pair.decoder).metadata
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for n in range(12):  # 128 rows of one byte inside the bait: 128 entries each
+            cache_id = (1 << 20) + n
+            attacker._send(nixl.OFFER, cache_id, 128, 1, (bait.layout.bases[0],), metadata)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.15):
+                    while cache_id not in victim.caches:
+                        await asyncio.sleep(0.005)
+            attacker._send(nixl.WITHDRAW, cache_id, 0, 0, (), b"")
+        took = loop.time() - started
+        assert victim_link.broken is None and victim.usable()
+        assert len(loads) <= 2 + took * 128 / 128 + 1, f"{len(loads)} lists built in {took:.1f} s"
+        last = (1 << 20) + 12
+        attacker._send(nixl.OFFER, last, 128, 1, (bait.layout.bases[0],), metadata)  # waits its turn, then loads
+        async with asyncio.timeout(5):
+            while last not in victim.caches:
+                await asyncio.sleep(0.01)

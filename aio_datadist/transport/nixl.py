@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -86,6 +87,11 @@ MAX_DESCRIPTORS = 1 << 24
 #: offer after offer, each under ``MAX_DESCRIPTORS``.
 MAX_LINK_CACHES = 1024
 MAX_LINK_DESCRIPTORS = 1 << 26
+#: ... and the pace of a peer's offers: loads of its lists draw on MAX_LINK_DESCRIPTORS entries, given back
+#: at this rate (entries per second: MAX_DESCRIPTORS in 10 s, a tenth to a fifth of the worker's time at the
+#: measured cost). An offer past them is loaded once enough came back (meanwhile its cache moves over TCP), so a
+#: peer that offers and withdraws caches in turn cannot keep the worker building lists.
+OFFER_RATE = MAX_DESCRIPTORS / 10
 #: NIXL's descriptor indices are 32-bit: a list's entries are numbered below this (:func:`_tensor_starts`).
 MAX_INDICES = 1 << 31
 assert MAX_DESCRIPTORS <= MAX_INDICES
@@ -527,6 +533,8 @@ class NixlPeer:
         self._offered: dict[int, int] = {}  # descriptors of each cache we offered (over_link_budget)
         self._declared: dict[int, int] = {}  # ... and of each the peer offered us, until it withdraws it
         self._loading: dict[int, asyncio.Future] = {}  # the load of each the peer offered us, until it ends
+        self._offer_tokens = float(MAX_LINK_DESCRIPTORS)  # what the peer's next loads may take (OFFER_RATE)
+        self._offer_tokens_at = asyncio.get_running_loop().time()
         self._over_budget_said = False
         self.prepared: set[int] = set()  # our caches the peer has prepared a descriptor list for
         self._initial: set[int] | None = None  # caches offered at link time, not yet prepared by the peer
@@ -713,7 +721,10 @@ class NixlPeer:
             if kind == OFFER_VRAM:
                 mem, (device,) = "VRAM", VRAM_DEVICE.unpack_from(blob)
                 blob = blob[VRAM_DEVICE.size:]
-            loading = self._load(blob, self.name, (cache_id, rows, row_bytes, bases, mem, device))
+            cache = (cache_id, rows, row_bytes, bases, mem, device)
+            wait = self._offer_wait(len(bases) * rows)
+            loading = (self._load(blob, self.name, cache) if wait <= 0
+                       else self._load_later(wait, blob, cache, len(bases) * rows))
             self._loading[cache_id] = loading
 
             def loaded(f: asyncio.Future, cache_id: int = cache_id) -> None:
@@ -771,6 +782,35 @@ class NixlPeer:
             return
         self._peer_ready = True
         self._check_ready()
+
+    def _offer_wait(self, descriptors: int) -> float:
+        """Take ``descriptors`` from what the peer's offers may load (``OFFER_RATE``); how long to wait first."""
+        now = asyncio.get_running_loop().time()
+        self._offer_tokens = min(float(MAX_LINK_DESCRIPTORS),
+                                 self._offer_tokens + (now - self._offer_tokens_at) * OFFER_RATE)
+        self._offer_tokens_at = now
+        self._offer_tokens -= descriptors  # below zero: loads offered later wait behind this one
+        return 0.0 if self._offer_tokens >= 0 else -self._offer_tokens / OFFER_RATE
+
+    def _load_later(self, wait: float, metadata: bytes, cache: tuple, descriptors: int) -> asyncio.Future:
+        """:meth:`_load` of an offered cache after ``wait`` seconds (cancelled with the peer's other work; its
+        ``descriptors`` come back if it is cancelled, by a WITHDRAW, before it started)."""
+        assert self.name is not None, "OFFER checked it"
+        name = self.name
+
+        async def later() -> None:
+            try:
+                await asyncio.sleep(wait)
+            except asyncio.CancelledError:
+                self._offer_tokens += descriptors  # never loaded
+                raise
+            with contextlib.suppress(Exception):  # a failed load is _loaded's to report; a cancel reaches it
+                await self._load(metadata, name, cache)
+
+        task = asyncio.get_running_loop().create_task(later())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
 
     def _load(self, metadata: bytes, name: bytes, cache: tuple | None) -> asyncio.Future:
         def work(agent: Any) -> Any:
