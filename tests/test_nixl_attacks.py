@@ -470,3 +470,37 @@ async def test_a_peer_that_offers_and_withdraws_in_turn_is_paced(monkeypatch):
         async with asyncio.timeout(5):
             while last not in victim.caches:
                 await asyncio.sleep(0.01)
+
+
+@needs_nixl
+async def test_an_offer_withdrawn_at_once_while_paced_gives_its_entries_back(monkeypatch):
+    """An offer past the pace's entries that the peer withdraws in the same breath (its WITHDRAW read with its
+    OFFER, before the delayed load's task first ran) was never loaded: its entries come back, and the peer's
+    next offer within what is left is loaded at once. Before, a task cancelled before its first step never
+    reached the refund, so the entries were lost and the next offer waited for them (minutes at this rate)."""
+    monkeypatch.setattr(nixl, "MAX_LINK_DESCRIPTORS", 256)
+    monkeypatch.setattr(nixl, "OFFER_RATE", 1.0)
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))  # 64 entries
+        await pair.link()
+        await prepared(pair.decoder, PROMPT_ID, bait)
+        attacker = link_to(pair.decoder, PROMPT_ID).nixl
+        victim_link = link_to(pair.prompt, DECODER_ID)
+        victim = victim_link.nixl
+        metadata = nixl_agent_of(pair.decoder).metadata
+        base = bait.layout.bases[0]
+        attacker._send(nixl.OFFER, 1 << 20, 150, 1, (base,), metadata)  # 150 of the 192 left: loaded at once
+        async with asyncio.timeout(5):
+            while (1 << 20) not in victim.caches:
+                await asyncio.sleep(0.005)
+        attacker._send(nixl.WITHDRAW, 1 << 20, 0, 0, (), b"")
+        for n in range(1, 4):  # past the 42 left: paced, and withdrawn before anything ran
+            attacker._send(nixl.OFFER, (1 << 20) + n, 150, 1, (base,), metadata)
+            attacker._send(nixl.WITHDRAW, (1 << 20) + n, 0, 0, (), b"")
+        await asyncio.sleep(0.2)  # the withdrawals are read
+        last = (1 << 20) + 9
+        attacker._send(nixl.OFFER, last, 40, 1, (base,), metadata)  # within the 42 left: loaded at once
+        async with asyncio.timeout(3):
+            while last not in victim.caches:
+                await asyncio.sleep(0.01)
+        assert victim_link.broken is None and victim.usable()

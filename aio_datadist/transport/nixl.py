@@ -797,19 +797,23 @@ class NixlPeer:
         ``descriptors`` come back if it is cancelled, by a WITHDRAW, before it started)."""
         assert self.name is not None, "OFFER checked it"
         name = self.name
+        started = False
 
         async def later() -> None:
-            try:
-                await asyncio.sleep(wait)
-            except asyncio.CancelledError:
-                self._offer_tokens += descriptors  # never loaded
-                raise
+            nonlocal started
+            await asyncio.sleep(wait)
+            started = True
             with contextlib.suppress(Exception):  # a failed load is _loaded's to report; a cancel reaches it
                 await self._load(metadata, name, cache)
 
+        def ended(task: asyncio.Future) -> None:
+            self._pending.discard(task)
+            if not started:  # cancelled before it loaded, even before its first step (a WITHDRAW read with it)
+                self._offer_tokens += descriptors
+
         task = asyncio.get_running_loop().create_task(later())
         self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        task.add_done_callback(ended)
         return task
 
     def _load(self, metadata: bytes, name: bytes, cache: tuple | None) -> asyncio.Future:
