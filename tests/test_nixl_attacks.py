@@ -504,3 +504,37 @@ async def test_an_offer_withdrawn_at_once_while_paced_gives_its_entries_back(mon
             while last not in victim.caches:
                 await asyncio.sleep(0.01)
         assert victim_link.broken is None and victim.usable()
+
+
+@needs_nixl
+async def test_a_paced_cache_withdrawn_and_offered_again_at_once_is_charged_once(monkeypatch):
+    """A peer frees a cache whose load still waits its turn and registers it again under the same id (WITHDRAW
+    and OFFER read in one pass, as an honest peer sends them): the withdrawn load's entries are back before the
+    new offer draws on them, so a new offer within what is left is loaded at once. Before, they came back only
+    once the cancelled task ended, a loop pass later, and the new offer waited for the old one's entries too."""
+    monkeypatch.setattr(nixl, "MAX_LINK_DESCRIPTORS", 256)
+    monkeypatch.setattr(nixl, "OFFER_RATE", 1.0)
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))  # 64 entries
+        await pair.link()
+        await prepared(pair.decoder, PROMPT_ID, bait)
+        attacker = link_to(pair.decoder, PROMPT_ID).nixl
+        victim_link = link_to(pair.prompt, DECODER_ID)
+        victim = victim_link.nixl
+        metadata = nixl_agent_of(pair.decoder).metadata
+        base = bait.layout.bases[0]
+        attacker._send(nixl.OFFER, 1 << 20, 150, 1, (base,), metadata)  # 150 of the 192 left: loaded at once
+        async with asyncio.timeout(5):
+            while (1 << 20) not in victim.caches:
+                await asyncio.sleep(0.005)
+        attacker._send(nixl.WITHDRAW, 1 << 20, 0, 0, (), b"")
+        refreshed = (1 << 20) + 1
+        attacker._send(nixl.OFFER, refreshed, 150, 1, (base,), metadata)  # past the 42 left: paced
+        await asyncio.sleep(0.2)  # read, its load waits
+        assert refreshed not in victim.caches
+        attacker._send(nixl.WITHDRAW, refreshed, 0, 0, (), b"")
+        attacker._send(nixl.OFFER, refreshed, 40, 1, (base,), metadata)  # within the 42 left: loaded at once
+        async with asyncio.timeout(3):
+            while refreshed not in victim.caches:
+                await asyncio.sleep(0.01)
+        assert victim_link.broken is None and victim.usable()

@@ -535,6 +535,7 @@ class NixlPeer:
         self._loading: dict[int, asyncio.Future] = {}  # the load of each the peer offered us, until it ends
         self._offer_tokens = float(MAX_LINK_DESCRIPTORS)  # what the peer's next loads may take (OFFER_RATE)
         self._offer_tokens_at = asyncio.get_running_loop().time()
+        self._unstarted: dict[asyncio.Future, int] = {}  # entries of each delayed load not started yet
         self._over_budget_said = False
         self.prepared: set[int] = set()  # our caches the peer has prepared a descriptor list for
         self._initial: set[int] | None = None  # caches offered at link time, not yet prepared by the peer
@@ -737,6 +738,7 @@ class NixlPeer:
             queued = self._loading.pop(cache_id, None)
             if queued is not None:  # its share of the budget is back: its load must not run (nor be kept)
                 queued.cancel()
+                self._refund(queued)  # now, before an OFFER read with this WITHDRAW draws on them
             gone = self.caches.pop(cache_id, None)
             if gone is not None:
                 self._drop(gone)
@@ -797,24 +799,26 @@ class NixlPeer:
         ``descriptors`` come back if it is cancelled, by a WITHDRAW, before it started)."""
         assert self.name is not None, "OFFER checked it"
         name = self.name
-        started = False
 
         async def later() -> None:
-            nonlocal started
             await asyncio.sleep(wait)
-            started = True
+            self._unstarted.pop(task, None)  # loaded from here on: its entries stay spent
             with contextlib.suppress(Exception):  # a failed load is _loaded's to report; a cancel reaches it
                 await self._load(metadata, name, cache)
 
         def ended(task: asyncio.Future) -> None:
             self._pending.discard(task)
-            if not started:  # cancelled before it loaded, even before its first step (a WITHDRAW read with it)
-                self._offer_tokens += descriptors
+            self._refund(task)  # cancelled before it loaded, even before its first step (a WITHDRAW read with it)
 
         task = asyncio.get_running_loop().create_task(later())
+        self._unstarted[task] = descriptors
         self._pending.add(task)
         task.add_done_callback(ended)
         return task
+
+    def _refund(self, loading: asyncio.Future) -> None:
+        """The entries of a delayed load that never started come back (once: by its WITHDRAW, else as it ends)."""
+        self._offer_tokens += self._unstarted.pop(loading, 0)
 
     def _load(self, metadata: bytes, name: bytes, cache: tuple | None) -> asyncio.Future:
         def work(agent: Any) -> Any:
