@@ -21,7 +21,7 @@ from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, endpoint, fill, linked_pa
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement
 from aio_datadist.testing import link_to, nixl_agent_of
-from aio_datadist.transport import nixl
+from aio_datadist.transport import nixl, nixl_offers
 
 NIXL = {"transport": "nixl"}
 BLOCKS = CacheDesc(4, (16, 4, 64), DataType.DT_FLOAT16, Placement.HOST)  # 16 blocks of 512 B
@@ -187,7 +187,7 @@ async def watched(stop: asyncio.Event) -> tuple[float, float]:
 @needs_nixl
 @pytest.mark.parametrize("tensors, rows", [(4096, 1 << 40), (4096, 8192)], ids=["4.5e15", "2**25"])
 async def test_an_offer_of_too_many_descriptors_is_refused_and_the_endpoint_stays_healthy(tensors, rows):
-    """A linked peer's OFFER declaring more (tensor, row) descriptors than ``nixl.MAX_DESCRIPTORS`` is a protocol
+    """A linked peer's OFFER declaring more (tensor, row) descriptors than ``nixl_offers.MAX_DESCRIPTORS`` is a protocol
     error on its link: no descriptor list is built for it (before: the endpoint's NIXL worker built one entry per
     tensor and row, 2**25 of 1 byte over the peer's real 16 KiB cache held the worker for seconds and grew the
     process by gigabytes, with every NIXL transfer of the endpoint waiting behind it). The endpoint's other link
@@ -238,11 +238,11 @@ async def test_an_offer_of_too_many_descriptors_is_refused_and_the_endpoint_stay
 
 @needs_nixl
 async def test_a_cache_of_too_many_descriptors_is_not_offered_and_moves_over_tcp(caplog):
-    """Our own side never offers a cache its peer would refuse (``nixl.MAX_DESCRIPTORS``): such a cache is not
+    """Our own side never offers a cache its peer would refuse (``nixl_offers.MAX_DESCRIPTORS``): such a cache is not
     registered with NIXL, says so once (INFO), and moves over TCP; the link stays up and NIXL moves the rest."""
     caplog.set_level(logging.INFO, logger="aio_datadist.nixl")
     big = CacheDesc(4096, (4097, 1), DataType.DT_INT8, Placement.HOST)  # 2**24 + 4096 descriptors, 16 MiB
-    assert 4096 * 4097 > nixl.MAX_DESCRIPTORS >= 4096 * 4096
+    assert 4096 * 4097 > nixl_offers.MAX_DESCRIPTORS >= 4096 * 4096
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
         src = pair.pm.allocate_blocks_cache(big, BlocksCacheKey(PROMPT_ID))
         dst = pair.dm.allocate_blocks_cache(big)
@@ -267,12 +267,12 @@ async def test_a_cache_of_too_many_descriptors_is_not_offered_and_moves_over_tcp
 
 @needs_nixl
 async def test_offers_beyond_the_links_budget_are_refused_and_a_withdrawal_frees_its_share(monkeypatch):
-    """A linked peer may keep at most ``nixl.MAX_LINK_CACHES`` caches offered on a link (and
+    """A linked peer may keep at most ``nixl_offers.MAX_LINK_CACHES`` caches offered on a link (and
     ``MAX_LINK_DESCRIPTORS`` descriptors in all; the test lowers the first to 3): each offer costs the worker a
     metadata load and a descriptor list, so before, offer after offer, each under ``MAX_DESCRIPTORS``, kept it
     busy without end. A withdrawn cache gives its share back; one offer more than the budget breaks the link
     with a protocol error, and the endpoint's other link moves verified bytes by NIXL meanwhile."""
-    monkeypatch.setattr(nixl, "MAX_LINK_CACHES", 3)
+    monkeypatch.setattr(nixl_offers, "MAX_LINK_CACHES", 3)
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair, \
             endpoint(LLMRole.DECODER, ATTACKER_ID, **NIXL) as attacker_dd:
         src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
@@ -315,10 +315,10 @@ async def test_offers_beyond_the_links_budget_are_refused_and_a_withdrawal_frees
 
 @needs_nixl
 async def test_our_caches_beyond_the_links_budget_are_not_offered_and_move_over_tcp(monkeypatch, caplog):
-    """Our own side never offers more than the budget its peer accepts (``nixl.MAX_LINK_CACHES``, lowered to 2
+    """Our own side never offers more than the budget its peer accepts (``nixl_offers.MAX_LINK_CACHES``, lowered to 2
     here): the third cache is not offered on that link, says so once (INFO), and moves over TCP; the link stays up
     and NIXL moves the others."""
-    monkeypatch.setattr(nixl, "MAX_LINK_CACHES", 2)
+    monkeypatch.setattr(nixl_offers, "MAX_LINK_CACHES", 2)
     caplog.set_level(logging.INFO, logger="aio_datadist.nixl")
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
         srcs = [pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, m)) for m in range(3)]
@@ -437,12 +437,12 @@ async def test_a_cache_freed_while_the_link_is_set_up_does_not_hold_up_link_clus
 async def test_a_peer_that_offers_and_withdraws_in_turn_is_paced(monkeypatch):
     """Offering a cache, waiting for it to be prepared, withdrawing it and again stays within the budget each
     time, so the budget alone let a peer keep the worker building one list after another. The loads draw on
-    ``nixl.MAX_LINK_DESCRIPTORS`` entries given back at ``nixl.OFFER_RATE`` (lowered here to 256 entries and 128
+    ``nixl_offers.MAX_LINK_DESCRIPTORS`` entries given back at ``nixl_offers.OFFER_RATE`` (lowered here to 256 entries and 128
     per second, offers of 128): after the first two, one load per second, the offers in between wait (their
     caches move over TCP meanwhile), and a paced offer is still prepared once its turn comes. Before, the peer
     had 12 lists built in the same time."""
-    monkeypatch.setattr(nixl, "MAX_LINK_DESCRIPTORS", 256)
-    monkeypatch.setattr(nixl, "OFFER_RATE", 128.0)
+    monkeypatch.setattr(nixl_offers, "MAX_LINK_DESCRIPTORS", 256)
+    monkeypatch.setattr(nixl_offers, "OFFER_RATE", 128.0)
     loads = counted_loads(monkeypatch, 1 << 20)
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
         bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))  # 1 entry
@@ -478,8 +478,8 @@ async def test_an_offer_withdrawn_at_once_while_paced_gives_its_entries_back(mon
     OFFER, before the delayed load's task first ran) was never loaded: its entries come back, and the peer's
     next offer within what is left is loaded at once. Before, a task cancelled before its first step never
     reached the refund, so the entries were lost and the next offer waited for them (minutes at this rate)."""
-    monkeypatch.setattr(nixl, "MAX_LINK_DESCRIPTORS", 256)
-    monkeypatch.setattr(nixl, "OFFER_RATE", 1.0)
+    monkeypatch.setattr(nixl_offers, "MAX_LINK_DESCRIPTORS", 256)
+    monkeypatch.setattr(nixl_offers, "OFFER_RATE", 1.0)
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
         bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))  # 64 entries
         await pair.link()
@@ -512,8 +512,8 @@ async def test_a_paced_cache_withdrawn_and_offered_again_at_once_is_charged_once
     and OFFER read in one pass, as an honest peer sends them): the withdrawn load's entries are back before the
     new offer draws on them, so a new offer within what is left is loaded at once. Before, they came back only
     once the cancelled task ended, a loop pass later, and the new offer waited for the old one's entries too."""
-    monkeypatch.setattr(nixl, "MAX_LINK_DESCRIPTORS", 256)
-    monkeypatch.setattr(nixl, "OFFER_RATE", 1.0)
+    monkeypatch.setattr(nixl_offers, "MAX_LINK_DESCRIPTORS", 256)
+    monkeypatch.setattr(nixl_offers, "OFFER_RATE", 1.0)
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
         bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))  # 64 entries
         await pair.link()

@@ -328,9 +328,14 @@ async def test_a_transfer_whose_handle_fails_to_release_after_it_moved_its_bytes
 
         monkeypatch.setattr(engine.agent, "make_prepped_xfer", make)
         with caplog.at_level("WARNING", logger="aio_datadist.nixl"):
-            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(16)), list(range(16)))
-        assert failures, "the release failed once"
-        assert same(snapshot(dst), want)
+            for _ in range(50):  # on a busy host the worker may hold the agent: the loop then hands the post over
+                for t in dst.tensors:
+                    t.zero_()
+                await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(16)), list(range(16)))
+                assert same(snapshot(dst), want)
+                if failures:
+                    break
+        assert failures, "no transfer was posted and finished on the loop's thread"
         assert any("could not release" in r.getMessage() for r in caplog.records), caplog.text
         monkeypatch.undo()
         failures.pop().release()  # let NIXL have it back

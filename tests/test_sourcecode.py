@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     )),
     ("transport planes", (
         "transport", "transport.base", "transport.fit", "transport.ledger", "transport.local", "transport.nixl", "transport.nixl_engine",
-        "transport.nixl_grants", "transport.tls",
+        "transport.nixl_grants", "transport.nixl_offers", "transport.tls",
         "transport.stream", "transport.staging", "transport.same_host", "transport.device_ipc", "transport.nixl_plane",
     )),
     ("handshake, links, listener and link table", (

@@ -55,6 +55,7 @@ from aio_datadist.transport.fit import Geometry
 from aio_datadist.transport.ledger import LEDGER_BYTES, SLOTS, Ledger
 from aio_datadist.transport.nixl_engine import INLINE_MAX, NixlEngine, agent_name, row_descs
 from aio_datadist.transport.nixl_grants import GRANT, LEDGER, NUDGE, READS, REVOKE, REVOKED, ReadGrants, Revocations
+from aio_datadist.transport.nixl_offers import MAX_INDICES, OurOffers, PeerOffers, too_many_descriptors
 from aio_datadist.wire import NixlRecord
 
 if TYPE_CHECKING:
@@ -74,27 +75,6 @@ KINDS = (HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM, LEDGER, G
 SETUP_SHARE = 0.5
 MAX_REASON = 512
 MAX_TENSORS = 4096
-#: The most (tensor, row) descriptors a cache may have over NIXL: a cache of more is not registered (its
-#: transfers take TCP, a device cache's the staging plane), and a peer's ``OFFER`` of more is a protocol error.
-#: Each is one entry of a list NIXL's worker prepares, on each end, while every other NIXL transfer of the
-#: endpoint waits: measured with plain agents, about 0.1-0.2 us and 70 B at the peak per entry (2**24: 0.7-2 s,
-#: 1.2 GB at the peak; 2**27: 27 s, 9.3 GB). 2**24 is e.g. 160 tensors of 104,857 rows, or 4096 of 4096.
-MAX_DESCRIPTORS = 1 << 24
-#: The most caches, and (tensor, row) descriptors in all, one end offers the other over one link: a cache
-#: beyond either is not offered (its transfers on that link take TCP), and a peer's ``OFFER`` beyond either is
-#: a protocol error. Each offer costs the receiving worker a metadata load and a list of its descriptors, while
-#: every other NIXL transfer of the endpoint waits: without a bound per link, a peer could keep it busy with
-#: offer after offer, each under ``MAX_DESCRIPTORS``.
-MAX_LINK_CACHES = 1024
-MAX_LINK_DESCRIPTORS = 1 << 26
-#: ... and the pace of a peer's offers: loads of its lists draw on MAX_LINK_DESCRIPTORS entries, given back
-#: at this rate (entries per second: MAX_DESCRIPTORS in 10 s, a tenth to a fifth of the worker's time at the
-#: measured cost). An offer past them is loaded once enough came back (meanwhile its cache moves over TCP), so a
-#: peer that offers and withdraws caches in turn cannot keep the worker building lists.
-OFFER_RATE = MAX_DESCRIPTORS / 10
-#: NIXL's descriptor indices are 32-bit: a list's entries are numbered below this (:func:`_tensor_starts`).
-MAX_INDICES = 1 << 31
-assert MAX_DESCRIPTORS <= MAX_INDICES
 #: A push's WRITE notification: magic, the link's tag (:func:`link_tag`), request id.
 NOTIF = struct.Struct("!4s8sQ")
 NOTIF_MAGIC = b"AIDN"
@@ -144,26 +124,6 @@ def registration(cache: KvCache, off: str | None) -> tuple[str, int, Callable[[A
         return regs, dlist, agent.get_agent_metadata()
 
     return mem, device, work
-
-
-def over_link_budget(offered: Mapping[int, int], cache_id: int, descriptors: int) -> str | None:
-    """Why one more cache (``cache_id``, of ``descriptors``) does not fit beside ``offered`` (cache id ->
-    descriptors) on one link (``MAX_LINK_CACHES``, ``MAX_LINK_DESCRIPTORS``), or None."""
-    others = {k: v for k, v in offered.items() if k != cache_id}
-    if len(others) >= MAX_LINK_CACHES:
-        return f"{len(others)} caches are offered on the link already, the most a peer accepts"
-    if sum(others.values()) + descriptors > MAX_LINK_DESCRIPTORS:
-        return (f"{sum(others.values()) + descriptors} NIXL descriptors on the link with it, more than the "
-                f"{MAX_LINK_DESCRIPTORS} a peer accepts")
-    return None
-
-
-def too_many_descriptors(tensors: int, rows: int) -> str | None:
-    """Why a cache of ``tensors`` x ``rows`` is not moved by NIXL (``MAX_DESCRIPTORS``), or None."""
-    if tensors * rows <= MAX_DESCRIPTORS:
-        return None
-    return (f"{tensors} tensors x {rows} rows are {tensors * rows} NIXL descriptors, more than the "
-            f"{MAX_DESCRIPTORS} a peer accepts")
 
 
 def link_tag(token: bytes) -> bytes:
@@ -530,12 +490,8 @@ class NixlPeer:
         self.name: bytes | None = None
         self.caches: dict[int, _RemoteCache] = {}
         self.offers_sent: set[int] = set()
-        self._offered: dict[int, int] = {}  # descriptors of each cache we offered (over_link_budget)
-        self._declared: dict[int, int] = {}  # ... and of each the peer offered us, until it withdraws it
-        self._loading: dict[int, asyncio.Future] = {}  # the load of each the peer offered us, until it ends
-        self._offer_tokens = float(MAX_LINK_DESCRIPTORS)  # what the peer's next loads may take (OFFER_RATE)
-        self._offer_tokens_at = asyncio.get_running_loop().time()
-        self._unstarted: dict[asyncio.Future, int] = {}  # entries of each delayed load not started yet
+        self.offers_out = OurOffers()  # the link's budget (transport/nixl_offers.py): what we offered ...
+        self.offers_in = PeerOffers()  # ... and what the peer offered us, its loads paced
         self._over_budget_said = False
         self.prepared: set[int] = set()  # our caches the peer has prepared a descriptor list for
         self._initial: set[int] | None = None  # caches offered at link time, not yet prepared by the peer
@@ -580,15 +536,13 @@ class NixlPeer:
         if (self.closed or self.declined is not None or self.name is None or cache is None
                 or cache.cache_id in self.offers_sent or not self.agent.exposed):
             return
-        descriptors = entry.rows * len(cache.layout.bases)
-        over = over_link_budget(self._offered, cache.cache_id, descriptors)
+        over = self.offers_out.take(cache.cache_id, entry.rows * len(cache.layout.bases))
         if over is not None:  # the peer would refuse it: not offered, its transfers on this link take TCP
             if not self._over_budget_said:
                 self._over_budget_said = True
                 log.info("link to cluster %s: cache %s is not offered over NIXL (%s); its transfers take TCP "
                          "(said once per link)", self.cluster_id, cache.cache_id, over)
             return
-        self._offered[cache.cache_id] = descriptors
         self.offers_sent.add(cache.cache_id)
         if entry.mem == "VRAM":
             self._send(OFFER_VRAM, cache.cache_id, entry.rows, entry.row_bytes, tuple(cache.layout.bases),
@@ -608,7 +562,7 @@ class NixlPeer:
         self.revocations.revoke(cache_id)  # before WITHDRAW: its ledger word is clear already
         if cache_id in self.offers_sent and not self.closed and self.declined is None:
             self.offers_sent.discard(cache_id)
-            self._offered.pop(cache_id, None)
+            self.offers_out.withdrawn(cache_id)
             self._send(WITHDRAW, cache_id, 0, 0, (), b"")
 
     def say_staged(self, why: str) -> None:
@@ -713,32 +667,18 @@ class NixlPeer:
                     or too_many_descriptors(len(bases), rows) is not None  # we never offer such a cache
                     or (kind == OFFER_VRAM and len(blob) < VRAM_DEVICE.size)):
                 raise ProtocolError("bad NIXL offer")
-            if cache_id in self._declared:  # an honest peer withdraws it first: else each costs a load
-                raise ProtocolError("NIXL offer of a cache offered already")
-            if over_link_budget(self._declared, cache_id, len(bases) * rows) is not None:  # nor beyond the budget
-                raise ProtocolError("NIXL offers beyond the link's budget")
-            self._declared[cache_id] = len(bases) * rows
+            wait = self.offers_in.accept(cache_id, len(bases) * rows)  # re-offered or beyond the budget: raises
             mem, device = "DRAM", 0
             if kind == OFFER_VRAM:
                 mem, (device,) = "VRAM", VRAM_DEVICE.unpack_from(blob)
                 blob = blob[VRAM_DEVICE.size:]
             cache = (cache_id, rows, row_bytes, bases, mem, device)
-            wait = self._offer_wait(len(bases) * rows)
-            loading = (self._load(blob, self.name, cache) if wait <= 0
-                       else self._load_later(wait, blob, cache, len(bases) * rows))
-            self._loading[cache_id] = loading
-
-            def loaded(f: asyncio.Future, cache_id: int = cache_id) -> None:
-                if self._loading.get(cache_id) is f:
-                    del self._loading[cache_id]
-
-            loading.add_done_callback(loaded)
+            if wait <= 0:
+                self.offers_in.track(cache_id, self._load(blob, self.name, cache))
+            else:
+                self.offers_in.track(cache_id, self._load_later(wait, blob, cache), delayed=len(bases) * rows)
         elif kind == WITHDRAW:
-            self._declared.pop(cache_id, None)
-            queued = self._loading.pop(cache_id, None)
-            if queued is not None:  # its share of the budget is back: its load must not run (nor be kept)
-                queued.cancel()
-                self._refund(queued)  # now, before an OFFER read with this WITHDRAW draws on them
+            self.offers_in.withdraw(cache_id)  # a load of it not ended yet is cancelled (nor kept)
             gone = self.caches.pop(cache_id, None)
             if gone is not None:
                 self._drop(gone)
@@ -785,40 +725,22 @@ class NixlPeer:
         self._peer_ready = True
         self._check_ready()
 
-    def _offer_wait(self, descriptors: int) -> float:
-        """Take ``descriptors`` from what the peer's offers may load (``OFFER_RATE``); how long to wait first."""
-        now = asyncio.get_running_loop().time()
-        self._offer_tokens = min(float(MAX_LINK_DESCRIPTORS),
-                                 self._offer_tokens + (now - self._offer_tokens_at) * OFFER_RATE)
-        self._offer_tokens_at = now
-        self._offer_tokens -= descriptors  # below zero: loads offered later wait behind this one
-        return 0.0 if self._offer_tokens >= 0 else -self._offer_tokens / OFFER_RATE
-
-    def _load_later(self, wait: float, metadata: bytes, cache: tuple, descriptors: int) -> asyncio.Future:
-        """:meth:`_load` of an offered cache after ``wait`` seconds (cancelled with the peer's other work; its
-        ``descriptors`` come back if it is cancelled, by a WITHDRAW, before it started)."""
+    def _load_later(self, wait: float, metadata: bytes, cache: tuple) -> asyncio.Future:
+        """:meth:`_load` of an offered cache after ``wait`` seconds (paced, ``PeerOffers``; cancelled with the
+        peer's other work, or by its WITHDRAW)."""
         assert self.name is not None, "OFFER checked it"
         name = self.name
 
         async def later() -> None:
             await asyncio.sleep(wait)
-            self._unstarted.pop(task, None)  # loaded from here on: its entries stay spent
+            self.offers_in.started(task)  # loaded from here on: its entries stay spent
             with contextlib.suppress(Exception):  # a failed load is _loaded's to report; a cancel reaches it
                 await self._load(metadata, name, cache)
 
-        def ended(task: asyncio.Future) -> None:
-            self._pending.discard(task)
-            self._refund(task)  # cancelled before it loaded, even before its first step (a WITHDRAW read with it)
-
         task = asyncio.get_running_loop().create_task(later())
-        self._unstarted[task] = descriptors
         self._pending.add(task)
-        task.add_done_callback(ended)
+        task.add_done_callback(self._pending.discard)
         return task
-
-    def _refund(self, loading: asyncio.Future) -> None:
-        """The entries of a delayed load that never started come back (once: by its WITHDRAW, else as it ends)."""
-        self._offer_tokens += self._unstarted.pop(loading, 0)
 
     def _load(self, metadata: bytes, name: bytes, cache: tuple | None) -> asyncio.Future:
         def work(agent: Any) -> Any:
