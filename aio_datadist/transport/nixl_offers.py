@@ -36,7 +36,7 @@ __all__ = ["MAX_DESCRIPTORS", "MAX_INDICES", "MAX_LINK_CACHES", "MAX_LINK_DESCRI
 #: The most (tensor, row) entries a cache may have over NIXL (2**24: e.g. 160 tensors of 104,857 rows, or 4096
 #: of 4096).
 MAX_DESCRIPTORS = 1 << 24
-#: NIXL's descriptor indices are 32-bit: a list's entries are numbered below this.
+#: NIXL's descriptor indices are 32-bit: a list's entries are numbered below this (``nixl._tensor_starts``).
 MAX_INDICES = 1 << 31
 assert MAX_DESCRIPTORS <= MAX_INDICES
 #: The most caches, and entries in all, one end offers the other over one link.
