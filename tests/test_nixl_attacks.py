@@ -13,7 +13,8 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -346,6 +347,19 @@ async def test_our_caches_beyond_the_links_budget_are_not_offered_and_move_over_
         assert link_to(pair.decoder, PROMPT_ID).broken is None and peer.usable()
 
 
+@contextlib.asynccontextmanager
+async def forging_pair() -> AsyncIterator[tuple[Any, Any, Any, Any, bytes]]:
+    """A linked NIXL pair whose decoder forges NIXL records to the prompt over its real link: ``(pair, bait,
+    attacker, victim_link, metadata)``: the decoder's bait (a cache of 64 fp16 values, registered and prepared by
+    the prompt: forged offers point into it), its ``NixlPeer``, the prompt's link to it, the decoder's metadata."""
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))
+        await pair.link()
+        await prepared(pair.decoder, PROMPT_ID, bait)
+        yield (pair, bait, link_to(pair.decoder, PROMPT_ID).nixl, link_to(pair.prompt, DECODER_ID),
+               nixl_agent_of(pair.decoder).metadata)
+
+
 def counted_loads(monkeypatch, first_id: int, seconds: float = 0.0) -> list[int]:
     """The ids (``>= first_id``) of the peer's caches our workers build descriptor lists for, each taking
     ``seconds`` more."""
@@ -368,13 +382,7 @@ async def test_a_cache_offered_again_without_its_withdrawal_is_a_protocol_error(
     between: an honest peer never does) would cost the worker a metadata load and a descriptor list each time
     within the budget: the second offer breaks the link, nothing more is loaded for it."""
     loads = counted_loads(monkeypatch, 1 << 20)
-    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
-        bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))
-        await pair.link()
-        await prepared(pair.decoder, PROMPT_ID, bait)
-        attacker = link_to(pair.decoder, PROMPT_ID).nixl
-        victim_link = link_to(pair.prompt, DECODER_ID)
-        metadata = nixl_agent_of(pair.decoder).metadata
+    async with forging_pair() as (pair, bait, attacker, victim_link, metadata):
         for _ in range(20):
             attacker._send(nixl.OFFER, 1 << 20, 8, 16, (bait.layout.bases[0],), metadata)
         async with asyncio.timeout(5):
@@ -390,14 +398,8 @@ async def test_offers_withdrawn_before_they_are_loaded_are_not_loaded(monkeypatc
     still waits for the worker must not be loaded: else OFFER, WITHDRAW, OFFER, ... would queue loads without
     bound within the budget. Nor is a withdrawn cache kept (or said PREPARED) when its load ends after it."""
     loads = counted_loads(monkeypatch, 1 << 20, seconds=0.1)
-    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
-        bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))
-        await pair.link()
-        await prepared(pair.decoder, PROMPT_ID, bait)
-        attacker = link_to(pair.decoder, PROMPT_ID).nixl
-        victim_link = link_to(pair.prompt, DECODER_ID)
+    async with forging_pair() as (pair, bait, attacker, victim_link, metadata):
         victim = victim_link.nixl
-        metadata = nixl_agent_of(pair.decoder).metadata
         for _ in range(20):
             attacker._send(nixl.OFFER, 1 << 20, 8, 16, (bait.layout.bases[0],), metadata)
             attacker._send(nixl.WITHDRAW, 1 << 20, 0, 0, (), b"")
@@ -445,21 +447,15 @@ async def test_a_cache_freed_while_the_link_is_set_up_does_not_hold_up_link_clus
 async def test_a_peer_that_offers_and_withdraws_in_turn_is_paced(monkeypatch):
     """Offering a cache, waiting for it to be prepared, withdrawing it and again stays within the budget each
     time, so the budget alone let a peer keep the worker building one list after another. The loads draw on
-    ``nixl_offers.MAX_LINK_DESCRIPTORS`` entries given back at ``nixl_offers.OFFER_RATE`` (lowered here to 256 entries and 128
-    per second, offers of 128): after the first two, one load per second, the offers in between wait (their
-    caches move over TCP meanwhile), and a paced offer is still prepared once its turn comes. Before, the peer
-    had 12 lists built in the same time."""
+    ``nixl_offers.MAX_LINK_DESCRIPTORS`` entries given back at ``nixl_offers.OFFER_RATE`` (lowered here to 256
+    entries and 128 a second, offers of 128, the bait takes 64): after the first, about one load a second, the
+    offers in between wait (their caches move over TCP meanwhile), and a paced offer is still prepared once its
+    turn comes. Before, the peer had 12 lists built in the same time."""
     monkeypatch.setattr(nixl_offers, "MAX_LINK_DESCRIPTORS", 256)
     monkeypatch.setattr(nixl_offers, "OFFER_RATE", 128.0)
     loads = counted_loads(monkeypatch, 1 << 20)
-    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
-        bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))  # 1 entry
-        await pair.link()
-        await prepared(pair.decoder, PROMPT_ID, bait)
-        attacker = link_to(pair.decoder, PROMPT_ID).nixl
-        victim_link = link_to(pair.prompt, DECODER_ID)
+    async with forging_pair() as (pair, bait, attacker, victim_link, metadata):  # the bait: 64 entries
         victim = victim_link.nixl
-        metadata = nixl_agent_of(pair.decoder).metadata
         loop = asyncio.get_running_loop()
         started = loop.time()
         for n in range(12):  # 128 rows of one byte inside the bait: 128 entries each
@@ -480,38 +476,47 @@ async def test_a_peer_that_offers_and_withdraws_in_turn_is_paced(monkeypatch):
                 await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def paced_link(monkeypatch) -> AsyncIterator[tuple[Callable[..., None], Any]]:
+    """A NIXL pair whose pace is lowered to 256 entries and 1 per second, the decoder forging the prompt's
+    offers: a cache of 150 entries was offered, loaded and withdrawn, so 42 entries are left. Yields ``(send,
+    the prompt's NixlPeer)``, ``send(kind, cache_id, rows)`` a record over the decoder's 64-entry bait."""
+    monkeypatch.setattr(nixl_offers, "MAX_LINK_DESCRIPTORS", 256)
+    monkeypatch.setattr(nixl_offers, "OFFER_RATE", 1.0)
+    async with forging_pair() as (_pair, bait, attacker, victim_link, metadata):  # the bait: 64 entries
+
+        def send(kind: int, cache_id: int, rows: int = 0) -> None:
+            if kind == nixl.OFFER:
+                attacker._send(nixl.OFFER, cache_id, rows, 1, (bait.layout.bases[0],), metadata)
+            else:
+                attacker._send(kind, cache_id, 0, 0, (), b"")
+
+        send(nixl.OFFER, 1 << 20, 150)  # 150 of the 192 left: loaded at once
+        await loaded_by(victim_link.nixl, 1 << 20, 5)
+        send(nixl.WITHDRAW, 1 << 20)
+        yield send, victim_link.nixl
+        assert victim_link.broken is None and victim_link.nixl.usable()
+
+
+async def loaded_by(victim: Any, cache_id: int, seconds: float) -> None:
+    async with asyncio.timeout(seconds):
+        while cache_id not in victim.caches:
+            await asyncio.sleep(0.005)
+
+
 @needs_nixl
 async def test_an_offer_withdrawn_at_once_while_paced_gives_its_entries_back(monkeypatch):
     """An offer past the pace's entries that the peer withdraws in the same breath (its WITHDRAW read with its
     OFFER, before the delayed load's task first ran) was never loaded: its entries come back, and the peer's
     next offer within what is left is loaded at once. Before, a task cancelled before its first step never
     reached the refund, so the entries were lost and the next offer waited for them (minutes at this rate)."""
-    monkeypatch.setattr(nixl_offers, "MAX_LINK_DESCRIPTORS", 256)
-    monkeypatch.setattr(nixl_offers, "OFFER_RATE", 1.0)
-    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
-        bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))  # 64 entries
-        await pair.link()
-        await prepared(pair.decoder, PROMPT_ID, bait)
-        attacker = link_to(pair.decoder, PROMPT_ID).nixl
-        victim_link = link_to(pair.prompt, DECODER_ID)
-        victim = victim_link.nixl
-        metadata = nixl_agent_of(pair.decoder).metadata
-        base = bait.layout.bases[0]
-        attacker._send(nixl.OFFER, 1 << 20, 150, 1, (base,), metadata)  # 150 of the 192 left: loaded at once
-        async with asyncio.timeout(5):
-            while (1 << 20) not in victim.caches:
-                await asyncio.sleep(0.005)
-        attacker._send(nixl.WITHDRAW, 1 << 20, 0, 0, (), b"")
+    async with paced_link(monkeypatch) as (send, victim):
         for n in range(1, 4):  # past the 42 left: paced, and withdrawn before anything ran
-            attacker._send(nixl.OFFER, (1 << 20) + n, 150, 1, (base,), metadata)
-            attacker._send(nixl.WITHDRAW, (1 << 20) + n, 0, 0, (), b"")
+            send(nixl.OFFER, (1 << 20) + n, 150)
+            send(nixl.WITHDRAW, (1 << 20) + n)
         await asyncio.sleep(0.2)  # the withdrawals are read
-        last = (1 << 20) + 9
-        attacker._send(nixl.OFFER, last, 40, 1, (base,), metadata)  # within the 42 left: loaded at once
-        async with asyncio.timeout(3):
-            while last not in victim.caches:
-                await asyncio.sleep(0.01)
-        assert victim_link.broken is None and victim.usable()
+        send(nixl.OFFER, (1 << 20) + 9, 40)  # within the 42 left: loaded at once
+        await loaded_by(victim, (1 << 20) + 9, 3)
 
 
 @needs_nixl
@@ -520,29 +525,11 @@ async def test_a_paced_cache_withdrawn_and_offered_again_at_once_is_charged_once
     and OFFER read in one pass, as an honest peer sends them): the withdrawn load's entries are back before the
     new offer draws on them, so a new offer within what is left is loaded at once. Before, they came back only
     once the cancelled task ended, a loop pass later, and the new offer waited for the old one's entries too."""
-    monkeypatch.setattr(nixl_offers, "MAX_LINK_DESCRIPTORS", 256)
-    monkeypatch.setattr(nixl_offers, "OFFER_RATE", 1.0)
-    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
-        bait = pair.dm.allocate_cache(CacheDesc(1, (64,), DataType.DT_FLOAT16, Placement.HOST))  # 64 entries
-        await pair.link()
-        await prepared(pair.decoder, PROMPT_ID, bait)
-        attacker = link_to(pair.decoder, PROMPT_ID).nixl
-        victim_link = link_to(pair.prompt, DECODER_ID)
-        victim = victim_link.nixl
-        metadata = nixl_agent_of(pair.decoder).metadata
-        base = bait.layout.bases[0]
-        attacker._send(nixl.OFFER, 1 << 20, 150, 1, (base,), metadata)  # 150 of the 192 left: loaded at once
-        async with asyncio.timeout(5):
-            while (1 << 20) not in victim.caches:
-                await asyncio.sleep(0.005)
-        attacker._send(nixl.WITHDRAW, 1 << 20, 0, 0, (), b"")
+    async with paced_link(monkeypatch) as (send, victim):
         refreshed = (1 << 20) + 1
-        attacker._send(nixl.OFFER, refreshed, 150, 1, (base,), metadata)  # past the 42 left: paced
+        send(nixl.OFFER, refreshed, 150)  # past the 42 left: paced
         await asyncio.sleep(0.2)  # read, its load waits
         assert refreshed not in victim.caches
-        attacker._send(nixl.WITHDRAW, refreshed, 0, 0, (), b"")
-        attacker._send(nixl.OFFER, refreshed, 40, 1, (base,), metadata)  # within the 42 left: loaded at once
-        async with asyncio.timeout(3):
-            while refreshed not in victim.caches:
-                await asyncio.sleep(0.01)
-        assert victim_link.broken is None and victim.usable()
+        send(nixl.WITHDRAW, refreshed)
+        send(nixl.OFFER, refreshed, 40)  # within the 42 left: loaded at once
+        await loaded_by(victim, refreshed, 3)
