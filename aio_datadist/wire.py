@@ -27,7 +27,7 @@ VERSION = 8  # 2: the handshake sends nothing identifying before authentication;
 #                Auth.bilateral (a dial of LLMDataDist.link); 5: ReqFlag.POSTED and the ANSWER header,
 #                ReqFlag.DEVICE and the share's device records; 6: the NIXL record OFFER_VRAM;
 #             7: a NIXL push's notification names its link (transport/nixl.py link_tag);
-#             8: NIXL reads without asking (the NIXL records LEDGER, GRANT, REVOKE, REVOKED, READS)
+#             8: NIXL reads without asking (the NIXL records LEDGER, GRANT, REVOKE, REVOKED, READS, NUDGE)
 HEADER = struct.Struct("!4sBBHQI")
 MAX_BODY = 1 << 20
 MAX_ROWS = 65536

@@ -52,7 +52,6 @@ class Ledger:
                                             lambda addr: unmap(addr, LEDGER_BYTES))
         self._words = (ctypes.c_uint64 * SLOTS).from_address(self._addr)  # an aligned word is one store
         self._entries: dict[int, tuple[int, int]] = {}  # cache id -> (slot, blocks key's model id)
-        self._values: dict[int, int] = {}  # cache id -> its word, where it is not the id itself
         self._free = list(range(SLOTS - 1, -1, -1))
         self.closed = False
 
@@ -73,14 +72,11 @@ class Ledger:
             return
         slot = self._free.pop()
         self._entries[cache_id] = (slot, model_id)
-        if word is not None:
-            self._values[cache_id] = word
         self._words[slot] = cache_id if word is None else word
 
     def retract(self, cache_id: int) -> None:
         """From now on peers ask for ``cache_id`` again (it is being withdrawn, unbound or freed)."""
         entry = self._entries.pop(cache_id, None)
-        self._values.pop(cache_id, None)
         if entry is None or self.closed:
             return
         self._words[entry[0]] = 0
@@ -91,8 +87,8 @@ class Ledger:
         return self._entries.get(cache_id)
 
     def word(self, cache_id: int) -> int:
-        """What the word of a published cache holds."""
-        return self._values.get(cache_id, cache_id)
+        """What the word of a published cache holds (read back from the ledger itself)."""
+        return int(self._words[self._entries[cache_id][0]])
 
     def close(self) -> None:
         """Clear every word and let the memory go (peers' mappings keep reading zeros)."""

@@ -275,8 +275,7 @@ class NixlAgent:
 
     def granted(self, cache_id: int) -> tuple[int, int, int] | None:
         """``(slot, model_id, word)`` of a cache of ours that peers may read without asking now, or None."""
-        listed = None if self.ledger is None else self.ledger.entry(cache_id)
-        if listed is None or self.ledger is None:
+        if self.ledger is None or (listed := self.ledger.entry(cache_id)) is None:
             return None
         return listed[0], listed[1], self.ledger.word(cache_id)
 
@@ -462,8 +461,9 @@ def prepare_remote(agent: Any, name: str, cache_id: int, rows: int, row_bytes: i
                    mem: str, device: int) -> _RemoteCache:
     """On the worker: the descriptor list of a peer's offered cache (``mem`` ``DRAM`` or ``VRAM`` on GPU
     ``device`` of the peer's), one entry per (tensor, row); ``on_message`` refused more than ``MAX_DESCRIPTORS``."""
-    if too_many_descriptors(len(bases), rows) is not None:
-        raise ValueError(too_many_descriptors(len(bases), rows))
+    too_many = too_many_descriptors(len(bases), rows)
+    if too_many is not None:
+        raise ValueError(too_many)
     dlist = agent.prep_xfer_dlist(name, row_descs(bases, rows, row_bytes, device), mem)
     return _RemoteCache(cache_id, rows, len(bases), row_bytes, dlist)
 
