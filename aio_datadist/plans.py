@@ -106,7 +106,7 @@ def build_plan(local: KvCache, local_layers: tuple[int, int], remote_layers: tup
     whole_blocks = local.is_blocks_cache and flags & ReqFlag.BLOCKS and flags & ReqFlag.EXACT
     remote = TransferReq(channel=0, **target, layer_first=remote_layers[0], layer_last=remote_layers[1],
                          tensor_num_per_layer=per_layer, tensor_count=count,
-                         data_type=local.cache_desc.data_type.value, offset=remote_offset, nbytes=remote_nbytes,
-                         flags=ReqFlag(flags), timeout_ms=0, rows=tuple(remote_rows),
+                         data_type=local.cache_desc.data_type._value_, offset=remote_offset, nbytes=remote_nbytes,
+                         flags=flags, timeout_ms=0, rows=tuple(remote_rows),
                          block_shape=block_shape_digest(local) if whole_blocks else 0)
     return Plan(local, total, remote, first, count, tuple(local_rows), local_nbytes, local_offset)

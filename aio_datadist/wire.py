@@ -60,8 +60,9 @@ class Target(enum.IntEnum):
     ADDRS = 4
 
 
-class ReqFlag(enum.IntFlag):
-    """The ``flags`` of a transfer request."""
+class ReqFlag:
+    """The bits of a transfer request's ``flags``: plain ints (both ends test them on every request, and
+    ``enum.IntFlag`` arithmetic runs in Python)."""
 
     BLOCKS = 1  # the target is a blocks cache
     CONTIG = 2  # the target is a contiguous (batch-row) cache
@@ -158,7 +159,7 @@ class TransferReq:
     data_type: int = _f("B")
     offset: int = _f("Q")
     nbytes: int = _f("Q")
-    flags: ReqFlag = _f("B")
+    flags: int = _f("B")
     timeout_ms: int = _f("I")
     rows: tuple[int, ...] = _f("rows")
     # A digest of the requester's block shape (its blocks cache's shape[1:]) for a whole-block
@@ -279,8 +280,7 @@ def _wire_order(msg: Msg) -> list[str]:
 
 
 _PUT = {m: [_slot(RECORDS[m], n).__set__ for n in _wire_order(m)] for m in RECORDS}
-_FLAGS_AT = {m: _wire_order(m).index("flags") if "flags" in _NAMES[m] else None for m in RECORDS}
-_FLAG_VALUES = [ReqFlag(v) for v in range(256)]  # flags travel as one byte
+_MSGS = {int(m): m for m in Msg}  # Msg(kind) runs enum's Python on every record
 _U32 = struct.Struct("!I")
 _U16 = struct.Struct("!H")
 
@@ -345,10 +345,9 @@ def parse_header(data: bytes) -> tuple[Msg, int, int]:
         raise ProtocolError("bad magic")
     if version != VERSION:
         raise ProtocolError(f"protocol version {version} is not {VERSION}")
-    try:
-        msg = Msg(kind)
-    except ValueError:
-        raise ProtocolError(f"unknown message type {kind}") from None
+    msg = _MSGS.get(kind)
+    if msg is None:
+        raise ProtocolError(f"unknown message type {kind}")
     if length > MAX_BODY:
         raise ProtocolError(f"body of {length} bytes exceeds {MAX_BODY}")
     return msg, req_id, length
@@ -391,9 +390,6 @@ def decode(msg: Msg, body: bytes) -> Any:
         pos += count
     if pos != len(body):
         raise ProtocolError(f"{msg.name} body has {len(body) - pos} trailing bytes")
-    flags = _FLAGS_AT[msg]
-    if flags is not None:
-        values[flags] = _FLAG_VALUES[values[flags]]
     record = _new(RECORDS[msg])
     for put, value in zip(_PUT[msg], values, strict=True):
         put(record, value)

@@ -35,7 +35,7 @@ def record_of(msg: Msg, seed: int = 1) -> Any:
         elif fmt.endswith("s"):
             fields[f.name] = bytes([seed % 256]) * int(fmt[:-1])
         elif f.name == "flags":
-            fields[f.name] = wire.ReqFlag(seed % 32)
+            fields[f.name] = seed % 32
         else:
             fields[f.name] = seed
     return wire.RECORDS[msg](**fields)

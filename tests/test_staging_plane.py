@@ -31,7 +31,7 @@ from aio_datadist.owner import _serve_addrs
 from aio_datadist.plans import addrs_target
 from aio_datadist.testing import links_of, runtime_of
 from aio_datadist.transport.base import Refusal
-from aio_datadist.wire import Msg, ReqFlag, TransferReq
+from aio_datadist.wire import Msg, TransferReq
 
 S = LLMStatusCode
 pytestmark = pytest.mark.asyncio
@@ -164,7 +164,7 @@ async def test_raw_addresses_into_a_device_cache_are_refused():
         # The owner finds the address in a device cache and refuses before any byte moves.
         req = TransferReq(channel=0, **addrs_target(DECODER_ID), layer_first=0, layer_last=0, tensor_num_per_layer=1,
                           tensor_count=1, data_type=BLOCKS.data_type.value, offset=0, nbytes=64,
-                          flags=ReqFlag(0), timeout_ms=0, rows=(dst.tensor_addrs[0],), block_shape=0)
+                          flags=0, timeout_ms=0, rows=(dst.tensor_addrs[0],), block_shape=0)
         with pytest.raises(Refusal) as info:
             _serve_addrs(runtime_of(pair.decoder), Msg.PUSH_REQ, req)
         assert info.value.code == S.LLM_FEATURE_NOT_ENABLED and "device cache" in info.value.text

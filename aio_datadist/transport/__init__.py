@@ -17,6 +17,7 @@ __all__ = ["plane", "planes_for"]
 _MODULES = {"stream": "stream", "staging": "staging", "same-host": "same_host", "device-ipc": "device_ipc",
             "nixl": "nixl_plane"}
 _LOADED: dict[str, Plane] = {}
+_PLANES_FOR: dict[tuple[bool, bool], tuple[Plane, ...]] = {}  # by (NIXL peer, same-host share): asked per request
 
 
 def plane(name: str) -> Plane:
@@ -32,9 +33,13 @@ def plane(name: str) -> Plane:
 def planes_for(link: LinkPort) -> tuple[Plane, ...]:
     """The planes ``link`` can use, in the order they are preferred: NIXL, same-host, device IPC (device caches
     on a same-host link), staging (device caches only), stream."""
-    planes: tuple[Plane, ...] = ()
-    if link.nixl is not None:
-        planes += (plane("nixl"),)
-    if link.local is not None:
-        planes += (plane("same-host"), plane("device-ipc"))
-    return (*planes, plane("staging"), plane("stream"))
+    kind = (link.nixl is not None, link.local is not None)
+    found = _PLANES_FOR.get(kind)
+    if found is None:
+        planes: tuple[Plane, ...] = ()
+        if kind[0]:
+            planes += (plane("nixl"),)
+        if kind[1]:
+            planes += (plane("same-host"), plane("device-ipc"))
+        found = _PLANES_FOR[kind] = (*planes, plane("staging"), plane("stream"))
+    return found

@@ -32,7 +32,7 @@ from aio_datadist.cache import KeyBinding, KvCache
 from aio_datadist.stats import LinkCounters
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport.fit import Refusal
-from aio_datadist.wire import NO_GENERATION, Msg, ReqFlag, Resp, TransferReq
+from aio_datadist.wire import NO_GENERATION, Msg, Resp, TransferReq
 
 if TYPE_CHECKING:
     from aio_datadist.plans import Plan
@@ -292,7 +292,7 @@ class Plane(abc.ABC):
     #: The transport the plane is, as ``LLMDataDist.stats()`` and ``aio.RequireTransport`` name it.
     transport: ClassVar[str] = ""
     #: The request flag that offers this plane to the owner (none for the stream plane, always offered).
-    flag: ClassVar[ReqFlag] = ReqFlag(0)
+    flag: ClassVar[int] = 0
     #: Whether the requester moves the bytes itself against the owner's memory (no data channel).
     in_place: ClassVar[bool] = False
 

@@ -102,7 +102,7 @@ class ReadGrants:
         self.grants: dict[int, tuple[int, int, int, int, int]] = {}
         self.by_model: dict[int, int] = {}
         self._geometries: dict[int, tuple[object, tuple, Geometry]] = {}  # grant_for's, per offer and grant
-        self.reading: collections.Counter[int] = collections.Counter()
+        self.reading: dict[int, int] = {}  # reads in flight per cache (a dict: Counter's methods run in Python)
         self._revoked: collections.Counter[int] = collections.Counter()  # REVOKEs to answer once reads end
         self._reads: dict[int, list] = {}
         self._reporting: asyncio.TimerHandle | None = None
@@ -133,14 +133,15 @@ class ReadGrants:
         """A read of ``cache_id`` without asking starts, if the peer still grants it."""
         if cache_id not in self.grants:
             return False
-        self.reading[cache_id] += 1
+        self.reading[cache_id] = self.reading.get(cache_id, 0) + 1
         return True
 
     def read_ended(self, cache_id: int) -> None:
         """That read settled (NIXL let go of it): once no read of a revoked cache is left, say ``REVOKED``."""
-        self.reading[cache_id] -= 1
-        if self.reading[cache_id] <= 0:
-            del self.reading[cache_id]
+        left = self.reading.pop(cache_id, 1) - 1
+        if left > 0:
+            self.reading[cache_id] = left
+        else:
             for _ in range(self._revoked.pop(cache_id, 0)):  # one REVOKED per REVOKE
                 if not self.closed:
                     self._send(REVOKED, cache_id, 0, 0, (), b"")
@@ -188,7 +189,7 @@ class ReadGrants:
         grant = self.grants.pop(cache_id, None)
         if grant is not None and self.by_model.get(grant[1]) == cache_id:
             del self.by_model[grant[1]]
-        if self.reading[cache_id] > 0:
+        if self.reading.get(cache_id, 0) > 0:
             self._revoked[cache_id] += 1  # REVOKED once our last read of it settled (read_ended)
         else:
             self._send(REVOKED, cache_id, 0, 0, (), b"")

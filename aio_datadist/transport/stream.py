@@ -237,7 +237,7 @@ class StreamPlane(Plane):
             pairs.extend(served.pairs)
             keepalive = (keepalive, header)
         return link.move(req.channel, pairs, send=msg is Msg.PULL_REQ, timeout_ms=serve_timeout_ms(req),
-                         what=f"serving {msg.name} {req_id}", keepalive=keepalive)
+                         what=f"serving {msg._name_} {req_id}", keepalive=keepalive)
 
 
 PLANE = StreamPlane()

@@ -41,7 +41,7 @@ def refused_request(req_id: int) -> bytes:
     return wire.encode(Msg.PULL_REQ, req_id, channel=0, target_kind=Target.CACHE_KEY, cluster_id=0, cache_id=-1,
                        key_req_id=UINT64_MAX - 1, prefix_id=UINT64_MAX, model_id=UINT64_MAX - 1, batch_index=0,
                        layer_first=0, layer_last=-1, tensor_num_per_layer=1, tensor_count=1, data_type=1,
-                       offset=0, nbytes=1, flags=wire.ReqFlag(0), timeout_ms=1000, rows=())
+                       offset=0, nbytes=1, flags=0, timeout_ms=1000, rows=())
 
 
 def small_receive_buffer_dial(address: tuple[str, int]) -> socket.socket:

@@ -137,7 +137,7 @@ def pull_key_layer(req_id_key: int, layer: int, channel: int) -> dict:
     return dict(channel=channel, target_kind=1, cluster_id=PROMPT, cache_id=-1, key_req_id=req_id_key,
                 prefix_id=2**64 - 1, model_id=0, batch_index=0, layer_first=layer, layer_last=layer,
                 tensor_num_per_layer=2, tensor_count=2, data_type=int(SMALL.data_type.value), offset=0,
-                nbytes=512, flags=wire.ReqFlag(0), timeout_ms=1000, rows=())
+                nbytes=512, flags=0, timeout_ms=1000, rows=())
 
 
 def reuse_one_request_id(address: tuple[str, int]) -> list[int]:
