@@ -174,9 +174,16 @@ def tensor_at(address: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch
 
 
 def check_sealed(fd: int, size: int) -> None:
-    """``fd`` must be a memfd of exactly ``size`` bytes, sealed against shrink and grow; ValueError else."""
+    """``fd`` must be a memfd of exactly ``size`` bytes in ordinary shared memory (shmem), sealed against shrink
+    and grow; ValueError else."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise ValueError("fd is not a memory file")
+    fs = fs_magic(fd)
+    if fs != TMPFS_MAGIC:
+        # A hugetlbfs memfd (MFD_HUGETLB) takes the seals too, but its sender can still punch holes in it
+        # (fallocate); once the host's huge pages are spent, our read of a hole faults with SIGBUS.
+        what = "hugetlbfs (MFD_HUGETLB)" if fs == HUGETLBFS_MAGIC else f"a file system of magic {fs:#x}"
+        raise ValueError(f"fd is a memfd on {what}, not in ordinary shared memory")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
@@ -188,6 +195,20 @@ def check_sealed(fd: int, size: int) -> None:
     st_size = os.fstat(fd).st_size
     if st_size != size:
         raise ValueError(f"fd holds {st_size} bytes, the record declares {size}")
+
+
+#: ``statfs.f_type`` of shmem (every memfd without ``MFD_HUGETLB``) and of hugetlbfs.
+TMPFS_MAGIC = 0x01021994
+HUGETLBFS_MAGIC = 0x958458F6
+
+
+def fs_magic(fd: int) -> int:
+    """The ``f_type`` of the file system ``fd`` lives on (``fstatfs``; Python has none); OSError if it fails."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+    if _libc.fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fstatfs: {os.strerror(err)}")
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
 
 
 class ReadOnlyMapping:

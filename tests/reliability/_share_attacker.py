@@ -30,6 +30,14 @@ object with what it got. Modes:
   long), so a receiver that checked the size before the seals maps 63 pages
   past the end of the file. Moves to the next socket when the receiver
   closes this one.
+- ``hugetlb FD``: on an inherited share socket, sends an ADD of a memfd of two
+  huge pages made with ``MFD_HUGETLB`` (populated when the host has free huge
+  pages), sealed against shrink and grow as the receiver demands. Prints one
+  JSON line, then waits for ``punch`` on stdin: punches a hole over its second
+  page (``fallocate``, which the seals do not stop), takes every free huge page
+  of the host for itself, prints a second line and holds them until stdin
+  closes. A receiver that mapped the region and reads the hole then faults
+  with SIGBUS.
 - ``address_space FD...``: spends the receiver's address space with sparse
   memfds, sealed and of sizes the records allow (at most 1 TiB each, which
   cost this process nothing), from 1 TiB down to 64 MiB: at each size it
@@ -482,6 +490,59 @@ def seal_race(fds: list[int]) -> dict:
     return {"sent": sent}
 
 
+MFD_HUGETLB = 4
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+
+
+def _meminfo(field: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def hugetlb(fd: int) -> None:
+    import ctypes
+    sock = socket.socket(fileno=fd)
+    huge = _meminfo("Hugepagesize") * 1024 or 2 << 20
+    try:
+        region = os.memfd_create("evil-huge", os.MFD_ALLOW_SEALING | MFD_HUGETLB)
+        os.ftruncate(region, 2 * huge)
+    except OSError as exc:
+        print(json.dumps({"unavailable": str(exc)}), flush=True)
+        return
+    populated = held = None
+    try:
+        held = mmap.mmap(region, 2 * huge)  # fails (ENOMEM) when the host has no free huge pages
+        held[:] = b"\x01" * (2 * huge)
+        populated = True
+    except OSError:
+        populated = False
+    fcntl.fcntl(region, fcntl.F_ADD_SEALS, SEALED)
+    socket.send_fds(sock, [record(1, 7, 2 * huge, 2, huge, 2 * huge, [0])], [region])
+    deadline = time.monotonic() + 5.0
+    while unread(sock) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    print(json.dumps({"sent": 1, "populated": populated}), flush=True)
+    if sys.stdin.readline().strip() != "punch":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    punched = libc.fallocate(region, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, ctypes.c_long(huge),
+                             ctypes.c_long(huge)) == 0
+    free = _meminfo("HugePages_Free")
+    eaten = None
+    if free:
+        eater = os.memfd_create("eat", MFD_HUGETLB)
+        os.ftruncate(eater, free * huge)
+        eaten = mmap.mmap(eater, free * huge)
+        eaten[:] = b"\x02" * (free * huge)
+    print(json.dumps({"punched": punched, "huge pages taken": free, "free now": _meminfo("HugePages_Free")}),
+          flush=True)
+    sys.stdin.read()  # hold the pages until the receiver is done
+    del eaten, held
+
+
 def address_space(fds: list[int]) -> dict:
     socks = [socket.socket(fileno=fd) for fd in fds]
     for sock in socks:
@@ -592,6 +653,9 @@ def main(argv: list[str]) -> None:
         return
     if mode == "seal_race":
         print(json.dumps(seal_race([int(fd) for fd in argv[1:]])), flush=True)
+        return
+    if mode == "hugetlb":
+        hugetlb(int(argv[1]))
         return
     if mode == "ledger":
         ledger(int(argv[1]))

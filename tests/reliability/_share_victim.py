@@ -10,6 +10,13 @@ host may do to any thread at any point. Prints one JSON object with what
 happened; a region mapped past the end of its file kills this process with
 SIGBUS instead.
 
+``hugetlb``: opens one share socket (a socket pair), hands the other end to
+``_share_attacker.py hugetlb`` and waits for its record; when the share maps the
+region, asks the attacker to punch a hole in it and take the host's free huge
+pages, then copies the region's last row (the hole) out as a pull does. Prints
+one JSON object with what happened and why the share was dropped, if it was;
+a read of the hole with no huge page left kills this process with SIGBUS.
+
 ``address_space SHARES`` (or ``map_count SHARES``): opens SHARES share sockets,
 hands the other ends to ``_share_attacker.py address_space`` (``map_count``) and serves them all until the attacker
 says what it holds; then allocates a 64 MiB cache region (``HostRegion``, as
@@ -23,6 +30,7 @@ import array
 import asyncio
 import ctypes
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -102,6 +110,57 @@ def seal_race(attempts: int) -> dict:
     return report
 
 
+async def hugetlb() -> dict:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = await asyncio.create_subprocess_exec(sys.executable, ATTACKER, "hugetlb", str(theirs.fileno()),
+                                                pass_fds=[theirs.fileno()], stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE)
+    theirs.close()
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: warnings.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("aio_datadist").addHandler(handler)
+    lost: list[bool] = []
+    share = LocalShare(ours, on_lost=lambda: lost.append(True))
+    report: dict[str, Any] = {"mapped": 0, "refused": 0, "nothing": 0, "read": 0}
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        said = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+        report["attacker"] = said
+        if "unavailable" in said:
+            return report
+        deadline = time.monotonic() + 5.0
+        while 7 not in share.regions and not lost and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        region = share.regions.get(7)
+        report["why"] = warnings
+        if region is None:
+            report["refused" if lost else "nothing"] += 1
+            return report
+        report["mapped"] += 1
+        proc.stdin.write(b"punch\n")
+        await proc.stdin.drain()
+        report["attacker after"] = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+        print(json.dumps(report), flush=True)  # what we know, should the read below kill us
+        hole = bytearray(region.row_bytes)
+        dst = array.array("Q", [ctypes.addressof((ctypes.c_char * len(hole)).from_buffer(hole)), len(hole)])
+        src = _core.segments(region.tensor_bases(0, 1), array.array("q", [region.rows - 1]), region.row_bytes, 0,
+                             region.row_bytes)
+        _core.copy_now(_core.zip_segments(dst, src))
+        report["read"] += 1
+        return report
+    finally:
+        share.close()
+        logging.getLogger("aio_datadist").removeHandler(handler)
+        if proc.stdin is not None and not proc.stdin.is_closing():
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
 async def address_space(shares: int, mode: str = "address_space") -> dict:
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(shares)]
     theirs = [b.fileno() for _, b in pairs]
@@ -136,5 +195,7 @@ async def address_space(shares: int, mode: str = "address_space") -> dict:
 if __name__ == "__main__":
     if sys.argv[1] == "seal_race":
         print(json.dumps(seal_race(int(sys.argv[2]))), flush=True)
+    elif sys.argv[1] == "hugetlb":
+        print(json.dumps(asyncio.run(hugetlb())), flush=True)
     else:
         print(json.dumps(asyncio.run(address_space(int(sys.argv[2]), sys.argv[1]))), flush=True)

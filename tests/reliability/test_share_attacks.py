@@ -15,6 +15,8 @@ no TLS, while a legitimate DECODER in this process stays linked to it:
   decoder links and shares memory during it;
 - a memfd shrunk and only then sealed after we took its record is refused,
   not mapped past its end (the receiver in its own process, which may die);
+- a memfd on hugetlbfs, sealed as asked but open to hole punching, is refused
+  before it is mapped (the receiver in its own process, which may die);
 - sparse regions of the largest size a record allows, as many as the
   receiver maps, do not take its address space.
 After each attack the legitimate link still pulls its own bytes through
@@ -237,6 +239,25 @@ def test_a_memfd_shrunk_before_it_is_sealed_is_refused_not_mapped_past_its_end()
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"mapped": 0, "refused": 2, "nothing": 0, "read": 0}, report
     count("share attacks", 2)
+
+
+def test_a_hugetlb_memfd_is_refused_before_it_is_mapped():
+    """A linked peer sends an ADD whose memfd was made with ``MFD_HUGETLB``: it takes the seals against shrink
+    and grow like any memfd, but its sender can still punch holes in it (``fallocate``), and a read of a hole
+    faults with SIGBUS once the host's huge pages are spent (the attacker takes them all). Run with four huge
+    pages on the host, the receiver mapped the region and died of SIGBUS on the copy out of the hole; with none,
+    it failed to map it (ENOMEM). It now refuses such an fd before mapping it, saying why, wherever huge pages
+    stand. The receiver runs in its own process (``_share_victim.py``) so that it may die."""
+    proc = subprocess.run([sys.executable, VICTIM, "hugetlb"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, (f"the receiver ended with {proc.returncode} (SIGBUS is -{signal.SIGBUS}): "
+                                  f"{proc.stdout[-800:]} {proc.stderr[-1500:]}")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "unavailable" in report["attacker"]:
+        pytest.skip(f"this kernel makes no hugetlbfs memfd: {report['attacker']['unavailable']}")
+    assert (report["mapped"], report["refused"], report["read"]) == (0, 1, 0), report
+    assert any("hugetlbfs" in why for why in report["why"]), report
+    count("share attacks", 1)
 
 
 def _victim_report(mode: str, shares: int) -> dict:
