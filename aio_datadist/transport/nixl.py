@@ -492,7 +492,6 @@ class NixlPeer:
         self.offers_sent: set[int] = set()
         self.offers_out = OurOffers()  # the link's budget (transport/nixl_offers.py): what we offered ...
         self.offers_in = PeerOffers()  # ... and what the peer offered us, its loads paced
-        self._over_budget_said = False
         self.prepared: set[int] = set()  # our caches the peer has prepared a descriptor list for
         self._initial: set[int] | None = None  # caches offered at link time, not yet prepared by the peer
         self._peer_ready = False  # the peer's link-time offers are all prepared here
@@ -538,8 +537,8 @@ class NixlPeer:
             return
         over = self.offers_out.take(cache.cache_id, entry.rows * len(cache.layout.bases))
         if over is not None:  # the peer would refuse it: not offered, its transfers on this link take TCP
-            if not self._over_budget_said:
-                self._over_budget_said = True
+            if not self.offers_out.refused_before:
+                self.offers_out.refused_before = True
                 log.info("link to cluster %s: cache %s is not offered over NIXL (%s); its transfers take TCP "
                          "(said once per link)", self.cluster_id, cache.cache_id, over)
             return

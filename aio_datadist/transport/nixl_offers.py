@@ -72,6 +72,7 @@ class OurOffers:
 
     def __init__(self) -> None:
         self.entries: dict[int, int] = {}
+        self.refused_before = False  # whether take() refused a cache on this link already (logged once)
 
     def take(self, cache_id: int, descriptors: int) -> str | None:
         """Count ``cache_id`` as offered, or say why it would go beyond the link's budget (not counted then)."""
