@@ -692,7 +692,9 @@ class NixlPeer:
                 self.ready.set_result(False)
         elif kind == READY:
             self._peer_loaded = True
-            self._start(lambda agent: None, "NIXL link set-up", self._set_ready)  # after every offer before it
+            # Queued behind every offer before it whose load started; a load the pace delays (nixl_offers) comes
+            # later, and the link may be ready before it: that cache's transfers take TCP until it is prepared.
+            self._start(lambda agent: None, "NIXL link set-up", self._set_ready)
         elif kind == DECLINE:
             text = blob[:MAX_REASON].decode("utf-8", "replace")
             self.decline(f"cluster {self.cluster_id} gave it up: {text}", tell=False)
