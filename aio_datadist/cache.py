@@ -531,7 +531,12 @@ class CacheRegistry:
         return True
 
     def claim_key(self, binding: KeyBinding, tensors: range) -> bool:
-        """Claim ``tensors`` of a binding for one pull in flight; False if another has them."""
+        """Claim ``tensors`` of a binding for one pull in flight; False if another has them.
+
+        A binding no pull consumes (a prefix key, a registered cache's key) is not claimed: any
+        number of pulls may read it at once, as nothing of it is used up."""
+        if not self._consumable(binding):
+            return True
         held = self._reserved.setdefault(binding, set())
         if held.intersection(tensors):
             return False
@@ -553,15 +558,18 @@ class CacheRegistry:
         bound again since) is left alone, and so is the key's new binding.
         Registered (user-owned) caches and prefix keys keep their keys.
         """
-        if self._keys.get(binding.ident) is not binding:
+        if self._keys.get(binding.ident) is not binding or not self._consumable(binding):
             return
         entry = self._entries[binding.cache_id]
-        if not entry.cache._owned or binding.ident[1] != UINT64_MAX:
-            return
         binding.pulled.update(tensors)
         if len(binding.pulled) >= num_tensors:
             self._unbind(entry, binding.ident)
             self._maybe_free(entry)
+
+    def _consumable(self, binding: KeyBinding) -> bool:
+        """Whether a pull consumes ``binding``: a key of an allocated cache, not a prefix key."""
+        entry = self._entries.get(binding.cache_id)
+        return entry is not None and entry.cache._owned and binding.ident[1] == UINT64_MAX
 
     def _unbind(self, entry: _Entry, ident: tuple[int, int, int]) -> None:
         binding = entry.keys.pop(ident, None)

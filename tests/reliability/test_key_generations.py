@@ -173,3 +173,32 @@ async def test_a_lease_that_runs_out_after_its_key_was_bound_again_removes_nothi
         dst = dm.allocate_cache(SMALL)
         await dm.pull_cache(KEY, dst, 0, timeout=5_000)
         assert all(bool((t[0] == 3).all()) for t in dst.tensors)
+
+
+# -- keys a pull never consumes are not held by one pull --------------------------------------
+
+#: Bound to a prefix: a pull never consumes it (reference 4.2), so any number may pull it.
+PREFIX = CacheKey(PROMPT, req_id=2**64 - 1, prefix_id=5)
+
+
+@pytest.mark.parametrize("kind", ["prefix key", "registered cache"])
+async def test_a_key_no_pull_consumes_is_pulled_by_two_requests_at_once(kind: str):
+    async with slow_pair() as (prompt, dec):
+        pm, dm = prompt.kv_cache_manager, dec.kv_cache_manager
+        if kind == "prefix key":
+            key = PREFIX
+            src = pm.allocate_cache(KEYED, [key])
+        else:  # a registered (framework-owned) cache keeps its keys, as in LLM-DataDist
+            key = KEY
+            owned = [torch.empty(KEYED.shape, dtype=torch.float16) for _ in range(KEYED.num_tensors)]
+            src = pm.register_cache(KEYED, owned, [key])
+        paint(src, 5)
+        dsts = [dm.allocate_cache(KEYED) for _ in range(2)]
+        # two pulls of the key at once (two data channels): each takes about 0.3 s through the slow path
+        results = await asyncio.gather(*(dm.pull_cache(key, d, 0, timeout=20_000) for d in dsts),
+                                       return_exceptions=True)
+        assert results == [None, None], f"a pull of a key no pull consumes was refused: {results}"
+        assert all(holds(d, 5) for d in dsts)
+        assert registry_of(prompt).by_key(key.lookup_key()) == (src, 0)  # still bound, as before
+        assert not engine_state(prompt)["claimed keys"]
+        pm.deallocate_cache(src)
