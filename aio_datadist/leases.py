@@ -150,12 +150,16 @@ def lease_cache(manager: _Manager, cache: KvCache, cache_keys: Sequence[CacheKey
     :param cache: a cache of that manager (allocated or registered).
     :param cache_keys: the keys to unbind on expiry.
     :param lease_ms: milliseconds until expiry.
-    :raises LLMException: ``LLM_PARAM_INVALID`` for bad arguments or role,
-        ``LLM_KV_CACHE_NOT_EXIST`` for a cache that is gone.
+    :raises LLMException: ``LLM_PARAM_INVALID`` for bad arguments or role, or
+        naming ``cache`` when a lease on it still runs (renew or cancel that
+        one, ``lease_of(cache)``); ``LLM_KV_CACHE_NOT_EXIST`` for a cache that is gone.
     """
     endpoint = manager.endpoint
     endpoint.require_role("lease_cache", LLMRole.PROMPT, LLMRole.MIX)
     cache = endpoint.live(cache, "cache")
+    running = _LEASES.get(cache)
+    if running is not None and running.active:  # a second one would expire it beside the one lease_of finds
+        raise param_invalid("cache", "a lease on it still runs; renew or cancel that one (lease_of(cache))")
     if not isinstance(cache_keys, (list, tuple)):
         raise param_invalid("cache_keys", f"expected a list of CacheKey, got {type(cache_keys).__name__}")
     for i, key in enumerate(cache_keys):

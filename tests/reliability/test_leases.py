@@ -192,3 +192,31 @@ async def test_allocate_cache_takes_a_lease():
             dec.kv_cache_manager.allocate_cache(ROWS, lease_ms=100)
         assert info.value.status_code == S.LLM_PARAM_INVALID and "'lease_ms'" in str(info.value)
         assert state(dd) == before
+
+
+@pytest.mark.asyncio
+async def test_a_leased_cache_takes_no_second_lease_and_lease_of_is_the_one_that_runs():
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as dd, endpoint(LLMRole.DECODER, DECODER) as dec:
+        kv = dd.kv_cache_manager
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        dst = dec.kv_cache_manager.allocate_cache(ROWS)
+        baseline = state(dd)
+        keys = keys_for(110)
+        cache = kv.allocate_cache(ROWS, keys, lease_ms=100)
+        first = lease_of(cache)
+        with pytest.raises(LLMException) as info:  # a second lease would run beside the first, out of reach
+            lease_cache(kv, cache, keys, lease_ms=60_000)
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "'cache'" in str(info.value)
+        assert lease_of(cache) is first
+        lease_of(cache).cancel()  # the prompt keeps the cache: nothing may expire it now
+        values = fill(cache, 7)
+        await asyncio.sleep(0.3)
+        await dec.kv_cache_manager.pull_cache(keys[0], dst, 0)
+        assert all(torch.equal(d[0], v[0]) for d, v in zip(dst.tensors, values))
+
+        # once a lease ended (cancelled, expired), a new one may be put on the cache
+        second = lease_cache(kv, cache, keys[1:], lease_ms=50)
+        assert lease_of(cache) is second
+        kv.deallocate_cache(cache)
+        await settle(dd, baseline, within=0.05 + BOUND_S)
+        assert second.expired
