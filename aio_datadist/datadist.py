@@ -249,7 +249,10 @@ class LLMDataDist:
     async def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000,
                               force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Tear links down. Non-forced tells the peer, which closes its end too;
-        ``force=True`` closes only this end (use it after failures).
+        ``force=True`` closes only this end (use it after failures), but while
+        pushes of ours are in flight on a link that has not failed it tells the
+        peer all the same and waits (1 s at most) until the peer stopped taking
+        their bytes, so none lands after the pushes returned.
 
         :returns: ``(overall, [status per cluster])``; ``LLM_NOT_YET_LINK`` for
             a cluster that is not linked; ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for

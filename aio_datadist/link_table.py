@@ -32,7 +32,7 @@ from aio_datadist.links import SUCCESS, ZERO32, DataConn, Link, tune
 from aio_datadist.listener import Listener, Refusal
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
-from aio_datadist.transport.base import meets
+from aio_datadist.transport.base import ABORT_ACK_S, meets
 from aio_datadist.transport.ledger import Ledger
 from aio_datadist.transport.local import MAX_TENSORS, SHARE_AUTH_S, boot_id, connect_share
 from aio_datadist.transport.nixl import NixlAgent
@@ -602,15 +602,19 @@ class LinkTable:
             return LLMStatusCode.LLM_NOT_YET_LINK
         self.forget(link)
         status = SUCCESS
-        if not force and link.broken is None:
+        # A forced unlink tells the peer too while pushes of ours are in flight: their bytes on the way
+        # would land there after the pushes returned, unless the peer closes its end first (as for a
+        # non-forced unlink: it answers, then closes), for ABORT_ACK_S at most, as an aborted push waits.
+        if link.broken is None and (not force or link.counters.in_flight("push")):
             req_id = link.new_req_id()
             fut = link.expect(req_id)
             link.send_unlink(req_id)
             try:
-                async with asyncio.timeout(timeout_ms / 1000):
+                async with asyncio.timeout(min(timeout_ms / 1000, ABORT_ACK_S) if force else timeout_ms / 1000):
                     await fut
             except (TimeoutError, LLMException):
-                status = LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
+                if not force:
+                    status = LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
         await link.close()
         return status
 

@@ -207,6 +207,10 @@ class LinkCounters:
         self._kinds[kind].in_flight += 1
         return time.perf_counter()
 
+    def in_flight(self, kind: str) -> int:
+        """How many transfers of ``kind`` are running now."""
+        return self._kinds[kind].in_flight
+
     def end(self, kind: str, transport: str, nbytes: int, started: float, outcome: Outcome,
             status: LLMStatusCode = LLMStatusCode.LLM_SUCCESS, *, began: bool = True) -> None:
         """The transfer begun at ``started`` ended with ``outcome`` (``status`` says how it failed)."""

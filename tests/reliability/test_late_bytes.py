@@ -317,6 +317,49 @@ async def test_a_cut_layerwise_transfer_lands_nothing_after_it_returned(how):
         await verified_push(prompt, src, dst, 14)
 
 
+async def test_a_layerwise_transfer_whose_link_is_force_unlinked_lands_nothing_after_it_returned():
+    """``unlink_clusters(force=True)`` under a layer-wise push (through the slow path, MiBs on their way):
+    the task ends with the link's error, and the decoder's cache does not change afterwards."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt, \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec, \
+            SlowPath(port_of(prompt), RATE, LATENCY_S) as path:
+        src = prompt.kv_cache_manager.allocate_blocks_cache(SLOW)
+        dst = dec.kv_cache_manager.allocate_blocks_cache(SLOW, BlocksCacheKey(DECODER, 0))
+        paint(src, 15)
+        total = sum(t.numel() for t in dst.tensors)
+        mid = 0
+        for delay in (0.12, 0.16, 0.2, 0.24):
+            paint(dst, 0)
+            assert (await dec.link_clusters([cluster_info(PROMPT, path.address)], timeout=10_000))[0] == S.LLM_SUCCESS
+            task = prompt.kv_cache_manager.transfer_cache_async(
+                src, Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, 0))], ALL, ALL)
+            await asyncio.sleep(delay)
+            cut_at = time.monotonic()
+            assert await prompt.unlink_clusters([cluster_info(DECODER, path.address)], force=True) == (
+                S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            with contextlib.suppress(LLMException):
+                await task
+            assert time.monotonic() - cut_at < ABORT_ACK_S + 1.0
+            before = snap(dst)
+            await asyncio.sleep(QUIET_S)
+            changed = [i for i, (t, b) in enumerate(zip(dst.tensors, before)) if not torch.equal(t, b)]
+            assert not changed, f"cut after {delay * 1000:.0f} ms: tensors {changed} changed after the task ended"
+            count("cut transfers checked for late bytes", 1)
+            mid += 0 < landed(before, 15) < total
+            async with asyncio.timeout(2):  # the decoder lets its end go (told, or by the connection's end)
+                while True:
+                    try:
+                        await dec.check_link_status(PROMPT)
+                    except LLMException:
+                        break
+                    await asyncio.sleep(0.01)
+            if mid:
+                break
+        assert mid, "no cut came while bytes were moving"
+        assert (await dec.link_clusters([cluster_info(PROMPT, path.address)], timeout=10_000))[0] == S.LLM_SUCCESS
+        await verified_push(prompt, src, dst, 16)
+
+
 # -- the receiver of a push in a process of its own ----------------------------------------------
 
 
