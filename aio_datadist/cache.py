@@ -304,6 +304,10 @@ class CacheRegistry:
         self._reserved: dict[KeyBinding, set[int]] = {}
         self._generations = itertools.count(1)
         self._hidden: set[int] = set()  # ids of caches registered with remote_accessible=False
+        # Registered (caller-owned) cache id -> the jobs serving peers against its memory, each as the
+        # callable that stops it at once (``serving``); run when the cache is unregistered.
+        self._serving: dict[int, dict[int, Callable[[], None]]] = {}
+        self._serving_ids = itertools.count(1)
         self.on_add: Callable[[KvCache], None] | None = None
         self.on_free: Callable[[KvCache], None] | None = None
         # Peers reach caches through caches(), by_id(), by_key() and by_blocks_key(). Device caches
@@ -530,6 +534,31 @@ class CacheRegistry:
         self._maybe_free(entry)
         return True
 
+    def serving(self, caches: Iterable[KvCache], cut: Callable[[], None]) -> Callable[[], None]:
+        """A job serves a peer against ``caches``: if any is registered (memory the caller owns, which is
+        freed or reused once unregistering it returned), unregistering it runs ``cut``, which must stop
+        the job before it returns. Returns what forgets the job once it no longer touches the memory.
+
+        An allocated cache needs none of this: its memory lives until the job lets go of it."""
+        ident = next(self._serving_ids)
+        held = [c.cache_id for c in {id(c): c for c in caches}.values() if not c._owned]
+        for cache_id in held:
+            self._serving.setdefault(cache_id, {})[ident] = cut
+
+        def forget() -> None:
+            for cache_id in held:
+                cuts = self._serving.get(cache_id)
+                if cuts is not None:
+                    cuts.pop(ident, None)
+                    if not cuts:
+                        del self._serving[cache_id]
+
+        return forget
+
+    def serving_count(self) -> int:
+        """Jobs serving peers against registered caches now (see :meth:`serving`)."""
+        return sum(len(cuts) for cuts in self._serving.values())
+
     def claim_key(self, binding: KeyBinding, tensors: range) -> bool:
         """Claim ``tensors`` of a binding for one pull in flight; False if another has them.
 
@@ -581,6 +610,10 @@ class CacheRegistry:
             del self._entries[entry.cache.cache_id]
             self._hidden.discard(entry.cache.cache_id)
             self._used -= entry.nbytes
+            # A registered cache's memory is the caller's again once this returns: stop every job that
+            # serves a peer against it first (each cut returns once its job touches no byte any more).
+            for cut in list(self._serving.pop(entry.cache.cache_id, {}).values()):
+                cut()
             if self.on_free is not None:
                 self.on_free(entry.cache)
             entry.cache._alive = False
@@ -593,6 +626,7 @@ class CacheRegistry:
             entry.cache._region = None
             entry.cache._device_export = None
         self._entries.clear()
+        self._serving.clear()
         self._hidden.clear()
         self._keys.clear()
         self._blocks_keys.clear()

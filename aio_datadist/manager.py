@@ -214,8 +214,11 @@ class KvCacheManager:
 
         An allocated cache's memory goes once no key refers to it any more
         (keys go by a peer's pull or :meth:`remove_cache_key`); a registered
-        cache is unregistered at once and its memory stays the caller's. A
-        second call for the same cache is a no-op, as in LLM-DataDist.
+        cache is unregistered at once and its memory stays the caller's: every
+        peer's transfer served against it over a data channel is cut before
+        this returns (the peer's call fails with ``LLM_KV_CACHE_NOT_EXIST``), so
+        nothing reads or writes that memory afterwards. A second call for the
+        same cache is a no-op, as in LLM-DataDist.
 
         :raises LLMException: ``LLM_KV_CACHE_NOT_EXIST`` for a cache of another
             LLMDataDist (or a CPU cache).

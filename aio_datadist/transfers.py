@@ -171,7 +171,14 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
         raise LLMException(f"{what} timed out after {timeout_ms} ms",
                            status_code=LLMStatusCode.LLM_TIMEOUT) from None
     except LLMException as exc:
+        said = req.owner_failure()  # the owner stopped serving us part-way and said why
         await req.give_up()
+        if said is None:  # or says it now: a reason of its own, not its answer to our abort (LLM_FAILED)
+            said = req.owner_failure()
+            if said is not None and said.status_code == LLMStatusCode.LLM_FAILED:
+                said = None
+        if said is not None and said.status_code != exc.status_code:
+            raise said from exc
         if exc.status_code == LLMStatusCode.LLM_FAILED and (link.broken is not None or link.closed):
             try:
                 link.check()  # the engine stopped the job because the link went: say so

@@ -153,7 +153,7 @@ class Request:
     :meth:`give_up`).
     """
 
-    __slots__ = ("link", "what", "state", "channel", "generation", "req_id", "in_place", "settled", "ack")
+    __slots__ = ("link", "what", "state", "channel", "generation", "req_id", "in_place", "settled", "ack", "said")
 
     def __init__(self, link: LinkPort, what: str) -> None:
         self.link = link
@@ -165,6 +165,20 @@ class Request:
         self.in_place = False  # the owner chose a plane that needs no data channel (NIXL, same-host)
         self.settled: asyncio.Future | None = None
         self.ack: asyncio.Future | None = None
+        # A stream pull's ``RESP`` after the owner's answer, should it stop serving part-way (it unregistered
+        # the cache the pull reads): why the bytes stopped coming.
+        self.said: asyncio.Future | None = None
+
+    def owner_failure(self) -> LLMException | None:
+        """What the owner said when it stopped the request part-way (a failed ``DONE`` of a push, a failed
+        ``RESP`` after a pull was answered), if it said so already."""
+        for word in (self.ack, self.said):
+            if word is not None and word.done() and not word.cancelled() and word.exception() is None:
+                record = word.result()
+                if record.status != LLMStatusCode.LLM_SUCCESS:
+                    return LLMException(f"cluster {self.link.remote_cluster_id}: {record.text}",
+                                        status_code=code_to_status(record.status))
+        return None
 
     async def finish(self) -> None:
         """Once the bytes moved: a pull tells the owner with ``DONE``; a push (``ack`` set) waits for the

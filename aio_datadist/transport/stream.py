@@ -86,9 +86,13 @@ class StreamPlane(Plane):
         moving = link.move(req.channel, plan.local_pairs, send=not pull, timeout_ms=None, what=req.what,
                            keepalive=plan.local, settled=settled)
         req.settled, req.ack = settled, done
+        if pull:
+            req.said = link.expect(req_id)  # a RESP now says why the owner stopped part-way
         if _trace.ON:
             _trace.mark("job submitted")
         await moving
+        if pull:
+            link.pending.pop(req_id, None)
         if _trace.ON:
             _trace.mark("job done")
         if pull and plan.remote.target_kind == Target.BLOCKS_KEY:
@@ -122,6 +126,7 @@ class StreamPlane(Plane):
                 moving.cancel()  # RESP (or the link failed): the owner will not answer on the channel
 
         answered.add_done_callback(answered_instead)
+        req.said = answered  # a failed RESP, also after the answer header: the owner stopped part-way
         task = asyncio.current_task()
         cancelling = 0 if task is None else task.cancelling()  # a task in its own cleanup may be at 1 already
         try:
@@ -199,8 +204,33 @@ class StreamPlane(Plane):
                 ack[1]()
 
         link.serving[req_id] = abort
+        told: list[bool] = []  # whether the requester was told why we stopped (``cut``)
+
+        def cut() -> None:
+            # The caller unregistered a cache this request reads or writes (``CacheRegistry.serving``): the
+            # memory is the caller's again once we return, so the job stops here and now. Resetting the
+            # channel stops it at once (a loop job is stopped, the engine detaches the fd before the reset
+            # returns, a TLS channel stops filling memory); the requester hears why first, then the ABORT.
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                return  # every byte moved: the job is over, and ``finished`` reports it
+            if not fut.done():  # else ``finished`` tells the requester of the failure that stopped it
+                told.append(True)
+                text = "the cache was unregistered while the request was served"
+                if msg is Msg.PUSH_REQ:
+                    link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, text=text)
+                else:
+                    link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, total=0,
+                              cache_id=-1, row=-1, text=text)
+            ch = link.channels[channel]
+            if ch.generation == generation and ch.sock is not None:
+                link.reset_channel(channel, tell_peer=True, req_id=req_id)
+            fut.cancel()
+
+        caches = served.keepalive if isinstance(served.keepalive, list) else [served.keepalive]
+        unwatch = rt.registry.serving(caches, cut)
 
         def finished(f: asyncio.Future) -> None:
+            unwatch()
             if link.serving.get(req_id) is abort:
                 del link.serving[req_id]
             exc = None if f.cancelled() else f.exception()
@@ -220,7 +250,7 @@ class StreamPlane(Plane):
                 # ABORT first: the requester must drop the channel before it learns of the failure.
                 if link.channels[channel].generation == generation:
                     link.reset_channel(channel, tell_peer=True)
-                if msg is Msg.PUSH_REQ:
+                if msg is Msg.PUSH_REQ and not told:
                     link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED,
                               text="cancelled" if exc is None else str(exc))
 

@@ -1,0 +1,197 @@
+"""No byte after return, for the owner of a registered cache: unregistering it cuts what peers move.
+
+A registered cache is memory the caller owns: once ``unregister_cache`` (v2) or
+``deallocate_cache`` (v1) returned, the framework frees or reuses it. A peer's
+transfer that the owner serves against it over the TCP data channels (a push
+writing into it, a pull reading it) is cut by that call, which returns only once
+no job of the owner's touches the memory any more; the peer's call fails.
+
+Each case sends 16 MiB (stepped by the owner's event loop, ``loop_io``) or 32 MiB
+(the native engine's thread) through a :class:`SlowPath` both ways, so the
+transfer is in flight when the owner unregisters: for a push, the owner's
+memory is copied the moment the call returned and must be unchanged 300 ms
+later, after the pusher's call ended; for a pull, the owner paints its memory
+anew at once (the framework reusing it), and no byte of that paint may reach
+the puller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+from _harness import endpoint
+from _slowpath import SlowPath
+from peers import cluster_info, port_of
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    KvCache,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aio_datadist.testing import engine_state, registry_of
+
+pytestmark = pytest.mark.asyncio
+
+S = LLMStatusCode
+PROMPT, DECODER = 71, 72
+BLOCKS = 32
+#: 16 MiB (the owner's event loop steps it) and 32 MiB (the engine thread moves it).
+SIZES = {"loop": CacheDesc(4, (BLOCKS, 64 * 1024), DataType.DT_FLOAT16, Placement.HOST),
+         "engine": CacheDesc(4, (BLOCKS, 128 * 1024), DataType.DT_FLOAT16, Placement.HOST)}
+ALL = list(range(BLOCKS))
+RATE = 48e6
+LATENCY_S = 0.05
+QUIET_S = 0.3
+
+
+class SlowBothWays(SlowPath):
+    """A :class:`SlowPath` that is slow towards the listener too (a peer's push crosses it that way)."""
+
+    async def upstream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._line(reader, writer)
+
+
+@contextlib.asynccontextmanager
+async def v2_pair() -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    """A v2 PROMPT (listening) and DECODER over TCP, the decoder linked through a :class:`SlowBothWays`."""
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(
+            endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", enable_cache_manager=True))
+        dec = await stack.enter_async_context(
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp", enable_cache_manager=True))
+        path = await stack.enter_async_context(SlowBothWays(port_of(prompt), RATE, LATENCY_S))
+        status, _ = await dec.link_clusters([cluster_info(PROMPT, path.address)], timeout=10_000)
+        assert status == S.LLM_SUCCESS
+        yield prompt, dec
+
+
+def paint(tensors: list[torch.Tensor], value: float) -> None:
+    for t in tensors:
+        t.fill_(value)
+
+
+def share(tensors: list[torch.Tensor], value: float) -> float:
+    return sum(int((t == value).sum()) for t in tensors) / sum(t.numel() for t in tensors)
+
+
+async def until_moving(tensors: list[torch.Tensor], value: float) -> float:
+    """Wait (bounded) until some of ``tensors`` hold ``value``: the transfer is under way."""
+    deadline = time.monotonic() + 5
+    while (got := share(tensors, value)) == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    return got
+
+
+async def outcome(task: asyncio.Task) -> Any:
+    try:
+        async with asyncio.timeout(10):
+            return await task
+    except LLMException as exc:
+        return exc.status_code
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+async def test_unregistering_a_cache_a_peer_pushes_into_lands_nothing_after_it_returned(size: str):
+    desc = SIZES[size]
+    async with v2_pair() as (prompt, dec):
+        mine = [torch.zeros(desc.shape, dtype=torch.float16) for _ in range(desc.num_tensors)]
+        owned = prompt.cache_manager.register_blocks_cache(desc, mine, BlocksCacheKey(PROMPT, 0),
+                                                          remote_accessible=True)
+        src = dec.cache_manager.allocate_blocks_cache(desc)
+        paint(src.tensors, 5)
+        push = asyncio.ensure_future(dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), src, ALL, ALL,
+                                                                   timeout=20_000))
+        at_cut = await until_moving(mine, 5)
+        started = time.monotonic()
+        prompt.cache_manager.unregister_cache(owned.cache_id)
+        took = time.monotonic() - started
+        before = [t.clone() for t in mine]
+        result = await outcome(push)
+        await asyncio.sleep(QUIET_S)
+        changed = sum(int((t != b).sum()) * 2 for t, b in zip(mine, before, strict=True))
+        assert not owned.alive
+        assert changed == 0, (f"{size}: {changed} bytes of the unregistered cache changed after unregister_cache "
+                              f"returned ({at_cut:.0%} had landed at the cut, the push gave {result!r}, "
+                              f"unregister took {took * 1000:.1f} ms)")
+        assert took < 1.5, f"unregister_cache took {took:.2f} s"
+        assert result in (S.LLM_KV_CACHE_NOT_EXIST, S.LLM_LINK_FAILED), f"the cut push gave {result!r}"
+        # the link carries the next push into a cache registered anew
+        again = prompt.cache_manager.register_blocks_cache(desc, mine, BlocksCacheKey(PROMPT, 0),
+                                                          remote_accessible=True)
+        paint(src.tensors, 6)
+        await dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), src, ALL, ALL, timeout=20_000)
+        assert share(mine, 6) == 1
+        prompt.cache_manager.unregister_cache(again.cache_id)
+        assert not engine_state(prompt)["claimed keys"]
+        assert registry_of(prompt).all_caches() == []
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+async def test_unregistering_a_cache_a_peer_pulls_from_reads_nothing_after_it_returned(size: str):
+    desc = SIZES[size]
+    async with v2_pair() as (prompt, dec):
+        mine = [torch.full(desc.shape, 3, dtype=torch.float16) for _ in range(desc.num_tensors)]
+        owned = prompt.cache_manager.register_blocks_cache(desc, mine, BlocksCacheKey(PROMPT, 0),
+                                                          remote_accessible=True)
+        dst: KvCache = dec.cache_manager.allocate_blocks_cache(desc)
+        paint(dst.tensors, 0)
+        pull = asyncio.ensure_future(dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, ALL, ALL,
+                                                                   timeout=20_000))
+        at_cut = await until_moving(dst.tensors, 3)
+        started = time.monotonic()
+        prompt.cache_manager.unregister_cache(owned.cache_id)
+        took = time.monotonic() - started
+        paint(mine, 9)  # the framework reuses its memory at once
+        result = await outcome(pull)
+        await asyncio.sleep(QUIET_S)
+        late = share(dst.tensors, 9)
+        assert late == 0, (f"{size}: {late:.1%} of the puller's cache was read from the owner's memory after "
+                           f"unregister_cache returned ({at_cut:.0%} had landed at the cut, the pull gave "
+                           f"{result!r}, unregister took {took * 1000:.1f} ms)")
+        assert took < 1.5, f"unregister_cache took {took:.2f} s"
+        assert result in (S.LLM_KV_CACHE_NOT_EXIST, S.LLM_LINK_FAILED), f"the cut pull gave {result!r}"
+        again = prompt.cache_manager.register_blocks_cache(desc, mine, BlocksCacheKey(PROMPT, 0),
+                                                          remote_accessible=True)
+        await dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, ALL, ALL, timeout=20_000)
+        assert share(dst.tensors, 9) == 1
+        prompt.cache_manager.unregister_cache(again.cache_id)
+
+
+async def test_deallocating_a_registered_cache_a_peer_pushes_into_lands_nothing_after_it_returned():
+    """The v1 spelling (``KvCacheManager.deallocate_cache``): a PROMPT pushes into a DECODER's registered cache."""
+    desc = SIZES["engine"]
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp"))
+        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, DECODER, transport="tcp"))
+        path = await stack.enter_async_context(SlowPath(port_of(prompt), RATE, LATENCY_S))
+        status, _ = await dec.link_clusters([cluster_info(PROMPT, path.address)], timeout=10_000)
+        assert status == S.LLM_SUCCESS
+        mine = [torch.zeros(desc.shape, dtype=torch.float16) for _ in range(desc.num_tensors)]
+        owned = dec.kv_cache_manager.register_blocks_cache(desc, mine, BlocksCacheKey(DECODER, 0))
+        src = prompt.kv_cache_manager.allocate_blocks_cache(desc)
+        paint(src.tensors, 5)
+        push = asyncio.ensure_future(prompt.kv_cache_manager.push_blocks(BlocksCacheKey(DECODER, 0), src, ALL, ALL,
+                                                                         timeout=20_000))
+        at_cut = await until_moving(mine, 5)
+        dec.kv_cache_manager.deallocate_cache(owned)
+        before = [t.clone() for t in mine]
+        result = await outcome(push)
+        await asyncio.sleep(QUIET_S)
+        changed = sum(int((t != b).sum()) * 2 for t, b in zip(mine, before, strict=True))
+        assert changed == 0, (f"{changed} bytes of the deallocated registered cache changed after deallocate_cache "
+                              f"returned ({at_cut:.0%} had landed at the cut, the push gave {result!r})")
+        assert result in (S.LLM_KV_CACHE_NOT_EXIST, S.LLM_LINK_FAILED), f"the cut push gave {result!r}"
+        assert registry_of(dec).serving_count() == 0
+        prompt.kv_cache_manager.deallocate_cache(src)
