@@ -534,14 +534,17 @@ class CacheRegistry:
         self._maybe_free(entry)
         return True
 
-    def serving(self, caches: Iterable[KvCache], cut: Callable[[], None]) -> Callable[[], None]:
+    def serving(self, caches: Iterable[KvCache], cut: Callable[[], None]) -> Callable[[], None] | None:
         """A job serves a peer against ``caches``: if any is registered (memory the caller owns, which is
         freed or reused once unregistering it returned), unregistering it runs ``cut``, which must stop
-        the job before it returns. Returns what forgets the job once it no longer touches the memory.
+        the job before it returns. Returns what forgets the job once it no longer touches the memory, or
+        None when no cache is registered.
 
         An allocated cache needs none of this: its memory lives until the job lets go of it."""
+        held = {c.cache_id for c in caches if not c._owned}
+        if not held:
+            return None
         ident = next(self._serving_ids)
-        held = [c.cache_id for c in {id(c): c for c in caches}.values() if not c._owned]
         for cache_id in held:
             self._serving.setdefault(cache_id, {})[ident] = cut
 

@@ -230,7 +230,8 @@ class StreamPlane(Plane):
         unwatch = rt.registry.serving(caches, cut)
 
         def finished(f: asyncio.Future) -> None:
-            unwatch()
+            if unwatch is not None:
+                unwatch()
             if link.serving.get(req_id) is abort:
                 del link.serving[req_id]
             exc = None if f.cancelled() else f.exception()
