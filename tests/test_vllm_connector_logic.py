@@ -399,3 +399,38 @@ def test_a_pull_whose_side_channel_closes_meanwhile_is_reported_failed(agents) -
         relay.rate = None
         relay_loop.call(relay.__aexit__(None, None, None))
         relay_loop.stop()
+
+
+def test_a_second_request_for_the_same_prefill_request_does_not_free_it_under_a_pull(agents) -> None:
+    """Two decode requests carrying the same ``kv_transfer_params`` (a proxy's retry, parallel sampling) share
+    the decode's side channel: the one that ends first (here released unpulled: a prefix-cache hit or an abort
+    before its load) must not free the prefill's blocks while the other still pulls them."""
+    relay_loop = LoopThread("relay")
+    relay = _SlowRelay(("127.0.0.1", 0))
+    try:
+        prefill, p_kv = agents(True, transport="tcp")
+        relay.target = prefill._dd.listen_address
+        relay_loop.call(relay.__aenter__())
+        prefill.options.advertise_data = "{}:{}".format(*relay.address)
+        decode, d_kv = agents(False, transport="tcp")
+        prefill.holds.add("r8", lease_s=60)
+        relay.rate = 4096.0  # the pull (6 KiB here) takes about 1.5 s
+        remote = _remote(prefill, "r8", [6, 8])
+        decode.start_pull("d8", remote, [3, 5])
+        wait(lambda: "r8" in prefill.holds.held and prefill.holds.held["r8"].owner is not None)
+        decode.release_unpulled(remote)  # the other decode request holding the same params
+        released: set[str] = set()
+        deadline = time.monotonic() + 10
+        while decode.pulls.pending():
+            assert time.monotonic() < deadline, "the pull did not end"
+            released |= prefill.holds.take_released()
+            assert "r8" not in released, "the prefill freed the blocks while a pull still read them"
+            time.sleep(0.01)
+        assert decode.pulls.take_finished() == ({"d8"}, set(), set())
+        _assert_block(d_kv, 3, p_kv, 6)
+        _assert_block(d_kv, 5, p_kv, 8)
+        _released_soon(prefill, "r8")  # once the last user said done
+    finally:
+        relay.rate = None
+        relay_loop.call(relay.__aexit__(None, None, None))
+        relay_loop.stop()

@@ -191,6 +191,24 @@ class _Peer:
         self.relinks = 0  # attempts to link again that ended
         self.task: asyncio.Task | None = None
         self.broken: BaseException | None = None
+        # prefill request -> pulls and releases of it on this connection: the prefill frees a request on the
+        # first done, so done waits for the last of them (two decode requests may carry the same params)
+        self.users: dict[str, int] = {}
+        self.to_free: set[str] = set()  # requests one of those users claimed: done is owed
+
+    def use(self, req: str) -> None:
+        self.users[req] = self.users.get(req, 0) + 1
+
+    def unuse(self, req: str, claimed: bool) -> None:
+        """One user of ``req`` is finished (``claimed``: its claim was granted); the last one says done."""
+        if claimed:
+            self.to_free.add(req)
+        left = self.users.pop(req) - 1
+        if left:
+            self.users[req] = left
+        elif req in self.to_free:
+            self.to_free.discard(req)
+            self.writer.write(encode_frame({"id": 0, "op": "done", "req": req}))
 
     async def request(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
         if self.broken is not None:
@@ -522,7 +540,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         self.pulls.set_cancel(req_id, lambda: loop.call_soon_threadsafe(task.cancel))
         ok, error, peer = False, "", None
-        claimed = asking = False
+        claimed = asking = using = False
         started = time.monotonic()
         try:
             if len(local) > len(remote.block_ids):
@@ -531,7 +549,8 @@ class Agent:
             src = list(remote.block_ids[len(remote.block_ids) - len(local):])
             peer = await self._peer(remote.host, remote.port)
             await self._relink_if_lost(peer)
-            asking = True
+            peer.use(remote.request_id)
+            using = asking = True
             reply = await peer.request("claim", self.options.link_timeout_ms / 1000, req=remote.request_id)
             asking = False
             if not reply["ok"]:
@@ -560,9 +579,9 @@ class Agent:
             self.record("pull", req=req_id, ok=ok, error=error, seconds=seconds, blocks=len(local),
                         authenticated=self._secret is not None,
                         bytes=len(local) * (self.layout.block_bytes * self.layout.tensors if self.layout else 0))
-            if claimed and peer is not None:
+            if using and peer is not None:
                 with contextlib.suppress(Exception):
-                    peer.writer.write(encode_frame({"id": 0, "op": "done", "req": remote.request_id}))
+                    peer.unuse(remote.request_id, claimed)
         if not claimed and (asking or error == "aborted"):
             # aborted before its claim was sent, or its claim unanswered (it may still succeed at the prefill):
             # free the blocks as for a request aborted before its load (claim + done), not only after a timeout
@@ -575,8 +594,12 @@ class Agent:
     async def _release(self, remote: RemotePrefill) -> None:
         try:
             peer = await self._peer(remote.host, remote.port)
-            reply = await peer.request("claim", self.options.link_timeout_ms / 1000, req=remote.request_id)
-            if reply["ok"]:
-                peer.writer.write(encode_frame({"id": 0, "op": "done", "req": remote.request_id}))
+            peer.use(remote.request_id)
+            claimed = False
+            try:
+                reply = await peer.request("claim", self.options.link_timeout_ms / 1000, req=remote.request_id)
+                claimed = reply["ok"]
+            finally:
+                peer.unuse(remote.request_id, claimed)
         except Exception as exc:  # the prefill's lease frees the blocks in the end
             log.warning("request %s: could not tell the prefill to free its blocks: %s", remote.request_id, exc)
