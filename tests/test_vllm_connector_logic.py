@@ -434,3 +434,26 @@ def test_a_second_request_for_the_same_prefill_request_does_not_free_it_under_a_
         relay.rate = None
         relay_loop.call(relay.__aexit__(None, None, None))
         relay_loop.stop()
+
+
+def test_a_peer_that_never_reads_its_replies_holds_bounded_memory(agents) -> None:
+    """Requests sent without reading the replies (a stuck or hostile decode): the prefill stops reading that
+    connection once its replies back up, instead of queueing them in memory without bound."""
+    prefill, _ = agents(True)
+    hello = encode_frame({"id": 1, "op": "hello"})  # 24 bytes in, about 200 out
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(0.2)
+        sock.connect(prefill.side_channel)
+        sent, deadline = 0, time.monotonic() + 5
+        while sent < 2_000_000 and time.monotonic() < deadline:  # until the prefill stops reading us
+            try:
+                sent += sock.send(hello * 512)
+            except TimeoutError:
+                break
+
+        async def queued() -> int:
+            return sum(w.transport.get_write_buffer_size() for w in prefill._conns)
+
+        time.sleep(0.3)
+        assert prefill.loop.call(queued()) < 1 << 20

@@ -424,6 +424,7 @@ class Agent:
                     else:
                         reply["error"] = "not claimed by this connection"
                 writer.write(encode_frame({"id": rid, **reply}))
+                await writer.drain()  # a peer that does not read its replies is not read either
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
