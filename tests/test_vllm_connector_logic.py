@@ -457,3 +457,37 @@ def test_a_peer_that_never_reads_its_replies_holds_bounded_memory(agents) -> Non
 
         time.sleep(0.3)
         assert prefill.loop.call(queued()) < 1 << 20
+
+
+def test_a_pull_ends_within_the_hold_the_prefill_granted(agents) -> None:
+    """The prefill keeps a claim ``hold_ms`` (its reply says how long: its own ``pull_timeout_ms`` plus
+    ``claim_grace_s``); a decode configured with a longer ``pull_timeout_ms`` still stops pulling by then, so
+    no pull reads blocks the prefill already gave back to vLLM and reports them loaded."""
+    relay_loop = LoopThread("relay")
+    relay = _SlowRelay(("127.0.0.1", 0))
+    try:
+        prefill, _ = agents(True, transport="tcp", pull_timeout_ms=300, claim_grace_s=0.2)  # holds a claim 0.5 s
+        relay.target = prefill._dd.listen_address
+        relay_loop.call(relay.__aenter__())
+        prefill.options.advertise_data = "{}:{}".format(*relay.address)
+        decode, d_kv = agents(False, transport="tcp")  # pull_timeout_ms 30 s
+        prefill.holds.add("r9", lease_s=60)
+        relay.rate = 4096.0  # the pull (6 KiB here) takes about 1.5 s
+        decode.start_pull("d9", _remote(prefill, "r9", [6, 8]), [3, 5])
+        released_while_pulling = False
+        deadline = time.monotonic() + 10
+        while decode.pulls.pending():
+            assert time.monotonic() < deadline, "the pull did not end"
+            released_while_pulling |= "r9" in prefill.holds.take_released()
+            time.sleep(0.01)
+        finished, failed, _ = decode.pulls.take_finished()
+        assert finished == {"d9"}
+        assert failed == {"d9"} or not released_while_pulling, "a pull read blocks the prefill had freed"
+        assert failed == {"d9"}  # 1.5 s of pulling does not fit in a 0.5 s hold
+        after = {name: t.clone() for name, t in d_kv.items()}
+        time.sleep(0.3)  # and nothing of it lands afterwards
+        assert all(torch.equal(d_kv[name], after[name]) for name in d_kv)
+    finally:
+        relay.rate = None
+        relay_loop.call(relay.__aexit__(None, None, None))
+        relay_loop.stop()

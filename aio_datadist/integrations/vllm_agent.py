@@ -552,15 +552,21 @@ class Agent:
             await self._relink_if_lost(peer)
             peer.use(remote.request_id)
             using = asking = True
+            asked = time.monotonic()
             reply = await peer.request("claim", self.options.link_timeout_ms / 1000, req=remote.request_id)
             asking = False
             if not reply["ok"]:
                 raise ConnectionError(reply["error"])
             claimed = True
+            # the prefill frees the blocks hold_ms after it granted the claim (its own pull_timeout_ms and
+            # claim_grace_s): stop pulling by then, counted from when the claim left
+            left_ms = reply["hold_ms"] - int((time.monotonic() - asked) * 1000)
+            if left_ms <= 0:
+                raise TimeoutError(f"the claim's hold ({reply['hold_ms']} ms) ran out before the pull began")
             assert self._dd is not None
             await self._dd.kv_cache_manager.pull_blocks(BlocksCacheKey(peer.cluster_id, 0), self._cache,
                                                         src_blocks=src, dst_blocks=list(local),
-                                                        timeout=self.options.pull_timeout_ms)
+                                                        timeout=min(self.options.pull_timeout_ms, left_ms))
             if peer.task is None or peer.task.done() or peer.reader.at_eof() or peer.writer.is_closing():
                 # the prefill frees a claim whose side channel closed: what was read may be another request's
                 raise ConnectionError("side channel lost during the pull: the prefill released the blocks")
