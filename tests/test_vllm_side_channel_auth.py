@@ -9,6 +9,7 @@ of silent connections, frame headers that lie.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -26,11 +27,13 @@ from aio_datadist.integrations.vllm_agent import (
     SECRET_ENV,
     Agent,
     AgentOptions,
+    LoopThread,
     kv_layout,
 )
 from aio_datadist.integrations.vllm_wire import RemotePrefill
 import _vllm_agents
 from _vllm_agents import BLOCK_TOKENS, BLOCKS, kv_caches, wait
+from relay import Relay
 
 agents = _vllm_agents.agents  # the fixture
 
@@ -151,6 +154,51 @@ def test_a_flood_of_silent_connections_does_not_block_an_honest_decoder(agents) 
                 pipe.close()
     assert prefill.refusals >= total - MAX_PENDING_HANDSHAKES - 1 >= 250
     wait(lambda: not prefill.holds.held)
+
+
+class _Distant(Relay):
+    """A decode across a network: each chunk forwarded 40 ms late, each way."""
+
+    async def pipe(self, reader, writer) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                await asyncio.sleep(0.04)
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+        except (ConnectionError, OSError):
+            writer.transport.abort()
+
+
+def test_a_flood_of_hellos_from_one_host_does_not_evict_a_distant_decoder(agents) -> None:
+    """The hello is 40 bytes anyone can send; a local process sending one on a new connection every 2 ms,
+    then stalling, must not push a decode 80 ms away out of the handshake (it can prove the secret, the
+    flood cannot): past 16 in the handshake, the host holding the most of them loses its oldest."""
+    prefill, p_kv = agents(True, shared_secret=SECRET)
+    decode, d_kv = agents(False, shared_secret=SECRET)
+    prefill.holds.add("r1", lease_s=60)
+    host, port = prefill.side_channel
+    relay_loop = LoopThread("relay")
+    relay = relay_loop.call(_Distant((host, port)).__aenter__())
+    flood = subprocess.Popen([sys.executable, PEER, "flood", host, str(port), "16", "0.002", "127.0.0.2"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout is not None and flood.stdin is not None
+        assert json.loads(flood.stdout.readline())["opened"] == 16
+        time.sleep(0.2)  # the flood runs
+        ok, _ = _pull(decode, *relay.address, "r1")
+        assert ok and _landed(p_kv, d_kv)
+        assert prefill.refusals >= 50  # the flood was evicted meanwhile
+        flood.stdin.close()
+        flood.wait(10)
+    finally:
+        flood.kill()
+        flood.wait()
+        for pipe in (flood.stdin, flood.stdout):
+            if pipe is not None:
+                pipe.close()
+        relay_loop.call(relay.__aexit__(None, None, None))
+        relay_loop.stop()
 
 
 def test_frames_that_lie_about_their_size_are_dropped_and_release_nothing(agents) -> None:

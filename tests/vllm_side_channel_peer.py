@@ -8,6 +8,8 @@ line on stdout with what it saw::
     python vllm_side_channel_peer.py relay HOST PORT TRANSCRIPT     # forward one connection, record its bytes
     python vllm_side_channel_peer.py replay HOST PORT TRANSCRIPT    # send a recorded connection's bytes again
     python vllm_side_channel_peer.py flood HOST PORT N              # N silent connections, more until stdin ends
+    python vllm_side_channel_peer.py flood HOST PORT N GAP SRC      # the same from SRC, each sending a hello
+                                                                    # (no secret needed), one every GAP s
     python vllm_side_channel_peer.py lie HOST PORT SECRET|-         # frame headers that lie about their size
     python vllm_side_channel_peer.py claims HOST PORT SECRET REQ...  # claim each on one connection
 """
@@ -114,15 +116,19 @@ def replay(host: str, port: int, transcript: str) -> dict:
     return {"sent": len(recorded), "got": data.hex(), "closed": closed}
 
 
-def flood(host: str, port: int, count: int) -> None:
+def flood(host: str, port: int, count: int, gap_s: float = 0.005, source: str = "") -> None:
     socks: list[socket.socket] = []
     opened = 0
 
     def open_one() -> None:
         nonlocal opened
         try:
-            socks.append(socket.create_connection((host, port), timeout=5))
+            sock = socket.create_connection((host, port), timeout=5,
+                                            source_address=(source, 0) if source else None)
+            socks.append(sock)
             opened += 1
+            if source:
+                sock.sendall(MAGIC + os.urandom(32))  # a hello anyone can send: it then stalls
         except OSError:
             pass
 
@@ -131,7 +137,7 @@ def flood(host: str, port: int, count: int) -> None:
     print(json.dumps({"opened": opened}), flush=True)
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    while not stop.wait(0.005):  # keep coming: about 200 new silent connections a second
+    while not stop.wait(gap_s):  # keep coming: by default about 200 new silent connections a second
         open_one()
         if len(socks) > 2000:
             socks.pop(0).close()
@@ -177,7 +183,7 @@ def main(argv: list[str]) -> None:
     elif mode == "replay":
         print(json.dumps(replay(host, port, argv[3])))
     elif mode == "flood":
-        flood(host, port, int(argv[3]))
+        flood(host, port, int(argv[3]), *((float(argv[4]), argv[5]) if len(argv) > 5 else ()))
     elif mode == "lie":
         print(json.dumps(lie(host, port, None if argv[3] == "-" else argv[3].encode())))
     elif mode == "claims":

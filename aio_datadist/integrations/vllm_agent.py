@@ -8,6 +8,7 @@ thread submits work and never waits on the network.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import json
@@ -148,6 +149,11 @@ def kv_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int,
                            status_code=LLMStatusCode.LLM_PARAM_INVALID)
     block_bytes = first[0].numel() * first.element_size()
     return tensors, Layout(len(tensors), num_blocks, block_bytes, block_tokens, str(first.dtype)), per_layer
+
+
+def _host(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if peer else ""
 
 
 class LoopThread:
@@ -360,9 +366,14 @@ class Agent:
         """The handshake, bounded in time and in how many run at once; False: the connection is refused."""
         assert self._secret is not None
         if len(self._handshaking) >= MAX_PENDING_HANDSHAKES:
-            # the oldest that has said nothing yet (a flood of silent connections never pushes out a decode
-            # that sent its hello), else the oldest
-            victim = next((w for w, spoke in self._handshaking.items() if not spoke), next(iter(self._handshaking)))
+            # one of the host holding the most (anyone can send a hello: a flood from one host does not push
+            # out a decode elsewhere, whose hello or proof may be a network away); of those, the oldest that
+            # has said nothing yet (a flood of silent connections never pushes out a decode that sent its
+            # hello), else the oldest
+            hosts = collections.Counter(_host(w) for w in self._handshaking)
+            top = max(hosts, key=hosts.__getitem__)
+            theirs = [(w, spoke) for w, spoke in self._handshaking.items() if _host(w) == top]
+            victim = next((w for w, spoke in theirs if not spoke), theirs[0][0])
             del self._handshaking[victim]
             victim.transport.abort()
         self._handshaking[writer] = False
