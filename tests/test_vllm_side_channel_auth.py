@@ -71,6 +71,15 @@ def _still_held(prefill: Agent, *reqs: str) -> bool:
         and not prefill.holds.take_released()
 
 
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill a peer program (if it still runs), wait for it and close our ends of its pipes."""
+    proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
 def _sockets() -> int:
     count = 0
     for fd in os.listdir("/proc/self/fd"):
@@ -147,11 +156,7 @@ def test_a_flood_of_silent_connections_does_not_block_an_honest_decoder(agents) 
         total = json.loads(flood.stdout.readline())["opened"]
         flood.wait(10)
     finally:
-        flood.kill()
-        flood.wait()
-        for pipe in (flood.stdin, flood.stdout):
-            if pipe is not None:
-                pipe.close()
+        _reap(flood)
     assert prefill.refusals >= total - MAX_PENDING_HANDSHAKES - 1 >= 250
     wait(lambda: not prefill.holds.held)
 
@@ -192,11 +197,7 @@ def test_a_flood_of_hellos_from_one_host_does_not_evict_a_distant_decoder(agents
         flood.stdin.close()
         flood.wait(10)
     finally:
-        flood.kill()
-        flood.wait()
-        for pipe in (flood.stdin, flood.stdout):
-            if pipe is not None:
-                pipe.close()
+        _reap(flood)
         relay_loop.call(relay.__aexit__(None, None, None))
         relay_loop.stop()
 
