@@ -84,6 +84,7 @@ cdef class HostCopyEngine:
     cdef CompletionQueue _queue
     cdef pthread_mutex_t _lock
     cdef pthread_cond_t _cond
+    cdef pthread_cond_t _over  # broadcast whenever a job leaves _jobs (see wait)
     cdef deque[CopyChunk] _chunks
     cdef unordered_map[uint64_t, CopyJob *] _jobs
     cdef vector[pthread_t] _threads

@@ -45,6 +45,9 @@ class HostCopyEngine:
     # Skip chunks not started, stop a running one at its next segment; the
     # record then carries CANCELLED. Idempotent; True if the job was pending.
     def cancel(self, token: int) -> bool: ...
+    # Block (without the GIL) up to ``timeout`` s until no copy thread works on
+    # the job any more; True once over (or no such job), False if it still runs.
+    def wait(self, token: int, timeout: float) -> bool: ...
     # Jobs whose record has not been posted yet.
     def pending(self) -> int: ...
     # Cancel every job (each still posts its record) and join the threads.

@@ -204,6 +204,7 @@ cdef class HostCopyEngine:
         self._stop = False
         pthread_mutex_init(&self._lock, NULL)
         pthread_cond_init(&self._cond, NULL)
+        pthread_cond_init(&self._over, NULL)
         if threads < 1 or threads > 64:
             raise ValueError("threads must be in [1, 64]")
         queue._check_open()
@@ -222,6 +223,7 @@ cdef class HostCopyEngine:
         if self._counted:
             self._shutdown()
         pthread_cond_destroy(&self._cond)
+        pthread_cond_destroy(&self._over)
         pthread_mutex_destroy(&self._lock)
 
     def __del__(self):
@@ -361,9 +363,37 @@ cdef class HostCopyEngine:
                     over = True
         pthread_mutex_unlock(&self._lock)
         if over:
+            pthread_cond_broadcast(&self._over)
             self._queue.push(token, -ECANCELED, 0)
             del job
         return found
+
+    def wait(self, uint64_t token, double timeout):
+        """Block (without the GIL) until no copy thread works on job ``token`` any more, at most ``timeout``
+        seconds; True once it is over (also for a token that names no job: over already, or never
+        submitted), False if it still runs. Its record may still be on its way to the queue.
+
+        With :meth:`cancel` first, a caller that must not return while the job may still write (its
+        memory is released right after) waits about one ``_CANCEL_STEP`` (1 MiB) of copying.
+        """
+        cdef timespec deadline
+        cdef bint over
+        if timeout < 0:
+            timeout = 0
+        with nogil:
+            clock_gettime(CLOCK_REALTIME, &deadline)
+            deadline.tv_sec += <long>timeout
+            deadline.tv_nsec += <long>((timeout - <long>timeout) * 1e9)
+            if deadline.tv_nsec >= 1000000000:
+                deadline.tv_sec += 1
+                deadline.tv_nsec -= 1000000000
+            pthread_mutex_lock(&self._lock)
+            while self._jobs.count(token):
+                if pthread_cond_timedwait(&self._over, &self._lock, &deadline) == ETIMEDOUT:
+                    break
+            over = self._jobs.count(token) == 0
+            pthread_mutex_unlock(&self._lock)
+        return over
 
     def pending(self):
         """Number of jobs whose record has not been posted yet."""
@@ -409,6 +439,7 @@ cdef class HostCopyEngine:
                 self._jobs.erase(job.token)
             pthread_mutex_unlock(&self._lock)
             if last:
+                pthread_cond_broadcast(&self._over)
                 status = -ECANCELED if job.cancelled else 0
                 self._queue.push(job.token, status, <int64_t>(0 if job.cancelled else job.total))
                 del job

@@ -287,6 +287,31 @@ def test_cancel_running_copy_stops_at_next_segment(one_thread_copier, queue):
     assert one_thread_copier.pending() == 0
 
 
+def test_wait_returns_once_no_thread_copies_the_job_any_more(one_thread_copier, queue):
+    """``wait`` blocks without the GIL until the job left the copy threads (or its timeout): after ``cancel``
+    then ``wait``, nothing of the job is written any more, before its record was even drained."""
+    src = np.ones(256 * MIB, dtype=np.uint8)
+    dst = np.zeros(256 * MIB, dtype=np.uint8)
+    one_thread_copier.submit(1, u64([addr(dst), addr(src), dst.nbytes]))
+    deadline = time.monotonic() + 5
+    while not dst[0] and time.monotonic() < deadline:
+        pass
+    assert one_thread_copier.wait(1, 0.0) is False  # still copying
+    one_thread_copier.cancel(1)
+    assert one_thread_copier.wait(1, 1.0) is True
+    snapshot = dst.copy()
+    time.sleep(0.1)
+    assert np.array_equal(dst, snapshot), "the job wrote after wait returned"
+    assert wait_records(queue, [1]) == {1: (_core.CANCELLED, 0)}
+    assert one_thread_copier.wait(1, 0.0) is True  # a job that is over, or a token never used
+    assert one_thread_copier.wait(999, 0.0) is True
+    small_src, small_dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+    one_thread_copier.submit(2, u64([addr(small_dst), addr(small_src), 4096]))
+    assert one_thread_copier.wait(2, 5.0) is True  # a job that ends by itself
+    assert np.array_equal(small_dst, small_src)
+    assert wait_records(queue, [2]) == {2: (_core.OK, 4096)}
+
+
 def test_close_cancels_queued_copies(queue):
     engine = _core.HostCopyEngine(queue, threads=1)
     big_src = np.ones(64 * MIB, dtype=np.uint8)
