@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import asyncio
 import functools
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -44,8 +45,13 @@ if TYPE_CHECKING:
 
 __all__ = ["PLANE", "SameHostPlane", "USE_STREAM", "run_copy_job"]
 
+log = logging.getLogger("aio_datadist.local")
+
 #: How long a given-up same-host copy may take to stop (it stops between chunks of at most 1 MiB).
 COPY_SETTLE_S = 5.0
+#: How long unregistering a registered cache waits, on the loop's thread, for a cut owner's copy into it to stop
+#: (``serve_copy``; it stops within 1 MiB of copying, well under 1 ms on a copy thread that runs).
+CUT_WAIT_S = 1.0
 #: Source rows a same-host push may name (they travel as one opaque field); larger pushes stream.
 MAX_LOCAL_SRC_ROWS = 32768
 #: RESP.cache_id of an owner that cannot read a same-host push's source: the pusher streams it instead.
@@ -163,13 +169,18 @@ class SameHostPlane(InPlacePlane):
         triples = _core.zip_segments(served.pairs, src_pairs)
         inline = functools.partial(_core.copy_now, triples) if copies_inline(rt, served.total) else None
         serve_copy(rt, link, req_id, req, served, lambda t: rt.copier.submit(t, triples), rt.copier.cancel,
-                   (cache, region), self.transport, inline)
+                   (cache, region), self.transport, inline, rt.copier.wait)
 
 
 def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Served, submit: Any, cancel: Any,
-               keepalive: Any, transport: str, inline: Callable[[], Any] | None = None) -> None:
+               keepalive: Any, transport: str, inline: Callable[[], Any] | None = None,
+               wait: Callable[[int, float], bool] | None = None) -> None:
     """Run the owner's copy of a same-host push and answer ``RESP`` once it is over (never before); ``inline``,
-    when given, is the copy run here and now instead of a job."""
+    when given, is the copy run here and now instead of a job.
+
+    ``wait(token, timeout)``, when given, blocks until the job ``token`` no longer writes: unregistering a
+    registered (caller-owned) cache the copy writes then cancels it and waits for it before returning
+    (``CacheRegistry.serving``), and the pusher is answered ``LLM_KV_CACHE_NOT_EXIST``."""
     cache = served.cache
     assert cache is not None, "PUSH_LOCAL names a registered cache"
 
@@ -189,25 +200,54 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
         landed()
         return
     settled = asyncio.get_running_loop().create_future()
+    tokens: list[int] = []
+
+    def submitted(token: int) -> Any:
+        tokens.append(token)
+        return submit(token)
+
     try:
-        moved = rt.completions.start(submit, cancel, timeout_ms=serve_timeout_ms(req),
+        moved = rt.completions.start(submitted, cancel, timeout_ms=serve_timeout_ms(req),
                                      what=f"serving PUSH_LOCAL {req_id}", keepalive=keepalive, settled=settled)
     except LLMException as exc:
         counters.end("served_push", transport, served.total, started, Outcome.FAILED, exc.status_code)
         answer(exc.status_code, str(exc))
         return
     link.serving[req_id] = moved.cancel
+    told: list[str] = []  # why the copy was cut, when the caller unregistered the cache it writes (``cut``)
+
+    def cut() -> None:
+        # The caller unregistered the (registered) cache this copy writes: the memory is the caller's again
+        # once we return, so the copy is stopped and waited for here and now. Its record comes later and
+        # ``over`` then tells the pusher why.
+        if settled.done() or (moved.done() and not moved.cancelled() and moved.exception() is None):
+            return  # every byte moved (``over`` reports it), or the copy is over already
+        told.append("the cache was unregistered while the request was served")
+        for token in tokens:
+            cancel(token)
+            if wait is not None and not wait(token, CUT_WAIT_S):
+                log.error("serving PUSH_LOCAL %d: the copy into an unregistered cache did not stop within %.1f s",
+                          req_id, CUT_WAIT_S)
+        moved.cancel()
+
+    unwatch = rt.registry.serving([cache], cut) if wait is not None else None
 
     def over(_: asyncio.Future) -> None:
+        if unwatch is not None:
+            unwatch()
         if link.serving.get(req_id) == moved.cancel:
             del link.serving[req_id]
         if moved.done() and not moved.cancelled() and moved.exception() is None:
             landed()
             return
-        counters.end("served_push", transport, served.total, started, Outcome.FAILED, LLMStatusCode.LLM_FAILED)
+        status = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST if told else LLMStatusCode.LLM_FAILED
+        counters.end("served_push", transport, served.total, started, Outcome.FAILED, status)
         if not moved.done():
             moved.cancel()
-        answer(LLMStatusCode.LLM_FAILED, "the push was aborted" if moved.cancelled() else str(moved.exception()))
+        if told:
+            answer(status, told[0])
+        else:
+            answer(status, "the push was aborted" if moved.cancelled() else str(moved.exception()))
 
     settled.add_done_callback(over)
 

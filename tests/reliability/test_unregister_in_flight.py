@@ -40,7 +40,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
-from aio_datadist.testing import engine_state, registry_of
+from aio_datadist.testing import engine_state, registry_of, usable_link
 
 pytestmark = pytest.mark.asyncio
 
@@ -195,3 +195,102 @@ async def test_deallocating_a_registered_cache_a_peer_pushes_into_lands_nothing_
         assert result in (S.LLM_KV_CACHE_NOT_EXIST, S.LLM_LINK_FAILED), f"the cut push gave {result!r}"
         assert registry_of(dec).serving_count() == 0
         prompt.kv_cache_manager.deallocate_cache(src)
+
+
+# -- the same-host plane: a peer's push is the owner's own copy (``PUSH_LOCAL``) --------------------------------
+
+#: 4 x 64 blocks of 1 MiB (256 MiB) copied by one copy thread: the owner's copy runs for tens of ms.
+LOCAL_DESC = CacheDesc(4, (64, 1 << 20), DataType.DT_UINT8, Placement.HOST)
+LOCAL_ALL = list(range(64))
+#: Bounded tries at cutting the owner's copy while it runs (a try whose copy was over at the cut proves nothing).
+LOCAL_TRIES = 5
+
+
+@contextlib.asynccontextmanager
+async def local_pair(v2: bool) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    """A PROMPT (listening) and DECODER linked same-host, each with one copy thread."""
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(
+            endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="local", enable_cache_manager=v2,
+                     copy_threads=1))
+        dec = await stack.enter_async_context(
+            endpoint(LLMRole.DECODER, DECODER, transport="local", enable_cache_manager=v2, copy_threads=1))
+        status, _ = await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))], timeout=10_000)
+        assert status == S.LLM_SUCCESS
+        assert usable_link(dec, PROMPT).local is not None and usable_link(prompt, DECODER).local is not None
+        yield prompt, dec
+
+
+async def copy_started(tensor: torch.Tensor, value: int) -> bool:
+    """Wait (bounded) until the first byte of ``tensor`` holds ``value``: the owner's copy has begun."""
+    flat = tensor.view(-1)
+    deadline = time.monotonic() + 5
+    while int(flat[0]) != value:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.0002)
+    return True
+
+
+@pytest.mark.parametrize("api", ["v2", "v1"])
+async def test_unregistering_a_cache_a_same_host_peer_pushes_into_lands_nothing_after_it_returned(api: str):
+    """A same-host push into a registered cache is copied by the owner's copy thread out of the pusher's
+    region: ``unregister_cache`` (v2: a PROMPT's cache, the DECODER pushing) / ``deallocate_cache`` (v1: a
+    DECODER's, the PROMPT pushing) returns only once that copy stopped, and the push fails."""
+    desc, v2 = LOCAL_DESC, api == "v2"
+    async with local_pair(v2) as (prompt, dec):
+        owner, pusher, owner_id = (prompt, dec, PROMPT) if v2 else (dec, prompt, DECODER)
+        owner_kv = owner.cache_manager if v2 else owner.kv_cache_manager
+        pusher_kv = pusher.cache_manager if v2 else pusher.kv_cache_manager
+        key = BlocksCacheKey(owner_id, 0)
+
+        def register() -> KvCache:
+            if v2:
+                return owner_kv.register_blocks_cache(desc, mine, key, remote_accessible=True)
+            return owner_kv.register_blocks_cache(desc, mine, key)
+
+        def release(cache: KvCache) -> None:
+            if v2:
+                owner_kv.unregister_cache(cache.cache_id)
+            else:
+                owner_kv.deallocate_cache(cache)
+
+        mine = [torch.zeros(desc.shape, dtype=torch.uint8) for _ in range(desc.num_tensors)]
+        src = pusher_kv.allocate_blocks_cache(desc)
+        tries = []
+        for value in range(5, 5 + LOCAL_TRIES):
+            for t in mine:
+                t.zero_()
+            paint(src.tensors, value)
+            owned = register()
+            push = asyncio.ensure_future(pusher_kv.push_blocks(key, src, LOCAL_ALL, LOCAL_ALL, timeout=20_000))
+            assert await copy_started(mine[0], value), "the owner's copy never began"
+            started = time.monotonic()
+            release(owned)
+            took = time.monotonic() - started
+            running = int(mine[-1].view(-1)[-1]) != value  # the copy had not reached its last byte
+            before = [t.clone() for t in mine]
+            result = await outcome(push)
+            await asyncio.sleep(QUIET_S)
+            changed = sum(int((t != b).sum()) for t, b in zip(mine, before, strict=True))
+            tries.append((running, changed, result, round(took * 1000, 2)))
+            assert changed == 0, (f"{api}: {changed} bytes of the registered cache changed after it was released "
+                                  f"(release took {took * 1000:.2f} ms, the push gave {result!r}); tries "
+                                  f"(running at the cut, bytes changed, push result, release ms): {tries}")
+            assert took < 1.5, f"releasing the cache took {took:.2f} s"
+            if running:
+                assert result == S.LLM_KV_CACHE_NOT_EXIST, f"the cut push gave {result!r}"
+                break
+        else:
+            pytest.fail(f"the owner's copy was never cut while it ran: {tries}")
+        assert registry_of(owner).serving_count() == 0
+        # the link carries the next push into the cache registered anew
+        again = register()
+        paint(src.tensors, 99)
+        await pusher_kv.push_blocks(key, src, LOCAL_ALL, LOCAL_ALL, timeout=20_000)
+        assert all(bool((t == 99).all()) for t in mine)
+        release(again)
+        if v2:
+            pusher_kv.deallocate_blocks_cache(src)
+        else:
+            pusher_kv.deallocate_cache(src)
