@@ -557,9 +557,10 @@ class Link:
             case protocol.Ping():
                 pass  # the peer is alive: the reader noted when it was heard
             case protocol.Unlink(req_id=req_id):
-                self.send(Msg.UNLINK_ACK, req_id)
+                # Answered once our end is down (``close``): the peer's unlink returns on the answer, so no
+                # byte of its pushes may land here after it (a forced unlink under pushes waits for it).
                 self._forget(self)
-                self.spawn(self.close())
+                self.spawn(self.close(ack=req_id))
             case protocol.Abort(req_id=req_id, record=record, peers_request=peers_request):
                 serving = None
                 if peers_request:
@@ -724,11 +725,15 @@ class Link:
             self.writer.close()
         self.free.put_nowait(-1)
 
-    async def close(self, why: str = "unlinked") -> None:
+    async def close(self, why: str = "unlinked", *, ack: int = 0) -> None:
+        """Close the link; ``ack``: the peer's ``UNLINK`` to answer, once the data channels are down (the
+        answer leaves with the last flush before the control connection closes)."""
         if self.closed:
             return
         if self.broken is None:
             self._went_down(why)
+            if ack:
+                self.send_soon(Msg.UNLINK_ACK, ack)  # written by _teardown after it dropped the data channels
             self._teardown(LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
                                         status_code=LLMStatusCode.LLM_NOT_YET_LINK))
         self.closed = True

@@ -360,6 +360,43 @@ async def test_a_layerwise_transfer_whose_link_is_force_unlinked_lands_nothing_a
         await verified_push(prompt, src, dst, 16)
 
 
+async def test_a_force_unlinked_peer_that_closes_a_moment_after_it_heard_takes_no_byte_after_the_push_returned():
+    """The pusher's forced unlink returns on the peer's answer to ``UNLINK``: the peer must have stopped taking
+    the push's bytes by then. A peer whose close runs a moment after it read ``UNLINK`` (its event loop busy,
+    or another process's pace) stands for the race: it answered at once and kept receiving until its close."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt, \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec, \
+            SlowPath(port_of(prompt), RATE, LATENCY_S) as path:
+        src = prompt.kv_cache_manager.allocate_blocks_cache(SLOW)
+        dst = dec.kv_cache_manager.allocate_blocks_cache(SLOW, BlocksCacheKey(DECODER, 0))
+        paint(src, 15)
+        paint(dst, 0)
+        assert (await dec.link_clusters([cluster_info(PROMPT, path.address)], timeout=10_000))[0] == S.LLM_SUCCESS
+        theirs = link_to(dec, PROMPT)
+        assert theirs is not None
+        close = theirs.close
+
+        async def late_close(*args: Any, **kwargs: Any) -> None:
+            await asyncio.sleep(0.3)
+            await close(*args, **kwargs)
+
+        theirs.close = late_close  # type: ignore[method-assign]
+        task = prompt.kv_cache_manager.transfer_cache_async(
+            src, Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, 0))], ALL, ALL)
+        deadline = time.monotonic() + 5
+        while not (at_cut := landed(snap(dst), 15)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        assert 0 < at_cut < sum(t.numel() for t in dst.tensors), "the cut came outside the push"
+        assert await prompt.unlink_clusters([cluster_info(DECODER, path.address)], force=True) == (
+            S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        with contextlib.suppress(LLMException):
+            await task
+        before = snap(dst)
+        await asyncio.sleep(QUIET_S + 0.3)
+        changed = [i for i, (t, b) in enumerate(zip(dst.tensors, before, strict=True)) if not torch.equal(t, b)]
+        assert not changed, f"tensors {changed} changed after the force-unlinked push ended"
+
+
 # -- the receiver of a push in a process of its own ----------------------------------------------
 
 
