@@ -126,8 +126,9 @@ class CacheManager:
     def unregister_cache(self, cache_id: int) -> None:
         """Release cache ``cache_id`` (registered or allocated); a registered cache's memory stays
         the caller's. Peers' requests for it fail with ``LLM_KV_CACHE_NOT_EXIST`` from then on, and
-        those served against a registered cache over a data channel are cut before this returns (as
-        :meth:`KvCacheManager.deallocate_cache`), so nothing reads or writes its memory afterwards.
+        those served against a registered cache over a TCP or TLS data channel are cut before this
+        returns (as :meth:`KvCacheManager.deallocate_cache`, which says what is not cut), so no such job
+        reads or writes its memory afterwards.
 
         An id that names no cache (already released included) is a no-op, as
         in LLM-DataDist.
