@@ -216,11 +216,11 @@ class KvCacheManager:
         (keys go by a peer's pull or :meth:`remove_cache_key`); a registered
         cache is unregistered at once and its memory stays the caller's: every
         peer's transfer served against it over a TCP or TLS data channel (the
-        stream plane) is cut before this returns (the peer's call fails with
-        ``LLM_KV_CACHE_NOT_EXIST``), so no such job reads or writes that memory
-        afterwards; same-host pushes, the staging plane (device caches) and NIXL
-        are not cut (reliability row 128). A second call for the same cache is
-        a no-op, as in LLM-DataDist.
+        stream plane), and every same-host push's copy into it, is cut before
+        this returns (the peer's call fails with ``LLM_KV_CACHE_NOT_EXIST``), so
+        no such job reads or writes that memory afterwards; device-IPC pushes,
+        the staging plane (device caches) and NIXL are not cut (reliability row
+        128). A second call for the same cache is a no-op, as in LLM-DataDist.
 
         :raises LLMException: ``LLM_KV_CACHE_NOT_EXIST`` for a cache of another
             LLMDataDist (or a CPU cache).
