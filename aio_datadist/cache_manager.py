@@ -127,8 +127,8 @@ class CacheManager:
         """Release cache ``cache_id`` (registered or allocated); a registered cache's memory stays
         the caller's. Peers' requests for it fail with ``LLM_KV_CACHE_NOT_EXIST`` from then on, and
         those served against a registered cache over a TCP or TLS data channel, or by a same-host push's
-        copy, are cut before this returns (as :meth:`KvCacheManager.deallocate_cache`, which says what is not cut), so no such job
-        reads or writes its memory afterwards.
+        copy, are cut before this returns (as :meth:`KvCacheManager.deallocate_cache`, which says what is
+        not cut), so no such job reads or writes its memory afterwards.
 
         An id that names no cache (already released included) is a no-op, as
         in LLM-DataDist.
