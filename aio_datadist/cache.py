@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import bisect
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -31,6 +32,8 @@ from aio_datadist.types import (
 )
 
 __all__ = ["CacheLayout", "CacheRegistry", "KeyBinding", "KvCache", "check_bounds"]
+
+log = logging.getLogger("aio_datadist.cache")
 
 
 class CacheLayout:
@@ -616,7 +619,11 @@ class CacheRegistry:
             # A registered cache's memory is the caller's again once this returns: stop every job that
             # serves a peer against it first (each cut returns once its job touches no byte any more).
             for cut in list(self._serving.pop(entry.cache.cache_id, {}).values()):
-                cut()
+                try:
+                    cut()
+                except Exception:  # one job's failure to stop must not leave the registry half updated
+                    log.exception("stopping a job that served a peer against cache %s failed",
+                                  entry.cache.cache_id)
             if self.on_free is not None:
                 self.on_free(entry.cache)
             entry.cache._alive = False

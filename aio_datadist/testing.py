@@ -214,8 +214,9 @@ def engine_state(dd: LLMDataDist) -> dict[str, int]:
     Keys: ``"pending tokens"`` (native completions not yet delivered),
     ``"socket jobs"`` and ``"copy jobs"`` (running in the socket and copy
     engines), ``"registered bytes"`` and ``"caches"`` (of the registry) and
-    ``"claimed keys"`` (key bindings an owner holds while it serves them).
-    Compare one taken before with one taken after.
+    ``"claimed keys"`` (key bindings an owner holds while it serves them) and
+    ``"serving registered"`` (jobs serving peers against registered caches,
+    which unregistering them cuts). Compare one taken before with one taken after.
     """
     rt = dd._require_runtime()
     return {
@@ -225,6 +226,7 @@ def engine_state(dd: LLMDataDist) -> dict[str, int]:
         "registered bytes": rt.registry.used_bytes,
         "caches": len(rt.registry),
         "claimed keys": len(rt.registry._reserved),
+        "serving registered": rt.registry.serving_count(),
     }
 
 

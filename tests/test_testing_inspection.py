@@ -37,7 +37,7 @@ async def test_engine_state_counts_what_an_endpoint_holds_and_a_pull_gives_back(
     pair = datadist_pair
     before = engine_state(pair.prompt)
     assert set(before) == {"pending tokens", "socket jobs", "copy jobs", "registered bytes", "caches",
-                           "claimed keys"}
+                           "claimed keys", "serving registered"}
     assert before["caches"] == 2 == len(registry_of(pair.prompt).caches())
     held = held_by(pair.prompt_blocks) + held_by(pair.prompt_rows)
     assert before["registered bytes"] == held
