@@ -188,6 +188,16 @@ cdef void *_copy_worker_main(void *arg) noexcept nogil:
     return NULL
 
 
+cdef void _deadline_in(timespec *deadline, long ms) noexcept nogil:
+    # CLOCK_REALTIME now plus ``ms`` (>= 0), for pthread_cond_timedwait.
+    clock_gettime(CLOCK_REALTIME, deadline)
+    deadline.tv_sec += ms // 1000
+    deadline.tv_nsec += (ms % 1000) * 1000000
+    if deadline.tv_nsec >= 1000000000:
+        deadline.tv_sec += 1
+        deadline.tv_nsec -= 1000000000
+
+
 cdef class HostCopyEngine:
     """Worker threads that run batched host memcpy lists without the GIL.
 
@@ -381,12 +391,7 @@ cdef class HostCopyEngine:
         if timeout < 0:
             timeout = 0
         with nogil:
-            clock_gettime(CLOCK_REALTIME, &deadline)
-            deadline.tv_sec += <long>timeout
-            deadline.tv_nsec += <long>((timeout - <long>timeout) * 1e9)
-            if deadline.tv_nsec >= 1000000000:
-                deadline.tv_sec += 1
-                deadline.tv_nsec -= 1000000000
+            _deadline_in(&deadline, <long>(timeout * 1000))
             pthread_mutex_lock(&self._lock)
             while self._jobs.count(token):
                 if pthread_cond_timedwait(&self._over, &self._lock, &deadline) == ETIMEDOUT:
@@ -1474,12 +1479,7 @@ cdef bint _state_drain(NotifyState *st, double timeout_s) noexcept nogil:
     # Refuse new slots and wait until every enqueued host function ran.
     cdef timespec deadline
     cdef bint drained
-    clock_gettime(CLOCK_REALTIME, &deadline)
-    deadline.tv_sec += <long>timeout_s
-    deadline.tv_nsec += <long>((timeout_s - <long>timeout_s) * 1e9)
-    if deadline.tv_nsec >= 1000000000:
-        deadline.tv_sec += 1
-        deadline.tv_nsec -= 1000000000
+    _deadline_in(&deadline, <long>(timeout_s * 1000))
     pthread_mutex_lock(&st.lock)
     st.closed = True
     while not st.slots.empty():
@@ -1527,15 +1527,6 @@ DEF OP_WAIT = 4
 cdef void *_report_main(void *arg) noexcept nogil:
     (<_AclReporter>arg)._loop()
     return NULL
-
-
-cdef void _deadline_in(timespec *deadline, long ms) noexcept nogil:
-    clock_gettime(CLOCK_REALTIME, deadline)
-    deadline.tv_sec += ms // 1000
-    deadline.tv_nsec += (ms % 1000) * 1000000
-    if deadline.tv_nsec >= 1000000000:
-        deadline.tv_sec += 1
-        deadline.tv_nsec -= 1000000000
 
 
 _reporters = {}
