@@ -317,15 +317,23 @@ async def test_a_cut_layerwise_transfer_lands_nothing_after_it_returned(how):
         await verified_push(prompt, src, dst, 14)
 
 
-async def test_a_layerwise_transfer_whose_link_is_force_unlinked_lands_nothing_after_it_returned():
-    """``unlink_clusters(force=True)`` under a layer-wise push (through the slow path, MiBs on their way):
-    the task ends with the link's error, and the decoder's cache does not change afterwards."""
+@contextlib.asynccontextmanager
+async def slow_tcp_pair() -> AsyncIterator[tuple[LLMDataDist, LLMDataDist, SlowPath, KvCache, KvCache]]:
+    """A PROMPT and a DECODER over TCP with the slow path in front of the PROMPT's listener (not linked yet):
+    the PROMPT's source blocks cache painted 15, the DECODER's destination keyed ``(DECODER, 0)``."""
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt, \
             endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec, \
             SlowPath(port_of(prompt), RATE, LATENCY_S) as path:
         src = prompt.kv_cache_manager.allocate_blocks_cache(SLOW)
         dst = dec.kv_cache_manager.allocate_blocks_cache(SLOW, BlocksCacheKey(DECODER, 0))
         paint(src, 15)
+        yield prompt, dec, path, src, dst
+
+
+async def test_a_layerwise_transfer_whose_link_is_force_unlinked_lands_nothing_after_it_returned():
+    """``unlink_clusters(force=True)`` under a layer-wise push (through the slow path, MiBs on their way):
+    the task ends with the link's error, and the decoder's cache does not change afterwards."""
+    async with slow_tcp_pair() as (prompt, dec, path, src, dst):
         total = sum(t.numel() for t in dst.tensors)
         mid = 0
         for delay in (0.12, 0.16, 0.2, 0.24):
@@ -364,12 +372,7 @@ async def test_a_force_unlinked_peer_that_closes_a_moment_after_it_heard_takes_n
     """The pusher's forced unlink returns on the peer's answer to ``UNLINK``: the peer must have stopped taking
     the push's bytes by then. A peer whose close runs a moment after it read ``UNLINK`` (its event loop busy,
     or another process's pace) stands for the race: it answered at once and kept receiving until its close."""
-    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt, \
-            endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec, \
-            SlowPath(port_of(prompt), RATE, LATENCY_S) as path:
-        src = prompt.kv_cache_manager.allocate_blocks_cache(SLOW)
-        dst = dec.kv_cache_manager.allocate_blocks_cache(SLOW, BlocksCacheKey(DECODER, 0))
-        paint(src, 15)
+    async with slow_tcp_pair() as (prompt, dec, path, src, dst):
         paint(dst, 0)
         assert (await dec.link_clusters([cluster_info(PROMPT, path.address)], timeout=10_000))[0] == S.LLM_SUCCESS
         theirs = link_to(dec, PROMPT)
