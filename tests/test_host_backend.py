@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import select
 
 import pytest
 import torch
@@ -39,6 +40,8 @@ def test_host_stream_runs_copies_in_order_after_the_streams_it_waits_for():
         gate.open()
         assert copy.synchronize(5)
         assert bytes(dst) == b"a" * 64
+        # the notifier's thread posts the completion after the stream ran it: wait on the queue's fd
+        assert select.select([queue.fileno()], [], [], 5)[0]
         assert queue.drain() == [(5, 0, 64)]
         with pytest.raises(OSError, match="no open host stream"):
             notifier.notify(6, 12345, 0)
