@@ -44,9 +44,35 @@ def fork_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
 def pytest_asyncio_loop_factories(config, item):
     """Every async test runs on asyncio's default loop and on uvloop."""
-    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return LOOPS
+
+
+def pytest_collection_modifyitems(config, items):
+    """A slow test marked ``loops_take_turns`` runs each of its cases on one loop, the loops in turn (its first
+    case on asyncio, its second on uvloop, ...), instead of every case on both: every case runs and both loops
+    run the test, at half the cost. For tests whose cases are ways to cut a call (a timeout, a cancel, ...),
+    where the loop and the way are independent."""
+    kept, dropped, seen = [], [], {}
+    loops = list(LOOPS)
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if item.get_closest_marker("loops_take_turns") is None or spec is None:
+            kept.append(item)
+            continue
+        loop = spec.id.split("-", 1)[0]
+        assert loop in loops, f"{item.nodeid}: loops_take_turns needs the loop as the first id part"
+        key = (item.path, item.originalname, loop)
+        turn = seen.setdefault(key, 0)
+        seen[key] = turn + 1
+        (kept if turn % len(loops) == loops.index(loop) else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 # Event loops (and os.urandom) keep these for their own lifetime, which

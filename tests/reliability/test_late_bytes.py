@@ -200,6 +200,7 @@ async def verified_push(prompt: LLMDataDist, src: KvCache, dst: KvCache, value: 
 # -- TCP and TLS ---------------------------------------------------------------------
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("how", HOW)
 async def test_a_cut_tcp_pull_writes_nothing_after_it_returned(how):
     async with pair(transport="tcp") as (_, dec, src, dst):
@@ -210,6 +211,7 @@ async def test_a_cut_tcp_pull_writes_nothing_after_it_returned(how):
         await verified_pull(dec, src, dst, 4)
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("how", HOW)
 async def test_a_cut_loop_driven_tcp_pull_writes_nothing_after_it_returned(how):
     """Pulls of up to 16 MiB are stepped by the event loop itself (``loop_io``, a posted gated receive), not the
@@ -223,6 +225,7 @@ async def test_a_cut_loop_driven_tcp_pull_writes_nothing_after_it_returned(how):
         await verified_pull(dec, src, dst, 8)
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("how", HOW)
 async def test_a_cut_tcp_push_lands_nothing_after_it_returned(how):
     async with pair(SLOW, slow=RATE, transport="tcp") as (prompt, dec, src, dst):
@@ -234,6 +237,7 @@ async def test_a_cut_tcp_push_lands_nothing_after_it_returned(how):
         await dec.check_link_status(PROMPT)
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("how", ["timeout=", "task.cancel"])
 async def test_cut_tls_transfers_write_nothing_after_they_returned(how):
     async with pair(SLOW, slow=RATE, transport="tcp", tls=True) as (prompt, dec, src, dst):
@@ -259,6 +263,7 @@ async def nixl_prepared(owner: LLMDataDist, peer_id: int, cache: KvCache) -> Non
 
 @pytest.mark.nixl
 @pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("how", ["timeout=", "task.cancel"])
 async def test_cut_nixl_transfers_write_and_record_nothing_after_they_returned(how):
     async with pair(transport="nixl") as (prompt, dec, src, dst):
@@ -291,6 +296,7 @@ class Ready(LayerSynchronizer):
         return True
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("how", ["task.cancel", "layer timeout"])
 async def test_a_cut_layerwise_transfer_lands_nothing_after_it_returned(how):
     config = {"sync_kv_timeout": 120} if how == "layer timeout" else {}  # mid-layer, past the latency

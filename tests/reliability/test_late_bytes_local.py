@@ -69,6 +69,7 @@ async def cut(call, how: str, after_ms: int) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
 @pytest.mark.parametrize("direction", ["pull", "push"])
 async def test_a_cut_same_host_transfer_writes_nothing_after_it_returned(direction, how):

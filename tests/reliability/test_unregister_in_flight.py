@@ -232,6 +232,7 @@ async def copy_started(tensor: torch.Tensor, value: int) -> bool:
     return True
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("api", ["v2", "v1"])
 async def test_unregistering_a_cache_a_same_host_peer_pushes_into_lands_nothing_after_it_returned(api: str):
     """A same-host push into a registered cache is copied by the owner's copy thread out of the pusher's
