@@ -23,8 +23,10 @@ the native transfer ends) and simply consumes nothing. A pull that starts after
 expiry gets ``LLM_KV_CACHE_NOT_EXIST``.
 
 ``lease.renew(ms)`` moves the deadline, ``lease.cancel()`` keeps the cache
-(no expiry), ``lease.release()`` expires it now. Leases need a running event
-loop (the timer lives on it) and a PROMPT or MIX endpoint (they remove keys).
+(no expiry), ``lease.release()`` expires it now. Leases need a PROMPT or MIX
+endpoint (they remove keys), and are taken and renewed on the event loop the
+endpoint was initialised on (the timer lives there; a lease taken on a helper
+loop that then closed would never run out).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class CacheLease:
         self._endpoint: Endpoint | None = endpoint
         self._cache = weakref.ref(cache)
         self._keys = tuple(keys)
-        self._loop = _running_loop()
+        self._loop = _running_loop(endpoint)
         self._timer: asyncio.TimerHandle | None = None
         self._expired = False
         self._cancelled = False
@@ -95,11 +97,14 @@ class CacheLease:
         """Run out ``lease_ms`` milliseconds from now instead.
 
         :raises LLMException: ``LLM_PARAM_INVALID`` for a bad ``lease_ms`` or a
-            lease that already expired or was cancelled.
+            lease that already expired or was cancelled; ``LLM_FAILED`` off the
+            event loop the lease's timer lives on.
         """
         lease_ms = check_int("lease_ms", lease_ms, lo=1, hi=MAX_LEASE_MS)
         if self._expired or self._cancelled:
             raise param_invalid("lease_ms", "the lease already expired or was cancelled")
+        if _running_loop() is not self._loop:
+            raise _off_loop()
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self._loop.call_later(lease_ms / 1000, self._expire)
@@ -176,7 +181,8 @@ def allocate_leased_cache(manager: _Manager, cache_desc: CacheDesc, cache_keys: 
     :raises LLMException: as ``allocate_cache``; ``LLM_PARAM_INVALID`` naming
         ``lease_ms`` when it is not an int in ``[1, 2**31 - 1]`` or the
         endpoint is a DECODER (a lease removes keys); ``LLM_FAILED`` without
-        a running event loop. On any of them nothing is allocated.
+        a running event loop or on another loop than the endpoint's. On any of
+        them nothing is allocated.
     """
     lease_ms = check_int("lease_ms", lease_ms, lo=1, hi=MAX_LEASE_MS)
     endpoint = manager.endpoint
@@ -184,7 +190,7 @@ def allocate_leased_cache(manager: _Manager, cache_desc: CacheDesc, cache_keys: 
     if role not in (LLMRole.PROMPT, LLMRole.MIX):
         raise param_invalid("lease_ms", f"a lease removes keys, which needs role PROMPT or MIX; this "
                             f"LLMDataDist is {role.name}")
-    _running_loop()
+    _running_loop(endpoint)
     cache = manager.allocate_cache(cache_desc, cache_keys)
     return cache, CacheLease(endpoint, cache, [k for k in cache_keys if not k.is_placeholder], lease_ms)
 
@@ -199,9 +205,20 @@ def lease_of(cache: KvCache) -> CacheLease | None:
     return _LEASES.get(cache)
 
 
-def _running_loop() -> asyncio.AbstractEventLoop:
+def _running_loop(endpoint: Endpoint | None = None) -> asyncio.AbstractEventLoop:
+    """The running loop; with ``endpoint``, refused unless it is the one the endpoint was initialised
+    on (a helper loop that took a lease and closed would keep its timer from ever firing)."""
     try:
-        return asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
     except RuntimeError:
         raise LLMException("a lease needs a running event loop (its timer lives there)",
                            status_code=LLMStatusCode.LLM_FAILED) from None
+    home = None if endpoint is None or endpoint.runtime is None else endpoint.runtime.loop
+    if home is not None and loop is not home:
+        raise _off_loop()
+    return loop
+
+
+def _off_loop() -> LLMException:
+    return LLMException("a lease's timer lives on the event loop the LLMDataDist was initialised on; "
+                        "take and renew it from that loop", status_code=LLMStatusCode.LLM_FAILED)
