@@ -117,28 +117,40 @@ class CacheLease:
             self._timer = None
 
     def _expire(self) -> None:
+        self._timer = None  # fired: a refused release leaves the lease running without a deadline
         try:
             self.release()
         except LLMException as exc:  # e.g. the endpoint switched to DECODER and may not remove keys
-            log.warning("lease on cache %s could not release it: %s", getattr(self._cache(), "cache_id", "?"), exc)
+            # the message only: a record holding the exception would hold release()'s frame, and the cache in it
+            log.warning("lease on cache %s could not release it: %s", getattr(self._cache(), "cache_id", "?"), str(exc))
 
     def release(self) -> None:
-        """Expire now: unbind the keys still bound and drop the cache's id reference. Idempotent."""
+        """Expire now: unbind the keys still bound and drop the cache's id reference. Idempotent.
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` naming ``role`` when a key is
+            still bound and the endpoint is a DECODER (KvCacheManager mode), as
+            ``remove_cache_key``; the lease is then left as it was (still
+            running), to be released once the role allows it.
+        """
+        if self._expired or self._cancelled:
+            return
+        endpoint = self._endpoint
+        cache = self._cache()
+        runtime = None if endpoint is None else endpoint.runtime
+        bound = [] if runtime is None or cache is None else \
+            [key for key in self._keys if runtime.registry.bound_to(key, cache)]  # not a binding made after ours
+        if bound and endpoint is not None:  # checked before anything changes: a refused release leaves it running
+            endpoint.require_role("remove_cache_key", LLMRole.PROMPT, LLMRole.MIX)  # as remove_cache_key
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._expired or self._cancelled:
-            return
         self._expired = True
-        endpoint, self._endpoint = self._endpoint, None
-        cache = self._cache()
-        if endpoint is None or endpoint.runtime is None:
+        self._endpoint = None
+        if runtime is None:
             return  # finalize freed everything already
-        registry = endpoint.runtime.registry
-        for key in self._keys:
-            if cache is not None and registry.bound_to(key, cache):  # not a binding made after ours ended
-                endpoint.require_role("remove_cache_key", LLMRole.PROMPT, LLMRole.MIX)  # as remove_cache_key
-                registry.remove_key(key)
+        registry = runtime.registry
+        for key in bound:
+            registry.remove_key(key)  # as remove_cache_key
         if cache is not None:
             try:
                 registry.deallocate(cache)  # as deallocate_cache

@@ -12,7 +12,7 @@ import pytest
 from _harness import endpoint
 
 from aio_datadist import CacheDesc, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode, Placement
-from aio_datadist.leases import lease_of
+from aio_datadist.leases import lease_cache, lease_of
 
 S = LLMStatusCode
 PROMPT = 1
@@ -67,4 +67,35 @@ async def test_a_lease_taken_on_a_loop_that_then_closed_does_not_stay_running_fo
         assert info.value.status_code == S.LLM_FAILED and "event loop" in str(info.value)
         assert lease.active and lease.deadline is not None and lease.deadline - asyncio.get_running_loop().time() > 30
         lease.release()
+        assert held(dd) == before
+
+
+@pytest.mark.asyncio
+async def test_a_release_the_role_refuses_changes_nothing_and_works_once_the_role_allows_it():
+    """A v1 DECODER removes no keys (reference 2.4: ``remove_cache_key`` is PROMPT only), so a lease
+    whose endpoint switched to DECODER may not release its keys, by hand or by its timer. Before, the
+    refused release had already marked the lease expired: its keys and memory stayed held for good
+    (``release`` after switching back was a no-op, ``renew`` refused, ``stats().leases`` said 0)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, enable_switch_role=True) as dd:
+        kv = dd.kv_cache_manager
+        before = held(dd)
+        cache = kv.allocate_cache(ROWS, keys_for(30), lease_ms=60_000)
+        kv.deallocate_cache(cache)
+        lease = lease_of(cache)
+        kept = lease_cache(kv, kv.allocate_cache(ROWS), [], lease_ms=60_000)  # no keys: only an id reference
+        await dd.switch_role(LLMRole.DECODER)
+        with pytest.raises(LLMException) as info:
+            lease.release()
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "'role'" in str(info.value)
+        assert lease.active and not lease.expired and dd.stats().leases == 2
+
+        lease.renew(20)  # its timer runs out while the endpoint is a DECODER: refused and logged, nothing changes
+        await asyncio.sleep(0.15)
+        assert lease.active and not lease.expired and lease.deadline is None and dd.stats().leases == 2
+        kept.release()  # a lease with no key left drops the id reference only, which any role may
+        assert kept.expired and dd.stats().leases == 1
+
+        await dd.switch_role(LLMRole.PROMPT)
+        lease.release()
+        assert lease.expired and not lease.active and dd.stats().leases == 0
         assert held(dd) == before
