@@ -526,13 +526,19 @@ class CacheRegistry:
             entry.blocks_key = None
         self._maybe_free(entry)
 
-    def remove_key(self, key: CacheKey) -> bool:
-        """Unbind ``key``; True if it was bound. Frees a deallocated cache left keyless."""
+    def remove_key(self, key: CacheKey, *, owned_only: bool = False) -> bool:
+        """Unbind ``key``; True if it was bound. Frees a deallocated cache left keyless.
+
+        :param owned_only: leave a key of a registered (user-owned) cache bound, as
+            LLM-DataDist's ``remove_cache_key`` does (its keys go with the cache).
+        """
         ident = key.lookup_key()
         found = self._keys.get(ident)
         if found is None:
             return False
         entry = self._entries[found.cache_id]
+        if owned_only and not entry.cache._owned:
+            return False
         self._unbind(entry, ident)
         self._maybe_free(entry)
         return True

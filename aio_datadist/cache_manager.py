@@ -192,7 +192,8 @@ class CacheManager:
         self._kv.deallocate_cache(cache)
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
-        """Stop offering a row under ``cache_key``. No-op if unbound."""
+        """Stop offering a row under ``cache_key``. No-op if unbound, and for a key of a registered
+        cache (its keys go with it, as in LLM-DataDist)."""
         self._rt()
         check_instance("cache_key", cache_key, CacheKey)
         self._kv.remove_cache_key(cache_key)

@@ -228,11 +228,12 @@ class KvCacheManager:
         self._rt().registry.deallocate(cache)
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
-        """Stop offering a row under ``cache_key`` (PROMPT or MIX). No-op if unbound."""
+        """Stop offering a row under ``cache_key`` (PROMPT or MIX). No-op if unbound, and for a key of a
+        registered cache, which keeps its keys until it is released, as in LLM-DataDist (reference 4.2)."""
         rt = self._rt()
         self._endpoint.require_role("remove_cache_key", LLMRole.PROMPT, LLMRole.MIX)
         check_instance("cache_key", cache_key, CacheKey)
-        rt.registry.remove_key(cache_key)
+        rt.registry.remove_key(cache_key, owned_only=True)
 
     def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[torch.Tensor]:
         """Torch views of tensor ``tensor_index``, one per device (one here)."""

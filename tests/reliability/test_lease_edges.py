@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from _harness import endpoint
+from peers import cluster_info, fill, port_of
 
 from aio_datadist import CacheDesc, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode, Placement
 from aio_datadist.leases import lease_cache, lease_of
 
 S = LLMStatusCode
-PROMPT = 1
+PROMPT, DECODER = 1, 2
 ROWS = CacheDesc(2, (3, 256), DataType.DT_FLOAT16, Placement.HOST)
 
 
@@ -99,3 +101,33 @@ async def test_a_release_the_role_refuses_changes_nothing_and_works_once_the_rol
         lease.release()
         assert lease.expired and not lease.active and dd.stats().leases == 0
         assert held(dd) == before
+
+
+@pytest.mark.asyncio
+async def test_v1_remove_cache_key_leaves_a_registered_cache_s_key_bound():
+    """Reference 4.2: registered (user-owned) caches ignore ``remove_cache_key`` and keep their keys
+    (``is_owned``); they go with the cache. Before, the key was unbound, so the next decoder's pull of
+    a key the reference keeps offering got ``LLM_KV_CACHE_NOT_EXIST``."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as dd, endpoint(LLMRole.DECODER, DECODER) as dec:
+        kv, reg = dd.kv_cache_manager, dd._endpoint.runtime.registry
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        dst = dec.kv_cache_manager.allocate_cache(ROWS)
+        before = held(dd)
+        memory = [torch.zeros(ROWS.shape, dtype=torch.float16) for _ in range(ROWS.num_tensors)]
+        key = CacheKey(PROMPT, 40)
+        cache = kv.register_cache(ROWS, memory, [CacheKey(PROMPT, 2**64 - 1), key])
+        values = fill(cache, 3)
+        kv.remove_cache_key(key)  # ignored: a registered cache keeps its keys
+        assert reg.by_key(key.lookup_key()) == (cache, 1)
+        for _ in range(2):  # and a pull never consumes them
+            await dec.kv_cache_manager.pull_cache(key, dst, 0, timeout=5_000)
+        assert all(torch.equal(d[0], v[1]) for d, v in zip(dst.tensors, values, strict=True))
+
+        # a lease on it still ends it: the key and the registration go, the memory stays the caller's
+        lease = lease_cache(kv, cache, [key], lease_ms=60_000)
+        lease.release()
+        assert lease.expired and reg.by_key(key.lookup_key()) is None and not cache.alive
+        assert held(dd) == before and all(torch.equal(m, v) for m, v in zip(memory, values, strict=True))
+        with pytest.raises(LLMException) as info:
+            await dec.kv_cache_manager.pull_cache(key, dst, 0, timeout=5_000)
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
