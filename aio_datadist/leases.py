@@ -167,11 +167,12 @@ def lease_cache(manager: _Manager, cache: KvCache, cache_keys: Sequence[CacheKey
     :param cache: a cache of that manager (allocated or registered).
     :param cache_keys: the keys to unbind on expiry.
     :param lease_ms: milliseconds until expiry.
-    :raises LLMException: ``LLM_PARAM_INVALID`` for bad arguments or role, or
+    :raises LLMException: ``LLM_PARAM_INVALID`` for bad arguments or role (naming
+        ``manager``, also a ``TypeError``, for anything but a ``KvCacheManager``), or
         naming ``cache`` when a lease on it still runs (renew or cancel that
         one, ``lease_of(cache)``); ``LLM_KV_CACHE_NOT_EXIST`` for a cache that is gone.
     """
-    endpoint = manager.endpoint
+    endpoint = _endpoint_of(manager)
     endpoint.require_role("lease_cache", LLMRole.PROMPT, LLMRole.MIX)
     cache = endpoint.live(cache, "cache")
     running = _LEASES.get(cache)
@@ -191,13 +192,14 @@ def allocate_leased_cache(manager: _Manager, cache_desc: CacheDesc, cache_keys: 
 
     :returns: ``(cache, lease)``.
     :raises LLMException: as ``allocate_cache``; ``LLM_PARAM_INVALID`` naming
-        ``lease_ms`` when it is not an int in ``[1, 2**31 - 1]`` or the
-        endpoint is a DECODER (a lease removes keys); ``LLM_FAILED`` without
-        a running event loop or on another loop than the endpoint's. On any of
-        them nothing is allocated.
+        ``manager`` for anything but a ``KvCacheManager``, naming ``lease_ms``
+        when it is not an int in ``[1, 2**31 - 1]`` or the endpoint is a
+        DECODER (a lease removes keys); ``LLM_FAILED`` without a running event
+        loop or on another loop than the endpoint's. On any of them nothing is
+        allocated.
     """
     lease_ms = check_int("lease_ms", lease_ms, lo=1, hi=MAX_LEASE_MS)
-    endpoint = manager.endpoint
+    endpoint = _endpoint_of(manager)
     role = endpoint.role
     if role not in (LLMRole.PROMPT, LLMRole.MIX):
         raise param_invalid("lease_ms", f"a lease removes keys, which needs role PROMPT or MIX; this "
@@ -205,6 +207,14 @@ def allocate_leased_cache(manager: _Manager, cache_desc: CacheDesc, cache_keys: 
     _running_loop(endpoint)
     cache = manager.allocate_cache(cache_desc, cache_keys)
     return cache, CacheLease(endpoint, cache, [k for k in cache_keys if not k.is_placeholder], lease_ms)
+
+
+def _endpoint_of(manager: _Manager) -> Endpoint:
+    """The endpoint of a ``KvCacheManager``; anything else (the v2 ``CacheManager``, None) is refused
+    naming ``manager`` rather than failing on a missing attribute."""
+    from aio_datadist.manager import KvCacheManager  # it builds on this module
+
+    return check_instance("manager", manager, KvCacheManager).endpoint
 
 
 def active_leases(endpoint: Endpoint) -> int:

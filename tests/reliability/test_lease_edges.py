@@ -14,7 +14,7 @@ from _harness import endpoint
 from peers import cluster_info, fill, port_of
 
 from aio_datadist import CacheDesc, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode, Placement
-from aio_datadist.leases import lease_cache, lease_of
+from aio_datadist.leases import allocate_leased_cache, lease_cache, lease_of
 
 S = LLMStatusCode
 PROMPT, DECODER = 1, 2
@@ -131,3 +131,25 @@ async def test_v1_remove_cache_key_leaves_a_registered_cache_s_key_bound():
         with pytest.raises(LLMException) as info:
             await dec.kv_cache_manager.pull_cache(key, dst, 0, timeout=5_000)
         assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+
+
+@pytest.mark.asyncio
+async def test_a_lease_on_anything_but_a_kv_cache_manager_is_refused_naming_manager():
+    """``lease_cache`` / ``allocate_leased_cache`` take the ``KvCacheManager``; given the v2
+    ``CacheManager`` (the one a CacheManager-mode endpoint hands out) or None they raised a bare
+    ``AttributeError``. Now ``LLM_PARAM_INVALID`` naming ``manager`` (a ``TypeError`` too), nothing allocated."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, enable_cache_manager=True) as dd:
+        cm = dd.cache_manager
+        cache = cm.allocate_cache(ROWS, [CacheKey(PROMPT, 50)])
+        before = held(dd)
+        calls = (lambda m: lease_cache(m, cache, [CacheKey(PROMPT, 50)], lease_ms=100),
+                 lambda m: allocate_leased_cache(m, ROWS, [CacheKey(PROMPT, 51)], lease_ms=100))
+        for call in calls:
+            for bad in (cm, None, dd):
+                with pytest.raises(LLMException) as info:
+                    call(bad)
+                assert info.value.status_code == S.LLM_PARAM_INVALID and "'manager'" in str(info.value)
+                assert isinstance(info.value, TypeError)
+        assert held(dd) == before and lease_of(cache) is None
+        cm.deallocate_cache(cache)
+        cm.remove_cache_key(CacheKey(PROMPT, 50))
