@@ -253,8 +253,7 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
         if pushes:
             await asyncio.gather(*pushes)
     finally:
-        for link, req_id, watch in watches:
-            link.pending.pop(req_id, None)
+        for watch in watches:
             watch.cancel()
         for started in pushes:
             started.cancel()
@@ -293,16 +292,12 @@ async def _push(rt: Runtime, progress: TaskProgress, cfg: _Config, layer: int, f
 
 
 def _watch_links(configs: list[_Config], on_lost: Callable[[Link, LLMException], None]
-                 ) -> list[tuple[Link, int, asyncio.Future]]:
-    """Learn of a destination's link failing while no push to it is in flight.
-
-    A link fails every future waiting on it when it breaks or is unlinked; a
-    request id of its own that is never answered gives such a future.
-    """
+                 ) -> list[asyncio.Future]:
+    """Learn of a destination's link failing while no push to it is in flight (``Link.watch``: a future
+    only the link's end completes, which no reply of the peer's can reach)."""
     watches = []
     for link in {id(cfg.link): cfg.link for cfg in configs}.values():
-        req_id = link.new_req_id()
-        watch = link.expect(req_id)
+        watch = link.watch()
 
         def done(f: asyncio.Future, link: Link = link) -> None:
             exc = None if f.cancelled() else f.exception()
@@ -310,12 +305,7 @@ def _watch_links(configs: list[_Config], on_lost: Callable[[Link, LLMException],
                 on_lost(link, exc)
 
         watch.add_done_callback(done)
-        watches.append((link, req_id, watch))
-        try:
-            link.check()  # a link that failed before the driver started fails no future of ours any more
-        except LLMException as exc:
-            watch.set_exception(exc)
-            watch.exception()
+        watches.append(watch)
     return watches
 
 

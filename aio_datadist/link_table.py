@@ -607,7 +607,7 @@ class LinkTable:
         # non-forced unlink: it answers, then closes), for ABORT_ACK_S at most, as an aborted push waits.
         if link.broken is None and (not force or link.counters.in_flight("push")):
             req_id = link.new_req_id()
-            fut = link.expect(req_id)
+            fut = link.expect(req_id, Msg.UNLINK_ACK)
             link.send_unlink(req_id)
             try:
                 async with asyncio.timeout(min(timeout_ms / 1000, ABORT_ACK_S) if force else timeout_ms / 1000):
@@ -621,13 +621,13 @@ class LinkTable:
     async def probe(self, remote_id: int, timeout_ms: int) -> None:
         link = self.get(remote_id)
         req_id = link.new_req_id()
-        fut = link.expect(req_id)
+        fut = link.expect(req_id, Msg.PROBE_ACK)
         link.send(Msg.PROBE, req_id)
         try:
             async with asyncio.timeout(timeout_ms / 1000):
                 await fut
         except TimeoutError:
-            link.pending.pop(req_id, None)
+            link.unexpect(req_id)
             raise LLMException(f"link to cluster {remote_id}: no answer within {timeout_ms} ms",
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None
 
@@ -647,7 +647,7 @@ class LinkTable:
         for link in links:
             if link.broken is None and not link.closed:
                 req_id = link.new_req_id()
-                acks.append(link.expect(req_id))
+                acks.append(link.expect(req_id, Msg.UNLINK_ACK))
                 link.send_unlink(req_id)
         if acks:
             await asyncio.wait(acks, timeout=UNLINK_WAIT_S)

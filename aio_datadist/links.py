@@ -54,6 +54,9 @@ __all__ = ["DataConn", "Link", "tune"]
 log = logging.getLogger("aio_datadist.links")
 
 HEARTBEAT_MISSES = 5
+#: The answers a transfer of ours waits for (``Link.expect``); ``PROBE_ACK`` and ``UNLINK_ACK`` answer only
+#: the PROBE or UNLINK that asked for them.
+TRANSFER_REPLIES = frozenset({Msg.RESP, Msg.DONE})
 #: A control connection's chunk at least this big makes the link skip one turn of the loop before it reads
 #: that connection again. uvloop (libuv) reads a readable connection up to 32 times in one turn, each read
 #: acted on at once: a peer that floods its control connection would hold the loop for seconds' worth of
@@ -166,6 +169,8 @@ class Link:
         self.own = range(0, channels) if is_client else range(channels, 2 * channels)
         self.free: asyncio.Queue[int] = asyncio.Queue()
         self.pending: dict[int, asyncio.Future] = {}
+        self._acks: dict[int, Msg] = {}  # requests of ours in pending answered by PROBE_ACK or UNLINK_ACK (expect)
+        self._watches: set[asyncio.Future] = set()  # futures only the link's end completes (watch)
         self.serving: dict[int, Callable[[], Any]] = {}
         self.pull_acks: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self.broken: LLMException | None = None
@@ -445,9 +450,34 @@ class Link:
         self.unlinking = True
         self.send(Msg.UNLINK, req_id)
 
-    def expect(self, req_id: int) -> asyncio.Future:
+    def expect(self, req_id: int, answer: Msg | None = None) -> asyncio.Future:
+        """The future of the peer's answer to our request ``req_id``: ``RESP`` or ``DONE`` (a transfer's), or
+        the ``answer`` named (``PROBE_ACK``, ``UNLINK_ACK``). An answer of another kind is a protocol error
+        that fails the link, and with it the future."""
         fut = asyncio.get_running_loop().create_future()
         self.pending[req_id] = fut
+        if answer is not None:
+            self._acks[req_id] = answer
+        return fut
+
+    def unexpect(self, req_id: int) -> None:
+        """Stop waiting for the answer to ``req_id`` (one that comes later is dropped)."""
+        self.pending.pop(req_id, None)
+        self._acks.pop(req_id, None)
+
+    def watch(self) -> asyncio.Future:
+        """A future that the link's end fails (broken or unlinked, as every waiter), and that nothing the peer
+        sends can complete: how a caller with no request in flight learns that the link went. Cancel it
+        once done with it."""
+        fut = asyncio.get_running_loop().create_future()
+        try:
+            self.check()  # a link that is down already fails no future any more
+        except LLMException as exc:
+            fut.set_exception(exc)
+            fut.exception()
+            return fut
+        self._watches.add(fut)
+        fut.add_done_callback(self._watches.discard)
         return fut
 
     def spawn(self, coro: Any) -> asyncio.Task:
@@ -578,12 +608,16 @@ class Link:
                     # A pusher that gave up waits for our word that nothing of its request lands here any
                     # more; a request we serve answers once its job stopped (see owner.handle_request).
                     self.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text="aborted")
-            case protocol.Reply(req_id=req_id, record=record):
+            case protocol.Reply(msg=msg, req_id=req_id, record=record):
                 if req_id and req_id == self._probe_id:
                     self.counters.rtt_s = time.perf_counter() - self._probe_sent
                     self._probe_id = 0
                     return
-                fut = self.pending.pop(req_id, None)
+                wrong = self._wrong_answer(msg, req_id)
+                if wrong:
+                    raise ProtocolError(wrong)  # the waiter stays in pending: the link's failure fails it
+                fut = self.pending.get(req_id)
+                self.unexpect(req_id)
                 if fut is not None and not fut.done():
                     fut.set_result(record)
             case protocol.Nixl(record=record):
@@ -594,6 +628,19 @@ class Link:
                     self.spawn(self._request_after_redial(self.redialling[record.channel], msg, req_id, record))
                 elif self.on_request is not None:
                     self.on_request(self, msg, req_id, record)
+
+    def _wrong_answer(self, msg: Msg, req_id: int) -> str:
+        """Why ``msg`` cannot answer our request ``req_id``, waited for in ``pending`` ("" when it can, or
+        when nobody waits): a transfer waits for ``RESP`` or ``DONE`` (a status and a text), a ``PROBE`` or an
+        ``UNLINK`` for its own answer (``expect``); another kind is a lie its waiter must not read."""
+        fut = self.pending.get(req_id)
+        if fut is None or fut.done():
+            return ""
+        wanted = self._acks.get(req_id)
+        if msg is wanted or (wanted is None and msg in TRANSFER_REPLIES):
+            return ""
+        return f"{msg.name} answers request {req_id}, which waits for " \
+               f"{wanted.name if wanted is not None else 'RESP or DONE'}"
 
     def fail(self, exc: LLMException) -> None:
         """Mark the link broken: every waiter fails now, later calls fail fast."""
@@ -696,7 +743,9 @@ class Link:
 
     def _teardown(self, exc: LLMException) -> None:
         pending, self.pending = self.pending, {}
-        for fut in pending.values():
+        self._acks.clear()
+        watches, self._watches = self._watches, set()
+        for fut in [*pending.values(), *watches]:
             if not fut.done():
                 # One exception per waiter: raising a shared one would chain every waiter's frames
                 # (and the caches they hold) onto self.broken for as long as the broken link lives.

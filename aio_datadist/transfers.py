@@ -107,11 +107,14 @@ async def _ask(link: Link, req: Request, plan: Plan, offered: Plane | None, time
     req.state = RequestState.ASKED
     if _trace.ON:
         _trace.mark("request sent")
-    answer: Resp = await answered
+    answer = await answered
     if _trace.ON:
         _trace.mark("answer read")
     if answer.status != LLMStatusCode.LLM_SUCCESS:
         raise Refused(f"cluster {link.remote_cluster_id}: {answer.text}", status_code=code_to_status(answer.status))
+    if not isinstance(answer, Resp):  # a DONE that says it went well before the request was even accepted
+        raise LLMException(f"cluster {link.remote_cluster_id} confirmed request {req.req_id} before it accepted it",
+                           status_code=LLMStatusCode.LLM_LINK_FAILED)
     if answer.total != plan.total:
         raise LLMException(f"cluster {link.remote_cluster_id} offers {answer.total} bytes, "
                            f"{plan.total} expected", status_code=LLMStatusCode.LLM_PARAM_INVALID)

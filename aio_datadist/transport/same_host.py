@@ -278,11 +278,14 @@ async def push_local(link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> 
             raise LLMException(f"{what} timed out after {timeout_ms} ms",
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None
         raise
-    if answer.cache_id == USE_STREAM:
+    if isinstance(answer, Resp) and answer.cache_id == USE_STREAM:
         return False
     if answer.status != LLMStatusCode.LLM_SUCCESS:
         raise LLMException(f"cluster {link.remote_cluster_id}: {answer.text}",
                            status_code=code_to_status(answer.status))
+    if not isinstance(answer, Resp):  # a DONE: the owner answers PUSH_LOCAL with RESP
+        raise LLMException(f"cluster {link.remote_cluster_id} confirmed request {req_id} with DONE, not RESP",
+                           status_code=LLMStatusCode.LLM_LINK_FAILED)
     return True
 
 

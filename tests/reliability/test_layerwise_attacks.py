@@ -1,0 +1,292 @@
+"""A layer-wise push (``transfer_cache_async``) to a linked peer that lies or stops on the control connection.
+
+The destination is a hand-written peer (``_rawpeer.RawLink``, blocking sockets in a worker thread) that
+links to the PROMPT on loopback as a DECODER, answers heartbeats, and answers the PROMPT's ``PUSH_REQ``
+(its ids are even: the PROMPT accepted the link) as each test says:
+
+- replies that carry ids of requests the PROMPT never sent it (the task's own watch of the link) must not
+  take that watch away: the task still ends at once when the link goes while the prefill stalls;
+- a reply of the wrong kind to a push (``PROBE_ACK``, ``UNLINK_ACK``, a successful ``DONE`` before any
+  ``RESP``) ends the task with an ``LLMException``, never with an ``AttributeError`` out of the library;
+- a receiver that stops answering part-way (no ``RESP``, bytes never read, no ``DONE``) ends the task within
+  its timeout plus the bounded give-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+from _harness import endpoint, settle, state
+from _rawpeer import RawLink, recv_exactly, recv_frame
+from peers import fill, port_of
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    KvCache,
+    LayerSynchronizer,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    TransferWithCacheKeyConfig,
+    wire,
+)
+from aio_datadist.testing import link_to
+from aio_datadist.wire import Msg
+
+pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+
+S = LLMStatusCode
+PROMPT, ATTACKER = 1, 2
+#: 2 layers (K0, V0, K1, V1) of 4 blocks of 128 bytes.
+BLOCKS = CacheDesc(4, (4, 4, 16), DataType.DT_FLOAT16, Placement.HOST)
+TIMEOUT_MS = 300  # the PROMPT's sync_kv_timeout: each layer push's timeout
+BOUND_S = 1.5  # what a task may take past its cause to end (the give-up waits ABORT_ACK_S, 1 s, at most)
+
+
+class Gate(LayerSynchronizer):
+    """Releases layer ``i`` once the test calls :meth:`open`; says when the transfer waits for a layer."""
+
+    def __init__(self) -> None:
+        self.released: dict[int, asyncio.Event] = {}
+        self.waiting = asyncio.Event()
+
+    def open(self, layer: int) -> None:
+        self.released.setdefault(layer, asyncio.Event()).set()
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        self.waiting.set()
+        await self.released.setdefault(layer_index, asyncio.Event()).wait()
+        return True
+
+
+class Receiver:
+    """The hostile DECODER: links, then serves its control connection in a thread until :meth:`stop`.
+
+    ``on_push(raw, req_id, fields)`` is called for each ``PUSH_REQ``; the thread answers ``PROBE``s itself.
+    ``act`` runs a callable on the thread between reads (the tests' way to make it send something now).
+    """
+
+    def __init__(self, address: tuple[str, int], on_push: Callable[[RawLink, int, dict], None]) -> None:
+        self.raw = RawLink(address, ATTACKER, PROMPT, None)
+        self.on_push = on_push
+        self.pushes: list[int] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._todo: list[Callable[[RawLink], None]] = []
+        self._thread = threading.Thread(target=self._run, name="hostile receiver", daemon=True)
+
+    def start(self) -> None:
+        self.raw.connect()
+        self._thread.start()
+
+    def act(self, what: Callable[[RawLink], None]) -> None:
+        self._todo.append(what)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.raw.close()
+
+    def _run(self) -> None:
+        raw = self.raw
+        try:
+            while not self._stop.is_set():
+                while self._todo:
+                    self._todo.pop(0)(raw)
+                if raw.ctl is None:
+                    return
+                readable, _, _ = select.select([raw.ctl], [], [], 0.02)
+                if not readable:
+                    continue
+                msg, req_id, fields = recv_frame(raw.ctl)
+                if msg is Msg.PROBE:
+                    raw.send_raw(wire.encode(Msg.PROBE_ACK, req_id))
+                elif msg is Msg.PUSH_REQ:
+                    self.pushes.append(req_id)
+                    self.on_push(raw, req_id, fields)
+        except (OSError, ConnectionError) as exc:  # the PROMPT dropped the link
+            self.errors.append(exc)
+
+
+def push_total(fields: dict) -> int:
+    """The bytes a ``PUSH_REQ`` of whole blocks carries: each tensor's rows, ``nbytes`` each."""
+    return fields["tensor_count"] * len(fields["rows"]) * fields["nbytes"]
+
+
+def accept(raw: RawLink, req_id: int, fields: dict) -> None:
+    raw.send_raw(wire.encode(Msg.RESP, req_id, status=0, total=push_total(fields), cache_id=-1, row=-1, text=""))
+
+
+def honest(raw: RawLink, req_id: int, fields: dict) -> None:
+    """What an owner does: accept, read every byte, confirm."""
+    accept(raw, req_id, fields)
+    recv_exactly(raw.data[fields["channel"]], push_total(fields))
+    raw.send_raw(wire.encode(Msg.DONE, req_id, status=0, text=""))
+
+
+@contextlib.asynccontextmanager
+async def prompt_and(on_push: Callable[[RawLink, int, dict], None]) -> AsyncIterator[tuple[Any, Receiver]]:
+    """A listening PROMPT (TCP, ``TIMEOUT_MS``) and the hostile receiver linked to it."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", sync_kv_timeout=TIMEOUT_MS) as dd:
+        receiver = Receiver(port_of(dd), on_push)
+        await asyncio.to_thread(receiver.start)
+        try:
+            async with asyncio.timeout(5):
+                while link_to(dd, ATTACKER) is None:
+                    await asyncio.sleep(0.005)
+            yield dd, receiver
+        finally:
+            await asyncio.to_thread(receiver.stop)
+
+
+@contextlib.contextmanager
+def source(dd: Any) -> Iterator[KvCache]:
+    """A filled blocks cache of the PROMPT's, freed on the way out."""
+    src = dd.kv_cache_manager.allocate_blocks_cache(BLOCKS)
+    fill(src, 7)
+    try:
+        yield src
+    finally:
+        dd.kv_cache_manager.deallocate_cache(src)
+
+
+def start(dd: Any, src: KvCache, synchronizer: LayerSynchronizer) -> Any:
+    """Push layers 0 and 1 of blocks 0 and 1 into blocks 2 and 3 of the receiver's blocks cache."""
+    return dd.kv_cache_manager.transfer_cache_async(src, synchronizer, [
+        TransferWithCacheKeyConfig(BlocksCacheKey(ATTACKER, 0))], [0, 1], [2, 3])
+
+
+async def ended(task: Any, within: float) -> tuple[BaseException | None, float]:
+    """How ``task`` ended (None: it succeeded) and how long it took; a task still running after ``within``
+    seconds fails the test (it is cancelled first, so nothing is left behind)."""
+    began = time.monotonic()
+    try:
+        async with asyncio.timeout(within):
+            await task
+    except TimeoutError:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(_wait(task))), 3)
+        pytest.fail(f"the task was still running {within} s later")
+    except BaseException as exc:  # the test says which ending it expects
+        return exc, time.monotonic() - began
+    return None, time.monotonic() - began
+
+
+async def _wait(task: Any) -> None:
+    with contextlib.suppress(BaseException):
+        await task
+
+
+def spray_replies(raw: RawLink) -> None:
+    """Replies to every even id up to 64: ids of the PROMPT's, none of them asked of this peer
+    (its heartbeat PROBEs aside, whose answers change nothing)."""
+    frames = []
+    for req_id in range(2, 66, 2):
+        frames.append(wire.encode(Msg.DONE, req_id, status=0, text=""))
+        frames.append(wire.encode(Msg.RESP, req_id, status=0, total=0, cache_id=-1, row=-1, text=""))
+    raw.send_raw(b"".join(frames))
+
+
+async def test_replies_to_requests_never_sent_do_not_take_the_tasks_link_watch():
+    """The task watches its destination's link while the prefill stalls (a request id of its own, never sent):
+    forged replies to that id used to complete the watch, so the link's end went unnoticed and the task
+    waited on the synchronizer for ever."""
+    async with prompt_and(honest) as (dd, receiver):
+        baseline = state(dd)
+        with source(dd) as src:
+            gate = Gate()
+            task = start(dd, src, gate)
+            async with asyncio.timeout(2):
+                await gate.waiting.wait()  # the driver waits for layer 0, its watch of the link in place
+            loop = asyncio.get_running_loop()
+            sent = loop.create_future()
+            receiver.act(spray_replies)
+            receiver.act(lambda raw: loop.call_soon_threadsafe(sent.set_result, None))
+            await asyncio.wait_for(sent, 2)
+            await asyncio.sleep(0.1)  # the forged replies are read
+            link = link_to(dd, ATTACKER)
+            assert link is not None and link.broken is None  # replies to unknown ids are dropped, as before
+            await asyncio.to_thread(receiver.stop)  # the destination goes
+            exc, _ = await ended(task, BOUND_S)
+            del task, link
+        assert isinstance(exc, LLMException) and exc.status_code == S.LLM_LINK_FAILED, repr(exc)
+        assert not receiver.pushes  # the gate never opened
+        del exc
+        await settle(dd, baseline)
+
+
+def answer_with(frame: Callable[[int], bytes]) -> Callable[[RawLink, int, dict], None]:
+    def on_push(raw: RawLink, req_id: int, fields: dict) -> None:
+        raw.send_raw(frame(req_id))
+    return on_push
+
+
+WRONG_KINDS = {
+    "probe_ack": lambda rid: wire.encode(Msg.PROBE_ACK, rid),
+    "unlink_ack": lambda rid: wire.encode(Msg.UNLINK_ACK, rid),
+    "done_before_resp": lambda rid: wire.encode(Msg.DONE, rid, status=0, text=""),
+}
+
+
+@pytest.mark.parametrize("kind", list(WRONG_KINDS))
+async def test_a_reply_of_the_wrong_kind_to_a_layer_push_ends_the_task_with_an_llm_exception(kind):
+    async with prompt_and(answer_with(WRONG_KINDS[kind])) as (dd, receiver):
+        baseline = state(dd)
+        with source(dd) as src:
+            gate = Gate()
+            task = start(dd, src, gate)
+            gate.open(0)
+            gate.open(1)
+            exc, _ = await ended(task, TIMEOUT_MS / 1000 + BOUND_S)
+            del task
+        assert isinstance(exc, LLMException), repr(exc)
+        assert exc.status_code == S.LLM_LINK_FAILED, exc
+        assert receiver.pushes
+        del exc
+        await settle(dd, baseline)
+
+
+def no_resp(raw: RawLink, req_id: int, fields: dict) -> None:
+    pass
+
+
+def never_reads(raw: RawLink, req_id: int, fields: dict) -> None:
+    accept(raw, req_id, fields)
+
+
+def no_done(raw: RawLink, req_id: int, fields: dict) -> None:
+    accept(raw, req_id, fields)
+    recv_exactly(raw.data[fields["channel"]], push_total(fields))
+
+
+STOPS = {"no_resp": no_resp, "accepts_and_never_reads": never_reads, "reads_and_never_confirms": no_done}
+
+
+@pytest.mark.parametrize("where", list(STOPS))
+async def test_a_receiver_that_stops_answering_mid_push_ends_the_task_within_its_timeout(where):
+    """The sender's wait for the receiver's acknowledgement is bounded: the push's timeout, then its give-up
+    (the ABORT's answer, ``ABORT_ACK_S``); the heartbeat is answered throughout, so only the timeouts end it."""
+    async with prompt_and(STOPS[where]) as (dd, receiver):
+        baseline = state(dd)
+        with source(dd) as src:
+            gate = Gate()
+            task = start(dd, src, gate)
+            gate.open(0)
+            gate.open(1)
+            exc, _ = await ended(task, TIMEOUT_MS / 1000 + BOUND_S)
+            del task
+        assert isinstance(exc, LLMException) and exc.status_code in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), repr(exc)
+        assert receiver.pushes
+        del exc
+        await settle(dd, baseline)
