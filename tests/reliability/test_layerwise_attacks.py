@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 from _harness import endpoint, settle, state
 from _rawpeer import RawLink, recv_exactly, recv_frame
 from peers import fill, port_of
@@ -290,3 +291,74 @@ async def test_a_receiver_that_stops_answering_mid_push_ends_the_task_within_its
         assert receiver.pushes
         del exc
         await settle(dd, baseline)
+
+
+# -- the receiving end: a pusher that stops part-way ------------------------------------------------------
+
+
+def push_layer_half(address: tuple[str, int], report: Callable[[dict], None], after: threading.Event) -> None:
+    """As a PROMPT: push layer 0 of blocks 2 and 3 into the DECODER's blocks cache (``BlocksCacheKey(ATTACKER,
+    0)``) with a 100 ms timeout, send half of its bytes, answer PROBEs until the DECODER's ``DONE`` says it
+    gave up, ``report`` what it said, then (once ``after`` is set) send the other half on the same channel."""
+    total = 2 * 2 * BLOCKS.shape[1] * BLOCKS.shape[2] * 2  # 2 tensors x 2 blocks of 4 x 16 float16
+    with RawLink(address, PROMPT, ATTACKER, None, role=LLMRole.PROMPT) as raw:
+        raw.connect()
+        rid = raw.new_req_id()
+        raw.send_raw(wire.encode(
+            Msg.PUSH_REQ, rid, channel=0, target_kind=wire.Target.BLOCKS_KEY, cluster_id=ATTACKER, cache_id=-1,
+            key_req_id=2**64 - 1, prefix_id=2**64 - 1, model_id=0, batch_index=0, layer_first=0, layer_last=0,
+            tensor_num_per_layer=2, tensor_count=2, data_type=int(BLOCKS.data_type.value), offset=0,
+            nbytes=total // 4, flags=wire.ReqFlag.BLOCKS | wire.ReqFlag.EXACT, timeout_ms=100, rows=(2, 3)))
+        _, resp = raw.answer(rid)
+        assert resp["status"] == 0 and resp["total"] == total, resp
+        raw.data[0].sendall(b"\x11" * (total // 2))
+        aborted = False
+        while True:  # the DECODER's serving timeout (100 ms + 1 s) ends it: ABORT (the channel), then DONE
+            msg, got, fields = recv_frame(raw.ctl)
+            if msg is Msg.PROBE:
+                raw.send_raw(wire.encode(Msg.PROBE_ACK, got))
+            aborted = aborted or msg is Msg.ABORT
+            if msg is Msg.DONE and got == rid:
+                break
+        report({"aborted": aborted, **fields})
+        after.wait(5)
+        with contextlib.suppress(OSError):
+            raw.data[0].sendall(b"\x22" * (total - total // 2))
+
+
+async def test_a_pusher_that_stops_mid_layer_ends_its_serving_and_lands_nothing_afterwards():
+    """The receiving end of a layer push: its ``PushWatch`` is completed only by pushes that succeed, so a
+    pusher that stops part-way leaves the watched layer pending, and ``watch.wait(timeout=)`` says
+    ``LLM_TIMEOUT`` (``await watch`` has no timeout of its own: the caller bounds it). The DECODER stops
+    serving the push within its timeout + 1 s (``DONE`` with a failure, the channel reset), and the bytes the
+    pusher sends after that land nowhere."""
+    async with endpoint(LLMRole.DECODER, ATTACKER, listen=True, transport="tcp") as dd:
+        dst = dd.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(ATTACKER, 0))
+        try:
+            baseline = state(dd)
+            with dd.kv_cache_manager.watch_pushes(dst, [2, 3], range(0, 1)) as watch:
+                after = threading.Event()
+                loop = asyncio.get_running_loop()
+                said: asyncio.Future = loop.create_future()
+
+                def report(done: dict) -> None:
+                    loop.call_soon_threadsafe(said.set_result, done)
+
+                pushing = asyncio.ensure_future(asyncio.to_thread(push_layer_half, port_of(dd), report, after))
+                try:
+                    done = await asyncio.wait_for(said, 3)
+                    assert done["aborted"] and done["status"] != 0, done
+                    gave_up = [t.clone() for t in dst.tensors]
+                    after.set()
+                    await asyncio.wait_for(pushing, 3)
+                finally:
+                    after.set()
+                    await asyncio.wait([pushing], timeout=5)
+                with pytest.raises(LLMException) as info:
+                    await watch.wait(timeout=300)  # the late bytes have their 300 ms to land, too
+                assert info.value.status_code == S.LLM_TIMEOUT
+                assert all(torch.equal(a, b) for a, b in zip(gave_up, dst.tensors, strict=True))
+                assert not watch.layer(0).done()
+            await settle(dd, baseline)
+        finally:
+            dd.kv_cache_manager.deallocate_cache(dst)
