@@ -191,6 +191,7 @@ class _Peer:
         self.replies: dict[int, tuple[str, asyncio.Future]] = {}
         self.next_id = 1
         self.cluster_id = 0
+        self.engine_id = ""  # the engine its hello named: only requests naming that engine are claimed here
         self.cluster: LLMClusterInfo | None = None  # how to link its KV endpoint (again)
         self.link_lost = False  # a pull found the KV link failed while this side channel stayed up
         self.relinking = asyncio.Lock()
@@ -481,6 +482,16 @@ class Agent:
             task = self._peers[(host, port)] = asyncio.ensure_future(self._connect(host, port))
         return await asyncio.shield(task)
 
+    async def _peer_of(self, remote: RemotePrefill) -> _Peer:
+        """The side channel to the prefill ``remote`` names, refused if the engine there is another one (a prefill
+        restarted on that port, a stale address): its request of the same id holds other blocks, and a claim
+        and done there would free them under its own decode."""
+        peer = await self._peer(remote.host, remote.port)
+        if peer.engine_id != remote.engine_id:
+            raise ConnectionError(f"the side channel at {remote.host}:{remote.port} is engine {peer.engine_id!r}, "
+                                  f"not {remote.engine_id!r} the request names")
+        return peer
+
     async def _connect(self, host: str, port: int) -> _Peer:
         timeout_s = self.options.link_timeout_ms / 1000
         deadline = time.monotonic() + timeout_s
@@ -514,7 +525,7 @@ class Agent:
             cluster.remote_cluster_id = hello["cluster_id"]
             cluster.append_remote_ip_info(hello["data_host"], hello["data_port"])
             await self._link(cluster)
-            peer.cluster_id, peer.cluster = hello["cluster_id"], cluster
+            peer.cluster_id, peer.cluster, peer.engine_id = hello["cluster_id"], cluster, hello["engine_id"]
             return peer
         except BaseException:
             writer.transport.abort()
@@ -559,7 +570,7 @@ class Agent:
                 raise ValueError(f"{len(local)} local blocks for {len(remote.block_ids)} remote ones")
             # blocks the decode found in its own prefix cache are not pulled: pull the tail
             src = list(remote.block_ids[len(remote.block_ids) - len(local):])
-            peer = await self._peer(remote.host, remote.port)
+            peer = await self._peer_of(remote)
             await self._relink_if_lost(peer)
             peer.use(remote.request_id)
             using = asking = True
@@ -611,7 +622,7 @@ class Agent:
 
     async def _release(self, remote: RemotePrefill) -> None:
         try:
-            peer = await self._peer(remote.host, remote.port)
+            peer = await self._peer_of(remote)
             peer.use(remote.request_id)
             claimed = False
             try:
