@@ -6,12 +6,15 @@ Agents on real loopback sockets, as in ``tests/test_vllm_connector_logic.py``; n
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import _vllm_agents
 import torch
 from _vllm_agents import BLOCK_TOKENS, wait
+from relay import Relay
 
+from aio_datadist.integrations.vllm_agent import LoopThread
 from aio_datadist.integrations.vllm_wire import RemotePrefill, parse_transfer_params, transfer_params
 
 agents = _vllm_agents.agents  # the fixture
@@ -49,3 +52,86 @@ def test_a_side_channel_that_answers_as_another_engine_is_not_pulled_from(agents
     assert decode.pulls.take_finished() == ({"d2"}, set(), set())
     assert any(t[:, 6].any() for t in d_kv.values())
     assert torch.count_nonzero(torch.stack([t[:, [2, 4]] for t in d_kv.values()])) == 0
+
+
+class _Blackhole(Relay):
+    """Forwards side-channel connections; :meth:`drop_existing` makes the ones open then go silent both ways
+    without a FIN or RST (a NAT or firewall that forgot the flow, a host gone, a partition), while new
+    connections are forwarded as before."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        super().__init__(target)
+        self.dead: set[asyncio.StreamWriter] = set()
+
+    def drop_existing(self) -> None:
+        self.dead = set(self.writers)
+
+    async def pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                if writer not in self.dead:  # a dead flow's bytes are lost on the way
+                    writer.write(data)
+                    await writer.drain()
+            if writer not in self.dead:
+                writer.close()
+        except (ConnectionError, OSError):
+            if writer not in self.dead:
+                writer.transport.abort()
+
+
+def test_a_side_channel_gone_silent_is_given_up_and_dialled_again(agents) -> None:
+    """The decode's side channel to a prefill goes silent without a FIN or RST (here a relay stops forwarding
+    that connection; a new one gets through), while the KV link stays up: the load that finds it silent
+    fails within its bound, and the decode gives the connection up and dials again, so the prefill is told to
+    free that load's blocks and the next load succeeds. Before, the silent connection stayed in use: every
+    later claim to that prefill timed out in turn (until the kernel gave the socket up, minutes later)."""
+    relay_loop = LoopThread("relay")
+    prefill, p_kv = agents(True)
+    relay = _Blackhole(prefill.side_channel)
+    try:
+        relay_loop.call(relay.__aenter__())
+        decode, d_kv = agents(False, link_timeout_ms=400)
+        for req in ("r1", "r2", "r3"):
+            prefill.holds.add(req, lease_s=60)
+        decode.start_pull("d1", _remote("engine-p", relay.address, "r1", [5]), [2])
+        wait(lambda: not decode.pulls.pending(), 2.5)
+        assert decode.pulls.take_finished() == ({"d1"}, set(), set())
+        wait(lambda: prefill.holds.take_released() == {"r1"}, 2.5)
+
+        relay.drop_existing()
+        started = time.monotonic()
+        decode.start_pull("d2", _remote("engine-p", relay.address, "r2", [9]), [4])
+        wait(lambda: not decode.pulls.pending(), 2.5)
+        assert decode.pulls.take_finished() == ({"d2"}, {"d2"}, {4})  # its claim went unanswered
+        assert time.monotonic() - started < 1.5  # its claim's and a probe's link_timeout_ms at most
+        wait(lambda: prefill.holds.take_released() == {"r2"}, 2.0)  # told on a new connection to free r2
+
+        decode.start_pull("d3", _remote("engine-p", relay.address, "r3", [11]), [6])
+        wait(lambda: not decode.pulls.pending(), 2.5)
+        assert decode.pulls.take_finished() == ({"d3"}, set(), set())
+        for name in p_kv:
+            assert torch.equal(d_kv[name][:, 6], p_kv[name][:, 11])
+            assert not d_kv[name][:, 4].any()
+    finally:
+        relay_loop.call(relay.__aexit__(None, None, None))
+        relay_loop.stop()
+
+
+def test_a_claim_that_waits_long_on_a_live_prefill_keeps_the_side_channel(agents) -> None:
+    """The other side of giving a silent side channel up: a claim the prefill keeps past the decode's
+    ``link_timeout_ms`` (vLLM has not named its request yet, ``claim_wait_s``) fails that load, but the prefill
+    answers the ``hello`` sent then, so the connection (and the claims of other pulls on it) stays."""
+    prefill, p_kv = agents(True, claim_wait_s=0.6)
+    decode, d_kv = agents(False, link_timeout_ms=300)
+    decode.start_pull("d1", _remote("engine-p", prefill.side_channel, "later", [3]), [1])
+    wait(lambda: not decode.pulls.pending(), 2.5)
+    assert decode.pulls.take_finished() == ({"d1"}, {"d1"}, {1})
+    peer = decode._peers[prefill.side_channel].result()
+    assert peer.broken is None
+    prefill.holds.add("r1", lease_s=60)
+    decode.start_pull("d2", _remote("engine-p", prefill.side_channel, "r1", [5]), [2])
+    wait(lambda: not decode.pulls.pending(), 2.5)
+    assert decode.pulls.take_finished() == ({"d2"}, set(), set())
+    assert decode._peers[prefill.side_channel].result() is peer and peer.broken is None
+    for name in p_kv:
+        assert torch.equal(d_kv[name][:, 2], p_kv[name][:, 5])

@@ -56,6 +56,9 @@ HANDSHAKE_ATTEMPTS = 3
 #: Claims one side-channel connection may have waiting, aside, for vLLM to name their request (``claim_wait_s``)
 #: while its later frames are served; past it a claim waits in line.
 MAX_WAITING_CLAIMS = 64
+#: How long a decode waits (at most: ``link_timeout_ms`` if shorter) for the ``hello`` it sends on a side
+#: channel where a request went unanswered and nothing else was heard; unanswered, the connection is given up.
+PROBE_TIMEOUT_S = 1.0
 #: At most one WARNING per this many seconds about refused side-channel connections.
 REFUSAL_LOG_EVERY_S = 30.0
 
@@ -198,6 +201,7 @@ class _Peer:
         self.relinks = 0  # attempts to link again that ended
         self.task: asyncio.Task | None = None
         self.broken: BaseException | None = None
+        self.heard = time.monotonic()  # when the last frame came from the prefill
         # prefill request -> pulls and releases of it on this connection: the prefill frees a request on the
         # first done, so done waits for the last of them (two decode requests may carry the same params)
         self.users: dict[str, int] = {}
@@ -218,27 +222,49 @@ class _Peer:
             self.writer.write(encode_frame({"id": 0, "op": "done", "req": req}))
 
     async def request(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
+        """Send a request and await its reply. Unanswered within ``timeout_s`` and nothing else heard since it
+        left, the prefill is asked a ``hello`` (answered at once, whatever its claims wait on): unanswered
+        too, the connection went silent (no FIN or RST: a flow a NAT or firewall forgot, a host gone) and is
+        given up, so the next request dials again instead of timing out on it in turn."""
         if self.broken is not None:
             raise ConnectionError(f"side channel lost: {self.broken}")
         rid, self.next_id = self.next_id, self.next_id + 1
         future = asyncio.get_running_loop().create_future()
         self.replies[rid] = (op, future)
+        sent = time.monotonic()
         try:
             self.writer.write(encode_frame({"id": rid, "op": op, **fields}))
             return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            if op != "hello" and self.heard < sent and self.broken is None:
+                try:
+                    await self.request("hello", min(timeout_s, PROBE_TIMEOUT_S))
+                except (TimeoutError, ConnectionError):
+                    self.lose(f"no answer to a {op} nor to a hello after it")
+            raise
         finally:
             self.replies.pop(rid, None)
+
+    def lose(self, why: str) -> None:
+        """Give the connection up: its requests fail, the next one dials again (the prefill frees our claims
+        once it sees the close, else when they time out)."""
+        if self.broken is None:
+            self.broken = ConnectionError(why)
+            log.warning("side channel to %s given up: %s", self.writer.get_extra_info("peername"), why)
+        self.writer.transport.abort()
 
     async def read_replies(self) -> None:
         try:
             while True:
                 body = await self.reader.readexactly(frame_length(await self.reader.readexactly(HEADER.size)))
+                self.heard = time.monotonic()
                 rid = decode_reply(body, "")["id"]
                 op, future = self.replies.get(rid, ("", None))
                 if future is not None and not future.done():
                     future.set_result(decode_reply(body, op))
         except (OSError, EOFError, asyncio.IncompleteReadError, LLMException) as exc:
-            self.broken = exc
+            if self.broken is None:
+                self.broken = exc
         finally:
             self.writer.close()
             for _, future in self.replies.values():
