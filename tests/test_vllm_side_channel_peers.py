@@ -135,3 +135,27 @@ def test_a_claim_that_waits_long_on_a_live_prefill_keeps_the_side_channel(agents
     assert decode._peers[prefill.side_channel].result() is peer and peer.broken is None
     for name in p_kv:
         assert torch.equal(d_kv[name][:, 2], p_kv[name][:, 5])
+
+
+def test_params_naming_other_blocks_than_the_request_holds_are_not_pulled(agents) -> None:
+    """``kv_transfer_params`` are request data: a client that reaches the decode's API can send its own, naming
+    a request it had the prefill hold (its own prompt) but other block ids (another user's prompt, in use
+    there), as can a stale or corrupt copy. The claim of the request succeeds, so the decode would read those
+    blocks as the request's; the claim's reply says which blocks the request holds (a digest) and a decode
+    whose params differ pulls nothing, fails the load and says ``done``."""
+    prefill, p_kv = agents(True)
+    decode, d_kv = agents(False)
+    prefill.holds.add("mine", lease_s=60, blocks=[5, 9])  # the client's own request
+    forged = _remote("engine-p", prefill.side_channel, "mine", [3, 11])  # blocks of other requests
+    decode.start_pull("d1", forged, [2, 4])
+    wait(lambda: not decode.pulls.pending(), 2.5)
+    assert decode.pulls.take_finished() == ({"d1"}, {"d1"}, {2, 4})
+    assert not any(t.any() for t in d_kv.values())
+    wait(lambda: prefill.holds.take_released() == {"mine"}, 2.0)  # the failed load let the request go
+    # the params the prefill returned pull as before (the tail, after a local prefix-cache hit)
+    prefill.holds.add("r2", lease_s=60, blocks=[6, 8])
+    decode.start_pull("d2", _remote("engine-p", prefill.side_channel, "r2", [6, 8]), [7])
+    wait(lambda: not decode.pulls.pending(), 2.5)
+    assert decode.pulls.take_finished() == ({"d2"}, set(), set())
+    for name in p_kv:
+        assert torch.equal(d_kv[name][:, 7], p_kv[name][:, 8])

@@ -64,7 +64,7 @@ class AioDatadistMetadata(KVConnectorMetadata):
     """One step's orders from the scheduler half to the worker half."""
 
     to_pull: dict[str, tuple[RemotePrefill, list[int]]] = field(default_factory=dict)
-    to_hold: dict[str, float] = field(default_factory=dict)  # prefill request -> lease seconds
+    to_hold: dict[str, tuple[float, list[int]]] = field(default_factory=dict)  # prefill request -> lease s, blocks
     to_release: dict[str, RemotePrefill] = field(default_factory=dict)  # decode aborted before pulling
 
 
@@ -120,8 +120,8 @@ class AioDatadistConnector(KVConnectorBase_V1):
         assert self.agent is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, AioDatadistMetadata)
-        for req_id, lease_s in meta.to_hold.items():
-            self.agent.holds.add(req_id, lease_s)
+        for req_id, (lease_s, blocks) in meta.to_hold.items():
+            self.agent.holds.add(req_id, lease_s, blocks)
         for req_id, (remote, local) in meta.to_pull.items():
             self.agent.start_pull(req_id, remote, local)
         for remote in meta.to_release.values():
@@ -219,7 +219,7 @@ class AioDatadistConnector(KVConnectorBase_V1):
         blocks = [int(b) for b in groups[0]]
         if not blocks or self._side_channel is None:
             return False, None
-        self._meta.to_hold[request.request_id] = self.options.lease_s
+        self._meta.to_hold[request.request_id] = (self.options.lease_s, blocks)
         host, port = self._side_channel
         return True, transfer_params(engine_id=self.engine_id, request_id=request.request_id, host=host, port=port,
                                      block_ids=blocks, num_tokens=request.num_computed_tokens)

@@ -31,6 +31,7 @@ from aio_datadist.integrations.vllm_wire import (
     HEADER,
     Layout,
     RemotePrefill,
+    blocks_digest,
     decode_frame,
     decode_reply,
     encode_frame,
@@ -484,7 +485,8 @@ class Agent:
             await asyncio.sleep(0.005)
         limit = self.options.max_claims_per_connection
         if self.holds.claim(req, owner, hold_s, max_owned=limit):
-            return {"ok": True, "hold_ms": int(hold_s * 1000)}
+            blocks = self.holds.blocks(req)
+            return {"ok": True, "hold_ms": int(hold_s * 1000), **({"blocks": blocks} if blocks else {})}
         return {"ok": False, "error": f"request {req} holds no blocks here (finished or expired), "
                                       f"or this connection holds {limit} claims already"}
 
@@ -606,6 +608,10 @@ class Agent:
             if not reply["ok"]:
                 raise ConnectionError(reply["error"])
             claimed = True
+            if "blocks" in reply and reply["blocks"] != blocks_digest(remote.block_ids):
+                # kv_transfer_params are request data (a client's own, a stale copy): the claim holds other blocks
+                raise ConnectionError(f"request {remote.request_id} holds other blocks at the prefill than "
+                                      "kv_transfer_params name")
             # the prefill frees the blocks hold_ms after it granted the claim (its own pull_timeout_ms and
             # claim_grace_s): stop pulling by then, counted from when the claim left
             left_ms = reply["hold_ms"] - int((time.monotonic() - asked) * 1000)

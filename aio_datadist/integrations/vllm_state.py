@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+
+from aio_datadist.integrations.vllm_wire import blocks_digest
 
 __all__ = ["Held", "PrefillHolds", "DecodePulls"]
 
@@ -21,6 +23,7 @@ class Held:
 
     deadline: float
     owner: Hashable | None = None  # the side-channel connection that claimed it
+    blocks: str = ""  # vllm_wire.blocks_digest of its block ids ("" if not known)
 
 
 class PrefillHolds:
@@ -38,11 +41,12 @@ class PrefillHolds:
         self._released: set[str] = set()
         self._changed = threading.Condition(self._lock)
 
-    def add(self, req_id: str, lease_s: float) -> None:
-        """vLLM delayed freeing ``req_id``'s blocks: hold them for at most ``lease_s`` unclaimed."""
+    def add(self, req_id: str, lease_s: float, blocks: Sequence[int] = ()) -> None:
+        """vLLM delayed freeing ``req_id``'s blocks (``blocks``, the ids its ``kv_transfer_params`` name): hold
+        them for at most ``lease_s`` unclaimed."""
         with self._lock:
             if req_id not in self._held:
-                self._held[req_id] = Held(self._clock() + lease_s)
+                self._held[req_id] = Held(self._clock() + lease_s, blocks=blocks_digest(blocks) if blocks else "")
                 self._changed.notify_all()
 
     def known(self, req_id: str) -> bool:
@@ -62,6 +66,12 @@ class PrefillHolds:
             held.owner = owner
             held.deadline = self._clock() + hold_s
             return True
+
+    def blocks(self, req_id: str) -> str:
+        """The digest of the block ids ``req_id`` holds; "" if not known (or not held)."""
+        with self._lock:
+            held = self._held.get(req_id)
+            return held.blocks if held is not None else ""
 
     def done(self, req_id: str, owner: Hashable) -> bool:
         """The claimer is finished with ``req_id``: free it. False if it did not hold it."""

@@ -10,7 +10,9 @@ requests at once:
   (``cluster_id``, ``data_host``, ``data_port``) and its layout;
 - ``{"id", "op": "claim", "req"}`` -> ``ok`` while the request's blocks are
   still held; they are then kept for this connection until ``done``, until
-  the connection closes, or until ``hold_ms`` after the reply;
+  the connection closes, or until ``hold_ms`` after the reply; ``blocks``,
+  the :func:`blocks_digest` of the block ids the request holds, lets the
+  decode refuse ``kv_transfer_params`` that name other blocks;
 - ``{"id", "op": "done", "req"}`` -> the prefill may free the blocks.
 
 :func:`decode_frame` checks every field before anything acts on it and raises
@@ -19,8 +21,10 @@ requests at once:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +32,7 @@ from aio_datadist._checks import param_invalid
 
 __all__ = [
     "MAX_FRAME", "HEADER", "CONNECTOR_TAG", "Layout", "RemotePrefill", "encode_frame", "frame_length",
-    "decode_frame", "decode_reply", "transfer_params", "parse_transfer_params",
+    "decode_frame", "decode_reply", "transfer_params", "parse_transfer_params", "blocks_digest",
 ]
 
 MAX_FRAME = 64 * 1024
@@ -150,7 +154,14 @@ def decode_reply(body: bytes, op: str) -> dict[str, Any]:
             _int(layout, "block_bytes", 1, 2**40), _int(layout, "block_tokens", 1, 2**20), _text(layout, "dtype"))
     elif op == "claim":
         _int(message, "hold_ms", 1, 2**31 - 1)
+        if "blocks" in message:
+            _text(message, "blocks")
     return message
+
+
+def blocks_digest(block_ids: Sequence[int]) -> str:
+    """What a claim's reply says of the blocks a request holds: SHA-256 of their ids, in order, in hex."""
+    return hashlib.sha256(",".join(str(int(b)) for b in block_ids).encode()).hexdigest()
 
 
 def transfer_params(*, engine_id: str, request_id: str, host: str, port: int, block_ids: list[int],
