@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from aio_datadist._checks import check_instance, check_int, param_invalid
+from aio_datadist._checks import check_instance, check_int, param_invalid, param_type_error
 from aio_datadist.cache import KvCache
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import CacheDesc, CacheKey, LLMRole
@@ -212,9 +212,13 @@ def allocate_leased_cache(manager: _Manager, cache_desc: CacheDesc, cache_keys: 
 def _endpoint_of(manager: _Manager) -> Endpoint:
     """The endpoint of a ``KvCacheManager``; anything else (the v2 ``CacheManager``, None) is refused
     naming ``manager`` rather than failing on a missing attribute."""
-    from aio_datadist.manager import KvCacheManager  # it builds on this module
+    from aio_datadist.endpoint import Endpoint  # a lower layer; imported here as the type-only import above
 
-    return check_instance("manager", manager, KvCacheManager).endpoint
+    endpoint = getattr(manager, "endpoint", None)
+    if not isinstance(endpoint, Endpoint):
+        raise param_type_error("manager", f"expected a KvCacheManager (dd.kv_cache_manager), got "
+                               f"{type(manager).__name__}")
+    return endpoint
 
 
 def active_leases(endpoint: Endpoint) -> int:
