@@ -4,6 +4,10 @@ A decoder creates a :class:`PushWatch` for the blocks (or batch rows) it
 expects, before it tells the prefill side where to push, then awaits the
 whole watch or one layer at a time. Only pushes that complete after the watch
 was created count, so reused blocks never look ready from an earlier request.
+A push into watched rows that was accepted here and then failed (the pusher
+gave it up, the link went, our job failed) fails the layers it touched
+(:meth:`Arrivals.torn`): their bytes may be torn. A watch has no timeout of
+its own: a peer that never starts pushing is caught by the caller's bound.
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ class PushWatch:
 
     ``await watch`` (or ``await watch.wait(timeout=ms)``) returns once every
     selected layer of every row has landed; ``await watch.layer(i)`` once
-    layer ``i`` has. Close it (or use ``with``) when no longer needed.
+    layer ``i`` has. A push into watched rows that fails part-way (its pusher
+    gave it up, the link failed, the job failed here) raises
+    :class:`LLMException` from the layers it touched and from ``await watch``
+    (``LLM_LINK_FAILED`` when the link went, else the failure's code); layers
+    that landed stay done. A failed layer stays failed: watch again for a
+    retried push. The watch has no timeout of its own: bound the wait
+    (``wait(timeout=...)``, ``asyncio.timeout``), as a peer that never starts
+    pushing is caught only so. Close it (or use ``with``) when no longer needed.
     """
 
     def __init__(self, arrivals: Arrivals, cache: KvCache, rows: Sequence[int], layers: range,
@@ -33,6 +44,7 @@ class PushWatch:
         self._arrivals = arrivals
         self._cache = cache
         self._per_layer = tensors_per_layer
+        self._rows = frozenset(rows)
         self._missing: dict[int, set[tuple[int, int]]] = {
             layer: {(t, r) for t in range(layer * tensors_per_layer, (layer + 1) * tensors_per_layer) for r in rows}
             for layer in layers}
@@ -54,8 +66,27 @@ class PushWatch:
             missing.difference_update((t, r) for r in rows)
             if not missing:
                 self._layers[layer].set_result(None)
-        if not self._all.done() and all(f.done() for f in self._layers.values()):
-            self._all.set_result(None)
+        if all(f.done() for f in self._layers.values()):
+            if not self._all.done():  # else a torn layer failed it already
+                self._all.set_result(None)
+            self.close()
+
+    def _torn(self, tensors: range, rows: Iterable[int], exc: LLMException) -> None:
+        """A push into ``rows`` of ``tensors`` failed part-way: fail the pending layers it touched."""
+        hit = self._rows.intersection(rows)
+        if not hit:
+            return
+        layers = sorted({t // self._per_layer for t in tensors} & {
+            layer for layer, fut in self._layers.items() if not fut.done()})
+        if not layers:
+            return
+        text = f"pushed layers {layers} of rows {_spans(hit)} did not land: {exc.args[0] if exc.args else exc}"
+        for layer in layers:
+            self._missing[layer].clear()  # a later push of the layer cannot complete a failed future
+            _fail(self._layers[layer], LLMException(text, status_code=exc.status_code))
+        if not self._all.done():
+            _fail(self._all, LLMException(text, status_code=exc.status_code))
+        if all(f.done() for f in self._layers.values()):
             self.close()
 
     def layer(self, index: int) -> asyncio.Future:
@@ -127,10 +158,41 @@ class Arrivals:
         for watch in list(self._watches.get(id(cache), ())):
             watch._landed(tensors, rows)
 
+    def watched(self, cache: KvCache) -> bool:
+        """Whether an open watch watches ``cache``."""
+        return id(cache) in self._watches
+
+    def torn(self, cache: KvCache, tensors: range, rows: Iterable[int], exc: LLMException) -> None:
+        """A push into ``rows`` of ``tensors`` of ``cache``, accepted here, failed (some bytes may have landed):
+        every open watch of those rows fails its pending layers among ``tensors`` with ``exc``'s status."""
+        watches = self._watches.get(id(cache))
+        if not watches:
+            return
+        rows = list(rows)
+        for watch in list(watches):
+            watch._torn(tensors, rows, exc)
+
     def close(self) -> None:
         for watches in list(self._watches.values()):
             for watch in list(watches):
                 watch.close()
+
+
+def _fail(fut: asyncio.Future, exc: LLMException) -> None:
+    fut.set_exception(exc)
+    fut.exception()  # a layer nobody awaits must not leave "never retrieved" noise
+
+
+def _spans(rows: Iterable[int]) -> str:
+    """``0-23, 30`` for rows 0 to 23 and 30 (the first 8 runs, then how many more)."""
+    runs: list[list[int]] = []
+    for r in sorted(rows):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:8])
+    return text + (f" and {len(runs) - 8} more runs" if len(runs) > 8 else "")
 
 
 def _retrieved(fut: asyncio.Future) -> None:

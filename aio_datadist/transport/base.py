@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from aio_datadist.transport.nixl import NixlPeer
 
 __all__ = ["InPlacePlane", "LinkPort", "Plane", "Refusal", "Refused", "Request", "RequestState", "Served",
-           "abort_acknowledged", "await_done", "meets", "wait_out"]
+           "abort_acknowledged", "await_done", "meets", "push_torn", "wait_out"]
 
 #: How long a given-up NIXL transfer may take to settle before the owner hears of it.
 NIXL_SETTLE_S = 1.0
@@ -293,6 +293,27 @@ def await_done(link: LinkPort, req_id: int, req: TransferReq, served: Served, ok
     link.pull_acks[req_id] = entry
 
 
+def push_torn(rt: Runtime, link: LinkPort, served: Served, why: BaseException | str | None) -> None:
+    """A push we accepted (so some of its bytes may have landed) ended in failure: the open push watches of the
+    rows it was filling fail the layers it touched (``Arrivals.torn``), ``LLM_LINK_FAILED`` when the link went,
+    else ``why``'s code (an :class:`LLMException`) or ``LLM_FAILED``. Called from the failure branches only: the
+    success path records arrivals as before."""
+    arrivals = rt.arrivals
+    landed = [entry for entry in served.landed if arrivals.watched(entry[0])]
+    if not landed:
+        return
+    if link.closed or link.broken is not None:
+        code = LLMStatusCode.LLM_LINK_FAILED
+        text = "the link failed" if link.broken is None else f"the link failed: {link.broken}"
+    elif isinstance(why, LLMException):
+        code, text = why.status_code, str(why.args[0] if why.args else why)
+    else:
+        code, text = LLMStatusCode.LLM_FAILED, str(why or "the push was aborted")
+    exc = LLMException(f"a push from cluster {link.remote_cluster_id} failed: {text}", status_code=code)
+    for target, tensors, rows in landed:
+        arrivals.torn(target, tensors, rows, exc)
+
+
 def serve_timeout_ms(req: TransferReq) -> int:
     """How long the owner lets a request's native job run: what the requester asked plus a second."""
     return min(max(req.timeout_ms, 1), MAX_SERVE_TIMEOUT_MS) + 1000
@@ -400,6 +421,11 @@ class InPlacePlane(Plane):
             served.ended(False)
             if key is not None:
                 rt.registry.release_key(key, tensors)
+            if msg is Msg.PUSH_REQ and served.landed:
+                # The requester gave the push up (a failed DONE), went silent past its timeout, or the link
+                # ended (``_teardown`` runs us before the link is marked closed: tell the watches a step later).
+                asyncio.get_running_loop().call_soon(push_torn, rt, link, served,
+                                                     "it was given up, or not confirmed in time")
 
         def abort() -> None:
             # The requester gave up before it saw our answer: it resets the channel it sent.

@@ -33,6 +33,7 @@ from aio_datadist.transport.base import (
     Served,
     abort_acknowledged,
     meets,
+    push_torn,
     serve_timeout_ms,
 )
 from aio_datadist.transport.fit import fit
@@ -244,6 +245,9 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
         counters.end("served_push", transport, served.total, started, Outcome.FAILED, status)
         if not moved.done():
             moved.cancel()
+        if served.landed:
+            push_torn(rt, link, served, LLMException(told[0], status_code=status) if told else
+                      "the push was aborted" if moved.cancelled() else moved.exception())
         if told:
             answer(status, told[0])
         else:

@@ -28,6 +28,7 @@ from aio_datadist.transport.base import (
     RequestState,
     Served,
     await_done,
+    push_torn,
     serve_timeout_ms,
 )
 from aio_datadist.wire import ANSWER, ANSWER_MAGIC, MAX_TEXT, Msg, ReqFlag, Resp, Target, TransferReq
@@ -244,6 +245,10 @@ class StreamPlane(Plane):
                         rt.arrivals.record(target, rows_tensors, rows)
                     link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_SUCCESS, text="")
                 return
+            if msg is Msg.PUSH_REQ and served.landed:
+                push_torn(rt, link, served, exc if exc is not None else LLMException(
+                    "the cache was unregistered while the request was served",
+                    status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST) if told else "the push was aborted")
             ack = link.pull_acks.pop(req_id, None)
             if ack is not None:
                 ack[1]()

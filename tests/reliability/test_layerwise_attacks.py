@@ -327,11 +327,10 @@ def push_layer_half(address: tuple[str, int], report: Callable[[dict], None], af
 
 
 async def test_a_pusher_that_stops_mid_layer_ends_its_serving_and_lands_nothing_afterwards():
-    """The receiving end of a layer push: its ``PushWatch`` is completed only by pushes that succeed, so a
-    pusher that stops part-way leaves the watched layer pending, and ``watch.wait(timeout=)`` says
-    ``LLM_TIMEOUT`` (``await watch`` has no timeout of its own: the caller bounds it). The DECODER stops
-    serving the push within its timeout + 1 s (``DONE`` with a failure, the channel reset), and the bytes the
-    pusher sends after that land nowhere."""
+    """The receiving end of a layer push: its ``PushWatch`` is completed only by pushes that succeed, and a
+    pusher that stops part-way fails the watched layer once the DECODER stops serving the push, within its
+    timeout + 1 s (``DONE`` with a failure, the channel reset): ``watch.wait()`` raises the serving's
+    ``LLM_TIMEOUT`` then, and the bytes the pusher sends after that land nowhere."""
     async with endpoint(LLMRole.DECODER, ATTACKER, listen=True, transport="tcp") as dd:
         dst = dd.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(ATTACKER, 0))
         try:
@@ -354,11 +353,12 @@ async def test_a_pusher_that_stops_mid_layer_ends_its_serving_and_lands_nothing_
                 finally:
                     after.set()
                     await asyncio.wait([pushing], timeout=5)
+                assert watch.layer(0).done(), "the push that failed part-way left the watched layer pending"
                 with pytest.raises(LLMException) as info:
-                    await watch.wait(timeout=300)  # the late bytes have their 300 ms to land, too
-                assert info.value.status_code == S.LLM_TIMEOUT
+                    await watch.wait(timeout=300)
+                assert info.value.status_code == S.LLM_TIMEOUT and "did not land" in str(info.value), info.value
+                await asyncio.sleep(0.3)  # the late bytes have their 300 ms to land
                 assert all(torch.equal(a, b) for a, b in zip(gave_up, dst.tensors, strict=True))
-                assert not watch.layer(0).done()
             await settle(dd, baseline)
         finally:
             dd.kv_cache_manager.deallocate_cache(dst)
