@@ -521,13 +521,14 @@ class Link:
         if self.closed or self.broken is not None:
             return
         try:
-            events = self._protocol.receive(data)
-            if events:
-                self.last_heard = asyncio.get_running_loop().time()
-                for event in events:
-                    if self.closed or self.broken is not None:
-                        return  # an earlier message of this chunk ended the link: the rest is not acted on
-                    self._dispatch(event)
+            heard = False
+            for event in self._protocol.events(data):  # parsed one at a time (see ``LinkProtocol.events``)
+                if not heard:
+                    heard = True
+                    self.last_heard = asyncio.get_running_loop().time()
+                if self.closed or self.broken is not None:
+                    return  # an earlier message of this chunk ended the link: the rest is not acted on
+                self._dispatch(event)
             if self._protocol.error is not None:  # a bad frame after the complete ones just dispatched
                 raise self._protocol.error
             if not self.closed and self.broken is None:

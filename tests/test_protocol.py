@@ -164,6 +164,21 @@ def test_many_frames_in_one_chunk_come_out_in_order() -> None:
     assert proto.receive(b"") == [] and proto.pending_bytes == 0
 
 
+def test_events_are_parsed_as_they_are_taken_and_a_caller_that_stops_leaves_the_rest() -> None:
+    """``events`` parses one frame per event taken: a flood's chunk never holds thousands of events at once
+    (the link acts on each before the next is parsed), and a malformed frame later in the chunk is not
+    reached while the events before it are taken."""
+    probes = b"".join(frame(Msg.PROBE, i) for i in range(1000))
+    proto = LinkProtocol(is_client=False)
+    taken = proto.events(probes + BAD_FRAMES["type"])
+    assert next(taken) == protocol.Probe(0) and next(taken) == protocol.Probe(1)
+    assert proto.error is None  # the bad frame at the end is not parsed yet
+    taken.close()  # the caller stops (its link ended): the rest stays buffered, unparsed
+    assert proto.pending_bytes == len(probes) + len(BAD_FRAMES["type"]) - 2 * len(frame(Msg.PROBE, 0))
+    assert proto.receive(b"") == [protocol.Probe(i) for i in range(2, 1000)]
+    assert isinstance(proto.error, ProtocolError)
+
+
 # -- the failed state -------------------------------------------------------------------------
 
 

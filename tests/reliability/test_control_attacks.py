@@ -123,7 +123,8 @@ async def test_a_flood_of_control_messages_does_not_hold_the_endpoints_loop():
         assert proc.returncode == 0, err.decode()[-3000:]
         report = json.loads(out.decode().strip().splitlines()[-1])
         assert report["ended"] == "time" and report["sent"] > 8 << 20, report  # a flood, and the link stayed up
-        assert longest < 0.25, f"the endpoint's loop was held {longest:.2f} s at once"
+        # 0.04 s here; 0.24-0.30 s when a chunk's events were all parsed before any was acted on (row 144)
+        assert longest < 0.15, f"the endpoint's loop was held {longest:.2f} s at once"
         assert link_to(dd, HONEST).broken is None  # its heartbeat (5 x 100 ms) held throughout
         mine = honest.kv_cache_manager.allocate_cache(SMALL)
         await honest.kv_cache_manager.pull_cache(CacheKey(PROMPT, 8), mine, timeout=5000)

@@ -242,7 +242,14 @@ WRONG_KINDS = {
 
 @pytest.mark.parametrize("kind", list(WRONG_KINDS))
 async def test_a_reply_of_the_wrong_kind_to_a_layer_push_ends_the_task_with_an_llm_exception(kind):
-    async with prompt_and(answer_with(WRONG_KINDS[kind])) as (dd, receiver):
+    assert await both_layers_pushed_to(answer_with(WRONG_KINDS[kind])) == S.LLM_LINK_FAILED
+
+
+async def both_layers_pushed_to(receive: Any) -> LLMStatusCode:
+    """A layer-wise task whose two layers are ready at once, pushing to a raw receiver that answers with
+    ``receive``: the status code of the LLMException it ended with (within its timeout + ``BOUND_S``); the
+    receiver saw a push and the endpoint holds nothing afterwards."""
+    async with prompt_and(receive) as (dd, receiver):
         baseline = state(dd)
         with source(dd) as src:
             gate = Gate()
@@ -252,10 +259,11 @@ async def test_a_reply_of_the_wrong_kind_to_a_layer_push_ends_the_task_with_an_l
             exc, _ = await ended(task, TIMEOUT_MS / 1000 + BOUND_S)
             del task
         assert isinstance(exc, LLMException), repr(exc)
-        assert exc.status_code == S.LLM_LINK_FAILED, exc
+        code = exc.status_code
         assert receiver.pushes
         del exc
         await settle(dd, baseline)
+    return code
 
 
 def no_resp(raw: RawLink, req_id: int, fields: dict) -> None:
@@ -278,19 +286,7 @@ STOPS = {"no_resp": no_resp, "accepts_and_never_reads": never_reads, "reads_and_
 async def test_a_receiver_that_stops_answering_mid_push_ends_the_task_within_its_timeout(where):
     """The sender's wait for the receiver's acknowledgement is bounded: the push's timeout, then its give-up
     (the ABORT's answer, ``ABORT_ACK_S``); the heartbeat is answered throughout, so only the timeouts end it."""
-    async with prompt_and(STOPS[where]) as (dd, receiver):
-        baseline = state(dd)
-        with source(dd) as src:
-            gate = Gate()
-            task = start(dd, src, gate)
-            gate.open(0)
-            gate.open(1)
-            exc, _ = await ended(task, TIMEOUT_MS / 1000 + BOUND_S)
-            del task
-        assert isinstance(exc, LLMException) and exc.status_code in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), repr(exc)
-        assert receiver.pushes
-        del exc
-        await settle(dd, baseline)
+    assert await both_layers_pushed_to(STOPS[where]) in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED)
 
 
 # -- the receiving end: a pusher that stops part-way ------------------------------------------------------
