@@ -465,6 +465,32 @@ def unread(sock: socket.socket) -> int:
     return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
 
 
+def dropped(sock: socket.socket, wait_s: float) -> bool:
+    """Whether the receiver dropped the share (closed ``sock``) on the records sent so far. A fence follows them:
+    a ``MAPPED`` record naming no cache of ours, which the receiver ignores. It reads records in order, so once
+    it took the fence it acted on all before it (mapped them, or dropped the share and never read the fence).
+    A fixed sleep instead counted a share as kept when a collector pause delayed the receiver's drop."""
+    try:
+        sock.send(ENTRY.pack(5, 0, 0, 0, 0, 0, 0))
+    except BlockingIOError:
+        pass
+    except OSError:
+        return True
+    deadline = time.monotonic() + wait_s
+    while True:
+        taken = not unread(sock)  # the fence was read, or the queue went with a close: recv tells which
+        try:
+            if sock.recv(64) == b"":
+                return True
+        except BlockingIOError:
+            pass
+        except OSError:
+            return True
+        if taken or time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+
+
 def seal_race(fds: list[int]) -> dict:
     page = mmap.PAGESIZE
     sent = 0
@@ -550,16 +576,7 @@ def address_space(fds: list[int]) -> dict:
     kept: list[socket.socket] = []
 
     def closed(sock: socket.socket) -> bool:
-        deadline = time.monotonic() + 2.0
-        while unread(sock) and time.monotonic() < deadline:
-            time.sleep(0.0005)
-        time.sleep(0.005)  # the receiver mapped it or dropped the share by now
-        try:
-            return sock.recv(64) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
+        return dropped(sock, 10.0)
 
     def add(sock: socket.socket, cache_id: int, size: int, fd: int) -> None:
         socket.send_fds(sock, [record(1, cache_id, size, 1, size, size, [0])], [fd])
@@ -610,18 +627,11 @@ def map_count(fds: list[int]) -> dict:
         try:
             for n in range(count):
                 socket.send_fds(sock, [record(1, n + 1, page, 1, page, page, [0])], [one])
-            deadline = time.monotonic() + 10.0
-            while unread(sock) and time.monotonic() < deadline:
-                time.sleep(0.001)
-            time.sleep(0.02)
             sock.setblocking(False)
-            sock.recv(64)
-            dropped = True  # b"": closed
-        except BlockingIOError:
-            dropped = False
+            gone = dropped(sock, 10.0)
         except OSError:
-            dropped = True
-        if dropped:
+            gone = True
+        if gone:
             sock.close()
             return False
         kept.append(sock)
