@@ -45,6 +45,7 @@ def fork_server() -> None:
 
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+LOOP_PARAM = "_asyncio_loop_factory"  # pytest-asyncio's parameter for the factories above
 
 
 def pytest_asyncio_loop_factories(config, item):
@@ -53,26 +54,33 @@ def pytest_asyncio_loop_factories(config, item):
 
 
 def pytest_collection_modifyitems(config, items):
-    """A slow test marked ``loops_take_turns`` runs each of its cases on one loop, the loops in turn (its first
-    case on asyncio, its second on uvloop, ...), instead of every case on both: every case runs and both loops
-    run the test, at half the cost. For tests whose cases are ways to cut a call (a timeout, a cancel, ...),
-    where the loop and the way are independent."""
-    kept, dropped, seen = [], [], {}
+    """A slow test marked ``loops_take_turns`` runs each of its cases on one loop instead of both, the loops
+    taking the cases in a checkerboard over its parameters (the loop is the parity of the sum of the cases'
+    value positions): every case runs, and every value of every parameter runs on both loops where another
+    parameter gives it two cases, at half the cost. For tests whose cases are ways to cut a call (a timeout, a
+    cancel, ...) and paths, where the loop and the way are independent."""
+    marked = [item for item in items if item.get_closest_marker("loops_take_turns") is not None
+              and getattr(item, "callspec", None) is not None]
+    if not marked:
+        return
+    values: dict[tuple, dict[str, list[str]]] = {}  # per test function: each parameter's values, in order
+    for item in marked:
+        seen = values.setdefault((item.path, item.originalname), {})
+        for name, value in item.callspec.params.items():
+            if name != LOOP_PARAM and repr(value) not in seen.setdefault(name, []):
+                seen[name].append(repr(value))
     loops = list(LOOPS)
-    for item in items:
-        spec = getattr(item, "callspec", None)
-        if item.get_closest_marker("loops_take_turns") is None or spec is None:
-            kept.append(item)
-            continue
-        loop = spec.id.split("-", 1)[0]
-        assert loop in loops, f"{item.nodeid}: loops_take_turns needs the loop as the first id part"
-        key = (item.path, item.originalname, loop)
-        turn = seen.setdefault(key, 0)
-        seen[key] = turn + 1
-        (kept if turn % len(loops) == loops.index(loop) else dropped).append(item)
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
+    dropped = set()
+    for item in marked:
+        seen = values[(item.path, item.originalname)]
+        params = item.callspec.params
+        loop = item.callspec.id.split("-", 1)[0]
+        assert loop in loops and LOOP_PARAM in params, f"{item.nodeid}: loops_take_turns needs both loops"
+        turn = sum(seen[name].index(repr(value)) for name, value in params.items() if name != LOOP_PARAM)
+        if turn % len(loops) != loops.index(loop):
+            dropped.add(item)
+    config.hook.pytest_deselected(items=[item for item in items if item in dropped])
+    items[:] = [item for item in items if item not in dropped]
 
 
 # Event loops (and os.urandom) keep these for their own lifetime, which

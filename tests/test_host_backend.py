@@ -233,6 +233,7 @@ def test_auto_picks_cuda_then_npu_then_cpu(monkeypatch):
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("cut", ["timeout", "cancel"])
 @pytest.mark.parametrize("op", ["copy_blocks", "swap_out", "swap_in"])
 async def test_a_local_device_copy_given_up_on_a_held_stream_lands_nothing_after_it_returned(op, cut):

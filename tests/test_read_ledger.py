@@ -221,6 +221,7 @@ async def test_the_owner_refuses_other_block_shapes_with_its_own_words():
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
 async def test_a_cut_read_stops_its_copy_before_returning(how):
     """A 128 MiB read goes to the copy threads; cut, it returns only once the copy stopped: nothing lands
