@@ -58,7 +58,8 @@ def pytest_collection_modifyitems(config, items):
     taking the cases in a checkerboard over its parameters (the loop is the parity of the sum of the cases'
     value positions): every case runs, and every value of every parameter runs on both loops where another
     parameter gives it two cases, at half the cost. For tests whose cases are ways to cut a call (a timeout, a
-    cancel, ...) and paths, where the loop and the way are independent."""
+    cancel, ...) and paths, where the loop and the way are independent. A case named by its id on the command
+    line runs whatever its loop."""
     marked = [item for item in items if item.get_closest_marker("loops_take_turns") is not None
               and getattr(item, "callspec", None) is not None]
     if not marked:
@@ -70,8 +71,13 @@ def pytest_collection_modifyitems(config, items):
             if name != LOOP_PARAM and repr(value) not in seen.setdefault(name, []):
                 seen[name].append(repr(value))
     loops = list(LOOPS)
+    named = {arg.replace(os.sep, "/").split("::", 1)[0].rsplit("tests/", 1)[-1] + "::" + arg.split("::", 1)[1]
+             for arg in config.args if "::" in arg and "[" in arg}
     dropped = set()
     for item in marked:
+        path, _, name = item.nodeid.partition("::")
+        if path.rsplit("tests/", 1)[-1] + "::" + name in named:
+            continue  # asked for by its id: it runs
         seen = values[(item.path, item.originalname)]
         params = item.callspec.params
         loop = item.callspec.id.split("-", 1)[0]
