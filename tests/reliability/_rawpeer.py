@@ -169,20 +169,30 @@ class RawLink:
             self.send_raw(wire.encode(Msg.PING, 0))
 
     def answer(self, req_id: int) -> tuple[Msg, dict[str, Any]]:
-        """The next RESP or DONE for ``req_id``; PINGs are skipped, an ABORT is an error."""
-        assert self.ctl is not None
+        """The next RESP or DONE for ``req_id``; PINGs are skipped, PROBEs answered, an ABORT is an error
+        (``TimeoutError`` past ``TIMEOUT_S``, however much heartbeat traffic comes meanwhile)."""
+        deadline = time.monotonic() + TIMEOUT_S
         while True:
-            msg, rid, fields = recv_frame(self.ctl)
-            if msg in (Msg.PING, Msg.PROBE_ACK):
-                continue
-            if msg is Msg.PROBE:
-                self.send_raw(wire.encode(Msg.PROBE_ACK, rid))
-                continue
-            if msg is Msg.ABORT:
-                raise ConnectionError(f"the peer aborted data channel {fields['channel']}")
-            if rid == req_id and msg in (Msg.RESP, Msg.DONE):
-                return msg, fields
-            raise AssertionError(f"unexpected {msg.name} for request {rid} while waiting for {req_id}")
+            got = self._control_frame(req_id)
+            if got is not None:
+                return got
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer to request {req_id} within {TIMEOUT_S} s")
+
+    def _control_frame(self, req_id: int) -> tuple[Msg, dict[str, Any]] | None:
+        """Read one control frame: the RESP or DONE for ``req_id``, or None for heartbeat traffic."""
+        assert self.ctl is not None
+        msg, rid, fields = recv_frame(self.ctl)
+        if msg in (Msg.PING, Msg.PROBE_ACK):
+            return None
+        if msg is Msg.PROBE:
+            self.send_raw(wire.encode(Msg.PROBE_ACK, rid))
+            return None
+        if msg is Msg.ABORT:
+            raise ConnectionError(f"the peer aborted data channel {fields['channel']}")
+        if rid == req_id and msg in (Msg.RESP, Msg.DONE):
+            return msg, fields
+        raise AssertionError(f"unexpected {msg.name} for request {rid} while waiting for {req_id}")
 
     def new_req_id(self) -> int:
         rid = self._next_req
@@ -206,11 +216,18 @@ class RawLink:
         """A posted pull's answer: the ANSWER header on its channel (then the bytes, or the refusal's
         text), or a RESP refusal when the owner does not answer on the channel."""
         assert self.ctl is not None
-        readable, _, _ = select.select([data, self.ctl], [], [], TIMEOUT_S)
-        if data not in readable:
-            _, resp = self.answer(rid)
-            assert resp["status"] != 0, "a posted pull is accepted on its channel only"
-            raise Refused(resp["status"], resp["text"])
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:  # heartbeat traffic on the control connection may come first: the answer is on either
+            readable, _, _ = select.select([data, self.ctl], [], [], max(deadline - time.monotonic(), 0))
+            if data in readable:
+                break
+            if not readable:
+                raise TimeoutError(f"no answer to posted pull {rid} within {TIMEOUT_S} s")
+            got = self._control_frame(rid)
+            if got is not None:
+                resp = got[1]
+                assert resp["status"] != 0, "a posted pull is accepted on its channel only"
+                raise Refused(resp["status"], resp["text"])
         magic, status, answered, total = wire.ANSWER.unpack(recv_exactly(data, wire.ANSWER.size))
         assert magic == wire.ANSWER_MAGIC and answered == rid, (magic, answered, rid)
         if status:
