@@ -614,7 +614,7 @@ class Link:
                     self.counters.rtt_s = time.perf_counter() - self._probe_sent
                     self._probe_id = 0
                     return
-                wrong = self._wrong_answer(msg, req_id)
+                wrong = self._wrong_answer(msg, req_id)  # looks the waiter up itself: see its docstring
                 if wrong:
                     raise ProtocolError(wrong)  # the waiter stays in pending: the link's failure fails it
                 fut = self.pending.get(req_id)
@@ -633,7 +633,9 @@ class Link:
     def _wrong_answer(self, msg: Msg, req_id: int) -> str:
         """Why ``msg`` cannot answer our request ``req_id``, waited for in ``pending`` ("" when it can, or
         when nobody waits): a transfer waits for ``RESP`` or ``DONE`` (a status and a text), a ``PROBE`` or an
-        ``UNLINK`` for its own answer (``expect``); another kind is a lie its waiter must not read."""
+        ``UNLINK`` for its own answer (``expect``); another kind is a lie its waiter must not read. The waiter
+        is looked up here, not by the caller, so that the error raised holds no frame that holds it (and the
+        caches its transfer keeps alive) while the link's failure is logged."""
         fut = self.pending.get(req_id)
         if fut is None or fut.done():
             return ""

@@ -9,9 +9,12 @@ runs the connector inside real vLLM engines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import _vllm_agents
 import pytest
@@ -371,18 +374,30 @@ class _SlowRelay(Relay):
             writer.transport.abort()
 
 
-def test_a_pull_whose_side_channel_closes_meanwhile_is_reported_failed(agents) -> None:
-    """The prefill frees a claim whose side channel closed: a decode that goes on pulling reads freed blocks."""
+@contextlib.contextmanager
+def _slow_data_path(agents) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """A prefill whose KV endpoint the decode reaches through a relay of 4096 B/s (a pull of 6 KiB takes about
+    1.5 s): ``(prefill, its kv caches, decode, its kv caches)``."""
     relay_loop = LoopThread("relay")
     relay = _SlowRelay(("127.0.0.1", 0))
     try:
-        prefill, _ = agents(True, transport="tcp")
+        prefill, p_kv = agents(True, transport="tcp")
         relay.target = prefill._dd.listen_address
         relay_loop.call(relay.__aenter__())
         prefill.options.advertise_data = "{}:{}".format(*relay.address)
-        decode, _ = agents(False, transport="tcp")
+        decode, d_kv = agents(False, transport="tcp")
+        relay.rate = 4096.0
+        yield prefill, p_kv, decode, d_kv
+    finally:
+        relay.rate = None
+        relay_loop.call(relay.__aexit__(None, None, None))
+        relay_loop.stop()
+
+
+def test_a_pull_whose_side_channel_closes_meanwhile_is_reported_failed(agents) -> None:
+    """The prefill frees a claim whose side channel closed: a decode that goes on pulling reads freed blocks."""
+    with _slow_data_path(agents) as (prefill, _, decode, _):
         prefill.holds.add("r7", lease_s=60)
-        relay.rate = 4096.0  # the pull (6 KiB here) takes about 1.5 s
         decode.start_pull("d7", _remote(prefill, "r7", [6, 8]), [3, 5])
         wait(lambda: prefill.holds.held.get("r7", None) is not None and prefill.holds.held["r7"].owner is not None)
 
@@ -395,26 +410,14 @@ def test_a_pull_whose_side_channel_closes_meanwhile_is_reported_failed(agents) -
         _released_soon(prefill, "r7")  # the prefill let go of the blocks: vLLM may reuse them now
         wait(lambda: not decode.pulls.pending())
         assert decode.pulls.take_finished() == ({"d7"}, {"d7"}, {3, 5})  # not a load to use
-    finally:
-        relay.rate = None
-        relay_loop.call(relay.__aexit__(None, None, None))
-        relay_loop.stop()
 
 
 def test_a_second_request_for_the_same_prefill_request_does_not_free_it_under_a_pull(agents) -> None:
     """Two decode requests carrying the same ``kv_transfer_params`` (a proxy's retry, parallel sampling) share
     the decode's side channel: the one that ends first (here released unpulled: a prefix-cache hit or an abort
     before its load) must not free the prefill's blocks while the other still pulls them."""
-    relay_loop = LoopThread("relay")
-    relay = _SlowRelay(("127.0.0.1", 0))
-    try:
-        prefill, p_kv = agents(True, transport="tcp")
-        relay.target = prefill._dd.listen_address
-        relay_loop.call(relay.__aenter__())
-        prefill.options.advertise_data = "{}:{}".format(*relay.address)
-        decode, d_kv = agents(False, transport="tcp")
+    with _slow_data_path(agents) as (prefill, p_kv, decode, d_kv):
         prefill.holds.add("r8", lease_s=60)
-        relay.rate = 4096.0  # the pull (6 KiB here) takes about 1.5 s
         remote = _remote(prefill, "r8", [6, 8])
         decode.start_pull("d8", remote, [3, 5])
         wait(lambda: "r8" in prefill.holds.held and prefill.holds.held["r8"].owner is not None)
@@ -430,10 +433,6 @@ def test_a_second_request_for_the_same_prefill_request_does_not_free_it_under_a_
         _assert_block(d_kv, 3, p_kv, 6)
         _assert_block(d_kv, 5, p_kv, 8)
         _released_soon(prefill, "r8")  # once the last user said done
-    finally:
-        relay.rate = None
-        relay_loop.call(relay.__aexit__(None, None, None))
-        relay_loop.stop()
 
 
 def test_a_peer_that_never_reads_its_replies_holds_bounded_memory(agents) -> None:
