@@ -11,7 +11,12 @@ table with every row of the issue's targets:
   benchmark's own spins (``benchmarks._spinner``), each against the raw
   baseline measured under the same load, and loaded / quiet with its mark;
 - 128 MiB: the throughput ratios at 64 blocks against the same ratios in a
-  saved reference run (``--reference``, a ``--format json`` output).
+  saved reference run (``--reference``, a ``--format json`` output) of the
+  same CPU model: by default the one in ``benchmarks/results`` whose machine
+  line names this machine's CPU. Ratios of two machines are not comparable
+  (same-host against memcpy read 1.65x on the Intel VMs and 1.1-1.3x on the
+  AMD ones, with the same code), so a reference of another CPU gives rows
+  without a mark.
 
 The NIXL row (8 MiB pull over ``aio.Transport=nixl`` against plain NIXL READ)
 is printed by ``benchmarks.nixl``, which has the bare NIXL agent.
@@ -30,8 +35,9 @@ from benchmarks._timing import Measurement
 
 TITLE = "Small requests (issue 19)"
 LOADED = "loaded"  # key prefix of the cases measured while the spinner runs
-#: The reference run the 128 MiB rows are compared with, unless --reference says otherwise.
-DEFAULT_REFERENCE = Path(__file__).parent / "results" / "suite-default-reference.json"
+#: Where the saved reference runs are (``suite-*-reference.json``); ``--reference auto`` picks the one whose
+#: machine has this machine's CPU model.
+REFERENCES = Path(__file__).parent / "results"
 #: A loaded ratio may be this much worse than the quiet one.
 LOADED_FACTOR = 1.3
 UNCHANGED = ">= 0.95x"  # a 128 MiB ratio against the reference's: at most 5% worse
@@ -91,8 +97,21 @@ def loaded_keys() -> list[tuple[str, str, str]]:
             ("pull", "tcp", "4"), ("concurrent", "tcp", "1")]
 
 
-def load_reference(path: Path) -> dict[tuple[str, str, str], float]:
-    """The 128 MiB ratios of a saved suite run (``--format json``): {(benchmark, case, baseline): ratio}.
+@dataclass(frozen=True)
+class Reference:
+    """A saved suite run's 128 MiB ratios: ``{(benchmark, case, baseline): ratio}``, and its machine line."""
+
+    path: Path
+    machine: str
+    ratios: dict[tuple[str, str, str], float]
+
+    def same_cpu(self, cpu: str) -> bool:
+        """Whether the run was made on a machine with the CPU model ``cpu`` (its machine line starts with it)."""
+        return self.machine.startswith(f"{cpu}, ")
+
+
+def load_reference(path: Path) -> Reference:
+    """The 128 MiB ratios of a saved suite run (``--format json``).
 
     Raises:
         ValueError: the file is not a suite JSON output.
@@ -100,24 +119,37 @@ def load_reference(path: Path) -> dict[tuple[str, str, str], float]:
     try:
         tables = json.loads(path.read_text())
         out = {}
+        machine = ""
         for table in tables:
+            machine = machine or table.get("machine") or ""
             for row in table["rows"]:
                 if row.get("ratio") is not None and row.get("baseline"):
                     out[row["benchmark"], row["case"], row["baseline"]] = float(row["ratio"])
-    except (KeyError, TypeError, json.JSONDecodeError) as e:
+    except (AttributeError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"--reference {path}: not a benchmarks.suite --format json output ({e})") from None
-    return out
+    return Reference(path, machine, out)
+
+
+def find_reference(cpu: str, folder: Path = REFERENCES) -> Reference | None:
+    """The saved reference run in ``folder`` made on a machine with the CPU model ``cpu`` (the newest file
+    name of those that are), or ``None``."""
+    for path in sorted(folder.glob("suite-*-reference.json"), reverse=True):
+        ref = load_reference(path)
+        if ref.same_cpu(cpu):
+            return ref
+    return None
 
 
 def build(has: Callable[..., bool], m: Callable[..., Measurement], throughput: Table | None,
-          reference: tuple[Path, dict[tuple[str, str, str], Any]] | None, concurrent: int,
-          loaded: dict[str, Any] | None, machine: str, mode: str) -> Table:
+          reference: Reference | None, concurrent: int, loaded: dict[str, Any] | None, machine: str, mode: str,
+          cpu: str) -> Table:
     """The issue's target table.
 
     Args:
         has, m: the run's measurement lookup (``Results.has`` / ``Results.m``).
         throughput: the run's throughput table (for the 128 MiB rows).
-        reference: (path, :func:`load_reference` of it), or ``None`` for no 128 MiB rows.
+        reference: the saved run the 128 MiB rows compare with, or ``None`` for no such rows; rows against a
+            run of another CPU model than ``cpu`` (this machine's) get no mark.
         loaded: ``None`` when the loaded pass did not run, else ``{"what": str, "cores": float}``.
     """
     table = Table(f"{TITLE}: targets ({mode}; ratios of medians over alternating rounds)", machine=machine)
@@ -144,8 +176,9 @@ def build(has: Callable[..., bool], m: Callable[..., Measurement], throughput: T
             assert row.ratio is not None
             table.add(f"{c.name}: loaded ratio / quiet ratio", c.case, row.ratio, "x", baseline="quiet ratio",
                       baseline_value=quiet_ratio[c.name], target=c.loaded_target())
+    comparable = reference is not None and reference.same_cpu(cpu)
     if throughput is not None and reference is not None:
-        ref = reference[1]
+        ref = reference.ratios
         for benchmark, base in RATIO_ROWS:
             try:
                 now = next(r for r in throughput.rows
@@ -156,7 +189,8 @@ def build(has: Callable[..., bool], m: Callable[..., Measurement], throughput: T
             if before is None or now.ratio is None:
                 continue
             table.add(f"{benchmark} / {base} ratio", f"{TARGET_CASE}, against the reference", now.ratio, "x",
-                      baseline="the reference's ratio", baseline_value=before, target=UNCHANGED)
+                      baseline="the reference's ratio", baseline_value=before,
+                      target=UNCHANGED if comparable else None)
     table.note("8 MiB pull with aio.Transport=nixl against plain NIXL READ (>= 0.9x, and its loaded rows): "
                "python -m benchmarks.nixl")
     if missing:
@@ -170,8 +204,14 @@ def build(has: Callable[..., bool], m: Callable[..., Measurement], throughput: T
     else:
         table.note("no loaded rows: run without --no-load")
     if reference is None:
-        table.note("no 128 MiB rows: no reference (--reference FILE, a saved --format json output of the suite)")
-    else:
-        table.note(f"128 MiB rows: this run's ratio against the same ratio in {reference[0].name} "
+        table.note(f"no 128 MiB rows: no saved reference run of this CPU ({cpu}) in {REFERENCES.name}/; make one "
+                   "with the code before (a worktree of it): python -m benchmarks.suite --sizes 64 --no-gloo "
+                   "--no-load --format json > benchmarks/results/suite-<commit>-reference.json")
+    elif comparable:
+        table.note(f"128 MiB rows: this run's ratio against the same ratio in {reference.path.name} "
                    "(its machine line and date are in the file); better than the reference passes too")
+    else:
+        table.note(f"128 MiB rows: no mark, {reference.path.name} was measured on another CPU "
+                   f"({reference.machine.split(', ')[0]}; this machine: {cpu}), and ratios of two machines are "
+                   "not comparable")
     return table

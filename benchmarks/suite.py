@@ -37,8 +37,9 @@ pull, 64 concurrent 1-block TCP pulls, and their raw TCP baselines) run again
 while a busy-loop child process of this benchmark spins (not pinned; ``--load-cpu
 N`` pins it). The "Small requests (issue 19)" table prints every target of the
 issue with its mark, the loaded ratios and loaded / quiet, and the 128 MiB
-ratios against a saved reference run (``--reference``; the default is
-``benchmarks/results/suite-default-reference.json``, written by ``--format json``).
+ratios against a saved reference run (``--reference``, written by ``--format json``; the
+default, ``auto``, is the run in ``benchmarks/results`` made on a machine with this CPU
+model: ratios of two machines are not comparable).
 
 Both library processes run asyncio's default event loop; ``--uvloop`` runs them
 on uvloop instead (the raw baselines use no event loop either way).
@@ -62,7 +63,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from benchmarks import baselines, small_requests
-from benchmarks._machine import OtherCpuLoad, RssWatch
+from benchmarks._machine import OtherCpuLoad, RssWatch, machine_info_dict
 from benchmarks._spinner import Spinner
 from benchmarks.harness import (
     block_lists,
@@ -165,8 +166,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--uvloop", action="store_true",
                    help="run both library processes' event loops on uvloop (default: asyncio's; the raw baselines "
                         "use no event loop)")
-    p.add_argument("--reference", default=str(small_requests.DEFAULT_REFERENCE), metavar="FILE|none",
-                   help="a saved --format json run to compare the 128 MiB ratios with (default: %(default)s)")
+    p.add_argument("--reference", default="auto", metavar="FILE|auto|none",
+                   help="a saved --format json run to compare the 128 MiB ratios with (default: auto, the one in "
+                        "benchmarks/results made on a machine with this CPU model)")
     return p.parse_args(argv)
 
 
@@ -719,11 +721,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not counts:
         _emit_all([head], args.format)
         return 1
+    cpu = machine_info_dict()["cpu"]
     reference = None
-    if args.reference != "none":
+    if args.reference == "auto":
+        reference = small_requests.find_reference(cpu)
+    elif args.reference != "none":
         path = Path(args.reference)
         if path.exists():
-            reference = (path, small_requests.load_reference(path))
+            reference = small_requests.load_reference(path)
         else:
             head.note(f"no reference file {path}: no 128 MiB rows against a reference")
     cache_blocks = plan.cache_blocks(max(counts))
@@ -735,7 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spun = None if spinner is None else {"what": spinner.describe(),
                                              "cores": res.spinner_cpu / max(res.spinner_wall, 1e-9)}
     throughput = _throughput_table(res, counts, geometry, machine, mode, gloo)
-    small = small_requests.build(res.has, res.m, throughput, reference, CONCURRENT, spun, machine, mode)
+    small = small_requests.build(res.has, res.m, throughput, reference, CONCURRENT, spun, machine, mode, cpu)
     tables = [
         small,
         throughput,

@@ -177,6 +177,45 @@ def test_every_bench_row_names_the_transport_its_link_negotiated(transfer_benchm
     assert not any(" over " not in name for name in rows if name.startswith(("pull", "push")))
 
 
+def test_the_suite_compares_128_mib_ratios_only_with_a_reference_of_this_cpu(tmp_path, monkeypatch):
+    """The 128 MiB rows of the issue-19 table: ``--reference auto`` picks the saved run of this CPU model, and a
+    run of another CPU gives rows without a mark (ratios of two machines are not comparable)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks import small_requests as sr
+    from benchmarks.harness import Measurement, Table
+
+    def saved(name: str, cpu: str, ratio: float) -> None:
+        rows = [{"benchmark": b, "case": sr.TARGET_CASE, "baseline": base, "ratio": ratio} for b, base in sr.RATIO_ROWS]
+        table = {"title": "t", "machine": f"{cpu}, 2/2 cores, 23.5 GiB RAM, Linux 6, load 0.1, 2026-12-02", "rows": rows}
+        (tmp_path / f"suite-{name}-reference.json").write_text(json.dumps([table]))
+
+    saved("aaa", "Intel(R) Xeon(R) Processor", 1.65)
+    saved("bbb", "AMD EPYC", 1.2)
+    assert sr.find_reference("AMD EPYC", tmp_path).path.name == "suite-bbb-reference.json"
+    assert sr.find_reference("Intel(R) Xeon(R) Processor", tmp_path).ratios[sr.RATIO_ROWS[2][0], sr.TARGET_CASE,
+                                                                              sr.RATIO_ROWS[2][1]] == 1.65
+    assert sr.find_reference("AMD EPYC 9", tmp_path) is None  # a prefix of a model name is another model
+    throughput = Table("throughput")
+    for benchmark, base in sr.RATIO_ROWS:
+        throughput.add(benchmark, sr.TARGET_CASE, 1.14, "GB/s", baseline=base, baseline_value=1.0)
+
+    def has(*key: str) -> bool:
+        return False
+
+    def m(*key: str) -> Measurement:
+        raise AssertionError(key)
+
+    for cpu, marks, note in (("AMD EPYC", {"pass"}, "this run's ratio against"),
+                             ("Intel(R) Xeon(R) Processor", {""}, "no mark, suite-bbb-reference.json was measured "
+                                                                  "on another CPU (AMD EPYC; this machine: Intel")):
+        table = sr.build(has, m, throughput, sr.find_reference("AMD EPYC", tmp_path), 64, None, "m", "quick", cpu)
+        rows = json.loads(table.to_json())["rows"]
+        assert len(rows) == 4 and {r["mark"] for r in rows} == marks, rows
+        assert any(n.startswith(f"128 MiB rows: {note}") for n in table.notes), table.notes
+    table = sr.build(has, m, throughput, None, 64, None, "m", "quick", "AMD EPYC")
+    assert any(n.startswith("no 128 MiB rows: no saved reference run of this CPU (AMD EPYC)") for n in table.notes)
+
+
 @pytest.mark.slow
 def test_quick_bench_prints_ratios_and_plots(tmp_path):
     plot = tmp_path / "throughput.png"
