@@ -164,6 +164,12 @@ class KvCache:
         return self._alive
 
     @property
+    def owned(self) -> bool:
+        """Whether the library allocated the memory; False for a registered cache, whose memory the caller owns
+        and reuses as soon as the cache is released."""
+        return self._owned
+
+    @property
     def region(self) -> HostRegion | None:
         """The sealed host memory an allocated host cache lives in (what same-host peers map and NIXL
         registers), or None for device and registered caches."""

@@ -434,3 +434,43 @@ async def test_a_cache_registered_hidden_is_never_offered_over_nixl():
         await asyncio.sleep(0.05)
         assert hidden.cache_id not in plane.local and plane.granted(hidden.cache_id) is None
         assert hidden.cache_id not in link_to(pair.decoder, PROMPT_ID).nixl.caches
+
+
+async def test_a_registered_cache_released_while_its_rows_are_read_hands_over_no_byte_written_after_the_release():
+    """A cache the caller registered is the caller's memory again once ``deallocate_cache`` returned, and a
+    framework reuses it at once. The decoder read the owner's word (it named the cache), then the owner released
+    the cache and the caller wrote new values before the rows' READ was posted (the owner's records held back,
+    as on a slow control connection): the pull must not return those values as the cache's. The word is read
+    again after the rows, for a registered cache, and the pull asks, getting the owner's refusal."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        mine = [torch.zeros(BLOCKS.shape, dtype=torch.float16) for _ in range(BLOCKS.num_tensors)]
+        src = pair.pm.register_blocks_cache(BLOCKS, mine, BlocksCacheKey(PROMPT_ID), remote_accessible=True)
+        fill(src, 13)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await granted(pair.decoder, src)
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        held = hold_back(pair.decoder, {nixl_grants.REVOKE, nixl.WITHDRAW})
+        real_read_rows, released = peer.read_rows, []
+
+        def read_rows(*args, **kwargs):
+            if not released:
+                pair.pm.deallocate_cache(src)  # unregistered: the memory is the caller's again...
+                for t in mine:
+                    t.fill_(7)  # ...and it writes there at once
+                released.append(True)
+            return real_read_rows(*args, **kwargs)
+
+        peer.read_rows = read_rows
+        sent = requests_sent(pair.decoder)
+        with pytest.raises(LLMException) as info:
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL)
+        assert released, "the pull read without asking"
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST, info.value
+        assert Msg.PULL_REQ in sent, sent  # it asked once the word had changed
+        assert [r.kind for r in held] == [nixl_grants.REVOKE, nixl.WITHDRAW]
+        for record in held:
+            type(peer).on_message(peer, record)
+        plane = nixl_agent_of(pair.prompt)
+        async with asyncio.timeout(5):
+            while src.cache_id in plane._doomed:
+                await asyncio.sleep(0.01)

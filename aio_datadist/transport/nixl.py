@@ -54,7 +54,17 @@ from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.fit import Geometry
 from aio_datadist.transport.ledger import LEDGER_BYTES, SLOTS, Ledger
 from aio_datadist.transport.nixl_engine import INLINE_MAX, NixlEngine, agent_name, row_descs
-from aio_datadist.transport.nixl_grants import GRANT, LEDGER, NUDGE, READS, REVOKE, REVOKED, ReadGrants, Revocations
+from aio_datadist.transport.nixl_grants import (
+    CALLER_MEMORY,
+    GRANT,
+    LEDGER,
+    NUDGE,
+    READS,
+    REVOKE,
+    REVOKED,
+    ReadGrants,
+    Revocations,
+)
 from aio_datadist.transport.nixl_offers import MAX_INDICES, OurOffers, PeerOffers, too_many_descriptors
 from aio_datadist.wire import NixlRecord
 
@@ -328,7 +338,8 @@ class NixlAgent:
         model_id = self.runtime.registry.blocks_key_of(cache.cache_id)
         if (self.ledger is not None and self.exposed and mem == "DRAM" and model_id is not None
                 and 0 < cache.cache_id < 1 << 32):  # peers may read it without asking from now on
-            self.ledger.publish(cache.cache_id, model_id, next(self._registrations) << 32 | cache.cache_id)
+            self.ledger.publish(cache.cache_id, model_id, (0 if cache.owned else CALLER_MEMORY)
+                                | next(self._registrations) << 32 | cache.cache_id)
         for peer in list(self.peers):
             peer.offer(entry)
 

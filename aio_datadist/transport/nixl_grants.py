@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from aio_datadist.transport.nixl_engine import NixlEngine
 
 __all__ = ["ReadGrants", "Revocations", "LEDGER", "GRANT", "REVOKE", "REVOKED", "READS", "NUDGE", "GRANT_INFO",
+           "CALLER_MEMORY",
            "REVOKE_WAIT_S", "REPORT_AFTER_S", "MAX_READS", "NUDGE_AFTER_S", "NUDGE_HOLD_S", "NUDGE_RATE"]
 
 log = logging.getLogger("aio_datadist.nixl")
@@ -55,8 +56,13 @@ LEDGER, GRANT, REVOKE, REVOKED, READS, NUDGE = 8, 9, 10, 11, 12, 13
 #: A ``GRANT`` record's blob: the cache's blocks key (model id), data type, block-shape digest, and what its
 #: ledger word holds while the grant stands: the cache id and, above it, which registration of the cache this
 #: is (a cache registered anew, ``registry.refresh``, gets a new word: a peer still holding the old
-#: registration's list reads a word that differs and asks).
+#: registration's list reads a word that differs and asks). The word's top bit (``CALLER_MEMORY``) says the
+#: cache is memory the caller registered, which is the caller's again once it is released.
 GRANT_INFO = struct.Struct("!QIQQ")
+#: Set in the ledger word of a registered (caller-owned) cache. Its memory is reused the moment the owner's
+#: ``deallocate_cache`` / ``unregister_cache`` returned, while an allocated cache's memory lives until every
+#: peer said ``REVOKED``: a reader checks such a word again after the rows' READ, and asks when it changed.
+CALLER_MEMORY = 1 << 63
 #: How long the owner keeps a cache it revoked registered for a peer that does not say ``REVOKED``.
 REVOKE_WAIT_S = 10.0
 #: How long reads made without asking are summed before they are reported (``READS``), and the most one

@@ -33,7 +33,7 @@ from aio_datadist.transport.base import NIXL_SETTLE_S, InPlacePlane, LinkPort, R
 from aio_datadist.transport.device_ipc import fence, serve_fenced
 from aio_datadist.transport.fit import Refusal, fit
 from aio_datadist.transport.nixl import NixlPeer, notif_for
-from aio_datadist.transport.nixl_grants import NUDGE_AFTER_S, NUDGE_RATE
+from aio_datadist.transport.nixl_grants import CALLER_MEMORY, NUDGE_AFTER_S, NUDGE_RATE
 from aio_datadist.wire import Msg, ReqFlag, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
@@ -149,8 +149,10 @@ class NixlPlane(InPlacePlane):
 async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, word: int, first: int,
                 rows: list[int], count: int, timeout_ms: int, what: str) -> bool:
     """Read the owner's ledger word for its granted cache, then READ the pull out of the cache without asking;
-    the owner hears of it once we returned. False, with nothing written, when the owner must be asked after
-    all: the grant is gone, or the word no longer names the cache (unbound, withdrawn or freed).
+    the owner hears of it once we returned. False when the owner must be asked after all: the grant is gone, or
+    the word no longer names the cache (unbound, withdrawn or freed), with nothing written; or, for a cache the
+    owner's caller registered (``CALLER_MEMORY``), the word changed while the rows were read: the caller may have
+    written its memory after it released the cache, so what the rows hold now is not the cache's.
 
     As the same-host read ledger's: the word is read before any byte moves, and the owner keeps a cache it
     revoked registered until we said no read of it is in flight (``REVOKED``). The loop turns once first, so
@@ -175,6 +177,8 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
         posted = peer.read_rows(plan.local, plan.local_first, plan.local_rows, cache_id, first, rows, count, what)
         if posted is not None:  # NIXL left it in progress
             await _settled(posted, peer, what, cancelled, plan.total, deadline)
+        if word & CALLER_MEMORY and not await _word_holds(peer, slot, word, what, cancelled, deadline):
+            return False  # released while its rows were read: the owner's answer decides
         if _trace.ON:
             _trace.mark("job done")
     except TimeoutError:
