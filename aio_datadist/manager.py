@@ -219,9 +219,10 @@ class KvCacheManager:
         stream plane), and every same-host push's copy into it, is cut before
         this returns (the peer's call fails with ``LLM_KV_CACHE_NOT_EXIST``), so
         no such job reads or writes that memory afterwards, and a NIXL pull
-        without asking that read it meanwhile fails; device-IPC pushes, the
-        staging plane (device caches) and NIXL transfers the owner answered are
-        not cut (reliability rows 128, 145). A second call for the same cache is a no-op, as in LLM-DataDist.
+        without asking that read it meanwhile asks after all; device-IPC
+        pushes, the staging plane (device caches) and NIXL transfers the owner
+        answered are not cut (reliability rows 128, 145). A second call for the
+        same cache is a no-op, as in LLM-DataDist.
 
         :raises LLMException: ``LLM_KV_CACHE_NOT_EXIST`` for a cache of another
             LLMDataDist (or a CPU cache).

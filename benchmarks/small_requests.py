@@ -12,8 +12,8 @@ table with every row of the issue's targets:
   baseline measured under the same load, and loaded / quiet with its mark;
 - 128 MiB: the throughput ratios at 64 blocks against the same ratios in a
   saved reference run (``--reference``, a ``--format json`` output) of the
-  same CPU model: by default the one in ``benchmarks/results`` whose machine
-  line names this machine's CPU. Ratios of two machines are not comparable
+  same kind of machine: by default the newest one in ``benchmarks/results``
+  whose machine line names this machine's CPU model and cores. Ratios of two machines are not comparable
   (same-host against memcpy read 1.65x on the Intel VMs and 1.1-1.3x on the
   AMD ones, with the same code), so a reference of another CPU gives rows
   without a mark.
@@ -25,6 +25,7 @@ is printed by ``benchmarks.nixl``, which has the bare NIXL agent.
 from __future__ import annotations
 
 import json
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +36,8 @@ from benchmarks._timing import Measurement
 
 TITLE = "Small requests (issue 19)"
 LOADED = "loaded"  # key prefix of the cases measured while the spinner runs
-#: Where the saved reference runs are (``suite-*-reference.json``); ``--reference auto`` picks the one whose
-#: machine has this machine's CPU model.
+#: Where the saved reference runs are (``suite-*-reference.json``); ``--reference auto`` picks the newest one
+#: made on this kind of machine (CPU model and cores).
 REFERENCES = Path(__file__).parent / "results"
 #: A loaded ratio may be this much worse than the quiet one.
 LOADED_FACTOR = 1.3
@@ -105,9 +106,25 @@ class Reference:
     machine: str
     ratios: dict[tuple[str, str, str], float]
 
-    def same_cpu(self, cpu: str) -> bool:
-        """Whether the run was made on a machine with the CPU model ``cpu`` (its machine line starts with it)."""
-        return self.machine.startswith(f"{cpu}, ")
+    def same_machine(self, machine: str) -> bool:
+        """Whether the run was made on a machine like the one of the machine line ``machine``: the same CPU
+        model (a known one) and the same usable / online cores, the line's first two fields."""
+        kind = machine_kind(machine)
+        return kind is not None and machine_kind(self.machine) == kind
+
+    @property
+    def date(self) -> str:
+        """When the run was made (the machine line's last field, ``YYYY-MM-DD HH:MM UTC``), or ''."""
+        return self.machine.rsplit(", ", 1)[-1] if self.machine.endswith(" UTC") else ""
+
+
+def machine_kind(machine: str) -> tuple[str, str] | None:
+    """(CPU model, cores) of a machine line (``benchmarks._machine.machine_info``); None when the CPU model is
+    not known (``/proc/cpuinfo`` without a model name: every such machine would look alike)."""
+    fields = machine.split(", ")
+    if len(fields) < 2 or fields[0] in ("", "unknown cpu", platform.processor()) or not fields[1].endswith(" cores"):
+        return None
+    return fields[0], fields[1]
 
 
 def load_reference(path: Path) -> Reference:
@@ -121,35 +138,42 @@ def load_reference(path: Path) -> Reference:
         out = {}
         machine = ""
         for table in tables:
-            machine = machine or table.get("machine") or ""
+            found = table.get("machine")
+            machine = machine or (found if isinstance(found, str) else "")
             for row in table["rows"]:
                 if row.get("ratio") is not None and row.get("baseline"):
                     out[row["benchmark"], row["case"], row["baseline"]] = float(row["ratio"])
-    except (AttributeError, KeyError, TypeError, json.JSONDecodeError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"--reference {path}: not a benchmarks.suite --format json output ({e})") from None
     return Reference(path, machine, out)
 
 
-def find_reference(cpu: str, folder: Path = REFERENCES) -> Reference | None:
-    """The saved reference run in ``folder`` made on a machine with the CPU model ``cpu`` (the newest file
-    name of those that are), or ``None``."""
-    for path in sorted(folder.glob("suite-*-reference.json"), reverse=True):
-        ref = load_reference(path)
-        if ref.same_cpu(cpu):
-            return ref
-    return None
+def find_reference(machine: str, folder: Path = REFERENCES) -> tuple[Reference | None, list[str]]:
+    """The newest saved reference run in ``folder`` (by the date in its machine line) made on a machine like
+    the one of the machine line ``machine`` (:meth:`Reference.same_machine`), or None; and a note for each
+    file that could not be read."""
+    found, unreadable = [], []
+    for path in sorted(folder.glob("suite-*-reference.json")):
+        try:
+            ref = load_reference(path)
+        except (OSError, ValueError) as e:
+            unreadable.append(f"{path.name} skipped: {e}")
+            continue
+        if ref.same_machine(machine):
+            found.append(ref)
+    return max(found, key=lambda r: r.date, default=None), unreadable
 
 
 def build(has: Callable[..., bool], m: Callable[..., Measurement], throughput: Table | None,
           reference: Reference | None, concurrent: int, loaded: dict[str, Any] | None, machine: str, mode: str,
-          cpu: str) -> Table:
+          no_reference: str = "") -> Table:
     """The issue's target table.
 
     Args:
         has, m: the run's measurement lookup (``Results.has`` / ``Results.m``).
         throughput: the run's throughput table (for the 128 MiB rows).
-        reference: the saved run the 128 MiB rows compare with, or ``None`` for no such rows; rows against a
-            run of another CPU model than ``cpu`` (this machine's) get no mark.
+        reference: the saved run the 128 MiB rows compare with, or ``None`` for no such rows (``no_reference``
+            says why); rows against a run of another kind of machine than ``machine`` get no mark.
         loaded: ``None`` when the loaded pass did not run, else ``{"what": str, "cores": float}``.
     """
     table = Table(f"{TITLE}: targets ({mode}; ratios of medians over alternating rounds)", machine=machine)
@@ -176,7 +200,7 @@ def build(has: Callable[..., bool], m: Callable[..., Measurement], throughput: T
             assert row.ratio is not None
             table.add(f"{c.name}: loaded ratio / quiet ratio", c.case, row.ratio, "x", baseline="quiet ratio",
                       baseline_value=quiet_ratio[c.name], target=c.loaded_target())
-    comparable = reference is not None and reference.same_cpu(cpu)
+    comparable = reference is not None and reference.same_machine(machine)
     if throughput is not None and reference is not None:
         ref = reference.ratios
         for benchmark, base in RATIO_ROWS:
@@ -203,15 +227,16 @@ def build(has: Callable[..., bool], m: Callable[..., Measurement], throughput: T
                    f"lower is better, >= 1/{LOADED_FACTOR} where higher is)")
     else:
         table.note("no loaded rows: run without --no-load")
+    kind = machine_kind(machine)
+    here = "unknown CPU" if kind is None else ", ".join(kind)
     if reference is None:
-        table.note(f"no 128 MiB rows: no saved reference run of this CPU ({cpu}) in {REFERENCES.name}/; make one "
-                   "with the code before (a worktree of it): python -m benchmarks.suite --sizes 64 --no-gloo "
-                   "--no-load --format json > benchmarks/results/suite-<commit>-reference.json")
+        table.note(f"no 128 MiB rows: {no_reference or 'no reference'}")
     elif comparable:
         table.note(f"128 MiB rows: this run's ratio against the same ratio in {reference.path.name} "
                    "(its machine line and date are in the file); better than the reference passes too")
     else:
-        table.note(f"128 MiB rows: no mark, {reference.path.name} was measured on another CPU "
-                   f"({reference.machine.split(', ')[0]}; this machine: {cpu}), and ratios of two machines are "
-                   "not comparable")
+        theirs = machine_kind(reference.machine)
+        table.note(f"128 MiB rows: no mark, {reference.path.name} was measured on another kind of machine "
+                   f"({'unknown' if theirs is None else ', '.join(theirs)}; this machine: {here}), and ratios of "
+                   "two machines are not comparable")
     return table

@@ -38,8 +38,8 @@ while a busy-loop child process of this benchmark spins (not pinned; ``--load-cp
 N`` pins it). The "Small requests (issue 19)" table prints every target of the
 issue with its mark, the loaded ratios and loaded / quiet, and the 128 MiB
 ratios against a saved reference run (``--reference``, written by ``--format json``; the
-default, ``auto``, is the run in ``benchmarks/results`` made on a machine with this CPU
-model: ratios of two machines are not comparable).
+default, ``auto``, is the newest run in ``benchmarks/results`` made on this kind of machine,
+CPU model and cores: ratios of two machines are not comparable).
 
 Both library processes run asyncio's default event loop; ``--uvloop`` runs them
 on uvloop instead (the raw baselines use no event loop either way).
@@ -63,7 +63,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from benchmarks import baselines, small_requests
-from benchmarks._machine import OtherCpuLoad, RssWatch, machine_info_dict
+from benchmarks._machine import OtherCpuLoad, RssWatch
 from benchmarks._spinner import Spinner
 from benchmarks.harness import (
     block_lists,
@@ -167,8 +167,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="run both library processes' event loops on uvloop (default: asyncio's; the raw baselines "
                         "use no event loop)")
     p.add_argument("--reference", default="auto", metavar="FILE|auto|none",
-                   help="a saved --format json run to compare the 128 MiB ratios with (default: auto, the one in "
-                        "benchmarks/results made on a machine with this CPU model)")
+                   help="a saved --format json run to compare the 128 MiB ratios with (default: auto, the newest one "
+                        "in benchmarks/results made on this kind of machine: CPU model and cores)")
     return p.parse_args(argv)
 
 
@@ -721,16 +721,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not counts:
         _emit_all([head], args.format)
         return 1
-    cpu = machine_info_dict()["cpu"]
-    reference = None
+    reference, no_reference = None, ""
     if args.reference == "auto":
-        reference = small_requests.find_reference(cpu)
-    elif args.reference != "none":
+        reference, unreadable = small_requests.find_reference(machine)
+        for note in unreadable:
+            head.note(f"saved reference runs: {note}")
+        if reference is None:
+            no_reference = (f"no saved reference run of this kind of machine in {small_requests.REFERENCES}; make "
+                            "one with the code before (a worktree of it): python -m benchmarks.suite --sizes 64 "
+                            "--no-gloo --no-load --format json > benchmarks/results/suite-<commit>-reference.json")
+    elif args.reference == "none":
+        no_reference = "--reference none"
+    else:
         path = Path(args.reference)
         if path.exists():
             reference = small_requests.load_reference(path)
         else:
-            head.note(f"no reference file {path}: no 128 MiB rows against a reference")
+            no_reference = f"no reference file {path}"
     cache_blocks = plan.cache_blocks(max(counts))
     with contextlib.ExitStack() as stack:
         # created here, on the main thread: the child's death signal follows the thread that started it
@@ -740,7 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         spun = None if spinner is None else {"what": spinner.describe(),
                                              "cores": res.spinner_cpu / max(res.spinner_wall, 1e-9)}
     throughput = _throughput_table(res, counts, geometry, machine, mode, gloo)
-    small = small_requests.build(res.has, res.m, throughput, reference, CONCURRENT, spun, machine, mode, cpu)
+    small = small_requests.build(res.has, res.m, throughput, reference, CONCURRENT, spun, machine, mode,
+                                 no_reference)
     tables = [
         small,
         throughput,

@@ -177,27 +177,41 @@ def test_every_bench_row_names_the_transport_its_link_negotiated(transfer_benchm
     assert not any(" over " not in name for name in rows if name.startswith(("pull", "push")))
 
 
-def test_the_suite_compares_128_mib_ratios_only_with_a_reference_of_this_cpu(tmp_path, monkeypatch):
-    """The 128 MiB rows of the issue-19 table: ``--reference auto`` picks the saved run of this CPU model, and a
-    run of another CPU gives rows without a mark (ratios of two machines are not comparable)."""
+def test_the_suite_compares_128_mib_ratios_only_with_a_reference_of_this_kind_of_machine(tmp_path, monkeypatch):
+    """The 128 MiB rows of the issue-19 table: ``--reference auto`` picks the newest saved run of this CPU model
+    and cores; a run of another kind of machine gives rows without a mark (ratios of two machines are not
+    comparable); an unknown CPU model matches nothing; an unreadable file is skipped and said."""
     monkeypatch.syspath_prepend(str(REPO))
     from benchmarks import small_requests as sr
     from benchmarks.harness import Measurement, Table
 
-    def saved(name: str, cpu: str, ratio: float) -> None:
-        rows = [{"benchmark": b, "case": sr.TARGET_CASE, "baseline": base, "ratio": ratio} for b, base in sr.RATIO_ROWS]
-        table = {"title": "t", "machine": f"{cpu}, 2/2 cores, 23.5 GiB RAM, Linux 6, load 0.1, 2026-12-02", "rows": rows}
-        (tmp_path / f"suite-{name}-reference.json").write_text(json.dumps([table]))
+    def line(cpu: str, cores: str = "2/2", date: str = "2026-12-02 10:45") -> str:
+        return f"{cpu}, {cores} cores, 23.5 GiB RAM, Linux 6, Python 3.11.7, load 0.10, {date} UTC"
 
-    saved("aaa", "Intel(R) Xeon(R) Processor", 1.65)
-    saved("bbb", "AMD EPYC", 1.2)
-    assert sr.find_reference("AMD EPYC", tmp_path).path.name == "suite-bbb-reference.json"
-    assert sr.find_reference("Intel(R) Xeon(R) Processor", tmp_path).ratios[sr.RATIO_ROWS[2][0], sr.TARGET_CASE,
-                                                                              sr.RATIO_ROWS[2][1]] == 1.65
-    assert sr.find_reference("AMD EPYC 9", tmp_path) is None  # a prefix of a model name is another model
+    def saved(name: str, machine: str, ratio: float) -> None:
+        rows = [{"benchmark": b, "case": sr.TARGET_CASE, "baseline": base, "ratio": ratio}
+                for b, base in sr.RATIO_ROWS]
+        (tmp_path / f"suite-{name}-reference.json").write_text(
+            json.dumps([{"title": "t", "machine": machine, "rows": rows}]))
+
+    intel, amd = "Intel(R) Xeon(R) Processor", "AMD EPYC"
+    saved("aaa", line(intel), 1.65)
+    saved("zzz", line(amd, date="2026-12-01 09:00"), 1.1)
+    saved("bbb", line(amd, date="2026-12-02 10:45"), 1.2)  # newer, though its name sorts first
+    saved("ccc", line(amd, cores="16/16"), 3.0)
+    saved("ddd", line("unknown cpu"), 1.0)
+    (tmp_path / "suite-eee-reference.json").write_text("[{\"rows\": 3}]")
+    found, unreadable = sr.find_reference(line(amd), tmp_path)
+    assert found is not None and found.path.name == "suite-bbb-reference.json"
+    assert len(unreadable) == 1 and unreadable[0].startswith("suite-eee-reference.json skipped: --reference")
+    assert sr.find_reference(line(intel), tmp_path)[0].ratios[(*sr.RATIO_ROWS[2][:1], sr.TARGET_CASE,
+                                                               sr.RATIO_ROWS[2][1])] == 1.65
+    assert sr.find_reference(line(amd, cores="2/4"), tmp_path)[0] is None  # as many cores usable, not online
+    assert sr.find_reference(line("AMD EPYC 9"), tmp_path)[0] is None  # a prefix of a model is another model
+    assert sr.find_reference(line("unknown cpu"), tmp_path)[0] is None  # nothing to tell two such machines apart
     throughput = Table("throughput")
     for benchmark, base in sr.RATIO_ROWS:
-        throughput.add(benchmark, sr.TARGET_CASE, 1.14, "GB/s", baseline=base, baseline_value=1.0)
+        throughput.add(benchmark, sr.TARGET_CASE, 1.3, "GB/s", baseline=base, baseline_value=1.0)
 
     def has(*key: str) -> bool:
         return False
@@ -205,15 +219,15 @@ def test_the_suite_compares_128_mib_ratios_only_with_a_reference_of_this_cpu(tmp
     def m(*key: str) -> Measurement:
         raise AssertionError(key)
 
-    for cpu, marks, note in (("AMD EPYC", {"pass"}, "this run's ratio against"),
-                             ("Intel(R) Xeon(R) Processor", {""}, "no mark, suite-bbb-reference.json was measured "
-                                                                  "on another CPU (AMD EPYC; this machine: Intel")):
-        table = sr.build(has, m, throughput, sr.find_reference("AMD EPYC", tmp_path), 64, None, "m", "quick", cpu)
+    for machine, marks, note in ((line(amd), {"pass"}, "this run's ratio against"),
+                                 (line(intel), {""}, "no mark, suite-bbb-reference.json was measured on another "
+                                                     "kind of machine (AMD EPYC, 2/2 cores; this machine: Intel")):
+        table = sr.build(has, m, throughput, found, 64, None, machine, "quick")
         rows = json.loads(table.to_json())["rows"]
         assert len(rows) == 4 and {r["mark"] for r in rows} == marks, rows
         assert any(n.startswith(f"128 MiB rows: {note}") for n in table.notes), table.notes
-    table = sr.build(has, m, throughput, None, 64, None, "m", "quick", "AMD EPYC")
-    assert any(n.startswith("no 128 MiB rows: no saved reference run of this CPU (AMD EPYC)") for n in table.notes)
+    table = sr.build(has, m, throughput, None, 64, None, line(amd), "quick", "--reference none")
+    assert "no 128 MiB rows: --reference none" in table.notes and not table.rows
 
 
 @pytest.mark.slow

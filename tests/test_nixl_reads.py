@@ -446,8 +446,12 @@ async def test_a_registered_cache_released_while_its_rows_are_read_hands_over_no
         mine = [torch.zeros(BLOCKS.shape, dtype=torch.float16) for _ in range(BLOCKS.num_tensors)]
         src = pair.pm.register_blocks_cache(BLOCKS, mine, BlocksCacheKey(PROMPT_ID), remote_accessible=True)
         fill(src, 13)
+        want = snapshot(src)
         dst = pair.dm.allocate_blocks_cache(BLOCKS)
         await granted(pair.decoder, src)
+        sent = requests_sent(pair.decoder)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL)  # read without asking, checked twice
+        assert same(snapshot(dst), want) and Msg.PULL_REQ not in sent, sent
         peer = link_to(pair.decoder, PROMPT_ID).nixl
         held = hold_back(pair.decoder, {nixl_grants.REVOKE, nixl.WITHDRAW})
         real_read_rows, released = peer.read_rows, []
@@ -474,3 +478,32 @@ async def test_a_registered_cache_released_while_its_rows_are_read_hands_over_no
         async with asyncio.timeout(5):
             while src.cache_id in plane._doomed:
                 await asyncio.sleep(0.01)
+
+
+async def test_a_registered_cache_read_while_nixl_is_given_up_on_the_link_is_asked_for_over_tcp():
+    """The word of a registered cache is read again after its rows; NIXL given up on the link meanwhile (the
+    peer's ``DECLINE``, a set-up that ran out of time) leaves no ledger to read it from: the pull asks, over
+    TCP now, and gets the cache's bytes. Before (review of row 145), it failed with ``LLM_LINK_FAILED`` ("its
+    NIXL ledger is not prepared") on a link that was still up."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        mine = [torch.zeros(BLOCKS.shape, dtype=torch.float16) for _ in range(BLOCKS.num_tensors)]
+        src = pair.pm.register_blocks_cache(BLOCKS, mine, BlocksCacheKey(PROMPT_ID), remote_accessible=True)
+        want = fill(src, 14)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await granted(pair.decoder, src)
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        real_read_rows, declined = peer.read_rows, []
+
+        def read_rows(*args, **kwargs):
+            posted = real_read_rows(*args, **kwargs)
+            if not declined:
+                peer.decline("given up while a read was in flight (test)")
+                declined.append(True)
+            return posted
+
+        peer.read_rows = read_rows
+        sent = requests_sent(pair.decoder)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL)
+        assert declined and Msg.PULL_REQ in sent, sent
+        assert same(snapshot(dst), want)
+        assert pair.decoder.stats().links[PROMPT_ID].kinds["pull"].transport == "tcp"

@@ -60,6 +60,7 @@ from aio_datadist.transport.nixl_grants import (
     LEDGER,
     NUDGE,
     READS,
+    REGISTRATION_MASK,
     REVOKE,
     REVOKED,
     ReadGrants,
@@ -230,7 +231,8 @@ class NixlAgent:
         # (registry.refresh: the same id registered again) before its first registration was released.
         self._doomed: dict[int, list[_LocalCache]] = {}
         self._registering: dict[int, asyncio.Future] = {}
-        self._registrations = itertools.count(1)  # numbers each registration in its ledger word (GRANT_INFO)
+        # numbers each registration in its ledger word (GRANT_INFO), 31 bits below CALLER_MEMORY
+        self._registrations = itertools.count(1)
         devices = runtime.devices
         #: Why device caches are not registered with NIXL (they take the staging plane), or None.
         self.vram_off = vram_off(None if devices is None else devices.kind, self.engine.mem_types)
@@ -339,7 +341,7 @@ class NixlAgent:
         if (self.ledger is not None and self.exposed and mem == "DRAM" and model_id is not None
                 and 0 < cache.cache_id < 1 << 32):  # peers may read it without asking from now on
             self.ledger.publish(cache.cache_id, model_id, (0 if cache.owned else CALLER_MEMORY)
-                                | next(self._registrations) << 32 | cache.cache_id)
+                                | (next(self._registrations) & REGISTRATION_MASK) << 32 | cache.cache_id)
         for peer in list(self.peers):
             peer.offer(entry)
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from aio_datadist.transport.nixl_engine import NixlEngine
 
 __all__ = ["ReadGrants", "Revocations", "LEDGER", "GRANT", "REVOKE", "REVOKED", "READS", "NUDGE", "GRANT_INFO",
-           "CALLER_MEMORY",
+           "CALLER_MEMORY", "REGISTRATION_MASK",
            "REVOKE_WAIT_S", "REPORT_AFTER_S", "MAX_READS", "NUDGE_AFTER_S", "NUDGE_HOLD_S", "NUDGE_RATE"]
 
 log = logging.getLogger("aio_datadist.nixl")
@@ -63,6 +63,8 @@ GRANT_INFO = struct.Struct("!QIQQ")
 #: ``deallocate_cache`` / ``unregister_cache`` returned, while an allocated cache's memory lives until every
 #: peer said ``REVOKED``: a reader checks such a word again after the rows' READ, and asks when it changed.
 CALLER_MEMORY = 1 << 63
+#: The registration's number takes the 31 bits between the cache id and ``CALLER_MEMORY`` (it wraps).
+REGISTRATION_MASK = (1 << 31) - 1
 #: How long the owner keeps a cache it revoked registered for a peer that does not say ``REVOKED``.
 REVOKE_WAIT_S = 10.0
 #: How long reads made without asking are summed before they are reported (``READS``), and the most one

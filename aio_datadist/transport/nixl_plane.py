@@ -151,8 +151,9 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
     """Read the owner's ledger word for its granted cache, then READ the pull out of the cache without asking;
     the owner hears of it once we returned. False when the owner must be asked after all: the grant is gone, or
     the word no longer names the cache (unbound, withdrawn or freed), with nothing written; or, for a cache the
-    owner's caller registered (``CALLER_MEMORY``), the word changed while the rows were read: the caller may have
-    written its memory after it released the cache, so what the rows hold now is not the cache's.
+    owner's caller registered (``CALLER_MEMORY``), the word could not be read again after the rows (changed: the
+    caller may have written its memory after it released the cache, so what the rows hold is not the cache's;
+    NIXL given up on the link, or no scratch word free, meanwhile): the rows are written then.
 
     As the same-host read ledger's: the word is read before any byte moves, and the owner keeps a cache it
     revoked registered until we said no read of it is in flight (``REVOKED``). The loop turns once first, so
@@ -177,8 +178,9 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
         posted = peer.read_rows(plan.local, plan.local_first, plan.local_rows, cache_id, first, rows, count, what)
         if posted is not None:  # NIXL left it in progress
             await _settled(posted, peer, what, cancelled, plan.total, deadline)
-        if word & CALLER_MEMORY and not await _word_holds(peer, slot, word, what, cancelled, deadline):
-            return False  # released while its rows were read: the owner's answer decides
+        if word & CALLER_MEMORY and not (peer.usable() and peer.ledger is not None
+                                         and await _word_holds(peer, slot, word, what, cancelled, deadline)):
+            return False  # released while its rows were read, or NIXL given up meanwhile: the owner's answer decides
         if _trace.ON:
             _trace.mark("job done")
     except TimeoutError:
