@@ -412,9 +412,11 @@ async def test_a_failing_transfer_cancels_its_siblings():
 
 
 class QueuedCopies:
-    """One copy thread busy with two 64 MiB copies; the copies under test queue behind them."""
+    """One copy thread busy with eight 64 MiB copies (tens of ms at any memory speed: with two, a fast host was
+    done before the last cut, and the copy cut last ran instead); the copies under test queue behind them."""
 
     BLOCKER = CacheDesc(1, (2, 64 << 20), DataType.DT_INT8, Placement.HOST)
+    BLOCKING_COPIES = 8
     HOST = CacheDesc(2, (8, 4, 64), DataType.DT_FLOAT16, Placement.HOST)
     DEVICE = CacheDesc(2, (8, 4, 64), DataType.DT_FLOAT16, Placement.DEVICE)
     ROWS = CacheDesc(2, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
@@ -440,7 +442,7 @@ class QueuedCopies:
 
     async def block(self) -> None:
         self.blocker = asyncio.gather(*(self.kv.copy_blocks(self.blocker_cache, {0: [1]}, timeout=30_000)
-                                        for _ in range(2)))
+                                        for _ in range(self.BLOCKING_COPIES)))
         await asyncio.sleep(0)  # both submitted before the copies under test
 
     async def unblock(self) -> None:
