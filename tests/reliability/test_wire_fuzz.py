@@ -68,10 +68,11 @@ from _tally import count
 S = LLMStatusCode
 PROMPT, DECODER = 1, 2
 SECRET = "fuzz-secret"
-DECODE_EXAMPLES = scaled(3000)
-PLAN_EXAMPLES = scaled(5000)
-LIVE_EXAMPLES = scaled(2500)
-PROTOCOL_EXAMPLES = scaled(1000)
+# Halved on 2026-12-03 (CI took 14.5-15.5 minutes on an AMD VM): tools/soak.py runs more, with other seeds.
+DECODE_EXAMPLES = scaled(1500)
+PLAN_EXAMPLES = scaled(2500)
+LIVE_EXAMPLES = scaled(1250)
+PROTOCOL_EXAMPLES = scaled(500)
 MALFORMED_FRAMES = scaled(300)
 WRONG_VERSIONS = [v for v in (0, 1, 2, 255) if v != wire.VERSION]
 
