@@ -33,13 +33,22 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
+UNKNOWN_CPU = "unknown cpu"
+
+
 def _cpu_model() -> str:
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
                     return line.partition(":")[2].strip()
-    return platform.processor() or "unknown cpu"
+    return platform.processor() or UNKNOWN_CPU
+
+
+def cpu_model_known(model: str) -> bool:
+    """Whether ``model`` (the first field of a machine line) names a CPU model, rather than :func:`_cpu_model`'s
+    fallback for a ``/proc/cpuinfo`` without one (the architecture, or nothing), which every such machine shares."""
+    return model not in ("", UNKNOWN_CPU, platform.processor())
 
 
 def _version(dist: str) -> str:

@@ -13,10 +13,10 @@ table with every row of the issue's targets:
 - 128 MiB: the throughput ratios at 64 blocks against the same ratios in a
   saved reference run (``--reference``, a ``--format json`` output) of the
   same kind of machine: by default the newest one in ``benchmarks/results``
-  whose machine line names this machine's CPU model and cores. Ratios of two machines are not comparable
-  (same-host against memcpy read 1.65x on the Intel VMs and 1.1-1.3x on the
-  AMD ones, with the same code), so a reference of another CPU gives rows
-  without a mark.
+  whose machine line names this machine's CPU model and cores. Ratios of two
+  machines are not comparable (same-host against memcpy read 1.65x on the
+  Intel VMs and 1.1-1.3x on the AMD ones, with the same code), so a reference
+  of another machine gives rows without a mark.
 
 The NIXL row (8 MiB pull over ``aio.Transport=nixl`` against plain NIXL READ)
 is printed by ``benchmarks.nixl``, which has the bare NIXL agent.
@@ -25,12 +25,12 @@ is printed by ``benchmarks.nixl``, which has the bare NIXL agent.
 from __future__ import annotations
 
 import json
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks._machine import cpu_model_known
 from benchmarks._table import Table
 from benchmarks._timing import Measurement
 
@@ -122,7 +122,7 @@ def machine_kind(machine: str) -> tuple[str, str] | None:
     """(CPU model, cores) of a machine line (``benchmarks._machine.machine_info``); None when the CPU model is
     not known (``/proc/cpuinfo`` without a model name: every such machine would look alike)."""
     fields = machine.split(", ")
-    if len(fields) < 2 or fields[0] in ("", "unknown cpu", platform.processor()) or not fields[1].endswith(" cores"):
+    if len(fields) < 2 or not cpu_model_known(fields[0]) or not fields[1].endswith(" cores"):
         return None
     return fields[0], fields[1]
 

@@ -178,8 +178,7 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
         posted = peer.read_rows(plan.local, plan.local_first, plan.local_rows, cache_id, first, rows, count, what)
         if posted is not None:  # NIXL left it in progress
             await _settled(posted, peer, what, cancelled, plan.total, deadline)
-        if word & CALLER_MEMORY and not (peer.usable() and peer.ledger is not None
-                                         and await _word_holds(peer, slot, word, what, cancelled, deadline)):
+        if word & CALLER_MEMORY and not await _word_holds(peer, slot, word, what, cancelled, deadline):
             return False  # released while its rows were read, or NIXL given up meanwhile: the owner's answer decides
         if _trace.ON:
             _trace.mark("job done")
@@ -202,7 +201,10 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
 
 async def _word_holds(peer: NixlPeer, slot: int, word: int, what: str, cancelled: list[asyncio.CancelledError],
                       deadline: float) -> bool:
-    """Whether the owner's ledger word ``slot`` holds ``word`` now (False too when no word of ours is free)."""
+    """Whether the owner's ledger word ``slot`` holds ``word`` now (False too when no word of ours is free, or
+    NIXL was given up on the link: no ledger to read it from)."""
+    if not peer.usable() or peer.ledger is None:
+        return False
     index = peer.agent.take_scratch()
     if index is None:
         return False
