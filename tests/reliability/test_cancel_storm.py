@@ -155,7 +155,9 @@ async def test_hundreds_of_cancelled_transfers_leave_a_working_link_and_no_leak(
         deadline = time.monotonic() + BOUND_S
         while fd_kinds() != before[2] and time.monotonic() < deadline:  # channels being redialled
             await asyncio.sleep(0.01)
-        assert fd_kinds() == before[2], (fd_kinds(), before[2])
+        now = fd_kinds()
+        assert now == before[2], (f"sockets {now[0]} (before {before[2][0]}); other fds opened "
+                                  f"{sorted(now[1] - before[2][1])}, closed {sorted(before[2][1] - now[1])}")
 
         # the link works: more transfers at once than it has channels, both ways, bytes checked
         for t in dst.tensors + dst_rows.tensors:
