@@ -19,7 +19,11 @@ Before the client's proof is checked the server sends only its nonce and
 its proof, both functions of random nonces: no cluster id, role, layout,
 channel count, boot id or socket name. Each proof binds both nonces, so a
 captured HELLO, HELLO_ACK, AUTH or LINK_OK is useless on another connection,
-and the labels differ, so no proof can be reflected as another. Without a
+and the labels differ, so no proof can be reflected as another. The server
+answers nothing to a HELLO that carries the nonce of one of its own
+endpoint's dials still in its handshake (``own``, :mod:`aio_datadist.own_dials`):
+whoever that endpoint dialled cannot hand its HELLO back to its listener and
+so make it prove the secret to itself on its behalf. Without a
 shared secret the proofs are all zero and the same messages link any two
 endpoints (use TLS, or a network you trust).
 
@@ -34,6 +38,7 @@ import dataclasses
 import hashlib
 import hmac
 import os
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from aio_datadist import wire
@@ -160,16 +165,20 @@ class Accepted:
 
 
 async def accept(head: bytes, reader: Reader, writer: asyncio.StreamWriter, *,
-                 secret: bytes | None) -> Accepted:
+                 secret: bytes | None, own: Callable[[bytes], bool] | None = None) -> Accepted:
     """The server's half up to the client's proof; ``head`` is what was read of the first header.
 
     Sends the client only a nonce and the server's proof. The caller
     answers with :func:`link_ok` (a refusal unless ``authenticated``).
+    ``own(nonce)`` says whether a HELLO nonce is one of this endpoint's
+    running dials': such a HELLO gets no answer (:class:`ProtocolError`).
     """
     msg, req_id, length = wire.parse_header(head + await reader.readexactly(wire.HEADER.size - len(head)))
     if msg is not Msg.HELLO:
         raise ProtocolError(f"expected HELLO, got {msg.name}")
     hello: wire.Hello = wire.decode(msg, await reader.readexactly(length))
+    if own is not None and own(hello.nonce):  # our own HELLO, handed back: a proof would let the relay in
+        raise ProtocolError("a HELLO of a dial of this endpoint's own (a link to itself, or a relay)")
     nonce = os.urandom(wire.NONCE_BYTES)
     writer.write(wire.encode(Msg.HELLO_ACK, req_id, nonce=nonce, proof=proof(secret, b"server", hello.nonce, nonce)))
     auth: wire.Auth = await read_expected(reader, Msg.AUTH)

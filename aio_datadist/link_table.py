@@ -30,6 +30,7 @@ from aio_datadist.admission import ARRIVAL_FACTOR, Pending
 from aio_datadist.control_reader import ControlReader, open_control
 from aio_datadist.links import SUCCESS, ZERO32, DataConn, Link, tune
 from aio_datadist.listener import Listener, Refusal
+from aio_datadist.own_dials import OwnDials
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
 from aio_datadist.transport.base import ABORT_ACK_S, meets
@@ -82,7 +83,9 @@ class LinkTable:
         self.runtime = runtime
         self.links: dict[int, Link] = {}
         self._dialling: dict[int, asyncio.Task] = {}
-        self._hellos: set[bytes] = set()  # HELLO nonces of our dials in their handshake: a dial of ourselves
+        #: HELLO nonces of our dials in their handshake: our listener answers none of them (a link to ourselves,
+        #: or our handshake handed back by whoever we dialled).
+        self.own_dials = OwnDials()
         self._bilateral: set[asyncio.Task] = set()  # link() attempts (start_bilateral)
         self._awaited: dict[int, asyncio.Future] = {}  # remote id -> the link() that waits for its dial
         self.closing = False
@@ -211,13 +214,11 @@ class LinkTable:
         """Stop listening; connections accepted already finish their handshakes (or time out)."""
         await self.listener.stop()
 
-    def refusal(self, remote_id: int, peer_id: int, bilateral: bool, client_nonce: bytes) -> Refusal | None:
+    def refusal(self, remote_id: int, peer_id: int, bilateral: bool) -> Refusal | None:
         """Why an authenticated link from ``remote_id`` (that asked for ``peer_id``) is refused at once, or None."""
         own_id = self.cluster_id
         if peer_id not in (own_id, handshake.ANY_PEER):
             return LLMStatusCode.LLM_LINK_FAILED, f"this endpoint is cluster {own_id}, not {peer_id}"
-        if client_nonce in self._hellos:
-            return LLMStatusCode.LLM_LINK_FAILED, "a link to this endpoint itself"
         # Blocks layouts are checked per request (owner.serve_plan), so peers holding different caches link.
         if self.closing:
             return LLMStatusCode.LLM_LINK_FAILED, "this endpoint is being finalized"
@@ -377,13 +378,17 @@ class LinkTable:
             if self.tls_client is not None:
                 await tls.dial_control(reader, writer, self.tls_client, address[0], HANDSHAKE_LIMIT_S)
             nonce = os.urandom(wire.NONCE_BYTES)
-            self._hellos.add(nonce)
-            try:
-                ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
-                                          role=self._role(), nonce=nonce, layout=ZERO32, bilateral=bilateral,
-                                          peer_id=handshake.ANY_PEER if remote_id is None else remote_id)
-            finally:
-                self._hellos.discard(nonce)
+            with self.own_dials.dialling(nonce) as came_back:
+                try:
+                    ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
+                                              role=self._role(), nonce=nonce, layout=ZERO32, bilateral=bilateral,
+                                              peer_id=handshake.ANY_PEER if remote_id is None else remote_id)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    if came_back():  # our listener answered nothing to our own HELLO
+                        raise LLMException("our HELLO reached this endpoint's own listener: a link to this endpoint "
+                                           "itself, or the peer handed our handshake back to us",
+                                           status_code=LLMStatusCode.LLM_LINK_FAILED) from None
+                    raise
             if remote_id is None:
                 remote_id = ok.cluster_id
                 existing = self.links.get(remote_id) if self._live(remote_id) is None else None

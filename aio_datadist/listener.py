@@ -27,6 +27,7 @@ from aio_datadist._checks import param_invalid
 from aio_datadist.admission import LISTEN_BACKLOG, Admission, Pending, streams
 from aio_datadist.control_reader import ControlReader
 from aio_datadist.links import SUCCESS, Link, tune
+from aio_datadist.own_dials import OwnDials
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import LocalListener, boot_id
@@ -51,11 +52,12 @@ class Table(Protocol):
     """What a :class:`Listener` needs of its link table (``LinkTable``)."""
 
     links: dict[int, Link]
+    own_dials: OwnDials
 
     @property
     def shares_memory(self) -> bool: ...
 
-    def refusal(self, remote_id: int, peer_id: int, bilateral: bool, client_nonce: bytes) -> Refusal | None:
+    def refusal(self, remote_id: int, peer_id: int, bilateral: bool) -> Refusal | None:
         """Why an authenticated link from ``remote_id`` is refused at once, or None."""
 
     async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, reader: ControlReader,
@@ -185,7 +187,8 @@ class Listener:
 
     async def _accept_control(self, magic: bytes, reader: _Watched, writer: asyncio.StreamWriter,
                               admission: Admission, pending: Pending) -> bool:
-        accepted = await handshake.accept(magic, reader, writer, secret=self.secret)
+        accepted = await handshake.accept(magic, reader, writer, secret=self.secret,
+                                          own=self._table.own_dials.came_back)
         auth = accepted.auth
 
         async def refuse(status: LLMStatusCode, text: str) -> bool:
@@ -201,7 +204,7 @@ class Listener:
         except ValueError:
             raise ProtocolError("bad role") from None
         bilateral = bool(auth.bilateral)
-        refused = self._table.refusal(auth.cluster_id, auth.peer_id, bilateral, accepted.client_nonce)
+        refused = self._table.refusal(auth.cluster_id, auth.peer_id, bilateral)
         if refused is not None:
             return await refuse(*refused)
         taken = await self._table.take(auth.cluster_id, remote_role, bilateral, reader.inner, writer, pending,

@@ -250,3 +250,37 @@ def test_a_connection_holds_at_most_its_claim_limit(agents) -> None:
     assert [r["ok"] for r in replies] == [True, True, False, True]  # r1 again: its own claim
     assert "2 claims" in replies[2]["error"]
     wait(lambda: set(prefill.holds.held) == {"r3"})  # its connection closed: its two claims are freed
+
+
+def test_a_kv_both_worker_is_not_made_to_prove_the_secret_to_itself_for_a_process_without_it(agents) -> None:
+    """Reflection (guarantee 147): a worker that is prefill and decode (``kv_both``) holds a request for its
+    real decoder; its decode half is sent to pull from a process without the secret (``kv_transfer_params``
+    name the host and port, and API clients can send their own: row 142), which hands the decode's hello to
+    the worker's own side channel and the answer back, to have the worker prove the secret to itself. The
+    side channel answers nothing, the pull fails saying why, and the held request stays held. Before the fix:
+    the side channel answered, the decode proved the secret in turn, and the relay claimed and released the
+    request (the prefill freed its blocks)."""
+    worker = Agent(True, True, "engine-b", AgentOptions(shared_secret=SECRET))
+    try:
+        tensors, layout, _ = kv_layout(kv_caches(1), BLOCKS, BLOCK_TOKENS)
+        worker.register(tensors, layout)
+        worker.holds.add("r1", lease_s=60)
+        host, port = worker.side_channel
+        proc = subprocess.Popen([sys.executable, PEER, "reflect", host, str(port), "r1"], stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            assert proc.stdout is not None
+            relay_port = int(proc.stdout.readline())
+            worker.start_pull("d-x", RemotePrefill("engine-b", "rX", "127.0.0.1", relay_port, (5, 2),
+                                                   2 * BLOCK_TOKENS), [1, 6])
+            seen = json.loads(proc.stdout.readline())
+            assert proc.wait(timeout=10) == 0
+        finally:
+            _reap(proc)
+        assert seen == {"answered": False, "proved": False, "claim": None, "done": None}, seen
+        wait(lambda: not worker.pulls.pending())
+        finished, failed, _ = worker.pulls.take_finished()
+        assert finished == {"d-x"} and failed == {"d-x"}
+        assert _still_held(worker, "r1")
+    finally:
+        worker.close()

@@ -12,6 +12,10 @@ line on stdout with what it saw::
                                                                     # (no secret needed), one every GAP s
     python vllm_side_channel_peer.py lie HOST PORT SECRET|-         # frame headers that lie about their size
     python vllm_side_channel_peer.py claims HOST PORT SECRET REQ...  # claim each on one connection
+    python vllm_side_channel_peer.py reflect HOST PORT REQ         # print the port it listens on; hand the
+                                                                    # hello of the decode that dials it to
+                                                                    # HOST:PORT, the answer back, the decode's
+                                                                    # proof on; then claim and done REQ there
 """
 
 from __future__ import annotations
@@ -172,6 +176,49 @@ def claims(host: str, port: int, secret: bytes, reqs: list[str]) -> dict:
     return {"replies": replies}
 
 
+def reflect(host: str, port: int, req: str) -> dict:
+    """No secret: relay one dialling decode's handshake to the side channel at ``host:port`` (the dialling
+    worker's own), then use that connection as if it had proved the secret."""
+    seen: dict = {"answered": False, "proved": False, "claim": None, "done": None}
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        print(server.getsockname()[1], flush=True)
+        server.settimeout(30)
+        dial, _ = server.accept()
+    with dial, socket.create_connection((host, port), timeout=10) as back:
+        dial.settimeout(10)
+        back.sendall(recv_exactly(dial, len(MAGIC) + 32))  # the decode's hello
+        answer = recv_exactly(back, 64)  # the side channel's nonce and proof over the decode's nonce
+        if answer is None:
+            return seen
+        seen["answered"] = True
+        dial.sendall(answer)
+        proof = recv_exactly(dial, 32)  # the decode proves the secret in turn
+        if proof is None:
+            return seen
+        seen["proved"] = True
+        back.sendall(proof)
+        for rid, op in ((1, "claim"), (2, "done")):
+            back.sendall(frame({"id": rid, "op": op, "req": req}))
+            head = recv_exactly(back, 4)
+            body = None if head is None else recv_exactly(back, struct.unpack(">I", head)[0])
+            seen[op] = None if body is None else json.loads(body)
+    return seen
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or None once the other end closed (or reset) first."""
+    data = b""
+    while len(data) < n:
+        try:
+            chunk = sock.recv(n - len(data))
+        except ConnectionResetError:
+            return None
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
 def main(argv: list[str]) -> None:
     mode, host, port = argv[0], argv[1], int(argv[2])
     if mode == "plain":
@@ -188,6 +235,8 @@ def main(argv: list[str]) -> None:
         print(json.dumps(lie(host, port, None if argv[3] == "-" else argv[3].encode())))
     elif mode == "claims":
         print(json.dumps(claims(host, port, argv[3].encode(), argv[4:])))
+    elif mode == "reflect":
+        print(json.dumps(reflect(host, port, argv[3])))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from aio_datadist.integrations.vllm_wire import (
     encode_frame,
     frame_length,
 )
+from aio_datadist.own_dials import OwnDials
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMRole, Placement
 
@@ -293,6 +294,8 @@ class Agent:
         self._conns: set[asyncio.StreamWriter] = set()
         self._handshaking: dict[asyncio.StreamWriter, bool] = {}  # oldest first; True once it sent its hello
         self._secret = options.shared_secret.encode() if options.shared_secret else None
+        #: Our decode dials' hello nonces while they run: our side channel answers none of them (own_dials).
+        self._own_dials = OwnDials()
         self._refused = 0
         self._refusal_logged = -REFUSAL_LOG_EVERY_S
         self.refusals = 0  # side-channel connections refused or evicted, all told
@@ -411,7 +414,7 @@ class Agent:
                 self._handshaking[writer] = True
 
         try:
-            await asyncio.wait_for(vllm_auth.accept(reader, writer, self._secret, spoke),
+            await asyncio.wait_for(vllm_auth.accept(reader, writer, self._secret, spoke, self._own_dials.came_back),
                                    self.options.link_timeout_ms / 1000)
             return True
         except (vllm_auth.AuthError, OSError, TimeoutError) as exc:
@@ -528,8 +531,17 @@ class Agent:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), left)
             if self._secret is None:
                 break
+            nonce = os.urandom(vllm_auth.NONCE_BYTES)
             try:
-                await asyncio.wait_for(vllm_auth.dial(reader, writer, self._secret), deadline - time.monotonic())
+                with self._own_dials.dialling(nonce) as came_back:
+                    try:
+                        await asyncio.wait_for(vllm_auth.dial(reader, writer, self._secret, nonce),
+                                               deadline - time.monotonic())
+                    except vllm_auth.HandshakeClosed:
+                        if came_back():  # our own side channel answered nothing to our own hello
+                            raise vllm_auth.AuthError(f"{host}:{port} handed our hello to this worker's own side "
+                                                      "channel (a relay of our own handshake)") from None
+                        raise
                 break
             except vllm_auth.HandshakeClosed:  # a flood at the prefill may have evicted us: try again
                 writer.transport.abort()

@@ -14,7 +14,10 @@
 Every message has a fixed size, so nothing is parsed before the proofs
 hold. Both proofs bind both ends' fresh nonces, so a recorded exchange fails
 on a new connection (the other end's nonce differs); the role labels differ,
-so one end's proof cannot be reflected as the other's; ``LABEL`` keeps these
+so one end's proof cannot be reflected as the other's; a worker that is both
+prefill and decode (``kv_both``) answers nothing to a hello that carries the
+nonce of one of its own decode dials (``own``, :mod:`aio_datadist.own_dials`),
+so whoever it dialled cannot make it prove the secret to itself; ``LABEL`` keeps these
 proofs apart from the link handshake's under the same secret
 (:mod:`aio_datadist.handshake`). Comparisons are constant-time.
 """
@@ -50,9 +53,12 @@ def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(secret, LABEL + role + b"|" + first + second, hashlib.sha256).digest()
 
 
-async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes) -> None:
-    """The decode's half: raises :class:`AuthError` unless the prefill proves ``secret``."""
-    nonce = os.urandom(NONCE_BYTES)
+async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
+               nonce: bytes | None = None) -> None:
+    """The decode's half: raises :class:`AuthError` unless the prefill proves ``secret``; ``nonce`` is our
+    hello's (random if None: a worker that also serves keeps its own, :func:`accept`'s ``own``)."""
+    if nonce is None:
+        nonce = os.urandom(NONCE_BYTES)
     writer.write(MAGIC + nonce)
     try:
         answer = await reader.readexactly(NONCE_BYTES + PROOF_BYTES)
@@ -66,7 +72,7 @@ async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secre
 
 
 async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
-                 spoke: Callable[[], None] | None = None) -> None:
+                 spoke: Callable[[], None] | None = None, own: Callable[[bytes], bool] | None = None) -> None:
     """The prefill's half: raises :class:`AuthError` unless the decode proves ``secret``.
 
     The caller bounds it in time; it reads exactly :data:`HELLO_BYTES` and
@@ -79,6 +85,8 @@ async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sec
         if not hmac.compare_digest(hello[:len(MAGIC)], MAGIC):
             raise AuthError("not the side-channel handshake (no shared_secret at the decode?)")
         theirs = hello[len(MAGIC):]
+        if own is not None and own(theirs):  # our own hello, handed back: a proof would let the relay in
+            raise AuthError("a hello of this worker's own decode dial (handed back by whoever it dialled)")
         if spoke is not None:
             spoke()
         nonce = os.urandom(NONCE_BYTES)

@@ -16,12 +16,14 @@ before it proved the secret, in either direction.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import sys
 
 import pytest
 import torch
 
-from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, wire
+from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMClusterInfo, LLMRole, LLMStatusCode, Placement, wire
 from aio_datadist.testing import links_of, share_listener_of
 from aio_datadist.transport.local import boot_id
 from aio_datadist.types import UINT64_MAX
@@ -314,3 +316,38 @@ async def test_a_link_ok_altered_on_the_way_fails_the_link():
         async with asyncio.timeout(2):  # the owner's end breaks once the client hangs up
             while any(link.broken is None for link in links_of(dd).values()):
                 await asyncio.sleep(0.01)
+
+
+REFLECTOR = os.path.join(os.path.dirname(__file__), "_reflector.py")
+
+
+@pytest.mark.asyncio
+async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler():
+    """Reflection (guarantee 146): the decoder dials a process without the secret (``link_clusters`` with no
+    remote id: whichever cluster listens there), which hands the decoder's HELLO to the decoder's own
+    listener, to have it prove the secret over the decoder's nonce, then the decoder's AUTH back to it.
+    That listener answers nothing, so the decoder's dial never sends its proof and fails, the relay gets no
+    link, and the decoder links to another endpoint as before. Before the fix: HELLO_ACK, then AUTH, then
+    LINK_OK with a link token, and a link registered in the decoder."""
+    async with (endpoint(LLMRole.DECODER, DECODER, listen=True, shared_secret=SECRET) as dec,
+                endpoint(LLMRole.PROMPT, PROMPT, listen=True, shared_secret=SECRET) as other):
+        baseline = state(dec)
+        proc = await asyncio.create_subprocess_exec(sys.executable, REFLECTOR, *map(str, port_of(dec)),
+                                                    stdout=asyncio.subprocess.PIPE)
+        try:
+            assert proc.stdout is not None
+            port = int(await asyncio.wait_for(proc.stdout.readline(), 30))
+            info = LLMClusterInfo()  # no remote_cluster_id: whichever cluster listens there
+            info.append_remote_ip_info(LOCALHOST, port)
+            ret, per = await dec.link_clusters([info], timeout=3000)
+            got = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert got == {"ack": False, "auth": False, "link_ok": None}, got
+        assert (ret, per) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        assert not links_of(dec)
+        await settle(dec, baseline)
+        assert await dec.link_clusters([cluster_info(PROMPT, port_of(other))]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
