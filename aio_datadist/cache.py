@@ -126,13 +126,14 @@ class KvCache:
 
     @property
     def per_device_tensor_addrs(self) -> list[list[int]]:
-        """Tensor addresses, outer list per device (always one here)."""
-        return [list(self._layout.bases)]
+        """Tensor addresses, outer list per device (always one here); ``[]`` once the memory is released."""
+        return [list(self._layout.bases)] if self._alive else []
 
     @property
     def tensor_addrs(self) -> list[int]:
-        """Tensor addresses, one per tensor (the v2 ``Cache`` spelling)."""
-        return list(self._layout.bases)
+        """Tensor addresses, one per tensor (the v2 ``Cache`` spelling); ``[]`` once the memory is released
+        (freed or unregistered), as LLM-DataDist empties them, so no address of memory gone is handed out."""
+        return list(self._layout.bases) if self._alive else []
 
     @property
     def tensors(self) -> list[torch.Tensor]:

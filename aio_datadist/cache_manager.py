@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from aio_datadist._checks import (
     INT64_MAX,
-    UINT32_MAX,
     check_bool,
     check_instance,
     check_int,
@@ -35,7 +34,7 @@ from aio_datadist.arrivals import PushWatch
 from aio_datadist.cache import KvCache
 from aio_datadist.layers import range_pair
 from aio_datadist.manager import KvCacheManager
-from aio_datadist.status import LLMException
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.task import CacheTask
 from aio_datadist.types import (
     BlocksCacheKey,
@@ -349,8 +348,10 @@ class CacheManager:
         """
         self._rt()
         cache = self._endpoint.live(src_cache, "src_cache")
-        return self._kv.transfer_cache_async(cache, layer_synchronizer, transfer_configs, src_block_indices,
+        task = self._kv.transfer_cache_async(cache, layer_synchronizer, transfer_configs, src_block_indices,
                                              dst_block_indices, dst_block_memory_size)
+        task.timeout_code = LLMStatusCode.LLM_TIMEOUT  # v2's default error code (v1's: LLM_WAIT_PROCESS_TIMEOUT)
+        return task
 
     def watch_pushes(self, cache: KvCache, rows: Sequence[int], layers: range | None = None, *,
                      tensors_per_layer: int = 2) -> PushWatch:
@@ -383,13 +384,22 @@ def _v2_argument(v1_name: str, v2_name: str) -> Iterator[None]:
         raise type(exc)(message, status_code=exc.status_code, argument=v2_name) from None
 
 
+def _tensors_per_layer(value: Any) -> int:
+    """v2's ``tensor_num_per_layer``: a uint32 (``ValueError`` outside, as LLM-DataDist checks it) that the
+    transfer can carry (1 to 255: the request's one byte, as ``KvCacheExtParam``'s field)."""
+    per_layer = check_uint("tensor_num_per_layer", value, 32)
+    if not 1 <= per_layer <= 255:
+        raise param_invalid("tensor_num_per_layer", f"must be in [1, 255], got {per_layer}")
+    return per_layer
+
+
 def _pull_keywords(src_layer_range: Any, dst_layer_range: Any, tensor_num_per_layer: Any, timeout: Any,
                    unknown: dict[str, Any]) -> dict[str, Any]:
     """The v2 pull keywords for the v1 call (LLM-DataDist's v2 has no offsets); anything else names itself."""
     if unknown:
         raise param_invalid(sorted(unknown)[0], "is not a keyword of the v2 pull calls (src_layer_range, "
                             "dst_layer_range, tensor_num_per_layer, timeout)")
-    check_int("tensor_num_per_layer", tensor_num_per_layer, lo=1, hi=UINT32_MAX)
+    _tensors_per_layer(tensor_num_per_layer)
     return {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
             "tensor_num_per_layer": tensor_num_per_layer, "timeout": timeout}
 
@@ -398,7 +408,7 @@ def _push_layers(src_cache: KvCache, src_layer_range: Any, dst_layer_range: Any,
                  tensor_num_per_layer: Any) -> KvCacheExtParam:
     """v2 push layer keywords as the inclusive pairs of ``KvCacheExtParam``; None is every layer
     of ``src_cache`` on either side, and both ranges hold as many layers."""
-    per_layer = check_int("tensor_num_per_layer", tensor_num_per_layer, lo=1, hi=UINT32_MAX)
+    per_layer = _tensors_per_layer(tensor_num_per_layer)
     num_layers = src_cache.cache_desc.num_tensors // per_layer
     ranges = []
     for arg, value in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):

@@ -135,11 +135,12 @@ class CacheTask:
         self._task = task
 
     def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
-        """Wait for all layers; the first failure, ``LLM_SUCCESS`` or ``LLM_TIMEOUT``."""
+        """Wait for all layers; the first failure, ``LLM_SUCCESS``, or the time-out code (v1
+        ``LLM_WAIT_PROCESS_TIMEOUT``, v2 ``LLM_TIMEOUT``)."""
         return _RUNNER.run(self._task.synchronize(timeout_in_millis))
 
     def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
-        """Per-config results (None for a config never started)."""
+        """Per-config results (None for a config never started; the time-out code for each while it runs)."""
         return _RUNNER.run(self._task.get_results(timeout_in_millis))
 
     def cancel(self) -> None:

@@ -62,7 +62,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, overload
 
-from ._checks import INT32_MAX, INT64_MAX, UINT32_MAX, check_bool, check_int, check_ipv4, check_str, param_invalid
+from ._checks import (
+    INT32_MAX,
+    INT64_MAX,
+    UINT32_MAX,
+    check_bool,
+    check_int,
+    check_ipv4,
+    check_str,
+    param_invalid,
+    param_type_error,
+)
 
 __all__ = [
     "LLMConfig",
@@ -754,7 +764,7 @@ def parse_options(options: Mapping[str, Any]) -> Settings:
         ``aio.Transport=nixl`` (NIXL moves bytes outside TLS).
     """
     if not isinstance(options, Mapping):
-        raise param_invalid("options", f"expected a dict of str to str, got {type(options).__name__}")
+        raise param_type_error("options", f"expected a dict of str to str, got {type(options).__name__}")
     values: dict[str, Any] = {}
     source: dict[str, str] = {}
     for key, raw in options.items():

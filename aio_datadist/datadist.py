@@ -13,7 +13,16 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from aio_datadist._checks import check_bool, check_instance, check_int, check_uint, param_invalid, param_type_error
+from aio_datadist._checks import (
+    INT32_MAX,
+    check_bool,
+    check_instance,
+    check_int,
+    check_uint,
+    param_invalid,
+    param_type_error,
+    param_value_error,
+)
 from aio_datadist.bilateral import CommTable
 from aio_datadist.cache_manager import CacheManager
 from aio_datadist.config import cache_manager_mode, parse_listen, parse_options
@@ -33,6 +42,16 @@ MAX_CLUSTERS_PER_CALL = 16
 
 log = logging.getLogger("aio_datadist.links")
 
+
+
+def _timeout_ms(value: object) -> int:
+    """A link call's ``timeout``: an int32 (``ValueError`` outside, as LLM-DataDist checks it), at least 1 ms."""
+    timeout = check_int("timeout", value)
+    if not -INT32_MAX - 1 <= timeout <= INT32_MAX:
+        raise param_value_error("timeout", f"must be an int32, got {timeout}")
+    if timeout < 1:
+        raise param_invalid("timeout", f"must be at least 1 ms, got {timeout}")
+    return timeout
 
 class LLMDataDist:
     """A PROMPT, DECODER or MIX endpoint that moves KV caches to and from peers.
@@ -230,7 +249,7 @@ class LLMDataDist:
         links = self._require_links()
         links.check_can_dial()
         clusters = self._check_clusters(clusters, unset_ids=True)
-        timeout = check_int("timeout", timeout, lo=1, hi=2**31 - 1)
+        timeout = _timeout_ms(timeout)
         first: dict[int, int] = {}
         for i, c in enumerate(clusters):
             if len(c.remote_endpoints) != 1:
@@ -260,7 +279,7 @@ class LLMDataDist:
         """
         links = self._require_links()
         clusters = self._check_clusters(clusters)
-        timeout = check_int("timeout", timeout, lo=1, hi=2**31 - 1)
+        timeout = _timeout_ms(timeout)
         check_bool("force", force)
         if len(clusters) > MAX_CLUSTERS_PER_CALL:
             return _too_many(clusters)
@@ -369,13 +388,13 @@ class LLMDataDist:
             raise LLMException("switch_role needs LLMConfig.enable_switch_role = True",
                                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         if not isinstance(role, LLMRole):
-            raise param_invalid("role", f"expected LLMRole, got {type(role).__name__}")
+            raise param_type_error("role", f"expected LLMRole, got {type(role).__name__}")
         if not v2 and role == self._endpoint.role:
             raise param_invalid("role", f"already {role.name}")
         listen = None
         if switch_options is not None:
             if not isinstance(switch_options, Mapping):
-                raise param_invalid("switch_options", f"expected a dict, got {type(switch_options).__name__}")
+                raise param_type_error("switch_options", f"expected a dict, got {type(switch_options).__name__}")
             for key in switch_options:
                 if key != "llm.listenIpInfo" and not v2:
                     raise param_invalid("switch_options", f"unsupported option {key!r} (only llm.listenIpInfo)")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aio_datadist._checks import check_indices, check_instance, param_invalid
+from aio_datadist._checks import check_indices, check_instance, check_uint, param_invalid, param_type_error
 from aio_datadist._settle import settle
 from aio_datadist.cache import KvCache
 from aio_datadist.layers import range_pair
@@ -116,8 +116,11 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
     """Validate everything, then start the driver; returns its :class:`CacheTask`."""
     if not isinstance(synchronizer, LayerSynchronizer) and not callable(
             getattr(synchronizer, "synchronize_layer", None)):
-        raise param_invalid("layer_synchronizer", "expected a LayerSynchronizer")
-    if not isinstance(configs, (list, tuple)) or not configs:
+        raise param_type_error("layer_synchronizer", f"expected a LayerSynchronizer, got {type(synchronizer).__name__}")
+    if not isinstance(configs, (list, tuple)):
+        raise param_type_error("transfer_configs", f"expected a list of TransferConfig or TransferWithCacheKeyConfig, "
+                               f"got {type(configs).__name__}")
+    if not configs:
         raise param_invalid("transfer_configs", "expected a non-empty list of TransferConfig or "
                             "TransferWithCacheKeyConfig")
     if src.cache_desc.num_tensors % TENSORS_PER_LAYER:
@@ -143,7 +146,9 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
         if len(set(dst_blocks)) != len(dst_blocks):
             raise param_invalid("dst_block_indices", "a block is named twice")
         if dst_block_memory_size is not None:
-            dst_block_bytes = check_indices("dst_block_memory_size", [dst_block_memory_size], 2**62)[0]
+            dst_block_bytes = check_uint("dst_block_memory_size", dst_block_memory_size)  # ValueError if < 0
+            if dst_block_bytes >= 2**62:
+                raise param_invalid("dst_block_memory_size", f"{dst_block_bytes} bytes is more than any block")
             if dst_block_bytes < src.layout.row_bytes:
                 raise param_invalid("dst_block_memory_size", f"{dst_block_bytes} is smaller than a source "
                                     f"block ({src.layout.row_bytes} bytes)")

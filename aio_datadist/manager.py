@@ -289,7 +289,10 @@ class KvCacheManager:
         cache = self._endpoint.live(cache, "cache")
         if not cache.is_blocks_cache:
             raise param_invalid("cache", "copy_blocks needs a blocks cache")
-        if not isinstance(copy_block_info, Mapping) or not copy_block_info:
+        if not isinstance(copy_block_info, Mapping):
+            raise param_type_error("copy_block_info", f"expected a dict {{src_block: [dst_blocks]}}, got "
+                                   f"{type(copy_block_info).__name__}")
+        if not copy_block_info:
             raise param_invalid("copy_block_info", "expected a non-empty dict {src_block: [dst_blocks]}")
         rows = cache.layout.rows
         # On a device the copy of hundreds of blocks takes well under a millisecond: check plain ints in bulk.
@@ -297,7 +300,10 @@ class KvCacheManager:
         srcs, dsts = fast if fast is not None else ([], [])
         for src_block, dst_blocks in copy_block_info.items() if fast is None else ():
             s = check_index("copy_block_info", src_block, rows, what="source block")
-            if isinstance(dst_blocks, int) or not isinstance(dst_blocks, Sequence) or not dst_blocks:
+            if isinstance(dst_blocks, (int, str, bytes)) or not isinstance(dst_blocks, Sequence):
+                raise param_type_error("copy_block_info", f"destinations of block {s} must be a list, got "
+                                       f"{type(dst_blocks).__name__}")
+            if not dst_blocks:
                 raise param_invalid("copy_block_info", f"destinations of block {s} must be a non-empty list")
             for d in dst_blocks:
                 dsts.append(check_index("copy_block_info", d, rows, what="destination block"))
@@ -328,7 +334,10 @@ class KvCacheManager:
             raise param_invalid("dst", "swap_blocks moves between HOST and DEVICE; both caches have "
                                 f"placement {src.cache_desc.placement.name}")
         _check_same_rows("dst", src, dst)
-        if not isinstance(src_to_dst, Mapping) or not src_to_dst:
+        if not isinstance(src_to_dst, Mapping):
+            raise param_type_error("src_to_dst", f"expected a dict {{src_block: dst_block}}, got "
+                                   f"{type(src_to_dst).__name__}")
+        if not src_to_dst:
             raise param_invalid("src_to_dst", "expected a non-empty dict {src_block: dst_block}")
         srcs = [check_index("src_to_dst", s, src.layout.rows, what="source block") for s in src_to_dst]
         dsts = [check_index("src_to_dst", d, dst.layout.rows, what="destination block")

@@ -30,7 +30,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ._checks import UINT32_MAX, UINT64_MAX, check_str, param_invalid
+from ._checks import UINT32_MAX, UINT64_MAX, check_str, param_invalid, param_type_error, param_value_error
 
 __all__ = ["MAX_COMM_NAME", "MAX_NODES", "RankEntry", "check_cluster_rank_info",
            "check_comm_name", "parse_rank_table", "rank_address"]
@@ -70,15 +70,17 @@ def check_cluster_rank_info(cluster_rank_info: object, own_cluster_id: int) -> d
     """
     arg = "cluster_rank_info"
     if not isinstance(cluster_rank_info, Mapping):
-        raise param_invalid(arg, f"expected a dict of cluster id to rank id, got {type(cluster_rank_info).__name__}")
+        raise param_type_error(arg, f"expected a dict of cluster id to rank id, got {type(cluster_rank_info).__name__}")
     if not 2 <= len(cluster_rank_info) <= MAX_NODES:
         raise param_invalid(arg, f"needs 2 to {MAX_NODES} clusters, got {len(cluster_rank_info)}")
     info: dict[int, int] = {}
     for key, value in cluster_rank_info.items():
-        if not _is_int(key) or not 0 <= key <= UINT64_MAX:
-            raise param_invalid(arg, f"cluster id {key!r} is not a uint64")
-        if not _is_int(value) or not 0 <= value <= UINT32_MAX:
-            raise param_invalid(arg, f"rank id {value!r} of cluster {key} is not a uint32")
+        if not _is_int(key) or not _is_int(value):  # TypeError and ValueError as LLM-DataDist's checks raise
+            raise param_type_error(arg, f"cluster id {key!r} and rank id {value!r} must both be ints")
+        if not 0 <= key <= UINT64_MAX:
+            raise param_value_error(arg, f"cluster id {key!r} is not a uint64")
+        if not 0 <= value <= UINT32_MAX:
+            raise param_value_error(arg, f"rank id {value!r} of cluster {key} is not a uint32")
         info[int(key)] = int(value)
     ranks = list(info.values())
     if any(a >= b for a, b in itertools.pairwise(ranks)):

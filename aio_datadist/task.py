@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Coroutine, Generator
 from typing import Any
 
-from aio_datadist._checks import check_int, param_invalid
+from aio_datadist._checks import check_int, check_uint, param_invalid
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["CacheTask", "TaskProgress"]
@@ -68,6 +68,10 @@ class CacheTask:
 
     def __init__(self, progress: TaskProgress, driver: Coroutine[Any, Any, None]) -> None:
         """Run ``driver``, which reports into ``progress`` (``layerwise.start_transfer`` makes both)."""
+        #: What ``synchronize`` and ``get_results`` report for a transfer still running at their time-out:
+        #: ``LLM_WAIT_PROCESS_TIMEOUT`` for ``KvCacheManager`` (v1), ``LLM_TIMEOUT`` for ``CacheManager`` (v2),
+        #: as LLM-DataDist's own task does.
+        self.timeout_code = LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
         self._progress = progress
         self._task = asyncio.get_running_loop().create_task(driver)
         self._task.add_done_callback(self._finished)
@@ -124,18 +128,20 @@ class CacheTask:
     async def _settle(self, timeout_in_millis: int | None) -> bool:
         timeout = None
         if timeout_in_millis is not None:
-            timeout = check_int("timeout_in_millis", timeout_in_millis, lo=0, hi=2**31 - 1) / 1000
+            timeout = check_uint("timeout_in_millis", timeout_in_millis, 32) / 1000
         done, _ = await asyncio.wait([self._task], timeout=timeout)
         return bool(done)
 
     async def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
         """Wait for the end of the transfer; its first failure or ``LLM_SUCCESS``.
 
-        :returns: ``LLM_TIMEOUT`` if it is still running after
-            ``timeout_in_millis`` (None waits for ever); the transfer goes on.
+        :returns: :attr:`timeout_code` (``LLM_WAIT_PROCESS_TIMEOUT`` in v1,
+            ``LLM_TIMEOUT`` in v2) if it is still running after
+            ``timeout_in_millis`` (a uint32; None waits for ever); the
+            transfer goes on.
         """
         if not await self._settle(timeout_in_millis):
-            return LLMStatusCode.LLM_TIMEOUT
+            return self.timeout_code
         if self._task.cancelled():
             return LLMStatusCode.LLM_FAILED
         return next((c for c in self._progress.results if c not in (None, LLMStatusCode.LLM_SUCCESS)),
@@ -144,10 +150,13 @@ class CacheTask:
     async def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
         """Per-config results: a code, or None for a config never started.
 
-        Waits up to ``timeout_in_millis`` for the end (None: for ever) and then
-        returns what is known; the transfer goes on if it has not ended.
+        Waits up to ``timeout_in_millis`` for the end (None: for ever). A
+        transfer still running then gets :attr:`timeout_code` for every
+        config, as LLM-DataDist's task answers (``await task.layer(i)`` tells
+        which layers are in place); the transfer goes on.
         """
-        await self._settle(timeout_in_millis)
+        if not await self._settle(timeout_in_millis):
+            return [self.timeout_code] * len(self._progress.results)
         return list(self._progress.results)
 
 

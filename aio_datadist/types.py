@@ -29,6 +29,7 @@ from ._checks import (
     check_uint,
     param_invalid,
     param_type_error,
+    param_value_error,
 )
 
 if TYPE_CHECKING:
@@ -335,7 +336,9 @@ class CacheDesc(_Value):
         seq_len_dim_index: int = -1,
         kv_tensor_format: str | None = None,
     ) -> None:
-        num_tensors = check_int("num_tensors", num_tensors, lo=1, hi=MAX_NUM_TENSORS)
+        num_tensors = check_uint("num_tensors", num_tensors, 32)  # ValueError outside a uint32, as LLM-DataDist
+        if not 1 <= num_tensors <= MAX_NUM_TENSORS:
+            raise param_invalid("num_tensors", f"must be in [1, {MAX_NUM_TENSORS}], got {num_tensors}")
         dims = _check_shape(shape)
         check_instance("data_type", data_type, DataType)
         if data_type not in _ITEMSIZE:
@@ -345,6 +348,8 @@ class CacheDesc(_Value):
         if not 0 <= batch_dim_index < len(dims):
             raise param_invalid("batch_dim_index", f"must be in [0, {len(dims)}), got {batch_dim_index}")
         seq_len_dim_index = check_int("seq_len_dim_index", seq_len_dim_index)
+        if not -INT32_MAX - 1 <= seq_len_dim_index <= INT32_MAX:
+            raise param_value_error("seq_len_dim_index", f"must be an int32, got {seq_len_dim_index}")
         if seq_len_dim_index != -1 and not 0 <= seq_len_dim_index < len(dims):
             raise param_invalid("seq_len_dim_index", f"must be -1 or in [0, {len(dims)}), got {seq_len_dim_index}")
         if kv_tensor_format is not None:

@@ -472,6 +472,10 @@ async def test_bad_arguments_are_refused_naming_them():
             exc = await expect_code(S.LLM_PARAM_INVALID, dd.link(name, info, table))
             assert exc.argument == argument, (argument, name, info, table, exc)
             assert argument in str(exc)
+        for info, kind in (([(PROMPT_ID, 0), (DECODER_ID, 1)], TypeError), ({PROMPT_ID: 0, DECODER_ID: "1"}, TypeError),
+                           ({PROMPT_ID: 0, DECODER_ID: -1}, ValueError), ({-1: 0, DECODER_ID: 1}, ValueError)):
+            exc = await expect_code(S.LLM_PARAM_INVALID, dd.link("c", info, rank_table(PROMPT_IP, DECODER_IP)))
+            assert isinstance(exc, kind), (info, exc)  # as LLM-DataDist's check_dict / check_uint raise
         assert dd.listen_address is None  # nothing was started for a refused call
         for comm_id in (-1, 2**64, "1", None):
             for call in (dd.query_register_mem_status, dd.unlink):

@@ -8,6 +8,7 @@ PROMPT pulls, over links either of them made.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import mmap
@@ -309,20 +310,63 @@ async def test_bad_input_names_the_argument_and_keeps_what_is_stored():
         assert cm.register_cache(ROWS, fresh).cache_id == 3  # no id was spent on the refusals
 
 
+async def test_wrong_types_and_widths_raise_type_and_value_errors_as_llm_datadist():
+    """Where LLM-DataDist's Python checks raise ``TypeError`` (a wrong type) or ``ValueError`` (an int outside its
+    width), so do we, as ``LLMException(LLM_PARAM_INVALID)`` subclasses naming the argument; nothing is kept."""
+    async with v2_endpoint(LLMRole.PROMPT, PROMPT_ID) as dd:
+        cm = dd.cache_manager
+        blocks, _ = register(cm, BLOCKS, 2, BlocksCacheKey(PROMPT_ID, 0))
+        host = cm.allocate_blocks_cache(CacheDesc(BLOCKS.num_tensors, BLOCKS.shape, BLOCKS.data_type, Placement.HOST))
+        config = TransferWithCacheKeyConfig(BlocksCacheKey(DECODER_ID, 0), range(0, 1), range(0, 1))
+        calls = [
+            ("num_tensors", ValueError, lambda: CacheDesc(-1, (8, 4, 16), DataType.DT_FLOAT16)),
+            ("seq_len_dim_index", ValueError,
+             lambda: CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, seq_len_dim_index=2**31)),
+            ("layer_synchronizer", TypeError, lambda: cm.transfer_cache_async(blocks, object(), [config])),
+            ("transfer_configs", TypeError, lambda: cm.transfer_cache_async(blocks, _Ready(), "configs")),
+            ("dst_block_memory_size", ValueError,
+             lambda: cm.transfer_cache_async(blocks, _Ready(), [config], [0], [0], -1)),
+        ]
+        for arg, kind, call in calls:
+            with rejected(INVALID, arg, kind):
+                call()
+        awaited = [
+            ("copy_block_info", TypeError, lambda: cm.copy_blocks(blocks, [(0, [1])])),
+            ("copy_block_info", TypeError, lambda: cm.copy_blocks(blocks, {0: 1})),
+            ("src_to_dst", TypeError, lambda: cm.swap_blocks(blocks, host, [(0, 1)])),
+            ("tensor_num_per_layer", ValueError,
+             lambda: cm.pull_blocks(BlocksCacheKey(DECODER_ID, 0), blocks, [0], [0], tensor_num_per_layer=-1)),
+            ("tensor_num_per_layer", LLMException,
+             lambda: cm.pull_blocks(BlocksCacheKey(DECODER_ID, 0), blocks, [0], [0], tensor_num_per_layer=256)),
+            ("timeout", ValueError, lambda: dd.link_clusters([cluster_info(DECODER_ID, ("127.0.0.1", 1))], 2**31)),
+            ("role", TypeError, lambda: dd.switch_role(2)),
+        ]
+        for arg, kind, call in awaited:
+            with rejected(INVALID, arg, kind):
+                await call()
+        assert registry_of(dd).all_caches() == [blocks, host]
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as fresh:
+        with rejected(INVALID, "options", TypeError):
+            await fresh.init([("llm.ClusterName", "1")])
+
+
 async def test_release_calls_and_their_second_calls():
     async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
         cm = dd.cache_manager
         reg = registry_of(dd)
         blocks, _ = register(cm, BLOCKS, 1, blocks=True)
+        assert len(blocks.tensor_addrs) == BLOCKS.num_tensors
         cm.unregister_cache(99)  # names no cache: a no-op, as in LLM-DataDist
         cm.unregister_cache(blocks.cache_id)
         assert reg.all_caches() == [] and not blocks.alive
+        assert blocks.tensor_addrs == [] and blocks.per_device_tensor_addrs == []  # as LLM-DataDist empties them
         cm.unregister_cache(blocks.cache_id)
         cm.deallocate_blocks_cache(blocks)  # released already: a no-op
         rows = cm.allocate_cache(ROWS)  # no memory pool needed
         owned_blocks = cm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 3))
         assert (rows.cache_id, owned_blocks.cache_id) == (2, 3)
         cm.deallocate_cache(rows)
+        assert rows.tensor_addrs == []  # no address of freed memory
         cm.deallocate_cache(rows)
         cm.deallocate_blocks_cache(owned_blocks)
         cm.deallocate_blocks_cache(owned_blocks)
@@ -500,6 +544,18 @@ class _Ready(LayerSynchronizer):
         return True
 
 
+class _Gate(LayerSynchronizer):
+    """Layer 0 is ready at once, the others once ``gate`` is set."""
+
+    def __init__(self, gate: asyncio.Event) -> None:
+        self.gate = gate
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        if layer_index:
+            await self.gate.wait()
+        return True
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_prompt_pushes_and_pulls_over_the_link_it_accepted(transport):
     async with v2_endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport=transport,
@@ -531,6 +587,12 @@ async def test_prompt_pushes_and_pulls_over_the_link_it_accepted(transport):
             after = tensors_from_dump(BLOCKS, await decoder.call("dump", "blocks"))
             assert all(torch.equal(after[t][0], blocks.tensors[t][0]) for t in range(4))
             assert all(torch.equal(after[t][1:], before[t][1:]) for t in range(4))  # the other blocks kept
+            gate = asyncio.Event()
+            task = cm.transfer_cache_async(blocks, _Gate(gate), [config])  # layer 1 waits for the gate
+            assert await task.synchronize(50) == S.LLM_TIMEOUT  # v2's time-out code (v1: LLM_WAIT_PROCESS_TIMEOUT)
+            assert await task.get_results(0) == [S.LLM_TIMEOUT]
+            gate.set()
+            assert await task.synchronize() == S.LLM_SUCCESS and await task.get_results() == [S.LLM_SUCCESS]
 
             # the peer pulls from us; after a remap of our memory it still can
             await decoder.call("cm", "pull_blocks", BlocksCacheKey(PROMPT_ID, 0), Ref("blocks"), [0], [7])

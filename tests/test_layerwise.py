@@ -482,11 +482,17 @@ async def test_synchronize_times_out_while_the_task_goes_on() -> None:
         task = s.pm.transfer_cache_async(src, gate, configs, SRC_BLOCKS, DST_BLOCKS)
         await task.layer(0)
         start = time.monotonic()
-        assert await task.synchronize(50) == LLMStatusCode.LLM_TIMEOUT
+        # v1's time-out code, as LLM-DataDist's task (v2's CacheManager: LLM_TIMEOUT, test_cache_manager.py)
+        assert await task.synchronize(50) == LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
         results = await task.get_results(50)
         assert time.monotonic() - start < 0.1 + BOUND_S
-        assert results[0] == SUCCESS  # its only layer is confirmed
+        assert results == [LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT] * 2  # still running: the code for each config
+        assert task.layer(0).done()  # while its only layer is confirmed
         assert not task.done()
+        for bad, error in ((-1, ValueError), (2**32, ValueError), (1.5, TypeError)):
+            with pytest.raises(error, match="timeout_in_millis"):
+                await task.synchronize(bad)
+        assert await task.synchronize(0) == LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
         gate.open(1, 2, 3)
         assert await task.synchronize(5000) == SUCCESS
         assert await task.get_results(0) == [SUCCESS, SUCCESS]
