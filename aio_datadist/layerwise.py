@@ -120,9 +120,6 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
     if not isinstance(configs, (list, tuple)):
         raise param_type_error("transfer_configs", f"expected a list of TransferConfig or TransferWithCacheKeyConfig, "
                                f"got {type(configs).__name__}")
-    if not configs:
-        raise param_invalid("transfer_configs", "expected a non-empty list of TransferConfig or "
-                            "TransferWithCacheKeyConfig")
     if src.cache_desc.num_tensors % TENSORS_PER_LAYER:
         raise param_invalid("src_cache", f"num_tensors {src.cache_desc.num_tensors} is not K,V pairs of layers")
     src_blocks: tuple[int, ...] | None = None

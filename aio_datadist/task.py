@@ -100,8 +100,8 @@ class CacheTask:
         index = check_int("index", index)
         layers = self._progress.layers
         if index not in layers:
-            raise param_invalid("index", f"layer {index} is not part of this transfer "
-                                f"(layers {min(layers)}..{max(layers)})")
+            raise param_invalid("index", f"layer {index} is not part of this transfer " + (
+                f"(layers {min(layers)}..{max(layers)})" if layers else "(it moves no layer: no configs)"))
         return _quiet(asyncio.shield(layers[index]))
 
     def done(self) -> bool:

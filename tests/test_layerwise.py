@@ -868,7 +868,6 @@ async def test_bad_inputs_raise_at_call_time_with_nothing_sent() -> None:
         good = blocks_config()
         cases: list[tuple[str, Any, tuple, dict]] = [
             ("transfer_configs", src, (Ready(), good, SRC_BLOCKS, DST_BLOCKS), {}),
-            ("transfer_configs", src, (Ready(), [], SRC_BLOCKS, DST_BLOCKS), {}),
             ("transfer_configs", src, (Ready(), iter([good]), SRC_BLOCKS, DST_BLOCKS), {}),
             ("transfer_configs[1]", src, (Ready(), [good, "config"], SRC_BLOCKS, DST_BLOCKS), {}),
             ("layer_synchronizer", src, (lambda i, t: True, [good], SRC_BLOCKS, DST_BLOCKS), {}),
@@ -917,6 +916,12 @@ async def test_bad_inputs_raise_at_call_time_with_nothing_sent() -> None:
         assert same(snapshot(dst), before)
         assert not any(watch.layer(layer).done() for layer in range(LAYERS))
         watch.close()
+        # no configs: a task that moves nothing, as LLM-DataDist's (it is not a bad input there)
+        nothing = s.pm.transfer_cache_async(src, Ready(), [], SRC_BLOCKS, DST_BLOCKS)
+        assert await nothing == [] and await nothing.synchronize(0) == SUCCESS and await nothing.get_results() == []
+        with pytest.raises(LLMException, match="moves no layer"):
+            nothing.layer(0)
+        assert same(snapshot(dst), before)
 
 
 async def test_transfer_after_finalize_of_the_prompt_is_refused() -> None:

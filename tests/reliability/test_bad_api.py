@@ -199,8 +199,8 @@ CASES: list[tuple[str, LLMStatusCode, str | None, Callable[[Ctx], Any]]] = [
     # layer-wise
     ("transfer_cache_async on a decoder", INVALID, "role",
      lambda c: c.dm.transfer_cache_async(c.d_blocks, Ready(), [TransferWithCacheKeyConfig(bkey())], [0], [0])),
-    ("transfer_cache_async no configs", INVALID, "transfer_configs",
-     lambda c: c.pm.transfer_cache_async(c.p_blocks, Ready(), [], [0], [0])),
+    ("transfer_cache_async configs not a list", INVALID, "transfer_configs",
+     lambda c: c.pm.transfer_cache_async(c.p_blocks, Ready(), "configs", [0], [0])),
     ("transfer_cache_async synchronizer", INVALID, "layer_synchronizer",
      lambda c: c.pm.transfer_cache_async(c.p_blocks, object(), [TransferWithCacheKeyConfig(bkey(DECODER))], [0], [0])),
     ("transfer_cache_async layer range", INVALID, "transfer_configs[0].src_layer_range",
