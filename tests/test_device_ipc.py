@@ -33,6 +33,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist.devices.host import F_SEAL_FUTURE_WRITE
 from aio_datadist.devices.ipc import IpcUnavailable
 from aio_datadist.testing import runtime_of, usable_link
 from aio_datadist.transport.local import LocalShare
@@ -249,8 +250,9 @@ def _record(size: int, rows: int, row_bytes: int, offsets: list[int], kind: int 
 def _memfd(size: int, sealed: bool) -> int:
     fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
-    if sealed:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    if sealed:  # as an honest export: in memory, no resizing, no new writers
+        os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
     return fd
 
 

@@ -174,8 +174,14 @@ def tensor_at(address: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch
 
 
 def check_sealed(fd: int, size: int) -> None:
-    """``fd`` must be a memfd of exactly ``size`` bytes in ordinary shared memory (shmem), sealed against shrink
-    and grow; ValueError else."""
+    """``fd`` must be a memfd of exactly ``size`` bytes in ordinary shared memory (shmem), sealed against shrink,
+    grow and writes, every page of it in memory; ValueError else.
+
+    The last two because a hole costs its sender nothing and us a page: a read of a hole through our mapping
+    allocates the page (in our process, our memory cgroup) for as long as the sender keeps the file, so a peer
+    whose region was all holes, pushing from ever other rows, grew our memory by each push's volume. A file
+    sealed against writes can get no hole later (the kernel refuses to punch one).
+    """
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise ValueError("fd is not a memory file")
     fs = fs_magic(fd)
@@ -190,11 +196,17 @@ def check_sealed(fd: int, size: int) -> None:
         raise ValueError(f"fd is not a sealable memfd ({exc.strerror})") from None
     if seals & SEALS_REQUIRED != SEALS_REQUIRED:
         raise ValueError(f"fd is not sealed against shrink and grow (seals: {seal_names(seals)})")
+    if not seals & (fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE):
+        raise ValueError(f"fd is not sealed against writes, so it can get holes (seals: {seal_names(seals)}); "
+                         "same-host sharing needs Linux 5.1 or later at both ends")
     # The size only now: sealed, it can no longer change. Read before the seals, it could be changed in between
     # by the sender, which still holds the fd (a shrink, then the seals), and we would map past the file's end.
-    st_size = os.fstat(fd).st_size
-    if st_size != size:
-        raise ValueError(f"fd holds {st_size} bytes, the record declares {size}")
+    st = os.fstat(fd)
+    if st.st_size != size:
+        raise ValueError(f"fd holds {st.st_size} bytes, the record declares {size}")
+    if st.st_blocks * 512 < size:  # st_blocks: 512-byte units of the file's pages in memory (or swap)
+        raise ValueError(f"fd has {st.st_blocks * 512} of its {size} bytes in memory: reading its holes would "
+                         "allocate them here")
 
 
 #: ``statfs.f_type`` of shmem (every memfd without ``MFD_HUGETLB``) and of hugetlbfs.

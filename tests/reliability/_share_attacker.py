@@ -241,15 +241,21 @@ def peer(name: bytes, token: bytes, secret: bytes) -> dict:
     return report
 
 
-def memfd(size: int, seals: int) -> int:
+def memfd(size: int, seals: int, populate: bool = True) -> int:
+    """A memfd of ``size`` bytes with ``seals``; its pages in memory unless ``populate`` is False (a sparse
+    file, which costs its maker nothing)."""
     fd = os.memfd_create("evil", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
+    if populate and size:
+        os.posix_fallocate(fd, 0, size)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd
 
 
-SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; not named by Python 3.11
+#: What an honest sender's memfd carries: no resizing, no new writers, no more seals.
+SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 
 
 def entry(kind: int, cache_id: int, size: int, rows: int, row_bytes: int, offsets: list[int],
@@ -422,8 +428,11 @@ def fuzz(fd: int, seed: int, messages: int) -> dict:
         for _ in range(nfds):
             mfd = os.memfd_create("f", os.MFD_ALLOW_SEALING)
             os.ftruncate(mfd, size)
-            if rng.random() < 0.7:
-                fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            if rng.random() < 0.7:  # mostly as an honest sender's (in memory, sealed), else sparse or unsealed
+                if size and rng.random() < 0.8:
+                    os.posix_fallocate(mfd, 0, size)
+                fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                            | (F_SEAL_FUTURE_WRITE if rng.random() < 0.8 else 0))
             fds.append(mfd)
         try:
             if fds:
@@ -584,7 +593,7 @@ def address_space(fds: list[int]) -> dict:
     held = 0
     for bits in range(40, 25, -1):
         size = 1 << bits
-        fd = memfd(size, SEALED)
+        fd = memfd(size, SEALED, populate=False)  # sparse: the region costs us nothing
         try:
             probe = socks.pop()
             fits = 0

@@ -41,7 +41,7 @@ from aio_datadist.devices.host import F_SEAL_FUTURE_WRITE
 from aio_datadist.testing import link_to, registry_of, runtime_of, share_listener_of, usable_link
 from aio_datadist.transport import ledger, local
 from aio_datadist.transport.local import share_proof
-from peers import cluster_info, fill, port_of
+from peers import LOCALHOST, cluster_info, fill, port_of
 
 from _harness import endpoint, open_fds, settle, state
 from _tally import count
@@ -272,12 +272,14 @@ def test_peers_cannot_take_our_address_space_with_sparse_regions():
     """A linked peer's records may each declare a region of up to 1 TiB and a share up to 4096 of them: sparse,
     sealed memfds that cost the peer nothing. Mapped, they spent our address space: the attacker, finding at
     each size from 1 TiB down to 64 MiB how many more we still mapped (on shares it then gave up), held all
-    128 TiB of it and we could no longer allocate a 64 MiB cache. Peers' regions now take at most
-    ``host.MAX_PEER_MAPPED_BYTES`` of this process together; a region past it drops its share. The receiver
-    runs in its own process (``_share_victim.py``), with 40 shares on socket pairs."""
+    128 TiB of it and we could no longer allocate a 64 MiB cache. Peers' regions then took at most
+    ``host.MAX_PEER_MAPPED_BYTES`` of this process together (a region past it drops its share), and since row 148
+    a region must be in memory to be mapped at all, so a sparse one drops its share before it takes anything:
+    the attacker holds no region at any size. The receiver runs in its own process (``_share_victim.py``),
+    with 40 shares on socket pairs."""
     report = _victim_report("address_space", 40)
     assert report["64 MiB allocated"] == "yes", report
-    assert 0 < report["mapped"] <= host.MAX_PEER_MAPPED_BYTES, report
+    assert report["mapped"] == 0 and report["attacker holds"] == 0, report
     count("share attacks", 1)
 
 
@@ -289,4 +291,53 @@ def test_peers_cannot_take_our_mappings_with_one_page_regions():
     report = _victim_report("map_count", 40)
     assert report["64 MiB allocated"] == "yes", report
     assert 0 < report["regions"] <= host.MAX_PEER_MAPPINGS, report
+    count("share attacks", 1)
+
+
+SPARSE_PUSHER = os.path.join(os.path.dirname(__file__), "_sparse_pusher.py")
+
+
+def _rss_shmem_kib(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+@pytest.mark.asyncio
+async def test_pushes_out_of_a_sparse_region_do_not_grow_the_owner():
+    """A linked same-host peer whose cache is a sparse memfd (sealed against shrink, grow and writes, not one page
+    in memory: it costs the peer nothing) pushes 8 times 256 different 64 KiB blocks of it into our 32 MiB blocks
+    cache. Each push had our copy thread read those rows out of our mapping of the peer's file, and every read of
+    a hole allocated the page in our process: our shared memory grew by 32 MiB a push (640 MiB for 20; the
+    peer's by nothing) for as long as the peer kept the file. A region must now be in memory to be mapped
+    (row 148): the share is dropped at the record, the pushes go over TCP and succeed, and we grow by nothing
+    but what TCP buffers."""
+    rows, block, pushes = 256, 64 << 10, 8
+    proc = await asyncio.create_subprocess_exec(sys.executable, SPARSE_PUSHER, str(DECODER), str(rows * pushes),
+                                                str(block), str(rows), str(pushes), stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        port = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))["port"]
+        async with endpoint(LLMRole.DECODER, DECODER, transport="local") as dd:
+            dd.kv_cache_manager.allocate_blocks_cache(CacheDesc(2, (rows, block), DataType.DT_UINT8, Placement.HOST),
+                                                      BlocksCacheKey(DECODER, 0))
+            assert await dd.link_clusters([cluster_info(77, (LOCALHOST, port))], timeout=5000) == (
+                LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+            before = _rss_shmem_kib()
+            proc.stdin.write(b"go\n")
+            await proc.stdin.drain()
+            results = json.loads(await asyncio.wait_for(proc.stdout.readline(), 120))["results"]
+            assert results == ["ok"] * pushes, results
+            grown = _rss_shmem_kib() - before
+            assert grown < 16 << 10, f"our shared memory grew by {grown >> 10} MiB for the peer's sparse region"
+            assert usable_link(dd, 77).local is None  # the share was dropped at the record
+    finally:
+        if proc.returncode is None:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
     count("share attacks", 1)
