@@ -518,6 +518,9 @@ class CacheRegistry:
         as it is: a no-op, as LLM-DataDist's deallocate of an id it no longer holds.
         """
         check_instance("cache", cache, KvCache)
+        if cache.cache_id == -1:  # KvCache.create_cpu_cache: the caller's memory, never ours to free
+            raise param_invalid("cache", "a create_cpu_cache cache is not allocated or registered here; only such "
+                                "caches can be deallocated")
         entry = self._entries.get(cache.cache_id)
         if (entry is None and not cache.alive) or (entry is not None and entry.cache is cache and entry.deallocated):
             return

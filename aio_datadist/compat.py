@@ -224,8 +224,8 @@ class KvCacheManager:
     def copy_blocks(self, cache: KvCache, copy_block_info: Mapping[int, Sequence[int]]) -> None:
         _RUNNER.run(self._m.copy_blocks(cache, copy_block_info))
 
-    def swap_blocks(self, src_cache: KvCache, dst_cache: KvCache, src_to_dst: Mapping[int, int]) -> None:
-        _RUNNER.run(self._m.swap_blocks(src_cache, dst_cache, src_to_dst))
+    def swap_blocks(self, src: KvCache, dst: KvCache, src_to_dst: Mapping[int, int]) -> None:
+        _RUNNER.run(self._m.swap_blocks(src, dst, src_to_dst))
 
     def transfer_cache_async(self, src_cache: KvCache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Sequence[Any], src_block_indices: Sequence[int] | None = None,

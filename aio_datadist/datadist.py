@@ -376,17 +376,16 @@ class LLMDataDist:
         option keys other than ``llm.listenIpInfo`` (``generate_options``
         emits ``llm.MemoryUtilization`` and others) are ignored.
 
-        :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` unless
-            ``enable_switch_role`` was set (v1); ``LLM_EXIST_LINK`` while links
-            exist or a ``link`` comm is still ``PREPARING``; ``LLM_PARAM_INVALID``
-            for a bad role, the current role (v1), or bad options.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for a bad role (also a
+            ``TypeError``), the current role (v1), bad options, or a switch to
+            PROMPT without ``llm.listenIpInfo`` (v1), checked first, then
+            ``LLM_FEATURE_NOT_ENABLED`` unless ``enable_switch_role`` was set
+            (v1); ``LLM_EXIST_LINK`` while links exist or a ``link`` comm is
+            still ``PREPARING``.
         """
         links = self._require_links()
         assert self._endpoint.settings is not None
         v2 = bool(self._endpoint.cache_manager_mode)
-        if not v2 and not self._endpoint.settings.enable_switch_role:
-            raise LLMException("switch_role needs LLMConfig.enable_switch_role = True",
-                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         if not isinstance(role, LLMRole):
             raise param_type_error("role", f"expected LLMRole, got {type(role).__name__}")
         if not v2 and role == self._endpoint.role:
@@ -400,6 +399,12 @@ class LLMDataDist:
                     raise param_invalid("switch_options", f"unsupported option {key!r} (only llm.listenIpInfo)")
             if "llm.listenIpInfo" in switch_options:
                 listen = parse_listen(switch_options["llm.listenIpInfo"])
+        if not v2 and role == LLMRole.PROMPT and listen is None:  # as LLM-DataDist's v1 switch_role
+            raise param_invalid("switch_options", 'switching to PROMPT needs "llm.listenIpInfo"')
+        # The arguments first, then the feature, as LLM-DataDist (its native switch says FEATURE_NOT_ENABLED).
+        if not v2 and not self._endpoint.settings.enable_switch_role:
+            raise LLMException("switch_role needs LLMConfig.enable_switch_role = True",
+                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         if links.count():
             raise LLMException(f"switch_role: {links.count()} link(s) still exist; unlink them first",
                                status_code=LLMStatusCode.LLM_EXIST_LINK)

@@ -225,7 +225,8 @@ class KvCacheManager:
         same cache is a no-op, as in LLM-DataDist.
 
         :raises LLMException: ``LLM_KV_CACHE_NOT_EXIST`` for a cache of another
-            LLMDataDist (or a CPU cache).
+            LLMDataDist; ``LLM_PARAM_INVALID`` for a ``create_cpu_cache`` cache,
+            as LLM-DataDist ("only support device cache").
         """
         self._rt().registry.deallocate(cache)
 

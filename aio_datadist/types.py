@@ -461,7 +461,12 @@ class _CacheAddress(_Value):
 
     def __init__(self, cluster_id: int, cache_id: int, batch_index: int = 0) -> None:
         self._set("cluster_id", check_uint("cluster_id", cluster_id))
-        self._set("cache_id", check_int("cache_id", cache_id, lo=1, hi=INT64_MAX))
+        cache_id = check_int("cache_id", cache_id)
+        if not -INT64_MAX - 1 <= cache_id <= INT64_MAX:
+            raise param_value_error("cache_id", f"must be an int64, got {cache_id}")  # as LLM-DataDist's check
+        if cache_id < 1:
+            raise param_invalid("cache_id", f"must be in [1, {INT64_MAX}], got {cache_id}")
+        self._set("cache_id", cache_id)
         self._set("batch_index", check_uint("batch_index", batch_index, 32))
 
 

@@ -129,6 +129,12 @@ def test_kv_cache_manager_keyword_spellings_of_llm_datadist(private_loop):
                    for d, p in zip(d_blocks.tensors, p_blocks.tensors, strict=True))
         with pytest.raises(TypeError):
             dm.pull_blocks(BlocksCacheKey(1), d_blocks, [0], [0], prompt_blocks=[1])
+        # swap_blocks(src, dst, src_to_dst): v1's names (v2's CacheManager says src_cache, dst_cache)
+        host_memory = [torch.zeros((4, 8), dtype=torch.uint8) for _ in range(2)]
+        cpu = compat.KvCache.create_cpu_cache(CacheDesc(2, [4, 8], DataType.DT_UINT8, compat.Placement.HOST),
+                                              [t.data_ptr() for t in host_memory])
+        dm.swap_blocks(src=d_blocks, dst=cpu, src_to_dst={2: 0})
+        assert all(torch.equal(h[0], d[2]) for h, d in zip(host_memory, d_blocks.tensors, strict=True))
 
         copy_dst = dm.allocate_cache(rows_desc)
         dm.copy_cache(copy_dst, d_rows, 0, 1, req_id=9)

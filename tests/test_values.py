@@ -672,6 +672,7 @@ def test_layer_synchronizer_may_be_sync_or_async() -> None:
         ("CacheKey model_id type", lambda: CacheKey(1, 1, "0"), TypeError, "model_id"),
         ("BlocksCacheKey cluster", lambda: BlocksCacheKey(2**64), ValueError, "prompt_cluster_id"),
         ("CacheKeyByIdAndIndex batch_index", lambda: CacheKeyByIdAndIndex(1, 1, 2**32), ValueError, "batch_index"),
+        ("CacheKeyByIdAndIndex cache_id > int64", lambda: CacheKeyByIdAndIndex(1, 2**63), ValueError, "cache_id"),
         # reference §2.9 / §2.10: descriptors and configs check their types
         ("CacheDesc shape type", lambda: CacheDesc(1, "4,4", DataType.DT_FLOAT), TypeError, "shape"),
         ("CacheDesc data_type", lambda: CacheDesc(1, [4], 1), TypeError, "data_type"),

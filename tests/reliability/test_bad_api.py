@@ -116,7 +116,12 @@ CASES: list[tuple[str, LLMStatusCode, str | None, Callable[[Ctx], Any]]] = [
      lambda c: c.decoder.unlink_clusters([cluster_info(PROMPT, port_of(c.prompt))], force="yes")),
     ("check_link_status unlinked", NOT_LINKED, None, lambda c: c.decoder.check_link_status(STRANGER)),
     ("check_link_status bad id", INVALID, "remote_cluster_id", lambda c: c.decoder.check_link_status(-3)),
-    ("switch_role not enabled", S.LLM_FEATURE_NOT_ENABLED, None, lambda c: c.decoder.switch_role(LLMRole.PROMPT)),
+    ("switch_role not enabled", S.LLM_FEATURE_NOT_ENABLED, None,
+     lambda c: c.decoder.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": "127.0.0.1:0"})),
+    # as LLM-DataDist: the arguments are checked before the feature
+    ("switch_role to PROMPT without a listen address", INVALID, "switch_options",
+     lambda c: c.decoder.switch_role(LLMRole.PROMPT)),
+    ("switch_role to its own role", INVALID, "role", lambda c: c.decoder.switch_role(LLMRole.DECODER)),
     # allocation, registration, keys
     ("allocate_cache desc", INVALID, "cache_desc", lambda c: c.pm.allocate_cache("desc")),
     ("allocate_cache too many keys", INVALID, "cache_keys",

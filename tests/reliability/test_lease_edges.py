@@ -97,7 +97,7 @@ async def test_a_release_the_role_refuses_changes_nothing_and_works_once_the_rol
         kept.release()  # a lease with no key left drops the id reference only, which any role may
         assert kept.expired and dd.stats().leases == 1
 
-        await dd.switch_role(LLMRole.PROMPT)
+        await dd.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": "127.0.0.1:0"})  # v1 PROMPT: needs one
         lease.release()
         assert lease.expired and not lease.active and dd.stats().leases == 0
         assert held(dd) == before
