@@ -369,7 +369,8 @@ async def test_register_rejects_memory_that_is_already_registered():
 @pytest.mark.asyncio
 async def test_deallocate_twice_is_a_no_op_and_foreign_caches_do_not_exist():
     """Reference §2.4 ``deallocate_cache``: "No-op if already freed" (C++ ``Deallocate`` of an id it no
-    longer holds succeeds); a cache of another LLMDataDist, or a CPU cache, is still refused."""
+    longer holds succeeds); a cache of another LLMDataDist is still refused (``LLM_KV_CACHE_NOT_EXIST``), and a
+    CPU cache too, as LLM-DataDist's "only support device cache" (``LLM_PARAM_INVALID``)."""
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd, LLMDataDist(LLMRole.PROMPT, 2) as other:
         await dd.init(options())
         await other.init(options())
@@ -383,10 +384,9 @@ async def test_deallocate_twice_is_a_no_op_and_foreign_caches_do_not_exist():
         used = e.registry.used_bytes
         for cache in (e.gone, keyed):
             kv.deallocate_cache(cache)  # again: nothing changes
-        for cache in (foreign, cpu):
-            with rejected(NOT_EXIST, "cache"):
-                kv.deallocate_cache(cache)
-        for bad in (None, 1, e.host.tensors):
+        with rejected(NOT_EXIST, "cache"):
+            kv.deallocate_cache(foreign)
+        for bad in (cpu, None, 1, e.host.tensors):
             with rejected(INVALID, "cache"):
                 kv.deallocate_cache(bad)
         assert e.registry.used_bytes == used
