@@ -87,6 +87,12 @@ LOOP_LOWAT_MAX = max(0, min(int(os.environ.get("AIO_DATADIST_LOOP_LOWAT_MAX", 1 
 #: everything, though their end may not have reached our loop yet; two at once (docs/reliability.md row 88)
 #: are served.
 MAX_SERVED_PER_CHANNEL = 4
+#: The most same-host pushes (``PUSH_LOCAL``) of the peer's whose copies we run at once (a job each on our copy
+#: threads). No data channel bounds them, so without it a peer's pushes, each planned into a job list that a
+#: large request makes large (above), queued for as long as their timeouts let them. A push past it is answered
+#: "stream it" (``USE_STREAM``) before it is planned: the pusher sends it on a data channel, which
+#: ``MAX_SERVED_PER_CHANNEL`` bounds. An honest pusher has one in flight per push it runs on the link at once.
+MAX_LOCAL_PUSHES_SERVED = 64
 #: The most requests of the peer's that we keep while waiting for its word that they are over (``pull_acks``:
 #: requests served in place, which end with its ``DONE`` or a NIXL push's notification, and key pulls, whose
 #: key stays claimed until its ``DONE``). A request past it is refused with ``RESP`` before it is planned.
@@ -172,6 +178,7 @@ class Link:
         self._acks: dict[int, Msg] = {}  # requests of ours in pending answered by PROBE_ACK or UNLINK_ACK (expect)
         self._watches: set[asyncio.Future] = set()  # futures only the link's end completes (watch)
         self.serving: dict[int, Callable[[], Any]] = {}
+        self.local_pushes: set[int] = set()  # the peer's same-host pushes whose copy we run (MAX_LOCAL_PUSHES_SERVED)
         self.pull_acks: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self.broken: LLMException | None = None
         self.closed = False

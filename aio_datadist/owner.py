@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
 from aio_datadist.cache import KeyBinding, KvCache
-from aio_datadist.links import MAX_AWAITED_PER_LINK, MAX_SERVED_PER_CHANNEL
+from aio_datadist.links import MAX_AWAITED_PER_LINK, MAX_LOCAL_PUSHES_SERVED, MAX_SERVED_PER_CHANNEL
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMStatusCode
 from aio_datadist.transport import plane, planes_for
 from aio_datadist.transport.base import Plane, Refusal, Served, meets
 from aio_datadist.transport.fit import fit, geometry_of
+from aio_datadist.transport.same_host import USE_STREAM
 from aio_datadist.transport.stream import refuse_posted
 from aio_datadist.types import UINT64_MAX
 from aio_datadist.wire import Done, Msg, ReqFlag, Target, TransferReq
@@ -54,6 +55,11 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any) -> 
             raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                           f"data channel {req.channel} already carries {MAX_SERVED_PER_CHANNEL} requests of yours "
                           "that are being served (send one request per channel at a time)")
+        if msg is Msg.PUSH_LOCAL and len(link.local_pushes) >= MAX_LOCAL_PUSHES_SERVED:
+            # Nothing planned: the pusher streams it, on a data channel that MAX_SERVED_PER_CHANNEL bounds.
+            link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_SUCCESS, total=0, cache_id=USE_STREAM, row=-1,
+                      text="")
+            return
         if msg is not Msg.PUSH_LOCAL and len(link.pull_acks) >= MAX_AWAITED_PER_LINK:
             raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                           f"{MAX_AWAITED_PER_LINK} requests of yours wait for your word that they are over (DONE)")

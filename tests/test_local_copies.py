@@ -362,8 +362,9 @@ async def test_a_running_copy_given_up_returns_only_once_no_thread_copies_it(how
         kv = dd.kv_cache_manager
         big = kv.allocate_blocks_cache(Queued.BIG)
         for _ in range(3):
-            copy = asyncio.create_task(kv.copy_blocks(big, {0: [1]}, timeout=30 if how == "timeout" else 30_000))
-            await asyncio.sleep(0.01)  # the copy thread is inside it (256 MiB take longer)
+            # 5 ms: the 256 MiB copy took under 30 ms on a fast VM's memory (and the timeout never fired)
+            copy = asyncio.create_task(kv.copy_blocks(big, {0: [1]}, timeout=5 if how == "timeout" else 30_000))
+            await asyncio.sleep(0.003)  # the copy thread is inside it (256 MiB take 10-30 ms)
             if how == "cancel":
                 copy.cancel()
             with pytest.raises((asyncio.CancelledError, LLMException)):

@@ -188,3 +188,42 @@ async def test_between_processes_on_one_host():
             expected = prompt.expected("blocks")
             assert all(torch.equal(d, e.flip(0)) for d, e in zip(dst.tensors, expected))
             assert len(link.local.regions) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_flood_of_same_host_pushes_is_served_a_bounded_number_at_once(monkeypatch):
+    """Row 149: same-host pushes (``PUSH_LOCAL``) use no data channel, so nothing bounded how many the owner
+    planned and queued on its copy threads at once (each a job list, which a large request makes large). 300
+    pushes sent at once (copies kept off the loop's thread, so that they queue) had the owner serve all 300 at
+    once; now it runs at most ``MAX_LOCAL_PUSHES_SERVED`` and tells the rest to stream, which take data channels
+    (bounded per channel); every push lands its bytes."""
+    from aio_datadist.links import MAX_LOCAL_PUSHES_SERVED, MAX_SERVED_PER_CHANNEL
+    from aio_datadist.transport import same_host
+
+    monkeypatch.setattr(same_host, "INLINE_COPY_MAX", 0)
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 7)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
+        await pair.link()
+        link = usable_link(pair.decoder, PROMPT_ID)
+        most = 0
+        done = asyncio.Event()
+
+        async def sample() -> None:
+            nonlocal most
+            while not done.is_set():
+                most = max(most, len(link.serving))
+                await asyncio.sleep(0)
+
+        sampler = asyncio.create_task(sample())
+        try:
+            await asyncio.wait_for(asyncio.gather(*(
+                pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [i % 32], [i % 32]) for i in range(300))), 60)
+        finally:
+            done.set()
+            await sampler
+        bound = MAX_LOCAL_PUSHES_SERVED + MAX_SERVED_PER_CHANNEL * len(link.channels)
+        assert 0 < most <= bound, f"the owner served {most} pushes at once (at most {bound})"
+        assert not link.local_pushes and not link.serving
+        assert all(torch.equal(d, v) for d, v in zip(dst.tensors, values, strict=True))
