@@ -144,6 +144,20 @@ def check_uint(arg_name: str, value: object, bits: int = 64) -> int:
     return number
 
 
+def check_sint(arg_name: str, value: object, bits: int = 64) -> int:
+    """Return ``value`` as an int in ``[-2**(bits-1), 2**(bits-1) - 1]`` (LLM-DataDist's ``check_int32`` and
+    ``check_int64``).
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name``: a
+        :class:`ParamTypeError` for a value that is not an int, a
+        :class:`ParamValueError` for one outside the range.
+    """
+    number = check_int(arg_name, value)
+    if not -(1 << (bits - 1)) <= number < (1 << (bits - 1)):
+        raise param_value_error(arg_name, f"must be an int{bits}, got {number}")
+    return number
+
+
 def check_bool(arg_name: str, value: object) -> bool:
     """Return ``value`` if it is a ``bool``.
 

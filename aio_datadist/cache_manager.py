@@ -21,14 +21,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist._checks import (
-    INT64_MAX,
     check_bool,
     check_instance,
-    check_int,
     check_range,
+    check_sint,
     check_uint,
     param_invalid,
-    param_value_error,
 )
 from aio_datadist.arrivals import PushWatch
 from aio_datadist.cache import KvCache
@@ -136,9 +134,7 @@ class CacheManager:
             ``TypeError`` for a non-int, a ``ValueError`` outside int64).
         """
         rt = self._rt()
-        number = check_int("cache_id", cache_id)
-        if not -INT64_MAX - 1 <= number <= INT64_MAX:
-            raise param_value_error("cache_id", f"must be an int64, got {number}")
+        number = check_sint("cache_id", cache_id)
         cache = next((c for c in rt.registry.all_caches() if c.cache_id == number), None)
         if cache is not None:
             self._kv.deallocate_cache(cache)

@@ -14,14 +14,12 @@ from types import MappingProxyType
 from typing import Any
 
 from aio_datadist._checks import (
-    INT32_MAX,
     check_bool,
     check_instance,
-    check_int,
+    check_sint,
     check_uint,
     param_invalid,
     param_type_error,
-    param_value_error,
 )
 from aio_datadist.bilateral import CommTable
 from aio_datadist.cache_manager import CacheManager
@@ -46,9 +44,7 @@ log = logging.getLogger("aio_datadist.links")
 
 def _timeout_ms(value: object) -> int:
     """A link call's ``timeout``: an int32 (``ValueError`` outside, as LLM-DataDist checks it), at least 1 ms."""
-    timeout = check_int("timeout", value)
-    if not -INT32_MAX - 1 <= timeout <= INT32_MAX:
-        raise param_value_error("timeout", f"must be an int32, got {timeout}")
+    timeout = check_sint("timeout", value, 32)
     if timeout < 1:
         raise param_invalid("timeout", f"must be at least 1 ms, got {timeout}")
     return timeout

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from aio_datadist import wire
+from aio_datadist.own_dials import OwnDials
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.types import UINT64_MAX, LLMRole
 from aio_datadist.wire import Msg, ProtocolError
@@ -98,24 +99,32 @@ async def read_expected(reader: Reader, expected: Msg) -> Any:
 
 async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, secret: bytes | None,
                cluster_id: int, role: LLMRole, peer_id: int, layout: bytes, bilateral: bool = False,
-               nonce: bytes | None = None) -> Linked:
+               own: OwnDials | None = None) -> Linked:
     """The client's half; what the server's successful ``LINK_OK`` says.
 
     ``bilateral`` marks a dial of ``LLMDataDist.link``, which the server
     takes only while its own ``link`` for this pair waits for it. A
     ``peer_id`` of :data:`ANY_PEER` takes whichever cluster answers (the
-    result names it). ``nonce`` is the client's HELLO nonce (random if None;
-    the link table keeps its own to recognise a dial of its own listener).
+    result names it). ``own`` holds our HELLO nonce while the dial runs, so
+    that our own listener answers nothing to it (:func:`accept`).
 
     :raises LLMException: ``LLM_LINK_FAILED`` when the server cannot prove
-        the secret (nothing but a nonce was sent to it) or is another
-        cluster; the server's status code when it refused.
+        the secret (nothing but a nonce was sent to it), is another cluster,
+        or is our own listener (``own``: a link to ourselves, or our HELLO
+        handed back to us); the server's status code when it refused.
     :raises ProtocolError: for malformed answers (as do stream errors).
     """
-    if nonce is None:
-        nonce = os.urandom(wire.NONCE_BYTES)
-    writer.write(wire.encode(Msg.HELLO, 0, nonce=nonce))
-    ack: wire.HelloAck = await read_expected(reader, Msg.HELLO_ACK)
+    nonce = os.urandom(wire.NONCE_BYTES)
+    with OwnDials.noted(own, nonce) as came_back:
+        writer.write(wire.encode(Msg.HELLO, 0, nonce=nonce))
+        try:
+            ack: wire.HelloAck = await read_expected(reader, Msg.HELLO_ACK)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            if came_back():  # our listener answered nothing to our own HELLO
+                raise LLMException("our HELLO reached this endpoint's own listener: a link to this endpoint "
+                                   "itself, or the peer handed our handshake back to us",
+                                   status_code=LLMStatusCode.LLM_LINK_FAILED) from None
+            raise
     if not hmac.compare_digest(ack.proof, proof(secret, b"server", nonce, ack.nonce)):
         raise LLMException("peer failed authentication (shared secret differs)",
                            status_code=LLMStatusCode.LLM_LINK_FAILED)

@@ -377,18 +377,9 @@ class LinkTable:
             tune(writer.get_extra_info("socket"))
             if self.tls_client is not None:
                 await tls.dial_control(reader, writer, self.tls_client, address[0], HANDSHAKE_LIMIT_S)
-            nonce = os.urandom(wire.NONCE_BYTES)
-            with self.own_dials.dialling(nonce) as came_back:
-                try:
-                    ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
-                                              role=self._role(), nonce=nonce, layout=ZERO32, bilateral=bilateral,
-                                              peer_id=handshake.ANY_PEER if remote_id is None else remote_id)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    if came_back():  # our listener answered nothing to our own HELLO
-                        raise LLMException("our HELLO reached this endpoint's own listener: a link to this endpoint "
-                                           "itself, or the peer handed our handshake back to us",
-                                           status_code=LLMStatusCode.LLM_LINK_FAILED) from None
-                    raise
+            ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
+                                      role=self._role(), layout=ZERO32, bilateral=bilateral, own=self.own_dials,
+                                      peer_id=handshake.ANY_PEER if remote_id is None else remote_id)
             if remote_id is None:
                 remote_id = ok.cluster_id
                 existing = self.links.get(remote_id) if self._live(remote_id) is None else None

@@ -42,6 +42,16 @@ class OwnDials:
         finally:
             del self._nonces[nonce]
 
+    @staticmethod
+    @contextlib.contextmanager
+    def noted(own: OwnDials | None, nonce: bytes) -> Iterator[Callable[[], bool]]:
+        """:meth:`dialling` on ``own``, or a check that is always False when there is none."""
+        if own is None:
+            yield lambda: False
+            return
+        with own.dialling(nonce) as came_back:
+            yield came_back
+
     def came_back(self, nonce: bytes) -> bool:
         """Whether ``nonce`` is one of our running dials' (noted, for that dial to say why it failed)."""
         if nonce not in self._nonces:

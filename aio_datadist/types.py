@@ -25,11 +25,11 @@ from ._checks import (
     check_int,
     check_ipv4,
     check_range,
+    check_sint,
     check_str,
     check_uint,
     param_invalid,
     param_type_error,
-    param_value_error,
 )
 
 if TYPE_CHECKING:
@@ -347,9 +347,7 @@ class CacheDesc(_Value):
         batch_dim_index = check_int("batch_dim_index", batch_dim_index)
         if not 0 <= batch_dim_index < len(dims):
             raise param_invalid("batch_dim_index", f"must be in [0, {len(dims)}), got {batch_dim_index}")
-        seq_len_dim_index = check_int("seq_len_dim_index", seq_len_dim_index)
-        if not -INT32_MAX - 1 <= seq_len_dim_index <= INT32_MAX:
-            raise param_value_error("seq_len_dim_index", f"must be an int32, got {seq_len_dim_index}")
+        seq_len_dim_index = check_sint("seq_len_dim_index", seq_len_dim_index, 32)
         if seq_len_dim_index != -1 and not 0 <= seq_len_dim_index < len(dims):
             raise param_invalid("seq_len_dim_index", f"must be -1 or in [0, {len(dims)}), got {seq_len_dim_index}")
         if kv_tensor_format is not None:
@@ -461,9 +459,7 @@ class _CacheAddress(_Value):
 
     def __init__(self, cluster_id: int, cache_id: int, batch_index: int = 0) -> None:
         self._set("cluster_id", check_uint("cluster_id", cluster_id))
-        cache_id = check_int("cache_id", cache_id)
-        if not -INT64_MAX - 1 <= cache_id <= INT64_MAX:
-            raise param_value_error("cache_id", f"must be an int64, got {cache_id}")  # as LLM-DataDist's check
+        cache_id = check_sint("cache_id", cache_id)  # ValueError outside int64, as LLM-DataDist's check
         if cache_id < 1:
             raise param_invalid("cache_id", f"must be in [1, {INT64_MAX}], got {cache_id}")
         self._set("cache_id", cache_id)

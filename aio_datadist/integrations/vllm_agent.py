@@ -531,17 +531,9 @@ class Agent:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), left)
             if self._secret is None:
                 break
-            nonce = os.urandom(vllm_auth.NONCE_BYTES)
             try:
-                with self._own_dials.dialling(nonce) as came_back:
-                    try:
-                        await asyncio.wait_for(vllm_auth.dial(reader, writer, self._secret, nonce),
-                                               deadline - time.monotonic())
-                    except vllm_auth.HandshakeClosed:
-                        if came_back():  # our own side channel answered nothing to our own hello
-                            raise vllm_auth.AuthError(f"{host}:{port} handed our hello to this worker's own side "
-                                                      "channel (a relay of our own handshake)") from None
-                        raise
+                await asyncio.wait_for(vllm_auth.dial(reader, writer, self._secret, self._own_dials),
+                                       deadline - time.monotonic())
                 break
             except vllm_auth.HandshakeClosed:  # a flood at the prefill may have evicted us: try again
                 writer.transport.abort()

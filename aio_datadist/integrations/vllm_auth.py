@@ -30,6 +30,8 @@ import hmac
 import os
 from collections.abc import Callable
 
+from aio_datadist.own_dials import OwnDials
+
 __all__ = ["MAGIC", "NONCE_BYTES", "PROOF_BYTES", "HELLO_BYTES", "AuthError", "HandshakeClosed", "proof", "dial",
            "accept"]
 
@@ -54,17 +56,21 @@ def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
 
 
 async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
-               nonce: bytes | None = None) -> None:
-    """The decode's half: raises :class:`AuthError` unless the prefill proves ``secret``; ``nonce`` is our
-    hello's (random if None: a worker that also serves keeps its own, :func:`accept`'s ``own``)."""
-    if nonce is None:
-        nonce = os.urandom(NONCE_BYTES)
-    writer.write(MAGIC + nonce)
-    try:
-        answer = await reader.readexactly(NONCE_BYTES + PROOF_BYTES)
-    except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError):  # closed, or aborted (a reset)
-        raise HandshakeClosed("the prefill closed the side channel during the handshake "
-                        "(no shared_secret there, or another one)") from None
+               own: OwnDials | None = None) -> None:
+    """The decode's half: raises :class:`AuthError` unless the prefill proves ``secret``. ``own`` (a worker that
+    also serves) holds our hello's nonce while the dial runs, so that our own side channel answers nothing to
+    it (:func:`accept`): that failure is an :class:`AuthError`, not a :class:`HandshakeClosed` to retry."""
+    nonce = os.urandom(NONCE_BYTES)
+    with OwnDials.noted(own, nonce) as came_back:
+        writer.write(MAGIC + nonce)
+        try:
+            answer = await reader.readexactly(NONCE_BYTES + PROOF_BYTES)
+        except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError):  # closed, or aborted (a reset)
+            if came_back():
+                raise AuthError("the peer handed our hello to this worker's own side channel (a relay of our own "
+                                "handshake)") from None
+            raise HandshakeClosed("the prefill closed the side channel during the handshake "
+                                  "(no shared_secret there, or another one)") from None
     theirs, their_proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
     if not hmac.compare_digest(their_proof, proof(secret, b"prefill", nonce, theirs)):
         raise AuthError("the prefill did not prove the shared secret")
