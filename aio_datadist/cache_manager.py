@@ -338,14 +338,19 @@ class CacheManager:
         A blocks cache sent without block indices (None or empty on both
         sides) moves as LLM-DataDist's layer-wise job moves it: block 0 of
         each tensor to block 0 of the peer (see ``layerwise.start_transfer``).
+        A contiguous cache goes into blocks with ``dst_block_indices`` and
+        ``dst_block_memory_size``: its row ``src_batch_index`` is cut into
+        pieces of ``dst_block_memory_size`` bytes, piece ``j`` into block
+        ``dst_block_indices[j]`` (the last piece may be shorter), as in
+        LLM-DataDist's CacheManager.
 
         :raises LLMException: ``LLM_PARAM_INVALID`` for bad arguments (before
             anything is sent), ``LLM_NOT_YET_LINK`` for an unlinked destination.
         """
         self._rt()
         cache = self._endpoint.live(src_cache, "src_cache")
-        task = self._kv.transfer_cache_async(cache, layer_synchronizer, transfer_configs, src_block_indices,
-                                             dst_block_indices, dst_block_memory_size)
+        task = self._kv._start_layerwise(cache, layer_synchronizer, transfer_configs, src_block_indices,
+                                        dst_block_indices, dst_block_memory_size, cache_to_blocks=True)
         task.timeout_code = LLMStatusCode.LLM_TIMEOUT  # v2's default error code (v1's: LLM_WAIT_PROCESS_TIMEOUT)
         return task
 

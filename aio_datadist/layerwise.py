@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,7 +47,18 @@ class _Config:
     index: int
     link: Link
     src_layers: range
-    plans: dict[int, Plan]
+    plans: dict[int, list[Plan]]  # per layer, pushed one after the other (two for a row split into blocks)
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """A contiguous source row split into destination blocks of ``size`` bytes (cache to blocks, v2):
+    ``blocks[j]`` gets bytes ``[j * size, (j + 1) * size)`` of the row, the last one what is left."""
+
+    blocks: tuple[int, ...]
+    size: int
+    full: int  # how many of the blocks get ``size`` bytes; the one after them, if any, the rest
+    rest: int
 
 
 def _layer_range(arg: str, value: Any, num_layers: int) -> range:
@@ -60,7 +72,7 @@ def _layer_range(arg: str, value: Any, num_layers: int) -> range:
 
 def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
                  src_blocks: tuple[int, ...] | None, dst_blocks: tuple[int, ...] | None,
-                 dst_block_bytes: int | None) -> _Config:
+                 dst_block_bytes: int | None, chunks: _Chunks | None) -> _Config:
     arg = f"transfer_configs[{index}]"
     check_instance(arg, cfg, (TransferConfig, TransferWithCacheKeyConfig))
     num_layers = src.cache_desc.num_tensors // TENSORS_PER_LAYER
@@ -74,7 +86,9 @@ def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
         src_rows, dst_rows = list(src_blocks), list(dst_blocks)
     else:
         src_rows, dst_rows = [_row(f"{arg}.src_batch_index", cfg.src_batch_index, lay.rows)], []
-    plans: dict[int, Plan] = {}
+    plans: dict[int, list[Plan]] = {}
+    if chunks is not None:
+        return _chunks_config(links, index, cfg, src, src_layers, src_rows[0], chunks)
     if isinstance(cfg, TransferWithCacheKeyConfig):
         key = cfg.cache_key
         if blocks != isinstance(key, BlocksCacheKey):
@@ -89,21 +103,72 @@ def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
         flags = (ReqFlag.BLOCKS if blocks else ReqFlag.CONTIG) | ReqFlag.EXACT
         remote_rows = dst_rows
         for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
-            plans[src_layer] = build_plan(src, (src_layer, src_layer), (dst_layer, dst_layer), TENSORS_PER_LAYER,
-                                          src_rows, lay.row_bytes, remote_rows, lay.row_bytes, flags, target, "src")
+            plans[src_layer] = [build_plan(src, (src_layer, src_layer), (dst_layer, dst_layer), TENSORS_PER_LAYER,
+                                           src_rows, lay.row_bytes, remote_rows, lay.row_bytes, flags, target, "src")]
     else:
         addrs = cfg.dst_addrs
-        if len(addrs) != TENSORS_PER_LAYER * len(src_layers):
-            raise param_invalid(f"{arg}.dst_addrs", f"needs {TENSORS_PER_LAYER} addresses per layer "
-                                f"({TENSORS_PER_LAYER * len(src_layers)}), got {len(addrs)}")
+        _check_addrs(arg, cfg, src_layers)
         link = links.get(cfg.dst_cluster_id)
         stride = dst_block_bytes if dst_block_bytes is not None else lay.row_bytes
         for i, src_layer in enumerate(src_layers):
-            pair = list(addrs[TENSORS_PER_LAYER * i:TENSORS_PER_LAYER * (i + 1)])
-            plans[src_layer] = build_plan(src, (src_layer, src_layer), (-1, -1), TENSORS_PER_LAYER, src_rows,
-                                          lay.row_bytes, pair + dst_rows, lay.row_bytes,
-                                          ReqFlag.BLOCKS if blocks else 0, addrs_target(cfg.dst_cluster_id), "src",
-                                          remote_offset=stride if blocks else 0)
+            pair = _addr_pair(addrs, i)
+            plans[src_layer] = [build_plan(src, (src_layer, src_layer), (-1, -1), TENSORS_PER_LAYER, src_rows,
+                                           lay.row_bytes, pair + dst_rows, lay.row_bytes,
+                                           ReqFlag.BLOCKS if blocks else 0, addrs_target(cfg.dst_cluster_id), "src",
+                                           remote_offset=stride if blocks else 0)]
+    return _Config(index, link, src_layers, plans)
+
+
+def _check_addrs(arg: str, cfg: TransferConfig, src_layers: range) -> None:
+    if len(cfg.dst_addrs) != TENSORS_PER_LAYER * len(src_layers):
+        raise param_invalid(f"{arg}.dst_addrs", f"needs {TENSORS_PER_LAYER} addresses per layer "
+                            f"({TENSORS_PER_LAYER * len(src_layers)}), got {len(cfg.dst_addrs)}")
+
+
+def _addr_pair(addrs: Sequence[int], i: int) -> list[int]:
+    return list(addrs[TENSORS_PER_LAYER * i:TENSORS_PER_LAYER * (i + 1)])
+
+
+def _chunks_config(links: Any, index: int, cfg: Any, src: KvCache, src_layers: range, row: int,
+                   chunks: _Chunks) -> _Config:
+    """Plans of a contiguous row pushed into blocks: per layer, the blocks that get ``chunks.size`` bytes,
+    then (when the row does not divide into them) the one block that gets the rest."""
+    arg = f"transfer_configs[{index}]"
+    full, rest = chunks.full, chunks.rest
+    plans: dict[int, list[Plan]] = {}
+    if isinstance(cfg, TransferWithCacheKeyConfig):
+        if not isinstance(cfg.cache_key, BlocksCacheKey):
+            raise param_invalid(f"{arg}.cache_key", "a cache pushed into blocks needs a BlocksCacheKey")
+        dst_layers = cfg.dst_layer_range if cfg.dst_layer_range is not None else src_layers
+        if len(dst_layers) != len(src_layers):
+            raise param_invalid(f"{arg}.dst_layer_range", f"covers {len(dst_layers)} layers, "
+                                f"src_layer_range {len(src_layers)}")
+        link = links.get(cfg.cache_key.cluster_id)
+        target = target_fields(cfg.cache_key)
+        for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
+            layers = (src_layer, src_layer), (dst_layer, dst_layer)
+            # whole blocks: the destination's block must be chunks.size bytes (EXACT), as LLM-DataDist checks
+            plans[src_layer] = [build_plan(src, *layers, TENSORS_PER_LAYER, [row], full * chunks.size,
+                                           chunks.blocks[:full], chunks.size, ReqFlag.BLOCKS | ReqFlag.EXACT,
+                                           target, "src")]
+            if rest:
+                plans[src_layer].append(build_plan(src, *layers, TENSORS_PER_LAYER, [row], rest,
+                                                   chunks.blocks[full:], rest, ReqFlag.BLOCKS, target, "src",
+                                                   local_offset=full * chunks.size))
+    else:
+        _check_addrs(arg, cfg, src_layers)
+        link = links.get(cfg.dst_cluster_id)
+        target = addrs_target(cfg.dst_cluster_id)
+        for i, src_layer in enumerate(src_layers):
+            pair = _addr_pair(cfg.dst_addrs, i)
+            layers = (src_layer, src_layer), (-1, -1)
+            plans[src_layer] = [build_plan(src, *layers, TENSORS_PER_LAYER, [row], full * chunks.size,
+                                           pair + list(chunks.blocks[:full]), chunks.size, ReqFlag.BLOCKS, target,
+                                           "src", remote_offset=chunks.size)]
+            if rest:
+                plans[src_layer].append(build_plan(src, *layers, TENSORS_PER_LAYER, [row], rest,
+                                                   pair + list(chunks.blocks[full:]), rest, ReqFlag.BLOCKS, target,
+                                                   "src", remote_offset=chunks.size, local_offset=full * chunks.size))
     return _Config(index, link, src_layers, plans)
 
 
@@ -112,8 +177,13 @@ def _row(arg: str, value: Any, rows: int) -> int:
 
 
 def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, configs: Sequence[Any],
-                   src_block_indices: Any, dst_block_indices: Any, dst_block_memory_size: Any) -> CacheTask:
-    """Validate everything, then start the driver; returns its :class:`CacheTask`."""
+                   src_block_indices: Any, dst_block_indices: Any, dst_block_memory_size: Any, *,
+                   cache_to_blocks: bool = False) -> CacheTask:
+    """Validate everything, then start the driver; returns its :class:`CacheTask`.
+
+    ``cache_to_blocks``: whether a contiguous source may go into destination blocks (``dst_block_indices``
+    with ``dst_block_memory_size``), as LLM-DataDist's CacheManager allows and its KvCacheManager refuses.
+    """
     if not isinstance(synchronizer, LayerSynchronizer) and not callable(
             getattr(synchronizer, "synchronize_layer", None)):
         raise param_type_error("layer_synchronizer", f"expected a LayerSynchronizer, got {type(synchronizer).__name__}")
@@ -125,7 +195,11 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
     src_blocks: tuple[int, ...] | None = None
     dst_blocks: tuple[int, ...] | None = None
     dst_block_bytes = None
-    if src.is_blocks_cache and _no_blocks(src_block_indices) and _no_blocks(dst_block_indices):
+    chunks = None
+    if cache_to_blocks and not src.is_blocks_cache and _no_blocks(src_block_indices) and not _no_blocks(
+            dst_block_indices):
+        chunks = _row_chunks(src, dst_block_indices, dst_block_memory_size)
+    elif src.is_blocks_cache and _no_blocks(src_block_indices) and _no_blocks(dst_block_indices):
         # As LLM-DataDist: a blocks source without block indices goes as a contiguous cache whose rows
         # are its blocks, row 0 to row 0 (block 0 of every tensor of the layer; the C++ layer-wise job
         # copies one row when no block lists are given).
@@ -149,15 +223,39 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
             if dst_block_bytes < src.layout.row_bytes:
                 raise param_invalid("dst_block_memory_size", f"{dst_block_bytes} is smaller than a source "
                                     f"block ({src.layout.row_bytes} bytes)")
-    elif src_block_indices is not None or dst_block_indices is not None:
+    elif src_block_indices is not None and not (cache_to_blocks and _no_blocks(src_block_indices)):
         raise param_invalid("src_block_indices", "block indices need a blocks cache")
+    elif dst_block_indices is not None and not (cache_to_blocks and _no_blocks(dst_block_indices)):
+        raise param_invalid("dst_block_indices", "a contiguous cache goes into blocks only through the "
+                            "CacheManager (LLM-DataDist's KvCacheManager refuses it too)")
     elif dst_block_memory_size not in (None, 0):
         raise param_invalid("dst_block_memory_size", "is for blocks destinations; the source is a contiguous cache")
-    planned = [_plan_config(rt, links, i, cfg, src, src_blocks, dst_blocks, dst_block_bytes)
+    planned = [_plan_config(rt, links, i, cfg, src, src_blocks, dst_blocks, dst_block_bytes, chunks)
                for i, cfg in enumerate(configs)]
     layers = sorted({layer for cfg in planned for layer in cfg.src_layers})
     progress = TaskProgress(layers, len(planned))
     return CacheTask(progress, _drive(rt, progress, src, synchronizer, planned, layers))
+
+
+def _row_chunks(src: KvCache, dst_block_indices: Any, dst_block_memory_size: Any) -> _Chunks:
+    """Check a contiguous source's destination blocks; LLM-DataDist's rules, bounded to one source row."""
+    blocks = check_indices("dst_block_indices", dst_block_indices, 2**63, what="block index", allow_empty=False)
+    if len(set(blocks)) != len(blocks):
+        raise param_invalid("dst_block_indices", "a block is named twice")
+    if dst_block_memory_size is None:
+        raise param_invalid("dst_block_memory_size", "must be set to push a contiguous cache into blocks")
+    size = check_uint("dst_block_memory_size", dst_block_memory_size)  # ValueError if < 0
+    row_bytes = src.layout.row_bytes
+    if not 0 < size <= row_bytes:
+        raise param_invalid("dst_block_memory_size", f"{size} must be > 0 and at most a source row "
+                            f"({row_bytes} bytes) to split the row into blocks")
+    full, rest = divmod(row_bytes, size)
+    if len(blocks) > full + (1 if rest else 0):
+        raise param_invalid("dst_block_indices", f"{len(blocks)} blocks of {size} bytes; a source row of "
+                            f"{row_bytes} bytes fills at most {full + (1 if rest else 0)}")
+    if len(blocks) <= full:
+        return _Chunks(blocks, size, len(blocks), 0)
+    return _Chunks(blocks, size, full, rest)
 
 
 def _no_blocks(indices: Any) -> bool:
@@ -283,8 +381,13 @@ async def _all_over(pushes: list[asyncio.Future]) -> None:
 
 async def _push(rt: Runtime, progress: TaskProgress, cfg: _Config, layer: int, failed: set[int],
                 on_failure: Callable[[], None], timeout_ms: int) -> LLMException | None:
+    what = f"transfer_cache_async layer {layer}"
     try:
-        await run_push(rt, cfg.link, cfg.plans[layer], timeout_ms, f"transfer_cache_async layer {layer}")
+        deadline = time.monotonic() + timeout_ms / 1000
+        for n, plan in enumerate(cfg.plans[layer]):
+            # one timeout per layer and destination: a second request gets what the first left
+            left = timeout_ms if n == 0 else max(1, int((deadline - time.monotonic()) * 1000))
+            await run_push(rt, cfg.link, plan, left, what)
         return None
     except LLMException as exc:
         failed.add(cfg.index)

@@ -565,18 +565,30 @@ class KvCacheManager:
             indices (None or empty on both) a blocks cache goes as LLM-DataDist
             moves it: as a contiguous cache whose rows are its blocks, row 0
             (block 0 of each tensor) to row 0 of the destination.
-        :param dst_block_indices: destination blocks, one per source block.
+        :param dst_block_indices: destination blocks, one per source block
+            (a contiguous source goes into blocks only through the
+            CacheManager, as in LLM-DataDist).
         :param dst_block_memory_size: bytes between destination blocks for a
             ``TransferConfig`` into a blocks layout (default: the source's).
         :returns: a :class:`CacheTask` (``await`` it, or its layer futures).
         :raises LLMException: ``LLM_PARAM_INVALID`` for bad arguments (before
             anything is sent), ``LLM_NOT_YET_LINK`` for an unlinked destination.
         """
+        return self._start_layerwise(src_cache, layer_synchronizer, transfer_configs, src_block_indices,
+                                    dst_block_indices, dst_block_memory_size, cache_to_blocks=False)
+
+    def _start_layerwise(self, src_cache: KvCache, layer_synchronizer: LayerSynchronizer,
+                        transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
+                        src_block_indices: Sequence[int] | None, dst_block_indices: Sequence[int] | None,
+                        dst_block_memory_size: int | None, *, cache_to_blocks: bool) -> CacheTask:
+        """:meth:`transfer_cache_async`, and the CacheManager's (``cache_to_blocks``: a contiguous cache
+        may go into destination blocks, as LLM-DataDist's CacheManager allows and its KvCacheManager not)."""
         self._rt()
         self._endpoint.require_role("transfer_cache_async", LLMRole.PROMPT, LLMRole.MIX)
         cache = self._endpoint.live(src_cache, "src_cache")
         return start_transfer(self._rt(), self._endpoint.require_links(), cache, layer_synchronizer,
-                              transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size)
+                              transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size,
+                              cache_to_blocks=cache_to_blocks)
 
     def watch_pushes(self, cache: KvCache, rows: Sequence[int], layers: range | None = None, *,
                      tensors_per_layer: int = 2) -> PushWatch:
