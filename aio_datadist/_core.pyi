@@ -178,6 +178,11 @@ def segments(bases: Buffer, indices: Buffer, stride: int, offset: int, nbytes: i
 # ValueError when the list is not triples. Callers validate the addresses.
 def copy_now(triples: Buffer) -> int: ...
 
+# A ledger word shared with other processes: a store ordered after every earlier access and before every
+# later one (a full fence), and an acquire load. ValueError for an address that is not 8-byte aligned.
+def publish_word(addr: int, value: int) -> None: ...
+def read_word(addr: int) -> int: ...
+
 # Coalesced ``[dst, src, nbytes, ...]`` pairing tensor t / index i of both
 # layouts. ValueError when the tensor or index counts differ.
 def copy_segments(dst_bases: Buffer, dst_indices: Buffer, dst_stride: int, dst_offset: int,

@@ -1100,6 +1100,37 @@ def copy_now(const uint64_t[::1] triples not None):
     return total
 
 
+cdef extern from *:
+    """
+    static inline void aio_publish_word(uint64_t *word, uint64_t value) {
+        __atomic_store_n(word, value, __ATOMIC_RELEASE);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    }
+    static inline uint64_t aio_read_word(const uint64_t *word) {
+        return __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    }
+    """
+    void aio_publish_word(uint64_t *word, uint64_t value) nogil
+    uint64_t aio_read_word(const uint64_t *word) nogil
+
+
+def publish_word(uint64_t addr, uint64_t value):
+    """Store ``value`` in the aligned 64-bit word at ``addr`` for other processes to read: every access
+    before it is visible before it, and it is visible before any access after it (a full fence follows;
+    on x86 one locked store, on aarch64 ``stlr`` then ``dmb ish``)."""
+    if addr % 8:
+        raise ValueError("the word must be 8-byte aligned")
+    aio_publish_word(<uint64_t *>addr, value)
+
+
+def read_word(uint64_t addr):
+    """Load the aligned 64-bit word at ``addr`` that another process publishes (an acquire load: nothing
+    read after it is read before it)."""
+    if addr % 8:
+        raise ValueError("the word must be 8-byte aligned")
+    return aio_read_word(<const uint64_t *>addr)
+
+
 def zip_segments(const uint64_t[::1] dst not None, const uint64_t[::1] src not None):
     """Pair two ``[addr, nbytes, ...]`` streams of equal total into copy triples.
 

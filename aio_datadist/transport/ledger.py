@@ -29,9 +29,9 @@ slot it is told against the ledger's size.
 
 from __future__ import annotations
 
-import ctypes
 import os
 
+from aio_datadist import _core
 from aio_datadist.devices.host import ReadOnlyMapping, check_sealed, map_writable, sealed_memfd, unmap
 
 __all__ = ["LEDGER_BYTES", "NO_SLOT", "SLOTS", "Ledger", "PeerLedger"]
@@ -50,7 +50,6 @@ class Ledger:
         self._addr, self._fd = sealed_memfd(LEDGER_BYTES, "aio_datadist.ledger",
                                             lambda fd: map_writable(fd, LEDGER_BYTES),
                                             lambda addr: unmap(addr, LEDGER_BYTES))
-        self._words = (ctypes.c_uint64 * SLOTS).from_address(self._addr)  # an aligned word is one store
         self._entries: dict[int, tuple[int, int]] = {}  # cache id -> (slot, blocks key's model id)
         self._free = list(range(SLOTS - 1, -1, -1))
         self.closed = False
@@ -72,14 +71,14 @@ class Ledger:
             return
         slot = self._free.pop()
         self._entries[cache_id] = (slot, model_id)
-        self._words[slot] = cache_id if word is None else word
+        self._store(slot, cache_id if word is None else word)
 
     def retract(self, cache_id: int) -> None:
         """From now on peers ask for ``cache_id`` again (it is being withdrawn, unbound or freed)."""
         entry = self._entries.pop(cache_id, None)
         if entry is None or self.closed:
             return
-        self._words[entry[0]] = 0
+        self._store(entry[0], 0)
         self._free.append(entry[0])
 
     def entry(self, cache_id: int) -> tuple[int, int] | None:
@@ -88,7 +87,12 @@ class Ledger:
 
     def word(self, cache_id: int) -> int:
         """What the word of a published cache holds (read back from the ledger itself)."""
-        return int(self._words[self._entries[cache_id][0]])
+        return _core.read_word(self._addr + 8 * self._entries[cache_id][0])
+
+    def _store(self, slot: int, value: int) -> None:
+        # One aligned store, fenced: a peer that reads the cleared word reads nothing the caller wrote into
+        # the cache afterwards first, on weakly ordered CPUs (aarch64) too.
+        _core.publish_word(self._addr + 8 * slot, value)
 
     def close(self) -> None:
         """Clear every word and let the memory go (peers' mappings keep reading zeros)."""
@@ -96,7 +100,7 @@ class Ledger:
             return
         self.closed = True
         for slot, _model_id in self._entries.values():
-            self._words[slot] = 0
+            self._store(slot, 0)
         self._entries.clear()
         unmap(self._addr, LEDGER_BYTES)
         os.close(self._fd)
@@ -109,16 +113,17 @@ class Ledger:
 class PeerLedger:
     """A same-host peer's ledger, mapped read-only here."""
 
-    __slots__ = ("_mapping", "_words")
+    __slots__ = ("_mapping",)
 
     def __init__(self, fd: int) -> None:
         check_sealed(fd, LEDGER_BYTES)  # ValueError: the share drops it
         self._mapping = ReadOnlyMapping(fd, LEDGER_BYTES)
-        self._words = (ctypes.c_uint64 * SLOTS).from_address(self._mapping.address)
 
     def holds(self, slot: int, cache_id: int) -> bool:
-        """Whether the peer lets us read ``cache_id`` (published at ``slot``) without asking, now."""
-        return self._mapping.address != 0 and self._words[slot] == cache_id
+        """Whether the peer lets us read ``cache_id`` (published at ``slot``) without asking, now (an acquire
+        load: the copy that follows reads nothing before the word)."""
+        address = self._mapping.address
+        return address != 0 and 0 <= slot < SLOTS and _core.read_word(address + 8 * slot) == cache_id
 
     def close(self) -> None:
         """Stop reading (the mapping goes with the last reference)."""
