@@ -705,9 +705,11 @@ class Link:
         self.nixl.on_message(fields)
 
     def _local_lost(self) -> None:
+        self.local = None
+        if self.unlinking or self.closed or self.broken is not None:
+            return  # the link is going (the peer closes its share as it answers our UNLINK): no fall-back
         self.log.info("link %s to cluster %s: same-host sharing stopped; using %s", self.link_id,
                       self.remote_cluster_id, self.data_transport)
-        self.local = None
 
     # -- what the link is and did ---------------------------------------------
 

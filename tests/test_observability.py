@@ -145,15 +145,16 @@ async def test_timeouts_and_cancellations_are_counted_and_nothing_lands_later():
 
 
 @pytest.mark.asyncio
-async def test_links_up_and_down_are_counted_logged_once_and_transfers_log_nothing_at_info(caplog):
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+async def test_links_up_and_down_are_counted_logged_once_and_transfers_log_nothing_at_info(caplog, transport):
     registry = CollectorRegistry()
     prompt, decoder = LLMDataDist(LLMRole.PROMPT, 11), LLMDataDist(LLMRole.DECODER, 12)
     instrument(prompt, registry)
     instrument(decoder, registry)
     caplog.set_level(logging.INFO, logger="aio_datadist")
     async with prompt, decoder:
-        await prompt.init(loopback_options(listen=True, transport="tcp"))
-        await decoder.init(loopback_options(transport="tcp"))
+        await prompt.init(loopback_options(listen=True, transport=transport))
+        await decoder.init(loopback_options(transport=transport))
         cache = prompt.kv_cache_manager.allocate_blocks_cache(blocks_desc(), aio.BlocksCacheKey(11, 0))
         dst = decoder.kv_cache_manager.allocate_blocks_cache(blocks_desc())
         assert prompt.listen_address is not None
@@ -166,7 +167,7 @@ async def test_links_up_and_down_are_counted_logged_once_and_transfers_log_nothi
         assert len(up) == 4  # two links, each logged once by each end
         dialled = [r for r in up if r.cluster_id == 12]
         assert [r.remote_cluster_id for r in dialled] == [11, 11]
-        assert "transport tcp" in dialled[0].getMessage() and dialled[0].link_id != dialled[1].link_id
+        assert f"transport {transport}" in dialled[0].getMessage() and dialled[0].link_id != dialled[1].link_id
         assert decoder.stats().links[11].link_id == dialled[1].link_id
         before = len([r for r in caplog.records if r.levelno >= logging.INFO])
         for _ in range(20):
@@ -180,6 +181,8 @@ async def test_links_up_and_down_are_counted_logged_once_and_transfers_log_nothi
         del cache, dst
     downs = [r.getMessage() for r in caplog.records if " down: " in r.getMessage()]
     assert len(downs) == 4 and all(m.endswith(" down: unlinked") for m in downs), downs
+    # an unlink is no fall-back: the same-host share goes with its link, unannounced
+    assert not [r.getMessage() for r in caplog.records if "sharing stopped" in r.getMessage()]
 
 
 @pytest.mark.asyncio
