@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -61,6 +62,11 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
+#: How long a blocking call interrupted in the caller's thread (KeyboardInterrupt) waits for the call it
+#: cancelled to end on the facade's loop before the interrupt goes on: every cancelled call ends within
+#: its own bounds (an aborted transfer's acknowledgement, a cut copy's settling), far below this.
+INTERRUPT_SETTLE_S = 15.0
 
 
 class _LoopThread:
@@ -80,7 +86,16 @@ class _LoopThread:
                 def run() -> None:
                     asyncio.set_event_loop(loop)
                     loop.call_soon(ready.set)
-                    loop.run_forever()
+                    while True:
+                        try:
+                            loop.run_forever()
+                            return  # stop()
+                        except BaseException as exc:  # the loop must outlive what one task raised
+                            # A KeyboardInterrupt or SystemExit raised in a task (a user callback) leaves it
+                            # through run_forever; the task ended with it, and every other call still needs
+                            # this loop: without it each later call, and the exit's finalize, would wait forever.
+                            log.error("aio_datadist.compat: %r escaped a task of the blocking facade's loop; "
+                                      "the loop goes on", exc)
 
                 self._thread = threading.Thread(target=run, name="aio_datadist-compat", daemon=True)
                 self._thread.start()
@@ -96,7 +111,24 @@ class _LoopThread:
         else:
             coro.close()
             raise RuntimeError("aio_datadist.compat blocks; inside an event loop use the async API")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop()).result()
+        ended = threading.Event()
+
+        async def guarded() -> _T:
+            try:
+                return await coro
+            finally:
+                ended.set()
+
+        future = asyncio.run_coroutine_threadsafe(guarded(), self.loop())
+        try:
+            return future.result()
+        except BaseException:
+            if not future.done():
+                # Interrupted while waiting (a KeyboardInterrupt in this thread): the call is cancelled and
+                # has ended before this raises, so none of its work goes on (no byte lands) behind the caller.
+                future.cancel()
+                ended.wait(INTERRUPT_SETTLE_S)
+            raise
 
     def call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         async def invoke() -> _T:

@@ -191,15 +191,20 @@ class LLMDataDist:
         endpoint = self._endpoint
         runtime, links = endpoint.runtime, endpoint.links
         if runtime is None:
+            released = endpoint.released
+            if released is not None and not released.done():
+                await asyncio.wait([released])  # another finalize is releasing: return once it has
             return
         endpoint.runtime = None
         endpoint.links = None
         endpoint.finalized = True
+        endpoint.released = asyncio.get_running_loop().create_future()
         try:
             if links is not None:
                 await _complete(links.close())
         finally:
             runtime.close()
+            endpoint.released.set_result(None)
 
     async def __aenter__(self) -> LLMDataDist:
         return self

@@ -9,6 +9,7 @@ it here.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist._checks import check_instance, param_invalid
@@ -39,6 +40,8 @@ class Endpoint:
         self.runtime: Runtime | None = None
         self.links: LinkTable | None = None
         self.finalized = False
+        #: Done once ``finalize`` released everything (a second, concurrent ``finalize`` waits for it).
+        self.released: asyncio.Future[None] | None = None
         #: Who hears of this endpoint's transfers and links (``stats.Observer``), kept across ``init``.
         self.observers: list[Observer] = []
         #: CacheManager mode (v2), decided by ``init`` and kept after ``finalize``; None before ``init``.

@@ -322,7 +322,7 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
                 stop = LLMException(f"layer_synchronizer raised at layer {layer}: {exc!r}",
                                     status_code=LLMStatusCode.LLM_FAILED)
                 stop.__cause__ = exc
-            except Exception as exc:
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit too: out of a task they would stop the loop
                 stop = LLMException(f"layer_synchronizer raised at layer {layer}: {exc!r}",
                                     status_code=LLMStatusCode.LLM_FAILED)
                 stop.__cause__ = exc

@@ -598,20 +598,24 @@ class LinkTable:
             return LLMStatusCode.LLM_NOT_YET_LINK
         self.forget(link)
         status = SUCCESS
-        # A forced unlink tells the peer too while pushes of ours are in flight: their bytes on the way
-        # would land there after the pushes returned, unless the peer closes its end first (as for a
-        # non-forced unlink: it answers, then closes), for ABORT_ACK_S at most, as an aborted push waits.
-        if link.broken is None and (not force or link.counters.in_flight("push")):
-            req_id = link.new_req_id()
-            fut = link.expect(req_id, Msg.UNLINK_ACK)
-            link.send_unlink(req_id)
-            try:
-                async with asyncio.timeout(min(timeout_ms / 1000, ABORT_ACK_S) if force else timeout_ms / 1000):
-                    await fut
-            except (TimeoutError, LLMException):
-                if not force:
-                    status = LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
-        await link.close()
+        try:
+            # A forced unlink tells the peer too while pushes of ours are in flight: their bytes on the way
+            # would land there after the pushes returned, unless the peer closes its end first (as for a
+            # non-forced unlink: it answers, then closes), for ABORT_ACK_S at most, as an aborted push waits.
+            if link.broken is None and (not force or link.counters.in_flight("push")):
+                req_id = link.new_req_id()
+                fut = link.expect(req_id, Msg.UNLINK_ACK)
+                link.send_unlink(req_id)
+                try:
+                    async with asyncio.timeout(min(timeout_ms / 1000, ABORT_ACK_S) if force else timeout_ms / 1000):
+                        await fut
+                except (TimeoutError, LLMException):
+                    if not force:
+                        status = LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
+        finally:
+            # Out of the table already: closed here even when the caller is cancelled while the peer has
+            # not answered, or nothing would close it (Link.close is bounded).
+            await settle(asyncio.ensure_future(link.close()), None)
         return status
 
     async def probe(self, remote_id: int, timeout_ms: int) -> None:

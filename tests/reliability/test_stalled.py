@@ -415,6 +415,53 @@ def digests(cache: Any) -> list[str]:
     return [hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in cache.tensors]
 
 
+SILENT_PROMPT = EndpointSpec(LLMRole.PROMPT, PROMPT, listen=True, lifetime=60.0, config=(("transport", "tcp"),))
+
+
+@pytest.mark.asyncio
+async def test_an_unlink_cancelled_while_the_peer_is_silent_still_closes_the_link(fork_server):
+    """``unlink_clusters`` takes the link out of the table before it waits for the peer's answer; a
+    cancel during that wait used to skip the close: a link no table held, heartbeat and sockets running
+    (and ``finalize`` did not see it). The peer is SIGSTOPped; the heartbeat is too slow to end it here."""
+    async with endpoint(LLMRole.DECODER, DECODER, transport="tcp", heartbeat_interval=10000) as dd, \
+            forked(SILENT_PROMPT) as (peer,):
+        baseline, fds = state(dd), open_fds()
+        assert await dd.link_clusters([cluster_info(PROMPT, peer.address)]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        peer.stop()
+        try:
+            unlink = asyncio.ensure_future(dd.unlink_clusters([cluster_info(PROMPT, peer.address)], 5000))
+            await asyncio.sleep(0.3)
+            assert not unlink.done()  # waiting for the silent peer's answer
+            unlink.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await unlink
+            assert not dd.stats().links
+            await settle(dd, baseline, fds, within=BOUND_S)  # the link's tasks and sockets are gone
+        finally:
+            peer.resume()
+
+
+@pytest.mark.asyncio
+async def test_a_second_finalize_returns_once_the_first_released_everything(fork_server):
+    """Two ``finalize`` calls at once (an ``async with`` exit racing a shutdown handler): the second used
+    to return at once, while the first still waited for a silent peer and held links and engines."""
+    async with forked(SILENT_PROMPT) as (peer,):
+        async with endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dd:
+            assert await dd.link_clusters([cluster_info(PROMPT, peer.address)]) == (S.LLM_SUCCESS,
+                                                                                       [S.LLM_SUCCESS])
+            peer.stop()
+            try:
+                first = asyncio.ensure_future(dd.finalize())
+                await asyncio.sleep(0.05)
+                assert not first.done()  # waiting for the stopped peer's UNLINK_ACK (1 s at most)
+                async with asyncio.timeout(5):
+                    await dd.finalize()
+                assert first.done()
+                await first
+            finally:
+                peer.resume()
+
+
 @pytest.mark.asyncio
 async def test_an_idle_peer_with_a_longer_heartbeat_interval_stays_linked():
     """Heartbeat intervals are per endpoint: a peer that pings less often is still heard from."""

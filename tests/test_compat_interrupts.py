@@ -1,0 +1,51 @@
+"""The blocking facade survives what interrupts it: a KeyboardInterrupt or SystemExit raised in user code
+on its loop, and a KeyboardInterrupt in the caller's thread while a call waits.
+
+Each case runs ``compat_interrupt_child.py`` in a process of its own (a facade that hangs must not hang
+the test run, and the program's normal exit, with the facade's ``atexit`` finalize, is part of the case).
+Before: the exception left the loop's ``run_forever`` and ended the facade's loop thread, so every later
+call and the exit's finalize waited forever; an interrupted call went on running behind its caller.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from aio_datadist import LLMStatusCode
+
+CHILD = pathlib.Path(__file__).with_name("compat_interrupt_child.py")
+LIMIT_S = 60
+
+
+def run_child(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, str(CHILD), *args], capture_output=True, text=True, timeout=LIMIT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("raised", ["KeyboardInterrupt", "SystemExit"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_synchronizer_that_raises_an_interrupt_fails_its_task_and_nothing_else(kind: str, raised: str) -> None:
+    out = run_child("synchronizer", kind, raised)
+    assert out["link"] == LLMStatusCode.LLM_SUCCESS
+    assert out["synchronize"] == LLMStatusCode.LLM_FAILED and out["seconds"] < 2, out
+    assert out["facade_alive"] and out["facade_alive_after"], out
+    assert out["links"] == [1], out  # the link is still up; the process then exited normally
+
+
+def test_a_facade_call_that_raises_keyboard_interrupt_gives_it_to_its_caller_and_the_facade_goes_on() -> None:
+    out = run_child("task")
+    assert out == {"raised": "in a facade call", "facade_alive": True, "stats": 1}
+
+
+def test_ctrl_c_in_a_blocking_call_cancels_the_call_before_it_is_raised() -> None:
+    out = run_child("sigint")
+    assert "returned" not in out and out["interrupted_after"] < 2, out
+    assert out["tasks_left"] == [], out  # the link attempt ended before the interrupt reached the caller
+    # the same cluster is linked anew (a silent listener again: a time-out of its own, not "another call")
+    assert out["again"] == [LLMStatusCode.LLM_TIMEOUT, [LLMStatusCode.LLM_TIMEOUT]], out
