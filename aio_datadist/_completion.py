@@ -197,6 +197,10 @@ class Completions:
             else:
                 loop.call_soon_threadsafe(_resolve, waiter, status, aux)
 
+    def keepalives(self) -> list[Any]:
+        """What the native work still pending keeps alive (memory it may still touch)."""
+        return [waiter.keepalive for waiter in self._pending.values()]
+
     def close(self) -> None:
         """Fail every pending future and remove the loop readers. Idempotent.
 

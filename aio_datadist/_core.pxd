@@ -215,7 +215,7 @@ cdef class StreamNotifier:
     cdef bint _closed
     cdef bint _counted
     cdef _prune(self)
-    cdef _shutdown(self, double timeout_s)
+    cdef bint _shutdown(self, double timeout_s)
 
 # ---- the host backend's stream: an ordered native copy queue ----------------------------
 cdef cppclass HostEvent:

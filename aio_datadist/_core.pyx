@@ -1882,7 +1882,8 @@ cdef class StreamNotifier:
         return _state_pending(self._state)
 
     def close(self, double timeout=30.0):
-        """Wait (up to ``timeout`` seconds) for enqueued notifications, then release.
+        """Wait (up to ``timeout`` seconds) for enqueued notifications, then release; whether the device
+        reached every one (True too when already closed).
 
         Every record still arrives before close returns. If the device does
         not get there in time, the bookkeeping is left allocated (and a
@@ -1891,9 +1892,10 @@ cdef class StreamNotifier:
         are given back. Idempotent.
         """
         if self._counted:
-            self._shutdown(timeout)
+            return self._shutdown(timeout)
+        return True
 
-    cdef _shutdown(self, double timeout_s):
+    cdef bint _shutdown(self, double timeout_s):
         cdef bint drained = True
         cdef size_t i
         self._closed = True
@@ -1920,6 +1922,7 @@ cdef class StreamNotifier:
         if self._counted:
             self._counted = False
             _live["StreamNotifier"] -= 1
+        return drained
 
 
 # --------------------------------------------------------------------------

@@ -646,6 +646,10 @@ class CacheRegistry:
             entry.cache._region = None
             entry.cache._device_export = None
 
+    def device_memory(self) -> list[Any]:
+        """What keeps the device caches' memory allocated (their tensors and exports), to keep it."""
+        return [(e.cache.tensors, e.cache._device_export) for e in self._entries.values() if e.cache.on_device]
+
     def clear(self) -> None:
         for entry in self._entries.values():
             entry.cache._alive = False

@@ -202,6 +202,7 @@ class LLMDataDist:
         try:
             if links is not None:
                 await _complete(links.close())
+            await _complete(runtime.quiesce())  # device copies end before the blocking close, off the loop
         finally:
             runtime.close()
             endpoint.released.set_result(None)

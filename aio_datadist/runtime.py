@@ -7,7 +7,8 @@ the link layer reach their engines through it.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +24,14 @@ if TYPE_CHECKING:
     from aio_datadist.stats import Observer
 
 __all__ = ["Runtime", "select_device"]
+
+log = logging.getLogger(__name__)
+#: How long ``finalize`` waits, without blocking the loop, for native work (device copies above all) to end.
+QUIESCE_S = 30.0
+QUIESCE_POLL_S = 0.005
+#: Device memory whose work never ended (a device stuck past QUIESCE_S): kept for the process's life,
+#: since freeing it would let the device write memory handed out again.
+ABANDONED: list[Any] = []
 
 
 class Runtime:
@@ -75,14 +84,40 @@ class Runtime:
             self._staging = DeviceStaging(self.completions, self.devices)
         return self._staging
 
+    def idle(self) -> bool:
+        """Whether no native work (copy, socket or device job) has yet to report back."""
+        return self.completions.pending_count() == 0 and (self.devices is None or not self.devices.busy())
+
+    async def quiesce(self, bound_s: float | None = None) -> bool:
+        """Wait, without blocking the loop, until :meth:`idle` (at most ``bound_s``); whether it is.
+
+        ``finalize`` runs this before :meth:`close`, whose waits block: so they find nothing left to wait
+        for, and a slow device (a long kernel ahead of our copies) holds up only this endpoint."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (QUIESCE_S if bound_s is None else bound_s)
+        while not self.idle():
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(QUIESCE_POLL_S)
+        return True
+
     def close(self) -> None:
         """Stop the engines, fail what still waits, release every cache."""
         self.arrivals.close()
         self.sockets.close()
         self.copier.close()
+        stuck = False
         if self.devices is not None:
-            # Every record the device still owes arrives before the queue goes.
-            self.devices.close()
+            # Every record the device still owes arrives before the queue goes, unless the device is stuck:
+            # after quiesce, there is nothing to wait for here unless it was stuck past QUIESCE_S already.
+            stuck = not self.devices.close(0.0 if self.devices.busy() else 30.0)
+        if stuck:
+            # What the queued work may still touch: the device caches, and what its completions keep
+            # (chunk buffers, peers' mappings); the completions are failed below, but nothing is freed.
+            kept = self.registry.device_memory()
+            ABANDONED.append((kept, self.completions.keepalives()))
+            log.error("device work enqueued by this endpoint did not end; its %d device caches and the buffers "
+                      "that work uses are kept for the life of the process instead of freed under it", len(kept))
         if self._staging is not None:
             self._staging.close()
         self.completions.close()

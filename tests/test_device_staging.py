@@ -323,3 +323,28 @@ async def test_cancelling_a_pipeline_midway_leaves_nothing_behind(engines):
         async with asyncio.timeout(0.05):
             await pipeline_in(chunks, pool, fill, _host_stage(comp, copier, cache, 0, list(range(ROWS)), 0, True))
     await _drained(comp)
+
+
+@pytest.mark.asyncio
+async def test_senders_sharing_a_pool_never_wait_for_each_other():
+    """One pool serves every staged transfer of an endpoint. A sender waits for a buffer only while it
+    holds none: before, three senders on a pool of two each took one buffer as the others freed theirs,
+    then all waited for a second one, and every transfer timed out."""
+    pool = StagingPool(MIN_CHUNK_BYTES, 2)
+    chunks = plan_chunks(1, 8, MIN_CHUNK_BYTES, MIN_CHUNK_BYTES)  # 8 chunks of one row each
+    done: list[str] = []
+
+    async def stage(chunk: Chunk, buf: torch.Tensor) -> None:
+        await asyncio.sleep(0)  # a device gather
+
+    async def consume(chunk: Chunk, view: torch.Tensor) -> None:
+        await asyncio.sleep(0.001)  # a socket send
+
+    async def send(name: str) -> None:
+        await pipeline_out(chunks, pool, stage, consume)
+        done.append(name)
+
+    async with asyncio.timeout(5):
+        await asyncio.gather(*(send(name) for name in "ABCD"))
+    assert sorted(done) == ["A", "B", "C", "D"] and pool.peak <= 2 and pool.live == pool.idle
+    pool.close()

@@ -284,3 +284,38 @@ async def test_a_local_device_copy_given_up_on_a_held_stream_lands_nothing_after
         assert all(torch.equal(t[7], t[2]) for t in dev.tensors)
     finally:
         await dd.finalize()
+
+
+@pytest.mark.asyncio
+async def test_a_staged_swap_given_up_waits_for_its_host_copy():
+    """The staged swap (NPU; CUDA drivers without batch copies) copies between the chunk buffers and the
+    host cache on the copy threads. Given up, that copy is stopped and waited for before the call returns:
+    before, it was cancelled but not waited for, and up to 1 MiB per copy thread could still land in the
+    caller's host cache after ``LLM_TIMEOUT`` (its record arrived after the return in 2 runs of 10)."""
+    import asyncio
+
+    from aio_datadist.devices import ops
+
+    dd = await _host_dd()
+    try:
+        rt = runtime_of(dd)
+        mgr = dd.kv_cache_manager
+        rows, width = 16, 1024 * 1024  # 4 tensors x 16 rows x 2 MiB: 128 MiB each way
+        dev = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.DEVICE))
+        host = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.HOST))
+        for t in dev.tensors:
+            t.fill_(1.0)
+        for timeout in (3, 5, 8, 10, 12, 15, 20, 25, 30, 40):
+            for t in host.tensors:
+                t.zero_()
+            try:
+                await ops.copy_rows(rt, host, list(range(rows)), dev, list(range(rows)), 0, width * 2, timeout,
+                                    "swap_blocks", method="staged")
+            except LLMException as exc:
+                assert exc.status_code == S.LLM_TIMEOUT
+            assert rt.completions.pending_count() == 0, f"a copy still ran after the return ({timeout} ms)"
+            after = [t.clone() for t in host.tensors]
+            await asyncio.sleep(0.05)
+            assert all(torch.equal(a, t) for a, t in zip(after, host.tensors, strict=True)), timeout
+    finally:
+        await dd.finalize()

@@ -209,3 +209,45 @@ async def test_layers_recorded_on_a_compute_stream_go_once_the_stream_gets_there
         with EventLayerSynchronizer(pair.prompt, 1) as other, pytest.raises(LLMException) as info:
             other.record(0, stream=object())
         assert info.value.status_code == S.LLM_PARAM_INVALID and "stream" in str(info.value)
+
+
+async def test_given_up_staged_pulls_give_their_buffers_back_without_the_garbage_collector():
+    """A cut staged pull retires the buffers its copies may still touch; each comes back once the copy's
+    completion lets it go. Before, the failure's traceback kept the pipeline's frame, and a retired buffer
+    with it, until Python's cycle collector ran: with it off (as an idle loop may leave it for long), a
+    few cut pulls left every buffer retired with nothing pending, and the next pull waited out its timeout."""
+    import gc
+
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        small_staging(pair.prompt)
+        staging = small_staging(pair.decoder)
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 11)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        rt = runtime_of(pair.decoder)
+        blocks = list(range(6))
+        gc.collect()
+        gc.disable()
+        try:
+            cut = 0
+            for i in range(24):
+                pull = asyncio.ensure_future(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, blocks, blocks,
+                                                                 timeout=1 + i % 4 if i % 2 else 20000))
+                if not i % 2:
+                    await asyncio.sleep(0.001 * (i % 5))
+                    pull.cancel()
+                try:
+                    await pull  # one that ends before its cut succeeds
+                except (LLMException, asyncio.CancelledError):
+                    cut += 1
+            assert cut >= 12, f"only {cut} of 24 pulls were cut"
+            for _ in range(100):  # every copy the cut pulls enqueued has reported (bounded)
+                if rt.completions.pending_count() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            pool = staging.pool
+            assert pool.live == pool.idle, f"{pool.live - pool.idle} of {pool.live} buffers still retired"
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1], [1], timeout=2000)
+            assert all(eq(d[1], v[1]) for d, v in zip(dst.tensors, values, strict=True))
+        finally:
+            gc.enable()

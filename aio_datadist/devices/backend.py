@@ -266,16 +266,25 @@ class DeviceBackend:
     def cancel(self, token: int) -> bool:
         return self.notifier.cancel(token)
 
-    def close(self) -> None:
-        """Wait for the device to reach every pending notification, then release. Idempotent."""
+    def busy(self) -> bool:
+        """Whether work enqueued on the device may still run: notifications not reached yet, or failed
+        submissions whose memory waits for the copy stream to drain."""
+        return not self.closed and (self.notifier.pending() > 0 or bool(self._held))
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Wait (up to ``timeout_s``, blocking) for the device to reach every pending notification, then
+        release. Returns whether the device got there; if not, whatever its work touches is kept (the
+        failed submissions' memory here; the caller keeps the caches), never freed under it. Idempotent."""
         if self.closed:
-            return
+            return True
         self.closed = True
         self._tables.clear()
-        self.notifier.close()
+        if not self.notifier.close(timeout_s):
+            return False  # the device did not get there: _held stays (a leak, not memory freed under work)
         if self._held:
             self.synchronize()
             self._held.clear()
+        return True
 
     def synchronize(self) -> None:
         """Block until the copy stream has done everything enqueued (close and failure paths only)."""

@@ -207,6 +207,20 @@ class StagingPool:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
 
+    def try_acquire(self) -> torch.Tensor | None:
+        """A buffer if one is free or may be made now, else None (never waits)."""
+        if self._closed or self._waiters:
+            return None  # those waiting come first
+        if self._free:
+            return self._free.pop()
+        if self._live < self.buffers:
+            buf = self._allocate(self.chunk_bytes)
+            self._live += 1
+            self.peak = max(self.peak, self._live)
+            weakref.finalize(buf, self._gone)
+            return buf
+        return None
+
     def release(self, buf: torch.Tensor) -> None:
         """Give back a buffer nothing touches any more."""
         if self._closed:
@@ -215,7 +229,9 @@ class StagingPool:
         self._wake()
 
     def retire(self, buf: torch.Tensor) -> None:
-        """Give up a buffer that pending work may still touch (it is replaced once it is gone)."""
+        """Give up a buffer that pending work may still touch (it is replaced once it is gone: once the
+        completions holding it let it go, so its holders must drop their own references, including those
+        of frames an exception's traceback keeps)."""
 
     def close(self) -> None:
         self._closed = True
@@ -261,10 +277,15 @@ async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage,
     """
     pending: deque[tuple[Chunk, torch.Tensor, asyncio.Future]] = deque()
     nxt = 0
+    buf: torch.Tensor | None = None
     try:
         while nxt < len(chunks) or pending:
             while nxt < len(chunks) and len(pending) < pool.buffers:
-                buf = await pool.acquire()
+                # Wait for a buffer only while holding none: the pool is shared by every transfer of the
+                # endpoint, and senders that each held some and waited for more would wait for each other.
+                buf = pool.try_acquire() if pending else await pool.acquire()
+                if buf is None:
+                    break
                 pending.append((chunks[nxt], buf, asyncio.ensure_future(stage(chunks[nxt], buf))))
                 nxt += 1
             chunk, buf, fut = pending.popleft()
@@ -280,6 +301,7 @@ async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage,
             _, buf, fut = pending.popleft()
             _abandon(fut)
             pool.retire(buf)
+        buf = None  # the traceback of a failure keeps this frame: it must not keep a retired buffer too
 
 
 async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, stage: Stage) -> None:
@@ -299,6 +321,7 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
         else:
             pool.release(buf)
 
+    buf: torch.Tensor | None = None
     try:
         for chunk in chunks:
             buf = await pool.acquire()
@@ -310,12 +333,14 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
             fut = asyncio.ensure_future(stage(chunk, buf))
             fut.add_done_callback(functools.partial(settle, buf))
             staged.append(fut)
+            buf = None
             while staged and staged[0].done():
                 staged.popleft().result()
         while staged:
             await staged[0]
             staged.popleft()
     finally:
+        buf = None  # the traceback of a failure keeps this frame: it must not keep a retired buffer too
         while staged:
             _abandon(staged.popleft())
 
@@ -457,8 +482,10 @@ async def swap_staged(staging: DeviceStaging, copier: _core.HostCopyEngine, dst:
     count = dst.cache_desc.num_tensors
 
     async def host_copy(triples: Any, keep: Any) -> None:
-        await staging.completions.start(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None,
-                                   what=what, keepalive=keep)
+        # Given up (a timeout, a cancel), the copy is stopped and waited for: a running chunk stops within
+        # 1 MiB, and none of it may land in the caller's host cache after the swap returned.
+        await staging.completions.run(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None,
+                                      what=what, keepalive=keep)
 
     if src.on_device:
         async def consume(chunk: Chunk, view: torch.Tensor) -> None:
