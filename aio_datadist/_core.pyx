@@ -1100,6 +1100,28 @@ def copy_now(const uint64_t[::1] triples not None):
     return total
 
 
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t recv(int sockfd, void *buf, size_t n, int flags)
+    int MSG_PEEK
+    int MSG_DONTWAIT
+
+
+def peer_closed(int fd):
+    """Whether the peer of connected socket ``fd`` closed it (or it failed) with nothing left to read before
+    the end; a peek that takes nothing, never blocks."""
+    cdef char byte
+    cdef ssize_t n
+    cdef int err
+    with nogil:
+        n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT)
+        err = errno
+    if n > 0:
+        return False
+    if n == 0:
+        return True
+    return err not in (EAGAIN, EINTR)
+
+
 cdef extern from *:
     """
     static inline void aio_publish_word(uint64_t *word, uint64_t value) {

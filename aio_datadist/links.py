@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from aio_datadist import protocol, wire
+from aio_datadist import _core, protocol, wire
 from aio_datadist._core import LoopJob
 from aio_datadist.control_reader import ControlReader
 from aio_datadist.loop_io import LoopIo
@@ -529,13 +529,21 @@ class Link:
             return
         try:
             heard = False
+            held: list[protocol.PeerRequest] = []
             for event in self._protocol.events(data):  # parsed one at a time (see ``LinkProtocol.events``)
                 if not heard:
                     heard = True
                     self.last_heard = asyncio.get_running_loop().time()
                 if self.closed or self.broken is not None:
                     return  # an earlier message of this chunk ended the link: the rest is not acted on
+                if isinstance(event, protocol.PeerRequest) and event.msg is Msg.PUSH_LOCAL:
+                    held.append(event)  # served after the chunk: see _serve_held
+                    continue
+                if held and isinstance(event, protocol.Abort) and event.peers_request:
+                    held = [h for h in held if h.req_id != event.req_id]  # given up before we read it
                 self._dispatch(event)
+            if held:
+                self._serve_held(held)
             if self._protocol.error is not None:  # a bad frame after the complete ones just dispatched
                 raise self._protocol.error
             if not self.closed and self.broken is None:
@@ -553,6 +561,23 @@ class Link:
             log.exception("link to cluster %s: acting on a control message failed", self.remote_cluster_id)
             self.fail(LLMException(f"internal error on the control connection ({type(exc).__name__}: {exc})",
                                    status_code=LLMStatusCode.LLM_LINK_FAILED))
+
+    def _serve_held(self, held: list[protocol.PeerRequest]) -> None:
+        """Serve the same-host pushes of a chunk once all of it was read. Our copies of them write our
+        memory, and a pusher that gives up waits for our word only ``ABORT_ACK_S``: one whose request we
+        read late (our loop stood still) may have returned already. Its ``ABORT`` then follows the request
+        in the same chunk, so the request is never served; a pusher that failed the link instead closed the
+        connection, and its end, seen here before any copy starts, fails the link."""
+        if self.closed or self.broken is not None:
+            return
+        sock = self.writer.transport.get_extra_info("socket")
+        if sock is not None and _core.peer_closed(sock.fileno()):
+            self.fail(LLMException("connection lost (the peer closed it)", status_code=LLMStatusCode.LLM_LINK_FAILED))
+            return
+        for event in held:
+            if self.closed or self.broken is not None:
+                return
+            self._dispatch(event)
 
     def _next_turn(self) -> None:
         """Read the control connection again (see :data:`CONTROL_TURN_BYTES`)."""

@@ -85,11 +85,13 @@ class Runtime:
         return self._staging
 
     def idle(self) -> bool:
-        """Whether no native work (copy, socket or device job) has yet to report back."""
-        return self.completions.pending_count() == 0 and (self.devices is None or not self.devices.busy())
+        """Whether no device work may still run (host copy and socket jobs are stopped by ``close`` itself,
+        at once: they are not waited for)."""
+        return self.devices is None or not self.devices.busy()
 
     async def quiesce(self, bound_s: float | None = None) -> bool:
-        """Wait, without blocking the loop, until :meth:`idle` (at most ``bound_s``); whether it is.
+        """Wait, without blocking the loop, until :meth:`idle` (at most ``bound_s``, ``QUIESCE_S`` by default);
+        whether it is.
 
         ``finalize`` runs this before :meth:`close`, whose waits block: so they find nothing left to wait
         for, and a slow device (a long kernel ahead of our copies) holds up only this endpoint."""

@@ -27,6 +27,7 @@ from peers import (
     endpoint,
     fill,
     linked_pair,
+    port_of,
     snapshot,
     same,
     spawned,
@@ -227,3 +228,35 @@ async def test_a_flood_of_same_host_pushes_is_served_a_bounded_number_at_once(mo
         assert 0 < most <= bound, f"the owner served {most} pushes at once (at most {bound})"
         assert not link.local_pushes and not link.serving
         assert all(torch.equal(d, v) for d, v in zip(dst.tensors, values, strict=True))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cut", ["timeout", "cancel"])
+async def test_a_same_host_push_given_up_is_not_copied_when_the_owner_reads_it_late(cut):
+    """The owner copies a same-host push itself; a pusher that gives up waits for its word only
+    ``ABORT_ACK_S`` (1 s). An owner that stood still longer (SIGSTOP here; a long GC pause, a blocking
+    call) reads the request and the pusher's ``ABORT`` behind it only after the pusher returned: the request
+    is dropped, never copied. Before, it was copied when the owner went on (the pusher's bytes landed in
+    the owner's cache after the push had raised)."""
+    small = CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, Placement.HOST)  # small: copied inline
+    spec = EndpointSpec(LLMRole.DECODER, DECODER_ID, listen=False, lifetime=60.0,
+                        caches=(CacheSpec("dst", small, 3, blocks=True, model_id=0),), config=(("transport", "local"),))
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, **LOCAL) as dd, spawned(spec) as (owner,):
+        src = dd.kv_cache_manager.allocate_blocks_cache(small)
+        fill(src, 8)
+        assert (await owner.call("link", PROMPT_ID, port_of(dd)[1]))[0] == S.LLM_SUCCESS
+        assert dd.stats().links[DECODER_ID].transport == "local"
+        before = await owner.call("dump", "dst")
+        owner.stop()
+        try:
+            push = asyncio.ensure_future(dd.kv_cache_manager.push_blocks(
+                BlocksCacheKey(DECODER_ID, 0), src, [0, 1], [2, 3], timeout=300 if cut == "timeout" else 20000))
+            if cut == "cancel":
+                await asyncio.sleep(0.1)
+                push.cancel()
+            with pytest.raises((LLMException, asyncio.CancelledError)):
+                await push
+        finally:
+            owner.resume()  # it reads the request now, after the push returned
+        await asyncio.sleep(0.5)
+        assert await owner.call("dump", "dst") == before, "the given-up push landed after it returned"
