@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -286,11 +285,22 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
     layer = -1
     driver = asyncio.current_task()
     syncing = abandoned = False
+    started: set[int] = set()  # configs a push of which began
 
     def nothing_left() -> bool:
         return not any(cfg.index not in failed and cfg.src_layers.stop > layer for cfg in configs)
 
-    def on_failure() -> None:
+    running: dict[int, set[asyncio.Future]] = {}  # per config, its layer pushes not yet over
+    cut: set[asyncio.Future] = set()  # pushes cancelled because their destination failed
+
+    def on_failure(index: int) -> None:
+        # A failed destination takes no more layers: its pushes still queued or running stop (each
+        # returns once nothing of it can land), not one after the other at their own time-outs.
+        me = asyncio.current_task()  # the push that failed, when one did: it ends by itself
+        for other in running.get(index, ()):
+            if other is not me and not other.done() and other not in cut:
+                cut.add(other)
+                other.cancel()
         # Every destination of the layers to come failed: stop waiting for the synchronizer
         # (the way asyncio.timeout interrupts an await: cancel, then uncancel).
         nonlocal abandoned
@@ -303,7 +313,7 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
             if cfg.link is link and cfg.index not in failed and progress.result(cfg.index) is None:
                 failed.add(cfg.index)
                 progress.set_result(cfg.index, exc.status_code, exc)
-        on_failure()
+                on_failure(cfg.index)
 
     watches = _watch_links(configs, on_link_lost)
     try:
@@ -327,6 +337,11 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
                                     status_code=LLMStatusCode.LLM_FAILED)
                 stop.__cause__ = exc
             else:
+                if driver.cancelling():  # type: ignore[union-attr]
+                    # The synchronizer swallowed the cancellation it was interrupted by.
+                    if abandoned and driver.uncancel() == 0:  # type: ignore[union-attr]
+                        break
+                    raise asyncio.CancelledError(f"cancelled while layer_synchronizer waited for layer {layer}")
                 if not ok:
                     stop = LLMException(f"layer_synchronizer returned False at layer {layer}",
                                         status_code=LLMStatusCode.LLM_PARAM_INVALID)
@@ -344,19 +359,32 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
                     lost = LLMException(f"destination {cfg.index} failed before layer {layer}",
                                         status_code=progress.result(cfg.index) or LLMStatusCode.LLM_FAILED)
                     continue
-                push = asyncio.ensure_future(_push(rt, progress, cfg, layer, failed, on_failure, timeout_ms))
+                started.add(cfg.index)
+                push = asyncio.ensure_future(_push(rt, progress, src, cfg, layer, failed, on_failure, timeout_ms,
+                                                   queue_ms=timeout_ms * len(layers), cut=cut))
+                mine = running.setdefault(cfg.index, set())
+                mine.add(push)
+                push.add_done_callback(mine.discard)
                 pushes.append(push)
                 layer_pushes.append(push)
             finishing = [cfg.index for cfg in configs if cfg.src_layers.stop - 1 == layer]
             previous = asyncio.ensure_future(_confirm(progress, layer, layer_pushes, previous, lost, finishing, failed))
             pushes.append(previous)
         if pushes:
-            await asyncio.gather(*pushes)
+            # A push cut before its first step (its destination failed) ends cancelled: not an error here.
+            for outcome in await asyncio.gather(*pushes, return_exceptions=True):
+                if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                    raise outcome
+    except asyncio.CancelledError:
+        for index in started - failed:  # cut part-way: not "never started" (None)
+            if progress.result(index) is None:
+                progress.set_result(index, LLMStatusCode.LLM_FAILED)
+        raise
     finally:
         for watch in watches:
             watch.cancel()
-        for started in pushes:
-            started.cancel()
+        for going in pushes:
+            going.cancel()
         if pushes:
             # Every push returns only once nothing of it can land (run_push's give-up is bounded);
             # the task must not end before, even when it is cancelled again meanwhile.
@@ -379,21 +407,33 @@ async def _all_over(pushes: list[asyncio.Future]) -> None:
     await settle(asyncio.gather(*pushes, return_exceptions=True), PUSHES_END_S)
 
 
-async def _push(rt: Runtime, progress: TaskProgress, cfg: _Config, layer: int, failed: set[int],
-                on_failure: Callable[[], None], timeout_ms: int) -> LLMException | None:
+async def _push(rt: Runtime, progress: TaskProgress, src: KvCache, cfg: _Config, layer: int, failed: set[int],
+                on_failure: Callable[[int], None], timeout_ms: int, *, queue_ms: int,
+                cut: set[asyncio.Future]) -> LLMException | None:
+    """Push one layer to one destination. Its time-out counts from when it has a data channel: the
+    layers released at once queue for the link's channels behind the earlier ones (``queue_ms`` bounds
+    that wait: the whole transfer's share)."""
     what = f"transfer_cache_async layer {layer}"
     try:
-        deadline = time.monotonic() + timeout_ms / 1000
-        for n, plan in enumerate(cfg.plans[layer]):
-            # one timeout per layer and destination: a second request gets what the first left
-            left = timeout_ms if n == 0 else max(1, int((deadline - time.monotonic()) * 1000))
-            await run_push(rt, cfg.link, plan, left, what)
+        for plan in cfg.plans[layer]:
+            if not src.alive:  # released (deallocated, unregistered) after the call: its memory is not ours
+                raise LLMException(f"{what}: the source cache {src.cache_id} was released during the transfer",
+                                   status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+            await run_push(rt, cfg.link, plan, timeout_ms, what, queue_ms=queue_ms)
         return None
     except LLMException as exc:
         failed.add(cfg.index)
         progress.set_result(cfg.index, exc.status_code, exc)
-        on_failure()
+        on_failure(cfg.index)
         return exc
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if me not in cut:
+            raise
+        cut.discard(me)
+        me.uncancel()
+        return LLMException(f"{what}: destination {cfg.index} failed before it was sent",
+                            status_code=progress.result(cfg.index) or LLMStatusCode.LLM_FAILED)
 
 
 def _watch_links(configs: list[_Config], on_lost: Callable[[Link, LLMException], None]
@@ -417,10 +457,15 @@ def _watch_links(configs: list[_Config], on_lost: Callable[[Link, LLMException],
 async def _confirm(progress: TaskProgress, layer: int, layer_pushes: Sequence[asyncio.Future],
                    previous: asyncio.Future | None, lost: LLMException | None,
                    finishing: list[int], failed: set[int]) -> None:
-    outcomes = await asyncio.gather(*layer_pushes)
+    outcomes = await asyncio.gather(*layer_pushes, return_exceptions=True)
     if previous is not None:
         await asyncio.shield(previous)
-    error = next((e for e in outcomes if e is not None), lost)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, (asyncio.CancelledError, LLMException)):
+            raise outcome
+    error = next((e if isinstance(e, LLMException) else LLMException(
+        f"a destination failed before layer {layer} was sent", status_code=LLMStatusCode.LLM_FAILED)
+                  for e in outcomes if e is not None), lost)
     for index in finishing:  # every layer of these configs is confirmed in place
         if index not in failed:
             progress.set_result(index, LLMStatusCode.LLM_SUCCESS)

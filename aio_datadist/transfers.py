@@ -44,9 +44,11 @@ async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: s
     await _counted(link, "pull", plan.total, _pull(rt, link, plan, timeout_ms, what))
 
 
-async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> None:
-    """Send ``plan.local``'s bytes to the owner; returns once it confirmed."""
-    await _counted(link, "push", plan.total, _push(rt, link, plan, timeout_ms, what))
+async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *,
+                   queue_ms: int | None = None) -> None:
+    """Send ``plan.local``'s bytes to the owner; returns once it confirmed. ``queue_ms``: the time-out
+    counts from when the push has a data channel, the wait for one bounded by ``queue_ms`` more."""
+    await _counted(link, "push", plan.total, _push(rt, link, plan, timeout_ms, what, queue_ms))
 
 
 async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> str:
@@ -59,11 +61,11 @@ async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str)
     return await _run(rt, link, plan, timeout_ms, what, pull=True)
 
 
-async def _push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> str:
+async def _push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, queue_ms: int | None) -> str:
     for candidate in planes_for(link):
         if await candidate.move_alone(rt, link, plan, timeout_ms, what):
             return candidate.transport_on(link)
-    return await _run(rt, link, plan, timeout_ms, what, pull=False)
+    return await _run(rt, link, plan, timeout_ms, what, pull=False, queue_ms=queue_ms)
 
 
 async def _counted(link: Link, kind: str, nbytes: int, moving: Coroutine[Any, Any, str]) -> None:
@@ -140,19 +142,22 @@ async def _ask_and_carry(rt: Runtime, link: Link, plan: Plan, req: Request, offe
     return chosen
 
 
-async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *, pull: bool) -> str:
+async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *, pull: bool,
+               queue_ms: int | None = None) -> str:
     """One transfer through the planes; the transport that carried it."""
     if _trace.ON:
         _trace.mark("planned")
     req = Request(link, what)
     try:
-        async with asyncio.timeout(timeout_ms / 1000):
+        async with asyncio.timeout((timeout_ms + (queue_ms or 0)) / 1000) as limit:
             planes = planes_for(link)
             for candidate in planes:
                 await candidate.prepare(link, plan)
             offered = next((p for p in planes if p.in_place and p.can_carry(link, plan, pull=pull)), None)
             _required_plane(rt, link, offered, what)
             req.channel = await link.acquire()
+            if queue_ms:
+                limit.reschedule(asyncio.get_running_loop().time() + timeout_ms / 1000)
             req.generation = link.channels[req.channel].generation
             req.req_id = link.new_req_id()
             if pull and offered is None and not plan.local.on_device and link.posts(req.channel):

@@ -1004,3 +1004,95 @@ async def test_blocks_cache_without_block_indices_moves_block_zero(indices: tupl
         assert all(torch.equal(rows.tensors[2 + k][0], src.tensors[6 + k][0]) for k in range(2))
         assert all(torch.equal(rows.tensors[2 + k][1:], rows_before[2 + k][1:]) for k in range(2))
         assert untouched(rows, rows_before, [0, 2, 3])
+
+
+# -- review findings of 2026-12-04 ------------------------------------------------
+
+
+async def test_layers_waiting_for_a_data_channel_are_timed_from_when_they_have_one():
+    """Every released layer's push starts at once and queues for the link's data channels; its time-out
+    counts from when it has one (the wait bounded by the transfer's share, layers x time-out). Before, the
+    queue ate the time-out: a transfer longer than ``sync_kv_timeout`` failed on a healthy link."""
+    async with setup(sync_kv_timeout=150) as s:
+        src, dst = s.blocks_src(), s.dsts[0]
+        link = link_to(s.prompt, DECODER_ID)
+        held = []
+        while not link.free.empty():  # every channel that is up busy for 0.4 s
+            held.append(await link.acquire())
+        assert held
+        try:
+            task = s.pm.transfer_cache_async(src, Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+            await asyncio.sleep(0.4)  # longer than the time-out, shorter than 4 layers x 150 ms
+        finally:
+            for channel in held:
+                link.release(channel)
+        assert await task == [SUCCESS]
+        assert all(layer_landed(dst, src, layer, DST_BLOCKS, SRC_BLOCKS) for layer in range(LAYERS))
+
+
+async def test_a_source_released_during_the_transfer_sends_no_more_layers():
+    """After ``deallocate_cache(src)`` the source's memory is not the transfer's any more (a registered
+    cache's is the caller's again): the layers still to go fail ``LLM_KV_CACHE_NOT_EXIST``. Before, they
+    were read from the released memory and sent, and the task succeeded."""
+    async with setup() as s:
+        src, dst = s.blocks_src(), s.dsts[0]
+        before = snapshot(dst)
+        gate = Gate()
+        task = s.pm.transfer_cache_async(src, gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        gate.open(0)
+        await task.layer(0)
+        s.pm.deallocate_cache(src)
+        gate.open(*range(1, LAYERS))
+        assert await code_of(task) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        assert await task.get_results() == [LLMStatusCode.LLM_KV_CACHE_NOT_EXIST]
+        assert untouched(dst, before, range(1, LAYERS))
+
+
+class Stubborn(LayerSynchronizer):
+    """Swallows the cancellation it is interrupted by and says the layer is ready (a buggy caller's)."""
+
+    def __init__(self) -> None:
+        self.swallowed: list[int] = []
+        self.waiting = asyncio.Event()
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        if layer_index == 0:
+            return True
+        self.waiting.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if self.swallowed:
+                raise  # only the first one (so that a test that fails still ends)
+            self.swallowed.append(layer_index)
+        return True
+
+
+async def test_a_synchronizer_that_swallows_the_cancellation_does_not_keep_the_task_going():
+    """``task.cancel()`` ends the task though the synchronizer it interrupts swallows the cancellation;
+    no later layer is sent, and the destination that had layers land reads as failed, not "never started".
+    Before, the cancellation was lost and the transfer went on pushing layers."""
+    async with setup() as s:
+        src, dst = s.blocks_src(), s.dsts[0]
+        before = snapshot(dst)
+        sync = Stubborn()
+        task = s.pm.transfer_cache_async(src, sync, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        await task.layer(0)
+        async with asyncio.timeout(5):
+            await sync.waiting.wait()
+        task.cancel()
+
+        async def outcome() -> Any:
+            try:
+                return await task
+            except asyncio.CancelledError:
+                return "cancelled"
+
+        ended = asyncio.ensure_future(outcome())
+        await asyncio.wait([ended], timeout=BOUND_S)  # (a wait that cancels nothing: a lost cancel cannot hang it)
+        assert ended.done(), "the cancellation was lost: the task goes on"
+        assert ended.result() == "cancelled"
+        assert sync.swallowed == [1]
+        await asyncio.sleep(0.1)
+        assert untouched(dst, before, range(1, LAYERS))
+        assert await task.get_results() == [LLMStatusCode.LLM_FAILED]
