@@ -26,6 +26,7 @@ shared memory.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -166,7 +167,7 @@ async def test_malformed_share_records_drop_the_share_and_nothing_else(fork_serv
     loop = asyncio.get_running_loop()
     errors: list[dict] = []
     loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
-    canary_r, canary_w = os.pipe()
+    canaries: list[tuple[int, int]] = []
     try:
         baseline, fds = state(sc.prompt), open_fds()
         report = await run_attacker("records", sc.name, sc.token(), sc.secret.hex(), "14")
@@ -174,19 +175,26 @@ async def test_malformed_share_records_drop_the_share_and_nothing_else(fork_serv
         assert all(v == "dropped" for v in report.values()), report
         count("malformed share records", len(report))
         assert errors == []
-        os.write(canary_w, b"x")  # a double close would have hit fds like these
-        assert os.read(canary_r, 1) == b"x"
+        # Opened now, the canaries take the lowest free numbers, those of the received fds closed when
+        # their records were dropped: a second close of one (a region's __del__ at the collection below)
+        # would close a canary.
+        canaries = [os.pipe() for _ in range(16)]
+        gc.collect()
         link = link_to(sc.prompt, DECODER)
         assert link.broken is None and link.local is None  # the share is gone, the link is not
-        await settle(sc.prompt, baseline, fds)
+        for read_end, write_end in canaries:
+            os.write(write_end, b"x")
+            assert os.read(read_end, 1) == b"x"
+        await settle(sc.prompt, baseline, fds)  # (pipes are not counted there)
         dst = sc.decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS)
         await sc.decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, [3], [4])  # over TCP
         assert torch.equal(dst.tensors[1][4], sc.values[1][3])
         sc.decoder.kv_cache_manager.deallocate_cache(dst)
     finally:
         loop.set_exception_handler(None)
-        os.close(canary_r)
-        os.close(canary_w)
+        for pair in canaries:
+            for fd in pair:
+                os.close(fd)
         await close(cms)
 
 
