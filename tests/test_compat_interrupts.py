@@ -28,8 +28,7 @@ def run_child(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("raised", ["KeyboardInterrupt", "SystemExit"])
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize(("kind", "raised"), [("sync", "KeyboardInterrupt"), ("async", "SystemExit")])
 def test_a_synchronizer_that_raises_an_interrupt_fails_its_task_and_nothing_else(kind: str, raised: str) -> None:
     out = run_child("synchronizer", kind, raised)
     assert out["link"] == LLMStatusCode.LLM_SUCCESS

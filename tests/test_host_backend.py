@@ -287,6 +287,7 @@ async def test_a_local_device_copy_given_up_on_a_held_stream_lands_nothing_after
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns  # (one loop: the copy threads do not care which)
 async def test_a_staged_swap_given_up_waits_for_its_host_copy():
     """The staged swap (NPU; CUDA drivers without batch copies) copies between the chunk buffers and the
     host cache on the copy threads. Given up, that copy is stopped and waited for before the call returns:

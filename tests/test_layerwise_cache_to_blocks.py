@@ -104,6 +104,7 @@ def expected(before: list[torch.Tensor], sources: list[torch.Tensor], row: int, 
 SPLITS = [(128, 128, [6, 1, 3, 0]), (192, 192, [2, 7, 4]), (128, 128, [5, 2])]
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("by", ["key", "addrs"])
 @pytest.mark.parametrize("split", SPLITS, ids=["whole", "shorter_last", "fewer"])

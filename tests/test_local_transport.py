@@ -231,6 +231,7 @@ async def test_a_flood_of_same_host_pushes_is_served_a_bounded_number_at_once(mo
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("cut", ["timeout", "cancel"])
 async def test_a_same_host_push_given_up_is_not_copied_when_the_owner_reads_it_late(cut):
     """The owner copies a same-host push itself; a pusher that gives up waits for its word only

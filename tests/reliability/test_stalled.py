@@ -419,6 +419,7 @@ SILENT_PROMPT = EndpointSpec(LLMRole.PROMPT, PROMPT, listen=True, lifetime=60.0,
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns  # asyncio here, uvloop in the next one
 async def test_an_unlink_cancelled_while_the_peer_is_silent_still_closes_the_link(fork_server):
     """``unlink_clusters`` takes the link out of the table before it waits for the peer's answer; a
     cancel during that wait used to skip the close: a link no table held, heartbeat and sockets running
@@ -441,7 +442,7 @@ async def test_an_unlink_cancelled_while_the_peer_is_silent_still_closes_the_lin
             peer.resume()
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])
 async def test_a_second_finalize_returns_once_the_first_released_everything(fork_server):
     """Two ``finalize`` calls at once (an ``async with`` exit racing a shutdown handler): the second used
     to return at once, while the first still waited for a silent peer and held links and engines."""
