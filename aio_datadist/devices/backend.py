@@ -269,7 +269,17 @@ class DeviceBackend:
     def busy(self) -> bool:
         """Whether work enqueued on the device may still run: notifications not reached yet, or failed
         submissions whose memory waits for the copy stream to drain."""
-        return not self.closed and (self.notifier.pending() > 0 or bool(self._held))
+        return not self.closed and (self.notifier.pending() > 0 or (bool(self._held) and not self._stream_drained()))
+
+    def _stream_drained(self) -> bool:
+        """Whether the copy stream has done all its work (a device stream's ``query``; the host backend's
+        stream counts what it has queued)."""
+        stream = self.stream
+        query = getattr(stream, "query", None)
+        if callable(query):
+            return bool(query())
+        pending = getattr(stream, "pending", None)
+        return not callable(pending) or pending() == 0
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Wait (up to ``timeout_s``, blocking) for the device to reach every pending notification, then
