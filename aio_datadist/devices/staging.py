@@ -187,13 +187,8 @@ class StagingPool:
         while True:
             if self._closed:
                 raise LLMException("the staging pool is closed", status_code=LLMStatusCode.LLM_FAILED)
-            if self._free:
-                return self._free.pop()
-            if self._live < self.buffers:
-                buf = self._allocate(self.chunk_bytes)
-                self._live += 1
-                self.peak = max(self.peak, self._live)
-                weakref.finalize(buf, self._gone)
+            buf = self._take()
+            if buf is not None:
                 return buf
             waiter = self._loop.create_future()
             self._waiters.append(waiter)
@@ -211,6 +206,10 @@ class StagingPool:
         """A buffer if one is free or may be made now, else None (never waits)."""
         if self._closed or self._waiters:
             return None  # those waiting come first
+        return self._take()
+
+    def _take(self) -> torch.Tensor | None:
+        """A free buffer, or a new one within the bound, or None."""
         if self._free:
             return self._free.pop()
         if self._live < self.buffers:
