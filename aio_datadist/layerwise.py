@@ -69,9 +69,35 @@ def _layer_range(arg: str, value: Any, num_layers: int) -> range:
     return value
 
 
-def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
-                 src_blocks: tuple[int, ...] | None, dst_blocks: tuple[int, ...] | None,
-                 dst_block_bytes: int | None, chunks: _Chunks | None) -> _Config:
+@dataclass(frozen=True)
+class _Piece:
+    """One request of a layer to one destination, the same for every layer: the local rows and bytes per
+    row (from ``local_offset``), the destination's rows and bytes per row (by raw address: after the
+    layer's two addresses, ``remote_offset`` being the block stride)."""
+
+    local_rows: list[int]
+    local_nbytes: int
+    remote_rows: list[int]
+    remote_nbytes: int
+    flags: int
+    local_offset: int = 0
+    remote_offset: int = 0
+
+
+def _chunk_pieces(row: int, chunks: _Chunks, whole: int, remote_offset: int) -> list[_Piece]:
+    """A contiguous row into blocks: the blocks that take ``chunks.size`` bytes (flags ``whole``), then the
+    one that takes the rest of the row, if any (its own request: its bytes per row differ)."""
+    full, size = chunks.full, chunks.size
+    pieces = [_Piece([row], full * size, list(chunks.blocks[:full]), size, whole, 0, remote_offset)]
+    if chunks.rest:
+        pieces.append(_Piece([row], chunks.rest, list(chunks.blocks[full:]), chunks.rest, ReqFlag.BLOCKS,
+                             full * size, remote_offset))
+    return pieces
+
+
+def _plan_config(links: Any, index: int, cfg: Any, src: KvCache, src_blocks: tuple[int, ...] | None,
+                 dst_blocks: tuple[int, ...] | None, dst_block_bytes: int | None,
+                 chunks: _Chunks | None) -> _Config:
     arg = f"transfer_configs[{index}]"
     check_instance(arg, cfg, (TransferConfig, TransferWithCacheKeyConfig))
     num_layers = src.cache_desc.num_tensors // TENSORS_PER_LAYER
@@ -86,11 +112,11 @@ def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
     else:
         src_rows, dst_rows = [_row(f"{arg}.src_batch_index", cfg.src_batch_index, lay.rows)], []
     plans: dict[int, list[Plan]] = {}
-    if chunks is not None:
-        return _chunks_config(links, index, cfg, src, src_layers, src_rows[0], chunks)
     if isinstance(cfg, TransferWithCacheKeyConfig):
         key = cfg.cache_key
-        if blocks != isinstance(key, BlocksCacheKey):
+        if chunks is not None and not isinstance(key, BlocksCacheKey):
+            raise param_invalid(f"{arg}.cache_key", "a cache pushed into blocks needs a BlocksCacheKey")
+        if chunks is None and blocks != isinstance(key, BlocksCacheKey):
             raise param_invalid(f"{arg}.cache_key", "a blocks cache needs a BlocksCacheKey and a contiguous "
                                 "cache a CacheKeyByIdAndIndex (blocks to cache is not supported)")
         dst_layers = cfg.dst_layer_range if cfg.dst_layer_range is not None else src_layers
@@ -99,75 +125,35 @@ def _plan_config(rt: Runtime, links: Any, index: int, cfg: Any, src: KvCache,
                                 f"src_layer_range {len(src_layers)}")
         link = links.get(key.cluster_id)
         target = target_fields(key)
-        flags = (ReqFlag.BLOCKS if blocks else ReqFlag.CONTIG) | ReqFlag.EXACT
-        remote_rows = dst_rows
+        # by key, the destination's rows must be the bytes sent (EXACT), as LLM-DataDist checks
+        if chunks is not None:
+            pieces = _chunk_pieces(src_rows[0], chunks, ReqFlag.BLOCKS | ReqFlag.EXACT, 0)
+        else:
+            pieces = [_Piece(src_rows, lay.row_bytes, dst_rows, lay.row_bytes,
+                             (ReqFlag.BLOCKS if blocks else ReqFlag.CONTIG) | ReqFlag.EXACT)]
         for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
             plans[src_layer] = [build_plan(src, (src_layer, src_layer), (dst_layer, dst_layer), TENSORS_PER_LAYER,
-                                           src_rows, lay.row_bytes, remote_rows, lay.row_bytes, flags, target, "src")]
+                                           p.local_rows, p.local_nbytes, p.remote_rows, p.remote_nbytes, p.flags,
+                                           target, "src", local_offset=p.local_offset) for p in pieces]
     else:
         addrs = cfg.dst_addrs
-        _check_addrs(arg, cfg, src_layers)
-        link = links.get(cfg.dst_cluster_id)
-        stride = dst_block_bytes if dst_block_bytes is not None else lay.row_bytes
-        for i, src_layer in enumerate(src_layers):
-            pair = _addr_pair(addrs, i)
-            plans[src_layer] = [build_plan(src, (src_layer, src_layer), (-1, -1), TENSORS_PER_LAYER, src_rows,
-                                           lay.row_bytes, pair + dst_rows, lay.row_bytes,
-                                           ReqFlag.BLOCKS if blocks else 0, addrs_target(cfg.dst_cluster_id), "src",
-                                           remote_offset=stride if blocks else 0)]
-    return _Config(index, link, src_layers, plans)
-
-
-def _check_addrs(arg: str, cfg: TransferConfig, src_layers: range) -> None:
-    if len(cfg.dst_addrs) != TENSORS_PER_LAYER * len(src_layers):
-        raise param_invalid(f"{arg}.dst_addrs", f"needs {TENSORS_PER_LAYER} addresses per layer "
-                            f"({TENSORS_PER_LAYER * len(src_layers)}), got {len(cfg.dst_addrs)}")
-
-
-def _addr_pair(addrs: Sequence[int], i: int) -> list[int]:
-    return list(addrs[TENSORS_PER_LAYER * i:TENSORS_PER_LAYER * (i + 1)])
-
-
-def _chunks_config(links: Any, index: int, cfg: Any, src: KvCache, src_layers: range, row: int,
-                   chunks: _Chunks) -> _Config:
-    """Plans of a contiguous row pushed into blocks: per layer, the blocks that get ``chunks.size`` bytes,
-    then (when the row does not divide into them) the one block that gets the rest."""
-    arg = f"transfer_configs[{index}]"
-    full, rest = chunks.full, chunks.rest
-    plans: dict[int, list[Plan]] = {}
-    if isinstance(cfg, TransferWithCacheKeyConfig):
-        if not isinstance(cfg.cache_key, BlocksCacheKey):
-            raise param_invalid(f"{arg}.cache_key", "a cache pushed into blocks needs a BlocksCacheKey")
-        dst_layers = cfg.dst_layer_range if cfg.dst_layer_range is not None else src_layers
-        if len(dst_layers) != len(src_layers):
-            raise param_invalid(f"{arg}.dst_layer_range", f"covers {len(dst_layers)} layers, "
-                                f"src_layer_range {len(src_layers)}")
-        link = links.get(cfg.cache_key.cluster_id)
-        target = target_fields(cfg.cache_key)
-        for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
-            layers = (src_layer, src_layer), (dst_layer, dst_layer)
-            # whole blocks: the destination's block must be chunks.size bytes (EXACT), as LLM-DataDist checks
-            plans[src_layer] = [build_plan(src, *layers, TENSORS_PER_LAYER, [row], full * chunks.size,
-                                           chunks.blocks[:full], chunks.size, ReqFlag.BLOCKS | ReqFlag.EXACT,
-                                           target, "src")]
-            if rest:
-                plans[src_layer].append(build_plan(src, *layers, TENSORS_PER_LAYER, [row], rest,
-                                                   chunks.blocks[full:], rest, ReqFlag.BLOCKS, target, "src",
-                                                   local_offset=full * chunks.size))
-    else:
-        _check_addrs(arg, cfg, src_layers)
+        if len(addrs) != TENSORS_PER_LAYER * len(src_layers):
+            raise param_invalid(f"{arg}.dst_addrs", f"needs {TENSORS_PER_LAYER} addresses per layer "
+                                f"({TENSORS_PER_LAYER * len(src_layers)}), got {len(addrs)}")
         link = links.get(cfg.dst_cluster_id)
         target = addrs_target(cfg.dst_cluster_id)
+        if chunks is not None:
+            pieces = _chunk_pieces(src_rows[0], chunks, ReqFlag.BLOCKS, chunks.size)
+        else:
+            stride = dst_block_bytes if dst_block_bytes is not None else lay.row_bytes
+            pieces = [_Piece(src_rows, lay.row_bytes, dst_rows, lay.row_bytes, ReqFlag.BLOCKS if blocks else 0,
+                             remote_offset=stride if blocks else 0)]
         for i, src_layer in enumerate(src_layers):
-            pair = _addr_pair(cfg.dst_addrs, i)
-            layers = (src_layer, src_layer), (-1, -1)
-            plans[src_layer] = [build_plan(src, *layers, TENSORS_PER_LAYER, [row], full * chunks.size,
-                                           pair + list(chunks.blocks[:full]), chunks.size, ReqFlag.BLOCKS, target,
-                                           "src", remote_offset=chunks.size)]
-            if rest:
-                plans[src_layer].append(build_plan(src, *layers, TENSORS_PER_LAYER, [row], rest,
-                                                   pair + list(chunks.blocks[full:]), rest, ReqFlag.BLOCKS, target,
-                                                   "src", remote_offset=chunks.size, local_offset=full * chunks.size))
+            pair = list(addrs[TENSORS_PER_LAYER * i:TENSORS_PER_LAYER * (i + 1)])
+            plans[src_layer] = [build_plan(src, (src_layer, src_layer), (-1, -1), TENSORS_PER_LAYER, p.local_rows,
+                                           p.local_nbytes, pair + p.remote_rows, p.remote_nbytes, p.flags, target,
+                                           "src", remote_offset=p.remote_offset, local_offset=p.local_offset)
+                                for p in pieces]
     return _Config(index, link, src_layers, plans)
 
 
@@ -229,7 +215,7 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
                             "CacheManager (LLM-DataDist's KvCacheManager refuses it too)")
     elif dst_block_memory_size not in (None, 0):
         raise param_invalid("dst_block_memory_size", "is for blocks destinations; the source is a contiguous cache")
-    planned = [_plan_config(rt, links, i, cfg, src, src_blocks, dst_blocks, dst_block_bytes, chunks)
+    planned = [_plan_config(links, i, cfg, src, src_blocks, dst_blocks, dst_block_bytes, chunks)
                for i, cfg in enumerate(configs)]
     layers = sorted({layer for cfg in planned for layer in cfg.src_layers})
     progress = TaskProgress(layers, len(planned))
@@ -248,13 +234,12 @@ def _row_chunks(src: KvCache, dst_block_indices: Any, dst_block_memory_size: Any
     if not 0 < size <= row_bytes:
         raise param_invalid("dst_block_memory_size", f"{size} must be > 0 and at most a source row "
                             f"({row_bytes} bytes) to split the row into blocks")
-    full, rest = divmod(row_bytes, size)
-    if len(blocks) > full + (1 if rest else 0):
+    pieces = -(-row_bytes // size)
+    if len(blocks) > pieces:
         raise param_invalid("dst_block_indices", f"{len(blocks)} blocks of {size} bytes; a source row of "
-                            f"{row_bytes} bytes fills at most {full + (1 if rest else 0)}")
-    if len(blocks) <= full:
-        return _Chunks(blocks, size, len(blocks), 0)
-    return _Chunks(blocks, size, full, rest)
+                            f"{row_bytes} bytes fills at most {pieces}")
+    full = min(len(blocks), row_bytes // size)
+    return _Chunks(blocks, size, full, row_bytes - full * size if len(blocks) > full else 0)
 
 
 def _no_blocks(indices: Any) -> bool:
