@@ -169,6 +169,9 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
     ``cache_to_blocks``: whether a contiguous source may go into destination blocks (``dst_block_indices``
     with ``dst_block_memory_size``), as LLM-DataDist's CacheManager allows and its KvCacheManager refuses.
     """
+    if isinstance(synchronizer, type):  # its synchronize_layer would be an unbound function, failing each layer
+        raise param_type_error("layer_synchronizer", f"expected a LayerSynchronizer instance, got the class "
+                               f"{synchronizer.__name__} itself")
     if not isinstance(synchronizer, LayerSynchronizer) and not callable(
             getattr(synchronizer, "synchronize_layer", None)):
         raise param_type_error("layer_synchronizer", f"expected a LayerSynchronizer, got {type(synchronizer).__name__}")

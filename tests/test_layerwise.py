@@ -872,6 +872,7 @@ async def test_bad_inputs_raise_at_call_time_with_nothing_sent() -> None:
             ("transfer_configs[1]", src, (Ready(), [good, "config"], SRC_BLOCKS, DST_BLOCKS), {}),
             ("layer_synchronizer", src, (lambda i, t: True, [good], SRC_BLOCKS, DST_BLOCKS), {}),
             ("layer_synchronizer", src, (None, [good], SRC_BLOCKS, DST_BLOCKS), {}),
+            ("layer_synchronizer", src, (Ready, [good], SRC_BLOCKS, DST_BLOCKS), {}),  # the class, not an instance
             ("dst_block_indices", src, (Ready(), [good], [1, 2], [3]), {}),
             ("src_block_indices", src, (Ready(), [good], [], [3]), {}),  # (none on both sides: block 0, below)
             ("src_block_indices", src, (Ready(), [good], [16], [0]), {}),
