@@ -251,3 +251,49 @@ async def test_given_up_staged_pulls_give_their_buffers_back_without_the_garbage
             assert all(eq(d[1], v[1]) for d, v in zip(dst.tensors, values, strict=True))
         finally:
             gc.enable()
+
+
+class _ChannelGoesDown:
+    """A link whose data channel takes ``ok`` jobs, then is down (reset by the peer): ``move`` raises, as
+    ``Link.move`` does for a channel without a socket. Keeps every ``settled`` it was given."""
+
+    def __init__(self, ok: int) -> None:
+        self.ok = ok
+        self.settles: list[asyncio.Future] = []
+
+    def move(self, channel, pairs, *, send, timeout_ms, what, keepalive, settled=None, gated=0):
+        self.settles.append(settled)
+        if len(self.settles) > self.ok:
+            raise LLMException("data channel 0 to cluster 1 is down", status_code=S.LLM_LINK_FAILED)
+        settled.set_result(None)  # the job is over (it moved nothing: only the settling matters here)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(0)
+        return fut
+
+
+async def test_a_staged_send_whose_channel_goes_down_returns_the_failure():
+    """A staged send whose next chunk finds the channel reset (the owner cut the request) fails with the
+    channel's error. Before, the chunk's job was counted as started before the channel refused it, so the
+    send waited forever for a job that never ran, through its own time-out (shielded): a hang."""
+    from aio_datadist.transport.staging import staged_move
+
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST, link=False) as pair:
+        small_staging(pair.decoder)
+        src = pair.dm.allocate_blocks_cache(BLOCKS)
+        fill(src, 3)
+        rt = runtime_of(pair.decoder)
+        link = _ChannelGoesDown(ok=2)
+        lay = src.layout
+        moving = asyncio.ensure_future(staged_move(rt, link, 0, src, 0, BLOCKS.num_tensors, list(range(6)), 0,
+                                                   lay.row_bytes, send=True, what="test send"))
+        done, _ = await asyncio.wait([moving], timeout=5)
+        if not done:  # unstick it so the test ends, then fail
+            for settled in link.settles:
+                if not settled.done():
+                    settled.set_result(None)
+            await asyncio.wait([moving], timeout=5)
+            pytest.fail("the staged send did not return within 5 s of its channel going down")
+        with pytest.raises(LLMException) as info:
+            moving.result()
+        assert info.value.status_code == S.LLM_LINK_FAILED
+        assert rt.completions.pending_count() == 0

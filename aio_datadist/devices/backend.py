@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -294,6 +295,22 @@ class DeviceBackend:
         if self._held:
             self.synchronize()
             self._held.clear()
+        return True
+
+    def wait_copies(self, timeout_s: float) -> bool:
+        """Block (at most ``timeout_s``) until the copy stream has done everything enqueued so far; whether it
+        has. For a call that must return only once no copy touches memory its caller takes back (cutting what
+        serves a peer against a cache being unregistered): the stream's whole queue, a few chunks at most."""
+        stream = self.stream
+        if not callable(getattr(stream, "query", None)):
+            return bool(stream.synchronize(timeout_s))  # the host stream waits natively, with a deadline
+        deadline = time.monotonic() + timeout_s
+        pause = 20e-6
+        while not stream.query():  # a device stream's synchronize has no deadline: ask until it says done
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
         return True
 
     def synchronize(self) -> None:

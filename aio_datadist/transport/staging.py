@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +40,13 @@ if TYPE_CHECKING:
     from aio_datadist.plans import Plan
     from aio_datadist.runtime import Runtime
 
-__all__ = ["PLANE", "StagingPlane"]
+__all__ = ["PLANE", "StagingPlane", "CUT_WAIT_S"]
+
+log = logging.getLogger(__name__)
+
+#: How long unregistering a registered device cache waits, blocking, for the copies a cut staged job queued on
+#: the copy stream (at most the staging pool's chunks: milliseconds on a device that runs).
+CUT_WAIT_S = 1.0
 
 
 def _view_pairs(view: torch.Tensor) -> Any:
@@ -60,9 +67,10 @@ async def staged_move(rt: Runtime, link: LinkPort, channel: int, cache: Any, fir
 
     def job(chunk: Chunk, view: torch.Tensor) -> asyncio.Future:
         settled = loop.create_future()
+        moving = link.move(channel, _view_pairs(view), send=send, timeout_ms=None, what=what, keepalive=view,
+                           settled=settled)  # raises, starting nothing, when the channel is down (reset)
         jobs.append(settled)
-        return link.move(channel, _view_pairs(view), send=send, timeout_ms=None, what=what, keepalive=view,
-                         settled=settled)
+        return moving
 
     try:
         if send:
@@ -102,14 +110,28 @@ class StagingPlane(StreamPlane):
         done = None if pull else link.expect(req.req_id)
         settled = asyncio.get_running_loop().create_future()
         req.settled, req.ack = settled, done
+        if pull:
+            req.said = link.expect(req.req_id)  # a RESP now says why the owner stopped part-way
         await staged_move(rt, link, req.channel, plan.local, plan.local_first, plan.local_count,
                           list(plan.local_rows), plan.local_offset, plan.local_nbytes, send=not pull,
                           what=req.what, on_settled=settled)
+        if pull:
+            link.pending.pop(req.req_id, None)
         await req.finish()
 
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
         cache = served.cache
         return cache is not None and cache.on_device
+
+    def _cut_copies(self, rt: Runtime, req_id: int) -> None:
+        # The job's device copies into (or out of) the cache may be queued on the copy stream behind other
+        # work: the cache is the caller's again once the unregistering call returns, so wait for them here.
+        # The task of the job is cancelled, so it queues none after this.
+        backend = rt.devices
+        if backend is not None and not backend.wait_copies(CUT_WAIT_S):
+            log.error("serving request %d: the device copies of a cut staged job did not finish within %.1f s "
+                      "of unregistering its cache (the device is stuck): they may still touch its memory",
+                      req_id, CUT_WAIT_S)
 
     def _serve_move(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq,
                     served: Served, answer: tuple[array.array, array.array] | None) -> asyncio.Future:

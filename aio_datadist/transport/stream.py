@@ -226,6 +226,7 @@ class StreamPlane(Plane):
             if ch.generation == generation and ch.sock is not None:
                 link.reset_channel(channel, tell_peer=True, req_id=req_id)
             fut.cancel()
+            self._cut_copies(rt, req_id)
 
         caches = served.keepalive if isinstance(served.keepalive, list) else [served.keepalive]
         unwatch = rt.registry.serving(caches, cut)
@@ -261,6 +262,11 @@ class StreamPlane(Plane):
                               text="cancelled" if exc is None else str(exc))
 
         fut.add_done_callback(finished)
+
+    def _cut_copies(self, rt: Runtime, req_id: int) -> None:
+        """After a cut: wait, blocking, until no copy of the served job's that this plane queued elsewhere
+        than the channel touches the cache any more. The stream plane queues none (the channel's job is
+        stopped by the reset)."""
 
     def _serve_move(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq,
                     served: Served, answer: tuple[array.array, array.array] | None) -> asyncio.Future:

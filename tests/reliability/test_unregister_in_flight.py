@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -295,3 +296,100 @@ async def test_unregistering_a_cache_a_same_host_peer_pushes_into_lands_nothing_
             pusher_kv.deallocate_blocks_cache(src)
         else:
             pusher_kv.deallocate_cache(src)
+
+
+# -- the staging plane: a registered device cache, its device copies queued on the owner's copy stream -----------
+
+#: 4 tensors x 8 blocks of 64 KiB on the host backend ("device" memory moved by its ordered copy stream).
+DEVICE_DESC = CacheDesc(4, (8, 32 * 1024), DataType.DT_FLOAT16, Placement.DEVICE)
+DEVICE_ALL = list(range(8))
+#: How long the owner's copy stream is held (from a thread: unregistering blocks the loop while it waits).
+GATE_S = 0.3
+
+
+@contextlib.asynccontextmanager
+async def device_pair() -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    """A v2 PROMPT (listening) and DECODER over TCP, both on the host backend, with 64 KiB staging chunks."""
+    from aio_datadist.devices.staging import DeviceStaging
+    from aio_datadist.testing import runtime_of
+
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(
+            endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", enable_cache_manager=True,
+                     device_type="host"))
+        dec = await stack.enter_async_context(
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp", enable_cache_manager=True, device_type="host"))
+        for dd in (prompt, dec):
+            rt = runtime_of(dd)
+            rt._staging = DeviceStaging(rt.completions, rt.devices, chunk_bytes=64 * 1024, buffers=4)
+        status, _ = await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))], timeout=10_000)
+        assert status == S.LLM_SUCCESS
+        yield prompt, dec
+
+
+async def stream_holds_copies(stream: Any) -> bool:
+    """Wait (bounded) until the owner's held copy stream has copies queued behind its gate (the gate counts one)."""
+    deadline = time.monotonic() + 5
+    while stream.pending() < 2:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.002)
+    return True
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+async def test_unregistering_a_device_cache_a_staged_peer_uses_leaves_no_copy_queued(direction: str):
+    """A registered device cache served through the staging plane: the owner's scatters into it (a peer's push)
+    or gathers out of it (a peer's pull) wait on its copy stream. ``unregister_cache`` returns only once none is
+    left there: the push's memory is unchanged after the return (the stream is let go 0.3 s after the call),
+    and no gather of the pull is still queued to read it."""
+    from aio_datadist.testing import runtime_of
+
+    async with device_pair() as (prompt, dec):
+        backend = runtime_of(prompt).devices
+        mine = [torch.zeros(DEVICE_DESC.shape, dtype=torch.float16) for _ in range(DEVICE_DESC.num_tensors)]
+        owned = prompt.cache_manager.register_blocks_cache(DEVICE_DESC, mine, BlocksCacheKey(PROMPT, 0),
+                                                          remote_accessible=True)
+        other = dec.cache_manager.allocate_blocks_cache(DEVICE_DESC)
+        paint(other.tensors, 5)
+        gate = backend.stream.gate()
+        opener = threading.Timer(5.0, gate.open)  # at the latest: never leave the stream held
+        opener.start()
+        try:
+            if direction == "push":
+                moving = dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), other, DEVICE_ALL, DEVICE_ALL,
+                                                       timeout=20_000)
+            else:
+                moving = dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), other, DEVICE_ALL, DEVICE_ALL,
+                                                       timeout=20_000)
+            task = asyncio.ensure_future(moving)
+            assert await stream_holds_copies(backend.stream)
+            assert share(mine, 5) == 0  # nothing landed yet: the copies wait behind the gate
+            threading.Timer(GATE_S, gate.open).start()
+            started = time.monotonic()
+            prompt.cache_manager.unregister_cache(owned.cache_id)
+            took = time.monotonic() - started
+            queued = backend.stream.pending()
+            before = [t.clone() for t in mine]
+            result = await outcome(task)
+            await asyncio.sleep(GATE_S + 0.2)
+        finally:
+            gate.open()
+            opener.cancel()
+        changed = sum(int((t != b).sum()) * 2 for t, b in zip(mine, before, strict=True))
+        assert changed == 0, f"{direction}: {changed} bytes of the unregistered cache changed after the return"
+        assert queued == 0, f"{direction}: {queued} copies still queued on the stream when unregister_cache returned"
+        assert GATE_S - 0.05 < took < 1.5, f"unregister_cache took {took:.2f} s"
+        assert result in (S.LLM_KV_CACHE_NOT_EXIST, S.LLM_LINK_FAILED), f"the cut {direction} gave {result!r}"
+        assert registry_of(prompt).serving_count() == 0
+        # the link carries the next transfer into (or out of) the cache registered anew
+        again = prompt.cache_manager.register_blocks_cache(DEVICE_DESC, mine, BlocksCacheKey(PROMPT, 0),
+                                                          remote_accessible=True)
+        paint(other.tensors, 6)
+        paint(mine, 6) if direction == "pull" else None
+        if direction == "push":
+            await dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), other, DEVICE_ALL, DEVICE_ALL, timeout=5_000)
+        else:
+            await dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), other, DEVICE_ALL, DEVICE_ALL, timeout=5_000)
+        assert share(mine, 6) == 1 and share(other.tensors, 6) == 1
+        prompt.cache_manager.unregister_cache(again.cache_id)
