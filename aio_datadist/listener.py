@@ -159,11 +159,11 @@ class Listener:
                         raise ProtocolError("the peer does not use TLS; this endpoint requires it")
                     kind = await reader.readexactly(1)
                     if kind == tls.DATA:
-                        keep = await self._accept_tls_data(writer, admission, pending)
+                        keep = await self._accept_tls_data(stream, writer, admission, pending)
                         return
                     if kind != tls.CONTROL:
                         raise ProtocolError(f"unknown TLS connection kind {kind!r}")
-                    await tls.accept_control(writer, self.tls_server, self.limit_s)
+                    await tls.accept_control(stream, writer, self.tls_server, self.limit_s)
                     pending.progress()
                     keep = await self._accept_control(await reader.readexactly(4), reader, writer, admission,
                                                       pending)
@@ -248,10 +248,11 @@ class Listener:
         writer.transport.abort()
         return True
 
-    async def _accept_tls_data(self, writer: asyncio.StreamWriter, admission: Admission, pending: Pending) -> bool:
+    async def _accept_tls_data(self, stream: asyncio.StreamReader, writer: asyncio.StreamWriter, admission: Admission,
+                               pending: Pending) -> bool:
         assert self.tls_server is not None
         tune(writer.get_extra_info("socket"))
-        channel = await tls.accept_data(writer, self.tls_server, self.limit_s)
+        channel = await tls.accept_data(stream, writer, self.tls_server, self.limit_s)
         try:
             pending.progress()
             link, index, generation = self._attach_target(await channel.recv_exactly(wire.ATTACH.size))

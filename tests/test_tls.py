@@ -305,7 +305,7 @@ async def channel_pair() -> AsyncIterator[tuple[TlsChannel, TlsChannel]]:
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert await reader.readexactly(tls.PREAMBLE_SIZE) == tls.MAGIC + tls.DATA
-        accepted.set_result(await tls.accept_data(writer, server_context(PKI), 5))
+        accepted.set_result(await tls.accept_data(reader, writer, server_context(PKI), 5))
 
     server = await asyncio.start_server(accept, LOCALHOST, 0)
     client = await tls.dial_data(server.sockets[0].getsockname()[:2], client_context(PKI), 5, lambda sock: None)
@@ -352,3 +352,44 @@ async def test_tls_channel_jobs_run_in_order_and_stop_cleanly():
         with pytest.raises(LLMException) as info:
             await client.start(runs(dst[1]), send=False, timeout_ms=5000, what="orphan", keepalive=dst[1])
         assert info.value.status_code == S.LLM_LINK_FAILED
+
+
+@contextlib.contextmanager
+def injecting_relay(target: tuple[str, int], mode: str) -> Any:
+    """A hostile relay process (``tls_inject_relay.py``) in front of ``target``: its loopback address."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    relay = subprocess.Popen([sys.executable, str(Path(__file__).with_name("tls_inject_relay.py")), str(target[1]),
+                              mode], stdout=subprocess.PIPE, text=True)
+    try:
+        assert relay.stdout is not None
+        yield (LOCALHOST, int(relay.stdout.readline()))
+    finally:
+        relay.kill()
+        relay.wait()
+        if relay.stdout is not None:
+            relay.stdout.close()
+
+
+@pytest.mark.parametrize("mode", ["control", "data"])
+async def test_plaintext_a_relay_writes_behind_the_tls_answer_is_refused(mode: str):
+    """A process at the address a TLS decoder dials, with no certificate, key or secret, relays the TLS
+    handshake to the real prompt (every certificate check passes) but answers the plaintext TLS preamble
+    itself, with its own records behind the answer in the same segment: a ``LINK_OK`` refusing with
+    ``LLM_ALREADY_LINK`` on the control connection, a successful ``ATTACH_OK`` on data connections.
+    Nothing it wrote may be read as if it came out of TLS: the link fails (``LLM_LINK_FAILED``), never
+    with the relay's status, never linked. Before, the decoder read the relay's ``HELLO_ACK`` and
+    ``LINK_OK`` (no secret: its proofs were not checked) and reported ``LLM_ALREADY_LINK`` with the relay's
+    text; a relay's ``LINK_OK`` of success linked the decoder with the relay's link token and share socket
+    (the review's reproducer, not kept: it needs the relay to play the share protocol too)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, server=server_context(PKI)) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER, client=client_context(PKI)) as dec:
+        with injecting_relay(port_of(prompt), mode) as address:
+            for _ in range(3):  # a data channel's injection races the client's read of the answer: try again
+                result = await dec.link_clusters([cluster_info(PROMPT, address)], timeout=5000)
+                assert result == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED]), result
+                assert links_of(dec) == {}
+        # the real prompt, dialled directly, links
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))]))[0] == S.LLM_SUCCESS

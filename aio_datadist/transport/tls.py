@@ -55,17 +55,36 @@ def is_tls(conn: Any) -> bool:
     return isinstance(conn, TlsChannel)
 
 
+def _nothing_ahead(reader: asyncio.StreamReader, what: str) -> None:
+    """Refuse a connection whose peer sent plaintext behind the preamble (or its answer).
+
+    A stream keeps what it read ahead, and ``start_tls`` keeps the stream: bytes
+    that came in before TLS would be read first, as if they had come out of the
+    TLS session. An honest peer sends nothing there (it waits for the answer, or
+    for our TLS handshake); a process in the path could (a relay that passes the
+    TLS handshake on to the real peer, so the certificate checks pass, but writes
+    its own handshake records behind the answer). ``start_tls`` pauses reading
+    before its first await, so nothing reaches the stream between this check and
+    TLS. (``_buffer``: the stream's read-ahead, in CPython's streams, which uvloop
+    uses too.)"""
+    if len(reader._buffer):  # type: ignore[attr-defined]
+        raise ConnectionError(f"{what}: the peer sent plaintext behind the TLS preamble")
+
+
 async def dial_control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: ssl.SSLContext,
                        host: str, limit_s: float) -> None:
     """Turn a freshly opened control connection into TLS (client side)."""
     writer.write(MAGIC + CONTROL)
     if await reader.readexactly(1) != _GO:
         raise ConnectionError("the peer did not accept TLS")
+    _nothing_ahead(reader, "control connection")
     await writer.start_tls(context, server_hostname=host, ssl_handshake_timeout=limit_s)
 
 
-async def accept_control(writer: asyncio.StreamWriter, context: ssl.SSLContext, limit_s: float) -> None:
+async def accept_control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: ssl.SSLContext,
+                         limit_s: float) -> None:
     """Turn an accepted control connection whose preamble was read into TLS (server side)."""
+    _nothing_ahead(reader, "control connection")
     writer.write(_GO)
     await writer.start_tls(context, ssl_handshake_timeout=limit_s)
 
@@ -81,6 +100,8 @@ async def dial_data(address: tuple[str, int], context: ssl.SSLContext, limit_s: 
         await channel.sendall(MAGIC + DATA)
         if await channel.recv_exactly(1) != _GO:
             raise ConnectionError("the peer did not accept TLS")
+        if channel.read_ahead():  # plaintext behind the answer (see _nothing_ahead); later bytes go to TLS
+            raise ConnectionError("data connection: the peer sent plaintext behind the TLS preamble")
         tls = await loop.start_tls(transport, channel, context, server_hostname=address[0],
                                    ssl_handshake_timeout=limit_s)
         if tls is None:
@@ -93,12 +114,14 @@ async def dial_data(address: tuple[str, int], context: ssl.SSLContext, limit_s: 
         raise
 
 
-async def accept_data(writer: asyncio.StreamWriter, context: ssl.SSLContext, limit_s: float) -> TlsChannel:
+async def accept_data(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: ssl.SSLContext,
+                      limit_s: float) -> TlsChannel:
     """Make an accepted data connection whose preamble was read a TLS :class:`TlsChannel` (server side).
 
     The stream's writer is kept by the channel: a collected ``StreamWriter``
     closes its transport, which the channel now runs on.
     """
+    _nothing_ahead(reader, "data connection")
     loop = asyncio.get_running_loop()
     channel = TlsChannel(keep=writer)
     writer.write(_GO)
@@ -150,6 +173,10 @@ class TlsChannel(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a stream connection's
+
+    def read_ahead(self) -> int:
+        """Bytes received that no receive has taken yet."""
+        return len(self._spill)
 
     def wrapped(self, transport: asyncio.Transport) -> None:
         """The TLS transport replaced the plain one (``start_tls`` does not call ``connection_made``)."""
