@@ -448,6 +448,7 @@ BAD_ARGUMENTS = [
     ("cluster_rank_info", ("c", {-1: 0, DECODER_ID: 1}, None)),
     ("cluster_rank_info", ("c", {PROMPT_ID: 0, DECODER_ID: "1"}, None)),
     ("rank_table", ("c", GOOD_INFO, "{not json")),
+    ("rank_table", ("c", GOOD_INFO, "[" * 100000)),  # was a bare RecursionError
     ("rank_table", ("c", GOOD_INFO, b"{}")),
     ("rank_table", ("c", GOOD_INFO, "[]")),
     ("rank_table", ("c", GOOD_INFO, "{}")),
