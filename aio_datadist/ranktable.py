@@ -7,7 +7,7 @@ instead, and the pair makes one of our links (``link_table.py``).
 
 **What is read of the rank table.** The JSON object's ``server_list``; in each
 server its ``device`` list; in each device ``rank_id`` (a decimal string or
-an int) and ``device_ip`` (IPv4). Everything else (``server_count``,
+an int) and ``device_ip`` (an IPv4 address string). Everything else (``server_count``,
 ``version``, ``status``, ``server_id``, ``host_ip``, ``device_id``,
 ``super_device_id``, ``super_pod_list``) may be there and is not read. Every
 rank named by ``cluster_rank_info`` must appear in the table, once.
@@ -145,6 +145,8 @@ def _entry(arg: str, where: str, device: object) -> RankEntry:
         raise param_invalid(arg, f"{where}: 'rank_id' {rank} is not a uint32")
     ip = device.get("device_ip")
     if ip is not None:
+        if not isinstance(ip, str):  # ipaddress takes an int (or a bool) as an address
+            raise param_invalid(arg, f"{where}: 'device_ip' must be an IPv4 address string, got {ip!r}")
         try:
             ipaddress.IPv4Address(ip)
         except ValueError:
