@@ -16,6 +16,7 @@ as a transfer failure, in that order).
 from __future__ import annotations
 
 import ipaddress
+import json
 import operator
 from collections.abc import Iterable
 from typing import Any, TypeVar
@@ -37,6 +38,7 @@ __all__ = [
     "check_indices",
     "check_range",
     "check_ipv4",
+    "check_json_object",
     "UINT16_MAX",
     "UINT32_MAX",
     "UINT64_MAX",
@@ -269,3 +271,21 @@ def check_ipv4(arg_name: str, value: object) -> str:
     except ValueError:
         raise param_invalid(arg_name, f"not an IPv4 address: {value!r}") from None
     return value  # type: ignore[return-value]
+
+
+def check_json_object(arg_name: str, text: str) -> dict[str, Any]:
+    """Parse ``text`` as a JSON object.
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name`` for text
+        that is not JSON, is nested deeper than the parser's recursion limit,
+        or holds something other than an object.
+    """
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise param_invalid(arg_name, f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise param_invalid(arg_name, "not valid JSON: nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise param_invalid(arg_name, f"expected a JSON object, got {type(obj).__name__}")
+    return obj

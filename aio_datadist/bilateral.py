@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from aio_datadist._checks import check_uint, param_invalid
 from aio_datadist._settle import settle
@@ -62,10 +63,26 @@ class Comm:
         """The links made so far, by peer cluster id."""
         made = {}
         for cluster, attempt in self.attempts.items():
-            link = attempt.result() if attempt.done() and not attempt.cancelled() else None
+            link = _outcome(attempt)
             if isinstance(link, Link):
                 made[cluster] = link
         return made
+
+
+def _outcome(attempt: asyncio.Task[Link | LLMStatusCode]) -> Link | LLMStatusCode | None:
+    """The attempt's result; None while it runs, when it was cancelled, or when it raised (a failed
+    attempt, as LLM-DataDist reports an unknown native value: FAILED)."""
+    if not attempt.done() or attempt.cancelled() or attempt.exception() is not None:
+        return None
+    return attempt.result()
+
+
+def _log_raised(cluster: int) -> Callable[[asyncio.Task[Link | LLMStatusCode]], None]:
+    def log_raised(attempt: asyncio.Task[Link | LLMStatusCode]) -> None:
+        if not attempt.cancelled() and (exc := attempt.exception()) is not None:
+            log.error("link(): the attempt to link cluster %s failed: %r", cluster, exc, exc_info=exc)
+
+    return log_raised
 
 
 class CommTable:
@@ -119,8 +136,9 @@ class CommTable:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (settings.link_total_time_s or DEFAULT_LINK_TOTAL_TIME_S)
         for cluster, rank in peers.items():
-            comm.attempts[cluster] = links.start_bilateral(cluster, addresses[rank], dial=own_rank < rank,
-                                                           deadline=deadline)
+            attempt = links.start_bilateral(cluster, addresses[rank], dial=own_rank < rank, deadline=deadline)
+            attempt.add_done_callback(_log_raised(cluster))
+            comm.attempts[cluster] = attempt
         log.info("link(%r): comm %s, rank %s, peers %s", name, comm.comm_id, own_rank, peers)
         return comm.comm_id
 
@@ -178,7 +196,7 @@ class CommTable:
             if not attempt.done():
                 preparing = True
                 continue
-            link = None if attempt.cancelled() else attempt.result()
+            link = _outcome(attempt)
             if not isinstance(link, Link) or self.links.live(cluster) is not link:
                 return RegisterMemStatus.FAILED
         return RegisterMemStatus.PREPARING if preparing else RegisterMemStatus.OK

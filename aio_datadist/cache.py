@@ -401,8 +401,9 @@ class CacheRegistry:
         if not isinstance(cache_keys, (list, tuple)):
             raise param_type_error("cache_keys",
                                    f"expected a list or tuple of CacheKey, got {type(cache_keys).__name__}")
-        if len(cache_keys) > desc.batch_size:
-            raise param_invalid("cache_keys", f"{len(cache_keys)} keys for batch size {desc.batch_size}")
+        rows = desc.shape[0]  # a key per row; rows are along shape[0] whatever batch_dim_index says
+        if len(cache_keys) > rows:
+            raise param_invalid("cache_keys", f"{len(cache_keys)} keys for {rows} rows (shape[0])")
         seen: set[tuple[int, int, int]] = set()
         bound = []
         for row, key in enumerate(cache_keys):

@@ -69,6 +69,7 @@ from ._checks import (
     check_bool,
     check_int,
     check_ipv4,
+    check_json_object,
     check_str,
     param_invalid,
     param_type_error,
@@ -183,16 +184,6 @@ def _flag_text(key: str, raw: str) -> bool:
     return raw == "1"
 
 
-def _json_object(arg_name: str, text: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        raise param_invalid(arg_name, f"not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise param_invalid(arg_name, f"expected a JSON object, got {type(obj).__name__}")
-    return obj
-
-
 def _json_int(arg_name: str, obj: Mapping[str, Any], name: str) -> int:
     value = obj.get(name)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -203,7 +194,7 @@ def _json_int(arg_name: str, obj: Mapping[str, Any], name: str) -> int:
 def _check_json(arg_name: str, value: object) -> str:
     text = check_str(arg_name, value)
     if text:
-        _json_object(arg_name, text)
+        check_json_object(arg_name, text)
     return text
 
 
@@ -211,7 +202,7 @@ def _check_buf_pool_cfg(arg_name: str, value: object) -> str:
     text = check_str(arg_name, value)
     if not text:
         return text
-    obj = _json_object(arg_name, text)
+    obj = check_json_object(arg_name, text)
     unknown = set(obj) - {"buf_cfg", "buf_pool_size"}
     if unknown:
         raise param_invalid(arg_name, f"unknown field(s) {sorted(unknown)}")
@@ -249,7 +240,7 @@ def _check_mem_pool_cfg(arg_name: str, value: object) -> str:
     text = check_str(arg_name, value)
     if not text:
         return text
-    obj = _json_object(arg_name, text)
+    obj = check_json_object(arg_name, text)
     unknown = set(obj) - {"memory_size", "page_shift"}
     if unknown:
         raise param_invalid(arg_name, f"unknown field(s) {sorted(unknown)}")
@@ -367,13 +358,13 @@ def _check_rank_addresses(arg_name: str, value: object) -> str:
         text = check_str(arg_name, value)
         if not text:
             return text
-        obj = _json_object(arg_name, text)
+        obj = check_json_object(arg_name, text)
     _rank_addresses(arg_name, obj)
     return json.dumps(dict(obj), sort_keys=True)
 
 
 def _rank_addresses_text(key: str, raw: str) -> dict[str, tuple[str, int]]:
-    return _rank_addresses(key, _json_object(key, raw)) if raw else {}
+    return _rank_addresses(key, check_json_object(key, raw)) if raw else {}
 
 
 def _tls_check(side: str, wrong: Any) -> Callable[[str, object], ssl.SSLContext]:

@@ -180,18 +180,20 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
                                f"got {type(configs).__name__}")
     if src.cache_desc.num_tensors % TENSORS_PER_LAYER:
         raise param_invalid("src_cache", f"num_tensors {src.cache_desc.num_tensors} is not K,V pairs of layers")
+    # Checked before any test of its value: an array has no truth value, and False or 0.0 are not "unset".
+    block_size = None if dst_block_memory_size is None else check_uint("dst_block_memory_size", dst_block_memory_size)
     src_blocks: tuple[int, ...] | None = None
     dst_blocks: tuple[int, ...] | None = None
     dst_block_bytes = None
     chunks = None
     if cache_to_blocks and not src.is_blocks_cache and _no_blocks(src_block_indices) and not _no_blocks(
             dst_block_indices):
-        chunks = _row_chunks(src, dst_block_indices, dst_block_memory_size)
+        chunks = _row_chunks(src, dst_block_indices, block_size)
     elif src.is_blocks_cache and _no_blocks(src_block_indices) and _no_blocks(dst_block_indices):
         # As LLM-DataDist: a blocks source without block indices goes as a contiguous cache whose rows
         # are its blocks, row 0 to row 0 (block 0 of every tensor of the layer; the C++ layer-wise job
         # copies one row when no block lists are given).
-        if dst_block_memory_size not in (None, 0):
+        if block_size:
             raise param_invalid("dst_block_memory_size", "needs block indices")
         src_blocks = dst_blocks = (0,)
     elif src.is_blocks_cache:
@@ -204,19 +206,19 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
                                 f"src_block_indices {len(src_blocks)}")
         if len(set(dst_blocks)) != len(dst_blocks):
             raise param_invalid("dst_block_indices", "a block is named twice")
-        if dst_block_memory_size is not None:
-            dst_block_bytes = check_uint("dst_block_memory_size", dst_block_memory_size)  # ValueError if < 0
-            if dst_block_bytes >= 2**62:
-                raise param_invalid("dst_block_memory_size", f"{dst_block_bytes} bytes is more than any block")
-            if dst_block_bytes < src.layout.row_bytes:
-                raise param_invalid("dst_block_memory_size", f"{dst_block_bytes} is smaller than a source "
+        if block_size is not None:
+            if block_size >= 2**62:
+                raise param_invalid("dst_block_memory_size", f"{block_size} bytes is more than any block")
+            if block_size < src.layout.row_bytes:
+                raise param_invalid("dst_block_memory_size", f"{block_size} is smaller than a source "
                                     f"block ({src.layout.row_bytes} bytes)")
+        dst_block_bytes = block_size
     elif src_block_indices is not None and not (cache_to_blocks and _no_blocks(src_block_indices)):
         raise param_invalid("src_block_indices", "block indices need a blocks cache")
     elif dst_block_indices is not None and not (cache_to_blocks and _no_blocks(dst_block_indices)):
         raise param_invalid("dst_block_indices", "a contiguous cache goes into blocks only through the "
                             "CacheManager (LLM-DataDist's KvCacheManager refuses it too)")
-    elif dst_block_memory_size not in (None, 0):
+    elif block_size:
         raise param_invalid("dst_block_memory_size", "is for blocks destinations; the source is a contiguous cache")
     planned = [_plan_config(links, i, cfg, src, src_blocks, dst_blocks, dst_block_bytes, chunks)
                for i, cfg in enumerate(configs)]
@@ -225,14 +227,13 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
     return CacheTask(progress, _drive(rt, progress, src, synchronizer, planned, layers))
 
 
-def _row_chunks(src: KvCache, dst_block_indices: Any, dst_block_memory_size: Any) -> _Chunks:
+def _row_chunks(src: KvCache, dst_block_indices: Any, size: int | None) -> _Chunks:
     """Check a contiguous source's destination blocks; LLM-DataDist's rules, bounded to one source row."""
     blocks = check_indices("dst_block_indices", dst_block_indices, 2**63, what="block index", allow_empty=False)
     if len(set(blocks)) != len(blocks):
         raise param_invalid("dst_block_indices", "a block is named twice")
-    if dst_block_memory_size is None:
+    if size is None:
         raise param_invalid("dst_block_memory_size", "must be set to push a contiguous cache into blocks")
-    size = check_uint("dst_block_memory_size", dst_block_memory_size)  # ValueError if < 0
     row_bytes = src.layout.row_bytes
     if not 0 < size <= row_bytes:
         raise param_invalid("dst_block_memory_size", f"{size} must be > 0 and at most a source row "

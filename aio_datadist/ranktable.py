@@ -7,7 +7,7 @@ instead, and the pair makes one of our links (``link_table.py``).
 
 **What is read of the rank table.** The JSON object's ``server_list``; in each
 server its ``device`` list; in each device ``rank_id`` (a decimal string or
-an int) and ``device_ip`` (IPv4). Everything else (``server_count``,
+an int) and ``device_ip`` (an IPv4 address string). Everything else (``server_count``,
 ``version``, ``status``, ``server_id``, ``host_ip``, ``device_id``,
 ``super_device_id``, ``super_pod_list``) may be there and is not read. Every
 rank named by ``cluster_rank_info`` must appear in the table, once.
@@ -26,11 +26,18 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import itertools
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from ._checks import UINT32_MAX, UINT64_MAX, check_str, param_invalid, param_type_error, param_value_error
+from ._checks import (
+    UINT32_MAX,
+    UINT64_MAX,
+    check_json_object,
+    check_str,
+    param_invalid,
+    param_type_error,
+    param_value_error,
+)
 
 __all__ = ["MAX_COMM_NAME", "MAX_NODES", "RankEntry", "check_cluster_rank_info",
            "check_comm_name", "parse_rank_table", "rank_address"]
@@ -99,13 +106,7 @@ def parse_rank_table(rank_table: object, ranks: Any) -> dict[int, RankEntry]:
         or a rank of ``ranks`` that the table lacks.
     """
     arg = "rank_table"
-    text = check_str(arg, rank_table)
-    try:
-        table = json.loads(text)
-    except ValueError as exc:
-        raise param_invalid(arg, f"not valid JSON: {exc}") from None
-    if not isinstance(table, dict):
-        raise param_invalid(arg, f"expected a JSON object, got {type(table).__name__}")
+    table = check_json_object(arg, check_str(arg, rank_table))
     servers = table.get("server_list")
     if not isinstance(servers, list) or not servers:
         raise param_invalid(arg, "'server_list' must be a non-empty list of servers")
@@ -144,6 +145,8 @@ def _entry(arg: str, where: str, device: object) -> RankEntry:
         raise param_invalid(arg, f"{where}: 'rank_id' {rank} is not a uint32")
     ip = device.get("device_ip")
     if ip is not None:
+        if not isinstance(ip, str):  # ipaddress takes an int (or a bool) as an address
+            raise param_invalid(arg, f"{where}: 'device_ip' must be an IPv4 address string, got {ip!r}")
         try:
             ipaddress.IPv4Address(ip)
         except ValueError:

@@ -448,6 +448,7 @@ BAD_ARGUMENTS = [
     ("cluster_rank_info", ("c", {-1: 0, DECODER_ID: 1}, None)),
     ("cluster_rank_info", ("c", {PROMPT_ID: 0, DECODER_ID: "1"}, None)),
     ("rank_table", ("c", GOOD_INFO, "{not json")),
+    ("rank_table", ("c", GOOD_INFO, "[" * 100000)),  # was a bare RecursionError
     ("rank_table", ("c", GOOD_INFO, b"{}")),
     ("rank_table", ("c", GOOD_INFO, "[]")),
     ("rank_table", ("c", GOOD_INFO, "{}")),
@@ -459,6 +460,9 @@ BAD_ARGUMENTS = [
     ("rank_table", ("c", GOOD_INFO, _bad(server_list__1__device__0__rank_id=None))),
     ("rank_table", ("c", GOOD_INFO, _bad(server_list__1__device__0__device_ip="localhost"))),
     ("rank_table", ("c", GOOD_INFO, _bad(server_list__1__device__0__device_ip=None))),  # no address for rank 1
+    ("rank_table", ("c", GOOD_INFO, _bad(server_list__1__device__0__device_ip=2130706433))),  # ipaddress takes ints
+    ("rank_table", ("c", GOOD_INFO, _bad(server_list__1__device__0__device_ip=True))),
+    ("rank_table", ("c", GOOD_INFO, _bad(server_list__0__device__0__device_ip=2130706433))),  # the dialled rank's
 ]
 
 
@@ -624,6 +628,27 @@ async def test_a_bilateral_link_that_goes_down_while_it_is_set_up_fails_at_once(
         assert status is RegisterMemStatus.FAILED
         assert took < 4, f"the comm stayed PREPARING {took:.1f} s (dialled a peer that is gone again)"
         await p.unlink(comm)
+
+
+@pytest.mark.asyncio
+async def test_an_attempt_that_raises_reads_failed_and_unlinks(monkeypatch, caplog):
+    """An attempt that raised something other than LLMException (a device_ip given as a JSON number got
+    that far) made query_register_mem_status and unlink raise it raw; the comm reads FAILED, the error is
+    logged, and unlink forgets the comm."""
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p:
+        await p.init(v2_options(link_port=free_port(DECODER_IP) - 1, link_total_time=1))
+
+        async def broken(*args: Any) -> None:
+            raise TypeError("str, bytes or bytearray expected, not int")
+
+        monkeypatch.setattr(p._require_links(), "_dial_bilateral", broken)
+        comm = await p.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP))
+        assert await settled(p, comm, limit_s=5) is FAILED
+        assert "TypeError" in caplog.text
+        await p.unlink(comm)
+        with pytest.raises(LLMException) as raised:
+            p.query_register_mem_status(comm)
+        assert raised.value.status_code == S.LLM_NOT_YET_LINK
 
 
 def test_a_rank_id_longer_than_python_converts_is_param_invalid():

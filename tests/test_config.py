@@ -535,3 +535,41 @@ def test_integers_longer_than_python_converts_are_param_invalid(options: dict[st
         parse_options(options)
     with param_invalid_naming("sync_kv_timeout"):
         LLMConfig().sync_kv_timeout = "9" * 5000
+
+
+DEEP_JSON = "[" * 100000
+
+JSON_OPTIONS = [
+    ("llm.LocalCommRes", "local_comm_res"),
+    ("llm.MemPoolConfig", "mem_pool_cfg"),
+    ("llm.HostMemPoolConfig", "host_mem_pool_cfg"),
+    ("llm.BufPoolCfg", "buf_pool_cfg"),
+    ("llm.ClusterInfo", "cluster_info"),
+    ("llm.GlobalResourceConfig", "global_resource_config"),
+    ("aio.RankAddresses", "rank_addresses"),
+]
+
+
+@pytest.mark.parametrize(("key", "name"), JSON_OPTIONS)
+def test_json_nested_deeper_than_the_parser_goes_is_param_invalid(key: str, name: str) -> None:
+    """Deeply nested JSON in a JSON-valued option or property raised a bare RecursionError from
+    json.loads, not LLM_PARAM_INVALID naming the option."""
+    with pytest.raises(LLMException) as info:
+        parse_options({key: DEEP_JSON})
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID and info.value.argument == key
+    config = LLMConfig()
+    before = getattr(config, name)
+    with param_invalid_naming(name):
+        setattr(config, name, DEEP_JSON)
+    assert getattr(config, name) == before
+
+
+@pytest.mark.asyncio
+async def test_init_refuses_deeply_nested_json_naming_the_option() -> None:
+    from aio_datadist import LLMDataDist, LLMRole
+
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        with pytest.raises(LLMException) as info:
+            await dd.init({"ge.exec.deviceId": "0", "llm.LocalCommRes": DEEP_JSON})
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert info.value.argument == "llm.LocalCommRes"

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
+import numpy
 import pytest
 import torch
 
@@ -894,6 +895,11 @@ async def test_bad_inputs_raise_at_call_time_with_nothing_sent() -> None:
             ("dst_block_memory_size", rows, (Ready(), [TransferConfig(DECODER_ID, addrs)]),
              {"dst_block_memory_size": 4096}),
         ]
+        # an array has no truth value (a raw ValueError or RuntimeError came out); False and 0.0 were "unset"
+        for size in (numpy.array([128, 128]), torch.tensor([128, 128]), numpy.array([]), False, 0.0):
+            cases += [("dst_block_memory_size", src, (Ready(), [good]), {"dst_block_memory_size": size}),
+                      ("dst_block_memory_size", rows, (Ready(), [TransferConfig(DECODER_ID, addrs)]),
+                       {"dst_block_memory_size": size})]
         tasks_before = asyncio.all_tasks()
         for arg, cache, args, kwargs in cases:
             with pytest.raises(LLMException) as info:

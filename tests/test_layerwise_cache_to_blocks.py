@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from _v2peer import v2_options
@@ -165,6 +166,11 @@ async def test_bad_input_is_refused_at_the_call_with_nothing_sent() -> None:
             ("dst_block_memory_size", key, ([0, 1], None)),
             ("dst_block_memory_size", key, ([0, 1], 0)),
             ("dst_block_memory_size", key, ([0], ROW_BYTES + 2)),
+            ("dst_block_memory_size", key, ([0, 1], numpy.array([128, 128]))),  # was a raw ValueError
+            ("dst_block_memory_size", key, ([0, 1], torch.tensor([128, 128]))),  # was a raw RuntimeError
+            ("dst_block_memory_size", key, (None, numpy.array([128, 128]))),
+            ("dst_block_memory_size", key, ([0, 1], 128.0)),
+            ("dst_block_memory_size", key, (None, False)),  # was taken as unset
             ("dst_block_indices", key, ([0, 1, 2, 3, 4], 128)),  # five pieces of 128 bytes in a 512-byte row
             ("dst_block_indices", key, ([0, 1, 2, 3], 192)),  # 192 + 192 + 128: three pieces
             ("dst_block_indices", key, ([1, 1], 128)),

@@ -266,6 +266,25 @@ async def test_allocate_rejects_bad_descs_and_keys():
 
 
 @pytest.mark.asyncio
+async def test_more_keys_than_rows_are_refused_whatever_the_batch_dim():
+    """Rows are along shape[0]; keys were counted against batch_size (shape[batch_dim_index]), so with
+    batch_dim_index=1 a 3-row cache took 8 keys, 5 of them for rows that do not exist."""
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options())
+        kv = dd.kv_cache_manager
+        desc = CacheDesc(2, (3, 8, 16), DataType.DT_FLOAT, Placement.DEVICE, batch_dim_index=1)
+        assert desc.batch_size == 8
+        keys = [CacheKey(1, req_id=i) for i in range(4)]
+        memory = [torch.zeros(desc.shape) for _ in range(2)]
+        for call in (lambda: kv.allocate_cache(desc, keys), lambda: kv.register_cache(desc, memory, keys)):
+            with rejected(INVALID, "cache_keys"):
+                call()
+        assert len(registry_of(dd)) == 0 and registry_of(dd).key_count == 0, "a refused cache kept keys"
+        cache = kv.allocate_cache(desc, keys[:3])
+        assert registry_of(dd).key_count == 3 and cache.layout.rows == 3
+
+
+@pytest.mark.asyncio
 async def test_cache_keys_not_a_list_are_a_type_error():
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init(options())

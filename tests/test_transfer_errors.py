@@ -209,6 +209,32 @@ async def test_bad_remote_requests_leave_the_destination_untouched():
         assert all(torch.equal(d[0], p[0]) for d, p in zip(d_rows.tensors, p_rows.tensors))
 
 
+async def test_the_owners_refusals_name_what_the_caller_passed():
+    """A row index past the owner's cache, given in the key (CacheKeyByIdAndIndex), was refused as
+    'src_blocks' / 'dst_blocks', arguments these calls do not have; a src_cache_offset past the owner's
+    row was a "row size mismatch" naming neither src_cache_offset nor size."""
+    async with linked_pair() as pair:
+        p_rows = pair.pm.allocate_cache(CACHE_DESC, [CacheKey(PROMPT_ID, 1)])
+        d_rows = pair.dm.allocate_cache(CACHE_DESC)  # rows of 512 B on both ends
+        before = snapshot(d_rows), snapshot(p_rows)
+        cases = [
+            ("cache_key.batch_index",
+             lambda: pair.dm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, p_rows.cache_id, 3), d_rows)),
+            ("dst_cache_key.batch_index",
+             lambda: pair.pm.push_cache(CacheKeyByIdAndIndex(DECODER_ID, d_rows.cache_id, 3), p_rows)),
+            ("src_cache_offset",
+             lambda: pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), d_rows, 0, 16, src_cache_offset=2**40)),
+            ("src_cache_offset",
+             lambda: pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), d_rows, 0, 512, src_cache_offset=256)),
+        ]
+        for arg, call in cases:
+            error = await expect_code(S.LLM_PARAM_INVALID, call())
+            assert f"invalid argument '{arg}'" in str(error), (arg, str(error))
+            assert "blocks'" not in str(error) and "row size mismatch" not in str(error), str(error)
+        assert same(snapshot(d_rows), before[0]) and same(snapshot(p_rows), before[1])
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), d_rows, 0, 256, src_cache_offset=256)  # the key is still there
+
+
 async def test_local_caches_that_are_gone():
     async with linked_pair() as pair:
         dst = pair.dm.allocate_blocks_cache(BLOCKS_DESC)

@@ -76,13 +76,15 @@ def fit(geo: Geometry, req: TransferReq, *, pull: bool, row: int | None) -> tupl
                       f"data types differ: cache {geo.cache_id} holds {DataType(geo.data_type).name}, "
                       f"the request's cache holds data type {req.data_type}")
     rows = list(req.rows)
+    arg = "src_blocks" if pull else "dst_blocks"
     if not rows:
         if row is None:
             raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "no source rows given")
         rows = [row]
+        # the row came with the key (CacheKeyByIdAndIndex); the caller named no blocks
+        arg = "cache_key.batch_index" if pull else "dst_cache_key.batch_index"
     bad = [r for r in rows if r >= geo.rows]
     if bad:
-        arg = "src_blocks" if pull else "dst_blocks"
         what = "block" if geo.is_blocks else "batch"
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                       f"invalid argument '{arg}': {what} index {bad[0]} out of range [0, {geo.rows}) "
@@ -102,10 +104,14 @@ def fit(geo: Geometry, req: TransferReq, *, pull: bool, row: int | None) -> tupl
                       f"invalid argument '{arg}': the peer cache has {count} tensors in range, "
                       f"the local side {req.tensor_count}")
     offset, nbytes = req.offset, req.nbytes
+    if pull and offset and offset + nbytes > geo.row_bytes:  # only a pull's src_cache_offset moves into the row
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                      f"invalid argument 'src_cache_offset': src_cache_offset {offset} + size {nbytes} is past "
+                      f"the end of the rows of cache {geo.cache_id} ({geo.row_bytes} bytes)")
     if nbytes == 0 or offset + nbytes > geo.row_bytes or (flags & ReqFlag.EXACT and offset + nbytes != geo.row_bytes):
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                       f"row size mismatch: cache {geo.cache_id} rows are {geo.row_bytes} bytes, "
-                      f"the request moves {nbytes} bytes per row")
+                      f"the request moves {nbytes} bytes per row" + (f" from byte {offset}" if offset else ""))
     if req.block_shape and geo.is_blocks and req.block_shape != geo.block_shape:
         held = "blocks of another shape" if geo.block_dims is None else f"blocks of shape {geo.block_dims}"
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,

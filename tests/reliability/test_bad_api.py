@@ -160,7 +160,7 @@ CASES: list[tuple[str, LLMStatusCode, str | None, Callable[[Ctx], Any]]] = [
     ("pull_cache timeout 0", INVALID, "timeout", lambda c: c.dm.pull_cache(CacheKey(PROMPT, 1), c.d_rows, timeout=0)),
     ("pull_cache unknown key (owner)", NOT_EXIST, None, lambda c: c.dm.pull_cache(CacheKey(PROMPT, 77), c.d_rows)),
     ("pull_cache rows differ (owner)", INVALID, None, lambda c: c.dm.pull_cache(CacheKey(PROMPT, 1), c.d_other_rows)),
-    ("pull_cache remote row (owner)", INVALID, "src_blocks",
+    ("pull_cache remote row (owner)", INVALID, "cache_key.batch_index",
      lambda c: c.dm.pull_cache(CacheKeyByIdAndIndex(PROMPT, c.p_rows.cache_id, 3), c.d_rows)),
     ("pull_blocks lengths differ", INVALID, "src_blocks", lambda c: c.dm.pull_blocks(bkey(), c.d_blocks, [0, 1], [0])),
     ("pull_blocks dst out of range", INVALID, "dst_blocks", lambda c: c.dm.pull_blocks(bkey(), c.d_blocks, [0], [8])),
