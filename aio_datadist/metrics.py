@@ -53,6 +53,23 @@ def _prometheus() -> Any:
     return prometheus_client
 
 
+def _endpoint_of(dd: Any) -> LLMDataDist:
+    """The async endpoint ``dd`` is, or that the blocking facade ``dd`` (``aio_datadist.compat``) wraps: the one
+    key under which an endpoint is watched, whichever of the two the caller holds.
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``dd`` when it is neither.
+    """
+    from aio_datadist.datadist import LLMDataDist
+
+    inner = getattr(dd, "_dd", None)
+    if isinstance(inner, LLMDataDist):
+        dd = inner
+    if not isinstance(dd, LLMDataDist):
+        raise LLMException(f"invalid argument 'dd': expected an LLMDataDist, got {type(dd).__name__}",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    return dd
+
+
 def instrument(dd: LLMDataDist, registry: Any = None) -> PrometheusMetrics:
     """Export ``dd``'s metrics on ``registry`` (default: ``prometheus_client.REGISTRY``); the exporter.
 
@@ -64,14 +81,7 @@ def instrument(dd: LLMDataDist, registry: Any = None) -> PrometheusMetrics:
     :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` without ``prometheus_client``;
         ``LLM_PARAM_INVALID`` naming ``dd`` when it is not an LLMDataDist.
     """
-    from aio_datadist.datadist import LLMDataDist
-
-    inner = getattr(dd, "_dd", None)  # the blocking facade (aio_datadist.compat) wraps the async endpoint
-    if isinstance(inner, LLMDataDist):
-        dd = inner
-    if not isinstance(dd, LLMDataDist):
-        raise LLMException(f"invalid argument 'dd': expected an LLMDataDist, got {type(dd).__name__}",
-                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    dd = _endpoint_of(dd)
     prom = _prometheus()
     registry = prom.REGISTRY if registry is None else registry
     with _EXPORTERS_LOCK:
@@ -102,7 +112,13 @@ class PrometheusMetrics:
         registry.register(_Collector(self))
 
     def watch(self, dd: LLMDataDist) -> None:
-        """Count ``dd``'s transfers and export its series (again: a no-op)."""
+        """Count ``dd``'s transfers and export its series (again: a no-op).
+
+        ``dd`` is an :class:`aio_datadist.LLMDataDist` or the blocking ``aio_datadist.compat.LLMDataDist``.
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` naming ``dd`` when it is not an LLMDataDist.
+        """
+        dd = _endpoint_of(dd)
         with self._lock:
             key = id(dd)
             if key in self._watched and self._watched[key][0]() is dd:
@@ -112,7 +128,14 @@ class PrometheusMetrics:
             self._watched[key] = (weakref.ref(dd), observer)
 
     def unwatch(self, dd: LLMDataDist) -> None:
-        """Stop counting ``dd``'s transfers and drop its gauges; its counters keep what they counted."""
+        """Stop counting ``dd``'s transfers and drop its gauges; its counters keep what they counted.
+
+        ``dd`` is an :class:`aio_datadist.LLMDataDist` or the blocking ``aio_datadist.compat.LLMDataDist``
+        (an endpoint not watched: a no-op).
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` naming ``dd`` when it is not an LLMDataDist.
+        """
+        dd = _endpoint_of(dd)
         with self._lock:
             entry = self._watched.pop(id(dd), None)
             if entry is None:

@@ -242,6 +242,34 @@ async def test_two_endpoints_share_one_registry_by_cluster_id():
                       transport="local", outcome="ok") == 2
 
 
+def test_the_blocking_facade_can_be_unwatched():
+    from aio_datadist import compat
+
+    registry = CollectorRegistry()
+    prompt, decoder = compat.LLMDataDist(LLMRole.PROMPT, 31), compat.LLMDataDist(LLMRole.DECODER, 32)
+    pulls = {"cluster_id": "32", "kind": "pull", "transport": "local", "outcome": "ok"}
+    try:
+        prompt.init(loopback_options(listen=True))
+        decoder.init(loopback_options())
+        metrics = instrument(decoder, registry)
+        prompt.kv_cache_manager.allocate_blocks_cache(blocks_desc(), aio.BlocksCacheKey(31, 0))
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(blocks_desc())
+        assert prompt.listen_address is not None
+        status, _ = decoder.link_clusters([cluster(31, prompt.listen_address)])
+        assert status == LLMStatusCode.LLM_SUCCESS
+        decoder.kv_cache_manager.pull_blocks(aio.BlocksCacheKey(31, 0), dst, [0], [0])
+        assert sample(registry, "aio_datadist_transfers_total", **pulls) == 1
+        metrics.unwatch(decoder)
+        decoder.kv_cache_manager.pull_blocks(aio.BlocksCacheKey(31, 0), dst, [0], [0])
+        assert sample(registry, "aio_datadist_transfers_total", **pulls) == 1  # not counted: unwatched
+        assert registry.get_sample_value("aio_datadist_caches", {"cluster_id": "32"}) is None
+        del dst
+    finally:
+        decoder.finalize()
+        prompt.finalize()
+        compat._RUNNER.stop()
+
+
 def test_metrics_cost_nothing_to_import_without_being_used():
     """``import aio_datadist`` and its stats never import prometheus_client (an optional extra)."""
     import subprocess
