@@ -403,12 +403,19 @@ async def _push(rt: Runtime, progress: TaskProgress, src: KvCache, cfg: _Config,
     layers released at once queue for the link's channels behind the earlier ones (``queue_ms`` bounds
     that wait: the whole transfer's share)."""
     what = f"transfer_cache_async layer {layer}"
+
+    def cut_for() -> LLMStatusCode | None:
+        # Cut because the destination failed: the caller cancelled nothing, the push failed as the destination did.
+        if asyncio.current_task() not in cut:
+            return None
+        return progress.result(cfg.index) or LLMStatusCode.LLM_FAILED
+
     try:
         for plan in cfg.plans[layer]:
             if not src.alive:  # released (deallocated, unregistered) after the call: its memory is not ours
                 raise LLMException(f"{what}: the source cache {src.cache_id} was released during the transfer",
                                    status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
-            await run_push(rt, cfg.link, plan, timeout_ms, what, queue_ms=queue_ms)
+            await run_push(rt, cfg.link, plan, timeout_ms, what, queue_ms=queue_ms, cut=cut_for)
         return None
     except LLMException as exc:
         failed.add(cfg.index)

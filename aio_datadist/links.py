@@ -455,7 +455,17 @@ class Link:
     def send_unlink(self, req_id: int) -> None:
         """Tell the peer we unlink (it acknowledges, then closes its end)."""
         self.unlinking = True
+        self._report_reads()
         self.send(Msg.UNLINK, req_id)
+
+    def _report_reads(self) -> None:
+        # Our pulls without asking are reported to the owner in batches (REPORT_AFTER_S): the batch waiting
+        # leaves before the word that ends the link (our UNLINK, our answer to the peer's), so the peer has it
+        # when it lets the link go (a same-host share reads its queue then: LocalShare.finish).
+        if self.local is not None:
+            self.local.report_reads()
+        if self.nixl is not None:
+            self.nixl.report_reads()
 
     def expect(self, req_id: int, answer: Msg | None = None) -> asyncio.Future:
         """The future of the peer's answer to our request ``req_id``: ``RESP`` or ``DONE`` (a transfer's), or
@@ -797,7 +807,7 @@ class Link:
         for ch in self.channels:
             self._drop_socket(ch)
         if self.local is not None:
-            self.local.close()
+            self.local.finish()
             self.local = None
         if self.nixl is not None:
             self.nixl.close()
@@ -819,6 +829,7 @@ class Link:
         if self.broken is None:
             self._went_down(why)
             if ack:
+                self._report_reads()
                 self.send_soon(Msg.UNLINK_ACK, ack)  # written by _teardown after it dropped the data channels
             self._teardown(LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
                                         status_code=LLMStatusCode.LLM_NOT_YET_LINK))

@@ -53,6 +53,23 @@ def _prometheus() -> Any:
     return prometheus_client
 
 
+def _endpoint_of(dd: Any) -> LLMDataDist:
+    """The async endpoint ``dd`` is, or that the blocking facade ``dd`` (``aio_datadist.compat``) wraps: the one
+    key under which an endpoint is watched, whichever of the two the caller holds.
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``dd`` when it is neither.
+    """
+    from aio_datadist.datadist import LLMDataDist
+
+    inner = getattr(dd, "_dd", None)
+    if isinstance(inner, LLMDataDist):
+        dd = inner
+    if not isinstance(dd, LLMDataDist):
+        raise LLMException(f"invalid argument 'dd': expected an LLMDataDist, got {type(dd).__name__}",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    return dd
+
+
 def instrument(dd: LLMDataDist, registry: Any = None) -> PrometheusMetrics:
     """Export ``dd``'s metrics on ``registry`` (default: ``prometheus_client.REGISTRY``); the exporter.
 
@@ -64,14 +81,7 @@ def instrument(dd: LLMDataDist, registry: Any = None) -> PrometheusMetrics:
     :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` without ``prometheus_client``;
         ``LLM_PARAM_INVALID`` naming ``dd`` when it is not an LLMDataDist.
     """
-    from aio_datadist.datadist import LLMDataDist
-
-    inner = getattr(dd, "_dd", None)  # the blocking facade (aio_datadist.compat) wraps the async endpoint
-    if isinstance(inner, LLMDataDist):
-        dd = inner
-    if not isinstance(dd, LLMDataDist):
-        raise LLMException(f"invalid argument 'dd': expected an LLMDataDist, got {type(dd).__name__}",
-                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    dd = _endpoint_of(dd)
     prom = _prometheus()
     registry = prom.REGISTRY if registry is None else registry
     with _EXPORTERS_LOCK:
@@ -95,35 +105,74 @@ class PrometheusMetrics:
         _prometheus()
         self.registry = registry
         self._lock = threading.Lock()
-        # id(dd) -> (the endpoint, its observer); observers of endpoints no longer watched stay in
-        # _retired, so their counters keep what they counted (counters never go down)
+        # id(dd) -> (the endpoint, its observer). What an observer counted outlives its watch (counters never
+        # go down): an endpoint unwatched, or gone, leaves its counts in _retired, one observer per cluster_id
+        # that adds them all up, so that a cluster watched again (or an endpoint of the same cluster_id made
+        # anew) goes on from them in one series instead of a second one with the same labels.
         self._watched: dict[int, tuple[weakref.ref[LLMDataDist], _Observer]] = {}
-        self._retired: list[_Observer] = []
+        self._retired: dict[str, _Observer] = {}
         registry.register(_Collector(self))
 
     def watch(self, dd: LLMDataDist) -> None:
-        """Count ``dd``'s transfers and export its series (again: a no-op)."""
+        """Count ``dd``'s transfers and export its series (again: a no-op).
+
+        ``dd`` is an :class:`aio_datadist.LLMDataDist` or the blocking ``aio_datadist.compat.LLMDataDist``.
+        An endpoint whose ``cluster_id`` was watched before (itself, unwatched; or an endpoint finalized
+        since) adds to that cluster's counters.
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` naming ``dd`` when it is not an LLMDataDist.
+        """
+        dd = _endpoint_of(dd)
         with self._lock:
             key = id(dd)
-            if key in self._watched and self._watched[key][0]() is dd:
-                return
+            entry = self._watched.get(key)
+            if entry is not None:
+                if entry[0]() is dd:
+                    return
+                self._retire(self._watched.pop(key)[1])  # an endpoint gone whose id was taken again
             observer = _Observer(str(dd.cluster_id))
             dd._endpoint.observers.append(observer)
             self._watched[key] = (weakref.ref(dd), observer)
 
     def unwatch(self, dd: LLMDataDist) -> None:
-        """Stop counting ``dd``'s transfers and drop its gauges; its counters keep what they counted."""
+        """Stop counting ``dd``'s transfers and drop its gauges; its counters keep what they counted.
+
+        ``dd`` is an :class:`aio_datadist.LLMDataDist` or the blocking ``aio_datadist.compat.LLMDataDist``
+        (an endpoint not watched: a no-op).
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` naming ``dd`` when it is not an LLMDataDist.
+        """
+        dd = _endpoint_of(dd)
         with self._lock:
             entry = self._watched.pop(id(dd), None)
             if entry is None:
                 return
             if entry[1] in dd._endpoint.observers:
                 dd._endpoint.observers.remove(entry[1])
-            self._retired.append(entry[1])
+            self._retire(entry[1])
 
-    def _sources(self) -> tuple[list[tuple[LLMDataDist | None, _Observer]], list[_Observer]]:
+    def _retire(self, observer: _Observer) -> None:
+        """Add what ``observer`` (no longer told of anything) counted to its cluster's retired counts; the lock
+        is held."""
+        counted = _copy(observer)  # the endpoint's loop may be finishing a count it began before the removal
+        retired = self._retired.get(observer.cluster)
+        if retired is None:
+            self._retired[observer.cluster] = counted
+        else:
+            retired.add(counted)
+
+    def _sources(self) -> tuple[list[tuple[LLMDataDist, _Observer]], list[_Observer]]:
+        """The endpoints watched, each with its observer, and a copy of the retired counts of each cluster;
+        endpoints garbage-collected since are retired here."""
         with self._lock:
-            return [(ref(), obs) for ref, obs in self._watched.values()], list(self._retired)
+            watched = []
+            for key, (ref, observer) in list(self._watched.items()):
+                dd = ref()
+                if dd is None:
+                    self._retire(self._watched.pop(key)[1])
+                else:
+                    watched.append((dd, observer))
+            return watched, [retired.copy() for retired in self._retired.values()]
 
 
 class _Done:
@@ -141,6 +190,12 @@ class _Done:
         other = _Done()
         other.count, other.bytes, other.seconds, other.buckets = self.count, self.bytes, self.seconds, self.buckets[:]
         return other
+
+    def add(self, other: _Done) -> None:
+        self.count += other.count
+        self.bytes += other.bytes
+        self.seconds += other.seconds
+        self.buckets = [mine + theirs for mine, theirs in zip(self.buckets, other.buckets, strict=True)]
 
 
 class _Observer:
@@ -193,6 +248,19 @@ class _Observer:
         other.links = dict(self.links)
         return other
 
+    def add(self, other: _Observer) -> None:
+        """Add what ``other`` (a copy, nobody else counting in it) counted to this observer's counts."""
+        for key, done in other.done.items():
+            mine = self.done.get(key)
+            if mine is None:
+                self.done[key] = done.copy()
+            else:
+                mine.add(done)
+        for key4, n in other.ended.items():
+            self.ended[key4] = self.ended.get(key4, 0) + n
+        for event, n in other.links.items():
+            self.links[event] = self.links.get(event, 0) + n
+
 
 class _Collector:
     """Every series, read at collection time: counters and the histogram from the observers, gauges from
@@ -240,14 +308,24 @@ class _Collector:
                                      "Round trip of the last answered heartbeat, per link.",
                                      labels=("cluster_id", "remote_cluster_id")),
         }
+        # One sample set per cluster_id: the counts of every observer of that cluster (its retired counts,
+        # the endpoints watched with it) added up, and the gauges of the last of them watched that answers
+        # (Prometheus refuses a registry that yields one series twice).
         watched, retired = self._metrics._sources()
+        counts = {observer.cluster: observer for observer in retired}
+        snaps: dict[str, EndpointStats] = {}
         for dd, observer in watched:
             snap, counted = _snapshot(dd, observer)
-            _add_counts(counters, duration, counted)
+            if counted.cluster in counts:
+                counts[counted.cluster].add(counted)
+            else:
+                counts[counted.cluster] = counted
             if snap is not None:
-                _add_gauges(gauges, snap)
-        for observer in retired:
-            _add_counts(counters, duration, _copy(observer))
+                snaps[counted.cluster] = snap
+        for counted in counts.values():
+            _add_counts(counters, duration, counted)
+        for snap in snaps.values():
+            _add_gauges(gauges, snap)
         yield from counters.values()
         yield duration
         yield from gauges.values()

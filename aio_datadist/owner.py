@@ -12,7 +12,6 @@ that serves it (``transport/base.py``), the stream plane last.
 from __future__ import annotations
 
 import array
-import time
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
@@ -104,11 +103,7 @@ def _serve(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any, served: Ser
         counters.end(kind, transport, total, started, Outcome.OK if ok else Outcome.FAILED,
                      LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED)
 
-    def overdue() -> None:
-        counters.end(kind, transport, 0, time.perf_counter(), Outcome.TIMEOUT, LLMStatusCode.LLM_TIMEOUT,
-                     began=False)
-
-    served.report, served.overdue = report, overdue
+    served.report = report
     if _trace.ON:
         _trace.mark("owner: planned")
     chosen.serve(rt, link, msg, req_id, req, served)

@@ -20,7 +20,7 @@ only once no byte of it can land any more.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _trace
@@ -45,10 +45,12 @@ async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: s
 
 
 async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *,
-                   queue_ms: int | None = None) -> None:
+                   queue_ms: int | None = None, cut: Callable[[], LLMStatusCode | None] | None = None) -> None:
     """Send ``plan.local``'s bytes to the owner; returns once it confirmed. ``queue_ms``: the time-out
-    counts from when the push has a data channel, the wait for one bounded by ``queue_ms`` more."""
-    await _counted(link, "push", plan.total, _push(rt, link, plan, timeout_ms, what, queue_ms))
+    counts from when the push has a data channel, the wait for one bounded by ``queue_ms`` more. ``cut``:
+    asked when the push is cancelled, the status of the failure for which the library cut it (a layer-wise
+    transfer's destination failed), counted as that failure; None: the caller cancelled it."""
+    await _counted(link, "push", plan.total, _push(rt, link, plan, timeout_ms, what, queue_ms), cut)
 
 
 async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> str:
@@ -68,14 +70,21 @@ async def _push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str,
     return await _run(rt, link, plan, timeout_ms, what, pull=False, queue_ms=queue_ms)
 
 
-async def _counted(link: Link, kind: str, nbytes: int, moving: Coroutine[Any, Any, str]) -> None:
-    """Run ``moving`` (a transfer that returns the transport it took) and count how it ended on the link."""
+async def _counted(link: Link, kind: str, nbytes: int, moving: Coroutine[Any, Any, str],
+                   cut: Callable[[], LLMStatusCode | None] | None = None) -> None:
+    """Run ``moving`` (a transfer that returns the transport it took) and count how it ended on the link; a
+    cancellation is the caller's unless ``cut`` names the failure the library cut it for."""
     counters = link.counters
     started = counters.begin(kind)
     try:
         transport = await moving
     except asyncio.CancelledError:
-        counters.end(kind, link.transport, nbytes, started, Outcome.CANCELLED, LLMStatusCode.LLM_FAILED)
+        status = None if cut is None else cut()
+        if status is None:
+            counters.end(kind, link.transport, nbytes, started, Outcome.CANCELLED, LLMStatusCode.LLM_FAILED)
+        else:
+            counters.end(kind, link.transport, nbytes, started,
+                         Outcome.TIMEOUT if status == LLMStatusCode.LLM_TIMEOUT else Outcome.FAILED, status)
         raise
     except LLMException as exc:
         timed_out = exc.status_code == LLMStatusCode.LLM_TIMEOUT

@@ -530,6 +530,21 @@ async def test_two_destinations_one_refuses() -> None:
         assert await code_of(task.layer(0)) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 
 
+async def test_layer_pushes_cut_after_their_destination_refused_count_as_its_failures() -> None:
+    """The caller cancelled nothing: the layer pushes the library cut when their destination refused one count
+    as failures with the destination's status, never as cancellations (docs/observability.md)."""
+    async with setup() as s:
+        src = s.blocks_src()
+        gate = Gate()
+        gate.open(*range(LAYERS))  # every layer at once: the later pushes are under way when the first fails
+        wrong_key = TransferWithCacheKeyConfig(BlocksCacheKey(DECODER_ID, 5))  # no such model_id there
+        task = s.pm.transfer_cache_async(src, gate, [wrong_key], SRC_BLOCKS, DST_BLOCKS)
+        assert await code_of(task) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        push = s.prompt.stats().links[DECODER_ID].kinds["push"]
+        assert (push.cancellations, push.in_flight, push.transfers) == (0, 0, 0)
+        assert dict(push.failures) == {"LLM_KV_CACHE_NOT_EXIST": LAYERS}
+
+
 async def test_two_destinations_both_receive_every_layer() -> None:
     async with setup(decoders=2) as s:
         src = s.blocks_src()

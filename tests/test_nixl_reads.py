@@ -104,6 +104,40 @@ async def test_a_granted_pull_reads_without_asking_and_the_owner_counts_it():
         assert pair.decoder.stats().links[PROMPT_ID].kinds["pull"].transport == "nixl"
 
 
+@pytest.mark.parametrize("end", ["unlink", "requester_finalizes", "owner_finalizes"])
+async def test_reads_right_before_the_link_ends_are_counted_by_the_owner(end):
+    """The READS of pulls made just before the link goes leave before the word that ends it (the requester's
+    UNLINK, or its answer to the owner's), on the same connection: the owner counts every one."""
+    async with granted_pair(4) as (pair, src, want, dst):
+        served = []
+
+        class Observer:
+            def transfer(self, cluster_id, kind, transport, nbytes, seconds, outcome, status):
+                pass
+
+            def transfers(self, cluster_id, kind, transport, count, nbytes, seconds):
+                if kind == "served_pull":
+                    served.append(count)
+
+            def link(self, cluster_id, remote_cluster_id, up):
+                pass
+
+        pair.prompt._endpoint.observers.append(Observer())
+        sent = requests_sent(pair.decoder)
+        for block in range(5):
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [block], [block])
+        assert Msg.PULL_REQ not in sent, sent  # nothing asked
+        if end == "unlink":
+            await pair.unlink()
+        elif end == "requester_finalizes":
+            await pair.decoder.finalize()
+        else:
+            await pair.prompt.finalize()
+        async with asyncio.timeout(1):
+            while sum(served) < 5:
+                await asyncio.sleep(0.01)
+
+
 async def test_a_pull_that_starts_after_deallocate_returned_writes_nothing_and_gets_the_refusal():
     """The decoder has not heard of the revocation yet (its records are held back): the owner's word, read
     before any byte, is clear, so the pull asks and gets the owner's answer; the owner keeps the cache registered

@@ -8,6 +8,7 @@ checks the numbers both ends report and what a scrape of the registry says.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import re
@@ -240,6 +241,80 @@ async def test_two_endpoints_share_one_registry_by_cluster_id():
                       transport="local", outcome="ok") == 1
         assert sample(registry, "aio_datadist_transfers_total", cluster_id="2", kind="pull",
                       transport="local", outcome="ok") == 2
+
+
+def duplicated_series(registry: CollectorRegistry) -> list[str]:
+    """The samples a scrape of ``registry`` yields more than once (a Prometheus server rejects such a scrape)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    seen: dict[tuple, int] = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            seen[key] = seen.get(key, 0) + 1
+    return [f"{n} x {key}" for key, n in seen.items() if n > 1]
+
+
+@pytest.mark.asyncio
+async def test_an_endpoint_watched_again_or_made_anew_adds_to_one_series_per_cluster():
+    """Unwatched then instrumented again, or finalized and replaced by a new endpoint with the same cluster_id
+    (an in-process restart): each series once, its counters going on from what was counted before."""
+    registry = CollectorRegistry()
+    pulls = {"cluster_id": "2", "kind": "pull", "transport": "local", "outcome": "ok"}
+    async with open_pair() as pair:
+        metrics = instrument(pair.decoder, registry)
+        kv = pair.decoder.kv_cache_manager
+        await kv.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
+        for _ in range(3):
+            metrics.unwatch(pair.decoder)
+            instrument(pair.decoder, registry)
+        await kv.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
+        assert duplicated_series(registry) == []
+        assert sample(registry, "aio_datadist_transfers_total", **pulls) == 2
+        assert sample(registry, "aio_datadist_caches", cluster_id="2") == 2
+    async with open_pair() as pair:  # the same cluster ids, new endpoints, the same registry
+        instrument(pair.decoder, registry)
+        await pair.decoder.kv_cache_manager.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
+        assert duplicated_series(registry) == []
+        assert sample(registry, "aio_datadist_transfers_total", **pulls) == 3
+        assert sample(registry, "aio_datadist_link_events_total", cluster_id="2", event="down") == 1  # the first
+        assert sample(registry, "aio_datadist_caches", cluster_id="2") == 2  # the live endpoint's gauges
+    del pair
+    gc.collect()
+    assert sample(registry, "aio_datadist_transfers_total", **pulls) == 3
+    assert sample(registry, "aio_datadist_link_events_total", cluster_id="2", event="down") == 2
+    assert (len(metrics._watched), list(metrics._retired)) == (0, ["2"])  # gone endpoints: one sum per cluster
+
+
+def test_the_blocking_facade_can_be_unwatched():
+    from aio_datadist import compat
+
+    registry = CollectorRegistry()
+    prompt, decoder = compat.LLMDataDist(LLMRole.PROMPT, 31), compat.LLMDataDist(LLMRole.DECODER, 32)
+    pulls = {"cluster_id": "32", "kind": "pull", "transport": "local", "outcome": "ok"}
+    try:
+        prompt.init(loopback_options(listen=True))
+        decoder.init(loopback_options())
+        metrics = instrument(decoder, registry)
+        prompt.kv_cache_manager.allocate_blocks_cache(blocks_desc(), aio.BlocksCacheKey(31, 0))
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(blocks_desc())
+        assert prompt.listen_address is not None
+        status, _ = decoder.link_clusters([cluster(31, prompt.listen_address)])
+        assert status == LLMStatusCode.LLM_SUCCESS
+        decoder.kv_cache_manager.pull_blocks(aio.BlocksCacheKey(31, 0), dst, [0], [0])
+        assert sample(registry, "aio_datadist_transfers_total", **pulls) == 1
+        metrics.unwatch(decoder)
+        decoder.kv_cache_manager.pull_blocks(aio.BlocksCacheKey(31, 0), dst, [0], [0])
+        assert sample(registry, "aio_datadist_transfers_total", **pulls) == 1  # not counted: unwatched
+        assert registry.get_sample_value("aio_datadist_caches", {"cluster_id": "32"}) is None
+        metrics.watch(decoder)  # the facade again: counting goes on from what was counted
+        decoder.kv_cache_manager.pull_blocks(aio.BlocksCacheKey(31, 0), dst, [0], [0])
+        assert sample(registry, "aio_datadist_transfers_total", **pulls) == 2
+        del dst
+    finally:
+        decoder.finalize()
+        prompt.finalize()
+        compat._RUNNER.stop()
 
 
 def test_metrics_cost_nothing_to_import_without_being_used():

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
+from aio_datadist.stats import Outcome
 from aio_datadist.testing import usable_link
 from aio_datadist.transport.local import LocalShare
 from aio_datadist.wire import Msg
@@ -179,6 +180,45 @@ async def test_a_burst_of_reads_keeps_the_share_and_the_owner_counts_every_one()
         await eventually(lambda: served().transfers == 2001)
         assert served().bytes == 2001 * 4 * BLOCKS.size // 16
         assert seen == [] and link.local is not None and pair.decoder.stats().links[PROMPT_ID].transport == "local"
+
+
+class ServedPulls:
+    """An observer of the owner's endpoint: the served pulls it counted, links up or down."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def transfer(self, cluster_id, kind, transport, nbytes, seconds, outcome, status) -> None:
+        if kind == "served_pull" and outcome is Outcome.OK:
+            self.count += 1
+
+    def transfers(self, cluster_id, kind, transport, count, nbytes, seconds) -> None:
+        if kind == "served_pull":
+            self.count += count
+
+    def link(self, cluster_id, remote_cluster_id, up) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("end", ["unlink", "requester_finalizes", "owner_finalizes"])
+async def test_reads_right_before_the_link_ends_are_counted_by_the_owner(end):
+    """Reads are reported in sums over 10 ms: those made just before the link goes leave before the word that
+    ends it (the requester's UNLINK, or its answer to the owner's), and the owner counts what its share queue
+    holds before closing it."""
+    async with listed(12) as (pair, values, dst, seen):
+        served = ServedPulls()
+        pair.prompt._endpoint.observers.append(served)
+        for i in range(5):
+            await pair.dm.pull_blocks(KEY, dst, [i], [i])
+        assert seen == []
+        if end == "unlink":
+            await pair.unlink()
+        elif end == "requester_finalizes":
+            await pair.decoder.finalize()
+        else:
+            await pair.prompt.finalize()
+        await eventually(lambda: served.count == 5, limit_s=1.0)
 
 
 @pytest.mark.asyncio

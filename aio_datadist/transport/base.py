@@ -117,9 +117,6 @@ class Served:
     row: int | None = None  # the row the target names (a key's or an id-and-index's), if any
     #: Told once how serving ended (True: every byte moved); set by the owner to count it (``stats``).
     report: Callable[[bool], None] | None = None
-    #: Counts a request given up for want of the requester's ``DONE`` after ``report`` was told (its bytes
-    #: moved: a stream pull of a key); set by the owner.
-    overdue: Callable[[], None] | None = None
 
     def ended(self, ok: bool) -> None:
         """The plane serving the request is done with it (``ok``: every byte moved); tells ``report`` once."""
@@ -257,7 +254,7 @@ async def wait_out(future: asyncio.Future, bound_s: float, cancelled: list[async
         return future.done()
 
 
-def await_done(link: LinkPort, req_id: int, req: TransferReq, served: Served, ok: Callable[[], None],
+def await_done(link: LinkPort, req_id: int, req: TransferReq, ok: Callable[[], None],
                failed: Callable[[], None]) -> None:
     """Keep ``(ok, failed)`` in ``link.pull_acks`` until the requester's word that ``req_id`` is over (or the
     link's end) runs one of them, for the request's own timeout plus :data:`DONE_GRACE_S` at most: past that,
@@ -268,15 +265,15 @@ def await_done(link: LinkPort, req_id: int, req: TransferReq, served: Served, ok
     def expire() -> None:
         if link.pull_acks.get(req_id) is not entry:
             return
-        moved = served.report is None  # the bytes moved and were counted so: count its end here
+        # One request, one outcome: a request whose bytes all moved was counted as served then (a stream pull
+        # of a key, which waits for DONE only to consume it) and stays so; the others are counted as failed
+        # by ``failed`` below. The warning says the request was given up.
         stop = link.serving.pop(req_id, None)
         if stop is not None:
             stop()
         ack = link.pull_acks.pop(req_id, None)
         if ack is not None:
             ack[1]()
-        if moved and served.overdue is not None:
-            served.overdue()
         link.done_overdue(req_id, req.timeout_ms)
 
     timer = loop.call_at(loop.time() + min(max(req.timeout_ms, 1), MAX_SERVE_TIMEOUT_MS) / 1000 + DONE_GRACE_S,
@@ -446,7 +443,7 @@ class InPlacePlane(Plane):
             return run
 
         link.serving[req_id] = abort
-        await_done(link, req_id, req, served, settled(ok), settled(failed))
+        await_done(link, req_id, req, settled(ok), settled(failed))
         end = self._begin(link, cache)
         if msg is Msg.PUSH_REQ:
             arrived_by_plane = self._arrival(link, req_id)

@@ -297,6 +297,7 @@ class LocalShare:
         self.ready = self._loop.create_future()
         self._loop.add_reader(sock.fileno(), self._readable, RECORDS_PER_TURN)
         self.closed = False
+        self._finishing = False  # finish() runs: the link is going, the share's end is no loss to announce
 
     def start(self, caches: Iterable[KvCache]) -> None:
         """Send our ledger, then offer ``caches``."""
@@ -466,6 +467,24 @@ class LocalShare:
         self._loop.remove_writer(self.sock.fileno())
         self._report_reads()
 
+    def report_reads(self) -> None:
+        """Send the reads not reported yet now, what the socket takes without waiting (the link is about to
+        go: our ``UNLINK`` follows, and the share closes before the next report would leave)."""
+        if self._reporting is not None:
+            self._reporting.cancel()
+            self._reporting = None
+        self._report_reads()
+
+    def finish(self) -> None:
+        """Close the share as its link goes: our reads not reported yet leave first (without waiting), and the
+        peer's ``READ`` records queued here are counted; the peer sent them before the word that ends the
+        link (its ``UNLINK``, or the answer to ours), so they are all here. Other records queued are moot
+        now, and a peer gone meanwhile is no loss of the share to announce."""
+        self._finishing = True
+        self.report_reads()
+        self._readable(SYNC_RECORDS_MAX, reads_only=True)
+        self.close()
+
     def catch_up(self) -> None:
         """Act on the records the peer sent that are queued here (a withdrawal, the end of the share)."""
         self._readable(SYNC_RECORDS_MAX)
@@ -480,9 +499,10 @@ class LocalShare:
             self._readable(SYNC_RECORDS_MAX)
         return self.regions.get(cache_id)
 
-    def _readable(self, budget: int) -> None:
+    def _readable(self, budget: int, reads_only: bool = False) -> None:
         # A loop callback: nothing may escape it. Each received fd is closed exactly once, here. Acts on at most
-        # ``budget`` records (the reader fires again next turn for the rest).
+        # ``budget`` records (the reader fires again next turn for the rest); ``reads_only``: on READ records
+        # alone (finish), the others are read and dropped.
         while not self.closed and budget > 0:
             budget -= 1
             fds: list[int] = []
@@ -497,7 +517,9 @@ class LocalShare:
                 if not data:
                     self._lost()
                     return
-                self._apply(parse_record(data, len(fds), flags), fds)
+                record = parse_record(data, len(fds), flags)
+                if not reads_only or record.kind == _READ:
+                    self._apply(record, fds)
             except (ShareError, OSError, ValueError) as exc:
                 log.warning("same-host share: dropping the share after a bad record from the peer: %s", exc)
                 self._lost()
@@ -573,7 +595,8 @@ class LocalShare:
     def _lost(self) -> None:
         if not self.closed:
             self.close()
-            self.on_lost()
+            if not self._finishing:
+                self.on_lost()
 
     def close(self) -> None:
         if self.closed:

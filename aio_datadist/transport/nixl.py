@@ -904,6 +904,10 @@ class NixlPeer:
             return None
         return self.granted.grant_for(model_id, self.caches)
 
+    def report_reads(self) -> None:
+        """Send our reads without asking that are not reported yet now (the link is about to go)."""
+        self.granted.report_reads()
+
     def read_started(self, cache_id: int) -> bool:
         """A read of ``cache_id`` without asking starts, if the peer still grants it (``granted.read_ended``
         ends it)."""

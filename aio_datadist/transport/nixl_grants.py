@@ -166,6 +166,13 @@ class ReadGrants:
         if self._reporting is None and not self.closed:
             self._reporting = self._loop.call_later(REPORT_AFTER_S, self._report_reads)
 
+    def report_reads(self) -> None:
+        """Send the reads not reported yet now (the link is about to go: the ``UNLINK``, or the answer to the
+        peer's, follows on the same connection, and the link's end drops what is still unsent)."""
+        if self._reporting is not None:
+            self._reporting.cancel()
+        self._report_reads()
+
     def _report_reads(self) -> None:
         self._reporting = None
         reads, self._reads = self._reads, {}

@@ -195,7 +195,7 @@ class StreamPlane(Plane):
                 rt.registry.release_key(key, tensors)
                 rt.registry.consume(key, tensors, num)
 
-            await_done(link, req_id, req, served, consumed, lambda: rt.registry.release_key(key, tensors))
+            await_done(link, req_id, req, consumed, lambda: rt.registry.release_key(key, tensors))
 
         def abort() -> None:
             # Runs before the next control message is read: the key must be free again by then.
