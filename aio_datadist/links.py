@@ -71,6 +71,10 @@ CONTROL_WRITE_LIMIT = 4 << 20
 #: ones by the native SocketEngine's thread. ``$AIO_DATADIST_LOOP_IO_MAX`` (bytes) overrides it; 0 sends
 #: every job through the engine thread (for comparisons: ``docs/transports.md``).
 LOOP_IO_MAX = int(os.environ.get("AIO_DATADIST_LOOP_IO_MAX", 16 << 20))
+#: How long answering a peer's ``UNLINK`` waits for the jobs we served it to end after they were stopped: a
+#: staged job (a device cache) ends only once the device copies it queued are done, and the peer's unlink
+#: returns on our answer, so nothing of its pushes may land after it. Milliseconds on a device that runs.
+SERVED_SETTLE_S = 1.0
 #: A receive the event loop drives asks the kernel to wake it only once this many of its remaining bytes (or
 #: all of them, when fewer are left) can be read (``SO_RCVLOWAT``, see ``_core.LoopJob.step``): a 2 MiB pull
 #: then wakes the loop two or three times instead of at every few hundred KiB that arrive, on both ends of the
@@ -788,6 +792,23 @@ class Link:
             off = "the link shares no memory (no same-host share)" if self.local is None else self.local.ipc_off
         return self.counters.snapshot(self.remote_role, self.link_id, self.transport, off)
 
+    async def _settle_served(self) -> None:
+        """Before answering the peer's ``UNLINK``: stop every job we serve it and wait until they ended (at
+        most :data:`SERVED_SETTLE_S`). A stream job ends at once; a staged one (a device cache) once the
+        device copies it queued are done. The data channels stay up meanwhile, so the peer sees no reset
+        before our answer."""
+        serving, self.serving = self.serving, {}
+        for cancel in serving.values():
+            cancel()
+        served = [job for ch in self.channels for job in ch.answering if not job.done()]
+        if not served:
+            return
+        _, late = await asyncio.wait(served, timeout=SERVED_SETTLE_S)
+        if late:
+            self.log.error("link %s to cluster %s: %d job(s) served to the peer did not end within %.1f s of its "
+                           "unlink (a device that does not get through its copies); answering it anyway",
+                           self.link_id, self.remote_cluster_id, len(late), SERVED_SETTLE_S)
+
     def _teardown(self, exc: LLMException) -> None:
         pending, self.pending = self.pending, {}
         self._acks.clear()
@@ -826,6 +847,10 @@ class Link:
         answer leaves with the last flush before the control connection closes)."""
         if self.closed:
             return
+        if ack and self.broken is None:
+            await self._settle_served()
+            if self.closed:
+                return  # closed meanwhile (finalize): that close did the rest
         if self.broken is None:
             self._went_down(why)
             if ack:

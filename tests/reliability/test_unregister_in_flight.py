@@ -393,3 +393,44 @@ async def test_unregistering_a_device_cache_a_staged_peer_uses_leaves_no_copy_qu
             await dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), other, DEVICE_ALL, DEVICE_ALL, timeout=5_000)
         assert share(mine, 6) == 1 and share(other.tensors, 6) == 1
         prompt.cache_manager.unregister_cache(again.cache_id)
+
+
+async def test_an_unlink_is_answered_once_the_owners_staged_copies_of_the_peers_push_are_done():
+    """A peer unlinks while we (the owner) serve its staged push, our copy stream holding the push's
+    scatters: we answer the peer's ``UNLINK`` only once those copies are done (at most
+    ``links.SERVED_SETTLE_S``), so its ``unlink_clusters`` returns with nothing of its push left to land in
+    our cache. Before, the answer went at once: the unlink returned in 2 ms and 256 KiB of the failed push
+    landed in our cache when our stream moved on."""
+    from aio_datadist.testing import runtime_of
+
+    async with device_pair() as (prompt, dec):
+        dst = prompt.cache_manager.allocate_blocks_cache(DEVICE_DESC, BlocksCacheKey(PROMPT, 0))
+        src = dec.cache_manager.allocate_blocks_cache(DEVICE_DESC)
+        paint(dst.tensors, 0)
+        paint(src.tensors, 5)
+        stream = runtime_of(prompt).devices.stream
+        gate = stream.gate()
+        opener = threading.Timer(5.0, gate.open)  # at the latest: never leave the stream held
+        opener.start()
+        try:
+            push = asyncio.ensure_future(dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), src, DEVICE_ALL,
+                                                                       DEVICE_ALL, timeout=20_000))
+            assert await stream_holds_copies(stream)
+            asyncio.get_running_loop().call_later(GATE_S, gate.open)  # the owner's loop is free: no thread
+            started = time.monotonic()
+            status, _ = await dec.unlink_clusters([cluster_info(PROMPT, port_of(prompt))], timeout=3000)
+            took = time.monotonic() - started
+            queued = stream.pending()
+            before = [t.clone() for t in dst.tensors]
+            result = await outcome(push)
+            await asyncio.sleep(GATE_S + 0.2)
+        finally:
+            gate.open()
+            opener.cancel()
+        changed = sum(int((t != b).sum()) * 2 for t, b in zip(dst.tensors, before, strict=True))
+        assert status == S.LLM_SUCCESS
+        assert changed == 0, f"{changed} bytes of the owner's cache changed after the peer's unlink returned"
+        assert queued == 0, f"{queued} copies still queued on the owner's stream when the unlink returned"
+        assert GATE_S - 0.05 < took < 1.5, f"unlink_clusters took {took:.2f} s"
+        # stopped by the owner as it answered the unlink (LLM_FAILED, its word), or the link's end got there first
+        assert result in (S.LLM_FAILED, S.LLM_NOT_YET_LINK, S.LLM_LINK_FAILED), f"the cut push gave {result!r}"
