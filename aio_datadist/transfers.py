@@ -20,6 +20,8 @@ only once no byte of it can land any more.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +31,7 @@ from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport import plane, planes_for
 from aio_datadist.transport.base import Plane, Refused, Request, RequestState, meets
+from aio_datadist.transport.staging import CUT_WAIT_S
 from aio_datadist.transport.stream import PLANE as STREAM_PLANE
 from aio_datadist.wire import Msg, Resp
 
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
 
 __all__ = ["run_pull", "run_push"]
+
+log = logging.getLogger(__name__)
 
 
 async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> None:
@@ -157,6 +162,41 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
     if _trace.ON:
         _trace.mark("planned")
     req = Request(link, what)
+    if plan.local._owned:
+        return await _run_request(rt, link, plan, req, timeout_ms, what, pull, queue_ms)
+    # A cache the caller registered is its memory again once unregistering it returned: that call cuts us.
+    unwatch = rt.registry.serving([plan.local], functools.partial(_cut_own, rt, plan, req))
+    try:
+        return await _run_request(rt, link, plan, req, timeout_ms, what, pull, queue_ms)
+    except LLMException as exc:
+        if req.cut:
+            raise LLMException(f"{what}: the cache was unregistered during the transfer",
+                               status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST) from exc
+        raise
+    finally:
+        if unwatch is not None:
+            unwatch()
+
+
+def _cut_own(rt: Runtime, plan: Plan, req: Request) -> None:
+    """The caller unregistered the registered cache our transfer moves from or into (``CacheRegistry.serving``):
+    stop touching it before that call returns. The channel's reset (told to the owner) ends our job on it
+    at once, and the device copies a staged transfer queued are waited for; the transfer then fails with
+    ``LLM_KV_CACHE_NOT_EXIST``. A transfer the owner carries in place (same-host, NIXL) is not cut here
+    (docs/reliability.md, row 168)."""
+    if req.state is RequestState.DONE or req.cut:
+        return
+    req.cut = True
+    if not req.in_place:
+        req.abandon_channel()
+    backend = rt.devices
+    if plan.local.on_device and backend is not None and not backend.wait_copies(CUT_WAIT_S):
+        log.error("%s: the device copies of a transfer cut by unregistering its cache did not finish within "
+                  "%.1f s (the device is stuck): they may still touch its memory", req.what, CUT_WAIT_S)
+
+
+async def _run_request(rt: Runtime, link: Link, plan: Plan, req: Request, timeout_ms: int, what: str, pull: bool,
+                       queue_ms: int | None) -> str:
     try:
         async with asyncio.timeout((timeout_ms + (queue_ms or 0)) / 1000) as limit:
             planes = planes_for(link)
@@ -165,6 +205,8 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
             offered = next((p for p in planes if p.in_place and p.can_carry(link, plan, pull=pull)), None)
             _required_plane(rt, link, offered, what)
             req.channel = await link.acquire()
+            if req.cut:  # unregistered while we waited: take nothing from it (the channel goes back)
+                raise LLMException(f"{what}: the cache was unregistered", status_code=LLMStatusCode.LLM_FAILED)
             if queue_ms:
                 limit.reschedule(asyncio.get_running_loop().time() + timeout_ms / 1000)
             req.generation = link.channels[req.channel].generation

@@ -151,7 +151,8 @@ class Request:
     :meth:`give_up`).
     """
 
-    __slots__ = ("link", "what", "state", "channel", "generation", "req_id", "in_place", "settled", "ack", "said")
+    __slots__ = ("link", "what", "state", "channel", "generation", "req_id", "in_place", "settled", "ack", "said",
+                 "cut")
 
     def __init__(self, link: LinkPort, what: str) -> None:
         self.link = link
@@ -166,6 +167,7 @@ class Request:
         # A stream pull's ``RESP`` after the owner's answer, should it stop serving part-way (it unregistered
         # the cache the pull reads): why the bytes stopped coming.
         self.said: asyncio.Future | None = None
+        self.cut = False  # the caller unregistered the registered cache we move (see transfers._cut_own)
 
     def owner_failure(self) -> LLMException | None:
         """What the owner said when it stopped the request part-way (a failed ``DONE`` of a push, a failed
@@ -208,7 +210,7 @@ class Request:
             if self.req_id:
                 link.send(Msg.DONE, self.req_id, status=LLMStatusCode.LLM_FAILED, text="abandoned")
         else:
-            self._abandon_channel()
+            self.abandon_channel()
             if self.settled is not None:
                 await wait_out(self.settled, JOB_SETTLE_S, cancelled)
         if self.ack is not None:
@@ -219,7 +221,7 @@ class Request:
         if cancelled:
             raise cancelled[0]
 
-    def _abandon_channel(self) -> None:
+    def abandon_channel(self) -> None:
         """A channel that may carry the request's bytes is reset on both ends (our job on it is over
         once this returns, see ``Link.reset_channel``)."""
         link, channel, req_id = self.link, self.channel, self.req_id

@@ -434,3 +434,56 @@ async def test_an_unlink_is_answered_once_the_owners_staged_copies_of_the_peers_
         assert GATE_S - 0.05 < took < 1.5, f"unlink_clusters took {took:.2f} s"
         # stopped by the owner as it answered the unlink (LLM_FAILED, its word), or the link's end got there first
         assert result in (S.LLM_FAILED, S.LLM_NOT_YET_LINK, S.LLM_LINK_FAILED), f"the cut push gave {result!r}"
+
+
+# -- the requester's own transfer of a cache it registered ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["pull", "push"])
+async def test_unregistering_a_cache_our_own_transfer_uses_stops_that_transfer(kind: str):
+    """We register memory of ours and pull into it (or push out of it) through a slow path; unregistering it
+    mid-way cuts our own transfer before the call returns, as it cuts a peer's (row 128): no byte lands in the
+    memory after the return (pull), and nothing we write there after the return reaches the peer (push); the
+    transfer fails with ``LLM_KV_CACHE_NOT_EXIST``. Before, unregister returned in 0.1 ms and the transfer
+    went on: a pull wrote 33 MB of the caller's memory after the return, a push handed the peer 76 % of its
+    bytes from memory the caller had written after the return, and both succeeded."""
+    desc = SIZES["loop"]
+    async with v2_pair() as (prompt, dec):
+        theirs = prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(PROMPT, 0))
+        mine = [torch.zeros(desc.shape, dtype=torch.float16) for _ in range(desc.num_tensors)]
+        own = dec.cache_manager.register_blocks_cache(desc, mine, None)
+        if kind == "pull":
+            paint(theirs.tensors, 3)
+            moving = dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), own, ALL, ALL, timeout=20_000)
+            watched = mine
+        else:
+            paint(mine, 5)
+            paint(theirs.tensors, 0)
+            moving = dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), own, ALL, ALL, timeout=20_000)
+            watched = theirs.tensors
+        task = asyncio.ensure_future(moving)
+        at_cut = await until_moving(watched, 3 if kind == "pull" else 5)
+        started = time.monotonic()
+        dec.cache_manager.unregister_cache(own.cache_id)
+        took = time.monotonic() - started
+        if kind == "push":
+            paint(mine, 9)  # the caller reuses its memory at once
+        before = [t.clone() for t in mine]
+        result = await outcome(task)
+        await asyncio.sleep(QUIET_S)
+        assert took < 1.5, f"unregister_cache took {took:.2f} s"
+        if kind == "pull":
+            changed = sum(int((t != b).sum()) * 2 for t, b in zip(mine, before, strict=True))
+            assert changed == 0, (f"{changed} bytes of the unregistered cache changed after unregister_cache "
+                                  f"returned ({at_cut:.0%} had landed at the cut, the pull gave {result!r})")
+        else:
+            late = share(theirs.tensors, 9)
+            assert late == 0, (f"{late:.1%} of the peer's cache holds bytes written after unregister_cache "
+                               f"returned ({at_cut:.0%} had landed at the cut, the push gave {result!r})")
+        assert result == S.LLM_KV_CACHE_NOT_EXIST, f"the cut {kind} gave {result!r}"
+        assert registry_of(dec).serving_count() == 0
+        # the link carries the next transfer
+        again = dec.cache_manager.allocate_blocks_cache(desc)
+        paint(theirs.tensors, 6)
+        await dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), again, ALL, ALL, timeout=20_000)
+        assert share(again.tensors, 6) == 1
