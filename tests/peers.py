@@ -183,6 +183,17 @@ class Pair:
         status, _ = await self.decoder.unlink_clusters([self.info], force=force)
         assert status == LLMStatusCode.LLM_SUCCESS
 
+    async def end(self, how: str) -> None:
+        """End the link ``how``: ``unlink`` (the decoder unlinks), ``requester_finalizes`` (the decoder
+        finalizes) or ``owner_finalizes`` (the prompt does)."""
+        if how == "unlink":
+            await self.unlink()
+        elif how == "requester_finalizes":
+            await self.decoder.finalize()
+        else:
+            assert how == "owner_finalizes", how
+            await self.prompt.finalize()
+
 
 @contextlib.asynccontextmanager
 async def linked_pair(*, link: bool = True, prompt_config: dict[str, Any] | None = None,

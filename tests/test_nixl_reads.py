@@ -127,12 +127,7 @@ async def test_reads_right_before_the_link_ends_are_counted_by_the_owner(end):
         for block in range(5):
             await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [block], [block])
         assert Msg.PULL_REQ not in sent, sent  # nothing asked
-        if end == "unlink":
-            await pair.unlink()
-        elif end == "requester_finalizes":
-            await pair.decoder.finalize()
-        else:
-            await pair.prompt.finalize()
+        await pair.end(end)
         async with asyncio.timeout(1):
             while sum(served) < 5:
                 await asyncio.sleep(0.01)

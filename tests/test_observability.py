@@ -8,12 +8,15 @@ checks the numbers both ends report and what a scrape of the registry says.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
 import re
 import signal
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -286,21 +289,34 @@ async def test_an_endpoint_watched_again_or_made_anew_adds_to_one_series_per_clu
     assert (len(metrics._watched), list(metrics._retired)) == (0, ["2"])  # gone endpoints: one sum per cluster
 
 
-def test_the_blocking_facade_can_be_unwatched():
+@contextlib.contextmanager
+def linked_facades(before_decoder_init: Callable[[Any], Any] = lambda decoder: None) -> Iterator[tuple[Any, Any, Any]]:
+    """A blocking-facade PROMPT 31 (listening, with a blocks cache under ``BlocksCacheKey(31, 0)``) and DECODER 32
+    linked to it; yields them and the decoder's blocks cache. ``before_decoder_init(decoder)`` runs between the
+    two inits."""
     from aio_datadist import compat
 
-    registry = CollectorRegistry()
     prompt, decoder = compat.LLMDataDist(LLMRole.PROMPT, 31), compat.LLMDataDist(LLMRole.DECODER, 32)
-    pulls = {"cluster_id": "32", "kind": "pull", "transport": "local", "outcome": "ok"}
     try:
         prompt.init(loopback_options(listen=True))
+        before_decoder_init(decoder)
         decoder.init(loopback_options())
-        metrics = instrument(decoder, registry)
         prompt.kv_cache_manager.allocate_blocks_cache(blocks_desc(), aio.BlocksCacheKey(31, 0))
-        dst = decoder.kv_cache_manager.allocate_blocks_cache(blocks_desc())
         assert prompt.listen_address is not None
         status, _ = decoder.link_clusters([cluster(31, prompt.listen_address)])
         assert status == LLMStatusCode.LLM_SUCCESS
+        yield prompt, decoder, decoder.kv_cache_manager.allocate_blocks_cache(blocks_desc())
+    finally:
+        decoder.finalize()
+        prompt.finalize()
+        compat._RUNNER.stop()  # the facade's loop thread lives for the process; end it for the leak check
+
+
+def test_the_blocking_facade_can_be_unwatched():
+    registry = CollectorRegistry()
+    pulls = {"cluster_id": "32", "kind": "pull", "transport": "local", "outcome": "ok"}
+    with linked_facades() as (_, decoder, dst):
+        metrics = instrument(decoder, registry)
         decoder.kv_cache_manager.pull_blocks(aio.BlocksCacheKey(31, 0), dst, [0], [0])
         assert sample(registry, "aio_datadist_transfers_total", **pulls) == 1
         metrics.unwatch(decoder)
@@ -311,10 +327,6 @@ def test_the_blocking_facade_can_be_unwatched():
         decoder.kv_cache_manager.pull_blocks(aio.BlocksCacheKey(31, 0), dst, [0], [0])
         assert sample(registry, "aio_datadist_transfers_total", **pulls) == 2
         del dst
-    finally:
-        decoder.finalize()
-        prompt.finalize()
-        compat._RUNNER.stop()
 
 
 def test_metrics_cost_nothing_to_import_without_being_used():
@@ -328,29 +340,14 @@ def test_metrics_cost_nothing_to_import_without_being_used():
 
 
 def test_the_blocking_facade_has_stats_and_can_be_instrumented():
-    from aio_datadist import compat
-
     registry = CollectorRegistry()
-    prompt, decoder = compat.LLMDataDist(LLMRole.PROMPT, 31), compat.LLMDataDist(LLMRole.DECODER, 32)
-    try:
-        prompt.init(loopback_options(listen=True))
-        instrument(decoder, registry)
-        decoder.init(loopback_options())
-        prompt.kv_cache_manager.allocate_blocks_cache(blocks_desc(), aio.BlocksCacheKey(31, 0))
-        dst = decoder.kv_cache_manager.allocate_blocks_cache(blocks_desc())
-        assert prompt.listen_address is not None
-        status, _ = decoder.link_clusters([cluster(31, prompt.listen_address)])
-        assert status == LLMStatusCode.LLM_SUCCESS
+    with linked_facades(lambda decoder: instrument(decoder, registry)) as (_, decoder, dst):
         decoder.kv_cache_manager.pull_blocks(aio.BlocksCacheKey(31, 0), dst, [0], [0])
         assert decoder.stats().links[31].kinds["pull"].transfers == 1
         text = generate_latest(registry).decode()  # from this thread, while the facade's loop runs
         assert 'aio_datadist_caches{cluster_id="32"} 1.0' in text
         assert sample(registry, "aio_datadist_link_events_total", cluster_id="32", event="up") == 1
         del dst
-    finally:
-        decoder.finalize()
-        prompt.finalize()
-        compat._RUNNER.stop()  # the facade's loop thread lives for the process; end it for the leak check
 
 
 @pytest.mark.asyncio

@@ -212,12 +212,7 @@ async def test_reads_right_before_the_link_ends_are_counted_by_the_owner(end):
         for i in range(5):
             await pair.dm.pull_blocks(KEY, dst, [i], [i])
         assert seen == []
-        if end == "unlink":
-            await pair.unlink()
-        elif end == "requester_finalizes":
-            await pair.decoder.finalize()
-        else:
-            await pair.prompt.finalize()
+        await pair.end(end)
         await eventually(lambda: served.count == 5, limit_s=1.0)
 
 

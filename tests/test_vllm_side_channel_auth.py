@@ -178,7 +178,13 @@ def test_a_flood_of_silent_connections_does_not_block_an_honest_decoder(agents) 
         # of 300 and more, the flood holds at most MAX_PENDING_HANDSHAKES of the side channel's accepted
         # connections (the honest decode's own may be one more), and few sockets of ours besides (the
         # honest decode's side channel and link: 14, both ends in this process)
-        assert 0 < _accepted_on(port) <= MAX_PENDING_HANDSHAKES + 1, _accepted_on(port)
+        # (a snapshot taken from this thread may also catch connections the loop accepted in its last batch and
+        # not yet seen, or evicted and not yet closed: the least of a few snapshots is what the flood holds)
+        held = []
+        for _ in range(5):
+            held.append(_accepted_on(port))
+            time.sleep(0.02)
+        assert 0 < min(held) <= MAX_PENDING_HANDSHAKES + 1, held
         assert _sockets() - before <= MAX_PENDING_HANDSHAKES + 20, (before, _sockets())
         flood.stdin.close()
         total = json.loads(flood.stdout.readline())["opened"]
