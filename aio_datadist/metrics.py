@@ -154,12 +154,7 @@ class PrometheusMetrics:
     def _retire(self, observer: _Observer) -> None:
         """Add what ``observer`` (no longer told of anything) counted to its cluster's retired counts; the lock
         is held."""
-        counted = _copy(observer)  # the endpoint's loop may be finishing a count it began before the removal
-        retired = self._retired.get(observer.cluster)
-        if retired is None:
-            self._retired[observer.cluster] = counted
-        else:
-            retired.add(counted)
+        _add_to(self._retired, _copy(observer))  # (a copy: the endpoint's loop may be finishing a count)
 
     def _sources(self) -> tuple[list[tuple[LLMDataDist, _Observer]], list[_Observer]]:
         """The endpoints watched, each with its observer, and a copy of the retired counts of each cluster;
@@ -262,6 +257,13 @@ class _Observer:
             self.links[event] = self.links.get(event, 0) + n
 
 
+def _add_to(counts: dict[str, _Observer], counted: _Observer) -> None:
+    """Add ``counted`` (a copy nobody else counts in) to its cluster's entry of ``counts``, or make it that entry."""
+    mine = counts.setdefault(counted.cluster, counted)
+    if mine is not counted:
+        mine.add(counted)
+
+
 class _Collector:
     """Every series, read at collection time: counters and the histogram from the observers, gauges from
     each watched endpoint's ``stats()`` (both taken on the endpoint's own loop)."""
@@ -316,10 +318,7 @@ class _Collector:
         snaps: dict[str, EndpointStats] = {}
         for dd, observer in watched:
             snap, counted = _snapshot(dd, observer)
-            if counted.cluster in counts:
-                counts[counted.cluster].add(counted)
-            else:
-                counts[counted.cluster] = counted
+            _add_to(counts, counted)
             if snap is not None:
                 snaps[counted.cluster] = snap
         for counted in counts.values():

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +30,7 @@ from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport import plane, planes_for
 from aio_datadist.transport.base import Plane, Refused, Request, RequestState, meets
-from aio_datadist.transport.staging import CUT_WAIT_S
+from aio_datadist.transport.staging import wait_cut_copies
 from aio_datadist.transport.stream import PLANE as STREAM_PLANE
 from aio_datadist.wire import Msg, Resp
 
@@ -40,8 +39,6 @@ if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
 
 __all__ = ["run_pull", "run_push"]
-
-log = logging.getLogger(__name__)
 
 
 async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> None:
@@ -189,10 +186,8 @@ def _cut_own(rt: Runtime, plan: Plan, req: Request) -> None:
     req.cut = True
     if not req.in_place:
         req.abandon_channel()
-    backend = rt.devices
-    if plan.local.on_device and backend is not None and not backend.wait_copies(CUT_WAIT_S):
-        log.error("%s: the device copies of a transfer cut by unregistering its cache did not finish within "
-                  "%.1f s (the device is stuck): they may still touch its memory", req.what, CUT_WAIT_S)
+    if plan.local.on_device:
+        wait_cut_copies(rt, req.what)
 
 
 async def _run_request(rt: Runtime, link: Link, plan: Plan, req: Request, timeout_ms: int, what: str, pull: bool,

@@ -40,13 +40,23 @@ if TYPE_CHECKING:
     from aio_datadist.plans import Plan
     from aio_datadist.runtime import Runtime
 
-__all__ = ["PLANE", "StagingPlane", "CUT_WAIT_S"]
+__all__ = ["PLANE", "StagingPlane", "CUT_WAIT_S", "wait_cut_copies"]
 
 log = logging.getLogger(__name__)
 
 #: How long unregistering a registered device cache waits, blocking, for the copies a cut staged job queued on
 #: the copy stream (at most the staging pool's chunks: milliseconds on a device that runs).
 CUT_WAIT_S = 1.0
+
+
+def wait_cut_copies(rt: Runtime, what: str) -> None:
+    """A staged job that touches a registered device cache was cut because the caller unregistered the cache,
+    which is the caller's memory again once that call returns: block until the copy stream has done what the
+    job queued there, behind other work (at most :data:`CUT_WAIT_S`; a stuck device is logged)."""
+    backend = rt.devices
+    if backend is not None and not backend.wait_copies(CUT_WAIT_S):
+        log.error("%s: the device copies of a staged job cut by unregistering its cache did not finish within "
+                  "%.1f s (the device is stuck): they may still touch its memory", what, CUT_WAIT_S)
 
 
 def _view_pairs(view: torch.Tensor) -> Any:
@@ -124,14 +134,8 @@ class StagingPlane(StreamPlane):
         return cache is not None and cache.on_device
 
     def _cut_copies(self, rt: Runtime, req_id: int) -> None:
-        # The job's device copies into (or out of) the cache may be queued on the copy stream behind other
-        # work: the cache is the caller's again once the unregistering call returns, so wait for them here.
-        # The task of the job is cancelled, so it queues none after this.
-        backend = rt.devices
-        if backend is not None and not backend.wait_copies(CUT_WAIT_S):
-            log.error("serving request %d: the device copies of a cut staged job did not finish within %.1f s "
-                      "of unregistering its cache (the device is stuck): they may still touch its memory",
-                      req_id, CUT_WAIT_S)
+        # The job's task is cancelled, so it queues no copy after this.
+        wait_cut_copies(rt, f"serving request {req_id}")
 
     def _serve_move(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq,
                     served: Served, answer: tuple[array.array, array.array] | None) -> asyncio.Future:
