@@ -63,6 +63,7 @@ GIB = 1 << 30
 # The issue's geometry: 64 tensors of [4096, 16, 8, 128] fp16 = 32 KiB blocks, 8 GiB in all.
 TENSORS, BLOCKS, BLOCK_SHAPE = 64, 4096, (16, 8, 128)
 HOST_BLOCKS = 512
+STAGED_BLOCKS = 512  # the staged TCP pull: 512 random blocks x 64 tensors = 1 GiB
 
 
 class Report:
@@ -153,22 +154,49 @@ def build(report: Report, timeout: float) -> bool:
     return done.returncode == 0
 
 
-def run_tests(report: Report, env: dict[str, str], timeout: float) -> None:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu",
-           "tests/test_stream_notifier.py", "tests/test_device_cpu.py", "tests/test_device_staging.py",
-           "tests/test_host_backend.py", "tests/test_staging_plane.py", "tests/test_device_drivers.py",
-           "tests/test_device_ipc.py", "tests/test_device_vmm.py"]
+DEVICE_TESTS = ["tests/gpu", "tests/test_triton_kernels.py", "tests/test_stream_notifier.py",
+                "tests/test_device_cpu.py", "tests/test_device_staging.py", "tests/test_host_backend.py",
+                "tests/test_staging_plane.py", "tests/test_device_drivers.py", "tests/test_device_ipc.py",
+                "tests/test_device_vmm.py"]
+
+
+def _have(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def run_tests(report: Report, env: dict[str, str], timeout: float, paths: list[str] | None = None,
+              log: str = "gpu_tests.log", workers: int = 0, verbose: bool = False) -> None:
+    """pytest over ``paths`` (default: the device tests), each test bounded where pytest-timeout exists,
+    spread over ``workers`` processes where pytest-xdist exists; the log goes to ``log`` under the output."""
+    cmd = [sys.executable, "-m", "pytest", "-v" if verbose else "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider"]
+    if _have("pytest_timeout"):
+        cmd += ["--timeout", "90"]
+    if workers and _have("xdist"):
+        cmd += ["-n", str(workers)]
+    cmd += paths or DEVICE_TESTS
     t0 = time.monotonic()
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        text, code = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as exc:
-        text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        text, code = text + f"\n[timed out after {timeout:.0f} s]", -1
-    (report.out / "gpu_tests.log").write_text(text)
+    # Written as it runs (with each test's verdict where -v is given), so a run cut short keeps what it had.
+    path = report.out / log
+    with open(path, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            code = -1
+            sink.write(f"\n[timed out after {timeout:.0f} s]\n")
+    text = path.read_text(errors="replace")
     summary = [ln for ln in text.splitlines() if " passed" in ln or " failed" in ln or " error" in ln]
-    report.tests = (f"{summary[-1].strip() if summary else 'no summary'} (exit {code}, "
-                    f"{time.monotonic() - t0:.0f} s; `{' '.join(cmd[2:])}`; log: gpu_tests.log)")
+    said = (f"{summary[-1].strip() if summary else 'no summary'} (exit {code}, "
+            f"{time.monotonic() - t0:.0f} s; `{' '.join(cmd[2:])}`; log: {log})")
+    if log == "gpu_tests.log":
+        report.tests = said
+    else:
+        report.env[f"tests ({log})"] = said
     print(text[-6000:], flush=True)
     report.write()
 
@@ -184,6 +212,8 @@ def environment(report: Report) -> None:
         "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
         "python": platform.python_version(),
         "triton": _version("triton") if kernels.available() else "not importable (kernel path off)",
+        "test tools": ", ".join(f"{n} {_version(n)}" for n in ("pytest", "pytest-asyncio", "pytest-timeout",
+                                                                "pytest-xdist", "uvloop", "anyio", "cython")),
     })
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem",
@@ -303,6 +333,26 @@ async def bench_copy_blocks(report: Report, dd: Any, deadline: float) -> dict[st
                    f"median of {reps}, method {'kernel' if kernels.available() else 'torch'}")
         dside = cache_side(cache, dsts, 0, cache.layout.row_bytes)
         sside = cache_side(cache, srcs, 0, cache.layout.row_bytes)
+        if kernels.available():
+            # Where the API row's time goes: the host's time to enqueue one kernel copy (tables, launch), with
+            # no wait, against the call -> resumed median; the completion latency rows give the wake-up.
+            keep: list[Any] = []
+            with torch.cuda.stream(backend.stream):
+                enqueue_rows(backend, dside, sside, cache.layout.row_bytes, "kernel", keep)
+                backend.stream.synchronize()
+                took, whole = [], []
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    enqueue_rows(backend, dside, sside, cache.layout.row_bytes, "kernel", keep)
+                    took.append(time.perf_counter() - t0)
+                    backend.stream.synchronize()
+                    whole.append(time.perf_counter() - t0)
+            keep.clear()
+            report.row(f"{label}, host time to enqueue the kernel copy", statistics.median(took) * 1e6, "us",
+                       "API call -> resumed", statistics.median(api) * 1e6, "", "median of 20, stream idle")
+            report.row(f"{label}, kernel copy enqueued then stream.synchronize() (wall)",
+                       gbps(nbytes, statistics.median(whole)), "GB/s", "contiguous device copy", ceiling, "",
+                       "median of 20: enqueued as the API does, a blocking wait in place of validation and completion")
         for method in ("kernel", "torch", "batch"):
             if method == "kernel" and not kernels.available():
                 continue
@@ -350,6 +400,14 @@ async def tune_kernel(report: Report, cache: Any, backend: Any, ceiling: float |
         kernels.NUM_WARPS, kernels.STEP_BYTES, kernels.CHUNK_BYTES = defaults
 
 
+def _swap_method(backend: Any, host: Any) -> str:
+    from aio_datadist.devices import kernels
+
+    if host._pin is not None and kernels.available():
+        return "kernel"
+    return "batch" if backend.batch_copies else "staged"
+
+
 async def bench_swap(report: Report, dd: Any, deadline: float) -> None:
     import torch
 
@@ -385,7 +443,7 @@ async def bench_swap(report: Report, dd: Any, deadline: float) -> None:
         label = f"swap_blocks {direction} {HOST_BLOCKS} x 32 KiB x {TENSORS} tensors ({nbytes / MIB:.0f} MiB)"
         api = await wall_time(lambda: kv.swap_blocks(src, dst, mapping), 5, warm=1)
         report.row(f"{label}, API", gbps(nbytes, statistics.median(api)), "GB/s", f"contiguous pinned {direction}",
-                   ceil[direction], ">= 0.9x", f"median of 5, method {'batch' if backend.batch_copies else 'staged'}")
+                   ceil[direction], ">= 0.9x", f"median of 5, method {_swap_method(backend, host)}")
         dside = cache_side(dst, drows, 0, dst.layout.row_bytes)
         sside = cache_side(src, srows, 0, src.layout.row_bytes)
         for method in ("batch", "kernel"):
@@ -777,8 +835,6 @@ async def run_benchmarks(report: Report, deadline: float) -> None:
     except Exception as exc:  # noqa: BLE001
         report.note(f"staging pull failed: {exc!r}\n{traceback.format_exc()[-2000:]}")
     torch.cuda.empty_cache()
-    if time.monotonic() < deadline - 20:
-        latency_uvloop(report)
 
 
 def main() -> int:
@@ -788,6 +844,10 @@ def main() -> int:
     parser.add_argument("--skip-build", action="store_true")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--suite", type=float, default=0.0, metavar="S",
+                        help="last, the whole test suite (less tests/gpu) for at most S seconds over pytest-xdist "
+                             "workers: on a CUDA machine aio.DeviceType=auto puts every device cache on the GPU")
+    parser.add_argument("--workers", type=int, default=12, help="pytest-xdist workers for --suite (default 12)")
     args = parser.parse_args()
     start = time.monotonic()
     deadline = start + args.budget
@@ -795,6 +855,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
     env = ensure_pytest_asyncio(report)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if not args.skip_build and not build(report, timeout=min(240.0, args.budget / 2)):
         print(report.markdown())
         return 1
@@ -806,12 +867,22 @@ def main() -> int:
         return 1
     environment(report)
     if not args.skip_tests:
-        run_tests(report, env, timeout=max(60.0, min(200.0, deadline - time.monotonic() - 150)))
+        run_tests(report, dict(env, AIO_DATADIST_TEST_CUDA="1"),
+                  timeout=max(60.0, min(200.0, deadline - time.monotonic() - 150)), workers=args.workers)
     if not args.skip_bench:
         try:
-            asyncio.run(run_benchmarks(report, deadline))
+            asyncio.run(run_benchmarks(report, deadline - args.suite))
+            if time.monotonic() < deadline - args.suite - 20:
+                latency_uvloop(report)
         except Exception as exc:  # noqa: BLE001
             report.note(f"benchmarks stopped: {exc!r}\n{traceback.format_exc()[-3000:]}")
+    if args.suite:
+        left = deadline - time.monotonic()
+        if left < 30:
+            report.note("whole suite: skipped (time budget)")
+        else:
+            run_tests(report, env, left, ["tests", "--ignore=tests/gpu"], "suite_tests.log", args.workers,
+                      verbose=True)
     report.env["wall"] = f"{time.monotonic() - start:.0f} s (budget {args.budget:.0f} s)"
     report.write()
     print(report.markdown(), flush=True)

@@ -14,6 +14,16 @@ import uvloop
 
 from aio_datadist import _core
 
+#: On a machine with a CUDA device, ``aio.DeviceType=auto`` (the default) opens it, so every test that takes the
+#: default would put its ``Placement.DEVICE`` caches on the GPU, where the host-path tests and their byte checks
+#: on host tensors do not expect them (a lent H200 failed dozens so). The suite therefore hides the device from
+#: itself and every peer process it starts, unless ``AIO_DATADIST_TEST_CUDA=1``, which the GPU tests need
+#: (``tests/gpu``, ``tests/test_triton_kernels.py``; ``benchmarks/gpu.py`` sets it). Set before anything
+#: initialises CUDA: tests/gpu/conftest.py asks torch at import, after this file.
+CUDA_OPT_IN = "AIO_DATADIST_TEST_CUDA"
+if os.environ.get(CUDA_OPT_IN) != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 #: What the fork server imports once, so that each peer forked from it starts in tens of milliseconds
 #: instead of the ~2 s a ``spawn`` start with torch costs here (modules of another test folder that is
@@ -91,8 +101,9 @@ def pytest_collection_modifyitems(config, items):
 
 # Event loops (and os.urandom) keep these for their own lifetime, which
 # pytest-asyncio ends after this fixture; our own fds are eventfds, epoll fds
-# of engines (also counted by live_objects), sockets and memfds.
-_LOOP_OWNED = ("/dev/urandom", "pipe:")
+# of engines (also counted by live_objects), sockets and memfds. With a CUDA device
+# visible, the driver opens its device files lazily and keeps them for the process.
+_LOOP_OWNED = ("/dev/urandom", "pipe:", "/dev/nvidia")
 
 
 def _open_fds() -> set[str]:

@@ -78,13 +78,22 @@ def test_factory_loads_a_backend_module_only_when_that_kind_is_opened():
         import sys
         from aio_datadist import LLMException, LLMStatusCode as S, _core
         import aio_datadist.runtime
-        from aio_datadist.devices import open_backend, select_device
+        from aio_datadist.devices import auto_device, open_backend, select_device
         loaded = lambda: sorted(m for m in ("aio_datadist.devices.cuda", "aio_datadist.devices.npu")
                                 if m in sys.modules)
         assert loaded() == [], loaded()
         q = _core.CompletionQueue()
-        assert select_device("auto", None, q) is None and select_device("cpu", 0, q) is None
+        assert select_device("cpu", 0, q) is None
         assert loaded() == [], loaded()
+        auto = auto_device()  # 'cpu' in CI; 'cuda' where torch sees a CUDA device
+        if auto == "cpu":
+            assert select_device("auto", None, q) is None
+            assert loaded() == [], loaded()
+        else:
+            backend = select_device("auto", None, q)
+            assert backend.kind == auto, (backend.kind, auto)
+            backend.close()
+            assert loaded() == [f"aio_datadist.devices.{auto}"], loaded()
         try:
             open_backend("tpu", 0, q)
         except LLMException as exc:
@@ -95,7 +104,8 @@ def test_factory_loads_a_backend_module_only_when_that_kind_is_opened():
             open_backend("npu", 0, q)
         except LLMException as exc:
             assert exc.status_code == S.LLM_FEATURE_NOT_ENABLED, exc
-        assert loaded() == ["aio_datadist.devices.npu"], loaded()
+        assert loaded() == sorted({"aio_datadist.devices.npu", f"aio_datadist.devices.{auto}"} - {
+            "aio_datadist.devices.cpu"}), loaded()
         q.close()
         print("ok")
     """)
@@ -227,3 +237,31 @@ def test_rows_and_bytes_outside_a_peer_cache_never_reach_a_copy():
         with pytest.raises(ExportInvalid):
             peer.side(rows, offset, nbytes, first, count)
     peer.close()
+
+
+def test_the_default_copy_method_follows_what_each_side_is(monkeypatch):
+    """Device rows go by the kernel on CUDA; host<->device by the kernel only where the host cache is page-locked
+    (the device addresses it), else by a driver batch, else staged; the host backend always batches."""
+    from aio_datadist.devices.copies import Side, choose_method
+
+    def side(on_host: bool) -> Side:
+        return Side((0,), 16, (0,), 0, torch.device("cpu"), lambda: (), on_host=on_host)
+
+    class Backend:
+        def __init__(self, kind: str, batch: bool) -> None:
+            self.kind, self.batch_copies = kind, batch
+
+    dev, host = side(False), side(True)
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    cuda = Backend("cuda", True)
+    assert choose_method(cuda, dev, dev) == "kernel"
+    assert choose_method(cuda, dev, host, host_pinned=True) == "kernel"
+    assert choose_method(cuda, host, dev, host_pinned=True) == "kernel"
+    assert choose_method(cuda, dev, host) == "batch"
+    assert choose_method(Backend("cuda", False), dev, host) == "staged"
+    assert choose_method(Backend("npu", False), dev, host, host_pinned=True) == "staged"
+    assert choose_method(Backend("npu", False), dev, dev) == "torch"
+    assert choose_method(Backend("host", True), dev, host, host_pinned=True) == "batch"
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    assert choose_method(cuda, dev, host, host_pinned=True) == "batch"
+    assert choose_method(cuda, dev, dev) == "torch"

@@ -29,7 +29,7 @@ pytestmark = [
     pytest.mark.triton,
     pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (tools/check_triton.sh installs it)"),
     pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                       reason="needs TRITON_INTERPRET=1 or a CUDA device"),
+                       reason="needs TRITON_INTERPRET=1, or a CUDA device and AIO_DATADIST_TEST_CUDA=1"),
 ]
 
 

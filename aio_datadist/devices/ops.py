@@ -62,7 +62,8 @@ async def copy_rows(rt: DeviceRuntime, dst: KvCache, dst_rows: Sequence[int], sr
             raise param_invalid(arg, f"cache is on {cache.device}, this LLMDataDist uses {backend.device}")
     dst_side = cache_side(dst, dst_rows, offset, nbytes)
     src_side = cache_side(src, src_rows, offset, nbytes)
-    method = method or choose_method(backend, dst_side, src_side)
+    method = method or choose_method(backend, dst_side, src_side,
+                                     host_pinned=all(c.on_device or c._pin is not None for c in (dst, src)))
     if method == "kernel":
         if any(not c.on_device and c._pin is None for c in (dst, src)):
             # A kernel can reach host memory only where the driver mapped it; anything else is a device fault.

@@ -12,6 +12,8 @@ import torch
 from aio_datadist import _core
 
 CUDA = torch.cuda.is_available()
+SKIP_REASON = ("needs a CUDA device" if os.environ.get("AIO_DATADIST_TEST_CUDA") == "1" else
+               "needs a CUDA device and AIO_DATADIST_TEST_CUDA=1 (without it tests/conftest.py hides the device)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
         if str(item.fspath).startswith(here):
             item.add_marker(pytest.mark.gpu)
             if not CUDA:
-                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+                item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
 
 
 @pytest.fixture(scope="session", autouse=True)
