@@ -650,6 +650,14 @@ async def bench_ipc(report: Report, ceiling: float | None, deadline: float) -> N
                        "contiguous device copy of the same bytes, in one process", ceiling, ">= 0.8x",
                        f"median of 10; transport {taken}; owner exported: {exported}; "
                        f"device_ipc_off: {stats.device_ipc_off}")
+            # Fixed and per-block cost: the same pull of 1 and 64 of those blocks.
+            for n in (1, 64):
+                few = lambda n=n: dd.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), local, src[:n],  # noqa: E731
+                                                                  dst[:n])
+                small = await wall_time(few, 20)
+                report.row(f"cross-process same-GPU pull by device IPC, {n} block(s) (call -> resumed)",
+                           statistics.median(small) * 1e6, "us", "the 512-block pull",
+                           statistics.median(times) * 1e6, "", "median of 20")
             got = local.tensors[5].view(torch.uint8).view(BLOCKS, -1)[dst[0]].cpu()
             if not torch.equal(got, want[src[0]]):
                 report.note("IPC pull: BYTES DIFFER for a checked block")
