@@ -33,9 +33,11 @@ class PushWatch:
     :class:`LLMException` from the layers it touched and from ``await watch``
     (``LLM_LINK_FAILED`` when the link went, else the failure's code); layers
     that landed stay done. A failed layer stays failed: watch again for a
-    retried push. The watch has no timeout of its own: bound the wait
-    (``wait(timeout=...)``, ``asyncio.timeout``), as a peer that never starts
-    pushing is caught only so. Close it (or use ``with``) when no longer needed.
+    retried push. Deallocating or unregistering the cache fails what is still
+    pending with ``LLM_KV_CACHE_NOT_EXIST``. The watch has no timeout of its
+    own: bound the wait (``wait(timeout=...)``, ``asyncio.timeout``), as a peer
+    that never starts pushing is caught only so. Close it (or use ``with``)
+    when no longer needed.
     """
 
     def __init__(self, arrivals: Arrivals, cache: KvCache, rows: Sequence[int], layers: range,
@@ -117,13 +119,14 @@ class PushWatch:
             raise LLMException(f"pushed layers {missing} did not land within {ms} ms",
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None
 
-    def close(self) -> None:
-        """Stop watching; waiters still pending fail with ``LLM_FAILED``."""
+    def close(self, exc: LLMException | None = None) -> None:
+        """Stop watching; waiters still pending fail with ``LLM_FAILED`` (or ``exc``)."""
         if self._closed:
             return
         self._closed = True
         self._arrivals._remove(self)
-        exc = LLMException("the push watch was closed", status_code=LLMStatusCode.LLM_FAILED)
+        if exc is None:
+            exc = LLMException("the push watch was closed", status_code=LLMStatusCode.LLM_FAILED)
         for fut in [*self._layers.values(), self._all]:
             if not fut.done():
                 fut.set_exception(exc)
@@ -171,6 +174,13 @@ class Arrivals:
         rows = list(rows)
         for watch in list(watches):
             watch._torn(tensors, rows, exc)
+
+    def released(self, cache: KvCache) -> None:
+        """``cache`` was deallocated or unregistered: nothing can land in it for its caller any more, so every
+        open watch of it fails what is still pending with ``LLM_KV_CACHE_NOT_EXIST`` and closes."""
+        for watch in list(self._watches.get(id(cache), ())):
+            watch.close(LLMException(f"cache {cache.cache_id} was released while its pushes were watched",
+                                     status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST))
 
     def close(self) -> None:
         for watches in list(self._watches.values()):

@@ -157,6 +157,7 @@ class CacheLease:
             except LLMException as exc:
                 if exc.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:  # already dropped by its owner
                     raise
+            runtime.arrivals.released(cache)
 
 
 def lease_cache(manager: _Manager, cache: KvCache, cache_keys: Sequence[CacheKey], *,

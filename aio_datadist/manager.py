@@ -228,7 +228,9 @@ class KvCacheManager:
             LLMDataDist; ``LLM_PARAM_INVALID`` for a ``create_cpu_cache`` cache,
             as LLM-DataDist ("only support device cache").
         """
-        self._rt().registry.deallocate(cache)
+        rt = self._rt()
+        rt.registry.deallocate(cache)
+        rt.arrivals.released(cache)  # a watch of its pushes would wait for bytes that cannot come
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Stop offering a row under ``cache_key`` (PROMPT or MIX). No-op if unbound, and for a key of a

@@ -615,3 +615,23 @@ async def test_prompt_pushes_and_pulls_over_the_link_it_accepted(transport):
             await cm.push_cache(CacheKeyByIdAndIndex(DECODER_ID, rows_id, 2), rows)  # the link is still usable
             got_rows = tensors_from_dump(ROWS, await decoder.call("dump", "rows"))
             assert all(torch.equal(got_rows[t][2], my_rows[t][0]) for t in range(4))
+
+
+async def test_unregistering_a_watched_cache_fails_its_watch():
+    """A push watch of a cache that is then unregistered (or deallocated) fails with LLM_KV_CACHE_NOT_EXIST
+    at once instead of waiting for pushes that can no longer land."""
+    async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        cm = dd.cache_manager
+        blocks, _ = register(cm, BLOCKS, 1, BlocksCacheKey(DECODER_ID, 0))
+        owned = cm.allocate_blocks_cache(BLOCKS)
+        watches = [cm.watch_pushes(blocks, [1, 2]), cm.watch_pushes(owned, [0])]
+        cm.unregister_cache(blocks.cache_id)
+        cm.deallocate_blocks_cache(owned)
+        for watch in watches:
+            assert watch.done()
+            with rejected(S.LLM_KV_CACHE_NOT_EXIST):
+                await watch
+            with rejected(S.LLM_KV_CACHE_NOT_EXIST):
+                await watch.layer(0)
+        with rejected(S.LLM_KV_CACHE_NOT_EXIST, "cache"):
+            cm.watch_pushes(owned, [0])  # a released cache is not watched

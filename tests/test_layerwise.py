@@ -1118,3 +1118,26 @@ async def test_a_synchronizer_that_swallows_the_cancellation_does_not_keep_the_t
         await asyncio.sleep(0.1)
         assert untouched(dst, before, range(1, LAYERS))
         assert await task.get_results() == [LLMStatusCode.LLM_FAILED]
+
+
+async def test_a_watch_of_a_cache_released_mid_transfer_fails_what_cannot_land() -> None:
+    """Layer 0 lands, then the decoder deallocates the watched cache: the layers still pending fail with
+    LLM_KV_CACHE_NOT_EXIST at once (before, they waited forever), the landed layer stays done, and the prompt's
+    next layer finds no cache."""
+    async with setup() as s:
+        src, dst = s.blocks_src(), s.dsts[0]
+        watch = s.dm.watch_pushes(dst, DST_BLOCKS)
+        gate = Gate()
+        task = s.pm.transfer_cache_async(src, gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        gate.open(0)
+        async with asyncio.timeout(5):
+            await watch.layer(0)
+        s.dm.deallocate_cache(dst)
+        async with asyncio.timeout(BOUND_S):
+            assert await code_of(watch.layer(1)) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+            assert await code_of(watch) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        assert watch.done()
+        await watch.layer(0)  # what landed stays landed
+        gate.open(1, 2, 3)
+        async with asyncio.timeout(5):
+            assert await task.get_results() == [LLMStatusCode.LLM_KV_CACHE_NOT_EXIST]

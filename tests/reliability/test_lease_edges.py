@@ -153,3 +153,18 @@ async def test_a_lease_on_anything_but_a_kv_cache_manager_is_refused_naming_mana
         assert held(dd) == before and lease_of(cache) is None
         cm.deallocate_cache(cache)
         cm.remove_cache_key(CacheKey(PROMPT, 50))
+
+
+@pytest.mark.asyncio
+async def test_a_lease_that_ends_a_watched_cache_fails_its_watch():
+    """A lease that releases its cache ends every push watch of it with LLM_KV_CACHE_NOT_EXIST, as
+    deallocate_cache does (before, the watch waited for pushes that could no longer land)."""
+    async with endpoint(LLMRole.MIX, PROMPT) as dd:
+        kv = dd.kv_cache_manager
+        cache = kv.allocate_cache(ROWS, keys_for(60), lease_ms=60_000)
+        watch = kv.watch_pushes(cache, [0, 1], tensors_per_layer=1)
+        lease_of(cache).release()
+        assert watch.done()
+        with pytest.raises(LLMException) as info:
+            await watch.layer(1)
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
