@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import logging
 import time
+import traceback
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Protocol
@@ -233,7 +234,7 @@ class LinkCounters:
             try:
                 observer.transfer(self.cluster_id, kind, transport, nbytes, seconds, outcome, status)
             except Exception:  # an observer's failure is its own: never the transfer's
-                log.exception("an aio_datadist observer failed on a finished transfer")
+                _observer_failed("an aio_datadist observer failed on a finished transfer")
 
     def ended_many(self, kind: str, transport: str, count: int, nbytes: int, seconds: float) -> None:
         """``count`` transfers of ``kind`` we did not begin ended well, ``nbytes`` and ``seconds`` in all (a peer's
@@ -247,7 +248,7 @@ class LinkCounters:
             try:
                 observer.transfers(self.cluster_id, kind, transport, count, nbytes, seconds)
             except Exception:  # an observer's failure is its own: never the transfer's
-                log.exception("an aio_datadist observer failed on finished transfers")
+                _observer_failed("an aio_datadist observer failed on finished transfers")
 
     def link_event(self, *, up: bool) -> None:
         """The link came up (``up``) or went down: tell the observers."""
@@ -255,7 +256,7 @@ class LinkCounters:
             try:
                 observer.link(self.cluster_id, self.remote_cluster_id, up)
             except Exception:
-                log.exception("an aio_datadist observer failed on a link event")
+                _observer_failed("an aio_datadist observer failed on a link event")
 
     def refused(self, kind: str, transport: str, status: LLMStatusCode) -> None:
         """A request of ``kind`` was refused before it began (counted as a failure with ``status``)."""
@@ -269,3 +270,10 @@ class LinkCounters:
         rtt = None if self.rtt_s is None else self.rtt_s * 1000
         return LinkStats(self.remote_cluster_id, remote_role, link_id, transport, time.monotonic() - self.started,
                          rtt, bytes_in, bytes_out, MappingProxyType(kinds), device_ipc_off, self.nixl_vram_off)
+
+
+def _observer_failed(what: str) -> None:
+    """Log an observer's exception as text. Not ``log.exception``: a record holding the traceback keeps the
+    transfer's frames, and with them the caller's caches, alive for as long as a handler keeps the record
+    (from Python 3.12 the chain reaches the caller's coroutine and the event loop)."""
+    log.error("%s:\n%s", what, traceback.format_exc().rstrip())

@@ -89,6 +89,14 @@ def state(dd: LLMDataDist) -> dict[str, int]:
     return engine_state(dd)
 
 
+def baseline_of(dd: LLMDataDist) -> tuple[dict[str, int], set[str]]:
+    """``(state(dd), open_fds())`` for :func:`settle`, taken after a collection: memory an earlier test left
+    in unreachable cycles (a traceback's frames keep whole coroutines on Python 3.12) is freed now, so its
+    memfd does not close during this test and read as an fd this test lost."""
+    gc.collect()
+    return state(dd), open_fds()
+
+
 async def settle(dd: LLMDataDist, baseline: dict[str, int], fds: set[str] | None = None,
                  within: float = 2.0) -> None:
     """Wait (bounded) until ``dd`` holds exactly ``baseline`` again, and ``fds`` are open."""

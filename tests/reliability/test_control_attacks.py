@@ -29,7 +29,7 @@ import time
 
 import pytest
 import torch
-from _harness import endpoint, open_fds, settle, state
+from _harness import baseline_of, endpoint, settle, state
 from _rawpeer import RawLink
 from peers import cluster_info, fill, port_of
 
@@ -53,7 +53,7 @@ async def test_a_peer_that_never_reads_its_answers_does_not_grow_the_endpoints_m
         small = dd.kv_cache_manager.allocate_cache(SMALL, [CacheKey(PROMPT, 8)])
         fill(small, 5)
         assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         host, port = port_of(dd)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, ATTACKER_PROGRAM, "unread", host, str(port), str(ATTACKER), str(PROMPT), "64", "15",
@@ -215,7 +215,7 @@ def served_pulls(link) -> tuple[int, int]:
 @pytest.mark.asyncio
 async def test_a_peer_that_repeats_rows_and_never_reads_is_served_a_bounded_number_of_requests():
     async with rows_owner("tcp") as (dd, honest, src, values):
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         gc.collect()
         rss_before = rss_bytes()
         host, port = port_of(dd)
@@ -293,7 +293,7 @@ async def stop_attacker(proc) -> None:
 @pytest.mark.asyncio
 async def test_a_same_host_peer_that_never_says_done_holds_no_job_lists():
     async with rows_owner("local") as (dd, honest, _, values):
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         gc.collect()
         rss_before = rss_bytes()
         proc, report = await in_place_attack(dd, INPLACE_REQUESTS, wire.MAX_ROWS)
@@ -319,7 +319,7 @@ async def test_a_same_host_peer_that_never_says_done_holds_no_job_lists():
 async def test_a_same_host_peer_that_never_says_done_is_served_a_bounded_number_of_requests():
     count = MAX_AWAITED_PER_LINK + 64
     async with rows_owner("local") as (dd, honest, _, values):
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         gc.collect()
         rss_before = rss_bytes()
         proc, report = await in_place_attack(dd, count, 1)

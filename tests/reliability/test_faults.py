@@ -49,7 +49,7 @@ from aio_datadist import (
 from peers import CacheSpec, EndpointSpec, Ref, fill, pattern, port_of
 
 from _forked import ForkedEndpoint
-from _harness import ENDED, endpoint, open_fds, settle, state
+from _harness import ENDED, baseline_of, endpoint, open_fds, settle, state
 from _budget import SEED, scaled
 from _tally import count
 
@@ -218,7 +218,7 @@ async def test_kill_the_prompt_during_pulls_pushes_and_layerwise():
         pushed = kv.allocate_blocks_cache(BIG)
         rows = kv.allocate_cache(ROWS)
         expected = expected_of(PROMPT)
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         victim = await start(first).ready()
         assert (await dd.link_clusters([victim.info]))[0] == S.LLM_SUCCESS
         for seed in range(first, first + TRIALS_PER_RUN["prompt"]):
@@ -266,7 +266,7 @@ async def test_kill_the_decoder_during_pulls_pushes_and_layerwise():
         src_rows = kv.allocate_cache(ROWS)
         fill(src, 7)
         fill(src_rows, 8)
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         victim = await start(first).ready()
         link = ("link", PROMPT, port_of(dd)[1])
         assert (await victim.call(*link))[0] == S.LLM_SUCCESS
@@ -368,7 +368,7 @@ async def test_kill_prompt_and_decoder_while_a_third_endpoint_uses_both():
         dst = kv.allocate_blocks_cache(BIG, BlocksCacheKey(MIX, 0))
         fill(src, 9)
         expected = expected_of(PROMPT)
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         prompt, decoder = await start_p(first).ready(), await start_d(first).ready()
 
         async def link_all() -> None:

@@ -33,7 +33,7 @@ from aio_datadist.testing import admission_of
 from peers import CacheSpec, EndpointSpec, cluster_info, fill, port_of
 
 from _forked import forked
-from _harness import endpoint, open_fds, settle, state
+from _harness import baseline_of, endpoint, open_fds, settle
 from _intruders import Child, flood_main, limited_main
 from _tally import at_least, count, note
 
@@ -90,7 +90,7 @@ async def test_a_connection_flood_costs_bounded_fds_and_blocks_nothing(fork_serv
         fill(src, 6)
         dst = dec.kv_cache_manager.allocate_blocks_cache(SMALL)
         assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         gate = admission_of(dd)
         assert gate is not None
         async with Child(flood_main, port_of(dd), FLOOD, mode) as flood:

@@ -49,7 +49,7 @@ from aio_datadist.wire import Msg
 from peers import LOCALHOST, CacheSpec, EndpointSpec, Ref, cluster_info, fill, port_of
 
 from _forked import forked
-from _harness import ENDED, code_of, endpoint, open_fds, settle, state
+from _harness import ENDED, baseline_of, code_of, endpoint, open_fds, settle, state
 from _rawpeer import RawLink, recv_exactly, recv_frame
 
 S = LLMStatusCode
@@ -131,7 +131,7 @@ def link_ok_fields(cluster_id: int) -> dict[str, Any]:
 async def test_link_clusters_times_out_on_a_peer_that_stalls_at_any_handshake_step():
     async with endpoint(LLMRole.DECODER, DECODER) as dd, \
             endpoint(LLMRole.PROMPT, PROMPT, listen=True) as real:
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         for step in StallingServer.STEPS:
             async with StallingServer(step, PROMPT) as stall:
                 t0 = time.monotonic()
@@ -156,7 +156,7 @@ async def test_silent_incoming_connections_are_dropped_and_block_nothing(monkeyp
         src = dd.kv_cache_manager.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT))
         fill(src, 3)
         dst = dec.kv_cache_manager.allocate_blocks_cache(SMALL)
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         silent = []
         for n in range(40):  # say nothing, half a header, a HELLO and then nothing
             sock = socket.create_connection(port_of(dd))
@@ -211,7 +211,7 @@ async def test_pending_handshakes_are_capped_and_links_wait_their_turn(monkeypat
         src = dd.kv_cache_manager.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT))
         fill(src, 4)
         dst = dec.kv_cache_manager.allocate_blocks_cache(SMALL)
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         gate = admission_of(dd)
         assert gate is not None
         # 4 x cap connections that say nothing, then 2 x cap that send a HELLO and stop (these take handshake slots)
@@ -320,7 +320,7 @@ async def test_a_reader_that_stops_mid_pull_is_cut_off_and_everything_is_release
         row = dd.kv_cache_manager.allocate_cache(ROW, [key])
         fill(row, 4)
         assert (await other.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         stop = threading.Event()
         stalled = asyncio.ensure_future(asyncio.to_thread(stall_mid_pull, port_of(dd), DECODER, row.cache_id,
                                                           keep_pinging=keep_pinging, stop=stop))
@@ -372,7 +372,7 @@ async def test_sigstopped_decoder_mid_transfer_is_detected_by_timeout_and_heartb
                         sync_kv_timeout=timeout_ms) as dd, forked(spec, other_spec) as (victim, other):
         src = dd.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT, 0))
         fill(src, 6)
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         for proc in (victim, other):
             assert (await proc.call("link", PROMPT, port_of(dd)[1]))[0] == S.LLM_SUCCESS
         blocks = list(range(64))
@@ -426,7 +426,7 @@ async def test_an_unlink_cancelled_while_the_peer_is_silent_still_closes_the_lin
     (and ``finalize`` did not see it). The peer is SIGSTOPped; the heartbeat is too slow to end it here."""
     async with endpoint(LLMRole.DECODER, DECODER, transport="tcp", heartbeat_interval=10000) as dd, \
             forked(SILENT_PROMPT) as (peer,):
-        baseline, fds = state(dd), open_fds()
+        baseline, fds = baseline_of(dd)
         assert await dd.link_clusters([cluster_info(PROMPT, peer.address)]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         peer.stop()
         try:
