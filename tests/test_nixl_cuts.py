@@ -1,4 +1,5 @@
-"""NIXL transfers cut by a timeout: nothing of them moves after the call returned.
+"""NIXL transfers cut by a timeout: nothing of them moves after the call returned, and reads that need the owner's
+progress get it for as long as they take.
 
 UCX over shared memory copies a transfer inside NIXL's posting call, which
 cannot be interrupted: the engine posts a large transfer in pieces
@@ -11,6 +12,8 @@ destination (pages the framework never touched) or a loaded host slows it.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing.connection
+import os
 import threading
 import time
 import weakref
@@ -18,10 +21,22 @@ from typing import Any
 
 import pytest
 
-from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement
 from aio_datadist.testing import link_to, nixl_agent_of
-from aio_datadist.transport import base, nixl_engine, nixl_plane
-from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, linked_pair, same, snapshot
+from aio_datadist.transport import base, nixl_engine, nixl_grants, nixl_plane
+from peers import (
+    DECODER_ID,
+    NIXL_MISSING,
+    PROMPT_ID,
+    CacheSpec,
+    EndpointSpec,
+    _endpoint_main,
+    endpoint,
+    linked_pair,
+    same,
+    snapshot,
+    spawned,
+)
 
 S = LLMStatusCode
 NIXL = {"transport": "nixl"}
@@ -135,3 +150,36 @@ async def test_a_cut_transfer_posts_no_piece_after_the_cut(pull, monkeypatch):
         await move(pair, pull, src, dst)
         assert all(bool((t == 9).all()) for t in dst.tensors)
         assert engine.in_flight() == 0
+
+
+HOLD_S = 0.01  # the owner's progress after a nudge, shortened on both ends: a READ of TCP_READ outlasts it
+TCP_READ = CacheDesc(2, (64, 2048 * 1024), DataType.DT_INT8, Placement.HOST)  # 2 x 128 MiB
+
+
+def _tcp_owner(conn: multiprocessing.connection.Connection, spec: EndpointSpec, parent_pid: int) -> None:
+    os.environ["UCX_TLS"] = "tcp"
+    nixl_grants.NUDGE_HOLD_S = HOLD_S
+    _endpoint_main(conn, spec, parent_pid)
+
+
+async def test_a_read_without_asking_that_needs_the_owners_progress_longer_than_one_nudge_completes(monkeypatch):
+    # UCX over TCP needs the owner's progress for every byte of a READ, and the owner makes it for NUDGE_HOLD_S
+    # after a nudge: the reader nudges again while its READ lasts. The owner is another process (in one process
+    # UCX's TCP reads do not wait for it).
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setattr(nixl_plane, "NUDGE_HOLD_S", HOLD_S, raising=False)
+    spec = EndpointSpec(LLMRole.PROMPT, PROMPT_ID, caches=(CacheSpec("src", TCP_READ, 5, blocks=True, model_id=0),),
+                        config=(("transport", "nixl"),))
+    async with spawned(spec, target=_tcp_owner) as (owner,), \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(TCP_READ)
+        await decoder.link_clusters([owner.info], timeout=10_000)
+        peer = link_to(decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(5):
+            while peer.grant_for(0) is None:
+                await asyncio.sleep(0.005)
+        engine = nixl_agent_of(decoder).engine
+        before = engine.posted
+        await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL, ALL, timeout=5000)
+        assert same(snapshot(dst), owner.expected("src"))
+        assert engine.posted - before == 1  # read without asking: one READ of the rows (ledger words uncounted)

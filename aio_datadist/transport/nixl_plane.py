@@ -34,7 +34,7 @@ from aio_datadist.transport.base import InPlacePlane, LinkPort, Request, Served,
 from aio_datadist.transport.device_ipc import fence, serve_fenced
 from aio_datadist.transport.fit import Refusal, fit
 from aio_datadist.transport.nixl import NixlPeer, notif_for
-from aio_datadist.transport.nixl_grants import CALLER_MEMORY, NUDGE_AFTER_S, NUDGE_RATE
+from aio_datadist.transport.nixl_grants import CALLER_MEMORY, NUDGE_AFTER_S, NUDGE_HOLD_S, NUDGE_RATE
 from aio_datadist.wire import Msg, ReqFlag, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
@@ -238,17 +238,19 @@ async def _settled(posted: tuple[asyncio.Future, asyncio.Future, Callable[[BaseE
             loop = asyncio.get_running_loop()
             await asyncio.wait([moved], timeout=min(NUDGE_AFTER_S + nbytes / NUDGE_RATE,
                                                     max(deadline - loop.time(), 0.0)))
-            if not moved.done():
+            # The owner makes progress for NUDGE_HOLD_S after a nudge; a READ that needs it longer (UCX over TCP
+            # needs it for every byte) is nudged again before that runs out.
+            while not moved.done() and loop.time() < deadline:
                 peer.granted.nudge()
-                await asyncio.wait([moved], timeout=max(deadline - loop.time(), 0.0))
+                await asyncio.wait([moved], timeout=min(NUDGE_HOLD_S / 2, max(deadline - loop.time(), 0.0)))
             if not moved.done():
                 raise TimeoutError
         await moved
     except BaseException as exc:
         moved.cancel()
         if not settled.done():
-            peer.granted.nudge()  # settling it may need the owner's progress too
-        await nixl_settle(settled, cancelled)
+            peer.granted.nudge()  # settling it may need the owner's progress too, for as long as it takes
+        await nixl_settle(settled, cancelled, tick=peer.granted.nudge, every_s=NUDGE_HOLD_S / 2)
         if isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_FAILED:
             raise peer.failed(what, failure(exc)) from None
         raise
