@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
-__all__ = ["settle"]
+__all__ = ["Settling", "settle"]
+
+
+class Settling(asyncio.Future):
+    """The future of work ending after its caller gave up, which can tell whether the work is ``busy()`` now in a
+    step that is certain to end (a NIXL transfer's piece being copied by our own worker): waiting for it past a
+    usual bound is then waiting for something that ends."""
+
+    def __init__(self, busy: Callable[[], bool], *, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.busy = busy
 
 
 async def settle(future: asyncio.Future, bound_s: float | None) -> bool:

@@ -301,8 +301,8 @@ async def test_a_read_given_up_before_nixl_let_go_of_it_keeps_the_revocation_unt
     ``REVOKED`` only once NIXL let go of it, so the owner keeps the cache registered meanwhile; the decoder's ledger
     word goes back to its free words then too. Before, the read stopped counting when the pull returned, and the
     owner's ``REVOKE`` was answered at once, with the READ still in flight."""
-    from aio_datadist.transport import nixl_plane
-    monkeypatch.setattr(nixl_plane, "NIXL_SETTLE_S", 0.05)
+    from aio_datadist.transport import base
+    monkeypatch.setattr(base, "NIXL_SETTLE_S", 0.05)
     async with granted_pair(9) as (pair, src, _want, dst):
         peer = link_to(pair.decoder, PROMPT_ID).nixl
         loop = asyncio.get_running_loop()

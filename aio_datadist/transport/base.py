@@ -27,7 +27,7 @@ import enum
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from aio_datadist._settle import settle
+from aio_datadist._settle import Settling, settle
 from aio_datadist.cache import KeyBinding, KvCache
 from aio_datadist.stats import LinkCounters
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
@@ -41,10 +41,13 @@ if TYPE_CHECKING:
     from aio_datadist.transport.nixl import NixlPeer
 
 __all__ = ["InPlacePlane", "LinkPort", "Plane", "Refusal", "Refused", "Request", "RequestState", "Served",
-           "abort_acknowledged", "await_done", "meets", "push_torn", "wait_out"]
+           "abort_acknowledged", "await_done", "meets", "nixl_settle", "push_torn", "wait_out"]
 
-#: How long a given-up NIXL transfer may take to settle before the owner hears of it.
+#: How long a given-up NIXL transfer may take to settle before the owner hears of it ...
 NIXL_SETTLE_S = 1.0
+#: ... and how long at most while our NIXL worker is still copying a piece of it inside NIXL's posting call (UCX
+#: shared memory), which ends with the piece (``nixl_engine.CHUNK_BYTES``): bytes would land after the return.
+NIXL_SETTLE_LIMIT_S = 10.0
 #: How long a given-up data-channel job may take to report itself over (the channel reset stops it at once).
 JOB_SETTLE_S = 1.0
 #: How long a pusher waits for the owner to confirm that an aborted push stopped.
@@ -206,7 +209,7 @@ class Request:
         cancelled: list[asyncio.CancelledError] = []
         if self.in_place:
             if self.settled is not None:  # NIXL: let the cancelled transfer settle before the owner hears
-                await wait_out(self.settled, NIXL_SETTLE_S, cancelled)
+                await nixl_settle(self.settled, cancelled)
             if self.req_id:
                 link.send(Msg.DONE, self.req_id, status=LLMStatusCode.LLM_FAILED, text="abandoned")
         else:
@@ -245,6 +248,28 @@ async def abort_acknowledged(link: LinkPort, ack: asyncio.Future, what: str,
     if not ack.done() and not await wait_out(ack, ABORT_ACK_S, cancelled):
         link.fail(LLMException(f"{what}: cluster {link.remote_cluster_id} did not confirm an aborted "
                                f"push within {ABORT_ACK_S} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
+
+
+async def nixl_settle(settled: asyncio.Future, cancelled: list[asyncio.CancelledError], *,
+                      tick: Callable[[], None] | None = None, every_s: float = NIXL_SETTLE_S) -> bool:
+    """Wait for a given-up NIXL transfer to settle: ``NIXL_SETTLE_S``, and past it, up to ``NIXL_SETTLE_LIMIT_S``,
+    if our worker is then still copying a piece of it (``Settling.busy``: NIXL's posting call copies the piece
+    in progress over UCX shared memory, and ends with it); ``tick()`` every ``every_s``
+    meanwhile (a read waiting for the owner's progress nudges it). Cancellations go to ``cancelled``; whether it
+    settled."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    bound = NIXL_SETTLE_S
+    while not settled.done():
+        left = start + bound - loop.time()
+        if left <= 0:
+            if bound < NIXL_SETTLE_LIMIT_S and isinstance(settled, Settling) and settled.busy():
+                bound = NIXL_SETTLE_LIMIT_S
+                continue
+            break
+        if not await wait_out(settled, left if tick is None else min(left, every_s), cancelled) and tick is not None:
+            tick()
+    return settled.done()
 
 
 async def wait_out(future: asyncio.Future, bound_s: float, cancelled: list[asyncio.CancelledError]) -> bool:

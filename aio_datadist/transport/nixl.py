@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from aio_datadist._settle import Settling
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.fit import Geometry
 from aio_datadist.transport.ledger import LEDGER_BYTES, SLOTS, Ledger
@@ -877,8 +878,8 @@ class NixlPeer:
             settled.set_result(True)
             return moved, settled, str
         handle = None if posted is None else posted[1]
-        settled = loop.create_future()
         tokens: list[int] = []
+        settled = Settling(lambda: bool(tokens) and engine.copying(tokens[0]), loop=loop)
 
         def submit(token: int) -> None:
             tokens.append(token)

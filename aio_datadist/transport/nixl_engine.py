@@ -31,10 +31,16 @@ a request learns that it is over), which is the cheapest way to learn of NIXL
 completions: the Python API has no completion fd. Otherwise it sleeps on a
 condition variable.
 
-A transfer that is cancelled (or timed out) is not forgotten: its handle is
-kept and checked until NIXL reports it settled, and only then released and
-reported ``-ECANCELED``. Descriptor lists and registrations still used by a
-transfer in flight are released after it settles.
+A transfer larger than ``CHUNK_BYTES`` is posted as a sequence of pieces of
+at most that many bytes, each posted once the one before it finished (a
+WRITE's notification goes with the last): UCX shared memory copies a whole
+transfer inside the posting call, which cannot be interrupted, so a piece
+bounds how long a cancelled transfer goes on moving bytes. A transfer that is
+cancelled (or timed out) posts no further piece; the piece in progress is not
+forgotten: its handle is kept and checked until NIXL reports it settled, and
+only then released and reported ``-ECANCELED``. Descriptor lists and
+registrations still used by a transfer in flight are released after it
+settles.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from aio_datadist import _trace
 from aio_datadist._core import CompletionQueue
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ["INLINE_MAX", "NIXL_MODULES", "NixlEngine", "load_nixl", "row_descs"]
+__all__ = ["CHUNK_BYTES", "INLINE_MAX", "NIXL_MODULES", "NixlEngine", "load_nixl", "row_descs"]
 
 log = logging.getLogger("aio_datadist.nixl")
 
@@ -64,6 +70,9 @@ INSTALL_HINT = "pip install 'aio_datadist[nixl]' (or the nixl / nixl-cu12 packag
 #: The largest transfer posted from the loop's thread (bytes; ``$AIO_DATADIST_NIXL_INLINE_MAX``, 0: every
 #: transfer is posted by the worker). 16 MiB, as the loop's own socket jobs (``links.LOOP_IO_MAX``).
 INLINE_MAX = int(os.environ.get("AIO_DATADIST_NIXL_INLINE_MAX", 16 << 20))
+#: The largest piece of a transfer posted at once (bytes; ``$AIO_DATADIST_NIXL_CHUNK``). A cancelled transfer
+#: stops at the end of the piece in progress, which over UCX shared memory is copied inside the posting call.
+CHUNK_BYTES = max(int(os.environ.get("AIO_DATADIST_NIXL_CHUNK", 64 << 20)), 1)
 _MIN_WAIT_S = 10e-6
 _MAX_WAIT_S = 500e-6
 #: The longest wait while the worker awaits something that ends a request (a transfer it posted that
@@ -114,14 +123,29 @@ class _Recent(collections.OrderedDict):
 
 
 class _Xfer:
-    __slots__ = ("token", "handle", "aux", "uses", "cancelled")
+    __slots__ = ("token", "handle", "aux", "uses", "cancelled", "pieces")
 
-    def __init__(self, token: int, handle: Any, aux: int, uses: tuple) -> None:
+    def __init__(self, token: int, handle: Any, aux: int, uses: tuple,
+                 pieces: collections.deque | None = None) -> None:
         self.token = token
-        self.handle = handle
+        self.handle = handle  # the piece in progress (None between pieces)
         self.aux = aux
         self.uses = uses
         self.cancelled = False
+        self.pieces: collections.deque = pieces if pieces is not None else collections.deque()
+
+
+def _pieces(op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes,
+            nbytes: int) -> collections.deque:
+    """A transfer cut into pieces of at most ``CHUNK_BYTES`` (one descriptor at least); the notification goes
+    with the last piece, posted after every other one finished."""
+    count = int(local_idx.size)
+    per = count if count == 0 or nbytes <= CHUNK_BYTES else max(CHUNK_BYTES // max(nbytes // count, 1), 1)
+    out: collections.deque = collections.deque()
+    for at in range(0, max(count, 1), max(per, 1)):
+        end = min(at + per, count)
+        out.append((op, local, local_idx[at:end], remote, remote_idx[at:end], notif if end >= count else b""))
+    return out
 
 
 class NixlEngine:
@@ -168,6 +192,11 @@ class NixlEngine:
         self._results: _Recent = _Recent()
         self._errors: _Recent = _Recent()
         self._cancelled: set[int] = set()
+        # Commands the worker took and has not run yet, the token of the one it runs, and the token whose piece
+        # is inside NIXL's posting call: all in flight (in_flight), the last for :meth:`copying` too.
+        self._taken: collections.deque = collections.deque()
+        self._current = 0
+        self._copying = 0
         self._closing = False
         self._holds = 0
         self.posted = 0  # transfers posted to NIXL, and their bytes
@@ -208,7 +237,7 @@ class NixlEngine:
         handle to :meth:`adopt`, which releases it once settled). NIXL's
         refusal to post raises its own exception, nothing posted.
         """
-        if not self._agent_lock.acquire(blocking=False):
+        if nbytes > CHUNK_BYTES or not self._agent_lock.acquire(blocking=False):
             return None
         try:
             if self._closing or self.agent is None:
@@ -280,8 +309,16 @@ class NixlEngine:
         return self._errors.pop(token, None)
 
     def in_flight(self) -> int:
+        """Work that has not reported back: queued, taken by the worker, being posted, in NIXL's hands, or
+        awaiting a notification."""
         with self._cv:
-            return len(self._active) + len(self._commands) + len(self._notifs)
+            return (len(self._active) + len(self._commands) + len(self._notifs) + len(self._taken)
+                    + (1 if self._current else 0))
+
+    def copying(self, token: int) -> bool:
+        """Whether the worker is inside NIXL's posting call for a piece of ``token``'s transfer now (UCX shared
+        memory copies the piece there: it ends once the piece is copied)."""
+        return token != 0 and self._copying == token
 
     def close(self) -> None:
         """Stop the worker after in-flight transfers settled (bounded); drop the agent."""
@@ -314,13 +351,21 @@ class NixlEngine:
                         self._cv.wait()
             with self._agent_lock:
                 with self._cv:
-                    commands, self._commands = self._commands, collections.deque()
+                    self._taken, self._commands = self._commands, collections.deque()
                     cancelled, self._cancelled = self._cancelled, set()
                     closing = self._closing
                     holding = self._holds > 0
-                for cmd in commands:
-                    self._run(cmd)
-                progressed = bool(commands) | self._apply_cancels(cancelled)
+                taken = self._taken
+                progressed = bool(taken)
+                while taken:
+                    cmd = taken[0]
+                    self._current = cmd[1]  # counted in flight before it leaves the queue
+                    taken.popleft()
+                    try:
+                        self._run(cmd)
+                    finally:
+                        self._current = 0
+                progressed |= self._apply_cancels(cancelled)
                 progressed |= self._check_active()
                 progressed |= self._check_notifs(holding)
                 progressed |= self._run_deferred()
@@ -332,6 +377,8 @@ class NixlEngine:
 
     def _post(self, token: int, status: int, aux: int = 0) -> None:
         if token:
+            if token == self._current:  # over before its waiter can look at in_flight()
+                self._current = 0
             self._queue.post(token, status, aux)
 
     def _fail(self, token: int, exc: BaseException) -> None:
@@ -378,18 +425,52 @@ class NixlEngine:
                remote_idx: np.ndarray, peer: bytes, notif: bytes, nbytes: int, counted: bool = True) -> None:
         if _trace.ON:
             _trace.mark("nixl: worker took it")
-        handle = self.agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
-        xfer = _Xfer(token, handle, nbytes, (id(local), id(remote), peer))
-        if _trace.ON:
-            _trace.mark("nixl: handle made")
-        state = self.agent.transfer(handle, notif)
-        if _trace.ON:
-            _trace.mark("nixl: transfer() returned")
+        xfer = _Xfer(token, None, nbytes, (id(local), id(remote), peer),
+                     _pieces(op, local, local_idx, remote, remote_idx, notif, nbytes))
         self._count(nbytes, counted)
-        if state == "PROC":
-            self._active[token] = xfer
-            return
+        self._advance(xfer)
+
+    def _advance(self, xfer: _Xfer) -> None:
+        """Post ``xfer``'s pieces in turn while NIXL finishes each inside the posting call; one left in progress
+        goes to ``_active`` (checked, then the rest posted, by ``_check_active``). A cancelled transfer posts no
+        further piece. NIXL's refusal to post raises, with nothing of that piece posted."""
+        state = "DONE"
+        while xfer.pieces:
+            if xfer.cancelled or self._was_cancelled(xfer.token):
+                xfer.cancelled = True
+                break
+            op, local, local_idx, remote, remote_idx, notif = xfer.pieces.popleft()
+            handle = self.agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
+            if _trace.ON:
+                _trace.mark("nixl: handle made")
+            self._copying = xfer.token
+            try:
+                state = self.agent.transfer(handle, notif)
+            except BaseException:
+                handle.release()
+                raise
+            finally:
+                self._copying = 0
+            if _trace.ON:
+                _trace.mark("nixl: transfer() returned")
+            xfer.handle = handle
+            if state == "PROC":
+                self._active[xfer.token] = xfer
+                return
+            if state != "DONE" or not xfer.pieces:
+                break
+            self._release(xfer)
         self._settle(xfer, state)
+
+    @staticmethod
+    def _release(xfer: _Xfer) -> None:
+        handle, xfer.handle = xfer.handle, None
+        if handle is None:
+            return
+        try:
+            handle.release()
+        except Exception as exc:
+            log.warning("nixl: releasing a settled transfer failed: %r", exc)
 
     def _count(self, nbytes: int, counted: bool) -> None:
         """A transfer was posted (under the agent lock): count it, unless it is a word of our own bookkeeping."""
@@ -400,10 +481,7 @@ class NixlEngine:
     def _settle(self, xfer: _Xfer, state: str) -> None:
         if _trace.ON:
             _trace.mark("nixl: settled")
-        try:
-            xfer.handle.release()
-        except Exception as exc:
-            log.warning("nixl: releasing a settled transfer failed: %r", exc)
+        self._release(xfer)
         if xfer.cancelled:
             self._post(xfer.token, -errno.ECANCELED)
         elif state == "DONE":
@@ -438,8 +516,16 @@ class NixlEngine:
             if state == "PROC":
                 continue
             del self._active[token]
-            self._settle(xfer, state)
             progressed = True
+            if state != "DONE" or not xfer.pieces or xfer.cancelled or self._closing:
+                self._settle(xfer, state)
+                continue
+            self._release(xfer)
+            try:
+                self._advance(xfer)  # the next pieces
+            except Exception as exc:  # NIXL raises its own exception types for every failure
+                log.debug("nixl: posting a piece of transfer %s failed: %r", token, exc)
+                self._fail(token, exc)
         return progressed
 
     def _check_notifs(self, holding: bool) -> bool:

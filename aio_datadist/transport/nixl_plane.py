@@ -3,8 +3,9 @@
 The owner answers ``RESP`` naming its cache, prepared for NIXL on the link
 (``transport/nixl.py``). A READ ends with the requester's ``DONE``; a WRITE
 carries a notification, and the owner confirms the push once that arrived. A
-transfer that is given up is cancelled in NIXL and waited for (at most
-``NIXL_SETTLE_S``) before the owner hears of it, so the owner never recycles
+transfer that is given up posts no further piece and is waited for
+(``base.nixl_settle``: ``NIXL_SETTLE_S``, longer while our worker still copies
+a piece of it) before the owner hears of it, so the owner never recycles
 memory that a WRITE of ours may still be filling. Loaded on first use, by
 links that set up NIXL.
 
@@ -29,11 +30,11 @@ from aio_datadist import _trace
 from aio_datadist.cache import KvCache
 from aio_datadist.layers import one_side_span
 from aio_datadist.status import LLMException, LLMStatusCode
-from aio_datadist.transport.base import NIXL_SETTLE_S, InPlacePlane, LinkPort, Request, Served, meets, wait_out
+from aio_datadist.transport.base import InPlacePlane, LinkPort, Request, Served, meets, nixl_settle
 from aio_datadist.transport.device_ipc import fence, serve_fenced
 from aio_datadist.transport.fit import Refusal, fit
 from aio_datadist.transport.nixl import NixlPeer, notif_for
-from aio_datadist.transport.nixl_grants import CALLER_MEMORY, NUDGE_AFTER_S, NUDGE_RATE
+from aio_datadist.transport.nixl_grants import CALLER_MEMORY, NUDGE_AFTER_S, NUDGE_HOLD_S, NUDGE_RATE
 from aio_datadist.wire import Msg, ReqFlag, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
@@ -158,7 +159,7 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
     As the same-host read ledger's: the word is read before any byte moves, and the owner keeps a cache it
     revoked registered until we said no read of it is in flight (``REVOKED``). The loop turns once first, so
     that a loop of small pulls lets other tasks run and a cancellation lands before any byte. A READ given up
-    returns once NIXL let go of it (``NIXL_SETTLE_S`` at most)."""
+    returns once NIXL let go of it (``base.nixl_settle``)."""
     started = time.perf_counter()
     cache_id = region.cache_id
     await asyncio.sleep(0)
@@ -237,17 +238,19 @@ async def _settled(posted: tuple[asyncio.Future, asyncio.Future, Callable[[BaseE
             loop = asyncio.get_running_loop()
             await asyncio.wait([moved], timeout=min(NUDGE_AFTER_S + nbytes / NUDGE_RATE,
                                                     max(deadline - loop.time(), 0.0)))
-            if not moved.done():
+            # The owner makes progress for NUDGE_HOLD_S after a nudge; a READ that needs it longer (UCX over TCP
+            # needs it for every byte) is nudged again before that runs out.
+            while not moved.done() and loop.time() < deadline:
                 peer.granted.nudge()
-                await asyncio.wait([moved], timeout=max(deadline - loop.time(), 0.0))
+                await asyncio.wait([moved], timeout=min(NUDGE_HOLD_S / 2, max(deadline - loop.time(), 0.0)))
             if not moved.done():
                 raise TimeoutError
         await moved
     except BaseException as exc:
         moved.cancel()
         if not settled.done():
-            peer.granted.nudge()  # settling it may need the owner's progress too
-        await wait_out(settled, NIXL_SETTLE_S, cancelled)
+            peer.granted.nudge()  # settling it may need the owner's progress too, for as long as it takes
+        await nixl_settle(settled, cancelled, tick=peer.granted.nudge, every_s=NUDGE_HOLD_S / 2)
         if isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_FAILED:
             raise peer.failed(what, failure(exc)) from None
         raise

@@ -1,0 +1,185 @@
+"""NIXL transfers cut by a timeout: nothing of them moves after the call returned, and reads that need the owner's
+progress get it for as long as they take.
+
+UCX over shared memory copies a transfer inside NIXL's posting call, which
+cannot be interrupted: the engine posts a large transfer in pieces
+(``nixl_engine.CHUNK_BYTES``), posts no piece after a cut, and the cut call
+waits for the piece in progress however long it takes (``NIXL_SETTLE_LIMIT_S``
+at most). Here the posting is slowed by a hook on the agent, as a cold
+destination (pages the framework never touched) or a loaded host slows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing.connection
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+import pytest
+
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement
+from aio_datadist.testing import link_to, nixl_agent_of
+from aio_datadist.transport import base, nixl_engine, nixl_grants, nixl_plane
+from peers import (
+    DECODER_ID,
+    NIXL_MISSING,
+    PROMPT_ID,
+    CacheSpec,
+    EndpointSpec,
+    _endpoint_main,
+    endpoint,
+    linked_pair,
+    same,
+    snapshot,
+    spawned,
+)
+
+S = LLMStatusCode
+NIXL = {"transport": "nixl"}
+BIG = CacheDesc(2, (64, 256 * 1024), DataType.DT_INT8, Placement.HOST)  # 2 x 16 MiB: posted by the worker
+ALL = list(range(64))
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.nixl, pytest.mark.usefixtures("fork_server"),
+              pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)]
+
+
+def slow_posting(monkeypatch: Any, engine: Any, delay_s: float) -> list[float]:
+    """NIXL's posting call, on ``engine``'s worker and for more than one row, takes ``delay_s`` longer (before it
+    copies) while the returned list's first entry is not 0; each such call appends its start."""
+    kind = type(engine.agent)
+    real_make, real_transfer = kind.make_prepped_xfer, kind.transfer
+    worker = weakref.ref(engine._thread)
+    rows: set[int] = set()
+    calls: list[float] = [1.0]
+
+    def make_prepped_xfer(self, op, local, local_idx, *args, **kwargs):
+        handle = real_make(self, op, local, local_idx, *args, **kwargs)
+        if len(local_idx) > 1:
+            rows.add(id(handle))
+        return handle
+
+    def transfer(self, handle, *args, **kwargs):
+        if calls[0] and id(handle) in rows and threading.current_thread() is worker():
+            calls.append(time.monotonic())
+            time.sleep(delay_s)
+        return real_transfer(self, handle, *args, **kwargs)
+
+    monkeypatch.setattr(kind, "make_prepped_xfer", make_prepped_xfer)
+    monkeypatch.setattr(kind, "transfer", transfer)
+    return calls
+
+
+async def big_pair_caches(pair: Any, pull: bool) -> tuple[Any, Any, Any]:
+    """``(source, destination, the moving end's NIXL engine)`` for a pull the decoder reads without asking, or a
+    push of the prompt; the source holds 9s, the destination 0s."""
+    if pull:
+        src = pair.pm.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT_ID))
+        dst = pair.dm.allocate_blocks_cache(BIG)
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(5):
+            while peer.grant_for(BlocksCacheKey(PROMPT_ID).model_id) is None:
+                await asyncio.sleep(0.005)
+    else:
+        src = pair.pm.allocate_blocks_cache(BIG)
+        dst = pair.dm.allocate_blocks_cache(BIG, BlocksCacheKey(DECODER_ID))
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(5):
+            while dst.cache_id not in peer.prepared:
+                await asyncio.sleep(0.005)
+    for t in src.tensors:
+        t.fill_(9)
+    return src, dst, nixl_agent_of(pair.decoder if pull else pair.prompt).engine
+
+
+def move(pair: Any, pull: bool, src: Any, dst: Any, timeout: int | None = None) -> Any:
+    if pull:
+        return pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL, timeout=timeout)
+    return pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, ALL, ALL, timeout=timeout)
+
+
+@pytest.mark.parametrize("pull", [True, False], ids=["read-without-asking", "push"])
+async def test_a_cut_transfer_whose_posting_outlasts_the_settle_bound_moves_no_byte_after_the_call_returned(
+        pull, monkeypatch):
+    monkeypatch.setattr(base, "NIXL_SETTLE_S", 0.2)
+    monkeypatch.setattr(nixl_plane, "NIXL_SETTLE_S", 0.2, raising=False)
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src, dst, engine = await big_pair_caches(pair, pull)
+        calls = slow_posting(monkeypatch, engine, 0.6)  # past the settle bound
+        started = time.monotonic()
+        call = asyncio.create_task(move(pair, pull, src, dst, timeout=100))
+        async with asyncio.timeout(5):
+            while len(calls) < 2:
+                await asyncio.sleep(0.005)
+        assert engine.in_flight() > 0  # a transfer being posted is in flight
+        with pytest.raises(LLMException) as exc:
+            await call
+        assert exc.value.status_code == S.LLM_TIMEOUT, exc.value
+        assert time.monotonic() - started < 5  # the slowed posting's end, not NIXL_SETTLE_LIMIT_S
+        assert engine.in_flight() == 0
+        for t in src.tensors:
+            t.fill_(3)  # the caller reuses its source at once
+        before = snapshot(dst)
+        await asyncio.sleep(0.8)  # past the end of the slowed posting
+        assert same(snapshot(dst), before)
+        assert not any(bool((t == 3).any()) for t in dst.tensors)
+        calls[0] = 0
+        await move(pair, pull, src, dst)  # the link goes on
+        assert all(bool((t == 3).all()) for t in dst.tensors)
+
+
+@pytest.mark.parametrize("pull", [True, False], ids=["read-without-asking", "push"])
+async def test_a_cut_transfer_posts_no_piece_after_the_cut(pull, monkeypatch):
+    monkeypatch.setattr(nixl_engine, "CHUNK_BYTES", 4 << 20, raising=False)  # 32 MiB: 8 pieces
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src, dst, engine = await big_pair_caches(pair, pull)
+        calls = slow_posting(monkeypatch, engine, 0.15)
+        with pytest.raises(LLMException) as exc:
+            await move(pair, pull, src, dst, timeout=100)
+        assert exc.value.status_code == S.LLM_TIMEOUT, exc.value
+        assert engine.in_flight() == 0
+        before = snapshot(dst)
+        await asyncio.sleep(0.3)
+        assert same(snapshot(dst), before)
+        assert 1 <= len(calls) - 1 < 8  # stopped between pieces
+        assert any(bool((t == 0).any()) for t in dst.tensors)  # the rows of pieces never posted
+        calls[0] = 0
+        await move(pair, pull, src, dst)
+        assert all(bool((t == 9).all()) for t in dst.tensors)
+        assert engine.in_flight() == 0
+
+
+HOLD_S = 0.01  # the owner's progress after a nudge, shortened on both ends: a READ of TCP_READ outlasts it
+TCP_READ = CacheDesc(2, (64, 2048 * 1024), DataType.DT_INT8, Placement.HOST)  # 2 x 128 MiB
+
+
+def _tcp_owner(conn: multiprocessing.connection.Connection, spec: EndpointSpec, parent_pid: int) -> None:
+    os.environ["UCX_TLS"] = "tcp"
+    nixl_grants.NUDGE_HOLD_S = HOLD_S
+    _endpoint_main(conn, spec, parent_pid)
+
+
+async def test_a_read_without_asking_that_needs_the_owners_progress_longer_than_one_nudge_completes(monkeypatch):
+    # UCX over TCP needs the owner's progress for every byte of a READ, and the owner makes it for NUDGE_HOLD_S
+    # after a nudge: the reader nudges again while its READ lasts. The owner is another process (in one process
+    # UCX's TCP reads do not wait for it).
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setattr(nixl_plane, "NUDGE_HOLD_S", HOLD_S, raising=False)
+    spec = EndpointSpec(LLMRole.PROMPT, PROMPT_ID, caches=(CacheSpec("src", TCP_READ, 5, blocks=True, model_id=0),),
+                        config=(("transport", "nixl"),))
+    async with spawned(spec, target=_tcp_owner) as (owner,), \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(TCP_READ)
+        await decoder.link_clusters([owner.info], timeout=10_000)
+        peer = link_to(decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(5):
+            while peer.grant_for(0) is None:
+                await asyncio.sleep(0.005)
+        engine = nixl_agent_of(decoder).engine
+        before = engine.posted
+        await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL, ALL, timeout=5000)
+        assert same(snapshot(dst), owner.expected("src"))
+        assert engine.posted - before == 1  # read without asking: one READ of the rows (ledger words uncounted)
