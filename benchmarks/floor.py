@@ -1,4 +1,4 @@
-"""How close a 1-block pull can get: ``python -m benchmarks.floor [--n N] [--blocks B]``.
+"""How close a 1-block pull can get: ``python -m benchmarks.floor [--n N] [--blocks B] [--hot]``.
 
 Four ways to move the same bytes between two processes on loopback, in
 alternating rounds, each with the wall time per transfer and the CPU time
@@ -19,6 +19,11 @@ each process spent on it (user + system, from ``/proc``):
 The gap between the floor and the library is the library's own work; the
 gap between the raw rows is what cold memory costs; the CPU columns say
 what a transfer costs the two cores the 64-concurrent row shares.
+
+``--hot`` moves the same rows every time in the asyncio floor and the pull
+(as ``benchmarks.suite``'s latency rows do, against the hot raw baseline), so
+the table also says how far the suite's pull is from the floor of its own
+arrangement.
 """
 
 from __future__ import annotations
@@ -139,12 +144,11 @@ class _Raw(_Case):
 
 
 class _Floor(_Case):
-    name = "asyncio floor, moving"
-
-    def __init__(self, nbytes: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, nbytes: int, loop: asyncio.AbstractEventLoop, hot: bool) -> None:
         import numpy as np
 
-        self.nbytes, self.k, self.loop = nbytes, 0, loop
+        self.name = "asyncio floor, hot" if hot else "asyncio floor, moving"
+        self.nbytes, self.k, self.loop, self.hot = nbytes, 0, loop, hot
         self.control, far_control = _pair()
         self.data, far_data = _pair()
         self.peer = Peer(_floor_server, far_control, far_data, nbytes, timeout=600.0, name="floor-server").start()
@@ -159,7 +163,7 @@ class _Floor(_Case):
     async def run_async(self, n: int) -> list[float]:
         loop, times, nbytes = self.loop, [], self.nbytes
         for _ in range(n):
-            i = self.k % CACHE_BLOCKS
+            i = 0 if self.hot else self.k % CACHE_BLOCKS
             self.k += 1
             t0 = time.perf_counter()
             await loop.sock_sendall(self.control, i.to_bytes(2, "little") + bytes(REQUEST - 2))
@@ -175,7 +179,7 @@ class _Floor(_Case):
         self.peer.close()
 
 
-async def _library(peer: Peer, blocks: int) -> tuple[Any, Callable[[int], Any]]:
+async def _library(peer: Peer, blocks: int, hot: bool) -> tuple[Any, Callable[[int], Any]]:
     """A DECODER linked over TCP to ``peer`` (a ``benchmarks.breakdown`` prompt) and its pull loop."""
     from aio_datadist import LLMDataDist, LLMRole
 
@@ -187,7 +191,7 @@ async def _library(peer: Peer, blocks: int) -> tuple[Any, Callable[[int], Any]]:
     async def pulls(n: int) -> list[float]:
         times = []
         for _ in range(n):
-            lists = bd._lists(state[0], blocks)
+            lists = bd._lists(0 if hot else state[0], blocks)
             state[0] += 1
             t0 = time.perf_counter()
             await dd.kv_cache_manager.pull_blocks(key, cache, *lists)
@@ -197,19 +201,19 @@ async def _library(peer: Peer, blocks: int) -> tuple[Any, Callable[[int], Any]]:
     return dd, pulls
 
 
-async def _main(n: int, rounds: int, blocks: int) -> list[tuple[str, float, float, float]]:
+async def _main(n: int, rounds: int, blocks: int, hot: bool) -> list[tuple[str, float, float, float]]:
     nbytes = KvGeometry().request_bytes(blocks)
     loop = asyncio.get_running_loop()
     results: dict[str, tuple[list[float], list[float], list[float]]] = {}
-    raw_hot, raw_moving, floor = _Raw(nbytes, False), _Raw(nbytes, True), _Floor(nbytes, loop)
+    raw_hot, raw_moving, floor = _Raw(nbytes, False), _Raw(nbytes, True), _Floor(nbytes, loop, hot)
     with Peer(bd._prompt_peer, "tcp", timeout=600.0, name="prompt") as prompt:
-        dd, pulls = await _library(prompt, blocks)
+        dd, pulls = await _library(prompt, blocks, hot)
         try:
             cases: list[tuple[str, int, Callable[[int], Any]]] = [
                 (raw_hot.name, raw_hot.peer_pid, lambda k: asyncio.to_thread(raw_hot.run, k)),
                 (raw_moving.name, raw_moving.peer_pid, lambda k: asyncio.to_thread(raw_moving.run, k)),
                 (floor.name, floor.peer_pid, floor.run_async),
-                ("pull_blocks TCP, moving", prompt.pid or 0, pulls),
+                ("pull_blocks TCP, hot" if hot else "pull_blocks TCP, moving", prompt.pid or 0, pulls),
             ]
             me = os.getpid()
             for r in range(rounds + 1):  # round 0 warms up
@@ -236,10 +240,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=100, help="transfers per case and round (default 100)")
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds after a warm-up (default 8)")
     parser.add_argument("--blocks", type=int, default=1, help="blocks per transfer (default 1: 2 MiB)")
+    parser.add_argument("--hot", action="store_true",
+                        help="the asyncio floor and the pull move the same rows every time (the suite's arrangement)")
     args = parser.parse_args(argv)
     if not 1 <= args.blocks <= CACHE_BLOCKS // 2:
         parser.error(f"--blocks must be within 1..{CACHE_BLOCKS // 2}")
-    rows = asyncio.run(_main(args.n, args.rounds, args.blocks))
+    rows = asyncio.run(_main(args.n, args.rounds, args.blocks, args.hot))
     mib = KvGeometry().request_bytes(args.blocks) >> 20
     print(f"# {mib} MiB on loopback, {args.rounds} alternating rounds x {args.n} "
           "(wall: median; CPU: total / transfers)\n")

@@ -107,17 +107,19 @@ class StreamPlane(Plane):
         its bytes. A refusal is the header and its text on the channel, which stays in step; an owner
         that refuses with ``RESP`` instead (a channel it does not hold in step) gets the channel reset."""
         req_id = req.req_id
-        header, pairs = answer_header(0, 0, 0)
-        pairs.extend(plan.local_pairs)
-        settled = asyncio.get_running_loop().create_future()
         answered = link.expect(req_id)
-        # The request leaves first: the answer waits in the socket until the receive is queued, and the
-        # hand-off to the engine thread overlaps the owner's work instead of delaying the request.
+        # The request leaves first: the answer waits in the socket until the receive is queued, and what
+        # the receive needs (its header and runs, the hand-off to the engine thread) is made while the
+        # owner wakes, instead of delaying the request. Nothing awaits in between, so the loop reads no
+        # answer before the receive is posted.
         link.send_record(Msg.PULL_REQ, req_id, plan.remote, channel=req.channel, timeout_ms=timeout_ms,
                          flags=plan.remote.flags | ReqFlag.POSTED)
         req.state = RequestState.ASKED
         if _trace.ON:
             _trace.mark("request sent")
+        header, pairs = answer_header(0, 0, 0)
+        pairs.extend(plan.local_pairs)
+        settled = asyncio.get_running_loop().create_future()
         moving = link.move(req.channel, pairs, send=False, timeout_ms=None, what=req.what,
                            keepalive=(plan.local, header), settled=settled, gated=req_id)
         req.settled = settled
