@@ -76,8 +76,13 @@ class Spinner:
 
     def cpu_seconds(self) -> float:
         """user + system CPU time the child has used so far."""
-        with open(f"/proc/{self.pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except FileNotFoundError:
+            code = None if self._proc is None else self._proc.poll()
+            raise RuntimeError(f"the busy child process {self.pid} is gone (exit status {code}): something outside "
+                               "the benchmark killed it; the loaded passes cannot be measured") from None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     @contextlib.contextmanager

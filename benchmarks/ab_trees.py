@@ -37,7 +37,7 @@ from benchmarks._endpoints import blocks_desc, endpoint_options
 from benchmarks._peer import Peer
 from benchmarks._workload import KvGeometry
 
-async def main(peer, transport, blocks):
+async def main(peer, transport, blocks, hot):
     from aio_datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole
     port = await peer.recv_async(120.0)
     async with LLMDataDist(LLMRole.DECODER, bd.DECODER_ID) as dd:
@@ -54,7 +54,7 @@ async def main(peer, transport, blocks):
             took = []
             for _ in range(int(line)):
                 t = time.perf_counter()
-                await dd.kv_cache_manager.pull_blocks(key, cache, *bd._lists(i, blocks))
+                await dd.kv_cache_manager.pull_blocks(key, cache, *bd._lists(0 if hot else i, blocks))
                 took.append(time.perf_counter() - t)
                 i += 1
             print(" ".join(f"{x * 1e6:.1f}" for x in took), flush=True)
@@ -62,7 +62,7 @@ async def main(peer, transport, blocks):
 
 if __name__ == "__main__":
     with Peer(bd._prompt_peer, sys.argv[1], timeout=3600.0, name="prompt") as peer:
-        asyncio.run(main(peer, sys.argv[1], int(sys.argv[2])))
+        asyncio.run(main(peer, sys.argv[1], int(sys.argv[2]), sys.argv[3] == "hot"))
 """
 
 
@@ -90,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=1, help="blocks per pull (default 1: 2 MiB)")
     parser.add_argument("--rounds", type=int, default=30, help="rounds, the first one warm-up (default 30)")
     parser.add_argument("--per", type=int, default=40, help="pulls per side and round (default 40)")
+    parser.add_argument("--hot", action="store_true",
+                        help="pull the same blocks every time (the suite's latency rows) instead of the next ones")
     args = parser.parse_args(argv)
     if not 1 <= args.blocks <= CACHE_BLOCKS // 2 or args.rounds < 2 or args.per < 1:
         parser.error("need 1 <= --blocks <= 32, --rounds >= 2, --per >= 1")
@@ -101,8 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for spec, path, env in sides:
             procs[spec] = subprocess.Popen(
-                [sys.executable, "-c", WORKER, args.transport, str(args.blocks)], cwd=path, text=True,
-                env=dict(os.environ, PYTHONPATH=str(path), **env), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                [sys.executable, "-c", WORKER, args.transport, str(args.blocks), "hot" if args.hot else "moving"],
+                cwd=path, text=True, env=dict(os.environ, PYTHONPATH=str(path), **env), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE)
             assert procs[spec].stdout is not None
             if procs[spec].stdout.readline().strip() != "ready":
                 raise SystemExit(f"{spec}: the worker did not start")
