@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import multiprocessing
+import os
 import subprocess
 import sys
 import textwrap
@@ -175,8 +176,11 @@ def test_a_user_suite_in_strict_mode(tmp_path):
         def test_untouched_by_the_plugin():
             pass
         """))
+    # A user's own run: not a worker of whatever runs this suite (xdist's variables make other installed
+    # plugins warn, and -W error turns that into an error that is not ours).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "3 passed" in run.stdout
 
