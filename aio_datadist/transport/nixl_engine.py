@@ -70,9 +70,12 @@ INSTALL_HINT = "pip install 'aio_datadist[nixl]' (or the nixl / nixl-cu12 packag
 #: The largest transfer posted from the loop's thread (bytes; ``$AIO_DATADIST_NIXL_INLINE_MAX``, 0: every
 #: transfer is posted by the worker). 16 MiB, as the loop's own socket jobs (``links.LOOP_IO_MAX``).
 INLINE_MAX = int(os.environ.get("AIO_DATADIST_NIXL_INLINE_MAX", 16 << 20))
-#: The largest piece of a transfer posted at once (bytes; ``$AIO_DATADIST_NIXL_CHUNK``). A cancelled transfer
-#: stops at the end of the piece in progress, which over UCX shared memory is copied inside the posting call.
-CHUNK_BYTES = max(int(os.environ.get("AIO_DATADIST_NIXL_CHUNK", 64 << 20)), 1)
+#: The largest piece of a transfer posted at once (bytes; ``$AIO_DATADIST_NIXL_CHUNK``, 0: no pieces, a cancelled
+#: transfer then moves to its end). A cancelled transfer stops at the end of the piece in progress, which over
+#: UCX shared memory is copied inside the posting call.
+CHUNK_BYTES = int(os.environ.get("AIO_DATADIST_NIXL_CHUNK", 64 << 20)) or 1 << 62
+if CHUNK_BYTES < 0:
+    raise ValueError(f"AIO_DATADIST_NIXL_CHUNK={CHUNK_BYTES}: a piece's bytes, or 0 for no pieces")
 _MIN_WAIT_S = 10e-6
 _MAX_WAIT_S = 500e-6
 #: The longest wait while the worker awaits something that ends a request (a transfer it posted that
@@ -123,16 +126,18 @@ class _Recent(collections.OrderedDict):
 
 
 class _Xfer:
-    __slots__ = ("token", "handle", "aux", "uses", "cancelled", "pieces")
+    __slots__ = ("token", "handle", "aux", "uses", "cancelled", "pieces", "counted", "posted")
 
     def __init__(self, token: int, handle: Any, aux: int, uses: tuple,
-                 pieces: collections.deque | None = None) -> None:
+                 pieces: collections.deque | None = None, counted: bool = False) -> None:
         self.token = token
         self.handle = handle  # the piece in progress (None between pieces)
         self.aux = aux
         self.uses = uses
         self.cancelled = False
         self.pieces: collections.deque = pieces if pieces is not None else collections.deque()
+        self.counted = counted  # counted in ``posted`` once its first piece is posted, its bytes piece by piece
+        self.posted = False
 
 
 def _pieces(op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes,
@@ -140,11 +145,13 @@ def _pieces(op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx:
     """A transfer cut into pieces of at most ``CHUNK_BYTES`` (one descriptor at least); the notification goes
     with the last piece, posted after every other one finished."""
     count = int(local_idx.size)
-    per = count if count == 0 or nbytes <= CHUNK_BYTES else max(CHUNK_BYTES // max(nbytes // count, 1), 1)
+    row = nbytes // count if count else 0
+    per = count if count == 0 or nbytes <= CHUNK_BYTES else max(CHUNK_BYTES // max(row, 1), 1)
     out: collections.deque = collections.deque()
     for at in range(0, max(count, 1), max(per, 1)):
         end = min(at + per, count)
-        out.append((op, local, local_idx[at:end], remote, remote_idx[at:end], notif if end >= count else b""))
+        out.append((op, local, local_idx[at:end], remote, remote_idx[at:end], notif if end >= count else b"",
+                    (end - at) * row if end < count else nbytes - at * row))
     return out
 
 
@@ -426,8 +433,7 @@ class NixlEngine:
         if _trace.ON:
             _trace.mark("nixl: worker took it")
         xfer = _Xfer(token, None, nbytes, (id(local), id(remote), peer),
-                     _pieces(op, local, local_idx, remote, remote_idx, notif, nbytes))
-        self._count(nbytes, counted)
+                     _pieces(op, local, local_idx, remote, remote_idx, notif, nbytes), counted)
         self._advance(xfer)
 
     def _advance(self, xfer: _Xfer) -> None:
@@ -439,7 +445,7 @@ class NixlEngine:
             if xfer.cancelled or self._was_cancelled(xfer.token):
                 xfer.cancelled = True
                 break
-            op, local, local_idx, remote, remote_idx, notif = xfer.pieces.popleft()
+            op, local, local_idx, remote, remote_idx, notif, piece_bytes = xfer.pieces.popleft()
             handle = self.agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
             if _trace.ON:
                 _trace.mark("nixl: handle made")
@@ -453,6 +459,10 @@ class NixlEngine:
                 self._copying = 0
             if _trace.ON:
                 _trace.mark("nixl: transfer() returned")
+            if xfer.counted:  # what was posted: a transfer once, its bytes as its pieces go
+                self.posted += not xfer.posted
+                self.posted_bytes += piece_bytes
+            xfer.posted = True
             xfer.handle = handle
             if state == "PROC":
                 self._active[xfer.token] = xfer
@@ -515,17 +525,23 @@ class NixlEngine:
                 state = "ERR"
             if state == "PROC":
                 continue
+            self._current = token  # in flight until it reports back or is in _active again (its next piece)
             del self._active[token]
             progressed = True
-            if state != "DONE" or not xfer.pieces or xfer.cancelled or self._closing:
-                self._settle(xfer, state)
-                continue
-            self._release(xfer)
             try:
-                self._advance(xfer)  # the next pieces
-            except Exception as exc:  # NIXL raises its own exception types for every failure
-                log.debug("nixl: posting a piece of transfer %s failed: %r", token, exc)
-                self._fail(token, exc)
+                if state == "DONE" and xfer.pieces and self._closing:
+                    xfer.cancelled = True  # its pieces not posted never move: it did not complete
+                if state != "DONE" or not xfer.pieces or xfer.cancelled:
+                    self._settle(xfer, state)
+                    continue
+                self._release(xfer)
+                try:
+                    self._advance(xfer)  # the next pieces
+                except Exception as exc:  # NIXL raises its own exception types for every failure
+                    log.debug("nixl: posting a piece of transfer %s failed: %r", token, exc)
+                    self._fail(token, exc)
+            finally:
+                self._current = 0
         return progressed
 
     def _check_notifs(self, holding: bool) -> bool:
