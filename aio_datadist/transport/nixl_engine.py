@@ -459,9 +459,7 @@ class NixlEngine:
                 self._copying = 0
             if _trace.ON:
                 _trace.mark("nixl: transfer() returned")
-            if xfer.counted:  # what was posted: a transfer once, its bytes as its pieces go
-                self.posted += not xfer.posted
-                self.posted_bytes += piece_bytes
+            self._count(piece_bytes, xfer.counted, new=not xfer.posted)  # a transfer once, its bytes piece by piece
             xfer.posted = True
             xfer.handle = handle
             if state == "PROC":
@@ -482,10 +480,11 @@ class NixlEngine:
         except Exception as exc:
             log.warning("nixl: releasing a settled transfer failed: %r", exc)
 
-    def _count(self, nbytes: int, counted: bool) -> None:
-        """A transfer was posted (under the agent lock): count it, unless it is a word of our own bookkeeping."""
+    def _count(self, nbytes: int, counted: bool, *, new: bool = True) -> None:
+        """``nbytes`` of a transfer were posted (under the agent lock): count them, and the transfer if ``new``,
+        unless it is a word of our own bookkeeping."""
         if counted:
-            self.posted += 1
+            self.posted += new
             self.posted_bytes += nbytes
 
     def _settle(self, xfer: _Xfer, state: str) -> None:
