@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import multiprocessing as mp
 import random
 import sys
@@ -68,6 +69,8 @@ from aio_datadist import (
 
 PREFILL_ID, DECODE_ID = 1, 2
 SEED = 0
+# transformers 5.24 names the forward's cache argument ``cache``; earlier releases ``past_key_values``.
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 BLOCK_TOKENS = 16
 NUM_BLOCKS = 64  # per process: 1024 tokens of room
 LAYER_TIMEOUT_S = 30.0
@@ -207,7 +210,7 @@ def prefill_forward(model: LlamaForCausalLM, prompt: list[int], tensors: list[to
     ids = torch.tensor([prompt])
     writer = PagedKvWriter(model.config, tensors, blocks, on_layer)
     with torch.no_grad():
-        out = model(ids, attention_mask=torch.ones_like(ids), cache=writer, use_cache=True)
+        out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True, **{CACHE_ARG: writer})
     return int(out.logits[0, -1].argmax())
 
 
@@ -274,7 +277,7 @@ def greedy_decode(model: LlamaForCausalLM, cache: DynamicCache, first: int, prom
         while len(tokens) < new_tokens:
             seen = prompt_len + len(tokens)
             out = model(torch.tensor([[tokens[-1]]]), attention_mask=torch.ones(1, seen, dtype=torch.long),
-                        cache=cache, use_cache=True)
+                        use_cache=True, **{CACHE_ARG: cache})
             tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
 
@@ -345,7 +348,7 @@ def reference(model: LlamaForCausalLM, prompt: list[int], new_tokens: int) -> di
         generated = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                    do_sample=False)
         cache = DynamicCache(config=model.config)
-        model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        model(ids, attention_mask=mask, use_cache=True, **{CACHE_ARG: cache})
     return {"tokens": generated[0, len(prompt):].tolist(),
             "kv": [(layer.keys.numpy(), layer.values.numpy()) for layer in cache.layers]}
 
