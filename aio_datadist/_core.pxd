@@ -8,11 +8,12 @@ from posix.uio cimport iovec
 
 from aio_datadist._sys cimport pthread_t, pthread_mutex_t, pthread_cond_t
 from aio_datadist._drivers cimport (
-    CUcontext, CUdevice, CUresult, CUstream, CUdeviceptr, CUmemcpyAttributes,
+    CUcontext, CUdevice, CUevent, CUresult, CUstream, CUdeviceptr, CUmemcpyAttributes,
     cuInit_t, cuGetErrorString_t, cuGetErrorName_t, cuDeviceGet_t, cuDeviceGetCount_t,
     cuDevicePrimaryCtxRetain_t, cuCtxPushCurrent_t, cuCtxPopCurrent_t, cuLaunchHostFunc_t,
     cuMemcpyBatchAsync_v1_t, cuMemcpyBatchAsync_v2_t, cuDevicePrimaryCtxRelease_t, cuStreamIsCapturing_t,
     cuDeviceGetAttribute_t, cuMemHostGetDevicePointer_t,
+    cuEventCreate_t, cuEventRecord_t, cuEventQuery_t, cuEventDestroy_t,
     aclError, aclrtContext, aclrtLaunchCallback_t, aclrtSubscribeReport_t, aclrtUnSubscribeReport_t,
     aclrtProcessReport_t, aclrtGetCurrentContext_t, aclrtSetCurrentContext_t, aclGetRecentErrMsg_t,
 )
@@ -133,7 +134,8 @@ cdef class SocketEngine:
 cdef cppclass NotifyState:
     pthread_mutex_t lock
     pthread_cond_t idle
-    unordered_map[uint64_t, void *] slots
+    unordered_map[uint64_t, void *] slots  # tokens whose record is not posted yet
+    size_t inflight  # host functions enqueued and not run yet: the state lives until none is left
     void *queue
     bint closed
 
@@ -143,6 +145,36 @@ cdef cppclass NotifySlot:
     uint64_t token
     int64_t aux
     bint cancelled
+    # Who still holds the slot: its host function, and the event watcher when it watches it (CUDA). The
+    # record is posted once, by whichever sees the stream past it first; the last holder frees the slot.
+    int refs
+    bint posted
+
+
+# CUDA: a host function runs on the driver's callback thread some time after the stream reached it (on a
+# VM, 250-350 us after a kernel ended). The watcher thread instead polls an event recorded just before
+# the host function, for a short window, and posts the record as soon as the event completes; the host
+# function stays the guarantee (it posts whatever the watcher did not).
+cdef struct WatchItem:
+    void *slot
+    CUevent event
+    int64_t deadline_ns
+
+
+cdef cppclass EventWatch:
+    pthread_mutex_t lock
+    pthread_cond_t wake
+    vector[WatchItem] items
+    bint stop
+    pthread_t thread
+    int64_t poll_ns
+    CUcontext ctx
+    cuCtxPushCurrent_t ctx_push
+    cuCtxPopCurrent_t ctx_pop
+    cuEventQuery_t query
+    cuEventDestroy_t destroy
+    uint64_t early
+    uint64_t expired
 
 
 cdef class CudaDriver:
@@ -163,6 +195,10 @@ cdef class CudaDriver:
     cdef cuStreamIsCapturing_t _is_capturing
     cdef cuDeviceGetAttribute_t _device_attribute
     cdef cuMemHostGetDevicePointer_t _host_device_pointer
+    cdef cuEventCreate_t _event_create
+    cdef cuEventRecord_t _event_record
+    cdef cuEventQuery_t _event_query
+    cdef cuEventDestroy_t _event_destroy
     cdef dict _contexts
     cdef dict _retains
     cdef str _describe(self, CUresult rc)
@@ -203,6 +239,7 @@ cdef class _AclReporter:
 cdef class StreamNotifier:
     cdef CompletionQueue _queue
     cdef NotifyState *_state
+    cdef EventWatch *_watch
     cdef int _backend
     cdef int _device
     cdef CudaDriver _cuda

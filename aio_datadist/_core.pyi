@@ -94,8 +94,15 @@ class StreamNotifier:
     # (cuLaunchHostFunc; Ascend: aclrtLaunchCallback on the process's one report
     # thread; host: the HostStream's thread). backend "cuda", "npu" or "host"
     # (ValueError otherwise); OSError(ENODEV) without the driver or the device.
+    # CUDA with ``poll_us > 0``: an event recorded before each host function is
+    # polled by one watcher thread for up to ``poll_us`` us, and the record posted
+    # as it completes (once; the host function posts what the watcher did not).
     def __init__(self, queue: CompletionQueue, backend: str, device: int = 0,
-                 library: str | None = None) -> None: ...
+                 library: str | None = None, poll_us: int = 0) -> None: ...
+    @property
+    def watching(self) -> bool: ...
+    @property
+    def watch_counts(self) -> tuple[int, int]: ...  # (posted early, given up to the host function)
     @property
     def backend(self) -> str: ...
     @property
@@ -185,6 +192,10 @@ def publish_word(addr: int, value: int) -> None: ...
 # before the end (a non-blocking peek that takes nothing).
 def peer_closed(fd: int) -> bool: ...
 def read_word(addr: int) -> int: ...
+
+# ``(srcs, dsts)`` of a plain, valid ``{src_block: [dst_block, ...]}`` dict (int keys, non-empty lists or
+# tuples of int, all in [0, rows), destinations distinct and never a source); None for anything else.
+def block_pairs(info: object, rows: int) -> tuple[array[int], array[int]] | None: ...
 
 # Coalesced ``[dst, src, nbytes, ...]`` pairing tensor t / index i of both
 # layouts. ValueError when the tensor or index counts differ.

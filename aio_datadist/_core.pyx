@@ -22,18 +22,19 @@ from cython.operator cimport dereference as deref, preincrement as inc
 from libc.errno cimport errno, EAGAIN, EINTR
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
+from libcpp.algorithm cimport sort as _sort
 from libcpp.vector cimport vector
 from posix.uio cimport iovec, readv, writev
 
 from aio_datadist._sys cimport (
-    CLOCK_REALTIME, ECANCELED, ECONNRESET, EFD_CLOEXEC, EFD_NONBLOCK, EIO, ENODEV, EPOLL_CLOEXEC,
+    CLOCK_MONOTONIC, CLOCK_REALTIME, ECANCELED, ECONNRESET, EFD_CLOEXEC, EFD_NONBLOCK, EIO, ENODEV, EPOLL_CLOEXEC,
     EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLL_CTL_MOD, EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, ETIMEDOUT,
     IOV_MAX, RTLD_LOCAL, RTLD_NOW, clock_gettime, close, dlerror, dlopen, dlsym,
     epoll_create1, epoll_ctl, epoll_event, epoll_wait, eventfd,
     pthread_cond_broadcast, pthread_cond_destroy, pthread_cond_init,
     pthread_cond_signal, pthread_cond_timedwait, pthread_cond_wait, pthread_create, pthread_join,
     pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock,
-    pthread_mutex_unlock, pthread_t, read, setsockopt, SO_RCVLOWAT, SOL_SOCKET, timespec, write,
+    pthread_mutex_unlock, pthread_t, read, sched_yield, setsockopt, SO_RCVLOWAT, SOL_SOCKET, timespec, write,
 )
 from aio_datadist._drivers cimport (
     ACL_CALLBACK_NO_BLOCK, ACL_SUCCESS, CU_MEMCPY_FLAG_DEFAULT, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
@@ -44,7 +45,8 @@ from aio_datadist._drivers cimport (
     cuDeviceGetAttribute_t, cuMemHostGetDevicePointer_t, CU_STREAM_CAPTURE_STATUS_NONE,
     CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, aclrtLaunchCallback_t, aclrtSubscribeReport_t,
     aclrtUnSubscribeReport_t, aclrtProcessReport_t, aclrtGetCurrentContext_t, aclrtSetCurrentContext_t,
-    aclGetRecentErrMsg_t,
+    aclGetRecentErrMsg_t, CUevent, cuEventCreate_t, cuEventRecord_t, cuEventQuery_t, cuEventDestroy_t,
+    CUDA_ERROR_NOT_READY, CU_EVENT_DISABLE_TIMING,
 )
 from cpython.ref cimport Py_INCREF
 from libcpp.deque cimport deque
@@ -59,6 +61,7 @@ CANCELLED = -ECANCELED
 CONNECTION_LOST = -ECONNRESET
 
 cdef array.array _U64 = _pyarray.array("Q")
+cdef array.array _I64 = _pyarray.array("q")
 cdef uint64_t _MIN_SPLIT = 1 << 20
 #: The size of the answer header a gated receive starts with (``SocketEngine.submit_recv_gated``).
 cdef uint64_t GATE_BYTES_C = 24
@@ -1081,6 +1084,71 @@ def copy_segments(const uint64_t[::1] dst_bases not None, const int64_t[::1] dst
     return out
 
 
+def block_pairs(object info, int64_t rows):
+    """``(srcs, dsts)`` int64 arrays of a ``{src_block: [dst_block, ...]}`` dict, one entry per destination.
+
+    Only for the plain, valid case, checked here in one pass: a ``dict`` of
+    ``int`` keys, each to a non-empty ``list`` or ``tuple`` of ``int``, every
+    block in ``[0, rows)``, no destination named twice, none also a source.
+    Anything else (another mapping, numpy integers, bools, a bad block)
+    gives None: the caller's full check then names what is wrong. What
+    ``copy_blocks`` validates for hundreds of blocks in a few microseconds.
+    """
+    if type(info) is not dict:
+        return None
+    cdef Py_ssize_t total = 0, k = 0, i, n
+    cdef object src, dsts, d
+    for src, dsts in (<dict>info).items():
+        if type(src) is not int or (type(dsts) is not list and type(dsts) is not tuple) or len(dsts) == 0:
+            return None
+        total += len(dsts)
+    cdef array.array out_src = array.clone(_I64, total, zero=False)
+    cdef array.array out_dst = array.clone(_I64, total, zero=False)
+    cdef int64_t *os_ = <int64_t *>out_src.data.as_longlongs
+    cdef int64_t *od = <int64_t *>out_dst.data.as_longlongs
+    cdef int64_t sv, dv
+    try:
+        for src, dsts in (<dict>info).items():
+            sv = src
+            if sv < 0 or sv >= rows:
+                return None
+            n = len(dsts)
+            if k + n > total:  # cannot happen (nothing runs between the passes); never write past the arrays
+                return None
+            for i in range(n):
+                d = dsts[i]
+                if type(d) is not int:
+                    return None
+                dv = d
+                if dv < 0 or dv >= rows:
+                    return None
+                os_[k] = sv
+                od[k] = dv
+                k += 1
+    except OverflowError:
+        return None
+    if k != total:
+        return None
+    # Destinations distinct and never a source: sort copies of both and merge.
+    cdef vector[int64_t] sd, ss
+    sd.assign(od, od + total)
+    ss.assign(os_, os_ + total)
+    _sort(sd.begin(), sd.end())
+    _sort(ss.begin(), ss.end())
+    cdef size_t a = 0, b = 0
+    for i in range(1, total):
+        if sd[i] == sd[i - 1]:
+            return None
+    while a < <size_t>total and b < <size_t>total:
+        if sd[a] == ss[b]:
+            return None
+        if sd[a] < ss[b]:
+            a += 1
+        else:
+            b += 1
+    return out_src, out_dst
+
+
 def copy_now(const uint64_t[::1] triples not None):
     """Run a ``[dst, src, nbytes, ...]`` copy list here and now, without the GIL; the bytes copied.
 
@@ -1278,6 +1346,11 @@ cdef class CudaDriver:
             self._lib, library, "cuMemHostGetDevicePointer_v2", True, needs)
         self._batch_v2 = <cuMemcpyBatchAsync_v2_t>_symbol(self._lib, library, "cuMemcpyBatchAsync_v2", False, "")
         self._batch_v1 = <cuMemcpyBatchAsync_v1_t>_symbol(self._lib, library, "cuMemcpyBatchAsync", False, "")
+        # Optional: without them a notifier posts by host function only.
+        self._event_create = <cuEventCreate_t>_symbol(self._lib, library, "cuEventCreate", False, "")
+        self._event_record = <cuEventRecord_t>_symbol(self._lib, library, "cuEventRecord", False, "")
+        self._event_query = <cuEventQuery_t>_symbol(self._lib, library, "cuEventQuery", False, "")
+        self._event_destroy = <cuEventDestroy_t>_symbol(self._lib, library, "cuEventDestroy_v2", False, "")
         with nogil:
             rc = self._init(0)
         if rc != CUDA_SUCCESS:
@@ -1471,6 +1544,7 @@ cdef NotifyState *_state_new(CompletionQueue queue):
     pthread_cond_init(&st.idle, NULL)
     st.queue = <void *>queue
     st.closed = False
+    st.inflight = 0
     return st
 
 
@@ -1494,16 +1568,20 @@ cdef NotifySlot *_state_arm(NotifyState *st, uint64_t token, int64_t aux) except
     slot.token = token
     slot.aux = aux
     slot.cancelled = False
+    slot.refs = 1
+    slot.posted = False
     st.slots[token] = <void *>slot
+    st.inflight += 1
     pthread_mutex_unlock(&st.lock)
     return slot
 
 
 cdef void _state_disarm(NotifyState *st, NotifySlot *slot) noexcept nogil:
-    # The driver refused the host function: it will never run.
+    # The driver refused the host function: it will never run (and nothing else holds the slot).
     pthread_mutex_lock(&st.lock)
     st.slots.erase(slot.token)
-    if st.slots.empty():
+    st.inflight -= 1
+    if st.inflight == 0:
         pthread_cond_broadcast(&st.idle)
     pthread_mutex_unlock(&st.lock)
     del slot
@@ -1535,10 +1613,10 @@ cdef bint _state_drain(NotifyState *st, double timeout_s) noexcept nogil:
     _deadline_in(&deadline, <long>(timeout_s * 1000))
     pthread_mutex_lock(&st.lock)
     st.closed = True
-    while not st.slots.empty():
+    while st.inflight != 0:
         if pthread_cond_timedwait(&st.idle, &st.lock, &deadline) == ETIMEDOUT:
             break
-    drained = st.slots.empty()
+    drained = st.inflight == 0
     pthread_mutex_unlock(&st.lock)
     return drained
 
@@ -1548,21 +1626,120 @@ cdef void _notify_fire(void *arg) noexcept nogil:
 
     Runs on a driver thread without the GIL and makes no driver call: it
     posts the slot's record (CANCELLED if the token was cancelled meanwhile)
-    and frees the slot. The queue push happens under the state lock, so the
-    owner, which frees the state once no slot is left, cannot free it first.
+    unless the event watcher did, and lets go of the slot (freed by the last
+    holder). It runs under the state lock, so the owner, which frees the
+    state once no host function is in flight, cannot free it first.
     """
     cdef NotifySlot *slot = <NotifySlot *>arg
     cdef NotifyState *st = slot.state
+    cdef bint last
     pthread_mutex_lock(&st.lock)
-    st.slots.erase(slot.token)
-    if slot.cancelled:
-        (<CompletionQueue>st.queue).push(slot.token, -ECANCELED, 0)
-    else:
-        (<CompletionQueue>st.queue).push(slot.token, 0, slot.aux)
-    if st.slots.empty():
+    _slot_post(slot)
+    st.inflight -= 1
+    if st.inflight == 0:
         pthread_cond_broadcast(&st.idle)
+    slot.refs -= 1
+    last = slot.refs == 0
     pthread_mutex_unlock(&st.lock)
-    del slot
+    if last:
+        del slot
+
+
+cdef bint _slot_post(NotifySlot *slot) noexcept nogil:
+    # With the state lock held: post the slot's record unless it was posted already; whether this posted it.
+    # Its token is free from then on (a new slot may hold it while this one waits for its host function).
+    if slot.posted:
+        return False
+    slot.posted = True
+    it = slot.state.slots.find(slot.token)
+    if it != slot.state.slots.end() and deref(it).second == <void *>slot:
+        slot.state.slots.erase(it)
+    if slot.cancelled:
+        (<CompletionQueue>slot.state.queue).push(slot.token, -ECANCELED, 0)
+    else:
+        (<CompletionQueue>slot.state.queue).push(slot.token, 0, slot.aux)
+    return True
+
+
+cdef int64_t _mono_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef void _watch_done(EventWatch *w, WatchItem *item, bint reached) noexcept nogil:
+    # The watcher lets go of an item: posts its record first if the event says the stream is past it.
+    cdef NotifySlot *slot = <NotifySlot *>item.slot
+    cdef NotifyState *st = slot.state
+    cdef bint last
+    pthread_mutex_lock(&st.lock)
+    if reached and _slot_post(slot):
+        w.early += 1
+    elif not reached:
+        w.expired += 1
+    slot.refs -= 1
+    last = slot.refs == 0
+    pthread_mutex_unlock(&st.lock)
+    if last:
+        del slot
+    w.destroy(item.event)
+
+
+cdef void _watch_free(EventWatch *w) noexcept nogil:
+    pthread_cond_destroy(&w.wake)
+    pthread_mutex_destroy(&w.lock)
+    del w
+
+
+cdef void *_watch_main(void *arg) noexcept nogil:
+    """The event watcher: polls the oldest watched event until it completes or its window ends.
+
+    Items are taken in notification order and posted in that order: when the
+    oldest is not complete, none after it is posted early, and when its
+    window ends every item then held is given up to its host function, so
+    the watcher never posts a record ahead of an earlier one of this notifier.
+    Between polls it yields the core; with nothing watched it sleeps.
+    """
+    cdef EventWatch *w = <EventWatch *>arg
+    cdef vector[WatchItem] mine
+    cdef size_t head = 0, i
+    cdef CUresult rc
+    cdef CUcontext popped
+    cdef bint current = w.ctx_push(w.ctx) == CUDA_SUCCESS
+    pthread_mutex_lock(&w.lock)
+    while True:
+        while w.items.empty() and head == mine.size() and not w.stop:
+            pthread_cond_wait(&w.wake, &w.lock)
+        for i in range(w.items.size()):
+            mine.push_back(w.items[i])
+        w.items.clear()
+        if w.stop:
+            break
+        pthread_mutex_unlock(&w.lock)
+        while head < mine.size():
+            rc = w.query(mine[head].event) if current else CUDA_ERROR_NOT_READY
+            if rc == CUDA_SUCCESS:
+                _watch_done(w, &mine[head], True)
+                head += 1
+            elif rc != CUDA_ERROR_NOT_READY or _mono_ns() >= mine[head].deadline_ns:
+                # An error, or the window is over: the host functions post these, in order.
+                for i in range(head, mine.size()):
+                    _watch_done(w, &mine[i], False)
+                head = mine.size()
+            else:
+                break
+        if head == mine.size():
+            mine.clear()
+            head = 0
+        else:
+            sched_yield()
+        pthread_mutex_lock(&w.lock)
+    pthread_mutex_unlock(&w.lock)
+    for i in range(head, mine.size()):
+        _watch_done(w, &mine[i], False)
+    if current:
+        w.ctx_pop(&popped)
+    return NULL
 
 
 DEF BACKEND_CUDA = 1
@@ -1712,7 +1889,8 @@ cdef class StreamNotifier:
 
     :meth:`notify` enqueues a host function on a stream; when the stream
     reaches it, the record ``(token, 0, aux)`` is posted to the queue. No
-    thread waits per operation and nothing polls: CUDA runs the host function
+    thread waits per operation (on CUDA an event watcher may post it first,
+    see ``poll_us``): CUDA runs the host function
     on its own driver thread (``cuLaunchHostFunc``); Ascend runs it on the
     process's one report thread (``aclrtLaunchCallback``); the host backend
     runs it on the :class:`HostStream`'s own thread, in order with its copies.
@@ -1725,13 +1903,27 @@ cdef class StreamNotifier:
     ``backend`` is ``"cuda"``, ``"npu"`` or ``"host"``; ``device`` the device
     ordinal; ``library`` overrides the driver library's name. OSError(ENODEV)
     when the driver or the device is missing.
+
+    ``poll_us`` (CUDA only): a driver's callback thread runs a host function
+    well after the stream reached it (250-350 us after a kernel on a VM). With
+    ``poll_us > 0`` each notification also records an event just before its
+    host function, and one watcher thread polls the oldest such event for up
+    to ``poll_us`` microseconds, yielding the core between polls, and posts
+    the record the moment it completes. The host function still runs and
+    posts whatever the watcher did not (a longer wait, a driver without
+    events); a record is posted once. 0: host functions only.
     """
 
-    def __cinit__(self, CompletionQueue queue not None, str backend, int device=0, library=None):
+    def __cinit__(self, CompletionQueue queue not None, str backend, int device=0, library=None,
+                  int poll_us=0):
         cdef aclError arc
+        cdef int err
         self._closed = True
         self._state = NULL
+        self._watch = NULL
         self._retained = False
+        if poll_us < 0:
+            raise ValueError(f"poll_us must be >= 0, got {poll_us}")
         queue._check_open()
         if backend == "cuda":
             self._backend = BACKEND_CUDA
@@ -1752,6 +1944,28 @@ cdef class StreamNotifier:
             raise ValueError(f"backend must be 'cuda', 'npu' or 'host', got {backend!r}")
         self._device = device
         self._queue = queue
+        if (self._backend == BACKEND_CUDA and poll_us > 0 and self._cuda._event_create != NULL
+                and self._cuda._event_record != NULL and self._cuda._event_query != NULL
+                and self._cuda._event_destroy != NULL):
+            self._watch = new EventWatch()
+            pthread_mutex_init(&self._watch.lock, NULL)
+            pthread_cond_init(&self._watch.wake, NULL)
+            self._watch.stop = False
+            self._watch.poll_ns = <int64_t>poll_us * 1000
+            self._watch.ctx = self._ctx
+            self._watch.ctx_push = self._cuda._ctx_push
+            self._watch.ctx_pop = self._cuda._ctx_pop
+            self._watch.query = self._cuda._event_query
+            self._watch.destroy = self._cuda._event_destroy
+            self._watch.early = 0
+            self._watch.expired = 0
+            err = pthread_create(&self._watch.thread, NULL, _watch_main, <void *>self._watch)
+            if err != 0:
+                _watch_free(self._watch)
+                self._watch = NULL
+                self._retained = False
+                self._cuda._release(device)
+                raise OSError(err, "could not start the event watcher thread")
         self._state = _state_new(queue)
         self._closed = False
         self._counted = True
@@ -1778,6 +1992,22 @@ cdef class StreamNotifier:
         return self._closed
 
     @property
+    def watching(self):
+        """Whether an event watcher posts records ahead of the host functions (CUDA, ``poll_us > 0``)."""
+        return self._watch != NULL
+
+    @property
+    def watch_counts(self):
+        """``(early, expired)``: records the watcher posted before the host function, and watched
+        notifications it gave up to the host function (window over, or a driver error)."""
+        if self._watch == NULL:
+            return (0, 0)
+        pthread_mutex_lock(&self._watch.lock)
+        out = (self._watch.early, self._watch.expired)
+        pthread_mutex_unlock(&self._watch.lock)
+        return out
+
+    @property
     def subscribed(self):
         """Ascend streams this notifier holds a report subscription for."""
         return [self._subscribed[i] for i in range(self._subscribed.size())]
@@ -1801,6 +2031,8 @@ cdef class StreamNotifier:
         cdef size_t i
         cdef HostStream host
         cdef HostOp *op
+        cdef CUevent event
+        cdef WatchItem item
         if self._closed:
             raise ValueError("StreamNotifier is closed")
         if self._backend == BACKEND_CUDA:
@@ -1815,14 +2047,36 @@ cdef class StreamNotifier:
                 raise OSError(_errno.EBUSY, "the stream is being captured into a CUDA graph: a completion "
                                             "notification cannot be part of a graph; record it outside the capture")
             slot = _state_arm(self._state, token, aux)
+            event = NULL
             with nogil:
                 rc = self._cuda._ctx_push(self._ctx)
                 if rc == CUDA_SUCCESS:
+                    if self._watch != NULL:
+                        # The event goes first: recorded after the host function it would wait for it.
+                        if self._cuda._event_create(&event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS:
+                            event = NULL
+                        elif self._cuda._event_record(event, <CUstream>stream) != CUDA_SUCCESS:
+                            self._cuda._event_destroy(event)
+                            event = NULL
+                    if event != NULL:
+                        slot.refs = 2  # before the host function can run and let go of it
                     rc = self._cuda._launch_host_func(<CUstream>stream, _notify_fire, <void *>slot)
+                    if rc != CUDA_SUCCESS and event != NULL:
+                        self._cuda._event_destroy(event)
+                        event = NULL
+                        slot.refs = 1
                     self._cuda._ctx_pop(&popped)
             if rc != CUDA_SUCCESS:
                 _state_disarm(self._state, slot)
                 raise OSError(EIO, f"cuLaunchHostFunc failed: {self._cuda._describe(rc)}")
+            if event != NULL:
+                item.slot = <void *>slot
+                item.event = event
+                item.deadline_ns = _mono_ns() + self._watch.poll_ns
+                pthread_mutex_lock(&self._watch.lock)
+                self._watch.items.push_back(item)
+                pthread_cond_signal(&self._watch.wake)
+                pthread_mutex_unlock(&self._watch.lock)
             return
         if self._backend == BACKEND_HOST:
             host = _host_streams.get(stream)
@@ -1924,6 +2178,17 @@ cdef class StreamNotifier:
         if self._state != NULL:
             with nogil:
                 drained = _state_drain(self._state, timeout_s)
+        if self._watch != NULL:
+            # After the drain (the watcher may post a record the host function has not yet), before the state
+            # is freed (the watcher's items point into it). Its items left go to their host functions.
+            pthread_mutex_lock(&self._watch.lock)
+            self._watch.stop = True
+            pthread_cond_signal(&self._watch.wake)
+            pthread_mutex_unlock(&self._watch.lock)
+            with nogil:
+                pthread_join(self._watch.thread, NULL)
+            _watch_free(self._watch)
+            self._watch = NULL
         if self._backend == BACKEND_NPU and self._reporter is not None:
             for i in range(self._subscribed.size()):
                 with nogil:
@@ -2204,10 +2469,13 @@ cdef class HostStream:
         with nogil:
             pthread_join(self._thread, NULL)
         self._started = False
-        _host_streams.pop(<size_t><void *>self, None)
+        # At interpreter exit (a stream never closed) the module's globals may already be None.
+        if _host_streams is not None:
+            _host_streams.pop(<size_t><void *>self, None)
         if self._counted:
             self._counted = False
-            _live["HostStream"] -= 1
+            if _live is not None:
+                _live["HostStream"] -= 1
 
 
 cdef void *_line_fire_main(void *arg) noexcept nogil:

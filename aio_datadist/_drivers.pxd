@@ -14,6 +14,7 @@ ctypedef int CUresult
 ctypedef int CUdevice
 ctypedef void *CUcontext
 ctypedef void *CUstream
+ctypedef void *CUevent
 ctypedef uint64_t CUdeviceptr
 ctypedef void (*CUhostFn)(void *user_data) noexcept nogil
 
@@ -38,6 +39,10 @@ ctypedef CUresult (*cuCtxPushCurrent_t)(CUcontext ctx) noexcept nogil           
 ctypedef CUresult (*cuCtxPopCurrent_t)(CUcontext *ctx) noexcept nogil                               # cuCtxPopCurrent_v2
 ctypedef CUresult (*cuLaunchHostFunc_t)(CUstream stream, CUhostFn fn, void *user_data) noexcept nogil  # cuLaunchHostFunc
 ctypedef CUresult (*cuStreamIsCapturing_t)(CUstream stream, int *status) noexcept nogil            # cuStreamIsCapturing
+ctypedef CUresult (*cuEventCreate_t)(CUevent *event, unsigned int flags) noexcept nogil             # cuEventCreate
+ctypedef CUresult (*cuEventRecord_t)(CUevent event, CUstream stream) noexcept nogil                 # cuEventRecord
+ctypedef CUresult (*cuEventQuery_t)(CUevent event) noexcept nogil                                   # cuEventQuery
+ctypedef CUresult (*cuEventDestroy_t)(CUevent event) noexcept nogil                                 # cuEventDestroy_v2
 ctypedef CUresult (*cuDeviceGetAttribute_t)(int *value, int attrib, CUdevice device) noexcept nogil  # cuDeviceGetAttribute
 ctypedef CUresult (*cuMemHostGetDevicePointer_t)(CUdeviceptr *dptr, void *p, unsigned int flags) noexcept nogil  # cuMemHostGetDevicePointer_v2
 # CUDA 12.8+: one call for many copies; CUDA 13 dropped the failIdx argument (the _v2 symbol).
@@ -53,6 +58,8 @@ cdef enum:
     CUDA_ERROR_NOT_INITIALIZED = 3
     CUDA_ERROR_NO_DEVICE = 100
     CUDA_ERROR_INVALID_DEVICE = 101
+    CUDA_ERROR_NOT_READY = 600
+    CU_EVENT_DISABLE_TIMING = 2
     CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
     CU_MEM_LOCATION_TYPE_DEVICE = 1
     CU_MEM_LOCATION_TYPE_HOST = 2

@@ -76,6 +76,10 @@ cdef extern from "<time.h>" nogil:
         long tv_nsec
     int clock_gettime(int clk_id, timespec *tp)
     int CLOCK_REALTIME
+    int CLOCK_MONOTONIC
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
 
 cdef extern from "<pthread.h>" nogil:
     int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const timespec *abstime)

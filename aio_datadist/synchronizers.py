@@ -3,7 +3,8 @@
 :class:`EventLayerSynchronizer` lets prefill code mark each layer finished
 with :meth:`~EventLayerSynchronizer.record` (from any thread); the layer-wise
 transfer waits for that mark through the core's completion fd, so no thread
-blocks and nothing polls. On the CPU a record is immediate (the layer's
+blocks on it (on CUDA the notifier's event watcher polls briefly, see
+docs/devices.md). On the CPU a record is immediate (the layer's
 compute has returned when ``record`` is called). With a device backend,
 ``record(i, stream=s)`` enqueues the mark on stream ``s`` through the core's
 StreamNotifier: layer ``i`` starts once ``s`` has finished the work enqueued

@@ -644,3 +644,59 @@ def test_stub_declares_what_the_core_exports():
     for obj, node in functions:
         stub_params = [a.arg for a in node.args.args]
         assert stub_params == list(inspect.signature(obj).parameters), node.name
+
+
+def _pairs_reference(info, rows):
+    """What copy_blocks accepts, written plainly: (srcs, dsts) or None."""
+    if type(info) is not dict:
+        return None
+    srcs, dsts = [], []
+    for s, ds in info.items():
+        if type(s) is not int or type(ds) not in (list, tuple) or not ds or not 0 <= s < rows:
+            return None
+        for d in ds:
+            if type(d) is not int or not 0 <= d < rows:
+                return None
+            srcs.append(s)
+            dsts.append(d)
+    if len(set(dsts)) != len(dsts) or set(dsts) & set(srcs):
+        return None
+    return srcs, dsts
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.integers(-2, 40), st.lists(st.integers(-2, 40), max_size=4), max_size=12),
+       st.integers(1, 40))
+def test_block_pairs_agrees_with_the_plain_check(info, rows):
+    got = _core.block_pairs(info, rows)
+    want = _pairs_reference(info, rows)
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and (got[0].tolist(), got[1].tolist()) == want
+        assert got[0].typecode == got[1].typecode == "q"
+
+
+@pytest.mark.parametrize("info", [
+    {1: [2], 3: [2]},                 # a destination twice
+    {1: [2, 2]},                      # a destination twice in one list
+    {1: [2], 2: [3]},                 # a destination that is a source (named after it)
+    {2: [3], 1: [2]},                 # ... and before it
+    {1: [True]}, {True: [2]},         # bools are not block numbers
+    {1: [np.int64(2)]},               # numpy integers take the full check
+    {1: [2 ** 70]}, {-(2 ** 70): [2]},  # too large for int64: no OverflowError
+    {1: []}, {1: 2}, {1: "23"}, {1: range(2, 3)},
+    {1: [10]}, {10: [1]}, {-1: [2]}, {1: [-1]},
+])
+def test_block_pairs_leaves_everything_else_to_the_full_check(info):
+    assert _core.block_pairs(info, 10) is None
+
+
+def test_block_pairs_takes_only_a_dict():
+    from collections import OrderedDict
+    from types import MappingProxyType
+
+    assert _core.block_pairs(MappingProxyType({1: [2]}), 10) is None
+    assert _core.block_pairs([(1, [2])], 10) is None
+    assert _core.block_pairs(OrderedDict({1: [2]}), 10) is None  # a subclass: its items() may be anything
+    assert _core.block_pairs({1: (2, 3), 4: [5]}, 10) is not None

@@ -139,3 +139,169 @@ def test_mapped_host_pointer_and_host_addressability_come_from_the_driver(cuda):
     assert driver.can_map_host(0) is False  # this stand-in device cannot use host pointers directly
     assert driver.host_device_pointer(0, 0x7000) == 0x7000 + (1 << 32)
     assert driver.retained(0) == 0  # the lookup's own retain was given back
+
+
+# ---- the CUDA event watcher ---------------------------------------------------------------------
+
+
+class _FakeDevice:
+    """The stand-in's device progress and held host functions, for the watcher tests."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self.lib.fake_run_host_funcs.restype = ctypes.c_int
+
+    def set(self, name: str, value: int) -> None:
+        ctypes.c_int.in_dll(self.lib, name).value = value
+
+    def enqueued(self) -> int:
+        return ctypes.c_long.in_dll(self.lib, "fake_enqueued").value
+
+    def finish_through(self, seq: int) -> None:
+        ctypes.c_long.in_dll(self.lib, "fake_device_done").value = seq
+
+    def run_host_funcs(self) -> int:
+        return self.lib.fake_run_host_funcs()
+
+
+@pytest.fixture
+def device(cuda):
+    dev = _FakeDevice(cuda[1])
+    dev.set("fake_defer_host_funcs", 1)
+    dev.finish_through(0)
+    yield dev
+    dev.set("fake_defer_host_funcs", 0)
+    dev.set("fake_query_error", 0)
+    dev.set("fake_no_events", 0)
+    ctypes.c_long.in_dll(dev.lib, "fake_done_also").value = -1
+    dev.run_host_funcs()
+    dev.finish_through(1 << 62)
+
+
+def test_cuda_watcher_posts_a_record_once_the_event_completes_before_its_host_function(cuda, device):
+    path, lib = cuda
+    queue = _core.CompletionQueue()
+    events, destroys = counter(lib, "fake_events"), counter(lib, "fake_event_destroys")
+    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=5_000_000)
+    try:
+        assert notifier.watching
+        for token in (1, 2, 3):
+            notifier.notify(token, 0x5, token * 10)
+        assert counter(lib, "fake_events") == events + 3 and notifier.pending() == 3
+        time.sleep(0.05)
+        assert queue.drain() == []  # the device is not there yet
+        first = device.enqueued() - 2
+        device.finish_through(first + 1)  # past the first two
+        assert drain_until(queue, 2) == [(1, 0, 10), (2, 0, 20)]
+        time.sleep(0.05)
+        assert queue.drain() == []
+        device.finish_through(first + 2)
+        assert drain_until(queue, 1) == [(3, 0, 30)]
+        assert notifier.watch_counts == (3, 0)
+        assert notifier.pending() == 0 and notifier.cancel(1) is False  # posted: their tokens are free again
+        notifier.notify(1, 0x5, 11)  # token 1 again, while the first one's host function is still held
+        assert device.run_host_funcs() == 4  # three late ones post nothing, nor touch the new token 1
+        assert queue.drain() == [(1, 0, 11)] and notifier.pending() == 0
+        assert counter(lib, "fake_event_destroys") == destroys + 3
+    finally:
+        assert notifier.close(1.0)
+        queue.close()
+
+
+def test_cuda_watcher_posts_in_order_and_leaves_a_slow_notification_to_its_host_function(cuda, device):
+    path, lib = cuda
+    queue = _core.CompletionQueue()
+    destroys = counter(lib, "fake_event_destroys")
+    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=20_000)  # a 20 ms window
+    try:
+        notifier.notify(1, 0x5, 1)
+        notifier.notify(2, 0x6, 2)  # another stream, which gets there at once: its record waits behind the first
+        ctypes.c_long.in_dll(lib, "fake_done_also").value = device.enqueued()
+        time.sleep(0.005)
+        assert queue.drain() == []
+        deadline = time.monotonic() + 5
+        while notifier.watch_counts[1] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert notifier.watch_counts == (0, 2)
+        assert queue.drain() == [] and counter(lib, "fake_event_destroys") == destroys + 2
+        assert device.run_host_funcs() == 2  # the host functions post both, in order
+        assert queue.drain() == [(1, 0, 1), (2, 0, 2)] and notifier.pending() == 0
+    finally:
+        assert notifier.close(1.0)
+        queue.close()
+
+
+def test_cuda_watcher_posts_a_cancelled_notification_as_cancelled(cuda, device):
+    path, _ = cuda
+    queue = _core.CompletionQueue()
+    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=5_000_000)
+    try:
+        notifier.notify(4, 0x5, 99)
+        assert notifier.cancel(4)
+        device.finish_through(device.enqueued())
+        assert drain_until(queue, 1) == [(4, -errno.ECANCELED, 0)]
+        device.run_host_funcs()
+        time.sleep(0.02)
+        assert queue.drain() == []
+    finally:
+        assert notifier.close(1.0)
+        queue.close()
+
+
+def test_cuda_watcher_gives_up_on_a_query_error_and_without_events_the_host_function_alone_posts(cuda, device):
+    path, lib = cuda
+    queue = _core.CompletionQueue()
+    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=5_000_000)
+    try:
+        device.set("fake_query_error", 1)
+        notifier.notify(1, 0x5, 1)
+        deadline = time.monotonic() + 5
+        while notifier.watch_counts[1] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert notifier.watch_counts == (0, 1) and queue.drain() == []
+        device.set("fake_query_error", 0)
+        device.set("fake_no_events", 1)  # the driver refuses an event: nothing is watched
+        events = counter(lib, "fake_events")
+        notifier.notify(2, 0x5, 2)
+        assert counter(lib, "fake_events") == events and notifier.watch_counts == (0, 1)
+        assert device.run_host_funcs() == 2
+        assert queue.drain() == [(1, 0, 1), (2, 0, 2)]
+    finally:
+        assert notifier.close(1.0)
+        queue.close()
+
+
+def test_cuda_watcher_is_off_at_zero_and_refuses_a_negative_window(cuda):
+    path, _ = cuda
+    queue = _core.CompletionQueue()
+    notifier = _core.StreamNotifier(queue, "cuda", 0, path)
+    assert not notifier.watching and notifier.watch_counts == (0, 0)
+    notifier.close()
+    with pytest.raises(ValueError, match="poll_us must be >= 0"):
+        _core.StreamNotifier(queue, "cuda", 0, path, poll_us=-1)
+    host = _core.StreamNotifier(queue, "host", 0, None, poll_us=1000)  # CUDA only
+    assert not host.watching
+    host.close()
+    queue.close()
+
+
+def test_closing_a_watching_notifier_stops_its_thread_and_frees_what_it_watched(cuda, device):
+    """Close while the watcher holds notifications whose host functions ran (the device not there by its
+    events' reckoning) and while one's host function is still held: the drain times out for that one (its
+    bookkeeping is left for the late host function), the watcher stops, every event is destroyed, and the
+    late host function still posts."""
+    path, lib = cuda
+    queue = _core.CompletionQueue()
+    destroys, events = counter(lib, "fake_event_destroys"), counter(lib, "fake_events")
+    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=60_000_000)
+    notifier.notify(1, 0x5, 1)
+    assert device.run_host_funcs() == 1
+    assert drain_until(queue, 1) == [(1, 0, 1)]  # the host function posted; the watcher still polls
+    notifier.notify(2, 0x5, 2)
+    with pytest.warns(ResourceWarning, match="has not reached"):
+        assert notifier.close(0.05) is False
+    assert counter(lib, "fake_event_destroys") - destroys == counter(lib, "fake_events") - events == 2
+    assert queue.drain() == []
+    assert device.run_host_funcs() == 1
+    assert queue.drain() == [(2, 0, 2)]
+    queue.close()

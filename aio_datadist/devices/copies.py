@@ -57,7 +57,7 @@ class Side:
 
     bases: tuple[int, ...]
     stride: int
-    rows: tuple[int, ...]
+    rows: Sequence[int]  # a tuple, or an int64 array.array
     offset: int
     device: torch.device
     make_views: Callable[[], tuple[torch.Tensor, ...]]
@@ -80,7 +80,9 @@ def cache_side(cache: KvCache, rows: Sequence[int], offset: int, nbytes: int,
     def views() -> tuple[torch.Tensor, ...]:
         return tuple(t.view(torch.uint8).view(lay.rows, lay.row_bytes) for t in tensors)
 
-    return Side(tuple(lay.bases[first:first + count]), lay.row_bytes, tuple(rows), offset, cache.device, views,
+    # An int64 array (what copy_blocks' bulk check gives) stays one: the row table is then built by a copy.
+    kept = array.array("q", rows) if isinstance(rows, array.array) else tuple(rows)
+    return Side(tuple(lay.bases[first:first + count]), lay.row_bytes, kept, offset, cache.device, views,
                 on_host=not cache.on_device)
 
 
@@ -152,7 +154,9 @@ def enqueue_rows(backend: DeviceBackend, dst: Side, src: Side, nbytes: int, meth
     elif method == "kernel":
         dst_bases = backend.table(dst.bases, cache=True)
         src_bases = backend.table(src.bases, cache=True)
-        both = backend.table(dst.rows + src.rows)  # one upload for both row tables
+        joined = array.array("q", dst.rows)  # one upload for both row tables
+        joined.extend(src.rows)
+        both = backend.table(joined)
         n = len(dst.rows)
         dst_rows, src_rows = both[:n], both[n:]
         keep.extend((dst_bases, src_bases, both))

@@ -6,23 +6,39 @@ this stream so far is done" into a record on the endpoint's
 Ascend), so device work resumes its coroutine like every other engine's
 without a thread waiting on it. The backend (``devices/backend.py``) opens
 one for its copy stream.
+
+On CUDA the driver runs a host function on its callback thread a while after
+the stream got there (250-350 us after a kernel on a VM, benchmarks/RESULTS.md
+"GPU"); the notifier also polls an event recorded just before it, for
+``CUDA_POLL_US`` microseconds (env ``AIO_DATADIST_CUDA_POLL_US``, default
+2000; 0: host functions only), and posts the record as the event completes.
+The host function stays the guarantee for anything longer.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 
 from aio_datadist import _core
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ["open_notifier"]
+__all__ = ["CUDA_POLL_US", "open_notifier"]
+
+CUDA_POLL_US = int(os.environ.get("AIO_DATADIST_CUDA_POLL_US", 2000))
+if CUDA_POLL_US < 0:
+    raise ValueError(f"AIO_DATADIST_CUDA_POLL_US must be >= 0, got {CUDA_POLL_US}")
 
 
 def open_notifier(queue: _core.CompletionQueue, kind: str, index: int,
-                  library: str | None = None) -> _core.StreamNotifier:
-    """A core StreamNotifier; a missing driver or device is ``LLM_FEATURE_NOT_ENABLED``."""
+                  library: str | None = None, poll_us: int | None = None) -> _core.StreamNotifier:
+    """A core StreamNotifier; a missing driver or device is ``LLM_FEATURE_NOT_ENABLED``.
+
+    ``poll_us``: the CUDA event watcher's window (default ``CUDA_POLL_US``); other kinds ignore it.
+    """
+    poll = (CUDA_POLL_US if poll_us is None else poll_us) if kind == "cuda" else 0
     try:
-        return _core.StreamNotifier(queue, kind, index, library)
+        return _core.StreamNotifier(queue, kind, index, library, poll)
     except OSError as exc:
         if exc.errno == errno.ENODEV:
             raise LLMException(f"option 'aio.DeviceType': {kind} device caches need stream "

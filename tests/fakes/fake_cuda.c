@@ -31,7 +31,41 @@ int cuDevicePrimaryCtxRetain(void **ctx, int dev) { fake_retains++; *ctx = (void
 int cuDevicePrimaryCtxRelease_v2(int dev) { fake_releases++; return 0; }
 int cuCtxPushCurrent_v2(void *ctx) { fake_pushes++; return ctx == (void *)0x99 ? 0 : 201; }
 int cuCtxPopCurrent_v2(void **ctx) { fake_pops++; *ctx = (void *)0x99; return 0; }
-int cuLaunchHostFunc(void *stream, hostfn_t fn, void *arg) { fake_host_funcs++; fn(arg); return 0; }
+/* Host functions run at once, or with fake_defer_host_funcs set are held until fake_run_host_funcs(). */
+int fake_defer_host_funcs, fake_held_host_funcs;
+static hostfn_t held_fn[256];
+static void *held_arg[256];
+int cuLaunchHostFunc(void *stream, hostfn_t fn, void *arg) {
+    __atomic_add_fetch(&fake_host_funcs, 1, __ATOMIC_SEQ_CST);
+    if (!fake_defer_host_funcs) { fn(arg); return 0; }
+    if (fake_held_host_funcs == 256) return 2;
+    held_fn[fake_held_host_funcs] = fn; held_arg[fake_held_host_funcs] = arg; fake_held_host_funcs++;
+    return 0;
+}
+int fake_run_host_funcs(void) {
+    int n = fake_held_host_funcs;
+    for (int i = 0; i < n; i++) held_fn[i](held_arg[i]);
+    fake_held_host_funcs = 0;
+    return n;
+}
+/* Events: each record takes the next number of one device-wide sequence; an event is complete once the
+ * test has set fake_device_done to its number or more, or fake_done_also to its number (another stream
+ * that got there first). fake_query_error makes every query fail. */
+typedef struct { long seq; } event_t;
+long fake_enqueued, fake_device_done, fake_done_also = -1;
+int fake_events, fake_event_destroys, fake_event_queries, fake_query_error, fake_no_events;
+int cuEventCreate(event_t **ev, unsigned int flags) {
+    if (fake_no_events) return 1;
+    *ev = calloc(1, sizeof(event_t)); __atomic_add_fetch(&fake_events, 1, __ATOMIC_SEQ_CST); return 0;
+}
+int cuEventRecord(event_t *ev, void *stream) { ev->seq = __atomic_add_fetch(&fake_enqueued, 1, __ATOMIC_SEQ_CST); return 0; }
+int cuEventQuery(event_t *ev) {
+    __atomic_add_fetch(&fake_event_queries, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&fake_query_error, __ATOMIC_SEQ_CST)) return 999;
+    return ev->seq <= __atomic_load_n(&fake_device_done, __ATOMIC_SEQ_CST)
+        || ev->seq == __atomic_load_n(&fake_done_also, __ATOMIC_SEQ_CST) ? 0 : 600;
+}
+int cuEventDestroy_v2(event_t *ev) { free(ev); __atomic_add_fetch(&fake_event_destroys, 1, __ATOMIC_SEQ_CST); return 0; }
 int cuStreamIsCapturing(void *stream, int *status) { *status = (uintptr_t)stream == CAPTURING_STREAM; return 0; }
 int cuDeviceGetAttribute(int *value, int attrib, int dev) {
     *value = attrib == 91 ? 0 : attrib == 102 ? fake_vmm : attrib == 103 ? fake_posix_fd : 1; return 0;

@@ -24,9 +24,11 @@ def queue():
     q.close()
 
 
-@pytest.fixture
-def notifier(queue):
-    n = _core.StreamNotifier(queue, "cuda", torch.cuda.current_device())
+@pytest.fixture(params=[0, 200_000], ids=["host-functions", "event-watcher"])
+def notifier(queue, request):
+    """Host functions only, and with the event watcher (a 200 ms window: it catches the 50 ms sleeps)."""
+    n = _core.StreamNotifier(queue, "cuda", torch.cuda.current_device(), poll_us=request.param)
+    assert n.watching == (request.param > 0)
     yield n
     n.close()
 
@@ -65,6 +67,29 @@ def test_records_follow_stream_order_and_never_come_early(queue, notifier):
         assert time.monotonic() < deadline
     assert seen == [(1, 0, 10), (2, 0, 20), (3, 0, 30)]
     assert notifier.pending() == 0
+
+
+def test_the_event_watcher_posts_ahead_of_the_host_functions_and_only_once(queue):
+    n = _core.StreamNotifier(queue, "cuda", torch.cuda.current_device(), poll_us=200_000)
+    try:
+        stream = torch.cuda.Stream()
+        src = torch.arange(1 << 20, dtype=torch.int32, device="cuda")
+        dst = torch.zeros_like(src)
+        for token in range(1, 21):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(LONG // 50)  # about 1 ms
+                dst.copy_(src + token)
+                n.notify(token, stream.cuda_stream, token)
+            (got,) = wait_records(queue, 1)
+            assert got == (token, 0, token)
+            # The record says the copy is done: its bytes are there, read without any wait on the stream.
+            assert int(dst[12345].item()) == 12345 + token
+        early, expired = n.watch_counts
+        assert early >= 15 and expired == 0, (early, expired)  # nearly all ahead of their host functions
+        time.sleep(0.05)
+        assert queue.drain() == [] and n.pending() == 0  # the host functions posted nothing more
+    finally:
+        assert n.close()
 
 
 def test_the_legacy_default_stream_works(queue, notifier):
