@@ -64,6 +64,7 @@ GIB = 1 << 30
 TENSORS, BLOCKS, BLOCK_SHAPE = 64, 4096, (16, 8, 128)
 HOST_BLOCKS = 512
 STAGED_BLOCKS = 512  # the staged TCP pull: 512 random blocks x 64 tensors = 1 GiB
+TRACE = False  # --trace: cProfile and torch.profiler traces of the API calls (they slow what follows them)
 
 
 class Report:
@@ -306,6 +307,7 @@ async def bench_copy_blocks(report: Report, dd: Any, deadline: float) -> dict[st
     from aio_datadist import CacheDesc, DataType, Placement
     from aio_datadist.devices import kernels
     from aio_datadist.devices.copies import cache_side, enqueue_rows
+    from aio_datadist.devices.streams import open_notifier
 
     kv, rt = dd.kv_cache_manager, dd._runtime
     backend = rt.devices
@@ -330,7 +332,20 @@ async def bench_copy_blocks(report: Report, dd: Any, deadline: float) -> dict[st
         api = await wall_time(lambda: kv.copy_blocks(cache, info), reps)
         report.row(f"{label}, API (call -> resumed)", gbps(nbytes, statistics.median(api)), "GB/s",
                    "contiguous device copy", ceiling, ">= 0.85x",
-                   f"median of {reps}, method {'kernel' if kernels.available() else 'torch'}")
+                   f"median of {reps}, method {'kernel' if kernels.available() else 'torch'}; event watcher "
+                   f"{backend.notifier.watching}, (early, expired) so far {backend.notifier.watch_counts}")
+        # The same calls with completions by host function only (the notifier before the event watcher).
+        watched = backend.notifier
+        plain = open_notifier(rt.completions.queue, "cuda", backend.device.index or 0, poll_us=0)
+        backend.notifier = plain
+        try:
+            api_plain = await wall_time(lambda: kv.copy_blocks(cache, info), reps)
+        finally:
+            backend.notifier = watched
+            plain.close()
+        report.row(f"{label}, API, completion by host function only (poll_us=0)",
+                   gbps(nbytes, statistics.median(api_plain)), "GB/s", "the API row, event watcher on",
+                   gbps(nbytes, statistics.median(api)), "", f"median of {reps}")
         dside = cache_side(cache, dsts, 0, cache.layout.row_bytes)
         sside = cache_side(cache, srcs, 0, cache.layout.row_bytes)
         if kernels.available():
@@ -353,6 +368,12 @@ async def bench_copy_blocks(report: Report, dd: Any, deadline: float) -> dict[st
             report.row(f"{label}, kernel copy enqueued then stream.synchronize() (wall)",
                        gbps(nbytes, statistics.median(whole)), "GB/s", "contiguous device copy", ceiling, "",
                        "median of 20: enqueued as the API does, a blocking wait in place of validation and completion")
+        if nblocks == 512 and TRACE:
+            await profile_api(report, lambda: kv.copy_blocks(cache, info), f"profile_copy_blocks_{nblocks}.txt")
+            try:
+                await trace_api(report, lambda: kv.copy_blocks(cache, info), f"trace_copy_blocks_{nblocks}")
+            except Exception as exc:  # noqa: BLE001 - a profiler problem must not cost the figures
+                report.note(f"copy_blocks trace failed: {exc!r}")
         for method in ("kernel", "torch", "batch"):
             if method == "kernel" and not kernels.available():
                 continue
@@ -374,6 +395,50 @@ async def bench_copy_blocks(report: Report, dd: Any, deadline: float) -> dict[st
         await tune_kernel(report, cache, backend, ceilings.get(512))
     kv.deallocate_cache(cache)
     return ceilings
+
+
+async def profile_api(report: Report, coro_fn: Callable[[], Any], name: str, reps: int = 10) -> None:
+    """cProfile of ``reps`` API calls (both the loop's and the call's Python), the top of it to ``name``:
+    where a call's host time goes where the device time is a fraction of it."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        for _ in range(reps):
+            await coro_fn()
+    finally:
+        prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
+    report.out.mkdir(parents=True, exist_ok=True)
+    (report.out / name).write_text(text.getvalue())
+    report.note(f"profile of {reps} API calls written to {name}")
+
+
+async def trace_api(report: Report, coro_fn: Callable[[], Any], name: str, reps: int = 5) -> None:
+    """A torch.profiler trace (host Python, CUDA API calls and kernels on one clock) of ``reps`` API calls,
+    gzipped Chrome trace JSON to ``name``: where a call's time goes between the host and the device."""
+    import gzip
+
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, with_stack=True) as prof:
+        for _ in range(reps):
+            with torch.profiler.record_function("api_call"):
+                await coro_fn()
+    tmp = report.out / (name + ".json")
+    prof.export_chrome_trace(str(tmp))
+    with open(tmp, "rb") as raw, gzip.open(report.out / (name + ".json.gz"), "wb") as packed:
+        packed.write(raw.read())
+    tmp.unlink()
+    (report.out / (name + ".txt")).write_text(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+    report.note(f"torch.profiler trace of {reps} API calls written to {name}.json.gz")
 
 
 async def tune_kernel(report: Report, cache: Any, backend: Any, ceiling: float | None) -> None:
@@ -643,6 +708,8 @@ async def bench_ipc(report: Report, ceiling: float | None, deadline: float) -> N
             stats = dd.stats().links[1]
             taken = stats.kinds["pull"].transport
             times = await wall_time(pull, 10)
+            if TRACE:
+                await profile_api(report, pull, "profile_ipc_pull_512.txt", 5)
             if ceiling is None:
                 ceiling = contiguous_rate(nbytes, 10)
             report.row(f"cross-process same-GPU pull, 512 blocks x {TENSORS} tensors through device IPC "
@@ -655,6 +722,11 @@ async def bench_ipc(report: Report, ceiling: float | None, deadline: float) -> N
                 few = lambda n=n: dd.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), local, src[:n],  # noqa: E731
                                                                   dst[:n])
                 small = await wall_time(few, 20)
+                if n == 1 and TRACE:
+                    try:
+                        await trace_api(report, few, "trace_ipc_pull_1")
+                    except Exception as exc:  # noqa: BLE001
+                        report.note(f"IPC pull trace failed: {exc!r}")
                 report.row(f"cross-process same-GPU pull by device IPC, {n} block(s) (call -> resumed)",
                            statistics.median(small) * 1e6, "us", "the 512-block pull",
                            statistics.median(times) * 1e6, "", "median of 20")
@@ -856,7 +928,11 @@ def main() -> int:
                         help="last, the whole test suite (less tests/gpu) for at most S seconds over pytest-xdist "
                              "workers: on a CUDA machine aio.DeviceType=auto puts every device cache on the GPU")
     parser.add_argument("--workers", type=int, default=12, help="pytest-xdist workers for --suite (default 12)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also write cProfile and torch.profiler traces of the copy_blocks and IPC pull calls")
     args = parser.parse_args()
+    global TRACE
+    TRACE = args.trace
     start = time.monotonic()
     deadline = start + args.budget
     report = Report(Path(args.out))
