@@ -3,6 +3,7 @@
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libcpp.vector cimport vector
 from libcpp.deque cimport deque
+from libcpp.set cimport set
 from libcpp.unordered_map cimport unordered_map
 from posix.uio cimport iovec
 
@@ -135,7 +136,11 @@ cdef cppclass NotifyState:
     pthread_mutex_t lock
     pthread_cond_t idle
     unordered_map[uint64_t, void *] slots  # tokens whose record is not posted yet
-    size_t inflight  # host functions enqueued and not run yet: the state lives until none is left
+    size_t inflight  # host functions enqueued and not run yet (and notify calls not done): the state lives until none is left
+    # Unposted slots only their host function will post, by notification number: the watcher posts a
+    # slot early only if none notified before it is among them (the records of a notifier keep their order).
+    set[uint64_t] behind
+    uint64_t next_seq
     void *queue
     bint closed
 
@@ -149,6 +154,8 @@ cdef cppclass NotifySlot:
     # record is posted once, by whichever sees the stream past it first; the last holder frees the slot.
     int refs
     bint posted
+    bint behind  # listed in NotifyState.behind
+    uint64_t seq  # notification number
 
 
 # CUDA: a host function runs on the driver's callback thread some time after the stream reached it (on a

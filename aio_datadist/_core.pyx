@@ -1545,6 +1545,7 @@ cdef NotifyState *_state_new(CompletionQueue queue):
     st.queue = <void *>queue
     st.closed = False
     st.inflight = 0
+    st.next_seq = 0
     return st
 
 
@@ -1570,6 +1571,9 @@ cdef NotifySlot *_state_arm(NotifyState *st, uint64_t token, int64_t aux) except
     slot.cancelled = False
     slot.refs = 1
     slot.posted = False
+    slot.behind = False
+    st.next_seq += 1
+    slot.seq = st.next_seq
     st.slots[token] = <void *>slot
     st.inflight += 1
     pthread_mutex_unlock(&st.lock)
@@ -1580,6 +1584,8 @@ cdef void _state_disarm(NotifyState *st, NotifySlot *slot) noexcept nogil:
     # The driver refused the host function: it will never run (and nothing else holds the slot).
     pthread_mutex_lock(&st.lock)
     st.slots.erase(slot.token)
+    if slot.behind:
+        st.behind.erase(slot.seq)
     st.inflight -= 1
     if st.inflight == 0:
         pthread_cond_broadcast(&st.idle)
@@ -1651,6 +1657,9 @@ cdef bint _slot_post(NotifySlot *slot) noexcept nogil:
     if slot.posted:
         return False
     slot.posted = True
+    if slot.behind:
+        slot.behind = False
+        slot.state.behind.erase(slot.seq)
     it = slot.state.slots.find(slot.token)
     if it != slot.state.slots.end() and deref(it).second == <void *>slot:
         slot.state.slots.erase(it)
@@ -1659,6 +1668,23 @@ cdef bint _slot_post(NotifySlot *slot) noexcept nogil:
     else:
         (<CompletionQueue>slot.state.queue).push(slot.token, 0, slot.aux)
     return True
+
+
+cdef void _slot_leave_behind(NotifySlot *slot) noexcept nogil:
+    # With the state lock held: only the slot's host function will post it; until it does, nothing after it
+    # is posted early (the records of one notifier keep their order).
+    if not slot.posted and not slot.behind:
+        slot.behind = True
+        slot.state.behind.insert(slot.seq)
+
+
+cdef void _state_hold(NotifyState *st, int delta) noexcept nogil:
+    # A notify call in progress counts as in flight, so close cannot free what it still touches.
+    pthread_mutex_lock(&st.lock)
+    st.inflight += delta
+    if st.inflight == 0:
+        pthread_cond_broadcast(&st.idle)
+    pthread_mutex_unlock(&st.lock)
 
 
 cdef int64_t _mono_ns() noexcept nogil:
@@ -1673,9 +1699,11 @@ cdef void _watch_done(EventWatch *w, WatchItem *item, bint reached) noexcept nog
     cdef NotifyState *st = slot.state
     cdef bint last
     pthread_mutex_lock(&st.lock)
-    if reached and _slot_post(slot):
-        w.early += 1
-    elif not reached:
+    if reached and (st.behind.empty() or deref(st.behind.begin()) > slot.seq):
+        if _slot_post(slot):
+            w.early += 1
+    elif not slot.posted:
+        _slot_leave_behind(slot)
         w.expired += 1
     slot.refs -= 1
     last = slot.refs == 0
@@ -1717,7 +1745,7 @@ cdef void *_watch_main(void *arg) noexcept nogil:
             break
         pthread_mutex_unlock(&w.lock)
         while head < mine.size():
-            rc = w.query(mine[head].event) if current else CUDA_ERROR_NOT_READY
+            rc = w.query(mine[head].event) if current else -1  # no context on this thread: give up at once
             if rc == CUDA_SUCCESS:
                 _watch_done(w, &mine[head], True)
                 head += 1
@@ -2000,11 +2028,11 @@ cdef class StreamNotifier:
     def watch_counts(self):
         """``(early, expired)``: records the watcher posted before the host function, and watched
         notifications it gave up to the host function (window over, or a driver error)."""
-        if self._watch == NULL:
+        if self._watch == NULL or self._state == NULL:
             return (0, 0)
-        pthread_mutex_lock(&self._watch.lock)
+        pthread_mutex_lock(&self._state.lock)  # what _watch_done writes them under
         out = (self._watch.early, self._watch.expired)
-        pthread_mutex_unlock(&self._watch.lock)
+        pthread_mutex_unlock(&self._state.lock)
         return out
 
     @property
@@ -2033,6 +2061,8 @@ cdef class StreamNotifier:
         cdef HostOp *op
         cdef CUevent event
         cdef WatchItem item
+        cdef NotifyState *st
+        cdef bint watching
         if self._closed:
             raise ValueError("StreamNotifier is closed")
         if self._backend == BACKEND_CUDA:
@@ -2047,36 +2077,48 @@ cdef class StreamNotifier:
                 raise OSError(_errno.EBUSY, "the stream is being captured into a CUDA graph: a completion "
                                             "notification cannot be part of a graph; record it outside the capture")
             slot = _state_arm(self._state, token, aux)
-            event = NULL
-            with nogil:
-                rc = self._cuda._ctx_push(self._ctx)
-                if rc == CUDA_SUCCESS:
-                    if self._watch != NULL:
-                        # The event goes first: recorded after the host function it would wait for it.
-                        if self._cuda._event_create(&event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS:
-                            event = NULL
-                        elif self._cuda._event_record(event, <CUstream>stream) != CUDA_SUCCESS:
+            st = self._state
+            watching = self._watch != NULL
+            if watching:
+                _state_hold(st, 1)  # until the watcher has the item: close waits, the watcher stays
+            try:
+                event = NULL
+                with nogil:
+                    rc = self._cuda._ctx_push(self._ctx)
+                    if rc == CUDA_SUCCESS:
+                        if watching:
+                            # The event goes first: recorded after the host function it would wait for it.
+                            if self._cuda._event_create(&event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS:
+                                event = NULL
+                            elif self._cuda._event_record(event, <CUstream>stream) != CUDA_SUCCESS:
+                                self._cuda._event_destroy(event)
+                                event = NULL
+                        if event != NULL:
+                            slot.refs = 2  # before the host function can run and let go of it
+                        elif watching:
+                            pthread_mutex_lock(&st.lock)
+                            _slot_leave_behind(slot)  # unwatched: nothing after it is posted before it
+                            pthread_mutex_unlock(&st.lock)
+                        rc = self._cuda._launch_host_func(<CUstream>stream, _notify_fire, <void *>slot)
+                        if rc != CUDA_SUCCESS and event != NULL:
                             self._cuda._event_destroy(event)
                             event = NULL
-                    if event != NULL:
-                        slot.refs = 2  # before the host function can run and let go of it
-                    rc = self._cuda._launch_host_func(<CUstream>stream, _notify_fire, <void *>slot)
-                    if rc != CUDA_SUCCESS and event != NULL:
-                        self._cuda._event_destroy(event)
-                        event = NULL
-                        slot.refs = 1
-                    self._cuda._ctx_pop(&popped)
-            if rc != CUDA_SUCCESS:
-                _state_disarm(self._state, slot)
-                raise OSError(EIO, f"cuLaunchHostFunc failed: {self._cuda._describe(rc)}")
-            if event != NULL:
-                item.slot = <void *>slot
-                item.event = event
-                item.deadline_ns = _mono_ns() + self._watch.poll_ns
-                pthread_mutex_lock(&self._watch.lock)
-                self._watch.items.push_back(item)
-                pthread_cond_signal(&self._watch.wake)
-                pthread_mutex_unlock(&self._watch.lock)
+                            slot.refs = 1
+                        self._cuda._ctx_pop(&popped)
+                if rc != CUDA_SUCCESS:
+                    _state_disarm(st, slot)
+                    raise OSError(EIO, f"cuLaunchHostFunc failed: {self._cuda._describe(rc)}")
+                if event != NULL:
+                    item.slot = <void *>slot
+                    item.event = event
+                    item.deadline_ns = _mono_ns() + self._watch.poll_ns
+                    pthread_mutex_lock(&self._watch.lock)
+                    self._watch.items.push_back(item)
+                    pthread_cond_signal(&self._watch.wake)
+                    pthread_mutex_unlock(&self._watch.lock)
+            finally:
+                if watching:
+                    _state_hold(st, -1)
             return
         if self._backend == BACKEND_HOST:
             host = _host_streams.get(stream)

@@ -305,3 +305,90 @@ def test_closing_a_watching_notifier_stops_its_thread_and_frees_what_it_watched(
     assert device.run_host_funcs() == 1
     assert queue.drain() == [(2, 0, 2)]
     queue.close()
+
+
+def _wait_counts(notifier: _core.StreamNotifier, expired: int) -> tuple[int, int]:
+    deadline = time.monotonic() + 5
+    while notifier.watch_counts[1] < expired and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return notifier.watch_counts
+
+
+def test_cuda_watcher_posts_nothing_ahead_of_a_notification_it_gave_up(cuda, device):
+    """Found by review: once the watcher gave a notification up to its host function, a later one on the
+    same stream was posted early, ahead of it."""
+    path, _ = cuda
+    queue = _core.CompletionQueue()
+    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=20_000)
+    try:
+        notifier.notify(1, 0x5, 1)
+        assert _wait_counts(notifier, 1) == (0, 1)  # its window ended: the host function will post it
+        notifier.notify(2, 0x5, 2)
+        device.finish_through(device.enqueued())  # both are done on the device
+        time.sleep(0.05)
+        assert queue.drain() == []  # 2 waits behind 1
+        assert device.run_host_funcs() == 2
+        assert queue.drain() == [(1, 0, 1), (2, 0, 2)]
+        notifier.notify(3, 0x5, 3)  # nothing is behind any more: the watcher posts early again
+        device.finish_through(device.enqueued())
+        assert drain_until(queue, 1) == [(3, 0, 3)]
+        assert notifier.watch_counts[0] == 1
+    finally:
+        device.run_host_funcs()
+        assert notifier.close(1.0)
+        queue.close()
+
+
+def test_cuda_watcher_posts_nothing_ahead_of_an_unwatched_notification(cuda, device):
+    """Found by review: a notification the driver gave no event (so the watcher never saw it) was overtaken
+    by the next watched one."""
+    path, _ = cuda
+    queue = _core.CompletionQueue()
+    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=5_000_000)
+    try:
+        notifier.notify(3, 0x5, 3)
+        device.set("fake_no_events", 1)
+        notifier.notify(4, 0x5, 4)
+        device.set("fake_no_events", 0)
+        notifier.notify(5, 0x5, 5)
+        device.finish_through(device.enqueued())
+        assert drain_until(queue, 1) == [(3, 0, 3)]
+        time.sleep(0.05)
+        assert queue.drain() == []  # 5 waits behind 4
+        assert device.run_host_funcs() == 3
+        assert queue.drain() == [(4, 0, 4), (5, 0, 5)]
+    finally:
+        assert notifier.close(1.0)
+        queue.close()
+
+
+def test_closing_a_notifier_while_another_thread_notifies_waits_for_that_call(cuda):
+    """Found by review: close() from the loop while a thread was inside notify() (its host function already
+    run, the launch not yet returned) freed the watcher that notify() then handed its event to: a crash."""
+    path, lib = cuda
+    queue = _core.CompletionQueue()
+    destroys, events = counter(lib, "fake_event_destroys"), counter(lib, "fake_events")
+    ctypes.c_int.in_dll(lib, "fake_launch_delay_us").value = 200_000
+    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=5_000_000)
+    errors: list[BaseException] = []
+
+    def notify() -> None:
+        try:
+            notifier.notify(1, 0x5, 1)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    try:
+        thread = threading.Thread(target=notify)
+        thread.start()
+        time.sleep(0.05)  # inside the launch: the host function ran, the watcher has no item yet
+        started = time.monotonic()
+        assert notifier.close(5.0)
+        assert time.monotonic() - started > 0.05  # it waited for the notify call
+        thread.join(5)
+        assert not thread.is_alive() and errors == []
+        assert queue.drain() == [(1, 0, 1)]
+        assert counter(lib, "fake_event_destroys") - destroys == counter(lib, "fake_events") - events == 1
+    finally:
+        ctypes.c_int.in_dll(lib, "fake_launch_delay_us").value = 0
+        queue.close()

@@ -35,9 +35,10 @@ int cuCtxPopCurrent_v2(void **ctx) { fake_pops++; *ctx = (void *)0x99; return 0;
 int fake_defer_host_funcs, fake_held_host_funcs;
 static hostfn_t held_fn[256];
 static void *held_arg[256];
+int fake_launch_delay_us; /* the launch returns this long after running the host function (a slow driver) */
 int cuLaunchHostFunc(void *stream, hostfn_t fn, void *arg) {
     __atomic_add_fetch(&fake_host_funcs, 1, __ATOMIC_SEQ_CST);
-    if (!fake_defer_host_funcs) { fn(arg); return 0; }
+    if (!fake_defer_host_funcs) { fn(arg); if (fake_launch_delay_us) usleep(fake_launch_delay_us); return 0; }
     if (fake_held_host_funcs == 256) return 2;
     held_fn[fake_held_host_funcs] = fn; held_arg[fake_held_host_funcs] = arg; fake_held_host_funcs++;
     return 0;
