@@ -119,6 +119,7 @@ async def push_cut_by_unlink(pair, src, dst) -> None:
 
 
 @needs_nixl
+@pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
 async def test_closing_a_link_does_not_unload_the_agent_of_the_next_link_to_the_same_peer():
     """A link's close unloads the peer's agent once no transfer of ours uses it any more. Before, a transfer
     still in flight deferred that past the next link to the same endpoint, which had loaded the same agent
@@ -142,6 +143,7 @@ def posted_count(dd) -> int:
 
 
 @needs_nixl
+@pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
 async def test_a_late_notification_of_an_earlier_link_does_not_confirm_a_push_of_the_next():
     """Request ids start again on every link. A WRITE cut by its link's end stays in flight over UCX shared
     memory until the owner's agent progresses again, on the next link to the same peer, and its notification
@@ -444,6 +446,7 @@ async def test_a_cache_freed_while_the_link_is_set_up_does_not_hold_up_link_clus
 
 
 @needs_nixl
+@pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
 async def test_a_peer_that_offers_and_withdraws_in_turn_is_paced(monkeypatch):
     """Offering a cache, waiting for it to be prepared, withdrawing it and again stays within the budget each
     time, so the budget alone let a peer keep the worker building one list after another. The loads draw on

@@ -162,6 +162,7 @@ def _tcp_owner(conn: multiprocessing.connection.Connection, spec: EndpointSpec, 
     _endpoint_main(conn, spec, parent_pid)
 
 
+@pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
 async def test_a_read_without_asking_that_needs_the_owners_progress_longer_than_one_nudge_completes(monkeypatch):
     # UCX over TCP needs the owner's progress for every byte of a READ, and the owner makes it for NUDGE_HOLD_S
     # after a nudge: the reader nudges again while its READ lasts. The owner is another process (in one process

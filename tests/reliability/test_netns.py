@@ -231,6 +231,7 @@ async def test_a_nixl_load_that_hangs_is_given_up_within_its_share_and_changes_n
 
 
 @needs_nixl
+@pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
 async def test_nixl_set_up_with_cache_lists_still_being_prepared_keeps_nixl_and_moves_verified_bytes(caplog):
     caplog.set_level(logging.INFO, logger="aio_datadist.nixl")
     nixl = {"transport": "nixl"}
