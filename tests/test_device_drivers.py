@@ -10,12 +10,14 @@ pruned; CUDA graph capture refused; the retained primary context released.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -164,6 +166,25 @@ class _FakeDevice:
         return self.lib.fake_run_host_funcs()
 
 
+@contextlib.contextmanager
+def watching(path: str, poll_us: int) -> Iterator[tuple[_core.CompletionQueue, _core.StreamNotifier]]:
+    """A queue and a CUDA notifier with the event watcher on the stand-in driver; the notifier must drain."""
+    queue = _core.CompletionQueue()
+    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=poll_us)
+    try:
+        yield queue, notifier
+    finally:
+        assert notifier.close(1.0)
+        queue.close()
+
+
+def _wait_counts(notifier: _core.StreamNotifier, expired: int) -> tuple[int, int]:
+    deadline = time.monotonic() + 5
+    while notifier.watch_counts[1] < expired and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return notifier.watch_counts
+
+
 @pytest.fixture
 def device(cuda):
     dev = _FakeDevice(cuda[1])
@@ -180,10 +201,8 @@ def device(cuda):
 
 def test_cuda_watcher_posts_a_record_once_the_event_completes_before_its_host_function(cuda, device):
     path, lib = cuda
-    queue = _core.CompletionQueue()
     events, destroys = counter(lib, "fake_events"), counter(lib, "fake_event_destroys")
-    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=5_000_000)
-    try:
+    with watching(path, 5_000_000) as (queue, notifier):
         assert notifier.watching
         for token in (1, 2, 3):
             notifier.notify(token, 0x5, token * 10)
@@ -203,39 +222,26 @@ def test_cuda_watcher_posts_a_record_once_the_event_completes_before_its_host_fu
         assert device.run_host_funcs() == 4  # three late ones post nothing, nor touch the new token 1
         assert queue.drain() == [(1, 0, 11)] and notifier.pending() == 0
         assert counter(lib, "fake_event_destroys") == destroys + 3
-    finally:
-        assert notifier.close(1.0)
-        queue.close()
 
 
 def test_cuda_watcher_posts_in_order_and_leaves_a_slow_notification_to_its_host_function(cuda, device):
     path, lib = cuda
-    queue = _core.CompletionQueue()
     destroys = counter(lib, "fake_event_destroys")
-    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=20_000)  # a 20 ms window
-    try:
+    with watching(path, 20_000) as (queue, notifier):  # a 20 ms window
         notifier.notify(1, 0x5, 1)
         notifier.notify(2, 0x6, 2)  # another stream, which gets there at once: its record waits behind the first
         ctypes.c_long.in_dll(lib, "fake_done_also").value = device.enqueued()
         time.sleep(0.005)
         assert queue.drain() == []
-        deadline = time.monotonic() + 5
-        while notifier.watch_counts[1] < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert notifier.watch_counts == (0, 2)
+        assert _wait_counts(notifier, 2) == (0, 2)
         assert queue.drain() == [] and counter(lib, "fake_event_destroys") == destroys + 2
         assert device.run_host_funcs() == 2  # the host functions post both, in order
         assert queue.drain() == [(1, 0, 1), (2, 0, 2)] and notifier.pending() == 0
-    finally:
-        assert notifier.close(1.0)
-        queue.close()
 
 
 def test_cuda_watcher_posts_a_cancelled_notification_as_cancelled(cuda, device):
     path, _ = cuda
-    queue = _core.CompletionQueue()
-    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=5_000_000)
-    try:
+    with watching(path, 5_000_000) as (queue, notifier):
         notifier.notify(4, 0x5, 99)
         assert notifier.cancel(4)
         device.finish_through(device.enqueued())
@@ -243,22 +249,14 @@ def test_cuda_watcher_posts_a_cancelled_notification_as_cancelled(cuda, device):
         device.run_host_funcs()
         time.sleep(0.02)
         assert queue.drain() == []
-    finally:
-        assert notifier.close(1.0)
-        queue.close()
 
 
 def test_cuda_watcher_gives_up_on_a_query_error_and_without_events_the_host_function_alone_posts(cuda, device):
     path, lib = cuda
-    queue = _core.CompletionQueue()
-    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=5_000_000)
-    try:
+    with watching(path, 5_000_000) as (queue, notifier):
         device.set("fake_query_error", 1)
         notifier.notify(1, 0x5, 1)
-        deadline = time.monotonic() + 5
-        while notifier.watch_counts[1] < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert notifier.watch_counts == (0, 1) and queue.drain() == []
+        assert _wait_counts(notifier, 1) == (0, 1) and queue.drain() == []
         device.set("fake_query_error", 0)
         device.set("fake_no_events", 1)  # the driver refuses an event: nothing is watched
         events = counter(lib, "fake_events")
@@ -266,9 +264,6 @@ def test_cuda_watcher_gives_up_on_a_query_error_and_without_events_the_host_func
         assert counter(lib, "fake_events") == events and notifier.watch_counts == (0, 1)
         assert device.run_host_funcs() == 2
         assert queue.drain() == [(1, 0, 1), (2, 0, 2)]
-    finally:
-        assert notifier.close(1.0)
-        queue.close()
 
 
 def test_cuda_watcher_is_off_at_zero_and_refuses_a_negative_window(cuda):
@@ -307,45 +302,33 @@ def test_closing_a_watching_notifier_stops_its_thread_and_frees_what_it_watched(
     queue.close()
 
 
-def _wait_counts(notifier: _core.StreamNotifier, expired: int) -> tuple[int, int]:
-    deadline = time.monotonic() + 5
-    while notifier.watch_counts[1] < expired and time.monotonic() < deadline:
-        time.sleep(0.002)
-    return notifier.watch_counts
-
-
 def test_cuda_watcher_posts_nothing_ahead_of_a_notification_it_gave_up(cuda, device):
     """Found by review: once the watcher gave a notification up to its host function, a later one on the
     same stream was posted early, ahead of it."""
     path, _ = cuda
-    queue = _core.CompletionQueue()
-    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=20_000)
-    try:
-        notifier.notify(1, 0x5, 1)
-        assert _wait_counts(notifier, 1) == (0, 1)  # its window ended: the host function will post it
-        notifier.notify(2, 0x5, 2)
-        device.finish_through(device.enqueued())  # both are done on the device
-        time.sleep(0.05)
-        assert queue.drain() == []  # 2 waits behind 1
-        assert device.run_host_funcs() == 2
-        assert queue.drain() == [(1, 0, 1), (2, 0, 2)]
-        notifier.notify(3, 0x5, 3)  # nothing is behind any more: the watcher posts early again
-        device.finish_through(device.enqueued())
-        assert drain_until(queue, 1) == [(3, 0, 3)]
-        assert notifier.watch_counts[0] == 1
-    finally:
-        device.run_host_funcs()
-        assert notifier.close(1.0)
-        queue.close()
+    with watching(path, 20_000) as (queue, notifier):
+        try:
+            notifier.notify(1, 0x5, 1)
+            assert _wait_counts(notifier, 1) == (0, 1)  # its window ended: the host function will post it
+            notifier.notify(2, 0x5, 2)
+            device.finish_through(device.enqueued())  # both are done on the device
+            time.sleep(0.05)
+            assert queue.drain() == []  # 2 waits behind 1
+            assert device.run_host_funcs() == 2
+            assert queue.drain() == [(1, 0, 1), (2, 0, 2)]
+            notifier.notify(3, 0x5, 3)  # nothing is behind any more: the watcher posts early again
+            device.finish_through(device.enqueued())
+            assert drain_until(queue, 1) == [(3, 0, 3)]
+            assert notifier.watch_counts[0] == 1
+        finally:
+            device.run_host_funcs()
 
 
 def test_cuda_watcher_posts_nothing_ahead_of_an_unwatched_notification(cuda, device):
     """Found by review: a notification the driver gave no event (so the watcher never saw it) was overtaken
     by the next watched one."""
     path, _ = cuda
-    queue = _core.CompletionQueue()
-    notifier = _core.StreamNotifier(queue, "cuda", 0, path, poll_us=5_000_000)
-    try:
+    with watching(path, 5_000_000) as (queue, notifier):
         notifier.notify(3, 0x5, 3)
         device.set("fake_no_events", 1)
         notifier.notify(4, 0x5, 4)
@@ -357,9 +340,6 @@ def test_cuda_watcher_posts_nothing_ahead_of_an_unwatched_notification(cuda, dev
         assert queue.drain() == []  # 5 waits behind 4
         assert device.run_host_funcs() == 3
         assert queue.drain() == [(4, 0, 4), (5, 0, 5)]
-    finally:
-        assert notifier.close(1.0)
-        queue.close()
 
 
 def test_closing_a_notifier_while_another_thread_notifies_waits_for_that_call(cuda):
@@ -375,7 +355,7 @@ def test_closing_a_notifier_while_another_thread_notifies_waits_for_that_call(cu
     def notify() -> None:
         try:
             notifier.notify(1, 0x5, 1)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     try:
