@@ -209,6 +209,7 @@ cdef class CudaDriver:
     cdef dict _contexts
     cdef dict _retains
     cdef str _describe(self, CUresult rc)
+    cdef CUevent _recorded_event(self, CUstream stream) noexcept nogil
     cdef CUcontext _retain(self, int device) except? NULL
     cdef void _release(self, int device)
 

@@ -1356,6 +1356,17 @@ cdef class CudaDriver:
         if rc != CUDA_SUCCESS:
             raise OSError(ENODEV, f"cuInit failed: {self._describe(rc)}")
 
+    cdef CUevent _recorded_event(self, CUstream stream) noexcept nogil:
+        # A new event recorded on ``stream`` (the caller's context current), or NULL where the driver has no
+        # events or refuses one.
+        cdef CUevent event = NULL
+        if self._event_create == NULL or self._event_create(&event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS:
+            return NULL
+        if self._event_record(event, stream) != CUDA_SUCCESS:
+            self._event_destroy(event)
+            return NULL
+        return event
+
     cdef str _describe(self, CUresult rc):
         cdef const char *name = NULL
         cdef const char *text = NULL
@@ -2088,11 +2099,7 @@ cdef class StreamNotifier:
                     if rc == CUDA_SUCCESS:
                         if watching:
                             # The event goes first: recorded after the host function it would wait for it.
-                            if self._cuda._event_create(&event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS:
-                                event = NULL
-                            elif self._cuda._event_record(event, <CUstream>stream) != CUDA_SUCCESS:
-                                self._cuda._event_destroy(event)
-                                event = NULL
+                            event = self._cuda._recorded_event(<CUstream>stream)
                         if event != NULL:
                             slot.refs = 2  # before the host function can run and let go of it
                         elif watching:

@@ -15,14 +15,12 @@ operation's completion record once the stream gets there (``devices/streams.py``
 
 from __future__ import annotations
 
-import array
 import contextlib
 import errno
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from aio_datadist import _core
@@ -183,10 +181,7 @@ class DeviceBackend:
             if found is not None:
                 return found
         host = torch.empty(len(values), dtype=torch.int64, pin_memory=self.pins_tables)
-        if isinstance(values, array.array) and values.itemsize == 8 and values.typecode in "qlQL":
-            host.numpy()[:] = np.frombuffer(values, dtype=np.int64)
-        else:
-            host.numpy()[:] = values
+        host.numpy()[:] = values  # an int64 array.array goes in through the buffer protocol, as one copy
         with self.stream_context(self.stream):
             out = host.to(self.device, non_blocking=True)
         if cache:
