@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
+
 import pytest
 import torch
 
@@ -247,3 +251,55 @@ async def test_finalize_releases_every_cache_and_refuses_further_calls():
     with pytest.raises(LLMException) as info:
         await kv.copy_blocks(blocks, {0: [1]})
     assert info.value.status_code is S.LLM_ENGINE_FINALIZED
+
+
+def _cache_fds() -> int:
+    """Open fds of this process on a host cache's memfd."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:aio_datadist (deleted)")
+    return count
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            start, end = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+@pytest.mark.asyncio
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("how", ["deallocate", "finalize"])
+async def test_a_freed_cache_keeps_no_fd_while_its_tensors_live_and_its_memory_goes_with_the_last(how):
+    """A host cache holds one fd while it is alive: the read-only one a same-host peer receives. Freed, it holds
+    none, even while the caller keeps its tensors (they stay usable: the memory is the caller's until the last
+    of them goes, and then it is unmapped). Before, each cache's mapping kept a writable fd of its own open for
+    as long as any tensor lived: after every freed cache whose tensors a cycle or a caller held, one more fd."""
+    before = _cache_fds()
+    dd = LLMDataDist(LLMRole.DECODER, 2)
+    try:
+        await dd.init(LLMConfig().generate_options())
+        kv = dd.kv_cache_manager
+        cache = kv.allocate_blocks_cache(BLOCKS)
+        assert _cache_fds() == before + 1
+        kept = cache.tensors[1]
+        kept.fill_(3)
+        if how == "deallocate":
+            kv.deallocate_cache(cache)
+    finally:
+        await dd.finalize()
+    assert not cache.alive
+    assert _cache_fds() == before
+    kept.add_(1)  # still the caller's memory
+    assert bool((kept == 4).all())
+    address = kept.data_ptr()
+    del cache
+    gc.collect()
+    assert _mapped(address), "unmapped while a tensor of it lives"
+    del kept
+    gc.collect()
+    assert not _mapped(address)

@@ -23,6 +23,7 @@ import mmap
 import os
 import stat
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -83,9 +84,13 @@ class HostRegion:
             # Populating more than the free memory would summon the OOM killer.
             raise MemoryError(f"{self.nbytes} bytes requested, {available} bytes of memory free")
         self._fd = -1
-        # Populated now: a cache's first transfer should not pay page faults.
-        self._map, self._fd = sealed_memfd(
-            self.nbytes, name, lambda fd: mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED | _POPULATE))
+        # Populated now (map_writable): a cache's first transfer should not pay page faults. Not mmap.mmap: it
+        # keeps a writable fd of the file open for as long as the mapping lives, that is for as long as any of
+        # the cache's tensors does, long after the cache is freed. The mapping goes with the last tensor.
+        address, self._fd = sealed_memfd(self.nbytes, name, lambda fd: map_writable(fd, self.nbytes),
+                                         lambda addr: unmap(addr, self.nbytes))
+        self._map = (ctypes.c_uint8 * self.nbytes).from_address(address)
+        weakref.finalize(self._map, unmap, address, self.nbytes).atexit = False  # tensors may outlive atexit
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)
 
     @property
