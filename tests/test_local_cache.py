@@ -265,11 +265,12 @@ def _cache_fds() -> int:
 
 
 def _mapped(address: int) -> bool:
+    """Whether a host cache's memfd is mapped at ``address`` (not whatever else took the place since)."""
     with open("/proc/self/maps") as f:
         for line in f:
             start, end = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
             if start <= address < end:
-                return True
+                return "/memfd:aio_datadist" in line
     return False
 
 
@@ -281,6 +282,7 @@ async def test_a_freed_cache_keeps_no_fd_while_its_tensors_live_and_its_memory_g
     none, even while the caller keeps its tensors (they stay usable: the memory is the caller's until the last
     of them goes, and then it is unmapped). Before, each cache's mapping kept a writable fd of its own open for
     as long as any tensor lived: after every freed cache whose tensors a cycle or a caller held, one more fd."""
+    gc.collect()  # no earlier test's cache goes during this one
     before = _cache_fds()
     dd = LLMDataDist(LLMRole.DECODER, 2)
     try:

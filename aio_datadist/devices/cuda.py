@@ -169,7 +169,9 @@ class CudaBackend(DeviceBackend):
 
     def pin_host(self, region: Any) -> HostPin | None:
         try:
-            return HostPin(region._map, region.address, region.nbytes, self.driver, self.device.index or 0)
+            # the region's base tensor, not its mapping object: a tensor's storage keeps the mapping out of
+            # cyclic garbage, so it cannot be unmapped (its finalizer) before the pin is unregistered
+            return HostPin(region.base, region.address, region.nbytes, self.driver, self.device.index or 0)
         except LLMException as exc:
             # Still correct unpinned (batched copies take pageable memory, staging copies through pinned
             # chunks), only slower: say so rather than refuse the cache.

@@ -16,6 +16,7 @@ changing the seals. The region keeps only a read-only open of the file
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -96,10 +97,10 @@ class HostRegion:
         address, self._fd = sealed_memfd(self.nbytes, name, lambda fd: map_writable(fd, self.nbytes),
                                          lambda addr: unmap(addr, self.nbytes))
         self._map = (ctypes.c_uint8 * self.nbytes).from_address(address)
-        _unmapper.start()  # here, not in the finalizer: that may run inside any allocation, a collection's
         self._mapped = weakref.finalize(self._map, _unmapper.unmap, address, self.nbytes)
         self._mapped.atexit = False  # tensors may outlive atexit
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)
+        _unmapper.start()  # here, not in the finalizer: that may run inside any allocation, a collection's
 
     @property
     def fd(self) -> int:
@@ -109,6 +110,11 @@ class HostRegion:
     @property
     def address(self) -> int:
         return self._base.data_ptr()
+
+    @property
+    def base(self) -> torch.Tensor:
+        """The whole region as one uint8 tensor: holding it (or any view) keeps the memory mapped."""
+        return self._base
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A view of ``shape``/``dtype`` starting ``offset`` bytes into the region."""
@@ -145,16 +151,33 @@ class _Unmapper:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        """Have the thread running in this process (a forked child starts its own)."""
+        """Have the thread running in this process; without one (it could not start) regions are freed in place."""
         if self._pid == os.getpid():
             return
         with self._lock:
             if self._pid != os.getpid():
-                self._queue = queue.SimpleQueue()  # what a parent left queued is the parent's
-                self._thread = threading.Thread(target=self._run, args=(self._queue,), name="aio-datadist-unmap",
-                                                daemon=True)
-                self._thread.start()
-                self._pid = os.getpid()
+                thread = threading.Thread(target=self._run, args=(self._queue,), name="aio-datadist-unmap",
+                                          daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # no thread to be had (RLIMIT_NPROC, memory): free in place
+                    log.warning("no thread to unmap big host caches (%s): they are unmapped where they go", exc)
+                    return
+                self._thread, self._pid = thread, os.getpid()
+
+    def after_fork_in_child(self) -> None:
+        """A forked child: the parent's thread is not here, and its lock may have been held by another thread. What
+        was queued still holds mappings and fds the child inherited, of objects gone here too: free them now."""
+        self._lock = threading.Lock()
+        self._thread, self._pid = None, 0
+        inherited, self._queue = self._queue, queue.SimpleQueue()
+        while True:
+            try:
+                free = inherited.get_nowait()
+            except queue.Empty:
+                break
+            with contextlib.suppress(Exception):
+                free()
 
     def unmap(self, addr: int, size: int) -> None:
         """The finalizer of a region's mapping."""
@@ -185,11 +208,12 @@ class _Unmapper:
             free = work.get()
             try:
                 free()  # munmap through ctypes and os.close let the GIL go
-            except OSError:
+            except Exception:
                 log.exception("freeing a host region failed")
 
 
 _unmapper = _Unmapper()
+os.register_at_fork(after_in_child=_unmapper.after_fork_in_child)
 
 
 def unmapped_in_background(timeout_s: float = 5.0) -> bool:
