@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what share tests check fds against
-from aio_datadist.devices.host import check_sealed, map_read_only, unmap_read_only
+from aio_datadist.devices.host import check_sealed, drop_read_only, map_read_only
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
 from aio_datadist.devices.peer_cache import PeerDeviceCache
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -257,8 +257,8 @@ class PeerRegion:
 
     def __del__(self) -> None:
         if getattr(self, "_addr", 0):
-            unmap_read_only(self._addr, self.size)
-            self._addr = 0
+            addr, self._addr = self._addr, 0
+            drop_read_only(addr, self.size)
 
 
 class LocalShare:
