@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -366,4 +368,47 @@ def test_a_big_peer_mapping_is_unmapped_off_the_thread_that_drops_it(monkeypatch
     mappings.clear()
     assert host.unmapped_in_background(5.0)
     assert [unmapped.get(a) for a in addresses] == [False, True]  # the big one elsewhere, the small one here
+    assert not any(_mapped(a) for a in addresses)
+
+
+def test_a_forked_child_frees_what_its_parent_queued_and_does_not_hang_on_its_locks():
+    """A process that forks while its unmapping thread holds the peer-mapping lock (a 55 ms unmap of a big peer
+    region) and has more queued: the child has neither the thread nor the lock's owner. It gets a fresh lock,
+    frees in place the mappings whose objects were gone before the fork, and starts a thread of its own with
+    its first host cache. Before the fix, the child hung in its at-fork handler."""
+    regions = [host.HostRegion(16 << 20) for _ in range(2)]
+    mappings = [host.ReadOnlyMapping(r.fd, r.nbytes) for r in regions]
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:  # stands in for the unmapping thread inside unmap_read_only
+        with host._peer_mapped_lock:
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    try:
+        assert held.wait(5)
+        addresses = [m.address for m in mappings]
+        mappings.clear()  # queued for the unmapping thread, which now waits for the lock
+        pid = os.fork()
+        if pid == 0:  # the child: only what follows the at-fork handlers runs here
+            code = 0 if not any(_mapped(a) for a in addresses) else 3
+            region = host.HostRegion(16 << 20)
+            address = region.address
+            del region
+            code = code or (0 if host.unmapped_in_background(5) and not _mapped(address) else 4)
+            os._exit(code)
+        deadline = time.monotonic() + 10
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        release.set()
+        thread.join(5)
+    assert host.unmapped_in_background(5)
     assert not any(_mapped(a) for a in addresses)
