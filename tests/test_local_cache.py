@@ -412,3 +412,21 @@ def test_a_forked_child_frees_what_its_parent_queued_and_does_not_hang_on_its_lo
         thread.join(5)
     assert host.unmapped_in_background(5)
     assert not any(_mapped(a) for a in addresses)
+
+
+def test_a_view_of_a_peer_mapping_keeps_it_mapped():
+    """A tensor :meth:`ReadOnlyMapping.view` made reads the peer's memory for as long as it lives, also once the
+    mapping object itself is dropped. Before, the view did not hold the mapping: only its users' keepalives did,
+    and a view that outlived them read unmapped memory."""
+    region = host.HostRegion(PAGE_SIZE)
+    region.base[:8] = torch.arange(8, dtype=torch.uint8)
+    mapping = host.ReadOnlyMapping(region.fd, region.nbytes)
+    view = mapping.view(0, 8)
+    address = mapping.address
+    del mapping
+    gc.collect()
+    assert _mapped(address)
+    assert view.tolist() == list(range(8))
+    del view
+    gc.collect()
+    assert not _mapped(address)

@@ -349,8 +349,9 @@ def fs_magic(fd: int) -> int:
 class ReadOnlyMapping:
     """``size`` bytes of a (checked) memfd mapped ``PROT_READ`` here; unmapped at :meth:`close` or collection.
 
-    Copies in flight keep it alive through their keepalives, so :meth:`close`
-    only forgets the address; the mapping goes with the last reference.
+    Copies in flight keep it alive through their keepalives, and so does every
+    tensor :meth:`view` made, so :meth:`close` only forgets the address; the
+    mapping goes with the last reference.
     """
 
     __slots__ = ("address", "nbytes", "_addr", "__weakref__")
@@ -364,6 +365,7 @@ class ReadOnlyMapping:
         if not self._addr or offset < 0 or offset + nbytes > self.nbytes:
             raise ValueError("view outside the mapping")
         raw = (ctypes.c_uint8 * nbytes).from_address(self._addr + offset)
+        setattr(raw, "mapping", self)  # noqa: B010 -- the view keeps the mapping: its tensor holds ``raw``
         return torch.frombuffer(raw, dtype=torch.uint8)
 
     def close(self) -> None:
