@@ -16,15 +16,12 @@ changing the seals. The region keeps only a read-only open of the file
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
 import functools
-import logging
 import mmap
 import os
-import queue
 import stat
 import threading
 import weakref
@@ -33,11 +30,12 @@ from typing import TypeVar
 
 import torch
 
+from aio_datadist.devices.unmapping import Unmapper
+
 __all__ = ["HostRegion", "PAGE_SIZE", "ReadOnlyMapping", "SEALS_REQUIRED", "check_sealed", "map_read_only", "round_up",
            "map_writable", "seal_names", "sealed_memfd", "tensor_at", "unmap", "unmap_read_only", "drop_read_only",
            "unmapped_in_background"]
 
-log = logging.getLogger(__name__)
 PAGE_SIZE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 Mapped = TypeVar("Mapped")
@@ -97,7 +95,8 @@ class HostRegion:
         address, self._fd = sealed_memfd(self.nbytes, name, lambda fd: map_writable(fd, self.nbytes),
                                          lambda addr: unmap(addr, self.nbytes))
         self._map = (ctypes.c_uint8 * self.nbytes).from_address(address)
-        self._mapped = weakref.finalize(self._map, _unmapper.unmap, address, self.nbytes)
+        self._mapped = weakref.finalize(self._map, _unmapper.free, self.nbytes,
+                                        functools.partial(unmap, address, self.nbytes))
         self._mapped.atexit = False  # tensors may outlive atexit
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)
         _unmapper.start()  # here, not in the finalizer: that may run inside any allocation, a collection's
@@ -131,94 +130,11 @@ class HostRegion:
             mapped = getattr(self, "_mapped", None)
             if mapped is not None and mapped.alive:
                 os.close(fd)  # the mapping still holds the file: closing costs nothing
-            else:
-                _unmapper.close(fd, self.nbytes)  # the last hold on the file: after the unmap queued before it
+            else:  # the last hold on the file: after the unmap queued before it
+                _unmapper.free(self.nbytes, functools.partial(os.close, fd))
 
 
-class _Unmapper:
-    """Frees big host regions on a thread of its own. Freeing populated shared memory costs about 0.2 ms per MiB
-    (200 ms for 1 GiB on the project's VM), paid by whoever lets go of the file last, its mapping or its fd: that
-    must not be the event loop's thread when a caller, or a collection there, drops the last tensor of a freed
-    cache. Smaller regions are freed at once."""
-
-    MIN_BYTES = 8 << 20
-
-    def __init__(self) -> None:
-        # put() may run inside a finalizer, that is inside any allocation: SimpleQueue's is reentrant
-        self._queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        """Have the thread running in this process; without one (it could not start) regions are freed in place."""
-        if self._pid == os.getpid():
-            return
-        with self._lock:
-            if self._pid != os.getpid():
-                thread = threading.Thread(target=self._run, args=(self._queue,), name="aio-datadist-unmap",
-                                          daemon=True)
-                try:
-                    thread.start()
-                except RuntimeError as exc:  # no thread to be had (RLIMIT_NPROC, memory): free in place
-                    log.warning("no thread to unmap big host caches (%s): they are unmapped where they go", exc)
-                    self._thread, self._pid = None, os.getpid()  # not tried again in this process
-                    return
-                self._thread, self._pid = thread, os.getpid()
-
-    def after_fork_in_child(self) -> None:
-        """A forked child: the parent's thread is not here, and its lock may have been held by another thread. What
-        was queued still holds mappings and fds the child inherited, of objects gone here too: free them now."""
-        self._lock = threading.Lock()
-        self._thread, self._pid = None, 0
-        inherited, self._queue = self._queue, queue.SimpleQueue()
-        while True:
-            try:
-                free = inherited.get_nowait()
-            except queue.Empty:
-                break
-            with contextlib.suppress(Exception):
-                free()
-
-    def unmap(self, addr: int, size: int) -> None:
-        """The finalizer of a region's mapping."""
-        self._free(size, functools.partial(unmap, addr, size))
-
-    def unmap_read_only(self, addr: int, size: int) -> None:
-        """A peer's region mapped here (:func:`map_read_only`) lost its last reference. Its pages are the peer's, but
-        tearing the mapping down still costs: 55 ms for 1 GiB whose pages were all read, 15 ms for 256 MiB."""
-        self._free(size, functools.partial(unmap_read_only, addr, size))
-
-    def close(self, fd: int, size: int) -> None:
-        """Close a region's fd that is the last hold on the file."""
-        self._free(size, functools.partial(os.close, fd))
-
-    def _free(self, size: int, free: Callable[[], object]) -> None:
-        """Here (small, or no thread in this process), or there."""
-        if size < self.MIN_BYTES or self._pid != os.getpid() or self._thread is None or not self._thread.is_alive():
-            free()
-        else:
-            self._queue.put(free)
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Whether everything queued so far is unmapped within ``timeout_s``."""
-        if self._pid != os.getpid():
-            return True
-        done = threading.Event()
-        self._queue.put(done.set)
-        return done.wait(timeout_s)
-
-    @staticmethod
-    def _run(work: queue.SimpleQueue[Callable[[], object]]) -> None:
-        while True:
-            free = work.get()
-            try:
-                free()  # munmap through ctypes and os.close let the GIL go
-            except Exception:
-                log.exception("freeing a host region failed")
-
-
-_unmapper = _Unmapper()
+_unmapper = Unmapper()
 
 
 def _after_fork_in_child() -> None:
@@ -408,7 +324,8 @@ def unmap_read_only(addr: int, size: int) -> None:
 def drop_read_only(addr: int, size: int) -> None:
     """Undo :func:`map_read_only` where the mapping's last reference goes (a ``__del__``): a small one at once, a big
     one on the unmapping thread, so that it costs the thread that drops it nothing."""
-    _unmapper.unmap_read_only(addr, size)
+    # its pages are the peer's, but tearing the mapping down still costs: 55 ms for 1 GiB of read pages
+    _unmapper.free(size, functools.partial(unmap_read_only, addr, size))
 
 
 def unmap(addr: int, size: int) -> None:
