@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("native core", ("_core",)),
     ("status, values, config, wire and leaf helpers", (
         "status", "_checks", "types", "config", "wire", "protocol", "_settle", "fd_budget", "mapped", "tensors",
-        "ranktable", "stats", "_trace", "logfields", "control_reader", "own_dials",
+        "ranktable", "stats", "_trace", "logfields", "control_reader", "own_dials", "devices.unmapping",
     )),
     ("completions, layer rule, caches and registries", (
         "_completion", "loop_io", "layers", "cache", "arrivals", "plans", "devices.host",
