@@ -1597,9 +1597,7 @@ cdef void _state_disarm(NotifyState *st, NotifySlot *slot) noexcept nogil:
     st.slots.erase(slot.token)
     if slot.behind:
         st.behind.erase(slot.seq)
-    st.inflight -= 1
-    if st.inflight == 0:
-        pthread_cond_broadcast(&st.idle)
+    _state_inflight(st, -1)
     pthread_mutex_unlock(&st.lock)
     del slot
 
@@ -1652,9 +1650,7 @@ cdef void _notify_fire(void *arg) noexcept nogil:
     cdef bint last
     pthread_mutex_lock(&st.lock)
     _slot_post(slot)
-    st.inflight -= 1
-    if st.inflight == 0:
-        pthread_cond_broadcast(&st.idle)
+    _state_inflight(st, -1)
     slot.refs -= 1
     last = slot.refs == 0
     pthread_mutex_unlock(&st.lock)
@@ -1689,12 +1685,17 @@ cdef void _slot_leave_behind(NotifySlot *slot) noexcept nogil:
         slot.state.behind.insert(slot.seq)
 
 
-cdef void _state_hold(NotifyState *st, int delta) noexcept nogil:
-    # A notify call in progress counts as in flight, so close cannot free what it still touches.
-    pthread_mutex_lock(&st.lock)
+cdef void _state_inflight(NotifyState *st, int delta) noexcept nogil:
+    # With the state lock held: count host functions (and notify calls) in flight; close waits for none.
     st.inflight += delta
     if st.inflight == 0:
         pthread_cond_broadcast(&st.idle)
+
+
+cdef void _state_hold(NotifyState *st, int delta) noexcept nogil:
+    # A notify call in progress counts as in flight, so close cannot free what it still touches.
+    pthread_mutex_lock(&st.lock)
+    _state_inflight(st, delta)
     pthread_mutex_unlock(&st.lock)
 
 

@@ -79,7 +79,7 @@ def round_up(n: int, align: int = PAGE_SIZE) -> int:
 class HostRegion:
     """One memfd-backed mapping, carved into page-aligned tensors."""
 
-    __slots__ = ("nbytes", "_fd", "_map", "_mapped", "_base", "__weakref__")
+    __slots__ = ("nbytes", "_fd", "_map", "_base", "__weakref__")
 
     def __init__(self, nbytes: int, name: str = "aio_datadist") -> None:
         self.nbytes = max(round_up(nbytes), PAGE_SIZE)
@@ -88,16 +88,15 @@ class HostRegion:
             # Populating more than the free memory would summon the OOM killer.
             raise MemoryError(f"{self.nbytes} bytes requested, {available} bytes of memory free")
         self._fd = -1
-        self._mapped: weakref.finalize | None = None
         # Populated now (map_writable): a cache's first transfer should not pay page faults. Not mmap.mmap: it
         # keeps a writable fd of the file open for as long as the mapping lives, that is for as long as any of
         # the cache's tensors does, long after the cache is freed. The mapping goes with the last tensor.
         address, self._fd = sealed_memfd(self.nbytes, name, lambda fd: map_writable(fd, self.nbytes),
                                          lambda addr: unmap(addr, self.nbytes))
         self._map = (ctypes.c_uint8 * self.nbytes).from_address(address)
-        self._mapped = weakref.finalize(self._map, _unmapper.free, self.nbytes,
-                                        functools.partial(unmap, address, self.nbytes))
-        self._mapped.atexit = False  # tensors may outlive atexit
+        unmap_it = functools.partial(unmap, address, self.nbytes)
+        mapped = weakref.finalize(self._map, _unmapper.free, self.nbytes, unmap_it)
+        mapped.atexit = False  # tensors may outlive atexit
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)
         _unmapper.start()  # here, not in the finalizer: that may run inside any allocation, a collection's
 
@@ -126,12 +125,9 @@ class HostRegion:
     def __del__(self) -> None:
         fd = getattr(self, "_fd", -1)
         if fd >= 0:
+            # The region holds its mapping (``_map``), so the mapping still holds the file: closing costs nothing.
+            os.close(fd)
             self._fd = -1
-            mapped = getattr(self, "_mapped", None)
-            if mapped is not None and mapped.alive:
-                os.close(fd)  # the mapping still holds the file: closing costs nothing
-            else:  # the last hold on the file: after the unmap queued before it
-                _unmapper.free(self.nbytes, functools.partial(os.close, fd))
 
 
 _unmapper = Unmapper()
