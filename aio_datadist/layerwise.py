@@ -360,10 +360,14 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
             previous = asyncio.ensure_future(_confirm(progress, layer, layer_pushes, previous, lost, finishing, failed))
             pushes.append(previous)
         if pushes:
-            # A push cut before its first step (its destination failed) ends cancelled: not an error here.
-            for outcome in await asyncio.gather(*pushes, return_exceptions=True):
-                if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
-                    raise outcome
+            # A push cut before its first step (its destination failed) ends cancelled: not an error here. A
+            # push's failure is its result (recorded in ``progress``, raised by the task's await); only what a
+            # push or a confirmation raised is a bug to pass on.
+            await asyncio.gather(*pushes, return_exceptions=True)
+            for ended in pushes:
+                raised = None if ended.cancelled() else ended.exception()
+                if raised is not None:
+                    raise raised
     except asyncio.CancelledError:
         for index in started - failed:  # cut part-way: not "never started" (None)
             if progress.result(index) is None:

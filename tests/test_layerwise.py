@@ -522,7 +522,13 @@ async def test_two_destinations_one_refuses() -> None:
         before = snapshot(other)
         wrong_key = TransferWithCacheKeyConfig(BlocksCacheKey(SECOND_DECODER_ID, 5))  # no such model_id there
         task = s.pm.transfer_cache_async(src, Ready(), [blocks_config(), wrong_key], SRC_BLOCKS, DST_BLOCKS)
-        assert await code_of(task) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        with pytest.raises(LLMException) as info:
+            await task
+        assert info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        # the task's error says how every destination ended, and why the one failed (it was the first
+        # layer push's own error, whichever push that was: a cut one said only "failed before it was sent")
+        assert "results ['LLMStatusCode.LLM_SUCCESS', 'LLMStatusCode.LLM_KV_CACHE_NOT_EXIST']" in str(info.value)
+        assert f"cluster {SECOND_DECODER_ID}: " in str(info.value), str(info.value)
         assert await task.get_results() == [SUCCESS, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST]
         assert all(layer_landed(good, src, layer, DST_BLOCKS, SRC_BLOCKS) for layer in range(LAYERS))
         assert same(snapshot(other), before)
