@@ -18,7 +18,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import operator
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from .status import LLMException, LLMStatusCode
@@ -29,6 +30,7 @@ __all__ = [
     "param_invalid",
     "param_type_error",
     "param_value_error",
+    "named_as",
     "check_instance",
     "check_int",
     "check_uint",
@@ -87,6 +89,36 @@ def param_value_error(arg_name: str, why: str) -> ParamValueError:
     """:func:`param_invalid` for an int outside its type's width (also a ``ValueError``)."""
     return ParamValueError(f"invalid argument '{arg_name}': {why}", status_code=LLMStatusCode.LLM_PARAM_INVALID,
                            argument=arg_name)
+
+
+def named_as(exc: LLMException, names: Mapping[str, str]) -> LLMException:
+    """``exc`` with the argument it names said in the caller's words, else ``exc`` itself.
+
+    An owner checks a request in its own words (``'dst_cache_key.batch_index'``) and a call of ours may
+    pass one argument on under another name (a v2 call through the v1 one); only the call knows what its
+    caller wrote. ``names`` maps an argument, or the head of a dotted or indexed one, to the caller's name:
+    ``{"dst_cache_key": "dst_cache_index_or_key"}`` turns ``'dst_cache_key.batch_index'`` into
+    ``'dst_cache_index_or_key.batch_index'``. A message with no ``invalid argument '...'`` is left as it is;
+    one that has it also gets :attr:`LLMException.argument` (an owner's refusal comes as text).
+    """
+    message = str(exc.args[0]) if exc.args else ""
+    found = _NAMED.search(message)
+    if found is None:
+        return exc
+    arg = found.group(1)
+    head = _HEAD.match(arg)
+    rest = arg[head.end():] if head else ""
+    new = names.get(arg) or (names[head.group(0)] + rest if head and head.group(0) in names else arg)
+    if new == arg and exc.argument == arg:
+        return exc
+    renamed = type(exc)(message[:found.start(1)] + new + message[found.end(1):], status_code=exc.status_code,
+                        argument=new)
+    renamed.__cause__, renamed.__suppress_context__ = exc.__cause__, exc.__suppress_context__
+    return renamed.with_traceback(exc.__traceback__)
+
+
+_NAMED = re.compile(r"invalid argument '([^']+)'")
+_HEAD = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 
 
 _INT_ONLY = {int}

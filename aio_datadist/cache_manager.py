@@ -26,6 +26,7 @@ from aio_datadist._checks import (
     check_range,
     check_sint,
     check_uint,
+    named_as,
     param_invalid,
 )
 from aio_datadist.arrivals import PushWatch
@@ -102,7 +103,7 @@ class CacheManager:
         self._rt()
         visible = _check_register(cache_desc, addrs, remote_accessible)
         check_instance("cache_keys", cache_keys, (list, tuple))
-        with _v2_argument("tensors_or_addrs", "addrs"):
+        with _v2_names({"tensors_or_addrs": "addrs"}):
             return self._kv.register_cache(cache_desc, addrs, cache_keys, remote_accessible=visible)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[Any],
@@ -117,7 +118,7 @@ class CacheManager:
         visible = _check_register(cache_desc, addrs, remote_accessible)
         if blocks_cache_key is not None:
             check_instance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
-        with _v2_argument("tensors_or_addrs", "addrs"):
+        with _v2_names({"tensors_or_addrs": "addrs"}):
             return self._kv.register_blocks_cache(cache_desc, addrs, blocks_cache_key, remote_accessible=visible)
 
     def unregister_cache(self, cache_id: int) -> None:
@@ -246,7 +247,7 @@ class CacheManager:
                           timeout: int | None = None) -> None:
         """Copy blocks between a HOST and a DEVICE blocks cache: ``{src_block: dst_block}``."""
         self._rt()
-        with _v2_argument("src", "src_cache"), _v2_argument("dst", "dst_cache"):
+        with _v2_names({"src": "src_cache", "dst": "dst_cache"}):
             await self._kv.swap_blocks(src_cache, dst_cache, src_to_dst, timeout=timeout)
 
     # -- transfers with peers -------------------------------------------------
@@ -270,7 +271,8 @@ class CacheManager:
         cache = self._endpoint.live(cache, "cache")
         if cache.is_blocks_cache:
             raise param_invalid("cache", "can not be a blocks cache (use pull_blocks)")
-        await self._kv.pull_cache(cache_key, cache, batch_index, size, **keywords)
+        with _v2_names({"kv_cache": "cache"}):
+            await self._kv.pull_cache(cache_key, cache, batch_index, size, **keywords)
 
     async def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, dst_cache: KvCache,
                           src_blocks: Sequence[int] | None = (), dst_blocks: Sequence[int] = (), *,
@@ -308,7 +310,8 @@ class CacheManager:
         check_instance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
         check_instance("src_cache", src_cache, KvCache)
         ext = _push_layers(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        await self._kv.push_cache(dst_cache_key, src_cache, src_batch_index, ext, size, timeout=timeout)
+        with _v2_names(_V2_PUSH_NAMES):
+            await self._kv.push_cache(dst_cache_key, src_cache, src_batch_index, ext, size, timeout=timeout)
 
     async def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: KvCache, src_blocks: Sequence[int] = (),
                           dst_blocks: Sequence[int] = (), src_layer_range: range | None = None,
@@ -325,7 +328,8 @@ class CacheManager:
         check_instance("dst_cache_key", dst_cache_key, BlocksCacheKey)
         check_instance("src_cache", src_cache, KvCache)
         ext = _push_layers(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        await self._kv.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, ext, timeout=timeout)
+        with _v2_names(_V2_PUSH_NAMES):
+            await self._kv.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, ext, timeout=timeout)
 
     def transfer_cache_async(self, src_cache: KvCache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
@@ -373,16 +377,21 @@ def _check_register(cache_desc: Any, addrs: Any, remote_accessible: Any) -> bool
     return check_bool("remote_accessible", remote_accessible)
 
 
+_V2_PUSH_NAMES = {"dst_cache_index_or_key": "dst_cache_key"}
+
+
 @contextlib.contextmanager
-def _v2_argument(v1_name: str, v2_name: str) -> Iterator[None]:
-    """An error the KvCacheManager raises naming its parameter ``v1_name`` names the v2 parameter instead."""
+def _v2_names(names: Mapping[str, str]) -> Iterator[None]:
+    """An error of the KvCacheManager call that names one of its parameters (or an owner's refusal that
+    names it in the v1 call's words) names the v2 parameter instead: ``names`` maps v1 to v2 names
+    (``_checks.named_as``)."""
     try:
         yield
     except LLMException as exc:
-        if exc.argument != v1_name:
+        said = named_as(exc, names)
+        if said is exc:
             raise
-        message = str(exc.args[0]).replace(f"'{v1_name}'", f"'{v2_name}'", 1)
-        raise type(exc)(message, status_code=exc.status_code, argument=v2_name) from None
+        raise said from exc.__cause__
 
 
 def _tensors_per_layer(value: Any) -> int:

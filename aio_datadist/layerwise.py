@@ -47,6 +47,7 @@ class _Config:
     link: Link
     src_layers: range
     plans: dict[int, list[Plan]]  # per layer, pushed one after the other (two for a row split into blocks)
+    names: dict[str, str]  # the owner's names for what the config says, in the call's words (``_checks.named_as``)
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,9 @@ def _plan_config(links: Any, index: int, cfg: Any, src: KvCache, src_blocks: tup
                                            p.local_nbytes, pair + p.remote_rows, p.remote_nbytes, p.flags, target,
                                            "src", remote_offset=p.remote_offset, local_offset=p.local_offset)
                                 for p in pieces]
-    return _Config(index, link, src_layers, plans)
+    names = {"dst_cache_key": f"{arg}.cache_key", "dst_layer_range": f"{arg}.dst_layer_range",
+             "dst_addrs": f"{arg}.dst_addrs", "dst_blocks": "dst_block_indices"}
+    return _Config(index, link, src_layers, plans, names)
 
 
 def _row(arg: str, value: Any, rows: int) -> int:
@@ -419,7 +422,7 @@ async def _push(rt: Runtime, progress: TaskProgress, src: KvCache, cfg: _Config,
             if not src.alive:  # released (deallocated, unregistered) after the call: its memory is not ours
                 raise LLMException(f"{what}: the source cache {src.cache_id} was released during the transfer",
                                    status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
-            await run_push(rt, cfg.link, plan, timeout_ms, what, queue_ms=queue_ms, cut=cut_for)
+            await run_push(rt, cfg.link, plan, timeout_ms, what, queue_ms=queue_ms, cut=cut_for, names=cfg.names)
         return None
     except LLMException as exc:
         failed.add(cfg.index)

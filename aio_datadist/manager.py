@@ -487,7 +487,7 @@ class KvCacheManager:
             plan = build_plan(cache, dst, src, per_layer, dsts, lay.row_bytes, (), lay.row_bytes * len(dsts),
                               ReqFlag.CONTIG, target_fields(key), "dst")
         link = self._endpoint.require_links().get(key.cluster_id)
-        await run_pull(rt, link, plan, timeout_ms, "pull_blocks")
+        await run_pull(rt, link, plan, timeout_ms, "pull_blocks", names=_PULL_BLOCKS_NAMES)
 
     async def push_blocks(self, dst_cache_index_or_key: CacheIndex | BlocksCacheKey, src_cache: KvCache,
                           src_blocks: Sequence[int], dst_blocks: Sequence[int],
@@ -520,7 +520,7 @@ class KvCacheManager:
         plan = build_plan(cache, src, dst, per_layer, srcs, lay.row_bytes, dsts, lay.row_bytes,
                           ReqFlag.BLOCKS | ReqFlag.EXACT, target_fields(key), "src")
         link = self._endpoint.require_links().get(key.cluster_id)
-        await run_push(rt, link, plan, timeout_ms, "push_blocks")
+        await run_push(rt, link, plan, timeout_ms, "push_blocks", names=_PUSH_NAMES)
 
     async def push_cache(self, dst_cache_index_or_key: CacheIndex | CacheKeyByIdAndIndex, src_cache: KvCache,
                          src_batch_index: int = 0, ext_param: KvCacheExtParam | None = None,
@@ -546,7 +546,7 @@ class KvCacheManager:
         plan = build_plan(cache, src, dst, per_layer, [row], lay.row_bytes, (), lay.row_bytes,
                           ReqFlag.CONTIG | ReqFlag.EXACT, target_fields(key), "src")
         link = self._endpoint.require_links().get(key.cluster_id)
-        await run_push(rt, link, plan, timeout_ms, "push_cache")
+        await run_push(rt, link, plan, timeout_ms, "push_cache", names=_PUSH_NAMES)
 
 
     # -- layer-wise -----------------------------------------------------------
@@ -652,6 +652,11 @@ def _cache_offset(name: str, value: Any) -> int | None:
 def _check_remote_accessible(value: Any) -> bool:
     """Whether a registration keeps its cache from peers (``remote_accessible=False``)."""
     return value is not None and not check_bool("remote_accessible", value)
+
+
+#: The owner's names for what a pull of blocks or a push names, in the v1 calls' words (``_checks.named_as``).
+_PULL_BLOCKS_NAMES = {"cache_key": "src_cache_key"}
+_PUSH_NAMES = {"dst_cache_key": "dst_cache_index_or_key"}
 
 
 def _check_pull_key(arg: str, key: Any, kinds: tuple[type, ...]) -> Any:

@@ -121,8 +121,9 @@ class CacheTask:
         failure = next((c for c in results if c not in (None, LLMStatusCode.LLM_SUCCESS)), None)
         if failure is not None:
             detail = f": {error.args[0]}" if error is not None and error.args else ""
+            argument = error.argument if error is not None and error.status_code == failure else None
             raise LLMException(f"transfer_cache_async failed, results {[str(c) for c in results]}{detail}",
-                               status_code=failure) from error
+                               status_code=failure, argument=argument) from error
         return [LLMStatusCode.LLM_SUCCESS if c is None else c for c in results]
 
     async def _settle(self, timeout_in_millis: int | None) -> bool:

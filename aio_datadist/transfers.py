@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _trace
+from aio_datadist._checks import named_as
 from aio_datadist.plans import Plan
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
@@ -41,18 +42,34 @@ if TYPE_CHECKING:
 __all__ = ["run_pull", "run_push"]
 
 
-async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> None:
-    """Ask the owner for bytes and receive them straight into ``plan.local``."""
-    await _counted(link, "pull", plan.total, _pull(rt, link, plan, timeout_ms, what))
+async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *,
+                   names: Mapping[str, str] | None = None) -> None:
+    """Ask the owner for bytes and receive them straight into ``plan.local``. ``names``: the caller's
+    names for the arguments the owner's refusals name (``_checks.named_as``)."""
+    try:
+        await _counted(link, "pull", plan.total, _pull(rt, link, plan, timeout_ms, what))
+    except Refused as exc:
+        said = named_as(exc, names or {})
+        if said is exc:
+            raise
+        raise said from exc.__cause__
 
 
 async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *,
-                   queue_ms: int | None = None, cut: Callable[[], LLMStatusCode | None] | None = None) -> None:
+                   queue_ms: int | None = None, cut: Callable[[], LLMStatusCode | None] | None = None,
+                   names: Mapping[str, str] | None = None) -> None:
     """Send ``plan.local``'s bytes to the owner; returns once it confirmed. ``queue_ms``: the time-out
     counts from when the push has a data channel, the wait for one bounded by ``queue_ms`` more. ``cut``:
     asked when the push is cancelled, the status of the failure for which the library cut it (a layer-wise
-    transfer's destination failed), counted as that failure; None: the caller cancelled it."""
-    await _counted(link, "push", plan.total, _push(rt, link, plan, timeout_ms, what, queue_ms), cut)
+    transfer's destination failed), counted as that failure; None: the caller cancelled it. ``names``: as
+    :func:`run_pull`'s."""
+    try:
+        await _counted(link, "push", plan.total, _push(rt, link, plan, timeout_ms, what, queue_ms), cut)
+    except Refused as exc:
+        said = named_as(exc, names or {})
+        if said is exc:
+            raise
+        raise said from exc.__cause__
 
 
 async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> str:

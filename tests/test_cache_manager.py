@@ -77,6 +77,8 @@ def rejected(code: LLMStatusCode, arg: str | None = None, kind: type[BaseExcepti
     assert isinstance(info.value, kind), f"{type(info.value).__name__} is not a {kind.__name__}: {info.value}"
     if arg is not None:
         assert f"'{arg}'" in str(info.value), f"message does not name {arg!r}: {info.value}"
+        if code is INVALID and f"invalid argument '{arg}'" in str(info.value):
+            assert info.value.argument == arg, (arg, info.value.argument)
 
 
 @contextlib.asynccontextmanager
@@ -510,6 +512,13 @@ async def test_decoder_pushes_and_pulls_and_bad_input_keeps_the_link(transport):
             (INVALID, "src_cache_key", TypeError,
              lambda: cm.pull_blocks(CacheIndex(PROMPT_ID, 1), blocks, [0], [0])),
             (INVALID, "dst_blocks", LLMException, lambda: cm.pull_blocks(key, blocks, [0], [8])),
+            # refused by the owner (its rows are 0-2), named as this v2 call names them
+            (INVALID, "dst_cache_key.batch_index", LLMException,
+             lambda: cm.push_cache(CacheKeyByIdAndIndex(PROMPT_ID, rows_id, 3), rows)),
+            (INVALID, "cache_key.batch_index", LLMException,
+             lambda: cm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, rows_id, 3), rows)),
+            (INVALID, "src_cache_key.batch_index", LLMException,
+             lambda: cm.pull_blocks(CacheKeyByIdAndIndex(PROMPT_ID, rows_id, 3), blocks, [], [0, 1, 2, 3])),
             (S.LLM_NOT_YET_LINK, None, LLMException,
              lambda: cm.push_blocks(BlocksCacheKey(99, 0), blocks, [0], [0])),
         ]
@@ -517,6 +526,7 @@ async def test_decoder_pushes_and_pulls_and_bad_input_keeps_the_link(transport):
             with rejected(code, arg, kind):
                 await call()
         theirs = pattern(BLOCKS, 1)
+        assert same(rows.tensors, pattern(ROWS, 12))
         assert same(tensors_from_dump(BLOCKS, await prompt.call("dump", "blocks")), theirs)
         assert same(blocks.tensors, pattern(BLOCKS, 11))
 

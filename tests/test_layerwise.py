@@ -798,6 +798,32 @@ async def test_raw_addresses_out_of_bounds_are_refused_with_nothing_written(wher
         assert await ok == [SUCCESS]
 
 
+async def test_what_the_owner_refuses_is_named_as_the_call_names_it() -> None:
+    """The owner checks a layer's push in its own words (dst_blocks, dst_layer_range, dst_addrs); the task's
+    error names the argument the caller gave: dst_block_indices, or the config's field."""
+    async with setup() as s:
+        src = s.blocks_src()
+        dst, before = _canaried(s.decoders[0])  # the raw addresses' cache
+        addrs = list(dst.per_device_tensor_addrs[0])
+        cases = [
+            ("dst_block_indices", [blocks_config()], [1, 2, 3, 9], [7, 8, 0, 16]),  # the decoder has 16 blocks
+            ("transfer_configs[0].dst_layer_range",
+             [blocks_config(src_layer_range=range(0, 2), dst_layer_range=range(LAYERS - 1, LAYERS + 1))],
+             SRC_BLOCKS, DST_BLOCKS),
+            ("transfer_configs[0].dst_addrs",
+             [TransferConfig(DECODER_ID, [addrs[0], 2**64 - 64], src_layer_range=range(0, 1))], SRC_BLOCKS,
+             DST_BLOCKS),
+        ]
+        for arg, configs, src_blocks, dst_blocks in cases:
+            task = s.pm.transfer_cache_async(src, Ready(), configs, src_blocks, dst_blocks)
+            with pytest.raises(LLMException) as info:
+                await task
+            assert info.value.status_code == PARAM_INVALID, (arg, info.value)
+            assert f"cluster {DECODER_ID}: invalid argument '{arg}'" in str(info.value), (arg, str(info.value))
+            assert info.value.argument == arg
+        assert same(snapshot(dst), before)
+
+
 async def test_raw_addresses_bad_in_a_later_layer_only() -> None:
     async with setup() as s:
         src = s.blocks_src()

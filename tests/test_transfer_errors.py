@@ -211,17 +211,24 @@ async def test_bad_remote_requests_leave_the_destination_untouched():
 
 async def test_the_owners_refusals_name_what_the_caller_passed():
     """A row index past the owner's cache, given in the key (CacheKeyByIdAndIndex), was refused as
-    'src_blocks' / 'dst_blocks', arguments these calls do not have; a src_cache_offset past the owner's
-    row was a "row size mismatch" naming neither src_cache_offset nor size."""
+    'src_blocks' / 'dst_blocks', arguments these calls do not have, and later in the owner's words
+    ('dst_cache_key' for v1 push_cache's dst_cache_index_or_key, 'cache_key' for pull_blocks'
+    src_cache_key); a src_cache_offset past the owner's row was a "row size mismatch" naming neither
+    src_cache_offset nor size. The refusal's ``argument`` is the name too."""
     async with linked_pair() as pair:
         p_rows = pair.pm.allocate_cache(CACHE_DESC, [CacheKey(PROMPT_ID, 1)])
         d_rows = pair.dm.allocate_cache(CACHE_DESC)  # rows of 512 B on both ends
-        before = snapshot(d_rows), snapshot(p_rows)
+        d_blocks = pair.dm.allocate_blocks_cache(BLOCKS_DESC)  # blocks of 128 B: a row fills four
+        fill(d_blocks, 5)
+        before = snapshot(d_rows), snapshot(p_rows), snapshot(d_blocks)
         cases = [
             ("cache_key.batch_index",
              lambda: pair.dm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, p_rows.cache_id, 3), d_rows)),
-            ("dst_cache_key.batch_index",
+            ("dst_cache_index_or_key.batch_index",  # the v1 call's name; the owner checks it as dst_cache_key
              lambda: pair.pm.push_cache(CacheKeyByIdAndIndex(DECODER_ID, d_rows.cache_id, 3), p_rows)),
+            ("src_cache_key.batch_index",  # a row by its key into blocks: pull_blocks' key is src_cache_key
+             lambda: pair.dm.pull_blocks(CacheKeyByIdAndIndex(PROMPT_ID, p_rows.cache_id, 3), d_blocks, [],
+                                         [0, 1, 2, 3])),
             ("src_cache_offset",
              lambda: pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), d_rows, 0, 16, src_cache_offset=2**40)),
             ("src_cache_offset",
@@ -230,8 +237,10 @@ async def test_the_owners_refusals_name_what_the_caller_passed():
         for arg, call in cases:
             error = await expect_code(S.LLM_PARAM_INVALID, call())
             assert f"invalid argument '{arg}'" in str(error), (arg, str(error))
+            assert error.argument == arg, (arg, error.argument)
             assert "blocks'" not in str(error) and "row size mismatch" not in str(error), str(error)
         assert same(snapshot(d_rows), before[0]) and same(snapshot(p_rows), before[1])
+        assert same(snapshot(d_blocks), before[2])
         await pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), d_rows, 0, 256, src_cache_offset=256)  # the key is still there
 
 
