@@ -15,11 +15,12 @@ as a transfer failure, in that order).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import operator
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from .status import LLMException, LLMStatusCode
@@ -31,6 +32,7 @@ __all__ = [
     "param_type_error",
     "param_value_error",
     "named_as",
+    "named_by_caller",
     "check_instance",
     "check_int",
     "check_uint",
@@ -99,7 +101,8 @@ def named_as(exc: LLMException, names: Mapping[str, str]) -> LLMException:
     caller wrote. ``names`` maps an argument, or the head of a dotted or indexed one, to the caller's name:
     ``{"dst_cache_key": "dst_cache_index_or_key"}`` turns ``'dst_cache_key.batch_index'`` into
     ``'dst_cache_index_or_key.batch_index'``. A message with no ``invalid argument '...'`` is left as it is;
-    one that has it also gets :attr:`LLMException.argument` (an owner's refusal comes as text).
+    an ``LLM_PARAM_INVALID`` one that has it also gets :attr:`LLMException.argument` (an owner's refusal
+    comes as text).
     """
     message = str(exc.args[0]) if exc.args else ""
     found = _NAMED.search(message)
@@ -109,12 +112,26 @@ def named_as(exc: LLMException, names: Mapping[str, str]) -> LLMException:
     head = _HEAD.match(arg)
     rest = arg[head.end():] if head else ""
     new = names.get(arg) or (names[head.group(0)] + rest if head and head.group(0) in names else arg)
-    if new == arg and exc.argument == arg:
+    argument = new if exc.status_code == LLMStatusCode.LLM_PARAM_INVALID else exc.argument
+    if new == arg and exc.argument == argument:
         return exc
     renamed = type(exc)(message[:found.start(1)] + new + message[found.end(1):], status_code=exc.status_code,
-                        argument=new)
+                        argument=argument)
     renamed.__cause__, renamed.__suppress_context__ = exc.__cause__, exc.__suppress_context__
     return renamed.with_traceback(exc.__traceback__)
+
+
+@contextlib.contextmanager
+def named_by_caller(names: Mapping[str, str]) -> Iterator[None]:
+    """An :class:`LLMException` out of the block that names an argument in ``names`` (an inner call's
+    name, or an owner's) names the caller's instead (:func:`named_as`)."""
+    try:
+        yield
+    except LLMException as exc:
+        said = named_as(exc, names)
+        if said is exc:
+            raise
+        raise said from exc.__cause__
 
 
 _NAMED = re.compile(r"invalid argument '([^']+)'")

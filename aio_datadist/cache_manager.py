@@ -16,8 +16,7 @@ are released by ``unregister_cache`` / ``deallocate_blocks_cache`` too.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist._checks import (
@@ -26,14 +25,14 @@ from aio_datadist._checks import (
     check_range,
     check_sint,
     check_uint,
-    named_as,
+    named_by_caller,
     param_invalid,
 )
 from aio_datadist.arrivals import PushWatch
 from aio_datadist.cache import KvCache
 from aio_datadist.layers import range_pair
 from aio_datadist.manager import KvCacheManager
-from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.status import LLMStatusCode
 from aio_datadist.task import CacheTask
 from aio_datadist.types import (
     BlocksCacheKey,
@@ -103,7 +102,7 @@ class CacheManager:
         self._rt()
         visible = _check_register(cache_desc, addrs, remote_accessible)
         check_instance("cache_keys", cache_keys, (list, tuple))
-        with _v2_names({"tensors_or_addrs": "addrs"}):
+        with named_by_caller({"tensors_or_addrs": "addrs"}):
             return self._kv.register_cache(cache_desc, addrs, cache_keys, remote_accessible=visible)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[Any],
@@ -118,7 +117,7 @@ class CacheManager:
         visible = _check_register(cache_desc, addrs, remote_accessible)
         if blocks_cache_key is not None:
             check_instance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
-        with _v2_names({"tensors_or_addrs": "addrs"}):
+        with named_by_caller({"tensors_or_addrs": "addrs"}):
             return self._kv.register_blocks_cache(cache_desc, addrs, blocks_cache_key, remote_accessible=visible)
 
     def unregister_cache(self, cache_id: int) -> None:
@@ -247,7 +246,7 @@ class CacheManager:
                           timeout: int | None = None) -> None:
         """Copy blocks between a HOST and a DEVICE blocks cache: ``{src_block: dst_block}``."""
         self._rt()
-        with _v2_names({"src": "src_cache", "dst": "dst_cache"}):
+        with named_by_caller({"src": "src_cache", "dst": "dst_cache"}):
             await self._kv.swap_blocks(src_cache, dst_cache, src_to_dst, timeout=timeout)
 
     # -- transfers with peers -------------------------------------------------
@@ -271,7 +270,7 @@ class CacheManager:
         cache = self._endpoint.live(cache, "cache")
         if cache.is_blocks_cache:
             raise param_invalid("cache", "can not be a blocks cache (use pull_blocks)")
-        with _v2_names({"kv_cache": "cache"}):
+        with named_by_caller({"kv_cache": "cache"}):
             await self._kv.pull_cache(cache_key, cache, batch_index, size, **keywords)
 
     async def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, dst_cache: KvCache,
@@ -310,7 +309,7 @@ class CacheManager:
         check_instance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
         check_instance("src_cache", src_cache, KvCache)
         ext = _push_layers(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        with _v2_names(_V2_PUSH_NAMES):
+        with named_by_caller(_V2_PUSH_NAMES):
             await self._kv.push_cache(dst_cache_key, src_cache, src_batch_index, ext, size, timeout=timeout)
 
     async def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: KvCache, src_blocks: Sequence[int] = (),
@@ -328,7 +327,7 @@ class CacheManager:
         check_instance("dst_cache_key", dst_cache_key, BlocksCacheKey)
         check_instance("src_cache", src_cache, KvCache)
         ext = _push_layers(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        with _v2_names(_V2_PUSH_NAMES):
+        with named_by_caller(_V2_PUSH_NAMES):
             await self._kv.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, ext, timeout=timeout)
 
     def transfer_cache_async(self, src_cache: KvCache, layer_synchronizer: LayerSynchronizer,
@@ -378,20 +377,6 @@ def _check_register(cache_desc: Any, addrs: Any, remote_accessible: Any) -> bool
 
 
 _V2_PUSH_NAMES = {"dst_cache_index_or_key": "dst_cache_key"}
-
-
-@contextlib.contextmanager
-def _v2_names(names: Mapping[str, str]) -> Iterator[None]:
-    """An error of the KvCacheManager call that names one of its parameters (or an owner's refusal that
-    names it in the v1 call's words) names the v2 parameter instead: ``names`` maps v1 to v2 names
-    (``_checks.named_as``)."""
-    try:
-        yield
-    except LLMException as exc:
-        said = named_as(exc, names)
-        if said is exc:
-            raise
-        raise said from exc.__cause__
 
 
 def _tensors_per_layer(value: Any) -> int:

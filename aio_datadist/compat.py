@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aio_datadist import datadist as _async_datadist
+from aio_datadist._checks import named_by_caller
 from aio_datadist._compat_v2 import CacheManager
 from aio_datadist.cache import KvCache
 from aio_datadist.cache_manager import Cache
@@ -147,6 +148,8 @@ class _LoopThread:
 
 
 _RUNNER = _LoopThread()
+#: The async v1 calls' name of the key llm_datadist's push_blocks / push_cache call dst_cache_key.
+_PUSH_NAMES = {"dst_cache_index_or_key": "dst_cache_key"}
 _LIVE: set[LLMDataDist] = set()
 
 
@@ -241,13 +244,15 @@ class KvCacheManager:
                     dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
         """v2 spelling: python ranges and ``tensor_num_per_layer`` instead of ``ext_param``."""
         ext = _ext_param(src_layer_range, dst_layer_range, tensor_num_per_layer)
-        _RUNNER.run(self._m.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, ext))
+        with named_by_caller(_PUSH_NAMES):  # llm_datadist's spelling, not the async v1 call's
+            _RUNNER.run(self._m.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, ext))
 
     def push_cache(self, dst_cache_key: Any, src_cache: KvCache, src_batch_index: int = 0,
                    src_layer_range: range | None = None, dst_layer_range: range | None = None,
                    size: int = -1, tensor_num_per_layer: int = 2) -> None:
         ext = _ext_param(src_layer_range, dst_layer_range, tensor_num_per_layer)
-        _RUNNER.run(self._m.push_cache(dst_cache_key, src_cache, src_batch_index, ext, size))
+        with named_by_caller(_PUSH_NAMES):  # llm_datadist's spelling, not the async v1 call's
+            _RUNNER.run(self._m.push_cache(dst_cache_key, src_cache, src_batch_index, ext, size))
 
     def copy_cache(self, dst: KvCache, src: KvCache, dst_batch_index: int = 0, src_batch_index: int = 0,
                    offset: int = 0, size: int = -1, req_id: int | None = None) -> None:

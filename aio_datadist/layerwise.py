@@ -394,7 +394,12 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
         else:
             progress.set_result(cfg.index, LLMStatusCode.LLM_SUCCESS)
     if stop is not None:
-        raise stop
+        if not failed:
+            raise stop
+        # A destination failed first: ``await task`` says that failure, with every result; the layers the
+        # synchronizer stopped say the stop.
+        for layer in layers[layers.index(stop_layer):]:
+            progress.layer_done(layer, stop)
 
 
 async def _all_over(pushes: list[asyncio.Future]) -> None:

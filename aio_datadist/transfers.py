@@ -48,7 +48,7 @@ async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: s
     names for the arguments the owner's refusals name (``_checks.named_as``)."""
     try:
         await _counted(link, "pull", plan.total, _pull(rt, link, plan, timeout_ms, what))
-    except Refused as exc:
+    except LLMException as exc:  # an owner's refusal (``Refused``, or a same-host push's answer) in its words
         said = named_as(exc, names or {})
         if said is exc:
             raise
@@ -65,7 +65,7 @@ async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: s
     :func:`run_pull`'s."""
     try:
         await _counted(link, "push", plan.total, _push(rt, link, plan, timeout_ms, what, queue_ms), cut)
-    except Refused as exc:
+    except LLMException as exc:  # an owner's refusal (``Refused``, or a same-host push's answer) in its words
         said = named_as(exc, names or {})
         if said is exc:
             raise

@@ -150,6 +150,22 @@ def test_kv_cache_manager_keyword_spellings_of_llm_datadist(private_loop):
         with pytest.raises(TypeError):
             pm.register_blocks_cache(blocks_desc, [hidden_memory.data_ptr(), hidden_memory.data_ptr() + 8],
                                      remote_accessible="no")
+
+        # push_cache / push_blocks(dst_cache_key, ...): errors name dst_cache_key, the async v1 calls'
+        # dst_cache_index_or_key never (a check here, and the owner's refusal of a row past its cache)
+        before = [t.clone() for t in d_rows.tensors]
+        for call in (lambda: pm.push_cache(dst_cache_key="row 5", src_cache=p_rows),
+                     lambda: pm.push_blocks(dst_cache_key="blocks", src_cache=p_blocks, src_blocks=[0],
+                                            dst_blocks=[0]),
+                     lambda: pm.push_cache(dst_cache_key=CacheKeyByIdAndIndex(2, d_rows.cache_id, 5),
+                                           src_cache=p_rows)):
+            with pytest.raises(LLMException) as exc:
+                call()
+            assert exc.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+            assert "invalid argument 'dst_cache_key" in str(exc.value), str(exc.value)
+            assert exc.value.argument is not None and exc.value.argument.startswith("dst_cache_key")
+        assert "cluster 2: " in str(exc.value)  # the last one is the owner's
+        assert all(torch.equal(d, b) for d, b in zip(d_rows.tensors, before, strict=True))
     finally:
         decoder.finalize()
         prompt.finalize()

@@ -536,6 +536,33 @@ async def test_two_destinations_one_refuses() -> None:
         assert await code_of(task.layer(0)) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 
 
+class _StopAtLayer2(LayerSynchronizer):
+    """Layer 2 is refused (False) once the layers before it had time to reach their destinations."""
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        if layer_index == 2:
+            await asyncio.sleep(0.5)
+            return False
+        return True
+
+
+async def test_a_refusal_before_the_synchronizer_stops_the_task_is_what_await_task_raises() -> None:
+    """A destination refused layer 0, then the synchronizer stopped the task at layer 2: ``await task`` raised
+    the stop (LLM_PARAM_INVALID, no results) while ``synchronize()`` said the refusal. Now both say the first
+    failure, and the error lists every config's result."""
+    async with setup(decoders=2) as s:
+        src = s.blocks_src()
+        wrong_key = TransferWithCacheKeyConfig(BlocksCacheKey(SECOND_DECODER_ID, 5))  # no such model_id there
+        task = s.pm.transfer_cache_async(src, _StopAtLayer2(), [wrong_key, blocks_config()], SRC_BLOCKS,
+                                         DST_BLOCKS)
+        with pytest.raises(LLMException) as info:
+            await task
+        assert await task.get_results() == [LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, PARAM_INVALID]
+        assert info.value.status_code == await task.synchronize() == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        assert "results [" in str(info.value) and f"cluster {SECOND_DECODER_ID}: " in str(info.value)
+        assert await code_of(task.layer(2)) == PARAM_INVALID  # stopped before it was sent
+
+
 async def test_layer_pushes_cut_after_their_destination_refused_count_as_its_failures() -> None:
     """The caller cancelled nothing: the layer pushes the library cut when their destination refused one count
     as failures with the destination's status, never as cancellations (docs/observability.md)."""

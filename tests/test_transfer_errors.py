@@ -209,13 +209,16 @@ async def test_bad_remote_requests_leave_the_destination_untouched():
         assert all(torch.equal(d[0], p[0]) for d, p in zip(d_rows.tensors, p_rows.tensors))
 
 
-async def test_the_owners_refusals_name_what_the_caller_passed():
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+async def test_the_owners_refusals_name_what_the_caller_passed(transport):
     """A row index past the owner's cache, given in the key (CacheKeyByIdAndIndex), was refused as
     'src_blocks' / 'dst_blocks', arguments these calls do not have, and later in the owner's words
     ('dst_cache_key' for v1 push_cache's dst_cache_index_or_key, 'cache_key' for pull_blocks'
     src_cache_key); a src_cache_offset past the owner's row was a "row size mismatch" naming neither
-    src_cache_offset nor size. The refusal's ``argument`` is the name too."""
-    async with linked_pair() as pair:
+    src_cache_offset nor size. The refusal's ``argument`` is the name too. Same-host (``local``): a push
+    is the owner's own copy (``PUSH_LOCAL``), its refusal a plain answer, renamed all the same."""
+    config = {"transport": transport}
+    async with linked_pair(prompt_config=config, decoder_config=config) as pair:
         p_rows = pair.pm.allocate_cache(CACHE_DESC, [CacheKey(PROMPT_ID, 1)])
         d_rows = pair.dm.allocate_cache(CACHE_DESC)  # rows of 512 B on both ends
         d_blocks = pair.dm.allocate_blocks_cache(BLOCKS_DESC)  # blocks of 128 B: a row fills four
