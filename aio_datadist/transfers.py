@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _trace
-from aio_datadist._checks import named_as
+from aio_datadist._checks import named_by_caller
 from aio_datadist.plans import Plan
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
@@ -45,14 +45,9 @@ __all__ = ["run_pull", "run_push"]
 async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *,
                    names: Mapping[str, str] | None = None) -> None:
     """Ask the owner for bytes and receive them straight into ``plan.local``. ``names``: the caller's
-    names for the arguments the owner's refusals name (``_checks.named_as``)."""
-    try:
+    names for the arguments the owner's refusals name (``_checks.named_by_caller``)."""
+    with named_by_caller(names or {}):  # an owner's refusal (``Refused``, a same-host push's answer) in its words
         await _counted(link, "pull", plan.total, _pull(rt, link, plan, timeout_ms, what))
-    except LLMException as exc:  # an owner's refusal (``Refused``, or a same-host push's answer) in its words
-        said = named_as(exc, names or {})
-        if said is exc:
-            raise
-        raise said from exc.__cause__
 
 
 async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *,
@@ -63,13 +58,8 @@ async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: s
     asked when the push is cancelled, the status of the failure for which the library cut it (a layer-wise
     transfer's destination failed), counted as that failure; None: the caller cancelled it. ``names``: as
     :func:`run_pull`'s."""
-    try:
+    with named_by_caller(names or {}):
         await _counted(link, "push", plan.total, _push(rt, link, plan, timeout_ms, what, queue_ms), cut)
-    except LLMException as exc:  # an owner's refusal (``Refused``, or a same-host push's answer) in its words
-        said = named_as(exc, names or {})
-        if said is exc:
-            raise
-        raise said from exc.__cause__
 
 
 async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> str:
