@@ -193,12 +193,15 @@ class KvCache:
         :param cache_desc: a HOST :class:`CacheDesc`.
         :param addrs: one address per tensor, or a one-element list of such lists.
         :raises LLMException: ``LLM_PARAM_INVALID`` for a non-HOST desc, a wrong
-            address count or a zero address.
+            address count, a zero address, an address whose tensor is not in memory this
+            process may read and write (``/proc/self/maps``), or tensors that overlap.
         """
         check_instance("cache_desc", cache_desc, CacheDesc)
         if cache_desc.placement != Placement.HOST:
             raise param_invalid("cache_desc", "create_cpu_cache needs Placement.HOST")
         flat = _flatten_addrs("addrs", addrs, cache_desc.num_tensors)
+        check_mapped("addrs", [(a, cache_desc.size) for a in flat])  # a bare int is never trusted
+        _check_disjoint("addrs", flat, cache_desc.size)
         dtype = cache_desc.data_type.torch_dtype
         tensors = [tensor_at(a, dtype, cache_desc.shape) for a in flat]
         return cls(-1, cache_desc, tensors, is_blocks=True, owned=False)
@@ -261,11 +264,15 @@ def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
             if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
                 raise param_invalid(arg, f"tensor {i} is on {t.device}, the cache placement needs {device}")
             out.append(t)
-    spans = sorted((t.data_ptr(), t.data_ptr() + desc.size) for t in out)
+    _check_disjoint(arg, [t.data_ptr() for t in out], desc.size)
+    return out
+
+
+def _check_disjoint(arg: str, addrs: Sequence[int], nbytes: int) -> None:
+    spans = sorted((a, a + nbytes) for a in addrs)
     for (_, a1), (b0, _) in itertools.pairwise(spans):
         if b0 < a1:
             raise param_invalid(arg, "tensors overlap in memory")
-    return out
 
 
 class KeyBinding:

@@ -395,6 +395,8 @@ def _pull_keywords(src_layer_range: Any, dst_layer_range: Any, tensor_num_per_la
         raise param_invalid(sorted(unknown)[0], "is not a keyword of the v2 pull calls (src_layer_range, "
                             "dst_layer_range, tensor_num_per_layer, timeout)")
     _tensors_per_layer(tensor_num_per_layer)
+    for arg, value in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
+        check_range(arg, value)  # a range or None, as v2 takes them (v1's inclusive pairs are not v2's)
     return {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
             "tensor_num_per_layer": tensor_num_per_layer, "timeout": timeout}
 

@@ -70,7 +70,9 @@ from ._checks import (
     check_int,
     check_ipv4,
     check_json_object,
+    check_sint,
     check_str,
+    check_uint,
     param_invalid,
     param_type_error,
 )
@@ -154,9 +156,10 @@ def _int_from_text(arg_name: str, raw: str) -> int:
         raise param_invalid(arg_name, f"integer out of range ({len(raw)} digits)") from None
 
 
-def _int_check(lo: int, hi: int, *, multiple_of: int = 1) -> Callable[[str, object], int]:
+def _int_check(lo: int, hi: int, *, multiple_of: int = 1, uint32: bool = False) -> Callable[[str, object], int]:
+    """``uint32``: a value outside uint32 is also a ``ValueError``, as LLM-DataDist's ``check_uint32``."""
     def check(arg_name: str, value: object) -> int:
-        number = check_int(arg_name, value, lo=lo, hi=hi)
+        number = check_int(arg_name, check_uint(arg_name, value, 32) if uint32 else value, lo=lo, hi=hi)
         if number % multiple_of:
             raise param_invalid(arg_name, f"must be a multiple of {multiple_of}, got {number}")
         return number
@@ -251,24 +254,29 @@ def _check_mem_pool_cfg(arg_name: str, value: object) -> str:
     return text
 
 
+def _int32(arg_name: str, value: object, lo: int) -> int:
+    """An int32 (``ValueError`` too outside it, as LLM-DataDist's ``check_int32``) of at least ``lo``."""
+    return check_int(arg_name, check_sint(arg_name, value, 32), lo=lo)
+
+
 def _check_device_id(arg_name: str, value: object) -> int | list[int] | tuple[int, ...]:
     if isinstance(value, (list, tuple)):
         if not value:
             raise param_invalid(arg_name, "must not be empty")
-        ids = [check_int(arg_name, v, lo=0, hi=INT32_MAX) for v in value]
+        ids = [_int32(arg_name, v, 0) for v in value]
         return ids if isinstance(value, list) else tuple(ids)  # read back as given, as LLM-DataDist's
-    return check_int(arg_name, value, lo=0, hi=INT32_MAX)
+    return _int32(arg_name, value, 0)
 
 
 def _check_sync_kv_timeout(arg_name: str, value: object) -> int:
     if isinstance(value, str):
         value = _int_from_text(arg_name, value)
-    return check_int(arg_name, value, lo=1, hi=INT32_MAX)
+    return _int32(arg_name, value, 1)
 
 
 def _check_mem_utilization(arg_name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise param_invalid(arg_name, f"expected a float, got {type(value).__name__}")
+        raise param_type_error(arg_name, f"expected a float, got {type(value).__name__}")
     if not 0.0 <= value <= 1.0:
         raise param_invalid(arg_name, f"must be in [0, 1], got {value}")
     return float(value)
@@ -276,10 +284,10 @@ def _check_mem_utilization(arg_name: str, value: object) -> float:
 
 def _check_ge_options(arg_name: str, value: object) -> dict[str, str]:
     if not isinstance(value, dict):
-        raise param_invalid(arg_name, f"expected a dict of str to str, got {type(value).__name__}")
+        raise param_type_error(arg_name, f"expected a dict of str to str, got {type(value).__name__}")
     for key, item in value.items():
         if not isinstance(key, str) or not isinstance(item, str):
-            raise param_invalid(arg_name, f"expected a dict of str to str, got {key!r}: {item!r}")
+            raise param_type_error(arg_name, f"expected a dict of str to str, got {key!r}: {item!r}")
     return dict(value)
 
 
@@ -316,8 +324,8 @@ def _bool(arg_name: str, value: object) -> bool:
 
 _check_link_total_time = _int_check(0, UINT32_MAX)
 _check_link_retry_count = _int_check(1, 100)
-_check_traffic_class = _int_check(0, 255, multiple_of=4)
-_check_service_level = _int_check(0, 7)
+_check_traffic_class = _int_check(0, 255, multiple_of=4, uint32=True)
+_check_service_level = _int_check(0, 7, uint32=True)
 _check_output_max_size = _int_check(0, INT64_MAX)
 _check_device_type = _choice_check(DEVICE_TYPES)
 _check_transport = _choice_check(TRANSPORTS)

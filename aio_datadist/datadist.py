@@ -64,7 +64,7 @@ class LLMDataDist:
         check_instance("role", role, LLMRole)
         self._endpoint = Endpoint(role, check_uint("cluster_id", cluster_id))
         self._manager = KvCacheManager(self._endpoint)
-        self._cache_manager = CacheManager(self._manager)
+        self._cache_manager = CacheManager(KvCacheManager(self._endpoint, v1=False))
         self._comms: CommTable | None = None  # link() comms, made with the first link()
 
     # -- properties --------------------------------------------------------
@@ -252,16 +252,10 @@ class LLMDataDist:
         links.check_can_dial()
         clusters = self._check_clusters(clusters, unset_ids=True)
         timeout = _timeout_ms(timeout)
-        first: dict[int, int] = {}
         for i, c in enumerate(clusters):
             if len(c.remote_endpoints) != 1:
                 raise param_invalid(f"clusters[{i}]", "exactly one remote ip:port is needed")
-            if c.remote_cluster_id is None:
-                continue
-            j = first.setdefault(c.remote_cluster_id, i)
-            if j != i:
-                raise param_invalid(f"clusters[{i}]", f"remote_cluster_id {c.remote_cluster_id} is also "
-                                    f"clusters[{j}]; a cluster is linked once")
+        _refuse_twins(clusters, "linked")
         if len(clusters) > MAX_CLUSTERS_PER_CALL:
             return _too_many(clusters)
         results = await asyncio.gather(*(links.connect(c, timeout) for c in clusters))
@@ -278,11 +272,14 @@ class LLMDataDist:
         :returns: ``(overall, [status per cluster])``; ``LLM_NOT_YET_LINK`` for
             a cluster that is not linked; ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for
             every cluster of a call with more than 16 (nothing is unlinked).
+        :raises LLMException: ``LLM_PARAM_INVALID`` for malformed arguments, the same
+            ``remote_cluster_id`` twice in one call included (before anything is unlinked).
         """
         links = self._require_links()
         clusters = self._check_clusters(clusters)
         timeout = _timeout_ms(timeout)
         check_bool("force", force)
+        _refuse_twins(clusters, "unlinked")
         if len(clusters) > MAX_CLUSTERS_PER_CALL:
             return _too_many(clusters)
         results = await asyncio.gather(*(links.disconnect(_cluster_id(c), timeout, force)
@@ -449,6 +446,18 @@ async def _complete(awaitable: Any) -> None:
             log.warning("cleanup failed while its caller was cancelled: %s", work.exception())
         raise cancelled  # the one that came, message included: anyio knows its own cancellations by it
     work.result()
+
+
+def _refuse_twins(clusters: Sequence[LLMClusterInfo], verb: str) -> None:
+    """``LLM_PARAM_INVALID`` for a remote cluster id named twice in one call, before anything is done."""
+    first: dict[int, int] = {}
+    for i, c in enumerate(clusters):
+        if c.remote_cluster_id is None:
+            continue
+        j = first.setdefault(c.remote_cluster_id, i)
+        if j != i:
+            raise param_invalid(f"clusters[{i}]", f"remote_cluster_id {c.remote_cluster_id} is also "
+                                f"clusters[{j}]; a cluster is {verb} once")
 
 
 def _too_many(clusters: list[LLMClusterInfo]) -> tuple[LLMStatusCode, list[LLMStatusCode]]:

@@ -88,8 +88,11 @@ class Endpoint:
                                f"{'' if mode else 'not '}configured.", status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
     def live(self, cache: Any, arg: str) -> KvCache:
-        """``cache`` if it is a KvCache registered here (or a CPU cache), else the error naming ``arg``."""
+        """``cache`` if it is a KvCache registered here (or a CPU cache that overlaps none), else the error
+        naming ``arg``."""
         check_instance(arg, cache, KvCache)
         if cache.cache_id == -1:
+            # the caller's memory: never a cache registered (or allocated) here, which it would alias
+            self.require_runtime().registry.check_unregistered(arg, cache.tensors, cache.cache_desc.size)
             return cache
         return self.require_runtime().registry.get(cache, arg)

@@ -251,7 +251,12 @@ def _row_chunks(src: KvCache, dst_block_indices: Any, size: int | None) -> _Chun
 
 def _no_blocks(indices: Any) -> bool:
     """Whether block indices are absent (None or empty), which LLM-DataDist treats alike."""
-    return indices is None or (hasattr(indices, "__len__") and len(indices) == 0)
+    if indices is None:
+        return True
+    try:
+        return len(indices) == 0
+    except TypeError:  # no length (a number, a 0-d array): not absent, and its own check names it
+        return False
 
 
 async def _synchronize(synchronizer: Any, layer: int) -> bool:

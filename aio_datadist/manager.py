@@ -71,8 +71,17 @@ class KvCacheManager:
     ``timeout=`` in milliseconds (default: ``LLMConfig.sync_kv_timeout``).
     """
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, *, v1: bool = True) -> None:
+        """``v1``: the manager ``LLMDataDist.kv_cache_manager`` hands out, whose calls are refused once ``init``
+        chose CacheManager mode (also when it was taken before); False for the one the v2
+        :class:`~aio_datadist.CacheManager` runs its calls through."""
         self._endpoint = endpoint
+        self._v1 = v1
+
+    def _mode(self) -> None:
+        """Refuse a call of the v1 manager in CacheManager mode, as ``kv_cache_manager`` itself is refused."""
+        if self._v1:
+            self._endpoint.require_mode("kv_cache_manager", cache_manager=False)
 
     # -- state -----------------------------------------------------------
 
@@ -121,6 +130,7 @@ class KvCacheManager:
             ``lease_ms`` (not an int in [1, 2**31 - 1], or a DECODER);
             ``LLM_OUT_OF_MEMORY`` past the registered-memory cap.
         """
+        self._mode()
         if lease_ms is not None:
             return allocate_leased_cache(self, cache_desc, cache_keys, lease_ms=lease_ms)[0]
         rt = self._rt()
@@ -135,6 +145,7 @@ class KvCacheManager:
         :param blocks_cache_key: the key peers address the cache by, if any.
         :raises LLMException: as :meth:`allocate_cache`.
         """
+        self._mode()
         rt = self._rt()
         desc = self._check_desc(cache_desc)
         key = rt.registry.check_blocks_key(blocks_cache_key)
@@ -177,6 +188,7 @@ class KvCacheManager:
             or bad keys (``TypeError`` too for a wrong type); ``LLM_OUT_OF_MEMORY``
             past the cap.
         """
+        self._mode()
         rt = self._rt()
         desc = self._check_desc(cache_desc)
         hidden = _check_remote_accessible(remote_accessible)
@@ -195,6 +207,7 @@ class KvCacheManager:
                               blocks_cache_key: BlocksCacheKey | None = None,
                               remote_accessible: bool | None = None) -> KvCache:
         """Register framework-owned memory as a blocks cache (see :meth:`register_cache`)."""
+        self._mode()
         rt = self._rt()
         desc = self._check_desc(cache_desc)
         hidden = _check_remote_accessible(remote_accessible)
@@ -228,6 +241,7 @@ class KvCacheManager:
             LLMDataDist; ``LLM_PARAM_INVALID`` for a ``create_cpu_cache`` cache,
             as LLM-DataDist ("only support device cache").
         """
+        self._mode()
         rt = self._rt()
         rt.registry.deallocate(cache)
         rt.arrivals.released(cache)  # a watch of its pushes would wait for bytes that cannot come
@@ -235,6 +249,7 @@ class KvCacheManager:
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Stop offering a row under ``cache_key`` (PROMPT or MIX). No-op if unbound, and for a key of a
         registered cache, which keeps its keys until it is released, as in LLM-DataDist (reference 4.2)."""
+        self._mode()
         rt = self._rt()
         self._endpoint.require_role("remove_cache_key", LLMRole.PROMPT, LLMRole.MIX)
         check_instance("cache_key", cache_key, CacheKey)
@@ -242,6 +257,7 @@ class KvCacheManager:
 
     def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[torch.Tensor]:
         """Torch views of tensor ``tensor_index``, one per device (one here)."""
+        self._mode()
         self._rt()
         cache = self._endpoint.live(cache, "cache")
         index = check_index("tensor_index", tensor_index, cache.cache_desc.num_tensors)
@@ -260,6 +276,7 @@ class KvCacheManager:
         :raises LLMException: ``LLM_PARAM_INVALID`` for blocks caches,
             mismatched descs or out-of-range rows/bytes; ``LLM_TIMEOUT``.
         """
+        self._mode()
         if req_id is not None:
             check_uint("req_id", req_id)
         dst = self._endpoint.live(dst, "dst")
@@ -289,6 +306,7 @@ class KvCacheManager:
             out-of-range blocks, a destination named twice or a destination
             that is also a source; ``LLM_TIMEOUT``.
         """
+        self._mode()
         cache = self._endpoint.live(cache, "cache")
         if not cache.is_blocks_cache:
             raise param_invalid("cache", "copy_blocks needs a blocks cache")
@@ -333,6 +351,7 @@ class KvCacheManager:
             placements, different block sizes or tensor counts, out-of-range or
             repeated destination blocks; ``LLM_TIMEOUT``.
         """
+        self._mode()
         src = self._endpoint.live(src, "src")
         dst = self._endpoint.live(dst, "dst")
         for arg, cache in (("src", src), ("dst", dst)):
@@ -405,6 +424,7 @@ class KvCacheManager:
         :raises LLMException: ``LLM_PARAM_INVALID``, ``LLM_NOT_YET_LINK``,
             ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_TIMEOUT``, ``LLM_LINK_FAILED``.
         """
+        self._mode()
         _no_unknown(unknown)
         rt = self._rt()
         self._endpoint.require_role("pull_cache", LLMRole.DECODER, LLMRole.MIX)
@@ -459,6 +479,7 @@ class KvCacheManager:
         """
         if _trace.ON:
             _trace.mark("call")
+        self._mode()
         _no_unknown(unknown)
         src_cache_key = _alias(prompt_cache_key, "prompt_cache_key", "src_cache_key", src_cache_key, None)
         dst_cache = _alias(decoder_kv_cache, "decoder_kv_cache", "dst_cache", dst_cache, None)
@@ -501,6 +522,7 @@ class KvCacheManager:
         :raises LLMException: ``LLM_PARAM_INVALID``, ``LLM_NOT_YET_LINK``,
             ``LLM_TIMEOUT``, ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_LINK_FAILED``.
         """
+        self._mode()
         rt = self._rt()
         self._endpoint.require_role("push_blocks", LLMRole.PROMPT, LLMRole.MIX)
         key = _check_pull_key("dst_cache_index_or_key", dst_cache_index_or_key, (CacheIndex, BlocksCacheKey))
@@ -531,6 +553,7 @@ class KvCacheManager:
         :param size: must be -1 (whole rows), as in LLM-DataDist.
         :raises LLMException: as :meth:`push_blocks`.
         """
+        self._mode()
         rt = self._rt()
         self._endpoint.require_role("push_cache", LLMRole.PROMPT, LLMRole.MIX)
         key = _check_pull_key("dst_cache_index_or_key", dst_cache_index_or_key, (CacheIndex, CacheKeyByIdAndIndex))
@@ -581,6 +604,7 @@ class KvCacheManager:
         :raises LLMException: ``LLM_PARAM_INVALID`` for bad arguments (before
             anything is sent), ``LLM_NOT_YET_LINK`` for an unlinked destination.
         """
+        self._mode()
         return self._start_layerwise(src_cache, layer_synchronizer, transfer_configs, src_block_indices,
                                     dst_block_indices, dst_block_memory_size, cache_to_blocks=False)
 
@@ -607,6 +631,7 @@ class KvCacheManager:
         :param layers: the layers to watch (default: all).
         :raises LLMException: ``LLM_PARAM_INVALID`` for bad rows or layers.
         """
+        self._mode()
         rt = self._rt()
         cache = self._endpoint.live(cache, "cache")
         per_layer = check_int("tensors_per_layer", tensors_per_layer, lo=1, hi=255)

@@ -149,6 +149,25 @@ async def test_v1_endpoint_refuses_the_cache_manager():
         assert dd.kv_cache_manager.allocate_cache(ROWS).cache_id == 1
 
 
+async def test_a_kv_cache_manager_taken_before_init_is_refused_in_v2_mode():
+    """The other way round: a KvCacheManager taken before a v2 init kept working (allocate_cache,
+    remove_cache_key, ...). Its calls are refused as kv_cache_manager itself is, and change nothing."""
+    async with LLMDataDist(LLMRole.PROMPT, 5) as dd:
+        early = dd.kv_cache_manager
+        await dd.init(v2_options())
+        for call in (lambda: early.allocate_cache(ROWS), lambda: early.allocate_blocks_cache(BLOCKS),
+                     lambda: early.remove_cache_key(CacheKey(5, 1)),
+                     lambda: early.register_blocks_cache(BLOCKS, [t.data_ptr() for t in pattern(BLOCKS, 1)])):
+            with pytest.raises(LLMException, match=re.escape(V1_MESSAGE)) as info:
+                call()
+            assert info.value.status_code is INVALID
+        with pytest.raises(LLMException, match=re.escape(V1_MESSAGE)):
+            await early.pull_blocks(BlocksCacheKey(1, 0), None, [0], [0])
+        assert len(registry_of(dd)) == 0
+        blocks, _ = register(dd.cache_manager, BLOCKS, 1, blocks=True)  # v2 itself works
+        assert blocks.cache_id == 1
+
+
 async def test_conflicting_mode_options_are_refused_at_init():
     def config(**values: object) -> dict[str, str]:
         c = LLMConfig()
@@ -440,6 +459,42 @@ async def test_swap_blocks_errors_name_the_v2_arguments():
         assert all(torch.equal(a, b) for a, b in zip(before, host_t + blocks_t, strict=True))
 
 
+async def test_a_cpu_cache_is_memory_of_the_caller_that_we_may_write_and_no_cache_of_ours():
+    """create_cpu_cache took any int: swap_blocks into unmapped addresses killed the process (SIGSEGV), and
+    into a registered cache's memory overwrote what it holds. Now the addresses must be mapped writable
+    (as register_cache checks them), the tensors disjoint, and a swap refuses one that overlaps a cache
+    registered or allocated here."""
+    host_desc = CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, Placement.HOST)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = 4 * host_desc.size
+    read_only = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert read_only not in (None, ctypes.c_void_p(-1).value)
+    try:
+        buf = torch.zeros(size // 2, dtype=torch.float16)
+        base, step = buf.data_ptr(), host_desc.size
+        for addrs in ([4096, 8192, 12288, 16384],  # unmapped: the first pages of a process never are
+                      [read_only + i * step for i in range(4)],  # mapped, not writable
+                      [base, base + 64, base + 2 * step, base + 3 * step]):  # tensors 0 and 1 overlap
+            with rejected(INVALID, "addrs"):
+                Cache.create_cpu_cache(host_desc, addrs)
+        Cache.create_cpu_cache(host_desc, [base + i * step for i in range(4)])  # and the same memory, right
+    finally:
+        libc.munmap(read_only, size)
+    async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        cm = dd.cache_manager
+        blocks, blocks_t = register(cm, BLOCKS, 3, blocks=True)
+        before = [t.clone() for t in blocks_t]
+        over = Cache.create_cpu_cache(host_desc, [t.data_ptr() for t in blocks_t])  # memory of the cache
+        with rejected(INVALID, "dst_cache"):
+            await cm.swap_blocks(blocks, over, {0: 1})
+        with rejected(INVALID, "src_cache"):
+            await cm.swap_blocks(over, blocks, {0: 1})
+        assert all(torch.equal(a, b) for a, b in zip(before, blocks_t, strict=True))
+
+
 async def test_negative_batch_index_or_offset_is_a_value_error():
     async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
         cm = dd.cache_manager
@@ -511,6 +566,13 @@ async def test_decoder_pushes_and_pulls_and_bad_input_keeps_the_link(transport):
              lambda: cm.pull_cache(CacheKey(PROMPT_ID, 7), rows, src_cache_offset=0)),
             (INVALID, "src_cache_key", TypeError,
              lambda: cm.pull_blocks(CacheIndex(PROMPT_ID, 1), blocks, [0], [0])),
+            # v2 takes ranges only: (0, 1) was v1's inclusive pair, two layers for what reads as one
+            (INVALID, "src_layer_range", TypeError,
+             lambda: cm.pull_cache(CacheKey(PROMPT_ID, 7), rows, src_layer_range=(0, 1), dst_layer_range=(0, 1))),
+            (INVALID, "dst_layer_range", TypeError,
+             lambda: cm.pull_blocks(key, blocks, [0], [0], dst_layer_range=[1, 1])),
+            (INVALID, "src_layer_range", TypeError, lambda: cm.pull_cache(CacheKey(PROMPT_ID, 7), rows,
+                                                                        src_layer_range="0:2")),
             (INVALID, "dst_blocks", LLMException, lambda: cm.pull_blocks(key, blocks, [0], [8])),
             # refused by the owner (its rows are 0-2), named as this v2 call names them
             (INVALID, "dst_cache_key.batch_index", LLMException,

@@ -489,6 +489,36 @@ def test_device_id_lists_read_back_as_given() -> None:
     assert config.device_id == [0]
 
 
+@pytest.mark.parametrize(("name", "value", "kind"), [
+    ("mem_utilization", "0.5", TypeError),  # LLM-DataDist: check_isinstance(float)
+    ("ge_options", [("a", "b")], TypeError),  # check_isinstance(dict)
+    ("ge_options", {"a": 1}, TypeError),
+    ("device_id", 2**31, ValueError),  # check_int32
+    ("device_id", [0, -2**31 - 1], ValueError),
+    ("sync_kv_timeout", 2**31, ValueError),  # check_int32
+    ("rdma_traffic_class", 2**32, ValueError),  # check_uint32
+    ("rdma_service_level", -1, ValueError),  # check_uint32
+])
+def test_setters_raise_the_exception_types_of_llm_datadist(name: str, value: object, kind: type) -> None:
+    """These raised a plain LLMException where LLM-DataDist's setters raise TypeError / ValueError; ours
+    raise an LLMException (LLM_PARAM_INVALID, naming the setting) that is also of that type, and keep
+    what was set before."""
+    config = LLMConfig()
+    before = getattr(config, name)
+    with pytest.raises(LLMException) as caught:
+        setattr(config, name, value)
+    assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID and caught.value.argument == name
+    assert isinstance(caught.value, kind), f"{type(caught.value).__name__} is not a {kind.__name__}"
+    assert getattr(config, name) == before
+    # of the right type and width, but against the documented bounds: LLM_PARAM_INVALID, neither type
+    inside = {"device_id": -1, "sync_kv_timeout": 0, "rdma_traffic_class": 256, "rdma_service_level": 8,
+              "mem_utilization": 1.5}.get(name)
+    if inside is not None:
+        with pytest.raises(LLMException) as caught:
+            setattr(config, name, inside)
+        assert not isinstance(caught.value, (TypeError, ValueError)), name
+
+
 def test_option_device_ipc_is_checked():
     from aio_datadist.config import parse_options
 

@@ -951,6 +951,7 @@ async def test_bad_inputs_raise_at_call_time_with_nothing_sent() -> None:
             ("dst_block_indices", src, (Ready(), [good], [1, 2], [3]), {}),
             ("src_block_indices", src, (Ready(), [good], [], [3]), {}),  # (none on both sides: block 0, below)
             ("src_block_indices", src, (Ready(), [good], [16], [0]), {}),
+            ("src_block_indices", src, (Ready(), [good], numpy.array(0), [0]), {}),  # no length: a raw TypeError
             ("dst_block_indices", src, (Ready(), [good], [1, 2], [3, 3]), {}),
             ("dst_block_indices", src, (Ready(), [good], [1], [-1]), {}),
             ("src_block_indices", rows, (Ready(), [TransferConfig(DECODER_ID, addrs)], [0], [0]), {}),

@@ -175,6 +175,7 @@ async def test_bad_input_is_refused_at_the_call_with_nothing_sent() -> None:
             ("dst_block_indices", key, ([0, 1, 2, 3], 192)),  # 192 + 192 + 128: three pieces
             ("dst_block_indices", key, ([1, 1], 128)),
             ("dst_block_indices", key, ([-1], 128)),
+            ("dst_block_indices", key, (numpy.array(0), 128)),  # no length: was a raw TypeError
             ("transfer_configs[0].cache_key", TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(DECODER_ID, 1, 0)),
              ([0], 128)),
             ("transfer_configs[0].dst_addrs", TransferConfig(DECODER_ID, dst.per_device_tensor_addrs[0][:2]),

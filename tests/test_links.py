@@ -138,6 +138,18 @@ async def test_same_cluster_twice_in_one_call():
         await pair.prompt.check_link_status(DECODER_ID)
 
 
+async def test_same_cluster_twice_in_one_unlink_call():
+    """Refused before anything is unlinked, as link_clusters refuses it: the link was torn down and the twin
+    then reported LLM_NOT_YET_LINK."""
+    async with linked_pair() as pair:
+        with pytest.raises(LLMException) as exc:
+            await pair.decoder.unlink_clusters([pair.info, pair.info])
+        assert code_of(exc) == S.LLM_PARAM_INVALID and "clusters[1]" in str(exc.value)
+        assert exc.value.argument == "clusters[1]"
+        await pair.decoder.check_link_status(PROMPT_ID)  # the link is still there
+        await pair.prompt.check_link_status(DECODER_ID)
+
+
 async def test_more_than_16_clusters_per_call():
     """Reference §2.1 (returns ``(overall, per-cluster)``, does not raise on link failure) and §4.9
     (``LLM_CLUSTER_NUM_EXCEED_LIMIT``): a status for every cluster, nothing dialled."""
