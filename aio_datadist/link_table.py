@@ -599,6 +599,11 @@ class LinkTable:
         self.forget(link)
         status = SUCCESS
         try:
+            if link.broken is None:
+                # The peer's transfers we serve stop, and have ended, before it hears that the link ends: its
+                # pushes then fail with nothing of them landing here after our unlink (or they) returned, and
+                # no same-host copy of ours reads its memory after its push returned.
+                await link.settle_served()
             # A forced unlink tells the peer too while pushes of ours are in flight: their bytes on the way
             # would land there after the pushes returned, unless the peer closes its end first (as for a
             # non-forced unlink: it answers, then closes), for ABORT_ACK_S at most, as an aborted push waits.
@@ -643,6 +648,7 @@ class LinkTable:
             await asyncio.wait(attempts)
         links = list(self.links.values())
         self.links.clear()
+        await asyncio.gather(*(link.settle_served() for link in links if link.broken is None and not link.closed))
         acks = []
         for link in links:
             if link.broken is None and not link.closed:

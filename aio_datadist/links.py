@@ -159,6 +159,7 @@ class Link:
         self.log = logging.LoggerAdapter(log, {"cluster_id": cluster_id, "remote_cluster_id": remote_cluster_id,
                                                "link_id": self.link_id})
         self.unlinking = False  # we sent UNLINK: the peer closing the connection now is no failure
+        self.ending = False  # the link is being unlinked (by us or the peer): no new request of the peer is served
         self._announced = False  # whether the link's going up was logged and observed (so its going down is)
         self._probe_id = 0  # the id of the heartbeat PROBE in flight, and when it left
         self._probe_sent = 0.0
@@ -182,7 +183,9 @@ class Link:
         self._acks: dict[int, Msg] = {}  # requests of ours in pending answered by PROBE_ACK or UNLINK_ACK (expect)
         self._watches: set[asyncio.Future] = set()  # futures only the link's end completes (watch)
         self.serving: dict[int, Callable[[], Any]] = {}
-        self.local_pushes: set[int] = set()  # the peer's same-host pushes whose copy we run (MAX_LOCAL_PUSHES_SERVED)
+        #: The peer's same-host pushes whose copy we run (MAX_LOCAL_PUSHES_SERVED), each with its future that is
+        #: done once the copy no longer touches memory.
+        self.local_pushes: dict[int, asyncio.Future] = {}
         self.pull_acks: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self.broken: LLMException | None = None
         self.closed = False
@@ -792,15 +795,19 @@ class Link:
             off = "the link shares no memory (no same-host share)" if self.local is None else self.local.ipc_off
         return self.counters.snapshot(self.remote_role, self.link_id, self.transport, off)
 
-    async def _settle_served(self) -> None:
-        """Before answering the peer's ``UNLINK``: stop every job we serve it and wait until they ended (at
-        most :data:`SERVED_SETTLE_S`). A stream job ends at once; a staged one (a device cache) once the
-        device copies it queued are done. The data channels stay up meanwhile, so the peer sees no reset
-        before our answer."""
+    async def settle_served(self) -> None:
+        """Before the peer hears that the link ends (our ``UNLINK``, or our answer to its own): serve no new
+        request of its, stop every job we serve it and wait until they ended (at most
+        :data:`SERVED_SETTLE_S`). A stream job ends at once; a same-host push's copy once its current piece is
+        done; a staged one (a device cache) once the device copies it queued are done. The data channels stay
+        up meanwhile, so the peer sees no reset before it hears from us. A peer's push we stopped fails there
+        when it hears, with nothing of it landing here afterwards, nor its source read any more."""
+        self.ending = True
         serving, self.serving = self.serving, {}
         for cancel in serving.values():
             cancel()
         served = [job for ch in self.channels for job in ch.answering if not job.done()]
+        served += [copy for copy in self.local_pushes.values() if not copy.done()]
         if not served:
             return
         _, late = await asyncio.wait(served, timeout=SERVED_SETTLE_S)
@@ -848,7 +855,7 @@ class Link:
         if self.closed:
             return
         if ack and self.broken is None:
-            await self._settle_served()
+            await self.settle_served()
             if self.closed:
                 return  # closed meanwhile (finalize): that close did the rest
         if self.broken is None:

@@ -45,6 +45,8 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any) -> 
         _trace.mark("owner: request read")
     kind = "served_pull" if msg is Msg.PULL_REQ else "served_push"
     try:
+        if link.ending:  # unlinking: what we served is being stopped, and nothing new starts
+            raise Refusal(LLMStatusCode.LLM_NOT_YET_LINK, "the link is being unlinked")
         if req_id in link.serving or req_id in link.pull_acks:
             # What we hold for a request is kept by its id: a second one would take the first's place, and
             # the first's claim of its key would never be given back.

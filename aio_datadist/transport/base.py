@@ -77,7 +77,7 @@ class LinkPort(Protocol):
     nixl: NixlPeer | None
     pending: dict[int, asyncio.Future]
     serving: dict[int, Callable[[], Any]]
-    local_pushes: set[int]
+    local_pushes: dict[int, asyncio.Future]
     pull_acks: dict[int, tuple[Callable[[], None], Callable[[], None]]]
     channels: list[Any]
     broken: LLMException | None

@@ -217,7 +217,7 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
         answer(exc.status_code, str(exc))
         return
     link.serving[req_id] = moved.cancel
-    link.local_pushes.add(req_id)
+    link.local_pushes[req_id] = settled  # awaited by an unlink before the peer hears it (settle_served)
     told: list[str] = []  # why the copy was cut, when the caller unregistered the cache it writes (``cut``)
 
     def cut() -> None:
@@ -237,7 +237,7 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
     unwatch = rt.registry.serving([cache], cut) if wait is not None else None
 
     def over(_: asyncio.Future) -> None:
-        link.local_pushes.discard(req_id)
+        link.local_pushes.pop(req_id, None)
         if unwatch is not None:
             unwatch()
         if link.serving.get(req_id) == moved.cancel:

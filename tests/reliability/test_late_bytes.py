@@ -452,3 +452,81 @@ async def test_a_receiver_process_lands_nothing_after_a_cut_push_and_a_stopped_o
         with pytest.raises(LLMException) as info:
             await prompt.check_link_status(DECODER)
         assert info.value.status_code in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK), info.value
+
+
+# -- the destination's owner ends the link under a push ------------------------------------------------
+
+OWNER_END_BLOCKS = 64
+#: Same-host: 2 tensors of 64 blocks of 1 MiB, copied by the decoder's one copy thread (128 MiB).
+OWNER_END_LOCAL = CacheDesc(2, (OWNER_END_BLOCKS, 1 << 20), DataType.DT_UINT8, Placement.HOST)
+
+
+def _last_bytes(cache: KvCache) -> torch.Tensor:
+    """The last byte of every block of every tensor: which blocks were written (cheap enough to poll)."""
+    return torch.stack([t.view(t.shape[0], -1)[:, -1].clone() for t in cache.tensors])
+
+
+@pytest.mark.parametrize("how", ["unlink", "finalize"])
+@pytest.mark.parametrize("path", ["local", "tcp-slow"])
+async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_returned(how: str, path: str) -> None:
+    """The decoder that owns a push's destination unlinks (or finalizes) while the push is on its way. The
+    push fails; nothing more of it lands in the decoder's cache afterwards, nor after the decoder's call
+    returned, and the decoder's same-host copy no longer reads the pusher's source (bytes the pusher writes
+    there once its push returned never show up). Before, the decoder kept serving the push until the pusher's
+    answer: 100 MiB of a same-host push landed after it returned, some of it rewritten source, and a block
+    after the decoder's unlink returned; over TCP 1-4 MiB that were on their way."""
+    local = path == "local"
+    desc = OWNER_END_LOCAL if local else SLOW
+    value = 0xCD if local else 5
+    async with contextlib.AsyncExitStack() as stack:
+        transport = "local" if local else "tcp"
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, 63, listen=True, transport=transport))
+        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, 64, transport=transport, copy_threads=1))
+        address = port_of(prompt)
+        if not local:
+            address = (await stack.enter_async_context(SlowPath(address, 32e6, 0.05))).address
+        src = prompt.kv_cache_manager.allocate_blocks_cache(desc)
+        dst = dec.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(64, 0))
+        rows = list(range(desc.shape[0]))
+        for attempt in range(2 if how == "unlink" else 1):
+            for t in src.tensors:
+                t.fill_(value)
+            for t in dst.tensors:
+                t.zero_()
+            linked = await dec.link_clusters([cluster_info(63, address)], timeout=10_000)
+            assert linked[0] == S.LLM_SUCCESS
+            returned: list[torch.Tensor] = []
+
+            async def push() -> str:
+                try:
+                    await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(64, 0), src, rows, rows, timeout=20_000)
+                    return "done"
+                except LLMException as exc:
+                    return exc.status_code.name
+                finally:
+                    returned.append(_last_bytes(dst))
+
+            task = asyncio.ensure_future(push())
+            for _ in range(4000):  # until the first bytes landed (bounded: 4000 polls of at most 5 ms)
+                if task.done() or bool((_last_bytes(dst) == value).any()):
+                    break
+                await asyncio.sleep(0 if local else 0.005)
+            ending = asyncio.ensure_future(dec.unlink_clusters([cluster_info(63, address)]) if how == "unlink"
+                                           else dec.finalize())
+            outcome = await task
+            at_return = returned[0]
+            for t in src.tensors:  # the pusher reuses its source once the push returned
+                t.fill_(0xEE if local else 7)
+            await ending
+            at_end = _last_bytes(dst)
+            await asyncio.sleep(0.3)
+            later = _last_bytes(dst)
+            if outcome == "done":
+                continue  # all of it landed before the cut: nothing to check this time
+            assert torch.equal(at_return, at_end) and torch.equal(at_end, later), (
+                f"{how} #{attempt}: the push returned {outcome} with {int((at_return != 0).sum())} blocks in place, "
+                f"{int((at_end != 0).sum())} when the {how} returned, {int((later != 0).sum())} 0.3 s later")
+            assert not any(bool((t == (0xEE if local else 7)).any()) for t in dst.tensors), \
+                "bytes the pusher wrote to its source after its push returned reached the decoder"
+            if how == "finalize":
+                break
