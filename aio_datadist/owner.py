@@ -20,7 +20,7 @@ from aio_datadist.links import MAX_AWAITED_PER_LINK, MAX_LOCAL_PUSHES_SERVED, MA
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMStatusCode
 from aio_datadist.transport import plane, planes_for
-from aio_datadist.transport.base import Plane, Refusal, Served, meets
+from aio_datadist.transport.base import UNLINKING, Plane, Refusal, Served, meets
 from aio_datadist.transport.fit import fit, geometry_of
 from aio_datadist.transport.same_host import USE_STREAM
 from aio_datadist.transport.stream import refuse_posted
@@ -46,7 +46,7 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any) -> 
     kind = "served_pull" if msg is Msg.PULL_REQ else "served_push"
     try:
         if link.ending:  # unlinking: what we served is being stopped, and nothing new starts
-            raise Refusal(LLMStatusCode.LLM_NOT_YET_LINK, "the link is being unlinked")
+            raise Refusal(LLMStatusCode.LLM_NOT_YET_LINK, UNLINKING)
         if req_id in link.serving or req_id in link.pull_acks:
             # What we hold for a request is kept by its id: a second one would take the first's place, and
             # the first's claim of its key would never be given back.

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from aio_datadist.transport.local import LocalShare
     from aio_datadist.transport.nixl import NixlPeer
 
-__all__ = ["InPlacePlane", "LinkPort", "Plane", "Refusal", "Refused", "Request", "RequestState", "Served",
+__all__ = ["UNLINKING", "InPlacePlane", "LinkPort", "Plane", "Refusal", "Refused", "Request", "RequestState", "Served",
            "abort_acknowledged", "await_done", "meets", "nixl_settle", "push_torn", "wait_out"]
 
 #: How long a given-up NIXL transfer may take to settle before the owner hears of it ...
@@ -52,6 +52,9 @@ NIXL_SETTLE_LIMIT_S = 10.0
 JOB_SETTLE_S = 1.0
 #: How long a pusher waits for the owner to confirm that an aborted push stopped.
 ABORT_ACK_S = 1.0
+#: What a peer hears of a request of its that we refused or stopped because the link is being unlinked
+#: (``LLM_NOT_YET_LINK``: its transfer fails as one made after the unlink would).
+UNLINKING = "the link is being unlinked"
 #: The longest a served request may run, whatever the requester asked for.
 MAX_SERVE_TIMEOUT_MS = 600_000
 #: How long past a request's own timeout (counted from our answer) the owner waits for the requester's word that
@@ -82,6 +85,7 @@ class LinkPort(Protocol):
     channels: list[Any]
     broken: LLMException | None
     closed: bool
+    ending: bool
 
     @property
     def data_transport(self) -> str: ...

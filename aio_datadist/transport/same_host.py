@@ -26,6 +26,7 @@ from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport import plane
 from aio_datadist.transport.base import (
+    UNLINKING,
     InPlacePlane,
     LinkPort,
     Refusal,
@@ -245,7 +246,9 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
         if moved.done() and not moved.cancelled() and moved.exception() is None:
             landed()
             return
-        status = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST if told else LLMStatusCode.LLM_FAILED
+        unlinking = not told and moved.cancelled() and link.ending  # stopped because the link ends
+        status = (LLMStatusCode.LLM_KV_CACHE_NOT_EXIST if told else
+                  LLMStatusCode.LLM_NOT_YET_LINK if unlinking else LLMStatusCode.LLM_FAILED)
         counters.end("served_push", transport, served.total, started, Outcome.FAILED, status)
         if not moved.done():
             moved.cancel()
@@ -255,7 +258,8 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
         if told:
             answer(status, told[0])
         else:
-            answer(status, "the push was aborted" if moved.cancelled() else str(moved.exception()))
+            answer(status, UNLINKING if unlinking else
+                   "the push was aborted" if moved.cancelled() else str(moved.exception()))
 
     settled.add_done_callback(over)
 

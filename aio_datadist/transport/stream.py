@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from aio_datadist import _trace
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport.base import (
+    UNLINKING,
     LinkPort,
     Plane,
     Refused,
@@ -260,8 +261,11 @@ class StreamPlane(Plane):
                 if link.channels[channel].generation == generation:
                     link.reset_channel(channel, tell_peer=True)
                 if msg is Msg.PUSH_REQ and not told:
-                    link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED,
-                              text="cancelled" if exc is None else str(exc))
+                    if exc is None and link.ending:  # stopped because the link ends: the pusher's push fails so
+                        link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_NOT_YET_LINK, text=UNLINKING)
+                    else:
+                        link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED,
+                                  text="cancelled" if exc is None else str(exc))
 
         fut.add_done_callback(finished)
 
