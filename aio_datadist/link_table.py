@@ -600,10 +600,10 @@ class LinkTable:
         status = SUCCESS
         try:
             if link.broken is None:
-                # The peer's transfers we serve stop, and have ended, before it hears that the link ends: its
-                # pushes then fail with nothing of them landing here after our unlink (or they) returned, and
+                # The peer's pushes we serve stop, and have ended, before it hears that the link ends: they
+                # then fail with nothing of them landing here after our unlink (or they) returned, and
                 # no same-host copy of ours reads its memory after its push returned.
-                await link.settle_served()
+                await link.settle_served(pushes_only=True)
             # A forced unlink tells the peer too while pushes of ours are in flight: their bytes on the way
             # would land there after the pushes returned, unless the peer closes its end first (as for a
             # non-forced unlink: it answers, then closes), for ABORT_ACK_S at most, as an aborted push waits.
@@ -648,7 +648,8 @@ class LinkTable:
             await asyncio.wait(attempts)
         links = list(self.links.values())
         self.links.clear()
-        await asyncio.gather(*(link.settle_served() for link in links if link.broken is None and not link.closed))
+        await asyncio.gather(*(link.settle_served(pushes_only=True) for link in links
+                               if link.broken is None and not link.closed))
         acks = []
         for link in links:
             if link.broken is None and not link.closed:

@@ -186,6 +186,8 @@ class Link:
         #: The peer's same-host pushes whose copy we run (MAX_LOCAL_PUSHES_SERVED), each with its future that is
         #: done once the copy no longer touches memory.
         self.local_pushes: dict[int, asyncio.Future] = {}
+        #: The peer's pushes we receive on a data channel (stream and staged planes), each with its job.
+        self.served_pushes: dict[int, asyncio.Future] = {}
         self.pull_acks: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self.broken: LLMException | None = None
         self.closed = False
@@ -795,19 +797,30 @@ class Link:
             off = "the link shares no memory (no same-host share)" if self.local is None else self.local.ipc_off
         return self.counters.snapshot(self.remote_role, self.link_id, self.transport, off)
 
-    async def settle_served(self) -> None:
+    async def settle_served(self, *, pushes_only: bool = False) -> None:
         """Before the peer hears that the link ends (our ``UNLINK``, or our answer to its own): serve no new
-        request of its, stop every job we serve it and wait until they ended (at most
+        request of its, stop the jobs we serve it and wait until they ended (at most
         :data:`SERVED_SETTLE_S`). A stream job ends at once; a same-host push's copy once its current piece is
         done; a staged one (a device cache) once the device copies it queued are done. The data channels stay
         up meanwhile, so the peer sees no reset before it hears from us. A peer's push we stopped fails there
-        when it hears, with nothing of it landing here afterwards, nor its source read any more."""
+        when it hears, with nothing of it landing here afterwards, nor its source read any more.
+
+        ``pushes_only`` (our own unlink): only the jobs that write here or read the peer's memory, the peer's
+        pushes we receive or copy; its pulls end with the link as before (a pull the peer copies itself, in
+        place, is its own job, and stopping it here would give back a key its copy then takes)."""
         self.ending = True
-        serving, self.serving = self.serving, {}
-        for cancel in serving.values():
-            cancel()
-        served = [job for ch in self.channels for job in ch.answering if not job.done()]
-        served += [copy for copy in self.local_pushes.values() if not copy.done()]
+        if pushes_only:
+            for req_id in [*self.served_pushes, *self.local_pushes]:
+                cancel = self.serving.pop(req_id, None)
+                if cancel is not None:
+                    cancel()
+            served = [job for job in (*self.served_pushes.values(), *self.local_pushes.values()) if not job.done()]
+        else:
+            serving, self.serving = self.serving, {}
+            for cancel in serving.values():
+                cancel()
+            served = [job for ch in self.channels for job in ch.answering if not job.done()]
+            served += [copy for copy in self.local_pushes.values() if not copy.done()]
         if not served:
             return
         _, late = await asyncio.wait(served, timeout=SERVED_SETTLE_S)

@@ -81,6 +81,7 @@ class LinkPort(Protocol):
     pending: dict[int, asyncio.Future]
     serving: dict[int, Callable[[], Any]]
     local_pushes: dict[int, asyncio.Future]
+    served_pushes: dict[int, asyncio.Future]
     pull_acks: dict[int, tuple[Callable[[], None], Callable[[], None]]]
     channels: list[Any]
     broken: LLMException | None

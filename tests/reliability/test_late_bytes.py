@@ -31,6 +31,7 @@ from aio_datadist import links
 from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
+    CacheKey,
     DataType,
     KvCache,
     LayerSynchronizer,
@@ -530,3 +531,61 @@ async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_retur
                 "bytes the pusher wrote to its source after its push returned reached the decoder"
             if how == "finalize":
                 break
+
+
+async def test_a_keyed_same_host_pull_that_succeeds_under_its_owners_unlink_consumes_the_key() -> None:
+    """The owner stops only the peer's pushes before its UNLINK: a same-host pull is the requester's own copy,
+    and stopping it there gave the key back while the copy went on, so a pull that succeeded left the key to
+    be pulled again (found by the review of row 176). The unlink comes once the copy has landed bytes (the
+    scan of the destination takes a while): an unlink much earlier in the copy still loses the key, see
+    ``docs/reliability.md`` row 176."""
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, 63, listen=True, transport="local"))
+        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, 64, transport="local"))
+        desc = CacheDesc(4, (1, 64 << 20), DataType.DT_UINT8, Placement.HOST)  # 256 MiB
+        src = prompt.kv_cache_manager.allocate_cache(desc, [CacheKey(63, 7)])
+        for t in src.tensors:
+            t.fill_(3)
+        dst = dec.kv_cache_manager.allocate_cache(desc)
+        info = cluster_info(63, port_of(prompt))
+        assert (await dec.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
+        task = asyncio.ensure_future(dec.kv_cache_manager.pull_cache(CacheKey(63, 7), dst, timeout=20_000))
+        for _ in range(2000):  # until the copy started (bounded)
+            if task.done() or any(bool((t == 3).any()) for t in dst.tensors):
+                break
+            await asyncio.sleep(0.001)
+        await prompt.unlink_clusters([cluster_info(64, ("127.0.0.1", 1))])
+        try:
+            await task
+        except LLMException:
+            return  # cut before it was served: no key was taken
+        assert (await dec.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
+        with pytest.raises(LLMException) as again:
+            await dec.kv_cache_manager.pull_cache(CacheKey(63, 7), dst, timeout=20_000)
+        assert again.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+
+
+@pytest.mark.parametrize("force", [True, False])
+async def test_a_pull_cut_by_its_owners_unlink_fails_with_a_link_code(force: bool) -> None:
+    """A forced unlink by the owner under a peer's TCP pull: the pull fails with the link's code, not the
+    LLM_FAILED of a job stopped there (found by the review of row 176)."""
+    codes = []
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, 63, listen=True, transport="tcp"))
+        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, 64, transport="tcp"))
+        address = (await stack.enter_async_context(SlowPath(port_of(prompt), RATE, LATENCY_S))).address
+        desc = CacheDesc(4, (1, 4 << 20), DataType.DT_UINT8, Placement.HOST)  # 16 MiB: 0.5 s through the path
+        prompt.kv_cache_manager.allocate_cache(desc, [CacheKey(63, 7)])
+        dst = dec.kv_cache_manager.allocate_cache(desc)
+        for _ in range(2):
+            assert (await dec.link_clusters([cluster_info(63, address)], timeout=10_000))[0] == S.LLM_SUCCESS
+            task = asyncio.ensure_future(dec.kv_cache_manager.pull_cache(CacheKey(63, 7), dst, timeout=20_000))
+            await asyncio.sleep(0.15)
+            await prompt.unlink_clusters([cluster_info(64, ("127.0.0.1", 1))], force=force)
+            try:
+                await task
+                codes.append("done")
+            except LLMException as exc:
+                codes.append(f"{exc.status_code.name}: {exc}")
+            await asyncio.sleep(0.1)
+    assert all(c == "done" or c.startswith(("LLM_LINK_FAILED", "LLM_NOT_YET_LINK")) for c in codes), codes
