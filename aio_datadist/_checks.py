@@ -117,14 +117,13 @@ def named_as(exc: LLMException, names: Mapping[str, str]) -> LLMException:
         return exc
     renamed = type(exc)(message[:found.start(1)] + new + message[found.end(1):], status_code=exc.status_code,
                         argument=argument)
-    renamed.__cause__, renamed.__suppress_context__ = exc.__cause__, exc.__suppress_context__
     return renamed.with_traceback(exc.__traceback__)
 
 
 @contextlib.contextmanager
 def named_by_caller(names: Mapping[str, str]) -> Iterator[None]:
     """An :class:`LLMException` out of the block that names an argument in ``names`` (an inner call's
-    name, or an owner's) names the caller's instead (:func:`named_as`)."""
+    name, or an owner's) names the caller's instead (:func:`named_as`), with the cause ``exc`` had."""
     try:
         yield
     except LLMException as exc:

@@ -31,7 +31,7 @@ from aio_datadist._checks import (
 from aio_datadist.arrivals import PushWatch
 from aio_datadist.cache import KvCache
 from aio_datadist.layers import range_pair
-from aio_datadist.manager import KvCacheManager
+from aio_datadist.manager import PUSH_KEY_AS_DST_CACHE_KEY, KvCacheManager
 from aio_datadist.status import LLMStatusCode
 from aio_datadist.task import CacheTask
 from aio_datadist.types import (
@@ -309,7 +309,7 @@ class CacheManager:
         check_instance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
         check_instance("src_cache", src_cache, KvCache)
         ext = _push_layers(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        with named_by_caller(_V2_PUSH_NAMES):
+        with named_by_caller(PUSH_KEY_AS_DST_CACHE_KEY):
             await self._kv.push_cache(dst_cache_key, src_cache, src_batch_index, ext, size, timeout=timeout)
 
     async def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: KvCache, src_blocks: Sequence[int] = (),
@@ -327,7 +327,7 @@ class CacheManager:
         check_instance("dst_cache_key", dst_cache_key, BlocksCacheKey)
         check_instance("src_cache", src_cache, KvCache)
         ext = _push_layers(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        with named_by_caller(_V2_PUSH_NAMES):
+        with named_by_caller(PUSH_KEY_AS_DST_CACHE_KEY):
             await self._kv.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, ext, timeout=timeout)
 
     def transfer_cache_async(self, src_cache: KvCache, layer_synchronizer: LayerSynchronizer,
@@ -374,9 +374,6 @@ def _check_register(cache_desc: Any, addrs: Any, remote_accessible: Any) -> bool
     if remote_accessible is None:
         return bool(cache_desc.placement == Placement.DEVICE)
     return check_bool("remote_accessible", remote_accessible)
-
-
-_V2_PUSH_NAMES = {"dst_cache_index_or_key": "dst_cache_key"}
 
 
 def _tensors_per_layer(value: Any) -> int:

@@ -27,6 +27,7 @@ from aio_datadist.cache import KvCache
 from aio_datadist.cache_manager import Cache
 from aio_datadist.config import LLMConfig, LlmConfig
 from aio_datadist.layers import range_pair
+from aio_datadist.manager import PUSH_KEY_AS_DST_CACHE_KEY
 from aio_datadist.status import LLMException, LLMStatusCode, Status, code_2_status
 from aio_datadist.task import CacheTask as _AsyncCacheTask
 from aio_datadist.tensors import Tensor, TensorDesc
@@ -148,8 +149,6 @@ class _LoopThread:
 
 
 _RUNNER = _LoopThread()
-#: The async v1 calls' name of the key llm_datadist's push_blocks / push_cache call dst_cache_key.
-_PUSH_NAMES = {"dst_cache_index_or_key": "dst_cache_key"}
 _LIVE: set[LLMDataDist] = set()
 
 
@@ -244,14 +243,14 @@ class KvCacheManager:
                     dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
         """v2 spelling: python ranges and ``tensor_num_per_layer`` instead of ``ext_param``."""
         ext = _ext_param(src_layer_range, dst_layer_range, tensor_num_per_layer)
-        with named_by_caller(_PUSH_NAMES):  # llm_datadist's spelling, not the async v1 call's
+        with named_by_caller(PUSH_KEY_AS_DST_CACHE_KEY):  # llm_datadist's spelling, not the async v1 call's
             _RUNNER.run(self._m.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, ext))
 
     def push_cache(self, dst_cache_key: Any, src_cache: KvCache, src_batch_index: int = 0,
                    src_layer_range: range | None = None, dst_layer_range: range | None = None,
                    size: int = -1, tensor_num_per_layer: int = 2) -> None:
         ext = _ext_param(src_layer_range, dst_layer_range, tensor_num_per_layer)
-        with named_by_caller(_PUSH_NAMES):  # llm_datadist's spelling, not the async v1 call's
+        with named_by_caller(PUSH_KEY_AS_DST_CACHE_KEY):  # llm_datadist's spelling, not the async v1 call's
             _RUNNER.run(self._m.push_cache(dst_cache_key, src_cache, src_batch_index, ext, size))
 
     def copy_cache(self, dst: KvCache, src: KvCache, dst_batch_index: int = 0, src_batch_index: int = 0,

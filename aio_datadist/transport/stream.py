@@ -188,10 +188,8 @@ class StreamPlane(Plane):
                       text="")
         fut = self._serve_move(rt, link, msg, req_id, req, served, answer)
         link.answering(channel, fut)
-        if msg is Msg.PUSH_REQ and not fut.done():
+        if msg is Msg.PUSH_REQ:
             link.served_pushes[req_id] = fut  # stopped and awaited before our UNLINK (Link.settle_served)
-            fut.add_done_callback(lambda f: link.served_pushes.pop(req_id) if link.served_pushes.get(req_id) is f
-                                  else None)
         key, tensors = served.key if msg is Msg.PULL_REQ else None, served.tensors
         if key is not None:
             cache = served.cache
@@ -243,6 +241,8 @@ class StreamPlane(Plane):
                 unwatch()
             if link.serving.get(req_id) is abort:
                 del link.serving[req_id]
+            if link.served_pushes.get(req_id) is f:
+                del link.served_pushes[req_id]
             exc = None if f.cancelled() else f.exception()
             if _trace.ON:
                 _trace.mark("owner: job done")
