@@ -607,7 +607,9 @@ class LinkTable:
             # A forced unlink tells the peer too while pushes of ours are in flight: their bytes on the way
             # would land there after the pushes returned, unless the peer closes its end first (as for a
             # non-forced unlink: it answers, then closes), for ABORT_ACK_S at most, as an aborted push waits.
-            if link.broken is None and (not force or link.counters.in_flight("push")):
+            # So it does while pulls we answered wait for the peer's DONE (pull_acks): a pull whose DONE left
+            # before the answer has its key consumed here, one that had not sent it fails there (row 177).
+            if link.broken is None and (not force or link.counters.in_flight("push") or link.pull_acks):
                 req_id = link.new_req_id()
                 fut = link.expect(req_id, Msg.UNLINK_ACK)
                 link.send_unlink(req_id)

@@ -190,8 +190,13 @@ class Request:
 
     async def finish(self) -> None:
         """Once the bytes moved: a pull tells the owner with ``DONE``; a push (``ack`` set) waits for the
-        owner's ``DONE`` and raises its refusal."""
+        owner's ``DONE`` and raises its refusal.
+
+        A pull whose link went meanwhile (the owner unlinked, forced or not, or the link failed) fails with the
+        link's code: its ``DONE`` can no longer reach the owner, who gave the key the pull read back instead
+        of consuming it (``docs/reliability.md`` row 177)."""
         if self.ack is None:
+            self.link.check()
             self.link.send_soon(Msg.DONE, self.req_id, status=0, text="")
             return
         confirmed = await asyncio.shield(self.ack)  # a cut must not cancel it: give_up waits for it

@@ -101,7 +101,7 @@ class DeviceIpcPlane(InPlacePlane):
         dst = cache_side(plan.local, plan.local_rows, plan.local_offset, plan.local_nbytes, plan.local_first,
                          plan.local_count)
         await copy_rows_settled(rt, dst, src, plan.local_nbytes, req.what, (plan.local, peer))
-        link.send(Msg.DONE, req.req_id, status=0, text="")
+        await req.finish()  # DONE, or the link's failure when it went meanwhile
 
     async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:
         """A push from a device cache the owner mapped: it copies the rows out of our export itself."""
