@@ -255,8 +255,15 @@ class Link:
         if index in self.own:
             self.free.put_nowait(index)
 
-    def _drop_socket(self, ch: _Channel) -> None:
+    def _drop_socket(self, ch: _Channel, *, reset: bool = False) -> None:
+        """Stop the channel's jobs and close its socket; ``reset``: with a reset (a plain socket), so that the
+        kernel drops what it has not sent yet instead of delivering it after our transfer gave up."""
         if ch.sock is not None:
+            if reset and isinstance(ch.sock, socket.socket):
+                try:
+                    ch.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
+                except OSError:
+                    pass  # already dead: nothing left to drop
             for job in list(ch.loop_jobs):
                 job.stop(LLMException(f"data channel {ch.index} to cluster {self.remote_cluster_id} was closed",
                                       status_code=LLMStatusCode.LLM_FAILED))
@@ -309,12 +316,7 @@ class Link:
                 self.send(Msg.ABORT, req_id, channel=index, generation=wire.NO_GENERATION)
             return  # already reset; its redial is under way
         generation = ch.generation
-        if isinstance(ch.sock, socket.socket):
-            try:
-                ch.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
-            except OSError:
-                pass  # already dead: nothing left to drop
-        self._drop_socket(ch)
+        self._drop_socket(ch, reset=True)
         if tell_peer:
             self.send(Msg.ABORT, req_id, channel=index, generation=generation)
         if self.is_client:
@@ -846,7 +848,8 @@ class Link:
         for _, on_fail in acks.values():
             on_fail()
         for ch in self.channels:
-            self._drop_socket(ch)
+            # A failed link's pushes failed: what the kernel holds of them must not reach the peer now (row 178).
+            self._drop_socket(ch, reset=self.broken is not None)
         if self.local is not None:
             self.local.finish()
             self.local = None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
+import termios
 
 from relay import Relay
 
@@ -21,6 +24,20 @@ class SlowPath(Relay):
         super().__init__(target)
         self.rate = rate
         self.latency = latency
+        self.queued = 0  # bytes taken from a sender and not yet delivered, over every connection: on the wire
+
+    def on_its_way(self) -> int:
+        """Bytes a sender can no longer take back: those on the line (:attr:`queued`) and those the relay's
+        kernel received and it has not read yet (a peer host's receive queue). Its own read-ahead buffers
+        (asyncio's, up to 384 KiB a connection) are not counted."""
+        unread = array.array("i", [0])
+        total = self.queued
+        for writer in self.writers:
+            sock = writer.get_extra_info("socket")
+            if sock is not None and sock.fileno() >= 0:
+                fcntl.ioctl(sock.fileno(), termios.FIONREAD, unread)
+                total += unread[0]
+        return total
 
     async def downstream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._line(reader, writer)
@@ -32,6 +49,7 @@ class SlowPath(Relay):
         async def take() -> None:
             try:
                 while data := await reader.read(self.CHUNK):
+                    self.queued += len(data)
                     line.put_nowait((loop.time() + self.latency, data))
                     await asyncio.sleep(len(data) / self.rate)
                 line.put_nowait((loop.time() + self.latency, b""))
@@ -46,6 +64,7 @@ class SlowPath(Relay):
                 if not data:
                     writer.close() if data == b"" else writer.transport.abort()
                     return
+                self.queued -= len(data)
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -53,3 +72,5 @@ class SlowPath(Relay):
         finally:
             taker.cancel()
             await asyncio.wait([taker])
+            while not line.empty():  # never delivered: no longer on the wire
+                self.queued -= len(line.get_nowait()[1] or b"")

@@ -16,9 +16,13 @@ receiver's abort then arrives well after the pusher gave up.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import fcntl
 import hashlib
+import socket
+import termios
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -522,6 +526,7 @@ async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_retur
             at_end = _last_bytes(dst)
             await asyncio.sleep(0.3)
             later = _last_bytes(dst)
+            print("DBG", outcome, int((returned[0] != 0).sum()), int((later != 0).sum()))
             if outcome == "done":
                 continue  # all of it landed before the cut: nothing to check this time
             assert torch.equal(at_return, at_end) and torch.equal(at_end, later), (
@@ -531,6 +536,78 @@ async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_retur
                 "bytes the pusher wrote to its source after its push returned reached the decoder"
             if how == "finalize":
                 break
+
+
+FAILED_PUSH = CacheDesc(4, (128, 128 * 1024), DataType.DT_UINT8, Placement.HOST)  # 64 MiB in 128 KiB blocks
+FAILED_PUSH_BLOCK = 128 * 1024
+
+
+def _unsent(link: links.Link) -> int:
+    """Bytes the kernel holds unsent for the link's data channels (``SIOCOUTQ``)."""
+    out = array.array("i", [0])
+    total = 0
+    for ch in link.channels:
+        if isinstance(ch.sock, socket.socket):
+            fcntl.ioctl(ch.sock.fileno(), termios.TIOCOUTQ, out)
+            total += out[0]
+    return total
+
+
+async def test_a_push_whose_link_fails_drops_what_its_kernel_still_held() -> None:
+    """The pusher's link fails under a TCP push through a slow path (as when the peer missed five heartbeats)
+    while the peer still takes bytes: its loop has not noticed yet (its link's failure is held back 0.4 s
+    here). The push fails, and of what lands after it returned, nothing came from the pusher's kernel: its data
+    channels are closed with a reset, as a cut push's are (row 35), so the MiBs they had not sent are dropped.
+    What had left the pusher's host (the slow path's line and receive queue) still lands: nobody can stop a
+    peer that has not heard. Before, the failed link closed its data channels gracefully and what its kernel
+    held was delivered afterwards too: 53-59 blocks of 128 KiB landed after the push returned where 30-32 had
+    left the pusher; now 11-31, each within what had left (docs/reliability.md row 178)."""
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, 63, listen=True, transport="tcp"))
+        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, 64, transport="tcp"))
+        path = await stack.enter_async_context(SlowPath(port_of(prompt), RATE, 0.01))
+        src = prompt.kv_cache_manager.allocate_blocks_cache(FAILED_PUSH)
+        dst = dec.kv_cache_manager.allocate_blocks_cache(FAILED_PUSH, BlocksCacheKey(64, 0))
+        rows = list(range(FAILED_PUSH.shape[0]))
+        seen = []
+        for attempt in range(2):
+            for t in src.tensors:
+                t.fill_(9 + attempt)
+            for t in dst.tensors:
+                t.zero_()
+            assert (await dec.link_clusters([cluster_info(63, path.address)], timeout=10_000))[0] == S.LLM_SUCCESS
+            pusher_link, dec_link = link_to(prompt, 64), link_to(dec, 63)
+            assert pusher_link is not None and dec_link is not None
+            loop = asyncio.get_running_loop()
+            held_fail = dec_link.fail
+            dec_link.fail = lambda exc, fail=held_fail: loop.call_later(0.4, fail, exc)  # type: ignore[method-assign]
+            returned: list[torch.Tensor] = []
+
+            async def push() -> str:
+                try:
+                    await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(64, 0), src, rows, rows, timeout=20_000)
+                    return "done"
+                except LLMException as exc:
+                    return exc.status_code.name
+                finally:
+                    returned.append(_last_bytes(dst))
+
+            task = asyncio.ensure_future(push())
+            await asyncio.sleep(0.3)  # about 9 MB landed, MiBs wait in the kernels
+            unsent, on_its_way = _unsent(pusher_link), path.on_its_way()
+            pusher_link.fail(LLMException("no heartbeat from the peer (test)", status_code=S.LLM_LINK_FAILED))
+            outcome = await task
+            assert outcome == "LLM_LINK_FAILED", outcome
+            await asyncio.sleep(0.6)  # the peer's link failed meanwhile: its end is down
+            late = int((_last_bytes(dst) != returned[0]).sum())
+            # What had left the pusher, the relay's read-ahead (asyncio's: up to 384 KiB) and the block it was in.
+            bound = -(-(on_its_way + (384 << 10)) // FAILED_PUSH_BLOCK) + 1
+            seen.append(dict(late_blocks=late, bound=bound, unsent_kib=unsent >> 10, on_its_way_kib=on_its_way >> 10))
+            for cluster, other in ((dec, 63), (prompt, 64)):
+                with contextlib.suppress(LLMException):
+                    await cluster.unlink_clusters([cluster_info(other, ("127.0.0.1", 1))], force=True)
+    assert any(s["unsent_kib"] >= 1024 for s in seen), seen  # the pusher's kernel held MiBs at the failure
+    assert all(s["late_blocks"] <= s["bound"] for s in seen), seen
 
 
 async def test_a_keyed_same_host_pull_that_succeeds_under_its_owners_unlink_consumes_the_key() -> None:
