@@ -26,7 +26,6 @@ import itertools
 import logging
 import os
 import socket
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -109,7 +108,6 @@ MAX_AWAITED_PER_LINK = 4096
 OVERDUE_WARN_EVERY_S = 60.0
 ZERO32 = bytes(32)
 SUCCESS = LLMStatusCode.LLM_SUCCESS
-LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes
 #: Link ids, unique in the process: the logs and ``LLMDataDist.stats()`` name links by them.
 _LINK_IDS = itertools.count(1)
 
@@ -259,18 +257,17 @@ class Link:
         """Stop the channel's jobs and close its socket; ``reset``: with a reset (a plain socket), so that the
         kernel drops what it has not sent yet instead of delivering it after our transfer gave up."""
         if ch.sock is not None:
-            if reset and isinstance(ch.sock, socket.socket):
-                try:
-                    ch.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
-                except OSError:
-                    pass  # already dead: nothing left to drop
             for job in list(ch.loop_jobs):
                 job.stop(LLMException(f"data channel {ch.index} to cluster {self.remote_cluster_id} was closed",
                                       status_code=LLMStatusCode.LLM_FAILED))
             ch.loop_jobs.clear()
             if isinstance(ch.sock, socket.socket):
+                if reset:
+                    tls.reset_on_close(ch.sock)
                 self.runtime.sockets.detach(ch.sock.fileno())
-            ch.sock.close()
+                ch.sock.close()
+            else:
+                ch.sock.close(reset=reset)
             ch.sock = None
 
     async def acquire(self) -> int:
@@ -304,9 +301,9 @@ class Link:
         With ``tell_peer`` the peer also stops serving ``req_id``, even when
         the channel was already reset (then only the request is named). The
         native job on the channel is over when this returns (the engine
-        detaches the fd first), and a plain socket is closed with a reset, so
-        the kernel drops what it had not sent yet instead of delivering it to
-        a peer that is about to discard it.
+        detaches the fd first), and the socket (plain or under TLS) is closed
+        with a reset, so the kernel drops what it had not sent yet instead of
+        delivering it to a peer that is about to discard it.
         """
         ch = self.channels[index]
         if self.closed:

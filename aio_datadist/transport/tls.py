@@ -27,6 +27,7 @@ import asyncio
 import ctypes
 import socket
 import ssl
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -140,6 +141,18 @@ def _views(pairs: Sequence[int]) -> list[memoryview]:
             for i in range(0, len(pairs), 2) if pairs[i + 1]]
 
 
+LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops unsent bytes
+
+
+def reset_on_close(sock: Any) -> None:
+    """Make closing ``sock`` (a data channel's TCP socket, plain or under TLS) send a reset: the kernel then
+    drops what it has not sent yet instead of delivering it to a peer after our transfer gave up."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
+    except OSError:
+        pass  # already dead: nothing left to drop
+
+
 class TlsChannel(asyncio.BufferedProtocol):
     """One data channel over TLS: ordered jobs that move cache bytes, per direction.
 
@@ -185,13 +198,17 @@ class TlsChannel(asyncio.BufferedProtocol):
         if self._closed:
             transport.abort()
 
-    def close(self) -> None:
-        """Drop the connection now (no TLS close_notify: a reset channel's stream is out of step). Idempotent."""
+    def close(self, *, reset: bool = False) -> None:
+        """Drop the connection now (no TLS close_notify: a reset channel's stream is out of step); ``reset``:
+        with a TCP reset, so that the kernel drops what it has not sent yet. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._fail(ConnectionAbortedError("the data channel was closed"))
         if self._transport is not None:
+            sock = self._transport.get_extra_info("socket") if reset else None
+            if sock is not None:
+                reset_on_close(sock)
             self._transport.abort()
 
     def connection_lost(self, exc: BaseException | None) -> None:

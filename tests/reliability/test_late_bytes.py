@@ -543,17 +543,20 @@ FAILED_PUSH_BLOCK = 128 * 1024
 
 
 def _unsent(link: links.Link) -> int:
-    """Bytes the kernel holds unsent for the link's data channels (``SIOCOUTQ``)."""
+    """Bytes the kernel holds unsent for the link's data channels (``SIOCOUTQ``), plain or under TLS."""
     out = array.array("i", [0])
     total = 0
     for ch in link.channels:
-        if isinstance(ch.sock, socket.socket):
-            fcntl.ioctl(ch.sock.fileno(), termios.TIOCOUTQ, out)
+        sock = ch.sock if isinstance(ch.sock, socket.socket) else \
+            None if ch.sock is None or ch.sock._transport is None else ch.sock._transport.get_extra_info("socket")
+        if sock is not None:
+            fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, out)
             total += out[0]
     return total
 
 
-async def test_a_push_whose_link_fails_drops_what_its_kernel_still_held() -> None:
+@pytest.mark.parametrize("secure", [False, True], ids=["tcp", "tls"])
+async def test_a_push_whose_link_fails_drops_what_its_kernel_still_held(secure: bool) -> None:
     """The pusher's link fails under a TCP push through a slow path (as when the peer missed five heartbeats)
     while the peer still takes bytes: its loop has not noticed yet (its link's failure is held back 0.4 s
     here). The push fails, and of what lands after it returned, nothing came from the pusher's kernel: its data
@@ -561,10 +564,13 @@ async def test_a_push_whose_link_fails_drops_what_its_kernel_still_held() -> Non
     What had left the pusher's host (the slow path's line and receive queue) still lands: nobody can stop a
     peer that has not heard. Before, the failed link closed its data channels gracefully and what its kernel
     held was delivered afterwards too: 53-59 blocks of 128 KiB landed after the push returned where 30-32 had
-    left the pusher; now 11-31, each within what had left (docs/reliability.md row 178)."""
+    left the pusher; now 11-31, each within what had left. Over TLS (its channel's close aborted the
+    transport without a reset) 34-57 where 11-36 had left (docs/reliability.md row 178)."""
     async with contextlib.AsyncExitStack() as stack:
-        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, 63, listen=True, transport="tcp"))
-        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, 64, transport="tcp"))
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, 63, listen=True, transport="tcp",
+                                                          **(tls(True) if secure else {})))
+        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, 64, transport="tcp",
+                                                       **(tls(False) if secure else {})))
         path = await stack.enter_async_context(SlowPath(port_of(prompt), RATE, 0.01))
         src = prompt.kv_cache_manager.allocate_blocks_cache(FAILED_PUSH)
         dst = dec.kv_cache_manager.allocate_blocks_cache(FAILED_PUSH, BlocksCacheKey(64, 0))
