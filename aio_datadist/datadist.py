@@ -267,7 +267,9 @@ class LLMDataDist:
         ``force=True`` closes only this end (use it after failures), but while
         pushes of ours are in flight on a link that has not failed it tells the
         peer all the same and waits (1 s at most) until the peer stopped taking
-        their bytes, so none lands after the pushes returned.
+        their bytes, so none lands after the pushes returned; so it does while
+        pulls of the peer's that we answered wait for its ``DONE``, so that a
+        pull that succeeded has its key consumed.
 
         :returns: ``(overall, [status per cluster])``; ``LLM_NOT_YET_LINK`` for
             a cluster that is not linked; ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for

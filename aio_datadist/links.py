@@ -423,6 +423,18 @@ class Link:
             raise LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
                                status_code=LLMStatusCode.LLM_NOT_YET_LINK)
 
+    def check_heard(self) -> None:
+        """Raise unless a word sent now (a pull's ``DONE``) reaches the peer while it still serves our requests:
+        not once we sent ``UNLINK`` (the peer stops serving us when it reads it, before what follows), nor once
+        the control connection is closing (the transport may close a callback before the link hears)."""
+        self.check()
+        if self.unlinking:
+            raise LLMException(f"link to cluster {self.remote_cluster_id}: {transport_base.UNLINKING}",
+                               status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+        if self.writer.is_closing():
+            raise LLMException(f"link to cluster {self.remote_cluster_id}: the control connection is closing",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+
     def send(self, msg: Msg, req_id: int, **fields: Any) -> None:
         """Send ``msg`` with its record's ``fields`` (nothing once the link is closing)."""
         if self.closed or self.writer.is_closing():

@@ -97,6 +97,7 @@ class LinkPort(Protocol):
     def expect(self, req_id: int) -> asyncio.Future: ...
     def new_req_id(self) -> int: ...
     def check(self) -> None: ...
+    def check_heard(self) -> None: ...
     def fail(self, exc: LLMException) -> None: ...
     async def acquire(self) -> int: ...
     def release(self, index: int) -> None: ...
@@ -192,11 +193,11 @@ class Request:
         """Once the bytes moved: a pull tells the owner with ``DONE``; a push (``ack`` set) waits for the
         owner's ``DONE`` and raises its refusal.
 
-        A pull whose link went meanwhile (the owner unlinked, forced or not, or the link failed) fails with the
-        link's code: its ``DONE`` can no longer reach the owner, who gave the key the pull read back instead
-        of consuming it (``docs/reliability.md`` row 177)."""
+        A pull whose ``DONE`` the owner would no longer act on (the link went, is going, or we sent ``UNLINK``)
+        fails with the link's code: the owner gave back what it held for the pull, the key the pull read
+        unconsumed and the memory an in-place copy read (``docs/reliability.md`` row 177)."""
         if self.ack is None:
-            self.link.check()
+            self.link.check_heard()
             self.link.send_soon(Msg.DONE, self.req_id, status=0, text="")
             return
         confirmed = await asyncio.shield(self.ack)  # a cut must not cancel it: give_up waits for it

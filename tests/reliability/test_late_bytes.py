@@ -31,7 +31,7 @@ import anyio
 import pytest
 import torch
 
-from aio_datadist import links, wire
+from aio_datadist import links
 from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
@@ -621,7 +621,7 @@ async def test_a_keyed_same_host_pull_that_succeeds_under_its_owners_unlink_cons
     and stopping it there gave the key back while the copy went on, so a pull that succeeded left the key to
     be pulled again (found by the review of row 176). The unlink comes once the copy has landed bytes (the
     scan of the destination takes a while); an unlink earlier in the copy, or once the pull returned but before
-    its DONE was read: the test after this one (row 177)."""
+    its DONE was read: ``test_pull_confirmation.py`` (row 177)."""
     async with contextlib.AsyncExitStack() as stack:
         prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, 63, listen=True, transport="local"))
         dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, 64, transport="local"))
@@ -647,80 +647,6 @@ async def test_a_keyed_same_host_pull_that_succeeds_under_its_owners_unlink_cons
             await dec.kv_cache_manager.pull_cache(CacheKey(63, 7), dst, timeout=20_000)
         assert again.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
 
-
-def _hold_done(link: links.Link, seconds: float) -> None:
-    """The requester's ``DONE`` leaves ``seconds`` after the pull returned (as from a process descheduled
-    right then), unless the link writes what it holds first (its own close does)."""
-    loop = asyncio.get_running_loop()
-
-    def send_soon(msg: Any, req_id: int, **fields: Any) -> None:
-        if not link._soon:
-            loop.call_later(seconds, link._flush_soon)
-        link._soon.append(wire.encode(msg, req_id, **fields))
-
-    link.send_soon = send_soon  # type: ignore[method-assign]
-
-
-@pytest.mark.parametrize("transport", ["local", "tcp"])
-@pytest.mark.parametrize("when", ["in_copy", "after_return"])
-@pytest.mark.parametrize("force", [False, True])
-async def test_a_keyed_pull_under_its_owners_unlink_succeeds_only_if_the_key_was_consumed(
-        force: bool, when: str, transport: str) -> None:
-    """A pull of a key the pull consumes ends with the requester's DONE, on which the owner consumes the key;
-    same-host, the pull is the requester's own copy out of the owner's memory. The owner unlinks (forced or
-    not) either just after it answered, early in a 128 MiB pull (``in_copy``), or once the pull returned but
-    before the owner read its DONE (``after_return``): the pull either succeeds and the key is gone, or fails
-    with a link code and the key is still there for the next pull. Before, a same-host copy cut early went on
-    after the link closed, the pull succeeded, its DONE went nowhere and the key could be pulled again (3 of 3,
-    both unlinks); a forced unlink after the return closed before it read the DONE on its way (3 of 3, both
-    transports) (docs/reliability.md row 177)."""
-    outcomes = []
-    async with contextlib.AsyncExitStack() as stack:
-        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, 63, listen=True, transport=transport))
-        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, 64, transport=transport))
-        size = 32 << 20 if when == "in_copy" else 1 << 10
-        desc = CacheDesc(4, (1, size), DataType.DT_UINT8, Placement.HOST)  # 128 MiB or 4 KiB
-        dst = dec.kv_cache_manager.allocate_cache(desc)
-        info = cluster_info(63, port_of(prompt))
-        for trial in range(3):
-            key = CacheKey(63, 10 + trial)
-            src = prompt.kv_cache_manager.allocate_cache(desc, [key])
-            for t in src.tensors:
-                t.fill_(5 + trial)
-            assert (await dec.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
-            owner_link, dec_link = link_to(prompt, 64), link_to(dec, 63)
-            assert owner_link is not None and dec_link is not None
-            if when == "after_return":
-                _hold_done(dec_link, 0.05)
-            task = asyncio.ensure_future(dec.kv_cache_manager.pull_cache(key, dst, timeout=20_000))
-            for _ in range(20_000):  # bounded: until the owner answered (in_copy) or the pull returned
-                if task.done() or (when == "in_copy" and owner_link.pull_acks):
-                    break
-                await (asyncio.sleep(0.0005) if when == "in_copy" else asyncio.sleep(0))
-            cut = bool(owner_link.pull_acks)  # the owner had not read the pull's DONE yet
-            await prompt.unlink_clusters([cluster_info(64, ("127.0.0.1", 1))], force=force)
-            try:
-                await task
-                first = "done"
-            except LLMException as exc:
-                assert exc.status_code in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK), exc
-                first = exc.status_code.name
-            if force:
-                await asyncio.sleep(0.05)  # the decoder hears that the link went
-                await dec.unlink_clusters([info], force=True)
-            assert (await dec.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
-            try:
-                await dec.kv_cache_manager.pull_cache(key, dst, timeout=20_000)
-                again = "done"
-            except LLMException as exc:
-                again = exc.status_code.name
-            outcomes.append((cut, first, again))
-            await dec.unlink_clusters([info])
-            prompt.kv_cache_manager.deallocate_cache(src)
-    assert any(cut for cut, _, _ in outcomes), outcomes  # the unlink came before the owner heard DONE
-    for _, first, again in outcomes:
-        assert (first, again) in (("done", "LLM_KV_CACHE_NOT_EXIST"), ("LLM_NOT_YET_LINK", "done"),
-                                  ("LLM_LINK_FAILED", "done")), outcomes
 
 @pytest.mark.parametrize("force", [True, False])
 async def test_a_pull_cut_by_its_owners_unlink_fails_with_a_link_code(force: bool) -> None:
