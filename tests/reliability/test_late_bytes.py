@@ -526,7 +526,6 @@ async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_retur
             at_end = _last_bytes(dst)
             await asyncio.sleep(0.3)
             later = _last_bytes(dst)
-            print("DBG", outcome, int((returned[0] != 0).sum()), int((later != 0).sum()))
             if outcome == "done":
                 continue  # all of it landed before the cut: nothing to check this time
             assert torch.equal(at_return, at_end) and torch.equal(at_end, later), (
