@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from aio_datadist.integrations.vllm_agent import Agent, AgentOptions, kv_layout
-from aio_datadist.integrations.vllm_wire import RemotePrefill, parse_transfer_params, transfer_params
+from aio_datadist.integrations.vllm_wire import RemotePrefill, parse_transfer_params, tokens_to_load, transfer_params
 from aio_datadist.status import LLMException
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ class AioDatadistConnector(KVConnectorBase_V1):
         if not params or not params.get("do_remote_prefill"):
             return None
         try:
-            return parse_transfer_params(params)
+            return parse_transfer_params(params, self.block_tokens)
         except LLMException as exc:
             log.warning("request %s: kv_transfer_params ignored, the prompt is computed here: %s",
                         request.request_id, exc)
@@ -180,7 +180,12 @@ class AioDatadistConnector(KVConnectorBase_V1):
         remote = self._remote(request)
         if remote is None:
             return 0, False
-        count = min(remote.num_tokens, len(request.prompt_token_ids or ())) - num_computed_tokens
+        try:
+            count = tokens_to_load(remote, len(request.prompt_token_ids or ()), num_computed_tokens)
+        except LLMException as exc:
+            log.warning("request %s: kv_transfer_params ignored, the prompt is computed here: %s",
+                        request.request_id, exc)
+            return 0, False
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -11,8 +11,10 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
+import math
 import os
 import random
 import threading
@@ -32,6 +34,7 @@ from aio_datadist.integrations.vllm_wire import (
     Layout,
     RemotePrefill,
     blocks_digest,
+    check_blocks_cover,
     decode_frame,
     decode_reply,
     encode_frame,
@@ -111,13 +114,25 @@ class AgentOptions:
                                    status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
         if "shared_secret" not in extra:
             opts.shared_secret = os.environ.get(SECRET_ENV, "")
-        if opts.max_claims_per_connection <= 0:
-            raise LLMException("invalid argument 'max_claims_per_connection': must be > 0",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        if opts.pull_timeout_ms <= 0 or opts.lease_s <= 0:
-            raise LLMException("invalid argument 'pull_timeout_ms': pull_timeout_ms and lease_s must be > 0",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        for name, least in (("max_claims_per_connection", 1), ("pull_timeout_ms", 1), ("link_timeout_ms", 1),
+                            ("side_channel_port", 0), ("data_port", 0)):
+            if not least <= getattr(opts, name) <= (65535 if name.endswith("port") else 2**31 - 1):
+                _refuse_option(name, f"must be an integer >= {least}" if least else "must be a port (0-65535)",
+                               getattr(opts, name))
+        for name, above in (("lease_s", True), ("claim_grace_s", False), ("claim_wait_s", False)):
+            value = getattr(opts, name)
+            if not math.isfinite(value) or value < 0 or (above and value == 0):
+                _refuse_option(name, "must be a finite number " + ("> 0" if above else ">= 0"), value)
+        if opts.advertise_data:
+            host, _, port = opts.advertise_data.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                _refuse_option("advertise_data", "must be 'host:port'", opts.advertise_data)
         return opts
+
+
+def _refuse_option(name: str, rule: str, value: object) -> None:
+    raise LLMException(f"invalid argument '{name}': {rule}, got {value!r:.60}",
+                       status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
 
 def kv_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int,
@@ -292,6 +307,7 @@ class Agent:
         self._server: asyncio.Server | None = None
         self._peers: dict[tuple[str, int], asyncio.Task] = {}
         self._conns: set[asyncio.StreamWriter] = set()
+        self._serving: set[asyncio.Task] = set()  # side-channel connections being served: _close ends them
         self._handshaking: dict[asyncio.StreamWriter, bool] = {}  # oldest first; True once it sent its hello
         self._secret = options.shared_secret.encode() if options.shared_secret else None
         #: Our decode dials' hello nonces while they run: our side channel answers none of them (own_dials).
@@ -342,7 +358,8 @@ class Agent:
             self._tick()
 
     def _tick(self) -> None:
-        for req_id in self.holds.expire():
+        self.holds.expire()
+        for req_id in self.holds.take_expired():
             log.warning("request %s: blocks released unpulled after its lease or claim ran out", req_id)
             self.record("release", req=req_id, why="expired")
         self._expiry = self.loop.loop.call_later(0.5, self._tick)
@@ -360,7 +377,12 @@ class Agent:
             self._server.close()
         for writer in list(self._conns):
             writer.transport.abort()
-        for task in self._peers.values():
+        serving = [*self._serving]
+        for task in serving:  # one waiting for a claim's request to be named reads nothing: cancel it
+            task.cancel()
+        if serving:
+            await asyncio.wait(serving)
+        for task in list(self._peers.values()):
             task.cancel()
             with contextlib.suppress(BaseException):
                 peer = await task
@@ -433,6 +455,10 @@ class Agent:
             writer.transport.abort()
             return
         self._conns.add(writer)
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
         owner = id(writer)
         hold_s = self.options.pull_timeout_ms / 1000 + self.options.claim_grace_s
         waiting: set[asyncio.Task] = set()  # claims waiting for their request to be named
@@ -452,13 +478,21 @@ class Agent:
                     reply = self._hello()
                 elif op == "claim":
                     req = message["req"]
-                    if not self.holds.known(req) and len(waiting) < MAX_WAITING_CLAIMS:
+                    if self.holds.known(req):
+                        reply = self._claim_now(req, owner, hold_s)
+                    elif len(waiting) < MAX_WAITING_CLAIMS:
                         # vLLM's metadata naming it may come a step later: wait aside, the next frames go on
-                        task = asyncio.ensure_future(self._answer_claim(writer, rid, req, owner, hold_s))
-                        waiting.add(task)
-                        task.add_done_callback(waiting.discard)
+                        claim = asyncio.ensure_future(self._answer_claim(writer, rid, req, owner, hold_s))
+                        waiting.add(claim)
+                        claim.add_done_callback(waiting.discard)
                         continue
-                    reply = await self._claim(req, owner, hold_s)
+                    else:  # refused at once: waiting here would stop this connection's other frames too
+                        reply = {"ok": False, "error": f"request {req} is not known here, and this connection "
+                                                      f"has {MAX_WAITING_CLAIMS} claims waiting already"}
+                elif op == "held":
+                    reply = {"ok": self.holds.held_by(message["req"], owner)}
+                    if not reply["ok"]:
+                        reply["error"] = "not held for this connection (released, or never claimed here)"
                 else:
                     reply = {"ok": self.holds.done(message["req"], owner)}
                     if reply["ok"]:
@@ -486,6 +520,9 @@ class Agent:
         deadline = time.monotonic() + self.options.claim_wait_s
         while not self.holds.known(req) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
+        return self._claim_now(req, owner, hold_s)
+
+    def _claim_now(self, req: str, owner: int, hold_s: float) -> dict[str, Any]:
         limit = self.options.max_claims_per_connection
         if self.holds.claim(req, owner, hold_s, max_owned=limit):
             blocks = self.holds.blocks(req)
@@ -511,7 +548,22 @@ class Agent:
             task = None
         if task is None:
             task = self._peers[(host, port)] = asyncio.ensure_future(self._connect(host, port))
+            task.add_done_callback(functools.partial(self._connected, (host, port)))
         return await asyncio.shield(task)
+
+    def _connected(self, key: tuple[str, int], task: asyncio.Task) -> None:
+        """A side channel that failed to connect, or once it is lost, leaves the table (the addresses come from
+        request data: the table must not keep one entry per address ever named)."""
+        if task.cancelled() or task.exception() is not None:
+            self._forget_peer(key, task)
+            return
+        peer = task.result()
+        if peer.task is not None:
+            peer.task.add_done_callback(lambda _: self._forget_peer(key, task))
+
+    def _forget_peer(self, key: tuple[str, int], task: asyncio.Task) -> None:
+        if self._peers.get(key) is task:
+            del self._peers[key]
 
     async def _peer_of(self, remote: RemotePrefill) -> _Peer:
         """The side channel to the prefill ``remote`` names, refused if the engine there is another one (a prefill
@@ -598,6 +650,8 @@ class Agent:
         claimed = asking = using = False
         started = time.monotonic()
         try:
+            assert self.layout is not None
+            check_blocks_cover(remote, self.layout.block_tokens)  # the blocks are taken by their place below
             if len(local) > len(remote.block_ids):
                 raise ValueError(f"{len(local)} local blocks for {len(remote.block_ids)} remote ones")
             # blocks the decode found in its own prefix cache are not pulled: pull the tail
@@ -625,9 +679,12 @@ class Agent:
             await self._dd.kv_cache_manager.pull_blocks(BlocksCacheKey(peer.cluster_id, 0), self._cache,
                                                         src_blocks=src, dst_blocks=list(local),
                                                         timeout=min(self.options.pull_timeout_ms, left_ms))
-            if peer.task is None or peer.task.done() or peer.reader.at_eof() or peer.writer.is_closing():
-                # the prefill frees a claim whose side channel closed: what was read may be another request's
-                raise ConnectionError("side channel lost during the pull: the prefill released the blocks")
+            # The bytes are the request's only if the prefill held its blocks for us all along: it frees them on
+            # our done, when it sees this side channel close (which we may not see: a reset on its side only),
+            # or past hold_ms, and never holds them for this claim again, so held now means held throughout.
+            held = await peer.request("held", self.options.link_timeout_ms / 1000, req=remote.request_id)
+            if not held["ok"]:
+                raise ConnectionError(f"the prefill released the blocks during the pull: {held['error']}")
             ok = True
         except asyncio.CancelledError:
             error = "aborted"

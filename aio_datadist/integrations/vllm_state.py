@@ -39,6 +39,7 @@ class PrefillHolds:
         self._lock = threading.Lock()
         self._held: dict[str, Held] = {}
         self._released: set[str] = set()
+        self._expired: list[str] = []  # freed past their deadline, not yet taken (take_expired)
         self._changed = threading.Condition(self._lock)
 
     def add(self, req_id: str, lease_s: float, blocks: Sequence[int] = ()) -> None:
@@ -73,6 +74,13 @@ class PrefillHolds:
             held = self._held.get(req_id)
             return held.blocks if held is not None else ""
 
+    def held_by(self, req_id: str, owner: Hashable) -> bool:
+        """Whether ``req_id`` is held, claimed by ``owner``: then it was since ``owner`` claimed it (a request
+        freed is never held for the same claim again)."""
+        with self._lock:
+            held = self._held.get(req_id)
+            return held is not None and held.owner == owner
+
     def done(self, req_id: str, owner: Hashable) -> bool:
         """The claimer is finished with ``req_id``: free it. False if it did not hold it."""
         with self._lock:
@@ -91,13 +99,21 @@ class PrefillHolds:
             return gone
 
     def expire(self) -> list[str]:
-        """Free every request past its deadline."""
+        """Free every request past its deadline; also kept for :meth:`take_expired` (whoever runs this)."""
         now = self._clock()
         with self._lock:
             gone = [r for r, h in self._held.items() if now >= h.deadline]
             for req_id in gone:
                 self._release(req_id)
+            self._expired.extend(gone)
             return gone
+
+    def take_expired(self) -> list[str]:
+        """Requests freed past their deadline since the last call, by whichever call found them (the owner's
+        periodic check, or vLLM's :meth:`take_released`): each logged and recorded once."""
+        with self._lock:
+            expired, self._expired = self._expired, []
+            return expired
 
     def take_released(self) -> set[str]:
         """Requests freed since the last call (vLLM's ``finished_sending``)."""
@@ -143,7 +159,6 @@ class DecodePulls:
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._bad_blocks: set[int] = set()
-        self.log: list[tuple[str, bool, float, int]] = []  # (req, ok, seconds, blocks): the figures
 
     def start(self, req_id: str, local_blocks: tuple[int, ...]) -> Pull:
         with self._lock:
@@ -169,7 +184,6 @@ class DecodePulls:
             pull.ok, pull.error = ok, error
             pull.seconds = time.monotonic() - pull.started
             self._finished.add(req_id)
-            self.log.append((req_id, ok, pull.seconds, len(pull.local_blocks)))
             if not ok:
                 self._failed.add(req_id)
                 self._bad_blocks.update(pull.local_blocks)

@@ -13,6 +13,11 @@ requests at once:
   the connection closes, or until ``hold_ms`` after the reply; ``blocks``,
   the :func:`blocks_digest` of the block ids the request holds, lets the
   decode refuse ``kv_transfer_params`` that name other blocks;
+- ``{"id", "op": "held", "req"}`` -> ``ok`` if the request's blocks are still
+  held for this connection: asked once a pull ended, whose bytes are good only
+  if the blocks were held all along (the prefill frees them only on ``done``,
+  when this connection closes on its side, or past ``hold_ms``, never to hold
+  them again for this connection);
 - ``{"id", "op": "done", "req"}`` -> the prefill may free the blocks.
 
 :func:`decode_frame` checks every field before anything acts on it and raises
@@ -32,7 +37,8 @@ from aio_datadist._checks import param_invalid
 
 __all__ = [
     "MAX_FRAME", "HEADER", "CONNECTOR_TAG", "Layout", "RemotePrefill", "encode_frame", "frame_length",
-    "decode_frame", "decode_reply", "transfer_params", "parse_transfer_params", "blocks_digest",
+    "decode_frame", "decode_reply", "transfer_params", "parse_transfer_params", "check_blocks_cover",
+    "tokens_to_load", "blocks_digest",
 ]
 
 MAX_FRAME = 64 * 1024
@@ -41,7 +47,7 @@ CONNECTOR_TAG = "aio_datadist"
 MAX_TEXT = 256
 MAX_BLOCKS = 1 << 20
 UINT64_MAX = 2**64 - 1
-OPS = ("hello", "claim", "done")
+OPS = ("hello", "claim", "held", "done")
 
 
 @dataclass(frozen=True)
@@ -92,8 +98,9 @@ def frame_length(header: bytes) -> int:
 def _object(body: bytes) -> dict[str, Any]:
     try:
         message = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise param_invalid("frame", f"is not UTF-8 JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError too; and CPython's
+        # limit on the digits of an int (sys.set_int_max_str_digits), which raises a bare ValueError
+        raise param_invalid("frame", f"is not UTF-8 JSON: {str(exc)[:120]}") from None
     if not isinstance(message, dict):
         raise param_invalid("frame", f"must be a JSON object, got {type(message).__name__}")
     return message
@@ -118,7 +125,7 @@ def _text(message: dict[str, Any], name: str) -> str:
 
 
 def decode_frame(body: bytes) -> dict[str, Any]:
-    """A request frame's body, checked: ``id`` and ``op``, and ``req`` for claim and done."""
+    """A request frame's body, checked: ``id`` and ``op``, and ``req`` for claim, held and done."""
     message = _object(body)
     _int(message, "id", 0, UINT64_MAX)
     op = message.get("op")
@@ -172,8 +179,10 @@ def transfer_params(*, engine_id: str, request_id: str, host: str, port: int, bl
             "remote_port": port, "remote_block_ids": list(block_ids), "remote_num_tokens": num_tokens}
 
 
-def parse_transfer_params(params: dict[str, Any]) -> RemotePrefill:
-    """A decode request's ``kv_transfer_params``, checked (``LLM_PARAM_INVALID`` naming the field)."""
+def parse_transfer_params(params: dict[str, Any], block_tokens: int = 0) -> RemotePrefill:
+    """A decode request's ``kv_transfer_params``, checked (``LLM_PARAM_INVALID`` naming the field); with
+    ``block_tokens``, ``remote_block_ids`` must be the blocks of ``remote_num_tokens`` tokens, no more and no
+    fewer: the load pulls the blocks of the tokens it needs by their place in that list."""
     if not isinstance(params, dict):
         raise param_invalid("kv_transfer_params", f"must be a dict, got {type(params).__name__}")
     if params.get("connector") != CONNECTOR_TAG:
@@ -186,6 +195,28 @@ def parse_transfer_params(params: dict[str, Any]) -> RemotePrefill:
         raise param_invalid("remote_block_ids", f"must be a non-empty list of block ids, got {blocks!r:.60}")
     if len(set(blocks)) != len(blocks):
         raise param_invalid("remote_block_ids", "has a block id twice")
-    return RemotePrefill(_text(params, "remote_engine_id"), _text(params, "remote_request_id"),
-                         _text(params, "remote_host"), _int(params, "remote_port", 1, 65535), tuple(blocks),
-                         _int(params, "remote_num_tokens", 1, 2**40))
+    remote = RemotePrefill(_text(params, "remote_engine_id"), _text(params, "remote_request_id"),
+                           _text(params, "remote_host"), _int(params, "remote_port", 1, 65535), tuple(blocks),
+                           _int(params, "remote_num_tokens", 1, 2**40))
+    if block_tokens:
+        check_blocks_cover(remote, block_tokens)
+    return remote
+
+
+def tokens_to_load(remote: RemotePrefill, prompt_tokens: int, computed_tokens: int) -> int:
+    """How many tokens of a prompt of ``prompt_tokens``, ``computed_tokens`` of them found here already, the
+    load of ``remote`` brings (0: none). The load pulls the blocks of the last tokens ``remote`` names, so
+    those must be this prompt's: ``remote_num_tokens`` past the prompt is ``LLM_PARAM_INVALID``."""
+    if remote.num_tokens > prompt_tokens:
+        raise param_invalid("remote_num_tokens", f"is {remote.num_tokens}, more than the prompt's "
+                                                 f"{prompt_tokens} tokens")
+    return max(0, remote.num_tokens - computed_tokens)
+
+
+def check_blocks_cover(remote: RemotePrefill, block_tokens: int) -> None:
+    """``remote``'s block ids are those of its ``num_tokens`` tokens, ``block_tokens`` to a block; else
+    ``LLM_PARAM_INVALID`` naming ``remote_block_ids``."""
+    need = -(-remote.num_tokens // block_tokens)
+    if len(remote.block_ids) != need:
+        raise param_invalid("remote_block_ids", f"names {len(remote.block_ids)} blocks for {remote.num_tokens} "
+                                                f"tokens ({need} blocks of {block_tokens} tokens)")

@@ -1,0 +1,280 @@
+"""The vLLM connector's worker machinery against a broken network, a client's bogus ``kv_transfer_params``,
+malformed frames, unusable options and long runs (no vLLM needed: the agents of ``_vllm_agents``). Each test
+failed before its fix (docs/reliability.md rows 179-181)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import struct
+import time
+import tracemalloc
+
+import pytest
+import torch
+from _vllm_agents import BLOCK_TOKENS, agents, wait  # noqa: F401 - agents is a fixture
+from relay import Relay
+
+from aio_datadist import LLMException
+from aio_datadist.integrations.vllm_agent import MAX_WAITING_CLAIMS, AgentOptions, LoopThread
+from aio_datadist.integrations.vllm_state import DecodePulls
+from aio_datadist.integrations.vllm_wire import (
+    decode_frame,
+    decode_reply,
+    parse_transfer_params,
+    tokens_to_load,
+    transfer_params,
+)
+
+
+def _remote(address: tuple[str, int], req: str, blocks: list[int], tokens: int = 0):
+    host, port = address
+    return parse_transfer_params(transfer_params(engine_id="engine-p", request_id=req, host=host, port=port,
+                                                 block_ids=blocks, num_tokens=tokens or len(blocks) * BLOCK_TOKENS))
+
+
+def _loaded(decode, req: str, timeout_s: float = 10.0) -> bool:
+    """Wait for ``req``'s load to end; whether it was reported good."""
+    wait(lambda: req not in decode.pulls.pending(), timeout_s)
+    finished, failed, _ = decode.pulls.take_finished()
+    assert req in finished
+    return req not in failed
+
+
+class _HalfCut(Relay):
+    """Forwards the side channel; :meth:`cut` resets its prefill-facing leg only, the decode-facing one stays
+    open and silent (a middlebox or NAT whose reset reaches one end)."""
+
+    cut_done = False
+
+    def cut(self) -> None:
+        self.cut_done = True
+        self.writers[1].transport.abort()  # the first connection's prefill-facing writer
+
+    async def pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                if not self.cut_done:
+                    writer.write(data)
+                    await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        if not self.cut_done:
+            writer.transport.abort()
+
+
+class _HoldUp(Relay):
+    """Forwards the KV link; while :attr:`hold` is set, the decode's bytes to the prefill wait (a slow path)."""
+
+    hold = False
+
+    async def upstream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                for _ in range(2000):  # bounded: 10 s
+                    if not self.hold:
+                        break
+                    await asyncio.sleep(0.005)
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+        except (ConnectionError, OSError):
+            writer.transport.abort()
+
+
+def test_a_load_whose_blocks_the_prefill_freed_meanwhile_is_not_reported_loaded(agents) -> None:  # noqa: F811
+    """The side channel is reset toward the prefill only while a pull's request is on its way: the prefill
+    frees the claimed blocks (vLLM reuses them: here they are overwritten), the pull then reads them. The load
+    must fail: the decode asks the prefill whether the blocks were held for it all along (``held``). Before,
+    the decode judged by its own end of the side channel, still open, and reported the reused bytes loaded
+    (4 of 4; found by an audit)."""
+    relays = LoopThread("relays")
+    prefill, p_kv = agents(True, transport="tcp")
+    side = _HalfCut(prefill.side_channel)
+    data = _HoldUp(prefill._dd.listen_address)
+    try:
+        relays.call(side.__aenter__())
+        relays.call(data.__aenter__())
+        prefill.options.advertise_data = "{}:{}".format(*data.address)
+        decode, d_kv = agents(False, transport="tcp")
+        prefill.holds.add("r0", lease_s=60, blocks=[4])  # the side channel and the KV link come up
+        decode.start_pull("d0", _remote(side.address, "r0", [4]), [1])
+        assert _loaded(decode, "d0")
+        prefill.holds.add("r1", lease_s=60, blocks=[6])
+        data.hold = True
+        decode.start_pull("d1", _remote(side.address, "r1", [6]), [3])
+        wait(lambda: "r1" in prefill.holds.held and prefill.holds.held["r1"].owner is not None, 5)
+        time.sleep(0.1)  # the pull's request waits on the path
+        relays.loop.call_soon_threadsafe(side.cut)
+        released: set[str] = set()
+
+        def freed() -> bool:  # vLLM's get_finished: finished_sending
+            released.update(prefill.holds.take_released())
+            return "r1" in released
+
+        wait(freed, 5)
+        for name in p_kv:  # vLLM gave block 6 to another request, which wrote it
+            p_kv[name][:, 6] = 7.0
+        data.hold = False
+        assert not _loaded(decode, "d1"), "reported loaded although the prefill had freed and reused its blocks"
+    finally:
+        data.hold = False
+        relays.call(side.__aexit__(None, None, None))
+        relays.call(data.__aexit__(None, None, None))
+        relays.stop()
+
+
+def test_bogus_claims_past_the_waiting_limit_do_not_hold_up_other_loads(agents) -> None:  # noqa: F811
+    """A client's ``kv_transfer_params`` naming requests the prefill never held: 140 claims on the decode's
+    one side channel, past the 64 that wait aside for vLLM to name them. A claim past those is refused at
+    once instead of waiting in the connection's read loop, so an honest load meanwhile is served. Before, it
+    failed after 4.8 s with the connection given up (found by an audit)."""
+    prefill, p_kv = agents(True)
+    decode, d_kv = agents(False)
+    prefill.holds.add("warm", lease_s=60)
+    decode.start_pull("w", _remote(prefill.side_channel, "warm", [1]), [1])
+    assert _loaded(decode, "w")
+    for i in range(2 * MAX_WAITING_CLAIMS + 12):
+        decode.start_pull(f"bogus{i}", _remote(prefill.side_channel, f"nope{i}", [2]), [2])
+    time.sleep(0.3)
+    prefill.holds.add("r1", lease_s=60)
+    started = time.monotonic()
+    decode.start_pull("honest", _remote(prefill.side_channel, "r1", [5]), [9])
+    wait(lambda: "honest" not in decode.pulls.pending(), 20)
+    took = time.monotonic() - started
+    finished, failed, _ = decode.pulls.take_finished()
+    assert "honest" in finished and "honest" not in failed, f"the honest load failed after {took:.1f} s"
+    assert took < 2.0, took
+    for name in p_kv:
+        assert torch.equal(d_kv[name][:, 9], p_kv[name][:, 5])
+    wait(lambda: not decode.pulls.pending(), 30)
+
+
+@pytest.mark.parametrize("case", ["fewer tokens than blocks", "prompt shorter than the tokens"])
+def test_params_whose_blocks_are_not_those_of_the_prompt_are_not_loaded(agents, case: str) -> None:  # noqa: F811
+    """The load takes the remote blocks of the tokens it needs by their place in ``remote_block_ids``. Params
+    that name more blocks than ``remote_num_tokens`` covers, or more tokens than the decode's prompt has, are
+    refused: the scheduler half then ignores them (the prompt is computed here), and a worker handed them
+    fails the load. Before, the load took the tail of the list and reported another block's KV loaded
+    (found by an audit)."""
+    prefill, _ = agents(True)
+    decode, _ = agents(False)
+    host, port = prefill.side_channel
+    fewer = case.startswith("fewer")
+    params = transfer_params(engine_id="engine-p", request_id="r1", host=host, port=port, block_ids=[5, 3, 11],
+                             num_tokens=2 * BLOCK_TOKENS if fewer else 3 * BLOCK_TOKENS)
+    if fewer:
+        with pytest.raises(LLMException, match="'remote_block_ids'"):
+            parse_transfer_params(params, BLOCK_TOKENS)  # the scheduler half's check
+        prefill.holds.add("r1", lease_s=60, blocks=[5, 3, 11])
+        decode.start_pull("d1", parse_transfer_params(params), [2, 7])
+        assert not _loaded(decode, "d1")
+    else:
+        with pytest.raises(LLMException, match="'remote_num_tokens'"):
+            tokens_to_load(parse_transfer_params(params, BLOCK_TOKENS), 2 * BLOCK_TOKENS, 0)
+        assert tokens_to_load(parse_transfer_params(params, BLOCK_TOKENS), 3 * BLOCK_TOKENS, BLOCK_TOKENS) == \
+            2 * BLOCK_TOKENS
+
+
+HUGE = b'{"id": ' + b"1" * 5000 + b', "op": "hello"}'  # more digits than CPython converts (4300)
+
+
+def test_a_frame_with_a_huge_integer_is_refused_as_any_malformed_frame(agents) -> None:  # noqa: F811
+    """Before, ``json`` raised a bare ValueError: the prefill's connection task died without the documented
+    error frame ("Unhandled exception in client_connected_cb"), and the decode's reply reader died leaving
+    the side channel in use (found by an audit)."""
+    for decode_it in (decode_frame, lambda body: decode_reply(body, "claim")):
+        with pytest.raises(LLMException, match="'frame'"):
+            decode_it(HUGE)
+    prefill, _ = agents(True)
+    with socket.create_connection(prefill.side_channel, timeout=5) as sock:
+        sock.sendall(struct.pack(">I", len(HUGE)) + HUGE)
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+    assert b'"ok":false' in reply and b"'frame'" in reply, reply[:200]
+
+
+def test_the_decode_pull_table_stays_bounded_over_many_requests() -> None:
+    """Before, every finished pull left an entry in a list nothing read (160 B a request)."""
+    pulls = DecodePulls()
+
+    def serve(first: int) -> None:
+        for i in range(first, first + 10_000):
+            pulls.start(f"req-{i}", (1, 2, 3))
+            pulls.end(f"req-{i}", ok=True)
+            pulls.take_finished()
+
+    serve(0)
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        serve(10_000)
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert grown < 50_000, f"grew {grown} B over 10k finished requests"
+
+
+def test_side_channel_addresses_that_failed_are_forgotten(agents) -> None:  # noqa: F811
+    """``remote_host``/``remote_port`` are request data: before, every address ever named kept an entry (a dead
+    task and its traceback) in the decode's table (300 of 300; found by an audit)."""
+    decode, _ = agents(False, link_timeout_ms=500)
+    socks = [socket.socket() for _ in range(100)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in socks]
+    for sock in socks:
+        sock.close()  # nothing listens there: refused
+    for i, port in enumerate(ports):
+        decode.start_pull(f"d{i}", _remote(("127.0.0.1", port), f"r{i}", [1]), [2])
+    wait(lambda: not decode.pulls.pending(), 30)
+    finished, failed, _ = decode.pulls.take_finished()
+    assert finished == failed and len(failed) == len(ports)
+    wait(lambda: not decode._peers, 5)
+
+
+def test_close_ends_every_side_channel_task_before_the_loop_closes(agents) -> None:  # noqa: F811
+    """A connection with claims waiting for vLLM to name their requests, at shutdown. Before, its tasks were
+    left pending on the closed loop (65 of them) and raised ``Event loop is closed`` when collected."""
+    prefill, _ = agents(True)
+    with socket.create_connection(prefill.side_channel, timeout=5) as sock:
+        sock.sendall(b"".join(struct.pack(">I", len(body)) + body for body in (
+            json.dumps({"id": i + 1, "op": "claim", "req": f"unknown{i}"}).encode()
+            for i in range(MAX_WAITING_CLAIMS + 2))))
+        time.sleep(0.3)
+        loop = prefill.loop.loop
+        prefill.close()
+        assert loop.is_closed()
+        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        assert not left, f"{len(left)} tasks left pending on the closed loop"
+
+
+def test_an_expired_lease_is_recorded_and_logged_whoever_expires_it(agents, tmp_path, caplog) -> None:  # noqa: F811
+    """vLLM's ``get_finished`` runs every step and expires leases itself: before, such a release was told to
+    vLLM with no stats line and no warning (found by an audit)."""
+    stats = tmp_path / "stats.jsonl"
+    prefill, _ = agents(True, stats_path=str(stats))
+    prefill.holds.add("r1", lease_s=0.3)
+    released: set[str] = set()
+    for _ in range(100):  # vLLM's steps, 10 ms apart (bounded: 1 s)
+        released |= prefill.holds.take_released()
+        time.sleep(0.01)
+    assert released == {"r1"}
+    wait(lambda: stats.exists() and '"req": "r1"' in stats.read_text(), 3)  # the agent's next tick, 0.5 s
+    lines = [json.loads(line) for line in stats.read_text().splitlines()]
+    assert [line["why"] for line in lines if line["event"] == "release" and line["req"] == "r1"] == ["expired"]
+    assert any("released unpulled" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+@pytest.mark.parametrize("name,value", [("advertise_data", "10.0.0.5"), ("advertise_data", "host:0"),
+                                        ("lease_s", "nan"), ("lease_s", 0), ("claim_grace_s", -100),
+                                        ("claim_wait_s", -1), ("claim_wait_s", "inf"), ("link_timeout_ms", 0),
+                                        ("data_port", 70000)])
+def test_unusable_options_are_refused_at_start_naming_the_argument(name: str, value: object) -> None:
+    """Before, these were accepted and failed later, one request at a time (a hello raising ValueError in
+    the prefill for a port-less ``advertise_data``; a NaN lease never expiring) (found by an audit)."""
+    with pytest.raises(LLMException, match=f"'{name}'"):
+        AgentOptions.from_extra({name: value})
