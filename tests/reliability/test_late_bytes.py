@@ -471,6 +471,19 @@ def _last_bytes(cache: KvCache) -> torch.Tensor:
     return torch.stack([t.view(t.shape[0], -1)[:, -1].clone() for t in cache.tensors])
 
 
+async def _push_all(prompt: LLMDataDist, src: KvCache, dst: KvCache, returned: list[torch.Tensor]) -> str:
+    """``prompt`` pushes every block of ``src`` into ``dst`` (cluster 64's ``BlocksCacheKey(64, 0)``): "done", or
+    the status it failed with; ``returned`` gets :func:`_last_bytes` of ``dst`` the moment it returned."""
+    rows = list(range(src.cache_desc.shape[0]))
+    try:
+        await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(64, 0), src, rows, rows, timeout=20_000)
+        return "done"
+    except LLMException as exc:
+        return exc.status_code.name
+    finally:
+        returned.append(_last_bytes(dst))
+
+
 @pytest.mark.parametrize("how", ["unlink", "finalize"])
 @pytest.mark.parametrize("path", ["local", "tcp-slow"])
 async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_returned(how: str, path: str) -> None:
@@ -492,7 +505,6 @@ async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_retur
             address = (await stack.enter_async_context(SlowPath(address, 32e6, 0.05))).address
         src = prompt.kv_cache_manager.allocate_blocks_cache(desc)
         dst = dec.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(64, 0))
-        rows = list(range(desc.shape[0]))
         for attempt in range(2 if how == "unlink" else 1):
             for t in src.tensors:
                 t.fill_(value)
@@ -501,17 +513,7 @@ async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_retur
             linked = await dec.link_clusters([cluster_info(63, address)], timeout=10_000)
             assert linked[0] == S.LLM_SUCCESS
             returned: list[torch.Tensor] = []
-
-            async def push() -> str:
-                try:
-                    await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(64, 0), src, rows, rows, timeout=20_000)
-                    return "done"
-                except LLMException as exc:
-                    return exc.status_code.name
-                finally:
-                    returned.append(_last_bytes(dst))
-
-            task = asyncio.ensure_future(push())
+            task = asyncio.ensure_future(_push_all(prompt, src, dst, returned))
             for _ in range(4000):  # until the first bytes landed (bounded: 4000 polls of at most 5 ms)
                 if task.done() or bool((_last_bytes(dst) == value).any()):
                     break
@@ -573,7 +575,6 @@ async def test_a_push_whose_link_fails_drops_what_its_kernel_still_held(secure: 
         path = await stack.enter_async_context(SlowPath(port_of(prompt), RATE, 0.01))
         src = prompt.kv_cache_manager.allocate_blocks_cache(FAILED_PUSH)
         dst = dec.kv_cache_manager.allocate_blocks_cache(FAILED_PUSH, BlocksCacheKey(64, 0))
-        rows = list(range(FAILED_PUSH.shape[0]))
         seen = []
         for attempt in range(2):
             for t in src.tensors:
@@ -587,17 +588,7 @@ async def test_a_push_whose_link_fails_drops_what_its_kernel_still_held(secure: 
             held_fail = dec_link.fail
             dec_link.fail = lambda exc, fail=held_fail: loop.call_later(0.4, fail, exc)  # type: ignore[method-assign]
             returned: list[torch.Tensor] = []
-
-            async def push() -> str:
-                try:
-                    await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(64, 0), src, rows, rows, timeout=20_000)
-                    return "done"
-                except LLMException as exc:
-                    return exc.status_code.name
-                finally:
-                    returned.append(_last_bytes(dst))
-
-            task = asyncio.ensure_future(push())
+            task = asyncio.ensure_future(_push_all(prompt, src, dst, returned))
             await asyncio.sleep(0.3)  # about 9 MB landed, MiBs wait in the kernels
             unsent, on_its_way = _unsent(pusher_link), path.on_its_way()
             pusher_link.fail(LLMException("no heartbeat from the peer (test)", status_code=S.LLM_LINK_FAILED))

@@ -59,12 +59,26 @@ async def _outcome(call: Any) -> str:
         return exc.status_code.name
 
 
-async def _copy_started(task: asyncio.Future, dst: KvCache, value: int) -> None:
-    """Until the pull's first bytes landed in ``dst`` (bounded: 20,000 polls of 0.5 ms)."""
+def _held_key(prompt: LLMDataDist, trial: int) -> tuple[CacheKey, KvCache]:
+    """A 128 MiB cache of ``prompt`` filled with ``5 + trial``, bound to a key a pull consumes."""
+    key = CacheKey(PROMPT, 10 + trial)
+    src = prompt.kv_cache_manager.allocate_cache(BIG, [key])
+    for t in src.tensors:
+        t.fill_(5 + trial)
+    return key, src
+
+
+async def _big_pull_copying(dec: LLMDataDist, info: Any, key: CacheKey, trial: int) -> asyncio.Future:
+    """``dec`` links and pulls ``key`` (of :func:`_held_key`) into a cache of its own; the pull, once its first
+    bytes landed (bounded: 20,000 polls of 0.5 ms)."""
+    dst = dec.kv_cache_manager.allocate_cache(BIG)
+    assert (await dec.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
+    task = asyncio.ensure_future(dec.kv_cache_manager.pull_cache(key, dst, timeout=20_000))
     for _ in range(20_000):
-        if task.done() or bool((dst.tensors[0][0, :4096] == value).any()):
-            return
+        if task.done() or bool((dst.tensors[0][0, :4096] == 5 + trial).any()):
+            break
         await asyncio.sleep(0.0005)
+    return task
 
 
 async def _key_left(prompt: LLMDataDist, key: CacheKey, desc: CacheDesc, transport: str = "local") -> str:
@@ -148,15 +162,9 @@ async def test_a_keyed_pull_under_the_requesters_own_unlink_succeeds_only_if_the
         path = await stack.enter_async_context(SlowPath(port_of(prompt), 1e9, 0.05))
         info = cluster_info(PROMPT, path.address)
         for trial in range(2):
-            key = CacheKey(PROMPT, 10 + trial)
-            src = prompt.kv_cache_manager.allocate_cache(BIG, [key])
-            for t in src.tensors:
-                t.fill_(5 + trial)
+            key, src = _held_key(prompt, trial)
             async with endpoint(LLMRole.DECODER, DECODER, transport="local") as dec:
-                dst = dec.kv_cache_manager.allocate_cache(BIG)
-                assert (await dec.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
-                task = asyncio.ensure_future(dec.kv_cache_manager.pull_cache(key, dst, timeout=20_000))
-                await _copy_started(task, dst, 5 + trial)
+                task = await _big_pull_copying(dec, info, key, trial)
                 await (dec.unlink_clusters([info]) if how == "unlink" else dec.finalize())
                 first = await _outcome(task)
             outcomes.append((first, await _key_left(prompt, key, BIG)))
@@ -233,15 +241,9 @@ async def test_a_keyed_pull_whose_control_connection_is_reset_as_it_ends_succeed
             time.sleep(0.05)  # the reset reaches the decoder's sockets
 
         for trial in range(3):
-            key = CacheKey(PROMPT, 10 + trial)
-            src = prompt.kv_cache_manager.allocate_cache(BIG, [key])
-            for t in src.tensors:
-                t.fill_(5 + trial)
+            key, src = _held_key(prompt, trial)
             async with endpoint(LLMRole.DECODER, DECODER, transport="local") as dec:
-                dst = dec.kv_cache_manager.allocate_cache(BIG)
-                assert (await dec.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
-                task = asyncio.ensure_future(dec.kv_cache_manager.pull_cache(key, dst, timeout=20_000))
-                await _copy_started(task, dst, 5 + trial)
+                task = await _big_pull_copying(dec, info, key, trial)
                 assert not task.done()
                 asyncio.get_running_loop().call_soon(held_then_reset)
                 first = await _outcome(task)
