@@ -254,8 +254,9 @@ class Link:
             self.free.put_nowait(index)
 
     def _drop_socket(self, ch: _Channel, *, reset: bool = False) -> None:
-        """Stop the channel's jobs and close its socket; ``reset``: with a reset (a plain socket), so that the
-        kernel drops what it has not sent yet instead of delivering it after our transfer gave up."""
+        """Stop the channel's jobs and close its socket; ``reset``: with a TCP reset (a plain socket, or the one
+        under a TLS channel), so that the kernel drops what it has not sent yet instead of delivering it after
+        our transfer gave up."""
         if ch.sock is not None:
             for job in list(ch.loop_jobs):
                 job.stop(LLMException(f"data channel {ch.index} to cluster {self.remote_cluster_id} was closed",
@@ -424,14 +425,17 @@ class Link:
                                status_code=LLMStatusCode.LLM_NOT_YET_LINK)
 
     def check_heard(self) -> None:
-        """Raise unless a word sent now (a pull's ``DONE``) reaches the peer while it still serves our requests:
-        not once we sent ``UNLINK`` (the peer stops serving us when it reads it, before what follows), nor once
-        the control connection is closing (the transport may close a callback before the link hears)."""
+        """Raise unless a word sent now (a pull's ``DONE``) surely reaches the peer while it still serves our
+        requests: not once we sent ``UNLINK`` (the peer ends what it serves us once it reads it, so a word that
+        follows may find nothing to act on), nor once the control connection is closing or closed under the
+        link (a transport closes on a reset a callback or two before the link hears: over TLS its TCP
+        connection first), which one peek at its socket tells."""
         self.check()
         if self.unlinking:
             raise LLMException(f"link to cluster {self.remote_cluster_id}: {transport_base.UNLINKING}",
                                status_code=LLMStatusCode.LLM_NOT_YET_LINK)
-        if self.writer.is_closing():
+        sock = self.writer.transport.get_extra_info("socket")
+        if self.writer.is_closing() or sock is None or sock.fileno() < 0 or _core.peer_closed(sock.fileno()):
             raise LLMException(f"link to cluster {self.remote_cluster_id}: the control connection is closing",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
 

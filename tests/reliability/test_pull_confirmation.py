@@ -35,6 +35,7 @@ from aio_datadist import (
 from aio_datadist.testing import link_to
 from aio_datadist.transport.tls import LINGER_RESET
 from peers import cluster_info, port_of
+from tls_certs import client_context, make_pki, server_context
 
 from _harness import endpoint
 from _slowpath import SlowPath
@@ -43,6 +44,8 @@ pytestmark = pytest.mark.asyncio
 
 S = LLMStatusCode
 PROMPT, DECODER, OTHER = 63, 64, 65
+
+PKI = make_pki("pull confirmation")
 
 BIG = CacheDesc(4, (1, 32 << 20), DataType.DT_UINT8, Placement.HOST)  # 128 MiB: a copy of 20-100 ms here
 SMALL = CacheDesc(4, (1, 1 << 10), DataType.DT_UINT8, Placement.HOST)
@@ -81,9 +84,10 @@ async def _big_pull_copying(dec: LLMDataDist, info: Any, key: CacheKey, trial: i
     return task
 
 
-async def _key_left(prompt: LLMDataDist, key: CacheKey, desc: CacheDesc, transport: str = "local") -> str:
+async def _key_left(prompt: LLMDataDist, key: CacheKey, desc: CacheDesc, transport: str = "local",
+                    **config: Any) -> str:
     """Another decoder's pull of ``key``: "done", or the status it failed with."""
-    async with endpoint(LLMRole.DECODER, OTHER, transport=transport) as other:
+    async with endpoint(LLMRole.DECODER, OTHER, transport=transport, **config) as other:
         info = cluster_info(PROMPT, port_of(prompt))
         assert (await other.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
         outcome = await _outcome(other.kv_cache_manager.pull_cache(key, other.kv_cache_manager.allocate_cache(desc),
@@ -221,16 +225,22 @@ class _ResettingRelay:
             thread.join(2)
 
 
+@pytest.mark.parametrize("secure", [False, True], ids=["tcp", "tls"])
 async def test_a_keyed_pull_whose_control_connection_is_reset_as_it_ends_succeeds_only_if_the_key_was_consumed(
-        ) -> None:
+        secure: bool) -> None:
     """The decoder's loop is held (0.3 s) while its same-host copy of a 128 MiB key ends, and its control
     connection is reset meanwhile: the loop then reads the copy's completion and the reset in one pass. The
     transport is closing at once, the link hears of it a callback later, and the pull's end runs in between.
     Before, the link's check passed there, the DONE was dropped unsent (the transport was closing), and the
-    pull succeeded with its key left to be pulled again (3 of 3; found by a review of row 177)."""
+    pull succeeded with its key left to be pulled again (3 of 3; found by a review of row 177); over TLS also
+    with the transport's closing state checked, as the TLS transport closes a callback after its TCP one (3 of
+    3; found by a second review)."""
     outcomes = []
     async with contextlib.AsyncExitStack() as stack:
-        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="local"))
+        server, client = ({"tls_server_context": server_context(PKI)}, {"tls_client_context": client_context(PKI)}) \
+            if secure else ({}, {})
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="local",
+                                                          **server))
         relay = _ResettingRelay(port_of(prompt))
         stack.callback(relay.close)
         info = cluster_info(PROMPT, relay.address)
@@ -242,11 +252,11 @@ async def test_a_keyed_pull_whose_control_connection_is_reset_as_it_ends_succeed
 
         for trial in range(3):
             key, src = _held_key(prompt, trial)
-            async with endpoint(LLMRole.DECODER, DECODER, transport="local") as dec:
+            async with endpoint(LLMRole.DECODER, DECODER, transport="local", **client) as dec:
                 task = await _big_pull_copying(dec, info, key, trial)
                 assert not task.done()
                 asyncio.get_running_loop().call_soon(held_then_reset)
                 first = await _outcome(task)
-            outcomes.append((first, await _key_left(prompt, key, BIG)))
+            outcomes.append((first, await _key_left(prompt, key, BIG, **client)))
             prompt.kv_cache_manager.deallocate_cache(src)
     assert all(outcome in CONSISTENT for outcome in outcomes), outcomes
