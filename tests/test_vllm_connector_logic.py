@@ -207,14 +207,15 @@ def test_a_side_channel_lost_while_the_link_stays_up_is_dialled_again(agents) ->
     prefill, p_kv = agents(True)
     decode, d_kv = agents(False)
     _pull_one(prefill, decode)
+    peer_task = decode._peers[prefill.side_channel]  # a lost side channel leaves the table: taken before
 
     async def drop_side_channels() -> None:  # e.g. an idle timeout on the way; the KV link stays up
         for writer in list(prefill._conns):
             writer.transport.abort()
 
     prefill.loop.call(drop_side_channels())
-    peer_task = decode._peers[prefill.side_channel]
     wait(lambda: peer_task.done() and peer_task.result().broken is not None)
+    wait(lambda: prefill.side_channel not in decode._peers)
     prefill.holds.add("r2", lease_s=60)
     decode.start_pull("d2", _remote(prefill, "r2", [9]), [4])
     wait(lambda: not decode.pulls.pending())

@@ -31,6 +31,7 @@ from aio_datadist.integrations import vllm_auth
 from aio_datadist.integrations.vllm_state import DecodePulls, PrefillHolds
 from aio_datadist.integrations.vllm_wire import (
     HEADER,
+    OPS,
     Layout,
     RemotePrefill,
     blocks_digest,
@@ -58,9 +59,10 @@ MAX_CONNECTIONS = 1024
 #: Side-channel connections a decode tries (within ``link_timeout_ms``) when the prefill closes one in
 #: the handshake.
 HANDSHAKE_ATTEMPTS = 3
-#: Claims one side-channel connection may have waiting, aside, for vLLM to name their request (``claim_wait_s``)
-#: while its later frames are served; past it a claim waits in line.
-MAX_WAITING_CLAIMS = 64
+#: Claims one side-channel connection may have waiting, aside, for vLLM to name their request (``claim_wait_s``;
+#: one prefill step may finish many prompts at once) while its later frames are served; past it a claim is
+#: refused at once (a client's bogus ``kv_transfer_params`` must not hold up the connection).
+MAX_WAITING_CLAIMS = 1024
 #: How long a decode waits (at most: ``link_timeout_ms`` if shorter) for the ``hello`` it sends on a side
 #: channel where a request went unanswered and nothing else was heard; unanswered, the connection is given up.
 PROBE_TIMEOUT_S = 1.0
@@ -123,6 +125,9 @@ class AgentOptions:
             value = getattr(opts, name)
             if not math.isfinite(value) or value < 0 or (above and value == 0):
                 _refuse_option(name, "must be a finite number " + ("> 0" if above else ">= 0"), value)
+        if opts.pull_timeout_ms + opts.claim_grace_s * 1000 > 2**31 - 1:  # a claim's hold_ms, as the wire says
+            _refuse_option("claim_grace_s", "with pull_timeout_ms must make a hold of at most 2**31-1 ms",
+                           opts.claim_grace_s)
         if opts.advertise_data:
             host, _, port = opts.advertise_data.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) <= 65535:
@@ -212,6 +217,7 @@ class _Peer:
         self.next_id = 1
         self.cluster_id = 0
         self.engine_id = ""  # the engine its hello named: only requests naming that engine are claimed here
+        self.ops: frozenset[str] = frozenset()  # the side-channel requests its hello said it serves
         self.cluster: LLMClusterInfo | None = None  # how to link its KV endpoint (again)
         self.link_lost = False  # a pull found the KV link failed while this side channel stayed up
         self.relinking = asyncio.Lock()
@@ -316,6 +322,9 @@ class Agent:
         self._refusal_logged = -REFUSAL_LOG_EVERY_S
         self.refusals = 0  # side-channel connections refused or evicted, all told
         self._expiry: asyncio.TimerHandle | None = None
+        #: Claims waiting for vLLM to name their request, by request: woken by PrefillHolds.add (on_added).
+        self._naming: dict[str, set[asyncio.Future]] = {}
+        self.holds.on_added = self._added
 
     def record(self, event: str, **fields: Any) -> None:
         """One JSON line in ``stats_path`` (pulls, releases): the figures and the tests read them."""
@@ -352,7 +361,7 @@ class Agent:
         key = BlocksCacheKey(self.cluster_id, 0) if self.producer else None
         self._cache = self._dd.kv_cache_manager.register_blocks_cache(desc, tensors, key)
         if self.producer:
-            self._server = await asyncio.start_server(self._serve, self.options.side_channel_host,
+            self._server = await asyncio.start_server(self._accepted, self.options.side_channel_host,
                                                       self.options.side_channel_port)
             self.side_channel = self._server.sockets[0].getsockname()[:2]
             self._tick()
@@ -375,6 +384,7 @@ class Agent:
             self._expiry.cancel()
         if self._server is not None:
             self._server.close()
+            await asyncio.sleep(0)  # connections accepted already get their task (_accepted) in this pass
         for writer in list(self._conns):
             writer.transport.abort()
         serving = [*self._serving]
@@ -403,7 +413,7 @@ class Agent:
             host, _, text = self.options.advertise_data.rpartition(":")
             port = int(text)
         return {"ok": True, "cluster_id": self.cluster_id, "data_host": host, "data_port": port,
-                "engine_id": self.engine_id, "layout": self.layout.as_json()}
+                "engine_id": self.engine_id, "layout": self.layout.as_json(), "ops": list(OPS)}
 
     def _refuse(self, writer: asyncio.StreamWriter, why: object) -> None:
         """Note a refused side-channel connection: one WARNING per REFUSAL_LOG_EVERY_S, with a count."""
@@ -449,16 +459,19 @@ class Agent:
         finally:
             self._handshaking.pop(writer, None)
 
+    def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A side-channel connection came in: its task is ours from the start (``_close`` ends every one; the
+        server's own task would log an ERROR for one cancelled on Python 3.11)."""
+        task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._conns) >= MAX_CONNECTIONS:
             self._refuse(writer, f"{MAX_CONNECTIONS} side-channel connections open already")
             writer.transport.abort()
             return
         self._conns.add(writer)
-        task = asyncio.current_task()
-        assert task is not None
-        self._serving.add(task)
-        task.add_done_callback(self._serving.discard)
         owner = id(writer)
         hold_s = self.options.pull_timeout_ms / 1000 + self.options.claim_grace_s
         waiting: set[asyncio.Task] = set()  # claims waiting for their request to be named
@@ -517,10 +530,28 @@ class Agent:
 
     async def _claim(self, req: str, owner: int, hold_s: float) -> dict[str, Any]:
         """Claim ``req`` for the connection ``owner``, once vLLM named it (``claim_wait_s`` at most); the reply."""
-        deadline = time.monotonic() + self.options.claim_wait_s
-        while not self.holds.known(req) and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+        named = asyncio.get_running_loop().create_future()
+        waiting = self._naming.setdefault(req, set())
+        waiting.add(named)
+        try:
+            if not self.holds.known(req):  # asked after the future is in place: an add now wakes it
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(named, self.options.claim_wait_s)
+        finally:
+            waiting.discard(named)
+            if not waiting and self._naming.get(req) is waiting:
+                del self._naming[req]
         return self._claim_now(req, owner, hold_s)
+
+    def _added(self, req: str) -> None:
+        """vLLM named ``req`` (PrefillHolds.add, on vLLM's thread): wake the claims waiting for it."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: nothing waits any more
+            self.loop.loop.call_soon_threadsafe(self._wake, req)
+
+    def _wake(self, req: str) -> None:
+        for named in self._naming.get(req, ()):
+            if not named.done():
+                named.set_result(None)
 
     def _claim_now(self, req: str, owner: int, hold_s: float) -> dict[str, Any]:
         limit = self.options.max_claims_per_connection
@@ -610,6 +641,7 @@ class Agent:
             cluster.append_remote_ip_info(hello["data_host"], hello["data_port"])
             await self._link(cluster)
             peer.cluster_id, peer.cluster, peer.engine_id = hello["cluster_id"], cluster, hello["engine_id"]
+            peer.ops = frozenset(hello.get("ops", ("hello", "claim", "done")))  # none said: a prefill before held
             return peer
         except BaseException:
             writer.transport.abort()
@@ -682,9 +714,13 @@ class Agent:
             # The bytes are the request's only if the prefill held its blocks for us all along: it frees them on
             # our done, when it sees this side channel close (which we may not see: a reset on its side only),
             # or past hold_ms, and never holds them for this claim again, so held now means held throughout.
-            held = await peer.request("held", self.options.link_timeout_ms / 1000, req=remote.request_id)
-            if not held["ok"]:
-                raise ConnectionError(f"the prefill released the blocks during the pull: {held['error']}")
+            if "held" in peer.ops:
+                held = await peer.request("held", self.options.link_timeout_ms / 1000, req=remote.request_id)
+                if not held["ok"]:
+                    raise ConnectionError(f"the prefill released the blocks during the pull: {held['error']}")
+            elif peer.task is None or peer.task.done() or peer.reader.at_eof() or peer.writer.is_closing():
+                # a prefill of a release before held: only our own end of the side channel can tell
+                raise ConnectionError("side channel lost during the pull: the prefill released the blocks")
             ok = True
         except asyncio.CancelledError:
             error = "aborted"

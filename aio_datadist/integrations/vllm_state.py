@@ -40,15 +40,20 @@ class PrefillHolds:
         self._held: dict[str, Held] = {}
         self._released: set[str] = set()
         self._expired: list[str] = []  # freed past their deadline, not yet taken (take_expired)
+        #: Called with each request :meth:`add` holds, outside the lock (the agent wakes the claims waiting).
+        self.on_added: Callable[[str], None] | None = None
         self._changed = threading.Condition(self._lock)
 
     def add(self, req_id: str, lease_s: float, blocks: Sequence[int] = ()) -> None:
         """vLLM delayed freeing ``req_id``'s blocks (``blocks``, the ids its ``kv_transfer_params`` name): hold
-        them for at most ``lease_s`` unclaimed."""
+        them for at most ``lease_s`` unclaimed; :attr:`on_added` hears of it (from the caller's thread)."""
         with self._lock:
-            if req_id not in self._held:
-                self._held[req_id] = Held(self._clock() + lease_s, blocks=blocks_digest(blocks) if blocks else "")
-                self._changed.notify_all()
+            if req_id in self._held:
+                return
+            self._held[req_id] = Held(self._clock() + lease_s, blocks=blocks_digest(blocks) if blocks else "")
+            self._changed.notify_all()
+        if self.on_added is not None:
+            self.on_added(req_id)
 
     def known(self, req_id: str) -> bool:
         with self._lock:

@@ -7,7 +7,8 @@ request carries an ``id`` its reply repeats, so one connection carries many
 requests at once:
 
 - ``{"id", "op": "hello"}`` -> where the prefill's KV memory is served
-  (``cluster_id``, ``data_host``, ``data_port``) and its layout;
+  (``cluster_id``, ``data_host``, ``data_port``), its layout, and ``ops``,
+  the requests it serves (a prefill of a release before ``held`` sends none);
 - ``{"id", "op": "claim", "req"}`` -> ``ok`` while the request's blocks are
   still held; they are then kept for this connection until ``done``, until
   the connection closes, or until ``hold_ms`` after the reply; ``blocks``,
@@ -36,7 +37,7 @@ from typing import Any
 from aio_datadist._checks import param_invalid
 
 __all__ = [
-    "MAX_FRAME", "HEADER", "CONNECTOR_TAG", "Layout", "RemotePrefill", "encode_frame", "frame_length",
+    "MAX_FRAME", "HEADER", "OPS", "CONNECTOR_TAG", "Layout", "RemotePrefill", "encode_frame", "frame_length",
     "decode_frame", "decode_reply", "transfer_params", "parse_transfer_params", "check_blocks_cover",
     "tokens_to_load", "blocks_digest",
 ]
@@ -159,6 +160,9 @@ def decode_reply(body: bytes, op: str) -> dict[str, Any]:
         message["layout"] = Layout(
             _int(layout, "tensors", 1, 4096), _int(layout, "num_blocks", 1, 2**40),
             _int(layout, "block_bytes", 1, 2**40), _int(layout, "block_tokens", 1, 2**20), _text(layout, "dtype"))
+        ops = message.get("ops", [])  # absent from a prefill of a release before held
+        if not isinstance(ops, list) or len(ops) > 64 or not all(isinstance(o, str) and len(o) <= 32 for o in ops):
+            raise param_invalid("ops", f"must be a list of request names, got {ops!r:.60}")
     elif op == "claim":
         _int(message, "hold_ms", 1, 2**31 - 1)
         if "blocks" in message:
