@@ -434,10 +434,16 @@ class Link:
         if self.unlinking:
             raise LLMException(f"link to cluster {self.remote_cluster_id}: {transport_base.UNLINKING}",
                                status_code=LLMStatusCode.LLM_NOT_YET_LINK)
-        sock = self.writer.transport.get_extra_info("socket")
-        if self.writer.is_closing() or sock is None or sock.fileno() < 0 or _core.peer_closed(sock.fileno()):
+        fd = self._control_fd()
+        if self.writer.is_closing() or fd is None or _core.peer_closed(fd):  # a closed fd (-1) peeks as closed
             raise LLMException(f"link to cluster {self.remote_cluster_id}: the control connection is closing",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
+
+    def _control_fd(self) -> int | None:
+        """The fd of the control connection's socket (under TLS, its TCP one), for a peek; None once the
+        transport let go of it."""
+        sock = self.writer.transport.get_extra_info("socket")
+        return None if sock is None else sock.fileno()
 
     def send(self, msg: Msg, req_id: int, **fields: Any) -> None:
         """Send ``msg`` with its record's ``fields`` (nothing once the link is closing)."""
@@ -604,8 +610,8 @@ class Link:
         connection, and its end, seen here before any copy starts, fails the link."""
         if self.closed or self.broken is not None:
             return
-        sock = self.writer.transport.get_extra_info("socket")
-        if sock is not None and _core.peer_closed(sock.fileno()):
+        fd = self._control_fd()
+        if fd is not None and _core.peer_closed(fd):
             self.fail(LLMException("connection lost (the peer closed it)", status_code=LLMStatusCode.LLM_LINK_FAILED))
             return
         for event in held:

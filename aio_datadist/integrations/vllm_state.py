@@ -42,7 +42,6 @@ class PrefillHolds:
         self._expired: list[str] = []  # freed past their deadline, not yet taken (take_expired)
         #: Called with each request :meth:`add` holds, outside the lock (the agent wakes the claims waiting).
         self.on_added: Callable[[str], None] | None = None
-        self._changed = threading.Condition(self._lock)
 
     def add(self, req_id: str, lease_s: float, blocks: Sequence[int] = ()) -> None:
         """vLLM delayed freeing ``req_id``'s blocks (``blocks``, the ids its ``kv_transfer_params`` name): hold
@@ -51,7 +50,6 @@ class PrefillHolds:
             if req_id in self._held:
                 return
             self._held[req_id] = Held(self._clock() + lease_s, blocks=blocks_digest(blocks) if blocks else "")
-            self._changed.notify_all()
         if self.on_added is not None:
             self.on_added(req_id)
 
@@ -103,15 +101,14 @@ class PrefillHolds:
                 self._release(req_id)
             return gone
 
-    def expire(self) -> list[str]:
-        """Free every request past its deadline; also kept for :meth:`take_expired` (whoever runs this)."""
+    def expire(self) -> None:
+        """Free every request past its deadline; they are kept for :meth:`take_expired` (whoever runs this)."""
         now = self._clock()
         with self._lock:
             gone = [r for r, h in self._held.items() if now >= h.deadline]
             for req_id in gone:
                 self._release(req_id)
             self._expired.extend(gone)
-            return gone
 
     def take_expired(self) -> list[str]:
         """Requests freed past their deadline since the last call, by whichever call found them (the owner's
@@ -126,11 +123,6 @@ class PrefillHolds:
         with self._lock:
             released, self._released = self._released, set()
             return released
-
-    def wait_known(self, req_id: str, timeout_s: float) -> bool:
-        """Block until vLLM's metadata named ``req_id`` (a claim can outrun it), or time out."""
-        with self._changed:
-            return self._changed.wait_for(lambda: req_id in self._held or req_id in self._released, timeout_s)
 
     @property
     def held(self) -> dict[str, Held]:

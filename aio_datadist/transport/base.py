@@ -193,7 +193,7 @@ class Request:
         """Once the bytes moved: a pull tells the owner with ``DONE``; a push (``ack`` set) waits for the
         owner's ``DONE`` and raises its refusal.
 
-        A pull whose ``DONE`` the owner would no longer act on (the link went, is going, or we sent ``UNLINK``)
+        A pull whose ``DONE`` the owner might no longer act on (the link went, is going, or we sent ``UNLINK``)
         fails with the link's code: the owner gave back what it held for the pull, the key the pull read
         unconsumed and the memory an in-place copy read (``docs/reliability.md`` row 177)."""
         if self.ack is None:
