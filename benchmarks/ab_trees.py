@@ -13,7 +13,11 @@ whole run and the blocks are short, so load that comes and goes on a shared
 machine hits all sides alike: on this project's 2-core VM that is the only
 way differences of 5-10% stand out (separate runs move by 20-30%).
 
-Prints p50 and p99 per side and against the raw round trip.
+Prints p50 and p99 per side and against the raw round trip. With
+``--concurrent N`` every sample is a batch of N concurrent 1-block pulls of
+distinct blocks (the suite's 64-concurrent row), and the table gives
+transfers per second (N / median batch time) against raw round trips one
+after another.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from benchmarks._endpoints import blocks_desc, endpoint_options
 from benchmarks._peer import Peer
 from benchmarks._workload import KvGeometry
 
-async def main(peer, transport, blocks, hot):
+async def main(peer, transport, blocks, hot, concurrent):
     from aio_datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole
     port = await peer.recv_async(120.0)
     async with LLMDataDist(LLMRole.DECODER, bd.DECODER_ID) as dd:
@@ -54,7 +58,12 @@ async def main(peer, transport, blocks, hot):
             took = []
             for _ in range(int(line)):
                 t = time.perf_counter()
-                await dd.kv_cache_manager.pull_blocks(key, cache, *bd._lists(0 if hot else i, blocks))
+                if concurrent:
+                    i = i % (bd.CACHE_BLOCKS // concurrent)
+                    pulls = [bd._lists(i * concurrent + j, 1) for j in range(concurrent)]
+                    await asyncio.gather(*(dd.kv_cache_manager.pull_blocks(key, cache, *p) for p in pulls))
+                else:
+                    await dd.kv_cache_manager.pull_blocks(key, cache, *bd._lists(0 if hot else i, blocks))
                 took.append(time.perf_counter() - t)
                 i += 1
             print(" ".join(f"{x * 1e6:.1f}" for x in took), flush=True)
@@ -62,7 +71,7 @@ async def main(peer, transport, blocks, hot):
 
 if __name__ == "__main__":
     with Peer(bd._prompt_peer, sys.argv[1], timeout=3600.0, name="prompt") as peer:
-        asyncio.run(main(peer, sys.argv[1], int(sys.argv[2]), sys.argv[3] == "hot"))
+        asyncio.run(main(peer, sys.argv[1], int(sys.argv[2]), sys.argv[3] == "hot", int(sys.argv[4])))
 """
 
 
@@ -92,7 +101,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per", type=int, default=40, help="pulls per side and round (default 40)")
     parser.add_argument("--hot", action="store_true",
                         help="pull the same blocks every time (the suite's latency rows) instead of the next ones")
+    parser.add_argument("--concurrent", type=int, default=0,
+                        help="each sample a batch of N concurrent 1-block pulls (default 0: one pull)")
     args = parser.parse_args(argv)
+    if args.concurrent and not 2 <= args.concurrent <= CACHE_BLOCKS:
+        parser.error(f"need 2 <= --concurrent <= {CACHE_BLOCKS} (it pulls distinct blocks of the peer's cache)")
+    if args.concurrent:
+        args.blocks = 1
     if not 1 <= args.blocks <= CACHE_BLOCKS // 2 or args.rounds < 2 or args.per < 1:
         parser.error("need 1 <= --blocks <= 32, --rounds >= 2, --per >= 1")
     sides = [_side(s) for s in args.trees.split(",") if s]
@@ -103,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for spec, path, env in sides:
             procs[spec] = subprocess.Popen(
-                [sys.executable, "-c", WORKER, args.transport, str(args.blocks), "hot" if args.hot else "moving"],
+                [sys.executable, "-c", WORKER, args.transport, str(args.blocks), "hot" if args.hot else "moving",
+                 str(args.concurrent)],
                 cwd=path, text=True, env=dict(os.environ, PYTHONPATH=str(path), **env), stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE)
             assert procs[spec].stdout is not None
@@ -134,6 +150,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 proc.kill()
                 proc.wait()
     raw50, raw99 = statistics.median(raw_us), _quantile(raw_us, 0.99)
+    if args.concurrent:
+        rate = 1e6 / raw50
+        print(f"{args.transport}, batches of {args.concurrent} concurrent 1-block pulls, {args.rounds - 1} rounds x "
+              f"{args.per} batches per side (after a warm-up round); raw TCP round trips one after another "
+              f"{rate:.0f}/s (p50 {raw50:.0f} us)")
+        print("| side | transfers/s | / raw serial | batch p99 us |\n|---|---:|---:|---:|")
+        for spec, _, _ in sides:
+            v = samples[spec]
+            tps = args.concurrent * 1e6 / statistics.median(v)
+            print(f"| {spec} | {tps:.0f} | {tps / rate:.2f}x | {_quantile(v, 0.99):.0f} |")
+        return 0
     print(f"{args.transport}, {args.blocks}-block pulls, {args.rounds - 1} rounds x {args.per} per side "
           f"(after a warm-up round); raw TCP round trip p50 {raw50:.0f} us, p99 {raw99:.0f} us")
     print("| side | p50 us | p50 / raw | p99 us | p99 / raw |\n|---|---:|---:|---:|---:|")
