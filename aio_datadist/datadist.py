@@ -132,7 +132,7 @@ class LLMDataDist:
         rt = endpoint.require_runtime()
         table = endpoint.require_links()
         registry = rt.registry
-        links = {cid: link.stats() for cid, link in table.links.items() if link.broken is None and not link.closed}
+        links = {cid: link.stats() for cid, link in table.links.items() if link.up}
         return EndpointStats(endpoint.cluster_id, endpoint.role, registry.used_bytes, registry.cap_bytes,
                              len(registry), registry.key_count, active_leases(endpoint), MappingProxyType(links),
                              rt.links_up, rt.links_down)

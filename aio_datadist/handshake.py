@@ -14,6 +14,10 @@
                a refusal that carries nothing
                <-  LINK_OK  status, cluster id, role, link token, channel count, boot id,
                             share socket name, proof_l = HMAC(k, "link" | nonce_c | nonce_s | fields)
+               or a refusal: status and text, proven to a client that proved itself
+                            (HMAC(k, "refused" | nonce_c | nonce_s | status | text)); with a
+                            secret, a client fails an unproven refusal as LLM_LINK_FAILED
+                            whatever status it names
 
 Before the client's proof is checked the server sends only its nonce and
 its proof, both functions of random nonces: no cluster id, role, layout,
@@ -83,6 +87,10 @@ def _identity(cluster_id: int, role: int, peer_id: int, layout_hash: bytes, bila
             + (b"\x01" if bilateral else b""))
 
 
+def _refusal_fields(status: int, text: str) -> bytes:
+    return status.to_bytes(8, "big", signed=True) + text.encode("utf-8")
+
+
 def _link_fields(ok: wire.LinkOk) -> bytes:
     return (ok.status.to_bytes(8, "big", signed=True) + ok.cluster_id.to_bytes(8, "big")
             + ok.role.to_bytes(1, "big") + ok.link_token + ok.channels.to_bytes(1, "big")
@@ -134,6 +142,12 @@ async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, se
                              bilateral=int(bilateral)))
     ok: wire.LinkOk = await read_expected(reader, Msg.LINK_OK)
     if ok.status != SUCCESS:
+        if secret is not None and not hmac.compare_digest(
+                ok.proof, proof(secret, b"refused", nonce, ack.nonce, _refusal_fields(ok.status, ok.text))):
+            # Not the server's word (it proves every refusal of a client that proved itself): a relay's, or a
+            # server that did not take our proof. Its code is not ours to report.
+            raise LLMException(f"peer refused, unproven (status {ok.status}, {ok.text!r}): a refusal that does not "
+                               "prove the shared secret", status_code=LLMStatusCode.LLM_LINK_FAILED)
         raise LLMException(f"peer refused: {ok.text}", status_code=code_to_status(ok.status))
     if not hmac.compare_digest(ok.proof, proof(secret, b"link", nonce, ack.nonce, _link_fields(ok))):
         raise LLMException("peer failed authentication (LINK_OK is not proven)",
@@ -199,10 +213,15 @@ async def accept(head: bytes, reader: Reader, writer: asyncio.StreamWriter, *,
 def link_ok(secret: bytes | None, accepted: Accepted, status: LLMStatusCode, *, cluster_id: int = 0,
             role: int = 0, token: bytes = ZERO32, channels: int = 0, boot: bytes = ZERO16, local_name: bytes = b"",
             text: str = "") -> bytes:
-    """The server's final answer; a refusal (``status`` not success) carries nothing but its text."""
+    """The server's final answer; a refusal (``status`` not success) carries nothing but its text, proven
+    (status and text, as the client will read the text) to a client that proved itself."""
     ok = wire.LinkOk(status=int(status), cluster_id=cluster_id, role=int(role), link_token=token,
                      channels=channels, boot_id=boot, local_name=local_name[:48].ljust(48, b"\0"),
                      proof=ZERO32, text=text)
+    if status != SUCCESS and accepted.authenticated:
+        shown = wire.peer_text(text.encode("utf-8", "replace")[:wire.MAX_TEXT])
+        ok = dataclasses.replace(ok, proof=proof(secret, b"refused", accepted.client_nonce, accepted.server_nonce,
+                                                 _refusal_fields(int(status), shown)))
     if status == SUCCESS:
         ok = dataclasses.replace(ok, proof=proof(secret, b"link", accepted.client_nonce, accepted.server_nonce,
                                                  _link_fields(ok)))

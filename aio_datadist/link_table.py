@@ -553,7 +553,8 @@ class LinkTable:
             async with asyncio.timeout(SHARE_AUTH_S):
                 sock = await connect_share(name, link.token, self.secret)
         except (OSError, TimeoutError) as exc:
-            log.info("link to cluster %s: same-host sharing unavailable (%s); using TCP", link.remote_cluster_id, exc)
+            link.log.info("link %s to cluster %s: same-host sharing unavailable (%s); using TCP", link.link_id,
+                          link.remote_cluster_id, exc)
             return
         link.attach_local(sock)
         share = link.local
@@ -564,7 +565,8 @@ class LinkTable:
             if link.local is share:
                 share.close()
                 link.local = None
-            log.info("link to cluster %s: the peer did not finish sharing; using TCP", link.remote_cluster_id)
+            link.log.info("link %s to cluster %s: the peer did not finish sharing; using TCP", link.link_id,
+                          link.remote_cluster_id)
 
     async def _require_transport(self, link: Link) -> None:
         """Drop a link that negotiated a slower transport than ``aio.RequireTransport`` names: unlink it and

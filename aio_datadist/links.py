@@ -595,10 +595,11 @@ class Link:
                     self.spawn(self._read_once_drained())
                 self._pace_reading()
         except ProtocolError as exc:
-            log.warning("link to cluster %s: protocol error: %s", self.remote_cluster_id, exc)
+            self.log.warning("link %s to cluster %s: protocol error: %s", self.link_id, self.remote_cluster_id, exc)
             self.fail(LLMException(f"protocol error: {exc}", status_code=LLMStatusCode.LLM_LINK_FAILED))
         except Exception as exc:  # a bug of ours: the link cannot be trusted to be in step any more
-            log.exception("link to cluster %s: acting on a control message failed", self.remote_cluster_id)
+            self.log.exception("link %s to cluster %s: acting on a control message failed", self.link_id,
+                               self.remote_cluster_id)
             self.fail(LLMException(f"internal error on the control connection ({type(exc).__name__}: {exc})",
                                    status_code=LLMStatusCode.LLM_LINK_FAILED))
 
@@ -791,6 +792,12 @@ class Link:
         if self.local is not None:
             return "local"
         return self.data_transport
+
+    @property
+    def up(self) -> bool:
+        """Announced (linked, its transport settled and checked) and neither closed nor broken since: what
+        ``stats().links`` lists."""
+        return self._announced and self.broken is None and not self.closed
 
     def announce(self, how: str) -> None:
         """Log (once, at INFO) that the link is up and what it negotiated; tell the observers."""

@@ -40,7 +40,9 @@ DURATION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
 #: How long a scrape from another thread waits for the endpoint's event loop to take the snapshot.
 SCRAPE_WAIT_S = 2.0
 
-_EXPORTERS: weakref.WeakKeyDictionary[Any, PrometheusMetrics] = weakref.WeakKeyDictionary()
+# registry -> its exporter, both weakly: the registry holds the exporter (through its collector), so an entry
+# goes with a registry its owner dropped (a strong value would hold its own key, and so every registry, forever).
+_EXPORTERS: weakref.WeakKeyDictionary[Any, weakref.ref[PrometheusMetrics]] = weakref.WeakKeyDictionary()
 _EXPORTERS_LOCK = threading.Lock()
 
 
@@ -85,9 +87,11 @@ def instrument(dd: LLMDataDist, registry: Any = None) -> PrometheusMetrics:
     prom = _prometheus()
     registry = prom.REGISTRY if registry is None else registry
     with _EXPORTERS_LOCK:
-        exporter = _EXPORTERS.get(registry)
+        held = _EXPORTERS.get(registry)
+        exporter = None if held is None else held()
         if exporter is None:
-            exporter = _EXPORTERS[registry] = PrometheusMetrics(registry)
+            exporter = PrometheusMetrics(registry)
+            _EXPORTERS[registry] = weakref.ref(exporter)
     exporter.watch(dd)
     return exporter
 

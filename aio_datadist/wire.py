@@ -19,7 +19,7 @@ from typing import Any
 __all__ = ["ANSWER", "ANSWER_MAGIC", "ATTACH", "ATTACH_OK", "HEADER", "MAX_BODY", "MAX_ROWS", "MAX_TEXT", "RECORDS",
            "VERSION", "Abort", "Auth", "Done", "Empty", "Hello", "HelloAck", "LinkOk", "Msg", "NixlRecord",
            "ProtocolError", "PushLocalReq", "Record", "ReqFlag", "Resp", "Target", "TransferReq", "decode", "encode",
-           "encode_record", "fields_of", "parse_header"]
+           "encode_record", "fields_of", "parse_header", "peer_text"]
 
 MAGIC = b"AIOD"
 VERSION = 8  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
@@ -45,6 +45,17 @@ NO_GENERATION = 0xFFFFFFFF
 #: An owner that cannot answer on the channel (one it does not hold in step) refuses with ``RESP``.
 ANSWER = struct.Struct("<4sIQQ")
 ANSWER_MAGIC = b"AIOA"
+
+
+def peer_text(raw: bytes) -> str:
+    """A peer's text as this library shows it (in exceptions and logs): UTF-8, bad bytes replaced, and every
+    character that is not printable (newlines, tabs, terminal escape sequences, bidirectional overrides)
+    escaped as Python writes it (``\\n``, ``\\x1b``, ``\\u202e``), so that no text of a peer's forges a log
+    line or restyles a terminal."""
+    text = raw.decode("utf-8", "replace")
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 class ProtocolError(Exception):
@@ -377,7 +388,7 @@ def decode(msg: Msg, body: bytes) -> Any:
         pos += 2
         if count > MAX_TEXT or len(body) < pos + count:
             raise ProtocolError(f"{msg.name} text is malformed")
-        values.append(body[pos:pos + count].decode("utf-8", "replace"))
+        values.append(peer_text(body[pos:pos + count]))
         pos += count
     if blob_name is not None:
         if len(body) < pos + 4:

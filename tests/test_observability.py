@@ -414,3 +414,65 @@ def test_transfers_reported_at_once_count_as_each_one_would():
             other = batched.done[key]
             assert (other.count, other.bytes, other.buckets) == (done.count, done.bytes, done.buckets)
             assert other.seconds == pytest.approx(done.seconds)
+
+
+@pytest.mark.asyncio
+async def test_a_protocol_error_is_logged_with_the_link_fields(caplog):
+    """The WARNING that says why a link died carries the fields of the other records about it."""
+    from aio_datadist.testing import link_to
+
+    caplog.set_level(logging.INFO, logger="aio_datadist")
+    async with open_pair(prompt_config={"transport": "tcp"}, decoder_config={"transport": "tcp"}) as pair:
+        link = link_to(pair.decoder, PROMPT_CLUSTER_ID)
+        link_to(pair.prompt, DECODER_CLUSTER_ID).writer.write(b"\xff" * 64)  # a frame with a bad magic
+        for _ in range(250):
+            if link.broken is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert link.broken is not None
+    said = [r for r in caplog.records if "protocol error" in r.getMessage()]
+    assert said, [r.getMessage() for r in caplog.records]
+    assert all((getattr(r, "cluster_id", None), getattr(r, "remote_cluster_id", None), getattr(r, "link_id", None))
+               == (DECODER_CLUSTER_ID, PROMPT_CLUSTER_ID, link.link_id) for r in said)
+
+
+@pytest.mark.asyncio
+async def test_a_link_is_listed_and_exported_only_once_it_is_up():
+    """While ``link_clusters`` still sets a link up (its same-host share attaching), neither ``stats().links``
+    nor ``aio_datadist_links`` shows it: it would read ``tcp`` for a link that comes up ``local``."""
+    registry = CollectorRegistry()
+    prompt, decoder = LLMDataDist(LLMRole.PROMPT, 41), LLMDataDist(LLMRole.DECODER, 42)
+    instrument(decoder, registry)
+    async with prompt, decoder:
+        await prompt.init(loopback_options(listen=True, transport="auto"))
+        await decoder.init(loopback_options(transport="auto"))
+        info = LLMClusterInfo()
+        info.remote_cluster_id = 41
+        info.append_remote_ip_info(*prompt.listen_address)
+        linking = asyncio.ensure_future(decoder.link_clusters([info], timeout=5000))
+        seen = []
+        for _ in range(20000):
+            if linking.done():
+                break
+            s = decoder.stats()
+            seen.append((s.links_up, {c: link.transport for c, link in s.links.items()},
+                         sample(registry, "aio_datadist_links", cluster_id="42", transport="tcp")))
+            await asyncio.sleep(0)
+        assert (await linking)[1] == [LLMStatusCode.LLM_SUCCESS]
+        assert len(seen) > 1  # the link took loop passes to set up: there was a window to look into
+        assert decoder.stats().links[41].transport == "local"
+        early = [x for x in seen if (x[1] and (x[0] == 0 or x[1] != {41: "local"})) or x[2]]
+        assert not early, early[:3]
+
+
+def test_a_registry_its_owner_dropped_is_freed():
+    import weakref
+
+    refs = []
+    for i in range(8):
+        registry = CollectorRegistry()
+        instrument(LLMDataDist(LLMRole.PROMPT, 100 + i), registry)
+        refs.append(weakref.ref(registry))
+        del registry
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []

@@ -32,7 +32,7 @@ from aio_datadist.transport.base import (
     push_torn,
     serve_timeout_ms,
 )
-from aio_datadist.wire import ANSWER, ANSWER_MAGIC, MAX_TEXT, Msg, ReqFlag, Resp, Target, TransferReq
+from aio_datadist.wire import ANSWER, ANSWER_MAGIC, MAX_TEXT, Msg, ReqFlag, Resp, Target, TransferReq, peer_text
 
 if TYPE_CHECKING:
     from aio_datadist.plans import Plan
@@ -172,7 +172,7 @@ class StreamPlane(Plane):
         req.settled = settled
         await link.move(req.channel, array.array("Q", (text.buffer_info()[0], length)), send=False,
                         timeout_ms=None, what=req.what, keepalive=text, settled=settled)
-        return text.tobytes().decode(errors="replace")
+        return peer_text(text.tobytes())
 
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
         return True
