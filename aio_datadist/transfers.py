@@ -20,7 +20,6 @@ only once no byte of it can land any more.
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -169,9 +168,19 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
     if plan.local._owned:
         return await _run_request(rt, link, plan, req, timeout_ms, what, pull, queue_ms)
     # A cache the caller registered is its memory again once unregistering it returned: that call cuts us.
-    unwatch = rt.registry.serving([plan.local], functools.partial(_cut_own, rt, plan, req))
+    task = asyncio.current_task()
+    assert task is not None, "transfers run in a task"
+    cancelling = task.cancelling()
+    cut = _Cut(rt, plan, req, task)
+    unwatch = rt.registry.serving([plan.local], cut)
     try:
-        return await _run_request(rt, link, plan, req, timeout_ms, what, pull, queue_ms)
+        carried = await _run_request(rt, link, plan, req, timeout_ms, what, pull, queue_ms)
+    except asyncio.CancelledError:
+        if not cut.cancelled or task.uncancel() > cancelling:
+            raise  # (also) our caller's cancel
+        cut.cancelled = False
+        raise LLMException(f"{what}: the cache was unregistered during the transfer",
+                           status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST) from None
     except LLMException as exc:
         if req.cut:
             raise LLMException(f"{what}: the cache was unregistered during the transfer",
@@ -180,21 +189,43 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
     finally:
         if unwatch is not None:
             unwatch()
+        if cut.cancelled:  # our cancel was taken by a plane that raised something else: take it back
+            task.uncancel()
+    if req.cut:  # it ended before the cut could stop it, but after the caller took its memory back
+        raise LLMException(f"{what}: the cache was unregistered during the transfer",
+                           status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+    return carried
 
 
-def _cut_own(rt: Runtime, plan: Plan, req: Request) -> None:
+class _Cut:
     """The caller unregistered the registered cache our transfer moves from or into (``CacheRegistry.serving``):
-    stop touching it before that call returns. The channel's reset (told to the owner) ends our job on it
-    at once, and the device copies a staged transfer queued are waited for; the transfer then fails with
-    ``LLM_KV_CACHE_NOT_EXIST``. A transfer the owner carries in place (same-host, NIXL) is not cut here
-    (docs/reliability.md, row 168)."""
-    if req.state is RequestState.DONE or req.cut:
-        return
-    req.cut = True
-    if not req.in_place:
-        req.abandon_channel()
-    if plan.local.on_device:
-        wait_cut_copies(rt, req.what)
+    stop touching it before that call returns. The channel's reset (told to the owner) ends our job on it at
+    once, and the device copies of a device cache's transfer are waited for (``wait_cut_copies``); then the
+    transfer's task is cancelled, so that it queues nothing more when it wakes (a staged pull's next scatter,
+    a device-IPC pull's copy: its answer or chunk may be in already, its task about to run), and fails with
+    ``LLM_KV_CACHE_NOT_EXIST``, as does a transfer that ended before its task woke. A host transfer the owner
+    carries in place (a same-host pull's copy by our copy threads, NIXL) is not cut: its task is left to wait
+    for the copy, which a cancel would not stop (``docs/reliability.md``, row 168)."""
+
+    __slots__ = ("rt", "plan", "req", "task", "cancelled")
+
+    def __init__(self, rt: Runtime, plan: Plan, req: Request, task: asyncio.Task) -> None:
+        self.rt, self.plan, self.req, self.task = rt, plan, req, task
+        self.cancelled = False
+
+    def __call__(self) -> None:
+        req = self.req
+        if req.state is RequestState.DONE or req.cut:
+            return
+        req.cut = True
+        if not req.in_place:
+            req.abandon_channel()
+        on_device = self.plan.local.on_device
+        if on_device:
+            wait_cut_copies(self.rt, req.what)
+        if (on_device or not req.in_place) and not self.task.done():
+            self.cancelled = True
+            self.task.cancel()
 
 
 async def _run_request(rt: Runtime, link: Link, plan: Plan, req: Request, timeout_ms: int, what: str, pull: bool,

@@ -176,7 +176,7 @@ class Request:
         # A stream pull's ``RESP`` after the owner's answer, should it stop serving part-way (it unregistered
         # the cache the pull reads): why the bytes stopped coming.
         self.said: asyncio.Future | None = None
-        self.cut = False  # the caller unregistered the registered cache we move (see transfers._cut_own)
+        self.cut = False  # the caller unregistered the registered cache we move (see transfers._Cut)
 
     def owner_failure(self) -> LLMException | None:
         """What the owner said when it stopped the request part-way (a failed ``DONE`` of a push, a failed
