@@ -373,6 +373,7 @@ class LinkTable:
         reader, writer = await open_control(address)
         link: Link | None = None
         sockets: list[DataConn] = []
+        taken = False  # the peer took our dial (its LINK_OK said so)
         try:
             tune(writer.get_extra_info("socket"))
             if self.tls_client is not None:
@@ -380,6 +381,7 @@ class LinkTable:
             ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
                                       role=self._role(), layout=ZERO32, bilateral=bilateral, own=self.own_dials,
                                       peer_id=handshake.ANY_PEER if remote_id is None else remote_id)
+            taken = True
             if remote_id is None:
                 remote_id = ok.cluster_id
                 existing = self.links.get(remote_id) if self._live(remote_id) is None else None
@@ -413,7 +415,7 @@ class LinkTable:
                                 status_code=LLMStatusCode.LLM_LINK_FAILED)
             link.announce("dialled")
             return SUCCESS
-        except BaseException:
+        except BaseException as exc:
             if link is None:
                 for sock in sockets:
                     sock.close()
@@ -428,6 +430,12 @@ class LinkTable:
                 if link.broken is None and not link.closed:
                     link.send_unlink(link.new_req_id())
                 await settle(asyncio.ensure_future(link.close("not set up")), SET_UP_CLOSE_S)
+            if bilateral and taken and isinstance(exc, Exception) and not isinstance(exc, _WentDown):
+                # The peer's link() took its one dial: dialling again would only be refused until the link time
+                # ran out, while the peer's comm failed already.
+                code = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_LINK_FAILED
+                raise _WentDown(f"link to cluster {remote_id} failed after the peer took the dial: {exc}",
+                                status_code=code) from exc
             raise
 
     # -- bilateral links (LLMDataDist.link) ---------------------------------
@@ -470,8 +478,16 @@ class LinkTable:
             async with asyncio.timeout_at(deadline):
                 return await waiter
         except TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                return waiter.result()  # taken in the loop pass the time ran out: the link is up, the peer says OK
             log.warning("link(): cluster %s did not link within the link time", remote_id)
             return LLMStatusCode.LLM_TIMEOUT
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                # Taken in the loop pass this attempt was stopped (its comm unlinked): the link is the comm's,
+                # and the unlink that stopped us closes it (Comm.made) and tells the peer.
+                return waiter.result()
+            raise
         finally:
             if self._awaited.get(remote_id) is waiter:
                 del self._awaited[remote_id]
@@ -522,6 +538,8 @@ class LinkTable:
             async with asyncio.timeout_at(deadline):
                 return await task  # success, or another link to the cluster came up meanwhile
         except TimeoutError:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                return task.result()  # it ended in the loop pass the time ran out: the link is up, and stays
             return LLMStatusCode.LLM_TIMEOUT
         except _WentDown as exc:
             log.warning("link(): %s", exc)
@@ -531,6 +549,10 @@ class LinkTable:
             return exc
         except asyncio.CancelledError:
             current = asyncio.current_task()
+            if task.done() and not task.cancelled() and task.exception() is None:
+                # It ended in the loop pass this attempt was stopped (its comm unlinked, or finalize): whatever
+                # link it made is the comm's, which that unlink closes (Comm.made), telling the peer.
+                return task.result()
             if task.cancelled() and self.closing and (current is None or not current.cancelling()):
                 return LLMStatusCode.LLM_LINK_FAILED
             raise
