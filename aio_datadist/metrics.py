@@ -158,7 +158,7 @@ class PrometheusMetrics:
     def _retire(self, observer: _Observer) -> None:
         """Add what ``observer`` (no longer told of anything) counted to its cluster's retired counts; the lock
         is held."""
-        _add_to(self._retired, _copy(observer))  # (a copy: the endpoint's loop may be finishing a count)
+        _add_to(self._retired, observer.copy())  # (a copy: the endpoint's loop may be finishing a count)
 
     def _sources(self) -> tuple[list[tuple[LLMDataDist, _Observer]], list[_Observer]]:
         """The endpoints watched, each with its observer, and a copy of the retired counts of each cluster;
@@ -240,9 +240,11 @@ class _Observer:
         self.links["up" if up else "down"] += 1
 
     def copy(self) -> _Observer:
-        """A copy to read from another thread (taken on the endpoint's loop)."""
+        """A copy to read from another thread: also from a thread other than the one counting, as the dicts
+        are copied (``list``, ``dict``) in one step each, which no count of the loop's can come between (a
+        dict iterated in Python code while a count adds a key raises; the copy that caught that was empty)."""
         other = _Observer(self.cluster)
-        other.done = {key: done.copy() for key, done in self.done.items()}
+        other.done = {key: done.copy() for key, done in list(self.done.items())}
         other.ended = dict(self.ended)
         other.links = dict(self.links)
         return other
@@ -394,7 +396,7 @@ def _snapshot(dd: LLMDataDist | None, observer: _Observer) -> tuple[EndpointStat
     except RuntimeError:
         running = None
     if loop is None or running is loop or loop.is_closed() or not loop.is_running():
-        return (None if dd is None else _stats(dd)), _copy(observer)
+        return (None if dd is None else _stats(dd)), observer.copy()
     answer: concurrent.futures.Future[tuple[EndpointStats | None, _Observer]] = concurrent.futures.Future()
 
     def take() -> None:
@@ -406,18 +408,7 @@ def _snapshot(dd: LLMDataDist | None, observer: _Observer) -> tuple[EndpointStat
         return answer.result(SCRAPE_WAIT_S)
     except (RuntimeError, concurrent.futures.TimeoutError):  # closed meanwhile, or busy past the wait
         answer.cancel()
-        return None, _copy(observer)
-
-
-def _copy(observer: _Observer) -> _Observer:
-    """``observer.copy()`` from a thread other than the one counting: tried again if a count was added
-    during the copy (a dict that grew); empty after a few tries."""
-    for _ in range(5):
-        try:
-            return observer.copy()
-        except RuntimeError:
-            continue
-    return _Observer(observer.cluster)
+        return None, observer.copy()
 
 
 def _stats(dd: LLMDataDist | None) -> EndpointStats | None:

@@ -231,7 +231,8 @@ def engine_state(dd: LLMDataDist) -> dict[str, int]:
 
 
 def link_table_of(dd: LLMDataDist) -> LinkTable:
-    """``dd``'s link table itself (for a test that wraps one of its methods, or looks at it after finalize)."""
+    """``dd``'s link table itself (for a test that wraps one of its methods, or that takes it before finalize to
+    look at it after: like every helper here, this raises ``LLM_ENGINE_FINALIZED`` once ``dd`` is finalized)."""
     return dd._require_links()
 
 
