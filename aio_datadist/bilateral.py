@@ -202,13 +202,16 @@ class CommTable:
         return RegisterMemStatus.PREPARING if preparing else RegisterMemStatus.OK
 
     async def unlink(self, comm_id: object) -> None:
-        """Stop the comm's attempts, close its links (telling the peers) and forget it."""
+        """Stop the comm's attempts, close its links (telling the peers, all at once) and forget it."""
         comm = self._comm(comm_id)
         del self.comms[comm.comm_id]
         work = asyncio.ensure_future(self._close(comm))
         if not await settle(work, UNLINK_LIMIT_S):
+            # Peers slower to answer than the bound: each disconnect closes its link as it is cancelled.
             work.cancel()
-            log.warning("unlink(%s): not done within %s s", comm.comm_id, UNLINK_LIMIT_S)
+            await settle(work, None)
+            log.warning("unlink(%s): not done within %s s; its links closed without the peers' answer",
+                        comm.comm_id, UNLINK_LIMIT_S)
             return
         work.result()
 
@@ -218,8 +221,10 @@ class CommTable:
             attempt.cancel()
         if running:
             await asyncio.wait(running)
-        for cluster, link in comm.made().items():
-            if self.links.links.get(cluster) is link and not link.closed:
-                status = await self.links.disconnect(cluster, UNLINK_TIMEOUT_MS, force=False)
-                if status != LLMStatusCode.LLM_SUCCESS:  # the peer let go first (it unlinked too): fine
-                    log.info("unlink(%s): cluster %s: %s", comm.comm_id, cluster, status.name)
+        made = [cluster for cluster, link in comm.made().items()
+                if self.links.links.get(cluster) is link and not link.closed]
+        statuses = await asyncio.gather(*(self.links.disconnect(cluster, UNLINK_TIMEOUT_MS, force=False)
+                                          for cluster in made))
+        for cluster, status in zip(made, statuses, strict=True):
+            if status != LLMStatusCode.LLM_SUCCESS:  # the peer let go first (it unlinked too): fine
+                log.info("unlink(%s): cluster %s: %s", comm.comm_id, cluster, status.name)
