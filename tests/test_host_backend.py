@@ -120,13 +120,16 @@ class _RefusingNotifier:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("fail", ["enqueue", "notify"])
-async def test_a_failed_submission_keeps_its_memory_until_the_stream_drained(fail):
-    """After some copies were enqueued, a failing enqueue or notify must not free what they touch."""
+async def test_a_failed_submission_keeps_its_memory_until_the_stream_drained(fail, monkeypatch):
+    """After some copies were enqueued, a failing enqueue or notify must not free what they touch (here the
+    stream stays stuck past the failure's wait for it)."""
     import gc
     import weakref
 
+    from aio_datadist.devices import backend as backend_module
     from aio_datadist.devices.copies import DeviceCopy, cache_side
 
+    monkeypatch.setattr(backend_module, "FAILED_SUBMIT_WAIT_S", 0.05)
     before = _core.live_objects()
     dd = await _host_dd()
     try:
@@ -178,6 +181,46 @@ async def test_a_failed_submission_keeps_its_memory_until_the_stream_drained(fai
         await dd.finalize()
     assert buf_ref() is None  # released once close drained the stream
     assert _core.live_objects() == before
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fail", ["enqueue", "notify"])
+async def test_a_failed_submission_fails_its_caller_only_once_its_copies_are_done(fail):
+    """The copies a submission enqueued before it failed land before the failure reaches the caller, whose call
+    returns with it: no byte of it after that. The stream is held for 0.2 s past the failure."""
+    import threading
+
+    from aio_datadist.devices.copies import DeviceCopy, cache_side, enqueue_rows
+
+    dd = await _host_dd()
+    try:
+        rt = runtime_of(dd)
+        backend = rt.devices
+        dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
+        dev.tensors[0][0].view(torch.uint8).fill_(7)
+        dev.tensors[0][1].view(torch.uint8).zero_()
+        src, dst = cache_side(dev, [0], 0, 66), cache_side(dev, [1], 0, 66)
+        job = DeviceCopy(backend, dst, src, 66, "batch", keepalive=None)
+        gate = backend.stream.gate()
+        threading.Timer(0.2, gate.open).start()
+        if fail == "enqueue":
+            def enqueue_then_fail() -> None:
+                enqueue_rows(backend, dst, src, 66, "batch", job.keep)
+                raise RuntimeError("driver refused the second batch")
+
+            def submit(token: int) -> None:
+                backend.enqueue_and_notify(token, enqueue_then_fail, 0, job, "test copy")
+        else:
+            backend.notifier = _RefusingNotifier(backend.notifier, 5)
+            submit = job.submit
+        with pytest.raises(LLMException):
+            await rt.completions.start(submit, job.cancel, timeout_ms=1000, what="test copy", keepalive=job)
+        landed = dev.tensors[0][1].view(torch.uint8)[:66].clone()
+        if fail == "notify":
+            backend.notifier = backend.notifier.real
+        assert bool((landed == 7).all()), landed
+    finally:
+        await dd.finalize()
 
 
 @pytest.mark.asyncio

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -33,9 +34,13 @@ from aio_datadist.types import CacheDesc
 
 __all__ = ["DEVICE_ALIGN", "DeviceBackend", "carve", "feature_not_enabled", "shared_bytes"]
 
+log = logging.getLogger(__name__)
+
 # Device tensors of a cache start on this boundary (the copy kernel's widest access is 16 bytes;
 # 256 keeps every tensor on its own cache lines and matches the CUDA allocator's granularity).
 DEVICE_ALIGN = 256
+#: How long a failed submission waits for the copies it enqueued before it failed (``enqueue_and_notify``).
+FAILED_SUBMIT_WAIT_S = 1.0
 
 
 def shared_bytes(desc: CacheDesc) -> int:
@@ -231,15 +236,24 @@ class DeviceBackend:
             with self.on_copy_stream():
                 enqueue()
         except BaseException as exc:
-            self._held.append(keep)
+            self._failed_submission(keep, what)
             if isinstance(exc, LLMException):
                 raise
             raise LLMException(f"{what} could not be enqueued: {exc}", status_code=LLMStatusCode.LLM_FAILED) from exc
         try:
             self.notify(token, aux)
         except BaseException:
-            self._held.append(keep)
+            self._failed_submission(keep, what)
             raise
+
+    def _failed_submission(self, keep: Any, what: str) -> None:
+        """A submission failed after some of its copies may be on the stream: hold what they touch until the
+        stream drained, and let the failure reach its caller only once they are done (at most
+        :data:`FAILED_SUBMIT_WAIT_S`), as the caller's call returns with it and no byte of it may land later."""
+        self._held.append(keep)
+        if not self.wait_copies(FAILED_SUBMIT_WAIT_S):
+            log.error("%s: copies enqueued before its submission failed did not finish within %.1f s (the device "
+                      "is stuck): they may still write after the call returned", what, FAILED_SUBMIT_WAIT_S)
 
     @property
     def held(self) -> int:
