@@ -114,10 +114,11 @@ class Runtime:
             # after quiesce, there is nothing to wait for here unless it was stuck past QUIESCE_S already.
             stuck = not self.devices.close(0.0 if self.devices.busy() else 30.0)
         if stuck:
-            # What the queued work may still touch: the device caches, and what its completions keep
-            # (chunk buffers, peers' mappings); the completions are failed below, but nothing is freed.
+            # What the queued work may still touch: the device caches, what its completions keep (chunk
+            # buffers, peers' mappings) and what failed submissions' copies touch (the backend holds it); the
+            # completions are failed below, but nothing is freed.
             kept = self.registry.device_memory()
-            ABANDONED.append((kept, self.completions.keepalives()))
+            ABANDONED.append((kept, self.completions.keepalives(), self.devices))  # the backend: its held memory
             log.error("device work enqueued by this endpoint did not end; its %d device caches and the buffers "
                       "that work uses are kept for the life of the process instead of freed under it", len(kept))
         if self._staging is not None:

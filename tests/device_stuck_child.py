@@ -1,18 +1,27 @@
 """A device that never gets past its work before ``finalize`` gives up waiting (``runtime.QUIESCE_S``,
 0.3 s here): run by ``test_device_finalize.py`` in a process of its own, since what it keeps is kept
-for the life of the process by design; prints one JSON line."""
+for the life of the process by design; prints one JSON line. ``python device_stuck_child.py pull``: the
+work is a pull's; ``... failed-submission``: a copy of a submission that failed after enqueueing it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
+import sys
 import time
 import warnings
+import weakref
+
+import torch
 
 from peers import PROMPT_ID, fill, linked_pair
 
-from aio_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, Placement
 from aio_datadist import runtime as runtime_module
+from aio_datadist.devices import backend as backend_module
+from aio_datadist.devices.copies import cache_side, enqueue_rows
 from aio_datadist.testing import runtime_of
 
 BLOCKS = CacheDesc(4, (6, 3, 512), DataType.DT_FLOAT16, Placement.DEVICE)
@@ -47,5 +56,37 @@ async def main() -> dict:
     return out
 
 
+async def failed_submission() -> dict:
+    """The only work left on the stuck stream is a copy of a submission that failed after enqueueing it: the
+    memory it touches is held by the backend, which finalize must keep, without blocking past its bound."""
+    runtime_module.QUIESCE_S = 0.3
+    backend_module.FAILED_SUBMIT_WAIT_S = 0.05
+    out: dict = {}
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        backend = runtime_of(pair.decoder).devices
+        gate = backend.stream.gate()
+        buf = torch.zeros(BLOCKS.size, dtype=torch.uint8)
+        side = cache_side(dst, [0], 0, 64)
+
+        def enqueue_then_fail() -> None:
+            enqueue_rows(backend, side, side, 64, "batch", buf)
+            raise RuntimeError("the driver refused the second batch")
+
+        with contextlib.suppress(LLMException):
+            backend.enqueue_and_notify(0, enqueue_then_fail, 0, buf, "a failed submission")
+        held = weakref.ref(buf)
+        del buf, backend
+        started = time.monotonic()
+        await pair.decoder.finalize()
+        out["finalize_s"] = round(time.monotonic() - started, 2)
+        gc.collect()
+        out["kept_held"] = held() is not None
+        out["abandoned"] = len(runtime_module.ABANDONED)
+        gate.open()
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main())), flush=True)
+    work = failed_submission if sys.argv[1:] == ["failed-submission"] else main
+    print(json.dumps(asyncio.run(work())), flush=True)

@@ -69,3 +69,14 @@ def test_a_stuck_device_s_caches_are_kept_not_freed_under_its_work():
     assert out["resource_warning"] and out["kept_caches"] == 1 and out["kept_is_dst"], out
     assert out["kept_work"] >= 1, out  # what the queued copies keep alive (their chunk buffers) is kept too
     assert out["pull_ended"], out
+
+
+def test_a_stuck_device_keeps_what_a_failed_submission_s_copies_touch():
+    """A copy enqueued by a submission that then failed, stuck on the stream: ``finalize`` returns within its
+    bound and keeps the memory the copy touches (the backend holds it). Before, it waited 30 s with the loop
+    blocked, then freed that memory under the copy."""
+    proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("device_stuck_child.py")),
+                           "failed-submission"], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["finalize_s"] < 2.0 and out["kept_held"] and out["abandoned"] == 1, out

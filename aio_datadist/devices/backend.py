@@ -304,10 +304,14 @@ class DeviceBackend:
             return True
         self.closed = True
         self._tables.clear()
+        deadline = time.monotonic() + timeout_s
         if not self.notifier.close(timeout_s):
             return False  # the device did not get there: _held stays (a leak, not memory freed under work)
         if self._held:
-            self.synchronize()
+            # A stuck stream behind a failed submission is stuck too: its memory stays (with this backend,
+            # which the runtime keeps), and close does not block past its bound.
+            if not self.wait_copies(max(0.0, deadline - time.monotonic())):
+                return False
             self._held.clear()
         return True
 
@@ -327,6 +331,3 @@ class DeviceBackend:
             pause = min(pause * 2, 1e-3)
         return True
 
-    def synchronize(self) -> None:
-        """Block until the copy stream has done everything enqueued (close and failure paths only)."""
-        self.stream.synchronize()
