@@ -176,11 +176,12 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
     try:
         carried = await _run_request(rt, link, plan, req, timeout_ms, what, pull, queue_ms)
     except asyncio.CancelledError:
-        if not cut.cancelled or task.uncancel() > cancelling:
-            raise  # (also) our caller's cancel
-        cut.cancelled = False
-        raise LLMException(f"{what}: the cache was unregistered during the transfer",
-                           status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST) from None
+        if cut.cancelled:
+            cut.cancelled = False  # taken back here, once
+            if task.uncancel() <= cancelling:
+                raise LLMException(f"{what}: the cache was unregistered during the transfer",
+                                   status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST) from None
+        raise  # (also) our caller's cancel
     except LLMException as exc:
         if req.cut:
             raise LLMException(f"{what}: the cache was unregistered during the transfer",

@@ -154,3 +154,41 @@ async def test_a_caller_that_cancels_as_the_cut_lands_gets_its_cancel(monkeypatc
         await asyncio.sleep(0.3)
         assert ran == [1] and pulling[0].cancelled()
         assert sum(int((t != -1).sum()) for t in mine) == 0
+
+
+async def test_a_callers_cancel_in_the_cuts_pass_is_not_taken_back_with_the_cuts():
+    """The caller's own deadline, someone's cancel of the caller and the cut, all in one pass: the caller ends
+    cancelled (its ``asyncio.timeout`` sees a cancel that is not its own), not with a ``TimeoutError``."""
+    async with linked_pair() as pair:
+        desc = CacheDesc(2, (8, 4096), DataType.DT_INT8, Placement.HOST)
+        pair.pm.allocate_blocks_cache(desc, BlocksCacheKey(PROMPT_ID, 0))
+        own = pair.dm.register_blocks_cache(desc, [torch.zeros(desc.shape, dtype=torch.int8) for _ in range(2)])
+        rt = runtime_of(pair.decoder)
+        serving = rt.registry.serving
+        held: dict[str, Any] = {}
+        seen: dict[str, Any] = {}
+
+        def all_at_once() -> None:
+            held["deadline"].reschedule(asyncio.get_running_loop().time())
+            held["task"].cancel()
+            pair.dm.deallocate_cache(own)
+
+        def watched(caches: Any, cut: Any) -> Any:  # once the pull runs: the three in the next pass
+            asyncio.get_running_loop().call_soon(all_at_once)
+            return serving(caches, cut)
+
+        rt.registry.serving = watched
+
+        async def caller() -> None:
+            try:
+                async with asyncio.timeout(30) as deadline:
+                    held["deadline"] = deadline
+                    await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), own, ALL, ALL, timeout=5000)
+            except BaseException as exc:
+                seen["raised"] = type(exc).__name__
+                raise
+
+        held["task"] = task = asyncio.ensure_future(caller())
+        await asyncio.wait([task], timeout=10)
+        rt.registry.serving = serving
+        assert task.cancelled() and seen == {"raised": "CancelledError"}, seen
