@@ -206,10 +206,17 @@ class CommTable:
         comm = self._comm(comm_id)
         del self.comms[comm.comm_id]
         work = asyncio.ensure_future(self._close(comm))
-        if not await settle(work, UNLINK_LIMIT_S):
-            # Peers slower to answer than the bound: each disconnect closes its link as it is cancelled.
-            work.cancel()
-            await settle(work, None)
+        try:
+            done = await settle(work, UNLINK_LIMIT_S)
+        finally:
+            if not work.done():
+                # Peers slower to answer than the bound (or our caller cancelled, which settle held back until
+                # the bound): each disconnect closes its link as it is cancelled.
+                work.cancel()
+                await settle(work, None)
+                if not work.cancelled() and work.exception() is not None:
+                    log.warning("unlink(%s): %r", comm.comm_id, work.exception())
+        if not done:
             log.warning("unlink(%s): not done within %s s; its links closed without the peers' answer",
                         comm.comm_id, UNLINK_LIMIT_S)
             return

@@ -16,8 +16,11 @@ from aio_datadist.testing import link_to
 pytestmark = pytest.mark.asyncio
 
 
-@pytest.mark.parametrize("answer_ms", [600, 3000], ids=["answer_within_bound", "answer_past_bound"])
-async def test_unlink_closes_every_link_of_the_comm_when_its_peers_do_not_answer(monkeypatch, answer_ms):
+@pytest.mark.parametrize("answer_ms,cancel", [(600, False), (3000, False), (3000, True)],
+                         ids=["answer_within_bound", "answer_past_bound", "unlink_cancelled"])
+async def test_unlink_closes_every_link_of_the_comm_when_its_peers_do_not_answer(monkeypatch, answer_ms, cancel):
+    """With ``cancel``, the caller cancels its ``unlink`` 0.1 s in: the cancel ends it at its bound, with the
+    links closed too (it ended with the closes going on behind it)."""
     ips = [f"127.0.2.{i}" for i in range(1, 5)]  # the hub is rank 0: it dials the three others
     addresses = {ip: f"{ip}:{free_port(ip)}" for ip in ips}
     config = {"rank_addresses": json.dumps(addresses), "link_total_time": 20, "copy_threads": 1}
@@ -47,9 +50,16 @@ async def test_unlink_closes_every_link_of_the_comm_when_its_peers_do_not_answer
             monkeypatch.setattr(Link, "_dispatch", deaf)
             loop = asyncio.get_running_loop()
             start = loop.time()
-            await hub.unlink(comms[0])
+            made = [link_to(hub, peer.cluster_id) for peer in peers]
+            unlinking = asyncio.ensure_future(hub.unlink(comms[0]))
+            if cancel:
+                await asyncio.sleep(0.1)
+                unlinking.cancel()
+            await asyncio.wait([unlinking], timeout=10)
+            assert unlinking.cancelled() if cancel else unlinking.result() is None
             took = loop.time() - start
-            left = [peer.cluster_id for peer in peers if link_to(hub, peer.cluster_id) is not None]
+            left = [peer.cluster_id for peer, link in zip(peers, made, strict=True)
+                    if link_to(hub, peer.cluster_id) is not None or not link.closed]
             assert left == [] and took < 1.5, (left, took)
         finally:
             monkeypatch.undo()
