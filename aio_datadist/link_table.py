@@ -580,7 +580,10 @@ class LinkTable:
             return
         link.attach_local(sock)
         share = link.local
-        assert share is not None  # attach_local set it
+        if share is None:  # lost as it started (the peer closed its end, or it failed a record)
+            link.log.info("link %s to cluster %s: same-host sharing lost as it attached; using TCP", link.link_id,
+                          link.remote_cluster_id)
+            return
         # The peer's caches are mapped before link_clusters returns.
         await asyncio.wait([share.ready], timeout=SHARE_AUTH_S)
         if not share.ready.done() or share.ready.cancelled():

@@ -41,8 +41,9 @@ import mmap
 import os
 import socket
 import struct
+from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what share tests check fds against
 from aio_datadist.devices.host import check_sealed, drop_read_only, map_read_only
@@ -284,6 +285,14 @@ class LocalShare:
         #: Reads of the peer's caches not reported yet: cache id -> [count, bytes, seconds] (see tell_read).
         self._reads: dict[int, list] = {}
         self._reporting: asyncio.TimerHandle | None = None  # the report scheduled, until it is sent
+        #: Records the socket did not take yet (a peer slower to read than we offer or withdraw), in order:
+        #: (record, what holds the fd it carries or None, (kind, cache id) of an ADD). An ADD still here when
+        #: its cache is withdrawn is dropped (the peer never had it); its holder keeps the fd open meanwhile.
+        #: The DELs wait in _dels, behind everything else: a DEL names a cache the peer has, and nothing that
+        #: follows depends on it, while a cache offered behind a batch of DELs should not wait for them.
+        self._out: deque[tuple[bytes, Any, tuple[int, int] | None]] = deque()
+        self._dels: deque[bytes] = deque()
+        self._queued: set[tuple[int, int]] = set()  # the ADDs of _out: their caches are not shared yet
         self.devices = devices
         self.name = name
         #: The peer's device caches we mapped, and ours the peer said it mapped (``MAPPED``).
@@ -301,22 +310,77 @@ class LocalShare:
 
     def start(self, caches: Iterable[KvCache]) -> None:
         """Send our ledger, then offer ``caches``."""
-        if self.ledger is not None:
-            try:
-                socket.send_fds(self.sock, [_ENTRY.pack(_LEDGER, 0, LEDGER_BYTES, 0, 0, 0, 0)], [self.ledger.fd])
-            except OSError as exc:
-                log.info("same-host share lost: %s", exc)
-                self._lost()
-                return
+        if self.ledger is not None and not self._send(_ENTRY.pack(_LEDGER, 0, LEDGER_BYTES, 0, 0, 0, 0), self.ledger):
+            return
         for cache in caches:
             self.offer(cache)
 
     def announce_ready(self) -> None:
         """Tell the peer every cache we had has been offered."""
-        try:
-            self.sock.send(_ENTRY.pack(_READY, 0, 0, 0, 0, 0, 0))
-        except OSError:
-            self._lost()
+        self._send(_ENTRY.pack(_READY, 0, 0, 0, 0, 0, 0))
+
+    def _send(self, record: bytes, holder: Any = None, added: tuple[int, int] | None = None) -> bool:
+        """Send ``record`` (with ``holder.fd``) now, or after the records the socket did not take yet, once it
+        takes them; False once the share is lost. A full socket is a peer that reads later, not a lost share:
+        a few hundred records sent at once (a batch of caches freed, a link to an owner of many) fill it."""
+        if self.closed:
+            return False
+        deleting = record[0] == _DEL
+        if not self._out and not (deleting and self._dels):
+            try:
+                self._put(record, holder)
+                return True
+            except BlockingIOError:
+                self._loop.add_writer(self.sock.fileno(), self._writable)
+            except OSError as exc:
+                log.info("same-host share lost: %s", exc)
+                self._lost()
+                return False
+        if deleting:
+            self._dels.append(record)
+            return True
+        self._out.append((record, holder, added))
+        if added is not None:
+            self._queued.add(added)
+        return True
+
+    def _put(self, record: bytes, holder: Any) -> None:
+        if holder is None:
+            self.sock.send(record)
+        else:
+            socket.send_fds(self.sock, [record], [holder.fd])
+
+    def _flush(self) -> bool:
+        """Send what the socket did not take before (the DELs last); whether all of it went."""
+        while (self._out or self._dels) and not self.closed:
+            record, holder, added = self._out[0] if self._out else (self._dels[0], None, None)
+            try:
+                self._put(record, holder)
+            except BlockingIOError:
+                self._loop.add_writer(self.sock.fileno(), self._writable)
+                return False
+            except OSError as exc:
+                log.info("same-host share lost: %s", exc)
+                self._lost()
+                return False
+            if self._out:
+                self._out.popleft()
+            else:
+                self._dels.popleft()
+            if added is not None:
+                self._queued.discard(added)
+        return not self.closed
+
+    def _unsent(self, added: tuple[int, int]) -> bool:
+        """Drop the ADD ``added`` if the socket has not taken it yet (its cache is withdrawn); whether it did."""
+        if added not in self._queued:
+            return False
+        self._queued.discard(added)
+        for entry in self._out:
+            if entry[2] == added:
+                self._out.remove(entry)
+                break
+        return True
 
     def offer(self, cache: KvCache) -> None:
         """Send ``cache`` with its read-only memfd, if it has one (a device cache: its export)."""
@@ -336,13 +400,8 @@ class LocalShare:
         body = (_ENTRY.pack(_ADD, cache.cache_id, region.nbytes, lay.num_tensors, lay.rows, lay.row_bytes,
                             lay.tensor_bytes) + struct.pack(f"!{len(offsets)}Q", *offsets)
                 + _READABLE.pack(slot, model_id, geo.data_type, geo.block_shape))
-        try:
-            socket.send_fds(self.sock, [body], [region.fd])
-        except OSError as exc:
-            log.info("same-host share lost: %s", exc)
-            self._lost()
-            return
-        self.sent.add(cache.cache_id)
+        if self._send(body, region, (_ADD, cache.cache_id)):
+            self.sent.add(cache.cache_id)
 
     def _offer_device(self, cache: KvCache) -> None:
         export = cache.device_export
@@ -361,13 +420,8 @@ class LocalShare:
         body = (_ENTRY.pack(_ADD_DEVICE, cache.cache_id, export.nbytes, lay.num_tensors, lay.rows, lay.row_bytes,
                             lay.tensor_bytes) + struct.pack(f"!{len(offsets)}Q", *offsets)
                 + _DEVICE.pack(_DEVICE_CODES[self.devices.kind], self.devices.ipc_identity()))
-        try:
-            socket.send_fds(self.sock, [body], [export.fd])
-        except OSError as exc:
-            log.info("same-host share lost: %s", exc)
-            self._lost()
-            return
-        self.sent_device.add(cache.cache_id)
+        if self._send(body, export, (_ADD_DEVICE, cache.cache_id)):
+            self.sent_device.add(cache.cache_id)
 
     def say_ipc_off(self, why: str) -> None:
         """Device caches on this link take the staging plane because of ``why``: say so once (INFO)."""
@@ -397,21 +451,21 @@ class LocalShare:
         if cache_id in self.sent_device:
             self.sent_device.discard(cache_id)
             self.peer_mapped.discard(cache_id)
-            try:
-                self.sock.send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
-            except OSError:
-                self._lost()
+            if not self._unsent((_ADD_DEVICE, cache_id)):
+                self._send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
             return
         if cache_id not in self.sent:
             return
         self.sent.discard(cache_id)
-        try:
-            self.sock.send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
-        except OSError:
-            self._lost()
+        if not self._unsent((_ADD, cache_id)):
+            self._send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
 
     def shared(self, cache: KvCache) -> bool:
-        return cache.cache_id in self.sent and not self.closed
+        """Whether the peer has ``cache`` (its record left: one still queued here has not reached the peer, and
+        a message naming the cache would reach it first; what the socket takes now goes first)."""
+        if (_ADD, cache.cache_id) in self._queued:
+            self._flush()
+        return cache.cache_id in self.sent and (_ADD, cache.cache_id) not in self._queued and not self.closed
 
     def listed_region(self, model_id: int) -> PeerRegion | None:
         """The peer's blocks cache bound to blocks key ``model_id`` if its ledger lets us read it without
@@ -465,7 +519,8 @@ class LocalShare:
 
     def _writable(self) -> None:
         self._loop.remove_writer(self.sock.fileno())
-        self._report_reads()
+        if self._flush():
+            self._report_reads()
 
     def report_reads(self) -> None:
         """Send the reads not reported yet now, what the socket takes without waiting (the link is about to
@@ -590,7 +645,7 @@ class LocalShare:
             mapping.close()
             raise ShareError(f"device export of cache {record.cache_id}: {exc}") from None
         self.device_regions[record.cache_id] = peer
-        self.sock.send(_ENTRY.pack(_MAPPED, record.cache_id, 0, 0, 0, 0, 0))
+        self._send(_ENTRY.pack(_MAPPED, record.cache_id, 0, 0, 0, 0, 0))
 
     def _lost(self) -> None:
         if not self.closed:
@@ -613,6 +668,9 @@ class LocalShare:
         self.regions.clear()
         self.listed.clear()
         self._reads.clear()
+        self._out.clear()
+        self._dels.clear()
+        self._queued.clear()
         if self._reporting is not None:
             self._reporting.cancel()
         if self.peer_ledger is not None:
