@@ -10,6 +10,8 @@ futures complete in order.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -259,13 +261,32 @@ def _no_blocks(indices: Any) -> bool:
         return False
 
 
-async def _synchronize(synchronizer: Any, layer: int) -> bool:
+class _SyncThread:
+    """The thread a task's plain (blocking) synchronizer waits in, made at its first layer: one per task, as
+    LLM-DataDist gives each task its own. The loop's default executor is shared: with as many tasks waiting
+    for their prefill as it has threads (6 on two cores), a task whose layers were ready was not even asked."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def call(self, method: Callable[[int, None], Any], layer: int) -> Any:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aio_datadist-synchronizer")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, method, layer, None)
+
+    def close(self) -> None:
+        """Let the thread go once the synchronizer it may still wait in returns (never waited for here)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _synchronize(synchronizer: Any, layer: int, thread: _SyncThread) -> bool:
     # LLM-DataDist passes None for timeout_in_millis ("not supported yet"); a synchronizer bounds its own wait.
     method = synchronizer.synchronize_layer
     if inspect.iscoroutinefunction(method):
         result = await method(layer, None)
     else:
-        result = await asyncio.get_running_loop().run_in_executor(None, method, layer, None)
+        result = await thread.call(method, layer)
         if inspect.isawaitable(result):
             result = await result
     return bool(result)
@@ -305,21 +326,35 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
             abandoned = True
             driver.cancel()  # type: ignore[union-attr]
 
+    # Per config, its layer pushes not yet confirmed; a config with none left has every layer in place, and a
+    # link lost afterwards (the destination took what it needed and unlinked) does not make it a failure while
+    # a slower destination holds up the layer's confirmation.
+    unconfirmed = {cfg.index: len(cfg.plans) for cfg in configs}
+    delivered: set[int] = set()
+
+    def confirmed(index: int, push: asyncio.Future) -> None:
+        if not push.cancelled() and push.exception() is None and push.result() is None:
+            unconfirmed[index] -= 1
+            if not unconfirmed[index]:
+                delivered.add(index)
+
     def on_link_lost(link: Link, exc: LLMException) -> None:
         for cfg in configs:
-            if cfg.link is link and cfg.index not in failed and progress.result(cfg.index) is None:
+            if (cfg.link is link and cfg.index not in failed and cfg.index not in delivered
+                    and progress.result(cfg.index) is None):
                 failed.add(cfg.index)
                 progress.set_result(cfg.index, exc.status_code, exc)
                 on_failure(cfg.index)
 
     watches = _watch_links(configs, on_link_lost)
+    sync_thread = _SyncThread()
     try:
         for layer in layers:
             if nothing_left():
                 break
             syncing = True
             try:
-                ok = await _synchronize(synchronizer, layer)
+                ok = await _synchronize(synchronizer, layer, sync_thread)
             except asyncio.CancelledError as exc:
                 if abandoned and driver.uncancel() == 0:  # type: ignore[union-attr]
                     break
@@ -362,6 +397,7 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
                 mine = running.setdefault(cfg.index, set())
                 mine.add(push)
                 push.add_done_callback(mine.discard)
+                push.add_done_callback(functools.partial(confirmed, cfg.index))
                 pushes.append(push)
                 layer_pushes.append(push)
             finishing = [cfg.index for cfg in configs if cfg.src_layers.stop - 1 == layer]
@@ -382,6 +418,7 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
                 progress.set_result(index, LLMStatusCode.LLM_FAILED)
         raise
     finally:
+        sync_thread.close()
         for watch in watches:
             watch.cancel()
         for going in pushes:

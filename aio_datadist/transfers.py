@@ -73,7 +73,7 @@ async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str)
 
 async def _push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, queue_ms: int | None) -> str:
     for candidate in planes_for(link):
-        if await candidate.move_alone(rt, link, plan, timeout_ms, what):
+        if await candidate.move_alone(rt, link, plan, timeout_ms, what, queue_ms=queue_ms):
             return candidate.transport_on(link)
     return await _run(rt, link, plan, timeout_ms, what, pull=False, queue_ms=queue_ms)
 

@@ -380,8 +380,10 @@ class Plane(abc.ABC):
         """Whether this plane may be offered for ``plan`` on ``link``."""
         return False
 
-    async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:
-        """Carry a push by a request of this plane's own; False when the owner wants it offered the usual way."""
+    async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str, *,
+                         queue_ms: int | None = None) -> bool:
+        """Carry a push by a request of this plane's own; False when the owner wants it offered the usual way.
+        ``queue_ms``: as ``run_push``'s (the push may wait that much more behind the owner's earlier work)."""
         return False
 
     def reader(self, rt: Runtime, link: LinkPort, plan: Plan) -> Callable[[int, str], Awaitable[bool]] | None:

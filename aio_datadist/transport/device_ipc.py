@@ -103,14 +103,15 @@ class DeviceIpcPlane(InPlacePlane):
         await copy_rows_settled(rt, dst, src, plan.local_nbytes, req.what, (plan.local, peer))
         await req.finish()  # DONE, or the link's failure when it went meanwhile
 
-    async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:
+    async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str, *,
+                         queue_ms: int | None = None) -> bool:
         """A push from a device cache the owner mapped: it copies the rows out of our export itself."""
         share = link.local
         if (share is None or not plan.local.on_device or not share.device_shared(plan.local) or plan.by_address
                 or plan.local_offset != 0 or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS):
             return False
         await fence(rt, timeout_ms, what)  # the rows are final on our device before the owner reads them
-        return await push_local(link, plan, timeout_ms, what)
+        return await push_local(link, plan, timeout_ms, what, queue_ms=queue_ms)
 
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
         cache = served.cache

@@ -121,7 +121,8 @@ class SameHostPlane(InPlacePlane):
             _trace.mark("job done")
         await req.finish()  # DONE, written once we returned (ahead of anything we send next on the link)
 
-    async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:
+    async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str, *,
+                         queue_ms: int | None = None) -> bool:
         """A same-host push: the owner copies the rows out of our shared (read-only) region itself.
 
         Returns False when the push must take the stream path instead (no
@@ -137,7 +138,7 @@ class SameHostPlane(InPlacePlane):
         if (share is None or plan.local.on_device or not share.shared(plan.local) or plan.by_address
                 or plan.local_offset != 0 or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS):
             return False  # device caches: the device IPC plane's move_alone
-        return await push_local(link, plan, timeout_ms, what)
+        return await push_local(link, plan, timeout_ms, what, queue_ms=queue_ms)
 
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
         cache = served.cache
@@ -264,12 +265,18 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
     settled.add_done_callback(over)
 
 
-async def push_local(link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:
+async def push_local(link: LinkPort, plan: Plan, timeout_ms: int, what: str, *, queue_ms: int | None = None) -> bool:
     """Send ``PUSH_LOCAL`` for ``plan`` and wait for the owner's answer (see :meth:`SameHostPlane.move_alone`);
-    False when the owner wants it streamed."""
+    False when the owner wants it streamed.
+
+    ``queue_ms``: the push may wait that much more behind the owner's earlier copies (a layer-wise transfer's
+    layers released at once queue on the owner's copy threads, as they queue for the data channels over TCP).
+    The requester cannot see when the owner's copy starts, so the two bound the whole push, here and at the
+    owner (the request's time-out)."""
     link.check()
     req_id = link.new_req_id()
     answered = link.expect(req_id)
+    timeout_ms = min(timeout_ms + (queue_ms or 0), 0xFFFFFFFF)  # the request's u32
     fields = {name: getattr(plan.remote, name) for name in TransferReq.__dataclass_fields__}
     fields.update(channel=0, timeout_ms=timeout_ms)
     link.send_record(Msg.PUSH_LOCAL, req_id, PushLocalReq(

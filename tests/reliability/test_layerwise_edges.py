@@ -1,0 +1,122 @@
+"""Layer-wise transfers at their edges: a destination that has every layer and then goes, layers queued behind
+each other on a same-host link, and plain synchronizers of many tasks waiting at once.
+
+Each failed before: the first destination was reported failed although its layer futures said it got
+everything; same-host layers released together timed out behind the owner's copies of the earlier ones
+(the TCP path's queue allowance, row 159, did not reach them); and blocking synchronizers shared the loop's
+default executor, so a task whose layers were ready waited for other tasks' prefills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+
+import pytest
+from _slowpath import SlowPath
+from peers import DECODER_ID, PROMPT_ID, cluster_info, endpoint, fill, options, port_of
+from test_layerwise import BLOCKS, DST_BLOCKS, SRC_BLOCKS, Ready, blocks_config, layer_landed, setup
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LayerSynchronizer,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    TransferWithCacheKeyConfig,
+)
+
+pytestmark = pytest.mark.asyncio
+OK = LLMStatusCode.LLM_SUCCESS
+
+
+async def test_a_destination_that_got_every_layer_and_then_unlinked_is_no_failure():
+    """Two destinations of one layer; A (direct) has it confirmed long before B (through a 0.3 s path), and
+    unlinks meanwhile, as a decoder that has its request's KV may."""
+    a, b = 2, 3
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True,
+                                                          sync_kv_timeout=10_000))
+        path = await stack.enter_async_context(SlowPath(port_of(prompt), 1e9, 0.3))
+        da = await stack.enter_async_context(endpoint(LLMRole.DECODER, a))
+        db = await stack.enter_async_context(endpoint(LLMRole.DECODER, b))
+        dst_a = da.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(a, 0))
+        db.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(b, 0))
+        assert (await da.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))]))[0] == OK
+        assert (await db.link_clusters([cluster_info(PROMPT_ID, path.address)], timeout=10_000))[0] == OK
+        src = prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS)
+        fill(src, 5)
+        configs = [TransferWithCacheKeyConfig(BlocksCacheKey(d, 0), src_layer_range=range(0, 1),
+                                              dst_layer_range=range(0, 1)) for d in (a, b)]
+        task = prompt.kv_cache_manager.transfer_cache_async(src, Ready(), configs, SRC_BLOCKS, DST_BLOCKS)
+        async with asyncio.timeout(5):
+            while not layer_landed(dst_a, src, 0, DST_BLOCKS, SRC_BLOCKS):
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # A's push confirmed
+        assert not task.done()
+        assert (await da.unlink_clusters([cluster_info(PROMPT_ID, port_of(prompt))]))[0] == OK
+        async with asyncio.timeout(10):
+            await task.layer(0)
+            assert await task.get_results() == [OK, OK]
+
+
+class _Prefill(LayerSynchronizer):
+    """A plain synchronizer that blocks until its request's prefill is done."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return self.done.wait(10)
+
+
+async def test_a_ready_task_is_not_held_up_by_blocking_synchronizers_of_other_tasks():
+    waiting = min(32, (os.cpu_count() or 1) + 4)  # what the loop's default executor has
+    async with setup() as s:
+        src = s.blocks_src()
+        slow = [_Prefill() for _ in range(waiting)]
+        tasks = [s.pm.transfer_cache_async(src, p, [blocks_config()], SRC_BLOCKS, DST_BLOCKS) for p in slow]
+        await asyncio.sleep(0.2)  # each of them waits in its synchronizer
+        ready = _Prefill()
+        ready.done.set()
+        quick = s.pm.transfer_cache_async(src, ready, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        try:
+            async with asyncio.timeout(5):
+                assert await quick.synchronize() == OK
+        finally:
+            for p in slow:
+                p.done.set()
+            async with asyncio.timeout(10):
+                await asyncio.gather(*(t.synchronize() for t in tasks))
+
+
+async def test_same_host_layers_released_together_do_not_time_out_behind_each_other():
+    """16 layers of 8 MiB released at once onto one copy thread of the owner: each takes a few ms, all of them
+    several times the 15 ms time-out, which each layer must meet only once the owner's copy could start."""
+    layers = 16
+    desc = CacheDesc(2 * layers, (8, 512 * 1024), DataType.DT_UINT8, Placement.HOST)  # 4 MiB a tensor
+    rows = list(range(8))
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True,
+                                                          sync_kv_timeout=15, transport="local"))
+        dec = await stack.enter_async_context(LLMDataDist(LLMRole.DECODER, DECODER_ID))
+        await dec.init({**options(transport="local"), "aio.CopyThreads": "1"})
+        dec.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(DECODER_ID, 0))
+        assert (await dec.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))]))[0] == OK
+        src = prompt.kv_cache_manager.allocate_blocks_cache(desc)
+        for t in src.tensors:
+            t.fill_(1)
+        task = prompt.kv_cache_manager.transfer_cache_async(
+            src, Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER_ID, 0))], rows, rows)
+        try:
+            results: object = await task
+        except LLMException as exc:
+            results = exc
+        assert results == [OK]
+        assert prompt.stats().links[DECODER_ID].transports["push"] == "local"
