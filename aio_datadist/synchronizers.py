@@ -66,7 +66,8 @@ class EventLayerSynchronizer(LayerSynchronizer):
             whose work enqueued so far must finish before the layer is
             transferred; None: the layer is ready now.
         :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` for a stream on an
-            endpoint without a device backend; ``LLM_PARAM_INVALID`` for a
+            endpoint without a device backend; ``LLM_ENGINE_FINALIZED`` once
+            the endpoint was finalized; ``LLM_PARAM_INVALID`` for a
             stream of another kind, one being captured into a CUDA graph, or
             a layer recorded twice on a stream.
         """
@@ -78,7 +79,11 @@ class EventLayerSynchronizer(LayerSynchronizer):
             raise param_invalid("layer_index", "the synchronizer is closed")
         token = self._layers[index][0]
         if stream is None:
-            self._queue.post(token, 0, 0)
+            try:
+                self._queue.post(token, 0, 0)
+            except ValueError:  # the queue is closed: its endpoint was finalized
+                raise LLMException("record: the endpoint of this synchronizer was finalized",
+                                   status_code=LLMStatusCode.LLM_ENGINE_FINALIZED) from None
             return
         assert self._devices is not None
         try:

@@ -316,6 +316,17 @@ async def test_event_synchronizer_records_from_the_loop_and_from_a_thread() -> N
         assert all(layer_landed(dst, src, layer, DST_BLOCKS, SRC_BLOCKS) for layer in range(LAYERS))
 
 
+async def test_event_synchronizer_recorded_after_its_endpoint_was_finalized_says_so() -> None:
+    """A prefill thread that records after the endpoint went gets LLM_ENGINE_FINALIZED (it got a bare
+    ValueError from the closed completion queue)."""
+    async with setup() as s:
+        events = EventLayerSynchronizer(s.prompt, LAYERS)
+        await s.prompt.finalize()
+        with pytest.raises(LLMException) as info:
+            events.record(0)
+        assert info.value.status_code == LLMStatusCode.LLM_ENGINE_FINALIZED
+
+
 async def test_event_synchronizer_recorded_before_the_transfer() -> None:
     async with setup() as s:
         src = s.blocks_src()
