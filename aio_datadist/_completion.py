@@ -16,8 +16,10 @@ import asyncio
 import errno
 import functools
 import itertools
+import logging
 import os
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +27,15 @@ from aio_datadist._core import CompletionQueue
 from aio_datadist._settle import settle
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ["Completions", "status_for_errno"]
+log = logging.getLogger(__name__)
+
+__all__ = ["FAILED_DRAIN_S", "Completions", "status_for_errno"]
+
+#: How long a submission that failed after some of its work was queued (a device submit: its ``drained``) waits,
+#: without blocking the loop, for that work to end before its failure reaches the caller.
+FAILED_DRAIN_S = 1.0
+_DRAIN_POLL_FIRST_S = 0.0005
+_DRAIN_POLL_MAX_S = 0.02
 
 _LINK_ERRNOS = frozenset(
     {errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED, errno.ENOTCONN, errno.ETIMEDOUT,
@@ -90,7 +100,11 @@ class Completions:
         with its keepalive (``settled`` is set). A submit that may have
         started native work before failing keeps what that work touches
         itself: device submits hand it to their backend, which holds it until
-        the stream drained (``DeviceBackend.enqueue_and_notify``).
+        the stream drained (``DeviceBackend.enqueue_and_notify``). Such a
+        failure carries ``drained`` (a callable saying whether that work is
+        over): the returned future then fails with it, and ``settled`` is set,
+        once ``drained()`` says so (polled, at most :data:`FAILED_DRAIN_S`),
+        so that no byte of it lands after the caller's call returned.
         """
         if self._closed:
             raise LLMException(f"{what}: the transfer engine is closed",
@@ -103,11 +117,15 @@ class Completions:
         self._pending[token] = waiter
         try:
             submit(token)
-        except BaseException:
+        except BaseException as exc:
             del self._pending[token]
-            if settled is not None:
-                _settle(settled)
-            raise
+            drained = getattr(exc, "drained", None)
+            if drained is None or drained():
+                if settled is not None:
+                    _settle(settled)
+                raise
+            _fail_when_drained(loop, future, exc, drained, settled, what)
+            return future
         if timeout_ms is not None:
             waiter.timer = loop.call_later(timeout_ms / 1000.0, self._on_timeout, token)
         future.add_done_callback(functools.partial(self._on_done, token))
@@ -241,6 +259,31 @@ class Completions:
 
 def _no_cancel(token: int) -> None:
     return None
+
+
+def _fail_when_drained(loop: asyncio.AbstractEventLoop, future: asyncio.Future, exc: BaseException,
+                       drained: Callable[[], bool], settled: asyncio.Future | None, what: str) -> None:
+    """Fail ``future`` with ``exc`` (and set ``settled``) once ``drained()``, polled from the loop with a growing
+    pause; past :data:`FAILED_DRAIN_S` anyway, logged: the device is stuck."""
+    deadline = loop.time() + FAILED_DRAIN_S
+
+    def poll(pause: float) -> None:
+        done = drained()
+        if not done and loop.time() < deadline:
+            loop.call_later(pause, poll, min(2 * pause, _DRAIN_POLL_MAX_S))
+            return
+        if not done:
+            log.error("%s: work queued before its submission failed did not end within %.1f s (the device is "
+                      "stuck): it may still write after the call returned", what, FAILED_DRAIN_S)
+        # Its frames (the submit's, this start's, which holds the future) would make a cycle with the future
+        # that keeps what the submit touched until a collection: their locals go, the lines stay.
+        traceback.clear_frames(exc.__traceback__)
+        if not future.done():
+            future.set_exception(exc)
+        if settled is not None:
+            _set_done(settled)
+
+    loop.call_later(_DRAIN_POLL_FIRST_S, poll, _DRAIN_POLL_FIRST_S)
 
 
 def _settle(future: asyncio.Future) -> None:

@@ -10,9 +10,11 @@ futures complete in order.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import functools
 import inspect
+import queue
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -264,20 +266,49 @@ def _no_blocks(indices: Any) -> bool:
 class _SyncThread:
     """The thread a task's plain (blocking) synchronizer waits in, made at its first layer: one per task, as
     LLM-DataDist gives each task its own. The loop's default executor is shared: with as many tasks waiting
-    for their prefill as it has threads (6 on two cores), a task whose layers were ready was not even asked."""
+    for their prefill as it has threads (6 on two cores), a task whose layers were ready was not even asked.
+    A daemon thread, unlike an executor's: a synchronizer still waiting for a layer never computed does not
+    hold up the interpreter's exit (an executor's threads are joined before the atexit hooks that would end
+    the transfer run)."""
 
     def __init__(self) -> None:
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._calls: queue.SimpleQueue | None = None
 
     async def call(self, method: Callable[[int, None], Any], layer: int) -> Any:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aio_datadist-synchronizer")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, method, layer, None)
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        if self._calls is None:
+            self._calls = queue.SimpleQueue()
+            threading.Thread(target=_serve_synchronizer, args=(self._calls,), daemon=True,
+                             name="aio_datadist-synchronizer").start()
+        self._calls.put((method, layer, loop, answer))
+        return await answer
 
     def close(self) -> None:
         """Let the thread go once the synchronizer it may still wait in returns (never waited for here)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._calls is not None:
+            self._calls.put(None)
+
+
+def _serve_synchronizer(calls: queue.SimpleQueue) -> None:
+    while (call := calls.get()) is not None:
+        method, layer, loop, answer = call
+        try:
+            outcome: tuple[bool, Any] = (True, method(layer, None))
+        except BaseException as exc:  # the task's to see, as an exception out of an executor would be
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(_answer, answer, outcome)
+
+
+def _answer(answer: asyncio.Future, outcome: tuple[bool, Any]) -> None:
+    if answer.done():  # the task was cancelled meanwhile
+        return
+    ok, value = outcome
+    if ok:
+        answer.set_result(value)
+    else:
+        answer.set_exception(value)
 
 
 async def _synchronize(synchronizer: Any, layer: int, thread: _SyncThread) -> bool:
@@ -339,9 +370,12 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
                 delivered.add(index)
 
     def on_link_lost(link: Link, exc: LLMException) -> None:
+        # Only destinations no push of ours is in flight to: a push in flight ends by itself with the link (its
+        # answer failed by the link's end) and says how; one whose DONE came in the pass the link ended is a
+        # success, which cutting it here would make a failure.
         for cfg in configs:
             if (cfg.link is link and cfg.index not in failed and cfg.index not in delivered
-                    and progress.result(cfg.index) is None):
+                    and not running.get(cfg.index) and progress.result(cfg.index) is None):
                 failed.add(cfg.index)
                 progress.set_result(cfg.index, exc.status_code, exc)
                 on_failure(cfg.index)

@@ -20,7 +20,6 @@ from peers import PROMPT_ID, fill, linked_pair
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, Placement
 from aio_datadist import runtime as runtime_module
-from aio_datadist.devices import backend as backend_module
 from aio_datadist.devices.copies import cache_side, enqueue_rows
 from aio_datadist.testing import runtime_of
 
@@ -60,7 +59,6 @@ async def failed_submission() -> dict:
     """The only work left on the stuck stream is a copy of a submission that failed after enqueueing it: the
     memory it touches is held by the backend, which finalize must keep, without blocking past its bound."""
     runtime_module.QUIESCE_S = 0.3
-    backend_module.FAILED_SUBMIT_WAIT_S = 0.05
     out: dict = {}
     async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
         dst = pair.dm.allocate_blocks_cache(BLOCKS)
@@ -76,7 +74,7 @@ async def failed_submission() -> dict:
         with contextlib.suppress(LLMException):
             backend.enqueue_and_notify(0, enqueue_then_fail, 0, buf, "a failed submission")
         held = weakref.ref(buf)
-        del buf, backend
+        buf = backend = None  # only the backend holds it now
         started = time.monotonic()
         await pair.decoder.finalize()
         out["finalize_s"] = round(time.monotonic() - started, 2)

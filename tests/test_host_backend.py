@@ -4,6 +4,7 @@ ordered native copy queues and completed by the core's StreamNotifier, so every 
 from __future__ import annotations
 
 import array
+import asyncio
 import ctypes
 import select
 
@@ -126,10 +127,10 @@ async def test_a_failed_submission_keeps_its_memory_until_the_stream_drained(fai
     import gc
     import weakref
 
-    from aio_datadist.devices import backend as backend_module
+    from aio_datadist import _completion
     from aio_datadist.devices.copies import DeviceCopy, cache_side
 
-    monkeypatch.setattr(backend_module, "FAILED_SUBMIT_WAIT_S", 0.05)
+    monkeypatch.setattr(_completion, "FAILED_DRAIN_S", 0.05)
     before = _core.live_objects()
     dd = await _host_dd()
     try:
@@ -220,6 +221,58 @@ async def test_a_failed_submission_fails_its_caller_only_once_its_copies_are_don
             backend.notifier = backend.notifier.real
         assert bool((landed == 7).all()), landed
     finally:
+        await dd.finalize()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("what", ["fence", "copy"])
+async def test_a_failed_submission_does_not_block_the_loop(what):
+    """Behind earlier work held on the stream for 0.5 s: a refused fence (nothing of its own queued) fails at
+    once, a failed copy submission once the stream drained; the loop runs on meanwhile (it was blocked up to
+    1 s on each, waiting for the whole stream)."""
+    import threading
+    import time
+
+    from aio_datadist.devices.copies import DeviceCopy, cache_side
+
+    dd = await _host_dd()
+    gate = None
+    try:
+        rt = runtime_of(dd)
+        backend = rt.devices
+        dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
+        job = DeviceCopy(backend, cache_side(dev, [1], 0, 66), cache_side(dev, [0], 0, 66), 66, "batch",
+                         keepalive=None)
+        gate = backend.stream.gate()
+        threading.Timer(0.5, gate.open).start()
+        longest, stop = 0.0, False
+
+        async def ticker() -> None:
+            nonlocal longest
+            last = time.monotonic()
+            while not stop:
+                await asyncio.sleep(0.005)
+                now = time.monotonic()
+                longest, last = max(longest, now - last), now
+
+        tick = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0.05)
+        backend.notifier = _RefusingNotifier(backend.notifier, 5)
+        started = time.monotonic()
+        with pytest.raises(LLMException):
+            if what == "fence":
+                await rt.completions.start(backend.fence, backend.cancel, timeout_ms=None, what="fence")
+            else:
+                await rt.completions.start(job.submit, job.cancel, timeout_ms=None, what="copy", keepalive=job)
+        took = time.monotonic() - started
+        backend.notifier = backend.notifier.real
+        stop = True
+        await tick
+        assert longest < 0.2, f"the loop stood still {longest:.2f} s"
+        assert took < 0.2 if what == "fence" else took > 0.3, took  # a copy's failure waits for the copy
+    finally:
+        if gate is not None:
+            gate.open()
         await dd.finalize()
 
 

@@ -39,8 +39,6 @@ log = logging.getLogger(__name__)
 # Device tensors of a cache start on this boundary (the copy kernel's widest access is 16 bytes;
 # 256 keeps every tensor on its own cache lines and matches the CUDA allocator's granularity).
 DEVICE_ALIGN = 256
-#: How long a failed submission waits for the copies it enqueued before it failed (``enqueue_and_notify``).
-FAILED_SUBMIT_WAIT_S = 1.0
 
 
 def shared_bytes(desc: CacheDesc) -> int:
@@ -236,24 +234,29 @@ class DeviceBackend:
             with self.on_copy_stream():
                 enqueue()
         except BaseException as exc:
-            self._failed_submission(keep, what)
-            if isinstance(exc, LLMException):
+            failure = exc if isinstance(exc, LLMException) else LLMException(
+                f"{what} could not be enqueued: {exc}", status_code=LLMStatusCode.LLM_FAILED)
+            self._failed_submission(keep, failure)
+            if failure is exc:
                 raise
-            raise LLMException(f"{what} could not be enqueued: {exc}", status_code=LLMStatusCode.LLM_FAILED) from exc
+            raise failure from exc
         try:
             self.notify(token, aux)
-        except BaseException:
-            self._failed_submission(keep, what)
+        except BaseException as exc:
+            self._failed_submission(keep, exc)
             raise
 
-    def _failed_submission(self, keep: Any, what: str) -> None:
-        """A submission failed after some of its copies may be on the stream: hold what they touch until the
-        stream drained, and let the failure reach its caller only once they are done (at most
-        :data:`FAILED_SUBMIT_WAIT_S`), as the caller's call returns with it and no byte of it may land later."""
+    def _failed_submission(self, keep: Any, failure: BaseException) -> None:
+        """A submission failed after some of its copies may be on the stream (``keep``: what they touch, None
+        for a submission that queued none, a fence): hold that until the stream drained, and mark ``failure``
+        with ``drained``, so that the completions let it reach the caller only once they are done
+        (``Completions.start``, without blocking the loop): the caller's call returns with it, and no byte
+        of it may land later."""
+        if keep is None:
+            return
         self._held.append(keep)
-        if not self.wait_copies(FAILED_SUBMIT_WAIT_S):
-            log.error("%s: copies enqueued before its submission failed did not finish within %.1f s (the device "
-                      "is stuck): they may still write after the call returned", what, FAILED_SUBMIT_WAIT_S)
+        with contextlib.suppress(AttributeError, TypeError):  # an exception type that takes no attribute
+            failure.drained = self._stream_drained  # type: ignore[attr-defined]
 
     @property
     def held(self) -> int:

@@ -89,6 +89,9 @@ MAX_TENSORS = 4096
 MAX_MESSAGE = _ENTRY.size + 8 * MAX_TENSORS + max(_DEVICE.size, _READABLE.size)
 #: Regions one peer may have mapped here at once (each mapping counts against vm.max_map_count).
 MAX_REGIONS = 4096
+#: Records the share socket may hold back for a peer that reads later (our offers, withdrawals, answers); past
+#: it the peer reads nothing of what it is sent while its caches change under it: the share is dropped.
+MAX_UNSENT = 4 * MAX_REGIONS
 #: The largest region a peer may ask us to map (1 TiB).
 MAX_REGION_BYTES = 1 << 40
 #: The longest a pull that read without asking may say it took (a ``READ`` record), for our counters.
@@ -285,13 +288,12 @@ class LocalShare:
         #: Reads of the peer's caches not reported yet: cache id -> [count, bytes, seconds] (see tell_read).
         self._reads: dict[int, list] = {}
         self._reporting: asyncio.TimerHandle | None = None  # the report scheduled, until it is sent
-        #: Records the socket did not take yet (a peer slower to read than we offer or withdraw), in order:
-        #: (record, what holds the fd it carries or None, (kind, cache id) of an ADD). An ADD still here when
-        #: its cache is withdrawn is dropped (the peer never had it); its holder keeps the fd open meanwhile.
-        #: The DELs wait in _dels, behind everything else: a DEL names a cache the peer has, and nothing that
-        #: follows depends on it, while a cache offered behind a batch of DELs should not wait for them.
+        #: Records the socket did not take yet (a peer slower to read than we offer or withdraw), in the order
+        #: they were made, which the peer's count of our caches (at most MAX_REGIONS) and a cache withdrawn
+        #: and offered again depend on: (record, what holds the fd it carries or None, (kind, cache id) of an
+        #: ADD). An ADD still here when its cache is withdrawn is dropped (the peer never had it); its holder
+        #: keeps the fd open meanwhile.
         self._out: deque[tuple[bytes, Any, tuple[int, int] | None]] = deque()
-        self._dels: deque[bytes] = deque()
         self._queued: set[tuple[int, int]] = set()  # the ADDs of _out: their caches are not shared yet
         self.devices = devices
         self.name = name
@@ -325,8 +327,7 @@ class LocalShare:
         a few hundred records sent at once (a batch of caches freed, a link to an owner of many) fill it."""
         if self.closed:
             return False
-        deleting = record[0] == _DEL
-        if not self._out and not (deleting and self._dels):
+        if not self._out:
             try:
                 self._put(record, holder)
                 return True
@@ -336,9 +337,10 @@ class LocalShare:
                 log.info("same-host share lost: %s", exc)
                 self._lost()
                 return False
-        if deleting:
-            self._dels.append(record)
-            return True
+        if len(self._out) >= MAX_UNSENT:
+            log.info("same-host share lost: the peer fell %d records behind", MAX_UNSENT)
+            self._lost()
+            return False
         self._out.append((record, holder, added))
         if added is not None:
             self._queued.add(added)
@@ -351,9 +353,9 @@ class LocalShare:
             socket.send_fds(self.sock, [record], [holder.fd])
 
     def _flush(self) -> bool:
-        """Send what the socket did not take before (the DELs last); whether all of it went."""
-        while (self._out or self._dels) and not self.closed:
-            record, holder, added = self._out[0] if self._out else (self._dels[0], None, None)
+        """Send what the socket did not take before; whether all of it went."""
+        while self._out and not self.closed:
+            record, holder, added = self._out[0]
             try:
                 self._put(record, holder)
             except BlockingIOError:
@@ -363,10 +365,7 @@ class LocalShare:
                 log.info("same-host share lost: %s", exc)
                 self._lost()
                 return False
-            if self._out:
-                self._out.popleft()
-            else:
-                self._dels.popleft()
+            self._out.popleft()
             if added is not None:
                 self._queued.discard(added)
         return not self.closed
@@ -669,7 +668,6 @@ class LocalShare:
         self.listed.clear()
         self._reads.clear()
         self._out.clear()
-        self._dels.clear()
         self._queued.clear()
         if self._reporting is not None:
             self._reporting.cancel()

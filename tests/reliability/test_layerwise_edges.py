@@ -17,7 +17,7 @@ import threading
 import pytest
 from _slowpath import SlowPath
 from peers import DECODER_ID, PROMPT_ID, cluster_info, endpoint, fill, options, port_of
-from test_layerwise import BLOCKS, DST_BLOCKS, SRC_BLOCKS, Ready, blocks_config, layer_landed, setup
+from test_layerwise import BLOCKS, DST_BLOCKS, LAYERS, SRC_BLOCKS, Ready, blocks_config, layer_landed, setup
 
 from aio_datadist import (
     BlocksCacheKey,
@@ -31,6 +31,8 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.links import Link
+from aio_datadist.testing import usable_link
 
 pytestmark = pytest.mark.asyncio
 OK = LLMStatusCode.LLM_SUCCESS
@@ -64,6 +66,37 @@ async def test_a_destination_that_got_every_layer_and_then_unlinked_is_no_failur
         async with asyncio.timeout(10):
             await task.layer(0)
             assert await task.get_results() == [OK, OK]
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_destination_whose_link_goes_as_its_last_confirmation_comes_in_is_no_failure(monkeypatch):
+    """The last layer's ``DONE`` and the link's end in one pass (one read: ``DONE``, then EOF): the link's end
+    fails only destinations no push is in flight to."""
+    async with setup() as s:
+        target = usable_link(s.prompt, DECODER_ID)
+        dones: list[int] = []
+        expect = Link.expect
+
+        def watched(self: Link, req_id: int, answer: object = None) -> asyncio.Future:
+            fut = expect(self, req_id, answer)
+            if self is target:
+                def arrived(f: asyncio.Future) -> None:
+                    if f.cancelled() or f.exception() is not None or type(f.result()).__name__ != "Done":
+                        return
+                    dones.append(req_id)
+                    if len(dones) == LAYERS:
+                        self.fail(LLMException("connection reset by peer", status_code=LLMStatusCode.LLM_LINK_FAILED))
+
+                fut.add_done_callback(arrived)
+            return fut
+
+        monkeypatch.setattr(Link, "expect", watched)
+        task = s.pm.transfer_cache_async(s.blocks_src(), Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        async with asyncio.timeout(10):
+            for i in range(LAYERS):
+                await task.layer(i)
+            assert await task.get_results() == [OK]
+        assert len(dones) == LAYERS
 
 
 class _Prefill(LayerSynchronizer):
