@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -114,9 +115,13 @@ class _LoopThread:
             coro.close()
             raise RuntimeError("aio_datadist.compat blocks; inside an event loop use the async API")
         ended = threading.Event()
+        abandoned = threading.Event()
 
         async def guarded() -> _T:
             try:
+                if abandoned.is_set():  # interrupted before the loop got to it: it never starts
+                    coro.close()
+                    raise asyncio.CancelledError
                 return await coro
             finally:
                 ended.set()
@@ -128,6 +133,9 @@ class _LoopThread:
             if not future.done():
                 # Interrupted while waiting (a KeyboardInterrupt in this thread): the call is cancelled and
                 # has ended before this raises, so none of its work goes on (no byte lands) behind the caller.
+                # A call the loop has not started yet (busy with other threads' calls) never starts: the
+                # cancel alone would come after its first step, which runs a plain call (call()) whole.
+                abandoned.set()
                 future.cancel()
                 ended.wait(INTERRUPT_SETTLE_S)
             raise
@@ -137,6 +145,12 @@ class _LoopThread:
             return fn(*args, **kwargs)
 
         return self.run(invoke())
+
+    def forget(self) -> None:
+        """In a child process after ``fork``: the parent's loop has no thread here (and its lock may have been
+        held by another of the parent's threads); the child's first call starts a loop of its own."""
+        self._lock = threading.Lock()
+        self._loop = self._thread = None
 
     def stop(self) -> None:
         with self._lock:
@@ -150,6 +164,16 @@ class _LoopThread:
 
 _RUNNER = _LoopThread()
 _LIVE: set[LLMDataDist] = set()
+
+
+def _after_fork_in_child() -> None:
+    # The parent's endpoints are the parent's: the child neither finalizes them at exit (shutting down
+    # sockets it shares with the parent) nor waits for a loop that no thread runs here.
+    _LIVE.clear()
+    _RUNNER.forget()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register

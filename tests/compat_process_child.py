@@ -1,0 +1,162 @@
+"""Programs of the blocking facade (``aio_datadist.compat``) at process edges; run by
+``test_compat_processes.py`` in a process of their own, each prints one JSON line of what happened.
+
+``fork-exit``: a process with a live link forks and the child exits at once (its atexit hooks run); the parent
+then pulls on its link. ``fork-use``: the child makes and finalizes an endpoint of its own.
+``interrupt-transfer`` / ``interrupt-allocate``: SIGINT reaches a facade call while the facade's loop is busy
+with other work (it has not started the call yet). ``exit-synchronizer``: the main thread returns while a
+layer-wise transfer waits in a plain synchronizer for a layer never computed (bounded at 30 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+from compat_interrupt_child import BLOCKS, cluster, endpoint
+
+from aio_datadist import compat
+from aio_datadist.compat import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LayerSynchronizer,
+    LLMRole,
+    Placement,
+    TransferWithCacheKeyConfig,
+)
+
+
+class Ready(LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+def linked(filled: float = 1.0) -> tuple:
+    """A PROMPT and a DECODER linked, each with a registered blocks cache (the prompt's ``filled``)."""
+    prompt, decoder = endpoint(LLMRole.PROMPT, 1, listen=True), endpoint(LLMRole.DECODER, 2)
+    memory = [torch.full((8, 4, 16), filled if i < 4 else 0.0, dtype=torch.float16) for i in range(8)]
+    src = prompt.cache_manager.register_blocks_cache(BLOCKS, [t.data_ptr() for t in memory[:4]], BlocksCacheKey(1, 0))
+    dst = decoder.cache_manager.register_blocks_cache(BLOCKS, [t.data_ptr() for t in memory[4:]],
+                                                      BlocksCacheKey(2, 0))
+    assert decoder.link_clusters([cluster(1, prompt.listen_address)], 5000)[0] == 0
+    return prompt, decoder, src, dst, memory
+
+
+def fork(mode: str) -> dict:
+    prompt, decoder, _, dst, _ = linked()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        if mode == "exit":
+            os.close(w)
+            sys.exit(0)
+        done: dict = {}
+
+        def use() -> None:
+            try:
+                own = endpoint(LLMRole.DECODER, 7)
+                done["init"] = "ok"
+                own.finalize()
+                done["finalize"] = "ok"
+            except BaseException as exc:
+                done["init"] = repr(exc)
+
+        thread = threading.Thread(target=use, daemon=True)
+        thread.start()
+        thread.join(10)
+        done.setdefault("init", "hung for 10 s")
+        os.write(w, json.dumps(done).encode())
+        os.close(w)
+        os._exit(0)
+    os.close(w)
+    started, status = time.monotonic(), None
+    while time.monotonic() - started < 15:
+        ended, code = os.waitpid(pid, os.WNOHANG)
+        if ended:
+            status = code
+            break
+        time.sleep(0.05)
+    waited = time.monotonic() - started
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    data = b""
+    while chunk := os.read(r, 4096):
+        data += chunk
+    os.close(r)
+    try:
+        decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0, 1], [0, 1], timeout=2000)
+        pulled = "ok"
+    except Exception as exc:
+        pulled = repr(exc)
+    prompt.finalize()
+    decoder.finalize()
+    return {"child_status": status, "seconds": round(waited, 2), "child": json.loads(data) if data else None,
+            "parent_pull_after": pulled}
+
+
+def interrupt_while_the_loop_is_busy() -> None:
+    # Other work holds the facade's loop for 1 s (time.sleep releases the GIL as native steps do) and Ctrl-C
+    # comes while this thread's call waits for the loop to start it.
+    compat._RUNNER.loop().call_soon_threadsafe(time.sleep, 1.0)
+    threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+
+
+def interrupt(mode: str) -> dict:
+    out: dict = {}
+    if mode == "transfer":
+        prompt, decoder, src, _, memory = linked()
+        interrupt_while_the_loop_is_busy()
+        try:
+            prompt.cache_manager.transfer_cache_async(
+                src, Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 2), range(0, 2))])
+        except KeyboardInterrupt:
+            out["interrupted"] = True
+        time.sleep(1.5)
+        out["landed"] = int(sum(int((t != 0).sum()) for t in memory[4:]))
+        prompt.finalize()
+        decoder.finalize()
+        return out
+    dd, other = endpoint(LLMRole.DECODER, 2), endpoint(LLMRole.DECODER, 3)
+    interrupt_while_the_loop_is_busy()
+    try:
+        dd.cache_manager.allocate_cache(CacheDesc(1, [64, 1024], DataType.DT_FLOAT16, Placement.HOST))
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    time.sleep(1.2)
+    out["caches"] = dd.stats().caches
+    dd.finalize()
+    other.finalize()
+    return out
+
+
+never = threading.Event()
+
+
+class WaitsForTheForwardPass(LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return never.wait(30)
+
+
+def exit_while_a_synchronizer_waits() -> None:
+    prompt, _, src, _, _ = linked(0.0)
+    prompt.cache_manager.transfer_cache_async(
+        src, WaitsForTheForwardPass(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 2), range(0, 2))])
+    time.sleep(0.3)
+    print(json.dumps({"main_returns": time.monotonic()}), flush=True)
+
+
+if __name__ == "__main__":
+    case = sys.argv[1]
+    if case == "exit-synchronizer":
+        exit_while_a_synchronizer_waits()
+    else:
+        kind, _, mode = case.partition("-")
+        print(json.dumps(fork(mode) if kind == "fork" else interrupt(mode)), flush=True)

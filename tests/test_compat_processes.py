@@ -1,0 +1,60 @@
+"""The blocking facade at process edges: fork, Ctrl-C while its loop is busy, exit during a transfer.
+
+Each case runs ``compat_process_child.py`` in a process of its own. Each failed before: a forked child hung
+(at exit, in its atexit finalize of the parent's endpoints, and in any facade call: the parent's loop has no
+thread there); an interrupted call the loop had not started yet ran anyway after the ``KeyboardInterrupt``
+(its transfer's bytes landed, its cache stayed allocated); and a plain synchronizer still waiting held the
+interpreter's exit for as long as it waited (an executor's thread, joined before the facade's atexit
+finalize could end the transfer).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+CHILD = pathlib.Path(__file__).with_name("compat_process_child.py")
+
+
+def run(case: str) -> dict:
+    proc = subprocess.run([sys.executable, str(CHILD), case], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_forked_child_that_exits_does_not_hang_nor_touch_the_parents_link():
+    out = run("fork-exit")
+    assert out["child_status"] == 0 and out["seconds"] < 5 and out["parent_pull_after"] == "ok", out
+
+
+def test_a_forked_child_can_use_the_facade():
+    assert run("fork-use")["child"] == {"init": "ok", "finalize": "ok"}
+
+
+@pytest.mark.parametrize("mode", ["transfer", "allocate"])
+def test_a_call_interrupted_before_the_loop_started_it_never_runs(mode):
+    out = run(f"interrupt-{mode}")
+    assert out["interrupted"] and out.get("landed", 0) == 0 and out.get("caches", 0) == 0, out
+
+
+def test_the_exit_is_not_held_by_a_synchronizer_still_waiting():
+    proc = subprocess.Popen([sys.executable, str(CHILD), "exit-synchronizer"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout is not None else ""
+        assert "main_returns" in line, proc.stderr.read()[-3000:] if proc.stderr is not None else ""
+        returned = time.monotonic()
+        proc.wait(timeout=60)
+        took = time.monotonic() - returned
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    assert proc.returncode == 0 and took < 5, (proc.returncode, took)
