@@ -119,7 +119,7 @@ class Completions:
             submit(token)
         except BaseException as exc:
             del self._pending[token]
-            drained = getattr(exc, "drained", None)
+            drained = getattr(exc, "drained", None) if isinstance(exc, Exception) else None
             if drained is None or drained():
                 if settled is not None:
                     _settle(settled)
@@ -278,6 +278,8 @@ def _fail_when_drained(loop: asyncio.AbstractEventLoop, future: asyncio.Future, 
         # Its frames (the submit's, this start's, which holds the future) would make a cycle with the future
         # that keeps what the submit touched until a collection: their locals go, the lines stay.
         traceback.clear_frames(exc.__traceback__)
+        if exc.__cause__ is not None:
+            traceback.clear_frames(exc.__cause__.__traceback__)
         if not future.done():
             future.set_exception(exc)
         if settled is not None:

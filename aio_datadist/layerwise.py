@@ -295,6 +295,10 @@ def _serve_synchronizer(calls: queue.SimpleQueue) -> None:
         method, layer, loop, answer = call
         try:
             outcome: tuple[bool, Any] = (True, method(layer, None))
+        except StopIteration as exc:  # no future takes it (asyncio's rule): as a coroutine's would, it becomes
+            wrapped = RuntimeError(f"synchronize_layer raised StopIteration at layer {layer}")  # a RuntimeError
+            wrapped.__cause__ = exc
+            outcome = (False, wrapped)
         except BaseException as exc:  # the task's to see, as an exception out of an executor would be
             outcome = (False, exc)
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
@@ -363,22 +367,35 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
     unconfirmed = {cfg.index: len(cfg.plans) for cfg in configs}
     delivered: set[int] = set()
 
+    def lose(index: int, exc: LLMException) -> None:
+        failed.add(index)
+        progress.set_result(index, exc.status_code, exc)
+        on_failure(index)
+
+    # A destination whose link ended while pushes to it were in flight: decided when they end (a push in
+    # flight ends by itself with the link, its answer failed by the link's end, and says how; one whose DONE
+    # came in the pass the link ended is a success, which cutting it here would make a failure). If they all
+    # succeed and layers remain for it, it fails then.
+    lost_links: dict[int, LLMException] = {}
+
     def confirmed(index: int, push: asyncio.Future) -> None:
         if not push.cancelled() and push.exception() is None and push.result() is None:
             unconfirmed[index] -= 1
             if not unconfirmed[index]:
                 delivered.add(index)
+        if index in lost_links and not running.get(index):
+            exc = lost_links.pop(index)
+            if index not in delivered and index not in failed and progress.result(index) is None:
+                lose(index, exc)
 
     def on_link_lost(link: Link, exc: LLMException) -> None:
-        # Only destinations no push of ours is in flight to: a push in flight ends by itself with the link (its
-        # answer failed by the link's end) and says how; one whose DONE came in the pass the link ended is a
-        # success, which cutting it here would make a failure.
         for cfg in configs:
             if (cfg.link is link and cfg.index not in failed and cfg.index not in delivered
-                    and not running.get(cfg.index) and progress.result(cfg.index) is None):
-                failed.add(cfg.index)
-                progress.set_result(cfg.index, exc.status_code, exc)
-                on_failure(cfg.index)
+                    and progress.result(cfg.index) is None):
+                if running.get(cfg.index):
+                    lost_links[cfg.index] = exc
+                else:
+                    lose(cfg.index, exc)
 
     watches = _watch_links(configs, on_link_lost)
     sync_thread = _SyncThread()

@@ -86,6 +86,9 @@ class EventLayerSynchronizer(LayerSynchronizer):
                                    status_code=LLMStatusCode.LLM_ENGINE_FINALIZED) from None
             return
         assert self._devices is not None
+        if self._devices.closed:
+            raise LLMException("record: the endpoint of this synchronizer was finalized",
+                               status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         try:
             self._devices.notify_on(token, stream)
         except ValueError as exc:  # the token is armed already

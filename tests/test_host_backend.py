@@ -276,6 +276,98 @@ async def test_a_failed_submission_does_not_block_the_loop(what):
         await dd.finalize()
 
 
+class _ServingLink:
+    """What ``same_host.serve_copy`` needs of a link: it records what would be sent."""
+
+    def __init__(self) -> None:
+        import types
+
+        self.sent: list = []
+        self.serving: dict = {}
+        self.local_pushes: dict = {}
+        self.ending = False
+        self.counters = types.SimpleNamespace(begin=lambda *a: 0, end=lambda *a: None, refused=lambda *a: None)
+
+    def send(self, msg, req_id, **fields) -> None:
+        self.sent.append((msg, req_id, fields))
+
+
+class _InterruptingNotifier(_RefusingNotifier):
+    def notify(self, token: int, stream: int, aux: int = 0) -> None:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream_busy", [False, True])
+async def test_a_device_push_refused_at_submission_is_answered_with_its_own_status(stream_busy):
+    """A same-host device push the owner's driver refuses (a notify under graph capture: a param error) is
+    answered with that status, also when the failure waits for earlier work on the stream (it read
+    ``LLM_FAILED`` then: found by review)."""
+    import errno
+    import threading
+    import types
+
+    from aio_datadist.devices.copies import DeviceCopy, cache_side
+    from aio_datadist.transport.same_host import serve_copy
+
+    dd = await _host_dd()
+    gate = None
+    try:
+        rt = runtime_of(dd)
+        backend = rt.devices
+        dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
+        if stream_busy:
+            gate = backend.stream.gate()
+            threading.Timer(0.3, gate.open).start()
+        job = DeviceCopy(backend, cache_side(dev, [1], 0, 66), cache_side(dev, [0], 0, 66), 66, "batch",
+                         keepalive=None)
+        backend.notifier = _RefusingNotifier(backend.notifier, errno.EBUSY)
+        link = _ServingLink()
+        try:
+            serve_copy(rt, link, 7, types.SimpleNamespace(timeout_ms=1000),
+                       types.SimpleNamespace(cache=dev, total=66, landed=[]), job.submit, job.cancel, job, "local")
+            async with asyncio.timeout(3):
+                while not link.sent:
+                    await asyncio.sleep(0.01)
+        finally:
+            backend.notifier = backend.notifier.real
+        ((_, _, fields),) = link.sent
+        assert fields["status"] == S.LLM_PARAM_INVALID, fields
+    finally:
+        if gate is not None:
+            gate.open()
+        await dd.finalize()
+
+
+@pytest.mark.asyncio
+async def test_a_ctrl_c_in_a_device_submission_reaches_the_caller():
+    """An interrupt raised while a device copy is submitted goes on at once, as before the failed submission's
+    wait for its copies (which took it for a failure of the copy, answered to the peer)."""
+    import types
+
+    from aio_datadist.devices.copies import DeviceCopy, cache_side
+    from aio_datadist.transport.same_host import serve_copy
+
+    dd = await _host_dd()
+    try:
+        rt = runtime_of(dd)
+        backend = rt.devices
+        dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
+        job = DeviceCopy(backend, cache_side(dev, [1], 0, 66), cache_side(dev, [0], 0, 66), 66, "batch",
+                         keepalive=None)
+        backend.notifier = _InterruptingNotifier(backend.notifier, 0)
+        link = _ServingLink()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                serve_copy(rt, link, 7, types.SimpleNamespace(timeout_ms=1000),
+                           types.SimpleNamespace(cache=dev, total=66, landed=[]), job.submit, job.cancel, job,
+                           "local")
+        finally:
+            backend.notifier = backend.notifier.real
+    finally:
+        await dd.finalize()
+
+
 @pytest.mark.asyncio
 async def test_a_notify_under_graph_capture_is_a_clear_param_error():
     dd = await _host_dd()

@@ -37,7 +37,7 @@ from aio_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
-from aio_datadist.testing import link_to
+from aio_datadist.testing import link_to, runtime_of
 from peers import DECODER_ID, PROMPT_ID, TRANSPORT, TRANSPORTS, cluster_info, endpoint, fill, port_of, same, snapshot
 
 pytestmark = pytest.mark.asyncio
@@ -324,6 +324,17 @@ async def test_event_synchronizer_recorded_after_its_endpoint_was_finalized_says
         await s.prompt.finalize()
         with pytest.raises(LLMException) as info:
             events.record(0)
+        assert info.value.status_code == LLMStatusCode.LLM_ENGINE_FINALIZED
+
+
+async def test_event_synchronizer_recorded_on_a_stream_after_its_endpoint_was_finalized_says_so() -> None:
+    """On a stream too: the closed notifier's refusal read as "already recorded on a stream" before."""
+    async with setup(device_type="host") as s:
+        stream = runtime_of(s.prompt).devices.stream
+        events = EventLayerSynchronizer(s.prompt, LAYERS)
+        await s.prompt.finalize()
+        with pytest.raises(LLMException) as info:
+            events.record(0, stream)
         assert info.value.status_code == LLMStatusCode.LLM_ENGINE_FINALIZED
 
 

@@ -255,8 +255,9 @@ class DeviceBackend:
         if keep is None:
             return
         self._held.append(keep)
-        with contextlib.suppress(AttributeError, TypeError):  # an exception type that takes no attribute
-            failure.drained = self._stream_drained  # type: ignore[attr-defined]
+        if isinstance(failure, Exception):  # an interrupt (KeyboardInterrupt, SystemExit) goes on at once
+            with contextlib.suppress(AttributeError, TypeError):  # an exception type that takes no attribute
+                failure.drained = self._stream_drained  # type: ignore[attr-defined]
 
     @property
     def held(self) -> int:

@@ -17,7 +17,7 @@ import threading
 import pytest
 from _slowpath import SlowPath
 from peers import DECODER_ID, PROMPT_ID, cluster_info, endpoint, fill, options, port_of
-from test_layerwise import BLOCKS, DST_BLOCKS, LAYERS, SRC_BLOCKS, Ready, blocks_config, layer_landed, setup
+from test_layerwise import BLOCKS, DST_BLOCKS, LAYERS, SRC_BLOCKS, Gate, Ready, blocks_config, layer_landed, setup
 
 from aio_datadist import (
     BlocksCacheKey,
@@ -97,6 +97,51 @@ async def test_a_destination_whose_link_goes_as_its_last_confirmation_comes_in_i
                 await task.layer(i)
             assert await task.get_results() == [OK]
         assert len(dones) == LAYERS
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_link_that_ends_as_a_layer_is_confirmed_ends_the_task_waiting_for_the_next(monkeypatch):
+    """The link ends in the pass layer 0's ``DONE`` came in, and the prefill stalls before layer 1: the
+    destination, decided once its push in flight ended, fails, and the task ends (the first form of the
+    fix above forgot the link's end and left the task waiting for the synchronizer)."""
+    async with setup() as s:
+        target = usable_link(s.prompt, DECODER_ID)
+        expect = Link.expect
+
+        def watched(self: Link, req_id: int, answer: object = None) -> asyncio.Future:
+            fut = expect(self, req_id, answer)
+            if self is target:
+                def arrived(f: asyncio.Future) -> None:
+                    if not f.cancelled() and f.exception() is None and type(f.result()).__name__ == "Done":
+                        self.fail(LLMException("connection reset by peer", status_code=LLMStatusCode.LLM_LINK_FAILED))
+
+                fut.add_done_callback(arrived)
+            return fut
+
+        monkeypatch.setattr(Link, "expect", watched)
+        gate = Gate()
+        gate.open(0)  # layer 1 never comes
+        task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        await task.layer(0)
+        await gate.asked_for(1)
+        with pytest.raises(LLMException) as info:
+            async with asyncio.timeout(3):
+                await task
+        assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+
+
+class _StopIteration(LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        raise StopIteration
+
+
+async def test_a_plain_synchronizer_that_raises_stop_iteration_ends_its_task():
+    """No future takes a StopIteration: it is the task's failure as any other exception (it hung the task)."""
+    async with setup() as s:
+        task = s.pm.transfer_cache_async(s.blocks_src(), _StopIteration(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        with pytest.raises(LLMException):
+            async with asyncio.timeout(3):
+                await task
 
 
 class _Prefill(LayerSynchronizer):
