@@ -233,7 +233,6 @@ async def test_a_failed_submission_does_not_block_the_loop(what):
     import threading
     import time
 
-    from aio_datadist.devices.copies import DeviceCopy, cache_side
 
     dd = await _host_dd()
     gate = None
@@ -241,8 +240,7 @@ async def test_a_failed_submission_does_not_block_the_loop(what):
         rt = runtime_of(dd)
         backend = rt.devices
         dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
-        job = DeviceCopy(backend, cache_side(dev, [1], 0, 66), cache_side(dev, [0], 0, 66), 66, "batch",
-                         keepalive=None)
+        job = _row_copy(backend, dev)
         gate = backend.stream.gate()
         threading.Timer(0.5, gate.open).start()
         longest, stop = 0.0, False
@@ -276,6 +274,13 @@ async def test_a_failed_submission_does_not_block_the_loop(what):
         await dd.finalize()
 
 
+def _row_copy(backend, dev):
+    """A device copy of 66 bytes of row 0 of ``dev`` into row 1."""
+    from aio_datadist.devices.copies import DeviceCopy, cache_side
+
+    return DeviceCopy(backend, cache_side(dev, [1], 0, 66), cache_side(dev, [0], 0, 66), 66, "batch", keepalive=None)
+
+
 class _ServingLink:
     """What ``same_host.serve_copy`` needs of a link: it records what would be sent."""
 
@@ -307,7 +312,6 @@ async def test_a_device_push_refused_at_submission_is_answered_with_its_own_stat
     import threading
     import types
 
-    from aio_datadist.devices.copies import DeviceCopy, cache_side
     from aio_datadist.transport.same_host import serve_copy
 
     dd = await _host_dd()
@@ -319,8 +323,7 @@ async def test_a_device_push_refused_at_submission_is_answered_with_its_own_stat
         if stream_busy:
             gate = backend.stream.gate()
             threading.Timer(0.3, gate.open).start()
-        job = DeviceCopy(backend, cache_side(dev, [1], 0, 66), cache_side(dev, [0], 0, 66), 66, "batch",
-                         keepalive=None)
+        job = _row_copy(backend, dev)
         backend.notifier = _RefusingNotifier(backend.notifier, errno.EBUSY)
         link = _ServingLink()
         try:
@@ -345,7 +348,6 @@ async def test_a_ctrl_c_in_a_device_submission_reaches_the_caller():
     wait for its copies (which took it for a failure of the copy, answered to the peer)."""
     import types
 
-    from aio_datadist.devices.copies import DeviceCopy, cache_side
     from aio_datadist.transport.same_host import serve_copy
 
     dd = await _host_dd()
@@ -353,8 +355,7 @@ async def test_a_ctrl_c_in_a_device_submission_reaches_the_caller():
         rt = runtime_of(dd)
         backend = rt.devices
         dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
-        job = DeviceCopy(backend, cache_side(dev, [1], 0, 66), cache_side(dev, [0], 0, 66), 66, "batch",
-                         keepalive=None)
+        job = _row_copy(backend, dev)
         backend.notifier = _InterruptingNotifier(backend.notifier, 0)
         link = _ServingLink()
         try:

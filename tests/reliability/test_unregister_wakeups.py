@@ -72,6 +72,16 @@ async def pull_outcome(pull: Any) -> object:
     return status
 
 
+async def pull_lands_nothing(pair: Any, own: Any, mine: list[torch.Tensor], ran: list[int]) -> None:
+    """Pull all of the prompt's blocks into ``own`` (whose memory is ``mine``): the hook ran once, the pull
+    failed ``LLM_KV_CACHE_NOT_EXIST``, and nothing changed the repainted memory, 0.3 s on."""
+    outcome = await pull_outcome(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), own, ALL, ALL, timeout=5000))
+    await asyncio.sleep(0.3)
+    assert ran == [1]
+    changed = sum(int((t != -1).sum()) for t in mine)
+    assert (changed, outcome) == (0, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+
+
 async def test_a_staged_pull_cut_as_a_chunk_came_in_scatters_nothing_more(monkeypatch):
     host = {"device_type": "host", "transport": "tcp"}
     async with linked_pair(prompt_config=host, decoder_config=host) as pair:
@@ -91,11 +101,7 @@ async def test_a_staged_pull_cut_as_a_chunk_came_in_scatters_nothing_more(monkey
                 t.fill_(-1)  # the framework reuses its memory at once
 
         ran = on_first(monkeypatch, "move", runtime_of(pair.decoder), lambda *a, send, **kw: not send, release)
-        outcome = await pull_outcome(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), own, ALL, ALL, timeout=5000))
-        await asyncio.sleep(0.3)
-        assert ran == [1]
-        changed = sum(int((t != -1).sum()) for t in mine)
-        assert (changed, outcome) == (0, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+        await pull_lands_nothing(pair, own, mine, ran)
 
 
 async def test_a_device_ipc_pull_cut_as_its_answer_came_in_copies_nothing(monkeypatch):
@@ -121,11 +127,7 @@ async def test_a_device_ipc_pull_cut_as_its_answer_came_in_copies_nothing(monkey
                 t.fill_(-1)
 
         ran = on_first(monkeypatch, "expect", runtime_of(pair.decoder), lambda *a, **kw: True, release)
-        outcome = await pull_outcome(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), own, ALL, ALL, timeout=5000))
-        await asyncio.sleep(0.2)
-        assert ran == [1]
-        changed = sum(int((t != -1).sum()) for t in mine)
-        assert (changed, outcome) == (0, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+        await pull_lands_nothing(pair, own, mine, ran)
 
 
 async def test_a_caller_that_cancels_as_the_cut_lands_gets_its_cancel(monkeypatch):
