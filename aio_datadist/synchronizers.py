@@ -91,7 +91,10 @@ class EventLayerSynchronizer(LayerSynchronizer):
                                status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         try:
             self._devices.notify_on(token, stream)
-        except ValueError as exc:  # the token is armed already
+        except ValueError as exc:  # the token is armed already, or the endpoint was finalized meanwhile
+            if self._devices.closed:
+                raise LLMException("record: the endpoint of this synchronizer was finalized",
+                                   status_code=LLMStatusCode.LLM_ENGINE_FINALIZED) from None
             raise param_invalid("layer_index", f"layer {index} is already recorded on a stream") from exc
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None = None) -> bool:

@@ -343,9 +343,11 @@ async def test_a_device_push_refused_at_submission_is_answered_with_its_own_stat
 
 
 @pytest.mark.asyncio
-async def test_a_ctrl_c_in_a_device_submission_reaches_the_caller():
-    """An interrupt raised while a device copy is submitted goes on at once, as before the failed submission's
-    wait for its copies (which took it for a failure of the copy, answered to the peer)."""
+@pytest.mark.parametrize("step", ["enqueue", "notify"])
+async def test_a_ctrl_c_in_a_device_submission_reaches_the_caller(step):
+    """An interrupt raised while a device copy is submitted (its copies put on the stream, or its notify) goes
+    on at once, as before the failed submission's wait for its copies (which took it for a failure of the
+    copy, answered to the peer: found by reviews)."""
     import types
 
     from aio_datadist.transport.same_host import serve_copy
@@ -356,7 +358,16 @@ async def test_a_ctrl_c_in_a_device_submission_reaches_the_caller():
         backend = rt.devices
         dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
         job = _row_copy(backend, dev)
-        backend.notifier = _InterruptingNotifier(backend.notifier, 0)
+        real = backend.memcpy_batch
+
+        def interrupted(*args):
+            real(*args)  # on the stream already
+            raise KeyboardInterrupt
+
+        if step == "enqueue":
+            backend.memcpy_batch = interrupted
+        else:
+            backend.notifier = _InterruptingNotifier(backend.notifier, 0)
         link = _ServingLink()
         try:
             with pytest.raises(KeyboardInterrupt):
@@ -364,7 +375,11 @@ async def test_a_ctrl_c_in_a_device_submission_reaches_the_caller():
                            types.SimpleNamespace(cache=dev, total=66, landed=[]), job.submit, job.cancel, job,
                            "local")
         finally:
-            backend.notifier = backend.notifier.real
+            backend.memcpy_batch = real
+            if step == "notify":
+                backend.notifier = backend.notifier.real
+        await asyncio.sleep(0.1)
+        assert link.sent == []  # nothing answered to the peer for it
     finally:
         await dd.finalize()
 

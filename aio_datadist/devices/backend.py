@@ -234,6 +234,9 @@ class DeviceBackend:
             with self.on_copy_stream():
                 enqueue()
         except BaseException as exc:
+            if not isinstance(exc, Exception):  # an interrupt goes on at once (what it touches is held)
+                self._failed_submission(keep, exc)
+                raise
             failure = exc if isinstance(exc, LLMException) else LLMException(
                 f"{what} could not be enqueued: {exc}", status_code=LLMStatusCode.LLM_FAILED)
             self._failed_submission(keep, failure)

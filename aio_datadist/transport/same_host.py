@@ -251,7 +251,8 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
         failure = None if moved.cancelled() or not moved.done() else moved.exception()
         status = (LLMStatusCode.LLM_KV_CACHE_NOT_EXIST if told else
                   LLMStatusCode.LLM_NOT_YET_LINK if unlinking else
-                  failure.status_code if isinstance(failure, LLMException) else LLMStatusCode.LLM_FAILED)
+                  failure.status_code if isinstance(failure, LLMException)
+                  and failure.status_code != LLMStatusCode.LLM_SUCCESS else LLMStatusCode.LLM_FAILED)
         counters.end("served_push", transport, served.total, started, Outcome.FAILED, status)
         if not moved.done():
             moved.cancel()
