@@ -24,7 +24,7 @@ from aio_datadist._checks import (
 from aio_datadist.bilateral import CommTable
 from aio_datadist.cache_manager import CacheManager
 from aio_datadist.config import cache_manager_mode, parse_listen, parse_options
-from aio_datadist.endpoint import Endpoint
+from aio_datadist.endpoint import Endpoint, forks
 from aio_datadist.leases import active_leases
 from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
@@ -179,6 +179,7 @@ class LLMDataDist:
         endpoint.cache_manager_mode = v2
         endpoint.runtime = runtime
         endpoint.links = links
+        endpoint.forks = forks()
 
     async def finalize(self) -> None:
         """Unlink every peer, fail pending work, free every cache. Idempotent.
@@ -190,6 +191,12 @@ class LLMDataDist:
         """
         endpoint = self._endpoint
         runtime, links = endpoint.runtime, endpoint.links
+        if runtime is not None and endpoint.forks != forks():
+            # A parent's endpoint in a forked child: its links and engines are the parent's, which a close here
+            # would end (the UNLINKs, the sockets' shutdown); the child only lets go of it.
+            endpoint.runtime = endpoint.links = None
+            endpoint.finalized = True
+            return
         if runtime is None:
             released = endpoint.released
             if released is not None and not released.done():

@@ -10,6 +10,7 @@ it here.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist._checks import check_instance, param_invalid
@@ -23,7 +24,22 @@ if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
     from aio_datadist.stats import Observer
 
-__all__ = ["Endpoint"]
+__all__ = ["Endpoint", "forks"]
+
+_FORKS = 0
+
+
+def _after_fork_in_child() -> None:
+    global _FORKS
+    _FORKS += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def forks() -> int:
+    """How many ``fork``s lie between the process's start and this process (0 in the first process)."""
+    return _FORKS
 
 
 class Endpoint:
@@ -46,6 +62,8 @@ class Endpoint:
         self.observers: list[Observer] = []
         #: CacheManager mode (v2), decided by ``init`` and kept after ``finalize``; None before ``init``.
         self.cache_manager_mode: bool | None = None
+        #: ``forks()`` when ``init`` ran: an endpoint of a parent process seen in a forked child differs.
+        self.forks = 0
 
     @property
     def initialized(self) -> bool:
@@ -53,7 +71,12 @@ class Endpoint:
         return self.runtime is not None
 
     def require_runtime(self) -> Runtime:
-        """The runtime, or the documented error before ``init`` and after ``finalize``."""
+        """The runtime, or the documented error before ``init`` and after ``finalize``; ``LLM_FAILED`` in a child
+        forked after ``init``, where the runtime's threads, loop and links are the parent's."""
+        if self.runtime is not None and self.forks != _FORKS:
+            raise LLMException("this LLMDataDist was initialized in the parent of this forked process: its "
+                               "engines, loop and links are the parent's; make one of this process's own",
+                               status_code=LLMStatusCode.LLM_FAILED)
         if self.runtime is None:
             if self.finalized:
                 raise LLMException("LLMDataDist was finalized", status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)

@@ -2,7 +2,8 @@
 ``test_compat_processes.py`` in a process of their own, each prints one JSON line of what happened.
 
 ``fork-exit``: a process with a live link forks and the child exits at once (its atexit hooks run); the parent
-then pulls on its link. ``fork-use``: the child makes and finalizes an endpoint of its own.
+then pulls on its link. ``fork-use``: the child makes and finalizes an endpoint of its own. ``fork-reuse``: the
+child pulls with the parent's endpoint, then finalizes the parent's endpoints.
 ``interrupt-transfer`` / ``interrupt-allocate``: SIGINT reaches a facade call while the facade's loop is busy
 with other work (it has not started the call yet). ``exit-synchronizer``: the main thread returns while a
 layer-wise transfer waits in a plain synchronizer for a layer never computed (bounded at 30 s).
@@ -26,6 +27,7 @@ from aio_datadist.compat import (
     CacheDesc,
     DataType,
     LayerSynchronizer,
+    LLMException,
     LLMRole,
     Placement,
     TransferWithCacheKeyConfig,
@@ -68,10 +70,23 @@ def fork(mode: str) -> dict:
             except BaseException as exc:
                 done["init"] = repr(exc)
 
+        def reuse() -> None:  # the parent's endpoint: refused at once, and let go of without touching its links
+            try:
+                decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0, 1], [0, 1], timeout=2000)
+                done["pull"] = "pulled"
+            except LLMException as exc:
+                done["pull"] = int(exc.status_code)
+            decoder.finalize()
+            prompt.finalize()
+            done["finalize"] = "ok"
+
+        if mode == "reuse":
+            use = reuse  # noqa: F811 - the case's own body
+
         thread = threading.Thread(target=use, daemon=True)
         thread.start()
         thread.join(10)
-        done.setdefault("init", "hung for 10 s")
+        done.setdefault("init" if mode == "use" else "finalize", "hung for 10 s")
         os.write(w, json.dumps(done).encode())
         os.close(w)
         os._exit(0)

@@ -36,6 +36,16 @@ def test_a_forked_child_can_use_the_facade():
     assert run("fork-use")["child"] == {"init": "ok", "finalize": "ok"}
 
 
+def test_a_forked_child_is_refused_the_parents_endpoint_and_its_finalize_leaves_the_parents_links():
+    """A call on the parent's endpoint is ``LLM_FAILED`` at once (it waited for the parent's loop, or ran against
+    the parent's engines), and finalizing it in the child neither unlinks nor shuts down what the parent uses."""
+    from aio_datadist import LLMStatusCode
+
+    out = run("fork-reuse")
+    assert out["child"] == {"pull": int(LLMStatusCode.LLM_FAILED), "finalize": "ok"}, out
+    assert out["child_status"] == 0 and out["parent_pull_after"] == "ok", out
+
+
 @pytest.mark.parametrize("mode", ["transfer", "allocate"])
 def test_a_call_interrupted_before_the_loop_started_it_never_runs(mode):
     out = run(f"interrupt-{mode}")
