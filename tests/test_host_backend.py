@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import ctypes
 import select
+import threading
+import types
 
 import pytest
 import torch
@@ -69,6 +72,29 @@ async def _host_dd(cluster: int = 1) -> LLMDataDist:
 
 def _desc(placement: Placement, rows: int = 8, width: int = 33) -> CacheDesc:
     return CacheDesc(num_tensors=3, shape=[rows, width], data_type=DataType.DT_FLOAT16, placement=placement)
+
+
+@contextlib.asynccontextmanager
+async def _device_cache():
+    """An endpoint on the host backend with one device cache: ``rt``, ``backend``, ``dev`` and ``hold(after_s)``,
+    which holds the stream (opened after ``after_s`` seconds, and in any case before the endpoint is finalized)."""
+    dd = await _host_dd()
+    rt = runtime_of(dd)
+    gates = []
+
+    def hold(after_s: float):
+        gate = rt.devices.stream.gate()
+        gates.append(gate)
+        threading.Timer(after_s, gate.open).start()
+        return gate
+
+    try:
+        dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
+        yield types.SimpleNamespace(rt=rt, backend=rt.devices, dev=dev, hold=hold)
+    finally:
+        for gate in gates:
+            gate.open()
+        await dd.finalize()
 
 
 @pytest.mark.asyncio
@@ -189,21 +215,15 @@ async def test_a_failed_submission_keeps_its_memory_until_the_stream_drained(fai
 async def test_a_failed_submission_fails_its_caller_only_once_its_copies_are_done(fail):
     """The copies a submission enqueued before it failed land before the failure reaches the caller, whose call
     returns with it: no byte of it after that. The stream is held for 0.2 s past the failure."""
-    import threading
-
     from aio_datadist.devices.copies import DeviceCopy, cache_side, enqueue_rows
 
-    dd = await _host_dd()
-    try:
-        rt = runtime_of(dd)
-        backend = rt.devices
-        dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
+    async with _device_cache() as bench:
+        backend, dev = bench.backend, bench.dev
         dev.tensors[0][0].view(torch.uint8).fill_(7)
         dev.tensors[0][1].view(torch.uint8).zero_()
         src, dst = cache_side(dev, [0], 0, 66), cache_side(dev, [1], 0, 66)
         job = DeviceCopy(backend, dst, src, 66, "batch", keepalive=None)
-        gate = backend.stream.gate()
-        threading.Timer(0.2, gate.open).start()
+        bench.hold(0.2)
         if fail == "enqueue":
             def enqueue_then_fail() -> None:
                 enqueue_rows(backend, dst, src, 66, "batch", job.keep)
@@ -215,13 +235,11 @@ async def test_a_failed_submission_fails_its_caller_only_once_its_copies_are_don
             backend.notifier = _RefusingNotifier(backend.notifier, 5)
             submit = job.submit
         with pytest.raises(LLMException):
-            await rt.completions.start(submit, job.cancel, timeout_ms=1000, what="test copy", keepalive=job)
+            await bench.rt.completions.start(submit, job.cancel, timeout_ms=1000, what="test copy", keepalive=job)
         landed = dev.tensors[0][1].view(torch.uint8)[:66].clone()
         if fail == "notify":
             backend.notifier = backend.notifier.real
         assert bool((landed == 7).all()), landed
-    finally:
-        await dd.finalize()
 
 
 @pytest.mark.asyncio
@@ -230,19 +248,12 @@ async def test_a_failed_submission_does_not_block_the_loop(what):
     """Behind earlier work held on the stream for 0.5 s: a refused fence (nothing of its own queued) fails at
     once, a failed copy submission once the stream drained; the loop runs on meanwhile (it was blocked up to
     1 s on each, waiting for the whole stream)."""
-    import threading
     import time
 
-
-    dd = await _host_dd()
-    gate = None
-    try:
-        rt = runtime_of(dd)
-        backend = rt.devices
-        dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
-        job = _row_copy(backend, dev)
-        gate = backend.stream.gate()
-        threading.Timer(0.5, gate.open).start()
+    async with _device_cache() as bench:
+        backend = bench.backend
+        job = _row_copy(backend, bench.dev)
+        bench.hold(0.5)
         longest, stop = 0.0, False
 
         async def ticker() -> None:
@@ -259,19 +270,15 @@ async def test_a_failed_submission_does_not_block_the_loop(what):
         started = time.monotonic()
         with pytest.raises(LLMException):
             if what == "fence":
-                await rt.completions.start(backend.fence, backend.cancel, timeout_ms=None, what="fence")
+                await bench.rt.completions.start(backend.fence, backend.cancel, timeout_ms=None, what="fence")
             else:
-                await rt.completions.start(job.submit, job.cancel, timeout_ms=None, what="copy", keepalive=job)
+                await bench.rt.completions.start(job.submit, job.cancel, timeout_ms=None, what="copy", keepalive=job)
         took = time.monotonic() - started
         backend.notifier = backend.notifier.real
         stop = True
         await tick
         assert longest < 0.2, f"the loop stood still {longest:.2f} s"
         assert took < 0.2 if what == "fence" else took > 0.3, took  # a copy's failure waits for the copy
-    finally:
-        if gate is not None:
-            gate.open()
-        await dd.finalize()
 
 
 def _row_copy(backend, dev):
@@ -285,8 +292,6 @@ class _ServingLink:
     """What ``same_host.serve_copy`` needs of a link: it records what would be sent."""
 
     def __init__(self) -> None:
-        import types
-
         self.sent: list = []
         self.serving: dict = {}
         self.local_pushes: dict = {}
@@ -309,25 +314,18 @@ async def test_a_device_push_refused_at_submission_is_answered_with_its_own_stat
     answered with that status, also when the failure waits for earlier work on the stream (it read
     ``LLM_FAILED`` then: found by review)."""
     import errno
-    import threading
-    import types
 
     from aio_datadist.transport.same_host import serve_copy
 
-    dd = await _host_dd()
-    gate = None
-    try:
-        rt = runtime_of(dd)
-        backend = rt.devices
-        dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
+    async with _device_cache() as bench:
+        backend, dev = bench.backend, bench.dev
         if stream_busy:
-            gate = backend.stream.gate()
-            threading.Timer(0.3, gate.open).start()
+            bench.hold(0.3)
         job = _row_copy(backend, dev)
         backend.notifier = _RefusingNotifier(backend.notifier, errno.EBUSY)
         link = _ServingLink()
         try:
-            serve_copy(rt, link, 7, types.SimpleNamespace(timeout_ms=1000),
+            serve_copy(bench.rt, link, 7, types.SimpleNamespace(timeout_ms=1000),
                        types.SimpleNamespace(cache=dev, total=66, landed=[]), job.submit, job.cancel, job, "local")
             async with asyncio.timeout(3):
                 while not link.sent:
@@ -336,10 +334,6 @@ async def test_a_device_push_refused_at_submission_is_answered_with_its_own_stat
             backend.notifier = backend.notifier.real
         ((_, _, fields),) = link.sent
         assert fields["status"] == S.LLM_PARAM_INVALID, fields
-    finally:
-        if gate is not None:
-            gate.open()
-        await dd.finalize()
 
 
 @pytest.mark.asyncio
@@ -348,15 +342,10 @@ async def test_a_ctrl_c_in_a_device_submission_reaches_the_caller(step):
     """An interrupt raised while a device copy is submitted (its copies put on the stream, or its notify) goes
     on at once, as before the failed submission's wait for its copies (which took it for a failure of the
     copy, answered to the peer: found by reviews)."""
-    import types
-
     from aio_datadist.transport.same_host import serve_copy
 
-    dd = await _host_dd()
-    try:
-        rt = runtime_of(dd)
-        backend = rt.devices
-        dev = dd.kv_cache_manager.allocate_blocks_cache(_desc(Placement.DEVICE))
+    async with _device_cache() as bench:
+        backend, dev = bench.backend, bench.dev
         job = _row_copy(backend, dev)
         real = backend.memcpy_batch
 
@@ -371,7 +360,7 @@ async def test_a_ctrl_c_in_a_device_submission_reaches_the_caller(step):
         link = _ServingLink()
         try:
             with pytest.raises(KeyboardInterrupt):
-                serve_copy(rt, link, 7, types.SimpleNamespace(timeout_ms=1000),
+                serve_copy(bench.rt, link, 7, types.SimpleNamespace(timeout_ms=1000),
                            types.SimpleNamespace(cache=dev, total=66, landed=[]), job.submit, job.cancel, job,
                            "local")
         finally:
@@ -380,8 +369,6 @@ async def test_a_ctrl_c_in_a_device_submission_reaches_the_caller(step):
                 backend.notifier = backend.notifier.real
         await asyncio.sleep(0.1)
         assert link.sent == []  # nothing answered to the peer for it
-    finally:
-        await dd.finalize()
 
 
 @pytest.mark.asyncio
@@ -418,7 +405,6 @@ def test_kernel_side_of_a_pinned_host_cache_uses_the_mapped_device_pointer():
 def test_auto_picks_cuda_then_npu_then_cpu(monkeypatch):
     import importlib.machinery
     import sys
-    import types
 
     from aio_datadist.devices import auto_device
 

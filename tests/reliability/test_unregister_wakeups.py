@@ -57,6 +57,29 @@ def on_first(monkeypatch: pytest.MonkeyPatch, name: str, runtime: Any, when: Cal
     return ran
 
 
+def source_and_own(pair: Any, fill: int | None = None) -> tuple[Any, list[torch.Tensor], Any]:
+    """The prompt's device blocks cache (filled with ``fill``), and the decoder's registered device cache over
+    zeroed memory of its own: ``(src, mine, own)``."""
+    src = pair.pm.allocate_blocks_cache(DESC, BlocksCacheKey(PROMPT_ID, 0))
+    if fill is not None:
+        for t in src.tensors:
+            t.fill_(fill)
+    mine = [torch.zeros(DESC.shape, dtype=torch.int8) for _ in range(DESC.num_tensors)]
+    own = pair.dm.register_blocks_cache(DESC, mine)
+    assert own.on_device
+    return src, mine, own
+
+
+def releaser(pair: Any, own: Any, mine: list[torch.Tensor]) -> Callable[[], None]:
+    """What a framework does when it takes its memory back: unregister (v1: at once) and reuse it at once."""
+    def release() -> None:
+        pair.dm.deallocate_cache(own)
+        for t in mine:
+            t.fill_(-1)
+
+    return release
+
+
 async def pull_outcome(pull: Any) -> object:
     """The pull's status, run in this task (bounded by its own timeout): the cut cancels the task it runs in,
     and takes its cancel back, so this task is not left cancelling (a later ``asyncio.timeout`` would misread
@@ -88,31 +111,16 @@ async def test_a_staged_pull_cut_as_a_chunk_came_in_scatters_nothing_more(monkey
         for dd in (pair.prompt, pair.decoder):  # 4 KiB chunks: the pull is 16 chunks, one buffer filling at a time
             rt = runtime_of(dd)
             rt._staging = DeviceStaging(rt.completions, rt.devices, chunk_bytes=4096, buffers=2)
-        src = pair.pm.allocate_blocks_cache(DESC, BlocksCacheKey(PROMPT_ID, 0))
-        for t in src.tensors:
-            t.fill_(7)
-        mine = [torch.zeros(DESC.shape, dtype=torch.int8) for _ in range(DESC.num_tensors)]
-        own = pair.dm.register_blocks_cache(DESC, mine)
-        assert own.on_device
-
-        def release() -> None:
-            pair.dm.deallocate_cache(own)  # v1: a registered cache is unregistered at once
-            for t in mine:
-                t.fill_(-1)  # the framework reuses its memory at once
-
-        ran = on_first(monkeypatch, "move", runtime_of(pair.decoder), lambda *a, send, **kw: not send, release)
+        _, mine, own = source_and_own(pair, 7)
+        ran = on_first(monkeypatch, "move", runtime_of(pair.decoder), lambda *a, send, **kw: not send,
+                       releaser(pair, own, mine))
         await pull_lands_nothing(pair, own, mine, ran)
 
 
 async def test_a_device_ipc_pull_cut_as_its_answer_came_in_copies_nothing(monkeypatch):
     host = {"device_type": "host", "transport": "local"}
     async with linked_pair(prompt_config=host, decoder_config=host) as pair:
-        src = pair.pm.allocate_blocks_cache(DESC, BlocksCacheKey(PROMPT_ID, 0))
-        for t in src.tensors:
-            t.fill_(3)
-        mine = [torch.zeros(DESC.shape, dtype=torch.int8) for _ in range(DESC.num_tensors)]
-        own = pair.dm.register_blocks_cache(DESC, mine)
-        assert own.on_device
+        src, mine, own = source_and_own(pair, 3)
         share = usable_link(pair.prompt, DECODER_ID).local
         for _ in range(200):  # the decoder mapped the export: device IPC carries the pull
             share.catch_up()
@@ -120,13 +128,8 @@ async def test_a_device_ipc_pull_cut_as_its_answer_came_in_copies_nothing(monkey
                 break
             await asyncio.sleep(0.01)
         assert src.cache_id in share.peer_mapped
-
-        def release() -> None:
-            pair.dm.deallocate_cache(own)  # v1: a registered cache is unregistered at once
-            for t in mine:
-                t.fill_(-1)
-
-        ran = on_first(monkeypatch, "expect", runtime_of(pair.decoder), lambda *a, **kw: True, release)
+        ran = on_first(monkeypatch, "expect", runtime_of(pair.decoder), lambda *a, **kw: True,
+                       releaser(pair, own, mine))
         await pull_lands_nothing(pair, own, mine, ran)
 
 
@@ -137,15 +140,12 @@ async def test_a_caller_that_cancels_as_the_cut_lands_gets_its_cancel(monkeypatc
         for dd in (pair.prompt, pair.decoder):
             rt = runtime_of(dd)
             rt._staging = DeviceStaging(rt.completions, rt.devices, chunk_bytes=4096, buffers=2)
-        pair.pm.allocate_blocks_cache(DESC, BlocksCacheKey(PROMPT_ID, 0))
-        mine = [torch.zeros(DESC.shape, dtype=torch.int8) for _ in range(DESC.num_tensors)]
-        own = pair.dm.register_blocks_cache(DESC, mine)
+        _, mine, own = source_and_own(pair)
         pulling: list[asyncio.Task] = []
+        release = releaser(pair, own, mine)
 
         def release_and_cancel() -> None:
-            pair.dm.deallocate_cache(own)
-            for t in mine:
-                t.fill_(-1)
+            release()
             pulling[0].cancel()
 
         ran = on_first(monkeypatch, "move", runtime_of(pair.decoder), lambda *a, send, **kw: not send,
