@@ -85,8 +85,10 @@ class CacheLease:
 
     @property
     def active(self) -> bool:
-        """Whether the lease still runs: neither expired (or released) nor cancelled."""
-        return not (self._expired or self._cancelled)
+        """Whether the lease still runs: neither expired (or released) nor cancelled, and its cache still
+        held (a cache its keys' pulls, ``remove_cache_key`` or finalize freed leaves nothing to release)."""
+        cache = self._cache()
+        return not (self._expired or self._cancelled) and cache is not None and cache.alive
 
     @property
     def deadline(self) -> float | None:
@@ -224,7 +226,7 @@ def _endpoint_of(manager: _Manager) -> Endpoint:
 
 def active_leases(endpoint: Endpoint) -> int:
     """Leases of ``endpoint`` that neither expired nor were cancelled."""
-    return sum(1 for lease in list(_LEASES.values()) if lease.active and lease._endpoint is endpoint)
+    return sum(1 for lease in list(_LEASES.values()) if lease._endpoint is endpoint and lease.active)
 
 
 def lease_of(cache: KvCache) -> CacheLease | None:

@@ -150,7 +150,7 @@ class EndpointStats:
     :ivar registered_cap_bytes: the cap on it (``aio.RegisteredMemoryCap``).
     :ivar caches: registered caches.
     :ivar keys: cache keys bound (blocks keys included).
-    :ivar leases: leases that have not expired nor been cancelled.
+    :ivar leases: leases still running: not expired nor cancelled, on caches still held.
     :ivar links: the links that are up, by the peer's cluster id.
     :ivar links_up: links that came up since ``init``.
     :ivar links_down: links that went down since ``init`` (failed, unlinked, or replaced by a relink).

@@ -73,6 +73,26 @@ async def test_a_lease_taken_on_a_loop_that_then_closed_does_not_stay_running_fo
 
 
 @pytest.mark.asyncio
+async def test_a_lease_whose_cache_its_keys_freed_no_longer_counts_as_running():
+    """A leased cache whose id reference was dropped and whose keys all went (pulled, or removed by hand) is
+    freed: its lease has nothing left to release, is not ``active`` and is not in ``stats().leases`` (it
+    was, beside ``caches`` 0 and ``keys`` 0)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT) as dd:
+        kv = dd.kv_cache_manager
+        keys = keys_for(40)
+        cache = kv.allocate_cache(ROWS, keys, lease_ms=60_000)
+        kv.deallocate_cache(cache)
+        lease = lease_of(cache)
+        assert lease.active and dd.stats().leases == 1  # the keys hold the memory still
+        for key in keys:
+            kv.remove_cache_key(key)
+        stats = dd.stats()
+        assert (cache.alive, lease.active, stats.caches, stats.keys, stats.leases) == (False, False, 0, 0, 0)
+        lease.release()  # nothing to release: a no-op
+        assert held(dd) == (0, 0, 0)
+
+
+@pytest.mark.asyncio
 async def test_a_release_the_role_refuses_changes_nothing_and_works_once_the_role_allows_it():
     """A v1 DECODER removes no keys (reference 2.4: ``remove_cache_key`` is PROMPT only), so a lease
     whose endpoint switched to DECODER may not release its keys, by hand or by its timer. Before, the
