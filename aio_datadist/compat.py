@@ -70,6 +70,9 @@ log = logging.getLogger(__name__)
 #: cancelled to end on the facade's loop before the interrupt goes on: every cancelled call ends within
 #: its own bounds (an aborted transfer's acknowledgement, a cut copy's settling), far below this.
 INTERRUPT_SETTLE_S = 15.0
+#: How long the exit waits for the facade's loop to stop (a callback of the caller's may hold it); a loop still
+#: running then is left to its daemon thread, unclosed.
+STOP_JOIN_S = 5.0
 
 
 class _LoopThread:
@@ -158,7 +161,11 @@ class _LoopThread:
             self._loop = self._thread = None
         if loop is not None and thread is not None:
             loop.call_soon_threadsafe(loop.stop)
-            thread.join(5)
+            thread.join(STOP_JOIN_S)
+            if thread.is_alive():  # closing a running loop raises: at exit, a traceback for nothing
+                log.warning("aio_datadist.compat: the facade's loop did not stop within %.1f s (a callback "
+                            "still runs on it); left running", STOP_JOIN_S)
+                return
             loop.close()
 
 

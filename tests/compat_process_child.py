@@ -168,10 +168,20 @@ def exit_while_a_synchronizer_waits() -> None:
     print(json.dumps({"main_returns": time.monotonic()}), flush=True)
 
 
+def exit_while_a_callback_holds_the_loop() -> None:
+    """The facade's loop is held past the exit's wait for it (made short here) by a callback of the caller's."""
+    compat.STOP_JOIN_S = 0.3
+    compat._RUNNER.loop().call_soon_threadsafe(time.sleep, 20)
+    time.sleep(0.1)
+    print(json.dumps({"main_returns": time.monotonic()}), flush=True)
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
     if case == "exit-synchronizer":
         exit_while_a_synchronizer_waits()
+    elif case == "exit-held-loop":
+        exit_while_a_callback_holds_the_loop()
     else:
         kind, _, mode = case.partition("-")
         print(json.dumps(fork(mode) if kind == "fork" else interrupt(mode)), flush=True)
