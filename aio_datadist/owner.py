@@ -101,9 +101,9 @@ def _serve(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any, served: Ser
     started = counters.begin(kind)
     total = served.total
 
-    def report(ok: bool) -> None:
+    def report(ok: bool, status: LLMStatusCode) -> None:
         counters.end(kind, transport, total, started, Outcome.OK if ok else Outcome.FAILED,
-                     LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED)
+                     LLMStatusCode.LLM_SUCCESS if ok else status)
 
     served.report = report
     if _trace.ON:

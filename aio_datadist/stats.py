@@ -79,7 +79,7 @@ class TransferStats:
     :ivar transfers: transfers that completed.
     :ivar bytes: bytes those moved.
     :ivar failures: transfers that failed, by status code name (timeouts included, as ``LLM_TIMEOUT``).
-    :ivar timeouts: of those, the ones that timed out.
+    :ivar timeouts: of those, the ones that timed out (``failures["LLM_TIMEOUT"]``; served: given up at the deadline).
     :ivar cancellations: transfers the caller cancelled (not in ``failures``).
     :ivar in_flight: transfers running now.
     :ivar seconds: total time the completed transfers took.
@@ -214,7 +214,10 @@ class LinkCounters:
 
     def end(self, kind: str, transport: str, nbytes: int, started: float, outcome: Outcome,
             status: LLMStatusCode = LLMStatusCode.LLM_SUCCESS, *, began: bool = True) -> None:
-        """The transfer begun at ``started`` ended with ``outcome`` (``status`` says how it failed)."""
+        """The transfer begun at ``started`` ended with ``outcome`` (``status`` says how it failed: a failure
+        with ``LLM_TIMEOUT``, such as a served transfer given up at its deadline, counts as a timeout)."""
+        if outcome is Outcome.FAILED and status is LLMStatusCode.LLM_TIMEOUT:
+            outcome = Outcome.TIMEOUT
         seconds = time.perf_counter() - started
         t = self._kinds[kind]
         if began:

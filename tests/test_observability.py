@@ -396,6 +396,26 @@ async def test_one_format_with_the_link_fields_serves_every_record():
     assert "aio_datadist.links [-->- #-] a record of no link" in lines
 
 
+def test_a_failure_with_llm_timeout_counts_as_a_timeout_for_the_stats_and_the_observers():
+    """A served transfer the owner gave up at its deadline ends ``FAILED`` with ``LLM_TIMEOUT`` (a stream job's
+    own timeout, an in-place request whose DONE never came): it counts as a timeout, as a requester's own does
+    (``timeouts`` stayed 0 beside ``failures["LLM_TIMEOUT"]``)."""
+    from aio_datadist.stats import LinkCounters, Outcome
+
+    heard: list[Outcome] = []
+
+    class Ear:
+        def transfer(self, *args: Any) -> None:
+            heard.append(args[5])
+
+    counters = LinkCounters(1, 2, [Ear()])
+    for status in (LLMStatusCode.LLM_TIMEOUT, LLMStatusCode.LLM_FAILED):
+        counters.end("served_pull", "tcp", 64, counters.begin("served_pull"), Outcome.FAILED, status)
+    kind = counters.snapshot(LLMRole.DECODER, 1, "tcp").kinds["served_pull"]
+    assert (dict(kind.failures), kind.timeouts, kind.in_flight) == ({"LLM_TIMEOUT": 1, "LLM_FAILED": 1}, 1, 0)
+    assert heard == [Outcome.TIMEOUT, Outcome.FAILED]
+
+
 def test_transfers_reported_at_once_count_as_each_one_would():
     """A READ report's ``count`` reads reach the metrics observer in one call, counted exactly as ``count``
     calls of ``transfer`` would be: per size class, bytes, seconds and duration bucket."""

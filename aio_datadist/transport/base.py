@@ -124,14 +124,16 @@ class Served:
     tensors: range
     landed: list  # ``(cache, tensors, rows)`` a push fills whole, recorded as arrived once it is over
     row: int | None = None  # the row the target names (a key's or an id-and-index's), if any
-    #: Told once how serving ended (True: every byte moved); set by the owner to count it (``stats``).
-    report: Callable[[bool], None] | None = None
+    #: Told once how serving ended (True: every byte moved; else the failure's status); set by the owner to
+    #: count it (``stats``).
+    report: Callable[[bool, LLMStatusCode], None] | None = None
 
-    def ended(self, ok: bool) -> None:
-        """The plane serving the request is done with it (``ok``: every byte moved); tells ``report`` once."""
+    def ended(self, ok: bool, status: LLMStatusCode = LLMStatusCode.LLM_FAILED) -> None:
+        """The plane serving the request is done with it (``ok``: every byte moved; else ``status`` says how it
+        failed, ``LLM_TIMEOUT`` for one given up at its deadline); tells ``report`` once."""
         report, self.report = self.report, None
         if report is not None:
-            report(ok)
+            report(ok, status)
 
     @property
     def cache(self) -> KvCache | None:
@@ -293,16 +295,19 @@ async def wait_out(future: asyncio.Future, bound_s: float, cancelled: list[async
 
 
 def await_done(link: LinkPort, req_id: int, req: TransferReq, ok: Callable[[], None],
-               failed: Callable[[], None]) -> None:
+               failed: Callable[[], None], *, expired: Callable[[], None] | None = None) -> None:
     """Keep ``(ok, failed)`` in ``link.pull_acks`` until the requester's word that ``req_id`` is over (or the
     link's end) runs one of them, for the request's own timeout plus :data:`DONE_GRACE_S` at most: past that,
-    the request is given up as a failed ``DONE`` would (``failed``; serving stopped), and a ``DONE`` that comes
-    later is one of a request we do not know. One timer per request, cancelled by whichever ends it."""
+    the request is given up as a failed ``DONE`` would (``expired`` first, then ``failed``; serving stopped),
+    and a ``DONE`` that comes later is one of a request we do not know. One timer per request, cancelled by
+    whichever ends it."""
     loop = asyncio.get_running_loop()
 
     def expire() -> None:
         if link.pull_acks.get(req_id) is not entry:
             return
+        if expired is not None:
+            expired()
         # One request, one outcome: a request whose bytes all moved was counted as served then (a stream pull
         # of a key, which waits for DONE only to consume it) and stays so; the others are counted as failed
         # by ``failed`` below. The warning says the request was given up.
@@ -444,6 +449,7 @@ class InPlacePlane(Plane):
             served.landed = []
         arrived_by_plane: asyncio.Future | None = None
         end: Callable[[], None] | None = None
+        overdue: list[bool] = []  # the requester's word did not come within the request's timeout
 
         def ok() -> None:
             served.ended(True)
@@ -456,7 +462,7 @@ class InPlacePlane(Plane):
                 link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_SUCCESS, text="")
 
         def failed() -> None:
-            served.ended(False)
+            served.ended(False, LLMStatusCode.LLM_TIMEOUT if overdue else LLMStatusCode.LLM_FAILED)
             if key is not None:
                 rt.registry.release_key(key, tensors)
             if msg is Msg.PUSH_REQ and served.landed:
@@ -483,7 +489,7 @@ class InPlacePlane(Plane):
             return run
 
         link.serving[req_id] = abort
-        await_done(link, req_id, req, settled(ok), settled(failed))
+        await_done(link, req_id, req, settled(ok), settled(failed), expired=lambda: overdue.append(True))
         end = self._begin(link, cache)
         if msg is Msg.PUSH_REQ:
             arrived_by_plane = self._arrival(link, req_id)

@@ -164,7 +164,7 @@ def serve_fenced(rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: Transf
     link.pull_acks[req_id] = waiting
 
     def failed(status: LLMStatusCode, text: str) -> None:
-        served.ended(False)
+        served.ended(False, status)
         if served.key is not None:
             rt.registry.release_key(served.key, served.tensors)
         if not given_up and not link.closed and link.broken is None:

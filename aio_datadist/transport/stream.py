@@ -246,7 +246,8 @@ class StreamPlane(Plane):
             exc = None if f.cancelled() else f.exception()
             if _trace.ON:
                 _trace.mark("owner: job done")
-            served.ended(exc is None and not f.cancelled())
+            served.ended(exc is None and not f.cancelled(),
+                         exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED)
             if exc is None and not f.cancelled():
                 if msg is Msg.PUSH_REQ:
                     for target, rows_tensors, rows in served.landed:

@@ -105,10 +105,12 @@ async def test_a_requester_that_never_sends_done_loses_its_key_claim_past_its_ti
         assert (held, late) == (dict(awaiting_done=0, serving=0, nixl_holds=0), "moved"), (held, late)
         assert same([t[0] for t in snapshot(theirs)], [t[0] for t in expected])
         # One request, one outcome: a stream pull's bytes moved (counted when they had), an in-place one's
-        # end is known only from the DONE that never came (a failure).
+        # end is known only from the DONE that never came (a failure at the request's deadline: a timeout; it
+        # was counted LLM_FAILED).
         served = owner_link.stats().kinds["served_pull"]
         moved = transport == "tcp"
-        assert (served.transfers, sum(served.failures.values())) == (int(moved), int(not moved)), served
+        assert (served.transfers, dict(served.failures), served.timeouts) == \
+            ((1, {}, 0) if moved else (0, {"LLM_TIMEOUT": 1}, 1)), served
         # The buggy peer's DONE, now, is that of a request the owner no longer knows: ignored.
         buggy_link = link_to(buggy, PROMPT)
         assert buggy_link is not None
