@@ -102,13 +102,15 @@ class Pending:
 class Admission:
     """Accepts connections on a listening socket at the pace described in the module docstring.
 
-    ``serve(conn, pending)`` runs in its own task per accepted connection; it
-    calls :meth:`first_message`, then :meth:`slot`, then runs the handshake,
-    and :meth:`leave` when done (it owns ``conn``).
+    ``serve(admission, conn, pending)`` runs in its own task per accepted
+    connection; it calls :meth:`first_message`, then :meth:`slot`, then runs
+    the handshake, and :meth:`leave` when done (it owns ``conn``). It is given
+    this admission: its owner may have let go of it (stopped listening) by the
+    time the task first runs.
     """
 
     def __init__(self, sock: socket.socket, cap: int,
-                 serve: Callable[[socket.socket, Pending], Coroutine[Any, Any, None]]) -> None:
+                 serve: Callable[[Admission, socket.socket, Pending], Coroutine[Any, Any, None]]) -> None:
         self.sock = sock
         self.cap = cap
         self._serve = serve
@@ -147,7 +149,7 @@ class Admission:
             conn.setblocking(False)
             pending = Pending(conn, self._signal)
             self.arriving[pending] = None
-            pending.task = self._loop.create_task(self._serve(conn, pending))
+            pending.task = self._loop.create_task(self._serve(self, conn, pending))
 
     async def _room(self) -> None:
         """Until the arriving stage has room, dropping the oldest stalled arrival when someone waits.

@@ -141,10 +141,9 @@ class Listener:
             return wire.ATTACH.size
         return _HELLO_SIZE
 
-    async def _accept(self, conn: socket.socket, pending: Pending) -> None:
-        """One accepted connection: its first message, a handshake slot, then the handshake (``admission``)."""
-        admission = self.admission
-        assert admission is not None
+    async def _accept(self, admission: Admission, conn: socket.socket, pending: Pending) -> None:
+        """One accepted connection: its first message, a handshake slot, then the handshake (``admission``, which
+        ``stop`` may have let go of before this task first ran: the connection still goes through it)."""
         writer: asyncio.StreamWriter | None = None
         keep = False
         try:

@@ -176,3 +176,43 @@ async def test_links_past_the_fd_limit_are_refused_with_a_clear_code(fork_server
             status = await decoders[room].link_clusters([cluster_info(1, ("127.0.0.1", info["port"]))])
             assert status == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         count("fd budget refusals", 2)
+
+
+@pytest.mark.asyncio
+async def test_a_connection_accepted_as_the_listener_stops_still_goes_through_its_admission(monkeypatch):
+    """A connection accepted in the loop pass in which the listener stops (``finalize``, ``switch_role``), whose
+    task had not run yet, found the listener's admission gone: an ``AssertionError`` in a task nobody awaited
+    ("Task exception was never retrieved") and its socket left open. It now ends as any other: here, a peer
+    that closes after half a first message."""
+    import socket
+
+    from aio_datadist import admission as admission_module
+
+    async with endpoint(LLMRole.PROMPT, 1, listen=True) as dd:
+        listener = dd._require_links().listener
+        stopping: list[asyncio.Task] = []
+
+        class StopsTheListener(admission_module.Pending):
+            __slots__ = ()
+
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                if not stopping:  # scheduled before the accepted connection's task: it runs first
+                    stopping.append(asyncio.ensure_future(listener.stop()))
+
+        monkeypatch.setattr(admission_module, "Pending", StopsTheListener)
+        host, port = port_of(dd)
+        peer = socket.create_connection((host, port), timeout=5)
+        try:
+            peer.sendall(b"\x00\x01")
+            async with asyncio.timeout(5):
+                while not stopping or not stopping[0].done():
+                    await asyncio.sleep(0.01)
+                accepted = list(listener.handshakes)
+                assert len(accepted) == 1, accepted
+                peer.close()
+                done, _ = await asyncio.wait(accepted)
+        finally:
+            peer.close()
+        (task,) = done
+        assert task.exception() is None, task.exception()
