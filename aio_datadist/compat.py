@@ -193,6 +193,19 @@ def _finalize_all() -> None:
     _RUNNER.stop()
 
 
+def _v1_run(coro: Coroutine[Any, Any, _T]) -> _T:
+    """``_RUNNER.run(coro)`` for a KvCacheManager (v1) call: a time-out raises ``LLM_WAIT_PROCESS_TIMEOUT``, as
+    v1 LLM-DataDist's does (reference 2.4 and 2.11; it has no ``LLM_TIMEOUT``), where the async API raises
+    ``LLM_TIMEOUT`` in both modes."""
+    try:
+        return _RUNNER.run(coro)
+    except LLMException as exc:
+        if exc.status_code is not LLMStatusCode.LLM_TIMEOUT:
+            raise
+        raise LLMException(*exc.args, status_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+                           argument=exc.argument) from exc
+
+
 class CacheTask:
     """Blocking view of :class:`aio_datadist.CacheTask`."""
 
@@ -250,7 +263,7 @@ class KvCacheManager:
                    tensor_num_per_layer: int = 2, src_cache_offset: int | None = None,
                    dst_cache_offset: int | None = None, timeout: int | None = None, **unknown: Any) -> None:
         """Blocking :meth:`aio_datadist.KvCacheManager.pull_cache` (same arguments)."""
-        _RUNNER.run(self._m.pull_cache(cache_key, kv_cache, batch_index, size, src_layer_range=src_layer_range,
+        _v1_run(self._m.pull_cache(cache_key, kv_cache, batch_index, size, src_layer_range=src_layer_range,
                                        dst_layer_range=dst_layer_range, tensor_num_per_layer=tensor_num_per_layer,
                                        src_cache_offset=src_cache_offset, dst_cache_offset=dst_cache_offset,
                                        timeout=timeout, **unknown))
@@ -263,7 +276,7 @@ class KvCacheManager:
                     **unknown: Any) -> None:
         """Blocking :meth:`aio_datadist.KvCacheManager.pull_blocks`; also takes the KvCacheManager (v1)
         names ``prompt_cache_key``, ``decoder_kv_cache``, ``prompt_blocks`` and ``decoder_blocks``."""
-        _RUNNER.run(self._m.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks,
+        _v1_run(self._m.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks,
                                         src_layer_range=src_layer_range, dst_layer_range=dst_layer_range,
                                         tensor_num_per_layer=tensor_num_per_layer, timeout=timeout,
                                         prompt_cache_key=prompt_cache_key, decoder_kv_cache=decoder_kv_cache,
@@ -275,24 +288,24 @@ class KvCacheManager:
         """v2 spelling: python ranges and ``tensor_num_per_layer`` instead of ``ext_param``."""
         ext = _ext_param(src_layer_range, dst_layer_range, tensor_num_per_layer)
         with named_by_caller(PUSH_KEY_AS_DST_CACHE_KEY):  # llm_datadist's spelling, not the async v1 call's
-            _RUNNER.run(self._m.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, ext))
+            _v1_run(self._m.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, ext))
 
     def push_cache(self, dst_cache_key: Any, src_cache: KvCache, src_batch_index: int = 0,
                    src_layer_range: range | None = None, dst_layer_range: range | None = None,
                    size: int = -1, tensor_num_per_layer: int = 2) -> None:
         ext = _ext_param(src_layer_range, dst_layer_range, tensor_num_per_layer)
         with named_by_caller(PUSH_KEY_AS_DST_CACHE_KEY):  # llm_datadist's spelling, not the async v1 call's
-            _RUNNER.run(self._m.push_cache(dst_cache_key, src_cache, src_batch_index, ext, size))
+            _v1_run(self._m.push_cache(dst_cache_key, src_cache, src_batch_index, ext, size))
 
     def copy_cache(self, dst: KvCache, src: KvCache, dst_batch_index: int = 0, src_batch_index: int = 0,
                    offset: int = 0, size: int = -1, req_id: int | None = None) -> None:
-        _RUNNER.run(self._m.copy_cache(dst, src, dst_batch_index, src_batch_index, offset, size, req_id))
+        _v1_run(self._m.copy_cache(dst, src, dst_batch_index, src_batch_index, offset, size, req_id))
 
     def copy_blocks(self, cache: KvCache, copy_block_info: Mapping[int, Sequence[int]]) -> None:
-        _RUNNER.run(self._m.copy_blocks(cache, copy_block_info))
+        _v1_run(self._m.copy_blocks(cache, copy_block_info))
 
     def swap_blocks(self, src: KvCache, dst: KvCache, src_to_dst: Mapping[int, int]) -> None:
-        _RUNNER.run(self._m.swap_blocks(src, dst, src_to_dst))
+        _v1_run(self._m.swap_blocks(src, dst, src_to_dst))
 
     def transfer_cache_async(self, src_cache: KvCache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Sequence[Any], src_block_indices: Sequence[int] | None = None,
@@ -361,7 +374,7 @@ class LLMDataDist:
         return _RUNNER.run(self._dd.unlink_clusters(clusters, timeout, force))
 
     def check_link_status(self, remote_cluster_id: int) -> None:
-        _RUNNER.run(self._dd.check_link_status(remote_cluster_id))
+        _v1_run(self._dd.check_link_status(remote_cluster_id))  # KvCacheManager mode only
 
     def stats(self) -> EndpointStats:
         """:meth:`aio_datadist.LLMDataDist.stats`, taken on the facade's loop."""

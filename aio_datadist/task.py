@@ -68,9 +68,9 @@ class CacheTask:
 
     def __init__(self, progress: TaskProgress, driver: Coroutine[Any, Any, None]) -> None:
         """Run ``driver``, which reports into ``progress`` (``layerwise.start_transfer`` makes both)."""
-        #: What ``synchronize`` and ``get_results`` report for a transfer still running at their time-out:
-        #: ``LLM_WAIT_PROCESS_TIMEOUT`` for ``KvCacheManager`` (v1), ``LLM_TIMEOUT`` for ``CacheManager`` (v2),
-        #: as LLM-DataDist's own task does.
+        #: What ``synchronize`` and ``get_results`` report for a transfer still running at their time-out, and
+        #: for a config whose transfer timed out: ``LLM_WAIT_PROCESS_TIMEOUT`` for ``KvCacheManager`` (v1),
+        #: ``LLM_TIMEOUT`` for ``CacheManager`` (v2), as LLM-DataDist's own task does.
         self.timeout_code = LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
         self._progress = progress
         self._task = asyncio.get_running_loop().create_task(driver)
@@ -145,7 +145,7 @@ class CacheTask:
             return self.timeout_code
         if self._task.cancelled():
             return LLMStatusCode.LLM_FAILED
-        return next((c for c in self._progress.results if c not in (None, LLMStatusCode.LLM_SUCCESS)),
+        return next((c for c in self._codes() if c not in (None, LLMStatusCode.LLM_SUCCESS)),
                     LLMStatusCode.LLM_SUCCESS)
 
     async def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
@@ -158,7 +158,13 @@ class CacheTask:
         """
         if not await self._settle(timeout_in_millis):
             return [self.timeout_code] * len(self._progress.results)
-        return list(self._progress.results)
+        return self._codes()
+
+    def _codes(self) -> list[LLMStatusCode | None]:
+        """The per-config results, a transfer's time-out read as :attr:`timeout_code` (reference 2.4: a v1
+        ``transfer_cache_async`` time-out yields ``LLM_WAIT_PROCESS_TIMEOUT``)."""
+        timeout = self.timeout_code
+        return [timeout if c is LLMStatusCode.LLM_TIMEOUT else c for c in self._progress.results]
 
 
 def _quiet(fut: asyncio.Future) -> asyncio.Future:
