@@ -13,9 +13,13 @@ class Settling(asyncio.Future):
     step that is certain to end (a NIXL transfer's piece being copied by our own worker): waiting for it past a
     usual bound is then waiting for something that ends."""
 
-    def __init__(self, busy: Callable[[], bool], *, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, busy: Callable[[], bool], *, loop: asyncio.AbstractEventLoop,
+                 force: Callable[[], None] | None = None) -> None:
         super().__init__(loop=loop)
         self.busy = busy
+        #: Makes the work end now at a cost (a NIXL transfer's peer agent is let go, and the link with it), for
+        #: work still not over past its usual bound; None where there is no such way.
+        self.force = force
 
 
 async def settle(future: asyncio.Future, bound_s: float | None) -> bool:

@@ -42,7 +42,12 @@ Option values are strings, except the two TLS keys, whose values are the
 Setting either turns TLS on for every link of the endpoint: it then neither
 accepts nor dials a link without TLS. A listening endpoint needs the server
 context, one that calls ``link_clusters`` the client context; an endpoint
-that does both (MIX, or a prompt that also dials) sets both.
+that does both (MIX, or a prompt that also dials) sets both. The client
+context must check the server's certificate (``verify_mode`` is
+``CERT_REQUIRED``, as ``PROTOCOL_TLS_CLIENT`` makes it); a server context may
+ask for no client certificate or require one (mutual TLS), not make it
+optional. The check sets ``ssl.OP_NO_RENEGOTIATION`` on the given contexts and
+raises their ``minimum_version`` to TLS 1.2 where it was lower.
 
 ``enable_remote_cache_accessible`` (``llm.EnableRemoteCacheAccessible``)
 decides whether peers may read or write this endpoint's caches at all. As
@@ -375,7 +380,44 @@ def _rank_addresses_text(key: str, raw: str) -> dict[str, tuple[str, int]]:
     return _rank_addresses(key, check_json_object(key, raw)) if raw else {}
 
 
+_TLS12 = ssl.TLSVersion.TLSv1_2
+
+
+def _tls_versions(arg_name: str, context: ssl.SSLContext) -> None:
+    """Make ``context`` speak nothing older than TLS 1.2 (raising a lower ``minimum_version``)."""
+    highest = context.maximum_version
+    if highest != ssl.TLSVersion.MAXIMUM_SUPPORTED and highest < _TLS12:
+        raise param_invalid(arg_name, f"its maximum_version is {highest.name}; links need TLS 1.2 or later")
+    lowest = context.minimum_version
+    if lowest == ssl.TLSVersion.MAXIMUM_SUPPORTED or lowest >= _TLS12:
+        return
+    try:
+        context.minimum_version = _TLS12
+    except ValueError:  # a fixed-version protocol (ssl.PROTOCOL_TLSv1...): its versions cannot be changed
+        if context.protocol != getattr(ssl, "PROTOCOL_TLSv1_2", None):
+            raise param_invalid(arg_name, f"it was made with {context.protocol.name}, older than TLS 1.2; use "
+                                "ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT) or ssl.PROTOCOL_TLS_SERVER") from None
+
+
 def _tls_check(side: str, wrong: Any) -> Callable[[str, object], ssl.SSLContext]:
+    """The check of a TLS option's context, for the ``side`` (client or server) of a connection.
+
+    Refused (``LLM_PARAM_INVALID`` naming the option or property): a context
+    made for the other side; a client context that does not check the
+    server's certificate (``verify_mode`` other than ``CERT_REQUIRED``, as
+    ``ssl.SSLContext()`` / ``PROTOCOL_TLS`` leave it: TLS would then
+    authenticate no peer); a server context that asks for a client
+    certificate but takes a client without one (``CERT_OPTIONAL``; mutual
+    TLS is ``CERT_REQUIRED``, ``CERT_NONE`` asks for none); a context whose
+    ``maximum_version`` is below TLS 1.2, or made for a fixed version below it.
+
+    Set on the given context itself (an ``ssl.SSLContext`` cannot be copied),
+    so every connection it makes, ours or not, gets them:
+    ``ssl.OP_NO_RENEGOTIATION`` (a TLS 1.2 peer that starts a renegotiation
+    could otherwise hold plaintext views of cache memory in the TLS layer's
+    write backlog after a send finished, and read the memory later), and
+    ``minimum_version`` raised to TLS 1.2 where it was lower.
+    """
     def check(arg_name: str, value: object) -> ssl.SSLContext:
         if not isinstance(value, ssl.SSLContext):
             raise param_invalid(arg_name, f"expected an ssl.SSLContext, got {type(value).__name__}")
@@ -383,6 +425,19 @@ def _tls_check(side: str, wrong: Any) -> Callable[[str, object], ssl.SSLContext]
             raise param_invalid(arg_name, f"this context cannot take the {side} side of a TLS connection "
                                 f"(it was made with {wrong.name}); use "
                                 f"ssl.SSLContext(ssl.PROTOCOL_TLS_{side.upper()})")
+        mode = value.verify_mode
+        if side == "client" and mode != ssl.CERT_REQUIRED:
+            raise param_invalid(arg_name, f"this context checks no server certificate (verify_mode is "
+                                f"{mode.name}; ssl.SSLContext() and PROTOCOL_TLS leave it so), so TLS would "
+                                "authenticate no peer; use ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT) or "
+                                "ssl.create_default_context() with the peers' CA loaded, or set "
+                                "verify_mode = ssl.CERT_REQUIRED")
+        if side == "server" and mode == ssl.CERT_OPTIONAL:
+            raise param_invalid(arg_name, "this context asks for a client certificate but takes a client "
+                                "without one (verify_mode is CERT_OPTIONAL); for mutual TLS set verify_mode = "
+                                "ssl.CERT_REQUIRED (with the clients' CA loaded), or CERT_NONE to ask for none")
+        _tls_versions(arg_name, value)
+        value.options |= ssl.OP_NO_RENEGOTIATION
         return value
 
     return check
@@ -398,9 +453,12 @@ _check_tls_client = _tls_check("client", ssl.PROTOCOL_TLS_SERVER)
 class _Setting(Generic[_T]):
     """A validated ``LLMConfig`` property; only explicitly set values are stored."""
 
-    def __init__(self, check: Callable[[str, Any], _T], default: _T, doc: str) -> None:
+    def __init__(self, check: Callable[[str, Any], _T], default: _T, doc: str, *, own: bool = False) -> None:
+        """``own``: reading returns the stored value itself (a mutable one, made from ``default`` by
+        ``check`` on first read), not a copy; for ``ge_options``, which clients fill in place."""
         self.check = check
         self.default = default
+        self.own = own
         self.__doc__ = doc
         self.name = ""
 
@@ -414,6 +472,8 @@ class _Setting(Generic[_T]):
     def __get__(self, obj: LLMConfig | None, owner: type | None = None) -> _T | _Setting[_T]:
         if obj is None:
             return self
+        if self.own:  # the config's own dict, made on first read: filling it in place adds to it
+            return obj._explicit.setdefault(self.name, self.check(self.name, self.default))
         value = obj._explicit.get(self.name, self.default)
         if isinstance(value, (dict, list)):
             return type(value)(value)  # type: ignore[return-value]  # a copy: the config keeps its own
@@ -448,7 +508,11 @@ class LLMConfig:
         _check_sync_kv_timeout, DEFAULT_SYNC_KV_TIMEOUT_MS, "Default timeout of transfers in ms (> 0; 1000)."
     )
     enable_switch_role = _Setting[bool](_bool, False, "Allow switch_role (bool, False).")
-    ge_options = _Setting[dict[str, str]](_check_ge_options, {}, "Extra options merged verbatim (dict of str).")
+    ge_options = _Setting[dict[str, str]](
+        _check_ge_options, {}, "Extra options merged verbatim (dict of str to str). Reading it gives the config's "
+        "own dict, as in LLM-DataDist: keys added to it in place are emitted too (checked by generate_options).",
+        own=True,
+    )
     listen_ip_info = _Setting[str](_check_listen, "", "Listen address 'ip:port' (IPv4); '' = do not listen.")
     mem_utilization = _Setting[float](
         _check_mem_utilization, DEFAULT_MEM_UTILIZATION, "Share of the memory pool to use, [0, 1] (0.95)."
@@ -514,10 +578,14 @@ class LLMConfig:
         "Incoming connections allowed in their handshake at once, 1..65535 (64); more wait in the listen backlog.",
     )
     tls_server_context = _Setting[Any](
-        _check_tls_server, None, "ssl.SSLContext for the links this endpoint accepts (None: no TLS)."
+        _check_tls_server, None, "ssl.SSLContext for the links this endpoint accepts (None: no TLS); verify_mode "
+        "CERT_NONE or CERT_REQUIRED (mutual TLS), not CERT_OPTIONAL. OP_NO_RENEGOTIATION and minimum_version "
+        ">= TLS 1.2 are set on it.",
     )
     tls_client_context = _Setting[Any](
-        _check_tls_client, None, "ssl.SSLContext for the links this endpoint dials (None: no TLS)."
+        _check_tls_client, None, "ssl.SSLContext for the links this endpoint dials (None: no TLS); it must check "
+        "the server certificate (verify_mode CERT_REQUIRED). OP_NO_RENEGOTIATION and minimum_version >= TLS 1.2 "
+        "are set on it.",
     )
     link_port = _Setting[int](
         _check_link_port, DEFAULT_LINK_PORT, "link(): rank r of a rank table is device_ip:link_port + r (26000)."
@@ -539,9 +607,12 @@ class LLMConfig:
         present. ``aio.`` keys appear only for properties set explicitly.
         Every value is a str except ``aio.TlsServerContext`` and
         ``aio.TlsClientContext``, which hold the ``ssl.SSLContext`` itself.
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` naming ``ge_options`` when
+            what was put into it in place is not str to str.
         """
         explicit = self._explicit
-        options = dict(explicit.get("ge_options", {}))
+        options = _check_ge_options("ge_options", explicit.get("ge_options", {}))  # may have been filled in place
         if "device_id" in explicit:
             ids = explicit["device_id"]
             ids = ids if isinstance(ids, (list, tuple)) else (ids,)

@@ -692,7 +692,7 @@ class LinkTable:
                 ack.exception()  # a link that failed meanwhile: nothing to wait for
         await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
         if self.nixl is not None:
-            self.nixl.close()
+            await self.nixl.aclose()
         if self._ledger is not None:
             self._ledger.close()
             self._ledger = None

@@ -753,7 +753,7 @@ class Link:
         if plane is None or self.nixl is not None:
             return self.nixl
         self.nixl = NixlPeer(plane, self._send_nixl, self.remote_cluster_id, link_tag(self.token),
-                             functools.partial(self._read_by_peer, "nixl"))
+                             functools.partial(self._read_by_peer, "nixl"), self.fail)
         self.nixl.hello()
         return self.nixl
 

@@ -448,7 +448,7 @@ class CacheKey(_Value):
 class _CacheAddress(_Value):
     __slots__ = {
         "cluster_id": "Cluster that holds the cache (uint64).",
-        "cache_id": "Id of the cache in that cluster (>= 1).",
+        "cache_id": "Id of the cache in that cluster (int64; one that names no cache fails the transfer).",
         "batch_index": "Batch row (uint32).",
     }
     _fields = ("cluster_id", "cache_id", "batch_index")
@@ -459,10 +459,9 @@ class _CacheAddress(_Value):
 
     def __init__(self, cluster_id: int, cache_id: int, batch_index: int = 0) -> None:
         self._set("cluster_id", check_uint("cluster_id", cluster_id))
-        cache_id = check_sint("cache_id", cache_id)  # ValueError outside int64, as LLM-DataDist's check
-        if cache_id < 1:
-            raise param_invalid("cache_id", f"must be in [1, {INT64_MAX}], got {cache_id}")
-        self._set("cache_id", cache_id)
+        # Any int64, as LLM-DataDist's (ValueError outside it): an id that names no cache (ids start at 1;
+        # a CPU cache's is -1) is the owner's LLM_KV_CACHE_NOT_EXIST at transfer time, not an error here.
+        self._set("cache_id", check_sint("cache_id", cache_id))
         self._set("batch_index", check_uint("batch_index", batch_index, 32))
 
 
@@ -470,7 +469,8 @@ class CacheKeyByIdAndIndex(_CacheAddress):
     """Addresses batch row ``batch_index`` of cache ``cache_id`` held by ``cluster_id``.
 
     :param cluster_id: the remote cluster (uint64).
-    :param cache_id: the remote cache's id (int64, >= 1).
+    :param cache_id: the remote cache's id (int64; ids start at 1, and one that names no
+        cache fails the transfer with ``LLM_KV_CACHE_NOT_EXIST``).
     :param batch_index: the row (uint32), default 0.
     :raises LLMException: ``LLM_PARAM_INVALID`` naming the bad argument.
     """
@@ -482,7 +482,8 @@ class CacheIndex(_CacheAddress):
     """The C++ API's remote cache address: same fields as ``CacheKeyByIdAndIndex``.
 
     :param cluster_id: the remote cluster (uint64).
-    :param cache_id: the remote cache's id (int64, >= 1).
+    :param cache_id: the remote cache's id (int64; ids start at 1, and one that names no
+        cache fails the transfer with ``LLM_KV_CACHE_NOT_EXIST``).
     :param batch_index: the row (uint32), default 0.
     :raises LLMException: ``LLM_PARAM_INVALID`` naming the bad argument.
     """

@@ -48,6 +48,10 @@ NIXL_SETTLE_S = 1.0
 #: ... and how long at most while our NIXL worker is still copying a piece of it inside NIXL's posting call (UCX
 #: shared memory), which ends with the piece (``nixl_engine.CHUNK_BYTES``): bytes would land after the return.
 NIXL_SETTLE_LIMIT_S = 10.0
+#: How long a given-up NIXL transfer still in NIXL's hands past those bounds (the owner makes no progress on it: a
+#: READ or WRITE over UCX's TCP transport needs the owner's for every byte) may take to settle once its peer's
+#: agent was let go (``Settling.force``: NIXL disconnects from it, which ends what is in flight with it).
+NIXL_FORCE_S = 2.0
 #: How long a given-up data-channel job may take to report itself over (the channel reset stops it at once).
 JOB_SETTLE_S = 1.0
 #: How long a pusher waits for the owner to confirm that an aborted push stopped.
@@ -268,18 +272,28 @@ async def nixl_settle(settled: asyncio.Future, cancelled: list[asyncio.Cancelled
     """Wait for a given-up NIXL transfer to settle: ``NIXL_SETTLE_S``, and past it, up to ``NIXL_SETTLE_LIMIT_S``,
     if our worker is then still copying a piece of it (``Settling.busy``: NIXL's posting call copies the piece
     in progress over UCX shared memory, and ends with it); ``tick()`` every ``every_s``
-    meanwhile (a read waiting for the owner's progress nudges it). Cancellations go to ``cancelled``; whether it
+    meanwhile (a read waiting for the owner's progress nudges it). A transfer still in NIXL's hands then is forced
+    off (``Settling.force``: its peer's agent is let go, and the link) and waited for ``NIXL_FORCE_S`` more: none
+    may write our memory, or read it, after the call returned. Cancellations go to ``cancelled``; whether it
     settled."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     bound = NIXL_SETTLE_S
+    forced = False
     while not settled.done():
         left = start + bound - loop.time()
         if left <= 0:
-            if bound < NIXL_SETTLE_LIMIT_S and isinstance(settled, Settling) and settled.busy():
+            if not isinstance(settled, Settling):
+                break
+            if bound < NIXL_SETTLE_LIMIT_S and settled.busy():
                 bound = NIXL_SETTLE_LIMIT_S
                 continue
-            break
+            if forced or settled.force is None:
+                break
+            forced = True
+            settled.force()
+            bound = loop.time() - start + NIXL_FORCE_S
+            continue
         if not await wait_out(settled, left if tick is None else min(left, every_s), cancelled) and tick is not None:
             tick()
     return settled.done()

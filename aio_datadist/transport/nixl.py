@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from aio_datadist._settle import Settling
+from aio_datadist._settle import Settling, settle
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.fit import Geometry
 from aio_datadist.transport.ledger import LEDGER_BYTES, SLOTS, Ledger
@@ -416,18 +416,30 @@ class NixlAgent:
         """
         engine = self.engine
         tokens: list[int] = []
+        loop = asyncio.get_running_loop()
+        over = settled if settled is not None else loop.create_future()
+        said: dict[str, Any] = {}
+
+        def take() -> None:
+            # The record came: the engine's value and words for the token are taken now, whether or not anyone
+            # still waits for them (they are kept until taken).
+            if not said:
+                token = tokens[0] if tokens else 0
+                said["result"], said["error"] = engine.result(token), engine.error(token)
 
         def submit_token(token: int) -> None:
             tokens.append(token)
             submit(token)
 
+        over.add_done_callback(lambda _: take())
         fut = self.runtime.completions.start(submit_token, engine.cancel, timeout_ms=None, what=what,
-                                             keepalive=keepalive, settled=settled)
-        out = asyncio.get_running_loop().create_future()
+                                             keepalive=keepalive, settled=over)
+        out = loop.create_future()
 
         def done(f: asyncio.Future) -> None:
-            token = tokens[0] if tokens else 0
-            result, text = engine.result(token), engine.error(token)
+            if not f.cancelled():
+                take()  # its record came
+            result, text = said.get("result"), said.get("error")
             if out.done():
                 return
             if f.cancelled():
@@ -443,7 +455,18 @@ class NixlAgent:
         out.add_done_callback(lambda o: o.cancelled() and fut.cancel())
         return out
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        """Close every peer and the engine, waiting for the engine's worker (``nixl_engine.CLOSE_LIMIT_S`` at most:
+        in-flight transfers get their settle bounds there) in a thread, through cancellations (re-raised after):
+        the loop runs on meanwhile (it stood still for it, 10 s for a transfer the owner made no progress on)."""
+        self._close_peers()
+        self.engine.stop()
+        try:
+            await settle(asyncio.ensure_future(asyncio.to_thread(self.engine.join)), None)
+        finally:
+            self._closed()
+
+    def _close_peers(self) -> None:
         for peer in list(self.peers):
             peer.close()
         if self._reads_regs is not None:
@@ -457,7 +480,8 @@ class NixlAgent:
                 self.engine.release_when_idle((id(dlist),), release)  # before the ledger's memory goes
             except LLMException:
                 pass
-        self.engine.close()
+
+    def _closed(self) -> None:
         self.local.clear()
         self._doomed.clear()
         self.scratch_list = self._reads_regs = None  # NIXL's handles hold its agent
@@ -487,8 +511,10 @@ class NixlPeer:
     asking are held by ``granted`` (ours of the peer's caches) and ``revocations`` (the peer's of ours)."""
 
     def __init__(self, agent: NixlAgent, send: Any, cluster_id: int, tag: bytes,
-                 on_read: Callable[[int, int, float], None] | None = None) -> None:
+                 on_read: Callable[[int, int, float], None] | None = None,
+                 lost: Callable[[LLMException], None] | None = None) -> None:
         self.agent = agent
+        self._lost = lost  # fails the link: a transfer with the peer was forced off (``_force_off``)
         self.tag = tag  # the link's, in its pushes' notifications (link_tag)
         # Reads without asking (transport/nixl_grants.py): the peer's ledger, prepared for NIXL, and what the peer
         # granted us; what we granted the peer.
@@ -689,9 +715,11 @@ class NixlPeer:
             if wait <= 0:
                 self.offers_in.track(cache_id, self._load(blob, self.name, cache))
             else:
-                self.offers_in.track(cache_id, self._load_later(wait, blob, cache), delayed=len(bases) * rows)
+                self.offers_in.track(cache_id, self._load_later(wait, blob, cache),
+                                     delayed=self.offers_in.cost(len(bases) * rows))
         elif kind == WITHDRAW:
             self.offers_in.withdraw(cache_id)  # a load of it not ended yet is cancelled (nor kept)
+            self.granted.forget(cache_id)  # an honest peer revoked it first: a grant left is dropped
             gone = self.caches.pop(cache_id, None)
             if gone is not None:
                 self._drop(gone)
@@ -719,6 +747,8 @@ class NixlPeer:
             self._ledger_said = True
             self._load(blob, self.name, (0, SLOTS, 8, fields.rows, "DRAM", 0))
         elif kind == GRANT:
+            if cache_id not in self.offers_in.declared:  # an honest peer grants a cache right after offering it
+                raise ProtocolError("NIXL grant of a cache not offered")
             self.granted.on_grant(cache_id, rows, blob)
         elif kind == REVOKE:
             self.granted.on_revoke(cache_id)
@@ -879,7 +909,8 @@ class NixlPeer:
             return moved, settled, str
         handle = None if posted is None else posted[1]
         tokens: list[int] = []
-        settled = Settling(lambda: bool(tokens) and engine.copying(tokens[0]), loop=loop)
+        settled = Settling(lambda: bool(tokens) and engine.copying(tokens[0]), loop=loop,
+                           force=lambda: self._force_off(tokens, what))
 
         def submit(token: int) -> None:
             tokens.append(token)
@@ -888,8 +919,12 @@ class NixlPeer:
             else:
                 engine.xfer(token, op, local, local_idx, remote, remote_idx, name, notif, nbytes, counted)
 
+        words: list[str | None] = []
+        settled.add_done_callback(lambda _: words.append(engine.error(tokens[0]) if tokens else None))
+
         def failure(exc: BaseException) -> str:
-            return (engine.error(tokens[0]) if tokens else None) or str(exc)
+            text = next((w for w in words if w), None)
+            return text or (engine.error(tokens[0]) if tokens else None) or str(exc)
 
         moved = self.agent.runtime.completions.start(submit, engine.cancel, timeout_ms=None, what=what,
                                                      keepalive=keepalive, settled=settled)
@@ -948,6 +983,18 @@ class NixlPeer:
             words = "NIXL reported the transfer failed (ERR)"
         raise self.failed(what, words)
 
+    def _force_off(self, tokens: list[int], what: str) -> None:
+        """A transfer of ours given up, still in NIXL's hands past its settle bounds (``base.nixl_settle``): the
+        peer makes no progress on it (a READ or WRITE over UCX's TCP transport needs it for every byte), and it
+        could move bytes of the caller's memory whenever the peer runs again. Its peer's agent is let go (NIXL
+        disconnects: every transfer with the peer in flight ends) and the link fails with it."""
+        if tokens:
+            self.engine.force_off(tokens[0])
+        if self._lost is not None:
+            self._lost(LLMException(f"{what}: cluster {self.cluster_id} made no progress on a given-up NIXL transfer "
+                                    f"in its settle bound; its NIXL agent was let go, and the link with it",
+                                    status_code=LLMStatusCode.LLM_LINK_FAILED))
+
     def failed(self, what: str, words: str) -> LLMException:
         """A NIXL transfer with this peer failed, in NIXL's ``words``: the peer's agent went away or the fabric
         failed, which the caller sees as the link's failure."""
@@ -982,7 +1029,8 @@ class NixlPeer:
                 # Read on the worker, after any load of it already queued. Not while a newer link to the same
                 # endpoint uses its agent: that link's load found it still loaded (a transfer of ours deferred this).
                 if self._agent_loaded and name not in [peer.name for peer in list(self.agent.peers)]:
-                    agent.remove_remote_agent(name.decode())
+                    with contextlib.suppress(Exception):  # let go already (NixlEngine.force_off)
+                        agent.remove_remote_agent(name.decode())
 
             try:
                 self.engine.release_when_idle((name,), remove)

@@ -83,7 +83,13 @@ _MAX_WAIT_S = 500e-6
 #: so this bounds how late the request learns of it. Holding alone (a peer's READ of our memory)
 #: needs progress only, and backs off to _MAX_WAIT_S.
 _AWAITED_MAX_WAIT_S = 100e-6
-_SETTLE_LIMIT_S = 10.0
+#: How long close waits for in-flight transfers before it lets go of their peers' agents, and after that: as a
+#: cut call does (``base.NIXL_SETTLE_S``, ``base.NIXL_FORCE_S``), but off the event loop (``NixlAgent.aclose``).
+_CLOSE_SETTLE_S = 1.0
+_CLOSE_FORCE_S = 2.0
+#: The longest ``close`` waits for the worker: those two and a piece in NIXL's posting call (UCX shared memory
+#: copies it there, ``CHUNK_BYTES``).
+CLOSE_LIMIT_S = _CLOSE_SETTLE_S + _CLOSE_FORCE_S + 5.0
 
 
 def load_nixl() -> Any:
@@ -194,11 +200,13 @@ class NixlEngine:
         # read the push's notification. Kept (the most recent only) for the expectation that follows.
         self._early: _Recent = _Recent()
         self._deferred: list[tuple[tuple, Callable[[Any], None]]] = []
-        # Read by the waiter of a token when its record arrives; a waiter that gave up first never
-        # reads, so both keep only the most recent entries.
-        self._results: _Recent = _Recent()
-        self._errors: _Recent = _Recent()
+        # Taken (popped) for each token once its record arrived, whether or not its waiter still waits
+        # (``NixlAgent.run``, ``NixlPeer._post``): never capped, a value still to be taken is never dropped (a
+        # cap of 1024 lost the registrations of a burst of allocations the loop had not caught up with).
+        self._results: dict[int, Any] = {}
+        self._errors: dict[int, str] = {}
         self._cancelled: set[int] = set()
+        self._forced: set[int] = set()  # cancelled transfers whose peer's agent is to be let go (force_off)
         # Commands the worker took and has not run yet, the token of the one it runs, and the token whose piece
         # is inside NIXL's posting call: all in flight (in_flight), the last for :meth:`copying` too.
         self._taken: collections.deque = collections.deque()
@@ -308,7 +316,18 @@ class NixlEngine:
             self._cv.notify()
         return True
 
+    def force_off(self, token: int) -> None:
+        """Let go of the peer agent of ``token``'s transfer, given up and still in NIXL's hands past its bounds (the
+        owner makes no progress on it): NIXL disconnects from that agent, which ends every transfer in flight with
+        it (each settles, reported failed or cancelled), so none writes our memory or reads it afterwards. The
+        caller loses the link to that peer with it."""
+        with self._cv:
+            self._forced.add(token)
+            self._cancelled.add(token)
+            self._cv.notify()
+
     def result(self, token: int) -> Any:
+        """``token``'s return value (``call``), taken: a second call returns None."""
         return self._results.pop(token, None)
 
     def error(self, token: int) -> str | None:
@@ -328,13 +347,21 @@ class NixlEngine:
         return token != 0 and self._copying == token
 
     def close(self) -> None:
-        """Stop the worker after in-flight transfers settled (bounded); drop the agent."""
+        """Stop the worker after in-flight transfers settled (bounded); drop the agent. Blocks the calling thread
+        for up to :data:`CLOSE_LIMIT_S`: from a loop, ``stop()`` and then ``join()`` in a thread."""
+        self.stop()
+        self.join()
+
+    def stop(self) -> None:
+        """Tell the worker to stop once in-flight transfers settled (``_CLOSE_SETTLE_S``, then ``_CLOSE_FORCE_S``
+        after their peers' agents were let go); at once, without waiting for it."""
         with self._cv:
-            if self._closing:
-                return
             self._closing = True
             self._cv.notify()
-        self._thread.join(_SETTLE_LIMIT_S + 5)
+
+    def join(self) -> None:
+        """Wait for the stopped worker (:data:`CLOSE_LIMIT_S` at most); drop the agent."""
+        self._thread.join(CLOSE_LIMIT_S)
         self.agent = None
 
     def _submit(self, cmd: tuple) -> None:
@@ -360,6 +387,7 @@ class NixlEngine:
                 with self._cv:
                     self._taken, self._commands = self._commands, collections.deque()
                     cancelled, self._cancelled = self._cancelled, set()
+                    forced, self._forced = self._forced, set()
                     closing = self._closing
                     holding = self._holds > 0
                 taken = self._taken
@@ -373,6 +401,7 @@ class NixlEngine:
                     finally:
                         self._current = 0
                 progressed |= self._apply_cancels(cancelled)
+                progressed |= self._apply_forces(forced)
                 progressed |= self._check_active()
                 progressed |= self._check_notifs(holding)
                 progressed |= self._run_deferred()
@@ -514,6 +543,21 @@ class NixlEngine:
                     hit = True
         return hit
 
+    def _apply_forces(self, tokens: set[int] | list[int]) -> bool:
+        peers = {xfer.uses[2] for token in tokens if (xfer := self._active.get(token)) is not None}
+        for peer in peers:
+            self._disconnect(peer)
+        return bool(peers)
+
+    def _disconnect(self, peer: Any) -> None:
+        """Let go of ``peer``'s agent now, transfers with it in flight or not (NIXL disconnects its endpoints)."""
+        name = peer.decode() if isinstance(peer, bytes) else str(peer)
+        log.warning("nixl: letting go of agent %s: a transfer with it given up did not settle", name)
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:  # NIXL raises its own exception types for every failure
+            log.warning("nixl: letting go of agent %s failed: %r", name, exc)
+
     def _check_active(self) -> bool:
         progressed = False
         for token, xfer in list(self._active.items()):
@@ -593,12 +637,17 @@ class NixlEngine:
                 self._run((kind, token, args))
             else:
                 self._post(token, -errno.ECANCELED)
-        deadline = time.monotonic() + _SETTLE_LIMIT_S
         for xfer in self._active.values():
             xfer.cancelled = True
-        while self._active and time.monotonic() < deadline:
-            self._check_active()
-            time.sleep(_MAX_WAIT_S)
+        # In-flight transfers get the settle bound a cut call gives them, then their peers' agents are let go (they
+        # make no progress on them), and they get the bound a forced transfer gets.
+        for bound, force in ((_CLOSE_SETTLE_S, True), (_CLOSE_FORCE_S, False)):
+            deadline = time.monotonic() + bound
+            while self._active and time.monotonic() < deadline:
+                self._check_active()
+                time.sleep(_MAX_WAIT_S)
+            if force and self._active:
+                self._apply_forces(list(self._active))
         for xfer in self._active.values():
             log.warning("nixl: transfer %s had not settled when the engine closed", xfer.token)
             self._post(xfer.token, -errno.ECANCELED)

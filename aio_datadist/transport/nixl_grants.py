@@ -198,12 +198,16 @@ class ReadGrants:
         self.grants[cache_id] = (slot, model_id, data_type, shape, word)
         self.by_model[model_id] = cache_id
 
-    def on_revoke(self, cache_id: int) -> None:
-        """The peer's ``REVOKE`` of ``cache_id``: answered once no read of ours is in flight."""
+    def forget(self, cache_id: int) -> None:
+        """The peer withdrew ``cache_id``: no read of it starts any more (one in flight still ends as before)."""
         self._geometries.pop(cache_id, None)
         grant = self.grants.pop(cache_id, None)
         if grant is not None and self.by_model.get(grant[1]) == cache_id:
             del self.by_model[grant[1]]
+
+    def on_revoke(self, cache_id: int) -> None:
+        """The peer's ``REVOKE`` of ``cache_id``: answered once no read of ours is in flight."""
+        self.forget(cache_id)
         if self.reading.get(cache_id, 0) > 0:
             self._revoked[cache_id] += 1  # REVOKED once our last read of it settled (read_ended)
         else:

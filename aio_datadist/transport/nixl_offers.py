@@ -30,8 +30,8 @@ from collections.abc import Mapping
 
 from aio_datadist.wire import ProtocolError
 
-__all__ = ["MAX_DESCRIPTORS", "MAX_INDICES", "MAX_LINK_CACHES", "MAX_LINK_DESCRIPTORS", "OFFER_RATE", "OurOffers",
-           "PeerOffers", "over_link_budget", "too_many_descriptors"]
+__all__ = ["MAX_DESCRIPTORS", "MAX_INDICES", "MAX_LINK_CACHES", "MAX_LINK_DESCRIPTORS", "OFFER_LOAD_ENTRIES",
+           "OFFER_RATE", "OurOffers", "PeerOffers", "over_link_budget", "too_many_descriptors"]
 
 #: The most (tensor, row) entries a cache may have over NIXL (2**24: e.g. 160 tensors of 104,857 rows, or 4096
 #: of 4096).
@@ -45,6 +45,11 @@ MAX_LINK_DESCRIPTORS = 1 << 26
 #: How fast the entries a peer's loads drew on come back (per second: MAX_DESCRIPTORS in 10 s, a tenth to a
 #: fifth of the worker's time at the measured cost).
 OFFER_RATE = MAX_DESCRIPTORS / 10
+#: What a load costs beside its entries, in entries: each offer carries the peer's agent metadata, loaded whole
+#: (``add_remote_agent``: about 150 us here, as many as 1000 entries' lists), so one-entry offers withdrawn and
+#: offered again draw on the budget too (they were not paced: 23,000 loads in 4 s held every NIXL call of the
+#: endpoint 40 ms behind them; found by audit).
+OFFER_LOAD_ENTRIES = 1024
 
 
 def too_many_descriptors(tensors: int, rows: int) -> str | None:
@@ -97,8 +102,9 @@ class PeerOffers:
         self._unstarted: dict[asyncio.Future, int] = {}  # entries of each delayed load not started yet
 
     def accept(self, cache_id: int, descriptors: int) -> float:
-        """The peer offers ``cache_id`` of ``descriptors`` entries: how long its load waits (0: now). A
-        ProtocolError if it offered it already (an honest peer withdraws it first) or it is beyond the budget."""
+        """The peer offers ``cache_id`` of ``descriptors`` entries: how long its load waits (0: now; its load draws
+        ``descriptors`` + :data:`OFFER_LOAD_ENTRIES`, :meth:`cost`). A ProtocolError if it offered it already (an
+        honest peer withdraws it first) or it is beyond the budget."""
         if cache_id in self.declared:
             raise ProtocolError("NIXL offer of a cache offered already")
         if over_link_budget(self.declared, cache_id, descriptors) is not None:
@@ -107,8 +113,13 @@ class PeerOffers:
         now = asyncio.get_running_loop().time()
         self._tokens = min(float(MAX_LINK_DESCRIPTORS), self._tokens + (now - self._tokens_at) * OFFER_RATE)
         self._tokens_at = now
-        self._tokens -= descriptors  # below zero: loads offered later wait behind this one
+        self._tokens -= self.cost(descriptors)  # below zero: loads offered later wait behind this one
         return 0.0 if self._tokens >= 0 else -self._tokens / OFFER_RATE
+
+    @staticmethod
+    def cost(descriptors: int) -> int:
+        """What the load of a cache of ``descriptors`` entries draws on the pace's budget."""
+        return descriptors + OFFER_LOAD_ENTRIES
 
     def track(self, cache_id: int, load: asyncio.Future, delayed: int = 0) -> None:
         """``load`` loads ``cache_id``'s list; ``delayed``: it waits first, and these entries come back if it is

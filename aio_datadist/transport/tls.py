@@ -72,6 +72,15 @@ def _nothing_ahead(reader: asyncio.StreamReader, what: str) -> None:
         raise ConnectionError(f"{what}: the peer sent plaintext behind the TLS preamble")
 
 
+def _no_renegotiation(context: ssl.SSLContext) -> ssl.SSLContext:
+    """``context`` with TLS 1.2 renegotiation refused (``parse_options`` sets it already; this keeps every
+    connection made here so). A peer that starts a renegotiation and leaves it hanging makes ``SSL_write``
+    answer WANT_READ: the TLS layer then keeps what was written, views of cache memory, in its write
+    backlog, to be encrypted (read) whenever the peer goes on."""
+    context.options |= ssl.OP_NO_RENEGOTIATION
+    return context
+
+
 async def dial_control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: ssl.SSLContext,
                        host: str, limit_s: float) -> None:
     """Turn a freshly opened control connection into TLS (client side)."""
@@ -79,7 +88,7 @@ async def dial_control(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     if await reader.readexactly(1) != _GO:
         raise ConnectionError("the peer did not accept TLS")
     _nothing_ahead(reader, "control connection")
-    await writer.start_tls(context, server_hostname=host, ssl_handshake_timeout=limit_s)
+    await writer.start_tls(_no_renegotiation(context), server_hostname=host, ssl_handshake_timeout=limit_s)
 
 
 async def accept_control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: ssl.SSLContext,
@@ -87,7 +96,7 @@ async def accept_control(reader: asyncio.StreamReader, writer: asyncio.StreamWri
     """Turn an accepted control connection whose preamble was read into TLS (server side)."""
     _nothing_ahead(reader, "control connection")
     writer.write(_GO)
-    await writer.start_tls(context, ssl_handshake_timeout=limit_s)
+    await writer.start_tls(_no_renegotiation(context), ssl_handshake_timeout=limit_s)
 
 
 async def dial_data(address: tuple[str, int], context: ssl.SSLContext, limit_s: float,
@@ -103,7 +112,7 @@ async def dial_data(address: tuple[str, int], context: ssl.SSLContext, limit_s: 
             raise ConnectionError("the peer did not accept TLS")
         if channel.read_ahead():  # plaintext behind the answer (see _nothing_ahead); later bytes go to TLS
             raise ConnectionError("data connection: the peer sent plaintext behind the TLS preamble")
-        tls = await loop.start_tls(transport, channel, context, server_hostname=address[0],
+        tls = await loop.start_tls(transport, channel, _no_renegotiation(context), server_hostname=address[0],
                                    ssl_handshake_timeout=limit_s)
         if tls is None:
             raise ConnectionError("the data connection closed during the TLS handshake")
@@ -126,7 +135,7 @@ async def accept_data(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     loop = asyncio.get_running_loop()
     channel = TlsChannel(keep=writer)
     writer.write(_GO)
-    tls = await loop.start_tls(writer.transport, channel, context, server_side=True,
+    tls = await loop.start_tls(writer.transport, channel, _no_renegotiation(context), server_side=True,
                                ssl_handshake_timeout=limit_s)
     if tls is None:
         raise ConnectionError("the data connection closed during the TLS handshake")

@@ -1,0 +1,131 @@
+"""NIXL transfers with an owner that stops making progress, and the NIXL engine's bookkeeping under load.
+
+Over UCX's TCP transport (``UCX_TLS=tcp``, the one used between hosts without RDMA) a READ needs the owner's
+progress for every byte. An owner that stops (SIGSTOP here: a paused, stuck or hostile process) leaves a READ in
+progress past the cut call's settle bound. Before, the pull raised with the READ still posted, and once the
+owner ran again tens of MB landed in the caller's destination; now a transfer still in NIXL's hands past its
+settle bound is forced off (its peer's agent let go, the link with it: ``base.nixl_settle``,
+``NixlPeer._force_off``), and nothing lands after the call returned. ``finalize`` with such a transfer in
+flight froze the whole event loop for 10 s (the engine's worker joined on the loop's thread); it now waits off
+the loop. Found by audit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing.connection
+import os
+import time
+
+import pytest
+from peers import (
+    DECODER_ID,
+    NIXL_MISSING,
+    PROMPT_ID,
+    CacheSpec,
+    EndpointSpec,
+    _endpoint_main,
+    endpoint,
+    same,
+    snapshot,
+    spawned,
+)
+
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement
+from aio_datadist.testing import link_to, nixl_agent_of
+from aio_datadist.transport import base
+
+BIG = CacheDesc(2, (16, 1 << 20), DataType.DT_INT8, Placement.HOST)  # 2 x 16 MiB: READs that need many rounds
+ALL = list(range(16))
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.nixl, pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING),
+              pytest.mark.usefixtures("fork_server")]
+
+
+def _tcp_owner(conn: multiprocessing.connection.Connection, spec: EndpointSpec, parent_pid: int) -> None:
+    os.environ["UCX_TLS"] = "tcp"
+    _endpoint_main(conn, spec, parent_pid)
+
+
+async def _reading_from_a_stalled_owner(monkeypatch: pytest.MonkeyPatch, decoder, owner, *, asked: bool):
+    """Link ``decoder`` to ``owner``, start a pull of all of its blocks and stop the owner once the READ is
+    posted: the pull's task and its destination."""
+    dst = decoder.kv_cache_manager.allocate_blocks_cache(BIG)
+    await decoder.link_clusters([owner.info], timeout=10_000)
+    peer = link_to(decoder, PROMPT_ID).nixl
+    async with asyncio.timeout(10):
+        while peer.grant_for(0) is None or not peer.caches:
+            await asyncio.sleep(0.005)
+    if asked:
+        peer.granted.grants.clear()  # the asking path: the owner answers, then we READ
+        peer.granted.by_model.clear()
+    engine = nixl_agent_of(decoder).engine
+    before = engine.posted
+    pull = asyncio.ensure_future(decoder.kv_cache_manager.pull_blocks(
+        BlocksCacheKey(PROMPT_ID, 0), dst, ALL, ALL, timeout=800))
+    async with asyncio.timeout(10):
+        while engine.posted == before and not pull.done():
+            await asyncio.sleep(0)
+    assert not pull.done(), pull
+    owner.stop()  # the owner stalls while the READ of its rows is in progress
+    return pull, dst
+
+
+def _owner_spec() -> EndpointSpec:
+    return EndpointSpec(LLMRole.PROMPT, PROMPT_ID, caches=(CacheSpec("src", BIG, 5, blocks=True, model_id=0),),
+                        config=(("transport", "nixl"),))
+
+
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("asked", [False, True], ids=["without-asking", "asked"])
+async def test_a_pull_given_up_on_a_stalled_owner_writes_nothing_after_it_returned(monkeypatch, asked):
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setattr(base, "NIXL_SETTLE_S", 0.3)
+    async with spawned(_owner_spec(), target=_tcp_owner) as (owner,), \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
+        pull, dst = await _reading_from_a_stalled_owner(monkeypatch, decoder, owner, asked=asked)
+        link = link_to(decoder, PROMPT_ID)
+        try:
+            started = time.monotonic()
+            with pytest.raises(LLMException) as failed:
+                async with asyncio.timeout(20):
+                    await pull
+            took = time.monotonic() - started
+            returned = snapshot(dst)
+        finally:
+            owner.resume()
+        await asyncio.sleep(1.5)  # the owner runs again
+        assert same(snapshot(dst), returned), "bytes of the READ landed after the pull returned"
+        assert failed.value.status_code == LLMStatusCode.LLM_TIMEOUT, failed.value
+        assert took < 0.8 + 0.3 + base.NIXL_FORCE_S + 1, took
+        assert link.broken is not None and link.broken.status_code == LLMStatusCode.LLM_LINK_FAILED, link.broken
+
+
+@pytest.mark.loops_take_turns
+async def test_finalize_with_a_transfer_on_a_stalled_owner_does_not_freeze_the_loop(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    async with spawned(_owner_spec(), target=_tcp_owner) as (owner,):
+        async with endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
+            pull, _ = await _reading_from_a_stalled_owner(monkeypatch, decoder, owner, asked=False)
+            lags: list[float] = []
+
+            async def ticker() -> None:
+                loop = asyncio.get_running_loop()
+                while True:
+                    t = loop.time()
+                    await asyncio.sleep(0.01)
+                    lags.append(loop.time() - t)
+
+            tick = asyncio.ensure_future(ticker())
+            try:
+                await asyncio.sleep(0.05)
+                started = time.monotonic()
+                await decoder.finalize()  # the pull is cut, its READ forced off
+                took = time.monotonic() - started
+                await asyncio.sleep(0.05)
+            finally:
+                tick.cancel()
+                owner.resume()
+            with pytest.raises(LLMException):
+                await pull
+        assert max(lags) < 0.5, f"the event loop stood still for {max(lags):.2f} s inside finalize ({took:.1f} s)"

@@ -1,0 +1,187 @@
+"""What the TLS options accept and what they set on the contexts they are given (``config._tls_check``), and a
+TLS data channel's send that never lets the TLS layer read the caller's memory after it reported success.
+
+A client context that checks no certificate (``ssl.SSLContext()`` / ``PROTOCOL_TLS`` leave ``verify_mode`` at
+``CERT_NONE``) would link to anyone; a server context with ``CERT_OPTIONAL`` takes a client without a
+certificate although it asks for one. Both are refused. Both contexts get ``OP_NO_RENEGOTIATION`` and
+TLS 1.2 at least: a TLS 1.2 peer that starts a renegotiation and leaves it hanging made asyncio's TLS layer
+keep a send's plaintext as views of the cache memory after the send reported success, and read the memory
+when the peer went on (``tls_reneg_server.py``, a hostile peer in a thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from aio_datadist import LLMConfig, LLMException, LLMStatusCode
+from aio_datadist.config import parse_options
+from aio_datadist.transport import tls
+from tls_certs import client_context, make_pki, server_context
+from tls_reneg_server import RenegServer
+
+PKI = make_pki("contexts")
+MARKER = b"REUSED-AFTER-RETURN!"
+SIZE = 16384
+
+
+@contextmanager
+def refused(name: str, *words: str) -> Iterator[None]:
+    with pytest.raises(LLMException) as info:
+        yield
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    text = str(info.value)
+    assert f"'{name}'" in text and all(word in text for word in words), text
+
+
+def generic_context() -> ssl.SSLContext:
+    """What older code and many tutorials write: ``PROTOCOL_TLS``, then the CA it means to trust."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS)
+    context.load_verify_locations(cadata=PKI.ca.decode())
+    return context
+
+
+def no_check_client() -> ssl.SSLContext:
+    context = client_context(PKI)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def optional_check_client() -> ssl.SSLContext:
+    context = client_context(PKI)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_OPTIONAL
+    return context
+
+
+def optional_client_cert_server() -> ssl.SSLContext:
+    context = server_context(PKI)
+    context.verify_mode = ssl.CERT_OPTIONAL
+    return context
+
+
+def set_property(name: str, context: ssl.SSLContext) -> None:
+    setattr(LLMConfig(), name, context)
+
+
+# -- refused contexts ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [generic_context, no_check_client, optional_check_client],
+                         ids=["PROTOCOL_TLS", "CERT_NONE", "CERT_OPTIONAL"])
+def test_a_client_context_that_does_not_check_the_server_certificate_is_refused(
+        make: Callable[[], ssl.SSLContext]) -> None:
+    with refused("tls_client_context", "verify_mode", "CERT_REQUIRED"):
+        set_property("tls_client_context", make())
+    with refused("aio.TlsClientContext", "verify_mode", "CERT_REQUIRED"):
+        parse_options({"aio.TlsClientContext": make()})
+
+
+def test_a_server_context_that_asks_for_a_client_certificate_but_takes_none_is_refused() -> None:
+    with refused("tls_server_context", "CERT_OPTIONAL", "mutual TLS"):
+        set_property("tls_server_context", optional_client_cert_server())
+    with refused("aio.TlsServerContext", "CERT_OPTIONAL"):
+        parse_options({"aio.TlsServerContext": optional_client_cert_server()})
+
+
+def test_contexts_that_check_what_they_promise_are_accepted() -> None:
+    generic = generic_context()
+    generic.verify_mode = ssl.CERT_REQUIRED  # a generic context told to check the certificate (no hostname)
+    for options in ({"aio.TlsClientContext": client_context(PKI)},
+                    {"aio.TlsClientContext": generic},
+                    {"aio.TlsServerContext": server_context(PKI)},  # mutual TLS
+                    {"aio.TlsServerContext": server_context(PKI, require_client_cert=False)}):  # no client cert
+        settings = parse_options(options)
+        assert settings.tls
+
+
+def test_a_context_below_tls_1_2_is_refused() -> None:
+    client = client_context(PKI)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        client.maximum_version = ssl.TLSVersion.TLSv1_1
+    with refused("aio.TlsClientContext", "TLS 1.2"):
+        parse_options({"aio.TlsClientContext": client})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old = ssl.SSLContext(ssl.PROTOCOL_TLSv1)
+    with refused("aio.TlsServerContext", "PROTOCOL_TLSv1"):
+        parse_options({"aio.TlsServerContext": old})
+
+
+# -- what the check sets on the contexts ---------------------------------------------------
+
+
+def test_both_contexts_refuse_renegotiation_and_anything_below_tls_1_2() -> None:
+    client, server = client_context(PKI), server_context(PKI)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        client.minimum_version = server.minimum_version = ssl.TLSVersion.TLSv1  # the user's; raised by us
+    config = LLMConfig()
+    config.tls_client_context = client
+    config.tls_server_context = server
+    for context in (client, server):
+        assert context.options & ssl.OP_NO_RENEGOTIATION
+        assert context.minimum_version == ssl.TLSVersion.TLSv1_2
+    client2, server2 = client_context(PKI), server_context(PKI)
+    client2.minimum_version = ssl.TLSVersion.TLSv1_3
+    settings = parse_options({"aio.TlsClientContext": client2, "aio.TlsServerContext": server2})
+    assert settings.tls_client_context is client2 and settings.tls_server_context is server2
+    for context in (client2, server2):
+        assert context.options & ssl.OP_NO_RENEGOTIATION
+    assert client2.minimum_version == ssl.TLSVersion.TLSv1_3  # a higher minimum is kept
+
+
+# -- a hostile peer that starts a renegotiation ---------------------------------------------------
+
+
+@pytest.fixture
+def pki_files() -> Iterator[tuple[str, str]]:
+    with tempfile.TemporaryDirectory() as folder:
+        paths = os.path.join(folder, "server.pem"), os.path.join(folder, "server.key")
+        for path, data in zip(paths, (PKI.server.cert, PKI.server.key), strict=True):
+            with open(path, "wb") as f:
+                f.write(data)
+        yield paths
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("renegotiate", [False, True], ids=["plain", "renegotiation"])
+async def test_a_send_that_returned_has_read_all_of_its_memory(pki_files: tuple[str, str],
+                                                                renegotiate: bool) -> None:
+    """The context goes through the option check, as an endpoint's does, then dials a data channel to a
+    linked peer (its certificate is trusted) that asks for a renegotiation and leaves it hanging. The send
+    reports success; the caller then reuses its memory; the peer must not receive what it reuses."""
+    server = RenegServer(*pki_files, renegotiate=renegotiate, expect=SIZE)
+    channel = None
+    try:
+        context = parse_options({"aio.TlsClientContext": client_context(PKI)}).tls_client_context
+        assert context is not None
+        channel = await asyncio.wait_for(tls.dial_data(("127.0.0.1", server.port), context, 5, lambda _: None), 10)
+        assert await asyncio.to_thread(server.asked.wait, 10)
+        await asyncio.sleep(0.1)  # the channel reads the HelloRequest (and answers it, or starts renegotiating)
+        src = torch.full((SIZE,), 0x41, dtype=torch.uint8)
+        sent = await asyncio.wait_for(channel.start([src.data_ptr(), SIZE], send=True, timeout_ms=5000,
+                                                    what="push", keepalive=src), 10)
+        assert sent == SIZE
+        src.copy_(torch.frombuffer(bytearray(MARKER * (SIZE // len(MARKER) + 1)), dtype=torch.uint8)[:SIZE])
+        server.go()
+        got = await asyncio.to_thread(server.received)
+        assert MARKER not in got, f"the peer read the caller's memory after the send returned ({server.error})"
+        if not renegotiate:
+            assert got == b"A" * SIZE, (len(got), server.error)
+    finally:
+        if channel is not None:
+            channel.close()
+        await asyncio.to_thread(server.close)
