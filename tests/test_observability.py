@@ -113,6 +113,7 @@ async def test_stats_count_pulls_pushes_and_refusals_on_both_ends(transport):
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns  # the counters, not the loop's I/O: one loop is enough
 async def test_timeouts_and_cancellations_are_counted_and_nothing_lands_later():
     """A prompt stopped (SIGSTOP) mid-pull: the pull times out, a second one is cancelled; both are counted
     as such, neither is in flight afterwards, and once the prompt runs again no byte of either lands."""

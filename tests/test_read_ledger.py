@@ -395,6 +395,7 @@ sock.detach()
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns  # the ledger's catch-up, not the loop's I/O: one loop is enough
 async def test_a_flood_of_read_reports_does_not_hold_a_synchronous_catch_up():
     """Another process keeps the share socket full of READ records for 3 s: the owner's own catch_up() (each
     read of the peer's caches without asking runs it, as region() and listed_region() read the queue too)

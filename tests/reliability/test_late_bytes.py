@@ -418,6 +418,7 @@ def digest(cache: KvCache) -> list[str]:
     return [hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in cache.tensors]
 
 
+@pytest.mark.loops_take_turns  # the receiver is another process: one loop here is enough
 async def test_a_receiver_process_lands_nothing_after_a_cut_push_and_a_stopped_one_costs_the_bound(fork_server):
     spec = EndpointSpec(LLMRole.DECODER, DECODER, listen=False, config=(("transport", "tcp"),),
                         caches=(CacheSpec("dst", BIG, 0, blocks=True, model_id=0),))

@@ -103,6 +103,7 @@ async def outcome(task: asyncio.Task) -> Any:
         return exc.status_code
 
 
+@pytest.mark.loops_take_turns  # each size on one loop, the loops taking turns
 @pytest.mark.parametrize("size", list(SIZES))
 async def test_unregistering_a_cache_a_peer_pushes_into_lands_nothing_after_it_returned(size: str):
     desc = SIZES[size]
@@ -139,6 +140,7 @@ async def test_unregistering_a_cache_a_peer_pushes_into_lands_nothing_after_it_r
         assert registry_of(prompt).all_caches() == []
 
 
+@pytest.mark.loops_take_turns  # each size on one loop, the loops taking turns
 @pytest.mark.parametrize("size", list(SIZES))
 async def test_unregistering_a_cache_a_peer_pulls_from_reads_nothing_after_it_returned(size: str):
     desc = SIZES[size]
