@@ -10,8 +10,9 @@ __all__ = ["Settling", "settle"]
 
 class Settling(asyncio.Future):
     """The future of work ending after its caller gave up, which can tell whether the work is ``busy()`` now in a
-    step that is certain to end (a NIXL transfer's piece being copied by our own worker): waiting for it past a
-    usual bound is then waiting for something that ends."""
+    step that is certain to end (a NIXL transfer's piece being copied by our own worker, or its command still
+    waiting for the worker, which skips it once cancelled): waiting for it past a usual bound is then waiting for
+    something that ends."""
 
     def __init__(self, busy: Callable[[], bool], *, loop: asyncio.AbstractEventLoop,
                  force: Callable[[], None] | None = None) -> None:

@@ -13,8 +13,12 @@ the loop. Found by audit.
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing.connection
 import os
+import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -26,6 +30,8 @@ from peers import (
     EndpointSpec,
     _endpoint_main,
     endpoint,
+    fill,
+    linked_pair,
     same,
     snapshot,
     spawned,
@@ -38,7 +44,7 @@ from aio_datadist.transport import base
 BIG = CacheDesc(2, (16, 1 << 20), DataType.DT_INT8, Placement.HOST)  # 2 x 16 MiB: READs that need many rounds
 ALL = list(range(16))
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.nixl, pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING),
+pytestmark = [pytest.mark.nixl, pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING),
               pytest.mark.usefixtures("fork_server")]
 
 
@@ -76,6 +82,7 @@ def _owner_spec() -> EndpointSpec:
                         config=(("transport", "nixl"),))
 
 
+@pytest.mark.asyncio
 @pytest.mark.loops_take_turns
 @pytest.mark.parametrize("asked", [False, True], ids=["without-asking", "asked"])
 async def test_a_pull_given_up_on_a_stalled_owner_writes_nothing_after_it_returned(monkeypatch, asked):
@@ -101,6 +108,7 @@ async def test_a_pull_given_up_on_a_stalled_owner_writes_nothing_after_it_return
         assert link.broken is not None and link.broken.status_code == LLMStatusCode.LLM_LINK_FAILED, link.broken
 
 
+@pytest.mark.asyncio
 @pytest.mark.loops_take_turns
 async def test_finalize_with_a_transfer_on_a_stalled_owner_does_not_freeze_the_loop(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp")
@@ -129,3 +137,52 @@ async def test_finalize_with_a_transfer_on_a_stalled_owner_does_not_freeze_the_l
             with pytest.raises(LLMException):
                 await pull
         assert max(lags) < 0.5, f"the event loop stood still for {max(lags):.2f} s inside finalize ({took:.1f} s)"
+
+
+@pytest.mark.asyncio
+@pytest.mark.loops_take_turns
+async def test_a_pull_given_up_while_queued_behind_slow_nixl_work_leaves_the_link_up():
+    """A READ the worker had not got to (queued behind slow NIXL calls, as registrations of large caches are)
+    is not in NIXL's hands: given up, it is skipped, nothing is forced off and the link to the responsive peer
+    stays up (it was failed: found by review)."""
+    blocks = CacheDesc(4, (16, 4, 64), DataType.DT_FLOAT16, Placement.HOST)
+    async with linked_pair(prompt_config={"transport": "nixl"}, decoder_config={"transport": "nixl"}) as pair:
+        src = pair.pm.allocate_blocks_cache(blocks, BlocksCacheKey(PROMPT_ID))
+        fill(src, 3)
+        dst = pair.dm.allocate_blocks_cache(blocks)
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(5):
+            while peer.grant_for(0) is None or not peer.caches:
+                await asyncio.sleep(0.005)
+        agent = nixl_agent_of(pair.decoder)
+        engine = agent.engine
+        first = agent.run(lambda token: engine.call(token, lambda a: time.sleep(0.3)), "a NIXL call")
+        await asyncio.sleep(0.05)  # the worker is in it: the next call and the pull's READ are taken together
+        slow = agent.run(lambda token: engine.call(token, lambda a: time.sleep(2.5)), "a slow NIXL call")
+        link = link_to(pair.decoder, PROMPT_ID)
+        with pytest.raises(LLMException) as failed:
+            async with asyncio.timeout(15):
+                await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(16)), list(range(16)),
+                                          timeout=300)
+        assert failed.value.status_code == LLMStatusCode.LLM_TIMEOUT, failed.value
+        async with asyncio.timeout(10):
+            await first
+            await slow
+        assert link.broken is None, link.broken
+        async with asyncio.timeout(10):
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(16)), list(range(16)),
+                                      timeout=3000)
+        assert same(snapshot(dst), snapshot(src))
+
+
+@pytest.mark.parametrize("how", ["facade", "explicit"])
+def test_a_finalize_at_exit_joins_the_nixl_worker(how):
+    """At exit (the facade's atexit finalize, or the program's own) the default executor is gone: the finalize's
+    wait for the NIXL worker ran there, failed ("cannot schedule new futures after interpreter shutdown",
+    logged as a task exception never retrieved) and the worker was never joined (found by review)."""
+    child = pathlib.Path(__file__).with_name("nixl_exit_child.py")
+    proc = subprocess.run([sys.executable, str(child), how], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Task exception was never retrieved" not in proc.stderr, proc.stderr[-2000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
+    assert json.loads(line)["nixl_workers_alive"] == [], line

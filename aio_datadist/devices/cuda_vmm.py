@@ -26,13 +26,17 @@ opened (``libcuda.so.1``, or a stand-in in tests: ``tests/fakes/fake_cuda.c``).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
+from aio_datadist.devices.host import give_back_peer_mapping, take_peer_mapping
 from aio_datadist.devices.ipc import IDENTITY_BYTES, IpcUnavailable
 
 __all__ = ["VmmAllocation", "VmmDriver", "VmmMapping"]
+
+log = logging.getLogger("aio_datadist.devices")
 
 _VMM_SUPPORTED = 102  # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
 _POSIX_FD_SUPPORTED = 103  # CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
@@ -193,7 +197,10 @@ class VmmDriver:
         """Why memory on the GPU named ``identity`` cannot be read from device ``ordinal``, or None."""
         theirs = self.ordinal_of(identity)
         if theirs is None:
-            return f"the peer's GPU ({identity.hex()}) is not visible in this process"
+            # The identity is the peer's word, different in every record it likes: kept out of the reason, which
+            # links keep and log (``LocalShare.say_ipc_off``), so a peer cannot grow either with it.
+            log.debug("the peer's GPU %s is not visible in this process", identity.hex())
+            return "the peer's GPU is not visible in this process"
         if theirs == ordinal:
             return None
         can = ctypes.c_int()
@@ -254,8 +261,13 @@ class VmmDriver:
     def import_fd(self, ordinal: int, identity: bytes, fd: int, nbytes: int) -> VmmMapping:
         """Map a peer's exported fd of ``nbytes`` read-only for device ``ordinal``.
 
+        The mapping counts against the peers' mapping budget of the process (``host.MAX_PEER_MAPPED_BYTES``,
+        ``host.MAX_PEER_MAPPINGS``) as a host import does, from before the import until it is unmapped.
+
         :raises IpcUnavailable: with the reason (the GPU is not reachable, the driver refuses the import, the
             mapping or read access; the export may also be smaller than the peer declared).
+        :raises OSError: ``ENOMEM``, nothing imported: peers' mappings would take more than the budget (the
+            share that sent it is dropped, as for a host region past it).
         """
         why = self.unavailable(ordinal)
         if why is not None:
@@ -265,18 +277,20 @@ class VmmDriver:
             problem = self.reachable(ordinal, identity)
             if problem is not None:
                 raise IpcUnavailable(problem)
-            handle = _u64()
-            self._call("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd),
-                       _HANDLE_POSIX_FD)
-            undo: list[Callable[[], Any]] = [lambda: self._fn["cuMemRelease"](handle)]
+            take_peer_mapping(nbytes)  # OSError past the budget, before the driver reserves anything
+            undo: list[Callable[[], Any]] = [lambda: give_back_peer_mapping(nbytes)]
             try:
+                handle = _u64()
+                self._call("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd),
+                           _HANDLE_POSIX_FD)
+                undo.append(lambda: self._fn["cuMemRelease"](handle))
                 address = self._map(ordinal, handle, nbytes, PROT_READ, undo)
             except BaseException:
                 for step in reversed(undo):
                     step()
                 raise
             self._fn["cuMemRelease"](handle)
-            return VmmMapping(self, address, nbytes)
+            return VmmMapping(self, address, nbytes)  # gives the budget back once unmapped
 
         try:
             return self._in_context(ordinal, body)
@@ -317,7 +331,8 @@ class VmmAllocation:
 
 
 class VmmMapping:
-    """A peer's export mapped read-only here; unmapped at collection (copies keep it alive until done)."""
+    """A peer's export mapped read-only here; unmapped at collection (copies keep it alive until done), when the
+    peers' mapping budget it took (:meth:`VmmDriver.import_fd`) is given back."""
 
     __slots__ = ("_driver", "address", "nbytes", "_base", "view_maker", "__weakref__")
 
@@ -338,5 +353,8 @@ class VmmMapping:
 
     def __del__(self) -> None:
         if self._base:
-            self._driver._unmap(self._base, self.nbytes)
-            self._base = 0
+            base, self._base = self._base, 0
+            try:
+                self._driver._unmap(base, self.nbytes)
+            finally:
+                give_back_peer_mapping(self.nbytes)

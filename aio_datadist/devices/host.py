@@ -34,7 +34,7 @@ from aio_datadist.devices.unmapping import Unmapper
 
 __all__ = ["HostRegion", "PAGE_SIZE", "ReadOnlyMapping", "SEALS_REQUIRED", "check_sealed", "map_read_only", "round_up",
            "map_writable", "seal_names", "sealed_memfd", "tensor_at", "unmap", "unmap_read_only", "drop_read_only",
-           "unmapped_in_background"]
+           "unmapped_in_background", "take_peer_mapping", "give_back_peer_mapping"]
 
 PAGE_SIZE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -289,32 +289,48 @@ class ReadOnlyMapping:
             drop_read_only(addr, self.nbytes)
 
 
-def map_read_only(fd: int, size: int) -> int:
-    """Map ``size`` bytes of a peer's ``fd`` shared and read-only; the address (``OSError`` if refused, also
-    when peers' mappings would take more than ``MAX_PEER_MAPPED_BYTES`` or ``MAX_PEER_MAPPINGS``). Undo with
-    :func:`unmap_read_only`."""
+def take_peer_mapping(size: int) -> None:
+    """Count one mapping of ``size`` bytes of a peer's memory against the process-wide budget; ``OSError``
+    (``ENOMEM``) when peers' mappings would then take more than ``MAX_PEER_MAPPED_BYTES`` or
+    ``MAX_PEER_MAPPINGS``, with nothing taken. What maps a peer's memory other than :func:`map_read_only` (a
+    CUDA import, ``devices/cuda_vmm.py``) takes it here and gives it back with :func:`give_back_peer_mapping`
+    once its mapping is gone (or was never made)."""
     global _peer_mapped, _peer_mappings
-    _unmapper.start()
     with _peer_mapped_lock:
         if _peer_mapped + size > MAX_PEER_MAPPED_BYTES or _peer_mappings >= MAX_PEER_MAPPINGS:
             raise OSError(errno.ENOMEM, f"cannot map a peer region of {size} bytes: peers' regions mapped here "
                           f"would take more than {MAX_PEER_MAPPED_BYTES} bytes or {MAX_PEER_MAPPINGS} mappings")
+        _peer_mapped += size
+        _peer_mappings += 1
+
+
+def give_back_peer_mapping(size: int) -> None:
+    """Give back what :func:`take_peer_mapping` took for a mapping of ``size`` bytes."""
+    global _peer_mapped, _peer_mappings
+    with _peer_mapped_lock:
+        _peer_mapped -= size
+        _peer_mappings -= 1
+
+
+def map_read_only(fd: int, size: int) -> int:
+    """Map ``size`` bytes of a peer's ``fd`` shared and read-only; the address (``OSError`` if refused, also
+    when peers' mappings would take more than ``MAX_PEER_MAPPED_BYTES`` or ``MAX_PEER_MAPPINGS``). Undo with
+    :func:`unmap_read_only`."""
+    _unmapper.start()
+    with _peer_mapped_lock:
+        take_peer_mapping(size)
         addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr in (None, _MAP_FAILED):
             err = ctypes.get_errno()
+            give_back_peer_mapping(size)
             raise OSError(err, f"cannot map a peer region: {os.strerror(err)}")
-        _peer_mapped += size
-        _peer_mappings += 1
         return int(addr)
 
 
 def unmap_read_only(addr: int, size: int) -> None:
     """Undo :func:`map_read_only`; the budget is given back once the mapping is gone."""
-    global _peer_mapped, _peer_mappings
     _libc.munmap(addr, size)  # not under the lock: 55 ms for 1 GiB of read pages
-    with _peer_mapped_lock:
-        _peer_mapped -= size
-        _peer_mappings -= 1
+    give_back_peer_mapping(size)
 
 
 def drop_read_only(addr: int, size: int) -> None:

@@ -270,8 +270,9 @@ async def abort_acknowledged(link: LinkPort, ack: asyncio.Future, what: str,
 async def nixl_settle(settled: asyncio.Future, cancelled: list[asyncio.CancelledError], *,
                       tick: Callable[[], None] | None = None, every_s: float = NIXL_SETTLE_S) -> bool:
     """Wait for a given-up NIXL transfer to settle: ``NIXL_SETTLE_S``, and past it, up to ``NIXL_SETTLE_LIMIT_S``,
-    if our worker is then still copying a piece of it (``Settling.busy``: NIXL's posting call copies the piece
-    in progress over UCX shared memory, and ends with it); ``tick()`` every ``every_s``
+    if our worker is then still copying a piece of it or has not got to it yet (``Settling.busy``: NIXL's
+    posting call copies the piece in progress over UCX shared memory, and ends with it; a command still queued
+    is skipped once cancelled); ``tick()`` every ``every_s``
     meanwhile (a read waiting for the owner's progress nudges it). A transfer still in NIXL's hands then is forced
     off (``Settling.force``: its peer's agent is let go, and the link) and waited for ``NIXL_FORCE_S`` more: none
     may write our memory, or read it, after the call returned. Cancellations go to ``cancelled``; whether it

@@ -13,6 +13,12 @@ caches read-only (``devices/ipc.py``, records on the share socket of
   stream, the owner copies the rows out of the pusher's mapped cache into its
   own on its copy stream and answers once the copy is over.
 
+An export withdrawn while the owner fences (the cache deallocated, the share
+lost) is never named in the answer: the owner serves that pull through the
+staging plane instead (the cache's memory lives while it is served), and a
+requester that finds the owner withdrew the cache it named fails the pull
+with ``LLM_KV_CACHE_NOT_EXIST``, not as a link failure.
+
 No peer ever writes our memory. A copy that is given up (timeout, cancel,
 ``ABORT``) is marked cancelled and waited for: the call returns only once its
 stream reported the copy over, so no byte lands after it returned.
@@ -33,8 +39,9 @@ from aio_datadist.devices.copies import DeviceCopy, cache_side
 from aio_datadist.devices.ipc import ExportInvalid
 from aio_datadist.layers import one_side_span
 from aio_datadist.status import LLMException, LLMStatusCode
-from aio_datadist.transport.base import InPlacePlane, LinkPort, Refusal, Request, Served, serve_timeout_ms
+from aio_datadist.transport.base import InPlacePlane, LinkPort, Refusal, Request, Served, meets, serve_timeout_ms
 from aio_datadist.transport.same_host import MAX_LOCAL_SRC_ROWS, USE_STREAM, push_local, serve_copy
+from aio_datadist.transport.staging import PLANE as STAGING
 from aio_datadist.wire import Msg, ReqFlag, Resp, TransferReq
 
 if TYPE_CHECKING:
@@ -87,6 +94,11 @@ class DeviceIpcPlane(InPlacePlane):
         share = link.local
         peer = None if share is None else share.device_region(answer.cache_id)
         if peer is None:
+            if share is not None and not share.closed:
+                # The owner withdrew it (its record's DEL, read before we got here): deallocated after it
+                # answered. The link is fine; the cache is gone.
+                raise LLMException(f"cluster {link.remote_cluster_id} withdrew device cache {answer.cache_id} "
+                                   "(deallocated) during the pull", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
             raise _link_failed(link, f"device cache {answer.cache_id} is not mapped here")
         remote = plan.remote
         first, count = one_side_span(peer.num_tensors, (remote.layer_first, remote.layer_last),
@@ -120,9 +132,22 @@ class DeviceIpcPlane(InPlacePlane):
 
     def serve(self, rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: TransferReq, served: Served) -> None:
         """Answer once our copy stream is past what our current stream had enqueued (a fence), then as
-        every in-place plane does."""
-        serve_fenced(rt, link, msg, req_id, req, served, lambda: InPlacePlane.serve(self, rt, link, msg, req_id,
-                                                                                    req, served))
+        every in-place plane does, if the peer still maps the cache; else through the staging plane."""
+        def answer() -> None:
+            cache = served.cache
+            share = link.local
+            if cache is not None and share is not None and share.device_shared(cache):
+                InPlacePlane.serve(self, rt, link, msg, req_id, req, served)
+                return
+            # Withdrawn during the fence (deallocated: its DEL went to the peer, which no longer maps it; or the
+            # share was lost): an answer naming it would fail the pull as a link failure. Its memory lives while
+            # it is served (an in-flight pull of an allocated cache is not cut): staged, as if never shared.
+            if not meets(STAGING.transport_on(link), rt.settings.require_transport):
+                raise Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                              "the device cache was deallocated while the request was served")
+            STAGING.serve(rt, link, msg, req_id, req, served)
+
+        serve_fenced(rt, link, msg, req_id, req, served, answer)
 
     def serve_alone(self, rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Served) -> None:
         """The owner's half of a device push: copy the pusher's rows out of its mapped export into our device
@@ -152,7 +177,8 @@ def serve_fenced(rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: Transf
                  answer: Callable[[], None]) -> None:
     """Serve a request against a device cache in place: ``answer()`` (which sends ``RESP``) only once our copy
     stream is past what our current stream had enqueued (a fence), so the peer touches final rows. A
-    requester that gives up meanwhile (``DONE`` failed) is heard; a fence that fails refuses the request."""
+    requester that gives up meanwhile (``DONE`` failed) is heard; a fence that fails refuses the request, and
+    so does an ``answer()`` that raises :class:`Refusal` (with its code)."""
     backend = rt.devices
     assert backend is not None, "serves() saw a device cache"
     given_up: list[bool] = []
@@ -181,7 +207,10 @@ def serve_fenced(rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: Transf
         if given_up or link.closed or link.broken is not None:
             failed(LLMStatusCode.LLM_FAILED, "abandoned")
             return
-        answer()
+        try:
+            answer()
+        except Refusal as refusal:  # counted as the request's end (served.ended), as a failed fence is
+            failed(refusal.code, refusal.text)
 
     try:
         done = rt.completions.start(backend.fence, backend.cancel, timeout_ms=serve_timeout_ms(req),

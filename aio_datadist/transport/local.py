@@ -87,8 +87,12 @@ DEVICE_KINDS = {1: "host", 2: "cuda"}
 _DEVICE_CODES = {kind: code for code, kind in DEVICE_KINDS.items()}
 MAX_TENSORS = 4096
 MAX_MESSAGE = _ENTRY.size + 8 * MAX_TENSORS + max(_DEVICE.size, _READABLE.size)
-#: Regions one peer may have mapped here at once (each mapping counts against vm.max_map_count).
+#: Regions one peer may have mapped here at once (each mapping counts against vm.max_map_count); the peer's device
+#: caches we could not map (their ``ADD_DEVICE`` refused, not withdrawn yet) count too.
 MAX_REGIONS = 4096
+#: Distinct reasons one share keeps and logs for device caches taking the staging plane (``say_ipc_off``): an
+#: honest link has one or two; past it a reason is still the link's (``ipc_off``) but neither kept nor logged.
+MAX_IPC_REASONS = 8
 #: Records the share socket may hold back for a peer that reads later (our offers, withdrawals, answers); past
 #: it the peer reads nothing of what it is sent while its caches change under it: the share is dropped.
 MAX_UNSENT = 4 * MAX_REGIONS
@@ -301,9 +305,12 @@ class LocalShare:
         self.device_regions: dict[int, PeerDeviceCache] = {}
         self.sent_device: set[int] = set()
         self.peer_mapped: set[int] = set()
-        #: Why device caches on this link take the staging plane (the last reason logged), or None.
+        #: The peer's device caches we could not map (why: ``ipc_off``), until it withdraws them; they count
+        #: against ``MAX_REGIONS`` as mapped ones do, so a peer's flood of them ends the share.
+        self.device_refused: set[int] = set()
+        #: Why device caches on this link take the staging plane (the last reason said), or None.
         self.ipc_off: str | None = None
-        self._said: set[str] = set()
+        self._said: set[str] = set()  # the reasons logged, at most MAX_IPC_REASONS
         self._loop = asyncio.get_running_loop()
         self.ready = self._loop.create_future()
         self._loop.add_reader(sock.fileno(), self._readable, RECORDS_PER_TURN)
@@ -423,9 +430,11 @@ class LocalShare:
             self.sent_device.add(cache.cache_id)
 
     def say_ipc_off(self, why: str) -> None:
-        """Device caches on this link take the staging plane because of ``why``: say so once (INFO)."""
+        """Device caches on this link take the staging plane because of ``why``: say so once (INFO), for the first
+        ``MAX_IPC_REASONS`` reasons of the link (the reasons a peer's records lead to name nothing of theirs, but
+        a share keeps no more than that whatever it is sent)."""
         self.ipc_off = why
-        if why not in self._said:
+        if why not in self._said and len(self._said) < MAX_IPC_REASONS:
             self._said.add(why)
             log.info("%s: device caches take the staging plane, not device IPC: %s", self.name, why)
 
@@ -610,9 +619,10 @@ class LocalShare:
         old_device = self.device_regions.pop(record.cache_id, None)
         if old_device is not None:
             old_device.close()
+        self.device_refused.discard(record.cache_id)
         if record.kind == _DEL:
             return
-        if len(self.regions) + len(self.device_regions) >= MAX_REGIONS:
+        if len(self.regions) + len(self.device_regions) + len(self.device_refused) >= MAX_REGIONS:
             raise ShareError(f"the peer shares more than {MAX_REGIONS} caches")
         if record.kind == _ADD_DEVICE:
             self._map_device(record, fds[0])
@@ -627,12 +637,14 @@ class LocalShare:
         """Map a peer's device cache read-only and answer ``MAPPED``; say why not where we cannot."""
         devices = self.devices
         if devices is None:
+            self.device_refused.add(record.cache_id)
             self.say_ipc_off("the peer's device caches cannot be mapped: this endpoint has no device backend "
                              "(aio.DeviceType)")
             return
         try:
             mapping = devices.ipc_import(record.device_kind, record.identity, fd, record.size)
         except IpcUnavailable as exc:
+            self.device_refused.add(record.cache_id)
             self.say_ipc_off(f"the peer's device caches cannot be mapped here: {exc}")
             return
         except ExportInvalid as exc:
@@ -677,6 +689,7 @@ class LocalShare:
         for device_region in self.device_regions.values():
             device_region.close()
         self.device_regions.clear()
+        self.device_refused.clear()
         self.peer_mapped.clear()
 
 

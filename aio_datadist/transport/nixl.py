@@ -462,7 +462,12 @@ class NixlAgent:
         self._close_peers()
         self.engine.stop()
         try:
-            await settle(asyncio.ensure_future(asyncio.to_thread(self.engine.join)), None)
+            try:
+                joined = asyncio.get_running_loop().run_in_executor(None, self.engine.join)
+            except RuntimeError:  # at interpreter exit (an atexit finalize) the executor is gone: wait here
+                self.engine.join()
+            else:
+                await settle(joined, None)
         finally:
             self._closed()
 
@@ -909,7 +914,7 @@ class NixlPeer:
             return moved, settled, str
         handle = None if posted is None else posted[1]
         tokens: list[int] = []
-        settled = Settling(lambda: bool(tokens) and engine.copying(tokens[0]), loop=loop,
+        settled = Settling(lambda: bool(tokens) and engine.working(tokens[0]), loop=loop,
                            force=lambda: self._force_off(tokens, what))
 
         def submit(token: int) -> None:
@@ -988,8 +993,8 @@ class NixlPeer:
         peer makes no progress on it (a READ or WRITE over UCX's TCP transport needs it for every byte), and it
         could move bytes of the caller's memory whenever the peer runs again. Its peer's agent is let go (NIXL
         disconnects: every transfer with the peer in flight ends) and the link fails with it."""
-        if tokens:
-            self.engine.force_off(tokens[0])
+        if not tokens or not self.engine.force_off(tokens[0]):
+            return  # not in NIXL's hands (queued, or settled meanwhile): nothing to force
         if self._lost is not None:
             self._lost(LLMException(f"{what}: cluster {self.cluster_id} made no progress on a given-up NIXL transfer "
                                     f"in its settle bound; its NIXL agent was let go, and the link with it",

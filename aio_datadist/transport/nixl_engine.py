@@ -316,15 +316,34 @@ class NixlEngine:
             self._cv.notify()
         return True
 
-    def force_off(self, token: int) -> None:
+    def force_off(self, token: int) -> bool:
         """Let go of the peer agent of ``token``'s transfer, given up and still in NIXL's hands past its bounds (the
         owner makes no progress on it): NIXL disconnects from that agent, which ends every transfer in flight with
-        it (each settles, reported failed or cancelled), so none writes our memory or reads it afterwards. The
-        caller loses the link to that peer with it."""
+        it (each settles, reported failed or cancelled), so none writes our memory or reads it afterwards. Whether
+        the transfer is in NIXL's hands (posted, not settled): only then is anything let go, and the caller loses
+        the link to that peer with it; one still queued for the worker is skipped once cancelled (``working``)."""
         with self._cv:
+            if token not in self._active:
+                return False
             self._forced.add(token)
             self._cancelled.add(token)
             self._cv.notify()
+        return True
+
+    def working(self, token: int) -> bool:
+        """Whether ``token``'s command waits for the worker or is being run (not yet in NIXL's hands): it ends
+        once the worker gets to it, at once if it was cancelled (a call or transfer queued behind slow work)."""
+        if token == 0:
+            return False
+        if token in (self._current, self._copying):
+            return True
+        with self._cv:
+            if any(cmd[1] == token for cmd in self._commands):
+                return True
+        try:
+            return any(cmd[1] == token for cmd in list(self._taken))
+        except RuntimeError:  # the worker took one from it meanwhile: look again next time
+            return True
 
     def result(self, token: int) -> Any:
         """``token``'s return value (``call``), taken: a second call returns None."""
