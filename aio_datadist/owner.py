@@ -102,10 +102,11 @@ def _serve(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any, served: Ser
     total = served.total
 
     def report(ok: bool, status: LLMStatusCode) -> None:
-        counters.end(kind, transport, total, started, Outcome.OK if ok else Outcome.FAILED,
+        counters.end(kind, served.transport, total, started, Outcome.OK if ok else Outcome.FAILED,
                      LLMStatusCode.LLM_SUCCESS if ok else status)
 
     served.report = report
+    served.transport = transport
     if _trace.ON:
         _trace.mark("owner: planned")
     chosen.serve(rt, link, msg, req_id, req, served)

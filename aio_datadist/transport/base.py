@@ -131,6 +131,8 @@ class Served:
     #: Told once how serving ended (True: every byte moved; else the failure's status); set by the owner to
     #: count it (``stats``).
     report: Callable[[bool, LLMStatusCode], None] | None = None
+    #: The transport it is counted under (set by the owner; a plane that hands the request on changes it).
+    transport: str = ""
 
     def ended(self, ok: bool, status: LLMStatusCode = LLMStatusCode.LLM_FAILED) -> None:
         """The plane serving the request is done with it (``ok``: every byte moved; else ``status`` says how it

@@ -142,9 +142,11 @@ class DeviceIpcPlane(InPlacePlane):
             # Withdrawn during the fence (deallocated: its DEL went to the peer, which no longer maps it; or the
             # share was lost): an answer naming it would fail the pull as a link failure. Its memory lives while
             # it is served (an in-flight pull of an allocated cache is not cut): staged, as if never shared.
-            if not meets(STAGING.transport_on(link), rt.settings.require_transport):
+            staged = STAGING.transport_on(link)
+            if not meets(staged, rt.settings.require_transport):
                 raise Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                               "the device cache was deallocated while the request was served")
+            served.transport = staged  # counted as what carries it
             STAGING.serve(rt, link, msg, req_id, req, served)
 
         serve_fenced(rt, link, msg, req_id, req, served, answer)

@@ -45,6 +45,7 @@ import hashlib
 import itertools
 import logging
 import struct
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -461,10 +462,20 @@ class NixlAgent:
         the loop runs on meanwhile (it stood still for it, 10 s for a transfer the owner made no progress on)."""
         self._close_peers()
         self.engine.stop()
-        try:
+        loop = asyncio.get_running_loop()
+        joined = loop.create_future()
+
+        def join() -> None:
             try:
-                joined = asyncio.get_running_loop().run_in_executor(None, self.engine.join)
-            except RuntimeError:  # at interpreter exit (an atexit finalize) the executor is gone: wait here
+                self.engine.join()
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                    loop.call_soon_threadsafe(_set_done, joined)
+
+        try:
+            try:  # a thread of its own: the default executor may be shut down, or busy with the caller's jobs
+                threading.Thread(target=join, name="aio_datadist-closing-nixl", daemon=True).start()
+            except RuntimeError:  # no new thread at interpreter exit (an atexit finalize): wait here
                 self.engine.join()
             else:
                 await settle(joined, None)
@@ -492,6 +503,11 @@ class NixlAgent:
         self.scratch_list = self._reads_regs = None  # NIXL's handles hold its agent
         if self.ledger is not None:
             self.ledger.close()  # deregistered with the rest when the engine closed
+
+
+def _set_done(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _discard(agent: Any, value: Any) -> None:

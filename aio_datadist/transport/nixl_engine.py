@@ -207,6 +207,7 @@ class NixlEngine:
         self._errors: dict[int, str] = {}
         self._cancelled: set[int] = set()
         self._forced: set[int] = set()  # cancelled transfers whose peer's agent is to be let go (force_off)
+        self._force_pending: set[int] = set()  # ... and such transfers not in ``_active`` yet (``_enter``)
         # Commands the worker took and has not run yet, the token of the one it runs, and the token whose piece
         # is inside NIXL's posting call: all in flight (in_flight), the last for :meth:`copying` too.
         self._taken: collections.deque = collections.deque()
@@ -323,12 +324,27 @@ class NixlEngine:
         the transfer is in NIXL's hands (posted, not settled): only then is anything let go, and the caller loses
         the link to that peer with it; one still queued for the worker is skipped once cancelled (``working``)."""
         with self._cv:
-            if token not in self._active:
+            if token in self._active:
+                self._forced.add(token)
+            elif token == self._current or self._adopt_queued(token):
+                # Posted already (an adopt: posted from the loop's thread; or being posted now): forced once the
+                # worker has it in ``_active`` (``_enter``), or dropped when it settles first (``_post``).
+                self._force_pending.add(token)
+            else:
                 return False
-            self._forced.add(token)
             self._cancelled.add(token)
             self._cv.notify()
         return True
+
+    def _adopt_queued(self, token: int) -> bool:
+        """Whether ``token``'s adopt (a transfer posted from the loop's thread) waits for the worker (``_cv``
+        held: ``_commands`` is steady; the worker takes from ``_taken`` without it)."""
+        if any(cmd[0] == "adopt" and cmd[1] == token for cmd in self._commands):
+            return True
+        try:
+            return any(cmd[0] == "adopt" and cmd[1] == token for cmd in list(self._taken))
+        except RuntimeError:  # the worker took one meanwhile: it is _current now, or was before
+            return True
 
     def working(self, token: int) -> bool:
         """Whether ``token``'s command waits for the worker or is being run (not yet in NIXL's hands): it ends
@@ -430,8 +446,21 @@ class NixlEngine:
                     self._shutdown()
                     return
 
+    def _enter(self, xfer: _Xfer) -> None:
+        """``xfer`` is in NIXL's hands, in progress: checked each round; forced off now if that was asked before
+        it got here (``force_off``)."""
+        self._active[xfer.token] = xfer
+        with self._cv:
+            forced = xfer.token in self._force_pending
+            self._force_pending.discard(xfer.token)
+        if forced:
+            xfer.cancelled = True
+            self._apply_forces([xfer.token])
+
     def _post(self, token: int, status: int, aux: int = 0) -> None:
         if token:
+            with self._cv:
+                self._force_pending.discard(token)  # over: nothing left to force
             if token == self._current:  # over before its waiter can look at in_flight()
                 self._current = 0
             self._queue.post(token, status, aux)
@@ -460,7 +489,7 @@ class NixlEngine:
                 self._start(token, *args)
             elif kind == "adopt":
                 handle, nbytes, uses = args
-                self._active[token] = _Xfer(token, handle, nbytes, uses)
+                self._enter(_Xfer(token, handle, nbytes, uses))
             elif kind == "notif":
                 if self._early.pop(args, None) is not None:
                     self._post(token, 0)
@@ -511,7 +540,7 @@ class NixlEngine:
             xfer.posted = True
             xfer.handle = handle
             if state == "PROC":
-                self._active[xfer.token] = xfer
+                self._enter(xfer)
                 return
             if state != "DONE" or not xfer.pieces:
                 break

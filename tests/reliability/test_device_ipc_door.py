@@ -291,6 +291,8 @@ async def test_deallocating_during_the_owners_fence_serves_the_pull_staged(owner
             await asyncio.wait_for(task, 10)  # before: LLM_LINK_FAILED, "device cache N is not mapped here"
             assert _eq(dst, 2, values, 1)
             assert pair.decoder.stats().links[PROMPT_ID].kinds["pull"].transport == "tcp"  # staged, not device IPC
+            served = pair.prompt.stats().links[DECODER_ID].kinds["served_pull"]  # counted as what carried it
+            assert (served.transfers, served.transport) == (1, "tcp"), served  # it said local (found by review)
         await _pull_again_by_device_ipc(pair, dst)
 
 

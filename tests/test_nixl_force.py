@@ -1,0 +1,154 @@
+"""Forcing off a given-up NIXL transfer, and closing the NIXL agent, against a scripted agent: no NIXL needed.
+
+A transfer posted from the loop's thread (``NixlEngine.try_post`` left it in progress) is in NIXL's hands
+before its ``adopt`` reaches the worker: a force asked while that ``adopt`` waits behind slow worker work is
+kept and applied once the worker takes it (it was dropped, the READ left posted against a stalled owner after
+the call returned). ``NixlAgent.aclose`` waits for the worker in a thread of its own, also where the loop's
+default executor was shut down (it then held the loop for as long as the worker took). Both found by review.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+from aio_datadist._settle import Settling
+from aio_datadist.transport import base, nixl_engine
+from aio_datadist.transport.nixl import NixlAgent
+
+
+class Queue:
+    def __init__(self) -> None:
+        self.on_post = None
+
+    def post(self, token, status, aux) -> None:
+        if self.on_post is not None:
+            self.on_post(token, status)
+
+
+class Handle:
+    def release(self) -> None:
+        pass
+
+
+def stalled_owner_api(holder: list):
+    """An agent whose transfers stay in progress (the owner makes no progress) until its peer is let go."""
+
+    class Agent:
+        backends = ["UCX"]
+
+        def __init__(self, name, config) -> None:
+            self.removed: list[str] = []
+            holder.append(self)
+
+        def get_agent_metadata(self):
+            return b""
+
+        def get_backend_mem_types(self, backend):
+            return []
+
+        def make_prepped_xfer(self, *args):
+            return Handle()
+
+        def transfer(self, handle, notif):
+            return "PROC"
+
+        def check_xfer_state(self, handle):
+            return "ERR" if self.removed else "PROC"
+
+        def get_new_notifs(self):
+            return {}
+
+        def remove_remote_agent(self, name) -> None:
+            self.removed.append(name)
+
+    return types.SimpleNamespace(nixl_agent_config=lambda **kw: None, nixl_agent=Agent)
+
+
+@pytest.mark.asyncio
+@pytest.mark.loops_take_turns
+async def test_a_force_of_a_transfer_posted_from_the_loop_whose_adopt_waits_is_kept(monkeypatch):
+    monkeypatch.setattr(base, "NIXL_SETTLE_S", 0.1)
+    monkeypatch.setattr(base, "NIXL_SETTLE_LIMIT_S", 0.4)
+    monkeypatch.setattr(base, "NIXL_FORCE_S", 0.2)
+    holder: list = []
+    monkeypatch.setattr(nixl_engine, "load_nixl", lambda: stalled_owner_api(holder))
+    queue = Queue()
+    engine = nixl_engine.NixlEngine(queue, "fake")
+    agent = holder[0]
+    loop = asyncio.get_running_loop()
+    release = threading.Event()
+    try:
+        idx = np.arange(1, dtype=np.int32)
+        posted = engine.try_post("READ", object(), idx, object(), idx, b"", 4096)  # the loop's thread posts it
+        assert posted is not None and posted[0] == "PROC"
+        engine.call(1, lambda a: release.wait(10))  # slow worker work (a large cache's registration)
+        deadline = time.monotonic() + 2
+        while engine._current != 1 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert engine._current == 1
+        token = 2
+        forced: list[bool] = []
+        settled = Settling(lambda: engine.working(token), loop=loop,
+                           force=lambda: forced.append(engine.force_off(token)))
+        queue.on_post = lambda t, s: t == token and loop.call_soon_threadsafe(
+            lambda: settled.done() or settled.set_result(True))
+        engine.adopt(token, posted[1], 4096, (1, 2, b"owner-agent"))  # as NixlPeer._post does
+        engine.cancel(token)  # the call is given up
+        await base.nixl_settle(settled, [])
+        assert forced == [True], forced  # in NIXL's hands: forced (the caller fails the link)
+        release.set()  # the worker takes the adopt: the force applies
+        async with asyncio.timeout(2):
+            while not settled.done():
+                await asyncio.sleep(0.01)
+        assert agent.removed == ["owner-agent"], agent.removed
+    finally:
+        release.set()
+        engine.close()
+
+
+class SlowEngine:
+    """An engine whose worker takes ``JOIN_S`` to stop (in-flight transfers get their settle bounds)."""
+
+    JOIN_S = 1.0
+
+    def stop(self) -> None:
+        self.stopped = time.monotonic()
+
+    def join(self) -> None:
+        time.sleep(max(0.0, self.stopped + self.JOIN_S - time.monotonic()))
+
+
+@pytest.mark.asyncio
+async def test_aclose_waits_for_the_worker_off_the_loop_after_the_default_executor_was_shut_down():
+    loop = asyncio.get_running_loop()
+    await loop.shutdown_default_executor()  # as a runner does before it closes
+    agent = object.__new__(NixlAgent)
+    agent.engine = SlowEngine()
+    agent._close_peers = lambda: None
+    closed: list[bool] = []
+    agent._closed = lambda: closed.append(True)
+    lags: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            lags.append(time.monotonic() - t)
+
+    tick = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.05)
+    try:
+        started = time.monotonic()
+        await asyncio.wait_for(agent.aclose(), 5)
+        took = time.monotonic() - started
+        await asyncio.sleep(0.05)
+    finally:
+        tick.cancel()
+    assert closed == [True] and took >= SlowEngine.JOIN_S - 0.1, (closed, took)  # it did wait for the worker
+    assert max(lags) < 0.5, f"the event loop stood still for {max(lags):.2f} s inside aclose"
