@@ -14,25 +14,21 @@ import contextlib
 import ctypes
 import errno
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
+import fakes
 import pytest
 
 from aio_datadist import _core
 
-FAKES = Path(__file__).parent / "fakes"
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build the stand-ins")
 
 
 def _build(tmp_path_factory: pytest.TempPathFactory, name: str) -> tuple[str, ctypes.CDLL]:
-    out = tmp_path_factory.mktemp(name) / f"lib{name}.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-pthread", "-o", str(out), str(FAKES / f"{name}.c")],
-                   check=True, timeout=60)
-    return str(out), ctypes.CDLL(str(out))
+    out = fakes.build(tmp_path_factory, name)
+    return out, ctypes.CDLL(out)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import ctypes
 import shutil
 import signal
-import subprocess
 from multiprocessing import reduction
 
+import fakes
 import pytest
 from peers import process_context
 
@@ -24,7 +24,6 @@ from aio_datadist.devices.ipc import IpcUnavailable
 
 pytestmark = [pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build the stand-in"),
               pytest.mark.usefixtures("fork_server")]
-FAKE = __import__("pathlib").Path(__file__).parent / "fakes" / "fake_cuda.c"
 KNOBS = {"fake_device_count": 1, "fake_vmm": 1, "fake_posix_fd": 1, "fake_peer_access": 1, "fake_import_error": 0,
          "fake_access_error": 0, "fake_create_error": 0, "fake_last_access_flags": -1}
 COUNTERS = ("fake_creates", "fake_mem_releases", "fake_exports", "fake_imports", "fake_reserves", "fake_frees",
@@ -33,9 +32,7 @@ COUNTERS = ("fake_creates", "fake_mem_releases", "fake_exports", "fake_imports",
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    out = tmp_path_factory.mktemp("vmm") / "libfake_cuda_vmm.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-pthread", "-o", str(out), str(FAKE)], check=True, timeout=60)
-    return str(out)
+    return fakes.build(tmp_path_factory, "fake_cuda")
 
 
 @pytest.fixture

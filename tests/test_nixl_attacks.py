@@ -511,6 +511,22 @@ async def test_a_cache_freed_while_the_link_is_set_up_does_not_hold_up_link_clus
         assert link_to(pair.decoder, PROMPT_ID).nixl.usable()
 
 
+async def offered_and_withdrawn_in_turn(attacker: Any, victim: Any, bait: Any, metadata: bytes, rows: int) -> float:
+    """12 caches of ``rows`` one-byte rows inside the bait, each offered, waited for (0.15 s at most: a paced
+    one is not loaded by then) and withdrawn in turn: how long it took."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for n in range(12):
+        cache_id = (1 << 20) + n
+        attacker._send(nixl.OFFER, cache_id, rows, 1, (bait.layout.bases[0],), metadata)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.15):
+                while cache_id not in victim.caches:
+                    await asyncio.sleep(0.005)
+        attacker._send(nixl.WITHDRAW, cache_id, 0, 0, (), b"")
+    return loop.time() - started
+
+
 @needs_nixl
 @pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
 async def test_a_peer_that_offers_and_withdraws_in_turn_is_paced(monkeypatch):
@@ -527,17 +543,7 @@ async def test_a_peer_that_offers_and_withdraws_in_turn_is_paced(monkeypatch):
     loads = counted_loads(monkeypatch, 1 << 20)
     async with forging_pair() as (pair, bait, attacker, victim_link, metadata):  # the bait: 64 entries
         victim = victim_link.nixl
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        for n in range(12):  # 128 rows of one byte inside the bait: 128 entries each
-            cache_id = (1 << 20) + n
-            attacker._send(nixl.OFFER, cache_id, 128, 1, (bait.layout.bases[0],), metadata)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.15):
-                    while cache_id not in victim.caches:
-                        await asyncio.sleep(0.005)
-            attacker._send(nixl.WITHDRAW, cache_id, 0, 0, (), b"")
-        took = loop.time() - started
+        took = await offered_and_withdrawn_in_turn(attacker, victim, bait, metadata, 128)  # 128 entries each
         assert victim_link.broken is None and victim.usable()
         assert len(loads) <= 2 + took * 128 / 128 + 1, f"{len(loads)} lists built in {took:.1f} s"
         last = (1 << 20) + 12
@@ -560,17 +566,7 @@ async def test_a_peer_that_offers_and_withdraws_one_entry_caches_in_turn_is_pace
     loads = counted_loads(monkeypatch, 1 << 20)
     async with forging_pair() as (pair, bait, attacker, victim_link, metadata):  # the bait: 64 entries
         victim = victim_link.nixl
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        for n in range(12):
-            cache_id = (1 << 20) + n
-            attacker._send(nixl.OFFER, cache_id, 1, 1, (bait.layout.bases[0],), metadata)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.15):
-                    while cache_id not in victim.caches:
-                        await asyncio.sleep(0.005)
-            attacker._send(nixl.WITHDRAW, cache_id, 0, 0, (), b"")
-        took = loop.time() - started
+        took = await offered_and_withdrawn_in_turn(attacker, victim, bait, metadata, 1)
         assert victim_link.broken is None and victim.usable()
         assert len(loads) <= 3 + took + 1, f"{len(loads)} lists built in {took:.1f} s"
 

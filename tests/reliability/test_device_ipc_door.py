@@ -37,9 +37,8 @@ import os
 import shutil
 import socket
 import struct
-import subprocess
-from pathlib import Path
 
+import fakes
 import pytest
 import torch
 from peers import DECODER_ID, PROMPT_ID, TRANSPORT, fill, linked_pair
@@ -56,7 +55,6 @@ S = LLMStatusCode
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("fork_server")]
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the stand-in libcuda")
 
-FAKE = Path(__file__).resolve().parent.parent / "fakes" / "fake_cuda.c"
 ENTRY, DEVICE = struct.Struct("!BqQIQQQ"), struct.Struct("!B16s")
 ADD_DEVICE, DEL, MAPPED, CUDA = 4, 2, 5, 2
 HOST = {"device_type": "host", "transport": "local"}
@@ -87,9 +85,7 @@ class _StubCuda:
 
 @pytest.fixture(scope="module")
 def fake_cuda(tmp_path_factory):
-    out = tmp_path_factory.mktemp("vmm") / "libfake_cuda_door.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-pthread", "-o", str(out), str(FAKE)], check=True, timeout=60)
-    return str(out)
+    return fakes.build(tmp_path_factory, "fake_cuda")
 
 
 @pytest.fixture
