@@ -10,6 +10,7 @@ default executor was shut down (it then held the loop for as long as the worker 
 from __future__ import annotations
 
 import asyncio
+import errno
 import threading
 import time
 import types
@@ -152,3 +153,151 @@ async def test_aclose_waits_for_the_worker_off_the_loop_after_the_default_execut
         tick.cancel()
     assert closed == [True] and took >= SlowEngine.JOIN_S - 0.1, (closed, took)  # it did wait for the worker
     assert max(lags) < 0.5, f"the event loop stood still for {max(lags):.2f} s inside aclose"
+
+
+class RecordingQueue:
+    def __init__(self) -> None:
+        self.posts: list[tuple[int, int]] = []
+        self.cv = threading.Condition()
+
+    def post(self, token, status, aux) -> None:
+        with self.cv:
+            self.posts.append((token, status))
+            self.cv.notify_all()
+
+    def wait_for(self, token, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while not any(t == token for t, _ in self.posts):
+                left = deadline - time.monotonic()
+                assert left > 0, f"no record for token {token}: {self.posts}"
+                self.cv.wait(left)
+            return next(s for t, s in self.posts if t == token)
+
+
+def scripted_api(holder: list, state: str):
+    """An agent whose transfers end ``state`` in the posting call (``PROC``: in progress until its peer is let go)."""
+    class Agent:
+        backends = ["UCX"]
+
+        def __init__(self, name, config) -> None:
+            self.removed: list[str] = []
+            self.transfers = 0
+            holder.append(self)
+
+        def get_agent_metadata(self):
+            return b""
+
+        def get_backend_mem_types(self, backend):
+            return []
+
+        def make_prepped_xfer(self, *args):
+            return Handle()
+
+        def transfer(self, handle, notif):
+            self.transfers += 1
+            return state
+
+        def check_xfer_state(self, handle):
+            return "ERR" if self.removed else "PROC"
+
+        def get_new_notifs(self):
+            return {}
+
+        def remove_remote_agent(self, name) -> None:
+            self.removed.append(name)
+
+    return types.SimpleNamespace(nixl_agent_config=lambda **kw: None, nixl_agent=Agent)
+
+
+IDX = np.arange(1, dtype=np.int32)
+
+
+def test_a_force_of_a_taken_transfer_skipped_as_cancelled_is_refused(monkeypatch):
+    """A given-up transfer queued behind slow work: the worker takes it just as the loop's force comes. It is
+    skipped as cancelled, nothing posted: ``force_off`` must say it was not in NIXL's hands (it said so from
+    ``_current``, and the caller failed the link; found by review). The window is widened by pausing
+    ``_pieces``."""
+    holder: list = []
+    monkeypatch.setattr(nixl_engine, "load_nixl", lambda: scripted_api(holder, "PROC"))
+    in_pieces, go = threading.Event(), threading.Event()
+    real_pieces = nixl_engine._pieces
+
+    def slow_pieces(*args):
+        in_pieces.set()
+        go.wait(5)
+        return real_pieces(*args)
+
+    monkeypatch.setattr(nixl_engine, "_pieces", slow_pieces)
+    queue = RecordingQueue()
+    engine = nixl_engine.NixlEngine(queue, "fake")
+    agent = holder[0]
+    release = threading.Event()
+    try:
+        with engine._cv:  # both taken in one round: the xfer waits in _taken behind the slow call
+            engine.call(1, lambda a: release.wait(10))
+            engine.xfer(2, "READ", object(), IDX, object(), IDX, b"owner-agent", b"", 4096)
+        deadline = time.monotonic() + 2
+        while engine._current != 1 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert engine._current == 1
+        engine.cancel(2)  # given up
+        assert engine.force_off(2) is False  # queued behind slow work: nothing forced (d7b3448)
+        release.set()  # the slow work ends just as the settle limit is reached
+        assert in_pieces.wait(5)
+        forced = engine.force_off(2)  # the loop's force, with the worker on the xfer
+        go.set()
+        assert queue.wait_for(2) == -errno.ECANCELED
+        assert agent.transfers == 0  # never posted: never in NIXL's hands
+        assert forced is False, "force_off said the never-posted transfer was in NIXL's hands: the link is failed"
+    finally:
+        release.set()
+        go.set()
+        engine.close()
+
+
+def test_a_force_racing_the_settle_of_a_transfer_leaves_no_token_pending(monkeypatch):
+    """A force as the worker settles the transfer: refused, and nothing left in ``_force_pending`` (``_post``
+    let go of ``_current`` outside the lock: the settled token stayed pending for good and the caller failed
+    the link of a transfer that completed; found by review). The window is widened by pausing the worker's read
+    of ``_current`` in ``_post``."""
+    holder: list = []
+    monkeypatch.setattr(nixl_engine, "load_nixl", lambda: scripted_api(holder, "DONE"))
+    at_post, go = threading.Event(), threading.Event()
+    armed = [0]
+
+    class Probe(nixl_engine.NixlEngine):
+        @property
+        def _current(self):
+            value = self.__dict__.get("_cur", 0)
+            thread = self.__dict__.get("_thread")
+            if armed[0] and value == armed[0] and threading.current_thread() is thread:
+                armed[0] = 0
+                at_post.set()
+                go.wait(5)
+            return value
+
+        @_current.setter
+        def _current(self, value):
+            self.__dict__["_cur"] = value
+
+    queue = RecordingQueue()
+    engine = Probe(queue, "fake")
+    try:
+        armed[0] = 7
+        engine.xfer(7, "READ", object(), IDX, object(), IDX, b"owner-agent", b"", 4096)
+        assert at_post.wait(5)  # the worker settles it (DONE), in _post
+        forced_in: list[bool] = []  # the loop's force at its bound, from another thread: it may wait for the lock
+        force = threading.Thread(target=lambda: forced_in.append(engine.force_off(7)))
+        force.start()
+        time.sleep(0.2)
+        go.set()
+        force.join(5)
+        forced = forced_in[0]
+        assert queue.wait_for(7) == 0
+        time.sleep(0.05)
+        assert 7 not in engine._force_pending, "a settled transfer's token stays in _force_pending forever"
+        assert forced is False, "force_off said a settled transfer was in NIXL's hands: the link is failed"
+    finally:
+        go.set()
+        engine.close()

@@ -212,6 +212,7 @@ class NixlEngine:
         # is inside NIXL's posting call: all in flight (in_flight), the last for :meth:`copying` too.
         self._taken: collections.deque = collections.deque()
         self._current = 0
+        self._posting = 0  # the token whose transfer is past its cancel check (in NIXL's hands, or being posted)
         self._copying = 0
         self._closing = False
         self._holds = 0
@@ -326,7 +327,7 @@ class NixlEngine:
         with self._cv:
             if token in self._active:
                 self._forced.add(token)
-            elif token == self._current or self._adopt_queued(token):
+            elif token == self._posting or self._adopt_queued(token):
                 # Posted already (an adopt: posted from the loop's thread; or being posted now): forced once the
                 # worker has it in ``_active`` (``_enter``), or dropped when it settles first (``_post``).
                 self._force_pending.add(token)
@@ -429,12 +430,16 @@ class NixlEngine:
                 progressed = bool(taken)
                 while taken:
                     cmd = taken[0]
-                    self._current = cmd[1]  # counted in flight before it leaves the queue
+                    with self._cv:
+                        self._current = cmd[1]  # counted in flight before it leaves the queue
+                        if cmd[0] == "adopt":
+                            self._posting = cmd[1]
                     taken.popleft()
                     try:
                         self._run(cmd)
                     finally:
-                        self._current = 0
+                        with self._cv:
+                            self._current = self._posting = 0
                 progressed |= self._apply_cancels(cancelled)
                 progressed |= self._apply_forces(forced)
                 progressed |= self._check_active()
@@ -461,8 +466,10 @@ class NixlEngine:
         if token:
             with self._cv:
                 self._force_pending.discard(token)  # over: nothing left to force
-            if token == self._current:  # over before its waiter can look at in_flight()
-                self._current = 0
+                if token == self._current:  # over before its waiter can look at in_flight()
+                    self._current = 0
+                if token == self._posting:
+                    self._posting = 0
             self._queue.post(token, status, aux)
 
     def _fail(self, token: int, exc: BaseException) -> None:
@@ -519,9 +526,11 @@ class NixlEngine:
         further piece. NIXL's refusal to post raises, with nothing of that piece posted."""
         state = "DONE"
         while xfer.pieces:
-            if xfer.cancelled or self._was_cancelled(xfer.token):
-                xfer.cancelled = True
-                break
+            with self._cv:
+                if xfer.cancelled or xfer.token in self._cancelled:
+                    xfer.cancelled = True
+                    break
+                self._posting = xfer.token
             op, local, local_idx, remote, remote_idx, notif, piece_bytes = xfer.pieces.popleft()
             handle = self.agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
             if _trace.ON:
@@ -616,8 +625,9 @@ class NixlEngine:
                 state = "ERR"
             if state == "PROC":
                 continue
-            self._current = token  # in flight until it reports back or is in _active again (its next piece)
-            del self._active[token]
+            with self._cv:
+                self._current = token  # in flight until it reports back or is in _active again (its next piece)
+                del self._active[token]
             progressed = True
             try:
                 if state == "DONE" and xfer.pieces and self._closing:
@@ -632,7 +642,8 @@ class NixlEngine:
                     log.debug("nixl: posting a piece of transfer %s failed: %r", token, exc)
                     self._fail(token, exc)
             finally:
-                self._current = 0
+                with self._cv:
+                    self._current = self._posting = 0
         return progressed
 
     def _check_notifs(self, holding: bool) -> bool:
