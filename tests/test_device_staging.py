@@ -116,6 +116,33 @@ async def test_pool_never_holds_more_than_its_bound():
 
 
 @pytest.mark.asyncio
+async def test_one_holder_never_takes_the_whole_pool_and_a_waiter_at_its_share_lets_others_by():
+    """A holder (a link) has at most ``share`` buffers (``buffers - 1``): another holder gets one at once. A
+    buffer given back while the oldest waiter is at its share goes to a later waiter that may take it (the
+    wakeup went to the oldest only, which waited on with the buffer free)."""
+    pool = StagingPool(MIN_CHUNK_BYTES, 3)
+    assert pool.share == 2
+    a1, a2 = await pool.acquire("a"), await pool.acquire("a")
+    assert pool.try_acquire("a") is None and pool.held("a") == 2
+    more_for_a = asyncio.ensure_future(pool.acquire("a"))  # at its share: waits
+    b1 = await asyncio.wait_for(pool.acquire("b"), 1)  # another link: at once
+    for_b = asyncio.ensure_future(pool.acquire("b"))  # the pool is full: waits behind a's waiter
+    await asyncio.sleep(0.01)
+    assert not more_for_a.done() and not for_b.done()
+    pool.release(b1)  # a's waiter is still at its share: b's waiter takes it
+    assert await asyncio.wait_for(for_b, 1) is b1
+    assert not more_for_a.done()
+    pool.retire(a1)  # a's share is back at once (the buffer itself once it is gone)
+    del a1
+    gc.collect()
+    assert (await asyncio.wait_for(more_for_a, 1)).numel() == MIN_CHUNK_BYTES
+    assert (pool.held("a"), pool.held("b"), pool.live) == (2, 1, 3)
+    pool.release(a2)
+    assert pool.held("a") == 1
+    pool.close()
+
+
+@pytest.mark.asyncio
 async def test_a_waiter_cancelled_after_its_wakeup_passes_the_buffer_on():
     """Two transfers wait for the one buffer; it is released, and the waiter it woke is given up before it
     ran: the other waiter gets the buffer (no lost wakeup that would leave it waiting with a buffer free)."""

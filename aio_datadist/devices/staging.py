@@ -150,16 +150,26 @@ class StagingPool:
     or native work may still touch is :meth:`retire` d instead of released:
     it still counts against the bound until the last reference to it (held
     by that work's completion) goes, and is then replaced.
+
+    The pool is the endpoint's, shared by every link. A ``holder`` (a link)
+    holds at most ``share`` buffers at once (``buffers - 1`` by default), so
+    one link whose peer stops taking its bytes (a served pull it never reads,
+    held up to the request's own timeout) cannot take every buffer from the
+    other links' transfers.
     """
 
     def __init__(self, chunk_bytes: int, buffers: int,
-                 allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+                 allocate: Callable[[int], torch.Tensor] | None = None, share: int | None = None) -> None:
         if chunk_bytes < MIN_CHUNK_BYTES or chunk_bytes % _ALIGN:
             raise ValueError(f"chunk_bytes must be a multiple of {_ALIGN} and at least {MIN_CHUNK_BYTES}")
         if buffers < 1:
             raise ValueError("buffers must be >= 1")
         self.chunk_bytes = chunk_bytes
         self.buffers = buffers
+        #: The most buffers one holder has at once.
+        self.share = max(1, buffers - 1) if share is None else max(1, min(share, buffers))
+        self._held: dict[Any, int] = {}  # holder -> buffers it has
+        self._holder_of: dict[int, Any] = {}  # id(buffer) -> its holder, while held
         self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
         self._free: list[torch.Tensor] = []
         self._live = 0
@@ -182,12 +192,17 @@ class StagingPool:
     def idle(self) -> int:
         return len(self._free)
 
-    async def acquire(self) -> torch.Tensor:
+    def held(self, holder: Any) -> int:
+        """Buffers ``holder`` has now."""
+        return self._held.get(holder, 0)
+
+    async def acquire(self, holder: Any = None) -> torch.Tensor:
+        """A buffer, waiting while none is free or ``holder`` has its share."""
         self._loop = asyncio.get_running_loop()
         while True:
             if self._closed:
                 raise LLMException("the staging pool is closed", status_code=LLMStatusCode.LLM_FAILED)
-            buf = self._take()
+            buf = self._take(holder)
             if buf is not None:
                 return buf
             waiter = self._loop.create_future()
@@ -202,26 +217,43 @@ class StagingPool:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
 
-    def try_acquire(self) -> torch.Tensor | None:
-        """A buffer if one is free or may be made now, else None (never waits)."""
+    def try_acquire(self, holder: Any = None) -> torch.Tensor | None:
+        """A buffer if one is free or may be made now and ``holder`` is within its share, else None (never
+        waits)."""
         if self._closed or self._waiters:
             return None  # those waiting come first
-        return self._take()
+        return self._take(holder)
 
-    def _take(self) -> torch.Tensor | None:
-        """A free buffer, or a new one within the bound, or None."""
+    def _take(self, holder: Any = None) -> torch.Tensor | None:
+        """A free buffer, or a new one within the bound, or None (also when ``holder`` has its share)."""
+        if holder is not None and self._held.get(holder, 0) >= self.share:
+            return None
         if self._free:
-            return self._free.pop()
-        if self._live < self.buffers:
+            buf = self._free.pop()
+        elif self._live < self.buffers:
             buf = self._allocate(self.chunk_bytes)
             self._live += 1
             self.peak = max(self.peak, self._live)
             weakref.finalize(buf, self._gone)
-            return buf
-        return None
+        else:
+            return None
+        if holder is not None:
+            self._held[holder] = self._held.get(holder, 0) + 1
+            self._holder_of[id(buf)] = holder
+        return buf
+
+    def _let_go(self, buf: torch.Tensor) -> None:
+        holder = self._holder_of.pop(id(buf), None)
+        if holder is not None:
+            left = self._held[holder] - 1
+            if left:
+                self._held[holder] = left
+            else:
+                del self._held[holder]
 
     def release(self, buf: torch.Tensor) -> None:
         """Give back a buffer nothing touches any more."""
+        self._let_go(buf)
         if self._closed:
             return
         self._free.append(buf)
@@ -230,7 +262,9 @@ class StagingPool:
     def retire(self, buf: torch.Tensor) -> None:
         """Give up a buffer that pending work may still touch (it is replaced once it is gone: once the
         completions holding it let it go, so its holders must drop their own references, including those
-        of frames an exception's traceback keeps)."""
+        of frames an exception's traceback keeps). Its holder's share is back at once."""
+        self._let_go(buf)
+        self._wake()
 
     def close(self) -> None:
         self._closed = True
@@ -254,25 +288,28 @@ class StagingPool:
             loop.call_soon_threadsafe(self._wake)
 
     def _wake(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
+        # Every waiter looks again, oldest first: one that has its share waits on, and a later one may take the
+        # buffer (waking only the oldest left a buffer free behind a waiter at its share).
+        waiters, self._waiters = self._waiters, deque()
+        for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
-                return
 
 
 Stage = Callable[[Chunk, torch.Tensor], Awaitable[Any]]
 Use = Callable[[Chunk, torch.Tensor], Awaitable[Any]]
 
 
-async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage, consume: Use) -> None:
+async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage, consume: Use,
+                       holder: Any = None) -> None:
     """Stage every chunk into a buffer, then consume it, overlapping the two.
 
     ``stage(chunk, buf)`` fills ``buf`` (a device gather) and must keep
     ``buf`` referenced by its native completion; ``consume(chunk, view)``
     uses the ``chunk.nbytes`` bytes (sends them). Up to ``pool.buffers``
-    stages run ahead of the consumer. On any failure or cancellation the
-    pending stages are cancelled and their buffers retired.
+    stages run ahead of the consumer, as far as ``holder``'s share allows. On
+    any failure or cancellation the pending stages are cancelled and their
+    buffers retired.
     """
     pending: deque[tuple[Chunk, torch.Tensor, asyncio.Future]] = deque()
     nxt = 0
@@ -282,7 +319,7 @@ async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage,
             while nxt < len(chunks) and len(pending) < pool.buffers:
                 # Wait for a buffer only while holding none: the pool is shared by every transfer of the
                 # endpoint, and senders that each held some and waited for more would wait for each other.
-                buf = pool.try_acquire() if pending else await pool.acquire()
+                buf = pool.try_acquire(holder) if pending else await pool.acquire(holder)
                 if buf is None:
                     break
                 pending.append((chunks[nxt], buf, asyncio.ensure_future(stage(chunks[nxt], buf))))
@@ -303,7 +340,8 @@ async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage,
         buf = None  # the traceback of a failure keeps this frame: it must not keep a retired buffer too
 
 
-async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, stage: Stage) -> None:
+async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, stage: Stage,
+                      holder: Any = None) -> None:
     """Fill a buffer with each chunk, then stage it out, overlapping the two.
 
     ``fill(chunk, view)`` writes the chunk's bytes (receives them);
@@ -323,7 +361,7 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
     buf: torch.Tensor | None = None
     try:
         for chunk in chunks:
-            buf = await pool.acquire()
+            buf = await pool.acquire(holder)
             try:
                 await fill(chunk, buf[:chunk.nbytes])
             except BaseException:
@@ -414,8 +452,9 @@ class DeviceStaging:
                                       settled=settled)
 
     async def send(self, cache: KvCache, first: int, count: int, rows: Sequence[int], offset: int, nbytes: int,
-                   consume: Use, what: str = "staged send") -> None:
-        """Gather rows of tensors ``[first, first+count)`` chunk by chunk and hand each to ``consume``.
+                   consume: Use, what: str = "staged send", holder: Any = None) -> None:
+        """Gather rows of tensors ``[first, first+count)`` chunk by chunk and hand each to ``consume``, with
+        ``holder``'s share of the pool's buffers (its link's).
 
         Returns or raises only once every gather it enqueued is done on the
         stream (a cancelled one included)."""
@@ -425,13 +464,14 @@ class DeviceStaging:
         try:
             await pipeline_out(chunks, self.pool,
                                lambda c, b: self._stage(c, b, cache, first, rows, offset, False, what, settles),
-                               consume)
+                               consume, holder)
         finally:
             await settle_all(settles)
 
     async def receive(self, cache: KvCache, first: int, count: int, rows: Sequence[int], offset: int,
-                      nbytes: int, fill: Use, what: str = "staged receive") -> None:
-        """Take each chunk from ``fill`` and scatter it into rows of tensors ``[first, first+count)``.
+                      nbytes: int, fill: Use, what: str = "staged receive", holder: Any = None) -> None:
+        """Take each chunk from ``fill`` and scatter it into rows of tensors ``[first, first+count)``, with
+        ``holder``'s share of the pool's buffers.
 
         Returns or raises only once every scatter it enqueued is done on the
         stream (a cancelled one included): no byte lands in ``cache`` after."""
@@ -440,7 +480,8 @@ class DeviceStaging:
         settles: list[asyncio.Future] = []
         try:
             await pipeline_in(chunks, self.pool, fill,
-                              lambda c, b: self._stage(c, b, cache, first, rows, offset, True, what, settles))
+                              lambda c, b: self._stage(c, b, cache, first, rows, offset, True, what, settles),
+                              holder)
         finally:
             await settle_all(settles)
 

@@ -83,10 +83,10 @@ async def staged_move(rt: Runtime, link: LinkPort, channel: int, cache: Any, fir
         return moving
 
     try:
-        if send:
-            await staging.send(cache, first, count, rows, offset, nbytes, job, what)
+        if send:  # the link's share of the endpoint's buffers (one peer that stops reading holds no more)
+            await staging.send(cache, first, count, rows, offset, nbytes, job, what, link)
         else:
-            await staging.receive(cache, first, count, rows, offset, nbytes, job, what)
+            await staging.receive(cache, first, count, rows, offset, nbytes, job, what, link)
     finally:
         try:
             await settle_all(jobs)
