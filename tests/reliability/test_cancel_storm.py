@@ -37,7 +37,7 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
-from aio_datadist.testing import link_table_of
+from aio_datadist.testing import link_table_of, links_of
 from peers import cluster_info, fill, port_of
 
 from _harness import endpoint, open_fds, settle, state
@@ -51,6 +51,7 @@ ROWS = CacheDesc(8, (4, 65536), DataType.DT_FLOAT16, Placement.HOST)  # rows of 
 ALL = list(range(32))
 WAVES, PER_WAVE = scaled(15), 20  # 300 transfers per run
 BOUND_S = 1.0
+REDIAL_S = 5.0  # how long the channels reset by the cuts may take to be redialled, after the storm
 HOW = ("task.cancel", "asyncio.timeout", "anyio.move_on_after", "timeout=")
 
 
@@ -64,6 +65,12 @@ def fd_kinds() -> tuple[Counter, set[str]]:
     """Sockets by count (a reset channel is redialled on a new fd), every other fd by name."""
     fds = open_fds()
     return Counter("socket" for fd in fds if "socket:" in fd), {fd for fd in fds if "socket:" not in fd}
+
+
+def channels(dd: Any) -> list[str]:
+    """Each link's data channels: up (a socket) or not, and being redialled."""
+    return [f"link {link.link_id}: {''.join('+' if ch.sock is not None else '-' for ch in link.channels)}"
+            f" redialling {sorted(link.redialling)}" for link in links_of(dd).values()]
 
 
 @pytest.mark.asyncio
@@ -152,12 +159,16 @@ async def test_hundreds_of_cancelled_transfers_leave_a_working_link_and_no_leak(
 
         await settle(dd, before[0], within=BOUND_S)
         await settle(dec, before[1], within=BOUND_S)
-        deadline = time.monotonic() + BOUND_S
+        # Channels the cuts reset are redialled at once, but on a loaded 2-core VM a redial's accept and
+        # handshake took longer than BOUND_S (one socket short in 2 of many full CI runs): what is checked
+        # here is that nothing leaks, so the redials get REDIAL_S.
+        deadline = time.monotonic() + REDIAL_S
         while fd_kinds() != before[2] and time.monotonic() < deadline:  # channels being redialled
             await asyncio.sleep(0.01)
         now = fd_kinds()
         assert now == before[2], (f"sockets {now[0]} (before {before[2][0]}); other fds opened "
-                                  f"{sorted(now[1] - before[2][1])}, closed {sorted(before[2][1] - now[1])}")
+                                  f"{sorted(now[1] - before[2][1])}, closed {sorted(before[2][1] - now[1])}; "
+                                  f"channels (prompt, decoder): {channels(dd)}, {channels(dec)}")
 
         # the link works: more transfers at once than it has channels, both ways, bytes checked
         for t in dst.tensors + dst_rows.tensors:
