@@ -37,14 +37,34 @@ class Handle:
         pass
 
 
-def stalled_owner_api(holder: list):
-    """An agent whose transfers stay in progress (the owner makes no progress) until its peer is let go."""
+class RecordingQueue:
+    def __init__(self) -> None:
+        self.posts: list[tuple[int, int]] = []
+        self.cv = threading.Condition()
 
+    def post(self, token, status, aux) -> None:
+        with self.cv:
+            self.posts.append((token, status))
+            self.cv.notify_all()
+
+    def wait_for(self, token, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while not any(t == token for t, _ in self.posts):
+                left = deadline - time.monotonic()
+                assert left > 0, f"no record for token {token}: {self.posts}"
+                self.cv.wait(left)
+            return next(s for t, s in self.posts if t == token)
+
+
+def scripted_api(holder: list, state: str):
+    """An agent whose transfers end ``state`` in the posting call (``PROC``: in progress until its peer is let go)."""
     class Agent:
         backends = ["UCX"]
 
         def __init__(self, name, config) -> None:
             self.removed: list[str] = []
+            self.transfers = 0
             holder.append(self)
 
         def get_agent_metadata(self):
@@ -57,7 +77,8 @@ def stalled_owner_api(holder: list):
             return Handle()
 
         def transfer(self, handle, notif):
-            return "PROC"
+            self.transfers += 1
+            return state
 
         def check_xfer_state(self, handle):
             return "ERR" if self.removed else "PROC"
@@ -78,7 +99,7 @@ async def test_a_force_of_a_transfer_posted_from_the_loop_whose_adopt_waits_is_k
     monkeypatch.setattr(base, "NIXL_SETTLE_LIMIT_S", 0.4)
     monkeypatch.setattr(base, "NIXL_FORCE_S", 0.2)
     holder: list = []
-    monkeypatch.setattr(nixl_engine, "load_nixl", lambda: stalled_owner_api(holder))
+    monkeypatch.setattr(nixl_engine, "load_nixl", lambda: scripted_api(holder, "PROC"))
     queue = Queue()
     engine = nixl_engine.NixlEngine(queue, "fake")
     agent = holder[0]
@@ -153,61 +174,6 @@ async def test_aclose_waits_for_the_worker_off_the_loop_after_the_default_execut
         tick.cancel()
     assert closed == [True] and took >= SlowEngine.JOIN_S - 0.1, (closed, took)  # it did wait for the worker
     assert max(lags) < 0.5, f"the event loop stood still for {max(lags):.2f} s inside aclose"
-
-
-class RecordingQueue:
-    def __init__(self) -> None:
-        self.posts: list[tuple[int, int]] = []
-        self.cv = threading.Condition()
-
-    def post(self, token, status, aux) -> None:
-        with self.cv:
-            self.posts.append((token, status))
-            self.cv.notify_all()
-
-    def wait_for(self, token, timeout=5.0):
-        deadline = time.monotonic() + timeout
-        with self.cv:
-            while not any(t == token for t, _ in self.posts):
-                left = deadline - time.monotonic()
-                assert left > 0, f"no record for token {token}: {self.posts}"
-                self.cv.wait(left)
-            return next(s for t, s in self.posts if t == token)
-
-
-def scripted_api(holder: list, state: str):
-    """An agent whose transfers end ``state`` in the posting call (``PROC``: in progress until its peer is let go)."""
-    class Agent:
-        backends = ["UCX"]
-
-        def __init__(self, name, config) -> None:
-            self.removed: list[str] = []
-            self.transfers = 0
-            holder.append(self)
-
-        def get_agent_metadata(self):
-            return b""
-
-        def get_backend_mem_types(self, backend):
-            return []
-
-        def make_prepped_xfer(self, *args):
-            return Handle()
-
-        def transfer(self, handle, notif):
-            self.transfers += 1
-            return state
-
-        def check_xfer_state(self, handle):
-            return "ERR" if self.removed else "PROC"
-
-        def get_new_notifs(self):
-            return {}
-
-        def remove_remote_agent(self, name) -> None:
-            self.removed.append(name)
-
-    return types.SimpleNamespace(nixl_agent_config=lambda **kw: None, nixl_agent=Agent)
 
 
 IDX = np.arange(1, dtype=np.int32)
