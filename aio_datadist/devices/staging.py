@@ -155,7 +155,9 @@ class StagingPool:
     holds at most ``share`` buffers at once (``buffers - 1`` by default), so
     one link whose peer stops taking its bytes (a served pull it never reads,
     held up to the request's own timeout) cannot take every buffer from the
-    other links' transfers.
+    other links' transfers. A sender asks with ``room=1`` and leaves one of
+    its link's share to that link's receives: two ends that send and receive
+    on one link at once do not each hold what the other's receive waits for.
     """
 
     def __init__(self, chunk_bytes: int, buffers: int,
@@ -174,7 +176,7 @@ class StagingPool:
         self._free: list[torch.Tensor] = []
         self._live = 0
         self.peak = 0
-        self._waiters: deque[asyncio.Future] = deque()
+        self._waiters: deque[tuple[asyncio.Future, Any, int]] = deque()  # (wakeup, holder, room)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
@@ -196,17 +198,18 @@ class StagingPool:
         """Buffers ``holder`` has now."""
         return self._held.get(holder, 0)
 
-    async def acquire(self, holder: Any = None) -> torch.Tensor:
-        """A buffer, waiting while none is free or ``holder`` has its share."""
+    async def acquire(self, holder: Any = None, room: int = 0) -> torch.Tensor:
+        """A buffer, waiting while none is free or ``holder`` has its share (less ``room``)."""
         self._loop = asyncio.get_running_loop()
         while True:
             if self._closed:
                 raise LLMException("the staging pool is closed", status_code=LLMStatusCode.LLM_FAILED)
-            buf = self._take(holder)
+            buf = self._take(holder, room)
             if buf is not None:
                 return buf
             waiter = self._loop.create_future()
-            self._waiters.append(waiter)
+            entry = (waiter, holder, room)
+            self._waiters.append(entry)
             try:
                 await waiter
             except BaseException:
@@ -214,19 +217,23 @@ class StagingPool:
                     self._wake()  # woken, then given up before it ran: pass the wakeup on to the next waiter
                 raise
             finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
+                if entry in self._waiters:
+                    self._waiters.remove(entry)
 
-    def try_acquire(self, holder: Any = None) -> torch.Tensor | None:
-        """A buffer if one is free or may be made now and ``holder`` is within its share, else None (never
-        waits)."""
-        if self._closed or self._waiters:
-            return None  # those waiting come first
-        return self._take(holder)
+    def try_acquire(self, holder: Any = None, room: int = 0) -> torch.Tensor | None:
+        """A buffer if one is free or may be made now and ``holder`` is within its share (less ``room``), else
+        None (never waits). Waiters that may take a buffer come first, also those woken that have not run yet."""
+        if self._closed or any(self._within(h, r) for _, h, r in self._waiters):
+            return None
+        return self._take(holder, room)
 
-    def _take(self, holder: Any = None) -> torch.Tensor | None:
+    def _within(self, holder: Any, room: int) -> bool:
+        """Whether ``holder`` may have one more buffer: below its share, less ``room`` (never below one)."""
+        return holder is None or self._held.get(holder, 0) < max(1, self.share - room)
+
+    def _take(self, holder: Any = None, room: int = 0) -> torch.Tensor | None:
         """A free buffer, or a new one within the bound, or None (also when ``holder`` has its share)."""
-        if holder is not None and self._held.get(holder, 0) >= self.share:
+        if not self._within(holder, room):
             return None
         if self._free:
             buf = self._free.pop()
@@ -269,7 +276,7 @@ class StagingPool:
     def close(self) -> None:
         self._closed = True
         self._free.clear()
-        for waiter in self._waiters:
+        for waiter, _, _ in self._waiters:
             if not waiter.done():
                 waiter.cancel()
 
@@ -289,9 +296,9 @@ class StagingPool:
 
     def _wake(self) -> None:
         # Every waiter looks again, oldest first: one that has its share waits on, and a later one may take the
-        # buffer (waking only the oldest left a buffer free behind a waiter at its share).
-        waiters, self._waiters = self._waiters, deque()
-        for waiter in waiters:
+        # buffer (waking only the oldest left a buffer free behind a waiter at its share). They stay listed until
+        # they ran (``acquire`` takes itself off), so ``try_acquire`` does not take the buffer before them.
+        for waiter, _, _ in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
 
@@ -319,10 +326,16 @@ async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage,
             while nxt < len(chunks) and len(pending) < pool.buffers:
                 # Wait for a buffer only while holding none: the pool is shared by every transfer of the
                 # endpoint, and senders that each held some and waited for more would wait for each other.
-                buf = pool.try_acquire(holder) if pending else await pool.acquire(holder)
+                # A send leaves one of its link's share to that link's receives (``room``).
+                buf = pool.try_acquire(holder, 1) if pending else await pool.acquire(holder, 1)
                 if buf is None:
                     break
-                pending.append((chunks[nxt], buf, asyncio.ensure_future(stage(chunks[nxt], buf))))
+                try:
+                    staging = asyncio.ensure_future(stage(chunks[nxt], buf))
+                except BaseException:  # refused before it was queued (may have queued part): held by nobody
+                    pool.retire(buf)
+                    raise
+                pending.append((chunks[nxt], buf, staging))
                 nxt += 1
             chunk, buf, fut = pending.popleft()
             try:
@@ -367,7 +380,11 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
             except BaseException:
                 pool.retire(buf)
                 raise
-            fut = asyncio.ensure_future(stage(chunk, buf))
+            try:
+                fut = asyncio.ensure_future(stage(chunk, buf))
+            except BaseException:  # refused before it was queued (may have queued part): held by nobody
+                pool.retire(buf)
+                raise
             fut.add_done_callback(functools.partial(settle, buf))
             staged.append(fut)
             buf = None

@@ -53,15 +53,16 @@ async def test_a_peer_that_never_reads_its_staged_pull_leaves_the_other_links_a_
             assert line.strip() == b"sent", line
             link = None
             deadline = time.monotonic() + 5
+            most = pool.share - 1  # a send leaves one of its link's share to that link's receives
             while time.monotonic() < deadline:  # until the attacker's request holds all it may
                 link = link_to(dd, ATTACKER)
-                if link is not None and pool.held(link) >= pool.share:
+                if link is not None and pool.held(link) >= most:
                     break
                 await asyncio.sleep(0.01)
-            assert link is not None and link.broken is None and pool.held(link) == pool.share < pool.buffers
+            assert link is not None and link.broken is None and pool.held(link) == most < pool.buffers
             await honest.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), mine, [0, 1], [1, 0], timeout=3000)
             assert all(torch.equal(m[1], v[0]) for m, v in zip(mine.tensors, values, strict=True))
-            assert pool.held(link) == pool.share  # the attacker's request still holds its share, no more
+            assert pool.held(link) == most  # the attacker's request still holds what it took, no more
         finally:
             if proc.returncode is None:
                 proc.kill()
