@@ -327,7 +327,7 @@ class NixlEngine:
         with self._cv:
             if token in self._active:
                 self._forced.add(token)
-            elif token == self._posting or self._adopt_queued(token):
+            elif token == self._posting or self._queued(token, "adopt"):
                 # Posted already (an adopt: posted from the loop's thread; or being posted now): forced once the
                 # worker has it in ``_active`` (``_enter``), or dropped when it settles first (``_post``).
                 self._force_pending.add(token)
@@ -337,14 +337,18 @@ class NixlEngine:
             self._cv.notify()
         return True
 
-    def _adopt_queued(self, token: int) -> bool:
-        """Whether ``token``'s adopt (a transfer posted from the loop's thread) waits for the worker (``_cv``
-        held: ``_commands`` is steady; the worker takes from ``_taken`` without it)."""
-        if any(cmd[0] == "adopt" and cmd[1] == token for cmd in self._commands):
+    def _queued(self, token: int, kind: str | None = None) -> bool:
+        """Whether ``token``'s command (of ``kind``, if given: an adopt is a transfer posted from the loop's
+        thread) waits for the worker. ``_cv`` held: ``_commands`` is steady; the worker takes from ``_taken``
+        without it, so a look there that the worker changed says yes (it is ``_current`` now, or was)."""
+        def named(cmd: tuple) -> bool:
+            return cmd[1] == token and (kind is None or cmd[0] == kind)
+
+        if any(named(cmd) for cmd in self._commands):
             return True
         try:
-            return any(cmd[0] == "adopt" and cmd[1] == token for cmd in list(self._taken))
-        except RuntimeError:  # the worker took one meanwhile: it is _current now, or was before
+            return any(named(cmd) for cmd in list(self._taken))
+        except RuntimeError:
             return True
 
     def working(self, token: int) -> bool:
@@ -355,12 +359,7 @@ class NixlEngine:
         if token in (self._current, self._copying):
             return True
         with self._cv:
-            if any(cmd[1] == token for cmd in self._commands):
-                return True
-        try:
-            return any(cmd[1] == token for cmd in list(self._taken))
-        except RuntimeError:  # the worker took one from it meanwhile: look again next time
-            return True
+            return self._queued(token)
 
     def result(self, token: int) -> Any:
         """``token``'s return value (``call``), taken: a second call returns None."""
