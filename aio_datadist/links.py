@@ -121,13 +121,18 @@ DataConn = socket.socket | tls.TlsChannel
 
 
 class _Channel:
-    __slots__ = ("index", "sock", "generation", "attached", "loop_jobs", "answering")
+    __slots__ = ("index", "sock", "generation", "attached", "loop_jobs", "answering", "queued", "held")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.sock: DataConn | None = None
         self.generation = 0
         self.attached = False
+        # An own channel is in ``Link.free`` at most once (``queued``) and never while a transfer holds it
+        # (``held``): a channel reset and redialled while idle (the peer's ABORT) or while held is queued
+        # again only if it is not queued or held already, so no two transfers ever share it.
+        self.queued = False
+        self.held = False
         self.loop_jobs: set[LoopIo] = set()  # jobs the loop drives on this socket (stopped before it closes)
         self.answering: set[asyncio.Future] = set()  # our jobs answering the peer's requests here (see answers)
 
@@ -196,7 +201,11 @@ class Link:
         self.local: LocalShare | None = None
         self.nixl: NixlPeer | None = None
         self.redialling: dict[int, asyncio.Future] = {}
-        self.deferred: set[int] = set()  # peer requests waiting for a channel we redial
+        # Peer requests waiting for a channel we redial, by request id: the channel. At most
+        # MAX_SERVED_PER_CHANNEL per channel; a request past it is served at once, that is refused (its
+        # channel is down), so a peer cannot have us hold its requests' rows without bound while it delays
+        # the redial's ATTACH_OK.
+        self.deferred: dict[int, int] = {}
         self._protocol = protocol.LinkProtocol(is_client)
         self._turn_skipped = False  # the control connection is not read until the loop's next turn
         self._write_blocked = False  # nor until the peer took what we have for it (CONTROL_WRITE_LIMIT)
@@ -251,7 +260,12 @@ class Link:
         ch.generation = generation
         ch.attached = True
         if index in self.own:
-            self.free.put_nowait(index)
+            self._put_free(ch)
+
+    def _put_free(self, ch: _Channel) -> None:
+        if not ch.queued and not ch.held and ch.sock is not None and not self.closed:
+            ch.queued = True
+            self.free.put_nowait(ch.index)
 
     def _drop_socket(self, ch: _Channel, *, reset: bool = False) -> None:
         """Stop the channel's jobs and close its socket; ``reset``: with a TCP reset (a plain socket, or the one
@@ -281,7 +295,10 @@ class Link:
                 self.check()
                 raise LLMException(f"link to cluster {self.remote_cluster_id} is down",
                                    status_code=LLMStatusCode.LLM_LINK_FAILED)
-            if self.channels[index].sock is not None:
+            ch = self.channels[index]
+            ch.queued = False
+            if ch.sock is not None:  # else it was reset while queued: its redial queues it again
+                ch.held = True
                 return index
 
     def attach_advances(self, index: int, generation: int) -> bool:
@@ -293,8 +310,9 @@ class Link:
         return generation > ch.generation or (generation == ch.generation and not ch.attached)
 
     def release(self, index: int) -> None:
-        if self.channels[index].sock is not None and not self.closed:
-            self.free.put_nowait(index)
+        ch = self.channels[index]
+        ch.held = False
+        self._put_free(ch)
 
     def reset_channel(self, index: int, tell_peer: bool, req_id: int = 0) -> None:
         """Close a channel whose byte stream is out of step; the client redials it.
@@ -330,7 +348,7 @@ class Link:
                 self.fail(LLMException(f"could not redial data channel {index}: {exc}",
                                        status_code=LLMStatusCode.LLM_LINK_FAILED))
                 return
-            if self.closed:
+            if self.closed or self.broken is not None:  # a failed link's teardown ran already: nothing closes it
                 sock.close()
                 return
             self.install(index, sock, generation)
@@ -348,8 +366,7 @@ class Link:
         try:
             await redial
         finally:
-            wanted = req_id in self.deferred
-            self.deferred.discard(req_id)
+            wanted = self.deferred.pop(req_id, None) is not None
         if wanted and self.on_request is not None and not self.closed and self.broken is None:
             self.on_request(self, msg, req_id, fields)
 
@@ -668,7 +685,7 @@ class Link:
             case protocol.Abort(req_id=req_id, record=record, peers_request=peers_request):
                 serving = None
                 if peers_request:
-                    self.deferred.discard(req_id)  # still waiting for its channel's redial: never serve it
+                    self.deferred.pop(req_id, None)  # still waiting for its channel's redial: never serve it
                     serving = self.serving.pop(req_id, None)
                     if serving is not None:
                         serving()
@@ -697,8 +714,9 @@ class Link:
             case protocol.Nixl(record=record):
                 self._nixl_record(record)
             case protocol.PeerRequest(msg=msg, req_id=req_id, record=record):
-                if msg in (Msg.PULL_REQ, Msg.PUSH_REQ) and record.channel in self.redialling:
-                    self.deferred.add(req_id)
+                if (msg in (Msg.PULL_REQ, Msg.PUSH_REQ) and record.channel in self.redialling
+                        and sum(c == record.channel for c in self.deferred.values()) < MAX_SERVED_PER_CHANNEL):
+                    self.deferred[req_id] = record.channel
                     self.spawn(self._request_after_redial(self.redialling[record.channel], msg, req_id, record))
                 elif self.on_request is not None:
                     self.on_request(self, msg, req_id, record)
