@@ -121,18 +121,19 @@ DataConn = socket.socket | tls.TlsChannel
 
 
 class _Channel:
-    __slots__ = ("index", "sock", "generation", "attached", "loop_jobs", "answering", "queued", "held")
+    __slots__ = ("index", "sock", "generation", "attached", "loop_jobs", "answering", "queued")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.sock: DataConn | None = None
         self.generation = 0
         self.attached = False
-        # An own channel is in ``Link.free`` at most once (``queued``) and never while a transfer holds it
-        # (``held``): a channel reset and redialled while idle (the peer's ABORT) or while held is queued
-        # again only if it is not queued or held already, so no two transfers ever share it.
+        # An own channel is in ``Link.free`` at most once (``queued``). A transfer holds one generation of it
+        # (``Link.acquire``, then ``release(index, generation)``): a channel reset while queued (the peer's
+        # ABORT of an idle channel) keeps its one place for its redialled connection, one reset while held is
+        # queued by its redial, and the holder of the old generation gives back nothing, so no two transfers
+        # ever share it.
         self.queued = False
-        self.held = False
         self.loop_jobs: set[LoopIo] = set()  # jobs the loop drives on this socket (stopped before it closes)
         self.answering: set[asyncio.Future] = set()  # our jobs answering the peer's requests here (see answers)
 
@@ -263,7 +264,7 @@ class Link:
             self._put_free(ch)
 
     def _put_free(self, ch: _Channel) -> None:
-        if not ch.queued and not ch.held and ch.sock is not None and not self.closed:
+        if not ch.queued and ch.sock is not None and not self.closed:
             ch.queued = True
             self.free.put_nowait(ch.index)
 
@@ -298,7 +299,6 @@ class Link:
             ch = self.channels[index]
             ch.queued = False
             if ch.sock is not None:  # else it was reset while queued: its redial queues it again
-                ch.held = True
                 return index
 
     def attach_advances(self, index: int, generation: int) -> bool:
@@ -309,10 +309,11 @@ class Link:
         ch = self.channels[index]
         return generation > ch.generation or (generation == ch.generation and not ch.attached)
 
-    def release(self, index: int) -> None:
+    def release(self, index: int, generation: int) -> None:
+        """Give back channel ``index`` taken at ``generation``; one replaced since is not ours to give."""
         ch = self.channels[index]
-        ch.held = False
-        self._put_free(ch)
+        if ch.generation == generation:
+            self._put_free(ch)
 
     def reset_channel(self, index: int, tell_peer: bool, req_id: int = 0) -> None:
         """Close a channel whose byte stream is out of step; the client redials it.

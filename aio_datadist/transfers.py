@@ -239,11 +239,11 @@ async def _run_request(rt: Runtime, link: Link, plan: Plan, req: Request, timeou
             offered = next((p for p in planes if p.in_place and p.can_carry(link, plan, pull=pull)), None)
             _required_plane(rt, link, offered, what)
             req.channel = await link.acquire()
+            req.generation = link.channels[req.channel].generation  # what release gives back
             if req.cut:  # unregistered while we waited: take nothing from it (the channel goes back)
                 raise LLMException(f"{what}: the cache was unregistered", status_code=LLMStatusCode.LLM_FAILED)
             if queue_ms:
                 limit.reschedule(asyncio.get_running_loop().time() + timeout_ms / 1000)
-            req.generation = link.channels[req.channel].generation
             req.req_id = link.new_req_id()
             if pull and offered is None and not plan.local.on_device and link.posts(req.channel):
                 chosen: Plane = STREAM_PLANE

@@ -104,7 +104,7 @@ class LinkPort(Protocol):
     def check_heard(self) -> None: ...
     def fail(self, exc: LLMException) -> None: ...
     async def acquire(self) -> int: ...
-    def release(self, index: int) -> None: ...
+    def release(self, index: int, generation: int) -> None: ...
     def reset_channel(self, index: int, tell_peer: bool, req_id: int = 0) -> None: ...
     def posts(self, index: int) -> bool: ...
     def peer_channel_ok(self, index: int) -> bool: ...
@@ -216,7 +216,7 @@ class Request:
     def release_channel(self) -> None:
         """Hand the data channel back for the next request."""
         if self.channel >= 0:
-            self.link.release(self.channel)
+            self.link.release(self.channel, self.generation)
             self.channel = -1
 
     async def give_up(self) -> None:
@@ -257,7 +257,7 @@ class Request:
         if req_id:
             link.reset_channel(channel, tell_peer=True, req_id=req_id)
         else:
-            link.release(channel)
+            link.release(channel, self.generation)
 
 
 async def abort_acknowledged(link: LinkPort, ack: asyncio.Future, what: str,
