@@ -15,12 +15,15 @@ class Settling(asyncio.Future):
     something that ends."""
 
     def __init__(self, busy: Callable[[], bool], *, loop: asyncio.AbstractEventLoop,
-                 force: Callable[[], None] | None = None) -> None:
+                 force: Callable[[], None] | None = None, forcing: Callable[[], bool] | None = None) -> None:
         super().__init__(loop=loop)
         self.busy = busy
         #: Makes the work end now at a cost (a NIXL transfer's peer agent is let go, and the link with it), for
         #: work still not over past its usual bound; None where there is no such way.
         self.force = force
+        #: Whether a force asked is still to be applied (the one who applies it is held up meanwhile); the work
+        #: may go on until it is.
+        self.forcing = forcing
 
 
 async def settle(future: asyncio.Future, bound_s: float | None) -> bool:

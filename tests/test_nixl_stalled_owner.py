@@ -175,6 +175,107 @@ async def test_a_pull_given_up_while_queued_behind_slow_nixl_work_leaves_the_lin
         assert same(snapshot(dst), snapshot(src))
 
 
+@pytest.mark.asyncio
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("asked", [False, True], ids=["without-asking", "asked"])
+async def test_a_pull_whose_force_waits_for_the_nixl_worker_writes_nothing_after_it_returned(monkeypatch, asked):
+    """The force of a given-up READ asked while our NIXL worker is inside a long NIXL call (a stand-in here; a
+    registration of a large cache, a metadata load) is applied once it is out, before the worker progresses UCX
+    again, and the call waits for that (``Settling.forcing``). Before, the pull returned at the force bound with
+    the READ still posted, and the worker's next round moved its bytes into the destination (found by audit)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setattr(base, "NIXL_SETTLE_S", 0.3)
+    monkeypatch.setattr(base, "NIXL_FORCE_S", 0.5)
+    async with spawned(_owner_spec(), target=_tcp_owner) as (owner,), \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(BIG)
+        await decoder.link_clusters([owner.info], timeout=10_000)
+        peer = link_to(decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(10):
+            while peer.grant_for(0) is None or not peer.caches:
+                await asyncio.sleep(0.005)
+        if asked:
+            peer.granted.grants.clear()
+            peer.granted.by_model.clear()
+        agent = nixl_agent_of(decoder)
+        engine = agent.engine
+        before = engine.posted
+        pull = asyncio.ensure_future(decoder.kv_cache_manager.pull_blocks(
+            BlocksCacheKey(PROMPT_ID, 0), dst, ALL, ALL, timeout=800))
+        async with asyncio.timeout(10):
+            while engine.posted == before and not pull.done():
+                await asyncio.sleep(0)
+        # The worker goes into 2.5 s of NIXL work with the READ in flight (the owner keeps running).
+        slow = agent.run(lambda token: engine.call(token, lambda a: time.sleep(2.5)), "slow NIXL work")
+        with pytest.raises(LLMException) as failed:
+            async with asyncio.timeout(20):
+                await pull
+        returned = snapshot(dst)
+        async with asyncio.timeout(15):
+            await slow
+        await asyncio.sleep(1.0)
+        assert same(snapshot(dst), returned), "bytes of the READ landed after the pull returned"
+        assert failed.value.status_code == LLMStatusCode.LLM_TIMEOUT, failed.value
+
+
+@pytest.mark.asyncio
+@pytest.mark.loops_take_turns
+async def test_a_force_off_for_an_earlier_link_fails_the_relinked_link_it_invalidates_and_the_next_link_works(
+        monkeypatch):
+    """NIXL lets go of a peer's agent by its name, which a newer link to the same endpoint shares: forcing off a
+    READ of an earlier (force-unlinked) link invalidates what the newer link prepared. That link now fails with
+    ``LLM_LINK_FAILED`` saying why, and the next link moves verified bytes over NIXL. Before, it stayed up with
+    transport nixl and every transfer on it failed ``NIXL_ERR_NOT_FOUND`` (found by audit)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setattr(base, "NIXL_SETTLE_S", 0.3)
+    async with spawned(_owner_spec(), target=_tcp_owner) as (owner,), \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
+        kv = decoder.kv_cache_manager
+        dst = kv.allocate_blocks_cache(BIG)
+        await decoder.link_clusters([owner.info], timeout=10_000)
+        engine = nixl_agent_of(decoder).engine
+        for _attempt in range(5):  # stop the owner while a READ of link 1 is in NIXL's hands
+            peer = link_to(decoder, PROMPT_ID).nixl
+            async with asyncio.timeout(10):
+                while peer.grant_for(0) is None or not peer.caches:
+                    await asyncio.sleep(0.005)
+            before = engine.posted
+            old = asyncio.ensure_future(kv.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL, ALL, timeout=4000))
+            async with asyncio.timeout(10):
+                while engine.posted == before and not old.done():
+                    await asyncio.sleep(0)
+            owner.stop()
+            await asyncio.sleep(0.3)
+            if not old.done():
+                break
+            owner.resume()  # it finished before the owner stopped: again
+            await old
+        try:
+            assert not old.done()
+            status, _ = await decoder.unlink_clusters([owner.info], force=True)  # this end only
+            assert status == LLMStatusCode.LLM_SUCCESS
+            relink = asyncio.ensure_future(decoder.link_clusters([owner.info], timeout=10_000))
+            await asyncio.sleep(0.1)
+        finally:
+            owner.resume()
+        status, _ = await relink
+        assert status == LLMStatusCode.LLM_SUCCESS and not old.done(), (status, old)
+        second = link_to(decoder, PROMPT_ID)
+        assert second.transport == "nixl"
+        with pytest.raises(LLMException) as first:  # link 1's pull times out; its READ is forced off
+            async with asyncio.timeout(30):
+                await old
+        assert first.value.status_code == LLMStatusCode.LLM_TIMEOUT, first.value
+        assert second.broken is not None and second.broken.status_code == LLMStatusCode.LLM_LINK_FAILED
+        assert "let go" in str(second.broken)
+        await decoder.unlink_clusters([owner.info], force=True)
+        assert (await decoder.link_clusters([owner.info], timeout=10_000))[0] == LLMStatusCode.LLM_SUCCESS
+        assert link_to(decoder, PROMPT_ID).transport == "nixl"
+        async with asyncio.timeout(15):
+            await kv.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL, ALL, timeout=5000)
+        assert same(snapshot(dst), owner.expected("src"))
+
+
 @pytest.mark.parametrize("how", ["facade", "explicit"])
 def test_a_finalize_at_exit_joins_the_nixl_worker(how):
     """At exit (the facade's atexit finalize, or the program's own) the default executor is gone: the finalize's

@@ -52,6 +52,10 @@ NIXL_SETTLE_LIMIT_S = 10.0
 #: READ or WRITE over UCX's TCP transport needs the owner's for every byte) may take to settle once its peer's
 #: agent was let go (``Settling.force``: NIXL disconnects from it, which ends what is in flight with it).
 NIXL_FORCE_S = 2.0
+#: A force our NIXL worker has not applied yet (it is inside a NIXL call that takes long: a registration, a
+#: metadata load) is looked at again this often, for ``NIXL_SETTLE_LIMIT_S`` at most: the transfer may move until
+#: it is applied, so the call waits (``NIXL_FORCE_S`` counts from then).
+FORCE_LOOK_S = 0.05
 #: How long a given-up data-channel job may take to report itself over (the channel reset stops it at once).
 JOB_SETTLE_S = 1.0
 #: How long a pusher waits for the owner to confirm that an aborted push stopped.
@@ -276,26 +280,37 @@ async def nixl_settle(settled: asyncio.Future, cancelled: list[asyncio.Cancelled
     posting call copies the piece in progress over UCX shared memory, and ends with it; a command still queued
     is skipped once cancelled); ``tick()`` every ``every_s``
     meanwhile (a read waiting for the owner's progress nudges it). A transfer still in NIXL's hands then is forced
-    off (``Settling.force``: its peer's agent is let go, and the link) and waited for ``NIXL_FORCE_S`` more: none
-    may write our memory, or read it, after the call returned. Cancellations go to ``cancelled``; whether it
+    off (``Settling.force``: its peer's agent is let go, and the link) and waited for ``NIXL_FORCE_S`` more from
+    when the worker applied the force (``Settling.forcing``; up to ``NIXL_SETTLE_LIMIT_S`` for that): none may
+    write our memory, or read it, after the call returned. Cancellations go to ``cancelled``; whether it
     settled."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     bound = NIXL_SETTLE_S
-    forced = False
+    forced_at = applied_at = None
     while not settled.done():
-        left = start + bound - loop.time()
+        now = loop.time()
+        left = start + bound - now
         if left <= 0:
             if not isinstance(settled, Settling):
                 break
-            if bound < NIXL_SETTLE_LIMIT_S and settled.busy():
-                bound = NIXL_SETTLE_LIMIT_S
-                continue
-            if forced or settled.force is None:
+            if forced_at is None:
+                if bound < NIXL_SETTLE_LIMIT_S and settled.busy():
+                    bound = NIXL_SETTLE_LIMIT_S
+                    continue
+                if settled.force is None:
+                    break
+                forced_at = now
+                settled.force()
+            elif applied_at is not None or now >= forced_at + NIXL_SETTLE_LIMIT_S:
                 break
-            forced = True
-            settled.force()
-            bound = loop.time() - start + NIXL_FORCE_S
+            if settled.forcing is not None and settled.forcing() and now < forced_at + NIXL_SETTLE_LIMIT_S:
+                # Not applied yet: the worker is inside a NIXL call that takes long, and the transfer may move
+                # until it is out. Look again shortly, NIXL_SETTLE_LIMIT_S at most.
+                bound = now - start + FORCE_LOOK_S
+                continue
+            applied_at = now
+            bound = now - start + NIXL_FORCE_S
             continue
         if not await wait_out(settled, left if tick is None else min(left, every_s), cancelled) and tick is not None:
             tick()

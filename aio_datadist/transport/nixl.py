@@ -931,7 +931,8 @@ class NixlPeer:
         handle = None if posted is None else posted[1]
         tokens: list[int] = []
         settled = Settling(lambda: bool(tokens) and engine.working(tokens[0]), loop=loop,
-                           force=lambda: self._force_off(tokens, what))
+                           force=lambda: self._force_off(tokens, what),
+                           forcing=lambda: bool(tokens) and engine.forcing(tokens[0]))
 
         def submit(token: int) -> None:
             tokens.append(token)
@@ -1015,6 +1016,14 @@ class NixlPeer:
             self._lost(LLMException(f"{what}: cluster {self.cluster_id} made no progress on a given-up NIXL transfer "
                                     f"in its settle bound; its NIXL agent was let go, and the link with it",
                                     status_code=LLMStatusCode.LLM_LINK_FAILED))
+        # NIXL lets go of the agent by its name, which every link to that endpoint shares (a relink after an
+        # unlink whose transfer was still in flight): what a newer link prepared against it is invalid from then
+        # on, so that link goes too (its transfers would fail NIXL_ERR_NOT_FOUND on a link that looks up).
+        for peer in [p for p in list(self.agent.peers) if p is not self and p.name == self.name]:
+            if peer._lost is not None:
+                peer._lost(LLMException(f"cluster {peer.cluster_id}: its NIXL agent was let go for a given-up "
+                                        f"transfer of an earlier link to it, and this link with it",
+                                        status_code=LLMStatusCode.LLM_LINK_FAILED))
 
     def failed(self, what: str, words: str) -> LLMException:
         """A NIXL transfer with this peer failed, in NIXL's ``words``: the peer's agent went away or the fabric

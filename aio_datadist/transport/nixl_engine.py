@@ -208,6 +208,7 @@ class NixlEngine:
         self._cancelled: set[int] = set()
         self._forced: set[int] = set()  # cancelled transfers whose peer's agent is to be let go (force_off)
         self._force_pending: set[int] = set()  # ... and such transfers not in ``_active`` yet (``_enter``)
+        self._forcing: set[int] = set()  # forces asked and not applied yet (``forcing``)
         # Commands the worker took and has not run yet, the token of the one it runs, and the token whose piece
         # is inside NIXL's posting call: all in flight (in_flight), the last for :meth:`copying` too.
         self._taken: collections.deque = collections.deque()
@@ -333,9 +334,16 @@ class NixlEngine:
                 self._force_pending.add(token)
             else:
                 return False
+            self._forcing.add(token)
             self._cancelled.add(token)
             self._cv.notify()
         return True
+
+    def forcing(self, token: int) -> bool:
+        """Whether a force asked for ``token`` (``force_off``) waits for the worker: it is inside a NIXL call
+        that takes long (a registration, a metadata load), and the transfer may still move until it is out."""
+        with self._cv:
+            return token in self._forcing
 
     def _queued(self, token: int, kind: str | None = None) -> bool:
         """Whether ``token``'s command (of ``kind``, if given: an adopt is a transfer posted from the loop's
@@ -439,6 +447,11 @@ class NixlEngine:
                     finally:
                         with self._cv:
                             self._current = self._posting = 0
+                if progressed:  # cancels and forces asked while the commands ran go before the next progress
+                    with self._cv:
+                        cancelled |= self._cancelled
+                        forced |= self._forced
+                        self._cancelled, self._forced = set(), set()
                 progressed |= self._apply_cancels(cancelled)
                 progressed |= self._apply_forces(forced)
                 progressed |= self._check_active()
@@ -459,12 +472,13 @@ class NixlEngine:
             self._force_pending.discard(xfer.token)
         if forced:
             xfer.cancelled = True
-            self._apply_forces([xfer.token])
+            self._apply_forces({xfer.token})
 
     def _post(self, token: int, status: int, aux: int = 0) -> None:
         if token:
             with self._cv:
                 self._force_pending.discard(token)  # over: nothing left to force
+                self._forcing.discard(token)
                 if token == self._current:  # over before its waiter can look at in_flight()
                     self._current = 0
                 if token == self._posting:
@@ -599,10 +613,12 @@ class NixlEngine:
                     hit = True
         return hit
 
-    def _apply_forces(self, tokens: set[int] | list[int]) -> bool:
+    def _apply_forces(self, tokens: set[int]) -> bool:
         peers = {xfer.uses[2] for token in tokens if (xfer := self._active.get(token)) is not None}
         for peer in peers:
             self._disconnect(peer)
+        with self._cv:
+            self._forcing -= tokens  # applied, or settled already (``_post``)
         return bool(peers)
 
     def _disconnect(self, peer: Any) -> None:
@@ -705,7 +721,7 @@ class NixlEngine:
                 self._check_active()
                 time.sleep(_MAX_WAIT_S)
             if force and self._active:
-                self._apply_forces(list(self._active))
+                self._apply_forces(set(self._active))
         for xfer in self._active.values():
             log.warning("nixl: transfer %s had not settled when the engine closed", xfer.token)
             self._post(xfer.token, -errno.ECANCELED)
