@@ -153,7 +153,7 @@ async def test_a_cut_transfer_posts_no_piece_after_the_cut(pull, monkeypatch):
 
 
 HOLD_S = 0.01  # the owner's progress after a nudge, shortened on both ends: a READ of TCP_READ outlasts it
-TCP_READ = CacheDesc(2, (64, 2048 * 1024), DataType.DT_INT8, Placement.HOST)  # 2 x 128 MiB
+TCP_READ = CacheDesc(2, (8, 2048 * 1024), DataType.DT_INT8, Placement.HOST)  # 2 x 16 MiB: about a second over UCX TCP
 
 
 def _tcp_owner(conn: multiprocessing.connection.Connection, spec: EndpointSpec, parent_pid: int) -> None:
@@ -181,6 +181,6 @@ async def test_a_read_without_asking_that_needs_the_owners_progress_longer_than_
                 await asyncio.sleep(0.005)
         engine = nixl_agent_of(decoder).engine
         before = engine.posted
-        await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL, ALL, timeout=5000)
+        await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL[:8], ALL[:8], timeout=5000)
         assert same(snapshot(dst), owner.expected("src"))
         assert engine.posted - before == 1  # read without asking: one READ of the rows (ledger words uncounted)

@@ -225,6 +225,7 @@ class _ResettingRelay:
             thread.join(2)
 
 
+@pytest.mark.loops_take_turns  # the race is the loop's pass, not which loop runs it
 @pytest.mark.parametrize("secure", [False, True], ids=["tcp", "tls"])
 async def test_a_keyed_pull_whose_control_connection_is_reset_as_it_ends_succeeds_only_if_the_key_was_consumed(
         secure: bool) -> None:
