@@ -66,6 +66,8 @@ __all__ = [
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
+# As importing llm_datadist does: CANN reads it (torch_npu's unified-memory allocation); a value set stays.
+os.environ.setdefault("AUTO_USE_UC_MEMORY", "0")
 #: How long a blocking call interrupted in the caller's thread (KeyboardInterrupt) waits for the call it
 #: cancelled to end on the facade's loop before the interrupt goes on: every cancelled call ends within
 #: its own bounds (an aborted transfer's acknowledgement, a cut copy's settling), far below this.

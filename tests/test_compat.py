@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import pathlib
 import sys
 
@@ -273,3 +274,15 @@ def test_vllm_ascend_tells_bad_parameters_from_transfer_failures(private_loop):
         assert outcome(lambda: cm.pull_blocks(BlocksCacheKey(1), cache, [0], [0])) == "transfer failed"  # unlinked
     finally:
         dd.finalize()
+
+
+def test_importing_the_facade_sets_auto_use_uc_memory_as_llm_datadist_does():
+    """``import llm_datadist`` sets ``AUTO_USE_UC_MEMORY=0`` where it is not set (CANN reads it); so does the
+    facade (``os.environ.setdefault``: a value set before stays). ``aio_datadist`` alone sets nothing."""
+    import subprocess
+
+    probe = ("import os, sys; import aio_datadist; before = os.environ.get('AUTO_USE_UC_MEMORY'); "
+             "import aio_datadist.compat; print(before, os.environ.get('AUTO_USE_UC_MEMORY'))")
+    env = {k: v for k, v in os.environ.items() if k != "AUTO_USE_UC_MEMORY"}
+    unset = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert unset.stdout.split() == ["None", "0"], unset.stderr
