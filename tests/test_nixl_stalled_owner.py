@@ -53,9 +53,10 @@ def _tcp_owner(conn: multiprocessing.connection.Connection, spec: EndpointSpec, 
     _endpoint_main(conn, spec, parent_pid)
 
 
-async def _reading_from_a_stalled_owner(monkeypatch: pytest.MonkeyPatch, decoder, owner, *, asked: bool):
+async def _reading_from_a_stalled_owner(monkeypatch: pytest.MonkeyPatch, decoder, owner, *, asked: bool,
+                                       stop: bool = True):
     """Link ``decoder`` to ``owner``, start a pull of all of its blocks and stop the owner once the READ is
-    posted: the pull's task and its destination."""
+    posted (unless not ``stop``): the pull's task and its destination."""
     dst = decoder.kv_cache_manager.allocate_blocks_cache(BIG)
     await decoder.link_clusters([owner.info], timeout=10_000)
     peer = link_to(decoder, PROMPT_ID).nixl
@@ -73,7 +74,8 @@ async def _reading_from_a_stalled_owner(monkeypatch: pytest.MonkeyPatch, decoder
         while engine.posted == before and not pull.done():
             await asyncio.sleep(0)
     assert not pull.done(), pull
-    owner.stop()  # the owner stalls while the READ of its rows is in progress
+    if stop:
+        owner.stop()  # the owner stalls while the READ of its rows is in progress
     return pull, dst
 
 
@@ -188,23 +190,9 @@ async def test_a_pull_whose_force_waits_for_the_nixl_worker_writes_nothing_after
     monkeypatch.setattr(base, "NIXL_FORCE_S", 0.5)
     async with spawned(_owner_spec(), target=_tcp_owner) as (owner,), \
             endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
-        dst = decoder.kv_cache_manager.allocate_blocks_cache(BIG)
-        await decoder.link_clusters([owner.info], timeout=10_000)
-        peer = link_to(decoder, PROMPT_ID).nixl
-        async with asyncio.timeout(10):
-            while peer.grant_for(0) is None or not peer.caches:
-                await asyncio.sleep(0.005)
-        if asked:
-            peer.granted.grants.clear()
-            peer.granted.by_model.clear()
+        pull, dst = await _reading_from_a_stalled_owner(monkeypatch, decoder, owner, asked=asked, stop=False)
         agent = nixl_agent_of(decoder)
         engine = agent.engine
-        before = engine.posted
-        pull = asyncio.ensure_future(decoder.kv_cache_manager.pull_blocks(
-            BlocksCacheKey(PROMPT_ID, 0), dst, ALL, ALL, timeout=800))
-        async with asyncio.timeout(10):
-            while engine.posted == before and not pull.done():
-                await asyncio.sleep(0)
         # The worker goes into 2.5 s of NIXL work with the READ in flight (the owner keeps running).
         slow = agent.run(lambda token: engine.call(token, lambda a: time.sleep(2.5)), "slow NIXL work")
         with pytest.raises(LLMException) as failed:
