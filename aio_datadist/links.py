@@ -202,11 +202,15 @@ class Link:
         self.local: LocalShare | None = None
         self.nixl: NixlPeer | None = None
         self.redialling: dict[int, asyncio.Future] = {}
-        # Peer requests waiting for a channel we redial, by request id: the channel. At most
-        # MAX_SERVED_PER_CHANNEL per channel; a request past it is served at once, that is refused (its
-        # channel is down), so a peer cannot have us hold its requests' rows without bound while it delays
-        # the redial's ATTACH_OK.
+        self._redial_to: dict[int, int] = {}  # the generation each channel in ``redialling`` is dialled at
+        self._stale_redials: set[int] = set()  # ... which the peer reset before we installed it (its ABORT)
+        # Peer requests waiting for a channel we redial, by request id: the channel; and per channel how many
+        # such waits are under way (a request the peer aborted meanwhile still waits, and is then dropped).
+        # At most MAX_SERVED_PER_CHANNEL per channel, and one per request id; another request is served at once,
+        # that is refused (its channel is down), so a peer cannot have us hold its requests' rows without bound
+        # while it delays the redial's ATTACH_OK.
         self.deferred: dict[int, int] = {}
+        self._deferring: dict[int, int] = {}
         self._protocol = protocol.LinkProtocol(is_client)
         self._turn_skipped = False  # the control connection is not read until the loop's next turn
         self._write_blocked = False  # nor until the peer took what we have for it (CONTROL_WRITE_LIMIT)
@@ -343,30 +347,60 @@ class Link:
 
     async def _redial(self, index: int, generation: int, done: asyncio.Future) -> None:
         try:
-            try:
-                sock = await self._redial_data(self.remote_address, self.token, index, generation)
-            except (OSError, LLMException, TimeoutError) as exc:
-                self.fail(LLMException(f"could not redial data channel {index}: {exc}",
-                                       status_code=LLMStatusCode.LLM_LINK_FAILED))
+            while True:
+                self._redial_to[index] = generation
+                try:
+                    sock = await self._redial_data(self.remote_address, self.token, index, generation)
+                except (OSError, LLMException, TimeoutError) as exc:
+                    self.fail(LLMException(f"could not redial data channel {index}: {exc}",
+                                           status_code=LLMStatusCode.LLM_LINK_FAILED))
+                    return
+                if self.closed or self.broken is not None:  # a failed link's teardown ran already: nothing closes it
+                    sock.close()
+                    return
+                if index in self._stale_redials:
+                    # The peer took this connection, then reset the channel (its ABORT of this generation came
+                    # before our install): it waits for the next one, which only we can dial.
+                    self._stale_redials.discard(index)
+                    sock.close()
+                    generation += 1
+                    continue
+                self.install(index, sock, generation)
                 return
-            if self.closed or self.broken is not None:  # a failed link's teardown ran already: nothing closes it
-                sock.close()
-                return
-            self.install(index, sock, generation)
         finally:
+            self._redial_to.pop(index, None)
+            self._stale_redials.discard(index)
             if self.redialling.get(index) is done:
                 del self.redialling[index]
-            done.set_result(None)
+            if not done.done():
+                done.set_result(None)
 
-    async def _request_after_redial(self, redial: asyncio.Future, msg: Msg, req_id: int, fields: Any) -> None:
+    def _defer(self, msg: Msg, req_id: int, record: Any) -> bool:
+        """Keep a request of the peer's for its channel that we are redialling, within the bounds of
+        ``deferred``; whether it was kept."""
+        index = record.channel
+        redial = self.redialling.get(index)
+        if (redial is None or req_id in self.deferred
+                or self._deferring.get(index, 0) >= MAX_SERVED_PER_CHANNEL):
+            return False
+        self.deferred[req_id] = index
+        self._deferring[index] = self._deferring.get(index, 0) + 1
+        self.spawn(self._request_after_redial(redial, index, msg, req_id, record))
+        return True
+
+    async def _request_after_redial(self, redial: asyncio.Future, index: int, msg: Msg, req_id: int,
+                                    fields: Any) -> None:
         """Serve a request on a channel we are still redialling once it is back.
 
         The peer may use its channel as soon as it accepted our redial, and its
         request can overtake the acknowledgement our redial is waiting for.
         """
         try:
-            await redial
+            await asyncio.shield(redial)  # the link closing cancels this wait, never the redial's own future
         finally:
+            left = self._deferring.pop(index, 1) - 1
+            if left:
+                self._deferring[index] = left
             wanted = self.deferred.pop(req_id, None) is not None
         if wanted and self.on_request is not None and not self.closed and self.broken is None:
             self.on_request(self, msg, req_id, fields)
@@ -696,6 +730,8 @@ class Link:
                 index = record.channel
                 if index < len(self.channels) and self.channels[index].generation == record.generation:
                     self.reset_channel(index, tell_peer=False)
+                elif self._redial_to.get(index) == record.generation:
+                    self._stale_redials.add(index)  # the connection we are dialling: see _redial
                 if peers_request and serving is None:
                     # A pusher that gave up waits for our word that nothing of its request lands here any
                     # more; a request we serve answers once its job stopped (see owner.handle_request).
@@ -715,10 +751,8 @@ class Link:
             case protocol.Nixl(record=record):
                 self._nixl_record(record)
             case protocol.PeerRequest(msg=msg, req_id=req_id, record=record):
-                if (msg in (Msg.PULL_REQ, Msg.PUSH_REQ) and record.channel in self.redialling
-                        and sum(c == record.channel for c in self.deferred.values()) < MAX_SERVED_PER_CHANNEL):
-                    self.deferred[req_id] = record.channel
-                    self.spawn(self._request_after_redial(self.redialling[record.channel], msg, req_id, record))
+                if msg in (Msg.PULL_REQ, Msg.PUSH_REQ) and self._defer(msg, req_id, record):
+                    pass
                 elif self.on_request is not None:
                     self.on_request(self, msg, req_id, record)
 

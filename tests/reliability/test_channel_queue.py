@@ -37,6 +37,7 @@ from aio_datadist import (
     LLMRole,
     LLMStatusCode,
     Placement,
+    wire,
 )
 from aio_datadist.links import MAX_SERVED_PER_CHANNEL
 from aio_datadist.testing import link_to
@@ -196,8 +197,29 @@ def _peer_gone(fd: int) -> bool:
             return True
 
 
+def _pull_request(req_id: int, channel: int) -> bytes:
+    """A pull of ``wire.MAX_ROWS`` rows (512 KiB) of a cache the owner does not have."""
+    return encode(Msg.PULL_REQ, req_id, channel=channel, target_kind=0, cluster_id=2, cache_id=987654,
+                  key_req_id=0, prefix_id=0, model_id=0, batch_index=0, layer_first=0, layer_last=-1,
+                  tensor_num_per_layer=2, tensor_count=2, data_type=1, offset=0, nbytes=16, flags=0,
+                  timeout_ms=1000, rows=ROWS)
+
+
+ROWS = tuple(range(1 << 40, (1 << 40) + 65536))  # wire.MAX_ROWS rows
+
+
+def _waiting(link: Any) -> int:
+    """Requests of the peer's held for a redial (each task holds its rows)."""
+    return sum(1 for task in link._tasks if not task.done() and "_request_after_redial" in repr(task.get_coro()))
+
+
 @pytest.mark.loops_take_turns
-async def test_requests_for_a_channel_being_redialled_wait_a_bounded_number_at_a_time() -> None:
+@pytest.mark.parametrize("how", ["distinct", "one-id", "aborted"])
+async def test_requests_for_a_channel_being_redialled_wait_a_bounded_number_at_a_time(how: str) -> None:
+    """40 requests of 65,536 rows on the peer's channel while we redial it and the peer holds its ATTACH_OK:
+    with distinct ids, all under one id, or each aborted after it was sent (its wait goes on until the redial
+    ends). At most ``MAX_SERVED_PER_CHANNEL`` wait; the rest are refused at once (review and audit found the
+    one-id and aborted forms passing the first form of the bound)."""
     async with _pair() as (prompt, decoder):
         ours, theirs = link_to(decoder, 1), link_to(prompt, 2)
         dial = ours._redial_data
@@ -205,32 +227,97 @@ async def test_requests_for_a_channel_being_redialled_wait_a_bounded_number_at_a
 
         async def slow_dial(*args: Any) -> Any:  # the peer holds its ATTACH_OK (it may, for up to 10 s)
             await asyncio.sleep(1.0)
-            held.append(len(ours.deferred))
+            held.append(_waiting(ours))
             return await dial(*args)
 
         ours._redial_data = slow_dial
-        refused: list[int] = []
-        expect = theirs.expect
-
-        rows = tuple(range(1 << 40, (1 << 40) + 65536))  # wire.MAX_ROWS rows: a 512 KiB request each
         generation = ours.channels[1].generation  # the peer's channel: we dial it
         theirs.send(Msg.ABORT, 0, channel=1, generation=generation)
         await _until(lambda: 1 in ours.redialling)
-        ids = [theirs.new_req_id() for _ in range(40)]
-        answers = [expect(req_id) for req_id in ids]
+        one = theirs.new_req_id()
+        ids = [one if how == "one-id" else theirs.new_req_id() for _ in range(40)]
+        answers = {req_id: theirs.expect(req_id) for req_id in ids}
         for req_id in ids:
-            theirs.writer.write(encode(
-                Msg.PULL_REQ, req_id, channel=1, target_kind=0, cluster_id=2, cache_id=987654, key_req_id=0,
-                prefix_id=0, model_id=0, batch_index=0, layer_first=0, layer_last=-1, tensor_num_per_layer=2,
-                tensor_count=2, data_type=1, offset=0, nbytes=16, flags=0, timeout_ms=1000, rows=rows))
-        async with asyncio.timeout(0.8):  # answered while the redial still waits
-            for answer in answers[MAX_SERVED_PER_CHANNEL:]:
-                refused.append((await answer).status)
-        assert len(ours.deferred) == MAX_SERVED_PER_CHANNEL
-        assert set(refused) == {LLMStatusCode.LLM_LINK_FAILED}
+            theirs.writer.write(_pull_request(req_id, 1))
+            if how == "aborted":
+                theirs.send(Msg.ABORT, req_id, channel=1, generation=wire.NO_GENERATION)
+        await asyncio.sleep(0.3)
+        assert 1 in ours.redialling
+        assert _waiting(ours) <= MAX_SERVED_PER_CHANNEL and len(ours.deferred) <= MAX_SERVED_PER_CHANNEL
+        if how == "distinct":  # the rest were refused while the redial still waited
+            refused = [answers[req_id] for req_id in ids[MAX_SERVED_PER_CHANNEL:]]
+            assert all(answer.done() and answer.result().status == LLMStatusCode.LLM_LINK_FAILED
+                       for answer in refused)
         await _until(lambda: not ours.redialling)
-        assert held == [MAX_SERVED_PER_CHANNEL]
-        async with asyncio.timeout(3):  # the deferred ones are served once it is back (and refused: they are bad)
-            statuses = {(await answer).status for answer in answers[:MAX_SERVED_PER_CHANNEL]}
-        assert LLMStatusCode.LLM_LINK_FAILED not in statuses and LLMStatusCode.LLM_SUCCESS not in statuses
-        assert not ours.deferred and ours.broken is None
+        assert held and held[0] <= MAX_SERVED_PER_CHANNEL
+        if how == "distinct":  # the deferred ones are served once it is back (and refused: they are bad)
+            async with asyncio.timeout(3):
+                statuses = {(await answers[req_id]).status for req_id in ids[:MAX_SERVED_PER_CHANNEL]}
+            assert LLMStatusCode.LLM_LINK_FAILED not in statuses and LLMStatusCode.LLM_SUCCESS not in statuses
+        for answer in answers.values():
+            answer.cancel()
+        await _until(lambda: not ours.deferred and not _waiting(ours))
+        assert ours.broken is None
+
+
+@pytest.mark.loops_take_turns
+async def test_the_peers_reset_of_the_connection_we_are_redialling_has_it_dialled_again() -> None:
+    """The accepting end installs our redial of its channel and answers, then resets that channel itself (its
+    push gave up there) before our redial installed it: its ``ABORT`` names the generation we are dialling.
+    We dial the next one (only the dialler can), and the accepting end's transfers go on. Before, the
+    ``ABORT`` was dropped (our channel still had the old generation), we installed a connection the peer had
+    closed, and its channel stayed down for good: its pushes timed out (found by review)."""
+    async with _pair() as (prompt, decoder):
+        client, server = link_to(decoder, 1), link_to(prompt, 2)
+        assert list(server.own) == [1]
+        source = prompt.kv_cache_manager.allocate_cache(SMALL, [CacheKey(1, 1)])
+        values = fill(source, 5)
+        dst = decoder.kv_cache_manager.allocate_cache(SMALL)
+        dial = client._redial_data
+        attached = asyncio.Event()
+
+        async def dial_then_lag(*args: Any) -> Any:
+            conn = await dial(*args)  # the server installed it and said ATTACH_OK
+            attached.set()
+            await asyncio.sleep(0.3)  # our task resumes a little later
+            return conn
+
+        client._redial_data = dial_then_lag
+        generation = server.channels[1].generation
+        client.reset_channel(1, tell_peer=True)
+        async with asyncio.timeout(3):
+            await attached.wait()
+        await _until(lambda: server.channels[1].generation == generation + 1 and server.channels[1].sock is not None)
+        server.reset_channel(1, tell_peer=True)
+        await _until(lambda: not client.redialling)
+        await _until(lambda: server.channels[1].sock is not None, 2.0)
+        assert server.channels[1].generation == client.channels[1].generation == generation + 2
+        async with asyncio.timeout(10):
+            await prompt.kv_cache_manager.push_cache(CacheIndex(2, dst.cache_id, 0), source, src_batch_index=0,
+                                                     timeout=3000)
+        assert all(torch.equal(d[0], v[0]) for d, v in zip(dst.tensors, values, strict=True))
+
+
+async def test_a_link_closed_while_a_request_waits_for_a_redial_ends_its_tasks_cleanly() -> None:
+    """Closing the link cancels a request's wait for the redial, never the redial's own future. Before, the
+    redial's end then raised ``InvalidStateError`` in a task nobody awaited (found by audit)."""
+    async with _pair() as (prompt, decoder):
+        ours, theirs = link_to(decoder, 1), link_to(prompt, 2)
+        never = asyncio.Event()
+        dial = ours._redial_data
+
+        async def stalled_dial(*args: Any) -> Any:
+            await asyncio.wait_for(never.wait(), 10)
+            return await dial(*args)
+
+        ours._redial_data = stalled_dial
+        theirs.send(Msg.ABORT, 0, channel=1, generation=ours.channels[1].generation)
+        await _until(lambda: 1 in ours.redialling)
+        theirs.writer.write(_pull_request(theirs.new_req_id(), 1))
+        await _until(lambda: bool(ours.deferred))
+        tasks = list(ours._tasks)
+        async with asyncio.timeout(10):
+            await ours.close("test")
+        failed = [(task.get_coro().__qualname__, repr(task.exception())) for task in tasks
+                  if task.done() and not task.cancelled() and task.exception() is not None]
+        assert not failed
