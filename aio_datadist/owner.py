@@ -47,7 +47,8 @@ def handle_request(rt: Runtime, link: Link, msg: Msg, req_id: int, req: Any) -> 
     try:
         if link.ending:  # unlinking: what we served is being stopped, and nothing new starts
             raise Refusal(LLMStatusCode.LLM_NOT_YET_LINK, UNLINKING)
-        if req_id in link.serving or req_id in link.pull_acks:
+        if (req_id in link.serving or req_id in link.pull_acks or req_id in link.local_pushes
+                or req_id in link.served_pushes):  # the last two: given up and still settling
             # What we hold for a request is kept by its id: a second one would take the first's place, and
             # the first's claim of its key would never be given back.
             raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"request id {req_id} is in use by a request still served")

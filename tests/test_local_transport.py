@@ -17,6 +17,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist import wire
 from aio_datadist.testing import usable_link
 from aio_datadist.transport.local import PeerRegion, ShareError, parse_record
 from peers import (
@@ -261,3 +262,61 @@ async def test_a_same_host_push_given_up_is_not_copied_when_the_owner_reads_it_l
             owner.resume()  # it reads the request now, after the push returned
         await asyncio.sleep(0.5)
         assert await owner.call("dump", "dst") == before, "the given-up push landed after it returned"
+
+
+@pytest.mark.asyncio
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("chunk", ["one-chunk"])
+async def test_a_push_resent_under_the_id_of_one_still_settling_is_refused_and_the_copy_stays_tracked(chunk):
+    """A same-host pusher aborts a large ``PUSH_LOCAL`` and sends it again under the same id in the same chunk.
+    The owner's first copy is cancelled but still settling (in ``local_pushes``, which an unlink waits for);
+    the second is refused as an id in use, and the first stays tracked until it is over. Before, the second was
+    accepted into the first's place, the first's end then dropped it from ``local_pushes``, and the second ran
+    where neither an unlink's ``settle_served`` nor ``MAX_LOCAL_PUSHES_SERVED`` saw it (found by audit)."""
+    big = CacheDesc(4, (8, 2048, 1024), DataType.DT_FLOAT16, Placement.HOST)  # a 128 MiB push of every block
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(big, BlocksCacheKey(PROMPT_ID, 0))
+        pair.dm.allocate_blocks_cache(big, BlocksCacheKey(DECODER_ID, 0))
+        fill(src, 3)
+        await pair.link()
+        pusher = usable_link(pair.prompt, DECODER_ID)
+        assert pusher.local is not None
+        captured = []
+        send_record = pusher.send_record
+
+        def capture(msg, req_id, record, **changes):
+            if msg is wire.Msg.PUSH_LOCAL:
+                captured.append(record)
+            return send_record(msg, req_id, record, **changes)
+
+        pusher.send_record = capture
+        blocks = list(range(8))
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, blocks, blocks)  # honest, recorded
+        pusher.send_record = send_record
+        assert captured, "the push went same-host"
+        owner = usable_link(pair.decoder, PROMPT_ID)
+        rid = pusher.new_req_id()
+        said = []
+        send = owner.send
+
+        def watched(msg, req_id, **fields):
+            if req_id == rid:
+                said.append((msg, fields.get("status"), fields.get("text", "")))
+            return send(msg, req_id, **fields)
+
+        owner.send = watched
+        push = wire.encode_record(wire.Msg.PUSH_LOCAL, rid, captured[0], timeout_ms=60_000)
+        abort = wire.encode(wire.Msg.ABORT, rid, channel=0, generation=wire.NO_GENERATION)
+        pusher.writer.write(push)  # copy 1 starts
+        async with asyncio.timeout(2):
+            while rid not in owner.local_pushes:
+                await asyncio.sleep(0.001)
+        pusher.writer.write(abort + push)  # copy 1 cancelled; the same request again under its id
+        untracked = 0
+        async with asyncio.timeout(10):
+            while rid in owner.serving or rid in owner.local_pushes:
+                untracked += rid in owner.serving and rid not in owner.local_pushes
+                await asyncio.sleep(0)
+        assert untracked == 0, f"a copy of request {rid} ran untracked by local_pushes for {untracked} loop passes"
+        assert any(msg is wire.Msg.RESP and status == S.LLM_PARAM_INVALID and "in use" in text
+                   for msg, status, text in said), said

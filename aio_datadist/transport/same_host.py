@@ -239,7 +239,8 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
     unwatch = rt.registry.serving([cache], cut) if wait is not None else None
 
     def over(_: asyncio.Future) -> None:
-        link.local_pushes.pop(req_id, None)
+        if link.local_pushes.get(req_id) is settled:  # not a later push under this id (the peer may reuse it)
+            del link.local_pushes[req_id]
         if unwatch is not None:
             unwatch()
         if link.serving.get(req_id) == moved.cancel:
