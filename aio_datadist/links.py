@@ -209,7 +209,7 @@ class Link:
         # At most MAX_SERVED_PER_CHANNEL per channel, and one per request id; another request is served at once,
         # that is refused (its channel is down), so a peer cannot have us hold its requests' rows without bound
         # while it delays the redial's ATTACH_OK.
-        self.deferred: dict[int, int] = {}
+        self.deferred: dict[int, asyncio.Task] = {}
         self._deferring: dict[int, int] = {}
         self._protocol = protocol.LinkProtocol(is_client)
         self._turn_skipped = False  # the control connection is not read until the loop's next turn
@@ -343,7 +343,8 @@ class Link:
         if self.is_client:
             done = asyncio.get_running_loop().create_future()
             self.redialling[index] = done
-            self.spawn(self._redial(index, generation + 1, done))
+            task = self.spawn(self._redial(index, generation + 1, done))
+            task.add_done_callback(functools.partial(self._redial_end, index, done))
 
     async def _redial(self, index: int, generation: int, done: asyncio.Future) -> None:
         try:
@@ -368,12 +369,18 @@ class Link:
                 self.install(index, sock, generation)
                 return
         finally:
-            self._redial_to.pop(index, None)
-            self._stale_redials.discard(index)
-            if self.redialling.get(index) is done:
-                del self.redialling[index]
-            if not done.done():
-                done.set_result(None)
+            self._redial_end(index, done)
+
+    def _redial_end(self, index: int, done: asyncio.Future, _task: Any = None) -> None:
+        """A redial is over: run by ``_redial`` itself, and again as its task's done-callback for a task the
+        link's close cancelled before it started (its ``finally`` never ran)."""
+        if done.done():
+            return
+        self._redial_to.pop(index, None)
+        self._stale_redials.discard(index)
+        if self.redialling.get(index) is done:
+            del self.redialling[index]
+        done.set_result(None)
 
     def _defer(self, msg: Msg, req_id: int, record: Any) -> bool:
         """Keep a request of the peer's for its channel that we are redialling, within the bounds of
@@ -383,26 +390,31 @@ class Link:
         if (redial is None or req_id in self.deferred
                 or self._deferring.get(index, 0) >= MAX_SERVED_PER_CHANNEL):
             return False
-        self.deferred[req_id] = index
         self._deferring[index] = self._deferring.get(index, 0) + 1
-        self.spawn(self._request_after_redial(redial, index, msg, req_id, record))
+        task = self.deferred[req_id] = self.spawn(self._request_after_redial(redial, msg, req_id, record))
+        # Counted off by a done-callback: one the link's close cancels before it started runs no ``finally``.
+        task.add_done_callback(functools.partial(self._deferred_end, index, req_id))
         return True
 
-    async def _request_after_redial(self, redial: asyncio.Future, index: int, msg: Msg, req_id: int,
-                                    fields: Any) -> None:
-        """Serve a request on a channel we are still redialling once it is back.
+    def _deferred_end(self, index: int, req_id: int, task: asyncio.Task) -> None:
+        left = self._deferring.pop(index, 1) - 1
+        if left:
+            self._deferring[index] = left
+        if self.deferred.get(req_id) is task:
+            del self.deferred[req_id]
+
+    async def _request_after_redial(self, redial: asyncio.Future, msg: Msg, req_id: int, fields: Any) -> None:
+        """Serve a request on a channel we are still redialling once it is back (unless the peer aborted it
+        meanwhile: it is no longer in ``deferred``).
 
         The peer may use its channel as soon as it accepted our redial, and its
         request can overtake the acknowledgement our redial is waiting for.
         """
-        try:
-            await asyncio.shield(redial)  # the link closing cancels this wait, never the redial's own future
-        finally:
-            left = self._deferring.pop(index, 1) - 1
-            if left:
-                self._deferring[index] = left
-            wanted = self.deferred.pop(req_id, None) is not None
-        if wanted and self.on_request is not None and not self.closed and self.broken is None:
+        await asyncio.shield(redial)  # the link closing cancels this wait, never the redial's own future
+        if self.deferred.get(req_id) is not asyncio.current_task():
+            return
+        del self.deferred[req_id]
+        if self.on_request is not None and not self.closed and self.broken is None:
             self.on_request(self, msg, req_id, fields)
 
     def posts(self, index: int) -> bool:

@@ -197,12 +197,12 @@ def _peer_gone(fd: int) -> bool:
             return True
 
 
-def _pull_request(req_id: int, channel: int) -> bytes:
-    """A pull of ``wire.MAX_ROWS`` rows (512 KiB) of a cache the owner does not have."""
+def _pull_request(req_id: int, channel: int, rows: tuple[int, ...] | None = None) -> bytes:
+    """A pull of ``rows`` (``wire.MAX_ROWS`` of them, 512 KiB, by default) of a cache the owner does not have."""
     return encode(Msg.PULL_REQ, req_id, channel=channel, target_kind=0, cluster_id=2, cache_id=987654,
                   key_req_id=0, prefix_id=0, model_id=0, batch_index=0, layer_first=0, layer_last=-1,
                   tensor_num_per_layer=2, tensor_count=2, data_type=1, offset=0, nbytes=16, flags=0,
-                  timeout_ms=1000, rows=ROWS)
+                  timeout_ms=1000, rows=ROWS if rows is None else rows)
 
 
 ROWS = tuple(range(1 << 40, (1 << 40) + 65536))  # wire.MAX_ROWS rows
@@ -321,3 +321,28 @@ async def test_a_link_closed_while_a_request_waits_for_a_redial_ends_its_tasks_c
         failed = [(task.get_coro().__qualname__, repr(task.exception())) for task in tasks
                   if task.done() and not task.cancelled() and task.exception() is not None]
         assert not failed
+
+
+async def test_a_request_deferred_in_the_chunk_that_unlinks_leaves_nothing_counted() -> None:
+    """The peer's ``UNLINK`` and then a request for the channel we redial arrive in one chunk: the close
+    cancels the request's wait before it ever ran (no ``finally`` of it runs), and the redial's too. Their
+    bookkeeping is done by done-callbacks, so the closed link keeps no wait counted and no redial listed
+    (found by review)."""
+    async with _pair() as (prompt, decoder):
+        ours, theirs = link_to(decoder, 1), link_to(prompt, 2)
+        never = asyncio.Event()
+        dial = ours._redial_data
+
+        async def stalled_dial(*args: Any) -> Any:
+            await asyncio.wait_for(never.wait(), 10)
+            return await dial(*args)
+
+        ours._redial_data = stalled_dial
+        theirs.send(Msg.ABORT, 0, channel=1, generation=ours.channels[1].generation)
+        await _until(lambda: 1 in ours.redialling)
+        unlink = theirs.new_req_id()
+        theirs.expect(unlink, Msg.UNLINK_ACK)
+        theirs.writer.write(encode(Msg.UNLINK, unlink) + _pull_request(theirs.new_req_id(), 1, (0,)))
+        await _until(lambda: ours.closed)
+        await asyncio.sleep(0.05)
+        assert not ours.deferred and not ours._deferring and not ours.redialling
