@@ -5,13 +5,18 @@ the data channels of both directions; 5 by default), plus one share socket
 when same-host sharing may be used (``aio.Transport`` ``auto`` or ``local``).
 Before it makes or accepts a link an endpoint checks that those fds fit::
 
-    open fds + fds promised to links in their handshake + fds per link + reserve <= soft RLIMIT_NOFILE
+    open fds + fds promised to links not all open yet + fds per link + reserve <= soft RLIMIT_NOFILE
 
 where the reserve is :data:`RESERVE` (caches, engines, event loops, a data
 channel being redialled) plus, on a listening endpoint,
 ``5 × aio.MaxPendingHandshakes`` for connections in their handshake
 (``admission.py``). A link that does not fit is refused with
 ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` instead of failing later with ``EMFILE``.
+A link's fds stay promised, less those open, until all are open or the link
+ends: an accepted link opens its data channels after its handshake, when the
+peer attaches them, and a dialled one opens as many as the peer's
+``LINK_OK`` names (those past ``aio.DataChannels`` are claimed before they
+are dialled).
 So an endpoint can hold about ``(soft limit − fds open before linking −
 reserve) // fds per link`` links. Where the hard limit allows, the first
 endpoint of a process raises the soft limit to the hard one (at most
@@ -71,15 +76,21 @@ def per_link(data_channels: int, shares_memory: bool) -> int:
 
 
 class Claim:
-    """fds promised to one link while it is made; :meth:`release` once they are open (or not needed)."""
+    """fds promised to one link while it is made; :meth:`less` as they open, :meth:`release` once all are open
+    (or not needed)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
 
-    def release(self) -> None:
+    def less(self, n: int) -> None:
+        """Give back ``n`` of the fds promised (at most what is left): they are open now, or not needed."""
         global _promised
-        _promised -= self.n
-        self.n = 0
+        n = min(n, self.n)
+        _promised -= n
+        self.n -= n
+
+    def release(self) -> None:
+        self.less(self.n)
 
 
 def claim(n: int, reserve: int) -> Claim:

@@ -16,6 +16,7 @@ closed, never left behind.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -29,7 +30,7 @@ from aio_datadist._settle import settle
 from aio_datadist.admission import ARRIVAL_FACTOR, Pending
 from aio_datadist.control_reader import ControlReader, open_control
 from aio_datadist.links import SUCCESS, ZERO32, DataConn, Link, tune
-from aio_datadist.listener import Listener, Refusal
+from aio_datadist.listener import Listener, Refusal, RefusalLog
 from aio_datadist.own_dials import OwnDials
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
@@ -68,6 +69,19 @@ class _WentDown(LLMException):
     a reason to dial again."""
 
 
+class _Opening:
+    """The fds of an accepted link that are not open yet: its claim, less what is open, held until its data
+    channels (and its share socket, where one may come) are attached or the link ends (``end``, a watch)."""
+
+    __slots__ = ("claim", "channels", "share", "end")
+
+    def __init__(self, claim: fd_budget.Claim, channels: int, share: bool, end: asyncio.Future) -> None:
+        self.claim = claim
+        self.channels = set(range(2 * channels))  # the data channels not attached yet
+        self.share = share
+        self.end = end
+
+
 class LinkTable:
     """The links and the listener of one LLMDataDist.
 
@@ -89,6 +103,8 @@ class LinkTable:
         self._bilateral: set[asyncio.Task] = set()  # link() attempts (start_bilateral)
         self._awaited: dict[int, asyncio.Future] = {}  # remote id -> the link() that waits for its dial
         self.closing = False
+        self._opening: dict[Link, _Opening] = {}  # accepted links whose fds are not all open yet
+        self._over_budget = RefusalLog()  # links refused for their fds
         fd_budget.raise_soft_limit()
         self.on_request = on_request
         self.listener = Listener(runtime, cluster_id, role, self, HANDSHAKE_LIMIT_S)
@@ -195,14 +211,57 @@ class LinkTable:
         return True
 
     def _reserve(self) -> int:
-        """fds kept free besides links (see ``fd_budget``)."""
-        pending = ((1 + ARRIVAL_FACTOR) * self.runtime.settings.max_pending_handshakes
-                   if self.listener.admission is not None else 0)
-        return fd_budget.RESERVE + pending
+        """fds kept free besides links (see ``fd_budget``): the connections in their handshake that are open
+        already are counted as open, not again here."""
+        admission = self.listener.admission
+        if admission is None:
+            return fd_budget.RESERVE
+        pending = (1 + ARRIVAL_FACTOR) * self.runtime.settings.max_pending_handshakes
+        return fd_budget.RESERVE + max(0, pending - len(admission.arriving) - len(admission.handshaking))
 
-    def _claim(self) -> fd_budget.Claim:
+    def _claim(self, opened: int = 0) -> fd_budget.Claim:
+        """Claim the fds of a link, less the ``opened`` ones already open (an accepted control connection)."""
         per_link = fd_budget.per_link(self.runtime.settings.data_channels, self.shares_memory)
-        return fd_budget.claim(per_link, self._reserve())
+        return fd_budget.claim(per_link - opened, self._reserve())
+
+    def _hold(self, link: Link, claim: fd_budget.Claim) -> None:
+        """Keep the claim of an accepted, registered ``link`` for the fds it has not opened yet: its data
+        channels attach after ``LINK_OK``, so handshakes that run ahead of them would all fit otherwise."""
+        share = self.shares_memory and self.listener.local_listener is not None
+        if self.shares_memory and not share:
+            claim.less(1)  # no share socket can come
+        end = link.watch()
+        if end.done():
+            claim.release()
+            return
+        self._opening[link] = _Opening(claim, link.nchannels, share, end)
+        end.add_done_callback(lambda _: self._opened(link))
+
+    def _opened(self, link: Link) -> None:
+        """``link``'s fds are all open, or it ended: nothing is claimed for it any more."""
+        opening = self._opening.pop(link, None)
+        if opening is not None:
+            opening.claim.release()
+            opening.end.cancel()
+
+    def attached(self, link: Link, index: int) -> None:
+        """Data channel ``index`` of ``link`` was installed by the listener: its fd is open now."""
+        opening = self._opening.get(link)
+        if opening is None or index not in opening.channels:
+            return
+        opening.channels.discard(index)
+        opening.claim.less(1)
+        if not opening.channels and not opening.share:
+            self._opened(link)
+
+    def _attach_share(self, link: Link, sock: socket.socket) -> None:
+        link.attach_share(sock)
+        opening = self._opening.get(link)
+        if opening is not None and opening.share:
+            opening.share = False
+            opening.claim.less(1)
+            if not opening.channels:
+                self._opened(link)
 
     # -- taking incoming links (for the listener) ---------------------------
 
@@ -239,10 +298,11 @@ class LinkTable:
         no answer before the handshake's last record.
         """
         try:
-            claim = self._claim()
+            claim = self._claim(opened=1)  # the control connection is open
         except LLMException as exc:
-            log.warning("refused a link from cluster %s: %s", remote_id, exc)
+            self._over_budget.note("refused a link from cluster %s: %s", remote_id, exc)
             return exc.status_code, str(exc)
+        held = False  # the claim stays with the link until its fds are open (_hold)
         try:
             existing = self.links.get(remote_id)
             if existing is not None:
@@ -262,12 +322,15 @@ class LinkTable:
                                   channels=channels, token=token, remote_address=(peer[0], peer[1]))
             if not self._register(link, start=False):
                 return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
+            self._hold(link, claim)
+            held = True
             link.announce("accepted")
             if bilateral:
                 self._awaited.pop(remote_id).set_result(link)
             return link
         finally:
-            claim.release()
+            if not held:
+                claim.release()
 
     # -- dialling ----------------------------------------------------------
 
@@ -374,6 +437,7 @@ class LinkTable:
         link: Link | None = None
         sockets: list[DataConn] = []
         taken = False  # the peer took our dial (its LINK_OK said so)
+        more: fd_budget.Claim | None = None  # for the data channels the peer names past ours (the caller claims ours)
         try:
             tune(writer.get_extra_info("socket"))
             if self.tls_client is not None:
@@ -389,6 +453,8 @@ class LinkTable:
                 raise LLMException(f"peer is cluster {ok.cluster_id}, not {remote_id}",
                                    status_code=LLMStatusCode.LLM_LINK_FAILED)
             channels = ok.channels
+            if channels > self.runtime.settings.data_channels:
+                more = fd_budget.claim(2 * (channels - self.runtime.settings.data_channels), self._reserve())
             for index in range(2 * channels):
                 sockets.append(await self.dial_data(address, ok.link_token, index, 0))
             if existing is not None:
@@ -437,6 +503,9 @@ class LinkTable:
                 raise _WentDown(f"link to cluster {remote_id} failed after the peer took the dial: {exc}",
                                 status_code=code) from exc
             raise
+        finally:
+            if more is not None:
+                more.release()
 
     # -- bilateral links (LLMDataDist.link) ---------------------------------
 
@@ -563,7 +632,7 @@ class LinkTable:
 
     def share_candidates(self) -> list[tuple[bytes, Callable[[socket.socket], None]]]:
         """The links a same-host peer may attach its share to now: live, sharing nothing yet."""
-        return [(lk.token, lk.attach_share) for lk in self.links.values()
+        return [(lk.token, functools.partial(self._attach_share, lk)) for lk in self.links.values()
                 if lk.broken is None and not lk.closed and lk.local is None]
 
     async def _share_with(self, link: Link, ok: handshake.Linked) -> None:

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import ssl
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,7 +38,7 @@ from aio_datadist.wire import Msg, ProtocolError
 if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
 
-__all__ = ["Listener", "Table"]
+__all__ = ["Listener", "RefusalLog", "Table"]
 
 log = logging.getLogger("aio_datadist.links")
 
@@ -46,6 +47,30 @@ _HELLO_SIZE = len(wire.encode(Msg.HELLO, 0, nonce=bytes(wire.NONCE_BYTES)))
 
 #: Why a link is refused: the status and the text the peer is told.
 Refusal = tuple[LLMStatusCode, str]
+
+#: At most one WARNING per this many seconds about each kind of refused link (as for the vLLM side channel).
+REFUSAL_LOG_EVERY_S = 30.0
+
+
+class RefusalLog:
+    """Logs one kind of refused link: one WARNING per :data:`REFUSAL_LOG_EVERY_S` with how many were refused
+    since the last, DEBUG for the rest, so that a peer opening connection after connection cannot flood the
+    log."""
+
+    __slots__ = ("_logged", "_unsaid")
+
+    def __init__(self) -> None:
+        self._logged = -REFUSAL_LOG_EVERY_S
+        self._unsaid = 0
+
+    def note(self, fmt: str, *args: object) -> None:
+        self._unsaid += 1
+        now = time.monotonic()
+        if now - self._logged >= REFUSAL_LOG_EVERY_S:
+            log.warning(fmt + " (%d refused since the last such warning)", *args, self._unsaid)
+            self._logged, self._unsaid = now, 0
+        else:
+            log.debug(fmt, *args)
 
 
 class Table(Protocol):
@@ -63,6 +88,9 @@ class Table(Protocol):
     async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, reader: ControlReader,
                    writer: asyncio.StreamWriter, pending: Pending, through: Callable[[], None]) -> Link | Refusal:
         """The link made and registered for an accepted handshake, or why not."""
+
+    def attached(self, link: Link, index: int) -> None:
+        """Data channel ``index`` of ``link`` was installed (its fd is open)."""
 
     def share_candidates(self) -> list[tuple[bytes, Callable[[socket.socket], None]]]:
         """The links a same-host peer may attach its share to now."""
@@ -88,6 +116,7 @@ class Listener:
         self.address: tuple[str, int] | None = None
         self.local_listener: LocalListener | None = None
         self._accepting: set[asyncio.Task] = set()  # accepted before the listener stopped
+        self._unauthenticated = RefusalLog()
 
     @property
     def secret(self) -> bytes | None:
@@ -196,7 +225,8 @@ class Listener:
             return False
 
         if not accepted.authenticated:
-            log.warning("refused a link from %s: authentication failed", writer.get_extra_info("peername"))
+            self._unauthenticated.note("refused a link from %s: authentication failed",
+                                       writer.get_extra_info("peername"))
             return await refuse(LLMStatusCode.LLM_LINK_FAILED, "authentication failed")
         try:
             remote_role = LLMRole(auth.role)
@@ -242,6 +272,7 @@ class Listener:
         tune(sock)
         # Installed before it is acknowledged: a peer that has the acknowledgement may use the channel.
         link.install(index, sock, generation)
+        self._table.attached(link, index)
         writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, SUCCESS))
         await writer.drain()
         writer.transport.abort()
@@ -262,6 +293,7 @@ class Listener:
                 return True
             admission.leave(pending)
             link.install(index, channel, generation)
+            self._table.attached(link, index)
             await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, SUCCESS))
             return True
         except BaseException:

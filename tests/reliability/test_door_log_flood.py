@@ -1,0 +1,77 @@
+"""Refused links do not flood the log (docs/security.md: as the vLLM side channel's refusals, at most one
+WARNING every 30 s with a count, DEBUG for the rest).
+
+- 300 connections without the secret give one WARNING (``authentication
+  failed``) and 299 DEBUG lines, and an honest peer links afterwards;
+- 100 links refused for their fds (``RLIMIT_NOFILE``) give one WARNING
+  and 99 DEBUG lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import pytest
+
+from aio_datadist import LLMRole, LLMStatusCode, fd_budget, wire
+from aio_datadist.wire import Msg
+from peers import cluster_info, port_of
+
+from _harness import endpoint
+from _rawpeer import RawLink, Refused, dial, recv_frame
+
+S = LLMStatusCode
+
+
+def _unauthenticated(address: tuple[str, int], n: int) -> int:
+    """``n`` handshakes with a forged proof: how many were refused."""
+    refused = 0
+    for i in range(n):
+        with dial(address) as sock:
+            sock.sendall(wire.encode(Msg.HELLO, 0, nonce=os.urandom(32)))
+            assert recv_frame(sock)[0] is Msg.HELLO_ACK
+            sock.sendall(wire.encode(Msg.AUTH, 0, proof=os.urandom(32), cluster_id=70 + i, role=2, peer_id=1,
+                                     layout_hash=bytes(32), bilateral=0))
+            msg, _, ok = recv_frame(sock)
+            refused += msg is Msg.LINK_OK and ok["status"] != 0
+    return refused
+
+
+def _over_budget(address: tuple[str, int], n: int) -> list[int]:
+    """``n`` honest handshakes: the codes they were refused with."""
+    codes = []
+    for i in range(n):
+        try:
+            RawLink(address, 70 + i, 1, None).connect().close()
+            codes.append(0)
+        except Refused as exc:
+            codes.append(exc.code)
+    return codes
+
+
+def _lines(caplog: pytest.LogCaptureFixture, text: str) -> tuple[int, int]:
+    """How many WARNING and DEBUG records hold ``text``."""
+    records = [r for r in caplog.records if text in r.getMessage()]
+    return (sum(r.levelno == logging.WARNING for r in records), sum(r.levelno == logging.DEBUG for r in records))
+
+
+@pytest.mark.asyncio
+async def test_failed_authentications_do_not_flood_the_log(caplog):
+    caplog.set_level(logging.DEBUG, logger="aio_datadist")
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, transport="tcp", shared_secret="s3cret") as dd, \
+            endpoint(LLMRole.DECODER, 2, transport="tcp", shared_secret="s3cret") as honest:
+        assert await asyncio.to_thread(_unauthenticated, port_of(dd), 300) == 300
+        assert _lines(caplog, "authentication failed") == (1, 299)
+        assert (await honest.link_clusters([cluster_info(1, port_of(dd))]))[0] == S.LLM_SUCCESS
+
+
+@pytest.mark.asyncio
+async def test_links_refused_for_their_fds_do_not_flood_the_log(caplog, monkeypatch):
+    caplog.set_level(logging.DEBUG, logger="aio_datadist")
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, transport="tcp") as dd:
+        monkeypatch.setattr(fd_budget, "soft_limit", lambda: fd_budget.open_count())  # room for no link
+        codes = await asyncio.to_thread(_over_budget, port_of(dd), 100)
+        assert codes == [S.LLM_CLUSTER_NUM_EXCEED_LIMIT] * 100
+        assert _lines(caplog, "RLIMIT_NOFILE") == (1, 99)
