@@ -61,6 +61,11 @@ SET_UP_CLOSE_S = 2.0
 #: A bilateral dial is tried again after this long, doubling up to BILATERAL_RETRY_MAX_S.
 BILATERAL_RETRY_FIRST_S = 0.05
 BILATERAL_RETRY_MAX_S = 0.5
+#: The most failed links that peers made to us (accepted) the table keeps, so that ``check_link_status`` and
+#: ``unlink_clusters`` still name them; past it the oldest are forgotten. Peers that link and then crash (a
+#: decoder restarted under a new cluster id, a process that opens links and drops them) otherwise left one
+#: entry each for the endpoint's life: this side never unlinks them, and may not know their ids.
+MAX_FAILED_ACCEPTED = 256
 _NOT_AWAITED = "link() for this pair is not waiting here (not called yet, or given up)"
 
 
@@ -208,7 +213,17 @@ class LinkTable:
         self.links[link.remote_cluster_id] = link
         if start:
             link.start()
+        if not link.is_client:
+            self._forget_failed_accepted()
         return True
+
+    def _forget_failed_accepted(self) -> None:
+        """Keep at most :data:`MAX_FAILED_ACCEPTED` failed accepted links, forgetting the oldest first."""
+        failed = [lk for lk in self.links.values() if not lk.is_client and lk.broken is not None]
+        for lk in failed[:max(0, len(failed) - MAX_FAILED_ACCEPTED)]:
+            self.forget(lk)
+            lk.log.debug("link %s to cluster %s: forgotten (failed, and %d newer failed links are kept)",
+                         lk.link_id, lk.remote_cluster_id, MAX_FAILED_ACCEPTED)
 
     def _reserve(self) -> int:
         """fds kept free besides links (see ``fd_budget``): the connections in their handshake that are open

@@ -147,3 +147,50 @@ async def test_after_finalize_a_new_decoder_with_the_same_id_links_at_once(fork_
                 del dst
             # finalize returned: the prompt has let the link go already
             assert await prompt.call("links") == {}, round_
+
+
+def _link_and_crash(address: tuple[str, int], first: int, n: int) -> int:
+    """Link as clusters ``first..first+n-1`` one after another, each time dropping every socket with a reset
+    and no ``UNLINK``, as a crashed process would (from a thread here: the endpoint sees real connections)."""
+    from _rawpeer import RawLink
+
+    made = 0
+    for cluster in range(first, first + n):
+        raw = RawLink(address, cluster, 1, None).connect()
+        for sock in [raw.ctl, *raw.data]:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+        raw.close()
+        made += 1
+    return made
+
+
+@pytest.mark.asyncio
+async def test_peers_that_link_and_crash_leave_a_bounded_number_of_failed_links(monkeypatch):
+    """An accepting endpoint keeps at most ``link_table.MAX_FAILED_ACCEPTED`` failed links that peers made
+    (their ids still answer ``check_link_status`` and ``unlink_clusters``), forgetting the oldest as it accepts
+    the next link (so one more may have failed since). Before, every
+    peer that linked and crashed under a new cluster id stayed in the table for the endpoint's life (200 such
+    peers: 200 entries, about 15 KB each; found by audit)."""
+    from aio_datadist import link_table
+
+    monkeypatch.setattr(link_table, "MAX_FAILED_ACCEPTED", 4, raising=False)
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd, \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp") as honest:
+        src = dd.kv_cache_manager.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT))
+        address = dd._require_links().listener.address
+        assert await asyncio.to_thread(_link_and_crash, address, 100, 12) == 12
+        table = link_table_of(dd).links
+        async with asyncio.timeout(5):
+            while any(link.broken is None for link in table.values()):
+                await asyncio.sleep(0.01)  # each crash seen
+        assert await asyncio.to_thread(_link_and_crash, address, 200, 1) == 1  # one more link made
+        async with asyncio.timeout(5):
+            while any(link.broken is None for link in table.values()):
+                await asyncio.sleep(0.01)
+        # Pruned as a link is accepted: the 4 newest failed then, and the one made since (it failed after).
+        assert sorted(table) == [108, 109, 110, 111, 200], sorted(table)
+        assert (await honest.link_clusters([cluster_info(PROMPT, address)]))[0] == S.LLM_SUCCESS
+        dst = honest.kv_cache_manager.allocate_blocks_cache(SMALL)
+        await honest.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), dst, [0, 1], [1, 0])
+        assert all(torch.equal(d[0], s[1]) for d, s in zip(dst.tensors, src.tensors, strict=True))
+        assert sorted(table) == sorted([109, 110, 111, 200, DECODER]), sorted(table)
