@@ -20,7 +20,7 @@ import pytest
 
 from aio_datadist._settle import Settling
 from aio_datadist.transport import base, nixl_engine
-from aio_datadist.transport.nixl import NixlAgent
+from aio_datadist.transport.nixl import NixlAgent, NixlPeer
 
 
 class Queue:
@@ -267,3 +267,191 @@ def test_a_force_racing_the_settle_of_a_transfer_leaves_no_token_pending(monkeyp
     finally:
         go.set()
         engine.close()
+
+
+# -- a force and the rounds of the worker (found by review of 4b06d26) ------------------------------------------
+
+
+class DoneApi:
+    """``scripted_api`` whose transfers end as scripted: in the posting call (``posting``, waiting for ``go``
+    there when given) and at their first state check (``checked``)."""
+
+    def __init__(self, holder: list, posting: str = "PROC", checked: str | None = None,
+                 go: threading.Event | None = None) -> None:
+        base_api = scripted_api(holder, posting)
+        in_post = self.in_post = threading.Event()
+
+        class Agent(base_api.nixl_agent):
+            def transfer(self, handle, notif):
+                in_post.set()
+                if go is not None:
+                    go.wait(5)
+                return super().transfer(handle, notif)
+
+            def check_xfer_state(self, handle):
+                return checked if checked is not None else super().check_xfer_state(handle)
+
+        self.nixl_agent_config, self.nixl_agent = base_api.nixl_agent_config, Agent
+
+
+def wait_until(predicate, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_a_force_asked_before_a_round_is_applied_before_that_rounds_metadata_load(monkeypatch):
+    """A force asked while the worker is busy outside its commands (a deferred release here) was applied after the
+    next round's commands: a newer link's metadata load queued meanwhile ran before the agent was let go, and what
+    it prepared was invalid from then on. The force now goes first, and that load finds the agent let go."""
+    holder: list = []
+    monkeypatch.setattr(nixl_engine, "load_nixl", lambda: scripted_api(holder, "PROC"))
+    engine = nixl_engine.NixlEngine(RecordingQueue(), "fake")
+    inside, go = threading.Event(), threading.Event()
+    seen: list[list[str]] = []
+    try:
+        engine.xfer(5, "READ", object(), IDX, object(), IDX, b"owner-agent", b"", 4096)
+        wait_until(lambda: 5 in engine._active)
+        engine.release_when_idle((b"another",), lambda a: (inside.set(), go.wait(5)))
+        assert inside.wait(5)  # the worker is past its round's commands
+        engine.cancel(5)
+        assert engine.force_off(5) is True
+        engine.call(9, lambda a: seen.append(list(a.removed)))  # a newer link's load (its HELLO came now)
+        go.set()
+        wait_until(lambda: bool(seen))
+        assert seen == [["owner-agent"]], "the metadata load ran before the force let the agent go"
+    finally:
+        go.set()
+        engine.close()
+
+
+def test_a_cancel_of_an_adopt_queued_behind_a_round_with_commands_is_kept():
+    """A transfer posted from the loop's thread waits in its ``adopt`` while the worker runs a round with commands,
+    and is given up: its cancel was taken into that round (asked while the commands ran) and dropped, the adopt
+    being in no list of the worker yet, and the transfer reported success. It now stays for the adopt's round."""
+    holder: list = []
+    api = DoneApi(holder, checked="DONE")
+    queue = RecordingQueue()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nixl_engine, "load_nixl", lambda: api)
+        engine = nixl_engine.NixlEngine(queue, "fake")
+    inside, go = threading.Event(), threading.Event()
+    try:
+        engine.call(1, lambda a: (inside.set(), go.wait(5)))
+        assert inside.wait(5)
+        engine.adopt(7, Handle(), 4096, (1, 2, b"owner-agent"))  # as NixlPeer._post does: PROC from the loop
+        engine.cancel(7)  # given up
+        go.set()
+        assert queue.wait_for(7) == -errno.ECANCELED, "the cancelled transfer reported success"
+    finally:
+        go.set()
+        engine.close()
+
+
+def nixl_agent(monkeypatch, api) -> NixlAgent:
+    """A NixlAgent over the scripted ``api`` (no read ledger: it registers no memory)."""
+    monkeypatch.setattr(nixl_engine, "load_nixl", lambda: api)
+    runtime = types.SimpleNamespace(queue=RecordingQueue(), devices=None,
+                                    settings=types.SimpleNamespace(remote_cache_accessible=True))
+    return NixlAgent(runtime, 1)
+
+
+def link(agent: NixlAgent, lost: list[tuple[str, str]], label: str, loaded: bool = True) -> NixlPeer:
+    """A link's NixlPeer to the endpoint whose agent is ``owner-agent`` (``loaded``: its load ran); the link's
+    failures go to ``lost``."""
+    peer = object.__new__(NixlPeer)
+    peer.agent, peer.engine, peer.name, peer.cluster_id = agent, agent.engine, b"owner-agent", 2
+    peer.closed, peer._agent_loaded, peer._loop = False, loaded, asyncio.get_running_loop()
+
+    def fail(exc: Exception) -> None:  # as Link.fail does: the link goes, and its NixlPeer is closed
+        lost.append((label, str(exc)))
+        peer.closed = True
+        agent.peers.discard(peer)
+
+    peer._lost = fail
+    agent.peers.add(peer)
+    return peer
+
+
+@pytest.mark.asyncio
+async def test_a_force_that_lets_nothing_go_fails_no_other_link_to_that_endpoint(monkeypatch):
+    """``force_off`` says yes for a transfer inside its posting call (forced once in progress), and the piece may
+    end there: then nothing is let go. Every other link to that endpoint was failed all the same, saying its agent
+    was let go; now only a link whose agent the worker did let go fails."""
+    holder: list = []
+    go = threading.Event()
+    api = DoneApi(holder, posting="DONE", go=go)
+    agent = nixl_agent(monkeypatch, api)
+    engine = agent.engine
+    lost: list[tuple[str, str]] = []
+    old, _newer = link(agent, lost, "old link"), link(agent, lost, "newer link")
+    try:
+        engine.xfer(5, "READ", object(), IDX, object(), IDX, b"owner-agent", b"", 4096)
+        assert await asyncio.to_thread(api.in_post.wait, 5)
+        engine.cancel(5)
+        old._force_off([5], "pull")  # nixl_settle's force at its bound
+        go.set()
+        assert await asyncio.to_thread(agent.runtime.queue.wait_for, 5) == 0  # the piece ended: its bytes moved
+        await asyncio.sleep(0.05)
+        assert holder[0].removed == []  # nothing was let go: the newer link's lists are valid
+        assert [label for label, _ in lost] == ["old link"], f"failed {lost} though no agent was let go"
+    finally:
+        go.set()
+        engine.close()
+
+
+@pytest.mark.asyncio
+async def test_a_force_fails_the_links_that_loaded_the_agent_before_and_not_one_that_loads_it_after(monkeypatch):
+    """The worker lets go of the agent: a link that loaded it before fails saying so, and one whose HELLO came
+    after the force was asked loads it afresh after that, and stays up (before, its load ran first and it stayed
+    up with lists the force invalidated)."""
+    holder: list = []
+    agent = nixl_agent(monkeypatch, scripted_api(holder, "PROC"))
+    engine = agent.engine
+    lost: list[tuple[str, str]] = []
+    old, _newer = link(agent, lost, "old link"), link(agent, lost, "newer link")
+    inside, go = threading.Event(), threading.Event()
+    seen: list[list[str]] = []
+    try:
+        engine.xfer(5, "READ", object(), IDX, object(), IDX, b"owner-agent", b"", 4096)
+        await asyncio.to_thread(wait_until, lambda: 5 in engine._active)
+        engine.release_when_idle((b"another",), lambda a: (inside.set(), go.wait(5)))
+        assert await asyncio.to_thread(inside.wait, 5)
+        engine.cancel(5)
+        old._force_off([5], "pull")
+        later = link(agent, lost, "later link", loaded=False)  # its HELLO comes: its load is queued
+
+        def load(a) -> None:
+            seen.append(list(a.removed))
+            later._agent_loaded = True
+
+        engine.call(9, load)
+        go.set()
+        assert await asyncio.to_thread(agent.runtime.queue.wait_for, 5) == -errno.ECANCELED
+        await asyncio.to_thread(wait_until, lambda: bool(seen))
+        await asyncio.sleep(0.05)
+        assert seen == [["owner-agent"]], "the later link's load ran before the agent was let go"
+        assert sorted(label for label, _ in lost) == ["newer link", "old link"], lost
+        assert all("let go" in words for _, words in lost), lost
+    finally:
+        go.set()
+        engine.close()
+
+
+def test_a_force_after_the_engine_closed_is_refused_and_waits_for_nothing(monkeypatch):
+    """A transfer still in progress when the engine closed (its peer let go, it never settled) is reported
+    cancelled there; a force asked for it afterwards is refused and not waited for (it was kept as to be applied
+    by a worker that had exited: ``Settling.forcing`` said so for ``NIXL_SETTLE_LIMIT_S``)."""
+    holder: list = []
+    monkeypatch.setattr(nixl_engine, "load_nixl", lambda: DoneApi(holder, checked="PROC"))
+    monkeypatch.setattr(nixl_engine, "_CLOSE_SETTLE_S", 0.05)
+    monkeypatch.setattr(nixl_engine, "_CLOSE_FORCE_S", 0.05)
+    queue = RecordingQueue()
+    engine = nixl_engine.NixlEngine(queue, "fake")
+    engine.xfer(5, "READ", object(), IDX, object(), IDX, b"owner-agent", b"", 4096)
+    wait_until(lambda: 5 in engine._active)
+    engine.close()
+    assert queue.wait_for(5) == -errno.ECANCELED
+    assert engine.force_off(5) is False
+    assert not engine.forcing(5)

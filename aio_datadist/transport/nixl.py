@@ -222,12 +222,12 @@ class NixlAgent:
 
     def __init__(self, runtime: Runtime, cluster_id: int) -> None:
         self.runtime = runtime
-        self.engine = NixlEngine(runtime.queue, agent_name(cluster_id))
+        self.peers: set[NixlPeer] = set()
+        self.engine = NixlEngine(runtime.queue, agent_name(cluster_id), let_go=self._let_go)
         self.name = self.engine.name.encode()
         self.metadata = self.engine.metadata
         self.exposed = runtime.settings.remote_cache_accessible  # llm.EnableRemoteCacheAccessible
         self.local: dict[int, _LocalCache] = {}
-        self.peers: set[NixlPeer] = set()
         self.serving: collections.Counter[int] = collections.Counter()
         # Registrations withdrawn while served, by cache id: more than one once a cache was refreshed
         # (registry.refresh: the same id registered again) before its first registration was released.
@@ -482,6 +482,17 @@ class NixlAgent:
         finally:
             self._closed()
 
+    def _let_go(self, name: bytes) -> None:
+        """On the worker, right after NIXL let go of agent ``name`` (a given-up transfer with it was forced off:
+        ``NixlPeer._force_off``). NIXL knows an agent by its name, which every link to that endpoint shares (a
+        relink after an unlink whose transfer was still in flight): what a link that loaded it before now prepared
+        against it is invalid, so that link fails, saying why (its transfers would fail ``NIXL_ERR_NOT_FOUND`` on a
+        link that looks up). A link whose load comes after this loads the agent afresh and stays up; nothing is
+        failed where nothing was let go (the forced transfer settled first)."""
+        for peer in list(self.peers):
+            if peer.name == name and peer._agent_loaded:  # set on this worker by its load, which ran before
+                peer.let_go_later()
+
     def _close_peers(self) -> None:
         for peer in list(self.peers):
             peer.close()
@@ -541,7 +552,7 @@ class NixlPeer:
         # granted us; what we granted the peer.
         self.ledger: _RemoteCache | None = None
         self._ledger_said = False  # the peer sent its LEDGER (loaded or still loading): a second one is an error
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self.granted = ReadGrants(send, loop)
         self.revocations = Revocations(send, loop, agent.engine, cluster_id, agent.serve_begin, agent.serve_end,
                                        on_read)
@@ -1016,14 +1027,21 @@ class NixlPeer:
             self._lost(LLMException(f"{what}: cluster {self.cluster_id} made no progress on a given-up NIXL transfer "
                                     f"in its settle bound; its NIXL agent was let go, and the link with it",
                                     status_code=LLMStatusCode.LLM_LINK_FAILED))
-        # NIXL lets go of the agent by its name, which every link to that endpoint shares (a relink after an
-        # unlink whose transfer was still in flight): what a newer link prepared against it is invalid from then
-        # on, so that link goes too (its transfers would fail NIXL_ERR_NOT_FOUND on a link that looks up).
-        for peer in [p for p in list(self.agent.peers) if p is not self and p.name == self.name]:
-            if peer._lost is not None:
-                peer._lost(LLMException(f"cluster {peer.cluster_id}: its NIXL agent was let go for a given-up "
-                                        f"transfer of an earlier link to it, and this link with it",
-                                        status_code=LLMStatusCode.LLM_LINK_FAILED))
+        # Another link to that endpoint that loaded its agent before the worker lets go of it fails then
+        # (NixlAgent._let_go), not here: the force may let nothing go (the transfer settles first), and a link
+        # named meanwhile may load it only after.
+
+    def let_go_later(self) -> None:
+        """From the worker: NIXL let go of this link's peer agent (``NixlAgent._let_go``); the link fails on the
+        loop."""
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the link went with it
+            self._loop.call_soon_threadsafe(self._let_go)
+
+    def _let_go(self) -> None:
+        if not self.closed and self._lost is not None:
+            self._lost(LLMException(f"cluster {self.cluster_id}: its NIXL agent was let go for a given-up transfer "
+                                    f"of a link to it, and this link with it",
+                                    status_code=LLMStatusCode.LLM_LINK_FAILED))
 
     def failed(self, what: str, words: str) -> LLMException:
         """A NIXL transfer with this peer failed, in NIXL's ``words``: the peer's agent went away or the fabric

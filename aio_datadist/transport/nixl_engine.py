@@ -171,8 +171,12 @@ class NixlEngine:
     one record for their token, ``-ECANCELED`` once cancelled work settled.
     """
 
-    def __init__(self, queue: CompletionQueue, name: str, backends: tuple[str, ...] = ("UCX",)) -> None:
+    def __init__(self, queue: CompletionQueue, name: str, backends: tuple[str, ...] = ("UCX",),
+                 let_go: Callable[[bytes], None] | None = None) -> None:
         self._api = load_nixl()
+        #: Called on the worker with a peer agent's name right after NIXL let go of it (``force_off``; at close
+        #: too): what was prepared against that agent until then is invalid.
+        self._let_go = let_go
         self.name = name
         self._queue = queue
         config = self._api.nixl_agent_config(enable_prog_thread=False, backends=list(backends))
@@ -216,6 +220,7 @@ class NixlEngine:
         self._posting = 0  # the token whose transfer is past its cancel check (in NIXL's hands, or being posted)
         self._copying = 0
         self._closing = False
+        self._stopped = False  # the worker is done (``_shutdown``): nothing is forced any more
         self._holds = 0
         self.posted = 0  # transfers posted to NIXL, and their bytes
         self.posted_bytes = 0
@@ -326,6 +331,8 @@ class NixlEngine:
         the transfer is in NIXL's hands (posted, not settled): only then is anything let go, and the caller loses
         the link to that peer with it; one still queued for the worker is skipped once cancelled (``working``)."""
         with self._cv:
+            if self._stopped:
+                return False  # the engine closed: what was in flight was let go there, and reported
             if token in self._active:
                 self._forced.add(token)
             elif token == self._posting or self._queued(token, "adopt"):
@@ -341,9 +348,10 @@ class NixlEngine:
 
     def forcing(self, token: int) -> bool:
         """Whether a force asked for ``token`` (``force_off``) waits for the worker: it is inside a NIXL call
-        that takes long (a registration, a metadata load), and the transfer may still move until it is out."""
+        that takes long (a registration, a metadata load), and the transfer may still move until it is out.
+        Never once the engine closed."""
         with self._cv:
-            return token in self._forcing
+            return token in self._forcing and not self._stopped
 
     def _queued(self, token: int, kind: str | None = None) -> bool:
         """Whether ``token``'s command (of ``kind``, if given: an adopt is a transfer posted from the loop's
@@ -434,8 +442,15 @@ class NixlEngine:
                     closing = self._closing
                     holding = self._holds > 0
                 taken = self._taken
-                progressed = bool(taken)
-                while taken:
+                ran = progressed = bool(taken)
+                while True:
+                    # A force goes before whatever the worker does next: a metadata load queued behind it (a newer
+                    # link to that endpoint) then loads the let-go agent afresh, its lists valid; and the next NIXL
+                    # call may progress UCX, which moves the forced transfer.
+                    if forced:
+                        progressed |= self._apply_forces(forced)
+                    if not taken:
+                        break
                     cmd = taken[0]
                     with self._cv:
                         self._current = cmd[1]  # counted in flight before it leaves the queue
@@ -447,13 +462,12 @@ class NixlEngine:
                     finally:
                         with self._cv:
                             self._current = self._posting = 0
-                if progressed:  # cancels and forces asked while the commands ran go before the next progress
+                            forced, self._forced = self._forced, set()
+                if ran:  # cancels asked while the commands ran go before the next progress
                     with self._cv:
                         cancelled |= self._cancelled
-                        forced |= self._forced
-                        self._cancelled, self._forced = set(), set()
+                        self._cancelled = set()
                 progressed |= self._apply_cancels(cancelled)
-                progressed |= self._apply_forces(forced)
                 progressed |= self._check_active()
                 progressed |= self._check_notifs(holding)
                 progressed |= self._run_deferred()
@@ -611,6 +625,11 @@ class NixlEngine:
                     del self._notifs[key]
                     self._post(token, -errno.ECANCELED)
                     hit = True
+                    break
+            else:
+                with self._cv:
+                    if self._queued(token, "adopt"):  # asked after the round began: kept for its adopt's round
+                        self._cancelled.add(token)
         return hit
 
     def _apply_forces(self, tokens: set[int]) -> bool:
@@ -628,7 +647,12 @@ class NixlEngine:
         try:
             self.agent.remove_remote_agent(name)
         except Exception as exc:  # NIXL raises its own exception types for every failure
-            log.warning("nixl: letting go of agent %s failed: %r", name, exc)
+            log.warning("nixl: letting go of agent %s failed: %r", name, exc)  # perhaps in part: said let go
+        if self._let_go is not None:
+            try:
+                self._let_go(peer if isinstance(peer, bytes) else name.encode())
+            except Exception as exc:
+                log.warning("nixl: reporting agent %s let go failed: %r", name, exc)
 
     def _check_active(self) -> bool:
         progressed = False
@@ -734,6 +758,10 @@ class NixlEngine:
             except Exception as exc:
                 log.debug("nixl: release at close failed: %r", exc)
         self._deferred = []
+        with self._cv:
+            self._stopped = True
+            self._forcing.clear()
+            self._force_pending.clear()
 
 
 def agent_name(cluster_id: int) -> str:
