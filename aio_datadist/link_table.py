@@ -109,6 +109,7 @@ class LinkTable:
         self._awaited: dict[int, asyncio.Future] = {}  # remote id -> the link() that waits for its dial
         self.closing = False
         self._opening: dict[Link, _Opening] = {}  # accepted links whose fds are not all open yet
+        self._forgotten: set[asyncio.Task] = set()  # closes of failed links forgotten (_forget_failed_accepted)
         self._over_budget = RefusalLog()  # links refused for their fds
         fd_budget.raise_soft_limit()
         self.on_request = on_request
@@ -224,6 +225,10 @@ class LinkTable:
             self.forget(lk)
             lk.log.debug("link %s to cluster %s: forgotten (failed, and %d newer failed links are kept)",
                          lk.link_id, lk.remote_cluster_id, MAX_FAILED_ACCEPTED)
+            # Closed here: nothing finds it any more (finalize, unlink, a comm's unlink look in the table).
+            closing = asyncio.get_running_loop().create_task(lk.close("forgotten"))
+            self._forgotten.add(closing)
+            closing.add_done_callback(self._forgotten.discard)
 
     def _reserve(self) -> int:
         """fds kept free besides links (see ``fd_budget``): the connections in their handshake that are open
@@ -774,7 +779,7 @@ class LinkTable:
         for ack in acks:
             if ack.done() and not ack.cancelled():
                 ack.exception()  # a link that failed meanwhile: nothing to wait for
-        await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+        await asyncio.gather(*(link.close() for link in links), *self._forgotten, return_exceptions=True)
         if self.nixl is not None:
             await self.nixl.aclose()
         if self._ledger is not None:

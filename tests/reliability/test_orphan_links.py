@@ -183,6 +183,7 @@ async def test_peers_that_link_and_crash_leave_a_bounded_number_of_failed_links(
         async with asyncio.timeout(5):
             while any(link.broken is None for link in table.values()):
                 await asyncio.sleep(0.01)  # each crash seen
+        crashed = dict(table)
         assert await asyncio.to_thread(_link_and_crash, address, 200, 1) == 1  # one more link made
         async with asyncio.timeout(5):
             while any(link.broken is None for link in table.values()):
@@ -194,3 +195,7 @@ async def test_peers_that_link_and_crash_leave_a_bounded_number_of_failed_links(
         await honest.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT), dst, [0, 1], [1, 0])
         assert all(torch.equal(d[0], s[1]) for d, s in zip(dst.tensors, src.tensors, strict=True))
         assert sorted(table) == sorted([109, 110, 111, 200, DECODER]), sorted(table)
+        forgotten = [link for cluster, link in crashed.items() if cluster not in table]
+        async with asyncio.timeout(2):  # closed too (their tasks ended): nothing else would find them
+            while not all(link.closed and not link._tasks for link in forgotten):
+                await asyncio.sleep(0.01)
