@@ -1122,14 +1122,15 @@ async def test_layers_waiting_for_a_data_channel_are_timed_from_when_they_have_o
         link = link_to(s.prompt, DECODER_ID)
         held = []
         while not link.free.empty():  # every channel that is up busy for 0.4 s
-            held.append(await link.acquire())
+            index = await link.acquire()
+            held.append((index, link.channels[index].generation))
         assert held
         try:
             task = s.pm.transfer_cache_async(src, Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
             await asyncio.sleep(0.4)  # longer than the time-out, shorter than 4 layers x 150 ms
         finally:
-            for channel in held:
-                link.release(channel)
+            for channel, generation in held:
+                link.release(channel, generation)
         assert await task == [SUCCESS]
         assert all(layer_landed(dst, src, layer, DST_BLOCKS, SRC_BLOCKS) for layer in range(LAYERS))
 
