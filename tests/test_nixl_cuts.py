@@ -101,6 +101,7 @@ def move(pair: Any, pull: bool, src: Any, dst: Any, timeout: int | None = None) 
     return pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, ALL, ALL, timeout=timeout)
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("pull", [True, False], ids=["read-without-asking", "push"])
 async def test_a_cut_transfer_whose_posting_outlasts_the_settle_bound_moves_no_byte_after_the_call_returned(
         pull, monkeypatch):

@@ -331,6 +331,7 @@ def test_a_peer_ledger_decides_only_which_of_its_own_regions_is_read():
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("observed", [False, True])
 async def test_a_flood_of_read_reports_does_not_stall_the_owners_loop(observed):
     """A linked same-host peer sends READ records saying as many reads as a record may (MAX_READS), far more

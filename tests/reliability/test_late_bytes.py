@@ -485,6 +485,7 @@ async def _push_all(prompt: LLMDataDist, src: KvCache, dst: KvCache, returned: l
         returned.append(_last_bytes(dst))
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("how", ["unlink", "finalize"])
 @pytest.mark.parametrize("path", ["local", "tcp-slow"])
 async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_returned(how: str, path: str) -> None:
@@ -557,6 +558,7 @@ def _unsent(link: links.Link) -> int:
     return total
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("secure", [False, True], ids=["tcp", "tls"])
 async def test_a_push_whose_link_fails_drops_what_its_kernel_still_held(secure: bool) -> None:
     """The pusher's link fails under a TCP push through a slow path (as when the peer missed five heartbeats)
@@ -639,6 +641,7 @@ async def test_a_keyed_same_host_pull_that_succeeds_under_its_owners_unlink_cons
         assert again.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("force", [True, False])
 async def test_a_pull_cut_by_its_owners_unlink_fails_with_a_link_code(force: bool) -> None:
     """A forced unlink by the owner under a peer's TCP pull: the pull fails with the link's code, not the

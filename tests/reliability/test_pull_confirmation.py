@@ -154,6 +154,7 @@ async def test_a_keyed_pull_under_its_owners_unlink_succeeds_only_if_the_key_was
     assert all((first, again) in CONSISTENT for _, first, again in outcomes), outcomes
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("how", ["unlink", "finalize"])
 async def test_a_keyed_pull_under_the_requesters_own_unlink_succeeds_only_if_the_key_was_consumed(how: str) -> None:
     """The decoder unlinks (or finalizes) while its own 128 MiB same-host pull of a key copies, through a path

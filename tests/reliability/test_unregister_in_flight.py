@@ -441,6 +441,7 @@ async def test_an_unlink_is_answered_once_the_owners_staged_copies_of_the_peers_
 # -- the requester's own transfer of a cache it registered ------------------------------------------------------
 
 
+@pytest.mark.loops_take_turns
 @pytest.mark.parametrize("kind", ["pull", "push"])
 async def test_unregistering_a_cache_our_own_transfer_uses_stops_that_transfer(kind: str):
     """We register memory of ours and pull into it (or push out of it) through a slow path; unregistering it
