@@ -56,6 +56,7 @@ cdef cppclass IoJob:
     uint64_t total
     char *gate  # a gated receive: its first segment is an answer header, checked before the rest
     uint64_t gate_id  # the request id the header must name
+    uint64_t serial  # unique per engine: a cancel names the job by it, never by its (reusable) token
 
 
 cdef cppclass FdState:
@@ -69,9 +70,15 @@ cdef struct IoCommand:
     IoJob *job
     uint64_t token
     int fd
+    uint64_t serial  # CMD_CANCEL: the job it cancels, if that job is still queued on fd
 
+
+# Every native object that owns threads, or locks and fds its threads share, records the process that made it
+# (``_made_by``): in a forked child the parent's threads do not exist and a lock one of them held stays held,
+# so there such an object is only let go of (closed without a join, a lock or a wake-up) and refuses work.
 
 cdef class CompletionQueue:
+    cdef int _made_by
     cdef int _efd
     cdef bint _closed
     cdef bint _counted
@@ -83,6 +90,7 @@ cdef class CompletionQueue:
 
 
 cdef class HostCopyEngine:
+    cdef int _made_by
     cdef CompletionQueue _queue
     cdef pthread_mutex_t _lock
     cdef pthread_cond_t _cond
@@ -100,6 +108,7 @@ cdef class HostCopyEngine:
 
 
 cdef class SocketEngine:
+    cdef int _made_by
     cdef CompletionQueue _queue
     cdef int _epfd
     cdef int _wakefd
@@ -112,6 +121,7 @@ cdef class SocketEngine:
     cdef pthread_cond_t _acked
     cdef uint64_t _commands_sent
     cdef uint64_t _commands_done
+    cdef uint64_t _serials
     cdef vector[IoCommand] _commands
     cdef unordered_map[int, FdState *] _fds
     cdef unordered_map[uint64_t, IoJob *] _jobs
@@ -122,6 +132,7 @@ cdef class SocketEngine:
     cdef void _update_interest(self, int fd, FdState *st) noexcept nogil
     cdef void _finish(self, IoJob *job, int32_t status) noexcept nogil
     cdef uint64_t _post(self, IoCommand cmd) noexcept nogil
+    cdef uint64_t _enqueue(self, IoCommand cmd) noexcept nogil
     cdef _release_fds(self)
     cdef _shutdown(self)
 
@@ -231,6 +242,7 @@ cdef class AclDriver:
 # one report thread only, so every notifier shares it. It sleeps on ``wake``
 # while nothing is subscribed.
 cdef class _AclReporter:
+    cdef int _made_by
     cdef AclDriver _acl
     cdef aclrtContext _ctx
     cdef pthread_mutex_t _lock
@@ -245,6 +257,7 @@ cdef class _AclReporter:
     cdef void _unsubscribe(self, uint64_t stream, aclrtContext ctx) noexcept nogil
 
 cdef class StreamNotifier:
+    cdef int _made_by
     cdef CompletionQueue _queue
     cdef NotifyState *_state
     cdef EventWatch *_watch
@@ -274,6 +287,7 @@ cdef cppclass HostOp:
     HostEvent *event
 
 cdef class HostStream:
+    cdef int _made_by
     cdef pthread_mutex_t _lock
     cdef pthread_cond_t _cond
     cdef deque[HostOp *] _ops
@@ -288,6 +302,7 @@ cdef class HostStream:
     cdef _close(self)
 
 cdef class _HostFnLine:
+    cdef int _made_by
     cdef CompletionQueue _queue
     cdef NotifyState *_state
     cdef deque[NotifySlot *] _line

@@ -16,6 +16,13 @@ GATE_BYTES: int
 # How many native objects of each kind are open (for leak checks).
 def live_objects() -> dict[str, int]: ...
 
+# Across fork: an object that owns threads, or locks and fds shared with them (CompletionQueue,
+# HostCopyEngine, SocketEngine, StreamNotifier, HostStream, HostGate), belongs to the process that made it.
+# In a forked child its threads do not exist, so there it can only be closed or dropped: that joins,
+# locks, waits for and wakes nothing, closes the child's copies of its fds and leaks the rest (the
+# live_objects counts still go down). Every call that would submit, cancel, wait, read or post raises
+# RuntimeError("... was made by process N; this is a forked child ...") instead of hanging.
+
 class CompletionQueue:
     # An eventfd plus a thread-safe list of records; drain() never blocks.
     def __init__(self) -> None: ...
@@ -119,7 +126,8 @@ class StreamNotifier:
     @property
     def subscribed(self) -> list[int]: ...
     def release_stream(self, stream: int) -> None: ...
-    # Wait up to ``timeout`` s for every enqueued notification, then release.
+    # Wait up to ``timeout`` s for every enqueued notification, then release (a parent's notifier in a forked
+    # child: nothing waited for nor released, False).
     def close(self, timeout: float = 30.0) -> bool: ...  # whether the device reached every notification
 
 class HostGate:
@@ -167,7 +175,8 @@ class SocketEngine:
     # has the magic, status 0, req_id and the other segments' size as total, the job ends there
     # (aux = GATE_BYTES) before any other byte is read.
     def submit_recv_gated(self, token: int, fd: int, pairs: Buffer, req_id: int) -> int: ...
-    # Cancel a job (record: CANCELLED). Idempotent; True if it was pending.
+    # Cancel a job (record: CANCELLED). Idempotent; True if it was pending. It applies to that job only: a
+    # newer job under the same token (once the first one's record came) is not touched.
     # A job stopped part-way leaves its socket's byte stream out of step.
     def cancel(self, token: int) -> bool: ...
     # Cancel every job on ``fd`` and forget the fd; returns once applied.

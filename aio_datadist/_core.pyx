@@ -30,7 +30,7 @@ from aio_datadist._sys cimport (
     CLOCK_MONOTONIC, CLOCK_REALTIME, ECANCELED, ECONNRESET, EFD_CLOEXEC, EFD_NONBLOCK, EIO, ENODEV, EPOLL_CLOEXEC,
     EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLL_CTL_MOD, EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, ETIMEDOUT,
     IOV_MAX, RTLD_LOCAL, RTLD_NOW, clock_gettime, close, dlerror, dlopen, dlsym,
-    epoll_create1, epoll_ctl, epoll_event, epoll_wait, eventfd,
+    epoll_create1, epoll_ctl, epoll_event, epoll_wait, eventfd, getpid, pthread_atfork,
     pthread_cond_broadcast, pthread_cond_destroy, pthread_cond_init,
     pthread_cond_signal, pthread_cond_timedwait, pthread_cond_wait, pthread_create, pthread_join,
     pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock,
@@ -77,6 +77,38 @@ def live_objects():
     return dict(_live)
 
 
+#: This process's id, renewed in a forked child (``_after_fork_child``): an object whose ``_made_by`` differs
+#: was made by a parent process, whose threads are not here.
+cdef int _pid = getpid()
+
+
+cdef extern from *:
+    """
+    #include <new>
+    // Drop what a container holds without running its destructor (nor touching its memory): in a forked
+    // child the parent's threads may have been changing it at the fork. What it held is leaked.
+    template <class T> static inline void aio_forget(T &obj) { new (&obj) T(); }
+    """
+    void aio_forget[T](T &obj) noexcept nogil
+
+
+cdef inline bint _foreign(int made_by) noexcept nogil:
+    return made_by != _pid
+
+
+cdef int _check_here(str what, int made_by) except -1:
+    if made_by != _pid:
+        raise RuntimeError(f"this {what} was made by process {made_by}; this is a forked child (process {_pid}), "
+                           f"where its threads do not run: it can only be closed or dropped here")
+    return 0
+
+
+cdef _uncount(str kind):
+    # At interpreter exit the module's globals may already be None.
+    if _live is not None:
+        _live[kind] -= 1
+
+
 cdef array.array _new_u64(Py_ssize_t n):
     return array.clone(_U64, n, zero=False)
 
@@ -95,6 +127,7 @@ cdef class CompletionQueue:
     def __cinit__(self):
         # Until construction succeeds the object counts as closed, so that
         # __dealloc__ of a half-built object releases nothing it does not own.
+        self._made_by = _pid
         self._efd = -1
         self._closed = True
         pthread_mutex_init(&self._lock, NULL)
@@ -110,10 +143,11 @@ cdef class CompletionQueue:
     def __dealloc__(self):
         if self._counted:
             self._shutdown()
-        pthread_mutex_destroy(&self._lock)
+        if not _foreign(self._made_by):  # in a forked child a parent's thread may have held it: leaked
+            pthread_mutex_destroy(&self._lock)
 
     def __del__(self):
-        if self._counted:
+        if self._counted and not _foreign(self._made_by):
             _warnings.warn("CompletionQueue was not closed", ResourceWarning, stacklevel=2)
 
     cdef void push(self, uint64_t token, int32_t status, int64_t aux) noexcept nogil:
@@ -122,6 +156,8 @@ cdef class CompletionQueue:
         rec.token = token
         rec.status = status
         rec.aux = aux
+        if _foreign(self._made_by):
+            return  # a parent's eventfd: a write here would wake the parent's reader
         pthread_mutex_lock(&self._lock)
         if self._closed:
             pthread_mutex_unlock(&self._lock)
@@ -166,18 +202,28 @@ cdef class CompletionQueue:
             self._shutdown()
 
     cdef _shutdown(self):
-        pthread_mutex_lock(&self._lock)
-        self._closed = True
-        self._records.clear()
-        if self._efd >= 0:
-            close(self._efd)
-            self._efd = -1
-        pthread_mutex_unlock(&self._lock)
+        if _foreign(self._made_by):
+            # A forked child's copy: a parent's thread may have held the lock at the fork. Only this
+            # process's descriptor of the eventfd goes (the parent's stays open); the records are left.
+            self._closed = True
+            if self._efd >= 0:
+                close(self._efd)
+                self._efd = -1
+            aio_forget(self._records)
+        else:
+            pthread_mutex_lock(&self._lock)
+            self._closed = True
+            self._records.clear()
+            if self._efd >= 0:
+                close(self._efd)
+                self._efd = -1
+            pthread_mutex_unlock(&self._lock)
         if self._counted:
             self._counted = False
-            _live["CompletionQueue"] -= 1
+            _uncount("CompletionQueue")
 
     cdef _check_open(self):
+        _check_here("CompletionQueue", self._made_by)
         if self._closed:
             raise ValueError("CompletionQueue is closed")
 
@@ -213,6 +259,7 @@ cdef class HostCopyEngine:
                   uint64_t split_bytes=4 << 20):
         cdef int i
         cdef pthread_t tid
+        self._made_by = _pid
         self._closed = True
         self._stop = False
         pthread_mutex_init(&self._lock, NULL)
@@ -235,12 +282,15 @@ cdef class HostCopyEngine:
     def __dealloc__(self):
         if self._counted:
             self._shutdown()
-        pthread_cond_destroy(&self._cond)
-        pthread_cond_destroy(&self._over)
-        pthread_mutex_destroy(&self._lock)
+        if not _foreign(self._made_by):
+            # In a forked child the parent's copy threads were waiting on these at the fork and never leave:
+            # destroying them would wait forever. Leaked there.
+            pthread_cond_destroy(&self._cond)
+            pthread_cond_destroy(&self._over)
+            pthread_mutex_destroy(&self._lock)
 
     def __del__(self):
-        if self._counted:
+        if self._counted and not _foreign(self._made_by):
             _warnings.warn("HostCopyEngine was not closed", ResourceWarning, stacklevel=2)
 
     @property
@@ -260,6 +310,7 @@ cdef class HostCopyEngine:
         cdef CopySeg seg
         cdef CopyJob *job
         cdef CopyChunk chunk
+        _check_here("HostCopyEngine", self._made_by)
         if n % 3 != 0:
             raise ValueError("triples must hold dst, src, nbytes triples")
         if self._closed or self._stop:
@@ -356,6 +407,7 @@ cdef class HostCopyEngine:
         cdef CopyJob *job = NULL
         cdef CopyChunk chunk
         cdef size_t i, n
+        _check_here("HostCopyEngine", self._made_by)
         pthread_mutex_lock(&self._lock)
         it = self._jobs.find(token)
         if it != self._jobs.end():
@@ -391,6 +443,7 @@ cdef class HostCopyEngine:
         """
         cdef timespec deadline
         cdef bint over
+        _check_here("HostCopyEngine", self._made_by)
         if timeout < 0:
             timeout = 0
         with nogil:
@@ -406,6 +459,7 @@ cdef class HostCopyEngine:
     def pending(self):
         """Number of jobs whose record has not been posted yet."""
         cdef size_t n
+        _check_here("HostCopyEngine", self._made_by)
         pthread_mutex_lock(&self._lock)
         n = self._jobs.size()
         pthread_mutex_unlock(&self._lock)
@@ -459,22 +513,30 @@ cdef class HostCopyEngine:
 
     cdef _shutdown(self):
         cdef size_t i
-        pthread_mutex_lock(&self._lock)
-        self._stop = True
-        it = self._jobs.begin()
-        while it != self._jobs.end():
-            deref(it).second.cancelled = True
-            inc(it)
-        pthread_mutex_unlock(&self._lock)
-        pthread_cond_broadcast(&self._cond)
-        with nogil:
-            for i in range(self._threads.size()):
-                pthread_join(self._threads[i], NULL)
+        if _foreign(self._made_by):
+            # A forked child: the copy threads are the parent's (none to join here) and one may have held the
+            # lock at the fork. The queued jobs are let go of, not freed: a parent's thread may have been
+            # changing the containers.
+            self._stop = True
+            aio_forget(self._chunks)
+            aio_forget(self._jobs)
+        else:
+            pthread_mutex_lock(&self._lock)
+            self._stop = True
+            it = self._jobs.begin()
+            while it != self._jobs.end():
+                deref(it).second.cancelled = True
+                inc(it)
+            pthread_mutex_unlock(&self._lock)
+            pthread_cond_broadcast(&self._cond)
+            with nogil:
+                for i in range(self._threads.size()):
+                    pthread_join(self._threads[i], NULL)
         self._threads.clear()
         self._closed = True
         if self._counted:
             self._counted = False
-            _live["HostCopyEngine"] -= 1
+            _uncount("HostCopyEngine")
 
 
 # --------------------------------------------------------------------------
@@ -551,6 +613,7 @@ cdef bint _fill_job(IoJob *job, const uint64_t[::1] pairs, bint gated, uint64_t 
     job.moved = 0
     job.total = 0
     job.gate = NULL
+    job.serial = 0
     if gated:
         if n < 2 or pairs[1] != GATE_BYTES_C:
             raise ValueError(f"a gated receive starts with its {GATE_BYTES_C}-byte header")
@@ -670,6 +733,7 @@ cdef class SocketEngine:
     """
 
     def __cinit__(self, CompletionQueue queue not None):
+        self._made_by = _pid
         self._epfd = -1
         self._wakefd = -1
         self._closed = True
@@ -677,6 +741,7 @@ cdef class SocketEngine:
         self._started = False
         self._commands_sent = 0
         self._commands_done = 0
+        self._serials = 0
         pthread_mutex_init(&self._lock, NULL)
         pthread_cond_init(&self._acked, NULL)
         queue._check_open()
@@ -701,11 +766,12 @@ cdef class SocketEngine:
     def __dealloc__(self):
         if self._counted:
             self._shutdown()
-        pthread_cond_destroy(&self._acked)
-        pthread_mutex_destroy(&self._lock)
+        if not _foreign(self._made_by):  # in a forked child the parent's thread may hold or wait on them: leaked
+            pthread_cond_destroy(&self._acked)
+            pthread_mutex_destroy(&self._lock)
 
     def __del__(self):
-        if self._counted:
+        if self._counted and not _foreign(self._made_by):
             _warnings.warn("SocketEngine was not closed", ResourceWarning, stacklevel=2)
 
     cdef _release_fds(self):
@@ -716,12 +782,16 @@ cdef class SocketEngine:
             close(self._wakefd)
             self._wakefd = -1
 
+    cdef uint64_t _enqueue(self, IoCommand cmd) noexcept nogil:
+        # With the lock held: queue a command for the engine thread (the caller wakes it); its ticket.
+        self._commands.push_back(cmd)
+        self._commands_sent += 1
+        return self._commands_sent
+
     cdef uint64_t _post(self, IoCommand cmd) noexcept nogil:
         cdef uint64_t one = 1, ticket
         pthread_mutex_lock(&self._lock)
-        self._commands.push_back(cmd)
-        self._commands_sent += 1
-        ticket = self._commands_sent
+        ticket = self._enqueue(cmd)
         pthread_mutex_unlock(&self._lock)
         write(self._wakefd, &one, 8)
         return ticket
@@ -730,6 +800,8 @@ cdef class SocketEngine:
                 uint64_t gate_id=0):
         cdef IoJob *job
         cdef IoCommand cmd
+        cdef uint64_t total, one = 1
+        _check_here("SocketEngine", self._made_by)
         if fd < 0:
             raise ValueError("fd must be a valid descriptor")
         if self._closed:
@@ -743,19 +815,25 @@ cdef class SocketEngine:
         except BaseException:
             del job
             raise
+        total = job.total  # read now: once posted, the engine thread may end and free the job at any time
+        cmd.kind = CMD_SUBMIT
+        cmd.job = job
+        cmd.token = token
+        cmd.fd = fd
         pthread_mutex_lock(&self._lock)
         if self._jobs.count(token):
             pthread_mutex_unlock(&self._lock)
             del job
             raise ValueError(f"token {token} is already in use")
+        self._serials += 1
+        job.serial = self._serials
+        cmd.serial = job.serial
         self._jobs[token] = job
+        # Queued under the same lock: a cancel that finds the job in _jobs is always applied after its submit.
+        self._enqueue(cmd)
         pthread_mutex_unlock(&self._lock)
-        cmd.kind = CMD_SUBMIT
-        cmd.job = job
-        cmd.token = token
-        cmd.fd = fd
-        self._post(cmd)
-        return job.total
+        write(self._wakefd, &one, 8)
+        return total
 
     def submit_send(self, uint64_t token, int fd, const uint64_t[::1] pairs not None):
         """Queue a send of ``[addr0, n0, addr1, n1, ...]``; returns its byte count."""
@@ -786,30 +864,40 @@ cdef class SocketEngine:
         socket out of step: the caller must then drop that connection.
         """
         cdef IoCommand cmd
-        cdef bint found
+        cdef bint found = False
+        cdef uint64_t one = 1
+        _check_here("SocketEngine", self._made_by)
         if self._closed:
             return False
         pthread_mutex_lock(&self._lock)
-        found = self._jobs.count(token) > 0
-        pthread_mutex_unlock(&self._lock)
-        if found:
+        it = self._jobs.find(token)
+        if it != self._jobs.end():
+            # The command names this job by its serial: by the time the engine thread applies it the job may
+            # have ended and its token named a new job, which the cancel must not touch.
+            found = True
             cmd.kind = CMD_CANCEL
             cmd.job = NULL
             cmd.token = token
-            cmd.fd = -1
-            self._post(cmd)
+            cmd.fd = deref(it).second.fd
+            cmd.serial = deref(it).second.serial
+            self._enqueue(cmd)
+        pthread_mutex_unlock(&self._lock)
+        if found:
+            write(self._wakefd, &one, 8)
         return found
 
     def detach(self, int fd):
         """Cancel every job on ``fd`` and forget it; returns once applied."""
         cdef IoCommand cmd
         cdef uint64_t ticket
+        _check_here("SocketEngine", self._made_by)
         if self._closed:
             return
         cmd.kind = CMD_DETACH
         cmd.job = NULL
         cmd.token = 0
         cmd.fd = fd
+        cmd.serial = 0
         with nogil:
             ticket = self._post(cmd)
             pthread_mutex_lock(&self._lock)
@@ -820,6 +908,7 @@ cdef class SocketEngine:
     def pending(self):
         """Number of jobs whose record has not been posted yet."""
         cdef size_t n
+        _check_here("SocketEngine", self._made_by)
         pthread_mutex_lock(&self._lock)
         n = self._jobs.size()
         pthread_mutex_unlock(&self._lock)
@@ -827,7 +916,9 @@ cdef class SocketEngine:
 
     cdef void _finish(self, IoJob *job, int32_t status) noexcept nogil:
         pthread_mutex_lock(&self._lock)
-        self._jobs.erase(job.token)
+        jt = self._jobs.find(job.token)
+        if jt != self._jobs.end() and deref(jt).second == job:
+            self._jobs.erase(jt)
         pthread_mutex_unlock(&self._lock)
         self._queue.push(job.token, status, <int64_t>job.moved)
         del job
@@ -894,8 +985,6 @@ cdef class SocketEngine:
         cdef FdState *st
         cdef IoJob *job
         cdef size_t i
-        cdef int fd
-        cdef bint found
         if cmd.kind == CMD_SUBMIT:
             it = self._fds.find(cmd.fd)
             if it == self._fds.end():
@@ -913,29 +1002,28 @@ cdef class SocketEngine:
                 st.recvs.push_back(cmd.job)
             self._update_interest(cmd.fd, st)
         elif cmd.kind == CMD_CANCEL:
-            pthread_mutex_lock(&self._lock)
-            jt = self._jobs.find(cmd.token)
-            job = NULL
-            if jt != self._jobs.end():
-                job = deref(jt).second
-            pthread_mutex_unlock(&self._lock)
-            if job == NULL:
+            # Only the job with the command's serial, and only while it is queued on its fd: one that ended
+            # (its token perhaps reused by a newer job already) or whose fd was detached is left alone.
+            it = self._fds.find(cmd.fd)
+            if it == self._fds.end():
                 return
-            st = self._fds[job.fd]
-            found = False
+            st = deref(it).second
+            job = NULL
             for i in range(st.sends.size()):
-                if st.sends[i] == job:
+                if st.sends[i].serial == cmd.serial:
+                    job = st.sends[i]
                     st.sends.erase(st.sends.begin() + i)
-                    found = True
                     break
-            if not found:
+            if job == NULL:
                 for i in range(st.recvs.size()):
-                    if st.recvs[i] == job:
+                    if st.recvs[i].serial == cmd.serial:
+                        job = st.recvs[i]
                         st.recvs.erase(st.recvs.begin() + i)
                         break
-            fd = job.fd
+            if job == NULL:
+                return
             self._finish(job, -ECANCELED)
-            self._update_interest(fd, st)
+            self._update_interest(cmd.fd, st)
         elif cmd.kind == CMD_DETACH:
             it = self._fds.find(cmd.fd)
             if it != self._fds.end():
@@ -1009,7 +1097,16 @@ cdef class SocketEngine:
         cmd.job = NULL
         cmd.token = 0
         cmd.fd = -1
-        if self._started:
+        cmd.serial = 0
+        if _foreign(self._made_by):
+            # A forked child: the engine thread is the parent's (nothing to stop or join here), the wake
+            # eventfd and the epoll set are shared with it, and it may have held the lock at the fork. Only
+            # this process's descriptors go; the jobs and fd states are let go of, not freed.
+            self._started = False
+            aio_forget(self._commands)
+            aio_forget(self._fds)
+            aio_forget(self._jobs)
+        elif self._started:
             self._post(cmd)
             with nogil:
                 pthread_join(self._thread, NULL)
@@ -1018,7 +1115,7 @@ cdef class SocketEngine:
         self._closed = True
         if self._counted:
             self._counted = False
-            _live["SocketEngine"] -= 1
+            _uncount("SocketEngine")
 
 
 # --------------------------------------------------------------------------
@@ -1805,7 +1902,7 @@ _reporters = {}
 def _acl_reporter(AclDriver acl):
     """The process's one report thread for ``acl`` (started on the first subscription)."""
     found = _reporters.get(acl.library)
-    if found is None:
+    if found is None or _foreign((<_AclReporter>found)._made_by):  # a parent's: its thread is not here
         found = _reporters[acl.library] = _AclReporter(acl)
     return found
 
@@ -1821,6 +1918,7 @@ cdef class _AclReporter:
     """
 
     def __cinit__(self, AclDriver acl):
+        self._made_by = _pid
         self._acl = acl
         self._ctx = NULL
         self._started = False
@@ -1831,6 +1929,8 @@ cdef class _AclReporter:
 
     def __dealloc__(self):
         # Module-lifetime object: reached only at interpreter exit.
+        if _foreign(self._made_by):
+            return  # a forked child's copy: the thread to join is the parent's; its lock may be held
         if self._started:
             pthread_mutex_lock(&self._lock)
             self._stop = True
@@ -1883,6 +1983,7 @@ cdef class _AclReporter:
     cdef int _subscribe(self, uint64_t stream, aclrtContext ctx) except -1:
         cdef aclError arc
         cdef bint fresh = False
+        _check_here("Ascend report thread", self._made_by)
         pthread_mutex_lock(&self._lock)
         if self._ctx == NULL:
             self._ctx = ctx
@@ -1958,6 +2059,7 @@ cdef class StreamNotifier:
                   int poll_us=0):
         cdef aclError arc
         cdef int err
+        self._made_by = _pid
         self._closed = True
         self._state = NULL
         self._watch = NULL
@@ -2016,7 +2118,7 @@ cdef class StreamNotifier:
             self._shutdown(1.0)
 
     def __del__(self):
-        if self._counted:
+        if self._counted and not _foreign(self._made_by):
             _warnings.warn("StreamNotifier was not closed", ResourceWarning, stacklevel=2)
 
     @property
@@ -2040,6 +2142,7 @@ cdef class StreamNotifier:
     def watch_counts(self):
         """``(early, expired)``: records the watcher posted before the host function, and watched
         notifications it gave up to the host function (window over, or a driver error)."""
+        _check_here("StreamNotifier", self._made_by)
         if self._watch == NULL or self._state == NULL:
             return (0, 0)
         pthread_mutex_lock(&self._state.lock)  # what _watch_done writes them under
@@ -2075,6 +2178,7 @@ cdef class StreamNotifier:
         cdef WatchItem item
         cdef NotifyState *st
         cdef bint watching
+        _check_here("StreamNotifier", self._made_by)
         if self._closed:
             raise ValueError("StreamNotifier is closed")
         if self._backend == BACKEND_CUDA:
@@ -2169,6 +2273,7 @@ cdef class StreamNotifier:
         cdef size_t i
         cdef vector[uint64_t] kept
         cdef bint found = False
+        _check_here("StreamNotifier", self._made_by)
         if self._backend != BACKEND_NPU:
             return
         for i in range(self._subscribed.size()):
@@ -2197,12 +2302,14 @@ cdef class StreamNotifier:
 
         Idempotent; True if the token was pending.
         """
+        _check_here("StreamNotifier", self._made_by)
         if self._state == NULL:
             return False
         return _state_cancel(self._state, token)
 
     def pending(self):
         """Notifications whose record has not been posted yet."""
+        _check_here("StreamNotifier", self._made_by)
         if self._state == NULL:
             return 0
         return _state_pending(self._state)
@@ -2216,6 +2323,10 @@ cdef class StreamNotifier:
         ResourceWarning says so) so that a late host function stays safe.
         The retained CUDA primary context and the Ascend report subscriptions
         are given back. Idempotent.
+
+        In a forked child, for a notifier of the parent: nothing is waited
+        for or given back (the host functions, threads and subscriptions are
+        the parent's); the notifier is only marked closed, and False returned.
         """
         if self._counted:
             return self._shutdown(timeout)
@@ -2225,6 +2336,18 @@ cdef class StreamNotifier:
         cdef bint drained = True
         cdef size_t i
         self._closed = True
+        if _foreign(self._made_by):
+            # A forked child: the bookkeeping is shared with the parent's host functions and watcher thread
+            # (one of which may have held its lock at the fork), the context and subscriptions are the
+            # parent's. Let go of, not freed nor released.
+            self._state = NULL
+            self._watch = NULL
+            self._retained = False
+            self._subscribed.clear()
+            if self._counted:
+                self._counted = False
+                _uncount("StreamNotifier")
+            return False
         if self._state != NULL:
             with nogil:
                 drained = _state_drain(self._state, timeout_s)
@@ -2258,7 +2381,7 @@ cdef class StreamNotifier:
             self._state = NULL
         if self._counted:
             self._counted = False
-            _live["StreamNotifier"] -= 1
+            _uncount("StreamNotifier")
         return drained
 
 
@@ -2269,6 +2392,19 @@ cdef pthread_mutex_t _event_lock
 cdef pthread_cond_t _event_cond
 pthread_mutex_init(&_event_lock, NULL)
 pthread_cond_init(&_event_cond, NULL)
+
+
+cdef void _after_fork_child() noexcept nogil:
+    # In a forked child, the only thread: the parent's threads are gone and a lock one of them held at the
+    # fork would stay held. The objects the parent made see a new process id (and only let go); the global
+    # lock of host events, shared by every stream, is made anew for the streams this process makes.
+    global _pid
+    _pid = getpid()
+    pthread_mutex_init(&_event_lock, NULL)
+    pthread_cond_init(&_event_cond, NULL)
+
+
+pthread_atfork(NULL, NULL, _after_fork_child)
 
 
 cdef HostEvent *_event_new(int refs) noexcept nogil:
@@ -2294,8 +2430,15 @@ cdef class HostGate:
     """Test aid: a point in a :class:`HostStream` it does not pass until :meth:`open` (or the stream closes)."""
 
     cdef HostEvent *_event
+    cdef int _made_by
+
+    def __cinit__(self):
+        self._made_by = _pid
+        self._event = NULL
 
     def __dealloc__(self):
+        if self._event != NULL and _foreign(self._made_by):
+            self._event = NULL  # a parent's gate: its stream is the parent's; the event is let go of
         if self._event != NULL:
             pthread_mutex_lock(&_event_lock)
             self._event.done = True
@@ -2305,6 +2448,7 @@ cdef class HostGate:
             self._event = NULL
 
     def open(self):
+        _check_here("HostGate", self._made_by)
         if self._event != NULL:
             pthread_mutex_lock(&_event_lock)
             self._event.done = True
@@ -2325,6 +2469,7 @@ cdef class HostStream:
     """
 
     def __cinit__(self):
+        self._made_by = _pid
         pthread_mutex_init(&self._lock, NULL)
         pthread_cond_init(&self._cond, NULL)
         self._stop = False
@@ -2342,8 +2487,9 @@ cdef class HostStream:
     def __dealloc__(self):
         if self._started:
             self._close()
-        pthread_cond_destroy(&self._cond)
-        pthread_mutex_destroy(&self._lock)
+        if not _foreign(self._made_by):  # in a forked child the parent's thread may wait on them: leaked
+            pthread_cond_destroy(&self._cond)
+            pthread_mutex_destroy(&self._lock)
 
     @property
     def handle(self):
@@ -2396,6 +2542,7 @@ cdef class HostStream:
             del op
 
     cdef int _push(self, HostOp *op) except -1:
+        _check_here("HostStream", self._made_by)
         pthread_mutex_lock(&self._lock)
         if self._stop:
             pthread_mutex_unlock(&self._lock)
@@ -2438,6 +2585,8 @@ cdef class HostStream:
         cdef HostOp *signal
         cdef HostOp *wait
         cdef HostEvent *ev
+        _check_here("HostStream", self._made_by)
+        _check_here("HostStream", other._made_by)
         if other is self:
             return
         ev = _event_new(2)
@@ -2467,7 +2616,9 @@ cdef class HostStream:
         """Test aid: hold the stream at this point until the returned :class:`HostGate` is opened."""
         cdef HostOp *wait
         cdef HostEvent *ev
-        cdef HostGate gate = HostGate.__new__(HostGate)
+        cdef HostGate gate
+        _check_here("HostStream", self._made_by)
+        gate = HostGate.__new__(HostGate)
         ev = _event_new(2)
         wait = new HostOp()
         wait.kind = OP_WAIT
@@ -2483,6 +2634,7 @@ cdef class HostStream:
 
     def pending(self):
         """Operations enqueued and not finished yet."""
+        _check_here("HostStream", self._made_by)
         return self._enqueued - self._done
 
     def synchronize(self, double timeout=30.0):
@@ -2490,6 +2642,7 @@ cdef class HostStream:
         cdef uint64_t target
         cdef timespec deadline
         cdef bint ok = True
+        _check_here("HostStream", self._made_by)
         pthread_mutex_lock(&self._lock)
         target = self._enqueued
         pthread_mutex_unlock(&self._lock)
@@ -2509,23 +2662,28 @@ cdef class HostStream:
             self._close()
 
     cdef _close(self):
-        pthread_mutex_lock(&self._lock)
-        self._stop = True
-        pthread_cond_broadcast(&self._cond)
-        pthread_mutex_unlock(&self._lock)
-        pthread_mutex_lock(&_event_lock)
-        pthread_cond_broadcast(&_event_cond)
-        pthread_mutex_unlock(&_event_lock)
-        with nogil:
-            pthread_join(self._thread, NULL)
+        if _foreign(self._made_by):
+            # A forked child: the stream's thread is the parent's (nothing to wake or join here) and may have
+            # held the lock at the fork; the queued operations are let go of, not freed.
+            self._stop = True
+            aio_forget(self._ops)
+        else:
+            pthread_mutex_lock(&self._lock)
+            self._stop = True
+            pthread_cond_broadcast(&self._cond)
+            pthread_mutex_unlock(&self._lock)
+            pthread_mutex_lock(&_event_lock)
+            pthread_cond_broadcast(&_event_cond)
+            pthread_mutex_unlock(&_event_lock)
+            with nogil:
+                pthread_join(self._thread, NULL)
         self._started = False
         # At interpreter exit (a stream never closed) the module's globals may already be None.
         if _host_streams is not None:
             _host_streams.pop(<size_t><void *>self, None)
         if self._counted:
             self._counted = False
-            if _live is not None:
-                _live["HostStream"] -= 1
+            _uncount("HostStream")
 
 
 cdef void *_line_fire_main(void *arg) noexcept nogil:
@@ -2546,6 +2704,7 @@ cdef class _HostFnLine:
     """
 
     def __cinit__(self, CompletionQueue queue not None):
+        self._made_by = _pid
         queue._check_open()
         self._queue = queue
         self._state = _state_new(queue)
@@ -2557,16 +2716,19 @@ cdef class _HostFnLine:
             self.close()
 
     def enqueue(self, uint64_t token, int64_t aux=0):
+        _check_here("_HostFnLine", self._made_by)
         if self._state == NULL:
             raise ValueError("_HostFnLine is closed")
         self._line.push_back(_state_arm(self._state, token, aux))
 
     def cancel(self, uint64_t token):
+        _check_here("_HostFnLine", self._made_by)
         if self._state == NULL:
             return False
         return _state_cancel(self._state, token)
 
     def pending(self):
+        _check_here("_HostFnLine", self._made_by)
         if self._state == NULL:
             return 0
         return _state_pending(self._state)
@@ -2575,6 +2737,7 @@ cdef class _HostFnLine:
         """Run the host functions of the ``count`` oldest entries on a native thread; returns how many ran."""
         cdef vector[NotifySlot *] batch
         cdef pthread_t tid
+        _check_here("_HostFnLine", self._made_by)
         while batch.size() < count and not self._line.empty():
             batch.push_back(self._line.front())
             self._line.pop_front()
@@ -2591,9 +2754,14 @@ cdef class _HostFnLine:
         """Fire whatever is left (as a stream finishing its work would), then release."""
         if not self._counted:
             return
-        self.fire(self._line.size())
-        _state_drain(self._state, 0.0)
-        _state_free(self._state)
+        if _foreign(self._made_by):
+            # A forked child: the records would go to the parent's queue and its lock may be held; the
+            # entries and the bookkeeping are let go of.
+            self._line.clear()
+        else:
+            self.fire(self._line.size())
+            _state_drain(self._state, 0.0)
+            _state_free(self._state)
         self._state = NULL
         self._counted = False
-        _live["_HostFnLine"] -= 1
+        _uncount("_HostFnLine")

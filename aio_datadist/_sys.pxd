@@ -54,6 +54,7 @@ cdef extern from "<unistd.h>" nogil:
     ssize_t read(int fd, void *buf, size_t count)
     ssize_t write(int fd, const void *buf, size_t count)
     int close(int fd)
+    int getpid()
 
 cdef extern from "<limits.h>" nogil:
     int IOV_MAX
@@ -83,6 +84,8 @@ cdef extern from "<sched.h>" nogil:
 
 cdef extern from "<pthread.h>" nogil:
     int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const timespec *abstime)
+    int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
+                       void (*child)() noexcept nogil)
 
 cdef extern from "<errno.h>" nogil:
     int ENODEV

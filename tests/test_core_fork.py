@@ -1,0 +1,335 @@
+"""The native core across ``fork``, and a cancel that comes after its job ended.
+
+Each case runs a script in a process of its own (and its own session, killed whole on a time-out), so a
+hang cannot take the test run down. Each failed before:
+
+* a forked child of a process with engines never exited: freeing the inherited ``HostCopyEngine`` destroyed
+  condition variables the parent's copy threads waited on (they do not exist in the child), ``HostStream``
+  joined a thread that is not there, ``SocketEngine.detach`` waited for the parent's engine thread, and a
+  lock a parent's thread held at the fork stayed held in the child;
+* ``SocketEngine.cancel(t)`` applied after job ``t`` ended hit the next job submitted under ``t`` (freed it
+  while its submit was still queued: a double free), or, on a socket with no jobs yet, dereferenced a null
+  fd state.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+#: What every script starts with: ``reap(pid)`` waits for a forked child at most ``bound`` seconds and kills
+#: it past that ("hung").
+PRELUDE = '''
+import os, signal, sys, time
+from aio_datadist import _core
+
+
+def reap(pid, bound=3.0):
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "hung"
+'''
+
+
+def run(*parts: str, args: tuple[str, ...] = (), timeout: float = 30) -> str:
+    """Run ``PRELUDE`` and ``parts`` with ``args``; its stdout (a non-zero exit or a time-out fails the test)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+           "CUDA_VISIBLE_DEVICES": ""}
+    script = "\n".join(map(textwrap.dedent, (PRELUDE, *parts)))
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {out}\n{err[-3000:]}") from None
+    assert proc.returncode == 0, (proc.returncode, out, err[-3000:])
+    return out
+
+
+#: ``freeze(tid)`` stops thread ``tid`` for 1 s wherever it is (a SIGHUP handler that is ``sleep``: sleep(1)),
+#: with no GIL and no Python involved; ``tids()`` lists the process's threads.
+FREEZER = '''
+import ctypes
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.signal.restype = ctypes.c_void_p
+libc.signal(signal.SIGHUP, ctypes.cast(libc.sleep, ctypes.c_void_p).value)
+
+
+def tids():
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def freeze(tid):
+    libc.syscall(234, os.getpid(), tid, signal.SIGHUP)  # tgkill
+'''
+
+
+# The parent's objects, each with a thread waiting (or a lock shared with one), as in any idle endpoint;
+# a notification waits behind a gate on the host stream.
+ENGINES = '''
+import array
+import numpy as np
+
+q = _core.CompletionQueue()
+copier = _core.HostCopyEngine(q, threads=2)
+sockets = _core.SocketEngine(q)
+stream = _core.HostStream()
+notifier = _core.StreamNotifier(q, "host")
+line = _core._HostFnLine(q)
+gate = stream.gate()
+notifier.notify(7, stream.handle)
+line.enqueue(8)
+src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+triples = array.array("Q", [dst.ctypes.data, src.ctypes.data, 64])
+time.sleep(0.1)
+
+
+def parent_still_works():
+    """After the child: the parent's objects are untouched (its fds open, its threads there)."""
+    gate.open()
+    assert stream.synchronize(2.0)
+    copier.submit(1, triples)
+    got, deadline = [], time.monotonic() + 2
+    while len(got) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        got += q.drain()
+    assert sorted(got) == [(1, 0, 64), (7, 0, 0)], got
+    assert bytes(dst) == bytes(src)
+    line.close(); notifier.close(); stream.close(); sockets.close(); copier.close(); q.close()
+    assert not any(_core.live_objects().values()), _core.live_objects()
+    return "ok"
+'''
+
+
+def test_a_forked_child_lets_go_of_the_parents_engines_and_exits():
+    """The child ends (its interpreter frees the parent's objects), drops them, or closes them: each way it
+    exits at once, its counts of live objects end at zero, and the parent's objects go on working."""
+    out = run(ENGINES, '''
+    results = {}
+    for mode in ("exit", "drop", "close"):
+        pid = os.fork()
+        if pid == 0:
+            if mode == "drop":
+                del q, copier, sockets, stream, notifier, line, gate
+                import gc; gc.collect()
+            elif mode == "close":
+                for obj in (line, notifier, stream, sockets, copier, q, line, copier):  # twice: idempotent
+                    obj.close()
+                gate = None
+                assert not any(_core.live_objects().values()), _core.live_objects()
+                assert q.closed
+            sys.exit(0)
+        results[mode] = reap(pid)
+    print("children:", results)
+    print("parent:", parent_still_works())
+    ''')
+    assert "children: {'exit': 0, 'drop': 0, 'close': 0}" in out, out
+    assert "parent: ok" in out, out
+
+
+def test_a_forked_child_of_a_process_with_an_endpoint_exits():
+    """An initialised endpoint (its copy threads idle), then a fork: a child that just ends, and one that first
+    lets go of the parent's endpoint as documented (``finalize`` in the child), both exit."""
+    out = run('''
+    import asyncio
+    from aio_datadist import LLMDataDist, LLMRole
+    from peers import options
+
+    loop = asyncio.new_event_loop()
+    dd = LLMDataDist(LLMRole.DECODER, 7)
+    loop.run_until_complete(dd.init(options()))
+    time.sleep(0.1)
+    results = {}
+    for mode in ("exit", "finalize"):
+        pid = os.fork()
+        if pid == 0:
+            if mode == "finalize":
+                asyncio.run(dd.finalize())
+                del dd
+                import gc; gc.collect()
+            sys.exit(0)
+        results[mode] = reap(pid)
+    print("children:", results)
+    loop.run_until_complete(dd.finalize())
+    loop.close()
+    ''')
+    assert "children: {'exit': 0, 'finalize': 0}" in out, out
+
+
+def test_a_forked_child_is_refused_work_on_the_parents_objects_and_can_make_its_own():
+    """Each call that would submit, wait or read the parent's eventfd raises at once in the child (it would
+    hang, or steal the parent's wake-ups); objects the child makes work there."""
+    out = run(ENGINES, '''
+    pid = os.fork()
+    if pid == 0:
+        refused = []
+        calls = {
+            "drain": q.drain, "post": lambda: q.post(1), "fileno": q.fileno,
+            "copy": lambda: copier.submit(2, triples), "copy.cancel": lambda: copier.cancel(2),
+            "copy.wait": lambda: copier.wait(2, 1.0), "copy.pending": copier.pending,
+            "send": lambda: sockets.submit_send(3, 0, array.array("Q", [0, 0])),
+            "recv": lambda: sockets.submit_recv(3, 0, array.array("Q", [0, 0])),
+            "socket.cancel": lambda: sockets.cancel(3), "detach": lambda: sockets.detach(0),
+            "socket.pending": sockets.pending,
+            "enqueue": lambda: stream.enqueue_copies(*(array.array("Q", [v]) for v in triples)),
+            "synchronize": lambda: stream.synchronize(1.0), "gate": stream.gate,
+            "notify": lambda: notifier.notify(9, stream.handle), "notify.cancel": lambda: notifier.cancel(7),
+            "line": lambda: line.enqueue(9), "fire": lambda: line.fire(1),
+            "engine on its queue": lambda: _core.HostCopyEngine(q),
+        }
+        for name, call in calls.items():
+            try:
+                call()
+            except RuntimeError as exc:
+                if "forked child" in str(exc) and str(os.getppid()) in str(exc):
+                    refused.append(name)
+        q2 = _core.CompletionQueue()
+        copier2 = _core.HostCopyEngine(q2, threads=1)
+        dst[:] = 0
+        copier2.submit(1, triples)
+        got, deadline = [], time.monotonic() + 2
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+            got = q2.drain()
+        own = "ok" if got == [(1, 0, 64)] and bytes(dst) == bytes(src) else f"failed: {got}"
+        copier2.close(); q2.close()
+        print("refused:", sorted(set(calls) - set(refused)) or "all", "own:", own, flush=True)
+        os._exit(0)
+    print("child:", reap(pid))
+    print("parent:", parent_still_works())
+    ''')
+    assert "refused: all own: ok" in out, out
+    assert "child: 0" in out and "parent: ok" in out, out
+
+
+def test_a_forked_child_closes_a_queue_whose_lock_a_parent_thread_held():
+    """The copy threads post a stream of records, each under the queue's lock (and slow: 256 epoll sets watch
+    the queue's eventfd), when they are stopped where they are for 1 s (a SIGHUP handler that sleeps, on
+    those threads only), one of them as a rule inside a post; the process forks then. The child closes the
+    inherited queue, and exits. Two rounds, since a round catches the lock held about nine times in ten."""
+    out = run(FREEZER, '''
+    import array, select
+    q = _core.CompletionQueue()
+    watchers = [select.epoll() for _ in range(256)]
+    for w in watchers:
+        w.register(q.fileno(), select.EPOLLIN)
+    before = tids()
+    copier = _core.HostCopyEngine(q, threads=2)
+    time.sleep(0.02)
+    workers = tids() - before
+    empty = array.array("Q")
+    children = []
+    for first in (1, 20001):
+        for token in range(first, first + 20000):  # jobs without bytes: the threads do little but post
+            copier.submit(token, empty)
+        for tid in workers:
+            freeze(tid)
+        time.sleep(0.01)
+        pid = os.fork()
+        if pid == 0:
+            q.close()
+            os._exit(0)
+        children.append(reap(pid, 1.0))
+        while copier.pending():  # the threads are back and done
+            time.sleep(0.02)
+        q.drain()
+    print("children:", children)
+    copier.close(); q.close()
+    for w in watchers:
+        w.close()
+    ''')
+    assert "children: [0, 0]" in out, out
+
+
+# The engine thread is held for 1 s inside epoll_wait (a SIGHUP handler that sleeps, on that thread only);
+# meanwhile job 1 becomes able to end, 60 other sockets fill, and then cancel(1) is posted. When the thread
+# wakes it ends job 1, then spends a while reading the 60 sockets, during which the caller sees job 1's
+# record and submits a new job under token 1 (on the same socket, or on a fresh one the engine has no state
+# for); the stale cancel is applied after that.
+CANCEL_REUSE = '''
+import array, select, socket
+import numpy as np
+
+
+def pair():
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.setblocking(False)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    return a, b
+
+
+where = sys.argv[1]
+q = _core.CompletionQueue()
+before = tids()
+eng = _core.SocketEngine(q)
+time.sleep(0.05)
+(io_tid,) = tids() - before
+a, a2 = pair()
+fresh, fresh2 = pair()
+others = [pair() for _ in range(60)]
+CHUNK = 1 << 20
+bufs = [np.empty(CHUNK * 4, np.uint8) for _ in others]  # never touched: the reads fault their pages in
+one = np.zeros(8, np.uint8)
+eng.submit_recv(1, a.fileno(), array.array("Q", [one.ctypes.data, 1]))
+for i, ((b, _), buf) in enumerate(zip(others, bufs)):
+    eng.submit_recv(100 + i, b.fileno(), array.array("Q", [buf.ctypes.data, buf.nbytes]))
+time.sleep(0.05)
+freeze(io_tid)
+time.sleep(0.05)
+a2.send(b"x")
+payload = b"z" * CHUNK
+for _, b2 in others:
+    view = memoryview(payload)
+    while view:
+        try:
+            view = view[b2.send(view):]
+        except BlockingIOError:
+            break
+print("cancel(1):", eng.cancel(1), flush=True)
+records, resubmitted = [], False
+deadline = time.monotonic() + 5
+while time.monotonic() < deadline:
+    select.select([q.fileno()], [], [], 0.05)
+    for rec in q.drain():
+        records.append(rec)
+        if rec[0] == 1 and not resubmitted:
+            resubmitted = True  # token 1 is over: the caller may use it again
+            sock, peer = (a, a2) if where == "same" else (fresh, fresh2)
+            eng.submit_recv(1, sock.fileno(), array.array("Q", [one.ctypes.data + 1, 1]))
+            peer.send(b"y")
+    if resubmitted and sum(1 for r in records if r[0] == 1) >= 2:
+        break
+print("token 1 records:", [r for r in records if r[0] == 1], flush=True)
+print("second byte:", bytes(one[1:2]), flush=True)
+eng.close(); q.close()
+'''
+
+
+@pytest.mark.parametrize("where", ["same", "fresh"])
+def test_a_stale_cancel_does_not_hit_the_next_job_under_its_token(where):
+    """The new job under token 1 (on the same socket, or on one the engine has no state for yet) is not
+    cancelled: both records are successes and the new job's byte lands."""
+    out = run(FREEZER, CANCEL_REUSE, args=(where,))
+    assert "cancel(1): True" in out, out
+    assert "token 1 records: [(1, 0, 1), (1, 0, 1)]" in out, out
+    assert "second byte: b'y'" in out, out
