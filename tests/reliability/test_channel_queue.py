@@ -298,21 +298,27 @@ async def test_the_peers_reset_of_the_connection_we_are_redialling_has_it_dialle
         assert all(torch.equal(d[0], v[0]) for d, v in zip(dst.tensors, values, strict=True))
 
 
+async def _redialling_the_peers_channel(prompt: LLMDataDist, decoder: LLMDataDist) -> tuple[Any, Any]:
+    """The decoder's and the prompt's links, once the prompt reset its channel 1 and the decoder redials it,
+    a redial that waits (up to 10 s) as if the prompt held its ``ATTACH_OK``."""
+    ours, theirs = link_to(decoder, 1), link_to(prompt, 2)
+    dial = ours._redial_data
+
+    async def stalled_dial(*args: Any) -> Any:
+        await asyncio.sleep(10)
+        return await dial(*args)
+
+    ours._redial_data = stalled_dial
+    theirs.send(Msg.ABORT, 0, channel=1, generation=ours.channels[1].generation)
+    await _until(lambda: 1 in ours.redialling)
+    return ours, theirs
+
+
 async def test_a_link_closed_while_a_request_waits_for_a_redial_ends_its_tasks_cleanly() -> None:
     """Closing the link cancels a request's wait for the redial, never the redial's own future. Before, the
     redial's end then raised ``InvalidStateError`` in a task nobody awaited (found by audit)."""
     async with _pair() as (prompt, decoder):
-        ours, theirs = link_to(decoder, 1), link_to(prompt, 2)
-        never = asyncio.Event()
-        dial = ours._redial_data
-
-        async def stalled_dial(*args: Any) -> Any:
-            await asyncio.wait_for(never.wait(), 10)
-            return await dial(*args)
-
-        ours._redial_data = stalled_dial
-        theirs.send(Msg.ABORT, 0, channel=1, generation=ours.channels[1].generation)
-        await _until(lambda: 1 in ours.redialling)
+        ours, theirs = await _redialling_the_peers_channel(prompt, decoder)
         theirs.writer.write(_pull_request(theirs.new_req_id(), 1))
         await _until(lambda: bool(ours.deferred))
         tasks = list(ours._tasks)
@@ -329,17 +335,7 @@ async def test_a_request_deferred_in_the_chunk_that_unlinks_leaves_nothing_count
     bookkeeping is done by done-callbacks, so the closed link keeps no wait counted and no redial listed
     (found by review)."""
     async with _pair() as (prompt, decoder):
-        ours, theirs = link_to(decoder, 1), link_to(prompt, 2)
-        never = asyncio.Event()
-        dial = ours._redial_data
-
-        async def stalled_dial(*args: Any) -> Any:
-            await asyncio.wait_for(never.wait(), 10)
-            return await dial(*args)
-
-        ours._redial_data = stalled_dial
-        theirs.send(Msg.ABORT, 0, channel=1, generation=ours.channels[1].generation)
-        await _until(lambda: 1 in ours.redialling)
+        ours, theirs = await _redialling_the_peers_channel(prompt, decoder)
         unlink = theirs.new_req_id()
         theirs.expect(unlink, Msg.UNLINK_ACK)
         theirs.writer.write(encode(Msg.UNLINK, unlink) + _pull_request(theirs.new_req_id(), 1, (0,)))
