@@ -7,6 +7,8 @@ before any memory is touched.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,7 @@ from aio_datadist.cache import (
     check_user_tensors,
     copy_triples,
 )
+from aio_datadist.devices.host import round_up
 from aio_datadist.devices.ops import copy_rows, involves_device
 from aio_datadist.layers import layer_pair
 from aio_datadist.layerwise import start_transfer
@@ -40,6 +43,7 @@ from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.task import CacheTask
 from aio_datadist.transfers import run_pull, run_push
 from aio_datadist.transport.same_host import run_copy_job
+from aio_datadist.transport.staging import CUT_WAIT_S, wait_cut_copies
 from aio_datadist.types import (
     UINT64_MAX,
     BlocksCacheKey,
@@ -61,6 +65,8 @@ if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
 
 __all__ = ["KvCacheManager"]
+
+log = logging.getLogger(__name__)
 
 
 class KvCacheManager:
@@ -154,9 +160,11 @@ class KvCacheManager:
     def _allocate(self, desc: CacheDesc, keys: list, blocks_key: BlocksCacheKey | None,
                   *, is_blocks: bool) -> KvCache:
         rt = self._rt()
-        nbytes = desc.size * desc.num_tensors
+        on_device = rt.devices is not None and desc.placement == Placement.DEVICE
+        # Host tensors start on pages of their own (allocate_host_tensors): the cap counts what is mapped.
+        nbytes = desc.size * desc.num_tensors if on_device else round_up(desc.size) * desc.num_tensors
         rt.registry.reserve(nbytes)
-        if rt.devices is not None and desc.placement == Placement.DEVICE:
+        if on_device:
             tensors, export = _allocate_device(rt, desc, nbytes)
             return rt.registry.add(
                 lambda cache_id: KvCache(cache_id, desc, tensors, is_blocks=is_blocks, owned=True, on_device=True,
@@ -375,14 +383,17 @@ class KvCacheManager:
 
     async def _copy_rows(self, dst: KvCache, dst_rows: Sequence[int], src: KvCache, src_rows: Sequence[int],
                          offset: int, nbytes: int, what: str, timeout: Any) -> None:
+        """A local copy between two caches of ours. Releasing a registered one of them (the caller's memory
+        again once that call returned) stops the copy inside that call; the copy then fails
+        ``LLM_KV_CACHE_NOT_EXIST`` (``docs/reliability.md``, row 206)."""
         rt = self._rt()
         timeout_ms = self._timeout(timeout)
         if involves_device(dst, src):
-            await copy_rows(rt, dst, dst_rows, src, src_rows, offset, nbytes, timeout_ms, what)
+            await _device_copy_cut_on_release(rt, dst, dst_rows, src, src_rows, offset, nbytes, timeout_ms, what)
             return
         triples = copy_triples(dst.layout, 0, dst_rows, offset, src.layout, 0, src_rows, offset,
                                dst.layout.num_tensors, nbytes)
-        await run_copy_job(rt, triples, what, (dst, src), timeout_ms)
+        await run_copy_job(rt, triples, what, (dst, src), timeout_ms, caches=(dst, src))
 
 
     # -- transfers with peers -----------------------------------------------
@@ -719,3 +730,39 @@ def _allocate_device(rt: Runtime, desc: CacheDesc, nbytes: int) -> tuple[list[to
     except torch.OutOfMemoryError as exc:
         raise LLMException(f"allocating {nbytes} bytes on {rt.device} failed: {exc}",
                            status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
+
+
+async def _device_copy_cut_on_release(rt: Runtime, dst: KvCache, dst_rows: Sequence[int], src: KvCache,
+                                      src_rows: Sequence[int], offset: int, nbytes: int, timeout_ms: int,
+                                      what: str) -> None:
+    """``copy_rows`` (device copies, or the staged swap's), stopped when a registered cache of the two is released:
+    the device copies queued cannot be recalled, so the release waits until the copy stream has done them
+    (``wait_cut_copies``), cancels and waits the staged swap's host copies running, and cancels the copy's task
+    so that it queues nothing more; the copy then fails ``LLM_KV_CACHE_NOT_EXIST``."""
+    host_jobs: set[int] = set()
+    task = asyncio.ensure_future(copy_rows(rt, dst, dst_rows, src, src_rows, offset, nbytes, timeout_ms, what,
+                                           host_jobs=host_jobs))
+    cut: list[bool] = []
+
+    def stop() -> None:
+        if task.done():
+            return
+        cut.append(True)
+        for token in list(host_jobs):
+            rt.copier.cancel(token)
+            if not rt.copier.wait(token, CUT_WAIT_S):
+                log.error("%s: a host copy of a released cache did not stop within %.1f s", what, CUT_WAIT_S)
+        wait_cut_copies(rt, what)
+        task.cancel()
+
+    forget = rt.registry.serving((dst, src), stop)
+    try:
+        await task
+    except (asyncio.CancelledError, LLMException):
+        if cut and task.done():
+            raise LLMException(f"{what}: a cache was released during the copy",
+                               status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST) from None
+        raise
+    finally:
+        if forget is not None:
+            forget()

@@ -46,11 +46,13 @@ def involves_device(*caches: KvCache) -> bool:
 
 
 async def copy_rows(rt: DeviceRuntime, dst: KvCache, dst_rows: Sequence[int], src: KvCache, src_rows: Sequence[int],
-                    offset: int, nbytes: int, timeout_ms: int, what: str, method: str | None = None) -> int:
+                    offset: int, nbytes: int, timeout_ms: int, what: str, method: str | None = None,
+                    host_jobs: set[int] | None = None) -> int:
     """Copy ``nbytes`` at ``offset`` of every tensor's row pairs; returns the bytes moved.
 
     :param method: ``kernel``, ``torch``, ``batch`` or ``staged`` (default:
         the best the backend has, see ``devices/copies.py``).
+    :param host_jobs: the tokens of the staged method's host copies running now (see ``swap_staged``).
     :raises LLMException: ``LLM_TIMEOUT`` after ``timeout_ms``; ``LLM_FAILED``
         when the device refuses the work.
     """
@@ -77,7 +79,8 @@ async def copy_rows(rt: DeviceRuntime, dst: KvCache, dst_rows: Sequence[int], sr
 
         try:
             async with asyncio.timeout(timeout_ms / 1000):
-                return await swap_staged(rt.staging, rt.copier, dst, dst_rows, src, src_rows, offset, nbytes, what)
+                return await swap_staged(rt.staging, rt.copier, dst, dst_rows, src, src_rows, offset, nbytes, what,
+                                         host_jobs)
         except TimeoutError:
             raise LLMException(f"{what} timed out after {timeout_ms} ms",
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None

@@ -531,18 +531,31 @@ def _i64(values: list[int]) -> Any:
 
 
 async def swap_staged(staging: DeviceStaging, copier: _core.HostCopyEngine, dst: KvCache, dst_rows: Sequence[int],
-                      src: KvCache, src_rows: Sequence[int], offset: int, nbytes: int, what: str) -> int:
+                      src: KvCache, src_rows: Sequence[int], offset: int, nbytes: int, what: str,
+                      host_jobs: set[int] | None = None) -> int:
     """Host<->device rows through the staging pipeline; the host side runs on ``copier``.
 
-    Exactly one of ``dst``/``src`` is on the device. Returns the bytes moved.
+    Exactly one of ``dst``/``src`` is on the device. Returns the bytes moved. ``host_jobs``, when given, holds
+    the tokens of the host copies running now (a caller that must stop them at once cancels and waits them).
     """
     count = dst.cache_desc.num_tensors
 
     async def host_copy(triples: Any, keep: Any) -> None:
         # Given up (a timeout, a cancel), the copy is stopped and waited for: a running chunk stops within
         # 1 MiB, and none of it may land in the caller's host cache after the swap returned.
-        await staging.completions.run(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=None,
-                                      what=what, keepalive=keep)
+        tokens: list[int] = []
+
+        def submit(token: int) -> Any:
+            tokens.append(token)
+            if host_jobs is not None:
+                host_jobs.add(token)
+            return copier.submit(token, triples)
+
+        try:
+            await staging.completions.run(submit, copier.cancel, timeout_ms=None, what=what, keepalive=keep)
+        finally:
+            if host_jobs is not None:
+                host_jobs.difference_update(tokens)
 
     if src.on_device:
         async def consume(chunk: Chunk, view: torch.Tensor) -> None:

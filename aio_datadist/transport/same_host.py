@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
@@ -41,6 +41,7 @@ from aio_datadist.transport.fit import fit
 from aio_datadist.wire import NO_GENERATION, Msg, PushLocalReq, ReqFlag, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
+    from aio_datadist.cache import KvCache
     from aio_datadist.plans import Plan
     from aio_datadist.runtime import Runtime
     from aio_datadist.transport.local import LocalShare, PeerRegion
@@ -116,7 +117,7 @@ class SameHostPlane(InPlacePlane):
         triples = _core.zip_segments(plan.local_pairs, theirs)
         if _trace.ON:
             _trace.mark("job submitted")
-        await copy_settled(rt, triples, plan.total, req.what, (plan.local, region))
+        await copy_settled(rt, triples, plan.total, req.what, (plan.local, region), caches=(plan.local,))
         if _trace.ON:
             _trace.mark("job done")
         await req.finish()  # DONE, written once we returned (ahead of anything we send next on the link)
@@ -325,11 +326,14 @@ async def _read(rt: Runtime, share: LocalShare, plan: Plan, region: PeerRegion, 
     share.catch_up()
     if share.closed or share.listed_region(region.model_id) is not region:
         return False
+    if not plan.local.alive:  # released meanwhile (its memory may be the caller's again): copy nothing into it
+        raise LLMException(f"{what}: the destination cache was released",
+                           status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
     if _trace.ON:
         _trace.mark("job submitted")
     try:
         async with asyncio.timeout(timeout_ms / 1000):
-            await copy_settled(rt, triples, plan.total, what, (plan.local, region))
+            await copy_settled(rt, triples, plan.total, what, (plan.local, region), caches=(plan.local,))
     except TimeoutError:
         raise LLMException(f"{what} timed out after {timeout_ms} ms", status_code=LLMStatusCode.LLM_TIMEOUT) from None
     if _trace.ON:
@@ -343,23 +347,55 @@ def copies_inline(rt: Runtime, nbytes: int) -> bool:
     return nbytes <= INLINE_COPY_MAX and not rt.copier.pending()
 
 
-async def copy_settled(rt: Runtime, triples: Any, nbytes: int, what: str, keepalive: Any) -> None:
-    """Run one host copy job of ``nbytes``; if the caller gives up, the job is stopped and waited for first.
+async def copy_settled(rt: Runtime, triples: Any, nbytes: int, what: str, keepalive: Any,
+                       caches: Sequence[KvCache] = ()) -> None:
+    """Run one host copy job of ``nbytes``; if the caller gives up, the job is stopped and waited for first
+    (and if a registered cache of ``caches`` is released: :func:`run_copy_job`).
 
     A small one while the copy threads have no job runs here and now (``INLINE_COPY_MAX``): nothing
     can give it up part-way, and it is over before this returns."""
     if copies_inline(rt, nbytes):
         _core.copy_now(triples)
         return
-    await run_copy_job(rt, triples, what, keepalive)
+    await run_copy_job(rt, triples, what, keepalive, caches=caches)
 
 
-async def run_copy_job(rt: Runtime, triples: Any, what: str, keepalive: Any, timeout_ms: int | None = None) -> None:
+async def run_copy_job(rt: Runtime, triples: Any, what: str, keepalive: Any, timeout_ms: int | None = None,
+                       caches: Sequence[KvCache] = ()) -> None:
     """Run one host copy job on the copy threads. If the caller gives up (``timeout_ms``, a cancel), this returns
-    only once no copy thread works on it any more (``COPY_SETTLE_S`` at most), so no byte of it lands afterwards."""
+    only once no copy thread works on it any more (``COPY_SETTLE_S`` at most), so no byte of it lands afterwards.
+
+    ``caches``: those of ours the job writes or reads. Releasing a registered one (memory the caller owns again
+    once ``unregister_cache`` / ``deallocate_cache`` returned) stops the job and waits for it inside that call
+    (``CacheRegistry.serving``, at most ``CUT_WAIT_S``); the job then fails ``LLM_KV_CACHE_NOT_EXIST``. One that
+    had moved every byte before stays a success."""
     copier = rt.copier
-    await rt.completions.run(lambda t: copier.submit(t, triples), copier.cancel, timeout_ms=timeout_ms, what=what,
-                             keepalive=keepalive, settle_s=COPY_SETTLE_S)
+    tokens: list[int] = []
+    cut: list[bool] = []
+
+    def submit(token: int) -> Any:
+        tokens.append(token)
+        return copier.submit(token, triples)
+
+    def stop() -> None:
+        cut.append(True)
+        for token in tokens:
+            copier.cancel(token)
+            if not copier.wait(token, CUT_WAIT_S):
+                log.error("%s: the copy of a released cache did not stop within %.1f s", what, CUT_WAIT_S)
+
+    forget = rt.registry.serving(caches, stop) if caches else None
+    try:
+        await rt.completions.run(submit, copier.cancel, timeout_ms=timeout_ms, what=what, keepalive=keepalive,
+                                 settle_s=COPY_SETTLE_S)
+    except LLMException:
+        if cut:
+            raise LLMException(f"{what}: the cache was released during the copy",
+                               status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST) from None
+        raise
+    finally:
+        if forget is not None:
+            forget()
 
 
 def _local_source(link: LinkPort, req: PushLocalReq, count: int, total: int) -> Any:

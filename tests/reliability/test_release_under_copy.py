@@ -1,0 +1,150 @@
+"""No byte after a release returned: local copies and same-host reads into a registered cache.
+
+A registered cache is the caller's memory: once ``deallocate_cache`` (v1) or ``unregister_cache`` (v2) returned,
+the caller may reuse or unmap it. Copies of our own into it are stopped inside that call and fail
+``LLM_KV_CACHE_NOT_EXIST`` (``docs/reliability.md`` row 206):
+
+- a ``copy_blocks`` queued on the copy threads behind other copies (before: it ran afterwards and succeeded);
+- a ``swap_blocks`` from a device cache (host backend) queued on the copy stream behind other work: the release
+  waits until the stream has done the queued copy (before: it returned at once and the copy landed after);
+- a same-host pull that reads without asking (read ledger), released while it waited for its loop turn (before:
+  its copy started after the release returned).
+
+And ``aio.RegisteredMemoryCap`` counts what a host cache maps (whole pages per tensor), not what it asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from _v2peer import v2_options
+from peers import PROMPT_ID, fill, linked_pair
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aio_datadist.testing import runtime_of, usable_link
+
+MIB = 1 << 20
+S = LLMStatusCode
+
+
+async def _outcome(call: asyncio.Future) -> str:
+    try:
+        await call
+    except LLMException as exc:
+        return exc.status_code.name
+    return "succeeded"
+
+
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("api", ["v1", "v2"])
+@pytest.mark.asyncio
+async def test_a_local_copy_into_a_registered_cache_is_stopped_by_its_release(api: str) -> None:
+    if api == "v1":
+        cfg = LLMConfig()
+        cfg.copy_threads = 1
+        options = cfg.generate_options()
+    else:
+        options = {**v2_options(), "aio.CopyThreads": "1"}
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options)
+        kv = dd.kv_cache_manager if api == "v1" else dd.cache_manager
+        big = kv.allocate_blocks_cache(CacheDesc(1, (2, 32 * MIB), DataType.DT_INT8, Placement.HOST))
+        mine = [torch.ones((8, 4096), dtype=torch.int8) for _ in range(2)]  # block 0, the source, holds 1
+        reg = kv.register_blocks_cache(CacheDesc(2, (8, 4096), DataType.DT_INT8, Placement.HOST), mine)
+        ahead = asyncio.gather(*(kv.copy_blocks(big, {0: [1]}, timeout=30_000) for _ in range(4)))
+        await asyncio.sleep(0)  # the long copies are queued first
+        copy = asyncio.ensure_future(kv.copy_blocks(reg, {0: [5]}, timeout=30_000))
+        await asyncio.sleep(0)  # queued behind them: not started
+        if api == "v1":
+            kv.deallocate_cache(reg)
+        else:
+            kv.unregister_cache(reg.cache_id)
+        for t in mine:
+            t[5].fill_(9)  # the caller reuses block 5
+        await ahead
+        assert await _outcome(copy) == "LLM_KV_CACHE_NOT_EXIST"
+        await asyncio.sleep(0.3)
+        assert all(bool((t[5] == 9).all()) for t in mine)
+
+
+@pytest.mark.asyncio
+async def test_a_swap_into_a_registered_host_cache_is_waited_for_by_its_release() -> None:
+    """The device copy cannot be recalled: the release blocks until the stream (held 0.3 s here) has done it."""
+    async with LLMDataDist(LLMRole.MIX, 1) as dd:
+        await dd.init({"aio.DeviceType": "host"})
+        kv = dd.kv_cache_manager
+        dev = kv.allocate_blocks_cache(CacheDesc(2, (8, 256), DataType.DT_INT8, Placement.DEVICE))
+        for t in dev.tensors:
+            t.fill_(1)
+        mine = [torch.zeros((8, 256), dtype=torch.int8) for _ in range(2)]
+        reg = kv.register_blocks_cache(CacheDesc(2, (8, 256), DataType.DT_INT8, Placement.HOST), mine)
+        gate = runtime_of(dd).devices.stream.gate()  # the swap queues behind this point of the copy stream
+        opener = threading.Timer(0.3, gate.open)
+        try:
+            swap = asyncio.ensure_future(kv.swap_blocks(dev, reg, {1: 5}, timeout=5000))
+            await asyncio.sleep(0.05)
+            assert all(int(t[5].count_nonzero()) == 0 for t in mine)  # not copied yet
+            opener.start()
+            kv.deallocate_cache(reg)  # returns once the queued copy is done
+            for t in mine:
+                t[5].fill_(9)
+            assert await _outcome(swap) == "LLM_KV_CACHE_NOT_EXIST"
+            await asyncio.sleep(0.3)
+            assert all(bool((t[5] == 9).all()) for t in mine)
+        finally:
+            opener.cancel()
+            gate.open()
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("fork_server")
+async def test_a_same_host_read_into_a_cache_released_before_its_copy_copies_nothing() -> None:
+    blocks = CacheDesc(4, (16, 8, 256), DataType.DT_FLOAT16, Placement.HOST)
+    key = BlocksCacheKey(PROMPT_ID, 0)
+    local = {"transport": "local"}
+    async with linked_pair(link=False, prompt_config=local, decoder_config=local) as pair:
+        fill(pair.pm.allocate_blocks_cache(blocks, key), 4)
+        mine = [torch.zeros(blocks.shape, dtype=torch.float16) for _ in range(blocks.num_tensors)]
+        dst = pair.dm.register_blocks_cache(blocks, mine)
+        await pair.link()
+        share = usable_link(pair.decoder, PROMPT_ID).local
+        assert share is not None and share.listed_region(0) is not None  # the pull reads without asking
+        pull = asyncio.ensure_future(pair.dm.pull_blocks(key, dst, [3, 0, 15], [1, 2, 3]))
+        await asyncio.sleep(0)  # at its loop turn before the copy: nothing copied yet
+        pair.dm.deallocate_cache(dst)
+        for t in mine:
+            t.fill_(7.0)  # the caller reuses it
+        assert await _outcome(pull) == "LLM_KV_CACHE_NOT_EXIST"
+        await asyncio.sleep(0.3)
+        assert all(bool((t == 7.0).all()) for t in mine)
+
+
+@pytest.mark.asyncio
+async def test_the_registered_memory_cap_counts_the_pages_a_host_cache_maps() -> None:
+    """64 caches of 16 one-byte tensors map 64 x 16 pages; before, the cap counted 1024 bytes for them."""
+    cfg = LLMConfig()
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init({**cfg.generate_options(), "aio.RegisteredMemoryCap": str(64 * 1024)})
+        kv = dd.kv_cache_manager
+        tiny = CacheDesc(16, (1,), DataType.DT_INT8, Placement.HOST)
+        page = 4096
+        made = 0
+        with pytest.raises(LLMException) as refused:
+            for _ in range(64):
+                kv.allocate_cache(tiny)
+                made += 1
+        assert refused.value.status_code == S.LLM_OUT_OF_MEMORY, refused.value
+        assert made == 64 * 1024 // (16 * page)
