@@ -74,7 +74,7 @@ cdef struct IoCommand:
 
 
 # Every native object that owns threads, or locks and fds its threads share, records the process that made it
-# (``_made_by``): in a forked child the parent's threads do not exist and a lock one of them held stays held,
+# (``_made_by``: its fork generation, see _core.pyx): in a forked child the parent's threads do not exist and a lock one of them held stays held,
 # so there such an object is only let go of (closed without a join, a lock or a wake-up) and refuses work.
 
 cdef class CompletionQueue:

@@ -21,7 +21,9 @@ def live_objects() -> dict[str, int]: ...
 # In a forked child its threads do not exist, so there it can only be closed or dropped: that joins,
 # locks, waits for and wakes nothing, closes the child's copies of its fds and leaks the rest (the
 # live_objects counts still go down). Every call that would submit, cancel, wait, read or post raises
-# RuntimeError("... was made by process N; this is a forked child ...") instead of hanging.
+# RuntimeError("... was made by a process this one was forked from (this is a forked child ...") instead of
+# hanging. The maker is told by the number of forks between the process that loaded the core and this one, not
+# by its process id (a descendant may get a dead ancestor's id back).
 
 class CompletionQueue:
     # An eventfd plus a thread-safe list of records; drain() never blocks.

@@ -77,8 +77,11 @@ def live_objects():
     return dict(_live)
 
 
-#: This process's id, renewed in a forked child (``_after_fork_child``): an object whose ``_made_by`` differs
-#: was made by a parent process, whose threads are not here.
+#: How many forks lie between the process that loaded the core and this one, counted up in a forked child
+#: (``_after_fork_child``): an object whose ``_made_by`` differs was made by an ancestor process, whose threads
+#: are not here. Not the process id: a descendant may get a dead ancestor's id back.
+cdef int _generation = 0
+#: This process's id, for messages only.
 cdef int _pid = getpid()
 
 
@@ -93,13 +96,13 @@ cdef extern from *:
 
 
 cdef inline bint _foreign(int made_by) noexcept nogil:
-    return made_by != _pid
+    return made_by != _generation
 
 
 cdef int _check_here(str what, int made_by) except -1:
-    if made_by != _pid:
-        raise RuntimeError(f"this {what} was made by process {made_by}; this is a forked child (process {_pid}), "
-                           f"where its threads do not run: it can only be closed or dropped here")
+    if made_by != _generation:
+        raise RuntimeError(f"this {what} was made by a process this one was forked from (this is a forked child, "
+                           f"process {_pid}), whose threads do not run here: it can only be closed or dropped here")
     return 0
 
 
@@ -127,7 +130,7 @@ cdef class CompletionQueue:
     def __cinit__(self):
         # Until construction succeeds the object counts as closed, so that
         # __dealloc__ of a half-built object releases nothing it does not own.
-        self._made_by = _pid
+        self._made_by = _generation
         self._efd = -1
         self._closed = True
         pthread_mutex_init(&self._lock, NULL)
@@ -259,7 +262,7 @@ cdef class HostCopyEngine:
                   uint64_t split_bytes=4 << 20):
         cdef int i
         cdef pthread_t tid
-        self._made_by = _pid
+        self._made_by = _generation
         self._closed = True
         self._stop = False
         pthread_mutex_init(&self._lock, NULL)
@@ -733,7 +736,7 @@ cdef class SocketEngine:
     """
 
     def __cinit__(self, CompletionQueue queue not None):
-        self._made_by = _pid
+        self._made_by = _generation
         self._epfd = -1
         self._wakefd = -1
         self._closed = True
@@ -1918,7 +1921,7 @@ cdef class _AclReporter:
     """
 
     def __cinit__(self, AclDriver acl):
-        self._made_by = _pid
+        self._made_by = _generation
         self._acl = acl
         self._ctx = NULL
         self._started = False
@@ -2059,7 +2062,7 @@ cdef class StreamNotifier:
                   int poll_us=0):
         cdef aclError arc
         cdef int err
-        self._made_by = _pid
+        self._made_by = _generation
         self._closed = True
         self._state = NULL
         self._watch = NULL
@@ -2398,7 +2401,8 @@ cdef void _after_fork_child() noexcept nogil:
     # In a forked child, the only thread: the parent's threads are gone and a lock one of them held at the
     # fork would stay held. The objects the parent made see a new process id (and only let go); the global
     # lock of host events, shared by every stream, is made anew for the streams this process makes.
-    global _pid
+    global _pid, _generation
+    _generation += 1
     _pid = getpid()
     pthread_mutex_init(&_event_lock, NULL)
     pthread_cond_init(&_event_cond, NULL)
@@ -2433,7 +2437,7 @@ cdef class HostGate:
     cdef int _made_by
 
     def __cinit__(self):
-        self._made_by = _pid
+        self._made_by = _generation
         self._event = NULL
 
     def __dealloc__(self):
@@ -2469,7 +2473,7 @@ cdef class HostStream:
     """
 
     def __cinit__(self):
-        self._made_by = _pid
+        self._made_by = _generation
         pthread_mutex_init(&self._lock, NULL)
         pthread_cond_init(&self._cond, NULL)
         self._stop = False
@@ -2704,7 +2708,7 @@ cdef class _HostFnLine:
     """
 
     def __cinit__(self, CompletionQueue queue not None):
-        self._made_by = _pid
+        self._made_by = _generation
         queue._check_open()
         self._queue = queue
         self._state = _state_new(queue)

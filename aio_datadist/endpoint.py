@@ -10,10 +10,10 @@ it here.
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist._checks import check_instance, param_invalid
+from aio_datadist._forks import forks
 from aio_datadist.cache import KvCache
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import LLMRole
@@ -25,21 +25,6 @@ if TYPE_CHECKING:
     from aio_datadist.stats import Observer
 
 __all__ = ["Endpoint", "forks"]
-
-_FORKS = 0
-
-
-def _after_fork_in_child() -> None:
-    global _FORKS
-    _FORKS += 1
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def forks() -> int:
-    """How many ``fork``s lie between the process's start and this process (0 in the first process)."""
-    return _FORKS
 
 
 class Endpoint:
@@ -73,7 +58,7 @@ class Endpoint:
     def require_runtime(self) -> Runtime:
         """The runtime, or the documented error before ``init`` and after ``finalize``; ``LLM_FAILED`` in a child
         forked after ``init``, where the runtime's threads, loop and links are the parent's."""
-        if self.runtime is not None and self.forks != _FORKS:
+        if self.runtime is not None and self.forks != forks():
             raise LLMException("this LLMDataDist was initialized in the parent of this forked process: its "
                                "engines, loop and links are the parent's; make one of this process's own",
                                status_code=LLMStatusCode.LLM_FAILED)

@@ -145,17 +145,24 @@ def test_a_forked_child_lets_go_of_the_parents_engines_and_exits():
     assert "parent: ok" in out, out
 
 
-def test_a_forked_child_of_a_process_with_an_endpoint_exits():
+def test_a_forked_child_of_a_process_with_an_endpoint_exits_and_leaves_its_ledger():
     """An initialised endpoint (its copy threads idle), then a fork: a child that just ends, and one that first
-    lets go of the parent's endpoint as documented (``finalize`` in the child), both exit."""
+    lets go of the parent's endpoint as documented (``finalize`` in the child), both exit; and neither clears
+    the parent's read ledger, a memfd both map (before, the child's ``Ledger`` zeroed every word it held when
+    it was collected: the parent's same-host peers then asked for every pull; found by review)."""
     out = run('''
     import asyncio
-    from aio_datadist import LLMDataDist, LLMRole
+    from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole, Placement
+    from aio_datadist.testing import link_table_of
     from peers import options
 
     loop = asyncio.new_event_loop()
-    dd = LLMDataDist(LLMRole.DECODER, 7)
-    loop.run_until_complete(dd.init(options()))
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    loop.run_until_complete(dd.init(options(transport="local")))
+    cache = dd.kv_cache_manager.allocate_blocks_cache(CacheDesc(2, (8, 64), DataType.DT_FLOAT16, Placement.HOST),
+                                                      BlocksCacheKey(7, 0))
+    ledger = link_table_of(dd)._ledger
+    words = [ledger.word(cache.cache_id)]
     time.sleep(0.1)
     results = {}
     for mode in ("exit", "finalize"):
@@ -163,15 +170,19 @@ def test_a_forked_child_of_a_process_with_an_endpoint_exits():
         if pid == 0:
             if mode == "finalize":
                 asyncio.run(dd.finalize())
-                del dd
+                del dd, cache, ledger
                 import gc; gc.collect()
             sys.exit(0)
         results[mode] = reap(pid)
+        words.append(ledger.word(cache.cache_id))
     print("children:", results)
+    print("ledger words:", words == [cache.cache_id] * 3, words)
+    dd.kv_cache_manager.deallocate_cache(cache)
     loop.run_until_complete(dd.finalize())
     loop.close()
     ''')
     assert "children: {'exit': 0, 'finalize': 0}" in out, out
+    assert "ledger words: True" in out, out
 
 
 def test_a_forked_child_is_refused_work_on_the_parents_objects_and_can_make_its_own():
@@ -199,7 +210,7 @@ def test_a_forked_child_is_refused_work_on_the_parents_objects_and_can_make_its_
             try:
                 call()
             except RuntimeError as exc:
-                if "forked child" in str(exc) and str(os.getppid()) in str(exc):
+                if "forked child" in str(exc) and str(os.getpid()) in str(exc):
                     refused.append(name)
         q2 = _core.CompletionQueue()
         copier2 = _core.HostCopyEngine(q2, threads=1)
@@ -333,3 +344,55 @@ def test_a_stale_cancel_does_not_hit_the_next_job_under_its_token(where):
     assert "cancel(1): True" in out, out
     assert "token 1 records: [(1, 0, 1), (1, 0, 1)]" in out, out
     assert "second byte: b'y'" in out, out
+
+
+@pytest.mark.skipif(not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK),
+                    reason="choosing a child's process id needs a writable /proc/sys/kernel/ns_last_pid")
+def test_a_grandchild_that_gets_its_dead_grandparents_process_id_is_still_refused_its_objects():
+    """A makes the objects, forks C and exits; C forks grandchildren until one gets A's process id. The maker is
+    told by the forks between it and here, not by the id, so that grandchild is refused work as any other
+    descendant (before, it took A's engine for its own: a submit was queued for threads not there, and a close
+    would take a lock one of them may have held; found by review)."""
+    out = run('''
+    import array, select
+    told_r, told_w = os.pipe()  # A's id, then EOF once A is reaped
+    over_r, over_w = os.pipe()  # EOF once C is done
+    maker = os.fork()
+    if maker == 0:  # A
+        q = _core.CompletionQueue()
+        copier = _core.HostCopyEngine(q, threads=1)
+        time.sleep(0.05)
+        if os.fork() == 0:  # C
+            os.close(told_w)
+            os.close(over_r)
+            a = int(os.read(told_r, 64))
+            while os.read(told_r, 64):
+                pass
+            for _attempt in range(20):
+                with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                    f.write(str(a - 1))
+                grandchild = os.fork()
+                if grandchild == 0:
+                    if os.getpid() != a:
+                        os._exit(3)
+                    try:
+                        copier.submit(1, array.array("Q"))
+                        print("grandchild with A's id: submit accepted", flush=True)
+                    except RuntimeError:
+                        print("grandchild with A's id: submit refused", flush=True)
+                    copier.close()
+                    q.close()
+                    os._exit(0)
+                if reap(grandchild) != 3:
+                    break
+            os._exit(0)
+        os.close(told_r)
+        os.write(told_w, str(os.getpid()).encode())
+        os._exit(0)
+    os.close(told_r)
+    os.close(over_w)
+    reap(maker)  # A is gone: its id is free
+    os.close(told_w)
+    select.select([over_r], [], [], 20)  # C is not ours to wait for: its end of the pipe closes as it exits
+    ''', timeout=30)
+    assert "grandchild with A's id: submit refused" in out, out

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 
 from aio_datadist import _core
+from aio_datadist._forks import forks
 from aio_datadist.devices.host import ReadOnlyMapping, check_sealed, map_writable, sealed_memfd, unmap
 
 __all__ = ["LEDGER_BYTES", "NO_SLOT", "SLOTS", "Ledger", "PeerLedger"]
@@ -47,6 +48,7 @@ class Ledger:
     """This endpoint's ledger: publishes and clears the words (only this process can write them)."""
 
     def __init__(self) -> None:
+        self._forks = forks()  # a forked child's copy only lets go (close): the words are the parent's
         self._addr, self._fd = sealed_memfd(LEDGER_BYTES, "aio_datadist.ledger",
                                             lambda fd: map_writable(fd, LEDGER_BYTES),
                                             lambda addr: unmap(addr, LEDGER_BYTES))
@@ -99,8 +101,9 @@ class Ledger:
         if self.closed:
             return
         self.closed = True
-        for slot, _model_id in self._entries.values():
-            self._store(slot, 0)
+        if self._forks == forks():  # in a forked child the mapping is the parent's ledger too: left as it is
+            for slot, _model_id in self._entries.values():
+                self._store(slot, 0)
         self._entries.clear()
         unmap(self._addr, LEDGER_BYTES)
         os.close(self._fd)
