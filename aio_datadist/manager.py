@@ -738,28 +738,36 @@ async def _device_copy_cut_on_release(rt: Runtime, dst: KvCache, dst_rows: Seque
     """``copy_rows`` (device copies, or the staged swap's), stopped when a registered cache of the two is released:
     the device copies queued cannot be recalled, so the release waits until the copy stream has done them
     (``wait_cut_copies``), cancels and waits the staged swap's host copies running, and cancels the copy's task
-    so that it queues nothing more; the copy then fails ``LLM_KV_CACHE_NOT_EXIST``."""
+    so that it queues nothing more; the copy then fails ``LLM_KV_CACHE_NOT_EXIST``. A copy that was queued whole
+    and that the stream has done by then moved every byte before the release returned: it stays a success. The
+    caller's own cancel (a timeout scope, ``task.cancel()``) stays a cancel."""
     host_jobs: set[int] = set()
+    queued: list[bool] = []
     task = asyncio.ensure_future(copy_rows(rt, dst, dst_rows, src, src_rows, offset, nbytes, timeout_ms, what,
-                                           host_jobs=host_jobs))
+                                           host_jobs=host_jobs, queued=queued))
     cut: list[bool] = []
+    me = asyncio.current_task()
+    cancelling = me.cancelling() if me is not None else 0
 
     def stop() -> None:
         if task.done():
             return
-        cut.append(True)
         for token in list(host_jobs):
             rt.copier.cancel(token)
             if not rt.copier.wait(token, CUT_WAIT_S):
                 log.error("%s: a host copy of a released cache did not stop within %.1f s", what, CUT_WAIT_S)
         wait_cut_copies(rt, what)
+        backend = rt.devices
+        if queued and backend is not None and backend.wait_copies(0):
+            return  # queued whole and done: every byte moved before the release returns
+        cut.append(True)
         task.cancel()
 
     forget = rt.registry.serving((dst, src), stop)
     try:
         await task
     except (asyncio.CancelledError, LLMException):
-        if cut and task.done():
+        if cut and task.done() and (me is None or me.cancelling() <= cancelling):
             raise LLMException(f"{what}: a cache was released during the copy",
                                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST) from None
         raise

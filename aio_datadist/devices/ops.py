@@ -47,12 +47,14 @@ def involves_device(*caches: KvCache) -> bool:
 
 async def copy_rows(rt: DeviceRuntime, dst: KvCache, dst_rows: Sequence[int], src: KvCache, src_rows: Sequence[int],
                     offset: int, nbytes: int, timeout_ms: int, what: str, method: str | None = None,
-                    host_jobs: set[int] | None = None) -> int:
+                    host_jobs: set[int] | None = None, queued: list[bool] | None = None) -> int:
     """Copy ``nbytes`` at ``offset`` of every tensor's row pairs; returns the bytes moved.
 
     :param method: ``kernel``, ``torch``, ``batch`` or ``staged`` (default:
         the best the backend has, see ``devices/copies.py``).
     :param host_jobs: the tokens of the staged method's host copies running now (see ``swap_staged``).
+    :param queued: gets ``True`` once the whole copy is queued on the device (one ``DeviceCopy``; not the staged
+        method, which queues chunk after chunk): nothing more of it is queued afterwards.
     :raises LLMException: ``LLM_TIMEOUT`` after ``timeout_ms``; ``LLM_FAILED``
         when the device refuses the work.
     """
@@ -85,6 +87,8 @@ async def copy_rows(rt: DeviceRuntime, dst: KvCache, dst_rows: Sequence[int], sr
             raise LLMException(f"{what} timed out after {timeout_ms} ms",
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None
     job = DeviceCopy(backend, dst_side, src_side, nbytes, method, keepalive=(dst, src))
+    if queued is not None:
+        queued.append(True)  # submitted by the run below, before it first waits
     # Queued device work cannot be recalled: a copy given up (timeout, cancel) still runs when the stream gets
     # there. Return only once it reported over (no bound: the stream does get there), so no byte lands afterwards.
     return await rt.completions.run(job.submit, job.cancel, timeout_ms=timeout_ms, what=what, keepalive=job)

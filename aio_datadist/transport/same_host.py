@@ -120,6 +120,9 @@ class SameHostPlane(InPlacePlane):
         await copy_settled(rt, triples, plan.total, req.what, (plan.local, region), caches=(plan.local,))
         if _trace.ON:
             _trace.mark("job done")
+        if req.cut:  # the destination was released (after the copy ended): fail, and the owner keeps a key
+            raise LLMException(f"{req.what}: the cache was unregistered during the transfer",
+                               status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
         await req.finish()  # DONE, written once we returned (ahead of anything we send next on the link)
 
     async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str, *,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from peers import PROMPT_ID, fill, linked_pair
 from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
+    CacheKey,
     DataType,
     LLMConfig,
     LLMDataDist,
@@ -82,7 +84,8 @@ async def test_a_local_copy_into_a_registered_cache_is_stopped_by_its_release(ap
 
 @pytest.mark.asyncio
 async def test_a_swap_into_a_registered_host_cache_is_waited_for_by_its_release() -> None:
-    """The device copy cannot be recalled: the release blocks until the stream (held 0.3 s here) has done it."""
+    """The device copy cannot be recalled: the release blocks until the stream (held 0.3 s here) has done it.
+    Queued whole and done before the release returned, the swap moved every byte by then: a success."""
     async with LLMDataDist(LLMRole.MIX, 1) as dd:
         await dd.init({"aio.DeviceType": "host"})
         kv = dd.kv_cache_manager
@@ -99,9 +102,10 @@ async def test_a_swap_into_a_registered_host_cache_is_waited_for_by_its_release(
             assert all(int(t[5].count_nonzero()) == 0 for t in mine)  # not copied yet
             opener.start()
             kv.deallocate_cache(reg)  # returns once the queued copy is done
+            assert all(bool((t[5] == 1).all()) for t in mine)
             for t in mine:
                 t[5].fill_(9)
-            assert await _outcome(swap) == "LLM_KV_CACHE_NOT_EXIST"
+            assert await _outcome(swap) == "succeeded"
             await asyncio.sleep(0.3)
             assert all(bool((t[5] == 9).all()) for t in mine)
         finally:
@@ -148,3 +152,72 @@ async def test_the_registered_memory_cap_counts_the_pages_a_host_cache_maps() ->
                 made += 1
         assert refused.value.status_code == S.LLM_OUT_OF_MEMORY, refused.value
         assert made == 64 * 1024 // (16 * page)
+
+
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+@pytest.mark.asyncio
+async def test_a_callers_own_cancel_of_a_swap_stays_a_cancel_when_a_release_comes_meanwhile(how: str) -> None:
+    """The caller cancels its swap (``task.cancel()`` / ``asyncio.timeout``) while the swap's copy waits on the
+    stream, then releases the registered cache before the cancel settled: the caller still gets its own
+    ``CancelledError`` / ``TimeoutError`` (before, ``LLM_KV_CACHE_NOT_EXIST``; found by review)."""
+    async with LLMDataDist(LLMRole.MIX, 1) as dd:
+        await dd.init({"aio.DeviceType": "host"})
+        kv = dd.kv_cache_manager
+        dev = kv.allocate_blocks_cache(CacheDesc(2, (8, 256), DataType.DT_INT8, Placement.DEVICE))
+        mine = [torch.zeros((8, 256), dtype=torch.int8) for _ in range(2)]
+        reg = kv.register_blocks_cache(CacheDesc(2, (8, 256), DataType.DT_INT8, Placement.HOST), mine)
+        gate = runtime_of(dd).devices.stream.gate()
+        opener = threading.Timer(0.3, gate.open)
+        try:
+            if how == "cancel":
+                swap = asyncio.ensure_future(kv.swap_blocks(dev, reg, {1: 5}, timeout=5000))
+                await asyncio.sleep(0.05)
+                swap.cancel()
+            else:
+                async def bounded() -> None:
+                    async with asyncio.timeout(0.05):
+                        await kv.swap_blocks(dev, reg, {1: 5}, timeout=5000)
+
+                swap = asyncio.ensure_future(bounded())
+                await asyncio.sleep(0.1)  # the caller's timeout fired; the swap settles behind the gate
+                assert not swap.done()
+            opener.start()
+            kv.deallocate_cache(reg)
+            with pytest.raises(asyncio.CancelledError if how == "cancel" else TimeoutError):
+                await swap
+            assert runtime_of(dd).registry.serving_count() == 0
+        finally:
+            opener.cancel()
+            gate.open()
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("fork_server")
+async def test_a_keyed_same_host_pull_released_after_its_copy_ended_fails_and_leaves_the_key() -> None:
+    """The copy of a keyed same-host pull into a registered cache is over before the cache is released, the
+    pull not yet back: the pull fails ``LLM_KV_CACHE_NOT_EXIST`` and says so to the owner, which keeps the key
+    for the next pull. Before, its ``DONE`` went as a success (the owner consumed the key) while the pull
+    failed: the bytes were lost to everyone (found by review)."""
+    desc = CacheDesc(4, (1, 32 << 20), DataType.DT_UINT8, Placement.HOST)  # 128 MiB: not copied inline
+    local = {"transport": "local"}
+    async with linked_pair(prompt_config=local, decoder_config=local) as pair:
+        key = CacheKey(PROMPT_ID, 7)
+        for t in pair.pm.allocate_cache(desc, [key]).tensors:
+            t.fill_(5)
+        mine = [torch.zeros((1, 32 << 20), dtype=torch.uint8) for _ in range(4)]
+        dst = pair.dm.register_cache(desc, mine)
+        copier = runtime_of(pair.decoder).copier
+        pull = asyncio.ensure_future(pair.dm.pull_cache(key, dst, timeout=10_000))
+        async with asyncio.timeout(5):
+            while not copier.pending():
+                await asyncio.sleep(0)
+        deadline = time.monotonic() + 5
+        while copier.pending() and time.monotonic() < deadline:  # the loop held: the copy ends meanwhile
+            time.sleep(0.001)
+        assert all(bool((t == 5).all()) for t in mine)
+        pair.dm.deallocate_cache(dst)
+        assert await _outcome(pull) == "LLM_KV_CACHE_NOT_EXIST"
+        again = pair.dm.allocate_cache(desc)
+        assert await _outcome(pair.dm.pull_cache(key, again, timeout=10_000)) == "succeeded"
+        assert all(bool((t == 5).all()) for t in again.tensors)
