@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("native core", ("_core",)),
     ("status, values, config, wire and leaf helpers", (
-        "status", "_checks", "types", "config", "wire", "protocol", "_settle", "fd_budget", "mapped", "tensors",
-        "ranktable", "stats", "_trace", "logfields", "control_reader", "own_dials", "devices.unmapping",
+        "status", "_checks", "_forks", "types", "config", "wire", "protocol", "_settle", "fd_budget", "mapped",
+        "tensors", "ranktable", "stats", "_trace", "logfields", "control_reader", "own_dials", "devices.unmapping",
     )),
     ("completions, layer rule, caches and registries", (
         "_completion", "loop_io", "layers", "cache", "arrivals", "plans", "devices.host",

@@ -44,6 +44,7 @@ from aio_datadist import (
     wire,
 )
 from aio_datadist.admission import ARRIVAL_FACTOR
+from aio_datadist.devices.host import round_up
 from aio_datadist.testing import admission_of, handshakes_in_progress, link_count, link_to
 from aio_datadist.wire import Msg
 from peers import LOCALHOST, CacheSpec, EndpointSpec, Ref, cluster_info, fill, port_of
@@ -356,7 +357,8 @@ async def test_a_reader_that_stops_mid_pull_is_cut_off_and_everything_is_release
 
 
 def small_bytes() -> int:
-    return SMALL.size * SMALL.num_tensors
+    """What the allocated SMALL cache counts: each tensor from a page of its own."""
+    return round_up(SMALL.size) * SMALL.num_tensors
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
