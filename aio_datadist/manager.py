@@ -8,7 +8,6 @@ before any memory is touched.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,8 +41,8 @@ from aio_datadist.plans import build_plan, target_fields
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.task import CacheTask
 from aio_datadist.transfers import run_pull, run_push
-from aio_datadist.transport.same_host import run_copy_job
-from aio_datadist.transport.staging import CUT_WAIT_S, wait_cut_copies
+from aio_datadist.transport.same_host import run_copy_job, stop_host_copies
+from aio_datadist.transport.staging import wait_cut_copies
 from aio_datadist.types import (
     UINT64_MAX,
     BlocksCacheKey,
@@ -65,8 +64,6 @@ if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
 
 __all__ = ["KvCacheManager"]
-
-log = logging.getLogger(__name__)
 
 
 class KvCacheManager:
@@ -752,10 +749,7 @@ async def _device_copy_cut_on_release(rt: Runtime, dst: KvCache, dst_rows: Seque
     def stop() -> None:
         if task.done():
             return
-        for token in list(host_jobs):
-            rt.copier.cancel(token)
-            if not rt.copier.wait(token, CUT_WAIT_S):
-                log.error("%s: a host copy of a released cache did not stop within %.1f s", what, CUT_WAIT_S)
+        stop_host_copies(rt.copier, list(host_jobs), what)
         wait_cut_copies(rt, what)
         backend = rt.devices
         if queued and backend is not None and backend.wait_copies(0):

@@ -26,7 +26,7 @@ from aio_datadist import (
     Placement,
 )
 from aio_datadist.devices import host
-from aio_datadist.devices.host import PAGE_SIZE
+from aio_datadist.devices.host import PAGE_SIZE, round_up
 from aio_datadist.testing import engine_state, registry_of
 
 S = LLMStatusCode
@@ -41,8 +41,7 @@ def registry(dd: LLMDataDist):
 
 def cache_bytes(desc: CacheDesc) -> int:
     """What an allocated cache in host memory counts against the cap: each tensor starts on a page of its own."""
-    page = 4096
-    return -(-desc.size // page) * page * desc.num_tensors
+    return round_up(desc.size) * desc.num_tensors
 
 
 @pytest.mark.asyncio

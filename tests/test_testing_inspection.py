@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from aio_datadist import KvCache, LLMClusterInfo, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from aio_datadist.devices.host import round_up
 from aio_datadist.testing import (
     admission_of,
     engine_state,
@@ -31,8 +32,7 @@ pytestmark = pytest.mark.asyncio
 
 def held_by(cache: KvCache) -> int:
     """What an allocated cache counts against the cap: its tensors, each from a page of its own."""
-    page = 4096
-    return sum(-(-t.numel() * t.element_size() // page) * page for t in cache.tensors)
+    return sum(round_up(t.numel() * t.element_size()) for t in cache.tensors)
 
 
 async def test_engine_state_counts_what_an_endpoint_holds_and_a_pull_gives_back(datadist_pair):

@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
@@ -363,6 +363,15 @@ async def copy_settled(rt: Runtime, triples: Any, nbytes: int, what: str, keepal
     await run_copy_job(rt, triples, what, keepalive, caches=caches)
 
 
+def stop_host_copies(copier: Any, tokens: Iterable[int], what: str) -> None:
+    """Cancel the host copy jobs ``tokens`` and block until no copy thread writes for them (``CUT_WAIT_S`` each at
+    most; one still copying past it is logged): for a call that returns memory to its caller."""
+    for token in tokens:
+        copier.cancel(token)
+        if not copier.wait(token, CUT_WAIT_S):
+            log.error("%s: the copy of a released cache did not stop within %.1f s", what, CUT_WAIT_S)
+
+
 async def run_copy_job(rt: Runtime, triples: Any, what: str, keepalive: Any, timeout_ms: int | None = None,
                        caches: Sequence[KvCache] = ()) -> None:
     """Run one host copy job on the copy threads. If the caller gives up (``timeout_ms``, a cancel), this returns
@@ -382,10 +391,7 @@ async def run_copy_job(rt: Runtime, triples: Any, what: str, keepalive: Any, tim
 
     def stop() -> None:
         cut.append(True)
-        for token in tokens:
-            copier.cancel(token)
-            if not copier.wait(token, CUT_WAIT_S):
-                log.error("%s: the copy of a released cache did not stop within %.1f s", what, CUT_WAIT_S)
+        stop_host_copies(copier, tokens, what)
 
     forget = rt.registry.serving(caches, stop) if caches else None
     try:
