@@ -222,6 +222,10 @@ def serve_plan(rt: Runtime, link: Link, msg: Msg, req: TransferReq) -> Served:
     if req.target_kind == Target.ADDRS:
         caches, pairs, total, landed = _serve_addrs(rt, msg, req)
         return Served(caches, pairs, total, None, range(0), landed)
+    if req.target_kind == Target.CACHE_KEY and msg is not Msg.PULL_REQ:
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                       "invalid argument 'dst_cache_key': a push names its destination by cache id and index, "
+                       "blocks key or addresses; a CacheKey is pulled, never pushed to")
     cache, row, ident = _resolve_target(rt, req)
     rows, first, count = fit(geometry_of(cache), req, pull=msg is Msg.PULL_REQ, row=row)
     lay, offset, nbytes = cache.layout, req.offset, req.nbytes

@@ -77,6 +77,11 @@ def fit(geo: Geometry, req: TransferReq, *, pull: bool, row: int | None) -> tupl
                       f"the request's cache holds data type {req.data_type}")
     rows = list(req.rows)
     arg = "src_blocks" if pull else "dst_blocks"
+    if rows and row is not None and not geo.is_blocks:
+        # a key or (id, index) of a contiguous cache names its one row: listed rows would reach past the key
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                      f"invalid argument '{arg}': a request naming contiguous cache {geo.cache_id} by key or by "
+                      "id and index moves that row only, and lists no rows")
     if not rows:
         if row is None:
             raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "no source rows given")

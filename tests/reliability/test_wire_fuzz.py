@@ -445,9 +445,14 @@ def oracle(target: Target, msg: Msg, req: dict[str, Any]) -> list[tuple[int, int
         addrs, blocks = rows[:count_], rows[count_:]
         return [(a + b * stride, nbytes) for a in addrs for b in (blocks or [0])]
     cache = None
+    if kind in (1, 2) and rows and not (kind == 2 and req["cache_id"] in target.by_id
+                                        and target.by_id[req["cache_id"]].is_blocks_cache):
+        return None  # a key or (id, index) of a contiguous cache names its one row: listed rows reach past it
+    if kind == 1 and msg is not Msg.PULL_REQ:
+        return None  # a CacheKey is pulled, never pushed to
     if kind == 1 and req["prefix_id"] == UINT64_MAX and req["model_id"] == 0 and req["key_req_id"] in target.req_keys:
         cache, row = target.req_keys[req["key_req_id"]]
-        rows = rows or [row]
+        rows = [row]
     elif kind == 2 and req["cache_id"] in target.by_id:
         cache = target.by_id[req["cache_id"]]
         rows = rows or [req["batch_index"]]

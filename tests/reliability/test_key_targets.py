@@ -1,0 +1,106 @@
+"""A request that names a cache by ``CacheKey`` or by (cache id, batch index) moves that one row.
+
+A handed-off cache (``deallocate_cache`` with keys still bound) is reachable only through its keys:
+each key is one decoder's door to one row. A raw peer holding one key must not read another key's row
+by listing rows beside its key, nor write any row by pushing to a key (keys are pulled, never pushed
+to), nor read a keyed row through an unbound batch index without consuming that row's key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from _harness import endpoint
+from _rawpeer import RawLink, Refused
+from peers import port_of
+
+from aio_datadist import CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement
+from aio_datadist.types import UINT64_MAX
+
+S = LLMStatusCode
+OWNER, INTRUDER = 41, 42
+ROWS = CacheDesc(2, (2, 256), DataType.DT_FLOAT16, Placement.HOST)  # two 512-byte rows in each of 2 tensors
+
+
+def by_key(req_id: int, rows: tuple[int, ...]) -> dict:
+    return dict(channel=0, target_kind=1, cluster_id=OWNER, cache_id=0, key_req_id=req_id, prefix_id=UINT64_MAX,
+                model_id=0, batch_index=0, layer_first=0, layer_last=0, tensor_num_per_layer=2, tensor_count=2,
+                data_type=int(ROWS.data_type.value), offset=0, nbytes=512, flags=0, timeout_ms=2000, rows=rows)
+
+
+def by_id(cache_id: int, batch_index: int, rows: tuple[int, ...]) -> dict:
+    return dict(by_key(0, rows), target_kind=2, cache_id=cache_id, key_req_id=0, prefix_id=0,
+                batch_index=batch_index)
+
+
+def answers(address, calls) -> list:
+    """Each ``(push?, fields)`` sent on one raw link: the bytes pulled, the count pushed, or the refusal's code."""
+    got = []
+    with RawLink(address, INTRUDER, OWNER, None) as raw:
+        raw.connect()
+        for push, fields in calls:
+            try:
+                got.append(raw.push(fields, lambda n: b"\x11" * n) if push else raw.pull(fields))
+            except Refused as refusal:
+                got.append(refusal.code)
+    return got
+
+
+def row_bytes(cache, row: int) -> bytes:
+    return b"".join(t[row].numpy().tobytes() for t in cache.tensors)
+
+
+async def handed_off(dd):
+    """A cache whose rows 0 and 1 are bound to keys 1 and 2, released by its owner (a hand-off)."""
+    cache = dd.kv_cache_manager.allocate_cache(ROWS, [CacheKey(OWNER, 1), CacheKey(OWNER, 2)])
+    for t in cache.tensors:
+        t[0].fill_(1.0)
+        t[1].fill_(2.0)
+    dd.kv_cache_manager.deallocate_cache(cache)
+    return cache
+
+
+def keys_bound(dd) -> bool:
+    reg = dd._endpoint.runtime.registry
+    return all(reg.by_key(CacheKey(OWNER, k).lookup_key()) is not None for k in (1, 2))
+
+
+@pytest.mark.asyncio
+async def test_a_pull_by_one_key_cannot_list_the_row_of_another_key():
+    async with endpoint(LLMRole.PROMPT, OWNER, listen=True, transport="tcp") as dd:
+        cache = await handed_off(dd)
+        second = row_bytes(cache, 1)
+        calls = [(False, by_id(cache.cache_id, 1, ())), (False, by_key(1, (1,))), (False, by_key(1, (0, 1)))]
+        got = await asyncio.wait_for(asyncio.to_thread(answers, port_of(dd), calls), 20)
+        assert got[0] == S.LLM_KV_CACHE_NOT_EXIST  # by id it is closed: key 2 is row 1's only door
+        assert got[1:] == [S.LLM_PARAM_INVALID] * 2, [g if isinstance(g, int) else g == second for g in got]
+        # ... and both keys are still there for their decoders
+        assert keys_bound(dd)
+
+
+@pytest.mark.asyncio
+async def test_a_pull_by_id_moves_the_row_its_batch_index_names():
+    """Rows listed beside an (id, index) target would read a keyed row without its key being claimed or
+    consumed (reference 4.2: a pull of a keyed row by id and index is a pull by that key)."""
+    async with endpoint(LLMRole.PROMPT, OWNER, listen=True, transport="tcp") as dd:
+        cache = dd.kv_cache_manager.allocate_cache(ROWS, [CacheKey(OWNER, 5)])  # row 0 keyed, row 1 not
+        for t in cache.tensors:
+            t[0].fill_(3.0)
+            t[1].fill_(4.0)
+        calls = [(False, by_id(cache.cache_id, 1, (0,))), (False, by_id(cache.cache_id, 1, ()))]
+        got = await asyncio.wait_for(asyncio.to_thread(answers, port_of(dd), calls), 20)
+        assert got[0] == S.LLM_PARAM_INVALID, got[0] if isinstance(got[0], int) else "row 0's bytes"
+        assert got[1] == row_bytes(cache, 1)  # what an honest pull by (id, 1) moves
+        assert dd._endpoint.runtime.registry.by_key(CacheKey(OWNER, 5).lookup_key()) is not None
+
+
+@pytest.mark.asyncio
+async def test_no_peer_pushes_into_a_cache_through_one_of_its_keys():
+    async with endpoint(LLMRole.PROMPT, OWNER, listen=True, transport="tcp") as dd:
+        cache = await handed_off(dd)
+        before = [row_bytes(cache, r) for r in (0, 1)]
+        calls = [(True, by_id(cache.cache_id, 1, ())), (True, by_key(1, ())), (True, by_key(2, (1,)))]
+        got = await asyncio.wait_for(asyncio.to_thread(answers, port_of(dd), calls), 20)
+        assert got == [S.LLM_KV_CACHE_NOT_EXIST, S.LLM_PARAM_INVALID, S.LLM_PARAM_INVALID], got
+        assert [row_bytes(cache, r) for r in (0, 1)] == before
