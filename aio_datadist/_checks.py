@@ -287,7 +287,7 @@ def check_indices(
 
 
 def check_range(arg_name: str, value: object, *, allow_none: bool = True) -> range | None:
-    """Check a Python layer range: step 1, ``0 <= start < stop``.
+    """Check a Python layer range: step 1, ``0 <= start < stop <= 2**31``.
 
     :param allow_none: whether None (meaning "all") is acceptable.
     :returns: the range itself, or None.
@@ -305,6 +305,8 @@ def check_range(arg_name: str, value: object, *, allow_none: bool = True) -> ran
         raise param_invalid(arg_name, f"start must be >= 0, got {value.start}")
     if value.stop <= value.start:
         raise param_invalid(arg_name, f"must not be empty, got {value!r}")
+    if value.stop - 1 > INT32_MAX:  # a request carries its layers as int32 (the remote side is checked only there)
+        raise param_value_error(arg_name, f"layer {value.stop - 1} is past {INT32_MAX}, got {value!r}")
     return value
 
 

@@ -232,6 +232,7 @@ class CacheManager:
         :raises LLMException: as :meth:`KvCacheManager.copy_cache`.
         """
         self._rt()
+        check_sint("size", size)  # int64, a ValueError past it, as LLM-DataDist's check_int64
         if req_id is not None:
             check_uint("req_id", req_id)
         await self._kv.copy_cache(dst, src, dst_batch_index, src_batch_index, offset, size, timeout=timeout)
@@ -265,6 +266,7 @@ class CacheManager:
             ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_TIMEOUT``, ``LLM_LINK_FAILED``.
         """
         self._rt()
+        check_sint("size", size)
         keywords = _pull_keywords(src_layer_range, dst_layer_range, tensor_num_per_layer, timeout, unknown)
         check_instance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
         cache = self._endpoint.live(cache, "cache")
@@ -306,6 +308,7 @@ class CacheManager:
             ``LLM_TIMEOUT``, ``LLM_KV_CACHE_NOT_EXIST``, ``LLM_LINK_FAILED``.
         """
         self._rt()
+        check_sint("size", size)
         check_instance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
         check_instance("src_cache", src_cache, KvCache)
         ext = _push_layers(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ._checks import check_instance, check_int, check_range, param_invalid
+from ._checks import ParamValueError, check_instance, check_int, check_range, param_invalid
 from .status import LLMException
 from .types import ALL_LAYERS, MAX_NUM_TENSORS, KvCacheExtParam, check_layer_pair
 
@@ -71,6 +71,8 @@ def range_pair(arg_name: str, value: object) -> tuple[int, int]:
     """
     try:
         check_range(arg_name, value, allow_none=False)
+    except ParamValueError:
+        raise  # a layer past int32: a ValueError too, as LLM-DataDist's
     except LLMException:
         raise param_invalid(arg_name, f"must be a non-empty range with step 1, got {value!r}") from None
     assert isinstance(value, range)

@@ -463,7 +463,7 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
                 raised = None if ended.cancelled() else ended.exception()
                 if raised is not None:
                     raise raised
-    except asyncio.CancelledError:
+    except BaseException:  # cancelled, or a bug a push or confirmation raised
         for index in started - failed:  # cut part-way: not "never started" (None)
             if progress.result(index) is None:
                 progress.set_result(index, LLMStatusCode.LLM_FAILED)

@@ -145,8 +145,10 @@ class CacheTask:
             return self.timeout_code
         if self._task.cancelled():
             return LLMStatusCode.LLM_FAILED
-        return next((c for c in self._codes() if c not in (None, LLMStatusCode.LLM_SUCCESS)),
-                    LLMStatusCode.LLM_SUCCESS)
+        failure = next((c for c in self._codes() if c not in (None, LLMStatusCode.LLM_SUCCESS)), None)
+        if failure is None and self._task.exception() is not None:  # ended by a bug: not a success
+            return LLMStatusCode.LLM_FAILED
+        return LLMStatusCode.LLM_SUCCESS if failure is None else failure
 
     async def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
         """Per-config results: a code, or None for a config never started.

@@ -1,0 +1,125 @@
+"""The blocking v2 ``CacheManager`` with ints past the widths the reference checks, and a layer-wise transfer
+that a bug ends.
+
+LLM-DataDist raises ``ValueError`` for a ``size`` outside int64 (``check_int64``) and a layer outside uint32
+(``layer_range_to_tensor_indices``); ours is ``LLMException(LLM_PARAM_INVALID)`` naming the argument and a
+``ValueError`` too (``ParamValueError``), raised before anything is sent. A request carries its layers as int32,
+so a layer past ``2**31 - 1`` is refused the same way: before, the remote side's range of a pull was checked
+only when the request was encoded, and a bare ``struct.error`` reached the caller.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aio_datadist import compat, layerwise
+from aio_datadist.compat import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LayerSynchronizer,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    TransferWithCacheKeyConfig,
+)
+
+S = LLMStatusCode
+ROWS = CacheDesc(4, (3, 256), DataType.DT_FLOAT16)
+BLOCKS = CacheDesc(4, (8, 128), DataType.DT_FLOAT16)
+PAST_INT32 = range(2**31, 2**31 + 1)
+PAST_UINT32 = range(2**32, 2**32 + 1)
+
+
+def _init(dd: LLMDataDist, listen: bool = False) -> None:
+    config = LLMConfig()
+    config.device_id = 0
+    config.device_type = "cpu"
+    config.transport = "tcp"
+    config.local_comm_res = ""
+    config.sync_kv_timeout = 2000
+    if listen:
+        config.listen_ip_info = "127.0.0.1:0"
+    dd.init(config.generate_options())
+
+
+class _Ready(LayerSynchronizer):
+    def synchronize_layer(self, layer_index, timeout_in_millis):
+        return True
+
+
+@pytest.fixture
+def linked():
+    prompt, decoder = LLMDataDist(LLMRole.PROMPT, 1), LLMDataDist(LLMRole.DECODER, 2)
+    _init(prompt, listen=True)
+    _init(decoder)
+    try:
+        cluster = LLMClusterInfo()
+        cluster.remote_cluster_id = 1
+        cluster.append_remote_ip_info(*prompt.listen_address)
+        assert decoder.link_clusters([cluster], 5000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        yield prompt.cache_manager, decoder.cache_manager
+    finally:
+        decoder.finalize()
+        prompt.finalize()
+        compat._RUNNER.stop()  # the facade's loop thread lives for the process; end it for the leak check
+
+
+def refused_as_value_error(call, arg: str) -> None:
+    with pytest.raises(LLMException) as info:
+        call()
+    assert info.value.status_code is S.LLM_PARAM_INVALID and f"'{arg}'" in str(info.value), info.value
+    assert isinstance(info.value, ValueError), info.value
+
+
+@pytest.mark.parametrize("layers", [PAST_INT32, PAST_UINT32], ids=["int32", "uint32"])
+def test_a_pull_whose_remote_layers_are_past_int32_is_refused_before_it_is_sent(linked, layers):
+    pm, dm = linked
+    src = pm.allocate_cache(ROWS, [CacheKey(1, 5)])
+    mem = [torch.zeros(3, 256, dtype=torch.float16) for _ in range(4)]
+    rows = dm.register_cache(ROWS, [t.data_ptr() for t in mem])
+    blocks_src = pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(1, 0))
+    blocks = dm.allocate_blocks_cache(BLOCKS)
+    refused_as_value_error(lambda: dm.pull_cache(CacheKey(1, 5), rows, 0, src_layer_range=layers,
+                                                 dst_layer_range=range(0, 1)), "src_layer_range")
+    refused_as_value_error(lambda: dm.pull_blocks(BlocksCacheKey(1, 0), blocks, [0], [0], src_layer_range=layers,
+                                                  dst_layer_range=range(0, 1)), "src_layer_range")
+    refused_as_value_error(lambda: TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 1), layers),
+                           "dst_layer_range")
+    assert src is not None and blocks_src is not None
+    dm.pull_cache(CacheKey(1, 5), rows, 0)  # the key is still there: nothing was sent
+
+
+@pytest.mark.parametrize("call", ["pull_cache", "push_cache", "copy_cache"])
+def test_a_size_outside_int64_is_a_value_error(linked, call):
+    _, dm = linked
+    mem = [torch.zeros(3, 256, dtype=torch.float16) for _ in range(4)]
+    rows = dm.register_cache(ROWS, [t.data_ptr() for t in mem])
+    other = dm.allocate_cache(ROWS)
+    key = CacheKeyByIdAndIndex(1, 1, 0)
+    calls = {"pull_cache": lambda size: dm.pull_cache(key, rows, 0, size=size),
+             "push_cache": lambda size: dm.push_cache(key, rows, 0, size=size),
+             "copy_cache": lambda size: dm.copy_cache(other, rows, 0, 0, 0, size=size)}
+    for size in (2**63, -2**63 - 1):
+        refused_as_value_error(lambda: calls[call](size), "size")
+
+
+def test_a_layer_wise_transfer_that_a_bug_ends_is_no_success(linked, monkeypatch):
+    pm, dm = linked
+    src = pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(1, 0))
+    dst = dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(2, 0))
+
+    async def broken_push(*args, **kwargs):
+        raise RuntimeError("a bug in a layer's push")
+
+    monkeypatch.setattr(layerwise, "run_push", broken_push)
+    task = pm.transfer_cache_async(src, _Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))], [0], [0])
+    assert task.get_results(5000) == [S.LLM_FAILED]
+    assert task.synchronize(5000) is S.LLM_FAILED
+    assert dst is not None
