@@ -112,6 +112,8 @@ class Admission:
     def __init__(self, sock: socket.socket, cap: int,
                  serve: Callable[[Admission, socket.socket, Pending], Coroutine[Any, Any, None]]) -> None:
         self.sock = sock
+        name = sock.getsockname()
+        self.address = (name[0], name[1])  # where it listens (it listens nowhere once closed)
         self.cap = cap
         self._serve = serve
         self.arriving: dict[Pending, None] = {}  # in accept order
@@ -128,10 +130,12 @@ class Admission:
     async def close(self) -> None:
         """Stop accepting and close the listening socket; connections already accepted go on."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])
-        self.sock.close()
+        try:
+            if task is not None:
+                task.cancel()
+                await asyncio.wait([task])
+        finally:  # cancelled in the wait too: a socket left listening would take connections nobody accepts
+            self.sock.close()
 
     # -- the accept loop -----------------------------------------------------
 

@@ -279,7 +279,9 @@ class LLMDataDist:
         pull that succeeded has its key consumed.
 
         :returns: ``(overall, [status per cluster])``; ``LLM_NOT_YET_LINK`` for
-            a cluster that is not linked; ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for
+            a cluster that is not linked, ``LLM_PROCESSING_LINK`` for one whose
+            ``link_clusters`` is still in its handshake (retry once that call
+            returned); ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for
             every cluster of a call with more than 16 (nothing is unlinked).
         :raises LLMException: ``LLM_PARAM_INVALID`` for malformed arguments, the same
             ``remote_cluster_id`` twice in one call included (before anything is unlinked).
@@ -388,8 +390,11 @@ class LLMDataDist:
             ``TypeError``), the current role (v1), bad options, or a switch to
             PROMPT without ``llm.listenIpInfo`` (v1), checked first, then
             ``LLM_FEATURE_NOT_ENABLED`` unless ``enable_switch_role`` was set
-            (v1); ``LLM_EXIST_LINK`` while links exist or a ``link`` comm is
-            still ``PREPARING``.
+            (v1); ``LLM_EXIST_LINK`` while links exist or are being made (a
+            ``link_clusters`` or ``link`` dial, or a peer's link being
+            accepted) or a ``link`` comm is still ``PREPARING``;
+            ``LLM_ENGINE_FINALIZED`` when ``finalize`` ran meanwhile (the
+            endpoint then listens nowhere).
         """
         links = self._require_links()
         assert self._endpoint.settings is not None
@@ -420,13 +425,19 @@ class LLMDataDist:
         if preparing:  # its links are being made, maybe on our listener: they count as links
             raise LLMException(f"switch_role: link() comm(s) {preparing} still being linked; unlink them first",
                                status_code=LLMStatusCode.LLM_EXIST_LINK)
+        if links.linking():  # a link made now would come up under the new role, or on a listener gone
+            raise LLMException("switch_role: a link is being made; wait for it and unlink it first",
+                               status_code=LLMStatusCode.LLM_EXIST_LINK)
         previous = links.listen_address
         try:
             await links.stop_listening()
+            if links.closing:  # finalized while the listener stopped: nothing listens again
+                raise LLMException("LLMDataDist was finalized during switch_role",
+                                   status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
             if listen is not None:
                 await links.listen(*listen)
         except BaseException as exc:
-            if previous is not None and links.listen_address is None:
+            if previous is not None and links.listen_address is None and not links.closing:
                 try:  # a failed or cancelled switch changes nothing...
                     await _complete(links.listen(*previous))
                 except Exception as again:  # ... unless the old address is gone too: say so, with the first error

@@ -102,6 +102,7 @@ class LinkTable:
         self.runtime = runtime
         self.links: dict[int, Link] = {}
         self._dialling: dict[int, asyncio.Task] = {}
+        self._anonymous: set[asyncio.Task] = set()  # connect dials with no remote cluster id (learned in the handshake)
         #: HELLO nonces of our dials in their handshake: our listener answers none of them (a link to ourselves,
         #: or our handshake handed back by whoever we dialled).
         self.own_dials = OwnDials()
@@ -286,12 +287,22 @@ class LinkTable:
     # -- taking incoming links (for the listener) ---------------------------
 
     async def listen(self, ip: str, port: int) -> None:
-        """Listen for peers on ``ip:port`` (see :class:`~aio_datadist.listener.Listener`)."""
+        """Listen for peers on ``ip:port`` (see :class:`~aio_datadist.listener.Listener`); ``LLM_ENGINE_FINALIZED``
+        once :meth:`close` began (a listener opened then would outlive finalize)."""
+        if self.closing:
+            raise LLMException("LLMDataDist was finalized", status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         await self.listener.listen(ip, port)
 
     async def stop_listening(self) -> None:
-        """Stop listening; connections accepted already finish their handshakes (or time out)."""
+        """Stop listening; connections accepted already finish their handshakes (or time out), but a link not
+        authenticated yet is refused (its data channels would find no listener)."""
         await self.listener.stop()
+
+    def linking(self) -> bool:
+        """Whether a link is being made: a dial in its handshake (``connect``, ``link()``) or an accepted
+        handshake the table is taking (``switch_role`` counts it as a link)."""
+        return (any(not t.done() for t in (*self._dialling.values(), *self._anonymous, *self._bilateral))
+                or self.listener.taking > 0)
 
     def refusal(self, remote_id: int, peer_id: int, bilateral: bool) -> Refusal | None:
         """Why an authenticated link from ``remote_id`` (that asked for ``peer_id``) is refused at once, or None."""
@@ -416,6 +427,8 @@ class LinkTable:
                 log.warning("link to cluster %s at %s:%s timed out after %s ms (another call was linking it)",
                             remote_id, *address, timeout_ms)
                 return LLMStatusCode.LLM_TIMEOUT
+        if self.closing:
+            return LLMStatusCode.LLM_LINK_FAILED
         try:
             claim = self._claim()
         except LLMException as exc:
@@ -425,6 +438,9 @@ class LinkTable:
         task = loop.create_task(self._handshake(remote_id, address, existing, deadline))
         if remote_id is not None:
             self._dialling[remote_id] = task
+        else:  # close() stops it as any other dial
+            self._anonymous.add(task)
+            task.add_done_callback(self._anonymous.discard)
         try:
             async with asyncio.timeout_at(deadline):
                 return await task
@@ -458,6 +474,7 @@ class LinkTable:
         sockets: list[DataConn] = []
         taken = False  # the peer took our dial (its LINK_OK said so)
         more: fd_budget.Claim | None = None  # for the data channels the peer names past ours (the caller claims ours)
+        learned: asyncio.Task | None = None  # this dial, listed as dialling the cluster id the handshake told
         try:
             tune(writer.get_extra_info("socket"))
             if self.tls_client is not None:
@@ -469,6 +486,8 @@ class LinkTable:
             if remote_id is None:
                 remote_id = ok.cluster_id
                 existing = self.links.get(remote_id) if self._live(remote_id) is None else None
+                if remote_id not in self._dialling:  # unlink_clusters of it now says LLM_PROCESSING_LINK
+                    learned = self._dialling[remote_id] = asyncio.current_task()  # type: ignore[assignment]
             elif ok.cluster_id != remote_id:
                 raise LLMException(f"peer is cluster {ok.cluster_id}, not {remote_id}",
                                    status_code=LLMStatusCode.LLM_LINK_FAILED)
@@ -526,6 +545,8 @@ class LinkTable:
         finally:
             if more is not None:
                 more.release()
+            if learned is not None and remote_id is not None and self._dialling.get(remote_id) is learned:
+                del self._dialling[remote_id]
 
     # -- bilateral links (LLMDataDist.link) ---------------------------------
 
@@ -711,6 +732,9 @@ class LinkTable:
     async def disconnect(self, remote_id: int, timeout_ms: int, force: bool) -> LLMStatusCode:
         link = self.links.get(remote_id)
         if link is None:
+            dialling = self._dialling.get(remote_id)
+            if dialling is not None and not dialling.done():  # its link may come up yet: the caller retries
+                return LLMStatusCode.LLM_PROCESSING_LINK
             return LLMStatusCode.LLM_NOT_YET_LINK
         self.forget(link)
         status = SUCCESS
@@ -759,7 +783,7 @@ class LinkTable:
         :data:`UNLINK_WAIT_S`, so they have let the link go when this returns)."""
         self.closing = True
         await self.stop_listening()
-        attempts = [*self.listener.handshakes, *self._dialling.values(), *self._bilateral]
+        attempts = [*self.listener.handshakes, *self._dialling.values(), *self._anonymous, *self._bilateral]
         for task in attempts:
             task.cancel()
         if attempts:

@@ -116,6 +116,7 @@ class Listener:
         self.address: tuple[str, int] | None = None
         self.local_listener: LocalListener | None = None
         self._accepting: set[asyncio.Task] = set()  # accepted before the listener stopped
+        self.taking = 0  # authenticated handshakes the table is taking (their links are being made)
         self._unauthenticated = RefusalLog()
 
     @property
@@ -156,11 +157,10 @@ class Listener:
             self.local_listener.close()
             self.local_listener = None
         if self.admission is not None:
-            admission, self.admission = self.admission, None
+            admission, self.admission, self.address = self.admission, None, None
             # connections accepted already finish their handshakes (or time out) as before
             self._accepting = {t for t in self._accepting if not t.done()} | admission.tasks()
             await admission.close()
-            self.address = None
 
     @staticmethod
     def _first_size(head: bytes) -> int:
@@ -233,11 +233,19 @@ class Listener:
         except ValueError:
             raise ProtocolError("bad role") from None
         bilateral = bool(auth.bilateral)
+        if self.admission is None or self.address != admission.address:
+            # Stopped listening, or listening elsewhere now (switch_role): the link's data channels would find
+            # no listener where they dial. A switch that failed and listens where it did keeps the link.
+            return await refuse(LLMStatusCode.LLM_LINK_FAILED, "this endpoint stopped listening")
         refused = self._table.refusal(auth.cluster_id, auth.peer_id, bilateral)
         if refused is not None:
             return await refuse(*refused)
-        taken = await self._table.take(auth.cluster_id, remote_role, bilateral, reader.inner, writer, pending,
-                                       lambda: admission.leave(pending))
+        self.taking += 1
+        try:
+            taken = await self._table.take(auth.cluster_id, remote_role, bilateral, reader.inner, writer, pending,
+                                           lambda: admission.leave(pending))
+        finally:
+            self.taking -= 1
         if not isinstance(taken, Link):
             return await refuse(*taken)
         local_name = self.local_listener.name if self.local_listener is not None else b""

@@ -1,0 +1,219 @@
+"""Link attempts racing finalize, switch_role and unlink_clusters (each call waits for, refuses or stops the other)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import pytest
+
+from aio_datadist import LLMClusterInfo, LLMDataDist, LLMException, LLMRole, LLMStatusCode, handshake
+from aio_datadist.link_table import LinkTable
+from aio_datadist.testing import link_table_of
+from peers import cluster_info, endpoint, options, port_of
+
+S = LLMStatusCode
+OK = (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+
+@contextlib.contextmanager
+def held(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, only: object = None):
+    """Hold every call of ``owner.name`` (for ``only`` as its first argument, when given) until released: yields
+    (entered, release) events."""
+    original = getattr(owner, name)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def gated(*args, **kwargs):
+        if only is None or args[0] is only:
+            entered.set()
+            await asyncio.wait_for(release.wait(), 5)
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, gated)
+    try:
+        yield entered, release
+    finally:
+        release.set()
+
+
+class SilentPeer:
+    """A listener that accepts and never answers: a dial to it stays in its handshake."""
+
+    def __init__(self) -> None:
+        self.readers: list[asyncio.StreamReader] = []
+        self.writers: list[asyncio.StreamWriter] = []
+        self.accepted = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.readers.append(reader)
+        self.writers.append(writer)
+        self.accepted.set()
+
+    async def __aenter__(self) -> SilentPeer:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        await self.server.wait_closed()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self.server is not None
+        return self.server.sockets[0].getsockname()[:2]
+
+
+@pytest.mark.asyncio
+async def test_finalize_stops_a_link_clusters_dial_without_a_remote_id():
+    async with SilentPeer() as peer:
+        dd = LLMDataDist(LLMRole.DECODER, 2)
+        await dd.init(options())
+        info = LLMClusterInfo()  # no remote_cluster_id: whichever cluster listens there
+        info.append_remote_ip_info(*peer.address)
+        attempt = asyncio.ensure_future(dd.link_clusters([info], timeout=5000))
+        try:
+            await asyncio.wait_for(peer.accepted.wait(), 5)  # the dial waits for HELLO_ACK now
+            await dd.finalize()
+            assert await asyncio.wait_for(attempt, 1) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+            await asyncio.wait_for(peer.readers[0].read(), 1)  # its control connection is closed: read to EOF
+        finally:
+            attempt.cancel()
+            await asyncio.gather(attempt, return_exceptions=True)
+            await dd.finalize()
+
+
+@pytest.mark.asyncio
+async def test_switch_role_while_link_clusters_dials_is_exist_link(monkeypatch):
+    async with endpoint(LLMRole.PROMPT, 1, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, 2, switch_role=True) as dd:
+        with held(monkeypatch, handshake, "dial") as (entered, release):
+            attempt = asyncio.ensure_future(dd.link_clusters([cluster_info(1, port_of(prompt))], timeout=3000))
+            await asyncio.wait_for(entered.wait(), 5)
+            with pytest.raises(LLMException) as raised:
+                await dd.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": "127.0.0.1:0"})
+            assert raised.value.status_code == S.LLM_EXIST_LINK
+            release.set()
+            assert await asyncio.wait_for(attempt, 5) == OK
+        assert dd.role == LLMRole.DECODER and dd.listen_address is None
+
+
+@pytest.mark.asyncio
+async def test_switch_role_while_the_listener_takes_a_link_is_exist_link(monkeypatch):
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, switch_role=True) as prompt, \
+            endpoint(LLMRole.DECODER, 2) as dd:
+        address = port_of(prompt)
+        with held(monkeypatch, LinkTable, "take", link_table_of(prompt)) as (entered, release):
+            attempt = asyncio.ensure_future(dd.link_clusters([cluster_info(1, address)], timeout=3000))
+            await asyncio.wait_for(entered.wait(), 5)
+            with pytest.raises(LLMException) as raised:
+                await prompt.switch_role(LLMRole.DECODER)
+            assert raised.value.status_code == S.LLM_EXIST_LINK
+            release.set()
+            assert await asyncio.wait_for(attempt, 5) == OK
+        assert prompt.role == LLMRole.PROMPT and prompt.listen_address == address
+
+
+@pytest.mark.asyncio
+async def test_finalize_during_switch_role_leaves_no_listener():
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    await dd.init(options(listen=True, switch_role=True))
+    listener = link_table_of(dd).listener
+    switch = asyncio.ensure_future(dd.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": "127.0.0.1:0"}))
+    await asyncio.sleep(0)  # switch_role is stopping the old listener
+    await asyncio.wait_for(dd.finalize(), 5)
+    try:
+        with pytest.raises(LLMException) as raised:
+            await asyncio.wait_for(switch, 5)
+        assert raised.value.status_code == S.LLM_ENGINE_FINALIZED
+        assert listener.admission is None and listener.address is None
+    finally:
+        await listener.stop()
+
+
+@pytest.mark.asyncio
+async def test_unlink_of_a_cluster_being_linked_is_processing_link(monkeypatch):
+    async with endpoint(LLMRole.PROMPT, 1, listen=True) as prompt, endpoint(LLMRole.DECODER, 2) as dd:
+        info = cluster_info(1, port_of(prompt))
+        with held(monkeypatch, handshake, "dial") as (entered, release):
+            attempt = asyncio.ensure_future(dd.link_clusters([info], timeout=3000))
+            await asyncio.wait_for(entered.wait(), 5)
+            assert await dd.unlink_clusters([info]) == (S.LLM_PROCESSING_LINK, [S.LLM_PROCESSING_LINK])
+            release.set()
+            assert await asyncio.wait_for(attempt, 5) == OK
+        assert await asyncio.wait_for(dd.unlink_clusters([info]), 5) == OK
+        assert link_table_of(dd).count() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_handshake_in_flight_when_the_listener_stops_is_refused(monkeypatch):
+    """switch_role stops the listener while a peer's HELLO is read: that link is refused, not made on an
+    endpoint whose listener its data channels cannot reach."""
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, switch_role=True) as prompt, \
+            endpoint(LLMRole.DECODER, 2) as dd:
+        with held(monkeypatch, handshake, "accept") as (entered, release):
+            attempt = asyncio.ensure_future(dd.link_clusters([cluster_info(1, port_of(prompt))], timeout=3000))
+            await asyncio.wait_for(entered.wait(), 5)
+            await prompt.switch_role(LLMRole.DECODER)
+            release.set()
+            assert await asyncio.wait_for(attempt, 5) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        assert not link_table_of(prompt).links and not link_table_of(dd).links
+
+
+@pytest.mark.asyncio
+async def test_unlink_of_a_cluster_a_dial_without_its_id_is_linking_is_processing_link(monkeypatch):
+    """A ``link_clusters`` without ``remote_cluster_id`` learns the cluster's id in the handshake; from then on
+    it is that cluster's dial: an unlink of the id answers ``LLM_PROCESSING_LINK``, not "not linked" while the
+    link comes up."""
+    async with endpoint(LLMRole.PROMPT, 1, listen=True) as prompt, endpoint(LLMRole.DECODER, 2) as dd:
+        anonymous = LLMClusterInfo()
+        anonymous.append_remote_ip_info(*port_of(prompt))
+        with held(monkeypatch, LinkTable, "dial_data", link_table_of(dd)) as (entered, release):
+            attempt = asyncio.ensure_future(dd.link_clusters([anonymous], timeout=3000))
+            await asyncio.wait_for(entered.wait(), 5)  # the handshake told cluster 1; its data channels next
+            unlinked = await dd.unlink_clusters([cluster_info(1, port_of(prompt))])
+            release.set()
+            assert await asyncio.wait_for(attempt, 5) == OK
+        assert unlinked == (S.LLM_PROCESSING_LINK, [S.LLM_PROCESSING_LINK])
+        assert await dd.unlink_clusters([cluster_info(1, port_of(prompt))]) == OK
+
+
+@pytest.mark.asyncio
+async def test_a_switch_role_that_fails_keeps_a_link_in_its_handshake(monkeypatch):
+    """A switch whose new address is taken listens where it did: a peer's link authenticating meanwhile comes
+    up (a handshake is refused only when the listener it came through stopped or moved)."""
+    busy = socket.create_server(("127.0.0.1", 0))
+    try:
+        async with endpoint(LLMRole.PROMPT, 1, listen=True, switch_role=True) as prompt, \
+                endpoint(LLMRole.DECODER, 2) as dd:
+            address = port_of(prompt)
+            with held(monkeypatch, handshake, "accept") as (entered, release):
+                attempt = asyncio.ensure_future(dd.link_clusters([cluster_info(1, address)], timeout=3000))
+                await asyncio.wait_for(entered.wait(), 5)
+                with pytest.raises(LLMException) as raised:
+                    await prompt.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": "%s:%d" % busy.getsockname()[:2]})
+                assert raised.value.status_code == S.LLM_LINK_FAILED
+                assert prompt.role == LLMRole.PROMPT and prompt.listen_address == address
+                release.set()
+                assert await asyncio.wait_for(attempt, 5) == OK
+    finally:
+        busy.close()
+
+
+@pytest.mark.asyncio
+async def test_a_switch_role_cancelled_while_the_listener_stops_listens_where_it_did():
+    """Cancelled while the old accept loop ends, the switch changes nothing: the listening socket is not left
+    open with nobody accepting (nor past finalize), and a peer links at the old address."""
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, switch_role=True) as prompt, \
+            endpoint(LLMRole.DECODER, 2) as dd:
+        address = port_of(prompt)
+        switch = asyncio.ensure_future(prompt.switch_role(LLMRole.DECODER))
+        await asyncio.sleep(0)  # switch_role now waits for the old accept loop's end
+        switch.cancel()
+        await asyncio.gather(switch, return_exceptions=True)
+        assert prompt.role == LLMRole.PROMPT and prompt.listen_address == address
+        assert await asyncio.wait_for(dd.link_clusters([cluster_info(1, address)], timeout=2000), 5) == OK
