@@ -650,7 +650,7 @@ _EMITTED: tuple[tuple[str, str, Callable[[Any], str | None]], ...] = (
     ("rdma_traffic_class", "llm.RdmaTrafficClass", str),
     ("rdma_service_level", "llm.RdmaServiceLevel", str),
     ("local_comm_res", "llm.LocalCommRes", str),
-    ("transfer_backend", "llm.TransferBackend", str),
+    ("transfer_backend", "llm.TransferBackend", _non_empty),  # "" (its default) is no backend: not emitted
     ("global_resource_config", "llm.GlobalResourceConfig", str),
     ("cluster_info", "llm.ClusterInfo", _non_empty),
     ("output_max_size", "llm.OutputMaxSize", str),

@@ -416,6 +416,12 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
                                     status_code=LLMStatusCode.LLM_FAILED)
                 stop.__cause__ = exc
             except BaseException as exc:  # KeyboardInterrupt, SystemExit too: out of a task they would stop the loop
+                if driver.cancelling():  # type: ignore[union-attr]
+                    # The synchronizer turned the cancellation it was interrupted by into an error of its own.
+                    if abandoned and driver.uncancel() == 0:  # type: ignore[union-attr]
+                        break
+                    raise asyncio.CancelledError(
+                        f"cancelled while layer_synchronizer waited for layer {layer}") from exc
                 stop = LLMException(f"layer_synchronizer raised at layer {layer}: {exc!r}",
                                     status_code=LLMStatusCode.LLM_FAILED)
                 stop.__cause__ = exc

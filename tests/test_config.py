@@ -56,6 +56,8 @@ def test_defaults() -> None:
     assert config.link_total_time == 0
     assert config.link_retry_count == 1
     assert config.transfer_backend == ""
+    config.transfer_backend = config.transfer_backend  # "" is no backend: nothing emitted, init goes on
+    assert "llm.TransferBackend" not in config.generate_options()
     assert config.shared_secret is None
     assert config.device_type == "auto"
     assert config.registered_memory_cap == 50 * 2**30

@@ -1203,6 +1203,48 @@ async def test_a_synchronizer_that_swallows_the_cancellation_does_not_keep_the_t
         assert await task.get_results() == [LLMStatusCode.LLM_FAILED]
 
 
+class Renaming(LayerSynchronizer):
+    """Turns the cancellation it is interrupted by into an error of its own (a cleanup step that raises)."""
+
+    def __init__(self) -> None:
+        self.waiting = asyncio.Event()
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        if layer_index == 0:
+            return True
+        self.waiting.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError as exc:
+            raise RuntimeError("prefill aborted") from exc
+        return True
+
+
+async def test_a_cancel_that_the_synchronizer_turns_into_an_error_is_still_a_cancel():
+    """``task.cancel()`` makes ``await task`` raise ``CancelledError``, and an ``asyncio.timeout`` around it
+    ``TimeoutError``, though the synchronizer it interrupts raises something else. Before, the driver took
+    that for the synchronizer's failure: ``await task`` raised ``LLMException(LLM_FAILED)`` and a timeout
+    scope around it never saw its cancel."""
+    async with setup() as s:
+        src, dst = s.blocks_src(), s.dsts[0]
+        before = snapshot(dst)
+        sync = Renaming()
+        task = s.pm.transfer_cache_async(src, sync, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        async with asyncio.timeout(5):
+            await sync.waiting.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(BOUND_S):
+                await task
+        assert await task.get_results() == [LLMStatusCode.LLM_FAILED]
+        assert untouched(dst, before, range(1, LAYERS))
+        task = s.pm.transfer_cache_async(src, Renaming(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await task
+        assert task.done()
+
+
 async def test_a_watch_of_a_cache_released_mid_transfer_fails_what_cannot_land() -> None:
     """Layer 0 lands, then the decoder deallocates the watched cache: the layers still pending fail with
     LLM_KV_CACHE_NOT_EXIST at once (before, they waited forever), the landed layer stays done, and the prompt's
