@@ -237,7 +237,8 @@ def allocate_host_tensors(desc: CacheDesc) -> tuple[HostRegion, list[torch.Tenso
 
 def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
                        device: torch.device) -> list[torch.Tensor]:
-    """Validate framework-owned tensors against ``desc``: count, dtype, shape, device, overlap."""
+    """Validate framework-owned tensors against ``desc``: count, layout, dtype, shape, device, host memory we
+    may write, overlap."""
     if not isinstance(tensors, (list, tuple)):
         raise param_type_error(arg, f"expected a list of tensors or addresses, got {type(tensors).__name__}")
     if len(tensors) != desc.num_tensors:
@@ -255,6 +256,8 @@ def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
             if not isinstance(t, torch.Tensor):
                 raise param_type_error(arg, f"entry {i} must be a torch.Tensor or an int address, "
                                        f"got {type(t).__name__}")
+            if t.layout is not torch.strided:
+                raise param_invalid(arg, f"tensor {i} has layout {t.layout}; only dense (strided) tensors hold a cache")
             if t.dtype != dtype:
                 raise param_invalid(arg, f"tensor {i} has dtype {t.dtype}, cache_desc says {dtype}")
             if tuple(t.shape) != desc.shape:
@@ -264,6 +267,8 @@ def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
             if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
                 raise param_invalid(arg, f"tensor {i} is on {t.device}, the cache placement needs {device}")
             out.append(t)
+        if device.type == "cpu":  # a tensor over read-only memory (a read-only mmap) would crash our copies into it
+            check_mapped(arg, [(t.data_ptr(), desc.size) for t in out])
     _check_disjoint(arg, [t.data_ptr() for t in out], desc.size)
     return out
 

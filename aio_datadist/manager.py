@@ -139,7 +139,16 @@ class KvCacheManager:
         rt = self._rt()
         desc = self._check_desc(cache_desc)
         keys = rt.registry.check_keys(desc, cache_keys)
+        if keys:
+            self._keys_for_prompt("cache_keys")
         return self._allocate(desc, keys, None, is_blocks=False)
+
+    def _keys_for_prompt(self, arg: str) -> None:
+        """Cache keys are a PROMPT's (or MIX's) to hand out (reference 2.4: ``ValueError``): a v1 DECODER's would
+        pin its cache until finalize, as ``deallocate_cache`` leaves a keyed cache to its keys and
+        ``remove_cache_key`` is a PROMPT's call. (A blocks key, which pushes name, frees with its cache.)"""
+        if self._v1 and self._endpoint.role == LLMRole.DECODER:
+            raise param_value_error(arg, "keys are for a PROMPT or MIX endpoint; this LLMDataDist is DECODER")
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc,
                               blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
@@ -158,8 +167,9 @@ class KvCacheManager:
                   *, is_blocks: bool) -> KvCache:
         rt = self._rt()
         on_device = rt.devices is not None and desc.placement == Placement.DEVICE
-        # Host tensors start on pages of their own (allocate_host_tensors): the cap counts what is mapped.
-        nbytes = desc.size * desc.num_tensors if on_device else round_up(desc.size) * desc.num_tensors
+        # The cap counts what is mapped: host tensors start on pages of their own (allocate_host_tensors), a
+        # device cache is one allocation of the backend's granularity.
+        nbytes = rt.devices.allocation_bytes(desc) if on_device else round_up(desc.size) * desc.num_tensors  # type: ignore[union-attr]
         rt.registry.reserve(nbytes)
         if on_device:
             tensors, export = _allocate_device(rt, desc, nbytes)

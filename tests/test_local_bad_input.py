@@ -422,10 +422,12 @@ async def test_remove_cache_key_rejects_wrong_types_and_roles():
             with rejected(INVALID, "cache_key"):
                 kv.remove_cache_key(bad)
         key = CacheKey(1, req_id=1)
-        cache = decoder.kv_cache_manager.allocate_cache(CONTIG, [key])
+        with rejected(INVALID, "cache_keys"):  # keys are a PROMPT's (reference 2.4)
+            decoder.kv_cache_manager.allocate_cache(CONTIG, [key])
+        cache = kv.allocate_cache(CONTIG, [key])
         with rejected(INVALID, "role"):
             decoder.kv_cache_manager.remove_cache_key(key)
-        assert registry_of(decoder).by_key(key.lookup_key()) == (cache, 0)
+        assert registry_of(dd).by_key(key.lookup_key()) == (cache, 0)
 
 
 @pytest.mark.asyncio

@@ -118,6 +118,10 @@ class DeviceBackend:
 
     # -- shared --------------------------------------------------------------------------
 
+    def allocation_bytes(self, desc: CacheDesc) -> int:
+        """The bytes :meth:`allocate_shared` maps for a cache of ``desc`` (what the registered-memory cap counts)."""
+        return shared_bytes(desc) + DEVICE_ALIGN
+
     def allocate(self, desc: CacheDesc) -> list[torch.Tensor]:
         """``desc.num_tensors`` tensors of ``desc.shape`` in one device allocation.
 

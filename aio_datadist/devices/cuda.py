@@ -117,6 +117,12 @@ class CudaBackend(DeviceBackend):
     def ipc_identity(self) -> bytes:
         return self.vmm.identity(self.device.index or 0)
 
+    def allocation_bytes(self, desc: CacheDesc) -> int:
+        if self.ipc_export_refused() is not None or self.ipc_unavailable() is not None:
+            return super().allocation_bytes(desc)
+        grain = self.vmm.granularity(self.device.index or 0)  # what vmm.allocate rounds up to
+        return max(grain, -(-shared_bytes(desc) // grain) * grain)
+
     def allocate_shared(self, desc: CacheDesc) -> tuple[list[torch.Tensor], VmmAllocation | None]:
         if self.ipc_export_refused() is not None or self.ipc_unavailable() is not None:
             return self.allocate(desc), None

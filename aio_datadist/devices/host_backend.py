@@ -34,7 +34,7 @@ import torch
 
 from aio_datadist import _core
 from aio_datadist.devices.backend import DeviceBackend, carve, shared_bytes
-from aio_datadist.devices.host import HostRegion, ReadOnlyMapping, check_sealed
+from aio_datadist.devices.host import PAGE_SIZE, HostRegion, ReadOnlyMapping, check_sealed, round_up
 from aio_datadist.devices.ipc import ExportInvalid, IpcUnavailable
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import CacheDesc
@@ -93,6 +93,9 @@ class HostBackend(DeviceBackend):
 
     def allocate(self, desc: CacheDesc) -> list[torch.Tensor]:
         return self.allocate_shared(desc)[0]
+
+    def allocation_bytes(self, desc: CacheDesc) -> int:
+        return max(round_up(shared_bytes(desc)), PAGE_SIZE)  # a sealed memfd of whole pages (HostRegion)
 
     def allocate_shared(self, desc: CacheDesc) -> tuple[list[torch.Tensor], HostExport]:
         try:
