@@ -128,7 +128,7 @@ class Completions:
             return future
         if timeout_ms is not None:
             waiter.timer = loop.call_later(timeout_ms / 1000.0, self._on_timeout, token)
-        future.add_done_callback(functools.partial(self._on_done, token))
+        future.add_done_callback(functools.partial(self._on_done, token, waiter))
         return future
 
     async def run(self, submit: Callable[[int], Any], cancel: Callable[[int], Any], *, timeout_ms: int | None,
@@ -184,14 +184,13 @@ class Completions:
             f"{waiter.what} timed out after {waiter.timeout_ms} ms",
             status_code=LLMStatusCode.LLM_TIMEOUT))
 
-    def _on_done(self, token: int, future: asyncio.Future) -> None:
-        waiter = self._pending.get(token)
-        if waiter is None:
-            return
+    def _on_done(self, token: int, waiter: _Waiter, future: asyncio.Future) -> None:
+        # The timer goes however the future ended: a record that resolved it took the waiter out of
+        # ``_pending`` first (``dispatch``), and a timer left armed would live out the job's whole timeout.
         if waiter.timer is not None:
             waiter.timer.cancel()
             waiter.timer = None
-        if future.cancelled() or future.exception() is not None:
+        if self._pending.get(token) is waiter and (future.cancelled() or future.exception() is not None):
             waiter.cancel(token)
 
     def _on_readable(self) -> None:

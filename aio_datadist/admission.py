@@ -131,7 +131,7 @@ class Admission:
         """Stop accepting and close the listening socket; connections already accepted go on."""
         task, self._task = self._task, None
         try:
-            if task is not None:
+            if task is not None and not task.get_loop().is_closed():  # (a closed loop runs it no more)
                 task.cancel()
                 await asyncio.wait([task])
         finally:  # cancelled in the wait too: a socket left listening would take connections nobody accepts

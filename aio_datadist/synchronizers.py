@@ -56,6 +56,7 @@ class EventLayerSynchronizer(LayerSynchronizer):
         self._queue = rt.queue
         self._devices = rt.devices
         self._layers = rt.completions.expect(num_layers, "layer event")
+        self._recorded: set[int] = set()  # layers whose record is posted or armed: close() leaves them be
         self._closed = False
 
     def record(self, layer_index: int, stream: Any = None) -> None:
@@ -84,6 +85,7 @@ class EventLayerSynchronizer(LayerSynchronizer):
             except ValueError:  # the queue is closed: its endpoint was finalized
                 raise LLMException("record: the endpoint of this synchronizer was finalized",
                                    status_code=LLMStatusCode.LLM_ENGINE_FINALIZED) from None
+            self._recorded.add(index)  # posted: the loop resolves it on its next drain, closed or not
             return
         assert self._devices is not None
         if self._devices.closed:
@@ -96,6 +98,7 @@ class EventLayerSynchronizer(LayerSynchronizer):
                 raise LLMException("record: the endpoint of this synchronizer was finalized",
                                    status_code=LLMStatusCode.LLM_ENGINE_FINALIZED) from None
             raise param_invalid("layer_index", f"layer {index} is already recorded on a stream") from exc
+        self._recorded.add(index)  # the device posts it once the stream reaches the event
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None = None) -> bool:
         """Wait until ``layer_index`` was recorded.
@@ -113,12 +116,13 @@ class EventLayerSynchronizer(LayerSynchronizer):
         return future.done() and not future.cancelled() and future.exception() is None
 
     def close(self) -> None:
-        """Release every layer not recorded yet. Idempotent."""
+        """Release every layer not recorded yet (a layer recorded already stays so). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for token, _ in self._layers:
-            self._completions.forget(token)
+        for index, (token, _) in enumerate(self._layers):
+            if index not in self._recorded:
+                self._completions.forget(token)
 
     def __enter__(self) -> EventLayerSynchronizer:
         return self

@@ -105,6 +105,23 @@ async def test_error_records_raise_llm_exception(completions, err, code):
 
 
 @pytest.mark.asyncio
+async def test_a_job_done_before_its_timeout_leaves_no_timer_armed(completions):
+    """The record that resolves a job takes its waiter out first: the done-callback still disarms the
+    timeout. Before, every job that completed kept its timer (up to ``serve_timeout_ms``, about 601 s) on the
+    loop, holding the completions object past finalize."""
+    timers = []
+    for _ in range(50):
+        job = completions.start(never, Recorder(), timeout_ms=60_000, what="copy")
+        (token, waiter), = completions._pending.items()
+        timers.append(waiter.timer)
+        completions.queue.post(token, 0, 5)
+        assert await job == 5
+    await asyncio.sleep(0)  # the done-callbacks run
+    armed = sum(not timer.cancelled() for timer in timers)
+    assert armed == 0, f"{armed} of 50 finished jobs keep their 60 s timer armed"
+
+
+@pytest.mark.asyncio
 async def test_timeout_fails_future_cancels_work_and_keeps_memory_until_the_record(completions):
     cancel = Recorder()
     keep = Keepalive()

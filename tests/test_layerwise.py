@@ -316,6 +316,21 @@ async def test_event_synchronizer_records_from_the_loop_and_from_a_thread() -> N
         assert all(layer_landed(dst, src, layer, DST_BLOCKS, SRC_BLOCKS) for layer in range(LAYERS))
 
 
+async def test_event_synchronizer_closed_right_after_its_last_record_keeps_every_layer() -> None:
+    """``close()`` (the end of the ``with`` block) releases only layers never recorded: a layer recorded just
+    before, whose record the loop has not drained yet, stays recorded. Before, ``close`` dropped those too and
+    the transfer stopped with ``LLM_PARAM_INVALID`` ("layer_synchronizer returned False")."""
+    async with setup() as s:
+        src, dst = s.blocks_src(), s.dsts[0]
+        with EventLayerSynchronizer(s.prompt, LAYERS) as events:
+            task = s.pm.transfer_cache_async(src, events, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+            for layer in range(LAYERS):
+                await asyncio.sleep(0)  # the prefill computes the layer
+                events.record(layer)
+        assert await asyncio.wait_for(task, BOUND_S) == [SUCCESS]
+        assert all(layer_landed(dst, src, layer, DST_BLOCKS, SRC_BLOCKS) for layer in range(LAYERS))
+
+
 async def test_event_synchronizer_recorded_after_its_endpoint_was_finalized_says_so() -> None:
     """A prefill thread that records after the endpoint went gets LLM_ENGINE_FINALIZED (it got a bare
     ValueError from the closed completion queue)."""
