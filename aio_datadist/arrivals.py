@@ -2,18 +2,25 @@
 
 A decoder creates a :class:`PushWatch` for the blocks (or batch rows) it
 expects, before it tells the prefill side where to push, then awaits the
-whole watch or one layer at a time. Only pushes that complete after the watch
-was created count, so reused blocks never look ready from an earlier request.
-A push into watched rows that was accepted here and then failed (the pusher
-gave it up, the link went, our job failed) fails the layers it touched
-(:meth:`Arrivals.torn`): their bytes may be torn. A watch has no timeout of
-its own: a peer that never starts pushing is caught by the caller's bound.
+whole watch or one layer at a time. Only push requests this endpoint accepted
+after the watch was created count (:meth:`Arrivals.accepted` stamps each), so
+a request of an earlier transfer still landing neither completes nor fails
+it. Each layer of a layer-wise transfer is a request of its own, accepted as it
+comes: blocks are reused safely once the earlier transfer into them is over
+(its pusher's task ended or was cancelled). A push counts for each row it writes from the row's first
+byte, whole or a prefix of it (the last block of a cache pushed into blocks
+holds the rest of the row). A push into watched rows that was accepted here
+and then failed (the pusher gave it up, the link went, our job failed) fails
+the layers it touched (:meth:`Arrivals.torn`): their bytes may be torn. A
+watch has no timeout of its own: a peer that never starts pushing is caught
+by the caller's bound.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from aio_datadist._checks import check_int, param_invalid
@@ -51,8 +58,13 @@ class PushWatch:
             layer: {(t, r) for t in range(layer * tensors_per_layer, (layer + 1) * tensors_per_layer) for r in rows}
             for layer in layers}
         self._layers = {layer: loop.create_future() for layer in layers}
+        # what layer() handed out: one done-callback per layer feeds them all, so polling adds nothing to
+        # the layer's future, and a waiter its caller cancels leaves the layer to the others
+        self._waiters: dict[int, weakref.WeakSet[asyncio.Future]] = {}
+        self._held: set[asyncio.Future] = set()  # waiters something waits on (an await, a callback) until done
         self._all = loop.create_future()
         self._closed = False
+        self._since = arrivals._accepted  # pushes accepted up to here are not this watch's
 
     @property
     def cache(self) -> KvCache:
@@ -96,8 +108,16 @@ class PushWatch:
         index = check_int("index", index)
         if index not in self._layers:
             raise param_invalid("index", f"layer {index} is not watched")
-        waiter = asyncio.shield(self._layers[index])
-        waiter.add_done_callback(_retrieved)  # a closed watch fails layers nobody may await
+        layer = self._layers[index]
+        if layer.done():
+            return layer
+        waiters = self._waiters.get(index)
+        if waiters is None:
+            waiters = self._waiters[index] = weakref.WeakSet()
+            layer.add_done_callback(_wake(waiters))
+        waiter = _Waiter(loop=layer.get_loop())
+        waiter.held = self._held
+        waiters.add(waiter)
         return waiter
 
     def done(self) -> bool:
@@ -139,11 +159,46 @@ class PushWatch:
         self.close()
 
 
+class _Waiter(asyncio.Future):
+    """A waiter of one layer (:meth:`PushWatch.layer`): held by the watch while a callback waits on it (an
+    ``await`` adds one) and until it is done, only weakly otherwise, so a waiter polled and dropped (``done()``,
+    ``asyncio.wait(..., timeout=0)``) is gone while one given a callback and dropped still calls it."""
+
+    held: set[asyncio.Future] | None = None
+
+    def add_done_callback(self, fn: Callable[..., object], *, context: Any = None) -> None:
+        held = self.held
+        if held is not None and not self.done() and self not in held:
+            held.add(self)
+            super().add_done_callback(held.discard)
+        super().add_done_callback(fn, context=context)
+
+    def remove_done_callback(self, fn: Callable[..., object]) -> int:
+        removed = super().remove_done_callback(fn)
+        held = self.held
+        # nothing waits on it any more (an asyncio.wait that timed out took its callback back): let it go
+        if held is not None and self in held and all(cb == held.discard for cb, _ in self._callbacks or ()):
+            held.discard(self)
+            super().remove_done_callback(held.discard)
+        return removed
+
+
+class _Stamped(list[int]):
+    """The rows of a push, stamped with when this endpoint accepted it (:meth:`Arrivals.accepted`)."""
+
+    __slots__ = ("accepted",)
+
+    def __init__(self, rows: Iterable[int], accepted: int) -> None:
+        super().__init__(rows)
+        self.accepted = accepted
+
+
 class Arrivals:
     """The open watches of one endpoint, fed by completed pushes."""
 
     def __init__(self) -> None:
         self._watches: dict[int, list[PushWatch]] = {}
+        self._accepted = 0  # pushes accepted so far: a watch hears only of those accepted after it was made
 
     def add(self, watch: PushWatch) -> PushWatch:
         self._watches.setdefault(id(watch.cache), []).append(watch)
@@ -156,9 +211,21 @@ class Arrivals:
         if not watches:
             self._watches.pop(id(watch.cache), None)
 
+    def accepted(self, cache: KvCache, tensors: range, rows: Iterable[int]) -> tuple[KvCache, range, list[int]]:
+        """A push into ``rows`` of ``tensors`` of ``cache`` was accepted now: what to :meth:`record` (or
+        :meth:`torn`) once it is over, stamped so that only watches made before now hear of it."""
+        self._accepted += 1
+        return cache, tensors, _Stamped(rows, self._accepted)
+
+    def _hearing(self, cache: KvCache, rows: Iterable[int]) -> list[PushWatch]:
+        """The open watches of ``cache`` made before the push of ``rows`` was accepted (all, unstamped)."""
+        accepted = rows.accepted if isinstance(rows, _Stamped) else self._accepted + 1
+        return [watch for watch in self._watches.get(id(cache), ()) if watch._since < accepted]
+
     def record(self, cache: KvCache, tensors: range, rows: Iterable[int]) -> None:
+        watches = self._hearing(cache, rows)
         rows = list(rows)
-        for watch in list(self._watches.get(id(cache), ())):
+        for watch in watches:
             watch._landed(tensors, rows)
 
     def watched(self, cache: KvCache) -> bool:
@@ -167,12 +234,11 @@ class Arrivals:
 
     def torn(self, cache: KvCache, tensors: range, rows: Iterable[int], exc: LLMException) -> None:
         """A push into ``rows`` of ``tensors`` of ``cache``, accepted here, failed (some bytes may have landed):
-        every open watch of those rows fails its pending layers among ``tensors`` with ``exc``'s status."""
-        watches = self._watches.get(id(cache))
-        if not watches:
-            return
+        every open watch of those rows made before the push was accepted fails its pending layers among
+        ``tensors`` with ``exc``'s status."""
+        watches = self._hearing(cache, rows)
         rows = list(rows)
-        for watch in list(watches):
+        for watch in watches:
             watch._torn(tensors, rows, exc)
 
     def released(self, cache: KvCache) -> None:
@@ -188,7 +254,7 @@ class Arrivals:
                 watch.close()
 
 
-def _fail(fut: asyncio.Future, exc: LLMException) -> None:
+def _fail(fut: asyncio.Future, exc: BaseException) -> None:
     fut.set_exception(exc)
     fut.exception()  # a layer nobody awaits must not leave "never retrieved" noise
 
@@ -205,6 +271,15 @@ def _spans(rows: Iterable[int]) -> str:
     return text + (f" and {len(runs) - 8} more runs" if len(runs) > 8 else "")
 
 
-def _retrieved(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
+def _wake(waiters: weakref.WeakSet[asyncio.Future]) -> Callable[[asyncio.Future], None]:
+    """The done-callback of a layer's future: settle the waiters still pending as it settled."""
+    def settled(layer: asyncio.Future) -> None:
+        for waiter in list(waiters):
+            if waiter.done():  # its caller cancelled it
+                continue
+            exc = layer.exception()
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                _fail(waiter, exc)  # a closed watch fails waiters nobody may await
+    return settled

@@ -365,6 +365,10 @@ class CacheRegistry:
             return False
         return self.peers_see_device_caches or not cache.on_device
 
+    def hidden(self, cache: KvCache) -> bool:
+        """Whether ``cache`` was kept from peers (``remote_accessible=False``)."""
+        return cache.cache_id in self._hidden
+
     def hide(self, cache: KvCache) -> None:
         """Keep a registered cache from peers (``remote_accessible=False``): no peer request
         resolves it any more, and the transports that offered it withdraw it (``on_free``)."""

@@ -647,11 +647,27 @@ class KvCacheManager:
         ``await watch.layer(i)`` then tells when the bytes are in place.
 
         :param layers: the layers to watch (default: all).
-        :raises LLMException: ``LLM_PARAM_INVALID`` for bad rows or layers.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for bad rows or layers, or a cache no peer can push
+            into (``create_cpu_cache``, kept from peers); ``LLM_FAILED`` when called off the event
+            loop this LLMDataDist was initialised on (the watch's futures live there).
         """
         self._mode()
         rt = self._rt()
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or (rt.loop is not None and loop is not rt.loop):
+            # the endpoint's loop completes the watch's futures: another loop's would hear late or never
+            raise LLMException("a push watch lives on the event loop the LLMDataDist was initialised on; "
+                               "create it there", status_code=LLMStatusCode.LLM_FAILED)
         cache = self._endpoint.live(cache, "cache")
+        if cache.cache_id == -1:
+            raise param_invalid("cache", "a CPU cache (create_cpu_cache) is never registered here: no peer "
+                                "can push into it")
+        if not rt.settings.remote_cache_accessible or rt.registry.hidden(cache):
+            raise param_invalid("cache", "it is kept from peers (remote_accessible=False, or this endpoint's "
+                                "llm.EnableRemoteCacheAccessible is '0'): no peer can push into it")
         per_layer = check_int("tensors_per_layer", tensors_per_layer, lo=1, hi=255)
         num_tensors = cache.cache_desc.num_tensors
         if num_tensors % per_layer:

@@ -206,8 +206,8 @@ def _serve_addrs(rt: Runtime, msg: Msg, req: TransferReq) -> tuple[list[KvCache]
         caches.append(cache)
         lay = cache.layout
         offsets = [addr - lay.bases[t] + b * stride for b in (blocks or [0])]
-        if all(off % lay.row_bytes == 0 for off in offsets) and nbytes == lay.row_bytes:
-            landed.append((cache, range(t, t + 1), [off // lay.row_bytes for off in offsets]))
+        if all(off % lay.row_bytes == 0 for off in offsets) and nbytes <= lay.row_bytes:  # rows from byte 0
+            landed.append(rt.arrivals.accepted(cache, range(t, t + 1), [off // lay.row_bytes for off in offsets]))
     pairs = _core.segments(array.array("Q", addrs), array.array("q", blocks or [0]), stride, 0, nbytes)
     return caches, pairs, count * max(len(blocks), 1) * nbytes, landed
 
@@ -230,6 +230,9 @@ def serve_plan(rt: Runtime, link: Link, msg: Msg, req: TransferReq) -> Served:
     rows, first, count = fit(geometry_of(cache), req, pull=msg is Msg.PULL_REQ, row=row)
     lay, offset, nbytes = cache.layout, req.offset, req.nbytes
     pairs = lay.segments(first, count, rows, offset, nbytes)
-    landed = [(cache, range(first, first + count), rows)] if offset == 0 and nbytes == lay.row_bytes else []
+    # A push counts for the rows it writes from their first byte, whole or not (fit keeps it within the row):
+    # the last block of a cache pushed into blocks gets the rest of the row (layerwise._chunk_pieces).
+    push = msg is not Msg.PULL_REQ and offset == 0
+    landed = [rt.arrivals.accepted(cache, range(first, first + count), rows)] if push else []
     return Served(cache, pairs, count * len(rows) * nbytes, ident, range(first, first + count), landed, row)
 

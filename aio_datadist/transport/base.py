@@ -130,7 +130,9 @@ class Served:
     total: int
     key: KeyBinding | None  # the key binding the request names (a pull claims and consumes it)
     tensors: range
-    landed: list  # ``(cache, tensors, rows)`` a push fills whole, recorded as arrived once it is over
+    # ``(cache, tensors, rows)`` a push writes from each row's first byte, stamped as accepted
+    # (``Arrivals.accepted``), recorded as arrived once it is over
+    landed: list
     row: int | None = None  # the row the target names (a key's or an id-and-index's), if any
     #: Told once how serving ended (True: every byte moved; else the failure's status); set by the owner to
     #: count it (``stats``).

@@ -1,0 +1,176 @@
+"""Edges of push watches (``watch_pushes``, ``PushWatch``, ``Arrivals``), found by audit.
+
+A cache-to-blocks push whose last block takes a shorter piece of the row
+completes its watch; a push this endpoint accepted before a watch was made
+neither completes nor fails it; a watch is made on the endpoint's own loop
+only; polling a pending layer holds nothing; a cache no peer can push into cannot be watched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+from peers import BLOCKS_DESC, DECODER_ID, linked_pair
+from test_layerwise_cache_to_blocks import Ready, link, v2_pair
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    KvCache,
+    LLMException,
+    LLMStatusCode,
+    Placement,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+from aio_datadist.testing import runtime_of
+
+pytestmark = pytest.mark.asyncio
+S = LLMStatusCode
+KEY = BlocksCacheKey(DECODER_ID, 0)
+
+
+@contextlib.asynccontextmanager
+async def blocks_pair() -> AsyncIterator[tuple[Any, KvCache, KvCache]]:
+    """A linked pair (TCP), a blocks cache of ``BLOCKS_DESC`` each, the decoder's keyed ``KEY``."""
+    async with linked_pair(link=False) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS_DESC)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS_DESC, KEY)
+        await pair.link()
+        yield pair, src, dst
+
+
+async def push(pair: Any, src: KvCache, blocks: list[int]) -> None:
+    await asyncio.wait_for(pair.pm.push_blocks(KEY, src, blocks, blocks, timeout=5000), 5)
+
+
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+@pytest.mark.parametrize("by", ["key", "addrs"])
+async def test_a_cache_to_blocks_push_with_a_short_last_block_completes_its_watch(transport: str, by: str) -> None:
+    """The 512-byte source row goes into blocks of 192 bytes as 192 + 192 + 128: the last block's request
+    writes its block from the first byte and moves less than a block; every byte the pusher means lands."""
+    async with v2_pair(transport) as pair:
+        dst, _ = pair.destination(192)
+        await link(pair)
+        src = pair.source()
+        blocks = [2, 7, 4]
+        config = (TransferWithCacheKeyConfig(KEY) if by == "key"
+                  else TransferConfig(DECODER_ID, dst.per_device_tensor_addrs[0], src_batch_index=0))
+        with pair.dm.watch_pushes(dst, blocks) as watch:
+            task = pair.pm.transfer_cache_async(src, Ready(), [config], None, blocks, dst_block_memory_size=192)
+            assert await asyncio.wait_for(task, 5) == [S.LLM_SUCCESS]
+            await asyncio.wait_for(watch.layer(0), 2)
+            await asyncio.wait_for(watch, 2)
+
+
+async def test_a_push_accepted_before_a_watch_neither_completes_nor_fails_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Request A's push, accepted before request B's watch of the same blocks, ends after the watch was
+    made (its record is held back until then): B's watch hears nothing of it, then B's own push lands."""
+    async with blocks_pair() as (pair, src, dst):
+        arrivals = runtime_of(pair.decoder).arrivals
+        ended: list[tuple] = []
+        monkeypatch.setattr(arrivals, "record", lambda *entry: ended.append(entry))
+        await push(pair, src, [1, 2])  # request A, accepted here
+        monkeypatch.undo()
+        assert ended
+        with pair.dm.watch_pushes(dst, [1, 2]) as watch:  # request B reuses the blocks
+            for entry in ended:
+                arrivals.record(*entry)  # A ends now
+                arrivals.torn(*entry, LLMException("A was given up", status_code=S.LLM_FAILED))
+            assert not watch.layer(0).done() and not watch.done(), "B's watch heard of A's push"
+            await push(pair, src, [1, 2])  # request B's own push
+            await asyncio.wait_for(watch, 2)
+
+
+async def test_a_watch_is_made_on_the_endpoints_loop_only() -> None:
+    """From a helper loop in a worker thread (whose futures the endpoint's loop would complete unsafely)
+    and from a thread with no loop, ``watch_pushes`` raises ``LLM_FAILED`` and watches nothing."""
+    async with blocks_pair() as (pair, src, dst):
+        outcome: list[BaseException | None] = []
+
+        def call() -> None:
+            try:
+                pair.dm.watch_pushes(dst, [1])
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+                outcome.append(exc)
+
+        async def on_helper_loop() -> None:
+            call()
+
+        thread = threading.Thread(target=lambda: asyncio.run(on_helper_loop()))
+        thread.start()
+        await asyncio.to_thread(thread.join, 5)
+        await asyncio.to_thread(call)  # no running loop
+        assert len(outcome) == 2
+        for raised in outcome:
+            assert isinstance(raised, LLMException) and raised.status_code == S.LLM_FAILED, repr(raised)
+        assert not runtime_of(pair.decoder).arrivals.watched(dst)
+        with pair.dm.watch_pushes(dst, [1]) as watch:  # on the endpoint's loop
+            await push(pair, src, [1])
+            await asyncio.wait_for(watch, 2)
+
+
+async def test_polling_a_pending_layer_holds_nothing_and_a_cancelled_waiter_leaves_the_others() -> None:
+    async with blocks_pair() as (pair, src, dst):
+        with pair.dm.watch_pushes(dst, [1, 2]) as watch:
+            for _ in range(2000):
+                assert not watch.layer(0).done()
+            gc.collect()
+            held = len(watch._layers[0]._callbacks or ())
+            assert held < 10, f"the pending layer's future holds {held} callbacks after 2000 polls"
+            cancelled, waiting = watch.layer(0), watch.layer(0)
+            cancelled.cancel()
+            called: list[object] = []
+            watch.layer(0).add_done_callback(called.append)  # dropped at once: the watch holds it for its callback
+            gc.collect()
+            await push(pair, src, [1, 2])
+            await asyncio.wait_for(waiting, 2)
+            await asyncio.wait_for(watch, 2)
+            assert len(called) == 1 and called[0].exception() is None and not watch._held
+
+
+async def test_polling_a_layer_with_asyncio_wait_holds_nothing() -> None:
+    """``asyncio.wait({watch.layer(i)}, timeout=0)``, the usual non-blocking poll, takes its callback back on
+    return: the watch lets that waiter go (it held each one until the layer settled: found by review)."""
+    async with blocks_pair() as (pair, src, dst):
+        with pair.dm.watch_pushes(dst, [1, 2]) as watch:
+            for _ in range(500):
+                done, _ = await asyncio.wait({watch.layer(0)}, timeout=0)
+                assert not done
+            assert not watch._held
+            await push(pair, src, [1, 2])
+            await asyncio.wait_for(watch, 2)
+
+
+async def test_a_cache_kept_from_peers_cannot_be_watched() -> None:
+    """A cache registered with ``remote_accessible=False`` is never pushed into (a peer's request for it gets
+    ``LLM_KV_CACHE_NOT_EXIST``): refused as a CPU cache is (found by review)."""
+    async with blocks_pair() as (pair, _, _):
+        tensors = [torch.zeros(8, 4, 16, dtype=torch.float16) for _ in range(4)]
+        hidden = pair.dm.register_blocks_cache(BLOCKS_DESC, tensors, BlocksCacheKey(DECODER_ID, 1),
+                                               remote_accessible=False)
+        with pytest.raises(LLMException) as err:
+            pair.dm.watch_pushes(hidden, [1])
+        assert err.value.status_code == S.LLM_PARAM_INVALID and "'cache'" in str(err.value)
+
+
+async def test_a_cpu_cache_cannot_be_watched() -> None:
+    """No peer can push into the caller's own memory, and it is never released here: refused, naming it."""
+    async with blocks_pair() as (pair, _, _):
+        desc = CacheDesc(2, (4, 8), DataType.DT_FLOAT16, Placement.HOST)
+        tensors = [torch.zeros(4, 8, dtype=torch.float16) for _ in range(2)]
+        cpu = KvCache.create_cpu_cache(desc, [t.data_ptr() for t in tensors])
+        with pytest.raises(LLMException) as err:
+            pair.dm.watch_pushes(cpu, [0])
+        assert err.value.status_code == S.LLM_PARAM_INVALID and "'cache'" in str(err.value), err.value
