@@ -256,8 +256,9 @@ def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
             if not isinstance(t, torch.Tensor):
                 raise param_type_error(arg, f"entry {i} must be a torch.Tensor or an int address, "
                                        f"got {type(t).__name__}")
-            if t.layout is not torch.strided:
-                raise param_invalid(arg, f"tensor {i} has layout {t.layout}; only dense (strided) tensors hold a cache")
+            if t.is_nested or t.layout is not torch.strided:
+                kind = "nested" if t.is_nested else f"of layout {t.layout}"
+                raise param_invalid(arg, f"tensor {i} is {kind}; only dense (strided) tensors hold a cache")
             if t.dtype != dtype:
                 raise param_invalid(arg, f"tensor {i} has dtype {t.dtype}, cache_desc says {dtype}")
             if tuple(t.shape) != desc.shape:

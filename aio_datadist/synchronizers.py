@@ -14,6 +14,7 @@ on it so far, and no thread synchronizes with the device.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist._checks import check_index, check_int, param_invalid
@@ -57,6 +58,7 @@ class EventLayerSynchronizer(LayerSynchronizer):
         self._devices = rt.devices
         self._layers = rt.completions.expect(num_layers, "layer event")
         self._recorded: set[int] = set()  # layers whose record is posted or armed: close() leaves them be
+        self._lock = threading.Lock()  # record() (any thread) against close(): a record that returned is kept
         self._closed = False
 
     def record(self, layer_index: int, stream: Any = None) -> None:
@@ -76,8 +78,21 @@ class EventLayerSynchronizer(LayerSynchronizer):
         if stream is not None and self._devices is None:
             raise LLMException("argument 'stream': this endpoint has no device backend (aio.DeviceType cpu); "
                                "record on the CPU (stream=None)", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
-        if self._closed:
-            raise param_invalid("layer_index", "the synchronizer is closed")
+        with self._lock:  # counted as recorded before it is posted: a close() from now on leaves it be
+            if self._closed:
+                raise param_invalid("layer_index", "the synchronizer is closed")
+            fresh = index not in self._recorded
+            self._recorded.add(index)
+        try:
+            self._post(index, stream)
+        except BaseException:
+            if fresh:
+                with self._lock:
+                    self._recorded.discard(index)
+            raise
+
+    def _post(self, index: int, stream: Any) -> None:
+        """Post layer ``index``'s record now (``stream`` None), or arm it on ``stream``."""
         token = self._layers[index][0]
         if stream is None:
             try:
@@ -85,7 +100,6 @@ class EventLayerSynchronizer(LayerSynchronizer):
             except ValueError:  # the queue is closed: its endpoint was finalized
                 raise LLMException("record: the endpoint of this synchronizer was finalized",
                                    status_code=LLMStatusCode.LLM_ENGINE_FINALIZED) from None
-            self._recorded.add(index)  # posted: the loop resolves it on its next drain, closed or not
             return
         assert self._devices is not None
         if self._devices.closed:
@@ -98,7 +112,6 @@ class EventLayerSynchronizer(LayerSynchronizer):
                 raise LLMException("record: the endpoint of this synchronizer was finalized",
                                    status_code=LLMStatusCode.LLM_ENGINE_FINALIZED) from None
             raise param_invalid("layer_index", f"layer {index} is already recorded on a stream") from exc
-        self._recorded.add(index)  # the device posts it once the stream reaches the event
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None = None) -> bool:
         """Wait until ``layer_index`` was recorded.
@@ -117,11 +130,13 @@ class EventLayerSynchronizer(LayerSynchronizer):
 
     def close(self) -> None:
         """Release every layer not recorded yet (a layer recorded already stays so). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            kept = set(self._recorded)
         for index, (token, _) in enumerate(self._layers):
-            if index not in self._recorded:
+            if index not in kept:
                 self._completions.forget(token)
 
     def __enter__(self) -> EventLayerSynchronizer:

@@ -331,6 +331,28 @@ async def test_event_synchronizer_closed_right_after_its_last_record_keeps_every
         assert all(layer_landed(dst, src, layer, DST_BLOCKS, SRC_BLOCKS) for layer in range(LAYERS))
 
 
+class _PostThenClose:
+    """The completion queue, whose post is followed at once by the synchronizer's close (a prefill thread
+    recording its last layer as the ``with`` block around the synchronizer ends on the loop's thread)."""
+
+    def __init__(self, queue: Any, events: EventLayerSynchronizer) -> None:
+        self._queue, self._events = queue, events
+
+    def post(self, *args: int) -> None:
+        self._queue.post(*args)
+        self._events.close()
+
+
+async def test_event_synchronizer_record_that_returned_is_kept_by_a_close_meanwhile() -> None:
+    """A ``record()`` that returned is recorded, whatever ``close()`` did meanwhile from another thread (the
+    first form of row 227 counted the layer recorded only after its post: found by review)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID) as dd:
+        events = EventLayerSynchronizer(dd, 1)
+        events._queue = _PostThenClose(events._queue, events)  # type: ignore[assignment]
+        events.record(0)
+        assert await asyncio.wait_for(events.synchronize_layer(0, 1000), BOUND_S)
+
+
 async def test_event_synchronizer_recorded_after_its_endpoint_was_finalized_says_so() -> None:
     """A prefill thread that records after the endpoint went gets LLM_ENGINE_FINALIZED (it got a bare
     ValueError from the closed completion queue)."""

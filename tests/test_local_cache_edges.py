@@ -72,15 +72,16 @@ async def test_a_tensor_over_read_only_memory_is_refused() -> None:
         assert runtime_of(dd).registry.used_bytes == 0
 
 
-@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support")
-@pytest.mark.parametrize("layout", ["sparse_csr", "mkldnn"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support", "ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("layout", ["sparse_csr", "mkldnn", "nested"])
 async def test_a_tensor_that_is_not_dense_is_a_bad_parameter(layout: str) -> None:
-    """Before, torch's own ``RuntimeError`` (no ``is_contiguous`` for sparse CSR, no data pointer for MKL-DNN)
-    reached the caller."""
+    """Before, torch's own ``RuntimeError`` (no ``is_contiguous`` for sparse CSR, no data pointer for MKL-DNN,
+    no sizes for a nested tensor, whose layout says strided: found by review) reached the caller."""
     if layout == "mkldnn" and not torch.backends.mkldnn.is_available():
         pytest.skip("no MKL-DNN in this torch")
     dense = torch.zeros(8, 16)
-    odd = dense.to_sparse_csr() if layout == "sparse_csr" else dense.to_mkldnn()
+    odd = {"sparse_csr": dense.to_sparse_csr, "mkldnn": dense.to_mkldnn,
+           "nested": lambda: torch.nested.nested_tensor([torch.zeros(16)] * 8)}[layout]()
     async with LLMDataDist(LLMRole.MIX, 1) as dd:
         await dd.init({})
         desc = CacheDesc(1, (8, 16), DataType.DT_FLOAT, Placement.HOST)

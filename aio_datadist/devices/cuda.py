@@ -120,7 +120,10 @@ class CudaBackend(DeviceBackend):
     def allocation_bytes(self, desc: CacheDesc) -> int:
         if self.ipc_export_refused() is not None or self.ipc_unavailable() is not None:
             return super().allocation_bytes(desc)
-        grain = self.vmm.granularity(self.device.index or 0)  # what vmm.allocate rounds up to
+        try:
+            grain = self.vmm.granularity(self.device.index or 0)  # what vmm.allocate rounds up to
+        except DriverError:  # allocate_shared then falls back to torch's allocator too
+            return super().allocation_bytes(desc)
         return max(grain, -(-shared_bytes(desc) // grain) * grain)
 
     def allocate_shared(self, desc: CacheDesc) -> tuple[list[torch.Tensor], VmmAllocation | None]:
