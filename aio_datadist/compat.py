@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import logging
 import os
 import threading
@@ -73,8 +74,11 @@ os.environ.setdefault("AUTO_USE_UC_MEMORY", "0")
 #: its own bounds (an aborted transfer's acknowledgement, a cut copy's settling), far below this.
 INTERRUPT_SETTLE_S = 15.0
 #: How long the exit waits for the facade's loop to stop (a callback of the caller's may hold it); a loop still
-#: running then is left to its daemon thread, unclosed.
+#: running then is left to its daemon thread, unclosed. The exit also waits this long for the loop to take the
+#: finalize of the endpoints still live, and skips them (with a warning) when it does not.
 STOP_JOIN_S = 5.0
+#: How long the exit waits for those finalizes to end (each is bounded by its own steps, far below this).
+EXIT_FINALIZE_S = 10.0
 
 
 class _LoopThread:
@@ -88,7 +92,9 @@ class _LoopThread:
     def loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None:
-                loop = asyncio.new_event_loop()
+                # asyncio's own loop, whatever the process's policy: a forked child of a process whose facade
+                # ran on uvloop crashes as it exits (libuv joins thread-pool threads that are the parent's).
+                loop = asyncio.SelectorEventLoop()
                 ready = threading.Event()
 
                 def run() -> None:
@@ -187,11 +193,22 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 @atexit.register
 def _finalize_all() -> None:
-    for dd in list(_LIVE):
+    live, loop = list(_LIVE), _RUNNER._loop
+    _LIVE.clear()
+    if live and loop is not None:
+        # A callback of the caller's may hold the loop (a blocking wait in an async synchronizer): the exit
+        # must not wait for it without bound, as a blocking call here would.
         try:
-            dd.finalize()
-        except Exception:
-            pass
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(STOP_JOIN_S)
+        except concurrent.futures.TimeoutError:
+            log.warning("aio_datadist.compat: the facade's loop is held (a callback still runs on it); %d "
+                        "endpoint(s) not finalized at exit", len(live))
+        else:
+            ends = [asyncio.run_coroutine_threadsafe(dd._dd.finalize(), loop) for dd in live]
+            _, pending = concurrent.futures.wait(ends, EXIT_FINALIZE_S)
+            if pending:
+                log.warning("aio_datadist.compat: %d endpoint(s) not finalized within %.0f s at exit",
+                            len(pending), EXIT_FINALIZE_S)
     _RUNNER.stop()
 
 
@@ -224,6 +241,7 @@ class CacheTask:
         return _RUNNER.run(self._task.get_results(timeout_in_millis))
 
     def cancel(self) -> None:
+        self._task._require_own()  # in a forked child the task is the parent's: LLM_FAILED here
         _RUNNER.loop().call_soon_threadsafe(self._task.cancel)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Coroutine, Generator
 from typing import Any
 
 from aio_datadist._checks import check_int, check_uint, param_invalid
+from aio_datadist._forks import forks
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["CacheTask", "TaskProgress"]
@@ -75,6 +76,13 @@ class CacheTask:
         self._progress = progress
         self._task = asyncio.get_running_loop().create_task(driver)
         self._task.add_done_callback(self._finished)
+        self._made_by = forks()  # a forked child has no thread running this task's loop
+
+    def _require_own(self) -> None:
+        """``LLM_FAILED`` in a process forked after the task was made: its transfer is the parent's."""
+        if forks() != self._made_by:
+            raise LLMException("this CacheTask belongs to the parent process (it was made before this process "
+                               "was forked); its transfer runs there", status_code=LLMStatusCode.LLM_FAILED)
 
     def _finished(self, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -97,6 +105,7 @@ class CacheTask:
 
         Awaiting it never cancels the transfer.
         """
+        self._require_own()
         index = check_int("index", index)
         layers = self._progress.layers
         if index not in layers:
@@ -110,12 +119,14 @@ class CacheTask:
 
     def cancel(self) -> None:
         """Stop layers not yet sent and abort those in flight; idempotent."""
+        self._require_own()
         self._task.cancel()
 
     def __await__(self) -> Generator[Any, None, list[LLMStatusCode]]:
         return self._wait().__await__()
 
     async def _wait(self) -> list[LLMStatusCode]:
+        self._require_own()
         await self._task
         results, error = self._progress.results, self._progress.error
         failure = next((c for c in results if c not in (None, LLMStatusCode.LLM_SUCCESS)), None)
@@ -127,6 +138,7 @@ class CacheTask:
         return [LLMStatusCode.LLM_SUCCESS if c is None else c for c in results]
 
     async def _settle(self, timeout_in_millis: int | None) -> bool:
+        self._require_own()
         timeout = None
         if timeout_in_millis is not None:
             timeout = check_uint("timeout_in_millis", timeout_in_millis, 32) / 1000

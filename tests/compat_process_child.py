@@ -2,8 +2,9 @@
 ``test_compat_processes.py`` in a process of their own, each prints one JSON line of what happened.
 
 ``fork-exit``: a process with a live link forks and the child exits at once (its atexit hooks run); the parent
-then pulls on its link. ``fork-use``: the child makes and finalizes an endpoint of its own. ``fork-reuse``: the
-child pulls with the parent's endpoint, then finalizes the parent's endpoints.
+then pulls on its link (``fork-exit-uvloop``: the same under uvloop's event-loop policy). ``fork-task``: the child
+asks the parent's layer-wise task for its result. ``fork-use``: the child makes and finalizes an endpoint of its
+own. ``fork-reuse``: the child pulls with the parent's endpoint, then finalizes the parent's endpoints.
 ``interrupt-transfer`` / ``interrupt-allocate``: SIGINT reaches a facade call while the facade's loop is busy
 with other work (it has not started the call yet). ``exit-synchronizer``: the main thread returns while a
 layer-wise transfer waits in a plain synchronizer for a layer never computed (bounded at 30 s).
@@ -50,8 +51,17 @@ def linked(filled: float = 1.0) -> tuple:
     return prompt, decoder, src, dst, memory
 
 
+class Slow(LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        time.sleep(0.5)
+        return True
+
+
 def fork(mode: str) -> dict:
-    prompt, decoder, _, dst, _ = linked()
+    prompt, decoder, src, dst, _ = linked()
+    if mode == "task":  # a layer-wise transfer of the parent's, still running as it forks
+        task = prompt.cache_manager.transfer_cache_async(
+            src, Slow(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 2), range(0, 2))])
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -80,13 +90,21 @@ def fork(mode: str) -> dict:
             prompt.finalize()
             done["finalize"] = "ok"
 
+        def synchronize() -> None:  # the parent's task: refused at once, not waited for
+            try:
+                done["synchronize"] = int(task.synchronize())
+            except LLMException as exc:
+                done["synchronize"] = f"LLMException {int(exc.status_code)}"
+
         if mode == "reuse":
             use = reuse  # noqa: F811 - the case's own body
+        elif mode == "task":
+            use = synchronize  # noqa: F811
 
         thread = threading.Thread(target=use, daemon=True)
         thread.start()
         thread.join(10)
-        done.setdefault("init" if mode == "use" else "finalize", "hung for 10 s")
+        done.setdefault({"use": "init", "task": "synchronize"}.get(mode, "finalize"), "hung for 10 s")
         os.write(w, json.dumps(done).encode())
         os.close(w)
         os._exit(0)
@@ -111,10 +129,11 @@ def fork(mode: str) -> dict:
         pulled = "ok"
     except Exception as exc:
         pulled = repr(exc)
+    parent_task = int(task.synchronize(10000)) if mode == "task" else None
     prompt.finalize()
     decoder.finalize()
     return {"child_status": status, "seconds": round(waited, 2), "child": json.loads(data) if data else None,
-            "parent_pull_after": pulled}
+            "parent_pull_after": pulled, "parent_task": parent_task}
 
 
 def interrupt_while_the_loop_is_busy() -> None:
@@ -169,8 +188,10 @@ def exit_while_a_synchronizer_waits() -> None:
 
 
 def exit_while_a_callback_holds_the_loop() -> None:
-    """The facade's loop is held past the exit's wait for it (made short here) by a callback of the caller's."""
+    """The facade's loop is held past the exit's wait for it (made short here) by a callback of the caller's,
+    with an endpoint left for the exit to finalize (as a program usually leaves one)."""
     compat.STOP_JOIN_S = 0.3
+    endpoint(LLMRole.PROMPT, 1, listen=True)
     compat._RUNNER.loop().call_soon_threadsafe(time.sleep, 20)
     time.sleep(0.1)
     print(json.dumps({"main_returns": time.monotonic()}), flush=True)
@@ -182,6 +203,12 @@ if __name__ == "__main__":
         exit_while_a_synchronizer_waits()
     elif case == "exit-held-loop":
         exit_while_a_callback_holds_the_loop()
+    elif case == "fork-exit-uvloop":  # a process that set uvloop's policy, as serving frameworks do
+        import asyncio
+
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        print(json.dumps(fork("exit")), flush=True)
     else:
         kind, _, mode = case.partition("-")
         print(json.dumps(fork(mode) if kind == "fork" else interrupt(mode)), flush=True)

@@ -27,9 +27,22 @@ def run(case: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_a_forked_child_that_exits_does_not_hang_nor_touch_the_parents_link():
-    out = run("fork-exit")
+@pytest.mark.parametrize("case", ["fork-exit", "fork-exit-uvloop"])
+def test_a_forked_child_that_exits_does_not_hang_nor_touch_the_parents_link(case):
+    """Under uvloop's policy too: the facade's loop is asyncio's own (a child of a process whose facade ran on
+    uvloop died of SIGSEGV as it exited, libuv joining thread-pool threads only the parent has)."""
+    out = run(case)
     assert out["child_status"] == 0 and out["seconds"] < 5 and out["parent_pull_after"] == "ok", out
+
+
+def test_a_forked_child_is_refused_the_parents_cache_task():
+    """The parent's layer-wise task, still running as it forked, is the parent's: ``synchronize`` in the child
+    raises ``LLM_FAILED`` at once (it waited for ever on a task no thread of the child runs)."""
+    from aio_datadist import LLMStatusCode
+
+    out = run("fork-task")
+    assert out["child"] == {"synchronize": f"LLMException {int(LLMStatusCode.LLM_FAILED)}"}, out
+    assert out["child_status"] == 0 and out["parent_task"] == 0, out
 
 
 def test_a_forked_child_can_use_the_facade():
@@ -82,3 +95,4 @@ def test_an_exit_whose_loop_a_callback_holds_ends_in_its_bound_without_a_traceba
     of the caller's on it): ``RuntimeError: Cannot close a running event loop`` printed at every such exit."""
     status, took, err = exit_after_main("exit-held-loop")
     assert status == 0 and took < 10 and "Traceback" not in err and "did not stop" in err, (status, took, err)
+    assert "not finalized at exit" in err, err  # its live endpoint's finalize waited for the held loop for ever
