@@ -14,7 +14,9 @@ checkout. A progress bar needs ``tqdm`` and ``--plot`` needs ``matplotlib``
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 BENCH_EXTRA = 'pip install -e ".[bench]"'
+METRICS_EXTRA = "pip install 'aio_datadist[metrics]'"
 #: The most aio.DataChannels takes (config.py).
 MAX_DATA_CHANNELS = 16
 
@@ -72,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--transport", choices=("auto", "tcp", "local", "nixl"), default="auto",
                       help="aio.Transport of both endpoints (default auto: same-host sharing here; "
                            "nixl needs the nixl extra)")
+    demo.set_defaults(subparser=demo)
     demo.add_argument("--metrics-port", type=_port, metavar="N",
                       help="export both endpoints' Prometheus metrics on 127.0.0.1 (the decoder on N, the prompt "
                            "on a free port; 0: any free port) and print a scrape of both (needs the metrics extra)")
@@ -105,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
+        if args.metrics_port is not None:  # refuse before two processes start torch, not in their tracebacks
+            _check_metrics_port(args.subparser, args.metrics_port)
         from aio_datadist.demo import main as demo
 
         return demo(args.transport, args.metrics_port)
@@ -113,20 +119,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+def _check_metrics_port(parser: argparse.ArgumentParser, port: int) -> None:
+    try:
+        import prometheus_client  # noqa: F401 -- what the demo's processes will import
+    except ImportError as exc:
+        parser.error(f"--metrics-port needs prometheus_client, which does not import here ({exc}): {METRICS_EXTRA}")
+    if port:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the exporter's server binds
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError as exc:
+                parser.error(f"--metrics-port {port}: cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}")
+
+
 # -- bench ------------------------------------------------------------------------------
 
 
 def _import_transfer_benchmark() -> Any:
-    try:
-        from benchmarks import transfer
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("benchmarks", "benchmarks.transfer"):
-            raise
+    """``benchmarks/transfer.py`` of the checkout this ``aio_datadist`` was imported from, run from its root.
+
+    Found by path, not by whatever ``benchmarks`` comes first on ``sys.path``: the current folder may be a
+    project with a ``benchmarks/`` of its own (asv, pytest-benchmark), whose modules must not run here.
+    """
+    import aio_datadist
+
+    root = Path(aio_datadist.__file__).resolve().parent.parent
+    program = root / "benchmarks" / "transfer.py"
+    loaded = sys.modules.get("benchmarks.transfer")
+    if loaded is not None and Path(loaded.__file__ or "").resolve() == program:  # imported by the caller
+        return loaded
+    if not program.is_file() or Path.cwd().resolve() != root:
+        there = f"\n(this aio_datadist comes from the checkout at {root}: run it there)"
+        elsewhere = there if program.is_file() else ""
         raise SystemExit(
             "python -m aio_datadist bench: cannot import the benchmark programs (benchmarks/transfer.py).\n"
             "They come with the source checkout, not with the installed package: run this command from the\n"
             "root of an aio_datadist checkout (the folder that holds benchmarks/), for example\n"
-            "    cd path/to/aio_datadist && python -m aio_datadist bench --quick") from None
+            f"    cd path/to/aio_datadist && python -m aio_datadist bench --quick{elsewhere}")
+    if sys.path[:1] != [str(root)]:
+        sys.path.insert(0, str(root))
+    transfer = importlib.import_module("benchmarks.transfer")
+    if Path(transfer.__file__ or "").resolve() != program:
+        raise SystemExit(f"python -m aio_datadist bench: another package named benchmarks is imported already "
+                         f"({transfer.__file__}), not the one at {program.parent}")
     return transfer
 
 

@@ -83,14 +83,21 @@ def _config(listen: bool, transport: str) -> dict[str, str]:
 
 
 def _export(dd: LLMDataDist, port: int | None) -> tuple[Any, int]:
-    """Serve ``dd``'s metrics on 127.0.0.1:``port`` (0: any free port); the server and its port."""
+    """Serve ``dd``'s metrics on 127.0.0.1:``port`` (0: any free port); the server and its port.
+
+    :raises SystemExit: with one line naming the port if it cannot be served (taken since the command
+        line checked it): the process ends with that line, not a traceback.
+    """
     from prometheus_client import CollectorRegistry, start_http_server
 
     from aio_datadist.metrics import instrument
 
     registry = CollectorRegistry()
     instrument(dd, registry)
-    server, _ = start_http_server(port or 0, addr="127.0.0.1", registry=registry)
+    try:
+        server, _ = start_http_server(port or 0, addr="127.0.0.1", registry=registry)
+    except OSError as exc:
+        raise SystemExit(f"--metrics-port {port}: cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}") from None
     return server, server.server_port
 
 
@@ -207,7 +214,7 @@ def _recv(conn, what: str, limit: float, sender: mp.process.BaseProcess, procs: 
         failed = [p for p in procs if p.exitcode not in (None, 0)]
         if failed:
             raise RuntimeError(f"the {failed[0].name} process exited with code {failed[0].exitcode} "
-                               f"before the {what} (its traceback is above)")
+                               f"before the {what} (its error is above)")
         if sender.exitcode is not None and not conn.poll(0):
             raise RuntimeError(f"the {sender.name} process ended without sending the {what}")
         if time.monotonic() > deadline:

@@ -30,7 +30,8 @@ endpoints of your own.
 Inspection helpers let a test look inside an initialized endpoint without
 reaching through its private attributes: :func:`runtime_of`,
 :func:`registry_of`, :func:`engine_state` (what a finished transfer must have
-given back), :func:`link_table_of`, :func:`links_of`, :func:`link_to`,
+given back; :func:`settled_engine_state` waits for the owner's side to give it
+back), :func:`link_table_of`, :func:`links_of`, :func:`link_to`,
 :func:`usable_link`, :func:`link_count`, :func:`handshakes_in_progress`,
 :func:`admission_of`, :func:`share_listener_of` and :func:`nixl_agent_of`.
 What they return are the library's internal objects: fine to look at in a
@@ -88,6 +89,7 @@ __all__ = [
     "rows_desc",
     "runtime_of",
     "seeded_pattern",
+    "settled_engine_state",
     "share_listener_of",
     "usable_link",
 ]
@@ -107,6 +109,7 @@ ROWS_GEOMETRY = (4, (2, 256))
 START_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
 COMMAND_TIMEOUT_S = 60.0
+SETTLE_POLL_S = 0.005
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -194,18 +197,26 @@ def _cluster(remote_cluster_id: int, address: tuple[str, int]) -> Any:
 
 # -- inspection ------------------------------------------------------------------------------
 # What a test looks at inside an endpoint, in one place: the endpoint's internals may move, these
-# names stay. Each takes an initialized ``LLMDataDist`` and raises its ``LLMException``
-# (``LLM_FAILED`` before ``init``, ``LLM_ENGINE_FINALIZED`` after ``finalize``) for one that is not.
+# names stay. Each takes an initialized ``LLMDataDist`` (or the blocking ``aio_datadist.compat`` one)
+# and raises its ``LLMException`` (``LLM_FAILED`` before ``init``, ``LLM_ENGINE_FINALIZED`` after
+# ``finalize``) for one that is not, ``LLM_PARAM_INVALID`` for anything else.
+
+
+def _endpoint(dd: Any) -> LLMDataDist:
+    """The async endpoint ``dd`` is or wraps, as ``metrics.instrument`` takes it (imported on use: see above)."""
+    from aio_datadist.metrics import _endpoint_of
+
+    return _endpoint_of(dd)
 
 
 def runtime_of(dd: LLMDataDist) -> Runtime:
     """``dd``'s runtime: settings, engines, registry, arrivals and device of the endpoint."""
-    return dd._require_runtime()
+    return _endpoint(dd)._require_runtime()
 
 
 def registry_of(dd: LLMDataDist) -> CacheRegistry:
     """``dd``'s cache registry (``by_key``, ``by_blocks_key``, ``caches()``, ``used_bytes``)."""
-    return dd._require_runtime().registry
+    return _endpoint(dd)._require_runtime().registry
 
 
 def engine_state(dd: LLMDataDist) -> dict[str, int]:
@@ -218,7 +229,7 @@ def engine_state(dd: LLMDataDist) -> dict[str, int]:
     ``"serving registered"`` (jobs serving peers against registered caches,
     which unregistering them cuts). Compare one taken before with one taken after.
     """
-    rt = dd._require_runtime()
+    rt = _endpoint(dd)._require_runtime()
     return {
         "pending tokens": rt.completions.pending_count(),
         "socket jobs": rt.sockets.pending(),
@@ -230,20 +241,38 @@ def engine_state(dd: LLMDataDist) -> dict[str, int]:
     }
 
 
+async def settled_engine_state(dd: LLMDataDist, expected: Mapping[str, int], timeout: float = 2.0) -> dict[str, int]:
+    """:func:`engine_state` of ``dd`` once it equals ``expected``, or as it is after ``timeout`` seconds.
+
+    For the owner's side of a transfer: a pull by a key the pull consumes (``pull_cache`` of a
+    ``CacheKey``) returns to the requester before the owner has its ``DONE``, and until then the owner
+    still holds the key's claim (``"claimed keys"``); nothing signals that arrival to a test, so this
+    looks again every few milliseconds. Compare what it returns with ``expected``.
+    """
+    expected = dict(expected)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        state = engine_state(dd)
+        if state == expected or loop.time() >= deadline:
+            return state
+        await asyncio.sleep(SETTLE_POLL_S)
+
+
 def link_table_of(dd: LLMDataDist) -> LinkTable:
     """``dd``'s link table itself (for a test that wraps one of its methods, or that takes it before finalize to
     look at it after: like every helper here, this raises ``LLM_ENGINE_FINALIZED`` once ``dd`` is finalized)."""
-    return dd._require_links()
+    return _endpoint(dd)._require_links()
 
 
 def links_of(dd: LLMDataDist) -> dict[int, Link]:
     """A copy of ``dd``'s links by remote cluster id, in whatever state (broken or closed ones included)."""
-    return dict(dd._require_links().links)
+    return dict(_endpoint(dd)._require_links().links)
 
 
 def link_to(dd: LLMDataDist, cluster_id: int) -> Link | None:
     """``dd``'s link to ``cluster_id`` in whatever state, or None if it has none."""
-    return dd._require_links().links.get(cluster_id)
+    return _endpoint(dd)._require_links().links.get(cluster_id)
 
 
 def usable_link(dd: LLMDataDist, cluster_id: int) -> Link:
@@ -252,32 +281,32 @@ def usable_link(dd: LLMDataDist, cluster_id: int) -> Link:
     :raises LLMException: ``LLM_NOT_YET_LINK`` if there is none (or it is
         closed), the link's failure (``LLM_LINK_FAILED``) if it is broken.
     """
-    return dd._require_links().get(cluster_id)
+    return _endpoint(dd)._require_links().get(cluster_id)
 
 
 def link_count(dd: LLMDataDist) -> int:
     """How many links of ``dd`` are not closed."""
-    return dd._require_links().count()
+    return _endpoint(dd)._require_links().count()
 
 
 def handshakes_in_progress(dd: LLMDataDist) -> int:
     """Incoming connections ``dd`` accepted that are not through their handshake yet."""
-    return len(dd._require_links().listener.handshakes)
+    return len(_endpoint(dd)._require_links().listener.handshakes)
 
 
 def admission_of(dd: LLMDataDist) -> Admission | None:
     """The admission gate of ``dd``'s listener (its ``arriving`` stage, ``tasks()``), or None if it does not listen."""
-    return dd._require_links().listener.admission
+    return _endpoint(dd)._require_links().listener.admission
 
 
 def share_listener_of(dd: LLMDataDist) -> LocalListener | None:
     """``dd``'s same-host share listener (``name``, ``pending()``), or None if it shares no memory."""
-    return dd._require_links().listener.local_listener
+    return _endpoint(dd)._require_links().listener.local_listener
 
 
 def nixl_agent_of(dd: LLMDataDist) -> NixlAgent | None:
     """``dd``'s NIXL plane (``engine.posted``, ``engine.in_flight()``, ``registered(cache)``), or None without NIXL."""
-    return dd._require_links().nixl
+    return _endpoint(dd)._require_links().nixl
 
 
 # -- the pairs ---------------------------------------------------------------------------------
@@ -367,6 +396,7 @@ class ProcessPair(_Decoder):
     _process: Any = dataclasses.field(kw_only=True, repr=False)
     _conn: Any = dataclasses.field(kw_only=True, repr=False)
     _lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock, repr=False)
+    _sent: int = dataclasses.field(default=0, repr=False)
 
     @property
     def prompt_pid(self) -> int:
@@ -382,21 +412,34 @@ class ProcessPair(_Decoder):
                                  timeout: int = 5000) -> None:
         """Have the prompt ``push_blocks`` its blocks into ``decoder_blocks``; returns once they are in place.
 
+        Waits for the prompt's answer at most ``COMMAND_TIMEOUT_S`` or the push's own ``timeout`` (ms) and
+        5 s, whichever is longer. A call cancelled or timed out before its answer came leaves nothing behind:
+        each command carries a number the prompt echoes, and answers to earlier commands are dropped.
+
         :raises LLMException: as raised by ``push_blocks`` in the prompt process.
-        :raises RuntimeError: if the prompt process failed otherwise or is gone.
+        :raises RuntimeError: if the prompt process failed otherwise, is gone or did not answer in time.
         """
         async with self._lock:
+            self._sent += 1
+            seq = self._sent
             try:
-                self._conn.send(("push_blocks", list(src_blocks), list(dst_blocks), timeout))
+                self._conn.send(("push_blocks", seq, list(src_blocks), list(dst_blocks), timeout))
             except OSError as exc:
                 raise RuntimeError(f"the prompt process is gone (exit code {self._process.exitcode})") from exc
-            reply = await _recv(self._conn, COMMAND_TIMEOUT_S, "push_blocks")
-        if reply[0] == "llm":
+            wait = max(COMMAND_TIMEOUT_S, timeout / 1000 + 5)
+            deadline = time.monotonic() + wait
+            while True:
+                reply = await _recv(self._conn, max(0.0, deadline - time.monotonic()), "push_blocks", wait)
+                if reply[0] == seq or reply[0] == "error":  # else: the answer to a call given up on
+                    break
+        if reply[0] == "error":  # the prompt process failed, not its push
+            raise RuntimeError(f"the prompt process failed:\n{reply[1]}")
+        if reply[1] == "llm":
             from aio_datadist import LLMException
 
-            raise LLMException(reply[2], status_code=reply[1])
-        if reply[0] != "ok":
-            raise RuntimeError(f"the prompt process failed:\n{reply[1]}")
+            raise LLMException(reply[3], status_code=reply[2])
+        if reply[1] != "ok":
+            raise RuntimeError(f"the prompt process failed:\n{reply[2]}")
 
 
 @contextlib.asynccontextmanager
@@ -555,9 +598,11 @@ async def _readable(fd: int, timeout: float | None) -> bool:
         loop.remove_reader(fd)
 
 
-async def _recv(conn: multiprocessing.connection.Connection, timeout: float, what: str) -> Any:
+async def _recv(conn: multiprocessing.connection.Connection, timeout: float, what: str,
+                limit: float | None = None) -> Any:
+    """The next message from the prompt, within ``timeout`` s (of ``limit`` s in all, for the message)."""
     if not await _readable(conn.fileno(), timeout):
-        raise RuntimeError(f"the prompt process did not answer {what} within {timeout} s")
+        raise RuntimeError(f"the prompt process did not answer {what} within {timeout if limit is None else limit} s")
     os.set_blocking(conn.fileno(), True)  # uvloop's add_reader made it non-blocking
     try:
         return conn.recv()
@@ -605,18 +650,18 @@ async def _serve_prompt(conn: multiprocessing.connection.Connection, seed: int, 
                 return
             if command[0] == "exit":
                 return
+            _, seq, src_blocks, dst_blocks, timeout = command
             try:
-                _, src_blocks, dst_blocks, timeout = command
                 from aio_datadist import BlocksCacheKey
 
                 await kv.push_blocks(BlocksCacheKey(DECODER_CLUSTER_ID, MODEL_ID), blocks, src_blocks, dst_blocks,
                                      timeout=timeout)
             except LLMException as exc:
-                conn.send(("llm", int(exc.status_code), str(exc)))
+                conn.send((seq, "llm", int(exc.status_code), str(exc)))
             except Exception:
-                conn.send(("error", traceback.format_exc()))
+                conn.send((seq, "error", traceback.format_exc()))
             else:
-                conn.send(("ok",))
+                conn.send((seq, "ok"))
 
 
 # -- the fixtures ----------------------------------------------------------------------------------

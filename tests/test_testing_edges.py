@@ -1,0 +1,68 @@
+"""The testing plugin at its edges: a prompt push given up on, helpers given the wrong object, an owner's settling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+
+import aio_datadist.testing as testing
+from aio_datadist import LLMException, LLMRole, LLMStatusCode, compat
+from aio_datadist.testing import engine_state, open_pair, open_process_pair
+
+S = LLMStatusCode
+HELPERS = (testing.runtime_of, testing.registry_of, testing.engine_state, testing.link_table_of, testing.links_of,
+           testing.link_count, testing.handshakes_in_progress, testing.admission_of, testing.share_listener_of,
+           testing.nixl_agent_of, lambda dd: testing.link_to(dd, 1), lambda dd: testing.usable_link(dd, 1))
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # a spawn is slow; test_testing_plugin.py's runs on uvloop
+async def test_prompt_push_blocks_waits_for_its_own_answer(monkeypatch):
+    """A push's answer is awaited as long as the push may take, and one given up on (cancelled) does not answer
+    the next: a push the prompt refuses raises, one it does is in place."""
+    async with asyncio.timeout(60):
+        async with open_process_pair() as pair:
+            with monkeypatch.context() as patched:
+                patched.setattr(testing, "COMMAND_TIMEOUT_S", 0.0)
+                await pair.prompt_push_blocks([1], [1], timeout=2000)  # awaited for 2 s + 5 s, not 0 s
+
+            abandoned = asyncio.ensure_future(pair.prompt_push_blocks([0], [0]))
+            await asyncio.sleep(0)  # sent; its answer is awaited
+            abandoned.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await abandoned
+            with pytest.raises(LLMException) as info:
+                await pair.prompt_push_blocks([99], [0])  # 8 blocks: the prompt's push_blocks refuses it
+            assert info.value.status_code == S.LLM_PARAM_INVALID
+            await pair.prompt_push_blocks([2], [2])
+            for got, want in zip(pair.decoder_blocks.tensors, pair.expected_blocks, strict=True):
+                assert torch.equal(got[[0, 1, 2]], want[[0, 1, 2]])
+
+
+def test_the_helpers_take_the_blocking_endpoint_and_refuse_anything_else():
+    """The blocking ``compat.LLMDataDist`` is the endpoint it wraps (here not initialized: ``LLM_FAILED``);
+    what is no endpoint is ``LLM_PARAM_INVALID`` naming what it got."""
+    facade = compat.LLMDataDist(LLMRole.DECODER, 9)
+    for helper in HELPERS:
+        with pytest.raises(LLMException) as info:
+            helper(facade)
+        assert info.value.status_code == S.LLM_FAILED
+        for wrong in (None, object()):
+            with pytest.raises(LLMException, match=f"expected an LLMDataDist, got {type(wrong).__name__}") as info:
+                helper(wrong)
+            assert info.value.status_code == S.LLM_PARAM_INVALID
+
+
+@pytest.mark.asyncio
+async def test_settled_engine_state_waits_for_the_owner_to_give_back_a_pulled_key():
+    """After a pull by a key it consumes the owner holds the key's claim until the requester's DONE arrives
+    (rows 110, 125): ``settled_engine_state`` gives the state once it is back where it was."""
+    async with asyncio.timeout(30):
+        async with open_pair() as pair:
+            before = engine_state(pair.prompt)
+            await pair.decoder.kv_cache_manager.pull_cache(pair.row_key(0), pair.decoder_rows, batch_index=1)
+            assert await testing.settled_engine_state(pair.prompt, before) == before
+            never = {**before, "caches": before["caches"] + 1}
+            assert await testing.settled_engine_state(pair.prompt, never, timeout=0.02) == before
