@@ -16,13 +16,16 @@ within the link time (``llm.LinkTotalTime``), when one went down (the peer
 unlinked, finalized or died), or at once for a second comm with a cluster
 that is linked already (``LLM_ALREADY_LINK``, as LLM-DataDist fails it).
 ``unlink`` closes the comm's links and tells the peers, whose comms then
-report FAILED.
+report FAILED. A comm that turns FAILED stops its attempts to its other peers
+at once (a link one of them made as it stopped is unlinked, the peer told):
+they would take the dials of a newer comm of the same pair.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 
@@ -58,6 +61,8 @@ class Comm:
     peers: dict[int, int]
     attempts: dict[int, asyncio.Task[Link | LLMStatusCode]] = dataclasses.field(default_factory=dict)
     refused: str = ""  # why the comm failed at once (a cluster already linked)
+    watches: list[asyncio.Future] = dataclasses.field(default_factory=list)  # of its links' ends (Link.watch)
+    stopping: asyncio.Task[None] | None = None  # its attempts stopping once it failed (CommTable._stop)
 
     def made(self) -> dict[int, Link]:
         """The links made so far, by peer cluster id."""
@@ -92,7 +97,6 @@ class CommTable:
         self.links = links
         self.comms: dict[int, Comm] = {}
         self._next_id = 1
-        self._listening = asyncio.Lock()
 
     def _new_id(self) -> int:
         comm_id = self._next_id
@@ -120,27 +124,71 @@ class CommTable:
         peers = {cluster: rank for cluster, rank in info.items() if cluster != links.cluster_id}
         if any(rank > own_rank for rank in peers.values()):
             links.check_can_dial()
-        comm = Comm(self._new_id(), name, peers)
-        taken = self._taken(peers)
-        self.comms[comm.comm_id] = comm
-        if taken is not None:
-            comm.refused = f"cluster {taken} is already linked"
-            log.warning("link(%r): %s; this comm fails (unlink it)", name, comm.refused)
+        # switch_role neither moves the listener nor changes the role while a comm starts (it checks for
+        # comms being linked first).
+        async with links.listening:
+            for earlier in self.comms.values():
+                if self.status_of(earlier) is RegisterMemStatus.FAILED:
+                    self._failed(earlier)  # it failed in this loop pass (its attempts would take our dials)
+            comm = Comm(self._new_id(), name, peers)
+            taken = self._taken(peers)
+            self.comms[comm.comm_id] = comm
+            if taken is not None:
+                comm.refused = f"cluster {taken} is already linked"
+                log.warning("link(%r): %s; this comm fails (unlink it)", name, comm.refused)
+                return comm.comm_id
+            try:
+                if any(rank < own_rank for rank in peers.values()):
+                    await self._listen(addresses[own_rank], own_rank)
+            except BaseException:
+                del self.comms[comm.comm_id]
+                raise
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + (settings.link_total_time_s or DEFAULT_LINK_TOTAL_TIME_S)
+            for cluster, rank in peers.items():
+                attempt = links.start_bilateral(cluster, addresses[rank], dial=own_rank < rank, deadline=deadline)
+                attempt.add_done_callback(_log_raised(cluster))
+                attempt.add_done_callback(functools.partial(self._attempted, comm, cluster))
+                comm.attempts[cluster] = attempt
+            log.info("link(%r): comm %s, rank %s, peers %s", name, comm.comm_id, own_rank, peers)
             return comm.comm_id
-        try:
-            if any(rank < own_rank for rank in peers.values()):
-                await self._listen(addresses[own_rank], own_rank)
-        except BaseException:
-            del self.comms[comm.comm_id]
-            raise
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (settings.link_total_time_s or DEFAULT_LINK_TOTAL_TIME_S)
-        for cluster, rank in peers.items():
-            attempt = links.start_bilateral(cluster, addresses[rank], dial=own_rank < rank, deadline=deadline)
-            attempt.add_done_callback(_log_raised(cluster))
-            comm.attempts[cluster] = attempt
-        log.info("link(%r): comm %s, rank %s, peers %s", name, comm.comm_id, own_rank, peers)
-        return comm.comm_id
+
+    def _attempted(self, comm: Comm, cluster: int, attempt: asyncio.Task[Link | LLMStatusCode]) -> None:
+        """An attempt of ``comm`` ended: the comm failed unless its link is up, and fails when that goes down."""
+        if self.comms.get(comm.comm_id) is not comm or self.links.closing:
+            return  # unlinked (its attempts were stopped), or finalize
+        link = _outcome(attempt)
+        if not isinstance(link, Link) or self.links.live(cluster) is not link:
+            self._failed(comm)
+            return
+        watch = link.watch()
+        comm.watches.append(watch)
+        watch.add_done_callback(lambda w: None if w.cancelled() else self._went_down(comm, w))
+
+    def _went_down(self, comm: Comm, watch: asyncio.Future) -> None:
+        watch.exception()  # the link's end, which the comm's status says
+        if self.comms.get(comm.comm_id) is comm and not self.links.closing:
+            self._failed(comm)
+
+    def _failed(self, comm: Comm) -> None:
+        """``comm`` is FAILED: stop its attempts still running."""
+        running = [attempt for attempt in comm.attempts.values() if not attempt.done()]
+        if not running or comm.stopping is not None:
+            return
+        for attempt in running:
+            attempt.cancel()
+        comm.stopping = asyncio.get_running_loop().create_task(self._stop(comm, running))
+        log.info("link(%r): comm %s failed; its attempts to clusters %s stop", comm.name, comm.comm_id,
+                 [cluster for cluster, attempt in comm.attempts.items() if attempt in running])
+
+    async def _stop(self, comm: Comm, running: list[asyncio.Task[Link | LLMStatusCode]]) -> None:
+        """Wait for the stopped attempts; unlink a link one made in the loop pass it was stopped (the peer's
+        comm took it, and fails once told)."""
+        await asyncio.wait(running)
+        made = [cluster for cluster, attempt in comm.attempts.items()
+                if attempt in running and isinstance(link := _outcome(attempt), Link)
+                and self.links.links.get(cluster) is link and not link.closed]
+        await asyncio.gather(*(self.links.disconnect(cluster, UNLINK_TIMEOUT_MS, force=False) for cluster in made))
 
     def _taken(self, peers: dict[int, int]) -> int | None:
         """A cluster of ``peers`` that has a link already, or is in another comm that did not fail."""
@@ -155,23 +203,22 @@ class CommTable:
         return None
 
     async def _listen(self, address: tuple[str, int], rank: int) -> None:
-        """Listen on this endpoint's rank address, unless it listens there already."""
+        """Listen on this endpoint's rank address, unless it listens there already (``links.listening`` held)."""
         links = self.links
-        async with self._listening:
-            current = links.listen_address
-            if current is None:
-                try:
-                    await links.listen(*address)
-                except LLMException as exc:
-                    if exc.status_code != LLMStatusCode.LLM_LINK_FAILED:
-                        raise
-                    raise LLMException(f"link: cannot listen on {address[0]}:{address[1]}, the address of this "
-                                       f"endpoint's rank {rank} (see aio.RankAddresses, aio.LinkPort): {exc}",
-                                       status_code=LLMStatusCode.LLM_LINK_FAILED) from exc
-            elif current[1] != address[1] or (current[0] != address[0] and current[0] not in _WILDCARD):
-                raise param_invalid("rank_table", f"this endpoint's rank {rank} maps to {address[0]}:{address[1]}, "
-                                    f"but the endpoint listens on {current[0]}:{current[1]}; map the rank to "
-                                    "that address (aio.RankAddresses)")
+        current = links.listen_address
+        if current is None:
+            try:
+                await links.listen(*address)
+            except LLMException as exc:
+                if exc.status_code != LLMStatusCode.LLM_LINK_FAILED:
+                    raise
+                raise LLMException(f"link: cannot listen on {address[0]}:{address[1]}, the address of this "
+                                   f"endpoint's rank {rank} (see aio.RankAddresses, aio.LinkPort): {exc}",
+                                   status_code=LLMStatusCode.LLM_LINK_FAILED) from exc
+        elif current[1] != address[1] or (current[0] != address[0] and current[0] not in _WILDCARD):
+            raise param_invalid("rank_table", f"this endpoint's rank {rank} maps to {address[0]}:{address[1]}, "
+                                f"but the endpoint listens on {current[0]}:{current[1]}; map the rank to "
+                                "that address (aio.RankAddresses)")
 
     def _comm(self, comm_id: object) -> Comm:
         comm = self.comms.get(check_uint("comm_id", comm_id))
@@ -223,11 +270,15 @@ class CommTable:
         work.result()
 
     async def _close(self, comm: Comm) -> None:
+        for watch in comm.watches:
+            watch.cancel()
         running = [attempt for attempt in comm.attempts.values() if not attempt.done()]
         for attempt in running:
             attempt.cancel()
         if running:
             await asyncio.wait(running)
+        if comm.stopping is not None:
+            await comm.stopping
         made = [cluster for cluster, link in comm.made().items()
                 if self.links.links.get(cluster) is link and not link.closed]
         statuses = await asyncio.gather(*(self.links.disconnect(cluster, UNLINK_TIMEOUT_MS, force=False)

@@ -418,35 +418,38 @@ class LLMDataDist:
         if not v2 and not self._endpoint.settings.enable_switch_role:
             raise LLMException("switch_role needs LLMConfig.enable_switch_role = True",
                                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
-        if links.count():
-            raise LLMException(f"switch_role: {links.count()} link(s) still exist; unlink them first",
-                               status_code=LLMStatusCode.LLM_EXIST_LINK)
-        preparing = [] if self._comms is None or self._comms.links is not links else self._comms.preparing()
-        if preparing:  # its links are being made, maybe on our listener: they count as links
-            raise LLMException(f"switch_role: link() comm(s) {preparing} still being linked; unlink them first",
-                               status_code=LLMStatusCode.LLM_EXIST_LINK)
-        if links.linking():  # a link made now would come up under the new role, or on a listener gone
-            raise LLMException("switch_role: a link is being made; wait for it and unlink it first",
-                               status_code=LLMStatusCode.LLM_EXIST_LINK)
-        previous = links.listen_address
-        try:
-            await links.stop_listening()
-            if links.closing:  # finalized while the listener stopped: nothing listens again
-                raise LLMException("LLMDataDist was finalized during switch_role",
-                                   status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
-            if listen is not None:
-                await links.listen(*listen)
-        except BaseException as exc:
-            if previous is not None and links.listen_address is None and not links.closing:
-                try:  # a failed or cancelled switch changes nothing...
-                    await _complete(links.listen(*previous))
-                except Exception as again:  # ... unless the old address is gone too: say so, with the first error
-                    log.warning("switch_role: listening again on %s:%s failed (%s); the endpoint does not listen",
-                                previous[0], previous[1], again)
-                    exc.add_note(f"listening again on {previous[0]}:{previous[1]} failed too ({again}): the endpoint "
-                                 "does not listen now")
-            raise
-        self._endpoint.role = role
+        # Held from the checks through the new listen: a link() meanwhile would start a listener of its own
+        # (the old one stopped) and make a comm under the old role.
+        async with links.listening:
+            if links.count():
+                raise LLMException(f"switch_role: {links.count()} link(s) still exist; unlink them first",
+                                   status_code=LLMStatusCode.LLM_EXIST_LINK)
+            preparing = [] if self._comms is None or self._comms.links is not links else self._comms.preparing()
+            if preparing:  # its links are being made, maybe on our listener: they count as links
+                raise LLMException(f"switch_role: link() comm(s) {preparing} still being linked; unlink them first",
+                                   status_code=LLMStatusCode.LLM_EXIST_LINK)
+            if links.linking():  # a link made now would come up under the new role, or on a listener gone
+                raise LLMException("switch_role: a link is being made; wait for it and unlink it first",
+                                   status_code=LLMStatusCode.LLM_EXIST_LINK)
+            previous = links.listen_address
+            try:
+                await links.stop_listening()
+                if links.closing:  # finalized while the listener stopped: nothing listens again
+                    raise LLMException("LLMDataDist was finalized during switch_role",
+                                       status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
+                if listen is not None:
+                    await links.listen(*listen)
+            except BaseException as exc:
+                if previous is not None and links.listen_address is None and not links.closing:
+                    try:  # a failed or cancelled switch changes nothing...
+                        await _complete(links.listen(*previous))
+                    except Exception as again:  # ... unless the old address is gone too: say so, with the first error
+                        log.warning("switch_role: listening again on %s:%s failed (%s); the endpoint does not listen",
+                                    previous[0], previous[1], again)
+                        exc.add_note(f"listening again on {previous[0]}:{previous[1]} failed too ({again}): the "
+                                     "endpoint does not listen now")
+                raise
+            self._endpoint.role = role
 
 
 async def _complete(awaitable: Any) -> None:

@@ -56,6 +56,11 @@ log = logging.getLogger("aio_datadist.links")
 HANDSHAKE_LIMIT_S = 10.0
 #: How long finalize waits for peers to acknowledge UNLINK (so they have let the link go when it returns).
 UNLINK_WAIT_S = 1.0
+#: Bound on a bilateral dial until the peer answers its handshake (connect, TLS, HELLO to LINK_OK): a dial
+#: that connects but is never answered (a hung old instance, a half-open connection to a host that rebooted)
+#: is dialled again instead of holding the comm for the whole link time. The peer allows HANDSHAKE_LIMIT_S
+#: from its accept; the rest covers the wait in its listen backlog.
+BILATERAL_ANSWER_S = 2 * HANDSHAKE_LIMIT_S
 #: How long a dialled link that was not set up in time may take to close before the call returns.
 SET_UP_CLOSE_S = 2.0
 #: A bilateral dial is tried again after this long, doubling up to BILATERAL_RETRY_MAX_S.
@@ -108,6 +113,13 @@ class LinkTable:
         self.own_dials = OwnDials()
         self._bilateral: set[asyncio.Task] = set()  # link() attempts (start_bilateral)
         self._awaited: dict[int, asyncio.Future] = {}  # remote id -> the link() that waits for its dial
+        #: Links ``disconnect`` took out of the table and has not closed yet -> their UNLINK_ACK once the peer
+        #: was told (None before): ``close`` closes them too.
+        self._leaving: dict[Link, asyncio.Future | None] = {}
+        #: Held while the listener may move: by ``switch_role`` from its checks through its listen, and by
+        #: ``link()`` while it starts a comm (and its listener), so neither opens a listener the other does not
+        #: see, and no comm starts under a role that is changing.
+        self.listening = asyncio.Lock()
         self.closing = False
         self._opening: dict[Link, _Opening] = {}  # accepted links whose fds are not all open yet
         self._forgotten: set[asyncio.Task] = set()  # closes of failed links forgotten (_forget_failed_accepted)
@@ -469,7 +481,15 @@ class LinkTable:
     async def _handshake(self, remote_id: int | None, address: tuple[str, int], existing: Link | None,
                          deadline: float | None = None, *, bilateral: bool = False) -> LLMStatusCode:
         """Dial ``address`` and register the link; ``remote_id`` None takes whichever cluster answers."""
-        reader, writer = await open_control(address)
+        # Only a bilateral dial is bounded short of the caller's time: it dials again (link_clusters does not).
+        answer_by = asyncio.get_running_loop().time() + BILATERAL_ANSWER_S if bilateral else None
+        try:
+            async with asyncio.timeout_at(answer_by):
+                reader, writer = await open_control(address)
+        except TimeoutError:
+            if answer_by is None:
+                raise
+            raise ConnectionError(f"not connected within {BILATERAL_ANSWER_S} s") from None
         link: Link | None = None
         sockets: list[DataConn] = []
         taken = False  # the peer took our dial (its LINK_OK said so)
@@ -477,11 +497,18 @@ class LinkTable:
         learned: asyncio.Task | None = None  # this dial, listed as dialling the cluster id the handshake told
         try:
             tune(writer.get_extra_info("socket"))
-            if self.tls_client is not None:
-                await tls.dial_control(reader, writer, self.tls_client, address[0], HANDSHAKE_LIMIT_S)
-            ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
-                                      role=self._role(), layout=ZERO32, bilateral=bilateral, own=self.own_dials,
-                                      peer_id=handshake.ANY_PEER if remote_id is None else remote_id)
+            try:
+                async with asyncio.timeout_at(answer_by):
+                    if self.tls_client is not None:
+                        await tls.dial_control(reader, writer, self.tls_client, address[0], HANDSHAKE_LIMIT_S)
+                    ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
+                                              role=self._role(), layout=ZERO32, bilateral=bilateral,
+                                              own=self.own_dials,
+                                              peer_id=handshake.ANY_PEER if remote_id is None else remote_id)
+            except TimeoutError:
+                if answer_by is None:
+                    raise
+                raise ConnectionError(f"the handshake was not answered within {BILATERAL_ANSWER_S} s") from None
             taken = True
             if remote_id is None:
                 remote_id = ok.cluster_id
@@ -737,6 +764,7 @@ class LinkTable:
                 return LLMStatusCode.LLM_PROCESSING_LINK
             return LLMStatusCode.LLM_NOT_YET_LINK
         self.forget(link)
+        self._leaving[link] = None
         status = SUCCESS
         try:
             if link.broken is None:
@@ -750,9 +778,11 @@ class LinkTable:
             # So it does while pulls we answered wait for the peer's DONE (pull_acks): a pull whose DONE left
             # before the answer has its key consumed here, one that had not sent it fails there (row 177).
             if link.broken is None and (not force or link.counters.in_flight("push") or link.pull_acks):
-                req_id = link.new_req_id()
-                fut = link.expect(req_id, Msg.UNLINK_ACK)
-                link.send_unlink(req_id)
+                fut = self._leaving.get(link)
+                if fut is None:  # else close() told the peer meanwhile
+                    req_id = link.new_req_id()
+                    fut = self._leaving[link] = link.expect(req_id, Msg.UNLINK_ACK)
+                    link.send_unlink(req_id)
                 try:
                     async with asyncio.timeout(min(timeout_ms / 1000, ABORT_ACK_S) if force else timeout_ms / 1000):
                         await fut
@@ -761,8 +791,11 @@ class LinkTable:
                         status = LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
         finally:
             # Out of the table already: closed here even when the caller is cancelled while the peer has
-            # not answered, or nothing would close it (Link.close is bounded).
-            await settle(asyncio.ensure_future(link.close()), None)
+            # not answered, or nothing would close it but close() (Link.close is bounded).
+            try:
+                await settle(asyncio.ensure_future(link.close()), None)
+            finally:
+                self._leaving.pop(link, None)
         return status
 
     async def probe(self, remote_id: int, timeout_ms: int) -> None:
@@ -788,16 +821,22 @@ class LinkTable:
             task.cancel()
         if attempts:
             await asyncio.wait(attempts)
-        links = list(self.links.values())
+        # With the links an unlink took out of the table and still waits on: finalize closes them too.
+        links = [*self.links.values(), *self._leaving]
         self.links.clear()
         await asyncio.gather(*(link.settle_served(pushes_only=True) for link in links
-                               if link.broken is None and not link.closed))
+                               if link.broken is None and not link.closed and self._leaving.get(link) is None))
         acks = []
         for link in links:
             if link.broken is None and not link.closed:
-                req_id = link.new_req_id()
-                acks.append(link.expect(req_id, Msg.UNLINK_ACK))
-                link.send_unlink(req_id)
+                ack = self._leaving.get(link)  # the unlink's, if it told the peer
+                if ack is None:
+                    req_id = link.new_req_id()
+                    ack = link.expect(req_id, Msg.UNLINK_ACK)
+                    if link in self._leaving:
+                        self._leaving[link] = ack
+                    link.send_unlink(req_id)
+                acks.append(ack)
         if acks:
             await asyncio.wait(acks, timeout=UNLINK_WAIT_S)
         for ack in acks:

@@ -134,6 +134,9 @@ class Listener:
         return tasks if self.admission is None else tasks | self.admission.tasks()
 
     async def listen(self, ip: str, port: int) -> None:
+        if self.admission is not None:  # a second listener would replace the first, never closed then
+            raise LLMException(f"already listening on {self.admission.address[0]}:{self.admission.address[1]}",
+                               status_code=LLMStatusCode.LLM_FAILED)
         if self.runtime.settings.tls and self.tls_server is None:
             raise param_invalid("aio.TlsServerContext", "is needed to listen: this endpoint uses TLS "
                                 "(aio.TlsClientContext is set) and never accepts a link without it")

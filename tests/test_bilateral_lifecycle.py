@@ -1,0 +1,161 @@
+"""``link()`` against finalize, a peer that never answers, a comm that failed, and ``switch_role``.
+
+Each broke before: finalize returned with a link an unlink still waited on open; a dial whose handshake was never
+answered held its comm for the whole link time; a FAILED comm kept waiting for its other peers and took the dial
+a newer comm of the pair waited for (the two ends disagreeing); a ``link()`` during a ``switch_role`` left a
+listener that outlived finalize.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+from test_bilateral_link import (
+    DECODER_ID,
+    DECODER_IP,
+    PROMPT_ID,
+    PROMPT_IP,
+    THIRD_ID,
+    THIRD_IP,
+    free_port,
+    rank_table,
+    settled,
+    v2_options,
+)
+
+from aio_datadist import LLMDataDist, LLMException, LLMRole, LLMStatusCode, RegisterMemStatus, link_table, protocol
+from aio_datadist.links import Link
+from aio_datadist.testing import link_to
+
+pytestmark = pytest.mark.asyncio
+
+OK, FAILED = RegisterMemStatus.OK, RegisterMemStatus.FAILED
+INFO = {PROMPT_ID: 0, DECODER_ID: 1}
+
+
+def addresses(*ips: str) -> str:
+    return json.dumps({ip: f"{ip}:{free_port(ip)}" for ip in ips})
+
+
+def listening(ip: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex((ip, port)) == 0
+
+
+async def test_finalize_during_a_comm_unlink_closes_the_link_it_waits_on(monkeypatch):
+    """unlink(comm) takes the link out of the table and waits for the peer's answer: a finalize meanwhile closes
+    that link too before it returns."""
+    monkeypatch.setattr(link_table, "UNLINK_WAIT_S", 0.1)
+    ra = addresses(PROMPT_IP, DECODER_IP)
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+        await p.init(v2_options(rank_addresses=ra, link_total_time=10))
+        await d.init(v2_options(rank_addresses=ra, link_total_time=10))
+        table = rank_table(PROMPT_IP, DECODER_IP)
+        comm_p, comm_d = await asyncio.gather(p.link("c", INFO, table), d.link("c", INFO, table))
+        assert await settled(p, comm_p, 5) is OK and await settled(d, comm_d, 5) is OK
+        d_runtime, dispatch = d._endpoint.runtime, Link._dispatch
+
+        def deaf(self: Link, event: object) -> None:  # d does not answer p's UNLINK (a loaded peer)
+            if not (isinstance(event, protocol.Unlink) and self.runtime is d_runtime):
+                dispatch(self, event)
+
+        monkeypatch.setattr(Link, "_dispatch", deaf)
+        link = link_to(p, DECODER_ID)
+        assert link is not None
+        unlinking = asyncio.ensure_future(p.unlink(comm_p))
+        await asyncio.sleep(0.1)
+        assert not unlinking.done()
+        await asyncio.wait_for(p.finalize(), 5)
+        closed = link.closed
+        await asyncio.wait_for(unlinking, 5)
+        monkeypatch.setattr(Link, "_dispatch", dispatch)
+        assert closed, "finalize returned with a link of the endpoint open"
+
+
+async def test_a_dial_whose_handshake_is_never_answered_is_dialled_again(monkeypatch):
+    """The rank-1 address first holds a listener that accepts and never answers (a hung old instance); then the
+    real peer comes up there: the dialling comm reaches it, dialling again, within the link time."""
+    monkeypatch.setattr(link_table, "BILATERAL_ANSWER_S", 0.3)
+    d_port = free_port(DECODER_IP)
+    ra = json.dumps({PROMPT_IP: f"{PROMPT_IP}:{free_port(PROMPT_IP)}", DECODER_IP: f"{DECODER_IP}:{d_port}"})
+    held: list[asyncio.StreamWriter] = []
+    accepted = asyncio.Event()
+
+    def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        accepted.set()
+
+    server = await asyncio.start_server(silent, DECODER_IP, d_port)
+    try:
+        async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+            await p.init(v2_options(rank_addresses=ra, link_total_time=30))
+            comm_p = await p.link("c", INFO, rank_table(PROMPT_IP, DECODER_IP))
+            await asyncio.wait_for(accepted.wait(), 5)
+            server.close()  # the hung instance's listener goes; its accepted connection stays, unanswered
+            await d.init(v2_options(rank_addresses=ra, link_total_time=30))
+            comm_d = await d.link("c", INFO, rank_table(PROMPT_IP, DECODER_IP))
+            status_p, status_d = await settled(p, comm_p, 5), await settled(d, comm_d, 5)
+            await asyncio.gather(p.unlink(comm_p), d.unlink(comm_d))
+        assert (status_p, status_d) == (OK, OK)
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+
+
+async def test_a_failed_comm_leaves_the_dials_of_a_newer_comm_of_the_pair_alone():
+    """d is rank 2 of a comm A {p: 0, t: 1, d: 2}; p links with it, t has not called link() yet. p goes away: A
+    is FAILED on d, and stops waiting for t. d and t then link a comm B of their own: both ends read OK (before,
+    d's B failed at once as already linked while A took t's dial, and t's B read OK)."""
+    cfg = dict(rank_addresses=addresses(PROMPT_IP, DECODER_IP, THIRD_IP), link_total_time=20)
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as d, LLMDataDist(LLMRole.MIX, THIRD_ID) as t:
+        await d.init(v2_options(**cfg))
+        await t.init(v2_options(**cfg))
+        async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p:
+            await p.init(v2_options(**cfg))
+            info_a, table_a = {PROMPT_ID: 0, THIRD_ID: 1, DECODER_ID: 2}, rank_table(PROMPT_IP, THIRD_IP, DECODER_IP)
+            comm_a = await d.link("a", info_a, table_a)
+            comm_ap = await p.link("a", info_a, table_a)
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 5
+            while link_to(d, PROMPT_ID) is None and loop.time() < end:
+                await asyncio.sleep(0.02)
+            assert link_to(d, PROMPT_ID) is not None
+            await p.unlink(comm_ap)
+        assert await settled(d, comm_a, 5) is FAILED
+        info_b, table_b = {THIRD_ID: 0, DECODER_ID: 1}, rank_table(THIRD_IP, DECODER_IP)
+        comm_bd = await d.link("b", info_b, table_b)
+        comm_bt = await t.link("b", info_b, table_b)
+        status_d, status_t = await settled(d, comm_bd, 5), await settled(t, comm_bt, 5)
+        await asyncio.gather(d.unlink(comm_bd), t.unlink(comm_bt), d.unlink(comm_a))
+        assert (status_d, status_t) == (OK, OK)
+
+
+async def test_link_during_switch_role_leaves_no_listener_behind_finalize():
+    """d listens on A; switch_role moves it to B; a link() while the switch stops the old listener waits for the
+    switch and is refused (its rank maps to C, not B), and nothing listens after finalize (before, it listened
+    on C and the switch's listen on B orphaned that listener, which outlived finalize)."""
+    a, b, c = (free_port(DECODER_IP) for _ in range(3))
+    ra = json.dumps({PROMPT_IP: f"{PROMPT_IP}:{free_port(PROMPT_IP)}", DECODER_IP: f"{DECODER_IP}:{c}"})
+    d = LLMDataDist(LLMRole.DECODER, DECODER_ID)
+    options = v2_options(rank_addresses=ra, link_total_time=5)
+    options["llm.listenIpInfo"] = f"{DECODER_IP}:{a}"
+    await d.init(options)
+    try:
+        switching = asyncio.ensure_future(d.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": f"{DECODER_IP}:{b}"}))
+        await asyncio.sleep(0)  # the switch stops the listener on A
+        with pytest.raises(LLMException) as refused:
+            await d.link("c", INFO, rank_table(PROMPT_IP, DECODER_IP))
+        await asyncio.wait_for(switching, 5)
+        assert refused.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert d.listen_address == (DECODER_IP, b) and d.role is LLMRole.PROMPT
+        with pytest.raises(LLMException) as again:  # a second listener would orphan the first
+            await d._require_links().listener.listen(DECODER_IP, c)
+        assert again.value.status_code == LLMStatusCode.LLM_FAILED and not listening(DECODER_IP, c)
+    finally:
+        await asyncio.wait_for(d.finalize(), 5)
+    assert [port for port in (a, b, c) if listening(DECODER_IP, port)] == []
