@@ -316,6 +316,7 @@ async def test_event_synchronizer_records_from_the_loop_and_from_a_thread() -> N
         assert all(layer_landed(dst, src, layer, DST_BLOCKS, SRC_BLOCKS) for layer in range(LAYERS))
 
 
+@pytest.mark.loops_take_turns  # (the transport and the loop are independent here)
 async def test_event_synchronizer_closed_right_after_its_last_record_keeps_every_layer() -> None:
     """``close()`` (the end of the ``with`` block) releases only layers never recorded: a layer recorded just
     before, whose record the loop has not drained yet, stays recorded. Before, ``close`` dropped those too and
@@ -343,6 +344,7 @@ class _PostThenClose:
         self._events.close()
 
 
+@pytest.mark.loops_take_turns  # (the transport and the loop are independent here)
 async def test_event_synchronizer_record_that_returned_is_kept_by_a_close_meanwhile() -> None:
     """A ``record()`` that returned is recorded, whatever ``close()`` did meanwhile from another thread (the
     first form of row 227 counted the layer recorded only after its post: found by review)."""
@@ -1257,6 +1259,7 @@ class Renaming(LayerSynchronizer):
         return True
 
 
+@pytest.mark.loops_take_turns  # (the transport and the loop are independent here)
 async def test_a_cancel_that_the_synchronizer_turns_into_an_error_is_still_a_cancel():
     """``task.cancel()`` makes ``await task`` raise ``CancelledError``, and an ``asyncio.timeout`` around it
     ``TimeoutError``, though the synchronizer it interrupts raises something else. Before, the driver took
