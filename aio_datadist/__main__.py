@@ -157,6 +157,12 @@ def _import_transfer_benchmark() -> Any:
             "They come with the source checkout, not with the installed package: run this command from the\n"
             "root of an aio_datadist checkout (the folder that holds benchmarks/), for example\n"
             f"    cd path/to/aio_datadist && python -m aio_datadist bench --quick{elsewhere}")
+    package = sys.modules.get("benchmarks")
+    if package is not None and str(root / "benchmarks") not in [str(Path(p).resolve()) for p in
+                                                                 getattr(package, "__path__", ())]:
+        raise SystemExit(f"python -m aio_datadist bench: another package named benchmarks is imported already "
+                         f"({getattr(package, '__file__', None) or list(getattr(package, '__path__', ()))}), "
+                         f"not the one at {program.parent}")
     if sys.path[:1] != [str(root)]:
         sys.path.insert(0, str(root))
     transfer = importlib.import_module("benchmarks.transfer")

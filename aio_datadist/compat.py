@@ -30,6 +30,7 @@ from aio_datadist.cache_manager import Cache
 from aio_datadist.config import LLMConfig, LlmConfig
 from aio_datadist.layers import range_pair
 from aio_datadist.manager import PUSH_KEY_AS_DST_CACHE_KEY
+from aio_datadist.runtime import QUIESCE_S
 from aio_datadist.status import LLMException, LLMStatusCode, Status, code_2_status
 from aio_datadist.task import CacheTask as _AsyncCacheTask
 from aio_datadist.tensors import Tensor, TensorDesc
@@ -77,8 +78,11 @@ INTERRUPT_SETTLE_S = 15.0
 #: running then is left to its daemon thread, unclosed. The exit also waits this long for the loop to take the
 #: finalize of the endpoints still live, and skips them (with a warning) when it does not.
 STOP_JOIN_S = 5.0
-#: How long the exit waits for those finalizes to end (each is bounded by its own steps, far below this).
-EXIT_FINALIZE_S = 10.0
+#: How long the exit waits for those finalizes to end: a finalize waits up to ``runtime.QUIESCE_S`` for a
+#: device still busy with the endpoint's work, then closes links within seconds.
+EXIT_FINALIZE_S = QUIESCE_S + 15.0
+#: How long the exit gives the finalizes it gave up on to end once cancelled, before it stops the loop.
+EXIT_CANCEL_S = 1.0
 
 
 class _LoopThread:
@@ -209,6 +213,9 @@ def _finalize_all() -> None:
             if pending:
                 log.warning("aio_datadist.compat: %d endpoint(s) not finalized within %.0f s at exit",
                             len(pending), EXIT_FINALIZE_S)
+                for end in pending:  # ended, not destroyed pending with the loop
+                    end.cancel()
+                concurrent.futures.wait(pending, EXIT_CANCEL_S)
     _RUNNER.stop()
 
 

@@ -402,6 +402,14 @@ class ProcessPair(_Decoder):
     def prompt_pid(self) -> int:
         return self._process.pid
 
+    async def _answer(self, seq: int, wait: float) -> Any:
+        """The prompt's answer to command ``seq`` (answers to earlier commands dropped), within ``wait`` s."""
+        deadline = time.monotonic() + wait
+        while True:
+            reply = await _recv(self._conn, max(0.0, deadline - time.monotonic()), "push_blocks", wait)
+            if reply[0] == seq or reply[0] == "error":  # else: the answer to a call that ran out of time
+                return reply
+
     def kill_prompt(self) -> None:
         """SIGKILL the prompt process (a crash: no unlink) and return once it is gone (at most 5 s), so that its
         sockets are closed and its peers can tell; the fixture still reaps it."""
@@ -409,16 +417,19 @@ class ProcessPair(_Decoder):
         self._process.join(5)
 
     async def prompt_push_blocks(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], *,
-                                 timeout: int = 5000) -> None:
+                                 timeout: int | None = 5000) -> None:
         """Have the prompt ``push_blocks`` its blocks into ``decoder_blocks``; returns once they are in place.
 
-        Waits for the prompt's answer at most ``COMMAND_TIMEOUT_S`` or the push's own ``timeout`` (ms) and
-        5 s, whichever is longer. A call cancelled or timed out before its answer came leaves nothing behind:
-        each command carries a number the prompt echoes, and answers to earlier commands are dropped.
+        Waits for the prompt's answer at most ``COMMAND_TIMEOUT_S`` or the push's own ``timeout`` (ms; None:
+        the prompt endpoint's default) and 5 s, whichever is longer. A call cancelled before its answer came
+        returns (raising the cancel) once the prompt answered, as a cancelled transfer ends before it raises,
+        so no byte of the push lands after it; each command carries a number the prompt echoes, and an answer
+        left by a call that ran out of time is dropped.
 
         :raises LLMException: as raised by ``push_blocks`` in the prompt process.
         :raises RuntimeError: if the prompt process failed otherwise, is gone or did not answer in time.
         """
+        wait = COMMAND_TIMEOUT_S if timeout is None else max(COMMAND_TIMEOUT_S, timeout / 1000 + 5)  # before sending
         async with self._lock:
             self._sent += 1
             seq = self._sent
@@ -426,12 +437,15 @@ class ProcessPair(_Decoder):
                 self._conn.send(("push_blocks", seq, list(src_blocks), list(dst_blocks), timeout))
             except OSError as exc:
                 raise RuntimeError(f"the prompt process is gone (exit code {self._process.exitcode})") from exc
-            wait = max(COMMAND_TIMEOUT_S, timeout / 1000 + 5)
-            deadline = time.monotonic() + wait
-            while True:
-                reply = await _recv(self._conn, max(0.0, deadline - time.monotonic()), "push_blocks", wait)
-                if reply[0] == seq or reply[0] == "error":  # else: the answer to a call given up on
-                    break
+            answer = asyncio.ensure_future(self._answer(seq, wait))
+            try:
+                reply = await asyncio.shield(answer)
+            except asyncio.CancelledError:
+                # the push goes on in the prompt process: the cancel is raised once it answered (or in ``wait``)
+                await asyncio.wait([answer])
+                if not answer.cancelled():
+                    answer.exception()
+                raise
         if reply[0] == "error":  # the prompt process failed, not its push
             raise RuntimeError(f"the prompt process failed:\n{reply[1]}")
         if reply[1] == "llm":

@@ -5,6 +5,7 @@ Every command here ends before any benchmark or demo process starts.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import subprocess
@@ -114,3 +115,21 @@ def test_a_demo_process_whose_metrics_port_was_taken_meanwhile_ends_with_one_lin
         with pytest.raises(SystemExit) as exit_:
             aio_datadist.demo._export(LLMDataDist(LLMRole.DECODER, 2), port)
     assert exit_.value.code == f"--metrics-port {port}: cannot serve on 127.0.0.1:{port}: Address already in use"
+
+
+def test_bench_with_another_benchmarks_package_imported_already_says_so(tmp_path, monkeypatch):
+    """A project's own ``benchmarks`` (no ``transfer.py``) imported before, in this process: the command says
+    so, importing nothing of it (it raised ``ModuleNotFoundError`` past its check: found by review)."""
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    for name in [m for m in sys.modules if m == "benchmarks" or m.startswith("benchmarks.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("benchmarks")
+    monkeypatch.chdir(REPO)
+    try:
+        with pytest.raises(SystemExit, match="another package named benchmarks"):
+            _import_transfer_benchmark()
+    finally:
+        for name in [m for m in sys.modules if m == "benchmarks" or m.startswith("benchmarks.")]:
+            del sys.modules[name]
