@@ -127,6 +127,9 @@ class CommTable:
         # switch_role neither moves the listener nor changes the role while a comm starts (it checks for
         # comms being linked first).
         async with links.listening:
+            if links.closing:  # finalized while a switch_role held the lock: calls after finalize are refused
+                raise LLMException("LLMDataDist was finalized during link()",
+                                   status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
             for earlier in self.comms.values():
                 if self.status_of(earlier) is RegisterMemStatus.FAILED:
                     self._failed(earlier)  # it failed in this loop pass (its attempts would take our dials)

@@ -28,7 +28,7 @@ from test_bilateral_link import (
 
 from aio_datadist import LLMDataDist, LLMException, LLMRole, LLMStatusCode, RegisterMemStatus, link_table, protocol
 from aio_datadist.links import Link
-from aio_datadist.testing import link_to
+from aio_datadist.testing import link_table_of, link_to
 
 pytestmark = pytest.mark.asyncio
 
@@ -159,3 +159,25 @@ async def test_link_during_switch_role_leaves_no_listener_behind_finalize():
     finally:
         await asyncio.wait_for(d.finalize(), 5)
     assert [port for port in (a, b, c) if listening(DECODER_IP, port)] == []
+
+
+async def test_a_link_waiting_for_a_switch_that_finalize_ends_is_refused_as_finalized():
+    """``link()`` waits while ``switch_role`` holds the listening lock; a ``finalize`` meanwhile makes it raise
+    ``LLM_ENGINE_FINALIZED`` as every call after finalize does (a rank that only dials returned a comm id on
+    the closed table: found by review)."""
+    a, b = free_port(PROMPT_IP), free_port(PROMPT_IP)
+    addresses = json.dumps({PROMPT_IP: f"{PROMPT_IP}:{free_port(PROMPT_IP)}",
+                            DECODER_IP: f"{DECODER_IP}:{free_port(DECODER_IP)}"})
+    prompt = LLMDataDist(LLMRole.PROMPT, PROMPT_ID)
+    options = v2_options(rank_addresses=addresses, link_total_time=5)
+    options["llm.listenIpInfo"] = f"{PROMPT_IP}:{a}"
+    await prompt.init(options)
+    switching = asyncio.ensure_future(prompt.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": f"{PROMPT_IP}:{b}"}))
+    linking = asyncio.ensure_future(prompt.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP)))
+    await asyncio.sleep(0)  # the switch holds the lock, stopping the listener; link() waits for it
+    assert link_table_of(prompt).listening.locked() and not linking.done()
+    await prompt.finalize()
+    done, _ = await asyncio.wait([switching, linking], timeout=5)
+    assert len(done) == 2 and isinstance(switching.exception(), LLMException)
+    assert isinstance(linking.exception(), LLMException), linking.result()
+    assert linking.exception().status_code == LLMStatusCode.LLM_ENGINE_FINALIZED
