@@ -5,15 +5,15 @@ expects, before it tells the prefill side where to push, then awaits the
 whole watch or one layer at a time. Only push requests this endpoint accepted
 after the watch was created count (:meth:`Arrivals.accepted` stamps each), so
 a request of an earlier transfer still landing neither completes nor fails
-it. Each layer of a layer-wise transfer is a request of its own, accepted as it
-comes: blocks are reused safely once the earlier transfer into them is over
-(its pusher's task ended or was cancelled). A push counts for each row it writes from the row's first
-byte, whole or a prefix of it (the last block of a cache pushed into blocks
-holds the rest of the row). A push into watched rows that was accepted here
-and then failed (the pusher gave it up, the link went, our job failed) fails
-the layers it touched (:meth:`Arrivals.torn`): their bytes may be torn. A
-watch has no timeout of its own: a peer that never starts pushing is caught
-by the caller's bound.
+it. Each layer of a layer-wise transfer is a request of its own, accepted as
+it comes: blocks are reused safely once the earlier transfer into them is
+over (its pusher's task ended or was cancelled). A push counts for each row
+it writes from the row's first byte, whole or a prefix of it (the last block
+of a cache pushed into blocks holds the rest of the row). A push into
+watched rows that was accepted here and then failed (the pusher gave it up,
+the link went, our job failed) fails the layers it touched
+(:meth:`Arrivals.torn`): their bytes may be torn. A watch has no timeout of
+its own: a peer that never starts pushing is caught by the caller's bound.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class PushWatch:
         self._held: set[asyncio.Future] = set()  # waiters something waits on (an await, a callback) until done
         self._all = loop.create_future()
         self._closed = False
-        self._since = arrivals._accepted  # pushes accepted up to here are not this watch's
+        self._since = arrivals.stamp  # pushes accepted up to here are not this watch's
 
     @property
     def cache(self) -> KvCache:
@@ -177,6 +177,7 @@ class _Waiter(asyncio.Future):
         removed = super().remove_done_callback(fn)
         held = self.held
         # nothing waits on it any more (an asyncio.wait that timed out took its callback back): let it go
+        # (``_callbacks``: asyncio.Future's own list of (callback, context), in its C and Python forms)
         if held is not None and self in held and all(cb == held.discard for cb, _ in self._callbacks or ()):
             held.discard(self)
             super().remove_done_callback(held.discard)
@@ -210,6 +211,11 @@ class Arrivals:
             watches.remove(watch)
         if not watches:
             self._watches.pop(id(watch.cache), None)
+
+    @property
+    def stamp(self) -> int:
+        """The stamp of the last push accepted (0: none yet)."""
+        return self._accepted
 
     def accepted(self, cache: KvCache, tensors: range, rows: Iterable[int]) -> tuple[KvCache, range, list[int]]:
         """A push into ``rows`` of ``tensors`` of ``cache`` was accepted now: what to :meth:`record` (or
