@@ -234,6 +234,8 @@ class DeviceBackend:
         keepalive they touch) is held until the stream has drained (at
         :meth:`close` at the latest), never released with the exception.
         """
+        if self._held:
+            self._past_failures()
         try:
             with self.on_copy_stream():
                 enqueue()
@@ -261,10 +263,21 @@ class DeviceBackend:
         of it may land later."""
         if keep is None:
             return
+        if self._held:
+            self._past_failures()
         self._held.append(keep)
         if isinstance(failure, Exception):  # an interrupt (KeyboardInterrupt, SystemExit) goes on at once
             with contextlib.suppress(AttributeError, TypeError):  # an exception type that takes no attribute
-                failure.drained = self._stream_drained  # type: ignore[attr-defined]
+                failure.drained = self._past_failures  # type: ignore[attr-defined]
+
+    def _past_failures(self) -> bool:
+        """Whether the copy stream has drained; if so, it is past every failed submission's copies (it runs
+        in order), and their memory goes now: a staged chunk's buffer among it, which its pool counts until
+        it is gone (held to :meth:`close`, a few refused copies took an endpoint's staging for good)."""
+        if not self._stream_drained():
+            return False
+        self._held.clear()
+        return True
 
     @property
     def held(self) -> int:
@@ -295,7 +308,7 @@ class DeviceBackend:
     def busy(self) -> bool:
         """Whether work enqueued on the device may still run: notifications not reached yet, or failed
         submissions whose memory waits for the copy stream to drain."""
-        return not self.closed and (self.notifier.pending() > 0 or (bool(self._held) and not self._stream_drained()))
+        return not self.closed and (self.notifier.pending() > 0 or (bool(self._held) and not self._past_failures()))
 
     def _stream_drained(self) -> bool:
         """Whether the copy stream has done all its work (a device stream's ``query``; the host backend's

@@ -307,6 +307,43 @@ Stage = Callable[[Chunk, torch.Tensor], Awaitable[Any]]
 Use = Callable[[Chunk, torch.Tensor], Awaitable[Any]]
 
 
+class _StageWatch:
+    """A pipeline's first failed stage, which cuts the socket job the pipeline waits on meanwhile: a fill or
+    consume that waits on a slow peer would hide the device's failure until the peer's next chunk, or until
+    the transfer timed out and said so instead."""
+
+    def __init__(self) -> None:
+        self.failure: BaseException | None = None
+        self._job: asyncio.Future | None = None
+        task = asyncio.current_task()  # not kept: a failure's traceback would tie it to its exception in a cycle
+        self._cancelling = task.cancelling() if task is not None else 0  # a task in its cleanup may be at 1
+
+    def staged(self, fut: asyncio.Future) -> None:
+        """A stage's done-callback."""
+        if self.failure is None and not fut.cancelled() and fut.exception() is not None:
+            self.failure = fut.exception()
+            if self._job is not None:
+                self._job.cancel()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    async def run(self, job: Awaitable[Any]) -> None:
+        """Await ``job``; if a stage fails meanwhile, cancel it, and once it is over raise that failure (a
+        cancel of our own task still goes on as one)."""
+        self._job = fut = asyncio.ensure_future(job)
+        try:
+            await fut
+        except (Exception, asyncio.CancelledError):
+            task = asyncio.current_task()
+            if self.failure is None or (task is not None and task.cancelling() > self._cancelling):
+                raise
+        finally:
+            self._job = None
+        self.check()
+
+
 async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage, consume: Use,
                        holder: Any = None) -> None:
     """Stage every chunk into a buffer, then consume it, overlapping the two.
@@ -316,9 +353,10 @@ async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage,
     uses the ``chunk.nbytes`` bytes (sends them). Up to ``pool.buffers``
     stages run ahead of the consumer, as far as ``holder``'s share allows. On
     any failure or cancellation the pending stages are cancelled and their
-    buffers retired.
+    buffers retired; a stage that fails while ``consume`` runs cancels it.
     """
     pending: deque[tuple[Chunk, torch.Tensor, asyncio.Future]] = deque()
+    watch = _StageWatch()
     nxt = 0
     buf: torch.Tensor | None = None
     try:
@@ -335,12 +373,13 @@ async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage,
                 except BaseException:  # refused before it was queued (may have queued part): held by nobody
                     pool.retire(buf)
                     raise
+                staging.add_done_callback(watch.staged)
                 pending.append((chunks[nxt], buf, staging))
                 nxt += 1
             chunk, buf, fut = pending.popleft()
             try:
                 await fut
-                await consume(chunk, buf[:chunk.nbytes])
+                await watch.run(consume(chunk, buf[:chunk.nbytes]))
             except BaseException:
                 pool.retire(buf)
                 raise
@@ -361,9 +400,11 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
     ``stage(chunk, buf)`` moves them on (a device scatter) and must keep
     ``buf`` referenced by its native completion. A buffer goes back to the
     pool when its stage succeeded, and is retired otherwise. Returns once
-    every stage finished; the first failure cancels the rest.
+    every stage finished; the first failure cancels the rest, and the fill
+    running then.
     """
     staged: deque[asyncio.Future] = deque()
+    watch = _StageWatch()
 
     def settle(buf: torch.Tensor, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None:
@@ -374,9 +415,10 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
     buf: torch.Tensor | None = None
     try:
         for chunk in chunks:
+            watch.check()
             buf = await pool.acquire(holder)
             try:
-                await fill(chunk, buf[:chunk.nbytes])
+                await watch.run(fill(chunk, buf[:chunk.nbytes]))
             except BaseException:
                 pool.retire(buf)
                 raise
@@ -386,6 +428,7 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
                 pool.retire(buf)
                 raise
             fut.add_done_callback(functools.partial(settle, buf))
+            fut.add_done_callback(watch.staged)
             staged.append(fut)
             buf = None
             while staged and staged[0].done():

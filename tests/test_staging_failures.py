@@ -1,0 +1,154 @@
+"""Refused device copies in the staging pipeline: they fail the transfer at once and take no buffer for good.
+
+The host backend (``aio.DeviceType=host``) runs the staged pipeline as a
+CUDA device does; the test refuses its copies the way a driver error would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+from peers import PROMPT_ID, fill, linked_pair, same, snapshot
+
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
+from aio_datadist.devices.staging import DeviceStaging, StagingPool, pipeline_in, pipeline_out, plan_chunks
+from aio_datadist.testing import runtime_of
+
+S = LLMStatusCode
+pytestmark = pytest.mark.asyncio
+HOST = {"device_type": "host"}
+BLOCKS = CacheDesc(4, (6, 3, 512), DataType.DT_FLOAT16, Placement.DEVICE)  # 3 KiB units: one per 4 KiB chunk
+
+
+@pytest.fixture(autouse=True)
+def staged(monkeypatch):
+    """Same-host device IPC off, so that the pulls below go through the staging pipeline."""
+    from aio_datadist.devices.host_backend import HostBackend
+
+    monkeypatch.setattr(HostBackend, "ipc_unavailable", lambda self: "switched off by test_staging_failures.py")
+
+
+def small_staging(dd, buffers: int = 2) -> DeviceStaging:
+    rt = runtime_of(dd)
+    rt._staging = DeviceStaging(rt.completions, rt.devices, chunk_bytes=4096, buffers=buffers)
+    return rt._staging
+
+
+def refuse(*args):
+    raise RuntimeError("device copy refused by the test (a transient driver error)")
+
+
+async def pull(pair, dst, rows, timeout_ms):
+    await asyncio.wait_for(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, rows, rows, timeout=timeout_ms),
+                           timeout_ms / 1000 + 1)
+
+
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("side", ["puller_scatter", "owner_gather"])
+async def test_refused_copies_give_their_staging_buffers_back_once_the_stream_drained(side):
+    """Row 241: each refused copy's chunk buffer was held by the backend until it closed, and counted by the
+    pool: after two, every later staged transfer of that end waited for a buffer until it timed out."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        small_staging(pair.prompt), small_staging(pair.decoder)
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        rt = runtime_of(pair.decoder if side == "puller_scatter" else pair.prompt)
+        backend, pool = rt.devices, rt.staging.pool
+        for _ in range(2):
+            backend.memcpy_batch = refuse
+            try:
+                with pytest.raises(LLMException):
+                    await pull(pair, dst, [0, 1], 1000)
+            finally:
+                del backend.memcpy_batch
+        for _ in range(100):  # the owner ends its serve on its own time
+            gc.collect()  # a failure's traceback keeps its frames (a retired buffer among them) in cycles
+            if rt.completions.pending_count() == 0 and pool.live == pool.idle:
+                break
+            await asyncio.sleep(0.005)
+        assert backend.held == 0 and pool.live == pool.idle
+        values = fill(src, 10)
+        await pull(pair, dst, [1, 5], 1000)
+        assert all(same([d[1], d[5]], [v[1], v[5]]) for d, v in zip(dst.tensors, values, strict=True))
+
+
+async def test_a_refused_scatter_fails_the_pull_while_the_owner_is_slow_with_the_next_chunk():
+    """Row 242: the puller's scatter of the first chunk fails (reported once its stream drained) while the
+    owner's next chunk is held up; the pull waited on the socket for it and ended in LLM_TIMEOUT."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        small_staging(pair.prompt, 3), small_staging(pair.decoder, 3)
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        fill(src, 9)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        fill(dst, 3)
+        before = snapshot(dst)
+        owner, puller = runtime_of(pair.prompt).devices, runtime_of(pair.decoder).devices
+        real_notify = owner.notify
+        gates = []
+        loop = asyncio.get_running_loop()
+
+        def owner_slow_after_first(token, aux):
+            real_notify(token, aux)
+            if not gates:
+                gates.append(owner.stream.gate())  # the gathers of every later chunk wait behind it
+
+        def refused_behind_work(*args):
+            gate = puller.stream.gate()  # the stream has not drained: the failure reaches the pull later
+            loop.call_later(0.01, gate.open)
+            refuse()
+
+        owner.notify, puller.memcpy_batch = owner_slow_after_first, refused_behind_work
+        try:
+            with pytest.raises(LLMException) as info:
+                await asyncio.wait_for(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(6)),
+                                                           list(range(6)), timeout=10000), 1.0)
+        finally:
+            del owner.notify, puller.memcpy_batch
+            for gate in gates:
+                gate.open()
+        assert info.value.status_code == S.LLM_FAILED and "refused by the test" in str(info.value)
+        del info
+        await asyncio.sleep(0.02)
+        assert same(snapshot(dst), before)  # nothing landed after the pull returned
+        values = fill(src, 10)
+        await pull(pair, dst, [1, 5], 2000)
+        assert all(same([d[1], d[5]], [v[1], v[5]]) for d, v in zip(dst.tensors, values, strict=True))
+
+
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("direction", ["out", "in"])
+async def test_a_failed_stage_cuts_the_socket_job_the_pipeline_waits_on(direction):
+    """Row 242: a gather (scatter) that fails while the pipeline waits on the peer to take (give) a chunk
+    fails the pipeline at once, after that socket job is over; before, only once the peer went on."""
+    loop = asyncio.get_running_loop()
+    pool, link = StagingPool(4096, 3, share=3), object()
+    chunks = plan_chunks(1, 4, 4096, 4096)
+    stages: list[asyncio.Future] = []
+    waits: list[asyncio.Future] = []
+
+    def stage(chunk, buf):
+        fut = loop.create_future()
+        if direction == "out" and not stages:  # the first chunk is on the socket when the next gathers fail
+            fut.set_result(None)
+        else:
+            loop.call_later(0.01, fut.set_exception, LLMException("stage refused", status_code=S.LLM_FAILED))
+        stages.append(fut)
+        return fut
+
+    def socket_job(chunk, view):
+        fut = loop.create_future()  # the first chunk goes at once, then the peer is slow
+        if waits or direction == "out":
+            waits.append(fut)
+        else:
+            fut.set_result(None)
+            waits.append(fut)
+        return fut
+
+    run = (pipeline_out(chunks, pool, stage, socket_job, link) if direction == "out"
+           else pipeline_in(chunks, pool, socket_job, stage, link))
+    with pytest.raises(LLMException, match="stage refused"):
+        await asyncio.wait_for(run, 1.0)
+    assert waits[-1].cancelled()
+    assert len(stages) == (2 if direction == "out" else 1) and pool.held(link) == 0
