@@ -69,6 +69,11 @@ class Endpoint:
                                status_code=LLMStatusCode.LLM_FAILED)
         return self.runtime
 
+    def home_loop(self, what: str) -> asyncio.AbstractEventLoop:
+        """The running loop, refused (``LLM_FAILED``) unless it is the one this endpoint was initialised on
+        (see :func:`home_loop`)."""
+        return home_loop(what, None if self.runtime is None else self.runtime.loop)
+
     def require_links(self) -> LinkTable:
         """The link table, with the errors of :meth:`require_runtime`."""
         self.require_runtime()
@@ -104,3 +109,18 @@ class Endpoint:
             self.require_runtime().registry.check_unregistered(arg, cache.tensors, cache.cache_desc.size)
             return cache
         return self.require_runtime().registry.get(cache, arg)
+
+
+def home_loop(what: str, home: asyncio.AbstractEventLoop | None) -> asyncio.AbstractEventLoop:
+    """The running loop, refused (``LLM_FAILED``) without one or when it is not ``home`` (None: any): ``what``
+    (futures, a timer) lives on ``home``, whose thread settles it; on another loop (a helper loop in a worker
+    thread) it would be heard late or never, or closed under it."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise LLMException(f"{what} needs a running event loop (it lives there)",
+                           status_code=LLMStatusCode.LLM_FAILED) from None
+    if home is not None and loop is not home:
+        raise LLMException(f"{what} lives on the event loop the LLMDataDist was initialised on; use it from "
+                           "that loop", status_code=LLMStatusCode.LLM_FAILED)
+    return loop

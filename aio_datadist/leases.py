@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from aio_datadist._checks import check_instance, check_int, param_invalid, param_type_error
 from aio_datadist.cache import KvCache
+from aio_datadist.endpoint import home_loop
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import CacheDesc, CacheKey, LLMRole
 
@@ -71,7 +72,7 @@ class CacheLease:
         self._endpoint: Endpoint | None = endpoint
         self._cache = weakref.ref(cache)
         self._keys = tuple(keys)
-        self._loop = _running_loop(endpoint)
+        self._loop = endpoint.home_loop("a lease's timer")
         self._timer: asyncio.TimerHandle | None = None
         self._expired = False
         self._cancelled = False
@@ -105,8 +106,7 @@ class CacheLease:
         lease_ms = check_int("lease_ms", lease_ms, lo=1, hi=MAX_LEASE_MS)
         if self._expired or self._cancelled:
             raise param_invalid("lease_ms", "the lease already expired or was cancelled")
-        if _running_loop() is not self._loop:
-            raise _off_loop()
+        home_loop("a lease's timer", self._loop)
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self._loop.call_later(lease_ms / 1000, self._expire)
@@ -207,7 +207,7 @@ def allocate_leased_cache(manager: _Manager, cache_desc: CacheDesc, cache_keys: 
     if role not in (LLMRole.PROMPT, LLMRole.MIX):
         raise param_invalid("lease_ms", f"a lease removes keys, which needs role PROMPT or MIX; this "
                             f"LLMDataDist is {role.name}")
-    _running_loop(endpoint)
+    endpoint.home_loop("a lease's timer")
     cache = manager.allocate_cache(cache_desc, cache_keys)
     return cache, CacheLease(endpoint, cache, [k for k in cache_keys if not k.is_placeholder], lease_ms)
 
@@ -234,20 +234,3 @@ def lease_of(cache: KvCache) -> CacheLease | None:
     return _LEASES.get(cache)
 
 
-def _running_loop(endpoint: Endpoint | None = None) -> asyncio.AbstractEventLoop:
-    """The running loop; with ``endpoint``, refused unless it is the one the endpoint was initialised
-    on (a helper loop that took a lease and closed would keep its timer from ever firing)."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        raise LLMException("a lease needs a running event loop (its timer lives there)",
-                           status_code=LLMStatusCode.LLM_FAILED) from None
-    home = None if endpoint is None or endpoint.runtime is None else endpoint.runtime.loop
-    if home is not None and loop is not home:
-        raise _off_loop()
-    return loop
-
-
-def _off_loop() -> LLMException:
-    return LLMException("a lease's timer lives on the event loop the LLMDataDist was initialised on; "
-                        "take and renew it from that loop", status_code=LLMStatusCode.LLM_FAILED)

@@ -653,14 +653,7 @@ class KvCacheManager:
         """
         self._mode()
         rt = self._rt()
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is None or (rt.loop is not None and loop is not rt.loop):
-            # the endpoint's loop completes the watch's futures: another loop's would hear late or never
-            raise LLMException("a push watch lives on the event loop the LLMDataDist was initialised on; "
-                               "create it there", status_code=LLMStatusCode.LLM_FAILED)
+        self._endpoint.home_loop("a push watch")  # the endpoint's loop completes the watch's futures
         cache = self._endpoint.live(cache, "cache")
         if cache.cache_id == -1:
             raise param_invalid("cache", "a CPU cache (create_cpu_cache) is never registered here: no peer "
