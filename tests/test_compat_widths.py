@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_compat_cache_manager import _init, _Ready
 
 from aio_datadist import compat, layerwise
 from aio_datadist.compat import (
@@ -20,9 +21,7 @@ from aio_datadist.compat import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
-    LayerSynchronizer,
     LLMClusterInfo,
-    LLMConfig,
     LLMDataDist,
     LLMException,
     LLMRole,
@@ -35,23 +34,6 @@ ROWS = CacheDesc(4, (3, 256), DataType.DT_FLOAT16)
 BLOCKS = CacheDesc(4, (8, 128), DataType.DT_FLOAT16)
 PAST_INT32 = range(2**31, 2**31 + 1)
 PAST_UINT32 = range(2**32, 2**32 + 1)
-
-
-def _init(dd: LLMDataDist, listen: bool = False) -> None:
-    config = LLMConfig()
-    config.device_id = 0
-    config.device_type = "cpu"
-    config.transport = "tcp"
-    config.local_comm_res = ""
-    config.sync_kv_timeout = 2000
-    if listen:
-        config.listen_ip_info = "127.0.0.1:0"
-    dd.init(config.generate_options())
-
-
-class _Ready(LayerSynchronizer):
-    def synchronize_layer(self, layer_index, timeout_in_millis):
-        return True
 
 
 @pytest.fixture

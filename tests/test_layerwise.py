@@ -1205,11 +1205,14 @@ class Stubborn(LayerSynchronizer):
         self.waiting.set()
         try:
             await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            if self.swallowed:
-                raise  # only the first one (so that a test that fails still ends)
-            self.swallowed.append(layer_index)
+        except asyncio.CancelledError as exc:
+            self.interrupted(layer_index, exc)
         return True
+
+    def interrupted(self, layer_index: int, exc: asyncio.CancelledError) -> None:
+        if self.swallowed:
+            raise exc  # only the first one (so that a test that fails still ends)
+        self.swallowed.append(layer_index)
 
 
 async def test_a_synchronizer_that_swallows_the_cancellation_does_not_keep_the_task_going():
@@ -1242,21 +1245,11 @@ async def test_a_synchronizer_that_swallows_the_cancellation_does_not_keep_the_t
         assert await task.get_results() == [LLMStatusCode.LLM_FAILED]
 
 
-class Renaming(LayerSynchronizer):
+class Renaming(Stubborn):
     """Turns the cancellation it is interrupted by into an error of its own (a cleanup step that raises)."""
 
-    def __init__(self) -> None:
-        self.waiting = asyncio.Event()
-
-    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
-        if layer_index == 0:
-            return True
-        self.waiting.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError as exc:
-            raise RuntimeError("prefill aborted") from exc
-        return True
+    def interrupted(self, layer_index: int, exc: asyncio.CancelledError) -> None:
+        raise RuntimeError("prefill aborted") from exc
 
 
 @pytest.mark.loops_take_turns  # (the transport and the loop are independent here)
