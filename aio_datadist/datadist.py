@@ -501,3 +501,18 @@ def _overall(results: list[LLMStatusCode]) -> LLMStatusCode:
         if code != LLMStatusCode.LLM_SUCCESS:
             return code
     return LLMStatusCode.LLM_SUCCESS
+
+
+def endpoint_of(dd: Any) -> LLMDataDist:
+    """The async endpoint ``dd`` is, or that the blocking facade ``dd`` (``aio_datadist.compat``) wraps: the one
+    key under which an endpoint is watched, whichever of the two the caller holds.
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``dd`` when it is neither.
+    """
+    inner = getattr(dd, "_dd", None)
+    if isinstance(inner, LLMDataDist):
+        dd = inner
+    if not isinstance(dd, LLMDataDist):
+        raise LLMException(f"invalid argument 'dd': expected an LLMDataDist, got {type(dd).__name__}",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    return dd

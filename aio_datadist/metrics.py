@@ -56,20 +56,9 @@ def _prometheus() -> Any:
 
 
 def _endpoint_of(dd: Any) -> LLMDataDist:
-    """The async endpoint ``dd`` is, or that the blocking facade ``dd`` (``aio_datadist.compat``) wraps: the one
-    key under which an endpoint is watched, whichever of the two the caller holds.
+    from aio_datadist.datadist import endpoint_of  # imported on use, as the endpoint's type above
 
-    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``dd`` when it is neither.
-    """
-    from aio_datadist.datadist import LLMDataDist
-
-    inner = getattr(dd, "_dd", None)
-    if isinstance(inner, LLMDataDist):
-        dd = inner
-    if not isinstance(dd, LLMDataDist):
-        raise LLMException(f"invalid argument 'dd': expected an LLMDataDist, got {type(dd).__name__}",
-                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
-    return dd
+    return endpoint_of(dd)
 
 
 def instrument(dd: LLMDataDist, registry: Any = None) -> PrometheusMetrics:

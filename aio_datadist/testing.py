@@ -204,9 +204,9 @@ def _cluster(remote_cluster_id: int, address: tuple[str, int]) -> Any:
 
 def _endpoint(dd: Any) -> LLMDataDist:
     """The async endpoint ``dd`` is or wraps, as ``metrics.instrument`` takes it (imported on use: see above)."""
-    from aio_datadist.metrics import _endpoint_of
+    from aio_datadist.datadist import endpoint_of
 
-    return _endpoint_of(dd)
+    return endpoint_of(dd)
 
 
 def runtime_of(dd: LLMDataDist) -> Runtime:
