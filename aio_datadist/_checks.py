@@ -155,18 +155,22 @@ def check_instance(arg_name: str, value: Any, types: type[_T] | tuple[type, ...]
     return value  # type: ignore[return-value]  # isinstance above (typing.cast would be a call per check)
 
 
+#: The dtypes of 0-d bool tensors and arrays, whose ``__index__`` reads 0 or 1 (numpy's ``bool_`` has none).
+_BOOL_DTYPES = frozenset({"torch.bool", "bool"})
+
+
 def check_int(arg_name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
     """Return ``value`` as an ``int``, checking its type and bounds.
 
     Anything with ``__index__`` (numpy and 0-d torch integers too) counts as
-    an int; ``bool`` does not.
+    an int; ``bool`` does not, nor does a 0-d bool tensor.
 
     :param lo: smallest allowed value (inclusive), or None.
     :param hi: largest allowed value (inclusive), or None.
     :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name`` (a
         :class:`ParamTypeError` for a value that is not an int).
     """
-    if isinstance(value, bool):
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in _BOOL_DTYPES:
         raise param_type_error(arg_name, "expected an int, got bool")
     try:
         number = operator.index(value)  # type: ignore[arg-type]
@@ -323,15 +327,26 @@ def check_ipv4(arg_name: str, value: object) -> str:
     return value  # type: ignore[return-value]
 
 
-def check_json_object(arg_name: str, text: str) -> dict[str, Any]:
+def check_json_object(arg_name: str, text: str, *, unique_keys: bool = False) -> dict[str, Any]:
     """Parse ``text`` as a JSON object.
 
+    :param unique_keys: refuse an object (at any depth) that names one key twice, which JSON parsers
+        otherwise settle silently by keeping the last (for maps where a typo must not go unseen).
     :raises LLMException: ``LLM_PARAM_INVALID`` naming ``arg_name`` for text
         that is not JSON, is nested deeper than the parser's recursion limit,
         or holds something other than an object.
     """
+
+    def once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise param_invalid(arg_name, f"names the key {key!r} twice")
+            seen.add(key)
+        return dict(pairs)
+
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, object_pairs_hook=once if unique_keys else None)
     except ValueError as exc:
         raise param_invalid(arg_name, f"not valid JSON: {exc}") from None
     except RecursionError:

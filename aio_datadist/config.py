@@ -59,6 +59,7 @@ caches out of same-host sharing.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -371,13 +372,13 @@ def _check_rank_addresses(arg_name: str, value: object) -> str:
         text = check_str(arg_name, value)
         if not text:
             return text
-        obj = check_json_object(arg_name, text)
+        obj = check_json_object(arg_name, text, unique_keys=True)
     _rank_addresses(arg_name, obj)
     return json.dumps(dict(obj), sort_keys=True)
 
 
 def _rank_addresses_text(key: str, raw: str) -> dict[str, tuple[str, int]]:
-    return _rank_addresses(key, check_json_object(key, raw)) if raw else {}
+    return _rank_addresses(key, check_json_object(key, raw, unique_keys=True)) if raw else {}
 
 
 _TLS12 = ssl.TLSVersion.TLSv1_2
@@ -597,6 +598,21 @@ class LLMConfig:
 
     def __init__(self) -> None:
         self._explicit: dict[str, Any] = {}
+
+    def __copy__(self) -> LLMConfig:
+        """A config of its own (a base copied per endpoint), as a plain object's copy: settings assigned to
+        either later stay there; the values themselves (``ge_options``' dict) are shared."""
+        new = LLMConfig()
+        new._explicit = dict(self._explicit)
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LLMConfig:
+        """Every value copied, except the TLS contexts, which cannot be (they are shared)."""
+        new = LLMConfig()
+        memo[id(self)] = new
+        new._explicit = {name: value if isinstance(value, ssl.SSLContext) else copy.deepcopy(value, memo)
+                         for name, value in self._explicit.items()}
+        return new
 
     def generate_options(self) -> dict[str, Any]:
         """The options dict for ``LLMDataDist.init``.

@@ -102,11 +102,12 @@ def parse_rank_table(rank_table: object, ranks: Any) -> dict[int, RankEntry]:
 
     :raises LLMException: ``LLM_PARAM_INVALID`` naming ``rank_table`` for text
         that is not a JSON object, a ``server_list`` or ``device`` that is not
-        a list of objects, a bad ``rank_id`` or ``device_ip``, a rank id twice,
+        a list of objects, a bad ``rank_id`` or ``device_ip``, a rank id twice
+        (or any object naming one key twice),
         or a rank of ``ranks`` that the table lacks.
     """
     arg = "rank_table"
-    table = check_json_object(arg, check_str(arg, rank_table))
+    table = check_json_object(arg, check_str(arg, rank_table), unique_keys=True)
     servers = table.get("server_list")
     if not isinstance(servers, list) or not servers:
         raise param_invalid(arg, "'server_list' must be a non-empty list of servers")

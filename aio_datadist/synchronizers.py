@@ -117,12 +117,15 @@ class EventLayerSynchronizer(LayerSynchronizer):
         """Wait until ``layer_index`` was recorded.
 
         :returns: False after ``timeout_in_millis`` (None: the constructor's
-            ``timeout_ms``), or once the synchronizer is closed without that
-            layer recorded.
+            ``timeout_ms``; 0: at once), or once the synchronizer is closed
+            without that layer recorded.
+        :raises LLMException: ``LLM_PARAM_INVALID`` naming ``layer_index`` or
+            ``timeout_in_millis`` (an int in ``[0, 2**31 - 1]``).
         """
         index = check_index("layer_index", layer_index, len(self._layers), what="layer")
         future = self._layers[index][1]
-        wait_ms = self._timeout_ms if timeout_in_millis is None else timeout_in_millis
+        wait_ms = self._timeout_ms if timeout_in_millis is None else check_int(
+            "timeout_in_millis", timeout_in_millis, lo=0, hi=2**31 - 1)  # 0: whether it is recorded now
         if not future.done():
             # asyncio.wait neither raises for the future closing cancelled nor cancels it on time-out
             await asyncio.wait([future], timeout=None if wait_ms is None else wait_ms / 1000)

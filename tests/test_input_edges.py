@@ -1,0 +1,104 @@
+"""Input the option and value checks used to take: copies of a config, JSON naming a key twice, a 0-d bool
+tensor as an int, a layer synchronizer's timeout (reliability rows 243-246)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import ssl
+
+import pytest
+import torch
+
+from aio_datadist import LLMConfig, LLMDataDist, LLMRole
+from aio_datadist.config import parse_options
+from aio_datadist.ranktable import parse_rank_table
+from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.synchronizers import EventLayerSynchronizer
+from aio_datadist.types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo
+
+INVALID = LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_a_copied_config_keeps_its_settings_apart_from_the_original():
+    """A base config copied per endpoint: before, the copy shared the original's settings (its one slot's
+    dict), so the second endpoint's device and address overwrote the first's."""
+    base = LLMConfig()
+    base.device_id = 0
+    base.listen_ip_info = "127.0.0.1:26000"
+    base.ge_options = {"a": "1"}
+    other = copy.copy(base)
+    other.device_id = 1
+    other.listen_ip_info = "127.0.0.1:26001"
+    assert base.device_id == 0 and base.generate_options()["llm.listenIpInfo"] == "127.0.0.1:26000"
+    assert other.generate_options()["llm.listenIpInfo"] == "127.0.0.1:26001"
+    assert other.ge_options is base.ge_options  # a plain object's copy shares the values themselves
+
+    deep = copy.deepcopy(base)
+    deep.ge_options["b"] = "2"
+    assert "b" not in base.ge_options
+
+
+def test_a_deep_copy_shares_the_tls_contexts():
+    """An SSLContext cannot be deep-copied: the copy shares it (before, deepcopy raised TypeError)."""
+    config = LLMConfig()
+    config.tls_client_context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    deep = copy.deepcopy(config)
+    assert deep.tls_client_context is config.tls_client_context
+
+
+@pytest.mark.parametrize("text", [
+    '{"1": "127.0.0.1:26001", "1": "127.0.0.1:27001"}',
+    '{"10.0.0.2": "127.0.0.1:26001", "10.0.0.2": "127.0.0.1:9"}',
+])
+def test_rank_addresses_naming_a_rank_twice_are_refused(text: str) -> None:
+    """Before, JSON's last value won: a typo sent one rank to the other's address without a word."""
+    with pytest.raises(LLMException, match="twice") as info:
+        parse_options({"aio.RankAddresses": text})
+    assert info.value.status_code is INVALID and info.value.argument == "aio.RankAddresses"
+    with pytest.raises(LLMException, match="twice") as info:
+        LLMConfig().rank_addresses = text
+    assert info.value.status_code is INVALID
+
+
+def test_a_rank_table_naming_a_key_twice_is_refused() -> None:
+    device = '{"device_id": "0", "device_ip": "10.0.0.1", "device_ip": "10.0.0.9", "rank_id": "0"}'
+    table = '{"server_list": [{"device": [%s]}]}' % device
+    with pytest.raises(LLMException, match="'device_ip' twice") as info:
+        parse_rank_table(table, [0])
+    assert info.value.status_code is INVALID
+    fixed = json.dumps({"server_list": [{"device": [{"device_id": "0", "device_ip": "10.0.0.1", "rank_id": "0"}]}]})
+    assert list(parse_rank_table(fixed, [0])) == [0]
+
+
+@pytest.mark.parametrize("build", [
+    lambda b: CacheKeyByIdAndIndex(1, 1, b),
+    lambda b: CacheKey(1, b),
+    lambda b: BlocksCacheKey(1, b),
+    lambda b: setattr(LLMClusterInfo(), "remote_cluster_id", b),
+], ids=["batch_index", "req_id", "model_id", "remote_cluster_id"])
+def test_a_torch_bool_scalar_is_not_an_int(build):
+    """Before, a 0-d bool tensor (``(t == x).any()``) passed as 0 or 1 where ``np.True_`` and ``True`` did not."""
+    with pytest.raises(LLMException) as info:
+        build(torch.tensor(True))
+    assert info.value.status_code is INVALID and isinstance(info.value, TypeError)
+    build(torch.tensor(3))  # a 0-d integer tensor is still an int
+
+
+@pytest.mark.asyncio
+async def test_synchronize_layer_checks_its_timeout():
+    """Before: '5' raised a bare TypeError, nan waited without end on asyncio (a bare ValueError on uvloop)
+    and True read 1 ms."""
+    config = LLMConfig()
+    config.device_id = 0
+    config.device_type = "cpu"
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(config.generate_options())
+        with EventLayerSynchronizer(dd, 2) as sync:
+            for timeout in ("5", math.nan, True, -1, 2**31):
+                with pytest.raises(LLMException) as info:
+                    await asyncio.wait_for(sync.synchronize_layer(0, timeout), 2)
+                assert info.value.status_code is INVALID and info.value.argument == "timeout_in_millis"
+            assert await asyncio.wait_for(sync.synchronize_layer(0, 0), 2) is False  # 0: not recorded now
