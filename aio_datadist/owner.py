@@ -170,6 +170,11 @@ def _resolve_target(rt: Runtime, req: TransferReq) -> tuple[KvCache, int | None,
     raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"unknown target kind {kind}")
 
 
+#: Addresses one raw-address push names: a layer's K and V, as ``transfer_cache_async`` sends each layer (the
+#: plan is addresses x blocks runs, so a peer naming thousands of each would hold the loop and memory).
+MAX_PUSHED_ADDRS = 2
+
+
 def _find_tensor(rt: Runtime, start: int, end: int) -> tuple[KvCache, int] | None:
     for cache in rt.registry.caches():
         lay = cache.layout
@@ -186,6 +191,9 @@ def _serve_addrs(rt: Runtime, msg: Msg, req: TransferReq) -> tuple[list[KvCache]
     count, rows = req.tensor_count, list(req.rows)
     if not 0 < count <= len(rows):
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "invalid argument 'dst_addrs': address count mismatch")
+    if count > MAX_PUSHED_ADDRS:  # checked before a run is planned: the job list is addresses x blocks runs
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"invalid argument 'dst_addrs': {count} addresses in one "
+                       f"request, at most {MAX_PUSHED_ADDRS} (one layer's K and V)")
     addrs, blocks = rows[:count], rows[count:]
     stride, nbytes = req.offset, req.nbytes
     if bool(req.flags & ReqFlag.BLOCKS) != bool(blocks) or nbytes == 0 or (blocks and stride < nbytes):

@@ -443,6 +443,8 @@ def oracle(target: Target, msg: Msg, req: dict[str, Any]) -> list[tuple[int, int
     if kind == 4:
         count_, stride, nbytes = req["tensor_count"], req["offset"], req["nbytes"]
         addrs, blocks = rows[:count_], rows[count_:]
+        if count_ > owner.MAX_PUSHED_ADDRS:
+            return None  # one layer's K and V at most
         return [(a + b * stride, nbytes) for a in addrs for b in (blocks or [0])]
     cache = None
     if kind in (1, 2) and rows and not (kind == 2 and req["cache_id"] in target.by_id
