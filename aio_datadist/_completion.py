@@ -163,10 +163,20 @@ class Completions:
         return out
 
     def forget(self, token: int) -> None:
-        """Stop waiting for ``token``; its future is cancelled if still pending."""
+        """Stop waiting for ``token``; its future is cancelled if still pending. Safe from any thread: another
+        thread hands the cancel to the future's loop, which a cancel from here would not wake."""
         waiter = self._pending.pop(token, None)
-        if waiter is not None and not waiter.future.done():
-            waiter.future.cancel()
+        if waiter is None or waiter.future.done():
+            return
+        future = waiter.future
+        loop = future.get_loop()
+        if _running_loop() is loop:
+            future.cancel()
+            return
+        try:
+            loop.call_soon_threadsafe(future.cancel)
+        except RuntimeError:  # the loop is closed: nothing waits on it any more
+            pass
 
     def _ensure_reader(self, loop: asyncio.AbstractEventLoop) -> None:
         if loop in self._loops:

@@ -19,13 +19,13 @@ its own: a peer that never starts pushing is caught by the caller's bound.
 from __future__ import annotations
 
 import asyncio
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from aio_datadist._checks import check_int, param_invalid
 from aio_datadist.cache import KvCache
 from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.views import Views, fail_quietly
 
 __all__ = ["Arrivals", "PushWatch"]
 
@@ -60,8 +60,7 @@ class PushWatch:
         self._layers = {layer: loop.create_future() for layer in layers}
         # what layer() handed out: one done-callback per layer feeds them all, so polling adds nothing to
         # the layer's future, and a waiter its caller cancels leaves the layer to the others
-        self._waiters: dict[int, weakref.WeakSet[asyncio.Future]] = {}
-        self._held: set[asyncio.Future] = set()  # waiters something waits on (an await, a callback) until done
+        self._views = Views()  # what layer() handed out
         self._all = loop.create_future()
         self._closed = False
         self._since = arrivals.stamp  # pushes accepted up to here are not this watch's
@@ -97,9 +96,9 @@ class PushWatch:
         text = f"pushed layers {layers} of rows {_spans(hit)} did not land: {exc.args[0] if exc.args else exc}"
         for layer in layers:
             self._missing[layer].clear()  # a later push of the layer cannot complete a failed future
-            _fail(self._layers[layer], LLMException(text, status_code=exc.status_code))
+            fail_quietly(self._layers[layer], LLMException(text, status_code=exc.status_code))
         if not self._all.done():
-            _fail(self._all, LLMException(text, status_code=exc.status_code))
+            fail_quietly(self._all, LLMException(text, status_code=exc.status_code))
         if all(f.done() for f in self._layers.values()):
             self.close()
 
@@ -108,17 +107,7 @@ class PushWatch:
         index = check_int("index", index)
         if index not in self._layers:
             raise param_invalid("index", f"layer {index} is not watched")
-        layer = self._layers[index]
-        if layer.done():
-            return layer
-        waiters = self._waiters.get(index)
-        if waiters is None:
-            waiters = self._waiters[index] = weakref.WeakSet()
-            layer.add_done_callback(_wake(waiters))
-        waiter = _Waiter(loop=layer.get_loop())
-        waiter.held = self._held
-        waiters.add(waiter)
-        return waiter
+        return self._views.view(index, self._layers[index])
 
     def done(self) -> bool:
         return self._all.done()
@@ -157,31 +146,6 @@ class PushWatch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Waiter(asyncio.Future):
-    """A waiter of one layer (:meth:`PushWatch.layer`): held by the watch while a callback waits on it (an
-    ``await`` adds one) and until it is done, only weakly otherwise, so a waiter polled and dropped (``done()``,
-    ``asyncio.wait(..., timeout=0)``) is gone while one given a callback and dropped still calls it."""
-
-    held: set[asyncio.Future] | None = None
-
-    def add_done_callback(self, fn: Callable[..., object], *, context: Any = None) -> None:
-        held = self.held
-        if held is not None and not self.done() and self not in held:
-            held.add(self)
-            super().add_done_callback(held.discard)
-        super().add_done_callback(fn, context=context)
-
-    def remove_done_callback(self, fn: Callable[..., object]) -> int:
-        removed = super().remove_done_callback(fn)
-        held = self.held
-        # nothing waits on it any more (an asyncio.wait that timed out took its callback back): let it go
-        # (``_callbacks``: asyncio.Future's own list of (callback, context), in its C and Python forms)
-        if held is not None and self in held and all(cb == held.discard for cb, _ in self._callbacks or ()):
-            held.discard(self)
-            super().remove_done_callback(held.discard)
-        return removed
 
 
 class _Stamped(list[int]):
@@ -260,11 +224,6 @@ class Arrivals:
                 watch.close()
 
 
-def _fail(fut: asyncio.Future, exc: BaseException) -> None:
-    fut.set_exception(exc)
-    fut.exception()  # a layer nobody awaits must not leave "never retrieved" noise
-
-
 def _spans(rows: Iterable[int]) -> str:
     """``0-23, 30`` for rows 0 to 23 and 30 (the first 8 runs, then how many more)."""
     runs: list[list[int]] = []
@@ -275,17 +234,3 @@ def _spans(rows: Iterable[int]) -> str:
             runs.append([r, r])
     text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:8])
     return text + (f" and {len(runs) - 8} more runs" if len(runs) > 8 else "")
-
-
-def _wake(waiters: weakref.WeakSet[asyncio.Future]) -> Callable[[asyncio.Future], None]:
-    """The done-callback of a layer's future: settle the waiters still pending as it settled."""
-    def settled(layer: asyncio.Future) -> None:
-        for waiter in list(waiters):
-            if waiter.done():  # its caller cancelled it
-                continue
-            exc = layer.exception()
-            if exc is None:
-                waiter.set_result(None)
-            else:
-                _fail(waiter, exc)  # a closed watch fails waiters nobody may await
-    return settled

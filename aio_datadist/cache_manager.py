@@ -64,8 +64,9 @@ class CacheManager:
 
     Obtain it from ``LLMDataDist.cache_manager``. Plain methods do local
     bookkeeping; coroutine methods wait for copies or peers and accept
-    ``timeout=`` in milliseconds (default: ``LLMConfig.sync_kv_timeout``).
-    Either role may pull and push. Wrong-typed arguments raise
+    ``timeout=`` in milliseconds (default: ``LLMConfig.sync_kv_timeout``);
+    they and ``transfer_cache_async`` run on the event loop the LLMDataDist
+    was initialised on (from another: ``LLM_FAILED``). Either role may pull and push. Wrong-typed arguments raise
     ``LLMException(LLM_PARAM_INVALID)`` that is also a ``TypeError`` where
     LLM-DataDist raises ``TypeError``; every message names the argument.
     """

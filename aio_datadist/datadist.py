@@ -57,7 +57,10 @@ class LLMDataDist:
     :raises LLMException: ``LLM_PARAM_INVALID`` for a bad role or cluster id.
 
     Use it as ``async with LLMDataDist(role, cluster_id) as dd: await dd.init(opts)``
-    or call :meth:`init` and :meth:`finalize` yourself.
+    or call :meth:`init` and :meth:`finalize` yourself. Its links live on the
+    loop ``init`` ran on: its link coroutines (``link_clusters``,
+    ``unlink_clusters``, ``check_link_status``, ``link``, ``unlink``,
+    ``switch_role``) raise ``LLM_FAILED`` from another loop.
     """
 
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
@@ -118,6 +121,14 @@ class LLMDataDist:
 
     def _require_links(self) -> LinkTable:
         return self._endpoint.require_links()
+
+    def _home_links(self, call: str) -> LinkTable:
+        """The link table, for ``call`` from the loop the endpoint was initialised on (``LLM_FAILED`` from
+        another): a link, its listener and their answers live there; one made from a helper loop is dead when
+        that loop ends, and answers settled from the endpoint's thread would not wake it."""
+        links = self._require_links()
+        self._endpoint.home_loop(call)
+        return links
 
     def stats(self) -> EndpointStats:
         """A snapshot of what this endpoint holds and what its links did (see ``docs/observability.md``).
@@ -255,7 +266,7 @@ class LLMDataDist:
             before anything is dialled; ``TypeError`` too for a wrong type) or,
             on an endpoint with TLS, for a missing ``aio.TlsClientContext``.
         """
-        links = self._require_links()
+        links = self._home_links("link_clusters")
         links.check_can_dial()
         clusters = self._check_clusters(clusters, unset_ids=True)
         timeout = _timeout_ms(timeout)
@@ -286,7 +297,7 @@ class LLMDataDist:
         :raises LLMException: ``LLM_PARAM_INVALID`` for malformed arguments, the same
             ``remote_cluster_id`` twice in one call included (before anything is unlinked).
         """
-        links = self._require_links()
+        links = self._home_links("unlink_clusters")
         clusters = self._check_clusters(clusters)
         timeout = _timeout_ms(timeout)
         check_bool("force", force)
@@ -305,7 +316,7 @@ class LLMDataDist:
             ``sync_kv_timeout`` without an answer; ``LLM_PARAM_INVALID`` in
             CacheManager mode (KvCacheManager mode only, as in LLM-DataDist).
         """
-        links = self._require_links()
+        links = self._home_links("check_link_status")
         self._endpoint.require_mode("check_link_status", cache_manager=False)
         cluster = check_uint("remote_cluster_id", remote_cluster_id)
         await links.probe(cluster, self._require_runtime().default_timeout_ms())
@@ -352,7 +363,9 @@ class LLMDataDist:
             KvCacheManager mode; ``LLM_LINK_FAILED`` when this endpoint cannot
             listen on its rank's address.
         """
-        return await self._require_comms("link").link(comm_name, cluster_rank_info, rank_table)
+        comms = self._require_comms("link")
+        self._endpoint.home_loop("link")
+        return await comms.link(comm_name, cluster_rank_info, rank_table)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
         """``PREPARING`` while the links of ``comm_id`` are being made, ``OK`` once all are up,
@@ -375,7 +388,9 @@ class LLMDataDist:
             :meth:`link` did not return or that was unlinked already;
             ``LLM_PARAM_INVALID`` as for :meth:`query_register_mem_status`.
         """
-        await self._require_comms("unlink").unlink(comm_id)
+        comms = self._require_comms("unlink")
+        self._endpoint.home_loop("unlink")
+        await comms.unlink(comm_id)
 
     async def switch_role(self, role: LLMRole, switch_options: Mapping[str, str] | None = None) -> None:
         """Change role; with ``llm.listenIpInfo`` in ``switch_options`` listen
@@ -396,7 +411,7 @@ class LLMDataDist:
             ``LLM_ENGINE_FINALIZED`` when ``finalize`` ran meanwhile (the
             endpoint then listens nowhere).
         """
-        links = self._require_links()
+        links = self._home_links("switch_role")
         assert self._endpoint.settings is not None
         v2 = bool(self._endpoint.cache_manager_mode)
         if not isinstance(role, LLMRole):

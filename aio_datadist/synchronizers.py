@@ -39,13 +39,16 @@ class EventLayerSynchronizer(LayerSynchronizer):
         default the endpoint's ``sync_kv_timeout``; None waits until the layer
         is recorded or the synchronizer closed.
 
-    Create it inside the running event loop, one per transfer (a layer is
+    Create it on the event loop the endpoint was initialised on (elsewhere,
+    or with no running loop: ``LLM_FAILED``), one per transfer (a layer is
     recorded once); close it (or use ``with``) to release layers that were
     never recorded: a transfer waiting for one of them then stops as if the
     synchronizer had returned False.
     """
 
     def __init__(self, datadist: LLMDataDist, num_layers: int, *, timeout_ms: Any = _DEFAULT) -> None:
+        # its layers' futures live on the running loop, which must be the one of the transfers that await them
+        datadist._endpoint.home_loop("an EventLayerSynchronizer")
         rt = datadist._require_runtime()
         num_layers = check_int("num_layers", num_layers, lo=1, hi=1 << 16)
         if timeout_ms is _DEFAULT:

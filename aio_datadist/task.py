@@ -12,7 +12,9 @@ from typing import Any
 
 from aio_datadist._checks import check_int, check_uint, param_invalid
 from aio_datadist._forks import forks
+from aio_datadist.endpoint import home_loop
 from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.views import Views, fail_quietly
 
 __all__ = ["CacheTask", "TaskProgress"]
 
@@ -45,7 +47,7 @@ class TaskProgress:
         if exc is None:
             fut.set_result(None)
         else:
-            _fail_quietly(fut, exc)
+            fail_quietly(fut, exc)
 
     def first_failure(self) -> LLMStatusCode:
         for code in self.results:
@@ -65,6 +67,10 @@ class CacheTask:
     * ``await task.synchronize(ms)`` / ``await task.get_results(ms)`` wait
       without cancelling anything; on time-out the transfer keeps going.
     * ``task.cancel()`` stops the layers not yet sent and tells the peers.
+
+    Wait on it from the loop it was made on (the endpoint's): from another
+    loop, waiting for a task still running raises ``LLM_FAILED``; a task that
+    ended answers from any loop.
     """
 
     def __init__(self, progress: TaskProgress, driver: Coroutine[Any, Any, None]) -> None:
@@ -77,6 +83,7 @@ class CacheTask:
         self._task = asyncio.get_running_loop().create_task(driver)
         self._task.add_done_callback(self._finished)
         self._made_by = forks()  # a forked child has no thread running this task's loop
+        self._views = Views()  # what layer() handed out
 
     def _require_own(self) -> None:
         """``LLM_FAILED`` in a process forked after the task was made: its transfer is the parent's."""
@@ -96,14 +103,16 @@ class CacheTask:
             if isinstance(exc, asyncio.CancelledError):
                 fut.cancel()
             else:
-                _fail_quietly(fut, exc)
+                fail_quietly(fut, exc)
 
     # -- public ------------------------------------------------------------
 
     def layer(self, index: int) -> asyncio.Future:
         """Future of layer ``index`` (a source layer index of the transfer).
 
-        Awaiting it never cancels the transfer.
+        Awaiting it, or cancelling it, never cancels the transfer. Polling it
+        (``task.layer(i).done()``) keeps nothing: a pending layer's future is
+        held only while something waits on it, as ``PushWatch.layer``'s.
         """
         self._require_own()
         index = check_int("index", index)
@@ -111,7 +120,7 @@ class CacheTask:
         if index not in layers:
             raise param_invalid("index", f"layer {index} is not part of this transfer " + (
                 f"(layers {min(layers)}..{max(layers)})" if layers else "(it moves no layer: no configs)"))
-        return _quiet(asyncio.shield(layers[index]))
+        return self._views.view(index, layers[index])
 
     def done(self) -> bool:
         """Whether the transfer has ended (successfully or not)."""
@@ -125,8 +134,15 @@ class CacheTask:
     def __await__(self) -> Generator[Any, None, list[LLMStatusCode]]:
         return self._wait().__await__()
 
+    def _on_its_loop(self) -> None:
+        """Refuse (``LLM_FAILED``) a wait from another loop than the task's unless the task is over: that loop
+        would not be woken when the task ends (a wait with a time-out would always run it out)."""
+        if not self._task.done():
+            home_loop("waiting for a CacheTask", self._task.get_loop())
+
     async def _wait(self) -> list[LLMStatusCode]:
         self._require_own()
+        self._on_its_loop()
         await self._task
         results, error = self._progress.results, self._progress.error
         failure = next((c for c in results if c not in (None, LLMStatusCode.LLM_SUCCESS)), None)
@@ -142,6 +158,9 @@ class CacheTask:
         timeout = None
         if timeout_in_millis is not None:
             timeout = check_uint("timeout_in_millis", timeout_in_millis, 32) / 1000
+        if self._task.done():
+            return True
+        self._on_its_loop()
         done, _ = await asyncio.wait([self._task], timeout=timeout)
         return bool(done)
 
@@ -179,20 +198,3 @@ class CacheTask:
         ``transfer_cache_async`` time-out yields ``LLM_WAIT_PROCESS_TIMEOUT``)."""
         timeout = self.timeout_code
         return [timeout if c is LLMStatusCode.LLM_TIMEOUT else c for c in self._progress.results]
-
-
-def _quiet(fut: asyncio.Future) -> asyncio.Future:
-    """``fut``, whose error is reported by ``await task`` already if nobody awaits it."""
-    fut.add_done_callback(_retrieved)
-    return fut
-
-
-def _retrieved(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _fail_quietly(fut: asyncio.Future, exc: BaseException) -> None:
-    # Nobody has to await every layer future: mark the error as retrieved.
-    fut.set_exception(exc)
-    fut.exception()

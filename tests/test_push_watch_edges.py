@@ -137,7 +137,7 @@ async def test_polling_a_pending_layer_holds_nothing_and_a_cancelled_waiter_leav
             await push(pair, src, [1, 2])
             await asyncio.wait_for(waiting, 2)
             await asyncio.wait_for(watch, 2)
-            assert len(called) == 1 and called[0].exception() is None and not watch._held
+            assert len(called) == 1 and called[0].exception() is None and not watch._views.holding()
 
 
 async def test_polling_a_layer_with_asyncio_wait_holds_nothing() -> None:
@@ -148,7 +148,7 @@ async def test_polling_a_layer_with_asyncio_wait_holds_nothing() -> None:
             for _ in range(500):
                 done, _ = await asyncio.wait({watch.layer(0)}, timeout=0)
                 assert not done
-            assert not watch._held
+            assert not watch._views.holding()
             await push(pair, src, [1, 2])
             await asyncio.wait_for(watch, 2)
 

@@ -1,0 +1,93 @@
+"""Views of futures handed to callers who may poll them: a view costs nothing once dropped.
+
+``PushWatch.layer(i)`` and ``CacheTask.layer(i)`` return a fresh future per
+call that settles as the underlying one does; cancelling a view never touches
+the underlying future. A scheduler that polls (``view.done()``,
+``asyncio.wait({view}, timeout=0)``) and drops its views must not pile them
+up: a view is held only while something waits on it (an ``await``, a
+done-callback) and until it is done, weakly otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
+
+__all__ = ["HeldFuture", "Views", "fail_quietly"]
+
+
+def fail_quietly(fut: asyncio.Future, exc: BaseException) -> None:
+    """Fail ``fut``, its error marked retrieved: nobody has to await every layer's future."""
+    fut.set_exception(exc)
+    fut.exception()
+
+
+class HeldFuture(asyncio.Future):
+    """A view: held in ``held`` while a callback waits on it (an ``await`` adds one) and until it is done,
+    only weakly otherwise, so a view polled and dropped is gone while one given a callback and dropped still
+    calls it."""
+
+    held: set[asyncio.Future] | None = None
+
+    def add_done_callback(self, fn: Callable[..., object], *, context: Any = None) -> None:
+        held = self.held
+        if held is not None and not self.done() and self not in held:
+            held.add(self)
+            super().add_done_callback(held.discard)
+        super().add_done_callback(fn, context=context)
+
+    def remove_done_callback(self, fn: Callable[..., object]) -> int:
+        removed = super().remove_done_callback(fn)
+        held = self.held
+        # nothing waits on it any more (an asyncio.wait that timed out took its callback back): let it go
+        # (``_callbacks``: asyncio.Future's own list of (callback, context), in its C and Python forms)
+        if held is not None and self in held and all(cb == held.discard for cb, _ in self._callbacks or ()):
+            held.discard(self)
+            super().remove_done_callback(held.discard)
+        return removed
+
+
+class Views:
+    """The views handed out of several underlying futures (one per key: a layer): one done-callback per
+    underlying future settles its pending views."""
+
+    def __init__(self) -> None:
+        self._views: dict[Hashable, weakref.WeakSet[asyncio.Future]] = {}
+        self._held: set[asyncio.Future] = set()  # views something waits on until they are done
+
+    def holding(self) -> int:
+        """Views kept alive now (something waits on them and they are not done)."""
+        return len(self._held)
+
+    def view(self, key: Hashable, fut: asyncio.Future) -> asyncio.Future:
+        """A new view of ``fut`` (``fut`` itself once it is done: a done future cannot change)."""
+        if fut.done():
+            return fut
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = weakref.WeakSet()
+            fut.add_done_callback(_settle(views))
+        view = HeldFuture(loop=fut.get_loop())
+        view.held = self._held
+        views.add(view)
+        return view
+
+
+def _settle(views: weakref.WeakSet[asyncio.Future]) -> Callable[[asyncio.Future], None]:
+    """The done-callback of an underlying future: settle its views still pending as it settled (an error
+    quietly: whoever owns the underlying future reports it)."""
+    def settled(fut: asyncio.Future) -> None:
+        for view in list(views):
+            if view.done():  # its caller cancelled it
+                continue
+            if fut.cancelled():
+                view.cancel()
+                continue
+            exc = fut.exception()
+            if exc is None:
+                view.set_result(None)
+            else:
+                fail_quietly(view, exc)
+    return settled

@@ -1,0 +1,77 @@
+"""Polling a CacheTask's layer (``task.layer(i).done()``) keeps nothing, as ``PushWatch.layer`` (docs/async.md);
+the futures it hands out still behave as before: each its own, cancelling one cancels nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import warnings
+
+import pytest
+from test_layerwise import DST_BLOCKS, LAYERS, SRC_BLOCKS, Gate, blocks_config, setup
+
+from aio_datadist import LLMException, LLMStatusCode
+
+pytestmark = pytest.mark.asyncio
+
+SUCCESS = LLMStatusCode.LLM_SUCCESS
+
+
+def live_futures() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on torch's deprecated module attributes warns
+        warnings.simplefilter("ignore", FutureWarning)
+        return sum(isinstance(o, asyncio.Future) for o in gc.get_objects())
+
+
+async def test_polling_a_pending_layer_keeps_nothing_per_poll() -> None:
+    """Before, each call kept a shield future and a callback on the layer until it completed."""
+    async with setup() as s:
+        gate = Gate()
+        task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        before = live_futures()
+        for _ in range(3000):  # a scheduler step polling whether layer 0 is in place yet
+            assert not task.layer(0).done()
+        kept = live_futures() - before
+        gate.open(*range(LAYERS))
+        assert await asyncio.wait_for(task, 5) == [SUCCESS]
+        assert kept < 50, f"{kept} futures kept alive by 3000 polls of a pending layer"
+
+
+async def test_layer_futures_stay_independent_and_awaited_ones_are_kept() -> None:
+    async with setup() as s:
+        gate = Gate()
+        task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        first, second = task.layer(0), task.layer(0)
+        assert first is not second
+        first.cancel()  # a caller giving up its wait cancels neither the layer nor another caller's future
+        waiter = asyncio.ensure_future(task.layer(1))  # only the waiting task refers to its layer future
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(task.layer(0), 0.01)  # cancelled by wait_for
+        gc.collect()
+        gate.open(*range(LAYERS))
+        await asyncio.wait_for(second, 5)
+        assert await asyncio.wait_for(waiter, 5) is None
+        assert await asyncio.wait_for(task, 5) == [SUCCESS]
+        assert task.layer(0).done() and task.layer(0).result() is None
+
+
+async def test_layer_futures_end_as_the_transfer_does() -> None:
+    async with setup() as s:
+        gate = Gate({1: False})  # layer 1's synchronizer says False: the transfer fails there
+        task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        failed, never = task.layer(1), task.layer(2)
+        gate.open(*range(LAYERS))
+        for fut in (failed, never):
+            with pytest.raises(LLMException) as info:
+                await asyncio.wait_for(fut, 5)
+            assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert await task.synchronize(5000) == LLMStatusCode.LLM_PARAM_INVALID
+        gate = Gate()
+        task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        pending = task.layer(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(pending, 5)
+        assert await task.synchronize(5000) == LLMStatusCode.LLM_FAILED
+        assert task.layer(3).cancelled()

@@ -1,0 +1,226 @@
+"""Layer-wise transfers, their CacheTask, EventLayerSynchronizer and the link and transfer coroutines used off
+the endpoint's loop: from a helper loop (``asyncio.run`` in a worker thread), with no running loop, or (a
+synchronizer's close) from the prefill thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from _v2peer import v2_options
+from peers import DECODER_ID, PROMPT_ID, cluster_info, endpoint, port_of
+from test_layerwise import (
+    BLOCKS,
+    DST_BLOCKS,
+    LAYERS,
+    SRC_BLOCKS,
+    Gate,
+    Ready,
+    Setup,
+    blocks_config,
+    layer_landed,
+    setup,
+)
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheKeyByIdAndIndex,
+    EventLayerSynchronizer,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+)
+
+pytestmark = pytest.mark.asyncio
+
+SUCCESS = LLMStatusCode.LLM_SUCCESS
+FAILED = LLMStatusCode.LLM_FAILED
+
+
+async def in_helper_loop(make: Callable[[], Awaitable[Any]], bound_s: float = 5.0) -> tuple[Any, float]:
+    """What ``asyncio.run(make())`` returned or raised in a worker thread, and how long it took; the test's own
+    loop keeps running meanwhile."""
+    out: dict[str, Any] = {}
+
+    async def bounded() -> Any:
+        return await asyncio.wait_for(make(), bound_s)
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            out["result"] = asyncio.run(bounded())
+        except BaseException as exc:  # the test looks at it
+            out["result"] = exc
+        out["elapsed"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    async with asyncio.timeout(bound_s + 5):
+        while thread.is_alive():
+            await asyncio.sleep(0.005)
+    return out["result"], out["elapsed"]
+
+
+def refused(result: Any) -> bool:
+    return isinstance(result, LLMException) and result.status_code == FAILED
+
+
+@contextlib.asynccontextmanager
+async def quiet_setup() -> AsyncIterator[Setup]:
+    """``test_layerwise.setup`` with a 5 s heartbeat on both ends: nothing but the code under test wakes the loop."""
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(
+            endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, heartbeat_interval=5000))
+        dd = await stack.enter_async_context(endpoint(LLMRole.DECODER, DECODER_ID, heartbeat_interval=5000))
+        dst = dd.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
+        assert await dd.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))]) == (SUCCESS, [SUCCESS])
+        yield Setup(prompt, [dd], [dst])
+
+
+# -- transfers and links from another loop ---------------------------------------------------------------
+
+
+async def test_transfer_cache_async_from_a_helper_loop_is_refused_with_nothing_sent() -> None:
+    """Before, every byte landed and the task then reported LLM_TIMEOUT: its layers' answers were set from the
+    endpoint's thread on futures of the helper loop, which nothing woke."""
+    async with setup() as s:
+        src, dst = s.blocks_src(), s.dsts[0]
+
+        async def transfer() -> Any:
+            return await s.pm.transfer_cache_async(src, Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+
+        result, _ = await in_helper_loop(transfer)
+        assert refused(result), repr(result)
+        assert not any(layer_landed(dst, src, layer, DST_BLOCKS, SRC_BLOCKS) for layer in range(LAYERS))
+        task = s.pm.transfer_cache_async(src, Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        assert await asyncio.wait_for(task, 5) == [SUCCESS]  # from the endpoint's loop it works
+
+
+async def test_transfer_and_link_coroutines_from_a_helper_loop_are_refused() -> None:
+    """Pushes, pulls, copies and the link calls, each refused before anything is sent or dialled (before, a push
+    timed out after its bytes landed, a link made there died with the helper loop, a probe timed out)."""
+    async with setup() as s:
+        src, dst, decoder = s.blocks_src(), s.dsts[0], s.decoders[0]
+        s.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "push_blocks": lambda: s.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [1], [2], timeout=500),
+            "pull_blocks": lambda: s.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1], [3], timeout=500),
+            "copy_blocks": lambda: s.pm.copy_blocks(src, {1: [5]}, timeout=500),
+            "check_link_status": lambda: decoder.check_link_status(PROMPT_ID),
+            "unlink_clusters": lambda: decoder.unlink_clusters([cluster_info(PROMPT_ID, port_of(s.prompt))]),
+        }
+        for name, call in calls.items():
+            result, _ = await in_helper_loop(call, bound_s=2.0)
+            assert refused(result), f"{name}: {result!r}"
+        assert await decoder.unlink_clusters([cluster_info(PROMPT_ID, port_of(s.prompt))]) == (SUCCESS, [SUCCESS])
+        result, _ = await in_helper_loop(lambda: decoder.link_clusters([cluster_info(PROMPT_ID, port_of(s.prompt))]))
+        assert refused(result), f"link_clusters: {result!r}"
+
+
+async def test_cache_manager_coroutines_from_a_helper_loop_are_refused() -> None:
+    """The CacheManager's transfers run through the KvCacheManager's: refused too (not LLM_NOT_YET_LINK)."""
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
+        await dd.init(v2_options())  # type: ignore[arg-type]
+        cm = dd.cache_manager
+        blocks = cm.allocate_blocks_cache(BLOCKS)
+        rows = cm.allocate_cache(BLOCKS)
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "push_blocks": lambda: cm.push_blocks(BlocksCacheKey(DECODER_ID, 0), blocks, [1], [2], timeout=500),
+            "push_cache": lambda: cm.push_cache(CacheKeyByIdAndIndex(DECODER_ID, 1, 0), rows, timeout=500),
+            "pull_cache": lambda: cm.pull_cache(CacheKeyByIdAndIndex(DECODER_ID, 1, 0), rows, timeout=500),
+            "copy_cache": lambda: cm.copy_cache(rows, rows, 0, 1, timeout=500),
+        }
+        for name, call in calls.items():
+            result, _ = await in_helper_loop(call, bound_s=2.0)
+            assert refused(result), f"{name}: {result!r}"
+
+
+# -- a CacheTask waited on from another loop -----------------------------------------------------------------
+
+
+async def test_a_finished_task_answers_another_loop_at_once() -> None:
+    """Before, get_results(ms) from a helper loop waited out ms though the task had ended (None: for ever)."""
+    async with setup() as s:
+        task = s.pm.transfer_cache_async(s.blocks_src(), Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        assert await asyncio.wait_for(task, 5) == [SUCCESS]
+        for wait in (lambda: task.get_results(1000), lambda: task.synchronize(1000), lambda: task.get_results()):
+            result, elapsed = await in_helper_loop(wait, bound_s=2.0)
+            assert result in ([SUCCESS], SUCCESS), repr(result)
+            assert elapsed < 0.5, f"a finished task's answer took {elapsed:.2f} s"
+
+
+async def test_waiting_from_another_loop_for_a_running_task_is_refused() -> None:
+    """Before, synchronize(ms) from a helper loop was not woken when the task ended: it ran out ms and reported
+    the time-out code for a transfer that had succeeded."""
+    async with setup() as s:
+        gate = Gate()
+        task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        for wait in (lambda: task.synchronize(1000), lambda: task.get_results(1000), lambda: task):
+            result, elapsed = await in_helper_loop(wait, bound_s=2.0)
+            assert refused(result), repr(result)
+            assert elapsed < 0.5, f"refused after {elapsed:.2f} s"
+        gate.open(*range(LAYERS))
+        assert await asyncio.wait_for(task, 5) == [SUCCESS]  # the task went on
+
+
+# -- EventLayerSynchronizer off the loop -----------------------------------------------------------------------
+
+
+async def test_a_synchronizer_made_on_a_helper_loop_is_refused() -> None:
+    """Before, its futures lived on the helper loop: every layer recorded, the transfer still waited out
+    timeout_ms and failed ('layer_synchronizer returned False'); with timeout_ms=None it hung."""
+    async with setup() as s:
+        async def make() -> EventLayerSynchronizer:
+            return EventLayerSynchronizer(s.prompt, LAYERS, timeout_ms=300)
+
+        result, _ = await in_helper_loop(make)
+        assert refused(result), repr(result)
+
+
+async def test_a_synchronizer_made_with_no_running_loop_is_refused() -> None:
+    """Before, a bare RuntimeError."""
+    async with setup() as s:
+        out: list[BaseException] = []
+
+        def make() -> None:
+            try:
+                EventLayerSynchronizer(s.prompt, LAYERS)
+            except BaseException as exc:  # the test looks at it
+                out.append(exc)
+
+        thread = threading.Thread(target=make)
+        thread.start()
+        thread.join(5)
+        assert out and refused(out[0]), repr(out)
+
+
+async def test_closing_the_synchronizer_in_the_prefill_thread_stops_the_transfer_at_once() -> None:
+    """The prefill thread records layer 0, then fails and leaves ``with sync:``; the transfer waiting for layer 1
+    (timeout_ms=None) stops at once with LLM_PARAM_INVALID. Before, the close cancelled the loop's future from that
+    thread without waking the loop: the transfer went on waiting until something else woke it (the heartbeat)."""
+    async with quiet_setup() as s:
+        src = s.blocks_src()
+        sync = EventLayerSynchronizer(s.prompt, LAYERS, timeout_ms=None)
+        task = s.pm.transfer_cache_async(src, sync, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        closed: list[float] = []
+
+        def prefill() -> None:
+            with sync:
+                sync.record(0)
+                time.sleep(0.05)  # layer 1's compute fails: leaving the block closes the synchronizer
+            closed.append(time.monotonic())
+
+        thread = threading.Thread(target=prefill)
+        thread.start()
+        await asyncio.wait_for(task.layer(0), 5)
+        result = await asyncio.wait_for(task.synchronize(), 1.0)
+        lag = time.monotonic() - closed[0]
+        thread.join(5)
+        assert result == LLMStatusCode.LLM_PARAM_INVALID
+        assert lag < 0.3, f"the transfer stopped {lag:.2f} s after the synchronizer was closed"
