@@ -699,9 +699,11 @@ class LinkTable:
                 del self._dialling[remote_id]
 
     def share_candidates(self) -> list[tuple[bytes, Callable[[socket.socket], None]]]:
-        """The links a same-host peer may attach its share to now: live, sharing nothing yet."""
+        """The links a same-host peer may attach its share to now: live, sharing nothing yet, and accepted, not
+        dialled. The dialler attaches its share itself, at the peer's socket (``_share_with``); offered here,
+        a dialled link let the dialled peer attach one at ours first, in place of the one we dial."""
         return [(lk.token, functools.partial(self._attach_share, lk)) for lk in self.links.values()
-                if lk.broken is None and not lk.closed and lk.local is None]
+                if not lk.is_client and lk.broken is None and not lk.closed and lk.local is None]
 
     async def _share_with(self, link: Link, ok: handshake.Linked) -> None:
         """Attach the same-host share channel when the peer runs on this kernel."""

@@ -791,13 +791,20 @@ class Link:
         self._went_down("unlinked" if self.unlinking else f"failed: {exc}")
         self._teardown(exc)
 
-    def attach_local(self, sock: Any) -> None:
-        """Start sharing caches with a same-host peer over ``sock``."""
-        share = self.local = LocalShare(sock, self._local_lost, self.runtime.devices,
+    def attach_local(self, sock: Any) -> bool:
+        """Start sharing caches with a same-host peer over ``sock``; False (``sock`` closed) if the link shares
+        already: a second share would replace the first, which then leaked, and its loss dropped the first."""
+        if self.local is not None:
+            self.log.warning("link %s to cluster %s: refused a second same-host share", self.link_id,
+                             self.remote_cluster_id)
+            sock.close()
+            return False
+        share = self.local = LocalShare(sock, lambda: self._local_lost(share), self.runtime.devices,
                                         f"link {self.link_id} to cluster {self.remote_cluster_id}", self.ledger,
                                         functools.partial(self._read_by_peer, "local"))
         # Without llm.EnableRemoteCacheAccessible peers may not touch our caches at all.
         share.start(self.runtime.registry.caches() if self.runtime.settings.remote_cache_accessible else ())
+        return True
 
     def _read_by_peer(self, transport: str, count: int, nbytes: int, seconds: float) -> None:
         """The peer pulled ``count`` times, ``nbytes`` in all, from a cache of ours without asking over
@@ -806,8 +813,7 @@ class Link:
 
     def attach_share(self, sock: Any) -> None:
         """The server's half: share with the peer whose share connection proved this link."""
-        self.attach_local(sock)
-        if self.local is not None:
+        if self.attach_local(sock) and self.local is not None:
             self.local.announce_ready()
             self.log.info("link %s to cluster %s: transport local (the peer attached its same-host share)",
                           self.link_id, self.remote_cluster_id)
@@ -835,7 +841,9 @@ class Link:
         assert self.nixl is not None
         self.nixl.on_message(fields)
 
-    def _local_lost(self) -> None:
+    def _local_lost(self, share: LocalShare) -> None:
+        if self.local is not share:
+            return  # not the link's share (any more): the link shares on, or the link went
         self.local = None
         if self.unlinking or self.closed or self.broken is not None:
             return  # the link is going (the peer closes its share as it answers our UNLINK): no fall-back

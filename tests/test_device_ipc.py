@@ -251,7 +251,7 @@ def _memfd(size: int, sealed: bool) -> int:
     fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     if sealed:  # as an honest export: in memory, no resizing, no new writers
-        os.posix_fallocate(fd, 0, size)
+        os.pwrite(fd, bytes(size), 0)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
     return fd
 

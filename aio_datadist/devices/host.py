@@ -210,12 +210,14 @@ def tensor_at(address: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch
 
 def check_sealed(fd: int, size: int) -> None:
     """``fd`` must be a memfd of exactly ``size`` bytes in ordinary shared memory (shmem), sealed against shrink,
-    grow and writes, every page of it in memory; ValueError else.
+    grow and writes, every page of it in memory (or swap); ValueError else.
 
     The last two because a hole costs its sender nothing and us a page: a read of a hole through our mapping
     allocates the page (in our process, our memory cgroup) for as long as the sender keeps the file, so a peer
     whose region was all holes, pushing from ever other rows, grew our memory by each push's volume. A file
-    sealed against writes can get no hole later (the kernel refuses to punch one).
+    sealed against writes can get no hole later (the kernel refuses to punch one). ``st_blocks`` alone does not
+    tell: it also counts pages allocated past the end (``fallocate`` with ``FALLOC_FL_KEEP_SIZE``), so a region
+    of holes with as many pages past its end passed it; the pages before the end are counted (:func:`_held`).
     """
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise ValueError("fd is not a memory file")
@@ -242,6 +244,20 @@ def check_sealed(fd: int, size: int) -> None:
     if st.st_blocks * 512 < size:  # st_blocks: 512-byte units of the file's pages in memory (or swap)
         raise ValueError(f"fd has {st.st_blocks * 512} of its {size} bytes in memory: reading its holes would "
                          "allocate them here")
+    held = _held(fd, size)
+    if held < size:
+        raise ValueError(f"fd has a hole at byte {held} of its {size}: reading its holes would allocate them here")
+
+
+def _held(fd: int, size: int) -> int:
+    """``size`` if the shmem file ``fd`` holds every page of its first ``size`` bytes (written, in memory or
+    swap), else where its first hole is. A page fallocated but never written counts as a hole (``SEEK_HOLE``
+    says so): a sender's regions are written or populated as they are mapped (ours are, ``MAP_POPULATE``)."""
+    try:
+        hole = os.lseek(fd, 0, os.SEEK_HOLE)
+    except OSError as exc:
+        raise ValueError(f"fd cannot be searched for holes ({exc.strerror})") from None
+    return min(hole, size)
 
 
 #: ``statfs.f_type`` of shmem (every memfd without ``MFD_HUGETLB``) and of hugetlbfs.

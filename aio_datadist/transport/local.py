@@ -34,6 +34,7 @@ from __future__ import annotations
 import array
 import asyncio
 import dataclasses
+import errno
 import hashlib
 import hmac
 import logging
@@ -696,6 +697,11 @@ class LocalShare:
 #: What the listener asks of its owner: the ``(link token, attach)`` pairs of links that may attach a
 #: share now; ``attach(sock)`` hands the authenticated connection to that link.
 Candidates = Callable[[], Iterable[tuple[bytes, Callable[[socket.socket], None]]]]
+#: How soon a share listener tries accept() again after it failed for want of an fd or memory (as the TCP door,
+#: ``admission.py``): nothing signals when one frees elsewhere in the process.
+_ACCEPT_RETRY_S = 0.05
+#: accept() errors that are about the one connection (gone before it was taken), not the listener.
+_GONE = (errno.ECONNABORTED, errno.EPROTO, errno.EINTR)
 
 
 class LocalListener:
@@ -728,6 +734,8 @@ class LocalListener:
         self._loop = asyncio.get_running_loop()
         self._pending: dict[asyncio.Task, tuple[socket.socket, float]] = {}
         self._loop.add_reader(self.sock.fileno(), self._accept)
+        self._retry: asyncio.TimerHandle | None = None  # accept() again, after it found no room
+        self._starved = False  # accept() found no room, and said so, since it last took a connection
         self.closed = False
 
     def pending(self) -> int:
@@ -738,14 +746,34 @@ class LocalListener:
         while not self.closed:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:  # BlockingIOError included; EMFILE leaves the connection queued for later
+            except BlockingIOError:
                 return
+            except OSError as exc:
+                if exc.errno in _GONE:
+                    continue  # that connection is gone, not the listener
+                self._wait_for_room(exc)  # no fd or memory now (or worse): try again later, not every turn
+                return
+            self._starved = False
             if len(self._pending) >= MAX_PENDING_SHARES:
                 self._evict_oldest()
             conn.setblocking(False)
             task = self._loop.create_task(self._attach(conn))
             self._pending[task] = (conn, self._loop.time())
             task.add_done_callback(self._settled)
+
+    def _wait_for_room(self, exc: OSError) -> None:
+        # The connection stays in the backlog and the socket readable: a (level-triggered) reader left on it
+        # ran again every loop turn, all the CPU, for as long as the process had no fd free.
+        self._loop.remove_reader(self.sock.fileno())
+        if not self._starved:
+            self._starved = True
+            log.warning("same-host share: cannot accept a connection now (%s); it waits in the listen backlog", exc)
+        self._retry = self._loop.call_later(_ACCEPT_RETRY_S, self._resume)
+
+    def _resume(self) -> None:
+        self._retry = None
+        if not self.closed:
+            self._loop.add_reader(self.sock.fileno(), self._accept)
 
     def _evict_oldest(self) -> None:
         task = min(self._pending.items(), key=lambda item: item[1][1])[0]
@@ -786,6 +814,9 @@ class LocalListener:
         if self.closed:
             return
         self.closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         if not self._loop.is_closed():
             self._loop.remove_reader(self.sock.fileno())
         for task in list(self._pending):

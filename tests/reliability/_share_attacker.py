@@ -241,13 +241,21 @@ def peer(name: bytes, token: bytes, secret: bytes) -> dict:
     return report
 
 
+def written(fd: int, size: int) -> None:
+    """Write every page of ``fd``'s ``size`` bytes, as an honest sender's region is (fallocated pages that were
+    never written are holes to ``SEEK_HOLE``, and refused)."""
+    chunk = bytes(min(size, 1 << 20))
+    for at in range(0, size, len(chunk)):
+        os.pwrite(fd, chunk[:size - at], at)
+
+
 def memfd(size: int, seals: int, populate: bool = True) -> int:
     """A memfd of ``size`` bytes with ``seals``; its pages in memory unless ``populate`` is False (a sparse
     file, which costs its maker nothing)."""
     fd = os.memfd_create("evil", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     if populate and size:
-        os.posix_fallocate(fd, 0, size)
+        written(fd, size)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd
@@ -430,7 +438,7 @@ def fuzz(fd: int, seed: int, messages: int) -> dict:
             os.ftruncate(mfd, size)
             if rng.random() < 0.7:  # mostly as an honest sender's (in memory, sealed), else sparse or unsealed
                 if size and rng.random() < 0.8:
-                    os.posix_fallocate(mfd, 0, size)
+                    written(mfd, size)
                 fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
                             | (F_SEAL_FUTURE_WRITE if rng.random() < 0.8 else 0))
             fds.append(mfd)

@@ -1,0 +1,113 @@
+"""A peer's memfd with holes inside and as many pages allocated past its end (row 253).
+
+``st_blocks`` counts the pages a file holds past its end too (``fallocate`` with ``FALLOC_FL_KEEP_SIZE``), so
+a region of holes passed row 148's "every page in memory" check, and our reads of its holes allocated each
+page here. Such a region is now refused (``SEEK_HOLE``), and our own regions still pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import pytest
+
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, LLMStatusCode, Placement
+from aio_datadist.devices import host
+from aio_datadist.devices.host import HostRegion, check_sealed
+from aio_datadist.testing import usable_link
+from aio_datadist.transport.ledger import LEDGER_BYTES, Ledger
+from peers import cluster_info, port_of
+
+from _harness import endpoint
+
+PAGE = mmap.PAGESIZE
+SIZE = 64 * PAGE
+FALLOC_FL_KEEP_SIZE = 1
+PROMPT, DECODER = 1, 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _pages_past_the_end(fd: int, nbytes: int) -> None:
+    """Allocate ``nbytes`` past the end of ``fd``, its size unchanged: ``st_blocks`` counts them."""
+    size = os.fstat(fd).st_size
+    if nbytes and _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, ctypes.c_long(size), ctypes.c_long(nbytes)) != 0:
+        pytest.skip(f"fallocate past the end: {os.strerror(ctypes.get_errno())}")
+
+
+def _sealed_region(written: range, fallocated: range = range(0)) -> int:
+    """A sealed memfd of SIZE bytes with only the pages ``written`` written and ``fallocated`` allocated, and
+    as many pages past its end as it has holes: every one of its pages counted by ``st_blocks``."""
+    fd = os.memfd_create("holes", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, SIZE)
+    for page in written:
+        os.pwrite(fd, b"x", page * PAGE)
+    if fallocated:
+        os.posix_fallocate(fd, fallocated.start * PAGE, len(fallocated) * PAGE)
+    _pages_past_the_end(fd, SIZE - len(set(written) | set(fallocated)) * PAGE)
+    host._seal(fd)
+    return fd
+
+
+@pytest.mark.parametrize("written, fallocated", [(range(0), range(0)), (range(0, 32), range(0)),
+                                                 (range(1, 64), range(0)), (range(0), range(16, 48))],
+                         ids=["all holes", "holes at the end", "one hole first", "half fallocated"])
+def test_a_region_with_holes_is_refused_whatever_it_holds_past_its_end(written, fallocated):
+    fd = _sealed_region(written, fallocated)
+    try:
+        assert os.fstat(fd).st_blocks * 512 >= SIZE  # what row 148's check read: "every page in memory"
+        with pytest.raises(ValueError, match="has a hole"):
+            check_sealed(fd, SIZE)
+    finally:
+        os.close(fd)
+
+
+def test_a_region_fallocated_but_not_written_is_refused():
+    """``SEEK_HOLE`` calls pages fallocated but never written holes, and so does the check: a sender writes or
+    populates its regions (ours are populated as mapped), so none of ours looks so."""
+    fd = _sealed_region(range(0), range(0, 64))
+    try:
+        assert os.fstat(fd).st_blocks * 512 >= SIZE
+        with pytest.raises(ValueError, match="has a hole at byte 0"):
+            check_sealed(fd, SIZE)
+    finally:
+        os.close(fd)
+
+
+def test_our_own_regions_pass():
+    """Our caches' regions and ledger are populated as they are mapped: no hole, any size."""
+    ledger = Ledger()
+    try:
+        check_sealed(ledger.fd, LEDGER_BYTES)
+        for nbytes in (PAGE, SIZE, 1 << 20):
+            region = HostRegion(nbytes)
+            check_sealed(region.fd, region.nbytes)
+    finally:
+        ledger.close()
+
+
+@pytest.mark.asyncio
+async def test_a_peer_cache_of_holes_with_pages_past_its_end_is_not_shared(monkeypatch):
+    """The peer's cache is never written nor populated, and its memfd has as many pages past its end: the
+    share is dropped at its record, and the peer's push goes over TCP."""
+    def seal_with_pages_past_the_end(fd: int) -> None:
+        _pages_past_the_end(fd, os.fstat(fd).st_size)
+        real_seal(fd)
+
+    desc = CacheDesc(1, (16, PAGE), DataType.DT_UINT8, Placement.HOST)
+    real_seal = host._seal
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="auto") as prompt, \
+            endpoint(LLMRole.DECODER, DECODER, transport="auto") as decoder:
+        with monkeypatch.context() as patch:
+            patch.setattr(host, "_POPULATE", 0)
+            patch.setattr(host, "_seal", seal_with_pages_past_the_end)
+            src = prompt.kv_cache_manager.allocate_blocks_cache(desc)
+        assert os.lseek(src.region.fd, 0, os.SEEK_HOLE) == 0
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(DECODER, 0))
+        dst.tensors[0].fill_(7)
+        assert await decoder.link_clusters([cluster_info(PROMPT, port_of(prompt))], timeout=5000) == (
+            LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+        await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(DECODER, 0), src, [0, 1], [0, 1], timeout=5000)
+        assert dst.tensors[0][:2].count_nonzero() == 0 and dst.tensors[0][2:].eq(7).all()
+        assert usable_link(decoder, PROMPT).local is None  # dropped at the record

@@ -1,0 +1,66 @@
+"""The share listener out of fds waits instead of spinning the loop (row 255).
+
+A share connection queued while the process has no fd free stays in the listen backlog, so the listening
+socket stays readable: the listener's (level-triggered) reader returned on EMFILE and ran again at once, every
+loop turn, all the CPU, for as long as no fd freed. Any local process can queue such a connection (no proof
+is needed to connect). It now waits ``_ACCEPT_RETRY_S`` between tries, says so once, and takes the
+connection once an fd frees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import socket
+
+import pytest
+
+from aio_datadist import LLMRole
+from aio_datadist.testing import share_listener_of
+
+from _harness import endpoint
+
+PROMPT = 1
+
+
+@pytest.mark.asyncio
+async def test_a_share_connection_met_with_emfile_does_not_spin_the_loop(monkeypatch, caplog):
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="auto") as prompt:
+        listener = share_listener_of(prompt)
+        assert listener is not None
+        calls = 0
+        real_accept = socket.socket.accept
+
+        def counting_accept(sock: socket.socket):
+            nonlocal calls
+            calls += sock.fileno() == listener.sock.fileno()
+            return real_accept(sock)
+
+        monkeypatch.setattr(socket.socket, "accept", counting_accept)
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)  # before fds run out
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        held: list[int] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+            while True:
+                try:
+                    held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+                except OSError:
+                    break
+            with caplog.at_level(logging.WARNING, "aio_datadist.local"):
+                client.connect(listener.name)  # queued: accept() fails with EMFILE
+                await asyncio.sleep(0.3)
+        finally:
+            for fd in held:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        try:
+            assert 0 < calls < 20, f"accept() was called {calls} times in 0.3 s while the process had no fd free"
+            said = [r for r in caplog.records if r.name == "aio_datadist.local" and "cannot accept" in r.getMessage()]
+            assert len(said) == 1, said
+            # An fd is free again: the connection is taken and challenged.
+            assert await asyncio.wait_for(asyncio.get_running_loop().sock_recv(client, 1024), 2)
+        finally:
+            client.close()
