@@ -140,6 +140,7 @@ class Admission:
     # -- the accept loop -----------------------------------------------------
 
     async def _run(self) -> None:
+        starved = False  # accept() found no room, and said so, since it last took a connection
         while True:
             await self._room()
             self._backlog = False
@@ -147,9 +148,12 @@ class Admission:
                 conn, _ = await self._loop.sock_accept(self.sock)
             except OSError as exc:
                 if exc.errno in _NO_ROOM:
-                    log.warning("cannot accept a connection now (%s); it waits in the listen backlog", exc)
+                    if not starved:  # once, not every retry (20 a second for as long as no fd frees)
+                        starved = True
+                        log.warning("cannot accept a connection now (%s); it waits in the listen backlog", exc)
                     await self._wait(_ACCEPT_RETRY_S)
                 continue  # ECONNABORTED and the like: that connection is gone, not the listener
+            starved = False
             conn.setblocking(False)
             pending = Pending(conn, self._signal)
             self.arriving[pending] = None

@@ -10,6 +10,7 @@ connection once an fd frees.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
@@ -21,6 +22,7 @@ from aio_datadist import LLMRole
 from aio_datadist.testing import share_listener_of
 
 from _harness import endpoint
+from peers import port_of
 
 PROMPT = 1
 
@@ -64,3 +66,32 @@ async def test_a_share_connection_met_with_emfile_does_not_spin_the_loop(monkeyp
             assert await asyncio.wait_for(asyncio.get_running_loop().sock_recv(client, 1024), 2)
         finally:
             client.close()
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # asyncio's sock_accept tries every 50 ms: uvloop's waits
+async def test_the_link_door_out_of_fds_says_so_once(caplog):
+    """The TCP door backs off 50 ms per try while no fd is free (as the share socket does), and says so once
+    per episode. Before, it logged a warning on every try: 20 a second for as long as no fd freed."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt:
+        client = socket.socket()  # before fds run out
+        client.setblocking(False)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        held: list[int] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+            while True:
+                try:
+                    held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+                except OSError:
+                    break
+            with caplog.at_level(logging.WARNING, "aio_datadist.links"):
+                with contextlib.suppress(BlockingIOError):
+                    client.connect(port_of(prompt))  # queued in the backlog: accept() fails with EMFILE
+                await asyncio.sleep(0.3)
+        finally:
+            for fd in held:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        client.close()
+        said = [r for r in caplog.records if "cannot accept a connection" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in said]
