@@ -241,13 +241,53 @@ cdef void *_copy_worker_main(void *arg) noexcept nogil:
 
 
 cdef void _deadline_in(timespec *deadline, long ms) noexcept nogil:
-    # CLOCK_REALTIME now plus ``ms`` (>= 0), for pthread_cond_timedwait.
+    # CLOCK_REALTIME now plus ``ms`` (a negative one counts as 0), for pthread_cond_timedwait: a tv_nsec
+    # outside [0, 1e9) would make every wait fail with EINVAL at once.
+    if ms < 0:
+        ms = 0
     clock_gettime(CLOCK_REALTIME, deadline)
     deadline.tv_sec += ms // 1000
     deadline.tv_nsec += (ms % 1000) * 1000000
     if deadline.tv_nsec >= 1000000000:
         deadline.tv_sec += 1
         deadline.tv_nsec -= 1000000000
+
+
+#: The longest wait in ms (about 35,000 years): what an infinite timeout comes to.
+cdef long _FOREVER_MS = 1 << 50
+
+
+cdef long _wait_ms(double timeout) noexcept nogil:
+    # ``timeout`` seconds as ms for _deadline_in: a negative one has passed already, an infinite one has no
+    # bound. NaN (refused by _check_timeout at the Python entry) counts as 0.
+    if not timeout > 0:
+        return 0
+    if timeout >= _FOREVER_MS / 1000.0:
+        return _FOREVER_MS
+    return <long>(timeout * 1000)
+
+
+# A close() that finds another one under way on the same object (from another thread) waits on this for it
+# to finish, so that close() returns only once the object is closed; the one that closes marks it closed
+# under the lock and broadcasts. Shared by every kind (closing is rare), made anew in a forked child.
+cdef pthread_mutex_t _close_lock
+cdef pthread_cond_t _close_cond
+pthread_mutex_init(&_close_lock, NULL)
+pthread_cond_init(&_close_cond, NULL)
+
+
+cdef void _mark_closed(bint *closed, bint value) noexcept nogil:
+    # Set an object's flag that says its close() finished, and wake the close() calls that wait for that.
+    pthread_mutex_lock(&_close_lock)
+    closed[0] = value
+    pthread_cond_broadcast(&_close_cond)
+    pthread_mutex_unlock(&_close_lock)
+
+
+cdef int _check_timeout(double timeout) except -1:
+    if timeout != timeout:
+        raise ValueError("timeout must be a number of seconds, got nan")
+    return 0
 
 
 cdef class HostCopyEngine:
@@ -337,16 +377,22 @@ cdef class HostCopyEngine:
                 else:
                     job.segs.push_back(seg)
         job.total = total
+        pthread_mutex_lock(&self._lock)
+        # Again, under the lock: a close() from another thread may have begun while the triples were read
+        # without the GIL. Past _stop no copy thread would take the job (nor _threads count one).
+        if self._stop or self._threads.size() == 0:
+            pthread_mutex_unlock(&self._lock)
+            del job
+            raise ValueError("HostCopyEngine is closed")
+        if self._jobs.count(token):
+            pthread_mutex_unlock(&self._lock)
+            del job
+            raise ValueError(f"token {token} is already in use")
         nthreads = self._threads.size()
         # Several chunks per thread: a thread that loses its core does not hold up the whole job.
         chunk_bytes = total // (4 * nthreads) + 1
         if chunk_bytes < self._split_bytes:
             chunk_bytes = self._split_bytes
-        pthread_mutex_lock(&self._lock)
-        if self._jobs.count(token):
-            pthread_mutex_unlock(&self._lock)
-            del job
-            raise ValueError(f"token {token} is already in use")
         self._jobs[token] = job
         job.remaining = 0
         if job.segs.size() == 0:
@@ -443,18 +489,19 @@ cdef class HostCopyEngine:
 
         With :meth:`cancel` first, a caller that must not return while the job may still write (its
         memory is released right after) waits about one ``_CANCEL_STEP`` (1 MiB) of copying.
+
+        A negative ``timeout`` has passed already and an infinite one has no bound; NaN raises ValueError.
         """
         cdef timespec deadline
         cdef bint over
         _check_here("HostCopyEngine", self._made_by)
-        if timeout < 0:
-            timeout = 0
+        _check_timeout(timeout)
         with nogil:
-            _deadline_in(&deadline, <long>(timeout * 1000))
+            _deadline_in(&deadline, _wait_ms(timeout))
             pthread_mutex_lock(&self._lock)
             while self._jobs.count(token):
-                if pthread_cond_timedwait(&self._over, &self._lock, &deadline) == ETIMEDOUT:
-                    break
+                if pthread_cond_timedwait(&self._over, &self._lock, &deadline) != 0:
+                    break  # ETIMEDOUT (any other error would come back at once every time)
             over = self._jobs.count(token) == 0
             pthread_mutex_unlock(&self._lock)
         return over
@@ -510,12 +557,24 @@ cdef class HostCopyEngine:
                 del job
 
     def close(self):
-        """Cancel every job (each still posts its record) and join the threads."""
-        if self._counted:
+        """Cancel every job (each still posts its record) and join the threads. Idempotent; a close() while
+        another thread closes the engine returns once that one has finished."""
+        if self._counted or (not self._closed and _foreign(self._made_by)):
             self._shutdown()
+        elif not self._closed:
+            with nogil:
+                pthread_mutex_lock(&_close_lock)
+                while not self._closed:
+                    pthread_cond_wait(&_close_cond, &_close_lock)
+                pthread_mutex_unlock(&_close_lock)
 
     cdef _shutdown(self):
         cdef size_t i
+        # Claimed with the GIL held, before the join lets it go: a concurrent close() waits (see close)
+        # instead of joining the threads a second time.
+        if self._counted:
+            self._counted = False
+            _uncount("HostCopyEngine")
         if _foreign(self._made_by):
             # A forked child: the copy threads are the parent's (none to join here) and one may have held the
             # lock at the fork. The queued jobs are let go of, not freed: a parent's thread may have been
@@ -536,10 +595,7 @@ cdef class HostCopyEngine:
                 for i in range(self._threads.size()):
                     pthread_join(self._threads[i], NULL)
         self._threads.clear()
-        self._closed = True
-        if self._counted:
-            self._counted = False
-            _uncount("HostCopyEngine")
+        _mark_closed(&self._closed, True)
 
 
 # --------------------------------------------------------------------------
@@ -824,6 +880,13 @@ cdef class SocketEngine:
         cmd.token = token
         cmd.fd = fd
         pthread_mutex_lock(&self._lock)
+        # Again, under the lock: a close() from another thread may have posted its STOP while the pairs were
+        # read without the GIL (it clears _started first, under this lock), or the thread may be gone (_stop).
+        # A job queued behind the STOP would never be applied.
+        if not self._started or self._stop:
+            pthread_mutex_unlock(&self._lock)
+            del job
+            raise ValueError("SocketEngine is closed")
         if self._jobs.count(token):
             pthread_mutex_unlock(&self._lock)
             del job
@@ -1085,17 +1148,39 @@ cdef class SocketEngine:
             inc(it2)
         self._fds.clear()
         pthread_mutex_lock(&self._lock)
-        self._stop = True
+        self._stop = True  # from here on _submit refuses: no command is queued after this swap
+        cmds.swap(self._commands)
+        pthread_mutex_unlock(&self._lock)
+        # Commands that came after the last swap (after the STOP, or after epoll_wait failed): a job among
+        # them still ends with its record.
+        for k in range(cmds.size()):
+            if cmds[k].kind == CMD_SUBMIT:
+                self._finish(cmds[k].job, -ECANCELED)
+        pthread_mutex_lock(&self._lock)
+        self._commands_done += cmds.size()
         pthread_mutex_unlock(&self._lock)
         pthread_cond_broadcast(&self._acked)
 
     def close(self):
-        """Cancel every job (each still posts its record) and stop the thread."""
-        if self._counted:
+        """Cancel every job (each still posts its record) and stop the thread. Idempotent; a close() while
+        another thread closes the engine returns once that one has finished."""
+        if self._counted or (not self._closed and _foreign(self._made_by)):
             self._shutdown()
+        elif not self._closed:
+            with nogil:
+                pthread_mutex_lock(&_close_lock)
+                while not self._closed:
+                    pthread_cond_wait(&_close_cond, &_close_lock)
+                pthread_mutex_unlock(&_close_lock)
 
     cdef _shutdown(self):
         cdef IoCommand cmd
+        cdef uint64_t one = 1
+        # Claimed with the GIL held, before the join lets it go: a concurrent close() waits (see close)
+        # instead of posting a second STOP and joining the thread again.
+        if self._counted:
+            self._counted = False
+            _uncount("SocketEngine")
         cmd.kind = CMD_STOP
         cmd.job = NULL
         cmd.token = 0
@@ -1110,15 +1195,15 @@ cdef class SocketEngine:
             aio_forget(self._fds)
             aio_forget(self._jobs)
         elif self._started:
-            self._post(cmd)
             with nogil:
+                pthread_mutex_lock(&self._lock)
+                self._started = False  # with the STOP, under the lock: _submit queues nothing behind it
+                self._enqueue(cmd)
+                pthread_mutex_unlock(&self._lock)
+                write(self._wakefd, &one, 8)
                 pthread_join(self._thread, NULL)
-            self._started = False
         self._release_fds()
-        self._closed = True
-        if self._counted:
-            self._counted = False
-            _uncount("SocketEngine")
+        _mark_closed(&self._closed, True)
 
 
 # --------------------------------------------------------------------------
@@ -1725,12 +1810,12 @@ cdef bint _state_drain(NotifyState *st, double timeout_s) noexcept nogil:
     # Refuse new slots and wait until every enqueued host function ran.
     cdef timespec deadline
     cdef bint drained
-    _deadline_in(&deadline, <long>(timeout_s * 1000))
+    _deadline_in(&deadline, _wait_ms(timeout_s))
     pthread_mutex_lock(&st.lock)
     st.closed = True
     while st.inflight != 0:
-        if pthread_cond_timedwait(&st.idle, &st.lock, &deadline) == ETIMEDOUT:
-            break
+        if pthread_cond_timedwait(&st.idle, &st.lock, &deadline) != 0:
+            break  # ETIMEDOUT (any other error would come back at once every time)
     drained = st.inflight == 0
     pthread_mutex_unlock(&st.lock)
     return drained
@@ -2327,17 +2412,36 @@ cdef class StreamNotifier:
         The retained CUDA primary context and the Ascend report subscriptions
         are given back. Idempotent.
 
+        A close() while another thread closes the notifier waits for that
+        one, up to ``timeout``, and then answers as for a closed notifier
+        (True; False if that one still runs): only the first says whether the
+        device got there. A negative ``timeout`` has passed already and an
+        infinite one has no bound; NaN raises ValueError.
+
         In a forked child, for a notifier of the parent: nothing is waited
         for or given back (the host functions, threads and subscriptions are
         the parent's); the notifier is only marked closed, and False returned.
         """
-        if self._counted:
+        cdef timespec deadline
+        _check_timeout(timeout)
+        if self._counted and (not self._closed or _foreign(self._made_by)):
             return self._shutdown(timeout)
+        if self._counted:
+            _deadline_in(&deadline, _wait_ms(timeout))
+            with nogil:
+                pthread_mutex_lock(&_close_lock)
+                while self._counted:
+                    if pthread_cond_timedwait(&_close_cond, &_close_lock, &deadline) != 0:
+                        break
+                pthread_mutex_unlock(&_close_lock)
+            return not self._counted
         return True
 
     cdef bint _shutdown(self, double timeout_s):
         cdef bint drained = True
         cdef size_t i
+        # Claimed with the GIL held, before the drain lets it go: a concurrent close() waits for this one (see
+        # close) instead of draining a state this one frees. _counted is cleared once it is over.
         self._closed = True
         if _foreign(self._made_by):
             # A forked child: the bookkeeping is shared with the parent's host functions and watcher thread
@@ -2351,40 +2455,42 @@ cdef class StreamNotifier:
                 self._counted = False
                 _uncount("StreamNotifier")
             return False
-        if self._state != NULL:
-            with nogil:
-                drained = _state_drain(self._state, timeout_s)
-        if self._watch != NULL:
-            # After the drain (the watcher may post a record the host function has not yet), before the state
-            # is freed (the watcher's items point into it). Its items left go to their host functions.
-            pthread_mutex_lock(&self._watch.lock)
-            self._watch.stop = True
-            pthread_cond_signal(&self._watch.wake)
-            pthread_mutex_unlock(&self._watch.lock)
-            with nogil:
-                pthread_join(self._watch.thread, NULL)
-            _watch_free(self._watch)
-            self._watch = NULL
-        if self._backend == BACKEND_NPU and self._reporter is not None:
-            for i in range(self._subscribed.size()):
+        try:
+            if self._state != NULL:
                 with nogil:
-                    self._reporter._unsubscribe(self._subscribed[i], self._acl_ctx)
-            self._subscribed.clear()
-        if self._state != NULL:
-            if drained:
-                _state_free(self._state)
-                if self._retained:
-                    self._retained = False
-                    self._cuda._release(self._device)
-            else:
-                # A host function may still run: it needs the state and the queue (and the context).
-                Py_INCREF(self._queue)
-                _warnings.warn(f"StreamNotifier closed with {_state_pending(self._state)} notification(s) the "
-                               "device has not reached; their bookkeeping is leaked", ResourceWarning)
-            self._state = NULL
-        if self._counted:
-            self._counted = False
-            _uncount("StreamNotifier")
+                    drained = _state_drain(self._state, timeout_s)
+            if self._watch != NULL:
+                # After the drain (the watcher may post a record the host function has not yet), before the state
+                # is freed (the watcher's items point into it). Its items left go to their host functions.
+                pthread_mutex_lock(&self._watch.lock)
+                self._watch.stop = True
+                pthread_cond_signal(&self._watch.wake)
+                pthread_mutex_unlock(&self._watch.lock)
+                with nogil:
+                    pthread_join(self._watch.thread, NULL)
+                _watch_free(self._watch)
+                self._watch = NULL
+            if self._backend == BACKEND_NPU and self._reporter is not None:
+                for i in range(self._subscribed.size()):
+                    with nogil:
+                        self._reporter._unsubscribe(self._subscribed[i], self._acl_ctx)
+                self._subscribed.clear()
+            if self._state != NULL:
+                if drained:
+                    _state_free(self._state)
+                    if self._retained:
+                        self._retained = False
+                        self._cuda._release(self._device)
+                else:
+                    # A host function may still run: it needs the state and the queue (and the context).
+                    Py_INCREF(self._queue)
+                    _warnings.warn(f"StreamNotifier closed with {_state_pending(self._state)} notification(s) the "
+                                   "device has not reached; their bookkeeping is leaked", ResourceWarning)
+                self._state = NULL
+        finally:
+            if self._counted:
+                _uncount("StreamNotifier")
+                _mark_closed(&self._counted, False)
         return drained
 
 
@@ -2400,12 +2506,15 @@ pthread_cond_init(&_event_cond, NULL)
 cdef void _after_fork_child() noexcept nogil:
     # In a forked child, the only thread: the parent's threads are gone and a lock one of them held at the
     # fork would stay held. The objects the parent made see a new process id (and only let go); the global
-    # lock of host events, shared by every stream, is made anew for the streams this process makes.
+    # locks of host events, shared by every stream, and of close() calls waiting for one another are made
+    # anew for the objects this process makes.
     global _pid, _generation
     _generation += 1
     _pid = getpid()
     pthread_mutex_init(&_event_lock, NULL)
     pthread_cond_init(&_event_cond, NULL)
+    pthread_mutex_init(&_close_lock, NULL)
+    pthread_cond_init(&_close_cond, NULL)
 
 
 pthread_atfork(NULL, NULL, _after_fork_child)
@@ -2642,30 +2751,44 @@ cdef class HostStream:
         return self._enqueued - self._done
 
     def synchronize(self, double timeout=30.0):
-        """Block until everything enqueued so far is done; False if ``timeout`` passed first."""
+        """Block until everything enqueued so far is done; False if ``timeout`` passed first.
+
+        A negative ``timeout`` has passed already and an infinite one has no bound; NaN raises ValueError.
+        """
         cdef uint64_t target
         cdef timespec deadline
         cdef bint ok = True
         _check_here("HostStream", self._made_by)
+        _check_timeout(timeout)
         pthread_mutex_lock(&self._lock)
         target = self._enqueued
         pthread_mutex_unlock(&self._lock)
-        _deadline_in(&deadline, <long>(timeout * 1000))
+        _deadline_in(&deadline, _wait_ms(timeout))
         with nogil:
             pthread_mutex_lock(&self._lock)
             while self._done < target:
-                if pthread_cond_timedwait(&self._cond, &self._lock, &deadline) == ETIMEDOUT:
-                    ok = self._done >= target
+                if pthread_cond_timedwait(&self._cond, &self._lock, &deadline) != 0:
+                    ok = self._done >= target  # ETIMEDOUT (any other error would come back at once every time)
                     break
             pthread_mutex_unlock(&self._lock)
         return ok
 
     def close(self):
-        """Run what is enqueued (waits on gates and other streams are released), then stop. Idempotent."""
-        if self._started:
+        """Run what is enqueued (waits on gates and other streams are released), then stop. Idempotent; a
+        close() while another thread closes the stream returns once that one has finished."""
+        if self._started or (self._counted and _foreign(self._made_by)):
             self._close()
+        elif self._counted:
+            with nogil:
+                pthread_mutex_lock(&_close_lock)
+                while self._counted:
+                    pthread_cond_wait(&_close_cond, &_close_lock)
+                pthread_mutex_unlock(&_close_lock)
 
     cdef _close(self):
+        # Claimed with the GIL held, before the join lets it go: a concurrent close() waits (see close)
+        # instead of joining the thread a second time. _counted is cleared once it is over.
+        self._started = False
         if _foreign(self._made_by):
             # A forked child: the stream's thread is the parent's (nothing to wake or join here) and may have
             # held the lock at the fork; the queued operations are let go of, not freed.
@@ -2681,13 +2804,12 @@ cdef class HostStream:
             pthread_mutex_unlock(&_event_lock)
             with nogil:
                 pthread_join(self._thread, NULL)
-        self._started = False
         # At interpreter exit (a stream never closed) the module's globals may already be None.
         if _host_streams is not None:
             _host_streams.pop(<size_t><void *>self, None)
         if self._counted:
-            self._counted = False
             _uncount("HostStream")
+            _mark_closed(&self._counted, False)
 
 
 cdef void *_line_fire_main(void *arg) noexcept nogil:

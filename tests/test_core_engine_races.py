@@ -1,0 +1,228 @@
+"""The native engines' own API from several threads at once, and waits given a timeout that passed already.
+
+Reachable through the core's public module only (``LLMDataDist`` never does this). Each case runs a script in
+a process of its own (killed whole on a time-out), so a crash or a hang cannot take the test run down. Each
+failed before:
+
+* ``HostCopyEngine.submit`` racing ``close()``: the submit checked the engine open, read its triples without
+  the GIL while the close joined every copy thread, then divided by the thread count, 0 (SIGFPE);
+* ``SocketEngine.submit_recv`` racing ``close()``: the job was queued behind the engine thread's STOP and
+  never applied: no record ever came and ``pending()`` stayed 1;
+* ``close()`` from two threads at once (``HostCopyEngine``, ``SocketEngine``, ``HostStream``,
+  ``StreamNotifier``): both joined the same thread (one hung) or drained and freed the same bookkeeping;
+* ``HostStream.synchronize`` and ``StreamNotifier.close`` with a negative timeout on a held stream spun
+  without the GIL for ever (``pthread_cond_timedwait`` refused the deadline's negative nanoseconds).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(script: str, *args: str, timeout: float = 20) -> str:
+    """Run ``script`` with ``args`` in a fresh interpreter; its stdout (a crash or a time-out fails the test)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"hung (killed after {timeout} s): {out}\n{err[-2000:]}") from None
+    assert proc.returncode == 0, f"exit {proc.returncode}: {out}\n{err[-2000:]}"
+    return out
+
+
+#: A submit whose triples (or pairs) take the engine a while to read without the GIL, closed from the main
+#: thread meanwhile: 1-byte segments 2 bytes apart, so none coalesce. Prints what became of the job.
+SUBMIT_VS_CLOSE = """
+    import select, socket, sys, threading, time
+    import numpy as np
+    from aio_datadist import _core
+
+    kind = sys.argv[1]
+    n = 1_000_000
+    buf = np.zeros(4 << 20, dtype=np.uint8)
+    addrs = buf.ctypes.data + 2 * np.arange(n, dtype=np.uint64)
+    if kind == "copy":
+        segs = np.ones(3 * n, dtype=np.uint64)
+        segs[0::3] = addrs
+        segs[1::3] = buf.ctypes.data + (2 << 20)
+    else:
+        segs = np.ones(2 * n, dtype=np.uint64)
+        segs[0::2] = addrs
+    q = _core.CompletionQueue()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    eng = _core.HostCopyEngine(q, threads=2) if kind == "copy" else _core.SocketEngine(q)
+    outcome = []
+    started = threading.Event()
+
+    def submit():
+        started.set()
+        try:
+            if kind == "copy":
+                eng.submit(7, segs)
+            else:
+                eng.submit_recv(7, a.fileno(), segs)
+            outcome.append("accepted")
+        except ValueError as exc:
+            outcome.append(f"refused: {exc}")
+
+    th = threading.Thread(target=submit)
+    th.start()
+    started.wait()
+    time.sleep(0.003)  # the submit reads its segments without the GIL now
+    eng.close()
+    th.join()
+    if outcome == ["accepted"]:
+        # Accepted before the close: the close cancels it, and its record still comes.
+        got = q.drain() if select.select([q.fileno()], [], [], 3)[0] else []
+        print("RECORDS", got, "PENDING", eng.pending())
+    else:
+        print("OUTCOME", outcome)
+    q.close()
+    a.close()
+    b.close()
+"""
+
+
+@pytest.mark.parametrize("kind", ["copy", "socket"])
+def test_submit_racing_close_is_refused_or_gets_its_record(kind):
+    out = run(SUBMIT_VS_CLOSE, kind)
+    closed = "HostCopyEngine is closed" if kind == "copy" else "SocketEngine is closed"
+    assert f"OUTCOME ['refused: {closed}']" in out or ("RECORDS [(7, -125, " in out and "PENDING 0" in out), out
+
+
+#: Two threads close one object at once, many times over; both must return, and every object is let go of.
+DOUBLE_CLOSE = """
+    import sys, threading, time
+    from aio_datadist import _core
+
+    kind, rounds = sys.argv[1], int(sys.argv[2])
+    for i in range(rounds):
+        q = _core.CompletionQueue()
+        stream = gate = None
+        if kind == "copy":
+            obj = _core.HostCopyEngine(q, threads=2)
+        elif kind == "socket":
+            obj = _core.SocketEngine(q)
+        elif kind == "stream":
+            obj = _core.HostStream()
+        else:
+            obj = _core.StreamNotifier(q, "host")
+            stream = _core.HostStream()
+            gate = stream.gate()
+            obj.notify(1, stream.handle)  # both closes wait on it, until the gate opens
+        both = threading.Barrier(3 if gate else 2)
+        said = []
+
+        def close():
+            both.wait()
+            said.append(obj.close())
+
+        threads = [threading.Thread(target=close, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        if gate:
+            both.wait()
+            time.sleep(0.001)
+            gate.open()
+        for t in threads:
+            t.join(3)
+        if any(t.is_alive() for t in threads):
+            print("HUNG at round", i, flush=True)
+            sys.exit(3)
+        if kind == "notifier":
+            assert said == [True, True], said
+            stream.close()
+        q.close()
+    print("LIVE", {k: v for k, v in _core.live_objects().items() if v})
+"""
+
+
+@pytest.mark.parametrize("kind", ["copy", "socket", "stream", "notifier"])
+def test_close_from_two_threads_at_once_returns_in_both(kind):
+    assert "LIVE {}" in run(DOUBLE_CLOSE, kind, "100" if kind == "notifier" else "300")
+
+
+def test_close_while_another_thread_closes_returns_once_closed():
+    """The later close() waits for the first one: when it returns, the engine is closed (its records came)."""
+    out = run("""
+        import select, threading
+        from aio_datadist import _core
+
+        q = _core.CompletionQueue()
+        s = _core.HostStream()
+        n = _core.StreamNotifier(q, "host")
+        g = s.gate()
+        n.notify(5, s.handle)
+        first = threading.Thread(target=n.close, args=(5,))
+        first.start()
+        while not n.closed:  # the first close() is under way, waiting on the gate
+            pass
+        print("TIMED OUT", n.close(0.05))  # the first still runs
+        threading.Timer(0.05, g.open).start()
+        print("WAITED", n.close(5), q.drain() if select.select([q.fileno()], [], [], 0)[0] else [])
+        first.join()
+        s.close()
+        q.close()
+    """)
+    assert "TIMED OUT False" in out and "WAITED True [(5, 0, 0)]" in out, out
+
+
+def test_synchronize_with_a_timeout_that_passed_returns_at_once():
+    """A negative timeout has passed: ``synchronize`` on a held stream returns False at once; an infinite one
+    waits for as long as it takes; NaN raises ValueError (as ``HostCopyEngine.wait`` does)."""
+    out = run("""
+        import math, threading
+        from aio_datadist import _core
+
+        q = _core.CompletionQueue()
+        s = _core.HostStream()
+        eng = _core.HostCopyEngine(q, threads=1)
+        g = s.gate()
+        print("SYNC", s.synchronize(-0.999), s.synchronize(-math.inf), flush=True)
+        for call in (lambda: s.synchronize(math.nan), lambda: eng.wait(1, math.nan)):
+            try:
+                call()
+                print("NAN accepted")
+            except ValueError as exc:
+                print("NAN", exc)
+        threading.Timer(0.05, g.open).start()
+        print("INF", s.synchronize(math.inf), eng.wait(1, math.inf), flush=True)
+        s.close()
+        eng.close()
+        q.close()
+    """, timeout=10)
+    assert "SYNC False False" in out and "INF True True" in out, out
+    assert out.count("NAN timeout must be a number of seconds, got nan") == 2, out
+
+
+def test_notifier_close_with_a_timeout_that_passed_returns_at_once():
+    """``StreamNotifier.close`` with a negative timeout and a notification the held stream has not reached
+    returns False at once (the bookkeeping is left to the host function, with a ResourceWarning)."""
+    out = run("""
+        from aio_datadist import _core
+
+        q = _core.CompletionQueue()
+        s = _core.HostStream()
+        n = _core.StreamNotifier(q, "host")
+        g = s.gate()
+        n.notify(1, s.handle)
+        print("CLOSE", n.close(-0.999), flush=True)
+        g.open()
+        s.close()
+        q.close()
+    """, timeout=10)
+    assert "CLOSE False" in out, out
