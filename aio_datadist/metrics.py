@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from aio_datadist._forks import forks
 from aio_datadist.stats import KINDS, EndpointStats, Outcome, size_class
 from aio_datadist.status import LLMException, LLMStatusCode
 
@@ -104,6 +105,9 @@ class PrometheusMetrics:
         # anew) goes on from them in one series instead of a second one with the same labels.
         self._watched: dict[int, tuple[weakref.ref[LLMDataDist], _Observer]] = {}
         self._retired: dict[str, _Observer] = {}
+        # An exporter whose registry was dropped takes its observers off the endpoints it watched, which would
+        # otherwise call them on every transfer for as long as they live (the finalizer holds only the table).
+        weakref.finalize(self, _let_go, self._watched).atexit = False
         registry.register(_Collector(self))
 
     def watch(self, dd: LLMDataDist) -> None:
@@ -140,8 +144,7 @@ class PrometheusMetrics:
             entry = self._watched.pop(id(dd), None)
             if entry is None:
                 return
-            if entry[1] in dd._endpoint.observers:
-                dd._endpoint.observers.remove(entry[1])
+            _stop_observing(dd, entry[1])
             self._retire(entry[1])
 
     def _retire(self, observer: _Observer) -> None:
@@ -161,6 +164,22 @@ class PrometheusMetrics:
                 else:
                     watched.append((dd, observer))
             return watched, [retired.copy() for retired in self._retired.values()]
+
+
+def _stop_observing(dd: LLMDataDist, observer: _Observer) -> None:
+    try:
+        dd._endpoint.observers.remove(observer)
+    except ValueError:  # already taken off
+        pass
+
+
+def _let_go(watched: dict[int, tuple[weakref.ref[LLMDataDist], _Observer]]) -> None:
+    """Take the observers of an exporter gone off the endpoints still alive (from the garbage collector, on any
+    thread: the endpoint's loop iterates a copy of its observers, see ``LinkCounters``)."""
+    for ref, observer in list(watched.values()):
+        dd = ref()
+        if dd is not None:
+            _stop_observing(dd, observer)
 
 
 class _Done:
@@ -266,53 +285,23 @@ class _Collector:
     def __init__(self, metrics: PrometheusMetrics) -> None:
         self._metrics = metrics
 
-    def describe(self) -> list:
-        return []  # the series depend on the endpoints watched: no up-front description
+    def describe(self) -> Iterator[Any]:
+        """The metric families :meth:`collect` yields, without samples: the registry files the collector under
+        their names, which a scrape asking for some of them by name (``?name[]=``) looks up."""
+        counters, duration, gauges = _families()
+        yield from counters.values()
+        yield duration
+        yield from gauges.values()
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-        counters = {
-            "transfers": CounterMetricFamily("aio_datadist_transfers",
-                                             "Transfers that ended, by kind, transport and outcome.",
-                                             labels=("cluster_id", "kind", "transport", "outcome")),
-            "bytes": CounterMetricFamily("aio_datadist_transfer_bytes", "Bytes moved by transfers that completed.",
-                                         labels=("cluster_id", "kind", "transport")),
-            "errors": CounterMetricFamily("aio_datadist_transfer_errors",
-                                          "Transfers that failed or timed out, by status code.",
-                                          labels=("cluster_id", "kind", "status")),
-            "links": CounterMetricFamily("aio_datadist_link_events", "Links that came up or went down.",
-                                         labels=("cluster_id", "event")),
-        }
-        duration = HistogramMetricFamily("aio_datadist_transfer_duration_seconds",
-                                         "Time from the call to its return, of transfers that completed.",
-                                         labels=("cluster_id", "kind", "transport", "size_class"))
-        gauges = {
-            "links": GaugeMetricFamily("aio_datadist_links", "Links up now, by the transport each negotiated.",
-                                       labels=("cluster_id", "transport")),
-            "registered": GaugeMetricFamily("aio_datadist_registered_bytes", "Cache memory registered.",
-                                            labels=("cluster_id",)),
-            "cap": GaugeMetricFamily("aio_datadist_registered_cap_bytes",
-                                     "The cap on registered cache memory (aio.RegisteredMemoryCap).",
-                                     labels=("cluster_id",)),
-            "caches": GaugeMetricFamily("aio_datadist_caches", "Registered caches.", labels=("cluster_id",)),
-            "keys": GaugeMetricFamily("aio_datadist_cache_keys", "Cache keys bound (blocks keys included).",
-                                      labels=("cluster_id",)),
-            "leases": GaugeMetricFamily("aio_datadist_leases", "Cache leases running.", labels=("cluster_id",)),
-            "in_flight": GaugeMetricFamily("aio_datadist_transfers_in_flight", "Transfers running now, by kind.",
-                                           labels=("cluster_id", "kind")),
-            "rtt": GaugeMetricFamily("aio_datadist_heartbeat_rtt_seconds",
-                                     "Round trip of the last answered heartbeat, per link.",
-                                     labels=("cluster_id", "remote_cluster_id")),
-        }
+        counters, duration, gauges = _families()
         # One sample set per cluster_id: the counts of every observer of that cluster (its retired counts,
         # the endpoints watched with it) added up, and the gauges of the last of them watched that answers
         # (Prometheus refuses a registry that yields one series twice).
         watched, retired = self._metrics._sources()
         counts = {observer.cluster: observer for observer in retired}
         snaps: dict[str, EndpointStats] = {}
-        for dd, observer in watched:
-            snap, counted = _snapshot(dd, observer)
+        for snap, counted in _snapshots(watched):
             _add_to(counts, counted)
             if snap is not None:
                 snaps[counted.cluster] = snap
@@ -323,6 +312,46 @@ class _Collector:
         yield from counters.values()
         yield duration
         yield from gauges.values()
+
+
+def _families() -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """Every metric family the exporter has (counters, the duration histogram, gauges), empty."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    counters = {
+        "transfers": CounterMetricFamily("aio_datadist_transfers",
+                                         "Transfers that ended, by kind, transport and outcome.",
+                                         labels=("cluster_id", "kind", "transport", "outcome")),
+        "bytes": CounterMetricFamily("aio_datadist_transfer_bytes", "Bytes moved by transfers that completed.",
+                                     labels=("cluster_id", "kind", "transport")),
+        "errors": CounterMetricFamily("aio_datadist_transfer_errors",
+                                      "Transfers that failed or timed out, by status code.",
+                                      labels=("cluster_id", "kind", "status")),
+        "links": CounterMetricFamily("aio_datadist_link_events", "Links that came up or went down.",
+                                     labels=("cluster_id", "event")),
+    }
+    duration = HistogramMetricFamily("aio_datadist_transfer_duration_seconds",
+                                     "Time from the call to its return, of transfers that completed.",
+                                     labels=("cluster_id", "kind", "transport", "size_class"))
+    gauges = {
+        "links": GaugeMetricFamily("aio_datadist_links", "Links up now, by the transport each negotiated.",
+                                   labels=("cluster_id", "transport")),
+        "registered": GaugeMetricFamily("aio_datadist_registered_bytes", "Cache memory registered.",
+                                        labels=("cluster_id",)),
+        "cap": GaugeMetricFamily("aio_datadist_registered_cap_bytes",
+                                 "The cap on registered cache memory (aio.RegisteredMemoryCap).",
+                                 labels=("cluster_id",)),
+        "caches": GaugeMetricFamily("aio_datadist_caches", "Registered caches.", labels=("cluster_id",)),
+        "keys": GaugeMetricFamily("aio_datadist_cache_keys", "Cache keys bound (blocks keys included).",
+                                  labels=("cluster_id",)),
+        "leases": GaugeMetricFamily("aio_datadist_leases", "Cache leases running.", labels=("cluster_id",)),
+        "in_flight": GaugeMetricFamily("aio_datadist_transfers_in_flight", "Transfers running now, by kind.",
+                                       labels=("cluster_id", "kind")),
+        "rtt": GaugeMetricFamily("aio_datadist_heartbeat_rtt_seconds",
+                                 "Round trip of the last answered heartbeat, per link.",
+                                 labels=("cluster_id", "remote_cluster_id")),
+    }
+    return counters, duration, gauges
 
 
 def _add_counts(counters: dict[str, Any], duration: Any, observer: _Observer) -> None:
@@ -374,18 +403,42 @@ def _add_gauges(gauges: dict[str, Any], snap: EndpointStats) -> None:
             gauges["rtt"].add_metric((cid, str(remote)), link.heartbeat_rtt_ms / 1000)
 
 
-def _snapshot(dd: LLMDataDist | None, observer: _Observer) -> tuple[EndpointStats | None, _Observer]:
-    """``dd.stats()`` (None when not initialised) and a copy of ``observer``, taken on the endpoint's loop
-    thread (a scrape usually comes from a server thread); when the loop does not answer within
-    :data:`SCRAPE_WAIT_S`, no gauges and the counts as last copied."""
-    runtime = None if dd is None else dd._endpoint.runtime
+def _snapshots(watched: list[tuple[LLMDataDist, _Observer]]) -> list[tuple[EndpointStats | None, _Observer]]:
+    """Each endpoint's ``stats()`` (None when not initialised) and a copy of its observer, taken on the endpoint's
+    loop thread (a scrape usually comes from a server thread). Every loop is asked first, then all are waited for
+    together, :data:`SCRAPE_WAIT_S` in all: an endpoint whose loop does not answer by then gives no gauges and
+    its counts as last copied."""
+    taken = [_take(dd, observer) for dd, observer in watched]
+    asked = [answer for answer in taken if isinstance(answer, concurrent.futures.Future)]
+    if asked:
+        concurrent.futures.wait(asked, SCRAPE_WAIT_S)
+    snaps = []
+    for (_, observer), answer in zip(watched, taken, strict=True):
+        if not isinstance(answer, concurrent.futures.Future):
+            snaps.append(answer)
+        elif answer.cancel() or not answer.done():  # not taken yet (no longer will be), or being taken now
+            snaps.append((None, observer.copy()))
+        else:
+            snaps.append(answer.result())
+    return snaps
+
+
+def _take(dd: LLMDataDist, observer: _Observer) -> (
+        tuple[EndpointStats | None, _Observer] | concurrent.futures.Future[tuple[EndpointStats | None, _Observer]]):
+    """``dd``'s snapshot (:func:`_snapshots`) taken here, where its loop is this thread's or runs nowhere; else
+    its future, posted to the loop."""
+    runtime = dd._endpoint.runtime
+    if runtime is not None and dd._endpoint.forks != forks():
+        # A parent's endpoint in a forked child: its loop's copy says it runs (it keeps the parent's thread id)
+        # but no thread here runs it, and a post would write into the wake-up pipe shared with the parent.
+        return None, observer.copy()
     loop = None if runtime is None else runtime.loop
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:
         running = None
     if loop is None or running is loop or loop.is_closed() or not loop.is_running():
-        return (None if dd is None else _stats(dd)), observer.copy()
+        return _stats(dd), observer.copy()
     answer: concurrent.futures.Future[tuple[EndpointStats | None, _Observer]] = concurrent.futures.Future()
 
     def take() -> None:
@@ -394,15 +447,12 @@ def _snapshot(dd: LLMDataDist | None, observer: _Observer) -> tuple[EndpointStat
 
     try:
         loop.call_soon_threadsafe(take)
-        return answer.result(SCRAPE_WAIT_S)
-    except (RuntimeError, concurrent.futures.TimeoutError):  # closed meanwhile, or busy past the wait
-        answer.cancel()
+    except RuntimeError:  # closed meanwhile
         return None, observer.copy()
+    return answer
 
 
-def _stats(dd: LLMDataDist | None) -> EndpointStats | None:
-    if dd is None:
-        return None
+def _stats(dd: LLMDataDist) -> EndpointStats | None:
     try:
         return dd.stats()
     except LLMException:  # not initialised, or finalized meanwhile

@@ -196,7 +196,9 @@ class LinkCounters:
     def __init__(self, cluster_id: int, remote_cluster_id: int, observers: list[Observer]) -> None:
         self.cluster_id = cluster_id
         self.remote_cluster_id = remote_cluster_id
-        self.observers = observers  # shared with the endpoint: observers added later are heard too
+        # Shared with the endpoint: observers added later are heard too. Iterated as a copy: an exporter adds
+        # and removes its own from other threads (or from the garbage collector, mid-transfer on this one).
+        self.observers = observers
         self._kinds = {kind: _Traffic() for kind in KINDS}
         self.rtt_s: float | None = None
         self.started = time.monotonic()
@@ -233,7 +235,7 @@ class LinkCounters:
             t.failures[status.name] = t.failures.get(status.name, 0) + 1
             if outcome is Outcome.TIMEOUT:
                 t.timeouts += 1
-        for observer in self.observers:
+        for observer in tuple(self.observers):
             try:
                 observer.transfer(self.cluster_id, kind, transport, nbytes, seconds, outcome, status)
             except Exception:  # an observer's failure is its own: never the transfer's
@@ -247,7 +249,7 @@ class LinkCounters:
         t.bytes += nbytes
         t.seconds += seconds
         t.transport = transport
-        for observer in self.observers:
+        for observer in tuple(self.observers):
             try:
                 observer.transfers(self.cluster_id, kind, transport, count, nbytes, seconds)
             except Exception:  # an observer's failure is its own: never the transfer's
@@ -255,7 +257,7 @@ class LinkCounters:
 
     def link_event(self, *, up: bool) -> None:
         """The link came up (``up``) or went down: tell the observers."""
-        for observer in self.observers:
+        for observer in tuple(self.observers):
             try:
                 observer.link(self.cluster_id, self.remote_cluster_id, up)
             except Exception:

@@ -246,8 +246,12 @@ class StreamPlane(Plane):
             exc = None if f.cancelled() else f.exception()
             if _trace.ON:
                 _trace.mark("owner: job done")
-            served.ended(exc is None and not f.cancelled(),
-                         exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED)
+            status = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
+            if status is LLMStatusCode.LLM_LINK_FAILED and not link.closed and link.broken is None:
+                # The channel failed under a link that is up: the requester gave the request up (it resets the
+                # channel before its ABORT comes), which every plane counts as LLM_FAILED, as for the ABORT.
+                status = LLMStatusCode.LLM_FAILED
+            served.ended(exc is None and not f.cancelled(), status)
             if exc is None and not f.cancelled():
                 if msg is Msg.PUSH_REQ:
                     for target, rows_tensors, rows in served.landed:

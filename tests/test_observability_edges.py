@@ -1,0 +1,215 @@
+"""Edges of the Prometheus exporter and of the owner's counts: scrapes in a forked child and of several endpoints
+on a blocked loop, exporters let go with their registry, scrapes filtered by name, and a transfer its
+requester gave up counted alike on every plane."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import select
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
+
+from aio_datadist import LLMDataDist, LLMRole, LLMStatusCode, metrics
+from aio_datadist.metrics import instrument
+from aio_datadist.stats import LinkCounters
+from aio_datadist.testing import loopback_options, open_pair
+
+#: How long a forked child may take to scrape (it needs milliseconds; the defect waited SCRAPE_WAIT_S).
+CHILD_S = 1.0
+
+
+def _scrape_in_a_child(registry: CollectorRegistry) -> bytes:
+    """Fork; the child scrapes ``registry`` and writes what it got. The scrape, or ``b""`` when the child did
+    not answer within :data:`CHILD_S` (it is killed then; it is reaped either way)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns
+        try:
+            os.close(r)
+            os.write(w, generate_latest(registry) or b"-")
+        finally:
+            os._exit(0)
+    os.close(w)
+    answer = b""
+    try:
+        if select.select([r], [], [], CHILD_S)[0]:
+            answer = os.read(r, 1 << 20)
+    finally:
+        os.close(r)
+        if not answer:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return answer
+
+
+@pytest.mark.asyncio
+async def test_a_scrape_in_a_forked_child_does_not_wait_on_the_parents_loop():
+    """The child's copy of the endpoint's loop says it runs (it keeps the parent's thread id) though no thread
+    runs it there: a scrape must not post to it (into the wake-up pipe it shares with the parent) and wait
+    SCRAPE_WAIT_S for an answer that never comes. The child gets the counts, no gauges (stats() is refused)."""
+    registry = CollectorRegistry()
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    await dd.init(loopback_options())
+    try:
+        instrument(dd, registry)
+        text = await asyncio.wait_for(asyncio.to_thread(_scrape_in_a_child, registry), 5 * CHILD_S)
+        assert b"# TYPE aio_datadist_transfers_total counter" in text
+        assert b"aio_datadist_caches{" not in text
+        assert b'aio_datadist_caches{cluster_id="7"}' in generate_latest(registry)  # here: gauges as before
+    finally:
+        await dd.finalize()
+
+
+def test_a_scrape_in_a_child_forked_from_a_blocking_facade_user_does_not_wait():
+    from aio_datadist import compat
+
+    registry = CollectorRegistry()
+    dd = compat.LLMDataDist(LLMRole.PROMPT, 61)
+    try:
+        dd.init(loopback_options())
+        instrument(dd, registry)
+        assert b"# TYPE aio_datadist_transfers_total counter" in _scrape_in_a_child(registry)
+    finally:
+        dd.finalize()
+        compat._RUNNER.stop()  # the facade's loop thread lives for the process; end it for the leak check
+
+
+@pytest.mark.asyncio
+async def test_a_scrape_of_endpoints_on_one_blocked_loop_waits_once(monkeypatch):
+    """A scrape from another thread waits SCRAPE_WAIT_S for the endpoints' loops in all, not that for each
+    endpoint in turn (five endpoints on a busy loop took 10 s, Prometheus' default scrape_timeout)."""
+    wait_s = 0.2
+    monkeypatch.setattr(metrics, "SCRAPE_WAIT_S", wait_s)
+    registry = CollectorRegistry()
+    endpoints = [LLMDataDist(LLMRole.PROMPT, 70 + i) for i in range(3)]
+    try:
+        for dd in endpoints:
+            await dd.init(loopback_options())
+            instrument(dd, registry)
+        took: list[float] = []
+        texts: list[bytes] = []
+
+        def scrape() -> None:
+            t0 = time.monotonic()
+            texts.append(generate_latest(registry))
+            took.append(time.monotonic() - t0)
+
+        scraper = threading.Thread(target=scrape)
+        scraper.start()
+        time.sleep(3 * wait_s + 0.1)  # the endpoints' loop is blocked past three waits
+        await asyncio.to_thread(scraper.join, 5)
+        assert took and took[0] < 2 * wait_s, took
+        assert b"aio_datadist_caches{" not in texts[0]  # not answered in time: counts only
+        text = await asyncio.to_thread(generate_latest, registry)  # the loop free again: every endpoint answers
+        assert all(f'aio_datadist_caches{{cluster_id="{70 + i}"}}'.encode() in text for i in range(3))
+    finally:
+        for dd in endpoints:
+            await dd.finalize()
+
+
+def test_observers_of_registries_their_owner_dropped_are_let_go():
+    """Each exporter put an observer on the endpoint that stayed there for good, called on every transfer,
+    after its registry (and the exporter) was freed."""
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    kept = CollectorRegistry()
+    instrument(dd, kept)
+    for _ in range(5):
+        instrument(dd, CollectorRegistry())
+    gc.collect()
+    assert len(dd._endpoint.observers) == 1  # the one of ``kept``
+    LinkCounters(7, 8, dd._endpoint.observers).refused("pull", "tcp", LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+    assert kept.get_sample_value("aio_datadist_transfer_errors_total",
+                                 {"cluster_id": "7", "kind": "pull", "status": "LLM_KV_CACHE_NOT_EXIST"}) == 1
+
+
+def test_an_exporter_let_go_during_a_transfer_costs_no_other_observer_its_count():
+    """The garbage collector may free an exporter, which takes its observer off the endpoint, while the loop
+    tells the observers of a transfer (or ``unwatch`` from another thread may): the next observer in the list
+    was skipped (a list iterated while an earlier entry is removed)."""
+
+    class Collects:
+        def transfer(self, *args: Any) -> None:
+            gc.collect()
+
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    kept = CollectorRegistry()
+    gc.disable()  # the dropped exporter is freed where the test says, not before
+    try:
+        instrument(dd, CollectorRegistry())  # dropped at once
+        dd._endpoint.observers.append(Collects())
+        instrument(dd, kept)
+        counters = LinkCounters(7, 8, dd._endpoint.observers)
+        counters.refused("pull", "tcp", LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+    finally:
+        gc.enable()
+    assert kept.get_sample_value("aio_datadist_transfer_errors_total",
+                                 {"cluster_id": "7", "kind": "pull", "status": "LLM_KV_CACHE_NOT_EXIST"}) == 1
+    assert len(dd._endpoint.observers) == 2
+
+
+def test_a_scrape_filtered_by_name_yields_the_series_asked_for():
+    """prometheus_client's exposition (start_http_server, its WSGI and ASGI apps) honours ``?name[]=``, looking
+    the names up among those the collectors described; the exporter described none, so such a scrape yielded
+    nothing of aio_datadist."""
+    registry = CollectorRegistry()
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    instrument(dd, registry)
+    LinkCounters(7, 8, dd._endpoint.observers).refused("pull", "tcp", LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+    app = make_wsgi_app(registry)
+    body = b"".join(app({"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "HTTP_ACCEPT": "",
+                         "QUERY_STRING": "name[]=aio_datadist_transfers_total"}, lambda status, headers: None))
+    assert b'aio_datadist_transfers_total{cluster_id="7",kind="pull",outcome="failed",transport="tcp"} 1.0' in body
+    assert b"aio_datadist_transfer_errors_total" not in body  # only what was asked for
+    described = {family.name for collector in registry._collector_to_names for family in collector.describe()}
+    assert described == {family.name for family in registry.collect()}
+
+
+@pytest.mark.asyncio
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("kind", ["pull", "push"])
+async def test_a_transfer_its_requester_gave_up_is_no_link_failure_on_the_owner(kind):
+    """TCP: a transfer the requester cancels mid-way resets its data channel before the ABORT, and the owner's
+    job failed with the reset (``LLM_LINK_FAILED``) on a link that stayed up, so an operator's
+    transfer_errors_total{status="LLM_LINK_FAILED"} rose on healthy links. The same abort, heard first, and
+    the same-host plane count ``LLM_FAILED``."""
+    config = {"transport": "tcp"}
+    async with open_pair(prompt_config=config, decoder_config=config) as pair:
+        if kind == "push":
+            requester, owner = pair.prompt, pair.decoder
+
+            def transfer() -> Any:
+                return pair.prompt.kv_cache_manager.push_blocks(pair.decoder_blocks_key, pair.prompt_blocks,
+                                                                [0, 1, 2, 3], [0, 1, 2, 3])
+        else:
+            requester, owner = pair.decoder, pair.prompt
+
+            def transfer() -> Any:
+                return pair.decoder.kv_cache_manager.pull_blocks(pair.blocks_key, pair.decoder_blocks,
+                                                                 [0, 1, 2, 3], [0, 1, 2, 3])
+
+        def served() -> Any:
+            return owner.stats().links[requester.cluster_id].kinds[f"served_{kind}"]
+
+        for i in range(15):  # until the owner failed twice: a cancel caught its job mid-way
+            task = asyncio.ensure_future(transfer())
+            for _ in range(1 + i % 3):
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
+            if sum(served().failures.values()) >= 2:
+                break
+        await transfer()  # the link still moves bytes
+        for _ in range(100):  # an owner counts a pull once the requester's word arrived: wait (bounded) for it
+            if served().in_flight == 0 and served().transfers:
+                break
+            await asyncio.sleep(0.01)
+        assert owner.stats().links_down == 0  # the link never failed
+        assert requester.stats().links[owner.cluster_id].kinds[kind].cancellations > 0
+        assert served().failures and "LLM_LINK_FAILED" not in served().failures, dict(served().failures)
