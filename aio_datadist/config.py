@@ -602,16 +602,27 @@ class LLMConfig:
     def __copy__(self) -> LLMConfig:
         """A config of its own (a base copied per endpoint), as a plain object's copy: settings assigned to
         either later stay there; the values themselves (``ge_options``' dict) are shared."""
-        new = LLMConfig()
+        new = self._blank()
         new._explicit = dict(self._explicit)
+        if hasattr(self, "__dict__"):  # a subclass's own attributes
+            new.__dict__.update(self.__dict__)
         return new
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LLMConfig:
         """Every value copied, except the TLS contexts, which cannot be (they are shared)."""
-        new = LLMConfig()
+        new = self._blank()
         memo[id(self)] = new
         new._explicit = {name: value if isinstance(value, ssl.SSLContext) else copy.deepcopy(value, memo)
                          for name, value in self._explicit.items()}
+        if hasattr(self, "__dict__"):  # a subclass's own attributes
+            new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def _blank(self) -> LLMConfig:
+        """A new config of this one's class (a subclass's copies keep its overrides), without its settings."""
+        cls = type(self)
+        new = cls.__new__(cls)
+        new._explicit = {}
         return new
 
     def generate_options(self) -> dict[str, Any]:

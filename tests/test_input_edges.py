@@ -102,3 +102,18 @@ async def test_synchronize_layer_checks_its_timeout():
                     await asyncio.wait_for(sync.synchronize_layer(0, timeout), 2)
                 assert info.value.status_code is INVALID and info.value.argument == "timeout_in_millis"
             assert await asyncio.wait_for(sync.synchronize_layer(0, 0), 2) is False  # 0: not recorded now
+
+
+def test_a_copy_of_a_subclassed_config_keeps_its_class_and_attributes():
+    """A site config that adds defaults in ``generate_options``: before, its copies were plain LLMConfigs."""
+    class SiteConfig(LLMConfig):
+        def generate_options(self):
+            return {**super().generate_options(), "llm.Site": self.site}
+
+    base = SiteConfig()
+    base.device_id = 0
+    base.site = "a"
+    for copied in (copy.copy(base), copy.deepcopy(base)):
+        assert type(copied) is SiteConfig and copied.generate_options()["llm.Site"] == "a"
+        copied.device_id = 1
+        assert base.device_id == 0

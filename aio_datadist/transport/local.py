@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what share tests check fds against
-from aio_datadist.devices.host import check_sealed, drop_read_only, map_read_only
+from aio_datadist.devices.host import check_sealed, drop_read_only, file_of, map_read_only
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
 from aio_datadist.devices.peer_cache import PeerDeviceCache
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -109,6 +109,9 @@ REPORT_AFTER_S = 0.01
 #: Records one turn of the loop acts on when the share socket is readable; the rest wait for the next turn, so a
 #: peer's flood of records never holds the loop (a synchronous read takes up to ``SYNC_RECORDS_MAX``).
 RECORDS_PER_TURN = 16
+#: Bytes of peers' regions whose pages one turn checks at most before it stops (the check walks each page: about
+#: 13 ms per GiB here): a peer sending records of big regions, again and again, still never holds the loop.
+WALK_PER_TURN = 256 << 20
 #: The most records a synchronous read of the queue (catch_up, region, ...) acts on: more than an honest peer's
 #: full share socket holds (278 small records with the default buffers), so only a peer that keeps flooding meets
 #: it, and it can no longer hold the caller for as long as it keeps sending.
@@ -217,10 +220,11 @@ def _recv_record(sock: socket.socket) -> tuple[bytes, list[int], int]:
     return data, list(fds), flags
 
 
-def check_fd(fd: int, size: int) -> None:
-    """The fd must be a memfd sealed against resizing whose size is exactly ``size``."""
+def check_fd(fd: int, size: int, *, whole: bool = False) -> int:
+    """The fd must be a memfd sealed against resizing whose size is exactly ``size``; the bytes its check walked
+    (``whole``: the file is one we map, which passed it, see ``check_sealed``)."""
     try:
-        check_sealed(fd, size)
+        return check_sealed(fd, size, whole=whole)
     except ValueError as exc:
         raise ShareError(str(exc)) from None
 
@@ -234,10 +238,13 @@ class PeerRegion:
     """
 
     __slots__ = ("cache_id", "rows", "row_bytes", "tensor_bytes", "offsets", "base", "size", "slot", "model_id",
-                 "geometry", "_addr")
+                 "geometry", "file", "walked", "_addr")
 
-    def __init__(self, record: ShareRecord, fd: int) -> None:
-        check_fd(fd, record.size)
+    def __init__(self, record: ShareRecord, fd: int, file: tuple[int, int], *, whole: bool = False) -> None:
+        self._addr = 0
+        #: The file mapped (``file_of``), and the bytes its check walked (0: a file the share maps already).
+        self.file = file
+        self.walked = check_fd(fd, record.size, whole=whole)
         self.cache_id = record.cache_id
         self.rows = record.rows
         self.row_bytes = record.row_bytes
@@ -251,7 +258,6 @@ class PeerRegion:
         self.geometry = None if record.slot == NO_SLOT else Geometry(
             record.cache_id, True, record.data_type, len(record.offsets), record.rows, record.row_bytes,
             record.block_shape)
-        self._addr = 0
         self._addr = self.base = map_read_only(fd, record.size)
 
     def tensor_bases(self, first: int, count: int) -> array.array:
@@ -283,6 +289,8 @@ class LocalShare:
         self.sock = sock
         self.sock.setblocking(False)
         self.regions: dict[int, PeerRegion] = {}
+        self._files: dict[tuple[int, int], int] = {}  # the files of ``regions``, each with how many map it
+        self._walked = 0  # bytes the checks of this turn's records walked
         self.sent: set[int] = set()
         self.on_lost = on_lost
         self.ledger = ledger
@@ -314,7 +322,7 @@ class LocalShare:
         self._said: set[str] = set()  # the reasons logged, at most MAX_IPC_REASONS
         self._loop = asyncio.get_running_loop()
         self.ready = self._loop.create_future()
-        self._loop.add_reader(sock.fileno(), self._readable, RECORDS_PER_TURN)
+        self._loop.add_reader(sock.fileno(), self._readable, RECORDS_PER_TURN, False, WALK_PER_TURN)
         self.closed = False
         self._finishing = False  # finish() runs: the link is going, the share's end is no loss to announce
 
@@ -563,11 +571,13 @@ class LocalShare:
             self._readable(SYNC_RECORDS_MAX)
         return self.regions.get(cache_id)
 
-    def _readable(self, budget: int, reads_only: bool = False) -> None:
+    def _readable(self, budget: int, reads_only: bool = False, walk: int | None = None) -> None:
         # A loop callback: nothing may escape it. Each received fd is closed exactly once, here. Acts on at most
-        # ``budget`` records (the reader fires again next turn for the rest); ``reads_only``: on READ records
-        # alone (finish), the others are read and dropped.
-        while not self.closed and budget > 0:
+        # ``budget`` records (the reader fires again next turn for the rest), and stops once their checks walked
+        # ``walk`` bytes of regions (None: no bound, a synchronous read); ``reads_only``: on READ records alone
+        # (finish), the others are read and dropped.
+        self._walked = 0
+        while not self.closed and budget > 0 and (walk is None or self._walked < walk):
             budget -= 1
             fds: list[int] = []
             try:
@@ -612,11 +622,13 @@ class LocalShare:
                 raise ShareError("the peer sent a second ledger")
             self.peer_ledger = PeerLedger(fds[0])
             return
+        # A file this share maps passed its check and can get no hole: sent again (under this id or another),
+        # it is not walked again (the old region of this id still maps it until the new one does).
+        file = file_of(fds[0]) if record.kind == _ADD else None
+        whole = file is not None and self._files.get(file, 0) > 0
         old = self.regions.pop(record.cache_id, None)
         if old is not None:
-            old.close()
-            if self.listed.get(old.model_id) is old:
-                del self.listed[old.model_id]
+            self._unlist(old)
         old_device = self.device_regions.pop(record.cache_id, None)
         if old_device is not None:
             old_device.close()
@@ -630,9 +642,22 @@ class LocalShare:
             return
         if record.slot != NO_SLOT and self.peer_ledger is None:
             raise ShareError(f"cache {record.cache_id} names a ledger slot before the peer sent its ledger")
-        region = self.regions[record.cache_id] = PeerRegion(record, fds[0])
+        assert file is not None
+        region = PeerRegion(record, fds[0], file, whole=whole)
+        self._walked += region.walked
+        self.regions[record.cache_id] = region
+        self._files[file] = self._files.get(file, 0) + 1
         if region.geometry is not None:
             self.listed[region.model_id] = region
+
+    def _unlist(self, region: PeerRegion) -> None:
+        """``region`` is no longer the peer's cache here (replaced, withdrawn): forget it and its file."""
+        region.close()
+        if self.listed.get(region.model_id) is region:
+            del self.listed[region.model_id]
+        left = self._files.pop(region.file, 0) - 1
+        if left > 0:
+            self._files[region.file] = left
 
     def _map_device(self, record: ShareRecord, fd: int) -> None:
         """Map a peer's device cache read-only and answer ``MAPPED``; say why not where we cannot."""
@@ -678,6 +703,7 @@ class LocalShare:
         for region in self.regions.values():
             region.close()
         self.regions.clear()
+        self._files.clear()
         self.listed.clear()
         self._reads.clear()
         self._out.clear()

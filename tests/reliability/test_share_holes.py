@@ -7,14 +7,18 @@ page here. Such a region is now refused (``SEEK_HOLE``), and our own regions sti
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import mmap
 import os
+import socket
+import struct
 
 import pytest
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, LLMStatusCode, Placement
 from aio_datadist.devices import host
+from aio_datadist.transport import local
 from aio_datadist.devices.host import HostRegion, check_sealed
 from aio_datadist.testing import usable_link
 from aio_datadist.transport.ledger import LEDGER_BYTES, Ledger
@@ -111,3 +115,86 @@ async def test_a_peer_cache_of_holes_with_pages_past_its_end_is_not_shared(monke
         await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(DECODER, 0), src, [0, 1], [0, 1], timeout=5000)
         assert dst.tensors[0][:2].count_nonzero() == 0 and dst.tensors[0][2:].eq(7).all()
         assert usable_link(decoder, PROMPT).local is None  # dropped at the record
+
+
+# -- what the check costs the loop (row 266) ---------------------------------------------------------------------
+
+ENTRY = struct.Struct("!BqQIQQQ")
+READABLE = struct.Struct("!IQBQ")
+
+
+def _populated(size: int) -> int:
+    fd = os.memfd_create("peer", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    os.pwrite(fd, bytes(size), 0)
+    host._seal(fd)
+    return fd
+
+
+def _add(cache_id: int, size: int) -> bytes:
+    """An ADD record of one tensor of one row covering a region of ``size`` bytes, asking by control."""
+    return ENTRY.pack(1, cache_id, size, 1, 1, size, size) + struct.pack("!Q", 0) + READABLE.pack(
+        local.NO_SLOT, 0, 1, 0)
+
+
+@pytest.fixture
+def walks(monkeypatch) -> list[int]:
+    """The sizes of the regions whose pages a check walked."""
+    walked: list[int] = []
+    real = host._held
+
+    def counted(fd: int, size: int) -> int:
+        walked.append(size)
+        return real(fd, size)
+
+    monkeypatch.setattr(host, "_held", counted)
+    return walked
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # no loop of its own: the share's synchronous reads
+async def test_a_region_sent_again_is_not_walked_again(walks):
+    """A peer re-sending the record of one populated region (the walk costs about 13 ms per GiB) under one cache
+    id or another: each record walked the file again, on the loop (a 1 GiB region, 100 records read at once by
+    a lookup: about a second held). A file the share maps passed already and can get no hole."""
+    fd = _populated(SIZE)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    share = local.LocalShare(ours, lambda: None)
+    try:
+        asyncio.get_running_loop().remove_reader(ours.fileno())  # the records wait, read by the lookup below
+        for cache_id in [7] * 20 + [8, 9, 7]:
+            socket.send_fds(theirs, [_add(cache_id, SIZE)], [fd])
+        assert share.region(999) is None  # reads what is queued
+        assert sorted(share.regions) == [7, 8, 9]
+        assert walks == [SIZE]
+        other = _populated(SIZE)
+        socket.send_fds(theirs, [_add(10, SIZE)], [other])
+        os.close(other)
+        assert share.region(10) is not None and walks == [SIZE, SIZE]  # another file is walked
+    finally:
+        share.close()
+        theirs.close()
+        os.close(fd)
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_one_turn_walks_a_bounded_number_of_bytes(walks, monkeypatch):
+    """Records of different big regions: a loop turn stops once its checks walked ``WALK_PER_TURN`` bytes and
+    reads the rest next turn (before, 16 records of 1 GiB regions: a quarter of a second held)."""
+    monkeypatch.setattr(local, "WALK_PER_TURN", 2 * SIZE)
+    fds = [_populated(SIZE) for _ in range(6)]
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    share = local.LocalShare(ours, lambda: None)
+    try:
+        share._loop.remove_reader(ours.fileno())
+        for cache_id, fd in enumerate(fds, 1):
+            socket.send_fds(theirs, [_add(cache_id, SIZE)], [fd])
+        share._readable(local.RECORDS_PER_TURN, False, local.WALK_PER_TURN)  # one turn of the share's reader
+        assert len(walks) == 2 and len(share.regions) == 2
+        share._readable(local.RECORDS_PER_TURN, False, local.WALK_PER_TURN)
+        assert len(walks) == 4
+        assert share.region(6) is not None and len(walks) == 6  # a synchronous read is not bounded by it
+    finally:
+        share.close()
+        theirs.close()
+        for fd in fds:
+            os.close(fd)
