@@ -107,16 +107,14 @@ async def read_expected(reader: Reader, expected: Msg) -> Any:
 
 async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, secret: bytes | None,
                cluster_id: int, role: LLMRole, peer_id: int, layout: bytes, bilateral: bool = False,
-               own: OwnDials | None = None, nonce: bytes | None = None) -> Linked:
+               own: OwnDials | None = None) -> Linked:
     """The client's half; what the server's successful ``LINK_OK`` says.
 
     ``bilateral`` marks a dial of ``LLMDataDist.link``, which the server
     takes only while its own ``link`` for this pair waits for it. A
     ``peer_id`` of :data:`ANY_PEER` takes whichever cluster answers (the
     result names it). ``own`` holds our HELLO nonce while the dial runs, so
-    that our own listener answers nothing to it (:func:`accept`). ``nonce``
-    is the HELLO nonce when the caller chose it (it keeps it past the
-    handshake: :meth:`OwnDials.towards`), else a fresh one.
+    that our own listener answers nothing to it (:func:`accept`).
 
     :raises LLMException: ``LLM_LINK_FAILED`` when the server cannot prove
         the secret (nothing but a nonce was sent to it), is another cluster,
@@ -124,8 +122,7 @@ async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, se
         handed back to us); the server's status code when it refused.
     :raises ProtocolError: for malformed answers (as do stream errors).
     """
-    if nonce is None:
-        nonce = os.urandom(wire.NONCE_BYTES)
+    nonce = os.urandom(wire.NONCE_BYTES)
     with OwnDials.noted(own, nonce) as came_back:
         writer.write(wire.encode(Msg.HELLO, 0, nonce=nonce))
         try:

@@ -11,17 +11,6 @@ of its links. A link is made only when its fds fit under ``RLIMIT_NOFILE``
 (``fd_budget.py``). There is at most one link per remote cluster id: a second
 attempt for an id waits for the first, and a link that finds the id taken is
 closed, never left behind.
-
-Two endpoints may dial each other at once (each calls ``link_clusters`` for
-the other while both listen). Of the two crossing dials both ends keep the
-one whose HELLO nonce is lower: a listener refuses an authenticated link
-from a cluster it is dialling itself with a lower nonce
-(``LLM_PROCESSING_LINK``, decided as the link would be registered), and the
-dial so refused waits for the peer's dial to come up here and reports
-``LLM_ALREADY_LINK``. Each end knows both nonces (its own dial's, the
-peer's HELLO), so both decide alike. A dial whose cluster linked to us
-before its HELLO left dials nothing (``LLM_ALREADY_LINK``): its nonce would
-decide for a link the peer took already.
 """
 
 from __future__ import annotations
@@ -124,8 +113,6 @@ class LinkTable:
         self.own_dials = OwnDials()
         self._bilateral: set[asyncio.Task] = set()  # link() attempts (start_bilateral)
         self._awaited: dict[int, asyncio.Future] = {}  # remote id -> the link() that waits for its dial
-        #: remote id -> the dial that yielded to that cluster's crossing dial, waiting for its link (_crossed)
-        self._coming: dict[int, asyncio.Future[None]] = {}
         #: Links ``disconnect`` took out of the table and has not closed yet -> their UNLINK_ACK once the peer
         #: was told (None before): ``close`` closes them too.
         self._leaving: dict[Link, asyncio.Future | None] = {}
@@ -238,9 +225,6 @@ class LinkTable:
             return False
         link.on_request = self.on_request
         self.links[link.remote_cluster_id] = link
-        coming = self._coming.pop(link.remote_cluster_id, None)
-        if coming is not None and not coming.done():
-            coming.set_result(None)
         if start:
             link.start()
         if not link.is_client:
@@ -332,9 +316,8 @@ class LinkTable:
         return (any(not t.done() for t in (*self._dialling.values(), *self._anonymous, *self._bilateral))
                 or self.listener.taking > 0)
 
-    def refusal(self, remote_id: int, peer_id: int, bilateral: bool, nonce: bytes) -> Refusal | None:
-        """Why an authenticated link from ``remote_id`` (that asked for ``peer_id``, its HELLO carrying
-        ``nonce``) is refused at once, or None."""
+    def refusal(self, remote_id: int, peer_id: int, bilateral: bool) -> Refusal | None:
+        """Why an authenticated link from ``remote_id`` (that asked for ``peer_id``) is refused at once, or None."""
         own_id = self.cluster_id
         if peer_id not in (own_id, handshake.ANY_PEER):
             return LLMStatusCode.LLM_LINK_FAILED, f"this endpoint is cluster {own_id}, not {peer_id}"
@@ -343,13 +326,11 @@ class LinkTable:
             return LLMStatusCode.LLM_LINK_FAILED, "this endpoint is being finalized"
         if self._live(remote_id) is not None:
             return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
-        if self.own_dials.yields_to(remote_id, nonce):
-            return _crossing(remote_id)
         if bilateral and not self._awaits(remote_id):
             return LLMStatusCode.LLM_NOT_YET_LINK, _NOT_AWAITED
         return None
 
-    async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, nonce: bytes, reader: ControlReader,
+    async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, reader: ControlReader,
                    writer: asyncio.StreamWriter, pending: Pending, through: Callable[[], None]) -> Link | Refusal:
         """Make and register the link of an accepted handshake, or say why not.
 
@@ -380,8 +361,6 @@ class LinkTable:
             through()  # never dropped as stalled from here on
             if bilateral and not self._awaits(remote_id):  # that link() gave up meanwhile
                 return LLMStatusCode.LLM_NOT_YET_LINK, _NOT_AWAITED
-            if self.own_dials.yields_to(remote_id, nonce):  # our crossing dial's HELLO left meanwhile
-                return _crossing(remote_id)
             link = self._new_link(remote_id, remote_role, reader, writer, is_client=False,
                                   channels=channels, token=token, remote_address=(peer[0], peer[1]))
             if not self._register(link, start=False):
@@ -514,11 +493,6 @@ class LinkTable:
         link: Link | None = None
         sockets: list[DataConn] = []
         taken = False  # the peer took our dial (its LINK_OK said so)
-        # A link_clusters dial of a named cluster may cross that cluster's dial of us: its nonce decides which
-        # stays (see the module docstring), so it is kept until its link is registered or the dial ends. A
-        # bilateral dial crosses none (one end of a link() dials, the other waits).
-        heading = None if bilateral else remote_id  # the cluster such a dial names
-        nonce = os.urandom(wire.NONCE_BYTES)
         more: fd_budget.Claim | None = None  # for the data channels the peer names past ours (the caller claims ours)
         learned: asyncio.Task | None = None  # this dial, listed as dialling the cluster id the handshake told
         try:
@@ -527,25 +501,14 @@ class LinkTable:
                 async with asyncio.timeout_at(answer_by):
                     if self.tls_client is not None:
                         await tls.dial_control(reader, writer, self.tls_client, address[0], HANDSHAKE_LIMIT_S)
-                    if remote_id is not None and self._live(remote_id) is not None:
-                        _drop(writer)  # the cluster linked to us meanwhile
-                        return LLMStatusCode.LLM_ALREADY_LINK
-                    if heading is not None:
-                        self.own_dials.towards(heading, nonce)  # in the loop pass that sends the HELLO
                     ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
                                               role=self._role(), layout=ZERO32, bilateral=bilateral,
-                                              own=self.own_dials, nonce=nonce,
+                                              own=self.own_dials,
                                               peer_id=handshake.ANY_PEER if remote_id is None else remote_id)
             except TimeoutError:
                 if answer_by is None:
                     raise
                 raise ConnectionError(f"the handshake was not answered within {BILATERAL_ANSWER_S} s") from None
-            except LLMException as exc:
-                if heading is None or exc.status_code != LLMStatusCode.LLM_PROCESSING_LINK:
-                    raise
-                _drop(writer)  # the peer's crossing dial of us is the one both ends keep
-                self.own_dials.arrived(heading, nonce)
-                return await self._crossed(heading)
             taken = True
             if remote_id is None:
                 remote_id = ok.cluster_id
@@ -575,8 +538,6 @@ class LinkTable:
                 if self.closing:
                     return LLMStatusCode.LLM_LINK_FAILED
                 return LLMStatusCode.LLM_ALREADY_LINK
-            if heading is not None:
-                self.own_dials.arrived(heading, nonce)  # live now: a link from that cluster is refused for it
             await self._share_with(link, ok)
             await self._nixl_with(link, deadline)
             await self._require_transport(link)
@@ -590,7 +551,10 @@ class LinkTable:
             if link is None:
                 for sock in sockets:
                     sock.close()
-                _drop(writer)
+                if writer.get_extra_info("ssl_object") is not None:
+                    writer.transport.abort()
+                else:
+                    writer.close()
             elif self.links.get(link.remote_cluster_id) is link:
                 # Registered, but not set up (the caller's time ran out, or a step failed): it goes, and the
                 # peer is told (it forgets its end), so no link is left behind a call that did not link.
@@ -606,26 +570,10 @@ class LinkTable:
                                 status_code=code) from exc
             raise
         finally:
-            if heading is not None:
-                self.own_dials.arrived(heading, nonce)
             if more is not None:
                 more.release()
             if learned is not None and remote_id is not None and self._dialling.get(remote_id) is learned:
                 del self._dialling[remote_id]
-
-    async def _crossed(self, remote_id: int) -> LLMStatusCode:
-        """``LLM_ALREADY_LINK`` once the link of ``remote_id``'s crossing dial, which ours yielded to, is up here
-        (the caller's time bounds the wait: that dial may fail)."""
-        while self._live(remote_id) is None:
-            coming = self._coming.get(remote_id)
-            if coming is None or coming.done():
-                coming = self._coming[remote_id] = asyncio.get_running_loop().create_future()
-            try:
-                await coming
-            finally:
-                if self._coming.get(remote_id) is coming:
-                    del self._coming[remote_id]
-        return LLMStatusCode.LLM_ALREADY_LINK
 
     # -- bilateral links (LLMDataDist.link) ---------------------------------
 
@@ -902,19 +850,6 @@ class LinkTable:
         if self._ledger is not None:
             self._ledger.close()
             self._ledger = None
-
-
-def _crossing(remote_id: int) -> Refusal:
-    return (LLMStatusCode.LLM_PROCESSING_LINK,
-            f"this endpoint is linking cluster {remote_id} itself: of the two crossing dials, its own stays")
-
-
-def _drop(writer: asyncio.StreamWriter) -> None:
-    """Close a control connection that makes no link (no TLS close_notify exchange)."""
-    if writer.get_extra_info("ssl_object") is not None:
-        writer.transport.abort()
-    else:
-        writer.close()
 
 
 def _check_attached(reply: bytes, index: int) -> None:

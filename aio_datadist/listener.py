@@ -82,11 +82,10 @@ class Table(Protocol):
     @property
     def shares_memory(self) -> bool: ...
 
-    def refusal(self, remote_id: int, peer_id: int, bilateral: bool, nonce: bytes) -> Refusal | None:
-        """Why an authenticated link from ``remote_id`` (whose HELLO carried ``nonce``) is refused at once, or
-        None."""
+    def refusal(self, remote_id: int, peer_id: int, bilateral: bool) -> Refusal | None:
+        """Why an authenticated link from ``remote_id`` is refused at once, or None."""
 
-    async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, nonce: bytes, reader: ControlReader,
+    async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, reader: ControlReader,
                    writer: asyncio.StreamWriter, pending: Pending, through: Callable[[], None]) -> Link | Refusal:
         """The link made and registered for an accepted handshake, or why not."""
 
@@ -241,14 +240,13 @@ class Listener:
             # Stopped listening, or listening elsewhere now (switch_role): the link's data channels would find
             # no listener where they dial. A switch that failed and listens where it did keeps the link.
             return await refuse(LLMStatusCode.LLM_LINK_FAILED, "this endpoint stopped listening")
-        # Only now, the peer proven: its HELLO nonce decides which of two crossing dials stays (link_table).
-        refused = self._table.refusal(auth.cluster_id, auth.peer_id, bilateral, accepted.client_nonce)
+        refused = self._table.refusal(auth.cluster_id, auth.peer_id, bilateral)
         if refused is not None:
             return await refuse(*refused)
         self.taking += 1
         try:
-            taken = await self._table.take(auth.cluster_id, remote_role, bilateral, accepted.client_nonce,
-                                           reader.inner, writer, pending, lambda: admission.leave(pending))
+            taken = await self._table.take(auth.cluster_id, remote_role, bilateral, reader.inner, writer, pending,
+                                           lambda: admission.leave(pending))
         finally:
             self.taking -= 1
         if not isinstance(taken, Link):

@@ -15,12 +15,6 @@ sees its connection end can tell why.
 A relay between two *different* endpoints that share the secret is not
 caught here (nor could it be by nonces: it is what any proxy on the path
 does); with TLS it sees nothing (docs/security.md, "Not covered").
-
-The nonce of a ``link_clusters`` dial of a named cluster is also kept, by
-that cluster id, until the dial has registered its link or ended
-(:meth:`OwnDials.towards`): when that cluster dials us meanwhile, the two
-dials crossed, and both ends keep the one whose HELLO nonce is lower
-(:meth:`OwnDials.yields_to`), each from the two nonces it knows.
 """
 
 from __future__ import annotations
@@ -32,14 +26,12 @@ __all__ = ["OwnDials"]
 
 
 class OwnDials:
-    """The HELLO nonces of one endpoint's dials that are still in their handshake, and those of its
-    ``link_clusters`` dials of named clusters until they registered their links or ended."""
+    """The HELLO nonces of one endpoint's dials that are still in their handshake."""
 
-    __slots__ = ("_nonces", "_towards")
+    __slots__ = ("_nonces",)
 
     def __init__(self) -> None:
         self._nonces: dict[bytes, bool] = {}  # nonce -> whether our listener received it
-        self._towards: dict[int, bytes] = {}  # cluster id -> the nonce of our link_clusters dial of it
 
     @contextlib.contextmanager
     def dialling(self, nonce: bytes) -> Iterator[Callable[[], bool]]:
@@ -66,19 +58,3 @@ class OwnDials:
             return False
         self._nonces[nonce] = True
         return True
-
-    def towards(self, cluster_id: int, nonce: bytes) -> None:
-        """Note that our dial of ``cluster_id`` sends (or sent) the HELLO ``nonce``."""
-        self._towards[cluster_id] = nonce
-
-    def arrived(self, cluster_id: int, nonce: bytes) -> None:
-        """The dial of ``cluster_id`` that sent ``nonce`` registered its link or ended."""
-        if self._towards.get(cluster_id) == nonce:
-            del self._towards[cluster_id]
-
-    def yields_to(self, cluster_id: int, nonce: bytes) -> bool:
-        """Whether an authenticated link from ``cluster_id`` whose HELLO carried ``nonce`` crosses a dial of ours
-        of that cluster with a lower nonce: that dial is the one both ends keep (the peer takes it, as it
-        finds our nonce the lower), so the link from it is refused."""
-        mine = self._towards.get(cluster_id)
-        return mine is not None and mine < nonce
