@@ -60,6 +60,7 @@ caches out of same-host sharing.
 from __future__ import annotations
 
 import copy
+import copyreg
 import json
 import os
 import re
@@ -604,8 +605,8 @@ class LLMConfig:
         either later stay there; the values themselves (``ge_options``' dict) are shared."""
         new = self._blank()
         new._explicit = dict(self._explicit)
-        if hasattr(self, "__dict__"):  # a subclass's own attributes
-            new.__dict__.update(self.__dict__)
+        for name, value in self._own_attributes():
+            setattr(new, name, value)
         return new
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LLMConfig:
@@ -614,8 +615,8 @@ class LLMConfig:
         memo[id(self)] = new
         new._explicit = {name: value if isinstance(value, ssl.SSLContext) else copy.deepcopy(value, memo)
                          for name, value in self._explicit.items()}
-        if hasattr(self, "__dict__"):  # a subclass's own attributes
-            new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        for name, value in self._own_attributes():
+            setattr(new, name, copy.deepcopy(value, memo))
         return new
 
     def _blank(self) -> LLMConfig:
@@ -624,6 +625,11 @@ class LLMConfig:
         new = cls.__new__(cls)
         new._explicit = {}
         return new
+
+    def _own_attributes(self) -> list[tuple[str, Any]]:
+        """A subclass's own attributes, in its ``__dict__`` or its ``__slots__`` (what a plain copy keeps)."""
+        names = [*getattr(self, "__dict__", {}), *copyreg._slotnames(type(self))]  # type: ignore[attr-defined]
+        return [(name, getattr(self, name)) for name in names if name != "_explicit" and hasattr(self, name)]
 
     def generate_options(self) -> dict[str, Any]:
         """The options dict for ``LLMDataDist.init``.

@@ -117,3 +117,17 @@ def test_a_copy_of_a_subclassed_config_keeps_its_class_and_attributes():
         assert type(copied) is SiteConfig and copied.generate_options()["llm.Site"] == "a"
         copied.device_id = 1
         assert base.device_id == 0
+
+
+def test_a_copy_of_a_slotted_subclass_keeps_its_attributes():
+    class SlottedSite(LLMConfig):
+        __slots__ = ("site",)
+
+        def generate_options(self):
+            return {**super().generate_options(), "llm.Site": self.site}
+
+    base = SlottedSite()
+    base.device_id = 0
+    base.site = "b"
+    for copied in (copy.copy(base), copy.deepcopy(base)):
+        assert type(copied) is SlottedSite and copied.generate_options()["llm.Site"] == "b"
