@@ -25,6 +25,7 @@ from _tally import at_least, note
 PROMPT = 1
 HOSTS, PER_HOST = 4, 8
 LOAD_S = 2.0 * scaled(1)
+LIFETIME_S = LOAD_S + 60.0  # of the peers, and the wait for their answers: past the load, at any scale
 BIG = CacheDesc(8, (64, 8192), DataType.DT_FLOAT16, Placement.HOST)  # 64 blocks of 128 KiB (all tensors), 8 MiB
 RSS_ALLOWANCE = 48 << 20  # growth of the prompt's RSS once every link is up
 
@@ -34,8 +35,8 @@ RSS_ALLOWANCE = 48 << 20  # growth of the prompt's RSS once every link is up
 async def test_32_decoders_pull_from_one_prompt_with_bounded_memory(fork_server, transport):
     config = (("transport", transport), ("sync_kv_timeout", 10_000))
     prompt_spec = EndpointSpec(LLMRole.PROMPT, PROMPT, caches=(CacheSpec("big", BIG, 11, blocks=True, model_id=0),),
-                               config=config, loop="asyncio", lifetime=60.0)
-    host_specs = [EndpointSpec(LLMRole.DECODER, 100 + h, listen=False, config=config, lifetime=60.0,
+                               config=config, loop="asyncio", lifetime=LIFETIME_S)
+    host_specs = [EndpointSpec(LLMRole.DECODER, 100 + h, listen=False, config=config, lifetime=LIFETIME_S,
                                loop=("asyncio", "uvloop")[h % 2]) for h in range(HOSTS)]
     async with forked(prompt_spec, *host_specs) as (prompt, *hosts):
         rss_idle = rss_bytes(prompt.pid)
@@ -45,7 +46,7 @@ async def test_32_decoders_pull_from_one_prompt_with_bounded_memory(fork_server,
         samples = []  # (seconds since start, prompt RSS) once every link is up
         links_up = 0
         started = time.monotonic()
-        answers = asyncio.gather(*(host.answer(timeout=60.0) for host in hosts))
+        answers = asyncio.gather(*(host.answer(timeout=LIFETIME_S) for host in hosts))
         while not answers.done():
             if links_up < HOSTS * PER_HOST:
                 links_up = sum(state == "up" for state in (await prompt.call("links")).values())

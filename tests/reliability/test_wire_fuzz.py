@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from aio_datadist import (
@@ -85,7 +85,7 @@ ARENA = [
 ]
 LEGIT = CacheDesc(4, (4, 1024), DataType.DT_FLOAT16, Placement.HOST)
 
-# CI: the same examples every run; a soak round (SEED > 0): new ones
+# CI: the same examples every run; a soak round (SEED > 0): new ones, the same again for the same seed
 SETTINGS = dict(derandomize=SEED == 0, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 
 
@@ -170,6 +170,7 @@ def decode_frame(frame: bytes) -> tuple[Msg, int, dict[str, Any]]:
 
 def test_every_frame_decodes_to_fields_or_a_protocol_error():
     @settings(max_examples=DECODE_EXAMPLES, **SETTINGS)
+    @seed(SEED)
     @given(st.one_of(frames(), st.binary(min_size=20, max_size=120)))
     def decode(frame: bytes) -> None:
         count("fuzz cases (in-process)")
@@ -221,6 +222,7 @@ def reference(data: bytes) -> tuple[list[tuple[Msg, int, Any]], str | None]:
 
 def test_the_link_protocol_gives_the_same_events_however_the_frames_are_cut():
     @settings(max_examples=PROTOCOL_EXAMPLES, **SETTINGS)
+    @seed(SEED)
     @given(st.lists(st.one_of(frames(), st.binary(max_size=40)), min_size=1, max_size=6), st.booleans(),
            st.lists(st.integers(0, 2**16), max_size=12), st.data())
     def cut(parts: list[bytes], is_client: bool, cuts: list[int], data: Any) -> None:
@@ -262,7 +264,7 @@ class Target:
         self.arena = arena
         self.caches = caches  # arena caches, in ARENA order
         self.legit = legit
-        self.by_id = {c.cache_id: c for c in caches}
+        self.by_id = {c.cache_id: c for c in caches + [legit]}  # the legit cache is registered too
         self.blocks_keys = {spec[2]: c for spec, c in zip(ARENA, caches) if spec[1]}
         self.req_keys = {req: (c, row) for spec, c in zip(ARENA, caches) if not spec[1]
                          for row, req in enumerate(spec[2])}
@@ -407,6 +409,7 @@ async def test_the_owner_plans_only_registered_bytes_or_refuses():
         outcomes: dict[str, int] = {}
 
         @settings(max_examples=PLAN_EXAMPLES, **SETTINGS)
+        @seed(SEED)
         @given(st.sampled_from([Msg.PULL_REQ, Msg.PUSH_REQ]), requests(target, range(link.nchannels)))
         def serve(msg: Msg, req: dict[str, Any]) -> None:
             count("fuzz cases (in-process)")
@@ -548,8 +551,10 @@ async def test_live_link_fuzz_moves_only_what_the_layout_allows():
                 done = 0
                 while not stop.is_set():
                     await dec.check_link_status(PROMPT)
+                    # liveness, not latency: the fuzz thread competes for the GIL on a loaded machine
                     await dec.kv_cache_manager.pull_cache(CacheKeyByIdAndIndex(PROMPT, target.legit.cache_id,
-                                                                                done % 4), mine, done % 4)
+                                                                                done % 4), mine, done % 4,
+                                                          timeout=10_000)
                     done += 1
                     await asyncio.sleep(0.005)
                 return done
@@ -584,6 +589,7 @@ def run_live_fuzz(target: Target, address: tuple[str, int]) -> LiveFuzz:
         fuzz = LiveFuzz(target, raw)
 
         @settings(max_examples=LIVE_EXAMPLES, **SETTINGS)
+        @seed(SEED)
         @given(st.sampled_from([Msg.PULL_REQ, Msg.PUSH_REQ]), requests(target, range(raw.channels)), u(32))
         def live(msg: Msg, req: dict[str, Any], payload_seed: int) -> None:
             fuzz.case(msg, req, payload_seed)
