@@ -284,6 +284,14 @@ cdef void _mark_closed(bint *closed, bint value) noexcept nogil:
     pthread_mutex_unlock(&_close_lock)
 
 
+cdef void _wait_closed(bint *closed) noexcept nogil:
+    # Until another thread's close() of the object marked it closed (_mark_closed).
+    pthread_mutex_lock(&_close_lock)
+    while not closed[0]:
+        pthread_cond_wait(&_close_cond, &_close_lock)
+    pthread_mutex_unlock(&_close_lock)
+
+
 cdef int _check_timeout(double timeout) except -1:
     if timeout != timeout:
         raise ValueError("timeout must be a number of seconds, got nan")
@@ -563,10 +571,7 @@ cdef class HostCopyEngine:
             self._shutdown()
         elif not self._closed:
             with nogil:
-                pthread_mutex_lock(&_close_lock)
-                while not self._closed:
-                    pthread_cond_wait(&_close_cond, &_close_lock)
-                pthread_mutex_unlock(&_close_lock)
+                _wait_closed(&self._closed)
 
     cdef _shutdown(self):
         cdef size_t i
@@ -1168,10 +1173,7 @@ cdef class SocketEngine:
             self._shutdown()
         elif not self._closed:
             with nogil:
-                pthread_mutex_lock(&_close_lock)
-                while not self._closed:
-                    pthread_cond_wait(&_close_cond, &_close_lock)
-                pthread_mutex_unlock(&_close_lock)
+                _wait_closed(&self._closed)
 
     cdef _shutdown(self):
         cdef IoCommand cmd

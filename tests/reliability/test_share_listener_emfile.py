@@ -15,6 +15,7 @@ import logging
 import os
 import resource
 import socket
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,6 +26,25 @@ from _harness import endpoint
 from peers import port_of
 
 PROMPT = 1
+
+
+@contextlib.contextmanager
+def no_free_fds() -> Iterator[None]:
+    """This process without a free fd (a low ``RLIMIT_NOFILE``, filled), until the block ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+        while True:
+            try:
+                held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                break
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.mark.asyncio
@@ -42,22 +62,9 @@ async def test_a_share_connection_met_with_emfile_does_not_spin_the_loop(monkeyp
 
         monkeypatch.setattr(socket.socket, "accept", counting_accept)
         client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)  # before fds run out
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        held: list[int] = []
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
-            while True:
-                try:
-                    held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
-                except OSError:
-                    break
-            with caplog.at_level(logging.WARNING, "aio_datadist.local"):
-                client.connect(listener.name)  # queued: accept() fails with EMFILE
-                await asyncio.sleep(0.3)
-        finally:
-            for fd in held:
-                os.close(fd)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        with no_free_fds(), caplog.at_level(logging.WARNING, "aio_datadist.local"):
+            client.connect(listener.name)  # queued: accept() fails with EMFILE
+            await asyncio.sleep(0.3)
         try:
             assert 0 < calls < 20, f"accept() was called {calls} times in 0.3 s while the process had no fd free"
             said = [r for r in caplog.records if r.name == "aio_datadist.local" and "cannot accept" in r.getMessage()]
@@ -75,23 +82,10 @@ async def test_the_link_door_out_of_fds_says_so_once(caplog):
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt:
         client = socket.socket()  # before fds run out
         client.setblocking(False)
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        held: list[int] = []
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
-            while True:
-                try:
-                    held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
-                except OSError:
-                    break
-            with caplog.at_level(logging.WARNING, "aio_datadist.links"):
-                with contextlib.suppress(BlockingIOError):
-                    client.connect(port_of(prompt))  # queued in the backlog: accept() fails with EMFILE
-                await asyncio.sleep(0.3)
-        finally:
-            for fd in held:
-                os.close(fd)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        with no_free_fds(), caplog.at_level(logging.WARNING, "aio_datadist.links"):
+            with contextlib.suppress(BlockingIOError):
+                client.connect(port_of(prompt))  # queued in the backlog: accept() fails with EMFILE
+            await asyncio.sleep(0.3)
         client.close()
         said = [r for r in caplog.records if "cannot accept a connection" in r.getMessage()]
         assert len(said) == 1, [r.getMessage() for r in said]
