@@ -16,31 +16,15 @@ failed before:
 
 from __future__ import annotations
 
-import os
-import pathlib
-import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from test_core_fork import run as run_script
 
 
 def run(script: str, *args: str, timeout: float = 20) -> str:
-    """Run ``script`` with ``args`` in a fresh interpreter; its stdout (a crash or a time-out fails the test)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"hung (killed after {timeout} s): {out}\n{err[-2000:]}") from None
-    assert proc.returncode == 0, f"exit {proc.returncode}: {out}\n{err[-2000:]}"
-    return out
+    """Run ``script`` with ``args`` in a process of its own; its stdout (a crash or a time-out fails the test)."""
+    return run_script(textwrap.dedent(script), args=args, timeout=timeout)
 
 
 #: A submit whose triples (or pairs) take the engine a while to read without the GIL, closed from the main
