@@ -11,17 +11,6 @@ of its links. A link is made only when its fds fit under ``RLIMIT_NOFILE``
 (``fd_budget.py``). There is at most one link per remote cluster id: a second
 attempt for an id waits for the first, and a link that finds the id taken is
 closed, never left behind.
-
-Two listening endpoints may dial each other at once (each calls
-``link_clusters`` for the other): each listener takes the other's dial while
-its own dial still attaches its data channels, so each dial finds the
-cluster linked. When the link it finds was taken from that cluster's
-``link_clusters`` dial after our call found no link, the two dials crossed, and both ends keep the same one of
-the two links: the one with the lower link token (each end knows both
-tokens: the one its listener chose, the one the peer's ``LINK_OK`` named;
-cluster ids cannot decide, as both ends may use the same). The other is
-unlinked at both ends. A link up before our call, or taken from a
-``link()`` dial, is kept as before (``LLM_ALREADY_LINK``).
 """
 
 from __future__ import annotations
@@ -124,7 +113,6 @@ class LinkTable:
         self.own_dials = OwnDials()
         self._bilateral: set[asyncio.Task] = set()  # link() attempts (start_bilateral)
         self._awaited: dict[int, asyncio.Future] = {}  # remote id -> the link() that waits for its dial
-        self._taken = 0  # links taken from link_clusters dials so far (Link.taken): which crossed a dial of ours
         #: Links ``disconnect`` took out of the table and has not closed yet -> their UNLINK_ACK once the peer
         #: was told (None before): ``close`` closes them too.
         self._leaving: dict[Link, asyncio.Future | None] = {}
@@ -377,9 +365,6 @@ class LinkTable:
                                   channels=channels, token=token, remote_address=(peer[0], peer[1]))
             if not self._register(link, start=False):
                 return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
-            if not bilateral:
-                self._taken += 1
-                link.taken = self._taken
             self._hold(link, claim)
             held = True
             link.announce("accepted")
@@ -462,9 +447,7 @@ class LinkTable:
             log.warning("link to cluster %s at %s:%s refused here: %s", remote_id, *address, exc)
             return exc.status_code
         existing = None if remote_id is None else self.links.get(remote_id)
-        # Counted in the loop pass that found no link: a link taken from the cluster's dial from now on crossed
-        # ours (the task starts a pass later), as at the peer, whose own check came before it took our dial.
-        task = loop.create_task(self._handshake(remote_id, address, existing, deadline, since=self._taken))
+        task = loop.create_task(self._handshake(remote_id, address, existing, deadline))
         if remote_id is not None:
             self._dialling[remote_id] = task
         else:  # close() stops it as any other dial
@@ -496,17 +479,10 @@ class LinkTable:
                 del self._dialling[remote_id]
 
     async def _handshake(self, remote_id: int | None, address: tuple[str, int], existing: Link | None,
-                         deadline: float | None = None, *, bilateral: bool = False,
-                         since: int | None = None) -> LLMStatusCode:
-        """Dial ``address`` and register the link; ``remote_id`` None takes whichever cluster answers.
-
-        ``since``: the count of links taken from ``link_clusters`` dials when the caller found no link to the
-        cluster; a link taken later from that cluster's dial crossed this one (the module docstring).
-        """
+                         deadline: float | None = None, *, bilateral: bool = False) -> LLMStatusCode:
+        """Dial ``address`` and register the link; ``remote_id`` None takes whichever cluster answers."""
         # Only a bilateral dial is bounded short of the caller's time: it dials again (link_clusters does not).
         answer_by = asyncio.get_running_loop().time() + BILATERAL_ANSWER_S if bilateral else None
-        if since is None:
-            since = self._taken
         try:
             async with asyncio.timeout_at(answer_by):
                 reader, writer = await open_control(address)
@@ -517,7 +493,6 @@ class LinkTable:
         link: Link | None = None
         sockets: list[DataConn] = []
         taken = False  # the peer took our dial (its LINK_OK said so)
-        ok: handshake.Linked | None = None
         more: fd_budget.Claim | None = None  # for the data channels the peer names past ours (the caller claims ours)
         learned: asyncio.Task | None = None  # this dial, listed as dialling the cluster id the handshake told
         try:
@@ -555,9 +530,6 @@ class LinkTable:
                                   channels=channels, token=ok.link_token, remote_address=address)
             for index, sock in enumerate(sockets):
                 link.install(index, sock, 0)
-            crossed = None if bilateral else self._crossed(remote_id, since)
-            if crossed is not None and link.token < crossed.token and not self.closing:
-                self._drop_crossed(crossed)  # both ends keep ours; the peer drops its dial's link as it sees ours
             if not self._register(link):
                 # Finalized meanwhile, or a link from that cluster was accepted meanwhile: this one goes, and
                 # the peer is told (it forgets its end).
@@ -596,37 +568,12 @@ class LinkTable:
                 code = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_LINK_FAILED
                 raise _WentDown(f"link to cluster {remote_id} failed after the peer took the dial: {exc}",
                                 status_code=code) from exc
-            if link is None and ok is not None and not bilateral and isinstance(exc, Exception):
-                crossed = self._crossed(ok.cluster_id, since)
-                if crossed is not None and crossed.token < ok.link_token:
-                    # The peer dropped our dial's link for the crossing one (its data channels were refused):
-                    # that one is up here, and is the one both ends keep.
-                    log.debug("link to cluster %s: the crossing link %s is kept (%r)", ok.cluster_id,
-                              crossed.link_id, exc)
-                    return LLMStatusCode.LLM_ALREADY_LINK
             raise
         finally:
             if more is not None:
                 more.release()
             if learned is not None and remote_id is not None and self._dialling.get(remote_id) is learned:
                 del self._dialling[remote_id]
-
-    def _crossed(self, remote_id: int, since: int) -> Link | None:
-        """The live link taken from ``remote_id``'s ``link_clusters`` dial after our dial of it began (when the
-        count of such links was ``since``): the two dials crossed."""
-        link = self._live(remote_id)
-        return link if link is not None and link.taken > since else None
-
-    def _drop_crossed(self, link: Link) -> None:
-        """Unlink the accepted ``link`` of a crossing dial whose own link both ends keep: the peer, at its
-        conflict, drops its end of it too (or its dial fails as its data channels are refused)."""
-        link.log.info("link %s to cluster %s: dropped; both ends keep the link of our crossing dial",
-                      link.link_id, link.remote_cluster_id)
-        self.forget(link)
-        link.send_unlink(link.new_req_id())
-        closing = asyncio.get_running_loop().create_task(link.close("crossed by our dial"))
-        self._forgotten.add(closing)  # close() waits for it
-        closing.add_done_callback(self._forgotten.discard)
 
     # -- bilateral links (LLMDataDist.link) ---------------------------------
 

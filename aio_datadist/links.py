@@ -178,9 +178,6 @@ class Link:
         self._soon: list[bytes] = []  # records send_soon holds until the next write or the end of this loop pass
         self.is_client = is_client
         self.token = token
-        #: For a link accepted from a ``link_clusters`` dial: the table's count of such links when it took this
-        #: one (0 otherwise), so that a dial of ours tells a link that crossed it from an older one (link_table).
-        self.taken = 0
         self.remote_address = remote_address
         self.nchannels = channels
         self.channels = [_Channel(i) for i in range(2 * channels)]
