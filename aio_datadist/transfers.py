@@ -174,6 +174,11 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
     cut = _Cut(rt, plan, req, task)
     unwatch = rt.registry.serving([plan.local], cut)
     try:
+        if not plan.local.alive:
+            # Unregistered before this watch began (while a plane's reader or lone move awaited, then gave the
+            # transfer back): nothing would cut it now, and its memory is the caller's again.
+            raise LLMException(f"{what}: the cache was unregistered during the transfer",
+                               status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
         carried = await _run_request(rt, link, plan, req, timeout_ms, what, pull, queue_ms)
     except asyncio.CancelledError:
         if cut.cancelled:

@@ -327,11 +327,11 @@ async def _read(rt: Runtime, share: LocalShare, plan: Plan, region: PeerRegion, 
     started = time.perf_counter()
     await asyncio.sleep(0)
     share.catch_up()
-    if share.closed or share.listed_region(region.model_id) is not region:
-        return False
     if not plan.local.alive:  # released meanwhile (its memory may be the caller's again): copy nothing into it
         raise LLMException(f"{what}: the destination cache was released",
                            status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+    if share.closed or share.listed_region(region.model_id) is not region:
+        return False
     if _trace.ON:
         _trace.mark("job submitted")
     try:
