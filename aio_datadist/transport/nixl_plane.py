@@ -172,6 +172,9 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
     try:
         if not await _word_holds(peer, slot, word, what, cancelled, deadline):
             return False
+        if not plan.local.alive:  # released meanwhile (its memory may be the caller's again): read nothing into it
+            raise LLMException(f"{what}: the destination cache was released",
+                               status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
         if peer.caches.get(cache_id) is not region:  # withdrawn (or offered anew) while the word was read
             return False
         if _trace.ON:
