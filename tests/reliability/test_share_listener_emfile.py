@@ -1,4 +1,4 @@
-"""The share listener out of fds waits instead of spinning the loop (row 255).
+"""The share listener out of fds waits instead of spinning the loop (row 255); the TCP door says so once (row 256).
 
 A share connection queued while the process has no fd free stays in the listen backlog, so the listening
 socket stays readable: the listener's (level-triggered) reader returned on EMFILE and ran again at once, every
