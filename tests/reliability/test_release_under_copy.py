@@ -8,7 +8,7 @@ the caller may reuse or unmap it. Copies of our own into it are stopped inside t
 - a ``swap_blocks`` from a device cache (host backend) queued on the copy stream behind other work: the release
   waits until the stream has done the queued copy (before: it returned at once and the copy landed after);
 - a same-host pull that reads without asking (read ledger), released while it waited for its loop turn (before:
-  its copy started after the release returned).
+  its copy started after the release returned), also when the read gives the pull back to asking (row 268).
 
 And ``aio.RegisteredMemoryCap`` counts what a host cache maps (whole pages per tensor), not what it asked for.
 """
@@ -16,8 +16,11 @@ And ``aio.RegisteredMemoryCap`` counts what a host cache maps (whole pages per t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ from aio_datadist import (
     CacheDesc,
     CacheKey,
     DataType,
+    KvCache,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -40,6 +44,8 @@ from aio_datadist.testing import runtime_of, usable_link
 
 MIB = 1 << 20
 S = LLMStatusCode
+BLOCKS = CacheDesc(4, (16, 8, 256), DataType.DT_FLOAT16, Placement.HOST)  # the same-host reads' caches
+KEY = BlocksCacheKey(PROMPT_ID, 0)
 
 
 async def _outcome(call: asyncio.Future) -> str:
@@ -113,27 +119,53 @@ async def test_a_swap_into_a_registered_host_cache_is_waited_for_by_its_release(
             gate.open()
 
 
-@pytest.mark.asyncio
-@pytest.mark.usefixtures("fork_server")
-async def test_a_same_host_read_into_a_cache_released_before_its_copy_copies_nothing() -> None:
-    blocks = CacheDesc(4, (16, 8, 256), DataType.DT_FLOAT16, Placement.HOST)
-    key = BlocksCacheKey(PROMPT_ID, 0)
+@contextlib.asynccontextmanager
+async def ledger_pull() -> AsyncIterator[tuple[Any, KvCache, list[torch.Tensor], KvCache, asyncio.Future]]:
+    """A same-host pull into a registered blocks cache that reads without asking (read ledger), at its loop turn
+    before the copy: ``(pair, the owner's cache, the caller's memory, the caller's cache, the pull)``."""
     local = {"transport": "local"}
     async with linked_pair(link=False, prompt_config=local, decoder_config=local) as pair:
-        fill(pair.pm.allocate_blocks_cache(blocks, key), 4)
-        mine = [torch.zeros(blocks.shape, dtype=torch.float16) for _ in range(blocks.num_tensors)]
-        dst = pair.dm.register_blocks_cache(blocks, mine)
+        old = pair.pm.allocate_blocks_cache(BLOCKS, KEY)
+        fill(old, 4)
+        mine = [torch.zeros(BLOCKS.shape, dtype=torch.float16) for _ in range(BLOCKS.num_tensors)]
+        dst = pair.dm.register_blocks_cache(BLOCKS, mine)
         await pair.link()
         share = usable_link(pair.decoder, PROMPT_ID).local
         assert share is not None and share.listed_region(0) is not None  # the pull reads without asking
-        pull = asyncio.ensure_future(pair.dm.pull_blocks(key, dst, [3, 0, 15], [1, 2, 3]))
+        pull = asyncio.ensure_future(pair.dm.pull_blocks(KEY, dst, [3, 0, 15], [1, 2, 3]))
         await asyncio.sleep(0)  # at its loop turn before the copy: nothing copied yet
+        yield pair, old, mine, dst, pull
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("fork_server")
+async def test_a_same_host_read_into_a_cache_released_before_its_copy_copies_nothing() -> None:
+    async with ledger_pull() as (pair, _, mine, dst, pull):
         pair.dm.deallocate_cache(dst)
         for t in mine:
             t.fill_(7.0)  # the caller reuses it
         assert await _outcome(pull) == "LLM_KV_CACHE_NOT_EXIST"
         await asyncio.sleep(0.3)
         assert all(bool((t == 7.0).all()) for t in mine)
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("fork_server")
+async def test_a_ledger_read_that_falls_back_to_asking_after_the_release_writes_nothing() -> None:
+    """In the loop pass before the copy, the owner binds its blocks key to a new cache (the ledger no longer
+    lists the old one: the read gives the pull back to asking) and the caller releases its destination (row
+    268). Before, the asked pull watched a cache already released, copied into the caller's memory after
+    ``deallocate_cache`` returned and said it succeeded."""
+    async with ledger_pull() as (pair, old, mine, dst, pull):
+        pair.pm.deallocate_cache(old)
+        for t in pair.pm.allocate_blocks_cache(BLOCKS, KEY).tensors:
+            t.fill_(5.0)
+        pair.dm.deallocate_cache(dst)
+        for t in mine:
+            t.fill_(7.0)
+        outcome = await _outcome(pull)
+        await asyncio.sleep(0.3)
+        assert (outcome, sum(int((t != 7.0).sum()) for t in mine)) == ("LLM_KV_CACHE_NOT_EXIST", 0)
 
 
 @pytest.mark.asyncio
