@@ -73,7 +73,10 @@ class KvCacheManager:
     bookkeeping; coroutine methods wait for copies or peers and accept
     ``timeout=`` in milliseconds (default: ``LLMConfig.sync_kv_timeout``).
     They and ``transfer_cache_async`` run on the event loop the LLMDataDist
-    was initialised on; from another loop they raise ``LLM_FAILED``.
+    was initialised on; from another loop they raise ``LLM_FAILED``
+    (``Endpoint.home_loop``): the links' answers, a release's cut of a copy
+    and the layer-wise driver's futures are settled from that loop's thread,
+    which would not wake another loop.
     """
 
     def __init__(self, endpoint: Endpoint, *, v1: bool = True) -> None:
@@ -102,12 +105,6 @@ class KvCacheManager:
 
     def _rt(self) -> Runtime:
         return self._endpoint.require_runtime()
-
-    def _home_loop(self, call: str) -> None:
-        """Refuse ``call`` (``LLM_FAILED``) off the loop the endpoint was initialised on: the links' answers, a
-        release's cut of a copy and the layer-wise driver's futures are settled from that loop's thread, which
-        would not wake another loop (a transfer that landed would time out)."""
-        self._endpoint.home_loop(call)
 
     def _timeout(self, timeout: Any) -> int:
         if timeout is None:
@@ -402,7 +399,7 @@ class KvCacheManager:
         again once that call returned) stops the copy inside that call; the copy then fails
         ``LLM_KV_CACHE_NOT_EXIST`` (``docs/reliability.md``, row 206)."""
         rt = self._rt()
-        self._home_loop(what)
+        self._endpoint.home_loop(what)
         timeout_ms = self._timeout(timeout)
         if involves_device(dst, src):
             await _device_copy_cut_on_release(rt, dst, dst_rows, src, src_rows, offset, nbytes, timeout_ms, what)
@@ -455,7 +452,7 @@ class KvCacheManager:
         _no_unknown(unknown)
         rt = self._rt()
         self._endpoint.require_role("pull_cache", LLMRole.DECODER, LLMRole.MIX)
-        self._home_loop("pull_cache")
+        self._endpoint.home_loop("pull_cache")
         key = _check_pull_key("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
         cache = self._endpoint.live(kv_cache, "kv_cache")
         if cache.is_blocks_cache:
@@ -515,7 +512,7 @@ class KvCacheManager:
         dst_blocks = _alias(decoder_blocks, "decoder_blocks", "dst_blocks", dst_blocks, ())
         rt = self._rt()
         self._endpoint.require_role("pull_blocks", LLMRole.DECODER, LLMRole.MIX)
-        self._home_loop("pull_blocks")
+        self._endpoint.home_loop("pull_blocks")
         key = _check_pull_key("src_cache_key", src_cache_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
         cache = self._endpoint.live(dst_cache, "dst_cache")
         if not cache.is_blocks_cache:
@@ -554,7 +551,7 @@ class KvCacheManager:
         self._mode()
         rt = self._rt()
         self._endpoint.require_role("push_blocks", LLMRole.PROMPT, LLMRole.MIX)
-        self._home_loop("push_blocks")
+        self._endpoint.home_loop("push_blocks")
         key = _check_pull_key("dst_cache_index_or_key", dst_cache_index_or_key, (CacheIndex, BlocksCacheKey))
         if isinstance(key, CacheIndex) and key.batch_index != 0:
             raise param_invalid("dst_cache_index_or_key", "batch_index must be 0 for a blocks cache")
@@ -586,7 +583,7 @@ class KvCacheManager:
         self._mode()
         rt = self._rt()
         self._endpoint.require_role("push_cache", LLMRole.PROMPT, LLMRole.MIX)
-        self._home_loop("push_cache")
+        self._endpoint.home_loop("push_cache")
         key = _check_pull_key("dst_cache_index_or_key", dst_cache_index_or_key, (CacheIndex, CacheKeyByIdAndIndex))
         cache = self._endpoint.live(src_cache, "src_cache")
         if cache.is_blocks_cache:
@@ -648,7 +645,7 @@ class KvCacheManager:
         may go into destination blocks, as LLM-DataDist's CacheManager allows and its KvCacheManager not)."""
         self._rt()
         self._endpoint.require_role("transfer_cache_async", LLMRole.PROMPT, LLMRole.MIX)
-        self._home_loop("transfer_cache_async")
+        self._endpoint.home_loop("transfer_cache_async")
         cache = self._endpoint.live(src_cache, "src_cache")
         return start_transfer(self._rt(), self._endpoint.require_links(), cache, layer_synchronizer,
                               transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size,
