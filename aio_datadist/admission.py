@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import socket
 import time
@@ -39,6 +38,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from aio_datadist.control_reader import ControlReader
+from aio_datadist.fd_budget import ACCEPT_RETRY_S, NO_ROOM
 
 __all__ = ["ARRIVAL_FACTOR", "ARRIVAL_GRACE_S", "LISTEN_BACKLOG", "STALL_GRACE_S", "Admission", "Pending", "streams"]
 
@@ -54,11 +54,6 @@ ARRIVAL_FACTOR = 4
 ARRIVAL_GRACE_S = 0.05
 #: A handshake idle this long may be dropped when every slot is taken and a connection waits for one.
 STALL_GRACE_S = 1.0
-#: How soon accept() is tried again after it failed for want of an fd or memory: nothing signals when one
-#: frees elsewhere in the process (a connection of this listener that leaves wakes it at once).
-_ACCEPT_RETRY_S = 0.05
-#: accept() errors that mean "no fd or memory for it now": the connection stays in the backlog.
-_NO_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class Pending:
@@ -147,11 +142,11 @@ class Admission:
             try:
                 conn, _ = await self._loop.sock_accept(self.sock)
             except OSError as exc:
-                if exc.errno in _NO_ROOM:
+                if exc.errno in NO_ROOM:
                     if not starved:  # once, not every retry (20 a second for as long as no fd frees)
                         starved = True
                         log.warning("cannot accept a connection now (%s); it waits in the listen backlog", exc)
-                    await self._wait(_ACCEPT_RETRY_S)
+                    await self._wait(ACCEPT_RETRY_S)  # (a connection of this listener that leaves wakes it at once)
                 continue  # ECONNABORTED and the like: that connection is gone, not the listener
             starved = False
             conn.setblocking(False)

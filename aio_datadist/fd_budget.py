@@ -25,18 +25,25 @@ endpoint of a process raises the soft limit to the hard one (at most
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import resource
 
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ["RESERVE", "SOFT_TARGET", "Claim", "claim", "open_count", "per_link", "raise_soft_limit", "soft_limit"]
+__all__ = ["ACCEPT_RETRY_S", "NO_ROOM", "RESERVE", "SOFT_TARGET", "Claim", "claim", "open_count", "per_link",
+           "raise_soft_limit", "soft_limit"]
 
 log = logging.getLogger("aio_datadist.links")
 
 #: fds kept free for everything but links.
 RESERVE = 64
+#: How soon a listener (the link door, the same-host share socket) tries accept() again after it failed for want
+#: of an fd or memory: nothing signals when one frees elsewhere in the process.
+ACCEPT_RETRY_S = 0.05
+#: accept() errors that mean "no fd or memory for it now": the connection stays in the backlog.
+NO_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 #: The soft limit is raised towards the hard one up to this many fds.
 SOFT_TARGET = 1 << 20
 

@@ -68,9 +68,9 @@ async def test_received_memfds_are_close_on_exec(monkeypatch):
     flags = []
     check = local.check_sealed
 
-    def checking(fd: int, size: int, **kwargs: bool) -> int:
+    def checking(fd: int, size: int, **kwargs: bool) -> None:
         flags.append(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC)
-        return check(fd, size, **kwargs)
+        check(fd, size, **kwargs)
 
     monkeypatch.setattr(local, "check_sealed", checking)
     async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:

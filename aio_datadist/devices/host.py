@@ -208,7 +208,7 @@ def tensor_at(address: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
 
 
-def check_sealed(fd: int, size: int, *, whole: bool = False) -> int:
+def check_sealed(fd: int, size: int, *, whole: bool = False) -> None:
     """``fd`` must be a memfd of exactly ``size`` bytes in ordinary shared memory (shmem), sealed against shrink,
     grow and writes, every page of it in memory (or swap); ValueError else.
 
@@ -220,7 +220,7 @@ def check_sealed(fd: int, size: int, *, whole: bool = False) -> int:
     of holes with as many pages past its end passed it; the pages before the end are counted (:func:`_held`).
 
     That walk costs about 13 ms per GiB here: ``whole`` skips it for a file the caller knows passed it (a file
-    it still maps, which can get no hole). Returns the bytes walked (0 when skipped).
+    it still maps, which can get no hole).
     """
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise ValueError("fd is not a memory file")
@@ -248,11 +248,10 @@ def check_sealed(fd: int, size: int, *, whole: bool = False) -> int:
         raise ValueError(f"fd has {st.st_blocks * 512} of its {size} bytes in memory: reading its holes would "
                          "allocate them here")
     if whole:
-        return 0
+        return
     held = _held(fd, size)
     if held < size:
         raise ValueError(f"fd has a hole at byte {held} of its {size}: reading its holes would allocate them here")
-    return size
 
 
 def file_of(fd: int) -> tuple[int, int]:

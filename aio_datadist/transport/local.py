@@ -50,6 +50,7 @@ from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what s
 from aio_datadist.devices.host import check_sealed, drop_read_only, file_of, map_read_only
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
 from aio_datadist.devices.peer_cache import PeerDeviceCache
+from aio_datadist.fd_budget import ACCEPT_RETRY_S
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.fit import Geometry, geometry_of
 from aio_datadist.transport.ledger import LEDGER_BYTES, NO_SLOT, SLOTS, Ledger, PeerLedger
@@ -220,11 +221,11 @@ def _recv_record(sock: socket.socket) -> tuple[bytes, list[int], int]:
     return data, list(fds), flags
 
 
-def check_fd(fd: int, size: int, *, whole: bool = False) -> int:
-    """The fd must be a memfd sealed against resizing whose size is exactly ``size``; the bytes its check walked
-    (``whole``: the file is one we map, which passed it, see ``check_sealed``)."""
+def check_fd(fd: int, size: int, *, whole: bool = False) -> None:
+    """The fd must be a memfd sealed against resizing whose size is exactly ``size`` (``whole``: the file is one
+    we map, which passed the check of its pages, see ``check_sealed``)."""
     try:
-        return check_sealed(fd, size, whole=whole)
+        check_sealed(fd, size, whole=whole)
     except ValueError as exc:
         raise ShareError(str(exc)) from None
 
@@ -238,13 +239,12 @@ class PeerRegion:
     """
 
     __slots__ = ("cache_id", "rows", "row_bytes", "tensor_bytes", "offsets", "base", "size", "slot", "model_id",
-                 "geometry", "file", "walked", "_addr")
+                 "geometry", "file", "_addr")
 
     def __init__(self, record: ShareRecord, fd: int, file: tuple[int, int], *, whole: bool = False) -> None:
         self._addr = 0
-        #: The file mapped (``file_of``), and the bytes its check walked (0: a file the share maps already).
-        self.file = file
-        self.walked = check_fd(fd, record.size, whole=whole)
+        self.file = file  #: the file mapped (``file_of``)
+        check_fd(fd, record.size, whole=whole)
         self.cache_id = record.cache_id
         self.rows = record.rows
         self.row_bytes = record.row_bytes
@@ -644,7 +644,8 @@ class LocalShare:
             raise ShareError(f"cache {record.cache_id} names a ledger slot before the peer sent its ledger")
         assert file is not None
         region = PeerRegion(record, fds[0], file, whole=whole)
-        self._walked += region.walked
+        if not whole:
+            self._walked += record.size  # its check walked every page
         self.regions[record.cache_id] = region
         self._files[file] = self._files.get(file, 0) + 1
         if region.geometry is not None:
@@ -723,9 +724,6 @@ class LocalShare:
 #: What the listener asks of its owner: the ``(link token, attach)`` pairs of links that may attach a
 #: share now; ``attach(sock)`` hands the authenticated connection to that link.
 Candidates = Callable[[], Iterable[tuple[bytes, Callable[[socket.socket], None]]]]
-#: How soon a share listener tries accept() again after it failed for want of an fd or memory (as the TCP door,
-#: ``admission.py``): nothing signals when one frees elsewhere in the process.
-_ACCEPT_RETRY_S = 0.05
 #: accept() errors that are about the one connection (gone before it was taken), not the listener.
 _GONE = (errno.ECONNABORTED, errno.EPROTO, errno.EINTR)
 
@@ -794,7 +792,7 @@ class LocalListener:
         if not self._starved:
             self._starved = True
             log.warning("same-host share: cannot accept a connection now (%s); it waits in the listen backlog", exc)
-        self._retry = self._loop.call_later(_ACCEPT_RETRY_S, self._resume)
+        self._retry = self._loop.call_later(ACCEPT_RETRY_S, self._resume)
 
     def _resume(self) -> None:
         self._retry = None

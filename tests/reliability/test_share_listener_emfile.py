@@ -3,7 +3,7 @@
 A share connection queued while the process has no fd free stays in the listen backlog, so the listening
 socket stays readable: the listener's (level-triggered) reader returned on EMFILE and ran again at once, every
 loop turn, all the CPU, for as long as no fd freed. Any local process can queue such a connection (no proof
-is needed to connect). It now waits ``_ACCEPT_RETRY_S`` between tries, says so once, and takes the
+is needed to connect). It now waits ``fd_budget.ACCEPT_RETRY_S`` between tries, says so once, and takes the
 connection once an fd frees.
 """
 
