@@ -38,7 +38,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from aio_datadist.control_reader import ControlReader
-from aio_datadist.fd_budget import ACCEPT_RETRY_S, NO_ROOM
+from aio_datadist.fd_budget import ACCEPT_GONE, ACCEPT_RETRY_S, NO_ROOM
 
 __all__ = ["ARRIVAL_FACTOR", "ARRIVAL_GRACE_S", "LISTEN_BACKLOG", "STALL_GRACE_S", "Admission", "Pending", "streams"]
 
@@ -142,12 +142,19 @@ class Admission:
             try:
                 conn, _ = await self._loop.sock_accept(self.sock)
             except OSError as exc:
-                if exc.errno in NO_ROOM:
-                    if not starved:  # once, not every retry (20 a second for as long as no fd frees)
-                        starved = True
+                if exc.errno in ACCEPT_GONE:
+                    continue  # that connection is gone, not the listener
+                if not starved:  # once, not every retry (20 a second for as long as no fd frees)
+                    starved = True
+                    if exc.errno in NO_ROOM:
                         log.warning("cannot accept a connection now (%s); it waits in the listen backlog", exc)
-                    await self._wait(ACCEPT_RETRY_S)  # (a connection of this listener that leaves wakes it at once)
-                continue  # ECONNABORTED and the like: that connection is gone, not the listener
+                    else:
+                        log.error("the link door's accept() failed (%s); trying again every %.0f ms",
+                                  exc, ACCEPT_RETRY_S * 1e3)
+                # Waits before the next try, whatever the error: one the listener keeps returning (EBADF,
+                # EINVAL) took the loop's whole CPU when it was tried again at once.
+                await self._wait(ACCEPT_RETRY_S)  # (a connection of this listener that leaves wakes it at once)
+                continue
             starved = False
             conn.setblocking(False)
             pending = Pending(conn, self._signal)

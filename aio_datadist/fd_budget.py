@@ -32,8 +32,8 @@ import resource
 
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ["ACCEPT_RETRY_S", "NO_ROOM", "RESERVE", "SOFT_TARGET", "Claim", "claim", "open_count", "per_link",
-           "raise_soft_limit", "soft_limit"]
+__all__ = ["ACCEPT_GONE", "ACCEPT_RETRY_S", "NO_ROOM", "RESERVE", "SOFT_TARGET", "Claim", "claim", "open_count",
+           "per_link", "raise_soft_limit", "soft_limit"]
 
 log = logging.getLogger("aio_datadist.links")
 
@@ -44,6 +44,9 @@ RESERVE = 64
 ACCEPT_RETRY_S = 0.05
 #: accept() errors that mean "no fd or memory for it now": the connection stays in the backlog.
 NO_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+#: accept() errors that are about the one connection (gone before it was taken), not the listener: accept again
+#: at once. Any other error (no room, or a listener gone bad: EBADF, EINVAL) waits ``ACCEPT_RETRY_S`` first.
+ACCEPT_GONE = (errno.ECONNABORTED, errno.EPROTO, errno.EINTR)
 #: The soft limit is raised towards the hard one up to this many fds.
 SOFT_TARGET = 1 << 20
 

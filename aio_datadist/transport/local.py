@@ -34,7 +34,6 @@ from __future__ import annotations
 import array
 import asyncio
 import dataclasses
-import errno
 import hashlib
 import hmac
 import logging
@@ -50,7 +49,7 @@ from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what s
 from aio_datadist.devices.host import check_sealed, drop_read_only, file_of, map_read_only
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
 from aio_datadist.devices.peer_cache import PeerDeviceCache
-from aio_datadist.fd_budget import ACCEPT_RETRY_S
+from aio_datadist.fd_budget import ACCEPT_GONE, ACCEPT_RETRY_S
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.fit import Geometry, geometry_of
 from aio_datadist.transport.ledger import LEDGER_BYTES, NO_SLOT, SLOTS, Ledger, PeerLedger
@@ -724,8 +723,6 @@ class LocalShare:
 #: What the listener asks of its owner: the ``(link token, attach)`` pairs of links that may attach a
 #: share now; ``attach(sock)`` hands the authenticated connection to that link.
 Candidates = Callable[[], Iterable[tuple[bytes, Callable[[socket.socket], None]]]]
-#: accept() errors that are about the one connection (gone before it was taken), not the listener.
-_GONE = (errno.ECONNABORTED, errno.EPROTO, errno.EINTR)
 
 
 class LocalListener:
@@ -773,7 +770,7 @@ class LocalListener:
             except BlockingIOError:
                 return
             except OSError as exc:
-                if exc.errno in _GONE:
+                if exc.errno in ACCEPT_GONE:
                     continue  # that connection is gone, not the listener
                 self._wait_for_room(exc)  # no fd or memory now (or worse): try again later, not every turn
                 return

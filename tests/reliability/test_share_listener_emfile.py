@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import resource
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from aio_datadist import LLMRole
-from aio_datadist.testing import share_listener_of
+from aio_datadist.testing import admission_of, share_listener_of
 
 from _harness import endpoint
 from peers import port_of
@@ -89,3 +90,31 @@ async def test_the_link_door_out_of_fds_says_so_once(caplog):
         client.close()
         said = [r for r in caplog.records if "cannot accept a connection" in r.getMessage()]
         assert len(said) == 1, [r.getMessage() for r in said]
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # the fault is put into asyncio's sock_accept
+async def test_the_link_door_waits_out_an_accept_error_that_does_not_clear(monkeypatch, caplog):
+    """An accept() error about the listener itself (EBADF: its fd closed under it) is tried again every
+    ``ACCEPT_RETRY_S``, logged once. Before, the door went straight back to accept() on any error but those
+    of ``NO_ROOM``; asyncio's ``sock_accept`` raises at once, without suspending, so the loop never ran
+    anything else again (here a count cuts it off after 200 tries)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt:
+        door = admission_of(prompt)
+        assert door is not None
+        real = type(asyncio.get_running_loop()).sock_accept
+        tries = 0
+
+        async def failing_accept(loop, sock):
+            nonlocal tries
+            if sock is door.sock and tries <= 200:
+                tries += 1
+                raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+            return await real(loop, sock)
+
+        monkeypatch.setattr(type(asyncio.get_running_loop()), "sock_accept", failing_accept)
+        with socket.create_connection(port_of(prompt)), caplog.at_level(logging.ERROR, "aio_datadist.links"):
+            await asyncio.sleep(0.3)  # the door takes this connection, then its next accept() fails
+        monkeypatch.undo()
+        assert 0 < tries < 20, f"accept() was tried {tries} times in 0.3 s"
+        said = [r for r in caplog.records if "accept() failed" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]
