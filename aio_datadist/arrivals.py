@@ -25,7 +25,7 @@ from typing import Any
 from aio_datadist._checks import check_int, param_invalid
 from aio_datadist.cache import KvCache
 from aio_datadist.status import LLMException, LLMStatusCode
-from aio_datadist.views import Views, fail_quietly
+from aio_datadist.views import Views, fail_quietly, refuse_other_loop
 
 __all__ = ["Arrivals", "PushWatch"]
 
@@ -44,7 +44,8 @@ class PushWatch:
     pending with ``LLM_KV_CACHE_NOT_EXIST``. The watch has no timeout of its
     own: bound the wait (``wait(timeout=...)``, ``asyncio.timeout``), as a peer
     that never starts pushing is caught only so. Close it (or use ``with``)
-    when no longer needed.
+    when no longer needed. Wait on it from the endpoint's event loop: from
+    another, waiting for what is still pending raises ``LLM_FAILED``.
     """
 
     def __init__(self, arrivals: Arrivals, cache: KvCache, rows: Sequence[int], layers: range,
@@ -113,10 +114,12 @@ class PushWatch:
         return self._all.done()
 
     def __await__(self) -> Any:
+        refuse_other_loop("a PushWatch", self._all)
         return asyncio.shield(self._all).__await__()
 
     async def wait(self, timeout: int | None = None) -> None:
         """Wait until everything landed; ``timeout`` in ms raises ``LLM_TIMEOUT``."""
+        refuse_other_loop("a PushWatch", self._all)
         if timeout is None:
             await asyncio.shield(self._all)
             return

@@ -15,7 +15,25 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["HeldFuture", "Views", "fail_quietly"]
+from aio_datadist.status import LLMException, LLMStatusCode
+
+__all__ = ["HeldFuture", "Views", "fail_quietly", "refuse_other_loop"]
+
+
+def refuse_other_loop(what: str, fut: asyncio.Future) -> None:
+    """Refuse (``LLM_FAILED``) a wait for ``fut``, still pending, from an event loop other than its own running
+    in this thread (a helper loop under ``asyncio.run`` in a worker thread): asyncio would raise a bare
+    ``RuntimeError`` or ``ValueError`` there, and that loop would not be woken when ``fut`` settles. A done
+    ``fut`` answers any loop; with no loop running (a thread polling ``done()``) nothing is refused."""
+    if fut.done():
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    if loop is not fut.get_loop():
+        raise LLMException(f"{what} lives on the event loop the LLMDataDist was initialised on; wait for it "
+                           "from that loop", status_code=LLMStatusCode.LLM_FAILED)
 
 
 def fail_quietly(fut: asyncio.Future, exc: BaseException) -> None:
@@ -62,9 +80,11 @@ class Views:
         return len(self._held)
 
     def view(self, key: Hashable, fut: asyncio.Future) -> asyncio.Future:
-        """A new view of ``fut`` (``fut`` itself once it is done: a done future cannot change)."""
+        """A new view of ``fut`` (``fut`` itself once it is done: a done future cannot change); refused from
+        another running loop (:func:`refuse_other_loop`)."""
         if fut.done():
             return fut
+        refuse_other_loop(f"the future of layer {key}", fut)
         views = self._views.get(key)
         if views is None:
             views = self._views[key] = weakref.WeakSet()

@@ -71,6 +71,11 @@ def refused(result: Any) -> bool:
     return isinstance(result, LLMException) and result.status_code == FAILED
 
 
+async def awaited(what: Any) -> Any:
+    """``await what`` (a task, a watch, a layer's future) in the caller's loop."""
+    return await what
+
+
 @contextlib.asynccontextmanager
 async def quiet_setup() -> AsyncIterator[Setup]:
     """``test_layerwise.setup`` with a 5 s heartbeat on both ends: nothing but the code under test wakes the loop."""
@@ -149,24 +154,43 @@ async def test_a_finished_task_answers_another_loop_at_once() -> None:
     async with setup() as s:
         task = s.pm.transfer_cache_async(s.blocks_src(), Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
         assert await asyncio.wait_for(task, 5) == [SUCCESS]
-        for wait in (lambda: task.get_results(1000), lambda: task.synchronize(1000), lambda: task.get_results()):
+        for wait in (lambda: task.get_results(1000), lambda: task.synchronize(1000), lambda: task.get_results(),
+                     lambda: awaited(task.layer(0))):
             result, elapsed = await in_helper_loop(wait, bound_s=2.0)
-            assert result in ([SUCCESS], SUCCESS), repr(result)
+            assert result in ([SUCCESS], SUCCESS, None), repr(result)
             assert elapsed < 0.5, f"a finished task's answer took {elapsed:.2f} s"
 
 
 async def test_waiting_from_another_loop_for_a_running_task_is_refused() -> None:
     """Before, synchronize(ms) from a helper loop was not woken when the task ended: it ran out ms and reported
-    the time-out code for a transfer that had succeeded."""
+    the time-out code for a transfer that had succeeded; awaiting a pending layer's future raised a bare
+    RuntimeError (row 271)."""
     async with setup() as s:
         gate = Gate()
         task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
-        for wait in (lambda: task.synchronize(1000), lambda: task.get_results(1000), lambda: task):
+        for wait in (lambda: task.synchronize(1000), lambda: task.get_results(1000), lambda: task,
+                     lambda: awaited(task.layer(0))):
             result, elapsed = await in_helper_loop(wait, bound_s=2.0)
             assert refused(result), repr(result)
             assert elapsed < 0.5, f"refused after {elapsed:.2f} s"
         gate.open(*range(LAYERS))
         assert await asyncio.wait_for(task, 5) == [SUCCESS]  # the task went on
+
+
+async def test_waiting_for_a_push_watch_from_another_loop_is_refused() -> None:
+    """Before, a bare RuntimeError (``await watch``, a layer's future) or ValueError (``wait(ms)``); a thread
+    with no loop running may still poll a layer (row 271)."""
+    async with setup() as s:
+        with s.dm.watch_pushes(s.dsts[0], DST_BLOCKS) as watch:
+            for wait in (lambda: awaited(watch), lambda: watch.wait(1000), lambda: awaited(watch.layer(0))):
+                result, elapsed = await in_helper_loop(wait, bound_s=2.0)
+                assert refused(result), repr(result)
+                assert elapsed < 0.5, f"refused after {elapsed:.2f} s"
+            polled: list[Any] = []
+            thread = threading.Thread(target=lambda: polled.append(watch.layer(0).done()))
+            thread.start()
+            thread.join(5)
+            assert polled == [False]
 
 
 # -- EventLayerSynchronizer off the loop -----------------------------------------------------------------------
