@@ -32,7 +32,7 @@ from aio_datadist.transport import plane, planes_for
 from aio_datadist.transport.base import Plane, Refused, Request, RequestState, meets
 from aio_datadist.transport.staging import wait_cut_copies
 from aio_datadist.transport.stream import PLANE as STREAM_PLANE
-from aio_datadist.wire import Msg, Resp
+from aio_datadist.wire import Msg, Resp, Target
 
 if TYPE_CHECKING:
     from aio_datadist.links import Link
@@ -164,7 +164,7 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
     """One transfer through the planes; the transport that carried it."""
     if _trace.ON:
         _trace.mark("planned")
-    req = Request(link, what)
+    req = Request(link, what, consumes=pull and plan.remote.target_kind in (Target.CACHE_KEY, Target.ID_INDEX))
     if plan.local._owned:
         return await _run_request(rt, link, plan, req, timeout_ms, what, pull, queue_ms)
     # A cache the caller registered is its memory again once unregistering it returned: that call cuts us.

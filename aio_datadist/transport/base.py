@@ -174,12 +174,14 @@ class Request:
     :meth:`give_up`).
     """
 
-    __slots__ = ("link", "what", "state", "channel", "generation", "req_id", "in_place", "settled", "ack", "said",
-                 "cut")
+    __slots__ = ("link", "what", "consumes", "state", "channel", "generation", "req_id", "in_place", "settled",
+                 "ack", "said", "cut")
 
-    def __init__(self, link: LinkPort, what: str) -> None:
+    def __init__(self, link: LinkPort, what: str, *, consumes: bool = False) -> None:
         self.link = link
         self.what = what
+        #: A pull by key (``CacheKey``, ``CacheKeyByIdAndIndex``), whose ``DONE`` consumes the key at the owner.
+        self.consumes = consumes
         self.state = RequestState.NEW
         self.channel = -1  # the data channel the request names, while we hold it
         self.generation = -1
@@ -209,10 +211,18 @@ class Request:
 
         A pull whose ``DONE`` the owner might no longer act on (the link went, is going, or we sent ``UNLINK``)
         fails with the link's code: the owner gave back what it held for the pull, the key the pull read
-        unconsumed and the memory an in-place copy read (``docs/reliability.md`` row 177)."""
+        unconsumed and the memory an in-place copy read (``docs/reliability.md`` row 177).
+
+        A pull that consumes a key writes its ``DONE`` before it returns: left to the end of the loop pass, it
+        waited behind whatever the caller ran on the loop after the pull returned, and a caller that held the
+        loop past the owner's wait (its timeout and ``DONE_GRACE_S``) had a success whose key the owner never
+        consumed (row 272). Other pulls consume nothing; their ``DONE`` only frees the owner's hold sooner."""
         if self.ack is None:
             self.link.check_heard()
-            self.link.send_soon(Msg.DONE, self.req_id, status=0, text="")
+            if self.consumes:
+                self.link.send(Msg.DONE, self.req_id, status=0, text="")
+            else:
+                self.link.send_soon(Msg.DONE, self.req_id, status=0, text="")
             return
         confirmed = await asyncio.shield(self.ack)  # a cut must not cancel it: give_up waits for it
         if confirmed.status != LLMStatusCode.LLM_SUCCESS:

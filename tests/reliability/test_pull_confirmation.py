@@ -34,9 +34,10 @@ from aio_datadist import (
 )
 from aio_datadist.testing import link_to
 from aio_datadist.transport.tls import LINGER_RESET
-from peers import cluster_info, port_of
+from peers import CacheSpec, EndpointSpec, cluster_info, port_of
 from tls_certs import client_context, make_pki, server_context
 
+from _forked import forked
 from _harness import endpoint
 from _slowpath import SlowPath
 
@@ -98,15 +99,21 @@ async def _key_left(prompt: LLMDataDist, key: CacheKey, desc: CacheDesc, transpo
 
 def _hold_done(link: links.Link, seconds: float) -> None:
     """The requester's ``DONE`` leaves ``seconds`` after the pull returned (as from a process descheduled
-    right then), unless the link writes what it holds first (its own close does)."""
+    right then), unless the link writes what it holds first (its own close does). A keyed pull writes its
+    ``DONE`` with ``send`` as it returns (row 272), another pull with ``send_soon``: both are held."""
     loop = asyncio.get_running_loop()
+    real_send = link.send
 
     def send_soon(msg: Any, req_id: int, **fields: Any) -> None:
         if not link._soon:
             loop.call_later(seconds, link._flush_soon)
         link._soon.append(wire.encode(msg, req_id, **fields))
 
+    def send(msg: Any, req_id: int, **fields: Any) -> None:
+        (send_soon if msg is wire.Msg.DONE else real_send)(msg, req_id, **fields)
+
     link.send_soon = send_soon  # type: ignore[method-assign]
+    link.send = send  # type: ignore[method-assign]
 
 
 @pytest.mark.loops_take_turns
@@ -262,3 +269,30 @@ async def test_a_keyed_pull_whose_control_connection_is_reset_as_it_ends_succeed
             outcomes.append((first, await _key_left(prompt, key, BIG, **client)))
             prompt.kv_cache_manager.deallocate_cache(src)
     assert all(outcome in CONSISTENT for outcome in outcomes), outcomes
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+async def test_a_keyed_pull_consumed_its_key_though_the_caller_held_the_loop_right_after_it(
+        fork_server: None, transport: str) -> None:
+    """The caller's own synchronous work right after ``await pull_cache`` (a model step, a blocking call) holds
+    its event loop past the owner's wait for the pull's DONE (the pull's 300 ms and ``DONE_GRACE_S``, 2 s). The
+    DONE left before the pull returned, so the owner (another process) consumed the key: a second decoder's
+    pull of it is refused. Before, the DONE waited for the end of the loop pass, the owner gave the request up
+    and dropped the late DONE, and the second decoder pulled the key again (row 272; found by audit)."""
+    spec = EndpointSpec(LLMRole.PROMPT, PROMPT, listen=True, caches=(CacheSpec("src", SMALL, 3, req_ids=(5,)),),
+                        config=(("transport", transport),))
+    async with forked(spec) as (owner,):
+        info = cluster_info(PROMPT, owner.address)
+        async with endpoint(LLMRole.DECODER, DECODER, transport=transport) as dec:
+            assert (await dec.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
+            dst = dec.kv_cache_manager.allocate_cache(SMALL)
+            await dec.kv_cache_manager.pull_cache(CacheKey(PROMPT, 5), dst, 0, timeout=300)
+            time.sleep(2.6)  # the loop held: nothing of ours runs meanwhile
+            await asyncio.sleep(0.3)
+        async with endpoint(LLMRole.DECODER, OTHER, transport=transport) as other:
+            assert (await other.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
+            again = other.kv_cache_manager.allocate_cache(SMALL)
+            with pytest.raises(LLMException) as refused:
+                await other.kv_cache_manager.pull_cache(CacheKey(PROMPT, 5), again, 0, timeout=2000)
+            assert refused.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
