@@ -145,13 +145,16 @@ class CacheTask:
         self._require_own()
         self._on_its_loop()
         await self._task
-        results, error = self._progress.results, self._progress.error
-        failure = next((c for c in results if c not in (None, LLMStatusCode.LLM_SUCCESS)), None)
-        if failure is not None:
+        # The codes synchronize and get_results give (a v1 time-out read as LLM_WAIT_PROCESS_TIMEOUT), so that
+        # ``await task`` raises what they say; the argument is the failure's as it was raised.
+        raw, error = self._progress.results, self._progress.error
+        results = self._codes()
+        first = next((i for i, c in enumerate(raw) if c not in (None, LLMStatusCode.LLM_SUCCESS)), None)
+        if first is not None:
             detail = f": {error.args[0]}" if error is not None and error.args else ""
-            argument = error.argument if error is not None and error.status_code == failure else None
+            argument = error.argument if error is not None and error.status_code == raw[first] else None
             raise LLMException(f"transfer_cache_async failed, results {[str(c) for c in results]}{detail}",
-                               status_code=failure, argument=argument) from error
+                               status_code=results[first], argument=argument) from error
         return [LLMStatusCode.LLM_SUCCESS if c is None else c for c in results]
 
     async def _settle(self, timeout_in_millis: int | None) -> bool:

@@ -37,7 +37,8 @@ from test_layerwise import BLOCKS, DST_BLOCKS, LAYERS, SRC_BLOCKS, Gate, Ready, 
 pytestmark = [pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"]), pytest.mark.usefixtures("fork_server")]
 
 SYNC_KV_TIMEOUT_MS = 1000
-ENDED = (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_TIMEOUT)
+#: How a transfer whose receiver died or stopped ends: a time-out reads LLM_WAIT_PROCESS_TIMEOUT in v1 (reference 2.4).
+ENDED = (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT)
 
 
 def decoder_spec(cluster_id: int = DECODER_ID) -> EndpointSpec:
@@ -108,8 +109,10 @@ async def test_receiver_stopped_mid_task_times_out() -> None:
                 code, elapsed = await ended_within(task, 0.3 + 1)
             finally:
                 decoder.resume()
-        assert code in ENDED  # LLM_TIMEOUT, or LLM_LINK_FAILED should the heartbeat notice first
+        assert code in ENDED  # a time-out, or LLM_LINK_FAILED should the heartbeat notice first
         assert elapsed < 0.3 + 1
+        # ``await task`` raised what synchronize and get_results say (before, LLM_TIMEOUT against their v1 code)
+        assert await task.synchronize(0) == code and await task.get_results(0) == [code]
 
 
 async def test_two_destinations_one_killed() -> None:
