@@ -151,10 +151,12 @@ class CacheTask:
         results = self._codes()
         first = next((i for i, c in enumerate(raw) if c not in (None, LLMStatusCode.LLM_SUCCESS)), None)
         if first is not None:
+            failure = results[first]
+            assert failure is not None  # (raw[first] is not None, and _codes maps codes to codes)
             detail = f": {error.args[0]}" if error is not None and error.args else ""
             argument = error.argument if error is not None and error.status_code == raw[first] else None
             raise LLMException(f"transfer_cache_async failed, results {[str(c) for c in results]}{detail}",
-                               status_code=results[first], argument=argument) from error
+                               status_code=failure, argument=argument) from error
         return [LLMStatusCode.LLM_SUCCESS if c is None else c for c in results]
 
     async def _settle(self, timeout_in_millis: int | None) -> bool:
