@@ -17,10 +17,13 @@ its lease at once.)
 When the lease runs out, every key still bound to that cache is removed (as
 ``remove_cache_key`` does; a key removed and bound to another cache since is
 left alone) and the cache's id reference is dropped (as
-``deallocate_cache`` does), so the memory goes at once. A pull already in
-flight is not cut: it finishes with valid bytes (the memory stays mapped until
-the native transfer ends) and simply consumes nothing. A pull that starts after
-expiry gets ``LLM_KV_CACHE_NOT_EXIST``.
+``deallocate_cache`` does), so the memory goes at once. A pull of an
+allocated cache already in flight is not cut: it finishes with valid bytes
+(the memory stays mapped until the native transfer ends) and simply consumes
+nothing; one of a registered cache (the caller's memory) is cut, as
+``deallocate_cache`` of it cuts it. A pull that starts after expiry gets
+``LLM_KV_CACHE_NOT_EXIST``. A ``KvCache.create_cpu_cache`` cache cannot be
+leased (``LLM_PARAM_INVALID``): nothing here allocated or registered it.
 
 ``lease.renew(ms)`` moves the deadline, ``lease.cancel()`` keeps the cache
 (no expiry), ``lease.release()`` expires it now. Leases need a PROMPT or MIX
@@ -177,6 +180,10 @@ def lease_cache(manager: _Manager, cache: KvCache, cache_keys: Sequence[CacheKey
     """
     endpoint = _endpoint_of(manager)
     endpoint.require_role("lease_cache", LLMRole.PROMPT, LLMRole.MIX)
+    check_instance("cache", cache, KvCache)
+    if cache.cache_id == -1:  # a lease ends in deallocate_cache, which a CPU cache (the caller's memory) has not
+        raise param_invalid("cache", "a KvCache.create_cpu_cache cache is the caller's memory, not allocated or "
+                                     "registered here: it cannot be leased")
     cache = endpoint.live(cache, "cache")
     running = _LEASES.get(cache)
     if running is not None and running.active:  # a second one would expire it beside the one lease_of finds

@@ -13,7 +13,7 @@ import torch
 from _harness import endpoint
 from peers import cluster_info, fill, port_of
 
-from aio_datadist import CacheDesc, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode, Placement
+from aio_datadist import CacheDesc, CacheKey, DataType, KvCache, LLMException, LLMRole, LLMStatusCode, Placement
 from aio_datadist.leases import allocate_leased_cache, lease_cache, lease_of
 
 S = LLMStatusCode
@@ -173,6 +173,20 @@ async def test_a_lease_on_anything_but_a_kv_cache_manager_is_refused_naming_mana
         assert held(dd) == before and lease_of(cache) is None
         cm.deallocate_cache(cache)
         cm.remove_cache_key(CacheKey(PROMPT, 50))
+
+
+@pytest.mark.asyncio
+async def test_a_lease_on_a_cpu_cache_is_refused_naming_cache():
+    """A ``create_cpu_cache`` cache is the caller's memory: no lease can end it. Before, ``lease_cache`` took it,
+    and its release (by hand; by the timer, a warning) raised ``LLM_PARAM_INVALID`` from ``deallocate_cache``
+    after marking the lease expired (row 274; found by audit)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT) as dd:
+        memory = [torch.zeros(ROWS.shape, dtype=torch.float16) for _ in range(ROWS.num_tensors)]
+        cpu = KvCache.create_cpu_cache(ROWS, [t.data_ptr() for t in memory])
+        with pytest.raises(LLMException) as info:
+            lease_cache(dd.kv_cache_manager, cpu, [], lease_ms=50)
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "'cache'" in str(info.value)
+        assert lease_of(cpu) is None
 
 
 @pytest.mark.asyncio
