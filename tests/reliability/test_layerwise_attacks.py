@@ -285,8 +285,9 @@ STOPS = {"no_resp": no_resp, "accepts_and_never_reads": never_reads, "reads_and_
 @pytest.mark.parametrize("where", list(STOPS))
 async def test_a_receiver_that_stops_answering_mid_push_ends_the_task_within_its_timeout(where):
     """The sender's wait for the receiver's acknowledgement is bounded: the push's timeout, then its give-up
-    (the ABORT's answer, ``ABORT_ACK_S``); the heartbeat is answered throughout, so only the timeouts end it."""
-    assert await both_layers_pushed_to(STOPS[where]) in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED)
+    (the ABORT's answer, ``ABORT_ACK_S``); the heartbeat is answered throughout, so only the timeouts end it.
+    A v1 task's time-out reads ``LLM_WAIT_PROCESS_TIMEOUT`` (row 273)."""
+    assert await both_layers_pushed_to(STOPS[where]) in (S.LLM_WAIT_PROCESS_TIMEOUT, S.LLM_LINK_FAILED)
 
 
 # -- the receiving end: a pusher that stops part-way ------------------------------------------------------
