@@ -216,7 +216,7 @@ class LinkTable:
 
     def _live(self, remote_id: int) -> Link | None:
         link = self.links.get(remote_id)
-        return link if link is not None and link.broken is None and not link.closed else None
+        return link if link is not None and not link.down else None
 
     def _register(self, link: Link, *, start: bool = True) -> bool:
         """Make ``link`` the link to its cluster, unless another live one is (or the table closes); ``start``
@@ -541,7 +541,7 @@ class LinkTable:
             await self._share_with(link, ok)
             await self._nixl_with(link, deadline)
             await self._require_transport(link)
-            if link.closed or link.broken is not None:  # the peer went away while the link was set up
+            if link.down:  # the peer went away while the link was set up
                 why = "it was unlinked" if link.broken is None else str(link.broken)
                 raise _WentDown(f"link to cluster {remote_id} went down before it was up: {why}",
                                 status_code=LLMStatusCode.LLM_LINK_FAILED)
@@ -559,7 +559,7 @@ class LinkTable:
                 # Registered, but not set up (the caller's time ran out, or a step failed): it goes, and the
                 # peer is told (it forgets its end), so no link is left behind a call that did not link.
                 self.forget(link)
-                if link.broken is None and not link.closed:
+                if not link.down:
                     link.send_unlink(link.new_req_id())
                 await settle(asyncio.ensure_future(link.close("not set up")), SET_UP_CLOSE_S)
             if bilateral and taken and isinstance(exc, Exception) and not isinstance(exc, _WentDown):
@@ -703,7 +703,7 @@ class LinkTable:
         dialled. The dialler attaches its share itself, at the peer's socket (``_share_with``); offered here,
         a dialled link let the dialled peer attach one at ours first, in place of the one we dial."""
         return [(lk.token, functools.partial(self._attach_share, lk)) for lk in self.links.values()
-                if not lk.is_client and lk.broken is None and not lk.closed and lk.local is None]
+                if not lk.is_client and not lk.down and lk.local is None]
 
     async def _share_with(self, link: Link, ok: handshake.Linked) -> None:
         """Attach the same-host share channel when the peer runs on this kernel."""
@@ -827,10 +827,10 @@ class LinkTable:
         links = [*self.links.values(), *self._leaving]
         self.links.clear()
         await asyncio.gather(*(link.settle_served(pushes_only=True) for link in links
-                               if link.broken is None and not link.closed and self._leaving.get(link) is None))
+                               if not link.down and self._leaving.get(link) is None))
         acks = []
         for link in links:
-            if link.broken is None and not link.closed:
+            if not link.down:
                 ack = self._leaving.get(link)  # the unlink's, if it told the peer
                 if ack is None:
                     req_id = link.new_req_id()

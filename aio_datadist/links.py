@@ -163,6 +163,7 @@ class Link:
         self.log = logging.LoggerAdapter(log, {"cluster_id": cluster_id, "remote_cluster_id": remote_cluster_id,
                                                "link_id": self.link_id})
         self.unlinking = False  # we sent UNLINK: the peer closing the connection now is no failure
+        self.unlinked = False  # torn down as unlinked (our UNLINK went through) before close() ran
         self.ending = False  # the link is being unlinked (by us or the peer): no new request of the peer is served
         self._announced = False  # whether the link's going up was logged and observed (so its going down is)
         self._probe_id = 0  # the id of the heartbeat PROBE in flight, and when it left
@@ -356,7 +357,7 @@ class Link:
                     self.fail(LLMException(f"could not redial data channel {index}: {exc}",
                                            status_code=LLMStatusCode.LLM_LINK_FAILED))
                     return
-                if self.closed or self.broken is not None:  # a failed link's teardown ran already: nothing closes it
+                if self.down:  # the link's teardown ran already: nothing closes it
                     sock.close()
                     return
                 if index in self._stale_redials:
@@ -414,7 +415,7 @@ class Link:
         if self.deferred.get(req_id) is not asyncio.current_task():
             return
         del self.deferred[req_id]
-        if self.on_request is not None and not self.closed and self.broken is None:
+        if self.on_request is not None and not self.down:
             self.on_request(self, msg, req_id, fields)
 
     def posts(self, index: int) -> bool:
@@ -480,11 +481,16 @@ class Link:
 
     # -- messages ----------------------------------------------------------
 
+    @property
+    def down(self) -> bool:
+        """Closed, broken, or taken down as unlinked (its close to come): nothing more of it is acted on."""
+        return self.closed or self.broken is not None or self.unlinked
+
     def check(self) -> None:
         if self.broken is not None:
             raise LLMException(f"link to cluster {self.remote_cluster_id} is broken: {self.broken}",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
-        if self.closed:
+        if self.closed or self.unlinked:
             raise LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
                                status_code=LLMStatusCode.LLM_NOT_YET_LINK)
 
@@ -612,7 +618,7 @@ class Link:
         answered: a peer configured with a longer interval was dropped).
         """
         loop = asyncio.get_running_loop()
-        while self.broken is None and not self.closed:
+        while not self.down:
             await asyncio.sleep(interval)
             silent = loop.time() - self.last_heard
             if silent > HEARTBEAT_MISSES * interval:
@@ -629,7 +635,7 @@ class Link:
     def _control_data(self, data: bytes) -> None:
         """A chunk of the control connection, straight from its protocol's callback: act on each
         complete message in it, in order."""
-        if self.closed or self.broken is not None:
+        if self.down:
             return
         try:
             heard = False
@@ -638,7 +644,7 @@ class Link:
                 if not heard:
                     heard = True
                     self.last_heard = asyncio.get_running_loop().time()
-                if self.closed or self.broken is not None:
+                if self.down:
                     return  # an earlier message of this chunk ended the link: the rest is not acted on
                 if isinstance(event, protocol.PeerRequest) and event.msg is Msg.PUSH_LOCAL:
                     held.append(event)  # served after the chunk: see _serve_held
@@ -650,7 +656,7 @@ class Link:
                 self._serve_held(held)
             if self._protocol.error is not None:  # a bad frame after the complete ones just dispatched
                 raise self._protocol.error
-            if not self.closed and self.broken is None:
+            if not self.down:
                 if len(data) >= CONTROL_TURN_BYTES and not self._turn_skipped:
                     self._turn_skipped = True
                     asyncio.get_running_loop().call_soon(self._next_turn)
@@ -673,14 +679,14 @@ class Link:
         read late (our loop stood still) may have returned already. Its ``ABORT`` then follows the request
         in the same chunk, so the request is never served; a pusher that failed the link instead closed the
         connection, and its end, seen here before any copy starts, fails the link."""
-        if self.closed or self.broken is not None:
+        if self.down:
             return
         fd = self._control_fd()
         if fd is not None and _core.peer_closed(fd):
             self.fail(LLMException("connection lost (the peer closed it)", status_code=LLMStatusCode.LLM_LINK_FAILED))
             return
         for event in held:
-            if self.closed or self.broken is not None:
+            if self.down:
                 return
             self._dispatch(event)
 
@@ -701,7 +707,7 @@ class Link:
     def _pace_reading(self) -> None:
         """Pause or resume reading the control connection as :data:`CONTROL_TURN_BYTES` and
         :data:`CONTROL_WRITE_LIMIT` say."""
-        if self.closed or self.broken is not None:
+        if self.down:
             return
         paused = self._turn_skipped or self._write_blocked
         if paused != self._read_paused:
@@ -714,6 +720,12 @@ class Link:
 
     def _control_end(self, exc: BaseException | None) -> None:
         """The control connection ended (``None``: the peer closed it)."""
+        if self.unlinking and self.broken is None and not self.closed:
+            # We sent UNLINK: the peer answers and closes its end, which our reader can hear before our unlink
+            # gets to close(). That is the unlink going through: what waits on the link reads "unlinked"
+            # (LLM_NOT_YET_LINK) and the data channels close gracefully, as close() does (row 275).
+            self._unlinked_down("unlinked")
+            return
         what = "IncompleteReadError" if exc is None else type(exc).__name__  # as a short read always said
         self.fail(LLMException(f"connection lost ({what})", status_code=LLMStatusCode.LLM_LINK_FAILED))
 
@@ -785,11 +797,18 @@ class Link:
 
     def fail(self, exc: LLMException) -> None:
         """Mark the link broken: every waiter fails now, later calls fail fast."""
-        if self.broken is not None or self.closed:
+        if self.broken is not None or self.closed or self.unlinked:
             return
         self.broken = exc
         self._went_down("unlinked" if self.unlinking else f"failed: {exc}")
         self._teardown(exc)
+
+    def _unlinked_down(self, why: str) -> None:
+        """Take the link down as unlinked (not failed), once: what waits on it fails ``LLM_NOT_YET_LINK``."""
+        self.unlinked = True
+        self._went_down(why)
+        self._teardown(LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
+                                    status_code=LLMStatusCode.LLM_NOT_YET_LINK))
 
     def attach_local(self, sock: Any) -> bool:
         """Start sharing caches with a same-host peer over ``sock``; False (``sock`` closed) if the link shares
@@ -845,7 +864,7 @@ class Link:
         if self.local is not share:
             return  # not the link's share (any more): the link shares on, or the link went
         self.local = None
-        if self.unlinking or self.closed or self.broken is not None:
+        if self.unlinking or self.down:
             return  # the link is going (the peer closes its share as it answers our UNLINK): no fall-back
         self.log.info("link %s to cluster %s: same-host sharing stopped; using %s", self.link_id,
                       self.remote_cluster_id, self.data_transport)
@@ -870,11 +889,11 @@ class Link:
     def up(self) -> bool:
         """Announced (linked, its transport settled and checked) and neither closed nor broken since: what
         ``stats().links`` lists."""
-        return self._announced and self.broken is None and not self.closed
+        return self._announced and not self.down
 
     def announce(self, how: str) -> None:
         """Log (once, at INFO) that the link is up and what it negotiated; tell the observers."""
-        if self._announced or self.closed or self.broken is not None:
+        if self._announced or self.down:
             return
         self._announced = True
         self.runtime.links_up += 1
@@ -973,13 +992,11 @@ class Link:
             await self.settle_served()
             if self.closed:
                 return  # closed meanwhile (finalize): that close did the rest
-        if self.broken is None:
-            self._went_down(why)
+        if self.broken is None and not self.unlinked:
             if ack:
                 self._report_reads()
                 self.send_soon(Msg.UNLINK_ACK, ack)  # written by _teardown after it dropped the data channels
-            self._teardown(LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
-                                        status_code=LLMStatusCode.LLM_NOT_YET_LINK))
+            self._unlinked_down(why)
         self.closed = True
         current = asyncio.current_task()
         tasks = [t for t in self._tasks if t is not current]

@@ -263,7 +263,7 @@ class Listener:
         magic, version, token, index, generation = wire.ATTACH.unpack(record)
         if magic != wire.ATTACH_MAGIC or version != wire.VERSION:
             return None, index, generation
-        link = next((lk for lk in self._table.links.values() if not lk.closed and lk.broken is None and
+        link = next((lk for lk in self._table.links.values() if not lk.down and
                      hmac.compare_digest(handshake.attach_token(self.secret, lk.token, index, generation), token)),
                     None)
         if link is None or not link.attach_advances(index, generation):

@@ -277,7 +277,7 @@ async def _run_request(rt: Runtime, link: Link, plan: Plan, req: Request, timeou
                 said = None
         if said is not None and said.status_code != exc.status_code:
             raise said from exc
-        if exc.status_code == LLMStatusCode.LLM_FAILED and (link.broken is not None or link.closed):
+        if exc.status_code == LLMStatusCode.LLM_FAILED and link.down:
             try:
                 link.check()  # the engine stopped the job because the link went: say so
             except LLMException as state:

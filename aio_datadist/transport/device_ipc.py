@@ -195,7 +195,7 @@ def serve_fenced(rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: Transf
         served.ended(False, status)
         if served.key is not None:
             rt.registry.release_key(served.key, served.tensors)
-        if not given_up and not link.closed and link.broken is None:
+        if not given_up and not link.down:
             link.send(Msg.RESP, req_id, status=status, total=0, cache_id=-1, row=-1, text=text)
 
     def fenced(f: asyncio.Future) -> None:
@@ -206,7 +206,7 @@ def serve_fenced(rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: Transf
             code = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
             failed(code, f"device stream fence failed: {exc}")
             return
-        if given_up or link.closed or link.broken is not None:
+        if given_up or link.down:
             failed(LLMStatusCode.LLM_FAILED, "abandoned")
             return
         try:

@@ -247,7 +247,7 @@ class StreamPlane(Plane):
             if _trace.ON:
                 _trace.mark("owner: job done")
             status = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
-            if status is LLMStatusCode.LLM_LINK_FAILED and not link.closed and link.broken is None:
+            if status is LLMStatusCode.LLM_LINK_FAILED and not link.down:
                 # The channel failed under a link that is up: the requester gave the request up (it resets the
                 # channel before its ABORT comes), which every plane counts as LLM_FAILED, as for the ABORT.
                 status = LLMStatusCode.LLM_FAILED
@@ -265,7 +265,7 @@ class StreamPlane(Plane):
             ack = link.pull_acks.pop(req_id, None)
             if ack is not None:
                 ack[1]()
-            if not link.closed and link.broken is None:
+            if not link.down:
                 # ABORT first: the requester must drop the channel before it learns of the failure.
                 if link.channels[channel].generation == generation:
                     link.reset_channel(channel, tell_peer=True)
