@@ -68,6 +68,8 @@ MAX_WAITING_CLAIMS = 1024
 PROBE_TIMEOUT_S = 1.0
 #: At most one WARNING per this many seconds about refused side-channel connections.
 REFUSAL_LOG_EVERY_S = 30.0
+#: At most one WARNING per this many seconds about ``stats_path`` lines that could not be written.
+STATS_LOG_EVERY_S = 30.0
 
 DTYPES = {torch.bfloat16: DataType.DT_BF16, torch.float16: DataType.DT_FLOAT16, torch.float32: DataType.DT_FLOAT,
           torch.uint8: DataType.DT_UINT8, torch.int8: DataType.DT_INT8}
@@ -107,14 +109,17 @@ class AgentOptions:
             raise LLMException(f"invalid argument 'kv_connector_extra_config': unknown key {unknown[0]!r}",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
         opts = cls()
-        for name in known & set(extra):
+        # JSON null (a templated config leaving a key unset) for a text option is the option unset, not "None"
+        given = {name for name in known & set(extra)
+                 if not (extra[name] is None and isinstance(getattr(opts, name), str))}
+        for name in given:
             kind = type(getattr(opts, name))
             try:
                 setattr(opts, name, kind(extra[name]))
             except (TypeError, ValueError):
                 raise LLMException(f"invalid argument '{name}': must be {kind.__name__}, got {extra[name]!r:.60}",
                                    status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
-        if "shared_secret" not in extra:
+        if "shared_secret" not in given:
             opts.shared_secret = os.environ.get(SECRET_ENV, "")
         for name, least in (("max_claims_per_connection", 1), ("pull_timeout_ms", 1), ("link_timeout_ms", 1),
                             ("side_channel_port", 0), ("data_port", 0)):
@@ -257,7 +262,9 @@ class _Peer:
         sent = time.monotonic()
         try:
             self.writer.write(encode_frame({"id": rid, "op": op, **fields}))
-            return await asyncio.wait_for(future, timeout_s)
+            # not asyncio.wait_for: on Python 3.11 it drops a cancel that comes as the reply lands (an abort)
+            async with asyncio.timeout(timeout_s):
+                return await future
         except TimeoutError:
             if op != "hello" and self.heard < sent and self.broken is None:
                 try:
@@ -320,6 +327,7 @@ class Agent:
         self._own_dials = OwnDials()
         self._refused = 0
         self._refusal_logged = -REFUSAL_LOG_EVERY_S
+        self._stats_failed_logged = -STATS_LOG_EVERY_S
         self.refusals = 0  # side-channel connections refused or evicted, all told
         self._expiry: asyncio.TimerHandle | None = None
         #: Claims waiting for vLLM to name their request, by request: woken by PrefillHolds.add (on_added).
@@ -327,10 +335,18 @@ class Agent:
         self.holds.on_added = self._added
 
     def record(self, event: str, **fields: Any) -> None:
-        """One JSON line in ``stats_path`` (pulls, releases): the figures and the tests read them."""
-        if self.options.stats_path:
+        """One JSON line in ``stats_path`` (pulls, releases): the figures and the tests read them. Never raises:
+        it runs in the cleanup of pulls and side-channel connections (a line that cannot be written is logged)."""
+        if not self.options.stats_path:
+            return
+        try:
             with open(self.options.stats_path, "a") as out:
                 out.write(json.dumps({"event": event, "t": time.time(), "engine": self.engine_id, **fields}) + "\n")
+        except OSError as exc:
+            now = time.monotonic()
+            if now - self._stats_failed_logged >= STATS_LOG_EVERY_S:
+                self._stats_failed_logged = now
+                log.warning("stats_path %s: %s line not written: %s", self.options.stats_path, event, exc)
 
     # -- set-up and shutdown ------------------------------------------------------------
 
@@ -367,11 +383,13 @@ class Agent:
             self._tick()
 
     def _tick(self) -> None:
-        self.holds.expire()
-        for req_id in self.holds.take_expired():
-            log.warning("request %s: blocks released unpulled after its lease or claim ran out", req_id)
-            self.record("release", req=req_id, why="expired")
-        self._expiry = self.loop.loop.call_later(0.5, self._tick)
+        try:
+            self.holds.expire()
+            for req_id in self.holds.take_expired():
+                log.warning("request %s: blocks released unpulled after its lease or claim ran out", req_id)
+                self.record("release", req=req_id, why="expired")
+        finally:
+            self._expiry = self.loop.loop.call_later(0.5, self._tick)
 
     def close(self) -> None:
         if not self.loop.loop.is_closed():
@@ -446,8 +464,8 @@ class Agent:
                 self._handshaking[writer] = True
 
         try:
-            await asyncio.wait_for(vllm_auth.accept(reader, writer, self._secret, spoke, self._own_dials.came_back),
-                                   self.options.link_timeout_ms / 1000)
+            async with asyncio.timeout(self.options.link_timeout_ms / 1000):
+                await vllm_auth.accept(reader, writer, self._secret, spoke, self._own_dials.came_back)
             return True
         except (vllm_auth.AuthError, OSError, TimeoutError) as exc:
             if writer not in self._handshaking:
@@ -517,16 +535,18 @@ class Agent:
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
-            for task in list(waiting):  # before the claims are dropped: none of these may claim afterwards
-                task.cancel()
-            self._conns.discard(writer)
-            self._handshaking.pop(writer, None)
-            gone = self.holds.drop_owner(owner)
-            if gone:
-                log.warning("side channel closed with requests %s claimed: their blocks are released", gone)
-            for req_id in gone:
-                self.record("release", req=req_id, why="closed")
-            writer.close()
+            try:
+                for task in list(waiting):  # before the claims are dropped: none of these may claim afterwards
+                    task.cancel()
+                self._conns.discard(writer)
+                self._handshaking.pop(writer, None)
+                gone = self.holds.drop_owner(owner)
+                if gone:
+                    log.warning("side channel closed with requests %s claimed: their blocks are released", gone)
+                for req_id in gone:
+                    self.record("release", req=req_id, why="closed")
+            finally:
+                writer.close()
 
     async def _claim(self, req: str, owner: int, hold_s: float) -> dict[str, Any]:
         """Claim ``req`` for the connection ``owner``, once vLLM named it (``claim_wait_s`` at most); the reply."""
@@ -535,8 +555,11 @@ class Agent:
         waiting.add(named)
         try:
             if not self.holds.known(req):  # asked after the future is in place: an add now wakes it
+                # not asyncio.wait_for: on Python 3.11 it drops the cancel of a connection closing as the request
+                # is named, and the claim would be granted to that connection after its claims were dropped
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(named, self.options.claim_wait_s)
+                    async with asyncio.timeout(self.options.claim_wait_s):
+                        await named
         finally:
             waiting.discard(named)
             if not waiting and self._naming.get(req) is waiting:
@@ -610,13 +633,14 @@ class Agent:
         timeout_s = self.options.link_timeout_ms / 1000
         deadline = time.monotonic() + timeout_s
         for attempt in range(HANDSHAKE_ATTEMPTS):
-            left = max(0.0, deadline - time.monotonic())
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), left)
+            # asyncio.timeout, not wait_for: on Python 3.11 that drops a cancel (_close) coming as it finishes
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                reader, writer = await asyncio.open_connection(host, port)
             if self._secret is None:
                 break
             try:
-                await asyncio.wait_for(vllm_auth.dial(reader, writer, self._secret, self._own_dials),
-                                       deadline - time.monotonic())
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    await vllm_auth.dial(reader, writer, self._secret, self._own_dials)
                 break
             except vllm_auth.HandshakeClosed:  # a flood at the prefill may have evicted us: try again
                 writer.transport.abort()
@@ -733,13 +757,13 @@ class Agent:
         finally:
             # pull_blocks has returned or raised: no byte of it can land in `local` any more
             self.pulls.end(req_id, ok, error)
+            if using and peer is not None:
+                with contextlib.suppress(Exception):
+                    peer.unuse(remote.request_id, claimed)
             seconds = time.monotonic() - started
             self.record("pull", req=req_id, ok=ok, error=error, seconds=seconds, blocks=len(local),
                         authenticated=self._secret is not None,
                         bytes=len(local) * (self.layout.block_bytes * self.layout.tensors if self.layout else 0))
-            if using and peer is not None:
-                with contextlib.suppress(Exception):
-                    peer.unuse(remote.request_id, claimed)
         if not claimed and (asking or error == "aborted"):
             # aborted before its claim was sent, or its claim unanswered (it may still succeed at the prefill):
             # free the blocks as for a request aborted before its load (claim + done), not only after a timeout

@@ -1,0 +1,96 @@
+"""The vLLM connector's worker machinery when its own surroundings fail: a ``stats_path`` that cannot be written,
+a cancel that comes as the awaited reply lands, options given as JSON null (no vLLM needed: the agents of
+``_vllm_agents``). Each test failed before its fix (docs/reliability.md rows 276-278)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import pytest
+from _vllm_agents import agents, wait  # noqa: F401 - agents is a fixture
+from test_vllm_connector_logic import _released_soon, _remote
+
+from aio_datadist import LLMException
+from aio_datadist.integrations.vllm_agent import AgentOptions, _Peer
+from aio_datadist.integrations.vllm_wire import encode_frame
+
+
+def test_a_decode_with_an_unwritable_stats_path_still_says_done(agents, tmp_path) -> None:  # noqa: F811
+    prefill, _ = agents(True)
+    decode, _ = agents(False, stats_path=str(tmp_path / "gone" / "stats.jsonl"))
+    prefill.holds.add("r1", lease_s=60)
+    decode.start_pull("d1", _remote(prefill, "r1", [5]), [2])
+    wait(lambda: not decode.pulls.pending())
+    assert decode.pulls.take_finished() == ({"d1"}, set(), set())
+    assert decode._peers[prefill.side_channel].result().users == {}
+    _released_soon(prefill, "r1")  # the done came: not held for the claim's 35 s
+
+
+def test_a_prefill_with_an_unwritable_stats_path_keeps_the_side_channel_on_done(agents, tmp_path) -> None:  # noqa: F811
+    prefill, _ = agents(True, stats_path=str(tmp_path / "gone" / "stats.jsonl"), claim_wait_s=5.0)
+    decode, _ = agents(False)
+    decode.start_pull("d0", _remote(prefill, "r0", [3]), [1])  # vLLM names r0 late: its claim waits aside
+    wait(lambda: "r0" in prefill._naming)
+    prefill.holds.add("r1", lease_s=60)
+    decode.start_pull("d1", _remote(prefill, "r1", [5]), [2])  # over the same side channel
+    wait(lambda: "d1" not in decode.pulls.pending())
+    _released_soon(prefill, "r1")  # its done came
+    prefill.holds.add("r0", lease_s=60)
+    wait(lambda: not decode.pulls.pending())
+    assert decode.pulls.take_finished() == ({"d0", "d1"}, set(), set())  # d0's claim was not closed by d1's done
+
+
+def test_a_prefill_with_an_unwritable_stats_path_keeps_expiring_leases(agents, tmp_path, caplog) -> None:  # noqa: F811
+    prefill, _ = agents(True, stats_path=str(tmp_path / "gone" / "stats.jsonl"))
+    for req in ("a", "b"):  # "b" is expired by a tick after the one whose line for "a" failed
+        prefill.holds.add(req, lease_s=0.01)
+        wait(lambda: req not in prefill.holds.held, 1.5)
+    unwritten = [r for r in caplog.records if "stats_path" in r.getMessage()]
+    assert len(unwritten) == 1 and unwritten[0].levelno == logging.WARNING  # once per STATS_LOG_EVERY_S
+
+
+def test_a_claim_woken_as_its_connection_closes_is_not_granted_to_it(agents) -> None:  # noqa: F811
+    prefill, _ = agents(True, claim_wait_s=5.0)
+    with socket.create_connection(prefill.side_channel, timeout=5) as sock:
+        sock.sendall(encode_frame({"id": 1, "op": "claim", "req": "rX"}))
+        wait(lambda: "rX" in prefill._naming)  # the claim waits aside for vLLM to name rX
+
+        def close_and_name() -> None:  # in one pass of the loop: the decode's connection drops as vLLM names rX
+            (writer,) = prefill._conns
+            writer.transport.abort()
+            prefill.holds.add("rX", lease_s=60)
+
+        prefill.loop.loop.call_soon_threadsafe(close_and_name)
+        wait(lambda: not prefill._conns)
+        prefill.loop.call(asyncio.sleep(0.05))  # the claim's task has run its last step
+        assert prefill.holds.held["rX"].owner is None  # free for its decode, not held 35 s for a dead connection
+
+
+class _Writer:
+    def write(self, data: bytes) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_a_side_channel_request_cancelled_as_its_reply_lands_is_cancelled() -> None:
+    peer = _Peer(asyncio.StreamReader(), _Writer())  # type: ignore[arg-type]
+    request = asyncio.ensure_future(peer.request("claim", 5.0, req="r1"))
+    await asyncio.sleep(0)  # the claim is sent: its reply is awaited
+    ((_, reply),) = peer.replies.values()
+    reply.set_result({"ok": True, "hold_ms": 35_000})
+    request.cancel()  # vLLM aborts the pull in the same pass
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    assert not peer.replies
+
+
+def test_a_text_option_given_as_null_is_unset(monkeypatch) -> None:
+    monkeypatch.setenv("AIO_DATADIST_SECRET", "the-real-secret")
+    assert AgentOptions.from_extra({"shared_secret": None}).shared_secret == "the-real-secret"
+    monkeypatch.delenv("AIO_DATADIST_SECRET")
+    assert AgentOptions.from_extra({"shared_secret": None, "transport": None}).shared_secret == ""
+    assert AgentOptions.from_extra({"stats_path": None}).stats_path == ""
+    with pytest.raises(LLMException, match="'pull_timeout_ms'"):  # a number has no such default to fall back on
+        AgentOptions.from_extra({"pull_timeout_ms": None})
