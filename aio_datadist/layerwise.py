@@ -343,16 +343,18 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
     def nothing_left() -> bool:
         return not any(cfg.index not in failed and cfg.src_layers.stop > layer for cfg in configs)
 
-    running: dict[int, set[asyncio.Future]] = {}  # per config, its layer pushes not yet over
-    cut: set[asyncio.Future] = set()  # pushes cancelled because their destination failed
+    running: dict[int, dict[asyncio.Future, int]] = {}  # per config, its layer pushes not yet over, and their layer
+    cut: dict[asyncio.Future, int | None] = {}  # pushes cancelled because their destination failed: at which layer
 
-    def on_failure(index: int) -> None:
-        # A failed destination takes no more layers: its pushes still queued or running stop (each
-        # returns once nothing of it can land), not one after the other at their own time-outs.
+    def on_failure(index: int, at: int | None) -> None:
+        # A failed destination takes no more layers: its pushes of later layers still queued or running stop
+        # (each returns once nothing of it can land), not one after the other at their own time-outs. Those of
+        # earlier layers go on to their confirmation: their bytes may be in place already (the layers before a
+        # refused one stay in place); the task ends only once they did.
         me = asyncio.current_task()  # the push that failed, when one did: it ends by itself
-        for other in running.get(index, ()):
-            if other is not me and not other.done() and other not in cut:
-                cut.add(other)
+        for other, other_layer in running.get(index, {}).items():
+            if other is not me and not other.done() and other not in cut and (at is None or other_layer > at):
+                cut[other] = at
                 other.cancel()
         # Every destination of the layers to come failed: stop waiting for the synchronizer
         # (the way asyncio.timeout interrupts an await: cancel, then uncancel).
@@ -370,7 +372,7 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
     def lose(index: int, exc: LLMException) -> None:
         failed.add(index)
         progress.set_result(index, exc.status_code, exc)
-        on_failure(index)
+        on_failure(index, None)
 
     # A destination whose link ended while pushes to it were in flight: decided when they end (a push in
     # flight ends by itself with the link, its answer failed by the link's end, and says how; one whose DONE
@@ -451,9 +453,9 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
                 started.add(cfg.index)
                 push = asyncio.ensure_future(_push(rt, progress, src, cfg, layer, failed, on_failure, timeout_ms,
                                                    queue_ms=timeout_ms * len(layers), cut=cut))
-                mine = running.setdefault(cfg.index, set())
-                mine.add(push)
-                push.add_done_callback(mine.discard)
+                mine = running.setdefault(cfg.index, {})
+                mine[push] = layer
+                push.add_done_callback(functools.partial(_forget, mine))
                 push.add_done_callback(functools.partial(confirmed, cfg.index))
                 pushes.append(push)
                 layer_pushes.append(push)
@@ -501,6 +503,10 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
             progress.layer_done(layer, stop)
 
 
+def _forget(running: dict[asyncio.Future, int], push: asyncio.Future) -> None:
+    running.pop(push, None)
+
+
 async def _all_over(pushes: list[asyncio.Future]) -> None:
     """Wait for every push to end, through cancellations (re-raised once all ended); each push's
     give-up is bounded, ``PUSHES_END_S`` only guards against a bug there."""
@@ -508,8 +514,8 @@ async def _all_over(pushes: list[asyncio.Future]) -> None:
 
 
 async def _push(rt: Runtime, progress: TaskProgress, src: KvCache, cfg: _Config, layer: int, failed: set[int],
-                on_failure: Callable[[int], None], timeout_ms: int, *, queue_ms: int,
-                cut: set[asyncio.Future]) -> LLMException | None:
+                on_failure: Callable[[int, int | None], None], timeout_ms: int, *, queue_ms: int,
+                cut: dict[asyncio.Future, int | None]) -> LLMException | None:
     """Push one layer to one destination. Its time-out counts from when it has a data channel: the
     layers released at once queue for the link's channels behind the earlier ones (``queue_ms`` bounds
     that wait: the whole transfer's share)."""
@@ -531,15 +537,15 @@ async def _push(rt: Runtime, progress: TaskProgress, src: KvCache, cfg: _Config,
     except LLMException as exc:
         failed.add(cfg.index)
         progress.set_result(cfg.index, exc.status_code, exc)
-        on_failure(cfg.index)
+        on_failure(cfg.index, layer)
         return exc
     except asyncio.CancelledError:
         me = asyncio.current_task()
         if me not in cut:
             raise
-        cut.discard(me)
+        at = cut.pop(me)
         me.uncancel()
-        return LLMException(f"{what}: destination {cfg.index} failed before it was sent",
+        return LLMException(f"{what}: cut, destination {cfg.index} failed" + ("" if at is None else f" at layer {at}"),
                             status_code=progress.result(cfg.index) or LLMStatusCode.LLM_FAILED)
 
 

@@ -4,7 +4,8 @@ each other on a same-host link, and plain synchronizers of many tasks waiting at
 Each failed before: the first destination was reported failed although its layer futures said it got
 everything; same-host layers released together timed out behind the owner's copies of the earlier ones
 (the TCP path's queue allowance, row 159, did not reach them); and blocking synchronizers shared the loop's
-default executor, so a task whose layers were ready waited for other tasks' prefills.
+default executor, so a task whose layers were ready waited for other tasks' prefills; and a destination's
+refusal of a layer cut its push of an earlier layer still waiting for its ``DONE``, failing a layer in place.
 """
 
 from __future__ import annotations
@@ -16,8 +17,20 @@ import threading
 
 import pytest
 from _slowpath import SlowPath
-from peers import DECODER_ID, PROMPT_ID, cluster_info, endpoint, fill, options, port_of
-from test_layerwise import BLOCKS, DST_BLOCKS, LAYERS, SRC_BLOCKS, Gate, Ready, blocks_config, layer_landed, setup
+from peers import DECODER_ID, PROMPT_ID, TRANSPORT, cluster_info, endpoint, fill, options, port_of
+from test_layerwise import (
+    BLOCKS,
+    DST_BLOCKS,
+    LAYERS,
+    SECOND_DECODER_ID,
+    SRC_BLOCKS,
+    Gate,
+    Ready,
+    _canaried,
+    blocks_config,
+    layer_landed,
+    setup,
+)
 
 from aio_datadist import (
     BlocksCacheKey,
@@ -29,6 +42,7 @@ from aio_datadist import (
     LLMRole,
     LLMStatusCode,
     Placement,
+    TransferConfig,
     TransferWithCacheKeyConfig,
 )
 from aio_datadist.links import Link
@@ -198,3 +212,74 @@ async def test_same_host_layers_released_together_do_not_time_out_behind_each_ot
             results = exc
         assert results == [OK]
         assert prompt.stats().links[DECODER_ID].transports["push"] == "local"
+
+
+@pytest.mark.parametrize("decoders", [1, 2])
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+async def test_a_layer_refused_while_the_one_before_waits_for_its_done_leaves_that_one_in_place(
+        monkeypatch, transport, decoders):
+    """The destination refuses layer 1 (a raw address that lies nowhere) while layer 0's push to it waits for
+    its ``DONE`` (held here until the refusal was handled): the refusal cut every push to it, and layer 0, in
+    place, failed "before it was sent", for a second destination too. The layers before a refused one stay
+    in place (docs/async.md); the task still ends only once their pushes did."""
+    TRANSPORT["default"] = transport
+    try:
+        async with setup(decoders=decoders) as s:
+            target = usable_link(s.prompt, DECODER_ID)
+            loop = asyncio.get_running_loop()
+            askers: dict[int, asyncio.Task | None] = {}
+            handled = loop.create_future()  # the push the destination refused is over
+            expect = Link.expect
+
+            def watched(self: Link, req_id: int, answer: object = None) -> asyncio.Future:
+                fut = expect(self, req_id, answer)
+                if self is not target or answer is not None:
+                    return fut
+                askers.setdefault(req_id, asyncio.current_task())
+                held = loop.create_future()
+
+                def relay(f: asyncio.Future) -> None:
+                    if held.done():
+                        return
+                    if f.cancelled() or f.exception() is not None:
+                        held.cancel() if f.cancelled() else held.set_exception(f.exception())
+                        return
+                    reply = f.result()
+                    if type(reply).__name__ == "Done" and not handled.done():
+                        handled.add_done_callback(lambda _: relay(f))
+                        return
+                    asker = askers[req_id]
+                    if reply.status != 0 and asker is not None:
+                        asker.add_done_callback(lambda _: handled.done() or handled.set_result(None))
+                    held.set_result(reply)
+
+                fut.add_done_callback(relay)
+                return held
+
+            monkeypatch.setattr(Link, "expect", watched)
+            src = s.blocks_src()
+            dst, _ = _canaried(s.decoders[0])
+            addrs = list(dst.per_device_tensor_addrs[0])
+            addrs[3] = 2**40  # layer 1's V lies nowhere: the owner refuses layer 1
+            configs: list = [TransferConfig(DECODER_ID, addrs)]
+            configs += [blocks_config(SECOND_DECODER_ID)] * (decoders - 1)
+            gate = Gate()
+            gate.open(0, 1)  # layers 0 and 1 at once: layer 1 is refused while layer 0 is in flight
+            task = s.pm.transfer_cache_async(src, gate, configs, SRC_BLOCKS, DST_BLOCKS)
+            gate.open(*range(2, LAYERS))
+            async with asyncio.timeout(5):
+                with pytest.raises(LLMException) as info:
+                    await task
+                assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+                assert handled.done()
+                assert s.prompt.stats().links[DECODER_ID].kinds["push"].in_flight == 0  # layer 0's push ended
+                await task.layer(0)  # it failed "before it was sent"
+            assert layer_landed(dst, src, 0, DST_BLOCKS, SRC_BLOCKS)
+            assert all(layer_landed(d, src, layer, DST_BLOCKS, SRC_BLOCKS) for d in s.dsts[1:] for layer in
+                       range(LAYERS))
+            with pytest.raises(LLMException) as info:
+                await task.layer(1)
+            assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+            assert (await task.get_results())[0] == LLMStatusCode.LLM_PARAM_INVALID
+    finally:
+        TRANSPORT["default"] = "tcp"
