@@ -8,19 +8,19 @@
     the client checks proof_s; an endpoint that cannot prove the secret gets
     nothing but a nonce from it
     AUTH       proof_c = HMAC(k, "client" | nonce_s | nonce_c | identity),
-               identity = cluster id, role, the cluster id it wants, blocks layout hash,
-               whether it is a bilateral ``link()`` dial  ->
+               identity = cluster id, role, the cluster id it wants, its endpoint's
+               instance, whether it is a bilateral ``link()`` dial  ->
                the server checks proof_c; a client that cannot prove the secret gets
                a refusal that carries nothing
                <-  LINK_OK  status, cluster id, role, link token, channel count, boot id,
-                            share socket name, proof_l = HMAC(k, "link" | nonce_c | nonce_s | fields)
+                            share socket name, its instance, proof_l = HMAC(k, "link" | nonce_c | nonce_s | fields)
                or a refusal: status and text, proven to a client that proved itself
                             (HMAC(k, "refused" | nonce_c | nonce_s | status | text)); with a
                             secret, a client fails an unproven refusal as LLM_LINK_FAILED
                             whatever status it names
 
 Before the client's proof is checked the server sends only its nonce and
-its proof, both functions of random nonces: no cluster id, role, layout,
+its proof, both functions of random nonces: no cluster id, role, instance,
 channel count, boot id or socket name. Each proof binds both nonces, so a
 captured HELLO, HELLO_ACK, AUTH or LINK_OK is useless on another connection,
 and the labels differ, so no proof can be reflected as another. The server
@@ -82,8 +82,8 @@ def attach_token(secret: bytes | None, token: bytes, index: int, generation: int
     return proof(secret, b"attach", token, index.to_bytes(2, "big"), generation.to_bytes(4, "big"))
 
 
-def _identity(cluster_id: int, role: int, peer_id: int, layout_hash: bytes, bilateral: int = 0) -> bytes:
-    return (cluster_id.to_bytes(8, "big") + role.to_bytes(1, "big") + peer_id.to_bytes(8, "big") + layout_hash
+def _identity(cluster_id: int, role: int, peer_id: int, instance: bytes, bilateral: int = 0) -> bytes:
+    return (cluster_id.to_bytes(8, "big") + role.to_bytes(1, "big") + peer_id.to_bytes(8, "big") + instance
             + (b"\x01" if bilateral else b""))
 
 
@@ -94,7 +94,7 @@ def _refusal_fields(status: int, text: str) -> bytes:
 def _link_fields(ok: wire.LinkOk) -> bytes:
     return (ok.status.to_bytes(8, "big", signed=True) + ok.cluster_id.to_bytes(8, "big")
             + ok.role.to_bytes(1, "big") + ok.link_token + ok.channels.to_bytes(1, "big")
-            + ok.boot_id + ok.local_name.ljust(48, b"\0"))
+            + ok.boot_id + ok.local_name.ljust(48, b"\0") + ok.instance)
 
 
 async def read_expected(reader: Reader, expected: Msg) -> Any:
@@ -106,7 +106,7 @@ async def read_expected(reader: Reader, expected: Msg) -> Any:
 
 
 async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, secret: bytes | None,
-               cluster_id: int, role: LLMRole, peer_id: int, layout: bytes, bilateral: bool = False,
+               cluster_id: int, role: LLMRole, peer_id: int, instance: bytes, bilateral: bool = False,
                own: OwnDials | None = None) -> Linked:
     """The client's half; what the server's successful ``LINK_OK`` says.
 
@@ -136,9 +136,9 @@ async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, se
     if not hmac.compare_digest(ack.proof, proof(secret, b"server", nonce, ack.nonce)):
         raise LLMException("peer failed authentication (shared secret differs)",
                            status_code=LLMStatusCode.LLM_LINK_FAILED)
-    identity = _identity(cluster_id, int(role), peer_id, layout, int(bilateral))
+    identity = _identity(cluster_id, int(role), peer_id, instance, int(bilateral))
     writer.write(wire.encode(Msg.AUTH, 0, proof=proof(secret, b"client", ack.nonce, nonce, identity),
-                             cluster_id=cluster_id, role=int(role), peer_id=peer_id, layout_hash=layout,
+                             cluster_id=cluster_id, role=int(role), peer_id=peer_id, instance=instance,
                              bilateral=int(bilateral)))
     ok: wire.LinkOk = await read_expected(reader, Msg.LINK_OK)
     if ok.status != SUCCESS:
@@ -161,7 +161,7 @@ async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, se
         raise ProtocolError(f"bad role {ok.role}") from None
     if not 1 <= ok.channels <= 16:
         raise ProtocolError(f"bad channel count {ok.channels}")
-    return Linked(remote_role, ok.link_token, ok.channels, ok.boot_id, ok.local_name, ok.cluster_id)
+    return Linked(remote_role, ok.link_token, ok.channels, ok.boot_id, ok.local_name, ok.cluster_id, ok.instance)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +174,7 @@ class Linked:
     boot_id: bytes
     local_name: bytes
     cluster_id: int
+    instance: bytes  # the server endpoint's (``LinkTable.instance``)
 
 
 @dataclasses.dataclass
@@ -206,18 +207,18 @@ async def accept(head: bytes, reader: Reader, writer: asyncio.StreamWriter, *,
     writer.write(wire.encode(Msg.HELLO_ACK, req_id, nonce=nonce, proof=proof(secret, b"server", hello.nonce, nonce)))
     auth: wire.Auth = await read_expected(reader, Msg.AUTH)
     expected = proof(secret, b"client", nonce, hello.nonce,
-                     _identity(auth.cluster_id, auth.role, auth.peer_id, auth.layout_hash, auth.bilateral))
+                     _identity(auth.cluster_id, auth.role, auth.peer_id, auth.instance, auth.bilateral))
     return Accepted(hello.nonce, nonce, req_id, auth, hmac.compare_digest(auth.proof, expected))
 
 
 def link_ok(secret: bytes | None, accepted: Accepted, status: LLMStatusCode, *, cluster_id: int = 0,
             role: int = 0, token: bytes = ZERO32, channels: int = 0, boot: bytes = ZERO16, local_name: bytes = b"",
-            text: str = "") -> bytes:
+            instance: bytes = ZERO32, text: str = "") -> bytes:
     """The server's final answer; a refusal (``status`` not success) carries nothing but its text, proven
     (status and text, as the client will read the text) to a client that proved itself."""
     ok = wire.LinkOk(status=int(status), cluster_id=cluster_id, role=int(role), link_token=token,
                      channels=channels, boot_id=boot, local_name=local_name[:48].ljust(48, b"\0"),
-                     proof=ZERO32, text=text)
+                     instance=instance, proof=ZERO32, text=text)
     if status != SUCCESS and accepted.authenticated:
         shown = wire.peer_text(text.encode("utf-8", "replace")[:wire.MAX_TEXT])
         ok = dataclasses.replace(ok, proof=proof(secret, b"refused", accepted.client_nonce, accepted.server_nonce,

@@ -123,6 +123,9 @@ class LinkTable:
         self.closing = False
         self._opening: dict[Link, _Opening] = {}  # accepted links whose fds are not all open yet
         self._forgotten: set[asyncio.Task] = set()  # closes of failed links forgotten (_forget_failed_accepted)
+        #: This endpoint's instance, random: told in every handshake, so that two ends whose link_clusters
+        #: dials crossed agree which of the two links they keep (:meth:`_crossing`).
+        self.instance = os.urandom(32)
         self._over_budget = RefusalLog()  # links refused for their fds
         fd_budget.raise_soft_limit()
         self.on_request = on_request
@@ -231,6 +234,29 @@ class LinkTable:
             self._forget_failed_accepted()
         return True
 
+    def _crossing(self, link: Link) -> Link | None:
+        """The accepted link that ``link``, our dial now set up, crossed and replaces, if any.
+
+        Two endpoints that call ``link_clusters`` for each other at once each take the other's dial while
+        their own still sets up, so each dial finds the cluster linked when it is ready. Both ends keep the
+        link dialled by the endpoint of the lower instance: that endpoint's dial replaces the link of the
+        other's, and the other endpoint drops its dial, as any dial that finds its cluster linked does. Only
+        the link of the endpoint our dial reached counts (the same instance): one of another endpoint using
+        the cluster id (an old instance of it, another process claiming it) is kept, and our dial dropped.
+        """
+        other = self._live(link.remote_cluster_id)
+        if other is None or other.is_client or link.peer_instance == ZERO32:
+            return None
+        if other.peer_instance != link.peer_instance or self.instance >= link.peer_instance:
+            return None
+        return other
+
+    def _crossed_by(self, remote_id: int, answered: bytes) -> bool:
+        """Whether the link now registered for ``remote_id`` is one the endpoint of instance ``answered`` (the
+        one our dial reached) dialled: our dial crossed its, and both ends keep its."""
+        other = self._live(remote_id)
+        return other is not None and not other.is_client and answered != ZERO32 and other.peer_instance == answered
+
     def _forget_failed_accepted(self) -> None:
         """Keep at most :data:`MAX_FAILED_ACCEPTED` failed accepted links, forgetting the oldest first."""
         failed = [lk for lk in self.links.values() if not lk.is_client and lk.broken is not None]
@@ -331,8 +357,10 @@ class LinkTable:
         return None
 
     async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, reader: ControlReader,
-                   writer: asyncio.StreamWriter, pending: Pending, through: Callable[[], None]) -> Link | Refusal:
-        """Make and register the link of an accepted handshake, or say why not.
+                   writer: asyncio.StreamWriter, pending: Pending, through: Callable[[], None],
+                   instance: bytes) -> Link | Refusal:
+        """Make and register the link of an accepted handshake (``instance``: the dialling endpoint's), or say
+        why not.
 
         ``through`` is called once the link no longer waits on the peer (its
         connection leaves the admission gate); ``pending`` is that connection.
@@ -363,6 +391,8 @@ class LinkTable:
                 return LLMStatusCode.LLM_NOT_YET_LINK, _NOT_AWAITED
             link = self._new_link(remote_id, remote_role, reader, writer, is_client=False,
                                   channels=channels, token=token, remote_address=(peer[0], peer[1]))
+            if not bilateral:  # (a bilateral pair never crosses: one end dials, the other waits)
+                link.peer_instance = instance
             if not self._register(link, start=False):
                 return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
             self._hold(link, claim)
@@ -495,6 +525,7 @@ class LinkTable:
         taken = False  # the peer took our dial (its LINK_OK said so)
         more: fd_budget.Claim | None = None  # for the data channels the peer names past ours (the caller claims ours)
         learned: asyncio.Task | None = None  # this dial, listed as dialling the cluster id the handshake told
+        answered: bytes | None = None  # the instance of the endpoint that took our dial
         try:
             tune(writer.get_extra_info("socket"))
             try:
@@ -502,7 +533,7 @@ class LinkTable:
                     if self.tls_client is not None:
                         await tls.dial_control(reader, writer, self.tls_client, address[0], HANDSHAKE_LIMIT_S)
                     ok = await handshake.dial(reader, writer, secret=self.secret, cluster_id=self.cluster_id,
-                                              role=self._role(), layout=ZERO32, bilateral=bilateral,
+                                              role=self._role(), instance=self.instance, bilateral=bilateral,
                                               own=self.own_dials,
                                               peer_id=handshake.ANY_PEER if remote_id is None else remote_id)
             except TimeoutError:
@@ -510,6 +541,7 @@ class LinkTable:
                     raise
                 raise ConnectionError(f"the handshake was not answered within {BILATERAL_ANSWER_S} s") from None
             taken = True
+            answered = ok.instance
             if remote_id is None:
                 remote_id = ok.cluster_id
                 existing = self.links.get(remote_id) if self._live(remote_id) is None else None
@@ -528,8 +560,18 @@ class LinkTable:
                 self.forget(existing)
             link = self._new_link(remote_id, ok.role, reader, writer, is_client=True,
                                   channels=channels, token=ok.link_token, remote_address=address)
+            if not bilateral:
+                link.peer_instance = ok.instance
             for index, sock in enumerate(sockets):
                 link.install(index, sock, 0)
+            crossed = None if bilateral else self._crossing(link)
+            if crossed is not None:
+                # Its dial crossed ours and ours is the one both ends keep: its link goes (the peer is told),
+                # ours takes its place. The peer drops its dial, as its end finds our link in its table.
+                self.forget(crossed)
+                crossed.send_unlink(crossed.new_req_id())
+                await settle(asyncio.ensure_future(crossed.close("replaced: the peer's dial crossed ours")),
+                             SET_UP_CLOSE_S)
             if not self._register(link):
                 # Finalized meanwhile, or a link from that cluster was accepted meanwhile: this one goes, and
                 # the peer is told (it forgets its end).
@@ -562,6 +604,12 @@ class LinkTable:
                 if not link.down:
                     link.send_unlink(link.new_req_id())
                 await settle(asyncio.ensure_future(link.close("not set up")), SET_UP_CLOSE_S)
+            if (answered is not None and not bilateral and isinstance(exc, Exception) and remote_id is not None
+                    and self._crossed_by(remote_id, answered)):
+                # Our dial crossed the peer's, and the peer keeps its own (our end of it is in the table): the
+                # peer cut ours while we set it up. The pair is linked, by the peer's dial.
+                raise LLMException(f"cluster {remote_id} is already linked (its dial crossed ours, and both "
+                                   "ends keep its dial)", status_code=LLMStatusCode.LLM_ALREADY_LINK) from exc
             if bilateral and taken and isinstance(exc, Exception) and not isinstance(exc, _WentDown):
                 # The peer's link() took its one dial: dialling again would only be refused until the link time
                 # ran out, while the peer's comm failed already.

@@ -180,6 +180,9 @@ class Link:
         self.is_client = is_client
         self.token = token
         self.remote_address = remote_address
+        #: The peer endpoint's instance (``LinkTable.instance``), as its handshake said: which endpoint dialled
+        #: an accepted link, which one answered a dialled one (zero for a bilateral ``link()``'s).
+        self.peer_instance = ZERO32
         self.nchannels = channels
         self.channels = [_Channel(i) for i in range(2 * channels)]
         self.own = range(0, channels) if is_client else range(channels, 2 * channels)

@@ -78,6 +78,8 @@ class Table(Protocol):
 
     links: dict[int, Link]
     own_dials: OwnDials
+    #: This endpoint's instance (random, per init): sent in ``LINK_OK``.
+    instance: bytes
 
     @property
     def shares_memory(self) -> bool: ...
@@ -86,8 +88,10 @@ class Table(Protocol):
         """Why an authenticated link from ``remote_id`` is refused at once, or None."""
 
     async def take(self, remote_id: int, remote_role: LLMRole, bilateral: bool, reader: ControlReader,
-                   writer: asyncio.StreamWriter, pending: Pending, through: Callable[[], None]) -> Link | Refusal:
-        """The link made and registered for an accepted handshake, or why not."""
+                   writer: asyncio.StreamWriter, pending: Pending, through: Callable[[], None],
+                   instance: bytes) -> Link | Refusal:
+        """The link made and registered for an accepted handshake (``instance``: the dialling endpoint's), or
+        why not."""
 
     def attached(self, link: Link, index: int) -> None:
         """Data channel ``index`` of ``link`` was installed (its fd is open)."""
@@ -246,7 +250,7 @@ class Listener:
         self.taking += 1
         try:
             taken = await self._table.take(auth.cluster_id, remote_role, bilateral, reader.inner, writer, pending,
-                                           lambda: admission.leave(pending))
+                                           lambda: admission.leave(pending), auth.instance)
         finally:
             self.taking -= 1
         if not isinstance(taken, Link):
@@ -254,7 +258,7 @@ class Listener:
         local_name = self.local_listener.name if self.local_listener is not None else b""
         writer.write(handshake.link_ok(self.secret, accepted, SUCCESS, cluster_id=self.cluster_id,
                                        role=self._role(), token=taken.token, channels=taken.nchannels,
-                                       boot=boot_id(), local_name=local_name))
+                                       boot=boot_id(), local_name=local_name, instance=self._table.instance))
         taken.start()  # only now: what the peer sent behind its AUTH is answered after LINK_OK
         return True
 

@@ -22,12 +22,14 @@ __all__ = ["ANSWER", "ANSWER_MAGIC", "ATTACH", "ATTACH_OK", "HEADER", "MAX_BODY"
            "encode_record", "fields_of", "parse_header", "peer_text"]
 
 MAGIC = b"AIOD"
-VERSION = 8  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
+VERSION = 9  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
 #             4: TransferReq.block_shape (blocks layouts are checked per request, not at link time),
 #                Auth.bilateral (a dial of LLMDataDist.link); 5: ReqFlag.POSTED and the ANSWER header,
 #                ReqFlag.DEVICE and the share's device records; 6: the NIXL record OFFER_VRAM;
 #             7: a NIXL push's notification names its link (transport/nixl.py link_tag);
-#             8: NIXL reads without asking (the NIXL records LEDGER, GRANT, REVOKE, REVOKED, READS, NUDGE)
+#             8: NIXL reads without asking (the NIXL records LEDGER, GRANT, REVOKE, REVOKED, READS, NUDGE);
+#             9: Auth.instance (the layout field, zero since 4) and LinkOk.instance: which endpoint dialled
+#                (crossing link_clusters dials, link_table.LinkTable._crossing)
 HEADER = struct.Struct("!4sBBHQI")
 MAX_BODY = 1 << 20
 MAX_ROWS = 65536
@@ -131,7 +133,8 @@ class Auth:
     cluster_id: int = _f("Q")
     role: int = _f("B")
     peer_id: int = _f("Q")
-    layout_hash: bytes = _f("32s")
+    #: The dialling endpoint's instance: random, one per initialised endpoint (``LinkTable.instance``).
+    instance: bytes = _f("32s")
     #: 1 for a dial of ``LLMDataDist.link`` (the peer takes it only while its own ``link`` waits for it).
     bilateral: int = dataclasses.field(default=0, metadata={"fmt": "B"})
 
@@ -147,6 +150,8 @@ class LinkOk:
     channels: int = _f("B")
     boot_id: bytes = _f("16s")
     local_name: bytes = _f("48s")
+    #: The answering endpoint's instance (see ``Auth.instance``).
+    instance: bytes = _f("32s")
     proof: bytes = _f("32s")
     text: str = _f("text")
 

@@ -275,7 +275,7 @@ def _intruder(port: int, cache_id: int) -> list[bytes]:
         msg, ack = _recv_frame(sock)
         assert msg is wire.Msg.HELLO_ACK
         sock.sendall(wire.encode(wire.Msg.AUTH, 0, proof=bytes(32), cluster_id=66, role=LLMRole.DECODER,
-                                 peer_id=PROMPT_ID, layout_hash=bytes(32)))
+                                 peer_id=PROMPT_ID, instance=bytes(32)))
         msg, ok = _recv_frame(sock)
         assert msg is wire.Msg.LINK_OK and ok["status"] == S.LLM_LINK_FAILED and ok["link_token"] == bytes(32)
         with pytest.raises(OSError):  # the prompt has closed the connection

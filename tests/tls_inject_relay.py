@@ -29,7 +29,8 @@ def injection(kind: bytes, mode: str) -> bytes:
     if mode == "control" and kind == b"C":
         ack = wire.encode(Msg.HELLO_ACK, 0, nonce=os.urandom(32), proof=bytes(32))
         ok = wire.LinkOk(status=int(LLMStatusCode.LLM_ALREADY_LINK), cluster_id=0, role=0, link_token=bytes(32),
-                         channels=0, boot_id=bytes(16), local_name=bytes(48), proof=bytes(32), text=TEXT)
+                         channels=0, boot_id=bytes(16), local_name=bytes(48), instance=bytes(32), proof=bytes(32),
+                         text=TEXT)
         return ack + wire.encode_record(Msg.LINK_OK, 0, ok)
     if mode == "data" and kind == b"D":
         return wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, 0)

@@ -111,14 +111,14 @@ class RawLink:
                     + self.remote_id.to_bytes(8, "big") + bytes(32))
         self.send_raw(wire.encode(Msg.AUTH, 0, proof=proof(self.secret, b"client", ack["nonce"], nonce, identity),
                                   cluster_id=self.cluster_id, role=int(self.role), peer_id=self.remote_id,
-                                  layout_hash=bytes(32)) + behind_auth)
+                                  instance=bytes(32)) + behind_auth)
         msg, _, ok = recv_frame(ctl)
         assert msg is Msg.LINK_OK, msg
         if ok["status"] != 0:
             raise Refused(ok["status"], ok["text"])
         proven = (ok["status"].to_bytes(8, "big", signed=True) + ok["cluster_id"].to_bytes(8, "big")
                   + ok["role"].to_bytes(1, "big") + ok["link_token"] + ok["channels"].to_bytes(1, "big")
-                  + ok["boot_id"] + ok["local_name"])
+                  + ok["boot_id"] + ok["local_name"] + ok["instance"])
         if ok["proof"] != proof(self.secret, b"link", nonce, ack["nonce"], proven):
             raise Refused(-1, "the server's LINK_OK is not proven")
         assert ok["cluster_id"] == self.remote_id, ok["cluster_id"]

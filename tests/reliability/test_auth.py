@@ -211,7 +211,7 @@ def handshake_without_the_secret(address: tuple[str, int]) -> bytes:
         sock.sendall(wire.encode(Msg.HELLO, 0, nonce=os.urandom(wire.NONCE_BYTES)))
         received = recv_exactly(sock, wire.HEADER.size + 2 * 32)  # HELLO_ACK: a nonce and a proof
         sock.sendall(wire.encode(Msg.AUTH, 0, proof=os.urandom(32), cluster_id=DECODER, role=int(LLMRole.DECODER),
-                                 peer_id=IDENTIFIED, layout_hash=bytes(32)))
+                                 peer_id=IDENTIFIED, instance=bytes(32)))
         return received + rest_of_stream(sock)
 
 

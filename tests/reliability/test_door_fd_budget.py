@@ -46,7 +46,7 @@ def _handshake(raw: RawLink) -> None:
                 + raw.remote_id.to_bytes(8, "big") + bytes(32))
     raw.send_raw(wire.encode(Msg.AUTH, 0, proof=proof(None, b"client", ack["nonce"], nonce, identity),
                              cluster_id=raw.cluster_id, role=int(raw.role), peer_id=raw.remote_id,
-                             layout_hash=bytes(32)))
+                             instance=bytes(32)))
     msg, _, ok = recv_frame(raw.ctl)
     assert msg is Msg.LINK_OK, msg
     if ok["status"] != 0:
@@ -144,7 +144,7 @@ while True:
             _, rid, auth = recv_frame(conn)
             conn.sendall(wire.encode(Msg.LINK_OK, rid, status=0, cluster_id=auth["peer_id"], role=1,
                                      link_token=os.urandom(32), channels=int(sys.argv[1]), boot_id=bytes(16),
-                                     local_name=bytes(48), proof=bytes(32), text=""))
+                                     local_name=bytes(48), instance=bytes(32), proof=bytes(32), text=""))
             sel.register(conn, selectors.EVENT_READ, "control")
         else:
             try:

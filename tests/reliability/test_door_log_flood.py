@@ -33,7 +33,7 @@ def _unauthenticated(address: tuple[str, int], n: int) -> int:
             sock.sendall(wire.encode(Msg.HELLO, 0, nonce=os.urandom(32)))
             assert recv_frame(sock)[0] is Msg.HELLO_ACK
             sock.sendall(wire.encode(Msg.AUTH, 0, proof=os.urandom(32), cluster_id=70 + i, role=2, peer_id=1,
-                                     layout_hash=bytes(32), bilateral=0))
+                                     instance=bytes(32), bilateral=0))
             msg, _, ok = recv_frame(sock)
             refused += msg is Msg.LINK_OK and ok["status"] != 0
     return refused

@@ -40,7 +40,7 @@ class ForgedRefusal(Relay):
             _, req_id, length = wire.parse_header(head)
             await reader.readexactly(length)  # the server's LINK_OK: dropped
             ok = wire.LinkOk(status=int(S.LLM_ALREADY_LINK), cluster_id=0, role=0, link_token=bytes(32), channels=0,
-                             boot_id=bytes(16), local_name=bytes(48), proof=bytes(32), text=FORGED)
+                             boot_id=bytes(16), local_name=bytes(48), instance=bytes(32), proof=bytes(32), text=FORGED)
             writer.write(wire.encode_record(wire.Msg.LINK_OK, req_id, ok))
             await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):

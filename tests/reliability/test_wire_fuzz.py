@@ -629,7 +629,7 @@ def run_malformed_frames(address: tuple[str, int], rng: random.Random) -> int:
                 else:
                     frame = bytes(hello) + (captured_auth or wire.encode(
                         Msg.AUTH, 0, proof=bytes(32), cluster_id=cluster + n, role=2, peer_id=PROMPT,
-                        layout_hash=bytes(32)))
+                        instance=bytes(32)))
                 sock.sendall(frame)
                 sock.shutdown(socket.SHUT_WR)
                 reply = rest_of_stream(sock)

@@ -1,0 +1,94 @@
+"""Two endpoints that call ``link_clusters`` for each other at the same moment end with one link (row 280).
+
+Each takes the other's dial while its own still sets up its data channels, so each dial finds the cluster
+linked once it is ready. Both ends now keep the link dialled by the endpoint of the lower instance (random per
+endpoint, told in the handshake: ``AUTH`` and ``LINK_OK``): that dial replaces the other's link there, and the
+other endpoint drops its own dial. Before, each end dropped its own dial and acted on the other's ``UNLINK``:
+both calls reported ``LLM_ALREADY_LINK`` and no link was left. A link from another endpoint using the cluster
+id (an old instance of it) is never replaced by our dial: the second test guards that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from peers import cluster_info, port_of
+
+from _harness import endpoint
+from aio_datadist import LLMDataDist, LLMRole, LLMStatusCode
+from aio_datadist.testing import link_table_of, link_to
+
+pytestmark = pytest.mark.asyncio
+
+S = LLMStatusCode
+A, B = 81, 82
+LOW, HIGH = bytes([1]) * 32, bytes([2]) * 32
+
+
+@contextlib.contextmanager
+def dials_held_until_accepted(dd: LLMDataDist, remote_id: int) -> Iterator[None]:
+    """``dd``'s dials attach their data channels only once it has accepted a link from ``remote_id``: the
+    moment of a crossing, made certain."""
+    table = link_table_of(dd)
+    real = table.dial_data
+
+    async def dial_data(*args: object) -> object:
+        async with asyncio.timeout(5):
+            while (link := table.links.get(remote_id)) is None or link.is_client:
+                await asyncio.sleep(0.001)
+        return await real(*args)  # type: ignore[arg-type]
+
+    table.dial_data = dial_data  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        table.dial_data = real  # type: ignore[method-assign]
+
+
+@contextlib.asynccontextmanager
+async def listening(cluster_id: int, instance: bytes) -> AsyncIterator[LLMDataDist]:
+    async with endpoint(LLMRole.PROMPT, cluster_id, listen=True, transport="tcp") as dd:
+        link_table_of(dd).instance = instance
+        yield dd
+
+
+@pytest.mark.parametrize("lower", ["first", "second"])
+async def test_crossing_link_clusters_calls_leave_one_link_both_ends_keep(lower: str) -> None:
+    async with listening(A, LOW if lower == "first" else HIGH) as a, \
+            listening(B, HIGH if lower == "first" else LOW) as b:
+        with dials_held_until_accepted(a, B), dials_held_until_accepted(b, A):
+            (_, [code_a]), (_, [code_b]) = await asyncio.gather(
+                a.link_clusters([cluster_info(B, port_of(b))], timeout=5000),
+                b.link_clusters([cluster_info(A, port_of(a))], timeout=5000))
+        winner, loser = (a, b) if lower == "first" else (b, a)
+        assert (code_a, code_b) == ((S.LLM_SUCCESS, S.LLM_ALREADY_LINK) if lower == "first"
+                                    else (S.LLM_ALREADY_LINK, S.LLM_SUCCESS))
+        await asyncio.sleep(0.3)  # whatever either end sent the other about the dropped dial has been acted on
+        kept_a, kept_b = link_to(a, B), link_to(b, A)
+        assert kept_a is not None and kept_b is not None
+        assert kept_a.token == kept_b.token  # one link: the same one at both ends
+        assert link_to(winner, A if winner is b else B).is_client  # dialled by the lower instance
+        assert len(link_table_of(a).links) == len(link_table_of(b).links) == 1
+        await a.check_link_status(B)  # a probe's round trip each way over it
+        await b.check_link_status(A)
+        assert loser is not winner
+
+
+async def test_a_dial_reaching_another_instance_of_the_cluster_never_replaces_the_link_its_peer_made() -> None:
+    """Our dial reaches an old endpoint of cluster B (its address was stale) while the new one dials us: the
+    new one's link is kept, whatever the instances, and our dial dropped (the rule above needs the endpoint our
+    dial reached to be the one whose link it would replace). A tie-break without it took the old endpoint's."""
+    async with listening(A, LOW) as a, listening(B, HIGH) as old, listening(B, HIGH[:-1] + b"\x03") as new:
+        with dials_held_until_accepted(a, B):
+            (_, [ours]), (_, [theirs]) = await asyncio.gather(
+                a.link_clusters([cluster_info(B, port_of(old))], timeout=5000),
+                new.link_clusters([cluster_info(A, port_of(a))], timeout=5000))
+        assert (ours, theirs) == (S.LLM_ALREADY_LINK, S.LLM_SUCCESS)
+        await asyncio.sleep(0.3)
+        kept, theirs_link = link_to(a, B), link_to(new, A)
+        assert kept is not None and theirs_link is not None and kept.token == theirs_link.token
+        assert link_to(old, A) is None
+        await new.check_link_status(A)
