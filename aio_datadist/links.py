@@ -686,7 +686,7 @@ class Link:
             return
         fd = self._control_fd()
         if fd is not None and _core.peer_closed(fd):
-            self.fail(LLMException("connection lost (the peer closed it)", status_code=LLMStatusCode.LLM_LINK_FAILED))
+            self._peer_closed("the peer closed it")
             return
         for event in held:
             if self.down:
@@ -723,13 +723,17 @@ class Link:
 
     def _control_end(self, exc: BaseException | None) -> None:
         """The control connection ended (``None``: the peer closed it)."""
-        if self.unlinking and self.broken is None and not self.closed:
-            # We sent UNLINK: the peer answers and closes its end, which our reader can hear before our unlink
-            # gets to close(). That is the unlink going through: what waits on the link reads "unlinked"
-            # (LLM_NOT_YET_LINK) and the data channels close gracefully, as close() does (row 275).
+        self._peer_closed("IncompleteReadError" if exc is None else type(exc).__name__)  # as a short read said
+
+    def _peer_closed(self, what: str) -> None:
+        """The peer's end of the control connection is gone: the link failed, unless we sent UNLINK. The peer
+        answers that and closes its end, which we can see before our unlink gets to close() (our reader's end
+        of stream, or a held same-host push's check): that is the unlink going through, so what waits on the
+        link reads "unlinked" (LLM_NOT_YET_LINK) and the data channels close gracefully, as close() does
+        (row 275). (A peer that crashes instead of answering is then told apart by the unlink: no answer.)"""
+        if self.unlinking and not self.down:
             self._unlinked_down("unlinked")
             return
-        what = "IncompleteReadError" if exc is None else type(exc).__name__  # as a short read always said
         self.fail(LLMException(f"connection lost ({what})", status_code=LLMStatusCode.LLM_LINK_FAILED))
 
     def _dispatch(self, event: protocol.Event) -> None:

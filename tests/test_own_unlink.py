@@ -9,13 +9,16 @@ peer's unlink reads ``LLM_NOT_YET_LINK`` ("was unlinked").
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from typing import Any
 
 import pytest
 from peers import DECODER_ID, PROMPT_ID, cluster_info, port_of
 from test_layerwise import DST_BLOCKS, LAYERS, SRC_BLOCKS, Gate, blocks_config, setup
 
-from aio_datadist import LLMException, LLMStatusCode
+from aio_datadist import LLMException, LLMStatusCode, wire
 from aio_datadist.testing import link_to
+from aio_datadist.wire import Msg
 
 pytestmark = pytest.mark.asyncio
 
@@ -42,3 +45,39 @@ async def test_a_transfer_our_own_unlink_cuts_reads_unlinked_and_the_link_is_not
             async with asyncio.timeout(5):  # the decoder forgets its end (it answered our UNLINK)
                 while link_to(s.decoders[0], PROMPT_ID) is not None:
                     await asyncio.sleep(0.01)
+
+
+def _push_local_ahead_of_the_ack(link: Any) -> None:
+    """``link`` (the peer's end) sends a same-host push request (``PUSH_LOCAL``, as one it made just before it
+    read our UNLINK) in the write that carries its ``UNLINK_ACK``; then it closes its end as always."""
+    real = link.send_soon
+
+    def send_soon(msg: Msg, req_id: int, **fields: Any) -> None:
+        if msg is Msg.UNLINK_ACK:
+            push = {f.name: 0 for f in dataclasses.fields(wire.PushLocalReq)}
+            push.update(rows=(), src_rows=b"")
+            real(Msg.PUSH_LOCAL, link.new_req_id(), **push)
+        real(msg, req_id, **fields)
+
+    link.send_soon = send_soon
+
+
+async def test_our_unlink_is_no_failure_when_a_held_same_host_push_sees_the_peer_gone_first() -> None:
+    """A ``PUSH_LOCAL`` is held to the end of its chunk, and then served only if the peer's end is still open:
+    that check saw the close the unlink's answer came with and failed the link (found by review)."""
+    async with setup() as s:
+        _push_local_ahead_of_the_ack(link_to(s.decoders[0], PROMPT_ID))
+        gate = Gate()
+        gate.open(0)
+        task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        await task.layer(0)
+        link = link_to(s.prompt, DECODER_ID)
+        assert link is not None
+        status = await s.prompt.unlink_clusters([cluster_info(DECODER_ID, ("127.0.0.1", 1))])
+        assert status == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+        gate.open(*range(1, LAYERS))
+        with pytest.raises(LLMException) as info:
+            async with asyncio.timeout(5):
+                await task
+        assert info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK, info.value
+        assert link.broken is None, link.broken

@@ -273,7 +273,7 @@ async def test_a_layer_refused_while_the_one_before_waits_for_its_done_leaves_th
                 assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
                 assert handled.done()
                 assert s.prompt.stats().links[DECODER_ID].kinds["push"].in_flight == 0  # layer 0's push ended
-                await task.layer(0)  # it failed "before it was sent"
+                await task.layer(0)  # in place: it succeeds (before the fix it failed "before it was sent")
             assert layer_landed(dst, src, 0, DST_BLOCKS, SRC_BLOCKS)
             assert all(layer_landed(d, src, layer, DST_BLOCKS, SRC_BLOCKS) for d in s.dsts[1:] for layer in
                        range(LAYERS))
