@@ -125,7 +125,10 @@ class PushWatch:
             return
         ms = check_int("timeout", timeout, lo=1, hi=2**31 - 1)
         try:
-            await asyncio.wait_for(asyncio.shield(self._all), ms / 1000)
+            # (asyncio.timeout, not wait_for: on Python 3.11 wait_for dropped a cancel of ours that came in
+            # the loop pass the watch completed, and returned as if nothing had been cancelled)
+            async with asyncio.timeout(ms / 1000):
+                await asyncio.shield(self._all)
         except TimeoutError:
             missing = sorted(layer for layer, fut in self._layers.items() if not fut.done())
             raise LLMException(f"pushed layers {missing} did not land within {ms} ms",

@@ -174,3 +174,17 @@ async def test_a_cpu_cache_cannot_be_watched() -> None:
         with pytest.raises(LLMException) as err:
             pair.dm.watch_pushes(cpu, [0])
         assert err.value.status_code == S.LLM_PARAM_INVALID and "'cache'" in str(err.value), err.value
+
+
+async def test_a_timed_wait_cancelled_in_the_pass_its_watch_completes_is_cancelled() -> None:
+    """``watch.wait(timeout=ms)`` honours a cancel that comes in the loop pass the watch completes. Before, it
+    waited with ``asyncio.wait_for``, which on Python 3.11 returned then and dropped the cancel (found by
+    review)."""
+    async with blocks_pair() as (pair, _, dst):
+        with pair.dm.watch_pushes(dst, [1]) as watch:
+            waiting = asyncio.ensure_future(watch.wait(timeout=5000))
+            await asyncio.sleep(0)
+            watch._all.set_result(None)  # every layer landed (as the arrivals would say) ...
+            waiting.cancel()  # ... and the caller gives up in the same pass
+            with pytest.raises(asyncio.CancelledError):
+                await waiting

@@ -28,8 +28,11 @@ def test_a_decode_with_an_unwritable_stats_path_still_says_done(agents, tmp_path
     _released_soon(prefill, "r1")  # the done came: not held for the claim's 35 s
 
 
-def test_a_prefill_with_an_unwritable_stats_path_keeps_the_side_channel_on_done(agents, tmp_path) -> None:  # noqa: F811
-    prefill, _ = agents(True, stats_path=str(tmp_path / "gone" / "stats.jsonl"), claim_wait_s=5.0)
+@pytest.mark.parametrize("bad", ["missing_directory", "nul_byte"])
+def test_a_prefill_with_an_unwritable_stats_path_keeps_the_side_channel_on_done(agents, tmp_path, bad) -> None:  # noqa: F811
+    """(A path with a NUL byte makes open() raise ValueError, not OSError: found by review.)"""
+    path = tmp_path / "gone" / "stats.jsonl" if bad == "missing_directory" else f"{tmp_path}/stats\0.jsonl"
+    prefill, _ = agents(True, stats_path=str(path), claim_wait_s=5.0)
     decode, _ = agents(False)
     decode.start_pull("d0", _remote(prefill, "r0", [3]), [1])  # vLLM names r0 late: its claim waits aside
     wait(lambda: "r0" in prefill._naming)

@@ -342,7 +342,7 @@ class Agent:
         try:
             with open(self.options.stats_path, "a") as out:
                 out.write(json.dumps({"event": event, "t": time.time(), "engine": self.engine_id, **fields}) + "\n")
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a path open() refuses (a NUL, a lone surrogate)
             now = time.monotonic()
             if now - self._stats_failed_logged >= STATS_LOG_EVERY_S:
                 self._stats_failed_logged = now
