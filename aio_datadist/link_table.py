@@ -126,6 +126,7 @@ class LinkTable:
         #: This endpoint's instance, random: told in every handshake, so that two ends whose link_clusters
         #: dials crossed agree which of the two links they keep (:meth:`_crossing`).
         self.instance = os.urandom(32)
+        self._accepted = 0  # links accepted so far: each accepted link's ``accepted_seq``
         self._over_budget = RefusalLog()  # links refused for their fds
         fd_budget.raise_soft_limit()
         self.on_request = on_request
@@ -234,28 +235,42 @@ class LinkTable:
             self._forget_failed_accepted()
         return True
 
-    def _crossing(self, link: Link) -> Link | None:
+    def _crossing(self, link: Link, since: int) -> Link | None:
         """The accepted link that ``link``, our dial now set up, crossed and replaces, if any.
 
         Two endpoints that call ``link_clusters`` for each other at once each take the other's dial while
         their own still sets up, so each dial finds the cluster linked when it is ready. Both ends keep the
         link dialled by the endpoint of the lower instance: that endpoint's dial replaces the link of the
         other's, and the other endpoint drops its dial, as any dial that finds its cluster linked does. Only
-        the link of the endpoint our dial reached counts (the same instance): one of another endpoint using
-        the cluster id (an old instance of it, another process claiming it) is kept, and our dial dropped.
+        the link of the endpoint our dial reached counts (the same instance), and only one accepted while
+        our dial ran (``since``: the accepted count when it began): one of another endpoint using the cluster
+        id (an old instance of it, another process claiming it) is kept, and our dial dropped, and so is a link
+        that was up before (without a secret an instance can be learned and claimed: a dial without a cluster
+        id reaching such a claimant must not displace a link that did not cross it).
         """
         other = self._live(link.remote_cluster_id)
-        if other is None or other.is_client or link.peer_instance == ZERO32:
+        if other is None or other.is_client or other.accepted_seq <= since or link.peer_instance == ZERO32:
             return None
         if other.peer_instance != link.peer_instance or self.instance >= link.peer_instance:
             return None
         return other
 
-    def _crossed_by(self, remote_id: int, answered: bytes) -> bool:
+    def _close_replaced(self, crossed: Link) -> asyncio.Task:
+        """Unlink ``crossed``, taken out of the table for a dial of ours that crossed it; finalize waits for the
+        close, as for a forgotten link's."""
+        crossed.send_unlink(crossed.new_req_id())
+        closing = asyncio.get_running_loop().create_task(crossed.close("replaced: the peer's dial crossed ours"))
+        self._forgotten.add(closing)
+        closing.add_done_callback(self._forgotten.discard)
+        return closing
+
+    def _crossed_by(self, remote_id: int, answered: bytes, since: int) -> bool:
         """Whether the link now registered for ``remote_id`` is one the endpoint of instance ``answered`` (the
-        one our dial reached) dialled: our dial crossed its, and both ends keep its."""
+        one our dial reached) dialled while our dial ran (``since``): our dial crossed its, and both ends keep
+        its."""
         other = self._live(remote_id)
-        return other is not None and not other.is_client and answered != ZERO32 and other.peer_instance == answered
+        return (other is not None and not other.is_client and other.accepted_seq > since and answered != ZERO32
+                and other.peer_instance == answered)
 
     def _forget_failed_accepted(self) -> None:
         """Keep at most :data:`MAX_FAILED_ACCEPTED` failed accepted links, forgetting the oldest first."""
@@ -393,6 +408,8 @@ class LinkTable:
                                   channels=channels, token=token, remote_address=(peer[0], peer[1]))
             if not bilateral:  # (a bilateral pair never crosses: one end dials, the other waits)
                 link.peer_instance = instance
+            self._accepted += 1
+            link.accepted_seq = self._accepted
             if not self._register(link, start=False):
                 return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
             self._hold(link, claim)
@@ -513,6 +530,7 @@ class LinkTable:
         """Dial ``address`` and register the link; ``remote_id`` None takes whichever cluster answers."""
         # Only a bilateral dial is bounded short of the caller's time: it dials again (link_clusters does not).
         answer_by = asyncio.get_running_loop().time() + BILATERAL_ANSWER_S if bilateral else None
+        since = self._accepted  # only a link accepted while this dial runs can have crossed it
         try:
             async with asyncio.timeout_at(answer_by):
                 reader, writer = await open_control(address)
@@ -564,22 +582,24 @@ class LinkTable:
                 link.peer_instance = ok.instance
             for index, sock in enumerate(sockets):
                 link.install(index, sock, 0)
-            crossed = None if bilateral else self._crossing(link)
+            crossed = None if bilateral else self._crossing(link, since)
             if crossed is not None:
-                # Its dial crossed ours and ours is the one both ends keep: its link goes (the peer is told),
-                # ours takes its place. The peer drops its dial, as its end finds our link in its table.
+                # Its dial crossed ours and ours is the one both ends keep: ours takes its place, then its link
+                # goes (the peer is told, and drops its dial, as its end finds our link in its table). Ours is
+                # registered before anything is awaited: a cancel from here on finds it and unlinks it.
                 self.forget(crossed)
-                crossed.send_unlink(crossed.new_req_id())
-                await settle(asyncio.ensure_future(crossed.close("replaced: the peer's dial crossed ours")),
-                             SET_UP_CLOSE_S)
             if not self._register(link):
                 # Finalized meanwhile, or a link from that cluster was accepted meanwhile: this one goes, and
                 # the peer is told (it forgets its end).
+                if crossed is not None:  # (finalized: out of the table, it goes too)
+                    self._close_replaced(crossed)
                 link.send_unlink(link.new_req_id())
                 await link.close()
                 if self.closing:
                     return LLMStatusCode.LLM_LINK_FAILED
                 return LLMStatusCode.LLM_ALREADY_LINK
+            if crossed is not None:
+                await settle(self._close_replaced(crossed), SET_UP_CLOSE_S)
             await self._share_with(link, ok)
             await self._nixl_with(link, deadline)
             await self._require_transport(link)
@@ -605,7 +625,7 @@ class LinkTable:
                     link.send_unlink(link.new_req_id())
                 await settle(asyncio.ensure_future(link.close("not set up")), SET_UP_CLOSE_S)
             if (answered is not None and not bilateral and isinstance(exc, Exception) and remote_id is not None
-                    and self._crossed_by(remote_id, answered)):
+                    and self._crossed_by(remote_id, answered, since)):
                 # Our dial crossed the peer's, and the peer keeps its own (our end of it is in the table): the
                 # peer cut ours while we set it up. The pair is linked, by the peer's dial.
                 raise LLMException(f"cluster {remote_id} is already linked (its dial crossed ours, and both "

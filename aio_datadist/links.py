@@ -183,6 +183,7 @@ class Link:
         #: The peer endpoint's instance (``LinkTable.instance``), as its handshake said: which endpoint dialled
         #: an accepted link, which one answered a dialled one (zero for a bilateral ``link()``'s).
         self.peer_instance = ZERO32
+        self.accepted_seq = 0  # the link table's count of accepted links when it accepted this one (0: dialled)
         self.nchannels = channels
         self.channels = [_Channel(i) for i in range(2 * channels)]
         self.own = range(0, channels) if is_client else range(channels, 2 * channels)

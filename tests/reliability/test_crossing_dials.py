@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 from peers import cluster_info, port_of
 
 from _harness import endpoint
-from aio_datadist import LLMDataDist, LLMRole, LLMStatusCode
+from aio_datadist import LLMClusterInfo, LLMDataDist, LLMRole, LLMStatusCode
+from aio_datadist.links import Link
 from aio_datadist.testing import link_table_of, link_to
 
 pytestmark = pytest.mark.asyncio
@@ -92,3 +94,74 @@ async def test_a_dial_reaching_another_instance_of_the_cluster_never_replaces_th
         assert kept is not None and theirs_link is not None and kept.token == theirs_link.token
         assert link_to(old, A) is None
         await new.check_link_status(A)
+
+
+@contextlib.contextmanager
+def dialled_links(dd: LLMDataDist) -> Iterator[list[Link]]:
+    """Every link ``dd``'s dials make, as they are made."""
+    table = link_table_of(dd)
+    real, made = table._new_link, []
+
+    def new_link(*args: Any, **kwargs: Any) -> Link:
+        link = real(*args, **kwargs)
+        made.append(link)
+        return link
+
+    table._new_link = new_link  # type: ignore[method-assign]
+    try:
+        yield made
+    finally:
+        table._new_link = real  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("cut", ["finalize", "timeout"])
+async def test_a_call_cut_while_it_replaces_the_crossed_link_leaves_no_link_behind(monkeypatch: Any, cut: str) -> None:
+    """The winner is finalized, or its call's time runs out (a close of 0.8 s: a TLS peer slow to answer
+    close_notify), as it closes the link its dial replaces: its own dial is unlinked and closed, so no end
+    holds a link the other does not (found by review: it was left neither registered nor closed, its fds open,
+    and the loser kept a live link to it)."""
+    real_close = Link.close
+
+    async def close(link: Link, why: str = "unlinked", **kwargs: Any) -> None:
+        if why.startswith("replaced: the peer's dial"):
+            if cut == "finalize":
+                finalizing.append(asyncio.get_running_loop().create_task(a.finalize()))
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0.8)
+        await real_close(link, why, **kwargs)
+
+    finalizing: list[asyncio.Task] = []
+    async with listening(A, LOW) as a, listening(B, HIGH) as b:
+        monkeypatch.setattr(Link, "close", close)
+        with dials_held_until_accepted(a, B), dials_held_until_accepted(b, A), dialled_links(a) as made:
+            (_, [code_a]), _ = await asyncio.gather(
+                a.link_clusters([cluster_info(B, port_of(b))], timeout=5000 if cut == "finalize" else 500),
+                b.link_clusters([cluster_info(A, port_of(a))], timeout=5000))
+        await asyncio.gather(*finalizing)
+        # (finalize: or the call got through before finalize reached it, and finalize then closed the link)
+        assert code_a in ((S.LLM_LINK_FAILED, S.LLM_SUCCESS) if cut == "finalize" else (S.LLM_TIMEOUT,))
+        async with asyncio.timeout(3):  # the peer hears our dial's UNLINK
+            while (left := link_to(b, A)) is not None and not left.down:
+                await asyncio.sleep(0.01)
+        assert all(link.closed for link in made), made
+        if cut == "timeout":
+            assert link_to(a, B) is None
+
+
+async def test_a_claimed_instance_never_displaces_a_link_that_was_up_before_the_dial() -> None:
+    """Without a secret anyone learns an endpoint's instance by linking to it (``LINK_OK`` carries it). A dial
+    of ours without a cluster id that reaches a process claiming B and B's instance reports
+    ``LLM_ALREADY_LINK`` and leaves B's link, up before the dial began, alone: only a link accepted while the
+    dial ran can have crossed it (found by review: ours replaced B's honest link when our instance was lower)."""
+    async with listening(A, LOW) as a, listening(B, HIGH) as b:
+        assert (await b.link_clusters([cluster_info(A, port_of(a))], timeout=5000))[1] == [S.LLM_SUCCESS]
+        honest = link_to(a, B)
+        async with listening(B, HIGH) as claimant:
+            anywhere = LLMClusterInfo()  # no remote_cluster_id: whichever cluster listens there
+            anywhere.append_remote_ip_info(*port_of(claimant))
+            assert (await a.link_clusters([anywhere], timeout=5000))[1] == [S.LLM_ALREADY_LINK]
+            await asyncio.sleep(0.3)
+            assert link_to(a, B) is honest and not honest.down
+            assert link_to(claimant, A) is None
+        await b.check_link_status(A)
