@@ -239,6 +239,37 @@ async def test_bad_ledger_and_grant_records_are_protocol_errors():
         assert served is None or served.transfers == 0
 
 
+async def test_revokes_and_readys_past_what_an_honest_peer_sends_are_protocol_errors():
+    """A REVOKE per grant, one READY per link (rows 283, 284; found by audit). Before, every REVOKE of a cache
+    our read had in flight was counted and all were answered as the read ended, in one loop step: 400,000 of
+    them queued 17 MB on the control connection (past ``CONTROL_WRITE_LIMIT``) in 1.3 s; one of a cache never
+    granted was answered at once; and each READY queued work on the NIXL worker (50,000: 2.1 s of the loop,
+    37,663 commands queued). Once we gave NIXL up, the peer's revocations of what it granted since (GRANTs we
+    dropped unread) are still answered at once."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        await granted(pair.decoder, src)
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        held = hold_sent(pair.decoder, {nixl_grants.REVOKED})
+
+        def record(kind: int, cache_id: int = 0) -> NixlRecord:
+            return NixlRecord(kind=kind, cache_id=cache_id, count=0, row_bytes=0, rows=(), blob=b"")
+
+        with pytest.raises(ProtocolError):
+            peer.on_message(record(nixl.READY))
+        with pytest.raises(ProtocolError):
+            peer.on_message(record(nixl_grants.REVOKE, 77))  # never granted
+        assert peer.granted.read_started(src.cache_id)  # a read of ours in flight
+        peer.on_message(record(nixl_grants.REVOKE, src.cache_id))
+        with pytest.raises(ProtocolError):
+            peer.on_message(record(nixl_grants.REVOKE, src.cache_id))
+        peer.granted.read_ended(src.cache_id)
+        assert [r[:2] for r in held[1:]] == [(nixl_grants.REVOKED, src.cache_id)]
+        peer.decline("the test gives NIXL up", tell=False)
+        peer.on_message(record(nixl_grants.REVOKE, 78))  # granted after we declined: honest, answered
+        assert [r[:2] for r in held[1:]] == [(nixl_grants.REVOKED, src.cache_id), (nixl_grants.REVOKED, 78)]
+
+
 def hold_sent(dd, kinds: set[int]) -> list[tuple]:
     """``dd``'s NIXL peer on the link to the prompt keeps its own records of ``kinds`` (returned, as the
     arguments of its send) instead of sending them: as if they were still on their way."""

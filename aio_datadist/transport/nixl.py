@@ -765,6 +765,8 @@ class NixlPeer:
             if not self.ready.done():
                 self.ready.set_result(False)
         elif kind == READY:
+            if self._peer_loaded:  # an honest peer says it once; each one queued work on our NIXL worker
+                raise ProtocolError("a second NIXL READY")
             self._peer_loaded = True
             # Queued behind every offer before it whose load started; a load the pace delays (nixl_offers) comes
             # later, and the link may be ready before it: that cache's transfers take TCP until it is prepared.

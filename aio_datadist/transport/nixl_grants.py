@@ -112,6 +112,9 @@ class ReadGrants:
         self._geometries: dict[int, tuple[object, tuple, Geometry]] = {}  # grant_for's, per offer and grant
         self.reading: dict[int, int] = {}  # reads in flight per cache (a dict: Counter's methods run in Python)
         self._revoked: collections.Counter[int] = collections.Counter()  # REVOKEs to answer once reads end
+        # Grants the peer has not revoked yet, per cache (kept through a DECLINE: reads in flight still answer
+        # revocations). An honest owner revokes a cache once per grant of it; a REVOKE past that is a lie.
+        self._unrevoked: collections.Counter[int] = collections.Counter()
         self._reads: dict[int, list] = {}
         self._reporting: asyncio.TimerHandle | None = None
         self._nudged = 0.0  # when we last nudged the peer (loop time)
@@ -197,6 +200,7 @@ class ReadGrants:
             raise ProtocolError("bad NIXL grant")
         self.grants[cache_id] = (slot, model_id, data_type, shape, word)
         self.by_model[model_id] = cache_id
+        self._unrevoked[cache_id] += 1
 
     def forget(self, cache_id: int) -> None:
         """The peer withdrew ``cache_id``: no read of it starts any more (one in flight still ends as before)."""
@@ -206,7 +210,22 @@ class ReadGrants:
             del self.by_model[grant[1]]
 
     def on_revoke(self, cache_id: int) -> None:
-        """The peer's ``REVOKE`` of ``cache_id``: answered once no read of ours is in flight."""
+        """The peer's ``REVOKE`` of ``cache_id``: answered once no read of ours is in flight. One per grant of it
+        (a ProtocolError past that): each owes a ``REVOKED``, which went out all at once as the read ended, so
+        a peer repeating it while our read was in flight had us queue any number of records in one loop step
+        past the control connection's write limit (and one not granted was answered at once: a reflection)."""
+        owed = self._unrevoked[cache_id]
+        if owed <= 0:
+            if self.declined and not self.closed:
+                # We gave NIXL up: its GRANTs since were dropped unread, their REVOKEs are honest. Nothing of
+                # the cache is read here: say so at once (one record per record, nothing held back).
+                self._send(REVOKED, cache_id, 0, 0, (), b"")
+                return
+            raise ProtocolError("NIXL revoke of a cache not granted (or revoked already)")
+        if owed == 1:
+            del self._unrevoked[cache_id]
+        else:
+            self._unrevoked[cache_id] = owed - 1
         self.forget(cache_id)
         if self.reading.get(cache_id, 0) > 0:
             self._revoked[cache_id] += 1  # REVOKED once our last read of it settled (read_ended)
