@@ -38,7 +38,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from aio_datadist.control_reader import ControlReader
-from aio_datadist.fd_budget import ACCEPT_GONE, ACCEPT_RETRY_S, NO_ROOM
+from aio_datadist.fd_budget import ACCEPT_GONE, ACCEPT_RETRY_S, NO_ROOM, close_listening
 
 __all__ = ["ARRIVAL_FACTOR", "ARRIVAL_GRACE_S", "LISTEN_BACKLOG", "STALL_GRACE_S", "Admission", "Pending", "streams"]
 
@@ -130,7 +130,7 @@ class Admission:
                 task.cancel()
                 await asyncio.wait([task])
         finally:  # cancelled in the wait too: a socket left listening would take connections nobody accepts
-            self.sock.close()
+            close_listening(self.sock)
 
     # -- the accept loop -----------------------------------------------------
 

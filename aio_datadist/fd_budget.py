@@ -25,15 +25,17 @@ endpoint of a process raises the soft limit to the hard one (at most
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import resource
+import socket
 
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ["ACCEPT_GONE", "ACCEPT_RETRY_S", "NO_ROOM", "RESERVE", "SOFT_TARGET", "Claim", "claim", "open_count",
-           "per_link", "raise_soft_limit", "soft_limit"]
+__all__ = ["ACCEPT_GONE", "ACCEPT_RETRY_S", "NO_ROOM", "RESERVE", "SOFT_TARGET", "Claim", "claim", "close_listening",
+           "open_count", "per_link", "raise_soft_limit", "soft_limit"]
 
 log = logging.getLogger("aio_datadist.links")
 
@@ -51,6 +53,16 @@ ACCEPT_GONE = (errno.ECONNABORTED, errno.EPROTO, errno.EINTR)
 SOFT_TARGET = 1 << 20
 
 _promised = 0  # process-wide, as the fd table is
+
+
+def close_listening(sock: socket.socket) -> None:
+    """Stop ``sock`` listening for good, then close it. A close only drops this fd: a child forked since holds
+    the socket too, which then went on taking connections into its backlog that nobody answers (a dialler
+    waited out its whole time-out) and kept the port from being listened on again. On Linux a shutdown of a
+    listening socket stops it listening in every process that holds it."""
+    with contextlib.suppress(OSError):  # (not connected: ENOTCONN on some kernels; nothing else to do then)
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def raise_soft_limit() -> int:

@@ -185,6 +185,55 @@ def test_a_forked_child_of_a_process_with_an_endpoint_exits_and_leaves_its_ledge
     assert "ledger words: True" in out, out
 
 
+def test_a_forked_child_does_not_keep_the_parents_finalized_listeners():
+    """A child forked from a process with a listening endpoint (TCP door and same-host share socket) lives on,
+    holding its copies of the fds, and even lets go of the parent's endpoint (``finalize`` there): once the
+    parent finalized, a dial of either listener is refused at once and the TCP port can be listened on again.
+    Before, closing the parent's fd left the child's copy listening: a dial was taken into the backlog and never
+    answered (a peer's link_clusters waited out its whole time-out) and listening on the port again failed
+    ``EADDRINUSE`` for as long as the child lived (row 285; found by audit)."""
+    out = run('''
+    import asyncio, socket
+    from aio_datadist import LLMDataDist, LLMRole
+    from aio_datadist.testing import share_listener_of
+    from peers import options
+
+    loop = asyncio.new_event_loop()
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    loop.run_until_complete(dd.init(options(listen=True, transport="auto")))
+    address, share = dd.listen_address, share_listener_of(dd).name
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)
+        asyncio.run(dd.finalize())  # lets go: the parent's endpoint
+        os.read(r, 1)  # lives on until the parent says
+        os._exit(0)
+    os.close(r)
+    loop.run_until_complete(dd.finalize())
+    for family, kind, where in ((socket.AF_INET, socket.SOCK_STREAM, address),
+                                (socket.AF_UNIX, socket.SOCK_SEQPACKET, share)):
+        with socket.socket(family, kind) as sock:
+            sock.settimeout(2)
+            try:
+                sock.connect(where)
+                print("dial: taken", family)
+            except (ConnectionRefusedError, FileNotFoundError):
+                print("dial: refused", family)
+    again = LLMDataDist(LLMRole.PROMPT, 8)
+    config = options(listen=True, transport="tcp")
+    config["llm.listenIpInfo"] = f"{address[0]}:{address[1]}"
+    loop.run_until_complete(again.init(config))
+    print("listens again:", again.listen_address == address)
+    loop.run_until_complete(again.finalize())
+    os.write(w, b"x")
+    print("child:", reap(pid))
+    loop.close()
+    ''')
+    assert out.count("dial: refused") == 2, out
+    assert "listens again: True" in out and "child: 0" in out, out
+
+
 def test_a_forked_child_is_refused_work_on_the_parents_objects_and_can_make_its_own():
     """Each call that would submit, wait or read the parent's eventfd raises at once in the child (it would
     hang, or steal the parent's wake-ups); objects the child makes work there."""

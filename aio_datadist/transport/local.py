@@ -49,7 +49,7 @@ from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what s
 from aio_datadist.devices.host import check_sealed, drop_read_only, file_of, map_read_only
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
 from aio_datadist.devices.peer_cache import PeerDeviceCache
-from aio_datadist.fd_budget import ACCEPT_GONE, ACCEPT_RETRY_S
+from aio_datadist.fd_budget import ACCEPT_GONE, ACCEPT_RETRY_S, close_listening
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.fit import Geometry, geometry_of
 from aio_datadist.transport.ledger import LEDGER_BYTES, NO_SLOT, SLOTS, Ledger, PeerLedger
@@ -842,7 +842,7 @@ class LocalListener:
             self._loop.remove_reader(self.sock.fileno())
         for task in list(self._pending):
             task.cancel()
-        self.sock.close()
+        close_listening(self.sock)
 
 
 async def connect_share(name: bytes, token: bytes, secret: bytes | None) -> socket.socket:
