@@ -389,8 +389,10 @@ class LLMDataDist:
         _LIVE.add(self)
 
     def finalize(self) -> None:
-        _LIVE.discard(self)
+        # Dropped from the exit's finalize once this one ran: a call refused before it ran (from inside a running
+        # loop) or stopped part-way (Ctrl-C) leaves it there (finalize is idempotent).
         _RUNNER.run(self._dd.finalize())
+        _LIVE.discard(self)
 
     def link_clusters(self, clusters: Sequence[LLMClusterInfo],
                       timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:

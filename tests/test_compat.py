@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import pathlib
@@ -52,6 +53,27 @@ def test_blocking_calls_and_return_shapes(private_loop):
     finally:
         dd.finalize()
     assert not dd.kv_cache_manager.is_initialized()
+
+
+def test_a_finalize_refused_before_it_ran_leaves_the_endpoint_to_the_exit_finalize(private_loop):
+    """Before, ``finalize`` dropped the endpoint from the ones finalized at exit before its call ran: one refused
+    (from inside a running event loop) left a live endpoint nothing would unlink at exit (row 286; found by
+    audit)."""
+    dd = LLMDataDist(LLMRole.PROMPT, 41)
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.listen_ip_info = "127.0.0.1:0"
+    dd.init(cfg.generate_options())
+    try:
+        async def misuse() -> None:
+            dd.finalize()
+
+        with pytest.raises(RuntimeError, match="async API"):
+            asyncio.run(misuse())
+        assert dd.listen_address is not None and dd in compat._LIVE
+    finally:
+        dd.finalize()
+    assert dd not in compat._LIVE
 
 
 @pytest.mark.asyncio
