@@ -248,12 +248,23 @@ class LinkTable:
         that was up before (without a secret an instance can be learned and claimed: a dial without a cluster
         id reaching such a claimant must not displace a link that did not cross it).
         """
+        if not self.authenticates:
+            return None
         other = self._live(link.remote_cluster_id)
         if other is None or other.is_client or other.accepted_seq <= since or link.peer_instance == ZERO32:
             return None
         if other.peer_instance != link.peer_instance or self.instance >= link.peer_instance:
             return None
         return other
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether only peers that prove the shared secret link: their instances are then theirs. Without one
+        (TLS alone may admit any client), any process that links can learn an endpoint's instance (its
+        ``LINK_OK`` says it) and claim it: one at an address we dial (a stale one it took over) could then have
+        our dial replace an honest link that crossed it, so crossing dials are not told apart there (both are
+        dropped, as two dials that find their cluster linked)."""
+        return self.secret is not None
 
     def _close_replaced(self, crossed: Link) -> asyncio.Task:
         """Unlink ``crossed``, taken out of the table for a dial of ours that crossed it; finalize waits for the
@@ -269,8 +280,8 @@ class LinkTable:
         one our dial reached) dialled while our dial ran (``since``): our dial crossed its, and both ends keep
         its."""
         other = self._live(remote_id)
-        return (other is not None and not other.is_client and other.accepted_seq > since and answered != ZERO32
-                and other.peer_instance == answered)
+        return (self.authenticates and other is not None and not other.is_client and other.accepted_seq > since
+                and answered != ZERO32 and other.peer_instance == answered)
 
     def _forget_failed_accepted(self) -> None:
         """Keep at most :data:`MAX_FAILED_ACCEPTED` failed accepted links, forgetting the oldest first."""
@@ -494,7 +505,8 @@ class LinkTable:
             log.warning("link to cluster %s at %s:%s refused here: %s", remote_id, *address, exc)
             return exc.status_code
         existing = None if remote_id is None else self.links.get(remote_id)
-        task = loop.create_task(self._handshake(remote_id, address, existing, deadline))
+        # Counted before the dial's task first runs: a peer's dial accepted in this loop pass crossed ours too.
+        task = loop.create_task(self._handshake(remote_id, address, existing, deadline, since=self._accepted))
         if remote_id is not None:
             self._dialling[remote_id] = task
         else:  # close() stops it as any other dial
@@ -526,11 +538,14 @@ class LinkTable:
                 del self._dialling[remote_id]
 
     async def _handshake(self, remote_id: int | None, address: tuple[str, int], existing: Link | None,
-                         deadline: float | None = None, *, bilateral: bool = False) -> LLMStatusCode:
-        """Dial ``address`` and register the link; ``remote_id`` None takes whichever cluster answers."""
+                         deadline: float | None = None, *, bilateral: bool = False,
+                         since: int | None = None) -> LLMStatusCode:
+        """Dial ``address`` and register the link; ``remote_id`` None takes whichever cluster answers; ``since``:
+        the count of accepted links when the dial began (only a link accepted after can have crossed it)."""
         # Only a bilateral dial is bounded short of the caller's time: it dials again (link_clusters does not).
         answer_by = asyncio.get_running_loop().time() + BILATERAL_ANSWER_S if bilateral else None
-        since = self._accepted  # only a link accepted while this dial runs can have crossed it
+        if since is None:
+            since = self._accepted
         try:
             async with asyncio.timeout_at(answer_by):
                 reader, writer = await open_control(address)

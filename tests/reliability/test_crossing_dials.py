@@ -50,9 +50,14 @@ def dials_held_until_accepted(dd: LLMDataDist, remote_id: int) -> Iterator[None]
         table.dial_data = real  # type: ignore[method-assign]
 
 
+SECRET = "crossing dials"
+
+
 @contextlib.asynccontextmanager
-async def listening(cluster_id: int, instance: bytes) -> AsyncIterator[LLMDataDist]:
-    async with endpoint(LLMRole.PROMPT, cluster_id, listen=True, transport="tcp") as dd:
+async def listening(cluster_id: int, instance: bytes, secret: str | None = SECRET) -> AsyncIterator[LLMDataDist]:
+    """A listening endpoint of ``instance`` (a shared secret by default: crossings are told apart only then)."""
+    config = {} if secret is None else {"shared_secret": secret}
+    async with endpoint(LLMRole.PROMPT, cluster_id, listen=True, transport="tcp", **config) as dd:
         link_table_of(dd).instance = instance
         yield dd
 
@@ -165,3 +170,20 @@ async def test_a_claimed_instance_never_displaces_a_link_that_was_up_before_the_
             assert link_to(a, B) is honest and not honest.down
             assert link_to(claimant, A) is None
         await b.check_link_status(A)
+
+
+async def test_without_a_secret_a_claimant_our_dial_reaches_never_displaces_a_link_that_crossed_it() -> None:
+    """No secret: any process may link, learn an endpoint's instance from its ``LINK_OK`` and claim it. One
+    at an address we dial (a stale address it took over) that claims B and B's instance, answering slowly
+    while honest B links to us, must not have our dial replace B's link: crossings are resolved only between
+    peers that proved a shared secret; here our dial finds B linked and drops itself, as before row 280 (found
+    by review: B's link was unlinked after its call reported success)."""
+    async with listening(A, LOW, None) as a, listening(B, HIGH, None) as b, listening(B, HIGH, None) as claimant:
+        with dials_held_until_accepted(a, B):
+            ours = asyncio.ensure_future(a.link_clusters([cluster_info(B, port_of(claimant))], timeout=5000))
+            await asyncio.sleep(0.2)  # our dial waits in its data channels: the claimant is slow
+            assert (await b.link_clusters([cluster_info(A, port_of(a))], timeout=5000))[1] == [S.LLM_SUCCESS]
+            assert (await ours)[1] == [S.LLM_ALREADY_LINK]
+        await asyncio.sleep(0.3)
+        honest, kept = link_to(b, A), link_to(a, B)
+        assert honest is not None and not honest.down and kept is not None and kept.token == honest.token
