@@ -20,6 +20,7 @@ only once no byte of it can land any more.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
 
 __all__ = ["run_pull", "run_push"]
+
+log = logging.getLogger("aio_datadist.transfers")
 
 
 async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *,
@@ -209,9 +212,10 @@ class _Cut:
     once, and the device copies of a device cache's transfer are waited for (``wait_cut_copies``); then the
     transfer's task is cancelled, so that it queues nothing more when it wakes (a staged pull's next scatter,
     a device-IPC pull's copy: its answer or chunk may be in already, its task about to run), and fails with
-    ``LLM_KV_CACHE_NOT_EXIST``, as does a transfer that ended before its task woke. A host transfer the owner
-    carries in place (a same-host pull's copy by our copy threads, NIXL) is not cut: its task is left to wait
-    for the copy, which a cancel would not stop (``docs/reliability.md``, row 168)."""
+    ``LLM_KV_CACHE_NOT_EXIST``, as does a transfer that ended before its task woke. A NIXL READ or WRITE the
+    owner answered is stopped first: it posts no further piece, and the piece our NIXL worker moves is waited
+    for (``nixl.Halting.halt``). A same-host pull's copy by our copy threads is stopped by its own watch
+    (``same_host.run_copy_job``): its task is left to wait for it."""
 
     __slots__ = ("rt", "plan", "req", "task", "cancelled")
 
@@ -229,7 +233,10 @@ class _Cut:
         on_device = self.plan.local.on_device
         if on_device:
             wait_cut_copies(self.rt, req.what)
-        if (on_device or not req.in_place) and not self.task.done():
+        halt = getattr(req.settled, "halt", None) if req.in_place else None  # NIXL's (``nixl.Halting``)
+        if halt is not None and not halt():
+            log.error("%s: the NIXL transfer of a released cache did not stop in time", req.what)
+        if (on_device or not req.in_place or halt is not None) and not self.task.done():
             self.cancelled = True
             self.task.cancel()
 

@@ -1,23 +1,34 @@
-"""The NIXL reader (a pull without asking, ``transport/nixl_plane._read``) reads nothing into a destination released
-while it awaited its loop turn or its ledger word (row 269).
+"""A NIXL pull into a registered destination that the caller releases lands nothing after the release returned.
 
-Without NIXL here, the reader runs against a stand-in peer that answers the word at once and records the READ it
-is asked to post: the reader's own checks are what is under test. Before, a release in the reader's first loop turn
-went unseen and the READ was posted into memory the caller had back.
+The reader (a pull without asking, ``transport/nixl_plane._read``) reads nothing into a destination released while
+it awaited its loop turn or its ledger word (row 269): there it runs against a stand-in peer that answers the word at
+once and records the READ it is asked to post, so the reader's own checks are what is under test. Before, a release
+in the reader's first loop turn went unseen and the READ was posted into memory the caller had back.
+
+A READ already posted, asked or not, is stopped by the release (row 282), over real NIXL: the engine posts it in
+pieces, each posting slowed so that the release lands while our worker moves one. Before, the release returned at
+once and the READ went on writing the caller's memory, and the pull succeeded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import types
+import weakref
+from typing import Any
 
 import pytest
 import torch
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
-from aio_datadist.transport import nixl_plane
+from aio_datadist.testing import link_to, nixl_agent_of, registry_of
+from aio_datadist.transport import nixl_engine, nixl_plane
 
-from peers import linked_pair
+from peers import NIXL_MISSING, PROMPT_ID, linked_pair
+
+needs_nixl = pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
 
 WORD = 7
 CACHE_ID = 3
@@ -56,7 +67,8 @@ async def test_a_destination_released_in_the_readers_first_turn_gets_no_read() -
         plan = types.SimpleNamespace(local=dst, local_first=0, local_rows=[0], total=512)
         region = types.SimpleNamespace(cache_id=CACHE_ID)
         peer = StandInPeer(region)
-        read = asyncio.ensure_future(nixl_plane._read(peer, plan, region, 0, WORD, 0, [1], 2, 1000, "pull"))
+        registry = registry_of(pair.decoder)
+        read = asyncio.ensure_future(nixl_plane._read(registry, peer, plan, region, 0, WORD, 0, [1], 2, 1000, "pull"))
         await asyncio.sleep(0)  # the reader waits for its loop turn
         pair.dm.deallocate_cache(dst)
         with pytest.raises(LLMException) as info:
@@ -66,5 +78,80 @@ async def test_a_destination_released_in_the_readers_first_turn_gets_no_read() -
 
         again = pair.dm.register_blocks_cache(blocks, mine, BlocksCacheKey(2, 0))  # alive: the READ is posted
         plan.local = again
-        assert await asyncio.wait_for(nixl_plane._read(peer, plan, region, 0, WORD, 0, [1], 2, 1000, "pull"), 5)
+        assert await asyncio.wait_for(nixl_plane._read(registry, peer, plan, region, 0, WORD, 0, [1], 2, 1000, "pull"),
+                                      5)
         assert len(peer.posted) == 1
+
+
+NIXL = {"transport": "nixl"}
+BIG = CacheDesc(2, (64, 256 * 1024), DataType.DT_INT8, Placement.HOST)  # 2 x 16 MiB: posted by the worker
+ALL = list(range(64))
+PIECES = 8  # of 4 MiB
+
+
+def slow_pieces(monkeypatch: Any, engine: Any, delay_s: float) -> list[float]:
+    """Each piece of rows (not a ledger word) our worker posts takes ``delay_s`` longer (before NIXL copies it); the
+    start of each is listed."""
+    kind = type(engine.agent)
+    real_make, real_transfer = kind.make_prepped_xfer, kind.transfer
+    worker = weakref.ref(engine._thread)
+    rows: set[int] = set()
+    calls: list[float] = []
+
+    def make_prepped_xfer(self, op, local, local_idx, *args, **kwargs):
+        handle = real_make(self, op, local, local_idx, *args, **kwargs)
+        if len(local_idx) > 1:
+            rows.add(id(handle))
+        return handle
+
+    def transfer(self, handle, *args, **kwargs):
+        if id(handle) in rows and threading.current_thread() is worker():
+            calls.append(time.monotonic())
+            time.sleep(delay_s)
+        return real_transfer(self, handle, *args, **kwargs)
+
+    monkeypatch.setattr(kind, "make_prepped_xfer", make_prepped_xfer)
+    monkeypatch.setattr(kind, "transfer", transfer)
+    return calls
+
+
+@needs_nixl
+@pytest.mark.nixl
+@pytest.mark.asyncio
+@pytest.mark.parametrize("asked", [False, True], ids=["without-asking", "asked"])
+async def test_a_read_in_flight_into_a_released_destination_stops_before_the_release_returns(asked, monkeypatch):
+    monkeypatch.setattr(nixl_engine, "CHUNK_BYTES", BIG.shape[0] * BIG.shape[1] * 2 // PIECES)
+    if asked:
+        monkeypatch.setattr(nixl_plane.NixlPlane, "reader", lambda *args: None)
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT_ID))
+        for t in src.tensors:
+            t.fill_(9)
+        mine = [torch.zeros(BIG.shape, dtype=torch.int8) for _ in range(BIG.num_tensors)]
+        dst = pair.dm.register_blocks_cache(BIG, mine, BlocksCacheKey(2, 0))
+        agent = nixl_agent_of(pair.decoder)
+        await agent.registered(dst)
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(5):
+            while peer.grant_for(BlocksCacheKey(PROMPT_ID).model_id) is None or src.cache_id not in peer.caches:
+                await asyncio.sleep(0.005)
+        calls = slow_pieces(monkeypatch, agent.engine, 0.05)
+        pull = asyncio.create_task(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL))
+        async with asyncio.timeout(5):
+            while not calls:  # our worker posts the first piece
+                await asyncio.sleep(0.001)
+        pair.dm.deallocate_cache(dst)
+        for t in mine:
+            t.fill_(5)  # the caller reuses its memory at once
+        with pytest.raises(LLMException) as info:
+            await asyncio.wait_for(pull, 5)
+        assert info.value.status_code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, info.value
+        await asyncio.sleep(0.1)  # two more pieces' time
+        assert all(bool((t == 5).all()) for t in mine)
+        assert len(calls) == 1  # no piece posted after the release
+        assert agent.engine.in_flight() == 0
+
+        again = pair.dm.register_blocks_cache(BIG, mine, BlocksCacheKey(2, 0))  # the link goes on
+        await agent.registered(again)
+        await asyncio.wait_for(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), again, ALL, ALL), 5)
+        assert all(bool((t == 9).all()) for t in mine)

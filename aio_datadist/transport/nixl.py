@@ -75,10 +75,15 @@ if TYPE_CHECKING:
     from aio_datadist.cache import KvCache
     from aio_datadist.runtime import Runtime
 
-__all__ = ["NixlPeer", "NixlAgent", "link_tag", "HELLO", "OFFER", "WITHDRAW", "READY", "PREPARED", "DECLINE",
-           "OFFER_VRAM", "SETUP_SHARE", "vram_off"]
+__all__ = ["CUT_WAIT_S", "Halting", "NixlPeer", "NixlAgent", "link_tag", "HELLO", "OFFER", "WITHDRAW", "READY",
+           "PREPARED", "DECLINE", "OFFER_VRAM", "SETUP_SHARE", "vram_off"]
 
 log = logging.getLogger("aio_datadist.nixl")
+
+#: How long releasing a registered cache waits, blocking, for a NIXL transfer of ours that moves it to stop (the
+#: piece in progress: ``nixl_engine.CHUNK_BYTES``), and as long again once its peer's agent was let go
+#: (:meth:`Halting.halt`).
+CUT_WAIT_S = 1.0
 
 HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM = 1, 2, 3, 4, 5, 6, 7
 #: ... and those of reads without asking (``transport/nixl_grants.py``), numbered after them.
@@ -164,6 +169,29 @@ def _extents(cache: KvCache) -> list[tuple[int, int]]:
         else:
             out.append([base, lay.tensor_bytes])
     return [(a, n) for a, n in out]
+
+
+class Halting(Settling):
+    """The settling of a transfer posted to our worker, which can also be stopped at once (:meth:`halt`): a
+    release of the registered cache it moves must not return while a byte of it can still land."""
+
+    def __init__(self, engine: NixlEngine, tokens: list[int], *, loop: asyncio.AbstractEventLoop,
+                 force: Callable[[], None], forcing: Callable[[], bool]) -> None:
+        super().__init__(lambda: bool(tokens) and engine.working(tokens[0]), loop=loop, force=force, forcing=forcing)
+        self._engine, self._tokens = engine, tokens
+
+    def halt(self, bound_s: float = CUT_WAIT_S) -> bool:
+        """Cancel the transfer and block (the loop's thread too: our worker moves it, not the loop) until no piece
+        of it is in NIXL's hands, ``bound_s`` at most; still there then (the peer makes no progress on it), its
+        peer's agent is let go (the link goes with it, ``NixlAgent._let_go``) and it gets ``bound_s`` more. Whether
+        it stopped."""
+        if self.done() or not self._tokens:
+            return True
+        token = self._tokens[0]
+        if self._engine.halt(token, bound_s):
+            return True
+        self._engine.force_off(token)
+        return self._engine.halt(token, bound_s)
 
 
 class _LocalCache:
@@ -943,9 +971,8 @@ class NixlPeer:
             return moved, settled, str
         handle = None if posted is None else posted[1]
         tokens: list[int] = []
-        settled = Settling(lambda: bool(tokens) and engine.working(tokens[0]), loop=loop,
-                           force=lambda: self._force_off(tokens, what),
-                           forcing=lambda: bool(tokens) and engine.forcing(tokens[0]))
+        settled = Halting(engine, tokens, loop=loop, force=lambda: self._force_off(tokens, what),
+                          forcing=lambda: bool(tokens) and engine.forcing(tokens[0]))
 
         def submit(token: int) -> None:
             tokens.append(token)

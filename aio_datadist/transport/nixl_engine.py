@@ -193,7 +193,11 @@ class NixlEngine:
         #: The memory types each backend reports it can register (``DRAM_SEG``, ``VRAM_SEG``, ...).
         self.mem_types: dict[str, list[str]] = {b: list(self.agent.get_backend_mem_types(b))
                                                 for b in self.agent.backends}
-        self._cv = threading.Condition()
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)
+        # Woken whenever a token's work reports back (``_post``), for a thread that waits for one (``halt``); apart
+        # from ``_cv``, whose single ``notify`` is meant for the worker.
+        self._over = threading.Condition(lock)
         #: Held by whichever thread is inside the agent: the worker (blocking) or the loop (tried only).
         self._agent_lock = threading.Lock()
         self._commands: collections.deque = collections.deque()
@@ -323,6 +327,19 @@ class NixlEngine:
             self._cancelled.add(token)
             self._cv.notify()
         return True
+
+    def halt(self, token: int, bound_s: float) -> bool:
+        """Cancel ``token``'s work and block the calling thread (the GIL let go) until none of it is queued, being
+        posted or in NIXL's hands: the piece in progress ends, no further piece is posted. Whether that came within
+        ``bound_s``; the record follows as after :meth:`cancel`. The worker needs nothing of the waiting thread."""
+        self.cancel(token)
+        with self._cv:
+            return self._over.wait_for(lambda: not self._unsettled(token), bound_s)
+
+    def _unsettled(self, token: int) -> bool:
+        """Whether ``token``'s work has not reported back yet (``_cv`` held)."""
+        return not self._stopped and (token in self._active or token in (self._current, self._posting, self._copying)
+                                      or self._queued(token))
 
     def force_off(self, token: int) -> bool:
         """Let go of the peer agent of ``token``'s transfer, given up and still in NIXL's hands past its bounds (the
@@ -497,6 +514,7 @@ class NixlEngine:
                     self._current = 0
                 if token == self._posting:
                     self._posting = 0
+                self._over.notify_all()
             self._queue.post(token, status, aux)
 
     def _fail(self, token: int, exc: BaseException) -> None:
@@ -762,6 +780,7 @@ class NixlEngine:
             self._stopped = True
             self._forcing.clear()
             self._force_pending.clear()
+            self._over.notify_all()
 
 
 def agent_name(cluster_id: int) -> str:

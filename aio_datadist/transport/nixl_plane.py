@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -33,16 +34,19 @@ from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.base import InPlacePlane, LinkPort, Request, Served, meets, nixl_settle
 from aio_datadist.transport.device_ipc import fence, serve_fenced
 from aio_datadist.transport.fit import Refusal, fit
-from aio_datadist.transport.nixl import NixlPeer, notif_for
+from aio_datadist.transport.nixl import CUT_WAIT_S, Halting, NixlPeer, notif_for
 from aio_datadist.transport.nixl_grants import CALLER_MEMORY, NUDGE_AFTER_S, NUDGE_HOLD_S, NUDGE_RATE
 from aio_datadist.wire import Msg, ReqFlag, Resp, Target, TransferReq
 
 if TYPE_CHECKING:
+    from aio_datadist.cache import CacheRegistry
     from aio_datadist.plans import Plan
     from aio_datadist.runtime import Runtime
     from aio_datadist.transport.nixl import _RemoteCache
 
 __all__ = ["PLANE", "NixlPlane"]
+
+log = logging.getLogger("aio_datadist.nixl")
 
 
 class NixlPlane(InPlacePlane):
@@ -83,7 +87,7 @@ class NixlPlane(InPlacePlane):
             return None  # the owner says why
         if count != plan.local_count or count * len(rows) * remote.nbytes != plan.total:
             return None
-        return functools.partial(_read, peer, plan, region, slot, word, first, rows, count)
+        return functools.partial(_read, rt.registry, peer, plan, region, slot, word, first, rows, count)
 
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
@@ -147,8 +151,8 @@ class NixlPlane(InPlacePlane):
         return link.nixl.expect_push(req_id, f"NIXL push {req_id}")
 
 
-async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, word: int, first: int,
-                rows: list[int], count: int, timeout_ms: int, what: str) -> bool:
+async def _read(registry: CacheRegistry, peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, word: int,
+                first: int, rows: list[int], count: int, timeout_ms: int, what: str) -> bool:
     """Read the owner's ledger word for its granted cache, then READ the pull out of the cache without asking;
     the owner hears of it once we returned. False when the owner must be asked after all: the grant is gone, or
     the word no longer names the cache (unbound, withdrawn or freed), with nothing written; or, for a cache the
@@ -159,7 +163,8 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
     As the same-host read ledger's: the word is read before any byte moves, and the owner keeps a cache it
     revoked registered until we said no read of it is in flight (``REVOKED``). The loop turns once first, so
     that a loop of small pulls lets other tasks run and a cancellation lands before any byte. A READ given up
-    returns once NIXL let go of it (``base.nixl_settle``)."""
+    returns once NIXL let go of it (``base.nixl_settle``). A registered destination released while the READ is
+    posted stops it before the release returns (``nixl.Halting.halt``): the pull fails ``LLM_KV_CACHE_NOT_EXIST``."""
     started = time.perf_counter()
     cache_id = region.cache_id
     await asyncio.sleep(0)
@@ -169,14 +174,26 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
     deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
     cancelled: list[asyncio.CancelledError] = []
     posted = None
+    released: list[bool] = []
+
+    def cut() -> None:
+        # The caller released the destination, its memory again once this returns: the READ posts no further
+        # piece, and the piece our worker moves is waited for here.
+        released.append(True)
+        if posted is not None and isinstance(posted[1], Halting):
+            peer.granted.nudge()  # a READ over UCX's TCP transport moves only while the owner makes progress
+            if not posted[1].halt():
+                log.error("%s: the NIXL READ into a released cache did not stop within %.1f s", what, 2 * CUT_WAIT_S)
+
+    unwatch = None
     try:
         if not await _word_holds(peer, slot, word, what, cancelled, deadline):
             return False
         if not plan.local.alive:  # released meanwhile (its memory may be the caller's again): read nothing into it
-            raise LLMException(f"{what}: the destination cache was released",
-                               status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+            raise _released(what)
         if peer.caches.get(cache_id) is not region:  # withdrawn (or offered anew) while the word was read
             return False
+        unwatch = registry.serving([plan.local], cut)
         if _trace.ON:
             _trace.mark("job submitted")
         posted = peer.read_rows(plan.local, plan.local_first, plan.local_rows, cache_id, first, rows, count, what)
@@ -190,7 +207,13 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
         if cancelled:  # cancelled while a READ settled: the cancel wins
             raise cancelled[0] from None
         raise LLMException(f"{what} timed out after {timeout_ms} ms", status_code=LLMStatusCode.LLM_TIMEOUT) from None
+    except LLMException as exc:
+        if released and not cancelled:  # the READ cut by the release
+            raise _released(what) from exc
+        raise
     finally:
+        if unwatch is not None:
+            unwatch()
         if posted is not None and not posted[1].done():
             # Given up past NIXL_SETTLE_S with NIXL still holding the READ: it may still read the cache, so it
             # counts (the owner keeps a cache it revoked registered) until NIXL let go of it.
@@ -199,8 +222,14 @@ async def _read(peer: NixlPeer, plan: Plan, region: _RemoteCache, slot: int, wor
             peer.granted.read_ended(cache_id)
     if cancelled:
         raise cancelled[0]
+    if released or not plan.local.alive:  # its rows may have landed, but in memory the caller had back
+        raise _released(what)
     peer.granted.tell_read(cache_id, plan.total, time.perf_counter() - started)  # sent after we returned
     return True
+
+
+def _released(what: str) -> LLMException:
+    return LLMException(f"{what}: the destination cache was released", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
 
 
 async def _word_holds(peer: NixlPeer, slot: int, word: int, what: str, cancelled: list[asyncio.CancelledError],
