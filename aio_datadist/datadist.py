@@ -436,8 +436,14 @@ class LLMDataDist:
         # Held from the checks through the new listen: a link() meanwhile would start a listener of its own
         # (the old one stopped) and make a comm under the old role.
         async with links.listening:
+            if not v2 and role == self._endpoint.role:  # another switch to it ran while this one waited for the lock
+                raise param_invalid("role", f"already {role.name}")
             if links.count():
-                raise LLMException(f"switch_role: {links.count()} link(s) still exist; unlink them first",
+                # Named: a peer that linked and crashed leaves a failed link no stats() lists (rows 203, 287).
+                held = sorted(cid for cid, link in links.links.items() if not link.closed)
+                shown = ", ".join(map(str, held[:16])) + (f" and {len(held) - 16} more" if len(held) > 16 else "")
+                raise LLMException(f"switch_role: {links.count()} link(s) still exist (cluster ids {shown}); "
+                                   "unlink them first (unlink_clusters, force=True for a failed one)",
                                    status_code=LLMStatusCode.LLM_EXIST_LINK)
             preparing = [] if self._comms is None or self._comms.links is not links else self._comms.preparing()
             if preparing:  # its links are being made, maybe on our listener: they count as links

@@ -217,3 +217,23 @@ async def test_a_switch_role_cancelled_while_the_listener_stops_listens_where_it
         await asyncio.gather(switch, return_exceptions=True)
         assert prompt.role == LLMRole.PROMPT and prompt.listen_address == address
         assert await asyncio.wait_for(dd.link_clusters([cluster_info(1, address)], timeout=2000), 5) == OK
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("switches", ["prompt_to_decoder", "prompt_to_mix_at_two_addresses"])
+async def test_two_v1_switches_to_one_role_at_once_make_one_switch(switches: str) -> None:
+    """The role a v1 switch moves to must differ from the current one (``LLM_PARAM_INVALID``): of two switches to
+    one role started together, one switches and the other is refused, nothing changed by it. Before, the check
+    ran before the wait for the listener lock: both succeeded, the second moving the listener the first had
+    just opened, so the first caller's endpoint listened somewhere else (row 288; found by audit)."""
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, switch_role=True) as dd:
+        role = LLMRole.DECODER if switches == "prompt_to_decoder" else LLMRole.MIX
+        where = None if role is LLMRole.DECODER else {"llm.listenIpInfo": "127.0.0.1:0"}
+        results = await asyncio.gather(dd.switch_role(role, where), dd.switch_role(role, where),
+                                       return_exceptions=True)
+        assert results[0] is None, results
+        assert isinstance(results[1], LLMException) and results[1].status_code == LLMStatusCode.LLM_PARAM_INVALID
+        if where is not None:
+            first_address = dd.listen_address
+            assert first_address is not None  # where the successful switch put it, not moved since
+            assert (await asyncio.open_connection(*first_address))[1].close() is None
