@@ -30,7 +30,7 @@ from aio_datadist.plans import Plan
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport import plane, planes_for
-from aio_datadist.transport.base import Plane, Refused, Request, RequestState, meets
+from aio_datadist.transport.base import Plane, Refused, Request, RequestState, meets, time_left
 from aio_datadist.transport.staging import wait_cut_copies
 from aio_datadist.transport.stream import PLANE as STREAM_PLANE
 from aio_datadist.wire import Msg, Resp, Target
@@ -75,10 +75,13 @@ async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str)
 
 
 async def _push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, queue_ms: int | None) -> str:
+    # One time-out for the whole push: a plane that moves it alone (a device-IPC push first waits for its
+    # stream, then for the owner's copy) and the planes it falls back to share it (row 289).
+    deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
     for candidate in planes_for(link):
-        if await candidate.move_alone(rt, link, plan, timeout_ms, what, queue_ms=queue_ms):
+        if await candidate.move_alone(rt, link, plan, time_left(deadline, what), what, queue_ms=queue_ms):
             return candidate.transport_on(link)
-    return await _run(rt, link, plan, timeout_ms, what, pull=False, queue_ms=queue_ms)
+    return await _run(rt, link, plan, time_left(deadline, what), what, pull=False, queue_ms=queue_ms)
 
 
 async def _counted(link: Link, kind: str, nbytes: int, moving: Coroutine[Any, Any, str],

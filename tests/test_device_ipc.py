@@ -36,6 +36,7 @@ from aio_datadist import (
 from aio_datadist.devices.host import F_SEAL_FUTURE_WRITE
 from aio_datadist.devices.ipc import IpcUnavailable
 from aio_datadist.testing import runtime_of, usable_link
+from aio_datadist.transport.base import ABORT_ACK_S
 from aio_datadist.transport.local import LocalShare
 
 S = LLMStatusCode
@@ -135,6 +136,29 @@ async def test_a_push_and_a_pull_by_key_go_by_device_ipc_too():
             await pair.dm.pull_cache(CacheKey(PROMPT_ID, 11), into, batch_index=0)
         assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
         assert link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "local"
+
+
+async def test_a_device_ipc_push_is_bounded_by_one_timeout() -> None:
+    """The wait for our stream (the fence) and the owner's copy share the push's ``timeout``: with our compute
+    stream busy 0.4 s and then the owner's 0.4 s more, a push of 500 ms fails ``LLM_TIMEOUT`` (returning once
+    the owner said its copy stopped: ``ABORT_ACK_S`` at most, row 158). Before, each got the whole time-out:
+    the push succeeded after 0.8 s (a push could take twice its time-out; row 289, found by audit)."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS)
+        fill(src, 3)
+        pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 1))
+        await mapped(pair, src.cache_id, by_decoder=True)
+        ours, theirs = runtime_of(pair.prompt).devices, runtime_of(pair.decoder).devices
+        loop = asyncio.get_running_loop()
+        held = ours.default_stream.gate(), theirs.default_stream.gate()
+        loop.call_later(0.4, held[0].open)
+        loop.call_later(0.8, held[1].open)
+        started = loop.time()
+        with pytest.raises(LLMException) as info:
+            await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 1), src, [0, 2], [3, 5], timeout=500)
+        took = loop.time() - started
+        assert info.value.status_code == S.LLM_TIMEOUT and took < 0.5 + ABORT_ACK_S + 0.2, (info.value, took)
+        await asyncio.sleep(0.5)  # the owner's copy, let go, ends before the pair is finalized
 
 
 async def test_registered_device_caches_take_the_staging_plane_and_the_link_says_why():

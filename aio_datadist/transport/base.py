@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from aio_datadist.transport.nixl import NixlPeer
 
 __all__ = ["UNLINKING", "InPlacePlane", "LinkPort", "Plane", "Refusal", "Refused", "Request", "RequestState", "Served",
-           "abort_acknowledged", "await_done", "meets", "nixl_settle", "push_torn", "wait_out"]
+           "abort_acknowledged", "await_done", "meets", "nixl_settle", "push_torn", "time_left", "wait_out"]
 
 #: How long a given-up NIXL transfer may take to settle before the owner hears of it ...
 NIXL_SETTLE_S = 1.0
@@ -70,6 +70,14 @@ MAX_SERVE_TIMEOUT_MS = 600_000
 #: sends it before its timeout, or gave up by then and says so within ``NIXL_SETTLE_S``: a peer silent past
 #: this is buggy or hostile, and what it held (a key's claim, a NIXL registration) is released.
 DONE_GRACE_S = 2.0
+
+
+def time_left(deadline: float, what: str) -> int:
+    """Milliseconds left before ``deadline`` (loop time), at least 1; ``LLM_TIMEOUT`` once it passed."""
+    left = int((deadline - asyncio.get_running_loop().time()) * 1000)
+    if left <= 0:
+        raise LLMException(f"{what} timed out", status_code=LLMStatusCode.LLM_TIMEOUT)
+    return left
 
 
 def meets(transport: str, required: str) -> bool:

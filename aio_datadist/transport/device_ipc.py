@@ -39,7 +39,16 @@ from aio_datadist.devices.copies import DeviceCopy, cache_side
 from aio_datadist.devices.ipc import ExportInvalid
 from aio_datadist.layers import one_side_span
 from aio_datadist.status import LLMException, LLMStatusCode
-from aio_datadist.transport.base import InPlacePlane, LinkPort, Refusal, Request, Served, meets, serve_timeout_ms
+from aio_datadist.transport.base import (
+    InPlacePlane,
+    LinkPort,
+    Refusal,
+    Request,
+    Served,
+    meets,
+    serve_timeout_ms,
+    time_left,
+)
 from aio_datadist.transport.same_host import MAX_LOCAL_SRC_ROWS, USE_STREAM, push_local, serve_copy
 from aio_datadist.transport.staging import PLANE as STAGING
 from aio_datadist.wire import Msg, ReqFlag, Resp, TransferReq
@@ -122,8 +131,9 @@ class DeviceIpcPlane(InPlacePlane):
         if (share is None or not plan.local.on_device or not share.device_shared(plan.local) or plan.by_address
                 or plan.local_offset != 0 or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS):
             return False
+        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
         await fence(rt, timeout_ms, what)  # the rows are final on our device before the owner reads them
-        return await push_local(link, plan, timeout_ms, what, queue_ms=queue_ms)
+        return await push_local(link, plan, time_left(deadline, what), what, queue_ms=queue_ms)  # one time-out
 
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
         cache = served.cache
