@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aio_datadist import CacheDesc, DataType, KvCache, Placement, _core
+from aio_datadist import CacheDesc, DataType, KvCache, LLMException, LLMStatusCode, Placement, _core
 from aio_datadist._completion import Completions
 from aio_datadist.devices.staging import (
     MIN_CHUNK_BYTES,
@@ -158,6 +158,23 @@ async def test_a_waiter_cancelled_after_its_wakeup_passes_the_buffer_on():
     with pytest.raises(asyncio.CancelledError):
         await first
     pool.close()
+
+
+@pytest.mark.asyncio
+async def test_a_waiter_of_a_pool_that_closes_is_refused_not_cancelled():
+    """A transfer waiting for a buffer when the pool closes (finalize with a device stuck past ``QUIESCE_S``)
+    fails ``LLM_FAILED`` "the staging pool is closed". Before, its waiter was cancelled: the caller, who never
+    cancelled, got a ``CancelledError``, which asyncio and task groups take for a cancellation (row 290;
+    found by audit)."""
+    pool = StagingPool(MIN_CHUNK_BYTES, 1)
+    held = await pool.acquire()  # (kept: a buffer let go is replaced, which would wake the waiter)
+    waiting = asyncio.ensure_future(pool.acquire())
+    await asyncio.sleep(0.01)
+    pool.close()
+    with pytest.raises(LLMException) as refused:
+        await asyncio.wait_for(waiting, 1)
+    assert refused.value.status_code == LLMStatusCode.LLM_FAILED and "closed" in str(refused.value)
+    del held
 
 
 def test_pool_rejects_bad_sizes():

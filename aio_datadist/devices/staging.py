@@ -278,7 +278,9 @@ class StagingPool:
         self._free.clear()
         for waiter, _, _ in self._waiters:
             if not waiter.done():
-                waiter.cancel()
+                # Woken, not cancelled: its acquire raises LLM_FAILED "closed". A cancel reached the caller as a
+                # CancelledError it never asked for, which asyncio takes for a cancellation (row 290).
+                waiter.set_result(None)
 
     def _gone(self) -> None:
         self._live -= 1
