@@ -155,3 +155,60 @@ async def test_a_read_in_flight_into_a_released_destination_stops_before_the_rel
         await agent.registered(again)
         await asyncio.wait_for(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), again, ALL, ALL), 5)
         assert all(bool((t == 9).all()) for t in mine)
+
+
+@needs_nixl
+@pytest.mark.nixl
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # the engine's waits do not depend on the loop
+async def test_a_release_of_a_read_still_queued_behind_a_long_worker_call_returns_at_once(caplog: Any) -> None:
+    """Our NIXL worker is in a long call (a large registration, a metadata load: 1.2 s here) with the rows' READ
+    queued behind it in the same batch when the destination is released: the READ is cancelled, so it is never
+    posted, and the release returns at once; the pull, whose time also ran out meanwhile, fails
+    ``LLM_KV_CACHE_NOT_EXIST``, the release's doing. Before, the halt waited for the unrelated call (the loop
+    held 1 s, then the peer's agent let go of and an error logged past 2 s), and the pull read ``LLM_TIMEOUT``
+    (both found by review of row 282)."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT_ID))
+        mine = [torch.zeros(BIG.shape, dtype=torch.int8) for _ in range(BIG.num_tensors)]
+        dst = pair.dm.register_blocks_cache(BIG, mine, BlocksCacheKey(2, 0))
+        agent = nixl_agent_of(pair.decoder)
+        await agent.registered(dst)
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(5):
+            while peer.grant_for(BlocksCacheKey(PROMPT_ID).model_id) is None or src.cache_id not in peer.caches:
+                await asyncio.sleep(0.005)
+        engine, inside, busy = agent.engine, threading.Event(), []
+        real_xfer = engine.xfer
+
+        def slow(_agent: Any) -> None:
+            inside.set()
+            time.sleep(1.2)
+
+        def xfer(token: int, op: str, local: Any, local_idx: Any, remote: Any, remote_idx: Any, peer_name: bytes,
+                 notif: bytes, nbytes: int, counted: bool = True) -> Any:
+            args = (token, op, local, local_idx, remote, remote_idx, peer_name, notif, nbytes, counted)
+            if nbytes > 8 and not busy:  # the rows' READ (not a ledger word): a long call goes just ahead of it
+                with engine._cv:
+                    busy.append(agent.run(lambda t: engine.call(t, slow), "slow call"))
+                    return real_xfer(*args)
+            return real_xfer(*args)
+
+        engine.xfer = xfer
+        pull = asyncio.create_task(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(64)),
+                                                       list(range(64)), timeout=1000))
+        async with asyncio.timeout(5):
+            while not inside.is_set():
+                await asyncio.sleep(0.001)
+        started = time.monotonic()
+        pair.dm.deallocate_cache(dst)
+        held = time.monotonic() - started
+        for t in mine:
+            t.fill_(5)
+        with pytest.raises(LLMException) as info:
+            await asyncio.wait_for(pull, 10)
+        await asyncio.wait_for(busy[0], 10)
+        await asyncio.sleep(0.1)
+        assert info.value.status_code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, info.value
+        assert held < 0.5, f"the release held the loop {held:.2f} s"
+        assert all(bool((t == 5).all()) for t in mine)
+        assert not [r for r in caplog.records if r.levelno >= 40], caplog.records

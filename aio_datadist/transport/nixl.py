@@ -190,7 +190,8 @@ class Halting(Settling):
         token = self._tokens[0]
         if self._engine.halt(token, bound_s):
             return True
-        self._engine.force_off(token)
+        if self._engine.in_nixl(token):  # (not while our worker is busy with another call: nothing to let go)
+            self._engine.force_off(token)
         return self._engine.halt(token, bound_s)
 
 

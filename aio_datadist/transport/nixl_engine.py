@@ -337,9 +337,20 @@ class NixlEngine:
             return self._over.wait_for(lambda: not self._unsettled(token), bound_s)
 
     def _unsettled(self, token: int) -> bool:
-        """Whether ``token``'s work has not reported back yet (``_cv`` held)."""
-        return not self._stopped and (token in self._active or token in (self._current, self._posting, self._copying)
-                                      or self._queued(token))
+        """Whether ``token``'s work may still touch memory (``_cv`` held): it is being posted or copied, in NIXL's
+        hands, or queued and not cancelled (a cancelled command the worker has taken but not reached is skipped
+        unposted; an adopted transfer, posted from the loop's thread, is in flight whatever its command)."""
+        if self._stopped:
+            return False
+        if token in self._active or token in (self._current, self._posting, self._copying):
+            return True
+        return self._queued(token, "adopt" if token in self._cancelled else None)
+
+    def in_nixl(self, token: int) -> bool:
+        """Whether ``token``'s transfer is in NIXL's hands or being posted (what letting go of its peer's agent
+        can end)."""
+        with self._cv:
+            return token in self._active or token == self._posting
 
     def force_off(self, token: int) -> bool:
         """Let go of the peer agent of ``token``'s transfer, given up and still in NIXL's hands past its bounds (the

@@ -206,6 +206,8 @@ async def _read(registry: CacheRegistry, peer: NixlPeer, plan: Plan, region: _Re
     except TimeoutError:
         if cancelled:  # cancelled while a READ settled: the cancel wins
             raise cancelled[0] from None
+        if released:  # the release's halt ran past our time: it cut the READ, not the clock
+            raise _released(what) from None
         raise LLMException(f"{what} timed out after {timeout_ms} ms", status_code=LLMStatusCode.LLM_TIMEOUT) from None
     except LLMException as exc:
         if released and not cancelled:  # the READ cut by the release
