@@ -59,11 +59,7 @@ def test_a_finalize_refused_before_it_ran_leaves_the_endpoint_to_the_exit_finali
     """Before, ``finalize`` dropped the endpoint from the ones finalized at exit before its call ran: one refused
     (from inside a running event loop) left a live endpoint nothing would unlink at exit (row 286; found by
     audit)."""
-    dd = LLMDataDist(LLMRole.PROMPT, 41)
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.listen_ip_info = "127.0.0.1:0"
-    dd.init(cfg.generate_options())
+    dd = _init(LLMRole.PROMPT, 41, listen=True)
     try:
         async def misuse() -> None:
             dd.finalize()

@@ -16,7 +16,6 @@ import asyncio
 import threading
 import time
 import types
-import weakref
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ from aio_datadist.testing import link_to, nixl_agent_of, registry_of
 from aio_datadist.transport import nixl_engine, nixl_plane
 
 from peers import NIXL_MISSING, PROMPT_ID, linked_pair
+from test_nixl_cuts import slow_posting
 
 needs_nixl = pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
 
@@ -89,30 +89,21 @@ ALL = list(range(64))
 PIECES = 8  # of 4 MiB
 
 
-def slow_pieces(monkeypatch: Any, engine: Any, delay_s: float) -> list[float]:
-    """Each piece of rows (not a ledger word) our worker posts takes ``delay_s`` longer (before NIXL copies it); the
-    start of each is listed."""
-    kind = type(engine.agent)
-    real_make, real_transfer = kind.make_prepped_xfer, kind.transfer
-    worker = weakref.ref(engine._thread)
-    rows: set[int] = set()
-    calls: list[float] = []
-
-    def make_prepped_xfer(self, op, local, local_idx, *args, **kwargs):
-        handle = real_make(self, op, local, local_idx, *args, **kwargs)
-        if len(local_idx) > 1:
-            rows.add(id(handle))
-        return handle
-
-    def transfer(self, handle, *args, **kwargs):
-        if id(handle) in rows and threading.current_thread() is worker():
-            calls.append(time.monotonic())
-            time.sleep(delay_s)
-        return real_transfer(self, handle, *args, **kwargs)
-
-    monkeypatch.setattr(kind, "make_prepped_xfer", make_prepped_xfer)
-    monkeypatch.setattr(kind, "transfer", transfer)
-    return calls
+async def granted_into_registered(pair: Any) -> tuple[list[torch.Tensor], Any, Any]:
+    """The prompt's ``BIG`` blocks cache (9s), granted to the decoder; the decoder's registered destination:
+    its memory (0s), the cache, and its NIXL agent, once everything is prepared for a pull without asking."""
+    src = pair.pm.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT_ID))
+    for t in src.tensors:
+        t.fill_(9)
+    mine = [torch.zeros(BIG.shape, dtype=torch.int8) for _ in range(BIG.num_tensors)]
+    dst = pair.dm.register_blocks_cache(BIG, mine, BlocksCacheKey(2, 0))
+    agent = nixl_agent_of(pair.decoder)
+    await agent.registered(dst)
+    peer = link_to(pair.decoder, PROMPT_ID).nixl
+    async with asyncio.timeout(5):
+        while peer.grant_for(BlocksCacheKey(PROMPT_ID).model_id) is None or src.cache_id not in peer.caches:
+            await asyncio.sleep(0.005)
+    return mine, dst, agent
 
 
 @needs_nixl
@@ -124,21 +115,11 @@ async def test_a_read_in_flight_into_a_released_destination_stops_before_the_rel
     if asked:
         monkeypatch.setattr(nixl_plane.NixlPlane, "reader", lambda *args: None)
     async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        src = pair.pm.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT_ID))
-        for t in src.tensors:
-            t.fill_(9)
-        mine = [torch.zeros(BIG.shape, dtype=torch.int8) for _ in range(BIG.num_tensors)]
-        dst = pair.dm.register_blocks_cache(BIG, mine, BlocksCacheKey(2, 0))
-        agent = nixl_agent_of(pair.decoder)
-        await agent.registered(dst)
-        peer = link_to(pair.decoder, PROMPT_ID).nixl
-        async with asyncio.timeout(5):
-            while peer.grant_for(BlocksCacheKey(PROMPT_ID).model_id) is None or src.cache_id not in peer.caches:
-                await asyncio.sleep(0.005)
-        calls = slow_pieces(monkeypatch, agent.engine, 0.05)
+        mine, dst, agent = await granted_into_registered(pair)
+        calls = slow_posting(monkeypatch, agent.engine, 0.05)  # calls[0]: its switch; then each piece's start
         pull = asyncio.create_task(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL))
         async with asyncio.timeout(5):
-            while not calls:  # our worker posts the first piece
+            while len(calls) < 2:  # our worker posts the first piece
                 await asyncio.sleep(0.001)
         pair.dm.deallocate_cache(dst)
         for t in mine:
@@ -148,7 +129,7 @@ async def test_a_read_in_flight_into_a_released_destination_stops_before_the_rel
         assert info.value.status_code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, info.value
         await asyncio.sleep(0.1)  # two more pieces' time
         assert all(bool((t == 5).all()) for t in mine)
-        assert len(calls) == 1  # no piece posted after the release
+        assert len(calls) == 2  # no piece posted after the release
         assert agent.engine.in_flight() == 0
 
         again = pair.dm.register_blocks_cache(BIG, mine, BlocksCacheKey(2, 0))  # the link goes on
@@ -168,15 +149,7 @@ async def test_a_release_of_a_read_still_queued_behind_a_long_worker_call_return
     held 1 s, then the peer's agent let go of and an error logged past 2 s), and the pull read ``LLM_TIMEOUT``
     (both found by review of row 282)."""
     async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        src = pair.pm.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT_ID))
-        mine = [torch.zeros(BIG.shape, dtype=torch.int8) for _ in range(BIG.num_tensors)]
-        dst = pair.dm.register_blocks_cache(BIG, mine, BlocksCacheKey(2, 0))
-        agent = nixl_agent_of(pair.decoder)
-        await agent.registered(dst)
-        peer = link_to(pair.decoder, PROMPT_ID).nixl
-        async with asyncio.timeout(5):
-            while peer.grant_for(BlocksCacheKey(PROMPT_ID).model_id) is None or src.cache_id not in peer.caches:
-                await asyncio.sleep(0.005)
+        mine, dst, agent = await granted_into_registered(pair)
         engine, inside, busy = agent.engine, threading.Event(), []
         real_xfer = engine.xfer
 

@@ -23,25 +23,33 @@ from aio_datadist.wire import Msg
 pytestmark = pytest.mark.asyncio
 
 
+async def _unlinked_under_a_task(s: Any) -> Any:
+    """The prompt unlinks its decoder while a layer-wise task waits for layer 1: the unlink succeeds, the task
+    fails ``LLM_NOT_YET_LINK``, and the prompt's link is not broken. The link."""
+    gate = Gate()
+    gate.open(0)
+    task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+    await task.layer(0)
+    link = link_to(s.prompt, DECODER_ID)
+    assert link is not None
+    status = await s.prompt.unlink_clusters([cluster_info(DECODER_ID, ("127.0.0.1", 1))])
+    assert status == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+    gate.open(*range(1, LAYERS))
+    with pytest.raises(LLMException) as info:
+        async with asyncio.timeout(5):
+            await task
+    assert info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK, info.value
+    assert link.broken is None, link.broken
+    return link
+
+
 async def test_a_transfer_our_own_unlink_cuts_reads_unlinked_and_the_link_is_not_broken() -> None:
     async with setup() as s:
         for _ in range(3):
             assert (await s.decoders[0].link_clusters([cluster_info(PROMPT_ID, port_of(s.prompt))]))[0] in (
                 LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK)
-            gate = Gate()
-            gate.open(0)
-            task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
-            await task.layer(0)
-            link = link_to(s.prompt, DECODER_ID)
-            assert link is not None
-            status = await s.prompt.unlink_clusters([cluster_info(DECODER_ID, ("127.0.0.1", 1))])
-            assert status == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
-            gate.open(*range(1, LAYERS))
-            with pytest.raises(LLMException) as info:
-                async with asyncio.timeout(5):
-                    await task
-            assert info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK, info.value
-            assert link.broken is None and link.closed, link.broken
+            link = await _unlinked_under_a_task(s)
+            assert link.closed
             async with asyncio.timeout(5):  # the decoder forgets its end (it answered our UNLINK)
                 while link_to(s.decoders[0], PROMPT_ID) is not None:
                     await asyncio.sleep(0.01)
@@ -67,17 +75,4 @@ async def test_our_unlink_is_no_failure_when_a_held_same_host_push_sees_the_peer
     that check saw the close the unlink's answer came with and failed the link (found by review)."""
     async with setup() as s:
         _push_local_ahead_of_the_ack(link_to(s.decoders[0], PROMPT_ID))
-        gate = Gate()
-        gate.open(0)
-        task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
-        await task.layer(0)
-        link = link_to(s.prompt, DECODER_ID)
-        assert link is not None
-        status = await s.prompt.unlink_clusters([cluster_info(DECODER_ID, ("127.0.0.1", 1))])
-        assert status == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
-        gate.open(*range(1, LAYERS))
-        with pytest.raises(LLMException) as info:
-            async with asyncio.timeout(5):
-                await task
-        assert info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK, info.value
-        assert link.broken is None, link.broken
+        await _unlinked_under_a_task(s)
