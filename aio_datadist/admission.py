@@ -135,7 +135,7 @@ class Admission:
     # -- the accept loop -----------------------------------------------------
 
     async def _run(self) -> None:
-        starved = False  # accept() found no room, and said so, since it last took a connection
+        said: str | None = None  # what accept()'s failures were said to be since it last took a connection
         while True:
             await self._room()
             self._backlog = False
@@ -144,9 +144,10 @@ class Admission:
             except OSError as exc:
                 if exc.errno in ACCEPT_GONE:
                     continue  # that connection is gone, not the listener
-                if not starved:  # once, not every retry (20 a second for as long as no fd frees)
-                    starved = True
-                    if exc.errno in NO_ROOM:
+                kind = "room" if exc.errno in NO_ROOM else "listener"
+                if said != kind:  # once per kind, not every retry (20 a second for as long as it lasts)
+                    said = kind
+                    if kind == "room":
                         log.warning("cannot accept a connection now (%s); it waits in the listen backlog", exc)
                     else:
                         log.error("the link door's accept() failed (%s); trying again every %.0f ms",
@@ -155,7 +156,7 @@ class Admission:
                 # EINVAL) took the loop's whole CPU when it was tried again at once.
                 await self._wait(ACCEPT_RETRY_S)  # (a connection of this listener that leaves wakes it at once)
                 continue
-            starved = False
+            said = None
             conn.setblocking(False)
             pending = Pending(conn, self._signal)
             self.arriving[pending] = None

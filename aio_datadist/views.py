@@ -48,6 +48,13 @@ class HeldFuture(asyncio.Future):
     calls it."""
 
     held: set[asyncio.Future] | None = None
+    what = "the future"  # named in a refusal to wait for it from another loop
+
+    def __await__(self) -> Any:
+        # Refused where it is awaited, not where it was asked for: a helper loop may hand the wait to the
+        # endpoint's loop (run_coroutine_threadsafe), as the refusal tells it to.
+        refuse_other_loop(self.what, self)
+        return super().__await__()
 
     def add_done_callback(self, fn: Callable[..., object], *, context: Any = None) -> None:
         held = self.held
@@ -80,17 +87,17 @@ class Views:
         return len(self._held)
 
     def view(self, key: Hashable, fut: asyncio.Future) -> asyncio.Future:
-        """A new view of ``fut`` (``fut`` itself once it is done: a done future cannot change); refused from
-        another running loop (:func:`refuse_other_loop`)."""
+        """A new view of ``fut`` (``fut`` itself once it is done: a done future cannot change); awaiting it from
+        another running loop is refused (:func:`refuse_other_loop`)."""
         if fut.done():
             return fut
-        refuse_other_loop(f"the future of layer {key}", fut)
         views = self._views.get(key)
         if views is None:
             views = self._views[key] = weakref.WeakSet()
             fut.add_done_callback(_settle(views))
         view = HeldFuture(loop=fut.get_loop())
         view.held = self._held
+        view.what = f"the future of layer {key}"
         views.add(view)
         return view
 

@@ -177,6 +177,32 @@ async def test_waiting_from_another_loop_for_a_running_task_is_refused() -> None
         assert await asyncio.wait_for(task, 5) == [SUCCESS]  # the task went on
 
 
+async def test_a_layer_future_is_refused_where_it_is_awaited_not_where_it_was_asked_for() -> None:
+    """A helper loop may ask for ``task.layer(i)`` and hand the wait to the endpoint's loop, as the refusal says
+    to; a future asked for on the endpoint's loop and awaited on a helper loop is refused (``LLM_FAILED``), not
+    asyncio's bare ``RuntimeError`` (both found by review of row 271)."""
+    async with setup() as s:
+        gate = Gate()
+        task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        home = asyncio.get_running_loop()
+
+        async def handed_home() -> Any:
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(awaited(task.layer(0)), home))
+
+        handed = asyncio.ensure_future(in_helper_loop(handed_home, bound_s=3.0))
+        await asyncio.sleep(0.05)
+        gate.open(*range(LAYERS))
+        result, _ = await handed
+        assert result is None, repr(result)
+        later = Gate()
+        task = s.pm.transfer_cache_async(s.blocks_src(), later, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        view = task.layer(0)  # asked for here
+        result, _ = await in_helper_loop(lambda: awaited(view), bound_s=2.0)
+        assert refused(result), repr(result)
+        later.open(*range(LAYERS))
+        assert await asyncio.wait_for(task, 5) == [SUCCESS]
+
+
 async def test_waiting_for_a_push_watch_from_another_loop_is_refused() -> None:
     """Before, a bare RuntimeError (``await watch``, a layer's future) or ValueError (``wait(ms)``); a thread
     with no loop running may still poll a layer (row 271)."""
