@@ -33,6 +33,7 @@ from aio_datadist.transport import plane, planes_for
 from aio_datadist.transport.base import Plane, Refused, Request, RequestState, meets, time_left
 from aio_datadist.transport.staging import wait_cut_copies
 from aio_datadist.transport.stream import PLANE as STREAM_PLANE
+from aio_datadist.types import UINT64_MAX
 from aio_datadist.wire import Msg, Resp, Target
 
 if TYPE_CHECKING:
@@ -65,13 +66,16 @@ async def run_push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: s
 
 
 async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str) -> str:
+    # One time-out for the whole pull: a reader that gives it back (a NIXL read whose ledger word said no, after
+    # its READ) hands on only what is left, as for a push (row 289).
+    deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
     for candidate in planes_for(link):
         read = candidate.reader(rt, link, plan)
-        if read is not None and await read(timeout_ms, what):
+        if read is not None and await read(time_left(deadline, what), what):
             if _trace.ON:
                 _trace.mark("returned")
             return candidate.transport_on(link)
-    return await _run(rt, link, plan, timeout_ms, what, pull=True)
+    return await _run(rt, link, plan, time_left(deadline, what), what, pull=True)
 
 
 async def _push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, queue_ms: int | None) -> str:
@@ -170,7 +174,7 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
     """One transfer through the planes; the transport that carried it."""
     if _trace.ON:
         _trace.mark("planned")
-    req = Request(link, what, consumes=pull and plan.remote.target_kind in (Target.CACHE_KEY, Target.ID_INDEX))
+    req = Request(link, what, consumes=pull and _may_consume(plan))
     if plan.local._owned:
         return await _run_request(rt, link, plan, req, timeout_ms, what, pull, queue_ms)
     # A cache the caller registered is its memory again once unregistering it returned: that call cuts us.
@@ -207,6 +211,14 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
         raise LLMException(f"{what}: the cache was unregistered during the transfer",
                            status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
     return carried
+
+
+def _may_consume(plan: Plan) -> bool:
+    """Whether a pull of ``plan`` may consume a key at the owner: one by ``CacheKey`` without a prefix, or by id
+    and index (a key of a registered cache is never consumed, but the requester cannot tell)."""
+    remote = plan.remote
+    return remote.target_kind == Target.ID_INDEX or (
+        remote.target_kind == Target.CACHE_KEY and remote.prefix_id == UINT64_MAX)
 
 
 class _Cut:

@@ -36,7 +36,7 @@ from aio_datadist import (
 from aio_datadist.devices.host import F_SEAL_FUTURE_WRITE
 from aio_datadist.devices.ipc import IpcUnavailable
 from aio_datadist.testing import runtime_of, usable_link
-from aio_datadist.transport.base import ABORT_ACK_S
+from aio_datadist.transport.base import ABORT_ACK_S, time_left
 from aio_datadist.transport.local import LocalShare
 
 S = LLMStatusCode
@@ -159,6 +159,18 @@ async def test_a_device_ipc_push_is_bounded_by_one_timeout() -> None:
         took = loop.time() - started
         assert info.value.status_code == S.LLM_TIMEOUT and took < 0.5 + ABORT_ACK_S + 0.2, (info.value, took)
         await asyncio.sleep(0.5)  # the owner's copy, let go, ends before the pair is finalized
+
+
+async def test_the_time_left_of_a_transfer_rounds_up_and_runs_out_only_once_its_deadline_passed() -> None:
+    """What a plane hands on of a transfer's time-out (row 289). Rounded down, a 1 ms time-out asked for at once
+    had 0 ms left on asyncio's loop (its clock moves within a step): every push with ``timeout=1`` failed
+    ``LLM_TIMEOUT`` before anything was sent (found by review)."""
+    loop = asyncio.get_running_loop()
+    assert time_left(loop.time() + 0.001, "a push") == 1
+    assert time_left(loop.time() + 0.25, "a push") in (250, 251)
+    with pytest.raises(LLMException) as info:
+        time_left(loop.time() - 0.001, "a push")
+    assert info.value.status_code == S.LLM_TIMEOUT
 
 
 async def test_registered_device_caches_take_the_staging_plane_and_the_link_says_why():

@@ -2,9 +2,10 @@
 
 A transfer of at most ``nixl_engine.INLINE_MAX`` bytes is posted from the
 loop's thread when the NIXL worker is not inside the agent; otherwise, or when
-NIXL leaves it in progress, the worker takes it. A pull's ``DONE`` is written at
-the end of the loop pass that returned the pull, or with the next record sent
-on the link before then, ahead of it.
+NIXL leaves it in progress, the worker takes it. A pull that consumes a key
+writes its ``DONE`` as it returns (row 272); another pull's ``DONE`` is written
+at the end of the loop pass that returned it, or with the next record sent on
+the link before then, ahead of it.
 """
 
 from __future__ import annotations
@@ -169,9 +170,9 @@ async def test_a_nixl_post_that_fails_on_the_loop_fails_the_pull_as_a_link_failu
 
 @pytest.mark.parametrize("transport", [pytest.param("nixl", marks=[needs_nixl, pytest.mark.nixl]), "local"])
 async def test_a_pulls_done_reaches_the_owner_before_whatever_the_caller_sends_next(transport):
-    """The ``DONE`` of a pull by key (in place: NIXL, same-host) is held until the end of the loop pass, or
-    written with the next record, ahead of it. A pull followed at once by an unlink still consumes the key,
-    and with nothing following, the owner still hears of it: its request is over, the cache's hold gone."""
+    """The ``DONE`` of a pull by key (in place: NIXL, same-host), written as it returns (row 272), reaches the
+    owner ahead of whatever follows. A pull followed at once by an unlink still consumes the key, and with
+    nothing following, the owner still hears of it: its request is over, the cache's hold gone."""
     config = {"transport": transport}
     async with linked_pair(prompt_config=config, decoder_config=config) as pair:
         src = pair.pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 1), CacheKey(PROMPT_ID, 2), CacheKey(PROMPT_ID, 3)])
@@ -276,8 +277,9 @@ async def test_a_push_whose_notification_the_owner_reads_before_its_expectation_
 
 @pytest.mark.parametrize("transport", [pytest.param("nixl", marks=[needs_nixl, pytest.mark.nixl]), "local"])
 async def test_a_held_done_still_reaches_the_owner_when_the_link_closes_in_the_same_pass(transport):
-    """A link closed outright (no UNLINK first) in the loop pass its pull returned in still writes the DONE it
-    held: the owner consumes the key."""
+    """A link closed outright (no UNLINK first) in the loop pass its pull by key returned in: the owner consumes
+    the key (the DONE left as the pull returned; one held to the end of the pass is written by the close: the
+    next test)."""
     config = {"transport": transport}
     async with linked_pair(prompt_config=config, decoder_config=config) as pair:
         src = pair.pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 1), CacheKey(PROMPT_ID, 2)])
@@ -299,6 +301,31 @@ async def test_a_held_done_still_reaches_the_owner_when_the_link_closes_in_the_s
         assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST  # consumed by the DONE written at the close
         await pair.dm.pull_cache(CacheKey(PROMPT_ID, 2), dst, batch_index=1)
         assert same([t[:2] for t in snapshot(dst)], [w[:2] for w in want])
+
+
+@pytest.mark.parametrize("transport", [pytest.param("nixl", marks=[needs_nixl, pytest.mark.nixl]), "local"])
+async def test_a_held_done_of_a_pull_that_consumes_nothing_reaches_the_owner_when_the_link_closes(transport):
+    """A pull that consumes no key (a prefix key here) holds its ``DONE`` to the end of the loop pass (row 272);
+    a link closed outright in that pass still writes it: the owner counts the pull it served as a success,
+    not as a request the link's end gave up."""
+    config = {"transport": transport}
+    async with linked_pair(prompt_config=config, decoder_config=config) as pair:
+        prefix = CacheKey(PROMPT_ID, 2**64 - 1, prefix_id=7)
+        src = pair.pm.allocate_cache(ROWS, [prefix])
+        fill(src, 11)
+        dst = pair.dm.allocate_cache(ROWS)
+        if transport == "nixl":
+            await prepared(pair.prompt, DECODER_ID, src)
+        served, link = link_to(pair.prompt, DECODER_ID), link_to(pair.decoder, PROMPT_ID)
+        await pair.dm.pull_cache(prefix, dst, batch_index=0)
+        assert link._soon  # held
+        await link.close()  # the same pass
+        async with asyncio.timeout(5):
+            while not (served.closed or served.broken):
+                await asyncio.sleep(0.01)
+        kind = served.stats().kinds["served_pull"]
+        assert kind.transfers == 1 and not kind.failures, kind
+        await pair.unlink(force=True)
 
 
 @needs_nixl

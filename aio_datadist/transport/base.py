@@ -24,6 +24,7 @@ import abc
 import asyncio
 import dataclasses
 import enum
+import math
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -73,11 +74,12 @@ DONE_GRACE_S = 2.0
 
 
 def time_left(deadline: float, what: str) -> int:
-    """Milliseconds left before ``deadline`` (loop time), at least 1; ``LLM_TIMEOUT`` once it passed."""
-    left = int((deadline - asyncio.get_running_loop().time()) * 1000)
+    """Milliseconds left before ``deadline`` (loop time), rounded up (asyncio's clock moves within a loop step: a
+    1 ms time-out asked for at once has 0.99 ms left); ``LLM_TIMEOUT`` once it passed."""
+    left = deadline - asyncio.get_running_loop().time()
     if left <= 0:
         raise LLMException(f"{what} timed out", status_code=LLMStatusCode.LLM_TIMEOUT)
-    return left
+    return max(1, math.ceil(left * 1000 - 1e-6))  # (less float noise: a 1 ms deadline read as 1.0000000002 ms)
 
 
 def meets(transport: str, required: str) -> bool:

@@ -123,7 +123,7 @@ class SameHostPlane(InPlacePlane):
         if req.cut:  # the destination was released (after the copy ended): fail, and the owner keeps a key
             raise LLMException(f"{req.what}: the cache was unregistered during the transfer",
                                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
-        await req.finish()  # DONE, written once we returned (ahead of anything we send next on the link)
+        await req.finish()  # DONE (a key's pull: now; else once we returned, ahead of what we send next)
 
     async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str, *,
                          queue_ms: int | None = None) -> bool:
