@@ -90,6 +90,8 @@ class Tensor:
             own = TensorDesc(DataType.DT_STRING, list(data.shape))
             contiguous = data.flags.c_contiguous
         else:
+            if not data.dtype.isnative:  # (big-endian data: read as ours, its bytes would mean other numbers)
+                raise param_invalid("data", f"numpy dtype {data.dtype} is not in this machine's byte order")
             try:
                 dtype = DataType.from_torch(torch.from_numpy(data[:0].copy()).dtype)
             except TypeError:

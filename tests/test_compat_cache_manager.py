@@ -95,7 +95,9 @@ def test_tensor_and_tensor_desc():
     assert Tensor(tensor).tensor_desc == desc
     for call, arg in ((lambda: text.numpy(), "copy"), (lambda: Tensor(data, TensorDesc(DataType.DT_FLOAT, [2, 3])),
                                                         "tensor_desc"),
-                      (lambda: Tensor(data.T), "data"), (lambda: tensor.numpy(copy=1), "copy")):
+                      (lambda: Tensor(data.T), "data"), (lambda: tensor.numpy(copy=1), "copy"),
+                      # big-endian data (np.frombuffer, np.load): torch's bare ValueError before (found by audit)
+                      (lambda: Tensor(np.zeros(4, dtype=">f4")), "data")):
         with pytest.raises(LLMException, match=f"'{arg}'"):
             call()
     with pytest.raises(TypeError, match="'dtype'"):
