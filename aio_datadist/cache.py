@@ -332,6 +332,9 @@ class CacheRegistry:
         self._serving: dict[int, dict[int, Callable[[], None]]] = {}
         self._serving_ids = itertools.count(1)
         self.on_add: Callable[[KvCache], None] | None = None
+        #: Raises, before anything changes, when ``on_add`` could not run now (NIXL registers on the endpoint's
+        #: loop): ``add`` and ``refresh`` call it first, so a refused call leaves nothing half-registered.
+        self.check_add: Callable[[], None] | None = None
         self.on_free: Callable[[KvCache], None] | None = None
         # Peers reach caches through caches(), by_id(), by_key() and by_blocks_key(). Device caches
         # are among those answers once the runtime can move them (the staging plane): it sets this.
@@ -385,6 +388,8 @@ class CacheRegistry:
         entry = self._entries.get(cache.cache_id)
         if entry is None or entry.cache is not cache:
             self.get(cache)
+        if self.check_add is not None:
+            self.check_add()
         if self.on_free is not None:
             self.on_free(cache)
         if self.on_add is not None and cache.cache_id not in self._hidden:
@@ -452,8 +457,10 @@ class CacheRegistry:
             blocks_key: BlocksCacheKey | None) -> KvCache:
         """Assign the next id, build the cache with it, and bind its keys.
 
-        Everything has been validated before; this cannot fail half-way.
+        Everything has been validated before (``check_add`` last); this cannot fail half-way.
         """
+        if self.check_add is not None:
+            self.check_add()
         self.reserve(nbytes)
         cache_id = self._next_id
         cache = make_cache(cache_id)

@@ -133,6 +133,7 @@ class LinkTable:
         self.listener = Listener(runtime, cluster_id, role, self, HANDSHAKE_LIMIT_S)
         self.nixl = NixlAgent(runtime, cluster_id) if runtime.settings.transport == "nixl" else None
         runtime.registry.on_add = self._shared
+        runtime.registry.check_add = self._check_add
         runtime.registry.on_free = self._unshared
         self._ledger: Ledger | None = None  # the read ledger (transport/ledger.py), made last: nothing fails after
         if self.shares_memory and meets("local", runtime.settings.require_transport):
@@ -145,6 +146,21 @@ class LinkTable:
     def shares_memory(self) -> bool:
         """Whether same-host links may share cache memory (``aio.Transport`` auto or local)."""
         return self.runtime.settings.transport in ("auto", "local")
+
+    def _check_add(self) -> None:
+        """NIXL registers a cache through futures of the endpoint's loop: a cache is allocated or registered on it
+        (``LLM_FAILED`` elsewhere, before anything is registered). Before, with no running loop the registration
+        raised a bare ``RuntimeError`` after the cache had been added, which the caller never got to free."""
+        if self.nixl is None:
+            return
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not self.runtime.loop:
+            raise LLMException("with aio.Transport=nixl a cache is allocated or registered on the event loop the "
+                               "LLMDataDist was initialised on (NIXL registers it there)",
+                               status_code=LLMStatusCode.LLM_FAILED)
 
     def _shared(self, cache: Any) -> None:
         if self.nixl is not None:

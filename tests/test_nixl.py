@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -292,3 +293,26 @@ async def test_a_prompt_killed_during_nixl_reads_and_writes_fails_them_in_time_a
                 t.zero_()
             await kv.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(32)), list(range(32)))
             assert same(snapshot(dst), fresh.expected("big"))
+
+
+@needs_nixl
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_cache_allocated_off_the_endpoints_loop_is_refused_with_nothing_registered() -> None:
+    """With NIXL a cache is registered through futures of the endpoint's loop: allocating one from a thread with
+    no loop running raises ``LLM_FAILED`` before anything is added. Before, NIXL's registration raised a bare
+    ``RuntimeError`` after the cache had been added, one the caller never got to free (row 292; found by
+    audit)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, **NIXL) as dd:
+        desc = CacheDesc(2, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
+        failed = await asyncio.to_thread(_raised, lambda: dd.kv_cache_manager.allocate_cache(desc))
+        assert isinstance(failed, LLMException) and failed.status_code == LLMStatusCode.LLM_FAILED, failed
+        assert dd.stats().caches == 0
+        dd.kv_cache_manager.deallocate_cache(dd.kv_cache_manager.allocate_cache(desc))  # on the loop: as ever
+
+
+def _raised(call: Any) -> BaseException | None:
+    try:
+        call()
+    except BaseException as exc:  # the test looks at it
+        return exc
+    return None
