@@ -202,7 +202,8 @@ class CacheManager:
         :param mem_infos: a :class:`MemInfo` or a list of them, ``Memtype.MEM_TYPE_DEVICE`` only.
         :raises LLMException: ``LLM_PARAM_INVALID`` naming ``mem_infos`` (or
             ``mem_infos[i]``) for a wrong type, a host region, or a region that
-            overlaps no registered cache.
+            overlaps no registered cache; ``LLM_FAILED`` with ``aio.Transport=nixl``
+            off the endpoint's event loop (nothing refreshed).
         """
         rt = self._rt()
         infos = [mem_infos] if isinstance(mem_infos, MemInfo) else mem_infos

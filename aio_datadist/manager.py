@@ -176,6 +176,8 @@ class KvCacheManager:
         # device cache is one allocation of the backend's granularity.
         nbytes = rt.devices.allocation_bytes(desc) if on_device else round_up(desc.size) * desc.num_tensors  # type: ignore[union-attr]
         rt.registry.reserve(nbytes)
+        if rt.registry.check_add is not None:
+            rt.registry.check_add()  # (add checks it again; here before any memory is allocated and pinned)
         if on_device:
             tensors, export = _allocate_device(rt, desc, nbytes)
             return rt.registry.add(

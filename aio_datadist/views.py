@@ -2,8 +2,9 @@
 
 ``PushWatch.layer(i)`` and ``CacheTask.layer(i)`` return a fresh future per
 call that settles as the underlying one does; cancelling a view never touches
-the underlying future. A scheduler that polls (``view.done()``,
-``asyncio.wait({view}, timeout=0)``) and drops its views must not pile them
+the underlying future. A scheduler that polls (``view.done()``, or
+``asyncio.wait({view}, timeout=0)`` on the endpoint's loop: another running
+loop is refused) and drops its views must not pile them
 up: a view is held only while something waits on it (an ``await``, a
 done-callback) and until it is done, weakly otherwise.
 """
@@ -31,7 +32,7 @@ def refuse_other_loop(what: str, fut: asyncio.Future) -> None:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return
-    if loop is not fut.get_loop():
+    if loop is not asyncio.Future.get_loop(fut):  # (its own loop, whatever a subclass's get_loop says)
         raise LLMException(f"{what} lives on the event loop the LLMDataDist was initialised on; wait for it "
                            "from that loop", status_code=LLMStatusCode.LLM_FAILED)
 
@@ -50,13 +51,20 @@ class HeldFuture(asyncio.Future):
     held: set[asyncio.Future] | None = None
     what = "the future"  # named in a refusal to wait for it from another loop
 
+    # Refused where it is waited for, not where it was asked for: a helper loop may hand the wait to the
+    # endpoint's loop (run_coroutine_threadsafe), as the refusal tells it to. ``await`` goes through __await__;
+    # asyncio's helpers through get_loop (wait_for, ensure_future) or add_done_callback (gather, wait).
+
     def __await__(self) -> Any:
-        # Refused where it is awaited, not where it was asked for: a helper loop may hand the wait to the
-        # endpoint's loop (run_coroutine_threadsafe), as the refusal tells it to.
         refuse_other_loop(self.what, self)
         return super().__await__()
 
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        refuse_other_loop(self.what, self)
+        return super().get_loop()
+
     def add_done_callback(self, fn: Callable[..., object], *, context: Any = None) -> None:
+        refuse_other_loop(self.what, self)
         held = self.held
         if held is not None and not self.done() and self not in held:
             held.add(self)

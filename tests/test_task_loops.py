@@ -169,7 +169,10 @@ async def test_waiting_from_another_loop_for_a_running_task_is_refused() -> None
         gate = Gate()
         task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
         for wait in (lambda: task.synchronize(1000), lambda: task.get_results(1000), lambda: task,
-                     lambda: awaited(task.layer(0))):
+                     lambda: awaited(task.layer(0)),
+                     # asyncio's helpers reach the view through get_loop / add_done_callback, not __await__
+                     lambda: asyncio.wait_for(task.layer(0), 1), lambda: asyncio.gather(task.layer(0)),
+                     lambda: asyncio.wait({task.layer(0)}, timeout=1)):
             result, elapsed = await in_helper_loop(wait, bound_s=2.0)
             assert refused(result), repr(result)
             assert elapsed < 0.5, f"refused after {elapsed:.2f} s"
