@@ -75,6 +75,9 @@ async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str)
             if _trace.ON:
                 _trace.mark("returned")
             return candidate.transport_on(link)
+    if not plan.local._owned and not plan.local.alive:  # released while a reader tried: that, not the clock
+        raise LLMException(f"{what}: the cache was unregistered during the transfer",
+                           status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
     return await _run(rt, link, plan, time_left(deadline, what), what, pull=True)
 
 
