@@ -442,7 +442,7 @@ class LLMDataDist:
                 # Named: a peer that linked and crashed leaves a failed link no stats() lists (rows 203, 287).
                 held = sorted(cid for cid, link in links.links.items() if not link.closed)
                 shown = ", ".join(map(str, held[:16])) + (f" and {len(held) - 16} more" if len(held) > 16 else "")
-                raise LLMException(f"switch_role: {links.count()} link(s) still exist (cluster ids {shown}); "
+                raise LLMException(f"switch_role: {len(held)} link(s) still exist (cluster ids {shown}); "
                                    "unlink them first (unlink_clusters, force=True for a failed one)",
                                    status_code=LLMStatusCode.LLM_EXIST_LINK)
             preparing = [] if self._comms is None or self._comms.links is not links else self._comms.preparing()

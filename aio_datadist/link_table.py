@@ -122,7 +122,7 @@ class LinkTable:
         self.listening = asyncio.Lock()
         self.closing = False
         self._opening: dict[Link, _Opening] = {}  # accepted links whose fds are not all open yet
-        self._forgotten: set[asyncio.Task] = set()  # closes of failed links forgotten (_forget_failed_accepted)
+        self._forgotten: set[asyncio.Task] = set()  # closes of links out of the table (_close_forgotten)
         #: This endpoint's instance, random: told in every handshake, so that two ends whose link_clusters
         #: dials crossed agree which of the two links they keep (:meth:`_crossing`).
         self.instance = os.urandom(32)
@@ -264,14 +264,9 @@ class LinkTable:
         that was up before (without a secret an instance can be learned and claimed: a dial without a cluster
         id reaching such a claimant must not displace a link that did not cross it).
         """
-        if not self.authenticates:
+        if self.instance >= link.peer_instance:
             return None
-        other = self._live(link.remote_cluster_id)
-        if other is None or other.is_client or other.accepted_seq <= since or link.peer_instance == ZERO32:
-            return None
-        if other.peer_instance != link.peer_instance or self.instance >= link.peer_instance:
-            return None
-        return other
+        return self._crossed_by(link.remote_cluster_id, link.peer_instance, since)
 
     @property
     def authenticates(self) -> bool:
@@ -283,21 +278,26 @@ class LinkTable:
         return self.secret is not None
 
     def _close_replaced(self, crossed: Link) -> asyncio.Task:
-        """Unlink ``crossed``, taken out of the table for a dial of ours that crossed it; finalize waits for the
-        close, as for a forgotten link's."""
+        """Unlink ``crossed``, taken out of the table for a dial of ours that crossed it."""
         crossed.send_unlink(crossed.new_req_id())
-        closing = asyncio.get_running_loop().create_task(crossed.close("replaced: the peer's dial crossed ours"))
+        return self._close_forgotten(crossed, "replaced: the peer's dial crossed ours")
+
+    def _close_forgotten(self, link: Link, why: str) -> asyncio.Task:
+        """Close ``link``, out of the table (nothing else finds it to close it); finalize waits for the close."""
+        closing = asyncio.get_running_loop().create_task(link.close(why))
         self._forgotten.add(closing)
         closing.add_done_callback(self._forgotten.discard)
         return closing
 
-    def _crossed_by(self, remote_id: int, answered: bytes, since: int) -> bool:
-        """Whether the link now registered for ``remote_id`` is one the endpoint of instance ``answered`` (the
-        one our dial reached) dialled while our dial ran (``since``): our dial crossed its, and both ends keep
-        its."""
+    def _crossed_by(self, remote_id: int, answered: bytes, since: int) -> Link | None:
+        """The link now registered for ``remote_id`` if the endpoint of instance ``answered`` (the one our dial
+        reached) dialled it while our dial ran (``since``), between peers that prove the secret: our dial crossed
+        it. (Which of the two both ends keep is :meth:`_crossing`'s.)"""
         other = self._live(remote_id)
-        return (self.authenticates and other is not None and not other.is_client and other.accepted_seq > since
-                and answered != ZERO32 and other.peer_instance == answered)
+        if (not self.authenticates or other is None or other.is_client or other.accepted_seq <= since
+                or answered == ZERO32 or other.peer_instance != answered):
+            return None
+        return other
 
     def _forget_failed_accepted(self) -> None:
         """Keep at most :data:`MAX_FAILED_ACCEPTED` failed accepted links, forgetting the oldest first."""
@@ -307,9 +307,7 @@ class LinkTable:
             lk.log.debug("link %s to cluster %s: forgotten (failed, and %d newer failed links are kept)",
                          lk.link_id, lk.remote_cluster_id, MAX_FAILED_ACCEPTED)
             # Closed here: nothing finds it any more (finalize, unlink, a comm's unlink look in the table).
-            closing = asyncio.get_running_loop().create_task(lk.close("forgotten"))
-            self._forgotten.add(closing)
-            closing.add_done_callback(self._forgotten.discard)
+            self._close_forgotten(lk, "forgotten")
 
     def _reserve(self) -> int:
         """fds kept free besides links (see ``fd_budget``): the connections in their handshake that are open
@@ -656,7 +654,7 @@ class LinkTable:
                     link.send_unlink(link.new_req_id())
                 await settle(asyncio.ensure_future(link.close("not set up")), SET_UP_CLOSE_S)
             if (answered is not None and not bilateral and isinstance(exc, Exception) and remote_id is not None
-                    and self._crossed_by(remote_id, answered, since)):
+                    and self._crossed_by(remote_id, answered, since) is not None):
                 # Our dial crossed the peer's, and the peer keeps its own (our end of it is in the table): the
                 # peer cut ours while we set it up. The pair is linked, by the peer's dial.
                 raise LLMException(f"cluster {remote_id} is already linked (its dial crossed ours, and both "

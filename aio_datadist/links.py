@@ -805,7 +805,7 @@ class Link:
 
     def fail(self, exc: LLMException) -> None:
         """Mark the link broken: every waiter fails now, later calls fail fast."""
-        if self.broken is not None or self.closed or self.unlinked:
+        if self.down:
             return
         self.broken = exc
         self._went_down("unlinked" if self.unlinking else f"failed: {exc}")

@@ -69,9 +69,9 @@ class CacheTask:
     * ``task.cancel()`` stops the layers not yet sent and tells the peers.
 
     Wait on it from the loop it was made on (the endpoint's): from another
-    loop, waiting for a task still running (or asking it for a pending
-    layer's future) raises ``LLM_FAILED``; a task that ended, and a layer
-    that did, answer from any loop.
+    loop, waiting for a task still running (or for a pending layer's
+    future) raises ``LLM_FAILED``; a task that ended, and a layer that did,
+    answer from any loop.
     """
 
     def __init__(self, progress: TaskProgress, driver: Coroutine[Any, Any, None]) -> None:

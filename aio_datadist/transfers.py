@@ -20,7 +20,6 @@ only once no byte of it can land any more.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -41,9 +40,6 @@ if TYPE_CHECKING:
     from aio_datadist.runtime import Runtime
 
 __all__ = ["run_pull", "run_push"]
-
-log = logging.getLogger("aio_datadist.transfers")
-
 
 async def run_pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, *,
                    names: Mapping[str, str] | None = None) -> None:
@@ -252,8 +248,8 @@ class _Cut:
         if on_device:
             wait_cut_copies(self.rt, req.what)
         halt = getattr(req.settled, "halt", None) if req.in_place else None  # NIXL's (``nixl.Halting``)
-        if halt is not None and not halt():
-            log.error("%s: the NIXL transfer of a released cache did not stop in time", req.what)
+        if halt is not None:
+            halt()
         if (on_device or not req.in_place or halt is not None) and not self.task.done():
             self.cancelled = True
             self.task.cancel()

@@ -175,16 +175,16 @@ class Halting(Settling):
     """The settling of a transfer posted to our worker, which can also be stopped at once (:meth:`halt`): a
     release of the registered cache it moves must not return while a byte of it can still land."""
 
-    def __init__(self, engine: NixlEngine, tokens: list[int], *, loop: asyncio.AbstractEventLoop,
+    def __init__(self, engine: NixlEngine, tokens: list[int], what: str, *, loop: asyncio.AbstractEventLoop,
                  force: Callable[[], None], forcing: Callable[[], bool]) -> None:
         super().__init__(lambda: bool(tokens) and engine.working(tokens[0]), loop=loop, force=force, forcing=forcing)
-        self._engine, self._tokens = engine, tokens
+        self._engine, self._tokens, self._what = engine, tokens, what
 
     def halt(self, bound_s: float = CUT_WAIT_S) -> bool:
         """Cancel the transfer and block (the loop's thread too: our worker moves it, not the loop) until no piece
         of it is in NIXL's hands, ``bound_s`` at most; still there then (the peer makes no progress on it), its
         peer's agent is let go (the link goes with it, ``NixlAgent._let_go``) and it gets ``bound_s`` more. Whether
-        it stopped."""
+        it stopped (logged as an error when it did not)."""
         if self.done() or not self._tokens:
             return True
         token = self._tokens[0]
@@ -192,7 +192,10 @@ class Halting(Settling):
             return True
         if self._engine.in_nixl(token):  # (not while our worker is busy with another call: nothing to let go)
             self._engine.force_off(token)
-        return self._engine.halt(token, bound_s)
+        if self._engine.halt(token, bound_s):
+            return True
+        log.error("%s: the NIXL transfer of a released cache did not stop within %.1f s", self._what, 2 * bound_s)
+        return False
 
 
 class _LocalCache:
@@ -972,7 +975,7 @@ class NixlPeer:
             return moved, settled, str
         handle = None if posted is None else posted[1]
         tokens: list[int] = []
-        settled = Halting(engine, tokens, loop=loop, force=lambda: self._force_off(tokens, what),
+        settled = Halting(engine, tokens, what, loop=loop, force=lambda: self._force_off(tokens, what),
                           forcing=lambda: bool(tokens) and engine.forcing(tokens[0]))
 
         def submit(token: int) -> None:
