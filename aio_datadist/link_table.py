@@ -37,7 +37,7 @@ from aio_datadist.transport import tls
 from aio_datadist.transport.base import ABORT_ACK_S, meets
 from aio_datadist.transport.ledger import Ledger
 from aio_datadist.transport.local import MAX_TENSORS, SHARE_AUTH_S, boot_id, connect_share
-from aio_datadist.transport.nixl import NixlAgent
+from aio_datadist.transport.nixl_agent import NixlAgent
 from aio_datadist.types import LLMClusterInfo, LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 

@@ -40,7 +40,8 @@ from aio_datadist.transport import base as transport_base
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import LocalShare
 from aio_datadist.transport.nixl import READY as NIXL_READY
-from aio_datadist.transport.nixl import NixlAgent, NixlPeer, link_tag
+from aio_datadist.transport.nixl import NixlPeer, link_tag
+from aio_datadist.transport.nixl_agent import NixlAgent
 from aio_datadist.types import LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 

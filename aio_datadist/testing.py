@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from aio_datadist.links import Link
     from aio_datadist.runtime import Runtime
     from aio_datadist.transport.local import LocalListener
-    from aio_datadist.transport.nixl import NixlAgent
+    from aio_datadist.transport.nixl_agent import NixlAgent
 
 __all__ = [
     "DECODER_CLUSTER_ID",

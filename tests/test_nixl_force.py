@@ -20,7 +20,8 @@ import pytest
 
 from aio_datadist._settle import Settling
 from aio_datadist.transport import base, nixl_engine
-from aio_datadist.transport.nixl import NixlAgent, NixlPeer
+from aio_datadist.transport.nixl import NixlPeer
+from aio_datadist.transport.nixl_agent import NixlAgent
 
 
 class Queue:
@@ -362,7 +363,7 @@ def link(agent: NixlAgent, lost: list[tuple[str, str]], label: str, loaded: bool
     failures go to ``lost``."""
     peer = object.__new__(NixlPeer)
     peer.agent, peer.engine, peer.name, peer.cluster_id = agent, agent.engine, b"owner-agent", 2
-    peer.closed, peer._agent_loaded, peer._loop = False, loaded, asyncio.get_running_loop()
+    peer.closed, peer.agent_loaded, peer._loop = False, loaded, asyncio.get_running_loop()
 
     def fail(exc: Exception) -> None:  # as Link.fail does: the link goes, and its NixlPeer is closed
         lost.append((label, str(exc)))
@@ -424,7 +425,7 @@ async def test_a_force_fails_the_links_that_loaded_the_agent_before_and_not_one_
 
         def load(a) -> None:
             seen.append(list(a.removed))
-            later._agent_loaded = True
+            later.agent_loaded = True
 
         engine.call(9, load)
         go.set()

@@ -25,7 +25,7 @@ from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, fill, linked_pair, snapsh
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
 from aio_datadist.testing import link_to, nixl_agent_of, runtime_of
-from aio_datadist.transport import nixl
+from aio_datadist.transport import nixl, nixl_agent
 from aio_datadist.wire import NixlRecord, ProtocolError
 
 needs_nixl = pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
@@ -42,15 +42,15 @@ def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_only_cuda_device_caches_with_a_vram_backend_are_registered_as_vram():
-    assert nixl.vram_off(None, UCX) is None  # no device backend: nothing to decide
-    assert nixl.vram_off("cuda", UCX) is None
-    assert nixl.vram_off("cuda", {"UCX": ["DRAM", "VRAM"]}) is None
-    host = nixl.vram_off("host", UCX)
+    assert nixl_agent.vram_off(None, UCX) is None  # no device backend: nothing to decide
+    assert nixl_agent.vram_off("cuda", UCX) is None
+    assert nixl_agent.vram_off("cuda", {"UCX": ["DRAM", "VRAM"]}) is None
+    host = nixl_agent.vram_off("host", UCX)
     assert host is not None and "host memory" in host and "VRAM" in host
-    assert "npu" in (nixl.vram_off("npu", UCX) or "")
-    none = nixl.vram_off("cuda", {"UCX": ["DRAM_SEG"], "POSIX": ["FILE_SEG"]})
+    assert "npu" in (nixl_agent.vram_off("npu", UCX) or "")
+    none = nixl_agent.vram_off("cuda", {"UCX": ["DRAM_SEG"], "POSIX": ["FILE_SEG"]})
     assert none is not None and "UCX: DRAM_SEG" in none and "POSIX: FILE_SEG" in none
-    assert "no backend" in (nixl.vram_off("cuda", {}) or "")
+    assert "no backend" in (nixl_agent.vram_off("cuda", {}) or "")
 
 
 class _Recorder:
@@ -87,7 +87,7 @@ def _cache(on_device: bool, device: torch.device, bases=(0x10000, 0x10000 + 6 * 
 
 
 def test_a_cuda_device_cache_is_registered_as_vram_on_its_gpu():
-    mem, device, work = nixl.registration(_cache(True, torch.device("cuda", 3)), None)
+    mem, device, work = nixl_agent.registration(_cache(True, torch.device("cuda", 3)), None)
     assert (mem, device) == ("VRAM", 3)
     agent = _Recorder()
     regs_out, dlist, metadata = work(agent)
@@ -101,11 +101,11 @@ def test_a_cuda_device_cache_is_registered_as_vram_on_its_gpu():
 
 
 def test_host_caches_are_dram_and_device_caches_nixl_cannot_take_are_not_registered():
-    mem, device, work = nixl.registration(_cache(False, torch.device("cpu")), "whatever")
+    mem, device, work = nixl_agent.registration(_cache(False, torch.device("cpu")), "whatever")
     agent = _Recorder()
     work(agent)
     assert (mem, device) == ("DRAM", 0) and agent.calls[0][2] == "DRAM" and set(agent.calls[1][2][:, 2]) == {0}
-    assert nixl.registration(_cache(True, torch.device("cpu")), "the device caches are host memory") is None
+    assert nixl_agent.registration(_cache(True, torch.device("cpu")), "the device caches are host memory") is None
 
 
 def test_a_failed_vram_list_deregisters_what_it_registered():
@@ -115,7 +115,7 @@ def test_a_failed_vram_list_deregisters_what_it_registered():
         raise RuntimeError("NIXL_ERR_NOT_SUPPORTED")
 
     agent.prep_xfer_dlist = refuse
-    _, _, work = nixl.registration(_cache(True, torch.device("cuda", 0)), None)
+    _, _, work = nixl_agent.registration(_cache(True, torch.device("cuda", 0)), None)
     with pytest.raises(RuntimeError):
         work(agent)
     assert [c[0] for c in agent.calls] == ["register_memory", "deregister_memory"]
@@ -173,7 +173,7 @@ async def test_a_vram_offer_carries_the_gpu_and_is_prepared_as_vram_on_it():
                                    blob=b"\0\0"))
     # Our VRAM cache is offered with its GPU id ahead of our metadata.
     cache = _cache(True, torch.device("cuda", 1))
-    entry = nixl._LocalCache(cache, "regs", "dlist", "VRAM", 1)
+    entry = nixl_agent.LocalCache(cache, "regs", "dlist", "VRAM", 1)
     peer.offer(entry)
     kind, cache_id, rows, row_bytes, offered_bases, blob = sent[-1]
     assert (kind, cache_id, rows, row_bytes) == (nixl.OFFER_VRAM, 7, 6, 1536)
@@ -219,15 +219,15 @@ async def test_host_backend_device_caches_take_the_staging_plane_over_nixl_and_t
 def host_as_dram(monkeypatch):
     """The host backend's device caches registered with NIXL as what they are, host memory: the NIXL plane
     then carries device caches on CPU, fences included (the VRAM path but for the memory type)."""
-    real = nixl.registration
+    real = nixl_agent.registration
 
     def as_dram(cache, off):
         if not cache.on_device:
             return real(cache, off)
         return real(types.SimpleNamespace(on_device=False, region=None, layout=cache.layout), None)
 
-    monkeypatch.setattr(nixl, "vram_off", lambda kind, mem_types: None)
-    monkeypatch.setattr(nixl, "registration", as_dram)
+    monkeypatch.setattr(nixl_agent, "vram_off", lambda kind, mem_types: None)
+    monkeypatch.setattr(nixl_agent, "registration", as_dram)
 
 
 def _write_behind_gate(dd, cache, values, row: int):

@@ -38,9 +38,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "devices.cuda_vmm", "runtime",
     )),
     ("transport planes", (
-        "transport", "transport.base", "transport.fit", "transport.ledger", "transport.local", "transport.nixl", "transport.nixl_engine",
-        "transport.nixl_grants", "transport.nixl_offers", "transport.tls",
-        "transport.stream", "transport.staging", "transport.same_host", "transport.device_ipc", "transport.nixl_plane",
+        "transport", "transport.base", "transport.fit", "transport.ledger", "transport.local", "transport.nixl",
+        "transport.nixl_agent", "transport.nixl_engine", "transport.nixl_grants", "transport.nixl_offers",
+        "transport.tls", "transport.stream", "transport.staging", "transport.same_host", "transport.device_ipc",
+        "transport.nixl_plane",
     )),
     ("handshake, links, listener and link table", (
         "handshake", "links", "admission", "listener", "link_table", "endpoint", "bilateral",
