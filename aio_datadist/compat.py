@@ -219,17 +219,45 @@ def _finalize_all() -> None:
     _RUNNER.stop()
 
 
-def _v1_run(coro: Coroutine[Any, Any, _T]) -> _T:
-    """``_RUNNER.run(coro)`` for a KvCacheManager (v1) call: a time-out raises ``LLM_WAIT_PROCESS_TIMEOUT``, as
-    v1 LLM-DataDist's does (reference 2.4 and 2.11; it has no ``LLM_TIMEOUT``), where the async API raises
-    ``LLM_TIMEOUT`` in both modes."""
+#: v1 LLM-DataDist's codes for what the async API reports with v2's in both modes (reference 2.4, 2.11, 3.3): it
+#: has no ``LLM_TIMEOUT`` and no ``LLM_OUT_OF_MEMORY`` (its pool's is ``LLM_DEVICE_OUT_OF_MEMORY``).
+_V1_CODES = {LLMStatusCode.LLM_TIMEOUT: LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+             LLMStatusCode.LLM_OUT_OF_MEMORY: LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY}
+
+
+def _v1_raised(exc: LLMException) -> LLMException:
+    """``exc`` with v1's code (:data:`_V1_CODES`), or ``exc`` itself."""
+    code = _V1_CODES.get(exc.status_code)
+    return exc if code is None else LLMException(*exc.args, status_code=code, argument=exc.argument)
+
+
+def _v1(run: Callable[[], _T]) -> _T:
+    """``run()`` for a KvCacheManager (v1) call of the facade, raising with v1's code (:data:`_V1_CODES`)."""
     try:
-        return _RUNNER.run(coro)
+        return run()
     except LLMException as exc:
-        if exc.status_code is not LLMStatusCode.LLM_TIMEOUT:
+        if (v1 := _v1_raised(exc)) is exc:
             raise
-        raise LLMException(*exc.args, status_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
-                           argument=exc.argument) from exc
+        raise v1 from exc
+
+
+def _v1_run(coro: Coroutine[Any, Any, _T]) -> _T:
+    """``_RUNNER.run(coro)`` with v1's codes: a time-out raises ``LLM_WAIT_PROCESS_TIMEOUT``."""
+    return _v1(lambda: _RUNNER.run(coro))
+
+
+def _v1_call(fn: Callable[..., _T], *args: Any) -> _T:
+    """``_RUNNER.call(fn, *args)`` with v1's codes: an allocation or registration past the memory cap raises
+    ``LLM_DEVICE_OUT_OF_MEMORY``."""
+    return _v1(lambda: _RUNNER.call(fn, *args))
+
+
+def _v1_codes(dd: Any, result: tuple[LLMStatusCode, list[LLMStatusCode]]) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    """``link_clusters`` / ``unlink_clusters``'s codes as v1 gives them, on an endpoint in KvCacheManager mode."""
+    if not _async_datadist.in_kv_cache_manager_mode(dd):
+        return result
+    overall, each = result
+    return _V1_CODES.get(overall, overall), [_V1_CODES.get(code, code) for code in each]
 
 
 class CacheTask:
@@ -262,19 +290,19 @@ class KvCacheManager:
         return self._m.is_initialized()
 
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> KvCache:
-        return _RUNNER.call(self._m.allocate_cache, cache_desc, cache_keys)
+        return _v1_call(self._m.allocate_cache, cache_desc, cache_keys)
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
-        return _RUNNER.call(self._m.allocate_blocks_cache, cache_desc, blocks_cache_key)
+        return _v1_call(self._m.allocate_blocks_cache, cache_desc, blocks_cache_key)
 
     def register_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
                        cache_keys: Sequence[CacheKey] = (), remote_accessible: bool | None = None) -> KvCache:
-        return _RUNNER.call(self._m.register_cache, cache_desc, addrs, cache_keys, remote_accessible)
+        return _v1_call(self._m.register_cache, cache_desc, addrs, cache_keys, remote_accessible)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
                               blocks_cache_key: BlocksCacheKey | None = None,
                               remote_accessible: bool | None = None) -> KvCache:
-        return _RUNNER.call(self._m.register_blocks_cache, cache_desc, addrs, blocks_cache_key, remote_accessible)
+        return _v1_call(self._m.register_blocks_cache, cache_desc, addrs, blocks_cache_key, remote_accessible)
 
     def deallocate_cache(self, cache: KvCache) -> None:
         _RUNNER.call(self._m.deallocate_cache, cache)
@@ -396,11 +424,11 @@ class LLMDataDist:
 
     def link_clusters(self, clusters: Sequence[LLMClusterInfo],
                       timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        return _RUNNER.run(self._dd.link_clusters(clusters, timeout))
+        return _v1_codes(self._dd, _RUNNER.run(self._dd.link_clusters(clusters, timeout)))
 
     def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000,
                         force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        return _RUNNER.run(self._dd.unlink_clusters(clusters, timeout, force))
+        return _v1_codes(self._dd, _RUNNER.run(self._dd.unlink_clusters(clusters, timeout, force)))
 
     def check_link_status(self, remote_cluster_id: int) -> None:
         _v1_run(self._dd.check_link_status(remote_cluster_id))  # KvCacheManager mode only

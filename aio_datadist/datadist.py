@@ -537,3 +537,9 @@ def endpoint_of(dd: Any) -> LLMDataDist:
         raise LLMException(f"invalid argument 'dd': expected an LLMDataDist, got {type(dd).__name__}",
                            status_code=LLMStatusCode.LLM_PARAM_INVALID)
     return dd
+
+
+def in_kv_cache_manager_mode(dd: LLMDataDist) -> bool:
+    """Whether ``init`` put ``dd`` in KvCacheManager (v1) mode (False before ``init``): the blocking facade
+    gives v1 LLM-DataDist's status codes there (``compat._v1_codes``)."""
+    return dd._endpoint.cache_manager_mode is False

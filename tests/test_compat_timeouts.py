@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -136,3 +137,48 @@ def test_a_v1_transfer_cache_async_that_times_out_reads_wait_process_timeout(pri
         if peer is not None:
             peer.close()
         datadist.finalize()
+
+
+def _endpoint(role: LLMRole, cluster_id: int, v2: bool, **settings: object) -> LLMDataDist:
+    dd = LLMDataDist(role, cluster_id)
+    config = LLMConfig()
+    config.device_id = 0
+    config.enable_cache_manager = v2
+    for name, value in settings.items():
+        setattr(config, name, value)
+    dd.init(config.generate_options())
+    return dd
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_a_link_that_times_out_reads_each_modes_timeout_code(private_loop, v2: bool):
+    """A dial whose listener never answers the handshake: v1 reports ``LLM_WAIT_PROCESS_TIMEOUT`` in
+    ``link_clusters``' codes, v2 ``LLM_TIMEOUT``. Before, v1 read ``LLM_TIMEOUT``, a code v1 does not have
+    (found by audit)."""
+    silent = socket.create_server(("127.0.0.1", 0))  # its backlog takes the dial; nothing answers
+    dd = _endpoint(LLMRole.DECODER, 2, v2)
+    try:
+        cluster = LLMClusterInfo()
+        cluster.remote_cluster_id = 1
+        cluster.append_local_ip_info("127.0.0.1", 0)
+        cluster.append_remote_ip_info("127.0.0.1", silent.getsockname()[1])
+        code = LLMStatusCode.LLM_TIMEOUT if v2 else LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
+        assert dd.link_clusters([cluster], 300) == (code, [code])
+    finally:
+        dd.finalize()
+        silent.close()
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_an_allocation_past_the_memory_cap_reads_each_modes_out_of_memory_code(private_loop, v2: bool):
+    """v1's pool is out of memory with ``LLM_DEVICE_OUT_OF_MEMORY``, v2's with ``LLM_OUT_OF_MEMORY`` (reference
+    2.11, 3.3), through the facade. Before, v1 raised v2's code (found by audit)."""
+    dd = _endpoint(LLMRole.PROMPT, 1, v2, registered_memory_cap=1 << 20)
+    try:
+        manager = dd.cache_manager if v2 else dd.kv_cache_manager
+        with pytest.raises(LLMException) as info:
+            manager.allocate_cache(CacheDesc(2, (4, 1 << 18), DataType.DT_FLOAT16))  # 4 MiB past a 1 MiB cap
+        code = LLMStatusCode.LLM_OUT_OF_MEMORY if v2 else LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
+        assert info.value.status_code == code, info.value
+    finally:
+        dd.finalize()
