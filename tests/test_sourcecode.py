@@ -11,6 +11,8 @@ import is not counted (package ``__init__`` files are kept light for it).
 from __future__ import annotations
 
 import ast
+import fnmatch
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,6 +258,23 @@ def test_imports_go_down_the_layers() -> None:
         f"  {e.importer} {_layer_name(e.importer)} imports {e.imported} {_layer_name(e.imported)}"
         f"{' under TYPE_CHECKING' if e.type_only else ''}, line {e.line}"
         for e in sorted(upward, key=lambda e: (e.importer, e.line)))
+
+
+def test_the_architecture_doc_places_every_module_in_its_layer() -> None:
+    """docs/architecture.md's layer table names every module in the row of the layer it is in here (a ``name*``
+    entry covers the modules it matches; the package itself is "the package ``__init__``")."""
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    rows = {int(m[1]): m[2] for m in re.finditer(r"^\| (\d+) \| [^|]+ \| (.+) \|$", doc, re.MULTILINE)}
+    assert sorted(rows) == list(range(len(LAYERS))), "the table has one row per layer, numbered from 0"
+    missing = []
+    for index, (_, names) in enumerate(LAYERS):
+        named = re.findall(r"`([^`]+)`", rows[index])
+        for name in names:
+            found = ("the package" in rows[index]) if not name else any(
+                fnmatch.fnmatchcase(name, entry) for entry in named)
+            if not found:
+                missing.append(f"{name or 'the package'} (layer {index})")
+    assert not missing, "absent from docs/architecture.md's layer table: " + ", ".join(missing)
 
 
 @pytest.mark.parametrize("source, expected", [
