@@ -95,7 +95,7 @@ class KvCache:
     """
 
     __slots__ = ("_cache_id", "_desc", "_tensors", "_layout", "_is_blocks", "_region",
-                 "_owned", "_alive", "_pin", "_on_device", "_device_export", "__weakref__")
+                 "_owned", "_alive", "_pin", "_on_device", "_device_export", "_maker", "__weakref__")
 
     def __init__(self, cache_id: int, desc: CacheDesc, tensors: list[torch.Tensor], *,
                  is_blocks: bool, owned: bool, region: Any = None, pin: Any = None,
@@ -113,6 +113,7 @@ class KvCache:
         # The exportable allocation a library-allocated device cache lives in (devices/ipc.py), if any.
         self._device_export = device_export
         self._alive = True
+        self._maker: object = None  # the token of the CacheRegistry that added it (CacheRegistry.add)
 
     @property
     def cache_id(self) -> int:
@@ -250,12 +251,15 @@ def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
         check_mapped(arg, [(a, desc.size) for a in addrs])  # a bare int is never trusted
         out = [tensor_at(a, desc.data_type.torch_dtype, desc.shape) for a in addrs]
     else:
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) and (isinstance(t, bool) or not isinstance(t, int)):
+                raise param_type_error(arg, f"entry {i} must be a torch.Tensor or an int address, "
+                                       f"got {type(t).__name__}")
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise param_type_error(arg, "mixes int addresses and tensors; give all addresses or all tensors")
         dtype = desc.data_type.torch_dtype
         out = []
         for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise param_type_error(arg, f"entry {i} must be a torch.Tensor or an int address, "
-                                       f"got {type(t).__name__}")
             if t.is_nested or t.layout is not torch.strided:
                 kind = "nested" if t.is_nested else f"of layout {t.layout}"
                 raise param_invalid(arg, f"tensor {i} is {kind}; only dense (strided) tensors hold a cache")
@@ -267,7 +271,9 @@ def check_user_tensors(arg: str, desc: CacheDesc, tensors: Sequence[Any],
                 raise param_invalid(arg, f"tensor {i} is not contiguous")
             if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
                 raise param_invalid(arg, f"tensor {i} is on {t.device}, the cache placement needs {device}")
-            out.append(t)
+            # A new tensor object over the same storage: the memory the layout names stays alive while
+            # registered, even if the caller points its own tensor elsewhere (``t.data = x``, ``t.set_(x)``).
+            out.append(t.detach())
         if device.type == "cpu":  # a tensor over read-only memory (a read-only mmap) would crash our copies into it
             check_mapped(arg, [(t.data_ptr(), desc.size) for t in out])
     _check_disjoint(arg, [t.data_ptr() for t in out], desc.size)
@@ -319,6 +325,7 @@ class CacheRegistry:
 
     def __init__(self, cap_bytes: int) -> None:
         self._cap = cap_bytes
+        self._token = object()  # marks the caches made here, to tell one freed here from another's
         self._used = 0
         self._next_id = 1
         self._entries: dict[int, _Entry] = {}
@@ -464,6 +471,7 @@ class CacheRegistry:
         self.reserve(nbytes)
         cache_id = self._next_id
         cache = make_cache(cache_id)
+        cache._maker = self._token
         self._next_id += 1
         entry = _Entry(cache, nbytes)
         for row, key in keys:
@@ -547,7 +555,8 @@ class CacheRegistry:
             raise param_invalid("cache", "a create_cpu_cache cache is not allocated or registered here; only such "
                                 "caches can be deallocated")
         entry = self._entries.get(cache.cache_id)
-        if (entry is None and not cache.alive) or (entry is not None and entry.cache is cache and entry.deallocated):
+        gone = (entry is None and not cache.alive) or (entry is not None and entry.cache is cache and entry.deallocated)
+        if gone and cache._maker is self._token:  # freed here, not by another LLMDataDist whose id we lack
             return
         if entry is None or entry.cache is not cache:
             raise LLMException(f"invalid argument 'cache': cache {cache.cache_id} does not belong to this "

@@ -404,6 +404,15 @@ async def test_release_calls_and_their_second_calls():
             with rejected(S.LLM_KV_CACHE_NOT_EXIST, "cache"):
                 cm.deallocate_cache(theirs)  # not ours: refused, and theirs stays
             assert theirs.alive
+            # Freed there (ids this endpoint does not hold): still not ours, not a second call (before, a no-op).
+            gone = other.cache_manager.allocate_cache(ROWS)
+            gone_blocks, gone_memory = register(other.cache_manager, BLOCKS, 2, blocks=True)
+            other.cache_manager.deallocate_cache(gone)
+            other.cache_manager.deallocate_blocks_cache(gone_blocks)
+            with rejected(S.LLM_KV_CACHE_NOT_EXIST, "cache"):
+                cm.deallocate_cache(gone)
+            with rejected(S.LLM_KV_CACHE_NOT_EXIST, "cache"):
+                cm.deallocate_blocks_cache(gone_blocks)
 
 
 async def test_remap_covers_a_deallocated_cache_its_keys_still_offer():

@@ -355,6 +355,24 @@ async def test_register_rejects_mismatched_memory():
 
 
 @pytest.mark.asyncio
+async def test_register_says_a_list_mixes_addresses_and_tensors():
+    """Before, ``[addr, tensor]`` was refused with "entry 0 must be a torch.Tensor or an int address, got int"."""
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options())
+        kv = dd.kv_cache_manager
+        good = [torch.zeros(CONTIG.shape) for _ in range(2)]
+        mixed = "mixes int addresses and tensors"
+        not_either = "entry 1 must be a torch.Tensor or an int address, got str"
+        for entries, why in [([good[0].data_ptr(), good[1]], mixed), ([good[0], good[1].data_ptr()], mixed),
+                             ([good[0].data_ptr(), "tensor"], not_either)]:
+            with pytest.raises(LLMException, match=why) as info:
+                kv.register_cache(CONTIG, entries)
+            assert info.value.status_code is INVALID and "'tensors_or_addrs'" in str(info.value)
+            assert isinstance(info.value, TypeError)  # as before
+        assert registry_of(dd).all_caches() == []
+
+
+@pytest.mark.asyncio
 async def test_register_rejects_memory_that_is_already_registered():
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init(options())
