@@ -268,12 +268,19 @@ class CacheTask:
 
     def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
         """Wait for all layers; the first failure, ``LLM_SUCCESS``, or the time-out code (v1
-        ``LLM_WAIT_PROCESS_TIMEOUT``, v2 ``LLM_TIMEOUT``)."""
-        return _RUNNER.run(self._task.synchronize(timeout_in_millis))
+        ``LLM_WAIT_PROCESS_TIMEOUT``, v2 ``LLM_TIMEOUT``); a v1 task's codes are v1's (:data:`_V1_CODES`)."""
+        return self._own(_RUNNER.run(self._task.synchronize(timeout_in_millis)))
 
     def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
         """Per-config results (None for a config never started; the time-out code for each while it runs)."""
-        return _RUNNER.run(self._task.get_results(timeout_in_millis))
+        return [None if code is None else self._own(code)
+                for code in _RUNNER.run(self._task.get_results(timeout_in_millis))]
+
+    def _own(self, code: LLMStatusCode) -> LLMStatusCode:
+        """``code`` as this task's mode gives it: a v1 task (its time-out code v1's) has v1's codes."""
+        if self._task.timeout_code is LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT:
+            return _V1_CODES.get(code, code)
+        return code
 
     def cancel(self) -> None:
         self._task._require_own()  # in a forked child the task is the parent's: LLM_FAILED here

@@ -182,3 +182,41 @@ def test_an_allocation_past_the_memory_cap_reads_each_modes_out_of_memory_code(p
         assert info.value.status_code == code, info.value
     finally:
         dd.finalize()
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_a_transfer_refused_out_of_memory_reads_each_modes_code_in_the_call_and_its_task(private_loop, monkeypatch,
+                                                                                         v2: bool):
+    """An owner that answers a push with ``LLM_OUT_OF_MEMORY`` (stood in for here): v1's ``push_cache`` raises
+    and its ``transfer_cache_async`` task reads ``LLM_DEVICE_OUT_OF_MEMORY``, v2's ``LLM_OUT_OF_MEMORY``. Before,
+    a v1 task read v2's code where the same failure raised v1's (found by review)."""
+    from aio_datadist import transfers
+    from aio_datadist.transport import base
+
+    prompt = _endpoint(LLMRole.PROMPT, 1, v2, listen_ip_info="127.0.0.1:0", transport="tcp")
+    decoder = _endpoint(LLMRole.DECODER, 2, v2, transport="tcp")  # a push the owner answers (not a same-host copy)
+    try:
+        dst = decoder.cache_manager.allocate_cache(DESC) if v2 else decoder.kv_cache_manager.allocate_cache(DESC)
+        cluster = LLMClusterInfo()
+        cluster.remote_cluster_id = 1
+        cluster.append_local_ip_info("127.0.0.1", 0)
+        cluster.append_remote_ip_info("127.0.0.1", prompt.listen_address[1])
+        assert decoder.link_clusters([cluster], 3000)[0] == LLMStatusCode.LLM_SUCCESS
+        manager = prompt.cache_manager if v2 else prompt.kv_cache_manager
+        src = manager.allocate_cache(DESC)
+        addrs = [int(a) for a in (dst.tensor_addrs if v2 else dst.per_device_tensor_addrs[0])]
+
+        async def out_of_memory(*args, **kwargs):
+            raise base.Refused("cluster 2: out of memory", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
+
+        monkeypatch.setattr(transfers, "_ask", out_of_memory)
+        code = LLMStatusCode.LLM_OUT_OF_MEMORY if v2 else LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
+        if not v2:
+            with pytest.raises(LLMException) as info:
+                manager.push_cache(CacheKeyByIdAndIndex(2, dst.cache_id, 0), src, 0)
+            assert info.value.status_code == code, info.value
+        task = manager.transfer_cache_async(src, _Ready(), [TransferConfig(2, addrs)])
+        assert (task.synchronize(5000), task.get_results(1000)) == (code, [code])
+    finally:
+        decoder.finalize()
+        prompt.finalize()
