@@ -676,9 +676,7 @@ class CacheRegistry:
                                   entry.cache.cache_id)
             if self.on_free is not None:
                 self.on_free(entry.cache)
-            entry.cache._alive = False
-            entry.cache._region = None
-            entry.cache._device_export = None
+            _released(entry.cache)
 
     def device_memory(self) -> list[Any]:
         """What keeps the device caches' memory allocated (their tensors and exports), to keep it."""
@@ -686,12 +684,20 @@ class CacheRegistry:
 
     def clear(self) -> None:
         for entry in self._entries.values():
-            entry.cache._alive = False
-            entry.cache._region = None
-            entry.cache._device_export = None
+            _released(entry.cache)
         self._entries.clear()
         self._serving.clear()
         self._hidden.clear()
         self._keys.clear()
         self._blocks_keys.clear()
         self._used = 0
+
+
+def _released(cache: KvCache) -> None:
+    """Mark ``cache`` released. A registered cache lets go of its aliases of the caller's tensors: the memory is
+    the caller's again, and a cache object kept after its release must not keep it allocated."""
+    cache._alive = False
+    cache._region = None
+    cache._device_export = None
+    if not cache._owned:
+        cache._tensors = [torch.empty(0, dtype=t.dtype, device=t.device) for t in cache._tensors]

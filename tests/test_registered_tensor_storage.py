@@ -10,6 +10,7 @@ in a forked child, so such a crash fails the test instead of the test run.
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ import torch
 from aio_datadist import CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
 from peers import process_context
 
-pytestmark = pytest.mark.usefixtures("fork_server")
 
 #: 64 MiB: above glibc's largest mmap threshold (32 MiB), so freeing it unmaps it and a stray write faults.
 DESC = CacheDesc(1, (4, 16 << 20), DataType.DT_INT8, Placement.HOST)
@@ -46,6 +46,7 @@ def _child(conn, how: str) -> None:
     asyncio.run(_swap_then_copy(conn, how))
 
 
+@pytest.mark.usefixtures("fork_server")
 @pytest.mark.parametrize("how", ["data", "set_"])
 def test_a_caller_that_swaps_its_registered_tensors_storage_leaves_the_cache_its_memory(how):
     ctx = process_context()
@@ -67,3 +68,35 @@ def test_a_caller_that_swaps_its_registered_tensors_storage_leaves_the_cache_its
     at_registered, copied, written_elsewhere = got
     assert at_registered  # get_cache_tensors shows the registered memory, not the caller's new one
     assert copied and written_elsewhere == 0
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("release", ["deallocate", "finalize"])
+async def test_a_released_cache_kept_by_the_caller_lets_go_of_the_registered_memory(release: str) -> None:
+    """Once the cache is released (``deallocate_cache``, ``finalize``) the memory is the caller's again: a caller
+    that keeps the cache object and points its own tensor elsewhere frees the memory. Before, the cache's alias
+    kept the caller's 64 MiB mapped for as long as the cache object lived (found by review)."""
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    await dd.init(LLMConfig().generate_options())
+    try:
+        kv = dd.kv_cache_manager
+        mine = torch.zeros(DESC.shape, dtype=torch.int8)
+        cache = kv.register_blocks_cache(DESC, [mine])
+        address = cache.tensor_addrs[0]
+        if release == "deallocate":
+            kv.deallocate_cache(cache)
+    finally:
+        await dd.finalize()
+    mine.data = torch.zeros(1, dtype=torch.int8)
+    gc.collect()
+    assert not _mapped(address), "the released cache keeps the caller's memory allocated"
+    assert cache.device == torch.device("cpu") and cache.tensor_addrs == []
