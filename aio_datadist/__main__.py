@@ -108,15 +108,36 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        if args.metrics_port is not None:  # refuse before two processes start torch, not in their tracebacks
-            _check_metrics_port(args.subparser, args.metrics_port)
-        from aio_datadist.demo import main as demo
+    try:
+        if args.command == "demo":
+            if args.metrics_port is not None:  # refuse before two processes start torch, not in their tracebacks
+                _check_metrics_port(args.subparser, args.metrics_port)
+            if args.transport == "nixl" and (why := _nixl_missing()):
+                print(f"python -m aio_datadist demo: error: --transport nixl: {why}", file=sys.stderr)
+                return 1
+            from aio_datadist.demo import main as demo
 
-        return demo(args.transport, args.metrics_port)
-    if args.command == "bench":
-        return _bench(args.subparser, args)
+            return demo(args.transport, args.metrics_port)
+        if args.command == "bench":
+            return _bench(args.subparser, args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback per process (the finally blocks reaped them)
+        print(f"{args.command} interrupted", file=sys.stderr)
+        return 130
     return 2
+
+
+def _nixl_missing() -> str:
+    """Why aio.Transport=nixl cannot start here ("" when it can): said before the demo spawns processes."""
+    from aio_datadist.status import LLMException
+    from aio_datadist.transport.nixl_engine import load_nixl
+
+    try:
+        load_nixl()
+    except LLMException as exc:  # names what to install
+        return str(exc.args[0])
+    except Exception as exc:  # a broken install's own error
+        return f"the NIXL package does not import here ({type(exc).__name__}: {exc})"
+    return ""
 
 
 def _check_metrics_port(parser: argparse.ArgumentParser, port: int) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -222,6 +223,16 @@ def _recv(conn, what: str, limit: float, sender: mp.process.BaseProcess, procs: 
     return conn.recv()
 
 
+def _start(proc: mp.process.BaseProcess) -> None:
+    """Start ``proc`` with SIGINT ignored: a terminal's Ctrl-C reaches the whole process group, and this
+    process reaps the children (an ignored signal stays ignored across exec; Python keeps it so)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _timing(nbytes: int, best_s: float, cold_s: float) -> str:
     return f"{best_s * 1e3:.1f} ms, {nbytes / best_s / 1e9:.2f} GB/s (first, cold one: {cold_s * 1e3:.1f} ms)"
 
@@ -239,14 +250,14 @@ def main(transport: str = "auto", metrics_port: int | None = None) -> int:
     procs = [prompt]
     try:
         t_start = time.perf_counter()
-        prompt.start()
+        _start(prompt)
         _, port, prompt_metrics = _recv(p_conn, "prompt start-up", SPAWN_LIMIT_S, prompt, procs)
         t_ready = time.perf_counter()
         metrics = None if metrics_port is None else (metrics_port, prompt_metrics)
         decoder = ctx.Process(target=_run_decoder, args=(d_child, r_child, geo, seed, port, transport, metrics),
                               name="decoder")
         procs.append(decoder)
-        decoder.start()
+        _start(decoder)
         push = _recv(d_conn, "push request from the decoder", SPAWN_LIMIT_S, decoder, procs)
         p_conn.send(push)
         d_conn.send(_recv(p_conn, "push result", SPAWN_LIMIT_S, prompt, procs))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,20 +57,76 @@ def test_the_demo_moves_a_real_kv_cache_between_two_processes(tmp_path, transpor
     assert "timings: best of 3 warm transfers; the first, cold one" in result.stdout
 
 
-def test_a_demo_whose_prompt_fails_says_so_at_once(tmp_path):
-    """Without a NIXL package the prompt's init refuses aio.Transport=nixl and its process exits 1: the demo
-    reports that process and exits 1, rather than waiting out its 120 s start-up limit."""
+def env_without_nixl(tmp_path: Path) -> dict[str, str]:
+    """The environment with whatever NIXL is installed shadowed by packages that do not import."""
     fake = tmp_path / "site"
-    for name in ("nixl", "nixl_cu12", "nixl_cu13"):  # shadow whatever NIXL is installed
+    for name in ("nixl", "nixl_cu12", "nixl_cu13"):
         (fake / name).mkdir(parents=True)
         (fake / name / "__init__.py").write_text("")
         (fake / name / "_api.py").write_text("raise ImportError('hidden by the test')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, "-m", "aio_datadist", "demo", "--transport", "nixl"], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=60)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")])))
+
+
+def test_a_demo_whose_prompt_fails_says_so_at_once(tmp_path):
+    """Without a NIXL package the prompt's init refuses aio.Transport=nixl and its process exits 1: the demo
+    reports that process and exits 1, rather than waiting out its 120 s start-up limit. (The command line
+    refuses nixl before that: the demo's own function is called here.)"""
+    result = subprocess.run([sys.executable, "-c", "import sys; from aio_datadist.demo import main; "
+                             "sys.exit(main('nixl'))"], cwd=tmp_path, env=env_without_nixl(tmp_path),
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "demo FAILED: the prompt process exited with code 1 before the prompt start-up" in result.stderr
     assert "the nixl transport needs the NIXL Python package" in result.stderr
+
+
+def test_a_demo_over_nixl_where_it_does_not_import_is_refused_in_one_line(tmp_path):
+    """Before, the prompt process started and ended with a 30-line traceback (found by an audit)."""
+    result = subprocess.run([sys.executable, "-m", "aio_datadist", "demo", "--transport", "nixl"], cwd=tmp_path,
+                            env=env_without_nixl(tmp_path), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        "python -m aio_datadist demo: error: --transport nixl: option 'aio.Transport': the nixl transport needs "
+        "the NIXL Python package, which is not installed (nixl._api: hidden by the test; nixl_cu12._api: hidden "
+        "by the test; nixl_cu13._api: hidden by the test); pip install 'aio_datadist[nixl]' (or the nixl / "
+        "nixl-cu12 package)"], result.stderr
+
+
+def live_processes_in_group(pgid: int) -> list[str]:
+    """The command lines of the processes of group ``pgid`` that are not zombies waiting for init."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            state, _, group = (entry / "stat").read_text().rpartition(")")[2].split()[:3]
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):  # not a process, or one that ended meanwhile
+            continue
+        if int(group) == pgid and state != "Z":
+            found.append(cmdline)
+    return found
+
+
+def test_ctrl_c_during_the_demo_ends_it_with_one_line_and_no_process_left(tmp_path):
+    """Ctrl-C as a terminal sends it (to the whole process group) while the prompt process starts: one line,
+    exit 130, every process gone. Before, each process printed its traceback, 28-55 lines (found by an audit)."""
+    demo = subprocess.Popen([sys.executable, "-m", "aio_datadist", "demo"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while demo.poll() is None and time.monotonic() < deadline and not any(
+                "spawn_main" in cmdline for cmdline in live_processes_in_group(demo.pid)):
+            time.sleep(0.05)
+        time.sleep(0.3)  # the prompt process is importing torch
+        os.killpg(demo.pid, signal.SIGINT)
+        _, err = demo.communicate(timeout=30)
+        deadline = time.monotonic() + 5
+        while (left := live_processes_in_group(demo.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        if demo.poll() is None or live_processes_in_group(demo.pid):
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.communicate()
+    assert demo.returncode == 130 and err.splitlines() == ["demo interrupted"], (demo.returncode, err[-3000:])
+    assert not left
 
 
 def test_bench_help_lists_its_options():

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aio_datadist import LLMException
+from aio_datadist import LLMException, LLMStatusCode
 from aio_datadist.integrations.vllm_agent import (
     MAX_PENDING_HANDSHAKES,
     SECRET_ENV,
@@ -273,6 +274,22 @@ def test_the_secret_option_env_and_warning(monkeypatch, caplog) -> None:
         agent.close()
     assert [r.message for r in caplog.records].count(next(
         r.message for r in caplog.records if "unauthenticated" in r.message)) == 1
+
+
+@pytest.mark.parametrize("name, value", [("pull_timeout_ms", 2.9), ("link_timeout_ms", 1500.7),
+                                         ("link_timeout_ms", 0.5), ("max_claims_per_connection", True),
+                                         ("data_port", False), ("lease_s", True)])
+def test_numeric_options_refuse_bools_and_fractions_naming_the_value(name: str, value: object) -> None:
+    """Before, ``int()`` cut 2.9 to 2 and took ``true`` as 1; 0.5 was refused as "got 0" (found by an audit)."""
+    with pytest.raises(LLMException, match=f"'{name}': must be .*, got {re.escape(repr(value))} ") as refused:
+        AgentOptions.from_extra({name: value})
+    assert refused.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_numeric_options_take_integral_floats_and_digit_strings() -> None:
+    opts = AgentOptions.from_extra({"link_timeout_ms": 2000.0, "pull_timeout_ms": "7000", "lease_s": 2})
+    assert (opts.link_timeout_ms, opts.pull_timeout_ms, opts.lease_s) == (2000, 7000, 2.0)
+    assert type(opts.link_timeout_ms) is int and type(opts.lease_s) is float
 
 
 def test_a_connection_holds_at_most_its_claim_limit(agents) -> None:

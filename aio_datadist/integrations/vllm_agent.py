@@ -113,11 +113,16 @@ class AgentOptions:
         given = {name for name in known & set(extra)
                  if not (extra[name] is None and isinstance(getattr(opts, name), str))}
         for name in given:
-            kind = type(getattr(opts, name))
+            kind, value = type(getattr(opts, name)), extra[name]
             try:
-                setattr(opts, name, kind(extra[name]))
+                # int() would take True as 1 and cut 2.9 to 2: a bool is no number, an integer has no fraction
+                if (kind is not str and isinstance(value, bool)) or (
+                        kind is int and isinstance(value, float) and not value.is_integer()):
+                    raise ValueError(value)
+                setattr(opts, name, kind(value))
             except (TypeError, ValueError):
-                raise LLMException(f"invalid argument '{name}': must be {kind.__name__}, got {extra[name]!r:.60}",
+                what = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+                raise LLMException(f"invalid argument '{name}': must be {what}, got {value!r:.60}",
                                    status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
         if "shared_secret" not in given:
             opts.shared_secret = os.environ.get(SECRET_ENV, "")
