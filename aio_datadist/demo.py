@@ -21,6 +21,7 @@ import multiprocessing as mp
 import random
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from aio_datadist import (
     LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
+    LLMException,
     LLMRole,
     Placement,
 )
@@ -199,12 +201,18 @@ async def _decoder(conn, geo: Geometry, seed: int, port: int, transport: str,
 
 
 def _run_prompt(conn, geo: Geometry, seed: int, transport: str, metrics_port: int | None) -> None:
-    asyncio.run(_prompt(conn, geo, seed, transport, metrics_port))
+    try:
+        asyncio.run(_prompt(conn, geo, seed, transport, metrics_port))
+    except LLMException as exc:  # a refusal (init's: NIXL without its plugins) says what, not a traceback
+        raise SystemExit(f"prompt: {exc}") from None
 
 
 def _run_decoder(conn, result, geo: Geometry, seed: int, port: int, transport: str,
                  metrics: tuple[int, int] | None) -> None:
-    result.send(asyncio.run(_decoder(conn, geo, seed, port, transport, metrics)))
+    try:
+        result.send(asyncio.run(_decoder(conn, geo, seed, port, transport, metrics)))
+    except LLMException as exc:
+        raise SystemExit(f"decoder: {exc}") from None
 
 
 def _recv(conn, what: str, limit: float, sender: mp.process.BaseProcess, procs: list) -> Any:
@@ -226,6 +234,9 @@ def _recv(conn, what: str, limit: float, sender: mp.process.BaseProcess, procs: 
 def _start(proc: mp.process.BaseProcess) -> None:
     """Start ``proc`` with SIGINT ignored: a terminal's Ctrl-C reaches the whole process group, and this
     process reaps the children (an ignored signal stays ignored across exec; Python keeps it so)."""
+    if threading.current_thread() is not threading.main_thread():  # signal() is the main thread's alone
+        proc.start()
+        return
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         proc.start()
@@ -300,6 +311,10 @@ def main(transport: str = "auto", metrics_port: int | None = None) -> int:
         return 1
     finally:
         for proc in procs:
+            if proc.pid is None:  # never started (its start failed)
+                continue
             if proc.is_alive():
                 proc.kill()
             proc.join(10)
+        for end in (p_conn, p_child, d_conn, d_child, r_conn, r_child):
+            end.close()

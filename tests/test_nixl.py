@@ -158,6 +158,44 @@ async def test_a_freed_cache_is_withdrawn_and_deregistered_after_the_read_that_u
         await expect_code(S.LLM_KV_CACHE_NOT_EXIST, pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), dst))
 
 
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+@needs_nixl
+async def test_a_released_registered_cache_a_peer_still_uses_keeps_its_memory_until_deregistered():
+    """A registered cache released while a peer's READ or WRITE against it is in flight stays registered with
+    NIXL until that transfer settled (above); its memory stays allocated until then too, though the cache let go
+    of its tensors at the release and the caller pointed its own tensor elsewhere (row 294), and goes once NIXL
+    deregistered it. Before, the first form of row 294's fix let it be freed under the registration (found by
+    review)."""
+    desc = CacheDesc(1, (4, 16 << 20), DataType.DT_INT8, Placement.HOST)  # 64 MiB: unmapped once freed
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        mine = torch.zeros(desc.shape, dtype=torch.int8)
+        cache = pair.pm.register_blocks_cache(desc, [mine], BlocksCacheKey(PROMPT_ID, 0))
+        address = cache.tensor_addrs[0]
+        plane = nixl_agent_of(pair.prompt)
+        async with asyncio.timeout(10):
+            while cache.cache_id not in plane.local:
+                await asyncio.sleep(0.01)
+        plane.serve_begin(cache.cache_id)  # as if a peer's READ were in flight
+        try:
+            pair.pm.deallocate_cache(cache)
+            assert cache.cache_id in plane._doomed
+            mine.data = torch.zeros(1, dtype=torch.int8)
+            assert _mapped(address), "memory NIXL still has registered for a peer's transfer was freed"
+        finally:
+            plane.serve_end(cache.cache_id)
+        async with asyncio.timeout(5):
+            while _mapped(address):  # deregistered on the NIXL worker, then the memory goes
+                await asyncio.sleep(0.01)
+
+
 @needs_nixl
 async def test_a_timed_out_read_has_settled_before_the_call_returns_and_the_link_goes_on():
     big = CacheDesc(2, (64, 256 * 1024), DataType.DT_INT8, Placement.HOST)  # 2 x 16 MiB

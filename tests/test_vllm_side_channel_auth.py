@@ -286,6 +286,13 @@ def test_numeric_options_refuse_bools_and_fractions_naming_the_value(name: str, 
     assert refused.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
+def test_a_number_option_too_big_for_a_float_is_refused_naming_it() -> None:
+    """JSON allows any integer: one past a float's range was an ``OverflowError`` (found by review)."""
+    with pytest.raises(LLMException, match="'lease_s': must be a number") as refused:
+        AgentOptions.from_extra({"lease_s": 10**400})
+    assert refused.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
 def test_numeric_options_take_integral_floats_and_digit_strings() -> None:
     opts = AgentOptions.from_extra({"link_timeout_ms": 2000.0, "pull_timeout_ms": "7000", "lease_s": 2})
     assert (opts.link_timeout_ms, opts.pull_timeout_ms, opts.lease_s) == (2000, 7000, 2.0)

@@ -120,7 +120,7 @@ class AgentOptions:
                         kind is int and isinstance(value, float) and not value.is_integer()):
                     raise ValueError(value)
                 setattr(opts, name, kind(value))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # (a JSON integer too big for a float)
                 what = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
                 raise LLMException(f"invalid argument '{name}': must be {what}, got {value!r:.60}",
                                    status_code=LLMStatusCode.LLM_PARAM_INVALID) from None

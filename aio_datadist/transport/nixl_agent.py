@@ -109,11 +109,17 @@ def _extents(cache: KvCache) -> list[tuple[int, int]]:
 
 
 class LocalCache:
-    __slots__ = ("cache", "regs", "dlist", "rows", "tensors", "row_bytes", "mem", "device")
+    """One cache of ours registered with the agent. ``memory`` (the cache's tensors, taken when its registration
+    started) keeps the memory allocated until the agent deregistered it: a registered cache lets go of its
+    tensors when it is released (``cache._released``), while a peer's transfer may still use the registration."""
 
-    def __init__(self, cache: KvCache, regs: Any, dlist: Any, mem: str = "DRAM", device: int = 0) -> None:
+    __slots__ = ("cache", "memory", "regs", "dlist", "rows", "tensors", "row_bytes", "mem", "device")
+
+    def __init__(self, cache: KvCache, regs: Any, dlist: Any, mem: str = "DRAM", device: int = 0,
+                 memory: Any = None) -> None:
         lay = cache.layout
         self.cache: KvCache | None = cache  # None once released
+        self.memory = memory
         self.regs = regs
         self.dlist = dlist
         self.mem = mem
@@ -214,8 +220,9 @@ class NixlAgent:
         if how is None:
             return  # not registered: its transfers take the staging plane (device_staged says why)
         mem, device, work = how
-        fut = self.start(work, f"registering cache {cache.cache_id} with NIXL as {mem}", keepalive=cache)
-        fut.add_done_callback(lambda f: self._registered(cache, f, mem, device))
+        memory = cache.tensors  # what keeps the memory allocated, whatever becomes of the cache, until deregistered
+        fut = self.start(work, f"registering cache {cache.cache_id} with NIXL as {mem}", keepalive=(cache, memory))
+        fut.add_done_callback(lambda f: self._registered(cache, f, mem, device, memory))
         self._registering[cache.cache_id] = fut
 
     async def registered(self, cache: KvCache) -> None:
@@ -224,7 +231,7 @@ class NixlAgent:
         if fut is not None:
             await asyncio.wait([fut])
 
-    def _registered(self, cache: KvCache, fut: asyncio.Future, mem: str, device: int) -> None:
+    def _registered(self, cache: KvCache, fut: asyncio.Future, mem: str, device: int, memory: Any) -> None:
         # Not the cache's current registration any more when it was unregistered meanwhile (freed, hidden:
         # remote_accessible=False, or refreshed and registered anew): then it is released, never offered.
         current = self._registering.get(cache.cache_id) is fut
@@ -239,7 +246,7 @@ class NixlAgent:
                 log.warning("cache %s is not registered with NIXL (%s); it moves over TCP", cache.cache_id, exc)
             return
         regs, dlist, metadata = fut.result()
-        entry = LocalCache(cache, regs, dlist, mem, device)
+        entry = LocalCache(cache, regs, dlist, mem, device, memory)
         if not current or not cache.alive:
             self._release(entry)
             return
@@ -295,7 +302,7 @@ class NixlAgent:
         def work(agent: Any, entry: LocalCache = entry) -> None:
             entry.dlist.release()
             agent.deregister_memory(entry.regs)
-            entry.cache = None  # the memory may go now
+            entry.cache = entry.memory = None  # the memory may go now
 
         try:
             self.engine.release_when_idle((id(entry.dlist),), work)
