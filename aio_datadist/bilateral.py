@@ -11,10 +11,14 @@ end's own ``link()`` waits for it, so a comm is OK only once both ends called
 address, starting the listener if the endpoint does not listen yet.
 
 A comm's status is computed when asked: PREPARING while a link of it is
-still being made, OK when all are up, FAILED when one could not be made
-within the link time (``llm.LinkTotalTime``), when one went down (the peer
-unlinked, finalized or died), or at once for a second comm with a cluster
-that is linked already (``LLM_ALREADY_LINK``, as LLM-DataDist fails it).
+still being made, OK when all are up (on both ends once the dialler set its
+link up: its transport settled and both ends' ``aio.RequireTransport`` met),
+FAILED when one could not be made within the link time
+(``llm.LinkTotalTime``; 0: ``HCCL_CONNECT_TIMEOUT``, else 120 s), when one
+went down (the peer unlinked, finalized or died), when the pair was linked
+otherwise meanwhile (``link_clusters``), or at once for a second comm with a
+cluster that is linked already (``LLM_ALREADY_LINK``, as LLM-DataDist fails
+it).
 ``unlink`` closes the comm's links and tells the peers, whose comms then
 report FAILED. A comm that turns FAILED stops its attempts to its other peers
 at once (a link one of them made as it stopped is unlinked, the peer told):
@@ -27,6 +31,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Callable
 
 from aio_datadist._checks import check_uint, param_invalid
@@ -72,6 +77,15 @@ class Comm:
             if isinstance(link, Link):
                 made[cluster] = link
         return made
+
+
+def _hccl_connect_timeout_s() -> int:
+    """The link time when ``llm.LinkTotalTime`` is 0: ``HCCL_CONNECT_TIMEOUT`` (s) when it is a positive
+    integer, as LLM-DataDist reads it, else HCCL's default."""
+    text = os.environ.get("HCCL_CONNECT_TIMEOUT", "").strip()
+    if text.isascii() and text.isdigit() and int(text) > 0:
+        return int(text)
+    return DEFAULT_LINK_TOTAL_TIME_S
 
 
 def _outcome(attempt: asyncio.Task[Link | LLMStatusCode]) -> Link | LLMStatusCode | None:
@@ -147,7 +161,7 @@ class CommTable:
                 del self.comms[comm.comm_id]
                 raise
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + (settings.link_total_time_s or DEFAULT_LINK_TOTAL_TIME_S)
+            deadline = loop.time() + (settings.link_total_time_s or _hccl_connect_timeout_s())
             for cluster, rank in peers.items():
                 attempt = links.start_bilateral(cluster, addresses[rank], dial=own_rank < rank, deadline=deadline)
                 attempt.add_done_callback(_log_raised(cluster))

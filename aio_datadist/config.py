@@ -109,7 +109,7 @@ DEFAULT_DATA_CHANNELS = 2
 DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
 DEFAULT_MAX_PENDING_HANDSHAKES = 64
 DEFAULT_LINK_PORT = 26000
-#: ``link()``'s time when ``llm.LinkTotalTime`` is 0 (HCCL_CONNECT_TIMEOUT's default).
+#: ``link()``'s time when ``llm.LinkTotalTime`` is 0 and ``HCCL_CONNECT_TIMEOUT`` is unset (its default).
 DEFAULT_LINK_TOTAL_TIME_S = 120
 DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu", "host")
 TRANSPORTS: tuple[str, ...] = ("auto", "tcp", "local", "nixl")
@@ -541,7 +541,7 @@ class LLMConfig:
     rdma_service_level = _Setting[Any](_check_service_level, None, "RDMA service level, 0..7 (unset: 4).")
     local_comm_res = _Setting[str](_check_json, "", "Local communication resources, JSON ('' = automatic).")
     link_total_time = _Setting[int](
-        _check_link_total_time, 0, "Total link setup time in s, 0..2**32-1 (0 = system default)."
+        _check_link_total_time, 0, "Total link setup time in s, 0..2**32-1 (0 = HCCL_CONNECT_TIMEOUT, else 120 s)."
     )
     link_retry_count = _Setting[int](_check_link_retry_count, 1, "Link attempts, 1..100 (1).")
     transfer_backend = _Setting[str](_check_transfer_backend, "", "Transfer backend; only 'hixl' is accepted.")
@@ -731,7 +731,7 @@ class Settings:
     :ivar remote_cache_accessible: whether peers may read and write this
         endpoint's caches (``llm.EnableRemoteCacheAccessible``; absent: on).
     :ivar link_total_time_s: ``llm.LinkTotalTime``: how long ``link()`` may
-        take, in s (0: :data:`DEFAULT_LINK_TOTAL_TIME_S`).
+        take, in s (0: ``HCCL_CONNECT_TIMEOUT``, else :data:`DEFAULT_LINK_TOTAL_TIME_S`).
     :ivar link_port: ``aio.LinkPort``, the base of the rank address rule.
     :ivar rank_addresses: ``aio.RankAddresses``: rank id or device ip ->
         ``(host, port)``.

@@ -344,7 +344,7 @@ class LLMDataDist:
         endpoint starts listening there if it does not listen yet) and takes
         the dial only while its own ``link`` waits for it. Dials are retried
         until ``llm.LinkTotalTime`` (``LLMConfig.link_total_time`` s; 0 means
-        120 s) is spent; the comm is then FAILED. Transfers with a peer fail
+        ``HCCL_CONNECT_TIMEOUT`` s if set, else 120 s) is spent; the comm is then FAILED. Transfers with a peer fail
         with ``LLM_NOT_YET_LINK`` until its link is up. Several ``link`` calls
         may run at once (one per peer cluster).
 

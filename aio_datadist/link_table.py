@@ -238,13 +238,18 @@ class LinkTable:
         link = self.links.get(remote_id)
         return link if link is not None and not link.down else None
 
-    def _register(self, link: Link, *, start: bool = True) -> bool:
+    def _register(self, link: Link, *, start: bool = True, awaited: bool = False) -> bool:
         """Make ``link`` the link to its cluster, unless another live one is (or the table closes); ``start``
-        it reading (the accepting side starts it once ``LINK_OK`` is written: see :meth:`take`)."""
+        it reading (the accepting side starts it once ``LINK_OK`` is written: see :meth:`take`). Unless it is
+        the dial a ``link()`` here waits for (``awaited``), that ``link()`` fails: it can take no dial now."""
         if self.closing or self._live(link.remote_cluster_id) is not None:
             return False
         link.on_request = self.on_request
         self.links[link.remote_cluster_id] = link
+        waiter = self._awaited.get(link.remote_cluster_id)
+        if not awaited and waiter is not None and not waiter.done():
+            waiter.set_exception(LLMException(f"cluster {link.remote_cluster_id} was linked otherwise meanwhile "
+                                              "(link_clusters)", status_code=LLMStatusCode.LLM_ALREADY_LINK))
         if start:
             link.start()
         if not link.is_client:
@@ -435,12 +440,13 @@ class LinkTable:
                 link.peer_instance = instance
             self._accepted += 1
             link.accepted_seq = self._accepted
-            if not self._register(link, start=False):
+            if not self._register(link, start=False, awaited=bilateral):
                 return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
             self._hold(link, claim)
             held = True
             link.announce("accepted")
             if bilateral:
+                link.peer_set_up = link.watch()  # before the link reads: see _await_bilateral
                 self._awaited.pop(remote_id).set_result(link)
             return link
         finally:
@@ -636,6 +642,8 @@ class LinkTable:
                 why = "it was unlinked" if link.broken is None else str(link.broken)
                 raise _WentDown(f"link to cluster {remote_id} went down before it was up: {why}",
                                 status_code=LLMStatusCode.LLM_LINK_FAILED)
+            if bilateral:
+                link.send(Msg.PING, 0)  # set up here: the peer's link() may check its transport (Link.peer_set_up)
             link.announce("dialled")
             return SUCCESS
         except BaseException as exc:
@@ -710,21 +718,37 @@ class LinkTable:
         self._awaited[remote_id] = waiter
         try:
             async with asyncio.timeout_at(deadline):
-                return await waiter
+                link = await waiter
+                # Up as the dialler's is: its share attached, NIXL set up or declined (it says so once it is),
+                # and the transport we require met.
+                assert link.peer_set_up is not None
+                await link.peer_set_up
+                await self._require_transport(link)
+                return link
         except TimeoutError:
-            if waiter.done() and not waiter.cancelled():
-                return waiter.result()  # taken in the loop pass the time ran out: the link is up, the peer says OK
             log.warning("link(): cluster %s did not link within the link time", remote_id)
-            return LLMStatusCode.LLM_TIMEOUT
+            status = LLMStatusCode.LLM_TIMEOUT
+        except LLMException as exc:  # linked otherwise, went down while set up, or not the transport required
+            log.warning("link(): cluster %s: %s", remote_id, exc)
+            status = exc.status_code
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                # Taken in the loop pass this attempt was stopped (its comm unlinked): the link is the comm's,
-                # and the unlink that stopped us closes it (Comm.made) and tells the peer.
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                # Taken before this attempt was stopped (its comm unlinked or failed): the link is the comm's,
+                # and what stopped us closes it (Comm.made) and tells the peer.
                 return waiter.result()
             raise
         finally:
             if self._awaited.get(remote_id) is waiter:
                 del self._awaited[remote_id]
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+            link = waiter.result()
+            if self.links.get(remote_id) is link and not link.down:
+                # Taken, not set up within the link time: it goes, the peer told (one that went down is closed
+                # or kept as any other).
+                self.forget(link)
+                link.send_unlink(link.new_req_id())
+                await settle(self._close_forgotten(link, "not set up"), SET_UP_CLOSE_S)
+        return status
 
     async def _dial_bilateral(self, remote_id: int, address: tuple[str, int],
                               deadline: float) -> Link | LLMStatusCode:

@@ -192,6 +192,9 @@ class Link:
         self.pending: dict[int, asyncio.Future] = {}
         self._acks: dict[int, Msg] = {}  # requests of ours in pending answered by PROBE_ACK or UNLINK_ACK (expect)
         self._watches: set[asyncio.Future] = set()  # futures only the link's end completes (watch)
+        #: A watch that the peer's PING completes too: on an accepted ``link()`` link, the dialler's word that it
+        #: set the link up (``LinkTable._await_bilateral``). Nothing else sends a PING.
+        self.peer_set_up: asyncio.Future | None = None
         self.serving: dict[int, Callable[[], Any]] = {}
         #: The peer's same-host pushes whose copy we run (MAX_LOCAL_PUSHES_SERVED), each with its future that is
         #: done once the copy no longer touches memory.
@@ -744,7 +747,9 @@ class Link:
             case protocol.Probe(req_id=req_id):
                 self.send(Msg.PROBE_ACK, req_id)
             case protocol.Ping():
-                pass  # the peer is alive: the reader noted when it was heard
+                # The peer is alive (the reader noted when it was heard); on a bilateral link, also set up.
+                if self.peer_set_up is not None and not self.peer_set_up.done():
+                    self.peer_set_up.set_result(None)
             case protocol.Unlink(req_id=req_id):
                 # Answered once our end is down (``close``): the peer's unlink returns on the answer, so no
                 # byte of its pushes may land here after it (a forced unlink under pushes waits for it).

@@ -30,6 +30,7 @@ VERSION = 9  # 2: the handshake sends nothing identifying before authentication;
 #             8: NIXL reads without asking (the NIXL records LEDGER, GRANT, REVOKE, REVOKED, READS, NUDGE);
 #             9: Auth.instance (the layout field, zero since 4) and LinkOk.instance: which endpoint dialled
 #                (crossing link_clusters dials, link_table.LinkTable._crossing)
+#            10: a bilateral dialler's PING says it set the link up (its share, NIXL, RequireTransport)
 HEADER = struct.Struct("!4sBBHQI")
 MAX_BODY = 1 << 20
 MAX_ROWS = 65536

@@ -40,12 +40,14 @@ from aio_datadist import (
     BlocksCacheKey,
     CacheKey,
     KvCache,
+    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
     LLMRole,
     LLMStatusCode,
     RegisterMemStatus,
+    bilateral,
     compat,
 )
 from aio_datadist._negotiated_transport import negotiated_transport
@@ -649,6 +651,104 @@ async def test_an_attempt_that_raises_reads_failed_and_unlinks(monkeypatch, capl
         with pytest.raises(LLMException) as raised:
             p.query_register_mem_status(comm)
         assert raised.value.status_code == S.LLM_NOT_YET_LINK
+
+
+def _pair_options(**configs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The prompt's and the decoder's v2 options (``prompt=``, ``decoder=``), one deployment's rank addresses."""
+    addresses = json.dumps({ip: f"{ip}:{free_port(ip)}" for ip in (PROMPT_IP, DECODER_IP)})
+    return [v2_options(rank_addresses=addresses, **configs[end]) for end in ("prompt", "decoder")]
+
+
+@pytest.mark.asyncio
+async def test_the_waiting_end_drops_a_link_short_of_its_required_transport():
+    """The end that takes the dial requires local, the dialler uses TCP only: both comms read FAILED and no
+    link is left. Before, that end never checked aio.RequireTransport: its comm read OK on a TCP link, and
+    every transfer on it was refused LLM_FEATURE_NOT_ENABLED (found by audit)."""
+    prompt, decoder = _pair_options(prompt={"transport": "tcp", "link_total_time": 5},
+                                    decoder={"transport": "auto", "require_transport": "local",
+                                             "link_total_time": 5})
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+        await p.init(prompt)
+        await d.init(decoder)
+        info, table = {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP)
+        comm_d = await d.link("c", info, table)
+        comm_p = await p.link("c", info, table)
+        assert await settled(d, comm_d, limit_s=5) is FAILED
+        assert link_to(d, PROMPT_ID) is None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while p.query_register_mem_status(comm_p) is not FAILED and loop.time() < deadline:
+            await asyncio.sleep(0.02)  # OK until our unlink reaches it
+        assert p.query_register_mem_status(comm_p) is FAILED
+        await p.unlink(comm_p)
+        await d.unlink(comm_d)
+
+
+@pytest.mark.asyncio
+async def test_the_waiting_end_reads_ok_once_its_transport_settled():
+    """Both ends on one host share memory, the end that takes the dial requires local: when its comm reads
+    OK the link is local and a pull works at once. Before, OK came in take(), ahead of the share: a pull at OK
+    was refused LLM_FEATURE_NOT_ENABLED ("would take tcp"), the same pull 0.5 s later worked (found by audit)."""
+    prompt, decoder = _pair_options(prompt={"transport": "auto", "link_total_time": 5},
+                                    decoder={"transport": "auto", "require_transport": "local",
+                                             "link_total_time": 5})
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+        await p.init(prompt)
+        await d.init(decoder)
+        fill(p.cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID, 0)), 7)
+        dst = d.cache_manager.allocate_blocks_cache(BLOCKS_DESC)
+        info, table = {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP)
+        comm_d = await d.link("c", info, table)
+        comm_p = await p.link("c", info, table)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while d.query_register_mem_status(comm_d) is PREPARING and loop.time() < deadline:
+            await asyncio.sleep(0)  # every loop pass: the first one that reads OK
+        assert d.query_register_mem_status(comm_d) is OK
+        link = link_to(d, PROMPT_ID)
+        assert link is not None and link.transport == "local"
+        await d.cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [0], [0])
+        assert await settled(p, comm_p, limit_s=5) is OK
+        await p.unlink(comm_p)
+        await d.unlink(comm_d)
+
+
+@pytest.mark.asyncio
+async def test_a_waiting_comm_fails_once_its_pair_is_linked_otherwise():
+    """While the decoder's comm waits for the prompt's dial, the prompt links it with link_clusters: that
+    comm can take no dial now, and reads FAILED at once; the link_clusters link stays. Before, it stayed
+    PREPARING for the whole llm.LinkTotalTime (found by audit)."""
+    prompt, decoder = _pair_options(prompt={"link_total_time": 30}, decoder={"link_total_time": 30})
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+        await p.init(prompt)
+        await d.init(decoder)
+        comm = await d.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP))
+        host, port = d.listen_address
+        cluster = LLMClusterInfo()
+        cluster.remote_cluster_id = DECODER_ID
+        cluster.append_local_ip_info(PROMPT_IP, 0)
+        cluster.append_remote_ip_info(host, port)
+        assert (await p.link_clusters([cluster], 3000))[0] == S.LLM_SUCCESS
+        assert await settled(d, comm, limit_s=1.5) is FAILED
+        assert link_to(d, PROMPT_ID) is not None and link_to(d, PROMPT_ID).up
+        await d.unlink(comm)
+        assert (await p.unlink_clusters([cluster], 1000))[0] == S.LLM_SUCCESS
+
+
+@pytest.mark.asyncio
+async def test_link_total_time_0_takes_hccl_connect_timeout(monkeypatch):
+    """llm.LinkTotalTime 0 is HCCL_CONNECT_TIMEOUT (s) when that is a positive integer, else 120 s, as the
+    reference says. Before, 0 was always 120 s (found by audit)."""
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "1")
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as dd:
+        await dd.init(v2_options(link_port=free_port(DECODER_IP) - 1, link_total_time=0))
+        comm = await dd.link("alone", {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP))
+        status = await settled(dd, comm, limit_s=1.8)  # nobody dials: the 1 s ran out
+        await dd.unlink(comm)
+        assert status is FAILED
+    for text in ("", "0", "-3", "1.5", "abc", "\u0663"):
+        monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", text)
+        assert bilateral._hccl_connect_timeout_s() == 120
 
 
 def test_a_rank_id_longer_than_python_converts_is_param_invalid():
