@@ -36,9 +36,9 @@ from collections.abc import Callable
 
 from aio_datadist._checks import check_uint, param_invalid
 from aio_datadist._settle import settle
-from aio_datadist.config import DEFAULT_LINK_TOTAL_TIME_S
 from aio_datadist.link_table import LinkTable
 from aio_datadist.links import Link
+from aio_datadist.option_checks import DEFAULT_LINK_TOTAL_TIME_S
 from aio_datadist.ranktable import check_cluster_rank_info, check_comm_name, parse_rank_table, rank_address
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import RegisterMemStatus

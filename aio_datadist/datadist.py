@@ -23,11 +23,12 @@ from aio_datadist._checks import (
 )
 from aio_datadist.bilateral import CommTable
 from aio_datadist.cache_manager import CacheManager
-from aio_datadist.config import cache_manager_mode, parse_listen, parse_options
 from aio_datadist.endpoint import Endpoint, forks
 from aio_datadist.leases import active_leases
 from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
+from aio_datadist.option_checks import parse_listen
+from aio_datadist.options import cache_manager_mode, parse_options
 from aio_datadist.owner import handle_request
 from aio_datadist.runtime import Runtime
 from aio_datadist.stats import EndpointStats

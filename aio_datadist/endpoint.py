@@ -19,8 +19,8 @@ from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import LLMRole
 
 if TYPE_CHECKING:
-    from aio_datadist.config import Settings
     from aio_datadist.link_table import LinkTable
+    from aio_datadist.options import Settings
     from aio_datadist.runtime import Runtime
     from aio_datadist.stats import Observer
 

@@ -16,8 +16,8 @@ from aio_datadist import _core
 from aio_datadist._completion import Completions
 from aio_datadist.arrivals import Arrivals
 from aio_datadist.cache import CacheRegistry
-from aio_datadist.config import Settings
 from aio_datadist.devices import select_device
+from aio_datadist.options import Settings
 
 if TYPE_CHECKING:
     from aio_datadist.devices.staging import DeviceStaging

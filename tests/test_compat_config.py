@@ -21,7 +21,7 @@ from aio_datadist import (
     LLMStatusCode,
     compat,
 )
-from aio_datadist.config import parse_options
+from aio_datadist.options import parse_options
 from peers import linked_pair
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aio_datadist.config import LLMConfig, LlmConfig, Settings, parse_listen, parse_options
+from aio_datadist.config import LLMConfig, LlmConfig
+from aio_datadist.option_checks import parse_listen
+from aio_datadist.options import Settings, parse_options
 from aio_datadist.status import LLMException, LLMStatusCode
 
 MIB2 = 2 * 2**20
@@ -522,7 +524,7 @@ def test_setters_raise_the_exception_types_of_llm_datadist(name: str, value: obj
 
 
 def test_option_device_ipc_is_checked():
-    from aio_datadist.config import parse_options
+    from aio_datadist.options import parse_options
 
     cfg = LLMConfig()
     cfg.device_ipc = "on"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from aio_datadist import LLMConfig, LLMDataDist, LLMRole
-from aio_datadist.config import parse_options
+from aio_datadist.options import parse_options
 from aio_datadist.ranktable import parse_rank_table
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.synchronizers import EventLayerSynchronizer

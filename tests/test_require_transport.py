@@ -49,7 +49,7 @@ def _zero(cache) -> bool:
     ({"aio.RequireTransport": "local", "aio.Transport": "tcp"}, "'local' needs aio.Transport 'auto' or 'local'"),
 ])
 def test_a_requirement_that_cannot_hold_is_refused_at_init(options, message):
-    from aio_datadist.config import parse_options
+    from aio_datadist.options import parse_options
 
     with pytest.raises(LLMException) as bad:
         parse_options(options)

@@ -1,4 +1,4 @@
-"""What the TLS options accept and what they set on the contexts they are given (``config._tls_check``), and a
+"""What the TLS options accept and what they set on the contexts they are given (``option_checks._tls_check``), and a
 TLS data channel's send that never lets the TLS layer read the caller's memory after it reported success.
 
 A client context that checks no certificate (``ssl.SSLContext()`` / ``PROTOCOL_TLS`` leave ``verify_mode`` at
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from aio_datadist import LLMConfig, LLMException, LLMStatusCode
-from aio_datadist.config import parse_options
+from aio_datadist.options import parse_options
 from aio_datadist.transport import tls
 from tls_certs import client_context, make_pki, server_context
 from tls_reneg_server import RenegServer
