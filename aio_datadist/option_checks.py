@@ -10,7 +10,7 @@ import os
 import re
 import ssl
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from ._checks import (
     INT32_MAX,
@@ -26,8 +26,6 @@ from ._checks import (
     param_invalid,
     param_type_error,
 )
-
-_T = TypeVar("_T")
 
 DeviceType = Literal["auto", "cpu", "cuda", "npu", "host"]
 TransportKind = Literal["auto", "tcp", "local", "nixl"]
