@@ -22,7 +22,7 @@ __all__ = ["ANSWER", "ANSWER_MAGIC", "ATTACH", "ATTACH_OK", "HEADER", "MAX_BODY"
            "encode_record", "fields_of", "parse_header", "peer_text"]
 
 MAGIC = b"AIOD"
-VERSION = 9  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
+VERSION = 10  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
 #             4: TransferReq.block_shape (blocks layouts are checked per request, not at link time),
 #                Auth.bilateral (a dial of LLMDataDist.link); 5: ReqFlag.POSTED and the ANSWER header,
 #                ReqFlag.DEVICE and the share's device records; 6: the NIXL record OFFER_VRAM;
