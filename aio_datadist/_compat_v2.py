@@ -27,22 +27,32 @@ class CacheManager:
 
     def register_cache(self, cache_desc: CacheDesc, addrs: list[Any], cache_keys: Sequence[CacheKey] = (),
                        remote_accessible: bool | None = None) -> Cache:
-        return self._runner.call(self._m.register_cache, cache_desc, addrs, cache_keys, remote_accessible)
+        return self._runner.call(self._m.register_cache, cache_desc, addrs, cache_keys, remote_accessible,
+                                 undo=self._release())
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[Any],
                               blocks_cache_key: BlocksCacheKey | None = None,
                               remote_accessible: bool | None = None) -> Cache:
         return self._runner.call(self._m.register_blocks_cache, cache_desc, addrs, blocks_cache_key,
-                                 remote_accessible)
+                                 remote_accessible, undo=self._release())
 
     def unregister_cache(self, cache_id: int) -> None:
         self._runner.call(self._m.unregister_cache, cache_id)
 
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> Cache:
-        return self._runner.call(self._m.allocate_cache, cache_desc, cache_keys)
+        return self._runner.call(self._m.allocate_cache, cache_desc, cache_keys, undo=self._release(cache_keys))
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
-        return self._runner.call(self._m.allocate_blocks_cache, cache_desc, blocks_cache_key)
+        return self._runner.call(self._m.allocate_blocks_cache, cache_desc, blocks_cache_key, undo=self._release())
+
+    def _release(self, cache_keys: Sequence[CacheKey] = ()) -> Callable[[Cache], None]:
+        """What releases a cache made by a call its caller interrupted: an allocated cache's keys would keep it."""
+        def release(cache: Cache) -> None:
+            self._m.unregister_cache(cache.cache_id)  # any kind of cache, allocated or registered
+            for key in cache_keys:
+                self._m.remove_cache_key(key)
+
+        return release
 
     def deallocate_cache(self, cache: Cache) -> None:
         self._runner.call(self._m.deallocate_cache, cache)
@@ -101,5 +111,6 @@ class CacheManager:
                              dst_block_memory_size: int | None = None) -> Any:
         """Start the layer-wise push; returns compat's blocking ``CacheTask``."""
         task = self._runner.call(self._m.transfer_cache_async, src_cache, layer_synchronizer, transfer_configs,
-                                 src_block_indices, dst_block_indices, dst_block_memory_size)
+                                 src_block_indices, dst_block_indices, dst_block_memory_size,
+                                 undo=lambda started: started.cancel())
         return self._wrap_task(task)

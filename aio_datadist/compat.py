@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aio_datadist import datadist as _async_datadist
 from aio_datadist._checks import named_by_caller
@@ -92,36 +92,65 @@ class _LoopThread:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._end = _LoopEnd()
 
     def loop(self) -> asyncio.AbstractEventLoop:
+        return self._started()[0]
+
+    def _started(self) -> tuple[asyncio.AbstractEventLoop, _LoopEnd]:
         with self._lock:
             if self._loop is None:
                 # asyncio's own loop, whatever the process's policy: a forked child of a process whose facade
                 # ran on uvloop crashes as it exits (libuv joins thread-pool threads that are the parent's).
                 loop = asyncio.SelectorEventLoop()
                 ready = threading.Event()
+                stopping = self._stopping = threading.Event()
+                end = self._end = _LoopEnd()
 
                 def run() -> None:
                     asyncio.set_event_loop(loop)
                     loop.call_soon(ready.set)
-                    while True:
-                        try:
-                            loop.run_forever()
-                            return  # stop()
-                        except BaseException as exc:  # the loop must outlive what one task raised
-                            # A KeyboardInterrupt or SystemExit raised in a task (a user callback) leaves it
-                            # through run_forever; the task ended with it, and every other call still needs
-                            # this loop: without it each later call, and the exit's finalize, would wait forever.
-                            log.error("aio_datadist.compat: %r escaped a task of the blocking facade's loop; "
-                                      "the loop goes on", exc)
+                    why = "its thread failed"
+                    warned = False
+                    try:
+                        while not loop.is_closed():
+                            try:
+                                loop.run_forever()
+                            except BaseException as exc:  # the loop must outlive what one task raised
+                                # A KeyboardInterrupt or SystemExit raised in a task (a user callback) leaves it
+                                # through run_forever; the task ended with it, and every other call still needs
+                                # this loop: without it each later call, and the exit's finalize, would wait
+                                # forever.
+                                log.error("aio_datadist.compat: %r escaped a task of the blocking facade's loop; "
+                                          "the loop goes on", exc)
+                                continue
+                            if stopping.is_set():
+                                why = "the facade's loop was stopped (the process exits)"
+                                return
+                            # Code on the loop called loop.stop() (an async synchronizer treating it as its own):
+                            # the loop is the facade's, and every call waits for it to go on.
+                            if not warned:
+                                log.error("aio_datadist.compat: code on the blocking facade's loop stopped it "
+                                          "(loop.stop()); the loop goes on")
+                                warned = True
+                        why = "its loop was closed"
+                    finally:
+                        end.ended(why)
 
                 self._thread = threading.Thread(target=run, name="aio_datadist-compat", daemon=True)
                 self._thread.start()
                 ready.wait()
                 self._loop = loop
-            return self._loop
+            return self._loop, self._end
 
-    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+    def run(self, coro: Coroutine[Any, Any, _T], undo: Callable[[_T], object] | None = None) -> _T:
+        """Run ``coro`` on the loop and wait for its result.
+
+        :param undo: releases what the call returned (a cache it made, a task it started) when its caller
+            was interrupted (KeyboardInterrupt) and never got it.
+        :raises LLMException: ``LLM_FAILED`` when the loop's thread has ended, the call with it.
+        """
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -129,49 +158,49 @@ class _LoopThread:
         else:
             coro.close()
             raise RuntimeError("aio_datadist.compat blocks; inside an event loop use the async API")
-        ended = threading.Event()
-        abandoned = threading.Event()
-
-        async def guarded() -> _T:
-            try:
-                if abandoned.is_set():  # interrupted before the loop got to it: it never starts
-                    coro.close()
-                    raise asyncio.CancelledError
-                return await coro
-            finally:
-                ended.set()
-
-        future = asyncio.run_coroutine_threadsafe(guarded(), self.loop())
+        loop, end = self._started()
+        call = _Call(coro, undo)
+        settled = threading.Event()  # the call's result is in, or the loop's thread has ended
         try:
-            return future.result()
+            if end.watch(settled):
+                future = asyncio.run_coroutine_threadsafe(call.run(), loop)
+                future.add_done_callback(lambda _: settled.set())
+                settled.wait()
+                if future.done():
+                    return future.result()
         except BaseException:
-            if not future.done():
-                # Interrupted while waiting (a KeyboardInterrupt in this thread): the call is cancelled and
-                # has ended before this raises, so none of its work goes on (no byte lands) behind the caller.
-                # A call the loop has not started yet (busy with other threads' calls) never starts: the
-                # cancel alone would come after its first step, which runs a plain call (call()) whole.
-                abandoned.set()
-                future.cancel()
-                ended.wait(INTERRUPT_SETTLE_S)
+            # Interrupted while waiting (a KeyboardInterrupt in this thread), or the call's own error (then
+            # this finds it ended): the call is cancelled and has ended, what it made released, before this
+            # raises, so none of its work goes on (no byte lands) behind the caller.
+            call.abandon(loop, end)
             raise
+        finally:
+            end.unwatch(settled)
+        call.close()
+        raise LLMException(f"the blocking facade's event-loop thread has ended ({end.why}); the call cannot run",
+                           status_code=LLMStatusCode.LLM_FAILED)
 
-    def call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    def call(self, fn: Callable[..., _T], *args: Any, undo: Callable[[_T], object] | None = None,
+             **kwargs: Any) -> _T:
+        """``fn(*args, **kwargs)`` on the loop; ``undo`` as in :meth:`run`."""
         async def invoke() -> _T:
             return fn(*args, **kwargs)
 
-        return self.run(invoke())
+        return self.run(invoke(), undo)
 
     def forget(self) -> None:
         """In a child process after ``fork``: the parent's loop has no thread here (and its lock may have been
         held by another of the parent's threads); the child's first call starts a loop of its own."""
         self._lock = threading.Lock()
         self._loop = self._thread = None
+        self._stopping, self._end = threading.Event(), _LoopEnd()
 
     def stop(self) -> None:
         with self._lock:
-            loop, thread = self._loop, self._thread
+            loop, thread, stopping = self._loop, self._thread, self._stopping
             self._loop = self._thread = None
         if loop is not None and thread is not None:
+            stopping.set()  # before the stop, which its thread takes for a callback's loop.stop() otherwise
             loop.call_soon_threadsafe(loop.stop)
             thread.join(STOP_JOIN_S)
             if thread.is_alive():  # closing a running loop raises: at exit, a traceback for nothing
@@ -179,6 +208,111 @@ class _LoopThread:
                             "still runs on it); left running", STOP_JOIN_S)
                 return
             loop.close()
+
+
+class _Call(Generic[_T]):
+    """One blocking call: its coroutine on the facade's loop, and what its caller's interrupt does to it."""
+
+    def __init__(self, coro: Coroutine[Any, Any, _T], undo: Callable[[_T], object] | None) -> None:
+        self._coro = coro
+        self._undo = undo
+        self._lock = threading.Lock()  # the caller's abandon() against the loop's start and end of run()
+        self._abandoned = False
+        self._task: asyncio.Task[Any] | None = None
+        self._returned: list[_T] = []  # the result once run() returned it, which the caller may never get
+        self._ended = threading.Event()
+        self._waiter: Coroutine[Any, Any, _T] | None = None
+
+    def run(self) -> Coroutine[Any, Any, _T]:
+        self._waiter = self._run()
+        return self._waiter
+
+    def close(self) -> None:
+        """The loop's thread has ended: a call it never started never will (one it started stays with it)."""
+        if self._task is None:
+            if self._waiter is not None:
+                self._waiter.close()
+            self._coro.close()
+
+    async def _run(self) -> _T:
+        try:
+            with self._lock:
+                if self._abandoned:  # interrupted before the loop got to it: it never starts
+                    self._coro.close()
+                    raise asyncio.CancelledError
+                self._task = asyncio.current_task()
+            result = await self._coro
+            with self._lock:
+                if not self._abandoned:
+                    self._returned.append(result)
+                    return result
+            # A plain call (call()) runs whole in one step, whatever interrupted its caller meanwhile.
+            _undo(self._undo, result)
+            raise asyncio.CancelledError
+        finally:
+            self._ended.set()
+
+    def abandon(self, loop: asyncio.AbstractEventLoop, end: _LoopEnd) -> None:
+        """In the caller's thread: cancel the call and wait for its end; release what it returned."""
+        with self._lock:
+            self._abandoned = True
+            task, returned = self._task, self._returned
+        if task is None or end.why is not None:
+            return  # not started, and it never will; or its loop runs no more
+        if not returned:
+            # A coroutine stops at its next await; a plain call (call()) has run its one step whole by the time
+            # the cancel runs, and run() released its result. (A call not started yet never starts: the cancel
+            # alone would come after its first step, the whole of a plain call.)
+            loop.call_soon_threadsafe(task.cancel)
+            self._ended.wait(INTERRUPT_SETTLE_S)
+        if returned:
+            released = threading.Event()
+
+            def release() -> None:
+                try:
+                    _undo(self._undo, returned[0])
+                finally:
+                    released.set()
+
+            loop.call_soon_threadsafe(release)
+            released.wait(INTERRUPT_SETTLE_S)
+
+
+class _LoopEnd:
+    """Whether a loop's thread has ended, and why: the calls waiting on the loop are woken when it does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: set[threading.Event] = set()
+        self.why: str | None = None
+
+    def watch(self, settled: threading.Event) -> bool:
+        """Set ``settled`` when the thread ends; False if it has ended already."""
+        with self._lock:
+            if self.why is None:
+                self._waiting.add(settled)
+            return self.why is None
+
+    def unwatch(self, settled: threading.Event) -> None:
+        with self._lock:
+            self._waiting.discard(settled)
+
+    def ended(self, why: str) -> None:
+        with self._lock:
+            self.why, waiting = why, list(self._waiting)
+        for settled in waiting:
+            settled.set()
+
+
+def _undo(undo: Callable[[_T], object] | None, made: _T) -> None:
+    """Release what an interrupted call made (:meth:`_LoopThread.run`); a failure is logged, the interrupt goes on."""
+    if undo is None:
+        return
+    try:
+        undo(made)
+    except Exception as exc:
+        log.warning("aio_datadist.compat: releasing %r, made by a call its caller interrupted, failed: %s",
+                    made, exc)
 
 
 _RUNNER = _LoopThread()
@@ -246,10 +380,10 @@ def _v1_run(coro: Coroutine[Any, Any, _T]) -> _T:
     return _v1(lambda: _RUNNER.run(coro))
 
 
-def _v1_call(fn: Callable[..., _T], *args: Any) -> _T:
-    """``_RUNNER.call(fn, *args)`` with v1's codes: an allocation or registration past the memory cap raises
-    ``LLM_DEVICE_OUT_OF_MEMORY``."""
-    return _v1(lambda: _RUNNER.call(fn, *args))
+def _v1_call(fn: Callable[..., _T], *args: Any, undo: Callable[[_T], object] | None = None) -> _T:
+    """``_RUNNER.call(fn, *args, undo=undo)`` with v1's codes: an allocation or registration past the memory cap
+    raises ``LLM_DEVICE_OUT_OF_MEMORY``."""
+    return _v1(lambda: _RUNNER.call(fn, *args, undo=undo))
 
 
 def _v1_codes(dd: Any, result: tuple[LLMStatusCode, list[LLMStatusCode]]) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
@@ -297,19 +431,30 @@ class KvCacheManager:
         return self._m.is_initialized()
 
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> KvCache:
-        return _v1_call(self._m.allocate_cache, cache_desc, cache_keys)
+        return _v1_call(self._m.allocate_cache, cache_desc, cache_keys, undo=self._release(cache_keys))
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
-        return _v1_call(self._m.allocate_blocks_cache, cache_desc, blocks_cache_key)
+        return _v1_call(self._m.allocate_blocks_cache, cache_desc, blocks_cache_key, undo=self._release())
 
     def register_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
                        cache_keys: Sequence[CacheKey] = (), remote_accessible: bool | None = None) -> KvCache:
-        return _v1_call(self._m.register_cache, cache_desc, addrs, cache_keys, remote_accessible)
+        return _v1_call(self._m.register_cache, cache_desc, addrs, cache_keys, remote_accessible,
+                        undo=self._release())
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
                               blocks_cache_key: BlocksCacheKey | None = None,
                               remote_accessible: bool | None = None) -> KvCache:
-        return _v1_call(self._m.register_blocks_cache, cache_desc, addrs, blocks_cache_key, remote_accessible)
+        return _v1_call(self._m.register_blocks_cache, cache_desc, addrs, blocks_cache_key, remote_accessible,
+                        undo=self._release())
+
+    def _release(self, cache_keys: Sequence[CacheKey] = ()) -> Callable[[KvCache], None]:
+        """What releases a cache made by a call its caller interrupted: an allocated cache's keys would keep it."""
+        def release(cache: KvCache) -> None:
+            self._m.deallocate_cache(cache)
+            for key in cache_keys:
+                self._m.remove_cache_key(key)
+
+        return release
 
     def deallocate_cache(self, cache: KvCache) -> None:
         _RUNNER.call(self._m.deallocate_cache, cache)
@@ -374,7 +519,8 @@ class KvCacheManager:
                              dst_block_indices: Sequence[int] | None = None,
                              dst_block_memory_size: int | None = None) -> CacheTask:
         task = _RUNNER.call(self._m.transfer_cache_async, src_cache, layer_synchronizer, transfer_configs,
-                            src_block_indices, dst_block_indices, dst_block_memory_size)
+                            src_block_indices, dst_block_indices, dst_block_memory_size,
+                            undo=lambda started: started.cancel())
         return CacheTask(task)
 
 

@@ -4,7 +4,8 @@
 ``synchronizer {sync,async} {KeyboardInterrupt,SystemExit}``: a layer synchronizer raises it in the middle
 of a v2 ``transfer_cache_async``; then the program carries on and exits normally (its ``atexit``
 finalize included). ``task``: a facade call whose own code raises KeyboardInterrupt. ``sigint``: SIGINT
-arrives while ``link_clusters`` waits on a listener that never answers.
+arrives while ``link_clusters`` waits on a listener that never answers. ``made``: SIGINT arrives while the
+facade's loop runs a call that makes a cache or starts a transfer (v1 and v2), before and after it made it.
 """
 
 from __future__ import annotations
@@ -24,26 +25,30 @@ from aio_datadist import compat
 from aio_datadist.compat import (
     BlocksCacheKey,
     CacheDesc,
+    CacheKey,
     DataType,
     LayerSynchronizer,
     LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMRole,
+    LLMException,
     Placement,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.testing import engine_state
 
 BLOCKS = CacheDesc(4, [8, 4, 16], DataType.DT_FLOAT16, Placement.DEVICE)
 
 
-def endpoint(role: LLMRole, cluster_id: int, listen: bool = False) -> LLMDataDist:
+def endpoint(role: LLMRole, cluster_id: int, listen: bool = False, v1: bool = False) -> LLMDataDist:
     dd = LLMDataDist(role, cluster_id)
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.device_type = "cpu"
     cfg.transport = "tcp"
-    cfg.local_comm_res = ""
+    if not v1:
+        cfg.local_comm_res = ""
     if listen:
         cfg.listen_ip_info = "127.0.0.1:0"
     dd.init(cfg.generate_options())
@@ -134,11 +139,104 @@ def sigint() -> dict:
     return out
 
 
+def made() -> dict:
+    main = threading.main_thread().ident
+    taken = threading.Event()
+
+    def on_sigint(signum: int, frame: object) -> None:
+        taken.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+    def interrupted(manager: object, name: str, when: str, *args: object) -> tuple[object, bool]:
+        """``manager.name(*args)`` through the facade, its caller interrupted while the loop runs it: the
+        interrupt is delivered from inside the call and taken before the call goes on ("during": it then makes
+        its product) or once it made it ("after"), so it always lands inside the call, however fast. Returns
+        the product and whether the call had ended when the interrupt reached the caller."""
+        made: list = []
+        failed: list[Exception] = []
+        finished = threading.Event()
+        inner = getattr(manager, "_m")
+        original = getattr(inner, name)
+
+        def call(*call_args: object) -> object:
+            try:
+                if when == "after":
+                    made.append(original(*call_args))
+                taken.clear()
+                signal.pthread_kill(main, signal.SIGINT)
+                assert taken.wait(5), "the interrupt was not taken"
+                if when == "during":
+                    made.append(original(*call_args))
+                return made[0]
+            except Exception as exc:
+                failed.append(exc)
+                raise
+            finally:
+                finished.set()
+
+        setattr(inner, name, call)
+        try:
+            getattr(manager, name)(*args)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError(f"{name} was not interrupted")
+        finally:
+            ended_first = finished.is_set()
+            finished.wait(5)
+            delattr(inner, name)
+        if failed:  # the caller, interrupted, never saw it
+            raise failed[0]
+        return made[0], ended_first
+
+    host = CacheDesc(2, [2, 64], DataType.DT_FLOAT16, Placement.HOST)
+    memory = [torch.zeros(2, 64, dtype=torch.float16) for _ in range(2)]
+    addrs = [t.data_ptr() for t in memory]
+    out: dict = {}
+    v1 = endpoint(LLMRole.PROMPT, 1, v1=True)
+    prompt, decoder = endpoint(LLMRole.PROMPT, 3, listen=True), endpoint(LLMRole.DECODER, 4)
+    blocks = [torch.zeros(8, 4, 16, dtype=torch.float16) for _ in range(8)]
+    src = prompt.cache_manager.register_blocks_cache(BLOCKS, [t.data_ptr() for t in blocks[:4]])
+    decoder.cache_manager.register_blocks_cache(BLOCKS, [t.data_ptr() for t in blocks[4:]], BlocksCacheKey(4, 0))
+    assert int(decoder.link_clusters([cluster(3, prompt.listen_address)], 5000)[0]) == 0
+    for t in blocks[:4]:
+        t.fill_(1.0)
+
+    class Held(LayerSynchronizer):
+        async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            await asyncio.Event().wait()  # until the task is cancelled
+            return True
+
+    for when in ("during", "after"):
+        for mode, dd, manager in (("v1", v1, v1.kv_cache_manager), ("v2", prompt, prompt.cache_manager)):
+            key = CacheKey(dd.cluster_id, req_id=1)
+            calls = {"allocate_cache": (host, [key]), "allocate_blocks_cache": (BLOCKS, BlocksCacheKey(5, 0)),
+                     "register_cache": (host, addrs, [key]), "register_blocks_cache": (BLOCKS, [
+                         t.data_ptr() for t in blocks[4:]], BlocksCacheKey(5, 0))}
+            for name, args in calls.items():
+                before = engine_state(dd)
+                try:
+                    ended_first = interrupted(manager, name, when, *args)[1]
+                except LLMException as exc:  # a key or blocks key still bound to what an earlier call made
+                    out[f"{when} {mode} {name}"] = str(exc)
+                    continue
+                # the registry as before the call (nothing allocated, registered or bound), and the caller
+                # interrupted only once the call had ended
+                out[f"{when} {mode} {name}"] = engine_state(dd) == before and ended_first
+        task, ended_first = interrupted(prompt.cache_manager, "transfer_cache_async", when, src, Held(),
+                                        [TransferWithCacheKeyConfig(BlocksCacheKey(4, 0), range(0, 1), range(0, 1))])
+        out[f"{when} transfer"] = [int(compat.CacheTask(task).synchronize(2000)), ended_first]
+    out["dst_untouched"] = all(not t.any() for t in blocks[4:])
+    return out
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
     if case == "synchronizer":
         result = synchronizer(sys.argv[2], {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[
             sys.argv[3]])
     else:
-        result = {"task": task, "sigint": sigint}[case]()
+        result = {"task": task, "sigint": sigint, "made": made}[case]()
     print(json.dumps(result), flush=True)

@@ -48,3 +48,15 @@ def test_ctrl_c_in_a_blocking_call_cancels_the_call_before_it_is_raised() -> Non
     assert out["tasks_left"] == [], out  # the link attempt ended before the interrupt reached the caller
     # the same cluster is linked anew (a silent listener again: a time-out of its own, not "another call")
     assert out["again"] == [LLMStatusCode.LLM_TIMEOUT, [LLMStatusCode.LLM_TIMEOUT]], out
+
+
+def test_ctrl_c_in_a_call_that_makes_a_cache_or_starts_a_transfer_leaves_nothing_it_made() -> None:
+    """Before, a plain call the facade's loop had started ran whole, and the cancel that followed the interrupt
+    threw its result away: the cache stayed allocated (its keys bound) with no handle to free it until finalize,
+    a started transfer ran on (row 302; found by audit)."""
+    out = run_child("made")
+    transfers = {when: out.pop(f"{when} transfer") for when in ("during", "after")}
+    assert out.pop("dst_untouched"), out  # the cancelled transfer moved nothing
+    assert len(out) == 16 and all(v is True for v in out.values()), out  # each cache released, its keys free
+    cancelled = [LLMStatusCode.LLM_FAILED, True]  # and the caller was interrupted only once the call had ended
+    assert transfers == {"during": cancelled, "after": cancelled}, transfers

@@ -1,0 +1,73 @@
+"""The blocking facade's loop thread outlives code on its loop that stops the loop, and a call waiting when
+the thread ends anyway (the exit stops it) fails instead of hanging.
+
+Each case runs a private ``_LoopThread``, as the facade's own: a facade loop that hangs would hang every later
+test of the run. Before: a ``loop.stop()`` from code on the loop (an async synchronizer treating the loop as
+its own) ended the facade's thread, and ``run()`` waited on a future nothing would complete, with no liveness
+check: that call, every later call and the process hung (row 303; found by audit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from aio_datadist import LLMException, LLMStatusCode, compat
+
+
+def in_thread(call) -> tuple[threading.Thread, dict]:
+    """``call()`` started in a thread of its own, and what it will have returned or raised."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["returned"] = call()
+        except Exception as exc:
+            box["raised"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)  # one that hangs must not hold the test run's exit
+    thread.start()
+    return thread, box
+
+
+def test_code_that_stops_the_facades_loop_does_not_end_it(caplog: pytest.LogCaptureFixture) -> None:
+    runner = compat._LoopThread()
+
+    async def stopper() -> str:
+        asyncio.get_running_loop().stop()
+        return "stopped"
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="aio_datadist.compat"):
+            thread, out = in_thread(lambda: [runner.run(stopper()), runner.run(stopper()),
+                                             runner.call(lambda: "later")])
+            thread.join(1)
+        assert out == {"returned": ["stopped", "stopped", "later"]}
+        assert [r.getMessage() for r in caplog.records] == [
+            "aio_datadist.compat: code on the blocking facade's loop stopped it (loop.stop()); the loop goes on"]
+    finally:
+        runner.stop()
+
+
+def test_a_call_waiting_when_the_loop_thread_ends_fails_instead_of_hanging() -> None:
+    runner = compat._LoopThread()
+    started = threading.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    try:
+        thread, out = in_thread(lambda: runner.run(forever()))
+        assert started.wait(1)
+        runner.stop()  # as the exit does
+        thread.join(1)
+        raised = out.get("raised")
+        assert isinstance(raised, LLMException) and raised.status_code == LLMStatusCode.LLM_FAILED, out
+        assert "event-loop thread has ended (the facade's loop was stopped (the process exits))" in str(raised)
+        assert runner.call(lambda: "later") == "later"  # the next call starts a loop of its own
+    finally:
+        runner.stop()
