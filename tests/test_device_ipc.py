@@ -215,7 +215,7 @@ async def test_option_device_ipc_decides_what_is_exported(monkeypatch, policy, e
 async def test_a_peer_that_cannot_map_device_exports_falls_back_to_staging_and_says_why(monkeypatch, caplog):
     why = "no P2P between GPU 0 and GPU 1"
 
-    def refuse(self, kind, identity, fd, nbytes):
+    def refuse(self, kind, identity, fd, nbytes, *, whole=False):
         raise IpcUnavailable(why)
 
     from aio_datadist.devices.host_backend import HostBackend

@@ -159,8 +159,12 @@ class DeviceBackend:
                     "read-only import is the importer's choice, not enforced); 'on' exports them anyway")
         return None
 
-    def ipc_import(self, kind: str, identity: bytes, fd: int, nbytes: int) -> PeerMapping:
+    def ipc_import(self, kind: str, identity: bytes, fd: int, nbytes: int, *, whole: bool = False) -> PeerMapping:
         """Map a same-host peer's export (``kind`` backend, on device ``identity``) read-only.
+
+        ``whole``: the caller still holds an earlier import of this same file by this backend, so a backend that
+        walks the pages it maps (the host backend's hole check, ``check_sealed``) may skip that walk; others
+        ignore it.
 
         :raises IpcUnavailable: this process cannot map it (the reason says why).
         :raises ExportInvalid: ``fd`` does not hold what the peer declared.

@@ -139,7 +139,7 @@ class CudaBackend(DeviceBackend):
             return self.allocate(desc), None
         return carve(desc, _device_tensor(alloc.address, alloc.nbytes, alloc, self.device)), alloc
 
-    def ipc_import(self, kind: str, identity: bytes, fd: int, nbytes: int) -> VmmMapping:
+    def ipc_import(self, kind: str, identity: bytes, fd: int, nbytes: int, *, whole: bool = False) -> VmmMapping:
         if kind != self.kind:
             raise IpcUnavailable(f"the peer's device caches are {kind} memory, ours are on {self.device}")
         mapping = self.vmm.import_fd(self.device.index or 0, identity, fd, nbytes)

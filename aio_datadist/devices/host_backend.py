@@ -108,11 +108,11 @@ class HostBackend(DeviceBackend):
     def ipc_unavailable(self) -> str | None:
         return None
 
-    def ipc_import(self, kind: str, identity: bytes, fd: int, nbytes: int) -> ReadOnlyMapping:
+    def ipc_import(self, kind: str, identity: bytes, fd: int, nbytes: int, *, whole: bool = False) -> ReadOnlyMapping:
         if kind != self.kind:
             raise IpcUnavailable(f"the peer's device caches are {kind} memory, ours are {self.kind} memory")
         try:
-            check_sealed(fd, nbytes)
+            check_sealed(fd, nbytes, whole=whole)
         except ValueError as exc:
             raise ExportInvalid(str(exc)) from None
         return ReadOnlyMapping(fd, nbytes)

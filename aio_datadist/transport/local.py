@@ -311,6 +311,10 @@ class LocalShare:
         self.name = name
         #: The peer's device caches we mapped, and ours the peer said it mapped (``MAPPED``).
         self.device_regions: dict[int, PeerDeviceCache] = {}
+        #: The files of ``device_regions`` by cache id, and each file with how many map it (``_files`` for them,
+        #: kept apart: what another backend imported was not walked, so it spares no host region its walk).
+        self._device_file: dict[int, tuple[int, int]] = {}
+        self._device_files: dict[tuple[int, int], int] = {}
         self.sent_device: set[int] = set()
         self.peer_mapped: set[int] = set()
         #: The peer's device caches we could not map (why: ``ipc_off``), until it withdraws them; they count
@@ -622,22 +626,23 @@ class LocalShare:
             self.peer_ledger = PeerLedger(fds[0])
             return
         # A file this share maps passed its check and can get no hole: sent again (under this id or another),
-        # it is not walked again (the old region of this id still maps it until the new one does).
-        file = file_of(fds[0]) if record.kind == _ADD else None
-        whole = file is not None and self._files.get(file, 0) > 0
+        # it is not walked again (the old region of this id still maps it until the new one does). So for a device
+        # export (the host backend walks it too).
+        file = file_of(fds[0]) if record.kind in (_ADD, _ADD_DEVICE) else None
+        files = self._device_files if record.kind == _ADD_DEVICE else self._files
+        whole = file is not None and files.get(file, 0) > 0
         old = self.regions.pop(record.cache_id, None)
         if old is not None:
             self._unlist(old)
-        old_device = self.device_regions.pop(record.cache_id, None)
-        if old_device is not None:
-            old_device.close()
+        self._drop_device(record.cache_id)
         self.device_refused.discard(record.cache_id)
         if record.kind == _DEL:
             return
         if len(self.regions) + len(self.device_regions) + len(self.device_refused) >= MAX_REGIONS:
             raise ShareError(f"the peer shares more than {MAX_REGIONS} caches")
         if record.kind == _ADD_DEVICE:
-            self._map_device(record, fds[0])
+            assert file is not None
+            self._map_device(record, fds[0], file, whole)
             return
         if record.slot != NO_SLOT and self.peer_ledger is None:
             raise ShareError(f"cache {record.cache_id} names a ledger slot before the peer sent its ledger")
@@ -659,8 +664,20 @@ class LocalShare:
         if left > 0:
             self._files[region.file] = left
 
-    def _map_device(self, record: ShareRecord, fd: int) -> None:
-        """Map a peer's device cache read-only and answer ``MAPPED``; say why not where we cannot."""
+    def _drop_device(self, cache_id: int) -> None:
+        """The peer's device cache ``cache_id`` is no longer mapped here (replaced, withdrawn): forget its file."""
+        peer = self.device_regions.pop(cache_id, None)
+        if peer is None:
+            return
+        peer.close()
+        file = self._device_file.pop(cache_id)
+        left = self._device_files.pop(file, 0) - 1
+        if left > 0:
+            self._device_files[file] = left
+
+    def _map_device(self, record: ShareRecord, fd: int, file: tuple[int, int], whole: bool) -> None:
+        """Map a peer's device cache read-only and answer ``MAPPED``; say why not where we cannot (``whole``: a
+        device cache mapped here is of the same ``file``, see ``ipc_import``)."""
         devices = self.devices
         if devices is None:
             self.device_refused.add(record.cache_id)
@@ -668,13 +685,15 @@ class LocalShare:
                              "(aio.DeviceType)")
             return
         try:
-            mapping = devices.ipc_import(record.device_kind, record.identity, fd, record.size)
+            mapping = devices.ipc_import(record.device_kind, record.identity, fd, record.size, whole=whole)
         except IpcUnavailable as exc:
             self.device_refused.add(record.cache_id)
             self.say_ipc_off(f"the peer's device caches cannot be mapped here: {exc}")
             return
         except ExportInvalid as exc:
             raise ShareError(f"device export of cache {record.cache_id}: {exc}") from None
+        if not whole:
+            self._walked += record.size  # the host backend's check walked every page; other imports count alike
         try:
             peer = PeerDeviceCache(record.cache_id, mapping, record.rows, record.row_bytes, record.tensor_bytes,
                                    record.offsets, devices.device)
@@ -682,6 +701,8 @@ class LocalShare:
             mapping.close()
             raise ShareError(f"device export of cache {record.cache_id}: {exc}") from None
         self.device_regions[record.cache_id] = peer
+        self._device_file[record.cache_id] = file
+        self._device_files[file] = self._device_files.get(file, 0) + 1
         self._send(_ENTRY.pack(_MAPPED, record.cache_id, 0, 0, 0, 0, 0))
 
     def _lost(self) -> None:
@@ -716,6 +737,8 @@ class LocalShare:
         for device_region in self.device_regions.values():
             device_region.close()
         self.device_regions.clear()
+        self._device_file.clear()
+        self._device_files.clear()
         self.device_refused.clear()
         self.peer_mapped.clear()
 

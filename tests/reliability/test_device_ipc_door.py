@@ -79,8 +79,8 @@ class _StubCuda:
     def ipc_export_refused(self):
         return None
 
-    def ipc_import(self, kind, identity, fd, nbytes):
-        return CudaBackend.ipc_import(self, kind, identity, fd, nbytes)
+    def ipc_import(self, kind, identity, fd, nbytes, *, whole=False):
+        return CudaBackend.ipc_import(self, kind, identity, fd, nbytes, whole=whole)
 
 
 @pytest.fixture(scope="module")
