@@ -73,6 +73,8 @@ from aio_datadist.option_checks import (
     DEFAULT_MEM_UTILIZATION,
     DEFAULT_REGISTERED_MEMORY_CAP,
     DEFAULT_SYNC_KV_TIMEOUT_MS,
+    DeviceType,
+    TransportKind,
     any_str,
     as_bool,
     check_buf_pool_cfg,
@@ -104,9 +106,14 @@ from aio_datadist.option_checks import (
     check_transfer_backend,
     check_transport,
     default_copy_threads,
+    parse_listen,
 )
+from aio_datadist.options import Settings, cache_manager_mode, parse_options
 
-__all__ = ["LLMConfig", "LlmConfig"]
+# With what this module held before parse_options and the checks moved out (options.py, option_checks.py): imports
+# of them from here keep working.
+__all__ = ["LLMConfig", "LlmConfig", "Settings", "parse_options", "parse_listen", "cache_manager_mode", "DeviceType",
+           "TransportKind", "DEFAULT_SYNC_KV_TIMEOUT_MS", "DEFAULT_REGISTERED_MEMORY_CAP"]
 
 _T = TypeVar("_T")
 
