@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
+import inspect
 import logging
 import os
 import threading
@@ -163,10 +165,18 @@ class _LoopThread:
         settled = threading.Event()  # the call's result is in, or the loop's thread has ended
         try:
             if end.watch(settled):
-                future = asyncio.run_coroutine_threadsafe(call.run(), loop)
-                future.add_done_callback(lambda _: settled.set())
+                try:
+                    future = asyncio.run_coroutine_threadsafe(call.run(), loop)
+                except RuntimeError:  # closed in the instant since (the exit): as ended
+                    if not loop.is_closed():
+                        raise
+                    end.ended(end.why or "its loop was closed")
+                    settled.set()
+                    future = None
+                if future is not None:
+                    future.add_done_callback(lambda _: settled.set())
                 settled.wait()
-                if future.done():
+                if future is not None and future.done():
                     return future.result()
         except BaseException:
             # Interrupted while waiting (a KeyboardInterrupt in this thread), or the call's own error (then
@@ -246,8 +256,12 @@ class _Call(Generic[_T]):
                 if not self._abandoned:
                     self._returned.append(result)
                     return result
-            # A plain call (call()) runs whole in one step, whatever interrupted its caller meanwhile.
-            _undo(self._undo, result)
+            # A plain call (call()) runs whole in one step, whatever interrupted its caller meanwhile. What undoes
+            # it may await (an unlink): the caller's cancel, which may come meanwhile, does not cut it short.
+            undoing = asyncio.ensure_future(_undo(self._undo, result))
+            while not undoing.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(undoing)
             raise asyncio.CancelledError
         finally:
             self._ended.set()
@@ -266,16 +280,9 @@ class _Call(Generic[_T]):
             loop.call_soon_threadsafe(task.cancel)
             self._ended.wait(INTERRUPT_SETTLE_S)
         if returned:
-            released = threading.Event()
-
-            def release() -> None:
-                try:
-                    _undo(self._undo, returned[0])
-                finally:
-                    released.set()
-
-            loop.call_soon_threadsafe(release)
-            released.wait(INTERRUPT_SETTLE_S)
+            released = asyncio.run_coroutine_threadsafe(_undo(self._undo, returned[0]), loop)
+            with contextlib.suppress(TimeoutError):
+                released.result(INTERRUPT_SETTLE_S)
 
 
 class _LoopEnd:
@@ -304,12 +311,14 @@ class _LoopEnd:
             settled.set()
 
 
-def _undo(undo: Callable[[_T], object] | None, made: _T) -> None:
+async def _undo(undo: Callable[[_T], object] | None, made: _T) -> None:
     """Release what an interrupted call made (:meth:`_LoopThread.run`); a failure is logged, the interrupt goes on."""
     if undo is None:
         return
     try:
-        undo(made)
+        undone = undo(made)
+        if inspect.isawaitable(undone):  # (an unlink)
+            await undone
     except Exception as exc:
         log.warning("aio_datadist.compat: releasing %r, made by a call its caller interrupted, failed: %s",
                     made, exc)
@@ -592,7 +601,8 @@ class LLMDataDist:
 
     def link(self, comm_name: str, cluster_rank_info: Mapping[int, int], rank_table: str) -> int:
         """Start a bilateral link; returns its comm id at once (poll :meth:`query_register_mem_status`)."""
-        return _RUNNER.run(self._dd.link(comm_name, cluster_rank_info, rank_table))
+        # A dialling comm is made in one step: interrupted there, it is unlinked (it would dial on, unknown).
+        return _RUNNER.run(self._dd.link(comm_name, cluster_rank_info, rank_table), undo=self._dd.unlink)
 
     def query_register_mem_status(self, comm_id: int) -> _RegisterMemStatus:
         """``RegisterMemStatus.PREPARING`` until the comm's links are up, then ``OK``; ``FAILED``."""

@@ -232,11 +232,59 @@ def made() -> dict:
     return out
 
 
+def link() -> dict:
+    """A dialler's v2 ``link()`` (made in one step on the loop), its caller interrupted from inside the call."""
+    main = threading.main_thread().ident
+    taken = threading.Event()
+
+    def on_sigint(signum: int, frame: object) -> None:
+        taken.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    peer = socket.create_server(("127.0.0.1", 0))  # rank 1: takes the dials, answers nothing
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.device_type = "cpu"
+    cfg.transport = "tcp"
+    cfg.local_comm_res = ""
+    cfg.rank_addresses = json.dumps({"127.0.0.1": "127.0.0.1:1", "127.0.0.2": f"127.0.0.1:{peer.getsockname()[1]}"})
+    cfg.link_total_time = 30
+    dd.init(cfg.generate_options())
+    table = json.dumps({"server_count": "2", "status": "completed", "version": "1.2", "server_list": [
+        {"device": [{"device_id": "0", "device_ip": ip, "rank_id": str(rank)}], "host_ip": ip,
+         "server_id": str(rank + 1)} for rank, ip in enumerate(["127.0.0.1", "127.0.0.2"])]})
+    inner = getattr(dd, "_dd")
+    original = inner.link
+
+    async def interrupted(*args: object) -> int:
+        taken.clear()
+        signal.pthread_kill(main, signal.SIGINT)
+        assert taken.wait(5), "the interrupt was not taken"
+        return await original(*args)
+
+    inner.link = interrupted
+    out: dict = {}
+    try:
+        out["returned"] = dd.link("pd", {1: 0, 2: 1}, table)
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    del inner.link
+    comms = getattr(inner, "_comms")
+    out["comms_left"] = sorted((comms.comms if comms is not None else {}).keys())
+    out["tasks_left"] = sorted(t.get_coro().__qualname__ for t in asyncio.all_tasks(compat._RUNNER.loop())
+                               if "dial" in t.get_coro().__qualname__)
+    dd.finalize()
+    peer.close()
+    return out
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
     if case == "synchronizer":
         result = synchronizer(sys.argv[2], {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[
             sys.argv[3]])
     else:
-        result = {"task": task, "sigint": sigint, "made": made}[case]()
+        result = {"task": task, "sigint": sigint, "made": made, "link": link}[case]()
     print(json.dumps(result), flush=True)

@@ -60,3 +60,11 @@ def test_ctrl_c_in_a_call_that_makes_a_cache_or_starts_a_transfer_leaves_nothing
     assert len(out) == 16 and all(v is True for v in out.values()), out  # each cache released, its keys free
     cancelled = [LLMStatusCode.LLM_FAILED, True]  # and the caller was interrupted only once the call had ended
     assert transfers == {"during": cancelled, "after": cancelled}, transfers
+
+
+def test_ctrl_c_in_a_dialling_link_leaves_no_comm_dialling_behind_the_caller() -> None:
+    """A dialler's ``link()`` is made in one step: interrupted there, the comm it made is unlinked before the
+    interrupt reaches the caller. Before, the comm, its id never returned, dialled on for ``llm.LinkTotalTime``
+    (found by review of row 302)."""
+    out = run_child("link")
+    assert out == {"interrupted": True, "comms_left": [], "tasks_left": []}, out
