@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -139,8 +140,11 @@ def sigint() -> dict:
     return out
 
 
-def made() -> dict:
+def interrupt_here() -> Callable[[], None]:
+    """Installs a SIGINT handler that raises KeyboardInterrupt; returns what, called on another thread,
+    interrupts the main thread and waits until it took the interrupt (so it lands inside a call, however fast)."""
     main = threading.main_thread().ident
+    assert main is not None
     taken = threading.Event()
 
     def on_sigint(signum: int, frame: object) -> None:
@@ -148,6 +152,17 @@ def made() -> dict:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_sigint)
+
+    def interrupt() -> None:
+        taken.clear()
+        signal.pthread_kill(main, signal.SIGINT)
+        assert taken.wait(5), "the interrupt was not taken"
+
+    return interrupt
+
+
+def made() -> dict:
+    interrupt = interrupt_here()
 
     def interrupted(manager: object, name: str, when: str, *args: object) -> tuple[object, bool]:
         """``manager.name(*args)`` through the facade, its caller interrupted while the loop runs it: the
@@ -164,9 +179,7 @@ def made() -> dict:
             try:
                 if when == "after":
                     made.append(original(*call_args))
-                taken.clear()
-                signal.pthread_kill(main, signal.SIGINT)
-                assert taken.wait(5), "the interrupt was not taken"
+                interrupt()
                 if when == "during":
                     made.append(original(*call_args))
                 return made[0]
@@ -234,14 +247,7 @@ def made() -> dict:
 
 def link() -> dict:
     """A dialler's v2 ``link()`` (made in one step on the loop), its caller interrupted from inside the call."""
-    main = threading.main_thread().ident
-    taken = threading.Event()
-
-    def on_sigint(signum: int, frame: object) -> None:
-        taken.set()
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_sigint)
+    interrupt = interrupt_here()
     peer = socket.create_server(("127.0.0.1", 0))  # rank 1: takes the dials, answers nothing
     dd = LLMDataDist(LLMRole.PROMPT, 1)
     cfg = LLMConfig()
@@ -259,9 +265,7 @@ def link() -> dict:
     original = inner.link
 
     async def interrupted(*args: object) -> int:
-        taken.clear()
-        signal.pthread_kill(main, signal.SIGINT)
-        assert taken.wait(5), "the interrupt was not taken"
+        interrupt()
         return await original(*args)
 
     inner.link = interrupted

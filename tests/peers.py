@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.util
+import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -32,6 +33,7 @@ import traceback
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -213,6 +215,26 @@ async def linked_pair(*, link: bool = True, prompt_config: dict[str, Any] | None
 
 
 # -- cache contents -----------------------------------------------------------
+
+
+def alone_in_a_mapping(shape: tuple[int, ...]) -> torch.Tensor:
+    """An int8 tensor of ``shape`` over an anonymous mapping of its own, unmapped once nothing holds its storage:
+    what a caller's freed memory is, whatever the allocator does (a process that loaded UCX keeps even large
+    ``malloc`` blocks in its heap, so a ``torch.zeros`` tensor freed there stays mapped)."""
+    size = 1
+    for n in shape:
+        size *= n
+    return torch.from_numpy(np.frombuffer(mmap.mmap(-1, size), dtype=np.int8).reshape(shape))
+
+
+def mapped(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of this process (``/proc/self/maps``): memory freed by an unmap is not."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
 
 
 def pattern(desc: CacheDesc, seed: int) -> list[torch.Tensor]:

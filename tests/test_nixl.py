@@ -37,7 +37,9 @@ from peers import (
     EndpointSpec,
     endpoint,
     fill,
+    alone_in_a_mapping,
     linked_pair,
+    mapped,
     options,
     same,
     snapshot,
@@ -158,15 +160,6 @@ async def test_a_freed_cache_is_withdrawn_and_deregistered_after_the_read_that_u
         await expect_code(S.LLM_KV_CACHE_NOT_EXIST, pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), dst))
 
 
-def _mapped(address: int) -> bool:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return True
-    return False
-
-
 @needs_nixl
 async def test_a_released_registered_cache_a_peer_still_uses_keeps_its_memory_until_deregistered():
     """A registered cache released while a peer's READ or WRITE against it is in flight stays registered with
@@ -176,7 +169,7 @@ async def test_a_released_registered_cache_a_peer_still_uses_keeps_its_memory_un
     review)."""
     desc = CacheDesc(1, (4, 16 << 20), DataType.DT_INT8, Placement.HOST)  # 64 MiB: unmapped once freed
     async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
-        mine = torch.zeros(desc.shape, dtype=torch.int8)
+        mine = alone_in_a_mapping(desc.shape)
         cache = pair.pm.register_blocks_cache(desc, [mine], BlocksCacheKey(PROMPT_ID, 0))
         address = cache.tensor_addrs[0]
         plane = nixl_agent_of(pair.prompt)
@@ -188,11 +181,11 @@ async def test_a_released_registered_cache_a_peer_still_uses_keeps_its_memory_un
             pair.pm.deallocate_cache(cache)
             assert cache.cache_id in plane._doomed
             mine.data = torch.zeros(1, dtype=torch.int8)
-            assert _mapped(address), "memory NIXL still has registered for a peer's transfer was freed"
+            assert mapped(address), "memory NIXL still has registered for a peer's transfer was freed"
         finally:
             plane.serve_end(cache.cache_id)
         async with asyncio.timeout(5):
-            while _mapped(address):  # deregistered on the NIXL worker, then the memory goes
+            while mapped(address):  # deregistered on the NIXL worker, then the memory goes
                 await asyncio.sleep(0.01)
 
 

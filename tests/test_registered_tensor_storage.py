@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from aio_datadist import CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
-from peers import process_context
+from peers import alone_in_a_mapping, mapped, process_context
 
 
 #: 64 MiB: above glibc's largest mmap threshold (32 MiB), so freeing it unmaps it and a stray write faults.
@@ -27,7 +27,7 @@ async def _swap_then_copy(conn, how: str) -> None:
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init(LLMConfig().generate_options())
         kv = dd.kv_cache_manager
-        mine = torch.zeros(DESC.shape, dtype=torch.int8)
+        mine = alone_in_a_mapping(DESC.shape)
         mine[0].fill_(7)
         cache = kv.register_blocks_cache(DESC, [mine])
         registered = cache.tensor_addrs[0]
@@ -70,15 +70,6 @@ def test_a_caller_that_swaps_its_registered_tensors_storage_leaves_the_cache_its
     assert copied and written_elsewhere == 0
 
 
-def _mapped(address: int) -> bool:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return True
-    return False
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("release", ["deallocate", "finalize"])
 async def test_a_released_cache_kept_by_the_caller_lets_go_of_the_registered_memory(release: str) -> None:
@@ -89,7 +80,7 @@ async def test_a_released_cache_kept_by_the_caller_lets_go_of_the_registered_mem
     await dd.init(LLMConfig().generate_options())
     try:
         kv = dd.kv_cache_manager
-        mine = torch.zeros(DESC.shape, dtype=torch.int8)
+        mine = alone_in_a_mapping(DESC.shape)
         cache = kv.register_blocks_cache(DESC, [mine])
         address = cache.tensor_addrs[0]
         if release == "deallocate":
@@ -98,5 +89,5 @@ async def test_a_released_cache_kept_by_the_caller_lets_go_of_the_registered_mem
         await dd.finalize()
     mine.data = torch.zeros(1, dtype=torch.int8)
     gc.collect()
-    assert not _mapped(address), "the released cache keeps the caller's memory allocated"
+    assert not mapped(address), "the released cache keeps the caller's memory allocated"
     assert cache.device == torch.device("cpu") and cache.tensor_addrs == []
