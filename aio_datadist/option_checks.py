@@ -136,14 +136,23 @@ def check_json(arg_name: str, value: object) -> str:
     return text
 
 
-def check_buf_pool_cfg(arg_name: str, value: object) -> str:
+def _json_fields(arg_name: str, value: object, fields: set[str]) -> tuple[str, dict[str, Any] | None]:
+    """The text of a JSON-object option and the object (None for ''), refused if it has fields beyond
+    ``fields``."""
     text = check_str(arg_name, value)
     if not text:
-        return text
+        return text, None
     obj = check_json_object(arg_name, text)
-    unknown = set(obj) - {"buf_cfg", "buf_pool_size"}
+    unknown = set(obj) - fields
     if unknown:
         raise param_invalid(arg_name, f"unknown field(s) {sorted(unknown)}")
+    return text, obj
+
+
+def check_buf_pool_cfg(arg_name: str, value: object) -> str:
+    text, obj = _json_fields(arg_name, value, {"buf_cfg", "buf_pool_size"})
+    if obj is None:
+        return text
     if "buf_pool_size" in obj and _json_int(arg_name, obj, "buf_pool_size") <= 0:
         raise param_invalid(arg_name, "'buf_pool_size' must be > 0")
     tiers = obj.get("buf_cfg")
@@ -175,13 +184,9 @@ def check_buf_pool_cfg(arg_name: str, value: object) -> str:
 
 
 def check_mem_pool_cfg(arg_name: str, value: object) -> str:
-    text = check_str(arg_name, value)
-    if not text:
+    text, obj = _json_fields(arg_name, value, {"memory_size", "page_shift"})
+    if obj is None:
         return text
-    obj = check_json_object(arg_name, text)
-    unknown = set(obj) - {"memory_size", "page_shift"}
-    if unknown:
-        raise param_invalid(arg_name, f"unknown field(s) {sorted(unknown)}")
     if _json_int(arg_name, obj, "memory_size") <= 0:
         raise param_invalid(arg_name, "'memory_size' must be > 0")
     if "page_shift" in obj and not 10 <= _json_int(arg_name, obj, "page_shift") < 31:
