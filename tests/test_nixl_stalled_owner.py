@@ -33,6 +33,7 @@ from peers import (
     endpoint,
     fill,
     linked_pair,
+    pattern,
     same,
     snapshot,
     spawned,
@@ -196,15 +197,21 @@ async def test_a_pull_whose_force_waits_for_the_nixl_worker_writes_nothing_after
         engine = agent.engine
         # The worker goes into 2.5 s of NIXL work with the READ in flight (the owner keeps running).
         slow = agent.run(lambda token: engine.call(token, lambda a: time.sleep(2.5)), "slow NIXL work")
-        with pytest.raises(LLMException) as failed:
+        failed: LLMException | None = None
+        try:
             async with asyncio.timeout(20):
                 await pull
+        except LLMException as exc:
+            failed = exc
         returned = snapshot(dst)
         async with asyncio.timeout(15):
             await slow
         await asyncio.sleep(1.0)
         assert same(snapshot(dst), returned), "bytes of the READ landed after the pull returned"
-        assert failed.value.status_code == LLMStatusCode.LLM_TIMEOUT, failed.value
+        if failed is None:  # the READ ended before the force was applied (seen once in a loaded run): all landed
+            assert same(returned, pattern(BIG, 5)), "the pull succeeded without its bytes"
+        else:
+            assert failed.status_code == LLMStatusCode.LLM_TIMEOUT, failed
 
 
 @pytest.mark.asyncio
