@@ -38,6 +38,7 @@ cdef cppclass CopyJob:
     uint64_t total
     int remaining
     bint cancelled
+    bint stream  # written with streaming stores (``_stream_copy.pxd``): total >= the threshold at submit
 
 
 cdef struct CopyChunk:

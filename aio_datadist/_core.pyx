@@ -26,6 +26,7 @@ from libcpp.algorithm cimport sort as _sort
 from libcpp.vector cimport vector
 from posix.uio cimport iovec, readv, writev
 
+from aio_datadist._stream_copy cimport aio_stream_copy
 from aio_datadist._sys cimport (
     CLOCK_MONOTONIC, CLOCK_REALTIME, ECANCELED, ECONNRESET, EFD_CLOEXEC, EFD_NONBLOCK, EIO, ENODEV, EPOLL_CLOEXEC,
     EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLL_CTL_MOD, EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, ETIMEDOUT,
@@ -67,6 +68,33 @@ cdef uint64_t _MIN_SPLIT = 1 << 20
 cdef uint64_t GATE_BYTES_C = 24
 GATE_BYTES = GATE_BYTES_C
 cdef uint64_t _CANCEL_STEP = 1 << 20
+#: Host copies of at least this many bytes in all (a ``copy_now`` list, an engine job) write with streaming
+#: stores (``_stream_copy.pxd``); ``set_stream_copy_min`` changes it.
+cdef uint64_t _stream_min = 2 << 20
+
+
+cdef inline void _copy(void *dst, const void *src, size_t n, bint stream) noexcept nogil:
+    if stream:
+        aio_stream_copy(dst, src, n)
+    else:
+        memcpy(dst, src, n)
+
+
+def stream_copy_min():
+    """The size from which a host copy (``copy_now``'s list, a ``HostCopyEngine`` job, in all) writes with
+    streaming stores that bypass the CPU caches."""
+    return _stream_min
+
+
+def set_stream_copy_min(nbytes):
+    """Set :func:`stream_copy_min` (bytes, >= 0; 0: every copy; 2**64 - 1: none); the size it replaces. Jobs
+    already submitted keep theirs."""
+    global _stream_min
+    if type(nbytes) is not int or not 0 <= nbytes < 2 ** 64:
+        raise ValueError(f"the streaming copy threshold must be an int in [0, 2**64), got {nbytes!r}")
+    old = _stream_min
+    _stream_min = nbytes
+    return old
 
 _live = {"CompletionQueue": 0, "HostCopyEngine": 0, "SocketEngine": 0, "StreamNotifier": 0, "_HostFnLine": 0,
          "HostStream": 0}
@@ -385,6 +413,7 @@ cdef class HostCopyEngine:
                 else:
                     job.segs.push_back(seg)
         job.total = total
+        job.stream = total >= _stream_min
         pthread_mutex_lock(&self._lock)
         # Again, under the lock: a close() from another thread may have begun while the triples were read
         # without the GIL. Past _stop no copy thread would take the job (nor _threads count one).
@@ -550,7 +579,8 @@ cdef class HostCopyEngine:
                         step = job.segs[i].nbytes - done
                         if step > _CANCEL_STEP:
                             step = _CANCEL_STEP
-                        memcpy(<void *>(job.segs[i].dst + done), <const void *>(job.segs[i].src + done), step)
+                        _copy(<void *>(job.segs[i].dst + done), <const void *>(job.segs[i].src + done), step,
+                              job.stream)
                         done += step
             pthread_mutex_lock(&self._lock)
             job.remaining -= 1
@@ -1342,16 +1372,20 @@ def copy_now(const uint64_t[::1] triples not None):
     For small copies whose hand-off to a ``HostCopyEngine`` thread and back
     would cost more than the copy: the caller's thread is busy until it is
     over, and nothing of it runs after this returns. Callers validate the
-    addresses first, as for the engine.
+    addresses first, as for the engine. A list of ``stream_copy_min`` bytes
+    or more is written with streaming stores, as an engine job is.
     """
     cdef size_t n = triples.shape[0], i
     if n % 3:
         raise ValueError("a copy list holds dst, src, nbytes triples")
     cdef uint64_t total = 0
+    cdef bint stream
     with nogil:
+        for i in range(2, n, 3):
+            total += triples[i]
+        stream = total >= _stream_min
         for i in range(0, n, 3):
-            memcpy(<void *>triples[i], <const void *>triples[i + 1], triples[i + 2])
-            total += triples[i + 2]
+            _copy(<void *>triples[i], <const void *>triples[i + 1], triples[i + 2], stream)
     return total
 
 

@@ -64,6 +64,12 @@ USE_STREAM = -2
 #: larger ones, or any while the threads have work, on the copy threads. ``$AIO_DATADIST_INLINE_COPY_MAX``
 #: (bytes) overrides it; 0 hands every copy to the threads (for comparisons: ``docs/transports.md``).
 INLINE_COPY_MAX = int(os.environ.get("AIO_DATADIST_INLINE_COPY_MAX", 2 << 20))
+#: Host copies of this many bytes or more in all (one pull's, one copy job's) write around the CPU caches
+#: with streaming stores (``_core.set_stream_copy_min``; measured in ``benchmarks/RESULTS.md``, "Streaming
+#: stores"). ``$AIO_DATADIST_STREAM_COPY_MIN`` (bytes) overrides it; 18446744073709551615 turns them off (for
+#: comparisons).
+STREAM_COPY_MIN = int(os.environ.get("AIO_DATADIST_STREAM_COPY_MIN", 2 << 20))
+_core.set_stream_copy_min(STREAM_COPY_MIN)
 
 
 class SameHostPlane(InPlacePlane):
