@@ -103,6 +103,7 @@ cdef class HostCopyEngine:
     cdef bint _closed
     cdef bint _counted
     cdef uint64_t _split_bytes
+    cdef uint64_t _streamed  # jobs submitted to be written with streaming stores
     cdef void _work(self) noexcept nogil
     cdef void _split(self, CopyJob *job, uint64_t chunk_bytes) noexcept nogil
     cdef _shutdown(self)

@@ -71,6 +71,8 @@ cdef uint64_t _CANCEL_STEP = 1 << 20
 #: Host copies of at least this many bytes in all (a ``copy_now`` list, an engine job) write with streaming
 #: stores (``_stream_copy.pxd``); ``set_stream_copy_min`` changes it.
 cdef uint64_t _stream_min = 2 << 20
+#: ``copy_now`` lists written with streaming stores so far (counted with the GIL held).
+cdef uint64_t _streamed_lists = 0
 
 
 cdef inline void _copy(void *dst, const void *src, size_t n, bint stream) noexcept nogil:
@@ -84,6 +86,12 @@ def stream_copy_min():
     """The size from which a host copy (``copy_now``'s list, a ``HostCopyEngine`` job, in all) writes with
     streaming stores that bypass the CPU caches."""
     return _stream_min
+
+
+def streamed_lists():
+    """How many ``copy_now`` lists were written with streaming stores in this process (for tests and
+    benchmarks; an engine's jobs: ``HostCopyEngine.streamed_jobs``)."""
+    return _streamed_lists
 
 
 def set_stream_copy_min(nbytes):
@@ -349,6 +357,7 @@ cdef class HostCopyEngine:
         queue._check_open()
         self._queue = queue
         self._split_bytes = split_bytes if split_bytes >= _MIN_SPLIT else _MIN_SPLIT
+        self._streamed = 0
         for i in range(threads):
             if pthread_create(&tid, NULL, _copy_worker_main, <void *>self) != 0:
                 self._shutdown()
@@ -375,6 +384,15 @@ cdef class HostCopyEngine:
     @property
     def threads(self):
         return self._threads.size()
+
+    @property
+    def streamed_jobs(self):
+        """How many jobs were submitted to be written with streaming stores (``stream_copy_min``)."""
+        cdef uint64_t n
+        pthread_mutex_lock(&self._lock)
+        n = self._streamed
+        pthread_mutex_unlock(&self._lock)
+        return n
 
     def submit(self, uint64_t token, const uint64_t[::1] triples not None):
         """Queue a copy job; returns the number of bytes it will move.
@@ -431,6 +449,8 @@ cdef class HostCopyEngine:
         if chunk_bytes < self._split_bytes:
             chunk_bytes = self._split_bytes
         self._jobs[token] = job
+        if job.stream:
+            self._streamed += 1
         job.remaining = 0
         if job.segs.size() == 0:
             chunk.job = job
@@ -1380,10 +1400,13 @@ def copy_now(const uint64_t[::1] triples not None):
         raise ValueError("a copy list holds dst, src, nbytes triples")
     cdef uint64_t total = 0
     cdef bint stream
+    global _streamed_lists
+    for i in range(2, n, 3):
+        total += triples[i]
+    stream = total >= _stream_min
+    if stream:
+        _streamed_lists += 1
     with nogil:
-        for i in range(2, n, 3):
-            total += triples[i]
-        stream = total >= _stream_min
         for i in range(0, n, 3):
             _copy(<void *>triples[i], <const void *>triples[i + 1], triples[i + 2], stream)
     return total

@@ -3,14 +3,14 @@
 # A KV copy's destination is not read by this core soon after (the bytes go to a device, or wait for a
 # later decode step), and its source is usually cold too. An ordinary copy first reads every destination
 # line into the cache it then overwrites (a read for ownership) and evicts the interpreter's working set
-# on the way; streaming stores skip both. Measured on the 2-core VMs of benchmarks/RESULTS.md ("Streaming
-# stores"): 20-27 % less time for cold copies of 64 KiB to 128 MiB, and within the copy's noise for a hot
-# 2 MiB; an ordinary copy stays faster for hot copies of 1 MiB or less, which is why the core uses this one
-# only for jobs from ``stream_copy_min`` bytes on (``_core.set_stream_copy_min``).
+# on the way; streaming stores skip both. Measured on a 2-core VM (benchmarks/RESULTS.md, "streaming
+# stores"): 14-24 % less time for cold copies of 64 KiB to 128 MiB; a hot 2 MiB 0.89x, a hot 8 MiB 1.08x;
+# an ordinary copy stays about twice as fast for hot copies of 1 MiB or less, which is why the core uses
+# this one only for jobs from ``stream_copy_min`` bytes on (``_core.set_stream_copy_min``).
 #
-# Streaming stores are weakly ordered: the ``sfence`` at the end makes every byte visible before the call
-# returns, so a copy thread that then posts its job's record (or a cancelled job's end) has written all it
-# will write. Without SSE2 (not x86-64) it is memcpy.
+# Streaming stores are weakly ordered: the ``sfence`` at the end makes every store visible to other threads
+# before the call returns, so a copy thread that then posts its job's record (or a cancelled job's end) has
+# written all it will write. Without SSE2 (not x86-64) it is memcpy.
 
 cdef extern from *:
     """

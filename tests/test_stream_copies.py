@@ -5,6 +5,8 @@ byte lands where its triple says and none elsewhere, whatever the sizes and alig
 from __future__ import annotations
 
 import array
+import logging
+import os
 import random
 
 import pytest
@@ -46,17 +48,38 @@ def _random_list(rng: random.Random, src: torch.Tensor, dst: torch.Tensor) -> tu
 def test_a_streaming_copy_now_is_exact_at_every_size_and_alignment(streaming):
     rng = random.Random(19)
     src = torch.randint(0, 256, (SPAN,), dtype=torch.uint8)
+    before = _core.streamed_lists()
     for trial in range(150):
         dst = torch.zeros(SPAN, dtype=torch.uint8)
         triples, want = _random_list(rng, src, dst)
         assert _core.copy_now(triples) == sum(triples[2::3])
         assert torch.equal(dst, want), f"trial {trial}: {list(triples)}"
+    assert _core.streamed_lists() == before + 150
 
 
-@pytest.mark.parametrize("threshold", [0, None], ids=["streaming", "default"])
+def test_copy_now_streams_from_the_threshold_on():
+    src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    old = _core.set_stream_copy_min(2 << 20)
+    try:
+        for nbytes, streams in (((2 << 20) - 1, False), (2 << 20, True), (3 << 20, True)):
+            dst.zero_()
+            before = _core.streamed_lists()
+            half = nbytes // 2  # two triples: the threshold counts the list's bytes in all
+            _core.copy_now(array.array("Q", [dst.data_ptr(), src.data_ptr(), half,
+                                             dst.data_ptr() + half + 7, src.data_ptr() + half, nbytes - half]))
+            assert _core.streamed_lists() == before + streams
+            assert torch.equal(dst[:half], src[:half])
+            assert torch.equal(dst[half + 7:nbytes + 7], src[half:nbytes])
+            assert not dst[half:half + 7].any() and not dst[nbytes + 7:].any()
+    finally:
+        _core.set_stream_copy_min(old)
+
+
+@pytest.mark.parametrize("threshold", [0, 2 ** 64 - 1], ids=["streaming", "memcpy"])
 def test_an_engine_job_is_exact_split_over_threads_streaming_or_not(threshold):
     """A 9 MiB job at odd offsets, split into chunks over two threads (and each chunk into 1 MiB steps)."""
-    old = _core.set_stream_copy_min(_core.stream_copy_min() if threshold is None else threshold)
+    old = _core.set_stream_copy_min(threshold)
     queue = _core.CompletionQueue()
     engine = _core.HostCopyEngine(queue, threads=2, split_bytes=1 << 20)
     try:
@@ -69,6 +92,7 @@ def test_an_engine_job_is_exact_split_over_threads_streaming_or_not(threshold):
             triples.extend((dst.data_ptr() + d, src.data_ptr() + s, n))
             want[d:d + n] = src[s:s + n]
         assert engine.submit(7, triples) == sum(n for _, _, n in pieces)
+        assert engine.streamed_jobs == (threshold == 0)
         assert engine.wait(7, 30.0)
         assert torch.equal(dst, want)
     finally:
@@ -78,11 +102,28 @@ def test_an_engine_job_is_exact_split_over_threads_streaming_or_not(threshold):
 
 
 def test_the_threshold_is_checked_and_defaults_to_2_mib():
-    assert same_host.STREAM_COPY_MIN == 2 << 20  # the tests run without $AIO_DATADIST_STREAM_COPY_MIN
-    assert _core.stream_copy_min() == 2 << 20
+    if not os.environ.get("AIO_DATADIST_STREAM_COPY_MIN", "").strip():
+        assert same_host.STREAM_COPY_MIN == 2 << 20
+    current = _core.stream_copy_min()
+    assert current == same_host.STREAM_COPY_MIN
     for bad in (-1, 2 ** 64, True, 1.5, "1", None):
         with pytest.raises(ValueError, match="streaming copy threshold"):
             _core.set_stream_copy_min(bad)
-    assert _core.stream_copy_min() == 2 << 20
-    assert _core.set_stream_copy_min(2 ** 64 - 1) == 2 << 20  # off, for comparisons
-    assert _core.set_stream_copy_min(2 << 20) == 2 ** 64 - 1
+    assert _core.stream_copy_min() == current
+    assert _core.set_stream_copy_min(2 ** 64 - 1) == current  # off, for comparisons
+    assert _core.set_stream_copy_min(current) == 2 ** 64 - 1
+
+
+@pytest.mark.parametrize(("text", "value", "warned"), [
+    (None, 123, False), ("", 123, False), ("  ", 123, False), ("0", 0, False), ("4096", 4096, False),
+    (" 18446744073709551615 ", 2 ** 64 - 1, False), ("-1", 123, True), ("18446744073709551616", 123, True),
+    ("abc", 123, True), ("2M", 123, True), ("1e6", 123, True)])
+def test_a_size_from_the_environment_names_the_variable_when_it_is_not_one(monkeypatch, caplog, text, value,
+                                                                             warned):
+    if text is None:
+        monkeypatch.delenv("AIO_DATADIST_TEST_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("AIO_DATADIST_TEST_BYTES", text)
+    with caplog.at_level(logging.WARNING, logger="aio_datadist.local"):
+        assert same_host.env_bytes("AIO_DATADIST_TEST_BYTES", 123) == value
+    assert ("$AIO_DATADIST_TEST_BYTES" in caplog.text) == warned
