@@ -1434,6 +1434,18 @@ def peer_closed(int fd):
     return err not in (EAGAIN, EINTR)
 
 
+def input_pending(int fd):
+    """Whether a read of socket ``fd`` would not block: something is queued, the peer closed it, or it failed
+    (a read says which). A peek that takes nothing, never blocks; False only when nothing is there yet."""
+    cdef char byte
+    cdef ssize_t n
+    cdef int err
+    with nogil:
+        n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT)
+        err = errno
+    return n >= 0 or err != EAGAIN
+
+
 cdef extern from *:
     """
     static inline void aio_publish_word(uint64_t *word, uint64_t value) {

@@ -700,3 +700,28 @@ def test_block_pairs_takes_only_a_dict():
     assert _core.block_pairs([(1, [2])], 10) is None
     assert _core.block_pairs(OrderedDict({1: [2]}), 10) is None  # a subclass: its items() may be anything
     assert _core.block_pairs({1: (2, 3), 4: [5]}, 10) is not None
+
+
+def test_input_pending_peeks_without_taking_a_record_or_its_fd():
+    """``input_pending`` (a same-host pull's look at the share socket before it reads records): False only while
+    nothing is queued; a queued record and the fd it carries are still there for the read that follows."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    r, w = os.pipe()
+    try:
+        assert not _core.input_pending(b.fileno())
+        socket.send_fds(a, [b"record"], [r])
+        assert _core.input_pending(b.fileno()) and _core.input_pending(b.fileno())
+        data, fds, _flags, _addr = socket.recv_fds(b, 64, 1)
+        assert data == b"record" and len(fds) == 1
+        os.write(w, b"x")
+        assert os.read(fds[0], 1) == b"x"  # the fd that came with it: the pipe
+        os.close(fds[0])
+        assert not _core.input_pending(b.fileno())
+        a.close()
+        assert _core.input_pending(b.fileno())  # the end: a read says so
+    finally:
+        for s in (a, b):
+            s.close()
+        os.close(r)
+        os.close(w)
+    assert _core.input_pending(b.fileno())  # a closed socket (-1): a read fails and says so

@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from aio_datadist import _core
 from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what share tests check fds against
 from aio_datadist.devices.host import check_sealed, drop_read_only, file_of, map_read_only
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
@@ -112,6 +113,8 @@ RECORDS_PER_TURN = 16
 #: Bytes of peers' regions whose pages one turn checks at most before it stops (the check walks each page: about
 #: 13 ms per GiB here): a peer sending records of big regions, again and again, still never holds the loop.
 WALK_PER_TURN = 256 << 20
+#: Tensor spans of a peer's region whose addresses are kept for the next transfer of the same span.
+TENSOR_SPANS_KEPT = 16
 #: The most records a synchronous read of the queue (catch_up, region, ...) acts on: more than an honest peer's
 #: full share socket holds (278 small records with the default buffers), so only a peer that keeps flooding meets
 #: it, and it can no longer hold the caller for as long as it keeps sending.
@@ -238,10 +241,11 @@ class PeerRegion:
     """
 
     __slots__ = ("cache_id", "rows", "row_bytes", "tensor_bytes", "offsets", "base", "size", "slot", "model_id",
-                 "geometry", "file", "_addr")
+                 "geometry", "file", "_addr", "_bases")
 
     def __init__(self, record: ShareRecord, fd: int, file: tuple[int, int], *, whole: bool = False) -> None:
         self._addr = 0
+        self._bases: dict[tuple[int, int], array.array] = {}  # tensor_bases' answers, while mapped
         self.file = file  #: the file mapped (``file_of``)
         check_fd(fd, record.size, whole=whole)
         self.cache_id = record.cache_id
@@ -260,14 +264,23 @@ class PeerRegion:
         self._addr = self.base = map_read_only(fd, record.size)
 
     def tensor_bases(self, first: int, count: int) -> array.array:
+        """The addresses of tensors ``[first, first + count)`` in our mapping (the same array for the same span
+        while the region is open: callers only read it)."""
+        bases = self._bases.get((first, count))
+        if bases is not None:
+            return bases
         if first < 0 or first + count > len(self.offsets):
             raise LLMException("peer region has fewer tensors than requested",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        return array.array("Q", [self.base + o for o in self.offsets[first:first + count]])
+        bases = array.array("Q", [self.base + o for o in self.offsets[first:first + count]])
+        if self.base and len(self._bases) < TENSOR_SPANS_KEPT:
+            self._bases[first, count] = bases
+        return bases
 
     def close(self) -> None:
         """Forget the region; the mapping goes with the last reference."""
         self.base = 0
+        self._bases.clear()
 
     def __del__(self) -> None:
         if getattr(self, "_addr", 0):
@@ -561,8 +574,10 @@ class LocalShare:
         self.close()
 
     def catch_up(self) -> None:
-        """Act on the records the peer sent that are queued here (a withdrawal, the end of the share)."""
-        self._readable(SYNC_RECORDS_MAX)
+        """Act on the records the peer sent that are queued here (a withdrawal, the end of the share). A peek
+        first: with nothing queued (a pull's usual case) no record is read."""
+        if _core.input_pending(self.sock.fileno()):
+            self._readable(SYNC_RECORDS_MAX)
 
     def region(self, cache_id: int) -> PeerRegion | None:
         """The peer's cache ``cache_id``; reads share records already queued first.
