@@ -131,6 +131,31 @@ async def test_a_key_bound_to_another_cache_reads_that_cache():
 
 
 @pytest.mark.asyncio
+async def test_a_regions_tensor_addresses_are_read_only_and_kept_for_the_next_pull_of_the_span():
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, KEY)
+        values = fill(src, 8)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        await pair.dm.pull_blocks(KEY, dst, [3], [3])
+        share = usable_link(pair.decoder, PROMPT_ID).local
+        region = share.listed_region(0) if share is not None else None
+        assert region is not None
+        bases = region.tensor_bases(0, 4)
+        assert list(bases) == [region.base + o for o in region.offsets]
+        assert region.tensor_bases(0, 4) is bases  # kept: the next pull of these layers builds nothing
+        with pytest.raises(TypeError):
+            bases[0] = 0  # a caller cannot send later copies elsewhere
+        assert list(region.tensor_bases(1, 2)) == list(bases[1:3])
+        assert region.tensor_bases(0, 4) is not bases  # one span kept at a time: a pusher cannot grow it
+        await pair.dm.pull_blocks(KEY, dst, [5], [6], src_layer_range=range(1, 2), dst_layer_range=range(1, 2))
+        for d, v in zip(dst.tensors, values):
+            assert torch.equal(d[3], v[3])
+        for d, v in zip(dst.tensors[2:], values[2:]):
+            assert torch.equal(d[6], v[5])
+
+
+@pytest.mark.asyncio
 async def test_what_does_not_fit_or_consumes_a_key_is_asked_and_refused_by_the_owner():
     async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
         src = pair.pm.allocate_blocks_cache(BLOCKS, KEY)

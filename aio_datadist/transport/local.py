@@ -113,8 +113,6 @@ RECORDS_PER_TURN = 16
 #: Bytes of peers' regions whose pages one turn checks at most before it stops (the check walks each page: about
 #: 13 ms per GiB here): a peer sending records of big regions, again and again, still never holds the loop.
 WALK_PER_TURN = 256 << 20
-#: Tensor spans of a peer's region whose addresses are kept for the next transfer of the same span.
-TENSOR_SPANS_KEPT = 16
 #: The most records a synchronous read of the queue (catch_up, region, ...) acts on: more than an honest peer's
 #: full share socket holds (278 small records with the default buffers), so only a peer that keeps flooding meets
 #: it, and it can no longer hold the caller for as long as it keeps sending.
@@ -245,7 +243,7 @@ class PeerRegion:
 
     def __init__(self, record: ShareRecord, fd: int, file: tuple[int, int], *, whole: bool = False) -> None:
         self._addr = 0
-        self._bases: dict[tuple[int, int], array.array] = {}  # tensor_bases' answers, while mapped
+        self._bases: tuple[int, int, memoryview] | None = None  # tensor_bases' last answer, while mapped
         self.file = file  #: the file mapped (``file_of``)
         check_fd(fd, record.size, whole=whole)
         self.cache_id = record.cache_id
@@ -263,24 +261,24 @@ class PeerRegion:
             record.block_shape)
         self._addr = self.base = map_read_only(fd, record.size)
 
-    def tensor_bases(self, first: int, count: int) -> array.array:
-        """The addresses of tensors ``[first, first + count)`` in our mapping (the same array for the same span
-        while the region is open: callers only read it)."""
-        bases = self._bases.get((first, count))
-        if bases is not None:
-            return bases
+    def tensor_bases(self, first: int, count: int) -> memoryview:
+        """The addresses of tensors ``[first, first + count)`` in our mapping, read-only (the last span asked for
+        is kept while the region is open: a run of pulls of the same layers builds it once)."""
+        kept = self._bases
+        if kept is not None and kept[0] == first and kept[1] == count:
+            return kept[2]
         if first < 0 or first + count > len(self.offsets):
             raise LLMException("peer region has fewer tensors than requested",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        bases = array.array("Q", [self.base + o for o in self.offsets[first:first + count]])
-        if self.base and len(self._bases) < TENSOR_SPANS_KEPT:
-            self._bases[first, count] = bases
+        bases = memoryview(array.array("Q", [self.base + o for o in self.offsets[first:first + count]])).toreadonly()
+        if self.base:
+            self._bases = (first, count, bases)
         return bases
 
     def close(self) -> None:
         """Forget the region; the mapping goes with the last reference."""
         self.base = 0
-        self._bases.clear()
+        self._bases = None
 
     def __del__(self) -> None:
         if getattr(self, "_addr", 0):
