@@ -1418,15 +1418,21 @@ cdef extern from "<sys/socket.h>" nogil:
     int MSG_DONTWAIT
 
 
+cdef ssize_t _peek(int fd, int *err) noexcept nogil:
+    # One byte of socket ``fd`` looked at, not taken, without blocking: recv's result (errno in ``err``).
+    cdef char byte
+    cdef ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT)
+    err[0] = errno
+    return n
+
+
 def peer_closed(int fd):
     """Whether the peer of connected socket ``fd`` closed it (or it failed) with nothing left to read before
     the end; a peek that takes nothing, never blocks."""
-    cdef char byte
     cdef ssize_t n
     cdef int err
     with nogil:
-        n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT)
-        err = errno
+        n = _peek(fd, &err)
     if n > 0:
         return False
     if n == 0:
@@ -1437,12 +1443,10 @@ def peer_closed(int fd):
 def input_pending(int fd):
     """Whether a read of socket ``fd`` would not block: something is queued, the peer closed it, or it failed
     (a read says which). A peek that takes nothing, never blocks; False only when nothing is there yet."""
-    cdef char byte
     cdef ssize_t n
     cdef int err
     with nogil:
-        n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT)
-        err = errno
+        n = _peek(fd, &err)
     return n >= 0 or err != EAGAIN
 
 
