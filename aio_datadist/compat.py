@@ -17,6 +17,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -25,6 +26,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aio_datadist import datadist as _async_datadist
+from aio_datadist import leases as _leases
 from aio_datadist._checks import named_by_caller
 from aio_datadist._compat_v2 import CacheManager
 from aio_datadist.cache import KvCache
@@ -61,11 +63,11 @@ if TYPE_CHECKING:
     from aio_datadist.types import RegisterMemStatus as _RegisterMemStatus
 
 __all__ = [
-    "BlocksCacheKey", "Cache", "CacheDesc", "CacheIndex", "CacheKey", "CacheKeyByIdAndIndex", "CacheManager",
-    "CacheTask", "DataType", "KvCache", "KvCacheExtParam", "KvCacheManager", "LLMClusterInfo", "LLMConfig",
-    "LLMDataDist", "LLMException", "LLMRole", "LLMStatusCode", "LayerSynchronizer", "LlmConfig", "MemInfo",
-    "Memtype", "Placement", "RegisterMemStatus", "Status", "Tensor", "TensorDesc", "TransferConfig",
-    "TransferWithCacheKeyConfig", "code_2_status",
+    "BlocksCacheKey", "Cache", "CacheDesc", "CacheIndex", "CacheKey", "CacheKeyByIdAndIndex", "CacheLease",
+    "CacheManager", "CacheTask", "DataType", "KvCache", "KvCacheExtParam", "KvCacheManager", "LLMClusterInfo",
+    "LLMConfig", "LLMDataDist", "LLMException", "LLMRole", "LLMStatusCode", "LayerSynchronizer", "LlmConfig",
+    "MemInfo", "Memtype", "Placement", "RegisterMemStatus", "Status", "Tensor", "TensorDesc", "TransferConfig",
+    "TransferWithCacheKeyConfig", "code_2_status", "lease_of",
 ]
 
 _T = TypeVar("_T")
@@ -403,6 +405,41 @@ def _v1_codes(dd: Any, result: tuple[LLMStatusCode, list[LLMStatusCode]]) -> tup
     return _V1_CODES.get(overall, overall), [_V1_CODES.get(code, code) for code in each]
 
 
+class CacheLease:
+    """Blocking view of :class:`aio_datadist.leases.CacheLease`: ``renew``, ``cancel`` and ``release`` run on
+    the facade's loop, where the lease's timer lives (``deadline`` is in that loop's time)."""
+
+    def __init__(self, lease: _leases.CacheLease) -> None:
+        self._lease = lease
+
+    @property
+    def expired(self) -> bool:
+        return self._lease.expired
+
+    @property
+    def active(self) -> bool:
+        return self._lease.active
+
+    @property
+    def deadline(self) -> float | None:
+        return self._lease.deadline
+
+    def renew(self, lease_ms: int) -> None:
+        _RUNNER.call(self._lease.renew, lease_ms)
+
+    def cancel(self) -> None:
+        _RUNNER.call(self._lease.cancel)
+
+    def release(self) -> None:
+        _RUNNER.call(self._lease.release)
+
+
+def lease_of(cache: KvCache) -> CacheLease | None:
+    """The lease ``allocate_cache(..., lease_ms=...)`` put on ``cache``, for this thread; None if none."""
+    lease = _leases.lease_of(cache)
+    return None if lease is None else CacheLease(lease)
+
+
 class CacheTask:
     """Blocking view of :class:`aio_datadist.CacheTask`."""
 
@@ -439,8 +476,14 @@ class KvCacheManager:
     def is_initialized(self) -> bool:
         return self._m.is_initialized()
 
-    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> KvCache:
-        return _v1_call(self._m.allocate_cache, cache_desc, cache_keys, undo=self._release(cache_keys))
+    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = (), *,
+                       lease_ms: int | None = None) -> KvCache:
+        """As the async ``allocate_cache``; with ``lease_ms``, its lease runs on the facade's loop and
+        :func:`lease_of` gives it to this thread."""
+        if lease_ms is None:
+            return _v1_call(self._m.allocate_cache, cache_desc, cache_keys, undo=self._release(cache_keys))
+        return _v1_call(functools.partial(self._m.allocate_cache, cache_desc, cache_keys, lease_ms=lease_ms),
+                        undo=self._release(cache_keys))
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
         return _v1_call(self._m.allocate_blocks_cache, cache_desc, blocks_cache_key, undo=self._release())
@@ -459,6 +502,9 @@ class KvCacheManager:
     def _release(self, cache_keys: Sequence[CacheKey] = ()) -> Callable[[KvCache], None]:
         """What releases a cache made by a call its caller interrupted: an allocated cache's keys would keep it."""
         def release(cache: KvCache) -> None:
+            lease = _leases.lease_of(cache)
+            if lease is not None:
+                lease.cancel()
             self._m.deallocate_cache(cache)
             for key in cache_keys:
                 self._m.remove_cache_key(key)

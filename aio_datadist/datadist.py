@@ -24,7 +24,7 @@ from aio_datadist._checks import (
 from aio_datadist.bilateral import CommTable
 from aio_datadist.cache_manager import CacheManager
 from aio_datadist.endpoint import Endpoint, forks
-from aio_datadist.leases import active_leases
+from aio_datadist.leases import active_leases, end_leases
 from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
 from aio_datadist.option_checks import parse_listen
@@ -217,6 +217,7 @@ class LLMDataDist:
         endpoint.runtime = None
         endpoint.links = None
         endpoint.finalized = True
+        end_leases(endpoint)
         endpoint.released = asyncio.get_running_loop().create_future()
         try:
             if links is not None:

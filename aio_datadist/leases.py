@@ -29,7 +29,10 @@ leased (``LLM_PARAM_INVALID``): nothing here allocated or registered it.
 (no expiry), ``lease.release()`` expires it now. Leases need a PROMPT or MIX
 endpoint (they remove keys), and are taken and renewed on the event loop the
 endpoint was initialised on (the timer lives there; a lease taken on a helper
-loop that then closed would never run out).
+loop that then closed would never run out). The blocking facade's
+``allocate_cache(..., lease_ms=)`` runs the lease on its own loop, and
+``aio_datadist.compat.lease_of`` hands it to the caller's thread. ``finalize``
+ends every lease of its endpoint.
 """
 
 from __future__ import annotations
@@ -79,12 +82,13 @@ class CacheLease:
         self._timer: asyncio.TimerHandle | None = None
         self._expired = False
         self._cancelled = False
+        self._finalized = False
         self.renew(lease_ms)
         _LEASES[cache] = self
 
     @property
     def expired(self) -> bool:
-        """Whether the lease ran out (or was released) and its keys were removed."""
+        """Whether the lease ran out (or was released, or its endpoint finalized) and its keys were removed."""
         return self._expired
 
     @property
@@ -103,10 +107,14 @@ class CacheLease:
         """Run out ``lease_ms`` milliseconds from now instead.
 
         :raises LLMException: ``LLM_PARAM_INVALID`` for a bad ``lease_ms`` or a
-            lease that already expired or was cancelled; ``LLM_FAILED`` off the
-            event loop the lease's timer lives on.
+            lease that already expired or was cancelled; ``LLM_ENGINE_FINALIZED``
+            once its endpoint was finalized (which ended the lease); ``LLM_FAILED``
+            off the event loop the lease's timer lives on.
         """
         lease_ms = check_int("lease_ms", lease_ms, lo=1, hi=MAX_LEASE_MS)
+        if self._finalized:
+            raise LLMException("renew: the lease's LLMDataDist was finalized, which freed its cache and ended the "
+                               "lease", status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         if self._expired or self._cancelled:
             raise param_invalid("lease_ms", "the lease already expired or was cancelled")
         home_loop("a lease's timer", self._loop)
@@ -226,9 +234,22 @@ def _endpoint_of(manager: _Manager) -> Endpoint:
 
     endpoint = getattr(manager, "endpoint", None)
     if not isinstance(endpoint, Endpoint):
-        raise param_type_error("manager", f"expected a KvCacheManager (dd.kv_cache_manager), got "
-                               f"{type(manager).__name__}")
+        raise param_type_error("manager", "expected the async aio_datadist.KvCacheManager (dd.kv_cache_manager of an "
+                               "aio_datadist.LLMDataDist; the blocking facade's allocate_cache takes lease_ms itself), "
+                               f"got {type(manager).__module__}.{type(manager).__qualname__}")
     return endpoint
+
+
+def end_leases(endpoint: Endpoint) -> None:
+    """``endpoint`` is being finalized (which frees every cache): its leases end now, their timers with them, and
+    a later ``renew`` is refused."""
+    for lease in list(_LEASES.values()):
+        if lease._endpoint is endpoint:
+            if lease._timer is not None:
+                lease._timer.cancel()
+                lease._timer = None
+            lease._expired = lease._finalized = True
+            lease._endpoint = None
 
 
 def active_leases(endpoint: Endpoint) -> int:

@@ -304,3 +304,49 @@ def test_importing_the_facade_sets_auto_use_uc_memory_as_llm_datadist_does():
     env = {k: v for k, v in os.environ.items() if k != "AUTO_USE_UC_MEMORY"}
     unset = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
     assert unset.stdout.split() == ["None", "0"], unset.stderr
+
+
+def test_a_facade_prefill_leases_its_hand_off_cache_and_handles_the_lease_from_its_own_thread(private_loop):
+    """Before, the facade's ``allocate_cache`` took no ``lease_ms``, ``allocate_leased_cache`` refused its manager
+    naming the class the caller had passed, and a lease could not be renewed off the facade's loop: a facade
+    prefill had no bound on a vanished decoder's keys (found by audit). Now ``allocate_cache(..., lease_ms=)``
+    and ``compat.lease_of`` (renew, cancel, release from the caller's thread)."""
+    import time
+
+    from aio_datadist.compat import CacheDesc, CacheKey, DataType
+    from aio_datadist.leases import allocate_leased_cache
+
+    dd = _init(LLMRole.PROMPT, 5)
+    kv = dd.kv_cache_manager
+    registry = dd._dd._endpoint.runtime.registry
+    try:
+        desc = CacheDesc(1, [2, 8], DataType.DT_UINT8)
+        for bad in (0, -1, True, 1.5):
+            with pytest.raises(compat.LLMException) as info:
+                kv.allocate_cache(desc, [CacheKey(5, 1)], lease_ms=bad)
+            assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID and "lease_ms" in str(info.value)
+        kept = kv.allocate_cache(desc, [CacheKey(5, 2)], lease_ms=60_000)
+        lease = compat.lease_of(kept)
+        assert lease is not None and lease.active and lease.deadline is not None
+        lease.renew(120_000)
+        lease.cancel()
+        assert not lease.active and not lease.expired and lease.deadline is None
+        with pytest.raises(compat.LLMException) as info:
+            lease.renew(10)
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        released = kv.allocate_cache(desc, [CacheKey(5, 3)], lease_ms=60_000)
+        compat.lease_of(released).release()
+        assert compat.lease_of(released).expired and not released.alive
+        expiring = kv.allocate_cache(desc, [CacheKey(5, 4)], lease_ms=50)
+        kv.deallocate_cache(expiring)  # the keys keep it: the lease's expiry frees it
+        deadline = time.monotonic() + 10
+        while not compat.lease_of(expiring).expired and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert compat.lease_of(expiring).expired and registry.key_count == 1  # only the cancelled lease's key
+        assert compat.lease_of(kept) is not None and kept.alive
+        with pytest.raises(compat.LLMException) as info:
+            allocate_leased_cache(kv, desc, [CacheKey(5, 5)], lease_ms=100)
+        assert "the blocking facade's allocate_cache takes lease_ms itself" in str(info.value)
+        assert "aio_datadist.compat.KvCacheManager" in str(info.value)
+    finally:
+        dd.finalize()

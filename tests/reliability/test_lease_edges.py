@@ -202,3 +202,26 @@ async def test_a_lease_that_ends_a_watched_cache_fails_its_watch():
         with pytest.raises(LLMException) as info:
             await watch.layer(1)
         assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+
+
+@pytest.mark.asyncio
+async def test_finalize_ends_every_lease_of_its_endpoint():
+    """Before, finalize freed a leased cache but left its lease's timer armed on the loop (holding the lease and
+    the finalized endpoint for up to 2**31 - 1 ms), ``deadline`` set and ``renew`` accepted (found by audit).
+    Now the lease ends with the endpoint, and ``renew`` says why."""
+    async with endpoint(LLMRole.PROMPT, PROMPT) as dd:
+        kv = dd.kv_cache_manager
+        cache = kv.allocate_cache(ROWS, keys_for(60), lease_ms=2**31 - 1)
+        kv.deallocate_cache(cache)  # its keys keep it; the lease would free it
+        lease = lease_of(cache)
+        assert lease is not None and lease.active
+        timer = lease._timer
+        assert timer is not None and not timer.cancelled()
+        await dd.finalize()
+        assert lease.expired and not lease.active and lease.deadline is None
+        assert timer.cancelled()  # the loop no longer holds the lease (nor, through it, the endpoint)
+        with pytest.raises(LLMException) as info:
+            lease.renew(10)
+        assert info.value.status_code == S.LLM_ENGINE_FINALIZED
+        lease.release()  # a no-op, as for any lease that ended
+        lease.cancel()
