@@ -140,14 +140,7 @@ class LLMDataDist:
         :raises LLMException: ``LLM_FAILED`` before ``init``,
             ``LLM_ENGINE_FINALIZED`` after ``finalize``.
         """
-        endpoint = self._endpoint
-        rt = endpoint.require_runtime()
-        table = endpoint.require_links()
-        registry = rt.registry
-        links = {cid: link.stats() for cid, link in table.links.items() if link.up}
-        return EndpointStats(endpoint.cluster_id, endpoint.role, registry.used_bytes, registry.cap_bytes,
-                             len(registry), registry.key_count, active_leases(endpoint), MappingProxyType(links),
-                             rt.links_up, rt.links_down)
+        return endpoint_stats(self._endpoint)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -524,6 +517,18 @@ def _overall(results: list[LLMStatusCode]) -> LLMStatusCode:
         if code != LLMStatusCode.LLM_SUCCESS:
             return code
     return LLMStatusCode.LLM_SUCCESS
+
+
+def endpoint_stats(endpoint: Endpoint) -> EndpointStats:
+    """What :meth:`LLMDataDist.stats` gives, of the endpoint under it (the Prometheus exporter reads it of an
+    endpoint whose ``LLMDataDist`` object is gone but whose managers keep it serving)."""
+    rt = endpoint.require_runtime()
+    table = endpoint.require_links()
+    registry = rt.registry
+    links = {cid: link.stats() for cid, link in table.links.items() if link.up}
+    return EndpointStats(endpoint.cluster_id, endpoint.role, registry.used_bytes, registry.cap_bytes,
+                         len(registry), registry.key_count, active_leases(endpoint), MappingProxyType(links),
+                         rt.links_up, rt.links_down)
 
 
 def endpoint_of(dd: Any) -> LLMDataDist:

@@ -32,6 +32,7 @@ from aio_datadist.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
     from aio_datadist.datadist import LLMDataDist
+    from aio_datadist.endpoint import Endpoint
 
 __all__ = ["DURATION_BUCKETS", "PrometheusMetrics", "instrument"]
 
@@ -99,11 +100,13 @@ class PrometheusMetrics:
         _prometheus()
         self.registry = registry
         self._lock = threading.Lock()
-        # id(dd) -> (the endpoint, its observer). What an observer counted outlives its watch (counters never
+        # id(endpoint) -> (the endpoint, its observer); the endpoint under the LLMDataDist (its managers and links
+        # hold it: a caller that drops the LLMDataDist but keeps a manager keeps the endpoint serving, and counted).
+        # What an observer counted outlives its watch (counters never
         # go down): an endpoint unwatched, or gone, leaves its counts in _retired, one observer per cluster_id
         # that adds them all up, so that a cluster watched again (or an endpoint of the same cluster_id made
         # anew) goes on from them in one series instead of a second one with the same labels.
-        self._watched: dict[int, tuple[weakref.ref[LLMDataDist], _Observer]] = {}
+        self._watched: dict[int, tuple[weakref.ref[Endpoint], _Observer]] = {}
         self._retired: dict[str, _Observer] = {}
         # An exporter whose registry was dropped takes its observers off the endpoints it watched, which would
         # otherwise call them on every transfer for as long as they live (the finalizer holds only the table).
@@ -119,17 +122,17 @@ class PrometheusMetrics:
 
         :raises LLMException: ``LLM_PARAM_INVALID`` naming ``dd`` when it is not an LLMDataDist.
         """
-        dd = _endpoint_of(dd)
+        endpoint = _endpoint_of(dd)._endpoint
         with self._lock:
-            key = id(dd)
+            key = id(endpoint)
             entry = self._watched.get(key)
             if entry is not None:
-                if entry[0]() is dd:
+                if entry[0]() is endpoint:
                     return
                 self._retire(self._watched.pop(key)[1])  # an endpoint gone whose id was taken again
-            observer = _Observer(str(dd.cluster_id))
-            dd._endpoint.observers.append(observer)
-            self._watched[key] = (weakref.ref(dd), observer)
+            observer = _Observer(str(endpoint.cluster_id))
+            endpoint.observers.append(observer)
+            self._watched[key] = (weakref.ref(endpoint), observer)
 
     def unwatch(self, dd: LLMDataDist) -> None:
         """Stop counting ``dd``'s transfers and drop its gauges; its counters keep what they counted.
@@ -139,12 +142,12 @@ class PrometheusMetrics:
 
         :raises LLMException: ``LLM_PARAM_INVALID`` naming ``dd`` when it is not an LLMDataDist.
         """
-        dd = _endpoint_of(dd)
+        endpoint = _endpoint_of(dd)._endpoint
         with self._lock:
-            entry = self._watched.pop(id(dd), None)
+            entry = self._watched.pop(id(endpoint), None)
             if entry is None:
                 return
-            _stop_observing(dd, entry[1])
+            _stop_observing(endpoint, entry[1])
             self._retire(entry[1])
 
     def _retire(self, observer: _Observer) -> None:
@@ -152,34 +155,43 @@ class PrometheusMetrics:
         is held."""
         _add_to(self._retired, observer.copy())  # (a copy: the endpoint's loop may be finishing a count)
 
-    def _sources(self) -> tuple[list[tuple[LLMDataDist, _Observer]], list[_Observer]]:
+    def _sources(self) -> tuple[list[tuple[Endpoint, _Observer]], list[_Observer]]:
         """The endpoints watched, each with its observer, and a copy of the retired counts of each cluster;
-        endpoints garbage-collected since are retired here."""
+        endpoints finalized or garbage-collected since are retired here."""
         with self._lock:
             watched = []
             for key, (ref, observer) in list(self._watched.items()):
-                dd = ref()
-                if dd is None:
+                endpoint = ref()
+                if endpoint is None or _finalized(endpoint):
                     self._retire(self._watched.pop(key)[1])
+                    if endpoint is not None:
+                        _stop_observing(endpoint, observer)
                 else:
-                    watched.append((dd, observer))
+                    watched.append((endpoint, observer))
             return watched, [retired.copy() for retired in self._retired.values()]
 
 
-def _stop_observing(dd: LLMDataDist, observer: _Observer) -> None:
+def _finalized(endpoint: Endpoint) -> bool:
+    """Whether ``endpoint``'s finalize is over: it counts nothing more (transfers it ended are counted by then),
+    nor inits again."""
+    released = endpoint.released
+    return endpoint.finalized and (released is None or released.done())
+
+
+def _stop_observing(endpoint: Endpoint, observer: _Observer) -> None:
     try:
-        dd._endpoint.observers.remove(observer)
+        endpoint.observers.remove(observer)
     except ValueError:  # already taken off
         pass
 
 
-def _let_go(watched: dict[int, tuple[weakref.ref[LLMDataDist], _Observer]]) -> None:
+def _let_go(watched: dict[int, tuple[weakref.ref[Endpoint], _Observer]]) -> None:
     """Take the observers of an exporter gone off the endpoints still alive (from the garbage collector, on any
     thread: the endpoint's loop iterates a copy of its observers, see ``LinkCounters``)."""
     for ref, observer in list(watched.values()):
-        dd = ref()
-        if dd is not None:
-            _stop_observing(dd, observer)
+        endpoint = ref()
+        if endpoint is not None:
+            _stop_observing(endpoint, observer)
 
 
 class _Done:
@@ -403,12 +415,12 @@ def _add_gauges(gauges: dict[str, Any], snap: EndpointStats) -> None:
             gauges["rtt"].add_metric((cid, str(remote)), link.heartbeat_rtt_ms / 1000)
 
 
-def _snapshots(watched: list[tuple[LLMDataDist, _Observer]]) -> list[tuple[EndpointStats | None, _Observer]]:
+def _snapshots(watched: list[tuple[Endpoint, _Observer]]) -> list[tuple[EndpointStats | None, _Observer]]:
     """Each endpoint's ``stats()`` (None when not initialised) and a copy of its observer, taken on the endpoint's
     loop thread (a scrape usually comes from a server thread). Every loop is asked first, then all are waited for
     together, :data:`SCRAPE_WAIT_S` in all: an endpoint whose loop does not answer by then gives no gauges and
     its counts as last copied."""
-    taken = [_take(dd, observer) for dd, observer in watched]
+    taken = [_take(endpoint, observer) for endpoint, observer in watched]
     asked = [answer for answer in taken if isinstance(answer, concurrent.futures.Future)]
     if asked:
         concurrent.futures.wait(asked, SCRAPE_WAIT_S)
@@ -423,12 +435,13 @@ def _snapshots(watched: list[tuple[LLMDataDist, _Observer]]) -> list[tuple[Endpo
     return snaps
 
 
-def _take(dd: LLMDataDist, observer: _Observer) -> (
+def _take(endpoint: Endpoint, observer: _Observer) -> (
         tuple[EndpointStats | None, _Observer] | concurrent.futures.Future[tuple[EndpointStats | None, _Observer]]):
-    """``dd``'s snapshot (:func:`_snapshots`) taken here, where its loop is this thread's or runs nowhere; else
-    its future, posted to the loop."""
-    runtime = dd._endpoint.runtime
-    if runtime is not None and dd._endpoint.forks != forks():
+    """``endpoint``'s snapshot (:func:`_snapshots`) taken here, where its loop is this thread's or runs nowhere;
+    else its future, posted to the loop. A loop that was closed without ``finalize`` gives no gauges: its links
+    carry nothing any more."""
+    runtime = endpoint.runtime
+    if runtime is not None and endpoint.forks != forks():
         # A parent's endpoint in a forked child: its loop's copy says it runs (it keeps the parent's thread id)
         # but no thread here runs it, and a post would write into the wake-up pipe shared with the parent.
         return None, observer.copy()
@@ -437,13 +450,15 @@ def _take(dd: LLMDataDist, observer: _Observer) -> (
         running = asyncio.get_running_loop()
     except RuntimeError:
         running = None
-    if loop is None or running is loop or loop.is_closed() or not loop.is_running():
-        return _stats(dd), observer.copy()
+    if loop is not None and loop.is_closed():
+        return None, observer.copy()
+    if loop is None or running is loop or not loop.is_running():
+        return _stats(endpoint), observer.copy()
     answer: concurrent.futures.Future[tuple[EndpointStats | None, _Observer]] = concurrent.futures.Future()
 
     def take() -> None:
         if answer.set_running_or_notify_cancel():
-            answer.set_result((_stats(dd), observer.copy()))
+            answer.set_result((_stats(endpoint), observer.copy()))
 
     try:
         loop.call_soon_threadsafe(take)
@@ -452,8 +467,10 @@ def _take(dd: LLMDataDist, observer: _Observer) -> (
     return answer
 
 
-def _stats(dd: LLMDataDist) -> EndpointStats | None:
+def _stats(endpoint: Endpoint) -> EndpointStats | None:
+    from aio_datadist.datadist import endpoint_stats  # imported on use, as the endpoint's type above
+
     try:
-        return dd.stats()
+        return endpoint_stats(endpoint)
     except LLMException:  # not initialised, or finalized meanwhile
         return None

@@ -213,3 +213,78 @@ async def test_a_transfer_its_requester_gave_up_is_no_link_failure_on_the_owner(
         assert owner.stats().links_down == 0  # the link never failed
         assert requester.stats().links[owner.cluster_id].kinds[kind].cancellations > 0
         assert served().failures and "LLM_LINK_FAILED" not in served().failures, dict(served().failures)
+
+
+def test_an_endpoint_whose_loop_closed_without_finalize_gives_counts_and_no_gauges():
+    """Before, a scrape after the endpoint's loop ended without ``finalize`` (``asyncio.run`` returned) read its
+    stats from the scraping thread and exported its link as up, its round trip and caches frozen, for good
+    (found by audit). Its links carry nothing any more: counts only, as for a forked child (row 261)."""
+    from aio_datadist import testing
+
+    registry = CollectorRegistry()
+    prompt, decoder = LLMDataDist(LLMRole.PROMPT, 1), LLMDataDist(LLMRole.DECODER, 2)
+    instrument(decoder, registry)
+
+    async def main() -> None:
+        await prompt.init(loopback_options(listen=True))
+        await decoder.init(loopback_options())
+        await testing._link(decoder, prompt.listen_address)
+        assert registry.get_sample_value("aio_datadist_links", {"cluster_id": "2", "transport": "local"}) == 1
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),))  # returns without finalize
+    thread.start()
+    thread.join(60)
+    try:
+        assert decoder._endpoint.runtime.loop.is_closed()
+        text = generate_latest(registry).decode()
+        assert "aio_datadist_links{" not in text and "aio_datadist_caches{" not in text
+        assert registry.get_sample_value("aio_datadist_link_events_total",
+                                         {"cluster_id": "2", "event": "up"}) == 1  # what it counted stays
+    finally:
+        async def finalize() -> None:
+            for dd in (decoder, prompt):
+                await asyncio.wait_for(dd.finalize(), 10)
+
+        asyncio.run(finalize())
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_an_endpoint_whose_llmdatadist_was_dropped_but_whose_manager_serves_is_still_counted():
+    """Before, the exporter watched the ``LLMDataDist`` object, a thin wrapper: a caller that kept its manager and
+    dropped it had the endpoint go on serving while a scrape retired its counts and dropped its gauges (its
+    observer counting into nothing any scrape read; found by audit). Now the endpoint under it is watched."""
+    from aio_datadist import BlocksCacheKey, testing
+    from aio_datadist.testing import blocks_desc
+
+    registry = CollectorRegistry()
+    prompt, decoder = LLMDataDist(LLMRole.PROMPT, 1), LLMDataDist(LLMRole.DECODER, 2)
+    await prompt.init(loopback_options(listen=True))
+    await decoder.init(loopback_options())
+    instrument(prompt, registry)
+    endpoint = prompt._endpoint
+    kept = prompt.kv_cache_manager
+    kept.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))
+    dst = decoder.kv_cache_manager.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(2, 0))
+    await testing._link(decoder, prompt.listen_address)
+
+    def served() -> float | None:
+        return registry.get_sample_value("aio_datadist_transfers_total", {
+            "cluster_id": "1", "kind": "served_pull", "transport": "local", "outcome": "ok"})
+
+    try:
+        await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
+        del prompt
+        gc.collect()
+        for _ in range(3):
+            await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
+        link = next(iter(endpoint.links.links.values()))
+        deadline = time.monotonic() + 10
+        while served() != 4 and time.monotonic() < deadline:  # reads without asking are reported a moment later
+            await asyncio.sleep(0.05)
+        assert served() == 4 == link.stats().kinds["served_pull"].transfers
+        assert registry.get_sample_value("aio_datadist_caches", {"cluster_id": "1"}) == 1
+    finally:
+        await decoder.finalize()
+        owner = LLMDataDist.__new__(LLMDataDist)  # the dropped LLMDataDist's finalize, on its endpoint
+        owner._endpoint, owner._comms = endpoint, None
+        await owner.finalize()
