@@ -213,6 +213,7 @@ def served_pulls(link) -> tuple[int, int]:
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns  # the owner's bound on its tables: one loop is enough (3.5 s each)
 async def test_a_peer_that_repeats_rows_and_never_reads_is_served_a_bounded_number_of_requests():
     async with rows_owner("tcp") as (dd, honest, src, values):
         baseline, fds = baseline_of(dd)
@@ -291,6 +292,7 @@ async def stop_attacker(proc) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns  # as above
 async def test_a_same_host_peer_that_never_says_done_holds_no_job_lists():
     async with rows_owner("local") as (dd, honest, _, values):
         baseline, fds = baseline_of(dd)
@@ -316,6 +318,7 @@ async def test_a_same_host_peer_that_never_says_done_holds_no_job_lists():
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns  # as above
 async def test_a_same_host_peer_that_never_says_done_is_served_a_bounded_number_of_requests():
     count = MAX_AWAITED_PER_LINK + 64
     async with rows_owner("local") as (dd, honest, _, values):

@@ -52,6 +52,7 @@ pytestmark = pytest.mark.asyncio
 OK = LLMStatusCode.LLM_SUCCESS
 
 
+@pytest.mark.loops_take_turns  # the layer-wise driver's bookkeeping: one loop is enough (2.7 s each)
 async def test_a_destination_that_got_every_layer_and_then_unlinked_is_no_failure():
     """Two destinations of one layer; A (direct) has it confirmed long before B (through a 0.3 s path), and
     unlinks meanwhile, as a decoder that has its request's KV may."""

@@ -181,6 +181,7 @@ HUNG_TIMEOUT_MS = 2000
 
 
 @needs_nixl
+@pytest.mark.loops_take_turns  # a hung NIXL load on its worker thread: one loop is enough (2.7 s each)
 async def test_a_nixl_load_that_hangs_is_given_up_within_its_share_and_changes_nothing_later(caplog):
     caplog.set_level(logging.WARNING, logger="aio_datadist.nixl")
     nixl = {"transport": "nixl"}
