@@ -59,6 +59,8 @@ MAX_LEASE_MS = 2**31 - 1
 log = logging.getLogger("aio_datadist.leases")
 
 _LEASES: weakref.WeakKeyDictionary[KvCache, CacheLease] = weakref.WeakKeyDictionary()
+#: Every lease, whether its cache object lives or not (a running lease's timer holds it): what finalize ends.
+_ALL: weakref.WeakSet[CacheLease] = weakref.WeakSet()
 
 
 class _Manager(Protocol):
@@ -85,6 +87,7 @@ class CacheLease:
         self._finalized = False
         self.renew(lease_ms)
         _LEASES[cache] = self
+        _ALL.add(self)
 
     @property
     def expired(self) -> bool:
@@ -235,15 +238,16 @@ def _endpoint_of(manager: _Manager) -> Endpoint:
     endpoint = getattr(manager, "endpoint", None)
     if not isinstance(endpoint, Endpoint):
         raise param_type_error("manager", "expected the async aio_datadist.KvCacheManager (dd.kv_cache_manager of an "
-                               "aio_datadist.LLMDataDist; the blocking facade's allocate_cache takes lease_ms itself), "
-                               f"got {type(manager).__module__}.{type(manager).__qualname__}")
+                               "aio_datadist.LLMDataDist; leases are KvCacheManager mode's, and the blocking facade's "
+                               "KvCacheManager.allocate_cache takes lease_ms itself), got "
+                               f"{type(manager).__module__}.{type(manager).__qualname__}")
     return endpoint
 
 
 def end_leases(endpoint: Endpoint) -> None:
     """``endpoint`` is being finalized (which frees every cache): its leases end now, their timers with them, and
     a later ``renew`` is refused."""
-    for lease in list(_LEASES.values()):
+    for lease in list(_ALL):  # (not by cache: a lease whose cache the caller dropped still runs)
         if lease._endpoint is endpoint:
             if lease._timer is not None:
                 lease._timer.cancel()

@@ -346,7 +346,7 @@ def test_a_facade_prefill_leases_its_hand_off_cache_and_handles_the_lease_from_i
         assert compat.lease_of(kept) is not None and kept.alive
         with pytest.raises(compat.LLMException) as info:
             allocate_leased_cache(kv, desc, [CacheKey(5, 5)], lease_ms=100)
-        assert "the blocking facade's allocate_cache takes lease_ms itself" in str(info.value)
+        assert "the blocking facade's KvCacheManager.allocate_cache takes lease_ms itself" in str(info.value)
         assert "aio_datadist.compat.KvCacheManager" in str(info.value)
     finally:
         dd.finalize()

@@ -7,6 +7,7 @@ Everything here is in-process and local (no peer is needed to see what the owner
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 import torch
@@ -225,3 +226,25 @@ async def test_finalize_ends_every_lease_of_its_endpoint():
         assert info.value.status_code == S.LLM_ENGINE_FINALIZED
         lease.release()  # a no-op, as for any lease that ended
         lease.cancel()
+
+
+@pytest.mark.asyncio
+async def test_finalize_ends_the_lease_of_a_cache_its_keys_freed_and_its_caller_dropped():
+    """The hand-off pattern: allocated with a lease, deallocated, every key pulled (the cache freed), the cache
+    object dropped, the lease kept (found by review of row 305: finalize looked leases up by cache object)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT) as dd:
+        kv = dd.kv_cache_manager
+        keys = keys_for(70, 2)
+        cache = kv.allocate_cache(ROWS, keys, lease_ms=2**31 - 1)
+        lease = lease_of(cache)
+        timer = lease._timer
+        kv.deallocate_cache(cache)
+        for key in keys:
+            kv.remove_cache_key(key)  # as the decoder's pulls would
+        del cache
+        gc.collect()
+        await dd.finalize()
+        assert lease.expired and lease.deadline is None and timer.cancelled()
+        with pytest.raises(LLMException) as info:
+            lease.renew(10)
+        assert info.value.status_code == S.LLM_ENGINE_FINALIZED
