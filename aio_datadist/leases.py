@@ -146,13 +146,16 @@ class CacheLease:
         :raises LLMException: ``LLM_PARAM_INVALID`` naming ``role`` when a key is
             still bound and the endpoint is a DECODER (KvCacheManager mode), as
             ``remove_cache_key``; the lease is then left as it was (still
-            running), to be released once the role allows it.
+            running), to be released once the role allows it. ``LLM_FAILED`` in a
+            child forked after ``init`` (the caches and links are the parent's).
         """
         if self._expired or self._cancelled:
             return
         endpoint = self._endpoint
         cache = self._cache()
         runtime = None if endpoint is None else endpoint.runtime
+        if runtime is not None and endpoint is not None:
+            endpoint.require_runtime()  # in a forked child the runtime is the parent's: LLM_FAILED, nothing changed
         bound = [] if runtime is None or cache is None else \
             [key for key in self._keys if runtime.registry.bound_to(key, cache)]  # not a binding made after ours
         if bound and endpoint is not None:  # checked before anything changes: a refused release leaves it running

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 
 import pytest
 import torch
@@ -248,3 +249,38 @@ async def test_finalize_ends_the_lease_of_a_cache_its_keys_freed_and_its_caller_
         with pytest.raises(LLMException) as info:
             lease.renew(10)
         assert info.value.status_code == S.LLM_ENGINE_FINALIZED
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_lease_released_in_a_forked_child_changes_nothing_of_the_parents():
+    """A child forked after ``init`` that released a lease of the parent's ran the parent's release on the copied
+    runtime: its keys unbound and the cache freed there, the share's withdrawal written to the socket the child
+    shares with the parent's peer (found by review). Now ``LLM_FAILED``, as every call of the parent's endpoint."""
+    async with endpoint(LLMRole.PROMPT, PROMPT) as dd:
+        kv = dd.kv_cache_manager
+        cache = kv.allocate_cache(ROWS, keys_for(80), lease_ms=60_000)
+        lease = lease_of(cache)
+        before = held(dd)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child never returns
+            try:
+                os.close(r)
+                try:
+                    lease.release()
+                    said = b"released"
+                except LLMException as exc:
+                    said = str(int(exc.status_code)).encode() + (b" active" if lease.active else b" ended")
+                os.write(w, said)
+            finally:
+                os._exit(0)
+        os.close(w)
+        try:
+            said = os.read(r, 100)
+        finally:
+            os.close(r)
+            os.waitpid(pid, 0)
+        assert said == str(int(S.LLM_FAILED)).encode() + b" active"
+        assert held(dd) == before and cache.alive and lease.active
+        lease.release()  # the parent's own release works
+        assert not cache.alive
