@@ -157,25 +157,17 @@ class PrometheusMetrics:
 
     def _sources(self) -> tuple[list[tuple[Endpoint, _Observer]], list[_Observer]]:
         """The endpoints watched, each with its observer, and a copy of the retired counts of each cluster;
-        endpoints finalized or garbage-collected since are retired here."""
+        endpoints garbage-collected since are retired here (a finalized one stays until then: the transfers its
+        finalize failed are counted as their tasks end, after it returned)."""
         with self._lock:
             watched = []
             for key, (ref, observer) in list(self._watched.items()):
                 endpoint = ref()
-                if endpoint is None or _finalized(endpoint):
+                if endpoint is None:
                     self._retire(self._watched.pop(key)[1])
-                    if endpoint is not None:
-                        _stop_observing(endpoint, observer)
                 else:
                     watched.append((endpoint, observer))
             return watched, [retired.copy() for retired in self._retired.values()]
-
-
-def _finalized(endpoint: Endpoint) -> bool:
-    """Whether ``endpoint``'s finalize is over: it counts nothing more (transfers it ended are counted by then),
-    nor inits again."""
-    released = endpoint.released
-    return endpoint.finalized and (released is None or released.done())
 
 
 def _stop_observing(endpoint: Endpoint, observer: _Observer) -> None:
