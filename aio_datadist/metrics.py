@@ -102,10 +102,10 @@ class PrometheusMetrics:
         self._lock = threading.Lock()
         # id(endpoint) -> (the endpoint, its observer); the endpoint under the LLMDataDist (its managers and links
         # hold it: a caller that drops the LLMDataDist but keeps a manager keeps the endpoint serving, and counted).
-        # What an observer counted outlives its watch (counters never
-        # go down): an endpoint unwatched, or gone, leaves its counts in _retired, one observer per cluster_id
-        # that adds them all up, so that a cluster watched again (or an endpoint of the same cluster_id made
-        # anew) goes on from them in one series instead of a second one with the same labels.
+        # What an observer counted outlives its watch (counters never go down): an endpoint unwatched, or gone,
+        # leaves its counts in _retired, one observer per cluster_id that adds them all up, so that a cluster
+        # watched again (or an endpoint of the same cluster_id made anew) goes on from them in one series instead
+        # of a second one with the same labels.
         self._watched: dict[int, tuple[weakref.ref[Endpoint], _Observer]] = {}
         self._retired: dict[str, _Observer] = {}
         # An exporter whose registry was dropped takes its observers off the endpoints it watched, which would
