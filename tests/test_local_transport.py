@@ -320,3 +320,42 @@ async def test_a_push_resent_under_the_id_of_one_still_settling_is_refused_and_t
         assert untracked == 0, f"a copy of request {rid} ran untracked by local_pushes for {untracked} loop passes"
         assert any(msg is wire.Msg.RESP and status == S.LLM_PARAM_INVALID and "in use" in text
                    for msg, status, text in said), said
+
+
+@pytest.mark.asyncio
+async def test_a_pull_whose_owner_deallocates_the_cache_right_after_answering_is_no_link_failure():
+    """A hand-off's owner may free the cache as soon as it answered a pull naming it: the share's withdrawal is then
+    read before the pull copies. It failed ``LLM_LINK_FAILED`` ("shared cache N is not mapped") on a healthy link;
+    now ``LLM_KV_CACHE_NOT_EXIST``, as device IPC's (row 195; found by audit), and nothing lands."""
+    from aio_datadist import CacheKeyByIdAndIndex
+
+    desc = CacheDesc(2, (4, 1024), DataType.DT_FLOAT16, Placement.HOST)
+    async with linked_pair(prompt_config={"transport": "local"}, decoder_config={"transport": "local"}) as pair:
+        src = pair.pm.allocate_cache(desc)
+        fill(src, 5)
+        dst = pair.dm.allocate_cache(desc)
+        await asyncio.sleep(0.05)
+        owners = usable_link(pair.prompt, DECODER_ID)
+        real_send = owners.send
+
+        def send(msg, req_id, **fields):
+            real_send(msg, req_id, **fields)
+            if msg is wire.Msg.RESP and fields.get("cache_id", -1) == src.cache_id:
+                pair.pm.deallocate_cache(src)  # the owner's caller frees it right after it was served
+
+        owners.send = send
+        before = snapshot(dst)
+        try:
+            with pytest.raises(LLMException) as info:
+                await pair.dm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 1), dst, batch_index=2,
+                                         timeout=5000)
+        finally:
+            owners.send = real_send
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST and "withdrew" in str(info.value), info.value
+        assert same(snapshot(dst), before)
+        link = usable_link(pair.decoder, PROMPT_ID)
+        assert link.local is not None and not link.down
+        again = pair.pm.allocate_cache(desc)
+        values = fill(again, 6)
+        await pair.dm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, again.cache_id, 1), dst, batch_index=2)
+        assert all(bool((d[2] == v[1]).all()) for d, v in zip(dst.tensors, values))  # the link is fine
