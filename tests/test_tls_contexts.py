@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import logging
 import ssl
 import tempfile
 import warnings
@@ -82,10 +83,26 @@ def set_property(name: str, context: ssl.SSLContext) -> None:
                          ids=["PROTOCOL_TLS", "CERT_NONE", "CERT_OPTIONAL"])
 def test_a_client_context_that_does_not_check_the_server_certificate_is_refused(
         make: Callable[[], ssl.SSLContext]) -> None:
-    with refused("tls_client_context", "verify_mode", "CERT_REQUIRED"):
+    with refused("tls_client_context", "verify_mode", "CERT_REQUIRED", "check_hostname = True"):
         set_property("tls_client_context", make())
-    with refused("aio.TlsClientContext", "verify_mode", "CERT_REQUIRED"):
+    with refused("aio.TlsClientContext", "verify_mode", "CERT_REQUIRED", "check_hostname = True"):
         parse_options({"aio.TlsClientContext": make()})
+
+
+def test_a_client_context_that_checks_no_name_is_taken_with_a_warning_that_says_so(caplog) -> None:
+    """The refusal of ``PROTOCOL_TLS`` advised ``verify_mode = CERT_REQUIRED`` alone, which leaves the name check
+    off: the endpoint then links to any holder of a certificate of that CA, for any address (found by audit).
+    The advice now includes ``check_hostname``, and a client context without it is taken with a warning."""
+    generic = generic_context()
+    generic.verify_mode = ssl.CERT_REQUIRED
+    with caplog.at_level(logging.WARNING, logger="aio_datadist.tls"):
+        parse_options({"aio.TlsClientContext": generic})
+    assert "'aio.TlsClientContext'" not in caplog.text and "check_hostname is off" in caplog.text
+    assert "aio.TlsClientContext" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aio_datadist.tls"):
+        parse_options({"aio.TlsClientContext": client_context(PKI)})
+    assert caplog.text == ""
 
 
 def test_a_server_context_that_asks_for_a_client_certificate_but_takes_none_is_refused() -> None:
