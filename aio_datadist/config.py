@@ -255,8 +255,8 @@ class LLMConfig:
     )
     tls_client_context = _Setting[Any](
         check_tls_client, None, "ssl.SSLContext for the links this endpoint dials (None: no TLS); it must check "
-        "the server certificate (verify_mode CERT_REQUIRED). OP_NO_RENEGOTIATION and minimum_version >= TLS 1.2 "
-        "are set on it.",
+        "the server certificate (verify_mode CERT_REQUIRED), and should check its name (check_hostname: off is "
+        "taken with a warning at init). OP_NO_RENEGOTIATION and minimum_version >= TLS 1.2 are set on it.",
     )
     link_port = _Setting[int](
         check_link_port, DEFAULT_LINK_PORT, "link(): rank r of a rank table is device_ip:link_port + r (26000)."

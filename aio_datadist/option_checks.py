@@ -6,7 +6,6 @@ property or an option key) and the value, and returns the value it accepts or ra
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import ssl
@@ -27,8 +26,6 @@ from ._checks import (
     param_invalid,
     param_type_error,
 )
-
-log = logging.getLogger("aio_datadist.tls")
 
 DeviceType = Literal["auto", "cpu", "cuda", "npu", "host"]
 TransportKind = Literal["auto", "tcp", "local", "nixl"]
@@ -371,10 +368,6 @@ def _tls_check(side: str, wrong: Any) -> Callable[[str, object], ssl.SSLContext]
                                 "ssl.create_default_context() with the peers' CA loaded (they also check that the "
                                 "certificate names the address dialled), or set verify_mode = ssl.CERT_REQUIRED and "
                                 "check_hostname = True")
-        if side == "client" and not value.check_hostname:
-            log.warning("%s: this context checks that the server's certificate comes from a CA it trusts, not that "
-                        "it names the address dialled (check_hostname is off): any peer holding a certificate of "
-                        "that CA, for any address, is taken for the one dialled", arg_name)
         if side == "server" and mode == ssl.CERT_OPTIONAL:
             raise param_invalid(arg_name, "this context asks for a client certificate but takes a client "
                                 "without one (verify_mode is CERT_OPTIONAL); for mutual TLS set verify_mode = "

@@ -4,6 +4,7 @@ describes them)."""
 
 from __future__ import annotations
 
+import logging
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ from ._checks import (
     param_invalid,
     param_type_error,
 )
+
+log = logging.getLogger("aio_datadist.tls")
 
 __all__ = ["Settings", "cache_manager_mode", "parse_options"]
 
@@ -257,6 +260,11 @@ def parse_options(options: Mapping[str, Any]) -> Settings:
     if required == "local" and settings.transport not in ("auto", "local"):
         raise param_invalid("aio.RequireTransport",
                             f"'local' needs aio.Transport 'auto' or 'local', not {settings.transport!r}")
+    client = settings.tls_client_context
+    if client is not None and not client.check_hostname:  # taken, once the options are (once per init)
+        log.warning("aio.TlsClientContext: this context checks that the server's certificate comes from a CA it "
+                    "trusts, not that it names the address dialled (check_hostname is off): any peer holding a "
+                    "certificate of that CA, for any address, is taken for the one dialled")
     return settings
 
 

@@ -96,10 +96,16 @@ def test_a_client_context_that_checks_no_name_is_taken_with_a_warning_that_says_
     generic = generic_context()
     generic.verify_mode = ssl.CERT_REQUIRED
     with caplog.at_level(logging.WARNING, logger="aio_datadist.tls"):
-        parse_options({"aio.TlsClientContext": generic})
-    assert "'aio.TlsClientContext'" not in caplog.text and "check_hostname is off" in caplog.text
-    assert "aio.TlsClientContext" in caplog.text
+        config = LLMConfig()
+        config.tls_client_context = generic  # checked here, warned of once the options are taken (review)
+        assert caplog.text == ""
+        parse_options(config.generate_options())
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and warned[0].startswith("aio.TlsClientContext:") and "check_hostname is off" in warned[0]
     caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aio_datadist.tls"), pytest.raises(LLMException):
+        parse_options({"aio.TlsClientContext": generic, "aio.Transport": "nixl"})  # refused: no warning
+    assert caplog.text == ""
     with caplog.at_level(logging.WARNING, logger="aio_datadist.tls"):
         parse_options({"aio.TlsClientContext": client_context(PKI)})
     assert caplog.text == ""
