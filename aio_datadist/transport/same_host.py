@@ -127,10 +127,11 @@ class SameHostPlane(InPlacePlane):
         region = None if share is None else share.region(answer.cache_id)
         if region is None:
             if share is not None and not share.closed:
-                # The owner withdrew it (its record's DEL, read before we got here): deallocated after it answered,
+                # The owner withdrew it (its record's DEL, read before we got here): released after it answered,
                 # as a hand-off's owner may. The link is fine; the cache is gone (as device IPC's, row 195).
-                raise LLMException(f"cluster {link.remote_cluster_id} withdrew cache {answer.cache_id} "
-                                   "(deallocated) during the pull", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+                raise LLMException(f"cluster {link.remote_cluster_id} withdrew cache {answer.cache_id} (released: "
+                                   "deallocated, unregistered or its last key gone) during the pull",
+                                   status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
             raise LLMException(f"cluster {link.remote_cluster_id} shared cache {answer.cache_id} is not mapped",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
         remote = plan.remote
