@@ -287,14 +287,6 @@ class LinkTable:
         crossed.send_unlink(crossed.new_req_id())
         return self._close_forgotten(crossed, "replaced: the peer's dial crossed ours")
 
-    async def _drop_not_set_up(self, link: Link) -> None:
-        """A link in the table that was not set up (its time ran out, a step failed): out of the table, the peer
-        told (it forgets its end), closed within ``SET_UP_CLOSE_S`` (finalize waits for a close still running)."""
-        self.forget(link)
-        if not link.down:
-            link.send_unlink(link.new_req_id())
-        await settle(self._close_forgotten(link, "not set up"), SET_UP_CLOSE_S)
-
     def _close_forgotten(self, link: Link, why: str) -> asyncio.Task:
         """Close ``link``, out of the table (nothing else finds it to close it); finalize waits for the close."""
         closing = asyncio.get_running_loop().create_task(link.close(why))
@@ -665,7 +657,10 @@ class LinkTable:
             elif self.links.get(link.remote_cluster_id) is link:
                 # Registered, but not set up (the caller's time ran out, or a step failed): it goes, and the
                 # peer is told (it forgets its end), so no link is left behind a call that did not link.
-                await self._drop_not_set_up(link)
+                self.forget(link)
+                if not link.down:
+                    link.send_unlink(link.new_req_id())
+                await settle(asyncio.ensure_future(link.close("not set up")), SET_UP_CLOSE_S)
             if (answered is not None and not bilateral and isinstance(exc, Exception) and remote_id is not None
                     and self._crossed_by(remote_id, answered, since) is not None):
                 # Our dial crossed the peer's, and the peer keeps its own (our end of it is in the table): the
@@ -750,7 +745,9 @@ class LinkTable:
             if self.links.get(remote_id) is link and not link.down:
                 # Taken, not set up within the link time: it goes, the peer told (one that went down is closed
                 # or kept as any other).
-                await self._drop_not_set_up(link)
+                self.forget(link)
+                link.send_unlink(link.new_req_id())
+                await settle(self._close_forgotten(link, "not set up"), SET_UP_CLOSE_S)
         return status
 
     async def _dial_bilateral(self, remote_id: int, address: tuple[str, int],
