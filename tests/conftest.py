@@ -1,4 +1,4 @@
-"""Shared test set-up: both event loops, and a leak check after every test."""
+"""Shared test set-up: both event loops, a leak check after every test, and the reliability summary."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import socket
+import sys
 
 import pytest
 import uvloop
 
 from aio_datadist import _core
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "reliability"))
+import _tally  # noqa: E402  (tests/reliability/_tally.py: the counts the reliability suite reports)
 
 #: On a machine with a CUDA device, ``aio.DeviceType=auto`` (the default) opens it, so every test that takes the
 #: default would put its ``Placement.DEVICE`` caches on the GPU, where the host-path tests and their byte checks
@@ -137,3 +141,36 @@ def no_leaks():
 
 def _leaked_fds(before: set[str]) -> set[str]:
     return {fd for fd in _open_fds() - before if not any(s in fd for s in _LOOP_OWNED)}
+
+
+#: What the reliability section prints first, in this order; other counts follow sorted, then the notes.
+_TALLY_ORDER = ("fault trials", "calls ended by a fault", "fuzz cases (in-process)", "fuzz cases (live socket)",
+                "malformed frames (live socket)", "bad-input cases", "concurrent peers", "cancelled transfers")
+
+
+def pytest_sessionfinish(session) -> None:
+    """On a pytest-xdist worker: hand this worker's reliability counts to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["reliability_tally"] = _tally.export()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """On the pytest-xdist controller: add up a finished worker's counts (``pytest -n 2``)."""
+    tally = getattr(node, "workeroutput", {}).get("reliability_tally")
+    if tally is not None:
+        _tally.merge(tally)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The ``reliability`` section: what the reliability suite did (counts, seeds' facts), also under ``-q``."""
+    counts, notes = _tally.COUNTS, _tally.NOTES
+    if not counts and not notes:
+        return
+    terminalreporter.section("reliability")
+    for what in _TALLY_ORDER + tuple(sorted(set(counts) - set(_TALLY_ORDER))):
+        if what in counts:
+            terminalreporter.write_line(f"{what}: {counts[what]}")
+    for what, text in sorted(notes.items()):
+        terminalreporter.write_line(f"{what}: {text}")
