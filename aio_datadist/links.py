@@ -24,7 +24,6 @@ import asyncio
 import functools
 import itertools
 import logging
-import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from aio_datadist import _core, protocol, wire
 from aio_datadist._core import LoopJob
+from aio_datadist._env import env_int
 from aio_datadist.control_reader import ControlReader
 from aio_datadist.loop_io import LoopIo
 from aio_datadist.stats import LinkCounters, LinkStats
@@ -70,7 +70,7 @@ CONTROL_WRITE_LIMIT = 4 << 20
 #: Jobs on plain data channels up to this size are driven by the event loop itself (``loop_io``), larger
 #: ones by the native SocketEngine's thread. ``$AIO_DATADIST_LOOP_IO_MAX`` (bytes) overrides it; 0 sends
 #: every job through the engine thread (for comparisons: ``docs/transports.md``).
-LOOP_IO_MAX = int(os.environ.get("AIO_DATADIST_LOOP_IO_MAX", 16 << 20))
+LOOP_IO_MAX = env_int("AIO_DATADIST_LOOP_IO_MAX", 16 << 20)
 #: How long answering a peer's ``UNLINK`` waits for the jobs we served it to end after they were stopped: a
 #: staged job (a device cache) ends only once the device copies it queued are done, and the peer's unlink
 #: returns on our answer, so nothing of its pushes may land after it. Milliseconds on a device that runs.
@@ -81,7 +81,7 @@ SERVED_SETTLE_S = 1.0
 #: loopback. The bound keeps bytes landing as they come on a slow path and the copy after the last byte
 #: short. ``$AIO_DATADIST_LOOP_LOWAT_MAX`` (bytes) overrides it; 0 leaves the socket's default (wake at
 #: every arrival).
-LOOP_LOWAT_MAX = max(0, min(int(os.environ.get("AIO_DATADIST_LOOP_LOWAT_MAX", 1 << 20)), 1 << 30))
+LOOP_LOWAT_MAX = min(env_int("AIO_DATADIST_LOOP_LOWAT_MAX", 1 << 20), 1 << 30)
 #: The most requests of the peer's that we serve at once on one of its data channels (a job each, answering it
 #: on that channel: its bytes, or a refusal there). A request past it is refused with ``RESP`` and nothing
 #: of it is planned. Without a bound a peer that never reads its channel queued one job per request (a job

@@ -5,7 +5,6 @@ byte lands where its triple says and none elsewhere, whatever the sizes and alig
 from __future__ import annotations
 
 import array
-import logging
 import os
 import random
 
@@ -112,18 +111,3 @@ def test_the_threshold_is_checked_and_defaults_to_2_mib():
     assert _core.stream_copy_min() == current
     assert _core.set_stream_copy_min(2 ** 64 - 1) == current  # off, for comparisons
     assert _core.set_stream_copy_min(current) == 2 ** 64 - 1
-
-
-@pytest.mark.parametrize(("text", "value", "warned"), [
-    (None, 123, False), ("", 123, False), ("  ", 123, False), ("0", 0, False), ("4096", 4096, False),
-    (" 18446744073709551615 ", 2 ** 64 - 1, False), ("-1", 123, True), ("18446744073709551616", 123, True),
-    ("abc", 123, True), ("2M", 123, True), ("1e6", 123, True)])
-def test_a_size_from_the_environment_names_the_variable_when_it_is_not_one(monkeypatch, caplog, text, value,
-                                                                             warned):
-    if text is None:
-        monkeypatch.delenv("AIO_DATADIST_TEST_BYTES", raising=False)
-    else:
-        monkeypatch.setenv("AIO_DATADIST_TEST_BYTES", text)
-    with caplog.at_level(logging.WARNING, logger="aio_datadist.local"):
-        assert same_host.env_bytes("AIO_DATADIST_TEST_BYTES", 123) == value
-    assert ("$AIO_DATADIST_TEST_BYTES" in caplog.text) == warned

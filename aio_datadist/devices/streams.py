@@ -18,16 +18,15 @@ The host function stays the guarantee for anything longer.
 from __future__ import annotations
 
 import errno
-import os
 
 from aio_datadist import _core
+from aio_datadist._env import env_int
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["CUDA_POLL_US", "open_notifier"]
 
-CUDA_POLL_US = int(os.environ.get("AIO_DATADIST_CUDA_POLL_US", 2000))
-if CUDA_POLL_US < 0:
-    raise ValueError(f"AIO_DATADIST_CUDA_POLL_US must be >= 0, got {CUDA_POLL_US}")
+#: The watcher's window in microseconds (the core takes a C int: at most 2**31 - 1, 35 minutes).
+CUDA_POLL_US = env_int("AIO_DATADIST_CUDA_POLL_US", 2000, high=2 ** 31, unit="microseconds")
 
 
 def open_notifier(queue: _core.CompletionQueue, kind: str, index: int,

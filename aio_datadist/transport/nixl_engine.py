@@ -59,6 +59,7 @@ import numpy as np
 
 from aio_datadist import _trace
 from aio_datadist._core import CompletionQueue
+from aio_datadist._env import env_int
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["CHUNK_BYTES", "INLINE_MAX", "NIXL_MODULES", "NixlEngine", "load_nixl", "row_descs"]
@@ -69,13 +70,11 @@ NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 INSTALL_HINT = "pip install 'aio_datadist[nixl]' (or the nixl / nixl-cu12 package)"
 #: The largest transfer posted from the loop's thread (bytes; ``$AIO_DATADIST_NIXL_INLINE_MAX``, 0: every
 #: transfer is posted by the worker). 16 MiB, as the loop's own socket jobs (``links.LOOP_IO_MAX``).
-INLINE_MAX = int(os.environ.get("AIO_DATADIST_NIXL_INLINE_MAX", 16 << 20))
+INLINE_MAX = env_int("AIO_DATADIST_NIXL_INLINE_MAX", 16 << 20)
 #: The largest piece of a transfer posted at once (bytes; ``$AIO_DATADIST_NIXL_CHUNK``, 0: no pieces, a cancelled
 #: transfer then moves to its end). A cancelled transfer stops at the end of the piece in progress, which over
 #: UCX shared memory is copied inside the posting call.
-CHUNK_BYTES = int(os.environ.get("AIO_DATADIST_NIXL_CHUNK", 64 << 20)) or 1 << 62
-if CHUNK_BYTES < 0:
-    raise ValueError(f"AIO_DATADIST_NIXL_CHUNK={CHUNK_BYTES}: a piece's bytes, or 0 for no pieces")
+CHUNK_BYTES = env_int("AIO_DATADIST_NIXL_CHUNK", 64 << 20) or 1 << 62
 _MIN_WAIT_S = 10e-6
 _MAX_WAIT_S = 500e-6
 #: The longest wait while the worker awaits something that ends a request (a transfer it posted that

@@ -15,12 +15,12 @@ import array
 import asyncio
 import functools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core, _trace
+from aio_datadist._env import env_int
 from aio_datadist.layers import one_side_span
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
@@ -61,32 +61,16 @@ MAX_LOCAL_SRC_ROWS = 32768
 USE_STREAM = -2
 
 
-def env_bytes(name: str, default: int) -> int:
-    """A size in bytes from environment variable ``name``: an int in [0, 2**64); ``default`` when it is unset or
-    empty, or (with a warning that names it) anything else."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2 ** 64:
-        log.warning("$%s=%r is not a size in bytes (an int in [0, 2**64)): using %d", name, text, default)
-        return default
-    return value
-
-
 #: Copies up to this many bytes run on the loop's thread when the runtime's copy threads have no job (a
 #: 2 MiB copy takes 0.1-0.3 ms; its hand-off to a copy thread and the completion back cost about as much),
 #: larger ones, or any while the threads have work, on the copy threads. ``$AIO_DATADIST_INLINE_COPY_MAX``
 #: (bytes) overrides it; 0 hands every copy to the threads (for comparisons: ``docs/transports.md``).
-INLINE_COPY_MAX = env_bytes("AIO_DATADIST_INLINE_COPY_MAX", 2 << 20)
+INLINE_COPY_MAX = env_int("AIO_DATADIST_INLINE_COPY_MAX", 2 << 20)
 #: Host copies of this many bytes or more in all (one pull's, one copy job's) write around the CPU caches
 #: with streaming stores (``_core.set_stream_copy_min``; measured in ``benchmarks/RESULTS.md``, "streaming
 #: stores"). ``$AIO_DATADIST_STREAM_COPY_MIN`` (bytes) overrides it; 18446744073709551615 turns them off (for
 #: comparisons).
-STREAM_COPY_MIN = env_bytes("AIO_DATADIST_STREAM_COPY_MIN", _core.stream_copy_min())
+STREAM_COPY_MIN = env_int("AIO_DATADIST_STREAM_COPY_MIN", _core.stream_copy_min())
 _core.set_stream_copy_min(STREAM_COPY_MIN)
 
 
