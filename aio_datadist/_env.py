@@ -16,15 +16,14 @@ log = logging.getLogger("aio_datadist.env")
 
 
 def env_int(name: str, default: int, *, high: int = 2 ** 64, unit: str = "a size in bytes") -> int:
-    """The int in ``[0, high)`` that environment variable ``name`` holds; ``default`` when it is unset or empty,
-    or (with a warning that names the variable and ``unit``) anything else."""
+    """The int in ``[0, high)`` that environment variable ``name`` holds in decimal ASCII digits (spaces around
+    them ignored); ``default`` when it is unset or empty, or (with a warning that names the variable and
+    ``unit``) anything else."""
     text = os.environ.get(name, "").strip()
     if not text:
         return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
+    # ASCII digits only: int() would also take "+5", "1_000" and other scripts' digits
+    value = int(text) if text.isascii() and text.isdigit() else -1
     if not 0 <= value < high:
         log.warning("$%s=%r is not %s (an int in [0, %d)): using %d", name, text, unit, high, default)
         return default

@@ -16,7 +16,7 @@ import uvloop
 from aio_datadist import _core
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "reliability"))
-import _tally  # noqa: E402  (tests/reliability/_tally.py: the counts the reliability suite reports)
+import _tally  # tests/reliability/_tally.py: the counts the reliability suite reports
 
 #: On a machine with a CUDA device, ``aio.DeviceType=auto`` (the default) opens it, so every test that takes the
 #: default would put its ``Placement.DEVICE`` caches on the GPU, where the host-path tests and their byte checks
@@ -30,8 +30,8 @@ if os.environ.get(CUDA_OPT_IN) != "1":
 
 
 #: What the fork server imports once, so that each peer forked from it starts in tens of milliseconds
-#: instead of the ~2 s a ``spawn`` start with torch costs here (modules of another test folder that is
-#: not on the path are skipped by multiprocessing).
+#: instead of the ~2 s a ``spawn`` start with torch costs here (modules of a test folder that is not on the
+#: path are skipped by multiprocessing; tests/reliability always is, for ``_tally`` below).
 FORK_PRELOAD = ["torch", "uvloop", "aio_datadist", "aio_datadist.compat", "peers", "_harness", "_forked",
                 "_client_harness", "_v2peer"]
 

@@ -27,7 +27,8 @@ KNOBS = [
 @pytest.mark.parametrize(("text", "value", "warned"), [
     (None, 123, False), ("", 123, False), ("  ", 123, False), ("0", 0, False), ("4096", 4096, False),
     (" 18446744073709551615 ", 2 ** 64 - 1, False), ("-1", 123, True), ("18446744073709551616", 123, True),
-    ("abc", 123, True), ("2M", 123, True), ("1e6", 123, True)])
+    ("abc", 123, True), ("2M", 123, True), ("1e6", 123, True), ("+5", 123, True), ("1_000", 123, True),
+    ("\uff12\uff10", 123, True), ("0x10", 123, True)])
 def test_a_size_from_the_environment_names_the_variable_when_it_is_not_one(monkeypatch, caplog, text, value,
                                                                              warned):
     if text is None:
@@ -72,4 +73,17 @@ def test_good_knobs_are_taken():
     done = _import_knobs({name: good for name, _, _, _, good in KNOBS})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:-1] == [f"{name} {int(good)}" for name, _, _, _, good in KNOBS]
+    assert "is not" not in done.stderr
+
+
+def test_a_knobs_own_meaning_of_its_edges_is_kept():
+    """0 NIXL piece bytes: no pieces (the largest piece); a low-water mark past 1 GiB: 1 GiB (a C int below)."""
+    done = _import_knobs({"AIO_DATADIST_NIXL_CHUNK": "0", "AIO_DATADIST_LOOP_LOWAT_MAX": str(1 << 32),
+                          "AIO_DATADIST_LOOP_IO_MAX": "0", "AIO_DATADIST_CUDA_POLL_US": str(2 ** 31 - 1)})
+    assert done.returncode == 0, done.stderr
+    values = dict(line.split(" ") for line in done.stdout.split("\n")[:-1])
+    assert values["AIO_DATADIST_NIXL_CHUNK"] == str(1 << 62)
+    assert values["AIO_DATADIST_LOOP_LOWAT_MAX"] == str(1 << 30)
+    assert values["AIO_DATADIST_LOOP_IO_MAX"] == "0"
+    assert values["AIO_DATADIST_CUDA_POLL_US"] == str(2 ** 31 - 1)
     assert "is not" not in done.stderr
