@@ -11,7 +11,8 @@ from typing import Any
 from benchmarks._workload import KvGeometry, random_blocks
 
 
-def endpoint_options(transport: str, *, listen: bool, timeout_ms: int, data_channels: int | None = None) -> dict[str, str]:
+def endpoint_options(transport: str, *, listen: bool, timeout_ms: int,
+                     data_channels: int | None = None) -> dict[str, str]:
     """``LLMConfig`` options of a loopback endpoint (port 0 when it listens)."""
     from aio_datadist import LLMConfig
 

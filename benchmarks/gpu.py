@@ -104,7 +104,8 @@ class Report:
                   "| figure | ours | ceiling / baseline | ratio | target | |", "|---|---|---|---|---|---|"]
         for r in self.rows:
             ours = "-" if r["ours"] is None else f"{r['ours']:.4g} {r['unit']}"
-            ceil = r["ceiling"] if r["ceiling_value"] is None else f"{r['ceiling']}: {r['ceiling_value']:.4g} {r['unit']}"
+            ceil = (r["ceiling"] if r["ceiling_value"] is None
+                    else f"{r['ceiling']}: {r['ceiling_value']:.4g} {r['unit']}")
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}x"
             figure = r["figure"] + (f" ({r['detail']})" if r["detail"] else "")
             lines.append(f"| {figure} | {ours} | {ceil} | {ratio} | {r['target']} | {r['verdict']} |")

@@ -58,7 +58,8 @@ PEER_LIFETIME_S = 600.0
 
 def _decoder_peer(conn: Any, num_tensors: int, block_shape: tuple[int, ...], cache_blocks: int,
                   transport: str) -> str:
-    """Listen, key a blocks cache ``BlocksCacheKey(DECODER_ID, 0)``, then serve ``cpu``/``verify``/``clear``/``exit``."""
+    """Listen, key a blocks cache ``BlocksCacheKey(DECODER_ID, 0)``, then serve ``cpu``/``verify``/``clear``/``exit``
+    requests."""
     return asyncio.run(_decoder(conn, num_tensors, block_shape, cache_blocks, transport))
 
 

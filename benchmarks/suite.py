@@ -17,8 +17,8 @@ Measured in the same run, in alternating rounds (the order of the cases
 rotates each round, so load drift hits them alike):
 
 1. Throughput per request size (1, 4, 64, 512 blocks; 4096 with ``--full``
-   when it fits in memory; 1 block is always measured, for the latency rows): ``pull_blocks`` (timed here) and ``push_blocks``
-   (timed in the PROMPT process, until the decoder confirmed) over each data
+   when it fits in memory; 1 block is always measured, for the latency rows): ``pull_blocks`` (timed here) and
+   ``push_blocks`` (timed in the PROMPT process, until the decoder confirmed) over each data
    plane, against the same bytes moved by a raw loopback TCP connection
    (``sendall`` -> ``recv_into`` of one contiguous buffer), a one-thread
    memcpy, and torch.distributed gloo (gather, send/recv, scatter; its own
@@ -330,7 +330,8 @@ class Decoder:
             self.kv[transport] = dd.kv_cache_manager
             # Allocation populates the whole cache: done before any link exists, since a loop blocked
             # for seconds would miss the heartbeats of a live link.
-            self.caches[transport] = self.kv[transport].allocate_blocks_cache(blocks_desc(self.geometry, self.cache_blocks))
+            desc = blocks_desc(self.geometry, self.cache_blocks)
+            self.caches[transport] = self.kv[transport].allocate_blocks_cache(desc)
         ports = await self.peer.recv_async(300.0)
         for transport, dd in self.dds.items():
             info = LLMClusterInfo()

@@ -177,7 +177,8 @@ class PrefillEngine:
         for tensor, cache in enumerate(self.kv_caches):
             write_tokens(cache, blocks, request_kv(req_id, tensor, tokens))
         loop = asyncio.get_running_loop()
-        self.held[req_id] = Held(blocks, time.perf_counter(), loop.call_later(self.abort_timeout_s, self.expire, req_id))
+        expiry = loop.call_later(self.abort_timeout_s, self.expire, req_id)
+        self.held[req_id] = Held(blocks, time.perf_counter(), expiry)
         self.side.send(("kv_ready", req_id, blocks, tokens))
         print(f"[prefill] request {req_id}: {tokens} tokens computed into blocks {blocks}, held for the decoder "
               f"({self.pool.num_free}/{self.pool.size} blocks free)", flush=True)

@@ -13,6 +13,7 @@ native objects after every test.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import socket
 import time
@@ -297,8 +298,9 @@ async def test_a_pull_by_key_cut_by_a_cancel_scope_leaves_the_key():
         mark(keyed, 9)
         await pair.link()
         key = CacheKey(PROMPT_ID, REQ_ID)
+        pull = functools.partial(pair.dm.pull_cache, key, big.dst_rows, 0, timeout=5000)
         for how, delay in itertools.product(HOW, (0, 0.002)):
-            if not await cut(how, delay, lambda: pair.dm.pull_cache(key, big.dst_rows, 0, timeout=5000)):
+            if not await cut(how, delay, pull):
                 assert delay, "a cancel scope with no time left did not cut the pull"
                 break  # it finished first and consumed the key
         else:
@@ -312,7 +314,7 @@ async def test_a_pull_by_key_cut_by_a_cancel_scope_leaves_the_key():
                     await pair.dm.pull_cache(key, big.dst_rows, 0, timeout=5000)
                 assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
         await settle(pair, big.src)
-        del big, keyed
+        del big, keyed, pull
     assert refused is None, f"the key did not survive the cut pulls: {refused}"
 
 

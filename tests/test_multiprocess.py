@@ -257,8 +257,8 @@ def _rest_of_stream(sock: socket.socket) -> bytes:
 def _pull_request(cache_id: int) -> bytes:
     return wire.encode(wire.Msg.PULL_REQ, 1, channel=0, target_kind=2, cluster_id=PROMPT_ID, cache_id=cache_id,
                        key_req_id=2**64 - 1, prefix_id=2**64 - 1, model_id=0, batch_index=0, layer_first=-1,
-                       layer_last=-1, tensor_num_per_layer=2, tensor_count=4, data_type=1, offset=0, nbytes=512, flags=2,
-                       timeout_ms=1000, rows=())
+                       layer_last=-1, tensor_num_per_layer=2, tensor_count=4, data_type=1, offset=0, nbytes=512,
+                       flags=2, timeout_ms=1000, rows=())
 
 
 def _intruder(port: int, cache_id: int) -> list[bytes]:

@@ -41,8 +41,9 @@ async def main(peer: int, blocks: int, block_bytes: int, rows: int, pushes: int)
         results = []
         for i in range(pushes):
             try:
-                await dd.kv_cache_manager.push_blocks(BlocksCacheKey(peer, 0), src, list(range(i * rows, (i + 1) * rows)),
-                                                      list(range(rows)), timeout=20_000)
+                await dd.kv_cache_manager.push_blocks(BlocksCacheKey(peer, 0), src,
+                                                      list(range(i * rows, (i + 1) * rows)), list(range(rows)),
+                                                      timeout=20_000)
                 results.append("ok")
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 results.append(repr(exc))

@@ -23,7 +23,8 @@ import sys
 import pytest
 import torch
 
-from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMClusterInfo, LLMRole, LLMStatusCode, Placement, wire
+from aio_datadist import (BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMClusterInfo, LLMRole, LLMStatusCode,
+                          Placement, wire)
 from aio_datadist.testing import links_of, share_listener_of
 from aio_datadist.transport.local import boot_id
 from aio_datadist.types import UINT64_MAX

@@ -71,7 +71,7 @@ def registry_with(reg: CacheRegistry, key: CacheKey, desc: CacheDesc = SMALL) ->
 async def test_a_pull_of_a_removed_binding_neither_consumes_nor_blocks_the_rebound_key():
     reg = CacheRegistry(1 << 30)
     ident = KEY.lookup_key()
-    old = registry_with(reg, KEY)
+    registry_with(reg, KEY)
     _, first = reg.resolve_key(ident)
     all_tensors = range(SMALL.num_tensors)
     assert reg.claim_key(first, all_tensors)
