@@ -1,4 +1,4 @@
-# Declarations of the native core. Bodies live in _core.pyx.
+# Declarations of the native core. Bodies live in _core.pyx and the _*.pxi files it includes.
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libcpp.vector cimport vector
@@ -75,7 +75,7 @@ cdef struct IoCommand:
 
 
 # Every native object that owns threads, or locks and fds its threads share, records the process that made it
-# (``_made_by``: its fork generation, see _core.pyx): in a forked child the parent's threads do not exist and a lock one of them held stays held,
+# (``_made_by``: its fork generation, see _core.pyx's ``_generation``): in a forked child the parent's threads do not exist and a lock one of them held stays held,
 # so there such an object is only let go of (closed without a join, a lock or a wake-up) and refuses work.
 
 cdef class CompletionQueue:

@@ -38,7 +38,7 @@ echo "$(basename "$sdist"): $(wc -l < "$work/contents") entries, $(du -k "$sdist
 
 step "checking its contents"
 for needed in setup.py pyproject.toml README.md MANIFEST.in \
-        aio_datadist/__init__.py aio_datadist/_core.pyx aio_datadist/_core.pxd aio_datadist/_sys.pxd \
+        aio_datadist/__init__.py aio_datadist/_core.pyx aio_datadist/_sockets.pxi aio_datadist/_core.pxd aio_datadist/_sys.pxd \
         aio_datadist/_core.pyi aio_datadist/py.typed aio_datadist/testing.py aio_datadist/transport/local.py; do
     grep -qx "$needed" "$work/contents" || { echo "missing from the sdist: $needed"; exit 1; }
 done
