@@ -191,6 +191,7 @@ class Link:
         self.free: asyncio.Queue[int] = asyncio.Queue()
         self.pending: dict[int, asyncio.Future] = {}
         self._acks: dict[int, Msg] = {}  # requests of ours in pending answered by PROBE_ACK or UNLINK_ACK (expect)
+        self._then: dict[int, asyncio.Future] = {}  # the waiter for a request's reply after its answer (expect)
         self._watches: set[asyncio.Future] = set()  # futures only the link's end completes (watch)
         #: A watch that the peer's PING completes too: on an accepted ``link()`` link, the dialler's word that it
         #: set the link up (``LinkTable._await_bilateral``). Nothing else sends a PING.
@@ -575,20 +576,27 @@ class Link:
         if self.nixl is not None:
             self.nixl.report_reads()
 
-    def expect(self, req_id: int, answer: Msg | None = None) -> asyncio.Future:
+    def expect(self, req_id: int, answer: Msg | None = None, *, then: asyncio.Future | None = None) -> asyncio.Future:
         """The future of the peer's answer to our request ``req_id``: ``RESP`` or ``DONE`` (a transfer's), or
         the ``answer`` named (``PROBE_ACK``, ``UNLINK_ACK``). An answer of another kind is a protocol error
-        that fails the link, and with it the future."""
+        that fails the link, and with it the future.
+
+        ``then``: the waiter for the peer's next reply to ``req_id`` (a transfer's ``DONE``, or a ``RESP``
+        saying why the owner stopped part-way), made the waiter as the answer is read, before the task that
+        awaits the answer resumes: a reply the peer sends right after its answer is not dropped meanwhile."""
         fut = asyncio.get_running_loop().create_future()
         self.pending[req_id] = fut
         if answer is not None:
             self._acks[req_id] = answer
+        if then is not None:
+            self._then[req_id] = then
         return fut
 
     def unexpect(self, req_id: int) -> None:
         """Stop waiting for the answer to ``req_id`` (one that comes later is dropped)."""
         self.pending.pop(req_id, None)
         self._acks.pop(req_id, None)
+        self._then.pop(req_id, None)
 
     def watch(self) -> asyncio.Future:
         """A future that the link's end fails (broken or unlinked, as every waiter), and that nothing the peer
@@ -783,7 +791,10 @@ class Link:
                 if wrong:
                     raise ProtocolError(wrong)  # the waiter stays in pending: the link's failure fails it
                 fut = self.pending.get(req_id)
+                then = self._then.get(req_id)
                 self.unexpect(req_id)
+                if then is not None and not then.done():
+                    self.pending[req_id] = then  # the reply after this one (see expect)
                 if fut is not None and not fut.done():
                     fut.set_result(record)
             case protocol.Nixl(record=record):
@@ -966,6 +977,7 @@ class Link:
     def _teardown(self, exc: LLMException) -> None:
         pending, self.pending = self.pending, {}
         self._acks.clear()
+        self._then.clear()  # each is in pending already, or its request was never answered (nobody awaits it)
         watches, self._watches = self._watches, set()
         for fut in [*pending.values(), *watches]:
             if not fut.done():

@@ -128,8 +128,10 @@ def _required_plane(rt: Runtime, link: Link, offered: Plane | None, what: str) -
 
 
 async def _ask(link: Link, req: Request, plan: Plan, offered: Plane | None, timeout_ms: int, *, pull: bool) -> Resp:
-    """Send the request, offering ``offered`` besides the stream plane; the owner's acceptance."""
-    answered = link.expect(req.req_id)
+    """Send the request, offering ``offered`` besides the stream plane; the owner's acceptance (and, in
+    ``req.then``, the waiter for its next reply)."""
+    req.then = asyncio.get_running_loop().create_future()
+    answered = link.expect(req.req_id, then=req.then)
     link.send_record(Msg.PULL_REQ if pull else Msg.PUSH_REQ, req.req_id, plan.remote, channel=req.channel,
                      timeout_ms=timeout_ms, flags=plan.remote.flags | (offered.flag if offered is not None else 0))
     req.state = RequestState.ASKED
@@ -278,11 +280,13 @@ async def _run_request(rt: Runtime, link: Link, plan: Plan, req: Request, timeou
                 chosen = await _ask_and_carry(rt, link, plan, req, offered, timeout_ms, what, pull=pull)
         req.state = RequestState.DONE
         req.release_channel()
+        if req.then is not None:
+            link.unexpect(req.req_id)  # a plane that moved the bytes in place waited for no reply after the answer
         if _trace.ON:
             _trace.mark("returned")
         return chosen.transport_on(link)
     except Refused:
-        link.pending.pop(req.req_id, None)
+        link.unexpect(req.req_id)
         req.release_channel()
         raise
     except TimeoutError:

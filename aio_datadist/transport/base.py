@@ -115,7 +115,8 @@ class LinkPort(Protocol):
     def send_soon(self, msg: Msg, req_id: int, **fields: Any) -> None: ...
     def done_overdue(self, req_id: int, timeout_ms: int) -> None: ...
     def send_record(self, msg: Msg, req_id: int, record: Any, **changes: Any) -> None: ...
-    def expect(self, req_id: int) -> asyncio.Future: ...
+    def expect(self, req_id: int, answer: Any = None, *, then: asyncio.Future | None = None) -> asyncio.Future: ...
+    def unexpect(self, req_id: int) -> None: ...
     def new_req_id(self) -> int: ...
     def check(self) -> None: ...
     def check_heard(self) -> None: ...
@@ -188,7 +189,7 @@ class Request:
     """
 
     __slots__ = ("link", "what", "consumes", "state", "channel", "generation", "req_id", "in_place", "settled",
-                 "ack", "said", "cut")
+                 "ack", "said", "then", "cut")
 
     def __init__(self, link: LinkPort, what: str, *, consumes: bool = False) -> None:
         self.link = link
@@ -205,12 +206,16 @@ class Request:
         # A stream pull's ``RESP`` after the owner's answer, should it stop serving part-way (it unregistered
         # the cache the pull reads): why the bytes stopped coming.
         self.said: asyncio.Future | None = None
+        # The peer's reply after the owner's answer (``Link.expect``'s ``then``): a push's ``DONE``, a stream
+        # pull's ``RESP`` should the owner stop part-way. Waited for from the moment the answer is read, so a
+        # reply sent right after the answer is not dropped before the plane that moves the bytes runs.
+        self.then: asyncio.Future | None = None
         self.cut = False  # the caller unregistered the registered cache we move (see transfers._Cut)
 
     def owner_failure(self) -> LLMException | None:
         """What the owner said when it stopped the request part-way (a failed ``DONE`` of a push, a failed
-        ``RESP`` after a pull was answered), if it said so already."""
-        for word in (self.ack, self.said):
+        ``RESP`` after a pull was answered), if it said so already (also before a plane took the request up)."""
+        for word in (self.ack, self.said, self.then):
             if word is not None and word.done() and not word.cancelled() and word.exception() is None:
                 record = word.result()
                 if record.status != LLMStatusCode.LLM_SUCCESS:
@@ -267,7 +272,7 @@ class Request:
         if self.ack is not None:
             await abort_acknowledged(link, self.ack, self.what, cancelled)
         if self.req_id:
-            link.pending.pop(self.req_id, None)
+            link.unexpect(self.req_id)
         self.state = RequestState.GIVEN_UP
         if cancelled:
             raise cancelled[0]

@@ -103,7 +103,7 @@ class NixlPlane(InPlacePlane):
         rows = list(remote.rows) or [answer.row]
         if plan.local.on_device:  # NIXL reads or writes final rows only (the owner fenced before it answered)
             await fence(rt, None, what)
-        done = None if pull else link.expect(req_id)
+        done = None if pull else req.then
         if _trace.ON:
             _trace.mark("job submitted")
         moved, settled, failure = peer.transfer("READ" if pull else "WRITE", plan.local, plan.local_first,

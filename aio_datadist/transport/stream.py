@@ -83,18 +83,18 @@ class StreamPlane(Plane):
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
         req_id = req.req_id
-        done = None if pull else link.expect(req_id)
+        done = None if pull else req.then
         settled = asyncio.get_running_loop().create_future()
         moving = link.move(req.channel, plan.local_pairs, send=not pull, timeout_ms=None, what=req.what,
                            keepalive=plan.local, settled=settled)
         req.settled, req.ack = settled, done
         if pull:
-            req.said = link.expect(req_id)  # a RESP now says why the owner stopped part-way
+            req.said = req.then  # a RESP now says why the owner stopped part-way
         if _trace.ON:
             _trace.mark("job submitted")
         await moving
         if pull:
-            link.pending.pop(req_id, None)
+            link.unexpect(req_id)
         if _trace.ON:
             _trace.mark("job done")
         if pull and plan.remote.target_kind == Target.BLOCKS_KEY:

@@ -92,8 +92,9 @@ async def test_a_destination_whose_link_goes_as_its_last_confirmation_comes_in_i
         dones: list[int] = []
         expect = Link.expect
 
-        def watched(self: Link, req_id: int, answer: object = None) -> asyncio.Future:
-            fut = expect(self, req_id, answer)
+        def watched(self: Link, req_id: int, answer: object = None, *,
+                    then: asyncio.Future | None = None) -> asyncio.Future:
+            fut = expect(self, req_id, answer, then=then)
             if self is target:
                 def arrived(f: asyncio.Future) -> None:
                     if f.cancelled() or f.exception() is not None or type(f.result()).__name__ != "Done":
@@ -102,7 +103,9 @@ async def test_a_destination_whose_link_goes_as_its_last_confirmation_comes_in_i
                     if len(dones) == LAYERS:
                         self.fail(LLMException("connection reset by peer", status_code=LLMStatusCode.LLM_LINK_FAILED))
 
-                fut.add_done_callback(arrived)
+                for reply in (fut, then):  # a push's DONE is the reply after its answer (``then``)
+                    if reply is not None:
+                        reply.add_done_callback(arrived)
             return fut
 
         monkeypatch.setattr(Link, "expect", watched)
@@ -123,14 +126,17 @@ async def test_a_link_that_ends_as_a_layer_is_confirmed_ends_the_task_waiting_fo
         target = usable_link(s.prompt, DECODER_ID)
         expect = Link.expect
 
-        def watched(self: Link, req_id: int, answer: object = None) -> asyncio.Future:
-            fut = expect(self, req_id, answer)
+        def watched(self: Link, req_id: int, answer: object = None, *,
+                    then: asyncio.Future | None = None) -> asyncio.Future:
+            fut = expect(self, req_id, answer, then=then)
             if self is target:
                 def arrived(f: asyncio.Future) -> None:
                     if not f.cancelled() and f.exception() is None and type(f.result()).__name__ == "Done":
                         self.fail(LLMException("connection reset by peer", status_code=LLMStatusCode.LLM_LINK_FAILED))
 
-                fut.add_done_callback(arrived)
+                for reply in (fut, then):  # a push's DONE is the reply after its answer (``then``)
+                    if reply is not None:
+                        reply.add_done_callback(arrived)
             return fut
 
         monkeypatch.setattr(Link, "expect", watched)
@@ -232,14 +238,16 @@ async def test_a_layer_refused_while_the_one_before_waits_for_its_done_leaves_th
             handled = loop.create_future()  # the push the destination refused is over
             expect = Link.expect
 
-            def watched(self: Link, req_id: int, answer: object = None) -> asyncio.Future:
-                fut = expect(self, req_id, answer)
+            def watched(self: Link, req_id: int, answer: object = None, *,
+                        then: asyncio.Future | None = None) -> asyncio.Future:
                 if self is not target or answer is not None:
-                    return fut
+                    return expect(self, req_id, answer, then=then)
+                # the reply after the answer (a push's DONE) reaches the caller's ``then`` through the same hold
+                inner_then = None if then is None else loop.create_future()
+                fut = expect(self, req_id, answer, then=inner_then)
                 askers.setdefault(req_id, asyncio.current_task())
-                held = loop.create_future()
 
-                def relay(f: asyncio.Future) -> None:
+                def relay(f: asyncio.Future, held: asyncio.Future) -> None:
                     if held.done():
                         return
                     if f.cancelled() or f.exception() is not None:
@@ -247,14 +255,17 @@ async def test_a_layer_refused_while_the_one_before_waits_for_its_done_leaves_th
                         return
                     reply = f.result()
                     if type(reply).__name__ == "Done" and not handled.done():
-                        handled.add_done_callback(lambda _: relay(f))
+                        handled.add_done_callback(lambda _: relay(f, held))
                         return
                     asker = askers[req_id]
                     if reply.status != 0 and asker is not None:
                         asker.add_done_callback(lambda _: handled.done() or handled.set_result(None))
                     held.set_result(reply)
 
-                fut.add_done_callback(relay)
+                held = loop.create_future()
+                fut.add_done_callback(lambda f: relay(f, held))
+                if inner_then is not None and then is not None:
+                    inner_then.add_done_callback(lambda f: relay(f, then))
                 return held
 
             monkeypatch.setattr(Link, "expect", watched)
@@ -284,3 +295,4 @@ async def test_a_layer_refused_while_the_one_before_waits_for_its_done_leaves_th
             assert (await task.get_results())[0] == LLMStatusCode.LLM_PARAM_INVALID
     finally:
         TRANSPORT["default"] = "tcp"
+
