@@ -458,7 +458,7 @@ async def _drive(rt: Runtime, progress: TaskProgress, src: KvCache, synchronizer
                 push.add_done_callback(functools.partial(_forget, mine))
                 push.add_done_callback(functools.partial(confirmed, cfg.index))
                 pushes.append(push)
-                layer_pushes.append(push)
+                layer_pushes.append((cfg.index, push))
             finishing = [cfg.index for cfg in configs if cfg.src_layers.stop - 1 == layer]
             previous = asyncio.ensure_future(_confirm(progress, layer, layer_pushes, previous, lost, finishing, failed))
             pushes.append(previous)
@@ -567,18 +567,21 @@ def _watch_links(configs: list[_Config], on_lost: Callable[[Link, LLMException],
     return watches
 
 
-async def _confirm(progress: TaskProgress, layer: int, layer_pushes: Sequence[asyncio.Future],
+async def _confirm(progress: TaskProgress, layer: int, layer_pushes: Sequence[tuple[int, asyncio.Future]],
                    previous: asyncio.Future | None, lost: LLMException | None,
                    finishing: list[int], failed: set[int]) -> None:
-    outcomes = await asyncio.gather(*layer_pushes, return_exceptions=True)
+    outcomes = await asyncio.gather(*(push for _, push in layer_pushes), return_exceptions=True)
     if previous is not None:
         await asyncio.shield(previous)
     for outcome in outcomes:
         if isinstance(outcome, BaseException) and not isinstance(outcome, (asyncio.CancelledError, LLMException)):
             raise outcome
+    # A push cut before its first step ends cancelled: its destination failed meanwhile (another layer's push
+    # to it), and the layer fails with that destination's code, as a layer not started for it does (``lost``).
     error = next((e if isinstance(e, LLMException) else LLMException(
-        f"a destination failed before layer {layer} was sent", status_code=LLMStatusCode.LLM_FAILED)
-                  for e in outcomes if e is not None), lost)
+        f"destination {index} failed before layer {layer} was sent",
+        status_code=progress.result(index) or LLMStatusCode.LLM_FAILED)
+                  for (index, _), e in zip(layer_pushes, outcomes, strict=True) if e is not None), lost)
     for index in finishing:  # every layer of these configs is confirmed in place
         if index not in failed:
             progress.set_result(index, LLMStatusCode.LLM_SUCCESS)

@@ -292,7 +292,33 @@ async def test_a_layer_refused_while_the_one_before_waits_for_its_done_leaves_th
             with pytest.raises(LLMException) as info:
                 await task.layer(1)
             assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+            for later in range(2, LAYERS):  # cut before their first step, or never started: the destination's code
+                with pytest.raises(LLMException) as info:
+                    await task.layer(later)
+                assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID, (later, str(info.value))
             assert (await task.get_results())[0] == LLMStatusCode.LLM_PARAM_INVALID
     finally:
         TRANSPORT["default"] = "tcp"
 
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_layer_whose_push_was_cut_before_its_first_step_fails_with_its_destinations_code():
+    """A destination that failed (another layer's push to it: its link went, the owner refused) cuts its pushes of
+    later layers; one cut before its first step ends cancelled, and its layer fails with the destination's code,
+    as a layer never started for it does. Before, it read ``LLM_FAILED`` ("a destination failed before layer N was
+    sent"): ``test_layerwise_faults.py::test_receiver_killed_mid_task`` saw it under load (pushes of layers 1-3
+    in flight when the receiver was killed)."""
+    from aio_datadist.layerwise import _confirm
+    from aio_datadist.task import TaskProgress
+
+    progress = TaskProgress([0, 1], 2)
+    cut = asyncio.get_running_loop().create_future()
+    cut.cancel()
+    ok = asyncio.get_running_loop().create_future()
+    ok.set_result(None)
+    progress.set_result(1, LLMStatusCode.LLM_LINK_FAILED)
+    await _confirm(progress, 1, [(0, ok), (1, cut)], None, None, [], {1})
+    with pytest.raises(LLMException) as info:
+        await progress.layers[1]
+    assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED, str(info.value)
+    assert "destination 1" in str(info.value)
