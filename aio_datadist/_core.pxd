@@ -75,8 +75,9 @@ cdef struct IoCommand:
 
 
 # Every native object that owns threads, or locks and fds its threads share, records the process that made it
-# (``_made_by``: its fork generation, see _core.pyx's ``_generation``): in a forked child the parent's threads do not exist and a lock one of them held stays held,
-# so there such an object is only let go of (closed without a join, a lock or a wake-up) and refuses work.
+# (``_made_by``: its fork generation, ``_generation`` in _core.pyx): in a forked child the parent's threads do not
+# exist and a lock one of them held stays held, so there such an object is only let go of (closed without a join,
+# a lock or a wake-up) and refuses work.
 
 cdef class CompletionQueue:
     cdef int _made_by

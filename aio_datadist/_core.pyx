@@ -114,8 +114,9 @@ def live_objects():
 
 
 #: How many forks lie between the process that loaded the core and this one, counted up in a forked child
-#: (``_after_fork_child``): an object whose ``_made_by`` differs was made by an ancestor process, whose threads
-#: are not here. Not the process id: a descendant may get a dead ancestor's id back.
+#: (``_after_fork_child``, in ``_host_stream.pxi``, which also re-makes ``_host_copy.pxi``'s close lock): an
+#: object whose ``_made_by`` differs was made by an ancestor process, whose threads are not here. Not the process
+#: id: a descendant may get a dead ancestor's id back.
 cdef int _generation = 0
 #: This process's id, for messages only.
 cdef int _pid = getpid()
@@ -153,7 +154,8 @@ cdef array.array _new_u64(Py_ssize_t n):
 
 
 # --------------------------------------------------------------------------
-# The parts, one job each, included in the order they had when they were one file.
+# The parts, one job each, included in the order they had when they were one file. Process-wide state lives
+# above, except the engines' shared close lock (``_host_copy.pxi``) and the fork handler (``_host_stream.pxi``).
 
 include "_completions.pxi"  # CompletionQueue: the records every engine posts, and the eventfd the loop watches
 include "_host_copy.pxi"  # HostCopyEngine: batched memcpy lists on worker threads

@@ -191,7 +191,8 @@ class Link:
         self.free: asyncio.Queue[int] = asyncio.Queue()
         self.pending: dict[int, asyncio.Future] = {}
         self._acks: dict[int, Msg] = {}  # requests of ours in pending answered by PROBE_ACK or UNLINK_ACK (expect)
-        self._then: dict[int, asyncio.Future] = {}  # the waiter for a request's reply after its answer (expect)
+        #: The waiter for a request's reply after its answer, and the kind that reply may be (expect).
+        self._then: dict[int, tuple[asyncio.Future, Msg | None]] = {}
         self._watches: set[asyncio.Future] = set()  # futures only the link's end completes (watch)
         #: A watch that the peer's PING completes too: on an accepted ``link()`` link, the dialler's word that it
         #: set the link up (``LinkTable._await_bilateral``). Nothing else sends a PING.
@@ -576,20 +577,22 @@ class Link:
         if self.nixl is not None:
             self.nixl.report_reads()
 
-    def expect(self, req_id: int, answer: Msg | None = None, *, then: asyncio.Future | None = None) -> asyncio.Future:
+    def expect(self, req_id: int, answer: Msg | None = None, *, then: asyncio.Future | None = None,
+               then_answer: Msg | None = None) -> asyncio.Future:
         """The future of the peer's answer to our request ``req_id``: ``RESP`` or ``DONE`` (a transfer's), or
         the ``answer`` named (``PROBE_ACK``, ``UNLINK_ACK``). An answer of another kind is a protocol error
         that fails the link, and with it the future.
 
         ``then``: the waiter for the peer's next reply to ``req_id`` (a transfer's ``DONE``, or a ``RESP``
         saying why the owner stopped part-way), made the waiter as the answer is read, before the task that
-        awaits the answer resumes: a reply the peer sends right after its answer is not dropped meanwhile."""
+        awaits the answer resumes: a reply the peer sends right after its answer is not dropped meanwhile.
+        ``then_answer``: the one kind that reply may be (a push's ``DONE``, a pull's ``RESP``)."""
         fut = asyncio.get_running_loop().create_future()
         self.pending[req_id] = fut
         if answer is not None:
             self._acks[req_id] = answer
         if then is not None:
-            self._then[req_id] = then
+            self._then[req_id] = (then, then_answer)
         return fut
 
     def unexpect(self, req_id: int) -> None:
@@ -791,10 +794,12 @@ class Link:
                 if wrong:
                     raise ProtocolError(wrong)  # the waiter stays in pending: the link's failure fails it
                 fut = self.pending.get(req_id)
-                then = self._then.get(req_id)
+                then, then_answer = self._then.get(req_id, (None, None))
                 self.unexpect(req_id)
                 if then is not None and not then.done():
                     self.pending[req_id] = then  # the reply after this one (see expect)
+                    if then_answer is not None:
+                        self._acks[req_id] = then_answer
                 if fut is not None and not fut.done():
                     fut.set_result(record)
             case protocol.Nixl(record=record):

@@ -131,7 +131,7 @@ async def _ask(link: Link, req: Request, plan: Plan, offered: Plane | None, time
     """Send the request, offering ``offered`` besides the stream plane; the owner's acceptance (and, in
     ``req.then``, the waiter for its next reply)."""
     req.then = asyncio.get_running_loop().create_future()
-    answered = link.expect(req.req_id, then=req.then)
+    answered = link.expect(req.req_id, then=req.then, then_answer=Msg.RESP if pull else Msg.DONE)
     link.send_record(Msg.PULL_REQ if pull else Msg.PUSH_REQ, req.req_id, plan.remote, channel=req.channel,
                      timeout_ms=timeout_ms, flags=plan.remote.flags | (offered.flag if offered is not None else 0))
     req.state = RequestState.ASKED

@@ -117,6 +117,7 @@ class StagingPlane(StreamPlane):
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
         _nixl_off(link, plan.local)
+        req.check_owner()
         done = None if pull else req.then
         settled = asyncio.get_running_loop().create_future()
         req.settled, req.ack = settled, done

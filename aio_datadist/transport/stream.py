@@ -83,6 +83,7 @@ class StreamPlane(Plane):
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
         req_id = req.req_id
+        req.check_owner()
         done = None if pull else req.then
         settled = asyncio.get_running_loop().create_future()
         moving = link.move(req.channel, plan.local_pairs, send=not pull, timeout_ms=None, what=req.what,

@@ -93,8 +93,8 @@ async def test_a_destination_whose_link_goes_as_its_last_confirmation_comes_in_i
         expect = Link.expect
 
         def watched(self: Link, req_id: int, answer: object = None, *,
-                    then: asyncio.Future | None = None) -> asyncio.Future:
-            fut = expect(self, req_id, answer, then=then)
+                    then: asyncio.Future | None = None, **kw: object) -> asyncio.Future:
+            fut = expect(self, req_id, answer, then=then, **kw)
             if self is target:
                 def arrived(f: asyncio.Future) -> None:
                     if f.cancelled() or f.exception() is not None or type(f.result()).__name__ != "Done":
@@ -127,8 +127,8 @@ async def test_a_link_that_ends_as_a_layer_is_confirmed_ends_the_task_waiting_fo
         expect = Link.expect
 
         def watched(self: Link, req_id: int, answer: object = None, *,
-                    then: asyncio.Future | None = None) -> asyncio.Future:
-            fut = expect(self, req_id, answer, then=then)
+                    then: asyncio.Future | None = None, **kw: object) -> asyncio.Future:
+            fut = expect(self, req_id, answer, then=then, **kw)
             if self is target:
                 def arrived(f: asyncio.Future) -> None:
                     if not f.cancelled() and f.exception() is None and type(f.result()).__name__ == "Done":
@@ -239,12 +239,12 @@ async def test_a_layer_refused_while_the_one_before_waits_for_its_done_leaves_th
             expect = Link.expect
 
             def watched(self: Link, req_id: int, answer: object = None, *,
-                        then: asyncio.Future | None = None) -> asyncio.Future:
+                        then: asyncio.Future | None = None, **kw: object) -> asyncio.Future:
                 if self is not target or answer is not None:
-                    return expect(self, req_id, answer, then=then)
+                    return expect(self, req_id, answer, then=then, **kw)
                 # the reply after the answer (a push's DONE) reaches the caller's ``then`` through the same hold
                 inner_then = None if then is None else loop.create_future()
-                fut = expect(self, req_id, answer, then=inner_then)
+                fut = expect(self, req_id, answer, then=inner_then, **kw)
                 askers.setdefault(req_id, asyncio.current_task())
 
                 def relay(f: asyncio.Future, held: asyncio.Future) -> None:

@@ -158,3 +158,29 @@ async def test_a_tcp_push_cut_right_after_its_answer_fails_with_the_owners_reaso
         assert registry_of(prompt).serving_count() == 0
         link = link_to(dec, PROMPT)
         assert link is not None and not link.pending and not link._then, "waiters left behind"
+
+
+@pytest.mark.loops_take_turns
+async def test_a_second_accepting_resp_does_not_confirm_a_push() -> None:
+    """The reply after a push's answer may only be its ``DONE``: an owner that sends a second accepting ``RESP``
+    instead (a buggy or hostile peer) breaks the protocol, and the push fails with the link, unconfirmed. Before,
+    the ``RESP`` read as the push's confirmation once the push waited for its ``DONE``."""
+    desc = SIZES["loop"]
+    async with pair("tcp") as (prompt, dec):
+        target = prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(PROMPT, 0))
+        src = dec.cache_manager.allocate_blocks_cache(desc)
+        link = link_to(prompt, DECODER)
+        assert link is not None
+        send = link.send
+
+        def twice(msg: wire.Msg, req_id: int, **fields: Any) -> None:
+            send(msg, req_id, **fields)
+            if msg is wire.Msg.RESP and fields.get("status") == 0:
+                send(msg, req_id, **fields)  # "accepted" again, where only DONE may come
+
+        link.send = twice  # type: ignore[method-assign]
+        result, _ = await outcome(dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), src, ALL, ALL,
+                                                                timeout=5000))
+        assert result == S.LLM_LINK_FAILED, f"the push gave {result!r}"
+        assert "RESP answers request" in str(link_to(dec, PROMPT).broken)
+        del target
