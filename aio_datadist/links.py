@@ -586,7 +586,7 @@ class Link:
         ``then``: the waiter for the peer's next reply to ``req_id`` (a transfer's ``DONE``, or a ``RESP``
         saying why the owner stopped part-way), made the waiter as the answer is read, before the task that
         awaits the answer resumes: a reply the peer sends right after its answer is not dropped meanwhile.
-        ``then_answer``: the one kind that reply may be (a push's ``DONE``, a pull's ``RESP``)."""
+        ``then_answer``: the one kind that reply may be (a push's ``DONE``; None: ``RESP`` or ``DONE``)."""
         fut = asyncio.get_running_loop().create_future()
         self.pending[req_id] = fut
         if answer is not None:

@@ -131,7 +131,9 @@ async def _ask(link: Link, req: Request, plan: Plan, offered: Plane | None, time
     """Send the request, offering ``offered`` besides the stream plane; the owner's acceptance (and, in
     ``req.then``, the waiter for its next reply)."""
     req.then = asyncio.get_running_loop().create_future()
-    answered = link.expect(req.req_id, then=req.then, then_answer=Msg.RESP if pull else Msg.DONE)
+    # A push's next reply is its DONE (a second accepting RESP would read as its confirmation); a pull's may be a
+    # RESP saying why the owner stopped, or the DONE an owner that already forgot the request answers our ABORT with.
+    answered = link.expect(req.req_id, then=req.then, then_answer=None if pull else Msg.DONE)
     link.send_record(Msg.PULL_REQ if pull else Msg.PUSH_REQ, req.req_id, plan.remote, channel=req.channel,
                      timeout_ms=timeout_ms, flags=plan.remote.flags | (offered.flag if offered is not None else 0))
     req.state = RequestState.ASKED

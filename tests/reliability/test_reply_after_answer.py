@@ -184,3 +184,51 @@ async def test_a_second_accepting_resp_does_not_confirm_a_push() -> None:
         assert result == S.LLM_LINK_FAILED, f"the push gave {result!r}"
         assert "RESP answers request" in str(link_to(dec, PROMPT).broken)
         del target
+
+
+@pytest.mark.loops_take_turns
+async def test_a_pull_given_up_after_its_owner_finished_sending_keeps_the_link(monkeypatch) -> None:
+    """A stream pull given up (here: cancelled) once its owner sent the last byte and forgot the request, but before
+    we read it: the owner answers our ``ABORT`` with ``DONE`` (``LLM_FAILED``, "aborted"), which reaches the pull's
+    waiter for the reply after its answer while its job settles. That ``DONE`` is honest: the link stays up (a
+    pull's follow-up may be ``RESP`` or ``DONE``; only a push's is ``DONE`` alone). Found by review of an earlier
+    form that failed the link there ("DONE answers request N, which waits for RESP")."""
+    from aio_datadist.transport import base as transport_base
+
+    desc = CacheDesc(2, (4, 1024 * 1024), DataType.DT_FLOAT16, Placement.HOST)
+    async with pair("local") as (prompt, dec):
+        mine = [torch.full(desc.shape, 3, dtype=torch.float16) for _ in range(desc.num_tensors)]
+        owned = prompt.cache_manager.register_blocks_cache(desc, mine, BlocksCacheKey(PROMPT, 0),
+                                                          remote_accessible=True)
+        dst = dec.cache_manager.allocate_blocks_cache(desc)
+        link, owner_link = link_to(dec, PROMPT), link_to(prompt, DECODER)
+        assert link is not None and owner_link is not None
+        settle = transport_base.wait_out
+
+        async def slow_settle(fut: Any, bound: float, cancelled: list) -> bool:
+            await asyncio.sleep(0.05)  # a job that takes a moment to settle (a busy engine, staged device copies)
+            return await settle(fut, bound, cancelled)
+
+        monkeypatch.setattr(transport_base, "wait_out", slow_settle)
+        pull: asyncio.Task | None = None
+        forgotten: list[int] = []
+
+        class Serving(dict):
+            def __delitem__(self, req_id: Any) -> None:
+                super().__delitem__(req_id)
+                forgotten.append(req_id)
+                if pull is not None and not pull.done():
+                    pull.cancel()  # the owner sent its last byte and forgot the request: we give the pull up now
+
+        owner_link.serving = Serving(owner_link.serving)
+        pull = asyncio.create_task(dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, ALL[:4], ALL[:4],
+                                                                 timeout=5000))
+        with contextlib.suppress(asyncio.CancelledError, LLMException):
+            await pull
+        await asyncio.sleep(QUIET_S)
+        assert forgotten, "the owner never served the pull"
+        assert link.broken is None, f"an honest owner's answer to our ABORT broke the link: {link.broken}"
+        await dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, ALL[:4], ALL[:4], timeout=5000)
+        assert all(bool((t == 3).all()) for t in dst.tensors)
+        prompt.cache_manager.unregister_cache(owned.cache_id)
+        assert not link.pending and not link._then, "waiters left behind"
