@@ -168,6 +168,7 @@ async def _ask_and_carry(rt: Runtime, link: Link, plan: Plan, req: Request, offe
     elif offered is not None:
         _required_plane(rt, link, None, what)  # the owner chose the stream plane after all
     req.state = RequestState.MOVING
+    req.check_owner()  # the owner stopped the request right after its answer: no plane starts a job for it
     await chosen.carry(rt, link, plan, answer, req, pull=pull)
     return chosen
 

@@ -190,7 +190,7 @@ class Request:
     """
 
     __slots__ = ("link", "what", "consumes", "state", "channel", "generation", "req_id", "in_place", "settled",
-                 "ack", "said", "then", "cut")
+                 "ack", "then", "cut")
 
     def __init__(self, link: LinkPort, what: str, *, consumes: bool = False) -> None:
         self.link = link
@@ -204,24 +204,23 @@ class Request:
         self.in_place = False  # the owner chose a plane that needs no data channel (NIXL, same-host)
         self.settled: asyncio.Future | None = None
         self.ack: asyncio.Future | None = None
-        # A stream pull's ``RESP`` after the owner's answer, should it stop serving part-way (it unregistered
-        # the cache the pull reads): why the bytes stopped coming.
-        self.said: asyncio.Future | None = None
         # The peer's reply after the owner's answer (``Link.expect``'s ``then``): a push's ``DONE``, a stream
-        # pull's ``RESP`` should the owner stop part-way. Waited for from the moment the answer is read, so a
-        # reply sent right after the answer is not dropped before the plane that moves the bytes runs.
+        # pull's ``RESP`` should the owner stop part-way (it unregistered the cache the pull reads: why the bytes
+        # stopped coming). Waited for from the moment the answer is read, so a reply sent right after the answer
+        # is not dropped before the plane that moves the bytes runs. A posted pull's only waiter, its answer
+        # (a refusal), is kept here too.
         self.then: asyncio.Future | None = None
         self.cut = False  # the caller unregistered the registered cache we move (see transfers._Cut)
 
     def owner_failure(self) -> LLMException | None:
         """What the owner said when it stopped the request part-way (a failed ``DONE`` of a push, a failed
         ``RESP`` after a pull was answered), if it said so already (also before a plane took the request up)."""
-        for word in (self.ack, self.said, self.then):
-            if word is not None and word.done() and not word.cancelled() and word.exception() is None:
-                record = word.result()
-                if record.status != LLMStatusCode.LLM_SUCCESS:
-                    return LLMException(f"cluster {self.link.remote_cluster_id}: {record.text}",
-                                        status_code=code_to_status(record.status))
+        word = self.then  # a push's ``ack`` is this future too
+        if word is not None and word.done() and not word.cancelled() and word.exception() is None:
+            record = word.result()
+            if record.status != LLMStatusCode.LLM_SUCCESS:
+                return LLMException(f"cluster {self.link.remote_cluster_id}: {record.text}",
+                                    status_code=code_to_status(record.status))
         return None
 
     def check_owner(self) -> None:

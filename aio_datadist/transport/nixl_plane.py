@@ -103,7 +103,7 @@ class NixlPlane(InPlacePlane):
         rows = list(remote.rows) or [answer.row]
         if plan.local.on_device:  # NIXL reads or writes final rows only (the owner fenced before it answered)
             await fence(rt, None, what)
-        req.check_owner()  # after the fence's await too: a WRITE the owner refused already is not posted
+        req.check_owner()  # again after the fence's await: a WRITE the owner refused meanwhile is not posted
         done = None if pull else req.then
         if _trace.ON:
             _trace.mark("job submitted")

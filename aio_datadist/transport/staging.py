@@ -117,12 +117,9 @@ class StagingPlane(StreamPlane):
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
         _nixl_off(link, plan.local)
-        req.check_owner()
         done = None if pull else req.then
         settled = asyncio.get_running_loop().create_future()
         req.settled, req.ack = settled, done
-        if pull:
-            req.said = req.then  # a RESP now says why the owner stopped part-way
         await staged_move(rt, link, req.channel, plan.local, plan.local_first, plan.local_count,
                           list(plan.local_rows), plan.local_offset, plan.local_nbytes, send=not pull,
                           what=req.what, on_settled=settled)

@@ -83,14 +83,11 @@ class StreamPlane(Plane):
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
         req_id = req.req_id
-        req.check_owner()
         done = None if pull else req.then
         settled = asyncio.get_running_loop().create_future()
         moving = link.move(req.channel, plan.local_pairs, send=not pull, timeout_ms=None, what=req.what,
                            keepalive=plan.local, settled=settled)
         req.settled, req.ack = settled, done
-        if pull:
-            req.said = req.then  # a RESP now says why the owner stopped part-way
         if _trace.ON:
             _trace.mark("job submitted")
         await moving
@@ -131,7 +128,7 @@ class StreamPlane(Plane):
                 moving.cancel()  # RESP (or the link failed): the owner will not answer on the channel
 
         answered.add_done_callback(answered_instead)
-        req.said = answered  # a failed RESP, also after the answer header: the owner stopped part-way
+        req.then = answered  # a failed RESP, also after the answer header: the owner stopped part-way
         task = asyncio.current_task()
         cancelling = 0 if task is None else task.cancelling()  # a task in its own cleanup may be at 1 already
         try:

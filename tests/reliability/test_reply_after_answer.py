@@ -61,9 +61,9 @@ async def pair(transport: str) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]
         yield prompt, dec
 
 
-def unregister_after_answering(owner: LLMDataDist, cache_id: int, answers: wire.Msg) -> list[int]:
+def unregister_after_answering(owner: LLMDataDist, cache_id: int) -> list[int]:
     """Have the owner's caller unregister ``cache_id`` in the loop pass right after the one that sent the
-    accepting ``answers`` reply (``RESP`` with status 0) and started the job: before the peer's end (on the same
+    accepting ``RESP`` (status 0) and started the job: before the peer's end (on the same
     loop) reads the answer, so the reason and the ``ABORT`` leave right behind it."""
     link = link_to(owner, DECODER)
     assert link is not None
@@ -71,7 +71,7 @@ def unregister_after_answering(owner: LLMDataDist, cache_id: int, answers: wire.
 
     def send_then_cut(msg: wire.Msg, req_id: int, **fields: Any) -> None:
         send(msg, req_id, **fields)
-        if msg is answers and fields.get("status") == 0 and not done:
+        if msg is wire.Msg.RESP and fields.get("status") == 0 and not done:
             done.append(req_id)
             asyncio.get_running_loop().call_soon(owner.cache_manager.unregister_cache, cache_id)
 
@@ -101,7 +101,7 @@ async def test_a_same_host_pull_cut_right_after_its_answer_fails_with_the_owners
         dst = dec.cache_manager.allocate_blocks_cache(desc)
         for t in dst.tensors:
             t.fill_(0)
-        cut = unregister_after_answering(prompt, owned.cache_id, wire.Msg.RESP)
+        cut = unregister_after_answering(prompt, owned.cache_id)
         result, took = await outcome(dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, ALL, ALL,
                                                                    timeout=5000))
         for t in mine:
@@ -140,7 +140,7 @@ async def test_a_tcp_push_cut_right_after_its_answer_fails_with_the_owners_reaso
         src = dec.cache_manager.allocate_blocks_cache(desc)
         for t in src.tensors:
             t.fill_(5)
-        cut = unregister_after_answering(prompt, owned.cache_id, wire.Msg.RESP)
+        cut = unregister_after_answering(prompt, owned.cache_id)
         result, took = await outcome(dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), src, ALL, ALL,
                                                                    timeout=5000))
         before = [t.clone() for t in mine]
