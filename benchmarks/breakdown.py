@@ -5,7 +5,9 @@ A PROMPT process (spawned) and the DECODER (this process) run with
 stage (``aio_datadist/_trace.py``), on both ends, on CLOCK_MONOTONIC, so the
 two processes' marks line up. After warm-up pulls, ``--n`` 1-block pulls run
 one after another; the table gives, per stage, the median time from the
-previous stage, and where it is spent:
+previous stage (and, in its second column, the median over the slowest
+``--tail`` per cent of the pulls by total: which stage a slow pull loses
+its time in, for the p99 row), and where it is spent:
 
 - ``call -> planned``: the requester's checks and plan (the loop, here);
 - ``planned -> request sent``: the link's channel, the request record, the write;
@@ -64,6 +66,7 @@ CACHE_BLOCKS = 64
 TIMEOUT_MS = 20_000
 WARMUP = 60
 RAW_EVERY = 50  # pulls between stretches of as many raw TCP round trips
+TOTAL = "total (call -> returned)"
 #: The stages of one pull in the order they happen (the owner's job may end before or after ours).
 ORDER = ("call", "planned", "request sent", "owner: request read", "owner: planned", "owner: answered",
          "answer read", "job submitted", "nixl: worker took it", "nixl: handle made", "nixl: transfer() returned",
@@ -106,16 +109,33 @@ def _runs(marks: list[tuple[int, str]], first: str) -> list[dict[str, int]]:
     return runs
 
 
-def _breakdown(mine: list[dict[str, int]], theirs: list[dict[str, int]]) -> list[tuple[str, float]]:
-    rows: dict[str, list[float]] = {}
-    for ours, owner in zip(mine, theirs, strict=False):
-        merged = {**ours, **owner}
+def _breakdown(mine: list[dict[str, int]], theirs: list[dict[str, int]],
+               tail: float) -> list[tuple[str, float, float]]:
+    """Per stage: the median over all pulls, and the median over the slowest ``tail`` of them (by total)."""
+    rows: dict[str, list[float | None]] = {}
+    merged_runs = [{**ours, **owner} for ours, owner in zip(mine, theirs, strict=False)]
+    totals = [(m["returned"] - m["call"]) / 1000 if "returned" in m else 0.0 for m in merged_runs]
+    cut = sorted(totals)[min(len(totals) - 1, int(len(totals) * (1 - tail)))] if totals else 0.0
+    slow = [t >= cut for t in totals]
+    for i, merged in enumerate(merged_runs):
         stages = [s for s in ORDER if s in merged]
+        seen: set[str] = set()
         for before, after in zip(stages, stages[1:]):
-            rows.setdefault(f"{before} -> {after}", []).append((merged[after] - merged[before]) / 1000)
+            name = f"{before} -> {after}"
+            seen.add(name)
+            rows.setdefault(name, [None] * i).append((merged[after] - merged[before]) / 1000)
         if "returned" in merged:
-            rows.setdefault("total (call -> returned)", []).append((merged["returned"] - merged["call"]) / 1000)
-    return [(name, statistics.median(values)) for name, values in rows.items()]
+            seen.add(TOTAL)
+            rows.setdefault(TOTAL, [None] * i).append(totals[i])
+        for name, values in rows.items():  # a stage this pull did not reach
+            if name not in seen:
+                values.append(None)
+    out = []
+    for name, values in rows.items():
+        every = [v for v in values if v is not None]
+        slowest = [v for v, s in zip(values, slow, strict=True) if s and v is not None]
+        out.append((name, statistics.median(every), statistics.median(slowest) if slowest else float("nan")))
+    return out
 
 
 def _lists(i: int, blocks: int) -> tuple[list[int], list[int]]:
@@ -143,7 +163,8 @@ async def link_decoder(dd: Any, port: int, transport: str) -> tuple[Any, Any]:
     return cache, BlocksCacheKey(PROMPT_ID, 0)
 
 
-async def _decoder(peer: Peer, transport: str, n: int, blocks: int, hot: bool = False) -> list[tuple[str, float]]:
+async def _decoder(peer: Peer, transport: str, n: int, blocks: int, hot: bool = False,
+                   tail: float = 0.05) -> list[tuple[str, float, float]]:
     from aio_datadist import LLMDataDist, LLMRole, _trace
 
     geometry = KvGeometry()
@@ -171,8 +192,10 @@ async def _decoder(peer: Peer, transport: str, n: int, blocks: int, hot: bool = 
         # A same-host pull the owner's read ledger lists never reaches the owner: then only our marks.
         if len(mine) != n or len(theirs) not in (0, n):
             raise RuntimeError(f"expected {n} pulls of marks on each end, got {len(mine)} and {len(theirs)}")
-        return [*_breakdown(mine, theirs or [{}] * n), ("raw TCP round trip of the same bytes (baseline)",
-                                                        statistics.median(raw_us))]
+        raw_tail = sorted(raw_us)[int(len(raw_us) * (1 - tail)):]
+        return [*_breakdown(mine, theirs or [{}] * n, tail),
+                ("raw TCP round trip of the same bytes (baseline)", statistics.median(raw_us),
+                 statistics.median(raw_tail))]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated: tcp, local, nixl (default tcp,local)")
     parser.add_argument("--blocks", type=int, default=1, help="blocks per pull (default 1: 2 MiB; 4: 8 MiB)")
     parser.add_argument("--n", type=int, default=400, help="timed pulls per transport (default 400)")
+    parser.add_argument("--tail", type=float, default=5.0,
+                        help="the second column: medians over the slowest PCT %% of pulls by total (default 5)")
     parser.add_argument("--hot", action="store_true",
                         help="pull the same blocks every time (their memory stays in the CPU caches, as the raw "
                              "baseline's buffer does) instead of the next ones round the 128 MiB cache")
@@ -191,16 +216,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     geometry = KvGeometry()
     if not 1 <= args.blocks <= CACHE_BLOCKS // 2:
         parser.error(f"--blocks must be within 1..{CACHE_BLOCKS // 2}")
+    if not 0 < args.tail <= 50:
+        parser.error("--tail must be within (0, 50]")
+    tail = args.tail / 100
     print(f"# Where a {args.blocks}-block pull's time goes ({geometry.request_bytes(args.blocks) >> 20} MiB; "
           f"median of {args.n} pulls, us)\n")
     for transport in args.transport.split(","):
         with Peer(_prompt_peer, transport, timeout=600.0, name="prompt") as peer:
-            rows = asyncio.run(_decoder(peer, transport, args.n, args.blocks, args.hot))
-        print(f"## {transport}\n\n| stage | median us |\n|---|---:|")
-        for name, us in rows:
-            print(f"| {name} | {us:.0f} |")
-        total, raw_rtt = dict(rows)["total (call -> returned)"], rows[-1][1]
-        print(f"| total / raw round trip | {total / raw_rtt:.2f}x |")
+            rows = asyncio.run(_decoder(peer, transport, args.n, args.blocks, args.hot, tail))
+        print(f"## {transport}\n\n| stage | median us | slowest {args.tail:g} %: median us |\n|---|---:|---:|")
+        for name, us, slow_us in rows:
+            print(f"| {name} | {us:.0f} | {slow_us:.0f} |")
+        total, raw_rtt = {name: (us, slow) for name, us, slow in rows}[TOTAL], rows[-1][1:]
+        print(f"| total / raw round trip | {total[0] / raw_rtt[0]:.2f}x | {total[1] / raw_rtt[1]:.2f}x |")
         print()
     return 0
 
