@@ -194,6 +194,7 @@ class Link:
         #: The waiter for a request's reply after its answer, and the kind that reply may be (expect).
         self._then: dict[int, tuple[asyncio.Future, Msg | None]] = {}
         self._watches: set[asyncio.Future] = set()  # futures only the link's end completes (watch)
+        self._resets: dict[tuple[int, int], asyncio.Future] = {}  # (channel, generation): see peer_reset
         #: A watch that the peer's PING completes too: on an accepted ``link()`` link, the dialler's word that it
         #: set the link up (``LinkTable._await_bilateral``). Nothing else sends a PING.
         self.peer_set_up: asyncio.Future | None = None
@@ -616,6 +617,23 @@ class Link:
         fut.add_done_callback(self._watches.discard)
         return fut
 
+    def peer_reset(self, index: int, generation: int) -> asyncio.Future:
+        """A future done once the peer's ``ABORT`` of data channel ``index`` at ``generation`` was acted on (the
+        peer reset the channel; a word it had for the request it served there came before it, on this
+        connection), at once when the channel was reset already, and when the link goes down. Drop it with
+        :meth:`drop_peer_reset`."""
+        fut = asyncio.get_running_loop().create_future()
+        ch = self.channels[index]
+        if self.down or ch.generation != generation or ch.sock is None:
+            fut.set_result(None)
+        else:
+            self._resets[(index, generation)] = fut
+        return fut
+
+    def drop_peer_reset(self, index: int, generation: int, fut: asyncio.Future) -> None:
+        if self._resets.get((index, generation)) is fut:
+            del self._resets[(index, generation)]
+
     def spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -779,6 +797,9 @@ class Link:
                 index = record.channel
                 if index < len(self.channels) and self.channels[index].generation == record.generation:
                     self.reset_channel(index, tell_peer=False)
+                reset = self._resets.pop((index, record.generation), None)
+                if reset is not None and not reset.done():
+                    reset.set_result(None)
                 elif self._redial_to.get(index) == record.generation:
                     self._stale_redials.add(index)  # the connection we are dialling: see _redial
                 if peers_request and serving is None:
@@ -984,6 +1005,10 @@ class Link:
         self._acks.clear()
         self._then.clear()  # each is in pending already, or its request was never answered (nobody awaits it)
         watches, self._watches = self._watches, set()
+        resets, self._resets = self._resets, {}
+        for reset in resets.values():
+            if not reset.done():
+                reset.set_result(None)
         for fut in [*pending.values(), *watches]:
             if not fut.done():
                 # One exception per waiter: raising a shared one would chain every waiter's frames

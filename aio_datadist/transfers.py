@@ -29,7 +29,7 @@ from aio_datadist.plans import Plan
 from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport import plane, planes_for
-from aio_datadist.transport.base import Plane, Refused, Request, RequestState, meets, time_left
+from aio_datadist.transport.base import ABORT_ACK_S, Plane, Refused, Request, RequestState, meets, time_left
 from aio_datadist.transport.staging import wait_cut_copies
 from aio_datadist.transport.stream import PLANE as STREAM_PLANE
 from aio_datadist.types import UINT64_MAX
@@ -217,6 +217,29 @@ async def _run(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, 
     return carried
 
 
+def _channel_failed(link: Link, req: Request, exc: LLMException) -> bool:
+    """Whether ``exc`` is the data channel of ``req`` failing under a link that is up (reset or closed by the
+    peer, or by the network), with no word of the owner's about it yet."""
+    return (exc.status_code == LLMStatusCode.LLM_LINK_FAILED and not link.down and not req.in_place
+            and req.channel >= 0 and req.then is not None)
+
+
+async def _owners_word(link: Link, req: Request, cancelled: list[asyncio.CancelledError]) -> None:
+    """Wait, ``ABORT_ACK_S`` at most, until the owner's word on ``req`` came, or its ``ABORT`` of the request's
+    channel (which it sends right after any word, on the same connection), or the link went down. An owner that
+    stops a request it accepted for a reason of its own says why before it resets the channel, but that word and
+    the reset travel on different connections: the reset may be read first. A cancellation goes to
+    ``cancelled``."""
+    assert req.then is not None, "_channel_failed checked it"
+    reset = link.peer_reset(req.channel, req.generation)
+    try:
+        await asyncio.wait([reset, req.then], timeout=ABORT_ACK_S, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError as exc:
+        cancelled.append(exc)
+    finally:
+        link.drop_peer_reset(req.channel, req.generation, reset)
+
+
 def _may_consume(plan: Plan) -> bool:
     """Whether a pull of ``plan`` may consume a key at the owner: one by ``CacheKey`` without a prefix, or by id
     and index (a key of a registered cache is never consumed, but the requester cannot tell)."""
@@ -298,12 +321,19 @@ async def _run_request(rt: Runtime, link: Link, plan: Plan, req: Request, timeou
                            status_code=LLMStatusCode.LLM_TIMEOUT) from None
     except LLMException as exc:
         said = req.owner_failure()  # the owner stopped serving us part-way and said why
+        cancelled: list[asyncio.CancelledError] = []
+        if said is None and _channel_failed(link, req, exc):
+            await _owners_word(link, req, cancelled)
+            said = req.owner_failure()
+        own = said is not None  # said before our abort: the owner's own reason
         await req.give_up()
+        if cancelled:
+            raise cancelled[0] from None
         if said is None:  # or says it now: a reason of its own, not its answer to our abort (LLM_FAILED)
             said = req.owner_failure()
             if said is not None and said.status_code == LLMStatusCode.LLM_FAILED:
                 said = None
-        if said is not None and said.status_code != exc.status_code:
+        if said is not None and (own or said.status_code != exc.status_code):
             raise said from exc
         if exc.status_code == LLMStatusCode.LLM_FAILED and link.down:
             try:

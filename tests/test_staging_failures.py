@@ -10,11 +10,11 @@ import asyncio
 import gc
 
 import pytest
-from peers import PROMPT_ID, fill, linked_pair, same, snapshot
+from peers import DECODER_ID, PROMPT_ID, fill, linked_pair, same, snapshot
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
 from aio_datadist.devices.staging import DeviceStaging, StagingPool, pipeline_in, pipeline_out, plan_chunks
-from aio_datadist.testing import runtime_of
+from aio_datadist.testing import link_to, runtime_of, usable_link
 
 S = LLMStatusCode
 pytestmark = pytest.mark.asyncio
@@ -152,3 +152,65 @@ async def test_a_failed_stage_cuts_the_socket_job_the_pipeline_waits_on(directio
         await asyncio.wait_for(run, 1.0)
     assert waits[-1].cancelled()
     assert len(stages) == (2 if direction == "out" else 1) and pool.held(link) == 0
+
+
+def _control_read_late(dd, cluster_id: int, delay_s: float) -> None:
+    """Act on what ``dd``'s link to ``cluster_id`` reads on its control connection ``delay_s`` late, in order:
+    a data channel's reset is then seen before a word that came before it (they travel on different
+    connections, and the loop may read either first)."""
+    link = usable_link(dd, cluster_id)
+    loop = asyncio.get_running_loop()
+    dispatch, queued = link._dispatch, []
+
+    def drain() -> None:
+        events = queued[:]
+        queued.clear()
+        for event in events:
+            dispatch(event)
+
+    def late(event) -> None:
+        if not queued:
+            loop.call_later(delay_s, drain)
+        queued.append(event)
+
+    link._dispatch = late
+
+
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+@pytest.mark.parametrize("direction", ["pull", "push"])
+@pytest.mark.parametrize("read_late", [False, True], ids=["control_in_time", "control_read_late"])
+async def test_an_owner_whose_device_copy_fails_says_why_and_the_link_stays(transport, direction, read_late):
+    """An owner whose staged job fails for a reason of its own (its device gather of a pull, its scatter of a
+    push) tells the requester why before it resets the channel, and the requester, seeing the reset first,
+    waits for that word: ``LLM_FAILED`` with the owner's reason, the link up, and the next transfer moves the
+    right bytes. Before, the requester mostly failed with ``LLM_LINK_FAILED`` ("Connection reset by peer")
+    although the link was up, and always when its control connection was read after the reset."""
+    config = {**HOST, "transport": transport}
+    async with linked_pair(prompt_config=config, decoder_config=config) as pair:
+        small_staging(pair.prompt), small_staging(pair.decoder)
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
+        owner, requester = (pair.prompt, pair.decoder) if direction == "pull" else (pair.decoder, pair.prompt)
+        if read_late:
+            _control_read_late(requester, DECODER_ID if direction == "push" else PROMPT_ID, 0.05)
+        backend = runtime_of(owner).devices
+        backend.memcpy_batch = refuse
+        try:
+            with pytest.raises(LLMException) as info:
+                if direction == "pull":
+                    await pull(pair, dst, [0, 1], 2000)
+                else:
+                    await asyncio.wait_for(pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [0, 1], [0, 1],
+                                                               timeout=2000), 3.0)
+        finally:
+            del backend.memcpy_batch
+        assert info.value.status_code == S.LLM_FAILED, info.value
+        assert "refused by the test" in str(info.value)
+        del info
+        assert link_to(pair.decoder, PROMPT_ID).up and link_to(pair.prompt, DECODER_ID).up
+        values = fill(src, 10)
+        if direction == "pull":
+            await pull(pair, dst, [1, 2], 2000)
+        else:
+            await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [1, 2], [1, 2], timeout=2000)
+        assert all(same([d[1], d[2]], [v[1], v[2]]) for d, v in zip(dst.tensors, values, strict=True))

@@ -245,6 +245,7 @@ class StreamPlane(Plane):
             if _trace.ON:
                 _trace.mark("owner: job done")
             status = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
+            ours = exc is not None and status is not LLMStatusCode.LLM_LINK_FAILED  # failed here, not by the channel
             if status is LLMStatusCode.LLM_LINK_FAILED and not link.down:
                 # The channel failed under a link that is up: the requester gave the request up (it resets the
                 # channel before its ABORT comes), which every plane counts as LLM_FAILED, as for the ABORT.
@@ -264,7 +265,18 @@ class StreamPlane(Plane):
             if ack is not None:
                 ack[1]()
             if not link.down:
-                # ABORT first: the requester must drop the channel before it learns of the failure.
+                if ours and not told:
+                    # Our job failed for a reason of ours (a staged job's device copy, its serving time): the
+                    # requester hears why before its channel is reset, as for a cut, and waits for that word when
+                    # it sees the reset (``transfers``: a reset alone reads as a failed link). A reply to a
+                    # request it gave up meanwhile is dropped.
+                    told.append(True)
+                    if msg is Msg.PUSH_REQ:
+                        link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text=str(exc))
+                    else:
+                        link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_FAILED, total=0, cache_id=-1, row=-1,
+                                  text=str(exc))
+                # Else ABORT first: the requester drops the channel before it learns that we stopped.
                 if link.channels[channel].generation == generation:
                     link.reset_channel(channel, tell_peer=True)
                 if msg is Msg.PUSH_REQ and not told:
