@@ -25,6 +25,8 @@ property                   option key                meaning (default)
 ``max_pending_handshakes`` ``aio.MaxPendingHandshakes``  incoming connections allowed in their
                                                      handshake at once, 1..65535 (64); more
                                                      wait in the listen backlog
+``staging_buffers``        ``aio.StagingBuffers``    chunk buffers (16 MiB each) that device caches
+                                                     move through on TCP/TLS links, 1..1024 (4)
 ``tls_server_context``     ``aio.TlsServerContext``  ``ssl.SSLContext`` (``PROTOCOL_TLS_SERVER``)
                                                      for links this endpoint accepts
 ``tls_client_context``     ``aio.TlsClientContext``  ``ssl.SSLContext`` (``PROTOCOL_TLS_CLIENT``)
@@ -72,6 +74,7 @@ from aio_datadist.option_checks import (
     DEFAULT_MAX_PENDING_HANDSHAKES,
     DEFAULT_MEM_UTILIZATION,
     DEFAULT_REGISTERED_MEMORY_CAP,
+    DEFAULT_STAGING_BUFFERS,
     DEFAULT_SYNC_KV_TIMEOUT_MS,
     DeviceType,
     TransportKind,
@@ -99,6 +102,7 @@ from aio_datadist.option_checks import (
     check_require_transport,
     check_secret,
     check_service_level,
+    check_staging_buffers,
     check_sync_kv_timeout,
     check_tls_client,
     check_tls_server,
@@ -248,6 +252,11 @@ class LLMConfig:
         check_pending_handshakes, DEFAULT_MAX_PENDING_HANDSHAKES,
         "Incoming connections allowed in their handshake at once, 1..65535 (64); more wait in the listen backlog.",
     )
+    staging_buffers = _Setting[int](
+        check_staging_buffers, DEFAULT_STAGING_BUFFERS,
+        "Chunk buffers (16 MiB each) of the pool that device caches move through on TCP/TLS links, 1..1024 (4); "
+        "one link holds at most all but one of them.",
+    )
     tls_server_context = _Setting[Any](
         check_tls_server, None, "ssl.SSLContext for the links this endpoint accepts (None: no TLS); verify_mode "
         "CERT_NONE or CERT_REQUIRED (mutual TLS), not CERT_OPTIONAL. OP_NO_RENEGOTIATION and minimum_version "
@@ -366,6 +375,7 @@ _EMITTED: tuple[tuple[str, str, Callable[[Any], str | None]], ...] = (
     ("data_channels", "aio.DataChannels", str),
     ("heartbeat_interval", "aio.HeartbeatIntervalMs", str),
     ("max_pending_handshakes", "aio.MaxPendingHandshakes", str),
+    ("staging_buffers", "aio.StagingBuffers", str),
     ("tls_server_context", "aio.TlsServerContext", lambda context: context),
     ("tls_client_context", "aio.TlsClientContext", lambda context: context),
     ("link_port", "aio.LinkPort", str),

@@ -16,6 +16,7 @@ from aio_datadist.option_checks import (
     DEFAULT_LINK_PORT,
     DEFAULT_MAX_PENDING_HANDSHAKES,
     DEFAULT_REGISTERED_MEMORY_CAP,
+    DEFAULT_STAGING_BUFFERS,
     DEFAULT_SYNC_KV_TIMEOUT_MS,
     ROLES,
     DeviceIpc,
@@ -40,6 +41,7 @@ from aio_datadist.option_checks import (
     check_require_transport,
     check_secret,
     check_service_level,
+    check_staging_buffers,
     check_sync_kv_timeout,
     check_tls_client,
     check_tls_server,
@@ -88,6 +90,8 @@ class Settings:
     :ivar heartbeat_interval_ms: link heartbeat period in ms.
     :ivar max_pending_handshakes: incoming connections allowed in their
         handshake at once.
+    :ivar staging_buffers: chunk buffers of the staging pool (device caches on
+        TCP/TLS links).
     :ivar tls_server_context: TLS for accepted links, or None.
     :ivar tls_client_context: TLS for dialled links, or None.
     :ivar remote_cache_accessible: whether peers may read and write this
@@ -114,6 +118,7 @@ class Settings:
     data_channels: int = DEFAULT_DATA_CHANNELS
     heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS
     max_pending_handshakes: int = DEFAULT_MAX_PENDING_HANDSHAKES
+    staging_buffers: int = DEFAULT_STAGING_BUFFERS
     tls_server_context: ssl.SSLContext | None = field(default=None, repr=False)
     tls_client_context: ssl.SSLContext | None = field(default=None, repr=False)
     remote_cache_accessible: bool = True
@@ -199,6 +204,7 @@ _KNOWN_KEYS: dict[str, tuple[str | None, Callable[[str, str], Any]]] = {
     "aio.DataChannels": ("data_channels", int_text(check_data_channels)),
     "aio.HeartbeatIntervalMs": ("heartbeat_interval_ms", int_text(check_heartbeat)),
     "aio.MaxPendingHandshakes": ("max_pending_handshakes", int_text(check_pending_handshakes)),
+    "aio.StagingBuffers": ("staging_buffers", int_text(check_staging_buffers)),
     "aio.TlsServerContext": ("tls_server_context", check_tls_server),
     "aio.TlsClientContext": ("tls_client_context", check_tls_client),
     "aio.LinkPort": ("link_port", int_text(check_link_port)),

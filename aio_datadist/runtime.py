@@ -81,7 +81,7 @@ class Runtime:
         if self._staging is None:
             from aio_datadist.devices.staging import DeviceStaging
 
-            self._staging = DeviceStaging(self.completions, self.devices)
+            self._staging = DeviceStaging(self.completions, self.devices, buffers=self.settings.staging_buffers)
         return self._staging
 
     def idle(self) -> bool:

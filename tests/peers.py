@@ -85,7 +85,8 @@ TRANSPORTS = ["tcp", "local", pytest.param("nixl", marks=[pytest.mark.nixl, *(
 def options(*, listen: bool = False, secret: str | None = None, sync_kv_timeout: int | None = None,
             switch_role: bool = False, data_channels: int | None = None,
             heartbeat_interval: int | None = None, transport: str | None = None,
-            device_type: str | None = None, device_ipc: str | None = None) -> dict[str, str]:
+            device_type: str | None = None, device_ipc: str | None = None,
+            staging_buffers: int | None = None) -> dict[str, str]:
     """``LLMConfig(...).generate_options()`` for a loopback endpoint (port 0 when listening).
 
     The transport defaults to ``TRANSPORT["default"]``: TCP data channels, so
@@ -110,6 +111,8 @@ def options(*, listen: bool = False, secret: str | None = None, sync_kv_timeout:
         config.device_type = device_type
     if device_ipc is not None:
         config.device_ipc = device_ipc
+    if staging_buffers is not None:
+        config.staging_buffers = staging_buffers
     return config.generate_options()
 
 

@@ -68,6 +68,7 @@ def test_defaults() -> None:
     assert config.data_channels == 2
     assert config.heartbeat_interval == 1000
     assert config.max_pending_handshakes == 64
+    assert config.staging_buffers == 4
     assert config.tls_server_context is None and config.tls_client_context is None
     assert config.generate_options() == {"llm.MemoryUtilization": "0.95"}
 
@@ -114,6 +115,7 @@ def test_defaults() -> None:
         ("data_channels", 16, {"aio.DataChannels": "16"}),
         ("heartbeat_interval", 250, {"aio.HeartbeatIntervalMs": "250"}),
         ("max_pending_handshakes", 8, {"aio.MaxPendingHandshakes": "8"}),
+        ("staging_buffers", 16, {"aio.StagingBuffers": "16"}),
         ("enable_remote_cache_accessible", False, {"llm.EnableRemoteCacheAccessible": "0"}),
     ],
 )
@@ -201,6 +203,9 @@ def test_property_emits_its_key(name: str, value: object, emitted: dict[str, str
         ("max_pending_handshakes", 0),
         ("max_pending_handshakes", 65536),
         ("max_pending_handshakes", "64"),
+        ("staging_buffers", 0),
+        ("staging_buffers", 1025),
+        ("staging_buffers", True),
         ("tls_server_context", "/etc/ssl/server.pem"),
         ("tls_server_context", ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)),  # cannot take the server side
         ("tls_client_context", b"context"),
@@ -386,6 +391,8 @@ def test_parse_options_accepts_the_cpp_listen_key() -> None:
         ({"aio.HeartbeatIntervalMs": "0"}, "aio.HeartbeatIntervalMs"),
         ({"aio.Transprot": "tcp"}, "aio.Transprot"),
         ({"aio.MaxPendingHandshakes": "0"}, "aio.MaxPendingHandshakes"),
+        ({"aio.StagingBuffers": "0"}, "aio.StagingBuffers"),
+        ({"aio.StagingBuffers": "4 "}, "aio.StagingBuffers"),
         ({"aio.TlsServerContext": "server.pem"}, "aio.TlsServerContext"),
         ({"aio.TlsServerContext": ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)}, "aio.TlsServerContext"),
         ({"aio.TlsClientContext": ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)}, "aio.TlsClientContext"),

@@ -19,10 +19,12 @@ import weakref
 
 import pytest
 import torch
+from peers import endpoint
 
-from aio_datadist import CacheDesc, DataType, KvCache, LLMException, LLMStatusCode, Placement, _core
+from aio_datadist import CacheDesc, DataType, KvCache, LLMException, LLMRole, LLMStatusCode, Placement, _core
 from aio_datadist._completion import Completions
 from aio_datadist.devices.staging import (
+    LINK_SHARE,
     MIN_CHUNK_BYTES,
     Chunk,
     DeviceStaging,
@@ -31,6 +33,7 @@ from aio_datadist.devices.staging import (
     pipeline_out,
     plan_chunks,
 )
+from aio_datadist.testing import runtime_of
 
 
 def _failing_stage(chunk: Chunk, buf: torch.Tensor):
@@ -227,3 +230,50 @@ async def test_transfers_waiting_for_a_buffer_are_not_starved_by_a_pipelining_se
     pool.close()
     # each should have had a buffer within a few chunks (~10 ms each), not after all 40 (~400 ms)
     assert max(waits.values()) < 0.15, f"waited {waits} while the sender streamed 40 chunks"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("buffers, stalled, left", [(4, 2, False), (8, 3, True), (8, 4, False), (16, 7, True)])
+async def test_sends_whose_peers_stop_reading_hold_two_buffers_each_whatever_the_pool(buffers, stalled, left):
+    """Links whose peers stop taking their bytes (stopped processes, stuck hosts) hold ``LINK_SHARE - 1`` buffers
+    each for their staged sends: a pool of B buffers (``aio.StagingBuffers``) stays open to another link's
+    transfer while fewer than B / 2 such sends are held. Before, a link's share grew with the pool (all but one
+    of it), so two stalled sends took any pool, and a larger pool helped nothing (found by the isolation
+    audit: two SIGSTOPped decoders held an owner's 4 buffers, and a healthy decoder's staged 8 MiB pull waited
+    5.4 s for their heartbeat)."""
+    pool = StagingPool(MIN_CHUNK_BYTES, buffers)
+    chunks = plan_chunks(1, 8, MIN_CHUNK_BYTES, MIN_CHUNK_BYTES)
+    gate = asyncio.Event()
+
+    async def stage(chunk, buf):
+        await asyncio.sleep(0)
+
+    async def consume(chunk, view):
+        await gate.wait()  # the peer never reads
+
+    sends = [asyncio.ensure_future(pipeline_out(chunks, pool, stage, consume, holder=f"stalled{i}"))
+             for i in range(stalled)]
+    try:
+        await asyncio.sleep(0.02)
+        assert all(pool.held(f"stalled{i}") == 2 for i in range(stalled))
+        got = await asyncio.wait_for(pool.acquire("healthy"), 0.2) if left else None
+        if not left:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(pool.acquire("healthy"), 0.05)
+        if got is not None:
+            pool.release(got)
+    finally:
+        for send in sends:
+            send.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+        pool.close()
+
+
+@pytest.mark.asyncio
+async def test_the_staging_pool_is_sized_by_aio_staging_buffers():
+    async with endpoint(LLMRole.PROMPT, 1, device_type="host", staging_buffers=12) as dd:
+        pool = runtime_of(dd).staging.pool
+        assert (pool.buffers, pool.share) == (12, LINK_SHARE)
+    async with endpoint(LLMRole.PROMPT, 1, device_type="host") as dd:
+        pool = runtime_of(dd).staging.pool
+        assert (pool.buffers, pool.share) == (4, 3)

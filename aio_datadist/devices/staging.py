@@ -47,6 +47,7 @@ import torch
 from aio_datadist import _core
 from aio_datadist.cache import KvCache
 from aio_datadist.devices.copies import buffer_side, cache_side, enqueue_rows
+from aio_datadist.option_checks import DEFAULT_STAGING_BUFFERS
 from aio_datadist.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
@@ -57,7 +58,11 @@ __all__ = ["Chunk", "DeviceStaging", "Rect", "StagingPool", "pipeline_in", "pipe
            "settle_all", "swap_staged", "DEFAULT_CHUNK_BYTES", "DEFAULT_BUFFERS"]
 
 DEFAULT_CHUNK_BYTES = 16 << 20
-DEFAULT_BUFFERS = 4
+DEFAULT_BUFFERS = DEFAULT_STAGING_BUFFERS  # aio.StagingBuffers
+#: The most buffers one link holds at once, whatever the pool's size (its sends one fewer: a gather running ahead
+#: of the chunk on the socket), so that a larger pool (``aio.StagingBuffers``) keeps room for the other links
+#: while more links' peers stop taking their bytes, instead of letting each of those hold more.
+LINK_SHARE = 3
 MIN_CHUNK_BYTES = 4096
 _ALIGN = 64
 
@@ -152,10 +157,12 @@ class StagingPool:
     by that work's completion) goes, and is then replaced.
 
     The pool is the endpoint's, shared by every link. A ``holder`` (a link)
-    holds at most ``share`` buffers at once (``buffers - 1`` by default), so
-    one link whose peer stops taking its bytes (a served pull it never reads,
-    held up to the request's own timeout) cannot take every buffer from the
-    other links' transfers. A sender asks with ``room=1`` and leaves one of
+    holds at most ``share`` buffers at once (:data:`LINK_SHARE`, and all but
+    one of a smaller pool, by default), so one link whose peer stops taking
+    its bytes (a served pull it never reads, held up to the request's own
+    timeout) cannot take every buffer from the other links' transfers, and a
+    pool of ``B`` buffers stays open to them while fewer than ``B / 2``
+    links' sends are held so. A sender asks with ``room=1`` and leaves one of
     its link's share to that link's receives: two ends that send and receive
     on one link at once do not each hold what the other's receive waits for.
     """
@@ -169,7 +176,7 @@ class StagingPool:
         self.chunk_bytes = chunk_bytes
         self.buffers = buffers
         #: The most buffers one holder has at once.
-        self.share = max(1, buffers - 1) if share is None else max(1, min(share, buffers))
+        self.share = max(1, min(buffers - 1, LINK_SHARE)) if share is None else max(1, min(share, buffers))
         self._held: dict[Any, int] = {}  # holder -> buffers it has
         self._holder_of: dict[int, Any] = {}  # id(buffer) -> its holder, while held
         self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
