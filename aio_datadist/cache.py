@@ -306,7 +306,7 @@ class KeyBinding:
 
 
 class _Entry:
-    __slots__ = ("cache", "keys", "blocks_key", "deallocated", "nbytes")
+    __slots__ = ("cache", "keys", "blocks_key", "deallocated", "nbytes", "on_freed")
 
     def __init__(self, cache: KvCache, nbytes: int) -> None:
         self.cache = cache
@@ -314,6 +314,7 @@ class _Entry:
         self.blocks_key: int | None = None
         self.deallocated = False
         self.nbytes = nbytes
+        self.on_freed: list[Callable[[], None]] = []  # see CacheRegistry.when_freed
 
 
 class CacheRegistry:
@@ -611,6 +612,13 @@ class CacheRegistry:
 
         return forget
 
+    def when_freed(self, cache: KvCache, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once ``cache`` is freed: its id reference dropped and its last key gone (pulled or
+        removed), not by ``clear``. Nothing for a cache that is not registered here."""
+        entry = self._entries.get(cache.cache_id)
+        if entry is not None and entry.cache is cache:
+            entry.on_freed.append(fn)
+
     def serving_count(self) -> int:
         """Jobs serving peers against registered caches now (see :meth:`serving`)."""
         return sum(len(cuts) for cuts in self._serving.values())
@@ -677,6 +685,12 @@ class CacheRegistry:
             if self.on_free is not None:
                 self.on_free(entry.cache)
             _released(entry.cache)
+            for fn in entry.on_freed:
+                try:
+                    fn()
+                except Exception:  # one watcher's failure must not leave the others uncalled
+                    log.exception("a watcher of cache %s's release failed", entry.cache.cache_id)
+            entry.on_freed.clear()
 
     def device_memory(self) -> list[Any]:
         """What keeps the device caches' memory allocated (their tensors and exports), to keep it."""

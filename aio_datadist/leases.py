@@ -88,10 +88,12 @@ class CacheLease:
         self.renew(lease_ms)
         _LEASES[cache] = self
         _ALL.add(self)
+        endpoint.require_runtime().registry.when_freed(cache, self._cache_freed)
 
     @property
     def expired(self) -> bool:
-        """Whether the lease ran out (or was released, or its endpoint finalized) and its keys were removed."""
+        """Whether the lease ran out (or was released, or its endpoint finalized) and its keys were removed, or
+        its cache was freed without it (its id reference dropped and every key pulled or removed)."""
         return self._expired
 
     @property
@@ -131,6 +133,16 @@ class CacheLease:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _cache_freed(self) -> None:
+        # Nothing is left to release: the timer goes now, not after the rest of lease_ms (up to 2**31 - 1 ms), for
+        # it held this lease, its keys and the endpoint on the loop as long (a hand-off per request piled them up).
+        if self._expired or self._cancelled:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._expired = True
 
     def _expire(self) -> None:
         self._timer = None  # fired: a refused release leaves the lease running without a deadline
