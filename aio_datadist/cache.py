@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -612,12 +613,21 @@ class CacheRegistry:
 
         return forget
 
-    def when_freed(self, cache: KvCache, fn: Callable[[], None]) -> None:
+    def when_freed(self, cache: KvCache, fn: Callable[[], None]) -> Callable[[], None]:
         """Run ``fn()`` once ``cache`` is freed: its id reference dropped and its last key gone (pulled or
-        removed), not by ``clear``. Nothing for a cache that is not registered here."""
+        removed), not by ``clear``. Returns what forgets ``fn`` (a watcher that no longer cares, on a cache
+        that may live long, must not pile up). Nothing for a cache that is not registered here."""
         entry = self._entries.get(cache.cache_id)
-        if entry is not None and entry.cache is cache:
-            entry.on_freed.append(fn)
+        if entry is None or entry.cache is not cache:
+            return _nothing
+        watchers = entry.on_freed  # not the entry: a watcher keeping this would keep the cache
+        watchers.append(fn)
+
+        def forget() -> None:
+            with contextlib.suppress(ValueError):  # ran (the list is cleared then) or forgotten already
+                watchers.remove(fn)
+
+        return forget
 
     def serving_count(self) -> int:
         """Jobs serving peers against registered caches now (see :meth:`serving`)."""
@@ -705,6 +715,10 @@ class CacheRegistry:
         self._keys.clear()
         self._blocks_keys.clear()
         self._used = 0
+
+
+def _nothing() -> None:
+    pass
 
 
 def _released(cache: KvCache) -> None:

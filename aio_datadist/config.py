@@ -26,7 +26,7 @@ property                   option key                meaning (default)
                                                      handshake at once, 1..65535 (64); more
                                                      wait in the listen backlog
 ``staging_buffers``        ``aio.StagingBuffers``    chunk buffers (16 MiB each) that device caches
-                                                     move through on TCP/TLS links, 1..1024 (4)
+                                                     move through on data channels, 4..1024 (4)
 ``tls_server_context``     ``aio.TlsServerContext``  ``ssl.SSLContext`` (``PROTOCOL_TLS_SERVER``)
                                                      for links this endpoint accepts
 ``tls_client_context``     ``aio.TlsClientContext``  ``ssl.SSLContext`` (``PROTOCOL_TLS_CLIENT``)
@@ -254,8 +254,8 @@ class LLMConfig:
     )
     staging_buffers = _Setting[int](
         check_staging_buffers, DEFAULT_STAGING_BUFFERS,
-        "Chunk buffers (16 MiB each) of the pool that device caches move through on TCP/TLS links, 1..1024 (4); "
-        "one link holds at most all but one of them.",
+        "Chunk buffers (16 MiB each) of the pool that device caches move through on data channels, 4..1024 (4); "
+        "one link holds at most 3 of them (its sends 2).",
     )
     tls_server_context = _Setting[Any](
         check_tls_server, None, "ssl.SSLContext for the links this endpoint accepts (None: no TLS); verify_mode "

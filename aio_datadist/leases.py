@@ -88,7 +88,7 @@ class CacheLease:
         self.renew(lease_ms)
         _LEASES[cache] = self
         _ALL.add(self)
-        endpoint.require_runtime().registry.when_freed(cache, self._cache_freed)
+        self._unwatch = endpoint.require_runtime().registry.when_freed(cache, self._cache_freed)
 
     @property
     def expired(self) -> bool:
@@ -130,6 +130,7 @@ class CacheLease:
     def cancel(self) -> None:
         """Keep the cache: the lease never expires. Idempotent."""
         self._cancelled = True
+        self._unwatch()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -177,6 +178,7 @@ class CacheLease:
             self._timer = None
         self._expired = True
         self._endpoint = None
+        self._unwatch()
         if runtime is None:
             return  # finalize freed everything already
         registry = runtime.registry
@@ -269,6 +271,7 @@ def end_leases(endpoint: Endpoint) -> None:
                 lease._timer = None
             lease._expired = lease._finalized = True
             lease._endpoint = None
+            lease._unwatch()
 
 
 def active_leases(endpoint: Endpoint) -> int:

@@ -38,7 +38,7 @@ DEFAULT_MEM_UTILIZATION = 0.95
 DEFAULT_DATA_CHANNELS = 2
 DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
 DEFAULT_MAX_PENDING_HANDSHAKES = 64
-#: Chunk buffers of the endpoint's staging pool (``aio.StagingBuffers``; device caches on TCP/TLS links).
+#: Chunk buffers of the endpoint's staging pool (``aio.StagingBuffers``; device caches on data channels).
 DEFAULT_STAGING_BUFFERS = 4
 DEFAULT_LINK_PORT = 26000
 #: ``link()``'s time when ``llm.LinkTotalTime`` is 0 and ``HCCL_CONNECT_TIMEOUT`` is unset (its default).
@@ -278,7 +278,7 @@ check_copy_threads = _int_check(1, 64)
 check_data_channels = _int_check(1, 16)
 check_heartbeat = _int_check(1, INT32_MAX)
 check_pending_handshakes = _int_check(1, 65535)
-check_staging_buffers = _int_check(1, 1024)
+check_staging_buffers = _int_check(4, 1024)  # fewer: a link's send and receive at once would wait for each other
 check_link_port = _int_check(1, 65535)
 
 

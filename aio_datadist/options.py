@@ -91,7 +91,7 @@ class Settings:
     :ivar max_pending_handshakes: incoming connections allowed in their
         handshake at once.
     :ivar staging_buffers: chunk buffers of the staging pool (device caches on
-        TCP/TLS links).
+        data channels).
     :ivar tls_server_context: TLS for accepted links, or None.
     :ivar tls_client_context: TLS for dialled links, or None.
     :ivar remote_cache_accessible: whether peers may read and write this

@@ -204,6 +204,7 @@ def test_property_emits_its_key(name: str, value: object, emitted: dict[str, str
         ("max_pending_handshakes", 65536),
         ("max_pending_handshakes", "64"),
         ("staging_buffers", 0),
+        ("staging_buffers", 3),
         ("staging_buffers", 1025),
         ("staging_buffers", True),
         ("tls_server_context", "/etc/ssl/server.pem"),
