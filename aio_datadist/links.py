@@ -195,6 +195,7 @@ class Link:
         self._then: dict[int, tuple[asyncio.Future, Msg | None]] = {}
         self._watches: set[asyncio.Future] = set()  # futures only the link's end completes (watch)
         self._resets: dict[tuple[int, int], asyncio.Future] = {}  # (channel, generation): see peer_reset
+        self._peer_reset_to: dict[int, int] = {}  # channel -> the newest generation of it the peer ABORTed
         #: A watch that the peer's PING completes too: on an accepted ``link()`` link, the dialler's word that it
         #: set the link up (``LinkTable._await_bilateral``). Nothing else sends a PING.
         self.peer_set_up: asyncio.Future | None = None
@@ -618,17 +619,28 @@ class Link:
         return fut
 
     def peer_reset(self, index: int, generation: int) -> asyncio.Future:
-        """A future done once the peer's ``ABORT`` of data channel ``index`` at ``generation`` was acted on (the
-        peer reset the channel; a word it had for the request it served there came before it, on this
-        connection), at once when the channel was reset already, and when the link goes down. Drop it with
-        :meth:`drop_peer_reset`."""
+        """A future done once the peer's ``ABORT`` of data channel ``index`` at ``generation`` (or a later one)
+        was acted on (the peer reset the channel; a word it had for the request it served there came before it,
+        on this connection), at once if it was already, and when the link goes down. Not by the channel's
+        generation here: a peer that dials our channels redials one it reset, which may be installed before
+        its word is read. Drop it with :meth:`drop_peer_reset`."""
         fut = asyncio.get_running_loop().create_future()
-        ch = self.channels[index]
-        if self.down or ch.generation != generation or ch.sock is None:
+        if self.down or self._peer_reset_to.get(index, -1) >= generation:
             fut.set_result(None)
         else:
             self._resets[(index, generation)] = fut
         return fut
+
+    def _peer_resets(self, index: int, generation: int) -> None:
+        if not 0 <= index < len(self.channels):
+            return
+        if generation > self._peer_reset_to.get(index, -1):
+            self._peer_reset_to[index] = generation
+        for (channel, waited), fut in list(self._resets.items()):
+            if channel == index and waited <= generation:
+                del self._resets[(channel, waited)]
+                if not fut.done():
+                    fut.set_result(None)
 
     def drop_peer_reset(self, index: int, generation: int, fut: asyncio.Future) -> None:
         if self._resets.get((index, generation)) is fut:
@@ -797,11 +809,9 @@ class Link:
                 index = record.channel
                 if index < len(self.channels) and self.channels[index].generation == record.generation:
                     self.reset_channel(index, tell_peer=False)
-                reset = self._resets.pop((index, record.generation), None)
-                if reset is not None and not reset.done():
-                    reset.set_result(None)
                 elif self._redial_to.get(index) == record.generation:
                     self._stale_redials.add(index)  # the connection we are dialling: see _redial
+                self._peer_resets(index, record.generation)
                 if peers_request and serving is None:
                     # A pusher that gave up waits for our word that nothing of its request lands here any
                     # more; a request we serve answers once its job stopped (see owner.handle_request).

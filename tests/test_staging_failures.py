@@ -12,9 +12,20 @@ import gc
 import pytest
 from peers import DECODER_ID, PROMPT_ID, fill, linked_pair, same, snapshot
 
-from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMException,
+    LLMStatusCode,
+    Placement,
+    protocol,
+    transfers,
+)
 from aio_datadist.devices.staging import DeviceStaging, StagingPool, pipeline_in, pipeline_out, plan_chunks
 from aio_datadist.testing import link_to, runtime_of, usable_link
+from aio_datadist.transport.base import ABORT_ACK_S
+from aio_datadist.wire import Msg
 
 S = LLMStatusCode
 pytestmark = pytest.mark.asyncio
@@ -154,10 +165,11 @@ async def test_a_failed_stage_cuts_the_socket_job_the_pipeline_waits_on(directio
     assert len(stages) == (2 if direction == "out" else 1) and pool.held(link) == 0
 
 
-def _control_read_late(dd, cluster_id: int, delay_s: float) -> None:
-    """Act on what ``dd``'s link to ``cluster_id`` reads on its control connection ``delay_s`` late, in order:
-    a data channel's reset is then seen before a word that came before it (they travel on different
-    connections, and the loop may read either first)."""
+def _word_read_late(dd, cluster_id: int, delay_s: float) -> None:
+    """Act ``delay_s`` late on what ``dd``'s link to ``cluster_id`` reads on its control connection from the
+    first failure word (a ``RESP`` or ``DONE`` that is not a success) or ``ABORT`` on, in order: a data
+    channel's reset is then seen before the word that came before it (they travel on different connections,
+    and the loop may read either first), while the owner's answer that started the job is read in time."""
     link = usable_link(dd, cluster_id)
     loop = asyncio.get_running_loop()
     dispatch, queued = link._dispatch, []
@@ -169,6 +181,11 @@ def _control_read_late(dd, cluster_id: int, delay_s: float) -> None:
             dispatch(event)
 
     def late(event) -> None:
+        word = isinstance(event, protocol.Abort) or (
+            isinstance(event, protocol.Reply) and getattr(event.record, "status", 0) != 0)
+        if not queued and not word:
+            dispatch(event)
+            return
         if not queued:
             loop.call_later(delay_s, drain)
         queued.append(event)
@@ -176,15 +193,37 @@ def _control_read_late(dd, cluster_id: int, delay_s: float) -> None:
     link._dispatch = late
 
 
+def _silent_after_reset(link) -> None:
+    """``link`` (the owner's) resets channels and says nothing: no failure word, no ``ABORT`` (an owner on the
+    far side of a network reset, or a hostile one)."""
+    send = link.send
+
+    def quiet(msg, req_id, **fields) -> None:
+        if msg in (Msg.ABORT, Msg.DONE) or (msg is Msg.RESP and fields.get("status", 0) != 0):
+            return
+        send(msg, req_id, **fields)
+
+    link.send = quiet
+
+
 @pytest.mark.parametrize("transport", ["tcp", "local"])
 @pytest.mark.parametrize("direction", ["pull", "push"])
-@pytest.mark.parametrize("read_late", [False, True], ids=["control_in_time", "control_read_late"])
-async def test_an_owner_whose_device_copy_fails_says_why_and_the_link_stays(transport, direction, read_late):
+@pytest.mark.parametrize("read_late", [False, True], ids=["word_in_time", "word_read_late"])
+async def test_an_owner_whose_device_copy_fails_says_why_and_the_link_stays(transport, direction, read_late,
+                                                                            monkeypatch):
     """An owner whose staged job fails for a reason of its own (its device gather of a pull, its scatter of a
     push) tells the requester why before it resets the channel, and the requester, seeing the reset first,
     waits for that word: ``LLM_FAILED`` with the owner's reason, the link up, and the next transfer moves the
     right bytes. Before, the requester mostly failed with ``LLM_LINK_FAILED`` ("Connection reset by peer")
-    although the link was up, and always when its control connection was read after the reset."""
+    although the link was up, and always when the word was read after the reset."""
+    waited = []
+    real_wait = transfers._owners_word
+
+    async def owners_word(*args) -> None:
+        waited.append(True)
+        await real_wait(*args)
+
+    monkeypatch.setattr(transfers, "_owners_word", owners_word)
     config = {**HOST, "transport": transport}
     async with linked_pair(prompt_config=config, decoder_config=config) as pair:
         small_staging(pair.prompt), small_staging(pair.decoder)
@@ -192,7 +231,7 @@ async def test_an_owner_whose_device_copy_fails_says_why_and_the_link_stays(tran
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
         owner, requester = (pair.prompt, pair.decoder) if direction == "pull" else (pair.decoder, pair.prompt)
         if read_late:
-            _control_read_late(requester, DECODER_ID if direction == "push" else PROMPT_ID, 0.05)
+            _word_read_late(requester, DECODER_ID if direction == "push" else PROMPT_ID, 0.05)
         backend = runtime_of(owner).devices
         backend.memcpy_batch = refuse
         try:
@@ -207,10 +246,75 @@ async def test_an_owner_whose_device_copy_fails_says_why_and_the_link_stays(tran
         assert info.value.status_code == S.LLM_FAILED, info.value
         assert "refused by the test" in str(info.value)
         del info
-        assert link_to(pair.decoder, PROMPT_ID).up and link_to(pair.prompt, DECODER_ID).up
+        if read_late and direction == "pull":  # (a push may have sent everything first: it then reads the word)
+            assert waited  # the reset was seen first, and the requester waited for the word
+        link = link_to(requester, DECODER_ID if direction == "push" else PROMPT_ID)
+        assert link_to(pair.decoder, PROMPT_ID).up and link_to(pair.prompt, DECODER_ID).up and not link._resets
         values = fill(src, 10)
         if direction == "pull":
             await pull(pair, dst, [1, 2], 2000)
         else:
             await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [1, 2], [1, 2], timeout=2000)
         assert all(same([d[1], d[2]], [v[1], v[2]]) for d, v in zip(dst.tensors, values, strict=True))
+
+
+@pytest.mark.parametrize("direction", ["pull", "push"])
+async def test_waiting_for_a_silent_owners_word_stays_within_the_call_s_bound(direction):
+    """Row 314's wait for the owner's word after a reset is bounded by the call's own time: an owner that resets
+    the channel and says nothing (no word, no ABORT) holds a pull no longer than its timeout, and a push no longer
+    than its timeout and ``ABORT_ACK_S`` (its cut's bound, row 35). The first form of row 314 waited a full
+    ``ABORT_ACK_S`` more after the timeout (a push 2 s with ``timeout=500``; found by its review)."""
+    config = {**HOST, "transport": "tcp"}
+    async with linked_pair(prompt_config=config, decoder_config=config) as pair:
+        small_staging(pair.prompt), small_staging(pair.decoder)
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
+        owner, requester, peer = ((pair.decoder, pair.prompt, DECODER_ID) if direction == "push"
+                                  else (pair.prompt, pair.decoder, PROMPT_ID))
+        _silent_after_reset(usable_link(owner, PROMPT_ID if owner is pair.decoder else DECODER_ID))
+        backend = runtime_of(owner).devices
+        backend.memcpy_batch = refuse
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            with pytest.raises(LLMException):
+                if direction == "push":
+                    await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [0, 1], [0, 1], timeout=500)
+                else:
+                    await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [0, 1], [0, 1], timeout=500)
+        finally:
+            del backend.memcpy_batch
+        took = loop.time() - start
+        assert took < (0.5 + ABORT_ACK_S if direction == "push" else 0.5) + 0.2, took
+        assert not link_to(requester, peer)._resets
+
+
+async def test_a_channel_the_owner_redialled_first_does_not_hide_its_word(monkeypatch):
+    """The requester on the accepting end of the link (the owner dials the channels its requests use): the owner
+    resets the channel after its word and dials it again, and that redial is installed here before the word and
+    the owner's ABORT are read (the requester's task resumes late, the word later still). The wait still takes
+    the word (row 314 waits for the owner's ABORT of the request's channel generation, not for the channel to
+    move on). Its first form read the new generation as the ABORT read, and the push failed ``LLM_LINK_FAILED``
+    ("Connection reset by peer"; found by its review)."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        small_staging(pair.prompt), small_staging(pair.decoder)
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
+        assert not usable_link(pair.prompt, DECODER_ID).is_client
+        _word_read_late(pair.prompt, DECODER_ID, 0.2)
+        real_wait = transfers._owners_word
+
+        async def late_task(*args) -> None:
+            await asyncio.sleep(0.1)  # the requester's loop was busy: the owner's redial got in first
+            await real_wait(*args)
+
+        monkeypatch.setattr(transfers, "_owners_word", late_task)
+        backend = runtime_of(pair.decoder).devices
+        backend.memcpy_batch = refuse
+        try:
+            with pytest.raises(LLMException) as info:
+                await asyncio.wait_for(pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [0, 1], [0, 1],
+                                                           timeout=2000), 3.0)
+        finally:
+            del backend.memcpy_batch
+        assert info.value.status_code == S.LLM_FAILED and "refused by the test" in str(info.value), info.value

@@ -31,6 +31,7 @@ import torch
 
 from aio_datadist import _core
 from aio_datadist.devices.staging import settle_all
+from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.base import LinkPort, Request, Served, serve_timeout_ms
 from aio_datadist.transport.stream import StreamPlane
 from aio_datadist.wire import Msg, Resp, TransferReq
@@ -144,13 +145,18 @@ class StagingPlane(StreamPlane):
         _nixl_off(link, cache)
 
         async def run() -> None:
-            async with asyncio.timeout(serve_timeout_ms(req) / 1000):
-                if answer is not None:  # a posted pull: its header first, on the same channel
-                    await link.move(req.channel, answer[1], send=True, timeout_ms=None,
-                                    what=f"answering {req_id}", keepalive=answer[0])
-                await staged_move(rt, link, req.channel, cache, served.tensors.start, len(served.tensors), rows,
-                                  req.offset, req.nbytes, send=msg is Msg.PULL_REQ,
-                                  what=f"serving {msg.name} {req_id}")
+            limit_ms = serve_timeout_ms(req)
+            try:
+                async with asyncio.timeout(limit_ms / 1000):
+                    if answer is not None:  # a posted pull: its header first, on the same channel
+                        await link.move(req.channel, answer[1], send=True, timeout_ms=None,
+                                        what=f"answering {req_id}", keepalive=answer[0])
+                    await staged_move(rt, link, req.channel, cache, served.tensors.start, len(served.tensors),
+                                      rows, req.offset, req.nbytes, send=msg is Msg.PULL_REQ,
+                                      what=f"serving {msg.name} {req_id}")
+            except TimeoutError:  # the requester hears this (StreamPlane.serve): say what ran out
+                raise LLMException(f"serving {msg.name} {req_id} timed out after {limit_ms} ms",
+                                   status_code=LLMStatusCode.LLM_TIMEOUT) from None
 
         return asyncio.ensure_future(run())
 

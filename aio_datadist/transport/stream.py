@@ -271,11 +271,12 @@ class StreamPlane(Plane):
                     # it sees the reset (``transfers``: a reset alone reads as a failed link). A reply to a
                     # request it gave up meanwhile is dropped.
                     told.append(True)
+                    why = str(exc) or type(exc).__name__
                     if msg is Msg.PUSH_REQ:
-                        link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text=str(exc))
+                        link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text=why)
                     else:
                         link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_FAILED, total=0, cache_id=-1, row=-1,
-                                  text=str(exc))
+                                  text=why)
                 # Else ABORT first: the requester drops the channel before it learns that we stopped.
                 if link.channels[channel].generation == generation:
                     link.reset_channel(channel, tell_peer=True)
