@@ -632,7 +632,10 @@ class Link:
         return fut
 
     def _peer_resets(self, index: int, generation: int) -> None:
-        if not 0 <= index < len(self.channels):
+        # Not an ABORT of the request alone (NO_GENERATION: it resets no channel), nor of a generation the
+        # channel cannot have reached (a buggy or hostile peer's): either would end every later wait at once.
+        if (not 0 <= index < len(self.channels) or generation == wire.NO_GENERATION
+                or generation > self.channels[index].generation + 1):
             return
         if generation > self._peer_reset_to.get(index, -1):
             self._peer_reset_to[index] = generation

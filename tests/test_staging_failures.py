@@ -21,6 +21,7 @@ from aio_datadist import (
     Placement,
     protocol,
     transfers,
+    wire,
 )
 from aio_datadist.devices.staging import DeviceStaging, StagingPool, pipeline_in, pipeline_out, plan_chunks
 from aio_datadist.testing import link_to, runtime_of, usable_link
@@ -315,6 +316,30 @@ async def test_a_channel_the_owner_redialled_first_does_not_hide_its_word(monkey
             with pytest.raises(LLMException) as info:
                 await asyncio.wait_for(pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [0, 1], [0, 1],
                                                            timeout=2000), 3.0)
+        finally:
+            del backend.memcpy_batch
+        assert info.value.status_code == S.LLM_FAILED and "refused by the test" in str(info.value), info.value
+
+
+async def test_an_abort_of_a_request_alone_does_not_end_later_waits_for_the_owners_word():
+    """An ``ABORT`` that names a request only (generation ``NO_GENERATION``: a same-host push given up, or a
+    request whose channel was replaced already) resets no channel, and later waits for an owner's word on the
+    same channel still wait (row 314). Its second form took it for an ABORT of every generation: from then on
+    the link read an owner's reset first as ``LLM_LINK_FAILED`` (found by its review)."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        small_staging(pair.prompt), small_staging(pair.decoder)
+        pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
+        owner_link = usable_link(pair.prompt, DECODER_ID)
+        for channel in range(len(owner_link.channels)):
+            owner_link.send(Msg.ABORT, 2**63 + channel, channel=channel, generation=wire.NO_GENERATION)
+        await asyncio.sleep(0.05)
+        _word_read_late(pair.decoder, PROMPT_ID, 0.05)
+        backend = runtime_of(pair.prompt).devices
+        backend.memcpy_batch = refuse
+        try:
+            with pytest.raises(LLMException) as info:
+                await pull(pair, dst, [0, 1], 2000)
         finally:
             del backend.memcpy_batch
         assert info.value.status_code == S.LLM_FAILED and "refused by the test" in str(info.value), info.value

@@ -146,8 +146,9 @@ class StagingPlane(StreamPlane):
 
         async def run() -> None:
             limit_ms = serve_timeout_ms(req)
+            scope = None
             try:
-                async with asyncio.timeout(limit_ms / 1000):
+                async with asyncio.timeout(limit_ms / 1000) as scope:
                     if answer is not None:  # a posted pull: its header first, on the same channel
                         await link.move(req.channel, answer[1], send=True, timeout_ms=None,
                                         what=f"answering {req_id}", keepalive=answer[0])
@@ -155,6 +156,8 @@ class StagingPlane(StreamPlane):
                                       rows, req.offset, req.nbytes, send=msg is Msg.PULL_REQ,
                                       what=f"serving {msg.name} {req_id}")
             except TimeoutError:  # the requester hears this (StreamPlane.serve): say what ran out
+                if scope is None or not scope.expired():
+                    raise  # a socket's own ETIMEDOUT, not our clock
                 raise LLMException(f"serving {msg.name} {req_id} timed out after {limit_ms} ms",
                                    status_code=LLMStatusCode.LLM_TIMEOUT) from None
 

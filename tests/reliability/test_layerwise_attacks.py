@@ -309,15 +309,15 @@ def push_layer_half(address: tuple[str, int], report: Callable[[dict], None], af
         _, resp = raw.answer(rid)
         assert resp["status"] == 0 and resp["total"] == total, resp
         raw.data[0].sendall(b"\x11" * (total // 2))
-        aborted = False
-        while True:  # the DECODER's serving timeout (100 ms + 1 s) ends it: ABORT (the channel), then DONE
-            msg, got, fields = recv_frame(raw.ctl)
+        aborted, done = False, None
+        while not (aborted and done):  # the DECODER's serving timeout (100 ms + 1 s) ends it: DONE saying why,
+            msg, got, fields = recv_frame(raw.ctl)  # then ABORT (the channel reset; row 314)
             if msg is Msg.PROBE:
                 raw.send_raw(wire.encode(Msg.PROBE_ACK, got))
             aborted = aborted or msg is Msg.ABORT
             if msg is Msg.DONE and got == rid:
-                break
-        report({"aborted": aborted, **fields})
+                done = fields
+        report({"aborted": aborted, **done})
         after.wait(5)
         with contextlib.suppress(OSError):
             raw.data[0].sendall(b"\x22" * (total - total // 2))
