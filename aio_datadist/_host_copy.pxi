@@ -76,7 +76,7 @@ cdef class HostCopyEngine:
 
     def __cinit__(self, CompletionQueue queue not None, int threads=2,
                   uint64_t split_bytes=4 << 20):
-        cdef int i
+        cdef int i, rc
         cdef pthread_t tid
         self._made_by = _generation
         self._closed = True
@@ -91,9 +91,10 @@ cdef class HostCopyEngine:
         self._split_bytes = split_bytes if split_bytes >= _MIN_SPLIT else _MIN_SPLIT
         self._streamed = 0
         for i in range(threads):
-            if pthread_create(&tid, NULL, _copy_worker_main, <void *>self) != 0:
+            rc = pthread_create(&tid, NULL, _copy_worker_main, <void *>self)
+            if rc != 0:
                 self._shutdown()
-                raise OSError("could not start a copy thread")
+                raise OSError(rc, f"could not start a copy thread: {_os.strerror(rc)}")
             self._threads.push_back(tid)
         self._closed = False
         self._counted = True

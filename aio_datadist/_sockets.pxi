@@ -193,6 +193,7 @@ cdef class SocketEngine:
     """
 
     def __cinit__(self, CompletionQueue queue not None):
+        cdef int rc
         self._made_by = _generation
         self._epfd = -1
         self._wakefd = -1
@@ -215,9 +216,10 @@ cdef class SocketEngine:
             err = errno
             self._release_fds()
             raise OSError(err, _os.strerror(err))
-        if pthread_create(&self._thread, NULL, _io_main, <void *>self) != 0:
+        rc = pthread_create(&self._thread, NULL, _io_main, <void *>self)
+        if rc != 0:
             self._release_fds()
-            raise OSError("could not start the socket thread")
+            raise OSError(rc, f"could not start the socket thread: {_os.strerror(rc)}")
         self._started = True
         self._closed = False
         self._counted = True

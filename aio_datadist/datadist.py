@@ -152,7 +152,9 @@ class LLMDataDist:
             its key; also ``aio.TlsServerContext`` when only a TLS client
             context is given to a listening endpoint),
             ``LLM_FEATURE_NOT_ENABLED`` for an unsupported device or transport,
-            ``LLM_LINK_FAILED`` if the listen address cannot be bound.
+            ``LLM_LINK_FAILED`` if the listen address cannot be bound,
+            ``LLM_FAILED`` naming the resource when the process has no file
+            descriptor or thread left for the endpoint's engines.
         A second ``init`` is a no-op.
         """
         endpoint = self._endpoint
@@ -163,7 +165,11 @@ class LLMDataDist:
                                status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         settings = parse_options(options)
         v2 = cache_manager_mode(options)
-        runtime = Runtime(settings)
+        try:
+            runtime = Runtime(settings)
+        except OSError as exc:  # no fd for a completion queue or socket engine, no thread for an engine's worker
+            raise LLMException(f"cannot start the endpoint's engines: {exc}",
+                               status_code=LLMStatusCode.LLM_FAILED) from exc
         runtime.observers = endpoint.observers
         runtime.loop = asyncio.get_running_loop()
         try:

@@ -343,3 +343,32 @@ async def test_an_abort_of_a_request_alone_does_not_end_later_waits_for_the_owne
         finally:
             del backend.memcpy_batch
         assert info.value.status_code == S.LLM_FAILED and "refused by the test" in str(info.value), info.value
+
+
+@pytest.mark.parametrize("short_of_memory", ["requester", "owner"])
+async def test_a_staging_buffer_that_cannot_be_allocated_is_llm_out_of_memory_on_both_ends(short_of_memory):
+    """Memory for a staging buffer runs out (torch's allocator raises): the pull fails ``LLM_OUT_OF_MEMORY``
+    whichever end could not stage (the owner says so: row 314's word carries that code), the link stays, and
+    once memory is back the next pull moves the right bytes. Before, the requester's own shortage escaped as a
+    bare ``RuntimeError`` and the owner's reached it as ``LLM_FAILED`` (found by the exhaustion audit)."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        small_staging(pair.prompt), small_staging(pair.decoder)
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        pool = runtime_of(pair.decoder if short_of_memory == "requester" else pair.prompt).staging.pool
+
+        def no_memory(nbytes: int):
+            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {nbytes} bytes")
+
+        pool._allocate, allocate = no_memory, pool._allocate
+        try:
+            with pytest.raises(LLMException) as info:
+                await pull(pair, dst, [0, 1], 2000)
+        finally:
+            pool._allocate = allocate
+        assert info.value.status_code == S.LLM_OUT_OF_MEMORY and "staging buffer" in str(info.value), info.value
+        del info
+        assert link_to(pair.decoder, PROMPT_ID).up
+        values = fill(src, 10)
+        await pull(pair, dst, [1, 2], 2000)
+        assert all(same([d[1], d[2]], [v[1], v[2]]) for d, v in zip(dst.tensors, values, strict=True))

@@ -30,6 +30,7 @@ from typing import TypeVar
 
 import torch
 
+from aio_datadist.devices.headroom import memory_headroom
 from aio_datadist.devices.unmapping import Unmapper
 
 __all__ = ["HostRegion", "PAGE_SIZE", "ReadOnlyMapping", "SEALS_REQUIRED", "check_sealed", "file_of", "map_read_only",
@@ -37,6 +38,8 @@ __all__ = ["HostRegion", "PAGE_SIZE", "ReadOnlyMapping", "SEALS_REQUIRED", "chec
            "drop_read_only", "unmapped_in_background", "take_peer_mapping", "give_back_peer_mapping"]
 
 PAGE_SIZE = mmap.PAGESIZE
+#: What an allocation leaves of the memory it may populate (``devices/headroom.py``), beside its page tables.
+POPULATE_SLACK = 16 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 Mapped = TypeVar("Mapped")
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; not named by Python 3.11
@@ -83,10 +86,10 @@ class HostRegion:
 
     def __init__(self, nbytes: int, name: str = "aio_datadist") -> None:
         self.nbytes = max(round_up(nbytes), PAGE_SIZE)
-        available = os.sysconf("SC_AVPHYS_PAGES") * PAGE_SIZE
-        if self.nbytes > available:
-            # Populating more than the free memory would summon the OOM killer.
-            raise MemoryError(f"{self.nbytes} bytes requested, {available} bytes of memory free")
+        room, bound = memory_headroom()
+        if self.nbytes + self.nbytes // 256 + POPULATE_SLACK > room:  # its page tables, and some slack
+            # Populating more than there is would summon the OOM killer: the process would be killed, not refused.
+            raise MemoryError(f"{self.nbytes} bytes requested, {room} bytes {bound}")
         self._fd = -1
         # Populated now (map_writable): a cache's first transfer should not pay page faults. Not mmap.mmap: it
         # keeps a writable fd of the file open for as long as the mapping lives, that is for as long as any of

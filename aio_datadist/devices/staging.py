@@ -245,7 +245,11 @@ class StagingPool:
         if self._free:
             buf = self._free.pop()
         elif self._live < self.buffers:
-            buf = self._allocate(self.chunk_bytes)
+            try:
+                buf = self._allocate(self.chunk_bytes)
+            except (RuntimeError, MemoryError) as exc:  # torch's allocators raise RuntimeError (or a subclass)
+                raise LLMException(f"a staging buffer of {self.chunk_bytes} bytes could not be allocated: {exc}",
+                                   status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from None
             self._live += 1
             self.peak = max(self.peak, self._live)
             weakref.finalize(buf, self._gone)

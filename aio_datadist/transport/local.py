@@ -34,6 +34,7 @@ from __future__ import annotations
 import array
 import asyncio
 import dataclasses
+import errno
 import hashlib
 import hmac
 import logging
@@ -160,10 +161,23 @@ class ShareRecord:
     block_shape: int = 0
 
 
+def _out_of_fds() -> bool:
+    """Whether this process cannot open another fd now (its fd table is at ``RLIMIT_NOFILE``): the kernel then
+    drops the fds of a record it delivers (``MSG_CTRUNC``), no fault of the sender's."""
+    try:
+        os.close(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        return exc.errno in (errno.EMFILE, errno.ENFILE)
+    return False
+
+
 def parse_record(data: bytes, nfds: int, flags: int) -> ShareRecord:
     """Check one received share message against its declared geometry; :class:`ShareError` if it
     is truncated, oversized, carries the wrong number of fds, or declares extents outside its region.
     """
+    if flags & socket.MSG_CTRUNC and _out_of_fds():
+        raise ShareError("its fds could not be received: this process has no file descriptor left (EMFILE, "
+                         "RLIMIT_NOFILE); the peer's record was not at fault")
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
         raise ShareError("message or its fds were truncated")
     if len(data) < _ENTRY.size:
@@ -611,7 +625,7 @@ class LocalShare:
                 if not reads_only or record.kind == _READ:
                     self._apply(record, fds)
             except (ShareError, OSError, ValueError) as exc:
-                log.warning("same-host share: dropping the share after a bad record from the peer: %s", exc)
+                log.warning("same-host share: dropping the share after a record that could not be taken: %s", exc)
                 self._lost()
                 return
             finally:

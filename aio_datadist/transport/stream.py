@@ -68,6 +68,11 @@ def _quiet(f: asyncio.Future) -> None:
         f.exception()
 
 
+#: The codes of our own failures that the requester hears as they are (a passing shortage it may retry on); any
+#: other failure of ours (a device copy's, our serving time's) is LLM_FAILED to it.
+_OWN_CODES = (LLMStatusCode.LLM_OUT_OF_MEMORY, LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
+
+
 class StreamPlane(Plane):
     """Always offered, serves every request the other planes do not, including raw addresses."""
 
@@ -272,11 +277,11 @@ class StreamPlane(Plane):
                     # request it gave up meanwhile is dropped.
                     told.append(True)
                     why = str(exc) or type(exc).__name__
+                    code = status if status in _OWN_CODES else LLMStatusCode.LLM_FAILED
                     if msg is Msg.PUSH_REQ:
-                        link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_FAILED, text=why)
+                        link.send(Msg.DONE, req_id, status=code, text=why)
                     else:
-                        link.send(Msg.RESP, req_id, status=LLMStatusCode.LLM_FAILED, total=0, cache_id=-1, row=-1,
-                                  text=why)
+                        link.send(Msg.RESP, req_id, status=code, total=0, cache_id=-1, row=-1, text=why)
                 # Else ABORT first: the requester drops the channel before it learns that we stopped.
                 if link.channels[channel].generation == generation:
                     link.reset_channel(channel, tell_peer=True)

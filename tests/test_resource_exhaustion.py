@@ -1,0 +1,225 @@
+"""The process runs out of something the library needs: a clear ``LLMException``, never a kill or a bare error.
+
+Memory (row 317): host caches are memfds populated at allocation: populating more than there is summons the kernel's OOM
+killer, which kills the whole process inside ``allocate_cache``. ``devices/headroom.py`` reads the host's
+``MemAvailable`` and the room left under every memory cgroup limit above the process (a container's, a pod's);
+an allocation past it is ``LLM_OUT_OF_MEMORY``. The first tests read a cgroup tree of their own (v1, v2 and
+a hybrid mount); then a child process runs in a real 512 MiB memory cgroup the test makes, where it can.
+File descriptors and threads for ``init``'s engines, and staging buffers: rows 318, 319.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from aio_datadist.devices import headroom
+
+GIB = 1 << 30
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.fixture
+def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(headroom, "CGROUP_ROOT", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(headroom, "PROC_CGROUP", str(tmp_path / "self_cgroup"))
+    monkeypatch.setattr(headroom, "MEMINFO", str(tmp_path / "meminfo"))
+    _write(tmp_path / "meminfo", f"MemTotal: {64 * GIB // 1024} kB\nMemFree: 1024 kB\n"
+                                 f"MemAvailable: {40 * GIB // 1024} kB\n")
+    return tmp_path
+
+
+def test_without_a_cgroup_limit_the_host_s_available_memory_bounds_it(tree: Path) -> None:
+    _write(tree / "self_cgroup", "0::/\n")
+    assert headroom.memory_headroom() == (40 * GIB, "of memory available")  # MemAvailable, not MemFree
+
+
+def test_a_v2_limit_on_the_process_or_an_ancestor_bounds_it(tree: Path) -> None:
+    _write(tree / "self_cgroup", "0::/kubepods/pod1/ctr\n")
+    root = tree / "cgroup"
+    _write(root / "kubepods/pod1/ctr/memory.max", "max\n")
+    _write(root / "kubepods/pod1/ctr/memory.current", str(GIB))
+    _write(root / "kubepods/pod1/memory.max", str(4 * GIB))
+    _write(root / "kubepods/pod1/memory.current", str(3 * GIB))
+    _write(root / "kubepods/pod1/memory.stat", f"anon {2 * GIB}\nfile {GIB}\ninactive_file {GIB // 2}\n")
+    _write(root / "kubepods/memory.max", str(32 * GIB))
+    _write(root / "kubepods/memory.current", str(3 * GIB))
+    room, what = headroom.memory_headroom()
+    assert room == GIB + GIB // 2 and "/kubepods/pod1" in what  # 4 - 3 GiB, and its reclaimable page cache
+
+
+def test_a_v1_memory_limit_bounds_it_and_a_v2_hierarchy_beside_it_is_not_read(tree: Path) -> None:
+    _write(tree / "self_cgroup", "4:memory:/docker/abc\n3:cpu:/docker/abc\n0::/\n")
+    root = tree / "cgroup"
+    (root / "unified").mkdir(parents=True)
+    _write(root / "memory/docker/abc/memory.limit_in_bytes", str(2 * GIB))
+    _write(root / "memory/docker/abc/memory.usage_in_bytes", str(GIB + GIB // 4))
+    _write(root / "memory/docker/abc/memory.stat", "cache 100\ntotal_inactive_file 4096\n")
+    _write(root / "memory/memory.limit_in_bytes", "9223372036854771712")  # v1's "no limit"
+    _write(root / "memory/memory.usage_in_bytes", str(10 * GIB))
+    assert headroom.memory_headroom() == (3 * GIB // 4 + 4096, "left under the memory limit of cgroup /docker/abc")
+
+
+def test_unreadable_files_count_as_no_limit(tree: Path) -> None:
+    _write(tree / "self_cgroup", "garbage\n0::/a\n")
+    _write(tree / "cgroup/a/memory.max", "12345x")
+    assert headroom.memory_headroom()[0] == 40 * GIB
+
+
+CHILD = textwrap.dedent('''
+    import asyncio, sys
+    from aio_datadist import CacheDesc, DataType, LLMConfig, LLMDataDist, LLMException, LLMRole, Placement
+
+    async def main():
+        config = LLMConfig()
+        config.device_id = 0
+        config.enable_cache_manager = sys.argv[1] == "v2"
+        dd = LLMDataDist(LLMRole.PROMPT, 1)
+        await dd.init(config.generate_options())
+        manager = dd.cache_manager if sys.argv[1] == "v2" else dd.kv_cache_manager
+        try:
+            manager.allocate_cache(CacheDesc(2, (96, 1 << 20), DataType.DT_INT32, Placement.HOST))  # 768 MiB
+            print("ALLOCATED", flush=True)
+        except LLMException as exc:
+            print("REFUSED", exc.status_code.name, flush=True)
+        manager.allocate_cache(CacheDesc(1, (4, 1024), DataType.DT_INT32, Placement.HOST))
+        print("SMALL_OK", flush=True)
+        await dd.finalize()
+
+    asyncio.run(main())
+''')
+
+
+@contextlib.contextmanager
+def _memory_cgroup(limit: int) -> Iterator[str]:
+    """A memory cgroup of ``limit`` bytes made for the test (v1 or v2), or a skip where none can be made."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    mount = v1 if v1.is_dir() else Path("/sys/fs/cgroup")
+    limit_file = "memory.limit_in_bytes" if mount == v1 else "memory.max"
+    path = mount / f"aio_datadist_test_{os.getpid()}"
+    try:
+        path.mkdir()
+        (path / limit_file).write_text(str(limit))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        pytest.skip(f"cannot make a memory cgroup here: {exc}")
+    try:
+        yield str(path)
+    finally:
+        for _ in range(100):  # bounded: the child's pages leave the cgroup once it is reaped
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+@pytest.mark.parametrize("api", ["v1", "v2"])
+def test_a_host_cache_past_the_process_s_memory_cgroup_is_refused_and_the_process_lives(api: str) -> None:
+    """Before: the child in a 512 MiB memory cgroup was OOM-killed (SIGKILL) inside ``allocate_cache`` of
+    768 MiB, with the host's free memory (tens of GiB) the only bound checked (found by the exhaustion audit)."""
+    with _memory_cgroup(512 << 20) as cgroup:
+        def join() -> None:
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+        done = subprocess.run([sys.executable, "-c", CHILD, api], preexec_fn=join, capture_output=True, text=True,
+                              timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert done.stdout.split() == ["REFUSED", "LLM_OUT_OF_MEMORY", "SMALL_OK"], done.stdout
+
+
+INIT_CHILD = textwrap.dedent('''
+    import asyncio, os, resource, sys
+    from aio_datadist import LLMConfig, LLMDataDist, LLMException, LLMRole
+
+    async def main():
+        config = LLMConfig()
+        config.device_id = 0
+        base = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (base + 40, base + 40))  # soft = hard: init cannot raise it
+        fill = []
+        try:
+            while True:
+                fill.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        for _ in range(int(sys.argv[1])):
+            os.close(fill.pop())
+        before = len(os.listdir("/proc/self/fd"))
+        dd = LLMDataDist(LLMRole.PROMPT, 1)
+        try:
+            await dd.init(config.generate_options())
+            print("INIT_OK", flush=True)
+            await dd.finalize()
+        except LLMException as exc:
+            print("REFUSED", exc.status_code.name, "Too many open files" in str(exc), flush=True)
+        print("LEFT", len(os.listdir("/proc/self/fd")) - before, flush=True)
+        for fd in fill:
+            os.close(fd)
+        again = LLMDataDist(LLMRole.PROMPT, 1)
+        await again.init(config.generate_options())
+        await again.finalize()
+        print("AGAIN_OK", flush=True)
+
+    asyncio.run(main())
+''')
+
+
+@pytest.mark.parametrize("free_fds", [1, 2])
+def test_init_without_fds_for_its_engines_is_an_llm_exception_naming_them(free_fds: int) -> None:
+    """``init`` in a process with one or two fds left: ``LLM_FAILED`` saying "Too many open files", nothing
+    left open, and an ``init`` once fds are back works. Before, a bare ``OSError`` escaped, which a caller that
+    catches ``LLMException`` missed (found by the exhaustion audit; the same for a thread that cannot start)."""
+    done = subprocess.run([sys.executable, "-c", INIT_CHILD, str(free_fds)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert done.stdout.split() == ["REFUSED", "LLM_FAILED", "True", "LEFT", "0", "AGAIN_OK"], done.stdout
+
+
+CTRUNC_CHILD = textwrap.dedent('''
+    import os, resource, socket
+    from aio_datadist.transport.local import ShareError, parse_record
+
+    def why() -> str:
+        try:
+            parse_record(b"", 0, socket.MSG_CTRUNC)
+        except ShareError as exc:
+            return str(exc)
+        return "taken"
+
+    print(why(), flush=True)
+    base = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (base + 20, base + 20))
+    fill = []
+    try:
+        while True:
+            fill.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    print(why(), flush=True)
+''')
+
+
+def test_a_share_record_whose_fds_we_had_no_room_for_blames_us_not_the_peer() -> None:
+    """A same-host share record whose fds the kernel dropped because our fd table was full (``MSG_CTRUNC``)
+    says so: the share goes (its caches move over TCP), and the warning no longer calls it the peer's bad record
+    (found by the exhaustion audit)."""
+    done = subprocess.run([sys.executable, "-c", CTRUNC_CHILD], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    room, full = done.stdout.splitlines()
+    assert room == "message or its fds were truncated"
+    assert "no file descriptor left" in full and "not at fault" in full
