@@ -346,11 +346,14 @@ async def test_an_abort_of_a_request_alone_does_not_end_later_waits_for_the_owne
 
 
 @pytest.mark.parametrize("short_of_memory", ["requester", "owner"])
-async def test_a_staging_buffer_that_cannot_be_allocated_is_llm_out_of_memory_on_both_ends(short_of_memory):
+@pytest.mark.parametrize("error", ["shortage", "fault"])
+async def test_a_staging_buffer_that_cannot_be_allocated_is_llm_out_of_memory_on_both_ends(short_of_memory, error):
     """Memory for a staging buffer runs out (torch's allocator raises): the pull fails ``LLM_OUT_OF_MEMORY``
     whichever end could not stage (the owner says so: row 314's word carries that code), the link stays, and
     once memory is back the next pull moves the right bytes. Before, the requester's own shortage escaped as a
-    bare ``RuntimeError`` and the owner's reached it as ``LLM_FAILED`` (found by the exhaustion audit)."""
+    bare ``RuntimeError`` and the owner's reached it as ``LLM_FAILED`` (found by the exhaustion audit). An
+    allocator error that is not a shortage (a device fault) is ``LLM_FAILED``, which a requester does not retry
+    (the first form called every allocator error a shortage: review)."""
     async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
         small_staging(pair.prompt), small_staging(pair.decoder)
         src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
@@ -358,6 +361,8 @@ async def test_a_staging_buffer_that_cannot_be_allocated_is_llm_out_of_memory_on
         pool = runtime_of(pair.decoder if short_of_memory == "requester" else pair.prompt).staging.pool
 
         def no_memory(nbytes: int):
+            if error == "fault":
+                raise RuntimeError("pin_memory=True requires a CUDA or other accelerator backend")
             raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {nbytes} bytes")
 
         pool._allocate, allocate = no_memory, pool._allocate
@@ -366,7 +371,8 @@ async def test_a_staging_buffer_that_cannot_be_allocated_is_llm_out_of_memory_on
                 await pull(pair, dst, [0, 1], 2000)
         finally:
             pool._allocate = allocate
-        assert info.value.status_code == S.LLM_OUT_OF_MEMORY and "staging buffer" in str(info.value), info.value
+        code = S.LLM_OUT_OF_MEMORY if error == "shortage" else S.LLM_FAILED
+        assert info.value.status_code == code and "staging buffer" in str(info.value), info.value
         del info
         assert link_to(pair.decoder, PROMPT_ID).up
         values = fill(src, 10)

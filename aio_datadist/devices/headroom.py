@@ -72,8 +72,10 @@ def _is_hybrid() -> bool:
 
 
 def _walk(mount: str, path: str, limit_file: str, usage_file: str, reclaimable: str) -> list[tuple[int, str]]:
+    if ".." in path.split("/"):
+        return []  # outside this cgroup namespace's root: its limits cannot be seen from here
     rooms = []
-    parts = [p for p in path.split("/") if p and p != ".."]
+    parts = [p for p in path.split("/") if p]
     for depth in range(len(parts), -1, -1):
         here = os.path.join(mount, *parts[:depth])
         limit = _read_int(os.path.join(here, limit_file))

@@ -24,6 +24,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TypeVar
@@ -40,6 +41,13 @@ __all__ = ["HostRegion", "PAGE_SIZE", "ReadOnlyMapping", "SEALS_REQUIRED", "chec
 PAGE_SIZE = mmap.PAGESIZE
 #: What an allocation leaves of the memory it may populate (``devices/headroom.py``), beside its page tables.
 POPULATE_SLACK = 16 << 20
+#: How long a room read stays good (spent by the allocations meanwhile), and the longest a refusal waits for the
+#: frees queued on the unmapping thread (about 0.2 ms per MiB).
+ROOM_TTL_S = 0.05
+UNMAP_WAIT_S = 2.0
+#: When the room was read (``time.monotonic``), the room then less what was allocated since, and what bounds it.
+_room: list = [float("-inf"), 0, ""]
+_room_lock = threading.Lock()
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 Mapped = TypeVar("Mapped")
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; not named by Python 3.11
@@ -79,6 +87,24 @@ def round_up(n: int, align: int = PAGE_SIZE) -> int:
     return (n + align - 1) // align * align
 
 
+def _check_room(nbytes: int) -> None:
+    """Refuse (``MemoryError``) to populate ``nbytes`` past what the process may (``devices/headroom.py``): the
+    OOM killer would kill the process instead of refusing. The room read is kept ``ROOM_TTL_S`` and spent by the
+    allocations meanwhile, unless a request is a good part of it; a refusal first waits for the big frees already
+    handed to the unmapping thread (a cache freed just before still counts until it ran)."""
+    need = nbytes + nbytes // 256 + POPULATE_SLACK  # its page tables, and some slack
+    with _room_lock:
+        now = time.monotonic()
+        if now - _room[0] > ROOM_TTL_S or need * 8 > _room[1]:
+            _room[:] = [now, *memory_headroom()]
+        if need > _room[1] and _unmapper.wait_idle(UNMAP_WAIT_S):
+            _room[:] = [time.monotonic(), *memory_headroom()]
+        room, bound = _room[1], _room[2]
+        if need > room:
+            raise MemoryError(f"{nbytes} bytes requested, {room} bytes {bound}")
+        _room[1] = room - need
+
+
 class HostRegion:
     """One memfd-backed mapping, carved into page-aligned tensors."""
 
@@ -86,10 +112,7 @@ class HostRegion:
 
     def __init__(self, nbytes: int, name: str = "aio_datadist") -> None:
         self.nbytes = max(round_up(nbytes), PAGE_SIZE)
-        room, bound = memory_headroom()
-        if self.nbytes + self.nbytes // 256 + POPULATE_SLACK > room:  # its page tables, and some slack
-            # Populating more than there is would summon the OOM killer: the process would be killed, not refused.
-            raise MemoryError(f"{self.nbytes} bytes requested, {room} bytes {bound}")
+        _check_room(self.nbytes)
         self._fd = -1
         # Populated now (map_writable): a cache's first transfer should not pay page faults. Not mmap.mmap: it
         # keeps a writable fd of the file open for as long as the mapping lives, that is for as long as any of
@@ -137,8 +160,10 @@ _unmapper = Unmapper()
 
 
 def _after_fork_in_child() -> None:
-    global _peer_mapped_lock
+    global _peer_mapped_lock, _room_lock
     _peer_mapped_lock = threading.RLock()  # the parent's may be held by a thread that is not here
+    _room_lock = threading.Lock()
+    _room[:] = [float("-inf"), 0, ""]
     _unmapper.after_fork_in_child()  # which may unmap peers' regions: under that lock
 
 

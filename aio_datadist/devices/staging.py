@@ -247,9 +247,14 @@ class StagingPool:
         elif self._live < self.buffers:
             try:
                 buf = self._allocate(self.chunk_bytes)
-            except (RuntimeError, MemoryError) as exc:  # torch's allocators raise RuntimeError (or a subclass)
+            except (RuntimeError, MemoryError) as exc:
+                # A shortage (which a requester may retry) only when it says so: torch's CPU allocator raises a plain
+                # RuntimeError ("can't allocate memory"), CUDA's OutOfMemoryError; a device fault is a failure.
+                short = isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or any(
+                    words in str(exc) for words in ("can't allocate memory", "out of memory"))
                 raise LLMException(f"a staging buffer of {self.chunk_bytes} bytes could not be allocated: {exc}",
-                                   status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from None
+                                   status_code=LLMStatusCode.LLM_OUT_OF_MEMORY if short
+                                   else LLMStatusCode.LLM_FAILED) from None
             self._live += 1
             self.peak = max(self.peak, self._live)
             weakref.finalize(buf, self._gone)
