@@ -174,6 +174,56 @@ def test_a_cache_freed_just_before_leaves_its_room_to_the_next() -> None:
                                                                        done.stderr[-2000:])
 
 
+AT_ONCE_CHILD = textwrap.dedent('''
+    import asyncio, threading
+    from aio_datadist import CacheDesc, DataType, LLMConfig, LLMDataDist, LLMException, LLMRole, Placement
+    from aio_datadist.devices.headroom import memory_headroom
+
+    rows = int(memory_headroom()[0] * 0.55) >> 20  # each cache alone fits, both together do not
+    both = threading.Barrier(2)
+    results = []
+
+    def endpoint(i):
+        async def main():
+            config = LLMConfig()
+            config.device_id = 0
+            dd = LLMDataDist(LLMRole.PROMPT, 10 + i)
+            await dd.init(config.generate_options())
+            both.wait()
+            try:
+                dd.kv_cache_manager.allocate_cache(CacheDesc(1, (rows, 1 << 20), DataType.DT_INT8, Placement.HOST))
+                results.append("OK")
+            except LLMException as exc:
+                results.append(exc.status_code.name)
+            both.wait()
+            await dd.finalize()
+        asyncio.run(main())
+
+    threads = [threading.Thread(target=endpoint, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(*sorted(results), flush=True)
+''')
+
+
+def test_two_caches_allocated_at_once_that_do_not_both_fit_one_is_refused() -> None:
+    """Two endpoints of one process (threads) each allocate 55 % of a 512 MiB memory cgroup's room at the same
+    moment: one is ``LLM_OUT_OF_MEMORY`` and the process lives. The check counts what other allocations are still
+    populating (not in the cgroup's usage yet); its first form let both through and the process was OOM-killed
+    (review)."""
+    with _memory_cgroup(512 << 20) as cgroup:
+        def join() -> None:
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+        done = subprocess.run([sys.executable, "-c", AT_ONCE_CHILD], preexec_fn=join, capture_output=True,
+                              text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["LLM_OUT_OF_MEMORY", "OK"], (
+        done.returncode, done.stdout, done.stderr[-2000:])
+
+
 @pytest.mark.parametrize("api", ["v1", "v2"])
 def test_a_host_cache_past_the_process_s_memory_cgroup_is_refused_and_the_process_lives(api: str) -> None:
     """Before: the child in a 512 MiB memory cgroup was OOM-killed (SIGKILL) inside ``allocate_cache`` of
@@ -270,3 +320,16 @@ def test_a_share_record_whose_fds_we_had_no_room_for_blames_us_not_the_peer() ->
     room, full = done.stdout.splitlines()
     assert room == "message or its fds were truncated"
     assert "no file descriptor left" in full and "not at fault" in full
+
+
+def test_without_an_unmapping_thread_a_refusal_waits_for_nothing() -> None:
+    """A process that could not start the unmapping thread frees in place: a refused allocation's wait for the
+    queued frees (row 317) returns at once and queues nothing. Before, it waited the whole 2 s on the caller's
+    thread (the event loop), under the room's lock, and left its marker queued for good (review)."""
+    from aio_datadist.devices.unmapping import Unmapper
+
+    unmapper = Unmapper()
+    unmapper._pid, unmapper._thread = os.getpid(), None  # what start() leaves when no thread can start
+    started = time.monotonic()
+    assert unmapper.wait_idle(2.0)
+    assert time.monotonic() - started < 0.5 and unmapper._queue.qsize() == 0

@@ -47,6 +47,7 @@ ROOM_TTL_S = 0.05
 UNMAP_WAIT_S = 2.0
 #: When the room was read (``time.monotonic``), the room then less what was allocated since, and what bounds it.
 _room: list = [float("-inf"), 0, ""]
+_populating = 0  # bytes reserved by allocations that are populating them now (not in the usage yet)
 _room_lock = threading.Lock()
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 Mapped = TypeVar("Mapped")
@@ -87,22 +88,38 @@ def round_up(n: int, align: int = PAGE_SIZE) -> int:
     return (n + align - 1) // align * align
 
 
-def _check_room(nbytes: int) -> None:
-    """Refuse (``MemoryError``) to populate ``nbytes`` past what the process may (``devices/headroom.py``): the
-    OOM killer would kill the process instead of refusing. The room read is kept ``ROOM_TTL_S`` and spent by the
-    allocations meanwhile, unless a request is a good part of it; a refusal first waits for the big frees already
-    handed to the unmapping thread (a cache freed just before still counts until it ran)."""
+def _reserve_room(nbytes: int) -> int:
+    """Reserve room to populate ``nbytes`` (what :func:`_release_room` gives back once they are populated, or not),
+    or refuse (``MemoryError``) past what the process may populate (``devices/headroom.py``): the OOM killer would
+    kill the process instead of refusing. The room read is kept ``ROOM_TTL_S`` and spent by the allocations
+    meanwhile, unless a request is a good part of it; a fresh read leaves out what other allocations are still
+    populating (not in the usage yet); a refusal first waits for the big frees already handed to the unmapping
+    thread (a cache freed just before still counts until it ran)."""
+    global _populating
     need = nbytes + nbytes // 256 + POPULATE_SLACK  # its page tables, and some slack
     with _room_lock:
         now = time.monotonic()
         if now - _room[0] > ROOM_TTL_S or need * 8 > _room[1]:
-            _room[:] = [now, *memory_headroom()]
+            _read_room(now)
         if need > _room[1] and _unmapper.wait_idle(UNMAP_WAIT_S):
-            _room[:] = [time.monotonic(), *memory_headroom()]
+            _read_room(time.monotonic())
         room, bound = _room[1], _room[2]
         if need > room:
             raise MemoryError(f"{nbytes} bytes requested, {room} bytes {bound}")
         _room[1] = room - need
+        _populating += need
+    return need
+
+
+def _read_room(now: float) -> None:
+    room, bound = memory_headroom()
+    _room[:] = [now, room - _populating, bound]
+
+
+def _release_room(need: int) -> None:
+    global _populating
+    with _room_lock:
+        _populating -= need
 
 
 class HostRegion:
@@ -112,13 +129,16 @@ class HostRegion:
 
     def __init__(self, nbytes: int, name: str = "aio_datadist") -> None:
         self.nbytes = max(round_up(nbytes), PAGE_SIZE)
-        _check_room(self.nbytes)
+        need = _reserve_room(self.nbytes)
         self._fd = -1
         # Populated now (map_writable): a cache's first transfer should not pay page faults. Not mmap.mmap: it
         # keeps a writable fd of the file open for as long as the mapping lives, that is for as long as any of
         # the cache's tensors does, long after the cache is freed. The mapping goes with the last tensor.
-        address, self._fd = sealed_memfd(self.nbytes, name, lambda fd: map_writable(fd, self.nbytes),
-                                         lambda addr: unmap(addr, self.nbytes))
+        try:
+            address, self._fd = sealed_memfd(self.nbytes, name, lambda fd: map_writable(fd, self.nbytes),
+                                             lambda addr: unmap(addr, self.nbytes))
+        finally:
+            _release_room(need)  # populated (in the usage now) or not at all
         self._map = (ctypes.c_uint8 * self.nbytes).from_address(address)
         unmap_it = functools.partial(unmap, address, self.nbytes)
         mapped = weakref.finalize(self._map, _unmapper.free, self.nbytes, unmap_it)
@@ -160,10 +180,11 @@ _unmapper = Unmapper()
 
 
 def _after_fork_in_child() -> None:
-    global _peer_mapped_lock, _room_lock
+    global _peer_mapped_lock, _room_lock, _populating
     _peer_mapped_lock = threading.RLock()  # the parent's may be held by a thread that is not here
     _room_lock = threading.Lock()
     _room[:] = [float("-inf"), 0, ""]
+    _populating = 0  # the parent's threads that were populating are not here
     _unmapper.after_fork_in_child()  # which may unmap peers' regions: under that lock
 
 

@@ -63,6 +63,8 @@ DEFAULT_BUFFERS = DEFAULT_STAGING_BUFFERS  # aio.StagingBuffers
 #: of the chunk on the socket), so that a larger pool (``aio.StagingBuffers``) keeps room for the other links
 #: while more links' peers stop taking their bytes, instead of letting each of those hold more.
 LINK_SHARE = 3
+#: What an allocator raises for want of memory (``torch.OutOfMemoryError`` since torch 2.5; CUDA's before).
+_OUT_OF_MEMORY = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
 MIN_CHUNK_BYTES = 4096
 _ALIGN = 64
 
@@ -250,7 +252,7 @@ class StagingPool:
             except (RuntimeError, MemoryError) as exc:
                 # A shortage (which a requester may retry) only when it says so: torch's CPU allocator raises a plain
                 # RuntimeError ("can't allocate memory"), CUDA's OutOfMemoryError; a device fault is a failure.
-                short = isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or any(
+                short = isinstance(exc, _OUT_OF_MEMORY) or any(
                     words in str(exc) for words in ("can't allocate memory", "out of memory"))
                 raise LLMException(f"a staging buffer of {self.chunk_bytes} bytes could not be allocated: {exc}",
                                    status_code=LLMStatusCode.LLM_OUT_OF_MEMORY if short

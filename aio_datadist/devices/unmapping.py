@@ -74,8 +74,9 @@ class Unmapper:
                 free()
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Whether everything handed over so far is freed within ``timeout_s``."""
-        if self._pid != os.getpid():
+        """Whether everything handed over so far is freed within ``timeout_s`` (at once without a thread: then
+        everything was freed in place)."""
+        if self._pid != os.getpid() or self._thread is None or not self._thread.is_alive():
             return True
         done = threading.Event()
         self._queue.put(done.set)
