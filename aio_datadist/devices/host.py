@@ -16,6 +16,7 @@ changing the seals. The region keeps only a read-only open of the file
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -47,7 +48,7 @@ ROOM_TTL_S = 0.05
 UNMAP_WAIT_S = 2.0
 #: When the room was read (``time.monotonic``), the room then less what was allocated since, and what bounds it.
 _room: list = [float("-inf"), 0, ""]
-_populating = 0  # bytes reserved by allocations that are populating them now (not in the usage yet)
+_populating: list[int] = []  # what allocations that are populating now reserved (not in the usage yet)
 _room_lock = threading.Lock()
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 Mapped = TypeVar("Mapped")
@@ -88,14 +89,15 @@ def round_up(n: int, align: int = PAGE_SIZE) -> int:
     return (n + align - 1) // align * align
 
 
-def _reserve_room(nbytes: int) -> int:
+def _reserve_room(nbytes: int, into: list[int]) -> None:
     """Reserve room to populate ``nbytes`` (what :func:`_release_room` gives back once they are populated, or not),
     or refuse (``MemoryError``) past what the process may populate (``devices/headroom.py``): the OOM killer would
     kill the process instead of refusing. The room read is kept ``ROOM_TTL_S`` and spent by the allocations
     meanwhile, unless a request is a good part of it; a fresh read leaves out what other allocations are still
-    populating (not in the usage yet); a refusal first waits for the big frees already handed to the unmapping
-    thread (a cache freed just before still counts until it ran)."""
-    global _populating
+    populating (not in the usage yet, or only in part: counted whole, the check errs toward refusing while two
+    allocations overlap); a refusal first waits for the big frees already handed to the unmapping thread (a cache
+    freed just before still counts until it ran). The reservation is appended to ``into`` under the lock, so that
+    an interrupt cannot leave it counted with no one to give it back."""
     need = nbytes + nbytes // 256 + POPULATE_SLACK  # its page tables, and some slack
     with _room_lock:
         now = time.monotonic()
@@ -107,19 +109,21 @@ def _reserve_room(nbytes: int) -> int:
         if need > room:
             raise MemoryError(f"{nbytes} bytes requested, {room} bytes {bound}")
         _room[1] = room - need
-        _populating += need
-    return need
+        into.append(need)  # first: an interrupt between the two leaves nothing counted that is not given back
+        _populating.append(need)
 
 
 def _read_room(now: float) -> None:
     room, bound = memory_headroom()
-    _room[:] = [now, room - _populating, bound]
+    _room[:] = [now, room - sum(_populating), bound]
 
 
-def _release_room(need: int) -> None:
-    global _populating
-    with _room_lock:
-        _populating -= need
+def _release_room(reserved: list[int]) -> None:
+    """Give back what :func:`_reserve_room` reserved into ``reserved`` (no lock: ``list.remove`` is one step,
+    which an interrupt cannot split)."""
+    while reserved:
+        with contextlib.suppress(ValueError):  # a fork child's list starts empty
+            _populating.remove(reserved.pop())
 
 
 class HostRegion:
@@ -129,16 +133,22 @@ class HostRegion:
 
     def __init__(self, nbytes: int, name: str = "aio_datadist") -> None:
         self.nbytes = max(round_up(nbytes), PAGE_SIZE)
-        need = _reserve_room(self.nbytes)
         self._fd = -1
+        reserved: list[int] = []
+
+        def populate(fd: int) -> int:
+            address = map_writable(fd, self.nbytes)
+            _release_room(reserved)  # in the usage now: before the seals
+            return address
+
         # Populated now (map_writable): a cache's first transfer should not pay page faults. Not mmap.mmap: it
         # keeps a writable fd of the file open for as long as the mapping lives, that is for as long as any of
         # the cache's tensors does, long after the cache is freed. The mapping goes with the last tensor.
         try:
-            address, self._fd = sealed_memfd(self.nbytes, name, lambda fd: map_writable(fd, self.nbytes),
-                                             lambda addr: unmap(addr, self.nbytes))
+            _reserve_room(self.nbytes, reserved)
+            address, self._fd = sealed_memfd(self.nbytes, name, populate, lambda addr: unmap(addr, self.nbytes))
         finally:
-            _release_room(need)  # populated (in the usage now) or not at all
+            _release_room(reserved)  # not populated after all
         self._map = (ctypes.c_uint8 * self.nbytes).from_address(address)
         unmap_it = functools.partial(unmap, address, self.nbytes)
         mapped = weakref.finalize(self._map, _unmapper.free, self.nbytes, unmap_it)
@@ -184,7 +194,7 @@ def _after_fork_in_child() -> None:
     _peer_mapped_lock = threading.RLock()  # the parent's may be held by a thread that is not here
     _room_lock = threading.Lock()
     _room[:] = [float("-inf"), 0, ""]
-    _populating = 0  # the parent's threads that were populating are not here
+    _populating = []  # the parent's threads that were populating are not here
     _unmapper.after_fork_in_child()  # which may unmap peers' regions: under that lock
 
 
