@@ -159,17 +159,22 @@ AGAIN_CHILD = textwrap.dedent('''
 ''')
 
 
-def test_a_cache_freed_just_before_leaves_its_room_to_the_next() -> None:
-    """In a 512 MiB memory cgroup, 250 MiB caches allocated and freed in turn all fit: a refusal first waits for
-    the frees already handed to the unmapping thread (a cache of 8 MiB or more is unmapped there, row 175, and
-    counts against the cgroup until it ran). The first form of row 317 refused every second one (review)."""
-    with _memory_cgroup(512 << 20) as cgroup:
+def _run_in_memory_cgroup(limit: int, code: str, *argv: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a child process inside a memory cgroup of ``limit`` bytes made for it."""
+    with _memory_cgroup(limit) as cgroup:
         def join() -> None:
             with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
                 f.write(str(os.getpid()))
 
-        done = subprocess.run([sys.executable, "-c", AGAIN_CHILD], preexec_fn=join, capture_output=True, text=True,
-                              timeout=120)
+        return subprocess.run([sys.executable, "-c", code, *argv], preexec_fn=join, capture_output=True,
+                              text=True, timeout=120)
+
+
+def test_a_cache_freed_just_before_leaves_its_room_to_the_next() -> None:
+    """In a 512 MiB memory cgroup, 250 MiB caches allocated and freed in turn all fit: a refusal first waits for
+    the frees already handed to the unmapping thread (a cache of 8 MiB or more is unmapped there, row 175, and
+    counts against the cgroup until it ran). The first form of row 317 refused every second one (review)."""
+    done = _run_in_memory_cgroup(512 << 20, AGAIN_CHILD)
     assert done.returncode == 0 and done.stdout.split() == ["ALL_OK"], (done.returncode, done.stdout,
                                                                        done.stderr[-2000:])
 
@@ -213,13 +218,7 @@ def test_two_caches_allocated_at_once_that_do_not_both_fit_one_is_refused() -> N
     moment: one is ``LLM_OUT_OF_MEMORY`` and the process lives. The check counts what other allocations are still
     populating (not in the cgroup's usage yet); its first form let both through and the process was OOM-killed
     (review)."""
-    with _memory_cgroup(512 << 20) as cgroup:
-        def join() -> None:
-            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
-
-        done = subprocess.run([sys.executable, "-c", AT_ONCE_CHILD], preexec_fn=join, capture_output=True,
-                              text=True, timeout=120)
+    done = _run_in_memory_cgroup(512 << 20, AT_ONCE_CHILD)
     assert done.returncode == 0 and done.stdout.split() == ["LLM_OUT_OF_MEMORY", "OK"], (
         done.returncode, done.stdout, done.stderr[-2000:])
 
@@ -228,13 +227,7 @@ def test_two_caches_allocated_at_once_that_do_not_both_fit_one_is_refused() -> N
 def test_a_host_cache_past_the_process_s_memory_cgroup_is_refused_and_the_process_lives(api: str) -> None:
     """Before: the child in a 512 MiB memory cgroup was OOM-killed (SIGKILL) inside ``allocate_cache`` of
     768 MiB, with the host's free memory (tens of GiB) the only bound checked (found by the exhaustion audit)."""
-    with _memory_cgroup(512 << 20) as cgroup:
-        def join() -> None:
-            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
-
-        done = subprocess.run([sys.executable, "-c", CHILD, api], preexec_fn=join, capture_output=True, text=True,
-                              timeout=120)
+    done = _run_in_memory_cgroup(512 << 20, CHILD, api)
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
     assert done.stdout.split() == ["REFUSED", "LLM_OUT_OF_MEMORY", "SMALL_OK"], done.stdout
 
