@@ -277,3 +277,37 @@ async def test_the_staging_pool_is_sized_by_aio_staging_buffers():
     async with endpoint(LLMRole.PROMPT, 1, device_type="host") as dd:
         pool = runtime_of(dd).staging.pool
         assert (pool.buffers, pool.share) == (4, 3)
+
+
+@pytest.mark.asyncio
+async def test_a_send_that_cannot_stage_ahead_for_want_of_memory_goes_on_with_the_buffer_it_holds():
+    """A pipelined send holds one buffer and would stage the next chunk into a second that cannot be allocated
+    (out of memory): it goes on, one chunk at a time, with the buffer it holds, instead of failing the transfer
+    (found by a review of row 319); a transfer that holds none still fails ``LLM_OUT_OF_MEMORY``."""
+    made = []
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        if made:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        made.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    pool = StagingPool(MIN_CHUNK_BYTES, 4, allocate)
+    chunks = plan_chunks(1, 6, MIN_CHUNK_BYTES, MIN_CHUNK_BYTES)
+    sent = []
+
+    async def stage(chunk, buf):
+        await asyncio.sleep(0)
+
+    async def consume(chunk, view):
+        sent.append(chunk)
+        await asyncio.sleep(0)
+
+    await asyncio.wait_for(pipeline_out(chunks, pool, stage, consume, holder="a"), 5)
+    assert len(sent) == len(chunks) and pool.live == 1
+    held = await pool.acquire("b")  # the one buffer, free again
+    with pytest.raises(LLMException) as info:
+        await pool.acquire("c")  # none free and none can be made: nothing to go on with
+    assert info.value.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY
+    pool.release(held)
+    pool.close()

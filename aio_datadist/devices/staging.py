@@ -231,10 +231,17 @@ class StagingPool:
 
     def try_acquire(self, holder: Any = None, room: int = 0) -> torch.Tensor | None:
         """A buffer if one is free or may be made now and ``holder`` is within its share (less ``room``), else
-        None (never waits). Waiters that may take a buffer come first, also those woken that have not run yet."""
+        None (never waits). Waiters that may take a buffer come first, also those woken that have not run yet.
+        A new buffer that cannot be made for want of memory is None too: the caller goes on with what it holds
+        (a pipeline staging ahead), and only a transfer that holds none fails for it (:meth:`acquire`)."""
         if self._closed or any(self._within(h, r) for _, h, r in self._waiters):
             return None
-        return self._take(holder, room)
+        try:
+            return self._take(holder, room)
+        except LLMException as exc:
+            if exc.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY:
+                return None
+            raise
 
     def _within(self, holder: Any, room: int) -> bool:
         """Whether ``holder`` may have one more buffer: below its share, less ``room`` (never below one)."""
