@@ -279,11 +279,17 @@ async def test_the_staging_pool_is_sized_by_aio_staging_buffers():
         assert (pool.buffers, pool.share) == (4, 3)
 
 
+async def consume_nothing(chunk, view) -> None:
+    await asyncio.sleep(0)
+
+
 @pytest.mark.asyncio
-async def test_a_send_that_cannot_stage_ahead_for_want_of_memory_goes_on_with_the_buffer_it_holds():
-    """A pipelined send holds one buffer and would stage the next chunk into a second that cannot be allocated
-    (out of memory): it goes on, one chunk at a time, with the buffer it holds, instead of failing the transfer
-    (found by a review of row 319); a transfer that holds none still fails ``LLM_OUT_OF_MEMORY``."""
+@pytest.mark.parametrize("direction", ["send", "receive"])
+async def test_a_transfer_that_cannot_stage_ahead_for_want_of_memory_goes_on_with_the_buffer_it_holds(direction):
+    """A pipelined send (receive) holds one buffer and would stage the next chunk into a second that cannot be
+    allocated (out of memory): it goes on, one chunk at a time, with the buffer it holds, instead of failing the
+    transfer (found by the reviews of row 319: the send first, then the receive); a transfer that holds none
+    still fails ``LLM_OUT_OF_MEMORY``."""
     made = []
 
     def allocate(nbytes: int) -> torch.Tensor:
@@ -297,13 +303,17 @@ async def test_a_send_that_cannot_stage_ahead_for_want_of_memory_goes_on_with_th
     sent = []
 
     async def stage(chunk, buf):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0 if direction == "send" else 0.01)  # a scatter still runs when the next chunk comes
+        if direction == "receive":
+            sent.append(chunk)
 
     async def consume(chunk, view):
         sent.append(chunk)
         await asyncio.sleep(0)
 
-    await asyncio.wait_for(pipeline_out(chunks, pool, stage, consume, holder="a"), 5)
+    run = (pipeline_out(chunks, pool, stage, consume, holder="a") if direction == "send"
+           else pipeline_in(chunks, pool, consume_nothing, stage, holder="a"))
+    await asyncio.wait_for(run, 5)
     assert len(sent) == len(chunks) and pool.live == 1
     held = await pool.acquire("b")  # the one buffer, free again
     with pytest.raises(LLMException) as info:

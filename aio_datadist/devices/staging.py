@@ -233,7 +233,7 @@ class StagingPool:
         """A buffer if one is free or may be made now and ``holder`` is within its share (less ``room``), else
         None (never waits). Waiters that may take a buffer come first, also those woken that have not run yet.
         A new buffer that cannot be made for want of memory is None too: the caller goes on with what it holds
-        (a pipeline staging ahead), and only a transfer that holds none fails for it (:meth:`acquire`)."""
+        (a pipelined send or receive), and only a transfer that holds none fails for it (:meth:`acquire`)."""
         if self._closed or any(self._within(h, r) for _, h, r in self._waiters):
             return None
         try:
@@ -443,7 +443,16 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
     try:
         for chunk in chunks:
             watch.check()
-            buf = await pool.acquire(holder)
+            # While its stages hold buffers, a receive takes another only if one is there to take (a buffer that
+            # cannot be made for want of memory included): else it waits for its own oldest stage, which gives
+            # one back; only a receive that holds none waits in (or fails out of) the pool.
+            buf = pool.try_acquire(holder) if staged else None
+            while buf is None and staged:
+                await staged[0]
+                staged.popleft().result()
+                buf = pool.try_acquire(holder) if staged else None
+            if buf is None:
+                buf = await pool.acquire(holder)
             try:
                 await watch.run(fill(chunk, buf[:chunk.nbytes]))
             except BaseException:
