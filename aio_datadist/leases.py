@@ -131,6 +131,9 @@ class CacheLease:
         """Keep the cache: the lease never expires. Idempotent."""
         self._cancelled = True
         self._unwatch()
+        self._stop_timer()
+
+    def _stop_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -140,9 +143,7 @@ class CacheLease:
         # it held this lease, its keys and the endpoint on the loop as long (a hand-off per request piled them up).
         if self._expired or self._cancelled:
             return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._stop_timer()
         self._expired = True
 
     def _expire(self) -> None:
@@ -173,9 +174,7 @@ class CacheLease:
             [key for key in self._keys if runtime.registry.bound_to(key, cache)]  # not a binding made after ours
         if bound and endpoint is not None:  # checked before anything changes: a refused release leaves it running
             endpoint.require_role("remove_cache_key", LLMRole.PROMPT, LLMRole.MIX)  # as remove_cache_key
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._stop_timer()
         self._expired = True
         self._endpoint = None
         self._unwatch()
@@ -266,9 +265,7 @@ def end_leases(endpoint: Endpoint) -> None:
     a later ``renew`` is refused."""
     for lease in list(_ALL):  # (not by cache: a lease whose cache the caller dropped still runs)
         if lease._endpoint is endpoint:
-            if lease._timer is not None:
-                lease._timer.cancel()
-                lease._timer = None
+            lease._stop_timer()
             lease._expired = lease._finalized = True
             lease._endpoint = None
             lease._unwatch()

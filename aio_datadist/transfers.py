@@ -224,16 +224,18 @@ def _channel_failed(link: Link, req: Request, exc: LLMException) -> bool:
             and req.channel >= 0 and req.then is not None)
 
 
-async def _owners_word(link: Link, req: Request, deadline: float, cancelled: list[asyncio.CancelledError]) -> None:
+async def _owners_word(link: Link, req: Request, deadline: float | None,
+                       cancelled: list[asyncio.CancelledError]) -> None:
     """Wait until the owner's word on ``req`` came, or its ``ABORT`` of the request's channel (which it sends
     right after any word, on the same connection), or the link went down: ``ABORT_ACK_S`` at most, and not past
-    the request's ``deadline`` (loop time). An owner that stops a request it accepted for a reason of its own says
-    why before it resets the channel, but that word and the reset travel on different connections: the reset may
-    be read first. A cancellation goes to ``cancelled``."""
+    the request's ``deadline`` (loop time; None: no time left). An owner that stops a request it accepted for a
+    reason of its own says why before it resets the channel, but that word and the reset travel on different
+    connections: the reset may be read first. A cancellation goes to ``cancelled``."""
     assert req.then is not None, "_channel_failed checked it"
     channel, generation = req.channel, req.generation  # a cut meanwhile gives the channel up (channel -1)
     reset = link.peer_reset(channel, generation)
-    bound = min(ABORT_ACK_S, max(deadline - asyncio.get_running_loop().time(), 0.0))
+    left = 0.0 if deadline is None else max(deadline - asyncio.get_running_loop().time(), 0.0)
+    bound = min(ABORT_ACK_S, left)
     try:
         await asyncio.wait([reset, req.then], timeout=bound, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError as exc:
@@ -326,9 +328,7 @@ async def _run_request(rt: Runtime, link: Link, plan: Plan, req: Request, timeou
         said = req.owner_failure()  # the owner stopped serving us part-way and said why
         cancelled: list[asyncio.CancelledError] = []
         if said is None and _channel_failed(link, req, exc):
-            deadline = None if limit is None else limit.when()
-            await _owners_word(link, req, asyncio.get_running_loop().time() if deadline is None else deadline,
-                               cancelled)
+            await _owners_word(link, req, None if limit is None else limit.when(), cancelled)
             said = req.owner_failure()
         own = said is not None  # said before our abort: the owner's own reason
         await req.give_up()

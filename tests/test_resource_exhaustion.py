@@ -232,21 +232,31 @@ def test_a_host_cache_past_the_process_s_memory_cgroup_is_refused_and_the_proces
     assert done.stdout.split() == ["REFUSED", "LLM_OUT_OF_MEMORY", "SMALL_OK"], done.stdout
 
 
-INIT_CHILD = textwrap.dedent('''
-    import asyncio, os, resource, sys
-    from aio_datadist import LLMConfig, LLMDataDist, LLMException, LLMRole
+#: Child prelude: ``fill_fds(n)`` caps the fd table ``n`` above what is open (soft = hard) and fills it; the fds.
+FILL_FDS = textwrap.dedent('''
+    import os, resource
 
-    async def main():
-        config = LLMConfig()
-        config.device_id = 0
+    def fill_fds(n):
         base = len(os.listdir("/proc/self/fd"))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (base + 40, base + 40))  # soft = hard: init cannot raise it
+        resource.setrlimit(resource.RLIMIT_NOFILE, (base + n, base + n))
         fill = []
         try:
             while True:
                 fill.append(os.open("/dev/null", os.O_RDONLY))
         except OSError:
             pass
+        return fill
+''')
+
+
+INIT_CHILD = FILL_FDS + textwrap.dedent('''
+    import asyncio, os, sys
+    from aio_datadist import LLMConfig, LLMDataDist, LLMException, LLMRole
+
+    async def main():
+        config = LLMConfig()
+        config.device_id = 0
+        fill = fill_fds(40)  # soft = hard: init cannot raise it
         for _ in range(int(sys.argv[1])):
             os.close(fill.pop())
         before = len(os.listdir("/proc/self/fd"))
@@ -280,8 +290,8 @@ def test_init_without_fds_for_its_engines_is_an_llm_exception_naming_them(free_f
     assert done.stdout.split() == ["REFUSED", "LLM_FAILED", "True", "LEFT", "0", "AGAIN_OK"], done.stdout
 
 
-CTRUNC_CHILD = textwrap.dedent('''
-    import os, resource, socket
+CTRUNC_CHILD = FILL_FDS + textwrap.dedent('''
+    import socket
     from aio_datadist.transport.local import ShareError, parse_record
 
     def why() -> str:
@@ -292,14 +302,7 @@ CTRUNC_CHILD = textwrap.dedent('''
         return "taken"
 
     print(why(), flush=True)
-    base = len(os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (base + 20, base + 20))
-    fill = []
-    try:
-        while True:
-            fill.append(os.open("/dev/null", os.O_RDONLY))
-    except OSError:
-        pass
+    fill_fds(20)
     print(why(), flush=True)
 ''')
 
