@@ -267,13 +267,14 @@ async def test_closing_the_synchronizer_in_the_prefill_thread_stops_the_transfer
             with sync:
                 sync.record(0)
                 time.sleep(0.05)  # layer 1's compute fails: leaving the block closes the synchronizer
-            closed.append(time.monotonic())
+                closed.append(time.monotonic())  # before the close: the transfer may end before this thread runs on
 
         thread = threading.Thread(target=prefill)
         thread.start()
         await asyncio.wait_for(task.layer(0), 5)
         result = await asyncio.wait_for(task.synchronize(), 1.0)
-        lag = time.monotonic() - closed[0]
+        stopped = time.monotonic()
         thread.join(5)
+        lag = stopped - closed[0]
         assert result == LLMStatusCode.LLM_PARAM_INVALID
         assert lag < 0.3, f"the transfer stopped {lag:.2f} s after the synchronizer was closed"
