@@ -668,11 +668,21 @@ class Link:
         PROBE is answered, so a live peer is heard from every interval of
         ours whatever its own heartbeat interval is (a plain PING was not
         answered: a peer configured with a longer interval was dropped).
+
+        Silence counts only while we could hear: a wake-up that comes more
+        than an interval late (this loop held by a long blocking call, the
+        process stopped) had no PROBE of ours out meanwhile and, on uvloop,
+        runs before the loop reads what arrived, so the time it was held
+        counts as one interval of silence.
         """
         loop = asyncio.get_running_loop()
         while not self.down:
+            asleep = loop.time()
             await asyncio.sleep(interval)
-            silent = loop.time() - self.last_heard
+            now = loop.time()
+            if now - asleep > 2 * interval:
+                self.last_heard = max(self.last_heard, now - interval)
+            silent = now - self.last_heard
             if silent > HEARTBEAT_MISSES * interval:
                 self.log.warning("link %s to cluster %s: heartbeat lost (nothing heard for %.1f s)", self.link_id,
                                  self.remote_cluster_id, silent)

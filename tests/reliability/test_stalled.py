@@ -474,3 +474,26 @@ async def test_an_idle_peer_with_a_longer_heartbeat_interval_stays_linked():
         await asyncio.sleep(0.6)  # 12 of the prompt's intervals, not one of the decoder's
         await dec.check_link_status(PROMPT)
         await dd.check_link_status(DECODER)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("peer_interval", [100, 5000], ids=["same", "longer"])
+async def test_a_loop_held_past_the_heartbeat_bound_does_not_fail_links_whose_peers_answer(peer_interval):
+    """The endpoint's own loop held by a long blocking call (a model step run on it, a big allocation; or the
+    process stopped), longer than five heartbeat intervals: the peers sent nothing because we had sent no PROBE
+    (same: both ends on the held loop; longer: a peer that pings rarely), and are heard again once we ask, so the
+    links stay up and carry verified bytes. Before, the first heartbeat after the hold took our own silence for
+    the peer's and failed every link (``LLM_LINK_FAILED``, "no heartbeat for 1.2 s")."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, heartbeat_interval=100) as dd, \
+            endpoint(LLMRole.DECODER, DECODER, heartbeat_interval=peer_interval) as dec:
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        key = CacheKey(PROMPT, 9)
+        sent = fill(dd.kv_cache_manager.allocate_cache(SMALL, [key]), 6)
+        mine = dec.kv_cache_manager.allocate_cache(SMALL)
+        await asyncio.sleep(0.25)  # heartbeats going both ways
+        time.sleep(1.2)  # the loop held: 12 of the prompt's intervals (its bound is 5)
+        await asyncio.sleep(0.35)  # three intervals to hear the peer again (a real loss fails within 0.5 s)
+        await dd.check_link_status(DECODER)
+        await dec.check_link_status(PROMPT)
+        await dec.kv_cache_manager.pull_cache(key, mine)
+        assert all(torch.equal(t[0].view(torch.int16), v[0].view(torch.int16)) for t, v in zip(mine.tensors, sent, strict=True))
