@@ -669,30 +669,43 @@ class Link:
         ours whatever its own heartbeat interval is (a plain PING was not
         answered: a peer configured with a longer interval was dropped).
 
-        Silence counts only while we could hear: a wake-up that comes more
-        than an interval late (this loop held by a long blocking call, the
-        process stopped) had no PROBE of ours out meanwhile and, on uvloop,
-        runs before the loop reads what arrived, so the time it was held
-        counts as one interval of silence.
+        Silence is judged only once we asked: a wake-up that comes more than
+        an interval late (this loop held by a long blocking call, the process
+        stopped) had no PROBE of ours out meanwhile and, on uvloop, runs
+        before the loop reads what arrived; so a link silent past the bound
+        then gets one last PROBE and an interval to answer it (and one turn
+        of the loop to read the answer) before it is failed. A peer that
+        stopped is still caught however often the loop is held.
         """
         loop = asyncio.get_running_loop()
         while not self.down:
             asleep = loop.time()
             await asyncio.sleep(interval)
             now = loop.time()
-            if now - asleep > 2 * interval:
-                self.last_heard = max(self.last_heard, now - interval)
+            if now - self.last_heard > HEARTBEAT_MISSES * interval and now - asleep > 2 * interval:
+                asked = now
+                self._probe()
+                await asyncio.sleep(interval)
+                await asyncio.sleep(0)  # a turn that reads what came (uvloop runs timers before reading)
+                if self.down:
+                    return
+                now = loop.time()
+                if self.last_heard >= asked:
+                    continue
             silent = now - self.last_heard
             if silent > HEARTBEAT_MISSES * interval:
                 self.log.warning("link %s to cluster %s: heartbeat lost (nothing heard for %.1f s)", self.link_id,
                                  self.remote_cluster_id, silent)
                 self.fail(LLMException(f"no heartbeat for {silent:.1f} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
                 return
-            # An id of ours, so that the answer (a Reply) gives the round trip; a PROBE_ACK nobody waits for
-            # is dropped, as peers have always done with the id-0 probes of older versions.
-            self._probe_id = self.new_req_id()
-            self._probe_sent = time.perf_counter()
-            self.send(Msg.PROBE, self._probe_id)
+            self._probe()
+
+    def _probe(self) -> None:
+        """Send a PROBE. An id of ours, so that the answer (a Reply) gives the round trip; a PROBE_ACK nobody
+        waits for is dropped, as peers have always done with the id-0 probes of older versions."""
+        self._probe_id = self.new_req_id()
+        self._probe_sent = time.perf_counter()
+        self.send(Msg.PROBE, self._probe_id)
 
     def _control_data(self, data: bytes) -> None:
         """A chunk of the control connection, straight from its protocol's callback: act on each

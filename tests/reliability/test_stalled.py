@@ -497,3 +497,25 @@ async def test_a_loop_held_past_the_heartbeat_bound_does_not_fail_links_whose_pe
         await dec.check_link_status(PROMPT)
         await dec.kv_cache_manager.pull_cache(key, mine)
         assert all(torch.equal(t[0].view(torch.int16), v[0].view(torch.int16)) for t, v in zip(mine.tensors, sent, strict=True))
+
+
+@pytest.mark.asyncio
+async def test_a_stopped_peer_is_caught_however_often_the_loop_is_held(fork_server):
+    """A peer stopped (SIGSTOP) while our loop is held again and again, each time past two heartbeat intervals
+    (a serving loop running long blocking steps): the link still fails within a few intervals of the bound, as
+    each hold ends with one last PROBE the peer never answers. A first form of row 320 counted every hold as one
+    interval of silence, so such a loop never failed the link of a stopped peer."""
+    async with forked(SILENT_PROMPT) as (peer,):
+        async with endpoint(LLMRole.DECODER, DECODER, transport="tcp", heartbeat_interval=100) as dd:
+            assert (await dd.link_clusters([cluster_info(PROMPT, peer.address)]))[0] == S.LLM_SUCCESS
+            peer.stop()
+            try:
+                stopped = time.monotonic()
+                while time.monotonic() - stopped < 5 and link_to(dd, PROMPT).broken is None:
+                    time.sleep(0.25)  # the loop held: 2.5 intervals
+                    await asyncio.sleep(0.02)
+                took = time.monotonic() - stopped
+                assert await code_of(dd.check_link_status(PROMPT)) == S.LLM_LINK_FAILED
+                assert took < 0.5 + 1.0, f"the stopped peer's link failed {took:.2f} s after the stop"
+            finally:
+                peer.resume()
