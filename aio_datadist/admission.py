@@ -140,7 +140,7 @@ class Admission:
             await self._room()
             self._backlog = False
             try:
-                conn, _ = await self._loop.sock_accept(self.sock)
+                conn = await self._accept_one()
             except OSError as exc:
                 if exc.errno in ACCEPT_GONE:
                     continue  # that connection is gone, not the listener
@@ -161,6 +161,24 @@ class Admission:
             pending = Pending(conn, self._signal)
             self.arriving[pending] = None
             pending.task = self._loop.create_task(self._serve(self, conn, pending))
+
+    async def _accept_one(self) -> socket.socket:
+        """The next connection of the listen backlog, accepted here and only here, never in a callback.
+
+        asyncio's ``sock_accept`` accepts in a reader callback that may already be queued when the call is
+        cancelled (the door closed by ``finalize`` as a peer dials): the connection it then takes is set on a
+        cancelled future, logged as an error and its socket left open until collected."""
+        while True:
+            try:
+                return self.sock.accept()[0]
+            except (BlockingIOError, InterruptedError):
+                pass
+            readable = self._loop.create_future()
+            self._loop.add_reader(self.sock, lambda: readable.done() or readable.set_result(None))
+            try:
+                await readable
+            finally:
+                self._loop.remove_reader(self.sock)
 
     async def _room(self) -> None:
         """Until the arriving stage has room, dropping the oldest stalled arrival when someone waits.
@@ -191,7 +209,7 @@ class Admission:
 
     async def _backlog_or_change(self) -> None:
         """Until a connection waits in the listen backlog or a stage changes. The listening socket has this
-        reader only meanwhile: ``sock_accept`` sets its own on the same fd."""
+        reader only meanwhile: ``_accept_one`` sets its own on the same fd."""
         waits = self._loop.create_future()
 
         def readable() -> None:

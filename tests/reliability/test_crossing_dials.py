@@ -32,16 +32,19 @@ LOW, HIGH = bytes([1]) * 32, bytes([2]) * 32
 
 @contextlib.contextmanager
 def dials_held_until_accepted(dd: LLMDataDist, remote_id: int) -> Iterator[None]:
-    """``dd``'s dials attach their data channels only once it has accepted a link from ``remote_id``: the
-    moment of a crossing, made certain."""
+    """``dd``'s dials attach their first data channel only once it has accepted a link from ``remote_id``: the
+    moment of a crossing, made certain. Later channels and redials go through: held too, a winner still dialling
+    its next channel when the loser dropped its dial (and with it the link the winner had accepted) waited here
+    until its call timed out."""
     table = link_table_of(dd)
     real = table.dial_data
 
-    async def dial_data(*args: object) -> object:
-        async with asyncio.timeout(5):
-            while (link := table.links.get(remote_id)) is None or link.is_client:
-                await asyncio.sleep(0.001)
-        return await real(*args)  # type: ignore[arg-type]
+    async def dial_data(address: Any, token: bytes, index: int, generation: int) -> object:
+        if index == 0 and generation == 0:
+            async with asyncio.timeout(5):
+                while (link := table.links.get(remote_id)) is None or link.is_client:
+                    await asyncio.sleep(0.001)
+        return await real(address, token, index, generation)
 
     table.dial_data = dial_data  # type: ignore[method-assign]
     try:
@@ -122,15 +125,21 @@ def dialled_links(dd: LLMDataDist) -> Iterator[list[Link]]:
 @pytest.mark.parametrize("cut", ["finalize", "timeout"])
 async def test_a_call_cut_while_it_replaces_the_crossed_link_leaves_no_link_behind(monkeypatch: Any, cut: str) -> None:
     """The winner is finalized, or its call's time runs out (a close of 0.8 s: a TLS peer slow to answer
-    close_notify), as it closes the link its dial replaces: its own dial is unlinked and closed, so no end
-    holds a link the other does not (found by review: it was left neither registered nor closed, its fds open,
-    and the loser kept a live link to it)."""
+    close_notify), as it closes the link its dial replaces: its own dial is unlinked and
+    closed, so no end holds a link the other does not (found by review: it was left neither registered nor
+    closed, its fds open, and the loser kept a live link to it). The loser's later data channels wait until the
+    winner's close began: a loser that finished first dropped its dial, and the winner found nothing to replace
+    (it linked, ``LLM_SUCCESS``, on a loaded machine)."""
     real_close = Link.close
+    loop = asyncio.get_running_loop()
+    timeout_ms = 5000 if cut == "finalize" else 500
+    replacing = asyncio.Event()
 
     async def close(link: Link, why: str = "unlinked", **kwargs: Any) -> None:
         if why.startswith("replaced: the peer's dial"):
+            replacing.set()
             if cut == "finalize":
-                finalizing.append(asyncio.get_running_loop().create_task(a.finalize()))
+                finalizing.append(loop.create_task(a.finalize()))
                 await asyncio.sleep(0)
             else:
                 await asyncio.sleep(0.8)
@@ -139,9 +148,21 @@ async def test_a_call_cut_while_it_replaces_the_crossed_link_leaves_no_link_behi
     finalizing: list[asyncio.Task] = []
     async with listening(A, LOW) as a, listening(B, HIGH) as b:
         monkeypatch.setattr(Link, "close", close)
+        table_b = link_table_of(b)
+        last = table_b.runtime.settings.data_channels - 1  # the loser's last data channel
+
+        async def loser_waits(address: Any, token: bytes, index: int, generation: int) -> object:
+            if index == last and generation == 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(5):
+                        await replacing.wait()
+            return await gated(address, token, index, generation)
+
         with dials_held_until_accepted(a, B), dials_held_until_accepted(b, A), dialled_links(a) as made:
+            gated = table_b.dial_data  # b's gate, which loser_waits goes through (restored on leaving)
+            table_b.dial_data = loser_waits  # type: ignore[method-assign]
             (_, [code_a]), _ = await asyncio.gather(
-                a.link_clusters([cluster_info(B, port_of(b))], timeout=5000 if cut == "finalize" else 500),
+                a.link_clusters([cluster_info(B, port_of(b))], timeout=timeout_ms),
                 b.link_clusters([cluster_info(A, port_of(a))], timeout=5000))
         await asyncio.gather(*finalizing)
         # (finalize: or the call got through before finalize reached it, and finalize then closed the link)
@@ -149,7 +170,7 @@ async def test_a_call_cut_while_it_replaces_the_crossed_link_leaves_no_link_behi
         async with asyncio.timeout(3):  # the peer hears our dial's UNLINK
             while (left := link_to(b, A)) is not None and not left.down:
                 await asyncio.sleep(0.01)
-        assert all(link.closed for link in made), made
+        assert all(link.closed for link in made), [(link.is_client, link.closed, link.down) for link in made]
         if cut == "timeout":
             assert link_to(a, B) is None
 

@@ -23,7 +23,7 @@ import pytest
 from aio_datadist import LLMRole
 from aio_datadist.testing import admission_of, share_listener_of
 
-from _harness import endpoint
+from _harness import endpoint, open_fds
 from peers import port_of
 
 PROMPT = 1
@@ -92,28 +92,28 @@ async def test_the_link_door_out_of_fds_says_so_once(caplog):
         assert len(said) == 1, [r.getMessage() for r in said]
 
 
-@pytest.mark.asyncio(loop_factories=["asyncio"])  # the fault is put into asyncio's sock_accept
+@pytest.mark.asyncio
 async def test_the_link_door_waits_out_an_accept_error_that_does_not_clear(monkeypatch, caplog):
     """An accept() error about the listener itself (EBADF: its fd closed under it) is tried again every
     ``ACCEPT_RETRY_S``, logged once as an error, also after a want of fds was logged (found by review).
-    Before, the door went straight back to accept() on any error but those of ``NO_ROOM``; asyncio's
-    ``sock_accept`` raises at once, without suspending, so the loop never ran anything else again (here a
-    count cuts it off after 200 tries)."""
+    Before, the door went straight back to accept() on any error but those of ``NO_ROOM``; an accept() that
+    fails raises at once, without suspending (asyncio's ``sock_accept`` then, the door's own accept now), so the
+    loop never ran anything else again (here a count cuts it off after 200 tries)."""
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt:
         door = admission_of(prompt)
         assert door is not None
-        real = type(asyncio.get_running_loop()).sock_accept
+        real = socket.socket.accept
         tries = 0
 
-        async def failing_accept(loop, sock):
+        def failing_accept(sock):
             nonlocal tries
             if sock is door.sock and tries <= 200:
                 tries += 1
                 code = errno.EMFILE if tries == 1 else errno.EBADF  # no room first, then the listener gone bad
                 raise OSError(code, os.strerror(code))
-            return await real(loop, sock)
+            return real(sock)
 
-        monkeypatch.setattr(type(asyncio.get_running_loop()), "sock_accept", failing_accept)
+        monkeypatch.setattr(socket.socket, "accept", failing_accept)
         with socket.create_connection(port_of(prompt)), caplog.at_level(logging.WARNING, "aio_datadist.links"):
             await asyncio.sleep(0.3)  # the door takes this connection, then its next accept() fails
         monkeypatch.undo()
@@ -121,3 +121,35 @@ async def test_the_link_door_waits_out_an_accept_error_that_does_not_clear(monke
         # each kind said once: a failure of the listener after a want of fds is not hidden by the first warning
         said = [r.levelname for r in caplog.records if "accept" in r.getMessage()]
         assert said == ["WARNING", "ERROR"], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.asyncio
+async def test_a_connection_arriving_as_the_link_door_closes_is_not_taken_and_left_open(caplog):
+    """A peer's connection completes in the kernel as the door closes (``finalize`` while a peer dials: a
+    crossing link's data channel): the door's accept is cancelled with its wake-up already queued. Before,
+    asyncio's ``sock_accept`` took the connection in that queued callback, set it on the cancelled future
+    ("Exception in callback ... InvalidStateError", logged as an error) and left its socket open until it was
+    collected; the door now accepts in its own task only, so the connection waits in the backlog and goes with
+    the listening socket."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt:
+        door = admission_of(prompt)
+        assert door is not None
+        await asyncio.sleep(0.05)  # the door waits for a connection
+        before = open_fds()
+        with caplog.at_level(logging.WARNING), socket.create_connection(port_of(prompt)) as client:
+            # The accept cut in the turn that finds the door readable, before that turn's wake-up of the door
+            # runs (a callback queued before the poll runs before what the poll found), as finalize may.
+            asyncio.get_running_loop().call_soon(door._task.cancel)
+            await asyncio.sleep(0.05)  # that turn has run
+            await door.close()
+            client.settimeout(1)
+            try:
+                got: bytes | None = await asyncio.to_thread(client.recv, 1)
+            except ConnectionResetError:
+                got = b""
+            except TimeoutError:
+                got = None
+            assert got == b"", "the connection was taken and held open"  # it went with the listening socket
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, errors
+        assert not open_fds() - before, open_fds() - before  # no accepted socket left behind
