@@ -18,10 +18,12 @@ import time
 import pytest
 from peers import PROMPT_ID, fill, linked_pair
 
-from aio_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
 from aio_datadist.testing import runtime_of
 HOST = {"device_type": "host"}
 BLOCKS = CacheDesc(4, (6, 3, 512), DataType.DT_FLOAT16, Placement.DEVICE)
+#: What a transfer cut by its own endpoint's finalize fails with (as in test_transfer_errors.py).
+FINALIZED = {LLMStatusCode.LLM_NOT_YET_LINK, LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_ENGINE_FINALIZED}
 
 
 async def _longest_stall(until: asyncio.Future) -> float:
@@ -55,6 +57,10 @@ async def test_finalize_waits_for_device_copies_without_blocking_the_loop():
         assert stall < 0.3, f"the loop stood still for {stall:.2f} s"
         await asyncio.wait([pull], timeout=5)
         assert pull.done()
+        # the pull was cut by the finalize of its own endpoint (its error retrieved: left unread, it was logged
+        # at collection, which under pytest's late imports broke the run: "AST constructor recursion depth")
+        error = pull.exception()
+        assert isinstance(error, LLMException) and error.status_code in FINALIZED, repr(error)
 
 
 def test_a_stuck_device_s_caches_are_kept_not_freed_under_its_work():
