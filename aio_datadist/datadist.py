@@ -29,6 +29,7 @@ from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
 from aio_datadist.option_checks import parse_listen
 from aio_datadist.options import cache_manager_mode, parse_options
+from aio_datadist.owners import Owners
 from aio_datadist.owner import handle_request
 from aio_datadist.runtime import Runtime
 from aio_datadist.stats import EndpointStats
@@ -70,6 +71,10 @@ class LLMDataDist:
         self._manager = KvCacheManager(self._endpoint)
         self._cache_manager = CacheManager(KvCacheManager(self._endpoint, v1=False))
         self._comms: CommTable | None = None  # link() comms, made with the first link()
+        # Collected without finalize while its loop runs, with neither manager kept: finalized there, warned.
+        owners = Owners(self._endpoint, finalize_endpoint)
+        for owner in (self, self._manager, self._cache_manager):
+            owners.watch(owner)
 
     # -- properties --------------------------------------------------------
 
@@ -200,31 +205,7 @@ class LLMDataDist:
         every link is closed after its peer acknowledged the unlink (at most
         1 s), so a new endpoint with this cluster id can link at once.
         """
-        endpoint = self._endpoint
-        runtime, links = endpoint.runtime, endpoint.links
-        if runtime is not None and endpoint.forks != forks():
-            # A parent's endpoint in a forked child: its links and engines are the parent's, which a close here
-            # would end (the UNLINKs, the sockets' shutdown); the child only lets go of it.
-            endpoint.runtime = endpoint.links = None
-            endpoint.finalized = True
-            return
-        if runtime is None:
-            released = endpoint.released
-            if released is not None and not released.done():
-                await asyncio.wait([released])  # another finalize is releasing: return once it has
-            return
-        endpoint.runtime = None
-        endpoint.links = None
-        endpoint.finalized = True
-        end_leases(endpoint)
-        endpoint.released = asyncio.get_running_loop().create_future()
-        try:
-            if links is not None:
-                await _complete(links.close())
-            await _complete(runtime.quiesce())  # device copies end before the blocking close, off the loop
-        finally:
-            runtime.close()
-            endpoint.released.set_result(None)
+        await finalize_endpoint(self._endpoint)
 
     async def __aenter__(self) -> LLMDataDist:
         return self
@@ -472,6 +453,35 @@ class LLMDataDist:
                                      "endpoint does not listen now")
                 raise
             self._endpoint.role = role
+
+
+async def finalize_endpoint(endpoint: Endpoint) -> None:
+    """What :meth:`LLMDataDist.finalize` does, for ``endpoint`` (also when its owners were collected without it:
+    ``owners.Owners``)."""
+    runtime, links = endpoint.runtime, endpoint.links
+    if runtime is not None and endpoint.forks != forks():
+        # A parent's endpoint in a forked child: its links and engines are the parent's, which a close here
+        # would end (the UNLINKs, the sockets' shutdown); the child only lets go of it.
+        endpoint.runtime = endpoint.links = None
+        endpoint.finalized = True
+        return
+    if runtime is None:
+        released = endpoint.released
+        if released is not None and not released.done():
+            await asyncio.wait([released])  # another finalize is releasing: return once it has
+        return
+    endpoint.runtime = None
+    endpoint.links = None
+    endpoint.finalized = True
+    end_leases(endpoint)
+    endpoint.released = asyncio.get_running_loop().create_future()
+    try:
+        if links is not None:
+            await _complete(links.close())
+        await _complete(runtime.quiesce())  # device copies end before the blocking close, off the loop
+    finally:
+        runtime.close()
+        endpoint.released.set_result(None)
 
 
 async def _complete(awaitable: Any) -> None:

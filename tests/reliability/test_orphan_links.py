@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 import time
@@ -219,3 +220,45 @@ async def test_a_crashed_peer_that_keeps_switch_role_refused_is_named_by_the_ref
         status = await dd.unlink_clusters([cluster_info(987654321, ("127.0.0.1", 1))], force=True)
         assert status[0] == S.LLM_SUCCESS, status
         await dd.switch_role(LLMRole.DECODER)
+
+
+def dropped_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "collected without finalize" in r.getMessage()]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kept", ["nothing", "manager"])
+async def test_an_llmdatadist_collected_without_finalize_is_finalized_on_its_loop(kept, caplog):
+    """A caller drops an initialised, listening, linked ``LLMDataDist`` without ``finalize`` while its loop runs
+    (a serving framework rebuilding its connector): once it and both managers are collected, the endpoint is
+    finalized on its loop with a warning: its peer sees the link go, its port can be listened on again, its fds
+    and threads are released. Before, its tasks kept it listening, linked (answering heartbeats) and serving
+    for the life of the process, with nothing left that could finalize it. A caller that keeps a manager keeps
+    the endpoint (row 308)."""
+    before = open_fds()
+    dd = LLMDataDist(LLMRole.PROMPT, PROMPT)
+    await dd.init(options(listen=True, transport="tcp"))
+    port = dd.listen_address[1]
+    async with endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec:
+        assert (await dec.link_clusters([cluster_info(PROMPT, ("127.0.0.1", port))]))[0] == S.LLM_SUCCESS
+        manager = dd.kv_cache_manager if kept == "manager" else None
+        with caplog.at_level("WARNING", "aio_datadist"):
+            del dd
+            gc.collect()
+            await asyncio.sleep(1.0)  # a finalize would run on this loop (its unlink is answered at once)
+            if manager is not None:
+                assert not dropped_warnings(caplog)
+                await dec.check_link_status(PROMPT)  # still linked and served
+                del manager  # now the last owner goes
+                gc.collect()
+                await asyncio.sleep(1.0)
+        assert len(dropped_warnings(caplog)) == 1, dropped_warnings(caplog)
+        with pytest.raises(LLMException) as info:
+            await dec.check_link_status(PROMPT)
+        assert info.value.status_code in (S.LLM_NOT_YET_LINK, S.LLM_LINK_FAILED)
+        with socket.create_server(("127.0.0.1", port)):  # the port is free
+            pass
+    deadline = time.monotonic() + 3
+    while open_fds() - before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not open_fds() - before, open_fds() - before

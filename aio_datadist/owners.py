@@ -1,0 +1,77 @@
+"""Owners: the objects a caller holds an endpoint by, and what happens when the last of them is collected.
+
+An initialised endpoint lives on in its event loop's tasks (its listener,
+links, heartbeats) whether or not anything of the caller's still refers to
+it. When the ``LLMDataDist`` and both of its managers are collected without
+``finalize`` while that loop runs, nothing the caller holds could end it any
+more: it would go on listening, linking and serving for the life of the
+process. :class:`Owners` notices that moment, logs a warning and finalizes the
+endpoint on its loop, as a file object closes itself when collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from aio_datadist._forks import forks
+
+if TYPE_CHECKING:
+    from aio_datadist.endpoint import Endpoint
+
+__all__ = ["Owners"]
+
+log = logging.getLogger("aio_datadist")
+
+#: Finalizes started for endpoints whose owners were collected (kept until done: a task nothing refers to
+#: may be collected before it ran).
+_FINALIZING: set[asyncio.Task] = set()
+
+
+class Owners:
+    """Counts the live objects that hold ``endpoint`` for the caller; when the last goes, finalizes it.
+
+    ``finalize`` is the coroutine function that finalizes an endpoint (``LLMDataDist``'s, passed down).
+    """
+
+    def __init__(self, endpoint: Endpoint, finalize: Callable[[Endpoint], Coroutine[Any, Any, None]]) -> None:
+        self._endpoint = endpoint
+        self._finalize = finalize
+        self._left = 0
+        self._lock = threading.Lock()  # collection may run on any thread
+
+    def watch(self, owner: object) -> None:
+        """Count ``owner`` until it is collected."""
+        with self._lock:
+            self._left += 1
+        weakref.finalize(owner, self._gone).atexit = False  # at exit, the exit's own finalize runs (if any)
+
+    def _gone(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+        endpoint = self._endpoint
+        runtime = endpoint.runtime
+        if runtime is None or endpoint.forks != forks():
+            return  # never initialised, finalized, or a parent's endpoint seen in a forked child
+        loop = runtime.loop
+        if loop is None or loop.is_closed():
+            return  # its loop ended: what the loop held goes with it
+        log.warning("the LLMDataDist of cluster %s was collected without finalize while its event loop runs; "
+                    "finalizing it there (call finalize, or use it as an async context manager)",
+                    endpoint.cluster_id)
+
+        def start() -> None:
+            task = loop.create_task(self._finalize(endpoint))
+            _FINALIZING.add(task)
+            task.add_done_callback(_FINALIZING.discard)
+
+        try:
+            loop.call_soon_threadsafe(start)
+        except RuntimeError:  # closed meanwhile
+            pass
