@@ -29,7 +29,7 @@ from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
 from aio_datadist.option_checks import parse_listen
 from aio_datadist.options import cache_manager_mode, parse_options
-from aio_datadist.owners import Owners
+from aio_datadist.owners import Owners, finalize_at_loop_shutdown
 from aio_datadist.owner import handle_request
 from aio_datadist.runtime import Runtime
 from aio_datadist.stats import EndpointStats
@@ -196,6 +196,7 @@ class LLMDataDist:
         endpoint.runtime = runtime
         endpoint.links = links
         endpoint.forks = forks()
+        finalize_at_loop_shutdown(endpoint, finalize_endpoint)
 
     async def finalize(self) -> None:
         """Unlink every peer, fail pending work, free every cache. Idempotent.
@@ -473,6 +474,7 @@ async def finalize_endpoint(endpoint: Endpoint) -> None:
     endpoint.runtime = None
     endpoint.links = None
     endpoint.finalized = True
+    endpoint.shutdown_guard = None  # (the loop closes it; it finds the endpoint finalized)
     end_leases(endpoint)
     endpoint.released = asyncio.get_running_loop().create_future()
     try:

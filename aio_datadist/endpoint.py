@@ -49,6 +49,8 @@ class Endpoint:
         self.cache_manager_mode: bool | None = None
         #: ``forks()`` when ``init`` ran: an endpoint of a parent process seen in a forked child differs.
         self.forks = 0
+        #: What finalizes the endpoint when its loop shuts down (``owners.finalize_at_loop_shutdown``).
+        self.shutdown_guard: Any = None
 
     @property
     def initialized(self) -> bool:

@@ -6,7 +6,9 @@ it. When the ``LLMDataDist`` and both of its managers are collected without
 ``finalize`` while that loop runs, nothing the caller holds could end it any
 more: it would go on listening, linking and serving for the life of the
 process. :class:`Owners` notices that moment, logs a warning and finalizes the
-endpoint on its loop, as a file object closes itself when collected.
+endpoint on its loop, as a file object closes itself when collected. And when
+that loop shuts down with the endpoint initialised,
+:func:`finalize_at_loop_shutdown` finalizes it there first.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist._forks import forks
@@ -23,7 +25,7 @@ from aio_datadist._forks import forks
 if TYPE_CHECKING:
     from aio_datadist.endpoint import Endpoint
 
-__all__ = ["Owners"]
+__all__ = ["Owners", "finalize_at_loop_shutdown"]
 
 log = logging.getLogger("aio_datadist")
 
@@ -75,3 +77,33 @@ class Owners:
             loop.call_soon_threadsafe(start)
         except RuntimeError:  # closed meanwhile
             pass
+
+
+def finalize_at_loop_shutdown(endpoint: Endpoint, finalize: Callable[[Endpoint], Coroutine[Any, Any, None]]) -> None:
+    """Finalize ``endpoint`` when the running loop shuts down (``asyncio.run``, ``uvloop.run``, an ``asyncio.Runner``
+    closing) with the endpoint still initialised.
+
+    Those cancel every task, then close the loop's async generators, then the loop. The tasks the cancelled
+    transfers start meanwhile (a data channel's redial after its reset) were not among those cancelled, and the
+    loop closed under them ("Task was destroyed but it is pending!", on uvloop a resolver's callback into the
+    closed loop). A generator of ours that the loop knows of is closed in the second step, with the loop still
+    running: its ``finally`` finalizes the endpoint there, as ``async with`` would have (the peers are told, the
+    tasks end, the sockets close). A loop closed without that step (``loop.close()`` alone) runs nothing. A
+    ``finalize`` drops the generator (``Endpoint.shutdown_guard``); the loop then closes it, and it does nothing.
+    Call it on the running loop."""
+    guard = _until_shutdown(endpoint, finalize)
+    step = guard.__anext__()  # the loop's first-iteration hook (set where it runs) takes note of the generator
+    try:
+        step.send(None)
+    except StopIteration:
+        pass
+    endpoint.shutdown_guard = guard  # the loop keeps a weak reference only
+
+
+async def _until_shutdown(endpoint: Endpoint,
+                          finalize: Callable[[Endpoint], Coroutine[Any, Any, None]]) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        if endpoint.runtime is not None and endpoint.forks == forks():
+            await finalize(endpoint)

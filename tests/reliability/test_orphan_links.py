@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
+import pathlib
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -262,3 +266,21 @@ async def test_an_llmdatadist_collected_without_finalize_is_finalized_on_its_loo
     while open_fds() - before and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert not open_fds() - before, open_fds() - before
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("case", ["pull", "push"])
+def test_a_run_that_ends_with_a_transfer_in_flight_finalizes_its_endpoints_quietly(case, loop):
+    """``asyncio.run`` (``uvloop.run``) returns from ``main`` with a 128 MiB TCP pull or push in flight and no
+    ``finalize``: the run's shutdown finalizes both endpoints on the loop (``owners.finalize_at_loop_shutdown``)
+    and the program ends at once with nothing on stderr. Before, the cancelled transfer's channel reset started a
+    redial after the run had cancelled every task, and the loop closed under it: "Task was destroyed but it is
+    pending!" (on uvloop also a resolver callback into the closed loop, "Error in sys.excepthook"), and the
+    endpoints were never finalized. Found by a lifecycle audit."""
+    child = pathlib.Path(__file__).parent.parent / "loop_exit_child.py"
+    proc = subprocess.run([sys.executable, str(child), case, loop], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.strip() == "", proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["finalized"] == [True, True], out
+    assert out["run_s"] < 5, out
