@@ -149,7 +149,7 @@ async def test_a_call_cut_while_it_replaces_the_crossed_link_leaves_no_link_behi
     async with listening(A, LOW) as a, listening(B, HIGH) as b:
         monkeypatch.setattr(Link, "close", close)
         table_b = link_table_of(b)
-        last = table_b.runtime.settings.data_channels - 1  # the loser's last data channel
+        last = 2 * table_b.runtime.settings.data_channels - 1  # the loser's last data-channel dial (both ways)
 
         async def loser_waits(address: Any, token: bytes, index: int, generation: int) -> object:
             if index == last and generation == 0:

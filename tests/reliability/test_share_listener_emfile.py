@@ -76,7 +76,7 @@ async def test_a_share_connection_met_with_emfile_does_not_spin_the_loop(monkeyp
             client.close()
 
 
-@pytest.mark.asyncio(loop_factories=["asyncio"])  # asyncio's sock_accept tries every 50 ms: uvloop's waits
+@pytest.mark.asyncio
 async def test_the_link_door_out_of_fds_says_so_once(caplog):
     """The TCP door backs off 50 ms per try while no fd is free (as the share socket does), and says so once
     per episode. Before, it logged a warning on every try: 20 a second for as long as no fd freed."""
