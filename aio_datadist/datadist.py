@@ -72,7 +72,7 @@ class LLMDataDist:
         self._cache_manager = CacheManager(KvCacheManager(self._endpoint, v1=False))
         self._comms: CommTable | None = None  # link() comms, made with the first link()
         # Collected without finalize while its loop runs, with neither manager kept: finalized there, warned.
-        owners = Owners(self._endpoint, finalize_endpoint)
+        owners = self._endpoint.owners = Owners(self._endpoint, finalize_endpoint)
         for owner in (self, self._manager, self._cache_manager):
             owners.watch(owner)
 

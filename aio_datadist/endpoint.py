@@ -21,6 +21,7 @@ from aio_datadist.types import LLMRole
 if TYPE_CHECKING:
     from aio_datadist.link_table import LinkTable
     from aio_datadist.options import Settings
+    from aio_datadist.owners import Owners
     from aio_datadist.runtime import Runtime
     from aio_datadist.stats import Observer
 
@@ -51,6 +52,8 @@ class Endpoint:
         self.forks = 0
         #: What finalizes the endpoint when its loop shuts down (``owners.finalize_at_loop_shutdown``).
         self.shutdown_guard: Any = None
+        #: What holds the endpoint for the caller (``owners.Owners``; set by the ``LLMDataDist``).
+        self.owners: Owners | None = None
 
     @property
     def initialized(self) -> bool:

@@ -170,8 +170,11 @@ def _row(arg: str, value: Any, rows: int) -> int:
 
 def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, configs: Sequence[Any],
                    src_block_indices: Any, dst_block_indices: Any, dst_block_memory_size: Any, *,
-                   cache_to_blocks: bool = False) -> CacheTask:
+                   cache_to_blocks: bool = False, hold: Callable[[], Callable[[], None]] | None = None) -> CacheTask:
     """Validate everything, then start the driver; returns its :class:`CacheTask`.
+
+    ``hold``: called once the transfer starts; what it returns is called once it ended (the endpoint's
+    ``Owners.hold``: a transfer the caller need not wait for keeps its endpoint).
 
     ``cache_to_blocks``: whether a contiguous source may go into destination blocks (``dst_block_indices``
     with ``dst_block_memory_size``), as LLM-DataDist's CacheManager allows and its KvCacheManager refuses.
@@ -231,7 +234,8 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
                for i, cfg in enumerate(configs)]
     layers = sorted({layer for cfg in planned for layer in cfg.src_layers})
     progress = TaskProgress(layers, len(planned))
-    return CacheTask(progress, _drive(rt, progress, src, synchronizer, planned, layers))
+    return CacheTask(progress, _drive(rt, progress, src, synchronizer, planned, layers),
+                     on_end=None if hold is None else hold())
 
 
 def _row_chunks(src: KvCache, dst_block_indices: Any, size: int | None) -> _Chunks:

@@ -89,6 +89,8 @@ class CacheLease:
         _LEASES[cache] = self
         _ALL.add(self)
         self._unwatch = endpoint.require_runtime().registry.when_freed(cache, self._cache_freed)
+        # A running lease holds its endpoint for the caller, who may have dropped everything else (owners.Owners).
+        self._let_go = _nothing if endpoint.owners is None else endpoint.owners.hold()
 
     @property
     def expired(self) -> bool:
@@ -132,6 +134,7 @@ class CacheLease:
         self._cancelled = True
         self._unwatch()
         self._stop_timer()
+        self._let_go()
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -145,6 +148,7 @@ class CacheLease:
             return
         self._stop_timer()
         self._expired = True
+        self._let_go()
 
     def _expire(self) -> None:
         self._timer = None  # fired: a refused release leaves the lease running without a deadline
@@ -178,6 +182,7 @@ class CacheLease:
         self._expired = True
         self._endpoint = None
         self._unwatch()
+        self._let_go()
         if runtime is None:
             return  # finalize freed everything already
         registry = runtime.registry
@@ -260,6 +265,10 @@ def _endpoint_of(manager: _Manager) -> Endpoint:
     return endpoint
 
 
+def _nothing() -> None:
+    pass
+
+
 def end_leases(endpoint: Endpoint) -> None:
     """``endpoint`` is being finalized (which frees every cache): its leases end now, their timers with them, and
     a later ``renew`` is refused."""
@@ -269,6 +278,7 @@ def end_leases(endpoint: Endpoint) -> None:
             lease._expired = lease._finalized = True
             lease._endpoint = None
             lease._unwatch()
+            lease._let_go()
 
 
 def active_leases(endpoint: Endpoint) -> int:

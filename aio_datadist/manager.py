@@ -649,9 +649,10 @@ class KvCacheManager:
         self._endpoint.require_role("transfer_cache_async", LLMRole.PROMPT, LLMRole.MIX)
         self._endpoint.home_loop("transfer_cache_async")
         cache = self._endpoint.live(src_cache, "src_cache")
+        owners = self._endpoint.owners
         return start_transfer(self._rt(), self._endpoint.require_links(), cache, layer_synchronizer,
                               transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size,
-                              cache_to_blocks=cache_to_blocks)
+                              cache_to_blocks=cache_to_blocks, hold=None if owners is None else owners.hold)
 
     def watch_pushes(self, cache: KvCache, rows: Sequence[int], layers: range | None = None, *,
                      tensors_per_layer: int = 2) -> PushWatch:

@@ -35,13 +35,16 @@ _FINALIZING: set[asyncio.Task] = set()
 
 
 class Owners:
-    """Counts the live objects that hold ``endpoint`` for the caller; when the last goes, finalizes it.
+    """Counts what holds ``endpoint`` for the caller; when the last goes, finalizes it.
 
-    ``finalize`` is the coroutine function that finalizes an endpoint (``LLMDataDist``'s, passed down).
+    Owners are objects (:meth:`watch`: the ``LLMDataDist`` and its managers, until collected) and work the
+    caller started and need not wait for (:meth:`hold`: a layer-wise transfer until it ends, a lease while it
+    runs). ``finalize`` is the coroutine function that finalizes an endpoint (``LLMDataDist``'s, passed down).
+    The endpoint is referred to weakly: its loop's tasks keep it, and one nothing keeps has nothing to end.
     """
 
     def __init__(self, endpoint: Endpoint, finalize: Callable[[Endpoint], Coroutine[Any, Any, None]]) -> None:
-        self._endpoint = endpoint
+        self._endpoint = weakref.ref(endpoint)
         self._finalize = finalize
         self._left = 0
         self._lock = threading.Lock()  # collection may run on any thread
@@ -52,21 +55,37 @@ class Owners:
             self._left += 1
         weakref.finalize(owner, self._gone).atexit = False  # at exit, the exit's own finalize runs (if any)
 
+    def hold(self) -> Callable[[], None]:
+        """Count one owner more until the function returned is called (the first call counts; later ones
+        do nothing)."""
+        with self._lock:
+            self._left += 1
+        held = [True]
+
+        def let_go() -> None:
+            with self._lock:
+                if not held:
+                    return
+                held.clear()
+            self._gone()
+
+        return let_go
+
     def _gone(self) -> None:
         with self._lock:
             self._left -= 1
             if self._left:
                 return
-        endpoint = self._endpoint
-        runtime = endpoint.runtime
-        if runtime is None or endpoint.forks != forks():
-            return  # never initialised, finalized, or a parent's endpoint seen in a forked child
+        endpoint = self._endpoint()
+        runtime = None if endpoint is None else endpoint.runtime
+        if endpoint is None or runtime is None or endpoint.forks != forks():
+            return  # gone, never initialised, finalized, or a parent's endpoint seen in a forked child
         loop = runtime.loop
         if loop is None or loop.is_closed():
             return  # its loop ended: what the loop held goes with it
-        log.warning("the LLMDataDist of cluster %s was collected without finalize while its event loop runs; "
-                    "finalizing it there (call finalize, or use it as an async context manager)",
-                    endpoint.cluster_id)
+        log.warning("the LLMDataDist of cluster %s was collected without finalize (nothing of it is held, no "
+                    "layer-wise transfer or lease runs); it is finalized on its event loop (call finalize, or use "
+                    "it as an async context manager)", endpoint.cluster_id)
 
         def start() -> None:
             task = loop.create_task(self._finalize(endpoint))

@@ -7,7 +7,7 @@ The driver (``layerwise.py``) reports into a :class:`TaskProgress`; the
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
 from aio_datadist._checks import check_int, check_uint, param_invalid
@@ -74,8 +74,10 @@ class CacheTask:
     answer from any loop.
     """
 
-    def __init__(self, progress: TaskProgress, driver: Coroutine[Any, Any, None]) -> None:
-        """Run ``driver``, which reports into ``progress`` (``layerwise.start_transfer`` makes both)."""
+    def __init__(self, progress: TaskProgress, driver: Coroutine[Any, Any, None],
+                 on_end: Callable[[], None] | None = None) -> None:
+        """Run ``driver``, which reports into ``progress`` (``layerwise.start_transfer`` makes both); ``on_end``
+        is called once it ended, however."""
         #: What ``synchronize`` and ``get_results`` report for a transfer still running at their time-out, and
         #: for a config whose transfer timed out: ``LLM_WAIT_PROCESS_TIMEOUT`` for ``KvCacheManager`` (v1),
         #: ``LLM_TIMEOUT`` for ``CacheManager`` (v2), as LLM-DataDist's own task does.
@@ -83,6 +85,8 @@ class CacheTask:
         self._progress = progress
         self._task = asyncio.get_running_loop().create_task(driver)
         self._task.add_done_callback(self._finished)
+        if on_end is not None:
+            self._task.add_done_callback(lambda _task: on_end())
         self._made_by = forks()  # a forked child has no thread running this task's loop
         self._views = Views()  # what layer() handed out
 

@@ -34,15 +34,19 @@ import torch
 from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
+    CacheKey,
     DataType,
+    LayerSynchronizer,
     LLMDataDist,
     LLMException,
     LLMRole,
     LLMStatusCode,
     Placement,
+    TransferWithCacheKeyConfig,
 )
+from aio_datadist.leases import lease_of
 from aio_datadist.testing import link_count, link_table_of
-from peers import CacheSpec, EndpointSpec, cluster_info
+from peers import CacheSpec, EndpointSpec, cluster_info, fill
 
 from _forked import forked
 from _harness import endpoint, open_fds, options
@@ -266,6 +270,69 @@ async def test_an_llmdatadist_collected_without_finalize_is_finalized_on_its_loo
     while open_fds() - before and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert not open_fds() - before, open_fds() - before
+
+
+class Gate(LayerSynchronizer):
+    """Layers go once ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        await self.go.wait()
+        return True
+
+
+LAYERED = CacheDesc(8, (16, 4, 16), DataType.DT_FLOAT16, Placement.HOST)  # 4 layers
+ROWS = CacheDesc(2, (2, 64), DataType.DT_FLOAT16, Placement.HOST)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("work", ["layerwise", "lease"])
+async def test_work_the_caller_started_keeps_an_llmdatadist_it_dropped_until_it_ends(work, caplog):
+    """The caller keeps only what it started, not the ``LLMDataDist`` (a prefill step that makes it in a function
+    and hands on the task, or the cache it handed off under a lease): the endpoint is not finalized while a
+    layer-wise transfer runs or a lease runs (the push lands, the decoder's pull is served), and is finalized,
+    with the warning, once that work ended. A first form of row 322 counted only the object and its managers
+    and finalized the endpoint under both (found by its review)."""
+    dd = LLMDataDist(LLMRole.PROMPT, PROMPT)
+    await dd.init(options(listen=True, transport="tcp"))
+    port = dd.listen_address[1]
+    async with endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec:
+        assert (await dec.link_clusters([cluster_info(PROMPT, ("127.0.0.1", port))]))[0] == S.LLM_SUCCESS
+        with caplog.at_level("WARNING", "aio_datadist"):
+            if work == "layerwise":
+                dst = dec.kv_cache_manager.allocate_blocks_cache(LAYERED, BlocksCacheKey(DECODER, 0))
+                src = dd.kv_cache_manager.allocate_blocks_cache(LAYERED)
+                sent = fill(src, 3)
+                gate = Gate()
+                task = dd.kv_cache_manager.transfer_cache_async(
+                    src, gate, [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, 0))], [0, 1, 2, 3], [0, 1, 2, 3])
+                del dd
+                gc.collect()
+                await asyncio.sleep(0.3)
+                assert not dropped_warnings(caplog)
+                gate.go.set()
+                assert await asyncio.wait_for(task, 10) == [S.LLM_SUCCESS]
+                assert all(torch.equal(d[:4].view(torch.int16), v[:4].view(torch.int16))
+                           for d, v in zip(dst.tensors, sent, strict=True))
+            else:
+                key = CacheKey(PROMPT, req_id=9)
+                cache = dd.kv_cache_manager.allocate_cache(ROWS, [key], lease_ms=60_000)
+                sent = fill(cache, 4)
+                del dd
+                gc.collect()
+                await asyncio.sleep(0.3)
+                assert not dropped_warnings(caplog)
+                mine = dec.kv_cache_manager.allocate_cache(ROWS)
+                await dec.kv_cache_manager.pull_cache(key, mine)
+                assert all(torch.equal(m[0].view(torch.int16), v[0].view(torch.int16))
+                           for m, v in zip(mine.tensors, sent, strict=True))
+                lease_of(cache).release()  # the hand-off is over
+            await asyncio.sleep(1.0)  # the endpoint is finalized on this loop now
+        assert len(dropped_warnings(caplog)) == 1, dropped_warnings(caplog)
+        with socket.create_server(("127.0.0.1", port)):  # its port is free
+            pass
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
