@@ -21,7 +21,6 @@ from aio_datadist.types import LLMRole
 if TYPE_CHECKING:
     from aio_datadist.link_table import LinkTable
     from aio_datadist.options import Settings
-    from aio_datadist.owners import Owners
     from aio_datadist.runtime import Runtime
     from aio_datadist.stats import Observer
 
@@ -52,8 +51,9 @@ class Endpoint:
         self.forks = 0
         #: What finalizes the endpoint when its loop shuts down (``owners.finalize_at_loop_shutdown``).
         self.shutdown_guard: Any = None
-        #: What holds the endpoint for the caller (``owners.Owners``; set by the ``LLMDataDist``).
-        self.owners: Owners | None = None
+        #: What holds the endpoint for the caller (an ``owners.Owners``, which names this type: set by the
+        #: ``LLMDataDist``), or None.
+        self.owners: Any = None
 
     @property
     def initialized(self) -> bool:
