@@ -661,7 +661,8 @@ class Link:
         self.spawn(self._heartbeat(self.runtime.settings.heartbeat_interval_ms / 1000))
 
     async def _heartbeat(self, interval: float) -> None:
-        """PROBE every interval; a peer silent for HEARTBEAT_MISSES intervals is lost.
+        """PROBE every interval; a peer silent for HEARTBEAT_MISSES intervals, and for one more after a
+        last PROBE, is lost.
 
         This catches peers that stopped (SIGSTOP, a hung host, a cut cable)
         without closing their sockets, which no read would ever notice. A
@@ -669,36 +670,32 @@ class Link:
         ours whatever its own heartbeat interval is (a plain PING was not
         answered: a peer configured with a longer interval was dropped).
 
-        Silence is judged only once we asked: a wake-up that comes more than
-        an interval late (this loop held by a long blocking call, the process
-        stopped) had no PROBE of ours out meanwhile and, on uvloop, runs
-        before the loop reads what arrived; so a link silent past the bound
-        then gets one last PROBE and an interval to answer it (and one turn
-        of the loop to read the answer) before it is failed. A peer that
-        stopped is still caught however often the loop is held.
+        Silence is judged only once we asked: a loop held by a long blocking
+        call (or a stopped process) sent no PROBE meanwhile and, on uvloop,
+        runs its timers before it reads what arrived; so a link silent past
+        the bound gets one last PROBE and an interval to answer it (and one
+        turn of the loop to read the answer) before it is failed. A peer that
+        stopped is still caught however often the loop is held: within the
+        bound plus two intervals and the time held.
         """
         loop = asyncio.get_running_loop()
         while not self.down:
-            asleep = loop.time()
             await asyncio.sleep(interval)
-            now = loop.time()
-            if now - self.last_heard > HEARTBEAT_MISSES * interval and now - asleep > 2 * interval:
-                asked = now
+            if loop.time() - self.last_heard <= HEARTBEAT_MISSES * interval:
                 self._probe()
-                await asyncio.sleep(interval)
-                await asyncio.sleep(0)  # a turn that reads what came (uvloop runs timers before reading)
-                if self.down:
-                    return
-                now = loop.time()
-                if self.last_heard >= asked:
-                    continue
-            silent = now - self.last_heard
-            if silent > HEARTBEAT_MISSES * interval:
+                continue
+            asked = loop.time()
+            self._probe()  # the last one
+            await asyncio.sleep(interval)
+            await asyncio.sleep(0)  # a turn that reads what came (uvloop runs timers before reading)
+            if self.down:
+                return
+            if self.last_heard < asked:
+                silent = loop.time() - self.last_heard
                 self.log.warning("link %s to cluster %s: heartbeat lost (nothing heard for %.1f s)", self.link_id,
                                  self.remote_cluster_id, silent)
                 self.fail(LLMException(f"no heartbeat for {silent:.1f} s", status_code=LLMStatusCode.LLM_LINK_FAILED))
                 return
-            self._probe()
 
     def _probe(self) -> None:
         """Send a PROBE. An id of ours, so that the answer (a Reply) gives the round trip; a PROBE_ACK nobody

@@ -519,3 +519,29 @@ async def test_a_stopped_peer_is_caught_however_often_the_loop_is_held(fork_serv
                 assert took < 0.5 + 1.0, f"the stopped peer's link failed {took:.2f} s after the stop"
             finally:
                 peer.resume()
+
+
+async def _hold_later(seconds: float, after: float) -> None:
+    await asyncio.sleep(after)  # due after the heartbeat's timer: woken in the same turn, right after its PROBE
+    time.sleep(seconds)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("peer_interval", [100, 5000], ids=["same", "longer"])
+async def test_two_holds_in_a_row_do_not_fail_a_link_whose_peer_answers(peer_interval):
+    """A hold that makes the heartbeat late but leaves the silence under the bound (3.3 intervals), then a
+    shorter one right after the PROBE that followed it, before the answer could be read: the silence passes the
+    bound with the answer waiting unread, and the link gets its last PROBE all the same. A second form of row 320
+    gave the last PROBE only after a wake-up more than two intervals late, and failed the link of a peer with a
+    longer interval here ("no heartbeat for 0.6 s", both loops; found by its review)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, heartbeat_interval=100) as dd, \
+            endpoint(LLMRole.DECODER, DECODER, heartbeat_interval=peer_interval) as dec:
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        await asyncio.sleep(0.35)  # heartbeats going both ways
+        second = asyncio.ensure_future(_hold_later(0.18, 0.2))
+        await asyncio.sleep(0)
+        time.sleep(0.33)
+        await second
+        await asyncio.sleep(0.4)
+        await dd.check_link_status(DECODER)
+        await dec.check_link_status(PROMPT)
