@@ -178,7 +178,7 @@ class Admission:
             try:
                 await readable
             finally:
-                self._loop.remove_reader(self.sock)
+                self._stop_reading()
 
     async def _room(self) -> None:
         """Until the arriving stage has room, dropping the oldest stalled arrival when someone waits.
@@ -222,6 +222,12 @@ class Admission:
         try:
             await self._wait(None, waits)
         finally:
+            self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        """Remove the listening socket's reader, unless the loop or the socket is closed already (the coroutine
+        collected after its loop closed without shutting down, and the door closed from another loop)."""
+        if not self._loop.is_closed() and self.sock.fileno() != -1:
             self._loop.remove_reader(self.sock)
 
     # -- a connection's stages -----------------------------------------------

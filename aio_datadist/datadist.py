@@ -29,7 +29,7 @@ from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
 from aio_datadist.option_checks import parse_listen
 from aio_datadist.options import cache_manager_mode, parse_options
-from aio_datadist.owners import Owners, finalize_at_loop_shutdown
+from aio_datadist.owners import Owners, end_shutdown_guard, finalize_at_loop_shutdown
 from aio_datadist.owner import handle_request
 from aio_datadist.runtime import Runtime
 from aio_datadist.stats import EndpointStats
@@ -474,7 +474,6 @@ async def finalize_endpoint(endpoint: Endpoint) -> None:
     endpoint.runtime = None
     endpoint.links = None
     endpoint.finalized = True
-    endpoint.shutdown_guard = None  # (the loop closes it; it finds the endpoint finalized)
     end_leases(endpoint)
     endpoint.released = asyncio.get_running_loop().create_future()
     try:
@@ -484,6 +483,7 @@ async def finalize_endpoint(endpoint: Endpoint) -> None:
     finally:
         runtime.close()
         endpoint.released.set_result(None)
+        end_shutdown_guard(endpoint)
 
 
 async def _complete(awaitable: Any) -> None:

@@ -554,7 +554,12 @@ class Link:
         if self._soon:
             data = b"".join((*self._soon, data))
             self._soon.clear()
-        self.writer.write(data)
+        if self.writer.is_closing():
+            return
+        try:
+            self.writer.write(data)
+        except RuntimeError:  # uvloop: a transport whose loop was closed (without finalize) is closed under us
+            pass  # nothing goes out any more; the link's close does not wait on it past its bound
 
     def _flush_soon(self) -> None:
         if not self._soon:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -25,10 +26,15 @@ from aio_datadist._forks import forks
 if TYPE_CHECKING:
     from aio_datadist.endpoint import Endpoint
 
-__all__ = ["Owners", "finalize_at_loop_shutdown"]
+__all__ = ["Owners", "end_shutdown_guard", "finalize_at_loop_shutdown"]
 
 log = logging.getLogger("aio_datadist")
 
+#: How long a loop's shutdown lets the application's other async generators finish their cleanup before it
+#: finalizes the endpoints still initialised.
+OTHER_GENERATORS_S = 1.0
+#: The tasks closing our shutdown generators (not waited for by each other).
+_GUARDS: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
 #: Finalizes started for endpoints whose owners were collected (kept until done: a task nothing refers to
 #: may be collected before it ran).
 _FINALIZING: set[asyncio.Task] = set()
@@ -107,9 +113,12 @@ def finalize_at_loop_shutdown(endpoint: Endpoint, finalize: Callable[[Endpoint],
     loop closed under them ("Task was destroyed but it is pending!", on uvloop a resolver's callback into the
     closed loop). A generator of ours that the loop knows of is closed in the second step, with the loop still
     running: its ``finally`` finalizes the endpoint there, as ``async with`` would have (the peers are told, the
-    tasks end, the sockets close). A loop closed without that step (``loop.close()`` alone) runs nothing. A
-    ``finalize`` drops the generator (``Endpoint.shutdown_guard``); the loop then closes it, and it does nothing.
+    tasks end, the sockets close). A loop closed without that step (``loop.close()`` alone) runs nothing. Once a
+    ``finalize`` has run, :func:`end_shutdown_guard` closes the generator at once (``Endpoint.shutdown_guard``).
     Call it on the running loop."""
+    loop = asyncio.get_running_loop()
+    if getattr(sys.get_asyncgen_hooks().firstiter, "__self__", None) is not loop:
+        return  # the thread's hooks were replaced: no loop would close the generator, the collector would
     guard = _until_shutdown(endpoint, finalize)
     step = guard.__anext__()  # the loop's first-iteration hook (set where it runs) takes note of the generator
     try:
@@ -124,5 +133,40 @@ async def _until_shutdown(endpoint: Endpoint,
     try:
         yield
     finally:
-        if endpoint.runtime is not None and endpoint.forks == forks():
+        if endpoint.shutdown_guard is None:
+            return  # ended by a finalize that has run (see end_shutdown_guard)
+        # A finalize already running (one started as the run cancelled the task that held the endpoint) is
+        # waited for: the loop closes once this returns.
+        runtime, loop = endpoint.runtime, _running_loop()
+        if loop is not None and endpoint.forks == forks() and (runtime is None or runtime.loop is loop):
+            # The loop closes the other generators at the same time (the application's, whose cleanup may still
+            # use the endpoint): theirs first, a second at most. Every close has started after one turn.
+            _GUARDS.add(asyncio.current_task())
+            await asyncio.sleep(0)
+            others = [task for task in asyncio.all_tasks(loop) if task not in _GUARDS
+                      and type(task.get_coro()).__name__ == "async_generator_athrow"]
+            if others:
+                await asyncio.wait(others, timeout=OTHER_GENERATORS_S)
             await finalize(endpoint)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def end_shutdown_guard(endpoint: Endpoint) -> None:
+    """A finalize of ``endpoint`` has run: close its shutdown generator now, which then does nothing (no task is
+    left for the loop to close it with)."""
+    guard, endpoint.shutdown_guard = endpoint.shutdown_guard, None
+    if guard is None:
+        return
+    closing = guard.aclose()
+    try:
+        closing.send(None)
+    except StopIteration:
+        pass
+    except RuntimeError:  # already closing: this finalize is the one its ``finally`` runs (the loop's shutdown)
+        closing.close()

@@ -1,11 +1,16 @@
-"""An asyncio program that returns from ``main`` with a TCP transfer in flight and no ``finalize``, for
-``reliability/test_orphan_links.py``: argv ``pull|push asyncio|uvloop``. It prints, after the run returned,
-how long the run took and whether both endpoints were finalized by the loop's shutdown."""
+"""Asyncio programs that leave their endpoints to the loop's shutdown, for ``reliability/test_orphan_links.py``:
+argv ``CASE asyncio|uvloop``. ``pull``/``push``: ``main`` returns with a TCP transfer in flight and no
+``finalize``; ``owned``: the endpoints are held by a serving task only, which the run cancels (its frame freed,
+the owners' finalize starts as the shutdown does); ``generator``: an application's async generator, closed by the
+shutdown, still uses its endpoint in its cleanup; ``closed``: the loop is closed without its shutdown step, and the
+endpoints finalized on another loop. It prints how long the run took and, per endpoint, whether it was finalized
+and released."""
 
 import asyncio
 import json
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import torch
 
@@ -60,13 +65,76 @@ async def main(case: str) -> None:
     await asyncio.sleep(0.01)
 
 
+async def linked_pair() -> tuple[LLMDataDist, LLMDataDist]:
+    prompt, decoder = LLMDataDist(LLMRole.PROMPT, 1), LLMDataDist(LLMRole.DECODER, 2)
+    await prompt.init(options(True, False))
+    await decoder.init(options(False, False))
+    ENDPOINTS.extend([prompt._endpoint, decoder._endpoint])  # noqa: SLF001
+    cluster = LLMClusterInfo()
+    cluster.remote_cluster_id = 1
+    cluster.append_remote_ip_info(*prompt.listen_address)
+    assert (await decoder.link_clusters([cluster], 3000))[0] == 0
+    return prompt, decoder
+
+
+async def serve(ready: asyncio.Event) -> None:
+    pair = await linked_pair()  # noqa: F841  # held by this task's frame only
+    ready.set()
+    await asyncio.sleep(3600)
+
+
+async def owned() -> None:
+    ready = asyncio.Event()
+    KEEP.append(asyncio.get_running_loop().create_task(serve(ready)))
+    await ready.wait()
+
+
+async def requests(dd: LLMDataDist, cache: object) -> AsyncIterator[None]:
+    try:
+        while True:
+            yield
+    finally:
+        await asyncio.sleep(0)  # any await: a log flushed, a metric pushed
+        dd.kv_cache_manager.deallocate_cache(cache)
+        CLEANUP.append("ok")
+
+
+async def generator() -> None:
+    prompt, decoder = await linked_pair()
+    KEEP.extend((prompt, decoder))
+    stream = requests(prompt, prompt.kv_cache_manager.allocate_cache(SMALL))
+    KEEP.append(stream)  # held by the application: a registry of open streams
+    await stream.__anext__()
+
+
+ENDPOINTS: list[object] = []
+CLEANUP: list[str] = []
+SMALL = CacheDesc(1, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
 case, loop = sys.argv[1], sys.argv[2]
-started = time.monotonic()
+run = asyncio.run
 if loop == "uvloop":
     import uvloop
 
-    uvloop.run(main(case))
-else:
-    asyncio.run(main(case))
-finalized = [dd._endpoint.finalized for dd in KEEP[:2]]  # type: ignore[attr-defined]  # noqa: SLF001
-print(json.dumps({"run_s": round(time.monotonic() - started, 2), "finalized": finalized}), flush=True)
+    run = uvloop.run
+started = time.monotonic()
+if case in ("pull", "push"):
+    run(main(case))
+    ENDPOINTS.extend(dd._endpoint for dd in KEEP[:2])  # type: ignore[attr-defined]  # noqa: SLF001
+elif case == "owned":
+    run(owned())
+elif case == "generator":
+    run(generator())
+else:  # closed
+    closing = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
+    KEEP.extend(closing.run_until_complete(linked_pair()))
+    closing.close()
+
+    async def finalize_elsewhere() -> None:
+        for dd in KEEP:
+            await dd.finalize()  # type: ignore[attr-defined]
+
+    run(finalize_elsewhere())
+print(json.dumps({"run_s": round(time.monotonic() - started, 2),
+                  "finalized": [e.finalized for e in ENDPOINTS],  # type: ignore[attr-defined]
+                  "released": [e.released is not None and e.released.done() for e in ENDPOINTS],  # type: ignore
+                  "cleanup": CLEANUP}), flush=True)
