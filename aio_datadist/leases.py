@@ -157,6 +157,7 @@ class CacheLease:
         except LLMException as exc:  # e.g. the endpoint switched to DECODER and may not remove keys
             # the message only: a record holding the exception would hold release()'s frame, and the cache in it
             log.warning("lease on cache %s could not release it: %s", getattr(self._cache(), "cache_id", "?"), str(exc))
+            self._let_go()  # it runs out no more on its own: it keeps a dropped endpoint no longer (finalize frees all)
 
     def release(self) -> None:
         """Expire now: unbind the keys still bound and drop the cache's id reference. Idempotent.

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -359,3 +360,24 @@ def test_a_run_that_ends_with_a_transfer_in_flight_finalizes_its_endpoints_quiet
     assert out["finalized"] == [True, True] and out["released"] == [True, True], out
     assert out["cleanup"] == (["ok"] if case == "generator" else []), out
     assert out["run_s"] < 5, out
+
+
+@pytest.mark.asyncio
+async def test_a_lease_whose_timed_release_was_refused_does_not_keep_a_dropped_llmdatadist(caplog):
+    """A lease whose timer fired while the endpoint was a DECODER (its release refused: a DECODER may not remove
+    keys) runs on without a deadline; it keeps the endpoint no longer, so a caller that dropped everything has the
+    endpoint finalized, with the warning. The row 322 form before its second review kept it for good (found by
+    that review)."""
+    dd = LLMDataDist(LLMRole.PROMPT, PROMPT)
+    await dd.init(options(listen=True, transport="tcp", enable_switch_role=True))
+    endpoint_of_dd = weakref.ref(dd._endpoint)
+    cache = dd.kv_cache_manager.allocate_cache(ROWS, [CacheKey(PROMPT, req_id=9)], lease_ms=300)
+    await dd.switch_role(LLMRole.DECODER)  # the bound key stays: the timed release will be refused
+    with caplog.at_level("WARNING", "aio_datadist"):
+        del dd, cache
+        gc.collect()
+        await asyncio.sleep(0.6)  # the timer fired and the release was refused
+        await asyncio.sleep(1.0)  # the endpoint is finalized on this loop
+        assert len(dropped_warnings(caplog)) == 1, dropped_warnings(caplog)
+    endpoint = endpoint_of_dd()
+    assert endpoint is None or endpoint.finalized
