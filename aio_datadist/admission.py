@@ -174,7 +174,7 @@ class Admission:
             except (BlockingIOError, InterruptedError):
                 pass
             readable = self._loop.create_future()
-            self._loop.add_reader(self.sock, lambda: readable.done() or readable.set_result(None))
+            self._loop.add_reader(self.sock, _wake, readable)
             try:
                 await readable
             finally:
@@ -308,3 +308,8 @@ async def streams(conn: socket.socket, head: bytes) -> tuple[ControlReader, asyn
     protocol = asyncio.StreamReaderProtocol(reader, lambda _, writer: writers.append(writer), loop=loop)
     await loop.connect_accepted_socket(lambda: protocol, conn)
     return reader, writers[0]
+
+
+def _wake(readable: asyncio.Future[None]) -> None:
+    if not readable.done():
+        readable.set_result(None)

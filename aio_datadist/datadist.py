@@ -29,8 +29,8 @@ from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
 from aio_datadist.option_checks import parse_listen
 from aio_datadist.options import cache_manager_mode, parse_options
-from aio_datadist.owners import Owners, end_shutdown_guard, finalize_at_loop_shutdown
 from aio_datadist.owner import handle_request
+from aio_datadist.owners import Owners, end_shutdown_guard, finalize_at_loop_shutdown
 from aio_datadist.runtime import Runtime
 from aio_datadist.stats import EndpointStats
 from aio_datadist.status import LLMException, LLMStatusCode

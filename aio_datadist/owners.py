@@ -1,4 +1,4 @@
-"""Owners: the objects a caller holds an endpoint by, and what happens when the last of them is collected.
+"""Owners: what holds an endpoint for its caller, and what ends an endpoint the caller left.
 
 An initialised endpoint lives on in its event loop's tasks (its listener,
 links, heartbeats) whether or not anything of the caller's still refers to
@@ -6,8 +6,9 @@ it. When the ``LLMDataDist`` and both of its managers are collected without
 ``finalize`` while that loop runs, nothing the caller holds could end it any
 more: it would go on listening, linking and serving for the life of the
 process. :class:`Owners` notices that moment, logs a warning and finalizes the
-endpoint on its loop, as a file object closes itself when collected. And when
-that loop shuts down with the endpoint initialised,
+endpoint on its loop, as a file object closes itself when collected (work the
+caller started, a layer-wise transfer or a lease, holds it meanwhile). And
+when that loop shuts down with the endpoint initialised,
 :func:`finalize_at_loop_shutdown` finalizes it there first.
 """
 
@@ -133,12 +134,11 @@ async def _until_shutdown(endpoint: Endpoint,
     try:
         yield
     finally:
-        if endpoint.shutdown_guard is None:
-            return  # ended by a finalize that has run (see end_shutdown_guard)
-        # A finalize already running (one started as the run cancelled the task that held the endpoint) is
-        # waited for: the loop closes once this returns.
+        # Not when a finalize has run (it ended the guard: end_shutdown_guard). A finalize already running (one
+        # started as the run cancelled the task that held the endpoint) is waited for: the loop closes after.
         runtime, loop = endpoint.runtime, _running_loop()
-        if loop is not None and endpoint.forks == forks() and (runtime is None or runtime.loop is loop):
+        if (endpoint.shutdown_guard is not None and loop is not None and endpoint.forks == forks()
+                and (runtime is None or runtime.loop is loop)):
             # The loop closes the other generators at the same time (the application's, whose cleanup may still
             # use the endpoint): theirs first, a second at most. Every close has started after one turn.
             _GUARDS.add(asyncio.current_task())

@@ -69,7 +69,7 @@ async def linked_pair() -> tuple[LLMDataDist, LLMDataDist]:
     prompt, decoder = LLMDataDist(LLMRole.PROMPT, 1), LLMDataDist(LLMRole.DECODER, 2)
     await prompt.init(options(True, False))
     await decoder.init(options(False, False))
-    ENDPOINTS.extend([prompt._endpoint, decoder._endpoint])  # noqa: SLF001
+    ENDPOINTS.extend([prompt._endpoint, decoder._endpoint])
     cluster = LLMClusterInfo()
     cluster.remote_cluster_id = 1
     cluster.append_remote_ip_info(*prompt.listen_address)
@@ -119,7 +119,7 @@ if loop == "uvloop":
 started = time.monotonic()
 if case in ("pull", "push"):
     run(main(case))
-    ENDPOINTS.extend(dd._endpoint for dd in KEEP[:2])  # type: ignore[attr-defined]  # noqa: SLF001
+    ENDPOINTS.extend(dd._endpoint for dd in KEEP[:2])  # type: ignore[attr-defined]
 elif case == "owned":
     run(owned())
 elif case == "generator":

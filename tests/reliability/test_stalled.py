@@ -496,7 +496,8 @@ async def test_a_loop_held_past_the_heartbeat_bound_does_not_fail_links_whose_pe
         await dd.check_link_status(DECODER)
         await dec.check_link_status(PROMPT)
         await dec.kv_cache_manager.pull_cache(key, mine)
-        assert all(torch.equal(t[0].view(torch.int16), v[0].view(torch.int16)) for t, v in zip(mine.tensors, sent, strict=True))
+        assert all(torch.equal(t[0].view(torch.int16), v[0].view(torch.int16))
+                   for t, v in zip(mine.tensors, sent, strict=True))
 
 
 @pytest.mark.asyncio
