@@ -54,6 +54,8 @@ __all__ = ["DataConn", "Link", "tune"]
 log = logging.getLogger("aio_datadist.links")
 
 HEARTBEAT_MISSES = 5
+#: What a link still sends once it sent ``UNLINK`` (``Link._mute``): the answer to the peer's own ``UNLINK``.
+_AFTER_UNLINK = frozenset({Msg.UNLINK_ACK})
 #: The answers a transfer of ours waits for (``Link.expect``); ``PROBE_ACK`` and ``UNLINK_ACK`` answer only
 #: the PROBE or UNLINK that asked for them.
 TRANSFER_REPLIES = frozenset({Msg.RESP, Msg.DONE})
@@ -345,6 +347,7 @@ class Link:
         ch = self.channels[index]
         if self.closed:
             return
+        tell_peer = tell_peer and not self.unlinking  # after our UNLINK the peer ends all it serves us (see expect)
         if ch.sock is None:
             if tell_peer and req_id:
                 self.send(Msg.ABORT, req_id, channel=index, generation=wire.NO_GENERATION)
@@ -527,15 +530,20 @@ class Link:
         sock = self.writer.transport.get_extra_info("socket")
         return None if sock is None else sock.fileno()
 
+    def _mute(self, msg: Msg) -> bool:
+        """Whether ``msg`` is not to be sent: nothing once the link is closing, and after our ``UNLINK`` only
+        an ``UNLINK_ACK`` (the peer reads nothing after our ``UNLINK``: see :meth:`expect`)."""
+        return self.closed or self.writer.is_closing() or (self.unlinking and msg not in _AFTER_UNLINK)
+
     def send(self, msg: Msg, req_id: int, **fields: Any) -> None:
-        """Send ``msg`` with its record's ``fields`` (nothing once the link is closing)."""
-        if self.closed or self.writer.is_closing():
+        """Send ``msg`` with its record's ``fields`` (see :meth:`_mute`)."""
+        if self._mute(msg):
             return
         self._write(wire.encode(msg, req_id, **fields))
 
     def send_record(self, msg: Msg, req_id: int, record: wire.Record, **changes: Any) -> None:
-        """Send ``msg`` carrying ``record`` with ``changes`` to its fields (nothing once the link is closing)."""
-        if self.closed or self.writer.is_closing():
+        """Send ``msg`` carrying ``record`` with ``changes`` to its fields (see :meth:`_mute`)."""
+        if self._mute(msg):
             return
         self._write(wire.encode_record(msg, req_id, record, **changes))
 
@@ -544,7 +552,7 @@ class Link:
         both, in order): for a word the peer needs soon and our caller need not wait for, a pull's ``DONE``.
         Each write to the control connection wakes the peer's process, which on the hosts measured costs the
         writer about 100 us; this takes that off the pull's return."""
-        if self.closed or self.writer.is_closing():
+        if self._mute(msg):
             return
         if not self._soon:
             asyncio.get_running_loop().call_soon(self._flush_soon)
@@ -571,9 +579,9 @@ class Link:
 
     def send_unlink(self, req_id: int) -> None:
         """Tell the peer we unlink (it acknowledges, then closes its end)."""
-        self.unlinking = True
         self._report_reads()
         self.send(Msg.UNLINK, req_id)
+        self.unlinking = True
 
     def _report_reads(self) -> None:
         # Our pulls without asking are reported to the owner in batches (REPORT_AFTER_S): the batch waiting
@@ -593,7 +601,14 @@ class Link:
         ``then``: the waiter for the peer's next reply to ``req_id`` (a transfer's ``DONE``, or a ``RESP``
         saying why the owner stopped part-way), made the waiter as the answer is read, before the task that
         awaits the answer resumes: a reply the peer sends right after its answer is not dropped meanwhile.
-        ``then_answer``: the one kind that reply may be (a push's ``DONE``; None: ``RESP`` or ``DONE``)."""
+        ``then_answer``: the one kind that reply may be (a push's ``DONE``; None: ``RESP`` or ``DONE``).
+
+        Once we sent ``UNLINK`` no request leaves any more (``LLM_NOT_YET_LINK``, raised here, before it is
+        sent): the peer reads nothing after our ``UNLINK``, and bytes it left unread as it closed made its
+        kernel reset the connection, dropping its ``UNLINK_ACK`` (the unlink then read as unanswered)."""
+        if self.unlinking and answer is not Msg.UNLINK_ACK:
+            raise LLMException(f"link to cluster {self.remote_cluster_id}: {transport_base.UNLINKING}",
+                               status_code=LLMStatusCode.LLM_NOT_YET_LINK)
         fut = asyncio.get_running_loop().create_future()
         self.pending[req_id] = fut
         if answer is not None:
@@ -703,8 +718,11 @@ class Link:
                 return
 
     def _probe(self) -> None:
-        """Send a PROBE. An id of ours, so that the answer (a Reply) gives the round trip; a PROBE_ACK nobody
-        waits for is dropped, as peers have always done with the id-0 probes of older versions."""
+        """Send a PROBE (none after our UNLINK: see :meth:`expect`). An id of ours, so that the answer (a Reply)
+        gives the round trip; a PROBE_ACK nobody waits for is dropped, as peers have always done with the id-0
+        probes of older versions."""
+        if self.unlinking:
+            return
         self._probe_id = self.new_req_id()
         self._probe_sent = time.perf_counter()
         self.send(Msg.PROBE, self._probe_id)

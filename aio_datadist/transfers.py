@@ -345,6 +345,10 @@ async def _run_request(rt: Runtime, link: Link, plan: Plan, req: Request, timeou
                 link.check()  # the engine stopped the job because the link went: say so
             except LLMException as state:
                 raise state from exc
+        if exc.status_code == LLMStatusCode.LLM_LINK_FAILED and link.unlinking:
+            # our own unlink cut it (the peer closed its channels as it answered): an unlink, not a failure
+            raise LLMException(f"{what}: link to cluster {link.remote_cluster_id} was unlinked ({exc})",
+                               status_code=LLMStatusCode.LLM_NOT_YET_LINK) from exc
         raise
     except BaseException:
         await req.give_up()
