@@ -309,6 +309,7 @@ class Link:
         """A free channel of ours; waits while all are busy or being redialled."""
         while True:
             self.check()
+            self._refuse_after_unlink()
             index = await self.free.get()
             if index < 0:  # the link went down: pass the news on to the next waiter
                 self.free.put_nowait(index)
@@ -317,6 +318,12 @@ class Link:
                                    status_code=LLMStatusCode.LLM_LINK_FAILED)
             ch = self.channels[index]
             ch.queued = False
+            if self.unlinking:
+                # We sent UNLINK while this waited: no request leaves any more (see expect); the channel goes
+                # back untouched (a request refused after it took one reset it and redialled into the peer,
+                # which had let the link go and refused: the link failed under the unlink).
+                self._put_free(ch)
+                self._refuse_after_unlink()
             if ch.sock is not None:  # else it was reset while queued: its redial queues it again
                 return index
 
@@ -356,7 +363,7 @@ class Link:
         self._drop_socket(ch, reset=True)
         if tell_peer:
             self.send(Msg.ABORT, req_id, channel=index, generation=generation)
-        if self.is_client:
+        if self.is_client and not self.unlinking:  # (after our UNLINK the peer takes no connection of the link)
             done = asyncio.get_running_loop().create_future()
             self.redialling[index] = done
             task = self.spawn(self._redial(index, generation + 1, done))
@@ -606,9 +613,8 @@ class Link:
         Once we sent ``UNLINK`` no request leaves any more (``LLM_NOT_YET_LINK``, raised here, before it is
         sent): the peer reads nothing after our ``UNLINK``, and bytes it left unread as it closed made its
         kernel reset the connection, dropping its ``UNLINK_ACK`` (the unlink then read as unanswered)."""
-        if self.unlinking and answer is not Msg.UNLINK_ACK:
-            raise LLMException(f"link to cluster {self.remote_cluster_id}: {transport_base.UNLINKING}",
-                               status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+        if answer is not Msg.UNLINK_ACK:
+            self._refuse_after_unlink()
         fut = asyncio.get_running_loop().create_future()
         self.pending[req_id] = fut
         if answer is not None:
@@ -616,6 +622,21 @@ class Link:
         if then is not None:
             self._then[req_id] = (then, then_answer)
         return fut
+
+    def _crossed_unlink(self) -> None:
+        """The peer's ``UNLINK`` came while ours waits for its answer: the peer let the link go as we did, which
+        is the answer (its ``UNLINK_ACK`` may never come: it tears the link down as ours does)."""
+        for req_id, answer in list(self._acks.items()):
+            fut = self.pending.get(req_id)
+            if answer is Msg.UNLINK_ACK and fut is not None and not fut.done():
+                fut.set_result(None)
+                self.unexpect(req_id)
+
+    def _refuse_after_unlink(self) -> None:
+        """``LLM_NOT_YET_LINK`` once we sent ``UNLINK``: no request of ours leaves any more (see :meth:`expect`)."""
+        if self.unlinking:
+            raise LLMException(f"link to cluster {self.remote_cluster_id}: {transport_base.UNLINKING}",
+                               status_code=LLMStatusCode.LLM_NOT_YET_LINK)
 
     def unexpect(self, req_id: int) -> None:
         """Stop waiting for the answer to ``req_id`` (one that comes later is dropped)."""
@@ -840,6 +861,8 @@ class Link:
             case protocol.Unlink(req_id=req_id):
                 # Answered once our end is down (``close``): the peer's unlink returns on the answer, so no
                 # byte of its pushes may land here after it (a forced unlink under pushes waits for it).
+                if self.unlinking:
+                    self._crossed_unlink()
                 self._forget(self)
                 self.spawn(self.close(ack=req_id))
             case protocol.Abort(req_id=req_id, record=record, peers_request=peers_request):

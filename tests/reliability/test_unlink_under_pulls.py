@@ -1,16 +1,26 @@
-"""Our own unlink while many of our pulls use the link: an unlink, not a failure (row 324)."""
+"""Our own unlink while many of our pulls use the link, or while the peer unlinks us: an unlink, not a failure
+(row 324)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-
-from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement
-from peers import CacheSpec, EndpointSpec, cluster_info
-
 from _forked import forked
 from _harness import endpoint
+from peers import CacheSpec, EndpointSpec, cluster_info
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    KvCache,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    links,
+)
 
 S = LLMStatusCode
 
@@ -32,11 +42,11 @@ async def test_our_unlink_under_more_pulls_than_channels_is_an_unlink(fork_serve
     desc = CacheDesc(4, (64, 8192), DataType.DT_FLOAT, Placement.HOST)
     async with forked(UNLINK_PROMPT) as (prompt,), endpoint(LLMRole.DECODER, 2, transport="tcp") as dd:
         results, cuts = [], []
-        for trial in range(4):
+        for _ in range(4):
             assert (await dd.link_clusters([cluster_info(1, prompt.address)]))[0] == S.LLM_SUCCESS
             dst = dd.kv_cache_manager.allocate_blocks_cache(desc)
 
-            async def pulls(k: int) -> None:
+            async def pulls(k: int, dst: KvCache) -> None:
                 mine = [k * 4 + j for j in range(4)]
                 while True:
                     try:
@@ -45,10 +55,86 @@ async def test_our_unlink_under_more_pulls_than_channels_is_an_unlink(fork_serve
                         cuts.append((exc.status_code, str(exc)))
                         return
 
-            pulling = [asyncio.ensure_future(pulls(k)) for k in range(8)]
+            pulling = [asyncio.ensure_future(pulls(k, dst)) for k in range(8)]
             await asyncio.sleep(0.3)
             results.append((await dd.unlink_clusters([cluster_info(1, prompt.address)], 3000))[0])
             await asyncio.wait_for(asyncio.gather(*pulling), 10)
             dd.kv_cache_manager.deallocate_cache(dst)
         assert results == [S.LLM_SUCCESS] * 4, results
         assert cuts and all(code == S.LLM_NOT_YET_LINK for code, _ in cuts), cuts
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("pulling", [False, True], ids=["idle", "pulling"])
+async def test_unlinks_that_cross_both_succeed(pulling):
+    """Both ends call ``unlink_clusters`` for each other at the same moment: each reads the other's ``UNLINK``
+    while its own waits for an answer, which is the answer (the peer let the link go too). Before, each end tore
+    the link down on the peer's ``UNLINK`` and failed its own wait: both usually reported
+    ``LLM_NOTIFY_PROMPT_UNLINK_FAILED`` (found by the review of row 324)."""
+    desc = CacheDesc(4, (64, 8192), DataType.DT_FLOAT, Placement.HOST)
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, transport="tcp") as prompt, \
+            endpoint(LLMRole.DECODER, 2, listen=True, transport="tcp") as dec:
+        prompt.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+        results = []
+        for _ in range(6):
+            assert (await dec.link_clusters([cluster_info(1, prompt.listen_address)]))[0] == S.LLM_SUCCESS
+            dst = dec.kv_cache_manager.allocate_blocks_cache(desc)
+
+            async def pulls(k: int, dst: KvCache) -> None:
+                while True:
+                    try:
+                        await dec.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [k], [k])
+                    except LLMException:
+                        return
+
+            tasks = [asyncio.ensure_future(pulls(k, dst)) for k in range(4)] if pulling else []
+            await asyncio.sleep(0.05)
+            (ours, _), (theirs, _) = await asyncio.gather(
+                dec.unlink_clusters([cluster_info(1, prompt.listen_address)], 2000),
+                prompt.unlink_clusters([cluster_info(2, dec.listen_address)], 2000))
+            results.append((ours, theirs))
+            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            dec.kv_cache_manager.deallocate_cache(dst)
+        assert results == [(S.LLM_SUCCESS, S.LLM_SUCCESS)] * 6, results
+
+
+@pytest.mark.asyncio
+async def test_a_pull_that_waited_for_a_channel_through_our_unlink_leaves_it_untouched(monkeypatch):
+    """One data channel, four pulls queued on it, and a peer that takes 0.3 s to answer our ``UNLINK`` (its
+    settle of what it serves may take up to ``links.SERVED_SETTLE_S``): a pull that gets the channel after our
+    ``UNLINK`` is refused before anything is sent and gives the channel back as it was; the unlink succeeds.
+    A first form of row 324 refused it only once it held the channel: giving it up reset the channel and
+    redialled it into the peer, which had let the link go and refused, so the link failed under the unlink
+    (``LLM_NOTIFY_PROMPT_UNLINK_FAILED``, 3 of 3; found by its review)."""
+    settle = links.Link.settle_served
+
+    async def slow_settle(self: links.Link, *, pushes_only: bool = False) -> None:
+        await settle(self, pushes_only=pushes_only)
+        if not self.is_client and not pushes_only:  # the prompt's end, answering the decoder's UNLINK
+            await asyncio.sleep(0.3)
+
+    monkeypatch.setattr(links.Link, "settle_served", slow_settle)
+    desc = CacheDesc(4, (64, 8192), DataType.DT_FLOAT, Placement.HOST)
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, transport="tcp", data_channels=1) as prompt, \
+            endpoint(LLMRole.DECODER, 2, transport="tcp", data_channels=1) as dec:
+        prompt.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+        results, cuts = [], []
+        for _ in range(3):
+            assert (await dec.link_clusters([cluster_info(1, prompt.listen_address)]))[0] == S.LLM_SUCCESS
+            dst = dec.kv_cache_manager.allocate_blocks_cache(desc)
+
+            async def pulls(k: int, dst: KvCache) -> None:
+                while True:
+                    try:
+                        await dec.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [k], [k])
+                    except LLMException as exc:
+                        cuts.append(exc.status_code)
+                        return
+
+            tasks = [asyncio.ensure_future(pulls(k, dst)) for k in range(4)]
+            await asyncio.sleep(0.1)
+            results.append((await dec.unlink_clusters([cluster_info(1, prompt.listen_address)], 3000))[0])
+            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            dec.kv_cache_manager.deallocate_cache(dst)
+        assert results == [S.LLM_SUCCESS] * 3, (results, cuts)
+        assert set(cuts) == {S.LLM_NOT_YET_LINK}, cuts
