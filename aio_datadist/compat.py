@@ -87,6 +87,10 @@ STOP_JOIN_S = 5.0
 EXIT_FINALIZE_S = QUIESCE_S + 15.0
 #: How long the exit gives the finalizes it gave up on to end once cancelled, before it stops the loop.
 EXIT_CANCEL_S = 1.0
+#: How long stopping the loop waits for the blocking calls still running on it to end (at exit, those of
+#: daemon threads that the finalize failed: milliseconds), so each caller's future takes its result before the
+#: loop stops; a call still running then fails as the loop's thread ends, as before.
+STOP_CALLS_S = 0.5
 
 
 class _LoopThread:
@@ -98,12 +102,21 @@ class _LoopThread:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._end = _LoopEnd()
+        self._refusing = False  # the process exits: no call starts (nor a loop for it)
+
+    def refuse_calls(self) -> None:
+        """From now on every call raises ``LLM_FAILED`` before it is submitted (the process exits)."""
+        with self._lock:
+            self._refusing = True
 
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._started()[0]
 
     def _started(self) -> tuple[asyncio.AbstractEventLoop, _LoopEnd]:
         with self._lock:
+            if self._refusing:
+                raise LLMException("the blocking facade is shutting down (the process exits); the call cannot run",
+                                   status_code=LLMStatusCode.LLM_FAILED)
             if self._loop is None:
                 # asyncio's own loop, whatever the process's policy: a forked child of a process whose facade
                 # ran on uvloop crashes as it exits (libuv joins thread-pool threads that are the parent's).
@@ -162,7 +175,11 @@ class _LoopThread:
         else:
             coro.close()
             raise RuntimeError("aio_datadist.compat blocks; inside an event loop use the async API")
-        loop, end = self._started()
+        try:
+            loop, end = self._started()
+        except LLMException:
+            coro.close()
+            raise
         call = _Call(coro, undo)
         settled = threading.Event()  # the call's result is in, or the loop's thread has ended
         try:
@@ -206,12 +223,19 @@ class _LoopThread:
         self._lock = threading.Lock()
         self._loop = self._thread = None
         self._stopping, self._end = threading.Event(), _LoopEnd()
+        self._refusing = False
 
     def stop(self) -> None:
         with self._lock:
             loop, thread, stopping = self._loop, self._thread, self._stopping
             self._loop = self._thread = None
         if loop is not None and thread is not None:
+            if thread.is_alive():
+                # The calls still on the loop end first (a finalize failed them), so their callers' futures
+                # take their results: a call ended in the loop's last turn left its error unread ("Task
+                # exception was never retrieved") and one not started yet was destroyed pending.
+                with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+                    asyncio.run_coroutine_threadsafe(_end_calls(STOP_CALLS_S), loop).result(STOP_CALLS_S + 1.0)
             stopping.set()  # before the stop, which its thread takes for a callback's loop.stop() otherwise
             loop.call_soon_threadsafe(loop.stop)
             thread.join(STOP_JOIN_S)
@@ -220,6 +244,15 @@ class _LoopThread:
                             "still runs on it); left running", STOP_JOIN_S)
                 return
             loop.close()
+
+
+async def _end_calls(limit: float) -> None:
+    """Wait ``limit`` at most for the blocking calls running on this loop to end, and let the callbacks their
+    ends scheduled (their callers' futures) run."""
+    calls = [task for task in asyncio.all_tasks() if getattr(task.get_coro(), "__qualname__", "") == "_Call._run"]
+    if calls:
+        await asyncio.wait(calls, timeout=limit)
+    await asyncio.sleep(0)
 
 
 class _Call(Generic[_T]):
@@ -342,6 +375,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 @atexit.register
 def _finalize_all() -> None:
+    _RUNNER.refuse_calls()  # daemon threads still calling: refused from now on, not left running at the stop
     live, loop = list(_LIVE), _RUNNER._loop
     _LIVE.clear()
     if live and loop is not None:

@@ -1,0 +1,56 @@
+"""A blocking-facade program whose daemon threads are still calling when its main thread returns, for
+``test_compat_processes.py``: 8 threads pull blocks in a loop over a TCP link between two endpoints of this
+process; the exit's finalize fails their calls and refuses the next ones."""
+
+import random
+import threading
+import time
+
+from aio_datadist.compat import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+)
+
+BLOCKS = CacheDesc(4, [64, 8192], DataType.DT_FLOAT)
+
+
+def options(listen: bool) -> dict[str, str]:
+    config = LLMConfig()
+    config.device_id = 0
+    config.transport = "tcp"
+    if listen:
+        config.listen_ip_info = "127.0.0.1:0"
+    return config.generate_options()
+
+
+prompt, decoder = LLMDataDist(LLMRole.PROMPT, 1), LLMDataDist(LLMRole.DECODER, 2)
+prompt.init(options(True))
+decoder.init(options(False))
+prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(1, 0))
+cluster = LLMClusterInfo()
+cluster.remote_cluster_id = 1
+cluster.append_remote_ip_info(*prompt.listen_address)
+assert decoder.link_clusters([cluster], 3000)[0] == 0
+dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS)
+
+
+def pulls(k: int) -> None:
+    rnd = random.Random(k)
+    while True:
+        try:
+            decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, rnd.sample(range(64), 4),
+                                                 [k * 4 + j for j in range(4)])
+        except LLMException:
+            pass
+
+
+for k in range(8):
+    threading.Thread(target=pulls, args=(k,), daemon=True).start()
+time.sleep(0.5)
+print("main returns", flush=True)
