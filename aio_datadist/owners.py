@@ -20,7 +20,7 @@ import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from aio_datadist._forks import forks
 
@@ -121,7 +121,7 @@ def finalize_at_loop_shutdown(endpoint: Endpoint, finalize: Callable[[Endpoint],
     if getattr(sys.get_asyncgen_hooks().firstiter, "__self__", None) is not loop:
         return  # the thread's hooks were replaced: no loop would close the generator, the collector would
     guard = _until_shutdown(endpoint, finalize)
-    step = guard.__anext__()  # the loop's first-iteration hook (set where it runs) takes note of the generator
+    step = cast(Coroutine[Any, Any, None], guard.__anext__())  # the loop's first-iteration hook takes note of it
     try:
         step.send(None)
     except StopIteration:
@@ -141,7 +141,9 @@ async def _until_shutdown(endpoint: Endpoint,
                 and (runtime is None or runtime.loop is loop)):
             # The loop closes the other generators at the same time (the application's, whose cleanup may still
             # use the endpoint): theirs first, a second at most. Every close has started after one turn.
-            _GUARDS.add(asyncio.current_task())
+            me = asyncio.current_task()
+            if me is not None:
+                _GUARDS.add(me)
             await asyncio.sleep(0)
             others = [task for task in asyncio.all_tasks(loop) if task not in _GUARDS
                       and type(task.get_coro()).__name__ == "async_generator_athrow"]
