@@ -57,6 +57,12 @@ def _assert_ran(result: dict) -> None:
     assert not failed, failed
 
 
+def link_port() -> dict[str, str]:
+    """The rank-table ports of this run (``aio.LinkPort``): free ones, not the samples' 26000/26001, which the
+    same sample run on the other test worker (its other transport) listened on at the same time."""
+    return {"aio.LinkPort": str(_port("_client_harness").free_port_pair())}
+
+
 def test_every_port_is_run_here():
     assert len(TWO_PROCESS_PORTS) == 11, TWO_PROCESS_PORTS
 
@@ -64,13 +70,13 @@ def test_every_port_is_run_here():
 @pytest.mark.parametrize("transport", ["tcp", "local"])
 @pytest.mark.parametrize("name", TWO_PROCESS_PORTS)
 def test_a_real_client_flow_runs_unchanged(name: str, transport: str, tmp_path: Path) -> None:
-    _assert_ran(_port(name).run(tmp_path, options={"aio.Transport": transport}))
+    _assert_ran(_port(name).run(tmp_path, options={"aio.Transport": transport, **link_port()}))
 
 
 @pytest.mark.parametrize(("name", "variant"), VARIANTS, ids=[f"{n[7:]}-{'-'.join(map(str, v.values()))}"
                                                           for n, v in VARIANTS])
 def test_a_real_client_flow_variant_runs_unchanged(name: str, variant: dict, tmp_path: Path) -> None:
-    _assert_ran(_port(name).run(tmp_path, options={"aio.Transport": "tcp"}, **variant))
+    _assert_ran(_port(name).run(tmp_path, options={"aio.Transport": "tcp", **link_port()}, **variant))
 
 
 def test_every_name_the_clients_import_exists():

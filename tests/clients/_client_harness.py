@@ -31,6 +31,7 @@ import faulthandler
 import math
 import multiprocessing as mp
 import os
+import random
 import socket
 import sys
 import threading
@@ -307,15 +308,45 @@ def tensors_at(shape: Any, dtype: torch.dtype, addrs: list[int]) -> list[torch.T
     return out
 
 
+def free_port_pair() -> int:
+    """A port ``p`` such that ``p`` and ``p + 1`` are free on both loopback addresses (see :func:`free_ports`):
+    the ports a rank table's ranks 0 and 1 take with ``aio.LinkPort`` = ``p``, instead of the samples'
+    26000/26001, which two runs of one sample on the two test workers would both listen on."""
+    for _ in range(100):
+        port = free_ports(1)[0]
+        try:
+            for address in (LOCALHOST, OTHER_LOCALHOST):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((address, port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two consecutive free loopback ports")
+
+
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports free right now (for the samples' fixed 26000/26001)."""
-    socks = []
+    """``count`` distinct loopback ports free right now on both loopback addresses (for the samples' fixed
+    26000/26001), taken below the kernel's ephemeral range: a port ``bind(0)`` gave comes from that range, and
+    an outgoing connection of the other test worker's could take it before the sample listened on it ("cannot
+    listen on 127.0.0.2:...", seen in parallel runs)."""
     try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOCALHOST, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    chooser = random.SystemRandom()
+    ports: list[int] = []
+    for _ in range(1000):
+        if len(ports) == count:
+            return ports
+        port = chooser.randrange(10000, max(10001, low))
+        if port in ports or port in (26000, 26001):  # (the samples' own, which a real run may hold)
+            continue
+        try:
+            for address in (LOCALHOST, OTHER_LOCALHOST):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((address, port))
+        except OSError:
+            continue
+        ports.append(port)
+    raise RuntimeError(f"no {count} free loopback ports below {low}")
