@@ -102,19 +102,21 @@ class _LoopThread:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._end = _LoopEnd()
-        self._refusing = False  # the process exits: no call starts (nor a loop for it)
+        self._refusing: int | None = None  # the process exits: no call of a thread but this one starts
 
     def refuse_calls(self) -> None:
-        """From now on every call raises ``LLM_FAILED`` before it is submitted (the process exits)."""
+        """From now on a call of any thread but this one (the exit's: its later atexit hooks may still call,
+        a ``finalize`` of an endpoint the exit finalized returns) raises ``LLM_FAILED`` before it is submitted:
+        daemon threads still calling when the process exits."""
         with self._lock:
-            self._refusing = True
+            self._refusing = threading.get_ident()
 
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._started()[0]
 
     def _started(self) -> tuple[asyncio.AbstractEventLoop, _LoopEnd]:
         with self._lock:
-            if self._refusing:
+            if self._refusing is not None and self._refusing != threading.get_ident():
                 raise LLMException("the blocking facade is shutting down (the process exits); the call cannot run",
                                    status_code=LLMStatusCode.LLM_FAILED)
             if self._loop is None:
@@ -223,7 +225,7 @@ class _LoopThread:
         self._lock = threading.Lock()
         self._loop = self._thread = None
         self._stopping, self._end = threading.Event(), _LoopEnd()
-        self._refusing = False
+        self._refusing = None
 
     def stop(self) -> None:
         with self._lock:

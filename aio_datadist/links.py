@@ -372,14 +372,18 @@ class Link:
     async def _redial(self, index: int, generation: int, done: asyncio.Future) -> None:
         try:
             while True:
+                if self.unlinking:
+                    return  # we sent UNLINK: the peer takes no connection of the link any more
                 self._redial_to[index] = generation
                 try:
                     sock = await self._redial_data(self.remote_address, self.token, index, generation)
                 except (OSError, LLMException, TimeoutError) as exc:
+                    if self.unlinking:
+                        return  # refused as the peer let the link go on our UNLINK: no failure of it
                     self.fail(LLMException(f"could not redial data channel {index}: {exc}",
                                            status_code=LLMStatusCode.LLM_LINK_FAILED))
                     return
-                if self.down:  # the link's teardown ran already: nothing closes it
+                if self.down or self.unlinking:  # the link's teardown ran already (or goes): nothing uses it
                     sock.close()
                     return
                 if index in self._stale_redials:

@@ -1,10 +1,24 @@
 """A blocking-facade program whose daemon threads are still calling when its main thread returns, for
 ``test_compat_processes.py``: 8 threads pull blocks in a loop over a TCP link between two endpoints of this
-process; the exit's finalize fails their calls and refuses the next ones."""
+process; the exit's finalize fails their calls and refuses the next ones. Its own cleanup hook, registered before
+the facade was imported (a framework that imports the connector lazily), runs after the facade's exit hook and
+finalizes an endpoint again (which returns)."""
 
+import atexit
 import random
 import threading
 import time
+
+
+def late_cleanup() -> None:
+    try:
+        decoder.finalize()
+        print("late finalize: ok", flush=True)
+    except Exception as exc:
+        print(f"late finalize raised {type(exc).__name__}: {exc}", flush=True)
+
+
+atexit.register(late_cleanup)
 
 from aio_datadist.compat import (
     BlocksCacheKey,
