@@ -179,7 +179,7 @@ class _LoopThread:
             raise RuntimeError("aio_datadist.compat blocks; inside an event loop use the async API")
         try:
             loop, end = self._started()
-        except LLMException:
+        except (LLMException, RuntimeError):  # RuntimeError: no thread may start at interpreter shutdown (3.12)
             coro.close()
             raise
         call = _Call(coro, undo)
@@ -375,10 +375,15 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+#: The endpoints the exit's finalize took (their ``finalize`` from a later atexit hook returns at once).
+_EXIT_FINALIZED: set[LLMDataDist] = set()
+
+
 @atexit.register
 def _finalize_all() -> None:
     _RUNNER.refuse_calls()  # daemon threads still calling: refused from now on, not left running at the stop
     live, loop = list(_LIVE), _RUNNER._loop
+    _EXIT_FINALIZED.update(live)
     _LIVE.clear()
     if live and loop is not None:
         # A callback of the caller's may hold the loop (a blocking wait in an async synchronizer): the exit
@@ -663,6 +668,8 @@ class LLMDataDist:
     def finalize(self) -> None:
         # Dropped from the exit's finalize once this one ran: a call refused before it ran (from inside a running
         # loop) or stopped part-way (Ctrl-C) leaves it there (finalize is idempotent).
+        if self in _EXIT_FINALIZED:
+            return  # the exit finalized it (a cleanup hook that runs after the facade's): no loop runs any more
         _RUNNER.run(self._dd.finalize())
         _LIVE.discard(self)
 

@@ -921,6 +921,10 @@ class LinkTable:
                 self._leaving.pop(link, None)
         return status
 
+    def leaving_links(self) -> list[Link]:
+        """The links we are unlinking (out of the table, not closed yet)."""
+        return [link for link in self._leaving if not link.closed]
+
     async def probe(self, remote_id: int, timeout_ms: int) -> None:
         link = self.get(remote_id)
         req_id = link.new_req_id()
@@ -975,5 +979,8 @@ class LinkTable:
 
 def _check_attached(reply: bytes, index: int) -> None:
     magic, status = wire.ATTACH_OK.unpack(reply)
+    if magic == wire.ATTACH_MAGIC and status == LLMStatusCode.LLM_NOT_YET_LINK:
+        raise LLMException(f"peer refused data channel {index}: it is unlinking the link",
+                           status_code=LLMStatusCode.LLM_NOT_YET_LINK)
     if magic != wire.ATTACH_MAGIC or status != SUCCESS:
         raise LLMException(f"peer refused data channel {index}", status_code=LLMStatusCode.LLM_LINK_FAILED)

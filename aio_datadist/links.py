@@ -378,8 +378,9 @@ class Link:
                 try:
                     sock = await self._redial_data(self.remote_address, self.token, index, generation)
                 except (OSError, LLMException, TimeoutError) as exc:
-                    if self.unlinking:
-                        return  # refused as the peer let the link go on our UNLINK: no failure of it
+                    if self.unlinking or (isinstance(exc, LLMException)
+                                          and exc.status_code == LLMStatusCode.LLM_NOT_YET_LINK):
+                        return  # the link goes by an unlink (ours, or the peer's, whose UNLINK follows): no failure
                     self.fail(LLMException(f"could not redial data channel {index}: {exc}",
                                            status_code=LLMStatusCode.LLM_LINK_FAILED))
                     return

@@ -96,6 +96,9 @@ class Table(Protocol):
     def attached(self, link: Link, index: int) -> None:
         """Data channel ``index`` of ``link`` was installed (its fd is open)."""
 
+    def leaving_links(self) -> list[Link]:
+        """The links being unlinked by us (out of ``links``, not closed yet)."""
+
     def share_candidates(self) -> list[tuple[bytes, Callable[[socket.socket], None]]]:
         """The links a same-host peer may attach its share to now."""
 
@@ -274,11 +277,21 @@ class Listener:
             return None, index, generation
         return link, index, generation
 
+    def _leaving_target(self, record: bytes) -> bool:
+        """Whether an attach record names a link of ours that we are unlinking."""
+        _, _, token, index, generation = wire.ATTACH.unpack(record)
+        return any(hmac.compare_digest(handshake.attach_token(self.secret, lk.token, index, generation), token)
+                   for lk in self._table.leaving_links())
+
     async def _accept_data(self, magic: bytes, reader: _Watched, writer: asyncio.StreamWriter,
                            admission: Admission, pending: Pending) -> bool:
-        link, index, generation = self._attach_target(magic + await reader.readexactly(wire.ATTACH.size - 4))
+        record = magic + await reader.readexactly(wire.ATTACH.size - 4)
+        link, index, generation = self._attach_target(record)
         if link is None:
-            writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
+            # A link we are unlinking (out of the table, its UNLINK leaving or left) is refused as such: the
+            # peer's redial then ends without failing the link, whose UNLINK follows (row 324).
+            code = LLMStatusCode.LLM_NOT_YET_LINK if self._leaving_target(record) else LLMStatusCode.LLM_LINK_FAILED
+            writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, code))
             await writer.drain()
             return False
         admission.leave(pending)

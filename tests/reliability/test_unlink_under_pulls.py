@@ -187,3 +187,52 @@ async def test_a_redial_under_way_at_our_unlink_does_not_fail_it(monkeypatch):
                              str(link.broken)))
             dec.kv_cache_manager.deallocate_cache(dst)
         assert [code for code, _ in results] == [S.LLM_SUCCESS] * 3, results
+
+
+@pytest.mark.asyncio
+async def test_a_peer_s_redial_under_way_at_our_unlink_does_not_fail_it(monkeypatch):
+    """The mirror of the test above: we are the accepting end and unlink, while the peer's redial (its pull was
+    cancelled) is on its way and the peer is slow to answer our ``UNLINK``. We refuse the redial saying we are
+    unlinking (``LLM_NOT_YET_LINK`` in ``ATTACH_OK``), and the peer's redial ends without failing the link, whose
+    ``UNLINK`` it then answers: the unlink succeeds. Before, the refusal read as a plain failure there, the peer's
+    link broke, it never answered, and our unlink reported ``LLM_NOTIFY_PROMPT_UNLINK_FAILED`` (3 of 3; found by
+    the final review of row 324)."""
+    settle = links.Link.settle_served
+
+    async def slow_settle(self: links.Link, *, pushes_only: bool = False) -> None:
+        await settle(self, pushes_only=pushes_only)
+        if self.is_client and not pushes_only:  # the decoder's end, answering the prompt's UNLINK
+            await asyncio.sleep(0.3)
+
+    monkeypatch.setattr(links.Link, "settle_served", slow_settle)
+    desc = CacheDesc(4, (64, 65536), DataType.DT_FLOAT, Placement.HOST)
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, transport="tcp", data_channels=1) as prompt, \
+            endpoint(LLMRole.DECODER, 2, transport="tcp", data_channels=1) as dec:
+        prompt.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+        table = link_table_of(dec)
+        real = table.dial_data
+
+        async def dial_data(address: Any, token: bytes, index: int, generation: int) -> Any:
+            if generation > 0:  # a redial, 50 ms on its way
+                await asyncio.sleep(0.05)
+            return await real(address, token, index, generation)
+
+        table.dial_data = dial_data  # type: ignore[method-assign]
+        results = []
+        for _ in range(3):
+            assert (await dec.link_clusters([cluster_info(1, prompt.listen_address)]))[0] == S.LLM_SUCCESS
+            link = table.links[1]
+            dst = dec.kv_cache_manager.allocate_blocks_cache(desc)
+            blocks = list(range(64))
+            pull = asyncio.ensure_future(dec.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks))
+            for _ in range(1000):
+                if link.pending:
+                    break
+                await asyncio.sleep(0)
+            pull.cancel()
+            await asyncio.gather(pull, return_exceptions=True)
+            code = (await prompt.unlink_clusters([cluster_info(2, ("127.0.0.1", 1))], 3000))[0]
+            results.append((code, str(link.broken)))
+            dec.kv_cache_manager.deallocate_cache(dst)
+            await asyncio.sleep(0.5)
+        assert [code for code, _ in results] == [S.LLM_SUCCESS] * 3, results
