@@ -142,22 +142,21 @@ async def test_a_pull_that_waited_for_a_channel_through_our_unlink_leaves_it_unt
         assert set(cuts) == {S.LLM_NOT_YET_LINK}, cuts
 
 
-@pytest.mark.asyncio
-async def test_a_redial_under_way_at_our_unlink_does_not_fail_it(monkeypatch):
-    """A cancelled pull reset its channel, whose redial (20 ms on its way, as over a network) is under way when
-    we unlink; the peer, slow to answer our ``UNLINK``, let the link go on reading it and refuses the redial:
-    that is no failure of the link, and the unlink succeeds. A second form of row 324 stopped only redials
-    started after our ``UNLINK``: this one failed the link under the unlink (``LLM_NOTIFY_PROMPT_UNLINK_FAILED``,
-    3 of 3; found by its review)."""
+async def unlink_with_a_redial_under_way(monkeypatch: Any, *, we_accept: bool) -> list[tuple[S, str]]:
+    """Three rounds: the decoder's 64-block pull is cancelled (its one data channel reset, the redial on its way,
+    ``delay`` as over a network), and one end unlinks at once while the other is slow to answer (its settle of
+    what it serves: up to ``links.SERVED_SETTLE_S``). ``we_accept``: the prompt (accepting end) unlinks, else
+    the decoder (dialling end). Each round's unlink status and the decoder's link's failure, if any."""
     settle = links.Link.settle_served
 
     async def slow_settle(self: links.Link, *, pushes_only: bool = False) -> None:
         await settle(self, pushes_only=pushes_only)
-        if not self.is_client and not pushes_only:  # the prompt's end, answering the decoder's UNLINK
+        if self.is_client == we_accept and not pushes_only:  # the end that answers the UNLINK
             await asyncio.sleep(0.3)
 
     monkeypatch.setattr(links.Link, "settle_served", slow_settle)
     desc = CacheDesc(4, (64, 65536), DataType.DT_FLOAT, Placement.HOST)
+    delay = 0.05 if we_accept else 0.02
     async with endpoint(LLMRole.PROMPT, 1, listen=True, transport="tcp", data_channels=1) as prompt, \
             endpoint(LLMRole.DECODER, 2, transport="tcp", data_channels=1) as dec:
         prompt.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
@@ -166,7 +165,7 @@ async def test_a_redial_under_way_at_our_unlink_does_not_fail_it(monkeypatch):
 
         async def dial_data(address: Any, token: bytes, index: int, generation: int) -> Any:
             if generation > 0:  # a redial
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(delay)
             return await real(address, token, index, generation)
 
         table.dial_data = dial_data  # type: ignore[method-assign]
@@ -183,56 +182,33 @@ async def test_a_redial_under_way_at_our_unlink_does_not_fail_it(monkeypatch):
                 await asyncio.sleep(0)
             pull.cancel()
             await asyncio.gather(pull, return_exceptions=True)
-            results.append(((await dec.unlink_clusters([cluster_info(1, prompt.listen_address)], 3000))[0],
-                             str(link.broken)))
+            if we_accept:
+                code = (await prompt.unlink_clusters([cluster_info(2, ("127.0.0.1", 1))], 3000))[0]
+            else:
+                code = (await dec.unlink_clusters([cluster_info(1, prompt.listen_address)], 3000))[0]
+            results.append((code, str(link.broken)))
             dec.kv_cache_manager.deallocate_cache(dst)
-        assert [code for code, _ in results] == [S.LLM_SUCCESS] * 3, results
+            if we_accept:
+                await asyncio.sleep(0.5)  # the decoder's end answered and closed
+        return results
+
+
+@pytest.mark.asyncio
+async def test_a_redial_under_way_at_our_unlink_does_not_fail_it(monkeypatch):
+    """A cancelled pull reset its channel, whose redial is under way when we unlink; the peer, slow to answer our
+    ``UNLINK``, let the link go on reading it and refuses the redial: that is no failure of the link, and the
+    unlink succeeds. A second form of row 324 stopped only redials started after our ``UNLINK``: this one failed
+    the link under the unlink (``LLM_NOTIFY_PROMPT_UNLINK_FAILED``, 3 of 3; found by its review)."""
+    results = await unlink_with_a_redial_under_way(monkeypatch, we_accept=False)
+    assert [code for code, _ in results] == [S.LLM_SUCCESS] * 3, results
 
 
 @pytest.mark.asyncio
 async def test_a_peer_s_redial_under_way_at_our_unlink_does_not_fail_it(monkeypatch):
-    """The mirror of the test above: we are the accepting end and unlink, while the peer's redial (its pull was
-    cancelled) is on its way and the peer is slow to answer our ``UNLINK``. We refuse the redial saying we are
-    unlinking (``LLM_NOT_YET_LINK`` in ``ATTACH_OK``), and the peer's redial ends without failing the link, whose
-    ``UNLINK`` it then answers: the unlink succeeds. Before, the refusal read as a plain failure there, the peer's
-    link broke, it never answered, and our unlink reported ``LLM_NOTIFY_PROMPT_UNLINK_FAILED`` (3 of 3; found by
-    the final review of row 324)."""
-    settle = links.Link.settle_served
-
-    async def slow_settle(self: links.Link, *, pushes_only: bool = False) -> None:
-        await settle(self, pushes_only=pushes_only)
-        if self.is_client and not pushes_only:  # the decoder's end, answering the prompt's UNLINK
-            await asyncio.sleep(0.3)
-
-    monkeypatch.setattr(links.Link, "settle_served", slow_settle)
-    desc = CacheDesc(4, (64, 65536), DataType.DT_FLOAT, Placement.HOST)
-    async with endpoint(LLMRole.PROMPT, 1, listen=True, transport="tcp", data_channels=1) as prompt, \
-            endpoint(LLMRole.DECODER, 2, transport="tcp", data_channels=1) as dec:
-        prompt.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
-        table = link_table_of(dec)
-        real = table.dial_data
-
-        async def dial_data(address: Any, token: bytes, index: int, generation: int) -> Any:
-            if generation > 0:  # a redial, 50 ms on its way
-                await asyncio.sleep(0.05)
-            return await real(address, token, index, generation)
-
-        table.dial_data = dial_data  # type: ignore[method-assign]
-        results = []
-        for _ in range(3):
-            assert (await dec.link_clusters([cluster_info(1, prompt.listen_address)]))[0] == S.LLM_SUCCESS
-            link = table.links[1]
-            dst = dec.kv_cache_manager.allocate_blocks_cache(desc)
-            blocks = list(range(64))
-            pull = asyncio.ensure_future(dec.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks))
-            for _ in range(1000):
-                if link.pending:
-                    break
-                await asyncio.sleep(0)
-            pull.cancel()
-            await asyncio.gather(pull, return_exceptions=True)
-            code = (await prompt.unlink_clusters([cluster_info(2, ("127.0.0.1", 1))], 3000))[0]
-            results.append((code, str(link.broken)))
-            dec.kv_cache_manager.deallocate_cache(dst)
-            await asyncio.sleep(0.5)
-        assert [code for code, _ in results] == [S.LLM_SUCCESS] * 3, results
+    """The mirror: we are the accepting end and unlink while the peer's redial is on its way and the peer is slow
+    to answer our ``UNLINK``. We refuse the redial saying we are unlinking (``LLM_NOT_YET_LINK`` in
+    ``ATTACH_OK``), and the peer's redial ends without failing the link, whose ``UNLINK`` it then answers: the
+    unlink succeeds. Before, the refusal read as a plain failure there, the peer's link broke, it never answered,
+    and our unlink reported ``LLM_NOTIFY_PROMPT_UNLINK_FAILED`` (3 of 3; found by the final review of row 324)."""
+    results = await unlink_with_a_redial_under_way(monkeypatch, we_accept=True)
+    assert [code for code, _ in results] == [S.LLM_SUCCESS] * 3, results
