@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from aio_datadist import (
     CacheDesc,
     DataType,
     KvCache,
+    LLMDataDist,
     LLMException,
     LLMRole,
     LLMStatusCode,
@@ -25,6 +27,19 @@ from aio_datadist import (
 )
 
 S = LLMStatusCode
+
+
+async def pull_until_cut(dd: LLMDataDist, dst: KvCache, blocks: list[int],
+                         on_cut: Callable[[LLMException], object] | None = None) -> None:
+    """Pull ``blocks`` of cluster 1's blocks cache into the same blocks of ``dst`` again and again, until a pull
+    fails (``on_cut`` is told why)."""
+    while True:
+        try:
+            await dd.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks)
+        except LLMException as exc:
+            if on_cut is not None:
+                on_cut(exc)
+            return
 
 
 UNLINK_PROMPT = EndpointSpec(LLMRole.PROMPT, 1, listen=True, lifetime=60.0, config=(("transport", "tcp"),),
@@ -48,16 +63,9 @@ async def test_our_unlink_under_more_pulls_than_channels_is_an_unlink(fork_serve
             assert (await dd.link_clusters([cluster_info(1, prompt.address)]))[0] == S.LLM_SUCCESS
             dst = dd.kv_cache_manager.allocate_blocks_cache(desc)
 
-            async def pulls(k: int, dst: KvCache) -> None:
-                mine = [k * 4 + j for j in range(4)]
-                while True:
-                    try:
-                        await dd.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, mine, mine)
-                    except LLMException as exc:
-                        cuts.append((exc.status_code, str(exc)))
-                        return
-
-            pulling = [asyncio.ensure_future(pulls(k, dst)) for k in range(8)]
+            pulling = [asyncio.ensure_future(pull_until_cut(dd, dst, [k * 4 + j for j in range(4)],
+                                                            lambda exc: cuts.append((exc.status_code, str(exc)))))
+                       for k in range(8)]
             await asyncio.sleep(0.3)
             results.append((await dd.unlink_clusters([cluster_info(1, prompt.address)], 3000))[0])
             await asyncio.wait_for(asyncio.gather(*pulling), 10)
@@ -82,14 +90,7 @@ async def test_unlinks_that_cross_both_succeed(pulling):
             assert (await dec.link_clusters([cluster_info(1, prompt.listen_address)]))[0] == S.LLM_SUCCESS
             dst = dec.kv_cache_manager.allocate_blocks_cache(desc)
 
-            async def pulls(k: int, dst: KvCache) -> None:
-                while True:
-                    try:
-                        await dec.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [k], [k])
-                    except LLMException:
-                        return
-
-            tasks = [asyncio.ensure_future(pulls(k, dst)) for k in range(4)] if pulling else []
+            tasks = [asyncio.ensure_future(pull_until_cut(dec, dst, [k])) for k in range(4)] if pulling else []
             await asyncio.sleep(0.05)
             (ours, _), (theirs, _) = await asyncio.gather(
                 dec.unlink_clusters([cluster_info(1, prompt.listen_address)], 2000),
@@ -125,15 +126,8 @@ async def test_a_pull_that_waited_for_a_channel_through_our_unlink_leaves_it_unt
             assert (await dec.link_clusters([cluster_info(1, prompt.listen_address)]))[0] == S.LLM_SUCCESS
             dst = dec.kv_cache_manager.allocate_blocks_cache(desc)
 
-            async def pulls(k: int, dst: KvCache) -> None:
-                while True:
-                    try:
-                        await dec.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [k], [k])
-                    except LLMException as exc:
-                        cuts.append(exc.status_code)
-                        return
-
-            tasks = [asyncio.ensure_future(pulls(k, dst)) for k in range(4)]
+            tasks = [asyncio.ensure_future(pull_until_cut(dec, dst, [k], lambda exc: cuts.append(exc.status_code)))
+                     for k in range(4)]
             await asyncio.sleep(0.1)
             results.append((await dec.unlink_clusters([cluster_info(1, prompt.listen_address)], 3000))[0])
             await asyncio.wait_for(asyncio.gather(*tasks), 10)
