@@ -166,10 +166,39 @@ async def test_the_time_left_of_a_transfer_rounds_up_and_runs_out_only_once_its_
     had 0 ms left on asyncio's loop (its clock moves within a step): every push with ``timeout=1`` failed
     ``LLM_TIMEOUT`` before anything was sent (found by review)."""
     loop = asyncio.get_running_loop()
-    assert time_left(loop.time() + 0.001, "a push") == 1
-    assert time_left(loop.time() + 0.25, "a push") in (250, 251)
+    for _ in range(100):  # a read of the clock the scheduler held past one of uvloop's 1 ms ticks is asked again
+        start = loop.time()
+        try:
+            left: int | None = time_left(start + 0.001, "a push")
+        except LLMException:
+            left = None
+        if loop.time() - start <= 0.001 + 1e-9:
+            break
+    assert left == 1
+    assert time_left(loop.time() + 0.25, "a push") in (249, 250, 251)
     with pytest.raises(LLMException) as info:
         time_left(loop.time() - 0.001, "a push")
+    assert info.value.status_code == S.LLM_TIMEOUT
+
+
+async def test_a_deadline_the_millisecond_clock_just_reached_has_not_passed(monkeypatch) -> None:
+    """uvloop's clock moves in whole milliseconds: a 1 ms time-out asked for at once read 0 ms left whenever the
+    clock ticked between the transfer's start and its first plane, and the transfer failed ``LLM_TIMEOUT`` before
+    anything was sent (seen once in CI). Run on a stand-in clock, so that the tick falls in between every time."""
+    from types import SimpleNamespace
+
+    from aio_datadist.transport import base
+
+    now = [59103.529]
+    clock = SimpleNamespace(time=lambda: now[0])
+    monkeypatch.setattr(base, "asyncio", SimpleNamespace(get_running_loop=lambda: clock))
+    deadline = now[0] + 0.001  # a 1 ms time-out starts ...
+    now[0] = 59103.530  # ... and the clock ticks
+    assert time_left(deadline, "a push") == 1
+    assert time_left(59103.529 + 0.25, "a push") == 249
+    now[0] = 59103.531  # a tick past the deadline: passed
+    with pytest.raises(LLMException) as info:
+        time_left(deadline, "a push")
     assert info.value.status_code == S.LLM_TIMEOUT
 
 

@@ -75,9 +75,12 @@ DONE_GRACE_S = 2.0
 
 def time_left(deadline: float, what: str) -> int:
     """Milliseconds left before ``deadline`` (loop time), rounded up (asyncio's clock moves within a loop step: a
-    1 ms time-out asked for at once has 0.99 ms left); ``LLM_TIMEOUT`` once it passed."""
+    1 ms time-out asked for at once has 0.99 ms left), at least 1; ``LLM_TIMEOUT`` once it passed. A deadline the
+    clock has just reached has not passed: uvloop's clock moves in whole milliseconds, so a 1 ms time-out asked for
+    at once reads 0 ms left whenever the clock ticks in between (its next step's timer fires it, as asyncio's
+    timers do)."""
     left = deadline - asyncio.get_running_loop().time()
-    if left <= 0:
+    if left < -1e-6:  # (float noise: a deadline reached exactly may read a few picoseconds past)
         raise LLMException(f"{what} timed out", status_code=LLMStatusCode.LLM_TIMEOUT)
     return max(1, math.ceil(left * 1000 - 1e-6))  # (less float noise: a 1 ms deadline read as 1.0000000002 ms)
 
