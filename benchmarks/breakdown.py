@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -59,6 +60,7 @@ from typing import Any
 from benchmarks._endpoints import blocks_desc, endpoint_options
 from benchmarks.baselines import TcpReplyPeer
 from benchmarks._peer import Peer
+from benchmarks._spinner import Spinner
 from benchmarks._workload import KvGeometry
 
 PROMPT_ID, DECODER_ID = 1, 2
@@ -164,7 +166,7 @@ async def link_decoder(dd: Any, port: int, transport: str) -> tuple[Any, Any]:
 
 
 async def _decoder(peer: Peer, transport: str, n: int, blocks: int, hot: bool = False,
-                   tail: float = 0.05) -> list[tuple[str, float, float]]:
+                   tail: float = 0.05, spinner: Spinner | None = None) -> list[tuple[str, float, float]]:
     from aio_datadist import LLMDataDist, LLMRole, _trace
 
     geometry = KvGeometry()
@@ -178,7 +180,8 @@ async def _decoder(peer: Peer, transport: str, n: int, blocks: int, hot: bool = 
         peer.send("marks")
         await peer.recv_async(30.0)
         raw_us: list[float] = []
-        with TcpReplyPeer(geometry.request_bytes(blocks)) as raw:
+        with TcpReplyPeer(geometry.request_bytes(blocks)) as raw, \
+                spinner.running() if spinner is not None else contextlib.nullcontext():
             for i in range(n):
                 if i % RAW_EVERY == 0:  # the baseline in alternating stretches, so drift hits both alike
                     m = await asyncio.to_thread(raw.rtt, geometry.request_bytes(blocks), RAW_EVERY, warmup=2)
@@ -206,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=400, help="timed pulls per transport (default 400)")
     parser.add_argument("--tail", type=float, default=5.0,
                         help="the second column: medians over the slowest PCT %% of pulls by total (default 5)")
+    parser.add_argument("--loaded", action="store_true",
+                        help="run the timed pulls and the baseline while a busy-loop child keeps one core busy "
+                             "(the suite's loaded passes)")
     parser.add_argument("--hot", action="store_true",
                         help="pull the same blocks every time (their memory stays in the CPU caches, as the raw "
                              "baseline's buffer does) instead of the next ones round the 128 MiB cache")
@@ -221,16 +227,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     tail = args.tail / 100
     print(f"# Where a {args.blocks}-block pull's time goes ({geometry.request_bytes(args.blocks) >> 20} MiB; "
           f"median of {args.n} pulls, us)\n")
-    for transport in args.transport.split(","):
-        with Peer(_prompt_peer, transport, timeout=600.0, name="prompt") as peer:
-            rows = asyncio.run(_decoder(peer, transport, args.n, args.blocks, args.hot, tail))
-        print(f"## {transport}\n\n| stage | median us | slowest {args.tail:g} %: median us |\n|---|---:|---:|")
-        for name, us, slow_us in rows:
-            print(f"| {name} | {us:.0f} | {slow_us:.0f} |")
-        total, raw_rtt = {name: (us, slow) for name, us, slow in rows}[TOTAL], rows[-1][1:]
-        print(f"| total / raw round trip | {total[0] / raw_rtt[0]:.2f}x | {total[1] / raw_rtt[1]:.2f}x |")
-        print()
+    with contextlib.ExitStack() as stack:
+        spinner = stack.enter_context(Spinner()) if args.loaded else None
+        for transport in args.transport.split(","):
+            with Peer(_prompt_peer, transport, timeout=600.0, name="prompt") as peer:
+                rows = asyncio.run(_decoder(peer, transport, args.n, args.blocks, args.hot, tail, spinner))
+            _print_rows(transport, rows, args.tail)
+        if spinner is not None:
+            print(f"(one core busy: {spinner.describe()}, {spinner.cpu_seconds():.1f} CPU s in all)")
     return 0
+
+
+def _print_rows(transport: str, rows: list[tuple[str, float, float]], tail_pct: float) -> None:
+    print(f"## {transport}\n\n| stage | median us | slowest {tail_pct:g} %: median us |\n|---|---:|---:|")
+    for name, us, slow_us in rows:
+        print(f"| {name} | {us:.0f} | {slow_us:.0f} |")
+    total, raw_rtt = {name: (us, slow) for name, us, slow in rows}[TOTAL], rows[-1][1:]
+    print(f"| total / raw round trip | {total[0] / raw_rtt[0]:.2f}x | {total[1] / raw_rtt[1]:.2f}x |")
+    print()
 
 
 if __name__ == "__main__":
