@@ -313,10 +313,13 @@ class Listener:
         channel = await tls.accept_data(stream, writer, self.tls_server, self.limit_s)
         try:
             pending.progress()
-            link, index, generation = self._attach_target(await channel.recv_exactly(wire.ATTACH.size))
+            record = await channel.recv_exactly(wire.ATTACH.size)
+            link, index, generation = self._attach_target(record)
             pending.progress()
-            if link is None:
-                await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, LLMStatusCode.LLM_LINK_FAILED))
+            if link is None:  # refused as the plain door refuses it (_accept_data, row 324)
+                code = (LLMStatusCode.LLM_NOT_YET_LINK if self._leaving_target(record)
+                        else LLMStatusCode.LLM_LINK_FAILED)
+                await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, code))
                 channel.close()
                 return True
             admission.leave(pending)

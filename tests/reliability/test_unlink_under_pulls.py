@@ -12,6 +12,7 @@ from _forked import forked
 from _harness import endpoint
 from aio_datadist.testing import link_table_of
 from peers import CacheSpec, EndpointSpec, cluster_info
+from tls_certs import client_context, make_pki, server_context
 
 from aio_datadist import (
     BlocksCacheKey,
@@ -27,6 +28,7 @@ from aio_datadist import (
 )
 
 S = LLMStatusCode
+PKI = make_pki("unlink under pulls")
 
 
 async def pull_until_cut(dd: LLMDataDist, dst: KvCache, blocks: list[int],
@@ -136,11 +138,12 @@ async def test_a_pull_that_waited_for_a_channel_through_our_unlink_leaves_it_unt
         assert set(cuts) == {S.LLM_NOT_YET_LINK}, cuts
 
 
-async def unlink_with_a_redial_under_way(monkeypatch: Any, *, we_accept: bool) -> list[tuple[S, str]]:
+async def unlink_with_a_redial_under_way(monkeypatch: Any, *, we_accept: bool, tls: bool) -> list[tuple[S, str]]:
     """Three rounds: the decoder's 64-block pull is cancelled (its one data channel reset, the redial on its way,
     ``delay`` as over a network), and one end unlinks at once while the other is slow to answer (its settle of
     what it serves: up to ``links.SERVED_SETTLE_S``). ``we_accept``: the prompt (accepting end) unlinks, else
-    the decoder (dialling end). Each round's unlink status and the decoder's link's failure, if any."""
+    the decoder (dialling end); ``tls``: every connection of the link under TLS. Each round's unlink status and
+    the decoder's link's failure, if any."""
     settle = links.Link.settle_served
 
     async def slow_settle(self: links.Link, *, pushes_only: bool = False) -> None:
@@ -151,8 +154,10 @@ async def unlink_with_a_redial_under_way(monkeypatch: Any, *, we_accept: bool) -
     monkeypatch.setattr(links.Link, "settle_served", slow_settle)
     desc = CacheDesc(4, (64, 65536), DataType.DT_FLOAT, Placement.HOST)
     delay = 0.05 if we_accept else 0.02
-    async with endpoint(LLMRole.PROMPT, 1, listen=True, transport="tcp", data_channels=1) as prompt, \
-            endpoint(LLMRole.DECODER, 2, transport="tcp", data_channels=1) as dec:
+    server, client = ({"tls_server_context": server_context(PKI)}, {"tls_client_context": client_context(PKI)}) \
+        if tls else ({}, {})
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, transport="tcp", data_channels=1, **server, **client) \
+            as prompt, endpoint(LLMRole.DECODER, 2, transport="tcp", data_channels=1, **client) as dec:
         prompt.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
         table = link_table_of(dec)
         real = table.dial_data
@@ -188,21 +193,24 @@ async def unlink_with_a_redial_under_way(monkeypatch: Any, *, we_accept: bool) -
 
 
 @pytest.mark.asyncio
-async def test_a_redial_under_way_at_our_unlink_does_not_fail_it(monkeypatch):
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_redial_under_way_at_our_unlink_does_not_fail_it(monkeypatch, tls):
     """A cancelled pull reset its channel, whose redial is under way when we unlink; the peer, slow to answer our
     ``UNLINK``, let the link go on reading it and refuses the redial: that is no failure of the link, and the
     unlink succeeds. A second form of row 324 stopped only redials started after our ``UNLINK``: this one failed
     the link under the unlink (``LLM_NOTIFY_PROMPT_UNLINK_FAILED``, 3 of 3; found by its review)."""
-    results = await unlink_with_a_redial_under_way(monkeypatch, we_accept=False)
+    results = await unlink_with_a_redial_under_way(monkeypatch, we_accept=False, tls=tls)
     assert [code for code, _ in results] == [S.LLM_SUCCESS] * 3, results
 
 
 @pytest.mark.asyncio
-async def test_a_peer_s_redial_under_way_at_our_unlink_does_not_fail_it(monkeypatch):
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_peer_s_redial_under_way_at_our_unlink_does_not_fail_it(monkeypatch, tls):
     """The mirror: we are the accepting end and unlink while the peer's redial is on its way and the peer is slow
     to answer our ``UNLINK``. We refuse the redial saying we are unlinking (``LLM_NOT_YET_LINK`` in
     ``ATTACH_OK``), and the peer's redial ends without failing the link, whose ``UNLINK`` it then answers: the
     unlink succeeds. Before, the refusal read as a plain failure there, the peer's link broke, it never answered,
-    and our unlink reported ``LLM_NOTIFY_PROMPT_UNLINK_FAILED`` (3 of 3; found by the final review of row 324)."""
-    results = await unlink_with_a_redial_under_way(monkeypatch, we_accept=True)
+    and our unlink reported ``LLM_NOTIFY_PROMPT_UNLINK_FAILED`` (3 of 3; found by the final review of row 324).
+    Over TLS the door refused it as a plain failure still (found by audit)."""
+    results = await unlink_with_a_redial_under_way(monkeypatch, we_accept=True, tls=tls)
     assert [code for code, _ in results] == [S.LLM_SUCCESS] * 3, results
