@@ -467,6 +467,11 @@ async def finalize_endpoint(endpoint: Endpoint) -> None:
         endpoint.finalized = True
         return
     if runtime is None:
+        cut, endpoint.cut_release = endpoint.cut_release, None
+        if cut is not None and cut[1].loop is asyncio.get_running_loop():
+            await _release(endpoint, *cut)  # a finalize the loop's shutdown cut short: finish it
+            return
+        endpoint.cut_release = cut
         released = endpoint.released
         if released is not None and not released.done():
             await asyncio.wait([released])  # another finalize is releasing: return once it has
@@ -476,14 +481,42 @@ async def finalize_endpoint(endpoint: Endpoint) -> None:
     endpoint.finalized = True
     end_leases(endpoint)
     endpoint.released = asyncio.get_running_loop().create_future()
+    await _release(endpoint, links, runtime)
+
+
+async def _release(endpoint: Endpoint, links: LinkTable | None, runtime: Runtime) -> None:
+    """Close ``links`` and ``runtime``, the endpoint's once, and say so (``endpoint.released``).
+
+    The loop's shutdown (``asyncio.run``, a ``Runner`` closing) cancels every task, the close's with the
+    finalize that awaits it: a close so cut is left to the endpoint's shutdown guard, which the loop runs
+    after (``owners.finalize_at_loop_shutdown``), to finish (``endpoint.cut_release``). Before, the listening
+    socket stayed open after the run, or a link was left half closed."""
+    cut = True  # until the close ended or failed: only a cancel of every task, also before its first step, cuts it
+
+    async def close() -> None:
+        nonlocal cut
+        try:
+            if links is not None:
+                await links.close()
+            await runtime.quiesce()  # device copies end before the blocking close, off the loop
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            cut = False
+            raise
+        cut = False
+
     try:
-        if links is not None:
-            await _complete(links.close())
-        await _complete(runtime.quiesce())  # device copies end before the blocking close, off the loop
+        await _complete(close())
     finally:
-        runtime.close()
-        endpoint.released.set_result(None)
-        end_shutdown_guard(endpoint)
+        if cut and endpoint.shutdown_guard is not None:
+            endpoint.cut_release = (links, runtime)
+        else:
+            runtime.close()
+            assert endpoint.released is not None
+            if not endpoint.released.done():
+                endpoint.released.set_result(None)
+            end_shutdown_guard(endpoint)
 
 
 async def _complete(awaitable: Any) -> None:

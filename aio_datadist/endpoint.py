@@ -51,6 +51,9 @@ class Endpoint:
         self.forks = 0
         #: What finalizes the endpoint when its loop shuts down (``owners.finalize_at_loop_shutdown``).
         self.shutdown_guard: Any = None
+        #: ``(links, runtime)`` of a finalize the loop's shutdown cut short, which that guard finishes
+        #: (``datadist.finalize_endpoint``).
+        self.cut_release: tuple[LinkTable | None, Runtime] | None = None
         #: What holds the endpoint for the caller (an ``owners.Owners``, which names this type: set by the
         #: ``LLMDataDist``), or None.
         self.owners: Any = None

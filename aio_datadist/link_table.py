@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import ssl
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,12 @@ class LinkTable:
         self.closing = False
         self._opening: dict[Link, _Opening] = {}  # accepted links whose fds are not all open yet
         self._forgotten: set[asyncio.Task] = set()  # closes of links out of the table (_close_forgotten)
+        #: Links out of the table (forgotten, replaced, unlinked by the peer), while anything holds them: one whose
+        #: own close the loop's shutdown cut short (its cancel of every task) is closed by ``close``.
+        self._dropped: weakref.WeakSet[Link] = weakref.WeakSet()
+        #: The links ``close`` closes, each with the answer to the UNLINK it sent, kept until closed: a ``close``
+        #: the loop's shutdown cut short (its cancel of every task) is finished by the next (``close``).
+        self._closing: dict[Link, asyncio.Future | None] = {}
         #: This endpoint's instance, random: told in every handshake, so that two ends whose link_clusters
         #: dials crossed agree which of the two links they keep (:meth:`_crossing`).
         self.instance = os.urandom(32)
@@ -224,6 +231,7 @@ class LinkTable:
     def forget(self, link: Link) -> None:
         if self.links.get(link.remote_cluster_id) is link:
             del self.links[link.remote_cluster_id]
+            self._dropped.add(link)
 
     def _new_link(self, remote_id: int, remote_role: LLMRole, reader: ControlReader,
                   writer: asyncio.StreamWriter, *, is_client: bool, channels: int, token: bytes,
@@ -290,6 +298,8 @@ class LinkTable:
     def _close_forgotten(self, link: Link, why: str) -> asyncio.Task:
         """Close ``link``, out of the table (nothing else finds it to close it); finalize waits for the close."""
         closing = asyncio.get_running_loop().create_task(link.close(why))
+        link.close_task = closing
+        self._dropped.add(link)
         self._forgotten.add(closing)
         closing.add_done_callback(self._forgotten.discard)
         return closing
@@ -940,7 +950,9 @@ class LinkTable:
 
     async def close(self) -> None:
         """Stop listening, stop every link attempt, and unlink every link (peers acknowledge within
-        :data:`UNLINK_WAIT_S`, so they have let the link go when this returns)."""
+        :data:`UNLINK_WAIT_S`, so they have let the link go when this returns). A close cut short (the loop's
+        shutdown cancels every task, this one's among them) is finished by calling it again: each step is
+        done once, or again where it is not done yet."""
         self.closing = True
         await self.stop_listening()
         attempts = [*self.listener.handshakes, *self._dialling.values(), *self._anonymous, *self._bilateral]
@@ -948,21 +960,28 @@ class LinkTable:
             task.cancel()
         if attempts:
             await asyncio.wait(attempts)
-        # With the links an unlink took out of the table and still waits on: finalize closes them too.
-        links = [*self.links.values(), *self._leaving]
+        # With the links an unlink took out of the table and still waits on, and those out of the table whose own
+        # close was cut short: finalize closes them too (a close that runs is left to end: _forgotten is waited
+        # for, a close answering the peer's UNLINK ends by itself, as before).
+        cut = [link for link in self._dropped
+               if not link.closed and link.close_task is not None and link.close_task.done()]
+        for link in (*self.links.values(), *self._leaving, *cut):
+            self._closing.setdefault(link, None)
         self.links.clear()
+        links = list(self._closing)
         await asyncio.gather(*(link.settle_served(pushes_only=True) for link in links
-                               if not link.down and self._leaving.get(link) is None))
+                               if not link.down and self._closing[link] is None and self._leaving.get(link) is None))
         acks = []
         for link in links:
             if not link.down:
-                ack = self._leaving.get(link)  # the unlink's, if it told the peer
+                ack = self._closing[link] or self._leaving.get(link)  # ours or the unlink's, if the peer was told
                 if ack is None:
                     req_id = link.new_req_id()
                     ack = link.expect(req_id, Msg.UNLINK_ACK)
                     if link in self._leaving:
                         self._leaving[link] = ack
                     link.send_unlink(req_id)
+                self._closing[link] = ack
                 acks.append(ack)
         if acks:
             await asyncio.wait(acks, timeout=UNLINK_WAIT_S)
@@ -970,6 +989,7 @@ class LinkTable:
             if ack.done() and not ack.cancelled():
                 ack.exception()  # a link that failed meanwhile: nothing to wait for
         await asyncio.gather(*(link.close() for link in links), *self._forgotten, return_exceptions=True)
+        self._closing.clear()
         if self.nixl is not None:
             await self.nixl.aclose()
         if self._ledger is not None:

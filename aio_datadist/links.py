@@ -217,6 +217,9 @@ class Link:
         self.local: LocalShare | None = None
         self.nixl: NixlPeer | None = None
         self.redialling: dict[int, asyncio.Future] = {}
+        #: The close that ends the link out of its table (the peer's UNLINK answered, a link forgotten): one the
+        #: loop's shutdown cut short is finished by the table's close (``LinkTable.close``).
+        self.close_task: asyncio.Task | None = None
         self._redial_to: dict[int, int] = {}  # the generation each channel in ``redialling`` is dialled at
         self._stale_redials: set[int] = set()  # ... which the peer reset before we installed it (its ABORT)
         # Peer requests waiting for a channel we redial, by request id: the channel; and per channel how many
@@ -869,7 +872,7 @@ class Link:
                 if self.unlinking:
                     self._crossed_unlink()
                 self._forget(self)
-                self.spawn(self.close(ack=req_id))
+                self.close_task = self.spawn(self.close(ack=req_id))
             case protocol.Abort(req_id=req_id, record=record, peers_request=peers_request):
                 serving = None
                 if peers_request:

@@ -3,11 +3,14 @@ argv ``CASE asyncio|uvloop``. ``pull``/``push``: ``main`` returns with a TCP tra
 ``finalize``; ``owned``: the endpoints are held by a serving task only, which the run cancels (its frame freed,
 the owners' finalize starts as the shutdown does); ``generator``: an application's async generator, closed by the
 shutdown, still uses its endpoint in its cleanup; ``closed``: the loop is closed without its shutdown step, and the
-endpoints finalized on another loop. It prints how long the run took and, per endpoint, whether it was finalized
-and released."""
+endpoints finalized on another loop; ``finalizing-N``: ``main`` starts both endpoints' ``finalize`` in tasks and
+returns N loop turns later, so that the run's cancel of every task cuts the finalizes short. It prints how long
+the run took and, per endpoint, whether it was finalized and released, then whether the PROMPT's port could be
+listened on again and whether the links were closed (``finalizing-N`` only)."""
 
 import asyncio
 import json
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -107,7 +110,26 @@ async def generator() -> None:
     await stream.__anext__()
 
 
+async def finalizing(turns: int) -> None:
+    prompt, decoder = await linked_pair()
+    LINKS.extend(link for dd in (prompt, decoder) for link in dd._endpoint.links.links.values())  # type: ignore
+    PORTS.append(prompt.listen_address[1])  # type: ignore[index]
+    KEEP.extend(asyncio.get_running_loop().create_task(dd.finalize()) for dd in (prompt, decoder))
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
+
+def relisten() -> str:
+    try:
+        socket.create_server(("127.0.0.1", PORTS[0])).close()
+    except OSError as exc:
+        return str(exc)
+    return "ok"
+
+
 ENDPOINTS: list[object] = []
+LINKS: list[object] = []
+PORTS: list[int] = []
 CLEANUP: list[str] = []
 SMALL = CacheDesc(1, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
 case, loop = sys.argv[1], sys.argv[2]
@@ -124,6 +146,8 @@ elif case == "owned":
     run(owned())
 elif case == "generator":
     run(generator())
+elif case.startswith("finalizing-"):
+    run(finalizing(int(case.split("-")[1])))
 else:  # closed
     closing = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
     KEEP.extend(closing.run_until_complete(linked_pair()))
@@ -137,4 +161,6 @@ else:  # closed
 print(json.dumps({"run_s": round(time.monotonic() - started, 2),
                   "finalized": [e.finalized for e in ENDPOINTS],  # type: ignore[attr-defined]
                   "released": [e.released is not None and e.released.done() for e in ENDPOINTS],  # type: ignore
-                  "cleanup": CLEANUP}), flush=True)
+                  "cleanup": CLEANUP,
+                  "relisten": relisten() if PORTS else None,
+                  "links_closed": [link.closed for link in LINKS]}), flush=True)  # type: ignore[attr-defined]
