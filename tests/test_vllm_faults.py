@@ -1,6 +1,7 @@
 """The vLLM connector's worker machinery when its own surroundings fail: a ``stats_path`` that cannot be written,
-a cancel that comes as the awaited reply lands, options given as JSON null (no vLLM needed: the agents of
-``_vllm_agents``). Each test failed before its fix (docs/reliability.md rows 276-278)."""
+a cancel that comes as the awaited reply lands, options given as JSON null or as another JSON type than their
+own (no vLLM needed: the agents of ``_vllm_agents``). Each test failed before its fix (docs/reliability.md rows
+276-278, 330)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from _vllm_agents import agents, wait  # noqa: F401 - agents is a fixture
 from test_vllm_connector_logic import _released_soon, _remote
 
-from aio_datadist import LLMException
+from aio_datadist import LLMException, LLMStatusCode
 from aio_datadist.integrations.vllm_agent import AgentOptions, _Peer
 from aio_datadist.integrations.vllm_wire import encode_frame
 
@@ -97,3 +98,20 @@ def test_a_text_option_given_as_null_is_unset(monkeypatch) -> None:
     assert AgentOptions.from_extra({"stats_path": None}).stats_path == ""
     with pytest.raises(LLMException, match="'pull_timeout_ms'"):  # a number has no such default to fall back on
         AgentOptions.from_extra({"pull_timeout_ms": None})
+
+
+@pytest.mark.parametrize("name, value", [("shared_secret", True), ("shared_secret", 12345678),
+                                         ("shared_secret", ["s3cret"]), ("shared_secret", {"file": "/run/kv"}),
+                                         ("stats_path", False), ("side_channel_host", 10), ("transport", ["tcp"])])
+def test_a_text_option_of_another_json_type_is_refused_naming_it(monkeypatch, name, value) -> None:
+    """Before, a text option took ``str()`` of any JSON value: ``shared_secret: true`` (a YAML ``yes``, a
+    templated boolean) was the secret "True", the environment's secret ignored without the no-secret warning;
+    ``stats_path: false`` wrote ./False (found by audit). A secret of another type is named by its type only."""
+    monkeypatch.setenv("AIO_DATADIST_SECRET", "the-real-secret")
+    with pytest.raises(LLMException, match=f"invalid argument '{name}': must be a string, got ") as caught:
+        AgentOptions.from_extra({name: value})
+    assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    if name == "shared_secret":
+        assert "s3cret" not in str(caught.value) and "12345678" not in str(caught.value), str(caught.value)
+    assert AgentOptions.from_extra({name: "10.0.0.5"}).shared_secret == (
+        "10.0.0.5" if name == "shared_secret" else "the-real-secret")  # a string is taken as before

@@ -1,6 +1,6 @@
 """The vLLM connector's worker machinery against a broken network, a client's bogus ``kv_transfer_params``,
 malformed frames, unusable options and long runs (no vLLM needed: the agents of ``_vllm_agents``). Each test
-failed before its fix (docs/reliability.md rows 179-181)."""
+failed before its fix (docs/reliability.md rows 179-181, 329)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import pytest
 import torch
 from _vllm_agents import BLOCK_TOKENS, agents, wait  # noqa: F401 - agents is a fixture
 from relay import Relay
+from test_vllm_connector_logic import _remote as _connector_remote
+from test_vllm_connector_logic import _slow_data_path
 
 from aio_datadist import LLMException
 from aio_datadist.integrations import vllm_agent
@@ -314,6 +316,72 @@ def test_close_ends_every_side_channel_task_before_the_loop_closes(agents, caplo
         left = [t for t in asyncio.all_tasks(loop) if not t.done()]
         assert not left, f"close #{attempt}: {len(left)} tasks left pending on the closed loop"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-2000:]
+
+
+def _pending(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks(loop) if not t.done()]
+
+
+def test_a_decode_closed_with_pulls_in_flight_ends_them_before_the_loop_closes(agents) -> None:  # noqa: F811
+    """vLLM shuts a decode down with a pull moving bytes (a slow data path) and another waiting for its claim:
+    ``close`` cancels and awaits both (each ends aborted) before the loop closes, and the side channel they
+    used is marked lost. Before, their tasks were left pending on the closed loop, and a reply reader
+    cancelled left its side channel looking alive to the next pull (found by audit)."""
+    with _slow_data_path(agents) as (prefill, _, decode, _):
+        prefill.holds.add("r1", lease_s=60)
+        decode.start_pull("d1", _connector_remote(prefill, "r1", [6, 8]), [3, 5])  # ~1.5 s of bytes
+        decode.start_pull("d2", _connector_remote(prefill, "r2", [4]), [7])  # r2 not named yet: its claim waits
+        wait(lambda: "r1" in prefill.holds.held and prefill.holds.held["r1"].owner is not None, 5)
+        peer = decode._peers[prefill.side_channel].result()
+        time.sleep(0.2)
+        loop = decode.loop.loop
+        decode.close()
+        assert loop.is_closed()
+        left = _pending(loop)
+        assert not left, f"{len(left)} tasks left pending on the closed loop: {left}"
+        assert not decode.pulls.pending() and decode.pulls.take_finished()[:2] == ({"d1", "d2"}, {"d1", "d2"})
+        assert peer.broken is not None, "a side channel whose reader was cancelled still looks alive"
+
+
+def test_a_decode_closed_while_dialling_dials_nothing_more(agents) -> None:  # noqa: F811
+    """vLLM shuts a decode down while a pull's side channel is being set up (a prefill slow to answer): the
+    aborted pull must not dial the prefill again to release its request, nor leave a task behind. Before, its
+    release dialled a second connection after close began and three tasks were left pending on the closed loop
+    (the pull, the dial, its reply reader; found by audit)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.05)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:  # a prefill that accepts and never answers (bounded: 20 s)
+        deadline = time.monotonic() + 20
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                accepted.append(server.accept()[0])
+            except TimeoutError:
+                pass
+
+    acceptor = threading.Thread(target=accept)
+    acceptor.start()
+    try:
+        decode, _ = agents(False, link_timeout_ms=5000)
+        decode.start_pull("d1", _remote(server.getsockname(), "r1", [5]), [2])
+        wait(lambda: len(accepted) == 1, 5)
+        time.sleep(0.1)
+        loop = decode.loop.loop
+        decode.close()
+        time.sleep(0.3)  # a dial after the close would have come in by now
+        left = _pending(loop)
+        assert (len(accepted), left) == (1, []), f"after close: {len(accepted)} connections dialled, {left} pending"
+        assert decode.pulls.take_finished()[:2] == ({"d1"}, {"d1"})
+    finally:
+        stop.set()
+        acceptor.join(25)
+        for sock in accepted:
+            sock.close()
+        server.close()
 
 
 def test_an_expired_lease_is_recorded_and_logged_whoever_expires_it(agents, tmp_path, caplog) -> None:  # noqa: F811

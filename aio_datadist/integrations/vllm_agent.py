@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -46,7 +47,7 @@ from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMRole, Placement
 
 __all__ = ["AgentOptions", "LoopThread", "Agent", "kv_layout", "SECRET_ENV", "MAX_PENDING_HANDSHAKES",
-           "MAX_CONNECTIONS"]
+           "MAX_CONNECTIONS", "KEEPALIVE_IDLE_S", "KEEPALIVE_INTERVAL_S", "KEEPALIVE_COUNT"]
 
 log = logging.getLogger("aio_datadist.integrations.vllm")
 
@@ -54,8 +55,18 @@ log = logging.getLogger("aio_datadist.integrations.vllm")
 SECRET_ENV = "AIO_DATADIST_SECRET"
 #: Side-channel connections still in the handshake at once; a newcomer past it evicts the oldest.
 MAX_PENDING_HANDSHAKES = 16
-#: Side-channel connections at once (handshaking or not); a newcomer past it is closed at once.
+#: Side-channel connections past the handshake at once (authenticated, with a ``shared_secret``). A newcomer
+#: past it evicts the one idle longest (no frame read from it for longest) that holds no claim and has none
+#: waiting; if every one holds or awaits a claim, the newcomer is closed. With a secret only a newcomer that
+#: proved it evicts anyone: a process without the secret never pushes an authenticated connection out.
 MAX_CONNECTIONS = 1024
+#: TCP keepalive on every side-channel socket, at both ends: a peer whose host vanished without a FIN or RST
+#: (power lost, a partition) is found within about ``KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S``
+#: (45 s) and its connection closed (its claims freed); the probes also keep an idle flow alive in a NAT or
+#: firewall that forgets idle flows after longer than ``KEEPALIVE_IDLE_S``.
+KEEPALIVE_IDLE_S = 30
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_COUNT = 3
 #: Side-channel connections a decode tries (within ``link_timeout_ms``) when the prefill closes one in
 #: the handshake.
 HANDSHAKE_ATTEMPTS = 3
@@ -115,14 +126,18 @@ class AgentOptions:
         for name in given:
             kind, value = type(getattr(opts, name)), extra[name]
             try:
-                # int() would take True as 1 and cut 2.9 to 2: a bool is no number, an integer has no fraction
-                if (kind is not str and isinstance(value, bool)) or (
+                # int() would take True as 1 and cut 2.9 to 2: a bool is no number, an integer has no fraction;
+                # str() would take anything: `shared_secret: true` would be the secret "True" (the environment's
+                # secret ignored, no warning), `stats_path: false` the file ./False
+                if (kind is str and not isinstance(value, str)) or (kind is not str and isinstance(value, bool)) or (
                         kind is int and isinstance(value, float) and not value.is_integer()):
                     raise ValueError(value)
                 setattr(opts, name, kind(value))
             except (TypeError, ValueError, OverflowError):  # (a JSON integer too big for a float)
-                what = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
-                raise LLMException(f"invalid argument '{name}': must be {what}, got {value!r:.60}",
+                what = {int: "an integer", float: "a number", str: "a string"}[kind]
+                # a secret given as another type is still the secret (a number): name its type, never its value
+                shown = f"a JSON {_json_type(value)}" if name == "shared_secret" else f"{value!r:.60}"
+                raise LLMException(f"invalid argument '{name}': must be {what}, got {shown}",
                                    status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
         if "shared_secret" not in given:
             opts.shared_secret = os.environ.get(SECRET_ENV, "")
@@ -143,6 +158,15 @@ class AgentOptions:
             if not host or not port.isdigit() or not 0 < int(port) <= 65535:
                 _refuse_option("advertise_data", "must be 'host:port'", opts.advertise_data)
         return opts
+
+
+def _json_type(value: object) -> str:
+    """What JSON calls the type of ``value`` (as ``json.loads`` makes it)."""
+    for kind, name in ((bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array"),
+                       (dict, "object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
 
 
 def _refuse_option(name: str, rule: str, value: object) -> None:
@@ -184,6 +208,31 @@ def kv_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int,
                            status_code=LLMStatusCode.LLM_PARAM_INVALID)
     block_bytes = first[0].numel() * first.element_size()
     return tensors, Layout(len(tensors), num_blocks, block_bytes, block_tokens, str(first.dtype)), per_layer
+
+
+def _keepalive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive on ``writer``'s socket, probing after :data:`KEEPALIVE_IDLE_S` (where the OS lets us say)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    idle = getattr(socket, "TCP_KEEPIDLE", None) or getattr(socket, "TCP_KEEPALIVE", None)  # Linux; macOS
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in ((idle, KEEPALIVE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
+                              (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_COUNT)):
+            if option is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+class _Served:
+    """A prefill's side-channel connection past the handshake: what eviction weighs (:meth:`Agent._idlest`)."""
+
+    __slots__ = ("owner", "waiting", "heard")
+
+    def __init__(self, owner: int, waiting: set[asyncio.Task]) -> None:
+        self.owner = owner  # its claims' owner in PrefillHolds
+        self.waiting = waiting  # its claims waiting for vLLM to name their request
+        self.heard = time.monotonic()  # when its last frame was read (or it was admitted)
 
 
 def _host(writer: asyncio.StreamWriter) -> str:
@@ -301,6 +350,8 @@ class _Peer:
             if self.broken is None:
                 self.broken = exc
         finally:
+            if self.broken is None:  # cancelled (the agent closing): nothing reads its replies any more
+                self.broken = ConnectionError("side channel closed")
             self.writer.close()
             for _, future in self.replies.values():
                 if not future.done():
@@ -324,7 +375,11 @@ class Agent:
         self._cache: Any = None
         self._server: asyncio.Server | None = None
         self._peers: dict[tuple[str, int], asyncio.Task] = {}
+        self._pulling: set[asyncio.Task] = set()  # decode: pulls and releases running; _close ends them
+        self._closing = False  # set first thing in _close: nothing is dialled, no pull starts, after it
         self._conns: set[asyncio.StreamWriter] = set()
+        #: Side-channel connections past the handshake (MAX_CONNECTIONS), oldest first.
+        self._established: dict[asyncio.StreamWriter, _Served] = {}
         self._serving: set[asyncio.Task] = set()  # side-channel connections being served: _close ends them
         self._handshaking: dict[asyncio.StreamWriter, bool] = {}  # oldest first; True once it sent its hello
         self._secret = options.shared_secret.encode() if options.shared_secret else None
@@ -403,6 +458,7 @@ class Agent:
         self.loop.stop()
 
     async def _close(self) -> None:
+        self._closing = True
         if self._expiry is not None:
             self._expiry.cancel()
         if self._server is not None:
@@ -415,6 +471,13 @@ class Agent:
             task.cancel()
         if serving:
             await asyncio.wait(serving)
+        # the decode's pulls and releases before its side channels: a pull cancelled ends as aborted, and its
+        # release dials nothing now (_release); the prefill frees what those connections claimed when they close
+        pulling = [*self._pulling]
+        for task in pulling:
+            task.cancel()
+        if pulling:
+            await asyncio.wait(pulling)
         for task in list(self._peers.values()):
             task.cancel()
             with contextlib.suppress(BaseException):
@@ -489,22 +552,53 @@ class Agent:
         self._serving.add(task)
         task.add_done_callback(self._serving.discard)
 
+    def _idlest(self) -> asyncio.StreamWriter | None:
+        """The connection past the handshake idle longest that holds no claim and has none waiting, if any."""
+        owners = self.holds.owners()
+        free = [(served.heard, writer) for writer, served in self._established.items()
+                if not served.waiting and served.owner not in owners]
+        return min(free, key=lambda pair: pair[0])[1] if free else None
+
+    def _admit(self, writer: asyncio.StreamWriter, served: _Served) -> bool:
+        """Take a connection past the handshake into the table (MAX_CONNECTIONS), evicting if need be
+        (:meth:`_idlest`: a decode gone without a FIN or RST, a flow a NAT forgot, holds its slot until then);
+        False: it is refused, every connection there holding or awaiting a claim."""
+        if len(self._established) >= MAX_CONNECTIONS:
+            victim = self._idlest()
+            if victim is None:
+                self._refuse(writer, f"{MAX_CONNECTIONS} side-channel connections open already, each holding "
+                                     "or awaiting a claim")
+                return False
+            del self._established[victim]
+            self._refuse(victim, f"evicted: idle longest of {MAX_CONNECTIONS} side-channel connections holding no "
+                                 "claim, for a new one")
+            victim.transport.abort()
+        self._established[writer] = served
+        return True
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._conns) >= MAX_CONNECTIONS:
-            self._refuse(writer, f"{MAX_CONNECTIONS} side-channel connections open already")
+        if len(self._established) >= MAX_CONNECTIONS and self._idlest() is None:
+            self._refuse(writer, f"{MAX_CONNECTIONS} side-channel connections open already, each holding or "
+                                 "awaiting a claim")
             writer.transport.abort()
             return
+        _keepalive(writer)
         self._conns.add(writer)
         owner = id(writer)
         hold_s = self.options.pull_timeout_ms / 1000 + self.options.claim_grace_s
         waiting: set[asyncio.Task] = set()  # claims waiting for their request to be named
+        served = _Served(owner, waiting)
         try:
+            # with a secret, only a connection that proved it may push another out of the table
             if self._secret is not None and not await self._authenticate(reader, writer):
+                return
+            if not self._admit(writer, served):
                 return
             while True:
                 try:
                     header = await reader.readexactly(HEADER.size)
                     message = decode_frame(await reader.readexactly(frame_length(header)))
+                    served.heard = time.monotonic()
                 except LLMException as exc:  # a bad frame ends the connection: nothing of it is acted on
                     log.warning("side channel from %s: %s", writer.get_extra_info("peername"), exc)
                     writer.write(encode_frame({"id": 0, "ok": False, "error": str(exc)[:200]}))
@@ -544,6 +638,8 @@ class Agent:
                 for task in list(waiting):  # before the claims are dropped: none of these may claim afterwards
                     task.cancel()
                 self._conns.discard(writer)
+                if self._established.get(writer) is served:
+                    del self._established[writer]
                 self._handshaking.pop(writer, None)
                 gone = self.holds.drop_owner(owner)
                 if gone:
@@ -601,7 +697,16 @@ class Agent:
         self.pulls.start(req_id, tuple(local_blocks))
         self.loop.submit(self._pull(req_id, remote, tuple(local_blocks)))
 
+    def _track(self) -> None:
+        """The running pull or release is one :meth:`_close` cancels and awaits before the loop closes."""
+        task = asyncio.current_task()
+        if task is not None and task not in self._pulling:
+            self._pulling.add(task)
+            task.add_done_callback(self._pulling.discard)
+
     async def _peer(self, host: str, port: int) -> _Peer:
+        if self._closing:  # a side channel dialled now would outlive the close
+            raise ConnectionError("the connector is closing")
         task = self._peers.get((host, port))
         if task is not None and task.done() and (task.exception() is not None or task.result().broken is not None):
             task = None
@@ -641,6 +746,7 @@ class Agent:
             # asyncio.timeout, not wait_for: on Python 3.11 that drops a cancel (_close) coming as it finishes
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 reader, writer = await asyncio.open_connection(host, port)
+            _keepalive(writer)
             if self._secret is None:
                 break
             try:
@@ -703,6 +809,7 @@ class Agent:
             peer.link_lost = False
 
     async def _pull(self, req_id: str, remote: RemotePrefill, local: tuple[int, ...]) -> None:
+        self._track()
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
@@ -711,6 +818,8 @@ class Agent:
         claimed = asking = using = False
         started = time.monotonic()
         try:
+            if self._closing:  # started as the connector closes: ended as an abort, nothing dialled
+                raise asyncio.CancelledError
             assert self.layout is not None
             check_blocks_cover(remote, self.layout.block_tokens)  # the blocks are taken by their place below
             if len(local) > len(remote.block_ids):
@@ -779,6 +888,9 @@ class Agent:
         self.loop.submit(self._release(remote))
 
     async def _release(self, remote: RemotePrefill) -> None:
+        self._track()
+        if self._closing:  # closing: no side channel is dialled for it (the prefill's lease frees the blocks)
+            return
         try:
             peer = await self._peer_of(remote)
             peer.use(remote.request_id)

@@ -93,6 +93,11 @@ class PrefillHolds:
             self._release(req_id)
             return True
 
+    def owners(self) -> set[Hashable]:
+        """The owners holding a claim now."""
+        with self._lock:
+            return {h.owner for h in self._held.values() if h.owner is not None}
+
     def drop_owner(self, owner: Hashable) -> list[str]:
         """A claimer's connection is gone: nothing it pulls can still be used, free its requests."""
         with self._lock:

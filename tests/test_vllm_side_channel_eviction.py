@@ -1,0 +1,176 @@
+"""The prefill's table of side-channel connections (``vllm_agent.MAX_CONNECTIONS``, patched to 2 here) when it is
+full: decodes that vanished without a FIN or RST are pushed out by a newcomer that proved the secret, while
+connections holding a claim, and every connection against a process without the secret, stay. Agents and raw
+clients on real loopback sockets, as in ``tests/test_vllm_side_channel_peers.py``; no vLLM needed. Each test
+failed before its fix (docs/reliability.md row 328)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from typing import Any
+
+import _vllm_agents
+import pytest
+from _vllm_agents import wait
+from test_vllm_side_channel_peers import _Blackhole, _remote
+
+from aio_datadist.integrations import vllm_agent, vllm_auth
+from aio_datadist.integrations.vllm_agent import LoopThread
+from aio_datadist.integrations.vllm_wire import HEADER, decode_reply, encode_frame, frame_length
+
+agents = _vllm_agents.agents  # the fixture
+
+SECRET = "side-channel-eviction-secret"
+
+
+def _loads(decode, req_id: str, remote) -> bool:
+    """Start a pull of one block and wait for it (bounded): whether it was reported loaded."""
+    decode.start_pull(req_id, remote, [2])
+    wait(lambda: req_id not in decode.pulls.pending(), 10)
+    finished, failed, _ = decode.pulls.take_finished()
+    assert req_id in finished
+    return req_id not in failed
+
+
+def _keepalive(sock: Any) -> tuple[int, int]:
+    return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE))
+
+
+def test_decodes_that_vanished_are_evicted_when_the_table_is_full(agents, monkeypatch) -> None:
+    """Two decodes pull once and vanish without a FIN or RST (a relay stops forwarding their flows: a partition,
+    a host gone, a NAT that forgot the flow, row 141). Before, their connections counted against
+    ``MAX_CONNECTIONS`` for ever (no keepalive, no idle bound) and every later decode was refused; now a new
+    decode that proves the secret evicts the one idle longest, and every side-channel socket has TCP keepalive
+    (``KEEPALIVE_IDLE_S``) at both ends."""
+    monkeypatch.setattr(vllm_agent, "MAX_CONNECTIONS", 2)
+    relay_loop = LoopThread("relay")
+    prefill, _ = agents(True, shared_secret=SECRET)
+    relay = _Blackhole(prefill.side_channel)
+    try:
+        relay_loop.call(relay.__aenter__())
+        gone_writers = []
+        for i in range(2):
+            gone, _ = agents(False, shared_secret=SECRET, link_timeout_ms=2000)
+            prefill.holds.add(f"r{i}", lease_s=60)
+            assert _loads(gone, f"d{i}", _remote("engine-p", relay.address, f"r{i}", [5]))
+            wait(lambda: f"r{i}" not in prefill.holds.held, 5)  # its done came: the connection holds no claim
+            gone_writers.append(next(w for w in prefill._conns if w not in gone_writers))
+            relay.drop_existing()  # then it vanishes: nothing of its flow gets through any more
+            gone.close()
+        assert len(prefill._conns) == 2
+
+        honest, _ = agents(False, shared_secret=SECRET, link_timeout_ms=2000)
+        prefill.holds.add("r9", lease_s=60)
+        assert _loads(honest, "d9", _remote("engine-p", prefill.side_channel, "r9", [7])), (
+            f"a new decode is refused: the table holds {len(prefill._conns)} connections of vanished decodes")
+        assert gone_writers[0] not in prefill._conns and gone_writers[1] in prefill._conns  # the idlest went
+        expected = (1, vllm_agent.KEEPALIVE_IDLE_S)
+        peer = honest._peers[prefill.side_channel].result()
+        assert [_keepalive(w.get_extra_info("socket")) for w in (*prefill._conns, peer.writer)] == [expected] * 3
+    finally:
+        relay_loop.call(relay.__aexit__(None, None, None))
+        relay_loop.stop()
+
+
+class _Client:
+    """A raw side-channel client on its own loop: ``dial`` (with a secret), ``ask`` a frame, ``closed``."""
+
+    def __init__(self, loop: LoopThread, address: tuple[str, int]) -> None:
+        self.loop, self.address = loop, address
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.next_id = 1
+
+    def dial(self, secret: str | None, first: bytes = b"") -> None:
+        async def dial() -> None:
+            self.reader, self.writer = await asyncio.open_connection(*self.address)
+            if first:
+                self.writer.write(first)
+            if secret is not None:
+                async with asyncio.timeout(5):
+                    await vllm_auth.dial(self.reader, self.writer, secret.encode())
+        self.loop.call(dial(), 10)
+
+    def ask(self, op: str, **fields: object) -> dict[str, Any]:
+        async def ask() -> dict[str, Any]:
+            assert self.reader is not None and self.writer is not None
+            rid, self.next_id = self.next_id, self.next_id + 1
+            self.writer.write(encode_frame({"id": rid, "op": op, **fields}))
+            async with asyncio.timeout(5):
+                body = await self.reader.readexactly(frame_length(await self.reader.readexactly(HEADER.size)))
+            return decode_reply(body, op)
+        return self.loop.call(ask(), 10)
+
+    def closed(self) -> bool:
+        """Whether the prefill closed the connection (waits 2 s at most for it)."""
+        async def closed() -> bool:
+            assert self.reader is not None
+            try:
+                async with asyncio.timeout(2):
+                    return await self.reader.read(1) == b""
+            except TimeoutError:
+                return False
+            except OSError:  # an abort: a reset
+                return True
+        return self.loop.call(closed(), 10)
+
+    def close(self) -> None:
+        async def close() -> None:
+            if self.writer is not None:
+                self.writer.transport.abort()
+        self.loop.call(close(), 10)
+
+
+def test_only_authenticated_connections_holding_no_claim_are_evicted(agents, monkeypatch) -> None:
+    """A full table (2 here): a connection holding a claim is never evicted; processes without the secret (or
+    with another one) evict nothing, whatever they send; a decode that proves it evicts the idle connection of
+    another decode, which dials again at its next load; once every connection holds a claim, a newcomer is
+    refused and the claims stay. Before, the full table refused every newcomer, a live decode's next load
+    included."""
+    monkeypatch.setattr(vllm_agent, "MAX_CONNECTIONS", 2)
+    client_loop = LoopThread("clients")
+    clients: list[_Client] = []
+
+    def client(secret: str | None, first: bytes = b"") -> _Client:
+        clients.append(_Client(client_loop, prefill.side_channel))
+        clients[-1].dial(secret, first)
+        return clients[-1]
+
+    prefill, _ = agents(True, shared_secret=SECRET, link_timeout_ms=1000)
+    try:
+        for req in ("r0", "r1", "r2", "r3", "r4", "r5"):
+            prefill.holds.add(req, lease_s=60)
+        claimer = client(SECRET)
+        assert claimer.ask("claim", req="r1")["ok"]  # the oldest connection, and it holds a claim
+        other, _ = agents(False, shared_secret=SECRET)
+        assert _loads(other, "d0", _remote("engine-p", prefill.side_channel, "r0", [5]))  # idle, no claim now
+        time.sleep(0.05)
+        strangers = [client(None, b"GET / HTTP/1.1\r\n" + b"x" * 40) for _ in range(10)]  # not the handshake
+        for stranger in strangers:
+            assert stranger.closed()
+        for _ in range(3):
+            with pytest.raises(vllm_auth.AuthError):
+                client("another-secret")
+        wait(lambda: len(prefill._conns) == 2, 5)  # those with another secret: refused past their handshake
+        assert other._peers[prefill.side_channel].result().broken is None
+
+        newcomer, _ = agents(False, shared_secret=SECRET)
+        assert _loads(newcomer, "d2", _remote("engine-p", prefill.side_channel, "r2", [6]))  # evicts other's
+        wait(lambda: prefill.side_channel not in other._peers, 5)  # other saw its connection close
+        assert claimer.ask("held", req="r1")["ok"]  # the claim and its connection stay
+        assert _loads(other, "d3", _remote("engine-p", prefill.side_channel, "r3", [7]))  # it dials again
+        assert claimer.ask("held", req="r1")["ok"]
+
+        second = client(SECRET)  # evicts the idle one (other's), then claims: every connection holds a claim
+        assert second.ask("claim", req="r4")["ok"]
+        with pytest.raises(vllm_auth.HandshakeClosed):
+            client(SECRET)  # refused: nothing to evict
+        assert claimer.ask("held", req="r1")["ok"] and second.ask("held", req="r4")["ok"]
+        assert {r: h.owner is not None for r, h in prefill.holds.held.items()} == {"r1": True, "r4": True, "r5": False}
+    finally:
+        for c in clients:
+            c.close()
+        client_loop.stop()
