@@ -382,27 +382,42 @@ _EXIT_FINALIZED: set[LLMDataDist] = set()
 @atexit.register
 def _finalize_all() -> None:
     _RUNNER.refuse_calls()  # daemon threads still calling: refused from now on, not left running at the stop
-    live, loop = list(_LIVE), _RUNNER._loop
-    _EXIT_FINALIZED.update(live)
-    _LIVE.clear()
-    if live and loop is not None:
-        # A callback of the caller's may hold the loop (a blocking wait in an async synchronizer): the exit
-        # must not wait for it without bound, as a blocking call here would.
-        try:
-            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(STOP_JOIN_S)
-        except concurrent.futures.TimeoutError:
-            log.warning("aio_datadist.compat: the facade's loop is held (a callback still runs on it); %d "
-                        "endpoint(s) not finalized at exit", len(live))
-        else:
-            ends = [asyncio.run_coroutine_threadsafe(dd._dd.finalize(), loop) for dd in live]
-            _, pending = concurrent.futures.wait(ends, EXIT_FINALIZE_S)
-            if pending:
-                log.warning("aio_datadist.compat: %d endpoint(s) not finalized within %.0f s at exit",
-                            len(pending), EXIT_FINALIZE_S)
-                for end in pending:  # ended, not destroyed pending with the loop
-                    end.cancel()
-                concurrent.futures.wait(pending, EXIT_CANCEL_S)
+    loop = _RUNNER._loop
+    if loop is not None and _finalize_at_exit(loop):
+        # The calls running as the exit began end now (STOP_CALLS_S at most; none starts any more): an init among
+        # them made an endpoint (``_LIVE``, on the loop) after the list above was taken, which is finalized too.
+        # Before, it stayed initialised and listening after the exit's hook.
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            asyncio.run_coroutine_threadsafe(_end_calls(STOP_CALLS_S), loop).result(STOP_CALLS_S + 1.0)
+        _finalize_at_exit(loop)
     _RUNNER.stop()
+
+
+def _finalize_at_exit(loop: asyncio.AbstractEventLoop) -> bool:
+    """Finalize, on the facade's ``loop``, the endpoints the facade keeps (``_LIVE``, emptied; the exit took them:
+    ``_EXIT_FINALIZED``). False when the loop is held and nothing could run on it."""
+    live = list(_LIVE)
+    _EXIT_FINALIZED.update(live)
+    _LIVE.difference_update(live)
+    if not live:
+        return True
+    # A callback of the caller's may hold the loop (a blocking wait in an async synchronizer): the exit
+    # must not wait for it without bound, as a blocking call here would.
+    try:
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(STOP_JOIN_S)
+    except concurrent.futures.TimeoutError:
+        log.warning("aio_datadist.compat: the facade's loop is held (a callback still runs on it); %d "
+                    "endpoint(s) not finalized at exit", len(live))
+        return False
+    ends = [asyncio.run_coroutine_threadsafe(dd._dd.finalize(), loop) for dd in live]
+    _, pending = concurrent.futures.wait(ends, EXIT_FINALIZE_S)
+    if pending:
+        log.warning("aio_datadist.compat: %d endpoint(s) not finalized within %.0f s at exit",
+                    len(pending), EXIT_FINALIZE_S)
+        for end in pending:  # ended, not destroyed pending with the loop
+            end.cancel()
+        concurrent.futures.wait(pending, EXIT_CANCEL_S)
+    return True
 
 
 #: v1 LLM-DataDist's codes for what the async API reports with v2's in both modes (reference 2.4, 2.11, 3.3): it
@@ -662,7 +677,12 @@ class LLMDataDist:
         return self._cache_manager
 
     def init(self, options: Mapping[str, str]) -> None:
-        _RUNNER.run(self._dd.init(options))
+        _RUNNER.run(self._init(options))
+
+    async def _init(self, options: Mapping[str, str]) -> None:
+        await self._dd.init(options)
+        # Kept on the loop as init ends: the exit's finalize finds it also when this call ended as the exit
+        # began, its thread never to run again (a daemon thread).
         _LIVE.add(self)
 
     def finalize(self) -> None:
