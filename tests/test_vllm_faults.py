@@ -106,11 +106,15 @@ def test_a_text_option_given_as_null_is_unset(monkeypatch) -> None:
 def test_a_text_option_of_another_json_type_is_refused_naming_it(monkeypatch, name, value) -> None:
     """Before, a text option took ``str()`` of any JSON value: ``shared_secret: true`` (a YAML ``yes``, a
     templated boolean) was the secret "True", the environment's secret ignored without the no-secret warning;
-    ``stats_path: false`` wrote ./False (found by audit). A secret of another type is named by its type only."""
+    ``stats_path: false`` wrote ./False (found by audit). A secret of another type is named by its type only,
+    and no exception chained to the error carries it: its first form raised the error while handling a
+    ``ValueError(<the value>)``, its ``__context__``, which error reporters that walk the chain show (found by
+    review)."""
     monkeypatch.setenv("AIO_DATADIST_SECRET", "the-real-secret")
     with pytest.raises(LLMException, match=f"invalid argument '{name}': must be a string, got ") as caught:
         AgentOptions.from_extra({name: value})
     assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert (caught.value.__context__, caught.value.__cause__) == (None, None), repr(caught.value.__context__)
     if name == "shared_secret":
         assert "s3cret" not in str(caught.value) and "12345678" not in str(caught.value), str(caught.value)
     assert AgentOptions.from_extra({name: "10.0.0.5"}).shared_secret == (

@@ -384,6 +384,49 @@ def test_a_decode_closed_while_dialling_dials_nothing_more(agents) -> None:  # n
         server.close()
 
 
+@pytest.mark.parametrize("what", ["pull", "release"])
+def test_a_pull_asked_for_as_close_ends_is_aborted_not_left_on_the_closed_loop(agents, monkeypatch,  # noqa: F811
+                                                                              what: str) -> None:
+    """vLLM's thread asks for a pull (or a release) while another thread's ``close`` has ended ``_close`` and not
+    yet stopped the loop, busy a moment (a callback, a GC pass): the task would be made and never run. Now a
+    pull asked for once ``close`` began ends at once, aborted (reported failed, as one ``close`` cut), and a
+    release is dropped (the prefill frees the blocks at their lease); nothing is submitted, and after ``close``
+    the same holds, without raising into vLLM's thread. Before, the task was left pending on the closed loop and
+    the pull never reported finished; after ``close``, ``start_pull`` raised ``Event loop is closed`` and left
+    the request pending for ever (found by review)."""
+    prefill, _ = agents(True)
+    decode, _ = agents(False)
+    prefill.holds.add("r1", lease_s=60)
+    remote = _remote(prefill.side_channel, "r1", [5])
+
+    def ask(req_id: str) -> None:
+        if what == "pull":
+            decode.start_pull(req_id, remote, [2])
+        else:
+            decode.release_unpulled(remote)
+
+    real_stop = LoopThread.stop
+
+    def stop(self: LoopThread) -> None:
+        if self is decode.loop and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(time.sleep, 0.2)  # the loop busy a moment as the stop is asked for
+            time.sleep(0.05)
+            ask("d1")
+        real_stop(self)
+
+    monkeypatch.setattr(LoopThread, "stop", stop)
+    loop = decode.loop.loop
+    decode.close()
+    assert loop.is_closed()
+    left = _pending(loop)
+    assert not left and not decode.pulls.pending(), (
+        f"pending on the closed loop: {left}; pulls never reported finished: {decode.pulls.pending()}")
+    ask("d2")  # after close: no error raised into vLLM's thread
+    assert not decode.pulls.pending()
+    assert decode.pulls.take_finished()[:2] == (({"d1", "d2"},) * 2 if what == "pull" else (set(), set()))
+    assert prefill.holds.held["r1"].owner is None  # nothing reached the prefill
+
+
 def test_an_expired_lease_is_recorded_and_logged_whoever_expires_it(agents, tmp_path, caplog) -> None:  # noqa: F811
     """vLLM's ``get_finished`` runs every step and expires leases itself: before, such a release was told to
     vLLM with no stats line and no warning (found by an audit)."""

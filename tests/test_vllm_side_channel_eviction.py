@@ -2,11 +2,13 @@
 full: decodes that vanished without a FIN or RST are pushed out by a newcomer that proved the secret, while
 connections holding a claim, and every connection against a process without the secret, stay. Agents and raw
 clients on real loopback sockets, as in ``tests/test_vllm_side_channel_peers.py``; no vLLM needed. Each test
-failed before its fix (docs/reliability.md row 328)."""
+failed before its fix (docs/reliability.md row 328; the last three were found by the review of its first
+form)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from typing import Any
@@ -23,6 +25,9 @@ from aio_datadist.integrations.vllm_wire import HEADER, decode_reply, encode_fra
 agents = _vllm_agents.agents  # the fixture
 
 SECRET = "side-channel-eviction-secret"
+#: What the prefill tells a decode it refuses for a full table (patched to 2 connections, else 1, in the tests).
+FULL = ("the side channel is full: 2 connections, each holding or awaiting a claim or admitted under "
+        "link_timeout_ms ago")
 
 
 def _loads(decode, req_id: str, remote) -> bool:
@@ -166,11 +171,136 @@ def test_only_authenticated_connections_holding_no_claim_are_evicted(agents, mon
 
         second = client(SECRET)  # evicts the idle one (other's), then claims: every connection holds a claim
         assert second.ask("claim", req="r4")["ok"]
-        with pytest.raises(vllm_auth.HandshakeClosed):
-            client(SECRET)  # refused: nothing to evict
+        refused = client(SECRET)  # refused past its handshake, told why: nothing to evict
+        assert refused.ask("hello") == {"id": 0, "ok": False, "error": FULL} and refused.closed()
         assert claimer.ask("held", req="r1")["ok"] and second.ask("held", req="r4")["ok"]
         assert {r: h.owner is not None for r, h in prefill.holds.held.items()} == {"r1": True, "r4": True, "r5": False}
     finally:
         for c in clients:
             c.close()
         client_loop.stop()
+
+
+def test_a_connection_counts_as_idle_from_its_admission_not_its_accept(agents, monkeypatch) -> None:
+    """A connection whose handshake took a while (a decode a network away) is weighed by when it was admitted,
+    past its handshake: a full table evicts one idle for longer since its last frame. Before, it counted as idle
+    from its accept: admitted a moment ago, it was evicted first (found by review)."""
+    monkeypatch.setattr(vllm_agent, "MAX_CONNECTIONS", 3)
+    loop = LoopThread("clients")
+    clients: list[_Client] = []
+    prefill, _ = agents(True, shared_secret=SECRET, link_timeout_ms=1500)
+    try:
+        prefill.holds.add("r1", lease_s=60)
+        clients.append(holder := _Client(loop, prefill.side_channel))
+        holder.dial(SECRET)
+        assert holder.ask("claim", req="r1")["ok"]  # never evicted
+        clients.append(slow := _Client(loop, prefill.side_channel))
+
+        async def accepted_only() -> None:
+            slow.reader, slow.writer = await asyncio.open_connection(*prefill.side_channel)
+        loop.call(accepted_only(), 10)  # t0: accepted, its handshake not begun
+        time.sleep(0.2)
+        clients.append(idle := _Client(loop, prefill.side_channel))
+        idle.dial(SECRET)
+        assert idle.ask("hello")["ok"]  # t0 + 0.2 s: its last frame
+        time.sleep(0.6)
+
+        async def handshake() -> None:
+            assert slow.reader is not None and slow.writer is not None
+            async with asyncio.timeout(5):
+                await vllm_auth.dial(slow.reader, slow.writer, SECRET.encode())
+        loop.call(handshake(), 10)  # t0 + 0.8 s: admitted
+        wait(lambda: len(prefill._established) == 3, 5)
+        time.sleep(1.6)  # past both grace periods (link_timeout_ms from each admission): both may be evicted
+        clients.append(newcomer := _Client(loop, prefill.side_channel))
+        newcomer.dial(SECRET)
+        assert newcomer.ask("hello")["ok"]
+        assert (slow.closed(), idle.closed()) == (False, True), "the connection admitted last was evicted"
+        assert len(prefill._established) == 3
+    finally:
+        for c in clients:
+            c.close()
+        loop.stop()
+
+
+def test_a_decode_still_linking_is_not_evicted_by_one_dialling_after_it(agents, monkeypatch, tmp_path) -> None:
+    """A decode between its hello and its first claim is linking (``link_timeout_ms``): a newcomer dialling a
+    full table then is refused and told so, rather than evicting it, and once that decode claimed (and is idle
+    again) the newcomer's next load evicts it. A connection admitted ``link_timeout_ms`` ago that never claimed
+    may be evicted. The table never holds more than ``MAX_CONNECTIONS``. Before, concurrent newcomers evicted
+    each other before they could claim (found by review: two decodes loading at once through one free slot lost
+    5 loads of 8)."""
+    monkeypatch.setattr(vllm_agent, "MAX_CONNECTIONS", 2)
+    loop = LoopThread("clients")
+    clients: list[_Client] = []
+
+    def client() -> _Client:
+        clients.append(_Client(loop, prefill.side_channel))
+        clients[-1].dial(SECRET)
+        return clients[-1]
+
+    prefill, _ = agents(True, shared_secret=SECRET, link_timeout_ms=2000)
+    stats = tmp_path / "decode.jsonl"
+    newcomer, _ = agents(False, shared_secret=SECRET, stats_path=str(stats))
+    try:
+        for req in ("r0", "r1", "r2", "r3"):
+            prefill.holds.add(req, lease_s=60)
+        holder = client()
+        assert holder.ask("claim", req="r0")["ok"]
+        linking = client()
+        assert linking.ask("hello")["ok"]  # then it links: its claim comes up to link_timeout_ms later
+        assert not _loads(newcomer, "d2", _remote("engine-p", prefill.side_channel, "r2", [6]))
+        error = json.loads(stats.read_text().splitlines()[-1])["error"]
+        assert FULL in error and "shared_secret" not in error, error
+        assert linking.ask("claim", req="r1")["ok"], "a decode still linking was evicted"
+        assert linking.ask("done", req="r1")["ok"]
+        assert len(prefill._established) == 2
+        assert _loads(newcomer, "d3", _remote("engine-p", prefill.side_channel, "r3", [7]))  # evicts it now
+        assert linking.closed() and holder.ask("held", req="r0")["ok"]
+
+        silent = client()  # evicts the newcomer's idle connection; says hello and never claims
+        assert silent.ask("hello")["ok"]
+        refused = client()
+        assert refused.ask("hello") == {"id": 0, "ok": False, "error": FULL}
+        time.sleep(2.1)  # past its grace
+        late = client()
+        assert late.ask("hello")["ok"] and silent.closed()
+        assert len(prefill._established) == 2 and holder.ask("held", req="r0")["ok"]
+    finally:
+        for c in clients:
+            c.close()
+        loop.stop()
+
+
+def test_a_decode_refused_by_a_full_table_is_told_so_not_a_secret_mismatch(agents, monkeypatch, tmp_path) -> None:
+    """Every connection holds a claim: a decode with the secret is refused past its handshake and its failed load
+    says the side channel is full; a process without the secret gets the handshake's answer as from a table
+    with room (it learns nothing of the table). Before, the decode was closed before its handshake and its
+    load failed saying the prefill had no shared_secret, or another one (found by review)."""
+    monkeypatch.setattr(vllm_agent, "MAX_CONNECTIONS", 1)
+    loop = LoopThread("clients")
+    prefill, _ = agents(True, shared_secret=SECRET)
+    holder = _Client(loop, prefill.side_channel)
+    try:
+        prefill.holds.add("r0", lease_s=60)
+        prefill.holds.add("r1", lease_s=60)
+        holder.dial(SECRET)
+        assert holder.ask("claim", req="r0")["ok"]
+        stats = tmp_path / "decode.jsonl"
+        decode, _ = agents(False, shared_secret=SECRET, stats_path=str(stats))
+        assert not _loads(decode, "d1", _remote("engine-p", prefill.side_channel, "r1", [5]))
+        error = json.loads(stats.read_text().splitlines()[-1])["error"]
+        assert FULL.replace("2 connections", "1 connections") in error and "shared_secret" not in error, error
+        with socket.create_connection(prefill.side_channel, timeout=5) as stranger:
+            stranger.sendall(vllm_auth.MAGIC + bytes(vllm_auth.NONCE_BYTES))
+            answer = b""
+            for _ in range(10):  # bounded: the nonce and the proof, as from a table with room
+                part = stranger.recv(vllm_auth.NONCE_BYTES + vllm_auth.PROOF_BYTES - len(answer))
+                answer += part
+                if not part or len(answer) == vllm_auth.NONCE_BYTES + vllm_auth.PROOF_BYTES:
+                    break
+            assert len(answer) == vllm_auth.NONCE_BYTES + vllm_auth.PROOF_BYTES
+        assert holder.ask("held", req="r0")["ok"]
+    finally:
+        holder.close()
+        loop.stop()

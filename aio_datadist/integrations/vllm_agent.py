@@ -56,9 +56,10 @@ SECRET_ENV = "AIO_DATADIST_SECRET"
 #: Side-channel connections still in the handshake at once; a newcomer past it evicts the oldest.
 MAX_PENDING_HANDSHAKES = 16
 #: Side-channel connections past the handshake at once (authenticated, with a ``shared_secret``). A newcomer
-#: past it evicts the one idle longest (no frame read from it for longest) that holds no claim and has none
-#: waiting; if every one holds or awaits a claim, the newcomer is closed. With a secret only a newcomer that
-#: proved it evicts anyone: a process without the secret never pushes an authenticated connection out.
+#: past it evicts the one idle longest (no frame read from it for longest, else since it was admitted) that holds
+#: no claim, has none waiting, and is no decode still linking (admitted under ``link_timeout_ms`` ago, no claim
+#: sent yet); if none may be evicted, the newcomer is told so (a frame of id 0) and closed. With a secret only a
+#: newcomer that proved it evicts anyone: a process without the secret never pushes an authenticated connection out.
 MAX_CONNECTIONS = 1024
 #: TCP keepalive on every side-channel socket, at both ends: a peer whose host vanished without a FIN or RST
 #: (power lost, a partition) is found within about ``KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S``
@@ -125,20 +126,22 @@ class AgentOptions:
                  if not (extra[name] is None and isinstance(getattr(opts, name), str))}
         for name in given:
             kind, value = type(getattr(opts, name)), extra[name]
-            try:
-                # int() would take True as 1 and cut 2.9 to 2: a bool is no number, an integer has no fraction;
-                # str() would take anything: `shared_secret: true` would be the secret "True" (the environment's
-                # secret ignored, no warning), `stats_path: false` the file ./False
-                if (kind is str and not isinstance(value, str)) or (kind is not str and isinstance(value, bool)) or (
-                        kind is int and isinstance(value, float) and not value.is_integer()):
-                    raise ValueError(value)
-                setattr(opts, name, kind(value))
-            except (TypeError, ValueError, OverflowError):  # (a JSON integer too big for a float)
+            # int() would take True as 1 and cut 2.9 to 2: a bool is no number, an integer has no fraction;
+            # str() would take anything: `shared_secret: true` would be the secret "True" (the environment's
+            # secret ignored, no warning), `stats_path: false` the file ./False
+            taken = not ((kind is str and not isinstance(value, str)) or (kind is not str and isinstance(value, bool))
+                         or (kind is int and isinstance(value, float) and not value.is_integer()))
+            if taken:
+                try:
+                    setattr(opts, name, kind(value))
+                except (TypeError, ValueError, OverflowError):  # (a JSON integer too big for a float)
+                    taken = False
+            if not taken:  # raised outside the except: no __context__ carries the value (a secret) along
                 what = {int: "an integer", float: "a number", str: "a string"}[kind]
                 # a secret given as another type is still the secret (a number): name its type, never its value
                 shown = f"a JSON {_json_type(value)}" if name == "shared_secret" else f"{value!r:.60}"
                 raise LLMException(f"invalid argument '{name}': must be {what}, got {shown}",
-                                   status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
+                                   status_code=LLMStatusCode.LLM_PARAM_INVALID)
         if "shared_secret" not in given:
             opts.shared_secret = os.environ.get(SECRET_ENV, "")
         for name, least in (("max_claims_per_connection", 1), ("pull_timeout_ms", 1), ("link_timeout_ms", 1),
@@ -227,12 +230,14 @@ def _keepalive(writer: asyncio.StreamWriter) -> None:
 class _Served:
     """A prefill's side-channel connection past the handshake: what eviction weighs (:meth:`Agent._idlest`)."""
 
-    __slots__ = ("owner", "waiting", "heard")
+    __slots__ = ("owner", "waiting", "admitted", "heard", "claimed")
 
     def __init__(self, owner: int, waiting: set[asyncio.Task]) -> None:
         self.owner = owner  # its claims' owner in PrefillHolds
         self.waiting = waiting  # its claims waiting for vLLM to name their request
-        self.heard = time.monotonic()  # when its last frame was read (or it was admitted)
+        self.admitted = 0.0  # when it entered the table (Agent._admit), past its handshake
+        self.heard = 0.0  # when its last frame was read, else when it was admitted
+        self.claimed = False  # it sent a claim: a decode past its hello and its link
 
 
 def _host(writer: asyncio.StreamWriter) -> str:
@@ -283,6 +288,7 @@ class _Peer:
         self.relinks = 0  # attempts to link again that ended
         self.task: asyncio.Task | None = None
         self.broken: BaseException | None = None
+        self.refused = ""  # why the prefill closed the side channel, if it said so (a frame of id 0)
         self.heard = time.monotonic()  # when the last frame came from the prefill
         # prefill request -> pulls and releases of it on this connection: the prefill frees a request on the
         # first done, so done waits for the last of them (two decode requests may carry the same params)
@@ -342,7 +348,11 @@ class _Peer:
             while True:
                 body = await self.reader.readexactly(frame_length(await self.reader.readexactly(HEADER.size)))
                 self.heard = time.monotonic()
-                rid = decode_reply(body, "")["id"]
+                reply = decode_reply(body, "")
+                rid = reply["id"]
+                if rid == 0 and not reply["ok"]:  # the prefill closes the side channel and says why (a full table)
+                    self.refused = reply["error"][:200]
+                    raise ConnectionError(f"the prefill closed the side channel: {self.refused}")
                 op, future = self.replies.get(rid, ("", None))
                 if future is not None and not future.done():
                     future.set_result(decode_reply(body, op))
@@ -355,7 +365,9 @@ class _Peer:
             self.writer.close()
             for _, future in self.replies.values():
                 if not future.done():
-                    future.set_exception(ConnectionError("side channel closed"))
+                    future.set_exception(ConnectionError(
+                        f"the prefill closed the side channel: {self.refused}" if self.refused
+                        else "side channel closed"))
 
 
 class Agent:
@@ -376,7 +388,10 @@ class Agent:
         self._server: asyncio.Server | None = None
         self._peers: dict[tuple[str, int], asyncio.Task] = {}
         self._pulling: set[asyncio.Task] = set()  # decode: pulls and releases running; _close ends them
-        self._closing = False  # set first thing in _close: nothing is dialled, no pull starts, after it
+        #: Set by close() (under _submitting) before _close is submitted: nothing is dialled, no pull starts and
+        #: nothing is submitted to the loop after it (a pull asked for then ends aborted at once).
+        self._closing = False
+        self._submitting = threading.Lock()  # start_pull and release_unpulled (vLLM's thread) against close()
         self._conns: set[asyncio.StreamWriter] = set()
         #: Side-channel connections past the handshake (MAX_CONNECTIONS), oldest first.
         self._established: dict[asyncio.StreamWriter, _Served] = {}
@@ -452,6 +467,8 @@ class Agent:
             self._expiry = self.loop.loop.call_later(0.5, self._tick)
 
     def close(self) -> None:
+        with self._submitting:  # a pull or release asked for from now on is not submitted (start_pull)
+            self._closing = True
         if not self.loop.loop.is_closed():
             with contextlib.suppress(Exception):
                 self.loop.call(self._close(), 30)
@@ -553,35 +570,38 @@ class Agent:
         task.add_done_callback(self._serving.discard)
 
     def _idlest(self) -> asyncio.StreamWriter | None:
-        """The connection past the handshake idle longest that holds no claim and has none waiting, if any."""
+        """The connection past the handshake idle longest that may be evicted, if any: one that holds no claim,
+        has none waiting, and either claimed before or was admitted ``link_timeout_ms`` ago or longer (a decode
+        between its hello and its first claim is linking: newcomers dialling at once do not push each other
+        out before they can claim)."""
         owners = self.holds.owners()
+        young = time.monotonic() - self.options.link_timeout_ms / 1000
         free = [(served.heard, writer) for writer, served in self._established.items()
-                if not served.waiting and served.owner not in owners]
+                if not served.waiting and served.owner not in owners and (served.claimed or served.admitted <= young)]
         return min(free, key=lambda pair: pair[0])[1] if free else None
 
-    def _admit(self, writer: asyncio.StreamWriter, served: _Served) -> bool:
+    def _admit(self, writer: asyncio.StreamWriter, served: _Served) -> str:
         """Take a connection past the handshake into the table (MAX_CONNECTIONS), evicting if need be
         (:meth:`_idlest`: a decode gone without a FIN or RST, a flow a NAT forgot, holds its slot until then);
-        False: it is refused, every connection there holding or awaiting a claim."""
+        "" if taken, else why it is refused (no connection there may be evicted)."""
         if len(self._established) >= MAX_CONNECTIONS:
             victim = self._idlest()
             if victim is None:
-                self._refuse(writer, f"{MAX_CONNECTIONS} side-channel connections open already, each holding "
-                                     "or awaiting a claim")
-                return False
+                why = (f"the side channel is full: {MAX_CONNECTIONS} connections, each holding or awaiting a claim "
+                       "or admitted under link_timeout_ms ago")
+                self._refuse(writer, why)
+                return why
             del self._established[victim]
             self._refuse(victim, f"evicted: idle longest of {MAX_CONNECTIONS} side-channel connections holding no "
                                  "claim, for a new one")
             victim.transport.abort()
+        served.admitted = served.heard = time.monotonic()
         self._established[writer] = served
-        return True
+        return ""
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._established) >= MAX_CONNECTIONS and self._idlest() is None:
-            self._refuse(writer, f"{MAX_CONNECTIONS} side-channel connections open already, each holding or "
-                                 "awaiting a claim")
-            writer.transport.abort()
-            return
+        # A full table refuses a newcomer only past the handshake, with a frame saying so (id 0, as for a bad
+        # frame): the decode reports why, not a secret mismatch, and a process without the secret learns nothing
         _keepalive(writer)
         self._conns.add(writer)
         owner = id(writer)
@@ -592,7 +612,9 @@ class Agent:
             # with a secret, only a connection that proved it may push another out of the table
             if self._secret is not None and not await self._authenticate(reader, writer):
                 return
-            if not self._admit(writer, served):
+            refused = self._admit(writer, served)
+            if refused:
+                writer.write(encode_frame({"id": 0, "ok": False, "error": refused}))
                 return
             while True:
                 try:
@@ -607,6 +629,7 @@ class Agent:
                 if op == "hello":
                     reply = self._hello()
                 elif op == "claim":
+                    served.claimed = True
                     req = message["req"]
                     if self.holds.known(req):
                         reply = self._claim_now(req, owner, hold_s)
@@ -693,9 +716,17 @@ class Agent:
     # -- decode: pulls ---------------------------------------------------------------------
 
     def start_pull(self, req_id: str, remote: RemotePrefill, local_blocks: Sequence[int]) -> None:
-        """Pull ``remote``'s blocks into ``local_blocks`` in the background; the result lands in :attr:`pulls`."""
-        self.pulls.start(req_id, tuple(local_blocks))
-        self.loop.submit(self._pull(req_id, remote, tuple(local_blocks)))
+        """Pull ``remote``'s blocks into ``local_blocks`` in the background; the result lands in :attr:`pulls`.
+        Once :meth:`close` began, the pull ends at once as aborted (reported failed), as one it cut does."""
+        with self._submitting:
+            self.pulls.start(req_id, tuple(local_blocks))
+            if not self._closing:
+                self.loop.submit(self._pull(req_id, remote, tuple(local_blocks)))
+                return
+        self.pulls.end(req_id, False, "aborted")
+        self.record("pull", req=req_id, ok=False, error="aborted", seconds=0.0, blocks=len(local_blocks),
+                    authenticated=self._secret is not None,
+                    bytes=len(local_blocks) * (self.layout.block_bytes * self.layout.tensors if self.layout else 0))
 
     def _track(self) -> None:
         """The running pull or release is one :meth:`_close` cancels and awaits before the loop closes."""
@@ -884,8 +915,12 @@ class Agent:
             await self._release(remote)
 
     def release_unpulled(self, remote: RemotePrefill) -> None:
-        """Tell the prefill that this decode will not pull ``remote`` (aborted, or a local prefix-cache hit)."""
-        self.loop.submit(self._release(remote))
+        """Tell the prefill that this decode will not pull ``remote`` (aborted, or a local prefix-cache hit).
+        Once :meth:`close` began it is dropped: the prefill frees the blocks at their lease (or as the closing
+        side channel drops its claims)."""
+        with self._submitting:
+            if not self._closing:
+                self.loop.submit(self._release(remote))
 
     async def _release(self, remote: RemotePrefill) -> None:
         self._track()
