@@ -467,13 +467,19 @@ async def finalize_endpoint(endpoint: Endpoint) -> None:
         endpoint.finalized = True
         return
     if runtime is None:
+        loop = asyncio.get_running_loop()
         cut, endpoint.cut_release = endpoint.cut_release, None
-        if cut is not None and cut[1].loop is asyncio.get_running_loop():
-            await _release(endpoint, *cut)  # a finalize the loop's shutdown cut short: finish it
+        cut_loop = None if cut is None else cut[1].loop
+        if cut is not None and (cut_loop is loop or cut_loop is None or cut_loop.is_closed()):
+            # A finalize the loop's shutdown cut short: finished here, by the guard of its loop or on a loop
+            # after it (one closed without its generators' shutdown, which never ran the guard).
+            if endpoint.released is None or endpoint.released.get_loop() is not loop:
+                endpoint.released = loop.create_future()
+            await _release(endpoint, *cut)
             return
         endpoint.cut_release = cut
         released = endpoint.released
-        if released is not None and not released.done():
+        if released is not None and not released.done() and released.get_loop() is loop:
             await asyncio.wait([released])  # another finalize is releasing: return once it has
         return
     endpoint.runtime = None

@@ -960,11 +960,12 @@ class LinkTable:
             task.cancel()
         if attempts:
             await asyncio.wait(attempts)
-        # With the links an unlink took out of the table and still waits on, and those out of the table whose own
-        # close was cut short: finalize closes them too (a close that runs is left to end: _forgotten is waited
-        # for, a close answering the peer's UNLINK ends by itself, as before).
+        # With the links an unlink took out of the table and still waits on, and those out of the table that no
+        # close has closed (one cut short, or never started: a task cancelled before its first step): finalize
+        # closes them too. A close under way is left to end (_forgotten is waited for; one answering the peer's
+        # UNLINK ends by itself, as before; one without its answer to wait for is closed at its first step).
         cut = [link for link in self._dropped
-               if not link.closed and link.close_task is not None and link.close_task.done()]
+               if not link.closed and (link.close_task is None or link.close_task.done())]
         for link in (*self.links.values(), *self._leaving, *cut):
             self._closing.setdefault(link, None)
         self.links.clear()
@@ -975,6 +976,8 @@ class LinkTable:
         for link in links:
             if not link.down:
                 ack = self._closing[link] or self._leaving.get(link)  # ours or the unlink's, if the peer was told
+                if ack is None and link.unlinking:
+                    continue  # an UNLINK of ours left already (a link not set up): no second one, it is closed below
                 if ack is None:
                     req_id = link.new_req_id()
                     ack = link.expect(req_id, Msg.UNLINK_ACK)
@@ -983,8 +986,9 @@ class LinkTable:
                     link.send_unlink(req_id)
                 self._closing[link] = ack
                 acks.append(ack)
-        if acks:
-            await asyncio.wait(acks, timeout=UNLINK_WAIT_S)
+        live_acks = [ack for ack in acks if not ack.get_loop().is_closed()]  # (a cut close's, on a loop closed since)
+        if live_acks:
+            await asyncio.wait(live_acks, timeout=UNLINK_WAIT_S)
         for ack in acks:
             if ack.done() and not ack.cancelled():
                 ack.exception()  # a link that failed meanwhile: nothing to wait for

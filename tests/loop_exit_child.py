@@ -4,7 +4,10 @@ argv ``CASE asyncio|uvloop``. ``pull``/``push``: ``main`` returns with a TCP tra
 the owners' finalize starts as the shutdown does); ``generator``: an application's async generator, closed by the
 shutdown, still uses its endpoint in its cleanup; ``closed``: the loop is closed without its shutdown step, and the
 endpoints finalized on another loop; ``finalizing-N``: ``main`` starts both endpoints' ``finalize`` in tasks and
-returns N loop turns later, so that the run's cancel of every task cuts the finalizes short. It prints how long
+returns N loop turns later, so that the run's cancel of every task cuts the finalizes short (``unlinking-N``,
+``peer-unlinking-N``: with the DECODER's, or the PROMPT's, ``unlink_clusters`` five turns under way;
+``cut-closed``: the loop closed without its generators' shutdown, so that only a later ``finalize`` on another
+loop can finish them). It prints how long
 the run took and, per endpoint, whether it was finalized and released, then whether the PROMPT's port could be
 listened on again and whether the links were closed (``finalizing-N`` only)."""
 
@@ -110,11 +113,20 @@ async def generator() -> None:
     await stream.__anext__()
 
 
-async def finalizing(turns: int) -> None:
+async def finalizing(turns: int, unlinking: str = "") -> None:
     prompt, decoder = await linked_pair()
+    PAIR.extend((prompt, decoder))
     LINKS.extend(link for dd in (prompt, decoder) for link in dd._endpoint.links.links.values())  # type: ignore
     PORTS.append(prompt.listen_address[1])  # type: ignore[index]
-    KEEP.extend(asyncio.get_running_loop().create_task(dd.finalize()) for dd in (prompt, decoder))
+    loop = asyncio.get_running_loop()
+    if unlinking:
+        cluster = LLMClusterInfo()
+        cluster.remote_cluster_id = 2 if unlinking == "peer" else 1
+        cluster.append_remote_ip_info(*prompt.listen_address)  # type: ignore[misc]
+        KEEP.append(loop.create_task((prompt if unlinking == "peer" else decoder).unlink_clusters([cluster], 3000)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+    KEEP.extend(loop.create_task(dd.finalize()) for dd in (prompt, decoder))
     for _ in range(turns):
         await asyncio.sleep(0)
 
@@ -129,6 +141,7 @@ def relisten() -> str:
 
 ENDPOINTS: list[object] = []
 LINKS: list[object] = []
+PAIR: list[LLMDataDist] = []
 PORTS: list[int] = []
 CLEANUP: list[str] = []
 SMALL = CacheDesc(1, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
@@ -146,8 +159,22 @@ elif case == "owned":
     run(owned())
 elif case == "generator":
     run(generator())
-elif case.startswith("finalizing-"):
-    run(finalizing(int(case.split("-")[1])))
+elif case.startswith(("finalizing-", "unlinking-", "peer-unlinking-")):
+    run(finalizing(int(case.rsplit("-", 1)[1]), "" if case.startswith("finalizing") else case.split("-")[0]))
+elif case == "cut-closed":
+    closing = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
+    closing.run_until_complete(finalizing(0))
+    running = asyncio.all_tasks(closing)
+    for task in running:  # the shutdown of old, without its generators' shutdown step
+        task.cancel()
+    closing.run_until_complete(asyncio.gather(*running, return_exceptions=True))
+    closing.close()
+
+    async def finalize_again() -> None:
+        for dd in PAIR:
+            await dd.finalize()
+
+    run(finalize_again())
 else:  # closed
     closing = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
     KEEP.extend(closing.run_until_complete(linked_pair()))

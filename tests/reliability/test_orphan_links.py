@@ -338,7 +338,7 @@ async def test_work_the_caller_started_keeps_an_llmdatadist_it_dropped_until_it_
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("case", ["pull", "push", "owned", "generator", "closed", "finalizing-0", "finalizing-1",
-                                  "finalizing-8"])
+                                  "finalizing-8", "unlinking-0", "peer-unlinking-0", "cut-closed"])
 def test_a_run_that_ends_with_a_transfer_in_flight_finalizes_its_endpoints_quietly(case, loop):
     """``asyncio.run`` (``uvloop.run``) returns from ``main`` with a 128 MiB TCP pull or push in flight and no
     ``finalize``: the run's shutdown finalizes both endpoints on the loop (``owners.finalize_at_loop_shutdown``)
@@ -353,7 +353,11 @@ def test_a_run_that_ends_with_a_transfer_in_flight_finalizes_its_endpoints_quiet
     ``RuntimeError`` writing to a transport of the closed loop; the closed loop's tasks are reported destroyed,
     as reliability.md says). ``finalizing-N`` (a finalize of each endpoint started in a task N loop turns before
     ``main`` returned, cut short by the run's cancel of every task: the PROMPT's port stayed listening after the
-    run with nobody accepting, or a link was left half closed; found by an audit) are finished by the shutdown."""
+    run with nobody accepting, or a link was left half closed; found by an audit) are finished by the shutdown;
+    so are ``unlinking-0`` and ``peer-unlinking-0`` (an unlink's close of its link cut before its first step: the
+    link was left unclosed; found by the review). ``cut-closed``: the loop closed without its generators' shutdown
+    step, so only a later ``finalize`` on another loop can finish them; it waited forever for the cut one (the
+    review's regression of the first form)."""
     child = pathlib.Path(__file__).parent.parent / "loop_exit_child.py"
     proc = subprocess.run([sys.executable, str(child), case, loop], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -363,8 +367,10 @@ def test_a_run_that_ends_with_a_transfer_in_flight_finalizes_its_endpoints_quiet
     assert out["finalized"] == [True, True] and out["released"] == [True, True], out
     assert out["cleanup"] == (["ok"] if case == "generator" else []), out
     assert out["run_s"] < 5, out
-    if case.startswith("finalizing"):
+    if case.startswith(("finalizing", "unlinking", "peer-unlinking")):
         assert out["relisten"] == "ok" and out["links_closed"] == [True, True], out
+    elif case == "cut-closed":  # (a link's transport of the closed asyncio loop cannot close: as for "closed")
+        assert out["relisten"] == "ok", out
 
 
 @pytest.mark.asyncio
