@@ -22,6 +22,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -103,6 +104,10 @@ class _LoopThread:
         self._stopping = threading.Event()
         self._end = _LoopEnd()
         self._refusing: int | None = None  # the process exits: no call of a thread but this one starts
+        #: Calls that the refusal let through and that are not on the loop yet (``run``): the stop waits for them
+        #: to be sent before it waits for the calls on the loop, so an ``init`` let through as the exit began is
+        #: one of those (and its endpoint one the exit finalizes).
+        self._sending = 0
 
     def refuse_calls(self) -> None:
         """From now on a call of any thread but this one (the exit's: its later atexit hooks may still call,
@@ -114,11 +119,16 @@ class _LoopThread:
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._started()[0]
 
-    def _started(self) -> tuple[asyncio.AbstractEventLoop, _LoopEnd]:
+    def _sent(self) -> None:
+        with self._lock:
+            self._sending -= 1
+
+    def _started(self, *, sending: bool = False) -> tuple[asyncio.AbstractEventLoop, _LoopEnd]:
         with self._lock:
             if self._refusing is not None and self._refusing != threading.get_ident():
                 raise LLMException("the blocking facade is shutting down (the process exits); the call cannot run",
                                    status_code=LLMStatusCode.LLM_FAILED)
+            self._sending += sending
             if self._loop is None:
                 # asyncio's own loop, whatever the process's policy: a forked child of a process whose facade
                 # ran on uvloop crashes as it exits (libuv joins thread-pool threads that are the parent's).
@@ -178,14 +188,17 @@ class _LoopThread:
             coro.close()
             raise RuntimeError("aio_datadist.compat blocks; inside an event loop use the async API")
         try:
-            loop, end = self._started()
+            loop, end = self._started(sending=True)
         except (LLMException, RuntimeError):  # RuntimeError: no thread may start at interpreter shutdown (3.12)
             coro.close()
             raise
         call = _Call(coro, undo)
         settled = threading.Event()  # the call's result is in, or the loop's thread has ended
         try:
-            if end.watch(settled):
+            watched = end.watch(settled)
+            if not watched:
+                self._sent()
+            if watched:
                 try:
                     future = asyncio.run_coroutine_threadsafe(call.run(), loop)
                 except RuntimeError:  # closed in the instant since (the exit): as ended
@@ -194,6 +207,8 @@ class _LoopThread:
                     end.ended(end.why or "its loop was closed")
                     settled.set()
                     future = None
+                finally:
+                    self._sent()
                 if future is not None:
                     future.add_done_callback(lambda _: settled.set())
                 settled.wait()
@@ -226,8 +241,11 @@ class _LoopThread:
         self._loop = self._thread = None
         self._stopping, self._end = threading.Event(), _LoopEnd()
         self._refusing = None
+        self._sending = 0  # (the parent's threads' sends are not this process's)
 
-    def stop(self) -> None:
+    def stop(self, last: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
+        """Stop the loop and its thread. ``last``: run on the loop once the calls on it ended (not when they
+        did not within ``STOP_CALLS_S``: the loop is held), before it stops (the exit's last finalizes)."""
         with self._lock:
             loop, thread, stopping = self._loop, self._thread, self._stopping
             self._loop = self._thread = None
@@ -236,8 +254,16 @@ class _LoopThread:
                 # The calls still on the loop end first (a finalize failed them), so their callers' futures
                 # take their results: a call ended in the loop's last turn left its error unread ("Task
                 # exception was never retrieved") and one not started yet was destroyed pending.
+                ended = False
+                sending_until = time.monotonic() + STOP_CALLS_S
+                while self._sending > 0 and time.monotonic() < sending_until:
+                    time.sleep(0.001)  # a call let through (before the exit refused calls) is not sent yet
                 with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
                     asyncio.run_coroutine_threadsafe(_end_calls(STOP_CALLS_S), loop).result(STOP_CALLS_S + 1.0)
+                    ended = True
+                if ended and last is not None:
+                    with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+                        asyncio.run_coroutine_threadsafe(last(), loop).result(EXIT_FINALIZE_S + EXIT_CANCEL_S + 1.0)
             stopping.set()  # before the stop, which its thread takes for a callback's loop.stop() otherwise
             loop.call_soon_threadsafe(loop.stop)
             thread.join(STOP_JOIN_S)
@@ -368,7 +394,9 @@ _LIVE: set[LLMDataDist] = set()
 def _after_fork_in_child() -> None:
     # The parent's endpoints are the parent's: the child neither finalizes them at exit (shutting down
     # sockets it shares with the parent) nor waits for a loop that no thread runs here.
+    global _EXIT_TOOK_LAST
     _LIVE.clear()
+    _EXIT_TOOK_LAST = False
     _RUNNER.forget()
 
 
@@ -379,26 +407,51 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 _EXIT_FINALIZED: set[LLMDataDist] = set()
 
 
+#: Set on the facade's loop by the exit's last finalizes (``_last_finalizes``): an ``init`` that ends after them
+#: finalizes its endpoint at once and fails.
+_EXIT_TOOK_LAST = False
+
+
 @atexit.register
 def _finalize_all() -> None:
     _RUNNER.refuse_calls()  # daemon threads still calling: refused from now on, not left running at the stop
     loop = _RUNNER._loop
-    if loop is not None and _finalize_at_exit(loop):
-        # The calls running as the exit began end now (STOP_CALLS_S at most; none starts any more): an init among
-        # them made an endpoint (``_LIVE``, on the loop) after the list above was taken, which is finalized too.
-        # Before, it stayed initialised and listening after the exit's hook.
-        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
-            asyncio.run_coroutine_threadsafe(_end_calls(STOP_CALLS_S), loop).result(STOP_CALLS_S + 1.0)
-        _finalize_at_exit(loop)
-    _RUNNER.stop()
+    held = loop is not None and not _finalize_at_exit(loop)
+    # The calls running as the exit began end as the loop stops (STOP_CALLS_S at most; none starts any more): an
+    # init among them made an endpoint after the list above was taken, which the last finalizes take, on the
+    # loop; one ending after them finalizes it itself (``LLMDataDist._init``). Before, it stayed initialised and
+    # listening after the exit's hook.
+    _RUNNER.stop(last=None if held else _last_finalizes)
 
 
-def _finalize_at_exit(loop: asyncio.AbstractEventLoop) -> bool:
-    """Finalize, on the facade's ``loop``, the endpoints the facade keeps (``_LIVE``, emptied; the exit took them:
-    ``_EXIT_FINALIZED``). False when the loop is held and nothing could run on it."""
+async def _last_finalizes() -> None:
+    global _EXIT_TOOK_LAST
+    _EXIT_TOOK_LAST = True
+    live = _exit_takes()
+    if not live:
+        return
+    ends = [asyncio.ensure_future(dd._dd.finalize()) for dd in live]
+    _, pending = await asyncio.wait(ends, timeout=EXIT_FINALIZE_S)
+    if pending:
+        log.warning("aio_datadist.compat: %d endpoint(s) not finalized within %.0f s at exit", len(pending),
+                    EXIT_FINALIZE_S)
+        for end in pending:
+            end.cancel()
+        await asyncio.wait(pending, timeout=EXIT_CANCEL_S)
+
+
+def _exit_takes() -> list[LLMDataDist]:
+    """The endpoints the facade keeps (``_LIVE``, emptied), now the exit's (``_EXIT_FINALIZED``)."""
     live = list(_LIVE)
     _EXIT_FINALIZED.update(live)
     _LIVE.difference_update(live)
+    return live
+
+
+def _finalize_at_exit(loop: asyncio.AbstractEventLoop) -> bool:
+    """Finalize, on the facade's ``loop``, the endpoints the facade keeps (``_exit_takes``). False when the loop is
+    held and nothing could run on it."""
+    live = _exit_takes()
     if not live:
         return True
     # A callback of the caller's may hold the loop (a blocking wait in an async synchronizer): the exit
@@ -681,6 +734,10 @@ class LLMDataDist:
 
     async def _init(self, options: Mapping[str, str]) -> None:
         await self._dd.init(options)
+        if _EXIT_TOOK_LAST:  # ended after the exit's last finalizes (it ran past STOP_CALLS_S): nothing else would
+            await self._dd.finalize()
+            raise LLMException("the blocking facade is shutting down (the process exits); the endpoint was "
+                               "finalized", status_code=LLMStatusCode.LLM_FAILED)
         # Kept on the loop as init ends: the exit's finalize finds it also when this call ended as the exit
         # began, its thread never to run again (a daemon thread).
         _LIVE.add(self)

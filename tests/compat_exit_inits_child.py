@@ -4,31 +4,13 @@ facade was imported, runs after the facade's exit hook and prints the TCP ports 
 an ``init`` that ended as the exit began must have been finalized by it too."""
 
 import atexit
-import os
 import sys
 import threading
 import time
 
+from _listening import listening_ports
 
-def listening() -> None:
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = []
-    with open("/proc/net/tcp") as table:
-        for line in table.read().splitlines()[1:]:
-            fields = line.split()
-            if fields[9] in inodes and fields[3] == "0A":  # LISTEN
-                ports.append(int(fields[1].split(":")[1], 16))
-    print(f"listening after the exit: {sorted(ports)}", flush=True)
-
-
-atexit.register(listening)
+atexit.register(lambda: print(f"listening after the exit: {listening_ports()}", flush=True))
 
 from aio_datadist.compat import LLMConfig, LLMDataDist, LLMException, LLMRole  # noqa: E402
 

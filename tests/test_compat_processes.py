@@ -126,3 +126,15 @@ def test_an_init_that_ends_as_the_exit_begins_is_finalized_by_it():
         proc = subprocess.run([sys.executable, str(child), "0.3"], capture_output=True, text=True, timeout=90)
         assert proc.returncode == 0 and "main returns" in proc.stdout, proc.stderr[-3000:]
         assert "listening after the exit: []" in proc.stdout, proc.stdout
+
+
+def test_an_init_let_through_as_the_exit_began_but_sent_after_is_finalized_by_it():
+    """The same, for an ``init`` that the facade let through just before the exit refused calls and that was sent
+    to the loop only after the exit's wait for the running calls had begun (a thread switch in between): the
+    exit waits for it to be sent. Before, its endpoint was left initialised and listening (found by the review
+    of row 327)."""
+    child = pathlib.Path(__file__).with_name("compat_exit_late_init_child.py")
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(child)], capture_output=True, text=True, timeout=90)
+        assert proc.returncode == 0 and "main returns" in proc.stdout, proc.stderr[-3000:]
+        assert "listening after the exit: []" in proc.stdout, proc.stdout

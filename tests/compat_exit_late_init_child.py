@@ -1,0 +1,58 @@
+"""A blocking-facade program, for ``test_compat_processes.py``: a daemon thread's ``init`` is let through just
+before the exit refuses calls and is held (a thread switch, made here by a pause in ``compat._Call``) until the
+exit's first wait for the calls running on the loop ended (or 1 s passed), before it is sent to the loop. Its own
+hook, registered before the facade was imported, runs after the facade's exit hook and prints the TCP ports this
+process still listens on."""
+
+import atexit
+import threading
+
+from _listening import listening_ports
+
+atexit.register(lambda: print(f"listening after the exit: {listening_ports()}", flush=True))
+
+from aio_datadist import compat  # noqa: E402
+from aio_datadist.compat import LLMConfig, LLMDataDist, LLMException, LLMRole  # noqa: E402
+
+let_through, waited = threading.Event(), threading.Event()
+original, end_calls = compat._Call.__init__, compat._end_calls
+
+
+async def end_calls_noted(limit: float) -> None:
+    await end_calls(limit)
+    waited.set()
+
+
+compat._end_calls = end_calls_noted
+
+
+def held(self: compat._Call, coro: object, undo: object) -> None:
+    original(self, coro, undo)  # type: ignore[arg-type]
+    if threading.current_thread().name == "worker":
+        let_through.set()
+        waited.wait(1.0)
+
+
+compat._Call.__init__ = held  # type: ignore[method-assign]
+
+
+def options() -> dict[str, str]:
+    config = LLMConfig()
+    config.device_id = 0
+    config.transport = "tcp"
+    config.listen_ip_info = "127.0.0.1:0"
+    return config.generate_options()
+
+
+def worker() -> None:
+    try:
+        LLMDataDist(LLMRole.PROMPT, 7).init(options())
+        print("worker init returned", flush=True)
+    except LLMException as exc:
+        print(f"worker init raised {exc}", flush=True)
+
+
+LLMDataDist(LLMRole.PROMPT, 1).init(options())  # a live endpoint: the loop runs
+threading.Thread(target=worker, name="worker", daemon=True).start()
+let_through.wait(5)
+print("main returns", flush=True)
