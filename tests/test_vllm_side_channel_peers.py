@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import _vllm_agents
 import torch
@@ -162,3 +163,39 @@ def test_params_naming_other_blocks_than_the_request_holds_are_not_pulled(agents
     assert decode.pulls.take_finished() == ({"d2"}, set(), set())
     for name in p_kv:
         assert torch.equal(d_kv[name][:, 7], p_kv[name][:, 8])
+
+
+def test_a_done_the_prefill_cannot_honour_does_not_end_the_side_channel(agents) -> None:
+    """A decode's ``done`` for a claim whose hold ran out at the prefill just before (a pull that timed out on its
+    hold, or whose ``held`` check failed) is answered ``ok: false``. Sent under id 0, that answer read as the
+    prefill closing the side channel (the full-table refusal's frame): the decode tore the connection down and
+    every other load on it failed (found by the second review of row 328). A done has an id of its own now."""
+    prefill, _ = agents(True, shared_secret="done-secret")
+    decode, _ = agents(False, shared_secret="done-secret")
+    prefill.holds.add("r1", lease_s=60)
+    r1 = _remote("engine-p", prefill.side_channel, "r1", [5])
+    r2 = _remote("engine-p", prefill.side_channel, "r2", [6])
+
+    async def claim_r1() -> Any:
+        peer = await decode._peer_of(r1)
+        assert (await peer.request("claim", 5, req="r1"))["ok"]
+        return peer
+
+    peer = decode.loop.call(claim_r1(), 10)
+    decode.start_pull("d2", r2, [3])  # another load on the side channel: its claim waits for vLLM to name r2
+    wait(lambda: any(served.waiting for served in prefill._established.values()), 5)
+    with prefill.holds._lock:  # r1's hold runs out just before the decode's done
+        prefill.holds._held["r1"].deadline = 0
+    prefill.holds.expire()
+
+    async def done_r1() -> None:
+        peer.use("r1")
+        peer.unuse("r1", True)  # what a claimed pull's end does
+        await asyncio.sleep(0.5)  # the prefill's answer is read
+
+    decode.loop.call(done_r1(), 10)
+    prefill.holds.add("r2", lease_s=60)
+    wait(lambda: "d2" not in decode.pulls.pending(), 10)
+    finished, failed, _ = decode.pulls.take_finished()
+    assert peer.broken is None, f"side channel torn down: {peer.broken!r}"
+    assert "d2" in finished and "d2" not in failed, (finished, failed)

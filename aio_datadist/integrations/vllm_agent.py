@@ -307,7 +307,11 @@ class _Peer:
             self.users[req] = left
         elif req in self.to_free:
             self.to_free.discard(req)
-            self.writer.write(encode_frame({"id": 0, "op": "done", "req": req}))
+            # An id of its own that nothing awaits (its reply is dropped): a done the prefill cannot honour (the
+            # hold ran out) is answered `ok: false` under it, which under id 0 would read as the prefill closing
+            # the side channel (read_replies), failing every other load on it.
+            rid, self.next_id = self.next_id, self.next_id + 1
+            self.writer.write(encode_frame({"id": rid, "op": "done", "req": req}))
 
     async def request(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
         """Send a request and await its reply. Unanswered within ``timeout_s`` and nothing else heard since it
