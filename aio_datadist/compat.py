@@ -128,7 +128,6 @@ class _LoopThread:
             if self._refusing is not None and self._refusing != threading.get_ident():
                 raise LLMException("the blocking facade is shutting down (the process exits); the call cannot run",
                                    status_code=LLMStatusCode.LLM_FAILED)
-            self._sending += sending
             if self._loop is None:
                 # asyncio's own loop, whatever the process's policy: a forked child of a process whose facade
                 # ran on uvloop crashes as it exits (libuv joins thread-pool threads that are the parent's).
@@ -171,6 +170,7 @@ class _LoopThread:
                 self._thread.start()
                 ready.wait()
                 self._loop = loop
+            self._sending += sending  # (counted once the loop runs: a failed start counts nothing)
             return self._loop, self._end
 
     def run(self, coro: Coroutine[Any, Any, _T], undo: Callable[[_T], object] | None = None) -> _T:
@@ -192,13 +192,22 @@ class _LoopThread:
         except (LLMException, RuntimeError):  # RuntimeError: no thread may start at interpreter shutdown (3.12)
             coro.close()
             raise
-        call = _Call(coro, undo)
-        settled = threading.Event()  # the call's result is in, or the loop's thread has ended
-        try:
-            watched = end.watch(settled)
-            if not watched:
+        sending = True
+
+        def sent() -> None:
+            nonlocal sending
+            if sending:
+                sending = False
                 self._sent()
-            if watched:
+
+        try:
+            call = _Call(coro, undo)
+            settled = threading.Event()  # the call's result is in, or the loop's thread has ended
+        except BaseException:
+            sent()
+            raise
+        try:
+            if end.watch(settled):
                 try:
                     future = asyncio.run_coroutine_threadsafe(call.run(), loop)
                 except RuntimeError:  # closed in the instant since (the exit): as ended
@@ -208,7 +217,7 @@ class _LoopThread:
                     settled.set()
                     future = None
                 finally:
-                    self._sent()
+                    sent()
                 if future is not None:
                     future.add_done_callback(lambda _: settled.set())
                 settled.wait()
@@ -221,6 +230,7 @@ class _LoopThread:
             call.abandon(loop, end)
             raise
         finally:
+            sent()  # (not sent: the loop had ended, or an interrupt came first)
             end.unwatch(settled)
         call.close()
         raise LLMException(f"the blocking facade's event-loop thread has ended ({end.why}); the call cannot run",

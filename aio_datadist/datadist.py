@@ -468,20 +468,23 @@ async def finalize_endpoint(endpoint: Endpoint) -> None:
         return
     if runtime is None:
         loop = asyncio.get_running_loop()
-        cut, endpoint.cut_release = endpoint.cut_release, None
-        cut_loop = None if cut is None else cut[1].loop
-        if cut is not None and (cut_loop is loop or cut_loop is None or cut_loop.is_closed()):
-            # A finalize the loop's shutdown cut short: finished here, by the guard of its loop or on a loop
-            # after it (one closed without its generators' shutdown, which never ran the guard).
-            if endpoint.released is None or endpoint.released.get_loop() is not loop:
-                endpoint.released = loop.create_future()
-            await _release(endpoint, *cut)
-            return
-        endpoint.cut_release = cut
-        released = endpoint.released
-        if released is not None and not released.done() and released.get_loop() is loop:
-            await asyncio.wait([released])  # another finalize is releasing: return once it has
-        return
+        while True:
+            cut = endpoint.cut_release
+            cut_loop = None if cut is None else cut[1].loop
+            if cut is not None and (cut_loop is loop or cut_loop is None or cut_loop.is_closed()):
+                # A finalize a cancel of every task cut short: finished here (by the shutdown guard of its loop,
+                # a finalize after the cut on that loop, or one on a loop after it, closed without its
+                # generators' shutdown, which never ran the guard).
+                endpoint.cut_release = None
+                released = endpoint.released
+                if released is None or released.done() or released.get_loop() is not loop:
+                    endpoint.released = loop.create_future()
+                await _release(endpoint, *cut)
+                return
+            released = endpoint.released
+            if released is None or released.done() or released.get_loop() is not loop:
+                return
+            await asyncio.wait([released])  # another finalize is releasing: once it has (or was cut), again
     endpoint.runtime = None
     endpoint.links = None
     endpoint.finalized = True
@@ -517,6 +520,10 @@ async def _release(endpoint: Endpoint, links: LinkTable | None, runtime: Runtime
     finally:
         if cut and endpoint.shutdown_guard is not None:
             endpoint.cut_release = (links, runtime)
+            # A finalize waiting for this one (``released``) takes the rest up now; later ones wait for it.
+            waited, endpoint.released = endpoint.released, asyncio.get_running_loop().create_future()
+            if waited is not None and not waited.done():
+                waited.set_result(None)
         else:
             runtime.close()
             assert endpoint.released is not None

@@ -7,7 +7,8 @@ endpoints finalized on another loop; ``finalizing-N``: ``main`` starts both endp
 returns N loop turns later, so that the run's cancel of every task cuts the finalizes short (``unlinking-N``,
 ``peer-unlinking-N``: with the DECODER's, or the PROMPT's, ``unlink_clusters`` five turns under way;
 ``cut-closed``: the loop closed without its generators' shutdown, so that only a later ``finalize`` on another
-loop can finish them). It prints how long
+loop can finish them; ``refinalized-N``: ``main`` itself cancels every other task N turns after the finalizes
+started, the loop running on, and finalizes both again, 5 s at most each). It prints how long
 the run took and, per endpoint, whether it was finalized and released, then whether the PROMPT's port could be
 listened on again and whether the links were closed (``finalizing-N`` only)."""
 
@@ -131,6 +132,16 @@ async def finalizing(turns: int, unlinking: str = "") -> None:
         await asyncio.sleep(0)
 
 
+async def refinalized(turns: int) -> None:
+    await finalizing(turns)
+    me = asyncio.current_task()
+    for task in asyncio.all_tasks():
+        if task is not me:
+            task.cancel()  # a shutdown handler's cancel of every other task: the finalizes are cut
+    for dd in PAIR:
+        await asyncio.wait_for(dd.finalize(), 5)  # (it waited for ever for the cut one)
+
+
 def relisten() -> str:
     try:
         socket.create_server(("127.0.0.1", PORTS[0])).close()
@@ -161,6 +172,8 @@ elif case == "generator":
     run(generator())
 elif case.startswith(("finalizing-", "unlinking-", "peer-unlinking-")):
     run(finalizing(int(case.rsplit("-", 1)[1]), "" if case.startswith("finalizing") else case.split("-")[0]))
+elif case.startswith("refinalized-"):
+    run(refinalized(int(case.rsplit("-", 1)[1])))
 elif case == "cut-closed":
     closing = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
     closing.run_until_complete(finalizing(0))

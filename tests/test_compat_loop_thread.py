@@ -71,3 +71,24 @@ def test_a_call_waiting_when_the_loop_thread_ends_fails_instead_of_hanging() -> 
         assert runner.call(lambda: "later") == "later"  # the next call starts a loop of its own
     finally:
         runner.stop()
+
+
+def test_a_call_whose_loop_thread_cannot_start_leaves_nothing_counted_as_being_sent(monkeypatch):
+    """A call is counted as being sent to the loop until it is (the exit's stop waits for those, row 327). A
+    loop thread that cannot start ("can't start new thread"; at interpreter shutdown on 3.12) counted it for
+    good, and every later stop waited ``STOP_CALLS_S`` for a call that did not exist (the second review)."""
+    runner = compat._LoopThread()
+
+    def cannot(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    async def one() -> int:
+        return 1
+
+    with monkeypatch.context() as patched:
+        patched.setattr(threading.Thread, "start", cannot)
+        with pytest.raises(RuntimeError):
+            runner.run(one())
+    assert runner._sending == 0
+    assert runner.run(one()) == 1 and runner._sending == 0
+    runner.stop()

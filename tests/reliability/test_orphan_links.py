@@ -338,7 +338,8 @@ async def test_work_the_caller_started_keeps_an_llmdatadist_it_dropped_until_it_
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("case", ["pull", "push", "owned", "generator", "closed", "finalizing-0", "finalizing-1",
-                                  "finalizing-8", "unlinking-0", "peer-unlinking-0", "cut-closed"])
+                                  "finalizing-8", "unlinking-0", "peer-unlinking-0", "cut-closed",
+                                  "refinalized-3"])
 def test_a_run_that_ends_with_a_transfer_in_flight_finalizes_its_endpoints_quietly(case, loop):
     """``asyncio.run`` (``uvloop.run``) returns from ``main`` with a 128 MiB TCP pull or push in flight and no
     ``finalize``: the run's shutdown finalizes both endpoints on the loop (``owners.finalize_at_loop_shutdown``)
@@ -357,7 +358,8 @@ def test_a_run_that_ends_with_a_transfer_in_flight_finalizes_its_endpoints_quiet
     so are ``unlinking-0`` and ``peer-unlinking-0`` (an unlink's close of its link cut before its first step: the
     link was left unclosed; found by the review). ``cut-closed``: the loop closed without its generators' shutdown
     step, so only a later ``finalize`` on another loop can finish them; it waited forever for the cut one (the
-    review's regression of the first form)."""
+    review's regression of the first form). ``refinalized-3``: a cancel of every task with the loop running on,
+    then ``finalize`` again at once: it waited for the cut one until the loop's shutdown (its second review)."""
     child = pathlib.Path(__file__).parent.parent / "loop_exit_child.py"
     proc = subprocess.run([sys.executable, str(child), case, loop], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -367,7 +369,7 @@ def test_a_run_that_ends_with_a_transfer_in_flight_finalizes_its_endpoints_quiet
     assert out["finalized"] == [True, True] and out["released"] == [True, True], out
     assert out["cleanup"] == (["ok"] if case == "generator" else []), out
     assert out["run_s"] < 5, out
-    if case.startswith(("finalizing", "unlinking", "peer-unlinking")):
+    if case.startswith(("finalizing", "unlinking", "peer-unlinking", "refinalized")):
         assert out["relisten"] == "ok" and out["links_closed"] == [True, True], out
     elif case == "cut-closed":  # (a link's transport of the closed asyncio loop cannot close: as for "closed")
         assert out["relisten"] == "ok", out
