@@ -349,9 +349,11 @@ async def test_a_cut_layerwise_transfer_lands_nothing_after_it_returned(how):
 @contextlib.asynccontextmanager
 async def slow_tcp_pair() -> AsyncIterator[tuple[LLMDataDist, LLMDataDist, SlowPath, KvCache, KvCache]]:
     """A PROMPT and a DECODER over TCP with the slow path in front of the PROMPT's listener (not linked yet):
-    the PROMPT's source blocks cache painted 15, the DECODER's destination keyed ``(DECODER, 0)``."""
-    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt, \
-            endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec, \
+    the PROMPT's source blocks cache painted 15, the DECODER's destination keyed ``(DECODER, 0)``. Transfers get
+    20 s (``sync_kv_timeout``): these tests cut them by unlinking, and under load (the relay in this process, on
+    a busy machine) a layer's push took longer than the default 1 s, timing out before a byte landed."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", sync_kv_timeout=20_000) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp", sync_kv_timeout=20_000) as dec, \
             SlowPath(port_of(prompt), RATE, LATENCY_S) as path:
         src = prompt.kv_cache_manager.allocate_blocks_cache(SLOW)
         dst = dec.kv_cache_manager.allocate_blocks_cache(SLOW, BlocksCacheKey(DECODER, 0))
