@@ -104,10 +104,11 @@ class _LoopThread:
         self._stopping = threading.Event()
         self._end = _LoopEnd()
         self._refusing: int | None = None  # the process exits: no call of a thread but this one starts
-        #: Calls that the refusal let through and that are not on the loop yet (``run``): the stop waits for them
-        #: to be sent before it waits for the calls on the loop, so an ``init`` let through as the exit began is
-        #: one of those (and its endpoint one the exit finalizes).
-        self._sending = 0
+        #: Calls that the refusal let through and that are not on the loop yet (``run``), by thread: the stop waits
+        #: for other threads' to be sent before it waits for the calls on the loop, so an ``init`` let through as
+        #: the exit began is one of those (and its endpoint one the exit finalizes). (Only the main thread gets a
+        #: KeyboardInterrupt, which may land between a count and its uncount; the exit's stop runs there.)
+        self._sending: dict[int, int] = {}
 
     def refuse_calls(self) -> None:
         """From now on a call of any thread but this one (the exit's: its later atexit hooks may still call,
@@ -120,8 +121,17 @@ class _LoopThread:
         return self._started()[0]
 
     def _sent(self) -> None:
+        me = threading.get_ident()
         with self._lock:
-            self._sending -= 1
+            left = self._sending.get(me, 0) - 1
+            if left > 0:
+                self._sending[me] = left
+            else:
+                self._sending.pop(me, None)
+
+    def _others_sending(self) -> bool:
+        me = threading.get_ident()
+        return any(ident != me for ident in list(self._sending))
 
     def _started(self, *, sending: bool = False) -> tuple[asyncio.AbstractEventLoop, _LoopEnd]:
         with self._lock:
@@ -170,7 +180,9 @@ class _LoopThread:
                 self._thread.start()
                 ready.wait()
                 self._loop = loop
-            self._sending += sending  # (counted once the loop runs: a failed start counts nothing)
+            if sending:  # (counted once the loop runs: a failed start counts nothing)
+                me = threading.get_ident()
+                self._sending[me] = self._sending.get(me, 0) + 1
             return self._loop, self._end
 
     def run(self, coro: Coroutine[Any, Any, _T], undo: Callable[[_T], object] | None = None) -> _T:
@@ -189,7 +201,7 @@ class _LoopThread:
             raise RuntimeError("aio_datadist.compat blocks; inside an event loop use the async API")
         try:
             loop, end = self._started(sending=True)
-        except (LLMException, RuntimeError):  # RuntimeError: no thread may start at interpreter shutdown (3.12)
+        except BaseException:  # refused; RuntimeError: no thread may start at interpreter shutdown (3.12); an interrupt
             coro.close()
             raise
         sending = True
@@ -251,7 +263,7 @@ class _LoopThread:
         self._loop = self._thread = None
         self._stopping, self._end = threading.Event(), _LoopEnd()
         self._refusing = None
-        self._sending = 0  # (the parent's threads' sends are not this process's)
+        self._sending = {}  # (the parent's threads' sends are not this process's)
 
     def stop(self, last: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
         """Stop the loop and its thread. ``last``: run on the loop once the calls on it ended (not when they
@@ -266,7 +278,7 @@ class _LoopThread:
                 # exception was never retrieved") and one not started yet was destroyed pending.
                 ended = False
                 sending_until = time.monotonic() + STOP_CALLS_S
-                while self._sending > 0 and time.monotonic() < sending_until:
+                while self._others_sending() and time.monotonic() < sending_until:
                     time.sleep(0.001)  # a call let through (before the exit refused calls) is not sent yet
                 with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
                     asyncio.run_coroutine_threadsafe(_end_calls(STOP_CALLS_S), loop).result(STOP_CALLS_S + 1.0)

@@ -10,8 +10,13 @@ check: that call, every later call and the process hung (row 303; found by audit
 from __future__ import annotations
 
 import asyncio
+import linecache
 import logging
+import sys
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -89,6 +94,53 @@ def test_a_call_whose_loop_thread_cannot_start_leaves_nothing_counted_as_being_s
         patched.setattr(threading.Thread, "start", cannot)
         with pytest.raises(RuntimeError):
             runner.run(one())
-    assert runner._sending == 0
-    assert runner.run(one()) == 1 and runner._sending == 0
+    assert not runner._sending
+    assert runner.run(one()) == 1 and not runner._sending
     runner.stop()
+
+
+def _interrupting(function: str, event: str, line: str | None) -> Callable[..., Any]:
+    """A trace function that raises KeyboardInterrupt (as a SIGINT checked there would) once, at ``event`` in
+    ``function`` (at the source line containing ``line``, if given)."""
+    fired: list[int] = []
+
+    def tracer(frame: Any, what: str, arg: Any) -> Any:
+        if frame.f_code.co_name != function:
+            return None
+        if not fired and what == event and (line is None or line in linecache.getline(frame.f_code.co_filename,
+                                                                                        frame.f_lineno)):
+            fired.append(1)
+            raise KeyboardInterrupt
+        return tracer
+
+    return tracer
+
+
+@pytest.mark.parametrize("function, event, line", [
+    ("_started", "line", "return self._loop, self._end"),  # a SIGINT checked as its lock is let go: counted
+    ("_sent", "call", None),  # ... as the uncount begins
+])
+def test_an_interrupt_between_counting_a_call_and_sending_it_does_not_hold_the_stop(function, event, line):
+    """A KeyboardInterrupt (the main thread's) that lands where the count of calls being sent and its uncount
+    are not one step left the count up for good, and the exit's stop waited ``STOP_CALLS_S`` for a call that
+    did not exist (the third review). The stop waits only for other threads' calls: only the main thread is
+    interrupted, and the exit runs there."""
+    runner = compat._LoopThread()
+
+    async def one() -> int:
+        return 1
+
+    try:
+        assert runner.run(one()) == 1
+        sys.settrace(_interrupting(function, event, line))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                runner.run(one())
+        finally:
+            sys.settrace(None)
+        assert runner.run(one()) == 1
+        assert not runner._others_sending()
+    finally:
+        started = time.monotonic()
+        runner.stop()
+    assert time.monotonic() - started < compat.STOP_CALLS_S
