@@ -8,28 +8,21 @@ import sys
 import threading
 import time
 
-from _listening import listening_ports
+from _own_sockets import facade_options, listening_ports
 
 atexit.register(lambda: print(f"listening after the exit: {listening_ports()}", flush=True))
 
-from aio_datadist.compat import LLMConfig, LLMDataDist, LLMException, LLMRole  # noqa: E402
+from aio_datadist.compat import LLMDataDist, LLMException, LLMRole  # noqa: E402
 
 INITS = [0]
 
-
-def options() -> dict[str, str]:
-    config = LLMConfig()
-    config.device_id = 0
-    config.transport = "tcp"
-    config.listen_ip_info = "127.0.0.1:0"
-    return config.generate_options()
 
 
 def churn(k: int) -> None:
     while True:
         dd = LLMDataDist(LLMRole.PROMPT, 100 + k)
         try:
-            dd.init(options())
+            dd.init(facade_options())
             INITS[0] += 1
             dd.finalize()
         except LLMException:

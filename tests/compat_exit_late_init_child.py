@@ -7,12 +7,12 @@ process still listens on."""
 import atexit
 import threading
 
-from _listening import listening_ports
+from _own_sockets import facade_options, listening_ports
 
 atexit.register(lambda: print(f"listening after the exit: {listening_ports()}", flush=True))
 
 from aio_datadist import compat  # noqa: E402
-from aio_datadist.compat import LLMConfig, LLMDataDist, LLMException, LLMRole  # noqa: E402
+from aio_datadist.compat import LLMDataDist, LLMException, LLMRole  # noqa: E402
 
 let_through, waited = threading.Event(), threading.Event()
 original, end_calls = compat._Call.__init__, compat._end_calls
@@ -36,23 +36,16 @@ def held(self: compat._Call, coro: object, undo: object) -> None:
 compat._Call.__init__ = held  # type: ignore[method-assign]
 
 
-def options() -> dict[str, str]:
-    config = LLMConfig()
-    config.device_id = 0
-    config.transport = "tcp"
-    config.listen_ip_info = "127.0.0.1:0"
-    return config.generate_options()
-
 
 def worker() -> None:
     try:
-        LLMDataDist(LLMRole.PROMPT, 7).init(options())
+        LLMDataDist(LLMRole.PROMPT, 7).init(facade_options())
         print("worker init returned", flush=True)
     except LLMException as exc:
         print(f"worker init raised {exc}", flush=True)
 
 
-LLMDataDist(LLMRole.PROMPT, 1).init(options())  # a live endpoint: the loop runs
+LLMDataDist(LLMRole.PROMPT, 1).init(facade_options())  # a live endpoint: the loop runs
 threading.Thread(target=worker, name="worker", daemon=True).start()
 let_through.wait(5)
 print("main returns", flush=True)

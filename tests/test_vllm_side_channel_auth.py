@@ -33,6 +33,7 @@ from aio_datadist.integrations.vllm_agent import (
 )
 from aio_datadist.integrations.vllm_wire import RemotePrefill
 import _vllm_agents
+from _own_sockets import own_tcp
 from _vllm_agents import BLOCK_TOKENS, BLOCKS, kv_caches, wait
 from relay import Relay
 
@@ -84,27 +85,7 @@ def _reap(proc: subprocess.Popen) -> None:
 def _accepted_on(port: int) -> int:
     """This process's sockets whose local end is ``port`` (the connections its listener there accepted
     and holds, from /proc/net/tcp and tcp6 by socket inode)."""
-    ours = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            ours.add(target[8:-1])
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as rows:
-                lines = rows.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if int(local.rsplit(":", 1)[1], 16) == port and state != "0A" and inode in ours:  # 0A: LISTEN
-                count += 1
-    return count
+    return sum(1 for local, state in own_tcp() if local == port and state != "0A")  # 0A: LISTEN
 
 
 def _sockets() -> int:
