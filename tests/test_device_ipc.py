@@ -196,10 +196,18 @@ async def test_a_deadline_the_millisecond_clock_just_reached_has_not_passed(monk
     now[0] = 59103.530  # ... and the clock ticks
     assert time_left(deadline, "a push") == 1
     assert time_left(59103.529 + 0.25, "a push") == 249
+    assert time_left(59103.529 + 0.2505, "a push") == 250  # rounded up, not down
     now[0] = 59103.531  # a tick past the deadline: passed
     with pytest.raises(LLMException) as info:
         time_left(deadline, "a push")
     assert info.value.status_code == S.LLM_TIMEOUT
+    now[0] = 59103.001  # a tick whose sum falls a float's step short of the next (-7e-12): not passed either
+    deadline = now[0] + 0.001
+    now[0] = 59103.002
+    assert deadline < now[0] and time_left(deadline, "a push") == 1
+    now[0] = 59103.5301  # 0.1 ms past a deadline that is no whole millisecond: passed
+    with pytest.raises(LLMException):
+        time_left(59103.53, "a push")
 
 
 async def test_registered_device_caches_take_the_staging_plane_and_the_link_says_why():

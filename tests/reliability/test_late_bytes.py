@@ -421,10 +421,12 @@ async def test_a_force_unlinked_peer_that_closes_a_moment_after_it_heard_takes_n
         while not (at_cut := landed(snap(dst), 15)) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         assert 0 < at_cut < sum(t.numel() for t in dst.tensors), "the cut came outside the push"
+        cut_at = time.monotonic()
         assert await prompt.unlink_clusters([cluster_info(DECODER, path.address)], force=True) == (
             S.LLM_SUCCESS, [S.LLM_SUCCESS])
         with contextlib.suppress(LLMException):
             await task
+        assert time.monotonic() - cut_at < ABORT_ACK_S + 1.0  # the cut ended the push, not its time-out
         before = snap(dst)
         await asyncio.sleep(QUIET_S + 0.3)
         changed = [i for i, (t, b) in enumerate(zip(dst.tensors, before, strict=True)) if not torch.equal(t, b)]
