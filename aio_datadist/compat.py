@@ -449,7 +449,12 @@ def _finalize_all() -> None:
 async def _last_finalizes() -> None:
     global _EXIT_TOOK_LAST
     _EXIT_TOOK_LAST = True
-    live = _exit_takes()
+    await _finalize_taken(_exit_takes())
+
+
+async def _finalize_taken(live: list[LLMDataDist]) -> None:
+    """Finalize ``live`` on the facade's loop, ``EXIT_FINALIZE_S`` at most; finalizes still running then are
+    cancelled (ended, not destroyed pending with the loop), ``EXIT_CANCEL_S`` more at most."""
     if not live:
         return
     ends = [asyncio.ensure_future(dd._dd.finalize()) for dd in live]
@@ -484,14 +489,8 @@ def _finalize_at_exit(loop: asyncio.AbstractEventLoop) -> bool:
         log.warning("aio_datadist.compat: the facade's loop is held (a callback still runs on it); %d "
                     "endpoint(s) not finalized at exit", len(live))
         return False
-    ends = [asyncio.run_coroutine_threadsafe(dd._dd.finalize(), loop) for dd in live]
-    _, pending = concurrent.futures.wait(ends, EXIT_FINALIZE_S)
-    if pending:
-        log.warning("aio_datadist.compat: %d endpoint(s) not finalized within %.0f s at exit",
-                    len(pending), EXIT_FINALIZE_S)
-        for end in pending:  # ended, not destroyed pending with the loop
-            end.cancel()
-        concurrent.futures.wait(pending, EXIT_CANCEL_S)
+    with contextlib.suppress(concurrent.futures.TimeoutError):  # (bounded on the loop: a callback that holds it now)
+        asyncio.run_coroutine_threadsafe(_finalize_taken(live), loop).result(EXIT_FINALIZE_S + EXIT_CANCEL_S + 1.0)
     return True
 
 

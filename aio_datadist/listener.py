@@ -277,21 +277,21 @@ class Listener:
             return None, index, generation
         return link, index, generation
 
-    def _leaving_target(self, record: bytes) -> bool:
-        """Whether an attach record names a link of ours that we are unlinking."""
+    def _refusal(self, record: bytes) -> LLMStatusCode:
+        """The status an attach record that names no link of the table is refused with: a link we are unlinking
+        (out of the table, its UNLINK leaving or left) is refused as such, so the peer's redial ends without
+        failing the link, whose UNLINK follows (row 324)."""
         _, _, token, index, generation = wire.ATTACH.unpack(record)
-        return any(hmac.compare_digest(handshake.attach_token(self.secret, lk.token, index, generation), token)
-                   for lk in self._table.leaving_links())
+        leaving = any(hmac.compare_digest(handshake.attach_token(self.secret, lk.token, index, generation), token)
+                      for lk in self._table.leaving_links())
+        return LLMStatusCode.LLM_NOT_YET_LINK if leaving else LLMStatusCode.LLM_LINK_FAILED
 
     async def _accept_data(self, magic: bytes, reader: _Watched, writer: asyncio.StreamWriter,
                            admission: Admission, pending: Pending) -> bool:
         record = magic + await reader.readexactly(wire.ATTACH.size - 4)
         link, index, generation = self._attach_target(record)
         if link is None:
-            # A link we are unlinking (out of the table, its UNLINK leaving or left) is refused as such: the
-            # peer's redial then ends without failing the link, whose UNLINK follows (row 324).
-            code = LLMStatusCode.LLM_NOT_YET_LINK if self._leaving_target(record) else LLMStatusCode.LLM_LINK_FAILED
-            writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, code))
+            writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, self._refusal(record)))
             await writer.drain()
             return False
         admission.leave(pending)
@@ -316,10 +316,8 @@ class Listener:
             record = await channel.recv_exactly(wire.ATTACH.size)
             link, index, generation = self._attach_target(record)
             pending.progress()
-            if link is None:  # refused as the plain door refuses it (_accept_data, row 324)
-                code = (LLMStatusCode.LLM_NOT_YET_LINK if self._leaving_target(record)
-                        else LLMStatusCode.LLM_LINK_FAILED)
-                await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, code))
+            if link is None:
+                await channel.sendall(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, self._refusal(record)))
                 channel.close()
                 return True
             admission.leave(pending)

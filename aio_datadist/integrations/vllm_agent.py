@@ -479,7 +479,6 @@ class Agent:
         self.loop.stop()
 
     async def _close(self) -> None:
-        self._closing = True
         if self._expiry is not None:
             self._expiry.cancel()
         if self._server is not None:
@@ -728,9 +727,13 @@ class Agent:
                 self.loop.submit(self._pull(req_id, remote, tuple(local_blocks)))
                 return
         self.pulls.end(req_id, False, "aborted")
-        self.record("pull", req=req_id, ok=False, error="aborted", seconds=0.0, blocks=len(local_blocks),
+        self._record_pull(req_id, len(local_blocks), False, "aborted", 0.0)
+
+    def _record_pull(self, req_id: str, blocks: int, ok: bool, error: str, seconds: float) -> None:
+        """The stats line of a pull that ended (:meth:`record`)."""
+        self.record("pull", req=req_id, ok=ok, error=error, seconds=seconds, blocks=blocks,
                     authenticated=self._secret is not None,
-                    bytes=len(local_blocks) * (self.layout.block_bytes * self.layout.tensors if self.layout else 0))
+                    bytes=blocks * (self.layout.block_bytes * self.layout.tensors if self.layout else 0))
 
     def _track(self) -> None:
         """The running pull or release is one :meth:`_close` cancels and awaits before the loop closes."""
@@ -909,10 +912,7 @@ class Agent:
             if using and peer is not None:
                 with contextlib.suppress(Exception):
                     peer.unuse(remote.request_id, claimed)
-            seconds = time.monotonic() - started
-            self.record("pull", req=req_id, ok=ok, error=error, seconds=seconds, blocks=len(local),
-                        authenticated=self._secret is not None,
-                        bytes=len(local) * (self.layout.block_bytes * self.layout.tensors if self.layout else 0))
+            self._record_pull(req_id, len(local), ok, error, time.monotonic() - started)
         if not claimed and (asking or error == "aborted"):
             # aborted before its claim was sent, or its claim unanswered (it may still succeed at the prefill):
             # free the blocks as for a request aborted before its load (claim + done), not only after a timeout
