@@ -1,4 +1,4 @@
-"""How close a 1-block pull can get: ``python -m benchmarks.floor [--n N] [--blocks B] [--hot]``.
+"""How close a 1-block pull can get: ``python -m benchmarks.floor [--n N] [--blocks B] [--hot] [--load]``.
 
 Four ways to move the same bytes between two processes on loopback, in
 alternating rounds, each with the wall time per transfer and the CPU time
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 import statistics
@@ -41,6 +42,7 @@ from typing import Any
 
 from benchmarks import breakdown as bd
 from benchmarks._peer import Peer
+from benchmarks._spinner import Spinner
 from benchmarks._workload import KvGeometry
 
 CACHE_BLOCKS = bd.CACHE_BLOCKS
@@ -201,10 +203,15 @@ async def _library(peer: Peer, blocks: int, hot: bool) -> tuple[Any, Callable[[i
     return dd, pulls
 
 
-async def _main(n: int, rounds: int, blocks: int, hot: bool) -> list[tuple[str, float, float, float]]:
+Row = tuple[str, float, float, float]
+
+
+async def _main(n: int, rounds: int, blocks: int, hot: bool, spinner: Spinner | None) -> dict[bool, list[Row]]:
+    """``{loaded: [(case, wall p50 us, CPU us requester, CPU us owner)]}``; loaded only with a ``spinner``."""
     nbytes = KvGeometry().request_bytes(blocks)
     loop = asyncio.get_running_loop()
-    results: dict[str, tuple[list[float], list[float], list[float]]] = {}
+    results: dict[tuple[str, bool], tuple[list[float], list[float], list[float]]] = {}
+    passes = (False, True) if spinner is not None else (False,)
     raw_hot, raw_moving, floor = _Raw(nbytes, False), _Raw(nbytes, True), _Floor(nbytes, loop, hot)
     with Peer(bd._prompt_peer, "tcp", timeout=600.0, name="prompt") as prompt:
         dd, pulls = await _library(prompt, blocks, hot)
@@ -217,22 +224,35 @@ async def _main(n: int, rounds: int, blocks: int, hot: bool) -> list[tuple[str, 
             ]
             me = os.getpid()
             for r in range(rounds + 1):  # round 0 warms up
-                for name, pid, run in cases[r % len(cases):] + cases[:r % len(cases)]:
-                    mine, theirs = _cpu_s(me), _cpu_s(pid)
-                    times = await run(n)
-                    if r:
-                        wall, cpu_me, cpu_peer = results.setdefault(name, ([], [], []))
-                        wall.extend(times)
-                        cpu_me.append(_cpu_s(me) - mine)
-                        cpu_peer.append(_cpu_s(pid) - theirs)
+                for loaded in passes:
+                    for name, pid, run in cases[r % len(cases):] + cases[:r % len(cases)]:
+                        with spinner.running() if loaded and spinner is not None else contextlib.nullcontext():
+                            mine, theirs = _cpu_s(me), _cpu_s(pid)
+                            times = await run(n)
+                            spent_me, spent_peer = _cpu_s(me) - mine, _cpu_s(pid) - theirs
+                        if r:
+                            wall, cpu_me, cpu_peer = results.setdefault((name, loaded), ([], [], []))
+                            wall.extend(times)
+                            cpu_me.append(spent_me)
+                            cpu_peer.append(spent_peer)
         finally:
             await dd.finalize()
             prompt.send("exit")
             for case in (raw_hot, raw_moving, floor):
                 case.close()
     # CPU time comes in clock ticks (10 ms): summed over every round, per transfer.
-    return [(name, statistics.median(wall) * 1e6, sum(cpu_me) / len(wall) * 1e6, sum(cpu_peer) / len(wall) * 1e6)
-            for name, (wall, cpu_me, cpu_peer) in ((name, results[name]) for name, _, _ in cases)]
+    return {loaded: [(name, statistics.median(wall) * 1e6, sum(cpu_me) / len(wall) * 1e6,
+                      sum(cpu_peer) / len(wall) * 1e6)
+                     for name, (wall, cpu_me, cpu_peer) in ((name, results[name, loaded]) for name, _, _ in cases)]
+            for loaded in passes}
+
+
+def _print_table(rows: list[Row]) -> None:
+    print("| case | wall p50 us | / raw, hot | CPU us, requester | CPU us, owner | CPU us, both |")
+    print("|---|---:|---:|---:|---:|---:|")
+    raw = rows[0][1]
+    for name, wall, cpu_me, cpu_peer in rows:
+        print(f"| {name} | {wall:.0f} | {wall / raw:.2f}x | {cpu_me:.0f} | {cpu_peer:.0f} | {cpu_me + cpu_peer:.0f} |")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -242,18 +262,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=1, help="blocks per transfer (default 1: 2 MiB)")
     parser.add_argument("--hot", action="store_true",
                         help="the asyncio floor and the pull move the same rows every time (the suite's arrangement)")
+    parser.add_argument("--load", action="store_true",
+                        help="run every case also while a busy-loop child spins, and print the suite's loaded "
+                             "criterion for each")
     args = parser.parse_args(argv)
     if not 1 <= args.blocks <= CACHE_BLOCKS // 2:
         parser.error(f"--blocks must be within 1..{CACHE_BLOCKS // 2}")
-    rows = asyncio.run(_main(args.n, args.rounds, args.blocks, args.hot))
+    if args.n < 1 or args.rounds < 1:
+        parser.error("--n and --rounds must be >= 1")
+    with contextlib.ExitStack() as stack:
+        spinner = stack.enter_context(Spinner()) if args.load else None
+        tables = asyncio.run(_main(args.n, args.rounds, args.blocks, args.hot, spinner))
+        load = spinner.describe() if spinner is not None else ""
     mib = KvGeometry().request_bytes(args.blocks) >> 20
     print(f"# {mib} MiB on loopback, {args.rounds} alternating rounds x {args.n} "
           "(wall: median; CPU: total / transfers)\n")
-    print("| case | wall p50 us | / raw, hot | CPU us, requester | CPU us, owner | CPU us, both |")
-    print("|---|---:|---:|---:|---:|---:|")
-    raw = rows[0][1]
-    for name, wall, cpu_me, cpu_peer in rows:
-        print(f"| {name} | {wall:.0f} | {wall / raw:.2f}x | {cpu_me:.0f} | {cpu_peer:.0f} | {cpu_me + cpu_peer:.0f} |")
+    _print_table(tables[False])
+    if args.load:
+        print(f"\n# the same, while {load} spins\n")
+        _print_table(tables[True])
+        print("\n| case | quiet / raw, hot | loaded / raw, hot (loaded) | loaded ratio / quiet ratio | "
+              "mark (<= 1.3x) |")
+        print("|---|---:|---:|---:|---|")
+        quiet_raw, loaded_raw = tables[False][0][1], tables[True][0][1]
+        for (name, quiet, _, _), (_, loaded, _, _) in zip(tables[False], tables[True]):
+            ratio = (loaded / loaded_raw) / (quiet / quiet_raw)
+            print(f"| {name} | {quiet / quiet_raw:.2f}x | {loaded / loaded_raw:.2f}x | {ratio:.2f}x | "
+                  f"{'pass' if ratio <= 1.3 else 'FAIL'} |")
     return 0
 
 
