@@ -24,7 +24,7 @@ An accepted connection passes two stages: *arriving* holds at most
   milliseconds), and time this end spends on its own work does not count.
 
 Whatever its stage, a connection is dropped when the handshake time limit
-since its accept runs out (``link_table.HANDSHAKE_LIMIT_S``).
+since its accept runs out (``link_dials.HANDSHAKE_LIMIT_S``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,16 @@ from test_bilateral_link import (
     v2_options,
 )
 
-from aio_datadist import LLMDataDist, LLMException, LLMRole, LLMStatusCode, RegisterMemStatus, link_table, protocol
+from aio_datadist import (
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    RegisterMemStatus,
+    link_dials,
+    link_table,
+    protocol,
+)
 from aio_datadist.links import Link
 from aio_datadist.testing import link_table_of, link_to
 
@@ -79,7 +88,7 @@ async def test_finalize_during_a_comm_unlink_closes_the_link_it_waits_on(monkeyp
 async def test_a_dial_whose_handshake_is_never_answered_is_dialled_again(monkeypatch):
     """The rank-1 address first holds a listener that accepts and never answers (a hung old instance); then the
     real peer comes up there: the dialling comm reaches it, dialling again, within the link time."""
-    monkeypatch.setattr(link_table, "BILATERAL_ANSWER_S", 0.3)
+    monkeypatch.setattr(link_dials, "BILATERAL_ANSWER_S", 0.3)
     d_port = free_port(DECODER_IP)
     ra = json.dumps({PROMPT_IP: f"{PROMPT_IP}:{free_port(PROMPT_IP)}", DECODER_IP: f"{DECODER_IP}:{d_port}"})
     held: list[asyncio.StreamWriter] = []

@@ -42,7 +42,7 @@ from aio_datadist import (
     LLMDataDist,
     LLMRole,
     Placement,
-    link_table,
+    link_dials,
 )
 from aio_datadist.testing import links_of, nixl_agent_of
 from peers import DECODER_ID, PROMPT_ID, _next_command, fill, pattern, wait_readable
@@ -203,7 +203,7 @@ async def _serve(conn: multiprocessing.connection.Connection, role: str, address
 async def _link_and_pull(dd: LLMDataDist, dst: Any, address: str, port: int) -> dict[str, Any]:
     kv = dd.kv_cache_manager
     shares: list[str] = []  # same-host share attempts: made when the peer has our boot id
-    real_connect = link_table.connect_share
+    real_connect = link_dials.connect_share
 
     async def connect_share(*args: Any) -> Any:
         try:
@@ -214,7 +214,7 @@ async def _link_and_pull(dd: LLMDataDist, dst: Any, address: str, port: int) -> 
         shares.append("connected")
         return sock
 
-    link_table.connect_share = connect_share
+    link_dials.connect_share = connect_share
     info = LLMClusterInfo()
     info.remote_cluster_id = PROMPT_ID
     info.append_remote_ip_info(address, port)

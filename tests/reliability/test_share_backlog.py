@@ -25,7 +25,7 @@ from _harness import endpoint
 from peers import CacheSpec, EndpointSpec, PeerError, Ref, fill, linked_pair, port_of, tensors_from_dump
 
 from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode, Placement
-from aio_datadist import link_table as link_table_module
+from aio_datadist import link_dials as link_dials_module
 from aio_datadist.testing import registry_of, usable_link
 from aio_datadist.transport import local as local_module
 
@@ -100,7 +100,7 @@ async def test_a_share_lost_as_it_attaches_leaves_the_link_over_tcp(monkeypatch)
         theirs.close()  # the peer proved the link and closed its end at once
         return mine
 
-    monkeypatch.setattr(link_table_module, "connect_share", closed_share)
+    monkeypatch.setattr(link_dials_module, "connect_share", closed_share)
     local = {"transport": "local"}
     async with linked_pair(link=False, prompt_config=local, decoder_config=local) as pair:
         assert await pair.decoder.link_clusters([pair.info], timeout=3000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])

@@ -15,7 +15,7 @@ import socket
 import pytest
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, LLMStatusCode, Placement
-from aio_datadist import link_table
+from aio_datadist import link_dials
 from aio_datadist.testing import link_to, share_listener_of
 from aio_datadist.transport import local
 from aio_datadist.transport.local import share_proof
@@ -54,14 +54,14 @@ async def test_the_dialled_peer_cannot_attach_a_share_at_the_dialler(monkeypatch
     async with endpoint(LLMRole.PROMPT, PROMPT, **SHARE) as prompt, \
             endpoint(LLMRole.DECODER, DECODER, **SHARE) as decoder:
         fill(prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT, 0)), 11)
-        real = link_table.connect_share
+        real = link_dials.connect_share
         rogue: list[tuple[socket.socket, bytes]] = []
 
         async def connect_share(name: bytes, token: bytes, secret: bytes | None) -> socket.socket:
             rogue.append(await claim_share(share_listener_of(decoder).name, token))  # the peer, first
             return await real(name, token, secret)
 
-        monkeypatch.setattr(link_table, "connect_share", connect_share)
+        monkeypatch.setattr(link_dials, "connect_share", connect_share)
         assert (await decoder.link_clusters([cluster_info(PROMPT, port_of(prompt))], timeout=5000))[0] == \
             LLMStatusCode.LLM_SUCCESS
         sock, answer = rogue[0]

@@ -40,7 +40,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
     admission,
-    link_table,
+    link_dials,
     wire,
 )
 from aio_datadist.admission import ARRIVAL_FACTOR
@@ -151,7 +151,7 @@ async def test_link_clusters_times_out_on_a_peer_that_stalls_at_any_handshake_st
 
 @pytest.mark.asyncio
 async def test_silent_incoming_connections_are_dropped_and_block_nothing(monkeypatch):
-    monkeypatch.setattr(link_table, "HANDSHAKE_LIMIT_S", 0.3)
+    monkeypatch.setattr(link_dials, "HANDSHAKE_LIMIT_S", 0.3)
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as dd, \
             endpoint(LLMRole.DECODER, DECODER) as dec:
         src = dd.kv_cache_manager.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT))
@@ -204,7 +204,7 @@ def closed_by(socks: list[socket.socket], deadline: float) -> int:
 @pytest.mark.asyncio
 async def test_pending_handshakes_are_capped_and_links_wait_their_turn(monkeypatch):
     cap, limit_s, grace_s = 8, 2.0, 0.3
-    monkeypatch.setattr(link_table, "HANDSHAKE_LIMIT_S", limit_s)
+    monkeypatch.setattr(link_dials, "HANDSHAKE_LIMIT_S", limit_s)
     monkeypatch.setattr(admission, "STALL_GRACE_S", grace_s)
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, max_pending_handshakes=cap) as dd, \
             endpoint(LLMRole.DECODER, DECODER) as dec, contextlib.AsyncExitStack() as stack:
