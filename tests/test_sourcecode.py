@@ -47,7 +47,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "transport.nixl_plane",
     )),
     ("handshake, links, listener and link table", (
-        "handshake", "links", "admission", "listener", "link_dials", "link_table", "endpoint", "owners", "bilateral",
+        "handshake", "link_control", "link_channels", "links", "admission", "listener", "link_dials", "link_table",
+        "endpoint", "owners", "bilateral",
     )),
     ("requester and owner, tasks, layer-wise, leases", (
         "transfers", "owner", "task", "layerwise", "leases",
