@@ -7,7 +7,7 @@ each step in the core without the GIL. A small transfer then costs no
 hand-off to the engine thread and no completion record back: on two
 loopback processes that is the difference between two runnable threads per
 transfer and four. Large jobs stay on the ``SocketEngine``, whose thread
-keeps the loop free while megabytes move (``links.LOOP_IO_MAX``).
+keeps the loop free while megabytes move (``link_channels.LOOP_IO_MAX``).
 
 Nothing but the loop steps a job, so a job that is over (done, failed,
 cancelled, timed out, or stopped because its socket goes) touches no memory

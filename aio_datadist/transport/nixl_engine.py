@@ -69,7 +69,7 @@ log = logging.getLogger("aio_datadist.nixl")
 NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 INSTALL_HINT = "pip install 'aio_datadist[nixl]' (or the nixl / nixl-cu12 package)"
 #: The largest transfer posted from the loop's thread (bytes; ``$AIO_DATADIST_NIXL_INLINE_MAX``, 0: every
-#: transfer is posted by the worker). 16 MiB, as the loop's own socket jobs (``links.LOOP_IO_MAX``).
+#: transfer is posted by the worker). 16 MiB, as the loop's own socket jobs (``link_channels.LOOP_IO_MAX``).
 INLINE_MAX = env_int("AIO_DATADIST_NIXL_INLINE_MAX", 16 << 20)
 #: The largest piece of a transfer posted at once (bytes; ``$AIO_DATADIST_NIXL_CHUNK``, 0: no pieces, a cancelled
 #: transfer then moves to its end). A cancelled transfer stops at the end of the piece in progress, which over
