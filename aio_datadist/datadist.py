@@ -273,7 +273,8 @@ class LLMDataDist:
         pull that succeeded has its key consumed.
 
         :returns: ``(overall, [status per cluster])``; ``LLM_NOT_YET_LINK`` for
-            a cluster that is not linked, ``LLM_PROCESSING_LINK`` for one whose
+            a cluster that is not linked (``LLM_SUCCESS`` with ``force=True``: no end
+            here to tear down, as LLM-DataDist's forced unlink), ``LLM_PROCESSING_LINK`` for one whose
             ``link_clusters`` is still in its handshake (retry once that call
             returned); ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for
             every cluster of a call with more than 16 (nothing is unlinked).

@@ -462,6 +462,13 @@ class LinkTable(LinkDials):
             dialling = self._dialling.get(remote_id)
             if dialling is not None and not dialling.done():  # its link may come up yet: the caller retries
                 return LLMStatusCode.LLM_PROCESSING_LINK
+            if force:
+                # Nothing of this end to tear down (never linked, or the peer's unlink or finalize closed it
+                # first): done, as LLM-DataDist's forced unlink, which destroys the local end if there is one
+                # and succeeds either way. A survivor's forced unlink before it links again must not fail
+                # because the peer that went away said so first.
+                log.info("forced unlink of cluster %s: no link to it, nothing to tear down", remote_id)
+                return SUCCESS
             return LLMStatusCode.LLM_NOT_YET_LINK
         self.forget(link)
         self._leaving[link] = None

@@ -64,7 +64,7 @@ def link_port() -> dict[str, str]:
 
 
 def test_every_port_is_run_here():
-    assert len(TWO_PROCESS_PORTS) == 11, TWO_PROCESS_PORTS
+    assert len(TWO_PROCESS_PORTS) == 12, TWO_PROCESS_PORTS
 
 
 @pytest.mark.parametrize("transport", ["tcp", "local"])
@@ -82,3 +82,4 @@ def test_a_real_client_flow_variant_runs_unchanged(name: str, variant: dict, tmp
 def test_every_name_the_clients_import_exists():
     result = _port("client_public_names").run()
     assert result["ok"] and not result["missing"], result
+

@@ -850,7 +850,91 @@ def test_sglang_datadist(transport: str, loop: str) -> None:
     _run(_sglang_prefill, _sglang_decode, transport, loop)
 
 
+
+# -- Omni-Infer: an empty local_comm_res, cluster ids that encode ip:port, a forced unlink after a restart --
+
+OMNI_SHAPE = (8, 4, 2, 8)  # num_blocks, block_size tokens, heads, head_dim
+#: Per request: (prefill block, decoder block) pairs after the connector's trimming (req-1: the local blocks
+#: cut to the remote count; req-2: the last N remote blocks).
+OMNI_PULLS = [([1, 2, 4], [3, 0, 5]), ([3, 6], [2, 7])]
+
+
+def _omni_cluster_id(ip: str, port: int, tp_size: int = 1) -> int:
+    """``ip_port_to_int``: ip in the top 32 bits, then the port, then the tp size."""
+    return (int(ipaddress.IPv4Address(ip)) << 32) | (port << 16) | (tp_size & 0xFFFF)
+
+
+def _omni_options(listen: str | None) -> dict[str, Any]:
+    config: dict[str, Any] = {"device_id": 0, "local_comm_res": "", "sync_kv_timeout": 5000,
+                              "enable_remote_cache_accessible": True}
+    if listen is not None:
+        config["listen_ip_info"] = listen
+    return _options(**config)
+
+
+def _omni_register(cache_manager: Any, seeds: tuple[int, int] | None, key: Any) -> tuple[list, list]:
+    """Two layers of (K, V); per model_id (K, then V) one blocks cache of the two layers' tensors."""
+    kv = [[aligned(OMNI_SHAPE, torch.float16) for _ in range(2)] for _ in range(2)]  # [model_id][layer]
+    for model_id, layers in enumerate(kv):
+        for layer, t in enumerate(layers):
+            t.copy_(pattern(OMNI_SHAPE, torch.float16, seed=seeds[model_id] + layer) if seeds else torch.zeros(
+                OMNI_SHAPE, dtype=torch.float16))
+    caches = [cache_manager.register_blocks_cache(
+        CacheDesc(num_tensors=len(layers), shape=tuple(layers[0].shape), data_type=DataType.DT_FLOAT16),
+        [int(t.data_ptr()) for t in layers], key(model_id)) for model_id, layers in enumerate(kv)]
+    return caches, kv
+
+
+async def _omni_prefill(p: APeer, ports: list[int]) -> None:
+    cluster_id = _omni_cluster_id(LOCALHOST, ports[0])
+    for generation in range(len(OMNI_PULLS)):  # the second is a restarted instance: same ip, port and id
+        data_dist = LLMDataDist(LLMRole.PROMPT, cluster_id)
+        await data_dist.init(_omni_options(f"{LOCALHOST}:{ports[0]}"))
+        _caches, _kv = _omni_register(data_dist.cache_manager, (100 * generation, 100 * generation + 10),
+                                      lambda model_id: BlocksCacheKey(data_dist.cluster_id, model_id=model_id))
+        p.send(("kv_transfer_params", generation))
+        await p.barrier()  # the decoder pulled and checked
+        await data_dist.finalize()  # the instance exits
+
+
+async def _omni_decode(p: APeer, ports: list[int]) -> None:
+    prompt_cluster_id = _omni_cluster_id(LOCALHOST, ports[0])
+    data_dist = LLMDataDist(LLMRole.DECODER, _omni_cluster_id(OTHER_LOCALHOST, ports[0]))
+    await data_dist.init(_omni_options(None))
+    caches, kv = _omni_register(data_dist.cache_manager, None, lambda model_id: None)
+    for generation, (src_blocks, dst_blocks) in enumerate(OMNI_PULLS):
+        p.check(f"params_{generation}", await p.recv() == ("kv_transfer_params", generation))
+        cluster = LLMClusterInfo()
+        cluster.remote_cluster_id = prompt_cluster_id
+        cluster.append_local_ip_info(OTHER_LOCALHOST, 0)
+        cluster.append_remote_ip_info(LOCALHOST, ports[0])
+        if generation:  # close_link: the prefill restarted, its old link is stale (or gone already)
+            ret, _ = await data_dist.unlink_clusters([cluster], timeout=5000, force=True)
+            p.check("forced_unlink_of_the_stale_link_succeeds", ret == LLMStatusCode.LLM_SUCCESS)
+        ret, _ = await data_dist.link_clusters([cluster], timeout=5000)
+        if ret != LLMStatusCode.LLM_SUCCESS:
+            raise RuntimeError("link failed")
+        for model_id, kv_cache in enumerate(caches):
+            await data_dist.cache_manager.pull_blocks(
+                BlocksCacheKey(prompt_cluster_id=prompt_cluster_id, model_id=model_id), kv_cache, src_blocks,
+                dst_blocks)
+            for layer, t in enumerate(kv[model_id]):
+                src = pattern(OMNI_SHAPE, torch.float16, seed=100 * generation + 10 * model_id + layer)
+                p.check(f"gen{generation}_model{model_id}_layer{layer}",
+                        torch.equal(t[dst_blocks], src[src_blocks]))
+        await p.barrier()
+    await data_dist.finalize()
+
+
+@RUNS
+def test_omni_infer(transport: str, loop: str) -> None:
+    """Mirrors ``client_omni_infer.py``: CacheManager mode by an empty ``local_comm_res``, cluster ids that
+    encode ``ip:port``, ``BlocksCacheKey(prompt_cluster_id=..., model_id=...)``, and after the prefill
+    restarted the decoder's ``unlink_clusters(clusters, timeout=5000, force=True)`` (``LLM_SUCCESS`` though
+    the old instance's finalize took the link down) and ``link_clusters`` to the new instance."""
+    _run(_omni_prefill, _omni_decode, transport, loop)
+
 def test_every_two_process_port_has_an_async_mirror() -> None:
     mirrored = " ".join(f.__doc__ or "" for name, f in globals().items() if name.startswith("test_"))
     ports = [p.stem for p in CLIENTS.glob("client_*.py") if p.stem != "client_public_names"]
-    assert len(ports) == 11 and all(f"``{port}.py``" in mirrored for port in ports), ports
+    assert len(ports) == 12 and all(f"``{port}.py``" in mirrored for port in ports), ports

@@ -79,6 +79,36 @@ async def test_unlink_not_forced_tears_down_both_ends():
         await pair.decoder.check_link_status(PROMPT_ID)
 
 
+
+@pytest.mark.parametrize("gone", ["peer_unlinked", "peer_finalized"])
+async def test_a_forced_unlink_of_a_link_the_peer_already_closed_succeeds(gone):
+    """The survivor's forced unlink before it links again (the reference's recovery; Omni-Infer's ``close_link``
+    after a prefill restart, ``tests/clients/client_omni_infer.py``) succeeds when the peer's unlink or finalize
+    took the link down first, as LLM-DataDist's forced unlink, which destroys this end's link if there is one
+    and succeeds either way; so does one of a cluster never linked. A non-forced unlink still says
+    ``LLM_NOT_YET_LINK``."""
+    async with linked_pair() as pair:
+        info = pair.info  # (the prompt's address: gone once it finalized)
+        if gone == "peer_unlinked":
+            back = cluster_info(DECODER_ID, (LOCALHOST, 1))
+            assert await pair.prompt.unlink_clusters([back]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        else:
+            await pair.end("owner_finalizes")
+        for _ in range(200):  # the peer's UNLINK reaches this end
+            if link_count(pair.decoder) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert link_count(pair.decoder) == 0
+        assert await pair.decoder.unlink_clusters([info]) == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
+        assert await pair.decoder.unlink_clusters([info], timeout=5000, force=True) == (
+            S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        never = cluster_info(77, (LOCALHOST, 1))
+        assert await pair.decoder.unlink_clusters([never, info], 1000, True) == (
+            S.LLM_SUCCESS, [S.LLM_SUCCESS, S.LLM_SUCCESS])
+        if gone == "peer_unlinked":
+            await pair.link()  # and linking again works
+            await pair.decoder.check_link_status(PROMPT_ID)
+
 async def test_unlink_from_the_accepting_side_tears_down_both_ends():
     async with linked_pair() as pair:
         back = cluster_info(DECODER_ID, (LOCALHOST, 1))  # unlink uses the id; the address is not dialled
