@@ -937,4 +937,96 @@ def test_omni_infer(transport: str, loop: str) -> None:
 def test_every_two_process_port_has_an_async_mirror() -> None:
     mirrored = " ".join(f.__doc__ or "" for name, f in globals().items() if name.startswith("test_"))
     ports = [p.stem for p in CLIENTS.glob("client_*.py") if p.stem != "client_public_names"]
-    assert len(ports) == 12 and all(f"``{port}.py``" in mirrored for port in ports), ports
+    assert len(ports) == 13 and all(f"``{port}.py``" in mirrored for port in ports), ports
+
+
+# -- HIXL pull_blocks_xpyd: 2P2D, two prompts in one process, two decoders in the other ----------------
+
+XPYD_SHAPE = (3, 10)
+
+
+def _xpyd_desc() -> CacheDesc:
+    return CacheDesc(num_tensors=1, shape=[3, 10], data_type=DataType.DT_FLOAT, placement=Placement.DEVICE)
+
+
+def _ip_port_to_int(ip_port: str) -> int:
+    """The sample's cluster id: the ip's 32 bits, then the port's 16."""
+    ip, port = ip_port.split(":")
+    return (int(ipaddress.IPv4Address(ip)) << 16) | int(port)
+
+
+def _xpyd_prompt_ip_ports(ports: list[int]) -> list[str]:
+    return [f"{LOCALHOST}:{port}" for port in ports[:2]]
+
+
+async def _xpyd_one_prompt(ip_port: str, seed: int, registered: asyncio.Event, done: asyncio.Event) -> None:
+    datadist = LLMDataDist(LLMRole.PROMPT, _ip_port_to_int(ip_port))
+    await datadist.init(_options(device_id=0, local_comm_res="", listen_ip_info=ip_port))
+    cache_manager = datadist.cache_manager
+    tensor = pattern(XPYD_SHAPE, torch.float, seed=seed)
+    cache = cache_manager.register_blocks_cache(_xpyd_desc(), [int(tensor.data_ptr())],
+                                                BlocksCacheKey(_ip_port_to_int(ip_port), 0))
+    registered.set()
+    await done.wait()  # the sample's time.sleep(30)
+    cache_manager.unregister_cache(cache.cache_id)
+    await datadist.finalize()
+
+
+async def _xpyd_prompts(p: APeer, ports: list[int]) -> None:
+    registered = [asyncio.Event(), asyncio.Event()]
+    done = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        for i, ip_port in enumerate(_xpyd_prompt_ip_ports(ports)):
+            tg.create_task(_xpyd_one_prompt(ip_port, 1 + i, registered[i], done))
+        for event in registered:
+            await event.wait()
+        await p.barrier()  # register end
+        await p.barrier()  # the decoders are done
+        done.set()
+
+
+async def _xpyd_one_decoder(p: APeer, name: str, local_ip_port: str, remote_list: list[str],
+                            go: asyncio.Event) -> None:
+    datadist = LLMDataDist(LLMRole.DECODER, _ip_port_to_int(local_ip_port))
+    await datadist.init(_options(device_id=0, local_comm_res=""))
+    cache_manager = datadist.cache_manager
+    tensor = torch.full(XPYD_SHAPE, 0, dtype=torch.float)
+    cache = cache_manager.register_blocks_cache(_xpyd_desc(), [int(tensor.data_ptr())],
+                                                BlocksCacheKey(_ip_port_to_int(local_ip_port), 0))
+    await go.wait()  # the sample's time.sleep(5): register end
+    cluster_list = [_cluster(_ip_port_to_int(remote), (local_ip_port.split(":")[0], 0),
+                             (remote.split(":")[0], int(remote.split(":")[1]))) for remote in remote_list]
+    ret, _ = await datadist.link_clusters(cluster_list, 5000)
+    if ret != LLMStatusCode.LLM_SUCCESS:
+        raise RuntimeError(f"link failed: {ret!r}")
+    for i, remote in enumerate(remote_list):
+        await cache_manager.pull_blocks(BlocksCacheKey(_ip_port_to_int(remote), 0), cache,
+                                        src_blocks=[0, 1], dst_blocks=[0, 2])
+        src = pattern(XPYD_SHAPE, torch.float, seed=1 + i)
+        p.check(f"{name}_after_pull_from_prompt{i}",
+                torch.equal(tensor, torch.stack([src[0], torch.zeros(XPYD_SHAPE[1]), src[1]])))
+    ret, _ = await datadist.unlink_clusters(cluster_list, 5000)
+    if ret != LLMStatusCode.LLM_SUCCESS:
+        raise RuntimeError(f"unlink failed: {ret!r}")
+    cache_manager.unregister_cache(cache.cache_id)
+    await datadist.finalize()
+
+
+async def _xpyd_decoders(p: APeer, ports: list[int]) -> None:
+    go = asyncio.Event()
+    remote_list = _xpyd_prompt_ip_ports(ports)
+    async with asyncio.TaskGroup() as tg:
+        for j, port in enumerate(ports[:2]):  # never listened on: the ports only make the decoders' ids
+            tg.create_task(_xpyd_one_decoder(p, f"decoder{j}", f"{OTHER_LOCALHOST}:{port}", remote_list, go))
+        await p.barrier()  # register end
+        go.set()
+    await p.barrier()  # the decoders are done
+
+
+@RUNS
+def test_hixl_pull_blocks_xpyd(transport: str, loop: str) -> None:
+    """Mirrors ``client_hixl_pull_blocks_xpyd.py``: 2P2D, the two prompts' endpoints in one process and the
+    two decoders' in the other, each decoder awaiting one ``link_clusters`` to both prompts (cluster ids
+    ``ip << 16 | port``, local port 0), ``pull_blocks`` from each in turn and a non-forced
+    ``unlink_clusters`` of both, all at once with the other decoder; the prompts never link."""
+    _run(_xpyd_prompts, _xpyd_decoders, transport, loop)
