@@ -159,17 +159,24 @@ class LLMDataDist:
             ``LLM_FEATURE_NOT_ENABLED`` for an unsupported device or transport,
             ``LLM_LINK_FAILED`` if the listen address cannot be bound,
             ``LLM_FAILED`` naming the resource when the process has no file
-            descriptor or thread left for the endpoint's engines.
-        A second ``init`` is a no-op.
+            descriptor or thread left for the endpoint's engines, or when a
+            ``finalize`` on another event loop is still releasing the previous
+            ``init``'s engines.
+        A second ``init`` is a no-op. After ``finalize`` the endpoint may be
+        initialised again, as LLM-DataDist's finalize resets its object: a new
+        life with nothing of the last (caches, keys, links and comms are gone,
+        cache ids count from 1 again, ``init`` chooses the mode anew); the
+        managers and observers taken before carry on with it.
         """
         endpoint = self._endpoint
         if endpoint.runtime is not None:
             return
-        if endpoint.finalized:
-            raise LLMException("LLMDataDist was finalized; create a new one",
-                               status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
-        settings = parse_options(options)
+        settings = parse_options(options)  # (a finalized endpoint stays so when they are refused)
         v2 = cache_manager_mode(options)
+        if endpoint.finalized:
+            await self._reopen()
+            if endpoint.runtime is not None:  # another init of it won meanwhile: this one is the second
+                return
         try:
             runtime = Runtime(settings)
         except OSError as exc:  # no fd for a completion queue or socket engine, no thread for an engine's worker
@@ -197,6 +204,24 @@ class LLMDataDist:
         endpoint.links = links
         endpoint.forks = forks()
         finalize_at_loop_shutdown(endpoint, finalize_endpoint)
+
+    async def _reopen(self) -> None:
+        """Make a finalized endpoint initialisable again, once its last life is released: a ``finalize`` still
+        releasing it is waited for, and one its loop's shutdown cut short is finished here (as a second
+        ``finalize`` would); one still releasing on another running loop refuses the ``init``."""
+        endpoint = self._endpoint
+        await finalize_endpoint(endpoint)
+        if not endpoint.finalized:  # another init reopened it meanwhile
+            return
+        released = endpoint.released
+        if endpoint.cut_release is not None or (released is not None and not released.done()):
+            raise LLMException("LLMDataDist: its finalize on another event loop is still releasing the engines; "
+                               "init once that finalize returned", status_code=LLMStatusCode.LLM_FAILED)
+        endpoint.finalized = False
+        endpoint.released = None
+        endpoint.settings = None
+        endpoint.cache_manager_mode = None  # chosen anew by this init
+        self._comms = None  # the last life's link() comms went with its links
 
     async def finalize(self) -> None:
         """Unlink every peer, fail pending work, free every cache. Idempotent.

@@ -271,12 +271,12 @@ async def test_every_public_call_rejects_bad_input_with_its_code_and_writes_noth
         assert all(torch.equal(a, b) for a, b in zip(after, before))
         assert (state(prompt), state(dec)) == states
         count("bad-input cases", 3)
-        # the pair still works, and a finalized endpoint refuses every call with LLM_ENGINE_FINALIZED
+        # the pair still works, and a finalized endpoint refuses every call with LLM_ENGINE_FINALIZED (but init,
+        # which starts a new life of it: tests/test_reinit.py)
         await dm.pull_cache(CacheKey(PROMPT, 1), c.d_rows, 2)
         assert all(torch.equal(d[2].view(torch.uint8), p[0].view(torch.uint8))
                    for d, p in zip(c.d_rows.tensors, c.p_rows.tensors))
-    for what, call in [("init", lambda: prompt.init({})),
-                       ("link_clusters", lambda: dec.link_clusters([cluster_info(PROMPT, (LOCALHOST, 1))])),
+    for what, call in [("link_clusters", lambda: dec.link_clusters([cluster_info(PROMPT, (LOCALHOST, 1))])),
                        ("check_link_status", lambda: dec.check_link_status(PROMPT)),
                        ("allocate_cache", lambda: pm.allocate_cache(ROWS)),
                        ("pull_blocks", lambda: dm.pull_blocks(bkey(), d_blocks, [0], [0]))]:

@@ -1,0 +1,140 @@
+"""``init`` after ``finalize`` on the same LLMDataDist: a new life, as LLM-DataDist's finalize resets its object.
+
+A serving process that frees and re-allocates its KV caches (vLLM's sleep and
+wake-up, an elastic restart of the engine) finalizes its ``LLMDataDist`` and
+calls ``init`` on the same object again (Omni-Infer's newer manager does:
+``_finalize_llm_data_dist`` then ``_reinit_llm_data_dist``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from peers import BLOCKS_DESC, DECODER_ID, PROMPT_ID, cluster_info, fill, options, port_of
+
+from aio_datadist import BlocksCacheKey, KvCache, LLMDataDist, LLMException, LLMRole, LLMStatusCode, compat
+from aio_datadist.compat import LLMDataDist as BlockingLLMDataDist
+from aio_datadist.testing import link_count
+
+S = LLMStatusCode
+
+
+def _v2(**config: object) -> dict[str, str]:
+    opts = options(**config)  # type: ignore[arg-type]
+    opts["llm.EnableCacheManager"] = "1"
+    return opts
+
+
+async def _life(prompt: LLMDataDist, decoder: LLMDataDist, seed: int) -> tuple[KvCache, KvCache]:
+    """One life of the pair: blocks caches registered by address (ids from 1), a link, a verified pull."""
+    src = [torch.zeros(BLOCKS_DESC.shape, dtype=torch.float16) for _ in range(BLOCKS_DESC.num_tensors)]
+    dst = [torch.zeros(BLOCKS_DESC.shape, dtype=torch.float16) for _ in range(BLOCKS_DESC.num_tensors)]
+    src_cache = prompt.cache_manager.register_blocks_cache(BLOCKS_DESC, [t.data_ptr() for t in src],
+                                                           BlocksCacheKey(PROMPT_ID, 0), remote_accessible=True)
+    dst_cache = decoder.cache_manager.register_blocks_cache(BLOCKS_DESC, [t.data_ptr() for t in dst])
+    assert (src_cache.cache_id, dst_cache.cache_id) == (1, 1)  # as LLM-DataDist's new engine counts
+    values = fill(src_cache, seed)
+    status, _ = await decoder.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))], 3000)
+    assert status == S.LLM_SUCCESS
+    await decoder.cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst_cache, [0, 3], [5, 1])
+    assert all(torch.equal(d[5], v[0]) and torch.equal(d[1], v[3]) for d, v in zip(dst, values, strict=True))
+    return src_cache, dst_cache
+
+
+@pytest.mark.asyncio
+async def test_a_finalized_endpoint_is_initialised_again_with_nothing_of_its_last_life():
+    prompt, decoder = LLMDataDist(LLMRole.PROMPT, PROMPT_ID), LLMDataDist(LLMRole.DECODER, DECODER_ID)
+    try:
+        await prompt.init(_v2(listen=True))
+        await decoder.init(_v2())
+        address = port_of(prompt)
+        kept = decoder.cache_manager  # a manager taken in the first life carries on with the second
+        _, old_dst = await _life(prompt, decoder, 1)
+        await decoder.finalize()
+        await prompt.finalize()
+        with pytest.raises(LLMException) as exc:
+            decoder.stats()
+        assert exc.value.status_code == S.LLM_ENGINE_FINALIZED
+
+        prompt_options = _v2()
+        prompt_options["llm.listenIpInfo"] = f"{address[0]}:{address[1]}"  # the same address again
+        await prompt.init(prompt_options)
+        await decoder.init(_v2())
+        assert port_of(prompt) == address and link_count(decoder) == 0  # no link of the last life is back
+        assert decoder.stats().caches == 0
+        _, new_dst = await _life(prompt, decoder, 2)
+        assert kept is decoder.cache_manager
+        with pytest.raises(LLMException) as exc:  # the last life's cache object, though its id is 1 again
+            await kept.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), old_dst, [0], [0])
+        assert exc.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        await decoder.init(_v2())  # a second init of this life is a no-op
+        assert decoder.stats().caches == 1 and link_count(decoder) == 1
+    finally:
+        await decoder.finalize()
+        await prompt.finalize()
+
+
+@pytest.mark.asyncio
+async def test_a_new_life_chooses_its_mode_anew_and_bad_options_leave_it_finalized():
+    dd = LLMDataDist(LLMRole.DECODER, DECODER_ID)
+    try:
+        await dd.init(options())  # KvCacheManager mode
+        dd.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC)
+        await dd.finalize()
+        with pytest.raises(LLMException) as exc:
+            await dd.init({**_v2(), "llm.SyncKvCacheWaitTime": "soon"})
+        assert exc.value.status_code == S.LLM_PARAM_INVALID
+        with pytest.raises(LLMException) as exc:
+            dd.stats()
+        assert exc.value.status_code == S.LLM_ENGINE_FINALIZED  # refused options changed nothing
+        await dd.init(_v2())  # CacheManager mode this time
+        tensors = [torch.zeros(BLOCKS_DESC.shape, dtype=torch.float16) for _ in range(BLOCKS_DESC.num_tensors)]
+        assert dd.cache_manager.register_blocks_cache(BLOCKS_DESC, [t.data_ptr() for t in tensors]).cache_id == 1
+        with pytest.raises(LLMException) as exc:
+            dd.kv_cache_manager  # noqa: B018
+        assert exc.value.status_code == S.LLM_PARAM_INVALID
+    finally:
+        await dd.finalize()
+
+
+def test_a_life_on_one_event_loop_and_the_next_on_another():
+    dd = LLMDataDist(LLMRole.PROMPT, PROMPT_ID)
+
+    async def life() -> int:
+        await dd.init(options(listen=True))
+        dd.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC)
+        caches = dd.stats().caches
+        await dd.finalize()
+        return caches
+
+    assert asyncio.run(life()) == 1
+    assert asyncio.run(life()) == 1
+
+
+@pytest.fixture
+def private_loop():
+    yield
+    compat._RUNNER.stop()  # the facade's loop thread lives for the process; end it for the leak check
+
+
+def test_the_blocking_facade_initialises_a_finalized_endpoint_again(private_loop):
+    prompt, decoder = BlockingLLMDataDist(LLMRole.PROMPT, PROMPT_ID), BlockingLLMDataDist(LLMRole.DECODER, DECODER_ID)
+    try:
+        for life in range(2):
+            prompt.init(options(listen=True))
+            decoder.init(options())
+            src = prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID, 0))
+            dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC)
+            assert (src.cache_id, dst.cache_id) == (1, 1)
+            values = fill(src, 10 + life)
+            ret, _ = decoder.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))], 3000)
+            assert ret == S.LLM_SUCCESS
+            decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [2], [4])
+            assert all(torch.equal(d[4], v[2]) for d, v in zip(dst.tensors, values, strict=True))
+            decoder.finalize()
+            prompt.finalize()
+    finally:
+        decoder.finalize()
+        prompt.finalize()
