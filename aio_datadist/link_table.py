@@ -109,6 +109,8 @@ class LinkTable(LinkDials):
         #: Links out of the table (forgotten, replaced, unlinked by the peer), while anything holds them: one whose
         #: own close the loop's shutdown cut short (its cancel of every task) is closed by ``close``.
         self._dropped: weakref.WeakSet[Link] = weakref.WeakSet()
+        #: The links an unlink of ours (``disconnect``) tears down, each with what is done once it closed them.
+        self._teardowns: dict[Link, asyncio.Future[None]] = {}
         #: The links ``close`` closes, each with the answer to the UNLINK it sent, kept until closed: a ``close``
         #: the loop's shutdown cut short (its cancel of every task) is finished by the next (``close``).
         self._closing: dict[Link, asyncio.Future | None] = {}
@@ -466,12 +468,20 @@ class LinkTable(LinkDials):
                 # Nothing of this end to tear down (never linked, or the peer's unlink or finalize closed it
                 # first): done, as LLM-DataDist's forced unlink, which destroys the local end if there is one
                 # and succeeds either way. A survivor's forced unlink before it links again must not fail
-                # because the peer that went away said so first.
-                log.info("forced unlink of cluster %s: no link to it, nothing to tear down", remote_id)
+                # because the peer that went away said so first. A link of that cluster still being torn down
+                # (another unlink of ours, the peer's UNLINK being answered) is waited for first: its teardown
+                # stops the peer's pushes into our caches, none of which may land after this call returned.
+                tearing = [done for lk in list(self._dropped) if lk.remote_cluster_id == remote_id
+                           for done in (self._teardowns.get(lk), lk.close_task) if done is not None and not done.done()]
+                if tearing:
+                    await asyncio.wait(tearing)  # each bounded by its own time-out; a cancel of ours stops none
+                else:
+                    log.info("forced unlink of cluster %s: no link to it, nothing to tear down", remote_id)
                 return SUCCESS
             return LLMStatusCode.LLM_NOT_YET_LINK
         self.forget(link)
         self._leaving[link] = None
+        torn_down = self._teardowns[link] = asyncio.get_running_loop().create_future()
         status = SUCCESS
         try:
             if link.broken is None:
@@ -503,6 +513,8 @@ class LinkTable(LinkDials):
                 await settle(asyncio.ensure_future(link.close()), None)
             finally:
                 self._leaving.pop(link, None)
+                self._teardowns.pop(link, None)
+                torn_down.set_result(None)
         return status
 
     def leaving_links(self) -> list[Link]:

@@ -688,3 +688,60 @@ async def test_a_pull_cut_by_its_owners_unlink_fails_with_a_link_code(force: boo
                 codes.append(f"{exc.status_code.name}: {exc}")
             await asyncio.sleep(0.1)
     assert all(c == "done" or c.startswith(("LLM_LINK_FAILED", "LLM_NOT_YET_LINK")) for c in codes), codes
+
+
+_FORCED_DESC = CacheDesc(2, (64, 1 << 20), DataType.DT_UINT8, Placement.HOST)  # 2 x 64 MiB
+
+
+def _last_bytes(cache: Any) -> torch.Tensor:
+    return torch.stack([t.view(t.shape[0], -1)[:, -1].clone() for t in cache.tensors])
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+@pytest.mark.parametrize("first_forced", [False, True])
+async def test_a_forced_unlink_during_another_unlink_of_the_link_returns_once_that_one_tore_it_down(first_forced):
+    """Row 331: a forced ``unlink_clusters`` that finds the cluster's link out of the table but still being torn
+    down by another unlink of ours (the peer's same-host push into our cache being stopped) answers
+    ``LLM_SUCCESS`` only once that teardown ended: nothing of the push lands after it returned (found by a
+    review: it answered at once, and a block of the push landed after)."""
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, 63, listen=True, transport="local"))
+        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, 64, transport="local", copy_threads=1))
+        address = port_of(prompt)
+        src = prompt.kv_cache_manager.allocate_blocks_cache(_FORCED_DESC)
+        dst = dec.kv_cache_manager.allocate_blocks_cache(_FORCED_DESC, BlocksCacheKey(64, 0))
+        cut = []
+        for attempt in range(3):
+            for t in src.tensors:
+                t.fill_(0xCD)
+            for t in dst.tensors:
+                t.zero_()
+            assert (await dec.link_clusters([cluster_info(63, address)], timeout=10_000))[0] == S.LLM_SUCCESS
+            rows = list(range(64))
+
+            async def push() -> str:
+                try:
+                    await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(64, 0), src, rows, rows, timeout=20_000)
+                    return "done"
+                except LLMException as exc:
+                    return exc.status_code.name
+
+            task = asyncio.ensure_future(push())
+            for _ in range(4000):  # until the push's first block landed (bounded)
+                if task.done() or bool((_last_bytes(dst) == 0xCD).any()):
+                    break
+                await asyncio.sleep(0)
+            first = asyncio.ensure_future(dec.unlink_clusters([cluster_info(63, address)], 5000, first_forced))
+            await asyncio.sleep(0)  # the first unlink took the link out of the table and settles the push
+            forced = await dec.unlink_clusters([cluster_info(63, address)], timeout=5000, force=True)
+            at_forced_return = _last_bytes(dst)
+            outcome = await task
+            assert (await first)[0] == S.LLM_SUCCESS
+            await asyncio.sleep(0.3)
+            if outcome == "done":  # the push ended before the cut: nothing to look at
+                continue
+            assert forced == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            landed = int((_last_bytes(dst) != 0).sum()) - int((at_forced_return != 0).sum())
+            cut.append((attempt, landed))
+        assert cut, "every push finished before the cut"
+        assert all(landed == 0 for _, landed in cut), cut
