@@ -64,7 +64,7 @@ def link_port() -> dict[str, str]:
 
 
 def test_every_port_is_run_here():
-    assert len(TWO_PROCESS_PORTS) == 13, TWO_PROCESS_PORTS
+    assert len(TWO_PROCESS_PORTS) == 14, TWO_PROCESS_PORTS
 
 
 @pytest.mark.parametrize("transport", ["tcp", "local"])

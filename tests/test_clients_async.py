@@ -937,7 +937,7 @@ def test_omni_infer(transport: str, loop: str) -> None:
 def test_every_two_process_port_has_an_async_mirror() -> None:
     mirrored = " ".join(f.__doc__ or "" for name, f in globals().items() if name.startswith("test_"))
     ports = [p.stem for p in CLIENTS.glob("client_*.py") if p.stem != "client_public_names"]
-    assert len(ports) == 13 and all(f"``{port}.py``" in mirrored for port in ports), ports
+    assert len(ports) == 14 and all(f"``{port}.py``" in mirrored for port in ports), ports
 
 
 # -- HIXL pull_blocks_xpyd: 2P2D, two prompts in one process, two decoders in the other ----------------
@@ -1030,3 +1030,75 @@ def test_hixl_pull_blocks_xpyd(transport: str, loop: str) -> None:
     ``ip << 16 | port``, local port 0), ``pull_blocks`` from each in turn and a non-forced
     ``unlink_clusters`` of both, all at once with the other decoder; the prompts never link."""
     _run(_xpyd_prompts, _xpyd_decoders, transport, loop)
+
+
+# -- Torchair PD separation (v1): batch caches keyed per row, pulled by CacheKey row by row ----------------
+
+TORCHAIR_SHAPE = [4, 16, 8, 8]  # the benchmark's [4, 2048, 8 // world_size, 128], smaller
+
+
+def _torchair_desc() -> CacheDesc:
+    return CacheDesc(num_tensors=160, shape=TORCHAIR_SHAPE, data_type=DataType.DT_FLOAT16)
+
+
+def _torchair_options(**config: Any) -> dict[str, Any]:
+    return _options(ge_options={"ge.flowGraphMemMaxSize": "2589934592"}, **config)
+
+
+async def _torchair_prompt(p: APeer, ports: list[int]) -> None:
+    prompt_engine = await _init(LLMRole.PROMPT, 0,
+                                _torchair_options(device_id=0, listen_ip_info=f"{LOCALHOST}:{ports[0]}"))
+    await p.barrier()  # the prompt listens
+    kv_cache_manager = prompt_engine.kv_cache_manager
+    caches, all_keys = [], []
+    for start_id in (0, 4):  # the warmup batch, then the second one
+        keys = [CacheKey(prompt_cluster_id=0, req_id=i, model_id=0) for i in range(start_id, start_id + 4)]
+        cache = kv_cache_manager.allocate_cache(_torchair_desc(), keys)
+        views = tensors_at(cache.cache_desc.shape, torch.float16, cache.per_device_tensor_addrs[0])
+        for index, view in enumerate(views):
+            view.copy_(pattern(TORCHAIR_SHAPE, torch.float16, seed=start_id * 1000 + index))
+        del views
+        caches.append(cache)
+        all_keys += keys
+    p.send({"prompt_cache_ids": [cache.cache_id for cache in caches]})
+    await p.barrier()  # the prompt ran its model
+    await p.barrier()  # the decoder pulled, unlinked and finalized
+    for cache in caches:
+        kv_cache_manager.deallocate_cache(cache)
+    for key in all_keys:
+        kv_cache_manager.remove_cache_key(key)  # every key was taken by a pull: no-op
+    await prompt_engine.finalize()
+
+
+async def _torchair_decoder(p: APeer, ports: list[int]) -> None:
+    decoder_engine = await _init(LLMRole.DECODER, 0, _torchair_options(device_id=0))
+    clusters_info = [_cluster(0, (OTHER_LOCALHOST, ports[0]), (LOCALHOST, ports[0]))]
+    await p.barrier()  # the prompt listens
+    await decoder_engine.link_clusters(clusters_info)  # the benchmark does not check the result
+    kv_cache_manager = decoder_engine.kv_cache_manager
+    kv_cache = kv_cache_manager.allocate_cache(_torchair_desc())
+    await p.barrier()  # the prompt ran its model
+    for start_id, name in ((0, "warmup"), (4, "second_batch")):
+        for index in range(start_id, start_id + 4):
+            await kv_cache_manager.pull_cache(CacheKey(prompt_cluster_id=0, req_id=index, model_id=0),
+                                              kv_cache, index % 4)
+        if start_id == 0:
+            await p.recv()  # recv_inputs_from_prompt
+        views = tensors_at(kv_cache.cache_desc.shape, torch.float16, kv_cache.per_device_tensor_addrs[0])
+        p.check(f"{name}_rows_equal_prompt",
+                all(torch.equal(view, pattern(TORCHAIR_SHAPE, torch.float16, seed=start_id * 1000 + index))
+                    for index, view in enumerate(views)))
+        del views
+    kv_cache_manager.deallocate_cache(kv_cache)
+    await decoder_engine.unlink_clusters(clusters_info)
+    await decoder_engine.finalize()
+    await p.barrier()  # ends the prompt's time.sleep(1200)
+
+
+@RUNS
+def test_torchair_pd_separate(transport: str, loop: str) -> None:
+    """Mirrors ``client_torchair_pd_separate.py`` (KvCacheManager mode): two 4-row caches on the prompt with a
+    ``CacheKey`` per row, the decoder (cluster id 0, as the prompt's) awaiting ``link_clusters`` without a
+    timeout and eight ``pull_cache`` by ``CacheKey`` into rows ``index % 4`` of one cache; the prompt then
+    ``deallocate_cache`` and ``remove_cache_key`` of keys the pulls already took."""
+    _run(_torchair_prompt, _torchair_decoder, transport, loop)

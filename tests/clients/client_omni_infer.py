@@ -57,10 +57,10 @@ Scaffolding replaced:
 - vLLM never finalizes; the harness calls ``finalize`` last on both sides.
 
 What it holds aio_datadist to beyond the other ports: the CacheManager mode chosen by an empty
-``local_comm_res`` alone; cluster ids just under 2**63 (an ip in their top 32 bits); ``link_clusters`` / ``unlink_clusters`` by keyword; the
-``prompt_cluster_id=`` alias of ``BlocksCacheKey``; and the recovery after a peer restart (the reference, 4.1):
-the decoder's ``unlink_clusters(clusters, timeout=5000, force=True)`` of a link the old instance's
-``finalize`` already took down answers ``LLM_SUCCESS``, as LLM-DataDist's forced unlink (HIXL
+``local_comm_res`` alone; cluster ids just under 2**63 (an ip in their top 32 bits); ``link_clusters`` /
+``unlink_clusters`` by keyword; the ``prompt_cluster_id=`` alias of ``BlocksCacheKey``; and the recovery after a
+peer restart (the reference, 4.1): the decoder's ``unlink_clusters(clusters, timeout=5000, force=True)`` of a
+link the old instance's ``finalize`` already took down answers ``LLM_SUCCESS``, as LLM-DataDist's forced unlink (HIXL
 ``link_msg_handler.cc`` ``UnlinkCluster`` -> ``comm_entity_manager.cc`` ``DestroyEntity``: ``SUCCESS`` when
 the cluster has no link), and the next ``link_clusters`` reaches the new instance.
 """
