@@ -552,10 +552,12 @@ async def _release(endpoint: Endpoint, links: LinkTable | None, runtime: Runtime
                 waited.set_result(None)
         else:
             runtime.close()
+            # The guard first: once ``released`` is done an ``init`` (on another loop's thread) may start the next
+            # life and its guard, which ending the guard after it would end instead of this life's.
+            end_shutdown_guard(endpoint)
             assert endpoint.released is not None
             if not endpoint.released.done():
                 endpoint.released.set_result(None)
-            end_shutdown_guard(endpoint)
 
 
 async def _complete(awaitable: Any) -> None:

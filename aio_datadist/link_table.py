@@ -109,7 +109,8 @@ class LinkTable(LinkDials):
         #: Links out of the table (forgotten, replaced, unlinked by the peer), while anything holds them: one whose
         #: own close the loop's shutdown cut short (its cancel of every task) is closed by ``close``.
         self._dropped: weakref.WeakSet[Link] = weakref.WeakSet()
-        #: The links an unlink of ours (``disconnect``) tears down, each with what is done once it closed them.
+        #: The links an unlink of ours (``disconnect``) tears down, each with what is done once the peer's pushes it
+        #: serves there stopped (or that unlink ended).
         self._teardowns: dict[Link, asyncio.Future[None]] = {}
         #: The links ``close`` closes, each with the answer to the UNLINK it sent, kept until closed: a ``close``
         #: the loop's shutdown cut short (its cancel of every task) is finished by the next (``close``).
@@ -469,19 +470,21 @@ class LinkTable(LinkDials):
                 # first): done, as LLM-DataDist's forced unlink, which destroys the local end if there is one
                 # and succeeds either way. A survivor's forced unlink before it links again must not fail
                 # because the peer that went away said so first. A link of that cluster still being torn down
-                # (another unlink of ours, the peer's UNLINK being answered) is waited for first: its teardown
-                # stops the peer's pushes into our caches, none of which may land after this call returned.
+                # is waited for until the peer's pushes into our caches stopped, none of which may land after
+                # this call returned: another unlink of ours until its settle of them (SERVED_SETTLE_S at most;
+                # the rest of its close, its wait for the peer's answer included, stays its own), the peer's
+                # UNLINK until our answer's close (that settle, then the close's 1 s at most).
                 tearing = [done for lk in list(self._dropped) if lk.remote_cluster_id == remote_id
                            for done in (self._teardowns.get(lk), lk.close_task) if done is not None and not done.done()]
                 if tearing:
-                    await asyncio.wait(tearing)  # each bounded by its own time-out; a cancel of ours stops none
+                    await asyncio.wait(tearing)  # a cancel of ours stops none of them
                 else:
                     log.info("forced unlink of cluster %s: no link to it, nothing to tear down", remote_id)
                 return SUCCESS
             return LLMStatusCode.LLM_NOT_YET_LINK
         self.forget(link)
         self._leaving[link] = None
-        torn_down = self._teardowns[link] = asyncio.get_running_loop().create_future()
+        settled = self._teardowns[link] = asyncio.get_running_loop().create_future()
         status = SUCCESS
         try:
             if link.broken is None:
@@ -489,6 +492,8 @@ class LinkTable(LinkDials):
                 # then fail with nothing of them landing here after our unlink (or they) returned, and
                 # no same-host copy of ours reads its memory after its push returned.
                 await link.settle_served(pushes_only=True)
+            self._teardowns.pop(link, None)
+            settled.set_result(None)  # what a forced unlink of the cluster meanwhile waits for
             # A forced unlink tells the peer too while pushes of ours are in flight: their bytes on the way
             # would land there after the pushes returned, unless the peer closes its end first (as for a
             # non-forced unlink: it answers, then closes), for ABORT_ACK_S at most, as an aborted push waits.
@@ -513,8 +518,8 @@ class LinkTable(LinkDials):
                 await settle(asyncio.ensure_future(link.close()), None)
             finally:
                 self._leaving.pop(link, None)
-                self._teardowns.pop(link, None)
-                torn_down.set_result(None)
+                if self._teardowns.pop(link, None) is not None:  # (its settle raised or was cancelled)
+                    settled.set_result(None)
         return status
 
     def leaving_links(self) -> list[Link]:

@@ -654,3 +654,24 @@ async def test_a_link_that_goes_down_while_it_is_set_up_is_not_reported_linked(m
             info = cluster_info(PROMPT_ID, port_of(again))
             assert await dd.link_clusters([info], timeout=3000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
             await dd.check_link_status(PROMPT_ID)
+
+
+async def test_a_forced_unlink_during_another_unlink_waiting_for_a_silent_peer_takes_only_its_own_time(monkeypatch):
+    """Row 331: a forced unlink that finds the cluster's link torn down by another unlink of ours waits until that
+    unlink stopped the peer's pushes into our caches, not for the rest of it: here the other waits 8 s for the
+    UNLINK_ACK of a peer that never answers (found by a review: the forced one waited the other's 8 s)."""
+    from aio_datadist.links import Link
+
+    async with linked_pair() as pair:
+        info = pair.info
+        monkeypatch.setattr(Link, "send_unlink", lambda self, req_id: None)  # the peer hears nothing
+        first = asyncio.ensure_future(pair.decoder.unlink_clusters([info], 8000))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        assert await pair.decoder.unlink_clusters([info], timeout=500, force=True) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert time.monotonic() - t0 < 1.5
+        monkeypatch.undo()
+        first.cancel()  # (it would wait out its 8 s for the answer the peer never gets asked for)
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert link_count(pair.decoder) == 0

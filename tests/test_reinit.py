@@ -138,3 +138,55 @@ def test_the_blocking_facade_initialises_a_finalized_endpoint_again(private_loop
     finally:
         decoder.finalize()
         prompt.finalize()
+
+
+def test_a_finalize_on_one_loop_leaves_the_next_life_on_another_its_shutdown_guard(monkeypatch):
+    """A finalize on loop A ends its life's loop-shutdown guard before it says the life is released: an init on
+    loop B that saw it released keeps its own guard, and loop B's shutdown finalizes the new life (found by a
+    review: A's finalize, preempted between the two, ended B's guard, and the endpoint listened on after B's
+    ``asyncio.run`` returned)."""
+    import socket
+    import threading
+    import time
+
+    import aio_datadist.datadist as datadist_mod
+
+    real = datadist_mod.end_shutdown_guard
+    finalizing: list[threading.Thread] = []
+
+    def preempted(endpoint: object) -> None:  # thread A held up around its guard's end
+        if threading.current_thread() in finalizing:
+            time.sleep(0.5)
+        real(endpoint)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(datadist_mod, "end_shutdown_guard", preempted)
+    dd = LLMDataDist(LLMRole.PROMPT, PROMPT_ID)
+
+    async def first_life() -> None:
+        await dd.init(options(listen=True))
+        await dd.finalize()
+
+    a = threading.Thread(target=asyncio.run, args=(first_life(),))
+    finalizing.append(a)
+    a.start()
+    released = None
+    for _ in range(10_000):  # until life 1 is released (10 s at most)
+        released = dd._endpoint.released
+        if released is not None and released.done():
+            break
+        time.sleep(0.001)
+
+    async def second_life() -> tuple[tuple[str, int], bool]:
+        await dd.init(options(listen=True))
+        await asyncio.sleep(1.0)  # thread A's finalize ends meanwhile
+        return port_of(dd), dd._endpoint.shutdown_guard is not None
+
+    address, guarded = asyncio.run(second_life())  # no finalize: loop B's shutdown does it
+    a.join(10)
+    try:
+        assert guarded and dd._endpoint.finalized
+        with pytest.raises(OSError), socket.create_connection(address, timeout=1):
+            pass
+    finally:
+        if dd._endpoint.runtime is not None:
+            asyncio.run(dd.finalize())
