@@ -92,6 +92,9 @@ EXIT_CANCEL_S = 1.0
 #: daemon threads that the finalize failed: milliseconds), so each caller's future takes its result before the
 #: loop stops; a call still running then fails as the loop's thread ends, as before.
 STOP_CALLS_S = 0.5
+#: How long the exit then waits for a call sent after that wait (a thread switch held it): an ``init`` that ends
+#: after the exit's last finalizes finalizes its endpoint itself, in milliseconds.
+LATE_CALLS_S = 2.0
 
 
 class _LoopThread:
@@ -277,15 +280,25 @@ class _LoopThread:
                 # take their results: a call ended in the loop's last turn left its error unread ("Task
                 # exception was never retrieved") and one not started yet was destroyed pending.
                 ended = False
+                seen: set[asyncio.Task] = set()
                 sending_until = time.monotonic() + STOP_CALLS_S
                 while self._others_sending() and time.monotonic() < sending_until:
                     time.sleep(0.001)  # a call let through (before the exit refused calls) is not sent yet
                 with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
-                    asyncio.run_coroutine_threadsafe(_end_calls(STOP_CALLS_S), loop).result(STOP_CALLS_S + 1.0)
+                    seen = asyncio.run_coroutine_threadsafe(_end_calls(STOP_CALLS_S), loop).result(STOP_CALLS_S + 1.0)
                     ended = True
                 if ended and last is not None:
                     with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
                         asyncio.run_coroutine_threadsafe(last(), loop).result(EXIT_FINALIZE_S + EXIT_CANCEL_S + 1.0)
+                    # A call let through that a thread switch held past the waits above is sent meanwhile: an
+                    # init among them ends after the last finalizes and finalizes its endpoint itself, which the
+                    # loop must still run (stopped under it, its endpoint stayed initialised and listening).
+                    sending_until = time.monotonic() + STOP_CALLS_S
+                    while self._others_sending() and time.monotonic() < sending_until:
+                        time.sleep(0.001)
+                    with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+                        asyncio.run_coroutine_threadsafe(_end_calls(LATE_CALLS_S, seen), loop).result(
+                            LATE_CALLS_S + 1.0)
             stopping.set()  # before the stop, which its thread takes for a callback's loop.stop() otherwise
             loop.call_soon_threadsafe(loop.stop)
             thread.join(STOP_JOIN_S)
@@ -296,13 +309,16 @@ class _LoopThread:
             loop.close()
 
 
-async def _end_calls(limit: float) -> None:
-    """Wait ``limit`` at most for the blocking calls running on this loop to end, and let the callbacks their
-    ends scheduled (their callers' futures) run."""
-    calls = [task for task in asyncio.all_tasks() if getattr(task.get_coro(), "__qualname__", "") == "_Call._run"]
+async def _end_calls(limit: float, skip: set[asyncio.Task] | frozenset[asyncio.Task] = frozenset()
+                     ) -> set[asyncio.Task]:
+    """Wait ``limit`` at most for the blocking calls running on this loop (but those in ``skip``) to end, and let
+    the callbacks their ends scheduled (their callers' futures) run; the calls waited for."""
+    calls = {task for task in asyncio.all_tasks()
+             if getattr(task.get_coro(), "__qualname__", "") == "_Call._run" and task not in skip}
     if calls:
         await asyncio.wait(calls, timeout=limit)
     await asyncio.sleep(0)
+    return calls
 
 
 class _Call(Generic[_T]):

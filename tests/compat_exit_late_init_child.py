@@ -1,10 +1,13 @@
 """A blocking-facade program, for ``test_compat_processes.py``: a daemon thread's ``init`` is let through just
 before the exit refuses calls and is held (a thread switch, made here by a pause in ``compat._Call``) until the
-exit's first wait for the calls running on the loop ended (or 1 s passed), before it is sent to the loop. Its own
-hook, registered before the facade was imported, runs after the facade's exit hook and prints the TCP ports this
-process still listens on."""
+exit's first wait for the calls running on the loop ended (or 1 s passed), before it is sent to the loop. With the
+argument ``slow`` that init also lingers 0.3 s on the loop once its endpoint listens (a machine under load), so it
+ends after the exit's last finalizes. Its own hook, registered before the facade was imported, runs after the
+facade's exit hook and prints the TCP ports this process still listens on."""
 
+import asyncio
 import atexit
+import sys
 import threading
 
 from _own_sockets import facade_options, listening_ports
@@ -18,9 +21,10 @@ let_through, waited = threading.Event(), threading.Event()
 original, end_calls = compat._Call.__init__, compat._end_calls
 
 
-async def end_calls_noted(limit: float) -> None:
-    await end_calls(limit)
+async def end_calls_noted(limit: float, skip: frozenset = frozenset()) -> set:
+    seen = await (end_calls(limit, skip) if skip else end_calls(limit))
     waited.set()
+    return seen
 
 
 compat._end_calls = end_calls_noted
@@ -37,7 +41,23 @@ compat._Call.__init__ = held  # type: ignore[method-assign]
 
 
 
+if sys.argv[1:] == ["slow"]:
+    original_init = LLMDataDist._init
+
+    async def slow_init(self: LLMDataDist, options: object) -> None:  # the worker's (the main one's ran already)
+        listen = self._dd.init
+
+        async def listen_then_linger(opts: object) -> None:  # listening already, the init not returned yet
+            await listen(opts)  # type: ignore[arg-type]
+            await asyncio.sleep(0.3)
+
+        self._dd.init = listen_then_linger  # type: ignore[method-assign]
+        await original_init(self, options)  # type: ignore[arg-type]
+
+
 def worker() -> None:
+    if sys.argv[1:] == ["slow"]:
+        LLMDataDist._init = slow_init  # type: ignore[method-assign]
     try:
         LLMDataDist(LLMRole.PROMPT, 7).init(facade_options())
         print("worker init returned", flush=True)
