@@ -468,6 +468,8 @@ class Link(LinkControl, LinkChannels):
         if self.broken is None and not self.unlinked:
             if ack:
                 self._report_reads()
+                if self.nixl is not None:
+                    self.nixl.halt_writes()  # our pushes' WRITEs into the peer: none lands after its unlink returned
                 self.send_soon(Msg.UNLINK_ACK, ack)  # written by _teardown after it dropped the data channels
             self._unlinked_down(why)
         self.closed = True

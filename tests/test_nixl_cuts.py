@@ -21,7 +21,16 @@ from typing import Any
 
 import pytest
 
-from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
 from aio_datadist.testing import link_to, nixl_agent_of
 from aio_datadist.transport import base, nixl_engine, nixl_grants, nixl_plane
 from peers import (
@@ -185,3 +194,71 @@ async def test_a_read_without_asking_that_needs_the_owners_progress_longer_than_
         await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL[:8], ALL[:8], timeout=5000)
         assert same(snapshot(dst), owner.expected("src"))
         assert engine.posted - before == 1  # read without asking: one READ of the rows (ledger words uncounted)
+
+
+_UNLINKED_DESC = CacheDesc(2, (128, 1 << 20), DataType.DT_UINT8, Placement.HOST)  # 2 x 128 MiB
+
+
+def _last_bytes(cache: Any) -> Any:
+    import torch
+
+    return torch.stack([t.view(t.shape[0], -1)[:, -1].clone() for t in cache.tensors])
+
+
+async def _prepared_at(owner: Any, peer_id: int, cache: Any) -> None:
+    peer = link_to(owner, peer_id).nixl
+    async with asyncio.timeout(5):
+        while cache.cache_id not in peer.prepared:
+            await asyncio.sleep(0.005)
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+@pytest.mark.parametrize("force", [False, True])
+async def test_a_peer_nixl_push_lands_nothing_in_our_cache_after_our_unlink_returned(force):
+    """Rows 176 and 331, NIXL: the peer answers our ``UNLINK`` only once its WRITEs into our caches stopped
+    (``NixlPeer.halt_writes``): we cannot stop them, and our unlink returns on that answer. Before, 93-121 of 256
+    MiB blocks of a 2 x 128 MiB push landed in the 0.3 s after the unlink returned (found by a review), and the
+    push ran into its own time-out."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, **NIXL) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID, **NIXL) as decoder:
+        address = prompt.listen_address
+        assert address is not None
+        info = LLMClusterInfo()
+        info.remote_cluster_id = PROMPT_ID
+        info.append_remote_ip_info(*address)
+        src = prompt.kv_cache_manager.allocate_blocks_cache(_UNLINKED_DESC, BlocksCacheKey(PROMPT_ID, 0))
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(_UNLINKED_DESC, BlocksCacheKey(DECODER_ID, 0))
+        rows = list(range(128))
+        cut = []
+        for attempt in range(2):
+            for t in src.tensors:
+                t.fill_(0xCD)
+            for t in dst.tensors:
+                t.zero_()
+            assert (await decoder.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
+            await _prepared_at(prompt, DECODER_ID, src)
+            await _prepared_at(decoder, PROMPT_ID, dst)
+            posted = nixl_agent_of(prompt).engine.posted
+
+            async def push() -> str:
+                try:
+                    await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, rows, rows,
+                                                              timeout=6_000)
+                    return "done"
+                except LLMException as exc:
+                    return exc.status_code.name
+
+            task = asyncio.ensure_future(push())
+            for _ in range(20_000):  # until its first block landed (bounded)
+                if task.done() or bool((_last_bytes(dst) == 0xCD).any()):
+                    break
+                await asyncio.sleep(0)
+            assert await decoder.unlink_clusters([info], 3000, force) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            at_return = _last_bytes(dst)
+            await asyncio.sleep(0.3)
+            outcome = await task
+            assert nixl_agent_of(prompt).engine.posted > posted  # it went by NIXL
+            if outcome != "done":
+                cut.append((attempt, outcome, int((_last_bytes(dst) != 0).sum()) - int((at_return != 0).sum())))
+        assert cut, "every push ended before the unlink"
+        assert all(landed == 0 and outcome != "LLM_TIMEOUT" for _, outcome, landed in cut), cut

@@ -221,6 +221,7 @@ class NixlPeer:
         self._peer_loaded = False  # the peer said READY: it loaded ours
         self.agent_loaded = False  # set on the worker: the agent holds the peer's metadata, to remove at close
         self._pending: set[asyncio.Future] = set()  # engine work for this peer, cancelled when we decline
+        self._writes: set[Halting] = set()  # our WRITEs into the peer's caches in flight (halt_writes)
         self.declined: str | None = None  # why this link uses TCP only, once NIXL was given up
         self._said: set[str] = set()  # why device caches took the staging plane, as logged once per link
         self.ready = loop.create_future()
@@ -595,6 +596,9 @@ class NixlPeer:
         tokens: list[int] = []
         settled = Halting(engine, tokens, what, loop=loop, force=lambda: self._force_off(tokens, what),
                           forcing=lambda: bool(tokens) and engine.forcing(tokens[0]))
+        if op == "WRITE":
+            self._writes.add(settled)
+            settled.add_done_callback(self._writes.discard)
 
         def submit(token: int) -> None:
             tokens.append(token)
@@ -666,6 +670,14 @@ class NixlPeer:
                 return posted
             words = "NIXL reported the transfer failed (ERR)"
         raise self.failed(what, words)
+
+    def halt_writes(self) -> None:
+        """Stop our WRITEs into the peer's caches still in flight and block until none can land (``Halting.halt``:
+        ``CUT_WAIT_S``, then the peer's agent let go and as much again): before we answer the peer's ``UNLINK``,
+        on which its unlink returns. The peer cannot stop them itself, and their bytes would land in memory it
+        has back."""
+        for write in list(self._writes):
+            write.halt()
 
     def _force_off(self, tokens: list[int], what: str) -> None:
         """A transfer of ours given up, still in NIXL's hands past its settle bounds (``base.nixl_settle``): the
