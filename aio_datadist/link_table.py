@@ -110,8 +110,8 @@ class LinkTable(LinkDials):
         #: own close the loop's shutdown cut short (its cancel of every task) is closed by ``close``.
         self._dropped: weakref.WeakSet[Link] = weakref.WeakSet()
         #: The links an unlink of ours (``disconnect``) tears down, each with what is done once the peer's pushes it
-        #: serves there stopped (or that unlink ended).
-        self._teardowns: dict[Link, asyncio.Future[None]] = {}
+        #: serves there stopped, and once that unlink ended.
+        self._teardowns: dict[Link, tuple[asyncio.Future[None], asyncio.Future[None]]] = {}
         #: The links ``close`` closes, each with the answer to the UNLINK it sent, kept until closed: a ``close``
         #: the loop's shutdown cut short (its cancel of every task) is finished by the next (``close``).
         self._closing: dict[Link, asyncio.Future | None] = {}
@@ -471,20 +471,32 @@ class LinkTable(LinkDials):
                 # and succeeds either way. A survivor's forced unlink before it links again must not fail
                 # because the peer that went away said so first. A link of that cluster still being torn down
                 # is waited for until the peer's pushes into our caches stopped, none of which may land after
-                # this call returned: another unlink of ours until its settle of them (SERVED_SETTLE_S at most;
-                # the rest of its close, its wait for the peer's answer included, stays its own), the peer's
-                # UNLINK until our answer's close (that settle, then the close's 1 s at most).
-                tearing = [done for lk in list(self._dropped) if lk.remote_cluster_id == remote_id
-                           for done in (self._teardowns.get(lk), lk.close_task) if done is not None and not done.done()]
-                if tearing:
-                    await asyncio.wait(tearing)  # a cancel of ours stops none of them
-                else:
+                # this call returned: the peer's UNLINK until our answer's close (its settle of them, then the
+                # close's 1 s at most); another unlink of ours until its settle of them (SERVED_SETTLE_S at most),
+                # then, as a forced unlink's own, min(timeout, ABORT_ACK_S) at most for the rest of it: the
+                # peer's answer, which it sends once its NIXL WRITEs into our caches stopped (row 176).
+                settling: list[asyncio.Future] = []
+                closing: list[asyncio.Future] = []
+                for lk in list(self._dropped):
+                    if lk.remote_cluster_id == remote_id:
+                        teardown = self._teardowns.get(lk)
+                        if teardown is not None:
+                            settling.append(teardown[0])
+                            closing.append(teardown[1])
+                        elif lk.close_task is not None:
+                            settling.append(lk.close_task)
+                if not settling:
                     log.info("forced unlink of cluster %s: no link to it, nothing to tear down", remote_id)
+                if any(not done.done() for done in settling):
+                    await asyncio.wait(settling)  # a cancel of ours stops none of them
+                if any(not done.done() for done in closing):
+                    await asyncio.wait(closing, timeout=min(timeout_ms / 1000, ABORT_ACK_S))
                 return SUCCESS
             return LLMStatusCode.LLM_NOT_YET_LINK
         self.forget(link)
         self._leaving[link] = None
-        settled = self._teardowns[link] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        settled, closed = self._teardowns[link] = (loop.create_future(), loop.create_future())
         status = SUCCESS
         try:
             if link.broken is None:
@@ -492,8 +504,7 @@ class LinkTable(LinkDials):
                 # then fail with nothing of them landing here after our unlink (or they) returned, and
                 # no same-host copy of ours reads its memory after its push returned.
                 await link.settle_served(pushes_only=True)
-            self._teardowns.pop(link, None)
-            settled.set_result(None)  # what a forced unlink of the cluster meanwhile waits for
+            settled.set_result(None)  # what a forced unlink of the cluster meanwhile waits for first
             # A forced unlink tells the peer too while pushes of ours are in flight: their bytes on the way
             # would land there after the pushes returned, unless the peer closes its end first (as for a
             # non-forced unlink: it answers, then closes), for ABORT_ACK_S at most, as an aborted push waits.
@@ -518,8 +529,10 @@ class LinkTable(LinkDials):
                 await settle(asyncio.ensure_future(link.close()), None)
             finally:
                 self._leaving.pop(link, None)
-                if self._teardowns.pop(link, None) is not None:  # (its settle raised or was cancelled)
-                    settled.set_result(None)
+                self._teardowns.pop(link, None)
+                for done in (settled, closed):  # (settled too: its settle raised or was cancelled)
+                    if not done.done():
+                        done.set_result(None)
         return status
 
     def leaving_links(self) -> list[Link]:

@@ -213,12 +213,13 @@ async def _prepared_at(owner: Any, peer_id: int, cache: Any) -> None:
 
 
 @pytest.mark.asyncio(loop_factories=["asyncio"])
-@pytest.mark.parametrize("force", [False, True])
-async def test_a_peer_nixl_push_lands_nothing_in_our_cache_after_our_unlink_returned(force):
+@pytest.mark.parametrize("how", ["unlink", "forced", "forced_during_unlink"])
+async def test_a_peer_nixl_push_lands_nothing_in_our_cache_after_our_unlink_returned(how):
     """Rows 176 and 331, NIXL: the peer answers our ``UNLINK`` only once its WRITEs into our caches stopped
-    (``NixlPeer.halt_writes``): we cannot stop them, and our unlink returns on that answer. Before, 93-121 of 256
-    MiB blocks of a 2 x 128 MiB push landed in the 0.3 s after the unlink returned (found by a review), and the
-    push ran into its own time-out."""
+    (``NixlPeer.halt_writes``): we cannot stop them, and our unlink returns on that answer; a forced unlink made
+    while another unlink of ours tears the link down waits for that answer too (``ABORT_ACK_S`` at most). Before,
+    46-121 of 256 MiB blocks of a 2 x 128 MiB push landed in the 0.3 s after the unlink returned (found by a
+    review), and the push ran into its own time-out."""
     async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, **NIXL) as prompt, \
             endpoint(LLMRole.DECODER, DECODER_ID, **NIXL) as decoder:
         address = prompt.listen_address
@@ -253,8 +254,14 @@ async def test_a_peer_nixl_push_lands_nothing_in_our_cache_after_our_unlink_retu
                 if task.done() or bool((_last_bytes(dst) == 0xCD).any()):
                     break
                 await asyncio.sleep(0)
-            assert await decoder.unlink_clusters([info], 3000, force) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            first = None
+            if how == "forced_during_unlink":
+                first = asyncio.ensure_future(decoder.unlink_clusters([info], 3000))
+                await asyncio.sleep(0)  # it took the link out of the table
+            assert await decoder.unlink_clusters([info], 3000, how != "unlink") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
             at_return = _last_bytes(dst)
+            if first is not None:
+                assert (await first)[0] == S.LLM_SUCCESS
             await asyncio.sleep(0.3)
             outcome = await task
             assert nixl_agent_of(prompt).engine.posted > posted  # it went by NIXL
