@@ -112,6 +112,9 @@ class _LoopThread:
         #: the exit began is one of those (and its endpoint one the exit finalizes). (Only the main thread gets a
         #: KeyboardInterrupt, which may land between a count and its uncount; the exit's stop runs there.)
         self._sending: dict[int, int] = {}
+        #: Whether this thread is inside a call (``run``): a call made from a signal handler that interrupted one
+        #: would wait on the locks and the event the interrupted call holds, for good.
+        self._inside = threading.local()
 
     def refuse_calls(self) -> None:
         """From now on a call of any thread but this one (the exit's: its later atexit hooks may still call,
@@ -193,7 +196,8 @@ class _LoopThread:
 
         :param undo: releases what the call returned (a cache it made, a task it started) when its caller
             was interrupted (KeyboardInterrupt) and never got it.
-        :raises LLMException: ``LLM_FAILED`` when the loop's thread has ended, the call with it.
+        :raises LLMException: ``LLM_FAILED`` when the loop's thread has ended, the call with it, or when this
+            thread is inside another call already (a signal handler that interrupted it), at once.
         """
         try:
             asyncio.get_running_loop()
@@ -202,6 +206,19 @@ class _LoopThread:
         else:
             coro.close()
             raise RuntimeError("aio_datadist.compat blocks; inside an event loop use the async API")
+        inside = self._inside
+        if getattr(inside, "call", False):
+            coro.close()
+            raise LLMException("aio_datadist.compat: a blocking call from a signal handler that interrupted another "
+                               "call of the same thread (it would wait for that call for good); let the handler set "
+                               "a flag and make the call after", status_code=LLMStatusCode.LLM_FAILED)
+        inside.call = True  # (set before any lock is taken, cleared once the last is let go)
+        try:
+            return self._run(coro, undo)
+        finally:
+            inside.call = False
+
+    def _run(self, coro: Coroutine[Any, Any, _T], undo: Callable[[_T], object] | None) -> _T:
         try:
             loop, end = self._started(sending=True)
         except BaseException:  # refused; RuntimeError: no thread may start at interpreter shutdown (3.12); an interrupt
@@ -266,6 +283,7 @@ class _LoopThread:
         self._loop = self._thread = None
         self._stopping, self._end = threading.Event(), _LoopEnd()
         self._refusing = None
+        self._inside = threading.local()
         self._sending = {}  # (the parent's threads' sends are not this process's)
 
     def stop(self, last: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:

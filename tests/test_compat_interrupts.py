@@ -68,3 +68,30 @@ def test_ctrl_c_in_a_dialling_link_leaves_no_comm_dialling_behind_the_caller() -
     (found by review of row 302)."""
     out = run_child("link")
     assert out == {"interrupted": True, "comms_left": [], "tasks_left": []}, out
+
+
+def test_a_signal_handler_that_calls_the_facade_inside_a_call_is_refused_at_once_not_left_waiting() -> None:
+    """A signal handler runs on the main thread, inside whatever facade call it interrupted: its own facade call
+    is refused at once (``LLM_FAILED``, naming the signal handler), one between calls runs. Before, it waited
+    for good on the lock or the event of the call it interrupted (found by an audit: every run hung within
+    about 1,700 signals, 2 ms apart)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, str(CHILD.with_name("compat_signal_child.py")), "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "ready" in proc.stdout.readline()
+        end, sent = time.monotonic() + 3.5, 0
+        while time.monotonic() < end and proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+            sent += 1
+            time.sleep(0.002)
+        out, err = proc.communicate(timeout=LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, f"after {sent} signals: {err[-3000:]}"
+    counts = json.loads(out.strip().splitlines()[-1])
+    assert counts["calls"] > 0 and counts["ran"] + counts["refused"] > 0 and counts["other"] == 0, counts
