@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aio_datadist import datadist as _async_datadist
@@ -116,19 +116,33 @@ class _LoopThread:
         #: would wait on the locks and the event the interrupted call holds, for good.
         self._inside = threading.local()
 
+    @contextlib.contextmanager
+    def _holding(self) -> Iterator[None]:
+        """``_lock``, with this thread marked inside a call meanwhile (``run``): a signal handler's call made while
+        it is held is refused, not left waiting for it."""
+        inside = self._inside
+        was = getattr(inside, "call", False)
+        inside.call = True
+        try:
+            with self._lock:
+                yield
+        finally:
+            inside.call = was
+
     def refuse_calls(self) -> None:
         """From now on a call of any thread but this one (the exit's: its later atexit hooks may still call,
         a ``finalize`` of an endpoint the exit finalized returns) raises ``LLM_FAILED`` before it is submitted:
         daemon threads still calling when the process exits."""
-        with self._lock:
-            self._refusing = threading.get_ident()
+        me = threading.get_ident()
+        with self._holding():
+            self._refusing = me
 
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._started()[0]
 
     def _sent(self) -> None:
         me = threading.get_ident()
-        with self._lock:
+        with self._holding():
             left = self._sending.get(me, 0) - 1
             if left > 0:
                 self._sending[me] = left
@@ -140,8 +154,9 @@ class _LoopThread:
         return any(ident != me for ident in list(self._sending))
 
     def _started(self, *, sending: bool = False) -> tuple[asyncio.AbstractEventLoop, _LoopEnd]:
-        with self._lock:
-            if self._refusing is not None and self._refusing != threading.get_ident():
+        me = threading.get_ident()
+        with self._holding():
+            if self._refusing is not None and self._refusing != me:
                 raise LLMException("the blocking facade is shutting down (the process exits); the call cannot run",
                                    status_code=LLMStatusCode.LLM_FAILED)
             if self._loop is None:
@@ -209,9 +224,10 @@ class _LoopThread:
         inside = self._inside
         if getattr(inside, "call", False):
             coro.close()
-            raise LLMException("aio_datadist.compat: a blocking call from a signal handler that interrupted another "
-                               "call of the same thread (it would wait for that call for good); let the handler set "
-                               "a flag and make the call after", status_code=LLMStatusCode.LLM_FAILED)
+            raise LLMException("aio_datadist.compat: a blocking call made while the same thread is inside another "
+                               "(from a signal handler, or a garbage-collection finalizer, that interrupted it: it "
+                               "would wait for that call for good); let the handler set a flag and make the call "
+                               "after", status_code=LLMStatusCode.LLM_FAILED)
         inside.call = True  # (set before any lock is taken, cleared once the last is let go)
         try:
             return self._run(coro, undo)
@@ -289,7 +305,7 @@ class _LoopThread:
     def stop(self, last: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
         """Stop the loop and its thread. ``last``: run on the loop once the calls on it ended (not when they
         did not within ``STOP_CALLS_S``: the loop is held), before it stops (the exit's last finalizes)."""
-        with self._lock:
+        with self._holding():
             loop, thread, stopping = self._loop, self._thread, self._stopping
             self._loop = self._thread = None
         if loop is not None and thread is not None:
@@ -305,12 +321,16 @@ class _LoopThread:
                 with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
                     seen = asyncio.run_coroutine_threadsafe(_end_calls(STOP_CALLS_S), loop).result(STOP_CALLS_S + 1.0)
                     ended = True
+                finished = False
                 if ended and last is not None:
                     with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
                         asyncio.run_coroutine_threadsafe(last(), loop).result(EXIT_FINALIZE_S + EXIT_CANCEL_S + 1.0)
-                    # A call let through that a thread switch held past the waits above is sent meanwhile: an
-                    # init among them ends after the last finalizes and finalizes its endpoint itself, which the
-                    # loop must still run (stopped under it, its endpoint stayed initialised and listening).
+                        finished = True
+                if finished:  # (not on a loop the last finalizes found held: nothing more runs there)
+                    # A call let through that a thread switch held past the waits above is sent meanwhile, and an
+                    # init may still run past the first wait: an init ending after the last finalizes finalizes
+                    # its endpoint itself, which the loop must still run (stopped under it, its endpoint stayed
+                    # initialised and listening).
                     sending_until = time.monotonic() + STOP_CALLS_S
                     while self._others_sending() and time.monotonic() < sending_until:
                         time.sleep(0.001)
@@ -329,10 +349,11 @@ class _LoopThread:
 
 async def _end_calls(limit: float, skip: set[asyncio.Task] | frozenset[asyncio.Task] = frozenset()
                      ) -> set[asyncio.Task]:
-    """Wait ``limit`` at most for the blocking calls running on this loop (but those in ``skip``) to end, and let
-    the callbacks their ends scheduled (their callers' futures) run; the calls waited for."""
+    """Wait ``limit`` at most for the blocking calls running on this loop (but those in ``skip`` that are no
+    ``init``) to end, and let the callbacks their ends scheduled (their callers' futures) run; the calls waited
+    for."""
     calls = {task for task in asyncio.all_tasks()
-             if getattr(task.get_coro(), "__qualname__", "") == "_Call._run" and task not in skip}
+             if getattr(task.get_coro(), "__qualname__", "") == "_Call._run" and (task not in skip or task in _INITS)}
     if calls:
         await asyncio.wait(calls, timeout=limit)
     await asyncio.sleep(0)
@@ -462,6 +483,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 #: The endpoints the exit's finalize took (their ``finalize`` from a later atexit hook returns at once).
 _EXIT_FINALIZED: set[LLMDataDist] = set()
 
+
+#: The facade's ``init`` calls running on its loop (their tasks; touched on the loop only).
+_INITS: set[asyncio.Task] = set()
 
 #: Set on the facade's loop by the exit's last finalizes (``_last_finalizes``): an ``init`` that ends after them
 #: finalizes its endpoint at once and fails.
@@ -788,6 +812,15 @@ class LLMDataDist:
         _RUNNER.run(self._init(options))
 
     async def _init(self, options: Mapping[str, str]) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        _INITS.add(task)  # the exit's late wait waits for it, however long the first one waited
+        try:
+            await self._init_on_loop(options)
+        finally:
+            _INITS.discard(task)
+
+    async def _init_on_loop(self, options: Mapping[str, str]) -> None:
         await self._dd.init(options)
         if _EXIT_TOOK_LAST:  # ended after the exit's last finalizes (it ran past STOP_CALLS_S): nothing else would
             await self._dd.finalize()

@@ -468,9 +468,10 @@ class Link(LinkControl, LinkChannels):
         if self.broken is None and not self.unlinked:
             if ack:
                 self._report_reads()
-                if self.nixl is not None:
-                    self.nixl.halt_writes()  # our pushes' WRITEs into the peer: none lands after its unlink returned
-                self.send_soon(Msg.UNLINK_ACK, ack)  # written by _teardown after it dropped the data channels
+                # Our pushes' WRITEs into the peer stop first: none lands after its unlink returned. One that would
+                # not stop (logged) gets no answer: the peer's unlink then fails, or, forced, returns on its bound.
+                if self.nixl is None or self.nixl.halt_writes():
+                    self.send_soon(Msg.UNLINK_ACK, ack)  # written by _teardown after it dropped the data channels
             self._unlinked_down(why)
         self.closed = True
         current = asyncio.current_task()

@@ -144,3 +144,30 @@ def test_an_interrupt_between_counting_a_call_and_sending_it_does_not_hold_the_s
         started = time.monotonic()
         runner.stop()
     assert time.monotonic() - started < compat.STOP_CALLS_S
+
+
+def test_a_loop_held_during_the_last_finalizes_gets_no_late_wait(monkeypatch):
+    """Row 327: the exit's wait for calls sent late (``compat.LATE_CALLS_S``) runs only once the last finalizes
+    ended; on a loop a callback holds meanwhile it would wait 3 s more for nothing (found by a review)."""
+    import time
+
+    monkeypatch.setattr(compat, "EXIT_FINALIZE_S", 0.2)
+    monkeypatch.setattr(compat, "EXIT_CANCEL_S", 0.0)
+    monkeypatch.setattr(compat, "STOP_JOIN_S", 0.5)
+    runner = compat._LoopThread()
+    release = threading.Event()
+
+    async def nothing() -> None:
+        return None
+
+    runner.run(nothing())  # the loop runs
+
+    async def held_last() -> None:
+        release.wait(10)  # a callback holds the loop while the last finalizes run
+
+    started = time.monotonic()
+    runner.stop(last=held_last)
+    took = time.monotonic() - started
+    release.set()
+    # the last finalizes get EXIT_FINALIZE_S + EXIT_CANCEL_S + 1 = 1.2 s, then the join 0.5 s: about 1.7 s
+    assert took < 2.5, f"stop took {took:.1f} s"

@@ -44,6 +44,7 @@ import functools
 import hashlib
 import logging
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,8 @@ log = logging.getLogger("aio_datadist.nixl")
 #: piece in progress: ``nixl_engine.CHUNK_BYTES``), and as long again once its peer's agent was let go
 #: (:meth:`Halting.halt`).
 CUT_WAIT_S = 1.0
+#: What each WRITE still in flight gets at least when ``NixlPeer.halt_writes`` stops them all in one ``CUT_WAIT_S``.
+HALT_LEAST_S = 0.05
 
 HELLO, OFFER, WITHDRAW, READY, PREPARED, DECLINE, OFFER_VRAM = 1, 2, 3, 4, 5, 6, 7
 #: ... and those of reads without asking (``transport/nixl_grants.py``), numbered after them.
@@ -671,13 +674,16 @@ class NixlPeer:
             words = "NIXL reported the transfer failed (ERR)"
         raise self.failed(what, words)
 
-    def halt_writes(self) -> None:
-        """Stop our WRITEs into the peer's caches still in flight and block until none can land (``Halting.halt``:
-        ``CUT_WAIT_S``, then the peer's agent let go and as much again): before we answer the peer's ``UNLINK``,
-        on which its unlink returns. The peer cannot stop them itself, and their bytes would land in memory it
-        has back."""
+    def halt_writes(self) -> bool:
+        """Stop our WRITEs into the peer's caches still in flight and block until none can land (``Halting.halt``),
+        before we answer the peer's ``UNLINK``, on which its unlink returns: the peer cannot stop them itself, and
+        their bytes would land in memory it has back. One ``CUT_WAIT_S`` for all of them (then each one still in
+        NIXL's hands has the peer's agent let go and a little more), not one each. Whether every one stopped."""
+        deadline = time.monotonic() + CUT_WAIT_S
+        stopped = True
         for write in list(self._writes):
-            write.halt()
+            stopped = write.halt(max(HALT_LEAST_S, deadline - time.monotonic())) and stopped
+        return stopped
 
     def _force_off(self, tokens: list[int], what: str) -> None:
         """A transfer of ours given up, still in NIXL's hands past its settle bounds (``base.nixl_settle``): the
