@@ -1,8 +1,10 @@
 """A blocking-facade program, for ``test_compat_interrupts.py``: its SIGUSR1 handler (a graceful-shutdown or
-stats-dump handler) calls the facade while the main thread makes facade calls in a loop, so the signal often
-lands inside one. argv: SECONDS. Prints one JSON line: the main thread's calls, the handler's calls that ran and
-those refused (``LLM_FAILED``: made inside another call of the same thread). A hang is the defect: the handler's
-call waited for good on the locks and the event of the call it interrupted."""
+stats-dump handler) calls the facade while the main thread, in a loop, either makes facade calls (argv MODE
+``calls``: the signal often lands inside one) or runs what the exit's hook runs first, which holds the facade's
+lock outside any call (MODE ``refuse``: ``compat._RUNNER.refuse_calls()``). argv: SECONDS MODE. Prints one JSON
+line: the main thread's rounds, the handler's calls that ran and those refused (``LLM_FAILED``: made inside
+another call of the same thread). A hang is the defect: the handler's call waited for good on the locks and the
+event of what it interrupted."""
 
 import faulthandler
 import json
@@ -15,13 +17,12 @@ faulthandler.dump_traceback_later(20, exit=True)  # a hang ends the process with
 
 from _own_sockets import facade_options  # noqa: E402
 
+from aio_datadist import compat  # noqa: E402
 from aio_datadist.compat import LLMDataDist, LLMException, LLMRole  # noqa: E402
 
 dd = LLMDataDist(LLMRole.PROMPT, 1)
 dd.init(facade_options())
-counts = {"calls": 0, "ran": 0, "refused": 0, "other": 0}
-
-
+counts = {"rounds": 0, "ran": 0, "refused": 0, "other": 0}
 busy = False
 
 
@@ -43,8 +44,15 @@ signal.signal(signal.SIGUSR1, handler)
 print(json.dumps({"ready": os.getpid()}), flush=True)
 end = time.monotonic() + float(sys.argv[1])
 while time.monotonic() < end:
-    dd.stats()
-    counts["calls"] += 1
+    if sys.argv[2] == "refuse":
+        compat._RUNNER.refuse_calls()  # (the main thread's own calls still run)
+    else:
+        dd.stats()
+    counts["rounds"] += 1
 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+faulthandler.cancel_dump_traceback_later()
+if sys.argv[2] == "refuse":
+    print(json.dumps(counts), flush=True)
+    os._exit(0)  # (the exit's finalize is another test's)
 dd.finalize()
 print(json.dumps(counts), flush=True)

@@ -607,3 +607,40 @@ def tensors_from_dump(desc: CacheDesc, dump: list[bytes]) -> list[torch.Tensor]:
     """Turn a ``dump`` answer back into tensors of ``desc``."""
     dtype = desc.data_type.torch_dtype
     return [torch.frombuffer(bytearray(raw), dtype=dtype).view(desc.shape) for raw in dump]
+
+
+# -- a push cut mid-way, and which blocks of it landed -------------------------------------------------------
+
+MARK = 0xCD
+
+
+def last_bytes(cache: KvCache) -> torch.Tensor:
+    """The last byte of each block of each tensor of ``cache``: which blocks of a transfer have landed."""
+    return torch.stack([t.view(t.shape[0], -1)[:, -1].clone() for t in cache.tensors])
+
+
+def mark_and_clear(src: KvCache, dst: KvCache) -> None:
+    """``src`` filled with :data:`MARK`, ``dst`` zeroed: a block of ``dst`` whose last byte is not 0 has landed."""
+    for t in src.tensors:
+        t.fill_(MARK)
+    for t in dst.tensors:
+        t.zero_()
+
+
+async def push_until_it_lands(manager: Any, key: BlocksCacheKey, src: KvCache, dst: KvCache, rows: list[int],
+                              timeout_ms: int) -> asyncio.Task:
+    """Start ``manager.push_blocks(key, src, rows, rows)`` and return once its first block landed in ``dst`` (or
+    it ended; 20,000 loop turns at most): its task, whose result is "done" or the failure's status name."""
+    async def push() -> str:
+        try:
+            await manager.push_blocks(key, src, rows, rows, timeout=timeout_ms)
+            return "done"
+        except LLMException as exc:
+            return exc.status_code.name
+
+    task = asyncio.ensure_future(push())
+    for _ in range(20_000):
+        if task.done() or bool((last_bytes(dst) == MARK).any()):
+            break
+        await asyncio.sleep(0)
+    return task

@@ -70,13 +70,13 @@ def test_ctrl_c_in_a_dialling_link_leaves_no_comm_dialling_behind_the_caller() -
     assert out == {"interrupted": True, "comms_left": [], "tasks_left": []}, out
 
 
-def _signal_child(name: str) -> dict:
-    """Run ``name`` (a child that calls the facade from its SIGUSR1 handler), sending it SIGUSR1 every 2 ms for
-    3.5 s; its counts."""
+def _signal_child(mode: str) -> dict:
+    """Run ``compat_signal_child.py`` in ``mode`` (its SIGUSR1 handler calls the facade), sending it SIGUSR1 every
+    2 ms for 3.5 s; its counts."""
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, str(CHILD.with_name(name)), "4"],
+    proc = subprocess.Popen([sys.executable, str(CHILD.with_name("compat_signal_child.py")), "4", mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and "ready" in proc.stdout.readline()
@@ -98,8 +98,8 @@ def test_a_signal_handler_that_calls_the_facade_while_the_exit_holds_its_lock_is
     """Row 332, the lock the facade takes outside a call (the exit's ``refuse_calls``, ``loop()``): held, the
     thread counts as inside a call, so the handler's call is refused (found by the fix's review: it hung after
     1,642 signals)."""
-    counts = _signal_child("compat_refuse_signal_child.py")
-    assert counts["iterations"] > 0 and counts["ran"] + counts["refused"] > 0, counts
+    counts = _signal_child("refuse")
+    assert counts["rounds"] > 0 and counts["ran"] + counts["refused"] > 0 and counts["other"] == 0, counts
 
 
 def test_a_signal_handler_that_calls_the_facade_inside_a_call_is_refused_at_once_not_left_waiting() -> None:
@@ -107,5 +107,5 @@ def test_a_signal_handler_that_calls_the_facade_inside_a_call_is_refused_at_once
     is refused at once (``LLM_FAILED``, naming the signal handler), one between calls runs. Before, it waited
     for good on the lock or the event of the call it interrupted (found by an audit: every run hung within
     about 1,700 signals, 2 ms apart)."""
-    counts = _signal_child("compat_signal_child.py")
-    assert counts["calls"] > 0 and counts["ran"] + counts["refused"] > 0 and counts["other"] == 0, counts
+    counts = _signal_child("calls")
+    assert counts["rounds"] > 0 and counts["ran"] + counts["refused"] > 0 and counts["other"] == 0, counts

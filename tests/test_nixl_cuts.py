@@ -41,7 +41,10 @@ from peers import (
     EndpointSpec,
     _endpoint_main,
     endpoint,
+    last_bytes,
     linked_pair,
+    mark_and_clear,
+    push_until_it_lands,
     same,
     snapshot,
     spawned,
@@ -199,12 +202,6 @@ async def test_a_read_without_asking_that_needs_the_owners_progress_longer_than_
 _UNLINKED_DESC = CacheDesc(2, (128, 1 << 20), DataType.DT_UINT8, Placement.HOST)  # 2 x 128 MiB
 
 
-def _last_bytes(cache: Any) -> Any:
-    import torch
-
-    return torch.stack([t.view(t.shape[0], -1)[:, -1].clone() for t in cache.tensors])
-
-
 async def _prepared_at(owner: Any, peer_id: int, cache: Any) -> None:
     peer = link_to(owner, peer_id).nixl
     async with asyncio.timeout(5):
@@ -232,40 +229,25 @@ async def test_a_peer_nixl_push_lands_nothing_in_our_cache_after_our_unlink_retu
         rows = list(range(128))
         cut = []
         for attempt in range(2):
-            for t in src.tensors:
-                t.fill_(0xCD)
-            for t in dst.tensors:
-                t.zero_()
+            mark_and_clear(src, dst)
             assert (await decoder.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
             await _prepared_at(prompt, DECODER_ID, src)
             await _prepared_at(decoder, PROMPT_ID, dst)
             posted = nixl_agent_of(prompt).engine.posted
-
-            async def push() -> str:
-                try:
-                    await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, rows, rows,
-                                                              timeout=6_000)
-                    return "done"
-                except LLMException as exc:
-                    return exc.status_code.name
-
-            task = asyncio.ensure_future(push())
-            for _ in range(20_000):  # until its first block landed (bounded)
-                if task.done() or bool((_last_bytes(dst) == 0xCD).any()):
-                    break
-                await asyncio.sleep(0)
+            task = await push_until_it_lands(prompt.kv_cache_manager, BlocksCacheKey(DECODER_ID, 0), src, dst,
+                                             rows, 6_000)
             first = None
             if how == "forced_during_unlink":
                 first = asyncio.ensure_future(decoder.unlink_clusters([info], 3000))
                 await asyncio.sleep(0)  # it took the link out of the table
             assert await decoder.unlink_clusters([info], 3000, how != "unlink") == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-            at_return = _last_bytes(dst)
+            at_return = last_bytes(dst)
             if first is not None:
                 assert (await first)[0] == S.LLM_SUCCESS
             await asyncio.sleep(0.3)
             outcome = await task
             assert nixl_agent_of(prompt).engine.posted > posted  # it went by NIXL
             if outcome != "done":
-                cut.append((attempt, outcome, int((_last_bytes(dst) != 0).sum()) - int((at_return != 0).sum())))
+                cut.append((attempt, outcome, int((last_bytes(dst) != 0).sum()) - int((at_return != 0).sum())))
         assert cut, "every push ended before the unlink"
         assert all(landed == 0 and outcome != "LLM_TIMEOUT" for _, outcome, landed in cut), cut

@@ -48,7 +48,16 @@ from aio_datadist import (
 )
 from aio_datadist.testing import link_to, nixl_agent_of, runtime_of
 from aio_datadist.transport.base import ABORT_ACK_S
-from peers import NIXL_MISSING, CacheSpec, EndpointSpec, cluster_info, port_of
+from peers import (
+    NIXL_MISSING,
+    CacheSpec,
+    EndpointSpec,
+    cluster_info,
+    last_bytes,
+    mark_and_clear,
+    port_of,
+    push_until_it_lands,
+)
 from tls_certs import client_context, make_pki, server_context
 
 from _forked import forked
@@ -489,14 +498,9 @@ OWNER_END_BLOCKS = 64
 OWNER_END_LOCAL = CacheDesc(2, (OWNER_END_BLOCKS, 1 << 20), DataType.DT_UINT8, Placement.HOST)
 
 
-def _last_bytes(cache: KvCache) -> torch.Tensor:
-    """The last byte of every block of every tensor: which blocks were written (cheap enough to poll)."""
-    return torch.stack([t.view(t.shape[0], -1)[:, -1].clone() for t in cache.tensors])
-
-
 async def _push_all(prompt: LLMDataDist, src: KvCache, dst: KvCache, returned: list[torch.Tensor]) -> str:
     """``prompt`` pushes every block of ``src`` into ``dst`` (cluster 64's ``BlocksCacheKey(64, 0)``): "done", or
-    the status it failed with; ``returned`` gets :func:`_last_bytes` of ``dst`` the moment it returned."""
+    the status it failed with; ``returned`` gets :func:`last_bytes` of ``dst`` the moment it returned."""
     rows = list(range(src.cache_desc.shape[0]))
     try:
         await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(64, 0), src, rows, rows, timeout=20_000)
@@ -504,7 +508,7 @@ async def _push_all(prompt: LLMDataDist, src: KvCache, dst: KvCache, returned: l
     except LLMException as exc:
         return exc.status_code.name
     finally:
-        returned.append(_last_bytes(dst))
+        returned.append(last_bytes(dst))
 
 
 @pytest.mark.loops_take_turns
@@ -539,7 +543,7 @@ async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_retur
             returned: list[torch.Tensor] = []
             task = asyncio.ensure_future(_push_all(prompt, src, dst, returned))
             for _ in range(4000):  # until the first bytes landed (bounded: 4000 polls of at most 5 ms)
-                if task.done() or bool((_last_bytes(dst) == value).any()):
+                if task.done() or bool((last_bytes(dst) == value).any()):
                     break
                 await asyncio.sleep(0 if local else 0.005)
             ending = asyncio.ensure_future(dec.unlink_clusters([cluster_info(63, address)]) if how == "unlink"
@@ -549,9 +553,9 @@ async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_retur
             for t in src.tensors:  # the pusher reuses its source once the push returned
                 t.fill_(0xEE if local else 7)
             await ending
-            at_end = _last_bytes(dst)
+            at_end = last_bytes(dst)
             await asyncio.sleep(0.3)
-            later = _last_bytes(dst)
+            later = last_bytes(dst)
             if outcome == "done":
                 continue  # all of it landed before the cut: nothing to check this time
             assert torch.equal(at_return, at_end) and torch.equal(at_end, later), (
@@ -620,7 +624,7 @@ async def test_a_push_whose_link_fails_drops_what_its_kernel_still_held(secure: 
             outcome = await task
             assert outcome == "LLM_LINK_FAILED", outcome
             await asyncio.sleep(0.6)  # the peer's link failed meanwhile: its end is down
-            late = int((_last_bytes(dst) != returned[0]).sum())
+            late = int((last_bytes(dst) != returned[0]).sum())
             # What had left the pusher, the relay's read-ahead (asyncio's: up to 384 KiB) and the block it was in.
             bound = -(-(on_its_way + (384 << 10)) // FAILED_PUSH_BLOCK) + 1
             seen.append(dict(late_blocks=late, bound=bound, unsent_kib=unsent >> 10, on_its_way_kib=on_its_way >> 10))
@@ -693,10 +697,6 @@ async def test_a_pull_cut_by_its_owners_unlink_fails_with_a_link_code(force: boo
 _FORCED_DESC = CacheDesc(2, (64, 1 << 20), DataType.DT_UINT8, Placement.HOST)  # 2 x 64 MiB
 
 
-def _last_bytes(cache: Any) -> torch.Tensor:
-    return torch.stack([t.view(t.shape[0], -1)[:, -1].clone() for t in cache.tensors])
-
-
 @pytest.mark.asyncio(loop_factories=["asyncio"])
 @pytest.mark.parametrize("first_forced", [False, True])
 async def test_a_forced_unlink_during_another_unlink_of_the_link_returns_once_that_one_tore_it_down(first_forced):
@@ -712,36 +712,21 @@ async def test_a_forced_unlink_during_another_unlink_of_the_link_returns_once_th
         dst = dec.kv_cache_manager.allocate_blocks_cache(_FORCED_DESC, BlocksCacheKey(64, 0))
         cut = []
         for attempt in range(3):
-            for t in src.tensors:
-                t.fill_(0xCD)
-            for t in dst.tensors:
-                t.zero_()
+            mark_and_clear(src, dst)
             assert (await dec.link_clusters([cluster_info(63, address)], timeout=10_000))[0] == S.LLM_SUCCESS
-            rows = list(range(64))
-
-            async def push() -> str:
-                try:
-                    await prompt.kv_cache_manager.push_blocks(BlocksCacheKey(64, 0), src, rows, rows, timeout=20_000)
-                    return "done"
-                except LLMException as exc:
-                    return exc.status_code.name
-
-            task = asyncio.ensure_future(push())
-            for _ in range(4000):  # until the push's first block landed (bounded)
-                if task.done() or bool((_last_bytes(dst) == 0xCD).any()):
-                    break
-                await asyncio.sleep(0)
+            task = await push_until_it_lands(prompt.kv_cache_manager, BlocksCacheKey(64, 0), src, dst,
+                                             list(range(64)), 20_000)
             first = asyncio.ensure_future(dec.unlink_clusters([cluster_info(63, address)], 5000, first_forced))
             await asyncio.sleep(0)  # the first unlink took the link out of the table and settles the push
             forced = await dec.unlink_clusters([cluster_info(63, address)], timeout=5000, force=True)
-            at_forced_return = _last_bytes(dst)
+            at_forced_return = last_bytes(dst)
             outcome = await task
             assert (await first)[0] == S.LLM_SUCCESS
             await asyncio.sleep(0.3)
             if outcome == "done":  # the push ended before the cut: nothing to look at
                 continue
             assert forced == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-            landed = int((_last_bytes(dst) != 0).sum()) - int((at_forced_return != 0).sum())
+            landed = int((last_bytes(dst) != 0).sum()) - int((at_forced_return != 0).sum())
             cut.append((attempt, landed))
         assert cut, "every push finished before the cut"
         assert all(landed == 0 for _, landed in cut), cut
