@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aio_datadist import datadist as _async_datadist
@@ -116,38 +116,41 @@ class _LoopThread:
         #: would wait on the locks and the event the interrupted call holds, for good.
         self._inside = threading.local()
 
-    @contextlib.contextmanager
-    def _holding(self) -> Iterator[None]:
-        """``_lock``, with this thread marked inside a call meanwhile (``run``): a signal handler's call made while
-        it is held is refused, not left waiting for it."""
-        inside = self._inside
-        was = getattr(inside, "call", False)
-        inside.call = True
-        try:
-            with self._lock:
-                yield
-        finally:
-            inside.call = was
-
     def refuse_calls(self) -> None:
         """From now on a call of any thread but this one (the exit's: its later atexit hooks may still call,
         a ``finalize`` of an endpoint the exit finalized returns) raises ``LLM_FAILED`` before it is submitted:
         daemon threads still calling when the process exits."""
         me = threading.get_ident()
-        with self._holding():
-            self._refusing = me
+        # The lock is taken with this thread marked inside a call (``run``), so that a signal handler's call made
+        # meanwhile is refused, not left waiting for it: set before the ``try``, with no function returning in
+        # between (where an interrupt could land), and ``with self._lock`` taking the lock in C. (A context
+        # manager of Python's would leave the lock held when an interrupt lands as its ``__enter__`` returns.)
+        inside = self._inside
+        was = getattr(inside, "call", False)
+        try:
+            inside.call = True  # (in the try: an interrupt at any point after it is undone)
+            with self._lock:
+                self._refusing = me
+        finally:
+            inside.call = was
 
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._started()[0]
 
     def _sent(self) -> None:
         me = threading.get_ident()
-        with self._holding():
-            left = self._sending.get(me, 0) - 1
-            if left > 0:
-                self._sending[me] = left
-            else:
-                self._sending.pop(me, None)
+        inside = self._inside  # (marked as in refuse_calls)
+        was = getattr(inside, "call", False)
+        try:
+            inside.call = True  # (in the try: an interrupt at any point after it is undone)
+            with self._lock:
+                left = self._sending.get(me, 0) - 1
+                if left > 0:
+                    self._sending[me] = left
+                else:
+                    self._sending.pop(me, None)
+        finally:
+            inside.call = was
 
     def _others_sending(self) -> bool:
         me = threading.get_ident()
@@ -155,56 +158,66 @@ class _LoopThread:
 
     def _started(self, *, sending: bool = False) -> tuple[asyncio.AbstractEventLoop, _LoopEnd]:
         me = threading.get_ident()
-        with self._holding():
-            if self._refusing is not None and self._refusing != me:
-                raise LLMException("the blocking facade is shutting down (the process exits); the call cannot run",
-                                   status_code=LLMStatusCode.LLM_FAILED)
-            if self._loop is None:
-                # asyncio's own loop, whatever the process's policy: a forked child of a process whose facade
-                # ran on uvloop crashes as it exits (libuv joins thread-pool threads that are the parent's).
-                loop = asyncio.SelectorEventLoop()
-                ready = threading.Event()
-                stopping = self._stopping = threading.Event()
-                end = self._end = _LoopEnd()
+        inside = self._inside  # (marked as in refuse_calls)
+        was = getattr(inside, "call", False)
+        try:
+            inside.call = True  # (in the try: an interrupt at any point after it is undone)
+            with self._lock:
+                return self._start_locked(me, sending)
+        finally:
+            inside.call = was
 
-                def run() -> None:
-                    asyncio.set_event_loop(loop)
-                    loop.call_soon(ready.set)
-                    why = "its thread failed"
-                    warned = False
-                    try:
-                        while not loop.is_closed():
-                            try:
-                                loop.run_forever()
-                            except BaseException as exc:  # the loop must outlive what one task raised
-                                # A KeyboardInterrupt or SystemExit raised in a task (a user callback) leaves it
-                                # through run_forever; the task ended with it, and every other call still needs
-                                # this loop: without it each later call, and the exit's finalize, would wait
-                                # forever.
-                                log.error("aio_datadist.compat: %r escaped a task of the blocking facade's loop; "
-                                          "the loop goes on", exc)
-                                continue
-                            if stopping.is_set():
-                                why = "the facade's loop was stopped (the process exits)"
-                                return
-                            # Code on the loop called loop.stop() (an async synchronizer treating it as its own):
-                            # the loop is the facade's, and every call waits for it to go on.
-                            if not warned:
-                                log.error("aio_datadist.compat: code on the blocking facade's loop stopped it "
-                                          "(loop.stop()); the loop goes on")
-                                warned = True
-                        why = "its loop was closed"
-                    finally:
-                        end.ended(why)
+    def _start_locked(self, me: int, sending: bool) -> tuple[asyncio.AbstractEventLoop, _LoopEnd]:
+        """The loop and its end, the loop started if need be (``_lock`` held); ``sending``: a call to be sent is
+        counted for this thread (``me``)."""
+        if self._refusing is not None and self._refusing != me:
+            raise LLMException("the blocking facade is shutting down (the process exits); the call cannot run",
+                               status_code=LLMStatusCode.LLM_FAILED)
+        if self._loop is None:
+            # asyncio's own loop, whatever the process's policy: a forked child of a process whose facade
+            # ran on uvloop crashes as it exits (libuv joins thread-pool threads that are the parent's).
+            loop = asyncio.SelectorEventLoop()
+            ready = threading.Event()
+            stopping = self._stopping = threading.Event()
+            end = self._end = _LoopEnd()
 
-                self._thread = threading.Thread(target=run, name="aio_datadist-compat", daemon=True)
-                self._thread.start()
-                ready.wait()
-                self._loop = loop
-            if sending:  # (counted once the loop runs: a failed start counts nothing)
-                me = threading.get_ident()
-                self._sending[me] = self._sending.get(me, 0) + 1
-            return self._loop, self._end
+            def run() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                why = "its thread failed"
+                warned = False
+                try:
+                    while not loop.is_closed():
+                        try:
+                            loop.run_forever()
+                        except BaseException as exc:  # the loop must outlive what one task raised
+                            # A KeyboardInterrupt or SystemExit raised in a task (a user callback) leaves it
+                            # through run_forever; the task ended with it, and every other call still needs
+                            # this loop: without it each later call, and the exit's finalize, would wait
+                            # forever.
+                            log.error("aio_datadist.compat: %r escaped a task of the blocking facade's loop; "
+                                      "the loop goes on", exc)
+                            continue
+                        if stopping.is_set():
+                            why = "the facade's loop was stopped (the process exits)"
+                            return
+                        # Code on the loop called loop.stop() (an async synchronizer treating it as its own):
+                        # the loop is the facade's, and every call waits for it to go on.
+                        if not warned:
+                            log.error("aio_datadist.compat: code on the blocking facade's loop stopped it "
+                                      "(loop.stop()); the loop goes on")
+                            warned = True
+                    why = "its loop was closed"
+                finally:
+                    end.ended(why)
+
+            self._thread = threading.Thread(target=run, name="aio_datadist-compat", daemon=True)
+            self._thread.start()
+            ready.wait()
+            self._loop = loop
+        if sending:  # (counted once the loop runs: a failed start counts nothing)
+            self._sending[me] = self._sending.get(me, 0) + 1
+        return self._loop, self._end
 
     def run(self, coro: Coroutine[Any, Any, _T], undo: Callable[[_T], object] | None = None) -> _T:
         """Run ``coro`` on the loop and wait for its result.
@@ -228,8 +241,8 @@ class _LoopThread:
                                "(from a signal handler, or a garbage-collection finalizer, that interrupted it: it "
                                "would wait for that call for good); let the handler set a flag and make the call "
                                "after", status_code=LLMStatusCode.LLM_FAILED)
-        inside.call = True  # (set before any lock is taken, cleared once the last is let go)
         try:
+            inside.call = True  # (set before any lock is taken, cleared once the last is let go)
             return self._run(coro, undo)
         finally:
             inside.call = False
@@ -305,9 +318,15 @@ class _LoopThread:
     def stop(self, last: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
         """Stop the loop and its thread. ``last``: run on the loop once the calls on it ended (not when they
         did not within ``STOP_CALLS_S``: the loop is held), before it stops (the exit's last finalizes)."""
-        with self._holding():
-            loop, thread, stopping = self._loop, self._thread, self._stopping
-            self._loop = self._thread = None
+        inside = self._inside  # (marked as in refuse_calls)
+        was = getattr(inside, "call", False)
+        try:
+            inside.call = True  # (in the try: an interrupt at any point after it is undone)
+            with self._lock:
+                loop, thread, stopping = self._loop, self._thread, self._stopping
+                self._loop = self._thread = None
+        finally:
+            inside.call = was
         if loop is not None and thread is not None:
             if thread.is_alive():
                 # The calls still on the loop end first (a finalize failed them), so their callers' futures
