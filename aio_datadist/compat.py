@@ -122,9 +122,9 @@ class _LoopThread:
         daemon threads still calling when the process exits."""
         me = threading.get_ident()
         # The lock is taken with this thread marked inside a call (``run``), so that a signal handler's call made
-        # meanwhile is refused, not left waiting for it: set before the ``try``, with no function returning in
-        # between (where an interrupt could land), and ``with self._lock`` taking the lock in C. (A context
-        # manager of Python's would leave the lock held when an interrupt lands as its ``__enter__`` returns.)
+        # meanwhile is refused, not left waiting for it: the mark set first thing in the ``try`` whose ``finally``
+        # restores it, and ``with self._lock`` taking the lock in C. (A context manager of Python's would leave the
+        # lock held when an interrupt lands as its ``__enter__`` returns.)
         inside = self._inside
         was = getattr(inside, "call", False)
         try:
@@ -211,10 +211,19 @@ class _LoopThread:
                 finally:
                     end.ended(why)
 
-            self._thread = threading.Thread(target=run, name="aio_datadist-compat", daemon=True)
-            self._thread.start()
-            ready.wait()
+            thread = self._thread = threading.Thread(target=run, name="aio_datadist-compat", daemon=True)
+            # The loop is the facade's before its thread starts: an interrupt as the start or the wait for it
+            # returns leaves this one loop for the next call (a call may be sent before run_forever began), not a
+            # second loop started beside it and this one running for good.
             self._loop = loop
+            try:
+                thread.start()
+            except BaseException:
+                if thread.ident is None:  # it never started: no loop at all
+                    self._loop = self._thread = None
+                    loop.close()
+                raise
+            ready.wait()
         if sending:  # (counted once the loop runs: a failed start counts nothing)
             self._sending[me] = self._sending.get(me, 0) + 1
         return self._loop, self._end

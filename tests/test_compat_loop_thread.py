@@ -233,3 +233,54 @@ def test_an_interrupt_anywhere_as_the_facade_takes_its_lock_leaves_it_free_and_t
     finally:
         if not runner._lock.locked():  # (held, the stop would wait for it for good: the failure is reported)
             runner.stop()
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")  # (interrupted before it ran)
+def test_an_interrupt_as_the_facades_first_call_starts_its_loop_leaves_one_loop_for_the_next_call():
+    """A KeyboardInterrupt at any call or return of the facade's code while its first call starts the loop, or as
+    a call of ``threading``'s it makes there returns (the thread's ``start``, the wait for it), leaves one loop:
+    the next call runs on it and the stop ends its thread. Before (found by a review), an interrupt as the start
+    or the wait returned left the loop's thread running without the facade knowing it; the next call started a
+    second one, and the first ran, with its fds, until the process ended."""
+    import gc
+    import sys
+
+    async def nothing() -> None:
+        return None
+
+    ours = "aio_datadist-compat"
+    for n in range(1, 300):
+        runner = compat._LoopThread()
+        before = {t for t in threading.enumerate() if t.name == ours}
+        seen = [0]
+
+        def local(frame, event, arg, n=n, seen=seen):  # noqa: ANN001, ANN202
+            if event in ("call", "return"):
+                seen[0] += 1
+                if seen[0] == n:
+                    raise KeyboardInterrupt
+            return local
+
+        def tracer(frame, event, arg, local=local):  # noqa: ANN001, ANN202
+            name = frame.f_code.co_filename
+            if name == compat.__file__:
+                return local(frame, event, arg)
+            if name == threading.__file__ and frame.f_back is not None and \
+                    frame.f_back.f_code.co_filename == compat.__file__:  # a call of threading's the facade made
+                return lambda f, e, a: local(f, e, a) if e == "return" else None
+            return None
+
+        sys.settrace(tracer)
+        try:
+            runner.run(nothing())
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        runner.run(nothing())  # the next call
+        runner.stop()
+        left = [t for t in threading.enumerate() if t.name == ours and t not in before and t.is_alive()]
+        assert not left, n
+        if seen[0] < n:
+            break
+    gc.collect()  # the coroutines an interrupt left unstarted warn here, under this test's filter
