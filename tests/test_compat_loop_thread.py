@@ -165,10 +165,15 @@ def test_a_loop_held_during_the_last_finalizes_gets_no_late_wait(monkeypatch):
     async def held_last() -> None:
         release.wait(10)  # a callback holds the loop while the last finalizes run
 
+    loop, thread = runner._loop, runner._thread
+    assert loop is not None and thread is not None
     started = time.monotonic()
     runner.stop(last=held_last)
     took = time.monotonic() - started
     release.set()
+    thread.join(5)  # the held loop was left running (its thread did not stop within the join): ended here
+    assert not thread.is_alive()
+    loop.close()
     # the last finalizes get EXIT_FINALIZE_S + EXIT_CANCEL_S + 1 = 1.2 s, then the join 0.5 s: about 1.7 s
     assert took < 2.5, f"stop took {took:.1f} s"
 
