@@ -116,41 +116,46 @@ class _LoopThread:
         #: would wait on the locks and the event the interrupted call holds, for good.
         self._inside = threading.local()
 
+    def _locked(self, step: Callable[[], _T]) -> _T:
+        """``step()`` under ``_lock``, this thread marked inside a call meanwhile (``run``), so that a signal
+        handler's call made while the lock is held is refused, not left waiting for it. The mark is set first thing
+        in the ``try`` whose ``finally`` restores it, and ``with self._lock`` takes the lock in C: an interrupt at
+        any point leaves neither. (A context manager of Python's would leave both when an interrupt lands as its
+        ``__enter__`` returns.)"""
+        inside = self._inside
+        was = getattr(inside, "call", False)
+        try:
+            inside.call = True
+            with self._lock:
+                return step()
+        finally:
+            inside.call = was
+
     def refuse_calls(self) -> None:
         """From now on a call of any thread but this one (the exit's: its later atexit hooks may still call,
         a ``finalize`` of an endpoint the exit finalized returns) raises ``LLM_FAILED`` before it is submitted:
         daemon threads still calling when the process exits."""
         me = threading.get_ident()
-        # The lock is taken with this thread marked inside a call (``run``), so that a signal handler's call made
-        # meanwhile is refused, not left waiting for it: the mark set first thing in the ``try`` whose ``finally``
-        # restores it, and ``with self._lock`` taking the lock in C. (A context manager of Python's would leave the
-        # lock held when an interrupt lands as its ``__enter__`` returns.)
-        inside = self._inside
-        was = getattr(inside, "call", False)
-        try:
-            inside.call = True  # (in the try: an interrupt at any point after it is undone)
-            with self._lock:
-                self._refusing = me
-        finally:
-            inside.call = was
+
+        def refuse() -> None:
+            self._refusing = me
+
+        self._locked(refuse)
 
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._started()[0]
 
     def _sent(self) -> None:
         me = threading.get_ident()
-        inside = self._inside  # (marked as in refuse_calls)
-        was = getattr(inside, "call", False)
-        try:
-            inside.call = True  # (in the try: an interrupt at any point after it is undone)
-            with self._lock:
-                left = self._sending.get(me, 0) - 1
-                if left > 0:
-                    self._sending[me] = left
-                else:
-                    self._sending.pop(me, None)
-        finally:
-            inside.call = was
+
+        def uncount() -> None:
+            left = self._sending.get(me, 0) - 1
+            if left > 0:
+                self._sending[me] = left
+            else:
+                self._sending.pop(me, None)
+
+        self._locked(uncount)
 
     def _others_sending(self) -> bool:
         me = threading.get_ident()
@@ -158,14 +163,7 @@ class _LoopThread:
 
     def _started(self, *, sending: bool = False) -> tuple[asyncio.AbstractEventLoop, _LoopEnd]:
         me = threading.get_ident()
-        inside = self._inside  # (marked as in refuse_calls)
-        was = getattr(inside, "call", False)
-        try:
-            inside.call = True  # (in the try: an interrupt at any point after it is undone)
-            with self._lock:
-                return self._start_locked(me, sending)
-        finally:
-            inside.call = was
+        return self._locked(lambda: self._start_locked(me, sending))
 
     def _start_locked(self, me: int, sending: bool) -> tuple[asyncio.AbstractEventLoop, _LoopEnd]:
         """The loop and its end, the loop started if need be (``_lock`` held); ``sending``: a call to be sent is
@@ -327,15 +325,12 @@ class _LoopThread:
     def stop(self, last: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
         """Stop the loop and its thread. ``last``: run on the loop once the calls on it ended (not when they
         did not within ``STOP_CALLS_S``: the loop is held), before it stops (the exit's last finalizes)."""
-        inside = self._inside  # (marked as in refuse_calls)
-        was = getattr(inside, "call", False)
-        try:
-            inside.call = True  # (in the try: an interrupt at any point after it is undone)
-            with self._lock:
-                loop, thread, stopping = self._loop, self._thread, self._stopping
-                self._loop = self._thread = None
-        finally:
-            inside.call = was
+        def take() -> tuple[asyncio.AbstractEventLoop | None, threading.Thread | None, threading.Event]:
+            taken = self._loop, self._thread, self._stopping
+            self._loop = self._thread = None
+            return taken
+
+        loop, thread, stopping = self._locked(take)
         if loop is not None and thread is not None:
             if thread.is_alive():
                 # The calls still on the loop end first (a finalize failed them), so their callers' futures
