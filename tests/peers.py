@@ -5,6 +5,8 @@
 - :func:`linked_pair`: a PROMPT (listening) and a DECODER in this event loop,
   linked by the decoder. Two endpoints in one loop are supported and make
   the fastest tests.
+- :func:`free_port`: a port a test hands to an endpoint before it listens
+  (rank tables, ``aio.LinkPort``), chosen where no outgoing connection takes it.
 - :func:`fill`, :func:`pattern`: seeded, exactly representable cache
   contents, so a spawned peer's bytes can be checked here without sending them.
 - :class:`EndpointProcess` / :func:`spawned`: an endpoint in a process of its own
@@ -26,7 +28,9 @@ import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
+import random
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -80,6 +84,27 @@ NIXL_MISSING = _nixl_missing()
 #: Transport parameters: ``nixl`` is skipped where the NIXL package cannot be imported.
 TRANSPORTS = ["tcp", "local", pytest.param("nixl", marks=[pytest.mark.nixl, *(
     [pytest.mark.skip(reason=NIXL_MISSING)] if NIXL_MISSING else [])])]
+
+
+def free_port(ip: str) -> int:
+    """A port free on ``ip`` right now, below the kernel's ephemeral range: one ``bind(0)`` gave comes from that
+    range, where the other test worker's outgoing connections (and links) may take it before an endpoint of
+    ours listens on it (as ``clients/_client_harness.free_ports`` chooses its ports)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    chooser = random.SystemRandom()
+    for _ in range(1000):
+        port = chooser.randrange(10002, max(10003, low))  # callers may take port - 1 and port - 2 as a link port
+        try:
+            with socket.socket() as sock:
+                sock.bind((ip, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no free port on {ip} below {low}")
 
 
 def options(*, listen: bool = False, secret: str | None = None, sync_kv_timeout: int | None = None,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing.connection
-import socket
 import traceback
 from typing import Any
 
@@ -29,6 +28,7 @@ from peers import (
     _next_command,
     _watchdog,
     fill,
+    free_port,
     leave_during_set_up,
     pattern,
     run_endpoint,
@@ -83,12 +83,6 @@ def v2_options(transport: str = "tcp", **config: Any) -> dict[str, Any]:
     for name, value in config.items():
         setattr(cfg, name, value)
     return cfg.generate_options()
-
-
-def free_port(ip: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((ip, 0))
-        return sock.getsockname()[1]
 
 
 def other_loop() -> str:

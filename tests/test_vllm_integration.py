@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_disaggregated as vd
+from peers import free_port
 from relay import Relay
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -69,12 +69,6 @@ class RelayThread:
         self.loop.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm")
@@ -86,7 +80,7 @@ def cluster(tmp_path_factory):
         reference = vd.alone(single, batch, MAX_TOKENS)
     finally:
         single.close()
-    data_port = _free_port()
+    data_port = free_port("127.0.0.1")  # handed to the prefill before it listens
     relay = RelayThread(("127.0.0.1", data_port))
     stats = str(work / "stats.jsonl")
     host, rport = relay.relay.address
