@@ -213,6 +213,9 @@ class StagingPool:
         while True:
             if self._closed:
                 raise LLMException("the staging pool is closed", status_code=LLMStatusCode.LLM_FAILED)
+            # A buffer that cannot be made for want of memory fails here at once, also while other transfers hold
+            # buffers: waiting for theirs deadlocks two ends that stage to each other (each end's send holds its
+            # link's share and waits for the peer's receive, which waits the same way; found by a review).
             buf = self._take(holder, room)
             if buf is not None:
                 return buf
