@@ -28,7 +28,7 @@ from aio_datadist.leases import active_leases, end_leases
 from aio_datadist.link_table import LinkTable
 from aio_datadist.manager import KvCacheManager
 from aio_datadist.option_checks import parse_listen
-from aio_datadist.options import cache_manager_mode, parse_options
+from aio_datadist.options import Settings, cache_manager_mode, parse_options
 from aio_datadist.owner import handle_request
 from aio_datadist.owners import Owners, end_shutdown_guard, finalize_at_loop_shutdown
 from aio_datadist.runtime import Runtime
@@ -168,15 +168,37 @@ class LLMDataDist:
         cache ids count from 1 again, ``init`` chooses the mode anew); the
         managers and observers taken before carry on with it.
         """
+        await self._open(options)
+
+    async def _open(self, options: Mapping[str, Any]) -> bool:
+        """:meth:`init`; whether this call started the endpoint's life (False: a second init, a no-op)."""
         endpoint = self._endpoint
         if endpoint.runtime is not None:
-            return
+            return False
         settings = parse_options(options)  # (a finalized endpoint stays so when they are refused)
         v2 = cache_manager_mode(options)
+        last = None
         if endpoint.finalized:
-            await self._reopen()
+            last = (endpoint.settings, endpoint.cache_manager_mode, endpoint.released)
+            if not await self._reopen():
+                last = None  # another init reopened it
             if endpoint.runtime is not None:  # another init of it won meanwhile: this one is the second
-                return
+                return False
+        try:
+            await self._start(settings, v2)
+        except BaseException:
+            if last is not None and endpoint.runtime is None and not endpoint.finalized:
+                # A new life that did not start (its engines, its NIXL agent, its listen address): the endpoint
+                # is finalized as before, not "not initialized" (its calls say LLM_ENGINE_FINALIZED, the mode
+                # it had is kept until an init starts one).
+                endpoint.finalized = True
+                endpoint.settings, endpoint.cache_manager_mode, endpoint.released = last
+            raise
+        return True
+
+    async def _start(self, settings: Settings, v2: bool) -> None:
+        """Start the engines, the link table and the listener of ``settings``; the endpoint's new life."""
+        endpoint = self._endpoint
         try:
             runtime = Runtime(settings)
         except OSError as exc:  # no fd for a completion queue or socket engine, no thread for an engine's worker
@@ -205,14 +227,15 @@ class LLMDataDist:
         endpoint.forks = forks()
         finalize_at_loop_shutdown(endpoint, finalize_endpoint)
 
-    async def _reopen(self) -> None:
+    async def _reopen(self) -> bool:
         """Make a finalized endpoint initialisable again, once its last life is released: a ``finalize`` still
         releasing it is waited for, and one its loop's shutdown cut short is finished here (as a second
-        ``finalize`` would); one still releasing on another running loop refuses the ``init``."""
+        ``finalize`` would); one still releasing on another running loop refuses the ``init``. False when
+        another init reopened it meanwhile."""
         endpoint = self._endpoint
         await finalize_endpoint(endpoint)
         if not endpoint.finalized:  # another init reopened it meanwhile
-            return
+            return False
         released = endpoint.released
         if endpoint.cut_release is not None or (released is not None and not released.done()):
             raise LLMException("LLMDataDist: its finalize on another event loop is still releasing the engines; "
@@ -222,6 +245,7 @@ class LLMDataDist:
         endpoint.settings = None
         endpoint.cache_manager_mode = None  # chosen anew by this init
         self._comms = None  # the last life's link() comms went with its links
+        return True
 
     async def finalize(self) -> None:
         """Unlink every peer, fail pending work, free every cache. Idempotent.

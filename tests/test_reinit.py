@@ -9,12 +9,14 @@ calls ``init`` on the same object again (Omni-Infer's newer manager does:
 from __future__ import annotations
 
 import asyncio
+import socket
+import ssl
 
 import pytest
 import torch
 from peers import BLOCKS_DESC, DECODER_ID, PROMPT_ID, cluster_info, fill, options, port_of
 
-from aio_datadist import BlocksCacheKey, KvCache, LLMDataDist, LLMException, LLMRole, LLMStatusCode, compat
+from aio_datadist import BlocksCacheKey, KvCache, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode, compat
 from aio_datadist.compat import LLMDataDist as BlockingLLMDataDist
 from aio_datadist.testing import link_count
 
@@ -96,6 +98,41 @@ async def test_a_new_life_chooses_its_mode_anew_and_bad_options_leave_it_finaliz
             dd.kv_cache_manager  # noqa: B018
         assert exc.value.status_code == S.LLM_PARAM_INVALID
     finally:
+        await dd.finalize()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("why", ["address in use", "tls context"])
+async def test_a_new_life_that_cannot_start_leaves_the_endpoint_finalized(why):
+    """Options that parse but a life that cannot start (its listen address is taken; a TLS client context on an
+    endpoint that listens without a server one): the endpoint is finalized as before (``LLM_ENGINE_FINALIZED``,
+    its KvCacheManager mode kept), nothing listens, and the next init starts a life. Before, the endpoint was
+    left "not initialized" (``LLM_FAILED``) with no mode (found by the options audit, 2026-12-06)."""
+    dd = LLMDataDist(LLMRole.DECODER, DECODER_ID)
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        await dd.init(options())  # KvCacheManager mode
+        kv = dd.kv_cache_manager
+        await dd.finalize()
+        if why == "address in use":
+            refused = {**options(), "llm.listenIpInfo": f"127.0.0.1:{taken.getsockname()[1]}"}
+        else:
+            config = LLMConfig()
+            config.device_id, config.listen_ip_info = 0, "127.0.0.1:0"
+            config.tls_client_context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            refused = config.generate_options()
+        with pytest.raises(LLMException) as exc:
+            await dd.init(refused)
+        assert exc.value.status_code in (S.LLM_LINK_FAILED, S.LLM_PARAM_INVALID), exc.value
+        for call in (dd.stats, lambda: dd.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC)):
+            with pytest.raises(LLMException) as exc:
+                call()
+            assert exc.value.status_code == S.LLM_ENGINE_FINALIZED, exc.value
+        assert dd.listen_address is None and not kv.is_initialized()
+        await dd.init(options(listen=True))
+        assert dd.listen_address is not None and dd.stats().caches == 0
+    finally:
+        taken.close()
         await dd.finalize()
 
 
