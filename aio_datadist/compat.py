@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aio_datadist import datadist as _async_datadist
@@ -832,19 +832,28 @@ class LLMDataDist:
         return self._cache_manager
 
     def init(self, options: Mapping[str, str]) -> None:
-        _RUNNER.run(self._init(options))
+        # A caller interrupted (Ctrl-C) as the init ends never learns it started the endpoint's life: that life
+        # is finalized before the interrupt reaches it, as what any interrupted call made is released.
+        _RUNNER.run(self._init(options), undo=self._undo_init)
 
-    async def _init(self, options: Mapping[str, str]) -> None:
+    async def _init(self, options: Mapping[str, str]) -> bool:
         task = asyncio.current_task()
         assert task is not None
         _INITS.add(task)  # the exit's late wait waits for it, however long the first one waited
         try:
-            await self._init_on_loop(options)
+            return await self._init_on_loop(options)
         finally:
             _INITS.discard(task)
 
-    async def _init_on_loop(self, options: Mapping[str, str]) -> None:
-        await self._dd.init(options)
+    def _undo_init(self, started: bool) -> Awaitable[None] | None:
+        if not started:  # a second init (a no-op): the life is another call's
+            return None
+        _LIVE.discard(self)
+        return self._dd.finalize()
+
+    async def _init_on_loop(self, options: Mapping[str, str]) -> bool:
+        """Whether this call started the endpoint's life."""
+        started = await self._dd._open(options)
         if _EXIT_TOOK_LAST:  # ended after the exit's last finalizes (it ran past STOP_CALLS_S): nothing else would
             await self._dd.finalize()
             raise LLMException("the blocking facade is shutting down (the process exits); the endpoint was "
@@ -852,6 +861,7 @@ class LLMDataDist:
         # Kept on the loop as init ends: the exit's finalize finds it also when this call ended as the exit
         # began, its thread never to run again (a daemon thread).
         _LIVE.add(self)
+        return started
 
     def finalize(self) -> None:
         # Dropped from the exit's finalize once this one ran: a call refused before it ran (from inside a running

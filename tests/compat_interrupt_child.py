@@ -6,6 +6,7 @@ of a v2 ``transfer_cache_async``; then the program carries on and exits normally
 finalize included). ``task``: a facade call whose own code raises KeyboardInterrupt. ``sigint``: SIGINT
 arrives while ``link_clusters`` waits on a listener that never answers. ``made``: SIGINT arrives while the
 facade's loop runs a call that makes a cache or starts a transfer (v1 and v2), before and after it made it.
+``init``: SIGINT arrives as an ``init`` started the endpoint's life, then during a second ``init`` (a no-op).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from aio_datadist.compat import (
     Placement,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.link_table import LinkTable
 from aio_datadist.testing import engine_state
 
 BLOCKS = CacheDesc(4, [8, 4, 16], DataType.DT_FLOAT16, Placement.DEVICE)
@@ -257,6 +259,65 @@ def made() -> dict:
     return out
 
 
+def init() -> dict:
+    """Ctrl-C reaches the caller of ``init`` as its life has started (the listener bound); then a second ``init``
+    of the live endpoint (a no-op) is interrupted."""
+    interrupt = interrupt_here()
+    real = LinkTable.listen
+    bound: list[tuple[str, int]] = []
+
+    async def listen(self: LinkTable, ip: str, port: int) -> None:
+        await real(self, ip, port)
+        assert self.listen_address is not None
+        bound.append(self.listen_address)
+        interrupt()
+
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.device_type = "cpu"
+    cfg.transport = "tcp"
+    cfg.listen_ip_info = "127.0.0.1:0"
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    out: dict = {}
+    LinkTable.listen = listen  # type: ignore[method-assign]
+    try:
+        dd.init(cfg.generate_options())
+        out["returned"] = True
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    finally:
+        LinkTable.listen = real  # type: ignore[method-assign]
+    try:
+        socket.create_connection(bound[0], timeout=2).close()
+        out["still_listening"] = True
+    except OSError:
+        out["still_listening"] = False
+    try:
+        dd.stats()
+        out["after"] = "live"
+    except LLMException as exc:
+        out["after"] = int(exc.status_code)
+    dd.init(cfg.generate_options())  # a new life
+    inner = getattr(dd, "_dd")
+    original = inner._open
+
+    async def interrupted(options: object) -> bool:
+        interrupt()
+        return await original(options)
+
+    inner._open = interrupted
+    try:
+        dd.init(cfg.generate_options())
+        out["second_returned"] = True
+    except KeyboardInterrupt:
+        out["second_interrupted"] = True
+    finally:
+        del inner._open
+    out["caches_after_second"] = dd.stats().caches  # the life the first init started is still there
+    dd.finalize()
+    return out
+
+
 def link() -> dict:
     """A dialler's v2 ``link()`` (made in one step on the loop), its caller interrupted from inside the call."""
     interrupt = interrupt_here()
@@ -302,5 +363,5 @@ if __name__ == "__main__":
         result = synchronizer(sys.argv[2], {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[
             sys.argv[3]])
     else:
-        result = {"task": task, "sigint": sigint, "made": made, "link": link}[case]()
+        result = {"task": task, "sigint": sigint, "made": made, "link": link, "init": init}[case]()
     print(json.dumps(result), flush=True)

@@ -109,3 +109,13 @@ def test_a_signal_handler_that_calls_the_facade_inside_a_call_is_refused_at_once
     about 1,700 signals, 2 ms apart)."""
     counts = _signal_child("calls")
     assert counts["rounds"] > 0 and counts["ran"] + counts["refused"] > 0 and counts["other"] == 0, counts
+
+
+def test_ctrl_c_as_a_blocking_init_ends_leaves_no_endpoint_behind_the_caller() -> None:
+    """The life an interrupted ``init`` started is finalized before the interrupt reaches its caller: nothing
+    listens, the endpoint is finalized, and the next ``init`` starts a life; an interrupted second ``init`` (a
+    no-op) leaves the life another call started. Before, init had nothing to undo it: the endpoint stayed
+    initialised and listening behind the caller (found by the options audit, 2026-12-06; docs/clients.md)."""
+    out = run_child("init")
+    assert out == {"interrupted": True, "still_listening": False, "after": LLMStatusCode.LLM_ENGINE_FINALIZED,
+                   "second_interrupted": True, "caches_after_second": 0}, out
