@@ -245,7 +245,9 @@ def parse_options(options: Mapping[str, Any]) -> Settings:
             raise param_invalid(key, f"value must be a str, got {type(raw).__name__}")
         known = _KNOWN_KEYS.get(key)
         if known is None:
-            if key.startswith("aio."):
+            # Spelled in any case, with spaces anywhere: a mistyped aio.SharedSecret is never a listener
+            # without a secret.
+            if "".join(key.split()).lower().startswith("aio."):
                 raise param_invalid(key, f"unknown aio option; known: {', '.join(_AIO_KEYS)}")
             continue
         field_name, parse = known

@@ -131,3 +131,17 @@ def test_a_copy_of_a_slotted_subclass_keeps_its_attributes():
     base.site = "b"
     for copied in (copy.copy(base), copy.deepcopy(base)):
         assert type(copied) is SlottedSite and copied.generate_options()["llm.Site"] == "b"
+
+
+@pytest.mark.parametrize("key", ["aio.SharedSecrett", "aio.sharedsecret", "AIO.SharedSecret", "Aio.SharedSecret",
+                                 " aio.SharedSecret", "aio.SharedSecret ", "aio .SharedSecret", "\taio.SharedSecret"])
+def test_an_aio_option_spelled_wrong_in_any_way_is_refused(key: str) -> None:
+    """The typo guard: an ``aio.`` key we do not know is refused, naming it, also in another case or with spaces
+    (before, only the exact prefix ``aio.`` was guarded: ``AIO.SharedSecret`` passed through as an unknown key and
+    the endpoint listened without a secret; found by the options audit, 2026-12-06). Unknown ``llm.`` / ``ge.``
+    keys still pass through, as LLM-DataDist passes them on."""
+    with pytest.raises(LLMException, match="unknown aio option") as info:
+        parse_options({key: "s3cret"})
+    assert info.value.status_code is INVALID and info.value.argument == key
+    assert parse_options({"aio.SharedSecret": "s3cret"}).shared_secret is not None
+    assert parse_options({"llm.SomethingNew": "1", "ge.otherOption": "x"}).shared_secret is None
