@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aio_datadist import datadist as _async_datadist
@@ -60,6 +60,7 @@ from aio_datadist.types import (
 )
 
 if TYPE_CHECKING:
+    from aio_datadist.runtime import Runtime
     from aio_datadist.stats import EndpointStats
     from aio_datadist.types import RegisterMemStatus as _RegisterMemStatus
 
@@ -836,7 +837,7 @@ class LLMDataDist:
         # is finalized before the interrupt reaches it, as what any interrupted call made is released.
         _RUNNER.run(self._init(options), undo=self._undo_init)
 
-    async def _init(self, options: Mapping[str, str]) -> bool:
+    async def _init(self, options: Mapping[str, str]) -> Runtime | None:
         task = asyncio.current_task()
         assert task is not None
         _INITS.add(task)  # the exit's late wait waits for it, however long the first one waited
@@ -845,14 +846,15 @@ class LLMDataDist:
         finally:
             _INITS.discard(task)
 
-    def _undo_init(self, started: bool) -> Awaitable[None] | None:
-        if not started:  # a second init (a no-op): the life is another call's
-            return None
-        _LIVE.discard(self)
-        return self._dd.finalize()
+    async def _undo_init(self, started: Runtime | None) -> None:
+        # Not a life another init returned on since (that caller holds it), nor one that ended (a later life
+        # is another call's).
+        await self._dd._close_alone(started)
+        if self._dd._runtime is None:
+            _LIVE.discard(self)
 
-    async def _init_on_loop(self, options: Mapping[str, str]) -> bool:
-        """Whether this call started the endpoint's life."""
+    async def _init_on_loop(self, options: Mapping[str, str]) -> Runtime | None:
+        """The runtime of the life this call started, or None."""
         started = await self._dd._open(options)
         if _EXIT_TOOK_LAST:  # ended after the exit's last finalizes (it ran past STOP_CALLS_S): nothing else would
             await self._dd.finalize()

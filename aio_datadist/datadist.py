@@ -170,20 +170,18 @@ class LLMDataDist:
         """
         await self._open(options)
 
-    async def _open(self, options: Mapping[str, Any]) -> bool:
-        """:meth:`init`; whether this call started the endpoint's life (False: a second init, a no-op)."""
+    async def _open(self, options: Mapping[str, Any]) -> Runtime | None:
+        """:meth:`init`; the runtime of the life this call started (None: a second init, a no-op)."""
         endpoint = self._endpoint
         if endpoint.runtime is not None:
-            return False
+            endpoint.joins += 1
+            return None
         settings = parse_options(options)  # (a finalized endpoint stays so when they are refused)
         v2 = cache_manager_mode(options)
-        last = None
-        if endpoint.finalized:
-            last = (endpoint.settings, endpoint.cache_manager_mode, endpoint.released)
-            if not await self._reopen():
-                last = None  # another init reopened it
-            if endpoint.runtime is not None:  # another init of it won meanwhile: this one is the second
-                return False
+        last = await self._reopen() if endpoint.finalized else None
+        if endpoint.runtime is not None:  # another init of it won meanwhile: this one is the second
+            endpoint.joins += 1
+            return None
         try:
             await self._start(settings, v2)
         except BaseException:
@@ -194,7 +192,15 @@ class LLMDataDist:
                 endpoint.finalized = True
                 endpoint.settings, endpoint.cache_manager_mode, endpoint.released = last
             raise
-        return True
+        endpoint.joins = 0
+        return endpoint.runtime
+
+    async def _close_alone(self, life: Runtime | None) -> None:
+        """Finalize the life an ``init`` started (``life``, what :meth:`_open` returned) unless it has ended or
+        another ``init`` returned on it since: what the blocking facade's interrupted ``init`` undoes."""
+        endpoint = self._endpoint
+        if life is not None and endpoint.runtime is life and not endpoint.joins:
+            await self.finalize()
 
     async def _start(self, settings: Settings, v2: bool) -> None:
         """Start the engines, the link table and the listener of ``settings``; the endpoint's new life."""
@@ -227,25 +233,27 @@ class LLMDataDist:
         endpoint.forks = forks()
         finalize_at_loop_shutdown(endpoint, finalize_endpoint)
 
-    async def _reopen(self) -> bool:
+    async def _reopen(self) -> tuple[Settings | None, bool | None, asyncio.Future[None] | None] | None:
         """Make a finalized endpoint initialisable again, once its last life is released: a ``finalize`` still
         releasing it is waited for, and one its loop's shutdown cut short is finished here (as a second
-        ``finalize`` would); one still releasing on another running loop refuses the ``init``. False when
-        another init reopened it meanwhile."""
+        ``finalize`` would); one still releasing on another running loop refuses the ``init``. The finalized
+        state it left (settings, mode, the release done), for an ``init`` whose life cannot start to put back;
+        None when another init reopened it meanwhile."""
         endpoint = self._endpoint
         await finalize_endpoint(endpoint)
         if not endpoint.finalized:  # another init reopened it meanwhile
-            return False
+            return None
         released = endpoint.released
         if endpoint.cut_release is not None or (released is not None and not released.done()):
             raise LLMException("LLMDataDist: its finalize on another event loop is still releasing the engines; "
                                "init once that finalize returned", status_code=LLMStatusCode.LLM_FAILED)
+        last = (endpoint.settings, endpoint.cache_manager_mode, released)
         endpoint.finalized = False
         endpoint.released = None
         endpoint.settings = None
         endpoint.cache_manager_mode = None  # chosen anew by this init
         self._comms = None  # the last life's link() comms went with its links
-        return True
+        return last
 
     async def finalize(self) -> None:
         """Unlink every peer, fail pending work, free every cache. Idempotent.

@@ -57,6 +57,8 @@ class Endpoint:
         #: What holds the endpoint for the caller (an ``owners.Owners``, which names this type: set by the
         #: ``LLMDataDist``), or None.
         self.owners: Any = None
+        #: The ``init`` calls that returned on the current life besides the one that started it (no-ops).
+        self.joins = 0
 
     @property
     def initialized(self) -> bool:

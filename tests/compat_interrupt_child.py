@@ -7,6 +7,7 @@ finalize included). ``task``: a facade call whose own code raises KeyboardInterr
 arrives while ``link_clusters`` waits on a listener that never answers. ``made``: SIGINT arrives while the
 facade's loop runs a call that makes a cache or starts a transfer (v1 and v2), before and after it made it.
 ``init``: SIGINT arrives as an ``init`` started the endpoint's life, then during a second ``init`` (a no-op).
+``init_race``: the same first case while another thread's ``init`` of the endpoint returns on the life.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import types
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -318,6 +320,75 @@ def init() -> dict:
     return out
 
 
+def init_race() -> dict:
+    """Thread T1's blocking ``init`` starts the life and its caller is interrupted as it ends; thread T2's
+    ``init`` of the same endpoint (sent while the loop was held, so it runs before T1's undo) returns on that
+    life. T1's undo must leave it: T2's caller holds it."""
+    interrupt = interrupt_here()
+    compat._RUNNER.call(lambda: None)  # the facade's loop runs
+    loop = compat._RUNNER.loop()
+    real_listen, real_submit = LinkTable.listen, asyncio.run_coroutine_threadsafe
+    sent = [threading.Event(), threading.Event()]
+
+    def submit(coro: Any, on: asyncio.AbstractEventLoop) -> Any:
+        future = real_submit(coro, on)
+        for event in sent:
+            if not event.is_set():
+                event.set()
+                break
+        return future
+
+    interrupted_once: list[bool] = []
+
+    async def listen(self: LinkTable, ip: str, port: int) -> None:
+        await real_listen(self, ip, port)
+        if not interrupted_once:
+            interrupted_once.append(True)
+            interrupt()  # T1's caller takes Ctrl-C as its init ends
+
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.device_type = "cpu"
+    cfg.transport = "tcp"
+    cfg.listen_ip_info = "127.0.0.1:0"
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    out: dict = {}
+    held = threading.Event()
+    loop.call_soon_threadsafe(held.wait, 10)  # the loop is held while both inits are sent
+    asyncio.run_coroutine_threadsafe = submit  # type: ignore[assignment]
+    LinkTable.listen = listen  # type: ignore[method-assign]
+
+    def second() -> None:
+        sent[0].wait(10)
+        try:
+            dd.init(cfg.generate_options())
+            out["t2"] = "returned"
+        except BaseException as exc:  # noqa: BLE001 -- reported
+            out["t2"] = repr(exc)
+
+    t2 = threading.Thread(target=second)
+    t2.start()
+    release = threading.Thread(target=lambda: (sent[1].wait(10), held.set()))
+    release.start()
+    try:
+        dd.init(cfg.generate_options())
+        out["t1"] = "returned"
+    except KeyboardInterrupt:
+        out["t1"] = "interrupted"
+    finally:
+        t2.join(10)
+        release.join(10)
+        asyncio.run_coroutine_threadsafe = real_submit
+        LinkTable.listen = real_listen  # type: ignore[method-assign]
+    try:
+        dd.stats()
+        out["after"] = "live"
+    except LLMException as exc:
+        out["after"] = int(exc.status_code)
+    dd.finalize()
+    return out
+
+
 def link() -> dict:
     """A dialler's v2 ``link()`` (made in one step on the loop), its caller interrupted from inside the call."""
     interrupt = interrupt_here()
@@ -363,5 +434,6 @@ if __name__ == "__main__":
         result = synchronizer(sys.argv[2], {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[
             sys.argv[3]])
     else:
-        result = {"task": task, "sigint": sigint, "made": made, "link": link, "init": init}[case]()
+        cases = {"task": task, "sigint": sigint, "made": made, "link": link, "init": init, "init_race": init_race}
+        result = cases[case]()
     print(json.dumps(result), flush=True)

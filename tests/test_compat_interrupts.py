@@ -119,3 +119,12 @@ def test_ctrl_c_as_a_blocking_init_ends_leaves_no_endpoint_behind_the_caller() -
     out = run_child("init")
     assert out == {"interrupted": True, "still_listening": False, "after": LLMStatusCode.LLM_ENGINE_FINALIZED,
                    "second_interrupted": True, "caches_after_second": 0}, out
+
+
+def test_an_interrupted_init_leaves_the_life_another_threads_init_returned_on() -> None:
+    """Thread T1's init starts the life and its caller is interrupted as it ends, while thread T2's init of the
+    same endpoint returns on that life first: T1's undo leaves it, T2's caller holds it. The first form of the
+    undo finalized it, and every call of T2's read LLM_ENGINE_FINALIZED after its init returned (found by its
+    review)."""
+    out = run_child("init_race")
+    assert out == {"t1": "interrupted", "t2": "returned", "after": "live"}, out

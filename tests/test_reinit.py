@@ -136,6 +136,50 @@ async def test_a_new_life_that_cannot_start_leaves_the_endpoint_finalized(why):
         await dd.finalize()
 
 
+def _finalize_cut_on_a_loop_closed_after(dd: LLMDataDist) -> None:
+    """``dd`` initialised on a loop whose tasks are then all cancelled, its finalize among them, and which is
+    closed without its shutdown step: the release is left for a later finalize or init on another loop."""
+    old = asyncio.new_event_loop()
+    old.run_until_complete(dd.init(options(listen=True)))
+
+    async def start_finalize() -> None:
+        asyncio.get_running_loop().create_task(dd.finalize())
+
+    old.run_until_complete(start_finalize())
+    running = asyncio.all_tasks(old)
+    for task in running:
+        task.cancel()
+    old.run_until_complete(asyncio.gather(*running, return_exceptions=True))
+    old.close()
+
+
+@pytest.mark.parametrize("failed_first", [False, True])
+def test_an_init_that_cannot_start_after_a_cut_finalize_leaves_the_endpoint_initialisable(failed_first):
+    """An init on another loop finishes a release its loop's end cut short; one whose life then cannot start puts
+    back the finalized state of after that release, not the cut one: the next init starts a life. The first form
+    of the restore put back the closed loop's pending release, and every later init was refused ``LLM_FAILED``
+    ("still releasing") for good (found by its review)."""
+    dd = LLMDataDist(LLMRole.PROMPT, PROMPT_ID)
+    _finalize_cut_on_a_loop_closed_after(dd)
+    taken = socket.create_server(("127.0.0.1", 0))
+
+    async def again() -> None:
+        try:
+            if failed_first:
+                with pytest.raises(LLMException) as exc:
+                    await dd.init({**options(), "llm.listenIpInfo": f"127.0.0.1:{taken.getsockname()[1]}"})
+                assert exc.value.status_code == S.LLM_LINK_FAILED, exc.value
+            await dd.init(options(listen=True))
+            assert dd.listen_address is not None and dd.stats().caches == 0
+        finally:
+            await dd.finalize()
+
+    try:
+        asyncio.run(again())
+    finally:
+        taken.close()
+
+
 def test_a_life_on_one_event_loop_and_the_next_on_another():
     dd = LLMDataDist(LLMRole.PROMPT, PROMPT_ID)
 
