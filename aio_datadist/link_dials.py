@@ -276,6 +276,7 @@ class LinkDials:
                 link.peer_instance = ok.instance
             for index, sock in enumerate(sockets):
                 link.install(index, sock, 0)
+            link.setting_up = bilateral  # until it is set up, below
             crossed = None if bilateral else self._crossing(link, since)
             if crossed is not None:
                 # Its dial crossed ours and ours is the one both ends keep: ours takes its place, then its link
@@ -303,6 +304,7 @@ class LinkDials:
                                 status_code=LLMStatusCode.LLM_LINK_FAILED)
             if bilateral:
                 link.send(Msg.PING, 0)  # set up here: the peer's link() may check its transport (Link.peer_set_up)
+                link.setting_up = False
             link.announce("dialled")
             return SUCCESS
         except BaseException as exc:
@@ -379,6 +381,7 @@ class LinkDials:
                 assert link.peer_set_up is not None
                 await link.peer_set_up
                 await self._require_transport(link)
+                link.setting_up = False
                 return link
         except TimeoutError:
             log.warning("link(): cluster %s did not link within the link time", remote_id)

@@ -211,6 +211,9 @@ class LinkTable(LinkDials):
         if link is None or link.closed:
             raise LLMException(f"cluster {cluster_id} is not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
         link.check()
+        if link.setting_up:
+            raise LLMException(f"cluster {cluster_id}: its link() link is still being set up; transfer once "
+                               "query_register_mem_status returns OK", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
         return link
 
     def forget(self, link: Link) -> None:
@@ -439,6 +442,7 @@ class LinkTable(LinkDials):
                 link.peer_instance = instance
             self._accepted += 1
             link.accepted_seq = self._accepted
+            link.setting_up = bilateral  # until the dialler's PING and our transport check (_await_bilateral)
             if not self._register(link, start=False, awaited=bilateral):
                 return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
             self._hold(link, claim)

@@ -134,6 +134,10 @@ class Link(LinkControl, LinkChannels):
         #: A watch that the peer's PING completes too: on an accepted ``link()`` link, the dialler's word that it
         #: set the link up (``LinkTable._await_bilateral``). Nothing else sends a PING.
         self.peer_set_up: asyncio.Future | None = None
+        #: A bilateral ``link()``'s link in the table that its attempt is still setting up (its share, NIXL, the
+        #: transport required; on the accepting end, until the dialler's PING): our own transfers on it wait
+        #: for the comm's OK (``LinkTable.get``); the peer's requests are served.
+        self.setting_up = False
         self.serving: dict[int, Callable[[], Any]] = {}
         #: The peer's same-host pushes whose copy we run (MAX_LOCAL_PUSHES_SERVED), each with its future that is
         #: done once the copy no longer touches memory.

@@ -16,9 +16,9 @@ rank named by ``cluster_rank_info`` must appear in the table, once.
 ``D:(aio.LinkPort + r)`` (``aio.LinkPort`` defaults to 26000, so ranks 0 and
 1 are ``:26000`` and ``:26001``, the ports of the HIXL samples).
 ``aio.RankAddresses``, a JSON object, overrides it per rank: a key is a rank
-id (``"1"``) or a device ip (``"10.0.0.2"``), a value ``"host:port"``; a rank
-id key wins over a device ip key. A rank with an override needs no
-``device_ip`` in the table.
+id (``"1"``) or a device ip (``"10.0.0.2"``), a value ``"ipv4:port"`` (an
+IPv4 address, not a host name); a rank id key wins over a device ip key. A
+rank with an override needs no ``device_ip`` in the table.
 """
 
 from __future__ import annotations

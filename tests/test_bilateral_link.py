@@ -51,6 +51,7 @@ from aio_datadist import (
     compat,
 )
 from aio_datadist._negotiated_transport import negotiated_transport
+from aio_datadist.link_table import LinkTable
 from aio_datadist.ranktable import RankEntry, rank_address
 from aio_datadist.testing import link_to
 
@@ -645,6 +646,53 @@ async def test_an_attempt_that_raises_reads_failed_and_unlinks(monkeypatch, capl
         with pytest.raises(LLMException) as raised:
             p.query_register_mem_status(comm)
         assert raised.value.status_code == S.LLM_NOT_YET_LINK
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("end", ["waiting", "dialling"])
+async def test_no_transfer_of_ours_while_the_comm_is_preparing(monkeypatch, end):
+    """Both ends' links are in their tables while the dialler still sets its link up (its share, NIXL): our own
+    transfers on it fail LLM_NOT_YET_LINK until the comm reads OK ("wait until query_register_mem_status returns
+    OK", as the reference says), on both ends, then move the right bytes. Before, a pull went through while the
+    comm read PREPARING, over TCP where the share was still being attached (found by the bilateral audit,
+    2026-12-06)."""
+    addresses = {PROMPT_IP: f"{PROMPT_IP}:{free_port(PROMPT_IP)}", DECODER_IP: f"{DECODER_IP}:{free_port(DECODER_IP)}"}
+    config = {"rank_addresses": json.dumps(addresses), "link_total_time": 10}
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+        await p.init(v2_options(**config))
+        await d.init(v2_options(**config))
+        values = {PROMPT_ID: fill(p.cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID, 0)), 3),
+                  DECODER_ID: fill(d.cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(DECODER_ID, 0)),
+                                   4)}
+        puller, owner = (d, PROMPT_ID) if end == "waiting" else (p, DECODER_ID)  # the prompt's end dials
+        dst = puller.cache_manager.allocate_blocks_cache(BLOCKS_DESC)
+        original = LinkTable._share_with
+        dialler = p._require_links()
+        held = asyncio.Event()
+
+        async def slow_set_up(self: Any, link: Any, ok: Any) -> None:
+            if self is dialler:
+                await held.wait()
+            await original(self, link, ok)
+
+        monkeypatch.setattr(LinkTable, "_share_with", slow_set_up)
+        info, table = {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP)
+        comm_d = await d.link("c", info, table)
+        comm_p = await p.link("c", info, table)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while (link_to(d, PROMPT_ID) is None or link_to(p, DECODER_ID) is None) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        comm = comm_d if puller is d else comm_p
+        assert puller.query_register_mem_status(comm) is PREPARING
+        await expect_code(S.LLM_NOT_YET_LINK, puller.cache_manager.pull_blocks(BlocksCacheKey(owner, 0), dst, [0],
+                                                                                 [0]))
+        held.set()
+        assert await settled(p, comm_p, 8) is OK and await settled(d, comm_d, 8) is OK
+        await puller.cache_manager.pull_blocks(BlocksCacheKey(owner, 0), dst, [2], [1])
+        assert all(torch.equal(t[1], v[2]) for t, v in zip(dst.tensors, values[owner], strict=True))
+        await p.unlink(comm_p)
+        await d.unlink(comm_d)
 
 
 def _pair_options(**configs: dict[str, Any]) -> list[dict[str, Any]]:
