@@ -34,7 +34,7 @@ property                   option key                meaning (default)
 ``link_port``              ``aio.LinkPort``          ``link()``: rank ``r`` of a rank table is
                                                      ``device_ip:LinkPort + r`` (26000)
 ``rank_addresses``         ``aio.RankAddresses``     ``link()``: JSON object, rank id or device
-                                                     ip -> ``"host:port"``, overriding the rule
+                                                     ip -> ``"ipv4:port"``, overriding the rule
 =========================  ========================  ==========================================
 
 ``aio.`` keys are emitted only when set explicitly. ``parse_options`` checks
@@ -271,7 +271,7 @@ class LLMConfig:
         check_link_port, DEFAULT_LINK_PORT, "link(): rank r of a rank table is device_ip:link_port + r (26000)."
     )
     rank_addresses = _Setting[str](
-        check_rank_addresses, "", 'link(): JSON object (or dict) of rank id or device ip -> "host:port", '
+        check_rank_addresses, "", 'link(): JSON object (or dict) of rank id or device ip -> "ipv4:port", '
         "overriding the link_port rule for those ranks ('' = none).",
     )
 

@@ -299,7 +299,7 @@ def _rank_addresses(arg_name: str, obj: Mapping[Any, Any]) -> dict[str, tuple[st
 
 
 def check_rank_addresses(arg_name: str, value: object) -> str:
-    """A JSON object (text or dict) of rank id or device ip -> "host:port", kept as its JSON text."""
+    """A JSON object (text or dict) of rank id or device ip -> "ipv4:port" (an IPv4 address), kept as its JSON text."""
     if isinstance(value, Mapping):
         obj: Mapping[Any, Any] = {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v
                                   for k, v in value.items()}
