@@ -27,6 +27,7 @@ from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
+    CacheKeyByIdAndIndex,
     DataType,
     LLMException,
     LLMRole,
@@ -135,6 +136,32 @@ async def test_a_push_and_a_pull_by_key_go_by_device_ipc_too():
         with pytest.raises(LLMException) as info:  # a pull by key consumes it, as on every plane
             await pair.dm.pull_cache(CacheKey(PROMPT_ID, 11), into, batch_index=0)
         assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        assert link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "local"
+
+
+@pytest.mark.parametrize("by", ["key", "index"])
+async def test_a_device_row_pulled_into_device_blocks_is_cut_into_them(by):
+    """A contiguous device cache's row pulled into several blocks of a device blocks cache on a same-host link
+    (``pull_blocks`` by ``CacheKey`` or ``CacheKeyByIdAndIndex``): device IPC copies row for row only, so the
+    pull takes the staging plane and cuts the row into the named blocks, as for host caches. Before, device IPC
+    took it and failed ``LLM_LINK_FAILED`` ("shared a device cache that does not fit the request") on a healthy
+    link (found by the model-based random test, 2026-12-06)."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        src = pair.pm.allocate_cache(CacheDesc(4, (3, 256), DataType.DT_FLOAT16, Placement.DEVICE),
+                                     [CacheKey(PROMPT_ID, 115)])
+        values = fill(src, 5)
+        dst = pair.dm.allocate_blocks_cache(CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, Placement.DEVICE))
+        await mapped(pair, src.cache_id)
+        target = CacheKey(PROMPT_ID, 115) if by == "key" else CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 0)
+        await pair.dm.pull_blocks(target, dst, [], [6, 5, 1], src_layer_range=range(1, 2),
+                                  dst_layer_range=range(0, 1), tensor_num_per_layer=2)
+        for d, t in ((0, 2), (1, 3)):
+            row = values[t][0].reshape(-1)
+            got = dst.tensors[d].reshape(8, -1)
+            assert all(eq(got[b], row[j * 64:(j + 1) * 64]) for j, b in enumerate((6, 5, 1)))
+        assert not got[0].any() and link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "tcp"
+        await pair.dm.pull_blocks(target if by == "index" else CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 0),
+                                  dst, [], [2])  # one block, row for row: device IPC again
         assert link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "local"
 
 

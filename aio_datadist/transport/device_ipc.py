@@ -94,8 +94,11 @@ class DeviceIpcPlane(InPlacePlane):
 
     def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
         share = link.local
+        # Row for row (a contiguous row cut into blocks takes the staging plane: one copy per side here).
+        row_for_row = ((len(plan.remote.rows) or 1) == len(plan.local_rows)
+                       and plan.remote.nbytes == plan.local_nbytes)
         return (pull and share is not None and share.imports_devices and plan.local.on_device
-                and not plan.by_address)
+                and not plan.by_address and row_for_row)
 
     async def carry(self, rt: Runtime, link: LinkPort, plan: Plan, answer: Resp, req: Request, *,
                     pull: bool) -> None:
