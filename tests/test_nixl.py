@@ -29,6 +29,7 @@ from aio_datadist import (
 )
 from aio_datadist.testing import engine_state, link_to, nixl_agent_of
 from aio_datadist.transport import nixl_engine
+from aio_datadist.transport.nixl_plane import NixlPlane
 from peers import (
     DECODER_ID,
     NIXL_MISSING,
@@ -158,6 +159,37 @@ async def test_a_freed_cache_is_withdrawn_and_deregistered_after_the_read_that_u
         plane.serve_end(src.cache_id)
         assert src.cache_id not in plane._doomed
         await expect_code(S.LLM_KV_CACHE_NOT_EXIST, pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), dst))
+
+
+@needs_nixl
+async def test_a_pull_whose_cache_the_owner_withdrew_after_answering_reads_a_cache_that_went(monkeypatch):
+    """The owner answers a pull by key naming a cache it offered over NIXL, and its WITHDRAW (it released the
+    cache: its last key went) is read before our READ is posted: the pull fails ``LLM_KV_CACHE_NOT_EXIST``, as a
+    same-host or device-IPC pull does, the link stays and the next pull moves the right bytes. Before, it read
+    ``LLM_LINK_FAILED`` ("is not prepared for NIXL"), which a serving framework takes for a broken link (found
+    by the model-based random test, 2026-12-06: 3 of 20 pulls raced a release that way)."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 1)])
+        other = pair.pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 2)])
+        want = fill(other, 4)
+        dst = pair.dm.allocate_cache(ROWS)
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        await prepared(pair.prompt, DECODER_ID, src)
+        await prepared(pair.prompt, DECODER_ID, other)
+        plane = NixlPlane()
+        carry = type(plane).carry
+
+        async def withdrawn_first(self: Any, rt: Any, link: Any, plan: Any, answer: Any, *args: Any, **kw: Any):
+            peer.caches.pop(answer.cache_id, None)  # as the owner's WITHDRAW, read before we got here, does
+            return await carry(self, rt, link, plan, answer, *args, **kw)
+
+        monkeypatch.setattr(type(plane), "carry", withdrawn_first)
+        await expect_code(S.LLM_KV_CACHE_NOT_EXIST, pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), dst, 0))
+        monkeypatch.undo()
+        assert link_to(pair.decoder, PROMPT_ID).broken is None
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 2), dst, 1)
+        assert all(torch.equal(d[1], w[0]) for d, w in zip(dst.tensors, want, strict=True))
+        assert posted(pair.decoder) == 1  # by NIXL
 
 
 @needs_nixl

@@ -92,6 +92,11 @@ class NixlPlane(InPlacePlane):
         remote = plan.remote
         req_id, what = req.req_id, req.what
         region = None if peer is None else peer.caches.get(answer.cache_id)
+        if peer is not None and region is None and not peer.closed and peer.declined is None:
+            # The owner withdrew it (its release, read before we got here): released after it answered. The link
+            # is fine; the cache is gone (as a same-host or device-IPC pull reads it).
+            raise LLMException(f"cluster {link.remote_cluster_id} withdrew cache {answer.cache_id} (released) "
+                               "during the transfer", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
         if peer is None or region is None:
             raise LLMException(f"cluster {link.remote_cluster_id} cache {answer.cache_id} is not prepared for NIXL",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
