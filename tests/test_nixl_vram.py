@@ -23,9 +23,9 @@ import pytest
 import torch
 from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, fill, linked_pair, snapshot
 
-from aio_datadist import BlocksCacheKey, CacheDesc, DataType, Placement
+from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
 from aio_datadist.testing import link_to, nixl_agent_of, runtime_of
-from aio_datadist.transport import nixl, nixl_agent
+from aio_datadist.transport import nixl, nixl_agent, nixl_plane
 from aio_datadist.wire import NixlRecord, ProtocolError
 
 needs_nixl = pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
@@ -288,3 +288,42 @@ async def test_a_nixl_write_from_a_device_cache_waits_for_the_pushers_stream_and
             assert eq(d[5], f[1]) and eq(d[:5], b[:5])
         assert pair.prompt.stats().links[DECODER_ID].kinds["push"].transport == "nixl"
         del staged
+
+
+@needs_nixl
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("host_as_dram")
+@pytest.mark.parametrize("kind", ["pull", "push"])
+async def test_a_withdrawal_read_while_we_fence_our_device_cache_reads_a_cache_that_went(monkeypatch, kind):
+    """The owner answered naming its cache, and its WITHDRAW (it released the cache) is read while we fence our
+    device cache before the READ or WRITE: the transfer fails ``LLM_KV_CACHE_NOT_EXIST`` (row 336), nothing is
+    posted, and the link goes on. The first form of row 336 looked only before the fence: ``LLM_LINK_FAILED``
+    (found by its review)."""
+    async with linked_pair(prompt_config=HOST_NIXL, decoder_config=HOST_NIXL) as pair:
+        if kind == "pull":
+            owner, owner_id, mover, mover_id = pair.prompt, PROMPT_ID, pair.decoder, DECODER_ID
+            there = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+            here = pair.dm.allocate_blocks_cache(BLOCKS)
+        else:
+            owner, owner_id, mover, mover_id = pair.decoder, DECODER_ID, pair.prompt, PROMPT_ID
+            there = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
+            here = pair.pm.allocate_blocks_cache(BLOCKS)
+        fill(there, 1)
+        fill(here, 2)
+        await _prepared(owner, mover_id, there)
+        peer = link_to(mover, owner_id).nixl
+        posted = nixl_agent_of(mover).engine.posted
+        real = nixl_plane.fence
+
+        async def withdrawn_meanwhile(rt, timeout_ms, what):
+            peer.caches.pop(there.cache_id, None)  # as the owner's WITHDRAW, read while we fence, does
+            await real(rt, timeout_ms, what)
+
+        monkeypatch.setattr(nixl_plane, "fence", withdrawn_meanwhile)
+        with pytest.raises(LLMException) as info:
+            if kind == "pull":
+                await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), here, [2], [4])
+            else:
+                await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), here, [2], [4])
+        assert info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, info.value
+        assert nixl_agent_of(mover).engine.posted == posted and link_to(mover, owner_id).broken is None

@@ -24,7 +24,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _trace
 from aio_datadist.cache import KvCache
@@ -91,15 +91,8 @@ class NixlPlane(InPlacePlane):
         peer = link.nixl
         remote = plan.remote
         req_id, what = req.req_id, req.what
-        region = None if peer is None else peer.caches.get(answer.cache_id)
-        if peer is not None and region is None and not peer.closed and peer.declined is None:
-            # The owner withdrew it (its release, read before we got here): released after it answered. The link
-            # is fine; the cache is gone (as a same-host or device-IPC pull reads it).
-            raise LLMException(f"cluster {link.remote_cluster_id} withdrew cache {answer.cache_id} (released) "
-                               "during the transfer", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
-        if peer is None or region is None:
-            raise LLMException(f"cluster {link.remote_cluster_id} cache {answer.cache_id} is not prepared for NIXL",
-                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+        region = _answered_region(link, peer, answer.cache_id)
+        assert peer is not None, "the region is the peer's"
         first, count = one_side_span(region.tensors, (remote.layer_first, remote.layer_last),
                                      remote.tensor_num_per_layer, "src_layer_range" if pull else "dst_layer_range")
         if count != plan.local_count:
@@ -109,6 +102,7 @@ class NixlPlane(InPlacePlane):
         if plan.local.on_device:  # NIXL reads or writes final rows only (the owner fenced before it answered)
             await fence(rt, None, what)
         req.check_owner()  # again after the fence's await: a WRITE the owner refused meanwhile is not posted
+        region = _answered_region(link, peer, answer.cache_id)  # and one it withdrew meanwhile
         done = None if pull else req.then
         if _trace.ON:
             _trace.mark("job submitted")
@@ -230,6 +224,20 @@ async def _read(registry: CacheRegistry, peer: NixlPeer, plan: Plan, region: _Re
         raise _released(what)
     peer.granted.tell_read(cache_id, plan.total, time.perf_counter() - started)  # sent after we returned
     return True
+
+
+def _answered_region(link: LinkPort, peer: NixlPeer | None, cache_id: int) -> Any:
+    """The peer's cache an answer in place names, as our NIXL peer holds it; ``LLM_KV_CACHE_NOT_EXIST`` when the
+    owner withdrew it since it answered (it released the cache: the link is fine, the cache is gone, as a
+    same-host or device-IPC transfer reads it), else ``LLM_LINK_FAILED``."""
+    region = None if peer is None else peer.caches.get(cache_id)
+    if region is not None:
+        return region
+    if peer is not None and not peer.closed and peer.declined is None:
+        raise LLMException(f"cluster {link.remote_cluster_id} withdrew cache {cache_id} (released) during the "
+                           "transfer", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+    raise LLMException(f"cluster {link.remote_cluster_id} cache {cache_id} is not prepared for NIXL",
+                       status_code=LLMStatusCode.LLM_LINK_FAILED)
 
 
 def _released(what: str) -> LLMException:
