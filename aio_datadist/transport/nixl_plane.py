@@ -24,7 +24,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aio_datadist import _trace
 from aio_datadist.cache import KvCache
@@ -226,7 +226,7 @@ async def _read(registry: CacheRegistry, peer: NixlPeer, plan: Plan, region: _Re
     return True
 
 
-def _answered_region(link: LinkPort, peer: NixlPeer | None, cache_id: int) -> Any:
+def _answered_region(link: LinkPort, peer: NixlPeer | None, cache_id: int) -> _RemoteCache:
     """The peer's cache an answer in place names, as our NIXL peer holds it; ``LLM_KV_CACHE_NOT_EXIST`` when the
     owner withdrew it since it answered (it released the cache: the link is fine, the cache is gone, as a
     same-host or device-IPC transfer reads it), else ``LLM_LINK_FAILED``."""
