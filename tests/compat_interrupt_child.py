@@ -261,6 +261,16 @@ def made() -> dict:
     return out
 
 
+def listening_options() -> dict[str, str]:
+    """A v1 endpoint's options that listen on a loopback port of its own."""
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.device_type = "cpu"
+    cfg.transport = "tcp"
+    cfg.listen_ip_info = "127.0.0.1:0"
+    return cfg.generate_options()
+
+
 def init() -> dict:
     """Ctrl-C reaches the caller of ``init`` as its life has started (the listener bound); then a second ``init``
     of the live endpoint (a no-op) is interrupted."""
@@ -274,16 +284,12 @@ def init() -> dict:
         bound.append(self.listen_address)
         interrupt()
 
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.device_type = "cpu"
-    cfg.transport = "tcp"
-    cfg.listen_ip_info = "127.0.0.1:0"
+    options = listening_options()
     dd = LLMDataDist(LLMRole.PROMPT, 7)
     out: dict = {}
     LinkTable.listen = listen  # type: ignore[method-assign]
     try:
-        dd.init(cfg.generate_options())
+        dd.init(options)
         out["returned"] = True
     except KeyboardInterrupt:
         out["interrupted"] = True
@@ -299,7 +305,7 @@ def init() -> dict:
         out["after"] = "live"
     except LLMException as exc:
         out["after"] = int(exc.status_code)
-    dd.init(cfg.generate_options())  # a new life
+    dd.init(options)  # a new life
     inner = getattr(dd, "_dd")
     original = inner._open
 
@@ -309,7 +315,7 @@ def init() -> dict:
 
     inner._open = interrupted
     try:
-        dd.init(cfg.generate_options())
+        dd.init(options)
         out["second_returned"] = True
     except KeyboardInterrupt:
         out["second_interrupted"] = True
@@ -346,11 +352,7 @@ def init_race() -> dict:
             interrupted_once.append(True)
             interrupt()  # T1's caller takes Ctrl-C as its init ends
 
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.device_type = "cpu"
-    cfg.transport = "tcp"
-    cfg.listen_ip_info = "127.0.0.1:0"
+    options = listening_options()
     dd = LLMDataDist(LLMRole.PROMPT, 7)
     out: dict = {}
     held = threading.Event()
@@ -361,7 +363,7 @@ def init_race() -> dict:
     def second() -> None:
         sent[0].wait(10)
         try:
-            dd.init(cfg.generate_options())
+            dd.init(options)
             out["t2"] = "returned"
         except BaseException as exc:  # noqa: BLE001 -- reported
             out["t2"] = repr(exc)
@@ -371,7 +373,7 @@ def init_race() -> dict:
     release = threading.Thread(target=lambda: (sent[1].wait(10), held.set()))
     release.start()
     try:
-        dd.init(cfg.generate_options())
+        dd.init(options)
         out["t1"] = "returned"
     except KeyboardInterrupt:
         out["t1"] = "interrupted"
