@@ -102,7 +102,8 @@ class NixlPlane(InPlacePlane):
         if plan.local.on_device:  # NIXL reads or writes final rows only (the owner fenced before it answered)
             await fence(rt, None, what)
         req.check_owner()  # again after the fence's await: a WRITE the owner refused meanwhile is not posted
-        region = _answered_region(link, peer, answer.cache_id)  # and one it withdrew meanwhile
+        if plan.local.on_device:  # and one it withdrew meanwhile (only an await lets its WITHDRAW in)
+            region = _answered_region(link, peer, answer.cache_id)
         done = None if pull else req.then
         if _trace.ON:
             _trace.mark("job submitted")
