@@ -507,7 +507,7 @@ class LinkTable(LinkDials):
                 # The peer's pushes we serve stop, and have ended, before it hears that the link ends: they
                 # then fail with nothing of them landing here after our unlink (or they) returned, and
                 # no same-host copy of ours reads its memory after its push returned.
-                await link.settle_served(pushes_only=True)
+                await link.settle_served(pushes_only=True, forced=force)
             settled.set_result(None)  # what a forced unlink of the cluster meanwhile waits for first
             # A forced unlink tells the peer too while pushes of ours are in flight: their bytes on the way
             # would land there after the pushes returned, unless the peer closes its end first (as for a

@@ -51,6 +51,7 @@ from aio_datadist.transport.local import LocalShare
 from aio_datadist.transport.nixl import READY as NIXL_READY
 from aio_datadist.transport.nixl import NixlPeer, link_tag
 from aio_datadist.transport.nixl_agent import NixlAgent
+from aio_datadist.transport.nixl_grants import NUDGE_HOLD_S
 from aio_datadist.types import LLMRole
 from aio_datadist.wire import Msg, ProtocolError
 
@@ -389,7 +390,7 @@ class Link(LinkControl, LinkChannels):
             off = "the link shares no memory (no same-host share)" if self.local is None else self.local.ipc_off
         return self.counters.snapshot(self.remote_role, self.link_id, self.transport, off)
 
-    async def settle_served(self, *, pushes_only: bool = False) -> None:
+    async def settle_served(self, *, pushes_only: bool = False, forced: bool = False) -> None:
         """Before the peer hears that the link ends (our ``UNLINK``, or our answer to its own): serve no new
         request of its, stop the jobs we serve it and wait until they ended (at most
         :data:`SERVED_SETTLE_S`). A stream job ends at once; a same-host push's copy once its current piece is
@@ -399,8 +400,16 @@ class Link(LinkControl, LinkChannels):
 
         ``pushes_only`` (our own unlink): only the jobs that write here or read the peer's memory, the peer's
         pushes we receive or copy; its pulls end with the link as before (a pull the peer copies itself, in
-        place, is its own job, and stopping it here would give back a key its copy then takes)."""
+        place, is its own job, and stopping it here would give back a key its copy then takes).
+
+        Either way, our own NIXL READs and WRITEs with the peer stop first, while the peer still makes progress
+        on them: it cannot stop them itself, and what the unlink cuts fails ``LLM_NOT_YET_LINK`` by the unlink's
+        return, as over the data channels (:meth:`_cut_own_nixl`). ``forced`` (our forced unlink, which the
+        peer may never hear of): they are cut, and each returns once it settled, but the unlink waits only for
+        our WRITEs into the peer's memory."""
         self.ending = True
+        if self.nixl is not None:
+            await self._cut_own_nixl(self.nixl, reads_too=not forced)
         if pushes_only:
             for req_id in [*self.served_pushes, *self.local_pushes]:
                 cancel = self.serving.pop(req_id, None)
@@ -420,6 +429,26 @@ class Link(LinkControl, LinkChannels):
             self.log.error("link %s to cluster %s: %d job(s) served to the peer did not end within %.1f s of its "
                            "unlink (a device that does not get through its copies); answering it anyway",
                            self.link_id, self.remote_cluster_id, len(late), SERVED_SETTLE_S)
+
+    async def _cut_own_nixl(self, peer: NixlPeer, *, reads_too: bool = True) -> None:
+        """The link is being unlinked (by us or the peer): fail our NIXL transfers with the peer in flight
+        (``LLM_NOT_YET_LINK``), start none, and wait until NIXL let go of each (``base.nixl_settle``: nudging the
+        owner, whose progress a READ needs over UCX's TCP transport, and in one process; one that will not stop is
+        forced off, its peer's agent let go) before the peer hears from us (our ``UNLINK``, or our answer to its
+        own): no byte of ours reads or writes its memory once its unlink returned, and no pull of ours returns
+        bytes it read after that. Their callers return once they settled (``reads_too`` False: this waits only
+        for the WRITEs)."""
+        left = [settled for settled, op in peer.cut_ours(
+            LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
+                         status_code=LLMStatusCode.LLM_NOT_YET_LINK), for_good=True) if reads_too or op == "WRITE"]
+        if not left:
+            return
+        cancelled: list[asyncio.CancelledError] = []
+        peer.granted.nudge()
+        await asyncio.gather(*(transport_base.nixl_settle(settled, cancelled, tick=peer.granted.nudge,
+                                                          every_s=NUDGE_HOLD_S / 2) for settled in left))
+        if cancelled:
+            raise cancelled[0]
 
     def _teardown(self, exc: LLMException) -> None:
         pending, self.pending = self.pending, {}
@@ -449,6 +478,7 @@ class Link(LinkControl, LinkChannels):
             self.local.finish()
             self.local = None
         if self.nixl is not None:
+            self.nixl.cut_ours(exc)  # what waits on a NIXL transfer of ours fails with the link, as other waiters
             self.nixl.close()
             self.nixl = None
         if self.broken is not None and self.writer.transport.get_write_buffer_size():

@@ -41,7 +41,7 @@ from peers import (
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement
 from aio_datadist.testing import link_to, nixl_agent_of
-from aio_datadist.transport import base
+from aio_datadist.transport import base, nixl_engine
 
 BIG = CacheDesc(2, (16, 1 << 20), DataType.DT_INT8, Placement.HOST)  # 2 x 16 MiB: READs that need many rounds
 ALL = list(range(16))
@@ -223,9 +223,13 @@ async def test_a_force_off_for_an_earlier_link_fails_the_relinked_link_it_invali
     ``LLM_LINK_FAILED`` saying why, and the next link moves verified bytes over NIXL. Before, it stayed up with
     transport nixl and every transfer on it failed ``NIXL_ERR_NOT_FOUND`` (found by audit)."""
     monkeypatch.setenv("UCX_TLS", "tcp")
-    monkeypatch.setattr(base, "NIXL_SETTLE_S", 0.3)
-    # 2 x 64 MiB: the first link's READ, which the owner serves again once it resumes for the relink, must not
-    # end before the pull's timeout (UCX over loopback TCP moves 12-25 MB/s here).
+    # The forced unlink cuts link 1's READ (row 337) and does not wait for it: the READ is forced off once this
+    # runs out, after the relink below loaded the owner's agent.
+    monkeypatch.setattr(base, "NIXL_SETTLE_S", 3.0)
+    # 2 x 64 MiB in one piece: the first link's READ, which the owner serves again once it resumes for the relink,
+    # must not end before it is forced off (UCX over loopback TCP moves 12-25 MB/s here), and a cut READ ends with
+    # the piece NIXL has (nixl_engine.CHUNK_BYTES).
+    monkeypatch.setattr(nixl_engine, "CHUNK_BYTES", 1 << 30)
     huge = CacheDesc(2, (16, 4 << 20), DataType.DT_INT8, Placement.HOST)
     async with spawned(_owner_spec(huge), target=_tcp_owner) as (owner,), \
             endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
@@ -258,13 +262,18 @@ async def test_a_force_off_for_an_earlier_link_fails_the_relinked_link_it_invali
         finally:
             owner.resume()
         status, _ = await relink
-        assert status == LLMStatusCode.LLM_SUCCESS and not old.done(), (status, old)
-        second = link_to(decoder, PROMPT_ID)
-        assert second.transport == "nixl"
-        with pytest.raises(LLMException) as first:  # link 1's pull times out; its READ is forced off
-            async with asyncio.timeout(30):
-                await old
-        assert first.value.status_code == LLMStatusCode.LLM_TIMEOUT, first.value
+        assert status == LLMStatusCode.LLM_SUCCESS, status
+        assert not old.done()  # its cut READ settles while the owner makes no progress on it (stopped again) ...
+        owner.stop()
+        try:
+            second = link_to(decoder, PROMPT_ID)
+            assert second.transport == "nixl"
+            with pytest.raises(LLMException) as first:  # ... until it is forced off
+                async with asyncio.timeout(30):
+                    await old
+        finally:
+            owner.resume()
+        assert first.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK, first.value  # the unlink cut it
         assert second.broken is not None and second.broken.status_code == LLMStatusCode.LLM_LINK_FAILED
         assert "let go" in str(second.broken)
         await decoder.unlink_clusters([owner.info], force=True)

@@ -225,6 +225,10 @@ class NixlPeer:
         self.agent_loaded = False  # set on the worker: the agent holds the peer's metadata, to remove at close
         self._pending: set[asyncio.Future] = set()  # engine work for this peer, cancelled when we decline
         self._writes: set[Halting] = set()  # our WRITEs into the peer's caches in flight (halt_writes)
+        # Every transfer of ours with the peer in flight (its settling -> its future), and why none may start any
+        # more: our own unlink cuts them all before the peer hears of it (cut_ours).
+        self._ours: dict[Halting, tuple[asyncio.Future, str]] = {}
+        self._cut: LLMException | None = None
         self.declined: str | None = None  # why this link uses TCP only, once NIXL was given up
         self._said: set[str] = set()  # why device caches took the staging plane, as logged once per link
         self.ready = loop.create_future()
@@ -585,6 +589,8 @@ class NixlPeer:
         word)."""
         engine, name = self.engine, self.name
         assert name is not None  # usable() was checked
+        if self._cut is not None:  # our unlink cut what was in flight: nothing new starts
+            raise LLMException(f"{what}: {self._cut}", status_code=self._cut.status_code)
         posted = self._post_now(op, local, local_idx, remote, remote_idx, notif, nbytes, what, counted)
         loop = asyncio.get_running_loop()
         if posted is not None and posted[0] != "PROC":  # NIXL moved it inside the posting call
@@ -619,7 +625,28 @@ class NixlPeer:
 
         moved = self.agent.runtime.completions.start(submit, engine.cancel, timeout_ms=None, what=what,
                                                      keepalive=keepalive, settled=settled)
+        if not settled.done():
+            self._ours[settled] = (moved, op)
+            settled.add_done_callback(self._forget_ours)
         return moved, settled, failure
+
+    def _forget_ours(self, settled: Any) -> None:
+        self._ours.pop(settled, None)
+
+    def cut_ours(self, exc: LLMException, *, for_good: bool = False) -> list[tuple[Halting, str]]:
+        """Fail every transfer of ours with the peer still in flight with ``exc``'s words and code, as a timeout
+        fails one: NIXL is told to stop it, and its caller gives it up and returns once it settled (``nixl_settle``).
+        ``for_good``: no transfer starts on this link any more. The settlings of those not over yet, each with its
+        op (``READ`` or ``WRITE``)."""
+        if for_good and self._cut is None:
+            self._cut = exc
+        left = []
+        for settled, (moved, op) in list(self._ours.items()):
+            if not moved.done():
+                moved.set_exception(LLMException(str(exc), status_code=exc.status_code))
+            if not settled.done():
+                left.append((settled, op))
+        return left
 
     # -- reads without asking (the requester's side: transport/nixl_grants.py) ------
 

@@ -113,8 +113,8 @@ async def test_a_pull_that_waited_for_a_channel_through_our_unlink_leaves_it_unt
     (``LLM_NOTIFY_PROMPT_UNLINK_FAILED``, 3 of 3; found by its review)."""
     settle = links.Link.settle_served
 
-    async def slow_settle(self: links.Link, *, pushes_only: bool = False) -> None:
-        await settle(self, pushes_only=pushes_only)
+    async def slow_settle(self: links.Link, *, pushes_only: bool = False, **kwargs: Any) -> None:
+        await settle(self, pushes_only=pushes_only, **kwargs)
         if not self.is_client and not pushes_only:  # the prompt's end, answering the decoder's UNLINK
             await asyncio.sleep(0.3)
 
@@ -146,8 +146,8 @@ async def unlink_with_a_redial_under_way(monkeypatch: Any, *, we_accept: bool, t
     the decoder's link's failure, if any."""
     settle = links.Link.settle_served
 
-    async def slow_settle(self: links.Link, *, pushes_only: bool = False) -> None:
-        await settle(self, pushes_only=pushes_only)
+    async def slow_settle(self: links.Link, *, pushes_only: bool = False, **kwargs: Any) -> None:
+        await settle(self, pushes_only=pushes_only, **kwargs)
         if self.is_client == we_accept and not pushes_only:  # the end that answers the UNLINK
             await asyncio.sleep(0.3)
 

@@ -1,0 +1,161 @@
+"""A NIXL transfer of ours in flight when its link is unlinked, by us or by the peer, is cut by the unlink
+(row 337): it fails ``LLM_NOT_YET_LINK`` by the time the unlink returned, as over the data channels, and NIXL has
+let go of it before the peer hears of the unlink. No byte of it lands in our memory after it returned, and none
+reads the peer's memory after the peer's unlink returned.
+
+Before, the unlink did not touch it: a pull or push of ours waited out its own timeout (``LLM_TIMEOUT``), or a
+pull returned success with bytes it read from the owner after the owner's unlink had returned and the owner
+had written that memory again.
+
+The READ or WRITE is held in NIXL's posting call by a hook on the agent (``test_nixl_cuts.slow_posting``), as a
+large transfer or a loaded host holds it; over UCX's TCP transport the owner is another process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import pytest
+from peers import (
+    DECODER_ID,
+    NIXL_MISSING,
+    PROMPT_ID,
+    CacheSpec,
+    EndpointSpec,
+    cluster_info,
+    endpoint,
+    linked_pair,
+    same,
+    snapshot,
+    spawned,
+)
+from test_nixl_cuts import ALL, NIXL, big_pair_caches, move, slow_posting
+
+from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode, Placement
+from aio_datadist.testing import link_to, nixl_agent_of
+
+S = LLMStatusCode
+#: Rows of 16 MiB: a pull of one index is posted by the worker (past ``nixl_engine.INLINE_MAX``).
+ASKED = CacheDesc(2, (2, 16 << 20), DataType.DT_INT8, Placement.HOST)
+HELD_S = 0.5  # how long the hook holds the posting call
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.nixl, pytest.mark.usefixtures("fork_server"),
+              pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)]
+
+
+async def _asked_caches(pair: Any) -> tuple[Any, Any, Any]:
+    """A cache of the prompt's bound to ``CacheKey(PROMPT_ID, 1)`` (a pull of it asks the owner), filled with 9s,
+    and an empty one of the decoder's; the decoder's NIXL engine."""
+    src = pair.pm.allocate_cache(ASKED, [CacheKey(PROMPT_ID, 1), CacheKey(PROMPT_ID, 2)])
+    dst = pair.dm.allocate_cache(ASKED)
+    for t in src.tensors:
+        t.fill_(9)
+    peer = link_to(pair.decoder, PROMPT_ID).nixl
+    async with asyncio.timeout(5):
+        while src.cache_id not in peer.caches:
+            await asyncio.sleep(0.005)
+    return src, dst, nixl_agent_of(pair.decoder).engine
+
+
+async def _drained(engine: Any) -> None:
+    """The engine has nothing in flight: at once but for the link's own clean-up (its prepared lists and the peer's
+    agent let go on the worker, queued as the link closed)."""
+    async with asyncio.timeout(2):
+        while engine.in_flight():
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("who", ["we", "we-forced", "peer"])
+@pytest.mark.parametrize("kind", ["read-without-asking", "asked-pull", "push"])
+async def test_a_nixl_transfer_in_flight_is_cut_by_an_unlink_of_its_link(kind, who, monkeypatch):
+    pull = kind != "push"
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        if kind == "asked-pull":
+            src, dst, engine = await _asked_caches(pair)
+        else:
+            src, dst, engine = await big_pair_caches(pair, pull)
+        calls = slow_posting(monkeypatch, engine, HELD_S)
+        started = time.monotonic()
+        if kind == "asked-pull":
+            call = asyncio.create_task(pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), dst, 0, timeout=8000))
+        else:
+            call = asyncio.create_task(move(pair, pull, src, dst, timeout=8000))
+        async with asyncio.timeout(5):
+            while len(calls) < 2:  # the READ or WRITE is being posted
+                await asyncio.sleep(0.005)
+        ours = pull == (who != "peer")  # whether the decoder unlinks
+        unlinking, other = (pair.decoder, pair.prompt) if ours else (pair.prompt, pair.decoder)
+        link = link_to(unlinking, other.cluster_id)
+        info = cluster_info(other.cluster_id, ("127.0.0.1", 1))
+        status = await unlinking.unlink_clusters([info], force=who == "we-forced")
+        # A forced unlink of ours, which the owner may never hear of, does not wait for our READs of its memory:
+        # the pull returns once its READ settled.
+        waited = who != "we-forced" or not pull
+        if waited:
+            for t in src.tensors:
+                t.fill_(3)  # the source is written again at once (the owner's memory is its own again)
+        assert status == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert link.broken is None, link.broken
+        # By the unlink's return, but for the loop passes of its clean-up.
+        async with asyncio.timeout(0.5 if waited else HELD_S + 1):
+            with pytest.raises(LLMException) as info_:
+                await call
+        assert info_.value.status_code == S.LLM_NOT_YET_LINK, info_.value
+        assert time.monotonic() - started < HELD_S + 2  # not the transfer's own timeout
+        await _drained(engine)
+        before = snapshot(dst)
+        await asyncio.sleep(HELD_S + 0.2)  # past the end of the held posting call
+        assert same(snapshot(dst), before)
+        assert not any(bool((t == 3).any()) for t in dst.tensors)  # nothing read after the unlink returned
+
+
+def _tcp_owner(conn: Any, spec: EndpointSpec, parent_pid: int) -> None:
+    os.environ["UCX_TLS"] = "tcp"
+    from peers import _endpoint_main
+    _endpoint_main(conn, spec, parent_pid)
+
+
+#: 8 rows of 16 MiB in each of two tensors: a READ of all of them takes about a second over UCX's TCP transport.
+TCP_READ = CacheDesc(2, (8, 16 << 20), DataType.DT_INT8, Placement.HOST)
+
+
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("who", ["we", "peer"])
+async def test_a_read_without_asking_over_ucx_tcp_is_cut_by_an_unlink_of_its_link(who, monkeypatch):
+    """The owner is another process, whose progress the READ needs for every byte: the cut settles the READ
+    before the owner lets the link go, so the pull fails at once and not on its timeout."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    spec = EndpointSpec(LLMRole.PROMPT, PROMPT_ID, caches=(CacheSpec("src", TCP_READ, 5, blocks=True, model_id=0),),
+                        config=(("transport", "nixl"),))
+    async with spawned(spec, target=_tcp_owner) as (owner,), \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(TCP_READ)
+        await decoder.link_clusters([owner.info], timeout=10_000)
+        peer = link_to(decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(5):
+            while peer.grant_for(0) is None:
+                await asyncio.sleep(0.005)
+        engine = nixl_agent_of(decoder).engine
+        started = time.monotonic()
+        call = asyncio.create_task(decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL[:8],
+                                                                        ALL[:8], timeout=8000))
+        async with asyncio.timeout(5):
+            while engine.in_flight() == 0:
+                await asyncio.sleep(0.002)
+        if who == "peer":
+            assert await owner.call("unlink", DECODER_ID, 1) == (0, [0])
+        else:
+            assert await decoder.unlink_clusters([owner.info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        async with asyncio.timeout(0.5):
+            with pytest.raises(LLMException) as info:
+                await call
+        assert info.value.status_code == S.LLM_NOT_YET_LINK, info.value
+        assert time.monotonic() - started < 3
+        await _drained(engine)
+        before = snapshot(dst)
+        await asyncio.sleep(0.3)
+        assert same(snapshot(dst), before)
