@@ -382,6 +382,7 @@ class LinkDials:
                 await link.peer_set_up
                 await self._require_transport(link)
                 link.setting_up = False
+                link.announce("accepted")
                 return link
         except TimeoutError:
             log.warning("link(): cluster %s did not link within the link time", remote_id)

@@ -447,7 +447,8 @@ class LinkTable(LinkDials):
                 return LLMStatusCode.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked"
             self._hold(link, claim)
             held = True
-            link.announce("accepted")
+            if not bilateral:  # a bilateral link is up once set up (_await_bilateral announces it)
+                link.announce("accepted")
             if bilateral:
                 link.peer_set_up = link.watch()  # before the link reads: see _await_bilateral
                 self._awaited.pop(remote_id).set_result(link)

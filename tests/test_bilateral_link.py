@@ -655,7 +655,7 @@ async def test_no_transfer_of_ours_while_the_comm_is_preparing(monkeypatch, end)
     transfers on it fail LLM_NOT_YET_LINK until the comm reads OK ("wait until query_register_mem_status returns
     OK", as the reference says), on both ends, then move the right bytes. Before, a pull went through while the
     comm read PREPARING, over TCP where the share was still being attached (found by the bilateral audit,
-    2026-12-06)."""
+    2026-12-06). Nor does either end's ``stats()`` list the link as up until then (row 338)."""
     addresses = {PROMPT_IP: f"{PROMPT_IP}:{free_port(PROMPT_IP)}", DECODER_IP: f"{DECODER_IP}:{free_port(DECODER_IP)}"}
     config = {"rank_addresses": json.dumps(addresses), "link_total_time": 10}
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
@@ -687,8 +687,13 @@ async def test_no_transfer_of_ours_while_the_comm_is_preparing(monkeypatch, end)
         assert puller.query_register_mem_status(comm) is PREPARING
         await expect_code(S.LLM_NOT_YET_LINK, puller.cache_manager.pull_blocks(BlocksCacheKey(owner, 0), dst, [0],
                                                                                  [0]))
+        # Not up either in either end's stats (found by the audit; the waiting end listed it before).
+        assert not d.stats().links and not p.stats().links
+        assert d.stats().links_up == p.stats().links_up == 0
         held.set()
         assert await settled(p, comm_p, 8) is OK and await settled(d, comm_d, 8) is OK
+        assert list(d.stats().links) == [PROMPT_ID] and list(p.stats().links) == [DECODER_ID]
+        assert d.stats().links_up == p.stats().links_up == 1
         await puller.cache_manager.pull_blocks(BlocksCacheKey(owner, 0), dst, [2], [1])
         assert all(torch.equal(t[1], v[2]) for t, v in zip(dst.tensors, values[owner], strict=True))
         await p.unlink(comm_p)
