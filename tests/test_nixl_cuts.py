@@ -12,11 +12,13 @@ destination (pages the framework never touched) or a loaded host slows it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing.connection
 import os
 import threading
 import time
 import weakref
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -175,6 +177,24 @@ def _tcp_owner(conn: multiprocessing.connection.Connection, spec: EndpointSpec, 
     _endpoint_main(conn, spec, parent_pid)
 
 
+@contextlib.asynccontextmanager
+async def granted_over_ucx_tcp(desc: CacheDesc, target: Any) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
+    """A spawned owner (``target`` its main, which sets ``UCX_TLS=tcp``) whose blocks cache ``src`` of ``desc``,
+    bound to ``BlocksCacheKey(PROMPT_ID, 0)``, it grants, and a decoder linked to it over NIXL (UCX's TCP transport
+    too) once the grant arrived: ``(owner, decoder, an empty cache of the decoder's, the decoder's NIXL engine)``."""
+    spec = EndpointSpec(LLMRole.PROMPT, PROMPT_ID, caches=(CacheSpec("src", desc, 5, blocks=True, model_id=0),),
+                        config=(("transport", "nixl"),))
+    async with spawned(spec, target=target) as (owner,), \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(desc)
+        await decoder.link_clusters([owner.info], timeout=10_000)
+        peer = link_to(decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(5):
+            while peer.grant_for(0) is None:
+                await asyncio.sleep(0.005)
+        yield owner, decoder, dst, nixl_agent_of(decoder).engine
+
+
 @pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
 async def test_a_read_without_asking_that_needs_the_owners_progress_longer_than_one_nudge_completes(monkeypatch):
     # UCX over TCP needs the owner's progress for every byte of a READ, and the owner makes it for NUDGE_HOLD_S
@@ -182,17 +202,7 @@ async def test_a_read_without_asking_that_needs_the_owners_progress_longer_than_
     # UCX's TCP reads do not wait for it).
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setattr(nixl_plane, "NUDGE_HOLD_S", HOLD_S, raising=False)
-    spec = EndpointSpec(LLMRole.PROMPT, PROMPT_ID, caches=(CacheSpec("src", TCP_READ, 5, blocks=True, model_id=0),),
-                        config=(("transport", "nixl"),))
-    async with spawned(spec, target=_tcp_owner) as (owner,), \
-            endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
-        dst = decoder.kv_cache_manager.allocate_blocks_cache(TCP_READ)
-        await decoder.link_clusters([owner.info], timeout=10_000)
-        peer = link_to(decoder, PROMPT_ID).nixl
-        async with asyncio.timeout(5):
-            while peer.grant_for(0) is None:
-                await asyncio.sleep(0.005)
-        engine = nixl_agent_of(decoder).engine
+    async with granted_over_ucx_tcp(TCP_READ, _tcp_owner) as (owner, decoder, dst, engine):
         before = engine.posted
         await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL[:8], ALL[:8], timeout=5000)
         assert same(snapshot(dst), owner.expected("src"))

@@ -23,18 +23,15 @@ from peers import (
     DECODER_ID,
     NIXL_MISSING,
     PROMPT_ID,
-    CacheSpec,
     EndpointSpec,
     cluster_info,
-    endpoint,
     linked_pair,
     same,
     snapshot,
-    spawned,
 )
-from test_nixl_cuts import ALL, NIXL, big_pair_caches, move, slow_posting
+from test_nixl_cuts import ALL, NIXL, big_pair_caches, granted_over_ucx_tcp, move, slow_posting
 
-from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode, Placement
+from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
 from aio_datadist.testing import link_to, nixl_agent_of
 
 S = LLMStatusCode
@@ -129,17 +126,7 @@ async def test_a_read_without_asking_over_ucx_tcp_is_cut_by_an_unlink_of_its_lin
     """The owner is another process, whose progress the READ needs for every byte: the cut settles the READ
     before the owner lets the link go, so the pull fails at once and not on its timeout."""
     monkeypatch.setenv("UCX_TLS", "tcp")
-    spec = EndpointSpec(LLMRole.PROMPT, PROMPT_ID, caches=(CacheSpec("src", TCP_READ, 5, blocks=True, model_id=0),),
-                        config=(("transport", "nixl"),))
-    async with spawned(spec, target=_tcp_owner) as (owner,), \
-            endpoint(LLMRole.DECODER, DECODER_ID, transport="nixl") as decoder:
-        dst = decoder.kv_cache_manager.allocate_blocks_cache(TCP_READ)
-        await decoder.link_clusters([owner.info], timeout=10_000)
-        peer = link_to(decoder, PROMPT_ID).nixl
-        async with asyncio.timeout(5):
-            while peer.grant_for(0) is None:
-                await asyncio.sleep(0.005)
-        engine = nixl_agent_of(decoder).engine
+    async with granted_over_ucx_tcp(TCP_READ, _tcp_owner) as (owner, decoder, dst, engine):
         started = time.monotonic()
         call = asyncio.create_task(decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL[:8],
                                                                         ALL[:8], timeout=8000))
