@@ -10,12 +10,19 @@ import threading
 import time
 
 
+refused = [0]  # calls refused because the facade is shutting down
+
+
 def late_cleanup() -> None:
     try:
         decoder.finalize()
         print("late finalize: ok", flush=True)
     except Exception as exc:
         print(f"late finalize raised {type(exc).__name__}: {exc}", flush=True)
+    deadline = time.monotonic() + 2
+    while not refused[0] and time.monotonic() < deadline:  # the threads' next calls, after the facade's hook
+        time.sleep(0.01)
+    print(f"refused while shutting down: {refused[0]}", flush=True)
 
 
 atexit.register(late_cleanup)
@@ -29,6 +36,7 @@ from aio_datadist.compat import (
     LLMDataDist,
     LLMException,
     LLMRole,
+    LLMStatusCode,
 )
 
 BLOCKS = CacheDesc(4, [64, 8192], DataType.DT_FLOAT)
@@ -60,8 +68,9 @@ def pulls(k: int) -> None:
         try:
             decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, rnd.sample(range(64), 4),
                                                  [k * 4 + j for j in range(4)])
-        except LLMException:
-            pass
+        except LLMException as exc:
+            if exc.status_code == LLMStatusCode.LLM_FAILED and "shutting down" in str(exc):
+                refused[0] += 1
 
 
 for k in range(8):

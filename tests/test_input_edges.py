@@ -49,16 +49,18 @@ def test_a_deep_copy_shares_the_tls_contexts():
     assert deep.tls_client_context is config.tls_client_context
 
 
-@pytest.mark.parametrize("text", [
-    '{"1": "127.0.0.1:26001", "1": "127.0.0.1:27001"}',
-    '{"10.0.0.2": "127.0.0.1:26001", "10.0.0.2": "127.0.0.1:9"}',
+@pytest.mark.parametrize(("text", "key"), [
+    ('{"1": "127.0.0.1:26001", "1": "127.0.0.1:27001"}', "1"),
+    ('{"10.0.0.2": "127.0.0.1:26001", "10.0.0.2": "127.0.0.1:9"}', "10.0.0.2"),
 ])
-def test_rank_addresses_naming_a_rank_twice_are_refused(text: str) -> None:
-    """Before, JSON's last value won: a typo sent one rank to the other's address without a word."""
-    with pytest.raises(LLMException, match="twice") as info:
+def test_rank_addresses_naming_a_rank_twice_are_refused(text: str, key: str) -> None:
+    """Before, JSON's last value won: a typo sent one rank to the other's address without a word. The refusal
+    names the key given twice (checked since an audit, 2026-12-06)."""
+    twice = f"the key '{key}' twice"
+    with pytest.raises(LLMException, match=twice) as info:
         parse_options({"aio.RankAddresses": text})
     assert info.value.status_code is INVALID and info.value.argument == "aio.RankAddresses"
-    with pytest.raises(LLMException, match="twice") as info:
+    with pytest.raises(LLMException, match=twice) as info:
         LLMConfig().rank_addresses = text
     assert info.value.status_code is INVALID
 
@@ -113,15 +115,19 @@ def test_a_copy_of_a_subclassed_config_keeps_its_class_and_attributes():
     base = SiteConfig()
     base.device_id = 0
     base.site = "a"
+    base.hosts = ["h1"]  # a mutable attribute: a copy shares it, a deep copy copies it (found by audit)
     for copied in (copy.copy(base), copy.deepcopy(base)):
         assert type(copied) is SiteConfig and copied.generate_options()["llm.Site"] == "a"
         copied.device_id = 1
         assert base.device_id == 0
+    assert copy.copy(base).hosts is base.hosts
+    deep = copy.deepcopy(base)
+    assert deep.hosts == base.hosts and deep.hosts is not base.hosts
 
 
 def test_a_copy_of_a_slotted_subclass_keeps_its_attributes():
     class SlottedSite(LLMConfig):
-        __slots__ = ("site",)
+        __slots__ = ("site", "hosts")
 
         def generate_options(self):
             return {**super().generate_options(), "llm.Site": self.site}
@@ -129,8 +135,12 @@ def test_a_copy_of_a_slotted_subclass_keeps_its_attributes():
     base = SlottedSite()
     base.device_id = 0
     base.site = "b"
+    base.hosts = ["h1"]
     for copied in (copy.copy(base), copy.deepcopy(base)):
         assert type(copied) is SlottedSite and copied.generate_options()["llm.Site"] == "b"
+    assert copy.copy(base).hosts is base.hosts
+    deep = copy.deepcopy(base)
+    assert deep.hosts == base.hosts and deep.hosts is not base.hosts
 
 
 @pytest.mark.parametrize("key", ["aio.SharedSecrett", "aio.sharedsecret", "AIO.SharedSecret", "Aio.SharedSecret",

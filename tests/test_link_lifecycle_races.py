@@ -136,6 +136,24 @@ async def test_finalize_during_switch_role_leaves_no_listener():
 
 
 @pytest.mark.asyncio
+async def test_a_closed_link_table_listens_no_more():
+    """``LinkTable.listen`` itself refuses once the table closed, whoever calls it (``switch_role``, ``init``'s
+    listener, a bilateral endpoint's link port): the test above passes on ``switch_role``'s own check alone (found
+    by audit)."""
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    await dd.init(options(listen=False))
+    table = link_table_of(dd)
+    await dd.finalize()
+    try:
+        with pytest.raises(LLMException) as raised:
+            await table.listen("127.0.0.1", 0)
+        assert raised.value.status_code == S.LLM_ENGINE_FINALIZED
+        assert table.listener.address is None and table.listener.admission is None
+    finally:
+        await table.listener.stop()
+
+
+@pytest.mark.asyncio
 async def test_unlink_of_a_cluster_being_linked_is_processing_link(monkeypatch):
     async with endpoint(LLMRole.PROMPT, 1, listen=True) as prompt, endpoint(LLMRole.DECODER, 2) as dd:
         info = cluster_info(1, port_of(prompt))

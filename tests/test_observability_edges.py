@@ -17,10 +17,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 
 from aio_datadist import (BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole, LLMStatusCode, Placement,
-                          metrics)
+                          metrics, protocol)
 from aio_datadist.metrics import instrument
 from aio_datadist.stats import LinkCounters
-from aio_datadist.testing import loopback_options, open_pair
+from aio_datadist.testing import loopback_options, open_pair, usable_link
 
 #: How long a forked child may take to scrape (it needs milliseconds; the defect waited SCRAPE_WAIT_S).
 CHILD_S = 1.0
@@ -179,18 +179,36 @@ def test_a_scrape_filtered_by_name_yields_the_series_asked_for():
 BIG_BLOCKS = CacheDesc(4, (8, 256 * 1024), DataType.DT_FLOAT16, Placement.HOST)
 
 
+def _read_aborts_late(link: Any, delay_s: float) -> None:
+    """``link`` acts on each ``ABORT`` it reads ``delay_s`` late: the job the ABORT stops sees its channel's reset
+    first."""
+    loop = asyncio.get_running_loop()
+    dispatch = link._dispatch
+
+    def late(event: Any) -> None:
+        if isinstance(event, protocol.Abort):
+            loop.call_later(delay_s, dispatch, event)
+        else:
+            dispatch(event)
+
+    link._dispatch = late
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", ["pull", "push"])
 async def test_a_transfer_its_requester_gave_up_is_no_link_failure_on_the_owner(kind):
     """TCP: a transfer the requester cancels mid-way resets its data channel before the ABORT, and the owner's
     job failed with the reset (``LLM_LINK_FAILED``) on a link that stayed up, so an operator's
     transfer_errors_total{status="LLM_LINK_FAILED"} rose on healthy links. The same abort, heard first, and
-    the same-host plane count ``LLM_FAILED``. (Here a push's owner hears the reset first, a pull's mostly the
-    ABORT: the owner's send learns of the reset after the ABORT was written.)"""
+    the same-host plane count ``LLM_FAILED``. (A push's owner hears the reset first; a pull's would mostly hear
+    the ABORT first, the owner's send learning of the reset after the ABORT was written, so here the pull's
+    owner reads every ABORT late (found by audit: without that, the pull case passed with the fix taken out).)"""
     config = {"transport": "tcp"}
     blocks = list(range(BIG_BLOCKS.shape[0]))
     async with open_pair(prompt_config=config, decoder_config=config) as pair:
         prompt_kv, decoder_kv = pair.prompt.kv_cache_manager, pair.decoder.kv_cache_manager
+        if kind == "pull":
+            _read_aborts_late(usable_link(pair.prompt, pair.decoder_cluster_id), 0.05)
         if kind == "push":
             requester, owner = pair.prompt, pair.decoder
             key = BlocksCacheKey(pair.decoder_cluster_id, 1)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -124,11 +125,17 @@ async def test_a_watch_is_made_on_the_endpoints_loop_only() -> None:
 async def test_polling_a_pending_layer_holds_nothing_and_a_cancelled_waiter_leaves_the_others() -> None:
     async with blocks_pair() as (pair, src, dst):
         with pair.dm.watch_pushes(dst, [1, 2]) as watch:
+            polled = []
             for _ in range(2000):
-                assert not watch.layer(0).done()
+                view = watch.layer(0)
+                assert not view.done()
+                polled.append(weakref.ref(view))
+                del view
             gc.collect()
             held = len(watch._layers[0]._callbacks or ())
             assert held < 10, f"the pending layer's future holds {held} callbacks after 2000 polls"
+            alive = sum(ref() is not None for ref in polled)  # and a view polled and dropped is gone (found by audit)
+            assert alive == 0, f"{alive} of 2000 polled and dropped views are still held"
             cancelled, waiting = watch.layer(0), watch.layer(0)
             cancelled.cancel()
             called: list[object] = []
