@@ -509,6 +509,8 @@ class LinkTable(LinkDials):
                 # then fail with nothing of them landing here after our unlink (or they) returned, and
                 # no same-host copy of ours reads its memory after its push returned.
                 await link.settle_served(pushes_only=True, forced=force)
+                if link.broken is not None and not force:  # it failed meanwhile: the peer was never told
+                    status = LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
             settled.set_result(None)  # what a forced unlink of the cluster meanwhile waits for first
             # A forced unlink tells the peer too while pushes of ours are in flight: their bytes on the way
             # would land there after the pushes returned, unless the peer closes its end first (as for a

@@ -18,6 +18,7 @@ import types
 import numpy as np
 import pytest
 
+from aio_datadist import LLMException, LLMStatusCode
 from aio_datadist._settle import Settling
 from aio_datadist.transport import base, nixl_engine
 from aio_datadist.transport.nixl import NixlPeer
@@ -364,6 +365,7 @@ def link(agent: NixlAgent, lost: list[tuple[str, str]], label: str, loaded: bool
     peer = object.__new__(NixlPeer)
     peer.agent, peer.engine, peer.name, peer.cluster_id = agent, agent.engine, b"owner-agent", 2
     peer.closed, peer.agent_loaded, peer._loop = False, loaded, asyncio.get_running_loop()
+    peer._cut = None  # not being unlinked
 
     def fail(exc: Exception) -> None:  # as Link.fail does: the link goes, and its NixlPeer is closed
         lost.append((label, str(exc)))
@@ -456,3 +458,21 @@ def test_a_force_after_the_engine_closed_is_refused_and_waits_for_nothing(monkey
     assert queue.wait_for(5) == -errno.ECANCELED
     assert engine.force_off(5) is False
     assert not engine.forcing(5)
+
+
+@pytest.mark.asyncio
+async def test_a_let_go_fails_no_link_that_is_being_unlinked(monkeypatch):
+    """A link whose unlink cut its NIXL transfers (row 337) goes anyway: the peer's agent let go for one of them
+    (or for another link's) does not fail it, so the unlink goes on and tells the peer; another link to that
+    endpoint still fails, saying why."""
+    holder: list = []
+    agent = nixl_agent(monkeypatch, scripted_api(holder, "PROC"))
+    lost: list[tuple[str, str]] = []
+    unlinking, other = link(agent, lost, "unlinking"), link(agent, lost, "other")
+    unlinking._cut = LLMException("was unlinked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)  # as cut_ours sets it
+    try:
+        unlinking._let_go()
+        other._let_go()
+        assert [label for label, _ in lost] == ["other"], lost
+    finally:
+        agent.engine.close()

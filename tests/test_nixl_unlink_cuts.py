@@ -33,6 +33,7 @@ from test_nixl_cuts import ALL, NIXL, big_pair_caches, granted_over_ucx_tcp, mov
 
 from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
 from aio_datadist.testing import link_to, nixl_agent_of
+from aio_datadist.transport import base, nixl_engine
 
 S = LLMStatusCode
 #: Rows of 16 MiB: a pull of one index is posted by the worker (past ``nixl_engine.INLINE_MAX``).
@@ -121,27 +122,50 @@ TCP_READ = CacheDesc(2, (8, 16 << 20), DataType.DT_INT8, Placement.HOST)
 
 
 @pytest.mark.loops_take_turns
-@pytest.mark.parametrize("who", ["we", "peer"])
-async def test_a_read_without_asking_over_ucx_tcp_is_cut_by_an_unlink_of_its_link(who, monkeypatch):
+@pytest.mark.parametrize(("who", "settles"), [("we", "in time"), ("peer", "in time"), ("we", "forced off"),
+                                              ("peer", "forced off"), ("we, the owner stopped", "forced off")])
+async def test_a_read_without_asking_over_ucx_tcp_is_cut_by_an_unlink_of_its_link(who, settles, monkeypatch, caplog):
     """The owner is another process, whose progress the READ needs for every byte: the cut settles the READ
-    before the owner lets the link go, so the pull fails at once and not on its timeout."""
+    before the owner lets the link go, so the pull fails at once and not on its timeout.
+
+    A cut READ that does not settle in its bound (``forced off``: a piece of 256 MiB and ``NIXL_SETTLE_S`` 50 ms)
+    is forced off, its peer's agent let go, and the unlink goes on: the link is not failed, so the UNLINK or our
+    answer still goes out and that unlink succeeds. An owner that is stopped never answers our unlink, which then
+    reports ``LLM_NOTIFY_PROMPT_UNLINK_FAILED`` (row 275). Before the review of row 337's first form, the force-off
+    failed the link: the owner's unlink failed, and ours returned success without telling the owner."""
     monkeypatch.setenv("UCX_TLS", "tcp")
+    if settles == "forced off":
+        monkeypatch.setattr(base, "NIXL_SETTLE_S", 0.05)
+        monkeypatch.setattr(nixl_engine, "CHUNK_BYTES", 1 << 30)  # the READ in one piece, in NIXL's hands
     async with granted_over_ucx_tcp(TCP_READ, _tcp_owner) as (owner, decoder, dst, engine):
+        link = link_to(decoder, PROMPT_ID)
+        posted = engine.posted
         started = time.monotonic()
         call = asyncio.create_task(decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL[:8],
                                                                         ALL[:8], timeout=8000))
         async with asyncio.timeout(5):
-            while engine.in_flight() == 0:
-                await asyncio.sleep(0.002)
+            while engine.posted == posted:  # the READ of the rows is posted (a ledger word's is not counted)
+                await asyncio.sleep(0)
+        assert not call.done()
         if who == "peer":
             assert await owner.call("unlink", DECODER_ID, 1) == (0, [0])
-        else:
+        elif who == "we":
             assert await decoder.unlink_clusters([owner.info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        else:
+            owner.stop()
+            try:
+                status = await decoder.unlink_clusters([owner.info], timeout=500)
+            finally:
+                owner.resume()
+            failed = S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
+            assert status == (failed, [failed])
+        assert link.broken is None, link.broken
         async with asyncio.timeout(0.5):
             with pytest.raises(LLMException) as info:
                 await call
         assert info.value.status_code == S.LLM_NOT_YET_LINK, info.value
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 5
+        assert ("did not stop within its settle bound" in caplog.text) == (settles == "forced off"), caplog.text
         await _drained(engine)
         before = snapshot(dst)
         await asyncio.sleep(0.3)

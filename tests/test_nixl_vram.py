@@ -21,7 +21,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, fill, linked_pair, snapshot
+from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, cluster_info, fill, linked_pair, snapshot
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
 from aio_datadist.testing import link_to, nixl_agent_of, runtime_of
@@ -327,3 +327,34 @@ async def test_a_withdrawal_read_while_we_fence_our_device_cache_reads_a_cache_t
                 await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), here, [2], [4])
         assert info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, info.value
         assert nixl_agent_of(mover).engine.posted == posted and link_to(mover, owner_id).broken is None
+
+
+@needs_nixl
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("host_as_dram")
+@pytest.mark.parametrize("who", ["we", "peer"])
+async def test_an_unlink_while_we_fence_our_device_cache_reads_unlinked(monkeypatch, who):
+    """The link is unlinked, by us or by the owner, while we fence our device cache before the READ: the pull
+    fails ``LLM_NOT_YET_LINK``, as what an unlink cuts does (row 337), with nothing posted. Before, the carry found
+    the link's NIXL peer gone and failed ``LLM_LINK_FAILED`` ("not prepared for NIXL"; found by the review of
+    row 337)."""
+    async with linked_pair(prompt_config=HOST_NIXL, decoder_config=HOST_NIXL) as pair:
+        there = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        here = pair.dm.allocate_blocks_cache(BLOCKS)
+        await _prepared(pair.prompt, DECODER_ID, there)
+        posted = nixl_agent_of(pair.decoder).engine.posted
+        real = nixl_plane.fence
+
+        async def unlinked_meanwhile(rt, timeout_ms, what):
+            if who == "we":
+                status = await pair.decoder.unlink_clusters([pair.info])
+            else:
+                status = await pair.prompt.unlink_clusters([cluster_info(DECODER_ID, ("127.0.0.1", 1))])
+            assert status == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+            await real(rt, timeout_ms, what)
+
+        monkeypatch.setattr(nixl_plane, "fence", unlinked_meanwhile)
+        with pytest.raises(LLMException) as info:
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), here, [2], [4])
+        assert info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK, info.value
+        assert nixl_agent_of(pair.decoder).engine.posted == posted

@@ -13,10 +13,10 @@ import dataclasses
 from typing import Any
 
 import pytest
-from peers import DECODER_ID, PROMPT_ID, cluster_info, port_of
+from peers import DECODER_ID, PROMPT_ID, cluster_info, linked_pair, port_of
 from test_layerwise import DST_BLOCKS, LAYERS, SRC_BLOCKS, Gate, blocks_config, setup
 
-from aio_datadist import LLMException, LLMStatusCode, wire
+from aio_datadist import LLMException, LLMStatusCode, links, wire
 from aio_datadist.testing import link_to
 from aio_datadist.wire import Msg
 
@@ -76,3 +76,23 @@ async def test_our_unlink_is_no_failure_when_a_held_same_host_push_sees_the_peer
     async with setup() as s:
         _push_local_ahead_of_the_ack(link_to(s.decoders[0], PROMPT_ID))
         await _unlinked_under_a_task(s)
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["unlink", "forced"])
+async def test_an_unlink_whose_link_breaks_before_it_told_the_peer_says_so(monkeypatch, force):
+    """Our unlink first stops what it serves the peer and cuts our NIXL transfers (``settle_served``); a link that
+    breaks meanwhile (its connection lost, a cut transfer forced off) sends no ``UNLINK``: a non-forced unlink reads
+    ``LLM_NOTIFY_PROMPT_UNLINK_FAILED``, the peer never told, as when the peer does not answer (row 337). Before,
+    it read success. A forced unlink, which need not tell the peer, still succeeds."""
+    real = links.Link.settle_served
+
+    async def broken_meanwhile(self: links.Link, **kwargs: Any) -> None:
+        await real(self, **kwargs)
+        self.fail(LLMException("connection lost (a test's)", status_code=LLMStatusCode.LLM_LINK_FAILED))
+
+    async with linked_pair() as pair:
+        monkeypatch.setattr(links.Link, "settle_served", broken_meanwhile)
+        status = await pair.decoder.unlink_clusters([pair.info], force=force)
+        code = LLMStatusCode.LLM_SUCCESS if force else LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
+        assert status == (code, [code])
+        assert link_to(pair.decoder, PROMPT_ID) is None

@@ -719,6 +719,12 @@ class NixlPeer:
         disconnects: every transfer with the peer in flight ends) and the link fails with it."""
         if not tokens or not self.engine.force_off(tokens[0]):
             return  # not in NIXL's hands (queued, or settled meanwhile): nothing to force
+        if self._cut is not None:
+            # Cut by the link's unlink (cut_ours): the link goes anyway, and what the unlink says to the peer (our
+            # UNLINK, or our answer to its own) still goes out once NIXL let go of the transfer.
+            log.warning("%s: cut by the unlink of the link to cluster %s, its NIXL transfer did not stop within its "
+                        "settle bound; the peer's NIXL agent was let go", what, self.cluster_id)
+            return
         if self._lost is not None:
             self._lost(LLMException(f"{what}: cluster {self.cluster_id} made no progress on a given-up NIXL transfer "
                                     f"in its settle bound; its NIXL agent was let go, and the link with it",
@@ -734,7 +740,7 @@ class NixlPeer:
             self._loop.call_soon_threadsafe(self._let_go)
 
     def _let_go(self) -> None:
-        if not self.closed and self._lost is not None:
+        if not self.closed and self._lost is not None and self._cut is None:  # (a link being unlinked goes anyway)
             self._lost(LLMException(f"cluster {self.cluster_id}: its NIXL agent was let go for a given-up transfer "
                                     f"of a link to it, and this link with it",
                                     status_code=LLMStatusCode.LLM_LINK_FAILED))

@@ -234,6 +234,8 @@ def _answered_region(link: LinkPort, peer: NixlPeer | None, cache_id: int) -> _R
     region = None if peer is None else peer.caches.get(cache_id)
     if region is not None:
         return region
+    if link.down:
+        link.check()  # the link went meanwhile (while we fenced our device cache): unlinked or broken, as it says
     if peer is not None and not peer.closed and peer.declined is None:
         raise LLMException(f"cluster {link.remote_cluster_id} withdrew cache {cache_id} (released) during the "
                            "transfer", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
