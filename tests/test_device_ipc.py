@@ -312,12 +312,14 @@ async def test_a_pull_given_up_mid_copy_returns_only_once_nothing_can_land(how):
         backend = runtime_of(pair.decoder).devices
         gate = backend.stream.gate()  # the requester's copy stream stops here: the copy queues behind it
         loop = asyncio.get_running_loop()
-        loop.call_later(0.5, gate.open)
+        opens_at = loop.time() + 0.5
+        loop.call_at(opens_at, gate.open)
         pull = pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(6)), list(range(6)),
                                    timeout=150 if how == "timeout" else 10_000)
         task = asyncio.ensure_future(pull)
         if how == "cancel":
             await asyncio.sleep(0.15)
+            assert backend.stream.pending() > 0  # the copy is queued behind the gate as it is cut
             task.cancel()
         with pytest.raises((LLMException, asyncio.CancelledError)) as info:
             await task
@@ -325,7 +327,9 @@ async def test_a_pull_given_up_mid_copy_returns_only_once_nothing_can_land(how):
             assert info.value.status_code == S.LLM_TIMEOUT
         assert backend.stream.pending() == 0  # the copy it enqueued was over before it returned
         after = snapshot(dst)
-        await asyncio.sleep(0.2)
+        # Compared once the gate is open and what was queued could have run (before an audit, 2026-12-06, the
+        # comparison could end before the gate opened, leaving the pending() check above alone to see a late copy).
+        await asyncio.sleep(max(0.0, opens_at - loop.time()) + 0.2)
         for a, t in zip(after, dst.tensors, strict=True):
             assert eq(a, t)  # no byte after return
         assert runtime_of(pair.decoder).completions.pending_count() == 0

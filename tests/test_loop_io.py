@@ -12,6 +12,7 @@ import pytest
 
 from aio_datadist import LLMException, LLMStatusCode
 from aio_datadist._core import LoopJob
+from aio_datadist.link_channels import LOOP_LOWAT_MAX
 from aio_datadist.loop_io import LoopIo
 
 MIB = 1 << 20
@@ -91,3 +92,37 @@ async def test_a_cut_receive_writes_nothing_once_it_is_over(socket_pair, cut):
     assert sent > 0
     await asyncio.sleep(0.1)  # loop turns in which a job still watching would read
     assert np.array_equal(dst, before) and int(dst[:1000].sum()) == 1000 and not dst[1000:].any()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["timeout", "stop", "cancel"])
+async def test_a_stopped_loop_receive_puts_the_low_water_mark_back(how):
+    """Row 94 as ``LoopIo`` uses it: a receive waiting for the rest of its bytes sets the socket's ``SO_RCVLOWAT``
+    (the kernel wakes it once they are there), and one stopped (its timeout, ``stop``, its future cancelled) puts
+    the default back as it ends. Only ``LoopJob.release`` itself was tested: removing its call from ``LoopIo``
+    passed every named test (found by audit, 2026-12-06)."""
+    a, b = socket.socketpair()
+    try:
+        b.setblocking(False)
+        buf = np.zeros(4096, np.uint8)
+        job = LoopJob(b.fileno(), False, array.array("Q", (buf.ctypes.data, buf.nbytes)), lowat_max=LOOP_LOWAT_MAX)
+        io = LoopIo(b.fileno(), job, what="test receive", keepalive=buf,
+                    timeout_ms=100 if how == "timeout" else None, settled=None)
+        a.send(b"x" * 96)
+        await asyncio.sleep(0.05)
+        assert not io.future.done() and _lowat(b) == 4000  # waiting for the rest
+        if how == "stop":
+            io.stop(LLMException("stopped", status_code=LLMStatusCode.LLM_FAILED))
+        elif how == "cancel":
+            io.future.cancel()
+            await asyncio.sleep(0)
+        with pytest.raises((LLMException, asyncio.CancelledError)):
+            await io.future
+        assert _lowat(b) == 1, "the stopped receive left SO_RCVLOWAT on the socket"
+    finally:
+        a.close()
+        b.close()
+
+
+def _lowat(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)

@@ -436,6 +436,37 @@ def test_a_second_request_for_the_same_prefill_request_does_not_free_it_under_a_
         _released_soon(prefill, "r8")  # once the last user said done
 
 
+def test_a_request_that_pulled_first_does_not_free_the_blocks_another_still_pulls(agents) -> None:
+    """Row 129's other case: of two decode requests carrying the same ``kv_transfer_params`` (parallel
+    sampling), the one that pulled first says nothing that frees the prefill's blocks while the second still
+    pulls them; they go once the second said done (added by audit, 2026-12-06: only "released unpulled" was
+    tested)."""
+    with _slow_data_path(agents) as (prefill, p_kv, decode, d_kv):
+        prefill.holds.add("r9", lease_s=60)
+        remote = _remote(prefill, "r9", [6, 8])
+        decode.start_pull("d9a", remote, [3, 5])
+        wait(lambda: "r9" in prefill.holds.held and prefill.holds.held["r9"].owner is not None)
+        time.sleep(0.5)  # the second request's pull starts while the first's is under way: it ends later
+        decode.start_pull("d9b", remote, [10, 12])
+        finished: set[str] = set()
+        released: set[str] = set()
+        deadline = time.monotonic() + 15
+        while decode.pulls.pending():
+            assert time.monotonic() < deadline, "the pulls did not end"
+            done, failed, _ = decode.pulls.take_finished()
+            assert not failed, failed
+            finished |= done
+            released |= prefill.holds.take_released()
+            if "d9b" not in finished:
+                assert "r9" not in released, "the prefill freed the blocks while a pull still read them"
+            time.sleep(0.01)
+        finished |= decode.pulls.take_finished()[0]
+        assert finished == {"d9a", "d9b"}
+        for mine, theirs in ((3, 6), (5, 8), (10, 6), (12, 8)):
+            _assert_block(d_kv, mine, p_kv, theirs)
+        _released_soon(prefill, "r9")  # once the last user said done
+
+
 def test_a_peer_that_never_reads_its_replies_holds_bounded_memory(agents) -> None:
     """Requests sent without reading the replies (a stuck or hostile decode): the prefill stops reading that
     connection once its replies back up, instead of queueing them in memory without bound."""

@@ -41,7 +41,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
-from aio_datadist.testing import engine_state, registry_of, usable_link
+from aio_datadist.testing import engine_state, registry_of, runtime_of, usable_link
 
 pytestmark = pytest.mark.asyncio
 
@@ -490,3 +490,46 @@ async def test_unregistering_a_cache_our_own_transfer_uses_stops_that_transfer(k
         paint(theirs.tensors, 6)
         await dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), again, ALL, ALL, timeout=20_000)
         assert share(again.tensors, 6) == 1
+
+
+async def test_unregistering_a_device_cache_our_staged_pull_writes_leaves_no_copy_queued():
+    """Row 168 on the requester: unregistering a registered device cache that our own staged pull writes into
+    returns only once the scatters that pull queued on our copy stream are done (``transfers._Cut``'s
+    ``wait_cut_copies``), as the owner-side test above shows for a peer's transfer. Our stream is held, so the
+    scatters queue behind it, and is let go ``GATE_S`` after the unregister starts (from a thread: the unregister
+    blocks the loop while it waits). Until this test (an audit, 2026-12-06) only a reproducer in /tmp showed it:
+    the kept tests passed with that wait removed, when 128 KiB of the unregistered cache changed after it returned."""
+    async with device_pair() as (prompt, dec):
+        backend = runtime_of(dec).devices
+        theirs = prompt.cache_manager.allocate_blocks_cache(DEVICE_DESC, BlocksCacheKey(PROMPT, 0))
+        paint(theirs.tensors, 5)
+        mine = [torch.zeros(DEVICE_DESC.shape, dtype=torch.float16) for _ in range(DEVICE_DESC.num_tensors)]
+        own = dec.cache_manager.register_blocks_cache(DEVICE_DESC, mine, None)
+        assert own.on_device
+        gate = backend.stream.gate()
+        opener = threading.Timer(5.0, gate.open)  # at the latest: never leave the stream held
+        opener.start()
+        try:
+            task = asyncio.ensure_future(dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), own, DEVICE_ALL,
+                                                                       DEVICE_ALL, timeout=20_000))
+            assert await stream_holds_copies(backend.stream)
+            assert share(mine, 5) == 0  # nothing landed yet: the scatters wait behind the gate
+            threading.Timer(GATE_S, gate.open).start()
+            started = time.monotonic()
+            dec.cache_manager.unregister_cache(own.cache_id)
+            took = time.monotonic() - started
+            queued = backend.stream.pending()
+            for t in mine:  # the caller reuses its memory at once
+                t.fill_(-1)
+            before = [t.clone() for t in mine]
+            result = await outcome(task)
+            await asyncio.sleep(GATE_S + 0.2)
+        finally:
+            gate.open()
+            opener.cancel()
+        changed = sum(int((t != b).sum()) * 2 for t, b in zip(mine, before, strict=True))
+        assert changed == 0, f"{changed} bytes of the unregistered cache changed after unregister_cache returned"
+        assert queued == 0, f"{queued} copies still queued on our stream when unregister_cache returned"
+        assert GATE_S - 0.05 < took < 1.5, f"unregister_cache took {took:.2f} s"
+        assert result == S.LLM_KV_CACHE_NOT_EXIST, f"the cut pull gave {result!r}"
+        assert registry_of(dec).serving_count() == 0
