@@ -339,6 +339,37 @@ async def stream_holds_copies(stream: Any) -> bool:
     return True
 
 
+async def _unregister_behind_a_held_stream(backend: Any, start: Any, unregister: Any, mine: list[torch.Tensor], *,
+                                          reuse: bool = False) -> tuple[float, int, list[torch.Tensor], Any]:
+    """Hold ``backend``'s copy stream, start a staged transfer (``start()``, a coroutine) and, once its copies
+    queue behind the stream with nothing of them in ``mine`` (the cache's memory), ``unregister()`` it, the stream
+    let go ``GATE_S`` after that began (from a thread: the call blocks the loop while it waits). ``reuse``: the
+    caller writes its memory at once after the return. ``(how long the call took, copies still queued at its
+    return, mine as it was then, the transfer's outcome)``, read once the stream moved on (``GATE_S`` later)."""
+    gate = backend.stream.gate()
+    opener = threading.Timer(5.0, gate.open)  # at the latest: never leave the stream held
+    opener.start()
+    try:
+        task = asyncio.ensure_future(start())
+        assert await stream_holds_copies(backend.stream)
+        assert share(mine, 5) == 0  # nothing landed yet: the copies wait behind the gate
+        threading.Timer(GATE_S, gate.open).start()
+        started = time.monotonic()
+        unregister()
+        took = time.monotonic() - started
+        queued = backend.stream.pending()
+        if reuse:
+            for t in mine:
+                t.fill_(-1)
+        before = [t.clone() for t in mine]
+        result = await outcome(task)
+        await asyncio.sleep(GATE_S + 0.2)
+    finally:
+        gate.open()
+        opener.cancel()
+    return took, queued, before, result
+
+
 @pytest.mark.parametrize("direction", ["push", "pull"])
 async def test_unregistering_a_device_cache_a_staged_peer_uses_leaves_no_copy_queued(direction: str):
     """A registered device cache served through the staging plane: the owner's scatters into it (a peer's push)
@@ -354,30 +385,10 @@ async def test_unregistering_a_device_cache_a_staged_peer_uses_leaves_no_copy_qu
                                                           remote_accessible=True)
         other = dec.cache_manager.allocate_blocks_cache(DEVICE_DESC)
         paint(other.tensors, 5)
-        gate = backend.stream.gate()
-        opener = threading.Timer(5.0, gate.open)  # at the latest: never leave the stream held
-        opener.start()
-        try:
-            if direction == "push":
-                moving = dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), other, DEVICE_ALL, DEVICE_ALL,
-                                                       timeout=20_000)
-            else:
-                moving = dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), other, DEVICE_ALL, DEVICE_ALL,
-                                                       timeout=20_000)
-            task = asyncio.ensure_future(moving)
-            assert await stream_holds_copies(backend.stream)
-            assert share(mine, 5) == 0  # nothing landed yet: the copies wait behind the gate
-            threading.Timer(GATE_S, gate.open).start()
-            started = time.monotonic()
-            prompt.cache_manager.unregister_cache(owned.cache_id)
-            took = time.monotonic() - started
-            queued = backend.stream.pending()
-            before = [t.clone() for t in mine]
-            result = await outcome(task)
-            await asyncio.sleep(GATE_S + 0.2)
-        finally:
-            gate.open()
-            opener.cancel()
+        move = dec.cache_manager.push_blocks if direction == "push" else dec.cache_manager.pull_blocks
+        took, queued, before, result = await _unregister_behind_a_held_stream(
+            backend, lambda: move(BlocksCacheKey(PROMPT, 0), other, DEVICE_ALL, DEVICE_ALL, timeout=20_000),
+            lambda: prompt.cache_manager.unregister_cache(owned.cache_id), mine)
         changed = sum(int((t != b).sum()) * 2 for t, b in zip(mine, before, strict=True))
         assert changed == 0, f"{direction}: {changed} bytes of the unregistered cache changed after the return"
         assert queued == 0, f"{direction}: {queued} copies still queued on the stream when unregister_cache returned"
@@ -506,27 +517,10 @@ async def test_unregistering_a_device_cache_our_staged_pull_writes_leaves_no_cop
         mine = [torch.zeros(DEVICE_DESC.shape, dtype=torch.float16) for _ in range(DEVICE_DESC.num_tensors)]
         own = dec.cache_manager.register_blocks_cache(DEVICE_DESC, mine, None)
         assert own.on_device
-        gate = backend.stream.gate()
-        opener = threading.Timer(5.0, gate.open)  # at the latest: never leave the stream held
-        opener.start()
-        try:
-            task = asyncio.ensure_future(dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), own, DEVICE_ALL,
-                                                                       DEVICE_ALL, timeout=20_000))
-            assert await stream_holds_copies(backend.stream)
-            assert share(mine, 5) == 0  # nothing landed yet: the scatters wait behind the gate
-            threading.Timer(GATE_S, gate.open).start()
-            started = time.monotonic()
-            dec.cache_manager.unregister_cache(own.cache_id)
-            took = time.monotonic() - started
-            queued = backend.stream.pending()
-            for t in mine:  # the caller reuses its memory at once
-                t.fill_(-1)
-            before = [t.clone() for t in mine]
-            result = await outcome(task)
-            await asyncio.sleep(GATE_S + 0.2)
-        finally:
-            gate.open()
-            opener.cancel()
+        took, queued, before, result = await _unregister_behind_a_held_stream(
+            backend, lambda: dec.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), own, DEVICE_ALL, DEVICE_ALL,
+                                                           timeout=20_000),
+            lambda: dec.cache_manager.unregister_cache(own.cache_id), mine, reuse=True)
         changed = sum(int((t != b).sum()) * 2 for t, b in zip(mine, before, strict=True))
         assert changed == 0, f"{changed} bytes of the unregistered cache changed after unregister_cache returned"
         assert queued == 0, f"{queued} copies still queued on our stream when unregister_cache returned"
