@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import struct
+from typing import Any
 from multiprocessing import reduction
 
 import pytest
@@ -206,6 +207,51 @@ async def test_the_time_left_of_a_transfer_rounds_up_and_runs_out_only_once_its_
     with pytest.raises(LLMException) as info:
         time_left(loop.time() - 0.001, "a push")
     assert info.value.status_code == S.LLM_TIMEOUT
+
+
+class _GivesBack:
+    """A plane that spends ``_SPENT_S``, moves nothing, and gives the transfer back (a push's ``move_alone``, a
+    pull's ``reader``)."""
+
+    def reader(self, rt: Any, link: Any, plan: Any) -> Any:
+        async def read(timeout_ms: int, what: str) -> bool:
+            await asyncio.sleep(_SPENT_S)
+            return False
+        return read
+
+    async def move_alone(self, rt: Any, link: Any, plan: Any, timeout_ms: int, what: str, *,
+                         queue_ms: int | None = None) -> bool:
+        await asyncio.sleep(_SPENT_S)
+        return False
+
+
+_SPENT_S = 0.3
+
+
+@pytest.mark.parametrize("kind", ["push", "pull"])
+async def test_the_plane_a_transfer_falls_back_to_gets_only_what_is_left(monkeypatch, kind) -> None:
+    """Row 289's fall-back clauses: a plane that gives a push back after moving nothing, and a reader that gives a
+    pull back, hand on only what is left of the transfer's time-out to the plane that then runs it (the tests
+    above take no fall-back: handing on the whole time-out passed them; found by audit, 2026-12-06)."""
+    from types import SimpleNamespace
+
+    from aio_datadist import transfers
+
+    handed: list[int] = []
+
+    async def run(rt: Any, link: Any, plan: Any, timeout_ms: int, what: str, **kwargs: Any) -> str:
+        handed.append(timeout_ms)
+        return "tcp"
+
+    monkeypatch.setattr(transfers, "planes_for", lambda link: [_GivesBack()])
+    monkeypatch.setattr(transfers, "_run", run)
+    plan = SimpleNamespace(local=SimpleNamespace(_owned=True, alive=True))
+    if kind == "push":
+        await transfers._push(None, None, plan, 500, "a push", None)
+    else:
+        await transfers._pull(None, None, plan, 500, "a pull")
+    (left,) = handed
+    assert 1 <= left <= 500 - _SPENT_S * 1000 + 5, f"the fall-back got {left} ms of a 500 ms time-out"
 
 
 async def test_a_deadline_the_millisecond_clock_just_reached_has_not_passed(monkeypatch) -> None:

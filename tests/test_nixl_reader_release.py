@@ -83,6 +83,49 @@ async def test_a_destination_released_in_the_readers_first_turn_gets_no_read() -
         assert len(peer.posted) == 1
 
 
+class SlowWordPeer(StandInPeer):
+    """A stand-in whose ledger word's READ stays in progress until the test ends it (``word``)."""
+
+    def __init__(self, region: Any) -> None:
+        super().__init__(region)
+        self.word_posted = asyncio.Event()
+        self.word: tuple[asyncio.Future, asyncio.Future] | None = None
+
+    def read_word(self, index: int, slot: int, what: str) -> Any:
+        loop = asyncio.get_running_loop()
+        moved, settled = loop.create_future(), loop.create_future()
+        self.word = (moved, settled)
+        self.word_posted.set()
+        return moved, settled, str
+
+
+@pytest.mark.asyncio
+async def test_a_destination_released_while_the_reader_awaits_the_ledger_word_gets_no_read() -> None:
+    """Row 269's second clause: released while the reader waits for its owner's ledger word, the destination gets
+    no READ (the test above answers the word at once, so only the first turn was tested: found by audit,
+    2026-12-06; with the check moved before the word's wait, a READ was posted into the released memory)."""
+    blocks = CacheDesc(2, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
+    async with linked_pair(link=False) as pair:
+        mine = [torch.zeros(blocks.shape, dtype=torch.float16) for _ in range(blocks.num_tensors)]
+        dst = pair.dm.register_blocks_cache(blocks, mine, BlocksCacheKey(2, 0))
+        plan = types.SimpleNamespace(local=dst, local_first=0, local_rows=[0], total=512)
+        region = types.SimpleNamespace(cache_id=CACHE_ID)
+        peer = SlowWordPeer(region)
+        peer.granted.nudge = lambda: None
+        read = asyncio.ensure_future(nixl_plane._read(registry_of(pair.decoder), peer, plan, region, 0, WORD, 0, [1],
+                                                      2, 1000, "pull"))
+        await asyncio.wait_for(peer.word_posted.wait(), 5)  # past its first turn: the word's READ in progress
+        assert not read.done() and peer.word is not None
+        pair.dm.deallocate_cache(dst)
+        moved, settled = peer.word
+        moved.set_result(None)
+        settled.set_result(None)
+        with pytest.raises(LLMException) as info:
+            await asyncio.wait_for(read, 5)
+        assert info.value.status_code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        assert peer.posted == [], "a READ was posted into a destination released while the word was read"
+
+
 NIXL = {"transport": "nixl"}
 BIG = CacheDesc(2, (64, 256 * 1024), DataType.DT_INT8, Placement.HOST)  # 2 x 16 MiB: posted by the worker
 ALL = list(range(64))
