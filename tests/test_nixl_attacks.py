@@ -82,14 +82,16 @@ async def test_metadata_naming_another_agent_is_not_kept_loaded():
 
 def slowed_writes(dd, seconds: float) -> tuple[list[float], Callable[[], None]]:
     """Make ``dd``'s NIXL worker post every transfer (none from the loop, as when the worker is busy) and wait
-    ``seconds`` before each: when each was posted, and a function that ends the delay."""
+    ``seconds`` before each: when each was posted (once NIXL took it), and a function that ends the delay."""
     engine = nixl_agent_of(dd).engine
     start, try_post, posted = engine._start, engine.try_post, []
 
     def slow(*args):
         time.sleep(seconds)
-        posted.append(time.monotonic())
-        return start(*args)
+        try:
+            return start(*args)
+        finally:
+            posted.append(time.monotonic())
 
     def restore() -> None:
         engine._start, engine.try_post = start, try_post
@@ -99,20 +101,25 @@ def slowed_writes(dd, seconds: float) -> tuple[list[float], Callable[[], None]]:
 
 
 async def push_cut_by_unlink(pair, src, dst) -> None:
-    """A push from the prompt into the decoder's ``dst`` whose WRITE is posted after the decoder dropped the
-    link (force): over UCX shared memory it then stays in flight until the decoder's agent makes progress
-    again, on the next link (the prompt's call gave up after its timeout by then)."""
+    """A push from the prompt into the decoder's ``dst`` under way on the prompt's NIXL worker (its WRITE held
+    0.3 s before it is posted) when the decoder drops the link (force); then a new link. Since row 337 the
+    prompt's end of the link cuts the push as it hears of the drop, and the WRITE is not posted unless the
+    worker posted it first. The decoder drops the link only once the worker took the WRITE (before, the drop
+    could come ahead of the decoder's answer: no WRITE was under way, and the tests using this failed about one
+    run in two)."""
     await prepared(pair.decoder, PROMPT_ID, dst)
+    engine = nixl_agent_of(pair.prompt).engine
+    taken = engine.in_flight()
     posted, restore = slowed_writes(pair.prompt, 0.3)
     push = asyncio.create_task(pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [0], [0], timeout=2000))
     async with asyncio.timeout(5):
-        while not link_to(pair.decoder, PROMPT_ID).serving:
-            await asyncio.sleep(0.005)
+        while engine.in_flight() == taken:  # the worker took the WRITE
+            await asyncio.sleep(0.002)
     await pair.unlink(force=True)
     with pytest.raises(LLMException):
         await push
     restore()
-    assert len(posted) == 1  # the WRITE went out (and its notification)
+    assert len(posted) == 1  # the worker got to the WRITE (posted, or skipped as cut)
     await pair.link()
     await prepared(pair.decoder, PROMPT_ID, dst)
     await prepared(pair.prompt, DECODER_ID, src)
@@ -123,7 +130,9 @@ async def push_cut_by_unlink(pair, src, dst) -> None:
 async def test_closing_a_link_does_not_unload_the_agent_of_the_next_link_to_the_same_peer():
     """A link's close unloads the peer's agent once no transfer of ours uses it any more. Before, a transfer
     still in flight deferred that past the next link to the same endpoint, which had loaded the same agent
-    meanwhile (a no-op then): the unload took it from the new link, whose NIXL transfers then failed."""
+    meanwhile (a no-op then): the unload took it from the new link, whose NIXL transfers then failed. (Since row
+    337 the push this setup cuts is not posted, so no transfer defers the unload here; the test shows the next
+    link's pushes go by NIXL.)"""
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
         src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
@@ -148,7 +157,12 @@ async def test_a_late_notification_of_an_earlier_link_does_not_confirm_a_push_of
     """Request ids start again on every link. A WRITE cut by its link's end stays in flight over UCX shared
     memory until the owner's agent progresses again, on the next link to the same peer, and its notification
     then comes late. It must not confirm the next link's push of the same id: before, that push was reported
-    done before its own WRITE was even posted, its bytes not in place."""
+    done before its own WRITE was even posted, its bytes not in place.
+
+    Since row 337 the prompt cuts its push as it hears of the drop, before the held WRITE is posted, so this
+    setup no longer leaves a WRITE in flight and the late notification does not come (an audit, 2026-12-06, saw
+    that the test never checked it came): it now shows only that the next link's push is right. Row 109 is open
+    for a test that reaches the case."""
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
         src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
@@ -156,7 +170,7 @@ async def test_a_late_notification_of_an_earlier_link_does_not_confirm_a_push_of
         await push_cut_by_unlink(pair, src, dst)
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [2], [2])  # the decoder's agent progresses
         want = fill(src, 4)
-        posted, restore = slowed_writes(pair.prompt, 0.3)  # the late notification is there first
+        posted, restore = slowed_writes(pair.prompt, 0.3)
         try:
             await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [0], [0], timeout=3000)
             assert posted, "confirmed before its WRITE was posted"
