@@ -716,7 +716,9 @@ class NixlPeer:
         """A transfer of ours given up, still in NIXL's hands past its settle bounds (``base.nixl_settle``): the
         peer makes no progress on it (a READ or WRITE over UCX's TCP transport needs it for every byte), and it
         could move bytes of the caller's memory whenever the peer runs again. Its peer's agent is let go (NIXL
-        disconnects: every transfer with the peer in flight ends) and the link fails with it."""
+        disconnects, which is meant to end every transfer with the peer in flight; over UCX's TCP transport one
+        can still land later: the known gap in ``docs/nixl.md``) and the link fails with it, unless its unlink
+        cut the transfer (``cut_ours``): that link goes anyway, and the unlink goes on."""
         if not tokens or not self.engine.force_off(tokens[0]):
             return  # not in NIXL's hands (queued, or settled meanwhile): nothing to force
         if self._cut is not None:

@@ -295,7 +295,13 @@ def stall_mid_pull(address: tuple[str, int], cluster_id: int, cache_id: int, *, 
         aborted = False
         assert raw.ctl is not None
         raw.ctl.settimeout(0.05)
-        while not stop.is_set():
+        # Once told to stop, a pinging peer still reads for the owner's ABORT a while (1 s at most): the owner
+        # sends it as it resets the channel, which the test's wait for the released state can see first (a CI
+        # run read no ABORT, 2026-12-06).
+        until = None
+        while until is None or (keep_pinging and not aborted and time.monotonic() < until):
+            if until is None and stop.is_set():
+                until = time.monotonic() + 1.0
             if keep_pinging:
                 try:
                     raw.send_raw(wire.encode(Msg.PING, 0))
