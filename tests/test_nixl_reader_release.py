@@ -58,14 +58,22 @@ class StandInPeer:
         return None
 
 
+SMALL_BLOCKS = CacheDesc(2, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
+
+
+def registered_destination(pair: Any) -> tuple[list[torch.Tensor], Any, Any, Any]:
+    """A blocks cache the decoder registered over its own tensors, as a read without asking's destination:
+    ``(its tensors, the cache, the plan of a one-row read into it, the owner's granted region)``."""
+    mine = [torch.zeros(SMALL_BLOCKS.shape, dtype=torch.float16) for _ in range(SMALL_BLOCKS.num_tensors)]
+    dst = pair.dm.register_blocks_cache(SMALL_BLOCKS, mine, BlocksCacheKey(2, 0))
+    plan = types.SimpleNamespace(local=dst, local_first=0, local_rows=[0], total=512)
+    return mine, dst, plan, types.SimpleNamespace(cache_id=CACHE_ID)
+
+
 @pytest.mark.asyncio
 async def test_a_destination_released_in_the_readers_first_turn_gets_no_read() -> None:
-    blocks = CacheDesc(2, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
     async with linked_pair(link=False) as pair:
-        mine = [torch.zeros(blocks.shape, dtype=torch.float16) for _ in range(blocks.num_tensors)]
-        dst = pair.dm.register_blocks_cache(blocks, mine, BlocksCacheKey(2, 0))
-        plan = types.SimpleNamespace(local=dst, local_first=0, local_rows=[0], total=512)
-        region = types.SimpleNamespace(cache_id=CACHE_ID)
+        mine, dst, plan, region = registered_destination(pair)
         peer = StandInPeer(region)
         registry = registry_of(pair.decoder)
         read = asyncio.ensure_future(nixl_plane._read(registry, peer, plan, region, 0, WORD, 0, [1], 2, 1000, "pull"))
@@ -76,7 +84,7 @@ async def test_a_destination_released_in_the_readers_first_turn_gets_no_read() -
         assert info.value.status_code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
         assert peer.posted == []
 
-        again = pair.dm.register_blocks_cache(blocks, mine, BlocksCacheKey(2, 0))  # alive: the READ is posted
+        again = pair.dm.register_blocks_cache(SMALL_BLOCKS, mine, BlocksCacheKey(2, 0))  # alive: the READ is posted
         plan.local = again
         assert await asyncio.wait_for(nixl_plane._read(registry, peer, plan, region, 0, WORD, 0, [1], 2, 1000, "pull"),
                                       5)
@@ -104,12 +112,8 @@ async def test_a_destination_released_while_the_reader_awaits_the_ledger_word_ge
     """Row 269's second clause: released while the reader waits for its owner's ledger word, the destination gets
     no READ (the test above answers the word at once, so only the first turn was tested: found by audit,
     2026-12-06; with the check moved before the word's wait, a READ was posted into the released memory)."""
-    blocks = CacheDesc(2, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
     async with linked_pair(link=False) as pair:
-        mine = [torch.zeros(blocks.shape, dtype=torch.float16) for _ in range(blocks.num_tensors)]
-        dst = pair.dm.register_blocks_cache(blocks, mine, BlocksCacheKey(2, 0))
-        plan = types.SimpleNamespace(local=dst, local_first=0, local_rows=[0], total=512)
-        region = types.SimpleNamespace(cache_id=CACHE_ID)
+        _, dst, plan, region = registered_destination(pair)
         peer = SlowWordPeer(region)
         peer.granted.nudge = lambda: None
         read = asyncio.ensure_future(nixl_plane._read(registry_of(pair.decoder), peer, plan, region, 0, WORD, 0, [1],
