@@ -183,8 +183,12 @@ class Link(LinkControl, LinkChannels):
             raise LLMException(f"link to cluster {self.remote_cluster_id} is broken: {self.broken}",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
         if self.closed or self.unlinked:
-            raise LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
-                               status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+            raise self._unlinked_error()
+
+    def _unlinked_error(self) -> LLMException:
+        """What a transfer on this link fails with once it is unlinked (or being unlinked)."""
+        return LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
+                            status_code=LLMStatusCode.LLM_NOT_YET_LINK)
 
     def send_unlink(self, req_id: int) -> None:
         """Tell the peer we unlink (it acknowledges, then closes its end)."""
@@ -280,8 +284,7 @@ class Link(LinkControl, LinkChannels):
         """Take the link down as unlinked (not failed), once: what waits on it fails ``LLM_NOT_YET_LINK``."""
         self.unlinked = True
         self._went_down(why)
-        self._teardown(LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
-                                    status_code=LLMStatusCode.LLM_NOT_YET_LINK))
+        self._teardown(self._unlinked_error())
 
     def attach_local(self, sock: Any) -> bool:
         """Start sharing caches with a same-host peer over ``sock``; False (``sock`` closed) if the link shares
@@ -438,9 +441,8 @@ class Link(LinkControl, LinkChannels):
         own): no byte of ours reads or writes its memory once its unlink returned, and no pull of ours returns
         bytes it read after that. Their callers return once they settled (``reads_too`` False: this waits only
         for the WRITEs)."""
-        left = [settled for settled, op in peer.cut_ours(
-            LLMException(f"link to cluster {self.remote_cluster_id} was unlinked",
-                         status_code=LLMStatusCode.LLM_NOT_YET_LINK), for_good=True) if reads_too or op == "WRITE"]
+        cut = peer.cut_ours(self._unlinked_error(), for_good=True)
+        left = [settled for settled, op in cut if reads_too or op == "WRITE"]
         if not left:
             return
         cancelled: list[asyncio.CancelledError] = []

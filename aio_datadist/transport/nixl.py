@@ -224,9 +224,8 @@ class NixlPeer:
         self._peer_loaded = False  # the peer said READY: it loaded ours
         self.agent_loaded = False  # set on the worker: the agent holds the peer's metadata, to remove at close
         self._pending: set[asyncio.Future] = set()  # engine work for this peer, cancelled when we decline
-        self._writes: set[Halting] = set()  # our WRITEs into the peer's caches in flight (halt_writes)
-        # Every transfer of ours with the peer in flight (its settling -> its future), and why none may start any
-        # more: our own unlink cuts them all before the peer hears of it (cut_ours).
+        # Every transfer of ours with the peer in flight (its settling -> its future and op: halt_writes stops the
+        # WRITEs), and why none may start any more: an unlink cuts them all before the peer hears of it (cut_ours).
         self._ours: dict[Halting, tuple[asyncio.Future, str]] = {}
         self._cut: LLMException | None = None
         self.declined: str | None = None  # why this link uses TCP only, once NIXL was given up
@@ -605,9 +604,6 @@ class NixlPeer:
         tokens: list[int] = []
         settled = Halting(engine, tokens, what, loop=loop, force=lambda: self._force_off(tokens, what),
                           forcing=lambda: bool(tokens) and engine.forcing(tokens[0]))
-        if op == "WRITE":
-            self._writes.add(settled)
-            settled.add_done_callback(self._writes.discard)
 
         def submit(token: int) -> None:
             tokens.append(token)
@@ -708,7 +704,7 @@ class NixlPeer:
         NIXL's hands has the peer's agent let go and a little more), not one each. Whether every one stopped."""
         deadline = time.monotonic() + CUT_WAIT_S
         stopped = True
-        for write in list(self._writes):
+        for write in [settled for settled, (_, op) in self._ours.items() if op == "WRITE"]:
             stopped = write.halt(max(HALT_LEAST_S, deadline - time.monotonic())) and stopped
         return stopped
 

@@ -228,9 +228,10 @@ async def _read(registry: CacheRegistry, peer: NixlPeer, plan: Plan, region: _Re
 
 
 def _answered_region(link: LinkPort, peer: NixlPeer | None, cache_id: int) -> _RemoteCache:
-    """The peer's cache an answer in place names, as our NIXL peer holds it; ``LLM_KV_CACHE_NOT_EXIST`` when the
-    owner withdrew it since it answered (it released the cache: the link is fine, the cache is gone, as a
-    same-host or device-IPC transfer reads it), else ``LLM_LINK_FAILED``."""
+    """The peer's cache an answer in place names, as our NIXL peer holds it. Gone: the link's own code when the
+    link went meanwhile (``LLM_NOT_YET_LINK`` unlinked, ``LLM_LINK_FAILED`` broken); ``LLM_KV_CACHE_NOT_EXIST`` when
+    the owner withdrew it since it answered (it released the cache: the link is fine, the cache is gone, as a
+    same-host or device-IPC transfer reads it); else ``LLM_LINK_FAILED``."""
     region = None if peer is None else peer.caches.get(cache_id)
     if region is not None:
         return region
