@@ -9,8 +9,12 @@ calls ``init`` on the same object again (Omni-Infer's newer manager does:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import resource
 import socket
 import ssl
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -102,12 +106,13 @@ async def test_a_new_life_chooses_its_mode_anew_and_bad_options_leave_it_finaliz
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("why", ["address in use", "tls context"])
+@pytest.mark.parametrize("why", ["address in use", "tls context", "no fd"])
 async def test_a_new_life_that_cannot_start_leaves_the_endpoint_finalized(why):
     """Options that parse but a life that cannot start (its listen address is taken; a TLS client context on an
-    endpoint that listens without a server one): the endpoint is finalized as before (``LLM_ENGINE_FINALIZED``,
-    its KvCacheManager mode kept), nothing listens, and the next init starts a life. Before, the endpoint was
-    left "not initialized" (``LLM_FAILED``) with no mode (found by the options audit, 2026-12-06)."""
+    endpoint that listens without a server one; no fd for its engines, the process at its ``RLIMIT_NOFILE``):
+    the endpoint is finalized as before (``LLM_ENGINE_FINALIZED``, its KvCacheManager mode kept), nothing listens,
+    and the next init starts a life. Before, the endpoint was left "not initialized" (``LLM_FAILED``) with no mode
+    (found by the options audit, 2026-12-06)."""
     dd = LLMDataDist(LLMRole.DECODER, DECODER_ID)
     taken = socket.create_server(("127.0.0.1", 0))
     try:
@@ -116,14 +121,17 @@ async def test_a_new_life_that_cannot_start_leaves_the_endpoint_finalized(why):
         await dd.finalize()
         if why == "address in use":
             refused = {**options(), "llm.listenIpInfo": f"127.0.0.1:{taken.getsockname()[1]}"}
-        else:
+        elif why == "tls context":
             config = LLMConfig()
             config.device_id, config.listen_ip_info = 0, "127.0.0.1:0"
             config.tls_client_context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
             refused = config.generate_options()
-        with pytest.raises(LLMException) as exc:
+        else:
+            refused = options()
+        with pytest.raises(LLMException) as exc, _no_fd_left() if why == "no fd" else contextlib.nullcontext():
             await dd.init(refused)
-        assert exc.value.status_code in (S.LLM_LINK_FAILED, S.LLM_PARAM_INVALID), exc.value
+        assert exc.value.status_code == {"address in use": S.LLM_LINK_FAILED, "tls context": S.LLM_PARAM_INVALID,
+                                         "no fd": S.LLM_FAILED}[why], exc.value
         for call in (dd.stats, lambda: dd.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC)):
             with pytest.raises(LLMException) as exc:
                 call()
@@ -134,6 +142,20 @@ async def test_a_new_life_that_cannot_start_leaves_the_endpoint_finalized(why):
     finally:
         taken.close()
         await dd.finalize()
+
+
+@contextlib.contextmanager
+def _no_fd_left() -> Iterator[None]:
+    """This process at its fd limit for the block's duration: the soft ``RLIMIT_NOFILE`` at the lowest free fd
+    number, so every new fd fails ``EMFILE``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest = os.dup(0)
+    os.close(lowest)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def _finalize_cut_on_a_loop_closed_after(dd: LLMDataDist) -> None:
