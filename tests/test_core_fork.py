@@ -185,14 +185,16 @@ def test_a_forked_child_of_a_process_with_an_endpoint_exits_and_leaves_its_ledge
     assert "ledger words: True" in out, out
 
 
-def test_a_forked_child_does_not_keep_the_parents_finalized_listeners():
+@pytest.mark.parametrize("stop", ["finalize", "switch_role"])
+def test_a_forked_child_does_not_keep_the_parents_finalized_listeners(stop):
     """A child forked from a process with a listening endpoint (TCP door and same-host share socket) lives on,
     holding its copies of the fds, and even lets go of the parent's endpoint (``finalize`` there): once the
-    parent finalized, a dial of either listener is refused at once and the TCP port can be listened on again.
-    Before, closing the parent's fd left the child's copy listening: a dial was taken into the backlog and never
-    answered (a peer's link_clusters waited out its whole time-out) and listening on the port again failed
-    ``EADDRINUSE`` for as long as the child lived (row 285; found by audit)."""
-    out = run('''
+    parent stopped listening (its ``finalize``, or ``switch_role`` to DECODER without ``llm.listenIpInfo``), a
+    dial of either listener is refused at once and the TCP port can be listened on again. Before, closing the
+    parent's fd left the child's copy listening: a dial was taken into the backlog and never answered (a peer's
+    link_clusters waited out its whole time-out) and listening on the port again failed ``EADDRINUSE`` for as
+    long as the child lived (row 285; found by audit)."""
+    out = run(f"STOP = {stop!r}", '''
     import asyncio, socket
     from aio_datadist import LLMDataDist, LLMRole
     from aio_datadist.testing import share_listener_of
@@ -200,7 +202,7 @@ def test_a_forked_child_does_not_keep_the_parents_finalized_listeners():
 
     loop = asyncio.new_event_loop()
     dd = LLMDataDist(LLMRole.PROMPT, 7)
-    loop.run_until_complete(dd.init(options(listen=True, transport="auto")))
+    loop.run_until_complete(dd.init(options(listen=True, transport="auto", switch_role=True)))
     address, share = dd.listen_address, share_listener_of(dd).name
     r, w = os.pipe()
     pid = os.fork()
@@ -210,7 +212,11 @@ def test_a_forked_child_does_not_keep_the_parents_finalized_listeners():
         os.read(r, 1)  # lives on until the parent says
         os._exit(0)
     os.close(r)
-    loop.run_until_complete(dd.finalize())
+    if STOP == "finalize":
+        loop.run_until_complete(dd.finalize())
+    else:
+        loop.run_until_complete(dd.switch_role(LLMRole.DECODER))
+        print("listens:", dd.listen_address, share_listener_of(dd))
     for family, kind, where in ((socket.AF_INET, socket.SOCK_STREAM, address),
                                 (socket.AF_UNIX, socket.SOCK_SEQPACKET, share)):
         with socket.socket(family, kind) as sock:
@@ -226,11 +232,13 @@ def test_a_forked_child_does_not_keep_the_parents_finalized_listeners():
     loop.run_until_complete(again.init(config))
     print("listens again:", again.listen_address == address)
     loop.run_until_complete(again.finalize())
+    loop.run_until_complete(dd.finalize())
     os.write(w, b"x")
     print("child:", reap(pid))
     loop.close()
     ''')
     assert out.count("dial: refused") == 2, out
+    assert stop == "finalize" or "listens: None None" in out, out
     assert "listens again: True" in out and "child: 0" in out, out
 
 
