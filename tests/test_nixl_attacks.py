@@ -22,7 +22,7 @@ from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, endpoint, fill, linked_pa
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement
 from aio_datadist.testing import link_to, nixl_agent_of
-from aio_datadist.transport import nixl, nixl_offers
+from aio_datadist.transport import base, nixl, nixl_offers
 
 NIXL = {"transport": "nixl"}
 BLOCKS = CacheDesc(4, (16, 4, 64), DataType.DT_FLOAT16, Placement.HOST)  # 16 blocks of 512 B
@@ -82,69 +82,124 @@ async def test_metadata_naming_another_agent_is_not_kept_loaded():
 
 def slowed_writes(dd, seconds: float) -> tuple[list[float], Callable[[], None]]:
     """Make ``dd``'s NIXL worker post every transfer (none from the loop, as when the worker is busy) and wait
-    ``seconds`` before each: when each was posted (once NIXL took it), and a function that ends the delay."""
+    ``seconds`` before each: when the posting of each began (after the wait), and a function that ends the
+    delay."""
     engine = nixl_agent_of(dd).engine
-    start, try_post, posted = engine._start, engine.try_post, []
+    start, try_post, posting = engine._start, engine.try_post, []
 
     def slow(*args):
         time.sleep(seconds)
-        try:
-            return start(*args)
-        finally:
-            posted.append(time.monotonic())
+        posting.append(time.monotonic())
+        return start(*args)
 
     def restore() -> None:
         engine._start, engine.try_post = start, try_post
 
     engine._start, engine.try_post = slow, lambda *args: None
-    return posted, restore
+    return posting, restore
 
 
-async def push_cut_by_unlink(pair, src, dst) -> None:
-    """A push from the prompt into the decoder's ``dst`` under way on the prompt's NIXL worker (its WRITE held
-    0.3 s before it is posted) when the decoder drops the link (force); then a new link. Since row 337 the
-    prompt's end of the link cuts the push as it hears of the drop, and the WRITE is not posted unless the
-    worker posted it first. The decoder drops the link only once the worker took the WRITE (before, the drop
-    could come ahead of the decoder's answer: no WRITE was under way, and the tests using this failed about one
-    run in two)."""
-    await prepared(pair.decoder, PROMPT_ID, dst)
-    engine = nixl_agent_of(pair.prompt).engine
-    taken = engine.in_flight()
-    posted, restore = slowed_writes(pair.prompt, 0.3)
-    push = asyncio.create_task(pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [0], [0], timeout=2000))
+def held_in_progress(monkeypatch, engine) -> tuple[list[Any], threading.Event]:
+    """NIXL reports the next transfer of more than one row that ``engine``'s agent posts as in progress until the
+    returned event is set: its posting call (``transfer``) and every state check (``check_xfer_state``) say
+    ``PROC``, whatever NIXL did, as for a transfer whose peer makes no progress on it (over UCX shared memory, a
+    WRITE posted after the owner dropped the link). The list gets its handle once it is made."""
+    kind = type(engine.agent)
+    real_make, real_transfer, real_check = kind.make_prepped_xfer, kind.transfer, kind.check_xfer_state
+    release, held = threading.Event(), []
+
+    def holding(handle) -> bool:
+        return bool(held) and handle is held[0] and not release.is_set()
+
+    def make_prepped_xfer(self, op, local, local_idx, *args, **kwargs):
+        handle = real_make(self, op, local, local_idx, *args, **kwargs)
+        if self is engine.agent and not held and len(local_idx) > 1:
+            held.append(handle)
+        return handle
+
+    def transfer(self, handle, *args, **kwargs):
+        state = real_transfer(self, handle, *args, **kwargs)
+        return "PROC" if holding(handle) else state
+
+    def check_xfer_state(self, handle):
+        return "PROC" if holding(handle) else real_check(self, handle)
+
+    monkeypatch.setattr(kind, "make_prepped_xfer", make_prepped_xfer)
+    monkeypatch.setattr(kind, "transfer", transfer)
+    monkeypatch.setattr(kind, "check_xfer_state", check_xfer_state)
+    return held, release
+
+
+async def granted(dd, cache) -> None:
+    """Until ``dd`` may read ``cache`` of the prompt's, bound to ``BlocksCacheKey(PROMPT_ID)``, without asking."""
     async with asyncio.timeout(5):
-        while engine.in_flight() == taken:  # the worker took the WRITE
-            await asyncio.sleep(0.002)
-    await pair.unlink(force=True)
-    with pytest.raises(LLMException):
-        await push
-    restore()
-    assert len(posted) == 1  # the worker got to the WRITE (posted, or skipped as cut)
-    await pair.link()
-    await prepared(pair.decoder, PROMPT_ID, dst)
-    await prepared(pair.prompt, DECODER_ID, src)
+        while True:
+            link = link_to(dd, PROMPT_ID)
+            if link is not None and link.nixl is not None and link.nixl.grant_for(0) is not None \
+                    and cache.cache_id in link.nixl.caches:
+                return
+            await asyncio.sleep(0.005)
+
+
+def unloads_waiting(engine, name: bytes) -> int:
+    """How many unloads of agent ``name`` (a link's close: ``NixlPeer.close``) wait on ``engine``'s worker for a
+    transfer that uses it."""
+    return sum(1 for uses, _ in list(engine._deferred) if uses == (name,))
 
 
 @needs_nixl
 @pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
-async def test_closing_a_link_does_not_unload_the_agent_of_the_next_link_to_the_same_peer():
-    """A link's close unloads the peer's agent once no transfer of ours uses it any more. Before, a transfer
-    still in flight deferred that past the next link to the same endpoint, which had loaded the same agent
-    meanwhile (a no-op then): the unload took it from the new link, whose NIXL transfers then failed. (Since row
-    337 the push this setup cuts is not posted, so no transfer defers the unload here; the test shows the next
-    link's pushes go by NIXL.)"""
+async def test_closing_a_link_does_not_unload_the_agent_of_the_next_link_to_the_same_peer(monkeypatch, caplog):
+    """A link's close unloads the peer's agent once no transfer of ours uses it any more. Here a READ of ours (a
+    pull without asking) stays in NIXL's hands (``held_in_progress``) past our forced unlink, which cuts it and
+    does not wait for it (row 337), so the unload waits; the next link to the same endpoint loads the same agent
+    meanwhile (a no-op, it is still loaded). Once the READ settles, the waiting unload must leave the agent to
+    that link: before, it took it, and the link's NIXL pulls failed ``LLM_LINK_FAILED``
+    (``NIXL_ERR_NOT_FOUND``). The settle bound is raised so that the held READ is not forced off (that would let
+    the agent go, row 199's case): the agent stays loaded throughout."""
+    monkeypatch.setattr(base, "NIXL_SETTLE_S", 30.0)
+    caplog.set_level(logging.WARNING, logger="aio_datadist.nixl")
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
         src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
-        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
         await pair.link()
-        await push_cut_by_unlink(pair, src, dst)
-        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [2], [2])  # the cut WRITE settles now
+        await granted(pair.decoder, src)
+        engine = nixl_agent_of(pair.decoder).engine
+        name = nixl_agent_of(pair.prompt).name
+        held, release = held_in_progress(monkeypatch, engine)
+        try:
+            pull = asyncio.create_task(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [0, 1], [0, 1],
+                                                           timeout=60_000))
+            async with asyncio.timeout(5):
+                while not (held and engine._active):  # the READ of the rows is in NIXL's hands
+                    await asyncio.sleep(0.002)
+            await pair.unlink(force=True)  # cuts the READ; a forced unlink does not wait for it
+            async with asyncio.timeout(5):
+                while not unloads_waiting(engine, name):  # the old link's close: its unload waits for the READ
+                    await asyncio.sleep(0.002)
+            await pair.link()
+            await granted(pair.decoder, src)
+            new = link_to(pair.decoder, PROMPT_ID).nixl
+            assert new.agent_loaded and new.name == name  # the same agent, loaded again (still loaded)
+            # The case: the next link is up on that agent while the old link's unload still waits for the READ.
+            assert not pull.done() and engine._active and unloads_waiting(engine, name) == 1
+        finally:
+            release.set()
+        with pytest.raises(LLMException) as exc:
+            await asyncio.wait_for(pull, 5)
+        assert exc.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK, exc.value
+        async with asyncio.timeout(5):
+            while unloads_waiting(engine, name):  # the READ settled: the unload ran (and left the agent)
+                await asyncio.sleep(0.002)
         want = fill(src, 4)
-        posted = posted_count(pair.prompt)
-        for n in range(3):  # the prompt writes the decoder's cache: its agent must still know the decoder's
-            await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [n + 4], [n + 4], timeout=2000)
-        assert posted_count(pair.prompt) == posted + 3  # by NIXL
+        posted = engine.posted
+        for n in range(3):  # the decoder reads the prompt's cache: its agent must still know the prompt's
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [n + 4], [n + 4], timeout=2000)
+        assert engine.posted == posted + 3  # by NIXL
         assert all(torch.equal(d[4:7], w[4:7]) for d, w in zip(dst.tensors, want, strict=True))
+        assert link_to(pair.decoder, PROMPT_ID).broken is None
+        assert await on_worker(pair.decoder, lambda agent: agent.check_remote_metadata(name.decode()))
+        assert "letting go of agent" not in caplog.text, caplog.text  # nothing was forced off
 
 
 def posted_count(dd) -> int:
@@ -153,30 +208,75 @@ def posted_count(dd) -> int:
 
 @needs_nixl
 @pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
-async def test_a_late_notification_of_an_earlier_link_does_not_confirm_a_push_of_the_next():
-    """Request ids start again on every link. A WRITE cut by its link's end stays in flight over UCX shared
-    memory until the owner's agent progresses again, on the next link to the same peer, and its notification
-    then comes late. It must not confirm the next link's push of the same id: before, that push was reported
-    done before its own WRITE was even posted, its bytes not in place.
-
-    Since row 337 the prompt cuts its push as it hears of the drop, before the held WRITE is posted, so this
-    setup no longer leaves a WRITE in flight and the late notification does not come (an audit, 2026-12-06, saw
-    that the test never checked it came): it now shows only that the next link's push is right. Row 109 is open
-    for a test that reaches the case."""
+async def test_a_late_notification_of_an_earlier_link_does_not_confirm_a_push_of_the_next(monkeypatch):
+    """Request ids start again on every link. A WRITE of a link's push whose notification comes late (over UCX
+    shared memory, a WRITE cut by its link's end stays in flight until the owner's agent progresses, on the next
+    link to the same peer) must not confirm the next link's push of the same id. The late notification is the
+    first link's own one for that id, sent by the pusher's agent (NIXL ``send_notif``) once the next link is up
+    and read by the owner's agent before that link's push starts; the push's WRITE is held 0.3 s before it is
+    posted. Before, the owner recorded the push's rows as arrived (its push watch done) before the WRITE was
+    posted, their bytes not in place."""
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
         src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
+        engine = nixl_agent_of(pair.decoder).engine
+        expected: list[tuple[bytes, bytes]] = []  # the notifications the decoder awaits, in turn
+        expect_notif = engine.expect_notif
+
+        def recorded(token: int, peer: bytes, message: bytes) -> None:
+            expected.append((peer, message))
+            expect_notif(token, peer, message)
+
+        monkeypatch.setattr(engine, "expect_notif", recorded)
         await pair.link()
-        await push_cut_by_unlink(pair, src, dst)
-        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [2], [2])  # the decoder's agent progresses
-        want = fill(src, 4)
-        posted, restore = slowed_writes(pair.prompt, 0.3)
+        await prepared(pair.decoder, PROMPT_ID, dst)
+        posted = posted_count(pair.prompt)
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [0], [0], timeout=2000)
+        assert posted_count(pair.prompt) == posted + 1 and len(expected) == 1  # by NIXL
+        late = expected[0]  # the first link's notification of its push
+        await pair.unlink()
+        await pair.link()
+        await prepared(pair.decoder, PROMPT_ID, dst)
+        await prepared(pair.prompt, DECODER_ID, src)
+
+        decoder_name = nixl_agent_of(pair.decoder).name.decode()
+        # Both workers make progress meanwhile (the send needs the sender's); the decoder's reads notifications:
+        # the late one is kept, unmatched (``NixlEngine._early``), for an expectation that may follow.
+        sender = nixl_agent_of(pair.prompt).engine
+        sender.hold()
+        engine.hold()
         try:
-            await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [0], [0], timeout=3000)
-            assert posted, "confirmed before its WRITE was posted"
-            assert all(torch.equal(d[0], w[0]) for d, w in zip(dst.tensors, want, strict=True))
+            await on_worker(pair.prompt, lambda agent: agent.send_notif(decoder_name, late[1]))
+            async with asyncio.timeout(5):
+                while late not in engine._early:
+                    await asyncio.sleep(0.002)
+        finally:
+            engine.unhold()
+            sender.unhold()
+
+        want = fill(src, 4)
+        posting, restore = slowed_writes(pair.prompt, 0.3)
+        push = None
+        try:
+            with pair.dm.watch_pushes(dst, [0]) as watch:
+                push = asyncio.create_task(pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [0], [0],
+                                                               timeout=3000))
+                await watch.wait(timeout=5000)  # the owner recorded the push's rows as arrived
+                at_arrival = [t[0].clone() for t in dst.tensors]
+                assert posting, "the owner recorded the push as arrived before its WRITE was posted"
+                assert all(torch.equal(a, w[0]) for a, w in zip(at_arrival, want, strict=True)), \
+                    "recorded as arrived with its bytes not in place"
+                await push
         finally:
             restore()
+            if push is not None and not push.done():
+                push.cancel()
+                with contextlib.suppress(BaseException):
+                    await push
+        assert len(expected) == 2
+        assert expected[1][0] == late[0] and expected[1][1][-8:] == late[1][-8:]  # the same agent and request id
+        assert all(torch.equal(d[0], w[0]) for d, w in zip(dst.tensors, want, strict=True))
+        assert late in engine._early  # it came, and confirmed nothing
 
 
 ATTACKER_ID = 3
