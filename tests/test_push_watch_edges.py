@@ -93,6 +93,32 @@ async def test_a_push_accepted_before_a_watch_neither_completes_nor_fails_it(
             await asyncio.wait_for(watch, 2)
 
 
+async def test_a_watch_made_while_an_accepted_push_lands_does_not_hear_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, through the owner's own path: request B's watch is made right after the owner accepted request
+    A's push, before A's bytes landed, and A then ends as every push does. The push is stamped when it is
+    accepted, not when it ends: a watch made in between hears nothing of it (the test above hands A's record
+    over by hand, and passed with the stamp taken at the end; found by audit, 2026-12-07)."""
+    async with blocks_pair() as (pair, src, dst):
+        arrivals = runtime_of(pair.decoder).arrivals
+        accepted, made = arrivals.accepted, []
+
+        def accepted_then_watch(*args: Any) -> Any:
+            stamped = accepted(*args)  # A is accepted here
+            if not made:
+                made.append(pair.dm.watch_pushes(dst, [1, 2]))  # B's watch, while A lands
+            return stamped
+
+        monkeypatch.setattr(arrivals, "accepted", accepted_then_watch)
+        await push(pair, src, [1, 2])  # request A: accepted, the watch made, A lands and ends
+        monkeypatch.undo()
+        assert made, "the owner never accepted the push"
+        with made[0] as watch:
+            await asyncio.sleep(0.05)
+            assert not watch.layer(0).done() and not watch.done(), "B's watch heard of A's push"
+            await push(pair, src, [1, 2])  # request B's own push
+            await asyncio.wait_for(watch, 2)
+
+
 async def test_a_watch_is_made_on_the_endpoints_loop_only() -> None:
     """From a helper loop in a worker thread (whose futures the endpoint's loop would complete unsafely)
     and from a thread with no loop, ``watch_pushes`` raises ``LLM_FAILED`` and watches nothing."""
