@@ -77,19 +77,50 @@ async def test_a_share_connection_met_with_emfile_does_not_spin_the_loop(monkeyp
 
 
 @pytest.mark.asyncio
-async def test_the_link_door_out_of_fds_says_so_once(caplog):
+async def test_the_link_door_out_of_fds_backs_off_and_says_so_once_per_episode(monkeypatch, caplog):
     """The TCP door backs off 50 ms per try while no fd is free (as the share socket does), and says so once
-    per episode. Before, it logged a warning on every try: 20 a second for as long as no fd freed."""
+    per episode: a second want of fds, after it took a connection again, is said again. Before, it logged a
+    warning on every try: 20 a second for as long as no fd freed. (The first form of this test counted the
+    warnings of one episode only, and passed with the back-off gone, thousands of tries in 0.3 s, or with no
+    word on a second episode; audit, 2026-12-07.)"""
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt:
-        client = socket.socket()  # before fds run out
-        client.setblocking(False)
-        with no_free_fds(), caplog.at_level(logging.WARNING, "aio_datadist.links"):
-            with contextlib.suppress(BlockingIOError):
-                client.connect(port_of(prompt))  # queued in the backlog: accept() fails with EMFILE
-            await asyncio.sleep(0.3)
-        client.close()
-        said = [r for r in caplog.records if "cannot accept a connection" in r.getMessage()]
-        assert len(said) == 1, [r.getMessage() for r in said]
+        door = admission_of(prompt)
+        assert door is not None
+        tries = taken = 0
+        real = socket.socket.accept
+
+        def counting(sock):
+            nonlocal tries, taken
+            if sock is door.sock:
+                tries += 1
+                out = real(sock)  # raises EMFILE while no fd is free
+                taken += 1
+                return out
+            return real(sock)
+
+        monkeypatch.setattr(socket.socket, "accept", counting)
+        clients = []
+        try:
+            with caplog.at_level(logging.WARNING, "aio_datadist.links"):
+                for episode in (1, 2):
+                    tries_before, taken_before = tries, taken
+                    client = socket.socket()  # before fds run out
+                    clients.append(client)
+                    client.setblocking(False)
+                    with no_free_fds():
+                        with contextlib.suppress(BlockingIOError):
+                            client.connect(port_of(prompt))  # queued in the backlog: accept() fails with EMFILE
+                        await asyncio.sleep(0.3)
+                    failed = (tries - tries_before) - (taken - taken_before)
+                    assert 0 < failed < 20, f"episode {episode}: accept() failed {failed} times in 0.3 s"
+                    said = [r for r in caplog.records if "cannot accept a connection" in r.getMessage()]
+                    assert len(said) == episode, [r.getMessage() for r in said]
+                    async with asyncio.timeout(5):  # fds free again: the queued connection is taken
+                        while taken == taken_before:
+                            await asyncio.sleep(0.01)
+        finally:
+            for client in clients:
+                client.close()
 
 
 @pytest.mark.asyncio
