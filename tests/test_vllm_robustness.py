@@ -176,6 +176,43 @@ def test_an_honest_burst_of_claims_named_a_step_later_all_loads(agents) -> None:
     assert len(finished) == 100 and not failed, f"{len(failed)} of 100 honest loads failed"
 
 
+@pytest.mark.parametrize("variant", ["expired", "re-added"])
+def test_a_load_whose_claim_the_prefill_let_go_is_not_reported_loaded(agents, variant) -> None:  # noqa: F811
+    """As above, with the side channel up, so that only the prefill's ``held`` answer can fail the load: the
+    prefill lets the claim go past its hold while the pull's request waits on the KV path, and the freed block
+    is overwritten. ``re-added``: the request is held again afterwards, unclaimed, and ``held`` must still say
+    no for the old claim. (The test above cuts the side channel, so the decode's ``held`` itself goes
+    unanswered: it passed with a prefill whose ``held_by`` always said yes; audit, 2026-12-07.)"""
+    relays = LoopThread("relays")
+    prefill, p_kv = agents(True, transport="tcp")
+    data = _HoldUp(prefill._dd.listen_address)
+    try:
+        relays.call(data.__aenter__())
+        prefill.options.advertise_data = "{}:{}".format(*data.address)
+        decode, d_kv = agents(False, transport="tcp")
+        prefill.holds.add("r0", lease_s=60, blocks=[4])
+        decode.start_pull("d0", _remote(prefill.side_channel, "r0", [4]), [1])
+        assert _loaded(decode, "d0")
+        prefill.holds.add("r1", lease_s=60, blocks=[6])
+        data.hold = True
+        decode.start_pull("d1", _remote(prefill.side_channel, "r1", [6]), [3])
+        wait(lambda: "r1" in prefill.holds.held and prefill.holds.held["r1"].owner is not None, 5)
+        time.sleep(0.1)  # the pull's request waits on the path
+        with prefill.holds._lock:
+            prefill.holds._held["r1"].deadline = 0.0  # its hold ran out
+        assert "r1" in prefill.holds.take_released()  # vLLM frees the blocks...
+        for name in p_kv:
+            p_kv[name][:, 6] = 7.0  # ...and another request writes block 6
+        if variant == "re-added":
+            prefill.holds.add("r1", lease_s=60, blocks=[6])  # held again, unclaimed: not for the old claim
+        data.hold = False
+        assert not _loaded(decode, "d1"), "reported loaded although the prefill had let the claim go"
+    finally:
+        data.hold = False
+        relays.call(data.__aexit__(None, None, None))
+        relays.stop()
+
+
 def test_a_decode_loads_from_a_prefill_that_does_not_serve_held(agents, monkeypatch) -> None:  # noqa: F811
     """A prefill of the release before ``held`` (its hello lists no ``ops``) in a rolling upgrade: the decode
     does not ask it ``held`` (which it would take for a bad frame, closing the side channel and freeing every
