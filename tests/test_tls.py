@@ -276,6 +276,12 @@ async def test_tls_keeps_same_host_sharing():
         dst = dec.kv_cache_manager.allocate_cache(ROWS)
         await dec.kv_cache_manager.pull_cache(CacheKey(PROMPT, 1), dst, batch_index=2)
         assert all(torch.equal(d[2], v[0]) for d, v in zip(bits(dst), values))
+        # The pull took the share, not the TLS stream (which moves the same bytes), and the owner maps the
+        # decoder's cache too: each other's (the test checked one mapping only and passed with the share unused;
+        # audit, 2026-12-07).
+        assert dec.stats().links[PROMPT].transports.get("pull") == "local", dec.stats().links[PROMPT]
+        back = link_to(prompt, DECODER)
+        assert back.local is not None and back.local.region(dst.cache_id) is not None
 
 
 async def test_tls_configuration_errors_name_the_option():
