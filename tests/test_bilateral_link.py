@@ -599,9 +599,19 @@ async def test_finalize_ends_comms_in_any_state():
         waiting = await d.link("z", {7: 0, DECODER_ID: 1}, rank_table(THIRD_IP, DECODER_IP))
         assert d.query_register_mem_status(dialling) is PREPARING
         assert d.query_register_mem_status(waiting) is PREPARING
+        assert len(_link_attempts()) == 2
         await d.finalize()
+        # Stopped by finalize, not left to run out the link time (the leak check sees fds, not tasks: the test
+        # passed with the attempts left running until an audit, 2026-12-07)
+        assert not _link_attempts(), _link_attempts()
         assert await settled(p, comm_p) is FAILED
         await p.unlink(comm_p)
+
+
+def _link_attempts() -> list[asyncio.Task]:
+    """The endpoint's bilateral ``link()`` attempts still running in this loop (the dialling and the waiting end)."""
+    return [task for task in asyncio.all_tasks() if not task.done()
+            and task.get_coro().__name__ in ("_dial_bilateral", "_await_bilateral")]
 
 
 @pytest.mark.asyncio
