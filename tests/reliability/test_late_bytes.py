@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import hashlib
 import socket
+import struct
 import termios
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -47,6 +48,7 @@ from aio_datadist import (
     TransferWithCacheKeyConfig,
 )
 from aio_datadist.testing import link_to, nixl_agent_of, runtime_of
+from aio_datadist.transport import tls as tls_module
 from aio_datadist.transport.base import ABORT_ACK_S
 from peers import (
     NIXL_MISSING,
@@ -267,6 +269,31 @@ async def test_a_cut_tcp_push_lands_nothing_after_it_returned(how):
         assert cut_mid_way(shares), f"no cut came while bytes were moving: {shares}"
         await verified_push(prompt, src, dst, 6)
         await dec.check_link_status(PROMPT)
+
+
+@pytest.mark.parametrize("use_tls", [False, True], ids=["tcp", "tls"])
+async def test_a_cut_push_closes_its_channel_with_a_reset(monkeypatch, use_tls):
+    """A push cut mid-way closes its data channel's TCP socket (under TLS too) with a reset (``SO_LINGER``
+    on, 0 s), so the kernel drops what it has not sent. The tests above pass with a plain close, the receiver's
+    discard hiding the bytes (audit, 2026-12-07)."""
+    lingered: list[tuple[int, int]] = []
+    real = tls_module.reset_on_close
+
+    def watched(sock):
+        real(sock)
+        with contextlib.suppress(OSError):
+            lingered.append(struct.unpack("ii", sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)))
+
+    monkeypatch.setattr(tls_module, "reset_on_close", watched)
+    async with pair(SLOW, slow=RATE, transport="tcp", **({"tls": True} if use_tls else {})) as (prompt, dec, src, dst):
+        paint(src, 5)
+        outcomes = []
+        for delay in (0.04, 0.08, 0.12):
+            outcome, _, _ = await cut(lambda ms: prompt.kv_cache_manager.push_blocks(
+                BlocksCacheKey(DECODER, 0), src, ALL, ALL, timeout=ms), "task.cancel", delay, lambda: None)
+            outcomes.append(outcome)
+        assert any(o != "done" for o in outcomes), outcomes
+        assert lingered and all(pair_ == (1, 0) for pair_ in lingered), (outcomes, lingered)
 
 
 @pytest.mark.loops_take_turns
