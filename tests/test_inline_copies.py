@@ -78,6 +78,27 @@ async def test_a_small_pull_copies_inline_and_a_large_one_on_the_threads(monkeyp
 
 
 @pytest.mark.asyncio
+async def test_a_pull_of_exactly_the_bound_copies_inline_and_one_block_more_does_not():
+    """At the bound: a pull of exactly ``INLINE_COPY_MAX`` (8 blocks of 4 x 64 KiB) copies inline, one of a block
+    more goes to the threads (the test above pulls 512 KiB and 4 MiB, and passed with ``<`` for ``<=``; audit,
+    2026-12-07)."""
+    block = 4 * 64 * 1024
+    assert same_host.INLINE_COPY_MAX == 8 * block
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 3)
+        dst = pair.dm.allocate_blocks_cache(SMALL, BlocksCacheKey(DECODER_ID, 0))
+        await pair.link()
+        copier = counting(pair.decoder)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(8)), list(range(8)))
+        assert copier.jobs == 0, "a copy of exactly INLINE_COPY_MAX went to the threads"
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(9)), list(range(7, 16)))
+        assert copier.jobs == 1, "a copy over INLINE_COPY_MAX ran inline"
+        for d, v in zip(dst.tensors, values, strict=True):
+            assert torch.equal(d[:7], v[:7]) and torch.equal(d[7:16], v[:9])
+
+
+@pytest.mark.asyncio
 async def test_a_small_pull_beside_a_running_copy_goes_to_the_threads_too():
     """While the threads have work (any copy of the runtime's, here a large pull), a small copy queues there
     too instead of holding the loop."""
