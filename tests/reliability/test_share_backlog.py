@@ -198,3 +198,34 @@ async def test_a_peer_that_falls_too_far_behind_loses_its_share(monkeypatch):
         for cache in made:
             kv.deallocate_cache(cache)
         assert usable_link(pair.prompt, DECODER).local is None and len(made) < 5000
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_an_offer_still_waiting_when_its_cache_is_freed_is_dropped_never_sent():
+    """Caches allocated faster than the share socket takes their offers (no await between them): a cache whose
+    offer (ADD) still waits is not served as shared, and one freed then has its ADD dropped, with no withdrawal
+    (DEL) queued behind it. The tests above passed with the waiting ADD sent and then withdrawn, or with
+    ``shared`` blind to waiting ADDs (audit, 2026-12-07)."""
+    local = {"transport": "local"}
+    async with linked_pair(prompt_config=local, decoder_config=local) as pair:
+        kv = pair.prompt.kv_cache_manager
+        share = usable_link(pair.prompt, DECODER).local
+        assert share is not None
+        made = [kv.allocate_cache(SMALL) for _ in range(1500)]  # no await: the socket fills, ADDs wait
+        waiting = {entry[2][1] for entry in share._out if entry[2] is not None and entry[2][0] == local_module._ADD}
+        assert waiting, "the socket took every record: the case is not reached"
+        assert not any(share.shared(cache) for cache in made if cache.cache_id in waiting)
+        before = len(share._out)
+        freed = [cache for cache in made if cache.cache_id in waiting]
+        for cache in freed:
+            kv.deallocate_cache(cache)
+        left = {entry[2][1] for entry in share._out if entry[2] is not None and entry[2][0] == local_module._ADD}
+        assert not left & {cache.cache_id for cache in freed}, "a freed cache's ADD is still to be sent"
+        assert len(share._out) == before - len(freed), "freeing a cache whose ADD waited queued a DEL"
+        for cache in made:
+            if cache.cache_id not in waiting:
+                kv.deallocate_cache(cache)
+        async with asyncio.timeout(5):
+            while share._out:
+                await asyncio.sleep(0.01)
+        assert not share.closed
