@@ -342,3 +342,22 @@ async def test_a_request_deferred_in_the_chunk_that_unlinks_leaves_nothing_count
         await _until(lambda: ours.closed)
         await asyncio.sleep(0.05)
         assert not ours.deferred and not ours._deferring and not ours.redialling
+
+
+async def test_a_stale_holders_release_does_not_hand_out_the_channel_a_new_transfer_holds() -> None:
+    """A transfer gives back only the generation it took: one whose channel was reset and redialled, and taken
+    by a second transfer meanwhile, gives back late and must not queue the channel the second one holds (the
+    tests above passed with the generation check in ``release`` removed; audit, 2026-12-07)."""
+    async with _pair() as (prompt, decoder):
+        ours = link_to(decoder, 1)
+        index = await ours.acquire()  # transfer 1 takes generation g
+        generation = ours.channels[index].generation
+        ours.reset_channel(index, tell_peer=False)  # it went out of step; the client redials g + 1
+        await _until(lambda: ours.channels[index].generation == generation + 1 and _queued(ours, index) == 1)
+        again = await ours.acquire()  # transfer 2 holds g + 1
+        assert again == index and _queued(ours, index) == 0
+        ours.release(index, generation)  # transfer 1 gives back late: not its channel any more
+        assert _queued(ours, index) == 0, "the channel transfer 2 holds was queued for a third transfer"
+        ours.release(again, generation + 1)
+        assert _queued(ours, index) == 1
+        assert ours.broken is None
