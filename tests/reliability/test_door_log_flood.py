@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from aio_datadist import LLMRole, LLMStatusCode, fd_budget, wire
+from aio_datadist import LLMRole, LLMStatusCode, fd_budget, listener, wire
 from aio_datadist.wire import Msg
 from peers import cluster_info, port_of
 
@@ -75,3 +75,23 @@ async def test_links_refused_for_their_fds_do_not_flood_the_log(caplog, monkeypa
         codes = await asyncio.to_thread(_over_budget, port_of(dd), 100)
         assert codes == [S.LLM_CLUSTER_NUM_EXCEED_LIMIT] * 100
         assert _lines(caplog, "RLIMIT_NOFILE") == (1, 99)
+
+
+def test_the_refusal_log_warns_again_after_its_interval_with_the_count(caplog, monkeypatch):
+    """One WARNING per ``REFUSAL_LOG_EVERY_S`` with how many were refused since the last, DEBUG for the rest, and
+    a WARNING again once the interval passed (the tests above count lines within one interval, and passed with a
+    warning once ever and no count; audit, 2026-12-07). The clock is the test's."""
+    caplog.set_level(logging.DEBUG, logger="aio_datadist")
+    now = [1000.0]
+    monkeypatch.setattr(listener.time, "monotonic", lambda: now[0])
+    refusals = listener.RefusalLog()
+    for _ in range(5):
+        refusals.note("refused %s", "x")
+        now[0] += 1
+    now[0] += listener.REFUSAL_LOG_EVERY_S
+    refusals.note("refused %s", "x")
+    refusals.note("refused %s", "x")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "(1 refused since" in warnings[0] and "(5 refused since" in warnings[1], warnings  # 4 DEBUG + this one
+    assert len([r for r in caplog.records if r.levelno == logging.DEBUG]) == 5
