@@ -242,3 +242,33 @@ async def test_expected_records_and_forget(completions):
     completions.forget(t1)
     assert f1.cancelled()
     assert completions.pending_count() == 0
+
+
+def test_forget_off_the_loop_skips_a_closed_loop() -> None:
+    """``Completions.forget`` from another thread hands the cancel to the future's loop, and skips one that is
+    closed (the future's waiter is gone with it) instead of raising "Event loop is closed" (row 251's second half,
+    untested until an audit, 2026-12-07)."""
+    queue = _core.CompletionQueue()
+    comp = Completions(queue)
+    got = {}
+
+    def on_its_own_loop() -> None:
+        loop = asyncio.new_event_loop()
+
+        async def take() -> None:
+            (token, fut), = comp.expect(1, "layer event")
+            got["token"], got["fut"] = token, fut
+
+        loop.run_until_complete(take())
+        loop.close()  # the future stays pending on a closed loop
+
+    thread = threading.Thread(target=on_its_own_loop)
+    thread.start()
+    thread.join(5)
+    try:
+        assert got["fut"].get_loop().is_closed() and not got["fut"].done()
+        comp.forget(got["token"])  # off the loop
+        assert comp.pending_count() == 0
+    finally:
+        comp.close()
+        queue.close()
