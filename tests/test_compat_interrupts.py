@@ -99,7 +99,8 @@ def test_a_signal_handler_that_calls_the_facade_while_the_exit_holds_its_lock_is
     thread counts as inside a call, so the handler's call is refused (found by the fix's review: it hung after
     1,642 signals)."""
     counts = _signal_child("refuse")
-    assert counts["rounds"] > 0 and counts["ran"] + counts["refused"] > 0 and counts["other"] == 0, counts
+    # refused: some signals landed inside a call (hundreds do in a run); only a hang caught that before (audit)
+    assert counts["rounds"] > 0 and counts["refused"] > 0 and counts["other"] == 0, counts
 
 
 def test_a_signal_handler_that_calls_the_facade_inside_a_call_is_refused_at_once_not_left_waiting() -> None:
@@ -108,7 +109,8 @@ def test_a_signal_handler_that_calls_the_facade_inside_a_call_is_refused_at_once
     for good on the lock or the event of the call it interrupted (found by an audit: every run hung within
     about 1,700 signals, 2 ms apart)."""
     counts = _signal_child("calls")
-    assert counts["rounds"] > 0 and counts["ran"] + counts["refused"] > 0 and counts["other"] == 0, counts
+    # refused: some signals landed inside a call (hundreds do in a run); only a hang caught that before (audit)
+    assert counts["rounds"] > 0 and counts["refused"] > 0 and counts["other"] == 0, counts
 
 
 def test_ctrl_c_as_a_blocking_init_ends_leaves_no_endpoint_behind_the_caller() -> None:
