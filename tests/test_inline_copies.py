@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import ctypes
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +47,18 @@ def counting(dd) -> CountingCopier:
     return rt.copier
 
 
+@contextlib.asynccontextmanager
+async def small_local_pair() -> AsyncIterator[tuple[Any, list[torch.Tensor], Any, CountingCopier]]:
+    """A same-host pair with a ``SMALL`` blocks cache each, the prompt's filled: ``(pair, its values, the
+    decoder's cache, the decoder's copy engine counting its jobs)``."""
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 3)
+        dst = pair.dm.allocate_blocks_cache(SMALL, BlocksCacheKey(DECODER_ID, 0))
+        await pair.link()
+        yield pair, values, dst, counting(pair.decoder)
+
+
 def test_copy_now_copies_every_triple_and_returns_the_bytes():
     src, dst = bytearray(range(200)), bytearray(200)
     a = ctypes.addressof((ctypes.c_char * 200).from_buffer(src))
@@ -61,12 +76,7 @@ async def test_a_small_pull_copies_inline_and_a_large_one_on_the_threads(monkeyp
     """Threshold 0 (``AIO_DATADIST_INLINE_COPY_MAX=0``, for comparisons) hands every copy to the threads."""
     if threshold is not None:
         monkeypatch.setattr(same_host, "INLINE_COPY_MAX", threshold)
-    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
-        src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 0))
-        values = fill(src, 3)
-        dst = pair.dm.allocate_blocks_cache(SMALL, BlocksCacheKey(DECODER_ID, 0))
-        await pair.link()
-        copier = counting(pair.decoder)
+    async with small_local_pair() as (pair, values, dst, copier):
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1, 7], [2, 9])  # 4 x 2 x 64 KiB
         assert copier.jobs == (0 if threshold is None else 1)
         for d, v in zip(dst.tensors, values):
@@ -84,12 +94,7 @@ async def test_a_pull_of_exactly_the_bound_copies_inline_and_one_block_more_does
     2026-12-07)."""
     block = 4 * 64 * 1024
     assert same_host.INLINE_COPY_MAX == 8 * block
-    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
-        src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 0))
-        values = fill(src, 3)
-        dst = pair.dm.allocate_blocks_cache(SMALL, BlocksCacheKey(DECODER_ID, 0))
-        await pair.link()
-        copier = counting(pair.decoder)
+    async with small_local_pair() as (pair, values, dst, copier):
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(8)), list(range(8)))
         assert copier.jobs == 0, "a copy of exactly INLINE_COPY_MAX went to the threads"
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(9)), list(range(7, 16)))

@@ -88,6 +88,20 @@ class _HoldUp(Relay):
             writer.transport.abort()
 
 
+def _claimed_pull_held_on_its_way(prefill, decode, data: _HoldUp, side: tuple[str, int]) -> None:
+    """A first load from ``prefill`` (its side channel at ``side``) brings the side channel and the KV link up;
+    then the decode claims request ``r1`` (block 6, into its block 3) and its pull's request is held on the KV
+    path (``data``) until the caller lets it go."""
+    prefill.holds.add("r0", lease_s=60, blocks=[4])
+    decode.start_pull("d0", _remote(side, "r0", [4]), [1])
+    assert _loaded(decode, "d0")
+    prefill.holds.add("r1", lease_s=60, blocks=[6])
+    data.hold = True
+    decode.start_pull("d1", _remote(side, "r1", [6]), [3])
+    wait(lambda: "r1" in prefill.holds.held and prefill.holds.held["r1"].owner is not None, 5)
+    time.sleep(0.1)  # the pull's request waits on the path
+
+
 def test_a_load_whose_blocks_the_prefill_freed_meanwhile_is_not_reported_loaded(agents) -> None:  # noqa: F811
     """The side channel is reset toward the prefill only while a pull's request is on its way: the prefill
     frees the claimed blocks (vLLM reuses them: here they are overwritten), the pull then reads them. The load
@@ -103,14 +117,7 @@ def test_a_load_whose_blocks_the_prefill_freed_meanwhile_is_not_reported_loaded(
         relays.call(data.__aenter__())
         prefill.options.advertise_data = "{}:{}".format(*data.address)
         decode, d_kv = agents(False, transport="tcp")
-        prefill.holds.add("r0", lease_s=60, blocks=[4])  # the side channel and the KV link come up
-        decode.start_pull("d0", _remote(side.address, "r0", [4]), [1])
-        assert _loaded(decode, "d0")
-        prefill.holds.add("r1", lease_s=60, blocks=[6])
-        data.hold = True
-        decode.start_pull("d1", _remote(side.address, "r1", [6]), [3])
-        wait(lambda: "r1" in prefill.holds.held and prefill.holds.held["r1"].owner is not None, 5)
-        time.sleep(0.1)  # the pull's request waits on the path
+        _claimed_pull_held_on_its_way(prefill, decode, data, side.address)
         relays.loop.call_soon_threadsafe(side.cut)
         released: set[str] = set()
 
@@ -190,14 +197,7 @@ def test_a_load_whose_claim_the_prefill_let_go_is_not_reported_loaded(agents, va
         relays.call(data.__aenter__())
         prefill.options.advertise_data = "{}:{}".format(*data.address)
         decode, d_kv = agents(False, transport="tcp")
-        prefill.holds.add("r0", lease_s=60, blocks=[4])
-        decode.start_pull("d0", _remote(prefill.side_channel, "r0", [4]), [1])
-        assert _loaded(decode, "d0")
-        prefill.holds.add("r1", lease_s=60, blocks=[6])
-        data.hold = True
-        decode.start_pull("d1", _remote(prefill.side_channel, "r1", [6]), [3])
-        wait(lambda: "r1" in prefill.holds.held and prefill.holds.held["r1"].owner is not None, 5)
-        time.sleep(0.1)  # the pull's request waits on the path
+        _claimed_pull_held_on_its_way(prefill, decode, data, prefill.side_channel)
         with prefill.holds._lock:
             prefill.holds._held["r1"].deadline = 0.0  # its hold ran out
         assert "r1" in prefill.holds.take_released()  # vLLM frees the blocks...
