@@ -7,12 +7,17 @@ In-process, one endpoint each (no peer): the device side is the host implementat
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import tempfile
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _v2peer import v2_options
 
 from aio_datadist import (
     BlocksCacheKey,
@@ -69,6 +74,60 @@ async def test_a_tensor_over_read_only_memory_is_refused() -> None:
                 register(desc, tensors)
             assert refused.value.status_code == S.LLM_PARAM_INVALID
             assert "'tensors_or_addrs'" in str(refused.value) and "write" in str(refused.value)
+        assert runtime_of(dd).registry.used_bytes == 0
+
+
+def _partly_read_only(keep: list[Any]) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    """``(case, two tensors of 2 pages)``, each case with one tensor, or one page of each, this process may not
+    write; what the tensors' memory hangs on goes to ``keep``."""
+    page = mmap.PAGESIZE
+    shape = (2, page)
+    read_only = mmap.mmap(-1, 2 * page, prot=mmap.PROT_READ)
+    keep.append(read_only)
+    yield "second tensor read-only", [_tensor(np.zeros(shape, dtype=np.int8)),
+                                      _tensor(np.frombuffer(read_only, dtype=np.int8).reshape(shape))]
+    pages = mmap.mmap(-1, 4 * page)
+    keep.append(pages)
+    flat = np.frombuffer(pages, dtype=np.int8)
+    for k in (1, 3):  # each tensor's second page
+        assert _libc.mprotect(flat.ctypes.data + k * page, page, mmap.PROT_READ) == 0
+    yield "second page read-only", [_tensor(flat[:2 * page].reshape(shape)), _tensor(flat[2 * page:].reshape(shape))]
+    backing = tempfile.NamedTemporaryFile()
+    keep.append(backing)
+    backing.write(b"\0" * 4 * page)
+    backing.flush()
+    mapped = np.memmap(backing.name, dtype=np.int8, mode="r", shape=(4 * page,))
+    keep.append(mapped)
+    yield "np.memmap mode r", [_tensor(mapped[:2 * page].reshape(shape)), _tensor(mapped[2 * page:].reshape(shape))]
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "The given NumPy array is not writable"
+        return torch.from_numpy(array)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+async def test_every_tensor_and_every_page_of_each_is_checked_for_write_access(mode: str) -> None:
+    """As above, with only the second tensor read-only, or only each tensor's second page, or a read-only
+    ``np.memmap`` of a file; both managers. The test above passed with only the first tensor, or each tensor's
+    first byte, checked (audit, 2026-12-07)."""
+    keep: list[Any] = []
+    desc = CacheDesc(2, (2, mmap.PAGESIZE), DataType.DT_INT8, Placement.HOST)
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(v2_options() if mode == "v2" else {})
+        manager: Any = dd.cache_manager if mode == "v2" else dd.kv_cache_manager
+        arg = "'addrs'" if mode == "v2" else "'tensors_or_addrs'"
+        for case, tensors in _partly_read_only(keep):
+            for register in (manager.register_blocks_cache, manager.register_cache):
+                with pytest.raises(LLMException) as refused:
+                    register(desc, tensors)
+                assert refused.value.status_code == S.LLM_PARAM_INVALID, case
+                assert arg in str(refused.value), (case, str(refused.value))
         assert runtime_of(dd).registry.used_bytes == 0
 
 
