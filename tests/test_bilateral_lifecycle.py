@@ -9,6 +9,7 @@ listener that outlived finalize.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import socket
 
@@ -114,6 +115,31 @@ async def test_a_dial_whose_handshake_is_never_answered_is_dialled_again(monkeyp
         for writer in held:
             writer.close()
         server.close()
+
+
+async def test_a_connect_that_fails_with_etimedout_is_dialled_again(monkeypatch):
+    """The dial's connect fails with the kernel's ``ETIMEDOUT`` (an ``OSError`` that is also a ``TimeoutError``),
+    twice: it is dialled again within the link time and the comm comes up on both ends (the test above covers a
+    handshake never answered only, and passed with an ``ETIMEDOUT`` ending the comm; audit, 2026-12-07)."""
+    real, failed = link_dials.open_control, []
+
+    async def times_out(address, *args, **kwargs):
+        if len(failed) < 2:
+            failed.append(address)
+            raise TimeoutError(errno.ETIMEDOUT, "Connection timed out")
+        return await real(address, *args, **kwargs)
+
+    monkeypatch.setattr(link_dials, "open_control", times_out)
+    ra = addresses(PROMPT_IP, DECODER_IP)
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+        await p.init(v2_options(rank_addresses=ra, link_total_time=30))
+        await d.init(v2_options(rank_addresses=ra, link_total_time=30))
+        table = rank_table(PROMPT_IP, DECODER_IP)
+        comm_p, comm_d = await asyncio.gather(p.link("c", INFO, table), d.link("c", INFO, table))
+        status = await settled(p, comm_p, 10), await settled(d, comm_d, 10)
+        await asyncio.gather(p.unlink(comm_p), d.unlink(comm_d))
+    assert len(failed) == 2
+    assert status == (OK, OK)
 
 
 async def test_a_failed_comm_leaves_the_dials_of_a_newer_comm_of_the_pair_alone():
