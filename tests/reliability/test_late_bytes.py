@@ -47,10 +47,11 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
-from aio_datadist.testing import link_to, nixl_agent_of, runtime_of
+from aio_datadist.testing import link_count, link_to, nixl_agent_of, runtime_of
 from aio_datadist.transport import tls as tls_module
 from aio_datadist.transport.base import ABORT_ACK_S
 from peers import (
+    LOCALHOST,
     NIXL_MISSING,
     CacheSpec,
     EndpointSpec,
@@ -725,12 +726,15 @@ _FORCED_DESC = CacheDesc(2, (64, 1 << 20), DataType.DT_UINT8, Placement.HOST)  #
 
 
 @pytest.mark.asyncio(loop_factories=["asyncio"])
-@pytest.mark.parametrize("first_forced", [False, True])
-async def test_a_forced_unlink_during_another_unlink_of_the_link_returns_once_that_one_tore_it_down(first_forced):
+@pytest.mark.parametrize("first", ["ours", "ours forced", "ours, forced with timeout=1", "the peer's"])
+async def test_a_forced_unlink_during_another_unlink_of_the_link_returns_once_that_one_tore_it_down(first):
     """Row 331: a forced ``unlink_clusters`` that finds the cluster's link out of the table but still being torn
-    down by another unlink of ours (the peer's same-host push into our cache being stopped) answers
-    ``LLM_SUCCESS`` only once that teardown ended: nothing of the push lands after it returned (found by a
-    review: it answered at once, and a block of the push landed after)."""
+    down by another unlink (ours, forced or not; or the peer's, whose ``UNLINK`` we answer once its same-host
+    push into our cache stopped) answers ``LLM_SUCCESS`` only once that teardown ended: nothing of the push lands
+    after it returned (found by a review: it answered at once, and a block of the push landed after). The
+    forced unlink waits for the other's teardown even past its own short ``timeout=`` (the last two cases were
+    untested until an audit, 2026-12-07: the tests passed with that wait bounded by the timeout, or with the
+    peer's unlink not waited for)."""
     async with contextlib.AsyncExitStack() as stack:
         prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, 63, listen=True, transport="local"))
         dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, 64, transport="local", copy_threads=1))
@@ -743,12 +747,20 @@ async def test_a_forced_unlink_during_another_unlink_of_the_link_returns_once_th
             assert (await dec.link_clusters([cluster_info(63, address)], timeout=10_000))[0] == S.LLM_SUCCESS
             task = await push_until_it_lands(prompt.kv_cache_manager, BlocksCacheKey(64, 0), src, dst,
                                              list(range(64)), 20_000)
-            first = asyncio.ensure_future(dec.unlink_clusters([cluster_info(63, address)], 5000, first_forced))
-            await asyncio.sleep(0)  # the first unlink took the link out of the table and settles the push
-            forced = await dec.unlink_clusters([cluster_info(63, address)], timeout=5000, force=True)
+            if first == "the peer's":  # we answer its UNLINK once its pushes into our cache stopped
+                other = asyncio.ensure_future(prompt.unlink_clusters([cluster_info(64, (LOCALHOST, 1))], 5000))
+                async with asyncio.timeout(5):
+                    while link_count(dec) and not other.done():
+                        await asyncio.sleep(0)
+            else:
+                other = asyncio.ensure_future(dec.unlink_clusters([cluster_info(63, address)], 5000,
+                                                                  first == "ours forced"))
+                await asyncio.sleep(0)  # the first unlink took the link out of the table and settles the push
+            timeout = 1 if first == "ours, forced with timeout=1" else 5000
+            forced = await dec.unlink_clusters([cluster_info(63, address)], timeout=timeout, force=True)
             at_forced_return = last_bytes(dst)
             outcome = await task
-            assert (await first)[0] == S.LLM_SUCCESS
+            assert (await other)[0] == S.LLM_SUCCESS
             await asyncio.sleep(0.3)
             if outcome == "done":  # the push ended before the cut: nothing to look at
                 continue
