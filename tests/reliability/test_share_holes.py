@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import fcntl
 import mmap
 import os
 import socket
@@ -74,6 +75,26 @@ def test_a_region_fallocated_but_not_written_is_refused():
     try:
         assert os.fstat(fd).st_blocks * 512 >= SIZE
         with pytest.raises(ValueError, match="has a hole at byte 0"):
+            check_sealed(fd, SIZE)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("seal", ["none", "write", "future write"])
+def test_a_filled_region_is_refused_unless_sealed_against_writes(seal):
+    """A region with every page written is still refused unless it is sealed against writes (``F_SEAL_WRITE``
+    or ``F_SEAL_FUTURE_WRITE``): unsealed, its sender could punch holes in it after our check. The tests above
+    seal every region, and passed with that requirement dropped (audit, 2026-12-07)."""
+    fd = os.memfd_create("filled", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, SIZE)
+        os.pwrite(fd, b"\1" * SIZE, 0)
+        write = {"none": 0, "write": fcntl.F_SEAL_WRITE, "future write": host.F_SEAL_FUTURE_WRITE}[seal]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | write)
+        if seal == "none":
+            with pytest.raises(ValueError, match="not sealed against writes"):
+                check_sealed(fd, SIZE)
+        else:
             check_sealed(fd, SIZE)
     finally:
         os.close(fd)
