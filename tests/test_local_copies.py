@@ -355,22 +355,54 @@ async def test_cancel_of_a_queued_copy_then_another_copy_succeeds():
 @pytest.mark.asyncio
 async def test_a_running_copy_given_up_returns_only_once_no_thread_copies_it(how):
     """A copy thread may be inside a chunk of a copy given up mid-way (it stops within 1 MiB): the call returns
-    only once the engine holds no job of it any more, so no byte of it lands afterwards. Before, the call
-    returned at once and the running chunk went on writing the destination."""
+    only once the engine holds no job of it any more, so no byte of it lands afterwards, and the copy stopped
+    part-way (not waited for to its end). Before, the call returned at once and the running chunk went on
+    writing the destination. (The bytes, and that the copy stopped part-way, were not looked at until an audit,
+    2026-12-07: the test passed with the engine never told to stop the copy, the call waiting for its end.)"""
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init(one_copy_thread())
         kv = dd.kv_cache_manager
         big = kv.allocate_blocks_cache(Queued.BIG)
-        for _ in range(3):
+        src, dst = big.tensors[0][0].view(torch.uint8), big.tensors[0][1].view(torch.uint8)
+        src.fill_(0xAB)
+        cut = []
+        for _ in range(8):
+            dst.zero_()
             # 5 ms: the 256 MiB copy took under 30 ms on a fast VM's memory (and the timeout never fired)
             copy = asyncio.create_task(kv.copy_blocks(big, {0: [1]}, timeout=5 if how == "timeout" else 30_000))
-            await asyncio.sleep(0.003)  # the copy thread is inside it (256 MiB take 10-30 ms)
+            async with asyncio.timeout(5):
+                while not copy.done() and int(dst[0]) != 0xAB:  # until the copy thread is inside it
+                    await asyncio.sleep(0)
             if how == "cancel":
                 copy.cancel()
-            with pytest.raises((asyncio.CancelledError, LLMException)):
+            try:
                 await copy
+                continue  # it ended before the cut
+            except (asyncio.CancelledError, LLMException):
+                pass
             assert engine_state(dd)["copy jobs"] == 0, "returned while a copy thread still copied it"
+            assert int(dst[-1]) == 0, "the given-up copy ran to its end before the call returned"
+            written = _written_prefix(dst, 0xAB)  # one thread copies the row front to back
+            await asyncio.sleep(0.3)
+            assert not dst[written:written + MIB].any() and int(dst[-1]) == 0, \
+                "bytes of the given-up copy landed after it returned"
+            cut.append(written)
+            if len(cut) == 2:
+                break
+        assert cut, "no copy was cut part-way"
         assert_idle(dd)
+
+
+def _written_prefix(row: torch.Tensor, value: int) -> int:
+    """How many bytes of ``row`` from its start hold ``value`` (the rest not yet written), by bisection."""
+    lo, hi = 0, row.numel()
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(row[mid]) == value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @pytest.mark.asyncio
