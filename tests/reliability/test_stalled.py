@@ -150,6 +150,28 @@ async def test_link_clusters_times_out_on_a_peer_that_stalls_at_any_handshake_st
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("step", StallingServer.STEPS)
+async def test_a_timed_out_dial_holds_nothing_while_the_peer_still_stalls(step):
+    """As above, but what the endpoint holds is looked at while the stalling peer still holds its end: above, it
+    is looked at once the peer closed, whose end of the stream also ends a dial left running past its time-out
+    (the test passed with the dial shielded from its time-out; audit, 2026-12-07)."""
+    async with endpoint(LLMRole.DECODER, DECODER) as dd:
+        async with StallingServer(step, PROMPT) as stall:
+            baseline, fds = baseline_of(dd)
+            t0 = time.monotonic()
+            result = await dd.link_clusters([cluster_info(PROMPT, stall.address)], timeout=300)
+            assert result == (S.LLM_TIMEOUT, [S.LLM_TIMEOUT])
+            assert time.monotonic() - t0 < 0.3 + BOUND_S
+            async with asyncio.timeout(2):  # (the peer's own accepted sockets are not the endpoint's)
+                while True:
+                    theirs = {writer.get_extra_info("socket").fileno() for writer in stall.writers}
+                    extra = {fd for fd in open_fds() - fds if int(fd.split("->")[0]) not in theirs}
+                    if state(dd) == baseline and not extra:
+                        break
+                    await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
 async def test_silent_incoming_connections_are_dropped_and_block_nothing(monkeypatch):
     monkeypatch.setattr(link_dials, "HANDSHAKE_LIMIT_S", 0.3)
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as dd, \
