@@ -567,3 +567,34 @@ async def test_a_registered_cache_read_while_nixl_is_given_up_on_the_link_is_ask
         assert declined and Msg.PULL_REQ in sent, sent
         assert same(snapshot(dst), want)
         assert pair.decoder.stats().links[PROMPT_ID].kinds["pull"].transport == "tcp"
+
+
+@pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
+async def test_a_load_that_fails_on_one_end_declines_nixl_on_both():
+    """Only the prompt's load of the decoder's NIXL metadata fails: the decoder, whose own load worked, learns of
+    it by the prompt's ``DECLINE`` and both ends agree on TCP for the link, with the failed load as the reason,
+    and pulls move verified bytes by TCP (row 41: in its namespace test both ends fail their own loads, and it
+    passed with ``DECLINE`` never sent; audit, 2026-12-07)."""
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID))
+        want = fill(src, 5)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await nixl_agent_of(pair.prompt).registered(src)
+
+        def failing_load(metadata: bytes) -> str:
+            raise RuntimeError("NIXL_ERR_BACKEND: the peer's metadata did not load")
+
+        nixl_agent_of(pair.prompt).engine.agent.add_remote_agent = failing_load
+        assert await pair.decoder.link_clusters([pair.info]) == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+        ours, theirs = link_to(pair.decoder, PROMPT_ID).nixl, link_to(pair.prompt, DECODER_ID).nixl
+        async with asyncio.timeout(5):
+            while not (ours.declined and theirs.declined):
+                await asyncio.sleep(0.02)
+        blocks = list(range(16))
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, blocks, blocks)
+        assert same(snapshot(dst), want)
+        for peer in (ours, theirs):
+            assert peer.declined and not peer.usable()
+            # the failed load's reason (told by DECLINE), not the decoder's own set-up time running out
+            assert "metadata did not load" in peer.declined, peer.declined
+        assert nixl_agent_of(pair.decoder).engine.posted == nixl_agent_of(pair.prompt).engine.posted == 0
