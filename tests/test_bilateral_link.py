@@ -817,3 +817,19 @@ def test_a_rank_id_longer_than_python_converts_is_param_invalid():
     with pytest.raises(LLMException) as exc:
         parse_rank_table(table, [0, 1])
     assert exc.value.status_code == S.LLM_PARAM_INVALID and exc.value.argument == "rank_table"
+
+
+@pytest.mark.asyncio
+async def test_comm_ids_skip_status_values():
+    """A comm id never equals an ``LLMStatusCode`` value: with the id counter set just below status values
+    (``CommTable._next_id``, internal), the ids handed out skip them. Ids count from 1 and the values are -1,
+    0 and 507053 up, so no test's ``link()`` reached one (audit, 2026-12-07)."""
+    values = {int(code) for code in LLMStatusCode}
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
+        await dd.init(v2_options())
+        comms = dd._require_comms("link")
+        seen = []
+        for start in (507053, 1343270913):
+            comms._next_id = start
+            seen.append(comms._new_id())
+        assert not set(seen) & values and len(set(seen)) == len(seen), seen
