@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import mmap
 import re
+import weakref
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -52,7 +54,7 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
-from aio_datadist.testing import registry_of
+from aio_datadist.testing import registry_of, runtime_of
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("fork_server")]
 S = LLMStatusCode
@@ -716,3 +718,33 @@ async def test_unregistering_a_watched_cache_fails_its_watch():
                 await watch.layer(0)
         with rejected(S.LLM_KV_CACHE_NOT_EXIST, "cache"):
             cm.watch_pushes(owned, [0])  # a released cache is not watched
+
+
+@pytest.mark.parametrize("how", ["unregister_cache", "deallocate_cache", "deallocate_blocks_cache"])
+async def test_a_released_caches_watch_is_let_go(how):
+    """As above, for each release call (a contiguous cache's ``deallocate_cache`` included): the failed watch
+    closes, and the endpoint holds neither it nor the cache. The test above passed with the watch failed but
+    kept in the endpoint's arrivals (audit, 2026-12-07)."""
+    async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        cm = dd.cache_manager
+        arrivals = runtime_of(dd).arrivals
+        if how == "unregister_cache":
+            cache, _ = register(cm, BLOCKS, 1, BlocksCacheKey(DECODER_ID, 0))
+        else:
+            cache = cm.allocate_cache(ROWS) if how == "deallocate_cache" else cm.allocate_blocks_cache(BLOCKS)
+        watch = cm.watch_pushes(cache, [0, 1])
+        assert arrivals.watched(cache)
+        if how == "unregister_cache":
+            cm.unregister_cache(cache.cache_id)
+        else:
+            getattr(cm, how)(cache)
+        assert watch.done()
+        with rejected(S.LLM_KV_CACHE_NOT_EXIST):
+            await watch.layer(1)
+        with rejected(S.LLM_KV_CACHE_NOT_EXIST):
+            await watch
+        assert not arrivals.watched(cache) and arrivals._watches == {}, "the endpoint still holds the watch"
+        ref = weakref.ref(watch)
+        del watch
+        gc.collect()
+        assert ref() is None, "something still holds the watch"
