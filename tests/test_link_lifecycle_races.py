@@ -255,3 +255,29 @@ async def test_two_v1_switches_to_one_role_at_once_make_one_switch(switches: str
             first_address = dd.listen_address
             assert first_address is not None  # where the successful switch put it, not moved since
             assert (await asyncio.open_connection(*first_address))[1].close() is None
+
+
+@pytest.mark.asyncio
+async def test_a_dial_without_a_remote_id_issued_while_finalize_runs_never_starts(monkeypatch):
+    """The link table's side of the test above: a ``connect`` that first runs once the table's close began (held
+    in its ``stop_listening``) ends ``LLM_LINK_FAILED`` and dials nothing. Through ``link_clusters`` the window
+    cannot be reached (finalize drops the endpoint's table first, and its close runs a loop pass after any
+    connect scheduled before it), so the table is driven directly; the check is untested otherwise (audit,
+    2026-12-07)."""
+    async with SilentPeer() as peer:
+        dd = LLMDataDist(LLMRole.DECODER, 2)
+        await dd.init(options())
+        table = link_table_of(dd)
+        info = LLMClusterInfo()
+        info.append_remote_ip_info(*peer.address)
+        with held(monkeypatch, LinkTable, "stop_listening") as (entered, release):
+            finalizing = asyncio.ensure_future(dd.finalize())
+            try:
+                await asyncio.wait_for(entered.wait(), 5)
+                assert table.closing
+                assert await asyncio.wait_for(table.connect(info, 3000), 1) == LLMStatusCode.LLM_LINK_FAILED
+                await asyncio.sleep(0.2)
+                assert not peer.accepted.is_set(), "a dial started after finalize began"
+            finally:
+                release.set()
+                await asyncio.wait_for(finalizing, 10)

@@ -193,3 +193,30 @@ async def test_a_dialled_peer_that_names_more_data_channels_stays_within_the_dia
                 if code == S.LLM_SUCCESS:
                     assert (await dec.unlink_clusters([cluster_info(7, ("127.0.0.1", port))]))[0] == S.LLM_SUCCESS
                 assert await attaches_of(peer) == 2 * channels * (code == S.LLM_SUCCESS)
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+@pytest.mark.parametrize("channels, expected", [(3, LLMStatusCode.LLM_SUCCESS),
+                                                (4, LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT)])
+async def test_the_channels_a_peer_names_past_ours_are_claimed_in_full(monkeypatch, channels, expected):
+    """The dialler claims every fd of the data channels a peer names past its own (two a channel), before it
+    dials them: with room for one link of ours and exactly 2 fds more, a peer naming 3 channels (2 fds more)
+    links, one naming 4 (4 more) is refused with nothing dialled. The tests above name 16 (refused by any claim)
+    or 2 (none past ours), and passed with half the fds claimed (audit, 2026-12-07)."""
+    per_link = fd_budget.per_link(2, False)
+    async with endpoint(LLMRole.DECODER, 2, transport="tcp", data_channels=2) as dec:
+        async with names_channels(channels) as (port, peer):
+            # room for one link of ours and 2 fds more (the open control connection is still claimed too)
+            limit = fd_budget.open_count() + fd_budget.RESERVE + per_link + 3
+            monkeypatch.setattr(fd_budget, "soft_limit", lambda: limit)
+            before = len(open_fds())
+            code = (await dec.link_clusters([cluster_info(7, ("127.0.0.1", port))], timeout=3000))[1][0]
+            held = len(open_fds()) - before
+            assert code == expected, (channels, code)
+            if code == LLMStatusCode.LLM_SUCCESS:
+                assert held == 1 + 2 * channels
+                unlinked = await dec.unlink_clusters([cluster_info(7, ("127.0.0.1", port))])
+                assert unlinked[0] == LLMStatusCode.LLM_SUCCESS
+            else:
+                assert held == 0
+            assert await attaches_of(peer) == 2 * channels * (code == LLMStatusCode.LLM_SUCCESS)
