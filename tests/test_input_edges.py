@@ -4,10 +4,12 @@ tensor as an int, a layer synchronizer's timeout (reliability rows 243-246)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import math
 import ssl
+import time
 
 import pytest
 import torch
@@ -99,11 +101,23 @@ async def test_synchronize_layer_checks_its_timeout():
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init(config.generate_options())
         with EventLayerSynchronizer(dd, 2) as sync:
-            for timeout in ("5", math.nan, True, -1, 2**31):
+            for timeout in ("5", math.nan, True, -1, 2**31, 1.0):
                 with pytest.raises(LLMException) as info:
                     await asyncio.wait_for(sync.synchronize_layer(0, timeout), 2)
                 assert info.value.status_code is INVALID and info.value.argument == "timeout_in_millis"
-            assert await asyncio.wait_for(sync.synchronize_layer(0, 0), 2) is False  # 0: not recorded now
+        # 0 answers at once (not after the synchronizer's or the endpoint's own timeout), and 2**31 - 1 waits:
+        # the test looked at 0 only within 2 s, which the endpoint's default also met (audit, 2026-12-07)
+        for default in (None, 60_000):
+            with EventLayerSynchronizer(dd, 2, timeout_ms=default) as sync:
+                start = time.monotonic()
+                assert await asyncio.wait_for(sync.synchronize_layer(0, 0), 5) is False  # 0: not recorded now
+                assert time.monotonic() - start < 0.2
+                waiting = asyncio.ensure_future(sync.synchronize_layer(0, 2**31 - 1))
+                await asyncio.sleep(0.1)
+                assert not waiting.done()
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiting
 
 
 def test_a_copy_of_a_subclassed_config_keeps_its_class_and_attributes():

@@ -355,6 +355,21 @@ async def test_event_synchronizer_record_that_returned_is_kept_by_a_close_meanwh
         assert await asyncio.wait_for(events.synchronize_layer(0, 1000), BOUND_S)
 
 
+@pytest.mark.loops_take_turns  # (the transport and the loop are independent here)
+async def test_event_synchronizer_layer_armed_on_a_stream_survives_the_close() -> None:
+    """A layer recorded on a stream whose work is not there yet (armed) when the synchronizer closes stays
+    recorded: it is reported done once the stream gets there, while a layer never recorded is released. The
+    tests above record on the CPU only, and passed with an armed layer dropped by the close (audit, 2026-12-07)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, device_type="host") as dd:
+        stream = runtime_of(dd).devices.new_stream()
+        with EventLayerSynchronizer(dd, 2, timeout_ms=None) as events:
+            gate = stream.gate()
+            events.record(0, stream=stream)  # armed behind the closed gate
+        assert await asyncio.wait_for(events.synchronize_layer(1, 2000), BOUND_S) is False
+        gate.open()
+        assert await asyncio.wait_for(events.synchronize_layer(0, 2000), BOUND_S) is True
+
+
 async def test_event_synchronizer_recorded_after_its_endpoint_was_finalized_says_so() -> None:
     """A prefill thread that records after the endpoint went gets LLM_ENGINE_FINALIZED (it got a bare
     ValueError from the closed completion queue)."""
