@@ -14,6 +14,7 @@ from _rawpeer import RawLink, Refused
 from peers import port_of
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, LLMStatusCode, Placement
+from aio_datadist import owner as owner_module
 from aio_datadist.wire import ReqFlag, Target
 
 OWNER, PEER = 51, 52
@@ -46,4 +47,40 @@ async def test_a_push_naming_more_than_a_layers_addresses_is_refused_before_it_i
         # One layer's K and V still go: 1 byte at block 3 (of 1-byte blocks here) of tensor 0 and tensor 1.
         pushed = await asyncio.wait_for(asyncio.to_thread(push, port_of(owner), list(cache.tensor_addrs), [3]), 10)
         assert pushed == 2
+        assert [int(t.view(torch.uint8).view(-1)[3]) for t in cache.tensors] == [0x11, 0x11]
+
+
+class _Planner:
+    """The owner's ``_core`` with its run planner (``segments``) counted."""
+
+    def __init__(self, core: object) -> None:
+        self._core, self.planned = core, []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._core, name)
+
+    def segments(self, addrs, blocks, *rest):
+        self.planned.append((len(addrs), len(blocks)))
+        return self._core.segments(addrs, blocks, *rest)
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_push_of_three_addresses_is_refused_with_nothing_planned(monkeypatch):
+    """The bound is one layer's two addresses, and it is checked before any run is planned: 3 addresses (the
+    first count past it) and 4096 are refused with the planner never called, and 2 are planned once. The test
+    above checks the refusal of 4096 only, and passed with a bound of 64 or the check after the planning
+    (audit, 2026-12-07)."""
+    planner = _Planner(owner_module._core)
+    monkeypatch.setattr(owner_module, "_core", planner)
+    async with endpoint(LLMRole.PROMPT, OWNER, listen=True, transport="tcp") as owner:
+        cache = owner.kv_cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(OWNER))
+        base0, base1 = cache.tensor_addrs
+        before = [t.clone() for t in cache.tensors]
+        for addrs, blocks in (([base0, base1, base0 + 1], [3]), ([base0 + 1] * 4096, [0] * 2048)):
+            refused = await asyncio.wait_for(asyncio.to_thread(push, port_of(owner), addrs, blocks), 10)
+            assert refused == LLMStatusCode.LLM_PARAM_INVALID
+            assert planner.planned == [], "a refused request was planned"
+        assert all(t.equal(b) for t, b in zip(cache.tensors, before, strict=True))
+        pushed = await asyncio.wait_for(asyncio.to_thread(push, port_of(owner), [base0, base1], [3]), 10)
+        assert pushed == 2 and planner.planned == [(2, 1)]
         assert [int(t.view(torch.uint8).view(-1)[3]) for t in cache.tensors] == [0x11, 0x11]
