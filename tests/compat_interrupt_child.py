@@ -232,6 +232,12 @@ def made() -> dict:
     assert int(decoder.link_clusters([cluster(3, prompt.listen_address)], 5000)[0]) == 0
     for t in blocks[:4]:
         t.fill_(1.0)
+    v1_prompt, v1_decoder = endpoint(LLMRole.PROMPT, 5, listen=True, v1=True), endpoint(LLMRole.DECODER, 6, v1=True)
+    v1_src = v1_prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS)
+    v1_dst = v1_decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(6, 0))
+    assert int(v1_decoder.link_clusters([cluster(5, v1_prompt.listen_address)], 5000)[0]) == 0
+    for t in v1_prompt.kv_cache_manager.get_cache_tensors(v1_src, 0):
+        t.fill_(1.0)
 
     class Held(LayerSynchronizer):
         async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
@@ -254,10 +260,13 @@ def made() -> dict:
                 # the registry as before the call (nothing allocated, registered or bound), and the caller
                 # interrupted only once the call had ended
                 out[f"{when} {mode} {name}"] = engine_state(dd) == before and ended_first
-        task, ended_first = interrupted(prompt.cache_manager, "transfer_cache_async", when, src, Held(),
-                                        [TransferWithCacheKeyConfig(BlocksCacheKey(4, 0), range(0, 1), range(0, 1))])
-        out[f"{when} transfer"] = [int(compat.CacheTask(task).synchronize(2000)), ended_first]
-    out["dst_untouched"] = all(not t.any() for t in blocks[4:])
+        for mode, manager, source, key in (("v2", prompt.cache_manager, src, BlocksCacheKey(4, 0)),
+                                           ("v1", v1_prompt.kv_cache_manager, v1_src, BlocksCacheKey(6, 0))):
+            task, ended_first = interrupted(manager, "transfer_cache_async", when, source, Held(),
+                                            [TransferWithCacheKeyConfig(key, range(0, 1), range(0, 1))])
+            out[f"{when} {mode} transfer"] = [int(compat.CacheTask(task).synchronize(2000)), ended_first]
+    out["dst_untouched"] = all(not t.any() for t in blocks[4:]) and all(
+        not t.any() for t in v1_decoder.kv_cache_manager.get_cache_tensors(v1_dst, 0))
     return out
 
 
