@@ -44,6 +44,7 @@ from aio_datadist import (
     wire,
 )
 from aio_datadist.admission import ARRIVAL_FACTOR
+from aio_datadist.config import DEFAULT_MAX_PENDING_HANDSHAKES
 from aio_datadist.devices.host import round_up
 from aio_datadist.testing import admission_of, handshakes_in_progress, link_count, link_to
 from aio_datadist.wire import Msg
@@ -169,6 +170,48 @@ async def test_a_timed_out_dial_holds_nothing_while_the_peer_still_stalls(step):
                     if state(dd) == baseline and not extra:
                         break
                     await asyncio.sleep(0.01)
+
+
+def test_the_admission_numbers_are_the_documented_ones():
+    """``docs/reliability.md`` row 20's numbers: the cap's default 64, 4 x as many waiting for their first
+    message, 50 ms to send it, a handshake idle for 1 s (the tests read the library's constants; audit,
+    2026-12-07)."""
+    assert DEFAULT_MAX_PENDING_HANDSHAKES == 64 and admission.ARRIVAL_FACTOR == 4
+    assert admission.ARRIVAL_GRACE_S == 0.05 and admission.STALL_GRACE_S == 1.0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stall", ["silent", "hello"])
+async def test_stalled_connections_are_dropped_to_make_room(monkeypatch, stall):
+    """With the handshake limit far away (30 s), only the drops of stalled connections let an honest link in:
+    5 x cap silent ones (4 x cap waiting for a first message, the rest in the backlog), or cap that sent a
+    HELLO and stopped (every handshake slot). The test above shortens the handshake limit to 2 s, which closes
+    them in time by itself: it passed with no connection ever dropped (audit, 2026-12-07)."""
+    cap = 4
+    monkeypatch.setattr(link_dials, "HANDSHAKE_LIMIT_S", 30.0)
+    monkeypatch.setattr(admission, "STALL_GRACE_S", 0.3)
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, max_pending_handshakes=cap) as dd, \
+            endpoint(LLMRole.DECODER, DECODER) as dec:
+        gate = admission_of(dd)
+        stalled = []
+        try:
+            for _ in range(5 * cap if stall == "silent" else cap):
+                sock = socket.create_connection(port_of(dd))
+                if stall == "hello":
+                    sock.sendall(wire.encode(Msg.HELLO, 0, nonce=os.urandom(32)))
+                stalled.append(sock)
+            async with asyncio.timeout(5):
+                while (len(gate.handshaking) < cap if stall == "hello" else len(gate.arriving) < 4 * cap):
+                    await asyncio.sleep(0.005)
+            await asyncio.sleep(0.1)
+            assert len(gate.handshaking) <= cap and len(gate.arriving) <= 4 * cap
+            started = time.monotonic()
+            linked = await dec.link_clusters([cluster_info(PROMPT, port_of(dd))], timeout=3000)
+            assert linked == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            assert time.monotonic() - started < 2.0
+        finally:
+            for sock in stalled:
+                sock.close()
 
 
 @pytest.mark.asyncio
