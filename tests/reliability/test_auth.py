@@ -16,6 +16,7 @@ before it proved the secret, in either direction.
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 import os
 import sys
@@ -323,13 +324,16 @@ REFLECTOR = os.path.join(os.path.dirname(__file__), "_reflector.py")
 
 
 @pytest.mark.asyncio
-async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler():
+@pytest.mark.parametrize("remote_id", [None, PROMPT, DECODER], ids=["any", "another's", "its own"])
+async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler(remote_id, caplog):
     """Reflection (guarantee 146): the decoder dials a process without the secret (``link_clusters`` with no
-    remote id: whichever cluster listens there), which hands the decoder's HELLO to the decoder's own
-    listener, to have it prove the secret over the decoder's nonce, then the decoder's AUTH back to it.
-    That listener answers nothing, so the decoder's dial never sends its proof and fails, the relay gets no
-    link, and the decoder links to another endpoint as before. Before the fix: HELLO_ACK, then AUTH, then
-    LINK_OK with a link token, and a link registered in the decoder."""
+    remote id, whichever cluster listens there, or naming a cluster, another's or its own), which hands the
+    decoder's HELLO to the decoder's own listener, to have it prove the secret over the decoder's nonce, then
+    the decoder's AUTH back to it. That listener answers nothing, so the decoder's dial never sends its proof
+    and fails saying why, the relay gets no link, and the decoder links to another endpoint as before. Before
+    the fix: HELLO_ACK, then AUTH, then LINK_OK with a link token, and a link registered in the decoder. (A
+    named remote id and the failure's words were untested until an audit, 2026-12-07.)"""
+    caplog.set_level(logging.WARNING)
     async with (endpoint(LLMRole.DECODER, DECODER, listen=True, shared_secret=SECRET) as dec,
                 endpoint(LLMRole.PROMPT, PROMPT, listen=True, shared_secret=SECRET) as other):
         baseline = state(dec)
@@ -338,7 +342,9 @@ async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler()
         try:
             assert proc.stdout is not None
             port = int(await asyncio.wait_for(proc.stdout.readline(), 30))
-            info = LLMClusterInfo()  # no remote_cluster_id: whichever cluster listens there
+            info = LLMClusterInfo()
+            if remote_id is not None:
+                info.remote_cluster_id = remote_id
             info.append_remote_ip_info(LOCALHOST, port)
             ret, per = await dec.link_clusters([info], timeout=3000)
             got = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
@@ -349,6 +355,7 @@ async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler()
                 await proc.wait()
         assert got == {"ack": False, "auth": False, "link_ok": None}, got
         assert (ret, per) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        assert "our HELLO reached this endpoint's own listener" in caplog.text, caplog.text
         assert not links_of(dec)
         await settle(dec, baseline)
         assert await dec.link_clusters([cluster_info(PROMPT, port_of(other))]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
