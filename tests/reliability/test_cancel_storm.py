@@ -209,3 +209,43 @@ async def test_a_request_on_a_channel_still_being_redialled_waits_for_it():
             assert all(torch.equal(d[round_].view(torch.int16), s[round_].view(torch.int16))
                        for d, s in zip(dst.tensors, src.tensors))
         del table.dial_data
+
+
+@pytest.mark.asyncio
+async def test_a_pull_on_a_channel_still_being_redialled_waits_for_it():
+    """As above, a pull this time: the decoder (listening) resets the channel its pulls take, as a cut pull
+    does, and the prompt (the linking side) redials it, its acknowledgement held until the test lets it go; the
+    decoder pulls on the channel as soon as it accepted the redial, and the pull is served once the channel is
+    back. The test above sends pushes only, and passed with only a push deferred (audit, 2026-12-07)."""
+    async with endpoint(LLMRole.DECODER, DECODER, listen=True, transport="tcp", data_channels=1) as dec, \
+            endpoint(LLMRole.PROMPT, PROMPT, transport="tcp", data_channels=1) as dd:
+        src = dd.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT, 0))
+        dst = dec.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(DECODER, 0))
+        fill(src, 3)
+        assert (await dd.link_clusters([cluster_info(DECODER, port_of(dec))]))[0] == S.LLM_SUCCESS
+        table = link_table_of(dd)
+        dial = table.dial_data
+        let_go = asyncio.Event()
+
+        async def held_dial(*args: Any) -> Any:  # the redial's acknowledgement, held
+            sock = await dial(*args)
+            await let_go.wait()
+            return sock
+
+        table.dial_data = held_dial
+        link, theirs = table.links[DECODER], link_table_of(dec).links[PROMPT]
+        for round_ in range(3):
+            let_go.clear()
+            theirs.reset_channel(1, tell_peer=True)  # the decoder's channel, reset by the decoder (a cut pull)
+            async with asyncio.timeout(5):
+                while 1 not in link.redialling:
+                    await asyncio.sleep(0.005)
+            pull = asyncio.ensure_future(dec.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, [round_],
+                                                                          [round_], timeout=5000))
+            await asyncio.sleep(0.05)  # its request is on its way, or waiting for the channel
+            assert 1 in link.redialling and not pull.done()  # the case: the prompt still redials
+            let_go.set()
+            await asyncio.wait_for(pull, 10)
+            assert all(torch.equal(d[round_].view(torch.int16), s[round_].view(torch.int16))
+                       for d, s in zip(dst.tensors, src.tensors, strict=True))
+        del table.dial_data
