@@ -132,6 +132,49 @@ async def test_a_transfer_left_in_progress_is_settled_by_the_worker_before_its_c
 
 @needs_nixl
 @pytest.mark.nixl
+async def test_a_write_left_in_progress_is_settled_before_its_cancelled_push_returns():
+    """As above for a push: its WRITE left in progress by NIXL (``PROC``) while the prompt's worker is busy, the
+    push is cancelled, and it returns only once NIXL let go of the WRITE; then the link moves verified bytes
+    again. Over UCX shared memory NIXL finishes a WRITE inside the posting call, so the cut push's own wait was
+    unreached by every test until an audit, 2026-12-07."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS)
+        want = fill(src, 5)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
+        await prepared(pair.decoder, PROMPT_ID, dst)
+        engine = nixl_agent_of(pair.prompt).engine
+        agent, real_transfer, adopted = engine.agent, engine.agent.transfer, []
+
+        def in_progress(handle, notif=b""):
+            state = real_transfer(handle, notif)
+            occupy_worker(pair.prompt, BUSY_S)  # the worker is busy when the handle is handed over
+            adopted.append(state)
+            return "PROC"
+
+        agent.transfer = in_progress
+        try:
+            push = asyncio.create_task(pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [1, 2], [1, 2]))
+            async with asyncio.timeout(5):
+                while not adopted:
+                    await asyncio.sleep(0.005)
+            started = time.monotonic()
+            push.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await push
+            waited = time.monotonic() - started
+            in_flight_at_return = engine.in_flight()
+        finally:
+            agent.transfer = real_transfer
+        assert in_flight_at_return == 0, "the cut push returned with its WRITE still in NIXL's hands"
+        assert waited >= BUSY_S / 2, waited
+        for t in dst.tensors:
+            t.zero_()
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, list(range(16)), list(range(16)))
+        assert same(snapshot(dst), want)
+
+
+@needs_nixl
+@pytest.mark.nixl
 async def test_a_transfer_left_in_progress_completes_the_pull_once_the_worker_sees_it_done():
     async with blocks_pair(6) as (pair, want, dst, engine):
         real_transfer = engine.agent.transfer
