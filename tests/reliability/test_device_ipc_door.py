@@ -351,3 +351,64 @@ async def test_a_peers_cuda_imports_are_held_to_the_peer_mapping_budget(stub, mo
         os.close(fd)
     gc.collect()  # the mappings go with the share: the budget is given back
     assert (host._peer_mapped, host._peer_mappings) == baseline
+
+
+def _driver_count(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.c_int.in_dll(lib, name).value
+
+
+@needs_cc
+async def test_an_import_past_the_budget_never_reaches_the_driver(stub, fake_cuda, monkeypatch):
+    """The budget is taken before ``cuMemImportFromShareableHandle``: an import past it is refused before the
+    (stand-in) driver imports or reserves anything. The test above counts mapped imports and the budget only, and
+    passed with the budget taken after the import (audit, 2026-12-07)."""
+    size = 1 << 30
+    lib = ctypes.CDLL(fake_cuda)
+    gc.collect()
+    host.unmapped_in_background()
+    baseline = host._peer_mapped, host._peer_mappings
+    monkeypatch.setattr(host, "MAX_PEER_MAPPED_BYTES", baseline[0] + size)  # room for one
+    peer = _Peer(stub)
+    fd = os.memfd_create("peer-alloc")
+    try:
+        os.ftruncate(fd, size)
+        identity = stub.vmm.identity(0)
+        assert await peer.send(add_device(1, size, identity), fd)
+        await peer.settle()
+        assert peer.mapped == 1
+        driver = _driver_count(lib, "fake_imports"), _driver_count(lib, "fake_reserves")
+        await peer.send(add_device(2, size, identity), fd)
+        await peer.settle()
+        assert peer.lost and peer.mapped == 1
+        assert (_driver_count(lib, "fake_imports"), _driver_count(lib, "fake_reserves")) == driver, \
+            "the import past the budget reached the driver"
+    finally:
+        peer.close()
+        os.close(fd)
+    gc.collect()
+    assert (host._peer_mapped, host._peer_mappings) == baseline
+
+
+@needs_cc
+async def test_an_import_whose_step_fails_gives_the_budget_back_at_once(stub, fake_cuda):
+    """An import whose later step fails (``cuMemSetAccess``, after the import and the map) gives its share of the
+    budget back at once, not with the share's end (audit, 2026-12-07: untested, it passed with the give-back
+    gone)."""
+    size = 1 << 30
+    lib = ctypes.CDLL(fake_cuda)
+    gc.collect()
+    host.unmapped_in_background()
+    baseline = host._peer_mapped, host._peer_mappings
+    ctypes.c_int.in_dll(lib, "fake_access_error").value = 1
+    peer = _Peer(stub)
+    fd = os.memfd_create("peer-alloc")
+    try:
+        os.ftruncate(fd, size)
+        await peer.send(add_device(1, size, stub.vmm.identity(0)), fd)
+        await peer.settle()
+        assert peer.mapped == 0
+        assert (host._peer_mapped, host._peer_mappings) == baseline, "a failed import kept its share of the budget"
+    finally:
+        ctypes.c_int.in_dll(lib, "fake_access_error").value = 0
+        peer.close()
+        os.close(fd)
