@@ -80,6 +80,37 @@ async def test_metadata_naming_another_agent_is_not_kept_loaded():
         assert loaded == [], f"{len(loaded)} agents named by the peer's metadata stay loaded"
 
 
+@needs_nixl
+async def test_metadata_naming_the_agent_of_another_link_leaves_that_agent_loaded():
+    """A linked peer whose OFFER's metadata names the agent of another of our links (the decoder's): the record
+    is refused, and the agent it named stays loaded for that link, whose NIXL pushes go on. The test above names
+    agents no link uses (audit, 2026-12-07). This NIXL (1.x) refuses to load metadata naming an agent it has
+    loaded (``NIXL_ERR_NOT_ALLOWED``), so our own guard for that case (``NixlPeer._load``: unload only an agent
+    no other link uses) is not reached here: the test holds the outcome, whichever of the two keeps it."""
+    async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair, \
+            endpoint(LLMRole.DECODER, 3, **NIXL) as attacker_dd:
+        src = pair.pm.allocate_blocks_cache(BLOCKS)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
+        await pair.link()
+        status, per_cluster = await attacker_dd.link_clusters([pair.info], timeout=3000)
+        assert (status, per_cluster) == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+        await prepared(pair.decoder, PROMPT_ID, dst)
+        attacker, victim = link_to(attacker_dd, PROMPT_ID).nixl, link_to(pair.prompt, 3).nixl
+        assert attacker.usable() and victim.usable()
+        decoders = nixl_agent_of(pair.decoder).name
+        attacker._send(nixl.OFFER, 1000, 16, 512, (1 << 20,), renamed(nixl_agent_of(attacker_dd).metadata, decoders))
+        async with asyncio.timeout(10):
+            while victim._pending:  # the load ran, and the record was refused
+                await asyncio.sleep(0.01)
+        assert await on_worker(pair.prompt, lambda agent: agent.check_remote_metadata(decoders.decode()))
+        want = fill(src, 4)
+        posted = posted_count(pair.prompt)
+        for n in range(3):  # the prompt writes the decoder's cache: its agent must still know the decoder's
+            await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [n], [n], timeout=2000)
+        assert posted_count(pair.prompt) == posted + 3  # by NIXL
+        assert all(torch.equal(d[:3], w[:3]) for d, w in zip(dst.tensors, want, strict=True))
+
+
 def slowed_writes(dd, seconds: float) -> tuple[list[float], Callable[[], None]]:
     """Make ``dd``'s NIXL worker post every transfer (none from the loop, as when the worker is busy) and wait
     ``seconds`` before each: when the posting of each began (after the wait), and a function that ends the
