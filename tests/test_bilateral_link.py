@@ -821,7 +821,7 @@ def test_a_rank_id_longer_than_python_converts_is_param_invalid():
 
 @pytest.mark.asyncio
 async def test_comm_ids_skip_status_values():
-    """A comm id never equals an ``LLMStatusCode`` value: with the id counter set just below status values
+    """A comm id never equals an ``LLMStatusCode`` value: with the id counter set at status values
     (``CommTable._next_id``, internal), the ids handed out skip them. Ids count from 1 and the values are -1,
     0 and 507053 up, so no test's ``link()`` reached one (audit, 2026-12-07)."""
     values = {int(code) for code in LLMStatusCode}

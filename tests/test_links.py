@@ -640,17 +640,20 @@ async def test_a_failed_switch_whose_listener_cannot_come_back_logs_a_warning(mo
         monkeypatch.setattr(links, "listen", real_listen)
 
 
-async def test_a_finalize_cancelled_while_its_close_fails_raises_the_cancel(monkeypatch):
-    """A cleanup's error in ``finalize`` does not replace a cancel that arrived meanwhile (audit, 2026-12-07)."""
+async def test_a_finalize_cancelled_while_its_close_fails_raises_the_cancel(monkeypatch, caplog):
+    """A cleanup's error in ``finalize`` does not replace a cancel that arrived meanwhile: the close runs to its
+    end, its error is logged, and the cancel reaches the caller (audit, 2026-12-07)."""
+    caplog.set_level(logging.WARNING)
     async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as dd:
         links = dd._endpoint.require_links()
         real_close = links.close
-        closing, let_go = asyncio.Event(), asyncio.Event()
+        closing, let_go, closed = asyncio.Event(), asyncio.Event(), []
 
         async def close():
             closing.set()
             await let_go.wait()
             await real_close()
+            closed.append(True)
             raise RuntimeError("cleanup failed")
 
         monkeypatch.setattr(links, "close", close)
@@ -661,6 +664,8 @@ async def test_a_finalize_cancelled_while_its_close_fails_raises_the_cancel(monk
         let_go.set()
         with pytest.raises(asyncio.CancelledError):
             await finalizing
+        assert closed, "the cancel cut the close short: no error met the cancel"
+        assert "cleanup failed" in caplog.text, caplog.text
 
 
 async def test_calls_after_finalize():

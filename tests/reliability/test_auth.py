@@ -16,8 +16,8 @@ before it proved the secret, in either direction.
 from __future__ import annotations
 
 import asyncio
-import logging
 import json
+import logging
 import os
 import sys
 

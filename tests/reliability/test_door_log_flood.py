@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import types
 
 import pytest
 
@@ -83,15 +84,18 @@ def test_the_refusal_log_warns_again_after_its_interval_with_the_count(caplog, m
     warning once ever and no count; audit, 2026-12-07). The clock is the test's."""
     caplog.set_level(logging.DEBUG, logger="aio_datadist")
     now = [1000.0]
-    monkeypatch.setattr(listener.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(listener, "time", types.SimpleNamespace(monotonic=lambda: now[0]))  # this module's only
     refusals = listener.RefusalLog()
-    for _ in range(5):
+    refusals.note("refused %s", "x")  # WARNING: the first
+    now[0] += listener.REFUSAL_LOG_EVERY_S - 0.001
+    refusals.note("refused %s", "x")  # DEBUG: just inside the interval
+    for _ in range(3):
         refusals.note("refused %s", "x")
-        now[0] += 1
-    now[0] += listener.REFUSAL_LOG_EVERY_S
-    refusals.note("refused %s", "x")
+    now[0] += 0.001
+    refusals.note("refused %s", "x")  # WARNING: the interval passed, with the 5 since
     refusals.note("refused %s", "x")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert listener.REFUSAL_LOG_EVERY_S == 30
     assert len(warnings) == 2, warnings
     assert "(1 refused since" in warnings[0] and "(5 refused since" in warnings[1], warnings  # 4 DEBUG + this one
     assert len([r for r in caplog.records if r.levelno == logging.DEBUG]) == 5

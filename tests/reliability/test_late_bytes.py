@@ -757,15 +757,16 @@ async def test_a_forced_unlink_during_another_unlink_of_the_link_returns_once_th
                                                                   first == "ours forced"))
                 await asyncio.sleep(0)  # the first unlink took the link out of the table and settles the push
             timeout = 1 if first == "ours, forced with timeout=1" else 5000
+            met = not other.done()  # the forced unlink meets the other one's teardown under way
             forced = await dec.unlink_clusters([cluster_info(63, address)], timeout=timeout, force=True)
             at_forced_return = last_bytes(dst)
             outcome = await task
             assert (await other)[0] == S.LLM_SUCCESS
             await asyncio.sleep(0.3)
-            if outcome == "done":  # the push ended before the cut: nothing to look at
+            if outcome == "done" or not met:  # the push ended before the cut, or the other unlink was over
                 continue
             assert forced == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
             landed = int((last_bytes(dst) != 0).sum()) - int((at_forced_return != 0).sum())
             cut.append((attempt, landed))
-        assert cut, "every push finished before the cut"
+        assert cut, "every push finished before the cut, or the other unlink before the forced one"
         assert all(landed == 0 for _, landed in cut), cut
