@@ -50,6 +50,16 @@ def addresses(*ips: str) -> str:
     return json.dumps({ip: f"{ip}:{free_port(ip)}" for ip in ips})
 
 
+async def _init_and_link(p: LLMDataDist, d: LLMDataDist, total_s: int) -> list[int]:
+    """Initialise ``p`` and ``d`` (CacheManager mode, each rank at an address of its own, ``llm.LinkTotalTime``
+    ``total_s``) and link them as comm "c": the two comm ids."""
+    ra = addresses(PROMPT_IP, DECODER_IP)
+    await p.init(v2_options(rank_addresses=ra, link_total_time=total_s))
+    await d.init(v2_options(rank_addresses=ra, link_total_time=total_s))
+    table = rank_table(PROMPT_IP, DECODER_IP)
+    return await asyncio.gather(p.link("c", INFO, table), d.link("c", INFO, table))
+
+
 def listening(ip: str, port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(1)
@@ -60,12 +70,8 @@ async def test_finalize_during_a_comm_unlink_closes_the_link_it_waits_on(monkeyp
     """unlink(comm) takes the link out of the table and waits for the peer's answer: a finalize meanwhile closes
     that link too before it returns."""
     monkeypatch.setattr(link_table, "UNLINK_WAIT_S", 0.1)
-    ra = addresses(PROMPT_IP, DECODER_IP)
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
-        await p.init(v2_options(rank_addresses=ra, link_total_time=10))
-        await d.init(v2_options(rank_addresses=ra, link_total_time=10))
-        table = rank_table(PROMPT_IP, DECODER_IP)
-        comm_p, comm_d = await asyncio.gather(p.link("c", INFO, table), d.link("c", INFO, table))
+        comm_p, comm_d = await _init_and_link(p, d, 10)
         assert await settled(p, comm_p, 5) is OK and await settled(d, comm_d, 5) is OK
         d_runtime, dispatch = d._endpoint.runtime, Link._dispatch
 
@@ -130,12 +136,8 @@ async def test_a_connect_that_fails_with_etimedout_is_dialled_again(monkeypatch)
         return await real(address, *args, **kwargs)
 
     monkeypatch.setattr(link_dials, "open_control", times_out)
-    ra = addresses(PROMPT_IP, DECODER_IP)
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
-        await p.init(v2_options(rank_addresses=ra, link_total_time=30))
-        await d.init(v2_options(rank_addresses=ra, link_total_time=30))
-        table = rank_table(PROMPT_IP, DECODER_IP)
-        comm_p, comm_d = await asyncio.gather(p.link("c", INFO, table), d.link("c", INFO, table))
+        comm_p, comm_d = await _init_and_link(p, d, 30)
         status = await settled(p, comm_p, 10), await settled(d, comm_d, 10)
         await asyncio.gather(p.unlink(comm_p), d.unlink(comm_d))
     assert len(failed) == 2

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -73,6 +73,33 @@ def occupy_worker(dd, seconds: float) -> None:
     nixl_agent_of(dd).engine.call(0, lambda agent: time.sleep(seconds))
 
 
+async def cancelled_while_left_in_progress(dd, engine, start: Callable[[], Awaitable[Any]]) -> tuple[float, int]:
+    """The transfer ``start()`` makes, which NIXL leaves in progress (``PROC``) while ``dd``'s worker is busy
+    (``BUSY_S``), cancelled once NIXL took it: how long the cancel took, and how many transfers ``engine`` still
+    held when it returned."""
+    agent, real_transfer, adopted = engine.agent, engine.agent.transfer, []
+
+    def in_progress(handle, notif=b""):  # on the loop's thread, inside try_post
+        state = real_transfer(handle, notif)
+        occupy_worker(dd, BUSY_S)  # the worker is busy when the handle is handed over
+        adopted.append(state)
+        return "PROC"
+
+    agent.transfer = in_progress
+    try:
+        task = asyncio.create_task(start())
+        async with asyncio.timeout(5):
+            while not adopted:
+                await asyncio.sleep(0.005)
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.monotonic() - started, engine.in_flight()
+    finally:
+        agent.transfer = real_transfer
+
+
 @needs_nixl
 @pytest.mark.nixl
 async def test_a_pull_is_posted_from_the_loop_while_the_worker_is_idle_and_by_the_worker_while_it_is_busy():
@@ -101,29 +128,10 @@ async def test_a_transfer_left_in_progress_is_settled_by_the_worker_before_its_c
     handle. A pull given up meanwhile returns only once the worker saw NIXL let go of it, even when the
     worker is busy elsewhere when the handle reaches it; then the link moves verified bytes again."""
     async with blocks_pair(5) as (pair, want, dst, engine):
-        agent, real_transfer, adopted = engine.agent, engine.agent.transfer, []
-
-        def in_progress(handle, notif=b""):  # on the loop's thread, inside try_post
-            state = real_transfer(handle, notif)
-            occupy_worker(pair.decoder, BUSY_S)  # the worker is busy when the handle is handed over
-            adopted.append(state)
-            return "PROC"
-
-        agent.transfer = in_progress
-        try:
-            pull = asyncio.create_task(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [1, 2], [1, 2]))
-            async with asyncio.timeout(5):
-                while not adopted:
-                    await asyncio.sleep(0.005)
-            started = time.monotonic()
-            pull.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await pull
-            waited = time.monotonic() - started
-        finally:
-            agent.transfer = real_transfer
+        waited, in_flight = await cancelled_while_left_in_progress(
+            pair.decoder, engine, lambda: pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [1, 2], [1, 2]))
         assert waited >= BUSY_S / 2, waited  # it waited for the worker to take and settle the handle
-        assert engine.in_flight() == 0
+        assert in_flight == 0
         for t in dst.tensors:
             t.zero_()
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(16)), list(range(16)))
@@ -142,30 +150,10 @@ async def test_a_write_left_in_progress_is_settled_before_its_cancelled_push_ret
         want = fill(src, 5)
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
         await prepared(pair.decoder, PROMPT_ID, dst)
-        engine = nixl_agent_of(pair.prompt).engine
-        agent, real_transfer, adopted = engine.agent, engine.agent.transfer, []
-
-        def in_progress(handle, notif=b""):
-            state = real_transfer(handle, notif)
-            occupy_worker(pair.prompt, BUSY_S)  # the worker is busy when the handle is handed over
-            adopted.append(state)
-            return "PROC"
-
-        agent.transfer = in_progress
-        try:
-            push = asyncio.create_task(pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [1, 2], [1, 2]))
-            async with asyncio.timeout(5):
-                while not adopted:
-                    await asyncio.sleep(0.005)
-            started = time.monotonic()
-            push.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await push
-            waited = time.monotonic() - started
-            in_flight_at_return = engine.in_flight()
-        finally:
-            agent.transfer = real_transfer
-        assert in_flight_at_return == 0, "the cut push returned with its WRITE still in NIXL's hands"
+        waited, in_flight = await cancelled_while_left_in_progress(
+            pair.prompt, nixl_agent_of(pair.prompt).engine,
+            lambda: pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [1, 2], [1, 2]))
+        assert in_flight == 0, "the cut push returned with its WRITE still in NIXL's hands"
         assert waited >= BUSY_S / 2, waited
         for t in dst.tensors:
             t.zero_()

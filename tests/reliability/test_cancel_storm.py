@@ -15,9 +15,11 @@ channels.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -182,17 +184,29 @@ async def test_hundreds_of_cancelled_transfers_leave_a_working_link_and_no_leak(
 
 
 
+@contextlib.asynccontextmanager
+async def _one_channel_pair(listening: LLMRole) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
+    """A prompt and a decoder over TCP with one data channel each way, ``listening`` the end that listens and the
+    other linked to it; an 8 MiB blocks cache each, the prompt's filled: ``(prompt, decoder, its cache, the
+    decoder's)``."""
+    ids = {LLMRole.PROMPT: PROMPT, LLMRole.DECODER: DECODER}
+    other = LLMRole.DECODER if listening is LLMRole.PROMPT else LLMRole.PROMPT
+    async with endpoint(listening, ids[listening], listen=True, transport="tcp", data_channels=1) as listener, \
+            endpoint(other, ids[other], transport="tcp", data_channels=1) as linker:
+        dd, dec = (listener, linker) if listening is LLMRole.PROMPT else (linker, listener)
+        src = dd.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT, 0))
+        dst = dec.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(DECODER, 0))
+        fill(src, 3)
+        assert (await linker.link_clusters([cluster_info(ids[listening], port_of(listener))]))[0] == S.LLM_SUCCESS
+        yield dd, dec, src, dst
+
+
 @pytest.mark.asyncio
 async def test_a_request_on_a_channel_still_being_redialled_waits_for_it():
     """A cut transfer resets its channel and the linking side redials it. The other side may use the channel
     the moment it accepted the redial; its request can overtake the acknowledgement the redial waits for.
     It must be served once the channel is back, not refused with "data channel not usable"."""
-    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", data_channels=1) as dd, \
-            endpoint(LLMRole.DECODER, DECODER, transport="tcp", data_channels=1) as dec:
-        src = dd.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT, 0))
-        dst = dec.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(DECODER, 0))
-        fill(src, 3)
-        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+    async with _one_channel_pair(listening=LLMRole.PROMPT) as (dd, dec, src, dst):
         table = link_table_of(dec)
         dial = table.dial_data
 
@@ -217,12 +231,7 @@ async def test_a_pull_on_a_channel_still_being_redialled_waits_for_it():
     does, and the prompt (the linking side) redials it, its acknowledgement held until the test lets it go; the
     decoder pulls on the channel as soon as it accepted the redial, and the pull is served once the channel is
     back. The test above sends pushes only, and passed with only a push deferred (audit, 2026-12-07)."""
-    async with endpoint(LLMRole.DECODER, DECODER, listen=True, transport="tcp", data_channels=1) as dec, \
-            endpoint(LLMRole.PROMPT, PROMPT, transport="tcp", data_channels=1) as dd:
-        src = dd.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT, 0))
-        dst = dec.kv_cache_manager.allocate_blocks_cache(BIG, BlocksCacheKey(DECODER, 0))
-        fill(src, 3)
-        assert (await dd.link_clusters([cluster_info(DECODER, port_of(dec))]))[0] == S.LLM_SUCCESS
+    async with _one_channel_pair(listening=LLMRole.DECODER) as (dd, dec, src, dst):
         table = link_table_of(dd)
         dial = table.dial_data
         let_go = asyncio.Event()
