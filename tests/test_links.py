@@ -20,8 +20,10 @@ from aio_datadist import (
     LLMRole,
     LLMStatusCode,
     Placement,
+    wire,
 )
-from aio_datadist.testing import link_count
+from aio_datadist.testing import link_count, usable_link
+from aio_datadist.wire import Msg
 from peers import (
     BLOCKS_DESC,
     CACHE_DESC,
@@ -697,17 +699,20 @@ async def test_cancelled_link_clusters_leaves_a_usable_state():
             await pair.prompt.check_link_status(DECODER_ID)
 
 
-async def test_a_link_that_goes_down_while_it_is_set_up_is_not_reported_linked(monkeypatch):
+async def test_a_link_that_goes_down_while_it_is_set_up_is_not_reported_linked(monkeypatch, caplog):
     """The peer goes away after LINK_OK, while the dialling end still sets the link up (share, NIXL, transport
-    check): link_clusters says LLM_LINK_FAILED for it, not success, and linking again works."""
+    check): link_clusters says LLM_LINK_FAILED for it, not success, with a warning naming the cluster and the
+    cause (checked since an audit, 2026-12-07), and linking again works."""
     from aio_datadist.testing import link_to
 
     async with endpoint(LLMRole.DECODER, DECODER_ID) as dd:
         async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt:
             info = cluster_info(PROMPT_ID, port_of(prompt))
-            with monkeypatch.context() as patched:
+            with monkeypatch.context() as patched, caplog.at_level(logging.WARNING, logger="aio_datadist"):
                 leave_during_set_up(patched, dd, prompt)
                 assert await dd.link_clusters([info], timeout=3000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+            said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert any(str(PROMPT_ID) in m and "went down" in m for m in said), said
             link = link_to(dd, PROMPT_ID)
             assert link is None or link.broken is not None or link.closed
             with pytest.raises(LLMException) as exc:
@@ -738,3 +743,24 @@ async def test_a_forced_unlink_during_another_unlink_waiting_for_a_silent_peer_t
         with pytest.raises(asyncio.CancelledError):
             await first
         assert link_count(pair.decoder) == 0
+
+
+async def test_messages_behind_the_one_that_ended_the_link_in_one_chunk_are_not_acted_on():
+    """One chunk of the control connection holding a message whose handling ends the link, then two more: the
+    two are not acted on (the tests above never send such a chunk, and passed with that check removed; audit,
+    2026-12-07)."""
+    async with linked_pair() as pair:
+        link = usable_link(pair.decoder, PROMPT_ID)
+        real, acted = link._dispatch, []
+
+        def dispatch(event):
+            req_id = getattr(event, "req_id", None)
+            acted.append(req_id)
+            if req_id == 1001:  # this message ends the link
+                link.fail(LLMException("ended by the first message", status_code=LLMStatusCode.LLM_LINK_FAILED))
+                return None
+            return real(event)
+
+        link._dispatch = dispatch
+        link._control_data(b"".join(wire.encode(Msg.PROBE, req_id) for req_id in (1001, 1002, 1003)))
+        assert link.down and acted == [1001], acted

@@ -16,7 +16,9 @@ from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
+    LLMDataDist,
     LLMException,
+    LLMRole,
     LLMStatusCode,
     Placement,
     protocol,
@@ -378,3 +380,15 @@ async def test_a_staging_buffer_that_cannot_be_allocated_is_llm_out_of_memory_on
         values = fill(src, 10)
         await pull(pair, dst, [1, 2], 2000)
         assert all(same([d[1], d[2]], [v[1], v[2]]) for d, v in zip(dst.tensors, values, strict=True))
+
+
+async def test_busy_lets_a_failed_submissions_memory_go_once_the_stream_drained():
+    """The memory of a failed submission that carries no ``drained`` hook (an interrupt) goes when ``busy()``
+    sees the copy stream drained, not only on the ``Completions.start`` path the test above takes (it passed
+    with ``busy()`` keeping that memory; audit, 2026-12-07). The host backend's stream has nothing queued."""
+    async with LLMDataDist(LLMRole.MIX, 1) as dd:
+        await dd.init({"aio.DeviceType": "host"})
+        backend = runtime_of(dd).devices
+        backend._failed_submission([bytearray(16)], KeyboardInterrupt())
+        assert backend.held == 1
+        assert backend.busy() is False and backend.held == 0
