@@ -14,6 +14,8 @@ import ctypes
 import gc
 import mmap
 import re
+import socket
+import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator
 
@@ -194,6 +196,32 @@ async def test_conflicting_mode_options_are_refused_at_init():
         await dd.init(config(transfer_backend="hixl", local_comm_res="", listen_ip_info="127.0.0.1:0",
                              device_type="cpu"))
         assert dd.listen_address is not None and isinstance(dd.cache_manager, CacheManager)
+
+
+async def test_options_refused_at_init_leave_nothing_started():
+    """Conflicting mode options are refused before anything starts: the listen port the options name stays free
+    and no engine thread is left. The test above checks the refusal and passed with the check made after the
+    engines and the listener started (audit, 2026-12-07)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = LLMConfig()
+    config.device_id = 0
+    config.transfer_backend = "hixl"
+    config.enable_cache_manager = True
+    config.enable_remote_cache_accessible = False
+    config.listen_ip_info = f"127.0.0.1:{port}"
+    threads = threading.active_count()
+    dd = LLMDataDist(LLMRole.PROMPT, 6)
+    with pytest.raises(LLMException, match="llm.TransferBackend") as info:
+        await dd.init(config.generate_options())
+    assert info.value.status_code is S.LLM_PARAM_INVALID
+    assert threading.active_count() <= threads  # no engine worker started
+    with socket.socket() as again:  # nobody listens there
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
+        again.listen()
+    await dd.finalize()
 
 
 # -- registration -----------------------------------------------------------------------

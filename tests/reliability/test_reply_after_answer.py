@@ -36,6 +36,7 @@ from aio_datadist import (
     wire,
 )
 from aio_datadist.testing import link_to, registry_of
+from aio_datadist.transport.stream import StreamPlane
 
 pytestmark = pytest.mark.asyncio
 
@@ -232,3 +233,35 @@ async def test_a_pull_given_up_after_its_owner_finished_sending_keeps_the_link(m
         assert all(bool((t == 3).all()) for t in dst.tensors)
         prompt.cache_manager.unregister_cache(owned.cache_id)
         assert not link.pending and not link._then, "waiters left behind"
+
+
+@pytest.mark.loops_take_turns
+async def test_a_push_the_owner_stopped_with_its_answer_starts_no_job(monkeypatch) -> None:
+    """The owner accepts a push and stops it in the same breath (its failed ``DONE`` right behind its ``RESP``):
+    the push fails with the owner's reason and no plane starts a job for it. The tests above passed with the
+    requester's check of the owner's word before a plane starts removed (audit, 2026-12-07)."""
+    carried: list[Any] = []
+    real = StreamPlane.carry
+
+    async def carry(self, *args: Any, **kwargs: Any) -> Any:
+        carried.append(args)
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(StreamPlane, "carry", carry)
+    async with pair("tcp") as (prompt, dec):
+        prompt.cache_manager.allocate_blocks_cache(SIZES["loop"], BlocksCacheKey(PROMPT, 0))
+        src = dec.cache_manager.allocate_blocks_cache(SIZES["loop"])
+        link = link_to(prompt, DECODER)
+        assert link is not None
+        send = link.send
+
+        def stop_at_once(msg: wire.Msg, req_id: int, **fields: Any) -> None:
+            send(msg, req_id, **fields)
+            if msg is wire.Msg.RESP and fields.get("status") == 0:  # accepted, and stopped in the same breath
+                send(wire.Msg.DONE, req_id, status=S.LLM_KV_CACHE_NOT_EXIST.value, text="cut")
+
+        link.send = stop_at_once  # type: ignore[method-assign]
+        result, _ = await outcome(dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), src, ALL, ALL,
+                                                                timeout=5000))
+        assert result == S.LLM_KV_CACHE_NOT_EXIST, f"the push gave {result!r}"
+        assert carried == [], "a plane started a job for a request its owner had stopped"
