@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import types
 import weakref
 
 import pytest
@@ -23,6 +24,7 @@ from peers import endpoint
 
 from aio_datadist import CacheDesc, DataType, KvCache, LLMException, LLMRole, LLMStatusCode, Placement, _core
 from aio_datadist._completion import Completions
+from aio_datadist.transport.staging import staged_move
 from aio_datadist.devices.staging import (
     LINK_SHARE,
     MIN_CHUNK_BYTES,
@@ -321,3 +323,20 @@ async def test_a_transfer_that_cannot_stage_ahead_for_want_of_memory_goes_on_wit
     assert info.value.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY
     pool.release(held)
     pool.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("send", [True, False], ids=["send", "receive"])
+async def test_a_staged_move_takes_its_buffers_on_its_links_share(send):
+    """The transfers' staged path hands its link to the pool as the holder whose share it takes (without a
+    holder no share applies). The tests above drive the pool directly, and passed with the data path giving no
+    holder (audit, 2026-12-07)."""
+    holders = []
+
+    async def taken(cache, first, count, rows, offset, nbytes, job, what="", holder=None):
+        holders.append(holder)
+
+    rt = types.SimpleNamespace(staging=types.SimpleNamespace(send=taken, receive=taken))
+    link = object()
+    await staged_move(rt, link, 0, object(), 0, 1, [0], 0, 64, send=send, what="staged")
+    assert holders == [link]
