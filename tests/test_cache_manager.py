@@ -28,6 +28,7 @@ from peers import (
     EndpointSpec,
     Ref,
     cluster_info,
+    free_port,
     options,
     pattern,
     port_of,
@@ -202,9 +203,7 @@ async def test_options_refused_at_init_leave_nothing_started():
     """Conflicting mode options are refused before anything starts: the listen port the options name stays free
     and no engine thread is left. The test above checks the refusal and passed with the check made after the
     engines and the listener started (audit, 2026-12-07)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port("127.0.0.1")
     config = LLMConfig()
     config.device_id = 0
     config.transfer_backend = "hixl"

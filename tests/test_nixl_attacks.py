@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, endpoint, fill, linked_pair
+from test_nixl_reads import granted
 
 from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement
 from aio_datadist.testing import link_to, nixl_agent_of
@@ -159,17 +160,6 @@ def held_in_progress(monkeypatch, engine) -> tuple[list[Any], threading.Event]:
     monkeypatch.setattr(kind, "transfer", transfer)
     monkeypatch.setattr(kind, "check_xfer_state", check_xfer_state)
     return held, release
-
-
-async def granted(dd, cache) -> None:
-    """Until ``dd`` may read ``cache`` of the prompt's, bound to ``BlocksCacheKey(PROMPT_ID)``, without asking."""
-    async with asyncio.timeout(5):
-        while True:
-            link = link_to(dd, PROMPT_ID)
-            if link is not None and link.nixl is not None and link.nixl.grant_for(0) is not None \
-                    and cache.cache_id in link.nixl.caches:
-                return
-            await asyncio.sleep(0.005)
 
 
 def unloads_waiting(engine, name: bytes) -> int:

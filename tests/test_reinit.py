@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import resource
 import socket
 import ssl
-from collections.abc import Iterator
 
 import pytest
 import torch
 from peers import BLOCKS_DESC, DECODER_ID, PROMPT_ID, cluster_info, fill, options, port_of
+from test_share_listener_emfile import no_free_fds
 
 from aio_datadist import BlocksCacheKey, KvCache, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode, compat
 from aio_datadist.compat import LLMDataDist as BlockingLLMDataDist
@@ -128,7 +126,7 @@ async def test_a_new_life_that_cannot_start_leaves_the_endpoint_finalized(why):
             refused = config.generate_options()
         else:
             refused = options()
-        with pytest.raises(LLMException) as exc, _no_fd_left() if why == "no fd" else contextlib.nullcontext():
+        with pytest.raises(LLMException) as exc, no_free_fds() if why == "no fd" else contextlib.nullcontext():
             await dd.init(refused)
         assert exc.value.status_code == {"address in use": S.LLM_LINK_FAILED, "tls context": S.LLM_PARAM_INVALID,
                                          "no fd": S.LLM_FAILED}[why], exc.value
@@ -142,20 +140,6 @@ async def test_a_new_life_that_cannot_start_leaves_the_endpoint_finalized(why):
     finally:
         taken.close()
         await dd.finalize()
-
-
-@contextlib.contextmanager
-def _no_fd_left() -> Iterator[None]:
-    """This process at its fd limit for the block's duration: the soft ``RLIMIT_NOFILE`` at the lowest free fd
-    number, so every new fd fails ``EMFILE``."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    lowest = os.dup(0)
-    os.close(lowest)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def _finalize_cut_on_a_loop_closed_after(dd: LLMDataDist) -> None:

@@ -42,6 +42,7 @@ import fakes
 import pytest
 import torch
 from peers import DECODER_ID, PROMPT_ID, TRANSPORT, fill, linked_pair
+from test_device_drivers import counter
 
 from aio_datadist import CacheDesc, CacheKeyByIdAndIndex, DataType, LLMException, LLMStatusCode, Placement
 from aio_datadist.devices import host
@@ -353,10 +354,6 @@ async def test_a_peers_cuda_imports_are_held_to_the_peer_mapping_budget(stub, mo
     assert (host._peer_mapped, host._peer_mappings) == baseline
 
 
-def _driver_count(lib: ctypes.CDLL, name: str) -> int:
-    return ctypes.c_int.in_dll(lib, name).value
-
-
 @needs_cc
 async def test_an_import_past_the_budget_never_reaches_the_driver(stub, fake_cuda, monkeypatch):
     """The budget is taken before ``cuMemImportFromShareableHandle``: an import past it is refused before the
@@ -376,11 +373,11 @@ async def test_an_import_past_the_budget_never_reaches_the_driver(stub, fake_cud
         assert await peer.send(add_device(1, size, identity), fd)
         await peer.settle()
         assert peer.mapped == 1
-        driver = _driver_count(lib, "fake_imports"), _driver_count(lib, "fake_reserves")
+        driver = counter(lib, "fake_imports"), counter(lib, "fake_reserves")
         await peer.send(add_device(2, size, identity), fd)
         await peer.settle()
         assert peer.lost and peer.mapped == 1
-        assert (_driver_count(lib, "fake_imports"), _driver_count(lib, "fake_reserves")) == driver, \
+        assert (counter(lib, "fake_imports"), counter(lib, "fake_reserves")) == driver, \
             "the import past the budget reached the driver"
     finally:
         peer.close()
