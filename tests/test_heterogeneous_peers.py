@@ -131,3 +131,19 @@ async def test_different_cache_sets_link_and_mismatches_are_refused_per_transfer
         assert same(d_mla.tensors, seeds["mla"])  # the decoder-only caches saw nothing
         assert torch.equal(d_kv.tensors[0][2:5], seeds["kv"][0][2:5])
         await prefill_unchanged(prefill)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+async def test_a_push_of_another_data_type_is_refused(transport: str) -> None:
+    """The owner checks a push's data type as it checks a pull's: blocks of the same bytes and shape but
+    another data type are refused and write nothing on either side."""
+    async with spawned(prefill_spec(transport, other_loop())) as (prefill,), \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport=transport) as dd:
+        d_kv = dd.kv_cache_manager.allocate_blocks_cache(KV, BlocksCacheKey(DECODER_ID, 0))
+        seeds = fill(d_kv, 11)
+        assert await dd.link_clusters([prefill.info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        exc = await refused(prefill.call("kv", "push_blocks", BlocksCacheKey(DECODER_ID, 0), Ref("int16"),
+                                         [0, 1], [2, 3]))
+        assert "data types differ" in str(exc), str(exc)
+        assert same(d_kv.tensors, seeds)
+        await prefill_unchanged(prefill)
