@@ -196,6 +196,21 @@ async def test_more_than_16_clusters_per_call():
         assert link_count(dd) == 0 and link_count(prompt) == 0
 
 
+async def test_exactly_16_clusters_per_call_are_dialled():
+    """The limit is more than 16: a call with 16 clusters dials each (the one listening links) and an
+    unlink of 16 unlinks; neither answers LLM_CLUSTER_NUM_EXCEED_LIMIT."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        infos = [cluster_info(PROMPT_ID, port_of(prompt))] + [cluster_info(100 + i, (LOCALHOST, 1))
+                                                              for i in range(15)]
+        status, codes = await dd.link_clusters(infos, timeout=1000)
+        assert codes == [S.LLM_SUCCESS] + [S.LLM_LINK_FAILED] * 15, codes
+        assert link_count(dd) == 1
+        status, codes = await dd.unlink_clusters(infos)
+        assert codes[0] == S.LLM_SUCCESS and S.LLM_CLUSTER_NUM_EXCEED_LIMIT not in codes, codes
+        assert link_count(dd) == 0
+
+
 async def test_link_to_several_clusters_in_one_call():
     async with endpoint(LLMRole.PROMPT, 10, listen=True) as p1, endpoint(LLMRole.PROMPT, 11, listen=True) as p2, \
             endpoint(LLMRole.DECODER, DECODER_ID) as dd:
