@@ -705,6 +705,19 @@ def test_semantic_checks_stay_plain_llm_exceptions() -> None:
         assert not isinstance(raised.value, (TypeError, ValueError)), raised.value
 
 
+def test_index_and_range_bounds_stay_plain_llm_exceptions() -> None:
+    """An index outside a cache's rows, or an empty or negative layer range, is a range check
+    (raise_if_*), not an integer width: LLMException only, never TypeError or ValueError."""
+    for call in (lambda: check_indices("src_blocks", [0, 8], 8, what="block index"),
+                 lambda: check_indices("dst_blocks", [-1], 8, what="block index"),
+                 lambda: check_range("src_layer_range", range(2, 2)),
+                 lambda: check_range("src_layer_range", range(-1, 2))):
+        with pytest.raises(LLMException) as raised:
+            call()
+        assert raised.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert not isinstance(raised.value, (TypeError, ValueError)), raised.value
+
+
 def _datadist(role, cluster_id):
     from aio_datadist import LLMDataDist
 
