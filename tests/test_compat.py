@@ -350,3 +350,25 @@ def test_a_facade_prefill_leases_its_hand_off_cache_and_handles_the_lease_from_i
         assert "aio_datadist.compat.KvCacheManager" in str(info.value)
     finally:
         dd.finalize()
+
+
+@pytest.mark.asyncio
+async def test_a_blocks_cache_registered_remote_accessible_false_is_kept_from_peers():
+    """``register_blocks_cache(..., remote_accessible=False)`` (reference §2.6) as ``register_cache``'s: a peer's
+    pull of its blocks key gets ``LLM_KV_CACHE_NOT_EXIST`` and moves nothing."""
+    import torch
+
+    from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException
+    from peers import linked_pair
+
+    async with linked_pair() as pair:
+        pm, dm = pair.prompt.kv_cache_manager, pair.decoder.kv_cache_manager
+        desc = CacheDesc(2, [4, 8], DataType.DT_UINT8)
+        memory = [torch.full((4, 8), 9, dtype=torch.uint8) for _ in range(2)]
+        pm.register_blocks_cache(desc, [m.data_ptr() for m in memory], BlocksCacheKey(pair.prompt.cluster_id),
+                                 remote_accessible=False)
+        d_blocks = dm.allocate_blocks_cache(desc)
+        with pytest.raises(LLMException) as exc:
+            await dm.pull_blocks(BlocksCacheKey(pair.prompt.cluster_id), d_blocks, [0, 1], [0, 1])
+        assert exc.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, exc.value
+        assert not any(d.any() for d in d_blocks.tensors)
