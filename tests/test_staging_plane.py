@@ -13,7 +13,8 @@ import asyncio
 
 import pytest
 import torch
-from peers import DECODER_ID, PROMPT_ID, TRANSPORT, TRANSPORTS, fill, linked_pair, snapshot
+from peers import (DECODER_ID, PROMPT_ID, TRANSPORT, TRANSPORTS, cluster_info, endpoint, fill, linked_pair, port_of,
+                   snapshot)
 
 from aio_datadist import (
     BlocksCacheKey,
@@ -22,6 +23,7 @@ from aio_datadist import (
     DataType,
     EventLayerSynchronizer,
     LLMException,
+    LLMRole,
     LLMStatusCode,
     Placement,
     TransferWithCacheKeyConfig,
@@ -126,6 +128,36 @@ async def test_push_blocks_and_pull_cache_by_key_between_device_caches():
         await pair.dm.pull_cache(CacheKey(PROMPT_ID, 11), into, batch_index=2)
         for d, v in zip(into.tensors, values, strict=True):
             assert eq(d[2], v[1])
+
+
+async def test_pulls_over_two_links_stay_within_the_pools_buffers():
+    """The bound is the pool's, not only each link's share: two links' receives held behind the device
+    stream (each may hold 2 of 3 buffers) never make the decoder's staging memory more than 3 buffers."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair, \
+            endpoint(LLMRole.PROMPT, 7, listen=True, **HOST) as other:
+        small_staging(pair.prompt)
+        small_staging(other)
+        pool = small_staging(pair.decoder, 3).pool
+        assert await pair.decoder.link_clusters([cluster_info(7, port_of(other))]) == (S.LLM_SUCCESS,
+                                                                                       [S.LLM_SUCCESS])
+        srcs = [dd.kv_cache_manager.allocate_blocks_cache(BLOCKS, BlocksCacheKey(dd.cluster_id, 0))
+                for dd in (pair.prompt, other)]
+        values = [fill(src, 20 + i) for i, src in enumerate(srcs)]
+        dsts = [pair.dm.allocate_blocks_cache(BLOCKS) for _ in srcs]
+        gate = runtime_of(pair.decoder).devices.stream.gate()  # scatters queue up: receives keep their buffers
+        pulls = [asyncio.ensure_future(pair.dm.pull_blocks(BlocksCacheKey(src_id, 0), dst, list(range(6)),
+                                                           list(range(6)), timeout=5000))
+                 for src_id, dst in zip((PROMPT_ID, 7), dsts)]
+        for _ in range(500):  # every buffer taken (bounded)
+            if pool.live >= pool.buffers:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # room for a buffer past the bound to be taken
+        gate.open()
+        await asyncio.gather(*pulls)
+        assert pool.peak <= pool.buffers, f"{pool.peak} buffers of {pool.buffers}"
+        for dst, vals in zip(dsts, values, strict=True):
+            assert all(eq(d, v) for d, v in zip(dst.tensors, vals, strict=True))
 
 
 async def test_a_timed_out_pull_into_a_held_device_stream_returns_only_once_nothing_can_land():
