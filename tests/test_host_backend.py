@@ -385,6 +385,31 @@ async def test_a_notify_under_graph_capture_is_a_clear_param_error():
         await dd.finalize()
 
 
+@pytest.mark.asyncio
+async def test_a_refused_record_starts_nothing():
+    """EventLayerSynchronizer.record(i, stream=s) refused (a stream under graph capture, a stream of another
+    kind): LLM_PARAM_INVALID, and layer i is not started by it (its wait times out)."""
+    from aio_datadist import EventLayerSynchronizer
+
+    dd = await _host_dd()
+    try:
+        backend = runtime_of(dd).devices
+        with EventLayerSynchronizer(dd, 2, timeout_ms=50) as events:
+            backend.notifier = _RefusingNotifier(backend.notifier, 16)  # EBUSY: what the core says under capture
+            try:
+                with pytest.raises(LLMException) as info:
+                    events.record(0, stream=backend.default_stream)
+            finally:
+                backend.notifier = backend.notifier.real
+            assert info.value.status_code == S.LLM_PARAM_INVALID
+            with pytest.raises(LLMException) as info:
+                events.record(1, stream=object())
+            assert info.value.status_code == S.LLM_PARAM_INVALID
+            assert [await events.synchronize_layer(i) for i in range(2)] == [False, False]
+    finally:
+        await dd.finalize()
+
+
 def test_kernel_side_of_a_pinned_host_cache_uses_the_mapped_device_pointer():
     from aio_datadist.devices.copies import Side, kernel_side
 
