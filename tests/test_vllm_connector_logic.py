@@ -108,6 +108,20 @@ def test_prefill_holds_free_once_done_closed_or_timed_out() -> None:
     assert not holds.claim("d", "conn1", 5)  # a late decoder is refused
 
 
+def test_a_claim_past_the_lease_is_refused_before_the_next_expiry_pass() -> None:
+    """The expiry pass runs every 0.5 s: a claim that comes after the lease (or a re-claim after its own hold)
+    ran out, but before that pass, is refused and frees the request then, instead of holding it again."""
+    now = [100.0]
+    holds = PrefillHolds(clock=lambda: now[0])
+    holds.add("late", lease_s=10)
+    holds.add("mine", lease_s=10)
+    assert holds.claim("mine", "conn1", 5)
+    now[0] += 10.4  # "late"'s lease and "mine"'s hold are over; no expire() ran
+    assert not holds.claim("late", "conn2", 5) and not holds.claim("mine", "conn1", 5)
+    assert not holds.held and holds.take_released() == {"late", "mine"}
+    assert sorted(holds.take_expired()) == ["late", "mine"]  # logged once, as an expiry pass would have
+
+
 def test_decode_pulls_report_only_stopped_pulls() -> None:
     pulls = DecodePulls()
     cancelled: list[str] = []

@@ -58,11 +58,18 @@ class PrefillHolds:
             return req_id in self._held
 
     def claim(self, req_id: str, owner: Hashable, hold_s: float, max_owned: int | None = None) -> bool:
-        """Keep ``req_id`` for ``owner`` (at most ``hold_s`` from now); False if not held (any more), held
-        by another owner, or if ``owner`` holds ``max_owned`` other requests already."""
+        """Keep ``req_id`` for ``owner`` (at most ``hold_s`` from now); False if not held (any more: a request
+        past its lease or its claim's hold is freed here, as by :meth:`expire`), held by another owner, or if
+        ``owner`` holds ``max_owned`` other requests already."""
         with self._lock:
             held = self._held.get(req_id)
-            if held is None or (held.owner is not None and held.owner != owner):
+            if held is None:
+                return False
+            if self._clock() >= held.deadline:  # its lease or hold ran out, the next expire() pass not yet run
+                self._release(req_id)
+                self._expired.append(req_id)
+                return False
+            if held.owner is not None and held.owner != owner:
                 return False
             if (max_owned is not None and held.owner is None
                     and sum(1 for h in self._held.values() if h.owner == owner) >= max_owned):
