@@ -217,6 +217,30 @@ async def test_a_scrape_from_another_thread_reads_the_endpoint_on_its_own_loop()
     assert "aio_datadist_caches{" not in text  # finalized: no gauges, counters stay
 
 
+@pytest.mark.asyncio
+async def test_a_scrape_from_another_thread_takes_the_snapshot_on_the_endpoints_loop_thread(monkeypatch):
+    """The scraper's thread does not read the endpoint itself: it asks the endpoint's loop, which alone changes
+    links and caches, for the snapshot."""
+    import threading
+
+    from aio_datadist import datadist
+
+    taken_on: list[int] = []
+    real = datadist.endpoint_stats
+
+    def recording(endpoint):
+        taken_on.append(threading.get_ident())
+        return real(endpoint)
+
+    monkeypatch.setattr(datadist, "endpoint_stats", recording)
+    registry = CollectorRegistry()
+    async with open_pair() as pair:
+        instrument(pair.decoder, registry)
+        text = (await asyncio.to_thread(generate_latest, registry)).decode()
+        assert 'aio_datadist_links{cluster_id="2",transport="local"} 1.0' in text
+        assert taken_on and set(taken_on) == {threading.get_ident()}, "a snapshot was taken off the loop's thread"
+
+
 def test_instrument_refuses_what_is_not_an_endpoint_and_says_which_extra_is_missing(monkeypatch):
     with pytest.raises(LLMException) as bad:
         instrument(object(), CollectorRegistry())  # type: ignore[arg-type]
