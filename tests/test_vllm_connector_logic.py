@@ -197,6 +197,19 @@ def test_a_bad_frame_ends_the_connection_and_frees_its_claims(agents) -> None:
     wait(lambda: prefill.holds.take_released() == {"r9"})  # the claimer is gone: its blocks are freed
 
 
+def test_a_claimer_whose_side_channel_closes_lets_the_prefill_free_its_blocks(agents) -> None:
+    """A decode killed after its claim: its side channel is reset (no done, no bad frame) and the prefill frees
+    the blocks at once, not at the claim's timeout or the lease; the request is not held for anyone after."""
+    prefill, _ = agents(True)
+    prefill.holds.add("r9", lease_s=60)
+    with socket.create_connection(prefill.side_channel, timeout=5) as sock:
+        sock.sendall(encode_frame({"id": 1, "op": "claim", "req": "r9"}))
+        assert decode_reply(sock.recv(4096)[4:], "claim")["ok"]
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed as a kill does
+    _released_soon(prefill, "r9")
+    assert not prefill.holds.claim("r9", "late", 5)
+
+
 @pytest.mark.parametrize("length", [MAX_FRAME + 1, 2**31, 0])
 def test_the_server_refuses_a_header_past_the_bound_at_once_and_frees_claims(agents, length) -> None:
     """The side channel's server bounds a frame itself: a header announcing 0 bytes or more than 64 KiB is
