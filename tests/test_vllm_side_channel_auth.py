@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -177,6 +178,34 @@ def test_a_flood_of_silent_connections_does_not_block_an_honest_decoder(agents) 
     wait(lambda: not prefill.holds.held)
 
 
+def test_past_the_bound_a_newcomer_evicts_the_oldest_silent_handshake_not_one_that_spoke(agents) -> None:
+    """Exactly MAX_PENDING_HANDSHAKES connections stay in the handshake, and a newcomer past them evicts the
+    oldest that said nothing: a decode that sent its hello first (its proof still on its way) is kept, older
+    than every silent one though it is."""
+    from aio_datadist.integrations.vllm_auth import MAGIC
+
+    prefill, _ = agents(True, shared_secret=SECRET)
+    host, port = prefill.side_channel
+    with socket.create_connection((host, port), timeout=3) as spoke:
+        spoke.sendall(MAGIC + os.urandom(32))
+        assert len(spoke.recv(64, socket.MSG_WAITALL)) == 64  # its hello was read: nonce and proof came back
+        flood = subprocess.Popen([sys.executable, PEER, "flood", host, str(port), "40", "60", ""],  # 40, then none
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert flood.stdout is not None and json.loads(flood.stdout.readline())["opened"] == 40
+            wait(lambda: prefill.refusals >= 41 - MAX_PENDING_HANDSHAKES - 1, 3)
+            held = []
+            for _ in range(5):
+                held.append(_accepted_on(port))
+                time.sleep(0.02)
+            assert (min(held), prefill.refusals) == (MAX_PENDING_HANDSHAKES, 41 - MAX_PENDING_HANDSHAKES), held
+            spoke.setblocking(False)
+            with pytest.raises(BlockingIOError):  # still open, still waiting for its proof to be read
+                spoke.recv(1)
+        finally:
+            _reap(flood)
+
+
 class _Distant(Relay):
     """A decode across a network: each chunk forwarded 40 ms late, each way."""
 
@@ -235,6 +264,16 @@ def test_frames_that_lie_about_their_size_are_dropped_and_release_nothing(agents
     ok, _ = _pull(decode, host, port, "r1")
     assert ok and _landed(p_kv, d_kv)
     wait(lambda: set(prefill.holds.held) == {"r2"})
+
+
+def test_a_frame_whose_body_never_all_comes_is_not_read_as_a_frame(agents) -> None:
+    """A header promising 1000 bytes, then a whole ``done`` frame's body and the end of the stream: the bytes
+    that came are not taken for the frame, so nothing answers them and the connection just ends."""
+    prefill, _ = agents(True, shared_secret=SECRET)
+    prefill.holds.add("r1", lease_s=60)
+    host, port = prefill.side_channel
+    assert _peer("lie", host, port, SECRET)["short_body"] == {"got": "", "closed": True}
+    assert _still_held(prefill, "r1")
 
 
 def test_the_secret_option_env_and_warning(monkeypatch, caplog) -> None:
