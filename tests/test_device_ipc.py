@@ -140,6 +140,42 @@ async def test_a_push_and_a_pull_by_key_go_by_device_ipc_too():
         assert link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "local"
 
 
+def watch_streams(dd, name: str, events: list[str]) -> None:
+    """Note each fence asked of and each batched copy put on the endpoint's copy stream, in order."""
+    backend = runtime_of(dd).devices
+    fence, batch = backend.fence, backend.memcpy_batch
+
+    def fenced(token):
+        events.append(f"{name} fence")
+        return fence(token)
+
+    def copied(dsts, srcs, sizes):
+        events.append(f"{name} copy")
+        return batch(dsts, srcs, sizes)
+
+    backend.fence, backend.memcpy_batch = fenced, copied
+
+
+async def test_the_end_whose_device_rows_are_read_fences_its_stream_before_the_copy():
+    """The rows a peer copies out of an export are final: a pull's owner fences its stream before it answers
+    (then the requester copies), a pusher fences its own before the owner copies out of its export."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        events: list[str] = []
+        watch_streams(pair.prompt, "prompt", events)
+        watch_streams(pair.decoder, "decoder", events)
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 6)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 1))
+        await mapped(pair, src.cache_id)
+        events.clear()
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [2], [0])
+        assert events == ["prompt fence", "decoder copy"], events
+        events.clear()
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 1), src, [4], [3])
+        assert events == ["prompt fence", "decoder copy"], events
+        assert all(eq(d[0], v[2]) and eq(d[3], v[4]) for d, v in zip(dst.tensors, values, strict=True))
+
+
 @pytest.mark.parametrize("by", ["key", "index"])
 async def test_a_device_row_pulled_into_device_blocks_is_cut_into_them(by):
     """A contiguous device cache's row pulled into several blocks of a device blocks cache on a same-host link
@@ -294,6 +330,25 @@ async def test_registered_device_caches_take_the_staging_plane_and_the_link_says
             assert eq(d[0], v[1]) and eq(d[5], v[2])
         assert link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "tcp"  # staged over the channel
         assert "registered" in link_stats(pair.prompt, DECODER_ID).device_ipc_off
+
+
+async def test_registered_device_caches_are_reported_once_per_link_not_per_cache(caplog):
+    """Three registered device caches cross the link: the exporting end says why once for the link (INFO), the
+    pull from any of them is staged (``tcp``), and the link's reason names what they are."""
+    caplog.set_level(logging.INFO, logger="aio_datadist.local")
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        for key in range(3):
+            tensors = [torch.zeros(BLOCKS.shape, dtype=torch.float16) for _ in range(BLOCKS.num_tensors)]
+            src = pair.pm.register_blocks_cache(BLOCKS, tensors, BlocksCacheKey(PROMPT_ID, key))
+        values = fill(src, 5)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 2), dst, [1], [0])
+        assert all(eq(d[0], v[1]) for d, v in zip(dst.tensors, values, strict=True))
+        assert link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "tcp"
+        assert "registered" in link_stats(pair.prompt, DECODER_ID).device_ipc_off
+        lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "registered" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith(
+            f"link {usable_link(pair.prompt, DECODER_ID).link_id} to cluster {DECODER_ID}:"), lines
 
 
 @pytest.mark.parametrize("policy, enforced, exported", [
