@@ -46,10 +46,12 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
-from peers import CacheSpec, EndpointSpec, Ref, fill, pattern, port_of
+from aio_datadist.wire import Msg
+from peers import CacheSpec, EndpointSpec, Ref, cluster_info, fill, pattern, port_of
 
 from _forked import ForkedEndpoint
 from _harness import ENDED, baseline_of, endpoint, open_fds, settle, state
+from _rawpeer import RawLink, recv_exactly
 from _budget import SEED, scaled
 from _tally import count
 
@@ -404,3 +406,40 @@ async def test_kill_prompt_and_decoder_while_a_third_endpoint_uses_both():
             await decoder.call("kv", "pull_blocks", BlocksCacheKey(PROMPT), Ref("big"), BLOCKS, BLOCKS)
             assert await decoder.call("digest", "big") == digests(expected), context
             count("fault trials")
+
+
+@pytest.mark.asyncio
+async def test_a_decoder_that_dies_between_its_bytes_and_its_done_consumes_no_key():
+    """Row 4 in the window a random kill of a small pull seldom hits: the owner sent every byte and holds the
+    key's claim until the decoder's DONE, and the decoder dies (its sockets close) before sending it. The key
+    is released, not consumed: a restarted decoder pulls it, and the hand-off cache goes with its last key."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd, \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec:
+        kv = dd.kv_cache_manager
+        baseline, _ = baseline_of(dd)
+        before = memfd_inodes()
+        keys = [CacheKey(PROMPT, 500 + r) for r in range(4)]
+        cache = kv.allocate_cache(ROWS, keys)
+        values = fill(cache, 4)
+        kv.deallocate_cache(cache)
+        del cache
+        inodes = memfd_inodes() - before
+
+        def pull_and_die() -> None:
+            with RawLink(port_of(dd), DECODER + 10, PROMPT, None).connect() as raw:
+                _, total = raw.offer(Msg.PULL_REQ, dict(
+                    channel=0, target_kind=1, cluster_id=PROMPT, cache_id=0, key_req_id=keys[0].req_id,
+                    prefix_id=2**64 - 1, model_id=0, batch_index=0, layer_first=-1, layer_last=-1,
+                    tensor_num_per_layer=2, tensor_count=ROWS.num_tensors, data_type=ROWS.data_type.value,
+                    offset=0, nbytes=ROWS.size // ROWS.shape[0], flags=2 | 4, timeout_ms=TIMEOUT_MS, rows=()))
+                recv_exactly(raw.data[0], total)
+            # every byte read, the sockets closed without DONE: as a SIGKILL then would close them
+
+        await asyncio.to_thread(pull_and_die)
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        dst = dec.kv_cache_manager.allocate_cache(ROWS)
+        for row, key in enumerate(keys):  # keys[0] first: the dead decoder's pull did not consume it
+            await dec.kv_cache_manager.pull_cache(key, dst, row)
+        assert all(same_bytes(d, v) for d, v in zip(dst.tensors, values))
+        await settle(dd, baseline, within=BOUND_S)  # the hand-off cache went with its last key
+        await released(inodes, "the hand-off cache")

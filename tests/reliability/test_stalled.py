@@ -343,7 +343,7 @@ def all_closed_by(socks: list[socket.socket], deadline: float) -> None:
 
 
 def stall_mid_pull(address: tuple[str, int], cluster_id: int, cache_id: int, *, keep_pinging: bool,
-                   stop: threading.Event) -> tuple[int, bool]:
+                   stop: threading.Event, timeout_ms: int = 300) -> tuple[int, bool]:
     """Link by hand, pull a 32 MiB row, read 64 KiB of it and stop reading.
 
     Returns ``(bytes read, whether the owner told us it aborted the channel)``.
@@ -353,7 +353,7 @@ def stall_mid_pull(address: tuple[str, int], cluster_id: int, cache_id: int, *, 
         raw.send_raw(wire.encode(Msg.PULL_REQ, rid, channel=0, target_kind=2, cluster_id=PROMPT, cache_id=cache_id,
                                  key_req_id=2**64 - 1, prefix_id=2**64 - 1, model_id=0, batch_index=0, layer_first=-1,
                                  layer_last=-1, tensor_num_per_layer=2, tensor_count=4, data_type=1, offset=0,
-                                 nbytes=ROW.size, flags=2 | 4, timeout_ms=300, rows=()))
+                                 nbytes=ROW.size, flags=2 | 4, timeout_ms=timeout_ms, rows=()))
         _, resp = raw.answer(rid)
         assert resp["status"] == 0 and resp["total"] == ROW.size * ROW.num_tensors
         got = len(recv_exactly(raw.data[0], 65536))
@@ -425,6 +425,30 @@ async def test_a_reader_that_stops_mid_pull_is_cut_off_and_everything_is_release
         mine = other.kv_cache_manager.allocate_cache(ROW)
         await other.kv_cache_manager.pull_cache(key, mine, timeout=5000)
         assert all(torch.equal(m.view(torch.int16), r.view(torch.int16)) for m, r in zip(mine.tensors, row.tensors))
+
+
+@pytest.mark.asyncio
+async def test_a_silent_reader_is_cut_off_within_the_documented_heartbeat_bound():
+    """The heartbeat alone, its request's serving timeout (10 s + 1 s) far away: 5 silent intervals and one more
+    after a last PROBE (300 ms each here) fail the link and release what the pull held. The test above passed
+    with twice as many intervals: its serving timeout (1.3 s) ends the job by itself."""
+    interval = 0.3
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", heartbeat_interval=300) as dd:
+        row = dd.kv_cache_manager.allocate_cache(ROW, [CacheKey(PROMPT, 7)])
+        fill(row, 4)
+        baseline, _ = baseline_of(dd)
+        stop = threading.Event()
+        stalled = asyncio.ensure_future(asyncio.to_thread(stall_mid_pull, port_of(dd), DECODER, row.cache_id,
+                                                          keep_pinging=False, stop=stop, timeout_ms=10_000))
+        try:
+            while state(dd)["socket jobs"] == 0 and not stalled.done():  # the owner is sending
+                await asyncio.sleep(0.005)
+            await settle(dd, baseline, within=(5 + 2) * interval + BOUND_S)
+            link = link_to(dd, DECODER)
+            assert link is None or link.broken is not None
+        finally:
+            stop.set()
+            await stalled
 
 
 def small_bytes() -> int:

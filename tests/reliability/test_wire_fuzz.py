@@ -189,6 +189,21 @@ def test_every_frame_decodes_to_fields_or_a_protocol_error():
     decode()
 
 
+@settings(max_examples=scaled(300), **SETTINGS)
+@seed(SEED)
+@given(st.sampled_from(list(Msg)), st.data(), st.binary(min_size=1, max_size=16))
+def test_a_decoded_body_is_the_whole_message(msg: Msg, data: Any, extra: bytes) -> None:
+    """The round trip is exact: a body decodes to a record that re-encodes to all of it, so a body with
+    bytes past its last field (a shrunken count, a longer length) is a ProtocolError, not a shorter record."""
+    count("fuzz cases (in-process)")
+    body = wire.encode(msg, 0, **valid_fields(msg, data.draw))[wire.HEADER.size:]
+    fields = dataclasses.asdict(wire.decode(msg, body))
+    if "\\" not in fields.get("text", "") and "\ufffd" not in fields.get("text", ""):
+        assert wire.encode(msg, 0, **fields)[wire.HEADER.size:] == body
+    with pytest.raises(ProtocolError):
+        wire.decode(msg, body + extra)
+
+
 def feed(proto: LinkProtocol, pieces: Sequence[bytes]) -> tuple[list[protocol.Event], ProtocolError | None]:
     """Every event ``pieces`` give, and the error that failed ``proto`` (raised or left in ``error``)."""
     events: list[protocol.Event] = []
@@ -429,6 +444,41 @@ async def test_the_owner_plans_only_registered_bytes_or_refuses():
         assert outcomes.get("accepted", 0) > 200 and outcomes.get("refused", 0) > 200, outcomes
         assert target.arena.intact()
         assert state(dd)["pending tokens"] == 0
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_the_owner_checks_every_block_of_a_raw_address_push_in_any_order():
+    """Each block a raw-address push lists must lie in the tensor, not only the last one: the highest block
+    listed first next to a tensor's end (which the random requests above seldom make) is refused too."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", heartbeat_interval=600_000) as dd, \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp", heartbeat_interval=600_000) as dec:
+        target = await make_target(dd, seed=2)
+        assert (await dec.link_clusters([info(dd)]))[0] == S.LLM_SUCCESS
+        rt, link = runtime_of(dd), link_to(dd, DECODER)
+        outcomes = {"accepted": 0, "refused": 0}
+        try:
+            for cache, (desc, blocks, _) in zip(target.caches, ARENA):
+                lay = cache.layout
+                if not blocks:
+                    continue
+                for shift in range(0, lay.tensor_bytes, lay.row_bytes // 2):
+                    for order in ((lay.rows - 1, 0), (0, lay.rows - 1), (lay.rows - 1, 1, 0)):
+                        req = dict(channel=0, target_kind=4, cluster_id=PROMPT, cache_id=0, key_req_id=0, prefix_id=0,
+                                   model_id=0, batch_index=0, layer_first=-1, layer_last=-1, tensor_num_per_layer=2,
+                                   tensor_count=2, data_type=desc.data_type.value, offset=lay.row_bytes,
+                                   nbytes=lay.row_bytes, flags=ReqFlag.BLOCKS, timeout_ms=1000,
+                                   rows=(lay.bases[0] + shift, lay.bases[1] + shift, *order))
+                        try:
+                            planned = owner.serve_plan(rt, link, Msg.PUSH_REQ, wire.TransferReq(**req))
+                        except Refusal:
+                            outcomes["refused"] += 1
+                            continue
+                        check_plan(target, planned)
+                        outcomes["accepted"] += 1
+        finally:
+            target.release()
+        assert outcomes["accepted"] and outcomes["refused"], outcomes
+        assert target.arena.intact()
 
 
 def info(dd: Any) -> Any:
