@@ -16,13 +16,16 @@ import torch
 from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
+    CacheIndex,
     CacheKey,
     DataType,
+    LayerSynchronizer,
     LLMDataDist,
     LLMException,
     LLMRole,
     LLMStatusCode,
     Placement,
+    TransferConfig,
 )
 from aio_datadist.testing import link_to, nixl_agent_of, registry_of
 from peers import DECODER_ID, PROMPT_ID, TRANSPORTS, cluster_info, endpoint, fill, options, port_of, snapshot
@@ -102,3 +105,43 @@ async def test_a_closed_off_decoder_takes_no_push_but_still_pulls(transport):
         assert all(torch.equal(d[1], v[0]) for d, v in zip(d_rows.tensors, values))
         if transport == "nixl":
             assert nixl_agent_of(dec).engine.posted == 1
+
+
+class Ready(LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+async def test_a_closed_off_decoder_refuses_every_key_kind_and_shares_caches_made_after_linking_neither(transport):
+    """Every kind of target, not only a blocks key: a push by cache id and index, a layer-wise push by raw
+    addresses (``TransferConfig``); and a cache allocated after the link is no more shared than one allocated
+    before (the tests above push by blocks key only, and allocate everything before linking)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport=transport) as prompt, \
+            LLMDataDist(LLMRole.DECODER, DECODER_ID) as dec:
+        await dec.init(closed_off(options(transport=transport)))
+        pm, dm = prompt.kv_cache_manager, dec.kv_cache_manager
+        p_rows = pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 1)])
+        p_blocks = pm.allocate_blocks_cache(BLOCKS)
+        fill(p_rows, 5)
+        fill(p_blocks, 6)
+        assert (await dec.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))]))[0] == S.LLM_SUCCESS
+        d_rows = dm.allocate_cache(ROWS)  # after the link
+        d_blocks = dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
+        fill(d_rows, 7)
+        fill(d_blocks, 8)
+        before = snapshot(d_rows) + snapshot(d_blocks)
+        if transport == "auto":
+            assert link_to(prompt, DECODER_ID).local.region(d_blocks.cache_id) is None
+            assert link_to(prompt, DECODER_ID).local.region(d_rows.cache_id) is None
+        await refused(pm.push_cache(CacheIndex(DECODER_ID, d_rows.cache_id, 1), p_rows))
+        await refused(pm.push_blocks(CacheIndex(DECODER_ID, d_blocks.cache_id), p_blocks, [0], [1]))
+        await refused(pm.push_blocks(BlocksCacheKey(DECODER_ID), p_blocks, [0], [1]))
+        addrs = list(d_blocks.tensor_addrs[:2])
+        task = pm.transfer_cache_async(p_blocks, Ready(), [TransferConfig(DECODER_ID, addrs, range(0, 1))], [0], [1])
+        try:
+            result = await task
+        except LLMException as exc:
+            result = [exc.status_code]
+        assert result == [S.LLM_FEATURE_NOT_ENABLED], result
+        assert all(torch.equal(a, b) for a, b in zip(d_rows.tensors + d_blocks.tensors, before, strict=True))

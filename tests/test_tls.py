@@ -40,7 +40,7 @@ from aio_datadist import (
 from aio_datadist.testing import link_to, links_of
 from aio_datadist.transport.tls import TlsChannel
 from aio_datadist.wire import Msg
-from peers import LOCALHOST, cluster_info, port_of
+from peers import LOCALHOST, cluster_info, free_port, port_of
 from relay import Relay
 from tls_certs import client_context, make_pki, server_context
 
@@ -303,6 +303,26 @@ async def test_tls_configuration_errors_name_the_option():
             await prompt.link_clusters([cluster_info(DECODER, (LOCALHOST, 9))])
         code, text = code_and_text(info)
         assert code == S.LLM_PARAM_INVALID and "aio.TlsClientContext" in text
+
+
+async def test_a_bilateral_link_that_would_dial_needs_the_client_context_too():
+    """``link()`` dials too (the lower rank dials the higher): a server-only TLS endpoint is refused there as
+    ``link_clusters`` is, not left to dial in plaintext (the test above tries ``link_clusters`` only)."""
+    import json
+
+    config = LLMConfig()
+    config.device_id, config.enable_cache_manager, config.link_total_time = 0, True, 1
+    config.link_port = free_port(LOCALHOST)
+    config.tls_server_context = server_context(PKI)
+    table = json.dumps({"server_count": "2", "status": "completed", "version": "1.2", "server_list": [
+        {"device": [{"device_id": "0", "device_ip": ip, "rank_id": str(rank)}], "host_ip": ip,
+         "server_id": str(rank + 1)} for rank, ip in enumerate((LOCALHOST, LOCALHOST))]})
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT) as dd:
+        await dd.init(config.generate_options())
+        with pytest.raises(LLMException) as info:
+            await dd.link("tls", {PROMPT: 0, DECODER: 1}, table)  # rank 0 dials rank 1
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "aio.TlsClientContext" in str(info.value)
+        assert links_of(dd) == {} and dd.listen_address is None
 
 
 @contextlib.asynccontextmanager

@@ -813,3 +813,46 @@ def assert_no_secret_leaks(reply: bytes) -> None:
                        for k, v in fields.items() if k not in ("status", "text")), fields
         pos += wire.HEADER.size + length
     assert pos == len(reply), f"{len(reply) - pos} stray bytes after the refusal"
+
+
+def _dropped_after(address: tuple[str, int], cluster: int, edit: str) -> bytes:
+    """One bad header on an authenticated link, a PROBE behind it: what the owner sends until it drops the
+    connection (an AssertionError if it does not drop it within 2 s)."""
+    with RawLink(address, cluster, PROMPT, SECRET.encode()).connect() as raw:
+        assert raw.ctl is not None
+        frame = bytearray(wire.encode(Msg.PROBE, 1))
+        if edit == "version":
+            frame[4] = WRONG_VERSIONS[0]
+        elif edit == "type":
+            frame[5] = 99
+        else:
+            frame[0] ^= 0xFF  # magic
+        raw.send_raw(bytes(frame) + wire.encode(Msg.PROBE, 3))
+        deadline = time.monotonic() + 2.0  # the owner's PINGs keep coming: a bound on the whole wait
+        got = b""
+        try:
+            while time.monotonic() < deadline:
+                raw.ctl.settimeout(max(deadline - time.monotonic(), 0.01))
+                if not (chunk := raw.ctl.recv(65536)):
+                    return got
+                got += chunk
+        except ConnectionResetError:
+            return got
+        except socket.timeout:
+            pass
+        raise AssertionError(f"a frame with a bad {edit} was neither answered nor dropped within 2 s")
+
+
+@pytest.mark.asyncio
+async def test_a_bad_header_after_authentication_drops_that_connection():
+    """``run_malformed_frames`` lets a link that answers nothing pass (a grown length field leaves the owner
+    waiting for body bytes); a header that is wrong at once (version, type, magic) must drop the connection, and
+    the frame behind it is not acted on."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", shared_secret=SECRET) as dd:
+        for n, edit in enumerate(("version", "type", "magic")):
+            got = await asyncio.to_thread(_dropped_after, port_of(dd), 80 + n, edit)
+            pos = 0
+            while pos + wire.HEADER.size <= len(got):
+                msg, rid, length = wire.parse_header(got[pos:pos + wire.HEADER.size])
+                assert not (msg is Msg.PROBE_ACK and rid == 3), f"acted on a frame behind a bad {edit}"
+                pos += wire.HEADER.size + length
