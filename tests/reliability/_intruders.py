@@ -109,11 +109,11 @@ def flood_main(conn: multiprocessing.connection.Connection, parent_pid: int, add
 
 
 def limited_main(conn: multiprocessing.connection.Connection, parent_pid: int, role: Any, cluster_id: int,
-                 listen: bool, config: dict[str, Any], room: int, loop: str) -> None:
+                 listen: bool, config: dict[str, Any], room: int, loop: str, slack: int = 2) -> None:
     """An endpoint that starts with a soft ``RLIMIT_NOFILE`` of 256 (to see init raise it), then lowers
     both limits so that ``room`` links fit by the documented formula, and serves commands:
     ``("link", cluster_id, port)``, ``("check", cluster_id)``, ``("unlink", cluster_id, port)``,
-    ``("fds",)``, ``("exit",)``."""
+    ``("fds",)``, ``("exit",)``. ``slack``: fds of the limit past the ``room`` links' (0: they fit exactly)."""
     _watch(parent_pid)
     try:
         import uvloop
@@ -122,7 +122,7 @@ def limited_main(conn: multiprocessing.connection.Connection, parent_pid: int, r
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
         factory = uvloop.new_event_loop if loop == "uvloop" else None
         with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(_limited(conn, role, cluster_id, listen, config, room))
+            runner.run(_limited(conn, role, cluster_id, listen, config, room, slack))
     except BaseException:
         import traceback
 
@@ -131,7 +131,7 @@ def limited_main(conn: multiprocessing.connection.Connection, parent_pid: int, r
 
 
 async def _limited(conn: multiprocessing.connection.Connection, role: Any, cluster_id: int, listen: bool,
-                   config: dict[str, Any], room: int) -> None:
+                   config: dict[str, Any], room: int, slack: int) -> None:
     from aio_datadist import LLMDataDist, LLMException, fd_budget
     from aio_datadist.admission import ARRIVAL_FACTOR
     from aio_datadist.testing import link_count, runtime_of
@@ -144,7 +144,7 @@ async def _limited(conn: multiprocessing.connection.Connection, role: Any, clust
         per_link = fd_budget.per_link(settings.data_channels, settings.transport in ("auto", "local"))
         reserve = fd_budget.RESERVE + ((1 + ARRIVAL_FACTOR) * settings.max_pending_handshakes if listen else 0)
         # links that fit = (limit - fds open - reserve) // per_link = room
-        limit = fd_budget.open_count() + reserve + room * per_link + 2
+        limit = fd_budget.open_count() + reserve + room * per_link + slack
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
         port = dd.listen_address[1] if dd.listen_address else 0
         conn.send(("ready", {"port": port, "raised": raised, "limit": limit, "per_link": per_link}))

@@ -47,7 +47,7 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
-from aio_datadist.testing import link_count, link_to, nixl_agent_of, runtime_of
+from aio_datadist.testing import engine_state, link_count, link_to, nixl_agent_of, runtime_of
 from aio_datadist.transport import tls as tls_module
 from aio_datadist.transport.base import ABORT_ACK_S
 from peers import (
@@ -309,6 +309,23 @@ async def test_cut_tls_transfers_write_nothing_after_they_returned(how):
         assert cut_mid_way(pushed) and cut_mid_way(pulled), f"no cut came while bytes were moving: {pushed} {pulled}"
         await verified_push(prompt, src, dst, 8)
         await verified_pull(dec, src, dst, 9)
+
+
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("use_tls", [False, True], ids=["tcp", "tls"])
+async def test_a_cut_pull_returns_only_once_its_native_job_is_over(use_tls):
+    """The reset stops the receive, and the call then waits for the job's record: when it returns, nothing of
+    it is left in the engines or the completion queue (a call that did not wait leaves it there a moment)."""
+    async with pair(transport="tcp", tls=use_tls) as (_, dec, src, dst):
+        idle = engine_state(dec)
+        outcomes = []
+        for delay in DELAYS:
+            outcome, left, _ = await cut(lambda ms: dec.kv_cache_manager.pull_blocks(
+                BlocksCacheKey(PROMPT, 0), dst, ALL, ALL, timeout=ms), "task.cancel", delay, lambda: engine_state(dec))
+            outcomes.append(outcome)
+            assert left == idle, f"cut after {delay * 1000:.0f} ms ({outcome}): {left} left at return"
+        assert any(o != "done" for o in outcomes), outcomes
+        await verified_pull(dec, src, dst, 4)
 
 
 # -- NIXL ----------------------------------------------------------------------------

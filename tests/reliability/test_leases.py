@@ -220,3 +220,21 @@ async def test_a_leased_cache_takes_no_second_lease_and_lease_of_is_the_one_that
         kv.deallocate_cache(cache)
         await settle(dd, baseline, within=0.05 + BOUND_S)
         assert second.expired
+
+
+@pytest.mark.asyncio
+async def test_an_expired_lease_drops_the_id_reference_the_prompt_kept():
+    # the prompt never calls deallocate_cache: at expiry the lease drops the id reference too, and the memory goes
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as dd, endpoint(LLMRole.DECODER, DECODER) as dec:
+        kv = dd.kv_cache_manager
+        baseline, dec_baseline = state(dd), state(dec)
+        keys = keys_for(130)
+        cache = kv.allocate_cache(ROWS, keys, lease_ms=100)
+        lease = lease_of(cache)
+        assert state(dd) != baseline
+        await settle(dd, baseline, within=0.1 + BOUND_S)
+        assert lease.expired and not cache.alive
+        with pytest.raises(LLMException) as info:  # a refused decoder lease allocates nothing on the decoder either
+            dec.kv_cache_manager.allocate_cache(ROWS, lease_ms=100)
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "'lease_ms'" in str(info.value)
+        assert state(dec) == dec_baseline

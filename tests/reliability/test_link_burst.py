@@ -133,6 +133,24 @@ async def test_a_connection_flood_costs_bounded_fds_and_blocks_nothing(fork_serv
 
 
 @pytest.mark.asyncio
+async def test_a_flood_holds_at_most_five_fds_per_handshake_slot(fork_server):
+    """Row 31's bound is 5 x ``aio.MaxPendingHandshakes`` itself: the test above takes its bound from the
+    library's ``ARRIVAL_FACTOR``, so a larger factor passed it (audit 2026-12-07)."""
+    cap, size = 8, 100
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", max_pending_handshakes=cap) as dd:
+        baseline, fds = baseline_of(dd)
+        async with Child(flood_main, port_of(dd), size, "silent") as flood:
+            assert await flood.recv() == ("ready", size)
+            most = 0
+            until = time.monotonic() + 0.5
+            while time.monotonic() < until:  # the door churns through the flood: sample what it holds
+                most = max(most, len(open_fds() - fds))
+                await asyncio.sleep(0.01)
+            assert 0 < most <= 5 * cap, f"the endpoint held {most} fds for {size} silent connections (cap {cap})"
+        await settle(dd, baseline, fds)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("side", ["dialling", "accepting"])
 async def test_links_past_the_fd_limit_are_refused_with_a_clear_code(fork_server, side, request):
     room = 2
@@ -176,6 +194,34 @@ async def test_links_past_the_fd_limit_are_refused_with_a_clear_code(fork_server
             status = await decoders[room].link_clusters([cluster_info(1, ("127.0.0.1", info["port"]))])
             assert status == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         count("fd budget refusals", 2)
+
+
+@pytest.mark.asyncio
+async def test_links_that_fit_the_fd_limit_exactly_are_all_made(fork_server):
+    """No slack past the formula's N links: the check at the limit is not off by one."""
+    config = {"transport": "tcp", "max_pending_handshakes": 4}
+    async with contextlib.AsyncExitStack() as stack:
+        prompts = [await stack.enter_async_context(endpoint(LLMRole.PROMPT, 10 + n, listen=True, **config))
+                   for n in range(3)]
+        child = await stack.enter_async_context(Child(limited_main, LLMRole.DECODER, 2, False, config, 2, "asyncio", 0))
+        await child.recv()
+        codes = [await child.call("link", 10 + n, port_of(prompts[n])[1]) for n in range(3)]
+        assert codes == [S.LLM_SUCCESS, S.LLM_SUCCESS, S.LLM_CLUSTER_NUM_EXCEED_LIMIT], codes
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_for_want_of_fds_names_rlimit_nofile(fork_server, caplog):
+    config = {"transport": "tcp", "max_pending_handshakes": 4}
+    async with contextlib.AsyncExitStack() as stack:
+        child = await stack.enter_async_context(Child(limited_main, LLMRole.PROMPT, 1, True, config, 1, "asyncio"))
+        decoders = [await stack.enter_async_context(endpoint(LLMRole.DECODER, 20 + n, **config)) for n in range(2)]
+        _, info = await child.recv()
+        prompt = [cluster_info(1, ("127.0.0.1", info["port"]))]
+        assert (await decoders[0].link_clusters(prompt))[0] == S.LLM_SUCCESS
+        caplog.clear()
+        assert await decoders[1].link_clusters(prompt) == (S.LLM_CLUSTER_NUM_EXCEED_LIMIT,
+                                                           [S.LLM_CLUSTER_NUM_EXCEED_LIMIT])
+        assert "RLIMIT_NOFILE" in caplog.text, caplog.text
 
 
 @pytest.mark.asyncio

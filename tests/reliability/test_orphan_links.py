@@ -127,6 +127,25 @@ async def test_a_link_attempt_in_its_handshake_at_finalize_never_registers(step)
                 await asyncio.sleep(0.01)
 
 
+@pytest.mark.asyncio
+async def test_an_accepted_handshake_at_finalize_is_closed_at_once():
+    from aio_datadist import wire
+
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd:
+        reader, writer = await asyncio.open_connection(*dd.listen_address)
+        try:
+            writer.write(wire.encode(wire.Msg.HELLO, 0, nonce=os.urandom(32)))  # then silent: before LINK_OK
+            async with asyncio.timeout(5):
+                await reader.readexactly(wire.HEADER.size)  # the HELLO_ACK: the prompt is in the handshake
+            started = time.monotonic()
+            await dd.finalize()
+            async with asyncio.timeout(1.5 - (time.monotonic() - started)):
+                while await reader.read(4096):  # the rest of the HELLO_ACK, then EOF
+                    pass
+        finally:
+            writer.close()
+
+
 def peer_closed(writer: asyncio.StreamWriter) -> bool:
     """Whether the other end of the server-side connection ``writer`` closed it (EOF or reset)."""
     sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
@@ -157,6 +176,23 @@ async def test_after_finalize_a_new_decoder_with_the_same_id_links_at_once(fork_
                 del dst
             # finalize returned: the prompt has let the link go already
             assert await prompt.call("links") == {}, round_
+
+
+@pytest.mark.asyncio
+async def test_finalize_closes_a_link_only_once_its_peer_acknowledged_the_unlink(fork_server):
+    async with forked(EndpointSpec(LLMRole.PROMPT, PROMPT, config=TCP, lifetime=60.0)) as (prompt,), \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dd:
+        assert await dd.link_clusters([prompt.info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        prompt.stop()  # the UNLINK waits in the prompt's socket: no acknowledgement until it resumes
+        try:
+            closing = asyncio.ensure_future(dd.finalize())
+            done, _ = await asyncio.wait([closing], timeout=0.3)
+            assert not done, "finalize closed the link before the peer acknowledged the unlink"
+        finally:
+            prompt.resume()
+        async with asyncio.timeout(2):
+            await closing
+        assert await prompt.call("links") == {}
 
 
 def _link_and_crash(address: tuple[str, int], first: int, n: int) -> int:
