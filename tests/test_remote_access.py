@@ -72,6 +72,7 @@ async def test_a_closed_off_prompt_serves_no_cache_but_still_pushes(transport):
             assert link_to(dec, PROMPT_ID).local.region(rows.cache_id) is None
         if transport == "nixl":  # nor the NIXL metadata that would let it read the prompt's memory
             assert link_to(dec, PROMPT_ID).nixl.caches == {}
+            assert not link_to(dec, PROMPT_ID).nixl.agent_loaded  # (the offers alone passed without this)
         # its own pushes to a peer that is open still go, and the key it did not serve is still bound
         await pm.push_blocks(BlocksCacheKey(DECODER_ID), p_blocks, [3], [5])
         assert all(torch.equal(d[5], v[3]) for d, v in zip(d_blocks.tensors, block_values))
