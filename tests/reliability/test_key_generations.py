@@ -31,7 +31,7 @@ from aio_datadist import (
 )
 from aio_datadist.cache import CacheRegistry
 from aio_datadist.leases import lease_of
-from aio_datadist.testing import engine_state, registry_of
+from aio_datadist.testing import engine_state, link_to, registry_of
 from peers import cluster_info, port_of
 
 from _harness import endpoint
@@ -103,10 +103,11 @@ async def test_a_pull_of_a_removed_binding_neither_consumes_nor_blocks_the_rebou
 
 
 @contextlib.asynccontextmanager
-async def slow_pair() -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
-    """A PROMPT and a DECODER that reaches it over a slow path, so that a pull of KEYED takes a while."""
-    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as prompt, \
-            endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec, \
+async def slow_pair(transport: str = "tcp") -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    """A PROMPT and a DECODER that reaches it over a slow path, so that a pull of KEYED takes a while (with
+    ``transport="local"`` the copy is quick, but the RESP and the DONE that consumes the key cross the path)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport=transport) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER, transport=transport) as dec, \
             SlowPath(port_of(prompt), RATE, LATENCY_S) as path:
         assert (await dec.link_clusters([cluster_info(PROMPT, path.address)], timeout=10_000))[0] == S.LLM_SUCCESS
         yield prompt, dec
@@ -119,11 +120,12 @@ async def claimed(prompt: LLMDataDist) -> None:
             await asyncio.sleep(0.002)
 
 
-async def rebind_during_a_pull(prompt: LLMDataDist, dec: LLMDataDist, unbind: Any) -> None:
+async def rebind_during_a_pull(prompt: LLMDataDist, dec: LLMDataDist, unbind: Any, hand_off: bool = True) -> None:
     pm, dm = prompt.kv_cache_manager, dec.kv_cache_manager
     old = pm.allocate_cache(KEYED, [KEY], lease_ms=60_000)
     paint(old, 1)
-    pm.deallocate_cache(old)  # a hand-off: the key holds the memory
+    if hand_off:  # the key holds the memory (else the cache outlives its key, and the pull of it goes on)
+        pm.deallocate_cache(old)
     dst = dm.allocate_cache(KEYED)
     pull = asyncio.ensure_future(dm.pull_cache(KEY, dst, 0, timeout=20_000))
     await claimed(prompt)
@@ -150,6 +152,14 @@ async def rebind_during_a_pull(prompt: LLMDataDist, dec: LLMDataDist, unbind: An
 async def test_a_key_removed_and_bound_again_during_a_pull_keeps_its_new_binding():
     async with slow_pair() as (prompt, dec):
         await rebind_during_a_pull(prompt, dec, lambda old: prompt.kv_cache_manager.remove_cache_key(KEY))
+
+
+async def test_a_key_removed_and_bound_again_during_a_same_host_pull_keeps_its_new_binding():
+    async with slow_pair("local") as (prompt, dec):
+        # the old cache kept (a hand-off freed at its key's removal cuts a same-host pull): its pull succeeds
+        await rebind_during_a_pull(prompt, dec, lambda old: prompt.kv_cache_manager.remove_cache_key(KEY),
+                                   hand_off=False)
+        assert link_to(dec, PROMPT).transport == "local", "the pulls did not go through shared memory"
 
 
 async def test_a_lease_running_out_during_a_pull_leaves_the_key_s_next_binding_alone():

@@ -373,6 +373,13 @@ class Ready(LayerSynchronizer):
         return True
 
 
+class Computing(LayerSynchronizer):
+    """Layer ``i`` is ready ``i`` × 20 ms after the first: a cut comes while the task waits for a layer."""
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        await asyncio.sleep(0.02 * bool(layer_index))
+        return True
+
+
 @pytest.mark.loops_take_turns
 @pytest.mark.parametrize("how", ["task.cancel", "layer timeout"])
 async def test_a_cut_layerwise_transfer_lands_nothing_after_it_returned(how):
@@ -397,6 +404,29 @@ async def test_a_cut_layerwise_transfer_lands_nothing_after_it_returned(how):
             if how == "layer timeout" and mid:
                 break
         assert mid, "no cut came while bytes were moving"
+        await verified_push(prompt, src, dst, 14)
+
+
+@pytest.mark.loops_take_turns
+async def test_a_cancelled_layerwise_transfer_returns_only_once_its_pushes_gave_up():
+    """Cancelled while it waits for a layer (the earlier layers' pushes moving) or in its final wait, and cancelled
+    again while the pushes give up, the task raises CancelledError only once its layer pushes gave up: no push
+    or layer confirmation is left running and the pusher's engines hold nothing at that moment."""
+    async with pair(SLOW, slow=RATE, transport="tcp") as (prompt, _dec, src, dst):
+        paint(src, 13)
+        baseline = engine_state(prompt)
+        for delay in DELAYS[1:5]:
+            task = prompt.kv_cache_manager.transfer_cache_async(
+                src, Computing(), [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, 0))], ALL, ALL)
+            await asyncio.sleep(delay)
+            task.cancel()
+            await asyncio.sleep(0)
+            task.cancel()  # while the pushes give up: held back, then re-raised
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            left = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ in ("_push", "_confirm")]
+            assert not left and engine_state(prompt) == baseline, \
+                f"after {delay * 1000:.0f} ms: returned before {left} ended"
         await verified_push(prompt, src, dst, 14)
 
 

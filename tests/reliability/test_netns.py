@@ -233,6 +233,32 @@ async def test_a_nixl_load_that_hangs_is_given_up_within_its_share_and_changes_n
 
 @needs_nixl
 @pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
+async def test_a_hung_nixl_load_is_given_up_once_half_of_the_link_timeout_is_spent():
+    nixl = {"transport": "nixl"}
+    async with linked_pair(link=False, prompt_config=nixl, decoder_config=nixl) as pair:
+        agent = nixl_agent_of(pair.prompt).engine.agent
+        real_load = agent.add_remote_agent
+        release = threading.Event()
+
+        def hanging_load(metadata: bytes) -> str:  # blocks the prompt's NIXL worker until released
+            release.wait(HUNG_S)
+            return real_load(metadata)
+
+        agent.add_remote_agent = hanging_load
+        try:
+            started = time.monotonic()
+            status = await pair.decoder.link_clusters([pair.info], timeout=HUNG_TIMEOUT_MS)
+            took = time.monotonic() - started
+        finally:
+            release.set()
+        assert status == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        half = HUNG_TIMEOUT_MS / 2000
+        assert half - 0.2 < took < half + 0.3, f"given up after {took:.2f} s, not half of {HUNG_TIMEOUT_MS} ms"
+        assert link_to(pair.decoder, PROMPT_ID).nixl.declined
+
+
+@needs_nixl
+@pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
 async def test_nixl_set_up_with_cache_lists_still_being_prepared_keeps_nixl_and_moves_verified_bytes(caplog):
     caplog.set_level(logging.INFO, logger="aio_datadist.nixl")
     nixl = {"transport": "nixl"}

@@ -26,10 +26,12 @@ shared memory.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import gc
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -136,6 +138,30 @@ async def test_a_sniffer_without_the_secret_gets_no_fd_and_no_byte(fork_server):
 
 
 @pytest.mark.asyncio
+async def test_a_claim_replayed_from_a_challenge_the_listener_issued_gets_no_fd_and_no_byte(fork_server):
+    """The replay above answers a made-up challenge: here the claim answers one the listener really sent
+    (on a connection the legitimate peer, who has the secret, then dropped), so only a fresh challenge per
+    connection refuses it. The decoder links over TCP only, so its link's share stays free to attach."""
+    sc, cms = await scene(decoder_transport="tcp")
+    try:
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, bytes.fromhex(sc.name))
+            async with asyncio.timeout(5):
+                _, _, issued = local._CHALLENGE.unpack(await loop.sock_recv(sock, 1024))
+        nonce = os.urandom(32)
+        claim = local._CLAIM.pack(local._MAGIC, nonce, share_proof(sc.secret, bytes.fromhex(sc.token()),
+                                                                   b"share-client", issued, nonce))
+        report = await run_attacker("sniffer", sc.name, sc.token(), claim.hex())
+        assert report["replayed claim"] == {"challenge": local._CHALLENGE.size, "bytes": 0, "fds": 0,
+                                            "closed": True}, report["replayed claim"]
+        assert link_to(sc.prompt, DECODER).local is None  # nobody attached the link's share
+    finally:
+        await close(cms)
+
+
+@pytest.mark.asyncio
 async def test_a_linked_peer_gets_only_sealed_read_only_memfds(fork_server):
     # The decoder links over TCP only, so its link's share is free: the attacker, who knows the secret and
     # the link token (it is that peer), attaches it and receives the prompt's memfds.
@@ -157,6 +183,20 @@ async def test_a_linked_peer_gets_only_sealed_read_only_memfds(fork_server):
         assert all(torch.equal(t, v) for t, v in zip(cache.tensors, sc.values))
         cache.tensors[1][-1].fill_(0x5A)
         assert bool((cache.tensors[1][-1] == 0x5A).all())
+    finally:
+        await close(cms)
+
+
+@pytest.mark.asyncio
+async def test_a_linked_peer_s_memfds_are_sealed_against_new_seals(fork_server):
+    # "reopened add seal" tries F_SEAL_WRITE, which the owner's writable mapping alone refuses (EBUSY): the
+    # F_SEAL_SEAL that refuses every new seal (EPERM) is looked for in the seals themselves.
+    sc, cms = await scene(decoder_transport="tcp")
+    try:
+        report = await run_attacker("peer", sc.name, sc.token(), sc.secret.hex())
+        assert len(report["fds"]) == 2
+        for fd in report["fds"]:
+            assert fd["seals"] & fcntl.F_SEAL_SEAL, f"memfd of {fd['size']} bytes takes new seals: {fd['seals']:#x}"
     finally:
         await close(cms)
 
@@ -231,6 +271,33 @@ async def test_a_flood_of_silent_share_connections_is_capped_and_links_still_sha
         assert listener.pending() == 0  # the rest timed out
         await pull_through_shared_memory(sc.decoder, sc.values)
     finally:
+        await close(cms)
+
+
+@pytest.mark.asyncio
+async def test_a_newcomer_evicts_the_oldest_silent_share_connection(fork_server):
+    """Past the cap it is the oldest silent connection that goes, not the newest (else a flood that keeps
+    coming evicts every newcomer, a linking decoder's too, before it can prove itself)."""
+    sc, cms = await scene()
+    loop = asyncio.get_running_loop()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(local.MAX_PENDING_SHARES + 1):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            socks.append(sock)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, bytes.fromhex(sc.name))
+            async with asyncio.timeout(5):  # accepted: it is challenged (and silent from now on)
+                assert len(await loop.sock_recv(sock, 1024)) == local._CHALLENGE.size
+        assert share_listener_of(sc.prompt).pending() == local.MAX_PENDING_SHARES
+        async with asyncio.timeout(1):  # well within SHARE_AUTH_S: evicted, not timed out
+            assert await loop.sock_recv(socks[0], 1024) == b"", "the oldest was not evicted"
+        for sock in socks[1:]:
+            with pytest.raises(BlockingIOError):  # still open, nothing more sent
+                sock.recv(1024)
+    finally:
+        for sock in socks:
+            sock.close()
         await close(cms)
 
 
