@@ -521,6 +521,22 @@ async def test_address_conflicts_and_modes_are_refused():
             assert key in str(exc)
 
 
+@pytest.mark.asyncio
+async def test_a_refused_link_leaves_no_listener_and_no_comm():
+    """Guarantee 56: a conflict in the rank table starts no listener, and a link() that could not listen leaves
+    no comm behind: the pair's next link() is PREPARING, not refused as a pair in a comm already."""
+    port = free_port(PROMPT_IP)
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as dd:  # two ranks mapped to one address
+        await dd.init(v2_options(rank_addresses={0: f"{PROMPT_IP}:{port}", 1: f"{PROMPT_IP}:{port}"}))
+        exc = await expect_code(S.LLM_PARAM_INVALID, dd.link("c", GOOD_INFO, rank_table(PROMPT_IP, DECODER_IP)))
+        assert exc.argument == "rank_table" and dd.listen_address is None
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as dd:
+        await dd.init(v2_options(link_port=free_port(DECODER_IP) - 1, link_total_time=30))
+        await expect_code(S.LLM_LINK_FAILED, dd.link("c", GOOD_INFO, rank_table(PROMPT_IP, "192.0.2.1")))
+        comm = await dd.link("c", GOOD_INFO, rank_table(PROMPT_IP, DECODER_IP))
+        assert dd.query_register_mem_status(comm) is PREPARING
+
+
 def test_the_address_rule():
     assert rank_address(RankEntry(0, "10.0.0.1"), 26000, {}) == ("10.0.0.1", 26000)
     assert rank_address(RankEntry(3, "10.0.0.1"), 26000, {}) == ("10.0.0.1", 26003)

@@ -310,6 +310,29 @@ async def test_raw_addresses_must_be_mapped_writable_and_large_enough(pages):
             v1.kv_cache_manager.register_cache(ONE_PAGE, [base + PAGE])
 
 
+async def test_every_raw_address_of_a_cache_is_checked_not_only_the_first(pages):
+    """Guarantee 58 for a cache of two tensors: the first address is good, the second lies in a hole or on a
+    read-only page; refused naming the argument, nothing registered or spent, in v2 and in v1."""
+    base = pages.map(3, _Pages.PROT_READ | _Pages.PROT_WRITE)
+    pages.unmap(base + PAGE)
+    read_only = pages.map(1, _Pages.PROT_READ)
+    two = CacheDesc(2, (2, PAGE // 4), DataType.DT_FLOAT16, Placement.DEVICE)  # two tensors of one page
+    async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        cm, reg = dd.cache_manager, registry_of(dd)
+        used = reg.used_bytes
+        for second in (base + PAGE, read_only):
+            for call in (cm.register_cache, cm.register_blocks_cache):
+                with rejected(INVALID, "addrs"):
+                    call(two, [base, second])
+        assert reg.all_caches() == [] and reg.used_bytes == used
+        assert cm.register_blocks_cache(two, [base, base + 2 * PAGE]).cache_id >= 0
+    async with LLMDataDist(LLMRole.PROMPT, 1) as v1:
+        await v1.init(options())
+        for call in (v1.kv_cache_manager.register_cache, v1.kv_cache_manager.register_blocks_cache):
+            with rejected(INVALID, "tensors_or_addrs"):
+                call(two, [base, read_only])
+
+
 async def test_bad_input_names_the_argument_and_keeps_what_is_stored():
     async with v2_endpoint(LLMRole.PROMPT, PROMPT_ID) as dd:
         cm = dd.cache_manager
@@ -360,6 +383,21 @@ async def test_bad_input_names_the_argument_and_keeps_what_is_stored():
         assert same(rows.tensors, pattern(ROWS, 1)) and same(blocks.tensors, pattern(BLOCKS, 2))
         assert blocks.tensor_addrs == [t.data_ptr() for t in blocks_t]
         assert cm.register_cache(ROWS, fresh).cache_id == 3  # no id was spent on the refusals
+
+
+async def test_a_bad_key_past_the_first_is_refused_naming_its_index_and_binds_nothing():
+    """Guarantee 59 for ``cache_keys[i]``, i > 0: a key given twice in one list, or one with both a req_id and a
+    prefix_id, is refused naming its index; no key of the list is bound, no id spent."""
+    async with v2_endpoint(LLMRole.PROMPT, PROMPT_ID) as dd:
+        cm, reg = dd.cache_manager, registry_of(dd)
+        fresh = pattern(ROWS, 3)
+        first, again = CacheKey(PROMPT_ID, 6), CacheKey(PROMPT_ID, 6)
+        for keys in ([first, again], [first, CacheKey(PROMPT_ID, 7, prefix_id=8)]):
+            for call in (lambda: cm.register_cache(ROWS, fresh, keys), lambda: cm.allocate_cache(ROWS, keys)):
+                with rejected(INVALID, "cache_keys[1]"):
+                    call()
+        assert reg.all_caches() == [] and reg.by_key(first.lookup_key()) is None
+        assert cm.register_cache(ROWS, fresh, [first]).cache_id == 1  # no id was spent on the refusals
 
 
 async def test_wrong_types_and_widths_raise_type_and_value_errors_as_llm_datadist():
@@ -725,6 +763,28 @@ async def test_prompt_pushes_and_pulls_over_the_link_it_accepted(transport):
             await cm.push_cache(CacheKeyByIdAndIndex(DECODER_ID, rows_id, 2), rows)  # the link is still usable
             got_rows = tensors_from_dump(ROWS, await decoder.call("dump", "rows"))
             assert all(torch.equal(got_rows[t][2], my_rows[t][0]) for t in range(4))
+
+
+async def test_a_hidden_cache_is_not_found_by_its_id_or_its_keys():
+    """Guarantee 60: a cache registered with ``remote_accessible=False`` is ``LLM_KV_CACHE_NOT_EXIST`` to a peer
+    however it is addressed (its blocks key, a key of its rows, its cache id), for pulls and pushes; its bytes stay."""
+    spec = EndpointSpec(LLMRole.PROMPT, PROMPT_ID)
+    async with v2_spawned(spec) as prompt, v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        await prompt.register("blocks", BLOCKS, 1, blocks=True, model_id=0, remote_accessible=False)
+        hidden_rows = await prompt.register("rows", ROWS, 2, req_ids=(7,), remote_accessible=False)
+        cm = dd.cache_manager
+        (blocks, blocks_t), (rows, rows_t) = register(cm, BLOCKS, 11, blocks=True), register(cm, ROWS, 12)
+        assert await dd.link_clusters([cluster_info(PROMPT_ID, prompt.address)]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        for call in (lambda: cm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), blocks, [0], [0]),
+                     lambda: cm.push_blocks(BlocksCacheKey(PROMPT_ID, 0), blocks, [0], [0]),
+                     lambda: cm.pull_cache(CacheKey(PROMPT_ID, 7), rows),
+                     lambda: cm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, hidden_rows, 0), rows),
+                     lambda: cm.push_cache(CacheKeyByIdAndIndex(PROMPT_ID, hidden_rows, 0), rows)):
+            with rejected(S.LLM_KV_CACHE_NOT_EXIST):
+                await call()
+        assert same(tensors_from_dump(BLOCKS, await prompt.call("dump", "blocks")), pattern(BLOCKS, 1))
+        assert same(tensors_from_dump(ROWS, await prompt.call("dump", "rows")), pattern(ROWS, 2))
+        assert same(blocks_t, pattern(BLOCKS, 11)) and same(rows_t, pattern(ROWS, 12))
 
 
 async def test_unregistering_a_watched_cache_fails_its_watch():

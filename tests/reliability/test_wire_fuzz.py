@@ -789,6 +789,21 @@ async def test_the_link_reader_acts_on_every_frame_however_cut_up_to_a_bad_one(b
         [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.asyncio
+async def test_the_link_reader_acts_on_the_frames_that_came_with_the_handshake():
+    """Guarantee 52 for frames sent with ``AUTH`` (left in the handshake's buffer), the last one cut across
+    that send and the next: each is acted on, in order, before the later ones."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", shared_secret=SECRET) as dd:
+        def drive() -> list[int]:
+            cut = wire.encode(Msg.PROBE, 8)
+            early = b"".join(wire.encode(Msg.PROBE, i) for i in (2, 4, 6)) + cut[:7]
+            with RawLink(port_of(dd), 61, PROMPT, SECRET.encode()).connect(behind_auth=early) as raw:
+                raw.send_raw(cut[7:] + wire.encode(Msg.PROBE, 10))
+                return _answers(raw, 5)
+
+        assert await asyncio.to_thread(drive) == [2, 4, 6, 8, 10]
+
+
 def _next_frame(raw: RawLink) -> tuple[Msg, int, dict]:
     from _rawpeer import recv_frame
 
