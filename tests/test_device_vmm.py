@@ -10,6 +10,7 @@ driver path runs in ``tests/gpu/test_gpu_ipc.py``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import shutil
 import signal
@@ -155,6 +156,34 @@ def test_imports_that_fail_undo_every_step_and_never_grant_write_access(cuda):
     # A peer that declares more than its export holds: the mapping is refused, nothing stays mapped.
     with pytest.raises(IpcUnavailable, match="cuMemMap failed"):
         driver.import_fd(0, identity, alloc.fd, alloc.nbytes * 2)
+    alloc.release()
+    balanced(lib)
+
+
+def test_failed_steps_give_back_the_mapping_budget_and_the_exported_fd(cuda):
+    """A refused import gives back what it took of the peers' mapping budget, and an export whose mapping fails
+    closes the fd it exported: ``balanced`` counts neither (skipping either undo passed every test here: found by
+    audit, 2026-12-07)."""
+    import os
+
+    from aio_datadist.devices import host
+
+    path, lib = cuda
+    driver = VmmDriver(path)
+    alloc = driver.allocate(0, 65536)
+    budget, fds = (host._peer_mapped, host._peer_mappings), len(os.listdir("/proc/self/fd"))
+    for knob in ("fake_import_error", "fake_access_error"):
+        set_(lib, knob, 801)
+        with pytest.raises(IpcUnavailable):
+            driver.import_fd(0, driver.identity(0), alloc.fd, alloc.nbytes)
+        with pytest.raises(OSError, match="cuMemSetAccess failed") if knob == "fake_access_error" else \
+                contextlib.nullcontext():
+            driver.allocate(0, 65536).release()  # read-write access refused: the export is undone
+        set_(lib, knob, 0)
+    with pytest.raises(IpcUnavailable, match="cuMemMap failed"):
+        driver.import_fd(0, driver.identity(0), alloc.fd, alloc.nbytes * 2)
+    assert (host._peer_mapped, host._peer_mappings) == budget, "a failed import kept its share of the budget"
+    assert len(os.listdir("/proc/self/fd")) == fds, "a failed export left its fd open"
     alloc.release()
     balanced(lib)
 

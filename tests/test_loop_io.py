@@ -67,6 +67,26 @@ async def test_a_stuck_send_times_out_counted_from_its_start_and_sends_nothing_a
 
 
 @pytest.mark.asyncio
+async def test_a_receive_that_keeps_getting_bytes_still_times_out_counted_from_its_start(socket_pair):
+    """The timeout bounds the whole job, not the wait between two steps: a peer that trickles bytes does not keep
+    a job past it (a timer set again on each step passed every other test here: found by audit, 2026-12-07)."""
+    a, b = socket_pair
+    dst = np.zeros(MIB, np.uint8)
+    t0 = time.monotonic()
+    io = start(b, dst, send=False, timeout_ms=300)
+    for _ in range(40):  # a trickle of 2 s at most, 100 bytes every 50 ms
+        if io.future.done():
+            break
+        a.send(b"\x01" * 100)
+        await asyncio.sleep(0.05)
+    took = time.monotonic() - t0
+    assert io.future.done() and 0 < io._job.moved < dst.nbytes, "a job still making progress outlived its timeout"
+    with pytest.raises(LLMException) as err:
+        await io.future
+    assert err.value.status_code == LLMStatusCode.LLM_TIMEOUT and took < 1.5
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("cut", ["timeout", "cancel"])
 async def test_a_cut_receive_writes_nothing_once_it_is_over(socket_pair, cut):
     a, b = socket_pair

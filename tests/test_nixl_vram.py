@@ -274,6 +274,27 @@ async def test_a_nixl_read_of_a_device_cache_is_answered_once_the_owners_stream_
 @needs_nixl
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("host_as_dram")
+async def test_a_nixl_read_into_a_device_cache_waits_for_the_pullers_stream():
+    """The requester of a READ fences too: a copy its own stream had enqueued into the destination row lands
+    before NIXL's bytes, not over them (a pull that skipped its fence passed the tests above: audit, 2026-12-07)."""
+    async with linked_pair(prompt_config=HOST_NIXL, decoder_config=HOST_NIXL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        values = fill(src, 5)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await _prepared(pair.prompt, DECODER_ID, src)
+        gate, staged = _write_behind_gate(pair.decoder, dst, [torch.full_like(t, 9) for t in dst.tensors], 4)
+        opened: list[bool] = []
+        asyncio.get_running_loop().call_later(0.3, lambda: (gate.open(), opened.append(True)))
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [2], [4])
+        assert opened, "the pull returned before its stream's earlier copy into the row ran (it lands over the pull)"
+        assert all(eq(d[4], v[2]) for d, v in zip(dst.tensors, values, strict=True))
+        assert pair.decoder.stats().links[PROMPT_ID].kinds["pull"].transport == "nixl"
+        del staged
+
+
+@needs_nixl
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("host_as_dram")
 async def test_a_nixl_write_from_a_device_cache_waits_for_the_pushers_stream_and_has_landed_on_return():
     async with linked_pair(prompt_config=HOST_NIXL, decoder_config=HOST_NIXL) as pair:
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))

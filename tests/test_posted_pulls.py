@@ -71,6 +71,9 @@ class LyingOwner(Relay):
             return b"AIOD" + answer(wire.ANSWER_MAGIC, status, req_id, total)[4:] + body
         if self.lie == "endless refusal":
             return answer(wire.ANSWER_MAGIC, int(S.LLM_KV_CACHE_NOT_EXIST), req_id, wire.MAX_TEXT + 1) + body
+        if self.lie == "longest refusal":  # an owner's text is cut to MAX_TEXT bytes: the longest it sends
+            text = TEXT.ljust(wire.MAX_TEXT, b".")
+            return answer(wire.ANSWER_MAGIC, int(S.LLM_KV_CACHE_NOT_EXIST), req_id, len(text)) + text
         assert self.lie == "refusal"
         return answer(wire.ANSWER_MAGIC, int(S.LLM_KV_CACHE_NOT_EXIST), req_id, len(TEXT)) + TEXT
 
@@ -82,6 +85,7 @@ class LyingOwner(Relay):
     ("more bytes", S.LLM_PARAM_INVALID),
     ("endless refusal", S.LLM_LINK_FAILED),
     ("refusal", S.LLM_KV_CACHE_NOT_EXIST),
+    ("longest refusal", S.LLM_KV_CACHE_NOT_EXIST),  # exactly MAX_TEXT: `>=` for `>` passed (audit, 2026-12-07)
 ])
 async def test_a_lying_answer_fails_the_pull_lands_nothing_and_the_link_goes_on(lie, code):
     async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport="tcp") as prompt, \
@@ -100,7 +104,7 @@ async def test_a_lying_answer_fails_the_pull_lands_nothing_and_the_link_goes_on(
                                                            timeout=3000)
             assert caught.value.status_code == code, caught.value
             assert relay.lied == 1
-            if lie == "refusal":
+            if lie in ("refusal", "longest refusal"):
                 assert TEXT.decode() in str(caught.value)
                 assert [ch.generation for ch in link.channels] == generations  # in step: nothing reset
             assert all(torch.equal(d, b) for d, b in zip(dst.tensors, before, strict=True)), "a byte landed"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -108,6 +109,53 @@ async def test_a_pull_right_after_deallocate_asks_and_is_refused():
         assert exc.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
         assert seen == [Msg.PULL_REQ]
         assert same(before, snapshot(dst))
+
+
+@pytest.mark.asyncio
+async def test_a_read_under_way_when_the_cache_is_freed_asks_instead_of_copying(monkeypatch):
+    """A pull that found the cache listed turns the loop before it copies: a ``deallocate_cache`` in that turn
+    clears the word, and the pull reads the ledger again, asks and is refused, copying nothing (without that
+    second look every named test passed: found by audit, 2026-12-07)."""
+    from aio_datadist.transport import same_host
+
+    real_read, real_copy = same_host._read, same_host.copy_settled
+    inside, freed, late = 0, False, []
+
+    async def read(*args, **kwargs):
+        nonlocal inside
+        inside += 1
+        try:
+            return await real_read(*args, **kwargs)
+        finally:
+            inside -= 1
+
+    async def copy(*args, **kwargs):
+        late.append(freed)
+        return await real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(same_host, "_read", read)
+    monkeypatch.setattr(same_host, "copy_settled", copy)
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await pair.link()
+        share = usable_link(pair.decoder, PROMPT_ID).local
+        assert share is not None
+        hit = 0
+        for turns in range(8):  # the free lands after 0, 1, ... loop turns of the pull
+            src = pair.pm.allocate_blocks_cache(BLOCKS, KEY)
+            fill(src, turns)
+            await eventually(lambda: share.listed_region(0) is not None)
+            freed, late[:] = False, []
+            pull = asyncio.ensure_future(pair.dm.pull_blocks(KEY, dst, [1], [1]))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            hit += inside > 0  # parked in its turn before the copy
+            pair.pm.deallocate_cache(src)
+            freed = True
+            with contextlib.suppress(LLMException):
+                await pull
+            assert True not in late, f"a copy out of the freed cache after {turns} turns"
+        assert hit > 0
 
 
 @pytest.mark.asyncio
@@ -401,6 +449,54 @@ async def test_a_flood_of_read_reports_does_not_stall_the_owners_loop(observed):
         assert heard == (30 * MAX_READS if observed else 0) and owners.local is not None
         if observed:
             assert sum(done.bytes for done in metrics.done.values()) == 30 * (1 << 20)
+
+
+@pytest.mark.asyncio
+async def test_the_owner_acts_on_at_most_records_per_turn_read_records_each_turn():
+    """Row 97's bounds themselves: records queued at once are acted on 16 a turn of the loop
+    (``RECORDS_PER_TURN``), and each moves the counters and each observer once, whatever its count (an unbounded
+    turn, and an observer told of each read, passed the flood tests: found by audit, 2026-12-07)."""
+    from aio_datadist.transport.local import _ENTRY, _READ
+
+    class Calls:
+        def __init__(self) -> None:
+            self.one, self.many = 0, []
+
+        def transfer(self, *args) -> None:
+            self.one += 1
+
+        def transfers(self, cluster_id, kind, transport, count, nbytes, seconds) -> None:
+            self.many.append(count)
+
+        def link(self, *args) -> None:
+            pass
+
+    async with listed(22) as (pair, _values, _dst, _seen):
+        theirs = usable_link(pair.decoder, PROMPT_ID).local
+        owners = usable_link(pair.prompt, DECODER_ID)
+        assert theirs is not None and owners.local is not None
+        cache_id = next(iter(owners.local.sent))
+        calls = Calls()
+        owners.counters.observers.append(calls)
+
+        def served() -> int:
+            return pair.prompt.stats().links[DECODER_ID].kinds["served_pull"].transfers
+
+        first, records = served(), 48
+        for _ in range(records):  # all queued before the owner's loop turns again, 2 reads each
+            theirs.sock.send(_ENTRY.pack(_READ, cache_id, 4096, 2, 1, 0, 0))
+        counts = [served()]
+        try:
+            for _ in range(1000):  # one loop turn each: the share's reader runs at most once
+                await asyncio.sleep(0)
+                counts.append(served())
+                if counts[-1] - first >= 2 * records:
+                    break
+        finally:
+            owners.counters.observers.remove(calls)
+        steps = [b - a for a, b in itertools.pairwise(counts)]
+        assert counts[-1] - first == 2 * records and max(steps) <= 2 * 16, steps
+        assert calls.one == 0 and calls.many == [2] * records, (calls.one, len(calls.many))
 
 
 FLOODER = """
