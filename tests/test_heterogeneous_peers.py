@@ -112,6 +112,8 @@ async def test_different_cache_sets_link_and_mismatches_are_refused_per_transfer
         for model, why in MISMATCHED.items():
             exc = await refused(kv.pull_blocks(BlocksCacheKey(PROMPT_ID, model), d_kv, [0, 1], [2, 3]))
             assert why in str(exc), (model, str(exc))
+            # the owner names the key, in the caller's words (the layer range for a tensor count)
+            assert exc.argument == ("src_layer_range" if model == 1 else "src_cache_key"), (model, str(exc))
         await refused(kv.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), d_mla, [0], [0]))
         for name, model in (("wide", 0), ("reshaped", 0), ("kv", 7)):  # pushes the decoder's owner refuses
             await refused(prefill.call("kv", "push_blocks", BlocksCacheKey(DECODER_ID, model), Ref(name), [0], [1]))
@@ -144,6 +146,6 @@ async def test_a_push_of_another_data_type_is_refused(transport: str) -> None:
         assert await dd.link_clusters([prefill.info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         exc = await refused(prefill.call("kv", "push_blocks", BlocksCacheKey(DECODER_ID, 0), Ref("int16"),
                                          [0, 1], [2, 3]))
-        assert "data types differ" in str(exc), str(exc)
+        assert "invalid argument 'dst_cache_index_or_key': data types differ" in str(exc), str(exc)
         assert same(d_kv.tensors, seeds)
         await prefill_unchanged(prefill)

@@ -67,14 +67,18 @@ def fit(geo: Geometry, req: TransferReq, *, pull: bool, row: int | None) -> tupl
     tensor and tensor count of its layer range; :class:`Refusal` with the status the owner answers if it
     does not fit."""
     flags = req.flags
+    # A cache that does not match the requester's is named by the key the requester gave for it.
+    key_arg = "cache_key" if pull else "dst_cache_key"
     if flags & ReqFlag.BLOCKS and not geo.is_blocks:
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"cache {geo.cache_id} is not a blocks cache")
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                      f"invalid argument '{key_arg}': cache {geo.cache_id} is not a blocks cache")
     if flags & ReqFlag.CONTIG and geo.is_blocks:
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"cache {geo.cache_id} is a blocks cache")
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                      f"invalid argument '{key_arg}': cache {geo.cache_id} is a blocks cache")
     if req.data_type != geo.data_type:
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                      f"data types differ: cache {geo.cache_id} holds {DataType(geo.data_type).name}, "
-                      f"the request's cache holds data type {req.data_type}")
+                      f"invalid argument '{key_arg}': data types differ: cache {geo.cache_id} holds "
+                      f"{DataType(geo.data_type).name}, the request's cache holds data type {req.data_type}")
     rows = list(req.rows)
     arg = "src_blocks" if pull else "dst_blocks"
     if rows and row is not None and not geo.is_blocks:
@@ -84,7 +88,7 @@ def fit(geo: Geometry, req: TransferReq, *, pull: bool, row: int | None) -> tupl
                       "id and index moves that row only, and lists no rows")
     if not rows:
         if row is None:
-            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "no source rows given")
+            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"invalid argument '{key_arg}': no rows given")
         rows = [row]
         # the row came with the key (CacheKeyByIdAndIndex); the caller named no blocks
         arg = "cache_key.batch_index" if pull else "dst_cache_key.batch_index"
@@ -115,11 +119,12 @@ def fit(geo: Geometry, req: TransferReq, *, pull: bool, row: int | None) -> tupl
                       f"the end of the rows of cache {geo.cache_id} ({geo.row_bytes} bytes)")
     if nbytes == 0 or offset + nbytes > geo.row_bytes or (flags & ReqFlag.EXACT and offset + nbytes != geo.row_bytes):
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                      f"row size mismatch: cache {geo.cache_id} rows are {geo.row_bytes} bytes, "
+                      f"invalid argument '{key_arg}': row size mismatch: cache {geo.cache_id} rows are "
+                      f"{geo.row_bytes} bytes, "
                       f"the request moves {nbytes} bytes per row" + (f" from byte {offset}" if offset else ""))
     if req.block_shape and geo.is_blocks and req.block_shape != geo.block_shape:
         held = "blocks of another shape" if geo.block_dims is None else f"blocks of shape {geo.block_dims}"
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                      f"block shapes differ: cache {geo.cache_id} holds {held}, the requester's blocks have the "
-                      "same bytes but another shape")
+                      f"invalid argument '{key_arg}': block shapes differ: cache {geo.cache_id} holds {held}, the "
+                      "requester's blocks have the same bytes but another shape")
     return rows, first, count
