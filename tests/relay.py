@@ -58,6 +58,8 @@ class Relay:
         """Forward bytes as they come, through :meth:`seen`; close (or abort, on an error) when done."""
         try:
             while data := await reader.read(1 << 16):
+                if writer.is_closing():  # the other side went meanwhile (uvloop's transport raises on a write)
+                    break
                 self.seen_bytes(data)
                 writer.write(data)
                 await writer.drain()

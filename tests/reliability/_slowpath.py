@@ -65,6 +65,8 @@ class SlowPath(Relay):
                     writer.close() if data == b"" else writer.transport.abort()
                     return
                 self.queued -= len(data)
+                if writer.is_closing():  # the receiver's end was closed meanwhile: it gets no more (uvloop's
+                    return  # transport raises RuntimeError on a write then, asyncio's drops it)
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
