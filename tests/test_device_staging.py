@@ -143,6 +143,24 @@ async def test_one_holder_never_takes_the_whole_pool_and_a_waiter_at_its_share_l
 
 
 @pytest.mark.asyncio
+async def test_a_retired_buffer_wakes_its_holders_waiter_at_once_while_work_still_holds_it():
+    """A holder at its share waits while a buffer is free; it retires one that pending work still touches: its
+    share is back at once, so its waiter takes the free buffer then, not once the retired buffer is gone."""
+    pool = StagingPool(MIN_CHUNK_BYTES, 3)
+    a1, a2 = await pool.acquire("a"), await pool.acquire("a")
+    b1 = await pool.acquire("b")
+    pool.release(b1)  # one buffer free, but "a" is at its share
+    more_for_a = asyncio.ensure_future(pool.acquire("a"))
+    await asyncio.sleep(0.01)
+    assert not more_for_a.done()
+    pool.retire(a1)  # a1 is still referenced here (as by its pending work)
+    assert await asyncio.wait_for(more_for_a, 1) is b1
+    assert (pool.held("a"), pool.live) == (2, 3)
+    del a1, a2
+    pool.close()
+
+
+@pytest.mark.asyncio
 async def test_a_waiter_cancelled_after_its_wakeup_passes_the_buffer_on():
     """Two transfers wait for the one buffer; it is released, and the waiter it woke is given up before it
     ran: the other waiter gets the buffer (no lost wakeup that would leave it waiting with a buffer free)."""

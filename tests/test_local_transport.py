@@ -323,6 +323,55 @@ async def test_a_push_resent_under_the_id_of_one_still_settling_is_refused_and_t
 
 
 @pytest.mark.asyncio
+async def test_a_stream_push_resent_under_the_id_of_one_still_settling_is_refused():
+    """Row 200's other half: a stream ``PUSH_REQ`` given up (``ABORT``) and sent again under its id in the same chunk,
+    while the first is still settling (in ``served_pushes``), is refused as an id in use."""
+    small = CacheDesc(2, (4, 1024), DataType.DT_FLOAT16, Placement.HOST)
+    tcp = {"transport": "tcp"}
+    async with linked_pair(link=False, prompt_config=tcp, decoder_config=tcp) as pair:
+        src = pair.pm.allocate_blocks_cache(small, BlocksCacheKey(PROMPT_ID, 0))
+        pair.dm.allocate_blocks_cache(small, BlocksCacheKey(DECODER_ID, 0))
+        await pair.link()
+        pusher = usable_link(pair.prompt, DECODER_ID)
+        captured = []
+        send_record = pusher.send_record
+
+        def capture(msg, req_id, record, **changes):
+            if msg is wire.Msg.PUSH_REQ:
+                captured.append((record, changes))
+            return send_record(msg, req_id, record, **changes)
+
+        pusher.send_record = capture
+        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [0], [0])  # honest, recorded
+        pusher.send_record = send_record
+        assert captured, "the push went by stream"
+        owner = usable_link(pair.decoder, PROMPT_ID)
+        rid = pusher.new_req_id()
+        said = []
+        send = owner.send
+
+        def watched(msg, req_id, **fields):
+            if req_id == rid:
+                said.append((msg, fields.get("status"), fields.get("text", "")))
+            return send(msg, req_id, **fields)
+
+        owner.send = watched
+        record, changes = captured[0]
+        push = wire.encode_record(wire.Msg.PUSH_REQ, rid, record, **{**changes, "timeout_ms": 2000})
+        abort = wire.encode(wire.Msg.ABORT, rid, channel=0, generation=wire.NO_GENERATION)
+        pusher.writer.write(push)  # served: its job waits for bytes nobody sends
+        async with asyncio.timeout(2):
+            while rid not in owner.served_pushes:
+                await asyncio.sleep(0.001)
+        pusher.writer.write(abort + push)  # given up; the same request again under its id
+        async with asyncio.timeout(5):
+            while rid in owner.serving or rid in owner.served_pushes:
+                await asyncio.sleep(0.001)
+        assert any(msg is wire.Msg.RESP and status == S.LLM_PARAM_INVALID and "in use" in text
+                   for msg, status, text in said), said
+
+
+@pytest.mark.asyncio
 async def test_a_pull_whose_owner_deallocates_the_cache_right_after_answering_is_no_link_failure():
     """A hand-off's owner may free the cache as soon as it answered a pull naming it: the share's withdrawal is then
     read before the pull copies. It failed ``LLM_LINK_FAILED`` ("shared cache N is not mapped") on a healthy link;

@@ -208,3 +208,34 @@ async def test_a_send_that_returned_has_read_all_of_its_memory(pki_files: tuple[
         if channel is not None:
             channel.close()
         await asyncio.to_thread(server.close)
+
+
+@pytest.mark.asyncio
+async def test_every_connection_refuses_renegotiation_even_if_the_flag_was_cleared_after_the_check(
+        pki_files: tuple[str, str]) -> None:
+    """The flag is set again by every TLS connection made (``tls._no_renegotiation``), not only at option check:
+    a context whose ``OP_NO_RENEGOTIATION`` the user cleared after it was checked still never lets the hostile
+    peer read a send's memory after the send returned."""
+    server = RenegServer(*pki_files, renegotiate=True, expect=SIZE)
+    channel = None
+    try:
+        context = parse_options({"aio.TlsClientContext": client_context(PKI)}).tls_client_context
+        assert context is not None
+        context.options &= ~ssl.OP_NO_RENEGOTIATION  # the user's code, after the check
+        assert not context.options & ssl.OP_NO_RENEGOTIATION
+        channel = await asyncio.wait_for(tls.dial_data(("127.0.0.1", server.port), context, 5, lambda _: None), 10)
+        assert context.options & ssl.OP_NO_RENEGOTIATION
+        assert await asyncio.to_thread(server.asked.wait, 10)
+        await asyncio.sleep(0.1)  # (as above: the channel reads the HelloRequest)
+        src = torch.full((SIZE,), 0x41, dtype=torch.uint8)
+        sent = await asyncio.wait_for(channel.start([src.data_ptr(), SIZE], send=True, timeout_ms=5000,
+                                                    what="push", keepalive=src), 10)
+        assert sent == SIZE
+        src.copy_(torch.frombuffer(bytearray(MARKER * (SIZE // len(MARKER) + 1)), dtype=torch.uint8)[:SIZE])
+        server.go()
+        got = await asyncio.to_thread(server.received)
+        assert MARKER not in got, f"the peer read the caller's memory after the send returned ({server.error})"
+    finally:
+        if channel is not None:
+            channel.close()
+        await asyncio.to_thread(server.close)

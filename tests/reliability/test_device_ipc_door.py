@@ -218,6 +218,25 @@ async def test_a_flood_of_refused_device_records_ends_the_share(stub, monkeypatc
         os.close(w)
 
 
+async def test_a_flood_of_device_records_ends_the_share_of_an_endpoint_without_a_device_backend(monkeypatch):
+    """The same bound where this end has no device backend at all (every ``ADD_DEVICE`` refused before any import):
+    refused caches count against ``MAX_REGIONS`` until withdrawn, so the 33rd of 32 ends the share."""
+    monkeypatch.setattr(local, "MAX_REGIONS", 32)
+    peer = _Peer(None)
+    r, w = os.pipe()
+    try:
+        for i in range(64):
+            assert await peer.send(add_device(1 + i, 1 << 21, bytes(16), 256), r)
+            await peer.settle()
+            if peer.lost:
+                break
+        assert peer.lost and peer.share.closed and i == 32, (i, len(peer.share.device_refused))
+    finally:
+        peer.close()
+        os.close(r)
+        os.close(w)
+
+
 # -- 2. an owner that deallocates under a device-IPC pull --------------------------------------------------------
 
 

@@ -430,3 +430,31 @@ async def test_a_lease_whose_timed_release_was_refused_does_not_keep_a_dropped_l
         assert len(dropped_warnings(caplog)) == 1, dropped_warnings(caplog)
     endpoint = endpoint_of_dd()
     assert endpoint is None or endpoint.finalized
+
+
+@pytest.mark.asyncio
+async def test_a_failed_link_this_endpoint_dialled_is_never_forgotten_by_the_pruning(monkeypatch):
+    """Only accepted failed links are pruned: one this endpoint dialled stays in its table, failed, until it
+    unlinks it (as in LLM-DataDist), however many crashed peers it accepts meanwhile."""
+    from aio_datadist import link_table
+
+    monkeypatch.setattr(link_table, "MAX_FAILED_ACCEPTED", 1, raising=False)
+    OTHER = 3
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd:
+        table = link_table_of(dd).links
+        async with endpoint(LLMRole.DECODER, OTHER, listen=True, transport="tcp") as other:
+            other_address = other._require_links().listener.address
+            assert (await dd.link_clusters([cluster_info(OTHER, other_address)]))[0] == S.LLM_SUCCESS
+            assert table[OTHER].is_client
+            link_table_of(other).links[PROMPT].writer.transport.abort()  # the peer's end drops, no UNLINK
+            async with asyncio.timeout(5):
+                while table[OTHER].broken is None:
+                    await asyncio.sleep(0.01)  # our dialled link failed (and stays)
+            address = dd._require_links().listener.address
+            assert await asyncio.to_thread(_link_and_crash, address, 100, 3) == 3
+            async with asyncio.timeout(5):
+                while any(link.broken is None for link in table.values()):
+                    await asyncio.sleep(0.01)
+            assert OTHER in table and 102 in table and 100 not in table, sorted(table)
+            assert (await dd.unlink_clusters([cluster_info(OTHER, other_address)]))[0] == S.LLM_SUCCESS
+            assert OTHER not in table
