@@ -410,3 +410,28 @@ async def test_senders_sharing_a_pool_never_wait_for_each_other():
         await asyncio.gather(*(send(name) for name in "ABCD"))
     assert sorted(done) == ["A", "B", "C", "D"] and pool.peak <= 2 and pool.live == pool.idle
     pool.close()
+
+
+@pytest.mark.asyncio
+async def test_senders_of_links_at_their_share_send_what_they_hold():
+    """As the endpoint sends: each sender is a link (a holder) that may hold only its share less the room it
+    leaves its receives. A sender at that limit that holds buffers sends them instead of waiting for more
+    (nothing else would give it one: it would wait for itself)."""
+    pool = StagingPool(MIN_CHUNK_BYTES, 4)  # share 3, so 2 per sending link
+    chunks = plan_chunks(1, 8, MIN_CHUNK_BYTES, MIN_CHUNK_BYTES)
+    done: list[str] = []
+
+    async def stage(chunk: Chunk, buf: torch.Tensor) -> None:
+        await asyncio.sleep(0)
+
+    async def consume(chunk: Chunk, view: torch.Tensor) -> None:
+        await asyncio.sleep(0.001)
+
+    async def send(name: str) -> None:
+        await pipeline_out(chunks, pool, stage, consume, holder=name)
+        done.append(name)
+
+    async with asyncio.timeout(5):
+        await asyncio.gather(*(send(name) for name in "ABC"))
+    assert sorted(done) == ["A", "B", "C"] and pool.peak <= 4 and pool.live == pool.idle
+    pool.close()

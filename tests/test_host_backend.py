@@ -535,3 +535,39 @@ async def test_a_staged_swap_given_up_waits_for_its_host_copy():
             assert all(torch.equal(a, t) for a, t in zip(after, host.tensors, strict=True)), timeout
     finally:
         await dd.finalize()
+
+
+@pytest.mark.asyncio
+async def test_a_staged_swap_given_up_returns_only_once_its_host_copy_is_over():
+    """As above, with the race made wide: the copy threads take their time to stop (``cancel`` does not cut the
+    running job), so a swap that only cancelled its host copy would return while the copy still writes."""
+    from aio_datadist.devices import ops
+
+    class _SlowToStop:
+        def __init__(self, real: _core.HostCopyEngine) -> None:
+            self.real = real
+
+        def submit(self, token: int, triples) -> None:
+            return self.real.submit(token, triples)
+
+        def cancel(self, token: int) -> bool:
+            return False  # the job runs to its end: a slow stop
+
+    dd = await _host_dd()
+    rt = runtime_of(dd)
+    real = rt.copier
+    try:
+        mgr = dd.kv_cache_manager
+        rows, width = 16, 1024 * 1024
+        dev = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.DEVICE))
+        host = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.HOST))
+        rt.copier = _SlowToStop(real)
+        for timeout, (dst, src) in zip((3, 8, 15, 3, 8, 15), [(host, dev)] * 3 + [(dev, host)] * 3):
+            with pytest.raises(LLMException) as info:
+                await ops.copy_rows(rt, dst, list(range(rows)), src, list(range(rows)), 0, width * 2, timeout,
+                                    "swap_blocks", method="staged")
+            assert info.value.status_code == S.LLM_TIMEOUT
+            assert real.pending() == 0, f"a host copy still ran after the return ({timeout} ms)"
+    finally:
+        rt.copier = real
+        await dd.finalize()

@@ -314,6 +314,33 @@ async def test_an_endpoint_watched_again_or_made_anew_adds_to_one_series_per_clu
     assert (len(metrics._watched), list(metrics._retired)) == (0, ["2"])  # gone endpoints: one sum per cluster
 
 
+@pytest.mark.asyncio
+async def test_an_endpoint_watched_again_adds_to_its_histogram_and_its_failures():
+    """Watched again, an endpoint's series go on from what it counted before: the duration histogram (its
+    buckets and count) and the failed transfers too, not only the completed ones."""
+    registry = CollectorRegistry()
+
+    def pulls_timed() -> float:
+        return sum(s.value for family in registry.collect() if family.name == "aio_datadist_transfer_duration_seconds"
+                   for s in family.samples if s.name.endswith("_count")
+                   and s.labels["cluster_id"] == "2" and s.labels["kind"] == "pull")
+
+    async with open_pair() as pair:
+        metrics = instrument(pair.decoder, registry)
+        kv = pair.decoder.kv_cache_manager
+        for watched_again in (False, True):
+            if watched_again:
+                metrics.unwatch(pair.decoder)
+                instrument(pair.decoder, registry)
+            await kv.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
+            with pytest.raises(LLMException):
+                await kv.pull_cache(aio.CacheKey(PROMPT_CLUSTER_ID, 987654), pair.decoder_rows)
+        assert duplicated_series(registry) == []
+        assert pulls_timed() == 2
+        assert sample(registry, "aio_datadist_transfer_errors_total", cluster_id="2", kind="pull",
+                      status="LLM_KV_CACHE_NOT_EXIST") == 2
+
+
 @contextlib.contextmanager
 def linked_facades(before_decoder_init: Callable[[Any], Any] = lambda decoder: None) -> Iterator[tuple[Any, Any, Any]]:
     """A blocking-facade PROMPT 31 (listening, with a blocks cache under ``BlocksCacheKey(31, 0)``) and DECODER 32
@@ -351,6 +378,23 @@ def test_the_blocking_facade_can_be_unwatched():
         metrics.watch(decoder)  # the facade again: counting goes on from what was counted
         decoder.kv_cache_manager.pull_blocks(aio.BlocksCacheKey(31, 0), dst, [0], [0])
         assert sample(registry, "aio_datadist_transfers_total", **pulls) == 2
+        del dst
+
+
+def test_the_blocking_facade_unwatched_is_no_longer_observed():
+    """Unwatched, the endpoint under the facade stops telling the exporter's observer of its transfers (not
+    merely unread: an observer left on it would be called on every transfer for as long as it lives)."""
+    registry = CollectorRegistry()
+    with linked_facades() as (_, decoder, dst):
+        observers = decoder._dd._endpoint.observers
+        before = list(observers)
+        metrics = instrument(decoder, registry)
+        assert len(observers) == len(before) + 1
+        metrics.unwatch(decoder)
+        assert observers == before
+        metrics.watch(decoder)
+        metrics.unwatch(decoder)
+        assert observers == before
         del dst
 
 
