@@ -654,6 +654,27 @@ async def test_layer_pushes_cut_after_their_destination_refused_count_as_its_fai
         assert dict(push.failures) == {"LLM_KV_CACHE_NOT_EXIST": LAYERS}
 
 
+async def test_layer_pushes_the_caller_cancelled_count_as_cancellations_not_failures() -> None:
+    """The other side of the above: pushes in flight when the caller cancels the task count as cancellations."""
+    async with setup() as s:
+        src = s.blocks_src()
+        task = s.pm.transfer_cache_async(src, Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+
+        def push() -> Any:
+            return s.prompt.stats().links[DECODER_ID].kinds["push"]
+
+        for _ in range(10_000):  # bounded: until a push is under way
+            if push().in_flight:
+                break
+            await asyncio.sleep(0)
+        assert push().in_flight
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert push().cancellations >= 1 and push().in_flight == 0
+        assert dict(push().failures) == {}
+
+
 async def test_two_destinations_both_receive_every_layer() -> None:
     async with setup(decoders=2) as s:
         src = s.blocks_src()

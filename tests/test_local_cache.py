@@ -372,6 +372,27 @@ def test_a_big_peer_mapping_is_unmapped_off_the_thread_that_drops_it(monkeypatch
     assert not any(_mapped(a) for a in addresses)
 
 
+def test_a_peer_mapping_of_exactly_the_unmapping_bound_is_unmapped_off_the_thread_that_drops_it(monkeypatch):
+    """The bound is inclusive: a mapping of ``Unmapper.MIN_BYTES`` (8 MiB) goes to the unmapping thread, one page
+    less is unmapped at once."""
+    me = threading.current_thread()
+    unmapped: dict[int, bool] = {}
+    real = host.unmap_read_only
+
+    def watched(addr: int, size: int) -> None:
+        unmapped[addr] = threading.current_thread() is me
+        real(addr, size)
+
+    monkeypatch.setattr(host, "unmap_read_only", watched)
+    bound = host.Unmapper.MIN_BYTES
+    regions = [host.HostRegion(bound), host.HostRegion(bound - PAGE_SIZE)]
+    mappings = [host.ReadOnlyMapping(r.fd, r.nbytes) for r in regions]
+    addresses = [m.address for m in mappings]
+    mappings.clear()
+    assert host.unmapped_in_background(5.0)
+    assert [unmapped.get(a) for a in addresses] == [False, True]  # 8 MiB elsewhere, one page less here
+
+
 def test_a_forked_child_frees_what_its_parent_queued_and_does_not_hang_on_its_locks():
     """A process that forks while its unmapping thread holds the peer-mapping lock (a 55 ms unmap of a big peer
     region) and has more queued: the child has neither the thread nor the lock's owner. It gets a fresh lock,

@@ -290,6 +290,22 @@ async def test_reads_right_before_the_link_ends_are_counted_by_the_owner(end):
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("end", ["unlink", "requester_finalizes", "owner_finalizes"])
+async def test_reads_still_queued_on_the_owners_share_as_the_link_ends_are_counted(end):
+    """The owner's share reader has not run before the word that ends the link: closing the share acts on the
+    READ records queued on it (``LocalShare.finish``)."""
+    async with listed(12) as (pair, values, dst, seen):
+        served = ServedPulls()
+        pair.prompt._endpoint.observers.append(served)
+        share = usable_link(pair.prompt, DECODER_ID).local
+        share._loop.remove_reader(share.sock.fileno())  # the READ records stay queued until the share closes
+        for i in range(5):
+            await pair.dm.pull_blocks(KEY, dst, [i], [i])
+        await pair.end(end)
+        await eventually(lambda: served.count == 5, limit_s=1.0)
+
+
+@pytest.mark.asyncio
 async def test_a_loop_of_small_reads_lets_other_tasks_run_and_timeouts_fire():
     """A read turns the loop once before it copies, though its copy runs on the loop's thread."""
     async with listed(12) as (pair, _values, dst, _seen):

@@ -642,6 +642,55 @@ async def test_a_push_cut_by_its_destinations_owner_lands_nothing_after_it_retur
                 break
 
 
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+async def test_a_push_that_reaches_its_destinations_owner_while_it_unlinks_is_refused(transport: str) -> None:
+    """A push that reaches the decoder once its unlink has begun, before its ``UNLINK`` left (here: sent from the
+    decoder's settle of what it serves, which that push would escape), is refused ``LLM_NOT_YET_LINK``, with
+    nothing of it landing: the decoder serves the peer nothing new while it unlinks."""
+    async with endpoint(LLMRole.PROMPT, 63, listen=True, transport=transport) as prompt, \
+            endpoint(LLMRole.DECODER, 64, transport=transport) as dec:
+        src = prompt.kv_cache_manager.allocate_blocks_cache(SLOW)
+        for t in src.tensors:
+            t.fill_(5)
+        dst = dec.kv_cache_manager.allocate_blocks_cache(SLOW, BlocksCacheKey(64, 0))
+        info = cluster_info(63, port_of(prompt))
+        assert (await dec.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
+        owners = link_to(dec, 63)
+        real = owners.settle_served
+        outcomes: list[str] = []
+
+        async def settle_served(**kwargs: Any) -> None:
+            await real(**kwargs)
+            outcomes.append(await _push_all(prompt, src, dst, []))  # the UNLINK has not left yet
+
+        owners.settle_served = settle_served  # type: ignore[method-assign]
+        await dec.unlink_clusters([info])
+        assert outcomes == ["LLM_NOT_YET_LINK"]
+        assert not any(bool(t.any()) for t in dst.tensors)
+
+
+async def test_a_same_host_push_its_destinations_owner_unlinks_under_is_stopped_not_waited_out() -> None:
+    """The decoder unlinks while a same-host push into its cache copies: it stops the copy (once its current piece
+    is done) rather than wait for the whole push, which fails ``LLM_NOT_YET_LINK`` with part of it in place."""
+    async with endpoint(LLMRole.PROMPT, 63, listen=True, transport="local") as prompt, \
+            endpoint(LLMRole.DECODER, 64, transport="local", copy_threads=1) as dec:
+        src = prompt.kv_cache_manager.allocate_blocks_cache(OWNER_END_LOCAL)
+        for t in src.tensors:
+            t.fill_(0xCD)
+        dst = dec.kv_cache_manager.allocate_blocks_cache(OWNER_END_LOCAL, BlocksCacheKey(64, 0))
+        info = cluster_info(63, port_of(prompt))
+        assert (await dec.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
+        task = asyncio.ensure_future(_push_all(prompt, src, dst, []))
+        for _ in range(4000):  # until the first bytes landed (bounded)
+            if task.done() or bool((last_bytes(dst) == 0xCD).any()):
+                break
+            await asyncio.sleep(0)
+        assert not task.done()
+        await dec.unlink_clusters([info])
+        assert await task == "LLM_NOT_YET_LINK"
+        assert not all(bool((t == 0xCD).all()) for t in dst.tensors)  # stopped part way
+
+
 FAILED_PUSH = CacheDesc(4, (128, 128 * 1024), DataType.DT_UINT8, Placement.HOST)  # 64 MiB in 128 KiB blocks
 FAILED_PUSH_BLOCK = 128 * 1024
 

@@ -33,6 +33,7 @@ from aio_datadist import (
     wire,
 )
 from aio_datadist.testing import link_to
+from aio_datadist.transport import base as transport_base
 from aio_datadist.transport.tls import LINGER_RESET
 from peers import CacheSpec, EndpointSpec, cluster_info, port_of
 from tls_certs import client_context, make_pki, server_context
@@ -182,6 +183,34 @@ async def test_a_keyed_pull_under_the_requesters_own_unlink_succeeds_only_if_the
             outcomes.append((first, await _key_left(prompt, key, BIG)))
             prompt.kv_cache_manager.deallocate_cache(src)
     assert all(outcome in CONSISTENT for outcome in outcomes), outcomes
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+async def test_a_keyed_pull_that_ends_once_its_requester_sent_unlink_fails_and_leaves_the_key(
+        monkeypatch: pytest.MonkeyPatch, transport: str) -> None:
+    """The requester's UNLINK left just as its pull's copy ended (made so: sent from the pull's ``finish``): the
+    owner ends what it serves once it reads the UNLINK, so a DONE after it would find nothing to act on. The pull
+    fails ``LLM_NOT_YET_LINK`` and the key is left for the next pull (``Link.check_heard``)."""
+    real = transport_base.Request.finish
+
+    async def finish(self: Any) -> None:
+        if self.ack is None and not self.link.unlinking:  # a pull: our UNLINK leaves first
+            req_id = self.link.new_req_id()
+            self.link.expect(req_id, wire.Msg.UNLINK_ACK)
+            self.link.send_unlink(req_id)
+        await real(self)
+
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport=transport) as prompt:
+        key = CacheKey(PROMPT, 10)
+        prompt.kv_cache_manager.allocate_cache(SMALL, [key])
+        async with endpoint(LLMRole.DECODER, DECODER, transport=transport) as dec:
+            info = cluster_info(PROMPT, port_of(prompt))
+            assert (await dec.link_clusters([info], timeout=10_000))[0] == S.LLM_SUCCESS
+            monkeypatch.setattr(transport_base.Request, "finish", finish)
+            first = await _outcome(dec.kv_cache_manager.pull_cache(key, dec.kv_cache_manager.allocate_cache(SMALL),
+                                                                   timeout=5_000))
+            monkeypatch.undo()
+        assert (first, await _key_left(prompt, key, SMALL, transport)) == ("LLM_NOT_YET_LINK", "done")
 
 
 class _ResettingRelay:
