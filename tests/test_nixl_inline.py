@@ -267,6 +267,35 @@ async def test_a_pulls_done_goes_out_ahead_of_the_next_request_in_one_write_when
         assert [(Msg.DONE, first)] in writes, writes  # written at the return, not held for the next record
 
 
+@pytest.mark.parametrize("transport", [pytest.param("nixl", marks=[needs_nixl, pytest.mark.nixl]), "local"])
+async def test_a_held_done_goes_out_ahead_of_the_next_request_in_its_write(transport):
+    """A pull that consumes no key (a prefix key) holds its ``DONE`` to the end of the pass (row 272); the next
+    request, sent in that pass, takes it along ahead of itself in one write. (The test above pulls keys, whose
+    DONE leaves at once: it passed with the held records written after the next one, audit 2026-12-07.)"""
+    config = {"transport": transport}
+    async with linked_pair(prompt_config=config, decoder_config=config) as pair:
+        prefix = CacheKey(PROMPT_ID, 2**64 - 1, prefix_id=7)
+        src = pair.pm.allocate_cache(ROWS, [prefix])
+        fill(src, 12)
+        dst = pair.dm.allocate_cache(ROWS)
+        if transport == "nixl":
+            await prepared(pair.prompt, DECODER_ID, src)
+        link = link_to(pair.decoder, PROMPT_ID)
+        writes: list[list[tuple[Msg, int]]] = []
+        real_write = link.writer.write
+        link.writer.write = lambda data: (writes.append(records(bytes(data))), real_write(data))[1]
+        try:
+            await pair.dm.pull_cache(prefix, dst, batch_index=0)
+            assert link._soon  # held
+            await pair.dm.pull_cache(prefix, dst, batch_index=1)
+            await asyncio.sleep(0.05)
+        finally:
+            link.writer.write = real_write
+        sent = [r for w in writes for r in w]
+        (_, first), (_, second) = [r for r in sent if r[0] is Msg.PULL_REQ]
+        assert [(Msg.DONE, first), (Msg.PULL_REQ, second)] in writes, writes
+
+
 @needs_nixl
 @pytest.mark.nixl
 async def test_a_push_whose_notification_the_owner_reads_before_its_expectation_reached_the_worker_completes():

@@ -30,10 +30,10 @@ import time
 import pytest
 import torch
 from _harness import baseline_of, endpoint, settle, state
-from _rawpeer import RawLink
+from _rawpeer import RawLink, recv_exactly
 from peers import cluster_info, fill, port_of
 
-from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, wire
+from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, owner, wire
 from aio_datadist.links import MAX_AWAITED_PER_LINK, MAX_SERVED_PER_CHANNEL
 from aio_datadist.testing import link_to
 from aio_datadist.wire import Msg
@@ -91,6 +91,34 @@ async def test_a_peer_that_never_reads_its_answers_does_not_grow_the_endpoints_m
         honest.kv_cache_manager.deallocate_cache(mine)
         del mine
         await settle(dd, baseline, fds, within=3.0)
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_never_reads_its_answers_is_cut_off_at_the_documented_4_mib():
+    """What waits unsent for the peer passes 4 MiB by at most the answers to the one read that crossed it
+    (at most 256 KiB of requests: about 330 KiB of answers), not only the 6 MiB overall bound (audit,
+    2026-12-07: the test above passed with the limit at 5 MiB)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", heartbeat_interval=100) as dd:
+        host, port = port_of(dd)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, ATTACKER_PROGRAM, "unread", host, str(port), str(ATTACKER), str(PROMPT), "64", "15",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            most, deadline = 0, time.monotonic() + 20
+            communicate = asyncio.ensure_future(proc.communicate())
+            while not communicate.done() and time.monotonic() < deadline:
+                link = link_to(dd, ATTACKER)
+                if link is not None and link.broken is None:
+                    most = max(most, link.writer.transport.get_write_buffer_size())
+                await asyncio.sleep(0.005)
+            out, err = await asyncio.wait_for(communicate, 20)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode == 0, err.decode()[-3000:]
+        assert json.loads(out.decode().strip().splitlines()[-1])["ended"] == "closed by the endpoint"
+        assert 3 << 20 < most <= (4 << 20) + (512 << 10), f"{most} bytes waited for the peer (limit: 4 MiB)"
 
 
 @pytest.mark.asyncio
@@ -181,6 +209,52 @@ async def test_a_request_id_used_twice_leaves_no_claimed_key_behind():
         for _ in range(400):  # the attacker's link goes (its connections closed)
             link = link_to(dd, ATTACKER)
             if link is None or link.broken is not None:
+                break
+            await asyncio.sleep(0.005)
+        await settle(dd, baseline, within=3.0)  # no claim of the key is left
+        mine = honest.kv_cache_manager.allocate_cache(SMALL)
+        await honest.kv_cache_manager.pull_cache(key, mine, timeout=5000)
+        assert all(torch.equal(m[0], r[0]) for m, r in zip(mine.tensors, row.tensors, strict=True))
+        honest.kv_cache_manager.deallocate_cache(mine)
+        del mine
+
+
+@pytest.mark.asyncio
+async def test_a_request_id_reused_while_its_pull_awaits_done_is_refused():
+    """The first pull's bytes all moved (its stream is over: only its claim of the key waits for DONE) when the
+    second comes under its id: refused as well (audit, 2026-12-07: the test above, whose second request comes
+    while the first is still streamed, passed without the check of what awaits DONE)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd, \
+            endpoint(LLMRole.DECODER, HONEST, transport="tcp") as honest:
+        key = CacheKey(PROMPT, 9)
+        row = dd.kv_cache_manager.allocate_cache(SMALL, [key])
+        fill(row, 3)
+        assert (await honest.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        baseline = state(dd)
+        with RawLink(port_of(dd), ATTACKER, PROMPT, None) as raw:
+
+            def first() -> None:
+                raw.connect()
+                raw.send_raw(wire.encode(Msg.PULL_REQ, 1, **pull_key_layer(9, 0, 0)))
+                resp = raw.answer(1)[1]
+                assert resp["status"] == 0, resp
+                recv_exactly(raw.data[0], resp["total"])  # and no DONE
+
+            await asyncio.wait_for(asyncio.to_thread(first), 20)
+            link = link_to(dd, ATTACKER)
+            for _ in range(400):  # its stream ends: only the claim of the key waits for DONE
+                if not link.serving:
+                    break
+                await asyncio.sleep(0.005)
+            assert not link.serving and len(link.pull_acks) == 1, (link.serving, link.pull_acks)
+
+            def second() -> int:
+                raw.send_raw(wire.encode(Msg.PULL_REQ, 1, **pull_key_layer(9, 1, 1)))
+                return raw.answer(1)[1]["status"]
+
+            assert await asyncio.wait_for(asyncio.to_thread(second), 20) == S.LLM_PARAM_INVALID
+        for _ in range(400):  # the attacker's link goes
+            if link.broken is not None or link_to(dd, ATTACKER) is None:
                 break
             await asyncio.sleep(0.005)
         await settle(dd, baseline, within=3.0)  # no claim of the key is left
@@ -355,6 +429,36 @@ async def test_a_same_host_peer_that_never_says_done_is_served_a_bounded_number_
             assert report["statuses"].get(str(int(S.LLM_PARAM_INVALID))) == 64, seen
             assert len(link.pull_acks) == len(link.serving) == MAX_AWAITED_PER_LINK, seen
             # The owner's other link is served meanwhile (through shared memory too).
+            await pulls_verified_blocks(honest, values)
+        finally:
+            await stop_attacker(proc)
+        await settle(dd, baseline, fds, within=3.0)
+
+
+@pytest.mark.asyncio
+async def test_requests_past_the_awaited_bound_are_refused_before_they_are_planned(monkeypatch):
+    """The bound is the documented 4096 (the test above counts from the library's constant: it passed at 8192),
+    and a request past it is refused before the owner plans it (it passed with the plan made first: audit,
+    2026-12-07). Shrunk to 16 here so that the attack is short: 20 pulls, 16 planned and served in place."""
+    assert MAX_AWAITED_PER_LINK == 4096
+    monkeypatch.setattr(owner, "MAX_AWAITED_PER_LINK", 16)
+    planned: list[int] = []
+    plan = owner.serve_plan
+
+    def counted(rt, link, msg, req):
+        if link.remote_cluster_id == ATTACKER:
+            planned.append(1)
+        return plan(rt, link, msg, req)
+
+    monkeypatch.setattr(owner, "serve_plan", counted)
+    async with rows_owner("local") as (dd, honest, _, values):
+        baseline, fds = baseline_of(dd)
+        proc, report = await in_place_attack(dd, 20, 1)
+        try:
+            link = link_to(dd, ATTACKER)
+            seen = dict(report, planned=len(planned), awaiting_done=len(link.pull_acks))
+            assert report["in_place"] == 16 and report["statuses"].get(str(int(S.LLM_PARAM_INVALID))) == 4, seen
+            assert len(planned) == 16 and len(link.pull_acks) == 16, seen
             await pulls_verified_blocks(honest, values)
         finally:
             await stop_attacker(proc)

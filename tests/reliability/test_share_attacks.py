@@ -26,6 +26,7 @@ shared memory.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import gc
 import json
@@ -316,6 +317,47 @@ def test_a_memfd_shrunk_before_it_is_sealed_is_refused_not_mapped_past_its_end()
     count("share attacks", 2)
 
 
+@pytest.mark.parametrize("after", range(2))
+def test_a_memfd_shrunk_and_sealed_between_the_checks_is_refused_by_its_seals_or_size(monkeypatch, after):
+    """The sender shrinks its memfd to one page and seals it right after the ``after``-th of our syscalls on it
+    (``fstat``, ``fcntl``), at every point in turn: the seal and size checks themselves refuse it, never only the
+    walk of its pages that follows (audit, 2026-12-07: the test above passed with the size read before the seals,
+    the hole walk refusing what the size check let through)."""
+    size = 64 * host.PAGE_SIZE
+    fd = os.memfd_create("shrunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        os.pwrite(fd, b"x" * size, 0)  # in memory: no hole before the shrink
+        calls = [0]
+
+        class Sender:
+            def __init__(self, module):
+                self._module = module
+
+            def __getattr__(self, name):
+                value = getattr(self._module, name)
+                if name not in ("fstat", "fcntl"):
+                    return value
+
+                def call(*args):
+                    try:
+                        return value(*args)
+                    finally:
+                        calls[0] += 1
+                        if calls[0] == after + 1:
+                            os.ftruncate(fd, host.PAGE_SIZE)
+                            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, host.SEALS_REQUIRED | F_SEAL_FUTURE_WRITE)
+                return call
+
+        monkeypatch.setattr(host, "os", Sender(os))
+        monkeypatch.setattr(host, "fcntl", Sender(fcntl))
+        with pytest.raises(ValueError, match="not sealed against shrink and grow|holds 4096 bytes") as refused:
+            host.check_sealed(fd, size)
+        assert calls[0] > after, (calls[0], str(refused.value))  # the sender did act in the check
+    finally:
+        os.close(fd)
+
+
 def test_a_hugetlb_memfd_is_refused_before_it_is_mapped():
     """A linked peer sends an ADD whose memfd was made with ``MFD_HUGETLB``: it takes the seals against shrink
     and grow like any memfd, but its sender can still punch holes in it (``fallocate``), and a read of a hole
@@ -367,6 +409,48 @@ def test_peers_cannot_take_our_mappings_with_one_page_regions():
     assert report["64 MiB allocated"] == "yes", report
     assert 0 < report["regions"] <= host.MAX_PEER_MAPPINGS, report
     count("share attacks", 1)
+
+
+def _maps_past_the_budget(monkeypatch, budget: str, room: int) -> None:
+    """With room for 3 more one-page peer regions under ``host.<budget>``, a fourth is refused (``ENOMEM``, so
+    its share drops it) and one unmapped gives its room back."""
+    page = host.PAGE_SIZE
+    monkeypatch.setattr(host, budget, room)
+    fd = os.memfd_create("peer", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    addrs: list[int] = []
+    try:
+        os.ftruncate(fd, page)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, host.SEALS_REQUIRED | F_SEAL_FUTURE_WRITE)
+        addrs += [host.map_read_only(fd, page) for _ in range(3)]
+        refused = None
+        try:
+            addrs.append(host.map_read_only(fd, page))
+        except OSError as exc:
+            refused = exc
+        assert refused is not None and refused.errno == errno.ENOMEM, f"{len(addrs)} regions mapped past {budget}"
+        host.unmap_read_only(addrs.pop(), page)
+        addrs.append(host.map_read_only(fd, page))  # the room it gave back
+    finally:
+        for addr in addrs:
+            host.unmap_read_only(addr, page)
+        os.close(fd)
+
+
+def test_peers_regions_take_at_most_the_documented_bytes():
+    """Row 103's budget itself: the sparse-region attack above no longer reaches it (sparse regions are refused
+    before they are mapped), so it passed with the budget's check of bytes removed (audit, 2026-12-07)."""
+    assert host.MAX_PEER_MAPPED_BYTES == 32 << 40  # 32 TiB, a quarter of the 128 TiB a process can map
+    with pytest.MonkeyPatch.context() as mp:
+        _maps_past_the_budget(mp, "MAX_PEER_MAPPED_BYTES", host._peer_mapped + 3 * host.PAGE_SIZE)
+
+
+def test_peers_regions_take_at_most_a_quarter_of_the_map_count():
+    """Row 104's budget: the documented quarter of ``vm.max_map_count`` (the attack above passed with half of
+    it, audit 2026-12-07), and a region past it is refused."""
+    with open("/proc/sys/vm/max_map_count") as f:
+        assert host.MAX_PEER_MAPPINGS == int(f.read()) // 4
+    with pytest.MonkeyPatch.context() as mp:
+        _maps_past_the_budget(mp, "MAX_PEER_MAPPINGS", host._peer_mappings + 3)
 
 
 SPARSE_PUSHER = os.path.join(os.path.dirname(__file__), "_sparse_pusher.py")

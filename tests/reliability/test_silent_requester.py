@@ -177,3 +177,35 @@ async def test_an_honest_requester_is_unchanged_by_the_owners_timer(
             await honest.kv_cache_manager.pull_cache(CacheKey(PROMPT, 10), theirs, 2, timeout=1000)
         assert "already pulled" in str(gone.value)
         assert not [r.getMessage() for r in caplog.records if "DONE" in r.getMessage()]
+
+
+async def test_a_silent_requesters_long_timeout_is_cut_at_the_owners_bound_and_warned_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """The owner's wait is the request's timeout *at most* ``MAX_SERVE_TIMEOUT_MS`` (shortened here to the
+    300 ms of the tests above: the requester asks for 60 s), and two requests given up on one link make one
+    warning (``OVERDUE_WARN_EVERY_S``). The tests above, one request each with a short timeout, passed with the
+    bound and the warning's rate limit removed (audit, 2026-12-07)."""
+    caplog.set_level(logging.WARNING, logger="aio_datadist.links")
+    monkeypatch.setattr(base, "DONE_GRACE_S", GRACE_S)
+    monkeypatch.setattr(base, "MAX_SERVE_TIMEOUT_MS", TIMEOUT_MS)
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, BUGGY) as buggy, endpoint(LLMRole.DECODER, HONEST) as honest:
+        await _link(buggy, prompt)
+        await _link(honest, prompt)
+        _silence(monkeypatch, buggy)
+        keys = [CacheKey(PROMPT, 10), CacheKey(PROMPT, 11)]
+        src = prompt.kv_cache_manager.allocate_cache(CACHE_DESC, keys)
+        expected = fill(src, 6)
+        mine = buggy.kv_cache_manager.allocate_cache(CACHE_DESC)
+        theirs = honest.kv_cache_manager.allocate_cache(CACHE_DESC)
+        for row, key in enumerate(keys):
+            await buggy.kv_cache_manager.pull_cache(key, mine, row, timeout=60_000)  # no DONE sent
+        owner_link = link_to(prompt, BUGGY)
+        assert owner_link is not None and len(owner_link.pull_acks) == 2
+        await asyncio.sleep(TIMEOUT_MS / 1000 + GRACE_S + 0.3)
+        assert not owner_link.pull_acks and not owner_link.serving
+        for row, key in enumerate(keys):
+            await honest.kv_cache_manager.pull_cache(key, theirs, row, timeout=1000)
+        assert same([t[:2] for t in snapshot(theirs)], [t[:2] for t in expected])
+        warned = [r.getMessage() for r in caplog.records if "DONE" in r.getMessage()]
+        assert len(warned) == 1, warned
