@@ -531,6 +531,57 @@ async def test_a_link_whose_time_runs_out_after_the_handshake_is_not_left_regist
         await decoder.check_link_status(PROMPT_ID)
 
 
+async def test_a_link_whose_set_up_fails_after_the_handshake_is_not_left_registered(monkeypatch):
+    """A set-up step that fails after the handshake (here the NIXL exchange) reports its failure and leaves no
+    link on either end, as a time-out does; the next ``link_clusters`` links."""
+    from aio_datadist.link_table import LinkTable
+
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as decoder:
+        original, failing = LinkTable._nixl_with, [True]
+
+        async def fails(self, link, *args):
+            if failing[0]:
+                raise LLMException("the set-up failed", status_code=S.LLM_LINK_FAILED)
+            await original(self, link, *args)
+
+        monkeypatch.setattr(LinkTable, "_nixl_with", fails)
+        info = cluster_info(PROMPT_ID, port_of(prompt))
+        assert await decoder.link_clusters([info], timeout=3000) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        assert link_count(decoder) == 0
+        async with asyncio.timeout(2):  # the peer hears of it
+            while link_count(prompt):
+                await asyncio.sleep(0.01)
+        failing[0] = False
+        assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+
+async def test_a_link_whose_time_runs_out_while_it_is_set_up_is_closed_before_the_call_returns(monkeypatch):
+    """The timed-out link is not only forgotten: its close (here one that takes 0.1 s, within
+    ``link_dials.SET_UP_CLOSE_S``) has ended when ``link_clusters`` returns, not left to run in the background."""
+    from aio_datadist.link_table import LinkTable
+    from aio_datadist.links import Link
+
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as decoder:
+        links, closed, real_close = [], [], Link.close
+
+        async def stalls(self, link, *args):
+            links.append(link)
+            await asyncio.sleep(2)
+
+        async def slow_close(self, *args, **kwargs):
+            await real_close(self, *args, **kwargs)
+            await asyncio.sleep(0.1)
+            closed.append(self)
+
+        monkeypatch.setattr(LinkTable, "_share_with", stalls)
+        monkeypatch.setattr(Link, "close", slow_close)
+        info = cluster_info(PROMPT_ID, port_of(prompt))
+        assert await decoder.link_clusters([info], timeout=300) == (S.LLM_TIMEOUT, [S.LLM_TIMEOUT])
+        assert len(links) == 1 and links[0] in closed, (links, closed)  # (the peer's end closes too)
+
+
 async def test_a_link_set_up_in_the_loop_pass_its_time_runs_out_is_not_left_behind_a_timeout(monkeypatch):
     """The set-up's last step runs in the same loop pass as the deadline (the loop was busy until past it): the
     call says ``LLM_SUCCESS`` with the link up (the default loop), or ``LLM_TIMEOUT`` with no link (uvloop runs

@@ -531,6 +531,26 @@ async def test_a_cache_offered_again_without_its_withdrawal_is_a_protocol_error(
 
 
 @needs_nixl
+async def test_offers_beyond_the_links_descriptor_budget_are_a_protocol_error(monkeypatch):
+    """The link's other bound, ``nixl_offers.MAX_LINK_DESCRIPTORS`` entries offered in all (lowered here to 264:
+    the bait takes 64), with each offer well within ``MAX_DESCRIPTORS``: the offer that would go past it breaks
+    the link, and nothing is loaded for it."""
+    monkeypatch.setattr(nixl_offers, "MAX_LINK_DESCRIPTORS", 264)
+    monkeypatch.setattr(nixl_offers, "OFFER_LOAD_ENTRIES", 0)  # entries alone
+    loads = counted_loads(monkeypatch, 1 << 20)
+    async with forging_pair() as (pair, bait, attacker, victim_link, metadata):
+        attacker._send(nixl.OFFER, 1 << 20, 128, 1, (bait.layout.bases[0],), metadata)  # 192 of 264
+        await loaded_by(victim_link.nixl, 1 << 20, 5)
+        assert victim_link.broken is None
+        attacker._send(nixl.OFFER, (1 << 20) + 1, 100, 1, (bait.layout.bases[0],), metadata)  # 292: past it
+        async with asyncio.timeout(5):
+            while victim_link.broken is None:
+                await asyncio.sleep(0.005)
+        assert "protocol error" in str(victim_link.broken), victim_link.broken
+        assert loads == [1 << 20], loads
+
+
+@needs_nixl
 @pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
 async def test_grants_name_offered_caches_only_and_go_with_their_withdrawal():
     """A ``GRANT`` of a cache the peer never offered is a protocol error (an honest peer grants a cache right

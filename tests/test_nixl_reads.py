@@ -188,6 +188,21 @@ async def test_a_peer_that_never_says_revoked_holds_the_cache_registered_only_fo
         assert any("did not say it stopped reading" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("end", ["unlink", "requester_finalizes"])
+async def test_a_link_that_ends_releases_its_peers_revocations_at_once(end):
+    """A peer that never said ``REVOKED`` holds the revoked cache registered only until its link ends, not for
+    ``REVOKE_WAIT_S`` (10 s) more."""
+    async with granted_pair(8) as (pair, src, _want, _dst):
+        hold_back(pair.decoder, {nixl_grants.REVOKE})  # so it never answers REVOKED
+        plane = nixl_agent_of(pair.prompt)
+        pair.pm.deallocate_cache(src)
+        assert src.cache_id in plane._doomed
+        await pair.end(end)
+        async with asyncio.timeout(2):  # far below REVOKE_WAIT_S
+            while src.cache_id in plane._doomed:
+                await asyncio.sleep(0.01)
+
+
 async def test_a_cancelled_read_settles_before_it_returns_and_the_revocation_waits_for_it():
     big = CacheDesc(2, (64, 256 * 1024), DataType.DT_INT8, Placement.HOST)  # 2 x 16 MiB: posted by the worker
     async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
@@ -237,6 +252,29 @@ async def test_bad_ledger_and_grant_records_are_protocol_errors():
         peer.on_message(NixlRecord(kind=nixl_grants.REVOKED, cache_id=77, count=0, row_bytes=0, rows=(), blob=b""))
         served = pair.decoder.stats().links[PROMPT_ID].kinds.get("served_pull")
         assert served is None or served.transfers == 0
+
+
+async def test_bad_grants_of_an_offered_cache_and_reads_of_none_are_refused():
+    """The grant checks run on a cache the peer did offer (a grant of one not offered fails before them), and a
+    ``READS`` of 0 reads moves no counter, its bytes neither."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        offered = pair.pm.allocate_blocks_cache(BLOCKS)  # offered, never granted: it has no blocks key
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(5):
+            while offered.cache_id not in peer.offers_in.declared:
+                await asyncio.sleep(0.005)
+        cid = offered.cache_id
+        for slot, blob in [(nixl.SLOTS, nixl_grants.GRANT_INFO.pack(0, 1, 1, 1)),  # a slot past the ledger
+                           (1, b"short"), (1, nixl_grants.GRANT_INFO.pack(0, 1, 1, 1) + b"x"),
+                           (1, nixl_grants.GRANT_INFO.pack(0, 1, 1, 0))]:  # a word a cleared slot holds
+            with pytest.raises(ProtocolError):
+                peer.on_message(NixlRecord(kind=nixl_grants.GRANT, cache_id=cid, count=slot, row_bytes=0, rows=(),
+                                           blob=blob))
+        assert cid not in peer.granted.grants
+        peer.on_message(NixlRecord(kind=nixl_grants.READS, cache_id=77, count=0, row_bytes=1 << 40, rows=(1,),
+                                   blob=b""))
+        served = pair.decoder.stats().links[PROMPT_ID].kinds.get("served_pull")
+        assert served is None or (served.transfers, served.bytes) == (0, 0), served
 
 
 async def test_revokes_and_readys_past_what_an_honest_peer_sends_are_protocol_errors():
@@ -494,6 +532,21 @@ async def test_a_cache_registered_hidden_is_never_offered_over_nixl():
         await asyncio.sleep(0.05)
         assert hidden.cache_id not in plane.local and plane.granted(hidden.cache_id) is None
         assert hidden.cache_id not in link_to(pair.decoder, PROMPT_ID).nixl.caches
+
+
+async def test_a_registration_superseded_by_a_refresh_while_it_ran_is_released_not_kept():
+    """``registry.refresh`` while the cache's NIXL registration runs starts a new one: the first, finishing
+    after, is released, and the cache stays registered by the new one (made after its pages were replaced)."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        plane = nixl_agent_of(pair.prompt)
+        cache = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 7))
+        first = plane._registering[cache.cache_id]
+        registry_of(pair.prompt).refresh(cache)  # the first registration still runs
+        second = plane._registering[cache.cache_id]
+        assert second is not first and not first.done()
+        await asyncio.wait([first, second])
+        await asyncio.sleep(0)  # their done callbacks ran
+        assert plane.local[cache.cache_id].regs is second.result()[0]
 
 
 async def test_a_registered_cache_released_while_its_rows_are_read_hands_over_no_byte_written_after_the_release():
