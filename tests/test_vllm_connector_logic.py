@@ -559,6 +559,40 @@ def test_a_peer_that_never_reads_its_replies_holds_bounded_memory(agents) -> Non
         assert prefill.loop.call(queued()) < 1 << 20
 
 
+def test_a_peer_that_never_reads_its_replies_stays_bounded_while_the_prefill_catches_up(agents) -> None:
+    """As above, but the replies queued are watched until the prefill stopped reading that connection (its
+    transport paused and the queue still for 0.5 s), not sampled once after a fixed sleep: a prefill that
+    reads on, slowed by a loaded host, passed that sample below 1 MiB and queued 17 MB a second later."""
+    prefill, _ = agents(True)
+    hello = encode_frame({"id": 1, "op": "hello"})
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(0.2)
+        sock.connect(prefill.side_channel)
+        sent, deadline = 0, time.monotonic() + 5
+        while sent < 2_000_000 and time.monotonic() < deadline:
+            try:
+                sent += sock.send(hello * 512)
+            except TimeoutError:
+                break
+
+        async def state() -> tuple[int, bool]:
+            return (sum(w.transport.get_write_buffer_size() for w in prefill._conns),
+                    any(w.transport.is_reading() for w in prefill._conns))
+
+        last, still_since, deadline = -1, time.monotonic(), time.monotonic() + 4
+        while time.monotonic() < deadline:
+            queued, reading = prefill.loop.call(state())
+            assert queued < 1 << 20, f"{queued} bytes of replies queued for a peer that reads none"
+            if queued != last or reading:
+                last, still_since = queued, time.monotonic()
+            elif time.monotonic() - still_since > 0.5:
+                break  # the prefill stopped reading us: nothing more can queue
+            time.sleep(0.01)
+        else:
+            pytest.fail("the prefill went on reading a peer that reads none of its replies")
+
+
 def test_a_pull_ends_within_the_hold_the_prefill_granted(agents) -> None:
     """The prefill keeps a claim ``hold_ms`` (its reply says how long: its own ``pull_timeout_ms`` plus
     ``claim_grace_s``); a decode configured with a longer ``pull_timeout_ms`` still stops pulling by then, so

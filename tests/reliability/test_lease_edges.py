@@ -76,6 +76,31 @@ async def test_a_lease_taken_on_a_loop_that_then_closed_does_not_stay_running_fo
 
 
 @pytest.mark.asyncio
+async def test_lease_cache_from_another_loop_is_refused_and_leases_nothing():
+    """``lease_cache`` (not only ``allocate_cache(..., lease_ms=)``) from a helper loop is refused with
+    ``LLM_FAILED`` and leaves the cache unleased: its timer would live on a loop that then closes."""
+    async with endpoint(LLMRole.PROMPT, PROMPT) as dd:
+        kv = dd.kv_cache_manager
+        before = held(dd)
+        cache = kv.allocate_cache(ROWS, keys_for(60))
+        taken = held(dd)
+
+        async def take():
+            return lease_cache(kv, cache, keys_for(60), lease_ms=50)
+
+        with pytest.raises(LLMException) as info:
+            await asyncio.wait_for(asyncio.to_thread(asyncio.run, take()), 5)
+        assert info.value.status_code == S.LLM_FAILED and "event loop" in str(info.value)
+        assert (lease_of(cache) is None or not lease_of(cache).active) and dd.stats().leases == 0
+        assert held(dd) == taken
+        lease = lease_cache(kv, cache, keys_for(60), lease_ms=20)  # on its own loop it runs out there
+        async with asyncio.timeout(2):
+            while held(dd) != before:
+                await asyncio.sleep(0.01)
+        assert lease.expired
+
+
+@pytest.mark.asyncio
 async def test_a_lease_whose_cache_its_keys_freed_no_longer_counts_as_running():
     """A leased cache whose id reference was dropped and whose keys all went (pulled, or removed by hand) is
     freed: its lease has nothing left to release, is not ``active`` and is not in ``stats().leases`` (it
@@ -127,6 +152,30 @@ async def test_a_release_the_role_refuses_changes_nothing_and_works_once_the_rol
 
 
 @pytest.mark.asyncio
+async def test_a_release_its_timer_is_refused_logs_the_message_only(caplog):
+    """The warning of a timer's refused release holds the message, not the exception: a record holding it holds
+    ``release()``'s frame through its traceback, and the cache in it, for as long as a handler keeps the record."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, enable_switch_role=True) as dd:
+        kv = dd.kv_cache_manager
+        cache = kv.allocate_cache(ROWS, keys_for(70), lease_ms=60_000)
+        kv.deallocate_cache(cache)
+        lease = lease_of(cache)
+        await dd.switch_role(LLMRole.DECODER)
+        with caplog.at_level("WARNING", logger="aio_datadist.leases"):
+            lease.renew(10)
+            async with asyncio.timeout(2):
+                while lease.deadline is not None:
+                    await asyncio.sleep(0.01)
+        records = [r for r in caplog.records if r.name == "aio_datadist.leases"]
+        assert len(records) == 1 and "'role'" in records[0].getMessage()
+        assert records[0].exc_info is None
+        assert not any(isinstance(arg, BaseException) for arg in records[0].args or ())
+        await dd.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": "127.0.0.1:0"})
+        lease.release()
+        assert lease.expired and held(dd) == (0, 0, 0)
+
+
+@pytest.mark.asyncio
 async def test_v1_remove_cache_key_leaves_a_registered_cache_s_key_bound():
     """Reference 4.2: registered (user-owned) caches ignore ``remove_cache_key`` and keep their keys
     (``is_owned``); they go with the cache. Before, the key was unbound, so the next decoder's pull of
@@ -154,6 +203,24 @@ async def test_v1_remove_cache_key_leaves_a_registered_cache_s_key_bound():
         with pytest.raises(LLMException) as info:
             await dec.kv_cache_manager.pull_cache(key, dst, 0, timeout=5_000)
         assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+
+
+@pytest.mark.asyncio
+async def test_v2_remove_cache_key_leaves_a_registered_cache_s_key_bound():
+    """The same through the v2 ``CacheManager``: its ``remove_cache_key`` leaves a registered cache's key bound
+    (an allocated cache's key goes), and the key goes with ``unregister_cache``."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, enable_cache_manager=True) as dd:
+        cm, reg = dd.cache_manager, dd._endpoint.runtime.registry
+        memory = [torch.zeros(ROWS.shape, dtype=torch.float16) for _ in range(ROWS.num_tensors)]
+        key, other = CacheKey(PROMPT, 80), CacheKey(PROMPT, 81)
+        cache = cm.register_cache(ROWS, memory, [key], remote_accessible=True)  # by_key: what peers may pull
+        allocated = cm.allocate_cache(ROWS, [other])
+        cm.remove_cache_key(key)  # ignored: a registered cache keeps its keys
+        cm.remove_cache_key(other)
+        assert reg.by_key(key.lookup_key()) == (cache, 0) and reg.by_key(other.lookup_key()) is None
+        cm.unregister_cache(cache.cache_id)
+        cm.deallocate_cache(allocated)
+        assert reg.by_key(key.lookup_key()) is None and held(dd) == (0, 0, 0)
 
 
 @pytest.mark.asyncio
