@@ -268,6 +268,26 @@ def made() -> dict:
     return out
 
 
+def unstarted() -> dict:
+    """SIGINT reaches the caller of a call the facade's loop has not started yet (the loop is held): the
+    call never runs, not even once the loop goes on."""
+    interrupt = interrupt_here()
+    compat._RUNNER.call(lambda: None)  # the facade's loop runs
+    held, ran = threading.Event(), []
+    compat._RUNNER.loop().call_soon_threadsafe(held.wait, 10)
+    threading.Timer(0.2, interrupt).start()
+    out: dict = {}
+    try:
+        compat._RUNNER.call(ran.append, "ran")
+        out["returned"] = True
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    held.set()
+    compat._RUNNER.call(lambda: None)  # the loop went past where the call was queued
+    out["ran"] = ran
+    return out
+
+
 def listening_options() -> dict[str, str]:
     """A v1 endpoint's options that listen on a loopback port of its own."""
     cfg = LLMConfig()
@@ -443,6 +463,7 @@ if __name__ == "__main__":
         result = synchronizer(sys.argv[2], {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[
             sys.argv[3]])
     else:
-        cases = {"task": task, "sigint": sigint, "made": made, "link": link, "init": init, "init_race": init_race}
+        cases = {"task": task, "sigint": sigint, "made": made, "link": link, "init": init, "init_race": init_race,
+                 "unstarted": unstarted}
         result = cases[case]()
     print(json.dumps(result), flush=True)

@@ -37,6 +37,18 @@ def test_a_synchronizer_that_raises_an_interrupt_fails_its_task_and_nothing_else
     assert out["links"] == [1], out  # the link is still up; the process then exited normally
 
 
+@pytest.mark.parametrize(("kind", "raised"), [("sync", "SystemExit"), ("async", "KeyboardInterrupt")])
+def test_a_synchronizers_interrupt_is_its_tasks_failure_and_never_leaves_the_task(kind: str, raised: str) -> None:
+    """The other two cases, and what the facade's own catch hides: the transfer takes the synchronizer's
+    interrupt as any other exception (``LLM_FAILED``); it never escapes the task through the loop's
+    ``run_forever`` (the facade's last resort, which logs it), as it would stop a user's own loop."""
+    proc = subprocess.run([sys.executable, str(CHILD), "synchronizer", kind, raised], capture_output=True, text=True,
+                          timeout=LIMIT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["synchronize"] == LLMStatusCode.LLM_FAILED
+    assert "escaped a task" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_facade_call_that_raises_keyboard_interrupt_gives_it_to_its_caller_and_the_facade_goes_on() -> None:
     out = run_child("task")
     assert out == {"raised": "in a facade call", "facade_alive": True, "stats": 1}
@@ -48,6 +60,12 @@ def test_ctrl_c_in_a_blocking_call_cancels_the_call_before_it_is_raised() -> Non
     assert out["tasks_left"] == [], out  # the link attempt ended before the interrupt reached the caller
     # the same cluster is linked anew (a silent listener again: a time-out of its own, not "another call")
     assert out["again"] == [LLMStatusCode.LLM_TIMEOUT, [LLMStatusCode.LLM_TIMEOUT]], out
+
+
+def test_ctrl_c_before_the_loop_started_a_call_means_the_call_never_runs() -> None:
+    """Row 151 for a call still queued (the loop busy with other work) when Ctrl-C reaches its caller: it is
+    never started, so none of it runs behind the caller once the loop gets to it."""
+    assert run_child("unstarted") == {"interrupted": True, "ran": []}
 
 
 def test_ctrl_c_in_a_call_that_makes_a_cache_or_starts_a_transfer_leaves_nothing_it_made() -> None:

@@ -362,3 +362,31 @@ def test_a_kv_both_worker_is_not_made_to_prove_the_secret_to_itself_for_a_proces
         assert _still_held(worker, "r1")
     finally:
         worker.close()
+
+
+def test_a_pull_refused_as_a_reflection_says_why_and_is_not_retried(agents, caplog) -> None:
+    """Guarantee 147's failure of the pull: the decode half's own hello came back to its side channel, which
+    answered nothing; the pull fails saying so (an ``AuthError``), not as a handshake the prefill dropped
+    (``HandshakeClosed``, dialled again up to ``HANDSHAKE_ATTEMPTS`` times)."""
+    worker = Agent(True, True, "engine-b", AgentOptions(shared_secret=SECRET))
+    try:
+        tensors, layout, _ = kv_layout(kv_caches(1), BLOCKS, BLOCK_TOKENS)
+        worker.register(tensors, layout)
+        host, port = worker.side_channel
+        proc = subprocess.Popen([sys.executable, PEER, "reflect", host, str(port), "r1"], stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            assert proc.stdout is not None
+            relay_port = int(proc.stdout.readline())
+            with caplog.at_level(logging.WARNING, logger="aio_datadist.integrations.vllm"):
+                worker.start_pull("d-x", RemotePrefill("engine-b", "rX", "127.0.0.1", relay_port, (5, 2),
+                                                       2 * BLOCK_TOKENS), [1, 6])
+                assert proc.wait(timeout=10) == 0
+                wait(lambda: not worker.pulls.pending())
+        finally:
+            _reap(proc)
+        assert worker.pulls.take_finished()[1] == {"d-x"}
+        why = [r.getMessage() for r in caplog.records if "request d-x: pull" in r.getMessage()]
+        assert len(why) == 1 and "AuthError" in why[0] and "own side channel" in why[0], why
+    finally:
+        worker.close()

@@ -121,6 +121,35 @@ def test_a_side_channel_gone_silent_is_given_up_and_dialled_again(agents) -> Non
         relay_loop.stop()
 
 
+def test_a_silent_side_channel_is_given_up_within_twice_a_short_link_timeout(agents) -> None:
+    """The bound of giving a silent side channel up when ``link_timeout_ms`` is under ``PROBE_TIMEOUT_S``: the
+    ``hello`` sent after the unanswered claim waits ``link_timeout_ms`` at most, so the load fails within about
+    twice it (600 ms here; ``link_timeout_ms`` + ``PROBE_TIMEOUT_S`` would be 1.3 s) and the connection is given up."""
+    relay_loop = LoopThread("relay")
+    prefill, _ = agents(True)
+    relay = _Blackhole(prefill.side_channel)
+    try:
+        relay_loop.call(relay.__aenter__())
+        decode, _ = agents(False, link_timeout_ms=300)
+        for req in ("r1", "r2"):
+            prefill.holds.add(req, lease_s=60)
+        decode.start_pull("d1", _remote("engine-p", relay.address, "r1", [5]), [2])
+        wait(lambda: not decode.pulls.pending(), 2.5)
+        assert decode.pulls.take_finished() == ({"d1"}, set(), set())
+        peer = decode._peers[relay.address].result()
+        relay.drop_existing()
+        started = time.monotonic()
+        decode.start_pull("d2", _remote("engine-p", relay.address, "r2", [9]), [4])
+        wait(lambda: not decode.pulls.pending(), 2.5)
+        elapsed = time.monotonic() - started
+        assert decode.pulls.take_finished() == ({"d2"}, {"d2"}, {4})
+        assert peer.broken is not None  # given up
+        assert elapsed < 1.15, f"the silent side channel's load failed after {elapsed:.2f} s"
+    finally:
+        relay_loop.call(relay.__aexit__(None, None, None))
+        relay_loop.stop()
+
+
 def test_a_claim_that_waits_long_on_a_live_prefill_keeps_the_side_channel(agents) -> None:
     """The other side of giving a silent side channel up: a claim the prefill keeps past the decode's
     ``link_timeout_ms`` (vLLM has not named its request yet, ``claim_wait_s``) fails that load, but the prefill

@@ -81,6 +81,7 @@ class Receiver:
         self.raw = RawLink(address, ATTACKER, PROMPT, None)
         self.on_push = on_push
         self.pushes: list[int] = []
+        self.probe_reply: Callable[[int], bytes] = lambda rid: wire.encode(Msg.PROBE_ACK, rid)
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
         self._todo: list[Callable[[RawLink], None]] = []
@@ -111,7 +112,7 @@ class Receiver:
                     continue
                 msg, req_id, fields = recv_frame(raw.ctl)
                 if msg is Msg.PROBE:
-                    raw.send_raw(wire.encode(Msg.PROBE_ACK, req_id))
+                    raw.send_raw(self.probe_reply(req_id))
                 elif msg is Msg.PUSH_REQ:
                     self.pushes.append(req_id)
                     self.on_push(raw, req_id, fields)
@@ -243,6 +244,23 @@ WRONG_KINDS = {
 @pytest.mark.parametrize("kind", list(WRONG_KINDS))
 async def test_a_reply_of_the_wrong_kind_to_a_layer_push_ends_the_task_with_an_llm_exception(kind):
     assert await both_layers_pushed_to(answer_with(WRONG_KINDS[kind])) == S.LLM_LINK_FAILED
+
+
+PROBE_WRONG_KINDS = {
+    "resp": lambda rid: wire.encode(Msg.RESP, rid, status=0, total=0, cache_id=-1, row=-1, text=""),
+    "done": WRONG_KINDS["done_before_resp"],
+}
+
+
+@pytest.mark.parametrize("kind", list(PROBE_WRONG_KINDS))
+async def test_a_reply_of_the_wrong_kind_to_a_probe_breaks_the_link(kind):
+    """``check_link_status`` waits for ``PROBE_ACK``: a transfer's reply (``RESP``, ``DONE``) in its place is a
+    protocol error that fails the link and the probe with ``LLM_LINK_FAILED``, never an answer (row 139)."""
+    async with prompt_and(honest) as (dd, receiver):
+        receiver.probe_reply = PROBE_WRONG_KINDS[kind]
+        with pytest.raises(LLMException) as raised:
+            await asyncio.wait_for(dd.check_link_status(ATTACKER), BOUND_S)
+        assert raised.value.status_code == S.LLM_LINK_FAILED, repr(raised.value)
 
 
 async def both_layers_pushed_to(receive: Any) -> LLMStatusCode:
