@@ -59,7 +59,7 @@ class Slow(LayerSynchronizer):
 
 def fork(mode: str) -> dict:
     prompt, decoder, src, dst, _ = linked()
-    if mode == "task":  # a layer-wise transfer of the parent's, still running as it forks
+    if mode.startswith("task"):  # a layer-wise transfer of the parent's, still running as it forks
         task = prompt.cache_manager.transfer_cache_async(
             src, Slow(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 2), range(0, 2))])
     r, w = os.pipe()
@@ -96,15 +96,25 @@ def fork(mode: str) -> dict:
             except LLMException as exc:
                 done["synchronize"] = f"LLMException {int(exc.status_code)}"
 
+        def cancel() -> None:  # the parent's task: refused at once, the parent's transfer left alone
+            try:
+                task.cancel()
+                done["cancel"] = "cancelled"
+            except LLMException as exc:
+                done["cancel"] = f"LLMException {int(exc.status_code)}"
+
         if mode == "reuse":
             use = reuse  # noqa: F811 - the case's own body
         elif mode == "task":
             use = synchronize  # noqa: F811
+        elif mode == "task-cancel":
+            use = cancel  # noqa: F811
 
         thread = threading.Thread(target=use, daemon=True)
         thread.start()
         thread.join(10)
-        done.setdefault({"use": "init", "task": "synchronize"}.get(mode, "finalize"), "hung for 10 s")
+        first = {"use": "init", "task": "synchronize", "task-cancel": "cancel"}.get(mode, "finalize")
+        done.setdefault(first, "hung for 10 s")
         os.write(w, json.dumps(done).encode())
         os.close(w)
         os._exit(0)
@@ -129,7 +139,7 @@ def fork(mode: str) -> dict:
         pulled = "ok"
     except Exception as exc:
         pulled = repr(exc)
-    parent_task = int(task.synchronize(10000)) if mode == "task" else None
+    parent_task = int(task.synchronize(10000)) if mode.startswith("task") else None
     prompt.finalize()
     decoder.finalize()
     return {"child_status": status, "seconds": round(waited, 2), "child": json.loads(data) if data else None,

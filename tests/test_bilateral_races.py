@@ -68,6 +68,34 @@ async def test_a_dial_taken_as_the_waiting_ends_time_runs_out_is_its_link():
         await agree_after_unlink(p, comm_p, d, comm_d)
 
 
+async def test_a_dial_whose_handshake_ends_as_the_dialling_ends_time_runs_out_is_its_link():
+    """As above on the dialling end: its handshake ends in the loop pass its link time runs out. The comm and
+    the table agree (the link is the comm's), and so do the two comms."""
+    rank_addresses = addresses()
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+        await p.init(v2_options(rank_addresses=rank_addresses, link_total_time=1))
+        await d.init(v2_options(rank_addresses=rank_addresses, link_total_time=30))
+        loop = asyncio.get_running_loop()
+        table = p._require_links()
+        real_handshake = table._handshake
+        comm_d = await d.link("c", INFO, rank_table(PROMPT_IP, DECODER_IP))
+
+        async def late_handshake(*args, **kwargs):
+            result = await real_handshake(*args, **kwargs)
+            while loop.time() < start + 1.02:  # a loaded host: the handshake ends just as p's time runs out
+                time.sleep(0.01)
+            return result  # no await after: the time-out and the handshake's end land in one loop pass
+
+        table._handshake = late_handshake
+        start = loop.time()
+        comm_p = await p.link("c", INFO, rank_table(PROMPT_IP, DECODER_IP))
+        sp, sd = await settled(p, comm_p, 5), await settled(d, comm_d, 5)
+        held = link_to(p, DECODER_ID) is not None
+        await p.unlink(comm_p)
+        await d.unlink(comm_d)
+        assert {sp, sd} != {OK, FAILED} and (sp is OK) == held, (sp, sd, held)
+
+
 async def test_an_unlink_as_the_dial_is_taken_closes_the_link_and_tells_the_peer():
     rank_addresses = addresses()
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:

@@ -45,6 +45,15 @@ def test_a_forked_child_is_refused_the_parents_cache_task():
     assert out["child_status"] == 0 and out["parent_task"] == 0, out
 
 
+def test_a_forked_child_is_refused_a_cancel_of_the_parents_cache_task():
+    """As above for ``cancel``: ``LLM_FAILED`` in the child, and the parent's transfer runs on to success."""
+    from aio_datadist import LLMStatusCode
+
+    out = run("fork-task-cancel")
+    assert out["child"] == {"cancel": f"LLMException {int(LLMStatusCode.LLM_FAILED)}"}, out
+    assert out["child_status"] == 0 and out["parent_task"] == 0, out
+
+
 def test_a_forked_child_can_use_the_facade():
     assert run("fork-use")["child"] == {"init": "ok", "finalize": "ok"}
 

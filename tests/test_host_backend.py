@@ -211,6 +211,33 @@ async def test_a_failed_submission_keeps_its_memory_until_the_stream_drained(fai
 
 
 @pytest.mark.asyncio
+async def test_a_failed_submission_behind_a_stuck_stream_fails_past_its_bound_with_an_error_logged(monkeypatch,
+                                                                                                   caplog):
+    """The stream stays held past ``FAILED_DRAIN_S``: the failure reaches the caller at that bound, and the
+    stuck device is logged as an ERROR (its copies may still land after the call returned)."""
+    import logging
+    import time
+
+    from aio_datadist import _completion
+
+    monkeypatch.setattr(_completion, "FAILED_DRAIN_S", 0.1)
+    caplog.set_level(logging.ERROR, logger="aio_datadist")
+    async with _device_cache() as bench:
+        backend = bench.backend
+        job = _row_copy(backend, bench.dev)
+        bench.hold(1.0)
+        backend.notifier = _RefusingNotifier(backend.notifier, 5)
+        started = time.monotonic()
+        with pytest.raises(LLMException):
+            await bench.rt.completions.start(job.submit, job.cancel, timeout_ms=None, what="copy", keepalive=job)
+        took = time.monotonic() - started
+        backend.notifier = backend.notifier.real
+    assert 0.1 <= took < 0.8, took
+    said = [r for r in caplog.records if r.levelno == logging.ERROR and "did not end within" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("fail", ["enqueue", "notify"])
 async def test_a_failed_submission_fails_its_caller_only_once_its_copies_are_done(fail):
     """The copies a submission enqueued before it failed land before the failure reaches the caller, whose call

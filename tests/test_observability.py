@@ -526,6 +526,24 @@ async def test_a_protocol_error_is_logged_with_the_link_fields(caplog):
 
 
 @pytest.mark.asyncio
+async def test_the_same_host_sharing_records_carry_the_link_fields(caplog):
+    """The INFO records a same-host link logs as its share attaches carry the link fields, on both ends."""
+    from aio_datadist.testing import link_to
+
+    caplog.set_level(logging.INFO, logger="aio_datadist")
+    async with open_pair(prompt_config={"transport": "auto"}, decoder_config={"transport": "auto"}) as pair:
+        ends = {DECODER_CLUSTER_ID: link_to(pair.decoder, PROMPT_CLUSTER_ID),
+                PROMPT_CLUSTER_ID: link_to(pair.prompt, DECODER_CLUSTER_ID)}
+        assert {link.transport for link in ends.values()} == {"local"}
+    said = [r for r in caplog.records if "same-host share" in r.getMessage()]
+    assert said, [r.getMessage() for r in caplog.records]
+    for r in said:
+        mine = ends.get(getattr(r, "cluster_id", None))
+        assert mine is not None and (r.remote_cluster_id, r.link_id) == (mine.remote_cluster_id, mine.link_id), \
+            r.getMessage()
+
+
+@pytest.mark.asyncio
 async def test_a_link_is_listed_and_exported_only_once_it_is_up():
     """While ``link_clusters`` still sets a link up (its same-host share attaching), neither ``stats().links``
     nor ``aio_datadist_links`` shows it: it would read ``tcp`` for a link that comes up ``local``."""

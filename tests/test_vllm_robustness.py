@@ -315,6 +315,20 @@ def test_side_channel_addresses_that_failed_are_forgotten(agents) -> None:  # no
     wait(lambda: not decode._peers, 5)
 
 
+def test_side_channel_addresses_that_were_lost_are_forgotten(agents) -> None:  # noqa: F811
+    """As above for side channels that were up and then lost (their prefill closed): their entries go too."""
+    decode, _ = agents(False)
+    prefills = [agents(True)[0] for _ in range(3)]
+    for i, prefill in enumerate(prefills):
+        prefill.holds.add(f"r{i}", lease_s=60, blocks=[1])
+        decode.start_pull(f"d{i}", _remote(prefill.side_channel, f"r{i}", [1]), [2])
+        assert _loaded(decode, f"d{i}")
+    assert len(decode._peers) == 3
+    for prefill in prefills:
+        prefill.close()
+    wait(lambda: not decode._peers, 5)
+
+
 def test_close_ends_every_side_channel_task_before_the_loop_closes(agents, caplog) -> None:  # noqa: F811
     """A connection with claims waiting for vLLM to name their requests, at shutdown, and connections still
     coming in. Before, its tasks were left pending on the closed loop (65 of them) and raised ``Event loop is

@@ -14,6 +14,7 @@ secret.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -95,6 +96,43 @@ async def test_a_refusal_of_the_server_keeps_its_code_with_a_secret(caplog):
         assert rets == [S.LLM_ALREADY_LINK]
     said = [r.getMessage() for r in caplog.records if "peer refused" in r.getMessage()]
     assert said and all("unproven" not in m and "already linked" in m for m in said), said
+
+
+class RewordedRefusal(Relay):
+    """Passes the server's own refusal on with its status and proof, its text swapped for one of the relay's."""
+
+    async def downstream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readexactly(wire.HEADER.size)
+            _, _, length = wire.parse_header(head)
+            writer.write(head + await reader.readexactly(length))  # HELLO_ACK
+            msg, req_id, length = wire.parse_header(await reader.readexactly(wire.HEADER.size))
+            ok = wire.decode(msg, await reader.readexactly(length))
+            assert ok.status == int(S.LLM_ALREADY_LINK) and ok.proof != bytes(32)
+            ok = dataclasses.replace(ok, text="the relay's words " + FORGED)
+            writer.write(wire.encode_record(wire.Msg.LINK_OK, req_id, ok))
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_proven_refusal_whose_text_was_changed_in_the_path_is_not_the_servers_word(caplog):
+    """The proof covers the refusal's text too: a relay that keeps the server's status and proof but swaps
+    the text makes an unproven refusal (``LLM_LINK_FAILED``), not the server's ``LLM_ALREADY_LINK``."""
+    caplog.set_level(logging.WARNING, logger="aio_datadist")
+    prompt = LLMDataDist(LLMRole.PROMPT, 71)
+    first, second = LLMDataDist(LLMRole.DECODER, 72), LLMDataDist(LLMRole.DECODER, 72)
+    async with prompt, first, second:
+        await prompt.init(loopback_options(listen=True, transport="tcp", shared_secret=SECRET))
+        await first.init(loopback_options(transport="tcp", shared_secret=SECRET))
+        await second.init(loopback_options(transport="tcp", shared_secret=SECRET))
+        assert (await first.link_clusters([info_for(71, prompt.listen_address)], timeout=3000))[1] == [S.LLM_SUCCESS]
+        async with RewordedRefusal(prompt.listen_address) as relay:
+            _, rets = await second.link_clusters([info_for(71, relay.address)], timeout=3000)
+        assert rets == [S.LLM_LINK_FAILED]
+    no_raw_text(caplog)
 
 
 def test_peer_text_escapes_what_is_not_printable():
