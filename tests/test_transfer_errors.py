@@ -244,6 +244,15 @@ async def test_the_owners_refusals_name_what_the_caller_passed(transport):
             assert "blocks'" not in str(error) and "row size mismatch" not in str(error), str(error)
         assert same(snapshot(d_rows), before[0]) and same(snapshot(p_rows), before[1])
         assert same(snapshot(d_blocks), before[2])
+        # A size past the owner's (shorter) rows is the caller's `size`; whole rows that differ name the key.
+        half = CacheDesc(4, (3, 128), DataType.DT_FLOAT16, Placement.HOST)  # rows of 256 B
+        pair.pm.allocate_cache(half, [CacheKey(PROMPT_ID, 2)])
+        for arg, call in (("size", lambda: pair.dm.pull_cache(CacheKey(PROMPT_ID, 2), d_rows, 0, 384)),
+                          ("cache_key", lambda: pair.dm.pull_cache(CacheKey(PROMPT_ID, 2), d_rows))):
+            error = await expect_code(S.LLM_PARAM_INVALID, call())
+            assert f"invalid argument '{arg}': row size mismatch" in str(error), (arg, str(error))
+            assert error.argument == arg, (arg, error.argument)
+        assert same(snapshot(d_rows), before[0])
         await pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), d_rows, 0, 256, src_cache_offset=256)  # the key is still there
 
 

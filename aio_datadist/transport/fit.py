@@ -88,7 +88,7 @@ def fit(geo: Geometry, req: TransferReq, *, pull: bool, row: int | None) -> tupl
                       "id and index moves that row only, and lists no rows")
     if not rows:
         if row is None:
-            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"invalid argument '{key_arg}': no rows given")
+            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"invalid argument '{arg}': no rows given")
         rows = [row]
         # the row came with the key (CacheKeyByIdAndIndex); the caller named no blocks
         arg = "cache_key.batch_index" if pull else "dst_cache_key.batch_index"
@@ -118,8 +118,10 @@ def fit(geo: Geometry, req: TransferReq, *, pull: bool, row: int | None) -> tupl
                       f"invalid argument 'src_cache_offset': src_cache_offset {offset} + size {nbytes} is past "
                       f"the end of the rows of cache {geo.cache_id} ({geo.row_bytes} bytes)")
     if nbytes == 0 or offset + nbytes > geo.row_bytes or (flags & ReqFlag.EXACT and offset + nbytes != geo.row_bytes):
+        # whole rows that differ: the cache the key names does not match; else the caller's own ``size``
+        size_arg = key_arg if flags & ReqFlag.EXACT else "size"
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                      f"invalid argument '{key_arg}': row size mismatch: cache {geo.cache_id} rows are "
+                      f"invalid argument '{size_arg}': row size mismatch: cache {geo.cache_id} rows are "
                       f"{geo.row_bytes} bytes, "
                       f"the request moves {nbytes} bytes per row" + (f" from byte {offset}" if offset else ""))
     if req.block_shape and geo.is_blocks and req.block_shape != geo.block_shape:
