@@ -209,13 +209,13 @@ async def test_a_flood_of_same_host_pushes_is_served_a_bounded_number_at_once(mo
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
         await pair.link()
         link = usable_link(pair.decoder, PROMPT_ID)
-        most = 0
+        most = copying = 0
         done = asyncio.Event()
 
         async def sample() -> None:
-            nonlocal most
+            nonlocal most, copying
             while not done.is_set():
-                most = max(most, len(link.serving))
+                most, copying = max(most, len(link.serving)), max(copying, len(link.local_pushes))
                 await asyncio.sleep(0)
 
         sampler = asyncio.create_task(sample())
@@ -227,42 +227,10 @@ async def test_a_flood_of_same_host_pushes_is_served_a_bounded_number_at_once(mo
             await sampler
         bound = MAX_LOCAL_PUSHES_SERVED + MAX_SERVED_PER_CHANNEL * len(link.channels)
         assert 0 < most <= bound, f"the owner served {most} pushes at once (at most {bound})"
+        # the same-host bound itself, apart from what the channels carry (an off-by-one passed the line above)
+        assert copying <= MAX_LOCAL_PUSHES_SERVED, f"the owner copied {copying} same-host pushes at once"
+        assert copying >= MAX_LOCAL_PUSHES_SERVED // 2, copying  # the flood pressed against the bound
         assert not link.local_pushes and not link.serving
-        assert all(torch.equal(d, v) for d, v in zip(dst.tensors, values, strict=True))
-
-
-@pytest.mark.asyncio
-async def test_a_flood_of_same_host_pushes_copies_exactly_the_bound_at_once(monkeypatch):
-    """Row 149's own bound, apart from what the data channels carry: the owner runs the copies of at most
-    ``MAX_LOCAL_PUSHES_SERVED`` same-host pushes of a link at once, and a flood of 300 reaches it."""
-    from aio_datadist.links import MAX_LOCAL_PUSHES_SERVED
-    from aio_datadist.transport import same_host
-
-    monkeypatch.setattr(same_host, "INLINE_COPY_MAX", 0)
-    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
-        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
-        values = fill(src, 7)
-        dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
-        await pair.link()
-        link = usable_link(pair.decoder, PROMPT_ID)
-        most = 0
-        done = asyncio.Event()
-
-        async def sample() -> None:
-            nonlocal most
-            while not done.is_set():
-                most = max(most, len(link.local_pushes))
-                await asyncio.sleep(0)
-
-        sampler = asyncio.create_task(sample())
-        try:
-            await asyncio.wait_for(asyncio.gather(*(
-                pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [i % 32], [i % 32]) for i in range(300))), 60)
-        finally:
-            done.set()
-            await sampler
-        assert most <= MAX_LOCAL_PUSHES_SERVED, f"the owner copied {most} same-host pushes at once"
-        assert most >= MAX_LOCAL_PUSHES_SERVED // 2, most  # the flood pressed against the bound
         assert all(torch.equal(d, v) for d, v in zip(dst.tensors, values, strict=True))
 
 

@@ -237,12 +237,14 @@ async def test_a_connection_accepted_as_the_listener_stops_still_goes_through_it
     async with endpoint(LLMRole.PROMPT, 1, listen=True) as dd:
         listener = dd._require_links().listener
         stopping: list[asyncio.Task] = []
+        conns: list[socket.socket] = []
 
         class StopsTheListener(admission_module.Pending):
             __slots__ = ()
 
-            def __init__(self, *args, **kwargs) -> None:
-                super().__init__(*args, **kwargs)
+            def __init__(self, conn, *args, **kwargs) -> None:
+                super().__init__(conn, *args, **kwargs)
+                conns.append(conn)  # kept here: only the listener may close it
                 if not stopping:  # scheduled before the accepted connection's task: it runs first
                     stopping.append(asyncio.ensure_future(listener.stop()))
 
@@ -262,41 +264,4 @@ async def test_a_connection_accepted_as_the_listener_stops_still_goes_through_it
             peer.close()
         (task,) = done
         assert task.exception() is None, task.exception()
-
-
-@pytest.mark.asyncio
-async def test_a_connection_accepted_as_the_listener_stops_is_closed_when_it_ends(monkeypatch):
-    """The connection of row 192 is not only ended without an exception: the listener closes its socket (before,
-    it was left open)."""
-    import socket
-
-    from aio_datadist import admission as admission_module
-
-    async with endpoint(LLMRole.PROMPT, 1, listen=True) as dd:
-        listener = dd._require_links().listener
-        stopping: list[asyncio.Task] = []
-        conns: list[socket.socket] = []
-
-        class StopsTheListener(admission_module.Pending):
-            __slots__ = ()
-
-            def __init__(self, conn, *args, **kwargs) -> None:
-                super().__init__(conn, *args, **kwargs)
-                conns.append(conn)  # kept here: only the listener may close it
-                if not stopping:
-                    stopping.append(asyncio.ensure_future(listener.stop()))
-
-        monkeypatch.setattr(admission_module, "Pending", StopsTheListener)
-        peer = socket.create_connection(port_of(dd), timeout=5)
-        try:
-            peer.sendall(b"\x00\x01")
-            async with asyncio.timeout(5):
-                while not stopping or not stopping[0].done():
-                    await asyncio.sleep(0.01)
-                accepted = list(listener.handshakes)
-                assert len(accepted) == 1, accepted
-                peer.shutdown(socket.SHUT_WR)
-                await asyncio.wait(accepted)
-        finally:
-            peer.close()
-        assert len(conns) == 1 and conns[0].fileno() == -1, conns
+        assert len(conns) == 1 and conns[0].fileno() == -1, conns  # its socket closed (audit: not checked before)
