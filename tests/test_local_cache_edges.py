@@ -53,6 +53,23 @@ async def test_the_cap_counts_what_a_device_cache_maps() -> None:
         assert mapped <= cap and runtime_of(dd).registry.used_bytes == mapped
 
 
+@pytest.mark.parametrize("desc", [CacheDesc(1, (1,), DataType.DT_INT8, Placement.DEVICE),
+                                  CacheDesc(3, (2, 500), DataType.DT_INT8, Placement.DEVICE)], ids=["one_byte", "3k"])
+async def test_the_cap_counts_whole_pages_for_a_device_cache_short_of_a_page(desc: CacheDesc) -> None:
+    """Tensors that, 256 bytes apart, fill less than a page still map a whole page (the sealed memfd): counted so.
+    The test above fills exactly a page (16 x 256 bytes), and passed with the page rounding taken out (audit)."""
+    cap = 64 * 1024
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init({"aio.DeviceType": "host", "aio.RegisteredMemoryCap": str(cap)})
+        made = []
+        with pytest.raises(LLMException) as refused:
+            for _ in range(64):
+                made.append(dd.kv_cache_manager.allocate_cache(desc))
+        assert refused.value.status_code == S.LLM_OUT_OF_MEMORY
+        mapped = sum(c.device_export.nbytes for c in made)
+        assert mapped == 16 * 4096 and runtime_of(dd).registry.used_bytes == mapped
+
+
 def _read_only_tensors() -> list[torch.Tensor]:
     """Two tensors over an anonymous read-only mapping (freed with them)."""
     rows = np.frombuffer(mmap.mmap(-1, 2 * 8 * 4096, prot=mmap.PROT_READ), dtype=np.int8).reshape(2, 8, 4096)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from peers import BLOCKS_DESC, DECODER_ID, linked_pair
+from peers import BLOCKS_DESC, DECODER_ID, linked_pair, options
 from test_layerwise_cache_to_blocks import Ready, link, v2_pair
 
 from aio_datadist import (
@@ -26,7 +26,9 @@ from aio_datadist import (
     CacheDesc,
     DataType,
     KvCache,
+    LLMDataDist,
     LLMException,
+    LLMRole,
     LLMStatusCode,
     Placement,
     TransferConfig,
@@ -71,6 +73,25 @@ async def test_a_cache_to_blocks_push_with_a_short_last_block_completes_its_watc
             assert await asyncio.wait_for(task, 5) == [S.LLM_SUCCESS]
             await asyncio.wait_for(watch.layer(0), 2)
             await asyncio.wait_for(watch, 2)
+
+
+@pytest.mark.loops_take_turns
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+async def test_a_push_by_addresses_off_the_row_starts_counts_no_row(transport: str) -> None:
+    """Pieces pushed by raw addresses 64 bytes past each block's start write no block from its first byte:
+    they count for no row, and only the aligned push that follows completes the watch (found by audit)."""
+    async with v2_pair(transport) as pair:
+        dst, _ = pair.destination(192)
+        await link(pair)
+        src, blocks = pair.source(), [0, 1, 2]
+        with pair.dm.watch_pushes(dst, blocks) as watch, pair.dm.watch_pushes(dst, [5]) as later:
+            for shift, rows in ((64, blocks), (0, [5])):
+                addrs = [addr + shift for addr in dst.per_device_tensor_addrs[0]]
+                config = TransferConfig(DECODER_ID, addrs, src_batch_index=0)
+                task = pair.pm.transfer_cache_async(src, Ready(), [config], None, rows, dst_block_memory_size=192)
+                assert await asyncio.wait_for(task, 5) == [S.LLM_SUCCESS]
+            await asyncio.wait_for(later, 2)  # the aligned push, sent after the shifted one, was heard
+            assert not watch.layer(0).done() and not watch.done(), "a push off the rows' starts completed a watch"
 
 
 async def test_a_push_accepted_before_a_watch_neither_completes_nor_fails_it(
@@ -207,6 +228,18 @@ async def test_a_cpu_cache_cannot_be_watched() -> None:
         with pytest.raises(LLMException) as err:
             pair.dm.watch_pushes(cpu, [0])
         assert err.value.status_code == S.LLM_PARAM_INVALID and "'cache'" in str(err.value), err.value
+
+
+async def test_a_cache_of_an_endpoint_closed_to_peers_cannot_be_watched() -> None:
+    """With ``llm.EnableRemoteCacheAccessible`` '0' no peer request reaches any of this endpoint's caches,
+    registered ``remote_accessible`` or not: a watch of one is refused, naming it (found by audit)."""
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as decoder:
+        await decoder.init({**options(), "llm.EnableRemoteCacheAccessible": "0"})
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, KEY)
+        with pytest.raises(LLMException) as err:
+            decoder.kv_cache_manager.watch_pushes(dst, [1])
+        assert err.value.status_code == S.LLM_PARAM_INVALID and "'cache'" in str(err.value), err.value
+        assert not runtime_of(decoder).arrivals.watched(dst)
 
 
 async def test_a_timed_wait_cancelled_in_the_pass_its_watch_completes_is_cancelled() -> None:
