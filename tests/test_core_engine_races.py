@@ -210,3 +210,28 @@ def test_notifier_close_with_a_timeout_that_passed_returns_at_once():
         q.close()
     """, timeout=10)
     assert "CLOSE False" in out, out
+
+
+def test_notifier_close_with_a_nan_or_infinite_timeout():
+    """Row 260, the notifier's part: ``StreamNotifier.close(nan)`` raises ValueError and ``close(inf)`` waits
+    without a bound, as ``synchronize`` and ``HostCopyEngine.wait`` (the tests above check those two only)."""
+    out = run("""
+        import math, threading
+        from aio_datadist import _core
+
+        q = _core.CompletionQueue()
+        s = _core.HostStream()
+        n = _core.StreamNotifier(q, "host")
+        g = s.gate()
+        n.notify(1, s.handle)
+        try:
+            n.close(math.nan)
+            print("NAN accepted")
+        except ValueError as exc:
+            print("NAN", exc)
+        threading.Timer(0.05, g.open).start()
+        print("INF", n.close(math.inf), flush=True)
+        s.close()
+        q.close()
+    """, timeout=10)
+    assert "NAN timeout must be a number of seconds, got nan" in out and "INF True" in out, out

@@ -68,6 +68,23 @@ async def test_a_scrape_in_a_forked_child_does_not_wait_on_the_parents_loop():
         await dd.finalize()
 
 
+@pytest.mark.asyncio
+async def test_a_scrape_in_a_forked_child_gives_the_counts_copied_at_the_fork():
+    """Row 261: the child gives a parent's endpoint its counts as copied at the fork, not none (the test above
+    checks only that the scrape answers, with no gauges: an endpoint left out, or given empty counts, passed)."""
+    registry = CollectorRegistry()
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    await dd.init(loopback_options())
+    try:
+        instrument(dd, registry)
+        LinkCounters(7, 8, dd._endpoint.observers).refused("pull", "tcp", LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+        text = await asyncio.wait_for(asyncio.to_thread(_scrape_in_a_child, registry), 5 * CHILD_S)
+        assert (b'aio_datadist_transfer_errors_total{cluster_id="7",kind="pull",status="LLM_KV_CACHE_NOT_EXIST"} 1.0'
+                in text), text
+    finally:
+        await dd.finalize()
+
+
 def test_a_scrape_in_a_child_forked_from_a_blocking_facade_user_does_not_wait():
     from aio_datadist import compat
 
@@ -115,6 +132,32 @@ async def test_a_scrape_of_endpoints_on_one_blocked_loop_waits_once(monkeypatch)
             await dd.finalize()
 
 
+@pytest.mark.asyncio
+async def test_a_scrape_waits_for_every_loop_not_only_the_first_to_answer():
+    """Row 262: the scrape waits for all the answers together (SCRAPE_WAIT_S in all), not for the first: an
+    endpoint on a loop busy for less than SCRAPE_WAIT_S (here the blocking facade's) still gives its gauges when
+    another loop (this one) answers at once. (The test above has every endpoint on one loop: they answer in one
+    turn, so a scrape that waited for the first answer only passed it.)"""
+    from aio_datadist import compat
+
+    registry = CollectorRegistry()
+    here = LLMDataDist(LLMRole.PROMPT, 80)
+    there = compat.LLMDataDist(LLMRole.PROMPT, 81)
+    try:
+        await here.init(loopback_options())
+        await asyncio.to_thread(there.init, loopback_options())
+        instrument(here, registry)
+        instrument(there, registry)
+        there._dd._endpoint.runtime.loop.call_soon_threadsafe(time.sleep, 0.3)  # busy, well within SCRAPE_WAIT_S
+        text = await asyncio.to_thread(generate_latest, registry)
+        assert b'aio_datadist_caches{cluster_id="80"}' in text
+        assert b'aio_datadist_caches{cluster_id="81"}' in text, "the busy loop's endpoint was not waited for"
+    finally:
+        await here.finalize()
+        await asyncio.to_thread(there.finalize)
+        compat._RUNNER.stop()  # the facade's loop thread lives for the process; end it for the leak check
+
+
 def test_observers_of_registries_their_owner_dropped_are_let_go():
     """Each exporter put an observer on the endpoint that stayed there for good, called on every transfer,
     after its registry (and the exporter) was freed."""
@@ -152,6 +195,40 @@ def test_an_exporter_let_go_during_a_transfer_costs_no_other_observer_its_count(
         gc.enable()
     assert kept.get_sample_value("aio_datadist_transfer_errors_total",
                                  {"cluster_id": "7", "kind": "pull", "status": "LLM_KV_CACHE_NOT_EXIST"}) == 1
+    assert len(dd._endpoint.observers) == 2
+
+
+@pytest.mark.parametrize("event", ["ended_many", "link_event"])
+def test_an_exporter_let_go_as_a_peer_read_or_link_event_is_told_costs_no_other_observer_its_count(event):
+    """Row 263: ``ended_many`` (a peer's READ report) and ``link_event`` tell a copy of the observers list too,
+    as ``end`` does (the test above goes through ``end`` only)."""
+
+    class Collects:
+        def transfers(self, *args: Any) -> None:
+            gc.collect()
+
+        def link(self, *args: Any) -> None:
+            gc.collect()
+
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    kept = CollectorRegistry()
+    gc.disable()  # the dropped exporter is freed where the test says, not before
+    try:
+        instrument(dd, CollectorRegistry())  # dropped at once
+        dd._endpoint.observers.append(Collects())
+        instrument(dd, kept)
+        counters = LinkCounters(7, 8, dd._endpoint.observers)
+        if event == "ended_many":
+            counters.ended_many("pull", "tcp", 2, 4096, 0.01)
+        else:
+            counters.link_event(up=True)
+    finally:
+        gc.enable()
+    if event == "ended_many":
+        assert kept.get_sample_value("aio_datadist_transfers_total", {"cluster_id": "7", "kind": "pull",
+                                                                      "transport": "tcp", "outcome": "ok"}) == 2
+    else:
+        assert kept.get_sample_value("aio_datadist_link_events_total", {"cluster_id": "7", "event": "up"}) == 1
     assert len(dd._endpoint.observers) == 2
 
 

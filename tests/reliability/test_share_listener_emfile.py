@@ -184,3 +184,57 @@ async def test_a_connection_arriving_as_the_link_door_closes_is_not_taken_and_le
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert not errors, errors
         assert not open_fds() - before, open_fds() - before  # no accepted socket left behind
+
+
+@pytest.mark.asyncio
+async def test_the_share_socket_out_of_fds_says_so_again_after_it_took_a_connection(caplog):
+    """Row 255: one warning per want of fds, "until a connection is taken again": a second episode, after the
+    share socket took the first queued connection, is said again (the first test counts one episode only)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="auto") as prompt:
+        listener = share_listener_of(prompt)
+        assert listener is not None
+        clients = []
+        try:
+            with caplog.at_level(logging.WARNING, "aio_datadist.local"):
+                for episode in (1, 2):
+                    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
+                    clients.append(client)
+                    with no_free_fds():
+                        client.connect(listener.name)  # queued: accept() fails with EMFILE
+                        await asyncio.sleep(0.12)  # a few tries, 50 ms apart
+                    said = [r for r in caplog.records
+                            if r.name == "aio_datadist.local" and "cannot accept" in r.getMessage()]
+                    assert len(said) == episode, [r.getMessage() for r in said]
+                    # an fd is free again: the connection is taken and challenged
+                    assert await asyncio.wait_for(asyncio.get_running_loop().sock_recv(client, 1024), 2)
+        finally:
+            for client in clients:
+                client.close()
+
+
+@pytest.mark.asyncio
+async def test_the_share_socket_waits_out_an_accept_error_about_itself(monkeypatch):
+    """Row 255: any accept() error but one about the single connection (here EBADF, the listener gone bad)
+    takes the reader off for ``ACCEPT_RETRY_S`` too; only ECONNABORTED, EPROTO and EINTR are tried again at once
+    (the first test covers EMFILE only; here a count cuts a spin off after 200 tries)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="auto") as prompt:
+        listener = share_listener_of(prompt)
+        assert listener is not None
+        real = socket.socket.accept
+        tries = 0
+
+        def failing_accept(sock):
+            nonlocal tries
+            if sock.fileno() == listener.sock.fileno() and tries <= 200:
+                tries += 1
+                raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+            return real(sock)
+
+        monkeypatch.setattr(socket.socket, "accept", failing_accept)
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
+        try:
+            client.connect(listener.name)
+            await asyncio.sleep(0.3)
+            assert 0 < tries < 20, f"accept() was tried {tries} times in 0.3 s"
+        finally:
+            client.close()
