@@ -28,6 +28,7 @@ from aio_datadist.compat import (
     LLMStatusCode,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.task import TaskProgress
 
 S = LLMStatusCode
 ROWS = CacheDesc(4, (3, 256), DataType.DT_FLOAT16)
@@ -103,5 +104,24 @@ def test_a_layer_wise_transfer_that_a_bug_ends_is_no_success(linked, monkeypatch
     monkeypatch.setattr(layerwise, "run_push", broken_push)
     task = pm.transfer_cache_async(src, _Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))], [0], [0])
     assert task.get_results(5000) == [S.LLM_FAILED]
+    assert task.synchronize(5000) is S.LLM_FAILED
+    assert dst is not None
+
+
+def test_a_layer_wise_transfer_that_a_confirmation_bug_ends_is_no_success(linked, monkeypatch):
+    """The bug comes after the last layer's confirmation recorded the config's success: ``synchronize`` must
+    still not answer ``LLM_SUCCESS`` for a transfer that ended by raising."""
+    pm, dm = linked
+    src = pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(1, 0))
+    dst = dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(2, 0))
+    layer_done = TaskProgress.layer_done
+
+    def broken_layer_done(self, layer, exc):
+        if layer == 1:  # the last layer of BLOCKS (4 tensors, 2 per layer)
+            raise RuntimeError("a bug in a layer's confirmation")
+        layer_done(self, layer, exc)
+
+    monkeypatch.setattr(TaskProgress, "layer_done", broken_layer_done)
+    task = pm.transfer_cache_async(src, _Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))], [0], [0])
     assert task.synchronize(5000) is S.LLM_FAILED
     assert dst is not None

@@ -104,3 +104,16 @@ async def test_no_peer_pushes_into_a_cache_through_one_of_its_keys():
         got = await asyncio.wait_for(asyncio.to_thread(answers, port_of(dd), calls), 20)
         assert got == [S.LLM_KV_CACHE_NOT_EXIST, S.LLM_PARAM_INVALID, S.LLM_PARAM_INVALID], got
         assert [row_bytes(cache, r) for r in (0, 1)] == before
+
+
+@pytest.mark.asyncio
+async def test_a_push_by_id_lists_no_rows_beside_its_batch_index():
+    """Rows listed beside an (id, index) push target are refused as they are for a pull: the push would
+    write a row its batch index does not name."""
+    async with endpoint(LLMRole.PROMPT, OWNER, listen=True, transport="tcp") as dd:
+        cache = dd.kv_cache_manager.allocate_cache(ROWS)
+        before = [row_bytes(cache, r) for r in (0, 1)]
+        calls = [(True, by_id(cache.cache_id, 0, (1,))), (True, by_id(cache.cache_id, 0, (0,)))]
+        got = await asyncio.wait_for(asyncio.to_thread(answers, port_of(dd), calls), 20)
+        assert got == [S.LLM_PARAM_INVALID] * 2, got
+        assert [row_bytes(cache, r) for r in (0, 1)] == before

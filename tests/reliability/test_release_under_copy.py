@@ -89,6 +89,32 @@ async def test_a_local_copy_into_a_registered_cache_is_stopped_by_its_release(ap
 
 
 @pytest.mark.asyncio
+async def test_a_running_local_copy_into_a_registered_cache_is_over_when_its_release_returns() -> None:
+    """The copy runs (its first bytes landed) when the cache is released: the release cancels it and waits until no
+    copy thread works on it (``HostCopyEngine.wait``); a cancel alone leaves the running chunk writing."""
+    cfg = LLMConfig()
+    cfg.copy_threads = 1
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(cfg.generate_options())
+        kv = dd.kv_cache_manager
+        for _ in range(5):  # until the release meets the copy running (a loaded loop may see it end first)
+            mine = [torch.zeros((2, 96 * MIB), dtype=torch.int8)]
+            mine[0][0].fill_(1)  # block 0, the source
+            reg = kv.register_blocks_cache(CacheDesc(1, (2, 96 * MIB), DataType.DT_INT8, Placement.HOST), mine)
+            copy = asyncio.ensure_future(kv.copy_blocks(reg, {0: [1]}, timeout=30_000))
+            for _ in range(5000):
+                if mine[0][1, 0] != 0:
+                    break
+                await asyncio.sleep(0.001)
+            kv.deallocate_cache(reg)
+            left = runtime_of(dd).copier.pending()  # read at once: no copy thread may work on the job any more
+            outcome = await _outcome(copy)
+            if outcome == "LLM_KV_CACHE_NOT_EXIST":
+                break
+        assert (outcome, left) == ("LLM_KV_CACHE_NOT_EXIST", 0)
+
+
+@pytest.mark.asyncio
 async def test_a_swap_into_a_registered_host_cache_is_waited_for_by_its_release() -> None:
     """The device copy cannot be recalled: the release blocks until the stream (held 0.3 s here) has done it.
     Queued whole and done before the release returned, the swap moved every byte by then: a success."""
