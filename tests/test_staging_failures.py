@@ -168,6 +168,37 @@ async def test_a_failed_stage_cuts_the_socket_job_the_pipeline_waits_on(directio
     assert len(stages) == (2 if direction == "out" else 1) and pool.held(link) == 0
 
 
+async def test_a_stage_that_fails_while_the_receive_waits_for_a_buffer_fails_it_before_the_next_fill():
+    """Row 242 where the failure comes between two socket jobs: the receive waits for its oldest stage to give
+    its buffer back (that stage succeeds, slowly) while a later one fails. The next fill is not started to wait
+    on a slow peer until the transfer's timeout: the pipeline fails at once (found by audit: it timed out)."""
+    loop = asyncio.get_running_loop()
+    pool, link = StagingPool(4096, 2, share=2), object()
+    chunks = plan_chunks(1, 4, 4096, 4096)
+    stages: list[asyncio.Future] = []
+    fills: list[asyncio.Future] = []
+
+    def stage(chunk, buf):
+        fut = loop.create_future()
+        if not stages:  # the first scatter is slow and succeeds
+            loop.call_later(0.1, fut.set_result, None)
+        else:  # the second fails while the receive waits for the first to give its buffer back
+            loop.call_later(0.01, fut.set_exception, LLMException("stage refused", status_code=S.LLM_FAILED))
+        stages.append(fut)
+        return fut
+
+    def fill(chunk, view):
+        fut = loop.create_future()
+        if len(fills) < 2:  # two chunks came at once; the peer is slow with the third
+            fut.set_result(None)
+        fills.append(fut)
+        return fut
+
+    with pytest.raises(LLMException, match="stage refused"):
+        await asyncio.wait_for(pipeline_in(chunks, pool, fill, stage, link), 1.0)
+    assert len(fills) == 2 and pool.held(link) == 0
+
+
 def _word_read_late(dd, cluster_id: int, delay_s: float) -> None:
     """Act ``delay_s`` late on what ``dd``'s link to ``cluster_id`` reads on its control connection from the
     first failure word (a ``RESP`` or ``DONE`` that is not a success) or ``ABORT`` on, in order: a data

@@ -457,6 +457,7 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
             if buf is None:
                 buf = await pool.acquire(holder)
             try:
+                watch.check()  # a stage failed while we waited for a buffer: no fill to wait on the peer for
                 await watch.run(fill(chunk, buf[:chunk.nbytes]))
             except BaseException:
                 pool.retire(buf)
