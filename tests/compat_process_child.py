@@ -103,17 +103,30 @@ def fork(mode: str) -> dict:
             except LLMException as exc:
                 done["cancel"] = f"LLMException {int(exc.status_code)}"
 
+        def each() -> None:  # every call of the parent's task: refused at once
+            calls = {"synchronize": lambda: task.synchronize(100), "get_results": lambda: task.get_results(100),
+                     "layer": lambda: task._task.layer(0)}
+            for name, call in calls.items():
+                try:
+                    call()
+                    done[name] = "answered"
+                except LLMException as exc:
+                    done[name] = f"LLMException {int(exc.status_code)}"
+
         if mode == "reuse":
             use = reuse  # noqa: F811 - the case's own body
         elif mode == "task":
             use = synchronize  # noqa: F811
         elif mode == "task-cancel":
             use = cancel  # noqa: F811
+        elif mode == "task-each":
+            use = each  # noqa: F811
 
         thread = threading.Thread(target=use, daemon=True)
         thread.start()
         thread.join(10)
-        first = {"use": "init", "task": "synchronize", "task-cancel": "cancel"}.get(mode, "finalize")
+        first = {"use": "init", "task": "synchronize", "task-cancel": "cancel",
+                 "task-each": "synchronize"}.get(mode, "finalize")
         done.setdefault(first, "hung for 10 s")
         os.write(w, json.dumps(done).encode())
         os.close(w)

@@ -105,6 +105,36 @@ def test_demo_metrics_port_in_use_is_refused_before_the_demo_starts(capsys):
         in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("demo_not_started")
+def test_demo_metrics_with_a_broken_prometheus_client_names_the_extra(tmp_path, monkeypatch, capsys):
+    """Installed but failing to import (not only missing): the same one line, not an ImportError traceback."""
+    (tmp_path / "prometheus_client").mkdir()
+    (tmp_path / "prometheus_client" / "__init__.py").write_text("raise ImportError('broken install')\n")
+    monkeypatch.delitem(sys.modules, "prometheus_client", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--metrics-port", "0"])
+    assert exit_.value.code == 2
+    assert "--metrics-port needs prometheus_client" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("demo_not_started")
+def test_demo_metrics_port_the_exporter_can_bind_is_not_refused():
+    """A port in TIME_WAIT, or held on another loopback address only, the exporter binds (SO_REUSEADDR, on
+    127.0.0.1): the check lets the demo start."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = server.accept()
+            accepted.close()  # closed first on the server's side: 127.0.0.1:port stays in TIME_WAIT
+            client.recv(1)
+    with socket.socket() as other:
+        other.bind(("127.0.0.2", port))
+        other.listen()
+        with pytest.raises(AssertionError, match="the demo started its processes"):
+            main(["demo", "--metrics-port", str(port)])
+
+
 def test_a_demo_process_whose_metrics_port_was_taken_meanwhile_ends_with_one_line():
     """The port taken between the command line's check and the decoder's start: the decoder process ends with
     a one-line message naming it (what its parent reports), not an OSError traceback."""

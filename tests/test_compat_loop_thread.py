@@ -289,3 +289,32 @@ def test_an_interrupt_as_the_facades_first_call_starts_its_loop_leaves_one_loop_
         if seen[0] < n:
             break
     gc.collect()  # the coroutines an interrupt left unstarted warn here, under this test's filter
+
+
+def test_an_exit_finalize_still_running_past_its_bound_is_cancelled_before_the_loop_stops(monkeypatch, caplog):
+    """Row 238: the exit's finalizes get ``EXIT_FINALIZE_S``; one still waiting then (for a busy device) is
+    cancelled and ended before ``_finalize_taken`` returns (the loop stops next), not left pending with it."""
+    import types
+
+    monkeypatch.setattr(compat, "EXIT_FINALIZE_S", 0.2)
+    monkeypatch.setattr(compat, "EXIT_CANCEL_S", 1.0)
+    cancelled = threading.Event()
+
+    async def finalize_for_a_busy_device() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    live = [types.SimpleNamespace(_dd=types.SimpleNamespace(finalize=finalize_for_a_busy_device))]
+
+    async def exit_finalize() -> tuple[float, bool]:
+        started = time.monotonic()
+        await compat._finalize_taken(live)  # type: ignore[arg-type]
+        return time.monotonic() - started, cancelled.is_set()
+
+    with caplog.at_level(logging.WARNING, logger=compat.log.name):
+        took, ended = asyncio.run(asyncio.wait_for(exit_finalize(), 5))
+    assert ended and took < 1.5, (took, ended)
+    assert "1 endpoint(s) not finalized within" in caplog.text

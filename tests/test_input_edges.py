@@ -51,6 +51,27 @@ def test_a_deep_copy_shares_the_tls_contexts():
     assert deep.tls_client_context is config.tls_client_context
 
 
+def test_settings_given_to_the_original_after_a_copy_stay_there():
+    """The other way round: the copy does not see what the original is given afterwards (a copy that looked
+    settings up in the original's would take its later device id and address)."""
+    base = LLMConfig()
+    base.device_id = 0
+    other = copy.copy(base)
+    base.device_id = 1
+    base.listen_ip_info = "127.0.0.1:26001"
+    assert other.device_id == 0 and "llm.listenIpInfo" not in other.generate_options()
+
+
+def test_a_deep_copy_shares_both_tls_contexts():
+    """The server's context too (an accepting endpoint's config), each the copy's own setting."""
+    config = LLMConfig()
+    config.tls_server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    config.tls_client_context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    deep = copy.deepcopy(config)
+    assert deep.tls_server_context is config.tls_server_context
+    assert deep.tls_client_context is config.tls_client_context
+
+
 @pytest.mark.parametrize(("text", "key"), [
     ('{"1": "127.0.0.1:26001", "1": "127.0.0.1:27001"}', "1"),
     ('{"10.0.0.2": "127.0.0.1:26001", "10.0.0.2": "127.0.0.1:9"}', "10.0.0.2"),

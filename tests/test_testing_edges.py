@@ -70,3 +70,16 @@ async def test_settled_engine_state_waits_for_the_owner_to_give_back_a_pulled_ke
             assert await testing.settled_engine_state(pair.prompt, before) == before
             never = {**before, "caches": before["caches"] + 1}
             assert await testing.settled_engine_state(pair.prompt, never, timeout=0.02) == before
+
+
+@pytest.mark.asyncio
+async def test_settled_engine_state_gives_up_after_its_own_timeout():
+    """A state that never comes is given as it is once ``timeout`` is out: that timeout, not the default 2 s."""
+    async with asyncio.timeout(30):
+        async with open_pair() as pair:
+            before = engine_state(pair.prompt)
+            never = {**before, "caches": before["caches"] + 1}
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            assert await testing.settled_engine_state(pair.prompt, never, timeout=0.05) == before
+            assert loop.time() - started < 1.0
