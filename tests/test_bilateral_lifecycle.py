@@ -92,6 +92,76 @@ async def test_finalize_during_a_comm_unlink_closes_the_link_it_waits_on(monkeyp
         assert closed, "finalize returned with a link of the endpoint open"
 
 
+async def test_finalize_during_a_comm_unlink_waits_for_the_peers_answer_to_it(monkeypatch):
+    """The peer answers the unlink's UNLINK late (within UNLINK_WAIT_S): a finalize meanwhile waits for that
+    answer before it closes the link, so the unlink reads the peer's answer, not a link closed under it."""
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+        comm_p, comm_d = await _init_and_link(p, d, 10)
+        assert await settled(p, comm_p, 5) is OK and await settled(d, comm_d, 5) is OK
+        d_runtime, dispatch, disconnect = d._endpoint.runtime, Link._dispatch, link_table.LinkTable.disconnect
+        statuses: list[LLMStatusCode] = []
+
+        def slow(self: Link, event: object) -> None:  # d answers p's UNLINK 0.3 s late (a loaded peer)
+            if isinstance(event, protocol.Unlink) and self.runtime is d_runtime:
+                asyncio.get_running_loop().call_later(0.3, dispatch, self, event)
+            else:
+                dispatch(self, event)
+
+        async def recorded(self: link_table.LinkTable, *args: object, **kwargs: object) -> LLMStatusCode:
+            statuses.append(await disconnect(self, *args, **kwargs))
+            return statuses[-1]
+
+        monkeypatch.setattr(Link, "_dispatch", slow)
+        monkeypatch.setattr(link_table.LinkTable, "disconnect", recorded)
+        link = link_to(p, DECODER_ID)
+        assert link is not None and link_table.UNLINK_WAIT_S >= 1
+        unlinking = asyncio.ensure_future(p.unlink(comm_p))
+        for _ in range(500):  # until the unlink's UNLINK left
+            if link.unlinking:
+                break
+            await asyncio.sleep(0.01)
+        assert link.unlinking
+        await asyncio.wait_for(p.finalize(), 5)
+        assert link.closed
+        await asyncio.wait_for(unlinking, 5)
+        assert statuses == [LLMStatusCode.LLM_SUCCESS], "finalize closed the link before the peer's answer"
+
+
+async def test_finalize_tells_the_peer_of_a_comm_unlink_that_had_not_yet(monkeypatch):
+    """finalize comes while unlink(comm) still settles the pushes it serves, before its UNLINK left: finalize
+    tells the peer (it answers) before it closes the link."""
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
+        comm_p, comm_d = await _init_and_link(p, d, 10)
+        assert await settled(p, comm_p, 5) is OK and await settled(d, comm_d, 5) is OK
+        d_runtime, dispatch, settle_served = d._endpoint.runtime, Link._dispatch, Link.settle_served
+        link = link_to(p, DECODER_ID)
+        assert link is not None
+        entered, gate, told = asyncio.Event(), asyncio.Event(), []
+
+        def heard(self: Link, event: object) -> None:
+            if isinstance(event, protocol.Unlink) and self.runtime is d_runtime:
+                told.append(event)
+            dispatch(self, event)
+
+        async def held(self: Link, **kwargs: bool) -> None:  # the unlink's settling (the first) waits for gate
+            if self is link and not entered.is_set():
+                entered.set()
+                await gate.wait()
+            await settle_served(self, **kwargs)
+
+        monkeypatch.setattr(Link, "_dispatch", heard)
+        monkeypatch.setattr(Link, "settle_served", held)
+        unlinking = asyncio.ensure_future(p.unlink(comm_p))
+        await asyncio.wait_for(entered.wait(), 5)
+        try:
+            await asyncio.wait_for(p.finalize(), 5)
+        finally:
+            gate.set()
+        await asyncio.wait_for(unlinking, 5)
+        assert link.closed
+        assert told, "finalize closed the link without telling the peer"
+
+
 async def test_a_dial_whose_handshake_is_never_answered_is_dialled_again(monkeypatch):
     """The rank-1 address first holds a listener that accepts and never answers (a hung old instance); then the
     real peer comes up there: the dialling comm reaches it, dialling again, within the link time."""
@@ -170,6 +240,81 @@ async def test_a_failed_comm_leaves_the_dials_of_a_newer_comm_of_the_pair_alone(
         status_d, status_t = await settled(d, comm_bd, 5), await settled(t, comm_bt, 5)
         await asyncio.gather(d.unlink(comm_bd), t.unlink(comm_bt), d.unlink(comm_a))
         assert (status_d, status_t) == (OK, OK)
+
+
+async def test_a_comm_whose_link_went_down_stops_its_other_attempts_at_once():
+    """As above, but t calls link() for comm B first and dials d before d calls it: comm A, FAILED on d when its
+    link to p went down, waits for t no more, so t's dial is left for d's B (before, A took it: d's B failed as
+    already linked while t's B read OK)."""
+    cfg = dict(rank_addresses=addresses(PROMPT_IP, DECODER_IP, THIRD_IP), link_total_time=20)
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as d, LLMDataDist(LLMRole.MIX, THIRD_ID) as t:
+        await d.init(v2_options(**cfg))
+        await t.init(v2_options(**cfg))
+        async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p:
+            await p.init(v2_options(**cfg))
+            info_a, table_a = {PROMPT_ID: 0, THIRD_ID: 1, DECODER_ID: 2}, rank_table(PROMPT_IP, THIRD_IP, DECODER_IP)
+            comm_a = await d.link("a", info_a, table_a)
+            comm_ap = await p.link("a", info_a, table_a)
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 5
+            while link_to(d, PROMPT_ID) is None and loop.time() < end:
+                await asyncio.sleep(0.02)
+            assert link_to(d, PROMPT_ID) is not None
+            await p.unlink(comm_ap)
+        assert await settled(d, comm_a, 5) is FAILED
+        info_b, table_b = {THIRD_ID: 0, DECODER_ID: 1}, rank_table(THIRD_IP, DECODER_IP)
+        comm_bt = await t.link("b", info_b, table_b)  # t (rank 0) dials d, which has not called link() for B
+        end = loop.time() + 1
+        while link_to(d, THIRD_ID) is None and loop.time() < end:  # a stale A would take the dial meanwhile
+            await asyncio.sleep(0.02)
+        comm_bd = await d.link("b", info_b, table_b)
+        status_d, status_t = await settled(d, comm_bd, 5), await settled(t, comm_bt, 5)
+        await asyncio.gather(d.unlink(comm_bd), t.unlink(comm_bt), d.unlink(comm_a))
+        assert (status_d, status_t) == (OK, OK)
+
+
+async def test_a_link_a_failed_comm_made_while_it_was_stopped_is_unlinked(monkeypatch):
+    """d's comm A {p: 0, t: 1, d: 2} took t's dial, and that link is still being set up when A fails (p unlinks):
+    the stopped attempt hands the link over, and A unlinks it (the peer told), so no link outlives its comm."""
+    cfg = dict(rank_addresses=addresses(PROMPT_IP, DECODER_IP, THIRD_IP), link_total_time=20)
+    entered, gate = asyncio.Event(), asyncio.Event()
+    require_transport = link_dials.LinkDials._require_transport
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as d, LLMDataDist(LLMRole.MIX, THIRD_ID) as t:
+        await d.init(v2_options(**cfg))
+        await t.init(v2_options(**cfg))
+        d_table = link_table_of(d)
+
+        async def held(self: link_dials.LinkDials, link: Link) -> None:  # d's link to t: set up once gate is set
+            if self is d_table and link.remote_cluster_id == THIRD_ID:
+                entered.set()
+                await gate.wait()
+            await require_transport(self, link)
+
+        monkeypatch.setattr(link_dials.LinkDials, "_require_transport", held)
+        info_a, table_a = {PROMPT_ID: 0, THIRD_ID: 1, DECODER_ID: 2}, rank_table(PROMPT_IP, THIRD_IP, DECODER_IP)
+        try:
+            async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p:
+                await p.init(v2_options(**cfg))
+                comm_a = await d.link("a", info_a, table_a)
+                comm_ap = await p.link("a", info_a, table_a)
+                loop = asyncio.get_running_loop()
+                end = loop.time() + 5
+                while link_to(d, PROMPT_ID) is None and loop.time() < end:
+                    await asyncio.sleep(0.02)
+                assert link_to(d, PROMPT_ID) is not None
+                comm_at = await t.link("a", info_a, table_a)
+                await asyncio.wait_for(entered.wait(), 5)  # d took t's dial; the link is being set up
+                taken = link_to(d, THIRD_ID)
+                assert taken is not None
+                await p.unlink(comm_ap)
+            assert await settled(d, comm_a, 5) is FAILED
+            end = loop.time() + 5
+            while not taken.closed and loop.time() < end:
+                await asyncio.sleep(0.02)
+            assert taken.closed, "a link of the failed comm outlived it"
+        finally:
+            gate.set()
+        await asyncio.gather(d.unlink(comm_a), t.unlink(comm_at))
 
 
 async def test_link_during_switch_role_leaves_no_listener_behind_finalize():

@@ -73,6 +73,17 @@ def test_bench_imports_the_checkouts_benchmark_whatever_comes_first_on_the_path(
     assert "USER MODULE RAN" not in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("benchmarks_unloaded")
+def test_bench_away_from_the_checkouts_root_says_where_to_run_it(tmp_path, monkeypatch):
+    """In process, with this checkout's package: from a project folder (with a ``benchmarks/transfer.py`` of its
+    own) nothing is imported, and the message names the checkout to run it in."""
+    monkeypatch.chdir(project_with_benchmarks(tmp_path, "own_transfer"))
+    with pytest.raises(SystemExit, match="root of an aio_datadist checkout") as refused:
+        _import_transfer_benchmark()
+    assert f"the checkout at {REPO}: run it there" in str(refused.value)
+    assert not [name for name in sys.modules if name.partition(".")[0] == "benchmarks"]
+
+
 @pytest.fixture
 def demo_not_started(monkeypatch):
     def started(*args):

@@ -112,6 +112,20 @@ def test_a_torch_bool_scalar_is_not_an_int(build):
     build(torch.tensor(3))  # a 0-d integer tensor is still an int
 
 
+@pytest.mark.parametrize(("argument", "build"), [
+    ("batch_index", lambda b: CacheKeyByIdAndIndex(1, 1, b)),
+    ("req_id", lambda b: CacheKey(1, b)),
+    ("model_id", lambda b: BlocksCacheKey(1, b)),
+    ("remote_cluster_id", lambda b: setattr(LLMClusterInfo(), "remote_cluster_id", b)),
+])
+def test_a_torch_bool_scalar_is_refused_naming_its_argument(argument, build):
+    """The refusal names the argument the 0-d bool tensor was given as (audit, 2026-12-07: the test above
+    looked at the code and the type only)."""
+    with pytest.raises(LLMException, match=f"'{argument}'.*bool") as info:
+        build(torch.tensor(True))
+    assert info.value.argument == argument
+
+
 @pytest.mark.asyncio
 async def test_synchronize_layer_checks_its_timeout():
     """Before: '5' raised a bare TypeError, nan waited without end on asyncio (a bare ValueError on uvloop)

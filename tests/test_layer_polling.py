@@ -38,6 +38,26 @@ async def test_polling_a_pending_layer_keeps_nothing_per_poll() -> None:
         assert kept < 50, f"{kept} futures kept alive by 3000 polls of a pending layer"
 
 
+async def test_polling_hangs_nothing_on_the_layer_and_a_dropped_view_with_a_callback_still_calls_it() -> None:
+    """The layer's future carries one done-callback however often it is polled, and a view given a callback and
+    dropped is held by the task until it settles (audit, 2026-12-07: the test above counted futures only)."""
+    async with setup() as s:
+        gate = Gate()
+        task = s.pm.transfer_cache_async(s.blocks_src(), gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        for _ in range(2000):
+            assert not task.layer(0).done()
+        gc.collect()
+        held = len(task._progress.layers[0]._callbacks or ())
+        assert held < 10, f"the pending layer's future holds {held} callbacks after 2000 polls"
+        called: asyncio.Future = asyncio.get_running_loop().create_future()
+        task.layer(1).add_done_callback(called.set_result)  # dropped at once: the task holds it for its callback
+        gc.collect()
+        gate.open(*range(LAYERS))
+        assert await asyncio.wait_for(task, 5) == [SUCCESS]
+        view = await asyncio.wait_for(called, 2)
+        assert view.exception() is None
+
+
 async def test_layer_futures_stay_independent_and_awaited_ones_are_kept() -> None:
     async with setup() as s:
         gate = Gate()

@@ -146,6 +146,22 @@ async def test_cache_manager_coroutines_from_a_helper_loop_are_refused() -> None
             assert refused(result), f"{name}: {result!r}"
 
 
+async def test_link_unlink_and_switch_role_from_a_helper_loop_are_refused() -> None:
+    """The v2 link calls and switch_role, refused from a helper loop before their arguments are looked at and
+    the role left as it was (audit, 2026-12-07: none was called from a helper loop)."""
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
+        await dd.init(v2_options(listen=True))  # type: ignore[arg-type]
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "link": lambda: dd.link("comm", {PROMPT_ID: 0}, "{}"),
+            "unlink": lambda: dd.unlink(1),
+            "switch_role": lambda: dd.switch_role(LLMRole.DECODER),
+        }
+        for name, call in calls.items():
+            result, _ = await in_helper_loop(call, bound_s=2.0)
+            assert refused(result), f"{name}: {result!r}"
+        assert dd.role is LLMRole.PROMPT
+
+
 # -- a CacheTask waited on from another loop -----------------------------------------------------------------
 
 
@@ -159,6 +175,17 @@ async def test_a_finished_task_answers_another_loop_at_once() -> None:
             result, elapsed = await in_helper_loop(wait, bound_s=2.0)
             assert result in ([SUCCESS], SUCCESS, None), repr(result)
             assert elapsed < 0.5, f"a finished task's answer took {elapsed:.2f} s"
+
+
+async def test_awaiting_a_finished_task_answers_another_loop_at_once() -> None:
+    """``await task`` from a helper loop, once the task ended: its results, at once (audit, 2026-12-07: the test
+    above awaited only the task's methods and a layer's future there)."""
+    async with setup() as s:
+        task = s.pm.transfer_cache_async(s.blocks_src(), Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        assert await asyncio.wait_for(task, 5) == [SUCCESS]
+        result, elapsed = await in_helper_loop(lambda: awaited(task), bound_s=2.0)
+        assert result == [SUCCESS], repr(result)
+        assert elapsed < 0.5, f"a finished task's answer took {elapsed:.2f} s"
 
 
 async def test_waiting_from_another_loop_for_a_running_task_is_refused() -> None:

@@ -45,6 +45,24 @@ async def test_prompt_push_blocks_waits_for_its_own_answer(monkeypatch):
                 assert torch.equal(got[[0, 1, 2, 3]], want[[0, 1, 2, 3]])
 
 
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_prompt_push_blocks_drops_the_answer_of_a_call_that_ran_out_of_time(monkeypatch):
+    """A call that gave up waiting (its answer awaited 0 s) leaves its answer in the pipe: the next call drops it
+    and reads its own (a push the prompt refuses raises, not the late ``ok`` of the one before)."""
+    async with asyncio.timeout(60):
+        async with open_process_pair() as pair:
+            with monkeypatch.context() as patched:
+                patched.setattr(testing, "COMMAND_TIMEOUT_S", 0.0)
+                with pytest.raises(RuntimeError, match="did not answer"):
+                    await pair.prompt_push_blocks([4], [4], timeout=None)  # awaited COMMAND_TIMEOUT_S: 0 s
+            with pytest.raises(LLMException) as info:
+                await pair.prompt_push_blocks([99], [0])  # the prompt refuses it; the late "ok" above is dropped
+            assert info.value.status_code == S.LLM_PARAM_INVALID
+            await pair.prompt_push_blocks([5], [5])
+            for got, want in zip(pair.decoder_blocks.tensors, pair.expected_blocks, strict=True):
+                assert torch.equal(got[[4, 5]], want[[4, 5]])
+
+
 def test_the_helpers_take_the_blocking_endpoint_and_refuse_anything_else():
     """The blocking ``compat.LLMDataDist`` is the endpoint it wraps (here not initialized: ``LLM_FAILED``);
     what is no endpoint is ``LLM_PARAM_INVALID`` naming what it got."""

@@ -68,6 +68,18 @@ def test_a_region_with_holes_is_refused_whatever_it_holds_past_its_end(written, 
         os.close(fd)
 
 
+def test_a_region_whose_last_page_alone_is_a_hole_is_refused():
+    """Every page written but the last: refused, naming that page (audit, 2026-12-07: the holes above all began
+    at byte 0 or half way, and a check that let the last page go passed them)."""
+    fd = _sealed_region(range(0, 63))
+    try:
+        assert os.fstat(fd).st_blocks * 512 >= SIZE
+        with pytest.raises(ValueError, match=f"has a hole at byte {SIZE - PAGE} of its {SIZE}"):
+            check_sealed(fd, SIZE)
+    finally:
+        os.close(fd)
+
+
 def test_a_region_fallocated_but_not_written_is_refused():
     """``SEEK_HOLE`` calls pages fallocated but never written holes, and so does the check: a sender writes or
     populates its regions (ours are populated as mapped), so none of ours looks so."""
