@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -324,6 +325,40 @@ async def test_a_same_host_push_whose_link_the_pusher_failed_is_not_copied_when_
         assert await owner.call("dump", "dst") == before, "the push landed after its link failed"
 
 
+async def _recorded(pusher: Any, msg: wire.Msg, push: Any) -> tuple[Any, dict]:
+    """The record (and the fields changed as it was sent) of the first ``msg`` the honest ``push`` sends
+    through ``pusher``, to send again by hand."""
+    captured = []
+    send_record = pusher.send_record
+
+    def capture(sent: wire.Msg, req_id: int, record: Any, **changes: Any) -> Any:
+        if sent is msg:
+            captured.append((record, changes))
+        return send_record(sent, req_id, record, **changes)
+
+    pusher.send_record = capture
+    try:
+        await push
+    finally:
+        pusher.send_record = send_record
+    assert captured, f"the push sent no {msg.name}"
+    return captured[0]
+
+
+def _said_for(owner: Any, rid: int) -> list[tuple[wire.Msg, Any, str]]:
+    """What ``owner`` sends about request ``rid`` from now on: (message, status, text)."""
+    said: list[tuple[wire.Msg, Any, str]] = []
+    send = owner.send
+
+    def watched(msg: wire.Msg, req_id: int, **fields: Any) -> Any:
+        if req_id == rid:
+            said.append((msg, fields.get("status"), fields.get("text", "")))
+        return send(msg, req_id, **fields)
+
+    owner.send = watched
+    return said
+
+
 @pytest.mark.asyncio
 @pytest.mark.loops_take_turns
 @pytest.mark.parametrize("chunk", ["one-chunk"])
@@ -341,31 +376,13 @@ async def test_a_push_resent_under_the_id_of_one_still_settling_is_refused_and_t
         await pair.link()
         pusher = usable_link(pair.prompt, DECODER_ID)
         assert pusher.local is not None
-        captured = []
-        send_record = pusher.send_record
-
-        def capture(msg, req_id, record, **changes):
-            if msg is wire.Msg.PUSH_LOCAL:
-                captured.append(record)
-            return send_record(msg, req_id, record, **changes)
-
-        pusher.send_record = capture
         blocks = list(range(8))
-        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, blocks, blocks)  # honest, recorded
-        pusher.send_record = send_record
-        assert captured, "the push went same-host"
+        record, _ = await _recorded(pusher, wire.Msg.PUSH_LOCAL, pair.pm.push_blocks(  # honest, recorded
+            BlocksCacheKey(DECODER_ID, 0), src, blocks, blocks))
         owner = usable_link(pair.decoder, PROMPT_ID)
         rid = pusher.new_req_id()
-        said = []
-        send = owner.send
-
-        def watched(msg, req_id, **fields):
-            if req_id == rid:
-                said.append((msg, fields.get("status"), fields.get("text", "")))
-            return send(msg, req_id, **fields)
-
-        owner.send = watched
-        push = wire.encode_record(wire.Msg.PUSH_LOCAL, rid, captured[0], timeout_ms=60_000)
+        said = _said_for(owner, rid)
+        push = wire.encode_record(wire.Msg.PUSH_LOCAL, rid, record, timeout_ms=60_000)
         abort = wire.encode(wire.Msg.ABORT, rid, channel=0, generation=wire.NO_GENERATION)
         pusher.writer.write(push)  # copy 1 starts
         async with asyncio.timeout(2):
@@ -393,30 +410,11 @@ async def test_a_stream_push_resent_under_the_id_of_one_still_settling_is_refuse
         pair.dm.allocate_blocks_cache(small, BlocksCacheKey(DECODER_ID, 0))
         await pair.link()
         pusher = usable_link(pair.prompt, DECODER_ID)
-        captured = []
-        send_record = pusher.send_record
-
-        def capture(msg, req_id, record, **changes):
-            if msg is wire.Msg.PUSH_REQ:
-                captured.append((record, changes))
-            return send_record(msg, req_id, record, **changes)
-
-        pusher.send_record = capture
-        await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [0], [0])  # honest, recorded
-        pusher.send_record = send_record
-        assert captured, "the push went by stream"
+        record, changes = await _recorded(pusher, wire.Msg.PUSH_REQ, pair.pm.push_blocks(  # honest, recorded
+            BlocksCacheKey(DECODER_ID, 0), src, [0], [0]))
         owner = usable_link(pair.decoder, PROMPT_ID)
         rid = pusher.new_req_id()
-        said = []
-        send = owner.send
-
-        def watched(msg, req_id, **fields):
-            if req_id == rid:
-                said.append((msg, fields.get("status"), fields.get("text", "")))
-            return send(msg, req_id, **fields)
-
-        owner.send = watched
-        record, changes = captured[0]
+        said = _said_for(owner, rid)
         push = wire.encode_record(wire.Msg.PUSH_REQ, rid, record, **{**changes, "timeout_ms": 2000})
         abort = wire.encode(wire.Msg.ABORT, rid, channel=0, generation=wire.NO_GENERATION)
         pusher.writer.write(push)  # served: its job waits for bytes nobody sends
