@@ -7,16 +7,24 @@ Agents on real loopback sockets, as in ``tests/test_vllm_connector_logic.py``; n
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
 import _vllm_agents
+import pytest
 import torch
 from _vllm_agents import BLOCK_TOKENS, wait
 from relay import Relay
 
-from aio_datadist.integrations.vllm_agent import LoopThread
-from aio_datadist.integrations.vllm_wire import RemotePrefill, parse_transfer_params, transfer_params
+from aio_datadist.integrations.vllm_agent import LoopThread, _Peer
+from aio_datadist.integrations.vllm_wire import (
+    HEADER,
+    RemotePrefill,
+    encode_frame,
+    parse_transfer_params,
+    transfer_params,
+)
 
 agents = _vllm_agents.agents  # the fixture
 
@@ -231,3 +239,49 @@ def test_a_done_the_prefill_cannot_honour_does_not_end_the_side_channel(agents) 
     finished, failed, _ = decode.pulls.take_finished()
     assert peer.broken is None, f"side channel torn down: {peer.broken!r}"
     assert "d2" in finished and "d2" not in failed, (finished, failed)
+
+
+def test_a_late_reply_to_an_earlier_request_does_not_pass_for_the_channel_alive() -> None:
+    """A claim times out on a side channel gone silent just after the prefill answered an earlier request, whose
+    reply is read only after the claim left: that reply says nothing of the claim, so the decode still asks a
+    ``hello`` and, unanswered, gives the channel up (before, any frame read after the claim left passed for a
+    live channel: no hello, and the silent channel was found one request later; found by review)."""
+
+    class Writer:  # the decode's end of the side channel: what it sends is kept, nothing reaches a prefill
+        def __init__(self) -> None:
+            self.ops: list[str] = []
+            self.transport = self
+            self.aborted = False
+
+        def write(self, data: bytes) -> None:
+            self.ops.append(json.loads(data[HEADER.size:])["op"])
+
+        def abort(self) -> None:
+            self.aborted = True
+
+        def close(self) -> None:
+            pass
+
+        def get_extra_info(self, name: str) -> Any:
+            return None
+
+    async def main() -> None:
+        reader, writer = asyncio.StreamReader(), Writer()
+        peer = _Peer(reader, writer)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(peer.read_replies())
+        try:
+            first = asyncio.ensure_future(peer.request("held", 5.0, req="r1"))
+            await asyncio.sleep(0)
+            claim = asyncio.ensure_future(peer.request("claim", 0.2, req="r2"))
+            await asyncio.sleep(0)
+            reader.feed_data(encode_frame({"id": 1, "ok": True}))  # the earlier request's reply, read late
+            assert (await first)["ok"]
+            with pytest.raises(TimeoutError):
+                await claim
+            assert writer.ops == ["held", "claim", "hello"], writer.ops
+            assert peer.broken is not None and writer.aborted
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())

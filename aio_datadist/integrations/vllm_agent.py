@@ -289,7 +289,7 @@ class _Peer:
         self.task: asyncio.Task | None = None
         self.broken: BaseException | None = None
         self.refused = ""  # why the prefill closed the side channel, if it said so (a frame of id 0)
-        self.heard = time.monotonic()  # when the last frame came from the prefill
+        self.answered = 0  # the highest request id the prefill answered: a later one's answer shows it alive
         # prefill request -> pulls and releases of it on this connection: the prefill frees a request on the
         # first done, so done waits for the last of them (two decode requests may carry the same params)
         self.users: dict[str, int] = {}
@@ -314,23 +314,23 @@ class _Peer:
             self.writer.write(encode_frame({"id": rid, "op": "done", "req": req}))
 
     async def request(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
-        """Send a request and await its reply. Unanswered within ``timeout_s`` and nothing else heard since it
-        left, the prefill is asked a ``hello`` (answered at once, whatever its claims wait on): unanswered
-        too, the connection went silent (no FIN or RST: a flow a NAT or firewall forgot, a host gone) and is
-        given up, so the next request dials again instead of timing out on it in turn."""
+        """Send a request and await its reply. Unanswered within ``timeout_s`` and no request sent after it
+        answered (a reply to an earlier one, read late, says nothing of it), the prefill is asked a ``hello``
+        (answered at once, whatever its claims wait on): unanswered too, the connection went silent (no FIN or
+        RST: a flow a NAT or firewall forgot, a host gone) and is given up, so the next request dials again
+        instead of timing out on it in turn."""
         if self.broken is not None:
             raise ConnectionError(f"side channel lost: {self.broken}")
         rid, self.next_id = self.next_id, self.next_id + 1
         future = asyncio.get_running_loop().create_future()
         self.replies[rid] = (op, future)
-        sent = time.monotonic()
         try:
             self.writer.write(encode_frame({"id": rid, "op": op, **fields}))
             # not asyncio.wait_for: on Python 3.11 it drops a cancel that comes as the reply lands (an abort)
             async with asyncio.timeout(timeout_s):
                 return await future
         except TimeoutError:
-            if op != "hello" and self.heard < sent and self.broken is None:
+            if op != "hello" and self.answered < rid and self.broken is None:
                 try:
                     await self.request("hello", min(timeout_s, PROBE_TIMEOUT_S))
                 except (TimeoutError, ConnectionError):
@@ -351,9 +351,9 @@ class _Peer:
         try:
             while True:
                 body = await self.reader.readexactly(frame_length(await self.reader.readexactly(HEADER.size)))
-                self.heard = time.monotonic()
                 reply = decode_reply(body, "")
                 rid = reply["id"]
+                self.answered = max(self.answered, rid)
                 if rid == 0 and not reply["ok"]:  # the prefill closes the side channel and says why (a full table)
                     self.refused = reply["error"][:200]
                     raise ConnectionError(f"the prefill closed the side channel: {self.refused}")
