@@ -88,11 +88,17 @@ async def test_finalize_stops_a_link_clusters_dial_without_a_remote_id():
 
 
 @pytest.mark.asyncio
-async def test_switch_role_while_link_clusters_dials_is_exist_link(monkeypatch):
+@pytest.mark.parametrize("named", [True, False], ids=["with its id", "without its id"])
+async def test_switch_role_while_link_clusters_dials_is_exist_link(monkeypatch, named):
+    """Also a dial that names no ``remote_cluster_id`` (it learns the id in the handshake; found by audit)."""
     async with endpoint(LLMRole.PROMPT, 1, listen=True) as prompt, \
             endpoint(LLMRole.DECODER, 2, switch_role=True) as dd:
+        info = cluster_info(1, port_of(prompt))
+        if not named:
+            info = LLMClusterInfo()
+            info.append_remote_ip_info(*port_of(prompt))
         with held(monkeypatch, handshake, "dial") as (entered, release):
-            attempt = asyncio.ensure_future(dd.link_clusters([cluster_info(1, port_of(prompt))], timeout=3000))
+            attempt = asyncio.ensure_future(dd.link_clusters([info], timeout=3000))
             await asyncio.wait_for(entered.wait(), 5)
             with pytest.raises(LLMException) as raised:
                 await dd.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": "127.0.0.1:0"})
@@ -281,24 +287,6 @@ async def test_a_dial_without_a_remote_id_issued_while_finalize_runs_never_start
             finally:
                 release.set()
                 await asyncio.wait_for(finalizing, 10)
-
-
-@pytest.mark.asyncio
-async def test_switch_role_while_a_link_clusters_dial_without_its_id_is_in_its_handshake_is_exist_link(monkeypatch):
-    """As above for a dial that names no ``remote_cluster_id`` (it learns the id in the handshake)."""
-    async with endpoint(LLMRole.PROMPT, 1, listen=True) as prompt, \
-            endpoint(LLMRole.DECODER, 2, switch_role=True) as dd:
-        anonymous = LLMClusterInfo()
-        anonymous.append_remote_ip_info(*port_of(prompt))
-        with held(monkeypatch, handshake, "dial") as (entered, release):
-            attempt = asyncio.ensure_future(dd.link_clusters([anonymous], timeout=3000))
-            await asyncio.wait_for(entered.wait(), 5)
-            with pytest.raises(LLMException) as raised:
-                await dd.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": "127.0.0.1:0"})
-            assert raised.value.status_code == S.LLM_EXIST_LINK
-            release.set()
-            assert await asyncio.wait_for(attempt, 5) == OK
-        assert dd.role == LLMRole.DECODER and dd.listen_address is None
 
 
 @pytest.mark.asyncio
