@@ -62,6 +62,19 @@ def posted(dd: LLMDataDist) -> int:
     return 0 if plane is None else plane.engine.posted
 
 
+def made_handles(engine) -> list:
+    """Every NIXL transfer handle ``engine`` makes from now on (the engine releases one only once NIXL says its
+    transfer settled: an unreleased one is a transfer NIXL may still move)."""
+    made, make = [], engine.agent.make_prepped_xfer
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        made.append(handle := make(*args, **kwargs))
+        return handle
+
+    engine.agent.make_prepped_xfer = recording
+    return made
+
+
 async def prepared(owner: LLMDataDist, peer_id: int, cache) -> None:
     """Until the peer has prepared its NIXL list for ``cache``: until then requests for it use TCP."""
     peer = link_to(owner, peer_id).nixl
@@ -231,6 +244,7 @@ async def test_a_timed_out_read_has_settled_before_the_call_returns_and_the_link
         dst = pair.dm.allocate_blocks_cache(big)
         await prepared(pair.prompt, DECODER_ID, src)
         engine = nixl_agent_of(pair.decoder).engine
+        made = made_handles(engine)
         timed_out = 0
         for _ in range(5):
             try:
@@ -240,6 +254,9 @@ async def test_a_timed_out_read_has_settled_before_the_call_returns_and_the_link
                 assert exc.status_code == S.LLM_TIMEOUT, exc
                 timed_out += 1
                 assert engine.in_flight() == 0  # NIXL let go of the destination before we returned
+                # every READ posted for it settled and was released (the engine's own count alone passed a cancel
+                # reported while NIXL still held the READ; found by audit)
+                assert all(h._released for h in made), made
                 before = snapshot(dst)
                 await asyncio.sleep(0.05)
                 assert same(snapshot(dst), before)
@@ -248,6 +265,7 @@ async def test_a_timed_out_read_has_settled_before_the_call_returns_and_the_link
             t.zero_()
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(64)), list(range(64)))
         assert all(bool((t == 7).all()) for t in dst.tensors)
+        assert made  # the handles watched were NIXL's
 
 
 @needs_nixl
@@ -257,6 +275,7 @@ async def test_many_cancelled_nixl_transfers_leave_the_link_working():
         want = fill(src, 11)
         dst = pair.dm.allocate_blocks_cache(BLOCKS)
         await prepared(pair.prompt, DECODER_ID, src)
+        made = made_handles(nixl_agent_of(pair.decoder).engine)
         tasks = [asyncio.create_task(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [n % 16], [n % 16]))
                  for n in range(200)]
         await asyncio.sleep(0)
@@ -265,6 +284,7 @@ async def test_many_cancelled_nixl_transfers_leave_the_link_working():
                 task.cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(r is None or isinstance(r, asyncio.CancelledError) for r in results), results
+        assert made and all(h._released for h in made)  # each call returned once NIXL let go of its READ
         for t in dst.tensors:
             t.zero_()
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, list(range(16)), list(range(16)))
