@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from aio_datadist import wire
-from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
+from aio_datadist import (BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMException,
+                          LLMStatusCode, Placement)
 from aio_datadist.testing import link_to, nixl_agent_of
 from aio_datadist.wire import Msg
 from peers import DECODER_ID, NIXL_MISSING, PROMPT_ID, fill, linked_pair, same, snapshot
@@ -255,7 +256,9 @@ async def test_a_pulls_done_goes_out_ahead_of_the_next_request_in_one_write_when
         link.writer.write = lambda data: (writes.append(records(bytes(data))), real_write(data))[1]
         try:
             await pair.dm.pull_cache(CacheKey(PROMPT_ID, 1), dst, batch_index=0)
-            await pair.dm.pull_cache(CacheKey(PROMPT_ID, 2), dst, batch_index=1)
+            # by id and index: consumes the key of row 1 too, so its DONE is written before the pull returns
+            await pair.dm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 1), dst, batch_index=1)
+            assert writes and writes[-1][-1][0] is Msg.DONE, writes
             await asyncio.sleep(0.05)
         finally:
             link.writer.write = real_write

@@ -43,7 +43,11 @@ async def _unlinked_under_a_task(s: Any) -> Any:
     return link
 
 
-async def test_a_transfer_our_own_unlink_cuts_reads_unlinked_and_the_link_is_not_broken() -> None:
+async def test_a_transfer_our_own_unlink_cuts_reads_unlinked_and_the_link_is_not_broken(monkeypatch) -> None:
+    resets: list[bool] = []  # how each data channel was dropped: gracefully, not with a TCP reset
+    real = links.Link._drop_socket
+    monkeypatch.setattr(links.Link, "_drop_socket",
+                        lambda self, ch, *, reset=False: (resets.append(reset), real(self, ch, reset=reset))[1])
     async with setup() as s:
         for _ in range(3):
             assert (await s.decoders[0].link_clusters([cluster_info(PROMPT_ID, port_of(s.prompt))]))[0] in (
@@ -53,6 +57,7 @@ async def test_a_transfer_our_own_unlink_cuts_reads_unlinked_and_the_link_is_not
             async with asyncio.timeout(5):  # the decoder forgets its end (it answered our UNLINK)
                 while link_to(s.decoders[0], PROMPT_ID) is not None:
                     await asyncio.sleep(0.01)
+            assert resets and not any(resets), resets
 
 
 def _push_local_ahead_of_the_ack(link: Any) -> None:

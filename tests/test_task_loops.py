@@ -169,9 +169,11 @@ async def test_a_finished_task_answers_another_loop_at_once() -> None:
     """Before, get_results(ms) from a helper loop waited out ms though the task had ended (None: for ever)."""
     async with setup() as s:
         task = s.pm.transfer_cache_async(s.blocks_src(), Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        early = task.layer(0)  # asked for while pending (a view), awaited once done
+        assert not early.done()
         assert await asyncio.wait_for(task, 5) == [SUCCESS]
         for wait in (lambda: task.get_results(1000), lambda: task.synchronize(1000), lambda: task.get_results(),
-                     lambda: awaited(task.layer(0))):
+                     lambda: awaited(task.layer(0)), lambda: awaited(early)):
             result, elapsed = await in_helper_loop(wait, bound_s=2.0)
             assert result in ([SUCCESS], SUCCESS, None), repr(result)
             assert elapsed < 0.5, f"a finished task's answer took {elapsed:.2f} s"

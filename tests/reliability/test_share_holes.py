@@ -203,6 +203,10 @@ async def test_a_region_sent_again_is_not_walked_again(walks):
         socket.send_fds(theirs, [_add(10, SIZE)], [other])
         os.close(other)
         assert share.region(10) is not None and walks == [SIZE, SIZE]  # another file is walked
+        for cache_id in (7, 8, 9):  # withdrawn: the share maps the first file no more, and walks it again
+            theirs.send(ENTRY.pack(2, cache_id, 0, 0, 0, 0, 0))
+        socket.send_fds(theirs, [_add(11, SIZE)], [fd])
+        assert share.region(11) is not None and walks == [SIZE, SIZE, SIZE]
     finally:
         share.close()
         theirs.close()
