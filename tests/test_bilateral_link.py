@@ -787,25 +787,29 @@ async def test_the_waiting_end_reads_ok_once_its_transport_settled():
 
 
 @pytest.mark.asyncio
-async def test_a_waiting_comm_fails_once_its_pair_is_linked_otherwise():
-    """While the decoder's comm waits for the prompt's dial, the prompt links it with link_clusters: that
-    comm can take no dial now, and reads FAILED at once; the link_clusters link stays. Before, it stayed
-    PREPARING for the whole llm.LinkTotalTime (found by audit)."""
-    prompt, decoder = _pair_options(prompt={"link_total_time": 30}, decoder={"link_total_time": 30})
+@pytest.mark.parametrize("waiter_dials", [False, True])
+async def test_a_waiting_comm_fails_once_its_pair_is_linked_otherwise(waiter_dials):
+    """While the decoder's comm waits for the prompt's dial, the prompt links it with link_clusters (or the
+    decoder itself links the prompt: ``waiter_dials``): that comm can take no dial now, and reads FAILED at
+    once; the link_clusters link stays. Before, it stayed PREPARING for the whole llm.LinkTotalTime (found by
+    audit)."""
+    prompt, decoder = _pair_options(prompt={"link_total_time": 30, "listen_ip_info": f"{PROMPT_IP}:0"},
+                                    decoder={"link_total_time": 30})
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
         await p.init(prompt)
         await d.init(decoder)
         comm = await d.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP))
-        host, port = d.listen_address
+        linker, target = (d, p) if waiter_dials else (p, d)
+        host, port = target.listen_address
         cluster = LLMClusterInfo()
-        cluster.remote_cluster_id = DECODER_ID
+        cluster.remote_cluster_id = target.cluster_id
         cluster.append_local_ip_info(PROMPT_IP, 0)
         cluster.append_remote_ip_info(host, port)
-        assert (await p.link_clusters([cluster], 3000))[0] == S.LLM_SUCCESS
+        assert (await linker.link_clusters([cluster], 3000))[0] == S.LLM_SUCCESS
         assert await settled(d, comm, limit_s=1.5) is FAILED
         assert link_to(d, PROMPT_ID) is not None and link_to(d, PROMPT_ID).up
         await d.unlink(comm)
-        assert (await p.unlink_clusters([cluster], 1000))[0] == S.LLM_SUCCESS
+        assert (await linker.unlink_clusters([cluster], 1000))[0] == S.LLM_SUCCESS
 
 
 @pytest.mark.asyncio

@@ -279,7 +279,7 @@ async def test_finalize_ends_every_lease_of_its_endpoint():
     """Before, finalize freed a leased cache but left its lease's timer armed on the loop (holding the lease and
     the finalized endpoint for up to 2**31 - 1 ms), ``deadline`` set and ``renew`` accepted (found by audit).
     Now the lease ends with the endpoint, and ``renew`` says why."""
-    async with endpoint(LLMRole.PROMPT, PROMPT) as dd:
+    async with endpoint(LLMRole.PROMPT, PROMPT) as dd, endpoint(LLMRole.PROMPT, DECODER + 1) as other:
         kv = dd.kv_cache_manager
         cache = kv.allocate_cache(ROWS, keys_for(60), lease_ms=2**31 - 1)
         kv.deallocate_cache(cache)  # its keys keep it; the lease would free it
@@ -287,9 +287,12 @@ async def test_finalize_ends_every_lease_of_its_endpoint():
         assert lease is not None and lease.active
         timer = lease._timer
         assert timer is not None and not timer.cancelled()
+        theirs = lease_of(other.kv_cache_manager.allocate_cache(ROWS, keys_for(60), lease_ms=2**31 - 1))
         await dd.finalize()
         assert lease.expired and not lease.active and lease.deadline is None
         assert timer.cancelled()  # the loop no longer holds the lease (nor, through it, the endpoint)
+        assert theirs.active and theirs.deadline is not None  # another endpoint's lease runs on
+        theirs.renew(10_000)
         with pytest.raises(LLMException) as info:
             lease.renew(10)
         assert info.value.status_code == S.LLM_ENGINE_FINALIZED

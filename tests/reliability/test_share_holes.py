@@ -267,6 +267,8 @@ async def test_a_device_export_sent_again_is_not_walked_again(walks):
                 theirs.send(ENTRY.pack(2, cache_id, 0, 0, 0, 0, 0))
             socket.send_fds(theirs, [_add_device(10, SIZE)], [fd])
             assert share.device_region(10) is not None and walks == [SIZE, SIZE]
+            socket.send_fds(theirs, [_add(11, SIZE)], [fd])  # as a region: counted apart, walked (row 304)
+            assert share.region(11) is not None and walks == [SIZE, SIZE, SIZE]
         finally:
             share.close()
             theirs.close()
