@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import aio_datadist.compat as llm_datadist
 from aio_datadist.compat import (
@@ -176,10 +177,14 @@ def test_an_allocation_past_the_memory_cap_reads_each_modes_out_of_memory_code(p
     dd = _endpoint(LLMRole.PROMPT, 1, v2, registered_memory_cap=1 << 20)
     try:
         manager = dd.cache_manager if v2 else dd.kv_cache_manager
-        with pytest.raises(LLMException) as info:
-            manager.allocate_cache(CacheDesc(2, (4, 1 << 18), DataType.DT_FLOAT16))  # 4 MiB past a 1 MiB cap
+        desc = CacheDesc(2, (4, 1 << 18), DataType.DT_FLOAT16)  # 4 MiB past a 1 MiB cap
+        mine = [torch.zeros(desc.shape, dtype=torch.float16) for _ in range(2)]
         code = LLMStatusCode.LLM_OUT_OF_MEMORY if v2 else LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
-        assert info.value.status_code == code, info.value
+        for call in (manager.allocate_cache, manager.allocate_blocks_cache,
+                     lambda d: manager.register_cache(d, mine), lambda d: manager.register_blocks_cache(d, mine)):
+            with pytest.raises(LLMException) as info:
+                call(desc)
+            assert info.value.status_code == code, info.value
     finally:
         dd.finalize()
 

@@ -387,9 +387,18 @@ async def test_a_cache_allocated_off_the_endpoints_loop_is_refused_with_nothing_
     audit)."""
     async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, **NIXL) as dd:
         desc = CacheDesc(2, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
-        failed = await asyncio.to_thread(_raised, lambda: dd.kv_cache_manager.allocate_cache(desc))
-        assert isinstance(failed, LLMException) and failed.status_code == LLMStatusCode.LLM_FAILED, failed
-        assert dd.stats().caches == 0
+        mine = torch.zeros(desc.shape, dtype=torch.float16)
+
+        async def on_another_loop() -> None:
+            dd.kv_cache_manager.allocate_cache(desc)
+
+        # From a thread with no loop (allocate, and register: only the registry's add checks it), or another loop.
+        for call in (lambda: dd.kv_cache_manager.allocate_cache(desc),
+                     lambda: dd.kv_cache_manager.register_cache(desc, [mine, mine.clone()]),
+                     lambda: asyncio.run(on_another_loop())):
+            failed = await asyncio.to_thread(_raised, call)
+            assert isinstance(failed, LLMException) and failed.status_code == LLMStatusCode.LLM_FAILED, failed
+            assert dd.stats().caches == 0
         dd.kv_cache_manager.deallocate_cache(dd.kv_cache_manager.allocate_cache(desc))  # on the loop: as ever
 
 

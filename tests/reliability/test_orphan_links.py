@@ -252,18 +252,21 @@ async def test_a_crashed_peer_that_keeps_switch_role_refused_is_named_by_the_ref
     """A peer that linked and crashed leaves a failed link (row 203) that ``stats()`` does not list, and that keeps
     ``switch_role`` refused (``LLM_EXIST_LINK``) until it is unlinked: the refusal names its cluster id, so the
     caller knows what to ``unlink_clusters(force=True)``. Before, it said only "1 link(s) still exist" (row 287;
-    found by audit)."""
+    found by audit). 18 such peers: the first 16 ids are named, and how many more."""
+    first, n = 987654321, 18
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", enable_switch_role=True) as dd:
-        assert await asyncio.to_thread(_link_and_crash, dd._require_links().listener.address, 987654321, 1) == 1
+        assert await asyncio.to_thread(_link_and_crash, dd._require_links().listener.address, first, n) == n
         table = link_table_of(dd).links
         async with asyncio.timeout(5):
-            while not table or any(link.broken is None for link in table.values()):
+            while len(table) < n or any(link.broken is None for link in table.values()):
                 await asyncio.sleep(0.01)
         with pytest.raises(LLMException) as refused:
             await dd.switch_role(LLMRole.DECODER)
-        assert refused.value.status_code == S.LLM_EXIST_LINK and "987654321" in str(refused.value), refused.value
-        status = await dd.unlink_clusters([cluster_info(987654321, ("127.0.0.1", 1))], force=True)
-        assert status[0] == S.LLM_SUCCESS, status
+        named = f"cluster ids {', '.join(map(str, range(first, first + 16)))} and 2 more)"
+        assert refused.value.status_code == S.LLM_EXIST_LINK and named in str(refused.value), refused.value
+        for ids in (range(first, first + 16), range(first + 16, first + n)):  # (16 clusters a call at most)
+            status = await dd.unlink_clusters([cluster_info(c, ("127.0.0.1", 1)) for c in ids], force=True)
+            assert status[0] == S.LLM_SUCCESS, status
         await dd.switch_role(LLMRole.DECODER)
 
 
