@@ -447,3 +447,15 @@ async def test_a_pull_whose_owner_deallocates_the_cache_right_after_answering_is
         values = fill(again, 6)
         await pair.dm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, again.cache_id, 1), dst, batch_index=2)
         assert all(bool((d[2] == v[1]).all()) for d, v in zip(dst.tensors, values))  # the link is fine
+        share = link.local  # a share that is gone as the pull reaches its copy stays LLM_LINK_FAILED
+        real_region = share.region
+
+        def region(cache_id):
+            share.close()  # the share ends (its socket lost) between the owner's answer and the copy
+            return real_region(cache_id)
+
+        share.region = region
+        with pytest.raises(LLMException) as info:
+            await pair.dm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, again.cache_id, 1), dst, batch_index=1,
+                                     timeout=5000)
+        assert info.value.status_code == S.LLM_LINK_FAILED and share.closed, info.value

@@ -307,6 +307,7 @@ async def test_an_endpoint_watched_again_or_made_anew_adds_to_one_series_per_clu
         assert sample(registry, "aio_datadist_transfers_total", **pulls) == 3
         assert sample(registry, "aio_datadist_link_events_total", cluster_id="2", event="down") == 1  # the first
         assert sample(registry, "aio_datadist_caches", cluster_id="2") == 2  # the live endpoint's gauges
+        assert len(metrics._watched) == 2  # the finalized first, which kv holds, stays watched past a scrape
     del pair, kv  # (the manager holds its endpoint, which stays watched while it lives)
     gc.collect()
     assert sample(registry, "aio_datadist_transfers_total", **pulls) == 3

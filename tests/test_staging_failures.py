@@ -199,20 +199,23 @@ async def test_a_stage_that_fails_while_the_receive_waits_for_a_buffer_fails_it_
     assert len(fills) == 2 and pool.held(link) == 0
 
 
-def _word_read_late(dd, cluster_id: int, delay_s: float) -> None:
+def _word_read_late(dd, cluster_id: int, delay_s: float, apart: bool = False) -> None:
     """Act ``delay_s`` late on what ``dd``'s link to ``cluster_id`` reads on its control connection from the
     first failure word (a ``RESP`` or ``DONE`` that is not a success) or ``ABORT`` on, in order: a data
     channel's reset is then seen before the word that came before it (they travel on different connections,
-    and the loop may read either first), while the owner's answer that started the job is read in time."""
+    and the loop may read either first), while the owner's answer that started the job is read in time.
+    ``apart``: one of them each ``delay_s`` (an owner's ABORT sent before its word would end the wait)."""
     link = usable_link(dd, cluster_id)
     loop = asyncio.get_running_loop()
     dispatch, queued = link._dispatch, []
 
     def drain() -> None:
-        events = queued[:]
-        queued.clear()
+        events = queued[:1] if apart else queued[:]
+        del queued[:len(events)]
         for event in events:
             dispatch(event)
+        if queued:
+            loop.call_later(delay_s, drain)
 
     def late(event) -> None:
         word = isinstance(event, protocol.Abort) or (
@@ -227,13 +230,13 @@ def _word_read_late(dd, cluster_id: int, delay_s: float) -> None:
     link._dispatch = late
 
 
-def _silent_after_reset(link) -> None:
+def _silent_after_reset(link, abort: bool = False) -> None:
     """``link`` (the owner's) resets channels and says nothing: no failure word, no ``ABORT`` (an owner on the
-    far side of a network reset, or a hostile one)."""
+    far side of a network reset, or a hostile one); with ``abort``, its ``ABORT`` of the channel goes still."""
     send = link.send
 
     def quiet(msg, req_id, **fields) -> None:
-        if msg in (Msg.ABORT, Msg.DONE) or (msg is Msg.RESP and fields.get("status", 0) != 0):
+        if (msg is Msg.ABORT and not abort) or msg is Msg.DONE or (msg is Msg.RESP and fields.get("status", 0) != 0):
             return
         send(msg, req_id, **fields)
 
@@ -265,7 +268,7 @@ async def test_an_owner_whose_device_copy_fails_says_why_and_the_link_stays(tran
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
         owner, requester = (pair.prompt, pair.decoder) if direction == "pull" else (pair.decoder, pair.prompt)
         if read_late:
-            _word_read_late(requester, DECODER_ID if direction == "push" else PROMPT_ID, 0.05)
+            _word_read_late(requester, DECODER_ID if direction == "push" else PROMPT_ID, 0.05, apart=True)
         backend = runtime_of(owner).devices
         backend.memcpy_batch = refuse
         try:
@@ -292,8 +295,9 @@ async def test_an_owner_whose_device_copy_fails_says_why_and_the_link_stays(tran
         assert all(same([d[1], d[2]], [v[1], v[2]]) for d, v in zip(dst.tensors, values, strict=True))
 
 
-@pytest.mark.parametrize("direction", ["pull", "push"])
-async def test_waiting_for_a_silent_owners_word_stays_within_the_call_s_bound(direction):
+@pytest.mark.parametrize(("direction", "abort"), [("pull", False), ("push", False), ("pull", True)],
+                         ids=["pull", "push", "pull-abort_only"])
+async def test_waiting_for_a_silent_owners_word_stays_within_the_call_s_bound(direction, abort):
     """Row 314's wait for the owner's word after a reset is bounded by the call's own time: an owner that resets
     the channel and says nothing (no word, no ABORT) holds a pull no longer than its timeout, and a push no longer
     than its timeout and ``ABORT_ACK_S`` (its cut's bound, row 35). The first form of row 314 waited a full
@@ -305,7 +309,7 @@ async def test_waiting_for_a_silent_owners_word_stays_within_the_call_s_bound(di
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
         owner, requester, peer = ((pair.decoder, pair.prompt, DECODER_ID) if direction == "push"
                                   else (pair.prompt, pair.decoder, PROMPT_ID))
-        _silent_after_reset(usable_link(owner, PROMPT_ID if owner is pair.decoder else DECODER_ID))
+        _silent_after_reset(usable_link(owner, PROMPT_ID if owner is pair.decoder else DECODER_ID), abort)
         backend = runtime_of(owner).devices
         backend.memcpy_batch = refuse
         loop = asyncio.get_running_loop()
@@ -320,6 +324,7 @@ async def test_waiting_for_a_silent_owners_word_stays_within_the_call_s_bound(di
             del backend.memcpy_batch
         took = loop.time() - start
         assert took < (0.5 + ABORT_ACK_S if direction == "push" else 0.5) + 0.2, took
+        assert not abort or took < 0.35, took  # the owner's ABORT ends the wait, not the call's time
         assert not link_to(requester, peer)._resets
 
 

@@ -322,3 +322,29 @@ async def test_a_layer_whose_push_was_cut_before_its_first_step_fails_with_its_d
         await progress.layers[1]
     assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED, str(info.value)
     assert "destination 1" in str(info.value)
+
+
+@pytest.mark.loops_take_turns
+async def test_a_layer_never_started_for_a_destination_that_failed_fails_with_its_code():
+    """Row 313's other half: a destination that failed at layer 0 (the owner refused it) gets no push of layer 1,
+    and layer 1 fails with its code, not ``LLM_FAILED``, while a second destination goes on."""
+    async with setup(decoders=2) as s:
+        src = s.blocks_src()
+        dst, _ = _canaried(s.decoders[0])
+        addrs = list(dst.per_device_tensor_addrs[0])
+        addrs[0] = 2**40  # layer 0's K lies nowhere: the owner refuses layer 0
+        gate = Gate()
+        gate.open(0)
+        task = s.pm.transfer_cache_async(src, gate, [TransferConfig(DECODER_ID, addrs),
+                                                     blocks_config(SECOND_DECODER_ID)], SRC_BLOCKS, DST_BLOCKS)
+        async with asyncio.timeout(5):
+            with pytest.raises(LLMException) as info:
+                await task.layer(0)
+            assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+            gate.open(*range(1, LAYERS))
+            with pytest.raises(LLMException) as info:
+                await task.layer(1)
+            assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID, str(info.value)
+            assert "destination 0" in str(info.value)
+            with pytest.raises(LLMException):
+                await task
