@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from aio_datadist.devices import headroom
+from aio_datadist.devices import headroom, host
 
 GIB = 1 << 30
 
@@ -329,3 +329,18 @@ def test_without_an_unmapping_thread_a_refusal_waits_for_nothing() -> None:
     started = time.monotonic()
     assert unmapper.wait_idle(2.0)
     assert time.monotonic() - started < 0.5 and unmapper._queue.qsize() == 0
+
+
+def test_the_room_read_is_spent_by_the_allocations_that_follow_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The room read is kept a while (no file read per small allocation) and spent by the allocations meanwhile:
+    a read of 200 MiB admits no more than 200 MiB of requests (each a page, its page tables and 16 MiB of slack),
+    however long it is kept. Here the memory is gone after the first read (another process took it)."""
+    rooms = iter([200 << 20])
+    monkeypatch.setattr(host, "memory_headroom", lambda: (next(rooms, 0), "of memory available"))
+    monkeypatch.setattr(host, "ROOM_TTL_S", 60.0)
+    monkeypatch.setattr(host, "_room", [float("-inf"), 0, ""])
+    regions = []
+    with pytest.raises(MemoryError):
+        for _ in range(20):
+            regions.append(host.HostRegion(host.PAGE_SIZE))
+    assert len(regions) * (host.PAGE_SIZE + host.POPULATE_SLACK) <= 200 << 20, len(regions)

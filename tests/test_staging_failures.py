@@ -412,6 +412,7 @@ async def test_a_staging_buffer_that_cannot_be_allocated_is_llm_out_of_memory_on
         code = S.LLM_OUT_OF_MEMORY if error == "shortage" else S.LLM_FAILED
         assert info.value.status_code == code and "staging buffer" in str(info.value), info.value
         del info
+        assert pool.live == 0  # a buffer that could not be made does not count against the pool's bound
         assert link_to(pair.decoder, PROMPT_ID).up
         values = fill(src, 10)
         await pull(pair, dst, [1, 2], 2000)

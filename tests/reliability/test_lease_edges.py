@@ -371,6 +371,8 @@ async def test_a_lease_whose_cache_was_freed_lets_go_of_its_timer_at_once(keys_g
         assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
         dst = dec.kv_cache_manager.allocate_cache(ROWS)
         leases = []
+        owners = dd._endpoint.owners
+        held_before = owners._left  # a running lease holds the endpoint for the caller (owners.hold)
         for request in range(20):
             keys = keys_for(100 + 10 * request, 2)
             cache = kv.allocate_cache(ROWS, keys, lease_ms=2**31 - 1)
@@ -389,6 +391,7 @@ async def test_a_lease_whose_cache_was_freed_lets_go_of_its_timer_at_once(keys_g
                 await asyncio.sleep(0.005)
             assert (cache.alive, lease.active, lease.expired, lease.deadline) == (False, False, True, None)
             assert timer.cancelled()
+            assert owners._left == held_before  # the ended lease holds the endpoint no longer
             with pytest.raises(LLMException) as info:
                 lease.renew(10)
             assert info.value.status_code == S.LLM_PARAM_INVALID

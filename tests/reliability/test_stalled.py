@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import random
 import socket
@@ -615,6 +616,32 @@ async def test_a_stopped_peer_is_caught_however_often_the_loop_is_held(fork_serv
                 assert took < 0.5 + 1.0, f"the stopped peer's link failed {took:.2f} s after the stop"
             finally:
                 peer.resume()
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # asyncio's loop reads before it runs timers
+async def test_an_answer_to_the_last_probe_that_waits_unread_keeps_the_link(fork_server):
+    """Our loop held past the bound, then again right after the last PROBE, while the peer (another process, a
+    longer interval: it sends nothing unasked) answers it: the answer waits unread when the last interval's timer
+    fires, and the turn of the loop the heartbeat gives it before judging reads it (uvloop runs timers first)."""
+    async with forked(dataclasses.replace(SILENT_PROMPT, config=(("transport", "tcp"), ("heartbeat_interval", 5000)))) \
+            as (peer,), endpoint(LLMRole.DECODER, DECODER, transport="tcp", heartbeat_interval=100) as dd:
+        assert (await dd.link_clusters([cluster_info(PROMPT, peer.address)]))[0] == S.LLM_SUCCESS
+        loop = asyncio.get_running_loop()
+        r, w = socket.socketpair()
+        # a hold in an I/O callback (the peer answers meanwhile): uvloop runs the timers next
+        loop.add_reader(r, lambda: (r.recv(1), time.sleep(0.6)))
+        try:
+            await asyncio.sleep(0.25)  # heartbeats answered
+            second = asyncio.ensure_future(asyncio.sleep(0.11))  # due after the heartbeat: right after its PROBE
+            second.add_done_callback(lambda _: w.send(b"x"))
+            await asyncio.sleep(0)
+            time.sleep(0.6)  # past the bound (5 intervals): the heartbeat's next wake sends the last PROBE
+            await second
+            await asyncio.sleep(0.5)
+            await dd.check_link_status(PROMPT)
+        finally:
+            loop.remove_reader(r)
+            r.close(), w.close()
 
 
 async def _hold_later(seconds: float, after: float) -> None:

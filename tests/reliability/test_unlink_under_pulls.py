@@ -138,6 +138,50 @@ async def test_a_pull_that_waited_for_a_channel_through_our_unlink_leaves_it_unt
         assert set(cuts) == {S.LLM_NOT_YET_LINK}, cuts
 
 
+@pytest.mark.asyncio
+async def test_a_pull_cut_after_our_unlink_is_not_redialled(monkeypatch):
+    """A pull in flight on the one data channel is cancelled after we sent ``UNLINK`` (the peer slow to answer
+    it): its channel is reset but not redialled (the peer lets the link go), and the unlink succeeds."""
+    settle, redial = links.Link.settle_served, links.Link._redial
+    late: list[Any] = []
+
+    async def slow_settle(self: links.Link, *, pushes_only: bool = False, **kwargs: Any) -> None:
+        await settle(self, pushes_only=pushes_only, **kwargs)
+        if not self.is_client and not pushes_only:  # the prompt's end, answering the decoder's UNLINK
+            await asyncio.sleep(0.3)
+
+    async def watched_redial(self: links.Link, index: int, generation: int, done: asyncio.Future) -> None:
+        if self.unlinking:
+            late.append(("redial", index))
+        await redial(self, index, generation, done)
+
+    monkeypatch.setattr(links.Link, "settle_served", slow_settle)
+    monkeypatch.setattr(links.Link, "_redial", watched_redial)
+    desc = CacheDesc(4, (64, 65536), DataType.DT_FLOAT, Placement.HOST)
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, transport="tcp", data_channels=1) as prompt, \
+            endpoint(LLMRole.DECODER, 2, transport="tcp", data_channels=1) as dec:
+        prompt.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+        assert (await dec.link_clusters([cluster_info(1, prompt.listen_address)]))[0] == S.LLM_SUCCESS
+        link = link_table_of(dec).links[1]
+        dst = dec.kv_cache_manager.allocate_blocks_cache(desc)
+        blocks = list(range(64))
+        pull = asyncio.ensure_future(dec.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks))
+        for _ in range(1000):
+            if link.pending:
+                break
+            await asyncio.sleep(0)
+        unlink = asyncio.ensure_future(dec.unlink_clusters([cluster_info(1, prompt.listen_address)], 3000))
+        for _ in range(1000):
+            if link.unlinking:
+                break
+            await asyncio.sleep(0)
+        assert link.unlinking and not pull.done()
+        pull.cancel()
+        await asyncio.gather(pull, return_exceptions=True)
+        assert (await unlink)[0] == S.LLM_SUCCESS
+        assert late == [], late
+
+
 async def unlink_with_a_redial_under_way(monkeypatch: Any, *, we_accept: bool, tls: bool) -> list[tuple[S, str]]:
     """Three rounds: the decoder's 64-block pull is cancelled (its one data channel reset, the redial on its way,
     ``delay`` as over a network), and one end unlinks at once while the other is slow to answer (its settle of
