@@ -675,8 +675,9 @@ async def test_an_attempt_that_raises_reads_failed_and_unlinks(monkeypatch, capl
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("end", ["waiting", "dialling"])
-async def test_no_transfer_of_ours_while_the_comm_is_preparing(monkeypatch, end):
+@pytest.mark.parametrize("end, step", [("waiting", "_share_with"), ("dialling", "_share_with"),
+                                       ("dialling", "_require_transport")])  # (its last step: NIXL done too)
+async def test_no_transfer_of_ours_while_the_comm_is_preparing(monkeypatch, end, step):
     """Both ends' links are in their tables while the dialler still sets its link up (its share, NIXL): our own
     transfers on it fail LLM_NOT_YET_LINK until the comm reads OK ("wait until query_register_mem_status returns
     OK", as the reference says), on both ends, then move the right bytes. Before, a pull went through while the
@@ -692,16 +693,16 @@ async def test_no_transfer_of_ours_while_the_comm_is_preparing(monkeypatch, end)
                                    4)}
         puller, owner = (d, PROMPT_ID) if end == "waiting" else (p, DECODER_ID)  # the prompt's end dials
         dst = puller.cache_manager.allocate_blocks_cache(BLOCKS_DESC)
-        original = LinkTable._share_with
+        original = getattr(LinkTable, step)
         dialler = p._require_links()
         held = asyncio.Event()
 
-        async def slow_set_up(self: Any, link: Any, ok: Any) -> None:
+        async def slow_set_up(self: Any, link: Any, *args: Any) -> None:
             if self is dialler:
                 await held.wait()
-            await original(self, link, ok)
+            await original(self, link, *args)
 
-        monkeypatch.setattr(LinkTable, "_share_with", slow_set_up)
+        monkeypatch.setattr(LinkTable, step, slow_set_up)
         info, table = {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP)
         comm_d = await d.link("c", info, table)
         comm_p = await p.link("c", info, table)

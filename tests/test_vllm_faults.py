@@ -117,5 +117,7 @@ def test_a_text_option_of_another_json_type_is_refused_naming_it(monkeypatch, na
     assert (caught.value.__context__, caught.value.__cause__) == (None, None), repr(caught.value.__context__)
     if name == "shared_secret":
         assert "s3cret" not in str(caught.value) and "12345678" not in str(caught.value), str(caught.value)
+        json_type = {bool: "boolean", int: "number", list: "array", dict: "object"}[type(value)]
+        assert f"must be a string, got a JSON {json_type} " in str(caught.value), str(caught.value)  # its type, named
     assert AgentOptions.from_extra({name: "10.0.0.5"}).shared_secret == (
         "10.0.0.5" if name == "shared_secret" else "the-real-secret")  # a string is taken as before

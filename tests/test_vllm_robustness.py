@@ -373,7 +373,7 @@ def _pending(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task]:
     return [t for t in asyncio.all_tasks(loop) if not t.done()]
 
 
-def test_a_decode_closed_with_pulls_in_flight_ends_them_before_the_loop_closes(agents) -> None:  # noqa: F811
+def test_a_decode_closed_with_pulls_in_flight_ends_them_before_the_loop_closes(agents, caplog) -> None:  # noqa: F811
     """vLLM shuts a decode down with a pull moving bytes (a slow data path) and another waiting for its claim:
     ``close`` cancels and awaits both (each ends aborted) before the loop closes, and the side channel they
     used is marked lost. Before, their tasks were left pending on the closed loop, and a reply reader
@@ -392,6 +392,8 @@ def test_a_decode_closed_with_pulls_in_flight_ends_them_before_the_loop_closes(a
         assert not left, f"{len(left)} tasks left pending on the closed loop: {left}"
         assert not decode.pulls.pending() and decode.pulls.take_finished()[:2] == ({"d1", "d2"}, {"d1", "d2"})
         assert peer.broken is not None, "a side channel whose reader was cancelled still looks alive"
+        # each ended aborted (not logged), not failed by its side channel closed under it first
+        assert not [r for r in caplog.records if "pull from" in r.getMessage()], caplog.text[-2000:]
 
 
 def test_a_decode_closed_while_dialling_dials_nothing_more(agents) -> None:  # noqa: F811

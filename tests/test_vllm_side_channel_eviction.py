@@ -39,9 +39,11 @@ def _loads(decode, req_id: str, remote) -> bool:
     return req_id not in failed
 
 
-def _keepalive(sock: Any) -> tuple[int, int]:
+def _keepalive(sock: Any) -> tuple[int, int, int, int]:
     return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
-            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE))
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),  # a host gone is found within about 45 s
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT))
 
 
 def test_decodes_that_vanished_are_evicted_when_the_table_is_full(agents, monkeypatch) -> None:
@@ -72,7 +74,7 @@ def test_decodes_that_vanished_are_evicted_when_the_table_is_full(agents, monkey
         assert _loads(honest, "d9", _remote("engine-p", prefill.side_channel, "r9", [7])), (
             f"a new decode is refused: the table holds {len(prefill._conns)} connections of vanished decodes")
         assert gone_writers[0] not in prefill._conns and gone_writers[1] in prefill._conns  # the idlest went
-        expected = (1, vllm_agent.KEEPALIVE_IDLE_S)
+        expected = (1, vllm_agent.KEEPALIVE_IDLE_S, vllm_agent.KEEPALIVE_INTERVAL_S, vllm_agent.KEEPALIVE_COUNT)
         peer = honest._peers[prefill.side_channel].result()
         assert [_keepalive(w.get_extra_info("socket")) for w in (*prefill._conns, peer.writer)] == [expected] * 3
     finally:
@@ -217,6 +219,14 @@ def test_a_connection_counts_as_idle_from_its_admission_not_its_accept(agents, m
         assert newcomer.ask("hello")["ok"]
         assert (slow.closed(), idle.closed()) == (False, True), "the connection admitted last was evicted"
         assert len(prefill._established) == 3
+        prefill.holds.add("r2", lease_s=60)  # the newcomer claims (no grace left) and is done; then slow speaks
+        assert newcomer.ask("claim", req="r2")["ok"] and newcomer.ask("done", req="r2")["ok"]
+        assert slow.ask("hello")["ok"]  # its last frame, read after the newcomer's: idle for less time
+        clients.append(last := _Client(loop, prefill.side_channel))
+        last.dial(SECRET)
+        assert last.ask("hello")["ok"]
+        assert newcomer.closed(), "weighed by its admission, not by its last frame"
+        assert slow.ask("hello")["ok"] and len(prefill._established) == 3
     finally:
         for c in clients:
             c.close()

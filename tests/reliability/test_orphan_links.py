@@ -47,7 +47,7 @@ from aio_datadist import (
 )
 from aio_datadist.leases import lease_of
 from aio_datadist.testing import link_count, link_table_of
-from peers import CacheSpec, EndpointSpec, cluster_info, fill
+from peers import CacheSpec, EndpointSpec, cluster_info, fill, linked_pair
 
 from _forked import forked
 from _harness import endpoint, open_fds, options
@@ -412,6 +412,23 @@ def test_a_run_that_ends_with_a_transfer_in_flight_finalizes_its_endpoints_quiet
         assert out["relisten"] == "ok" and out["links_closed"] == [True, True], out
     elif case == "cut-closed":  # (a link's transport of the closed asyncio loop cannot close: as for "closed")
         assert out["relisten"] == "ok", out
+
+
+@pytest.mark.asyncio
+async def test_a_link_out_of_the_table_whose_close_was_cut_before_its_first_step_is_closed_by_finalize():
+    """Row 326: a link out of the table (the peer's UNLINK answered: ``Link.close_task``) whose close a cancel cut
+    before its first step is closed by ``finalize`` (``LinkTable._dropped``). The loop-exit child's cases reach
+    it only as timing allows (they did not here: their cut closes had run their first step)."""
+    async with linked_pair() as pair:
+        table = link_table_of(pair.decoder)
+        (link,) = table.links.values()
+        table.forget(link)  # as the peer's UNLINK does, then its close, cut before its first step
+        link.close_task = asyncio.get_running_loop().create_task(link.close("unlinked by the peer"))
+        link.close_task.cancel()
+        await asyncio.wait([link.close_task])
+        assert not link.closed
+        await asyncio.wait_for(pair.decoder.finalize(), 5)
+        assert link.closed, "finalize left a link whose close was cut unclosed"
 
 
 @pytest.mark.asyncio
