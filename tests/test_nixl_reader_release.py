@@ -187,6 +187,29 @@ async def test_a_read_in_flight_into_a_released_destination_stops_before_the_rel
 
 @needs_nixl
 @pytest.mark.nixl
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_read_whose_rows_all_landed_before_its_task_woke_fails_when_released_meanwhile(monkeypatch):
+    """Row 282: every row of the READ landed, and the destination is released before the pull's task goes on
+    (its memory is the caller's again): the pull fails ``LLM_KV_CACHE_NOT_EXIST``, never ``LLM_SUCCESS``."""
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        mine, dst, agent = await granted_into_registered(pair)
+        real, released = nixl_plane._settled, []
+
+        async def settled_then_released(posted: Any, *args: Any) -> None:
+            await real(posted, *args)
+            if posted[0].result() > 8:  # the rows' READ (not the ledger word's): every row landed
+                pair.dm.deallocate_cache(dst)  # in the pass the READ settled, before the pull's task goes on
+                released.append(True)
+
+        monkeypatch.setattr(nixl_plane, "_settled", settled_then_released)
+        with pytest.raises(LLMException) as info:
+            await asyncio.wait_for(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, ALL, ALL), 5)
+        assert released, "the READ was not left in progress: nothing tested"
+        assert info.value.status_code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, info.value
+
+
+@needs_nixl
+@pytest.mark.nixl
 @pytest.mark.asyncio(loop_factories=["asyncio"])  # the engine's waits do not depend on the loop
 async def test_a_release_of_a_read_still_queued_behind_a_long_worker_call_returns_at_once(caplog: Any) -> None:
     """Our NIXL worker is in a long call (a large registration, a metadata load: 1.2 s here) with the rows' READ

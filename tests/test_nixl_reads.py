@@ -303,9 +303,15 @@ async def test_revokes_and_readys_past_what_an_honest_peer_sends_are_protocol_er
             peer.on_message(record(nixl_grants.REVOKE, src.cache_id))
         peer.granted.read_ended(src.cache_id)
         assert [r[:2] for r in held[1:]] == [(nixl_grants.REVOKED, src.cache_id)]
+        peer.granted.on_grant(79, 0, nixl_grants.GRANT_INFO.pack(2**40, 0, 0, 1))  # another grant ...
+        assert peer.granted.read_started(79)  # ... that a read of ours has in flight as we give NIXL up
         peer.decline("the test gives NIXL up", tell=False)
+        peer.on_message(record(nixl_grants.REVOKE, 79))  # granted before we declined: answered as the read ends
+        assert [r[:2] for r in held[1:]] == [(nixl_grants.REVOKED, src.cache_id)]
+        peer.granted.read_ended(79)
         peer.on_message(record(nixl_grants.REVOKE, 78))  # granted after we declined: honest, answered
-        assert [r[:2] for r in held[1:]] == [(nixl_grants.REVOKED, src.cache_id), (nixl_grants.REVOKED, 78)]
+        assert [r[:2] for r in held[1:]] == [(nixl_grants.REVOKED, src.cache_id), (nixl_grants.REVOKED, 79),
+                                             (nixl_grants.REVOKED, 78)]
 
 
 def hold_sent(dd, kinds: set[int]) -> list[tuple]:

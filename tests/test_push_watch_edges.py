@@ -8,9 +8,11 @@ only; polling a pending layer holds nothing; a cache no peer can push into canno
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import gc
+import pathlib
 import threading
 import weakref
 from collections.abc import AsyncIterator
@@ -21,6 +23,7 @@ import torch
 from peers import BLOCKS_DESC, DECODER_ID, linked_pair, options
 from test_layerwise_cache_to_blocks import Ready, link, v2_pair
 
+import aio_datadist
 from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
@@ -254,3 +257,14 @@ async def test_a_timed_wait_cancelled_in_the_pass_its_watch_completes_is_cancell
             waiting.cancel()  # ... and the caller gives up in the same pass
             with pytest.raises(asyncio.CancelledError):
                 await waiting
+
+
+async def test_no_bounded_wait_of_the_package_uses_asyncio_wait_for() -> None:
+    """Row 281: every bounded wait of the package uses ``asyncio.timeout`` (``wait_for`` drops a cancel that
+    comes in the pass its awaitable completes, on Python 3.11), not only ``watch.wait``."""
+    root = pathlib.Path(aio_datadist.__file__).parent
+    found = [f"{path.relative_to(root)}:{node.lineno}" for path in sorted(root.rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Attribute) and node.attr == "wait_for"
+             and isinstance(node.value, ast.Name) and node.value.id == "asyncio"]
+    assert not found, f"asyncio.wait_for in {found}"

@@ -161,12 +161,13 @@ async def test_a_call_cut_while_it_replaces_the_crossed_link_leaves_no_link_behi
         with dials_held_until_accepted(a, B), dials_held_until_accepted(b, A), dialled_links(a) as made:
             gated = table_b.dial_data  # b's gate, which loser_waits goes through (restored on leaving)
             table_b.dial_data = loser_waits  # type: ignore[method-assign]
-            (_, [code_a]), _ = await asyncio.gather(
+            (_, [code_a]), (_, [code_b]) = await asyncio.gather(
                 a.link_clusters([cluster_info(B, port_of(b))], timeout=timeout_ms),
                 b.link_clusters([cluster_info(A, port_of(a))], timeout=5000))
         await asyncio.gather(*finalizing)
         # (finalize: or the call got through before finalize reached it, and finalize then closed the link)
         assert code_a in ((S.LLM_LINK_FAILED, S.LLM_SUCCESS) if cut == "finalize" else (S.LLM_TIMEOUT,))
+        assert code_b == S.LLM_ALREADY_LINK, code_b  # the winner cut the loser's dial as it set up (row 280)
         async with asyncio.timeout(3):  # the peer hears our dial's UNLINK
             while (left := link_to(b, A)) is not None and not left.down:
                 await asyncio.sleep(0.01)

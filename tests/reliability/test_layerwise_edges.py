@@ -296,6 +296,8 @@ async def test_a_layer_refused_while_the_one_before_waits_for_its_done_leaves_th
                 with pytest.raises(LLMException) as info:
                     await task.layer(later)
                 assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID, (later, str(info.value))
+                cut = str(info.value)  # a push cut says so, and at which layer its destination failed
+                assert "cut" not in cut or "cut, destination 0 failed at layer 1 " in cut, (later, cut)
             assert (await task.get_results())[0] == LLMStatusCode.LLM_PARAM_INVALID
     finally:
         TRANSPORT["default"] = "tcp"
