@@ -45,13 +45,14 @@ if sys.argv[1:] == ["slow"]:
     original_init = LLMDataDist._init
 
     async def slow_init(self: LLMDataDist, options: object) -> None:  # the worker's (the main one's ran already)
-        listen = self._dd.init
+        listen = self._dd._open  # what the facade's init awaits
 
-        async def listen_then_linger(opts: object) -> None:  # listening already, the init not returned yet
-            await listen(opts)  # type: ignore[arg-type]
+        async def listen_then_linger(opts: object) -> object:  # listening already, the init not returned yet
+            started = await listen(opts)  # type: ignore[arg-type]
             await asyncio.sleep(0.3)
+            return started
 
-        self._dd.init = listen_then_linger  # type: ignore[method-assign]
+        self._dd._open = listen_then_linger  # type: ignore[method-assign]
         await original_init(self, options)  # type: ignore[arg-type]
 
 

@@ -169,12 +169,13 @@ def test_an_init_let_through_as_the_exit_began_but_sent_after_is_finalized_by_it
         assert "listening after the exit: []" in proc.stdout, proc.stdout
 
 
-@pytest.mark.parametrize("linger", ["0.3", "0.8"])
+@pytest.mark.parametrize("linger", ["0.3", "0.8", "late"])
 def test_an_init_on_the_loop_as_the_exit_began_that_lingers_is_finalized_by_itself(linger):
     """Row 327: an ``init`` already on the facade's loop as the exit began (its first wait saw it) that ends
     after that wait (0.5 s) and after the last finalizes is waited for too (``compat._INITS``), and finalizes
     its endpoint itself. Before, only calls sent after the first wait were (found by the review of
-    ``LATE_CALLS_S``: with 0.8 s the endpoint listened on after the exit, 4 runs of 4)."""
+    ``LATE_CALLS_S``: with 0.8 s the endpoint listened on after the exit, 4 runs of 4). ``late``: the init ends
+    0.8 s into the late wait, which waits ``LATE_CALLS_S`` (a late wait of ``STOP_CALLS_S`` passed; audit)."""
     child = pathlib.Path(__file__).with_name("compat_exit_lingering_init_child.py")
     proc = subprocess.run([sys.executable, str(child), linger], capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0 and "main returns" in proc.stdout, proc.stderr[-3000:]

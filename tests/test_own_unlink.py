@@ -8,6 +8,7 @@ peer's unlink reads ``LLM_NOT_YET_LINK`` ("was unlinked").
 
 from __future__ import annotations
 
+import array
 import asyncio
 import dataclasses
 from typing import Any
@@ -16,8 +17,9 @@ import pytest
 from peers import DECODER_ID, PROMPT_ID, cluster_info, linked_pair, port_of
 from test_layerwise import DST_BLOCKS, LAYERS, SRC_BLOCKS, Gate, blocks_config, setup
 
-from aio_datadist import LLMException, LLMStatusCode, links, wire
+from aio_datadist import CacheDesc, CacheKeyByIdAndIndex, DataType, LLMException, LLMStatusCode, Placement, links, wire
 from aio_datadist.testing import link_to
+from aio_datadist.transport.stream import StreamPlane
 from aio_datadist.wire import Msg
 
 pytestmark = pytest.mark.asyncio
@@ -101,3 +103,48 @@ async def test_an_unlink_whose_link_breaks_before_it_told_the_peer_says_so(monke
         code = LLMStatusCode.LLM_SUCCESS if force else LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
         assert status == (code, [code])
         assert link_to(pair.decoder, PROMPT_ID) is None
+
+
+async def test_a_pull_moving_bytes_when_our_unlink_comes_reads_unlinked(monkeypatch) -> None:
+    """The owner sent the first bytes of our pull and holds the rest when we unlink: it stops the job, answers and
+    closes its end. Our pull's data channel sees that close first (the control link is held until it did): the pull
+    reads "unlinked" (LLM_NOT_YET_LINK), not ``LLM_LINK_FAILED``, and the link is not broken (found by audit,
+    2026-12-07)."""
+    real = StreamPlane._serve_move
+    sent: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def first_bytes_then_hold(self: Any, rt: Any, link: Any, msg: Any, req_id: int, req: Any, served: Any,
+                              answer: Any) -> asyncio.Future:
+        # The answer's header and half the first run of the row, then nothing more
+        part = dataclasses.replace(served, pairs=array.array("Q", (served.pairs[0], served.pairs[1] // 2)))
+        real(self, rt, link, msg, req_id, req, part, answer).add_done_callback(lambda f: sent.set_result(None))
+        return asyncio.get_running_loop().create_future()  # the rest: held until the unlink stops it
+
+    monkeypatch.setattr(StreamPlane, "_serve_move", first_bytes_then_hold)
+    row = CacheDesc(1, (1, 1 << 16), DataType.DT_FLOAT16, Placement.HOST)
+    async with linked_pair(link=False) as pair:
+        src, dst = pair.pm.allocate_cache(row), pair.dm.allocate_cache(row)
+        await pair.link()
+        link = link_to(pair.decoder, PROMPT_ID)
+        assert link is not None
+        real_unlink, real_reset = link.send_unlink, link.peer_reset
+
+        def send_unlink(req_id: int) -> None:  # the peer's answer and close are read once our pull saw its channel go
+            real_unlink(req_id)
+            link.writer.transport.pause_reading()
+
+        def peer_reset(index: int, generation: int) -> asyncio.Future:
+            link.writer.transport.resume_reading()
+            return real_reset(index, generation)
+
+        link.send_unlink, link.peer_reset = send_unlink, peer_reset  # type: ignore[method-assign]
+        pull = asyncio.ensure_future(pair.dm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 0), dst, 0,
+                                                        timeout=5000))
+        async with asyncio.timeout(5):
+            await sent
+            await pair.unlink()
+            with pytest.raises(LLMException) as info:
+                await pull
+        assert info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK, info.value
+        assert link.broken is None, link.broken
+        del src, dst
