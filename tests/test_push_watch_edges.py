@@ -267,4 +267,10 @@ async def test_no_bounded_wait_of_the_package_uses_asyncio_wait_for() -> None:
              for node in ast.walk(ast.parse(path.read_text(), str(path)))
              if isinstance(node, ast.Attribute) and node.attr == "wait_for"
              and isinstance(node.value, ast.Name) and node.value.id == "asyncio"]
+    found += [f"{path.relative_to(root)}:{node.lineno}" for path in sorted(root.rglob("*.py"))
+              for node in ast.walk(ast.parse(path.read_text(), str(path)))
+              if isinstance(node, ast.ImportFrom) and node.module == "asyncio"
+              and any(alias.name == "wait_for" for alias in node.names)]
+    found += [f"{path.relative_to(root)}:{n}" for pattern in ("*.pyx", "*.pxi") for path in sorted(root.rglob(pattern))
+              for n, line in enumerate(path.read_text().splitlines(), 1) if "asyncio.wait_for(" in line.split("#")[0]]
     assert not found, f"asyncio.wait_for in {found}"

@@ -343,4 +343,4 @@ def test_the_room_read_is_spent_by_the_allocations_that_follow_it(monkeypatch: p
     with pytest.raises(MemoryError):
         for _ in range(20):
             regions.append(host.HostRegion(host.PAGE_SIZE))
-    assert len(regions) * (host.PAGE_SIZE + host.POPULATE_SLACK) <= 200 << 20, len(regions)
+    assert 0 < len(regions) and len(regions) * (host.PAGE_SIZE + host.POPULATE_SLACK) <= 200 << 20, len(regions)

@@ -377,6 +377,7 @@ async def test_a_lease_whose_cache_was_freed_lets_go_of_its_timer_at_once(keys_g
             keys = keys_for(100 + 10 * request, 2)
             cache = kv.allocate_cache(ROWS, keys, lease_ms=2**31 - 1)
             fill(cache, request)
+            assert owners._left == held_before + 1  # the running lease holds the endpoint
             lease = lease_of(cache)
             timer = lease._timer
             kv.deallocate_cache(cache)
