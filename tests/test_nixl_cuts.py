@@ -202,11 +202,24 @@ async def test_a_read_without_asking_that_needs_the_owners_progress_longer_than_
     # UCX's TCP reads do not wait for it).
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setattr(nixl_plane, "NUDGE_HOLD_S", HOLD_S, raising=False)
+    sent: list[float] = []  # when each NUDGE went out (loop time)
+    real_nudge = nixl_grants.ReadGrants.nudge
+
+    def nudge(self: Any) -> None:
+        before = self._nudged
+        real_nudge(self)
+        if self._nudged != before:
+            sent.append(self._nudged)
+
+    monkeypatch.setattr(nixl_grants.ReadGrants, "nudge", nudge)
     async with granted_over_ucx_tcp(TCP_READ, _tcp_owner) as (owner, decoder, dst, engine):
         before = engine.posted
         await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL[:8], ALL[:8], timeout=5000)
         assert same(snapshot(dst), owner.expected("src"))
         assert engine.posted - before == 1  # read without asking: one READ of the rows (ledger words uncounted)
+        # nudged again before the owner's progress ran out (NUDGE_HOLD_S / 2 apart; a loaded loop makes it late)
+        gaps = sorted(b - a for a, b in zip(sent, sent[1:]))
+        assert len(gaps) >= 2 and gaps[0] < HOLD_S, gaps
 
 
 _UNLINKED_DESC = CacheDesc(2, (128, 1 << 20), DataType.DT_UINT8, Placement.HOST)  # 2 x 128 MiB
