@@ -19,6 +19,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from test_core_fork import FREEZER
 from test_core_fork import run as run_script
 
 
@@ -88,32 +89,91 @@ def test_submit_racing_close_is_refused_or_gets_its_record(kind):
     assert f"OUTCOME ['refused: {closed}']" in out or ("RECORDS [(7, -125, " in out and "PENDING 0" in out), out
 
 
-#: Two threads close one object at once, many times over; both must return, and every object is let go of.
+def test_a_submit_the_leaving_socket_thread_never_looked_at_gets_its_record():
+    """The engine thread leaves (its epoll_wait fails) with a job queued since its last look at the commands:
+    the job still ends with its record (CANCELLED), and a later submit is refused."""
+    out = run_script(FREEZER, """
+    import select, socket
+    import numpy as np
+
+    def epolls():
+        found = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventpoll]":
+                    found.add(int(fd))
+            except OSError:  # the listing's own descriptor, closed already
+                pass
+        return found
+
+    q = _core.CompletionQueue()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    threads, polls = tids(), epolls()
+    eng = _core.SocketEngine(q)
+    (io_tid,) = tids() - threads
+    (epfd,) = epolls() - polls
+    freeze(io_tid)
+    for _ in range(100_000):  # until it sleeps in its handler, out of epoll_wait
+        if open(f"/proc/self/task/{io_tid}/syscall").read().split()[0] in ("35", "230"):
+            break
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, epfd)  # its next epoll_wait fails (EINVAL): the thread leaves without another look
+    os.close(null)
+    buf = np.zeros(2, np.uint8)
+    eng.submit_recv(7, a.fileno(), np.array([buf.ctypes.data, 1], np.uint64))
+    got = q.drain() if select.select([q.fileno()], [], [], 3)[0] else []
+    print("RECORDS", got, "PENDING", eng.pending())
+    try:
+        eng.submit_recv(8, a.fileno(), np.array([buf.ctypes.data + 1, 1], np.uint64))
+    except ValueError as exc:
+        print("LATER", exc)
+    eng.close()
+    q.close()
+    a.close()
+    b.close()
+    """)
+    assert "RECORDS [(7, -125, 0)] PENDING 0" in out and "LATER SocketEngine is closed" in out, out
+
+
+#: Two threads close one object at once, many times over; both must return, and every object is let go of. An
+#: engine or stream has work under way (a 4 MiB copy, a receive, a wait on a gate): whichever close() returns,
+#: that has ended by then (pending() is 0).
 DOUBLE_CLOSE = """
-    import sys, threading, time
+    import socket, sys, threading, time
+    import numpy as np
     from aio_datadist import _core
 
     kind, rounds = sys.argv[1], int(sys.argv[2])
+    src, dst = np.ones(4 << 20, np.uint8), np.zeros(4 << 20, np.uint8)
     for i in range(rounds):
         q = _core.CompletionQueue()
         stream = gate = None
         if kind == "copy":
             obj = _core.HostCopyEngine(q, threads=2)
+            obj.submit(1, np.array([dst.ctypes.data, src.ctypes.data, dst.nbytes], np.uint64))
         elif kind == "socket":
             obj = _core.SocketEngine(q)
+            a, b = socket.socketpair()
+            a.setblocking(False)
+            buf = np.zeros(1, np.uint8)
+            obj.submit_recv(1, a.fileno(), np.array([buf.ctypes.data, 1], np.uint64))
         elif kind == "stream":
             obj = _core.HostStream()
+            held = obj.gate()  # the close releases it
         else:
             obj = _core.StreamNotifier(q, "host")
             stream = _core.HostStream()
             gate = stream.gate()
             obj.notify(1, stream.handle)  # both closes wait on it, until the gate opens
         both = threading.Barrier(3 if gate else 2)
-        said = []
+        said, left = [], []
 
         def close():
             both.wait()
             said.append(obj.close())
+            if kind != "notifier":
+                left.append(obj.pending())
 
         threads = [threading.Thread(target=close, daemon=True) for _ in range(2)]
         for t in threads:
@@ -130,6 +190,11 @@ DOUBLE_CLOSE = """
         if kind == "notifier":
             assert said == [True, True], said
             stream.close()
+        else:
+            assert left == [0, 0], (i, left)
+        if kind == "socket":
+            a.close()
+            b.close()
         q.close()
     print("LIVE", {k: v for k, v in _core.live_objects().items() if v})
 """

@@ -333,7 +333,7 @@ def test_a_forked_child_closes_a_queue_whose_lock_a_parent_thread_held():
 # record and submits a new job under token 1 (on the same socket, or on a fresh one the engine has no state
 # for); the stale cancel is applied after that.
 CANCEL_REUSE = '''
-import array, select, socket
+import array, select, socket, threading
 import numpy as np
 
 
@@ -361,6 +361,8 @@ one = np.zeros(8, np.uint8)
 eng.submit_recv(1, a.fileno(), array.array("Q", [one.ctypes.data, 1]))
 for i, ((b, _), buf) in enumerate(zip(others, bufs)):
     eng.submit_recv(100 + i, b.fileno(), array.array("Q", [buf.ctypes.data, buf.nbytes]))
+if where != "detached":  # the newest job, queued behind 1 on its socket: not the cancel's
+    eng.submit_recv(2, a.fileno(), array.array("Q", [one.ctypes.data + 2, 1]))
 time.sleep(0.05)
 freeze(io_tid)
 time.sleep(0.05)
@@ -373,6 +375,10 @@ for _, b2 in others:
             view = view[b2.send(view):]
         except BlockingIOError:
             break
+if where == "detached":  # the cancel is applied after a detach of its fd: it finds no state there
+    detacher = threading.Thread(target=eng.detach, args=(a.fileno(),))
+    detacher.start()
+    time.sleep(0.05)
 print("cancel(1):", eng.cancel(1), flush=True)
 records, resubmitted = [], False
 deadline = time.monotonic() + 5
@@ -382,25 +388,33 @@ while time.monotonic() < deadline:
         records.append(rec)
         if rec[0] == 1 and not resubmitted:
             resubmitted = True  # token 1 is over: the caller may use it again
-            sock, peer = (a, a2) if where == "same" else (fresh, fresh2)
+            sock, peer = (fresh, fresh2) if where == "fresh" else (a, a2)
             eng.submit_recv(1, sock.fileno(), array.array("Q", [one.ctypes.data + 1, 1]))
+            if where != "detached":
+                a2.send(b"c")  # token 2's byte (on the same socket, it comes before the new job's)
             peer.send(b"y")
-    if resubmitted and sum(1 for r in records if r[0] == 1) >= 2:
+    if resubmitted and sum(1 for r in records if r[0] in (1, 2)) >= (2 if where == "detached" else 3):
         break
 print("token 1 records:", [r for r in records if r[0] == 1], flush=True)
 print("second byte:", bytes(one[1:2]), flush=True)
+print("token 2 records:", [r for r in records if r[0] == 2], "byte:", bytes(one[2:3]), flush=True)
+if where == "detached":
+    detacher.join(5)
 eng.close(); q.close()
 '''
 
 
-@pytest.mark.parametrize("where", ["same", "fresh"])
+@pytest.mark.parametrize("where", ["same", "fresh", "detached"])
 def test_a_stale_cancel_does_not_hit_the_next_job_under_its_token(where):
     """The new job under token 1 (on the same socket, or on one the engine has no state for yet) is not
-    cancelled: both records are successes and the new job's byte lands."""
+    cancelled: both records are successes and the new job's byte lands; nor is the job queued behind the
+    cancelled one on its socket (token 2). A cancel applied after its fd was detached is skipped."""
     out = run(FREEZER, CANCEL_REUSE, args=(where,))
     assert "cancel(1): True" in out, out
     assert "token 1 records: [(1, 0, 1), (1, 0, 1)]" in out, out
     assert "second byte: b'y'" in out, out
+    if where != "detached":
+        assert "token 2 records: [(2, 0, 1)] byte: b'c'" in out, out  # the cancel took no other job on its socket
 
 
 @pytest.mark.skipif(not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK),
