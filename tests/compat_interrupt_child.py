@@ -180,24 +180,28 @@ def interrupt_here() -> Callable[[], None]:
 def made() -> dict:
     interrupt = interrupt_here()
 
-    def interrupted(manager: object, name: str, when: str, *args: object) -> tuple[object, bool]:
+    def interrupted(manager: object, name: str, when: str, *args: object, **kwargs: object) -> tuple[object, bool]:
         """``manager.name(*args)`` through the facade, its caller interrupted while the loop runs it: the
         interrupt is delivered from inside the call and taken before the call goes on ("during": it then makes
         its product) or once it made it ("after"), so it always lands inside the call, however fast. Returns
         the product and whether the call had ended when the interrupt reached the caller."""
         made: list = []
+        inside: list = []
         failed: list[Exception] = []
         finished = threading.Event()
         inner = getattr(manager, "_m")
         original = getattr(inner, name)
 
-        def call(*call_args: object) -> object:
+        def call(*call_args: object, **call_kwargs: object) -> object:
+            if inside:  # the call's own call of the same method (a leased allocation's): as it is
+                return original(*call_args, **call_kwargs)
+            inside.append(True)
             try:
                 if when == "after":
-                    made.append(original(*call_args))
+                    made.append(original(*call_args, **call_kwargs))
                 interrupt()
                 if when == "during":
-                    made.append(original(*call_args))
+                    made.append(original(*call_args, **call_kwargs))
                 return made[0]
             except Exception as exc:
                 failed.append(exc)
@@ -207,7 +211,7 @@ def made() -> dict:
 
         setattr(inner, name, call)
         try:
-            getattr(manager, name)(*args)
+            getattr(manager, name)(*args, **kwargs)
         except KeyboardInterrupt:
             pass
         else:
@@ -260,6 +264,13 @@ def made() -> dict:
                 # the registry as before the call (nothing allocated, registered or bound), and the caller
                 # interrupted only once the call had ended
                 out[f"{when} {mode} {name}"] = engine_state(dd) == before and ended_first
+        before = engine_state(v1)  # v1's leased allocation, a call of its own (audit, 2026-12-07)
+        try:
+            ended_first = interrupted(v1.kv_cache_manager, "allocate_cache", when, host,
+                                      [CacheKey(v1.cluster_id, req_id=2)], lease_ms=60_000)[1]
+            out[f"{when} v1 leased allocate_cache"] = engine_state(v1) == before and ended_first
+        except LLMException as exc:
+            out[f"{when} v1 leased allocate_cache"] = str(exc)
         for mode, manager, source, key in (("v2", prompt.cache_manager, src, BlocksCacheKey(4, 0)),
                                            ("v1", v1_prompt.kv_cache_manager, v1_src, BlocksCacheKey(6, 0))):
             task, ended_first = interrupted(manager, "transfer_cache_async", when, source, Held(),

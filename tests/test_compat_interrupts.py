@@ -71,10 +71,11 @@ def test_ctrl_c_before_the_loop_started_a_call_means_the_call_never_runs() -> No
 def test_ctrl_c_in_a_call_that_makes_a_cache_or_starts_a_transfer_leaves_nothing_it_made() -> None:
     """Before, a plain call the facade's loop had started ran whole, and the cancel that followed the interrupt
     threw its result away: the cache stayed allocated (its keys bound) with no handle to free it until finalize,
-    a started transfer ran on (row 302; found by audit)."""
+    a started transfer ran on (row 302; found by audit). v1's ``allocate_cache`` with ``lease_ms``, a call of its
+    own, is interrupted too (audit, 2026-12-07: its undo could go unnoticed)."""
     out = run_child("made")
     transfers = {case: out.pop(f"{case} transfer") for case in ("during v2", "after v2", "during v1", "after v1")}
-    assert len(out) == 16 and all(v is True for v in out.values()), out  # each cache released, its keys free
+    assert len(out) == 18 and all(v is True for v in out.values()), out  # each cache released, its keys free
     cancelled = [LLMStatusCode.LLM_FAILED, True]  # and the caller was interrupted only once the call had ended
     # (the v1 transfer since an audit, 2026-12-07: only the v2 one was interrupted before)
     assert transfers == dict.fromkeys(transfers, cancelled), transfers

@@ -183,16 +183,20 @@ async def test_a_waiter_of_a_pool_that_closes_is_refused_not_cancelled():
     """A transfer waiting for a buffer when the pool closes (finalize with a device stuck past ``QUIESCE_S``)
     fails ``LLM_FAILED`` "the staging pool is closed". Before, its waiter was cancelled: the caller, who never
     cancelled, got a ``CancelledError``, which asyncio and task groups take for a cancellation (row 290;
-    found by audit)."""
+    found by audit). A buffer that goes once the pool closed (a retired one, which finalize's
+    ``completions.close()`` lets go right after) leaves room under the bound: the woken waiter is refused still,
+    not handed a new buffer of a closed pool (a closed check moved after the take passed; audit, 2026-12-07)."""
     pool = StagingPool(MIN_CHUNK_BYTES, 1)
     held = await pool.acquire()  # (kept: a buffer let go is replaced, which would wake the waiter)
     waiting = asyncio.ensure_future(pool.acquire())
     await asyncio.sleep(0.01)
     pool.close()
+    pool.retire(held)
+    del held  # gone: room for one buffer again
+    assert pool.live == 0
     with pytest.raises(LLMException) as refused:
         await asyncio.wait_for(waiting, 1)
     assert refused.value.status_code == LLMStatusCode.LLM_FAILED and "closed" in str(refused.value)
-    del held
 
 
 def test_pool_rejects_bad_sizes():
