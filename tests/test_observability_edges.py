@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 
 from aio_datadist import (BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole, LLMStatusCode, Placement,
-                          metrics, protocol)
+                          LLMException, metrics, protocol)
 from aio_datadist.metrics import instrument
 from aio_datadist.stats import LinkCounters
 from aio_datadist.testing import loopback_options, open_pair, usable_link
@@ -310,6 +310,34 @@ async def test_a_transfer_its_requester_gave_up_is_no_link_failure_on_the_owner(
         assert owner.stats().links_down == 0  # the link never failed
         assert requester.stats().links[owner.cluster_id].kinds[kind].cancellations > 0
         assert "LLM_LINK_FAILED" not in served().failures, dict(served().failures)
+
+
+@pytest.mark.asyncio
+async def test_a_pull_whose_link_broke_first_is_a_link_failure_on_the_owner():
+    """The other side of the row above: a requester that dies under a pull its owner serves counts
+    ``LLM_LINK_FAILED`` when the owner marks its link broken first (its heartbeat stopped, its control
+    connection was lost): the link's teardown stops the job, and that is no abort of the requester's."""
+    config, blocks = {"transport": "tcp"}, list(range(BIG_BLOCKS.shape[0]))
+    registry = CollectorRegistry()
+    async with open_pair(prompt_config=config, decoder_config=config) as pair:
+        instrument(pair.prompt, registry)
+        key = BlocksCacheKey(pair.prompt_cluster_id, 1)
+        pair.prompt.kv_cache_manager.allocate_blocks_cache(BIG_BLOCKS, key)
+        dst = pair.decoder.kv_cache_manager.allocate_blocks_cache(BIG_BLOCKS)
+        owner_link = usable_link(pair.prompt, pair.decoder_cluster_id)
+        task = asyncio.ensure_future(pair.decoder.kv_cache_manager.pull_blocks(key, dst, blocks, blocks))
+        for _ in range(200):
+            if owner_link.serving:
+                break
+            await asyncio.sleep(0)
+        assert owner_link.serving, "the owner never served the pull"
+        owner_link.fail(LLMException("no heartbeat for 9.9 s", status_code=LLMStatusCode.LLM_LINK_FAILED))
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
+        await asyncio.sleep(0)
+    errors = {status: registry.get_sample_value("aio_datadist_transfer_errors_total",
+                                                {"cluster_id": "1", "kind": "served_pull", "status": status})
+              for status in ("LLM_LINK_FAILED", "LLM_FAILED")}
+    assert errors == {"LLM_LINK_FAILED": 1.0, "LLM_FAILED": None}, errors
 
 
 def test_an_endpoint_whose_loop_closed_without_finalize_gives_counts_and_no_gauges():

@@ -255,6 +255,10 @@ class StreamPlane(Plane):
                 # The channel failed under a link that is up: the requester gave the request up (it resets the
                 # channel before its ABORT comes), which every plane counts as LLM_FAILED, as for the ABORT.
                 status = LLMStatusCode.LLM_FAILED
+            elif f.cancelled() and link.broken is not None and not told:
+                # Stopped by the teardown of a link that failed (its heartbeat, its control connection): the
+                # peer's failure, not an abort of the requester's (found by audit).
+                status = LLMStatusCode.LLM_LINK_FAILED
             served.ended(exc is None and not f.cancelled(), status)
             if exc is None and not f.cancelled():
                 if msg is Msg.PUSH_REQ:
