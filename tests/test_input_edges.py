@@ -191,6 +191,17 @@ def test_a_copy_of_a_slotted_subclass_keeps_its_attributes():
     deep = copy.deepcopy(base)
     assert deep.hosts == base.hosts and deep.hosts is not base.hosts
 
+    class RackSite(SlottedSite):  # slots of its own beside its base's, one left unset (found by audit)
+        __slots__ = ("rack",)
+
+    rack = RackSite()
+    rack.site, rack.rack = "c", rack  # a reference back to itself: a deep copy's points at the copy
+    for copied in (copy.copy(rack), copy.deepcopy(rack)):
+        assert (type(copied), copied.site, hasattr(copied, "hosts")) == (RackSite, "c", False)
+    assert copy.copy(rack).rack is rack
+    deep = copy.deepcopy(rack)
+    assert deep.rack is deep
+
 
 @pytest.mark.parametrize("key", ["aio.SharedSecrett", "aio.sharedsecret", "AIO.SharedSecret", "Aio.SharedSecret",
                                  " aio.SharedSecret", "aio.SharedSecret ", "aio .SharedSecret", "\taio.SharedSecret"])

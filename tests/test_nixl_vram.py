@@ -178,6 +178,12 @@ async def test_a_vram_offer_carries_the_gpu_and_is_prepared_as_vram_on_it():
     kind, cache_id, rows, row_bytes, offered_bases, blob = sent[-1]
     assert (kind, cache_id, rows, row_bytes) == (nixl.OFFER_VRAM, 7, 6, 1536)
     assert offered_bases == tuple(cache.layout.bases) and blob == nixl.VRAM_DEVICE.pack(1) + b"our-meta"
+    # The peer's READY twice in one read, before the first's set-up ended: the second is a protocol error too
+    # (row 284; found by audit: the row's test sent it to a link long ready).
+    ready = NixlRecord(kind=nixl.READY, cache_id=0, count=0, row_bytes=0, rows=(), blob=b"")
+    peer.on_message(ready)
+    with pytest.raises(ProtocolError):
+        peer.on_message(ready)
     peer.close()
     assert agent.nixl.calls[-1] == ("remove_remote_agent", "peer")
 
