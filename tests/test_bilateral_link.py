@@ -749,6 +749,8 @@ async def test_the_waiting_end_drops_a_link_short_of_its_required_transport():
         comm_p = await p.link("c", info, table)
         assert await settled(d, comm_d, limit_s=5) is FAILED
         assert link_to(d, PROMPT_ID) is None
+        # Never announced: neither counted up and down, nor listed (row 338).
+        assert (d.stats().links_up, d.stats().links_down, dict(d.stats().links)) == (0, 0, {})
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 5
         while p.query_register_mem_status(comm_p) is not FAILED and loop.time() < deadline:

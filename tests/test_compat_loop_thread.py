@@ -202,6 +202,22 @@ def test_an_interrupt_anywhere_as_the_facade_takes_its_lock_leaves_it_free_and_t
 
     try:
         runner.run(nothing())
+        lock, marked = runner._lock, []
+
+        class Watched:  # the facade's lock, noting whether the thread is marked inside a call as it takes it
+            def __enter__(self) -> bool:
+                marked.append(getattr(runner._inside, "call", False))
+                return lock.__enter__()
+
+            def __exit__(self, *exc: object) -> None:
+                lock.__exit__(*exc)
+
+        runner._lock = Watched()  # type: ignore[assignment]
+        try:
+            target()
+        finally:
+            runner._lock = lock
+        assert marked and all(marked), marked  # held only marked (a handler's call then is refused, not stuck)
         interrupted = 0
         for n in range(1, 400):
             seen = [0]

@@ -185,19 +185,19 @@ async def test_a_device_row_pulled_into_device_blocks_is_cut_into_them(by):
     link (found by the model-based random test, 2026-12-06)."""
     async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
         src = pair.pm.allocate_cache(CacheDesc(4, (3, 256), DataType.DT_FLOAT16, Placement.DEVICE),
-                                     [CacheKey(PROMPT_ID, 115)])
+                                     [CacheKey(PROMPT_ID, 114), CacheKey(PROMPT_ID, 115)])  # 115: row 1
         values = fill(src, 5)
         dst = pair.dm.allocate_blocks_cache(CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, Placement.DEVICE))
         await mapped(pair, src.cache_id)
-        target = CacheKey(PROMPT_ID, 115) if by == "key" else CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 0)
+        target = CacheKey(PROMPT_ID, 115) if by == "key" else CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 1)
         await pair.dm.pull_blocks(target, dst, [], [6, 5, 1], src_layer_range=range(1, 2),
                                   dst_layer_range=range(0, 1), tensor_num_per_layer=2)
         for d, t in ((0, 2), (1, 3)):
-            row = values[t][0].reshape(-1)
+            row = values[t][1].reshape(-1)  # the row named, not the cache's first
             got = dst.tensors[d].reshape(8, -1)
             assert all(eq(got[b], row[j * 64:(j + 1) * 64]) for j, b in enumerate((6, 5, 1)))
         assert not got[0].any() and link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "tcp"
-        await pair.dm.pull_blocks(target if by == "index" else CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 0),
+        await pair.dm.pull_blocks(target if by == "index" else CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 1),
                                   dst, [], [2])  # one block, row for row: device IPC again
         assert link_stats(pair.decoder, PROMPT_ID).kinds["pull"].transport == "local"
 

@@ -89,10 +89,13 @@ async def test_a_nixl_transfer_in_flight_is_cut_by_an_unlink_of_its_link(kind, w
         unlinking, other = (pair.decoder, pair.prompt) if ours else (pair.prompt, pair.decoder)
         link = link_to(unlinking, other.cluster_id)
         info = cluster_info(other.cluster_id, ("127.0.0.1", 1))
+        unlinked = time.monotonic()
         status = await unlinking.unlink_clusters([info], force=who == "we-forced")
         # A forced unlink of ours, which the owner may never hear of, does not wait for our READs of its memory:
         # the pull returns once its READ settled.
         waited = who != "we-forced" or not pull
+        if not waited:  # not for the READ held in its posting call (HELD_S) either
+            assert time.monotonic() - unlinked < HELD_S / 2, time.monotonic() - unlinked
         if waited:
             for t in src.tensors:
                 t.fill_(3)  # the source is written again at once (the owner's memory is its own again)

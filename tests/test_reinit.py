@@ -15,7 +15,7 @@ import ssl
 
 import pytest
 import torch
-from peers import BLOCKS_DESC, DECODER_ID, PROMPT_ID, cluster_info, fill, options, port_of
+from peers import BLOCKS_DESC, DECODER_ID, PROMPT_ID, cluster_info, fill, free_port, options, port_of
 from test_share_listener_emfile import no_free_fds
 
 from aio_datadist import BlocksCacheKey, KvCache, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode, compat
@@ -121,7 +121,7 @@ async def test_a_new_life_that_cannot_start_leaves_the_endpoint_finalized(why):
             refused = {**options(), "llm.listenIpInfo": f"127.0.0.1:{taken.getsockname()[1]}"}
         elif why == "tls context":
             config = LLMConfig()
-            config.device_id, config.listen_ip_info = 0, "127.0.0.1:0"
+            config.device_id, config.listen_ip_info = 0, f"127.0.0.1:{free_port('127.0.0.1')}"
             config.tls_client_context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
             refused = config.generate_options()
         else:
@@ -130,6 +130,8 @@ async def test_a_new_life_that_cannot_start_leaves_the_endpoint_finalized(why):
             await dd.init(refused)
         assert exc.value.status_code == {"address in use": S.LLM_LINK_FAILED, "tls context": S.LLM_PARAM_INVALID,
                                          "no fd": S.LLM_FAILED}[why], exc.value
+        if why == "tls context":  # nothing listens on its address: we can take it (a listener left open holds it)
+            socket.create_server(("127.0.0.1", int(config.listen_ip_info.rsplit(":", 1)[1]))).close()
         for call in (dd.stats, lambda: dd.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC)):
             with pytest.raises(LLMException) as exc:
                 call()
