@@ -138,6 +138,19 @@ async def test_a_pull_that_waited_for_a_channel_through_our_unlink_leaves_it_unt
         assert set(cuts) == {S.LLM_NOT_YET_LINK}, cuts
 
 
+async def _pull_under_way(dec: Any, link: Any, desc: CacheDesc) -> tuple[asyncio.Future, Any]:
+    """A pull of all 64 blocks of cluster 1's ``BlocksCacheKey(1, 0)`` into a new cache, once ``link`` sent it;
+    and that cache."""
+    dst = dec.kv_cache_manager.allocate_blocks_cache(desc)
+    blocks = list(range(64))
+    pull = asyncio.ensure_future(dec.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks))
+    for _ in range(1000):
+        if link.pending:
+            break
+        await asyncio.sleep(0)
+    return pull, dst
+
+
 @pytest.mark.asyncio
 async def test_a_pull_cut_after_our_unlink_is_not_redialled(monkeypatch):
     """A pull in flight on the one data channel is cancelled after we sent ``UNLINK`` (the peer slow to answer
@@ -163,13 +176,7 @@ async def test_a_pull_cut_after_our_unlink_is_not_redialled(monkeypatch):
         prompt.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
         assert (await dec.link_clusters([cluster_info(1, prompt.listen_address)]))[0] == S.LLM_SUCCESS
         link = link_table_of(dec).links[1]
-        dst = dec.kv_cache_manager.allocate_blocks_cache(desc)
-        blocks = list(range(64))
-        pull = asyncio.ensure_future(dec.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks))
-        for _ in range(1000):
-            if link.pending:
-                break
-            await asyncio.sleep(0)
+        pull, _ = await _pull_under_way(dec, link, desc)
         unlink = asyncio.ensure_future(dec.unlink_clusters([cluster_info(1, prompt.listen_address)], 3000))
         for _ in range(1000):
             if link.unlinking:
@@ -216,13 +223,7 @@ async def unlink_with_a_redial_under_way(monkeypatch: Any, *, we_accept: bool, t
         for _ in range(3):
             assert (await dec.link_clusters([cluster_info(1, prompt.listen_address)]))[0] == S.LLM_SUCCESS
             link = table.links[1]
-            dst = dec.kv_cache_manager.allocate_blocks_cache(desc)
-            blocks = list(range(64))
-            pull = asyncio.ensure_future(dec.kv_cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks))
-            for _ in range(1000):
-                if link.pending:
-                    break
-                await asyncio.sleep(0)
+            pull, dst = await _pull_under_way(dec, link, desc)
             pull.cancel()
             await asyncio.gather(pull, return_exceptions=True)
             if we_accept:
