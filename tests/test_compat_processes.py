@@ -133,6 +133,7 @@ def test_an_exit_with_daemon_threads_still_calling_the_facade_is_quiet():
         assert proc.returncode == 0 and "main returns" in proc.stdout, proc.stderr[-3000:]
         assert proc.stderr.strip() == "", proc.stderr[-3000:]
         assert "late finalize: ok" in proc.stdout, proc.stdout  # the exit's own later hook is not refused
+        assert "late call: LLM_ENGINE_FINALIZED False" in proc.stdout, proc.stdout  # nor its calls needing the loop
         # The threads' calls after the facade's exit hook were refused, saying why (seen since an audit, 2026-12-06:
         # the child swallowed them).
         refused = int(proc.stdout.split("refused while shutting down: ")[1].split()[0])

@@ -116,6 +116,8 @@ def test_defaults() -> None:
         ("heartbeat_interval", 250, {"aio.HeartbeatIntervalMs": "250"}),
         ("max_pending_handshakes", 8, {"aio.MaxPendingHandshakes": "8"}),
         ("staging_buffers", 16, {"aio.StagingBuffers": "16"}),
+        ("staging_buffers", 4, {"aio.StagingBuffers": "4"}),  # the bounds are taken
+        ("staging_buffers", 1024, {"aio.StagingBuffers": "1024"}),
         ("enable_remote_cache_accessible", False, {"llm.EnableRemoteCacheAccessible": "0"}),
     ],
 )

@@ -340,3 +340,25 @@ async def test_a_staged_move_takes_its_buffers_on_its_links_share(send):
     link = object()
     await staged_move(rt, link, 0, object(), 0, 1, [0], 0, 64, send=send, what="staged")
     assert holders == [link]
+
+    # ...and DeviceStaging hands it on to the pipeline: the link holds its buffer while its chunk moves
+    queue = _core.CompletionQueue()
+    comp = Completions(queue)
+    staging = DeviceStaging(comp, _EnqueueFails(), chunk_bytes=MIN_CHUNK_BYTES, buffers=4)
+    staging._stage = lambda *args: asyncio.ensure_future(asyncio.sleep(0))  # a device copy that just ends
+    moved = _Link()
+
+    def move(channel, pairs, *, settled, **kw):
+        holders.append(staging.pool.held(moved))
+        settled.set_result(None)
+        return asyncio.ensure_future(asyncio.sleep(0))
+
+    moved.move = move
+    try:
+        await staged_move(types.SimpleNamespace(staging=staging), moved, 0, object(), 0, 1, [0], 0, 64, send=send,
+                          what="staged")
+    finally:
+        staging.close()
+        comp.close()
+        queue.close()
+    assert holders == [link, 1], "DeviceStaging gave its pipeline no holder: the link's share did not apply"

@@ -83,9 +83,11 @@ def set_property(name: str, context: ssl.SSLContext) -> None:
                          ids=["PROTOCOL_TLS", "CERT_NONE", "CERT_OPTIONAL"])
 def test_a_client_context_that_does_not_check_the_server_certificate_is_refused(
         make: Callable[[], ssl.SSLContext]) -> None:
-    with refused("tls_client_context", "verify_mode", "CERT_REQUIRED", "check_hostname = True"):
+    advice = ("verify_mode", "CERT_REQUIRED", "check_hostname = True",
+              "PROTOCOL_TLS_CLIENT", "create_default_context()")
+    with refused("tls_client_context", *advice):
         set_property("tls_client_context", make())
-    with refused("aio.TlsClientContext", "verify_mode", "CERT_REQUIRED", "check_hostname = True"):
+    with refused("aio.TlsClientContext", *advice):
         parse_options({"aio.TlsClientContext": make()})
 
 
@@ -102,6 +104,7 @@ def test_a_client_context_that_checks_no_name_is_taken_with_a_warning_that_says_
         parse_options(config.generate_options())
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and warned[0].startswith("aio.TlsClientContext:") and "check_hostname is off" in warned[0]
+    assert "any peer holding a certificate of that CA, for any address" in warned[0]  # what it lets in
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="aio_datadist.tls"), pytest.raises(LLMException):
         parse_options({"aio.TlsClientContext": generic, "aio.Transport": "nixl"})  # refused: no warning

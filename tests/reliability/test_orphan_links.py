@@ -46,6 +46,7 @@ from aio_datadist import (
     TransferWithCacheKeyConfig,
 )
 from aio_datadist.leases import lease_of
+from aio_datadist.owners import Owners
 from aio_datadist.testing import link_count, link_table_of
 from peers import CacheSpec, EndpointSpec, cluster_info, fill, linked_pair
 
@@ -478,3 +479,19 @@ async def test_a_failed_link_this_endpoint_dialled_is_never_forgotten_by_the_pru
             assert OTHER in table and 102 in table and 100 not in table, sorted(table)
             assert (await dd.unlink_clusters([cluster_info(OTHER, other_address)]))[0] == S.LLM_SUCCESS
             assert OTHER not in table
+
+
+def test_work_that_lets_its_endpoint_go_twice_counts_once():
+    """A lease lets go of its endpoint on each way it ends (refused timed release, cancel, cache freed): one
+    that ends two ways (refused, then cancelled) must count once, or a kept manager no longer keeps the endpoint."""
+    class Ended:
+        runtime = None  # finalized: nothing to finalize when the count reaches 0
+
+    endpoint = Ended()
+    owners = Owners(endpoint, finalize=None)
+    kept, lease = owners.hold(), owners.hold()
+    lease()
+    lease()
+    assert owners._left == 1
+    kept()
+    assert owners._left == 0
