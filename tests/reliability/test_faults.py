@@ -46,6 +46,8 @@ from aio_datadist import (
     Placement,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist.links import Link
+from aio_datadist.testing import usable_link
 from aio_datadist.wire import Msg
 from peers import CacheSpec, EndpointSpec, Ref, cluster_info, fill, pattern, port_of
 
@@ -443,3 +445,47 @@ async def test_a_decoder_that_dies_between_its_bytes_and_its_done_consumes_no_ke
         assert all(same_bytes(d, v) for d, v in zip(dst.tensors, values))
         await settle(dd, baseline, within=BOUND_S)  # the hand-off cache went with its last key
         await released(inodes, "the hand-off cache")
+
+
+@pytest.mark.asyncio
+async def test_a_same_host_decoder_that_dies_between_its_copy_and_its_done_consumes_no_key(monkeypatch):
+    """As above over the same-host plane, whose requester copies the rows out of the shared memory itself: the
+    owner's in-place plane holds the key's claim until DONE, and a link that ends first must release it, not
+    consume it. The TCP test above never reaches that plane, and the trials' random kills seldom hit the
+    window: an in-place plane that consumed the key of a cut pull passed both (audit)."""
+    dead_id = DECODER + 10
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="local") as dd, \
+            endpoint(LLMRole.DECODER, dead_id, transport="local") as dead, \
+            endpoint(LLMRole.DECODER, DECODER, transport="local") as dec:
+        kv = dd.kv_cache_manager
+        for peer in (dead, dec):
+            assert (await peer.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        baseline, _ = baseline_of(dd)
+        keys = [CacheKey(PROMPT, 600 + r) for r in range(4)]
+        cache = kv.allocate_cache(ROWS, keys)
+        values = fill(cache, 6)
+        kv.deallocate_cache(cache)
+        del cache
+        link = usable_link(dead, PROMPT)
+
+        def quiet(real: Any) -> Any:  # the successful DONE never leaves: it dies first
+            def send(msg: Msg, req_id: int, **fields: Any) -> None:
+                if not (msg is Msg.DONE and fields.get("status") == S.LLM_SUCCESS):
+                    real(link, msg, req_id, **fields)
+            return send
+
+        monkeypatch.setattr(link, "send", quiet(Link.send))
+        monkeypatch.setattr(link, "send_soon", quiet(Link.send_soon))
+        got = dead.kv_cache_manager.allocate_cache(ROWS)
+        await dead.kv_cache_manager.pull_cache(keys[0], got, 0)
+        assert same_bytes(got.tensors[0][0], values[0][0])
+        assert state(dd)["claimed keys"] == 1  # copied in place; the owner waits for the DONE
+        link.writer.transport.abort()  # its control connection goes as a SIGKILL would close it
+        async with asyncio.timeout(BOUND_S):
+            while state(dd)["claimed keys"]:
+                await asyncio.sleep(0.005)
+        dst = dec.kv_cache_manager.allocate_cache(ROWS)
+        for row, key in enumerate(keys):  # keys[0] first: the dead decoder's pull did not consume it
+            await dec.kv_cache_manager.pull_cache(key, dst, row)
+        assert all(same_bytes(d, v) for d, v in zip(dst.tensors, values))
+        await settle(dd, baseline, within=BOUND_S)  # the hand-off cache went with its last key

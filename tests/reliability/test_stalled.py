@@ -41,6 +41,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
     admission,
+    fd_budget,
     link_dials,
     wire,
 )
@@ -160,6 +161,7 @@ async def test_a_timed_out_dial_holds_nothing_while_the_peer_still_stalls(step):
     async with endpoint(LLMRole.DECODER, DECODER) as dd:
         async with StallingServer(step, PROMPT) as stall:
             baseline, fds = baseline_of(dd)
+            promised = fd_budget._promised  # fds claimed for links being made (process-wide)
             t0 = time.monotonic()
             result = await dd.link_clusters([cluster_info(PROMPT, stall.address)], timeout=300)
             assert result == (S.LLM_TIMEOUT, [S.LLM_TIMEOUT])
@@ -168,7 +170,7 @@ async def test_a_timed_out_dial_holds_nothing_while_the_peer_still_stalls(step):
                 while True:
                     theirs = {writer.get_extra_info("socket").fileno() for writer in stall.writers}
                     extra = {fd for fd in open_fds() - fds if int(fd.split("->")[0]) not in theirs}
-                    if state(dd) == baseline and not extra:
+                    if state(dd) == baseline and not extra and fd_budget._promised == promised:
                         break
                     await asyncio.sleep(0.01)
 
@@ -248,6 +250,8 @@ async def test_silent_incoming_connections_are_dropped_and_block_nothing(monkeyp
             for sock in silent:
                 sock.close()
         await settle(dd, baseline, fds | link_fds)  # nothing of the silent connections is left
+        gate = admission_of(dd)  # nor a place in admission's stages: those would take the cap's room for good
+        assert not gate.arriving and not gate.handshaking, (gate.arriving, gate.handshaking)
         await dec.check_link_status(PROMPT)
 
 
