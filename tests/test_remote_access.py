@@ -27,7 +27,7 @@ from aio_datadist import (
     Placement,
     TransferConfig,
 )
-from aio_datadist.testing import link_to, nixl_agent_of, registry_of
+from aio_datadist.testing import engine_state, link_to, nixl_agent_of, registry_of
 from peers import DECODER_ID, PROMPT_ID, TRANSPORTS, cluster_info, endpoint, fill, options, port_of, snapshot
 
 NIXL = [t for t in TRANSPORTS if t not in ("tcp", "local")]
@@ -79,6 +79,7 @@ async def test_a_closed_off_prompt_serves_no_cache_but_still_pushes(transport):
         if transport == "nixl":  # a NIXL WRITE whose notification reached a peer that never saw our metadata
             assert nixl_agent_of(prompt).engine.posted == 1
         assert registry_of(prompt).by_key((1, 2**64 - 1, 0)) is not None
+        assert engine_state(prompt)["claimed keys"] == 0  # refused before its key was claimed
         assert all(torch.equal(t, v) for t, v in zip(rows.tensors, values))
 
 

@@ -38,6 +38,7 @@ from aio_datadist import (
     wire,
 )
 from aio_datadist.testing import link_to, links_of
+from aio_datadist.transport import tls
 from aio_datadist.transport.tls import TlsChannel
 from aio_datadist.wire import Msg
 from peers import LOCALHOST, cluster_info, free_port, port_of
@@ -218,6 +219,48 @@ async def test_cut_tls_transfers_reset_their_channel_and_the_link_goes_on():
         await prompt.check_link_status(DECODER)
 
 
+async def test_a_data_channel_to_an_untrusted_certificate_fails_the_link():
+    """Certificates are checked on the data channels too: a relay passes the control connection to the prompt and
+    the data connections to a server whose certificate the decoder's CA did not sign (it answers the attach as the
+    prompt would); the link fails at once (the test below meets untrusted certificates on control connections only;
+    audit, 2026-12-07)."""
+    async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            await reader.readexactly(tls.PREAMBLE_SIZE)
+            writer.write(tls._GO)
+            await writer.start_tls(server_context(UNTRUSTED, require_client_cert=False))
+            await reader.readexactly(wire.ATTACH.size)
+            writer.write(wire.ATTACH_OK.pack(wire.ATTACH_MAGIC, 0))
+            await reader.read()
+        writer.transport.abort()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+        writer.transport.abort()
+
+    async def split(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readexactly(tls.PREAMBLE_SIZE)
+        to = port_of(prompt) if head == tls.MAGIC + tls.CONTROL else fake.sockets[0].getsockname()[:2]
+        up_reader, up_writer = await asyncio.open_connection(*to)
+        up_writer.write(head)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, server=server_context(PKI)) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER, client=client_context(PKI)) as dec:
+        fake = await asyncio.start_server(impostor, LOCALHOST, 0)
+        relay = await asyncio.start_server(split, LOCALHOST, 0)
+        try:
+            started = time.monotonic()
+            result = await dec.link_clusters([cluster_info(PROMPT, relay.sockets[0].getsockname()[:2])], 5000)
+            assert result == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+            assert time.monotonic() - started < BOUND_S and links_of(dec) == {}
+        finally:
+            relay.close()
+            fake.close()
+
+
 async def answer_to_plaintext(address: tuple[str, int]) -> bytes:
     """What an endpoint sends back to a plaintext HELLO before it closes."""
     reader, writer = await asyncio.open_connection(*address)
@@ -305,23 +348,30 @@ async def test_tls_configuration_errors_name_the_option():
         assert code == S.LLM_PARAM_INVALID and "aio.TlsClientContext" in text
 
 
-async def test_a_bilateral_link_that_would_dial_needs_the_client_context_too():
+@pytest.mark.parametrize("side", ["dial", "listen"])
+async def test_a_bilateral_link_that_would_dial_needs_the_client_context_too(side: str):
     """``link()`` dials too (the lower rank dials the higher): a server-only TLS endpoint is refused there as
-    ``link_clusters`` is, not left to dial in plaintext (the test above tries ``link_clusters`` only)."""
+    ``link_clusters`` is, not left to dial in plaintext (the test above tries ``link_clusters`` only); and it
+    listens (the higher rank): a client-only one is refused there as ``init`` is, not left to listen in plaintext
+    (the test above listens through ``init`` only; audit, 2026-12-07)."""
     import json
 
     config = LLMConfig()
     config.device_id, config.enable_cache_manager, config.link_total_time = 0, True, 1
     config.link_port = free_port(LOCALHOST)
-    config.tls_server_context = server_context(PKI)
+    if side == "dial":
+        config.tls_server_context = server_context(PKI)
+    else:
+        config.tls_client_context = client_context(PKI)
     table = json.dumps({"server_count": "2", "status": "completed", "version": "1.2", "server_list": [
         {"device": [{"device_id": "0", "device_ip": ip, "rank_id": str(rank)}], "host_ip": ip,
          "server_id": str(rank + 1)} for rank, ip in enumerate((LOCALHOST, LOCALHOST))]})
     async with LLMDataDist(LLMRole.PROMPT, PROMPT) as dd:
         await dd.init(config.generate_options())
-        with pytest.raises(LLMException) as info:
-            await dd.link("tls", {PROMPT: 0, DECODER: 1}, table)  # rank 0 dials rank 1
-        assert info.value.status_code == S.LLM_PARAM_INVALID and "aio.TlsClientContext" in str(info.value)
+        with pytest.raises(LLMException) as info:  # rank 0 dials rank 1, which listens
+            await dd.link("tls", {PROMPT: 0, DECODER: 1} if side == "dial" else {DECODER: 0, PROMPT: 1}, table)
+        missing = "aio.TlsClientContext" if side == "dial" else "aio.TlsServerContext"
+        assert info.value.status_code == S.LLM_PARAM_INVALID and missing in str(info.value)
         assert links_of(dd) == {} and dd.listen_address is None
 
 

@@ -156,6 +156,7 @@ async def test_allocate_cache_takes_a_lease():
 
         # handed off with a lease: one key pulled in time, the others released at expiry
         keys = keys_for(70)
+        started = time.monotonic()
         cache = kv.allocate_cache(ROWS, keys, lease_ms=150)
         values = fill(cache, 6)
         kv.deallocate_cache(cache)
@@ -163,6 +164,10 @@ async def test_allocate_cache_takes_a_lease():
         assert lease is not None and not lease.expired
         await dec.kv_cache_manager.pull_cache(keys[0], dst, 0)
         assert all(torch.equal(d[0], v[0]) for d, v in zip(dst.tensors, values))
+        async with asyncio.timeout(0.15 + BOUND_S):  # it runs out at its deadline, not before
+            while not lease.expired:
+                await asyncio.sleep(0.005)
+        assert time.monotonic() - started >= 0.15, "the lease ran out before its lease_ms"
         await settle(dd, baseline, within=0.15 + BOUND_S)
         assert lease.expired
         with pytest.raises(LLMException) as info:

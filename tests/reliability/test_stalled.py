@@ -218,6 +218,42 @@ async def test_stalled_connections_are_dropped_to_make_room(monkeypatch, stall):
 
 
 @pytest.mark.asyncio
+async def test_only_silent_arrivals_past_their_grace_are_dropped(monkeypatch):
+    """An honest link whose HELLO was read waits in the arriving stage for a handshake slot while silent
+    connections flood it: it keeps its place (only arrivals without a first message are dropped) and takes the
+    slot a stalled handshake frees, and no silent arrival is dropped before its 50 ms (the tests above passed with
+    ready arrivals dropped, and with no grace at all; audit, 2026-12-07)."""
+    cap = 2
+    monkeypatch.setattr(link_dials, "HANDSHAKE_LIMIT_S", 30.0)
+    monkeypatch.setattr(admission, "STALL_GRACE_S", 0.3)
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, max_pending_handshakes=cap) as dd, \
+            endpoint(LLMRole.DECODER, DECODER) as dec:
+        gate = admission_of(dd)
+        stalled = [socket.create_connection(port_of(dd)) for _ in range(cap)]
+        try:
+            for sock in stalled:
+                sock.sendall(wire.encode(Msg.HELLO, 0, nonce=os.urandom(32)))
+            async with asyncio.timeout(5):
+                while len(gate.handshaking) < cap:
+                    await asyncio.sleep(0.005)
+            linking = asyncio.ensure_future(dec.link_clusters([cluster_info(PROMPT, port_of(dd))], timeout=3000))
+            async with asyncio.timeout(5):
+                while not any(p.ready for p in gate.arriving):  # its HELLO read, waiting for a slot
+                    await asyncio.sleep(0.005)
+            started = time.monotonic()  # (before its accept)
+            first = socket.create_connection(port_of(dd))
+            first_closed = asyncio.ensure_future(asyncio.to_thread(
+                lambda: (closed_by([first], started + 5), time.monotonic())))
+            stalled += [first, *(socket.create_connection(port_of(dd)) for _ in range(ARRIVAL_FACTOR * cap + 2))]
+            assert await linking == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            closed, at = await first_closed  # dropped to make room, and not before its grace
+            assert closed == 1 and at - started >= admission.ARRIVAL_GRACE_S, at - started
+        finally:
+            for sock in stalled:
+                sock.close()
+
+
+@pytest.mark.asyncio
 async def test_silent_incoming_connections_are_dropped_and_block_nothing(monkeypatch):
     monkeypatch.setattr(link_dials, "HANDSHAKE_LIMIT_S", 0.3)
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as dd, \
