@@ -30,6 +30,7 @@ from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
     CacheIndex,
+    CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
     LayerSynchronizer,
@@ -51,6 +52,7 @@ PROMPT, DECODER = 1, 2
 BIG = CacheDesc(8, (32, 16384), DataType.DT_FLOAT16, Placement.HOST)  # 32 blocks of 32 KiB per tensor, 8 MiB
 ROWS = CacheDesc(8, (4, 65536), DataType.DT_FLOAT16, Placement.HOST)  # rows of 128 KiB per tensor
 ALL = list(range(32))
+KEYED = CacheDesc(8, (16, 262144), DataType.DT_FLOAT16, Placement.HOST)  # rows of 512 KiB per tensor, one key each
 WAVES, PER_WAVE = scaled(15), 20  # 300 transfers per run
 BOUND_S = 1.0
 REDIAL_S = 5.0  # how long the channels reset by the cuts may take to be redialled, after the storm
@@ -290,3 +292,30 @@ async def test_a_cancel_that_reaches_a_running_transfer_is_always_raised():
             assert time.monotonic() - cut < BOUND_S
         assert reached >= 20, reached
         count("cancelled transfers", reached)
+
+
+@pytest.mark.asyncio
+async def test_a_cut_pull_by_a_key_gives_its_claim_back():
+    """The storm pulls by id and index and by blocks key, which claim no key: a pull by a ``CacheKey`` claims it
+    while the owner serves it, and a cut one must give the claim back (the key stays for the next pull)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd, \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec:
+        keys = [CacheKey(PROMPT, k) for k in range(KEYED.shape[0])]
+        fill(dd.kv_cache_manager.allocate_cache(KEYED, keys), 4)
+        dst = dec.kv_cache_manager.allocate_cache(KEYED)
+        assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
+        baseline, rng, reached = state(dd), random.Random(f"claims-{SEED}"), 0
+        for _ in range(60):
+            task = asyncio.ensure_future(dec.kv_cache_manager.pull_cache(keys[0], dst, 0, timeout=10_000))
+            await asyncio.sleep(rng.uniform(0, 0.002))
+            if not task.cancel():  # it ended first: the key is consumed
+                task.result()
+                keys.pop(0)
+                if not keys:
+                    break
+                continue
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            reached += 1
+            await settle(dd, baseline, within=BOUND_S)  # "claimed keys" back to 0
+        assert reached >= 10, reached

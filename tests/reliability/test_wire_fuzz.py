@@ -204,6 +204,21 @@ def test_a_decoded_body_is_the_whole_message(msg: Msg, data: Any, extra: bytes) 
         wire.decode(msg, body + extra)
 
 
+@pytest.mark.parametrize("msg, field, limit", [(Msg.PULL_REQ, "rows", wire.MAX_ROWS), (Msg.DONE, "text", wire.MAX_TEXT),
+                                               (Msg.NIXL, "blob", wire.MAX_BLOB)])
+def test_a_count_past_its_protocol_limit_is_a_protocol_error(msg: Msg, field: str, limit: int) -> None:
+    """A row list, text or blob of exactly its limit round-trips; one more item (the body still far under MAX_BODY)
+    is a ProtocolError: its record would re-encode to other bytes (text cut) or not at all (ValueError)."""
+    item = {"rows": (7,), "text": "x", "blob": b"x"}[field]
+    fields = {n: {"rows": (), "text": "", "blob": b""}.get(f, 0) for n, f in wire._SCHEMAS[msg]}
+    body = wire.encode(msg, 0, **{**fields, field: item * limit})[wire.HEADER.size:]
+    assert wire.encode(msg, 0, **wire.fields_of(msg, body))[wire.HEADER.size:] == body
+    at, width = wire._COMPILED[msg][0].size + 4 * (field == "blob"), 2 if field == "text" else 4  # NIXL: 0 rows
+    over = body[:at] + (limit + 1).to_bytes(width, "big") + body[at + width:] + (b"\0" * 8 if field == "rows" else b"x")
+    with pytest.raises(ProtocolError):
+        wire.decode(msg, over)
+
+
 def feed(proto: LinkProtocol, pieces: Sequence[bytes]) -> tuple[list[protocol.Event], ProtocolError | None]:
     """Every event ``pieces`` give, and the error that failed ``proto`` (raised or left in ``error``)."""
     events: list[protocol.Event] = []
@@ -475,6 +490,9 @@ async def test_the_owner_checks_every_block_of_a_raw_address_push_in_any_order()
                             continue
                         check_plan(target, planned)
                         outcomes["accepted"] += 1
+            # an address count past the list (2 addresses named, 1 sent): refused, not planned for 2 rows' bytes
+            with pytest.raises(Refusal):
+                owner.serve_plan(rt, link, Msg.PUSH_REQ, wire.TransferReq(**dict(req, rows=(lay.bases[0],), flags=0)))
         finally:
             target.release()
         assert outcomes["accepted"] and outcomes["refused"], outcomes
@@ -856,6 +874,34 @@ def _dropped_after(address: tuple[str, int], cluster: int, edit: str) -> bytes:
         except socket.timeout:
             pass
         raise AssertionError(f"a frame with a bad {edit} was neither answered nor dropped within 2 s")
+
+
+def _first_frame_reply(address: tuple[str, int], msg: Msg) -> bytes:
+    """What the owner sends a connection whose first frame is a well-formed ``msg`` (all fields zero)."""
+    fields = {n: {"rows": (), "text": "", "blob": b""}.get(f, bytes(int(f[:-1])) if f[:-1].isdigit() else 0)
+              for n, f in wire._SCHEMAS[msg]}
+    with dial(address) as sock:
+        sock.sendall(wire.encode(msg, 1, **fields))
+        sock.shutdown(socket.SHUT_WR)
+        return rest_of_stream(sock)
+
+
+@pytest.mark.asyncio
+async def test_a_first_frame_that_is_not_hello_drops_the_connection():
+    """``run_malformed_frames`` opens with a HELLO (mutated: its type byte seldom becomes another valid type); a
+    well-formed frame of any other type first (a HELLO_ACK carries a nonce too) is dropped unanswered, and no
+    exception reaches the event loop."""
+    errors: list[dict] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    try:
+        async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", shared_secret=SECRET) as dd:
+            for msg in Msg:
+                if msg is not Msg.HELLO:
+                    assert await asyncio.to_thread(_first_frame_reply, port_of(dd), msg) == b"", msg
+    finally:
+        loop.set_exception_handler(None)
+    assert not errors, f"exceptions escaped into the event loop: {errors[:3]}"
 
 
 @pytest.mark.asyncio
