@@ -183,6 +183,17 @@ def test_the_admission_numbers_are_the_documented_ones():
     assert admission.ARRIVAL_GRACE_S == 0.05 and admission.STALL_GRACE_S == 1.0
 
 
+@contextlib.asynccontextmanager
+async def _capped_pair(monkeypatch: Any, cap: int) -> Any:
+    """A prompt admitting ``cap`` handshakes at once (whose limit is far away: 30 s), a decoder, and the
+    prompt's admission."""
+    monkeypatch.setattr(link_dials, "HANDSHAKE_LIMIT_S", 30.0)
+    monkeypatch.setattr(admission, "STALL_GRACE_S", 0.3)
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, max_pending_handshakes=cap) as dd, \
+            endpoint(LLMRole.DECODER, DECODER) as dec:
+        yield dd, dec, admission_of(dd)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stall", ["silent", "hello"])
 async def test_stalled_connections_are_dropped_to_make_room(monkeypatch, stall):
@@ -191,11 +202,7 @@ async def test_stalled_connections_are_dropped_to_make_room(monkeypatch, stall):
     HELLO and stopped (every handshake slot). The test above shortens the handshake limit to 2 s, which closes
     them in time by itself: it passed with no connection ever dropped (audit, 2026-12-07)."""
     cap = 4
-    monkeypatch.setattr(link_dials, "HANDSHAKE_LIMIT_S", 30.0)
-    monkeypatch.setattr(admission, "STALL_GRACE_S", 0.3)
-    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, max_pending_handshakes=cap) as dd, \
-            endpoint(LLMRole.DECODER, DECODER) as dec:
-        gate = admission_of(dd)
+    async with _capped_pair(monkeypatch, cap) as (dd, dec, gate):
         stalled = []
         try:
             for _ in range(5 * cap if stall == "silent" else cap):
@@ -224,11 +231,7 @@ async def test_only_silent_arrivals_past_their_grace_are_dropped(monkeypatch):
     slot a stalled handshake frees, and no silent arrival is dropped before its 50 ms (the tests above passed with
     ready arrivals dropped, and with no grace at all; audit, 2026-12-07)."""
     cap = 2
-    monkeypatch.setattr(link_dials, "HANDSHAKE_LIMIT_S", 30.0)
-    monkeypatch.setattr(admission, "STALL_GRACE_S", 0.3)
-    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, max_pending_handshakes=cap) as dd, \
-            endpoint(LLMRole.DECODER, DECODER) as dec:
-        gate = admission_of(dd)
+    async with _capped_pair(monkeypatch, cap) as (dd, dec, gate):
         stalled = [socket.create_connection(port_of(dd)) for _ in range(cap)]
         try:
             for sock in stalled:
