@@ -151,10 +151,19 @@ async def test_a_write_left_in_progress_is_settled_before_its_cancelled_push_ret
         want = fill(src, 5)
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID))
         await prepared(pair.decoder, PROMPT_ID, dst)
-        waited, in_flight = await cancelled_while_left_in_progress(
-            pair.prompt, nixl_agent_of(pair.prompt).engine,
-            lambda: pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [1, 2], [1, 2]))
+        owner, serving_at_return = link_to(pair.decoder, PROMPT_ID), []
+
+        async def push() -> None:
+            try:
+                await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID), src, [1, 2], [1, 2])
+            finally:  # as it returns, no loop step later
+                serving_at_return.append(set(owner.serving))
+
+        occupy_worker(pair.decoder, BUSY_S)  # the owner hears of the WRITE late: the cut push's DONE comes first
+        waited, in_flight = await cancelled_while_left_in_progress(pair.prompt, nixl_agent_of(pair.prompt).engine,
+                                                                   push)
         assert in_flight == 0, "the cut push returned with its WRITE still in NIXL's hands"
+        assert serving_at_return == [set()], "the cut push returned before the owner answered its failure DONE"
         assert waited >= BUSY_S / 2, waited
         for t in dst.tensors:
             t.zero_()

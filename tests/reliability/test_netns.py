@@ -233,10 +233,11 @@ async def test_a_nixl_load_that_hangs_is_given_up_within_its_share_and_changes_n
 
 @needs_nixl
 @pytest.mark.loops_take_turns  # (one loop: NIXL and its agent do not care which)
-async def test_a_hung_nixl_load_is_given_up_once_half_of_the_link_timeout_is_spent():
+@pytest.mark.parametrize("hung", ["prompt", "decoder"])  # the decoder's own load: the peer's READY came in time
+async def test_a_hung_nixl_load_is_given_up_once_half_of_the_link_timeout_is_spent(hung):
     nixl = {"transport": "nixl"}
     async with linked_pair(link=False, prompt_config=nixl, decoder_config=nixl) as pair:
-        agent = nixl_agent_of(pair.prompt).engine.agent
+        agent = nixl_agent_of(getattr(pair, hung)).engine.agent
         real_load = agent.add_remote_agent
         release = threading.Event()
 
@@ -254,7 +255,7 @@ async def test_a_hung_nixl_load_is_given_up_once_half_of_the_link_timeout_is_spe
         assert status == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         half = HUNG_TIMEOUT_MS / 2000
         assert half - 0.2 < took < half + 0.3, f"given up after {took:.2f} s, not half of {HUNG_TIMEOUT_MS} ms"
-        assert link_to(pair.decoder, PROMPT_ID).nixl.declined
+        assert link_to(pair.decoder, PROMPT_ID).nixl.declined and link_to(pair.prompt, DECODER_ID).nixl.declined
 
 
 @needs_nixl

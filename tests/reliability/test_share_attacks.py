@@ -155,8 +155,9 @@ async def test_a_claim_replayed_from_a_challenge_the_listener_issued_gets_no_fd_
         claim = local._CLAIM.pack(local._MAGIC, nonce, share_proof(sc.secret, bytes.fromhex(sc.token()),
                                                                    b"share-client", issued, nonce))
         report = await run_attacker("sniffer", sc.name, sc.token(), claim.hex())
-        assert report["replayed claim"] == {"challenge": local._CHALLENGE.size, "bytes": 0, "fds": 0,
-                                            "closed": True}, report["replayed claim"]
+        # The share is free here, so each claim's proof is checked (a claim keyed by the token proves nothing).
+        for what, got in report.items():
+            assert got == {"challenge": local._CHALLENGE.size, "bytes": 0, "fds": 0, "closed": True}, what
         assert link_to(sc.prompt, DECODER).local is None  # nobody attached the link's share
     finally:
         await close(cms)
