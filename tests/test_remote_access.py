@@ -78,6 +78,11 @@ async def test_a_closed_off_prompt_serves_no_cache_but_still_pushes(transport):
         assert all(torch.equal(d[5], v[3]) for d, v in zip(d_blocks.tensors, block_values))
         if transport == "nixl":  # a NIXL WRITE whose notification reached a peer that never saw our metadata
             assert nixl_agent_of(prompt).engine.posted == 1
+            # nor a cache registered after the link (offered by registration, not by the link's set-up)
+            late = pm.allocate_cache(ROWS, [CacheKey(PROMPT_ID, 2)])
+            await nixl_agent_of(prompt).registered(late)
+            await refused(dm.pull_cache(CacheKey(PROMPT_ID, 2), d_rows))  # its answer follows any offer
+            assert link_to(dec, PROMPT_ID).nixl.offers_in.declared == {}
         assert registry_of(prompt).by_key((1, 2**64 - 1, 0)) is not None
         assert engine_state(prompt)["claimed keys"] == 0  # refused before its key was claimed
         assert all(torch.equal(t, v) for t, v in zip(rows.tensors, values))

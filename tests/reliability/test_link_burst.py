@@ -47,12 +47,12 @@ CAP = 64  # the default aio.MaxPendingHandshakes
 
 
 @pytest.mark.asyncio(loop_factories=["asyncio"])
-@pytest.mark.parametrize("decoders", [128, 256])
-@pytest.mark.parametrize("prompt_loop", ["asyncio", "uvloop"])
-async def test_a_burst_of_decoders_all_link_with_the_default_cap(fork_server, decoders, prompt_loop):
+@pytest.mark.parametrize("decoders, cap", [(128, CAP), (256, CAP), (32, 2)])  # 2: connections that sent their
+@pytest.mark.parametrize("prompt_loop", ["asyncio", "uvloop"])  # first message fill the arriving stage and wait
+async def test_a_burst_of_decoders_all_link_with_the_default_cap(fork_server, decoders, cap, prompt_loop):
     config = (("transport", "tcp"), ("sync_kv_timeout", 10_000))
     prompt_spec = EndpointSpec(LLMRole.PROMPT, PROMPT, caches=(CacheSpec("big", DESC, 5, blocks=True, model_id=0),),
-                               config=config, loop=prompt_loop, lifetime=60.0)
+                               config=(*config, ("max_pending_handshakes", cap)), loop=prompt_loop, lifetime=60.0)
     host_specs = [EndpointSpec(LLMRole.DECODER, 100 + h, listen=False, config=config, lifetime=60.0,
                                loop=("asyncio", "uvloop")[h % 2]) for h in range(HOSTS)]
     per_host = decoders // HOSTS
@@ -76,7 +76,7 @@ async def test_a_burst_of_decoders_all_link_with_the_default_cap(fork_server, de
         assert await prompt.call("links") == {}
         at_least("links made at once", decoders)
         note(f"link burst ({decoders}, {prompt_loop})",
-             f"{decoders} decoders in {HOSTS} processes linked to one prompt (cap {CAP}) and pulled "
+             f"{decoders} decoders in {HOSTS} processes linked to one prompt (cap {cap}) and pulled "
              f"{sum(s['pulls'] for s in stats)} times in {elapsed:.1f} s with set-up")
 
 
@@ -151,7 +151,7 @@ async def test_a_flood_holds_at_most_five_fds_per_handshake_slot(fork_server):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("side", ["dialling", "accepting"])
+@pytest.mark.parametrize("side", ["dialling", "accepting", "accepting_at_once"])
 async def test_links_past_the_fd_limit_are_refused_with_a_clear_code(fork_server, side, request):
     room = 2
     loop = "uvloop" if "uvloop" in request.node.name else "asyncio"
@@ -168,7 +168,12 @@ async def test_links_past_the_fd_limit_are_refused_with_a_clear_code(fork_server
         _, info = await child.recv()
         assert info["raised"] == resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # init raised 256 to the hard limit
         codes = []
-        for n in range(room + 2):
+        if side == "accepting_at_once":  # fds promised to links whose data channels are not open yet count
+            answers = await asyncio.gather(*(d.link_clusters([cluster_info(1, ("127.0.0.1", info["port"]))])
+                                             for d in decoders))
+            order = sorted(range(room + 2), key=lambda n: answers[n][1][0] != S.LLM_SUCCESS)  # the linked first
+            decoders, codes = [decoders[n] for n in order], [answers[n][1][0] for n in order]
+        for n in range(len(codes), room + 2):
             if side == "dialling":
                 codes.append(await child.call("link", 10 + n, port_of(prompts[n])[1]))
             else:

@@ -47,7 +47,7 @@ from aio_datadist import (
 )
 from aio_datadist.leases import lease_of
 from aio_datadist.owners import Owners
-from aio_datadist.testing import link_count, link_table_of
+from aio_datadist.testing import admission_of, link_count, link_table_of
 from peers import CacheSpec, EndpointSpec, cluster_info, fill, linked_pair
 
 from _forked import forked
@@ -133,18 +133,25 @@ async def test_an_accepted_handshake_at_finalize_is_closed_at_once():
     from aio_datadist import wire
 
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd:
+        gate = admission_of(dd)
         reader, writer = await asyncio.open_connection(*dd.listen_address)
+        half_reader, half = await asyncio.open_connection(*dd.listen_address)  # still arriving: half a HELLO
         try:
             writer.write(wire.encode(wire.Msg.HELLO, 0, nonce=os.urandom(32)))  # then silent: before LINK_OK
+            half.write(wire.encode(wire.Msg.HELLO, 0, nonce=os.urandom(32))[:10])
             async with asyncio.timeout(5):
                 await reader.readexactly(wire.HEADER.size)  # the HELLO_ACK: the prompt is in the handshake
+                while len(gate.arriving) + len(gate.handshaking) < 2:
+                    await asyncio.sleep(0.005)
             started = time.monotonic()
             await dd.finalize()
             async with asyncio.timeout(1.5 - (time.monotonic() - started)):
                 while await reader.read(4096):  # the rest of the HELLO_ACK, then EOF
                     pass
+                assert await half_reader.read(4096) == b""  # the arrival is closed at once too
         finally:
             writer.close()
+            half.close()
 
 
 def peer_closed(writer: asyncio.StreamWriter) -> bool:
