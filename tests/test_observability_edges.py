@@ -313,10 +313,14 @@ async def test_a_transfer_its_requester_gave_up_is_no_link_failure_on_the_owner(
 
 
 @pytest.mark.asyncio
-async def test_a_pull_whose_link_broke_first_is_a_link_failure_on_the_owner():
+@pytest.mark.parametrize("first", ["broken", "aborted"])
+async def test_a_pull_whose_link_broke_first_is_a_link_failure_on_the_owner(first):
     """The other side of the row above: a requester that dies under a pull its owner serves counts
     ``LLM_LINK_FAILED`` when the owner marks its link broken first (its heartbeat stopped, its control
-    connection was lost): the link's teardown stops the job, and that is no abort of the requester's."""
+    connection was lost): the link's teardown stops the job, and that is no abort of the requester's
+    (found by audit, 2026-12-07). ``aborted``: the requester's ABORT stopped the job, and the link broke
+    before the job's end was counted (in the same loop pass): still the abort's ``LLM_FAILED`` (the cause is
+    taken when the job is stopped; found by the review)."""
     config, blocks = {"transport": "tcp"}, list(range(BIG_BLOCKS.shape[0]))
     registry = CollectorRegistry()
     async with open_pair(prompt_config=config, decoder_config=config) as pair:
@@ -331,13 +335,17 @@ async def test_a_pull_whose_link_broke_first_is_a_link_failure_on_the_owner():
                 break
             await asyncio.sleep(0)
         assert owner_link.serving, "the owner never served the pull"
+        if first == "aborted":
+            (abort,) = owner_link.serving.values()
+            abort()  # as the requester's ABORT does
         owner_link.fail(LLMException("no heartbeat for 9.9 s", status_code=LLMStatusCode.LLM_LINK_FAILED))
         await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
         await asyncio.sleep(0)
     errors = {status: registry.get_sample_value("aio_datadist_transfer_errors_total",
                                                 {"cluster_id": "1", "kind": "served_pull", "status": status})
               for status in ("LLM_LINK_FAILED", "LLM_FAILED")}
-    assert errors == {"LLM_LINK_FAILED": 1.0, "LLM_FAILED": None}, errors
+    assert errors == ({"LLM_LINK_FAILED": 1.0, "LLM_FAILED": None} if first == "broken" else
+                      {"LLM_LINK_FAILED": None, "LLM_FAILED": 1.0}), errors
 
 
 def test_an_endpoint_whose_loop_closed_without_finalize_gives_counts_and_no_gauges():

@@ -205,8 +205,11 @@ class StreamPlane(Plane):
 
             await_done(link, req_id, req, consumed, lambda: rt.registry.release_key(key, tensors))
 
+        stopped_by_failure: list[bool] = []  # whether the link had failed when it stopped us (its teardown)
+
         def abort() -> None:
             # Runs before the next control message is read: the key must be free again by then.
+            stopped_by_failure.append(link.broken is not None)
             fut.cancel()
             ack = link.pull_acks.pop(req_id, None)
             if ack is not None:
@@ -255,7 +258,7 @@ class StreamPlane(Plane):
                 # The channel failed under a link that is up: the requester gave the request up (it resets the
                 # channel before its ABORT comes), which every plane counts as LLM_FAILED, as for the ABORT.
                 status = LLMStatusCode.LLM_FAILED
-            elif f.cancelled() and link.broken is not None and not told:
+            elif f.cancelled() and stopped_by_failure[:1] == [True] and not told:
                 # Stopped by the teardown of a link that failed (its heartbeat, its control connection): the
                 # peer's failure, not an abort of the requester's (found by audit).
                 status = LLMStatusCode.LLM_LINK_FAILED
