@@ -301,7 +301,7 @@ async def test_a_cut_pull_by_a_key_gives_its_claim_back():
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd, \
             endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec:
         keys = [CacheKey(PROMPT, k) for k in range(KEYED.shape[0])]
-        fill(dd.kv_cache_manager.allocate_cache(KEYED, keys), 4)
+        values = fill(dd.kv_cache_manager.allocate_cache(KEYED, keys), 4)
         dst = dec.kv_cache_manager.allocate_cache(KEYED)
         assert (await dec.link_clusters([cluster_info(PROMPT, port_of(dd))]))[0] == S.LLM_SUCCESS
         baseline, rng, reached = state(dd), random.Random(f"claims-{SEED}"), 0
@@ -319,3 +319,6 @@ async def test_a_cut_pull_by_a_key_gives_its_claim_back():
             reached += 1
             await settle(dd, baseline, within=BOUND_S)  # "claimed keys" back to 0
         assert reached >= 10, reached
+        if keys:  # the key a cut pull held is still there, with its bytes (a claim consumed would refuse it)
+            await dec.kv_cache_manager.pull_cache(keys[0], dst, 0)
+            assert all(torch.equal(t[0], v[KEYED.shape[0] - len(keys)]) for t, v in zip(dst.tensors, values))

@@ -148,6 +148,7 @@ async def _pull_under_way(dec: Any, link: Any, desc: CacheDesc) -> tuple[asyncio
         if link.pending:
             break
         await asyncio.sleep(0)
+    assert link.pending, "the pull was never sent"
     return pull, dst
 
 
