@@ -60,6 +60,19 @@ async def _init_and_link(p: LLMDataDist, d: LLMDataDist, total_s: int) -> list[i
     return await asyncio.gather(p.link("c", INFO, table), d.link("c", INFO, table))
 
 
+async def _comm_a_up(d: LLMDataDist, p: LLMDataDist, info: dict, table: str) -> tuple[int, int]:
+    """Comm "a" at ``d`` and ``p`` (``d`` first), once ``d`` holds its link to the prompt (5 s at most): the two
+    comm ids."""
+    comm_a = await d.link("a", info, table)
+    comm_ap = await p.link("a", info, table)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 5
+    while link_to(d, PROMPT_ID) is None and loop.time() < end:
+        await asyncio.sleep(0.02)
+    assert link_to(d, PROMPT_ID) is not None
+    return comm_a, comm_ap
+
+
 def listening(ip: str, port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(1)
@@ -228,13 +241,7 @@ async def test_a_failed_comm_leaves_the_dials_of_a_newer_comm_of_the_pair_alone(
         async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p:
             await p.init(v2_options(**cfg))
             info_a, table_a = {PROMPT_ID: 0, THIRD_ID: 1, DECODER_ID: 2}, rank_table(PROMPT_IP, THIRD_IP, DECODER_IP)
-            comm_a = await d.link("a", info_a, table_a)
-            comm_ap = await p.link("a", info_a, table_a)
-            loop = asyncio.get_running_loop()
-            end = loop.time() + 5
-            while link_to(d, PROMPT_ID) is None and loop.time() < end:
-                await asyncio.sleep(0.02)
-            assert link_to(d, PROMPT_ID) is not None
+            comm_a, comm_ap = await _comm_a_up(d, p, info_a, table_a)
             await p.unlink(comm_ap)
         assert await settled(d, comm_a, 5) is FAILED
         info_b, table_b = {THIRD_ID: 0, DECODER_ID: 1}, rank_table(THIRD_IP, DECODER_IP)
@@ -243,6 +250,7 @@ async def test_a_failed_comm_leaves_the_dials_of_a_newer_comm_of_the_pair_alone(
             comm_bt = await t.link("b", info_b, table_b)
         else:
             comm_bt = await t.link("b", info_b, table_b)  # t (rank 0) dials d, which has not called link() for B
+            loop = asyncio.get_running_loop()
             end = loop.time() + 1
             while link_to(d, THIRD_ID) is None and loop.time() < end:  # a stale A would take the dial meanwhile
                 await asyncio.sleep(0.02)
@@ -274,19 +282,14 @@ async def test_a_link_a_failed_comm_made_while_it_was_stopped_is_unlinked(monkey
         try:
             async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p:
                 await p.init(v2_options(**cfg))
-                comm_a = await d.link("a", info_a, table_a)
-                comm_ap = await p.link("a", info_a, table_a)
-                loop = asyncio.get_running_loop()
-                end = loop.time() + 5
-                while link_to(d, PROMPT_ID) is None and loop.time() < end:
-                    await asyncio.sleep(0.02)
-                assert link_to(d, PROMPT_ID) is not None
+                comm_a, comm_ap = await _comm_a_up(d, p, info_a, table_a)
                 comm_at = await t.link("a", info_a, table_a)
                 await asyncio.wait_for(entered.wait(), 5)  # d took t's dial; the link is being set up
                 taken = link_to(d, THIRD_ID)
                 assert taken is not None
                 await p.unlink(comm_ap)
             assert await settled(d, comm_a, 5) is FAILED
+            loop = asyncio.get_running_loop()
             end = loop.time() + 5
             while not taken.closed and loop.time() < end:
                 await asyncio.sleep(0.02)

@@ -23,6 +23,17 @@ from test_core_fork import FREEZER
 from test_core_fork import run as run_script
 
 
+#: A notifier ``n`` (on queue ``q``) and a host stream ``s`` held by its gate ``g``, for a child script.
+HELD_NOTIFIER = """
+    from aio_datadist import _core
+
+    q = _core.CompletionQueue()
+    s = _core.HostStream()
+    n = _core.StreamNotifier(q, "host")
+    g = s.gate()
+"""
+
+
 def run(script: str, *args: str, timeout: float = 20) -> str:
     """Run ``script`` with ``args`` in a process of its own; its stdout (a crash or a time-out fails the test)."""
     return run_script(textwrap.dedent(script), args=args, timeout=timeout)
@@ -207,14 +218,9 @@ def test_close_from_two_threads_at_once_returns_in_both(kind):
 
 def test_close_while_another_thread_closes_returns_once_closed():
     """The later close() waits for the first one: when it returns, the engine is closed (its records came)."""
-    out = run("""
+    out = run_script(HELD_NOTIFIER, """
         import select, threading
-        from aio_datadist import _core
 
-        q = _core.CompletionQueue()
-        s = _core.HostStream()
-        n = _core.StreamNotifier(q, "host")
-        g = s.gate()
         n.notify(5, s.handle)
         first = threading.Thread(target=n.close, args=(5,))
         first.start()
@@ -226,7 +232,7 @@ def test_close_while_another_thread_closes_returns_once_closed():
         first.join()
         s.close()
         q.close()
-    """)
+    """, timeout=20)
     assert "TIMED OUT False" in out and "WAITED True [(5, 0, 0)]" in out, out
 
 
@@ -261,13 +267,7 @@ def test_synchronize_with_a_timeout_that_passed_returns_at_once():
 def test_notifier_close_with_a_timeout_that_passed_returns_at_once():
     """``StreamNotifier.close`` with a negative timeout and a notification the held stream has not reached
     returns False at once (the bookkeeping is left to the host function, with a ResourceWarning)."""
-    out = run("""
-        from aio_datadist import _core
-
-        q = _core.CompletionQueue()
-        s = _core.HostStream()
-        n = _core.StreamNotifier(q, "host")
-        g = s.gate()
+    out = run_script(HELD_NOTIFIER, """
         n.notify(1, s.handle)
         print("CLOSE", n.close(-0.999), flush=True)
         g.open()
@@ -280,14 +280,9 @@ def test_notifier_close_with_a_timeout_that_passed_returns_at_once():
 def test_notifier_close_with_a_nan_or_infinite_timeout():
     """Row 260, the notifier's part: ``StreamNotifier.close(nan)`` raises ValueError and ``close(inf)`` waits
     without a bound, as ``synchronize`` and ``HostCopyEngine.wait`` (the tests above check those two only)."""
-    out = run("""
+    out = run_script(HELD_NOTIFIER, """
         import math, threading
-        from aio_datadist import _core
 
-        q = _core.CompletionQueue()
-        s = _core.HostStream()
-        n = _core.StreamNotifier(q, "host")
-        g = s.gate()
         n.notify(1, s.handle)
         try:
             n.close(math.nan)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from typing import Any
 
 import pytest
 
@@ -206,24 +207,33 @@ async def test_unlink_of_a_cluster_a_dial_without_its_id_is_linking_is_processin
         assert await dd.unlink_clusters([cluster_info(1, port_of(prompt))]) == OK
 
 
+@contextlib.asynccontextmanager
+async def _a_handshake_held(monkeypatch: Any) -> Any:
+    """A prompt that may switch roles (cluster 1) and a decoder (2) whose ``link_clusters`` to it is held in the
+    prompt's handshake (``handshake.accept``): the prompt, the decoder, the prompt's address, the call, and the
+    event that lets the handshake go on."""
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, switch_role=True) as prompt, \
+            endpoint(LLMRole.DECODER, 2) as dd:
+        address = port_of(prompt)
+        with held(monkeypatch, handshake, "accept") as (entered, release):
+            attempt = asyncio.ensure_future(dd.link_clusters([cluster_info(1, address)], timeout=3000))
+            await asyncio.wait_for(entered.wait(), 5)
+            yield prompt, dd, address, attempt, release
+
+
 @pytest.mark.asyncio
 async def test_a_switch_role_that_fails_keeps_a_link_in_its_handshake(monkeypatch):
     """A switch whose new address is taken listens where it did: a peer's link authenticating meanwhile comes
     up (a handshake is refused only when the listener it came through stopped or moved)."""
     busy = socket.create_server(("127.0.0.1", 0))
     try:
-        async with endpoint(LLMRole.PROMPT, 1, listen=True, switch_role=True) as prompt, \
-                endpoint(LLMRole.DECODER, 2) as dd:
-            address = port_of(prompt)
-            with held(monkeypatch, handshake, "accept") as (entered, release):
-                attempt = asyncio.ensure_future(dd.link_clusters([cluster_info(1, address)], timeout=3000))
-                await asyncio.wait_for(entered.wait(), 5)
-                with pytest.raises(LLMException) as raised:
-                    await prompt.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": "%s:%d" % busy.getsockname()[:2]})
-                assert raised.value.status_code == S.LLM_LINK_FAILED
-                assert prompt.role == LLMRole.PROMPT and prompt.listen_address == address
-                release.set()
-                assert await asyncio.wait_for(attempt, 5) == OK
+        async with _a_handshake_held(monkeypatch) as (prompt, _, address, attempt, release):
+            with pytest.raises(LLMException) as raised:
+                await prompt.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": "%s:%d" % busy.getsockname()[:2]})
+            assert raised.value.status_code == S.LLM_LINK_FAILED
+            assert prompt.role == LLMRole.PROMPT and prompt.listen_address == address
+            release.set()
+            assert await asyncio.wait_for(attempt, 5) == OK
     finally:
         busy.close()
 
@@ -292,14 +302,9 @@ async def test_a_dial_without_a_remote_id_issued_while_finalize_runs_never_start
 @pytest.mark.asyncio
 async def test_a_handshake_in_flight_when_the_listener_moves_is_refused(monkeypatch):
     """switch_role listens elsewhere while a peer's HELLO is read: refused as when the listener stopped."""
-    async with endpoint(LLMRole.PROMPT, 1, listen=True, switch_role=True) as prompt, \
-            endpoint(LLMRole.DECODER, 2) as dd:
-        address = port_of(prompt)
-        with held(monkeypatch, handshake, "accept") as (entered, release):
-            attempt = asyncio.ensure_future(dd.link_clusters([cluster_info(1, address)], timeout=3000))
-            await asyncio.wait_for(entered.wait(), 5)
-            await prompt.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": "127.0.0.1:0"})
-            assert prompt.listen_address != address
-            release.set()
-            assert await asyncio.wait_for(attempt, 5) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+    async with _a_handshake_held(monkeypatch) as (prompt, dd, address, attempt, release):
+        await prompt.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": "127.0.0.1:0"})
+        assert prompt.listen_address != address
+        release.set()
+        assert await asyncio.wait_for(attempt, 5) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
         assert not link_table_of(prompt).links and not link_table_of(dd).links
