@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 
-from aio_datadist import (BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole, LLMStatusCode, Placement,
-                          LLMException, metrics, protocol)
+from aio_datadist import (BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMDataDist, LLMException, LLMRole,
+                          LLMStatusCode, Placement, metrics, protocol)
 from aio_datadist.metrics import instrument
 from aio_datadist.stats import LinkCounters
 from aio_datadist.testing import loopback_options, open_pair, usable_link
@@ -346,6 +346,74 @@ async def test_a_pull_whose_link_broke_first_is_a_link_failure_on_the_owner(firs
               for status in ("LLM_LINK_FAILED", "LLM_FAILED")}
     assert errors == ({"LLM_LINK_FAILED": 1.0, "LLM_FAILED": None} if first == "broken" else
                       {"LLM_LINK_FAILED": None, "LLM_FAILED": 1.0}), errors
+
+
+
+#: A rows cache whose key a same-host pull asks for (a key pull is never read without asking: the owner serves it
+#: in place and waits for the requester's DONE while the requester copies its 16 MiB).
+BIG_ROWS = CacheDesc(4, (1, 8 * 256 * 1024), DataType.DT_FLOAT16, Placement.HOST)
+
+
+async def _wait_until(what: str, done: Any) -> None:
+    for _ in range(5000):
+        if done():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never: {what}")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["pull", "push"])
+@pytest.mark.parametrize("first", ["broken", "aborted"])
+async def test_a_same_host_transfer_whose_link_broke_first_is_a_link_failure_on_the_owner(kind, first):
+    """The row above on the same-host plane: a pull its owner serves in place (the requester copies; the owner
+    waits for its DONE) and a push the owner copies itself count ``LLM_LINK_FAILED`` when the owner marks the
+    link broken under them, as the stream plane's job does; before, ``LLM_FAILED`` (found by review,
+    2026-12-07). ``aborted``: the requester's word stopped the request first (a failed DONE for the pull, its
+    ABORT for the push), then the link broke: still ``LLM_FAILED``."""
+    async with open_pair() as pair:
+        prompt_kv, decoder_kv = pair.prompt.kv_cache_manager, pair.decoder.kv_cache_manager
+        registry = CollectorRegistry()
+        if kind == "pull":
+            requester, owner = pair.decoder, pair.prompt
+            key = CacheKey(pair.prompt_cluster_id, 7)
+            prompt_kv.allocate_cache(BIG_ROWS, [key])
+            dst = decoder_kv.allocate_cache(BIG_ROWS)
+            moving = decoder_kv.pull_cache(key, dst, 0)
+        else:
+            requester, owner = pair.prompt, pair.decoder
+            key = BlocksCacheKey(pair.decoder_cluster_id, 1)
+            blocks = list(range(BIG_BLOCKS.shape[0]))
+            src = prompt_kv.allocate_blocks_cache(BIG_BLOCKS)
+            decoder_kv.allocate_blocks_cache(BIG_BLOCKS, key)
+            moving = prompt_kv.push_blocks(key, src, blocks, blocks)
+        instrument(owner, registry)
+        owner_link = usable_link(owner, requester.cluster_id)
+        assert owner_link.transport == "local"
+        task = asyncio.ensure_future(moving)
+        if kind == "pull":
+            await _wait_until("the owner served the pull in place", lambda: owner_link.pull_acks)
+            if first == "aborted":
+                (_, on_fail), = owner_link.pull_acks.values()
+                on_fail()  # as the requester's failed DONE does
+        else:
+            await _wait_until("the owner copied the push", lambda: owner_link.local_pushes)
+            if first == "aborted":
+                (abort,) = owner_link.serving.values()
+                abort()  # as the requester's ABORT does
+        owner_link.fail(LLMException("no heartbeat for 9.9 s", status_code=LLMStatusCode.LLM_LINK_FAILED))
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
+
+        def errors() -> dict[str, float | None]:
+            return {status: registry.get_sample_value("aio_datadist_transfer_errors_total", {
+                "cluster_id": str(owner.cluster_id), "kind": f"served_{kind}", "status": status})
+                for status in ("LLM_LINK_FAILED", "LLM_FAILED")}
+
+        await _wait_until("the owner counted the request", lambda: any(errors().values()))
+        await asyncio.sleep(0.05)  # nothing more is counted
+        counted = errors()
+    assert counted == ({"LLM_LINK_FAILED": 1.0, "LLM_FAILED": None} if first == "broken" else
+                       {"LLM_LINK_FAILED": None, "LLM_FAILED": 1.0}), counted
 
 
 def test_an_endpoint_whose_loop_closed_without_finalize_gives_counts_and_no_gauges():

@@ -534,7 +534,11 @@ class InPlacePlane(Plane):
                 link.send(Msg.DONE, req_id, status=LLMStatusCode.LLM_SUCCESS, text="")
 
         def failed() -> None:
-            served.ended(False, LLMStatusCode.LLM_TIMEOUT if overdue else LLMStatusCode.LLM_FAILED)
+            # Run where the request stopped: by the requester's failed DONE, its silence past the timeout, or the
+            # link's teardown. A teardown of a link that failed (its heartbeat, its control connection) is the
+            # peer's failure, as the stream plane counts it (row 265), not an abort of the requester's.
+            served.ended(False, LLMStatusCode.LLM_TIMEOUT if overdue else
+                         LLMStatusCode.LLM_LINK_FAILED if link.broken is not None else LLMStatusCode.LLM_FAILED)
             if key is not None:
                 rt.registry.release_key(key, tensors)
             if msg is Msg.PUSH_REQ and served.landed:

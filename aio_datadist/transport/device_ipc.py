@@ -196,10 +196,10 @@ def serve_fenced(rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: Transf
     so does an ``answer()`` that raises :class:`Refusal` (with its code)."""
     backend = rt.devices
     assert backend is not None, "serves() saw a device cache"
-    given_up: list[bool] = []
+    given_up: list[bool] = []  # heard that the request stopped: whether the link had failed then (its teardown)
 
     def hear() -> None:
-        given_up.append(True)
+        given_up.append(link.broken is not None)
 
     waiting = (hear, hear)
     link.pull_acks[req_id] = waiting
@@ -220,7 +220,9 @@ def serve_fenced(rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: Transf
             failed(code, f"device stream fence failed: {exc}")
             return
         if given_up or link.down:
-            failed(LLMStatusCode.LLM_FAILED, "abandoned")
+            # Stopped by the teardown of a link that failed: the peer's failure, as the other planes count it.
+            broken = given_up[0] if given_up else link.broken is not None
+            failed(LLMStatusCode.LLM_LINK_FAILED if broken else LLMStatusCode.LLM_FAILED, "abandoned")
             return
         try:
             answer()

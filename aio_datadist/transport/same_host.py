@@ -236,7 +236,13 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
         counters.end("served_push", transport, served.total, started, Outcome.FAILED, exc.status_code)
         answer(exc.status_code, str(exc))
         return
-    link.serving[req_id] = moved.cancel
+    stopped_by_failure: list[bool] = []  # whether the link had failed when it stopped the copy (its teardown)
+
+    def abort() -> None:
+        stopped_by_failure.append(link.broken is not None)
+        moved.cancel()
+
+    link.serving[req_id] = abort
     link.local_pushes[req_id] = settled  # awaited by an unlink before the peer hears it (settle_served)
     told: list[str] = []  # why the copy was cut, when the caller unregistered the cache it writes (``cut``)
 
@@ -261,7 +267,7 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
             del link.local_pushes[req_id]
         if unwatch is not None:
             unwatch()
-        if link.serving.get(req_id) == moved.cancel:
+        if link.serving.get(req_id) is abort:
             del link.serving[req_id]
         if moved.done() and not moved.cancelled() and moved.exception() is None:
             landed()
@@ -270,6 +276,8 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
         failure = None if moved.cancelled() or not moved.done() else moved.exception()
         status = (LLMStatusCode.LLM_KV_CACHE_NOT_EXIST if told else
                   LLMStatusCode.LLM_NOT_YET_LINK if unlinking else
+                  # stopped by the teardown of a link that failed: the peer's failure, as on the stream plane
+                  LLMStatusCode.LLM_LINK_FAILED if moved.cancelled() and stopped_by_failure[:1] == [True] else
                   failure.status_code if isinstance(failure, LLMException)
                   and failure.status_code != LLMStatusCode.LLM_SUCCESS else LLMStatusCode.LLM_FAILED)
         counters.end("served_push", transport, served.total, started, Outcome.FAILED, status)
