@@ -498,6 +498,11 @@ async def test_address_conflicts_and_modes_are_refused():
         await dd.init(v2_options(listen_ip_info=f"{DECODER_IP}:{listen}", link_port=listen + 5))
         exc = await expect_code(S.LLM_PARAM_INVALID, dd.link("c", GOOD_INFO, rank_table(PROMPT_IP, DECODER_IP)))
         assert exc.argument == "rank_table" and "listens on" in str(exc)
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as dd:  # its port, but on another host
+        listen = free_port(DECODER_IP)
+        await dd.init(v2_options(listen_ip_info=f"{DECODER_IP}:{listen}", rank_addresses={1: f"{THIRD_IP}:{listen}"}))
+        exc = await expect_code(S.LLM_PARAM_INVALID, dd.link("c", GOOD_INFO, rank_table(PROMPT_IP, DECODER_IP)))
+        assert exc.argument == "rank_table" and "listens on" in str(exc)
     async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as dd:  # two ranks mapped to one address
         await dd.init(v2_options(rank_addresses={0: f"{PROMPT_IP}:5000", 1: f"{PROMPT_IP}:5000"}))
         exc = await expect_code(S.LLM_PARAM_INVALID, dd.link("c", GOOD_INFO, rank_table(PROMPT_IP, DECODER_IP)))

@@ -148,8 +148,11 @@ async def test_v1_endpoint_refuses_the_cache_manager():
         with pytest.raises(LLMException, match=re.escape(V2_MESSAGE)) as info:
             dd.cache_manager  # noqa: B018
         assert info.value.status_code is INVALID
-        with pytest.raises(LLMException, match=re.escape(V2_MESSAGE)):
-            early.register_blocks_cache(BLOCKS, [t.data_ptr() for t in pattern(BLOCKS, 1)])
+        for call in (lambda: early.register_blocks_cache(BLOCKS, [t.data_ptr() for t in pattern(BLOCKS, 1)]),
+                     lambda: early.allocate_cache(ROWS), lambda: early.allocate_blocks_cache(BLOCKS),
+                     lambda: early.unregister_cache(1), lambda: early.remove_cache_key(CacheKey(5, 1))):
+            with pytest.raises(LLMException, match=re.escape(V2_MESSAGE)):
+                call()
         assert len(registry_of(dd)) == 0
         assert dd.kv_cache_manager.allocate_cache(ROWS).cache_id == 1
 
@@ -284,6 +287,7 @@ async def test_raw_addresses_must_be_mapped_writable_and_large_enough(pages):
     base = pages.map(3, rw)
     pages.unmap(base + PAGE)  # a hole: [base + PAGE, base + 2 PAGE) is unmapped
     read_only = pages.map(1, _Pages.PROT_READ)
+    write_only = pages.map(1, _Pages.PROT_WRITE)  # "-w-p" in /proc/self/maps: writable, not readable
     async with v2_endpoint(LLMRole.DECODER, DECODER_ID) as dd:
         cm = dd.cache_manager
         kept, _ = register(cm, ROWS, 4, [CacheKey(DECODER_ID, 1)])
@@ -294,6 +298,7 @@ async def test_raw_addresses_must_be_mapped_writable_and_large_enough(pages):
             ([base], TWO_PAGES),  # runs from the mapped page into the hole
             ([base + PAGE // 2], ONE_PAGE),  # the second half runs into the hole
             ([read_only], ONE_PAGE),  # mapped, but not writable
+            ([write_only], ONE_PAGE),  # mapped, but not readable
             ([0x1000], ONE_PAGE),  # the first page is never mapped
             ([0], ONE_PAGE),
         ]
@@ -480,6 +485,14 @@ async def test_release_calls_and_their_second_calls():
                 cm.deallocate_cache(gone)
             with rejected(S.LLM_KV_CACHE_NOT_EXIST, "cache"):
                 cm.deallocate_blocks_cache(gone_blocks)
+            # Theirs with the id of a live cache of ours: refused, and neither is released.
+            mine = cm.allocate_cache(ROWS)
+            while (twin := other.cache_manager.allocate_cache(ROWS)).cache_id < mine.cache_id:
+                pass
+            assert twin.cache_id == mine.cache_id
+            with rejected(S.LLM_KV_CACHE_NOT_EXIST, "cache"):
+                cm.deallocate_cache(twin)
+            assert mine.alive and twin.alive and reg.all_caches() == [mine]
 
 
 async def test_remap_covers_a_deallocated_cache_its_keys_still_offer():
@@ -634,6 +647,7 @@ async def test_decoder_pushes_and_pulls_and_bad_input_keeps_the_link(transport):
             (INVALID, "src_layer_range", TypeError,
              lambda: cm.push_blocks(key, blocks, [0], [0], src_layer_range=[0, 1])),
             (INVALID, "dst_blocks", LLMException, lambda: cm.push_blocks(key, blocks, [0], [])),
+            (INVALID, "src_blocks", LLMException, lambda: cm.push_blocks(key, blocks, [8], [0])),
             (INVALID, "dst_cache_key", TypeError, lambda: cm.push_cache(key, rows)),
             (INVALID, "size", LLMException,
              lambda: cm.push_cache(CacheKeyByIdAndIndex(PROMPT_ID, rows_id, 0), rows, size=8)),

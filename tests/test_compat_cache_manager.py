@@ -161,6 +161,10 @@ def test_every_mirror_method_blocks_and_forwards(private_loop):
         assert all(torch.equal(p_rows_mem[t][1], d_rows_mem[t][0]) for t in range(4))
         dm.pull_cache(CacheKey(1, 0), d_rows, batch_index=2)
         assert all(torch.equal(d_rows_mem[t][2], p_rows_mem[t][0]) for t in range(4))
+        kept_row = [t[1].clone() for t in d_rows_mem]
+        dm.pull_cache(CacheKeyByIdAndIndex(1, p_rows.cache_id, 2), d_rows, batch_index=1, size=128)  # 64 values
+        assert all(torch.equal(d_rows_mem[t][1][:64], p_rows_mem[t][2][:64])
+                   and torch.equal(d_rows_mem[t][1][64:], kept_row[t][64:]) for t in range(4))
         pm.pull_blocks(BlocksCacheKey(2, 0), p_blocks, [7], [7])  # a PROMPT pulls over the link it accepted
         assert all(torch.equal(p_blocks_mem[t][7], d_blocks_mem[t][7]) for t in range(4))
         kept = [t.clone() for t in d_blocks_mem]
@@ -171,6 +175,11 @@ def test_every_mirror_method_blocks_and_forwards(private_loop):
         assert all(torch.equal(d_blocks_mem[t][0], p_blocks_mem[t][0]) for t in (0, 1))
         assert all(torch.equal(d_blocks_mem[t][1:], kept[t][1:]) for t in (0, 1))
         assert all(torch.equal(d_blocks_mem[t], kept[t]) for t in (2, 3))
+        task = pm.transfer_cache_async(p_blocks, _Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0),
+                                                                                     range(0, 1), range(0, 1))],
+                                       src_block_indices=[1], dst_block_indices=[5])
+        assert task.synchronize() is S.LLM_SUCCESS
+        assert all(torch.equal(d_blocks_mem[t][5], p_blocks_mem[t][1]) for t in (0, 1))
 
         dm.copy_cache(d_rows, d_rows, 1, 2, req_id=3)
         assert torch.equal(d_rows_mem[0][1], d_rows_mem[0][2])
@@ -186,6 +195,7 @@ def test_every_mirror_method_blocks_and_forwards(private_loop):
         owned_blocks = pm.allocate_blocks_cache(BLOCKS)
         pm.remove_cache_key(CacheKey(1, 9))
         pm.deallocate_cache(owned)
+        assert not owned.alive  # its key was removed: nothing keeps it
         pm.deallocate_cache(owned)  # a second one is a no-op
         pm.deallocate_blocks_cache(owned_blocks)
         pm.deallocate_blocks_cache(owned_blocks)
