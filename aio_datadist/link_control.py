@@ -18,7 +18,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, cast
 
-from aio_datadist import _core, protocol, wire
+from aio_datadist import _core, _trace, protocol, wire
 from aio_datadist.control_reader import ControlReader
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import base as transport_base
@@ -280,6 +280,8 @@ class LinkControl:
     def _control_data(self, data: bytes) -> None:
         """A chunk of the control connection, straight from its protocol's callback: act on each
         complete message in it, in order."""
+        if _trace.ON:
+            _trace.mark("control: chunk read")
         if self.down:
             return
         try:

@@ -165,20 +165,27 @@ async def link_decoder(dd: Any, port: int, transport: str) -> tuple[Any, Any]:
     return cache, BlocksCacheKey(PROMPT_ID, 0)
 
 
+async def _warm(dd: Any, peer: Peer, transport: str, blocks: int) -> tuple[Any, Any]:
+    """Link ``dd`` to the peer, run the warm-up pulls and drop every mark so far, on both ends."""
+    from aio_datadist import _trace
+
+    cache, key = await link_decoder(dd, await peer.recv_async(120.0), transport)
+    for i in range(WARMUP):
+        await dd.kv_cache_manager.pull_blocks(key, cache, *_lists(i, blocks))
+    await asyncio.sleep(0.05)  # the owner's last DONE is read
+    _trace.take()
+    peer.send("marks")
+    await peer.recv_async(30.0)
+    return cache, key
+
+
 async def _decoder(peer: Peer, transport: str, n: int, blocks: int, hot: bool = False,
                    tail: float = 0.05, spinner: Spinner | None = None) -> list[tuple[str, float, float]]:
     from aio_datadist import LLMDataDist, LLMRole, _trace
 
     geometry = KvGeometry()
-    port = await peer.recv_async(120.0)
     async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as dd:
-        cache, key = await link_decoder(dd, port, transport)
-        for i in range(WARMUP):
-            await dd.kv_cache_manager.pull_blocks(key, cache, *_lists(i, blocks))
-        await asyncio.sleep(0.05)  # the owner's last DONE is read
-        _trace.take()
-        peer.send("marks")
-        await peer.recv_async(30.0)
+        cache, key = await _warm(dd, peer, transport, blocks)
         raw_us: list[float] = []
         with TcpReplyPeer(geometry.request_bytes(blocks)) as raw, \
                 spinner.running() if spinner is not None else contextlib.nullcontext():
@@ -201,6 +208,50 @@ async def _decoder(peer: Peer, transport: str, n: int, blocks: int, hot: bool = 
                  statistics.median(raw_tail))]
 
 
+def _cpu_rows(marks: list[tuple[int, str]], n: int) -> list[tuple[str, float, float]]:
+    """CPU marks of one thread (``AIO_DATADIST_TRACE_CLOCK=cpu``): per pair of consecutive stages that at least
+    half of the ``n`` pulls passed, in the order first seen, ``(name, median us, mean us)``."""
+    pairs: dict[str, list[float]] = {}
+    for (t0, before), (t1, after) in zip(marks, marks[1:]):
+        pairs.setdefault(f"{before} -> {after}", []).append((t1 - t0) / 1000)
+    return [(name, statistics.median(us), statistics.mean(us)) for name, us in pairs.items() if len(us) >= n // 2]
+
+
+async def _decoder_cpu(peer: Peer, transport: str, n: int, blocks: int, hot: bool = False,
+                       spinner: Spinner | None = None) -> tuple[list[tuple[str, float, float]],
+                                                                list[tuple[str, float, float]], float]:
+    """``--cpu``: the CPU each loop thread spends between its stages, ours and the owner's, and our loop
+    thread's CPU per pull in all."""
+    import time
+
+    from aio_datadist import LLMDataDist, LLMRole, _trace
+
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as dd:
+        cache, key = await _warm(dd, peer, transport, blocks)
+        with spinner.running() if spinner is not None else contextlib.nullcontext():
+            started = time.thread_time()
+            for i in range(n):
+                await dd.kv_cache_manager.pull_blocks(key, cache, *_lists(0 if hot else i, blocks))
+            ours = (time.thread_time() - started) / n * 1e6
+        await asyncio.sleep(0.05)
+        mine = _trace.take()
+        peer.send("marks")
+        theirs = await peer.recv_async(30.0)
+        peer.send("exit")
+    return _cpu_rows(mine, n), _cpu_rows(theirs, n), ours
+
+
+def _print_cpu(transport: str, mine: list[tuple[str, float, float]], theirs: list[tuple[str, float, float]],
+               ours_us: float) -> None:
+    print(f"## {transport}: CPU of each loop thread between its stages (us)\n")
+    for side, rows in (("requester (this process)", mine), ("owner (the PROMPT process)", theirs)):
+        print(f"| {side} | median | mean |\n|---|---:|---:|")
+        for name, median, mean in rows:
+            print(f"| {name} | {median:.1f} | {mean:.1f} |")
+        print(f"| sum of the means | | {sum(mean for _, _, mean in rows):.0f} |\n")
+    print(f"(our loop thread: {ours_us:.0f} us of CPU per pull in all, measured around the timed pulls)\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__.splitlines()[0])
     parser.add_argument("--transport", default="tcp,local",
@@ -215,8 +266,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hot", action="store_true",
                         help="pull the same blocks every time (their memory stays in the CPU caches, as the raw "
                              "baseline's buffer does) instead of the next ones round the 128 MiB cache")
+    parser.add_argument("--cpu", action="store_true",
+                        help="the CPU time each end's loop thread spends between its stages (user + system, "
+                             "AIO_DATADIST_TRACE_CLOCK=cpu) instead of the wall-clock breakdown; no raw baseline")
     args = parser.parse_args(argv)
     os.environ["AIO_DATADIST_TRACE"] = "1"  # before the library is imported, here and in the peer
+    if args.cpu:
+        os.environ["AIO_DATADIST_TRACE_CLOCK"] = "cpu"
     if "aio_datadist._trace" in sys.modules:
         raise RuntimeError("run benchmarks.breakdown as its own program: the library was imported already")
     geometry = KvGeometry()
@@ -231,6 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         spinner = stack.enter_context(Spinner()) if args.loaded else None
         for transport in args.transport.split(","):
             with Peer(_prompt_peer, transport, timeout=600.0, name="prompt") as peer:
+                if args.cpu:
+                    _print_cpu(transport, *asyncio.run(_decoder_cpu(peer, transport, args.n, args.blocks, args.hot,
+                                                                    spinner)))
+                    continue
                 rows = asyncio.run(_decoder(peer, transport, args.n, args.blocks, args.hot, tail, spinner))
             _print_rows(transport, rows, args.tail)
         if spinner is not None:
