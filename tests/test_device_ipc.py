@@ -537,3 +537,48 @@ async def test_device_records_that_lie_drop_the_share_and_map_nothing():
                 proc.kill()
                 proc.join()
         assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("first", ["broken", "given up"])
+async def test_a_pull_whose_link_broke_during_the_owners_fence_is_a_link_failure_on_the_owner(first):
+    """Row 265 on the device-IPC owner's fence (it answers a pull of its device rows once its stream is past
+    them): a link marked broken while the fence waits counts the request ``LLM_LINK_FAILED`` when the fence
+    ends, as every plane counts a broken link's teardown; ``given up``: the requester's failed DONE came first,
+    then the link broke: ``LLM_FAILED``, the cause at the stop (found by the session's review, 2026-12-07)."""
+    from prometheus_client import CollectorRegistry
+
+    from aio_datadist.metrics import instrument
+
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        fill(src, 9)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        await mapped(pair, src.cache_id)
+        registry = CollectorRegistry()
+        instrument(pair.prompt, registry)
+        owner_link = usable_link(pair.prompt, DECODER_ID)
+        gate = runtime_of(pair.prompt).devices.stream.gate()  # the owner's fence waits behind it
+        task = asyncio.ensure_future(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [2], [0]))
+        for _ in range(500):
+            if owner_link.pull_acks:
+                break
+            await asyncio.sleep(0.01)
+        (req_id,) = owner_link.pull_acks
+        if first == "given up":
+            owner_link.pull_acks.pop(req_id)[1]()  # as the requester's failed DONE does
+        owner_link.fail(LLMException("no heartbeat for 9.9 s", status_code=S.LLM_LINK_FAILED))
+        gate.open()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
+
+        def errors() -> dict[str, float | None]:
+            return {status: registry.get_sample_value("aio_datadist_transfer_errors_total", {
+                "cluster_id": str(PROMPT_ID), "kind": "served_pull", "status": status})
+                for status in ("LLM_LINK_FAILED", "LLM_FAILED")}
+
+        for _ in range(500):
+            if any(errors().values()):
+                break
+            await asyncio.sleep(0.01)
+        counted = errors()
+    assert counted == ({"LLM_LINK_FAILED": 1.0, "LLM_FAILED": None} if first == "broken" else
+                       {"LLM_LINK_FAILED": None, "LLM_FAILED": 1.0}), counted
