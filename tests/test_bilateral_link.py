@@ -386,8 +386,11 @@ async def test_a_dial_is_taken_only_while_the_peer_links():
         await d.init(v2_options(**config))
         other = await d.link("other", {9: 0, DECODER_ID: 1}, rank_table(THIRD_IP, DECODER_IP))  # d listens now
         assert d.listen_address is not None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         comm = await p.link("never", {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP))
         assert await settled(p, comm, limit_s=10) is FAILED
+        assert loop.time() - start >= 0.9  # PREPARING for the link time: a refused dial is tried again
         assert await settled(d, other, limit_s=10) is FAILED
         assert link_to(p, DECODER_ID) is None and link_to(d, PROMPT_ID) is None
         await p.unlink(comm)

@@ -98,6 +98,8 @@ async def test_a_cut_same_host_transfer_writes_nothing_after_it_returned(directi
             for t in dst.tensors:
                 t.zero_()
             await cut(transfer, how, after_ms)
+            held = state(decoder)  # the decoder's copy into dst (either way) is over once the call returned
+            assert [held[k] - baseline[k] for k in ("copy jobs", "pending tokens")] == [0, 0], held
             await quiet(dst)
             count("cut transfers checked for late bytes", 1)
         await settle(decoder, baseline)

@@ -291,12 +291,17 @@ async def test_a_newcomer_evicts_the_oldest_silent_share_connection(fork_server)
             await loop.sock_connect(sock, bytes.fromhex(sc.name))
             async with asyncio.timeout(5):  # accepted: it is challenged (and silent from now on)
                 assert len(await loop.sock_recv(sock, 1024)) == local._CHALLENGE.size
+            challenged = loop.time()
         assert share_listener_of(sc.prompt).pending() == local.MAX_PENDING_SHARES
         async with asyncio.timeout(1):  # well within SHARE_AUTH_S: evicted, not timed out
             assert await loop.sock_recv(socks[0], 1024) == b"", "the oldest was not evicted"
         for sock in socks[1:]:
             with pytest.raises(BlockingIOError):  # still open, nothing more sent
                 sock.recv(1024)
+        async with asyncio.timeout(max(0.1, challenged + 2.5 - loop.time())):  # the rest: dropped after 2 s
+            assert await loop.sock_recv(socks[-1], 1024) == b""
+        assert loop.time() - challenged >= 1.9
+        assert all(sock.recv(1024) == b"" for sock in socks[1:])
     finally:
         for sock in socks:
             sock.close()

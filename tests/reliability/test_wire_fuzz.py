@@ -822,6 +822,52 @@ async def test_the_link_reader_acts_on_the_frames_that_came_with_the_handshake()
         assert await asyncio.to_thread(drive) == [2, 4, 6, 8, 10]
 
 
+@pytest.mark.asyncio
+async def test_the_dialler_acts_on_the_frames_that_came_with_link_ok_then_sees_the_end(caplog: Any):
+    """Guarantee 52 on the dialling end, for frames that came with ``LINK_OK`` and a stream that ended inside
+    the next one before the link started (while its data channels attached): the PROBE is answered, then the
+    link is dropped at once (not by its heartbeat)."""
+    from relay import Relay
+
+    class EndAfterLinkOk(Relay):
+        control = True
+        acks = b""
+
+        async def downstream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if not self.control:
+                return await self.pipe(reader, writer)
+            self.control = False
+            while True:  # the handshake, frame by frame, up to LINK_OK
+                head = await reader.readexactly(wire.HEADER.size)
+                msg, _, length = wire.parse_header(head)
+                writer.write(head + await reader.readexactly(length))
+                if msg is Msg.LINK_OK:
+                    break
+            writer.write(wire.encode(Msg.PROBE, 2) + wire.encode(Msg.PROBE, 4)[:7])
+            writer.write_eof()
+
+        async def upstream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if self.acks == b"":
+                self.acks = b"-"  # the control connection is the first
+                while data := await reader.read(1 << 16):
+                    self.acks += data
+                    writer.write(data)
+                return
+            await self.pipe(reader, writer)
+
+    caplog.set_level(logging.INFO, logger="aio_datadist.links")
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp") as dd, \
+            endpoint(LLMRole.DECODER, DECODER, transport="tcp") as dec, EndAfterLinkOk(port_of(dd)) as relay:
+        from peers import cluster_info
+
+        await dec.link_clusters([cluster_info(PROMPT, relay.address)])
+        why = rf"link .*to cluster {PROMPT}\b.*failed: .*connection lost \(IncompleteReadError\).*"  # up or not yet
+        async with asyncio.timeout(2):  # at once, not by the heartbeat (5 intervals of 1 s)
+            while not any(re.fullmatch(why, r.getMessage()) for r in caplog.records):
+                await asyncio.sleep(0.01)
+        assert wire.encode(Msg.PROBE_ACK, 2) in relay.acks
+
+
 def _next_frame(raw: RawLink) -> tuple[Msg, int, dict]:
     from _rawpeer import recv_frame
 
