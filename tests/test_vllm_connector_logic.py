@@ -73,6 +73,9 @@ def test_the_codec_refuses_bad_frames() -> None:
         b'{"id": 1, "op": "pickle"}': "op", b'{"id": 1, "op": "claim"}': "req",
         b'{"id": 1, "op": "claim", "req": 5}': "req",
         b'{"id": 1, "op": "hello", "x": 1}': "x", b'{"id": NaN, "op": "hello"}': "frame",
+        b'{"id": true, "op": "hello"}': "id", b'{"id": 18446744073709551616, "op": "hello"}': "id",
+        b'{"id": 1, "op": "held"}': "req", b'{"id": 1, "op": "done", "req": ""}': "req",
+        b'{"id": 1, "op": "done", "req": "' + b"r" * 257 + b'"}': "req",
         b"[" * 100_000: "frame",
     }
     for body, field in bad_bodies.items():
@@ -97,6 +100,7 @@ def test_prefill_holds_free_once_done_closed_or_timed_out() -> None:
     assert not holds.claim("zzz", "conn1", 5)  # never held
     assert holds.claim("a", "conn1", 5) and holds.claim("b", "conn1", 5) and holds.claim("c", "conn2", 5)
     assert not holds.claim("a", "conn2", 5)  # another decoder cannot take it over
+    assert not holds.done("d", "conn1")  # nor release one that no one claimed
     assert not holds.done("a", "conn2") and holds.done("a", "conn1")
     assert holds.take_released() == {"a"} and holds.take_released() == set()
     assert holds.drop_owner("conn1") == ["b"]  # its decoder's side channel closed
@@ -208,6 +212,21 @@ def test_a_claimer_whose_side_channel_closes_lets_the_prefill_free_its_blocks(ag
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed as a kill does
     _released_soon(prefill, "r9")
     assert not prefill.holds.claim("r9", "late", 5)
+
+
+def test_a_claim_waiting_when_its_side_channel_closes_is_never_granted(agents) -> None:
+    """A claim waiting for vLLM to name its request, its connection reset meanwhile: once named, the request is
+    not claimed for the gone connection (its blocks held to the claim's timeout for no one) but free to claim."""
+    prefill, _ = agents(True, claim_wait_s=3.0)
+    with socket.create_connection(prefill.side_channel, timeout=3) as sock:
+        sock.sendall(encode_frame({"id": 1, "op": "claim", "req": "r7"}))
+        wait(lambda: "r7" in prefill._naming, 3)  # the claim waits
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    wait(lambda: not prefill.loop.call(_conns(prefill)), 3)
+    prefill.holds.add("r7", lease_s=60)
+    with socket.create_connection(prefill.side_channel, timeout=3) as sock:
+        sock.sendall(encode_frame({"id": 2, "op": "claim", "req": "r7"}))
+        assert decode_reply(sock.recv(4096)[4:], "claim")["ok"]
 
 
 @pytest.mark.parametrize("length", [MAX_FRAME + 1, 2**31, 0])

@@ -206,6 +206,23 @@ def test_past_the_bound_a_newcomer_evicts_the_oldest_silent_handshake_not_one_th
             _reap(flood)
 
 
+def test_a_handshake_is_limited_to_link_timeout_ms(agents) -> None:
+    """A connection silent from the start, and one that sent its hello and never its proof, are both closed
+    once ``link_timeout_ms`` ran out, unanswered past the prefill's nonce and proof (the tests above keep
+    connections in the handshake only seconds, under the default 5 s: they passed with no time limit)."""
+    from aio_datadist.integrations.vllm_auth import MAGIC
+
+    prefill, _ = agents(True, shared_secret=SECRET, link_timeout_ms=300)
+    with socket.create_connection(prefill.side_channel, timeout=2) as silent, \
+            socket.create_connection(prefill.side_channel, timeout=2) as spoke:
+        spoke.sendall(MAGIC + os.urandom(32))
+        assert len(spoke.recv(64, socket.MSG_WAITALL)) == 64
+        started = time.monotonic()
+        assert silent.recv(1) == b"" and spoke.recv(1) == b""  # closed by the prefill, within 2 s
+        assert time.monotonic() - started < 1.5
+    wait(lambda: prefill.refusals == 2, 2)
+
+
 class _Distant(Relay):
     """A decode across a network: each chunk forwarded 40 ms late, each way."""
 
@@ -294,6 +311,14 @@ def test_the_secret_option_env_and_warning(monkeypatch, caplog) -> None:
         agent.close()
     assert [r.message for r in caplog.records].count(next(
         r.message for r in caplog.records if "unauthenticated" in r.message)) == 1
+    caplog.clear()
+    agent = Agent(True, False, "engine-p", AgentOptions(shared_secret=SECRET))
+    try:
+        with caplog.at_level(logging.WARNING, logger="aio_datadist.integrations.vllm"):
+            agent.register(tensors, layout)
+    finally:
+        agent.close()
+    assert not [r for r in caplog.records if "unauthenticated" in r.message]  # with a secret: no such warning
 
 
 @pytest.mark.parametrize("name, value", [("pull_timeout_ms", 2.9), ("link_timeout_ms", 1500.7),
@@ -321,13 +346,14 @@ def test_numeric_options_take_integral_floats_and_digit_strings() -> None:
 
 def test_a_connection_holds_at_most_its_claim_limit(agents) -> None:
     prefill, _ = agents(True, shared_secret=SECRET, max_claims_per_connection=2)
-    for req in ("r1", "r2", "r3"):
+    for req in ("r0", "r1", "r2", "r3"):
         prefill.holds.add(req, lease_s=60)
+    assert prefill.holds.claim("r0", "another connection", 60)  # not counted against the peer's limit
     host, port = prefill.side_channel
     replies = _peer("claims", host, port, SECRET, "r1", "r2", "r3", "r1")["replies"]
     assert [r["ok"] for r in replies] == [True, True, False, True]  # r1 again: its own claim
     assert "2 claims" in replies[2]["error"]
-    wait(lambda: set(prefill.holds.held) == {"r3"})  # its connection closed: its two claims are freed
+    wait(lambda: set(prefill.holds.held) == {"r0", "r3"})  # its connection closed: its two claims are freed
 
 
 def test_a_kv_both_worker_is_not_made_to_prove_the_secret_to_itself_for_a_process_without_it(agents) -> None:
