@@ -286,7 +286,11 @@ def test_vllm_ascend_tells_bad_parameters_from_transfer_failures(private_loop):
         addrs = [m.data_ptr() for m in memory]
         assert outcome(lambda: cm.register_blocks_cache(desc, "0x1000", BlocksCacheKey(6))) == "unexpected parameter"
         assert outcome(lambda: cm.register_blocks_cache(desc, addrs, "key")) == "unexpected parameter"
+        # checked inside under another name ('tensors_or_addrs', 'src'), reported in the caller's: the type stays
+        assert outcome(lambda: cm.register_blocks_cache(desc, ["0x1000", addrs[1]], BlocksCacheKey(6))) == \
+            "unexpected parameter"
         cache = cm.register_blocks_cache(desc, addrs, BlocksCacheKey(6))
+        assert outcome(lambda: cm.swap_blocks(object(), cache, {0: 0})) == "unexpected parameter"
         assert outcome(lambda: cm.pull_blocks(BlocksCacheKey(1), cache, ["0"], [0])) == "unexpected parameter"
         assert outcome(lambda: cm.pull_blocks(BlocksCacheKey(2**64), cache, [0], [0])) == "unexpected parameter"
         assert outcome(lambda: cm.pull_blocks(BlocksCacheKey(1), cache, [0], [0])) == "transfer failed"  # unlinked
@@ -372,3 +376,23 @@ async def test_a_blocks_cache_registered_remote_accessible_false_is_kept_from_pe
             await dm.pull_blocks(BlocksCacheKey(pair.prompt.cluster_id), d_blocks, [0, 1], [0, 1])
         assert exc.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, exc.value
         assert not any(d.any() for d in d_blocks.tensors)
+        # nor by its raw addresses: a peer's TransferConfig push into a hidden cache's memory is refused, as into
+        # memory registered nowhere, and writes nothing
+        from aio_datadist import LayerSynchronizer, TransferConfig
+
+        class Ready(LayerSynchronizer):
+            def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+                return True
+
+        hidden = [torch.full((4, 8), 9, dtype=torch.uint8) for _ in range(2)]
+        dm.register_blocks_cache(desc, [m.data_ptr() for m in hidden], remote_accessible=False)
+        src = pm.allocate_blocks_cache(desc)
+        for t in src.tensors:
+            t.fill_(1)
+        task = pm.transfer_cache_async(src, Ready(), [TransferConfig(pair.decoder.cluster_id,
+                                                                  [m.data_ptr() for m in hidden], range(0, 1))],
+                                       [0], [0])
+        with pytest.raises(LLMException) as exc:  # as memory registered nowhere: no cache there for peers
+            await task
+        assert exc.value.status_code == LLMStatusCode.LLM_PARAM_INVALID, exc.value
+        assert all(bool((m == 9).all()) for m in hidden), "a peer wrote into a cache kept from peers"

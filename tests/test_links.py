@@ -358,6 +358,7 @@ async def test_remote_cluster_id_equal_to_own_id_links_another_endpoint():
 
 _OTHER_BLOCKS = {
     "block shape": CacheDesc(4, (8, 4, 8), DataType.DT_FLOAT16, Placement.HOST),
+    "block shape, same bytes": CacheDesc(4, (8, 16, 4), DataType.DT_FLOAT16, Placement.HOST),
     "dtype": CacheDesc(4, (8, 4, 16), DataType.DT_BF16, Placement.HOST),
     "tensor count": CacheDesc(6, (8, 4, 16), DataType.DT_FLOAT16, Placement.HOST),
 }
@@ -366,18 +367,31 @@ _OTHER_BLOCKS = {
 async def test_different_blocks_caches_link_and_mismatched_transfers_are_refused():
     """Issue 16 (heterogeneous peers): blocks layouts are checked per transfer, not at link time; a
     pull between blocks caches that differ (tensor count, dtype, block shape) is refused by the owner
-    with LLM_PARAM_INVALID and writes nothing. tests/test_heterogeneous_peers.py does it across processes."""
+    with LLM_PARAM_INVALID and writes nothing; so is a layer-wise push (transfer_cache_async by key) into a
+    cache of another block shape or dtype.
+    tests/test_heterogeneous_peers.py does it across processes."""
+    from aio_datadist import LayerSynchronizer, TransferWithCacheKeyConfig
+
+    class Ready(LayerSynchronizer):
+        async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            return True
+
     async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt:
-        prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
+        theirs = prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
         info = cluster_info(PROMPT_ID, port_of(prompt))
         for n, (differs, desc) in enumerate(sorted(_OTHER_BLOCKS.items())):
             async with endpoint(LLMRole.DECODER, 10 + n) as decoder:
-                mine = decoder.kv_cache_manager.allocate_blocks_cache(desc)
+                mine = decoder.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(10 + n))
                 before = fill(mine, 3)
                 assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS]), differs
                 with pytest.raises(LLMException) as exc:
                     await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID), mine, [0, 1], [0, 1])
                 assert code_of(exc) == S.LLM_PARAM_INVALID, differs
+                if differs != "tensor count":  # (its layers 0-1 are the pushed cache's layers: those fit)
+                    with pytest.raises(LLMException) as exc:
+                        await prompt.kv_cache_manager.transfer_cache_async(
+                            theirs, Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(10 + n))], [0, 1], [0, 1])
+                    assert code_of(exc) == S.LLM_PARAM_INVALID, (differs, str(exc.value))
                 assert all(torch.equal(t, b) for t, b in zip(mine.tensors, before, strict=True)), differs
         async with endpoint(LLMRole.DECODER, DECODER_ID) as decoder:  # only the block count differs
             more = CacheDesc(4, (32, 4, 16), DataType.DT_FLOAT16, Placement.HOST)

@@ -129,6 +129,16 @@ async def test_push_blocks_and_pull_cache_by_key_between_device_caches():
         for d, v in zip(into.tensors, values, strict=True):
             assert eq(d[2], v[1])
 
+        # rows of 5000 B, more than a chunk: each goes in two pieces (2560 + 2440 B), and no byte past its row
+        desc = CacheDesc(2, (3, 5000), DataType.DT_INT8, Placement.DEVICE)
+        keyed = pair.pm.allocate_cache(desc, [CacheKey(PROMPT_ID, 12)])
+        values = fill(keyed, 5)
+        into = pair.dm.allocate_cache(desc)
+        before = snapshot(into)
+        await pair.dm.pull_cache(CacheKey(PROMPT_ID, 12), into, batch_index=0)
+        for d, v, b in zip(into.tensors, values, before, strict=True):
+            assert eq(d[0], v[0]) and eq(d[1:], b[1:]), "a byte landed past the pulled row"
+
 
 async def test_pulls_over_two_links_stay_within_the_pools_buffers():
     """The bound is the pool's, not only each link's share: two links' receives held behind the device
@@ -187,6 +197,17 @@ async def test_a_timed_out_pull_into_a_held_device_stream_returns_only_once_noth
         values = fill(src, 10)
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [1], [1])
         assert all(eq(d[1], v[1]) for d, v in zip(dst.tensors, values, strict=True))
+        # A push whose gathers wait on the sender's held stream: it too returns once every gather it enqueued ran.
+        pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 1))
+        theirs = runtime_of(pair.prompt).devices
+        gate = theirs.stream.gate()
+        loop.call_later(0.5, gate.open)
+        with pytest.raises(LLMException) as info:
+            await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 1), src, list(range(6)), list(range(6)),
+                                      timeout=200)
+        assert info.value.status_code == S.LLM_TIMEOUT
+        assert theirs.stream.pending() == 0, "a gather of the timed-out push is still queued"
+        assert runtime_of(pair.prompt).completions.pending_count() == 0
 
 
 async def test_raw_addresses_into_a_device_cache_are_refused():
