@@ -136,6 +136,32 @@ def test_geometry_picks_the_widest_safe_access(nbytes, values, unit, align, chun
         assert geo.chunk_units % geo.block == 0
 
 
+@pytest.mark.parametrize(("dst_bases", "src_bases", "dst_offset", "src_offset", "align"), [
+    ((0x10000, 0x30000), (0x20000, 0x40000), 0, 0, 16),
+    ((0x10000, 0x30000), (0x20000, 0x40000), 8, 0, 8),     # an offset into the destination rows
+    ((0x10000, 0x30000), (0x20000, 0x40000), 0, 2, 2),     # one into the source rows
+    ((0x10004, 0x30000), (0x20000, 0x40000), 0, 0, 4),     # one base of several
+    ((0x10000, 0x30000), (0x20000, 0x40001), 0, 0, 1),
+])
+def test_a_kernel_copy_aligns_on_every_base_and_offset_it_addresses(monkeypatch, dst_bases, src_bases, dst_offset,
+                                                                    src_offset, align):
+    """``enqueue_rows`` builds the launch geometry from what the kernel addresses: a base or an offset left out
+    gives wider accesses than the addresses allow (which the interpreter does not fault on)."""
+    from aio_datadist.devices.backend import DeviceBackend
+    from aio_datadist.devices.copies import Side, enqueue_rows
+
+    launched = []
+    monkeypatch.setattr(kernels, "launch_copy_rows", lambda *args, geo, **kw: launched.append(geo))
+    backend = DeviceBackend.__new__(DeviceBackend)
+    backend._alignments = {}
+    backend.table = lambda values, cache=False: torch.tensor(list(values), dtype=torch.int64)
+    cpu = torch.device("cpu")
+    dst = Side(dst_bases, 32768, (1, 2), dst_offset, cpu, lambda: ())
+    src = Side(src_bases, 32768, (0, 3), src_offset, cpu, lambda: ())
+    enqueue_rows(backend, dst, src, 4096, "kernel", [])
+    assert [geo.align for geo in launched] == [align]
+
+
 def test_geometry_rejects_empty_rows():
     with pytest.raises(ValueError):
         kernels.geometry(0)

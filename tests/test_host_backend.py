@@ -203,8 +203,19 @@ async def test_a_failed_submission_keeps_its_memory_until_the_stream_drained(fai
         del staging_buf, submit
         gc.collect()
         assert backend.held == 1 and buf_ref() is not None  # still held: the stream has not drained
-        gate.open()
+        # finalize waits for that stream to drain (0.8 s from now) without blocking the loop
+        import time
+
+        threading.Timer(0.8, gate.open).start()
+        finalizing = asyncio.ensure_future(dd.finalize())
+        longest, last = 0.0, time.monotonic()
+        while not finalizing.done():
+            await asyncio.sleep(0.005)
+            longest, last = max(longest, time.monotonic() - last), time.monotonic()
+        await finalizing
+        assert longest < 0.4, f"finalize blocked the loop {longest:.2f} s on the failed submission's stream"
     finally:
+        gate.open()
         await dd.finalize()
     assert buf_ref() is None  # released once close drained the stream
     assert _core.live_objects() == before

@@ -131,19 +131,27 @@ async def test_an_owner_that_requires_local_refuses_a_pull_over_tcp():
 
 
 @pytest.mark.asyncio
-async def test_an_owner_that_requires_local_refuses_a_push_from_memory_it_cannot_map():
+@pytest.mark.parametrize("requirer", ["decoder", "prompt"])
+async def test_an_owner_that_requires_local_refuses_a_push_from_memory_it_cannot_map(requirer):
     """A local link, but the prompt pushes from registered framework memory (not shared): the push would
-    take the data channels, and the decoder, which requires local, refuses it; its cache stays zero."""
-    async with open_pair(decoder_config={"require_transport": "local"}) as pair:
+    take the data channels, and the decoder, which requires local, refuses it; its cache stays zero. A prompt
+    that requires local refuses it itself, before a byte is sent."""
+    required = {"require_transport": "local"}
+    async with open_pair(**{f"{requirer}_config": required}) as pair:
         desc = blocks_desc()
         owned = [torch.full(desc.shape, 7, dtype=desc.data_type.torch_dtype) for _ in range(desc.num_tensors)]
         source = pair.prompt.kv_cache_manager.register_blocks_cache(desc, owned)
         with pytest.raises(LLMException) as refused:
             await pair.prompt.kv_cache_manager.push_blocks(pair.decoder_blocks_key, source, [0, 1], [0, 1])
         assert refused.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
-        assert "requires transport local" in str(refused.value)
         await asyncio.sleep(0.2)
         assert _zero(pair.decoder_blocks)
+        if requirer == "prompt":
+            assert "aio.RequireTransport=local" in str(refused.value) and "would take tcp" in str(refused.value)
+            assert dict(pair.prompt.stats().links[pair.decoder_cluster_id].kinds["push"].failures) == {
+                "LLM_FEATURE_NOT_ENABLED": 1}
+            return
+        assert "requires transport local" in str(refused.value)
         served = pair.decoder.stats().links[pair.prompt_cluster_id].kinds["served_push"]
         assert dict(served.failures) == {"LLM_FEATURE_NOT_ENABLED": 1} and served.transfers == 0
 

@@ -501,6 +501,23 @@ def test_a_pull_whose_side_channel_closes_meanwhile_is_reported_failed(agents) -
         assert decode.pulls.take_finished() == ({"d7"}, {"d7"}, {3, 5})  # not a load to use
 
 
+def test_a_pull_aborted_mid_transfer_is_reported_only_once_its_pull_blocks_stopped(agents) -> None:
+    """vLLM aborts a request while its ``pull_blocks`` moves bytes: the request is reported finished (failed)
+    only once that pull is no longer in flight, so nothing of it lands in blocks vLLM hands out again."""
+    with _slow_data_path(agents) as (prefill, _, decode, _):
+        prefill.holds.add("r10", lease_s=60)
+        decode.start_pull("d10", _remote(prefill, "r10", [6, 8]), [3, 5])
+
+        async def pulling() -> int:
+            return sum(link.kinds["pull"].in_flight for link in decode._dd.stats().links.values())
+
+        wait(lambda: decode.loop.call(pulling()) == 1)
+        decode.pulls.abort({"d10"})
+        wait(lambda: not decode.pulls.pending())
+        assert decode.pulls.take_finished() == ({"d10"}, {"d10"}, {3, 5})
+        assert decode.loop.call(pulling()) == 0, "reported finished while its pull_blocks still moves bytes"
+
+
 def test_a_second_request_for_the_same_prefill_request_does_not_free_it_under_a_pull(agents) -> None:
     """Two decode requests carrying the same ``kv_transfer_params`` (a proxy's retry, parallel sampling) share
     the decode's side channel: the one that ends first (here released unpulled: a prefix-cache hit or an abort
