@@ -104,6 +104,12 @@ async def test_a_pull_between_device_caches_is_one_batched_copy_out_of_the_read_
         assert len(ours) == 1 and ours[0] >= 1  # one batched copy on the requester's stream
         assert theirs == []  # the owner copied nothing (only fenced its stream)
         assert runtime_of(pair.decoder)._staging is None and runtime_of(pair.prompt)._staging is None
+        # What the peer got is a read-only fd, and the peer's mapping of it is read-only (r--s).
+        assert fcntl.fcntl(src.device_export.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        at = usable_link(pair.decoder, PROMPT_ID).local.device_regions[src.cache_id].mapping.address
+        with open("/proc/self/maps") as maps:
+            perms = [ln.split()[1] for ln in maps if int(ln.split("-")[0], 16) == at]
+        assert perms == ["r--s"], perms
         mine = link_stats(pair.decoder, PROMPT_ID)
         assert mine.kinds["pull"].transport == "local" and mine.device_ipc_off is None
         for _ in range(100):  # the owner counts the pull once our DONE reached it
@@ -406,7 +412,7 @@ async def test_a_peer_that_cannot_map_device_exports_falls_back_to_staging_and_s
              f"link {usable_link(pair.prompt, DECODER_ID).link_id} to cluster {DECODER_ID}"])
 
 
-@pytest.mark.parametrize("how", ["timeout", "cancel"])
+@pytest.mark.parametrize("how", ["timeout", "cancel", "cancel twice"])
 async def test_a_pull_given_up_mid_copy_returns_only_once_nothing_can_land(how):
     async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
         src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
@@ -416,14 +422,19 @@ async def test_a_pull_given_up_mid_copy_returns_only_once_nothing_can_land(how):
         backend = runtime_of(pair.decoder).devices
         gate = backend.stream.gate()  # the requester's copy stream stops here: the copy queues behind it
         loop = asyncio.get_running_loop()
-        opens_at = loop.time() + 0.5
+        # "cancel twice": the stream is held past any bound a settle could be given (JOB_SETTLE_S, ABORT_ACK_S)
+        opens_at = loop.time() + (1.5 if how == "cancel twice" else 0.5)
         loop.call_at(opens_at, gate.open)
         pull = pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, list(range(6)), list(range(6)),
                                    timeout=150 if how == "timeout" else 10_000)
         task = asyncio.ensure_future(pull)
-        if how == "cancel":
+        if how != "timeout":
             await asyncio.sleep(0.15)
             assert backend.stream.pending() > 0  # the copy is queued behind the gate as it is cut
+            task.cancel()
+        if how == "cancel twice":  # cancelled again while it waits for the stream (anyio re-cancels at each await)
+            await asyncio.sleep(0.15)
+            assert not task.done()
             task.cancel()
         with pytest.raises((LLMException, asyncio.CancelledError)) as info:
             await task
@@ -455,25 +466,27 @@ def _record(size: int, rows: int, row_bytes: int, offsets: list[int], kind: int 
             + struct.pack(f"!{len(offsets)}Q", *offsets) + DEVICE.pack(kind, bytes(16)))
 
 
-def _memfd(size: int, sealed: bool) -> int:
+def _memfd(size: int, kind: str) -> int:
     fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
-    if sealed:  # as an honest export: in memory, no resizing, no new writers
+    if kind != "unsealed":  # as an honest export: in memory, no resizing, no new writers (but "no write seal")
         os.pwrite(fd, bytes(size), 0)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
+        writes = F_SEAL_FUTURE_WRITE if kind == "sealed" else 0
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | writes)
     return fd
 
 
 CASES = {  # what the peer sends: (record, how to make the fd or None for no fd)
     "a pipe, not a memfd": (_record(SIZE, 4, 256, [0]), "pipe"),
     "an unsealed memfd": (_record(SIZE, 4, 256, [0]), "unsealed"),
+    "a memfd sealed against resizing, not writes": (_record(SIZE, 4, 256, [0]), "no write seal"),
     "a memfd smaller than declared": (_record(SIZE * 4, 4, 256, [0]), "sealed"),
     "a tensor outside the export": (_record(SIZE, 4, 256, [SIZE - 512]), "sealed"),
     "geometry that does not multiply": (ENTRY.pack(ADD_DEVICE, 7, SIZE, 1, 4, 256, 999) + struct.pack("!Q", 0)
                                         + DEVICE.pack(1, bytes(16)), "sealed"),
     "an unknown device kind": (_record(SIZE, 4, 256, [0], kind=9), "sealed"),
     "no fd": (_record(SIZE, 4, 256, [0]), None),
-    "an honest export": (_record(SIZE, 4, 256, [0, 1024]), "sealed"),
+    "an honest export": (_record(SIZE, 4, 256, [0, SIZE - 1024]), "sealed"),  # its last tensor ends the export
 }
 
 
@@ -486,7 +499,7 @@ def _hostile_peer(conn) -> None:
             r, w = os.pipe()
             fds, spare = [r], [w]
         elif fd_kind is not None:
-            fds, spare = [_memfd(SIZE, fd_kind == "sealed")], []
+            fds, spare = [_memfd(SIZE, fd_kind)], []
         else:
             spare = []
         socket.send_fds(sock, [record], fds)
@@ -524,7 +537,7 @@ async def test_device_records_that_lie_drop_the_share_and_map_nothing():
                 if name == "an honest export":
                     assert got[1] == bytes([MAPPED]) and not lost and list(share.device_regions) == [7]
                     assert share.device_regions[7].side([3], 0, 256, 1, 1).bases[0] == (
-                        share.device_regions[7].mapping.address + 1024)
+                        share.device_regions[7].mapping.address + SIZE - 1024)
                     mine.send("checked")
                 else:
                     assert got[1] == b"" and lost == [True] and share.closed, name  # dropped, nothing answered

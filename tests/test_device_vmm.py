@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C c
 KNOBS = {"fake_device_count": 1, "fake_vmm": 1, "fake_posix_fd": 1, "fake_peer_access": 1, "fake_import_error": 0,
          "fake_access_error": 0, "fake_create_error": 0, "fake_last_access_flags": -1}
 COUNTERS = ("fake_creates", "fake_mem_releases", "fake_exports", "fake_imports", "fake_reserves", "fake_frees",
-            "fake_maps", "fake_unmaps")
+            "fake_maps", "fake_unmaps", "fake_access_calls")
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +149,11 @@ def test_imports_that_fail_undo_every_step_and_never_grant_write_access(cuda):
     for knob, value, why in cases:
         set_(lib, knob, value)
         set_(lib, "fake_last_access_flags", -1)
+        calls = get(lib, "fake_access_calls")
         with pytest.raises(IpcUnavailable, match=why):
             driver.import_fd(0, identity, alloc.fd, alloc.nbytes)
         assert get(lib, "fake_last_access_flags") == -1
+        assert get(lib, "fake_access_calls") - calls == (knob == "fake_access_error")  # asked once: no retry
         set_(lib, knob, 0)
     # A peer that declares more than its export holds: the mapping is refused, nothing stays mapped.
     with pytest.raises(IpcUnavailable, match="cuMemMap failed"):
@@ -193,6 +195,8 @@ def test_a_peer_gpu_that_is_not_visible_or_not_peer_accessible_is_named(cuda):
     set_(lib, "fake_device_count", 2)
     driver = VmmDriver(path)
     alloc = driver.allocate(1, 65536)  # the peer's cache on GPU 1
+    assert get(lib, "fake_last_create_device") == 1  # made there, and read-write for GPU 1 alone
+    assert (get(lib, "fake_last_access_flags"), get(lib, "fake_last_access_device")) == (PROT_READWRITE, 1)
     with pytest.raises(IpcUnavailable, match="is not visible in this process"):
         driver.import_fd(0, b"another-gpu-uuid", alloc.fd, alloc.nbytes)
     set_(lib, "fake_peer_access", 0)

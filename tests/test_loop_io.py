@@ -87,6 +87,20 @@ async def test_a_receive_that_keeps_getting_bytes_still_times_out_counted_from_i
 
 
 @pytest.mark.asyncio
+async def test_a_receive_whose_peer_closed_mid_way_fails_and_is_no_short_success(socket_pair):
+    """The LoopJob's report of a closed peer reaches the caller as a failure, never as the bytes it got."""
+    a, b = socket_pair
+    dst = np.zeros(4096, np.uint8)
+    a.send(b"\x01" * 1000)
+    io = start(b, dst, send=False, timeout_ms=5000)
+    assert not io.future.done() and io._job.moved == 1000
+    a.close()
+    with pytest.raises(LLMException) as err:
+        await io.future
+    assert err.value.status_code == LLMStatusCode.LLM_LINK_FAILED, err.value
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("cut", ["timeout", "cancel"])
 async def test_a_cut_receive_writes_nothing_once_it_is_over(socket_pair, cut):
     a, b = socket_pair

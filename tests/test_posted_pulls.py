@@ -114,9 +114,14 @@ async def test_a_lying_answer_fails_the_pull_lands_nothing_and_the_link_goes_on(
             await decoder.unlink_clusters([cluster_info(PROMPT_ID, relay.address)])
 
 
-async def test_an_honest_refusal_of_a_posted_pull_keeps_the_channel():
+async def test_an_honest_refusal_of_a_posted_pull_keeps_the_channel(monkeypatch):
     """The owner refuses on the channel (header and text): the requester gets the status and text, and
-    the channel is not reset."""
+    the channel is not reset. Its text here is longer than a refusal carries: the owner cuts it to MAX_TEXT."""
+    from aio_datadist import owner
+    from aio_datadist.transport import stream
+
+    monkeypatch.setattr(owner, "refuse_posted", lambda link, req_id, req, code, text: stream.refuse_posted(
+        link, req_id, req, code, text.ljust(2 * wire.MAX_TEXT, ".")))
     async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport="tcp") as prompt, \
             endpoint(LLMRole.DECODER, DECODER_ID, transport="tcp") as decoder:
         prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))

@@ -20,6 +20,8 @@ int fake_retains, fake_releases, fake_host_funcs, fake_pushes, fake_pops;
 int fake_device_count = 1, fake_vmm = 1, fake_posix_fd = 1, fake_peer_access = 1;
 int fake_import_error, fake_access_error, fake_create_error;
 int fake_creates, fake_mem_releases, fake_exports, fake_imports, fake_reserves, fake_frees, fake_maps, fake_unmaps;
+int fake_access_calls;  /* cuMemSetAccess calls, refused or not */
+int fake_last_create_device = -1;
 int fake_last_access_flags = -1, fake_last_access_device = -1;
 
 int cuInit(unsigned int flags) { return 0; }
@@ -92,6 +94,7 @@ int cuMemCreate(uint64_t *handle, size_t size, const prop_t *prop, unsigned long
     int fd = memfd_create("fake_cuda", MFD_CLOEXEC);
     if (fd < 0 || ftruncate(fd, size) != 0) return 2;
     mem_t *m = malloc(sizeof *m); m->fd = fd; m->size = size; *handle = (uint64_t)(uintptr_t)m;
+    fake_last_create_device = prop->location.id;
     fake_creates++; return 0;
 }
 int cuMemRelease(uint64_t handle) { mem_t *m = (mem_t *)(uintptr_t)handle; close(m->fd); free(m); fake_mem_releases++; return 0; }
@@ -123,6 +126,7 @@ int cuMemUnmap(uint64_t ptr, size_t size) {
     fake_unmaps++; return 0;
 }
 int cuMemSetAccess(uint64_t ptr, size_t size, const access_t *desc, size_t count) {
+    fake_access_calls++;
     if (fake_access_error) return fake_access_error;
     if (count != 1 || desc->location.type != 1 || desc->location.id >= fake_device_count) return 1;
     fake_last_access_flags = desc->flags; fake_last_access_device = desc->location.id;
