@@ -57,15 +57,24 @@ async def test_it_reads_like_a_stream_reader_then_feeds_the_rest_in_order():
 
 
 @pytest.mark.asyncio
-async def test_a_stream_that_ended_during_the_handshake_ends_the_feed_at_once():
+@pytest.mark.parametrize("end", ["eof", "reset"])
+async def test_a_stream_that_ended_during_the_handshake_ends_the_feed_at_once(end):
+    """Ended or reset before the link was up: the feed ends at once, with the connection's error if it had one
+    (the reset case: added by the audit of 2026-12-07, ``feed_to`` passed checking ``_eof`` alone)."""
     async with connected() as (reader, writer, far):
-        far.sendall(b"last words")
-        far.close()
-        await until(lambda: reader._eof, "the end of the stream")
+        if end == "eof":
+            far.sendall(b"last words")
+        else:
+            far.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        far.close()  # with SO_LINGER 0: RST
+        await until(lambda: reader._eof or reader.exception() is not None, "the end of the stream")
         chunks: list[bytes] = []
         ends: list[BaseException | None] = []
         reader.feed_to(chunks.append, ends.append)
-        assert chunks == [b"last words"] and ends == [None]
+        if end == "eof":
+            assert chunks == [b"last words"] and ends == [None]
+        else:
+            assert chunks == [] and len(ends) == 1 and isinstance(ends[0], ConnectionError), ends
 
 
 @pytest.mark.asyncio

@@ -104,9 +104,11 @@ async def test_a_pull_of_exactly_the_bound_copies_inline_and_one_block_more_does
 
 
 @pytest.mark.asyncio
-async def test_a_small_pull_beside_a_running_copy_goes_to_the_threads_too():
+@pytest.mark.parametrize("small", ["pull", "push"])
+async def test_a_small_pull_beside_a_running_copy_goes_to_the_threads_too(small):
     """While the threads have work (any copy of the runtime's, here a large pull), a small copy queues there
-    too instead of holding the loop."""
+    too instead of holding the loop: a small pull's, and the owner's of a small push into it (the pull alone
+    passed with the owner's check of the threads' work removed; audit, 2026-12-07)."""
     async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
         big_src = pair.pm.allocate_blocks_cache(BIG, BlocksCacheKey(PROMPT_ID, 0))
         small_src = pair.pm.allocate_blocks_cache(SMALL, BlocksCacheKey(PROMPT_ID, 1))
@@ -122,7 +124,10 @@ async def test_a_small_pull_beside_a_running_copy_goes_to_the_threads_too():
                 break
             await asyncio.sleep(0.001)
         assert copier.pending() == 1, "the large copy never started"
-        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 1), small_dst, [0], [3])
+        if small == "pull":
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 1), small_dst, [0], [3])
+        else:  # the decoder owns the pushed-into cache: its copy
+            await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 1), small_src, [0], [3])
         await big
         assert copier.jobs == 2 and copier.pending() == 0
         for d, v in zip(big_dst.tensors, big_values):

@@ -100,6 +100,38 @@ async def test_a_receive_whose_peer_closed_mid_way_fails_and_is_no_short_success
     assert err.value.status_code == LLMStatusCode.LLM_LINK_FAILED, err.value
 
 
+class SlowFirstStep:
+    """A ``LoopJob`` whose first step takes 100 ms (a large first copy on a busy host)."""
+
+    def __init__(self, job: LoopJob) -> None:
+        self.job, self.steps = job, 0
+
+    def step(self) -> int:
+        self.steps += 1
+        if self.steps == 1:
+            time.sleep(0.1)
+        return self.job.step()
+
+    def __getattr__(self, name):
+        return getattr(self.job, name)
+
+
+@pytest.mark.asyncio
+async def test_the_timer_counts_from_before_the_first_step(socket_pair):
+    """A first step that takes long counts against the timeout: the timer is due at the job's start plus the
+    timeout (one counted from after the first step passed the tests above; audit, 2026-12-07)."""
+    _, b = socket_pair
+    dst = np.zeros(4096, np.uint8)
+    t0 = asyncio.get_running_loop().time()
+    io = LoopIo(b.fileno(), SlowFirstStep(LoopJob(b.fileno(), False, pairs(dst))), what="test job", keepalive=dst,
+                timeout_ms=300, settled=None)
+    assert not io.future.done() and io._timer is not None
+    assert io._timer.when() - t0 < 0.35, "the timeout was counted from after the first step"
+    io.stop(LLMException("stopped", status_code=LLMStatusCode.LLM_FAILED))
+    with pytest.raises(LLMException):
+        await io.future
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("cut", ["timeout", "cancel"])
 async def test_a_cut_receive_writes_nothing_once_it_is_over(socket_pair, cut):

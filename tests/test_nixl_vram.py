@@ -302,19 +302,28 @@ async def test_a_nixl_read_into_a_device_cache_waits_for_the_pullers_stream():
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("host_as_dram")
 async def test_a_nixl_write_from_a_device_cache_waits_for_the_pushers_stream_and_has_landed_on_return():
+    """Both ends fence: the pusher's stream makes its rows final, and the owner answers only once its own stream's
+    earlier copy into the row ran, so NIXL's bytes land over it (the owner's fence: it passed with the owner
+    fencing READs only; audit, 2026-12-07)."""
     async with linked_pair(prompt_config=HOST_NIXL, decoder_config=HOST_NIXL) as pair:
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
         src = pair.pm.allocate_blocks_cache(BLOCKS)
         final = [v + 2 for v in fill(src, 4)]
-        before = snapshot(dst)
         await _prepared(pair.decoder, PROMPT_ID, dst)
+        owner_gate, owner_staged = _write_behind_gate(pair.decoder, dst, [torch.full_like(t, 9) for t in dst.tensors],
+                                                      5)
+        before = snapshot(dst)
         gate, staged = _write_behind_gate(pair.prompt, src, final, 1)
-        asyncio.get_running_loop().call_later(0.3, gate.open)
+        opened: list[bool] = []
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, gate.open)
+        loop.call_later(0.5, lambda: (owner_gate.open(), opened.append(True)))
         await pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [1], [5])
+        assert opened, "the owner answered the WRITE before its stream's earlier copy into the row ran"
         for d, f, b in zip(dst.tensors, final, before, strict=True):  # every byte there on return
             assert eq(d[5], f[1]) and eq(d[:5], b[:5])
         assert pair.prompt.stats().links[DECODER_ID].kinds["push"].transport == "nixl"
-        del staged
+        del staged, owner_staged
 
 
 @needs_nixl

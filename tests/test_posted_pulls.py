@@ -19,7 +19,9 @@ import torch
 from peers import BLOCKS_DESC, DECODER_ID, PROMPT_ID, cluster_info, endpoint, fill, port_of, snapshot
 from relay import Relay
 
-from aio_datadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement, wire
+from aio_datadist import (BlocksCacheKey, CacheDesc, DataType, LLMException, LLMRole, LLMStatusCode, Placement, _core,
+                          link_channels, wire)
+from aio_datadist.link_channels import LOOP_LOWAT_MAX
 from aio_datadist.testing import links_of, runtime_of
 
 pytestmark = pytest.mark.asyncio
@@ -116,12 +118,21 @@ async def test_a_lying_answer_fails_the_pull_lands_nothing_and_the_link_goes_on(
 
 async def test_an_honest_refusal_of_a_posted_pull_keeps_the_channel(monkeypatch):
     """The owner refuses on the channel (header and text): the requester gets the status and text, and
-    the channel is not reset. Its text here is longer than a refusal carries: the owner cuts it to MAX_TEXT."""
+    the channel is not reset. Its text here is longer than a refusal carries: the owner cuts it to MAX_TEXT.
+    Each pull's loop receive is gated and asks for ``SO_RCVLOWAT`` (row 94: its tests drove ``LoopJob`` alone
+    and passed with the link's ``LOOP_LOWAT_MAX`` dropped; audit, 2026-12-07)."""
     from aio_datadist import owner
     from aio_datadist.transport import stream
 
     monkeypatch.setattr(owner, "refuse_posted", lambda link, req_id, req, code, text: stream.refuse_posted(
         link, req_id, req, code, text.ljust(2 * wire.MAX_TEXT, ".")))
+    jobs: list[dict] = []
+
+    def recording(*args, loop_job=_core.LoopJob, **kwargs):
+        jobs.append(dict(zip(("fd", "send", "pairs", "gate_id", "gated", "lowat_max"), args), **kwargs))
+        return loop_job(*args, **kwargs)
+
+    monkeypatch.setattr(link_channels, "LoopJob", recording)  # each pull's loop receive, as the link made it
     async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport="tcp") as prompt, \
             endpoint(LLMRole.DECODER, DECODER_ID, transport="tcp") as decoder:
         prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
@@ -136,6 +147,9 @@ async def test_an_honest_refusal_of_a_posted_pull_keeps_the_channel(monkeypatch)
             assert "model_id 7" in str(caught.value)
         assert [ch.generation for ch in link.channels] == generations
         assert link.pending == {}
+        received = [job for job in jobs if not job["send"]]
+        assert sum(job["gated"] for job in received) == 3 * link.nchannels  # each pull's answer, gated
+        assert all(job.get("lowat_max", 0) == LOOP_LOWAT_MAX > 0 for job in received), "a receive without SO_RCVLOWAT"
 
 
 #: 4 tensors of 8 blocks of 256 KiB: one request of all blocks is 8 MiB, more than the socket buffers hold, so
