@@ -82,12 +82,15 @@ async def test_metadata_naming_another_agent_is_not_kept_loaded():
 
 
 @needs_nixl
-async def test_metadata_naming_the_agent_of_another_link_leaves_that_agent_loaded():
+@pytest.mark.parametrize("nixl_reloads", [False, True])
+async def test_metadata_naming_the_agent_of_another_link_leaves_that_agent_loaded(monkeypatch, nixl_reloads):
     """A linked peer whose OFFER's metadata names the agent of another of our links (the decoder's): the record
     is refused, and the agent it named stays loaded for that link, whose NIXL pushes go on. The test above names
     agents no link uses (audit, 2026-12-07). This NIXL (1.x) refuses to load metadata naming an agent it has
     loaded (``NIXL_ERR_NOT_ALLOWED``), so our own guard for that case (``NixlPeer._load``: unload only an agent
-    no other link uses) is not reached here: the test holds the outcome, whichever of the two keeps it."""
+    no other link uses) is not reached here: the test holds the outcome, whichever of the two keeps it. With
+    ``nixl_reloads`` NIXL takes the forged metadata for the agent it names, as a NIXL that accepts new content
+    for a loaded agent would: the guard is reached (without this case it passed removed, audit 2026-12-07)."""
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair, \
             endpoint(LLMRole.DECODER, 3, **NIXL) as attacker_dd:
         src = pair.pm.allocate_blocks_cache(BLOCKS)
@@ -99,7 +102,13 @@ async def test_metadata_naming_the_agent_of_another_link_leaves_that_agent_loade
         attacker, victim = link_to(attacker_dd, PROMPT_ID).nixl, link_to(pair.prompt, 3).nixl
         assert attacker.usable() and victim.usable()
         decoders = nixl_agent_of(pair.decoder).name
-        attacker._send(nixl.OFFER, 1000, 16, 512, (1 << 20,), renamed(nixl_agent_of(attacker_dd).metadata, decoders))
+        forged = renamed(nixl_agent_of(attacker_dd).metadata, decoders)
+        if nixl_reloads:
+            kind = type(nixl_agent_of(pair.prompt).engine.agent)
+            real_add = kind.add_remote_agent
+            monkeypatch.setattr(kind, "add_remote_agent", lambda self, metadata: decoders if metadata == forged
+                                else real_add(self, metadata))
+        attacker._send(nixl.OFFER, 1000, 16, 512, (1 << 20,), forged)
         async with asyncio.timeout(10):
             while victim._pending:  # the load ran, and the record was refused
                 await asyncio.sleep(0.01)
@@ -221,6 +230,12 @@ async def test_closing_a_link_does_not_unload_the_agent_of_the_next_link_to_the_
         assert link_to(pair.decoder, PROMPT_ID).broken is None
         assert await on_worker(pair.decoder, lambda agent: agent.check_remote_metadata(name.decode()))
         assert "letting go of agent" not in caplog.text, caplog.text  # nothing was forced off
+        # With no newer link, a close unloads the agent (this test passed with a closed link kept among the
+        # agent's peers, so that no close ever unloaded it: audit 2026-12-07).
+        await pair.unlink()
+        async with asyncio.timeout(5):
+            while await on_worker(pair.decoder, lambda agent: agent.check_remote_metadata(name.decode())):
+                await asyncio.sleep(0.01)
 
 
 def posted_count(dd) -> int:

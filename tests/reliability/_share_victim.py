@@ -175,6 +175,7 @@ async def address_space(shares: int, mode: str = "address_space") -> dict:
         said = json.loads(await asyncio.wait_for(proc.stdout.readline(), 120))
         mapped = sum(region.size for share in live for region in share.regions.values())
         regions = sum(len(share.regions) for share in live)
+        dropped = sum(share.closed for share in live)
         try:
             host.HostRegion(64 << 20)
             allocated = "yes"
@@ -182,7 +183,7 @@ async def address_space(shares: int, mode: str = "address_space") -> dict:
             allocated = f"no: {exc}"
         proc.stdin.close()
         await asyncio.wait_for(proc.wait(), 30)
-        return {"attacker holds": said["held"], "mapped": mapped, "regions": regions,
+        return {"attacker holds": said["held"], "mapped": mapped, "regions": regions, "shares dropped": dropped,
                 "64 MiB allocated": allocated}
     finally:
         for share in live:

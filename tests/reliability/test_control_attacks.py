@@ -35,8 +35,9 @@ from peers import cluster_info, fill, port_of
 
 from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, owner, wire
 from aio_datadist.links import MAX_AWAITED_PER_LINK, MAX_SERVED_PER_CHANNEL
-from aio_datadist.testing import link_to
-from aio_datadist.wire import Msg
+from aio_datadist.testing import link_to, usable_link
+from aio_datadist.types import UINT64_MAX
+from aio_datadist.wire import Msg, ReqFlag, Target
 
 S = LLMStatusCode
 PROMPT, ATTACKER, HONEST = 1, 2, 3
@@ -433,6 +434,32 @@ async def test_a_same_host_peer_that_never_says_done_is_served_a_bounded_number_
         finally:
             await stop_attacker(proc)
         await settle(dd, baseline, fds, within=3.0)
+
+
+@pytest.mark.asyncio
+async def test_nixl_pushes_past_the_awaited_bound_are_refused(monkeypatch):
+    """The bound counts every request that waits for the peer's word, NIXL pushes too (they end with their WRITE's
+    notification, which a hostile pusher never sends), not only pulls (the tests above send pulls alone: they
+    passed with the bound checked for pulls only, audit 2026-12-07). Shrunk to 4: 6 pushes, 4 served in place."""
+    monkeypatch.setattr(owner, "MAX_AWAITED_PER_LINK", 4)
+    async with rows_owner("nixl") as (dd, honest, src, _):
+        async with asyncio.timeout(5):
+            while (link := link_to(dd, HONEST)) is None or link.nixl is None or src.cache_id not in link.nixl.prepared:
+                await asyncio.sleep(0.005)
+        pusher = usable_link(honest, PROMPT)
+        answers = []
+        for _ in range(6):
+            req_id = pusher.new_req_id()
+            answers.append(pusher.expect(req_id))
+            pusher.send(Msg.PUSH_REQ, req_id, channel=pusher.own[0], target_kind=Target.BLOCKS_KEY,
+                        cluster_id=PROMPT, cache_id=0, key_req_id=UINT64_MAX, prefix_id=UINT64_MAX, model_id=0,
+                        batch_index=0, layer_first=-1, layer_last=-1, tensor_num_per_layer=1,
+                        tensor_count=ROWS_DESC.num_tensors, data_type=ROWS_DESC.data_type.value, offset=0,
+                        nbytes=src.layout.row_bytes, flags=ReqFlag.BLOCKS | ReqFlag.NIXL, timeout_ms=60_000,
+                        rows=(0,))
+        resps = await asyncio.wait_for(asyncio.gather(*answers), 5)
+        assert [(r.status, r.cache_id >= 0) for r in resps] == [(0, True)] * 4 + [(S.LLM_PARAM_INVALID, False)] * 2
+        assert len(link.pull_acks) == 4
 
 
 @pytest.mark.asyncio

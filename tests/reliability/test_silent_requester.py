@@ -63,6 +63,33 @@ def _silence(monkeypatch: pytest.MonkeyPatch, buggy: LLMDataDist) -> None:
     monkeypatch.setattr(link, "send_soon", quiet(Link.send_soon))  # how a pull's DONE leaves (after it returned)
 
 
+def _owner_timers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The timers ``base.await_done`` sets (one per answered request), as it sets them."""
+    timers: list[Any] = []
+
+    class Loop:
+        def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+            self._loop = loop
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._loop, name)
+
+        def call_at(self, *args: Any) -> Any:
+            timers.append(self._loop.call_at(*args))
+            return timers[-1]
+
+    class Asyncio:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(asyncio, name)
+
+        @staticmethod
+        def get_running_loop() -> Loop:
+            return Loop(asyncio.get_running_loop())
+
+    monkeypatch.setattr(base, "asyncio", Asyncio())
+    return timers
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_requester_that_never_sends_done_loses_its_key_claim_past_its_timeout(
         monkeypatch: pytest.MonkeyPatch, caplog: Any, transport: str) -> None:
@@ -131,6 +158,7 @@ async def test_a_link_that_closes_gives_back_the_silent_requests_claim_and_its_t
     """The claim goes with the link at once (as before), and the owner's timer with it: nothing fires later."""
     caplog.set_level(logging.WARNING, logger="aio_datadist.links")
     monkeypatch.setattr(base, "DONE_GRACE_S", GRACE_S)
+    timers = _owner_timers(monkeypatch)
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as prompt, \
             endpoint(LLMRole.DECODER, BUGGY) as buggy, endpoint(LLMRole.DECODER, HONEST) as honest:
         await _link(buggy, prompt)
@@ -149,6 +177,9 @@ async def test_a_link_that_closes_gives_back_the_silent_requests_claim_and_its_t
                 break
             await asyncio.sleep(0.01)
         assert link_to(prompt, BUGGY) is None
+        # the link's end cancelled the silent request's timer (its expiry would find nothing, but would hold the
+        # link until then: it passed with the cancel removed, audit 2026-12-07)
+        assert [t.cancelled() for t in timers] == [True], timers
         await honest.kv_cache_manager.pull_cache(key, theirs, 0, timeout=2000)
         assert same([t[0] for t in snapshot(theirs)], [t[0] for t in expected])
         await asyncio.sleep(TIMEOUT_MS / 1000 + GRACE_S + 0.3)
@@ -160,6 +191,7 @@ async def test_an_honest_requester_is_unchanged_by_the_owners_timer(
     """A requester that sends DONE consumes the key, and nothing fires past its timeout."""
     caplog.set_level(logging.WARNING, logger="aio_datadist.links")
     monkeypatch.setattr(base, "DONE_GRACE_S", GRACE_S)
+    timers = _owner_timers(monkeypatch)
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True) as prompt, \
             endpoint(LLMRole.DECODER, HONEST) as honest:
         await _link(honest, prompt)
@@ -173,6 +205,7 @@ async def test_an_honest_requester_is_unchanged_by_the_owners_timer(
         assert owner_link is not None and not owner_link.pull_acks
         served = owner_link.stats().kinds["served_pull"]
         assert (served.transfers, dict(served.failures)) == (2, {}), served
+        assert [t.cancelled() for t in timers] == [True, True], timers  # each DONE cancelled its timer
         with pytest.raises(LLMException) as gone:
             await honest.kv_cache_manager.pull_cache(CacheKey(PROMPT, 10), theirs, 2, timeout=1000)
         assert "already pulled" in str(gone.value)
