@@ -465,6 +465,14 @@ async def test_a_flood_of_read_reports_does_not_stall_the_owners_loop(observed):
         assert heard == (30 * MAX_READS if observed else 0) and owners.local is not None
         if observed:
             assert sum(done.bytes for done in metrics.done.values()) == 30 * (1 << 20)
+        else:  # a record says at most MAX_READS: one that says more drops the share and is not counted
+            theirs.sock.send(_ENTRY.pack(_READ, cache_id, 1 << 20, MAX_READS + 1, 1, 0, 0))
+            for _ in range(400):
+                if owners.local is None:
+                    break
+                await asyncio.sleep(0.005)
+            assert owners.local is None, "a READ record of MAX_READS + 1 reads was taken"
+            assert pair.prompt.stats().links[DECODER_ID].kinds["served_pull"].transfers == 30 * MAX_READS
 
 
 @pytest.mark.asyncio

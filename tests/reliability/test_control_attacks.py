@@ -34,6 +34,7 @@ from _rawpeer import RawLink, recv_exactly
 from peers import cluster_info, fill, port_of
 
 from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement, owner, wire
+from aio_datadist.link_control import CONTROL_TURN_BYTES
 from aio_datadist.links import MAX_AWAITED_PER_LINK, MAX_SERVED_PER_CHANNEL
 from aio_datadist.testing import link_to, usable_link
 from aio_datadist.types import UINT64_MAX
@@ -123,6 +124,42 @@ async def test_a_peer_that_never_reads_its_answers_is_cut_off_at_the_documented_
 
 
 @pytest.mark.asyncio
+async def test_a_peer_that_reads_its_answers_late_is_read_again(monkeypatch):
+    """The endpoint stops reading a peer while more than 4 MiB wait for it only until the peer took them: one
+    that then reads every answer is read again (and its next request answered)."""
+    import _control_attacker
+    import _rawpeer
+
+    monkeypatch.setattr(_rawpeer, "dial", _control_attacker.small_receive_buffer_dial)
+    requests = 96 * 512  # 5.3 MiB of requests, 4.8 MiB of answers: past the limit
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp", heartbeat_interval=1000) as dd:
+        with RawLink(port_of(dd), ATTACKER, PROMPT, None) as raw:
+            await asyncio.to_thread(raw.connect)
+            chunk = b"".join(_control_attacker.refused_request(2 * i + 1) for i in range(512))
+            await asyncio.wait_for(asyncio.to_thread(raw.ctl.sendall, chunk * 96), 10)
+            link = link_to(dd, ATTACKER)
+            for _ in range(1000):  # the endpoint stops reading us
+                if not link.writer.transport.is_reading():
+                    break
+                await asyncio.sleep(0.005)
+            assert not link.writer.transport.is_reading()
+
+            def read_all_then_ask() -> int:
+                raw.ctl.settimeout(2.0)
+                answered = 0
+                while answered < requests:
+                    msg, rid, _ = _rawpeer.recv_frame(raw.ctl)
+                    if msg is Msg.PROBE:
+                        raw.send_raw(wire.encode(Msg.PROBE_ACK, rid))
+                    answered += msg is Msg.RESP
+                raw.send_raw(_control_attacker.refused_request(2 * 512 + 1))
+                return raw.answer(2 * 512 + 1)[1]["status"]
+
+            assert await asyncio.wait_for(asyncio.to_thread(read_all_then_ask), 10) != 0
+            assert link.broken is None and link.writer.transport.is_reading()
+
+
+@pytest.mark.asyncio
 async def test_a_flood_of_control_messages_does_not_hold_the_endpoints_loop():
     """PINGs need no answer, so nothing but reading them costs the endpoint: each turn of its loop reads at most
     one chunk of the flooding connection, its other links keep their heartbeat and move bytes."""
@@ -172,6 +209,17 @@ async def test_a_flood_of_control_messages_does_not_hold_the_endpoints_loop():
         assert longest < 0.15, f"the endpoint's loop was held {longest:.2f} s at once"
         assert len(full) <= 1, f"{len(full)} full collections during the 3 s flood (none here; 9 before)"
         assert link_to(dd, HONEST).broken is None  # its heartbeat (5 x 200 ms) held throughout
+        # A chunk of exactly CONTROL_TURN_BYTES (64 KiB "or more") skips a turn too: reading resumes the next one.
+        other, ping = link_to(dd, HONEST), wire.encode(Msg.PING, 0)
+        stream = ping * (CONTROL_TURN_BYTES // len(ping) + 1)
+        other._control_data(stream[:CONTROL_TURN_BYTES])
+        assert not other.writer.transport.is_reading(), "a chunk of 64 KiB did not skip a turn"
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if other.writer.transport.is_reading():
+                break
+        other._control_data(stream[CONTROL_TURN_BYTES:])  # the rest of the last PING
+        assert other.writer.transport.is_reading() and other.broken is None
         mine = honest.kv_cache_manager.allocate_cache(SMALL)
         await honest.kv_cache_manager.pull_cache(CacheKey(PROMPT, 8), mine, timeout=5000)
         assert all(torch.equal(m[0], s[0]) for m, s in zip(mine.tensors, small.tensors, strict=True))
@@ -187,12 +235,14 @@ def pull_key_layer(req_id_key: int, layer: int, channel: int) -> dict:
                 nbytes=512, flags=0, timeout_ms=1000, rows=())
 
 
-def reuse_one_request_id(address: tuple[str, int]) -> list[int]:
-    """Two pulls of one key (its two layers, on two channels) under one request id, then the peer goes."""
+def reuse_one_request_id(address: tuple[str, int], cache_id: int | None = None) -> list[int]:
+    """Two pulls of one key (its two layers, on two channels) under one request id, then the peer goes; of the
+    cache ``cache_id``'s row 0 instead (no key: only what serves the first holds its id), sent at once."""
     with RawLink(address, ATTACKER, PROMPT, None) as raw:
         raw.connect()
-        for layer in (0, 1):
-            raw.send_raw(wire.encode(Msg.PULL_REQ, 1, **pull_key_layer(9, layer, layer)))
+        by_id = {} if cache_id is None else dict(target_kind=2, cache_id=cache_id)
+        raw.send_raw(b"".join(wire.encode(Msg.PULL_REQ, 1, **{**pull_key_layer(9, layer, layer), **by_id})
+                              for layer in (0, 1)))
         return [raw.answer(1)[1]["status"] for _ in range(2)]
 
 
@@ -218,6 +268,9 @@ async def test_a_request_id_used_twice_leaves_no_claimed_key_behind():
         assert all(torch.equal(m[0], r[0]) for m, r in zip(mine.tensors, row.tensors, strict=True))
         honest.kv_cache_manager.deallocate_cache(mine)
         del mine
+        # A pull that claims no key (by cache id) holds its id while it is served all the same.
+        statuses = await asyncio.wait_for(asyncio.to_thread(reuse_one_request_id, port_of(dd), row.cache_id), 20)
+        assert statuses == [0, S.LLM_PARAM_INVALID], statuses
 
 
 @pytest.mark.asyncio
@@ -306,7 +359,16 @@ def served_pulls(link) -> tuple[int, int]:
 
 @pytest.mark.asyncio
 @pytest.mark.loops_take_turns  # the owner's bound on its tables: one loop is enough (3.5 s each)
-async def test_a_peer_that_repeats_rows_and_never_reads_is_served_a_bounded_number_of_requests():
+async def test_a_peer_that_repeats_rows_and_never_reads_is_served_a_bounded_number_of_requests(monkeypatch):
+    planned: list[int] = []  # a request past the bound is refused before it is planned (it passed planned first)
+    plan = owner.serve_plan
+
+    def counted(rt, link, msg, req):
+        if link.remote_cluster_id == ATTACKER:
+            planned.append(1)
+        return plan(rt, link, msg, req)
+
+    monkeypatch.setattr(owner, "serve_plan", counted)
     async with rows_owner("tcp") as (dd, honest, src, values):
         baseline, fds = baseline_of(dd)
         gc.collect()
@@ -332,8 +394,8 @@ async def test_a_peer_that_repeats_rows_and_never_reads_is_served_a_bounded_numb
             await asyncio.sleep(0.3)  # what serving them holds is there now
             grown = rss_bytes() - rss_before
             seen = dict(serving=serving, refused=refused, socket_jobs=state(dd)["socket jobs"],
-                        grown_mib=grown >> 20)
-            assert serving + refused == ROWS_REQUESTS, seen
+                        grown_mib=grown >> 20, planned=len(planned))
+            assert serving + refused == ROWS_REQUESTS and len(planned) == serving, seen
             # the documented 4, not only the library's constant (audit, 2026-12-07: it passed with the bound at 6)
             assert MAX_SERVED_PER_CHANNEL == 4 and serving <= 4, seen  # before: all 16, 16 socket jobs, 355 MiB
             assert grown < 160 << 20, f"the owner grew {grown / 2**20:.0f} MiB for {ROWS_REQUESTS} requests"

@@ -330,6 +330,16 @@ def test_a_memfd_shrunk_and_sealed_between_the_checks_is_refused_by_its_seals_or
     walk of its pages that follows (audit, 2026-12-07: the test above passed with the size read before the seals,
     the hole walk refusing what the size check let through)."""
     size = 64 * host.PAGE_SIZE
+    # One of the two seals is not enough: sealed only against grow, the size checked could still shrink.
+    half = os.memfd_create("half", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(half, size)
+        os.pwrite(half, b"x" * size, 0)
+        fcntl.fcntl(half, fcntl.F_ADD_SEALS, (fcntl.F_SEAL_GROW, fcntl.F_SEAL_SHRINK)[after] | F_SEAL_FUTURE_WRITE)
+        with pytest.raises(ValueError, match="not sealed against shrink and grow"):
+            host.check_sealed(half, size)
+    finally:
+        os.close(half)
     fd = os.memfd_create("shrunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
@@ -451,6 +461,16 @@ def test_peers_regions_take_at_most_the_documented_bytes():
     assert host.MAX_PEER_MAPPED_BYTES == 32 << 40  # 32 TiB, a quarter of the 128 TiB a process can map
     with pytest.MonkeyPatch.context() as mp:
         _maps_past_the_budget(mp, "MAX_PEER_MAPPED_BYTES", host._peer_mapped + 3 * host.PAGE_SIZE)
+    # A peer's ledger counts against the budget too (and its device exports, mapped the same way).
+    mine = ledger.Ledger()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(host, "MAX_PEER_MAPPED_BYTES", host._peer_mapped)
+            with pytest.raises(OSError) as refused:
+                ledger.PeerLedger(mine.fd)
+            assert refused.value.errno == errno.ENOMEM
+    finally:
+        mine.close()
 
 
 def test_peers_regions_take_at_most_a_quarter_of_the_map_count():
