@@ -102,6 +102,8 @@ async def test_a_granted_pull_reads_without_asking_and_the_owner_counts_it():
                 served = pair.prompt.stats().links[DECODER_ID].kinds
         assert served["served_pull"].transport == "nixl"
         assert pair.decoder.stats().links[PROMPT_ID].kinds["pull"].transport == "nixl"
+        # Each read's bytes too: 16 blocks of 4 x 512 B (found by audit).
+        assert (served["served_pull"].transfers, served["served_pull"].bytes) == (16, 16 * 4 * 512), served
 
 
 @pytest.mark.parametrize("end", ["unlink", "requester_finalizes", "owner_finalizes"])
@@ -182,10 +184,12 @@ async def test_a_peer_that_never_says_revoked_holds_the_cache_registered_only_fo
         assert src.cache_id in plane._doomed
         await asyncio.sleep(0.1)
         assert src.cache_id in plane._doomed
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(1.5):  # 0.3 s, not much more (found by audit: 5 s let 3 s pass)
             while src.cache_id in plane._doomed:
                 await asyncio.sleep(0.02)
-        assert any("did not say it stopped reading" in r.getMessage() for r in caplog.records)
+        # It names the peer and the cache (found by audit).
+        said = f"cluster {DECODER_ID} did not say it stopped reading cache {src.cache_id} "
+        assert any(said in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.parametrize("end", ["unlink", "requester_finalizes"])
@@ -226,6 +230,16 @@ async def test_a_cancelled_read_settles_before_it_returns_and_the_revocation_wai
             assert same(snapshot(dst), before)
         await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, blocks, blocks)
         assert all(bool((t == 9).all()) for t in dst.tensors)
+        # A revocation that comes while a read is counted is answered only once it ended (found by audit).
+        held = hold_sent(pair.decoder, {nixl_grants.REVOKED})
+        assert peer.granted.read_started(src.cache_id)  # as a read of ours in flight
+        pair.pm.deallocate_cache(src)
+        async with asyncio.timeout(5):
+            while src.cache_id in peer.granted.grants:  # until the owner's REVOKE reached us
+                await asyncio.sleep(0.005)
+        assert held[1:] == []
+        peer.granted.read_ended(src.cache_id)
+        assert [r[:2] for r in held[1:]] == [(nixl_grants.REVOKED, src.cache_id)]
 
 
 async def test_bad_ledger_and_grant_records_are_protocol_errors():
@@ -242,13 +256,18 @@ async def test_bad_ledger_and_grant_records_are_protocol_errors():
                        blob=nixl_grants.GRANT_INFO.pack(0, 1, 1, 0)),  # a word a cleared slot holds
             NixlRecord(kind=nixl_grants.LEDGER, cache_id=0, count=nixl.SLOTS + 1, row_bytes=8, rows=(4096,), blob=b""),
             NixlRecord(kind=nixl_grants.LEDGER, cache_id=0, count=nixl.SLOTS, row_bytes=16, rows=(4096,), blob=b""),
+            NixlRecord(kind=nixl_grants.LEDGER, cache_id=0, count=nixl.SLOTS, row_bytes=8, rows=(4096, 8192),
+                       blob=b""),
         ]
         for record in bad:
+            if record.kind == nixl_grants.LEDGER:  # as if the peer's own had not come: its checks alone refuse it
+                peer._ledger_said = False  # (before, the second LEDGER check refused all of them; found by audit)
             with pytest.raises(ProtocolError):
                 peer.on_message(record)
         # Reports are believed by counters only; a REVOKED of a cache never revoked changes nothing.
         peer.on_message(NixlRecord(kind=nixl_grants.READS, cache_id=77, count=0, row_bytes=1 << 60, rows=(1,),
                                    blob=b""))
+        peer.on_message(NixlRecord(kind=nixl_grants.READS, cache_id=77, count=1, row_bytes=8, rows=(), blob=b""))
         peer.on_message(NixlRecord(kind=nixl_grants.REVOKED, cache_id=77, count=0, row_bytes=0, rows=(), blob=b""))
         served = pair.decoder.stats().links[PROMPT_ID].kinds.get("served_pull")
         assert served is None or served.transfers == 0

@@ -348,6 +348,6 @@ class Revocations:
             del self._revoking[cache_id]
         timer.cancel()
         if late is not None:
-            log.warning("cluster %s did not say it stopped reading cache %s within %.0f s; deregistering it",
+            log.warning("cluster %s did not say it stopped reading cache %s within %g s; deregistering it",
                         self._cluster_id, cache_id, REVOKE_WAIT_S)
         self._let_go(cache_id)
