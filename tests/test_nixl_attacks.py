@@ -397,6 +397,9 @@ async def test_a_cache_of_too_many_descriptors_is_not_offered_and_moves_over_tcp
     caplog.set_level(logging.INFO, logger="aio_datadist.nixl")
     big = CacheDesc(4096, (4097, 1), DataType.DT_INT8, Placement.HOST)  # 2**24 + 4096 descriptors, 16 MiB
     assert 4096 * 4097 > nixl_offers.MAX_DESCRIPTORS >= 4096 * 4096
+    # the bound itself is allowed (both ends: an honest peer's cache of exactly MAX_DESCRIPTORS is offered, accepted)
+    assert nixl_offers.too_many_descriptors(1, nixl_offers.MAX_DESCRIPTORS) is None
+    assert nixl_offers.too_many_descriptors(1, nixl_offers.MAX_DESCRIPTORS + 1) is not None
     async with linked_pair(link=False, prompt_config=NIXL, decoder_config=NIXL) as pair:
         src = pair.pm.allocate_blocks_cache(big, BlocksCacheKey(PROMPT_ID))
         dst = pair.dm.allocate_blocks_cache(big)
@@ -498,6 +501,12 @@ async def test_our_caches_beyond_the_links_budget_are_not_offered_and_move_over_
             assert posted_count(pair.decoder) == posted + (srcs[m] is not left)  # the one left out over TCP
             assert all(torch.equal(d[m], w[m]) for d, w in zip(dst.tensors, want, strict=True))
         assert link_to(pair.decoder, PROMPT_ID).broken is None and peer.usable()
+        # A freed cache gives its share of our budget back: the next cache is offered (and prepared) on the link.
+        pair.pm.deallocate_cache(offered[0])
+        again = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 3))
+        await nixl_agent_of(pair.prompt).registered(again)
+        assert again.cache_id in peer.offers_sent, "a withdrawn cache's share of the link's budget was not given back"
+        await prepared(pair.prompt, DECODER_ID, again)
 
 
 @contextlib.asynccontextmanager
@@ -637,8 +646,33 @@ async def test_offers_withdrawn_before_they_are_loaded_are_not_loaded(monkeypatc
     still waits for the worker must not be loaded: else OFFER, WITHDRAW, OFFER, ... would queue loads without
     bound within the budget. Nor is a withdrawn cache kept (or said PREPARED) when its load ends after it."""
     loads = counted_loads(monkeypatch, 1 << 20, seconds=0.1)
+    built, released, counting, entered = [], [], nixl.prepare_remote, threading.Event()
+
+    class Watched:  # a withdrawn cache's list: released on the worker, never kept
+        def __init__(self, dlist: Any) -> None:
+            self.dlist = dlist
+
+        def release(self) -> None:
+            released.append(self)
+            self.dlist.release()
+
+    def watched(agent, name, cache_id, *rest):
+        if cache_id == 1 << 22:
+            entered.set()
+        remote = counting(agent, name, cache_id, *rest)
+        if cache_id in (1 << 20, 1 << 22):
+            remote.dlist = Watched(remote.dlist)
+            built.append(remote.dlist)
+        return remote
+
+    monkeypatch.setattr(nixl, "prepare_remote", watched)
     async with forging_pair() as (pair, bait, attacker, victim_link, metadata):
         victim = victim_link.nixl
+        attacker._send(nixl.OFFER, 1 << 22, 8, 16, (bait.layout.bases[0],), metadata)
+        async with asyncio.timeout(5):
+            while not entered.is_set():
+                await asyncio.sleep(0.005)
+        attacker._send(nixl.WITHDRAW, 1 << 22, 0, 0, (), b"")  # while its list is built: dropped once it is
         for _ in range(20):
             attacker._send(nixl.OFFER, 1 << 20, 8, 16, (bait.layout.bases[0],), metadata)
             attacker._send(nixl.WITHDRAW, 1 << 20, 0, 0, (), b"")
@@ -648,8 +682,11 @@ async def test_offers_withdrawn_before_they_are_loaded_are_not_loaded(monkeypatc
                 await asyncio.sleep(0.01)
         assert victim_link.broken is None and victim.usable()
         loads.remove(1 << 21)
+        loads.remove(1 << 22)
         assert len(loads) <= 2, f"{len(loads)} loads of offers withdrawn before they were loaded"
-        assert (1 << 20) not in victim.caches
+        assert (1 << 20) not in victim.caches and (1 << 22) not in victim.caches
+        await on_worker(pair.prompt, lambda agent: True)  # the worker's releases queued before this are done
+        assert len(built) == len(loads) + 1 and set(map(id, released)) == set(map(id, built)), (built, released)
 
 
 @needs_nixl

@@ -544,18 +544,32 @@ async def test_a_cache_registered_anew_gets_a_new_word_and_a_peer_holding_the_ol
         assert Msg.PULL_REQ in sent, sent  # asked: the old grant's word is gone
 
 
+def released_entries(plane) -> list:
+    """``(cache id, regs)`` of each registration ``plane`` (our NIXL agent) releases (deregistered on its worker)."""
+    released, real = [], plane._release
+
+    def recording(entry):
+        released.append((entry.cache.cache_id, entry.regs))
+        real(entry)
+
+    plane._release = recording
+    return released
+
+
 async def test_a_cache_registered_hidden_is_never_offered_over_nixl():
     """A cache registered with ``remote_accessible=False`` starts its NIXL registration (on_add) before it is
     hidden; the registration that finishes afterwards is released, never kept or offered to peers."""
     async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
         tensors = [torch.zeros(BLOCKS.shape, dtype=torch.float16) for _ in range(BLOCKS.num_tensors)]
-        hidden = pair.pm.register_blocks_cache(BLOCKS, tensors, BlocksCacheKey(PROMPT_ID, 7), remote_accessible=False)
         plane = nixl_agent_of(pair.prompt)
+        released = released_entries(plane)
+        hidden = pair.pm.register_blocks_cache(BLOCKS, tensors, BlocksCacheKey(PROMPT_ID, 7), remote_accessible=False)
         async with asyncio.timeout(5):
             while plane.engine.in_flight():
                 await asyncio.sleep(0.005)
         await asyncio.sleep(0.05)
         assert hidden.cache_id not in plane.local and plane.granted(hidden.cache_id) is None
+        assert [cache_id for cache_id, _ in released] == [hidden.cache_id], "its registration was kept, not released"
         assert hidden.cache_id not in link_to(pair.decoder, PROMPT_ID).nixl.caches
 
 
@@ -564,6 +578,7 @@ async def test_a_registration_superseded_by_a_refresh_while_it_ran_is_released_n
     after, is released, and the cache stays registered by the new one (made after its pages were replaced)."""
     async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
         plane = nixl_agent_of(pair.prompt)
+        released = released_entries(plane)
         cache = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 7))
         first = plane._registering[cache.cache_id]
         registry_of(pair.prompt).refresh(cache)  # the first registration still runs
@@ -572,6 +587,7 @@ async def test_a_registration_superseded_by_a_refresh_while_it_ran_is_released_n
         await asyncio.wait([first, second])
         await asyncio.sleep(0)  # their done callbacks ran
         assert plane.local[cache.cache_id].regs is second.result()[0]
+        assert [regs for _, regs in released] == [first.result()[0]], "the superseded registration was not released"
 
 
 async def test_a_registered_cache_released_while_its_rows_are_read_hands_over_no_byte_written_after_the_release():
