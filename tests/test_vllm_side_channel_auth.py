@@ -245,6 +245,24 @@ def test_a_flood_of_hellos_from_one_host_does_not_evict_a_distant_decoder(agents
     decode, d_kv = agents(False, shared_secret=SECRET)
     prefill.holds.add("r1", lease_s=60)
     host, port = prefill.side_channel
+    from aio_datadist.integrations.vllm_auth import MAGIC
+
+    hellos: list[socket.socket] = []  # one past the bound, each hello read: the host's oldest goes, no newer one
+    try:
+        for _ in range(MAX_PENDING_HANDSHAKES + 1):
+            hellos.append(socket.create_connection((host, port), timeout=2, source_address=("127.0.0.2", 0)))
+            hellos[-1].sendall(MAGIC + os.urandom(32))
+            assert len(hellos[-1].recv(64, socket.MSG_WAITALL)) == 64
+        try:
+            assert hellos[0].recv(1) == b""  # evicted (a TimeoutError: still open)
+        except ConnectionResetError:
+            pass
+        hellos[-2].setblocking(False)
+        with pytest.raises(BlockingIOError):
+            hellos[-2].recv(1)
+    finally:
+        for sock in hellos:
+            sock.close()
     relay_loop = LoopThread("relay")
     relay = relay_loop.call(_Distant((host, port)).__aenter__())
     flood = subprocess.Popen([sys.executable, PEER, "flood", host, str(port), "16", "0.002", "127.0.0.2"],

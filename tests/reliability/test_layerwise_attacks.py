@@ -377,3 +377,18 @@ async def test_a_pusher_that_stops_mid_layer_ends_its_serving_and_lands_nothing_
             await settle(dd, baseline)
         finally:
             dd.kv_cache_manager.deallocate_cache(dst)
+
+
+async def test_a_link_that_went_before_the_task_first_ran_still_ends_it():
+    """The link goes in the pass the task was started in, before its driver took its watch: the watch of a
+    link down already fails at once, so the stalled task still ends with ``LLM_LINK_FAILED``."""
+    async with prompt_and(honest) as (dd, receiver):
+        baseline = state(dd)
+        with source(dd) as src:
+            task = start(dd, src, Gate())
+            link_to(dd, ATTACKER).fail(LLMException("gone", status_code=S.LLM_LINK_FAILED))
+            exc, _ = await ended(task, BOUND_S)
+            del task
+        assert isinstance(exc, LLMException) and exc.status_code == S.LLM_LINK_FAILED, repr(exc)
+        del exc
+        await settle(dd, baseline)

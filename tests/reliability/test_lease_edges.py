@@ -74,6 +74,18 @@ async def test_a_lease_taken_on_a_loop_that_then_closed_does_not_stay_running_fo
         lease.release()
         assert held(dd) == before
 
+        # a refused renew leaves the timer as it was: a lease about to run out still runs out
+        cache = kv.allocate_cache(ROWS, keys_for(30), lease_ms=500)
+        kv.deallocate_cache(cache)
+        lease = lease_of(cache)
+        with pytest.raises(LLMException) as info:
+            await asyncio.wait_for(asyncio.to_thread(asyncio.run, renew()), 5)
+        assert info.value.status_code == S.LLM_FAILED
+        async with asyncio.timeout(2):
+            while held(dd) != before:
+                await asyncio.sleep(0.01)
+        assert lease.expired
+
 
 @pytest.mark.asyncio
 async def test_lease_cache_from_another_loop_is_refused_and_leases_nothing():
@@ -138,6 +150,7 @@ async def test_a_release_the_role_refuses_changes_nothing_and_works_once_the_rol
             lease.release()
         assert info.value.status_code == S.LLM_PARAM_INVALID and "'role'" in str(info.value)
         assert lease.active and not lease.expired and dd.stats().leases == 2
+        assert lease.deadline is not None  # still runs out on its own: the refused release kept its timer
 
         lease.renew(20)  # its timer runs out while the endpoint is a DECODER: refused and logged, nothing changes
         await asyncio.sleep(0.15)
