@@ -191,12 +191,15 @@ async def test_a_lease_that_runs_out_after_its_key_was_bound_again_removes_nothi
 PREFIX = CacheKey(PROMPT, req_id=2**64 - 1, prefix_id=5)
 
 
-@pytest.mark.parametrize("kind", ["prefix key", "registered cache"])
+@pytest.mark.parametrize("kind", ["prefix key", "registered cache", "allocated cache"])
 async def test_a_key_no_pull_consumes_is_pulled_by_two_requests_at_once(kind: str):
     async with slow_pair() as (prompt, dec):
         pm, dm = prompt.kv_cache_manager, dec.kv_cache_manager
         if kind == "prefix key":
             key = PREFIX
+            src = pm.allocate_cache(KEYED, [key])
+        elif kind == "allocated cache":  # the contrast: a req_id key a pull consumes is claimed by one pull
+            key = KEY
             src = pm.allocate_cache(KEYED, [key])
         else:  # a registered (framework-owned) cache keeps its keys, as in LLM-DataDist
             key = KEY
@@ -207,6 +210,11 @@ async def test_a_key_no_pull_consumes_is_pulled_by_two_requests_at_once(kind: st
         # two pulls of the key at once (two data channels): each takes about 0.3 s through the slow path
         results = await asyncio.gather(*(dm.pull_cache(key, d, 0, timeout=20_000) for d in dsts),
                                        return_exceptions=True)
+        if kind == "allocated cache":
+            refused = [r for r in results if r is not None]
+            assert len(refused) == 1 and refused[0].status_code == S.LLM_KV_CACHE_NOT_EXIST, results
+            pm.deallocate_cache(src)
+            return
         assert results == [None, None], f"a pull of a key no pull consumes was refused: {results}"
         assert all(holds(d, 5) for d in dsts)
         assert registry_of(prompt).by_key(key.lookup_key()) == (src, 0)  # still bound, as before

@@ -504,6 +504,21 @@ async def test_a_forced_unlink_under_a_push_returns_only_once_the_peer_s_end_is_
         assert theirs.closed, "the forced unlink returned with the peer's end of the link still up"
         with pytest.raises(LLMException):
             await task
+        # without pushes in flight it closes only this end: a peer slow to answer holds it no time at all
+        assert (await dec.link_clusters([cluster_info(PROMPT, path.address)], timeout=10_000))[0] == S.LLM_SUCCESS
+        theirs = link_to(dec, PROMPT)
+        assert theirs is not None
+        real = theirs.settle_served
+
+        async def late(*args: Any, **kwargs: Any) -> None:  # a peer told UNLINK answers in 2 s
+            await asyncio.sleep(2 * ABORT_ACK_S)
+            await real(*args, **kwargs)
+
+        theirs.settle_served = late  # type: ignore[method-assign]
+        cut_at = time.monotonic()
+        assert await prompt.unlink_clusters([cluster_info(DECODER, path.address)], force=True) == (
+            S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert time.monotonic() - cut_at < ABORT_ACK_S / 2, "a forced unlink without pushes waited for the peer"
 
 
 @pytest.mark.parametrize("slow", ["close", "settle_served"])

@@ -214,7 +214,10 @@ async def test_a_leased_cache_takes_no_second_lease_and_lease_of_is_the_one_that
             lease_cache(kv, cache, keys, lease_ms=60_000)
         assert info.value.status_code == S.LLM_PARAM_INVALID and "'cache'" in str(info.value)
         assert lease_of(cache) is first
-        lease_of(cache).cancel()  # the prompt keeps the cache: nothing may expire it now
+        lease_of(cache).renew(400)  # renewing it holds: its first 100 ms pass and nothing expires
+        await asyncio.sleep(0.2)
+        assert cache.alive and not first.expired
+        lease_of(cache).cancel()  # the prompt keeps the cache: nothing may expire it now (the renewed 400 ms pass)
         values = fill(cache, 7)
         await asyncio.sleep(0.3)
         await dec.kv_cache_manager.pull_cache(keys[0], dst, 0)

@@ -33,6 +33,7 @@ from peers import cluster_info, port_of
 from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
+    CacheKey,
     DataType,
     KvCache,
     LLMDataDist,
@@ -73,6 +74,18 @@ async def v2_pair() -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
         dec = await stack.enter_async_context(
             endpoint(LLMRole.DECODER, DECODER, transport="tcp", enable_cache_manager=True))
         path = await stack.enter_async_context(SlowBothWays(port_of(prompt), RATE, LATENCY_S))
+        status, _ = await dec.link_clusters([cluster_info(PROMPT, path.address)], timeout=10_000)
+        assert status == S.LLM_SUCCESS
+        yield prompt, dec
+
+
+@contextlib.asynccontextmanager
+async def v1_pair() -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    """A v1 PROMPT (listening) and DECODER over TCP, the decoder linked through a :class:`SlowPath`."""
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp"))
+        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, DECODER, transport="tcp"))
+        path = await stack.enter_async_context(SlowPath(port_of(prompt), RATE, LATENCY_S))
         status, _ = await dec.link_clusters([cluster_info(PROMPT, path.address)], timeout=10_000)
         assert status == S.LLM_SUCCESS
         yield prompt, dec
@@ -199,12 +212,7 @@ async def test_unregistering_a_cache_under_a_peer_s_push_and_pull_is_quick(size:
 async def test_deallocating_a_registered_cache_a_peer_pushes_into_lands_nothing_after_it_returned():
     """The v1 spelling (``KvCacheManager.deallocate_cache``): a PROMPT pushes into a DECODER's registered cache."""
     desc = SIZES["engine"]
-    async with contextlib.AsyncExitStack() as stack:
-        prompt = await stack.enter_async_context(endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="tcp"))
-        dec = await stack.enter_async_context(endpoint(LLMRole.DECODER, DECODER, transport="tcp"))
-        path = await stack.enter_async_context(SlowPath(port_of(prompt), RATE, LATENCY_S))
-        status, _ = await dec.link_clusters([cluster_info(PROMPT, path.address)], timeout=10_000)
-        assert status == S.LLM_SUCCESS
+    async with v1_pair() as (prompt, dec):
         mine = [torch.zeros(desc.shape, dtype=torch.float16) for _ in range(desc.num_tensors)]
         owned = dec.kv_cache_manager.register_blocks_cache(desc, mine, BlocksCacheKey(DECODER, 0))
         src = prompt.kv_cache_manager.allocate_blocks_cache(desc)
@@ -222,6 +230,29 @@ async def test_deallocating_a_registered_cache_a_peer_pushes_into_lands_nothing_
         assert result in (S.LLM_KV_CACHE_NOT_EXIST, S.LLM_LINK_FAILED), f"the cut push gave {result!r}"
         assert registry_of(dec).serving_count() == 0
         prompt.kv_cache_manager.deallocate_cache(src)
+
+
+async def test_deallocating_a_registered_cache_a_peer_pulls_by_key_reads_nothing_after_it_returned():
+    """v1, a registered cache bound to a key (which a pull never consumes): ``deallocate_cache`` unbinds the key
+    and cuts the decoder's pull by it, though the key kept the cache bound until then."""
+    desc = CacheDesc(4, (1, 2 * 1024 * 1024), DataType.DT_FLOAT16, Placement.HOST)  # 16 MiB in its one row
+    key = CacheKey(PROMPT, req_id=7)
+    async with v1_pair() as (prompt, dec):
+        mine = [torch.full(desc.shape, 3, dtype=torch.float16) for _ in range(desc.num_tensors)]
+        owned = prompt.kv_cache_manager.register_cache(desc, mine, [key])
+        dst = dec.kv_cache_manager.allocate_cache(desc)
+        paint(dst.tensors, 0)
+        pull = asyncio.ensure_future(dec.kv_cache_manager.pull_cache(key, dst, 0, timeout=20_000))
+        at_cut = await until_moving(dst.tensors, 3)
+        prompt.kv_cache_manager.deallocate_cache(owned)
+        paint(mine, 9)  # the framework reuses its memory at once
+        result = await outcome(pull)
+        await asyncio.sleep(QUIET_S)
+        late = share(dst.tensors, 9)
+        assert late == 0, (f"{late:.1%} of the puller's cache was read from the owner's memory after deallocate_cache "
+                           f"returned ({at_cut:.0%} had landed at the cut, the pull gave {result!r})")
+        assert result in (S.LLM_KV_CACHE_NOT_EXIST, S.LLM_LINK_FAILED), f"the cut pull gave {result!r}"
+        assert registry_of(prompt).serving_count() == 0 and registry_of(prompt).all_caches() == []
 
 
 # -- the same-host plane: a peer's push is the owner's own copy (``PUSH_LOCAL``) --------------------------------
@@ -470,6 +501,58 @@ async def test_an_unlink_is_answered_once_the_owners_staged_copies_of_the_peers_
         assert queued == 0, f"{queued} copies still queued on the owner's stream when the unlink returned"
         assert GATE_S - 0.05 < took < 1.5, f"unlink_clusters took {took:.2f} s"
         # stopped by the owner as it answered the unlink (LLM_FAILED, its word), or the link's end got there first
+        assert result in (S.LLM_FAILED, S.LLM_NOT_YET_LINK, S.LLM_LINK_FAILED), f"the cut push gave {result!r}"
+
+
+async def test_a_forced_unlink_under_a_staged_push_returns_only_once_the_owners_copies_of_it_are_done():
+    """Row 133, the wait itself: the pusher's forced unlink under its staged push (a device cache, host
+    backend) tells the owner and returns on its answer, which the owner sends only once the jobs it serves the
+    pusher ended (``Link.settle_served``); a staged job ends once the copies it queued on the owner's stream ran.
+    With the stream held, the forced unlink returns only once the stream was let go, and nothing lands in the
+    owner's cache afterwards. An answer that did not wait for the stopped jobs came back in milliseconds, the
+    push's queued copies landing afterwards (found by audit: over TCP without a device the stream job stops at
+    once, and the named tests passed without the wait)."""
+    from aio_datadist.testing import runtime_of
+
+    async with device_pair() as (prompt, dec):
+        dst = prompt.cache_manager.allocate_blocks_cache(DEVICE_DESC, BlocksCacheKey(PROMPT, 0))
+        src = dec.cache_manager.allocate_blocks_cache(DEVICE_DESC)
+        paint(dst.tensors, 0)
+        paint(src.tensors, 5)
+        stream = runtime_of(prompt).devices.stream
+        gate = stream.gate()
+        opener = threading.Timer(5.0, gate.open)  # at the latest: never leave the stream held
+        opener.start()
+        opened: list[float] = []
+
+        def let_go() -> None:
+            opened.append(time.monotonic())
+            gate.open()
+
+        try:
+            push = asyncio.ensure_future(dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), src, DEVICE_ALL,
+                                                                       DEVICE_ALL, timeout=20_000))
+            assert await stream_holds_copies(stream)
+            assert share(dst.tensors, 5) == 0, "a copy ran past the held stream"
+            asyncio.get_running_loop().call_later(GATE_S, let_go)  # the owner's loop is free: no thread
+            status = await dec.unlink_clusters([cluster_info(PROMPT, port_of(prompt))], timeout=3000, force=True)
+            returned = time.monotonic()
+            queued = stream.pending()
+            before = [t.clone() for t in dst.tensors]
+            result = await outcome(push)
+            async with asyncio.timeout(2):  # the stream was let go: what it still held (nothing, if fixed) ran
+                while stream.pending():
+                    await asyncio.sleep(0.005)
+        finally:
+            gate.open()
+            opener.cancel()
+        changed = sum(int((t != b).sum()) * 2 for t, b in zip(dst.tensors, before, strict=True))
+        assert status == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert opened and opened[0] <= returned, (
+            "the forced unlink returned while the owner's stream still held the push's copies")
+        assert queued == 0, f"{queued} copies still queued on the owner's stream when the forced unlink returned"
+        assert changed == 0, f"{changed} bytes of the owner's cache changed after the forced unlink returned"
+        assert returned - opened[0] < 0.5, "the forced unlink waited past the owner's copies"
         assert result in (S.LLM_FAILED, S.LLM_NOT_YET_LINK, S.LLM_LINK_FAILED), f"the cut push gave {result!r}"
 
 
