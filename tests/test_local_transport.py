@@ -459,3 +459,26 @@ async def test_a_pull_whose_owner_deallocates_the_cache_right_after_answering_is
             await pair.dm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, again.cache_id, 1), dst, batch_index=1,
                                      timeout=5000)
         assert info.value.status_code == S.LLM_LINK_FAILED and share.closed, info.value
+
+
+@pytest.mark.asyncio
+async def test_a_same_host_push_confirmed_with_done_in_place_of_its_resp_fails_with_llm_link_failed():
+    """Row 139: the owner answers a ``PUSH_LOCAL`` with ``RESP``; a successful ``DONE`` in its place is a lie the
+    pusher must not read as the push's success: the push fails ``LLM_LINK_FAILED``."""
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+        fill(src, 7)
+        pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
+        await pair.link()
+        owner = usable_link(pair.decoder, PROMPT_ID)
+        send = owner.send
+
+        def done_for_resp(msg: wire.Msg, req_id: int, **fields: Any) -> Any:
+            if msg is wire.Msg.RESP and fields.get("status") == S.LLM_SUCCESS:
+                return send(wire.Msg.DONE, req_id, status=S.LLM_SUCCESS, text="")
+            return send(msg, req_id, **fields)
+
+        owner.send = done_for_resp
+        with pytest.raises(LLMException) as exc:
+            await asyncio.wait_for(pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [0], [1]), 5)
+        assert exc.value.status_code == S.LLM_LINK_FAILED, exc.value

@@ -7,8 +7,12 @@ Agents on real loopback sockets, as in ``tests/test_vllm_connector_logic.py``; n
 from __future__ import annotations
 
 import asyncio
+import enum
+import importlib.util
 import json
+import sys
 import time
+import types
 from typing import Any
 
 import _vllm_agents
@@ -17,6 +21,7 @@ import torch
 from _vllm_agents import BLOCK_TOKENS, wait
 from relay import Relay
 
+from aio_datadist.integrations import vllm_agent
 from aio_datadist.integrations.vllm_agent import LoopThread, _Peer
 from aio_datadist.integrations.vllm_wire import (
     HEADER,
@@ -129,16 +134,22 @@ def test_a_side_channel_gone_silent_is_given_up_and_dialled_again(agents) -> Non
         relay_loop.stop()
 
 
-def test_a_silent_side_channel_is_given_up_within_twice_a_short_link_timeout(agents) -> None:
+@pytest.mark.parametrize(("link_timeout_ms", "probe_s", "bound_s"), [(300, None, 1.15), (1000, 0.05, 1.5)])
+def test_a_silent_side_channel_is_given_up_within_twice_a_short_link_timeout(agents, monkeypatch, link_timeout_ms,
+                                                                             probe_s, bound_s) -> None:
     """The bound of giving a silent side channel up when ``link_timeout_ms`` is under ``PROBE_TIMEOUT_S``: the
     ``hello`` sent after the unanswered claim waits ``link_timeout_ms`` at most, so the load fails within about
-    twice it (600 ms here; ``link_timeout_ms`` + ``PROBE_TIMEOUT_S`` would be 1.3 s) and the connection is given up."""
+    twice it (600 ms here; ``link_timeout_ms`` + ``PROBE_TIMEOUT_S`` would be 1.3 s) and the connection is given up.
+    The other side of the bound (``probe_s``: ``PROBE_TIMEOUT_S`` made shorter than ``link_timeout_ms``): the
+    ``hello`` waits ``PROBE_TIMEOUT_S``, not another ``link_timeout_ms`` (1.05 s here, not 2 s)."""
+    if probe_s is not None:
+        monkeypatch.setattr(vllm_agent, "PROBE_TIMEOUT_S", probe_s)
     relay_loop = LoopThread("relay")
     prefill, _ = agents(True)
     relay = _Blackhole(prefill.side_channel)
     try:
         relay_loop.call(relay.__aenter__())
-        decode, _ = agents(False, link_timeout_ms=300)
+        decode, _ = agents(False, link_timeout_ms=link_timeout_ms)
         for req in ("r1", "r2"):
             prefill.holds.add(req, lease_s=60)
         decode.start_pull("d1", _remote("engine-p", relay.address, "r1", [5]), [2])
@@ -155,7 +166,7 @@ def test_a_silent_side_channel_is_given_up_within_twice_a_short_link_timeout(age
         elapsed = time.monotonic() - started
         assert decode.pulls.take_finished() == ({"d2"}, {"d2"}, {4})
         wait(lambda: peer.broken is not None, 1.0)  # given up
-        assert elapsed < 1.15, f"the silent side channel's load failed after {elapsed:.2f} s"
+        assert elapsed < bound_s, f"the silent side channel's load failed after {elapsed:.2f} s"
     finally:
         relay_loop.call(relay.__aexit__(None, None, None))
         relay_loop.stop()
@@ -203,6 +214,61 @@ def test_params_naming_other_blocks_than_the_request_holds_are_not_pulled(agents
     assert decode.pulls.take_finished() == ({"d2"}, set(), set())
     for name in p_kv:
         assert torch.equal(d_kv[name][:, 7], p_kv[name][:, 8])
+
+
+def _connector_without_vllm(monkeypatch) -> Any:
+    """``aio_datadist.integrations.vllm`` loaded under a name of its own against stand-ins for the few vLLM names
+    it imports (no vLLM here): its halves' glue, driven by hand."""
+    base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    base.KVConnectorBase_V1 = base.KVConnectorHandshakeMetadata = base.KVConnectorMetadata = type("Base", (), {})
+    base.KVConnectorRole = enum.Enum("KVConnectorRole", "SCHEDULER WORKER")
+    base.KVConnectorTransferResults = dict
+    request = types.ModuleType("vllm.v1.request")
+    request.RequestStatus = enum.Enum("RequestStatus", "FINISHED_STOPPED FINISHED_LENGTH_CAPPED FINISHED_ABORTED")
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.kv_transfer",
+                 "vllm.distributed.kv_transfer.kv_connector", "vllm.distributed.kv_transfer.kv_connector.v1",
+                 "vllm.v1"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    monkeypatch.setitem(sys.modules, request.__name__, request)
+    path = vllm_agent.__file__[:-len("_agent.py")] + ".py"  # integrations/vllm.py
+    spec = importlib.util.spec_from_file_location("_vllm_connector_glue", path)
+    glue = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, glue)
+    spec.loader.exec_module(glue)
+    return glue
+
+
+def test_the_connector_holds_a_finished_prefill_with_the_digest_of_the_blocks_it_returned(agents,
+                                                                                           monkeypatch) -> None:
+    """Row 142 through the connector's glue (the test above adds its holds by hand): the scheduler half's
+    ``request_finished`` and the worker half's ``start_load_kv`` hold the request with the digest of the block
+    ids the returned params name, so params naming other blocks fail the load and the returned ones load."""
+    glue = _connector_without_vllm(monkeypatch)
+    prefill, p_kv = agents(True)
+    decode, d_kv = agents(False)
+    connector = object.__new__(glue.AioDatadistConnector)  # both halves at once, without vLLM's __init__
+    connector.options, connector.engine_id, connector.agent = prefill.options, "engine-p", prefill
+    connector._side_channel, connector._meta = prefill.side_channel, glue.AioDatadistMetadata()
+    returned = {}
+    for req, blocks in (("mine", [5, 9]), ("r2", [6, 8])):
+        finished = types.SimpleNamespace(request_id=req, kv_transfer_params={"do_remote_decode": True},
+                                         status=sys.modules["vllm.v1.request"].RequestStatus.FINISHED_STOPPED,
+                                         num_computed_tokens=len(blocks) * BLOCK_TOKENS)
+        held, returned[req] = connector.request_finished(finished, blocks)
+        assert held
+    meta = connector.build_connector_meta(None)
+    connector._get_connector_metadata = lambda: meta
+    connector.start_load_kv(None)
+    decode.start_pull("d1", _remote("engine-p", prefill.side_channel, "mine", [3, 11]), [2, 4])  # forged blocks
+    wait(lambda: not decode.pulls.pending(), 2.5)
+    assert decode.pulls.take_finished() == ({"d1"}, {"d1"}, {2, 4})
+    assert not any(t.any() for t in d_kv.values())
+    decode.start_pull("d2", parse_transfer_params(returned["r2"]), [7, 1])  # the params the prefill returned
+    wait(lambda: not decode.pulls.pending(), 2.5)
+    assert decode.pulls.take_finished() == ({"d2"}, set(), set())
+    for name in p_kv:
+        assert torch.equal(d_kv[name][:, [7, 1]], p_kv[name][:, [6, 8]])
 
 
 def test_a_done_the_prefill_cannot_honour_does_not_end_the_side_channel(agents) -> None:

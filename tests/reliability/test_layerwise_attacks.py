@@ -82,6 +82,7 @@ class Receiver:
         self.on_push = on_push
         self.pushes: list[int] = []
         self.probe_reply: Callable[[int], bytes] = lambda rid: wire.encode(Msg.PROBE_ACK, rid)
+        self.unlink_reply: Callable[[int], bytes] | None = None  # None: UNLINK goes unanswered
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
         self._todo: list[Callable[[RawLink], None]] = []
@@ -113,6 +114,8 @@ class Receiver:
                 msg, req_id, fields = recv_frame(raw.ctl)
                 if msg is Msg.PROBE:
                     raw.send_raw(self.probe_reply(req_id))
+                elif msg is Msg.UNLINK and self.unlink_reply is not None:
+                    raw.send_raw(self.unlink_reply(req_id))
                 elif msg is Msg.PUSH_REQ:
                     self.pushes.append(req_id)
                     self.on_push(raw, req_id, fields)
@@ -261,6 +264,18 @@ async def test_a_reply_of_the_wrong_kind_to_a_probe_breaks_the_link(kind):
         with pytest.raises(LLMException) as raised:
             await asyncio.wait_for(dd.check_link_status(ATTACKER), BOUND_S)
         assert raised.value.status_code == S.LLM_LINK_FAILED, repr(raised.value)
+
+
+@pytest.mark.parametrize("kind", list(PROBE_WRONG_KINDS))
+async def test_a_reply_of_the_wrong_kind_to_the_unlink_of_a_closing_endpoint_breaks_the_link(kind):
+    """The ``UNLINK`` a closing endpoint sends waits for ``UNLINK_ACK``: a transfer's reply in its place is a
+    protocol error that fails the link (``LLM_LINK_FAILED``), never the peer's consent (row 139)."""
+    async with prompt_and(honest) as (dd, receiver):
+        receiver.unlink_reply = PROBE_WRONG_KINDS[kind]
+        link = link_to(dd, ATTACKER)
+        await asyncio.wait_for(dd.finalize(), BOUND_S)
+        assert link.broken is not None and link.broken.status_code == S.LLM_LINK_FAILED, link.broken
+        del link
 
 
 async def both_layers_pushed_to(receive: Any) -> LLMStatusCode:
