@@ -203,7 +203,16 @@ async def test_a_flood_of_same_host_pushes_is_served_a_bounded_number_at_once(mo
     from aio_datadist.links import MAX_LOCAL_PUSHES_SERVED, MAX_SERVED_PER_CHANNEL
     from aio_datadist.transport import same_host
 
+    from aio_datadist import owner
+    from aio_datadist.transport import plane
+
     monkeypatch.setattr(same_host, "INLINE_COPY_MAX", 0)
+    planned, copied = [], []  # same-host pushes the owner planned / copied: one told to stream is never planned
+    real_plan, copier = owner.serve_plan, plane("same-host")
+    monkeypatch.setattr(owner, "serve_plan", lambda rt, lk, msg, req: (
+        planned.append(msg) if msg is wire.Msg.PUSH_LOCAL else None, real_plan(rt, lk, msg, req))[1])
+    monkeypatch.setattr(copier, "serve_alone", lambda *a, _real=copier.serve_alone: (
+        copied.append(1), _real(*a))[1])
     async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
         src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
         values = fill(src, 7)
@@ -232,6 +241,7 @@ async def test_a_flood_of_same_host_pushes_is_served_a_bounded_number_at_once(mo
         assert copying <= MAX_LOCAL_PUSHES_SERVED, f"the owner copied {copying} same-host pushes at once"
         assert copying >= MAX_LOCAL_PUSHES_SERVED // 2, copying  # the flood pressed against the bound
         assert not link.local_pushes and not link.serving
+        assert len(planned) == len(copied) < 300, (len(planned), len(copied))  # USE_STREAM before any planning
         assert all(torch.equal(d, v) for d, v in zip(dst.tensors, values, strict=True))
 
 

@@ -408,16 +408,18 @@ def test_a_kv_both_worker_is_not_made_to_prove_the_secret_to_itself_for_a_proces
         worker.close()
 
 
-def test_a_pull_refused_as_a_reflection_says_why_and_is_not_retried(agents, caplog) -> None:
+@pytest.mark.parametrize("hangup", ["reflect", "reflect-reset"], ids=["closed", "reset"])
+def test_a_pull_refused_as_a_reflection_says_why_and_is_not_retried(agents, caplog, hangup) -> None:
     """Guarantee 147's failure of the pull: the decode half's own hello came back to its side channel, which
     answered nothing; the pull fails saying so (an ``AuthError``), not as a handshake the prefill dropped
-    (``HandshakeClosed``, dialled again up to ``HANDSHAKE_ATTEMPTS`` times)."""
+    (``HandshakeClosed``, dialled again up to ``HANDSHAKE_ATTEMPTS`` times), whether the relay then closes the
+    decode's connection or resets it (``reset``: passed with a reset not taken for the relay's hang-up, audit)."""
     worker = Agent(True, True, "engine-b", AgentOptions(shared_secret=SECRET))
     try:
         tensors, layout, _ = kv_layout(kv_caches(1), BLOCKS, BLOCK_TOKENS)
         worker.register(tensors, layout)
         host, port = worker.side_channel
-        proc = subprocess.Popen([sys.executable, PEER, "reflect", host, str(port), "r1"], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, PEER, hangup, host, str(port), "r1"], stdout=subprocess.PIPE,
                                 text=True)
         try:
             assert proc.stdout is not None

@@ -12,7 +12,7 @@ line on stdout with what it saw::
                                                                     # (no secret needed), one every GAP s
     python vllm_side_channel_peer.py lie HOST PORT SECRET|-         # frame headers that lie about their size
     python vllm_side_channel_peer.py claims HOST PORT SECRET REQ...  # claim each on one connection
-    python vllm_side_channel_peer.py reflect HOST PORT REQ         # print the port it listens on; hand the
+    python vllm_side_channel_peer.py reflect[-reset] HOST PORT REQ # print the port it listens on; hand the
                                                                     # hello of the decode that dials it to
                                                                     # HOST:PORT, the answer back, the decode's
                                                                     # proof on; then claim and done REQ there
@@ -176,7 +176,7 @@ def claims(host: str, port: int, secret: bytes, reqs: list[str]) -> dict:
     return {"replies": replies}
 
 
-def reflect(host: str, port: int, req: str) -> dict:
+def reflect(host: str, port: int, req: str, reset: bool = False) -> dict:
     """No secret: relay one dialling decode's handshake to the side channel at ``host:port`` (the dialling
     worker's own), then use that connection as if it had proved the secret."""
     seen: dict = {"answered": False, "proved": False, "claim": None, "done": None}
@@ -189,6 +189,8 @@ def reflect(host: str, port: int, req: str) -> dict:
         back.sendall(recv_exactly(dial, len(MAGIC) + 32))  # the decode's hello
         answer = recv_exactly(back, 64)  # the side channel's nonce and proof over the decode's nonce
         if answer is None:
+            if reset:  # hang up on the decode with a reset (RST), not a close
+                dial.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             return seen
         seen["answered"] = True
         dial.sendall(answer)
@@ -235,8 +237,8 @@ def main(argv: list[str]) -> None:
         print(json.dumps(lie(host, port, None if argv[3] == "-" else argv[3].encode())))
     elif mode == "claims":
         print(json.dumps(claims(host, port, argv[3].encode(), argv[4:])))
-    elif mode == "reflect":
-        print(json.dumps(reflect(host, port, argv[3])))
+    elif mode in ("reflect", "reflect-reset"):
+        print(json.dumps(reflect(host, port, argv[3], reset=mode == "reflect-reset")))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A process at an address an endpoint dials, with no secret, that hands the dial's handshake back.
 
-``python _reflector.py TARGET_HOST TARGET_PORT`` prints the port it listens on, takes one dial, and
-relays: the dial's HELLO to the target listener (the dialler's own), the
+``python _reflector.py TARGET_HOST TARGET_PORT [reset]`` prints the port it listens on, takes one dial, and
+relays (``reset``: it hangs up on a dial it got no HELLO_ACK for with a reset, not a close): the dial's
+HELLO to the target listener (the dialler's own), the
 target's HELLO_ACK back to the dial, the dial's AUTH (if it sends one) to the target once the dial
 is closed. It prints one JSON object with what it got at each step: ``ack`` (the target proved the
 secret over the dial's nonce), ``auth`` (the dial proved it in turn), ``link_ok`` (the target's
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import sys
 import time
 
@@ -50,6 +52,8 @@ def main() -> None:
             ack = frame(back)
         except OSError:
             ack = None
+        if ack is None and sys.argv[3:] == ["reset"]:
+            dial.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         if ack is not None and ack[0] is Msg.HELLO_ACK:
             got["ack"] = True
             dial.sendall(ack[1])

@@ -324,20 +324,22 @@ REFLECTOR = os.path.join(os.path.dirname(__file__), "_reflector.py")
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("remote_id", [None, PROMPT, DECODER], ids=["any", "another's", "its own"])
-async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler(remote_id, caplog):
+@pytest.mark.parametrize(("remote_id", "hangup"), [(None, ()), (PROMPT, ()), (DECODER, ()), (None, ("reset",))],
+                         ids=["any", "another's", "its own", "any, reset"])
+async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler(remote_id, hangup, caplog):
     """Reflection (guarantee 146): the decoder dials a process without the secret (``link_clusters`` with no
     remote id, whichever cluster listens there, or naming a cluster, another's or its own), which hands the
     decoder's HELLO to the decoder's own listener, to have it prove the secret over the decoder's nonce, then
     the decoder's AUTH back to it. That listener answers nothing, so the decoder's dial never sends its proof
     and fails saying why, the relay gets no link, and the decoder links to another endpoint as before. Before
     the fix: HELLO_ACK, then AUTH, then LINK_OK with a link token, and a link registered in the decoder. (A
-    named remote id and the failure's words were untested until an audit, 2026-12-07.)"""
+    named remote id and the failure's words were untested until an audit, 2026-12-07; ``reset``: the process hangs
+    up on the dial with a reset, whose words went untested until the next.)"""
     caplog.set_level(logging.WARNING)
     async with (endpoint(LLMRole.DECODER, DECODER, listen=True, shared_secret=SECRET) as dec,
                 endpoint(LLMRole.PROMPT, PROMPT, listen=True, shared_secret=SECRET) as other):
         baseline = state(dec)
-        proc = await asyncio.create_subprocess_exec(sys.executable, REFLECTOR, *map(str, port_of(dec)),
+        proc = await asyncio.create_subprocess_exec(sys.executable, REFLECTOR, *map(str, port_of(dec)), *hangup,
                                                     stdout=asyncio.subprocess.PIPE)
         try:
             assert proc.stdout is not None

@@ -112,6 +112,27 @@ def test_a_filled_region_is_refused_unless_sealed_against_writes(seal):
         os.close(fd)
 
 
+def test_a_peers_ledger_and_device_export_with_holes_are_refused():
+    """Row 148's other two regions, each mapped by a check of its own: a peer's ledger (``PeerLedger``) and a
+    device export on the host backend (``HostBackend.ipc_import``), sealed but holes, are refused before they are
+    mapped (the tests above check only ``check_sealed``; either region passed with its call of it gone)."""
+    from aio_datadist.devices.host_backend import HostBackend
+    from aio_datadist.transport.ledger import PeerLedger
+
+    ledger_fd = os.memfd_create("ledger", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    export_fd = _sealed_region(range(0))
+    try:
+        os.ftruncate(ledger_fd, LEDGER_BYTES)  # never written: not one page in memory
+        host._seal(ledger_fd)
+        with pytest.raises(ValueError, match="in memory"):
+            PeerLedger(ledger_fd)
+        with pytest.raises(ValueError, match="has a hole"):
+            HostBackend.ipc_import(HostBackend.__new__(HostBackend), HostBackend.kind, b"", export_fd, SIZE)
+    finally:
+        os.close(ledger_fd)
+        os.close(export_fd)
+
+
 def test_our_own_regions_pass():
     """Our caches' regions and ledger are populated as they are mapped: no hole, any size."""
     ledger = Ledger()
