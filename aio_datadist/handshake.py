@@ -123,7 +123,7 @@ async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, se
     :raises ProtocolError: for malformed answers (as do stream errors).
     """
     nonce = os.urandom(wire.NONCE_BYTES)
-    with OwnDials.noted(own, nonce) as came_back:
+    with OwnDials.noted(own, nonce, writer.transport.abort) as came_back:
         writer.write(wire.encode(Msg.HELLO, 0, nonce=nonce))
         try:
             ack: wire.HelloAck = await read_expected(reader, Msg.HELLO_ACK)

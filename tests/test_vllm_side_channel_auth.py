@@ -408,12 +408,14 @@ def test_a_kv_both_worker_is_not_made_to_prove_the_secret_to_itself_for_a_proces
         worker.close()
 
 
-@pytest.mark.parametrize("hangup", ["reflect", "reflect-reset"], ids=["closed", "reset"])
+@pytest.mark.parametrize("hangup", ["reflect", "reflect-reset", "reflect-hold"], ids=["closed", "reset", "held open"])
 def test_a_pull_refused_as_a_reflection_says_why_and_is_not_retried(agents, caplog, hangup) -> None:
     """Guarantee 147's failure of the pull: the decode half's own hello came back to its side channel, which
     answered nothing; the pull fails saying so (an ``AuthError``), not as a handshake the prefill dropped
     (``HandshakeClosed``, dialled again up to ``HANDSHAKE_ATTEMPTS`` times), whether the relay then closes the
-    decode's connection or resets it (``reset``: passed with a reset not taken for the relay's hang-up, audit)."""
+    decode's connection or resets it (``reset``: passed with a reset not taken for the relay's hang-up, audit), or
+    keeps it open (``held open``: the dial is ended once its hello reached its own side channel; before, it waited
+    out ``link_timeout_ms`` and failed as a ``TimeoutError`` saying nothing, found by the second audit)."""
     worker = Agent(True, True, "engine-b", AgentOptions(shared_secret=SECRET))
     try:
         tensors, layout, _ = kv_layout(kv_caches(1), BLOCKS, BLOCK_TOKENS)
@@ -425,14 +427,17 @@ def test_a_pull_refused_as_a_reflection_says_why_and_is_not_retried(agents, capl
             assert proc.stdout is not None
             relay_port = int(proc.stdout.readline())
             with caplog.at_level(logging.WARNING, logger="aio_datadist.integrations.vllm"):
+                started = time.monotonic()
                 worker.start_pull("d-x", RemotePrefill("engine-b", "rX", "127.0.0.1", relay_port, (5, 2),
                                                        2 * BLOCK_TOKENS), [1, 6])
                 assert proc.wait(timeout=10) == 0
                 wait(lambda: not worker.pulls.pending())
+                took = time.monotonic() - started
         finally:
             _reap(proc)
         assert worker.pulls.take_finished()[1] == {"d-x"}
         why = [r.getMessage() for r in caplog.records if "request d-x: pull" in r.getMessage()]
         assert len(why) == 1 and "AuthError" in why[0] and "own side channel" in why[0], why
+        assert took < 2.5, f"the pull took {took:.2f} s to fail (link_timeout_ms is 5 s)"
     finally:
         worker.close()

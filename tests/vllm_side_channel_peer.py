@@ -12,7 +12,7 @@ line on stdout with what it saw::
                                                                     # (no secret needed), one every GAP s
     python vllm_side_channel_peer.py lie HOST PORT SECRET|-         # frame headers that lie about their size
     python vllm_side_channel_peer.py claims HOST PORT SECRET REQ...  # claim each on one connection
-    python vllm_side_channel_peer.py reflect[-reset] HOST PORT REQ # print the port it listens on; hand the
+    python vllm_side_channel_peer.py reflect[-reset|-hold] HOST PORT REQ  # print the port it listens on; hand the
                                                                     # hello of the decode that dials it to
                                                                     # HOST:PORT, the answer back, the decode's
                                                                     # proof on; then claim and done REQ there
@@ -20,6 +20,7 @@ line on stdout with what it saw::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -176,7 +177,7 @@ def claims(host: str, port: int, secret: bytes, reqs: list[str]) -> dict:
     return {"replies": replies}
 
 
-def reflect(host: str, port: int, req: str, reset: bool = False) -> dict:
+def reflect(host: str, port: int, req: str, reset: bool = False, hold: bool = False) -> dict:
     """No secret: relay one dialling decode's handshake to the side channel at ``host:port`` (the dialling
     worker's own), then use that connection as if it had proved the secret."""
     seen: dict = {"answered": False, "proved": False, "claim": None, "done": None}
@@ -191,6 +192,10 @@ def reflect(host: str, port: int, req: str, reset: bool = False) -> dict:
         if answer is None:
             if reset:  # hang up on the decode with a reset (RST), not a close
                 dial.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            if hold:  # keep the decode's connection open until it closes it (5 s at most)
+                dial.settimeout(5)
+                with contextlib.suppress(OSError):
+                    recv_exactly(dial, 1)
             return seen
         seen["answered"] = True
         dial.sendall(answer)
@@ -237,8 +242,8 @@ def main(argv: list[str]) -> None:
         print(json.dumps(lie(host, port, None if argv[3] == "-" else argv[3].encode())))
     elif mode == "claims":
         print(json.dumps(claims(host, port, argv[3].encode(), argv[4:])))
-    elif mode in ("reflect", "reflect-reset"):
-        print(json.dumps(reflect(host, port, argv[3], reset=mode == "reflect-reset")))
+    elif mode in ("reflect", "reflect-reset", "reflect-hold"):
+        print(json.dumps(reflect(host, port, argv[3], reset=mode == "reflect-reset", hold=mode == "reflect-hold")))
 
 
 if __name__ == "__main__":

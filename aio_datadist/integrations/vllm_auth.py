@@ -61,7 +61,7 @@ async def dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secre
     also serves) holds our hello's nonce while the dial runs, so that our own side channel answers nothing to
     it (:func:`accept`): that failure is an :class:`AuthError`, not a :class:`HandshakeClosed` to retry."""
     nonce = os.urandom(NONCE_BYTES)
-    with OwnDials.noted(own, nonce) as came_back:
+    with OwnDials.noted(own, nonce, writer.transport.abort) as came_back:
         writer.write(MAGIC + nonce)
         try:
             answer = await reader.readexactly(NONCE_BYTES + PROOF_BYTES)

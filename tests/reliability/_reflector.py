@@ -1,7 +1,8 @@
 """A process at an address an endpoint dials, with no secret, that hands the dial's handshake back.
 
-``python _reflector.py TARGET_HOST TARGET_PORT [reset]`` prints the port it listens on, takes one dial, and
-relays (``reset``: it hangs up on a dial it got no HELLO_ACK for with a reset, not a close): the dial's
+``python _reflector.py TARGET_HOST TARGET_PORT [reset|hold]`` prints the port it listens on, takes one dial, and
+relays (``reset``: it hangs up on a dial it got no HELLO_ACK for with a reset, not a close; ``hold``: it keeps
+that dial open until the dialler closes it, 5 s at most): the dial's
 HELLO to the target listener (the dialler's own), the
 target's HELLO_ACK back to the dial, the dial's AUTH (if it sends one) to the target once the dial
 is closed. It prints one JSON object with what it got at each step: ``ack`` (the target proved the
@@ -11,6 +12,7 @@ status, and whether it sent a link token).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -54,6 +56,10 @@ def main() -> None:
             ack = None
         if ack is None and sys.argv[3:] == ["reset"]:
             dial.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        if ack is None and sys.argv[3:] == ["hold"]:
+            dial.settimeout(5)
+            with contextlib.suppress(OSError):
+                dial.recv(1)  # until the dialler closes it
         if ack is not None and ack[0] is Msg.HELLO_ACK:
             got["ack"] = True
             dial.sendall(ack[1])

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -324,8 +325,9 @@ REFLECTOR = os.path.join(os.path.dirname(__file__), "_reflector.py")
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("remote_id", "hangup"), [(None, ()), (PROMPT, ()), (DECODER, ()), (None, ("reset",))],
-                         ids=["any", "another's", "its own", "any, reset"])
+@pytest.mark.parametrize(("remote_id", "hangup"), [(None, ()), (PROMPT, ()), (DECODER, ()), (None, ("reset",)),
+                                                   (None, ("hold",))],
+                         ids=["any", "another's", "its own", "any, reset", "any, held open"])
 async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler(remote_id, hangup, caplog):
     """Reflection (guarantee 146): the decoder dials a process without the secret (``link_clusters`` with no
     remote id, whichever cluster listens there, or naming a cluster, another's or its own), which hands the
@@ -334,7 +336,9 @@ async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler(r
     and fails saying why, the relay gets no link, and the decoder links to another endpoint as before. Before
     the fix: HELLO_ACK, then AUTH, then LINK_OK with a link token, and a link registered in the decoder. (A
     named remote id and the failure's words were untested until an audit, 2026-12-07; ``reset``: the process hangs
-    up on the dial with a reset, whose words went untested until the next.)"""
+    up on the dial with a reset, whose words went untested until the next; ``held open``: the process keeps the
+    dial's connection open, and the dial is ended as soon as its HELLO reached its own listener: before, it waited
+    out its whole timeout and failed ``LLM_TIMEOUT`` saying nothing, found by that audit.)"""
     caplog.set_level(logging.WARNING)
     async with (endpoint(LLMRole.DECODER, DECODER, listen=True, shared_secret=SECRET) as dec,
                 endpoint(LLMRole.PROMPT, PROMPT, listen=True, shared_secret=SECRET) as other):
@@ -348,7 +352,9 @@ async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler(r
             if remote_id is not None:
                 info.remote_cluster_id = remote_id
             info.append_remote_ip_info(LOCALHOST, port)
+            started = time.monotonic()
             ret, per = await dec.link_clusters([info], timeout=3000)
+            took = time.monotonic() - started
             got = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
             assert await asyncio.wait_for(proc.wait(), 10) == 0
         finally:
@@ -356,8 +362,9 @@ async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler(r
                 proc.kill()
                 await proc.wait()
         assert got == {"ack": False, "auth": False, "link_ok": None}, got
-        assert (ret, per) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        assert (ret, per) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED]), (ret, per, f"{took:.2f} s")
         assert "our HELLO reached this endpoint's own listener" in caplog.text, caplog.text
+        assert took < 1.5, f"the dial waited {took:.2f} s of its 3 s"
         assert not links_of(dec)
         await settle(dec, baseline)
         assert await dec.link_clusters([cluster_info(PROMPT, port_of(other))]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
