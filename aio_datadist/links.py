@@ -502,12 +502,14 @@ class Link(LinkControl, LinkChannels):
             if self.closed:
                 return  # closed meanwhile (finalize): that close did the rest
         if self.broken is None and not self.unlinked:
-            if ack:
-                self._report_reads()
-                # Our pushes' WRITEs into the peer stop first: none lands after its unlink returned. One that would
-                # not stop (logged) gets no answer: the peer's unlink then fails, or, forced, returns on its bound.
-                if self.nixl is None or self.nixl.halt_writes():
-                    self.send_soon(Msg.UNLINK_ACK, ack)  # written by _teardown after it dropped the data channels
+            # Our reads without asking not reported yet leave before the end: with the answer to the peer's UNLINK,
+            # or ahead of the close of a forced unlink of ours, which sends no UNLINK to carry them (found by audit).
+            self._report_reads()
+            # Answering: our pushes' WRITEs into the peer stop first, so none lands after its unlink returned. One
+            # that would not stop (logged) gets no answer: the peer's unlink then fails, or, forced, returns on its
+            # bound.
+            if ack and (self.nixl is None or self.nixl.halt_writes()):
+                self.send_soon(Msg.UNLINK_ACK, ack)  # written by _teardown after it dropped the data channels
             self._unlinked_down(why)
         self.closed = True
         current = asyncio.current_task()

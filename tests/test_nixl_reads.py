@@ -106,7 +106,7 @@ async def test_a_granted_pull_reads_without_asking_and_the_owner_counts_it():
         assert (served["served_pull"].transfers, served["served_pull"].bytes) == (16, 16 * 4 * 512), served
 
 
-@pytest.mark.parametrize("end", ["unlink", "requester_finalizes", "owner_finalizes"])
+@pytest.mark.parametrize("end", ["unlink", "forced_unlink", "requester_finalizes", "owner_finalizes"])
 async def test_reads_right_before_the_link_ends_are_counted_by_the_owner(end):
     """The READS of pulls made just before the link goes leave before the word that ends it (the requester's
     UNLINK, or its answer to the owner's), on the same connection: the owner counts every one."""
@@ -129,7 +129,7 @@ async def test_reads_right_before_the_link_ends_are_counted_by_the_owner(end):
         for block in range(5):
             await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [block], [block])
         assert Msg.PULL_REQ not in sent, sent  # nothing asked
-        await pair.end(end)
+        await (pair.unlink(force=True) if end == "forced_unlink" else pair.end(end))
         async with asyncio.timeout(1):
             while sum(served) < 5:
                 await asyncio.sleep(0.01)

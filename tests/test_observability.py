@@ -292,11 +292,14 @@ async def test_an_endpoint_watched_again_or_made_anew_adds_to_one_series_per_clu
     pulls = {"cluster_id": "2", "kind": "pull", "transport": "local", "outcome": "ok"}
     async with open_pair() as pair:
         metrics = instrument(pair.decoder, registry)
+        observers = list(pair.decoder._endpoint.observers)
         kv = pair.decoder.kv_cache_manager
         await kv.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
         for _ in range(3):
             metrics.unwatch(pair.decoder)
             instrument(pair.decoder, registry)
+            instrument(pair.decoder, registry)  # watched already: a no-op, no second observer left on it
+        assert len(pair.decoder._endpoint.observers) == len(observers)
         await kv.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0], [0])
         assert duplicated_series(registry) == []
         assert sample(registry, "aio_datadist_transfers_total", **pulls) == 2

@@ -274,18 +274,19 @@ class ServedPulls:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("end", ["unlink", "requester_finalizes", "owner_finalizes"])
+@pytest.mark.parametrize("end", ["unlink", "forced_unlink", "requester_finalizes", "owner_finalizes"])
 async def test_reads_right_before_the_link_ends_are_counted_by_the_owner(end):
     """Reads are reported in sums over 10 ms: those made just before the link goes leave before the word that
-    ends it (the requester's UNLINK, or its answer to the owner's), and the owner counts what its share queue
-    holds before closing it."""
+    ends it (the requester's UNLINK, or its answer to the owner's; a forced unlink with nothing in flight sends
+    no UNLINK: they leave as the share closes), and the owner counts what its share queue holds before closing
+    it."""
     async with listed(12) as (pair, values, dst, seen):
         served = ServedPulls()
         pair.prompt._endpoint.observers.append(served)
         for i in range(5):
             await pair.dm.pull_blocks(KEY, dst, [i], [i])
         assert seen == []
-        await pair.end(end)
+        await (pair.unlink(force=True) if end == "forced_unlink" else pair.end(end))
         await eventually(lambda: served.count == 5, limit_s=1.0)
 
 

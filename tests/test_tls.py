@@ -452,6 +452,26 @@ def injecting_relay(target: tuple[str, int], mode: str) -> Any:
             relay.stdout.close()
 
 
+async def test_plaintext_a_client_writes_behind_the_tls_preamble_is_refused():
+    """The listener's side of the above: a peer that sends a plaintext ``HELLO`` behind its TLS preamble, then
+    a TLS handshake the certificate checks pass, is never answered as if that ``HELLO`` came out of TLS: the
+    connection is dropped before the answer, or the plaintext reaches the TLS layer, which refuses it."""
+    import ssl
+
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, server=server_context(PKI)) as prompt:
+        for _ in range(8):  # the plaintext reaches the listener's stream before its check, or its TLS layer after
+            reader, writer = await asyncio.open_connection(*port_of(prompt))
+            try:
+                writer.write(tls.MAGIC + tls.CONTROL + wire.encode(Msg.HELLO, 0, nonce=bytes(32)))
+                if await asyncio.wait_for(reader.read(1), 5) != b"G":
+                    continue  # dropped before the answer
+                with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
+                    await writer.start_tls(client_context(PKI), server_hostname=LOCALHOST)
+                    await asyncio.wait_for(reader.readexactly(4), 5)  # a HELLO_ACK to the plaintext HELLO
+            finally:
+                writer.transport.abort()
+
+
 @pytest.mark.parametrize("mode", ["control", "data"])
 async def test_plaintext_a_relay_writes_behind_the_tls_answer_is_refused(mode: str):
     """A process at the address a TLS decoder dials, with no certificate, key or secret, relays the TLS
