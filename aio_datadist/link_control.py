@@ -45,6 +45,11 @@ CONTROL_TURN_BYTES = 64 * 1024
 #: Reading resumes once the peer took them; a peer that never does is not heard any more, and the heartbeat
 #: fails its link. Honest control traffic stays far below this (requests wait for data channels).
 CONTROL_WRITE_LIMIT = 4 << 20
+#: The most same-host push requests (``PUSH_LOCAL``) a link holds over from one chunk of its control connection
+#: to the next while more of the connection is queued (see ``_serve_held``). Past it (a peer that floods them
+#: and keeps the connection full) they are served at the end of their chunk, as a chunk's are when nothing
+#: follows it.
+MAX_CARRIED_PUSHES = 1024
 
 
 class LinkControl:
@@ -87,6 +92,7 @@ class LinkControl:
         self._turn_skipped = False  # the control connection is not read until the loop's next turn
         self._write_blocked = False  # nor until the peer took what we have for it (CONTROL_WRITE_LIMIT)
         self._read_paused = False  # whether we paused reading it (for either reason)
+        self._carried: list[protocol.PeerRequest] = []  # PUSH_LOCAL requests held over to the next chunk
 
     def new_req_id(self) -> int:
         rid = self._next_req
@@ -286,7 +292,7 @@ class LinkControl:
             return
         try:
             heard = False
-            held: list[protocol.PeerRequest] = []
+            held, self._carried = self._carried, []  # a chunk's requests held over: this chunk may say they ended
             for event in self._protocol.events(data):  # parsed one at a time (see ``LinkProtocol.events``)
                 if not heard:
                     heard = True
@@ -325,12 +331,18 @@ class LinkControl:
         memory, and a pusher that gives up waits for our word only ``ABORT_ACK_S``: one whose request we
         read late (our loop stood still) may have returned already. Its ``ABORT`` then follows the request
         in the same chunk, so the request is never served; a pusher that failed the link instead closed the
-        connection, and its end, seen here before any copy starts, fails the link."""
+        connection, and its end, seen here before any copy starts, fails the link. When more of the connection
+        is queued than the chunk held (a read takes at most 256 KiB, 64 KiB on uvloop), the requests are held
+        over to the next chunk, which may hold their ``ABORT`` or the end (found by audit: a small push's request
+        ending one chunk, its ``ABORT`` in the next, was copied after the push had raised)."""
         if self.down:
             return
         fd = self._control_fd()
         if fd is not None and _core.peer_closed(fd):
             self._peer_closed("the peer closed it")
+            return
+        if fd is not None and len(held) <= MAX_CARRIED_PUSHES and _core.input_pending(fd):
+            self._carried = held
             return
         for event in held:
             if self.down:

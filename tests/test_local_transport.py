@@ -316,6 +316,74 @@ async def test_a_same_host_push_cut_while_the_owner_stands_still_is_never_copied
         assert await owner.call("dump", "dst") == before, f"the push landed ({how})"
 
 
+@pytest.mark.asyncio
+async def test_a_given_up_same_host_push_read_in_a_chunk_before_its_abort_is_never_copied():
+    """As above, with more control bytes queued while the owner stood still than one read takes (a loop reads
+    at most 256 KiB of a connection at once, uvloop 64 KiB): a small push's request ends one chunk, a big
+    push's request runs on into the next, and the ``ABORT``s of both come after. The small one's ``ABORT`` is
+    not in its chunk, and the connection, though the pusher closed it, still has bytes to read (found by audit:
+    it failed in about half the runs before the fix)."""
+    rows = 24000  # a request of ~400 KB: longer than any one read
+    tiny = CacheDesc(1, (rows, 8), DataType.DT_FLOAT16, Placement.HOST)
+    spec = EndpointSpec(LLMRole.DECODER, DECODER_ID, listen=False, lifetime=60.0,
+                        caches=(CacheSpec("dst", tiny, 3, blocks=True, model_id=0),), config=(("transport", "local"),))
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, **LOCAL) as dd, spawned(spec) as (owner,):
+        src = dd.kv_cache_manager.allocate_blocks_cache(tiny)
+        fill(src, 8)
+        assert (await owner.call("link", PROMPT_ID, port_of(dd)[1]))[0] == S.LLM_SUCCESS
+        before = await owner.call("dump", "dst")
+        every = list(range(0, rows, 2)) + list(range(1, rows, 2))  # no runs to pack
+        key = BlocksCacheKey(DECODER_ID, 0)
+        owner.stop()
+        try:
+            small = asyncio.ensure_future(dd.kv_cache_manager.push_blocks(key, src, [0, 1], [2, 3], timeout=300))
+            await asyncio.sleep(0.05)  # its request first
+            big = asyncio.ensure_future(dd.kv_cache_manager.push_blocks(key, src, every, every, timeout=300))
+            for push in (small, big):
+                with pytest.raises(LLMException):
+                    await push
+        finally:
+            owner.resume()  # reads the small request, then (a chunk later) the big one and both ABORTs
+        await asyncio.sleep(0.5)
+        assert await owner.call("dump", "dst") == before, "a given-up push landed after it returned"
+
+
+def _push_local_frame(req_id: int) -> bytes:
+    """A ``PUSH_LOCAL`` of the peer's (its fields never read here: the link's dispatch is recorded instead)."""
+    return wire.encode(wire.Msg.PUSH_LOCAL, req_id, channel=0, target_kind=0, cluster_id=0, cache_id=0, key_req_id=0,
+                       prefix_id=0, model_id=0, batch_index=0, layer_first=0, layer_last=0, tensor_num_per_layer=2,
+                       tensor_count=4, data_type=0, offset=0, nbytes=8, flags=0, timeout_ms=1000, rows=(),
+                       src_cache_id=0, src_first=0, src_nbytes=8, src_rows=b"")
+
+
+@pytest.mark.asyncio
+async def test_a_push_request_ending_a_chunk_waits_for_the_next_while_more_is_queued(monkeypatch):
+    """Row 158 at a chunk's edge, deterministic: a ``PUSH_LOCAL`` ends a chunk of the control connection while more
+    of it is queued (``_core.input_pending``): it is held over, and its ``ABORT`` in the next chunk drops it; one
+    whose next chunk says nothing of it is served then; one with nothing queued behind it is served at once
+    (found by audit: it was served at the end of its chunk, and a given-up push landed after it returned)."""
+    from aio_datadist import _core
+
+    async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        link = usable_link(pair.decoder, PROMPT_ID)
+        served: list[int] = []
+        monkeypatch.setattr(link, "_dispatch", lambda event: served.append(getattr(event, "req_id", -1)))
+        queued = [True]
+        monkeypatch.setattr(_core, "input_pending", lambda fd: queued[0])
+        link._control_data(_push_local_frame(1000))
+        assert served == [], "served at the end of its chunk though more of the connection was queued"
+        queued[0] = False
+        link._control_data(wire.encode(wire.Msg.ABORT, 1000, channel=0, generation=wire.NO_GENERATION))
+        assert served == [1000] and not link._carried  # the ABORT's own dispatch, never the request's
+        queued[0] = True
+        link._control_data(_push_local_frame(1002))
+        queued[0] = False
+        link._control_data(wire.encode(wire.Msg.PING, 0))
+        assert served == [1000, 0, 1002]  # the PING, then the request held over
+        link._control_data(_push_local_frame(1004))
+        assert served == [1000, 0, 1002, 1004] and not link.down
+
+
 async def _recorded(pusher: Any, msg: wire.Msg, push: Any) -> tuple[Any, dict]:
     """The record (and the fields changed as it was sent) of the first ``msg`` the honest ``push`` sends
     through ``pusher``, to send again by hand."""
