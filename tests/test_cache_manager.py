@@ -834,12 +834,16 @@ async def test_a_released_caches_watch_is_let_go(how):
         else:
             cache = cm.allocate_cache(ROWS) if how == "deallocate_cache" else cm.allocate_blocks_cache(BLOCKS)
         watch = cm.watch_pushes(cache, [0, 1])
+        other = cm.watch_pushes(cache, [1])  # a second watch of the same cache fails too
         assert arrivals.watched(cache)
         if how == "unregister_cache":
             cm.unregister_cache(cache.cache_id)
         else:
             getattr(cm, how)(cache)
-        assert watch.done()
+        assert watch.done() and other.done()
+        with rejected(S.LLM_KV_CACHE_NOT_EXIST):
+            await other
+        del other
         with rejected(S.LLM_KV_CACHE_NOT_EXIST):
             await watch.layer(1)
         with rejected(S.LLM_KV_CACHE_NOT_EXIST):

@@ -439,3 +439,12 @@ async def test_senders_of_links_at_their_share_send_what_they_hold():
         await asyncio.gather(*(send(name) for name in "ABC"))
     assert sorted(done) == ["A", "B", "C"] and pool.peak <= 4 and pool.live == pool.idle
     pool.close()
+    # A pool of two (share 1, none left for receives: a send still takes one) whose other buffer another transfer
+    # holds throughout: the link's send takes the one left and sends it, chunk after chunk, never waiting for more.
+    pool = StagingPool(MIN_CHUNK_BYTES, 2)
+    other = await pool.acquire()
+    async with asyncio.timeout(2):
+        await send("D")
+    assert done[-1] == "D" and pool.peak == 2
+    pool.release(other)
+    pool.close()

@@ -1208,6 +1208,15 @@ async def test_layers_waiting_for_a_data_channel_are_timed_from_when_they_have_o
                 link.release(channel, generation)
         assert await task == [SUCCESS]
         assert all(layer_landed(dst, src, layer, DST_BLOCKS, SRC_BLOCKS) for layer in range(LAYERS))
+        # The wait for a channel is bounded all the same: channels busy past layers x time-out fail the transfer.
+        held = [(index, link.channels[index].generation) for index in [await link.acquire() for _ in held]]
+        try:
+            task = s.pm.transfer_cache_async(src, Ready(), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+            async with asyncio.timeout(LAYERS * 0.15 + BOUND_S):
+                assert await code_of(task) == LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
+        finally:
+            for channel, generation in held:
+                link.release(channel, generation)
 
 
 async def test_a_source_released_during_the_transfer_sends_no_more_layers():

@@ -362,14 +362,17 @@ def test_a_big_peer_mapping_is_unmapped_off_the_thread_that_drops_it(monkeypatch
         real(addr, size)
 
     monkeypatch.setattr(host, "unmap_read_only", watched)
+    budget = host._peer_mapped
     regions = [host.HostRegion(16 << 20), host.HostRegion(PAGE_SIZE)]
     mappings = [host.ReadOnlyMapping(r.fd, r.nbytes) for r in regions]
     addresses = [m.address for m in mappings]
     assert all(_mapped(a) for a in addresses)
+    assert host._peer_mapped == budget + (16 << 20) + PAGE_SIZE
     mappings.clear()
     assert host.unmapped_in_background(5.0)
     assert [unmapped.get(a) for a in addresses] == [False, True]  # the big one elsewhere, the small one here
     assert not any(_mapped(a) for a in addresses)
+    assert host._peer_mapped == budget  # the budget given back with the unmaps
 
 
 def test_a_peer_mapping_of_exactly_the_unmapping_bound_is_unmapped_off_the_thread_that_drops_it(monkeypatch):
@@ -416,10 +419,14 @@ def test_a_forked_child_frees_what_its_parent_queued_and_does_not_hang_on_its_lo
         pid = os.fork()
         if pid == 0:  # the child: only what follows the at-fork handlers runs here
             code = 0 if not any(_mapped(a) for a in addresses) else 3
+            here: list[bool] = []  # the child's own unmapping thread frees its big region, not this one
+            real, me = host.unmap, threading.current_thread()
+            host.unmap = lambda addr, size: (here.append(threading.current_thread() is me), real(addr, size))
             region = host.HostRegion(16 << 20)
             address = region.address
             del region
             code = code or (0 if host.unmapped_in_background(5) and not _mapped(address) else 4)
+            code = code or (0 if here == [False] else 5)
             os._exit(code)
         deadline = time.monotonic() + 10
         while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:

@@ -12,6 +12,7 @@ import time
 import types
 
 import numpy as np
+import pytest
 
 from aio_datadist.transport import nixl_engine
 
@@ -140,13 +141,14 @@ def test_a_write_in_pieces_notifies_with_its_last_piece_only(monkeypatch):
     assert q.records == [(5, 0, 40)]
 
 
-def test_a_transfer_nixl_refuses_is_not_counted_as_posted(monkeypatch):
+@pytest.mark.parametrize("refusing", ["make_prepped_xfer", "transfer"])  # the handle, or the posting call
+def test_a_transfer_nixl_refuses_is_not_counted_as_posted(monkeypatch, refusing):
     eng, agent, q = engine(monkeypatch, 10)
 
     def refuse(*a, **k):
         raise RuntimeError("NIXL_ERR_BACKEND")
 
-    agent.make_prepped_xfer = refuse
+    setattr(agent, refusing, refuse)
     idx = np.arange(2, dtype=np.int32)
     eng.xfer(3, "READ", object(), idx, object(), idx, b"peer", b"", 20)
     wait_for(lambda: q.records)

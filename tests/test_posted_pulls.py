@@ -27,6 +27,7 @@ from aio_datadist.testing import links_of, runtime_of
 pytestmark = pytest.mark.asyncio
 S = LLMStatusCode
 TEXT = b"no blocks cache is bound to that model (the relay says)"
+FORGED = "ok\nCRITICAL aio_datadist.links forged line \x1b[31m\u202e".encode()
 
 
 class LyingOwner(Relay):
@@ -76,6 +77,8 @@ class LyingOwner(Relay):
         if self.lie == "longest refusal":  # an owner's text is cut to MAX_TEXT bytes: the longest it sends
             text = TEXT.ljust(wire.MAX_TEXT, b".")
             return answer(wire.ANSWER_MAGIC, int(S.LLM_KV_CACHE_NOT_EXIST), req_id, len(text)) + text
+        if self.lie == "forged refusal":  # a text meant to forge a log line: shown escaped (row 182)
+            return answer(wire.ANSWER_MAGIC, int(S.LLM_KV_CACHE_NOT_EXIST), req_id, len(FORGED)) + FORGED
         assert self.lie == "refusal"
         return answer(wire.ANSWER_MAGIC, int(S.LLM_KV_CACHE_NOT_EXIST), req_id, len(TEXT)) + TEXT
 
@@ -88,6 +91,7 @@ class LyingOwner(Relay):
     ("endless refusal", S.LLM_LINK_FAILED),
     ("refusal", S.LLM_KV_CACHE_NOT_EXIST),
     ("longest refusal", S.LLM_KV_CACHE_NOT_EXIST),  # exactly MAX_TEXT: `>=` for `>` passed (audit, 2026-12-07)
+    ("forged refusal", S.LLM_KV_CACHE_NOT_EXIST),  # raw text passed test_refusals.py (audit, 2026-12-07)
 ])
 async def test_a_lying_answer_fails_the_pull_lands_nothing_and_the_link_goes_on(lie, code):
     async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport="tcp") as prompt, \
@@ -109,6 +113,9 @@ async def test_a_lying_answer_fails_the_pull_lands_nothing_and_the_link_goes_on(
             if lie in ("refusal", "longest refusal"):
                 assert TEXT.decode() in str(caught.value)
                 assert [ch.generation for ch in link.channels] == generations  # in step: nothing reset
+            if lie == "forged refusal":
+                shown = str(caught.value)
+                assert shown.isprintable() and "\\n" in shown and "\\x1b" in shown and "\\u202e" in shown, shown
             assert all(torch.equal(d, b) for d, b in zip(dst.tensors, before, strict=True)), "a byte landed"
             await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [1, 2], [5, 6],
                                                        timeout=3000)

@@ -57,6 +57,11 @@ class _HalfCut(Relay):
         self.cut_done = True
         self.writers[1].transport.abort()  # the first connection's prefill-facing writer
 
+    def cut_both(self) -> None:
+        """A reset both ends see."""
+        self.cut()
+        self.writers[0].transport.abort()
+
     async def pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while data := await reader.read(1 << 16):
@@ -102,14 +107,21 @@ def _claimed_pull_held_on_its_way(prefill, decode, data: _HoldUp, side: tuple[st
     time.sleep(0.1)  # the pull's request waits on the path
 
 
-def test_a_load_whose_blocks_the_prefill_freed_meanwhile_is_not_reported_loaded(agents) -> None:  # noqa: F811
+@pytest.mark.parametrize("serves_held", [True, False], ids=["held", "before held"])
+def test_a_load_whose_blocks_the_prefill_freed_meanwhile_is_not_reported_loaded(agents, monkeypatch,  # noqa: F811
+                                                                                 serves_held) -> None:
     """The side channel is reset toward the prefill only while a pull's request is on its way: the prefill
     frees the claimed blocks (vLLM reuses them: here they are overwritten), the pull then reads them. The load
     must fail: the decode asks the prefill whether the blocks were held for it all along (``held``). Before,
     the decode judged by its own end of the side channel, still open, and reported the reused bytes loaded
-    (4 of 4; found by an audit)."""
+    (4 of 4; found by an audit). ``before held``: a prefill of the release before ``held`` (no ``ops``), the
+    side channel reset at both ends: the decode's own end must fail the load (it passed with that check
+    dropped; audit, 2026-12-07)."""
     relays = LoopThread("relays")
     prefill, p_kv = agents(True, transport="tcp")
+    if not serves_held:
+        hello = prefill._hello
+        monkeypatch.setattr(prefill, "_hello", lambda: {k: v for k, v in hello().items() if k != "ops"})
     side = _HalfCut(prefill.side_channel)
     data = _HoldUp(prefill._dd.listen_address)
     try:
@@ -118,7 +130,7 @@ def test_a_load_whose_blocks_the_prefill_freed_meanwhile_is_not_reported_loaded(
         prefill.options.advertise_data = "{}:{}".format(*data.address)
         decode, d_kv = agents(False, transport="tcp")
         _claimed_pull_held_on_its_way(prefill, decode, data, side.address)
-        relays.loop.call_soon_threadsafe(side.cut)
+        relays.loop.call_soon_threadsafe(side.cut if serves_held else side.cut_both)
         released: set[str] = set()
 
         def freed() -> bool:  # vLLM's get_finished: finished_sending
@@ -247,6 +259,11 @@ def test_params_whose_blocks_are_not_those_of_the_prompt_are_not_loaded(agents, 
     if fewer:
         with pytest.raises(LLMException, match="'remote_block_ids'"):
             parse_transfer_params(params, BLOCK_TOKENS)  # the scheduler half's check
+        # a partial last block is a block: 2 blocks and a token are 3 blocks, not 2 (floor for ceiling passed)
+        partial = dict(host=host, port=port, engine_id="engine-p", request_id="r1", num_tokens=2 * BLOCK_TOKENS + 1)
+        assert parse_transfer_params(transfer_params(block_ids=[5, 3, 11], **partial), BLOCK_TOKENS).block_ids
+        with pytest.raises(LLMException, match="'remote_block_ids'"):
+            parse_transfer_params(transfer_params(block_ids=[5, 3], **partial), BLOCK_TOKENS)
         prefill.holds.add("r1", lease_s=60, blocks=[5, 3, 11])
         decode.start_pull("d1", parse_transfer_params(params), [2, 7])
         assert not _loaded(decode, "d1")
@@ -491,16 +508,20 @@ def test_an_expired_lease_is_recorded_and_logged_whoever_expires_it(agents, tmp_
         released |= prefill.holds.take_released()
         time.sleep(0.01)
     assert released == {"r1"}
-    wait(lambda: stats.exists() and '"req": "r1"' in stats.read_text(), 3)  # the agent's next tick, 0.5 s
+    prefill.holds.add("r2", lease_s=0.0)  # ran out: a claim finds it so and frees it (it passed unrecorded)
+    assert not prefill.holds.claim("r2", owner=0, hold_s=60)
+    wait(lambda: stats.exists() and all(f'"req": "{r}"' in stats.read_text() for r in ("r1", "r2")), 3)  # next tick
     lines = [json.loads(line) for line in stats.read_text().splitlines()]
-    assert [line["why"] for line in lines if line["event"] == "release" and line["req"] == "r1"] == ["expired"]
+    for req in ("r1", "r2"):
+        assert [line["why"] for line in lines if line["event"] == "release" and line["req"] == req] == ["expired"]
     assert any("released unpulled" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
 @pytest.mark.parametrize("name,value", [("advertise_data", "10.0.0.5"), ("advertise_data", "host:0"),
                                         ("lease_s", "nan"), ("lease_s", 0), ("claim_grace_s", -100),
                                         ("claim_wait_s", -1), ("claim_wait_s", "inf"), ("link_timeout_ms", 0),
-                                        ("data_port", 70000), ("claim_grace_s", 1e7)])
+                                        ("data_port", 70000), ("claim_grace_s", 1e7),
+                                        ("claim_grace_s", 2_147_483)])  # a hold of 30 s more than 2**31-1 ms
 def test_unusable_options_are_refused_at_start_naming_the_argument(name: str, value: object) -> None:
     """Before, these were accepted and failed later, one request at a time (a hello raising ValueError in
     the prefill for a port-less ``advertise_data``; a NaN lease never expiring) (found by an audit)."""

@@ -186,11 +186,14 @@ async def test_a_keyed_pull_under_the_requesters_own_unlink_succeeds_only_if_the
 
 
 @pytest.mark.parametrize("transport", ["local", "tcp"])
+@pytest.mark.parametrize("prefix", [False, True], ids=["key", "prefix"])
 async def test_a_keyed_pull_that_ends_once_its_requester_sent_unlink_fails_and_leaves_the_key(
-        monkeypatch: pytest.MonkeyPatch, transport: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, transport: str, prefix: bool) -> None:
     """The requester's UNLINK left just as its pull's copy ended (made so: sent from the pull's ``finish``): the
     owner ends what it serves once it reads the UNLINK, so a DONE after it would find nothing to act on. The pull
-    fails ``LLM_NOT_YET_LINK`` and the key is left for the next pull (``Link.check_heard``)."""
+    fails ``LLM_NOT_YET_LINK`` and the key is left for the next pull (``Link.check_heard``). ``prefix``: a pull
+    that consumes nothing fails so too (its copy may have read memory the owner freed since; it passed with the
+    check made for consuming pulls only: audit, 2026-12-07)."""
     real = transport_base.Request.finish
 
     async def finish(self: Any) -> None:
@@ -201,7 +204,7 @@ async def test_a_keyed_pull_that_ends_once_its_requester_sent_unlink_fails_and_l
         await real(self)
 
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport=transport) as prompt:
-        key = CacheKey(PROMPT, 10)
+        key = CacheKey(PROMPT, 2**64 - 1, prefix_id=7) if prefix else CacheKey(PROMPT, 10)
         prompt.kv_cache_manager.allocate_cache(SMALL, [key])
         async with endpoint(LLMRole.DECODER, DECODER, transport=transport) as dec:
             info = cluster_info(PROMPT, port_of(prompt))

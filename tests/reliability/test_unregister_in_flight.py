@@ -504,6 +504,39 @@ async def test_an_unlink_is_answered_once_the_owners_staged_copies_of_the_peers_
         assert result in (S.LLM_FAILED, S.LLM_NOT_YET_LINK, S.LLM_LINK_FAILED), f"the cut push gave {result!r}"
 
 
+async def test_an_unlink_is_answered_once_the_owners_same_host_copy_of_the_peers_push_ended():
+    """As above for a same-host push (the owner's copy job reads the pusher's region, ``Link.local_pushes``): the
+    owner answers the pusher's ``UNLINK`` only once that copy ended, so nothing of it is running or lands in the
+    owner's cache after the pusher's ``unlink_clusters`` returned."""
+    desc = CacheDesc(2, (64, 1 << 20), DataType.DT_UINT8, Placement.HOST)  # 128 MiB: a copy of some milliseconds
+    rows = list(range(64))
+    async with contextlib.AsyncExitStack() as stack:
+        prompt = await stack.enter_async_context(
+            endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="local", enable_cache_manager=True))
+        dec = await stack.enter_async_context(
+            endpoint(LLMRole.DECODER, DECODER, transport="local", enable_cache_manager=True))
+        status, _ = await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))], timeout=10_000)
+        assert status == S.LLM_SUCCESS and usable_link(dec, PROMPT).local is not None
+        dst = prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(PROMPT, 0))
+        src = dec.cache_manager.allocate_blocks_cache(desc)
+        paint(src.tensors, 5)
+        owner = usable_link(prompt, DECODER)
+        idle = engine_state(prompt)
+        push = asyncio.ensure_future(dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), src, rows, rows,
+                                                                   timeout=20_000))
+        async with asyncio.timeout(5):
+            while not owner.local_pushes:  # the owner's copy is under way
+                await asyncio.sleep(0)
+        status, _ = await dec.unlink_clusters([cluster_info(PROMPT, port_of(prompt))], timeout=3000)
+        held = engine_state(prompt)
+        before = [t.clone() for t in dst.tensors]
+        await outcome(push)
+        await asyncio.sleep(QUIET_S)
+        assert status == S.LLM_SUCCESS
+        assert [held[k] - idle[k] for k in ("copy jobs", "pending tokens")] == [0, 0], held
+        assert all(torch.equal(t, b) for t, b in zip(dst.tensors, before, strict=True)), "landed after the unlink"
+
+
 async def test_a_forced_unlink_under_a_staged_push_returns_only_once_the_owners_copies_of_it_are_done():
     """Row 133, the wait itself: the pusher's forced unlink under its staged push (a device cache, host
     backend) tells the owner and returns on its answer, which the owner sends only once the jobs it serves the
