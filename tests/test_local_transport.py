@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -245,6 +247,20 @@ async def test_a_flood_of_same_host_pushes_is_served_a_bounded_number_at_once(mo
         assert all(torch.equal(d, v) for d, v in zip(dst.tensors, values, strict=True))
 
 
+@contextlib.asynccontextmanager
+async def _spawned_owner(desc: CacheDesc) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
+    """A PROMPT here, its blocks cache of ``desc`` filled, linked over the same host to a spawned DECODER owning a
+    blocks cache ``dst`` of its own: ``(prompt, the owner process, the source cache, dst as it was)``."""
+    spec = EndpointSpec(LLMRole.DECODER, DECODER_ID, listen=False, lifetime=60.0,
+                        caches=(CacheSpec("dst", desc, 3, blocks=True, model_id=0),), config=(("transport", "local"),))
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, **LOCAL) as dd, spawned(spec) as (owner,):
+        src = dd.kv_cache_manager.allocate_blocks_cache(desc)
+        fill(src, 8)
+        assert (await owner.call("link", PROMPT_ID, port_of(dd)[1]))[0] == S.LLM_SUCCESS
+        assert dd.stats().links[DECODER_ID].transport == "local"
+        yield dd, owner, src, await owner.call("dump", "dst")
+
+
 @pytest.mark.asyncio
 @pytest.mark.loops_take_turns
 @pytest.mark.parametrize("cut", ["timeout", "cancel"])
@@ -255,14 +271,7 @@ async def test_a_same_host_push_given_up_is_not_copied_when_the_owner_reads_it_l
     is dropped, never copied. Before, it was copied when the owner went on (the pusher's bytes landed in
     the owner's cache after the push had raised)."""
     small = CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, Placement.HOST)  # small: copied inline
-    spec = EndpointSpec(LLMRole.DECODER, DECODER_ID, listen=False, lifetime=60.0,
-                        caches=(CacheSpec("dst", small, 3, blocks=True, model_id=0),), config=(("transport", "local"),))
-    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, **LOCAL) as dd, spawned(spec) as (owner,):
-        src = dd.kv_cache_manager.allocate_blocks_cache(small)
-        fill(src, 8)
-        assert (await owner.call("link", PROMPT_ID, port_of(dd)[1]))[0] == S.LLM_SUCCESS
-        assert dd.stats().links[DECODER_ID].transport == "local"
-        before = await owner.call("dump", "dst")
+    async with _spawned_owner(small) as (dd, owner, src, before):
         owner.stop()
         try:
             push = asyncio.ensure_future(dd.kv_cache_manager.push_blocks(
@@ -288,13 +297,7 @@ async def test_a_same_host_push_cut_while_the_owner_stands_still_is_never_copied
     ``link failed``: the pusher's link fails (no ``ABORT`` follows; the connection just closes): the owner,
     reading the request late, sees the connection closed before it copies and fails the link."""
     small = CacheDesc(4, (8, 4, 16), DataType.DT_FLOAT16, Placement.HOST)
-    spec = EndpointSpec(LLMRole.DECODER, DECODER_ID, listen=False, lifetime=60.0,
-                        caches=(CacheSpec("dst", small, 3, blocks=True, model_id=0),), config=(("transport", "local"),))
-    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, **LOCAL) as dd, spawned(spec) as (owner,):
-        src = dd.kv_cache_manager.allocate_blocks_cache(small)
-        fill(src, 8)
-        assert (await owner.call("link", PROMPT_ID, port_of(dd)[1]))[0] == S.LLM_SUCCESS
-        before = await owner.call("dump", "dst")
+    async with _spawned_owner(small) as (dd, owner, src, before):
         owner.stop()
         try:
             push = asyncio.ensure_future(dd.kv_cache_manager.push_blocks(
@@ -325,13 +328,7 @@ async def test_a_given_up_same_host_push_read_in_a_chunk_before_its_abort_is_nev
     it failed in about half the runs before the fix)."""
     rows = 24000  # a request of ~400 KB: longer than any one read
     tiny = CacheDesc(1, (rows, 8), DataType.DT_FLOAT16, Placement.HOST)
-    spec = EndpointSpec(LLMRole.DECODER, DECODER_ID, listen=False, lifetime=60.0,
-                        caches=(CacheSpec("dst", tiny, 3, blocks=True, model_id=0),), config=(("transport", "local"),))
-    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, **LOCAL) as dd, spawned(spec) as (owner,):
-        src = dd.kv_cache_manager.allocate_blocks_cache(tiny)
-        fill(src, 8)
-        assert (await owner.call("link", PROMPT_ID, port_of(dd)[1]))[0] == S.LLM_SUCCESS
-        before = await owner.call("dump", "dst")
+    async with _spawned_owner(tiny) as (dd, owner, src, before):
         every = list(range(0, rows, 2)) + list(range(1, rows, 2))  # no runs to pack
         key = BlocksCacheKey(DECODER_ID, 0)
         owner.stop()

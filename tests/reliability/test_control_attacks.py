@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -235,6 +236,19 @@ def pull_key_layer(req_id_key: int, layer: int, channel: int) -> dict:
                 nbytes=512, flags=0, timeout_ms=1000, rows=())
 
 
+def attackers_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry for each request of the attacker's that the owner plans (``owner.serve_plan``)."""
+    planned: list[int] = []
+    plan = owner.serve_plan
+
+    def counted(rt: Any, link: Any, msg: Msg, req: Any) -> Any:
+        if link.remote_cluster_id == ATTACKER:
+            planned.append(1)
+        return plan(rt, link, msg, req)
+
+    monkeypatch.setattr(owner, "serve_plan", counted)
+    return planned
+
 def reuse_one_request_id(address: tuple[str, int], cache_id: int | None = None) -> list[int]:
     """Two pulls of one key (its two layers, on two channels) under one request id, then the peer goes; of the
     cache ``cache_id``'s row 0 instead (no key: only what serves the first holds its id), sent at once."""
@@ -360,15 +374,8 @@ def served_pulls(link) -> tuple[int, int]:
 @pytest.mark.asyncio
 @pytest.mark.loops_take_turns  # the owner's bound on its tables: one loop is enough (3.5 s each)
 async def test_a_peer_that_repeats_rows_and_never_reads_is_served_a_bounded_number_of_requests(monkeypatch):
-    planned: list[int] = []  # a request past the bound is refused before it is planned (it passed planned first)
-    plan = owner.serve_plan
-
-    def counted(rt, link, msg, req):
-        if link.remote_cluster_id == ATTACKER:
-            planned.append(1)
-        return plan(rt, link, msg, req)
-
-    monkeypatch.setattr(owner, "serve_plan", counted)
+    planned = attackers_plans(monkeypatch)  # a request past the bound is refused before it is planned (it passed
+    # planned first)
     async with rows_owner("tcp") as (dd, honest, src, values):
         baseline, fds = baseline_of(dd)
         gc.collect()
@@ -531,15 +538,7 @@ async def test_requests_past_the_awaited_bound_are_refused_before_they_are_plann
     2026-12-07). Shrunk to 16 here so that the attack is short: 20 pulls, 16 planned and served in place."""
     assert MAX_AWAITED_PER_LINK == 4096
     monkeypatch.setattr(owner, "MAX_AWAITED_PER_LINK", 16)
-    planned: list[int] = []
-    plan = owner.serve_plan
-
-    def counted(rt, link, msg, req):
-        if link.remote_cluster_id == ATTACKER:
-            planned.append(1)
-        return plan(rt, link, msg, req)
-
-    monkeypatch.setattr(owner, "serve_plan", counted)
+    planned = attackers_plans(monkeypatch)
     async with rows_owner("local") as (dd, honest, _, values):
         baseline, fds = baseline_of(dd)
         proc, report = await in_place_attack(dd, 20, 1)

@@ -463,23 +463,31 @@ async def test_unregistering_a_device_cache_a_staged_peer_uses_leaves_no_copy_qu
         prompt.cache_manager.unregister_cache(again.cache_id)
 
 
+def held_device_push(prompt: LLMDataDist, dec: LLMDataDist) -> tuple[Any, Any, Any, Any, threading.Timer]:
+    """The prompt's device blocks cache (zeros) and the decoder's (fives) for a push, and the prompt's copy stream
+    held: ``(dst, src, stream, its gate, the timer that opens it after 5 s at the latest)``."""
+    from aio_datadist.testing import runtime_of
+
+    dst = prompt.cache_manager.allocate_blocks_cache(DEVICE_DESC, BlocksCacheKey(PROMPT, 0))
+    src = dec.cache_manager.allocate_blocks_cache(DEVICE_DESC)
+    paint(dst.tensors, 0)
+    paint(src.tensors, 5)
+    stream = runtime_of(prompt).devices.stream
+    gate = stream.gate()
+    opener = threading.Timer(5.0, gate.open)  # at the latest: never leave the stream held
+    opener.start()
+    return dst, src, stream, gate, opener
+
+
 async def test_an_unlink_is_answered_once_the_owners_staged_copies_of_the_peers_push_are_done():
     """A peer unlinks while we (the owner) serve its staged push, our copy stream holding the push's
     scatters: we answer the peer's ``UNLINK`` only once those copies are done (at most
     ``links.SERVED_SETTLE_S``), so its ``unlink_clusters`` returns with nothing of its push left to land in
     our cache. Before, the answer went at once: the unlink returned in 2 ms and 256 KiB of the failed push
     landed in our cache when our stream moved on."""
-    from aio_datadist.testing import runtime_of
 
     async with device_pair() as (prompt, dec):
-        dst = prompt.cache_manager.allocate_blocks_cache(DEVICE_DESC, BlocksCacheKey(PROMPT, 0))
-        src = dec.cache_manager.allocate_blocks_cache(DEVICE_DESC)
-        paint(dst.tensors, 0)
-        paint(src.tensors, 5)
-        stream = runtime_of(prompt).devices.stream
-        gate = stream.gate()
-        opener = threading.Timer(5.0, gate.open)  # at the latest: never leave the stream held
-        opener.start()
+        dst, src, stream, gate, opener = held_device_push(prompt, dec)
         try:
             push = asyncio.ensure_future(dec.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), src, DEVICE_ALL,
                                                                        DEVICE_ALL, timeout=20_000))
@@ -545,17 +553,9 @@ async def test_a_forced_unlink_under_a_staged_push_returns_only_once_the_owners_
     owner's cache afterwards. An answer that did not wait for the stopped jobs came back in milliseconds, the
     push's queued copies landing afterwards (found by audit: over TCP without a device the stream job stops at
     once, and the named tests passed without the wait)."""
-    from aio_datadist.testing import runtime_of
 
     async with device_pair() as (prompt, dec):
-        dst = prompt.cache_manager.allocate_blocks_cache(DEVICE_DESC, BlocksCacheKey(PROMPT, 0))
-        src = dec.cache_manager.allocate_blocks_cache(DEVICE_DESC)
-        paint(dst.tensors, 0)
-        paint(src.tensors, 5)
-        stream = runtime_of(prompt).devices.stream
-        gate = stream.gate()
-        opener = threading.Timer(5.0, gate.open)  # at the latest: never leave the stream held
-        opener.start()
+        dst, src, stream, gate, opener = held_device_push(prompt, dec)
         opened: list[float] = []
 
         def let_go() -> None:
