@@ -593,6 +593,7 @@ async def test_grants_name_offered_caches_only_and_go_with_their_withdrawal():
         attacker._send(nixl.OFFER, marker, 8, 16, (bait.layout.bases[0],), metadata)
         await loaded_by_record(victim, lambda: marker in victim.offers_in.declared)
         assert (victim.granted.grants, victim.granted.by_model, victim_link.broken) == ({}, {}, None)
+        assert not victim.granted._unrevoked, victim.granted._unrevoked  # nothing of them kept (found by audit)
         attacker._send(GRANT, 1 << 21, 0, 0, (), GRANT_INFO.pack(99, 1, 0, 1))  # never offered
         async with asyncio.timeout(5):
             while victim_link.broken is None:

@@ -137,21 +137,26 @@ async def test_a_force_of_a_transfer_posted_from_the_loop_whose_adopt_waits_is_k
 
 
 @pytest.mark.asyncio
-async def test_a_forced_transfer_is_waited_for_up_to_nixl_force_s_before_the_call_returns(monkeypatch):
+@pytest.mark.parametrize("applied_after", [0.0, 0.6], ids=["at_once", "worker_in_a_long_call"])
+async def test_a_forced_transfer_is_waited_for_up_to_nixl_force_s_before_the_call_returns(monkeypatch,
+                                                                                          applied_after):
     """Once the force is applied, the given-up call waits ``NIXL_FORCE_S`` more for the transfer to settle (NIXL
-    ends it as it disconnects): it returns with the transfer settled, not as soon as the force was asked."""
+    ends it as it disconnects): it returns with the transfer settled, not as soon as the force was asked. A force
+    the worker applies only later (it is inside a long NIXL call: ``Settling.forcing``) counts ``NIXL_FORCE_S``
+    from then, not from when it was asked (found by audit: the wait counted from the ask passed)."""
     monkeypatch.setattr(base, "NIXL_SETTLE_S", 0.1)
-    monkeypatch.setattr(base, "NIXL_FORCE_S", 1.0)
+    monkeypatch.setattr(base, "NIXL_FORCE_S", 0.5 if applied_after else 1.0)
     loop = asyncio.get_running_loop()
     forced: list[float] = []
 
-    def force() -> None:  # applied at once; the transfer ends a little later, as a disconnect ends it
+    def force() -> None:  # applied after applied_after; the transfer ends a little later, as a disconnect ends it
         forced.append(loop.time())
-        loop.call_later(0.2, lambda: settled.done() or settled.set_result(True))
+        loop.call_later(applied_after + 0.2, lambda: settled.done() or settled.set_result(True))
 
-    settled = Settling(lambda: False, loop=loop, force=force)
+    settled = Settling(lambda: False, loop=loop, force=force,
+                       forcing=lambda: bool(forced) and loop.time() < forced[0] + applied_after)
     assert await base.nixl_settle(settled, []), "returned before the forced transfer settled"
-    assert len(forced) == 1 and loop.time() - forced[0] >= 0.19
+    assert len(forced) == 1 and loop.time() - forced[0] >= applied_after + 0.19
 
 
 class SlowEngine:

@@ -242,3 +242,51 @@ async def test_every_connection_refuses_renegotiation_even_if_the_flag_was_clear
         if channel is not None:
             channel.close()
         await asyncio.to_thread(server.close)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["data", "control"])
+async def test_both_ends_of_every_connection_refuse_renegotiation_even_if_the_flag_was_cleared(kind: str) -> None:
+    """As above, for the accepting end (``accept_data``, ``accept_control``: a client may start a renegotiation
+    too) and for control connections: each sets the flag again on the context it is given (found by audit)."""
+    client = parse_options({"aio.TlsClientContext": client_context(PKI)}).tls_client_context
+    server = parse_options({"aio.TlsServerContext": server_context(PKI)}).tls_server_context  # mutual TLS
+    assert client is not None and server is not None
+    for context in (client, server):
+        context.options &= ~ssl.OP_NO_RENEGOTIATION  # the user's code, after the check
+    accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            preamble = tls.MAGIC + (tls.DATA if kind == "data" else tls.CONTROL)
+            assert await reader.readexactly(tls.PREAMBLE_SIZE) == preamble
+            if kind == "data":
+                channel = await tls.accept_data(reader, writer, server, 5)
+                accepted.set_result(None)
+                channel.close()
+            else:
+                await tls.accept_control(reader, writer, server, 5)
+                accepted.set_result(None)
+                writer.transport.abort()
+        except BaseException as exc:
+            if not accepted.done():
+                accepted.set_exception(exc)
+            writer.transport.abort()
+
+    listener = await asyncio.start_server(accept, "127.0.0.1", 0)
+    address = listener.sockets[0].getsockname()[:2]
+    try:
+        async with asyncio.timeout(10):
+            if kind == "data":
+                channel = await tls.dial_data(address, client, 5, lambda _: None)
+                await accepted  # (closed before the accepting end finished its handshake, uvloop's end resets)
+                channel.close()
+            else:
+                reader, writer = await asyncio.open_connection(*address)
+                await tls.dial_control(reader, writer, client, address[0], 5)
+                await accepted
+                writer.transport.abort()
+    finally:
+        listener.close()
+    assert client.options & ssl.OP_NO_RENEGOTIATION, "dialling end"
+    assert server.options & ssl.OP_NO_RENEGOTIATION, "accepting end"

@@ -408,7 +408,7 @@ class NixlPeer:
                                      delayed=self.offers_in.cost(len(bases) * rows))
         elif kind == WITHDRAW:
             self.offers_in.withdraw(cache_id)  # a load of it not ended yet is cancelled (nor kept)
-            self.granted.forget(cache_id)  # an honest peer revoked it first: a grant left is dropped
+            self.granted.withdrawn(cache_id)  # an honest peer revoked it first: a grant left is dropped
             gone = self.caches.pop(cache_id, None)
             if gone is not None:
                 self._drop(gone)

@@ -209,6 +209,13 @@ class ReadGrants:
         if grant is not None and self.by_model.get(grant[1]) == cache_id:
             del self.by_model[grant[1]]
 
+    def withdrawn(self, cache_id: int) -> None:
+        """The peer withdrew ``cache_id`` (``WITHDRAW``): :meth:`forget` it, and the grants of it not revoked yet
+        with it. An honest owner revokes every grant before it withdraws; a peer that never does (OFFER, GRANT,
+        WITHDRAW with a new id each time) left one count per id for the link's life (found by audit)."""
+        self.forget(cache_id)
+        self._unrevoked.pop(cache_id, None)
+
     def on_revoke(self, cache_id: int) -> None:
         """The peer's ``REVOKE`` of ``cache_id``: answered once no read of ours is in flight. One per grant of it
         (a ProtocolError past that): each owes a ``REVOKED``, which went out all at once as the read ended, so

@@ -154,7 +154,7 @@ class _Peer:
 
 @needs_cc
 async def test_records_naming_unknown_gpus_keep_one_reason_and_log_one_line(stub, caplog):
-    caplog.set_level(logging.INFO, logger="aio_datadist.local")
+    caplog.set_level(logging.INFO, logger="aio_datadist")  # every module's INFO: the identity goes to DEBUG only
     peer = _Peer(stub)
     r, w = os.pipe()  # never looked at: the reachability check refuses first
     try:
@@ -170,6 +170,8 @@ async def test_records_naming_unknown_gpus_keep_one_reason_and_log_one_line(stub
         assert len(peer.share._said) == 1 and len(lines) == 1, (len(peer.share._said), len(lines))
         assert "the peer's GPU is not visible in this process" in lines[0]
         assert "c0ffee" not in lines[0] and "c0ffee" not in (peer.share.ipc_off or "")  # nothing of the peer's
+        said = [rec.getMessage() for rec in caplog.records if "c0ffee" in rec.getMessage()]
+        assert not said, (len(said), said[:1])  # nor any other INFO line (the devices module's; found by audit)
     finally:
         peer.close()
         os.close(r)
