@@ -86,6 +86,13 @@ def fork(mode: str) -> dict:
                 done["pull"] = "pulled"
             except LLMException as exc:
                 done["pull"] = int(exc.status_code)
+            for name, call in {"allocate": lambda: decoder.cache_manager.allocate_blocks_cache(BLOCKS, None),
+                               "deallocate": lambda: decoder.cache_manager.deallocate_blocks_cache(dst)}.items():
+                try:  # the calls that need no loop (they ran on the parent's engines and tables)
+                    call()
+                    done[name] = "ran"
+                except LLMException as exc:
+                    done[name] = int(exc.status_code)
             decoder.finalize()
             prompt.finalize()
             done["finalize"] = "ok"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import pytest
@@ -96,7 +97,8 @@ async def test_a_dial_whose_handshake_ends_as_the_dialling_ends_time_runs_out_is
         assert {sp, sd} != {OK, FAILED} and (sp is OK) == held, (sp, sd, held)
 
 
-async def test_an_unlink_as_the_dial_is_taken_closes_the_link_and_tells_the_peer():
+async def test_an_unlink_as_the_dial_is_taken_closes_the_link_and_tells_the_peer(caplog):
+    caplog.set_level(logging.INFO, logger="aio_datadist")
     rank_addresses = addresses()
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as p, LLMDataDist(LLMRole.DECODER, DECODER_ID) as d:
         await p.init(v2_options(rank_addresses=rank_addresses, link_total_time=20))
@@ -124,10 +126,13 @@ async def test_an_unlink_as_the_dial_is_taken_closes_the_link_and_tells_the_peer
         while p.query_register_mem_status(comm_p) is OK and loop.time() < end:
             await asyncio.sleep(0.05)
         left, status_p = link_to(d, PROMPT_ID), p.query_register_mem_status(comm_p)
+        ended = [m for r in caplog.records if f"to cluster {DECODER_ID}" in (m := r.getMessage())
+                 and (" down: " in m or "failed after the peer took the dial" in m)]  # p's end of the link
         again = await d.link("again", INFO, table)
         await d.unlink(again)
         await p.unlink(comm_p)
         assert (left, status_p) == (None, FAILED)
+        assert ended and all(m.endswith(" down: unlinked") or "unlinking" in m for m in ended), ended  # told
 
 
 async def test_a_dial_the_peer_took_that_fails_after_is_final():

@@ -75,7 +75,8 @@ def test_a_forked_child_is_refused_the_parents_endpoint_and_its_finalize_leaves_
     from aio_datadist import LLMStatusCode
 
     out = run("fork-reuse")
-    assert out["child"] == {"pull": int(LLMStatusCode.LLM_FAILED), "finalize": "ok"}, out
+    failed = int(LLMStatusCode.LLM_FAILED)
+    assert out["child"] == {"pull": failed, "allocate": failed, "deallocate": failed, "finalize": "ok"}, out
     assert out["child_status"] == 0 and out["parent_pull_after"] == "ok", out
 
 

@@ -511,20 +511,29 @@ def test_transfers_reported_at_once_count_as_each_one_would():
 
 
 @pytest.mark.asyncio
-async def test_a_protocol_error_is_logged_with_the_link_fields(caplog):
-    """The WARNING that says why a link died carries the fields of the other records about it."""
+@pytest.mark.parametrize("said_as", ["protocol error", "acting on a control message failed"])
+async def test_a_protocol_error_is_logged_with_the_link_fields(caplog, said_as):
+    """The WARNING that says why a link died carries the fields of the other records about it, as does the
+    ERROR of a well-formed message that acting on failed."""
     from aio_datadist.testing import link_to
 
     caplog.set_level(logging.INFO, logger="aio_datadist")
     async with open_pair(prompt_config={"transport": "tcp"}, decoder_config={"transport": "tcp"}) as pair:
         link = link_to(pair.decoder, PROMPT_CLUSTER_ID)
-        link_to(pair.prompt, DECODER_CLUSTER_ID).writer.write(b"\xff" * 64)  # a frame with a bad magic
+        if said_as == "protocol error":
+            link_to(pair.prompt, DECODER_CLUSTER_ID).writer.write(b"\xff" * 64)  # a frame with a bad magic
+        else:
+            def fails(event: object) -> None:
+                raise RuntimeError("a bug acting on it")
+
+            link._dispatch = fails
+            link_to(pair.prompt, DECODER_CLUSTER_ID)._probe()  # a well-formed PROBE
         for _ in range(250):
             if link.broken is not None:
                 break
             await asyncio.sleep(0.02)
         assert link.broken is not None
-    said = [r for r in caplog.records if "protocol error" in r.getMessage()]
+    said = [r for r in caplog.records if said_as in r.getMessage()]
     assert said, [r.getMessage() for r in caplog.records]
     assert all((getattr(r, "cluster_id", None), getattr(r, "remote_cluster_id", None), getattr(r, "link_id", None))
                == (DECODER_CLUSTER_ID, PROMPT_CLUSTER_ID, link.link_id) for r in said)

@@ -177,6 +177,7 @@ class _Prefill(LayerSynchronizer):
 
 async def test_a_ready_task_is_not_held_up_by_blocking_synchronizers_of_other_tasks():
     waiting = min(32, (os.cpu_count() or 1) + 4)  # what the loop's default executor has
+    before = set(threading.enumerate())
     async with setup() as s:
         src = s.blocks_src()
         slow = [_Prefill() for _ in range(waiting)]
@@ -193,6 +194,11 @@ async def test_a_ready_task_is_not_held_up_by_blocking_synchronizers_of_other_ta
                 p.done.set()
             async with asyncio.timeout(10):
                 await asyncio.gather(*(t.synchronize() for t in tasks))
+    for _ in range(100):  # each task's synchronizer thread ends with its task (one left per task before)
+        if not [t for t in threading.enumerate() if t not in before and t.name == "aio_datadist-synchronizer"]:
+            break
+        await asyncio.sleep(0.02)
+    assert not [t for t in threading.enumerate() if t not in before and t.name == "aio_datadist-synchronizer"]
 
 
 async def test_same_host_layers_released_together_do_not_time_out_behind_each_other():

@@ -215,6 +215,9 @@ async def test_an_offer_still_waiting_when_its_cache_is_freed_is_dropped_never_s
         waiting = {entry[2][1] for entry in share._out if entry[2] is not None and entry[2][0] == local_module._ADD}
         assert waiting, "the socket took every record: the case is not reached"
         assert not any(share.shared(cache) for cache in made if cache.cache_id in waiting)
+        usable_link(pair.decoder, PROMPT).local.catch_up()  # the socket takes more while records still wait
+        made.append(kv.allocate_cache(SMALL))
+        assert share._out[-1][2] == (local_module._ADD, made[-1].cache_id), "a record went ahead of those waiting"
         before = len(share._out)
         freed = [cache for cache in made if cache.cache_id in waiting]
         for cache in freed:
