@@ -35,6 +35,7 @@ ROWS = CacheDesc(4, (3, 256), DataType.DT_FLOAT16)
 BLOCKS = CacheDesc(4, (8, 128), DataType.DT_FLOAT16)
 PAST_INT32 = range(2**31, 2**31 + 1)
 PAST_UINT32 = range(2**32, 2**32 + 1)
+ENDS_PAST_INT32 = range(2**31 - 1, 2**31 + 1)  # starts inside int32: the last layer is what must be checked
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def refused_as_value_error(call, arg: str) -> None:
     assert isinstance(info.value, ValueError), info.value
 
 
-@pytest.mark.parametrize("layers", [PAST_INT32, PAST_UINT32], ids=["int32", "uint32"])
+@pytest.mark.parametrize("layers", [PAST_INT32, PAST_UINT32, ENDS_PAST_INT32], ids=["int32", "uint32", "last"])
 def test_a_pull_whose_remote_layers_are_past_int32_is_refused_before_it_is_sent(linked, layers):
     pm, dm = linked
     src = pm.allocate_cache(ROWS, [CacheKey(1, 5)])
@@ -70,10 +71,10 @@ def test_a_pull_whose_remote_layers_are_past_int32_is_refused_before_it_is_sent(
     blocks_src = pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(1, 0))
     blocks = dm.allocate_blocks_cache(BLOCKS)
     refused_as_value_error(lambda: dm.pull_cache(CacheKey(1, 5), rows, 0, src_layer_range=layers,
-                                                 dst_layer_range=range(0, 1)), "src_layer_range")
+                                                 dst_layer_range=range(len(layers))), "src_layer_range")
     refused_as_value_error(lambda: dm.pull_blocks(BlocksCacheKey(1, 0), blocks, [0], [0], src_layer_range=layers,
-                                                  dst_layer_range=range(0, 1)), "src_layer_range")
-    refused_as_value_error(lambda: TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 1), layers),
+                                                  dst_layer_range=range(len(layers))), "src_layer_range")
+    refused_as_value_error(lambda: TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(len(layers)), layers),
                            "dst_layer_range")
     assert src is not None and blocks_src is not None
     dm.pull_cache(CacheKey(1, 5), rows, 0)  # the key is still there: nothing was sent
@@ -93,6 +94,10 @@ def test_a_size_outside_int64_is_a_value_error(linked, call):
         refused_as_value_error(lambda: calls[call](size), "size")
 
 
+async def _awaited(task):
+    return await task
+
+
 def test_a_layer_wise_transfer_that_a_bug_ends_is_no_success(linked, monkeypatch):
     pm, dm = linked
     src = pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(1, 0))
@@ -105,6 +110,8 @@ def test_a_layer_wise_transfer_that_a_bug_ends_is_no_success(linked, monkeypatch
     task = pm.transfer_cache_async(src, _Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))], [0], [0])
     assert task.get_results(5000) == [S.LLM_FAILED]
     assert task.synchronize(5000) is S.LLM_FAILED
+    with pytest.raises(RuntimeError, match="a bug in a layer's push"):  # ``await task`` raises the bug itself
+        compat._RUNNER.run(_awaited(task._task))
     assert dst is not None
 
 

@@ -17,6 +17,7 @@ from peers import port_of
 
 from aio_datadist import CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode, Placement
 from aio_datadist.types import UINT64_MAX
+from aio_datadist.wire import Msg
 
 S = LLMStatusCode
 OWNER, INTRUDER = 41, 42
@@ -41,6 +42,10 @@ def answers(address, calls) -> list:
         raw.connect()
         for push, fields in calls:
             try:
+                if push is Msg.PUSH_LOCAL:  # a same-host push: the owner would copy the rows from our region
+                    got.append(raw.offer(push, dict(fields, src_cache_id=0, src_first=0, src_nbytes=fields["nbytes"],
+                                                    src_rows=b""))[1])
+                    continue
                 got.append(raw.push(fields, lambda n: b"\x11" * n) if push else raw.pull(fields))
             except Refused as refusal:
                 got.append(refusal.code)
@@ -100,9 +105,10 @@ async def test_no_peer_pushes_into_a_cache_through_one_of_its_keys():
     async with endpoint(LLMRole.PROMPT, OWNER, listen=True, transport="tcp") as dd:
         cache = await handed_off(dd)
         before = [row_bytes(cache, r) for r in (0, 1)]
-        calls = [(True, by_id(cache.cache_id, 1, ())), (True, by_key(1, ())), (True, by_key(2, (1,)))]
+        calls = [(True, by_id(cache.cache_id, 1, ())), (True, by_key(1, ())), (True, by_key(2, (1,))),
+                 (Msg.PUSH_LOCAL, by_key(1, ()))]
         got = await asyncio.wait_for(asyncio.to_thread(answers, port_of(dd), calls), 20)
-        assert got == [S.LLM_KV_CACHE_NOT_EXIST, S.LLM_PARAM_INVALID, S.LLM_PARAM_INVALID], got
+        assert got == [S.LLM_KV_CACHE_NOT_EXIST] + [S.LLM_PARAM_INVALID] * 3, got
         assert [row_bytes(cache, r) for r in (0, 1)] == before
 
 
