@@ -156,7 +156,13 @@ async def test_a_retired_buffer_wakes_its_holders_waiter_at_once_while_work_stil
     pool.retire(a1)  # a1 is still referenced here (as by its pending work)
     assert await asyncio.wait_for(more_for_a, 1) is b1
     assert (pool.held("a"), pool.live) == (2, 3)
-    del a1, a2
+    for_c = asyncio.ensure_future(pool.acquire("c"))  # none free, and the pool is at its bound
+    await asyncio.sleep(0.01)
+    assert not for_c.done()
+    del a1  # the work lets the retired buffer go: its replacement wakes the waiter
+    gc.collect()
+    assert (await asyncio.wait_for(for_c, 1)).numel() == MIN_CHUNK_BYTES and pool.held("c") == 1
+    del a2
     pool.close()
 
 

@@ -417,7 +417,7 @@ def _said_for(owner: Any, rid: int) -> list[tuple[wire.Msg, Any, str]]:
 
 @pytest.mark.asyncio
 @pytest.mark.loops_take_turns
-@pytest.mark.parametrize("chunk", ["one-chunk"])
+@pytest.mark.parametrize("chunk", ["one-chunk", "abort-alone"])
 async def test_a_push_resent_under_the_id_of_one_still_settling_is_refused_and_the_copy_stays_tracked(chunk):
     """A same-host pusher aborts a large ``PUSH_LOCAL`` and sends it again under the same id in the same chunk.
     The owner's first copy is cancelled but still settling (in ``local_pushes``, which an unlink waits for);
@@ -444,6 +444,14 @@ async def test_a_push_resent_under_the_id_of_one_still_settling_is_refused_and_t
         async with asyncio.timeout(2):
             while rid not in owner.local_pushes:
                 await asyncio.sleep(0.001)
+        if chunk == "abort-alone":  # copy 1 cancelled: tracked until it settled, not only until it was cancelled
+            settled = owner.local_pushes[rid]
+            pusher.writer.write(abort)
+            async with asyncio.timeout(10):
+                while not settled.done():
+                    assert rid in owner.local_pushes, "copy 1 untracked before it settled"
+                    await asyncio.sleep(0)
+            return
         pusher.writer.write(abort + push)  # copy 1 cancelled; the same request again under its id
         untracked = 0
         async with asyncio.timeout(10):

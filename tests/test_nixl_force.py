@@ -483,6 +483,27 @@ def test_a_force_after_the_engine_closed_is_refused_and_waits_for_nothing(monkey
     assert not engine.forcing(5)
 
 
+def test_a_force_is_applied_once_the_agent_is_let_go_though_the_transfer_has_not_ended(monkeypatch):
+    """``forcing`` ends when the worker let the peer's agent go, not when the transfer ends: a transfer NIXL has not
+    ended yet then gets ``NIXL_FORCE_S``, not up to ``NIXL_SETTLE_LIMIT_S`` (found by audit: the other tests passed
+    with ``_apply_forces`` leaving the token in ``_forcing``, their transfers ending at the disconnect)."""
+    holder: list = []
+    monkeypatch.setattr(nixl_engine, "load_nixl", lambda: DoneApi(holder, checked="PROC"))
+    monkeypatch.setattr(nixl_engine, "_CLOSE_SETTLE_S", 0.05)
+    monkeypatch.setattr(nixl_engine, "_CLOSE_FORCE_S", 0.05)
+    engine = nixl_engine.NixlEngine(RecordingQueue(), "fake")
+    try:
+        engine.xfer(5, "READ", object(), IDX, object(), IDX, b"owner-agent", b"", 4096)
+        wait_until(lambda: 5 in engine._active)
+        engine.cancel(5)
+        assert engine.force_off(5) is True
+        wait_until(lambda: holder[0].removed == ["owner-agent"])
+        wait_until(lambda: not engine.forcing(5), 1.0)
+        assert 5 in engine._active  # still in flight: NIXL has not ended it
+    finally:
+        engine.close()
+
+
 @pytest.mark.asyncio
 async def test_a_let_go_fails_no_link_that_is_being_unlinked(monkeypatch):
     """A link whose unlink cut its NIXL transfers (row 337) goes anyway: the peer's agent let go for one of them

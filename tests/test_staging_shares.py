@@ -235,6 +235,25 @@ async def test_transfers_waiting_for_a_buffer_are_not_starved_by_a_pipelining_se
 
 
 @pytest.mark.asyncio
+async def test_a_send_on_a_link_whose_share_is_one_buffer_still_takes_it():
+    """A send leaves one of its link's share to its receives, never below one buffer: with a pool of 2 (share 1,
+    row 315) a send stages through its one buffer and finishes (found by audit: the tests passed with the floor
+    of ``StagingPool._within`` dropped, and such a send waited for good)."""
+    pool = StagingPool(MIN_CHUNK_BYTES, 2)
+    sent: list[int] = []
+
+    async def consume(chunk, view):
+        sent.append(pool.held("link"))
+
+    try:
+        await asyncio.wait_for(pipeline_out(plan_chunks(1, 3, MIN_CHUNK_BYTES, MIN_CHUNK_BYTES), pool, _stage,
+                                            consume, "link"), 1)
+        assert sent == [1, 1, 1], sent
+    finally:
+        pool.close()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("buffers, stalled, left", [(4, 2, False), (8, 3, True), (8, 4, False), (16, 7, True)])
 async def test_sends_whose_peers_stop_reading_hold_two_buffers_each_whatever_the_pool(buffers, stalled, left):
     """Links whose peers stop taking their bytes (stopped processes, stuck hosts) hold ``LINK_SHARE - 1`` buffers

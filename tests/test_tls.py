@@ -463,13 +463,17 @@ async def test_plaintext_a_client_writes_behind_the_tls_preamble_is_refused():
             reader, writer = await asyncio.open_connection(*port_of(prompt))
             try:
                 writer.write(tls.MAGIC + tls.CONTROL + wire.encode(Msg.HELLO, 0, nonce=bytes(32)))
-                if await asyncio.wait_for(reader.read(1), 5) != b"G":
-                    continue  # dropped before the answer
+                first = await asyncio.wait_for(reader.read(1), 5)
+                if first != b"G":
+                    assert first == b"", first  # dropped before the answer
+                    continue
                 with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
                     await writer.start_tls(client_context(PKI), server_hostname=LOCALHOST)
                     await asyncio.wait_for(reader.readexactly(4), 5)  # a HELLO_ACK to the plaintext HELLO
             finally:
                 writer.transport.abort()
+        # Either way is a refusal (each try asserted above): here asyncio's listener drops every try before its answer,
+        # uvloop's answers the preamble and its TLS layer refuses the plaintext (8 of 8 in runs of 2026-12-07).
 
 
 @pytest.mark.parametrize("mode", ["control", "data"])

@@ -321,9 +321,10 @@ async def test_a_link_closed_while_a_request_waits_for_a_redial_ends_its_tasks_c
         ours, theirs = await _redialling_the_peers_channel(prompt, decoder)
         theirs.writer.write(_pull_request(theirs.new_req_id(), 1))
         await _until(lambda: bool(ours.deferred))
-        tasks = list(ours._tasks)
+        tasks, redial = list(ours._tasks), ours.redialling[1]
         async with asyncio.timeout(10):
             await ours.close("test")
+        assert not redial.cancelled() and not ours.redialling, "the close cancelled the redial's own future"
         failed = [(task.get_coro().__qualname__, repr(task.exception())) for task in tasks
                   if task.done() and not task.cancelled() and task.exception() is not None]
         assert not failed

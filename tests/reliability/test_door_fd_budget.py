@@ -220,3 +220,37 @@ async def test_the_channels_a_peer_names_past_ours_are_claimed_in_full(monkeypat
             else:
                 assert held == 0
             assert await attaches_of(peer) == 2 * channels * (code == LLMStatusCode.LLM_SUCCESS)
+
+
+def _reattach_one(port: int) -> tuple[list[int], list[RawLink]]:
+    """Two links that attach their channel 0 again and again (a new generation each time: each replaces the
+    last, one fd open) and no other channel, then a third handshake: the codes of the three."""
+    raws, codes = [], []
+    for cid in range(600, 603):
+        raw = RawLink(("127.0.0.1", port), cid, 1, None)
+        raws.append(raw)
+        try:
+            _handshake(raw)
+            codes.append(0)
+        except Refused as exc:
+            codes.append(exc.code)
+            continue
+        if cid < 602:
+            raw.data = [raw.attach(0, generation) for generation in range(2 * raw.channels)]
+    return codes, raws
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_channel_attached_again_gives_back_its_claim_once(fork_server):
+    """A link's claim shrinks by one fd per channel attached, not per attach: two peers that attach their
+    channel 0 at generation after generation (each replacing the last) still hold the claim of their other
+    channels, so a third link does not fit the room for two (found by audit: it did with the ``index not in
+    opening.channels`` check of ``LinkTable.attached`` dropped)."""
+    async with Child(limited_main, LLMRole.PROMPT, 1, True, CONFIG, ROOM, "asyncio") as child:
+        _, info = await child.recv()
+        codes, raws = await asyncio.to_thread(_reattach_one, info["port"])
+        try:
+            assert codes == [0, 0, S.LLM_CLUSTER_NUM_EXCEED_LIMIT], codes
+        finally:
+            for raw in raws:
+                raw.close()
