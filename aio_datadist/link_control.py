@@ -15,6 +15,7 @@ link's state and end, are the link's (``Link._dispatch``, ``Link.fail``).
 from __future__ import annotations
 
 import asyncio
+import select
 import time
 from typing import TYPE_CHECKING, Any, cast
 
@@ -45,11 +46,15 @@ CONTROL_TURN_BYTES = 64 * 1024
 #: Reading resumes once the peer took them; a peer that never does is not heard any more, and the heartbeat
 #: fails its link. Honest control traffic stays far below this (requests wait for data channels).
 CONTROL_WRITE_LIMIT = 4 << 20
-#: The most same-host push requests (``PUSH_LOCAL``) a link holds over from one chunk of its control connection
-#: to the next while more of the connection is queued (see ``_serve_held``). Past it (a peer that floods them
-#: and keeps the connection full) they are served at the end of their chunk, as a chunk's are when nothing
-#: follows it.
-MAX_CARRIED_PUSHES = 1024
+
+
+
+def _hung_up(fd: int) -> bool:
+    """Whether the peer of connected socket ``fd`` closed its end (or it failed), bytes still queued before the end
+    or not (``POLLRDHUP``: the close peek sees only an empty queue's end). Never blocks."""
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)
+    return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
 
 
 class LinkControl:
@@ -92,7 +97,6 @@ class LinkControl:
         self._turn_skipped = False  # the control connection is not read until the loop's next turn
         self._write_blocked = False  # nor until the peer took what we have for it (CONTROL_WRITE_LIMIT)
         self._read_paused = False  # whether we paused reading it (for either reason)
-        self._carried: list[protocol.PeerRequest] = []  # PUSH_LOCAL requests held over to the next chunk
 
     def new_req_id(self) -> int:
         rid = self._next_req
@@ -292,7 +296,7 @@ class LinkControl:
             return
         try:
             heard = False
-            held, self._carried = self._carried, []  # a chunk's requests held over: this chunk may say they ended
+            held: list[protocol.PeerRequest] = []
             for event in self._protocol.events(data):  # parsed one at a time (see ``LinkProtocol.events``)
                 if not heard:
                     heard = True
@@ -331,18 +335,15 @@ class LinkControl:
         memory, and a pusher that gives up waits for our word only ``ABORT_ACK_S``: one whose request we
         read late (our loop stood still) may have returned already. Its ``ABORT`` then follows the request
         in the same chunk, so the request is never served; a pusher that failed the link instead closed the
-        connection, and its end, seen here before any copy starts, fails the link. When more of the connection
-        is queued than the chunk held (a read takes at most 256 KiB, 64 KiB on uvloop), the requests are held
-        over to the next chunk, which may hold their ``ABORT`` or the end (found by audit: a small push's request
-        ending one chunk, its ``ABORT`` in the next, was copied after the push had raised)."""
+        connection, and its end, seen here before any copy starts, fails the link: also when more of the
+        connection is still queued than the chunk held (a read takes at most 256 KiB, 64 KiB on uvloop), its end
+        behind it (``_hung_up``: found by audit, a small push's request ending one chunk, the pusher's ``ABORT``
+        and close in the next, was copied after the push had raised)."""
         if self.down:
             return
         fd = self._control_fd()
-        if fd is not None and _core.peer_closed(fd):
+        if fd is not None and (_core.peer_closed(fd) or _hung_up(fd)):
             self._peer_closed("the peer closed it")
-            return
-        if fd is not None and len(held) <= MAX_CARRIED_PUSHES and _core.input_pending(fd):
-            self._carried = held
             return
         for event in held:
             if self.down:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -354,31 +356,21 @@ def _push_local_frame(req_id: int) -> bytes:
 
 
 @pytest.mark.asyncio
-async def test_a_push_request_ending_a_chunk_waits_for_the_next_while_more_is_queued(monkeypatch):
-    """Row 158 at a chunk's edge, deterministic: a ``PUSH_LOCAL`` ends a chunk of the control connection while more
-    of it is queued (``_core.input_pending``): it is held over, and its ``ABORT`` in the next chunk drops it; one
-    whose next chunk says nothing of it is served then; one with nothing queued behind it is served at once
-    (found by audit: it was served at the end of its chunk, and a given-up push landed after it returned)."""
-    from aio_datadist import _core
-
+async def test_a_push_request_read_with_bytes_and_the_peers_close_queued_behind_it_is_never_copied(monkeypatch):
+    """Row 158 at a chunk's edge, deterministic: a ``PUSH_LOCAL`` ends the chunk read while more bytes of the
+    connection and the peer's close (it failed the link) are queued behind it. The close peek says nothing while
+    bytes are queued; the hang-up (``POLLRDHUP``) does: the link fails and the request is never served (found by
+    audit: it was served, and a given-up push landed after it returned)."""
     async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
         link = usable_link(pair.decoder, PROMPT_ID)
         served: list[int] = []
         monkeypatch.setattr(link, "_dispatch", lambda event: served.append(getattr(event, "req_id", -1)))
-        queued = [True]
-        monkeypatch.setattr(_core, "input_pending", lambda fd: queued[0])
-        link._control_data(_push_local_frame(1000))
-        assert served == [], "served at the end of its chunk though more of the connection was queued"
-        queued[0] = False
-        link._control_data(wire.encode(wire.Msg.ABORT, 1000, channel=0, generation=wire.NO_GENERATION))
-        assert served == [1000] and not link._carried  # the ABORT's own dispatch, never the request's
-        queued[0] = True
-        link._control_data(_push_local_frame(1002))
-        queued[0] = False
-        link._control_data(wire.encode(wire.Msg.PING, 0))
-        assert served == [1000, 0, 1002]  # the PING, then the request held over
-        link._control_data(_push_local_frame(1004))
-        assert served == [1000, 0, 1002, 1004] and not link.down
+        theirs = usable_link(pair.prompt, DECODER_ID).writer.get_extra_info("socket")
+        with socket.socket(fileno=os.dup(theirs.fileno())) as peer:  # the pusher's end of the connection
+            peer.sendall(wire.encode(wire.Msg.PING, 0))  # queued at our end, unread: this pass reads nothing
+            peer.shutdown(socket.SHUT_WR)
+        link._control_data(_push_local_frame(1000))  # the chunk our loop read before those
+        assert served == [] and link.down, "served though the peer had closed the connection behind it"
 
 
 async def _recorded(pusher: Any, msg: wire.Msg, push: Any) -> tuple[Any, dict]:
