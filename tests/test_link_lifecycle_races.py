@@ -126,11 +126,14 @@ async def test_switch_role_while_the_listener_takes_a_link_is_exist_link(monkeyp
 
 
 @pytest.mark.asyncio
-async def test_finalize_during_switch_role_leaves_no_listener():
+@pytest.mark.parametrize("switch_options", [{"llm.listenIpInfo": "127.0.0.1:0"}, None], ids=["moves", "stops"])
+async def test_finalize_during_switch_role_leaves_no_listener(switch_options):
+    """Also a switch that only stops listening: it raises too, not a switch made after finalize (found by audit:
+    the other case raises on ``LinkTable.listen``'s refusal alone)."""
     dd = LLMDataDist(LLMRole.PROMPT, 1)
     await dd.init(options(listen=True, switch_role=True))
     listener = link_table_of(dd).listener
-    switch = asyncio.ensure_future(dd.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": "127.0.0.1:0"}))
+    switch = asyncio.ensure_future(dd.switch_role(LLMRole.DECODER, switch_options))
     await asyncio.sleep(0)  # switch_role is stopping the old listener
     await asyncio.wait_for(dd.finalize(), 5)
     try:

@@ -54,10 +54,13 @@ async def test_the_cap_counts_what_a_device_cache_maps() -> None:
 
 
 @pytest.mark.parametrize("desc", [CacheDesc(1, (1,), DataType.DT_INT8, Placement.DEVICE),
-                                  CacheDesc(3, (2, 500), DataType.DT_INT8, Placement.DEVICE)], ids=["one_byte", "3k"])
+                                  CacheDesc(3, (2, 500), DataType.DT_INT8, Placement.DEVICE),
+                                  CacheDesc(5, (1024,), DataType.DT_INT8, Placement.DEVICE)],
+                         ids=["one_byte", "3k", "5k"])
 async def test_the_cap_counts_whole_pages_for_a_device_cache_short_of_a_page(desc: CacheDesc) -> None:
     """Tensors that, 256 bytes apart, fill less than a page still map a whole page (the sealed memfd): counted so.
-    The test above fills exactly a page (16 x 256 bytes), and passed with the page rounding taken out (audit)."""
+    The test above fills exactly a page (16 x 256 bytes), and passed with the page rounding taken out (audit).
+    5 KiB maps two pages: the "3k" case passed with only the one-page floor kept (audit)."""
     cap = 64 * 1024
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init({"aio.DeviceType": "host", "aio.RegisteredMemoryCap": str(cap)})
@@ -149,14 +152,15 @@ async def test_every_tensor_and_every_page_of_each_is_checked_for_write_access(m
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support", "ignore:The PyTorch API of nested tensors")
-@pytest.mark.parametrize("layout", ["sparse_csr", "mkldnn", "nested"])
+@pytest.mark.parametrize("layout", ["sparse_csr", "sparse_csc", "mkldnn", "nested"])
 async def test_a_tensor_that_is_not_dense_is_a_bad_parameter(layout: str) -> None:
     """Before, torch's own ``RuntimeError`` (no ``is_contiguous`` for sparse CSR, no data pointer for MKL-DNN,
-    no sizes for a nested tensor, whose layout says strided: found by review) reached the caller."""
+    no sizes for a nested tensor, whose layout says strided: found by review) reached the caller. Sparse CSC:
+    every non-strided layout is refused, not only those named here (audit)."""
     if layout == "mkldnn" and not torch.backends.mkldnn.is_available():
         pytest.skip("no MKL-DNN in this torch")
     dense = torch.zeros(8, 16)
-    odd = {"sparse_csr": dense.to_sparse_csr, "mkldnn": dense.to_mkldnn,
+    odd = {"sparse_csr": dense.to_sparse_csr, "sparse_csc": dense.to_sparse_csc, "mkldnn": dense.to_mkldnn,
            "nested": lambda: torch.nested.nested_tensor([torch.zeros(16)] * 8)}[layout]()
     async with LLMDataDist(LLMRole.MIX, 1) as dd:
         await dd.init({})

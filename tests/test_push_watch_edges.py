@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from peers import BLOCKS_DESC, DECODER_ID, linked_pair, options
+from peers import BLOCKS_DESC, DECODER_ID, PROMPT_ID, linked_pair, options
 from test_layerwise_cache_to_blocks import Ready, link, v2_pair
 
 import aio_datadist
@@ -37,7 +37,7 @@ from aio_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
-from aio_datadist.testing import runtime_of
+from aio_datadist.testing import link_to, runtime_of
 
 pytestmark = pytest.mark.asyncio
 S = LLMStatusCode
@@ -45,9 +45,10 @@ KEY = BlocksCacheKey(DECODER_ID, 0)
 
 
 @contextlib.asynccontextmanager
-async def blocks_pair() -> AsyncIterator[tuple[Any, KvCache, KvCache]]:
-    """A linked pair (TCP), a blocks cache of ``BLOCKS_DESC`` each, the decoder's keyed ``KEY``."""
-    async with linked_pair(link=False) as pair:
+async def blocks_pair(transport: str = "tcp") -> AsyncIterator[tuple[Any, KvCache, KvCache]]:
+    """A linked pair (over ``transport``), a blocks cache of ``BLOCKS_DESC`` each, the decoder's keyed ``KEY``."""
+    config = {"transport": transport}
+    async with linked_pair(link=False, prompt_config=config, decoder_config=config) as pair:
         src = pair.pm.allocate_blocks_cache(BLOCKS_DESC)
         dst = pair.dm.allocate_blocks_cache(BLOCKS_DESC, KEY)
         await pair.link()
@@ -80,18 +81,22 @@ async def test_a_cache_to_blocks_push_with_a_short_last_block_completes_its_watc
 
 @pytest.mark.loops_take_turns
 @pytest.mark.parametrize("transport", ["tcp", "local"])
-async def test_a_push_by_addresses_off_the_row_starts_counts_no_row(transport: str) -> None:
+@pytest.mark.parametrize(("shift", "size", "pushed"), [(64, 192, [0, 1, 2]), (0, 128, [0, 1, 2, 3])])
+async def test_a_push_by_addresses_off_the_row_starts_counts_no_row(transport: str, shift: int, size: int,
+                                                                    pushed: list[int]) -> None:
     """Pieces pushed by raw addresses 64 bytes past each block's start write no block from its first byte:
-    they count for no row, and only the aligned push that follows completes the watch (found by audit)."""
+    they count for no row, and only the aligned push that follows completes the watch (found by audit). So
+    for 128-byte pieces 128 bytes apart in 192-byte blocks, of which only some start a block (audit
+    2026-12-07: counting a request whose first piece is aligned counted rows 0 to 2)."""
     async with v2_pair(transport) as pair:
         dst, _ = pair.destination(192)
         await link(pair)
         src, blocks = pair.source(), [0, 1, 2]
         with pair.dm.watch_pushes(dst, blocks) as watch, pair.dm.watch_pushes(dst, [5]) as later:
-            for shift, rows in ((64, blocks), (0, [5])):
-                addrs = [addr + shift for addr in dst.per_device_tensor_addrs[0]]
+            for past, piece, rows in ((shift, size, pushed), (0, 192, [5])):
+                addrs = [addr + past for addr in dst.per_device_tensor_addrs[0]]
                 config = TransferConfig(DECODER_ID, addrs, src_batch_index=0)
-                task = pair.pm.transfer_cache_async(src, Ready(), [config], None, rows, dst_block_memory_size=192)
+                task = pair.pm.transfer_cache_async(src, Ready(), [config], None, rows, dst_block_memory_size=piece)
                 assert await asyncio.wait_for(task, 5) == [S.LLM_SUCCESS]
             await asyncio.wait_for(later, 2)  # the aligned push, sent after the shifted one, was heard
             assert not watch.layer(0).done() and not watch.done(), "a push off the rows' starts completed a watch"
@@ -117,12 +122,15 @@ async def test_a_push_accepted_before_a_watch_neither_completes_nor_fails_it(
             await asyncio.wait_for(watch, 2)
 
 
-async def test_a_watch_made_while_an_accepted_push_lands_does_not_hear_it(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("transport", "end"), [("tcp", "lands"), ("local", "lands"), ("tcp", "torn")])
+async def test_a_watch_made_while_an_accepted_push_lands_does_not_hear_it(
+        monkeypatch: pytest.MonkeyPatch, transport: str, end: str) -> None:
     """As above, through the owner's own path: request B's watch is made right after the owner accepted request
     A's push, before A's bytes landed, and A then ends as every push does. The push is stamped when it is
     accepted, not when it ends: a watch made in between hears nothing of it (the test above hands A's record
-    over by hand, and passed with the stamp taken at the end; found by audit, 2026-12-07)."""
-    async with blocks_pair() as (pair, src, dst):
+    over by hand, and passed with the stamp taken at the end; found by audit, 2026-12-07). Each path that ends
+    a push: the stream plane, the same-host copy, and a push torn by its link failing (``push_torn``)."""
+    async with blocks_pair(transport) as (pair, src, dst):
         arrivals = runtime_of(pair.decoder).arrivals
         accepted, made = arrivals.accepted, []
 
@@ -130,15 +138,21 @@ async def test_a_watch_made_while_an_accepted_push_lands_does_not_hear_it(monkey
             stamped = accepted(*args)  # A is accepted here
             if not made:
                 made.append(pair.dm.watch_pushes(dst, [1, 2]))  # B's watch, while A lands
+                if end == "torn":  # A's link fails while A is served: A is torn, not landed
+                    asyncio.get_running_loop().call_soon(link_to(pair.decoder, PROMPT_ID).fail,
+                                                         LLMException("cut", status_code=S.LLM_LINK_FAILED))
             return stamped
 
         monkeypatch.setattr(arrivals, "accepted", accepted_then_watch)
-        await push(pair, src, [1, 2])  # request A: accepted, the watch made, A lands and ends
+        with contextlib.suppress(LLMException) if end == "torn" else contextlib.nullcontext():
+            await push(pair, src, [1, 2])  # request A: accepted, the watch made, A lands (or is torn) and ends
         monkeypatch.undo()
         assert made, "the owner never accepted the push"
         with made[0] as watch:
             await asyncio.sleep(0.05)
             assert not watch.layer(0).done() and not watch.done(), "B's watch heard of A's push"
+            if end == "torn":
+                return
             await push(pair, src, [1, 2])  # request B's own push
             await asyncio.wait_for(watch, 2)
 
@@ -206,8 +220,15 @@ async def test_polling_a_layer_with_asyncio_wait_holds_nothing() -> None:
                 done, _ = await asyncio.wait({watch.layer(0)}, timeout=0)
                 assert not done
             assert not watch._views.holding()
+            called: list[object] = []
+            view = watch.layer(0)
+            view.add_done_callback(called.append)  # a waiter that stays: the poll's return keeps it held (audit)
+            assert not (await asyncio.wait({view}, timeout=0))[0]
+            del view
+            gc.collect()
             await push(pair, src, [1, 2])
             await asyncio.wait_for(watch, 2)
+            assert len(called) == 1 and not watch._views.holding()
 
 
 async def test_a_cache_kept_from_peers_cannot_be_watched() -> None:
