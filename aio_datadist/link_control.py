@@ -48,7 +48,6 @@ CONTROL_TURN_BYTES = 64 * 1024
 CONTROL_WRITE_LIMIT = 4 << 20
 
 
-
 def _hung_up(fd: int) -> bool:
     """Whether the peer of connected socket ``fd`` closed its end (or it failed), bytes still queued before the end
     or not (``POLLRDHUP``: the close peek sees only an empty queue's end). Never blocks."""
