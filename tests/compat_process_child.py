@@ -62,6 +62,8 @@ def fork(mode: str) -> dict:
     if mode.startswith("task"):  # a layer-wise transfer of the parent's, still running as it forks
         task = prompt.cache_manager.transfer_cache_async(
             src, Slow(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 2), range(0, 2))])
+        if mode == "task-done-each":  # ended before the fork: still the parent's
+            assert task.synchronize(10000) == 0
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -126,14 +128,14 @@ def fork(mode: str) -> dict:
             use = synchronize  # noqa: F811
         elif mode == "task-cancel":
             use = cancel  # noqa: F811
-        elif mode == "task-each":
+        elif mode in ("task-each", "task-done-each"):
             use = each  # noqa: F811
 
         thread = threading.Thread(target=use, daemon=True)
         thread.start()
         thread.join(10)
         first = {"use": "init", "task": "synchronize", "task-cancel": "cancel",
-                 "task-each": "synchronize"}.get(mode, "finalize")
+                 "task-each": "synchronize", "task-done-each": "synchronize"}.get(mode, "finalize")
         done.setdefault(first, "hung for 10 s")
         os.write(w, json.dumps(done).encode())
         os.close(w)

@@ -158,15 +158,16 @@ def test_a_demo_process_whose_metrics_port_was_taken_meanwhile_ends_with_one_lin
     assert exit_.value.code == f"--metrics-port {port}: cannot serve on 127.0.0.1:{port}: Address already in use"
 
 
-def test_bench_with_another_benchmarks_package_imported_already_says_so(tmp_path, monkeypatch):
-    """A project's own ``benchmarks`` (no ``transfer.py``) imported before, in this process: the command says
-    so, importing nothing of it (it raised ``ModuleNotFoundError`` past its check: found by review)."""
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+@pytest.mark.parametrize("layout", ["package", "own_transfer"])
+def test_bench_with_another_benchmarks_package_imported_already_says_so(tmp_path, monkeypatch, layout):
+    """A project's own ``benchmarks`` (no ``transfer.py``, or its own ``transfer`` imported too) imported before,
+    in this process: the command says so, importing nothing of it (it raised ``ModuleNotFoundError`` past its
+    check: found by review), and does not take that ``benchmarks.transfer`` for the checkout's."""
+    project_with_benchmarks(tmp_path, layout)
     for name in [m for m in sys.modules if m == "benchmarks" or m.startswith("benchmarks.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.import_module("benchmarks")
+    importlib.import_module("benchmarks.transfer" if layout == "own_transfer" else "benchmarks")
     monkeypatch.chdir(REPO)
     try:
         with pytest.raises(SystemExit, match="another package named benchmarks"):

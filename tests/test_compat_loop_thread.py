@@ -312,6 +312,7 @@ def test_an_exit_finalize_still_running_past_its_bound_is_cancelled_before_the_l
     cancelled and ended before ``_finalize_taken`` returns (the loop stops next), not left pending with it."""
     import types
 
+    assert compat.EXIT_FINALIZE_S > compat.QUIESCE_S  # a finalize waits QUIESCE_S for a busy device: not cut short
     monkeypatch.setattr(compat, "EXIT_FINALIZE_S", 0.2)
     monkeypatch.setattr(compat, "EXIT_CANCEL_S", 1.0)
     cancelled = threading.Event()
@@ -334,3 +335,21 @@ def test_an_exit_finalize_still_running_past_its_bound_is_cancelled_before_the_l
         took, ended = asyncio.run(asyncio.wait_for(exit_finalize(), 5))
     assert ended and took < 1.5, (took, ended)
     assert "1 endpoint(s) not finalized within" in caplog.text
+
+    # the exit itself (``_finalize_at_exit``) waits for those finalizes, not STOP_JOIN_S only, before the stop
+    monkeypatch.setattr(compat, "STOP_JOIN_S", 0.05)
+    endpoint = type("Endpoint", (), {})()
+    endpoint._dd = live[0]._dd
+    monkeypatch.setattr(compat, "_LIVE", {endpoint})
+    monkeypatch.setattr(compat, "_EXIT_FINALIZED", set())
+    cancelled.clear()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        assert compat._finalize_at_exit(loop)
+        assert cancelled.is_set()  # ended before the loop stops, not left pending with it
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()

@@ -45,12 +45,13 @@ def test_a_forked_child_is_refused_the_parents_cache_task():
     assert out["child_status"] == 0 and out["parent_task"] == 0, out
 
 
-def test_a_forked_child_is_refused_every_call_of_the_parents_cache_task():
+@pytest.mark.parametrize("case", ["fork-task-each", "fork-task-done-each"])
+def test_a_forked_child_is_refused_every_call_of_the_parents_cache_task(case):
     """As above for ``synchronize`` and ``get_results`` with a time-out (not read as still running) and the
-    async task's ``layer``: each ``LLM_FAILED`` in the child."""
+    async task's ``layer``: each ``LLM_FAILED`` in the child, the task still running as it forked or ended."""
     from aio_datadist import LLMStatusCode
 
-    out = run("fork-task-each")
+    out = run(case)
     refused = f"LLMException {int(LLMStatusCode.LLM_FAILED)}"
     assert out["child"] == {"synchronize": refused, "get_results": refused, "layer": refused}, out
     assert out["child_status"] == 0 and out["parent_task"] == 0, out

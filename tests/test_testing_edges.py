@@ -71,7 +71,7 @@ def test_the_helpers_take_the_blocking_endpoint_and_refuse_anything_else():
         with pytest.raises(LLMException) as info:
             helper(facade)
         assert info.value.status_code == S.LLM_FAILED
-        for wrong in (None, object()):
+        for wrong in (None, object(), type("Wrapper", (), {"_dd": object()})()):  # wraps no endpoint: itself named
             with pytest.raises(LLMException, match=f"expected an LLMDataDist, got {type(wrong).__name__}") as info:
                 helper(wrong)
             assert info.value.status_code == S.LLM_PARAM_INVALID
@@ -100,4 +100,4 @@ async def test_settled_engine_state_gives_up_after_its_own_timeout():
             loop = asyncio.get_running_loop()
             started = loop.time()
             assert await testing.settled_engine_state(pair.prompt, never, timeout=0.05) == before
-            assert loop.time() - started < 1.0
+            assert 0.05 <= loop.time() - started < 1.0  # waited for the whole state, not one of its counts
