@@ -147,6 +147,7 @@ async def test_finalize_tells_the_peer_of_a_comm_unlink_that_had_not_yet(monkeyp
         comm_p, comm_d = await _init_and_link(p, d, 10)
         assert await settled(p, comm_p, 5) is OK and await settled(d, comm_d, 5) is OK
         d_runtime, dispatch, settle_served = d._endpoint.runtime, Link._dispatch, Link.settle_served
+        disconnect, statuses = link_table.LinkTable.disconnect, []
         link = link_to(p, DECODER_ID)
         assert link is not None
         entered, gate, told = asyncio.Event(), asyncio.Event(), []
@@ -154,7 +155,12 @@ async def test_finalize_tells_the_peer_of_a_comm_unlink_that_had_not_yet(monkeyp
         def heard(self: Link, event: object) -> None:
             if isinstance(event, protocol.Unlink) and self.runtime is d_runtime:
                 told.append(event)
+                gate.set()  # the unlink goes on while finalize waits for the answer: it reads finalize's
             dispatch(self, event)
+
+        async def recorded(self: link_table.LinkTable, *args: object, **kwargs: object) -> LLMStatusCode:
+            statuses.append(await disconnect(self, *args, **kwargs))
+            return statuses[-1]
 
         async def held(self: Link, **kwargs: bool) -> None:  # the unlink's settling (the first) waits for gate
             if self is link and not entered.is_set():
@@ -164,6 +170,7 @@ async def test_finalize_tells_the_peer_of_a_comm_unlink_that_had_not_yet(monkeyp
 
         monkeypatch.setattr(Link, "_dispatch", heard)
         monkeypatch.setattr(Link, "settle_served", held)
+        monkeypatch.setattr(link_table.LinkTable, "disconnect", recorded)
         unlinking = asyncio.ensure_future(p.unlink(comm_p))
         await asyncio.wait_for(entered.wait(), 5)
         try:
@@ -173,6 +180,7 @@ async def test_finalize_tells_the_peer_of_a_comm_unlink_that_had_not_yet(monkeyp
         await asyncio.wait_for(unlinking, 5)
         assert link.closed
         assert told, "finalize closed the link without telling the peer"
+        assert len(told) == 1 and statuses == [LLMStatusCode.LLM_SUCCESS], "the unlink told the peer again"
 
 
 async def test_a_dial_whose_handshake_is_never_answered_is_dialled_again(monkeypatch):
@@ -206,15 +214,20 @@ async def test_a_dial_whose_handshake_is_never_answered_is_dialled_again(monkeyp
         server.close()
 
 
-async def test_a_connect_that_fails_with_etimedout_is_dialled_again(monkeypatch):
+@pytest.mark.parametrize("hangs", [False, True])
+async def test_a_connect_that_fails_with_etimedout_is_dialled_again(monkeypatch, hangs):
     """The dial's connect fails with the kernel's ``ETIMEDOUT`` (an ``OSError`` that is also a ``TimeoutError``),
     twice: it is dialled again within the link time and the comm comes up on both ends (the test above covers a
-    handshake never answered only, and passed with an ``ETIMEDOUT`` ending the comm; audit, 2026-12-07)."""
+    handshake never answered only, and passed with an ``ETIMEDOUT`` ending the comm; audit, 2026-12-07). With
+    ``hangs``, the connect never ends (a SYN dropped): ``BILATERAL_ANSWER_S`` bounds the connect too."""
+    monkeypatch.setattr(link_dials, "BILATERAL_ANSWER_S", 0.3)
     real, failed = link_dials.open_control, []
 
     async def times_out(address, *args, **kwargs):
         if len(failed) < 2:
             failed.append(address)
+            if hangs:
+                await asyncio.Event().wait()
             raise TimeoutError(errno.ETIMEDOUT, "Connection timed out")
         return await real(address, *args, **kwargs)
 
@@ -257,6 +270,35 @@ async def test_a_failed_comm_leaves_the_dials_of_a_newer_comm_of_the_pair_alone(
             comm_bd = await d.link("b", info_b, table_b)
         status_d, status_t = await settled(d, comm_bd, 5), await settled(t, comm_bt, 5)
         await asyncio.gather(d.unlink(comm_bd), t.unlink(comm_bt), d.unlink(comm_a))
+        assert (status_d, status_t) == (OK, OK)
+
+
+async def test_a_comm_whose_attempt_ends_without_its_link_stops_its_other_attempts(monkeypatch):
+    """d's comm A {d: 0, p: 1, t: 2}: its attempt to p ends without its link (a final status) before t calls
+    link(): A fails and stops dialling t at once, so t's comm C {d: 0, t: 1} takes d's dial for C, not A's stale
+    one, and reads as d's does (the tests above fail A by a link that went down only)."""
+    dial = link_dials.LinkDials._dial_bilateral
+
+    async def refused(self: link_dials.LinkDials, remote_id: int, *args: object) -> object:
+        return LLMStatusCode.LLM_LINK_FAILED if remote_id == PROMPT_ID else await dial(self, remote_id, *args)
+
+    monkeypatch.setattr(link_dials.LinkDials, "_dial_bilateral", refused)
+    cfg = dict(rank_addresses=addresses(PROMPT_IP, DECODER_IP, THIRD_IP), link_total_time=20)
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID) as d, LLMDataDist(LLMRole.MIX, THIRD_ID) as t:
+        await d.init(v2_options(**cfg))
+        await t.init(v2_options(**cfg))
+        comm_a = await d.link("a", {DECODER_ID: 0, PROMPT_ID: 1, THIRD_ID: 2},
+                              rank_table(DECODER_IP, PROMPT_IP, THIRD_IP))
+        assert await settled(d, comm_a, 5) is FAILED
+        info_c, table_c = {DECODER_ID: 0, THIRD_ID: 1}, rank_table(DECODER_IP, THIRD_IP)
+        comm_ct = await t.link("c", info_c, table_c)  # t listens; a stale A would dial it meanwhile
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 1
+        while link_to(t, DECODER_ID) is None and loop.time() < end:
+            await asyncio.sleep(0.02)
+        comm_cd = await d.link("c", info_c, table_c)
+        status_d, status_t = await settled(d, comm_cd, 5), await settled(t, comm_ct, 5)
+        await asyncio.gather(d.unlink(comm_cd), t.unlink(comm_ct), d.unlink(comm_a))
         assert (status_d, status_t) == (OK, OK)
 
 

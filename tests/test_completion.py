@@ -116,9 +116,19 @@ async def test_a_job_done_before_its_timeout_leaves_no_timer_armed(completions):
         timers.append(waiter.timer)
         completions.queue.post(token, 0, 5)
         assert await job == 5
+    for cancelled in (True, False):  # a job its caller gave up (a cancelled pull), one failed by its record
+        job = completions.start(never, Recorder(), timeout_ms=60_000, what="copy")
+        (token, waiter), = completions._pending.items()
+        timers.append(waiter.timer)
+        if cancelled:
+            job.cancel()
+        completions.queue.post(token, -errno.ECANCELED if cancelled else -errno.EIO)
+        with pytest.raises((asyncio.CancelledError, LLMException)):
+            await job
+        await settle(completions)
     await asyncio.sleep(0)  # the done-callbacks run
     armed = sum(not timer.cancelled() for timer in timers)
-    assert armed == 0, f"{armed} of 50 finished jobs keep their 60 s timer armed"
+    assert armed == 0, f"{armed} of 52 ended jobs keep their 60 s timer armed"
 
 
 @pytest.mark.asyncio

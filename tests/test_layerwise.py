@@ -365,6 +365,8 @@ async def test_event_synchronizer_layer_armed_on_a_stream_survives_the_close() -
         with EventLayerSynchronizer(dd, 2, timeout_ms=None) as events:
             gate = stream.gate()
             events.record(0, stream=stream)  # armed behind the closed gate
+            with pytest.raises(LLMException, match="already recorded"):  # a second record keeps the armed one
+                events.record(0, stream=stream)
         assert await asyncio.wait_for(events.synchronize_layer(1, 2000), BOUND_S) is False
         gate.open()
         assert await asyncio.wait_for(events.synchronize_layer(0, 2000), BOUND_S) is True
