@@ -406,6 +406,13 @@ def await_done(link: LinkPort, req_id: int, req: TransferReq, ok: Callable[[], N
     link.pull_acks[req_id] = entry
 
 
+def stop_status(link: LinkPort) -> LLMStatusCode:
+    """How a request served to the peer counts when it is stopped now, taken where it is stopped (a cause read at
+    the count may be a later one): ``LLM_LINK_FAILED`` by the teardown of a link that failed (its heartbeat, its
+    control connection: the peer's failure), else ``LLM_FAILED`` (the requester gave it up) (row 265)."""
+    return LLMStatusCode.LLM_LINK_FAILED if link.broken is not None else LLMStatusCode.LLM_FAILED
+
+
 def push_torn(rt: Runtime, link: LinkPort, served: Served, why: BaseException | str | None) -> None:
     """A push we accepted (so some of its bytes may have landed) ended in failure: the open push watches of the
     rows it was filling fail the layers it touched (``Arrivals.torn``), ``LLM_LINK_FAILED`` when the link went,
@@ -535,10 +542,8 @@ class InPlacePlane(Plane):
 
         def failed() -> None:
             # Run where the request stopped: by the requester's failed DONE, its silence past the timeout, or the
-            # link's teardown. A teardown of a link that failed (its heartbeat, its control connection) is the
-            # peer's failure, as the stream plane counts it (row 265), not an abort of the requester's.
-            served.ended(False, LLMStatusCode.LLM_TIMEOUT if overdue else
-                         LLMStatusCode.LLM_LINK_FAILED if link.broken is not None else LLMStatusCode.LLM_FAILED)
+            # link's teardown.
+            served.ended(False, LLMStatusCode.LLM_TIMEOUT if overdue else stop_status(link))
             if key is not None:
                 rt.registry.release_key(key, tensors)
             if msg is Msg.PUSH_REQ and served.landed:

@@ -47,6 +47,7 @@ from aio_datadist.transport.base import (
     Served,
     meets,
     serve_timeout_ms,
+    stop_status,
     time_left,
 )
 from aio_datadist.transport.same_host import MAX_LOCAL_SRC_ROWS, USE_STREAM, push_local, serve_copy
@@ -196,10 +197,10 @@ def serve_fenced(rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: Transf
     so does an ``answer()`` that raises :class:`Refusal` (with its code)."""
     backend = rt.devices
     assert backend is not None, "serves() saw a device cache"
-    given_up: list[bool] = []  # heard that the request stopped: whether the link had failed then (its teardown)
+    given_up: list[LLMStatusCode] = []  # heard that the request stopped: how it counts then (``stop_status``)
 
     def hear() -> None:
-        given_up.append(link.broken is not None)
+        given_up.append(stop_status(link))
 
     waiting = (hear, hear)
     link.pull_acks[req_id] = waiting
@@ -220,9 +221,7 @@ def serve_fenced(rt: Runtime, link: LinkPort, msg: Msg, req_id: int, req: Transf
             failed(code, f"device stream fence failed: {exc}")
             return
         if given_up or link.down:
-            # Stopped by the teardown of a link that failed: the peer's failure, as the other planes count it.
-            broken = given_up[0] if given_up else link.broken is not None
-            failed(LLMStatusCode.LLM_LINK_FAILED if broken else LLMStatusCode.LLM_FAILED, "abandoned")
+            failed(given_up[0] if given_up else stop_status(link), "abandoned")
             return
         try:
             answer()

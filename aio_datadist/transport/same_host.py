@@ -36,6 +36,7 @@ from aio_datadist.transport.base import (
     meets,
     push_torn,
     serve_timeout_ms,
+    stop_status,
 )
 from aio_datadist.transport.fit import fit
 from aio_datadist.wire import NO_GENERATION, Msg, PushLocalReq, ReqFlag, Resp, Target, TransferReq
@@ -236,10 +237,10 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
         counters.end("served_push", transport, served.total, started, Outcome.FAILED, exc.status_code)
         answer(exc.status_code, str(exc))
         return
-    stopped_by_failure: list[bool] = []  # whether the link had failed when it stopped the copy (its teardown)
+    stopped: list[LLMStatusCode] = []  # how it counts, taken when the link stopped the copy (``stop_status``)
 
     def abort() -> None:
-        stopped_by_failure.append(link.broken is not None)
+        stopped.append(stop_status(link))
         moved.cancel()
 
     link.serving[req_id] = abort
@@ -276,8 +277,7 @@ def serve_copy(rt: Runtime, link: LinkPort, req_id: int, req: Any, served: Serve
         failure = None if moved.cancelled() or not moved.done() else moved.exception()
         status = (LLMStatusCode.LLM_KV_CACHE_NOT_EXIST if told else
                   LLMStatusCode.LLM_NOT_YET_LINK if unlinking else
-                  # stopped by the teardown of a link that failed: the peer's failure, as on the stream plane
-                  LLMStatusCode.LLM_LINK_FAILED if moved.cancelled() and stopped_by_failure[:1] == [True] else
+                  stopped[0] if moved.cancelled() and stopped else
                   failure.status_code if isinstance(failure, LLMException)
                   and failure.status_code != LLMStatusCode.LLM_SUCCESS else LLMStatusCode.LLM_FAILED)
         counters.end("served_push", transport, served.total, started, Outcome.FAILED, status)

@@ -31,6 +31,7 @@ from aio_datadist.transport.base import (
     await_done,
     push_torn,
     serve_timeout_ms,
+    stop_status,
 )
 from aio_datadist.wire import ANSWER, ANSWER_MAGIC, MAX_TEXT, Msg, ReqFlag, Resp, Target, TransferReq, peer_text
 
@@ -205,11 +206,11 @@ class StreamPlane(Plane):
 
             await_done(link, req_id, req, consumed, lambda: rt.registry.release_key(key, tensors))
 
-        stopped_by_failure: list[bool] = []  # whether the link had failed when it stopped us (its teardown)
+        stopped: list[LLMStatusCode] = []  # how it counts, taken when the link stopped us (``stop_status``)
 
         def abort() -> None:
             # Runs before the next control message is read: the key must be free again by then.
-            stopped_by_failure.append(link.broken is not None)
+            stopped.append(stop_status(link))
             fut.cancel()
             ack = link.pull_acks.pop(req_id, None)
             if ack is not None:
@@ -258,7 +259,7 @@ class StreamPlane(Plane):
                 # The channel failed under a link that is up: the requester gave the request up (it resets the
                 # channel before its ABORT comes), which every plane counts as LLM_FAILED, as for the ABORT.
                 status = LLMStatusCode.LLM_FAILED
-            elif f.cancelled() and stopped_by_failure[:1] == [True] and not told:
+            elif f.cancelled() and stopped[:1] == [LLMStatusCode.LLM_LINK_FAILED] and not told:
                 # Stopped by the teardown of a link that failed (its heartbeat, its control connection): the
                 # peer's failure, not an abort of the requester's (found by audit).
                 status = LLMStatusCode.LLM_LINK_FAILED
