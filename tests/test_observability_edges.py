@@ -51,10 +51,16 @@ def _scrape_in_a_child(registry: CollectorRegistry) -> bytes:
 
 
 @pytest.mark.asyncio
-async def test_a_scrape_in_a_forked_child_does_not_wait_on_the_parents_loop():
+async def test_a_scrape_in_a_forked_child_does_not_wait_on_the_parents_loop(monkeypatch):
     """The child's copy of the endpoint's loop says it runs (it keeps the parent's thread id) though no thread
     runs it there: a scrape must not post to it (into the wake-up pipe it shares with the parent) and wait
-    SCRAPE_WAIT_S for an answer that never comes. The child gets the counts, no gauges (stats() is refused)."""
+    SCRAPE_WAIT_S for an answer that never comes. The child gets the counts, no gauges (stats() is refused).
+    This process passes for a forked one itself (a forking server's worker): its own endpoint is no parent's
+    (``init`` records ``forks()``; with that gone, an endpoint of a forked worker lost its gauges and every
+    call: audit, 2026-12-07)."""
+    from aio_datadist import _forks
+
+    monkeypatch.setattr(_forks, "_FORKS", 3)
     registry = CollectorRegistry()
     dd = LLMDataDist(LLMRole.PROMPT, 7)
     await dd.init(loopback_options())
@@ -111,6 +117,8 @@ async def test_a_scrape_of_endpoints_on_one_blocked_loop_waits_once(monkeypatch)
         for dd in endpoints:
             await dd.init(loopback_options())
             instrument(dd, registry)
+            LinkCounters(dd.cluster_id, 9, dd._endpoint.observers).refused("pull", "tcp",
+                                                                          LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
         took: list[float] = []
         texts: list[bytes] = []
 
@@ -125,6 +133,9 @@ async def test_a_scrape_of_endpoints_on_one_blocked_loop_waits_once(monkeypatch)
         await asyncio.to_thread(scraper.join, 5)
         assert took and took[0] < 2 * wait_s, took
         assert b"aio_datadist_caches{" not in texts[0]  # not answered in time: counts only
+        for i in range(3):  # but their counts, not left out (a counter gone from a scrape reads as a reset)
+            assert (f'aio_datadist_transfer_errors_total{{cluster_id="{70 + i}",kind="pull",'
+                    f'status="LLM_KV_CACHE_NOT_EXIST"}} 1.0').encode() in texts[0], texts[0]
         text = await asyncio.to_thread(generate_latest, registry)  # the loop free again: every endpoint answers
         assert all(f'aio_datadist_caches{{cluster_id="{70 + i}"}}'.encode() in text for i in range(3))
     finally:
@@ -171,6 +182,31 @@ def test_observers_of_registries_their_owner_dropped_are_let_go():
     LinkCounters(7, 8, dd._endpoint.observers).refused("pull", "tcp", LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
     assert kept.get_sample_value("aio_datadist_transfer_errors_total",
                                  {"cluster_id": "7", "kind": "pull", "status": "LLM_KV_CACHE_NOT_EXIST"}) == 1
+
+    async def initialised() -> None:
+        """So for the observers the links tell (the runtime's list, shared with the endpoint's): exporters alive
+        at ``init`` and dropped after it (the tests above never ``init``: a runtime given a copy of the list
+        kept them for good, and heard no exporter made after ``init``; audit, 2026-12-07)."""
+        gc.disable()
+        try:
+            for _ in range(5):
+                instrument(dd, CollectorRegistry())
+            await dd.init(loopback_options())
+        finally:
+            gc.enable()
+        try:
+            gc.collect()
+            later = CollectorRegistry()
+            instrument(dd, later)
+            observers = dd._endpoint.runtime.observers
+            assert len(observers) == 2  # the ones of ``kept`` and ``later``
+            LinkCounters(7, 8, observers).refused("pull", "tcp", LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+            assert later.get_sample_value("aio_datadist_transfer_errors_total", {
+                "cluster_id": "7", "kind": "pull", "status": "LLM_KV_CACHE_NOT_EXIST"}) == 1
+        finally:
+            await dd.finalize()
+
+    asyncio.run(initialised())
 
 
 @pytest.mark.parametrize("event", ["end", "ended_many", "link_event"])

@@ -220,10 +220,13 @@ async def test_the_share_socket_out_of_fds_says_so_again_after_it_took_a_connect
 
 
 @pytest.mark.asyncio
-async def test_the_share_socket_waits_out_an_accept_error_about_itself(monkeypatch):
+@pytest.mark.parametrize("code", [errno.EBADF, errno.ECONNABORTED], ids=["EBADF", "ECONNABORTED"])
+async def test_the_share_socket_waits_out_an_accept_error_about_itself(monkeypatch, code):
     """Row 255: any accept() error but one about the single connection (here EBADF, the listener gone bad)
     takes the reader off for ``ACCEPT_RETRY_S`` too; only ECONNABORTED, EPROTO and EINTR are tried again at once
-    (the first test covers EMFILE only; here a count cuts a spin off after 200 tries)."""
+    (the first test covers EMFILE only; here a count cuts a spin off after 200 tries). ECONNABORTED: the 200
+    failures are tried again at once and the queued connection taken (a listener that waited on every error
+    passed the EBADF case alone; audit, 2026-12-07)."""
     async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, transport="auto") as prompt:
         listener = share_listener_of(prompt)
         assert listener is not None
@@ -234,7 +237,7 @@ async def test_the_share_socket_waits_out_an_accept_error_about_itself(monkeypat
             nonlocal tries
             if sock.fileno() == listener.sock.fileno() and tries <= 200:
                 tries += 1
-                raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+                raise OSError(code, os.strerror(code))
             return real(sock)
 
         monkeypatch.setattr(socket.socket, "accept", failing_accept)
@@ -242,6 +245,10 @@ async def test_the_share_socket_waits_out_an_accept_error_about_itself(monkeypat
         try:
             client.connect(listener.name)
             await asyncio.sleep(0.3)
-            assert 0 < tries < 20, f"accept() was tried {tries} times in 0.3 s"
+            if code == errno.ECONNABORTED:  # about one connection: the next is taken at once, and challenged
+                assert tries == 201, f"accept() was tried {tries} times in 0.3 s"
+                assert await asyncio.wait_for(asyncio.get_running_loop().sock_recv(client, 1024), 1)
+            else:
+                assert 0 < tries < 20, f"accept() was tried {tries} times in 0.3 s"
         finally:
             client.close()
