@@ -132,7 +132,7 @@ async def test_a_refused_scatter_fails_the_pull_while_the_owner_is_slow_with_the
 
 
 @pytest.mark.loops_take_turns
-@pytest.mark.parametrize("direction", ["out", "in"])
+@pytest.mark.parametrize("direction", ["out", "in", "in-cleanup"])
 async def test_a_failed_stage_cuts_the_socket_job_the_pipeline_waits_on(direction):
     """Row 242: a gather (scatter) that fails while the pipeline waits on the peer to take (give) a chunk
     fails the pipeline at once, after that socket job is over; before, only once the peer went on."""
@@ -162,10 +162,20 @@ async def test_a_failed_stage_cuts_the_socket_job_the_pipeline_waits_on(directio
 
     run = (pipeline_out(chunks, pool, stage, socket_job, link) if direction == "out"
            else pipeline_in(chunks, pool, socket_job, stage, link))
+    if direction == "in-cleanup":  # run in a task's cleanup after a cancel (its cancelling() is 1 throughout):
+        run = _in_cleanup(run)  # still the stage's failure, not the cut job's CancelledError (audit, 2026-12-07)
     with pytest.raises(LLMException, match="stage refused"):
         await asyncio.wait_for(run, 1.0)
     assert waits[-1].cancelled()
     assert len(stages) == (2 if direction == "out" else 1) and pool.held(link) == 0
+
+
+async def _in_cleanup(job):
+    asyncio.current_task().cancel()
+    try:
+        await asyncio.sleep(1)
+    except asyncio.CancelledError:
+        return await job
 
 
 async def test_a_stage_that_fails_while_the_receive_waits_for_a_buffer_fails_it_before_the_next_fill():
@@ -197,6 +207,34 @@ async def test_a_stage_that_fails_while_the_receive_waits_for_a_buffer_fails_it_
     with pytest.raises(LLMException, match="stage refused"):
         await asyncio.wait_for(pipeline_in(chunks, pool, fill, stage, link), 1.0)
     assert len(fills) == 2 and pool.held(link) == 0
+
+
+async def test_a_stage_that_fails_while_the_send_waits_for_an_earlier_stage_fails_it_before_the_next_consume():
+    """The send's side of the test above: a later gather fails while the send waits for an earlier, slow one
+    (which succeeds). The send of the earlier chunk is not started to wait on a slow peer until the transfer's
+    timeout: the pipeline fails at once (audit, 2026-12-07: it timed out)."""
+    loop = asyncio.get_running_loop()
+    pool, link = StagingPool(4096, 3, share=3), object()
+    chunks = plan_chunks(1, 4, 4096, 4096)
+    stages: list[asyncio.Future] = []
+    consumes: list[asyncio.Future] = []
+
+    def stage(chunk, buf):
+        fut = loop.create_future()
+        if not stages:  # the first gather is slow and succeeds
+            loop.call_later(0.1, fut.set_result, None)
+        else:  # the second fails while the send waits for the first
+            loop.call_later(0.01, fut.set_exception, LLMException("stage refused", status_code=S.LLM_FAILED))
+        stages.append(fut)
+        return fut
+
+    def consume(chunk, view):
+        consumes.append(loop.create_future())  # the peer is slow to take anything
+        return consumes[-1]
+
+    with pytest.raises(LLMException, match="stage refused"):
+        await asyncio.wait_for(pipeline_out(chunks, pool, stage, consume, link), 1.0)
+    assert all(fut.cancelled() for fut in consumes) and pool.held(link) == 0
 
 
 def _word_read_late(dd, cluster_id: int, delay_s: float, apart: bool = False) -> None:
@@ -430,3 +468,24 @@ async def test_busy_lets_a_failed_submissions_memory_go_once_the_stream_drained(
         backend._failed_submission([bytearray(16)], KeyboardInterrupt())
         assert backend.held == 1
         assert backend.busy() is False and backend.held == 0
+        # the next submission lets it go too, also one that fails queueing nothing (audit, 2026-12-07: the
+        # tests passed with submissions never looking at what earlier failures held)
+        backend._failed_submission([bytearray(16)], KeyboardInterrupt())
+        with pytest.raises(LLMException, match="refused by the test"):
+            backend.enqueue_and_notify(0, refuse, 0, None, "a device copy")
+        assert backend.held == 0
+
+
+async def test_a_retired_buffer_that_goes_wakes_a_transfer_waiting_for_one():
+    """Row 241's "the retired buffer is then replaced": a transfer already waiting for a buffer gets the one made
+    in its place as soon as the retired one goes (the test above waits for the pool to be idle first; audit,
+    2026-12-07: it passed with the pool counting the buffer gone but waking no one)."""
+    pool = StagingPool(4096, 1)
+    buf = await pool.acquire()
+    pool.retire(buf)
+    waiting = asyncio.ensure_future(pool.acquire())
+    await asyncio.sleep(0)  # it runs up to its wait: the pool's one buffer is retired, not gone
+    assert not waiting.done() and pool.live == 1
+    del buf
+    gc.collect()
+    assert (await asyncio.wait_for(waiting, 1.0)).numel() == 4096 and pool.live == 1

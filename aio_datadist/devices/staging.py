@@ -409,6 +409,7 @@ async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage,
             chunk, buf, fut = pending.popleft()
             try:
                 await fut
+                watch.check()  # a later stage failed while we waited for this one: no send to wait on the peer for
                 await watch.run(consume(chunk, buf[:chunk.nbytes]))
             except BaseException:
                 pool.retire(buf)
