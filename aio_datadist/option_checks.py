@@ -304,7 +304,8 @@ def check_rank_addresses(arg_name: str, value: object) -> str:
         obj: Mapping[Any, Any] = {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v
                                   for k, v in value.items()}
         if len(obj) != len(value):
-            raise param_invalid(arg_name, "names a rank id twice (as an int and as a str)")
+            twice = next(k for k in value if isinstance(k, int) and not isinstance(k, bool) and str(k) in value)
+            raise param_invalid(arg_name, f"names rank id {twice} twice (as an int and as a str)")
     else:
         text = check_str(arg_name, value)
         if not text:

@@ -86,6 +86,12 @@ def test_rank_addresses_naming_a_rank_twice_are_refused(text: str, key: str) -> 
     with pytest.raises(LLMException, match=twice) as info:
         LLMConfig().rank_addresses = text
     assert info.value.status_code is INVALID
+    # a dict naming a rank as an int and as a str is refused too, while options passed through to LLM-DataDist
+    # parse as before, their last value winning (audit, 2026-12-07: neither was looked at)
+    with pytest.raises(LLMException, match="rank id 1 twice") as info:
+        LLMConfig().rank_addresses = {1: "127.0.0.1:26001", "1": "127.0.0.1:27001"}
+    assert info.value.status_code is INVALID and info.value.argument == "rank_addresses"
+    parse_options({"llm.LocalCommRes": '{"version": "1.2", "version": "1.3"}'})  # does not raise
 
 
 def test_a_rank_table_naming_a_key_twice_is_refused() -> None:
@@ -117,6 +123,8 @@ def test_a_torch_bool_scalar_is_not_an_int(build):
     ("req_id", lambda b: CacheKey(1, b)),
     ("model_id", lambda b: BlocksCacheKey(1, b)),
     ("remote_cluster_id", lambda b: setattr(LLMClusterInfo(), "remote_cluster_id", b)),
+    # a timeout, through check_sint (audit, 2026-12-07: the cases above go through check_uint only)
+    ("sync_kv_timeout", lambda b: setattr(LLMConfig(), "sync_kv_timeout", b)),
 ])
 def test_a_torch_bool_scalar_is_refused_naming_its_argument(argument, build):
     """The refusal names the argument the 0-d bool tensor was given as (audit, 2026-12-07: the test above
@@ -153,6 +161,14 @@ async def test_synchronize_layer_checks_its_timeout():
                 waiting.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await waiting
+                # a recorded layer: 0 says True at once, and the timeout is still checked (audit, 2026-12-07:
+                # the test looked at layers never recorded only, so a check or a 0 that skipped the layer passed)
+                sync.record(1)
+                assert await asyncio.wait_for(sync.synchronize_layer(1, 2**31 - 1), 5) is True
+                assert await sync.synchronize_layer(1, 0) is True
+                with pytest.raises(LLMException) as info:
+                    await sync.synchronize_layer(1, "5")
+                assert info.value.argument == "timeout_in_millis"
 
 
 def test_a_copy_of_a_subclassed_config_keeps_its_class_and_attributes():
