@@ -23,18 +23,21 @@ from test_layerwise import (
     Ready,
     Setup,
     blocks_config,
+    code_of,
     layer_landed,
     setup,
 )
 
 from aio_datadist import (
     BlocksCacheKey,
+    CacheDesc,
     CacheKeyByIdAndIndex,
     EventLayerSynchronizer,
     LLMDataDist,
     LLMException,
     LLMRole,
     LLMStatusCode,
+    Placement,
 )
 
 pytestmark = pytest.mark.asyncio
@@ -126,20 +129,33 @@ async def test_transfer_and_link_coroutines_from_a_helper_loop_are_refused() -> 
         assert await decoder.unlink_clusters([cluster_info(PROMPT_ID, port_of(s.prompt))]) == (SUCCESS, [SUCCESS])
         result, _ = await in_helper_loop(lambda: decoder.link_clusters([cluster_info(PROMPT_ID, port_of(s.prompt))]))
         assert refused(result), f"link_clusters: {result!r}"
+        # nothing was dialled (audit, 2026-12-07: it passed with the check after the dial): no link on either end
+        assert await code_of(decoder.check_link_status(PROMPT_ID)) == LLMStatusCode.LLM_NOT_YET_LINK
+        assert await decoder.link_clusters([cluster_info(PROMPT_ID, port_of(s.prompt))]) == (SUCCESS, [SUCCESS])
 
 
 async def test_cache_manager_coroutines_from_a_helper_loop_are_refused() -> None:
-    """The CacheManager's transfers run through the KvCacheManager's: refused too (not LLM_NOT_YET_LINK)."""
+    """The CacheManager's transfers run through the KvCacheManager's: refused too (not LLM_NOT_YET_LINK), its
+    transfer_cache_async included, and swap_blocks and a copy of device blocks on the host backend (audit,
+    2026-12-07: they passed with the check in the KvCacheManager's transfer_cache_async only, or after the device
+    copies' branch)."""
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
-        await dd.init(v2_options())  # type: ignore[arg-type]
+        await dd.init({**v2_options(), "aio.DeviceType": "host"})  # type: ignore[arg-type]
         cm = dd.cache_manager
         blocks = cm.allocate_blocks_cache(BLOCKS)
         rows = cm.allocate_cache(BLOCKS)
+        device = cm.allocate_blocks_cache(CacheDesc(BLOCKS.num_tensors, BLOCKS.shape, BLOCKS.data_type,
+                                                    Placement.DEVICE))
         calls: dict[str, Callable[[], Awaitable[Any]]] = {
             "push_blocks": lambda: cm.push_blocks(BlocksCacheKey(DECODER_ID, 0), blocks, [1], [2], timeout=500),
             "push_cache": lambda: cm.push_cache(CacheKeyByIdAndIndex(DECODER_ID, 1, 0), rows, timeout=500),
             "pull_cache": lambda: cm.pull_cache(CacheKeyByIdAndIndex(DECODER_ID, 1, 0), rows, timeout=500),
             "copy_cache": lambda: cm.copy_cache(rows, rows, 0, 1, timeout=500),
+            "swap_blocks": lambda: cm.swap_blocks(blocks, device, {1: 2}, timeout=500),
+            "copy_blocks": lambda: cm.copy_blocks(device, {1: [5]}, timeout=500),
+            # its own entry into the layer-wise transfer (not the KvCacheManager's transfer_cache_async)
+            "transfer_cache_async": lambda: awaited(cm.transfer_cache_async(blocks, Ready(), [blocks_config()],
+                                                                            [1], [2])),
         }
         for name, call in calls.items():
             result, _ = await in_helper_loop(call, bound_s=2.0)
@@ -256,13 +272,17 @@ async def test_waiting_for_a_push_watch_from_another_loop_is_refused() -> None:
 
 async def test_a_synchronizer_made_on_a_helper_loop_is_refused() -> None:
     """Before, its futures lived on the helper loop: every layer recorded, the transfer still waited out
-    timeout_ms and failed ('layer_synchronizer returned False'); with timeout_ms=None it hung."""
+    timeout_ms and failed ('layer_synchronizer returned False'); with timeout_ms=None it hung. Refused before
+    its layers are expected (audit, 2026-12-07: it passed with the check after, which left them pending)."""
     async with setup() as s:
         async def make() -> EventLayerSynchronizer:
             return EventLayerSynchronizer(s.prompt, LAYERS, timeout_ms=300)
 
+        completions = s.prompt._require_runtime().completions
+        pending = completions.pending_count()
         result, _ = await in_helper_loop(make)
         assert refused(result), repr(result)
+        assert completions.pending_count() == pending, "a refused synchronizer left its layers expected"
 
 
 async def test_a_synchronizer_made_with_no_running_loop_is_refused() -> None:
@@ -282,10 +302,13 @@ async def test_a_synchronizer_made_with_no_running_loop_is_refused() -> None:
         assert out and refused(out[0]), repr(out)
 
 
-async def test_closing_the_synchronizer_in_the_prefill_thread_stops_the_transfer_at_once() -> None:
+@pytest.mark.parametrize("prefill_loop", [False, True])
+async def test_closing_the_synchronizer_in_the_prefill_thread_stops_the_transfer_at_once(prefill_loop: bool) -> None:
     """The prefill thread records layer 0, then fails and leaves ``with sync:``; the transfer waiting for layer 1
     (timeout_ms=None) stops at once with LLM_PARAM_INVALID. Before, the close cancelled the loop's future from that
-    thread without waking the loop: the transfer went on waiting until something else woke it (the heartbeat)."""
+    thread without waking the loop: the transfer went on waiting until something else woke it (the heartbeat).
+    A prefill thread running a loop of its own is off the endpoint's loop too (audit, 2026-12-07: it passed with
+    a cancel made directly wherever some loop ran)."""
     async with quiet_setup() as s:
         src = s.blocks_src()
         sync = EventLayerSynchronizer(s.prompt, LAYERS, timeout_ms=None)
@@ -298,7 +321,10 @@ async def test_closing_the_synchronizer_in_the_prefill_thread_stops_the_transfer
                 time.sleep(0.05)  # layer 1's compute fails: leaving the block closes the synchronizer
                 closed.append(time.monotonic())  # before the close: the transfer may end before this thread runs on
 
-        thread = threading.Thread(target=prefill)
+        async def prefill_on_its_loop() -> None:
+            prefill()
+
+        thread = threading.Thread(target=(lambda: asyncio.run(prefill_on_its_loop())) if prefill_loop else prefill)
         thread.start()
         await asyncio.wait_for(task.layer(0), 5)
         result = await asyncio.wait_for(task.synchronize(), 1.0)

@@ -22,11 +22,12 @@ DESC = CacheDesc(2, (16, 64), DataType.DT_FLOAT16, Placement.HOST)  # 2 tensors 
 
 
 def push(address, addrs: list[int], blocks: list[int]) -> object:
-    """One raw-address push of 1 byte per (address, block): the count pushed, or the refusal's code."""
+    """One raw-address push of 1 byte per (address, block), or per address with no blocks: the count pushed, or
+    the refusal's code."""
     fields = dict(channel=0, target_kind=int(Target.ADDRS), cluster_id=OWNER, cache_id=0, key_req_id=0, prefix_id=0,
                   model_id=0, batch_index=0, layer_first=-1, layer_last=-1, tensor_num_per_layer=2,
                   tensor_count=len(addrs), data_type=int(DESC.data_type.value), offset=1, nbytes=1,
-                  flags=int(ReqFlag.BLOCKS), timeout_ms=2000, rows=tuple(addrs + blocks))
+                  flags=int(ReqFlag.BLOCKS) if blocks else 0, timeout_ms=2000, rows=tuple(addrs + blocks))
     with RawLink(address, PEER, OWNER, None) as raw:
         raw.connect()
         try:
@@ -69,17 +70,21 @@ async def test_a_push_of_three_addresses_is_refused_with_nothing_planned(monkeyp
     """The bound is one layer's two addresses, and it is checked before any run is planned: 3 addresses (the
     first count past it) and 4096 are refused with the planner never called, and 2 are planned once. The test
     above checks the refusal of 4096 only, and passed with a bound of 64 or the check after the planning
+    (audit, 2026-12-07). A push with no blocks is bound too, and before its addresses are looked up (the loop
+    that builds addresses x blocks offsets): it passed with the bound checked only with blocks, or after that loop
     (audit, 2026-12-07)."""
-    planner = _Planner(owner_module._core)
+    planner, looked, find = _Planner(owner_module._core), [], owner_module._find_tensor
     monkeypatch.setattr(owner_module, "_core", planner)
+    monkeypatch.setattr(owner_module, "_find_tensor", lambda rt, a, b: looked.append(a) or find(rt, a, b))
     async with endpoint(LLMRole.PROMPT, OWNER, listen=True, transport="tcp") as owner:
         cache = owner.kv_cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(OWNER))
         base0, base1 = cache.tensor_addrs
         before = [t.clone() for t in cache.tensors]
-        for addrs, blocks in (([base0, base1, base0 + 1], [3]), ([base0 + 1] * 4096, [0] * 2048)):
+        for addrs, blocks in (([base0, base1, base0 + 1], [3]), ([base0, base1, base0 + 1], []),
+                              ([base0 + 1] * 4096, [0] * 2048)):
             refused = await asyncio.wait_for(asyncio.to_thread(push, port_of(owner), addrs, blocks), 10)
             assert refused == LLMStatusCode.LLM_PARAM_INVALID
-            assert planner.planned == [], "a refused request was planned"
+            assert planner.planned == [] and looked == [], "a refused request was planned"
         assert all(t.equal(b) for t, b in zip(cache.tensors, before, strict=True))
         pushed = await asyncio.wait_for(asyncio.to_thread(push, port_of(owner), [base0, base1], [3]), 10)
         assert pushed == 2 and planner.planned == [(2, 1)]
