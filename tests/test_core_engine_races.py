@@ -50,7 +50,7 @@ SUBMIT_VS_CLOSE = """
     n = 1_000_000
     buf = np.zeros(4 << 20, dtype=np.uint8)
     addrs = buf.ctypes.data + 2 * np.arange(n, dtype=np.uint64)
-    if kind == "copy":
+    if kind.startswith("copy"):
         segs = np.ones(3 * n, dtype=np.uint64)
         segs[0::3] = addrs
         segs[1::3] = buf.ctypes.data + (2 << 20)
@@ -60,14 +60,17 @@ SUBMIT_VS_CLOSE = """
     q = _core.CompletionQueue()
     a, b = socket.socketpair()
     a.setblocking(False)
-    eng = _core.HostCopyEngine(q, threads=2) if kind == "copy" else _core.SocketEngine(q)
+    before = tids()
+    eng = _core.HostCopyEngine(q, threads=2) if kind.startswith("copy") else _core.SocketEngine(q)
+    if kind == "copy-held":  # the close joins a copy thread frozen for 1 s: the submit's read ends meanwhile
+        freeze(min(tids() - before))
     outcome = []
     started = threading.Event()
 
     def submit():
         started.set()
         try:
-            if kind == "copy":
+            if kind.startswith("copy"):
                 eng.submit(7, segs)
             else:
                 eng.submit_recv(7, a.fileno(), segs)
@@ -93,10 +96,10 @@ SUBMIT_VS_CLOSE = """
 """
 
 
-@pytest.mark.parametrize("kind", ["copy", "socket"])
+@pytest.mark.parametrize("kind", ["copy", "copy-held", "socket"])
 def test_submit_racing_close_is_refused_or_gets_its_record(kind):
-    out = run(SUBMIT_VS_CLOSE, kind)
-    closed = "HostCopyEngine is closed" if kind == "copy" else "SocketEngine is closed"
+    out = run_script(FREEZER, SUBMIT_VS_CLOSE, args=(kind,))
+    closed = "SocketEngine is closed" if kind == "socket" else "HostCopyEngine is closed"
     assert f"OUTCOME ['refused: {closed}']" in out or ("RECORDS [(7, -125, " in out and "PENDING 0" in out), out
 
 
@@ -216,6 +219,34 @@ def test_close_from_two_threads_at_once_returns_in_both(kind):
     assert "LIVE {}" in run(DOUBLE_CLOSE, kind, "100" if kind == "notifier" else "300")
 
 
+def test_a_second_close_is_not_woken_early_by_another_objects_close():
+    """A close() that waits for another thread's close() of the same engine (joining a copy thread frozen for
+    1 s) returns only once that one has finished, even when another object's close() wakes every waiter
+    meanwhile (they share one condition variable): the copy threads are gone by then."""
+    out = run_script(FREEZER, """
+        import threading
+
+        q = _core.CompletionQueue()
+        other = _core.HostStream()
+        before = tids()
+        eng = _core.HostCopyEngine(q, threads=1)
+        (worker,) = tids() - before
+        freeze(worker)
+        first = threading.Thread(target=eng.close)
+        first.start()
+        while _core.live_objects().get("HostCopyEngine"):  # the first close() has claimed the shutdown
+            pass
+        second = threading.Thread(target=lambda: (eng.close(), print("SECOND, threads", eng.threads, flush=True)))
+        second.start()
+        time.sleep(0.1)  # the second close() waits (nothing to await: the first is frozen for 1 s)
+        other.close()  # wakes every close() waiting
+        second.join(5)
+        first.join(5)
+        q.close()
+    """, timeout=10)
+    assert "SECOND, threads 0" in out, out
+
+
 def test_close_while_another_thread_closes_returns_once_closed():
     """The later close() waits for the first one: when it returns, the engine is closed (its records came)."""
     out = run_script(HELD_NOTIFIER, """
@@ -238,14 +269,17 @@ def test_close_while_another_thread_closes_returns_once_closed():
 
 def test_synchronize_with_a_timeout_that_passed_returns_at_once():
     """A negative timeout has passed: ``synchronize`` on a held stream returns False at once; an infinite one
-    waits for as long as it takes; NaN raises ValueError (as ``HostCopyEngine.wait`` does)."""
-    out = run("""
+    waits for as long as it takes; NaN raises ValueError (as ``HostCopyEngine.wait`` does, here on a job its
+    frozen copy thread has not run: False at once for a negative timeout, True once it ran for an infinite one)."""
+    out = run_script(FREEZER, """
         import math, threading
-        from aio_datadist import _core
+        import numpy as np
 
         q = _core.CompletionQueue()
         s = _core.HostStream()
+        before = tids()
         eng = _core.HostCopyEngine(q, threads=1)
+        (worker,) = tids() - before
         g = s.gate()
         print("SYNC", s.synchronize(-0.999), s.synchronize(-math.inf), flush=True)
         for call in (lambda: s.synchronize(math.nan), lambda: eng.wait(1, math.nan)):
@@ -254,13 +288,20 @@ def test_synchronize_with_a_timeout_that_passed_returns_at_once():
                 print("NAN accepted")
             except ValueError as exc:
                 print("NAN", exc)
+        freeze(worker)  # for 1 s: job 2 waits for it
+        for _ in range(100_000):  # until it sleeps in its handler
+            if open(f"/proc/self/task/{worker}/syscall").read().split()[0] in ("35", "230"):
+                break
+        src, dst = np.ones(64, np.uint8), np.zeros(64, np.uint8)
+        eng.submit(2, np.array([dst.ctypes.data, src.ctypes.data, 64], np.uint64))
+        print("COPY", eng.wait(2, -0.999), flush=True)
         threading.Timer(0.05, g.open).start()
-        print("INF", s.synchronize(math.inf), eng.wait(1, math.inf), flush=True)
+        print("INF", s.synchronize(math.inf), eng.wait(2, math.inf), eng.pending(), flush=True)
         s.close()
         eng.close()
         q.close()
     """, timeout=10)
-    assert "SYNC False False" in out and "INF True True" in out, out
+    assert "SYNC False False" in out and "COPY False" in out and "INF True True 0" in out, out
     assert out.count("NAN timeout must be a number of seconds, got nan") == 2, out
 
 

@@ -330,12 +330,15 @@ def test_cuda_watcher_posts_nothing_ahead_of_an_unwatched_notification(cuda, dev
         notifier.notify(4, 0x5, 4)
         device.set("fake_no_events", 0)
         notifier.notify(5, 0x5, 5)
+        device.set("fake_no_events", 1)
+        notifier.notify(6, 0x6, 6)  # left behind too, after 5: 5 still waits for 4, the oldest one behind
+        device.set("fake_no_events", 0)
         device.finish_through(device.enqueued())
         assert drain_until(queue, 1) == [(3, 0, 3)]
         time.sleep(0.05)
         assert queue.drain() == []  # 5 waits behind 4
-        assert device.run_host_funcs() == 3
-        assert queue.drain() == [(4, 0, 4), (5, 0, 5)]
+        assert device.run_host_funcs() == 4
+        assert queue.drain() == [(4, 0, 4), (5, 0, 5), (6, 0, 6)]
 
 
 def test_closing_a_notifier_while_another_thread_notifies_waits_for_that_call(cuda):
