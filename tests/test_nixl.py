@@ -235,7 +235,8 @@ async def test_a_released_registered_cache_a_peer_still_uses_keeps_its_memory_un
 
 
 @needs_nixl
-async def test_a_timed_out_read_has_settled_before_the_call_returns_and_the_link_goes_on():
+@pytest.mark.parametrize("asked", [False, True], ids=["read-without-asking", "asked"])
+async def test_a_timed_out_read_has_settled_before_the_call_returns_and_the_link_goes_on(asked, monkeypatch):
     big = CacheDesc(2, (64, 256 * 1024), DataType.DT_INT8, Placement.HOST)  # 2 x 16 MiB
     async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
         src = pair.pm.allocate_blocks_cache(big, BlocksCacheKey(PROMPT_ID))
@@ -243,6 +244,8 @@ async def test_a_timed_out_read_has_settled_before_the_call_returns_and_the_link
             t.fill_(7)
         dst = pair.dm.allocate_blocks_cache(big)
         await prepared(pair.prompt, DECODER_ID, src)
+        if asked:  # the owner answers in place, our READ is the request's (Request.give_up settles it; found by audit)
+            monkeypatch.setattr(link_to(pair.decoder, PROMPT_ID).nixl, "grant_for", lambda model_id: None)
         engine = nixl_agent_of(pair.decoder).engine
         made = made_handles(engine)
         timed_out = 0

@@ -220,6 +220,57 @@ async def test_a_read_without_asking_that_needs_the_owners_progress_longer_than_
         # nudged again before the owner's progress ran out (NUDGE_HOLD_S / 2 apart; a loaded loop makes it late)
         gaps = sorted(b - a for a, b in zip(sent, sent[1:]))
         assert len(gaps) >= 2 and gaps[0] < HOLD_S, gaps
+        # a READ cut by its timeout settles with the owner's progress too: nudged while it settles, it returns at
+        # once and the link goes on (not nudged, it settled only by force past NIXL_SETTLE_S, the link failed;
+        # found by audit)
+        loop = asyncio.get_running_loop()
+        for timeout in (10, 5, 2, 1):
+            started = loop.time()
+            try:
+                await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL[:8], ALL[:8],
+                                                           timeout=timeout)
+            except LLMException as exc:
+                assert exc.status_code == S.LLM_TIMEOUT, exc
+                assert loop.time() - started < timeout / 1000 + 0.5, loop.time() - started
+                break
+        else:
+            pytest.fail("no pull was cut")
+        assert engine.in_flight() == 0
+        await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, ALL[:8], ALL[:8], timeout=5000)
+        assert same(snapshot(dst), owner.expected("src"))
+
+
+@pytest.mark.loops_take_turns
+async def test_each_nudge_keeps_the_owner_making_progress_for_nudge_hold_s_from_that_nudge(monkeypatch):
+    # Row 171, the owner's end: a NUDGE heard while the owner makes progress moves its end to NUDGE_HOLD_S from
+    # this nudge (the reader nudges every NUDGE_HOLD_S / 2); ending it NUDGE_HOLD_S after the first stops the owner
+    # under a READ that lasts (found by audit: the reader-side test passed that, its READ only slower).
+    monkeypatch.setattr(nixl_grants, "NUDGE_HOLD_S", 0.4)
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        await big_pair_caches(pair, True)
+        loop = asyncio.get_running_loop()
+        owner = nixl_agent_of(pair.prompt).engine
+        granted = link_to(pair.decoder, PROMPT_ID).nixl.granted
+        revocations = link_to(pair.prompt, DECODER_ID).nixl.revocations
+        heard: list[float] = []  # when the owner heard each NUDGE (loop time)
+        real = revocations.on_nudge
+        monkeypatch.setattr(revocations, "on_nudge", lambda: (heard.append(loop.time()), real()))
+        for n in (1, 2):
+            granted.nudge()
+            async with asyncio.timeout(5):
+                while len(heard) < n:
+                    await asyncio.sleep(0.005)
+            assert owner._holds == 1
+            if n == 1:
+                await asyncio.sleep(0.2)
+        end = revocations._nudge_end
+        assert end is not None and end.when() >= heard[1] + 0.4, heard  # the hold's end moved with the last nudge
+        await asyncio.sleep(max(heard[0] + 0.5 - loop.time(), 0))  # past the first nudge's hold
+        if loop.time() < heard[1] + 0.4:  # (not past the second's: a loaded loop may oversleep)
+            assert owner._holds == 1, heard  # still making progress for the peer
+        async with asyncio.timeout(5):
+            while owner._holds:  # and stops NUDGE_HOLD_S after the last nudge
+                await asyncio.sleep(0.01)
 
 
 _UNLINKED_DESC = CacheDesc(2, (128, 1 << 20), DataType.DT_UINT8, Placement.HOST)  # 2 x 128 MiB

@@ -444,6 +444,7 @@ async def test_a_reader_that_stops_mid_pull_is_cut_off_and_everything_is_release
             t0 = time.monotonic()
             while state(dd)["socket jobs"] == 0 and not stalled.done():  # the owner is sending
                 await asyncio.sleep(0.005)
+            sending = time.monotonic()
             mine = other.kv_cache_manager.allocate_cache(SMALL)
             small = dd.kv_cache_manager.allocate_cache(SMALL, [CacheKey(PROMPT, 8)])
             fill(small, 5)
@@ -457,6 +458,9 @@ async def test_a_reader_that_stops_mid_pull_is_cut_off_and_everything_is_release
             link = link_to(dd, DECODER)
             if keep_pinging:
                 assert link is not None and link.broken is None  # the link lives on; the channel was reset
+                # by the serving timeout, the request's 300 ms + 1 s from the owner's send (no floor under a short
+                # request's; found by audit: 2 s passed the bound above)
+                assert time.monotonic() - sending < 0.3 + 1.0 + 0.45, (ended, time.monotonic() - sending)
             else:
                 assert link is None or link.broken is not None
         finally:
