@@ -363,6 +363,35 @@ def test_pulls_waiting_on_a_failed_relink_fail_with_it(agents) -> None:
     assert time.monotonic() - started < 2.0
 
 
+def test_an_aborted_pull_that_was_linking_again_does_not_fail_the_pulls_waiting_on_it(agents) -> None:
+    """The one attempt above, aborted by vLLM (its request's task cancelled while it links) is no failed link:
+    the pulls waiting on it link again in their turn and load (found by a hunt, 2026-12-07: they failed
+    'linking again failed' without trying)."""
+    prefill, p_kv = agents(True)
+    decode, d_kv = agents(False)
+    _pull_one(prefill, decode)
+    peer = decode._peers[prefill.side_channel].result()
+    real_link, linking = decode._link, []
+
+    async def slow_link(cluster) -> None:  # linking again takes a while (a data network coming back)
+        linking.append(cluster.remote_cluster_id)
+        await asyncio.sleep(0.3)
+        await real_link(cluster)
+
+    decode._link = slow_link
+    peer.link_lost = True
+    for i in range(3):
+        prefill.holds.add(f"r{i + 2}", lease_s=60)
+        decode.start_pull(f"d{i + 2}", _remote(prefill, f"r{i + 2}", [10 + i]), [4 + i])
+    wait(lambda: len(linking) == 1)
+    decode.pulls.abort({"d2"})  # the user of the request whose pull links went away
+    wait(lambda: not decode.pulls.pending())
+    finished, failed, _ = decode.pulls.take_finished()
+    assert finished == {"d2", "d3", "d4"} and failed == {"d2"}, failed
+    _assert_block(d_kv, 5, p_kv, 11)
+    _assert_block(d_kv, 6, p_kv, 12)
+
+
 def test_a_claim_waiting_for_its_request_does_not_hold_up_the_others(agents) -> None:
     prefill, p_kv = agents(True, claim_wait_s=3.0)
     decode, d_kv = agents(False)
@@ -686,3 +715,21 @@ def test_a_pull_ends_within_the_hold_the_prefill_granted(agents) -> None:
 async def _conns(agent) -> int:
     """How many side-channel connections ``agent`` serves (read on its loop)."""
     return len(agent._conns)
+
+
+def test_a_refused_claim_of_a_long_request_id_does_not_fail_the_other_loads_on_the_side_channel(agents) -> None:
+    """``kv_transfer_params`` naming an unknown request whose id is long (ids of up to 256 characters parse) are
+    refused, and the load in flight on the same side channel goes on (found by a hunt, 2026-12-07: the refusal's
+    text named the id and ran past the 256 characters a decode reads, so the decode dropped the side channel and
+    the other load failed with it)."""
+    with _slow_data_path(agents) as (prefill, p_kv, decode, d_kv):
+        prefill.options.claim_wait_s = 0.0  # unknown requests are refused at once
+        prefill.holds.add("r1", lease_s=60, blocks=[6, 8])
+        decode.start_pull("d1", _remote(prefill, "r1", [6, 8]), [3, 5])  # about 1.5 s through the slow relay
+        wait(lambda: prefill.holds.held.get("r1") is not None and prefill.holds.held["r1"].owner is not None)
+        decode.start_pull("bogus", _remote(prefill, "x" * 200, [2]), [9])
+        wait(lambda: not decode.pulls.pending())
+        finished, failed, _ = decode.pulls.take_finished()
+        assert finished == {"d1", "bogus"} and failed == {"bogus"}, failed
+        _assert_block(d_kv, 3, p_kv, 6)
+        _assert_block(d_kv, 5, p_kv, 8)

@@ -206,6 +206,47 @@ def test_past_the_bound_a_newcomer_evicts_the_oldest_silent_handshake_not_one_th
             _reap(flood)
 
 
+def test_a_decode_evicted_from_the_handshake_after_the_prefill_proved_itself_tries_again(agents, monkeypatch) -> None:
+    """docs/vllm.md: a decode whose connection the prefill closes in the handshake tries again (3 connections in
+    all). Also one evicted while its own proof is on the way (the prefill's proof reached it: its dial returned),
+    by 16 newer dialers that all spoke (found by a hunt, 2026-12-07: its load failed, 'side channel closed')."""
+    import threading
+
+    from aio_datadist.integrations import vllm_auth
+
+    prefill, p_kv = agents(True, shared_secret=SECRET)
+    decode, d_kv = agents(False, shared_secret=SECRET)
+    prefill.holds.add("r1", lease_s=60, blocks=[5])
+    host, port = prefill.side_channel
+    in_flight, go_on = threading.Event(), threading.Event()
+    real_proof = vllm_auth.proof
+
+    def proof_on_the_way(secret, role, first, second):  # the decode's first proof takes a while to reach the prefill
+        if role == b"decode" and threading.current_thread() is decode.loop._thread and not in_flight.is_set():
+            in_flight.set()
+            go_on.wait(3)
+        return real_proof(secret, role, first, second)
+
+    monkeypatch.setattr(vllm_auth, "proof", proof_on_the_way)
+    decode.start_pull("d1", RemotePrefill("engine-p", "r1", host, port, (5,), BLOCK_TOKENS), [2])
+    assert in_flight.wait(3)
+    hellos: list[socket.socket] = []
+    try:
+        for _ in range(MAX_PENDING_HANDSHAKES):  # other dialers from the decode's host, each hello read
+            hellos.append(socket.create_connection((host, port), timeout=2))
+            hellos[-1].sendall(vllm_auth.MAGIC + os.urandom(32))
+            assert len(hellos[-1].recv(64, socket.MSG_WAITALL)) == 64
+        go_on.set()
+        wait(lambda: not decode.pulls.pending(), 5)
+        finished, failed, _ = decode.pulls.take_finished()
+        assert finished == {"d1"} and not failed, "the load failed: the decode did not try again"
+        assert torch.equal(d_kv["layers.0"][:, 2], p_kv["layers.0"][:, 5])
+    finally:
+        go_on.set()
+        for sock in hellos:
+            sock.close()
+
+
 def test_a_handshake_is_limited_to_link_timeout_ms(agents) -> None:
     """A connection silent from the start, and one that sent its hello and never its proof, are both closed
     once ``link_timeout_ms`` ran out, unanswered past the prefill's nonce and proof (the tests above keep

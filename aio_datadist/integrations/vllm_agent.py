@@ -32,6 +32,7 @@ from aio_datadist.integrations import vllm_auth
 from aio_datadist.integrations.vllm_state import DecodePulls, PrefillHolds
 from aio_datadist.integrations.vllm_wire import (
     HEADER,
+    MAX_TEXT,
     OPS,
     Layout,
     RemotePrefill,
@@ -270,6 +271,16 @@ class LoopThread:
         self._thread.join(10)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+def _reply_frame(rid: int, reply: dict[str, Any]) -> bytes:
+    """The prefill's answer to request ``rid``, its error cut to what a decode reads (``MAX_TEXT``): a longer one
+    was a malformed frame to the decode, which dropped the side channel with every other load on it (an error
+    naming a request id of up to 256 characters; found by a hunt, 2026-12-07)."""
+    error = reply.get("error")
+    if isinstance(error, str) and len(error) > MAX_TEXT:
+        reply = {**reply, "error": error[:MAX_TEXT]}
+    return encode_frame({"id": rid, **reply})
 
 
 class _Peer:
@@ -643,7 +654,7 @@ class Agent:
                         claim.add_done_callback(waiting.discard)
                         continue
                     else:  # refused at once: waiting here would stop this connection's other frames too
-                        reply = {"ok": False, "error": f"request {req} is not known here, and this connection "
+                        reply = {"ok": False, "error": f"request {req[:120]} is not known here, and this connection "
                                                       f"has {MAX_WAITING_CLAIMS} claims waiting already"}
                 elif op == "held":
                     reply = {"ok": self.holds.held_by(message["req"], owner)}
@@ -655,7 +666,7 @@ class Agent:
                         self.record("release", req=message["req"], why="done")
                     else:
                         reply["error"] = "not claimed by this connection"
-                writer.write(encode_frame({"id": rid, **reply}))
+                writer.write(_reply_frame(rid, reply))
                 await writer.drain()  # a peer that does not read its replies is not read either
         except (OSError, asyncio.IncompleteReadError):
             pass
@@ -708,13 +719,13 @@ class Agent:
         if self.holds.claim(req, owner, hold_s, max_owned=limit):
             blocks = self.holds.blocks(req)
             return {"ok": True, "hold_ms": int(hold_s * 1000), **({"blocks": blocks} if blocks else {})}
-        return {"ok": False, "error": f"request {req} holds no blocks here (finished or expired), "
+        return {"ok": False, "error": f"request {req[:120]} holds no blocks here (finished or expired), "
                                       f"or this connection holds {limit} claims already"}
 
     async def _answer_claim(self, writer: asyncio.StreamWriter, rid: int, req: str, owner: int,
                             hold_s: float) -> None:
         reply = await self._claim(req, owner, hold_s)
-        writer.write(encode_frame({"id": rid, **reply}))  # claimed and answered in one step of the loop
+        writer.write(_reply_frame(rid, reply))  # claimed and answered in one step of the loop
 
     # -- decode: pulls ---------------------------------------------------------------------
 
@@ -785,23 +796,36 @@ class Agent:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 reader, writer = await asyncio.open_connection(host, port)
             _keepalive(writer)
-            if self._secret is None:
-                break
+            if self._secret is not None:
+                try:
+                    async with asyncio.timeout(deadline - time.monotonic()):
+                        await vllm_auth.dial(reader, writer, self._secret, self._own_dials)
+                except vllm_auth.HandshakeClosed:  # a flood at the prefill may have evicted us: try again
+                    writer.transport.abort()
+                    if attempt == HANDSHAKE_ATTEMPTS - 1 or time.monotonic() >= deadline:
+                        raise
+                    continue
+                except BaseException:
+                    writer.transport.abort()
+                    raise
+            peer = _Peer(reader, writer)
+            reading = peer.task = asyncio.ensure_future(peer.read_replies())
             try:
-                async with asyncio.timeout(deadline - time.monotonic()):
-                    await vllm_auth.dial(reader, writer, self._secret, self._own_dials)
+                hello = await peer.request("hello", timeout_s)
                 break
-            except vllm_auth.HandshakeClosed:  # a flood at the prefill may have evicted us: try again
+            except ConnectionError:
                 writer.transport.abort()
-                if attempt == HANDSHAKE_ATTEMPTS - 1 or time.monotonic() >= deadline:
+                reading.cancel()
+                # closed before a word of answer, with no reason given: evicted from the prefill's handshake
+                # while our proof was on its way (after its proof reached us): try again, as above
+                if (self._secret is None or peer.answered or peer.refused or attempt == HANDSHAKE_ATTEMPTS - 1
+                        or time.monotonic() >= deadline):
                     raise
             except BaseException:
                 writer.transport.abort()
+                reading.cancel()
                 raise
-        peer = _Peer(reader, writer)
-        peer.task = asyncio.ensure_future(peer.read_replies())
         try:
-            hello = await peer.request("hello", timeout_s)
             if not hello["ok"]:
                 raise ConnectionError(f"prefill refused hello: {hello['error']}")
             theirs: Layout = hello["layout"]
@@ -818,7 +842,7 @@ class Agent:
             return peer
         except BaseException:
             writer.transport.abort()
-            peer.task.cancel()
+            reading.cancel()
             raise
 
     async def _link(self, cluster: LLMClusterInfo) -> None:
@@ -842,8 +866,11 @@ class Agent:
             assert peer.cluster is not None
             try:
                 await self._link(peer.cluster)
-            finally:
+            except asyncio.CancelledError:
+                raise  # this pull was aborted, the link did not fail: a pull waiting here tries in its turn
+            except BaseException:
                 peer.relinks += 1
+                raise
             peer.link_lost = False
 
     async def _pull(self, req_id: str, remote: RemotePrefill, local: tuple[int, ...]) -> None:

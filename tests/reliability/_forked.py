@@ -215,9 +215,10 @@ async def _command(dd: LLMDataDist, caches: dict[str, KvCache], background: set[
 
 
 async def _swarm(cluster_ids: list[int], prompt_id: int, port: int, desc: Any, seed: int, seconds: float,
-                 config: dict[str, Any]) -> dict[str, Any]:
-    """``len(cluster_ids)`` more DECODER endpoints here, each linked to the prompt, pulling random
-    blocks of its blocks cache (``fill(..., seed)``) for ``seconds`` and checking every byte."""
+                 config: dict[str, Any], link_timeout_ms: int = 10_000) -> dict[str, Any]:
+    """``len(cluster_ids)`` more DECODER endpoints here, each linked to the prompt (``link_timeout_ms``: the
+    default 3 s timed some of 256 links out on a CI machine busy with other work), pulling random blocks of its
+    blocks cache (``fill(..., seed)``) for ``seconds`` and checking every byte."""
     from peers import cluster_info, pattern
 
     expected = pattern(desc, seed)
@@ -228,8 +229,8 @@ async def _swarm(cluster_ids: list[int], prompt_id: int, port: int, desc: Any, s
             dd = await stack.enter_async_context(LLMDataDist(LLMRole.DECODER, cid))
             await dd.init(_harness.options(**config))
             ends.append(dd)
-        results = await asyncio.gather(*(dd.link_clusters([cluster_info(prompt_id, ("127.0.0.1", port))])
-                                         for dd in ends))
+        results = await asyncio.gather(*(dd.link_clusters([cluster_info(prompt_id, ("127.0.0.1", port))],
+                                                          timeout=link_timeout_ms) for dd in ends))
         assert all(r[0] == 0 for r in results), results
         deadline = time.monotonic() + seconds
         rows = desc.shape[0]
