@@ -489,3 +489,43 @@ async def test_a_retired_buffer_that_goes_wakes_a_transfer_waiting_for_one():
     del buf
     gc.collect()
     assert (await asyncio.wait_for(waiting, 1.0)).numel() == 4096 and pool.live == 1
+
+
+async def test_a_staged_receive_whose_engine_closes_between_a_fill_and_its_scatter_returns():
+    """finalize's close (``Runtime.close``: ``Completions.close``) that runs after a chunk came in but before the
+    pipeline scatters it: the scatter is refused ("the transfer engine is closed") before anything is queued, and
+    the receive fails with that. Before, the scatter's ``settled`` future was listed before ``Completions.start``
+    refused it and was never set: the receive waited for it for ever, through cancels (``settle_all``)."""
+    from peers import endpoint
+
+    async with endpoint(LLMRole.DECODER, DECODER_ID, **HOST) as dd:
+        rt = runtime_of(dd)
+        staging = DeviceStaging(rt.completions, rt.devices, chunk_bytes=4096, buffers=4)
+        cache = dd.kv_cache_manager.allocate_blocks_cache(BLOCKS)
+        loop = asyncio.get_running_loop()
+
+        def fill(chunk, view):
+            fut = loop.create_future()
+            view.fill_(7)
+            loop.call_soon(fut.set_result, view.numel())  # the chunk is in ...
+            loop.call_soon(rt.completions.close)  # ... and the engine closes before the pipeline resumes
+            return fut
+
+        task = asyncio.ensure_future(staging.receive(cache, 0, 4, list(range(6)), 0, 3 * 512 * 2, fill))
+        done, _ = await asyncio.wait([task], timeout=2)
+        if not done:
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=1)
+            coro = task.get_coro()  # let the stuck wait go, for the teardown
+            while coro is not None:
+                if getattr(coro, "cr_code", None) is not None and coro.cr_code.co_name == "settle_all":
+                    for fut in coro.cr_frame.f_locals["futures"]:
+                        if not fut.done():
+                            fut.set_result(None)
+                coro = getattr(coro, "cr_await", None)
+            await asyncio.wait([task], timeout=1)
+            raise AssertionError(f"the staged receive did not return within 2 s (nor 1 s after a cancel: {not done})")
+        with pytest.raises(LLMException) as info:
+            task.result()
+        assert info.value.status_code == S.LLM_FAILED and "closed" in str(info.value)
+        staging.close()

@@ -549,8 +549,16 @@ class DeviceStaging:
             # buffer among it) until its stream drained, so the buffer is not reused under the copy.
             backend.enqueue_and_notify(token, enqueue, chunk.nbytes, keep, what)
 
-        return self.completions.start(submit, backend.cancel, timeout_ms=None, what=what, keepalive=keep,
-                                      settled=settled)
+        try:
+            return self.completions.start(submit, backend.cancel, timeout_ms=None, what=what, keepalive=keep,
+                                          settled=settled)
+        except BaseException:
+            # Refused before anything was queued (the engine closed: finalize), or after what it queued drained
+            # (``Completions.start`` set ``settled`` then): nothing of it is left to wait for (``settle_all``
+            # waited for it for ever, found by a hunt, 2026-12-07).
+            if not settled.done():
+                settled.set_result(None)
+            raise
 
     async def send(self, cache: KvCache, first: int, count: int, rows: Sequence[int], offset: int, nbytes: int,
                    consume: Use, what: str = "staged send", holder: Any = None) -> None:
