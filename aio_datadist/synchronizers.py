@@ -64,6 +64,11 @@ class EventLayerSynchronizer(LayerSynchronizer):
         self._lock = threading.Lock()  # record() (any thread) against close(): a record that returned is kept
         self._closed = False
 
+    @property
+    def num_layers(self) -> int:
+        """How many layers it synchronizes (``0 .. num_layers - 1``)."""
+        return len(self._layers)
+
     def record(self, layer_index: int, stream: Any = None) -> None:
         """Mark layer ``layer_index`` computed. Safe from any thread.
 

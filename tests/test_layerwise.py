@@ -1359,3 +1359,28 @@ async def test_a_watch_of_a_cache_released_mid_transfer_fails_what_cannot_land()
         gate.open(1, 2, 3)
         async with asyncio.timeout(5):
             assert await task.get_results() == [LLMStatusCode.LLM_KV_CACHE_NOT_EXIST]
+
+
+async def test_an_event_synchronizer_with_fewer_layers_than_the_transfer_is_refused_at_the_call() -> None:
+    """An EventLayerSynchronizer made for fewer layers than the transfer moves is a bad argument known at the
+    call: refused there (``LLM_PARAM_INVALID`` naming ``layer_synchronizer``) with nothing sent, not found only
+    at its first missing layer after the layers before it were pushed."""
+    async with setup() as s:
+        src, dst = s.blocks_src(), s.dsts[0]
+        before = snapshot(dst)
+        with EventLayerSynchronizer(s.prompt, 2) as sync:
+            sync.record(0)
+            sync.record(1)
+            for config in (blocks_config(), blocks_config(src_layer_range=range(2, 4))):
+                with pytest.raises(LLMException) as info:
+                    task = s.pm.transfer_cache_async(src, sync, [config], SRC_BLOCKS, DST_BLOCKS)
+                    with contextlib.suppress(LLMException):
+                        await asyncio.wait_for(task, 3)
+                assert info.value.status_code == PARAM_INVALID
+                assert "layer_synchronizer" in str(info.value)
+            await asyncio.sleep(0.1)
+            assert untouched(dst, before, range(LAYERS)), "layers were sent before the synchronizer was found short"
+            # the layers it has are fine
+            task = s.pm.transfer_cache_async(src, sync, [blocks_config(src_layer_range=range(0, 2))],
+                                             SRC_BLOCKS, DST_BLOCKS)
+            assert await task == [SUCCESS]
