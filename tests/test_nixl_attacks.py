@@ -602,6 +602,35 @@ async def test_grants_name_offered_caches_only_and_go_with_their_withdrawal():
         assert not victim.granted.grants
 
 
+async def test_a_grant_of_an_unknown_data_type_fails_only_that_read_without_asking():
+    """A ``GRANT`` whose geometry names a data type this library does not know (a hostile peer, or a newer one):
+    the read without asking does not fit it, so the pull asks the owner and gets its ``LLMException``; the link
+    goes on. Before, building the mismatch's message raised a bare ``ValueError`` out of ``pull_blocks`` on every
+    pull by that key (found by a hunt, 2026-12-07)."""
+    from aio_datadist.plans import block_shape_digest
+    from aio_datadist.transport import nixl_grants
+    from aio_datadist.wire import NixlRecord
+
+    small = CacheDesc(4, (16, 4, 64), DataType.DT_FLOAT16, Placement.HOST)
+    async with linked_pair(prompt_config=NIXL, decoder_config=NIXL) as pair:
+        offered = pair.pm.allocate_blocks_cache(small)  # offered, never granted: no blocks key
+        dst = pair.dm.allocate_blocks_cache(small)
+        peer = link_to(pair.decoder, PROMPT_ID).nixl
+        async with asyncio.timeout(5):
+            while offered.cache_id not in peer.caches or peer.ledger is None:
+                await asyncio.sleep(0.005)
+        model_id = BlocksCacheKey(PROMPT_ID).model_id
+        peer.on_message(NixlRecord(kind=nixl_grants.GRANT, cache_id=offered.cache_id, count=1, row_bytes=0, rows=(),
+                                   blob=nixl_grants.GRANT_INFO.pack(model_id, 999, block_shape_digest(offered), 1)))
+        assert peer.grant_for(model_id) is not None
+        with pytest.raises(LLMException):  # the owner's answer: it has no such key
+            await asyncio.wait_for(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID), dst, [0], [0]), 5)
+        src = pair.pm.allocate_blocks_cache(small, BlocksCacheKey(PROMPT_ID, 1))
+        fill(src, 3)
+        await asyncio.wait_for(pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 1), dst, [0], [0]), 5)
+        assert all(torch.equal(d[0], s[0]) for d, s in zip(dst.tensors, src.tensors))
+
+
 async def loaded_by_record(victim: Any, done: Callable[[], bool], seconds: float = 5) -> None:
     """Until ``done()``: the records sent before it were read."""
     async with asyncio.timeout(seconds):

@@ -62,6 +62,14 @@ def geometry_of(cache: KvCache) -> Geometry:
     return geo
 
 
+def _type_name(value: int) -> str:
+    """``value``'s DataType name; a peer's geometry (a NIXL ``GRANT``) may name one we do not know."""
+    try:
+        return DataType(value).name
+    except ValueError:
+        return f"data type {value}"
+
+
 def fit(geo: Geometry, req: TransferReq, *, pull: bool, row: int | None) -> tuple[list[int], int, int]:
     """The rows ``req`` names in the cache (``row``, its target's row, when it names none), and the first
     tensor and tensor count of its layer range; :class:`Refusal` with the status the owner answers if it
@@ -78,7 +86,7 @@ def fit(geo: Geometry, req: TransferReq, *, pull: bool, row: int | None) -> tupl
     if req.data_type != geo.data_type:
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                       f"invalid argument '{key_arg}': data types differ: cache {geo.cache_id} holds "
-                      f"{DataType(geo.data_type).name}, the request's cache holds data type {req.data_type}")
+                      f"{_type_name(geo.data_type)}, the request's cache holds data type {req.data_type}")
     rows = list(req.rows)
     arg = "src_blocks" if pull else "dst_blocks"
     if rows and row is not None and not geo.is_blocks:
