@@ -555,9 +555,11 @@ class LinkTable(LinkDials):
             async with asyncio.timeout(timeout_ms / 1000):
                 await fut
         except TimeoutError:
-            link.unexpect(req_id)
             raise LLMException(f"link to cluster {remote_id}: no answer within {timeout_ms} ms",
                                status_code=LLMStatusCode.LLM_TIMEOUT) from None
+        finally:
+            if not fut.done() or fut.cancelled():  # timed out or cancelled: nobody waits for the answer any more
+                link.unexpect(req_id)
 
     async def close(self) -> None:
         """Stop listening, stop every link attempt, and unlink every link (peers acknowledge within

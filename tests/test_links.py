@@ -65,6 +65,29 @@ async def test_link_then_pull_both_ways_of_addressing_the_link():
         assert code_of(exc) == S.LLM_PARAM_INVALID
 
 
+async def test_a_cancelled_check_link_status_leaves_no_waiter_on_the_link():
+    """A ``check_link_status`` cancelled before the peer answered (a peer that never answers PROBEs while other
+    traffic keeps it heard) leaves nothing waiting on the link, as one that timed out. Before, each cancelled
+    call left its future in ``link.pending`` for the link's life (found by a hunt, 2026-12-07)."""
+    from aio_datadist import protocol
+
+    async with linked_pair() as pair:
+        peer, ours = usable_link(pair.prompt, DECODER_ID), usable_link(pair.decoder, PROMPT_ID)
+        real = peer._dispatch
+        peer._dispatch = lambda event: None if isinstance(event, protocol.Probe) else real(event)
+        before = set(ours.pending)
+        for _ in range(5):
+            task = asyncio.ensure_future(pair.decoder.check_link_status(PROMPT_ID))
+            await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        left = set(ours.pending) - before
+        peer._dispatch = real
+        assert not left, f"{len(left)} cancelled probe waiters left in link.pending"
+        await pair.decoder.check_link_status(PROMPT_ID)  # answered again
+
+
 async def test_unlink_not_forced_tears_down_both_ends():
     async with linked_pair() as pair:
         status, codes = await pair.decoder.unlink_clusters([pair.info])
