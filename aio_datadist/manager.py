@@ -722,7 +722,9 @@ def _check_remote_accessible(value: Any) -> bool:
 
 
 #: The owner's names for what a pull of blocks or a push names, in the v1 calls' words (``_checks.named_as``).
-_PULL_BLOCKS_NAMES = {"cache_key": "src_cache_key"}
+#: A contiguous row pulled into blocks (a CacheKey or CacheKeyByIdAndIndex) moves as many bytes per row as the
+#: blocks hold: the owner's "size" (pull_cache's argument) is pull_blocks' ``dst_blocks``.
+_PULL_BLOCKS_NAMES = {"cache_key": "src_cache_key", "size": "dst_blocks"}
 _PUSH_NAMES = {"dst_cache_key": "dst_cache_index_or_key"}
 #: The other way: v1 push_cache / push_blocks' key as LLM-DataDist's v2 calls and the compat facade spell it.
 PUSH_KEY_AS_DST_CACHE_KEY = {"dst_cache_index_or_key": "dst_cache_key"}

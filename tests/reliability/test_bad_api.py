@@ -171,6 +171,8 @@ CASES: list[tuple[str, LLMStatusCode, str | None, Callable[[Ctx], Any]]] = [
      lambda c: c.dm.pull_blocks(CacheKey(PROMPT, 1), c.d_blocks, [0], [0])),
     ("pull_blocks remote block (owner)", INVALID, "src_blocks",
      lambda c: c.dm.pull_blocks(bkey(), c.d_blocks, [8], [0])),
+    ("pull_blocks a key's row over more blocks than it holds (owner)", INVALID, "dst_blocks",
+     lambda c: c.dm.pull_blocks(CacheKey(PROMPT, 1), c.d_blocks, [], [0, 1, 2, 3, 4])),
     ("pull_blocks unknown model (owner)", NOT_EXIST, None,
      lambda c: c.dm.pull_blocks(BlocksCacheKey(PROMPT, 5), c.d_blocks, [0], [0])),
     # pushes

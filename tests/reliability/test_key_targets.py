@@ -123,3 +123,67 @@ async def test_a_push_by_id_lists_no_rows_beside_its_batch_index():
         got = await asyncio.wait_for(asyncio.to_thread(answers, port_of(dd), calls), 20)
         assert got == [S.LLM_PARAM_INVALID] * 2, got
         assert [row_bytes(cache, r) for r in (0, 1)] == before
+
+
+def by_addrs(addrs: list[int], nbytes: int) -> dict:
+    """A raw-address push (``TransferConfig.dst_addrs``) of ``nbytes`` at each address, no blocks."""
+    from aio_datadist.wire import Target
+    return dict(by_key(0, tuple(addrs)), target_kind=int(Target.ADDRS), key_req_id=0, prefix_id=0, offset=0,
+                nbytes=nbytes, tensor_count=len(addrs), layer_first=-1, layer_last=-1)
+
+
+@pytest.mark.asyncio
+async def test_no_peer_pushes_into_a_handed_off_cache_by_its_raw_addresses():
+    """A handed-off cache is reachable only through its keys (guarantee 208: by id it is closed, a push never
+    names a key): a raw-address push naming its rows' addresses must not write them either (hunt, owner)."""
+    async with endpoint(LLMRole.PROMPT, OWNER, listen=True, transport="tcp") as dd:
+        cache = await handed_off(dd)
+        before = [row_bytes(cache, r) for r in (0, 1)]
+        addrs = list(cache.layout.bases)  # row 0 of both tensors: key 1's row
+        calls = [(True, by_addrs(addrs, 512))]
+        got = await asyncio.wait_for(asyncio.to_thread(answers, port_of(dd), calls), 20)
+        assert [row_bytes(cache, r) for r in (0, 1)] == before, got
+        assert got != [1024], got
+        assert keys_bound(dd)
+
+
+def two_pullers(address, key_fields: dict, id_fields: dict) -> list:
+    """Puller A takes a key's bytes and holds its DONE while puller B (another link) pulls the same key, and
+    the same row by id and index; then A says DONE and B tries again."""
+    from aio_datadist import wire
+    got = []
+    with RawLink(address, INTRUDER, OWNER, None) as a, RawLink(address, INTRUDER + 1, OWNER, None) as b:
+        a.connect()
+        b.connect()
+        rid = a.new_req_id()
+        a.send_raw(wire.encode(Msg.PULL_REQ, rid, **key_fields))
+        _, resp = a.answer(rid)
+        assert resp["status"] == 0, resp
+        from _rawpeer import recv_exactly
+        recv_exactly(a.data[0], resp["total"])
+        for fields in (key_fields, id_fields):
+            try:
+                got.append(b.pull(fields))
+            except Refused as refusal:
+                got.append(refusal.code)
+        a.send_raw(wire.encode(Msg.DONE, rid, status=0, text=""))
+        import time
+        time.sleep(0.3)
+        for fields in (key_fields, id_fields):
+            try:
+                got.append(b.pull(fields))
+            except Refused as refusal:
+                got.append(refusal.code)
+    return got
+
+
+@pytest.mark.asyncio
+async def test_two_pulls_of_one_key_at_once_one_wins():
+    async with endpoint(LLMRole.PROMPT, OWNER, listen=True, transport="tcp") as dd:
+        cache = await handed_off(dd)
+        got = await asyncio.wait_for(asyncio.to_thread(
+            two_pullers, port_of(dd), by_key(1, ()), by_id(cache.cache_id, 0, ())), 20)
+        assert got == [S.LLM_KV_CACHE_NOT_EXIST] * 4, got
+        reg = dd._endpoint.runtime.registry
+        assert reg.by_key(CacheKey(OWNER, 1).lookup_key()) is None
+        assert reg.by_key(CacheKey(OWNER, 2).lookup_key()) is not None
