@@ -130,7 +130,9 @@ class CacheLease:
         self._timer = self._loop.call_later(lease_ms / 1000, self._expire)
 
     def cancel(self) -> None:
-        """Keep the cache: the lease never expires. Idempotent."""
+        """Keep the cache: the lease never expires. Idempotent. ``LLM_FAILED`` off the lease's event loop."""
+        if not (self._cancelled or self._expired):
+            home_loop("a lease's timer", self._loop)  # the timer and the registry live there
         self._cancelled = True
         self._unwatch()
         self._stop_timer()
@@ -170,6 +172,7 @@ class CacheLease:
         """
         if self._expired or self._cancelled:
             return
+        home_loop("a lease's timer", self._loop)  # off it: LLM_FAILED, nothing changed (as renew)
         endpoint = self._endpoint
         cache = self._cache()
         runtime = None if endpoint is None else endpoint.runtime

@@ -411,6 +411,8 @@ class Link(LinkControl, LinkChannels):
         peer may never hear of): they are cut, and each returns once it settled, but the unlink waits only for
         our WRITEs into the peer's memory."""
         self.ending = True
+        if self.local is not None:  # our same-host copies out of the peer's memory stop first (as NIXL's below)
+            self.local.halt_copies(self._unlinked_error())
         if self.nixl is not None:
             await self._cut_own_nixl(self.nixl, reads_too=not forced)
         if pushes_only:

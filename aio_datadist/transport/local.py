@@ -353,6 +353,10 @@ class LocalShare:
         self._loop.add_reader(sock.fileno(), self._readable, RECORDS_PER_TURN, False, WALK_PER_TURN)
         self.closed = False
         self._finishing = False  # finish() runs: the link is going, the share's end is no loss to announce
+        #: Our copies out of the peer's regions in flight (``same_host.run_copy_job``), each with what halts it;
+        #: and, once the link is being unlinked (``halt_copies``), what they and any later one fail with.
+        self.copies: dict[object, Callable[[LLMException], None]] = {}
+        self.halted: LLMException | None = None
 
     def start(self, caches: Iterable[KvCache]) -> None:
         """Send our ledger, then offer ``caches``."""
@@ -574,6 +578,14 @@ class LocalShare:
             self._reporting.cancel()
             self._reporting = None
         self._report_reads()
+
+    def halt_copies(self, error: LLMException) -> None:
+        """The link is being unlinked: stop our copies out of the peer's regions now, and start none, before the
+        peer hears of it (its memory is its own again once its unlink returned); they fail with ``error``."""
+        if self.halted is None:
+            self.halted = error
+        for halt in list(self.copies.values()):
+            halt(error)
 
     def finish(self) -> None:
         """Close the share as its link goes: our reads not reported yet leave first (without waiting), and the

@@ -130,9 +130,11 @@ class SameHostPlane(InPlacePlane):
         theirs = _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes,
                                 remote.offset, remote.nbytes)
         triples = _core.zip_segments(plan.local_pairs, theirs)
+        assert share is not None, "the region is the share's"
+        _check_halted(share)
         if _trace.ON:
             _trace.mark("job submitted")
-        await copy_settled(rt, triples, plan.total, req.what, (plan.local, region), caches=(plan.local,))
+        await copy_settled(rt, triples, plan.total, req.what, (plan.local, region), caches=(plan.local,), share=share)
         if _trace.ON:
             _trace.mark("job done")
         if req.cut:  # the destination was released (after the copy ended): fail, and the owner keeps a key
@@ -352,13 +354,15 @@ async def _read(rt: Runtime, share: LocalShare, plan: Plan, region: PeerRegion, 
     if not plan.local.alive:  # released meanwhile (its memory may be the caller's again): copy nothing into it
         raise LLMException(f"{what}: the destination cache was released",
                            status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+    _check_halted(share)
     if share.closed or share.listed_region(region.model_id) is not region:
         return False
     if _trace.ON:
         _trace.mark("job submitted")
     try:
         async with asyncio.timeout(timeout_ms / 1000):
-            await copy_settled(rt, triples, plan.total, what, (plan.local, region), caches=(plan.local,))
+            await copy_settled(rt, triples, plan.total, what, (plan.local, region), caches=(plan.local,),
+                               share=share)
     except TimeoutError:
         raise LLMException(f"{what} timed out after {timeout_ms} ms", status_code=LLMStatusCode.LLM_TIMEOUT) from None
     if _trace.ON:
@@ -372,8 +376,14 @@ def copies_inline(rt: Runtime, nbytes: int) -> bool:
     return nbytes <= INLINE_COPY_MAX and not rt.copier.pending()
 
 
+def _check_halted(share: LocalShare) -> None:
+    """Fail a copy out of the peer's regions about to start on a link being unlinked (``LocalShare.halt_copies``)."""
+    if share.halted is not None:
+        raise LLMException(str(share.halted), status_code=share.halted.status_code)
+
+
 async def copy_settled(rt: Runtime, triples: Any, nbytes: int, what: str, keepalive: Any,
-                       caches: Sequence[KvCache] = ()) -> None:
+                       caches: Sequence[KvCache] = (), share: LocalShare | None = None) -> None:
     """Run one host copy job of ``nbytes``; if the caller gives up, the job is stopped and waited for first
     (and if a registered cache of ``caches`` is released: :func:`run_copy_job`).
 
@@ -382,7 +392,7 @@ async def copy_settled(rt: Runtime, triples: Any, nbytes: int, what: str, keepal
     if copies_inline(rt, nbytes):
         _core.copy_now(triples)
         return
-    await run_copy_job(rt, triples, what, keepalive, caches=caches)
+    await run_copy_job(rt, triples, what, keepalive, caches=caches, share=share)
 
 
 def stop_host_copies(copier: Any, tokens: Iterable[int], what: str) -> None:
@@ -395,7 +405,7 @@ def stop_host_copies(copier: Any, tokens: Iterable[int], what: str) -> None:
 
 
 async def run_copy_job(rt: Runtime, triples: Any, what: str, keepalive: Any, timeout_ms: int | None = None,
-                       caches: Sequence[KvCache] = ()) -> None:
+                       caches: Sequence[KvCache] = (), share: LocalShare | None = None) -> None:
     """Run one host copy job on the copy threads. If the caller gives up (``timeout_ms``, a cancel), this returns
     only once no copy thread works on it any more (``COPY_SETTLE_S`` at most), so no byte of it lands afterwards.
 
@@ -415,7 +425,17 @@ async def run_copy_job(rt: Runtime, triples: Any, what: str, keepalive: Any, tim
         cut.append(True)
         stop_host_copies(copier, tokens, what)
 
+    halted: list[LLMException] = []
+
+    def halt(error: LLMException) -> None:
+        # ``share``'s link is being unlinked: the peer's memory is its own again once it hears of it
+        halted.append(error)
+        stop_host_copies(copier, tokens, what)
+
     forget = rt.registry.serving(caches, stop) if caches else None
+    ident = object()
+    if share is not None:
+        share.copies[ident] = halt
     try:
         await rt.completions.run(submit, copier.cancel, timeout_ms=timeout_ms, what=what, keepalive=keepalive,
                                  settle_s=COPY_SETTLE_S)
@@ -423,10 +443,14 @@ async def run_copy_job(rt: Runtime, triples: Any, what: str, keepalive: Any, tim
         if cut:
             raise LLMException(f"{what}: the cache was released during the copy",
                                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST) from None
+        if halted:
+            raise LLMException(str(halted[0]), status_code=halted[0].status_code) from None
         raise
     finally:
         if forget is not None:
             forget()
+        if share is not None:
+            share.copies.pop(ident, None)
 
 
 def _local_source(link: LinkPort, req: PushLocalReq, count: int, total: int) -> Any:

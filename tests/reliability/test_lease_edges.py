@@ -453,3 +453,22 @@ async def test_leases_that_end_on_a_long_lived_cache_are_not_kept_by_it(ends_by)
         if ends_by == "cancel":  # (a cache that lives keeps its last lease for lease_of, and only that one)
             assert sum(ref() is not None for ref in refs) <= 1
         assert sum(len(registry._entries[c.cache_id].on_freed) for c in set(caches)) <= 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("what", ["release", "cancel"])
+async def test_a_lease_released_or_cancelled_from_a_helper_loop_is_refused(what):
+    """``docs/async.md``: leases raise ``LLM_FAILED`` on another loop; ``release`` and ``cancel`` too, which
+    change the registry and the lease's timer of the endpoint's loop (found by a hunt, 2026-12-07: only
+    ``renew`` checked)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT) as dd:
+        cache = dd.kv_cache_manager.allocate_cache(ROWS, [CacheKey(PROMPT, 7)], lease_ms=60_000)
+        lease = lease_of(cache)
+
+        async def elsewhere() -> None:
+            getattr(lease, what)()
+
+        with pytest.raises(LLMException) as info:
+            await asyncio.wait_for(asyncio.to_thread(asyncio.run, elsewhere()), 5)
+        assert info.value.status_code == S.LLM_FAILED
+        assert lease.active
