@@ -595,3 +595,56 @@ async def test_a_pull_whose_link_broke_during_the_owners_fence_is_a_link_failure
         counted = errors()
     assert counted == ({"LLM_LINK_FAILED": 1.0, "LLM_FAILED": None} if first == "broken" else
                        {"LLM_LINK_FAILED": None, "LLM_FAILED": 1.0}), counted
+
+
+@pytest.mark.parametrize("ipc", ["auto", "off"])
+@pytest.mark.parametrize("split", [(128, [6, 1, 3, 0]), (192, [2, 7, 4])], ids=["whole", "shorter_last"])
+async def test_a_device_row_pushed_into_device_blocks_by_transfer_cache_async(split, ipc):
+    """CacheManager ``transfer_cache_async`` of a contiguous device cache into a same-host peer's device blocks
+    (``dst_block_memory_size``): the first piece is one source row into several blocks, which device IPC (a row
+    for a row) does not carry: it takes the staging plane and lands (found by a hunt, 2026-12-07: with device
+    IPC on, the owner refused it, "the pushed source does not fit")."""
+    from _v2peer import v2_options
+
+    from aio_datadist import LayerSynchronizer, LLMDataDist, TransferWithCacheKeyConfig
+    from peers import cluster_info, port_of
+
+    class Ready(LayerSynchronizer):
+        def synchronize_layer(self, layer_index, timeout_in_millis):
+            return True
+
+    size, blocks = split
+
+    def opts(listen: bool) -> dict:
+        o = v2_options(listen=listen, transport="local", sync_kv_timeout=10000)
+        o["aio.DeviceType"] = "host"
+        o["aio.DeviceIpc"] = ipc
+        return o
+
+    rows = CacheDesc(4, (3, 256), DataType.DT_FLOAT16, Placement.DEVICE)  # rows of 512 bytes
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as prompt, LLMDataDist(LLMRole.DECODER, DECODER_ID) as decoder:
+        await prompt.init(opts(True))
+        await decoder.init(opts(False))
+        dst = decoder.cache_manager.allocate_blocks_cache(
+            CacheDesc(4, (8, size // 2), DataType.DT_FLOAT16, Placement.DEVICE), BlocksCacheKey(DECODER_ID, 0))
+        assert await decoder.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))]) == (
+            S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        src = prompt.cache_manager.allocate_cache(rows)
+        values = fill(src, 3)
+        share = usable_link(prompt, DECODER_ID).local
+        for _ in range(200 if ipc == "auto" else 0):
+            share.catch_up()
+            if src.cache_id in share.peer_mapped:
+                break
+            await asyncio.sleep(0.01)
+        assert (src.cache_id in share.peer_mapped) == (ipc == "auto")
+        task = prompt.cache_manager.transfer_cache_async(
+            src, Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER_ID, 0))], None, blocks,
+            dst_block_memory_size=size)
+        assert await asyncio.wait_for(task, 5) == [S.LLM_SUCCESS]
+        for t, d in zip(values, dst.tensors, strict=True):
+            row = t[0].contiguous().view(torch.uint8)
+            flat = d.contiguous().view(torch.uint8).view(8, -1)
+            for j, b in enumerate(blocks):
+                piece = row[j * size:min((j + 1) * size, 512)]
+                assert eq(flat[b, :piece.numel()], piece), (j, b)

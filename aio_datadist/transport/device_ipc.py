@@ -132,8 +132,12 @@ class DeviceIpcPlane(InPlacePlane):
                          queue_ms: int | None = None) -> bool:
         """A push from a device cache the owner mapped: it copies the rows out of our export itself."""
         share = link.local
+        # Row for row, as a pull (a source row cut into blocks, transfer_cache_async's dst_block_memory_size,
+        # takes the staging plane: the owner copies one source row per destination row here).
+        row_for_row = ((len(plan.remote.rows) or 1) == len(plan.local_rows)
+                       and plan.remote.nbytes == plan.local_nbytes)
         if (share is None or not plan.local.on_device or not share.device_shared(plan.local) or plan.by_address
-                or plan.local_offset != 0 or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS):
+                or plan.local_offset != 0 or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS or not row_for_row):
             return False
         deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
         await fence(rt, timeout_ms, what)  # the rows are final on our device before the owner reads them
