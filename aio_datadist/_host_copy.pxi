@@ -122,6 +122,7 @@ cdef class HostCopyEngine:
     def streamed_jobs(self):
         """How many jobs were submitted to be written with streaming stores (``stream_copy_min``)."""
         cdef uint64_t n
+        _check_here("HostCopyEngine", self._made_by)  # a forked child: the lock may be held by a thread it lacks
         pthread_mutex_lock(&self._lock)
         n = self._streamed
         pthread_mutex_unlock(&self._lock)

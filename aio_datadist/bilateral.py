@@ -34,7 +34,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from aio_datadist._checks import check_uint, param_invalid
+from aio_datadist._checks import UINT32_MAX, check_uint, param_invalid
 from aio_datadist._settle import settle
 from aio_datadist.link_table import LinkTable
 from aio_datadist.links import Link
@@ -82,9 +82,10 @@ class Comm:
 def _hccl_connect_timeout_s() -> int:
     """The link time when ``llm.LinkTotalTime`` is 0: ``HCCL_CONNECT_TIMEOUT`` (s) when it is a positive
     integer, as LLM-DataDist reads it, else HCCL's default."""
-    text = os.environ.get("HCCL_CONNECT_TIMEOUT", "").strip()
-    if text.isascii() and text.isdigit() and int(text) > 0:
-        return int(text)
+    text = os.environ.get("HCCL_CONNECT_TIMEOUT", "").strip().lstrip("0")
+    if text.isascii() and text.isdigit():
+        # At most llm.LinkTotalTime's bound (int() refuses over 4300 digits, a float over 308: found by a hunt)
+        return int(text) if len(text) <= len(str(UINT32_MAX)) and int(text) <= UINT32_MAX else UINT32_MAX
     return DEFAULT_LINK_TOTAL_TIME_S
 
 
@@ -126,6 +127,7 @@ class CommTable:
         info = check_cluster_rank_info(cluster_rank_info, links.cluster_id)
         entries = parse_rank_table(rank_table, info.values())
         settings = links.runtime.settings
+        link_time_s = settings.link_total_time_s or _hccl_connect_timeout_s()  # before the comm is in the table
         addresses = {rank: rank_address(entry, settings.link_port, settings.rank_addresses)
                      for rank, entry in entries.items()}
         seen: dict[tuple[str, int], int] = {}
@@ -161,7 +163,7 @@ class CommTable:
                 del self.comms[comm.comm_id]
                 raise
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + (settings.link_total_time_s or _hccl_connect_timeout_s())
+            deadline = loop.time() + link_time_s
             for cluster, rank in peers.items():
                 attempt = links.start_bilateral(cluster, addresses[rank], dial=own_rank < rank, deadline=deadline)
                 attempt.add_done_callback(_log_raised(cluster))

@@ -864,3 +864,27 @@ async def test_comm_ids_skip_status_values():
             comms._next_id = start
             seen.append(comms._new_id())
         assert not set(seen) & values and len(set(seen)) == len(seen), seen
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("digits", [400, 5000])
+async def test_a_hccl_connect_timeout_too_large_for_a_float_leaves_no_phantom_comm(monkeypatch, digits):
+    """HCCL_CONNECT_TIMEOUT of 400 digits (over a float's range) or 5000 (over int()'s) with llm.LinkTotalTime 0:
+    link() raised a bare OverflowError / ValueError after it had put its comm in the table, with no attempt, so
+    the comm (whose id nobody got) read OK and every later link() of the pair was FAILED at once as already
+    linked."""
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
+        await dd.init(v2_options(link_port=free_port(DECODER_IP) - 1, link_total_time=0))
+        monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "9" * digits)
+        raised, comm = None, None
+        try:
+            comm = await dd.link("huge", {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP))
+        except Exception as exc:  # noqa: BLE001 - checked below
+            raised = exc
+        if comm is not None:
+            await dd.unlink(comm)
+        monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "1")
+        again = await dd.link("again", {PROMPT_ID: 0, DECODER_ID: 1}, rank_table(PROMPT_IP, DECODER_IP))
+        status = dd.query_register_mem_status(again)
+        await dd.unlink(again)
+        assert (raised is None or isinstance(raised, LLMException), status) == (True, PREPARING), (repr(raised), status)

@@ -467,3 +467,45 @@ def test_a_grandchild_that_gets_its_dead_grandparents_process_id_is_still_refuse
     select.select([over_r], [], [], 20)  # C is not ours to wait for: its end of the pipe closes as it exits
     ''', timeout=30)
     assert "grandchild with A's id: submit refused" in out, out
+
+
+def test_a_forked_child_reading_streamed_jobs_of_a_parents_copier_does_not_hang():
+    """``HostCopyEngine.streamed_jobs`` takes the engine's lock, which a parent's copy thread holds for a moment
+    at each job it takes and ends: forked while the threads work through a backlog of jobs without bytes, a
+    child must be refused it at once (RuntimeError, as ``pending()`` is), not wait for ever on a lock no
+    thread of the child will let go of."""
+    out = run(FREEZER, '''
+    import array
+    q = _core.CompletionQueue()
+    before = tids()
+    copier = _core.HostCopyEngine(q, threads=2)
+    time.sleep(0.02)
+    workers = tids() - before
+    for tid in workers:
+        freeze(tid)  # 1 s: the backlog below is queued meanwhile
+    empty = array.array("Q")
+    for token in range(1, 300001):
+        copier.submit(token, empty)
+    deadline = time.monotonic() + 3
+    while copier.pending() == 300000 and time.monotonic() < deadline:
+        pass  # until the threads are back at work
+    pids = []
+    while copier.pending() > 20000 and len(pids) < 40:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                copier.streamed_jobs
+                os._exit(3)  # answered: the lock was free at the fork
+            except RuntimeError:
+                os._exit(0)
+        pids.append(pid)
+    time.sleep(0.5)  # each child's call is at once or never: reaped together, each waited for no longer
+    children = [reap(pid, 0.05) for pid in pids]
+    print("hung:", children.count("hung"), "answered:", children.count(3), "of", len(children))
+    while copier.pending():
+        time.sleep(0.01)
+        q.drain()
+    q.drain()
+    copier.close(); q.close()
+    ''')
+    assert "hung: 0 answered: 0 of" in out, out
