@@ -233,3 +233,43 @@ async def test_a_refusal_in_the_cleanup_of_a_cancelled_task_is_still_the_refusal
         assert [type(e) for e in seen] == [LLMException]
         assert seen[0].status_code == S.LLM_LINK_FAILED
         seen.clear()  # its traceback holds dst
+
+
+@pytest.mark.parametrize("how", ["link fails", "peer resets the channel"])
+async def test_a_refusal_read_as_its_channel_goes_ends_within_the_pulls_timeout(how):
+    """The owner refuses a posted pull on its channel (an unknown blocks key) and, in the loop pass that reads the
+    refusal's header, the channel goes (the link fails, or the peer's ABORT of the channel is acted on): the
+    refusal's text can no longer be read, and the pull fails within its own timeout instead of waiting
+    JOB_SETTLE_S for a text receive that was never started."""
+    import time
+
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True, transport="tcp") as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID, transport="tcp") as decoder:
+        prompt.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(PROMPT_ID))
+        dst = decoder.kv_cache_manager.allocate_blocks_cache(BLOCKS_DESC)
+        assert (await decoder.link_clusters([cluster_info(PROMPT_ID, port_of(prompt))]))[0] == S.LLM_SUCCESS
+        link = links_of(decoder)[PROMPT_ID]
+        original = link.move
+
+        def move(index, pairs, **kw):
+            job = original(index, pairs, **kw)
+            if kw.get("gated"):
+                generation = link.channels[index].generation
+
+                def gone(_: asyncio.Future) -> None:  # runs before the pull's task wakes for the header
+                    if how == "link fails":
+                        link.fail(LLMException("control connection lost", status_code=S.LLM_LINK_FAILED))
+                    else:  # what Link._dispatch does with the peer's ABORT of the channel
+                        link.reset_channel(index, tell_peer=False)
+                        link._peer_resets(index, generation)
+
+                job.add_done_callback(gone)
+            return job
+
+        link.move = move
+        started = time.monotonic()
+        with pytest.raises(LLMException) as caught:
+            await decoder.kv_cache_manager.pull_blocks(BlocksCacheKey(PROMPT_ID, 7), dst, [1], [1], timeout=200)
+        took = time.monotonic() - started
+        assert caught.value.status_code == S.LLM_LINK_FAILED, caught.value
+        assert took < 0.2 + 0.3, f"a pull with timeout=200 ms returned after {took:.2f} s ({caught.value})"

@@ -173,9 +173,10 @@ class StreamPlane(Plane):
             return "refused"
         text = array.array("B", bytes(length))
         settled = asyncio.get_running_loop().create_future()
-        req.settled = settled
-        await link.move(req.channel, array.array("Q", (text.buffer_info()[0], length)), send=False,
-                        timeout_ms=None, what=req.what, keepalive=text, settled=settled)
+        reading = link.move(req.channel, array.array("Q", (text.buffer_info()[0], length)), send=False,
+                            timeout_ms=None, what=req.what, keepalive=text, settled=settled)
+        req.settled = settled  # only once a receive was started (a channel gone meanwhile starts none)
+        await reading
         return peer_text(text.tobytes())
 
     def serves(self, link: LinkPort, msg: Msg, req: TransferReq, served: Served) -> bool:
