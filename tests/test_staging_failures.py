@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from typing import Any
 
 import pytest
 from peers import DECODER_ID, PROMPT_ID, fill, linked_pair, same, snapshot
@@ -178,6 +179,22 @@ async def _in_cleanup(job):
         return await job
 
 
+def _slow_then_refused(loop: asyncio.AbstractEventLoop) -> Any:
+    """A stage function whose first stage is slow (0.1 s) and succeeds, and whose later ones fail after 10 ms."""
+    stages: list[asyncio.Future] = []
+
+    def stage(chunk: Any, buf: Any) -> asyncio.Future:
+        fut = loop.create_future()
+        if not stages:
+            loop.call_later(0.1, fut.set_result, None)
+        else:
+            loop.call_later(0.01, fut.set_exception, LLMException("stage refused", status_code=S.LLM_FAILED))
+        stages.append(fut)
+        return fut
+
+    return stage
+
+
 async def test_a_stage_that_fails_while_the_receive_waits_for_a_buffer_fails_it_before_the_next_fill():
     """Row 242 where the failure comes between two socket jobs: the receive waits for its oldest stage to give
     its buffer back (that stage succeeds, slowly) while a later one fails. The next fill is not started to wait
@@ -185,17 +202,8 @@ async def test_a_stage_that_fails_while_the_receive_waits_for_a_buffer_fails_it_
     loop = asyncio.get_running_loop()
     pool, link = StagingPool(4096, 2, share=2), object()
     chunks = plan_chunks(1, 4, 4096, 4096)
-    stages: list[asyncio.Future] = []
+    stage = _slow_then_refused(loop)  # the second scatter fails while the receive waits for the first's buffer
     fills: list[asyncio.Future] = []
-
-    def stage(chunk, buf):
-        fut = loop.create_future()
-        if not stages:  # the first scatter is slow and succeeds
-            loop.call_later(0.1, fut.set_result, None)
-        else:  # the second fails while the receive waits for the first to give its buffer back
-            loop.call_later(0.01, fut.set_exception, LLMException("stage refused", status_code=S.LLM_FAILED))
-        stages.append(fut)
-        return fut
 
     def fill(chunk, view):
         fut = loop.create_future()
@@ -216,17 +224,8 @@ async def test_a_stage_that_fails_while_the_send_waits_for_an_earlier_stage_fail
     loop = asyncio.get_running_loop()
     pool, link = StagingPool(4096, 3, share=3), object()
     chunks = plan_chunks(1, 4, 4096, 4096)
-    stages: list[asyncio.Future] = []
+    stage = _slow_then_refused(loop)  # the second gather fails while the send waits for the first
     consumes: list[asyncio.Future] = []
-
-    def stage(chunk, buf):
-        fut = loop.create_future()
-        if not stages:  # the first gather is slow and succeeds
-            loop.call_later(0.1, fut.set_result, None)
-        else:  # the second fails while the send waits for the first
-            loop.call_later(0.01, fut.set_exception, LLMException("stage refused", status_code=S.LLM_FAILED))
-        stages.append(fut)
-        return fut
 
     def consume(chunk, view):
         consumes.append(loop.create_future())  # the peer is slow to take anything
