@@ -270,7 +270,9 @@ class Listener:
         magic, version, token, index, generation = wire.ATTACH.unpack(record)
         if magic != wire.ATTACH_MAGIC or version != wire.VERSION:
             return None, index, generation
-        link = next((lk for lk in self._table.links.values() if not lk.down and
+        # Only links this end accepted: the dialler never takes a data connection (it dials its own), so a record
+        # it sent, reflected back to its listener, must not attach there.
+        link = next((lk for lk in self._table.links.values() if not lk.down and not lk.is_client and
                      hmac.compare_digest(handshake.attach_token(self.secret, lk.token, index, generation), token)),
                     None)
         if link is None or not link.attach_advances(index, generation):
@@ -283,7 +285,7 @@ class Listener:
         failing the link, whose UNLINK follows (row 324)."""
         _, _, token, index, generation = wire.ATTACH.unpack(record)
         leaving = any(hmac.compare_digest(handshake.attach_token(self.secret, lk.token, index, generation), token)
-                      for lk in self._table.leaving_links())
+                      for lk in self._table.leaving_links() if not lk.is_client)
         return LLMStatusCode.LLM_NOT_YET_LINK if leaving else LLMStatusCode.LLM_LINK_FAILED
 
     async def _accept_data(self, magic: bytes, reader: _Watched, writer: asyncio.StreamWriter,

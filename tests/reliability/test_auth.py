@@ -368,3 +368,30 @@ async def test_a_dialled_process_cannot_hand_the_handshake_back_to_the_dialler(r
         assert not links_of(dec)
         await settle(dec, baseline)
         assert await dec.link_clusters([cluster_info(PROMPT, port_of(other))]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+
+ATTACH_REFLECTOR = os.path.join(os.path.dirname(__file__), "_attach_reflector.py")
+
+
+@pytest.mark.asyncio
+async def test_an_attach_record_reflected_to_the_dialler_s_own_listener_gets_nothing():
+    """A process on the path of a link (no secret) captures the dialler's redial of a data channel (its attach
+    record at generation 1) and hands it to the dialler's own listener before relaying it: the dialler never
+    dials into its own listener, so that record must get nothing there (as a replayed record gets nothing at
+    the owner), and the dialler's link must not take the relay's connection as its data channel."""
+    async with (endpoint(LLMRole.PROMPT, PROMPT, listen=True, shared_secret=SECRET) as prompt,
+                endpoint(LLMRole.DECODER, DECODER, listen=True, shared_secret=SECRET) as dec):
+        proc = await asyncio.create_subprocess_exec(sys.executable, ATTACH_REFLECTOR, str(port_of(prompt)[1]),
+                                                    str(port_of(dec)[1]), stdout=asyncio.subprocess.PIPE)
+        try:
+            assert proc.stdout is not None
+            port = int(await asyncio.wait_for(proc.stdout.readline(), 30))
+            assert await dec.link_clusters([cluster_info(PROMPT, (LOCALHOST, port))], timeout=3000) == \
+                (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+            link = links_of(dec)[PROMPT]
+            link.reset_channel(0, tell_peer=False)  # as a cut transfer does: the dialler redials it at generation 1
+            got = json.loads(await asyncio.wait_for(proc.stdout.readline(), 5))
+        finally:
+            proc.kill()
+            await proc.wait()
+        assert got["reflected"] != 0, "the dialler's own listener took its reflected attach record"
