@@ -73,6 +73,7 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 log = logging.getLogger(__name__)
 # As importing llm_datadist does: CANN reads it (torch_npu's unified-memory allocation); a value set stays.
 os.environ.setdefault("AUTO_USE_UC_MEMORY", "0")
@@ -431,22 +432,54 @@ class _Call(Generic[_T]):
             self._ended.set()
 
     def abandon(self, loop: asyncio.AbstractEventLoop, end: _LoopEnd) -> None:
-        """In the caller's thread: cancel the call and wait for its end; release what it returned."""
-        with self._lock:
-            self._abandoned = True
-            task, returned = self._task, self._returned
+        """In the caller's thread: cancel the call and wait for its end; release what it returned. Ctrl-C pressed
+        again meanwhile does not cut the wait short (the call would run on behind its caller): it is raised once
+        the call ended (``INTERRUPT_SETTLE_S`` at most, however often it is pressed)."""
+        deadline = time.monotonic() + INTERRUPT_SETTLE_S
+        again: list[BaseException] = []
+
+        def patiently(step: Callable[[], _R]) -> _R:
+            while True:
+                try:
+                    return step()
+                except KeyboardInterrupt as exc:
+                    again.append(exc)
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        def mark() -> tuple[asyncio.Task[Any] | None, list[_T]]:
+            with self._lock:
+                self._abandoned = True
+                return self._task, self._returned
+
+        task, returned = patiently(mark)
         if task is None or end.why is not None:
+            self._raise_again(again)
             return  # not started, and it never will; or its loop runs no more
         if not returned:
             # A coroutine stops at its next await; a plain call (call()) has run its one step whole by the time
             # the cancel runs, and run() released its result. (A call not started yet never starts: the cancel
             # alone would come after its first step, the whole of a plain call.)
-            loop.call_soon_threadsafe(task.cancel)
-            self._ended.wait(INTERRUPT_SETTLE_S)
+            patiently(lambda: loop.call_soon_threadsafe(task.cancel))  # (twice does no harm)
+            patiently(lambda: self._ended.wait(left()))
         if returned:
-            released = asyncio.run_coroutine_threadsafe(_undo(self._undo, returned[0]), loop)
+            undone = [False]
+
+            async def undo_once() -> None:  # (submitted twice when an interrupt cut its submission: run once)
+                if not undone[0]:
+                    undone[0] = True
+                    await _undo(self._undo, returned[0])
+
+            released = patiently(lambda: asyncio.run_coroutine_threadsafe(undo_once(), loop))
             with contextlib.suppress(TimeoutError):
-                released.result(INTERRUPT_SETTLE_S)
+                patiently(lambda: released.result(left()))
+        self._raise_again(again)
+
+    @staticmethod
+    def _raise_again(again: list[BaseException]) -> None:
+        if again:
+            raise again[0]
 
 
 class _LoopEnd:

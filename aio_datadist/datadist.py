@@ -524,6 +524,16 @@ async def finalize_endpoint(endpoint: Endpoint) -> None:
         endpoint.runtime = endpoint.links = None
         endpoint.finalized = True
         return
+    home = None if runtime is None else runtime.loop
+    if home is not None and home is not asyncio.get_running_loop() and not home.is_closed():
+        # Its listener, links and their tasks live on that loop, and only its thread may cancel and wait for
+        # them: from here the close waited for ever (a task cancelled from the wrong thread, its loop not woken).
+        if home.is_running():  # in a thread of its own: finalized there, this call waits for it
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(finalize_endpoint(endpoint), home))
+            return
+        raise LLMException("finalize: the event loop this LLMDataDist was initialised on is stopped but not "
+                           "closed, and its tasks cannot end from another loop; finalize it on that loop (or "
+                           "close that loop first)", status_code=LLMStatusCode.LLM_FAILED)
     if runtime is None:
         loop = asyncio.get_running_loop()
         while True:

@@ -13,6 +13,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -149,3 +150,69 @@ def test_an_interrupted_init_leaves_the_life_another_threads_init_returned_on() 
     review)."""
     out = run_child("init_race")
     assert out == {"t1": "interrupted", "t2": "returned", "after": "live"}, out
+
+
+SECOND_CTRL_C_CHILD = textwrap.dedent('''
+    import asyncio, json, signal, socket, threading, time
+    from aio_datadist import compat
+    from aio_datadist.compat import LLMClusterInfo, LLMDataDist, LLMRole
+    from aio_datadist.testing import loopback_options
+
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts the dial; nobody answers its handshake
+    dd = LLMDataDist(LLMRole.DECODER, 2)
+    dd.init(loopback_options())
+    loop = compat._RUNNER.loop()
+    main = threading.main_thread().ident
+    interrupts = []
+
+    def on_sigint(signum, frame):
+        interrupts.append(time.monotonic())
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    HOLD_S = 1.0
+    held = {}
+
+    def hold():  # a callback of the caller's on the facade's loop (a blocking wait in an async synchronizer)
+        held["from"] = time.monotonic()
+        time.sleep(HOLD_S)
+        held["to"] = time.monotonic()
+
+    def ctrl_c_twice():
+        time.sleep(0.3)
+        loop.call_soon_threadsafe(hold)
+        time.sleep(0.05)
+        signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C: the call is cancelled, the caller waits for its end
+        time.sleep(0.2)
+        signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C again, impatient
+
+    threading.Thread(target=ctrl_c_twice, daemon=True).start()
+    info = LLMClusterInfo()
+    info.remote_cluster_id = 1
+    info.append_remote_ip_info(*silent.getsockname())
+    out = {}
+    try:
+        out["returned"] = str(dd.link_clusters([info], 8000))
+    except KeyboardInterrupt:
+        # The loop is held (it sleeps): reading its tasks from here is safe meanwhile.
+        out["raised_at"] = time.monotonic()
+        out["calls_running"] = sorted(t.get_coro().__qualname__ for t in asyncio.all_tasks(loop)
+                                      if not t.done() and t.get_coro().__qualname__ == "_Call._run")
+    time.sleep(HOLD_S + 0.3)
+    out["interrupts"] = len(interrupts)
+    out["raised_while_loop_held"] = "raised_at" in out and "to" in held and out["raised_at"] < held["to"]
+    dd.finalize()
+    print(json.dumps(out))
+''')
+
+
+def test_a_second_ctrl_c_while_a_cancelled_call_settles_does_not_leave_the_call_running() -> None:
+    """Ctrl-C in a blocking call cancels the call and raises only once it ended (rows 151, 189), "so none of its
+    work goes on (no byte lands) behind the caller". A second Ctrl-C while the caller waits for that end (the
+    loop busy a moment) must not let the call run on behind the caller either (found by a hunt, 2026-12-07: it
+    did; the interrupt is now raised once the call ended, ``INTERRUPT_SETTLE_S`` at most)."""
+    proc = subprocess.run([sys.executable, "-c", SECOND_CTRL_C_CHILD], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "returned" not in out and out["interrupts"] == 2, out
+    assert out["calls_running"] == [], out  # the call still ran on the facade's loop when its caller got the interrupt
