@@ -25,7 +25,6 @@ from aio_datadist.cache import KvCache
 from aio_datadist.layers import range_pair
 from aio_datadist.plans import Plan, addrs_target, build_plan, target_fields
 from aio_datadist.status import LLMException, LLMStatusCode
-from aio_datadist.synchronizers import EventLayerSynchronizer
 from aio_datadist.task import CacheTask, TaskProgress
 from aio_datadist.transfers import run_push
 from aio_datadist.types import (
@@ -234,11 +233,13 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
     planned = [_plan_config(links, i, cfg, src, src_blocks, dst_blocks, dst_block_bytes, chunks)
                for i, cfg in enumerate(configs)]
     layers = sorted({layer for cfg in planned for layer in cfg.src_layers})
-    # An EventLayerSynchronizer knows how many layers it can be asked for: one short of the transfer's layers
-    # is a bad argument now, not a failure found at its first missing layer once the ones before it went.
-    if isinstance(synchronizer, EventLayerSynchronizer) and layers and layers[-1] >= synchronizer.num_layers:
-        raise param_invalid("layer_synchronizer", f"an EventLayerSynchronizer of {synchronizer.num_layers} layers "
-                            f"cannot synchronize layer {layers[-1]} of this transfer")
+    # A synchronizer that says how many layers it can be asked for (``num_layers``, an int: EventLayerSynchronizer)
+    # and is short of the transfer's is a bad argument now, not a failure found at its first missing layer once
+    # the layers before it went.
+    bound = getattr(synchronizer, "num_layers", None)
+    if type(bound) is int and layers and layers[-1] >= bound:
+        raise param_invalid("layer_synchronizer", f"a synchronizer of {bound} layers cannot synchronize layer "
+                            f"{layers[-1]} of this transfer")
     progress = TaskProgress(layers, len(planned))
     return CacheTask(progress, _drive(rt, progress, src, synchronizer, planned, layers),
                      on_end=None if hold is None else hold())

@@ -372,6 +372,7 @@ class Link(LinkControl, LinkChannels):
         if self._announced or self.down:
             return
         self._announced = True
+        self.counters.started = time.monotonic()  # up_seconds counts from the up event, not from the handshake
         self.runtime.links_up += 1
         transport = self.transport
         self.log.info("link %s to cluster %s (%s) up, %s: transport %s", self.link_id, self.remote_cluster_id,

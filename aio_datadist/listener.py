@@ -19,7 +19,6 @@ import logging
 import os
 import socket
 import ssl
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,6 +28,8 @@ from aio_datadist.admission import LISTEN_BACKLOG, Admission, Pending, streams
 from aio_datadist.control_reader import ControlReader
 from aio_datadist.links import SUCCESS, Link, tune
 from aio_datadist.own_dials import OwnDials
+from aio_datadist.refusal_log import REFUSAL_LOG_EVERY_S as REFUSAL_LOG_EVERY_S
+from aio_datadist.refusal_log import RefusalLog as RefusalLog
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import tls
 from aio_datadist.transport.local import LocalListener, boot_id
@@ -47,31 +48,6 @@ _HELLO_SIZE = len(wire.encode(Msg.HELLO, 0, nonce=bytes(wire.NONCE_BYTES)))
 
 #: Why a link is refused: the status and the text the peer is told.
 Refusal = tuple[LLMStatusCode, str]
-
-#: At most one WARNING per this many seconds about each kind of refused link (as for the vLLM side channel).
-REFUSAL_LOG_EVERY_S = 30.0
-
-
-class RefusalLog:
-    """Logs one kind of refused link: one WARNING per :data:`REFUSAL_LOG_EVERY_S` with how many were refused
-    since the last, DEBUG for the rest, so that a peer opening connection after connection cannot flood the
-    log."""
-
-    __slots__ = ("_logged", "_unsaid")
-
-    def __init__(self) -> None:
-        self._logged = -REFUSAL_LOG_EVERY_S
-        self._unsaid = 0
-
-    def note(self, fmt: str, *args: object) -> None:
-        self._unsaid += 1
-        now = time.monotonic()
-        if now - self._logged >= REFUSAL_LOG_EVERY_S:
-            log.warning(fmt + " (%d refused since the last such warning)", *args, self._unsaid)
-            self._logged, self._unsaid = now, 0
-        else:
-            log.debug(fmt, *args)
-
 
 class Table(Protocol):
     """What a :class:`Listener` needs of its link table (``LinkTable``)."""

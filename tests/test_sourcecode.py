@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("native core", ("_core",)),
     ("status, values, config, wire and leaf helpers", (
         "status", "_checks", "_forks", "types", "option_checks", "options", "config",
-        "wire", "protocol", "_settle", "fd_budget", "mapped",
+        "wire", "protocol", "_settle", "fd_budget", "refusal_log", "mapped",
         "tensors", "ranktable", "stats", "_trace", "_env", "logfields", "control_reader", "own_dials",
         "devices.unmapping", "devices.headroom", "views",
     )),

@@ -52,6 +52,7 @@ from aio_datadist.devices.host import check_sealed, drop_read_only, file_of, map
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
 from aio_datadist.devices.peer_cache import PeerDeviceCache
 from aio_datadist.fd_budget import ACCEPT_GONE, ACCEPT_RETRY_S, close_listening
+from aio_datadist.refusal_log import RefusalLog
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.fit import Geometry, geometry_of
 from aio_datadist.transport.ledger import LEDGER_BYTES, NO_SLOT, SLOTS, Ledger, PeerLedger
@@ -819,6 +820,8 @@ class LocalListener:
         self._loop.add_reader(self.sock.fileno(), self._accept)
         self._retry: asyncio.TimerHandle | None = None  # accept() again, after it found no room
         self._starved = False  # accept() found no room, and said so, since it last took a connection
+        # A process connecting again and again with a claim that proves nothing cannot flood the log (row 202).
+        self._refused = RefusalLog(log)
         self.closed = False
 
     def pending(self) -> int:
@@ -886,7 +889,7 @@ class LocalListener:
                     attach(conn)
                     keep = True
                     return
-            log.warning("same-host share: refused a connection that did not prove a live link")
+            self._refused.note("same-host share: refused a connection that did not prove a live link")
         except (TimeoutError, OSError):
             pass
         finally:

@@ -67,7 +67,7 @@ from aio_datadist.transport.nixl_grants import (
     Revocations,
 )
 from aio_datadist.transport.nixl_offers import MAX_INDICES, OurOffers, PeerOffers, too_many_descriptors
-from aio_datadist.wire import NixlRecord
+from aio_datadist.wire import NixlRecord, peer_text
 
 if TYPE_CHECKING:
     from aio_datadist.cache import KvCache
@@ -429,7 +429,7 @@ class NixlPeer:
             # later, and the link may be ready before it: that cache's transfers take TCP until it is prepared.
             self._start(lambda agent: None, "NIXL link set-up", self._set_ready)
         elif kind == DECLINE:
-            text = blob[:MAX_REASON].decode("utf-8", "replace")
+            text = peer_text(blob[:MAX_REASON])  # a peer's text: shown escaped (row 182)
             self.decline(f"cluster {self.cluster_id} gave it up: {text}", tell=False)
         elif kind == LEDGER:
             if (self.name is None or self._ledger_said or rows != SLOTS or row_bytes != 8

@@ -16,7 +16,7 @@ import types
 
 import pytest
 
-from aio_datadist import LLMRole, LLMStatusCode, fd_budget, listener, wire
+from aio_datadist import LLMRole, LLMStatusCode, fd_budget, listener, refusal_log, wire
 from aio_datadist.wire import Msg
 from peers import cluster_info, port_of
 
@@ -84,7 +84,7 @@ def test_the_refusal_log_warns_again_after_its_interval_with_the_count(caplog, m
     warning once ever and no count; audit, 2026-12-07). The clock is the test's."""
     caplog.set_level(logging.DEBUG, logger="aio_datadist")
     now = [1000.0]
-    monkeypatch.setattr(listener, "time", types.SimpleNamespace(monotonic=lambda: now[0]))  # this module's only
+    monkeypatch.setattr(refusal_log, "time", types.SimpleNamespace(monotonic=lambda: now[0]))  # that module's only
     refusals = listener.RefusalLog()
     refusals.note("refused %s", "x")  # WARNING: the first
     now[0] += listener.REFUSAL_LOG_EVERY_S - 0.001

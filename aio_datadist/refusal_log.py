@@ -1,0 +1,33 @@
+"""Refused connections logged at a pace: a door a process can knock on again and again must not flood the log."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+__all__ = ["REFUSAL_LOG_EVERY_S", "RefusalLog"]
+
+#: At most one WARNING per this many seconds about each kind of refusal (as for the vLLM side channel).
+REFUSAL_LOG_EVERY_S = 30.0
+
+
+class RefusalLog:
+    """Logs one kind of refusal on ``logger``: one WARNING per :data:`REFUSAL_LOG_EVERY_S` with how many were
+    refused since the last, DEBUG for the rest, so that a process opening connection after connection cannot
+    flood the log."""
+
+    __slots__ = ("_log", "_logged", "_unsaid")
+
+    def __init__(self, logger: logging.Logger | None = None) -> None:
+        self._log = logger if logger is not None else logging.getLogger("aio_datadist.links")
+        self._logged = -REFUSAL_LOG_EVERY_S
+        self._unsaid = 0
+
+    def note(self, fmt: str, *args: object) -> None:
+        self._unsaid += 1
+        now = time.monotonic()
+        if now - self._logged >= REFUSAL_LOG_EVERY_S:
+            self._log.warning(fmt + " (%d refused since the last such warning)", *args, self._unsaid)
+            self._logged, self._unsaid = now, 0
+        else:
+            self._log.debug(fmt, *args)
