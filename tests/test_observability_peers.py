@@ -29,6 +29,7 @@ def cluster(remote_id: int, address: tuple[str, int]) -> LLMClusterInfo:
 
 
 @pytest.mark.asyncio
+@pytest.mark.loops_take_turns  # (2 s of SHARE_AUTH_S each: one loop per run)
 async def test_up_seconds_of_a_link_whose_peer_did_not_finish_sharing_counts_from_its_up_event(caplog, monkeypatch):
     """A peer that attaches the same-host share but never says it is ready: the dialler waits SHARE_AUTH_S (2 s),
     falls back to TCP and only then is the link up; stats() must not say it has been up those 2 s."""
