@@ -15,17 +15,10 @@ import time
 import pytest
 
 from peers import NIXL_MISSING
+from test_observability import cluster
 
-from aio_datadist import LLMClusterInfo, LLMDataDist, LLMRole, LLMStatusCode
+from aio_datadist import LLMDataDist, LLMRole, LLMStatusCode
 from aio_datadist.testing import loopback_options, open_pair
-
-
-def cluster(remote_id: int, address: tuple[str, int]) -> LLMClusterInfo:
-    info = LLMClusterInfo()
-    info.remote_cluster_id = remote_id
-    info.append_local_ip_info("127.0.0.1", 0)
-    info.append_remote_ip_info(*address)
-    return info
 
 
 @pytest.mark.asyncio
