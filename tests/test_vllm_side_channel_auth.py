@@ -145,7 +145,8 @@ def test_a_replayed_handshake_is_refused(agents, tmp_path) -> None:
     assert _still_held(prefill, "r1") and prefill.refusals == 1
 
 
-def test_a_flood_of_silent_connections_does_not_block_an_honest_decoder(agents) -> None:
+def test_a_flood_of_silent_connections_does_not_block_an_honest_decoder(agents, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="aio_datadist.integrations.vllm")
     prefill, p_kv = agents(True, shared_secret=SECRET)
     decode, d_kv = agents(False, shared_secret=SECRET)
     prefill.holds.add("r1", lease_s=60)
@@ -175,6 +176,9 @@ def test_a_flood_of_silent_connections_does_not_block_an_honest_decoder(agents) 
     finally:
         _reap(flood)
     assert prefill.refusals >= total - MAX_PENDING_HANDSHAKES - 1 >= 250
+    # and the log holds one WARNING about them, not one each (``refusal_log``)
+    said = [r.getMessage() for r in caplog.records if "side channel from" in r.getMessage()]
+    assert len(said) == 1 and "(1 refused since the last such warning)" in said[0], said[:3]
     wait(lambda: not prefill.holds.held)
 
 

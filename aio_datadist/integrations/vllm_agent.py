@@ -44,6 +44,7 @@ from aio_datadist.integrations.vllm_wire import (
     frame_length,
 )
 from aio_datadist.own_dials import OwnDials
+from aio_datadist.refusal_log import RefusalLog
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMRole, Placement
 
@@ -79,8 +80,6 @@ MAX_WAITING_CLAIMS = 1024
 #: How long a decode waits (at most: ``link_timeout_ms`` if shorter) for the ``hello`` it sends on a side
 #: channel where a request went unanswered and nothing else was heard; unanswered, the connection is given up.
 PROBE_TIMEOUT_S = 1.0
-#: At most one WARNING per this many seconds about refused side-channel connections.
-REFUSAL_LOG_EVERY_S = 30.0
 #: At most one WARNING per this many seconds about ``stats_path`` lines that could not be written.
 STATS_LOG_EVERY_S = 30.0
 
@@ -415,8 +414,7 @@ class Agent:
         self._secret = options.shared_secret.encode() if options.shared_secret else None
         #: Our decode dials' hello nonces while they run: our side channel answers none of them (own_dials).
         self._own_dials = OwnDials()
-        self._refused = 0
-        self._refusal_logged = -REFUSAL_LOG_EVERY_S
+        self._refusal_log = RefusalLog(log)  # one WARNING per REFUSAL_LOG_EVERY_S, with a count
         self._stats_failed_logged = -STATS_LOG_EVERY_S
         self.refusals = 0  # side-channel connections refused or evicted, all told
         self._expiry: asyncio.TimerHandle | None = None
@@ -533,14 +531,9 @@ class Agent:
                 "engine_id": self.engine_id, "layout": self.layout.as_json(), "ops": list(OPS)}
 
     def _refuse(self, writer: asyncio.StreamWriter, why: object) -> None:
-        """Note a refused side-channel connection: one WARNING per REFUSAL_LOG_EVERY_S, with a count."""
+        """Note a refused side-channel connection (logged at the pace of ``refusal_log``)."""
         self.refusals += 1
-        self._refused += 1
-        now = time.monotonic()
-        if now - self._refusal_logged >= REFUSAL_LOG_EVERY_S:
-            log.warning("side channel from %s refused: %s (%d refused since the last such warning)",
-                        writer.get_extra_info("peername"), why, self._refused)
-            self._refusal_logged, self._refused = now, 0
+        self._refusal_log.note("side channel from %s refused: %s", writer.get_extra_info("peername"), why)
 
     async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The handshake, bounded in time and in how many run at once; False: the connection is refused."""
