@@ -49,6 +49,8 @@ class Runtime:
         self.links_down = 0
         self.queue = _core.CompletionQueue()
         self._staging: DeviceStaging | None = None
+        #: What the last :meth:`quiesce` found: True idle, False the device still busy at its bound, None none ran.
+        self._quiesced: bool | None = None
         try:
             self.devices = select_device(settings.device_type, settings.device_id, self.queue)
             if self.devices is not None:
@@ -99,8 +101,10 @@ class Runtime:
         deadline = loop.time() + (QUIESCE_S if bound_s is None else bound_s)
         while not self.idle():
             if loop.time() >= deadline:
+                self._quiesced = False
                 return False
             await asyncio.sleep(QUIESCE_POLL_S)
+        self._quiesced = True
         return True
 
     def close(self) -> None:
@@ -112,7 +116,9 @@ class Runtime:
         if self.devices is not None:
             # Every record the device still owes arrives before the queue goes, unless the device is stuck:
             # after quiesce, there is nothing to wait for here unless it was stuck past QUIESCE_S already.
-            stuck = not self.devices.close(0.0 if self.devices.busy() else 30.0)
+            # A device found idle by quiesce is not stuck: a call still running (a staged transfer's next chunk)
+            # may have enqueued work since, which it gets through like any other.
+            stuck = not self.devices.close(0.0 if self.devices.busy() and self._quiesced is not True else 30.0)
         if stuck:
             # What the queued work may still touch: the device caches, what its completions keep (chunk
             # buffers, peers' mappings) and what failed submissions' copies touch (the backend holds it); the

@@ -610,3 +610,117 @@ async def test_a_staged_swap_given_up_returns_only_once_its_host_copy_is_over():
     finally:
         rt.copier = real
         await dd.finalize()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("direction", ["out", "in"])
+async def test_staged_swaps_given_up_with_their_errors_kept_leave_the_pool_its_buffers(direction):
+    """A caller that keeps the LLM_TIMEOUT of a staged swap (a list of errors, gather(return_exceptions=True))
+    must not keep the staging buffer its host copy used: a retired buffer counts against the pool until it goes,
+    so a few such errors would leave every later staged transfer of the endpoint waiting for a buffer."""
+    import asyncio
+    import gc
+
+    from aio_datadist.devices import ops
+
+    dd = await _host_dd()
+    try:
+        rt = runtime_of(dd)
+        mgr = dd.kv_cache_manager
+        rows, width = 16, 1024 * 1024  # 4 tensors x 16 rows x 2 MiB
+        dev = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.DEVICE))
+        host = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.HOST))
+        for t in dev.tensors:
+            t.fill_(1.0)
+        for t in host.tensors:
+            t.fill_(1.0)
+        pool = rt.staging.pool
+        kept = []
+        dst, src = (host, dev) if direction == "out" else (dev, host)
+        for timeout in (3, 5, 8, 10, 12, 15, 20, 3, 5, 8, 10, 12):
+            try:
+                await ops.copy_rows(rt, dst, list(range(rows)), src, list(range(rows)), 0, width * 2, timeout,
+                                    "swap_blocks", method="staged")
+            except LLMException as exc:
+                assert exc.status_code == S.LLM_TIMEOUT
+                kept.append(exc)
+        assert kept, "no swap timed out"
+        gc.collect()
+        await asyncio.sleep(0.1)
+        retired = pool.live - pool.idle
+        assert retired == 0, f"{retired} of {pool.buffers} staging buffers kept by {len(kept)} errors the caller holds"
+        for t in dst.tensors:
+            t.zero_()
+        await ops.copy_rows(rt, dst, list(range(rows)), src, list(range(rows)), 0, width * 2, 3000,
+                            "swap_blocks", method="staged")
+        assert all(torch.equal(t, d) for t, d in zip(host.tensors, dev.tensors, strict=True))
+    finally:
+        await dd.finalize()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("direction", ["out", "in"])
+@pytest.mark.parametrize("delay_ms", [0, 6])
+async def test_finalize_during_a_staged_swap_ends_it_and_lands_nothing_after(direction, delay_ms):
+    """finalize at any point of a staged swap: both end within bounds, and nothing lands after the swap ended."""
+    import asyncio
+
+    from aio_datadist.devices import ops
+
+    dd = await _host_dd()
+    rt = runtime_of(dd)
+    mgr = dd.kv_cache_manager
+    rows, width = 16, 1024 * 1024
+    dev = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.DEVICE))
+    host = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.HOST))
+    src_t, dst_t = ([t for t in dev.tensors], [t for t in host.tensors]) if direction == "out" else \
+        ([t for t in host.tensors], [t for t in dev.tensors])
+    for t in src_t:
+        t.fill_(1.0)
+    for t in dst_t:
+        t.zero_()
+    dst, src = (host, dev) if direction == "out" else (dev, host)
+    swap = asyncio.ensure_future(ops.copy_rows(rt, dst, list(range(rows)), src, list(range(rows)), 0, width * 2,
+                                               10_000, "swap_blocks", method="staged"))
+    await asyncio.sleep(delay_ms / 1000)
+    fin = asyncio.ensure_future(dd.finalize())
+    done, _ = await asyncio.wait([swap, fin], timeout=5)
+    assert swap in done, "the swap hangs across finalize"
+    after = [t.clone() for t in dst_t]
+    assert fin in done or (await asyncio.wait([fin], timeout=5))[0], "finalize hangs"
+    with contextlib.suppress(LLMException, asyncio.CancelledError):
+        swap.result()
+    await asyncio.sleep(0.2)
+    assert all(torch.equal(a, t) for a, t in zip(after, dst_t, strict=True)), "bytes landed after the swap ended"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("direction", ["out", "in"])
+async def test_finalize_during_a_staged_swap_on_a_healthy_device_abandons_nothing(direction):
+    """finalize while a staged swap runs on a device that is not stuck: quiesce sees the stream idle between two
+    chunks, the swap enqueues its next gather or scatter before the close, and the close then took the device
+    for stuck (``close(0.0)`` while busy): every cache of the endpoint kept for the life of the process
+    (``runtime.ABANDONED``), an ERROR logged, the backend's streams left open."""
+    import asyncio
+
+    from aio_datadist import runtime as runtime_mod
+    from aio_datadist.devices import ops
+    from aio_datadist.devices.staging import DeviceStaging
+
+    abandoned = len(runtime_mod.ABANDONED)
+    for i in range(10):
+        dd = await _host_dd()
+        rt = runtime_of(dd)
+        rt._staging = DeviceStaging(rt.completions, rt.devices, chunk_bytes=256 * 1024, buffers=4)
+        mgr = dd.kv_cache_manager
+        rows, width = 16, 256 * 1024  # 4 tensors x 16 rows x 512 KiB: 128 chunks of 256 KiB
+        dev = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.DEVICE))
+        host = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.HOST))
+        dst, src = (host, dev) if direction == "out" else (dev, host)
+        swap = asyncio.ensure_future(ops.copy_rows(rt, dst, list(range(rows)), src, list(range(rows)), 0,
+                                                   width * 2, 10_000, "swap_blocks", method="staged"))
+        await asyncio.sleep(0.001 * (1 + i % 5))
+        await asyncio.wait_for(dd.finalize(), 10)
+        with contextlib.suppress(LLMException, asyncio.CancelledError):
+            await asyncio.wait_for(swap, 5)
+        assert len(runtime_mod.ABANDONED) == abandoned, f"iteration {i}: a healthy device's caches abandoned"

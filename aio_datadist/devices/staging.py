@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import traceback
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -411,8 +412,9 @@ async def pipeline_out(chunks: Sequence[Chunk], pool: StagingPool, stage: Stage,
                 await fut
                 watch.check()  # a later stage failed while we waited for this one: no send to wait on the peer for
                 await watch.run(consume(chunk, buf[:chunk.nbytes]))
-            except BaseException:
+            except BaseException as exc:
                 pool.retire(buf)
+                _forget_frames(exc)
                 raise
             pool.release(buf)
     finally:
@@ -460,8 +462,9 @@ async def pipeline_in(chunks: Sequence[Chunk], pool: StagingPool, fill: Use, sta
             try:
                 watch.check()  # a stage failed while we waited for a buffer: no fill to wait on the peer for
                 await watch.run(fill(chunk, buf[:chunk.nbytes]))
-            except BaseException:
+            except BaseException as exc:
                 pool.retire(buf)
+                _forget_frames(exc)
                 raise
             try:
                 fut = asyncio.ensure_future(stage(chunk, buf))
@@ -495,6 +498,15 @@ async def settle_all(futures: Sequence[asyncio.Future]) -> None:
                 cancelled = exc
     if cancelled is not None:
         raise cancelled
+
+
+def _forget_frames(exc: BaseException) -> None:
+    """Clear the locals of the frames ``exc`` passed through below this one (the consume or fill and what it
+    awaited, all over by now): they hold views of a buffer just retired, which a caller keeping the error (a list
+    of failures, ``gather(return_exceptions=True)``) would otherwise keep counted against the pool for ever."""
+    tb = exc.__traceback__
+    if tb is not None:
+        traceback.clear_frames(tb.tb_next)
 
 
 def _abandon(fut: asyncio.Future) -> None:
