@@ -261,20 +261,25 @@ class KvCacheManager:
 
         :raises LLMException: ``LLM_KV_CACHE_NOT_EXIST`` for a cache of another
             LLMDataDist; ``LLM_PARAM_INVALID`` for a ``create_cpu_cache`` cache,
-            as LLM-DataDist ("only support device cache").
+            as LLM-DataDist ("only support device cache"); ``LLM_FAILED``, with
+            nothing changed, from another thread while the endpoint's loop runs
+            (a release fails that loop's push watches and cuts its transfers).
         """
         self._mode()
         rt = self._rt()
+        self._endpoint.on_home_thread("deallocate_cache")
         rt.registry.deallocate(cache)
         rt.arrivals.released(cache)  # a watch of its pushes would wait for bytes that cannot come
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Stop offering a row under ``cache_key`` (PROMPT or MIX). No-op if unbound, and for a key of a
-        registered cache, which keeps its keys until it is released, as in LLM-DataDist (reference 4.2)."""
+        registered cache, which keeps its keys until it is released, as in LLM-DataDist (reference 4.2).
+        ``LLM_FAILED``, with nothing changed, from another thread while the endpoint's loop runs."""
         self._mode()
         rt = self._rt()
         self._endpoint.require_role("remove_cache_key", LLMRole.PROMPT, LLMRole.MIX)
         check_instance("cache_key", cache_key, CacheKey)
+        self._endpoint.on_home_thread("remove_cache_key")
         rt.registry.remove_key(cache_key, owned_only=True)
 
     def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[torch.Tensor]:
