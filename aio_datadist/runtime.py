@@ -49,6 +49,9 @@ class Runtime:
         self.links_down = 0
         self.queue = _core.CompletionQueue()
         self._staging: DeviceStaging | None = None
+        #: Bytes of peers' same-host pushes copied on the loop's thread in the loop's current pass
+        #: (``transport.same_host``: at most ``INLINE_COPY_MAX`` a pass, the rest go to the copy threads).
+        self.inline_spent = 0
         #: What the last :meth:`quiesce` found: True idle, False the device still busy at its bound, None none ran.
         self._quiesced: bool | None = None
         try:

@@ -557,3 +557,42 @@ async def test_a_same_host_push_confirmed_with_done_in_place_of_its_resp_fails_w
         with pytest.raises(LLMException) as exc:
             await asyncio.wait_for(pair.pm.push_blocks(BlocksCacheKey(DECODER_ID, 0), src, [0], [1]), 5)
         assert exc.value.status_code == S.LLM_LINK_FAILED, exc.value
+
+
+@pytest.mark.asyncio
+async def test_a_flood_of_small_same_host_pushes_does_not_hold_the_owners_loop():
+    """A linked same-host peer floods its control connection with ``PUSH_LOCAL`` requests, each of
+    ``INLINE_COPY_MAX`` (2 MiB), each from and into other blocks. The owner copies each on its loop's thread as
+    it serves a chunk (its copy threads idle; ``MAX_LOCAL_PUSHES_SERVED`` counts only the copies on the threads),
+    so a chunk read at once (64 KiB on uvloop, up to 256 KiB on asyncio) is hundreds of 2 MiB copies in one
+    callback. Row 98's bound for a peer's flood of its control connection: a 5 ms ticker is never held 0.15 s."""
+    import array
+    import time
+
+    from aio_datadist.transport import same_host
+
+    desc = CacheDesc(4, (128, 512, 512), DataType.DT_FLOAT16, Placement.HOST)  # 512 KiB blocks: 4 tensors x 1 = 2 MiB
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(desc, BlocksCacheKey(PROMPT_ID, 0))
+        pair.dm.allocate_blocks_cache(desc, BlocksCacheKey(DECODER_ID, 0))
+        fill(src, 3)
+        await pair.link()
+        pusher = usable_link(pair.prompt, DECODER_ID)
+        record, _ = await _recorded(pusher, wire.Msg.PUSH_LOCAL, pair.pm.push_blocks(  # honest, recorded
+            BlocksCacheKey(DECODER_ID, 0), src, [1], [1]))
+        assert 4 * 512 * 512 * 2 == same_host.INLINE_COPY_MAX
+        answered: list[int] = []
+        frames = []
+        for i in range(3000):  # about 450 KiB of requests
+            rid = pusher.new_req_id()
+            pusher.expect(rid).add_done_callback(lambda f: answered.append(f.result().status))
+            frames.append(wire.encode_record(wire.Msg.PUSH_LOCAL, rid, record, timeout_ms=60_000,
+                                             rows=(i * 7 % 128,), src_rows=array.array("Q", [i % 128]).tobytes()))
+        pusher.writer.write(b"".join(frames))
+        longest, last, deadline = 0.0, time.thread_time(), time.monotonic() + 30
+        while len(answered) < len(frames) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            now = time.thread_time()
+            longest, last = max(longest, now - last), now
+        assert len(answered) == len(frames) and set(answered) == {S.LLM_SUCCESS}
+        assert longest < 0.15, f"the owner's loop was held {longest:.2f} s at once"
