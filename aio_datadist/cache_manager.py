@@ -203,7 +203,8 @@ class CacheManager:
         :raises LLMException: ``LLM_PARAM_INVALID`` naming ``mem_infos`` (or
             ``mem_infos[i]``) for a wrong type, a host region, or a region that
             overlaps no registered cache; ``LLM_FAILED`` with ``aio.Transport=nixl``
-            off the endpoint's event loop (nothing refreshed).
+            off the endpoint's event loop, and from another thread while that loop
+            runs (nothing refreshed).
         """
         rt = self._rt()
         infos = [mem_infos] if isinstance(mem_infos, MemInfo) else mem_infos

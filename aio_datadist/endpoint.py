@@ -85,21 +85,10 @@ class Endpoint:
         return home_loop(what, None if self.runtime is None else self.runtime.loop)
 
     def on_home_thread(self, call: str) -> None:
-        """Refuse ``call`` (``LLM_FAILED``, nothing changed) while the loop this endpoint was initialised on runs
-        and this is not it: a release settles that loop's futures (push watches) and cuts its transfers, which
-        only its own thread may do (from another, the loop is not woken and a waiter sleeps on). With that loop
-        not running (between runs, or closed) any thread may call."""
-        home = None if self.runtime is None else self.runtime.loop
-        if home is None or not home.is_running():
-            return
-        try:
-            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is not home:
-            raise LLMException(f"{call} runs on the event loop the LLMDataDist was initialised on while that loop "
-                               "runs (its push watches and transfers live there); call it from that loop",
-                               status_code=LLMStatusCode.LLM_FAILED)
+        """Refuse ``call`` (``LLM_FAILED``, nothing changed) from another thread while the loop this endpoint was
+        initialised on runs (``Runtime.on_home_thread``)."""
+        if self.runtime is not None:
+            self.runtime.on_home_thread(call)
 
     def require_links(self) -> LinkTable:
         """The link table, with the errors of :meth:`require_runtime`."""

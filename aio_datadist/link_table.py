@@ -142,8 +142,10 @@ class LinkTable(LinkDials):
     def _check_add(self) -> None:
         """NIXL registers a cache through futures of the endpoint's loop: a cache is allocated or registered on it
         (``LLM_FAILED`` elsewhere, before anything is registered). Before, with no running loop the registration
-        raised a bare ``RuntimeError`` after the cache had been added, which the caller never got to free."""
+        raised a bare ``RuntimeError`` after the cache had been added, which the caller never got to free.
+        Without NIXL, from another thread while that loop runs (its links' same-host offers go out there)."""
         if self.nixl is None:
+            self.runtime.on_home_thread("allocating or registering a cache")
             return
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()

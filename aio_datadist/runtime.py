@@ -18,6 +18,7 @@ from aio_datadist.arrivals import Arrivals
 from aio_datadist.cache import CacheRegistry
 from aio_datadist.devices import select_device
 from aio_datadist.options import Settings
+from aio_datadist.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
     from aio_datadist.devices.staging import DeviceStaging
@@ -93,6 +94,23 @@ class Runtime:
         """Whether no device work may still run (host copy and socket jobs are stopped by ``close`` itself,
         at once: they are not waited for)."""
         return self.devices is None or not self.devices.busy()
+
+    def on_home_thread(self, call: str) -> None:
+        """Refuse ``call`` (``LLM_FAILED``, nothing changed) while :attr:`loop` runs and this is not it: the
+        registry's changes reach that loop's objects (push watches, the transfers a release cuts, the same-host
+        offers a new cache sends), which only its own thread may touch; from another, the loop is not woken and a
+        waiter sleeps on. With that loop not running (before it, between runs, closed) any thread may call."""
+        home = self.loop
+        if home is None or not home.is_running():
+            return
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not home:
+            raise LLMException(f"{call} runs on the event loop the LLMDataDist was initialised on while that loop "
+                               "runs (its push watches, transfers and links live there); call it from that loop",
+                               status_code=LLMStatusCode.LLM_FAILED)
 
     async def quiesce(self, bound_s: float | None = None) -> bool:
         """Wait, without blocking the loop, until :meth:`idle` (at most ``bound_s``, ``QUIESCE_S`` by default);

@@ -1,8 +1,9 @@
-"""The managers' release calls from another thread than the endpoint's loop's (row 360).
+"""The registry changed from another thread than the endpoint's loop's (row 360).
 
 A release fails the push watches of the cache (futures of the endpoint's loop) and cuts the transfers served
-against it: only the loop's own thread may do that. From a worker thread while that loop runs it is refused
-(``LLM_FAILED``, nothing changed); with the loop not running, any thread may release.
+against it, a new cache is offered to the links' same-host peers: only the loop's own thread may do that. From a
+worker thread while that loop runs each is refused (``LLM_FAILED``, nothing changed); with the loop not running,
+any thread may allocate, register and release.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from peers import DECODER_ID, PROMPT_ID, endpoint, options
 from test_cache_manager import BLOCKS, S, register, rejected, v2_endpoint
 
@@ -85,13 +87,31 @@ async def test_v1_releases_from_a_worker_thread_are_refused_and_change_nothing()
         assert registry.all_caches() == []
 
 
-def test_with_the_endpoints_loop_not_running_any_thread_may_release():
+@pytest.mark.asyncio
+async def test_allocating_or_registering_from_a_worker_thread_is_refused_and_adds_nothing():
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID) as dd:
+        km = dd.kv_cache_manager
+        memory = [torch.zeros(4, 64, dtype=torch.uint8) for _ in range(2)]
+        assert _refused(await _from_a_worker(lambda: km.allocate_blocks_cache(HOST)))
+        assert _refused(await _from_a_worker(lambda: km.allocate_cache(HOST, [CacheKey(PROMPT_ID, req_id=1)])))
+        assert _refused(await _from_a_worker(lambda: km.register_blocks_cache(HOST, memory)))
+        assert registry_of(dd).all_caches() == []
+        km.register_blocks_cache(HOST, memory)  # on the loop
+        assert len(registry_of(dd).all_caches()) == 1
+
+
+def test_with_the_endpoints_loop_not_running_any_thread_may_allocate_and_release():
     loop = asyncio.new_event_loop()
     try:
         dd = LLMDataDist(LLMRole.PROMPT, PROMPT_ID)
         loop.run_until_complete(dd.init(options()))
         km = dd.kv_cache_manager
-        cache = km.allocate_blocks_cache(HOST)
+        made: list[Any] = []
+        worker = threading.Thread(target=lambda: made.append(km.allocate_blocks_cache(HOST)))
+        worker.start()
+        worker.join(5)
+        assert len(made) == 1 and registry_of(dd).all_caches() == made
+        cache = made[0]
         done: list[bool] = []
         worker = threading.Thread(target=lambda: (km.deallocate_cache(cache), done.append(True)))
         worker.start()
