@@ -200,7 +200,8 @@ class LinkDials:
             log.warning("link to cluster %s at %s:%s timed out after %s ms", remote_id, *address, timeout_ms)
             return LLMStatusCode.LLM_TIMEOUT
         except (OSError, ConnectionError, asyncio.IncompleteReadError, ProtocolError) as exc:
-            log.warning("link to cluster %s at %s:%s failed: %s", remote_id, *address, exc)
+            # (a peer that reset the connection says nothing more: the error's type, then, as "failed: " told nothing)
+            log.warning("link to cluster %s at %s:%s failed: %s", remote_id, *address, str(exc) or repr(exc))
             return LLMStatusCode.LLM_LINK_FAILED
         except LLMException as exc:
             log.warning("link to cluster %s at %s:%s failed: %s", remote_id, *address, exc)

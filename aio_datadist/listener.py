@@ -123,6 +123,9 @@ class Listener:
         if self.runtime.settings.tls and self.tls_server is None:
             raise param_invalid("aio.TlsServerContext", "is needed to listen: this endpoint uses TLS "
                                 "(aio.TlsClientContext is set) and never accepts a link without it")
+        if self.tls_server is not None and tls.missing_certificate(self.tls_server):
+            raise param_invalid("aio.TlsServerContext", "it has no certificate (load_cert_chain), so no peer could "
+                                "complete a TLS handshake with this endpoint")
         try:
             sock = socket.create_server((ip, port), backlog=LISTEN_BACKLOG)
         except OSError as exc:

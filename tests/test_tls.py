@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -498,3 +500,21 @@ async def test_plaintext_a_relay_writes_behind_the_tls_answer_is_refused(mode: s
                 assert links_of(dec) == {}
         # the real prompt, dialled directly, links
         assert (await dec.link_clusters([cluster_info(PROMPT, port_of(prompt))]))[0] == S.LLM_SUCCESS
+
+
+async def test_a_listening_endpoint_whose_server_context_has_no_certificate_is_refused_at_init():
+    """A server context with no certificate (no ``load_cert_chain``) can complete no TLS handshake: every dial
+    to it failed ``LLM_LINK_FAILED`` with an empty reason ("failed: "), and the listener only logged at debug.
+    ``init`` must refuse it, naming the option, with nothing left listening (a TLS context it cannot use)."""
+    port = free_port(LOCALHOST)
+    config = LLMConfig()
+    config.device_id = 0
+    config.listen_ip_info = f"{LOCALHOST}:{port}"
+    config.tls_server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # no certificate loaded
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT) as prompt:
+        with pytest.raises(LLMException) as info:
+            await prompt.init(config.generate_options())
+        assert info.value.status_code == S.LLM_PARAM_INVALID
+        assert "'aio.TlsServerContext'" in str(info.value) and "certificate" in str(info.value)
+        with socket.create_server((LOCALHOST, port)):  # nothing left listening there
+            pass

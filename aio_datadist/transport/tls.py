@@ -81,6 +81,29 @@ def _no_renegotiation(context: ssl.SSLContext) -> ssl.SSLContext:
     return context
 
 
+def missing_certificate(context: ssl.SSLContext) -> bool:
+    """Whether the server ``context`` has no certificate to present (no ``load_cert_chain``): an in-memory
+    handshake with a client that checks nothing fails on the server's side for want of a cipher it can use."""
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    client.verify_mode = ssl.CERT_NONE
+    bios = [ssl.MemoryBIO() for _ in range(4)]
+    server_end = context.wrap_bio(bios[0], bios[1], server_side=True)
+    client_end = client.wrap_bio(bios[2], bios[3], server_side=False)
+    for _ in range(8):
+        for end, out, into in ((client_end, bios[3], bios[0]), (server_end, bios[1], bios[2])):
+            try:
+                end.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLError as exc:
+                return end is server_end and exc.reason in ("NO_SHARED_CIPHER", "NO_CERTIFICATE_SET")
+            data = out.read()
+            if data:
+                into.write(data)
+    return False
+
+
 async def dial_control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: ssl.SSLContext,
                        host: str, limit_s: float) -> None:
     """Turn a freshly opened control connection into TLS (client side)."""
