@@ -23,7 +23,9 @@ def env_int(name: str, default: int, *, high: int = 2 ** 64, unit: str = "a size
     if not text:
         return default
     # ASCII digits only: int() would also take "+5", "1_000" and other scripts' digits
-    value = int(text) if text.isascii() and text.isdigit() else -1
+    # (and no more digits than ``high`` has, leading zeros aside: int() refuses over 4300 digits)
+    digits = text.lstrip("0") or "0"
+    value = int(digits) if text.isascii() and text.isdigit() and len(digits) <= len(str(high)) else -1
     if not 0 <= value < high:
         log.warning("$%s=%r is not %s (an int in [0, %d)): using %d", name, text, unit, high, default)
         return default

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -37,6 +38,9 @@ from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import LLMClusterInfo, LLMRole, RegisterMemStatus
 
 __all__ = ["LLMDataDist"]
+
+#: Held while an ``init`` makes the life it started the endpoint's (inits on two threads' loops at once).
+_STARTING = threading.Lock()
 
 MAX_CLUSTERS_PER_CALL = 16
 
@@ -183,7 +187,9 @@ class LLMDataDist:
             endpoint.joins += 1
             return None
         try:
-            await self._start(settings, v2)
+            if not await self._start(settings, v2):  # another thread's init started a life meanwhile
+                endpoint.joins += 1
+                return None
         except BaseException:
             if last is not None and endpoint.runtime is None and not endpoint.finalized:
                 # A new life that did not start (its engines, its NIXL agent, its listen address): the endpoint
@@ -202,8 +208,9 @@ class LLMDataDist:
         if life is not None and endpoint.runtime is life and not endpoint.joins:
             await self.finalize()
 
-    async def _start(self, settings: Settings, v2: bool) -> None:
-        """Start the engines, the link table and the listener of ``settings``; the endpoint's new life."""
+    async def _start(self, settings: Settings, v2: bool) -> bool:
+        """Start the engines, the link table and the listener of ``settings``; the endpoint's new life. False
+        (what it started closed again) when an ``init`` on another thread's loop started one meanwhile."""
         endpoint = self._endpoint
         try:
             runtime = Runtime(settings)
@@ -226,12 +233,22 @@ class LLMDataDist:
             await links.close()
             runtime.close()
             raise
-        endpoint.settings = settings
-        endpoint.cache_manager_mode = v2
-        endpoint.runtime = runtime
-        endpoint.links = links
-        endpoint.forks = forks()
+        with _STARTING:  # an init on another thread's loop may be here too: one life is the endpoint's
+            won = endpoint.runtime is None
+            if won:
+                endpoint.settings = settings
+                endpoint.cache_manager_mode = v2
+                endpoint.runtime = runtime
+                endpoint.links = links
+                endpoint.forks = forks()
+        if not won:
+            try:
+                await links.close()
+            finally:
+                runtime.close()
+            return False
         finalize_at_loop_shutdown(endpoint, finalize_endpoint)
+        return True
 
     async def _reopen(self) -> tuple[Settings | None, bool | None, asyncio.Future[None] | None] | None:
         """Make a finalized endpoint initialisable again, once its last life is released: a ``finalize`` still

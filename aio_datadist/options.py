@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,6 +219,12 @@ _OBJECT_KEYS = frozenset({"aio.TlsServerContext", "aio.TlsClientContext"})
 _AIO_KEYS = tuple(key for key in _KNOWN_KEYS if key.startswith("aio."))
 
 
+def _guarded(key: str) -> str:
+    """``key`` as the typo guard reads it: lower case, without spaces or characters that show as nothing
+    (format characters: a byte-order mark, a zero-width space, a soft hyphen)."""
+    return "".join(ch for ch in key if not ch.isspace() and unicodedata.category(ch) != "Cf").lower()
+
+
 def parse_options(options: Mapping[str, Any]) -> Settings:
     """Validate the options given to ``LLMDataDist.init`` and type them.
 
@@ -247,7 +254,7 @@ def parse_options(options: Mapping[str, Any]) -> Settings:
         if known is None:
             # Spelled in any case, with spaces anywhere: a mistyped aio.SharedSecret is never a listener
             # without a secret.
-            if "".join(key.split()).lower().startswith("aio."):
+            if _guarded(key).startswith("aio."):
                 raise param_invalid(key, f"unknown aio option; known: {', '.join(_AIO_KEYS)}")
             continue
         field_name, parse = known

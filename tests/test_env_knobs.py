@@ -87,3 +87,16 @@ def test_a_knobs_own_meaning_of_its_edges_is_kept():
     assert values["AIO_DATADIST_LOOP_IO_MAX"] == "0"
     assert values["AIO_DATADIST_CUDA_POLL_US"] == str(2 ** 31 - 1)
     assert "is not" not in done.stderr
+
+
+def test_a_knob_of_more_digits_than_int_converts_is_named_and_the_library_imports(monkeypatch, caplog):
+    """A value of more than 4300 digits (sys.get_int_max_str_digits()) is a bad knob like any other: a warning and
+    the default, never a ValueError at import."""
+    huge = "1" * 5000
+    monkeypatch.setenv("AIO_DATADIST_TEST_BYTES", huge)
+    with caplog.at_level(logging.WARNING, logger="aio_datadist.env"):
+        assert env_int("AIO_DATADIST_TEST_BYTES", 123) == 123
+    assert "$AIO_DATADIST_TEST_BYTES" in caplog.text
+    done = _import_knobs({"AIO_DATADIST_LOOP_IO_MAX": huge})
+    assert done.returncode == 0, done.stderr[-300:]
+    assert done.stdout.split("\n")[0] == f"AIO_DATADIST_LOOP_IO_MAX {16 << 20}"

@@ -231,3 +231,14 @@ def test_an_aio_option_spelled_wrong_in_any_way_is_refused(key: str) -> None:
     assert info.value.status_code is INVALID and info.value.argument == key
     assert parse_options({"aio.SharedSecret": "s3cret"}).shared_secret is not None
     assert parse_options({"llm.SomethingNew": "1", "ge.otherOption": "x"}).shared_secret is None
+
+
+@pytest.mark.parametrize("key", ["\ufeffaio.SharedSecret", "\u200baio.SharedSecret", "aio\u200b.SharedSecret",
+                                 "a\u00adio.SharedSecret", "aio\u2060.SharedSecret"])
+def test_an_aio_option_with_an_invisible_character_is_refused(key: str) -> None:
+    """The typo guard, for a key carrying a character that shows as nothing (a byte-order mark at the start of a
+    config file's first line, a zero-width space or soft hyphen pasted from a web page): it passed through as an
+    unknown key, and the endpoint listened without its secret."""
+    with pytest.raises(LLMException, match="unknown aio option") as info:
+        parse_options({key: "s3cret", "llm.listenIpInfo": "127.0.0.1:0"})
+    assert info.value.status_code is INVALID and info.value.argument == key

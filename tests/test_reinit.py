@@ -279,3 +279,35 @@ def test_a_finalize_on_one_loop_leaves_the_next_life_on_another_its_shutdown_gua
     finally:
         if dd._endpoint.runtime is not None:
             asyncio.run(dd.finalize())
+
+
+def test_two_threads_that_init_one_endpoint_at_once_start_one_life():
+    """``init`` called at once from two threads, each on its loop: one starts the life, the other is a second
+    ``init`` (a no-op). Before, both passed the "already initialised?" check before either assigned its life, so
+    both started engines and a listener, and the endpoint kept the last: the other life's listener, engine threads
+    and fds stayed open for good (finalize knew nothing of them)."""
+    import os
+    import threading
+
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    threads = [threading.Thread(target=loop.run_forever, daemon=True) for loop in loops]
+    for thread in threads:
+        thread.start()
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            dd = LLMDataDist(LLMRole.PROMPT, PROMPT_ID)
+            opts = options(listen=True)
+            done = [asyncio.run_coroutine_threadsafe(dd.init(opts), loop) for loop in loops]
+            for future in done:
+                future.result(10)
+            home = dd._endpoint.runtime.loop
+            asyncio.run_coroutine_threadsafe(dd.finalize(), home).result(10)
+            assert len(os.listdir("/proc/self/fd")) == fds, "an init's life was left open"
+    finally:
+        for loop in loops:
+            loop.call_soon_threadsafe(loop.stop)
+        for thread in threads:
+            thread.join(5)
+        for loop in loops:
+            loop.close()
