@@ -14,12 +14,15 @@ checkout. A progress bar needs ``tqdm`` and ``--plot`` needs ``matplotlib``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import signal
 import socket
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,13 +120,42 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             from aio_datadist.demo import main as demo
 
-            return demo(args.transport, args.metrics_port)
+            with _sigterm_interrupts():
+                return demo(args.transport, args.metrics_port)
         if args.command == "bench":
             return _bench(args.subparser, args)
+    except _Terminated:  # kill PID: as Ctrl-C, the finally blocks reaped the children
+        print(f"{args.command} terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback per process (the finally blocks reaped them)
+        if threading.current_thread() is threading.main_thread():  # Ctrl-C again: no traceback as the process exits
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"{args.command} interrupted", file=sys.stderr)
         return 130
     return 2
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that the demo's ``finally`` reaps its processes."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises :class:`_Terminated` inside the block (main thread only); once, then it is ignored until
+    the block ends, so that a second one cannot cut the reaping short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _nixl_missing() -> str:
@@ -204,6 +236,8 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"--plot: name the file with one of the suffixes {', '.join(sorted(formats))}")
         if not args.plot.parent.is_dir():
             parser.error(f"--plot: folder {str(args.plot.parent)!r} does not exist")
+        if args.plot.is_dir():
+            parser.error(f"--plot: {str(args.plot)!r} is a folder, not a file")
     if args.uvloop and importlib.util.find_spec("uvloop") is None:
         parser.error("--uvloop needs uvloop, which is not installed (pip install uvloop)")
     transfer = _import_transfer_benchmark()

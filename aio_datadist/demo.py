@@ -310,11 +310,18 @@ def main(transport: str = "auto", metrics_port: int | None = None) -> int:
         print(f"demo FAILED: {exc}", file=sys.stderr)
         return 1
     finally:
-        for proc in procs:
-            if proc.pid is None:  # never started (its start failed)
-                continue
-            if proc.is_alive():
-                proc.kill()
-            proc.join(10)
-        for end in (p_conn, p_child, d_conn, d_child, r_conn, r_child):
-            end.close()
+        # Ctrl-C pressed again while the children are reaped must not cut it short (a child left unkilled)
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        try:
+            for proc in procs:
+                if proc.pid is None:  # never started (its start failed)
+                    continue
+                if proc.is_alive():
+                    proc.kill()
+                proc.join(10)
+            for end in (p_conn, p_child, d_conn, d_child, r_conn, r_child):
+                end.close()
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, previous)

@@ -332,8 +332,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.requests < 2:
         parser.error("--requests must be >= 2 (one of them is abandoned)")
-    if args.abort_timeout <= 0:
-        parser.error("--abort-timeout must be > 0")
+    if not 0 < args.abort_timeout <= RUN_LIMIT_S / 2:  # the abandoned request expires within the run's limit
+        parser.error(f"--abort-timeout must be > 0 and at most {RUN_LIMIT_S / 2:g} s (the example's run limit is "
+                     f"{RUN_LIMIT_S:g} s)")
     return args
 
 
