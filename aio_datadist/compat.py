@@ -176,7 +176,11 @@ class _LoopThread:
         if self._loop is None:
             # asyncio's own loop, whatever the process's policy: a forked child of a process whose facade
             # ran on uvloop crashes as it exits (libuv joins thread-pool threads that are the parent's).
-            loop = asyncio.SelectorEventLoop()
+            try:
+                loop = asyncio.SelectorEventLoop()
+            except OSError as exc:  # no fd for its selector or self-pipe
+                raise LLMException(f"cannot start the blocking facade's event loop: {exc}",
+                                   status_code=LLMStatusCode.LLM_FAILED) from exc
             ready = threading.Event()
             stopping = self._stopping = threading.Event()
             end = self._end = _LoopEnd()
@@ -218,10 +222,13 @@ class _LoopThread:
             self._loop = loop
             try:
                 thread.start()
-            except BaseException:
+            except BaseException as exc:
                 if thread.ident is None:  # it never started: no loop at all
                     self._loop = self._thread = None
                     loop.close()
+                if isinstance(exc, RuntimeError) and thread.ident is None:  # no thread left (pthread_create)
+                    raise LLMException(f"cannot start the blocking facade's event-loop thread: {exc}",
+                                       status_code=LLMStatusCode.LLM_FAILED) from exc
                 raise
             ready.wait()
         if sending:  # (counted once the loop runs: a failed start counts nothing)

@@ -228,7 +228,12 @@ class NixlEngine:
         self.posted = 0  # transfers posted to NIXL, and their bytes
         self.posted_bytes = 0
         self._thread = threading.Thread(target=self._main, name=f"aio_datadist-nixl-{name}", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # no thread left (pthread_create failed), or the interpreter exits
+            self.agent = None  # nothing ran on it: NIXL's agent goes with its last reference
+            raise LLMException(f"cannot start the NIXL agent's worker thread: {exc}",
+                               status_code=LLMStatusCode.LLM_FAILED) from exc
 
     @staticmethod
     def _quiet_nixl_logging() -> None:
