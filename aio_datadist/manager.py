@@ -393,9 +393,9 @@ class KvCacheManager:
                                    f"{type(src_to_dst).__name__}")
         if not src_to_dst:
             raise param_invalid("src_to_dst", "expected a non-empty dict {src_block: dst_block}")
-        srcs = [check_index("src_to_dst", s, src.layout.rows, what="source block") for s in src_to_dst]
-        dsts = [check_index("src_to_dst", d, dst.layout.rows, what="destination block")
-                for d in src_to_dst.values()]
+        pairs = list(src_to_dst.items())  # one pass: a Mapping's keys and values() need not agree
+        srcs = [check_index("src_to_dst", s, src.layout.rows, what="source block") for s, _ in pairs]
+        dsts = [check_index("src_to_dst", d, dst.layout.rows, what="destination block") for _, d in pairs]
         if len(set(dsts)) != len(dsts):
             raise param_invalid("src_to_dst", "a destination block is named twice")
         await self._copy_rows(dst, dsts, src, srcs, 0, dst.layout.row_bytes, "swap_blocks", timeout)

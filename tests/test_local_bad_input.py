@@ -482,3 +482,46 @@ def test_create_cpu_cache_rejects():
     for arg, call in cases:
         with rejected(INVALID, arg):
             call()
+
+
+class _Lopsided(dict):
+    """A Mapping whose keys and values disagree in count (a buggy caller's mapping)."""
+
+    def values(self):  # type: ignore[override]
+        return list(super().values())[:1]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("device_type", ["cpu", "host"])
+async def test_swap_blocks_refuses_a_mapping_whose_keys_and_values_differ(device_type):
+    """A Mapping whose values() disagree with its keys: its items() are copied (read once, so sources and
+    destinations pair up). Before, a ValueError from the core (host caches) or an LLM_FAILED naming no argument
+    (device caches). Found by a hunt."""
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init({**options(), "aio.DeviceType": device_type})
+        e = Endpoint(dd)
+        await e.kv.swap_blocks(e.device, e.host, _Lopsided({0: 1, 2: 3}))
+        for d, h in zip(e.device.tensors, e.host.tensors):
+            d, h = d.view(torch.uint8), h.view(torch.uint8)  # bit-exact (random halves hold NaNs)
+            assert torch.equal(h[1], d[0]) and torch.equal(h[3], d[2])
+        e.assert_idle()
+
+
+@pytest.mark.asyncio
+async def test_copy_blocks_huge_and_bool_blocks_are_refused():
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(options())
+        e = Endpoint(dd)
+        await assert_all_rejected([
+            ("copy_block_info", INVALID, lambda: e.kv.copy_blocks(e.host, {2**64: [1]})),
+            ("copy_block_info", INVALID, lambda: e.kv.copy_blocks(e.host, {0: [2**64]})),
+            ("copy_block_info", INVALID, lambda: e.kv.copy_blocks(e.host, {0: [True]})),
+            ("copy_block_info", INVALID, lambda: e.kv.copy_blocks(e.host, {0: (1, 1)})),
+            ("copy_block_info", INVALID, lambda: e.kv.copy_blocks(e.host, {0: [1], 1: [2]})),
+            ("copy_block_info", INVALID, lambda: e.kv.copy_blocks(e.device, {0: [1], 1: [2]})),
+            ("size", INVALID, lambda: e.kv.copy_cache(e.contig, e.contig2, size=2**80)),
+            ("offset", INVALID, lambda: e.kv.copy_cache(e.contig, e.contig2, offset=True)),
+            ("size", INVALID, lambda: e.kv.copy_cache(e.contig, e.contig2, offset=8, size=ROW_BYTES - 7)),
+            ("dst_batch_index", INVALID, lambda: e.kv.copy_cache(e.contig, e.contig, 1, 1)),
+        ], e.host, e.device, e.contig, e.contig2)
+        e.assert_idle()
