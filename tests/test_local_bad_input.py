@@ -493,7 +493,7 @@ class _Lopsided(dict):
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("device_type", ["cpu", "host"])
-async def test_swap_blocks_refuses_a_mapping_whose_keys_and_values_differ(device_type):
+async def test_swap_blocks_pairs_a_mapping_whose_keys_and_values_differ_by_its_items(device_type):
     """A Mapping whose values() disagree with its keys: its items() are copied (read once, so sources and
     destinations pair up). Before, a ValueError from the core (host caches) or an LLM_FAILED naming no argument
     (device caches). Found by a hunt."""
