@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
+import warnings
 from typing import Any
 
 import pytest
@@ -311,3 +313,35 @@ async def test_a_handshake_in_flight_when_the_listener_moves_is_refused(monkeypa
         release.set()
         assert await asyncio.wait_for(attempt, 5) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
         assert not link_table_of(prompt).links and not link_table_of(dd).links
+
+
+@pytest.mark.asyncio
+async def test_a_share_connection_accepted_as_a_switch_stops_the_share_socket_is_closed_by_it():
+    """A same-host share connection accepted in the loop pass that stops the share socket (``switch_role`` away,
+    ``finalize``): its task is cancelled before its first step, so its ``finally`` never runs; the listener closes
+    the connection itself. Before, only the socket's finalizer did (a ``ResourceWarning``). Found by a hunt."""
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, switch_role=True, transport="auto") as dd:
+        share = link_table_of(dd).listener.local_listener
+        assert share is not None
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client.connect(share.name)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            await asyncio.sleep(0)  # the share socket's reader accepts it and makes its task (not run yet)
+            switch = asyncio.ensure_future(dd.switch_role(LLMRole.DECODER))  # runs before that task's first step
+            await asyncio.wait_for(switch, 5)
+            await asyncio.sleep(0.05)
+            client.setblocking(False)
+            eof = False
+            try:
+                for _ in range(4):  # the share's challenge, if its task ran, then the end
+                    if client.recv(256) == b"":
+                        eof = True
+                        break
+            except BlockingIOError:
+                pass
+            gc.collect()
+        client.close()
+        assert eof, "the accepted share connection is still open after the switch"
+        unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+        assert not unclosed, unclosed

@@ -35,6 +35,7 @@ import array
 import asyncio
 import dataclasses
 import errno
+import functools
 import hashlib
 import hmac
 import logging
@@ -845,7 +846,7 @@ class LocalListener:
             conn.setblocking(False)
             task = self._loop.create_task(self._attach(conn))
             self._pending[task] = (conn, self._loop.time())
-            task.add_done_callback(self._settled)
+            task.add_done_callback(functools.partial(self._settled, conn=conn))
 
     def _wait_for_room(self, exc: OSError) -> None:
         # The connection stays in the backlog and the socket readable: a (level-triggered) reader left on it
@@ -866,8 +867,12 @@ class LocalListener:
         task.cancel()
         del self._pending[task]
 
-    def _settled(self, task: asyncio.Task) -> None:
+    def _settled(self, task: asyncio.Task, *, conn: socket.socket) -> None:
         self._pending.pop(task, None)
+        if task.cancelled():
+            # Cancelled before its first step (``close`` as the listener stops, an eviction): its ``finally`` never
+            # ran. (Closed already when it ran: a second close does nothing.)
+            conn.close()
 
     async def _attach(self, conn: socket.socket) -> None:
         keep = False
