@@ -9,7 +9,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -178,12 +180,11 @@ def live_processes_in_group(pgid: int) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("children", [1, 2])
-def test_ctrl_c_during_the_demo_ends_it_with_one_line_and_no_process_left(tmp_path, children):
-    """Ctrl-C as a terminal sends it (to the whole process group) while the prompt process starts, or once the
-    decoder process starts too: one line, exit 130, every process gone. Before, each process printed its
-    traceback, 28-55 lines (found by an audit). The decoder's case: a decoder started without SIGINT ignored
-    passed the prompt's (audit, 2026-12-07)."""
+def demo_stopped(tmp_path: Path, children: int,
+                 stop: Callable[[subprocess.Popen], Any]) -> tuple[int, str, list[str], Any]:
+    """Run ``python -m aio_datadist demo`` in a session of its own until ``children`` of its processes started
+    (and 0.3 s more: the newest is importing torch), then ``stop(demo)``: its exit code, its stderr, the processes
+    of its group left 10 s after it ended, and what ``stop`` returned. Every process is killed in the end."""
     demo = subprocess.Popen([sys.executable, "-m", "aio_datadist", "demo"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -191,21 +192,35 @@ def test_ctrl_c_during_the_demo_ends_it_with_one_line_and_no_process_left(tmp_pa
         while demo.poll() is None and time.monotonic() < deadline and sum(
                 "spawn_main" in cmdline for cmdline in live_processes_in_group(demo.pid)) < children:
             time.sleep(0.05)
-        time.sleep(0.3)  # the newest process is importing torch
-        ignored = [int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1
-                   for entry in Path("/proc").glob("[0-9]*") if "spawn_main" in _cmdline(entry)
-                   and os.getpgid(int(entry.name)) == demo.pid
-                   for line in (entry / "status").read_text().splitlines() if line.startswith("SigIgn:")]
-        os.killpg(demo.pid, signal.SIGINT)
+        time.sleep(0.3)
+        stopped = stop(demo)
         _, err = demo.communicate(timeout=30)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while (left := live_processes_in_group(demo.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         if demo.poll() is None or live_processes_in_group(demo.pid):
             os.killpg(demo.pid, signal.SIGKILL)
             demo.communicate()
-    assert demo.returncode == 130 and err.splitlines() == ["demo interrupted"], (demo.returncode, err[-3000:])
+    return demo.returncode, err, left, stopped
+
+
+@pytest.mark.parametrize("children", [1, 2])
+def test_ctrl_c_during_the_demo_ends_it_with_one_line_and_no_process_left(tmp_path, children):
+    """Ctrl-C as a terminal sends it (to the whole process group) while the prompt process starts, or once the
+    decoder process starts too: one line, exit 130, every process gone. Before, each process printed its
+    traceback, 28-55 lines (found by an audit). The decoder's case: a decoder started without SIGINT ignored
+    passed the prompt's (audit, 2026-12-07)."""
+    def stop(demo: subprocess.Popen) -> list[int]:
+        ignored = [int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1
+                   for entry in Path("/proc").glob("[0-9]*") if "spawn_main" in _cmdline(entry)
+                   and os.getpgid(int(entry.name)) == demo.pid
+                   for line in (entry / "status").read_text().splitlines() if line.startswith("SigIgn:")]
+        os.killpg(demo.pid, signal.SIGINT)
+        return ignored
+
+    returncode, err, left, ignored = demo_stopped(tmp_path, children, stop)
+    assert returncode == 130 and err.splitlines() == ["demo interrupted"], (returncode, err[-3000:])
     assert not left
     assert ignored == [1] * children, ignored  # the children ignore SIGINT (their traceback races the parent's kill)
 

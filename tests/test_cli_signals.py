@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from aio_datadist.__main__ import main
-from test_cli import live_processes_in_group
+from test_cli import demo_stopped
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,27 +23,10 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("children", [1, 2])
 def test_sigterm_to_the_demo_ends_it_with_one_line_and_no_process_left(tmp_path, children):
     """`kill PID` (SIGTERM to the demo's own process, as a service manager or `timeout` sends it) once the prompt
-    process starts: a non-zero exit, no traceback from any process, every process gone."""
-    demo = subprocess.Popen([sys.executable, "-m", "aio_datadist", "demo"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while demo.poll() is None and time.monotonic() < deadline and sum(
-                "spawn_main" in cmdline for cmdline in live_processes_in_group(demo.pid)) < children:
-            time.sleep(0.05)
-        time.sleep(0.3)
-        demo.send_signal(signal.SIGTERM)
-        _, err = demo.communicate(timeout=30)
-        deadline = time.monotonic() + 10
-        while (left := live_processes_in_group(demo.pid)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        if demo.poll() is None or live_processes_in_group(demo.pid):
-            os.killpg(demo.pid, signal.SIGKILL)
-            demo.communicate()
+    process starts: one line, exit 143, no traceback from any process, every process gone."""
+    returncode, err, left, _ = demo_stopped(tmp_path, children, lambda demo: demo.send_signal(signal.SIGTERM))
     assert not left
-    assert demo.returncode != 0
-    assert "Traceback" not in err, err[-3000:]
+    assert returncode == 128 + signal.SIGTERM and err.splitlines() == ["demo terminated"], (returncode, err[-3000:])
 
 
 @pytest.fixture
@@ -101,27 +84,14 @@ def test_ctrl_c_pressed_again_and_again_ends_the_demo_with_one_line_and_no_proce
     prompt process or both started: still one line, exit 130, no traceback, every process gone. Row 297 covers
     one Ctrl-C only: a second one landed in the demo's clean-up (`proc.join`), left the decoder unkilled (it
     then printed its own traceback) and the parent died of SIGINT with a traceback."""
-    demo = subprocess.Popen([sys.executable, "-m", "aio_datadist", "demo"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while demo.poll() is None and time.monotonic() < deadline and sum(
-                "spawn_main" in cmdline for cmdline in live_processes_in_group(demo.pid)) < children:
-            time.sleep(0.05)
-        time.sleep(0.3)
+    def stop(demo: subprocess.Popen) -> None:
         for gap in (0, 0.002, 0.004, 0.01, 0.02, 0.05):
             time.sleep(gap)
             try:
                 os.killpg(demo.pid, signal.SIGINT)
             except ProcessLookupError:  # every process of the group ended
                 break
-        _, err = demo.communicate(timeout=30)
-        deadline = time.monotonic() + 10
-        while (left := live_processes_in_group(demo.pid)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        if demo.poll() is None or live_processes_in_group(demo.pid):
-            os.killpg(demo.pid, signal.SIGKILL)
-            demo.communicate()
-    assert demo.returncode == 130 and err.splitlines() == ["demo interrupted"], (demo.returncode, err[-3000:])
+
+    returncode, err, left, _ = demo_stopped(tmp_path, children, stop)
+    assert returncode == 130 and err.splitlines() == ["demo interrupted"], (returncode, err[-3000:])
     assert not left
