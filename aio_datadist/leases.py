@@ -85,6 +85,7 @@ class CacheLease:
         self._expired = False
         self._cancelled = False
         self._finalized = False
+        self._holding = True  # whether it holds its endpoint (taken below; let go by a timer's refused release)
         self.renew(lease_ms)
         _LEASES[cache] = self
         _ALL.add(self)
@@ -128,6 +129,10 @@ class CacheLease:
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self._loop.call_later(lease_ms / 1000, self._expire)
+        if not self._holding:  # a timer's refused release let go of the endpoint: running again, it holds it again
+            self._holding = True
+            owners = None if self._endpoint is None else self._endpoint.owners
+            self._let_go = _nothing if owners is None else owners.hold()
 
     def cancel(self) -> None:
         """Keep the cache: the lease never expires. Idempotent. ``LLM_FAILED`` off the lease's event loop."""
@@ -160,6 +165,7 @@ class CacheLease:
             # the message only: a record holding the exception would hold release()'s frame, and the cache in it
             log.warning("lease on cache %s could not release it: %s", getattr(self._cache(), "cache_id", "?"), str(exc))
             self._let_go()  # it runs out no more on its own: it keeps a dropped endpoint no longer (finalize frees all)
+            self._holding = False  # until a renew sets a deadline again
 
     def release(self) -> None:
         """Expire now: unbind the keys still bound and drop the cache's id reference. Idempotent.

@@ -13,10 +13,20 @@ import weakref
 
 import pytest
 import torch
-from _harness import endpoint
+from _harness import endpoint, options
 from peers import cluster_info, fill, port_of
 
-from aio_datadist import CacheDesc, CacheKey, DataType, KvCache, LLMException, LLMRole, LLMStatusCode, Placement
+from aio_datadist import (
+    CacheDesc,
+    CacheKey,
+    DataType,
+    KvCache,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
 from aio_datadist.leases import allocate_leased_cache, lease_cache, lease_of
 
 S = LLMStatusCode
@@ -472,3 +482,39 @@ async def test_a_lease_released_or_cancelled_from_a_helper_loop_is_refused(what)
             await asyncio.wait_for(asyncio.to_thread(asyncio.run, elsewhere()), 5)
         assert info.value.status_code == S.LLM_FAILED
         assert lease.active
+
+
+@pytest.mark.asyncio
+async def test_a_lease_renewed_after_its_timer_was_refused_keeps_its_endpoint(caplog):
+    """A lease whose timer fired while the endpoint was a DECODER (the release refused and logged) lets go of the
+    endpoint; renewed once the role allows it, it runs to a deadline again and holds the endpoint again, as every
+    running lease does (docs/api.md). Before, the dropped LLMDataDist was collected and finalized under it. Found
+    by a hunt."""
+    dd = LLMDataDist(LLMRole.PROMPT, PROMPT)
+    await dd.init(options(enable_switch_role=True))
+    kv = dd.kv_cache_manager
+    cache = kv.allocate_cache(ROWS, keys_for(30), lease_ms=60_000)
+    kv.deallocate_cache(cache)
+    lease = lease_of(cache)
+    assert lease is not None
+    await dd.switch_role(LLMRole.DECODER)
+    with caplog.at_level("WARNING"):
+        lease.renew(10)  # runs out while a DECODER: refused, logged, lets go of the endpoint
+        async with asyncio.timeout(2):
+            while lease.deadline is not None:
+                await asyncio.sleep(0.01)
+    await dd.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": "127.0.0.1:0"})
+    lease.renew(600)  # the lease runs again, to its new deadline
+    assert lease.active and lease.deadline is not None
+    del kv, dd
+    with caplog.at_level("WARNING", "aio_datadist"):
+        gc.collect()
+        await asyncio.sleep(0.3)  # well before the deadline
+    dropped = [r.getMessage() for r in caplog.records if "collected without finalize" in r.getMessage()]
+    try:
+        assert not dropped, "endpoint finalized under a running lease"
+        assert lease.active and not lease.expired
+    finally:
+        if lease.active:
+            lease.release()  # the endpoint goes with it (dropped, and nothing holds it any more)
+        await asyncio.sleep(0.5)
