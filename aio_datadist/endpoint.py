@@ -84,12 +84,6 @@ class Endpoint:
         (see :func:`home_loop`)."""
         return home_loop(what, None if self.runtime is None else self.runtime.loop)
 
-    def on_home_thread(self, call: str) -> None:
-        """Refuse ``call`` (``LLM_FAILED``, nothing changed) from another thread while the loop this endpoint was
-        initialised on runs (``Runtime.on_home_thread``)."""
-        if self.runtime is not None:
-            self.runtime.on_home_thread(call)
-
     def require_links(self) -> LinkTable:
         """The link table, with the errors of :meth:`require_runtime`."""
         self.require_runtime()

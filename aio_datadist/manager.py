@@ -267,7 +267,7 @@ class KvCacheManager:
         """
         self._mode()
         rt = self._rt()
-        self._endpoint.on_home_thread("deallocate_cache")
+        rt.on_home_thread("deallocate_cache")
         rt.registry.deallocate(cache)
         rt.arrivals.released(cache)  # a watch of its pushes would wait for bytes that cannot come
 
@@ -279,7 +279,7 @@ class KvCacheManager:
         rt = self._rt()
         self._endpoint.require_role("remove_cache_key", LLMRole.PROMPT, LLMRole.MIX)
         check_instance("cache_key", cache_key, CacheKey)
-        self._endpoint.on_home_thread("remove_cache_key")
+        rt.on_home_thread("remove_cache_key")
         rt.registry.remove_key(cache_key, owned_only=True)
 
     def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[torch.Tensor]:

@@ -13,22 +13,12 @@ import json
 import socket
 import sys
 import threading
+from pathlib import Path
 
 from aio_datadist import wire
 
-
-def pump(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(65536):
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for the relays' pump
+from tls_inject_relay import pump  # noqa: E402
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
