@@ -185,6 +185,24 @@ async def endpoint(role: LLMRole, cluster_id: int, *, listen: bool = False,
         yield dd
 
 
+def stop_process(pid: int, bound_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped. ``kill`` returns with the stop pending on
+    one thread only: the others run until that thread gets a CPU and stops the group, and on a loaded host a
+    loop thread woken by our next request meanwhile served it (a pull meant to time out succeeded)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + bound_s
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rpartition(")")[2].split()[0])
+        if states and all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped after {bound_s} s: {states}"
+        time.sleep(0.001)
+
+
 @dataclasses.dataclass
 class Pair:
     """A PROMPT that listens and a DECODER that links to it, in one loop."""
@@ -419,9 +437,9 @@ class EndpointProcess:
         self._process.kill()
 
     def stop(self) -> None:
-        """SIGSTOP: the process stays alive but answers nothing."""
+        """SIGSTOP: the process stays alive but answers nothing (every thread stopped once this returns)."""
         assert self.pid is not None
-        os.kill(self.pid, signal.SIGSTOP)
+        stop_process(self.pid)
 
     def resume(self) -> None:
         assert self.pid is not None

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peers import stop_process
 
 import aio_datadist.compat as llm_datadist
 from aio_datadist.compat import (
@@ -54,7 +55,7 @@ class _Peer:
         self.state = line[1:]
 
     def stop(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        stop_process(self.proc.pid)
 
     def close(self) -> None:
         try:

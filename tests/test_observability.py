@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from peers import stop_process
 from prometheus_client import CollectorRegistry, generate_latest
 
 import aio_datadist as aio
@@ -121,7 +122,7 @@ async def test_timeouts_and_cancellations_are_counted_and_nothing_lands_later():
     async with open_process_pair(prompt_config={"transport": "tcp"}, decoder_config={"transport": "tcp"}) as pair:
         instrument(pair.decoder, registry)
         kv = pair.decoder.kv_cache_manager
-        os.kill(pair.prompt_pid, signal.SIGSTOP)
+        stop_process(pair.prompt_pid)
         try:
             with pytest.raises(LLMException) as timed_out:
                 await kv.pull_blocks(pair.blocks_key, pair.decoder_blocks, [0, 1], [0, 1], timeout=300)
