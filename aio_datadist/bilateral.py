@@ -85,7 +85,7 @@ def _hccl_connect_timeout_s() -> int:
     text = os.environ.get("HCCL_CONNECT_TIMEOUT", "").strip().lstrip("0")
     if text.isascii() and text.isdigit():
         # At most llm.LinkTotalTime's bound (int() refuses over 4300 digits, a float over 308: found by a hunt)
-        return int(text) if len(text) <= len(str(UINT32_MAX)) and int(text) <= UINT32_MAX else UINT32_MAX
+        return min(int(text), UINT32_MAX) if len(text) <= len(str(UINT32_MAX)) else UINT32_MAX
     return DEFAULT_LINK_TOTAL_TIME_S
 
 

@@ -19,7 +19,18 @@ import torch
 from peers import DECODER_ID, PROMPT_ID, endpoint, options
 from test_cache_manager import BLOCKS, S, register, rejected, v2_endpoint
 
-from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMDataDist, LLMException, LLMRole, Placement
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    MemInfo,
+    Memtype,
+    Placement,
+)
 from aio_datadist.testing import registry_of
 
 HOST = CacheDesc(2, (4, 64), DataType.DT_UINT8, Placement.HOST)
@@ -120,3 +131,21 @@ def test_with_the_endpoints_loop_not_running_any_thread_may_allocate_and_release
         loop.run_until_complete(dd.finalize())
     finally:
         loop.close()
+
+
+@pytest.mark.asyncio
+async def test_remap_from_a_worker_thread_is_refused_and_withdraws_nothing():
+    """``remap_registered_memory`` withdraws each cache it covers and offers it again: from a worker thread while
+    the loop runs that is refused as a release is (``LLM_FAILED``), and the cache stays offered."""
+    async with v2_endpoint(LLMRole.PROMPT, PROMPT_ID) as dd:
+        cm = dd.cache_manager
+        rows, _ = register(cm, BLOCKS, 1, BlocksCacheKey(PROMPT_ID, 0))
+        withdrawn: list[Any] = []
+        registry = registry_of(dd)
+        on_free = registry.on_free
+        registry.on_free = lambda cache: (withdrawn.append(cache), on_free(cache))
+        remap = lambda: cm.remap_registered_memory(MemInfo(Memtype.MEM_TYPE_DEVICE, rows.tensor_addrs[0], 64))  # noqa: E731
+        assert _refused(await _from_a_worker(remap))
+        assert withdrawn == [] and registry.all_caches() == [rows]
+        remap()  # on the loop: withdrawn and offered again
+        assert withdrawn == [rows] and registry.all_caches() == [rows]
