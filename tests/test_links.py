@@ -869,3 +869,20 @@ async def test_messages_behind_the_one_that_ended_the_link_in_one_chunk_are_not_
         link._dispatch = dispatch
         link._control_data(b"".join(wire.encode(Msg.PROBE, req_id) for req_id in (1001, 1002, 1003)))
         assert link.down and acted == [1001], acted
+
+
+@pytest.mark.asyncio
+async def test_a_dial_that_failed_with_an_empty_reason_is_logged_by_its_type(monkeypatch, caplog):
+    """A connection error that says nothing (``ConnectionResetError()``, as some TLS stacks raise it) is logged by
+    its type: before, the warning ended in "failed: " and told an operator nothing."""
+    from aio_datadist import link_dials
+
+    async def reset(*args, **kwargs):
+        raise ConnectionResetError()
+
+    monkeypatch.setattr(link_dials.LinkDials, "_handshake", reset)
+    caplog.set_level(logging.WARNING)
+    async with endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        code, codes = await dd.link_clusters([cluster_info(PROMPT_ID, ("127.0.0.1", 9))], timeout=1000)
+    assert codes == [LLMStatusCode.LLM_LINK_FAILED]
+    assert "failed: ConnectionResetError()" in caplog.text, caplog.text
