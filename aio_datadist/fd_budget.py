@@ -32,6 +32,7 @@ import os
 import resource
 import socket
 
+from aio_datadist._forks import forks
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ["ACCEPT_GONE", "ACCEPT_RETRY_S", "NO_ROOM", "RESERVE", "SOFT_TARGET", "Claim", "claim", "close_listening",
@@ -53,6 +54,14 @@ ACCEPT_GONE = (errno.ECONNABORTED, errno.EPROTO, errno.EINTR)
 SOFT_TARGET = 1 << 20
 
 _promised = 0  # process-wide, as the fd table is
+
+
+def _after_fork_in_child() -> None:
+    global _promised
+    _promised = 0  # the links being made at the fork are the parent's: none of them is made in this process
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def close_listening(sock: socket.socket) -> None:
@@ -103,12 +112,14 @@ class Claim:
 
     def __init__(self, n: int) -> None:
         self.n = n
+        self._forks = forks()  # a claim of the parent's, released in a forked child, gives back none of the child's
 
     def less(self, n: int) -> None:
         """Give back ``n`` of the fds promised (at most what is left): they are open now, or not needed."""
         global _promised
         n = min(n, self.n)
-        _promised -= n
+        if self._forks == forks():
+            _promised -= n
         self.n -= n
 
     def release(self) -> None:

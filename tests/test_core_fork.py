@@ -509,3 +509,61 @@ def test_a_forked_child_reading_streamed_jobs_of_a_parents_copier_does_not_hang(
     copier.close(); q.close()
     ''')
     assert "hung: 0 answered: 0 of" in out, out
+
+
+def test_a_child_forked_while_links_are_made_gets_none_of_their_fd_claims():
+    """A child forked while the parent's links are being made (a serving framework forking workers as links come
+    up) does not inherit the fds promised to them: they are the parent's, never made in the child, and nothing
+    there would give them back. Before, the child kept them promised for its whole life: under an fd limit of 320,
+    with 41 fds open, its own link was refused ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` (found by a hunt)."""
+    out = run('''
+    import asyncio, resource, socket
+    from aio_datadist import LLMDataDist, LLMRole, fd_budget
+    from aio_datadist.testing import loopback_options
+    from peers import cluster_info
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (320, 320))
+
+    async def own_link():
+        prompt, decoder = LLMDataDist(LLMRole.PROMPT, 11), LLMDataDist(LLMRole.DECODER, 12)
+        await prompt.init({**loopback_options(listen=True), "aio.MaxPendingHandshakes": "1"})  # a small reserve
+        await decoder.init(loopback_options())
+        try:
+            return (await decoder.link_clusters([cluster_info(11, prompt.listen_address)], timeout=3000))[0]
+        finally:
+            await decoder.finalize()
+            await prompt.finalize()
+
+    async def main():
+        stall = socket.create_server(("127.0.0.1", 0), backlog=64)  # takes the dials, never answers
+        decoder = LLMDataDist(LLMRole.DECODER, 2)
+        await decoder.init({**loopback_options(), "aio.DataChannels": "8"})  # 18 fds promised per link
+        dials = [asyncio.ensure_future(decoder.link_clusters([cluster_info(100 + i, stall.getsockname())],
+                                                             timeout=10000)) for i in range(12)]
+        deadline = time.monotonic() + 5
+        while fd_budget._promised < 12 * 18 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        print("promised at the fork:", fd_budget._promised, flush=True)
+        held = fd_budget.claim(5, 0)  # a parent's claim that the child lets go of: it gives back none of the child's
+        pid = os.fork()
+        if pid == 0:
+            promised = fd_budget._promised
+            held.release()
+            promised = min(promised, fd_budget._promised)
+            code = asyncio.run(own_link())
+            print("child: promised", promised, "own link", code.name, flush=True)
+            os._exit(0)
+        print("child:", reap(pid, 10))
+        held.release()
+        for dial in dials:
+            dial.cancel()
+        await asyncio.gather(*dials, return_exceptions=True)
+        await decoder.finalize()
+        stall.close()
+        print("parent: promised", fd_budget._promised)
+
+    asyncio.run(main())
+    ''')
+    assert "promised at the fork: 216" in out, out  # (before the 5 of ``held``)
+    assert "child: promised 0 own link LLM_SUCCESS" in out and "child: 0" in out, out
+    assert "parent: promised 0" in out, out
