@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -41,6 +42,14 @@ __all__ = ["LLMDataDist"]
 
 #: Held while an ``init`` makes the life it started the endpoint's (inits on two threads' loops at once).
 _STARTING = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _STARTING
+    _STARTING = threading.Lock()  # a parent's thread may have held it at the fork: it is not here to let go of it
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 MAX_CLUSTERS_PER_CALL = 16
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -46,6 +47,14 @@ SCRAPE_WAIT_S = 2.0
 # goes with a registry its owner dropped (a strong value would hold its own key, and so every registry, forever).
 _EXPORTERS: weakref.WeakKeyDictionary[Any, weakref.ref[PrometheusMetrics]] = weakref.WeakKeyDictionary()
 _EXPORTERS_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _EXPORTERS_LOCK
+    _EXPORTERS_LOCK = threading.Lock()  # a parent's thread may have held it at the fork: it is not here to let go
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _prometheus() -> Any:

@@ -567,3 +567,42 @@ def test_a_child_forked_while_links_are_made_gets_none_of_their_fd_claims():
     assert "promised at the fork: 216" in out, out  # (before the 5 of ``held``)
     assert "child: promised 0 own link LLM_SUCCESS" in out and "child: 0" in out, out
     assert "parent: promised 0" in out, out
+
+
+@pytest.mark.parametrize("lock", ["datadist._STARTING", "metrics._EXPORTERS_LOCK"])
+def test_a_child_forked_while_a_parent_thread_holds_a_module_lock_does_not_hang_on_it(lock):
+    """``init`` takes ``datadist._STARTING`` for a few assignments, ``instrument`` ``metrics._EXPORTERS_LOCK``: a
+    fork from another thread in that moment left the child a copy held by a thread it does not have, and its
+    first ``init`` (``instrument``) waited for ever. Each is made anew in the child."""
+    out = run(f'''
+    import asyncio, threading
+    from aio_datadist import LLMDataDist, LLMRole, datadist, metrics
+    from aio_datadist.testing import loopback_options
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with {lock}:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    pid = os.fork()
+    if pid == 0:
+        async def main():
+            dd = LLMDataDist(LLMRole.PROMPT, 1)
+            await dd.init(loopback_options())
+            if "{lock}".startswith("metrics"):
+                from prometheus_client import CollectorRegistry
+                metrics.instrument(dd, CollectorRegistry())
+            await dd.finalize()
+        asyncio.run(main())
+        print("child: done", flush=True)
+        os._exit(0)
+    print("child:", reap(pid, 10))
+    release.set()
+    holder.join()
+    ''')
+    assert "child: done" in out and "child: 0" in out, out
