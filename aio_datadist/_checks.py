@@ -163,7 +163,8 @@ def check_int(arg_name: str, value: object, *, lo: int | None = None, hi: int | 
     """Return ``value`` as an ``int``, checking its type and bounds.
 
     Anything with ``__index__`` (numpy and 0-d torch integers too) counts as
-    an int; ``bool`` does not, nor does a 0-d bool tensor.
+    an int; ``bool`` does not, nor does a 0-d bool tensor, nor an array of
+    one element (``torch.tensor([3])``).
 
     :param lo: smallest allowed value (inclusive), or None.
     :param hi: largest allowed value (inclusive), or None.
@@ -172,6 +173,8 @@ def check_int(arg_name: str, value: object, *, lo: int | None = None, hi: int | 
     """
     if isinstance(value, bool) or str(getattr(value, "dtype", "")) in _BOOL_DTYPES:
         raise param_type_error(arg_name, "expected an int, got bool")
+    if getattr(value, "ndim", 0):  # torch takes a one-element tensor of any shape as an index
+        raise param_type_error(arg_name, f"expected an int, got a {_type_name(value)} of shape {tuple(value.shape)}")
     try:
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:

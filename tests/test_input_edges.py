@@ -118,6 +118,21 @@ def test_a_torch_bool_scalar_is_not_an_int(build):
     build(torch.tensor(3))  # a 0-d integer tensor is still an int
 
 
+@pytest.mark.parametrize("build", [
+    lambda b: CacheKeyByIdAndIndex(1, 1, b),
+    lambda b: CacheKey(1, b),
+    lambda b: setattr(LLMConfig(), "sync_kv_timeout", b),
+], ids=["batch_index", "req_id", "sync_kv_timeout"])
+def test_a_one_element_tensor_is_not_an_int(build):
+    """torch takes ``torch.tensor([3])`` (any shape of one element) as the index 3; an argument that is one
+    number is not a list of them (found by a hunt: it passed where ``np.array([3])`` did not)."""
+    for value in (torch.tensor([3]), torch.tensor([[3]])):
+        with pytest.raises(LLMException, match="shape") as info:
+            build(value)
+        assert info.value.status_code is INVALID and isinstance(info.value, TypeError)
+    build(torch.tensor(3))
+
+
 @pytest.mark.parametrize(("argument", "build"), [
     ("batch_index", lambda b: CacheKeyByIdAndIndex(1, 1, b)),
     ("req_id", lambda b: CacheKey(1, b)),
