@@ -351,6 +351,12 @@ class LinkTable(LinkDials):
         if opening is not None:
             opening.claim.release()
             opening.end.cancel()
+            if opening.channels and link.down and not self.closing and self.links.get(link.remote_cluster_id) is link:
+                # It ended before its dialler had dialled its data channels: the dialler never registered it (its
+                # call was cut there: a cancel, its time-out; or a dial failed), so it holds no link and will not
+                # unlink this one; a failed link kept here would refuse switch_role and read LLM_LINK_FAILED.
+                self.forget(link)
+                self._close_forgotten(link, "ended before its dialler set it up")
 
     def attached(self, link: Link, index: int) -> None:
         """Data channel ``index`` of ``link`` was installed by the listener: its fd is open now."""

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -502,3 +503,37 @@ def test_work_that_lets_its_endpoint_go_twice_counts_once():
     assert owners._left == 1
     kept()
     assert owners._left == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("channels", [1, 8])
+async def test_a_link_clusters_cut_anywhere_in_its_handshake_leaves_no_link_on_either_end(channels):
+    """``link_clusters`` cancelled after each of 0..47 loop passes (row 120): afterwards both ends agree (no link
+    or one on each), and the next link and unlink work. Before, a cut after the peer had taken the dial (its end
+    registered before its ``LINK_OK``) and before ours was registered (our data channels being dialled) closed
+    our sockets only: the peer kept a failed link to us for as long as it ran (``check_link_status``
+    ``LLM_LINK_FAILED``, ``switch_role`` refused ``LLM_EXIST_LINK``): 32 of 48 cut points (found by a hunt).
+    Now the peer forgets an accepted link that ended before its data channels all came, and the dialler sends
+    ``UNLINK`` when the peer took its dial but its own link was never registered."""
+    async with endpoint(LLMRole.PROMPT, 1, listen=True, data_channels=channels) as prompt, \
+            endpoint(LLMRole.DECODER, 2, data_channels=channels) as decoder:
+        cluster = [cluster_info(1, prompt.listen_address)]
+        mismatched = []
+        for passes in range(48):
+            dial = asyncio.ensure_future(decoder.link_clusters(cluster, timeout=3000))
+            for _ in range(passes):
+                await asyncio.sleep(0)
+            dial.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(dial), 5)
+            deadline = time.monotonic() + 2
+            while link_count(decoder) != link_count(prompt) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if link_count(decoder) != link_count(prompt):
+                mismatched.append((passes, link_count(decoder), link_count(prompt)))
+                await prompt.unlink_clusters([cluster_info(2, ("127.0.0.1", 1))], force=True)
+            if link_count(decoder):
+                assert (await decoder.unlink_clusters(cluster, timeout=3000))[0] == LLMStatusCode.LLM_SUCCESS
+        assert mismatched == [], mismatched
+        assert (await decoder.link_clusters(cluster, timeout=3000))[0] == LLMStatusCode.LLM_SUCCESS
+        assert link_count(prompt) == 1
