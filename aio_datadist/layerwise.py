@@ -236,7 +236,12 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
     # A synchronizer that says how many layers it can be asked for (``num_layers``, an int: EventLayerSynchronizer)
     # and is short of the transfer's is a bad argument now, not a failure found at its first missing layer once
     # the layers before it went.
-    bound = getattr(synchronizer, "num_layers", None)
+    # Not part of LayerSynchronizer (LLM-DataDist never reads it): one that cannot be read sets no bound, as
+    # there (a property of the caller's that raised made the call raise it, found by a hunt).
+    try:
+        bound = getattr(synchronizer, "num_layers", None)
+    except Exception:  # whatever the caller's property raises
+        bound = None
     if type(bound) is int and layers and layers[-1] >= bound:
         raise param_invalid("layer_synchronizer", f"a synchronizer of {bound} layers cannot synchronize layer "
                             f"{layers[-1]} of this transfer")

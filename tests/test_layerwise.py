@@ -1361,6 +1361,29 @@ async def test_a_watch_of_a_cache_released_mid_transfer_fails_what_cannot_land()
             assert await task.get_results() == [LLMStatusCode.LLM_KV_CACHE_NOT_EXIST]
 
 
+class _LayersUnknown(Ready):
+    """A caller's synchronizer whose ``num_layers`` (no part of LayerSynchronizer) cannot answer yet."""
+
+    def __init__(self, error: type[Exception]) -> None:
+        super().__init__()
+        self.error = error
+
+    @property
+    def num_layers(self) -> int:
+        raise self.error("the model is not loaded yet")
+
+
+@pytest.mark.parametrize("error", [AttributeError, RuntimeError])
+async def test_a_synchronizer_whose_num_layers_cannot_be_read_bounds_nothing(error) -> None:
+    """LLM-DataDist never reads ``num_layers``; one that raises sets no bound, whatever it raises. Before, any
+    error but AttributeError escaped ``transfer_cache_async`` as it was (found by a hunt)."""
+    async with setup() as s:
+        src, dst = s.blocks_src(), s.dsts[0]
+        task = s.pm.transfer_cache_async(src, _LayersUnknown(error), [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        assert await asyncio.wait_for(task, 5) == [SUCCESS]
+        assert all(layer_landed(dst, src, layer, DST_BLOCKS, SRC_BLOCKS) for layer in range(LAYERS))
+
+
 async def test_an_event_synchronizer_with_fewer_layers_than_the_transfer_is_refused_at_the_call() -> None:
     """An EventLayerSynchronizer made for fewer layers than the transfer moves is a bad argument known at the
     call: refused there (``LLM_PARAM_INVALID`` naming ``layer_synchronizer``) with nothing sent, not found only
