@@ -910,8 +910,14 @@ class LLMDataDist:
         # loop) or stopped part-way (Ctrl-C) leaves it there (finalize is idempotent).
         if self in _EXIT_FINALIZED:
             return  # the exit finalized it (a cleanup hook that runs after the facade's): no loop runs any more
-        _RUNNER.run(self._dd.finalize())
-        _LIVE.discard(self)
+        _RUNNER.run(self._finalize())
+
+    async def _finalize(self) -> None:
+        await self._dd.finalize()
+        # On the loop, with the finalize: another thread's init of this endpoint that ends on the loop after it
+        # is kept (a discard from this thread, once the call returned, could come after that init's add).
+        if self._dd._runtime is None:
+            _LIVE.discard(self)
 
     def link_clusters(self, clusters: Sequence[LLMClusterInfo],
                       timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:

@@ -72,6 +72,36 @@ def test_a_finalize_refused_before_it_ran_leaves_the_endpoint_to_the_exit_finali
     assert dd not in compat._LIVE
 
 
+def test_an_init_of_another_thread_that_ends_right_after_a_finalize_is_kept_for_the_exit(private_loop, monkeypatch):
+    """Thread A finalizes an endpoint, thread B initialises it again and B's init ends on the loop just after A's
+    finalize did, before A's call returned (forced here: B's init runs in that gap). The endpoint is live, so the
+    exit must finalize it. Before, A's call dropped it from the exit's endpoints once it returned, after B's init
+    had added it (found by a hunt's reading: row 286's situation by another way)."""
+    dd = _init(LLMRole.PROMPT, 42, listen=True)
+    run = compat._RUNNER.run
+    again: list[bool] = []
+
+    def run_then_init(coro, *args, **kwargs):
+        out = run(coro, *args, **kwargs)
+        if not again:  # the finalize's call ended on the loop: B's init runs in the gap before A returns
+            again.append(True)
+            monkeypatch.setattr(compat._RUNNER, "run", run)
+            cfg = LLMConfig()
+            cfg.device_id = 0
+            cfg.listen_ip_info = "127.0.0.1:0"
+            dd.init(cfg.generate_options())
+        return out
+
+    monkeypatch.setattr(compat._RUNNER, "run", run_then_init)
+    try:
+        dd.finalize()  # thread A
+        assert again and dd.listen_address is not None  # initialised by B
+        assert dd in compat._LIVE, "a live endpoint the exit will not finalize"
+    finally:
+        dd.finalize()
+    assert dd not in compat._LIVE
+
+
 @pytest.mark.asyncio
 async def test_refuses_to_block_inside_an_event_loop():
     dd = LLMDataDist(LLMRole.PROMPT, 8)
