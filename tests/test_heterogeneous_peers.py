@@ -114,6 +114,8 @@ async def test_different_cache_sets_link_and_mismatches_are_refused_per_transfer
             assert why in str(exc), (model, str(exc))
             # the owner names the key, in the caller's words (the layer range for a tensor count)
             assert exc.argument == ("src_layer_range" if model == 1 else "src_cache_key"), (model, str(exc))
+            # a range the caller never gave: the text says so, and what to give (a hunt found the name alone puzzling)
+            assert (model == 1) == ("no layer range was given" in str(exc)), (model, str(exc))
         await refused(kv.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), d_mla, [0], [0]))
         for name, model in (("wide", 0), ("reshaped", 0), ("kv", 7)):  # pushes the decoder's owner refuses
             await refused(prefill.call("kv", "push_blocks", BlocksCacheKey(DECODER_ID, model), Ref(name), [0], [1]))

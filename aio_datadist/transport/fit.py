@@ -18,7 +18,7 @@ from aio_datadist.cache import KvCache
 from aio_datadist.layers import one_side_span
 from aio_datadist.plans import block_shape_digest
 from aio_datadist.status import LLMException, LLMStatusCode
-from aio_datadist.types import DataType
+from aio_datadist.types import ALL_LAYERS, DataType
 from aio_datadist.wire import ReqFlag, TransferReq
 
 __all__ = ["Geometry", "Refusal", "fit", "geometry_of"]
@@ -117,9 +117,12 @@ def fit(geo: Geometry, req: TransferReq, *, pull: bool, row: int | None) -> tupl
     except LLMException as exc:
         raise Refusal(exc.status_code, str(exc)) from None
     if count != req.tensor_count:
+        whole = (req.layer_first, req.layer_last) == ALL_LAYERS  # the caller named no range: say what to give
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                       f"invalid argument '{arg}': the peer cache has {count} tensors in range, "
-                      f"the local side {req.tensor_count}")
+                      f"the local side {req.tensor_count}" + (
+                          " (no layer range was given, so each side moves its whole cache; src_layer_range and "
+                          "dst_layer_range select the layers to move)" if whole else ""))
     offset, nbytes = req.offset, req.nbytes
     if pull and offset and offset + nbytes > geo.row_bytes:  # only a pull's src_cache_offset moves into the row
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
