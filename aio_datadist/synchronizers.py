@@ -60,6 +60,10 @@ class EventLayerSynchronizer(LayerSynchronizer):
         self._queue = rt.queue
         self._devices = rt.devices
         self._layers = rt.completions.expect(num_layers, "layer event")
+        for _, layer in self._layers:
+            # A layer nobody waits for (its transfer cancelled, or no transfer at all) fails as the endpoint
+            # finalizes: read here, not logged by asyncio as an error never retrieved (found by a hunt).
+            layer.add_done_callback(_retrieved)
         self._recorded: set[int] = set()  # layers whose record is posted or armed: close() leaves them be
         self._lock = threading.Lock()  # record() (any thread) against close(): a record that returned is kept
         self._closed = False
@@ -155,3 +159,8 @@ class EventLayerSynchronizer(LayerSynchronizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _retrieved(layer: asyncio.Future) -> None:
+    if not layer.cancelled():
+        layer.exception()

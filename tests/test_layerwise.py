@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -430,6 +431,29 @@ async def test_event_synchronizer_closed_while_a_transfer_waits() -> None:
         with pytest.raises(LLMException) as info:
             events.record(1)
         assert info.value.status_code == PARAM_INVALID
+
+
+async def test_an_event_synchronizer_left_open_logs_nothing_when_its_endpoint_finalizes(caplog) -> None:
+    """Prefill code that raised before its ``close`` (or never needed one): the layers never recorded fail as the
+    endpoint finalizes, and nobody awaits them. Before, asyncio logged "Future exception was never retrieved"
+    with a traceback for each (found by a hunt)."""
+    import gc
+
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    async with setup() as s:
+        src = s.blocks_src()
+        sync = EventLayerSynchronizer(s.prompt, LAYERS)
+        task = s.pm.transfer_cache_async(src, sync, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        sync.record(0)
+        async with asyncio.timeout(5):
+            await task.layer(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, LLMException):
+            await task
+        EventLayerSynchronizer(s.prompt, 2)  # and one no transfer ever used
+    del sync, task
+    gc.collect()
+    assert "never retrieved" not in caplog.text, caplog.text
 
 
 async def test_event_synchronizer_bad_arguments() -> None:
