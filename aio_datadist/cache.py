@@ -10,7 +10,6 @@ segment list is built.
 from __future__ import annotations
 
 import array
-import bisect
 import contextlib
 import itertools
 import logging
@@ -23,6 +22,7 @@ from aio_datadist import _core
 from aio_datadist._checks import check_instance, param_invalid, param_type_error
 from aio_datadist.devices.host import HostRegion, round_up, tensor_at
 from aio_datadist.mapped import check_mapped
+from aio_datadist.spans import SpanIndex
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import (
     UINT64_MAX,
@@ -331,6 +331,7 @@ class CacheRegistry:
         self._used = 0
         self._next_id = 1
         self._entries: dict[int, _Entry] = {}
+        self._spans = SpanIndex()  # where the entries' tensors lie
         self._keys: dict[tuple[int, int, int], KeyBinding] = {}
         self._blocks_keys: dict[int, int] = {}
         self._reserved: dict[KeyBinding, set[int]] = {}
@@ -418,14 +419,19 @@ class CacheRegistry:
         Registered memory is disjoint, so sorted starts give sorted ends and
         only the last span starting before a tensor's end can overlap it.
         """
-        spans = sorted((base, base + e.cache.layout.tensor_bytes, e.cache.cache_id)
-                       for e in self._entries.values() for base in e.cache.layout.bases)
-        starts = [start for start, _, _ in spans]
         for i, t in enumerate(tensors):
-            begin = t.data_ptr()
-            k = bisect.bisect_left(starts, begin + nbytes) - 1
-            if k >= 0 and spans[k][1] > begin:
-                raise param_invalid(arg, f"tensor {i} overlaps memory of cache {spans[k][2]}")
+            other = self._spans.overlapping(t.data_ptr(), nbytes)
+            if other is not None:
+                raise param_invalid(arg, f"tensor {i} overlaps memory of cache {other}")
+
+    def holding(self, start: int, end: int) -> tuple[KvCache, int] | None:
+        """The cache peers may address by id (see :meth:`by_id`) one of whose tensors holds all of
+        ``[start, end)``, and that tensor's index; None if there is none."""
+        found = self._spans.holding(start, end)
+        if found is None:
+            return None
+        cache = self.by_id(found[0])
+        return None if cache is None else (cache, found[1])
 
     def check_keys(self, desc: CacheDesc, cache_keys: Iterable[Any]) -> list[tuple[int, CacheKey]]:
         """Validate keys for a new cache; returns ``(row, key)`` of the real ones."""
@@ -485,6 +491,7 @@ class CacheRegistry:
             entry.blocks_key = blocks_key.model_id
             self._blocks_keys[blocks_key.model_id] = cache_id
         self._entries[cache_id] = entry
+        self._spans.add(cache_id, cache.layout.bases, cache.layout.tensor_bytes)
         self._used += nbytes
         if self.on_add is not None:
             self.on_add(cache)
@@ -682,6 +689,7 @@ class CacheRegistry:
     def _maybe_free(self, entry: _Entry) -> None:
         if entry.deallocated and not entry.keys:
             del self._entries[entry.cache.cache_id]
+            self._spans.remove(entry.cache.cache_id)
             self._hidden.discard(entry.cache.cache_id)
             self._used -= entry.nbytes
             # A registered cache's memory is the caller's again once this returns: stop every job that
@@ -710,6 +718,7 @@ class CacheRegistry:
         for entry in self._entries.values():
             _released(entry.cache)
         self._entries.clear()
+        self._spans.clear()
         self._serving.clear()
         self._hidden.clear()
         self._keys.clear()

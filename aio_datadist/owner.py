@@ -176,14 +176,8 @@ MAX_PUSHED_ADDRS = 2
 
 
 def _find_tensor(rt: Runtime, start: int, end: int) -> tuple[KvCache, int] | None:
-    for cache in rt.registry.caches():
-        if rt.registry.by_id(cache.cache_id) is not cache:
-            continue  # deallocated, kept by its keys (a handed-off cache): reachable through its keys only
-        lay = cache.layout
-        for t, base in enumerate(lay.bases):
-            if base <= start and end <= base + lay.tensor_bytes:
-                return cache, t
-    return None
+    # Not a cache deallocated and kept by its keys (a handed-off cache): reachable through its keys only.
+    return rt.registry.holding(start, end)
 
 
 def _serve_addrs(rt: Runtime, msg: Msg, req: TransferReq) -> tuple[list[KvCache], Any, int, list]:

@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "status", "_checks", "_forks", "types", "option_checks", "options", "config",
         "wire", "protocol", "_settle", "fd_budget", "refusal_log", "mapped",
         "tensors", "ranktable", "stats", "_trace", "_env", "logfields", "control_reader", "own_dials",
-        "devices.unmapping", "devices.headroom", "views",
+        "devices.unmapping", "devices.headroom", "views", "spans",
     )),
     ("completions, layer rule, caches and registries", (
         "_completion", "loop_io", "layers", "cache", "arrivals", "plans", "devices.host",
