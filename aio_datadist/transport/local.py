@@ -440,7 +440,7 @@ class LocalShare:
         if self.closed or region is None or cache.cache_id in self.sent:
             return
         lay = cache.layout
-        if lay.num_tensors > MAX_TENSORS:
+        if lay.num_tensors > MAX_TENSORS or self._full():
             return  # served over TCP
         offsets = [b - region.address for b in lay.bases]
         listed = None if self.ledger is None else self.ledger.entry(cache.cache_id)
@@ -451,6 +451,13 @@ class LocalShare:
                 + _READABLE.pack(slot, model_id, geo.data_type, geo.block_shape))
         if self._send(body, region, (_ADD, cache.cache_id)):
             self.sent.add(cache.cache_id)
+
+    def _full(self) -> bool:
+        """Whether the peer holds as many of our caches as it takes (``MAX_REGIONS``, counted as it counts them:
+        host and device records, mapped or not, less those withdrawn, in the order sent). A cache past it is
+        served over the data channels; before, its record dropped the peer's whole share (an honest owner of
+        4097 caches lost it, in-flight pulls included; found by a hunt)."""
+        return len(self.sent) + len(self.sent_device) >= MAX_REGIONS
 
     def _offer_device(self, cache: KvCache) -> None:
         export = cache.device_export
@@ -463,7 +470,7 @@ class LocalShare:
             self.say_ipc_off(f"our device caches are not exported: {why}")
             return
         lay = cache.layout
-        if lay.num_tensors > MAX_TENSORS:
+        if lay.num_tensors > MAX_TENSORS or self._full():
             return
         offsets = [b - export.address for b in lay.bases]
         body = (_ENTRY.pack(_ADD_DEVICE, cache.cache_id, export.nbytes, lay.num_tensors, lay.rows, lay.row_bytes,

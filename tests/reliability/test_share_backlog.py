@@ -16,6 +16,7 @@ loop does.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 
 import pytest
@@ -232,3 +233,36 @@ async def test_an_offer_still_waiting_when_its_cache_is_freed_is_dropped_never_s
             while share._out:
                 await asyncio.sleep(0.01)
         assert not share.closed
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_an_owner_of_more_caches_than_the_peer_maps_keeps_its_share(monkeypatch, caplog, when):
+    """The peer maps at most ``MAX_REGIONS`` of an owner's caches (8 here; 4096 in use): the owner offers no more
+    than that, so its caches past the bound are served over the data channels and the share stays, with the pulls
+    of the shared caches on it. Before, the owner offered every cache and the peer took the record past its bound
+    for a bad one: the whole share dropped (a WARNING), every cache moved over TCP, and pulls in flight on the share
+    failed ``LLM_LINK_FAILED`` (an honest owner of 4097 caches; found by a hunt). ``when``: the caches are
+    allocated before the link (its first offers) or after it (later offers)."""
+    monkeypatch.setattr(local_module, "MAX_REGIONS", 8)
+    caplog.set_level(logging.WARNING, logger="aio_datadist")
+    local = {"transport": "local"}
+    async with linked_pair(link=False, prompt_config=local, decoder_config=local) as pair:
+        kv = pair.prompt.kv_cache_manager
+        caches = [kv.allocate_cache(SMALL, [CacheKey(PROMPT, i)]) for i in range(12 if when == "before" else 6)]
+        await pair.link()
+        if when == "after":
+            caches += [kv.allocate_cache(SMALL, [CacheKey(PROMPT, i)]) for i in range(6, 12)]
+        values = [fill(cache, i) for i, cache in enumerate(caches)]
+        share = usable_link(pair.prompt, DECODER).local
+        assert share is not None and len(share.sent) == 8
+        dst = pair.decoder.kv_cache_manager.allocate_cache(SMALL)
+        for i in (0, 7, 8, 11):  # shared, and past the bound
+            await pair.decoder.kv_cache_manager.pull_cache(CacheKey(PROMPT, i), dst, 0)
+            assert torch.equal(dst.tensors[0], values[i][0]), i
+        assert not share.closed and usable_link(pair.decoder, PROMPT).transport == "local"
+        kv.deallocate_cache(caches[1])
+        kv.remove_cache_key(CacheKey(PROMPT, 1))  # freed, withdrawn: room again, and a cache allocated now is offered
+        fresh = kv.allocate_cache(SMALL, [CacheKey(PROMPT, 99)])
+        assert fresh.cache_id in share.sent and len(share.sent) == 8
+        assert "dropping the share" not in caplog.text, caplog.text
