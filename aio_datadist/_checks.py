@@ -174,7 +174,8 @@ def check_int(arg_name: str, value: object, *, lo: int | None = None, hi: int | 
     if isinstance(value, bool) or str(getattr(value, "dtype", "")) in _BOOL_DTYPES:
         raise param_type_error(arg_name, "expected an int, got bool")
     if getattr(value, "ndim", 0):  # torch takes a one-element tensor of any shape as an index
-        raise param_type_error(arg_name, f"expected an int, got a {_type_name(value)} of shape {tuple(value.shape)}")
+        shape = tuple(getattr(value, "shape", ()))
+        raise param_type_error(arg_name, f"expected an int, got a {_type_name(value)} of shape {shape}")
     try:
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
