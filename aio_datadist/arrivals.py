@@ -19,6 +19,7 @@ its own: a peer that never starts pushing is caught by the caller's bound.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ class PushWatch:
             layer: {(t, r) for t in range(layer * tensors_per_layer, (layer + 1) * tensors_per_layer) for r in rows}
             for layer in layers}
         self._layers = {layer: loop.create_future() for layer in layers}
+        self._pending = len(self._layers)  # layers not done yet (only this class resolves their futures)
         # what layer() handed out: one done-callback per layer feeds them all, so polling adds nothing to
         # the layer's future, and a waiter its caller cancels leaves the layer to the others
         self._views = Views()  # what layer() handed out
@@ -70,8 +72,9 @@ class PushWatch:
     def cache(self) -> KvCache:
         return self._cache
 
-    def _landed(self, tensors: range, rows: Iterable[int]) -> None:
-        rows = list(rows)
+    def _landed(self, tensors: range, rows: Sequence[int]) -> None:
+        if self._rows.isdisjoint(rows):
+            return
         for t in tensors:
             layer = t // self._per_layer
             missing = self._missing.get(layer)
@@ -80,7 +83,8 @@ class PushWatch:
             missing.difference_update((t, r) for r in rows)
             if not missing:
                 self._layers[layer].set_result(None)
-        if all(f.done() for f in self._layers.values()):
+                self._pending -= 1
+        if not self._pending:
             if not self._all.done():  # else a torn layer failed it already
                 self._all.set_result(None)
             self.close()
@@ -98,9 +102,10 @@ class PushWatch:
         for layer in layers:
             self._missing[layer].clear()  # a later push of the layer cannot complete a failed future
             fail_quietly(self._layers[layer], LLMException(text, status_code=exc.status_code))
+        self._pending -= len(layers)
         if not self._all.done():
             fail_quietly(self._all, LLMException(text, status_code=exc.status_code))
-        if all(f.done() for f in self._layers.values()):
+        if not self._pending:
             self.close()
 
     def layer(self, index: int) -> asyncio.Future:
@@ -165,22 +170,41 @@ class _Stamped(list[int]):
 
 
 class Arrivals:
-    """The open watches of one endpoint, fed by completed pushes."""
+    """The open watches of one endpoint, fed by completed pushes.
+
+    Kept by cache and by row: a push hears only the watches of the rows it wrote. Before, every push checked
+    every open watch of its cache (one per request, as a decoder watches before the prefill side pushes): with
+    8000 watches open, a one-block push of 40 layers held the event loop 180 ms (found by a hunt)."""
 
     def __init__(self) -> None:
-        self._watches: dict[int, list[PushWatch]] = {}
+        self._watches: dict[int, dict[PushWatch, int]] = {}  # id(cache) -> its open watches, each with its number
+        self._by_row: dict[int, dict[int, dict[PushWatch, int]]] = {}  # id(cache) -> row -> the watches of it
+        self._numbers = itertools.count()  # watches hear a push in the order they were made
         self._accepted = 0  # pushes accepted so far: a watch hears only of those accepted after it was made
 
     def add(self, watch: PushWatch) -> PushWatch:
-        self._watches.setdefault(id(watch.cache), []).append(watch)
+        number = next(self._numbers)
+        self._watches.setdefault(id(watch.cache), {})[watch] = number
+        by_row = self._by_row.setdefault(id(watch.cache), {})
+        for row in watch._rows:
+            by_row.setdefault(row, {})[watch] = number
         return watch
 
     def _remove(self, watch: PushWatch) -> None:
-        watches = self._watches.get(id(watch.cache), [])
-        if watch in watches:
-            watches.remove(watch)
+        key = id(watch.cache)
+        watches = self._watches.get(key)
+        if watches is None or watches.pop(watch, None) is None:
+            return
+        by_row = self._by_row[key]
+        for row in watch._rows:
+            of_row = by_row.get(row)
+            if of_row is not None:
+                of_row.pop(watch, None)
+                if not of_row:
+                    del by_row[row]
         if not watches:
-            self._watches.pop(id(watch.cache), None)
+            del self._watches[key]
+            del self._by_row[key]
 
     @property
     def stamp(self) -> int:
@@ -193,15 +217,23 @@ class Arrivals:
         self._accepted += 1
         return cache, tensors, _Stamped(rows, self._accepted)
 
-    def _hearing(self, cache: KvCache, rows: Iterable[int]) -> list[PushWatch]:
-        """The open watches of ``cache`` made before the push of ``rows`` was accepted (all, unstamped)."""
+    def _hearing(self, cache: KvCache, rows: Sequence[int]) -> list[PushWatch]:
+        """The open watches of ``rows`` of ``cache`` made before their push was accepted (all, unstamped), in
+        the order they were made."""
         accepted = rows.accepted if isinstance(rows, _Stamped) else self._accepted + 1
-        return [watch for watch in self._watches.get(id(cache), ()) if watch._since < accepted]
+        by_row = self._by_row.get(id(cache))
+        if not by_row:
+            return []
+        hit: dict[PushWatch, int] = {}
+        for row in rows:
+            of_row = by_row.get(row)
+            if of_row:
+                hit.update(of_row)
+        return sorted((watch for watch in hit if watch._since < accepted), key=hit.__getitem__)
 
     def record(self, cache: KvCache, tensors: range, rows: Iterable[int]) -> None:
-        watches = self._hearing(cache, rows)
-        rows = list(rows)
-        for watch in watches:
+        rows = rows if isinstance(rows, _Stamped) else list(rows)
+        for watch in self._hearing(cache, rows):
             watch._landed(tensors, rows)
 
     def watched(self, cache: KvCache) -> bool:
@@ -212,9 +244,8 @@ class Arrivals:
         """A push into ``rows`` of ``tensors`` of ``cache``, accepted here, failed (some bytes may have landed):
         every open watch of those rows made before the push was accepted fails its pending layers among
         ``tensors`` with ``exc``'s status."""
-        watches = self._hearing(cache, rows)
-        rows = list(rows)
-        for watch in watches:
+        rows = rows if isinstance(rows, _Stamped) else list(rows)
+        for watch in self._hearing(cache, rows):
             watch._torn(tensors, rows, exc)
 
     def released(self, cache: KvCache) -> None:
