@@ -312,14 +312,16 @@ class LinkDials:
             if link is None:
                 for sock in sockets:
                     sock.close()
+                if taken and not writer.is_closing():
+                    # The peer registered its end before its LINK_OK: it forgets it on our UNLINK (else it kept a
+                    # failed link that we never had). Written now, it is in the socket before the close (under TLS
+                    # too: the record is handed to the socket as it is written, and the abort drops only what it
+                    # did not take); a peer that misses it forgets a link whose data channels never all came
+                    # (``LinkTable._opened``).
+                    writer.write(wire.encode(Msg.UNLINK, 0))
                 if writer.get_extra_info("ssl_object") is not None:
                     writer.transport.abort()
                 else:
-                    if taken and not writer.is_closing():
-                        # The peer registered its end before its LINK_OK: it forgets it on our UNLINK (else it
-                        # kept a failed link that we never had). A TLS channel's abort would drop the word:
-                        # the peer forgets a link whose data channels never all came (``LinkTable._opened``).
-                        writer.write(wire.encode(Msg.UNLINK, 0))
                     writer.close()
             elif self.links.get(link.remote_cluster_id) is link:
                 # Registered, but not set up (the caller's time ran out, or a step failed): it goes, and the

@@ -39,7 +39,7 @@ from aio_datadist import (
     TransferWithCacheKeyConfig,
     wire,
 )
-from aio_datadist.testing import link_to, links_of
+from aio_datadist.testing import link_table_of, link_to, links_of
 from aio_datadist.transport import tls
 from aio_datadist.transport.tls import TlsChannel
 from aio_datadist.wire import Msg
@@ -518,3 +518,33 @@ async def test_a_listening_endpoint_whose_server_context_has_no_certificate_is_r
         assert "'aio.TlsServerContext'" in str(info.value) and "certificate" in str(info.value)
         with socket.create_server((LOCALHOST, port)):  # nothing left listening there
             pass
+
+
+async def test_a_tls_link_clusters_cut_once_the_peer_has_every_data_channel_leaves_no_link_on_either_end():
+    """Row 120 over TLS, in its narrowest window: the peer registered its end and installed every data channel (it
+    counts them attached before its ``ATTACH_OK`` leaves), and the dialler, still waiting for the last
+    ``ATTACH_OK``, is cancelled before it registered its link. The dialler's ``UNLINK`` goes inside TLS before it
+    aborts the connection, so the peer forgets its end. Before, the abort dropped the word and the peer kept a failed
+    link to a dialler that had none (5 trials of 5; found by a hunt)."""
+    async with endpoint(LLMRole.PROMPT, PROMPT, listen=True, server=server_context(PKI),
+                        client=client_context(PKI)) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER, client=client_context(PKI)) as decoder:
+        cluster = [cluster_info(PROMPT, prompt.listen_address)]
+        table = link_table_of(prompt)
+        for _ in range(3):
+            dial = asyncio.ensure_future(decoder.link_clusters(cluster, timeout=3000))
+            deadline = time.monotonic() + 5
+            while not dial.done() and time.monotonic() < deadline:
+                theirs = table.links.get(DECODER)
+                if theirs is not None and theirs not in table._opening and not links_of(decoder):
+                    break  # every data channel installed there, our link not registered here
+                await asyncio.sleep(0)
+            assert not dial.done(), "the dial ended before the window: the case is not reached"
+            dial.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(dial), 5)
+            deadline = time.monotonic() + 3
+            while links_of(prompt) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert (links_of(decoder), links_of(prompt)) == ({}, {})
+        assert await decoder.link_clusters(cluster, timeout=3000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
