@@ -32,21 +32,34 @@ class SpanIndex:
         """Index the tensors of cache ``cache_id`` (each ``nbytes`` long at its base)."""
         assert cache_id not in self._bases, f"cache {cache_id} is indexed already"
         starts = list(bases)
-        for tensor, base in enumerate(starts):
-            k = bisect.bisect_left(self._starts, base)
-            self._starts.insert(k, base)
-            self._spans.insert(k, (base, base + nbytes, cache_id, tensor))
+        new = sorted((base, base + nbytes, cache_id, tensor) for tensor, base in enumerate(starts))
         self._bases[cache_id] = starts
+        if not new:
+            return
+        k = bisect.bisect_left(self._starts, new[0][0])
+        if k == bisect.bisect_left(self._starts, new[-1][0]):
+            # No other cache's tensor lies among this one's (a cache allocated in one region, or registered
+            # tensors made one after another): one insertion, wherever the gap is. Before, a tensor at a time:
+            # caches allocated at falling addresses (as the host allocator hands them out) shifted every span
+            # once per tensor (found by review).
+            self._starts[k:k] = [span[0] for span in new]
+            self._spans[k:k] = new
+            return
+        self._spans = sorted(self._spans + new)  # two sorted runs: merged in one pass
+        self._starts = [span[0] for span in self._spans]
 
     def remove(self, cache_id: int) -> None:
         """Drop the tensors of cache ``cache_id`` (nothing if it is not indexed)."""
-        for base in self._bases.pop(cache_id, ()):
-            k = bisect.bisect_left(self._starts, base)
-            while k < len(self._spans) and self._starts[k] == base and self._spans[k][2] != cache_id:
-                k += 1  # (a zero-length tensor may share its start with the next one)
-            if k < len(self._spans) and self._spans[k][2] == cache_id:
-                del self._starts[k]
-                del self._spans[k]
+        starts = self._bases.pop(cache_id, None)
+        if not starts:
+            return
+        k, n = bisect.bisect_left(self._starts, min(starts)), len(starts)
+        if all(span[2] == cache_id for span in self._spans[k:k + n]) and k + n <= len(self._spans):
+            del self._starts[k:k + n]  # its tensors lie together (see add)
+            del self._spans[k:k + n]
+            return
+        self._spans = [span for span in self._spans if span[2] != cache_id]
+        self._starts = [span[0] for span in self._spans]
 
     def clear(self) -> None:
         self._starts.clear()

@@ -20,28 +20,35 @@ from aio_datadist.spans import SpanIndex
 from aio_datadist.testing import registry_of
 
 
-def test_the_index_answers_as_a_full_scan_does():
+@pytest.mark.parametrize("placement", ["together", "scattered"])
+def test_the_index_answers_as_a_full_scan_does(placement):
+    """Caches come and go in a random order; each takes free slots of memory: ``together`` (runs of adjacent slots,
+    falling or rising, as an allocator hands out regions) or ``scattered`` (slots anywhere, so caches interleave)."""
     rng = random.Random(7)
     index, model = SpanIndex(), {}  # model: cache id -> [(start, end)]
-    cursor, next_id = 4096, 1
+    slots, taken = 4000, {}  # slot -> cache id; slot i is [4096 + i * 8192, +8192)
+    next_id = 1
     for step in range(3000):
-        if model and rng.random() < 0.4:
+        if model and (rng.random() < 0.4 or len(taken) > slots - 16):
             gone = rng.choice(sorted(model))
             index.remove(gone)
             del model[gone]
+            taken = {slot: cid for slot, cid in taken.items() if cid != gone}
         else:
-            count, size = rng.randint(1, 6), rng.choice([8, 64, 4096])
-            bases = []
-            for _ in range(count):
-                cursor += rng.choice([0, 16, 4096])  # adjacent spans too
-                bases.append(cursor)
-                cursor += size
-            rng.shuffle(bases)  # a cache's tensors in any order
+            count, size = rng.randint(1, 6), rng.choice([8, 64, 4096, 8192])
+            free = [slot for slot in range(slots) if slot not in taken]
+            if placement == "scattered":
+                mine = rng.sample(free, count)
+            else:
+                at = rng.randrange(len(free) - count)
+                mine = free[at:at + count] if rng.random() < 0.5 else free[at:at + count][::-1]
+            bases = [4096 + slot * 8192 + rng.choice([0, 8192 - size]) for slot in mine]  # adjacent spans too
             index.add(next_id, bases, size)
             model[next_id] = [(b, b + size) for b in bases]
+            taken.update((slot, next_id) for slot in mine)
             next_id += 1
         for _ in range(5):
-            begin, nbytes = rng.randint(4000, cursor + 100), rng.choice([1, 8, 100, 5000])
+            begin, nbytes = rng.randint(0, 4096 + slots * 8192), rng.choice([1, 8, 100, 5000, 20000])
             over = {cid for cid, spans in model.items() for s, e in spans if s < begin + nbytes and begin < e}
             got = index.overlapping(begin, nbytes)
             assert (got is None) == (not over) and (got is None or got in over), (step, begin, nbytes, got, over)
@@ -51,6 +58,22 @@ def test_the_index_answers_as_a_full_scan_does():
     assert len(index) == sum(map(len, model.values()))
     index.clear()
     assert len(index) == 0 and index.overlapping(0, 1 << 62) is None
+
+
+def test_caches_made_at_falling_addresses_are_indexed_in_one_step_each():
+    """The host allocator hands out regions at falling addresses: each new cache lies below every other. Its
+    tensors go in with one insertion, and out with one deletion. Before, a tensor at a time: 3000 allocations of
+    128 tensors took 24 s instead of 5 s, and a free 8 ms (found by review)."""
+    index = SpanIndex()
+    started = time.monotonic()
+    for cache in range(3000):
+        base = (1 << 40) - cache * 128 * 4096
+        index.add(cache + 1, [base + t * 4096 for t in range(128)], 4096)
+    for cache in range(2999, 2499, -1):
+        index.remove(cache + 1)
+    took = time.monotonic() - started
+    assert len(index) == 2500 * 128
+    assert took < 2.0, f"3000 caches of 128 tensors in and 500 out took {took:.2f} s"
 
 
 MANY = CacheDesc(64, (1, 64), DataType.DT_UINT8, Placement.HOST)  # 64 tensors of 64 bytes

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections import deque
 
 import pytest
 import torch
@@ -206,6 +207,20 @@ async def test_a_peer_that_falls_too_far_behind_loses_its_share(monkeypatch):
         assert usable_link(pair.prompt, DECODER).local is None and len(made) < 5000
 
 
+class _Counted(deque):
+    """A deque that counts the walks and searches made of it (a search in C, ``remove``, counts too)."""
+
+    walks = 0
+
+    def __iter__(self):
+        self.walks += 1
+        return super().__iter__()
+
+    def remove(self, value):
+        self.walks += 1
+        return super().remove(value)
+
+
 def _unsent(share: local_module.LocalShare) -> int:
     """The records ``share`` still has to send (an ADD withdrawn before it left is marked, not removed)."""
     return sum(1 for entry in share._out if entry[0] is not None)
@@ -295,12 +310,15 @@ async def test_a_batch_freed_in_reverse_behind_a_peer_that_reads_nothing_is_drop
         made = [kv.allocate_cache(SMALL) for _ in range(4000)]  # (the peer maps at most 4096)
         assert _unsent(share) > 3000, "the socket took the records: the case is not reached"
         kept = made[::50]
+        share._out = _Counted(share._out)  # how often the queue is walked or searched
         started = time.monotonic()
         for cache in reversed(made):
             if cache not in kept:
                 kv.deallocate_cache(cache)
         took = time.monotonic() - started
         assert took < 0.15, f"freeing {len(made) - len(kept)} caches took {took:.2f} s"
+        walks = share._out.walks if isinstance(share._out, _Counted) else 0  # (a compaction makes a plain deque)
+        assert walks <= 2, f"{len(made) - len(kept)} withdrawals searched the queue {walks} times"
         peer._readable(local_module.RECORDS_PER_TURN)  # and it reads again
         loop.add_reader(peer.sock.fileno(), peer._readable, local_module.RECORDS_PER_TURN, False,
                         local_module.WALK_PER_TURN)
