@@ -28,7 +28,7 @@ def test_the_index_answers_as_a_full_scan_does(placement):
     index, model = SpanIndex(), {}  # model: cache id -> [(start, end)]
     slots, taken = 4000, {}  # slot -> cache id; slot i is [4096 + i * 8192, +8192)
     next_id = 1
-    for step in range(3000):
+    for step in range(1500):
         if model and (rng.random() < 0.4 or len(taken) > slots - 16):
             gone = rng.choice(sorted(model))
             index.remove(gone)
@@ -82,25 +82,25 @@ MANY = CacheDesc(64, (1, 64), DataType.DT_UINT8, Placement.HOST)  # 64 tensors o
 @pytest.mark.asyncio
 @pytest.mark.loops_take_turns  # the registry's work, not the loop's
 async def test_checks_against_registered_memory_do_not_grow_with_it():
-    """1500 caches of 64 tensors registered; then 40 registrations, overlap refusals and raw-address lookups take
-    well under what one check of every tensor took before (each sorted 96,000 spans: 20-60 ms)."""
-    memory = torch.zeros(1600 * 64 * 128, dtype=torch.uint8)  # each tensor 64 bytes, 64 apart: gaps between
+    """1000 caches of 64 tensors registered; then 40 registrations, overlap refusals and raw-address lookups take
+    well under what one check of every tensor took before (each sorted 64,000 spans: 15-40 ms)."""
+    memory = torch.zeros(1100 * 64 * 128, dtype=torch.uint8)  # each tensor 64 bytes, 64 apart: gaps between
     base = memory.data_ptr()
-    addrs = [[base + (c * 64 + t) * 128 for t in range(64)] for c in range(1600)]
+    addrs = [[base + (c * 64 + t) * 128 for t in range(64)] for c in range(1100)]
     async with v2_endpoint(LLMRole.PROMPT, 1) as dd:
         cm = dd.cache_manager
         registry = registry_of(dd)
-        caches = [cm.register_cache(MANY, addrs[c], remote_accessible=True) for c in range(1500)]
+        caches = [cm.register_cache(MANY, addrs[c], remote_accessible=True) for c in range(1000)]
         started = time.monotonic()
-        for c in range(1500, 1540):
+        for c in range(1000, 1040):
             cm.register_cache(MANY, addrs[c])
             with rejected(S.LLM_PARAM_INVALID, "addrs"):
-                cm.register_cache(MANY, [a + 32 for a in addrs[c - 1000]])  # overlaps a cache registered earlier
+                cm.register_cache(MANY, [a + 32 for a in addrs[c - 900]])  # overlaps a cache registered earlier
             found = registry.holding(addrs[c - 700][5] + 8, addrs[c - 700][5] + 40)
             assert found == (caches[c - 700], 5)
             assert registry.holding(addrs[c - 700][5] + 60, addrs[c - 700][5] + 70) is None  # past its end
         took = time.monotonic() - started
-        assert took < 1.0, f"40 rounds took {took:.2f} s"
+        assert took < 0.5, f"40 rounds took {took:.2f} s"
         cm.unregister_cache(caches[3].cache_id)
         assert registry.holding(addrs[3][0], addrs[3][0] + 8) is None
         cm.register_cache(MANY, addrs[3])  # its memory is free again
