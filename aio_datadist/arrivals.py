@@ -73,14 +73,15 @@ class PushWatch:
         return self._cache
 
     def _landed(self, tensors: range, rows: Sequence[int]) -> None:
-        if self._rows.isdisjoint(rows):
+        mine = self._rows.intersection(rows)  # a push of many rows, each watch of a few (found by review)
+        if not mine:
             return
         for t in tensors:
             layer = t // self._per_layer
             missing = self._missing.get(layer)
             if not missing:
                 continue
-            missing.difference_update((t, r) for r in rows)
+            missing.difference_update((t, r) for r in mine)
             if not missing:
                 self._layers[layer].set_result(None)
                 self._pending -= 1

@@ -34,32 +34,43 @@ class SpanIndex:
         starts = list(bases)
         new = sorted((base, base + nbytes, cache_id, tensor) for tensor, base in enumerate(starts))
         self._bases[cache_id] = starts
-        if not new:
-            return
-        k = bisect.bisect_left(self._starts, new[0][0])
-        if k == bisect.bisect_left(self._starts, new[-1][0]):
-            # No other cache's tensor lies among this one's (a cache allocated in one region, or registered
-            # tensors made one after another): one insertion, wherever the gap is. Before, a tensor at a time:
-            # caches allocated at falling addresses (as the host allocator hands them out) shifted every span
-            # once per tensor (found by review).
-            self._starts[k:k] = [span[0] for span in new]
-            self._spans[k:k] = new
-            return
-        self._spans = sorted(self._spans + new)  # two sorted runs: merged in one pass
-        self._starts = [span[0] for span in self._spans]
+        # Where each goes among the others; those of one gap go in with one insertion, the last gap first (so the
+        # places found stay right). A cache allocated in one region, or of tensors made one after another, is one
+        # insertion; one interleaved with others, one per gap. Before, a tensor at a time: caches allocated at
+        # falling addresses (as the host allocator hands them out) shifted every span once per tensor, and a
+        # re-sort of the whole index for interleaved ones cost 21 ms per cache at 384,000 spans (found by review).
+        places = [bisect.bisect_left(self._starts, span[0]) for span in new]
+        end = len(new)
+        while end:
+            begin = end - 1
+            while begin and places[begin - 1] == places[end - 1]:
+                begin -= 1
+            k = places[end - 1]
+            self._starts[k:k] = [span[0] for span in new[begin:end]]
+            self._spans[k:k] = new[begin:end]
+            end = begin
 
     def remove(self, cache_id: int) -> None:
-        """Drop the tensors of cache ``cache_id`` (nothing if it is not indexed)."""
+        """Drop the tensors of cache ``cache_id`` (nothing if it is not indexed): one deletion per run of them."""
         starts = self._bases.pop(cache_id, None)
         if not starts:
             return
-        k, n = bisect.bisect_left(self._starts, min(starts)), len(starts)
-        if all(span[2] == cache_id for span in self._spans[k:k + n]) and k + n <= len(self._spans):
-            del self._starts[k:k + n]  # its tensors lie together (see add)
-            del self._spans[k:k + n]
-            return
-        self._spans = [span for span in self._spans if span[2] != cache_id]
-        self._starts = [span[0] for span in self._spans]
+        places = []
+        for base in sorted(set(starts)):
+            k = bisect.bisect_left(self._starts, base)
+            while k < len(self._spans) and self._starts[k] == base:  # (zero-length tensors may share a start)
+                if self._spans[k][2] == cache_id:
+                    places.append(k)
+                k += 1
+        places.sort()
+        end = len(places)
+        while end:
+            begin = end - 1
+            while begin and places[begin - 1] == places[begin] - 1:
+                begin -= 1
+            del self._starts[places[begin]:places[end - 1] + 1]
+            del self._spans[places[begin]:places[end - 1] + 1]
+            end = begin
 
     def clear(self) -> None:
         self._starts.clear()
