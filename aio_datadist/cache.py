@@ -579,6 +579,17 @@ class CacheRegistry:
             entry.blocks_key = None
         self._maybe_free(entry)
 
+    def release_keys(self, cache: KvCache) -> None:
+        """Unbind every key of ``cache`` (an allocated cache's keys keep it after ``deallocate``) and free it if
+        its id reference is gone too, as ``remove_key`` of each would; pulls in flight by one are as after
+        ``remove_key``."""
+        entry = self._entries.get(cache.cache_id)
+        if entry is None or entry.cache is not cache:
+            return
+        for ident in list(entry.keys):
+            self._unbind(entry, ident)
+        self._maybe_free(entry)
+
     def remove_key(self, key: CacheKey, *, owned_only: bool = False) -> bool:
         """Unbind ``key``; True if it was bound. Frees a deallocated cache left keyless.
 

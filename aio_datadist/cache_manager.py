@@ -122,11 +122,11 @@ class CacheManager:
             return self._kv.register_blocks_cache(cache_desc, addrs, blocks_cache_key, remote_accessible=visible)
 
     def unregister_cache(self, cache_id: int) -> None:
-        """Release cache ``cache_id`` (registered or allocated); a registered cache's memory stays
-        the caller's. Peers' requests for it fail with ``LLM_KV_CACHE_NOT_EXIST`` from then on, and
-        those served against a registered cache over a TCP or TLS data channel, or by a same-host push's
-        copy, are cut before this returns (as :meth:`KvCacheManager.deallocate_cache`, which says what is
-        not cut), so no such job reads or writes its memory afterwards.
+        """Release cache ``cache_id`` (registered or allocated), with its keys; a registered cache's memory
+        stays the caller's. Peers' requests for it (by id or by key) fail with ``LLM_KV_CACHE_NOT_EXIST``
+        from then on, and those served against a registered cache over a TCP or TLS data channel, or by a
+        same-host push's copy, are cut before this returns (as :meth:`KvCacheManager.deallocate_cache`, which
+        says what is not cut), so no such job reads or writes its memory afterwards.
 
         An id that names no cache (already released included) is a no-op, as
         in LLM-DataDist.
@@ -138,7 +138,10 @@ class CacheManager:
         number = check_sint("cache_id", cache_id)
         cache = next((c for c in rt.registry.all_caches() if c.cache_id == number), None)
         if cache is not None:
-            self._kv.deallocate_cache(cache)
+            self._kv.deallocate_cache(cache)  # (refused from another thread before anything changes)
+            # The id is the cache: an allocated cache's keys go with it, as a registered cache's do. Before, they
+            # kept it registered and pullable by key after this returned (found by a hunt).
+            rt.registry.release_keys(cache)
 
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> KvCache:
         """Allocate a contiguous cache; key ``i`` names batch row ``i`` (no memory pool needed).

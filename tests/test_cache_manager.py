@@ -471,6 +471,18 @@ async def test_release_calls_and_their_second_calls():
         cm.remove_cache_key(CacheKey(DECODER_ID, 8))  # unbound: a no-op
         cm.deallocate_cache(keyed)
         assert reg.all_caches() == []
+        # unregister_cache of an allocated cache releases it with its keys (deallocate_cache leaves it to them):
+        # before, the keys kept it registered, counted and pullable by key after the call (found by a hunt)
+        keyed = cm.allocate_cache(ROWS, [CacheKey(DECODER_ID, 9), CacheKey(DECODER_ID, 10)])
+        cm.unregister_cache(keyed.cache_id)
+        assert reg.all_caches() == [] and reg.used_bytes == 0 and not keyed.alive
+        assert reg.by_key(CacheKey(DECODER_ID, 9).lookup_key()) is None
+        cm.unregister_cache(keyed.cache_id)  # a second call: a no-op
+        kept = cm.allocate_cache(ROWS, [CacheKey(DECODER_ID, 11)])
+        cm.deallocate_cache(kept)
+        assert kept.alive and reg.by_key(CacheKey(DECODER_ID, 11).lookup_key()) == (kept, 0)  # kept by its key
+        cm.unregister_cache(kept.cache_id)  # the id names it still: released, key and all
+        assert reg.all_caches() == [] and not kept.alive
         async with v2_endpoint(LLMRole.PROMPT, PROMPT_ID) as other:
             theirs = other.cache_manager.allocate_cache(ROWS)
             with rejected(S.LLM_KV_CACHE_NOT_EXIST, "cache"):
