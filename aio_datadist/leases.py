@@ -14,10 +14,12 @@ is held for good. A lease bounds that time::
 (``allocate_leased_cache(kv, desc, keys, lease_ms=...)`` returns the cache and
 its lease at once.)
 
-When the lease runs out, every key still bound to that cache is removed (as
-``remove_cache_key`` does; a key removed and bound to another cache since is
-left alone) and the cache's id reference is dropped (as
-``deallocate_cache`` does), so the memory goes at once. A pull of an
+When the lease runs out, every key of the lease still bound to that cache is
+removed (as ``remove_cache_key`` does; a key removed and bound to another cache
+since is left alone; a key of the cache that ``lease_cache`` was not given
+stays bound and keeps the cache) and the cache's id reference is dropped (as
+``deallocate_cache`` does), so the memory goes at once when the lease held
+every key. A pull of an
 allocated cache already in flight is not cut: it finishes with valid bytes
 (the memory stays mapped until the native transfer ends) and simply consumes
 nothing; one of a registered cache (the caller's memory) is cut, as
