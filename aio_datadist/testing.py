@@ -249,6 +249,12 @@ async def settled_engine_state(dd: LLMDataDist, expected: Mapping[str, int], tim
     still holds the key's claim (``"claimed keys"``); nothing signals that arrival to a test, so this
     looks again every few milliseconds. Compare what it returns with ``expected``.
     """
+    from aio_datadist._checks import param_invalid, param_type_error
+
+    if not isinstance(expected, Mapping):
+        raise param_type_error("expected", f"expected a mapping as engine_state returns, got {type(expected).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise param_invalid("timeout", f"expected seconds, a number >= 0, got {timeout!r}")
     expected = dict(expected)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -271,17 +277,24 @@ def links_of(dd: LLMDataDist) -> dict[int, Link]:
 
 
 def link_to(dd: LLMDataDist, cluster_id: int) -> Link | None:
-    """``dd``'s link to ``cluster_id`` in whatever state, or None if it has none."""
-    return _endpoint(dd)._require_links().links.get(cluster_id)
+    """``dd``'s link to ``cluster_id`` in whatever state, or None if it has none.
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` naming ``cluster_id`` when it is not a cluster id."""
+    from aio_datadist._checks import check_uint
+
+    return _endpoint(dd)._require_links().links.get(check_uint("cluster_id", cluster_id))
 
 
 def usable_link(dd: LLMDataDist, cluster_id: int) -> Link:
     """``dd``'s usable link to ``cluster_id``, as a transfer would find it.
 
     :raises LLMException: ``LLM_NOT_YET_LINK`` if there is none (or it is
-        closed), the link's failure (``LLM_LINK_FAILED``) if it is broken.
+        closed), the link's failure (``LLM_LINK_FAILED``) if it is broken;
+        ``LLM_PARAM_INVALID`` naming ``cluster_id`` when it is not a cluster id.
     """
-    return _endpoint(dd)._require_links().get(cluster_id)
+    from aio_datadist._checks import check_uint
+
+    return _endpoint(dd)._require_links().get(check_uint("cluster_id", cluster_id))
 
 
 def link_count(dd: LLMDataDist) -> int:
@@ -441,8 +454,13 @@ class ProcessPair(_Decoder):
             try:
                 reply = await asyncio.shield(answer)
             except asyncio.CancelledError:
-                # the push goes on in the prompt process: the cancel is raised once it answered (or in ``wait``)
-                await asyncio.wait([answer])
+                # The push goes on in the prompt process: the cancel is raised once it answered (or in ``wait``,
+                # which bounds this), whatever more cancels come meanwhile. Before, a second cancel returned at
+                # once: the push landed after the call, and the answer's reader, left behind, later removed the
+                # reader of the next call, which then waited out its time for an answer already there (a hunt).
+                while not answer.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait([answer])
                 if not answer.cancelled():
                     answer.exception()
                 raise

@@ -36,6 +36,19 @@ async def test_prompt_push_blocks_waits_for_its_own_answer(monkeypatch):
             # the cancel was raised once the prompt answered: nothing of the push lands after it (found by review)
             assert all(torch.equal(got[0], want[0])
                        for got, want in zip(pair.decoder_blocks.tensors, pair.expected_blocks, strict=True))
+            # cancelled again while it waits for the answer (an outer timeout, a task group): the same, and no
+            # reader of the pipe is left to take the next call's (before: it returned at once, its push landed
+            # later, and its answer's reader removed a later call's, which waited out its time; found by a hunt)
+            pair.decoder_blocks.tensors[0][6].zero_()
+            twice = asyncio.ensure_future(pair.prompt_push_blocks([6], [6]))
+            await asyncio.sleep(0)
+            twice.cancel()
+            await asyncio.sleep(0)
+            twice.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await twice
+            assert torch.equal(pair.decoder_blocks.tensors[0][6], pair.expected_blocks[0][6])
+            assert not [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith("._answer")]
             await pair.prompt_push_blocks([3], [3], timeout=None)  # the endpoint's default, as push_blocks takes
             with pytest.raises(LLMException) as info:
                 await pair.prompt_push_blocks([99], [0])  # 8 blocks: the prompt's push_blocks refuses it
@@ -101,3 +114,23 @@ async def test_settled_engine_state_gives_up_after_its_own_timeout():
             started = loop.time()
             assert await testing.settled_engine_state(pair.prompt, never, timeout=0.05) == before
             assert 0.05 <= loop.time() - started < 1.0  # waited for the whole state, not one of its counts
+
+
+@pytest.mark.asyncio
+@pytest.mark.loops_take_turns  # argument checks, not the loop's
+async def test_the_link_helpers_and_settled_engine_state_refuse_bad_arguments():
+    """Before, ``usable_link(dd, "1")`` said cluster 1 (linked) was not linked, ``link_to(dd, 1.5)`` returned None,
+    and ``settled_engine_state`` raised bare ``TypeError`` for a missing mapping or timeout (found by a hunt)."""
+    async with open_pair() as pair:
+        dd = pair.decoder
+        assert testing.usable_link(dd, pair.prompt_cluster_id) is testing.link_to(dd, pair.prompt_cluster_id)
+        for helper in (testing.link_to, testing.usable_link):
+            for wrong in (str(pair.prompt_cluster_id), 1.5, [1], -1, True):
+                with pytest.raises(LLMException, match="cluster_id") as info:
+                    helper(dd, wrong)
+                assert info.value.status_code == S.LLM_PARAM_INVALID, (helper, wrong)
+        for expected, timeout, named in ((None, 1.0, "expected"), ({}, None, "timeout"), ({}, -1, "timeout"),
+                                         ({}, True, "timeout"), ({}, float("nan"), "timeout")):
+            with pytest.raises(LLMException, match=named) as info:
+                await testing.settled_engine_state(dd, expected, timeout=timeout)
+            assert info.value.status_code == S.LLM_PARAM_INVALID
