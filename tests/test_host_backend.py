@@ -601,12 +601,18 @@ async def test_a_staged_swap_given_up_returns_only_once_its_host_copy_is_over():
         dev = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.DEVICE))
         host = mgr.allocate_blocks_cache(CacheDesc(4, [rows, width], DataType.DT_FLOAT16, Placement.HOST))
         rt.copier = _SlowToStop(real)
-        for timeout, (dst, src) in zip((3, 8, 15, 3, 8, 15), [(host, dev)] * 3 + [(dev, host)] * 3):
-            with pytest.raises(LLMException) as info:
+        given_up = {"out": 0, "in": 0}
+        for timeout, (dst, src, way) in zip((3, 8, 15, 3, 8, 15), [(host, dev, "out")] * 3 + [(dev, host, "in")] * 3):
+            try:
                 await ops.copy_rows(rt, dst, list(range(rows)), src, list(range(rows)), 0, width * 2, timeout,
                                     "swap_blocks", method="staged")
-            assert info.value.status_code == S.LLM_TIMEOUT
+            except LLMException as exc:
+                assert exc.status_code == S.LLM_TIMEOUT
+                given_up[way] += 1
+            # (a swap whose copies all ended before its loop noticed the time, on a loaded host, is done: its case
+            # is the others')
             assert real.pending() == 0, f"a host copy still ran after the return ({timeout} ms)"
+        assert given_up["out"] and given_up["in"], given_up
     finally:
         rt.copier = real
         await dd.finalize()
