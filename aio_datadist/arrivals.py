@@ -72,8 +72,8 @@ class PushWatch:
     def cache(self) -> KvCache:
         return self._cache
 
-    def _landed(self, tensors: range, rows: Sequence[int]) -> None:
-        mine = self._rows.intersection(rows)  # a push of many rows, each watch of a few (found by review)
+    def _landed(self, tensors: range, rows: frozenset[int]) -> None:
+        mine = self._rows.intersection(rows)  # a push of many rows, each watch of a few (found by two reviews)
         if not mine:
             return
         for t in tensors:
@@ -234,8 +234,10 @@ class Arrivals:
 
     def record(self, cache: KvCache, tensors: range, rows: Iterable[int]) -> None:
         rows = rows if isinstance(rows, _Stamped) else list(rows)
-        for watch in self._hearing(cache, rows):
-            watch._landed(tensors, rows)
+        hearing = self._hearing(cache, rows)
+        pushed = frozenset(rows) if hearing else frozenset()  # once per push: each watch intersects its few rows
+        for watch in hearing:
+            watch._landed(tensors, pushed)
 
     def watched(self, cache: KvCache) -> bool:
         """Whether an open watch watches ``cache``."""
@@ -246,8 +248,10 @@ class Arrivals:
         every open watch of those rows made before the push was accepted fails its pending layers among
         ``tensors`` with ``exc``'s status."""
         rows = rows if isinstance(rows, _Stamped) else list(rows)
-        for watch in self._hearing(cache, rows):
-            watch._torn(tensors, rows, exc)
+        hearing = self._hearing(cache, rows)
+        pushed = frozenset(rows) if hearing else frozenset()
+        for watch in hearing:
+            watch._torn(tensors, pushed, exc)
 
     def released(self, cache: KvCache) -> None:
         """``cache`` was deallocated or unregistered: nothing can land in it for its caller any more, so every
