@@ -413,7 +413,15 @@ class ProcessPair(_Decoder):
 
     @property
     def prompt_pid(self) -> int:
-        return self._process.pid
+        """The prompt process's id; ``RuntimeError`` once the pair was closed (the process reaped)."""
+        return self._open_process().pid
+
+    def _open_process(self) -> Any:
+        try:
+            self._process.pid  # noqa: B018 -- raises once the process object was closed by the pair's end
+        except ValueError:
+            raise RuntimeError("the prompt process was reaped: its pair is closed") from None
+        return self._process
 
     async def _answer(self, seq: int, wait: float) -> Any:
         """The prompt's answer to command ``seq`` (answers to earlier commands dropped), within ``wait`` s."""
@@ -425,9 +433,11 @@ class ProcessPair(_Decoder):
 
     def kill_prompt(self) -> None:
         """SIGKILL the prompt process (a crash: no unlink) and return once it is gone (at most 5 s), so that its
-        sockets are closed and its peers can tell; the fixture still reaps it."""
-        self._process.kill()
-        self._process.join(5)
+        sockets are closed and its peers can tell; the fixture still reaps it. ``RuntimeError`` once the pair
+        was closed."""
+        process = self._open_process()
+        process.kill()
+        process.join(5)
 
     async def prompt_push_blocks(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], *,
                                  timeout: int | None = 5000) -> None:
@@ -449,7 +459,8 @@ class ProcessPair(_Decoder):
             try:
                 self._conn.send(("push_blocks", seq, list(src_blocks), list(dst_blocks), timeout))
             except OSError as exc:
-                raise RuntimeError(f"the prompt process is gone (exit code {self._process.exitcode})") from exc
+                process = self._open_process()  # (a pair closed: said as such)
+                raise RuntimeError(f"the prompt process is gone (exit code {process.exitcode})") from exc
             answer = asyncio.ensure_future(self._answer(seq, wait))
             try:
                 reply = await asyncio.shield(answer)

@@ -74,6 +74,13 @@ async def test_prompt_push_blocks_drops_the_answer_of_a_call_that_ran_out_of_tim
             await pair.prompt_push_blocks([5], [5])
             for got, want in zip(pair.decoder_blocks.tensors, pair.expected_blocks, strict=True):
                 assert torch.equal(got[[4, 5]], want[[4, 5]])
+    # used after its pair closed (the prompt reaped): RuntimeError saying so, as for a prompt that is gone (before,
+    # ValueError "process object is closed" from multiprocessing; found by a hunt)
+    with pytest.raises(RuntimeError, match="pair is closed"):
+        await pair.prompt_push_blocks([6], [6])
+    for late in (lambda: pair.prompt_pid, pair.kill_prompt):
+        with pytest.raises(RuntimeError, match="pair is closed"):
+            late()
 
 
 def test_the_helpers_take_the_blocking_endpoint_and_refuse_anything_else():
