@@ -67,6 +67,7 @@ class PushWatch:
         self._all = loop.create_future()
         self._closed = False
         self._since = arrivals.stamp  # pushes accepted up to here are not this watch's
+        self._number = 0  # its place among the watches (``Arrivals.add``)
 
     @property
     def cache(self) -> KvCache:
@@ -178,24 +179,26 @@ class Arrivals:
     8000 watches open, a one-block push of 40 layers held the event loop 180 ms (found by a hunt)."""
 
     def __init__(self) -> None:
-        self._watches: dict[int, dict[PushWatch, int]] = {}  # id(cache) -> its open watches, each with its number
-        self._by_row: dict[int, dict[int, dict[PushWatch, int]]] = {}  # id(cache) -> row -> the watches of it
-        self._numbers = itertools.count()  # watches hear a push in the order they were made
+        # id(cache) -> its open watches, and id(cache) -> row -> the watches of that row (dicts as ordered sets)
+        self._watches: dict[int, dict[PushWatch, None]] = {}
+        self._by_row: dict[int, dict[int, dict[PushWatch, None]]] = {}
+        self._numbers = itertools.count()  # a watch's number: watches hear a push in the order they were made
         self._accepted = 0  # pushes accepted so far: a watch hears only of those accepted after it was made
 
     def add(self, watch: PushWatch) -> PushWatch:
-        number = next(self._numbers)
-        self._watches.setdefault(id(watch.cache), {})[watch] = number
+        watch._number = next(self._numbers)
+        self._watches.setdefault(id(watch.cache), {})[watch] = None
         by_row = self._by_row.setdefault(id(watch.cache), {})
         for row in watch._rows:
-            by_row.setdefault(row, {})[watch] = number
+            by_row.setdefault(row, {})[watch] = None
         return watch
 
     def _remove(self, watch: PushWatch) -> None:
         key = id(watch.cache)
         watches = self._watches.get(key)
-        if watches is None or watches.pop(watch, None) is None:
+        if watches is None or watch not in watches:
             return
+        del watches[watch]
         by_row = self._by_row[key]
         for row in watch._rows:
             of_row = by_row.get(row)
@@ -218,24 +221,24 @@ class Arrivals:
         self._accepted += 1
         return cache, tensors, _Stamped(rows, self._accepted)
 
-    def _hearing(self, cache: KvCache, rows: Sequence[int]) -> list[PushWatch]:
+    def _hearing(self, cache: KvCache, rows: Iterable[int]) -> tuple[list[PushWatch], frozenset[int]]:
         """The open watches of ``rows`` of ``cache`` made before their push was accepted (all, unstamped), in
-        the order they were made."""
+        the order they were made, and the rows as a set (made once per push: each watch intersects its few)."""
         accepted = rows.accepted if isinstance(rows, _Stamped) else self._accepted + 1
         by_row = self._by_row.get(id(cache))
         if not by_row:
-            return []
-        hit: dict[PushWatch, int] = {}
-        for row in rows:
+            return [], frozenset()
+        pushed = frozenset(rows)
+        hit: dict[PushWatch, None] = {}
+        for row in pushed:
             of_row = by_row.get(row)
             if of_row:
                 hit.update(of_row)
-        return sorted((watch for watch in hit if watch._since < accepted), key=hit.__getitem__)
+        hearing = sorted((watch for watch in hit if watch._since < accepted), key=lambda watch: watch._number)
+        return hearing, pushed
 
     def record(self, cache: KvCache, tensors: range, rows: Iterable[int]) -> None:
-        rows = rows if isinstance(rows, _Stamped) else list(rows)
-        hearing = self._hearing(cache, rows)
-        pushed = frozenset(rows) if hearing else frozenset()  # once per push: each watch intersects its few rows
+        hearing, pushed = self._hearing(cache, rows)
         for watch in hearing:
             watch._landed(tensors, pushed)
 
@@ -247,9 +250,7 @@ class Arrivals:
         """A push into ``rows`` of ``tensors`` of ``cache``, accepted here, failed (some bytes may have landed):
         every open watch of those rows made before the push was accepted fails its pending layers among
         ``tensors`` with ``exc``'s status."""
-        rows = rows if isinstance(rows, _Stamped) else list(rows)
-        hearing = self._hearing(cache, rows)
-        pushed = frozenset(rows) if hearing else frozenset()
+        hearing, pushed = self._hearing(cache, rows)
         for watch in hearing:
             watch._torn(tensors, pushed, exc)
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aio_datadist._checks import check_index, check_int, param_invalid
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import LayerSynchronizer
+from aio_datadist.views import mark_retrieved
 
 if TYPE_CHECKING:
     from aio_datadist.datadist import LLMDataDist
@@ -63,7 +64,7 @@ class EventLayerSynchronizer(LayerSynchronizer):
         for _, layer in self._layers:
             # A layer nobody waits for (its transfer cancelled, or no transfer at all) fails as the endpoint
             # finalizes: read here, not logged by asyncio as an error never retrieved (found by a hunt).
-            layer.add_done_callback(_retrieved)
+            layer.add_done_callback(mark_retrieved)
         self._recorded: set[int] = set()  # layers whose record is posted or armed: close() leaves them be
         self._lock = threading.Lock()  # record() (any thread) against close(): a record that returned is kept
         self._closed = False
@@ -159,8 +160,3 @@ class EventLayerSynchronizer(LayerSynchronizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _retrieved(layer: asyncio.Future) -> None:
-    if not layer.cancelled():
-        layer.exception()

@@ -18,7 +18,7 @@ from typing import Any
 
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ["HeldFuture", "Views", "fail_quietly", "refuse_other_loop"]
+__all__ = ["HeldFuture", "Views", "fail_quietly", "mark_retrieved", "refuse_other_loop"]
 
 
 def refuse_other_loop(what: str, fut: asyncio.Future) -> None:
@@ -35,6 +35,13 @@ def refuse_other_loop(what: str, fut: asyncio.Future) -> None:
     if loop is not asyncio.Future.get_loop(fut):  # (its own loop, whatever a subclass's get_loop says)
         raise LLMException(f"{what} lives on the event loop the LLMDataDist was initialised on; wait for it "
                            "from that loop", status_code=LLMStatusCode.LLM_FAILED)
+
+
+def mark_retrieved(fut: asyncio.Future) -> None:
+    """A done-callback for a future nobody may await: its error (if any) is read here, not logged by asyncio
+    as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def fail_quietly(fut: asyncio.Future, exc: BaseException) -> None:

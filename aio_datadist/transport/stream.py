@@ -33,6 +33,7 @@ from aio_datadist.transport.base import (
     serve_timeout_ms,
     stop_status,
 )
+from aio_datadist.views import mark_retrieved
 from aio_datadist.wire import ANSWER, ANSWER_MAGIC, MAX_TEXT, Msg, ReqFlag, Resp, Target, TransferReq, peer_text
 
 if TYPE_CHECKING:
@@ -58,15 +59,9 @@ def refuse_posted(link: LinkPort, req_id: int, req: TransferReq, status: int, te
     header, pairs = answer_header(status, req_id, len(raw), raw)
     sent = link.move(req.channel, pairs, send=True, timeout_ms=serve_timeout_ms(req), what=f"refusing {req_id}",
                      keepalive=header)
-    sent.add_done_callback(_quiet)
+    sent.add_done_callback(mark_retrieved)  # unsent: the requester's receive fails with its channel
     link.answering(req.channel, sent)
     return True
-
-
-def _quiet(f: asyncio.Future) -> None:
-    """A refusal that could not be sent: the requester's receive fails with its channel."""
-    if not f.cancelled():
-        f.exception()
 
 
 #: The codes of our own failures that the requester hears as they are (a passing shortage it may retry on); any
