@@ -11,6 +11,13 @@ The first record of each end is its read ledger (``LEDGER``,
 ``transport/ledger.py``): a cache's record names its slot there, and a pull
 that read a listed cache without asking is reported back (``READ``).
 
+The receiver answers every cache record: ``MAPPED``, or ``UNMAPPED`` when
+this process may map no more of its peers' regions (``devices.host``'s
+budget, shared by all its peers, spent). An owner serves a cache in place
+only once the peer answered ``MAPPED`` for it; one refused is served over
+the data channels and the share stays (before, such a region dropped the
+whole share of an honest owner).
+
 Every copy reads the peer's memory and writes our own: a pull is the
 requester copying from the owner's region into its cache, a push is the
 owner copying from the pusher's region into its cache. No peer ever holds a
@@ -69,7 +76,8 @@ log = logging.getLogger("aio_datadist.local")
 
 # The share connection's authentication: server nonce, then the client's nonce and proof, then the server's proof.
 _MAGIC = b"AIDS"
-SHARE_VERSION = 2  # 2: the read ledger (LEDGER and READ records, ADD's readable trailer)
+SHARE_VERSION = 3  # 2: the read ledger (LEDGER and READ records, ADD's readable trailer); 3: ADD answered
+# (MAPPED or UNMAPPED), only what the peer mapped is served in place
 _CHALLENGE = struct.Struct("!4sB32s")
 _CLAIM = struct.Struct("!4s32s32s")
 _ACCEPT = struct.Struct("!4s32s")
@@ -82,7 +90,7 @@ SHARE_AUTH_S = 2.0
 # READ (pulls that read the cache without asking) puts their count in the tensors field, their bytes in the region
 # field and their microseconds in rows; LEDGER carries the ledger's fd and size.
 _ENTRY = struct.Struct("!BqQIQQQ")
-_ADD, _DEL, _READY, _ADD_DEVICE, _MAPPED, _LEDGER, _READ = 1, 2, 3, 4, 5, 6, 7
+_ADD, _DEL, _READY, _ADD_DEVICE, _MAPPED, _LEDGER, _READ, _UNMAPPED = 1, 2, 3, 4, 5, 6, 7, 8
 # After an ADD record's offsets: the cache's ledger slot (NO_SLOT: ask for it), its blocks key's model id, its
 # data type and the digest of its block shape (transport/ledger.py).
 _READABLE = struct.Struct("!IQBQ")
@@ -145,7 +153,7 @@ class ShareError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ShareRecord:
-    """One validated share message: ``kind`` is ADD or ADD_DEVICE (with geometry), DEL, READY, MAPPED, LEDGER
+    """One validated share message: ``kind`` is ADD or ADD_DEVICE (with geometry), DEL, READY, MAPPED, UNMAPPED, LEDGER
     (``size``: the ledger's) or READ (``tensor_bytes`` reads of ``size`` bytes in all, in ``rows`` microseconds)."""
 
     kind: int
@@ -185,9 +193,9 @@ def parse_record(data: bytes, nfds: int, flags: int) -> ShareRecord:
     if len(data) < _ENTRY.size:
         raise ShareError(f"record of {len(data)} bytes is shorter than {_ENTRY.size}")
     kind, cache_id, size, tensors, rows, row_bytes, tensor_bytes = _ENTRY.unpack_from(data, 0)
-    if kind in (_DEL, _READY, _MAPPED, _READ):
+    if kind in (_DEL, _READY, _MAPPED, _READ, _UNMAPPED):
         if nfds or len(data) != _ENTRY.size:
-            raise ShareError("a DEL, READY, MAPPED or READ record carries nothing more")
+            raise ShareError("a DEL, READY, MAPPED, UNMAPPED or READ record carries nothing more")
         if kind != _READ:
             return ShareRecord(kind, cache_id)
         if not 0 < tensors <= MAX_READS:
@@ -344,7 +352,14 @@ class LocalShare:
         self._device_file: dict[int, tuple[int, int]] = {}
         self._device_files: dict[tuple[int, int], int] = {}
         self.sent_device: set[int] = set()
+        #: Our caches (host and device) the peer said it mapped (``MAPPED``): only these are served in place.
         self.peer_mapped: set[int] = set()
+        #: The peer's host caches we could not map (this process's budget of peers' mappings spent: answered
+        #: ``UNMAPPED``, the owner serves them over the data channels), until it withdraws them; they count
+        #: against ``MAX_REGIONS`` as mapped ones do.
+        self.refused: set[int] = set()
+        self._said_refused = False  # our first UNMAPPED was logged
+        self._said_unmapped = False  # the peer's first UNMAPPED was logged
         #: The peer's device caches we could not map (why: ``ipc_off``), until it withdraws them; they count
         #: against ``MAX_REGIONS`` as mapped ones do, so a peer's flood of them ends the share.
         self.device_refused: set[int] = set()
@@ -524,15 +539,22 @@ class LocalShare:
         if cache_id not in self.sent:
             return
         self.sent.discard(cache_id)
+        self.peer_mapped.discard(cache_id)
         if not self._unsent((_ADD, cache_id)):
             self._send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
 
     def shared(self, cache: KvCache) -> bool:
-        """Whether the peer has ``cache`` (its record left: one still queued here has not reached the peer, and
-        a message naming the cache would reach it first; what the socket takes now goes first)."""
-        if (_ADD, cache.cache_id) in self._queued:
-            self._flush()
-        return cache.cache_id in self.sent and (_ADD, cache.cache_id) not in self._queued and not self.closed
+        """Whether the peer mapped ``cache`` (it answered ``MAPPED``; a cache whose record is still queued here
+        has not reached the peer, and what the socket takes now goes first). The peer's answers queued here are
+        read first: a requester answers a record before it asks for the cache (``SameHostPlane.prepare``)."""
+        cache_id = cache.cache_id
+        if cache_id not in self.peer_mapped:
+            if cache_id not in self.sent or self.closed:
+                return False
+            if (_ADD, cache_id) in self._queued:
+                self._flush()
+            self.catch_up()
+        return cache_id in self.peer_mapped and (_ADD, cache_id) not in self._queued and not self.closed
 
     def listed_region(self, model_id: int) -> PeerRegion | None:
         """The peer's blocks cache bound to blocks key ``model_id`` if its ledger lets us read it without
@@ -668,8 +690,15 @@ class LocalShare:
                 self.ready.set_result(None)
             return
         if record.kind == _MAPPED:
-            if record.cache_id in self.sent_device:  # anything else is ignored: it grants nothing
+            if record.cache_id in self.sent or record.cache_id in self.sent_device:  # else ignored: grants nothing
                 self.peer_mapped.add(record.cache_id)
+            return
+        if record.kind == _UNMAPPED:
+            if (record.cache_id in self.sent or record.cache_id in self.sent_device) and not self._said_unmapped:
+                self._said_unmapped = True
+                log.info("%s: the peer could not map our cache %d (its process maps no more of its peers' "
+                         "regions, or not this device's): caches it refuses are served over the data channels",
+                         self.name, record.cache_id)
             return
         if record.kind == _READ:
             # Counted whatever the cache's fate since (the reader may free it right after the pull): a peer that
@@ -693,9 +722,11 @@ class LocalShare:
             self._unlist(old)
         self._drop_device(record.cache_id)
         self.device_refused.discard(record.cache_id)
+        self.refused.discard(record.cache_id)
         if record.kind == _DEL:
             return
-        if len(self.regions) + len(self.device_regions) + len(self.device_refused) >= MAX_REGIONS:
+        if (len(self.regions) + len(self.device_regions) + len(self.device_refused) + len(self.refused)
+                >= MAX_REGIONS):
             raise ShareError(f"the peer shares more than {MAX_REGIONS} caches")
         if record.kind == _ADD_DEVICE:
             assert file is not None
@@ -704,13 +735,32 @@ class LocalShare:
         if record.slot != NO_SLOT and self.peer_ledger is None:
             raise ShareError(f"cache {record.cache_id} names a ledger slot before the peer sent its ledger")
         assert file is not None
-        region = PeerRegion(record, fds[0], file, whole=whole)
-        if not whole:
-            self._walked += record.size  # its check walked every page
+        try:
+            region = PeerRegion(record, fds[0], file, whole=whole)
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            self._refuse(record.cache_id, exc)  # no fault of the peer's: the share stays
+            self.refused.add(record.cache_id)
+            return
+        finally:
+            if not whole:
+                self._walked += record.size  # its check walked every page
         self.regions[record.cache_id] = region
         self._files[file] = self._files.get(file, 0) + 1
         if region.geometry is not None:
             self.listed[region.model_id] = region
+        self._send(_ENTRY.pack(_MAPPED, record.cache_id, 0, 0, 0, 0, 0))
+
+    def _refuse(self, cache_id: int, exc: OSError) -> None:
+        """Answer ``UNMAPPED`` for the peer's cache ``cache_id``, which this process cannot map now (``exc``,
+        ``ENOMEM``: peers' regions spent ``devices.host``'s budget, or the kernel's map count); logged once per
+        share."""
+        if not self._said_refused:
+            self._said_refused = True
+            log.warning("%s: cannot map the peer's cache %d (%s): it and any other refused are read over the data "
+                        "channels", self.name, cache_id, exc.strerror or exc)
+        self._send(_ENTRY.pack(_UNMAPPED, cache_id, 0, 0, 0, 0, 0))
 
     def _unlist(self, region: PeerRegion) -> None:
         """``region`` is no longer the peer's cache here (replaced, withdrawn): forget it and its file."""
@@ -740,12 +790,16 @@ class LocalShare:
             self.device_refused.add(record.cache_id)
             self.say_ipc_off("the peer's device caches cannot be mapped: this endpoint has no device backend "
                              "(aio.DeviceType)")
+            self._send(_ENTRY.pack(_UNMAPPED, record.cache_id, 0, 0, 0, 0, 0))
             return
         try:
             mapping = devices.ipc_import(record.device_kind, record.identity, fd, record.size, whole=whole)
-        except IpcUnavailable as exc:
+        except (IpcUnavailable, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
+                raise
             self.device_refused.add(record.cache_id)
             self.say_ipc_off(f"the peer's device caches cannot be mapped here: {exc}")
+            self._send(_ENTRY.pack(_UNMAPPED, record.cache_id, 0, 0, 0, 0, 0))
             return
         except ExportInvalid as exc:
             raise ShareError(f"device export of cache {record.cache_id}: {exc}") from None
@@ -798,6 +852,7 @@ class LocalShare:
         self._device_file.clear()
         self._device_files.clear()
         self.device_refused.clear()
+        self.refused.clear()
         self.peer_mapped.clear()
 
 

@@ -82,6 +82,13 @@ class SameHostPlane(InPlacePlane):
     transport = "local"
     flag = ReqFlag.LOCAL
 
+    async def prepare(self, link: LinkPort, plan: Plan) -> None:
+        """Act on the owner's share records queued here before we ask: a cache it shared a moment ago is mapped
+        and answered (``MAPPED``) ahead of our request, so the owner, which serves in place only what we mapped,
+        reads our answer first."""
+        if link.local is not None:
+            link.local.catch_up()
+
     def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
         return pull and link.local is not None and not plan.by_address and not plan.local.on_device
 

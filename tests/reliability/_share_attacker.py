@@ -47,8 +47,9 @@ object with what it got. Modes:
   JSON line with what it holds, then waits for its stdin to close.
 - ``map_count FD...``: spends the receiver's mappings (``vm.max_map_count``)
   with one-page regions: 4096 a share (as many as one share may map) until a
-  share is dropped, then 2048, 1024, ... 1 on fresh shares, keeping each that
-  is not dropped. Reports as ``address_space`` does.
+  share is dropped or a region refused (answered ``UNMAPPED``), then 2048,
+  1024, ... 1 on fresh shares, keeping every share. Reports as
+  ``address_space`` does, with the regions the receiver refused.
 """
 
 from __future__ import annotations
@@ -508,6 +509,29 @@ def dropped(sock: socket.socket, wait_s: float) -> bool:
         time.sleep(0.0005)
 
 
+def answers(sock: socket.socket, count: int, wait_s: float) -> tuple[int, int] | None:
+    """The receiver's answers to the ``count`` records sent on ``sock`` so far: ``(MAPPED, UNMAPPED)``, or None
+    if it dropped the share (or did not answer them all within ``wait_s``)."""
+    said = [0, 0]
+    deadline = time.monotonic() + wait_s
+    while sum(said) < count:
+        try:
+            data = sock.recv(64)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.0005)
+            continue
+        except OSError:
+            return None
+        if not data:
+            return None
+        kind = data[0]
+        if kind in (5, 8):  # MAPPED, UNMAPPED
+            said[kind == 8] += 1
+    return said[0], said[1]
+
+
 def seal_race(fds: list[int]) -> dict:
     page = mmap.PAGESIZE
     sent = 0
@@ -637,33 +661,41 @@ def map_count(fds: list[int]) -> dict:
     page = mmap.PAGESIZE
     one = memfd(page, SEALED)
 
-    def fill(count: int) -> bool:
-        """``count`` regions on a fresh share; whether the receiver kept them all."""
+    refused = 0
+
+    def fill(count: int) -> int:
+        """``count`` regions on a fresh share; how many the receiver mapped (-1: it dropped the share)."""
+        nonlocal refused
         sock = socks.pop()
         sock.settimeout(10)
         try:
             for n in range(count):
                 socket.send_fds(sock, [record(1, n + 1, page, 1, page, page, [0])], [one])
             sock.setblocking(False)
-            gone = dropped(sock, 10.0)
+            said = answers(sock, count, 20.0)
         except OSError:
-            gone = True
-        if gone:
+            said = None
+        if said is None:
             sock.close()
-            return False
+            return -1
         kept.append(sock)
-        return True
+        refused += said[1]
+        return said[0]
 
     held = 0
     try:
-        while len(socks) > 12 and fill(4096):
-            held += 4096
+        while len(socks) > 12:
+            mapped = fill(4096)
+            held += max(mapped, 0)
+            if mapped < 4096:
+                break
         for bits in range(11, -1, -1):
-            if socks and fill(1 << bits):
-                held += 1 << bits
+            if socks:
+                held += max(fill(1 << bits), 0)
     finally:
         os.close(one)
-    print(json.dumps({"held": held * page, "regions": held, "shares": len(kept)}), flush=True)
+    print(json.dumps({"held": held * page, "regions": held, "shares": len(kept), "refused": refused}),
+          flush=True)
     sys.stdin.read()
     for sock in kept + socks:
         sock.close()

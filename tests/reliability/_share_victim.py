@@ -176,6 +176,7 @@ async def address_space(shares: int, mode: str = "address_space") -> dict:
         mapped = sum(region.size for share in live for region in share.regions.values())
         regions = sum(len(share.regions) for share in live)
         dropped = sum(share.closed for share in live)
+        refused = sum(len(share.refused) for share in live)
         try:
             host.HostRegion(64 << 20)
             allocated = "yes"
@@ -184,7 +185,7 @@ async def address_space(shares: int, mode: str = "address_space") -> dict:
         proc.stdin.close()
         await asyncio.wait_for(proc.wait(), 30)
         return {"attacker holds": said["held"], "mapped": mapped, "regions": regions, "shares dropped": dropped,
-                "64 MiB allocated": allocated}
+                "refused": refused, "64 MiB allocated": allocated, "attacker says": said}
     finally:
         for share in live:
             share.close()

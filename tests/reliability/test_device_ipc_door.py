@@ -17,9 +17,9 @@ Found by an audit (2026-12-05), each with a test that failed before:
    ("device cache N is not mapped here") on a healthy link.
 3. A peer's CUDA exports mapped here (``VmmDriver.import_fd``) count against the process's peer mapping budget
    (``host.MAX_PEER_MAPPED_BYTES`` / ``host.MAX_PEER_MAPPINGS``) as host imports do: past it the import is refused
-   before the driver reserves anything and the share is dropped (as a host region past it drops its share), and
-   the budget is given back when the mapping goes. Before, one 64 GiB export re-sent under 600 cache ids mapped
-   37.5 TiB of our address space (the budget is 32 TiB).
+   before the driver reserves anything and answered ``UNMAPPED``, the share kept (as a host region past it is,
+   row 377: the cache takes the staging plane), and the budget is given back when the mapping goes. Before, one
+   64 GiB export re-sent under 600 cache ids mapped 37.5 TiB of our address space (the budget is 32 TiB).
 
 CUDA runs against the stand-in libcuda (``tests/fakes/fake_cuda.c``, built here with cc) behind a stub holding just
 what ``LocalShare`` and ``CudaBackend.ipc_import`` use; the deallocation runs between real endpoints on the host
@@ -57,7 +57,7 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("fork_server")]
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the stand-in libcuda")
 
 ENTRY, DEVICE = struct.Struct("!BqQIQQQ"), struct.Struct("!B16s")
-ADD_DEVICE, DEL, MAPPED, CUDA = 4, 2, 5, 2
+ADD_DEVICE, DEL, MAPPED, UNMAPPED, CUDA = 4, 2, 5, 8, 2
 HOST = {"device_type": "host", "transport": "local"}
 DESC = CacheDesc(2, (4, 4096), DataType.DT_INT8, Placement.DEVICE)
 
@@ -113,6 +113,7 @@ class _Peer:
         self.share = LocalShare(self.ours, lambda: self.lost.append(True), backend, "test link")
         self.sock.setblocking(False)
         self.mapped = 0
+        self.unmapped = 0  # UNMAPPED answers: a cache the share could not map, the share kept
 
     async def send(self, record: bytes, fd: int | None) -> bool:
         """Send one record; False once the share is gone (it reads nothing more)."""
@@ -132,7 +133,7 @@ class _Peer:
         raise AssertionError("the share never read our records")
 
     async def settle(self) -> None:
-        """Let the share act on what we sent; count its ``MAPPED`` answers."""
+        """Let the share act on what we sent; count its ``MAPPED`` and ``UNMAPPED`` answers."""
         self.share.catch_up()
         await asyncio.sleep(0)
         while True:
@@ -143,6 +144,7 @@ class _Peer:
             if not data:  # the share is gone
                 return
             self.mapped += data[:1] == bytes([MAPPED])
+            self.unmapped += data[:1] == bytes([UNMAPPED])
 
     def close(self) -> None:
         self.share.close()
@@ -367,7 +369,9 @@ async def test_a_peers_cuda_imports_are_held_to_the_peer_mapping_budget(stub, mo
         await peer.settle()
         assert peer.mapped == 4  # four imports mapped and answered
         assert most == (baseline[0] + 4 * size, baseline[1] + 4)  # and counted
-        assert peer.lost and peer.share.closed  # the fifth was past the budget: the share dropped, as for a host region
+        # the rest were past the budget: each refused and answered, the share kept, as for a host region (row 377)
+        assert peer.unmapped == 12 and not peer.lost and not peer.share.closed
+        assert len(peer.share.device_refused) == 12 and len(peer.share.device_regions) == 4
     finally:
         peer.close()
         os.close(fd)
@@ -397,7 +401,7 @@ async def test_an_import_past_the_budget_never_reaches_the_driver(stub, fake_cud
         driver = counter(lib, "fake_imports"), counter(lib, "fake_reserves")
         await peer.send(add_device(2, size, identity), fd)
         await peer.settle()
-        assert peer.lost and peer.mapped == 1
+        assert peer.unmapped == 1 and peer.mapped == 1 and not peer.lost
         assert (counter(lib, "fake_imports"), counter(lib, "fake_reserves")) == driver, \
             "the import past the budget reached the driver"
     finally:

@@ -16,6 +16,7 @@ loop does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
@@ -29,7 +30,8 @@ from peers import CacheSpec, EndpointSpec, PeerError, Ref, fill, linked_pair, po
 
 from aio_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMRole, LLMStatusCode, Placement
 from aio_datadist import link_dials as link_dials_module
-from aio_datadist.testing import registry_of, usable_link
+from aio_datadist.devices import host
+from aio_datadist.testing import registry_of, runtime_of, usable_link
 from aio_datadist.transport import local as local_module
 
 S = LLMStatusCode
@@ -354,3 +356,47 @@ async def test_a_batch_freed_in_reverse_behind_a_peer_that_reads_nothing_is_drop
         assert not share.closed and not peer.closed
         for cache in kept:
             kv.deallocate_cache(cache)
+
+
+@pytest.mark.asyncio
+async def test_an_owner_whose_caches_the_peer_cannot_map_keeps_its_share(monkeypatch, caplog):
+    """The receiving process maps at most ``host.MAX_PEER_MAPPINGS`` regions of all its peers together (row 104).
+    Once that is spent (here: set to what it maps now, after the link), the peer answers an owner's new cache
+    ``UNMAPPED`` and keeps the share: the owner serves that cache over the data channels and the caches mapped
+    before stay in place; with ``aio.RequireTransport=local`` only a pull of a refused cache fails, and says why.
+    Before, the region past the budget dropped the owner's whole share as a hostile peer's (a WARNING), and every
+    cache moved over TCP (with ``aio.RequireTransport=local`` the link failed; found by a hunt)."""
+    caplog.set_level(logging.INFO, logger="aio_datadist")
+    local = {"transport": "local"}
+    async with linked_pair(link=False, prompt_config=local, decoder_config=local) as pair:
+        kv = pair.prompt.kv_cache_manager
+        caches = [kv.allocate_cache(SMALL, [CacheKey(PROMPT, i)]) for i in range(3)]
+        await pair.link()
+        share = usable_link(pair.prompt, DECODER).local
+        peer = usable_link(pair.decoder, PROMPT).local
+        assert share is not None and peer is not None
+        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", host._peer_mappings)  # no room left in this process
+        caches += [kv.allocate_cache(SMALL, [CacheKey(PROMPT, i)]) for i in range(3, 6)]
+        values = [fill(cache, i) for i, cache in enumerate(caches)]
+        dst = pair.decoder.kv_cache_manager.allocate_cache(SMALL)
+        for i in (0, 1, 3, 4):  # (a pull by cache key consumes it: 2 and 5 are pulled below)
+            await pair.decoder.kv_cache_manager.pull_cache(CacheKey(PROMPT, i), dst, 0)
+            assert torch.equal(dst.tensors[0], values[i][0]), i
+        assert [share.shared(cache) for cache in caches] == [True] * 3 + [False] * 3
+        assert peer.refused == {cache.cache_id for cache in caches[3:]} and set(peer.regions) >= {
+            cache.cache_id for cache in caches[:3]}
+        assert not share.closed and not peer.closed and usable_link(pair.decoder, PROMPT).transport == "local"
+        assert "dropping the share" not in caplog.text, caplog.text
+        assert "cannot map the peer's cache" in caplog.text and "could not map our cache" in caplog.text
+        kv.deallocate_cache(caches[4])  # withdrawn: the peer forgets its refusal (it counted against MAX_REGIONS)
+        async with asyncio.timeout(5):
+            while caches[4].cache_id in peer.refused:
+                await asyncio.sleep(0.01)
+        rt = runtime_of(pair.decoder)
+        monkeypatch.setattr(rt, "settings", dataclasses.replace(rt.settings, require_transport="local"))
+        await pair.decoder.kv_cache_manager.pull_cache(CacheKey(PROMPT, 2), dst, 0)  # still read in place
+        assert torch.equal(dst.tensors[0], values[2][0])
+        with pytest.raises(LLMException) as refused:
+            await pair.decoder.kv_cache_manager.pull_cache(CacheKey(PROMPT, 5), dst, 0)
+        assert refused.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED, refused.value
+        assert not share.closed and not peer.closed
