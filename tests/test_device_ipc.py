@@ -648,3 +648,29 @@ async def test_a_device_row_pushed_into_device_blocks_by_transfer_cache_async(sp
             for j, b in enumerate(blocks):
                 piece = row[j * size:min((j + 1) * size, 512)]
                 assert eq(flat[b, :piece.numel()], piece), (j, b)
+
+
+@pytest.mark.parametrize("how", ["pull_cache", "pull_blocks"])
+async def test_a_same_host_pull_of_a_mapped_device_cache_into_a_host_cache_takes_the_staging_plane(how):
+    """The peer mapped the owner's device cache (it answered ``MAPPED``), and a pull of it into a host cache asks
+    over the same-host plane: the owner must not take the device cache for a shared host region. With share
+    protocol 3 (answers for host records too) it did, answered in place, and the requester, finding no host region
+    of that id, failed the pull ``LLM_KV_CACHE_NOT_EXIST`` ("withdrew cache") on a healthy link (found by a hunt)."""
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        host_blocks = CacheDesc(4, (6, 3, 512), DataType.DT_FLOAT16, Placement.HOST)
+        if how == "pull_cache":
+            src = pair.pm.allocate_cache(CacheDesc(2, (2, 64), DataType.DT_FLOAT16, Placement.DEVICE))
+            values = fill(src, 1)
+            dst = pair.dm.allocate_cache(CacheDesc(2, (2, 64), DataType.DT_FLOAT16, Placement.HOST))
+        else:
+            src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT_ID, 0))
+            values = fill(src, 2)
+            dst = pair.dm.allocate_blocks_cache(host_blocks)
+        await mapped(pair, src.cache_id)
+        if how == "pull_cache":
+            await pair.dm.pull_cache(CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 1), dst, 0, timeout=5000)
+            assert all(eq(d[0], v[1]) for d, v in zip(dst.tensors, values, strict=True))
+        else:
+            await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [5, 0], [1, 4], timeout=5000)
+            assert all(eq(d[1], v[5]) and eq(d[4], v[0]) for d, v in zip(dst.tensors, values, strict=True))
+        assert not usable_link(pair.prompt, DECODER_ID).local.closed

@@ -543,16 +543,24 @@ class LocalShare:
         if not self._unsent((_ADD, cache_id)):
             self._send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
 
+    def offered(self, cache: KvCache) -> bool:
+        """Whether our record of host cache ``cache`` left (one still queued here has not reached the peer, and a
+        message naming the cache would reach it first; what the socket takes now goes first): what a same-host
+        push of ours needs, the peer maps the region when the push names it and says so if it cannot."""
+        if (_ADD, cache.cache_id) in self._queued:
+            self._flush()
+        return cache.cache_id in self.sent and (_ADD, cache.cache_id) not in self._queued and not self.closed
+
     def shared(self, cache: KvCache) -> bool:
-        """Whether the peer mapped ``cache`` (it answered ``MAPPED``; a cache whose record is still queued here
-        has not reached the peer, and what the socket takes now goes first). The peer's answers queued here are
-        read first: a requester answers a record before it asks for the cache (``SameHostPlane.prepare``)."""
+        """Whether the peer mapped our host cache ``cache`` (it answered ``MAPPED``): what serving its pull in
+        place needs. The peer's answers queued here are read first: a requester answers a record before it asks
+        for the cache (``SameHostPlane.prepare``). Device caches are never shared here (``device_shared``)."""
         cache_id = cache.cache_id
+        if cache_id not in self.sent:
+            return False
         if cache_id not in self.peer_mapped:
-            if cache_id not in self.sent or self.closed:
+            if not self.offered(cache):
                 return False
-            if (_ADD, cache_id) in self._queued:
-                self._flush()
             self.catch_up()
         return cache_id in self.peer_mapped and (_ADD, cache_id) not in self._queued and not self.closed
 

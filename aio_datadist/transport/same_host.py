@@ -154,16 +154,17 @@ class SameHostPlane(InPlacePlane):
         """A same-host push: the owner copies the rows out of our shared (read-only) region itself.
 
         Returns False when the push must take the stream path instead (no
-        share, a source the peer has not mapped, raw addresses, a source
+        share, a source whose record has not left, raw addresses, a source
         that starts inside its rows: ``PUSH_LOCAL`` names rows from their
-        start). A push that
+        start; an owner that cannot map the source answers ``USE_STREAM``).
+        A push that
         is given up (timeout, cancel) sends ``ABORT`` and returns once the
         owner answered that its copy stopped, at most ``ABORT_ACK_S`` later;
         an owner silent past that loses the link, so nothing it does
         afterwards is ours to wait for.
         """
         share = link.local
-        if (share is None or plan.local.on_device or not share.shared(plan.local) or plan.by_address
+        if (share is None or plan.local.on_device or not share.offered(plan.local) or plan.by_address
                 or plan.local_offset != 0 or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS):
             return False  # device caches: the device IPC plane's move_alone
         return await push_local(link, plan, timeout_ms, what, queue_ms=queue_ms)
