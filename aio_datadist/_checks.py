@@ -43,6 +43,7 @@ __all__ = [
     "check_range",
     "check_ipv4",
     "check_json_object",
+    "shown",
     "UINT16_MAX",
     "UINT32_MAX",
     "UINT64_MAX",
@@ -182,11 +183,23 @@ def check_int(arg_name: str, value: object, *, lo: int | None = None, hi: int | 
         raise param_type_error(arg_name, f"expected an int, got {_type_name(value)}") from None
     if (lo is not None and number < lo) or (hi is not None and number > hi):
         if hi is None:
-            raise param_invalid(arg_name, f"must be >= {lo}, got {number}")
+            raise param_invalid(arg_name, f"must be >= {lo}, got {shown(number)}")
         if lo is None:
-            raise param_invalid(arg_name, f"must be <= {hi}, got {number}")
-        raise param_invalid(arg_name, f"must be in [{lo}, {hi}], got {number}")
+            raise param_invalid(arg_name, f"must be <= {hi}, got {shown(number)}")
+        raise param_invalid(arg_name, f"must be in [{lo}, {hi}], got {shown(number)}")
     return number
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for a message; an int (or what holds one, a range) too long for ``str`` (more than
+    ``sys.get_int_max_str_digits()`` digits: ValueError) is told by its size instead, so a check's refusal is its
+    ``LLMException``, not that ValueError."""
+    try:
+        return repr(value)
+    except ValueError:
+        if isinstance(value, int):
+            return f"an int of {value.bit_length()} bits"
+        return f"a {type(value).__name__} holding an int too long to print"
 
 
 def check_uint(arg_name: str, value: object, bits: int = 64) -> int:
@@ -198,7 +211,7 @@ def check_uint(arg_name: str, value: object, bits: int = 64) -> int:
     """
     number = check_int(arg_name, value)
     if not 0 <= number < (1 << bits):
-        raise param_value_error(arg_name, f"must be a uint{bits} in [0, {(1 << bits) - 1}], got {number}")
+        raise param_value_error(arg_name, f"must be a uint{bits} in [0, {(1 << bits) - 1}], got {shown(number)}")
     return number
 
 
@@ -212,7 +225,7 @@ def check_sint(arg_name: str, value: object, bits: int = 64) -> int:
     """
     number = check_int(arg_name, value)
     if not -(1 << (bits - 1)) <= number < (1 << (bits - 1)):
-        raise param_value_error(arg_name, f"must be an int{bits}, got {number}")
+        raise param_value_error(arg_name, f"must be an int{bits}, got {shown(number)}")
     return number
 
 
@@ -248,7 +261,7 @@ def check_index(arg_name: str, value: object, size: int, *, what: str = "index")
     """
     number = check_int(arg_name, value)
     if not 0 <= number < size:
-        raise param_invalid(arg_name, f"{what} {number} out of range [0, {size})")
+        raise param_invalid(arg_name, f"{what} {shown(number)} out of range [0, {size})")
     return number
 
 
@@ -290,7 +303,7 @@ def check_indices(
         ints = tuple(check_int(f"{arg_name}[{i}]", v) for i, v in enumerate(items))
     for number in ints:
         if not 0 <= number < size:
-            raise param_invalid(arg_name, f"{what} {number} out of range [0, {size})")
+            raise param_invalid(arg_name, f"{what} {shown(number)} out of range [0, {size})")
     return ints
 
 
@@ -308,13 +321,13 @@ def check_range(arg_name: str, value: object, *, allow_none: bool = True) -> ran
     if not isinstance(value, range):
         raise param_type_error(arg_name, f"expected a range, got {_type_name(value)}")
     if value.step != 1:
-        raise param_invalid(arg_name, f"step must be 1, got {value.step}")
+        raise param_invalid(arg_name, f"step must be 1, got {shown(value.step)}")
     if value.start < 0:
-        raise param_invalid(arg_name, f"start must be >= 0, got {value.start}")
+        raise param_invalid(arg_name, f"start must be >= 0, got {shown(value.start)}")
     if value.stop <= value.start:
-        raise param_invalid(arg_name, f"must not be empty, got {value!r}")
+        raise param_invalid(arg_name, f"must not be empty, got {shown(value)}")
     if value.stop - 1 > INT32_MAX:  # a request carries its layers as int32 (the remote side is checked only there)
-        raise param_value_error(arg_name, f"layer {value.stop - 1} is past {INT32_MAX}, got {value!r}")
+        raise param_value_error(arg_name, f"layer {shown(value.stop - 1)} is past {INT32_MAX}, got {shown(value)}")
     return value
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from aio_datadist import _core
-from aio_datadist._checks import check_instance, param_invalid, param_type_error
+from aio_datadist._checks import check_instance, param_invalid, param_type_error, shown
 from aio_datadist.devices.host import HostRegion, round_up, tensor_at
 from aio_datadist.mapped import check_mapped
 from aio_datadist.spans import SpanIndex
@@ -223,7 +223,7 @@ def _flatten_addrs(arg: str, addrs: Any, num_tensors: int) -> list[int]:
         if isinstance(a, bool) or not isinstance(a, int):
             raise param_type_error(arg, f"address {i} must be an int, got {type(a).__name__}")
         if not 0 < a < 1 << 64:
-            raise param_invalid(arg, f"address {i} must be a positive int, got {a!r}")
+            raise param_invalid(arg, f"address {i} must be a positive int, got {shown(a)}")
         out.append(a)
     return out
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ._checks import ParamValueError, check_instance, check_int, check_range, param_invalid
+from ._checks import ParamValueError, check_instance, check_int, check_range, param_invalid, shown
 from .status import LLMException
 from .types import ALL_LAYERS, MAX_NUM_TENSORS, KvCacheExtParam, check_layer_pair
 
@@ -74,7 +74,7 @@ def range_pair(arg_name: str, value: object) -> tuple[int, int]:
     except ParamValueError:
         raise  # a layer past int32: a ValueError too, as LLM-DataDist's
     except LLMException:
-        raise param_invalid(arg_name, f"must be a non-empty range with step 1, got {value!r}") from None
+        raise param_invalid(arg_name, f"must be a non-empty range with step 1, got {shown(value)}") from None
     assert isinstance(value, range)
     return (value.start, value.stop - 1)
 
@@ -94,9 +94,9 @@ def layer_pair(arg_name: str, value: Any) -> tuple[int, int]:
             return check_layer_pair(arg_name, value)
         except LLMException:
             raise param_invalid(
-                arg_name, f"must satisfy 0 <= first <= last (inclusive), got {tuple(value)}"
+                arg_name, f"must satisfy 0 <= first <= last (inclusive), got {shown(tuple(value))}"
             ) from None
-    raise param_invalid(arg_name, f"expected a range or an inclusive (first, last) pair, got {value!r}")
+    raise param_invalid(arg_name, f"expected a range or an inclusive (first, last) pair, got {shown(value)}")
 
 
 def layer_selection(arg_name: str, value: object) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from aio_datadist._checks import (
     param_invalid,
     param_type_error,
     param_value_error,
+    shown,
 )
 from aio_datadist.arrivals import PushWatch
 from aio_datadist.cache import (
@@ -320,7 +321,7 @@ class KvCacheManager:
         nbytes = dl.row_bytes - offset if size == -1 else size
         if size == 0 or nbytes > dl.row_bytes - offset:
             raise param_invalid("size", f"must be -1 or in [1, {dl.row_bytes - offset}] (row bytes minus offset), "
-                                f"got {size}")
+                                f"got {shown(size)}")
         if dst is src and drow == srow:
             raise param_invalid("dst_batch_index", "source and destination are the same row")
         await self._copy_rows(dst, [drow], src, [srow], offset, nbytes, "copy_cache", timeout)
@@ -472,7 +473,8 @@ class KvCacheManager:
         row = _check_batch_index("batch_index", batch_index, lay.rows)
         local_offset = dst_offset or 0
         if local_offset >= lay.row_bytes:
-            raise param_invalid("dst_cache_offset", f"must be below the row size {lay.row_bytes}, got {local_offset}")
+            raise param_invalid("dst_cache_offset",
+                                f"must be below the row size {lay.row_bytes}, got {shown(local_offset)}")
         room = lay.row_bytes - local_offset
         size = check_int("size", size, lo=-1, hi=room)
         if size == 0:
@@ -596,7 +598,7 @@ class KvCacheManager:
         if cache.is_blocks_cache:
             raise param_invalid("src_cache", "push_cache needs a contiguous cache (use push_blocks for blocks)")
         if check_int("size", size) != -1:
-            raise param_invalid("size", f"only -1 (whole rows) is supported, got {size!r}")
+            raise param_invalid("size", f"only -1 (whole rows) is supported, got {shown(size)}")
         src, dst, per_layer = self._ext_param(ext_param)
         timeout_ms = self._timeout(timeout)
         lay = cache.layout
@@ -717,7 +719,7 @@ def _cache_offset(name: str, value: Any) -> int | None:
         return None
     number = check_int(name, value)
     if not 0 <= number < 2**63:
-        raise param_value_error(name, f"must be an int64 >= 0, got {number}")
+        raise param_value_error(name, f"must be an int64 >= 0, got {shown(number)}")
     return number
 
 

@@ -25,6 +25,7 @@ from ._checks import (
     check_uint,
     param_invalid,
     param_type_error,
+    shown,
 )
 
 DeviceType = Literal["auto", "cpu", "cuda", "npu", "host"]
@@ -98,7 +99,7 @@ def _int_check(lo: int, hi: int, *, multiple_of: int = 1, uint32: bool = False) 
     def check(arg_name: str, value: object) -> int:
         number = check_int(arg_name, check_uint(arg_name, value, 32) if uint32 else value, lo=lo, hi=hi)
         if number % multiple_of:
-            raise param_invalid(arg_name, f"must be a multiple of {multiple_of}, got {number}")
+            raise param_invalid(arg_name, f"must be a multiple of {multiple_of}, got {shown(number)}")
         return number
 
     return check
@@ -220,7 +221,7 @@ def check_mem_utilization(arg_name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise param_type_error(arg_name, f"expected a float, got {type(value).__name__}")
     if not 0.0 <= value <= 1.0:
-        raise param_invalid(arg_name, f"must be in [0, 1], got {value}")
+        raise param_invalid(arg_name, f"must be in [0, 1], got {shown(value)}")
     return float(value)
 
 
@@ -301,6 +302,9 @@ def _rank_addresses(arg_name: str, obj: Mapping[Any, Any]) -> dict[str, tuple[st
 def check_rank_addresses(arg_name: str, value: object) -> str:
     """A JSON object (text or dict) of rank id or device ip -> "ipv4:port" (an IPv4 address), kept as its JSON text."""
     if isinstance(value, Mapping):
+        for key in value:  # a rank id str() cannot write (over 4300 digits) is no uint32 either
+            if isinstance(key, int) and not isinstance(key, bool) and not 0 <= key <= UINT32_MAX:
+                raise param_invalid(f"{arg_name} key", f"rank id {shown(key)} is not a uint32")
         obj: Mapping[Any, Any] = {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v
                                   for k, v in value.items()}
         if len(obj) != len(value):

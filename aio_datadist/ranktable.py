@@ -37,6 +37,7 @@ from ._checks import (
     param_invalid,
     param_type_error,
     param_value_error,
+    shown,
 )
 
 __all__ = ["MAX_COMM_NAME", "MAX_NODES", "RankEntry", "check_cluster_rank_info",
@@ -83,11 +84,11 @@ def check_cluster_rank_info(cluster_rank_info: object, own_cluster_id: int) -> d
     info: dict[int, int] = {}
     for key, value in cluster_rank_info.items():
         if not _is_int(key) or not _is_int(value):  # TypeError and ValueError as LLM-DataDist's checks raise
-            raise param_type_error(arg, f"cluster id {key!r} and rank id {value!r} must both be ints")
+            raise param_type_error(arg, f"cluster id {shown(key)} and rank id {shown(value)} must both be ints")
         if not 0 <= key <= UINT64_MAX:
-            raise param_value_error(arg, f"cluster id {key!r} is not a uint64")
+            raise param_value_error(arg, f"cluster id {shown(key)} is not a uint64")
         if not 0 <= value <= UINT32_MAX:
-            raise param_value_error(arg, f"rank id {value!r} of cluster {key} is not a uint32")
+            raise param_value_error(arg, f"rank id {shown(value)} of cluster {key} is not a uint32")
         info[int(key)] = int(value)
     ranks = list(info.values())
     if any(a >= b for a, b in itertools.pairwise(ranks)):

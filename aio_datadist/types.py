@@ -30,6 +30,7 @@ from ._checks import (
     check_uint,
     param_invalid,
     param_type_error,
+    shown,
 )
 
 if TYPE_CHECKING:
@@ -220,7 +221,7 @@ def _check_enum(arg_name: str, value: object, enum_cls: type[_E]) -> _E:
         except ValueError:
             pass
     choices = ", ".join(str(m) for m in enum_cls)
-    raise param_type_error(arg_name, f"expected one of {choices}, got {value!r}")
+    raise param_type_error(arg_name, f"expected one of {choices}, got {shown(value)}")
 
 
 def _show(value: object) -> str:
@@ -280,7 +281,7 @@ def _check_shape(shape: object) -> tuple[int, ...]:
     for axis, dim in enumerate(shape):
         size = check_int(f"shape[{axis}]", dim)
         if not 1 <= size <= INT64_MAX:
-            raise param_invalid("shape", f"dimension {axis} must be a positive int64, got {size}")
+            raise param_invalid("shape", f"dimension {axis} must be a positive int64, got {shown(size)}")
         dims.append(size)
     return tuple(dims)
 
@@ -346,7 +347,7 @@ class CacheDesc(_Value):
         placement = _check_enum("placement", placement, Placement)
         batch_dim_index = check_int("batch_dim_index", batch_dim_index)
         if not 0 <= batch_dim_index < len(dims):
-            raise param_invalid("batch_dim_index", f"must be in [0, {len(dims)}), got {batch_dim_index}")
+            raise param_invalid("batch_dim_index", f"must be in [0, {len(dims)}), got {shown(batch_dim_index)}")
         seq_len_dim_index = check_sint("seq_len_dim_index", seq_len_dim_index, 32)
         if seq_len_dim_index != -1 and not 0 <= seq_len_dim_index < len(dims):
             raise param_invalid("seq_len_dim_index", f"must be -1 or in [0, {len(dims)}), got {seq_len_dim_index}")
@@ -538,7 +539,7 @@ def check_layer_pair(arg_name: str, value: object) -> tuple[int, int]:
         pair is ``(-1, -1)`` or two int32 layer indices with ``0 <= first <= second``.
     """
     if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise param_invalid(arg_name, f"expected an inclusive (first, second) pair, got {value!r}")
+        raise param_invalid(arg_name, f"expected an inclusive (first, second) pair, got {shown(value)}")
     first = check_int(arg_name, value[0], lo=-1, hi=INT32_MAX)
     second = check_int(arg_name, value[1], lo=-1, hi=INT32_MAX)
     if (first == -1) != (second == -1):
