@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -124,6 +125,10 @@ RECORDS_PER_TURN = 16
 #: Bytes of peers' regions whose pages one turn checks at most before it stops (the check walks each page: about
 #: 13 ms per GiB here): a peer sending records of big regions, again and again, still never holds the loop.
 WALK_PER_TURN = 256 << 20
+#: The longest a requester waits, before it asks, for its answers to the owner's records (``MAPPED``) to leave a
+#: share socket the owner has not emptied yet: the owner serves in place only what it heard was mapped, and reads
+#: the socket every turn of its loop, so they leave at once unless that loop is held.
+ANSWERS_WAIT_S = 1.0
 #: The most records a synchronous read of the queue (catch_up, region, ...) acts on: more than an honest peer's
 #: full share socket holds (278 small records with the default buffers), so only a peer that keeps flooding meets
 #: it, and it can no longer hold the caller for as long as it keeps sending.
@@ -343,6 +348,11 @@ class LocalShare:
         self._out: deque[list[Any]] = deque()  # [record, holder, added]; record None: an ADD withdrawn unsent
         self._queued: dict[tuple[int, int], list[Any]] = {}  # the ADDs of _out: their caches are not shared yet
         self._withdrawn = 0  # entries of _out withdrawn before they left (dropped as they reach the front)
+        #: Our answers (``MAPPED``, ``UNMAPPED``) the socket did not take yet: they leave ahead of ``_out`` (the
+        #: peer counts only our offers and withdrawals in order), so a requester's answer is not held behind a
+        #: batch of its own offers; ``_answered`` wakes who waits for them to leave (``answers_left``).
+        self._answers: deque[bytes] = deque()
+        self._answered: asyncio.Future[None] | None = None
         self.devices = devices
         self.name = name
         #: The peer's device caches we mapped, and ours the peer said it mapped (``MAPPED``).
@@ -352,14 +362,17 @@ class LocalShare:
         self._device_file: dict[int, tuple[int, int]] = {}
         self._device_files: dict[tuple[int, int], int] = {}
         self.sent_device: set[int] = set()
-        #: Our caches (host and device) the peer said it mapped (``MAPPED``): only these are served in place.
+        #: Our caches (host and device) the peer said it mapped (``MAPPED``): only these are served in place; and
+        #: those it said it could not (``UNMAPPED``), which our pushes then stream at once.
         self.peer_mapped: set[int] = set()
+        self.peer_refused: set[int] = set()
         #: The peer's host caches we could not map (this process's budget of peers' mappings spent: answered
         #: ``UNMAPPED``, the owner serves them over the data channels), until it withdraws them; they count
         #: against ``MAX_REGIONS`` as mapped ones do.
         self.refused: set[int] = set()
         self._said_refused = False  # our first UNMAPPED was logged
         self._said_unmapped = False  # the peer's first UNMAPPED was logged
+        self._ledger_refused = False  # the peer's ledger could not be mapped (budget spent): its slots are ignored
         #: The peer's device caches we could not map (why: ``ipc_off``), until it withdraws them; they count
         #: against ``MAX_REGIONS`` as mapped ones do, so a peer's flood of them ends the share.
         self.device_refused: set[int] = set()
@@ -387,6 +400,42 @@ class LocalShare:
         """Tell the peer every cache we had has been offered."""
         self._send(_ENTRY.pack(_READY, 0, 0, 0, 0, 0, 0))
 
+    def _answer(self, kind: int, cache_id: int) -> None:
+        """Answer the peer's record of its cache ``cache_id`` (``MAPPED``, ``UNMAPPED``): now, or ahead of our
+        records the socket did not take yet, once it takes them."""
+        record = _ENTRY.pack(kind, cache_id, 0, 0, 0, 0, 0)
+        if self.closed:
+            return
+        if not self._answers:
+            try:
+                self.sock.send(record)
+                return
+            except BlockingIOError:
+                self._loop.add_writer(self.sock.fileno(), self._writable)
+            except OSError as exc:
+                log.info("same-host share lost: %s", exc)
+                self._lost()
+                return
+        if len(self._out) + len(self._answers) - self._withdrawn >= MAX_UNSENT:
+            log.info("same-host share lost: the peer fell %d records behind", MAX_UNSENT)
+            self._lost()
+            return
+        self._answers.append(record)
+
+    @property
+    def answering(self) -> bool:
+        """Whether answers of ours wait for the socket to take them."""
+        return bool(self._answers)
+
+    async def answers_left(self) -> None:
+        """Wait (at most ``ANSWERS_WAIT_S``) until the socket took our answers to the peer's records."""
+        if not self._answers or self.closed:
+            return
+        if self._answered is None or self._answered.done():
+            self._answered = self._loop.create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._answered), ANSWERS_WAIT_S)
+
     def _send(self, record: bytes, holder: Any = None, added: tuple[int, int] | None = None) -> bool:
         """Send ``record`` (with ``holder.fd``) now, or after the records the socket did not take yet, once it
         takes them; False once the share is lost. A full socket is a peer that reads later, not a lost share:
@@ -403,7 +452,7 @@ class LocalShare:
                 log.info("same-host share lost: %s", exc)
                 self._lost()
                 return False
-        if len(self._out) - self._withdrawn >= MAX_UNSENT:
+        if len(self._out) + len(self._answers) - self._withdrawn >= MAX_UNSENT:
             log.info("same-host share lost: the peer fell %d records behind", MAX_UNSENT)
             self._lost()
             return False
@@ -420,7 +469,20 @@ class LocalShare:
             socket.send_fds(self.sock, [record], [holder.fd])
 
     def _flush(self) -> bool:
-        """Send what the socket did not take before; whether all of it went."""
+        """Send what the socket did not take before (our answers first); whether all of it went."""
+        while self._answers and not self.closed:
+            try:
+                self.sock.send(self._answers[0])
+            except BlockingIOError:
+                self._loop.add_writer(self.sock.fileno(), self._writable)
+                return False
+            except OSError as exc:
+                log.info("same-host share lost: %s", exc)
+                self._lost()
+                return False
+            self._answers.popleft()
+        if self._answered is not None and not self._answered.done():
+            self._answered.set_result(None)
         while self._out and not self.closed:
             record, holder, added = self._out[0]
             if record is None:
@@ -533,6 +595,7 @@ class LocalShare:
         if cache_id in self.sent_device:
             self.sent_device.discard(cache_id)
             self.peer_mapped.discard(cache_id)
+            self.peer_refused.discard(cache_id)
             if not self._unsent((_ADD_DEVICE, cache_id)):
                 self._send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
             return
@@ -540,6 +603,7 @@ class LocalShare:
             return
         self.sent.discard(cache_id)
         self.peer_mapped.discard(cache_id)
+        self.peer_refused.discard(cache_id)
         if not self._unsent((_ADD, cache_id)):
             self._send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
 
@@ -547,6 +611,8 @@ class LocalShare:
         """Whether our record of host cache ``cache`` left (one still queued here has not reached the peer, and a
         message naming the cache would reach it first; what the socket takes now goes first): what a same-host
         push of ours needs, the peer maps the region when the push names it and says so if it cannot."""
+        if cache.cache_id in self.peer_refused:
+            return False
         if (_ADD, cache.cache_id) in self._queued:
             self._flush()
         return cache.cache_id in self.sent and (_ADD, cache.cache_id) not in self._queued and not self.closed
@@ -702,7 +768,10 @@ class LocalShare:
                 self.peer_mapped.add(record.cache_id)
             return
         if record.kind == _UNMAPPED:
-            if (record.cache_id in self.sent or record.cache_id in self.sent_device) and not self._said_unmapped:
+            if record.cache_id not in self.sent and record.cache_id not in self.sent_device:
+                return  # else ignored: it names no cache of ours the peer holds
+            self.peer_refused.add(record.cache_id)
+            if not self._said_unmapped:
                 self._said_unmapped = True
                 log.info("%s: the peer could not map our cache %d (its process maps no more of its peers' "
                          "regions, or not this device's): caches it refuses are served over the data channels",
@@ -715,9 +784,17 @@ class LocalShare:
                 self.on_read(record.tensor_bytes, record.size, min(record.rows, READ_MICROS_MAX) / 1e6)
             return
         if record.kind == _LEDGER:
-            if self.peer_ledger is not None:
+            if self.peer_ledger is not None or self._ledger_refused:
                 raise ShareError("the peer sent a second ledger")
-            self.peer_ledger = PeerLedger(fds[0])
+            try:
+                self.peer_ledger = PeerLedger(fds[0])
+            except OSError as exc:
+                if exc.errno != errno.ENOMEM:
+                    raise
+                # No fault of the peer's (the budget of peers' mappings is spent): the share stays, and every
+                # pull of its caches asks (their slots are not read).
+                self._ledger_refused = True
+                self._say_refused("its read ledger", exc)
             return
         # A file this share maps passed its check and can get no hole: sent again (under this id or another),
         # it is not walked again (the old region of this id still maps it until the new one does). So for a device
@@ -741,15 +818,18 @@ class LocalShare:
             self._map_device(record, fds[0], file, whole)
             return
         if record.slot != NO_SLOT and self.peer_ledger is None:
-            raise ShareError(f"cache {record.cache_id} names a ledger slot before the peer sent its ledger")
+            if not self._ledger_refused:
+                raise ShareError(f"cache {record.cache_id} names a ledger slot before the peer sent its ledger")
+            record = dataclasses.replace(record, slot=NO_SLOT)  # a ledger we could not map: asked for
         assert file is not None
         try:
             region = PeerRegion(record, fds[0], file, whole=whole)
         except OSError as exc:
             if exc.errno != errno.ENOMEM:
                 raise
-            self._refuse(record.cache_id, exc)  # no fault of the peer's: the share stays
+            self._say_refused(f"its cache {record.cache_id}", exc)  # no fault of the peer's: the share stays
             self.refused.add(record.cache_id)
+            self._answer(_UNMAPPED, record.cache_id)
             return
         finally:
             if not whole:
@@ -758,17 +838,15 @@ class LocalShare:
         self._files[file] = self._files.get(file, 0) + 1
         if region.geometry is not None:
             self.listed[region.model_id] = region
-        self._send(_ENTRY.pack(_MAPPED, record.cache_id, 0, 0, 0, 0, 0))
+        self._answer(_MAPPED, record.cache_id)
 
-    def _refuse(self, cache_id: int, exc: OSError) -> None:
-        """Answer ``UNMAPPED`` for the peer's cache ``cache_id``, which this process cannot map now (``exc``,
-        ``ENOMEM``: peers' regions spent ``devices.host``'s budget, or the kernel's map count); logged once per
-        share."""
+    def _say_refused(self, what: str, exc: OSError) -> None:
+        """Log, once per share, that this process cannot map ``what`` of the peer's now (``exc``, ``ENOMEM``:
+        peers' regions spent ``devices.host``'s budget, or the kernel's map count)."""
         if not self._said_refused:
             self._said_refused = True
-            log.warning("%s: cannot map the peer's cache %d (%s): it and any other refused are read over the data "
-                        "channels", self.name, cache_id, exc.strerror or exc)
-        self._send(_ENTRY.pack(_UNMAPPED, cache_id, 0, 0, 0, 0, 0))
+            log.warning("%s: cannot map %s (%s): what is refused is read over the data channels", self.name, what,
+                        exc.strerror or exc)
 
     def _unlist(self, region: PeerRegion) -> None:
         """``region`` is no longer the peer's cache here (replaced, withdrawn): forget it and its file."""
@@ -798,7 +876,7 @@ class LocalShare:
             self.device_refused.add(record.cache_id)
             self.say_ipc_off("the peer's device caches cannot be mapped: this endpoint has no device backend "
                              "(aio.DeviceType)")
-            self._send(_ENTRY.pack(_UNMAPPED, record.cache_id, 0, 0, 0, 0, 0))
+            self._answer(_UNMAPPED, record.cache_id)
             return
         try:
             mapping = devices.ipc_import(record.device_kind, record.identity, fd, record.size, whole=whole)
@@ -807,7 +885,7 @@ class LocalShare:
                 raise
             self.device_refused.add(record.cache_id)
             self.say_ipc_off(f"the peer's device caches cannot be mapped here: {exc}")
-            self._send(_ENTRY.pack(_UNMAPPED, record.cache_id, 0, 0, 0, 0, 0))
+            self._answer(_UNMAPPED, record.cache_id)
             return
         except ExportInvalid as exc:
             raise ShareError(f"device export of cache {record.cache_id}: {exc}") from None
@@ -822,7 +900,7 @@ class LocalShare:
         self.device_regions[record.cache_id] = peer
         self._device_file[record.cache_id] = file
         self._device_files[file] = self._device_files.get(file, 0) + 1
-        self._send(_ENTRY.pack(_MAPPED, record.cache_id, 0, 0, 0, 0, 0))
+        self._answer(_MAPPED, record.cache_id)
 
     def _lost(self) -> None:
         if not self.closed:
@@ -847,6 +925,9 @@ class LocalShare:
         self.listed.clear()
         self._reads.clear()
         self._out.clear()
+        self._answers.clear()
+        if self._answered is not None and not self._answered.done():
+            self._answered.set_result(None)
         self._queued.clear()
         self._withdrawn = 0
         if self._reporting is not None:
@@ -862,6 +943,7 @@ class LocalShare:
         self.device_refused.clear()
         self.refused.clear()
         self.peer_mapped.clear()
+        self.peer_refused.clear()
 
 
 #: What the listener asks of its owner: the ``(link token, attach)`` pairs of links that may attach a

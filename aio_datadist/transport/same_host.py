@@ -85,9 +85,13 @@ class SameHostPlane(InPlacePlane):
     async def prepare(self, link: LinkPort, plan: Plan) -> None:
         """Act on the owner's share records queued here before we ask: a cache it shared a moment ago is mapped
         and answered (``MAPPED``) ahead of our request, so the owner, which serves in place only what we mapped,
-        reads our answer first."""
-        if link.local is not None:
-            link.local.catch_up()
+        reads our answer first. An answer the share socket did not take yet (the owner has not read our own
+        records: a batch of caches we just allocated) is waited for, at most ``local.ANSWERS_WAIT_S``."""
+        share = link.local
+        if share is not None:
+            share.catch_up()
+            if share.answering:
+                await share.answers_left()
 
     def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
         return pull and link.local is not None and not plan.by_address and not plan.local.on_device

@@ -406,7 +406,7 @@ def test_peers_cannot_take_our_address_space_with_sparse_regions():
     sealed memfds that cost the peer nothing. Mapped, they spent our address space: the attacker, finding at
     each size from 1 TiB down to 64 MiB how many more we still mapped (on shares it then gave up), held all
     128 TiB of it and we could no longer allocate a 64 MiB cache. Peers' regions then took at most
-    ``host.MAX_PEER_MAPPED_BYTES`` of this process together (a region past it drops its share), and since row 148
+    ``host.MAX_PEER_MAPPED_BYTES`` of this process together (a region past it is refused, row 377), and since row 148
     a region must be in memory to be mapped at all, so a sparse one drops its share before it takes anything:
     the attacker holds no region at any size. The receiver runs in its own process (``_share_victim.py``),
     with 40 shares on socket pairs."""

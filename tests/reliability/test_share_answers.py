@@ -1,0 +1,229 @@
+"""Same-host share protocol 3: the receiver answers every cache record (``MAPPED`` or ``UNMAPPED``), an owner
+serves a pull in place only once the peer answered ``MAPPED``, and a region (or ledger) this process may not map
+(its budget of peers' mappings spent, ``devices.host``) is refused with the share kept. These are the orderings
+an honest pair meets with the answers in between, and what a peer may do with them (rows 104, 377; found by the
+review of the change, 2026-12-07)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+
+import pytest
+import torch
+from _share_attacker import SEALED, memfd, record
+from peers import fill, linked_pair
+
+from aio_datadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, Placement
+from aio_datadist.devices import host
+from aio_datadist.testing import runtime_of, usable_link
+from aio_datadist.transport import local
+from aio_datadist.transport.local import LocalShare
+
+PROMPT, DECODER = 1, 2
+SMALL = CacheDesc(1, (1, 4096), DataType.DT_UINT8, Placement.HOST)
+LOCAL = {"transport": "local"}
+MAPPED, UNMAPPED, DEL = 5, 8, 2
+
+
+def require_local(dd) -> None:
+    rt = runtime_of(dd)
+    rt.settings = dataclasses.replace(rt.settings, require_transport="local")
+
+
+@pytest.mark.asyncio
+async def test_a_cache_allocated_and_pulled_at_once_is_read_in_place():
+    """The owner allocates a cache and the requester (``aio.RequireTransport=local``) pulls it at once: the
+    requester maps it and answers before it asks (``SameHostPlane.prepare``), so the owner has heard ``MAPPED``
+    when the request comes. Without that, the owner served it over TCP and the pull failed
+    ``LLM_FEATURE_NOT_ENABLED``."""
+    async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        dst = pair.dm.allocate_cache(SMALL)
+        await asyncio.sleep(0.05)
+        require_local(pair.decoder)
+        for i in range(20):
+            src = pair.pm.allocate_cache(SMALL, [CacheKey(PROMPT, i)])
+            values = fill(src, i)
+            await pair.dm.pull_cache(CacheKey(PROMPT, i), dst, 0)
+            assert torch.equal(dst.tensors[0], values[0]), i
+            pair.pm.deallocate_cache(src)  # withdrawn (once the pull's key settled): its answer is forgotten with it
+            share = usable_link(pair.prompt, DECODER).local
+            async with asyncio.timeout(5):
+                while src.cache_id in share.sent:
+                    await asyncio.sleep(0.005)
+            assert src.cache_id not in share.peer_mapped
+
+
+@pytest.mark.asyncio
+async def test_a_cache_pulled_at_once_while_the_requester_offers_a_batch_is_read_in_place():
+    """The requester has just allocated 600 caches (its offers fill its share socket); the owner allocates one and
+    the requester (``aio.RequireTransport=local``) pulls it at once. Its ``MAPPED`` leaves ahead of its waiting
+    offers, and the pull waits for it to leave. Before, it queued behind them, the owner served over TCP and the
+    pull failed ``LLM_FEATURE_NOT_ENABLED``."""
+    async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        dst = pair.dm.allocate_cache(SMALL)
+        await asyncio.sleep(0.05)
+        require_local(pair.decoder)
+        batch = [pair.dm.allocate_cache(SMALL) for _ in range(600)]
+        assert usable_link(pair.decoder, PROMPT).local._out, "the offers all left: the case is not reached"
+        src = pair.pm.allocate_cache(SMALL, [CacheKey(PROMPT, 1)])
+        values = fill(src, 4)
+        await pair.dm.pull_cache(CacheKey(PROMPT, 1), dst, 0)
+        assert torch.equal(dst.tensors[0], values[0])
+        for cache in batch:
+            pair.dm.deallocate_cache(cache)
+
+
+@pytest.mark.asyncio
+async def test_the_last_of_many_caches_pulled_right_after_the_link_is_read_in_place():
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        caches = [pair.pm.allocate_cache(SMALL, [CacheKey(PROMPT, i)]) for i in range(1000)]
+        values = fill(caches[-1], 9)
+        dst = pair.dm.allocate_cache(SMALL)
+        await pair.link()
+        require_local(pair.decoder)
+        await pair.dm.pull_cache(CacheKey(PROMPT, 999), dst, 0)
+        assert torch.equal(dst.tensors[0], values[0])
+
+
+@pytest.mark.asyncio
+async def test_a_cache_allocated_and_pushed_at_once_is_copied_in_place():
+    """A push needs only its source's record to have left (the owner maps it when the push names it, and answers
+    ``USE_STREAM`` if it cannot): with ``aio.RequireTransport=local`` on the pusher, a cache allocated and pushed
+    at once goes in place. While pushes waited for ``MAPPED`` too, it failed ``LLM_FEATURE_NOT_ENABLED``."""
+    async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        dst = pair.dm.allocate_cache(SMALL)
+        await asyncio.sleep(0.05)
+        require_local(pair.prompt)
+        for i in range(5):
+            src = pair.pm.allocate_cache(SMALL)
+            values = fill(src, i)
+            await pair.pm.push_cache(CacheKeyByIdAndIndex(DECODER, dst.cache_id, 0), src, 0)
+            assert torch.equal(dst.tensors[0], values[0]), i
+
+
+@pytest.mark.asyncio
+async def test_a_peer_linked_once_the_mapping_budget_is_spent_keeps_its_share(monkeypatch, caplog):
+    """The requester's process maps no more of its peers' regions when a new owner links: the owner's ledger (the
+    share's first record, a mapping under the same budget) and its caches are refused, the share stays and every
+    pull asks and goes over TCP. Before, the ledger's ``ENOMEM`` dropped the whole share (with
+    ``aio.RequireTransport=local`` on both ends the link failed)."""
+    caplog.set_level(logging.INFO, logger="aio_datadist")
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        caches = [pair.pm.allocate_cache(SMALL, [CacheKey(PROMPT, i)]) for i in range(2)]
+        values = fill(caches[0], 1)
+        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", host._peer_mappings)  # spent before this link
+        await pair.link()
+        share = usable_link(pair.decoder, PROMPT).local
+        assert share is not None and not share.closed and share.peer_ledger is None
+        async with asyncio.timeout(5):
+            while len(share.refused) < 2:
+                await asyncio.sleep(0.01)
+        dst = pair.dm.allocate_cache(SMALL)
+        await pair.dm.pull_cache(CacheKey(PROMPT, 0), dst, 0)
+        assert torch.equal(dst.tensors[0], values[0])
+        assert not share.closed and usable_link(pair.decoder, PROMPT).transport == "local"
+        assert "dropping the share" not in caplog.text, caplog.text
+
+
+def _pair() -> tuple[LocalShare, socket.socket, list[bool]]:
+    ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lost: list[bool] = []
+    share = LocalShare(ours, lambda: lost.append(True), None, "test link")
+    peer.setblocking(False)
+    return share, peer, lost
+
+
+def _answers(sock: socket.socket) -> list[int]:
+    kinds = []
+    while True:
+        try:
+            data = sock.recv(64)
+        except OSError:
+            return kinds
+        if not data:
+            return kinds
+        kinds.append(data[0])
+
+
+@pytest.mark.asyncio
+async def test_refused_regions_count_against_the_peers_bound(monkeypatch):
+    """A peer's regions refused past the budget count against ``MAX_REGIONS`` as mapped ones do (8 here): the
+    record past it drops the share; each refused one was answered ``UNMAPPED``, a withdrawn one forgotten."""
+    monkeypatch.setattr(local, "MAX_REGIONS", 8)
+    monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", host._peer_mappings)  # nothing more may be mapped
+    share, peer, lost = _pair()
+    fd = memfd(4096, SEALED)
+    said: list[int] = []
+    try:
+        for n in range(1, 9):
+            socket.send_fds(peer, [record(1, n, 4096, 1, 4096, 4096, [0])], [fd])
+        share.catch_up()
+        said += _answers(peer)
+        assert said == [UNMAPPED] * 8 and share.refused == set(range(1, 9)) and not share.closed
+        peer.send(local._ENTRY.pack(DEL, 3, 0, 0, 0, 0, 0))  # withdrawn: forgotten, room for one more
+        socket.send_fds(peer, [record(1, 9, 4096, 1, 4096, 4096, [0])], [fd])
+        share.catch_up()
+        assert 3 not in share.refused and 9 in share.refused and not share.closed
+        socket.send_fds(peer, [record(1, 10, 4096, 1, 4096, 4096, [0])], [fd])
+        share.catch_up()
+        assert share.closed and lost  # the 9th live one
+    finally:
+        share.close()
+        peer.close()
+        os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_answers_for_no_cache_of_ours_grant_nothing(caplog):
+    """A peer's flood of ``MAPPED`` and ``UNMAPPED`` records naming caches we never offered: nothing kept, nothing
+    logged, nothing answered, the share kept."""
+    caplog.set_level(logging.INFO, logger="aio_datadist")
+    share, peer, _ = _pair()
+    try:
+        for n in range(20000):
+            try:
+                peer.send(local._ENTRY.pack(MAPPED if n % 2 else UNMAPPED, n % 50 + 1, 0, 0, 0, 0, 0))
+            except BlockingIOError:
+                share.catch_up()
+        share.catch_up()
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert not share.closed and not share.peer_mapped and not share.peer_refused
+        assert _answers(peer) == [] and "could not map our cache" not in caplog.text
+    finally:
+        share.close()
+        peer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_never_reads_our_answers_loses_its_share_at_the_bound():
+    """A peer sends ADD, DEL, ADD, DEL ... and never reads: each ADD is answered, the answers wait (at most
+    ``MAX_UNSENT``), then the share drops."""
+    share, peer, lost = _pair()
+    fd = memfd(4096, SEALED)
+    most = 0
+    try:
+        for _ in range(40000):
+            if share.closed:
+                break
+            for body, fds in ((record(1, 1, 4096, 1, 4096, 4096, [0]), [fd]),
+                              (local._ENTRY.pack(DEL, 1, 0, 0, 0, 0, 0), [])):
+                for _ in range(1000):
+                    try:
+                        socket.send_fds(peer, [body], fds) if fds else peer.send(body)
+                        break
+                    except BlockingIOError:
+                        share.catch_up()
+                        await asyncio.sleep(0)
+                    except OSError:
+                        break
+            most = max(most, len(share._answers))
+        assert share.closed and lost and most <= local.MAX_UNSENT
+    finally:
+        share.close()
+        peer.close()
+        os.close(fd)
