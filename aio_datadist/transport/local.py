@@ -434,7 +434,8 @@ class LocalShare:
         if self._answered is None or self._answered.done():
             self._answered = self._loop.create_future()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._answered), ANSWERS_WAIT_S)
+            async with asyncio.timeout(ANSWERS_WAIT_S):  # (not wait_for: row 281)
+                await asyncio.shield(self._answered)
 
     def _send(self, record: bytes, holder: Any = None, added: tuple[int, int] | None = None) -> bool:
         """Send ``record`` (with ``holder.fd``) now, or after the records the socket did not take yet, once it
