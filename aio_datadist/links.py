@@ -392,7 +392,9 @@ class Link(LinkControl, LinkChannels):
         off = None
         if self.runtime.devices is not None:
             off = "the link shares no memory (no same-host share)" if self.local is None else self.local.ipc_off
-        return self.counters.snapshot(self.remote_role, self.link_id, self.transport, off)
+        share = self.local
+        unmapped = (0, 0) if share is None else (len(share.peer_refused), len(share.refused))
+        return self.counters.snapshot(self.remote_role, self.link_id, self.transport, off, unmapped)
 
     async def settle_served(self, *, pushes_only: bool = False, forced: bool = False) -> None:
         """Before the peer hears that the link ends (our ``UNLINK``, or our answer to its own): serve no new

@@ -120,6 +120,11 @@ class LinkStats:
         (set once a transfer of a device cache on the link did): the device caches are not CUDA memory
         (the host backend, NPU), the agent's NIXL backend lists no VRAM memory type, or registering the
         cache as VRAM failed. None while no device cache was staged on the link.
+    :ivar unmapped_ours: on a same-host link, our caches the peer could not map (it answered ``UNMAPPED``: its
+        process's budget of peers' mappings was spent, or, for device caches, one of ``device_ipc_off``'s
+        reasons), still allocated: they move over TCP (or the staging plane).
+    :ivar unmapped_theirs: on a same-host link, the peer's host caches this process could not map (its budget of
+        peers' mappings spent), not withdrawn: they move over TCP.
     """
 
     remote_cluster_id: int
@@ -133,6 +138,8 @@ class LinkStats:
     kinds: Mapping[str, TransferStats]
     device_ipc_off: str | None = None
     nixl_vram_off: str | None = None
+    unmapped_ours: int = 0
+    unmapped_theirs: int = 0
 
     @property
     def transports(self) -> dict[str, str]:
@@ -268,13 +275,14 @@ class LinkCounters:
         self.end(kind, transport, 0, time.perf_counter(), Outcome.FAILED, status, began=False)
 
     def snapshot(self, remote_role: LLMRole, link_id: int, transport: str,
-                 device_ipc_off: str | None = None) -> LinkStats:
+                 device_ipc_off: str | None = None, unmapped: tuple[int, int] = (0, 0)) -> LinkStats:
         kinds = {kind: t.frozen() for kind, t in self._kinds.items()}
         bytes_in = sum(s.bytes for kind, s in kinds.items() if kind in _INBOUND)
         bytes_out = sum(s.bytes for kind, s in kinds.items() if kind not in _INBOUND)
         rtt = None if self.rtt_s is None else self.rtt_s * 1000
         return LinkStats(self.remote_cluster_id, remote_role, link_id, transport, time.monotonic() - self.started,
-                         rtt, bytes_in, bytes_out, MappingProxyType(kinds), device_ipc_off, self.nixl_vram_off)
+                         rtt, bytes_in, bytes_out, MappingProxyType(kinds), device_ipc_off, self.nixl_vram_off,
+                         *unmapped)
 
 
 def _observer_failed(what: str) -> None:

@@ -386,6 +386,8 @@ async def test_an_owner_whose_caches_the_peer_cannot_map_keeps_its_share(monkeyp
         assert peer.refused == {cache.cache_id for cache in caches[3:]} and set(peer.regions) >= {
             cache.cache_id for cache in caches[:3]}
         assert not share.closed and not peer.closed and usable_link(pair.decoder, PROMPT).transport == "local"
+        ours, theirs = pair.prompt.stats().links[DECODER], pair.decoder.stats().links[PROMPT]
+        assert (ours.unmapped_ours, theirs.unmapped_theirs) == (3, 3), (ours, theirs)  # the operator sees them
         assert "dropping the share" not in caplog.text, caplog.text
         assert "cannot map its cache" in caplog.text and "could not map our cache" in caplog.text
         kv.deallocate_cache(caches[4])  # withdrawn: the peer forgets its refusal (it counted against MAX_REGIONS)
