@@ -278,7 +278,7 @@ class VmmDriver:
             if problem is not None:
                 raise IpcUnavailable(problem)
             take_peer_mapping(nbytes)  # OSError past the budget, before the driver reserves anything
-            undo: list[Callable[[], Any]] = [lambda: give_back_peer_mapping(nbytes)]
+            undo: list[Callable[[], Any]] = [lambda: give_back_peer_mapping(nbytes, room=False)]
             try:
                 handle = _u64()
                 self._call("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd),

@@ -37,7 +37,8 @@ from aio_datadist.devices.unmapping import Unmapper
 
 __all__ = ["HostRegion", "PAGE_SIZE", "ReadOnlyMapping", "SEALS_REQUIRED", "check_sealed", "file_of", "map_read_only",
            "round_up", "map_writable", "seal_names", "sealed_memfd", "tensor_at", "unmap", "unmap_read_only",
-           "drop_read_only", "unmapped_in_background", "take_peer_mapping", "give_back_peer_mapping"]
+           "drop_read_only", "unmapped_in_background", "take_peer_mapping", "give_back_peer_mapping",
+           "when_room", "peer_room"]
 
 PAGE_SIZE = mmap.PAGESIZE
 #: What an allocation leaves of the memory it may populate (``devices/headroom.py``), beside its page tables.
@@ -73,6 +74,7 @@ MAX_PEER_MAPPINGS = _max_map_count() // 4
 _peer_mapped = 0
 _peer_mappings = 0
 _peer_mapped_lock = threading.RLock()  # a region's __del__ may run on any thread, even inside map_read_only
+_room_hooks: list[Callable[[], None]] = []  # when_room
 #: What a receiver demands of a shared memfd: its size can no longer change.
 SEALS_REQUIRED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _SEALS = SEALS_REQUIRED | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
@@ -390,12 +392,27 @@ def take_peer_mapping(size: int) -> None:
         _peer_mappings += 1
 
 
-def give_back_peer_mapping(size: int) -> None:
-    """Give back what :func:`take_peer_mapping` took for a mapping of ``size`` bytes."""
+def give_back_peer_mapping(size: int, *, room: bool = True) -> None:
+    """Give back what :func:`take_peer_mapping` took for a mapping of ``size`` bytes, and tell the hooks of
+    :func:`when_room` (``room``: a mapping that was made is gone, not one that failed)."""
     global _peer_mapped, _peer_mappings
     with _peer_mapped_lock:
         _peer_mapped -= size
         _peer_mappings -= 1
+    if room:
+        for hook in _room_hooks:
+            hook()
+
+
+def when_room(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` each time a peer's mapping gives its budget back (on whichever thread unmapped it: the
+    hook must be quick and thread-safe, and must not raise)."""
+    _room_hooks.append(hook)
+
+
+def peer_room() -> tuple[int, int]:
+    """How many more peers' mappings, and of how many bytes in all, this process may make now."""
+    return max(0, MAX_PEER_MAPPINGS - _peer_mappings), max(0, MAX_PEER_MAPPED_BYTES - _peer_mapped)
 
 
 def map_read_only(fd: int, size: int) -> int:
@@ -408,7 +425,7 @@ def map_read_only(fd: int, size: int) -> int:
         addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr in (None, _MAP_FAILED):
             err = ctypes.get_errno()
-            give_back_peer_mapping(size)
+            give_back_peer_mapping(size, room=False)
             raise OSError(err, f"cannot map a peer region: {os.strerror(err)}")
         return int(addr)
 

@@ -16,7 +16,9 @@ this process may map no more of its peers' regions (``devices.host``'s
 budget, shared by all its peers, spent). An owner serves a cache in place
 only once the peer answered ``MAPPED`` for it; one refused is served over
 the data channels and the share stays (before, such a region dropped the
-whole share of an honest owner).
+whole share of an honest owner). Once the budget has room again, the
+receiver says how much (``ROOM``, at most once per ``ROOM_EVERY_S``) and the
+owner offers that many of its refused caches again.
 
 Every copy reads the peer's memory and writes our own: a pull is the
 requester copying from the owner's region into its cache, a push is the
@@ -51,13 +53,16 @@ import mmap
 import os
 import socket
 import struct
+import threading
+import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core
 from aio_datadist.devices.host import SEALS_REQUIRED as SEALS_REQUIRED  # what share tests check fds against
-from aio_datadist.devices.host import check_sealed, drop_read_only, file_of, map_read_only
+from aio_datadist.devices.host import check_sealed, drop_read_only, file_of, map_read_only, peer_room, when_room
 from aio_datadist.devices.ipc import IDENTITY_BYTES, ExportInvalid, IpcUnavailable
 from aio_datadist.devices.peer_cache import PeerDeviceCache
 from aio_datadist.fd_budget import ACCEPT_GONE, ACCEPT_RETRY_S, close_listening
@@ -78,7 +83,7 @@ log = logging.getLogger("aio_datadist.local")
 # The share connection's authentication: server nonce, then the client's nonce and proof, then the server's proof.
 _MAGIC = b"AIDS"
 SHARE_VERSION = 3  # 2: the read ledger (LEDGER and READ records, ADD's readable trailer); 3: ADD answered
-# (MAPPED or UNMAPPED), only what the peer mapped is served in place
+# (MAPPED or UNMAPPED), only what the peer mapped is served in place, ROOM
 _CHALLENGE = struct.Struct("!4sB32s")
 _CLAIM = struct.Struct("!4s32s32s")
 _ACCEPT = struct.Struct("!4s32s")
@@ -91,7 +96,7 @@ SHARE_AUTH_S = 2.0
 # READ (pulls that read the cache without asking) puts their count in the tensors field, their bytes in the region
 # field and their microseconds in rows; LEDGER carries the ledger's fd and size.
 _ENTRY = struct.Struct("!BqQIQQQ")
-_ADD, _DEL, _READY, _ADD_DEVICE, _MAPPED, _LEDGER, _READ, _UNMAPPED = 1, 2, 3, 4, 5, 6, 7, 8
+_ADD, _DEL, _READY, _ADD_DEVICE, _MAPPED, _LEDGER, _READ, _UNMAPPED, _ROOM = 1, 2, 3, 4, 5, 6, 7, 8, 9
 # After an ADD record's offsets: the cache's ledger slot (NO_SLOT: ask for it), its blocks key's model id, its
 # data type and the digest of its block shape (transport/ledger.py).
 _READABLE = struct.Struct("!IQBQ")
@@ -129,10 +134,38 @@ WALK_PER_TURN = 256 << 20
 #: share socket the owner has not emptied yet: the owner serves in place only what it heard was mapped, and reads
 #: the socket every turn of its loop, so they leave at once unless that loop is held.
 ANSWERS_WAIT_S = 1.0
+#: The most often a share says it has room again for the peer's caches it refused (``ROOM``), and an owner
+#: acts on one: each offer again costs the receiver a walk of the region's pages.
+ROOM_EVERY_S = 1.0
 #: The most records a synchronous read of the queue (catch_up, region, ...) acts on: more than an honest peer's
 #: full share socket holds (278 small records with the default buffers), so only a peer that keeps flooding meets
 #: it, and it can no longer hold the caller for as long as it keeps sending.
 SYNC_RECORDS_MAX = 512
+
+
+# The shares that refused regions of their peer for the budget of peers' mappings: told when the budget has room
+# again (``devices.host.when_room``, on whichever thread unmapped a peer's region).
+_refusing: weakref.WeakSet[LocalShare] = weakref.WeakSet()
+_refusing_lock = threading.Lock()
+
+
+def _room_again() -> None:
+    with _refusing_lock:
+        waiting = list(_refusing)
+        _refusing.clear()
+    for share in waiting:
+        with contextlib.suppress(RuntimeError):  # its loop is closed: nothing to tell
+            share._loop.call_soon_threadsafe(share._say_room)
+
+
+def _after_fork_in_child() -> None:
+    global _refusing_lock
+    _refusing_lock = threading.Lock()
+    _refusing.clear()  # the parent's shares and loops
+
+
+when_room(_room_again)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def boot_id() -> bytes:
@@ -198,9 +231,13 @@ def parse_record(data: bytes, nfds: int, flags: int) -> ShareRecord:
     if len(data) < _ENTRY.size:
         raise ShareError(f"record of {len(data)} bytes is shorter than {_ENTRY.size}")
     kind, cache_id, size, tensors, rows, row_bytes, tensor_bytes = _ENTRY.unpack_from(data, 0)
-    if kind in (_DEL, _READY, _MAPPED, _READ, _UNMAPPED):
+    if kind in (_DEL, _READY, _MAPPED, _READ, _UNMAPPED, _ROOM):
         if nfds or len(data) != _ENTRY.size:
-            raise ShareError("a DEL, READY, MAPPED, UNMAPPED or READ record carries nothing more")
+            raise ShareError("a DEL, READY, MAPPED, UNMAPPED, ROOM or READ record carries nothing more")
+        if kind == _ROOM:
+            if not 0 < size <= MAX_REGIONS:
+                raise ShareError(f"a ROOM record offers room for {size} caches")
+            return ShareRecord(kind, 0, size=size)
         if kind != _READ:
             return ShareRecord(kind, cache_id)
         if not 0 < tensors <= MAX_READS:
@@ -319,12 +356,14 @@ class LocalShare:
     """One link's unix socket: our shareable caches out, the peer's in.
 
     ``ledger`` is ours (:meth:`start` sends it); ``on_read(count, nbytes, seconds)`` hears of the pulls of our
-    caches the peer served itself from the ledger (its ``READ`` records), for our counters.
+    caches the peer served itself from the ledger (its ``READ`` records), for our counters; ``lookup(cache_id)``
+    gives our live cache of that id, to offer again what the peer refused once it has room (``ROOM``).
     """
 
     def __init__(self, sock: socket.socket, on_lost: Callable[[], None], devices: DeviceBackend | None = None,
                  name: str = "same-host share", ledger: Ledger | None = None,
-                 on_read: Callable[[int, int, float], None] | None = None) -> None:
+                 on_read: Callable[[int, int, float], None] | None = None,
+                 lookup: Callable[[int], KvCache | None] | None = None) -> None:
         self.sock = sock
         self.sock.setblocking(False)
         self.regions: dict[int, PeerRegion] = {}
@@ -363,9 +402,15 @@ class LocalShare:
         self._device_files: dict[tuple[int, int], int] = {}
         self.sent_device: set[int] = set()
         #: Our caches (host and device) the peer said it mapped (``MAPPED``): only these are served in place; and
-        #: those it said it could not (``UNMAPPED``), which our pushes then stream at once.
+        #: those it said it could not (``UNMAPPED``), oldest first, which our pushes then stream at once.
         self.peer_mapped: set[int] = set()
-        self.peer_refused: set[int] = set()
+        self.peer_refused: dict[int, None] = {}
+        self.lookup = lookup
+        self._room_said_at = float("-inf")  # when we last said ROOM
+        self._room_say: asyncio.TimerHandle | None = None  # our ROOM held back till then
+        self._room_acted_at = float("-inf")  # when we last acted on the peer's ROOM
+        self._room_act: asyncio.TimerHandle | None = None  # acting on it held back till then
+        self._room_asked = 0  # the peer's ROOM not acted on yet: how many caches it has room for
         #: The peer's host caches we could not map (this process's budget of peers' mappings spent: answered
         #: ``UNMAPPED``, the owner serves them over the data channels), until it withdraws them; they count
         #: against ``MAX_REGIONS`` as mapped ones do.
@@ -400,10 +445,10 @@ class LocalShare:
         """Tell the peer every cache we had has been offered."""
         self._send(_ENTRY.pack(_READY, 0, 0, 0, 0, 0, 0))
 
-    def _answer(self, kind: int, cache_id: int) -> None:
-        """Answer the peer's record of its cache ``cache_id`` (``MAPPED``, ``UNMAPPED``): now, or ahead of our
-        records the socket did not take yet, once it takes them."""
-        record = _ENTRY.pack(kind, cache_id, 0, 0, 0, 0, 0)
+    def _answer(self, kind: int, cache_id: int, size: int = 0) -> None:
+        """Answer the peer's record of its cache ``cache_id`` (``MAPPED``, ``UNMAPPED``; or say ``ROOM`` for
+        ``size`` of its caches): now, or ahead of our records the socket did not take yet, once it takes them."""
+        record = _ENTRY.pack(kind, cache_id, size, 0, 0, 0, 0)
         if self.closed:
             return
         if not self._answers:
@@ -596,7 +641,7 @@ class LocalShare:
         if cache_id in self.sent_device:
             self.sent_device.discard(cache_id)
             self.peer_mapped.discard(cache_id)
-            self.peer_refused.discard(cache_id)
+            self.peer_refused.pop(cache_id, None)
             if not self._unsent((_ADD_DEVICE, cache_id)):
                 self._send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
             return
@@ -604,7 +649,7 @@ class LocalShare:
             return
         self.sent.discard(cache_id)
         self.peer_mapped.discard(cache_id)
-        self.peer_refused.discard(cache_id)
+        self.peer_refused.pop(cache_id, None)
         if not self._unsent((_ADD, cache_id)):
             self._send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
 
@@ -771,12 +816,16 @@ class LocalShare:
         if record.kind == _UNMAPPED:
             if record.cache_id not in self.sent and record.cache_id not in self.sent_device:
                 return  # else ignored: it names no cache of ours the peer holds
-            self.peer_refused.add(record.cache_id)
+            self.peer_refused[record.cache_id] = None
             if not self._said_unmapped:
                 self._said_unmapped = True
                 log.info("%s: the peer could not map our cache %d (its process maps no more of its peers' "
                          "regions, or not this device's): caches it refuses are served over the data channels",
                          self.name, record.cache_id)
+            return
+        if record.kind == _ROOM:
+            self._room_asked = max(self._room_asked, record.size)
+            self._offer_again()
             return
         if record.kind == _READ:
             # Counted whatever the cache's fate since (the reader may free it right after the pull): a peer that
@@ -831,6 +880,7 @@ class LocalShare:
             self._say_refused(f"its cache {record.cache_id}", exc)  # no fault of the peer's: the share stays
             self.refused.add(record.cache_id)
             self._answer(_UNMAPPED, record.cache_id)
+            self._wait_for_room()
             return
         finally:
             if not whole:
@@ -840,6 +890,52 @@ class LocalShare:
         if region.geometry is not None:
             self.listed[region.model_id] = region
         self._answer(_MAPPED, record.cache_id)
+
+    def _wait_for_room(self) -> None:
+        """Be told (``_say_room``) once a peer's mapping gives the budget back."""
+        if self._room_say is not None:
+            return  # told by its timer
+        with _refusing_lock:
+            _refusing.add(self)
+
+    def _say_room(self) -> None:
+        # A loop callback (from _room_again or a timer): nothing may escape it. Tells the peer how many of the caches
+        # we refused we could map now, at most once per ROOM_EVERY_S.
+        self._room_say = None
+        if self.closed or not self.refused:
+            return
+        wait = self._room_said_at + ROOM_EVERY_S - time.monotonic()
+        if wait > 0:
+            self._room_say = self._loop.call_later(wait, self._say_room)
+            return
+        mappings, nbytes = peer_room()
+        if not mappings or not nbytes:
+            self._wait_for_room()
+            return
+        self._room_said_at = time.monotonic()
+        self._answer(_ROOM, 0, min(mappings, len(self.refused)))
+        self._wait_for_room()  # what it offers again may be refused again, or room may come for more
+
+    def _offer_again(self) -> None:
+        """Act on the peer's ``ROOM``: withdraw and offer again that many of the caches it refused, oldest first,
+        at most once per ``ROOM_EVERY_S``."""
+        if self._room_act is not None and self._room_act.when() > self._loop.time():
+            return  # acted on once its time comes
+        self._room_act = None
+        if self.closed or not self._room_asked:
+            return
+        wait = self._room_acted_at + ROOM_EVERY_S - time.monotonic()
+        if wait > 0:
+            self._room_act = self._loop.call_later(wait, self._offer_again)
+            return
+        count, self._room_asked = self._room_asked, 0
+        self._room_acted_at = time.monotonic()
+        for cache_id in [c for c in self.peer_refused if c in self.sent][:count]:
+            cache = None if self.lookup is None else self.lookup(cache_id)
+            if cache is None:
+                continue
+            self.withdraw(cache_id)
+            self.offer(cache)
 
     def _say_refused(self, what: str, exc: OSError) -> None:
         """Log, once per share, that this process cannot map ``what`` of the peer's now (``exc``, ``ENOMEM``:
@@ -945,6 +1041,10 @@ class LocalShare:
         self.refused.clear()
         self.peer_mapped.clear()
         self.peer_refused.clear()
+        for timer in (self._room_say, self._room_act):
+            if timer is not None:
+                timer.cancel()
+        self._room_say = self._room_act = None
 
 
 #: What the listener asks of its owner: the ``(link token, attach)`` pairs of links that may attach a

@@ -399,7 +399,7 @@ def generated(rng: random.Random) -> tuple[bytes, int, int]:
     size = rng.choice([0, mmap.PAGESIZE, 4 * mmap.PAGESIZE, tensor_bytes, tensor_bytes * 2, 2**41, 2**64 - 1]) % 2**64
     offsets = [rng.choice([0, mmap.PAGESIZE, size, 2**64 - 1, rng.randrange(0, max(size, 1))]) % 2**64
                for _ in range(min(tensors, 8))]
-    kind = rng.choice([1, 1, 1, 2, 3, 0, 9, 6, 7])
+    kind = rng.choice([1, 1, 1, 2, 3, 0, 9, 10, 6, 7])  # 9: ROOM; 0 and 10: no kind
     if kind == 6:  # LEDGER: its own size, or another
         size = rng.choice([LEDGER_BYTES, LEDGER_BYTES, mmap.PAGESIZE, 2**64 - 1])
     data = record(kind, rng.choice([1, 0, -1, 2**62]), size, rows % 2**64, row_bytes % 2**64, tensor_bytes % 2**64,

@@ -17,16 +17,16 @@ import torch
 from _share_attacker import SEALED, memfd, record
 from peers import fill, linked_pair
 
-from aio_datadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, Placement
+from aio_datadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMDataDist, LLMRole, Placement
 from aio_datadist.devices import host
-from aio_datadist.testing import runtime_of, usable_link
+from aio_datadist.testing import loopback_options, runtime_of, usable_link
 from aio_datadist.transport import local
 from aio_datadist.transport.local import LocalShare
 
 PROMPT, DECODER = 1, 2
 SMALL = CacheDesc(1, (1, 4096), DataType.DT_UINT8, Placement.HOST)
 LOCAL = {"transport": "local"}
-MAPPED, UNMAPPED, DEL = 5, 8, 2
+ADD, DEL, MAPPED, UNMAPPED = 1, 2, 5, 8
 
 
 def require_local(dd) -> None:
@@ -227,3 +227,70 @@ async def test_a_peer_that_never_reads_our_answers_loses_its_share_at_the_bound(
         share.close()
         peer.close()
         os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_a_refused_cache_is_offered_again_once_the_budget_has_room(monkeypatch):
+    """The peer refused a cache of ours while its process's budget of peers' mappings was spent; once one of its
+    mappings is gone (here: another of our caches, freed), it says how much room it has (``ROOM``) and we offer
+    the refused cache again: it is mapped and read in place from then on. Before, a refused cache moved over TCP
+    for its whole life (found by the review of the change)."""
+    async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        share = usable_link(pair.prompt, DECODER).local
+        first = pair.pm.allocate_cache(SMALL)
+        async with asyncio.timeout(5):
+            while not share.shared(first):
+                await asyncio.sleep(0.005)
+        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", host._peer_mappings)  # spent
+        cache = pair.pm.allocate_cache(SMALL, [CacheKey(PROMPT, 1)])
+        values = fill(cache, 2)
+        async with asyncio.timeout(5):
+            while cache.cache_id not in share.peer_refused:
+                await asyncio.sleep(0.005)
+        assert pair.prompt.stats().links[DECODER].unmapped_ours == 1
+        pair.pm.deallocate_cache(first)  # the peer unmaps it: room for one
+        async with asyncio.timeout(5):
+            while not share.shared(cache):
+                await asyncio.sleep(0.005)
+        assert pair.prompt.stats().links[DECODER].unmapped_ours == 0
+        require_local(pair.decoder)
+        dst = pair.dm.allocate_cache(SMALL)
+        await pair.dm.pull_cache(CacheKey(PROMPT, 1), dst, 0)
+        assert torch.equal(dst.tensors[0], values[0])
+
+
+@pytest.mark.asyncio
+async def test_a_peers_room_records_are_acted_on_at_most_once_a_second(monkeypatch):
+    """A peer that refused our cache and then floods ``ROOM`` records gets it offered again once per
+    ``ROOM_EVERY_S``, not once per record; a ``ROOM`` of more caches than a share holds drops the share."""
+    monkeypatch.setattr(local, "ROOM_EVERY_S", 0.5)
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT) as dd:
+        await dd.init(loopback_options())
+        cache = dd.kv_cache_manager.allocate_cache(SMALL)
+        ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        share = LocalShare(ours, lambda: None, None, "test link",
+                           lookup=lambda cid: cache if cid == cache.cache_id else None)
+        peer.setblocking(False)
+        room = local._ENTRY.pack(local._ROOM, 0, 1, 0, 0, 0, 0)
+        try:
+            share.offer(cache)
+            assert _answers(peer) == [ADD]
+            peer.send(local._ENTRY.pack(UNMAPPED, cache.cache_id, 0, 0, 0, 0, 0))
+            for _ in range(1000):
+                peer.send(room)
+                share.catch_up()
+            await asyncio.sleep(0.2)
+            assert _answers(peer) == [DEL, ADD]  # withdrawn and offered again, once
+            peer.send(local._ENTRY.pack(UNMAPPED, cache.cache_id, 0, 0, 0, 0, 0))
+            peer.send(room)
+            share.catch_up()
+            assert _answers(peer) == []  # not yet: the last was under 0.5 s ago
+            await asyncio.sleep(0.6)
+            assert _answers(peer) == [DEL, ADD]
+            peer.send(local._ENTRY.pack(local._ROOM, 0, local.MAX_REGIONS + 1, 0, 0, 0, 0))
+            share.catch_up()
+            assert share.closed
+        finally:
+            share.close()
+            peer.close()
+            dd.kv_cache_manager.deallocate_cache(cache)

@@ -41,8 +41,11 @@ ATTACKER = os.path.join(os.path.dirname(__file__), "_share_attacker.py")
 
 def check_accepted(rec: local.ShareRecord, nfds: int, flags: int) -> None:
     assert flags == 0
-    if rec.kind in (local._DEL, local._READY, local._READ):
+    if rec.kind in (local._DEL, local._READY, local._READ, local._MAPPED, local._UNMAPPED):
         assert nfds == 0
+        return
+    if rec.kind == local._ROOM:
+        assert nfds == 0 and 0 < rec.size <= local.MAX_REGIONS
         return
     if rec.kind == local._LEDGER:
         assert nfds == 1 and rec.size == ledger.LEDGER_BYTES
