@@ -146,7 +146,9 @@ SYNC_RECORDS_MAX = 512
 # The shares that refused regions of their peer for the budget of peers' mappings: told when the budget has room
 # again (``devices.host.when_room``, on whichever thread unmapped a peer's region).
 _refusing: weakref.WeakSet[LocalShare] = weakref.WeakSet()
-_refusing_lock = threading.Lock()
+# Reentrant: the hook may run inside a region's ``__del__`` (a small one is unmapped in place) on a thread that holds
+# it already, a collection during ``_refusing.add``.
+_refusing_lock = threading.RLock()
 
 
 def _room_again() -> None:
@@ -160,7 +162,7 @@ def _room_again() -> None:
 
 def _after_fork_in_child() -> None:
     global _refusing_lock
-    _refusing_lock = threading.Lock()
+    _refusing_lock = threading.RLock()
     _refusing.clear()  # the parent's shares and loops
 
 
