@@ -295,7 +295,7 @@ async def _run_request(rt: Runtime, link: Link, plan: Plan, req: Request, timeou
         async with asyncio.timeout((timeout_ms + (queue_ms or 0)) / 1000) as limit:
             planes = planes_for(link)
             for candidate in planes:
-                await candidate.prepare(link, plan)
+                await candidate.prepare(rt, link, plan, pull=pull, deadline=limit.when() or 0.0)
             offered = next((p for p in planes if p.in_place and p.can_carry(link, plan, pull=pull)), None)
             _required_plane(rt, link, offered, what)
             req.channel = await link.acquire()

@@ -12,6 +12,7 @@ The CUDA calls themselves are tested against the stand-in libcuda
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import logging
 import os
@@ -674,3 +675,22 @@ async def test_a_same_host_pull_of_a_mapped_device_cache_into_a_host_cache_takes
             await pair.dm.pull_blocks(BlocksCacheKey(PROMPT_ID, 0), dst, [5, 0], [1, 4], timeout=5000)
             assert all(eq(d[1], v[5]) and eq(d[4], v[0]) for d, v in zip(dst.tensors, values, strict=True))
         assert not usable_link(pair.prompt, DECODER_ID).local.closed
+
+
+async def test_a_device_cache_allocated_and_pulled_at_once_is_read_in_place():
+    """The requester (``aio.RequireTransport=local``) answers the owner's new device cache ``MAPPED`` before it
+    asks; the owner reads that answer queued on its share socket before it serves (as for host caches). Before,
+    it did not: the pull took the staging plane and failed ``LLM_FEATURE_NOT_ENABLED`` (8 of 10; found by
+    review)."""
+    desc = CacheDesc(1, (1, 4096), DataType.DT_UINT8, Placement.DEVICE)
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        dst = pair.dm.allocate_cache(desc)
+        await asyncio.sleep(0.05)
+        rt = runtime_of(pair.decoder)
+        rt.settings = dataclasses.replace(rt.settings, require_transport="local")
+        for i in range(10):
+            src = pair.pm.allocate_cache(desc, [CacheKey(PROMPT_ID, i)])
+            values = fill(src, i)
+            await pair.dm.pull_cache(CacheKey(PROMPT_ID, i), dst, 0)
+            assert eq(dst.tensors[0], values[0]), i
+            pair.pm.deallocate_cache(src)

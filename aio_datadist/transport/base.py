@@ -457,8 +457,10 @@ class Plane(abc.ABC):
 
     # -- the requester's half --
 
-    async def prepare(self, link: LinkPort, plan: Plan) -> None:  # noqa: B027 - most planes need nothing
-        """Get ready to offer ``plan`` (a cache allocated a moment ago may still be registering)."""
+    async def prepare(self, rt: Runtime, link: LinkPort, plan: Plan, *, pull: bool,  # noqa: B027 - most need nothing
+                      deadline: float) -> None:
+        """Get ready to offer ``plan`` (a cache allocated a moment ago may still be registering); the transfer
+        must be over by ``deadline`` (the loop's clock)."""
 
     def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
         """Whether this plane may be offered for ``plan`` on ``link``."""

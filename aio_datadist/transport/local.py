@@ -474,14 +474,16 @@ class LocalShare:
         """Whether answers of ours wait for the socket to take them."""
         return bool(self._answers)
 
-    async def answers_left(self) -> None:
-        """Wait (at most ``ANSWERS_WAIT_S``) until the socket took our answers to the peer's records."""
-        if not self._answers or self.closed:
+    async def answers_left(self, limit_s: float = ANSWERS_WAIT_S) -> None:
+        """Wait (at most ``limit_s``, and ``ANSWERS_WAIT_S``) until the socket took our answers to the peer's
+        records."""
+        limit_s = min(limit_s, ANSWERS_WAIT_S)
+        if not self._answers or self.closed or limit_s <= 0:
             return
         if self._answered is None or self._answered.done():
             self._answered = self._loop.create_future()
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(ANSWERS_WAIT_S):  # (not wait_for: row 281)
+            async with asyncio.timeout(limit_s):  # (not wait_for: row 281)
                 await asyncio.shield(self._answered)
 
     def _send(self, record: bytes, holder: Any = None, added: tuple[int, int] | None = None) -> bool:
@@ -623,8 +625,15 @@ class LocalShare:
             log.info("%s: device caches take the staging plane, not device IPC: %s", self.name, why)
 
     def device_shared(self, cache: KvCache) -> bool:
-        """Whether the peer mapped our device cache ``cache`` (it answered ``MAPPED``)."""
-        return cache.cache_id in self.peer_mapped and not self.closed
+        """Whether the peer mapped our device cache ``cache`` (it answered ``MAPPED``; its answers queued here are
+        read first, as for ``shared``)."""
+        cache_id = cache.cache_id
+        if cache_id in self.sent_device and cache_id not in self.peer_mapped and not self.closed:
+            if (_ADD_DEVICE, cache_id) in self._queued:
+                self._flush()
+            if (_ADD_DEVICE, cache_id) not in self._queued:
+                self.catch_up()
+        return cache_id in self.peer_mapped and not self.closed
 
     def device_region(self, cache_id: int) -> PeerDeviceCache | None:
         """The peer's device cache ``cache_id`` as we mapped it (records already queued are read first)."""

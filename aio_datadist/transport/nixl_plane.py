@@ -53,7 +53,7 @@ class NixlPlane(InPlacePlane):
     transport = "nixl"
     flag = ReqFlag.NIXL
 
-    async def prepare(self, link: LinkPort, plan: Plan) -> None:
+    async def prepare(self, rt: Runtime, link: LinkPort, plan: Plan, *, pull: bool, deadline: float) -> None:
         # A cache allocated a moment ago may still be registering (not on a link that declined NIXL).
         if link.nixl is not None and link.nixl.usable():
             await link.nixl.agent.registered(plan.local)

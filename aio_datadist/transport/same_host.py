@@ -82,16 +82,21 @@ class SameHostPlane(InPlacePlane):
     transport = "local"
     flag = ReqFlag.LOCAL
 
-    async def prepare(self, link: LinkPort, plan: Plan) -> None:
+    async def prepare(self, rt: Runtime, link: LinkPort, plan: Plan, *, pull: bool, deadline: float) -> None:
         """Act on the owner's share records queued here before we ask: a cache it shared a moment ago is mapped
         and answered (``MAPPED``) ahead of our request, so the owner, which serves in place only what we mapped,
         reads our answer first. An answer the share socket did not take yet (the owner has not read our own
-        records: a batch of caches we just allocated) is waited for, at most ``local.ANSWERS_WAIT_S``."""
+        records: a batch of caches we just allocated) is waited for only by a pull that must take this plane
+        (``aio.RequireTransport=local``), at most ``local.ANSWERS_WAIT_S`` and half the time it has left: any
+        other pull asks at once (the owner serves it over TCP if it has not heard our answer)."""
         share = link.local
-        if share is not None:
-            share.catch_up()
-            if share.answering:
-                await share.answers_left()
+        if share is None:
+            return
+        share.catch_up()
+        if (share.answering and pull and self.can_carry(link, plan, pull=True)
+                and not meets("tcp", rt.settings.require_transport)):
+            left = deadline - asyncio.get_running_loop().time()
+            await share.answers_left(left / 2)
 
     def can_carry(self, link: LinkPort, plan: Plan, *, pull: bool) -> bool:
         return pull and link.local is not None and not plan.by_address and not plan.local.on_device

@@ -11,13 +11,24 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 
 import pytest
 import torch
 from _share_attacker import SEALED, memfd, record
 from peers import fill, linked_pair
 
-from aio_datadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMDataDist, LLMRole, Placement
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    Placement,
+)
 from aio_datadist.devices import host
 from aio_datadist.testing import loopback_options, runtime_of, usable_link
 from aio_datadist.transport import local
@@ -294,3 +305,130 @@ async def test_a_peers_room_records_are_acted_on_at_most_once_a_second(monkeypat
             share.close()
             peer.close()
             dd.kv_cache_manager.deallocate_cache(cache)
+
+
+async def _owner_stops_reading(pair) -> tuple[LocalShare, LocalShare, list, list]:
+    """The owner stops reading its share socket (a held loop would, or records of big regions its walk bound
+    reads one a turn); the requester's batch of 600 offers fills the socket, so its answer to the owner's new
+    cache (key 1) waits."""
+    owner = usable_link(pair.prompt, DECODER).local
+    requester = usable_link(pair.decoder, PROMPT).local
+    asyncio.get_running_loop().remove_reader(owner.sock.fileno())
+    batch = [pair.dm.allocate_cache(SMALL) for _ in range(600)]
+    src = pair.pm.allocate_cache(SMALL, [CacheKey(PROMPT, 1)])
+    return owner, requester, batch, fill(src, 4)
+
+
+def _reads_again(owner: LocalShare) -> None:
+    if not owner.closed:
+        asyncio.get_running_loop().add_reader(owner.sock.fileno(), owner._readable, local.RECORDS_PER_TURN, False,
+                                              local.WALK_PER_TURN)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("timeout", [300, None])  # None: sync_kv_timeout, 1000 ms
+async def test_a_pull_that_may_take_tcp_does_not_wait_for_its_answers(timeout):
+    """Only a pull that must take the same-host plane (``aio.RequireTransport=local``) waits for its answers to
+    leave; any other asks at once and the owner, not having heard them, serves it over TCP. While every pull
+    waited up to 1 s, a pull of 300 ms (or of the default 1000 ms) failed ``LLM_TIMEOUT`` before it asked
+    (found by review)."""
+    async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        dst = pair.dm.allocate_cache(SMALL)
+        await asyncio.sleep(0.05)
+        owner, requester, batch, values = await _owner_stops_reading(pair)
+        try:
+            assert requester._out
+            started = time.monotonic()
+            await pair.dm.pull_cache(CacheKey(PROMPT, 1), dst, 0, timeout=timeout)
+            took = time.monotonic() - started
+            assert torch.equal(dst.tensors[0], values[0])
+            assert took < 0.25, f"the pull took {took:.2f} s"
+        finally:
+            _reads_again(owner)
+            for cache in batch:
+                pair.dm.deallocate_cache(cache)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("end", ["cancelled", "share lost"])
+async def test_a_pull_waiting_for_its_answers_ends_with_its_call_or_its_share(end):
+    """A pull that must take the same-host plane waits for its answers; cancelled there, it leaves nothing
+    behind (the next pull is read in place at once once the owner reads again), and the share lost meanwhile
+    ends the wait at once."""
+    async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        dst = pair.dm.allocate_cache(SMALL)
+        await asyncio.sleep(0.05)
+        require_local(pair.decoder)
+        owner, requester, batch, values = await _owner_stops_reading(pair)
+        try:
+            tasks = [asyncio.ensure_future(pair.dm.pull_cache(CacheKey(PROMPT, 1), dst, 0, timeout=5000))
+                     for _ in range(2)]
+            await asyncio.sleep(0.1)
+            assert requester.answering and not any(task.done() for task in tasks)
+            started = time.monotonic()
+            if end == "cancelled":
+                for task in tasks:
+                    task.cancel()
+            else:
+                requester._lost()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert time.monotonic() - started < 0.5, "the wait went on"
+            if end == "cancelled":
+                assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+                _reads_again(owner)
+                async with asyncio.timeout(5):
+                    while requester.answering:
+                        await asyncio.sleep(0.01)
+                await pair.dm.pull_cache(CacheKey(PROMPT, 1), dst, 0)
+                assert torch.equal(dst.tensors[0], values[0])
+            else:
+                assert all(isinstance(r, LLMException) for r in results), results
+        finally:
+            _reads_again(owner)
+            for cache in batch:
+                pair.dm.deallocate_cache(cache)
+
+
+BLOCKS = CacheDesc(4, (2, 4096), DataType.DT_UINT8, Placement.HOST)
+
+
+@pytest.mark.asyncio
+async def test_a_refused_ledger_keeps_the_share_with_blocks_caches_listed(monkeypatch, caplog):
+    """The owner's blocks cache is listed in its ledger (its record names a slot); the requester's budget is
+    spent before the link: the ledger is refused, the record taken as unlisted (and refused too), the share
+    stays and a pull by blocks key goes over TCP (with the slot kept, the share dropped: review)."""
+    caplog.set_level(logging.INFO, logger="aio_datadist")
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(PROMPT, 0))
+        values = fill(src, 3)
+        dst = pair.dm.allocate_blocks_cache(BLOCKS)
+        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", host._peer_mappings)
+        await pair.link()
+        share = usable_link(pair.decoder, PROMPT).local
+        async with asyncio.timeout(5):
+            while src.cache_id not in share.refused and not share.closed:
+                await asyncio.sleep(0.01)
+        assert not share.closed and share.peer_ledger is None
+        await pair.dm.pull_blocks(BlocksCacheKey(PROMPT, 0), dst, [1], [0])
+        assert torch.equal(dst.tensors[0][0], values[0][1])
+        assert "dropping the share" not in caplog.text, caplog.text
+
+
+@pytest.mark.asyncio
+async def test_a_second_ledger_after_a_refused_one_drops_the_share(monkeypatch):
+    monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", host._peer_mappings)
+    share, peer, lost = _pair()
+    fd = memfd(local.LEDGER_BYTES, SEALED)
+    ledger_record = local._ENTRY.pack(local._LEDGER, 0, local.LEDGER_BYTES, 0, 0, 0, 0)
+    try:
+        socket.send_fds(peer, [ledger_record], [fd])
+        share.catch_up()
+        assert not share.closed and share.peer_ledger is None
+        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", host._peer_mappings + 10)  # room now
+        socket.send_fds(peer, [ledger_record], [fd])
+        share.catch_up()
+        assert share.closed and lost
+    finally:
+        share.close()
+        peer.close()
+        os.close(fd)
