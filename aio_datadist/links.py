@@ -296,7 +296,7 @@ class Link(LinkControl, LinkChannels):
             return False
         share = self.local = LocalShare(sock, lambda: self._local_lost(share), self.runtime.devices,
                                         f"link {self.link_id} to cluster {self.remote_cluster_id}", self.ledger,
-                                        functools.partial(self._read_by_peer, "local"), self.runtime.registry.by_id)
+                                        functools.partial(self._read_by_peer, "local"))
         # Without llm.EnableRemoteCacheAccessible peers may not touch our caches at all.
         share.start(self.runtime.registry.caches() if self.runtime.settings.remote_cache_accessible else ())
         return True

@@ -53,7 +53,6 @@ import mmap
 import os
 import socket
 import struct
-import threading
 import time
 import weakref
 from collections import deque
@@ -82,8 +81,8 @@ log = logging.getLogger("aio_datadist.local")
 
 # The share connection's authentication: server nonce, then the client's nonce and proof, then the server's proof.
 _MAGIC = b"AIDS"
-SHARE_VERSION = 3  # 2: the read ledger (LEDGER and READ records, ADD's readable trailer); 3: ADD answered
-# (MAPPED or UNMAPPED), only what the peer mapped is served in place, ROOM
+SHARE_VERSION = 4  # 2: the read ledger (LEDGER and READ records, ADD's readable trailer); 3: ADD answered
+# (MAPPED or UNMAPPED), only what the peer mapped is served in place; 4: ROOM
 _CHALLENGE = struct.Struct("!4sB32s")
 _CLAIM = struct.Struct("!4s32s32s")
 _ACCEPT = struct.Struct("!4s32s")
@@ -135,35 +134,42 @@ WALK_PER_TURN = 256 << 20
 #: the socket every turn of its loop, so they leave at once unless that loop is held.
 ANSWERS_WAIT_S = 1.0
 #: The most often a share says it has room again for the peer's caches it refused (``ROOM``), and an owner
-#: acts on one: each offer again costs the receiver a walk of the region's pages.
+#: acts on one: each offer again costs the receiver a check of the region (a walk of its pages, if it fits).
 ROOM_EVERY_S = 1.0
+#: The most caches an owner offers again for one ``ROOM``: a withdrawal and an offer (with its fd) each, in one
+#: turn of its loop (4095 caches of 64 tensors held it 98 ms; found by review).
+ROOM_BATCH = 256
 #: The most records a synchronous read of the queue (catch_up, region, ...) acts on: more than an honest peer's
 #: full share socket holds (278 small records with the default buffers), so only a peer that keeps flooding meets
 #: it, and it can no longer hold the caller for as long as it keeps sending.
 SYNC_RECORDS_MAX = 512
 
 
-# The shares that refused regions of their peer for the budget of peers' mappings: told when the budget has room
-# again (``devices.host.when_room``, on whichever thread unmapped a peer's region).
-_refusing: weakref.WeakSet[LocalShare] = weakref.WeakSet()
-# Reentrant: the hook may run inside a region's ``__del__`` (a small one is unmapped in place) on a thread that holds
-# it already, a collection during ``_refusing.add``.
-_refusing_lock = threading.RLock()
+# The shares that refused regions of their peer for the budget of peers' mappings, told when the budget has room
+# again (``devices.host.when_room``, on whichever thread unmapped a peer's region; even inside a region's ``__del__``
+# on a thread that was adding to it): no lock, each step one atomic dict operation.
+_refusing: dict[int, weakref.ref[LocalShare]] = {}
+_refusing_pid = os.getpid()  # whose shares they are: a forked child's hook (before its own fork hook ran) skips them
 
 
 def _room_again() -> None:
-    with _refusing_lock:
-        waiting = list(_refusing)
-        _refusing.clear()
-    for share in waiting:
-        with contextlib.suppress(RuntimeError):  # its loop is closed: nothing to tell
-            share._loop.call_soon_threadsafe(share._say_room)
+    if os.getpid() != _refusing_pid:
+        return
+    while True:
+        try:
+            _, ref = _refusing.popitem()
+        except KeyError:
+            return
+        share = ref()
+        if share is not None:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing to tell
+                share._loop.call_soon_threadsafe(share._say_room)
 
 
 def _after_fork_in_child() -> None:
-    global _refusing_lock
-    _refusing_lock = threading.RLock()
+    global _refusing_pid
     _refusing.clear()  # the parent's shares and loops
+    _refusing_pid = os.getpid()
 
 
 when_room(_room_again)
@@ -358,20 +364,18 @@ class LocalShare:
     """One link's unix socket: our shareable caches out, the peer's in.
 
     ``ledger`` is ours (:meth:`start` sends it); ``on_read(count, nbytes, seconds)`` hears of the pulls of our
-    caches the peer served itself from the ledger (its ``READ`` records), for our counters; ``lookup(cache_id)``
-    gives our live cache of that id, to offer again what the peer refused once it has room (``ROOM``).
+    caches the peer served itself from the ledger (its ``READ`` records), for our counters.
     """
 
     def __init__(self, sock: socket.socket, on_lost: Callable[[], None], devices: DeviceBackend | None = None,
                  name: str = "same-host share", ledger: Ledger | None = None,
-                 on_read: Callable[[int, int, float], None] | None = None,
-                 lookup: Callable[[int], KvCache | None] | None = None) -> None:
+                 on_read: Callable[[int, int, float], None] | None = None) -> None:
         self.sock = sock
         self.sock.setblocking(False)
         self.regions: dict[int, PeerRegion] = {}
         self._files: dict[tuple[int, int], int] = {}  # the files of ``regions``, each with how many map it
         self._walked = 0  # bytes the checks of this turn's records walked
-        self.sent: set[int] = set()
+        self.sent: dict[int, KvCache] = {}  # our host caches offered (and not withdrawn), by id
         self.on_lost = on_lost
         self.ledger = ledger
         self.on_read = on_read
@@ -407,7 +411,6 @@ class LocalShare:
         #: those it said it could not (``UNMAPPED``), oldest first, which our pushes then stream at once.
         self.peer_mapped: set[int] = set()
         self.peer_refused: dict[int, None] = {}
-        self.lookup = lookup
         self._room_said_at = float("-inf")  # when we last said ROOM
         self._room_say: asyncio.TimerHandle | None = None  # our ROOM held back till then
         self._room_acted_at = float("-inf")  # when we last acted on the peer's ROOM
@@ -586,7 +589,7 @@ class LocalShare:
                             lay.tensor_bytes) + struct.pack(f"!{len(offsets)}Q", *offsets)
                 + _READABLE.pack(slot, model_id, geo.data_type, geo.block_shape))
         if self._send(body, region, (_ADD, cache.cache_id)):
-            self.sent.add(cache.cache_id)
+            self.sent[cache.cache_id] = cache
 
     def _full(self) -> bool:
         """Whether the peer holds as many of our caches as it takes (``MAX_REGIONS``, counted as it counts them:
@@ -658,7 +661,7 @@ class LocalShare:
             return
         if cache_id not in self.sent:
             return
-        self.sent.discard(cache_id)
+        del self.sent[cache_id]
         self.peer_mapped.discard(cache_id)
         self.peer_refused.pop(cache_id, None)
         if not self._unsent((_ADD, cache_id)):
@@ -883,15 +886,16 @@ class LocalShare:
                 raise ShareError(f"cache {record.cache_id} names a ledger slot before the peer sent its ledger")
             record = dataclasses.replace(record, slot=NO_SLOT)  # a ledger we could not map: asked for
         assert file is not None
+        mappings, nbytes = peer_room()
+        if not mappings or nbytes < record.size:  # refused before its pages are walked (an offer again costs nothing)
+            self._refuse(record.cache_id, OSError(errno.ENOMEM, "this process's budget of peers' mappings is spent"))
+            return
         try:
             region = PeerRegion(record, fds[0], file, whole=whole)
         except OSError as exc:
             if exc.errno != errno.ENOMEM:
                 raise
-            self._say_refused(f"its cache {record.cache_id}", exc)  # no fault of the peer's: the share stays
-            self.refused.add(record.cache_id)
-            self._answer(_UNMAPPED, record.cache_id)
-            self._wait_for_room()
+            self._refuse(record.cache_id, exc)  # no fault of the peer's: the share stays
             return
         finally:
             if not whole:
@@ -902,22 +906,33 @@ class LocalShare:
             self.listed[region.model_id] = region
         self._answer(_MAPPED, record.cache_id)
 
+    def _refuse(self, cache_id: int, exc: OSError) -> None:
+        """The peer's host cache ``cache_id`` cannot be mapped now (``ENOMEM``): answer ``UNMAPPED``, count it
+        against ``MAX_REGIONS`` until withdrawn, and say ``ROOM`` once there is room."""
+        self._say_refused(f"its cache {cache_id}", exc)
+        self.refused.add(cache_id)
+        self._answer(_UNMAPPED, cache_id)
+        self._wait_for_room()
+
     def _wait_for_room(self) -> None:
         """Be told (``_say_room``) once a peer's mapping gives the budget back."""
-        if self._room_say is not None:
-            return  # told by its timer
-        with _refusing_lock:
-            _refusing.add(self)
+        if self._room_say is None:  # else told by its timer
+            _refusing[id(self)] = weakref.ref(self)
+
+    def _room_timer(self, name: str, then: Callable[[], None]) -> None:
+        setattr(self, name, None)  # (a timer's own ``when`` may read later than the loop's clock as it fires)
+        then()
 
     def _say_room(self) -> None:
         # A loop callback (from _room_again or a timer): nothing may escape it. Tells the peer how many of the caches
         # we refused we could map now, at most once per ROOM_EVERY_S.
-        self._room_say = None
+        if self._room_say is not None:
+            return  # said once its timer fires
         if self.closed or not self.refused:
             return
         wait = self._room_said_at + ROOM_EVERY_S - time.monotonic()
         if wait > 0:
-            self._room_say = self._loop.call_later(wait, self._say_room)
+            self._room_say = self._loop.call_later(wait, self._room_timer, "_room_say", self._say_room)
             return
         mappings, nbytes = peer_room()
         if not mappings or not nbytes:
@@ -930,22 +945,18 @@ class LocalShare:
     def _offer_again(self) -> None:
         """Act on the peer's ``ROOM``: withdraw and offer again that many of the caches it refused, oldest first,
         at most once per ``ROOM_EVERY_S``."""
-        if self._room_act is not None and self._room_act.when() > self._loop.time():
-            return  # acted on once its time comes
-        self._room_act = None
+        if self._room_act is not None:
+            return  # acted on once its timer fires
         if self.closed or not self._room_asked:
             return
         wait = self._room_acted_at + ROOM_EVERY_S - time.monotonic()
         if wait > 0:
-            self._room_act = self._loop.call_later(wait, self._offer_again)
+            self._room_act = self._loop.call_later(wait, self._room_timer, "_room_act", self._offer_again)
             return
-        count, self._room_asked = self._room_asked, 0
+        count, self._room_asked = min(self._room_asked, ROOM_BATCH), 0
         self._room_acted_at = time.monotonic()
-        for cache_id in [c for c in self.peer_refused if c in self.sent][:count]:
-            cache = None if self.lookup is None else self.lookup(cache_id)
-            if cache is None:
-                continue
-            self.withdraw(cache_id)
+        for cache in [self.sent[c] for c in self.peer_refused if c in self.sent][:count]:
+            self.withdraw(cache.cache_id)
             self.offer(cache)
 
     def _say_refused(self, what: str, exc: OSError) -> None:
@@ -1049,6 +1060,7 @@ class LocalShare:
         self._device_file.clear()
         self._device_files.clear()
         self.device_refused.clear()
+        self.sent.clear()
         self.refused.clear()
         self.peer_mapped.clear()
         self.peer_refused.clear()

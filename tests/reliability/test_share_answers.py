@@ -279,8 +279,7 @@ async def test_a_peers_room_records_are_acted_on_at_most_once_a_second(monkeypat
         await dd.init(loopback_options())
         cache = dd.kv_cache_manager.allocate_cache(SMALL)
         ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        share = LocalShare(ours, lambda: None, None, "test link",
-                           lookup=lambda cid: cache if cid == cache.cache_id else None)
+        share = LocalShare(ours, lambda: None, None, "test link")
         peer.setblocking(False)
         room = local._ENTRY.pack(local._ROOM, 0, 1, 0, 0, 0, 0)
         try:
@@ -432,3 +431,48 @@ async def test_a_second_ledger_after_a_refused_one_drops_the_share(monkeypatch):
         share.close()
         peer.close()
         os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_a_receiver_says_room_at_most_once_a_second_and_refuses_without_a_walk(monkeypatch):
+    """Past the budget a region is refused before its pages are walked (an owner's offers again cost nothing when
+    they do not fit); once room comes the receiver says ``ROOM`` for as many as it could map, at most once per
+    ``ROOM_EVERY_S`` however often mappings are given back."""
+    monkeypatch.setattr(local, "ROOM_EVERY_S", 0.5)
+    monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", host._peer_mappings)
+    share, peer, lost = _pair()
+    fd = memfd(16 * 4096, SEALED)
+    try:
+        for n in (1, 2):
+            socket.send_fds(peer, [record(1, n, 16 * 4096, 1, 4096, 4096, [0])], [fd])
+        share._readable(local.RECORDS_PER_TURN, False, local.WALK_PER_TURN)
+        assert share._walked == 0 and share.refused == {1, 2}, "a refused region was walked"
+        assert _answers(peer) == [UNMAPPED, UNMAPPED]
+        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", host._peer_mappings + 1)  # room for one
+        for _ in range(5):
+            local._room_again()  # as each mapping given back does
+            await asyncio.sleep(0.01)
+        said = [data for data in _records(peer)]
+        assert [r[0] for r in said] == [local._ROOM] and local._ENTRY.unpack(said[0])[2] == 1, said
+        local._room_again()
+        await asyncio.sleep(0.2)
+        assert _records(peer) == []  # not again within the second
+        await asyncio.sleep(0.5)
+        assert [r[0] for r in _records(peer)] == [local._ROOM]  # its timer: refusals still there, room too
+        assert not share.closed and not lost
+    finally:
+        share.close()
+        peer.close()
+        os.close(fd)
+
+
+def _records(sock: socket.socket) -> list[bytes]:
+    out = []
+    while True:
+        try:
+            data = sock.recv(local.MAX_MESSAGE)
+        except OSError:
+            return out
+        if not data:
+            return out
+        out.append(data)
