@@ -14,7 +14,9 @@ and exit status 1.
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import sys
+import time
 import traceback
 
 import torch
@@ -36,6 +38,7 @@ from aio_datadist.compat import (  # was: from llm_datadist import ...
 PROMPT_CLUSTER, DECODER_CLUSTER = 0, 1
 CACHE_DESC = CacheDesc(num_tensors=4, shape=[2, 8, 16], data_type=DataType.DT_FLOAT16, placement=Placement.DEVICE)
 BLOCKS_DESC = CacheDesc(num_tensors=2, shape=[8, 16, 32], data_type=DataType.DT_FLOAT16, placement=Placement.DEVICE)
+POLL_S = 0.1  # how often the parent looks for a process that died while it waits for a message
 
 
 def expected(desc: CacheDesc, tensor: int) -> torch.Tensor:
@@ -43,7 +46,7 @@ def expected(desc: CacheDesc, tensor: int) -> torch.Tensor:
     return torch.randn(desc.shape, generator=gen).to(torch.float16)
 
 
-def run_prompt(port_out, done) -> None:
+def run_prompt(port_out) -> None:
     datadist = LLMDataDist(LLMRole.PROMPT, PROMPT_CLUSTER)
     config = LLMConfig()
     config.device_id = 0
@@ -60,7 +63,7 @@ def run_prompt(port_out, done) -> None:
     blocks_cache = kv_cache_manager.register_blocks_cache(BLOCKS_DESC, [t.data_ptr() for t in blocks],
                                                           BlocksCacheKey(PROMPT_CLUSTER, 0))
     port_out.send(datadist.listen_address[1])
-    done.wait(60)
+    port_out.poll(60)  # EOF: the parent closed its end once the decoder was done, or the parent died
     for key in keys:
         kv_cache_manager.remove_cache_key(key)  # a no-op for keys the decoder consumed
     kv_cache_manager.deallocate_cache(kv_cache)
@@ -120,30 +123,57 @@ def run_decoder(port: int, result) -> None:
                  "swap_blocks": swap_ok, "unlink": int(ret)})
 
 
+def to_blame(procs: list) -> mp.process.BaseProcess | None:
+    """The process to blame of those that exited with a nonzero code: one killed by a signal (SIGKILL, the OOM
+    killer, a crash) before one that failed on its own, likely because the first one's death reached it."""
+    failed = [p for p in procs if p.exitcode not in (None, 0)]
+    return min(failed, key=lambda p: p.exitcode > 0, default=None)
+
+
+def exited(proc: mp.process.BaseProcess) -> str:
+    code = proc.exitcode
+    how = f" ({signal.Signals(-code).name})" if code is not None and code < 0 else ""
+    return f"the {proc.name} process exited with code {code}{how}"
+
+
+def receive(conn, what: str, sender: mp.process.BaseProcess, procs: list, limit_s: float):
+    """The next message from ``sender``. Fails as soon as a process dies (the message would never come, or the
+    run is broken), naming that process, rather than after ``limit_s`` naming the wait."""
+    deadline = time.monotonic() + limit_s
+    while not conn.poll(POLL_S):
+        if (dead := to_blame(procs)) is not None:
+            raise RuntimeError(f"{exited(dead)} before sending the {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} from the {sender.name} process within {limit_s:.0f} s")
+    try:
+        return conn.recv()
+    except EOFError:  # the sender ended: its end of the pipe closed with it (main keeps no copy open)
+        sender.join(1)  # for its exit code
+        raise RuntimeError(f"{exited(to_blame(procs) or sender)} before sending the {what}") from None
+
+
 def main(limit_s: float = 120.0) -> dict:
     ctx = mp.get_context("spawn")
     port_in, port_out = ctx.Pipe()
     result_in, result_out = ctx.Pipe()
-    done = ctx.Event()
-    prompt = ctx.Process(target=run_prompt, args=(port_out, done))
+    # no mp.Event for "the decoder is done": a prompt killed inside Event.wait() hangs Event.set() for ever
+    prompt = ctx.Process(target=run_prompt, args=(port_out,), name="prompt")
     procs = [prompt]
     try:
         prompt.start()
-        if not port_in.poll(limit_s):
-            raise TimeoutError("prompt did not start")
-        decoder = ctx.Process(target=run_decoder, args=(port_in.recv(), result_out))
+        port_out.close()  # the prompt's copy alone: its death is an EOF here, not a wait of limit_s
+        port = receive(port_in, "port it listens on", prompt, procs, limit_s)
+        decoder = ctx.Process(target=run_decoder, args=(port, result_out), name="decoder")
         procs.append(decoder)
         decoder.start()
-        if not result_in.poll(limit_s):
-            raise TimeoutError("decoder did not finish")
-        result = result_in.recv()
-        done.set()
+        result_out.close()
+        result = receive(result_in, "result", decoder, procs, limit_s)
+        port_in.close()  # the decoder is done: the prompt frees its caches and ends
         for proc in procs:
             proc.join(30)
         result["exitcodes"] = [p.exitcode for p in procs]
         return result
     finally:
-        done.set()
         for proc in procs:
             if proc.pid is None:
                 continue
@@ -169,7 +199,18 @@ def checks(outcome: dict) -> list[tuple[bool, str]]:
     ]
 
 
+def exit_on_sigterm() -> None:
+    """`kill PID` (SIGTERM) raises SystemExit here, so that main()'s finally stops the processes it spawned; by
+    default SIGTERM ends this process at once and the prompt serves on for up to a minute."""
+    def terminated(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the reaping short
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
 if __name__ == "__main__":
+    exit_on_sigterm()
     try:
         results = checks(main())
     except Exception as exc:

@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import random
+import signal
 import sys
 import time
 import traceback
@@ -61,6 +62,7 @@ BLOCK_BYTES = BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2  # one block of one tensor,
 PULL_TIMEOUT_MS = 5_000
 ARRIVAL_GAP_S = 0.01  # between two requests reaching the prefill
 RUN_LIMIT_S = 120.0
+POLL_S = 0.1  # how often the parent looks for a process that died while it waits for a result
 MIB = 2**20
 
 
@@ -315,12 +317,37 @@ def _report(report: Any, main: Any) -> None:
         raise
 
 
-def _result(conn: Any, who: str, deadline: float) -> dict:
-    if not conn.poll(max(0.0, deadline - time.monotonic())):
-        raise TimeoutError(f"no result from the {who} process within {RUN_LIMIT_S:.0f} s")
-    status, value = conn.recv()
+def _to_blame(procs: list[Any]) -> Any:
+    """The process to blame of those that exited with a nonzero code: one killed by a signal (SIGKILL, the OOM
+    killer, a crash) before one that failed on its own, likely because the first one's death reached it."""
+    failed = [p for p in procs if p.exitcode not in (None, 0)]
+    return min(failed, key=lambda p: p.exitcode > 0, default=None)
+
+
+def _exited(proc: Any) -> str:
+    code = proc.exitcode
+    how = f" ({signal.Signals(-code).name})" if code is not None and code < 0 else ""
+    return f"the {proc.name} process exited with code {code}{how} without a result"
+
+
+def _result(conn: Any, proc: Any, procs: list[Any], deadline: float) -> dict:
+    """``proc``'s result. Fails as soon as a process dies (killed, out of memory, a crash), naming it, rather than
+    at ``deadline`` naming the wait."""
+    while not conn.poll(POLL_S):
+        if (dead := _to_blame(procs)) is not None:
+            raise RuntimeError(_exited(dead))
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no result from the {proc.name} process within {RUN_LIMIT_S:.0f} s")
+    try:
+        status, value = conn.recv()
+    except EOFError:  # it ended without one: its end of the pipe closed with it (main keeps no copy open)
+        proc.join(1)  # for its exit code
+        raise RuntimeError(_exited(_to_blame(procs) or proc)) from None
     if status != "ok":
-        raise RuntimeError(f"the {who} process failed:\n{value}")
+        killed = _to_blame([p for p in procs if p is not proc and p.exitcode is not None and p.exitcode < 0])
+        if killed is not None:  # its death is why this one failed (the side channel closed under it)
+            raise RuntimeError(_exited(killed))
+        raise RuntimeError(f"the {proc.name} process failed:\n{value}")
     return value
 
 
@@ -358,15 +385,17 @@ def main(argv: list[str] | None = None) -> int:
                          args=(side_prefill, prefill_report_child, requests, args.abort_timeout)),
              ctx.Process(target=run_decode, name="decode", daemon=True,
                          args=(side_decode, decode_report_child, len(requests), abandon))]
+    prefill, decode = procs
     start = time.perf_counter()
     for proc in procs:
         proc.start()
-    prefill_report_child.close()
-    decode_report_child.close()
+    # the children's copies alone: one's death is an EOF to the other and to this process, not a wait for ever
+    for end in (side_prefill, side_decode, prefill_report_child, decode_report_child):
+        end.close()
     try:
         deadline = time.monotonic() + RUN_LIMIT_S
-        decoded = _result(decode_report, "decode", deadline)
-        prefilled = _result(prefill_report, "prefill", deadline)
+        decoded = _result(decode_report, decode, procs, deadline)
+        prefilled = _result(prefill_report, prefill, procs, deadline)
         for proc in procs:
             proc.join(30)
         read = sorted(r for r, ok in decoded["pulled"].items() if ok)
@@ -388,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{prefilled['free']}/{prefilled['size']} blocks free ({time.perf_counter() - start:.1f} s)", flush=True)
         return 0
     except Exception as exc:
-        print(f"FAILED: vllm_style_pull: {exc}", flush=True)
+        print(f"FAILED: vllm_style_pull: {str(exc) or type(exc).__name__}", flush=True)  # EOFError() says nothing
         return 1
     finally:
         for proc in procs:
