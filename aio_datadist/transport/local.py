@@ -152,9 +152,14 @@ _refusing: dict[int, weakref.ref[LocalShare]] = {}
 _refusing_pid = os.getpid()  # whose shares they are: a forked child's hook (before its own fork hook ran) skips them
 
 
+_room_given = 0  # how many times _room_again ran: a share that registers after reading the budget checks it
+
+
 def _room_again() -> None:
+    global _room_given
     if os.getpid() != _refusing_pid:
         return
+    _room_given += 1
     while True:
         try:
             _, ref = _refusing.popitem()
@@ -886,16 +891,19 @@ class LocalShare:
                 raise ShareError(f"cache {record.cache_id} names a ledger slot before the peer sent its ledger")
             record = dataclasses.replace(record, slot=NO_SLOT)  # a ledger we could not map: asked for
         assert file is not None
+        seen = _room_given
         mappings, nbytes = peer_room()
         if not mappings or nbytes < record.size:  # refused before its pages are walked (an offer again costs nothing)
-            self._refuse(record.cache_id, OSError(errno.ENOMEM, "this process's budget of peers' mappings is spent"))
+            check_fd(fds[0], record.size, whole=True)  # a bad fd still drops the share (no walk: cheap)
+            self._refuse(record.cache_id, OSError(errno.ENOMEM, "this process's budget of peers' mappings is spent"),
+                         seen)
             return
         try:
             region = PeerRegion(record, fds[0], file, whole=whole)
         except OSError as exc:
             if exc.errno != errno.ENOMEM:
                 raise
-            self._refuse(record.cache_id, exc)  # no fault of the peer's: the share stays
+            self._refuse(record.cache_id, exc, seen)  # no fault of the peer's: the share stays
             return
         finally:
             if not whole:
@@ -906,18 +914,21 @@ class LocalShare:
             self.listed[region.model_id] = region
         self._answer(_MAPPED, record.cache_id)
 
-    def _refuse(self, cache_id: int, exc: OSError) -> None:
+    def _refuse(self, cache_id: int, exc: OSError, seen: int) -> None:
         """The peer's host cache ``cache_id`` cannot be mapped now (``ENOMEM``): answer ``UNMAPPED``, count it
         against ``MAX_REGIONS`` until withdrawn, and say ``ROOM`` once there is room."""
         self._say_refused(f"its cache {cache_id}", exc)
         self.refused.add(cache_id)
         self._answer(_UNMAPPED, cache_id)
-        self._wait_for_room()
+        self._wait_for_room(seen)
 
-    def _wait_for_room(self) -> None:
-        """Be told (``_say_room``) once a peer's mapping gives the budget back."""
+    def _wait_for_room(self, seen: int) -> None:
+        """Be told (``_say_room``) once a peer's mapping gives the budget back (``seen``: ``_room_given`` before
+        the budget was read; room given back since was told to shares registered then, not to us)."""
         if self._room_say is None:  # else told by its timer
             _refusing[id(self)] = weakref.ref(self)
+            if _room_given != seen:
+                self._loop.call_soon(self._say_room)
 
     def _room_timer(self, name: str, then: Callable[[], None]) -> None:
         setattr(self, name, None)  # (a timer's own ``when`` may read later than the loop's clock as it fires)
@@ -934,13 +945,14 @@ class LocalShare:
         if wait > 0:
             self._room_say = self._loop.call_later(wait, self._room_timer, "_room_say", self._say_room)
             return
+        seen = _room_given
         mappings, nbytes = peer_room()
         if not mappings or not nbytes:
-            self._wait_for_room()
+            self._wait_for_room(seen)
             return
         self._room_said_at = time.monotonic()
         self._answer(_ROOM, 0, min(mappings, len(self.refused)))
-        self._wait_for_room()  # what it offers again may be refused again, or room may come for more
+        self._wait_for_room(seen)  # what it offers again may be refused again, or room may come for more
 
     def _offer_again(self) -> None:
         """Act on the peer's ``ROOM``: withdraw and offer again that many of the caches it refused, oldest first,
@@ -953,11 +965,15 @@ class LocalShare:
         if wait > 0:
             self._room_act = self._loop.call_later(wait, self._room_timer, "_room_act", self._offer_again)
             return
-        count, self._room_asked = min(self._room_asked, ROOM_BATCH), 0
+        refused = [self.sent[c] for c in self.peer_refused if c in self.sent]
+        count = min(self._room_asked, ROOM_BATCH, len(refused))
+        self._room_asked = min(self._room_asked, len(refused)) - count  # the rest next time
         self._room_acted_at = time.monotonic()
-        for cache in [self.sent[c] for c in self.peer_refused if c in self.sent][:count]:
+        for cache in refused[:count]:
             self.withdraw(cache.cache_id)
             self.offer(cache)
+        if self._room_asked and not self.closed:
+            self._room_act = self._loop.call_later(ROOM_EVERY_S, self._room_timer, "_room_act", self._offer_again)
 
     def _say_refused(self, what: str, exc: OSError) -> None:
         """Log, once per share, that this process cannot map ``what`` of the peer's now (``exc``, ``ENOMEM``:

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -476,3 +477,114 @@ def _records(sock: socket.socket) -> list[bytes]:
         if not data:
             return out
         out.append(data)
+
+
+@pytest.mark.asyncio
+async def test_every_refused_cache_is_offered_again_when_room_is_there_for_all(monkeypatch):
+    """A ``ROOM`` for more caches than ``ROOM_BATCH`` is acted on in batches, one per ``ROOM_EVERY_S``, until all
+    are offered again. Before, the owner offered the first 256 and forgot the rest (found by review)."""
+    monkeypatch.setattr(local, "ROOM_EVERY_S", 0.1)
+    monkeypatch.setattr(local, "ROOM_BATCH", 16)
+    async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        share = usable_link(pair.prompt, DECODER).local
+        first = pair.pm.allocate_cache(SMALL)
+        async with asyncio.timeout(5):
+            while not share.shared(first):
+                await asyncio.sleep(0.005)
+        spent = host._peer_mappings
+        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", spent)  # spent
+        caches = [pair.pm.allocate_cache(SMALL) for _ in range(40)]
+        async with asyncio.timeout(10):
+            while len(share.peer_refused) < 40:
+                await asyncio.sleep(0.01)
+        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", spent + 40)  # room for every one once `first` goes
+        pair.pm.deallocate_cache(first)  # one mapping given back: the receiver says ROOM (40)
+        async with asyncio.timeout(5):
+            while sum(share.shared(c) for c in caches) < 40:
+                await asyncio.sleep(0.02)
+
+
+@pytest.mark.asyncio
+async def test_room_given_back_while_a_share_refuses_is_not_lost(monkeypatch):
+    """A mapping given back (on another thread) between the receiver's look at the budget and its registering to
+    hear of room: it says ``ROOM`` all the same. Before, nobody was told and the share held its refusal while the
+    budget had room (found by review: 1 to 4 of 200 rounds with real 8 MiB regions)."""
+    monkeypatch.setattr(local, "ROOM_EVERY_S", 0.2)
+    spent = host._peer_mappings
+    monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", spent)
+    real = local.peer_room
+
+    def checked_then_given_back():
+        seen = real()  # the receiver reads "spent" ...
+        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", spent + 1)  # ... then a mapping is given back elsewhere
+        thread = threading.Thread(target=local._room_again)
+        thread.start()
+        thread.join()
+        monkeypatch.setattr(local, "peer_room", real)
+        return seen
+
+    monkeypatch.setattr(local, "peer_room", checked_then_given_back)
+    share, peer, _ = _pair()
+    fd = memfd(16 * 4096, SEALED)
+    try:
+        socket.send_fds(peer, [record(1, 1, 16 * 4096, 1, 4096, 4096, [0])], [fd])
+        share._readable(local.RECORDS_PER_TURN, False, local.WALK_PER_TURN)
+        assert share.refused == {1} and host.peer_room()[0] >= 1
+        await asyncio.sleep(0.5)
+        kinds = [r[0] for r in _records(peer)]
+        assert local._ROOM in kinds, f"room in the budget, a refused region, and no ROOM said: {kinds}"
+    finally:
+        share.close()
+        peer.close()
+        os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_a_bad_fd_drops_the_share_with_the_budget_spent_too(monkeypatch):
+    """Past the budget a record is refused before its pages are walked, but its fd is still checked (its kind,
+    size and seals: no walk): a pipe, an unsealed memfd or a size past the file drops the share as it does with
+    room. Before, they were answered ``UNMAPPED`` and the share kept (found by review)."""
+    monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", host._peer_mappings)
+    r, w = os.pipe()
+    unsealed, small = memfd(4096, 0), memfd(4096, SEALED)
+    try:
+        for fd, size in ((r, 4096), (unsealed, 4096), (small, 1 << 30)):
+            share, peer, lost = _pair()
+            try:
+                socket.send_fds(peer, [record(1, 1, size, 1, 4096, 4096, [0])], [fd])
+                share._readable(local.RECORDS_PER_TURN, False, None)
+                assert share.closed and lost and _answers(peer) == [], (fd, size)
+            finally:
+                share.close()
+                peer.close()
+    finally:
+        for fd in (r, w, unsealed, small):
+            os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_a_peer_of_an_older_share_protocol_is_refused_at_connect():
+    """``ROOM`` came with share protocol 4: a version-3 peer would take it for an unknown record and drop the share,
+    so a listener that says version 3 is refused when the share connects, and the link uses TCP."""
+    assert local.SHARE_VERSION == 4
+    name = b"\0aio_datadist.test." + os.urandom(8).hex().encode()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(name)
+    listener.listen(1)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    async def old_peer() -> None:
+        conn, _ = await loop.sock_accept(listener)
+        with conn:
+            await loop.sock_sendall(conn, local._CHALLENGE.pack(local._MAGIC, 3, os.urandom(32)))
+            await asyncio.sleep(0.5)
+
+    serving = asyncio.ensure_future(old_peer())
+    try:
+        with pytest.raises(ConnectionRefusedError, match="version 3"):
+            await local.connect_share(name, os.urandom(16), None)
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        listener.close()
