@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -588,3 +589,63 @@ async def test_a_peer_of_an_older_share_protocol_is_refused_at_connect():
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
         listener.close()
+
+
+@pytest.mark.asyncio
+async def test_a_refused_cache_kept_by_its_key_is_offered_again_too(monkeypatch):
+    """A refused cache deallocated but kept by its cache key is still ours to serve: it is offered again with the
+    rest when room comes (re-offering through the registry's live caches skipped it, and it took the room of
+    those behind it: review). Closing the share lets go of every cache it offered."""
+    monkeypatch.setattr(local, "ROOM_EVERY_S", 0.1)
+    async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        share = usable_link(pair.prompt, DECODER).local
+        first = pair.pm.allocate_cache(SMALL)
+        async with asyncio.timeout(5):
+            while not share.shared(first):
+                await asyncio.sleep(0.005)
+        spent = host._peer_mappings
+        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", spent)
+        kept = pair.pm.allocate_cache(SMALL, [CacheKey(PROMPT, 5)])
+        values = fill(kept, 5)
+        other = pair.pm.allocate_cache(SMALL)
+        async with asyncio.timeout(5):
+            while len(share.peer_refused) < 2:
+                await asyncio.sleep(0.01)
+        pair.pm.deallocate_cache(kept)  # its key keeps it
+        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", spent + 2)
+        pair.pm.deallocate_cache(first)  # room
+        async with asyncio.timeout(5):
+            while not (share.shared(kept) and share.shared(other)):
+                await asyncio.sleep(0.02)
+        require_local(pair.decoder)
+        dst = pair.dm.allocate_cache(SMALL)
+        await pair.dm.pull_cache(CacheKey(PROMPT, 5), dst, 0)
+        assert torch.equal(dst.tensors[0], values[0])
+        share.close()
+        assert not share.sent and not share.peer_refused
+
+
+@pytest.mark.asyncio
+async def test_the_room_hook_does_nothing_for_another_process_shares():
+    """In a forked child, the parent's shares (and loops) are not the child's: the hook that hears of room (which
+    the child's first unmaps may run before the child's own fork hook cleared them) tells none of them."""
+    share, peer, _ = _pair()
+    said: list[bool] = []
+    share._say_room = lambda: said.append(True)  # type: ignore[method-assign]
+    try:
+        local._refusing[id(share)] = weakref.ref(share)
+        real_pid = local._refusing_pid
+        local._refusing_pid = os.getpid() + 1  # as in a child before its fork hook ran
+        try:
+            local._room_again()
+        finally:
+            local._refusing_pid = real_pid
+        await asyncio.sleep(0.05)
+        assert not said and id(share) in local._refusing
+        local._room_again()  # this process's: told
+        await asyncio.sleep(0.05)
+        assert said and id(share) not in local._refusing
+    finally:
+        local._refusing.pop(id(share), None)
+        share.close()
+        peer.close()
