@@ -134,25 +134,31 @@ def _v1_calls(dd: LLMDataDist, c: Any, b: Any) -> list[tuple[str, Callable[[], A
     ]
 
 
+async def _not_refused(calls: list[tuple[str, Callable[[], Any]]]) -> list[str]:
+    """The calls that did not raise ``LLM_PARAM_INVALID`` (awaited where they return an awaitable), and how."""
+    bare = []
+    for what, call in calls:
+        try:
+            result = call()
+            if inspect.isawaitable(result):
+                await asyncio.wait_for(result, 5)
+        except LLMException as exc:
+            assert exc.status_code == LLMStatusCode.LLM_PARAM_INVALID, (what, exc)
+            str(exc)
+        except Exception as exc:  # noqa: BLE001 - what this test looks for
+            bare.append(f"{what}: {type(exc).__name__}: {str(exc)[:60]}")
+        else:
+            bare.append(f"{what}: accepted")
+    return bare
+
+
 @pytest.mark.asyncio
 async def test_calls_of_an_endpoint() -> None:
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init(loopback_options())
         kv = dd.kv_cache_manager
         c, b = kv.allocate_cache(DESC), kv.allocate_blocks_cache(DESC)
-        bare = []
-        for what, call in _v1_calls(dd, c, b):
-            try:
-                result = call()
-                if inspect.isawaitable(result):
-                    await asyncio.wait_for(result, 5)
-            except LLMException as exc:
-                assert exc.status_code == LLMStatusCode.LLM_PARAM_INVALID, (what, exc)
-                str(exc)
-            except Exception as exc:  # noqa: BLE001 - what this test looks for
-                bare.append(f"{what}: {type(exc).__name__}: {str(exc)[:60]}")
-            else:
-                bare.append(f"{what}: accepted")
+        bare = await _not_refused(_v1_calls(dd, c, b))
         kv.deallocate_cache(c)
         kv.deallocate_cache(b)
     assert not bare, bare
@@ -167,8 +173,7 @@ async def test_calls_of_a_cache_manager_endpoint() -> None:
     async with LLMDataDist(LLMRole.DECODER, 2) as dd:
         await dd.init(cfg.generate_options())
         cm = dd.cache_manager
-        bare = []
-        for what, call in [
+        bare = await _not_refused([
             ("link cluster id", lambda: dd.link("c", {H: 0, 2: 1}, "{}")),
             ("link rank id", lambda: dd.link("c", {1: 0, 2: H}, "{}")),
             ("unlink", lambda: dd.unlink(H)),
@@ -176,16 +181,5 @@ async def test_calls_of_a_cache_manager_endpoint() -> None:
             ("unregister_cache", lambda: cm.unregister_cache(H)),
             ("register_cache addrs", lambda: cm.register_cache(DESC, [H, 1])),
             ("allocate_cache desc", lambda: cm.allocate_cache(CacheDesc(1, (H,), DataType.DT_FLOAT16))),
-        ]:
-            try:
-                result = call()
-                if inspect.isawaitable(result):
-                    await asyncio.wait_for(result, 5)
-            except LLMException as exc:
-                assert exc.status_code == LLMStatusCode.LLM_PARAM_INVALID, (what, exc)
-                str(exc)
-            except Exception as exc:  # noqa: BLE001 - what this test looks for
-                bare.append(f"{what}: {type(exc).__name__}: {str(exc)[:60]}")
-            else:
-                bare.append(f"{what}: accepted")
+        ])
     assert not bare, bare

@@ -461,16 +461,8 @@ class LocalShare:
         record = _ENTRY.pack(kind, cache_id, size, 0, 0, 0, 0)
         if self.closed:
             return
-        if not self._answers:
-            try:
-                self.sock.send(record)
-                return
-            except BlockingIOError:
-                self._loop.add_writer(self.sock.fileno(), self._writable)
-            except OSError as exc:
-                log.info("same-host share lost: %s", exc)
-                self._lost()
-                return
+        if not self._answers and (self._took(record) or self.closed):
+            return
         if len(self._out) + len(self._answers) - self._withdrawn >= MAX_UNSENT:
             log.info("same-host share lost: the peer fell %d records behind", MAX_UNSENT)
             self._lost()
@@ -526,17 +518,23 @@ class LocalShare:
         else:
             socket.send_fds(self.sock, [record], [holder.fd])
 
+    def _took(self, record: bytes, holder: Any = None) -> bool:
+        """Whether the socket took ``record`` now; if not, we write again once it takes more (a full socket) or
+        the share is lost."""
+        try:
+            self._put(record, holder)
+            return True
+        except BlockingIOError:
+            self._loop.add_writer(self.sock.fileno(), self._writable)
+        except OSError as exc:
+            log.info("same-host share lost: %s", exc)
+            self._lost()
+        return False
+
     def _flush(self) -> bool:
         """Send what the socket did not take before (our answers first); whether all of it went."""
         while self._answers and not self.closed:
-            try:
-                self.sock.send(self._answers[0])
-            except BlockingIOError:
-                self._loop.add_writer(self.sock.fileno(), self._writable)
-                return False
-            except OSError as exc:
-                log.info("same-host share lost: %s", exc)
-                self._lost()
+            if not self._took(self._answers[0]):
                 return False
             self._answers.popleft()
         if self._answered is not None and not self._answered.done():
@@ -547,14 +545,7 @@ class LocalShare:
                 self._out.popleft()
                 self._withdrawn -= 1
                 continue
-            try:
-                self._put(record, holder)
-            except BlockingIOError:
-                self._loop.add_writer(self.sock.fileno(), self._writable)
-                return False
-            except OSError as exc:
-                log.info("same-host share lost: %s", exc)
-                self._lost()
+            if not self._took(record, holder):
                 return False
             self._out.popleft()
             if added is not None:

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -242,6 +243,18 @@ async def test_a_peer_that_never_reads_our_answers_loses_its_share_at_the_bound(
         os.close(fd)
 
 
+async def _one_shared_then_budget_spent(pair, share: LocalShare, monkeypatch) -> tuple[Any, int]:
+    """The owner's cache the peer mapped (freed later, it gives room back), then the peer's budget spent: the
+    cache and the mappings the budget is set to."""
+    first = pair.pm.allocate_cache(SMALL)
+    async with asyncio.timeout(5):
+        while not share.shared(first):
+            await asyncio.sleep(0.005)
+    spent = host._peer_mappings
+    monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", spent)
+    return first, spent
+
+
 @pytest.mark.asyncio
 async def test_a_refused_cache_is_offered_again_once_the_budget_has_room(monkeypatch):
     """The peer refused a cache of ours while its process's budget of peers' mappings was spent; once one of its
@@ -250,11 +263,7 @@ async def test_a_refused_cache_is_offered_again_once_the_budget_has_room(monkeyp
     for its whole life (found by the review of the change)."""
     async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
         share = usable_link(pair.prompt, DECODER).local
-        first = pair.pm.allocate_cache(SMALL)
-        async with asyncio.timeout(5):
-            while not share.shared(first):
-                await asyncio.sleep(0.005)
-        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", host._peer_mappings)  # spent
+        first, _ = await _one_shared_then_budget_spent(pair, share, monkeypatch)
         cache = pair.pm.allocate_cache(SMALL, [CacheKey(PROMPT, 1)])
         values = fill(cache, 2)
         async with asyncio.timeout(5):
@@ -488,12 +497,7 @@ async def test_every_refused_cache_is_offered_again_when_room_is_there_for_all(m
     monkeypatch.setattr(local, "ROOM_BATCH", 16)
     async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
         share = usable_link(pair.prompt, DECODER).local
-        first = pair.pm.allocate_cache(SMALL)
-        async with asyncio.timeout(5):
-            while not share.shared(first):
-                await asyncio.sleep(0.005)
-        spent = host._peer_mappings
-        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", spent)  # spent
+        first, spent = await _one_shared_then_budget_spent(pair, share, monkeypatch)
         caches = [pair.pm.allocate_cache(SMALL) for _ in range(40)]
         async with asyncio.timeout(10):
             while len(share.peer_refused) < 40:
@@ -599,12 +603,7 @@ async def test_a_refused_cache_kept_by_its_key_is_offered_again_too(monkeypatch)
     monkeypatch.setattr(local, "ROOM_EVERY_S", 0.1)
     async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
         share = usable_link(pair.prompt, DECODER).local
-        first = pair.pm.allocate_cache(SMALL)
-        async with asyncio.timeout(5):
-            while not share.shared(first):
-                await asyncio.sleep(0.005)
-        spent = host._peer_mappings
-        monkeypatch.setattr(host, "MAX_PEER_MAPPINGS", spent)
+        first, spent = await _one_shared_then_budget_spent(pair, share, monkeypatch)
         kept = pair.pm.allocate_cache(SMALL, [CacheKey(PROMPT, 5)])
         values = fill(kept, 5)
         other = pair.pm.allocate_cache(SMALL)
