@@ -138,7 +138,10 @@ class StreamPlane(Plane):
             if task is None or task.cancelling() > cancelling or not answered.done():
                 raise  # our caller cancelled us
             answer: Resp = answered.result()  # the link's failure, if that was it
-            raise LLMException(f"cluster {link.remote_cluster_id}: {answer.text}",
+            why = answer.text or (f"answered posted request {req_id} on the control connection with "
+                                  f"{'an accepting' if answer.status == 0 else 'a'} {type(answer).__name__.upper()}, "
+                                  f"not on data channel {req.channel}")
+            raise LLMException(f"cluster {link.remote_cluster_id}: {why}",
                                status_code=code_to_status(answer.status) if answer.status else
                                LLMStatusCode.LLM_LINK_FAILED) from None
         link.pending.pop(req_id, None)
