@@ -493,14 +493,9 @@ class LocalShare:
         if self.closed:
             return False
         if not self._out:
-            try:
-                self._put(record, holder)
+            if self._took(record, holder):
                 return True
-            except BlockingIOError:
-                self._loop.add_writer(self.sock.fileno(), self._writable)
-            except OSError as exc:
-                log.info("same-host share lost: %s", exc)
-                self._lost()
+            if self.closed:
                 return False
         if len(self._out) + len(self._answers) - self._withdrawn >= MAX_UNSENT:
             log.info("same-host share lost: the peer fell %d records behind", MAX_UNSENT)
