@@ -694,3 +694,22 @@ async def test_a_device_cache_allocated_and_pulled_at_once_is_read_in_place():
             await pair.dm.pull_cache(CacheKey(PROMPT_ID, i), dst, 0)
             assert eq(dst.tensors[0], values[0]), i
             pair.pm.deallocate_cache(src)
+
+
+async def test_a_device_cache_allocated_and_pushed_at_once_is_copied_by_device_ipc():
+    """A device-IPC push needs only its export's record to have left (the owner maps it when the push names it,
+    or answers that it cannot), as a host push does: with ``aio.RequireTransport=local`` on the pusher a device
+    cache allocated and pushed at once goes by device IPC. Before, the push waited for ``MAPPED`` and failed
+    ``LLM_FEATURE_NOT_ENABLED`` every time (found by a hunt)."""
+    desc = CacheDesc(1, (1, 4096), DataType.DT_UINT8, Placement.DEVICE)
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        dst = pair.dm.allocate_cache(desc)
+        await asyncio.sleep(0.05)
+        rt = runtime_of(pair.prompt)
+        rt.settings = dataclasses.replace(rt.settings, require_transport="local")
+        for i in range(10):
+            src = pair.pm.allocate_cache(desc)
+            values = fill(src, i)
+            await pair.pm.push_cache(CacheKeyByIdAndIndex(DECODER_ID, dst.cache_id, 0), src, 0)
+            assert eq(dst.tensors[0], values[0]), i
+            pair.pm.deallocate_cache(src)

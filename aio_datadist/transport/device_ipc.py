@@ -130,13 +130,14 @@ class DeviceIpcPlane(InPlacePlane):
 
     async def move_alone(self, rt: Runtime, link: LinkPort, plan: Plan, timeout_ms: int, what: str, *,
                          queue_ms: int | None = None) -> bool:
-        """A push from a device cache the owner mapped: it copies the rows out of our export itself."""
+        """A push from a device cache whose export reached the owner: it maps it (if it has not yet) and copies
+        the rows out of it itself, or answers that it cannot (we then stage)."""
         share = link.local
         # Row for row, as a pull (a source row cut into blocks, transfer_cache_async's dst_block_memory_size,
         # takes the staging plane: the owner copies one source row per destination row here).
         row_for_row = ((len(plan.remote.rows) or 1) == len(plan.local_rows)
                        and plan.remote.nbytes == plan.local_nbytes)
-        if (share is None or not plan.local.on_device or not share.device_shared(plan.local) or plan.by_address
+        if (share is None or not plan.local.on_device or not share.device_offered(plan.local) or plan.by_address
                 or plan.local_offset != 0 or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS or not row_for_row):
             return False
         deadline = asyncio.get_running_loop().time() + timeout_ms / 1000

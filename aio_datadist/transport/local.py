@@ -629,6 +629,19 @@ class LocalShare:
                 self.catch_up()
         return cache_id in self.peer_mapped and not self.closed
 
+    def device_offered(self, cache: KvCache) -> bool:
+        """Whether our record of device cache ``cache`` left and the peer did not answer ``UNMAPPED``: what a
+        device-IPC push of ours needs (as ``offered`` for host caches: the peer maps the export when the push
+        names it, or answers ``USE_STREAM``)."""
+        cache_id = cache.cache_id
+        if cache_id in self.peer_mapped:
+            return not self.closed
+        if cache_id not in self.sent_device or cache_id in self.peer_refused or self.closed:
+            return False
+        if (_ADD_DEVICE, cache_id) in self._queued:
+            self._flush()
+        return (_ADD_DEVICE, cache_id) not in self._queued and not self.closed
+
     def device_region(self, cache_id: int) -> PeerDeviceCache | None:
         """The peer's device cache ``cache_id`` as we mapped it (records already queued are read first)."""
         if cache_id not in self.device_regions:
