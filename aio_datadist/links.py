@@ -47,7 +47,7 @@ from aio_datadist.link_control import LinkControl
 from aio_datadist.stats import LinkCounters, LinkStats
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport import base as transport_base
-from aio_datadist.transport.local import LocalShare
+from aio_datadist.transport.local import MAX_LOCAL_PUSHES, LocalShare
 from aio_datadist.transport.nixl import READY as NIXL_READY
 from aio_datadist.transport.nixl import NixlPeer, link_tag
 from aio_datadist.transport.nixl_agent import NixlAgent
@@ -71,9 +71,9 @@ SERVED_SETTLE_S = 1.0
 #: threads). No data channel bounds them, so without it a peer's pushes, each planned into a job list that a
 #: large request makes large (``MAX_SERVED_PER_CHANNEL``), queued for as long as their timeouts let them. A push
 #: past it is answered "stream it" (``USE_STREAM``) before it is planned: the pusher sends it on a data channel,
-#: which ``MAX_SERVED_PER_CHANNEL`` bounds. An honest pusher has one in flight per push it runs on the link at
-#: once.
-MAX_LOCAL_PUSHES_SERVED = 64
+#: which ``MAX_SERVED_PER_CHANNEL`` bounds. An honest pusher keeps no more in flight on the link
+#: (``LocalShare.pushes``: a layer-wise transfer of 100 layers released at once met it and streamed the rest).
+MAX_LOCAL_PUSHES_SERVED = MAX_LOCAL_PUSHES
 #: The most requests of the peer's that we keep while waiting for its word that they are over (``pull_acks``:
 #: requests served in place, which end with its ``DONE`` or a NIXL push's notification, and key pulls, whose
 #: key stays claimed until its ``DONE``). A request past it is refused with ``RESP`` before it is planned.

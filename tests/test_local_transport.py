@@ -204,7 +204,8 @@ async def test_a_flood_of_same_host_pushes_is_served_a_bounded_number_at_once(mo
     planned and queued on its copy threads at once (each a job list, which a large request makes large). 300
     pushes sent at once (copies kept off the loop's thread, so that they queue) had the owner serve all 300 at
     once; now it runs at most ``MAX_LOCAL_PUSHES_SERVED`` and tells the rest to stream, which take data channels
-    (bounded per channel); every push lands its bytes."""
+    (bounded per channel); every push lands its bytes. (An honest pusher keeps no more than that in flight itself:
+    this one's bound is lifted, as a flooding peer's would be.)"""
     from aio_datadist.links import MAX_LOCAL_PUSHES_SERVED, MAX_SERVED_PER_CHANNEL
     from aio_datadist.transport import same_host
 
@@ -223,6 +224,8 @@ async def test_a_flood_of_same_host_pushes_is_served_a_bounded_number_at_once(mo
         values = fill(src, 7)
         dst = pair.dm.allocate_blocks_cache(BLOCKS, BlocksCacheKey(DECODER_ID, 0))
         await pair.link()
+        # A pusher that does not keep its own bound (local.MAX_LOCAL_PUSHES in flight a link), as a peer's flood
+        usable_link(pair.prompt, DECODER_ID).local.pushes = asyncio.Semaphore(10**6)
         link = usable_link(pair.decoder, PROMPT_ID)
         most = copying = 0
         done = asyncio.Event()

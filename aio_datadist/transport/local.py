@@ -114,6 +114,9 @@ MAX_IPC_REASONS = 8
 #: Records the share socket may hold back for a peer that reads later (our offers, withdrawals, answers); past
 #: it the peer reads nothing of what it is sent while its caches change under it: the share is dropped.
 MAX_UNSENT = 4 * MAX_REGIONS
+#: Same-host pushes (``PUSH_LOCAL``) whose copy one end runs for its peer at once; past it, it tells the pusher to
+#: stream. A pusher keeps no more in flight on a link (``LocalShare.pushes``), so an honest one never meets it.
+MAX_LOCAL_PUSHES = 64
 #: The largest region a peer may ask us to map (1 TiB).
 MAX_REGION_BYTES = 1 << 40
 #: The longest a pull that read without asking may say it took (a ``READ`` record), for our counters.
@@ -443,6 +446,8 @@ class LocalShare:
         #: and, once the link is being unlinked (``halt_copies``), what they and any later one fail with.
         self.copies: dict[object, Callable[[LLMException], None]] = {}
         self.halted: LLMException | None = None
+        #: Our pushes in flight on this link (``PUSH_LOCAL`` asked, not answered), at most ``MAX_LOCAL_PUSHES``.
+        self.pushes = asyncio.Semaphore(MAX_LOCAL_PUSHES)
 
     def start(self, caches: Iterable[KvCache]) -> None:
         """Send our ledger, then offer ``caches``."""

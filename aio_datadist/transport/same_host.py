@@ -324,9 +324,27 @@ async def push_local(link: LinkPort, plan: Plan, timeout_ms: int, what: str, *, 
     The requester cannot see when the owner's copy starts, so the two bound the whole push, here and at the
     owner (the request's time-out)."""
     link.check()
+    timeout_ms = min(timeout_ms + (queue_ms or 0), 0xFFFFFFFF)  # the request's u32
+    share = link.local
+    if share is None:
+        return False
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_ms / 1000
+    try:
+        async with asyncio.timeout(timeout_ms / 1000):
+            await share.pushes.acquire()  # the owner runs no more of ours at once (its bound: it would stream them)
+    except TimeoutError:
+        raise LLMException(f"{what} timed out after {timeout_ms} ms behind the link's other same-host pushes",
+                           status_code=LLMStatusCode.LLM_TIMEOUT) from None
+    try:
+        return await _push_local(link, plan, max(1, int((deadline - loop.time()) * 1000)), what)
+    finally:
+        share.pushes.release()
+
+
+async def _push_local(link: LinkPort, plan: Plan, timeout_ms: int, what: str) -> bool:
     req_id = link.new_req_id()
     answered = link.expect(req_id)
-    timeout_ms = min(timeout_ms + (queue_ms or 0), 0xFFFFFFFF)  # the request's u32
     fields = {name: getattr(plan.remote, name) for name in TransferReq.__dataclass_fields__}
     fields.update(channel=0, timeout_ms=timeout_ms)
     link.send_record(Msg.PUSH_LOCAL, req_id, PushLocalReq(

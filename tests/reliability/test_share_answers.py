@@ -648,3 +648,30 @@ async def test_the_room_hook_does_nothing_for_another_process_shares():
         local._refusing.pop(id(share), None)
         share.close()
         peer.close()
+
+
+class _AllLayersNow:
+    async def synchronize_layer(self, layer: int, timeout: float) -> bool:
+        return True
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("side", ["pusher", "owner"])
+async def test_a_layer_wise_push_of_many_layers_released_at_once_stays_in_place(side):
+    """100 layers released at once to one same-host peer: the pusher keeps at most ``local.MAX_LOCAL_PUSHES`` of
+    them in flight on the link, the owner's bound on the copies it runs for a peer, so every layer goes in place
+    (``aio.RequireTransport=local`` on either end). Before, the owner answered the 65th and later "stream it" and
+    the transfer failed ``LLM_FEATURE_NOT_ENABLED`` (found by a hunt)."""
+    from aio_datadist import TransferWithCacheKeyConfig
+    layers = 100
+    desc = CacheDesc(2 * layers, (1, 128 * 1024), DataType.DT_UINT8, Placement.HOST)
+    async with linked_pair(prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        dst = pair.dm.allocate_cache(desc)
+        src = pair.pm.allocate_cache(desc)
+        values = fill(src, 3)
+        await asyncio.sleep(0.1)
+        require_local(pair.prompt if side == "pusher" else pair.decoder)
+        config = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(DECODER, dst.cache_id, 0))
+        async with asyncio.timeout(30):
+            await pair.pm.transfer_cache_async(src, _AllLayersNow(), [config])
+        assert all(torch.equal(d, v) for d, v in zip(dst.tensors, values, strict=True))
