@@ -675,3 +675,36 @@ async def test_a_layer_wise_push_of_many_layers_released_at_once_stays_in_place(
         async with asyncio.timeout(30):
             await pair.pm.transfer_cache_async(src, _AllLayersNow(), [config])
         assert all(torch.equal(d, v) for d, v in zip(dst.tensors, values, strict=True))
+
+
+@pytest.mark.asyncio
+async def test_a_row_cut_into_blocks_with_a_shorter_last_piece_is_refused_before_a_byte_under_require_local():
+    """v2 ``transfer_cache_async`` of a contiguous row into a same-host peer's blocks with a
+    ``dst_block_memory_size`` that does not divide the row: the last, shorter piece starts inside the row, which a
+    same-host push does not name, so it would stream. With ``aio.RequireTransport=local`` the call is refused
+    ``LLM_FEATURE_NOT_ENABLED`` naming ``dst_block_memory_size`` before any byte moves. Before, the layer's first
+    piece landed and the second was refused (found by a hunt)."""
+    from _v2peer import v2_options
+    from peers import cluster_info, port_of
+
+    from aio_datadist import LLMException, LLMStatusCode, TransferWithCacheKeyConfig
+
+    class Ready:
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: int) -> bool:
+            return True
+
+    async with LLMDataDist(LLMRole.PROMPT, 1) as prompt, LLMDataDist(LLMRole.DECODER, 2) as decoder:
+        await prompt.init({**v2_options(listen=True, transport="local"), "aio.RequireTransport": "local"})
+        await decoder.init(v2_options(listen=False, transport="local"))
+        dst = decoder.cache_manager.allocate_blocks_cache(CacheDesc(2, (8, 96), DataType.DT_FLOAT16,
+                                                                    Placement.HOST), BlocksCacheKey(2, 0))
+        assert (await decoder.link_clusters([cluster_info(1, port_of(prompt))]))[0] == LLMStatusCode.LLM_SUCCESS
+        src = prompt.cache_manager.allocate_cache(CacheDesc(2, (1, 256), DataType.DT_FLOAT16, Placement.HOST))
+        fill(src, 3)
+        with pytest.raises(LLMException) as refused:
+            prompt.cache_manager.transfer_cache_async(src, Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))],
+                                                      None, [2, 7, 4], dst_block_memory_size=192)
+        assert refused.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+        assert "dst_block_memory_size" in str(refused.value)
+        await asyncio.sleep(0.2)
+        assert not any(t.any() for t in dst.tensors), "a byte landed"
