@@ -124,7 +124,7 @@ def _required_plane(rt: Runtime, link: Link, offered: Plane | None, what: str) -
     raise LLMException(f"{what}: aio.RequireTransport={required}, but on the link to cluster "
                        f"{link.remote_cluster_id} (transport {link.transport}) this transfer would take {taken} "
                        "(raw addresses, a cache the peer has not shared over it, a device row pulled into several "
-                       "blocks, or a link that negotiated less)",
+                       "blocks, a same-host push of more than 32768 rows, or a link that negotiated less)",
                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
 
