@@ -237,8 +237,9 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
         # Its last, shorter piece goes from an offset into the source row, which a same-host push does not name
         # (PUSH_LOCAL's rows start at their start): it would stream, refused only once the layer's first piece
         # had landed (found by a hunt).
-        raise LLMException(f"invalid argument 'dst_block_memory_size': {chunks.size} bytes does not divide the "
-                           f"{src.layout.row_bytes}-byte source row; its last, shorter piece would take tcp, and "
+        raise LLMException(f"dst_block_memory_size: {chunks.size} bytes does not divide the "
+                           f"{src.layout.row_bytes}-byte source row; its last, shorter piece would take tcp to a "
+                           "same-host peer, and "
                            "aio.RequireTransport=local refuses it", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
     layers = sorted({layer for cfg in planned for layer in cfg.src_layers})
     # A synchronizer that says how many layers it can be asked for (``num_layers``, an int: EventLayerSynchronizer)

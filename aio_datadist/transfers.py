@@ -30,6 +30,7 @@ from aio_datadist.stats import Outcome
 from aio_datadist.status import LLMException, LLMStatusCode, code_to_status
 from aio_datadist.transport import plane, planes_for
 from aio_datadist.transport.base import ABORT_ACK_S, Plane, Refused, Request, RequestState, meets, time_left
+from aio_datadist.transport.same_host import MAX_LOCAL_SRC_ROWS
 from aio_datadist.transport.staging import wait_cut_copies
 from aio_datadist.transport.stream import PLANE as STREAM_PLANE
 from aio_datadist.types import UINT64_MAX
@@ -80,11 +81,21 @@ async def _pull(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str)
 async def _push(rt: Runtime, link: Link, plan: Plan, timeout_ms: int, what: str, queue_ms: int | None) -> str:
     # One time-out for the whole push: a plane that moves it alone (a device-IPC push first waits for its
     # stream, then for the owner's copy) and the planes it falls back to share it (row 289).
-    deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+    # A plane that moved nothing may have waited, within ``queue_ms``, behind the link's other pushes (a same-host
+    # push waits for one of its slots): that wait is the queue's, not the time-out's of the plane that takes over
+    # (it counted against the time-out, and a layer that waited for a slot and was then told to stream timed out
+    # at once; found by review).
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    deadline = started + timeout_ms / 1000
+    queue_s = (queue_ms or 0) / 1000
     for candidate in planes_for(link):
-        if await candidate.move_alone(rt, link, plan, time_left(deadline, what), what, queue_ms=queue_ms):
+        left = time_left(deadline + min(loop.time() - started, queue_s), what)
+        if await candidate.move_alone(rt, link, plan, left, what, queue_ms=queue_ms):
             return candidate.transport_on(link)
-    return await _run(rt, link, plan, time_left(deadline, what), what, pull=False, queue_ms=queue_ms)
+    queued = min(loop.time() - started, queue_s)
+    rest = None if queue_ms is None else max(0, queue_ms - int(queued * 1000))
+    return await _run(rt, link, plan, time_left(deadline + queued, what), what, pull=False, queue_ms=rest)
 
 
 async def _counted(link: Link, kind: str, nbytes: int, moving: Coroutine[Any, Any, str],
@@ -124,7 +135,8 @@ def _required_plane(rt: Runtime, link: Link, offered: Plane | None, what: str) -
     raise LLMException(f"{what}: aio.RequireTransport={required}, but on the link to cluster "
                        f"{link.remote_cluster_id} (transport {link.transport}) this transfer would take {taken} "
                        "(raw addresses, a cache the peer has not shared over it, a device row pulled into several "
-                       "blocks, a same-host push of more than 32768 rows, or a link that negotiated less)",
+                       f"blocks, a same-host push of more than {MAX_LOCAL_SRC_ROWS} rows or from inside its rows, a "
+                       "device cache pushed into a host cache, or a link that negotiated less)",
                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
 

@@ -708,3 +708,27 @@ async def test_a_row_cut_into_blocks_with_a_shorter_last_piece_is_refused_before
         assert "dst_block_memory_size" in str(refused.value)
         await asyncio.sleep(0.2)
         assert not any(t.any() for t in dst.tensors), "a byte landed"
+
+
+@pytest.mark.asyncio
+async def test_a_layer_that_waited_for_a_push_slot_and_is_told_to_stream_keeps_its_time():
+    """A layer-wise push's layer waits for one of the link's same-host push slots (within its ``queue_ms``: here
+    the 64 slots are held 0.4 s, as another transfer's pushes would) and is then told to stream (a device source
+    into the peer's host cache): the stream plane gets the push's time-out, the slot wait counted as queueing.
+    Before, it counted against the time-out and the layer failed at once (``timed out``; found by review)."""
+    from aio_datadist import TransferWithCacheKeyConfig
+    cfg = {"device_type": "host", "transport": "local", "sync_kv_timeout": 300}
+    async with linked_pair(prompt_config=cfg, decoder_config=cfg) as pair:
+        dst = pair.dm.allocate_cache(CacheDesc(8, (1, 4096), DataType.DT_UINT8, Placement.HOST))
+        src = pair.pm.allocate_cache(CacheDesc(8, (1, 4096), DataType.DT_UINT8, Placement.DEVICE))
+        values = fill(src, 5)
+        await asyncio.sleep(0.1)
+        share = usable_link(pair.prompt, DECODER).local
+        for _ in range(local.MAX_LOCAL_PUSHES):
+            await share.pushes.acquire()
+        asyncio.get_running_loop().call_later(
+            0.4, lambda: [share.pushes.release() for _ in range(local.MAX_LOCAL_PUSHES)])
+        config = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(DECODER, dst.cache_id, 0))
+        async with asyncio.timeout(10):
+            await pair.pm.transfer_cache_async(src, _AllLayersNow(), [config])
+        assert all(torch.equal(d, v.cpu()) for d, v in zip(dst.tensors, values, strict=True))
