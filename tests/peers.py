@@ -55,7 +55,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
-from aio_datadist.testing import links_of
+from aio_datadist.testing import links_of, runtime_of
 from aio_datadist.transport.nixl_engine import NIXL_MODULES
 
 LOCALHOST = "127.0.0.1"
@@ -291,6 +291,13 @@ def pattern(desc: CacheDesc, seed: int) -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(seed * 10007 + index)
         out.append(torch.randint(-1000, 1000, desc.shape, generator=gen).to(dtype))
     return out
+
+
+def require_local(dd: Any) -> None:
+    """From now on ``dd`` refuses any transfer that would not take the same-host plane (``aio.RequireTransport``
+    set to ``local`` on a running endpoint)."""
+    rt = runtime_of(dd)
+    rt.settings = dataclasses.replace(rt.settings, require_transport="local")
 
 
 def fill(cache: KvCache, seed: int) -> list[torch.Tensor]:

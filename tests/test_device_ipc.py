@@ -12,7 +12,6 @@ The CUDA calls themselves are tested against the stand-in libcuda
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import fcntl
 import logging
 import os
@@ -23,7 +22,17 @@ from multiprocessing import reduction
 
 import pytest
 import torch
-from peers import DECODER_ID, PROMPT_ID, TRANSPORT, endpoint, fill, linked_pair, process_context, snapshot
+from peers import (
+    DECODER_ID,
+    PROMPT_ID,
+    TRANSPORT,
+    endpoint,
+    fill,
+    linked_pair,
+    process_context,
+    require_local,
+    snapshot,
+)
 
 from aio_datadist import (
     BlocksCacheKey,
@@ -686,8 +695,7 @@ async def test_a_device_cache_allocated_and_pulled_at_once_is_read_in_place():
     async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
         dst = pair.dm.allocate_cache(desc)
         await asyncio.sleep(0.05)
-        rt = runtime_of(pair.decoder)
-        rt.settings = dataclasses.replace(rt.settings, require_transport="local")
+        require_local(pair.decoder)
         for i in range(10):
             src = pair.pm.allocate_cache(desc, [CacheKey(PROMPT_ID, i)])
             values = fill(src, i)
@@ -705,8 +713,7 @@ async def test_a_device_cache_allocated_and_pushed_at_once_is_copied_by_device_i
     async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
         dst = pair.dm.allocate_cache(desc)
         await asyncio.sleep(0.05)
-        rt = runtime_of(pair.prompt)
-        rt.settings = dataclasses.replace(rt.settings, require_transport="local")
+        require_local(pair.prompt)
         for i in range(10):
             src = pair.pm.allocate_cache(desc)
             values = fill(src, i)

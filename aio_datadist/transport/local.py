@@ -56,7 +56,7 @@ import struct
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist import _core
@@ -626,26 +626,13 @@ class LocalShare:
     def device_shared(self, cache: KvCache) -> bool:
         """Whether the peer mapped our device cache ``cache`` (it answered ``MAPPED``; its answers queued here are
         read first, as for ``shared``)."""
-        cache_id = cache.cache_id
-        if cache_id in self.sent_device and cache_id not in self.peer_mapped and not self.closed:
-            if (_ADD_DEVICE, cache_id) in self._queued:
-                self._flush()
-            if (_ADD_DEVICE, cache_id) not in self._queued:
-                self.catch_up()
-        return cache_id in self.peer_mapped and not self.closed
+        return self._mapped(_ADD_DEVICE, cache.cache_id, self.sent_device)
 
     def device_offered(self, cache: KvCache) -> bool:
         """Whether our record of device cache ``cache`` left and the peer did not answer ``UNMAPPED``: what a
         device-IPC push of ours needs (as ``offered`` for host caches: the peer maps the export when the push
         names it, or answers ``USE_STREAM``)."""
-        cache_id = cache.cache_id
-        if cache_id in self.peer_mapped:
-            return not self.closed
-        if cache_id not in self.sent_device or cache_id in self.peer_refused or self.closed:
-            return False
-        if (_ADD_DEVICE, cache_id) in self._queued:
-            self._flush()
-        return (_ADD_DEVICE, cache_id) not in self._queued and not self.closed
+        return self._left(_ADD_DEVICE, cache.cache_id, self.sent_device)
 
     def device_region(self, cache_id: int) -> PeerDeviceCache | None:
         """The peer's device cache ``cache_id`` as we mapped it (records already queued are read first)."""
@@ -677,27 +664,33 @@ class LocalShare:
             self._send(_ENTRY.pack(_DEL, cache_id, 0, 0, 0, 0, 0))
 
     def offered(self, cache: KvCache) -> bool:
-        """Whether our record of host cache ``cache`` left (one still queued here has not reached the peer, and a
-        message naming the cache would reach it first; what the socket takes now goes first): what a same-host
-        push of ours needs, the peer maps the region when the push names it and says so if it cannot."""
-        if cache.cache_id in self.peer_refused:
-            return False
-        if (_ADD, cache.cache_id) in self._queued:
-            self._flush()
-        return cache.cache_id in self.sent and (_ADD, cache.cache_id) not in self._queued and not self.closed
+        """Whether our record of host cache ``cache`` left and the peer did not answer ``UNMAPPED``: what a
+        same-host push of ours needs, the peer maps the region when the push names it and says so if it cannot."""
+        return self._left(_ADD, cache.cache_id, self.sent)
 
     def shared(self, cache: KvCache) -> bool:
         """Whether the peer mapped our host cache ``cache`` (it answered ``MAPPED``): what serving its pull in
         place needs. The peer's answers queued here are read first: a requester answers a record before it asks
         for the cache (``SameHostPlane.prepare``). Device caches are never shared here (``device_shared``)."""
-        cache_id = cache.cache_id
-        if cache_id not in self.sent:
+        return self._mapped(_ADD, cache.cache_id, self.sent)
+
+    def _left(self, kind: int, cache_id: int, sent: Container[int]) -> bool:
+        """Whether our record (``kind``: ADD or ADD_DEVICE) of cache ``cache_id``, one of ``sent``, left and the peer
+        did not refuse it (one still queued here has not reached the peer, and a message naming the cache would
+        reach it first; what the socket takes now goes first)."""
+        if cache_id not in sent or cache_id in self.peer_refused or self.closed:
             return False
-        if cache_id not in self.peer_mapped:
-            if not self.offered(cache):
-                return False
+        if (kind, cache_id) in self._queued:
+            self._flush()
+        return (kind, cache_id) not in self._queued and not self.closed
+
+    def _mapped(self, kind: int, cache_id: int, sent: Container[int]) -> bool:
+        """Whether the peer answered ``MAPPED`` for our record of ``cache_id`` (see ``_left``), its answers queued
+        here read first."""
+        if cache_id in sent and cache_id not in self.peer_mapped and self._left(kind, cache_id, sent):
             self.catch_up()
-        return cache_id in self.peer_mapped and (_ADD, cache_id) not in self._queued and not self.closed
+        return (cache_id in sent and cache_id in self.peer_mapped and (kind, cache_id) not in self._queued
+                and not self.closed)
 
     def listed_region(self, model_id: int) -> PeerRegion | None:
         """The peer's blocks cache bound to blocks key ``model_id`` if its ledger lets us read it without
@@ -934,6 +927,17 @@ class LocalShare:
             if _room_given != seen:
                 self._loop.call_soon(self._say_room)
 
+    def _put_off(self, name: str, last_at: float, then: Callable[[], None]) -> bool:
+        """Whether ``then`` (saying ``ROOM``, or acting on the peer's) must wait: its timer (attribute ``name``) is
+        pending, or it ran under ``ROOM_EVERY_S`` ago (at ``last_at``) and the timer is set now for the rest."""
+        if getattr(self, name) is not None:
+            return True
+        wait = last_at + ROOM_EVERY_S - time.monotonic()
+        if wait <= 0:
+            return False
+        setattr(self, name, self._loop.call_later(wait, self._room_timer, name, then))
+        return True
+
     def _room_timer(self, name: str, then: Callable[[], None]) -> None:
         setattr(self, name, None)  # (a timer's own ``when`` may read later than the loop's clock as it fires)
         then()
@@ -941,13 +945,7 @@ class LocalShare:
     def _say_room(self) -> None:
         # A loop callback (from _room_again or a timer): nothing may escape it. Tells the peer how many of the caches
         # we refused we could map now, at most once per ROOM_EVERY_S.
-        if self._room_say is not None:
-            return  # said once its timer fires
-        if self.closed or not self.refused:
-            return
-        wait = self._room_said_at + ROOM_EVERY_S - time.monotonic()
-        if wait > 0:
-            self._room_say = self._loop.call_later(wait, self._room_timer, "_room_say", self._say_room)
+        if self.closed or not self.refused or self._put_off("_room_say", self._room_said_at, self._say_room):
             return
         seen = _room_given
         mappings, nbytes = peer_room()
@@ -961,13 +959,7 @@ class LocalShare:
     def _offer_again(self) -> None:
         """Act on the peer's ``ROOM``: withdraw and offer again that many of the caches it refused, oldest first,
         at most once per ``ROOM_EVERY_S``."""
-        if self._room_act is not None:
-            return  # acted on once its timer fires
-        if self.closed or not self._room_asked:
-            return
-        wait = self._room_acted_at + ROOM_EVERY_S - time.monotonic()
-        if wait > 0:
-            self._room_act = self._loop.call_later(wait, self._room_timer, "_room_act", self._offer_again)
+        if self.closed or not self._room_asked or self._put_off("_room_act", self._room_acted_at, self._offer_again):
             return
         refused = [self.sent[c] for c in self.peer_refused if c in self.sent]
         count = min(self._room_asked, ROOM_BATCH, len(refused))
@@ -976,8 +968,9 @@ class LocalShare:
         for cache in refused[:count]:
             self.withdraw(cache.cache_id)
             self.offer(cache)
-        if self._room_asked and not self.closed:
-            self._room_act = self._loop.call_later(ROOM_EVERY_S, self._room_timer, "_room_act", self._offer_again)
+        if self._room_asked and not self.closed and not self._put_off("_room_act", self._room_acted_at,
+                                                                      self._offer_again):
+            self._loop.call_soon(self._offer_again)  # the rest: a second from now, or at once if that passed
 
     def _say_refused(self, what: str, exc: OSError) -> None:
         """Log, once per share, that this process cannot map ``what`` of the peer's now (``exc``, ``ENOMEM``:

@@ -7,7 +7,6 @@ review of the change, 2026-12-07)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import socket
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from _share_attacker import SEALED, memfd, record
-from peers import fill, linked_pair
+from peers import fill, linked_pair, require_local
 
 from aio_datadist import (
     BlocksCacheKey,
@@ -33,7 +32,7 @@ from aio_datadist import (
     Placement,
 )
 from aio_datadist.devices import host
-from aio_datadist.testing import loopback_options, runtime_of, usable_link
+from aio_datadist.testing import loopback_options, usable_link
 from aio_datadist.transport import local
 from aio_datadist.transport.local import LocalShare
 
@@ -41,11 +40,6 @@ PROMPT, DECODER = 1, 2
 SMALL = CacheDesc(1, (1, 4096), DataType.DT_UINT8, Placement.HOST)
 LOCAL = {"transport": "local"}
 ADD, DEL, MAPPED, UNMAPPED = 1, 2, 5, 8
-
-
-def require_local(dd) -> None:
-    rt = runtime_of(dd)
-    rt.settings = dataclasses.replace(rt.settings, require_transport="local")
 
 
 @pytest.mark.asyncio
