@@ -155,20 +155,29 @@ class Node:
         args = (listener.getsockname()[1], model, kv_transfer, dict(env or {}))
         self.process = mp.get_context("spawn").Process(target=_node_main, name=name, daemon=False, args=args)
         self.process.start()
-        listener.settimeout(START_LIMIT_S)
-        try:
-            self.conn, _ = listener.accept()
-        finally:
-            listener.close()
+        self.conn: socket.socket | None = None
         self._buffer = b""
         self.pending: dict[str, dict[str, Any]] = {}
-        self._wait_ready()
+        try:
+            listener.settimeout(START_LIMIT_S)
+            try:
+                self.conn, _ = listener.accept()
+            except TimeoutError:
+                raise TimeoutError(f"{name} vLLM did not connect within {START_LIMIT_S:.0f} s") from None
+            finally:
+                listener.close()
+            self._wait_ready()
+        except BaseException:  # a node that failed to start is stopped here: no caller holds it to close it
+            self.close(grace_s=0.0)
+            raise
 
     def _lines(self, timeout_s: float) -> list[dict[str, Any]]:
+        assert self.conn is not None
         self.conn.settimeout(timeout_s)
         while b"\n" not in self._buffer:
             data = self.conn.recv(1 << 20)
             if not data:
+                self.process.join(10)  # its socket closes a moment before it exits: wait for the code
                 raise ConnectionError(f"{self.name} vLLM exited (exit code {self.process.exitcode})")
             self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
@@ -185,6 +194,7 @@ class Node:
                 return
 
     def send(self, **cmd: Any) -> None:
+        assert self.conn is not None
         self.conn.sendall((json.dumps(cmd) + "\n").encode())
 
     def generate(self, req_id: str, prompt: list[int], max_tokens: int,
@@ -218,13 +228,15 @@ class Node:
             parents |= set(found)
         return found
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 60.0) -> None:
+        """Ask the node to quit, wait ``grace_s`` for it, then kill it and what it started."""
         children = self.descendants()
-        try:
-            self.send(op="quit")
-        except OSError:
-            pass
-        self.process.join(60)
+        if self.conn is not None:
+            try:
+                self.send(op="quit")
+            except OSError:
+                pass
+        self.process.join(grace_s)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(10)
@@ -233,7 +245,8 @@ class Node:
                 os.kill(pid, 9)
             except OSError:
                 pass
-        self.conn.close()
+        if self.conn is not None:
+            self.conn.close()
 
 
 def connector_config(role: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -95,3 +95,42 @@ def test_a_spawned_process_killed_ends_the_example_with_a_failed_line_naming_it(
         assert last.startswith(f"FAILED: {name}: the {who} process exited with code -9"), out + err[-3000:]
     finally:
         _reap(example)
+
+
+_NODE_DRIVER = """
+import multiprocessing as mp
+import sys
+sys.path[:0] = [{fake!r}, {examples!r}]
+import vllm_disaggregated as vd
+vd.START_LIMIT_S = 3.0
+if __name__ == "__main__":
+    try:
+        vd.Node("prefill", "no-model")
+    except Exception as exc:
+        print(type(exc).__name__, exc, flush=True)
+    print("left", len(mp.active_children()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("vllm, expected", [
+    ("raise ImportError('no vllm here')", "ConnectionError prefill vLLM exited (exit code 1)"),
+    ("import time\ntime.sleep(600)", "TimeoutError prefill vLLM did not start within 3 s"),
+])
+def test_a_vllm_node_that_fails_to_start_is_stopped_and_says_why(tmp_path, vllm, expected):
+    """``examples/vllm_disaggregated.py``'s ``Node`` whose vLLM cannot start (here a stand-in ``vllm`` package that
+    fails to import, or hangs in its import): the error names the exit code, and the node's process is gone when
+    the constructor raises. Before, the code read ``None`` (read before the process was reaped), and a node that
+    never became ready was left running (no caller held it to close it): the example hung at its exit, joining
+    it."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(vllm + "\n")
+    driver = tmp_path / "driver.py"
+    driver.write_text(_NODE_DRIVER.format(fake=str(tmp_path), examples=str(EXAMPLES)))
+    run = subprocess.Popen([sys.executable, str(driver)], cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = run.communicate(timeout=40)
+        assert out.splitlines() == [expected, "left 0"], out + err[-3000:]
+        assert run.returncode == 0
+    finally:
+        _reap(run)
