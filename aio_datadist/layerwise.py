@@ -232,15 +232,6 @@ def start_transfer(rt: Runtime, links: Any, src: KvCache, synchronizer: Any, con
         raise param_invalid("dst_block_memory_size", "is for blocks destinations; the source is a contiguous cache")
     planned = [_plan_config(links, i, cfg, src, src_blocks, dst_blocks, dst_block_bytes, chunks)
                for i, cfg in enumerate(configs)]
-    if chunks is not None and chunks.rest and rt.settings.require_transport == "local" and any(
-            cfg.link is not None and cfg.link.local is not None for cfg in planned):
-        # Its last, shorter piece goes from an offset into the source row, which a same-host push does not name
-        # (PUSH_LOCAL's rows start at their start): it would stream, refused only once the layer's first piece
-        # had landed (found by a hunt).
-        raise LLMException(f"dst_block_memory_size: {chunks.size} bytes does not divide the "
-                           f"{src.layout.row_bytes}-byte source row; its last, shorter piece would take tcp to a "
-                           "same-host peer, and "
-                           "aio.RequireTransport=local refuses it", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
     layers = sorted({layer for cfg in planned for layer in cfg.src_layers})
     # A synchronizer that says how many layers it can be asked for (``num_layers``, an int: EventLayerSynchronizer)
     # and is short of the transfer's is a bad argument now, not a failure found at its first missing layer once

@@ -22,7 +22,7 @@ __all__ = ["ANSWER", "ANSWER_MAGIC", "ATTACH", "ATTACH_OK", "HEADER", "MAX_BODY"
            "encode_record", "fields_of", "parse_header", "peer_text"]
 
 MAGIC = b"AIOD"
-VERSION = 10  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
+VERSION = 11  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
 #             4: TransferReq.block_shape (blocks layouts are checked per request, not at link time),
 #                Auth.bilateral (a dial of LLMDataDist.link); 5: ReqFlag.POSTED and the ANSWER header,
 #                ReqFlag.DEVICE and the share's device records; 6: the NIXL record OFFER_VRAM;
@@ -31,6 +31,7 @@ VERSION = 10  # 2: the handshake sends nothing identifying before authentication
 #             9: Auth.instance (the layout field, zero since 4) and LinkOk.instance: which endpoint dialled
 #                (crossing link_clusters dials, link_table.LinkTable._crossing)
 #            10: a bilateral dialler's PING says it set the link up (its share, NIXL, RequireTransport)
+#            11: PushLocalReq.src_offset (a same-host push from inside its source rows)
 HEADER = struct.Struct("!4sBBHQI")
 MAX_BODY = 1 << 20
 MAX_ROWS = 65536
@@ -191,6 +192,7 @@ class PushLocalReq(TransferReq):
     src_cache_id: int = _f("q")
     src_first: int = _f("I")
     src_nbytes: int = _f("Q")
+    src_offset: int = _f("Q")  # where in each source row the bytes start
     src_rows: bytes = _f("blob")
 
 

@@ -35,6 +35,7 @@ from peers import (
     fill,
     linked_pair,
     port_of,
+    require_local,
     snapshot,
     same,
     spawned,
@@ -356,7 +357,7 @@ def _push_local_frame(req_id: int) -> bytes:
     return wire.encode(wire.Msg.PUSH_LOCAL, req_id, channel=0, target_kind=0, cluster_id=0, cache_id=0, key_req_id=0,
                        prefix_id=0, model_id=0, batch_index=0, layer_first=0, layer_last=0, tensor_num_per_layer=2,
                        tensor_count=4, data_type=0, offset=0, nbytes=8, flags=0, timeout_ms=1000, rows=(),
-                       src_cache_id=0, src_first=0, src_nbytes=8, src_rows=b"")
+                       src_cache_id=0, src_first=0, src_nbytes=8, src_offset=0, src_rows=b"")
 
 
 @pytest.mark.asyncio
@@ -617,3 +618,43 @@ async def test_a_flood_of_small_same_host_pushes_does_not_hold_the_owners_loop(m
         counting = False
         assert len(answered) == len(frames) and set(answered) == {S.LLM_SUCCESS}
         assert inline and max(inline.values()) == 1, f"{max(inline.values())} pushes of 2 MiB copied inline in one pass"
+
+
+@pytest.mark.asyncio
+async def test_a_push_names_where_in_its_source_rows_the_bytes_start_and_the_owner_bounds_it():
+    """``PUSH_LOCAL.src_offset`` (wire version 11): the owner copies ``src_nbytes`` from that offset of each of
+    the pusher's rows, and refuses (``LLM_PARAM_INVALID``, nothing copied) an offset that would take the copy past
+    the row: a linked peer lying there would have the owner copy the owner's own memory past the peer's region
+    into a cache the peer can then pull."""
+    import array
+
+    desc = CacheDesc(2, (4, 1024), DataType.DT_UINT8, Placement.HOST)  # 1 KiB rows
+    async with linked_pair(link=False, prompt_config=LOCAL, decoder_config=LOCAL) as pair:
+        src = pair.pm.allocate_blocks_cache(desc, BlocksCacheKey(PROMPT_ID, 0))
+        dst = pair.dm.allocate_blocks_cache(desc, BlocksCacheKey(DECODER_ID, 0))
+        values = fill(src, 5)
+        await pair.link()
+        pusher = usable_link(pair.prompt, DECODER_ID)
+        require_local(pair.prompt)
+        record, _ = await _recorded(pusher, wire.Msg.PUSH_LOCAL, pair.pm.push_blocks(  # honest, recorded
+            BlocksCacheKey(DECODER_ID, 0), src, [1], [0]))
+        assert record.src_offset == 0 and record.src_nbytes == 1024
+        before = [t.clone() for t in dst.tensors]
+
+        async def send(**changes: Any) -> Any:
+            rid = pusher.new_req_id()
+            answer = pusher.expect(rid)
+            pusher.writer.write(wire.encode_record(wire.Msg.PUSH_LOCAL, rid, record, **changes))
+            return await asyncio.wait_for(answer, 5)
+
+        half = dict(offset=0, nbytes=512, src_nbytes=512, rows=(2,), src_rows=array.array("Q", [3]).tobytes(),
+                    flags=record.flags & ~wire.ReqFlag.EXACT, block_shape=0)
+        for lie in (513, 1024, 2**32, 2**64 - 1):
+            answer = await send(**half, src_offset=lie)
+            assert answer.status == S.LLM_PARAM_INVALID and "does not fit" in answer.text, (lie, answer)
+        await asyncio.sleep(0.1)
+        assert all(torch.equal(t, b) for t, b in zip(dst.tensors, before, strict=True)), "a lie was copied"
+        answer = await send(**half, src_offset=512)  # the second half of row 3 into the first half of row 2
+        assert answer.status == S.LLM_SUCCESS, answer
+        for got, was, row in zip(dst.tensors, before, values, strict=True):
+            assert torch.equal(got[2, :512], row[3, 512:]) and torch.equal(got[2, 512:], was[2, 512:])

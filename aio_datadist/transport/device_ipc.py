@@ -138,7 +138,7 @@ class DeviceIpcPlane(InPlacePlane):
         row_for_row = ((len(plan.remote.rows) or 1) == len(plan.local_rows)
                        and plan.remote.nbytes == plan.local_nbytes)
         if (share is None or not plan.local.on_device or not share.device_offered(plan.local) or plan.by_address
-                or plan.local_offset != 0 or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS or not row_for_row):
+                or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS or not row_for_row):
             return False
         deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
         await fence(rt, timeout_ms, what)  # the rows are final on our device before the owner reads them
@@ -261,7 +261,7 @@ def _push_sides(link: LinkPort, req: Any, served: Served) -> tuple[Side, Side, i
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                       f"the pushed source does not fit device cache {req.src_cache_id} shared by the pusher")
     try:
-        src = peer.side(list(rows), 0, nbytes, req.src_first, count)
+        src = peer.side(list(rows), req.src_offset, nbytes, req.src_first, count)
     except ExportInvalid as exc:
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                       f"the pushed source does not fit device cache {req.src_cache_id}: {exc}") from None

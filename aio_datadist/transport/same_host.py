@@ -163,9 +163,9 @@ class SameHostPlane(InPlacePlane):
         """A same-host push: the owner copies the rows out of our shared (read-only) region itself.
 
         Returns False when the push must take the stream path instead (no
-        share, a source whose record has not left, raw addresses, a source
-        that starts inside its rows: ``PUSH_LOCAL`` names rows from their
-        start; an owner that cannot map the source answers ``USE_STREAM``).
+        share, a source whose record has not left, raw addresses, more
+        source rows than one ``PUSH_LOCAL`` names; an owner that cannot map
+        the source answers ``USE_STREAM``).
         A push that
         is given up (timeout, cancel) sends ``ABORT`` and returns once the
         owner answered that its copy stopped, at most ``ABORT_ACK_S`` later;
@@ -174,7 +174,7 @@ class SameHostPlane(InPlacePlane):
         """
         share = link.local
         if (share is None or plan.local.on_device or not share.offered(plan.local) or plan.by_address
-                or plan.local_offset != 0 or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS):
+                or len(plan.local_rows) > MAX_LOCAL_SRC_ROWS):
             return False  # device caches: the device IPC plane's move_alone
         return await push_local(link, plan, timeout_ms, what, queue_ms=queue_ms)
 
@@ -349,7 +349,7 @@ async def _push_local(link: LinkPort, plan: Plan, timeout_ms: int, what: str) ->
     fields.update(channel=0, timeout_ms=timeout_ms)
     link.send_record(Msg.PUSH_LOCAL, req_id, PushLocalReq(
         **fields, src_cache_id=plan.local.cache_id, src_first=plan.local_first, src_nbytes=plan.local_nbytes,
-        src_rows=array.array("Q", plan.local_rows).tobytes()))
+        src_offset=plan.local_offset, src_rows=array.array("Q", plan.local_rows).tobytes()))
     try:
         async with asyncio.timeout(timeout_ms / 1000):
             answer = await asyncio.shield(answered)
@@ -514,15 +514,16 @@ def _local_source(link: LinkPort, req: PushLocalReq, count: int, total: int) -> 
     if region is None:
         return None
     blob = req.src_rows
-    first, nbytes = req.src_first, req.src_nbytes
+    first, nbytes, offset = req.src_first, req.src_nbytes, req.src_offset
     if len(blob) % 8:
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, "PUSH_LOCAL source rows are malformed")
     rows = array.array("Q", blob)
     if (not rows or max(rows) >= region.rows or first + count > len(region.offsets) or not 0 < nbytes
-            or nbytes > region.row_bytes or count * len(rows) * nbytes != total):
+            or nbytes > region.row_bytes or offset > region.row_bytes - nbytes or count * len(rows) * nbytes != total):
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                       f"the pushed source does not fit cache {req.src_cache_id} shared by the pusher")
-    pairs = _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes, 0, nbytes)
+    pairs = _core.segments(region.tensor_bases(first, count), array.array("q", rows), region.row_bytes, offset,
+                           nbytes)
     return pairs, region
 
 

@@ -44,7 +44,7 @@ def answers(address, calls) -> list:
             try:
                 if push is Msg.PUSH_LOCAL:  # a same-host push: the owner would copy the rows from our region
                     got.append(raw.offer(push, dict(fields, src_cache_id=0, src_first=0, src_nbytes=fields["nbytes"],
-                                                    src_rows=b""))[1])
+                                                    src_offset=0, src_rows=b""))[1])
                     continue
                 got.append(raw.push(fields, lambda n: b"\x11" * n) if push else raw.pull(fields))
             except Refused as refusal:

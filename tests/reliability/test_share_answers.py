@@ -672,36 +672,44 @@ async def test_a_layer_wise_push_of_many_layers_released_at_once_stays_in_place(
 
 
 @pytest.mark.asyncio
-async def test_a_row_cut_into_blocks_with_a_shorter_last_piece_is_refused_before_a_byte_under_require_local():
+@pytest.mark.parametrize("strict", ["pusher", "owner"])
+async def test_a_row_cut_into_blocks_with_a_shorter_last_piece_goes_in_place(strict):
     """v2 ``transfer_cache_async`` of a contiguous row into a same-host peer's blocks with a
-    ``dst_block_memory_size`` that does not divide the row: the last, shorter piece starts inside the row, which a
-    same-host push does not name, so it would stream. With ``aio.RequireTransport=local`` the call is refused
-    ``LLM_FEATURE_NOT_ENABLED`` naming ``dst_block_memory_size`` before any byte moves. Before, the layer's first
-    piece landed and the second was refused (found by a hunt)."""
+    ``dst_block_memory_size`` that does not divide the row: the last, shorter piece starts inside the row, and
+    ``PUSH_LOCAL`` names that offset (``src_offset``, wire version 11), so every piece is copied in place; with
+    ``aio.RequireTransport=local`` on either end (which refuses a streamed piece) every byte lands where it
+    should. Before, the last piece streamed: refused at the call with the pusher strict, and with the owner
+    alone strict the first piece landed before the owner refused the second (found by a hunt)."""
     from _v2peer import v2_options
     from peers import cluster_info, port_of
 
-    from aio_datadist import LLMException, LLMStatusCode, TransferWithCacheKeyConfig
+    from aio_datadist import LLMStatusCode, TransferWithCacheKeyConfig
 
     class Ready:
         def synchronize_layer(self, layer_index: int, timeout_in_millis: int) -> bool:
             return True
 
+    def options(listen: bool, mine: bool) -> dict[str, Any]:
+        base = v2_options(listen=listen, transport="local")
+        return {**base, "aio.RequireTransport": "local"} if mine else base
+
     async with LLMDataDist(LLMRole.PROMPT, 1) as prompt, LLMDataDist(LLMRole.DECODER, 2) as decoder:
-        await prompt.init({**v2_options(listen=True, transport="local"), "aio.RequireTransport": "local"})
-        await decoder.init(v2_options(listen=False, transport="local"))
+        await prompt.init(options(True, strict == "pusher"))
+        await decoder.init(options(False, strict == "owner"))
         dst = decoder.cache_manager.allocate_blocks_cache(CacheDesc(2, (8, 96), DataType.DT_FLOAT16,
                                                                     Placement.HOST), BlocksCacheKey(2, 0))
         assert (await decoder.link_clusters([cluster_info(1, port_of(prompt))]))[0] == LLMStatusCode.LLM_SUCCESS
         src = prompt.cache_manager.allocate_cache(CacheDesc(2, (1, 256), DataType.DT_FLOAT16, Placement.HOST))
-        fill(src, 3)
-        with pytest.raises(LLMException) as refused:
-            prompt.cache_manager.transfer_cache_async(src, Ready(), [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))],
-                                                      None, [2, 7, 4], dst_block_memory_size=192)
-        assert refused.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
-        assert "dst_block_memory_size" in str(refused.value)
-        await asyncio.sleep(0.2)
-        assert not any(t.any() for t in dst.tensors), "a byte landed"
+        values = fill(src, 3)
+        await asyncio.sleep(0.05)  # the source's record reached the owner
+        task = prompt.cache_manager.transfer_cache_async(src, Ready(), [TransferWithCacheKeyConfig(
+            BlocksCacheKey(2, 0))], None, [2, 7, 4], dst_block_memory_size=192)
+        assert await task.synchronize(10000) == LLMStatusCode.LLM_SUCCESS
+        assert await task.get_results() == [LLMStatusCode.LLM_SUCCESS]
+        for got, row in zip(dst.tensors, values, strict=True):
+            assert torch.equal(got[2], row[0, :96]) and torch.equal(got[7], row[0, 96:192])
+            assert torch.equal(got[4, :64], row[0, 192:]) and not got[4, 64:].any()
+            assert not got[[0, 1, 3, 5, 6]].any()
 
 
 @pytest.mark.asyncio
