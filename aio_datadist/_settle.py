@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
-__all__ = ["Settling", "settle"]
+__all__ = ["Settling", "gather_own_cancel", "settle"]
+
+T = TypeVar("T")
 
 
 class Settling(asyncio.Future):
@@ -47,3 +50,28 @@ async def settle(future: asyncio.Future, bound_s: float | None) -> bool:
     if cancelled is not None:
         raise cancelled  # the one that came, message included: anyio knows its own cancellations by it
     return future.done()
+
+
+async def gather_own_cancel(*aws: Awaitable[T]) -> list[T]:
+    """``asyncio.gather`` of ``aws`` (run as tasks), except when the caller is cancelled: the tasks are then
+    cancelled and waited for (cancellations arriving meanwhile held back, as in :func:`settle`), and the
+    caller's own ``CancelledError`` is raised, message included.
+
+    ``gather`` raises the ``CancelledError`` one of its tasks ended with. A task that was cancelled already (its
+    own time-out cut the task it awaited) keeps its first cancellation's empty message, so anyio's cancellation
+    of the caller came out as one anyio does not know for its own: it escaped ``move_on_after``, and
+    ``fail_after`` raised ``CancelledError`` instead of ``TimeoutError``."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError as own:
+        for task in tasks:
+            task.cancel()
+        try:
+            await settle(asyncio.gather(*tasks, return_exceptions=True), None)
+        except asyncio.CancelledError:
+            pass  # the same caller cancelled again meanwhile: its first cancellation goes out
+        raise own from None
+    return [task.result() for task in tasks]

@@ -35,7 +35,7 @@ import os
 from collections.abc import Callable
 
 from aio_datadist._checks import UINT32_MAX, check_uint, param_invalid
-from aio_datadist._settle import settle
+from aio_datadist._settle import gather_own_cancel, settle
 from aio_datadist.link_table import LinkTable
 from aio_datadist.links import Link
 from aio_datadist.option_checks import DEFAULT_LINK_TOTAL_TIME_S
@@ -207,7 +207,7 @@ class CommTable:
         made = [cluster for cluster, attempt in comm.attempts.items()
                 if attempt in running and isinstance(link := _outcome(attempt), Link)
                 and self.links.links.get(cluster) is link and not link.closed]
-        await asyncio.gather(*(self.links.disconnect(cluster, UNLINK_TIMEOUT_MS, force=False) for cluster in made))
+        await gather_own_cancel(*(self.links.disconnect(cluster, UNLINK_TIMEOUT_MS, force=False) for cluster in made))
 
     def _taken(self, peers: dict[int, int]) -> int | None:
         """A cluster of ``peers`` that has a link already, or is in another comm that did not fail."""
@@ -300,7 +300,7 @@ class CommTable:
             await comm.stopping
         made = [cluster for cluster, link in comm.made().items()
                 if self.links.links.get(cluster) is link and not link.closed]
-        statuses = await asyncio.gather(*(self.links.disconnect(cluster, UNLINK_TIMEOUT_MS, force=False)
+        statuses = await gather_own_cancel(*(self.links.disconnect(cluster, UNLINK_TIMEOUT_MS, force=False)
                                           for cluster in made))
         for cluster, status in zip(made, statuses, strict=True):
             if status != LLMStatusCode.LLM_SUCCESS:  # the peer let go first (it unlinked too): fine

@@ -23,6 +23,7 @@ from aio_datadist._checks import (
     param_invalid,
     param_type_error,
 )
+from aio_datadist._settle import gather_own_cancel
 from aio_datadist.bilateral import CommTable
 from aio_datadist.cache_manager import CacheManager
 from aio_datadist.endpoint import Endpoint, forks
@@ -342,7 +343,7 @@ class LLMDataDist:
         _refuse_twins(clusters, "linked")
         if len(clusters) > MAX_CLUSTERS_PER_CALL:
             return _too_many(clusters)
-        results = await asyncio.gather(*(links.connect(c, timeout) for c in clusters))
+        results = await gather_own_cancel(*(links.connect(c, timeout) for c in clusters))
         return _overall(results), list(results)
 
     async def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000,
@@ -371,7 +372,7 @@ class LLMDataDist:
         _refuse_twins(clusters, "unlinked")
         if len(clusters) > MAX_CLUSTERS_PER_CALL:
             return _too_many(clusters)
-        results = await asyncio.gather(*(links.disconnect(_cluster_id(c), timeout, force)
+        results = await gather_own_cancel(*(links.disconnect(_cluster_id(c), timeout, force)
                                          for c in clusters))
         return _overall(results), list(results)
 

@@ -13,6 +13,7 @@ native objects after every test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import socket
@@ -513,6 +514,40 @@ async def test_fail_after_around_a_link_to_a_silent_listener():
         assert_idle(dd)
 
 
+@pytest.mark.parametrize("clusters", [1, 2])
+async def test_a_scope_whose_deadline_just_follows_the_calls_own_time_out_keeps_its_cancel(clusters):
+    """``link_clusters(timeout=10)`` to silent listeners inside an anyio scope whose deadline falls 0.1-1 ms after
+    the call's own time-out: the call's time-out cuts its handshake task, and the scope's cancellation, coming a
+    moment later, folds into that one. Whatever ends first, the scope's cancellation must stay the scope's:
+    ``move_on_after`` absorbs it and ``fail_after`` raises ``TimeoutError``. Before, the call ran each cluster in
+    a ``gather`` child and raised the ``CancelledError`` the child ended with (no message, so not anyio's): it
+    escaped ``move_on_after`` and came out of ``fail_after`` (20 of 20 tries at some gaps; found by a hunt,
+    2026-12-07)."""
+    escaped: list[str] = []
+    async with endpoint(LLMRole.DECODER, DECODER_ID) as dd:
+        with contextlib.ExitStack() as stack:
+            silent = [stack.enter_context(socket.socket()) for _ in range(clusters)]
+            for sock in silent:
+                sock.bind((LOCALHOST, 0))
+                sock.listen(64)  # the kernel accepts; nobody answers HELLO
+            peers = [cluster_info(5 + i, sock.getsockname()) for i, sock in enumerate(silent)]
+            for gap_us in range(100, 1001, 100):
+                for scope in ("move_on_after", "fail_after"):
+                    for _ in range(4):
+                        try:
+                            if scope == "move_on_after":
+                                with anyio.move_on_after(0.010 + gap_us / 1e6):
+                                    await dd.link_clusters(peers, timeout=10)
+                            else:
+                                with contextlib.suppress(TimeoutError), anyio.fail_after(0.010 + gap_us / 1e6):
+                                    await dd.link_clusters(peers, timeout=10)
+                        except asyncio.CancelledError as exc:
+                            escaped.append(f"{scope} {gap_us} us: CancelledError{exc.args!r}")
+                        assert asyncio.current_task().cancelling() == 0
+        assert_idle(dd)
+    assert not escaped, escaped
+
+
 @pytest.mark.parametrize("how", HOW)
 async def test_check_link_status_cut_by_a_cancel_scope(how):
     async with linked_pair() as pair:
@@ -744,3 +779,50 @@ async def test_async_with_inside_a_scope_that_is_cancelled():
     if left_behind:
         await asyncio.wait(left_behind, timeout=BOUND_S)  # let them end before the leak check
     assert not left_behind, f"finalize returned before its links were closed: {left_behind}"
+
+
+async def test_gather_own_cancel_raises_the_callers_cancellation_and_waits_for_its_tasks():
+    """``_settle.gather_own_cancel`` (used where a call runs one task per cluster: ``link_clusters``,
+    ``unlink_clusters``, a comm's ``link`` and ``unlink``): a task that ends with a ``CancelledError`` of its own
+    (no message) when the caller is cancelled does not replace the caller's (anyio's, with its message), and the
+    call returns only once every task ended, a second cancel meanwhile included. ``asyncio.gather`` raised the
+    task's."""
+    from aio_datadist._settle import gather_own_cancel
+
+    ended: list[str] = []
+    started: list[str] = []
+    release = asyncio.Event()
+
+    async def child(name: str) -> str:
+        try:
+            started.append(name)
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await release.wait()  # cleanup that takes a moment
+            ended.append(name)
+            raise asyncio.CancelledError() from None  # its own, as a cut inner time-out leaves it
+        return name
+
+    assert await gather_own_cancel(asyncio.sleep(0, "a"), asyncio.sleep(0.01, "b")) == ["a", "b"]
+    assert await gather_own_cancel() == []
+    for gatherer in (gather_own_cancel, asyncio.gather):
+        ended.clear()
+        started.clear()
+        release.clear()
+        caller = asyncio.ensure_future(gatherer(child("x"), child("y")))
+        async with asyncio.timeout(5):
+            while len(started) < 2:
+                await asyncio.sleep(0)
+        caller.cancel("Cancelled via cancel scope 1234")
+        await asyncio.sleep(0.01)
+        if gatherer is gather_own_cancel:  # (gather would cut its tasks' cleanup with a second cancel)
+            caller.cancel("Cancelled via cancel scope 1234")  # level-triggered: again
+            await asyncio.sleep(0.01)
+            assert not caller.done(), "returned before its tasks ended"
+        release.set()
+        with pytest.raises(asyncio.CancelledError) as raised:
+            async with asyncio.timeout(5):
+                await caller
+        assert sorted(ended) == ["x", "y"]
+        own = raised.value.args == ("Cancelled via cancel scope 1234",)
+        assert own == (gatherer is gather_own_cancel), raised.value.args
