@@ -248,12 +248,21 @@ def check_transfer_backend(arg_name: str, value: object) -> str:
     return text
 
 
-def check_secret(arg_name: str, value: object) -> str:
-    text = check_str(arg_name, value, allow_empty=False)
+def utf8_encodable(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogates). A caller refusing a secret raises after this
+    returned, outside any ``except``: the ``UnicodeEncodeError`` (its ``object``: the whole secret) is then in
+    no exception's ``__context__``."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise param_invalid(arg_name, "must be encodable as UTF-8") from None
+        return False
+    return True
+
+
+def check_secret(arg_name: str, value: object) -> str:
+    text = check_str(arg_name, value, allow_empty=False)
+    if not utf8_encodable(text):
+        raise param_invalid(arg_name, "must be encodable as UTF-8")
     return text
 
 

@@ -19,7 +19,7 @@ from typing import Any
 __all__ = ["ANSWER", "ANSWER_MAGIC", "ATTACH", "ATTACH_OK", "HEADER", "MAX_BODY", "MAX_ROWS", "MAX_TEXT", "RECORDS",
            "VERSION", "Abort", "Auth", "Done", "Empty", "Hello", "HelloAck", "LinkOk", "Msg", "NixlRecord",
            "ProtocolError", "PushLocalReq", "Record", "ReqFlag", "Resp", "Target", "TransferReq", "decode", "encode",
-           "encode_record", "fields_of", "parse_header", "peer_text"]
+           "encode_record", "fields_of", "parse_header", "peer_str", "peer_text"]
 
 MAGIC = b"AIOD"
 VERSION = 11  # 2: the handshake sends nothing identifying before authentication; 3: PUSH_LOCAL;
@@ -60,6 +60,12 @@ def peer_text(raw: bytes) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def peer_str(text: str) -> str:
+    """:func:`peer_text` of text a peer sent that was decoded already (a JSON string: it may hold lone
+    surrogates, shown as ``\\udcff``)."""
+    return peer_text(text.encode("utf-8", "backslashreplace"))
 
 
 class ProtocolError(Exception):

@@ -100,6 +100,84 @@ def test_a_text_option_given_as_null_is_unset(monkeypatch) -> None:
         AgentOptions.from_extra({"pull_timeout_ms": None})
 
 
+@pytest.mark.parametrize("name", ["side_channel_host", "data_host"])
+def test_an_empty_host_is_refused_not_taken_for_every_interface(name) -> None:
+    """``side_channel_host: ""`` (a templated config whose variable is unset) is refused naming the option. Before,
+    asyncio took it for every interface: the prefill's side channel listened on 0.0.0.0 and :: (two ports) and
+    told decodes 0.0.0.0; ``data_host: ""`` failed only at registration, naming ``listen_ip_info`` (found while
+    mending a hunt's finding, 2026-12-07)."""
+    with pytest.raises(LLMException, match=f"invalid argument '{name}': must name an address") as caught:
+        AgentOptions.from_extra({name: ""})
+    assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert getattr(AgentOptions.from_extra({name: "0.0.0.0"}), name) == "0.0.0.0"
+
+
+def test_the_no_secret_warning_says_when_an_empty_config_value_overrides_the_environment(monkeypatch, caplog):
+    """An empty ``shared_secret`` in the config means no secret even with ``$AIO_DATADIST_SECRET`` set (the config
+    key wins, docs/vllm.md); the WARNING says so instead of "no shared_secret (nor $AIO_DATADIST_SECRET)"
+    (found by a hunt, 2026-12-07)."""
+    import logging
+
+    import _vllm_agents
+
+    from aio_datadist.integrations.vllm_agent import Agent, kv_layout
+
+    monkeypatch.setenv("AIO_DATADIST_SECRET", "the-real-secret")
+    options = AgentOptions.from_extra({"shared_secret": ""})
+    assert options.shared_secret == ""
+    agent = Agent(True, False, "engine-p", options)
+    try:
+        with caplog.at_level(logging.WARNING):
+            tensors, layout, _ = kv_layout(_vllm_agents.kv_caches(1), _vllm_agents.BLOCKS, _vllm_agents.BLOCK_TOKENS)
+            agent.register(tensors, layout)
+    finally:
+        agent.close()
+    said = [r.getMessage() for r in caplog.records if "unauthenticated" in r.getMessage()]
+    assert said == ["aio_datadist connector: shared_secret is empty in kv_connector_extra_config, which wins over "
+                    "$AIO_DATADIST_SECRET: the side channel and the KV links are unauthenticated; any process that "
+                    "reaches them can claim, release or read held blocks"], said
+
+
+@pytest.mark.parametrize("where", ["extra", "env", "options", "LLMConfig", "init"])
+def test_a_secret_utf8_cannot_carry_is_refused_naming_where_it_came_from_never_itself(monkeypatch, where) -> None:
+    """A secret holding a lone surrogate (a JSON ``"\\udcff"`` in ``kv_connector_extra_config``; bytes that are
+    not UTF-8 in ``$AIO_DATADIST_SECRET``, which ``os.environ`` turns into surrogates; an ``AgentOptions`` made in
+    code; ``LLMConfig.shared_secret``; ``aio.SharedSecret`` given to ``init``) is refused ``LLM_PARAM_INVALID``
+    naming the argument, and no exception chained to the error carries the secret. Before, the connector's
+    ``Agent`` raised a bare ``UnicodeEncodeError`` whose ``object`` was the whole secret, and ``check_secret``
+    refused it from inside the ``except``, so its ``__context__`` kept that error (found by a hunt, 2026-12-07)."""
+    import asyncio
+
+    from aio_datadist import LLMConfig, LLMDataDist, LLMRole
+    from aio_datadist.integrations.vllm_agent import Agent
+
+    secret = "top-secret-\udcff-value"
+    with pytest.raises(LLMException) as caught:
+        if where == "extra":
+            AgentOptions.from_extra({"shared_secret": secret})
+        elif where == "env":
+            monkeypatch.setenv("AIO_DATADIST_SECRET", secret)
+            AgentOptions.from_extra({})
+        elif where == "options":
+            Agent(True, False, "engine-p", AgentOptions(shared_secret=secret))
+        elif where == "LLMConfig":
+            LLMConfig().shared_secret = secret
+        else:
+            async def init() -> None:
+                async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+                    await dd.init({"aio.SharedSecret": secret})
+            asyncio.run(init())
+    error = caught.value
+    assert error.status_code == LLMStatusCode.LLM_PARAM_INVALID and "must be encodable as UTF-8" in str(error)
+    assert ("$AIO_DATADIST_SECRET" if where == "env" else "shared_secret" if where != "init" else
+            "aio.SharedSecret") in str(error), str(error)
+    chained, seen = error, []
+    while chained is not None:
+        seen.append(chained)
+        chained = chained.__context__ or chained.__cause__
+    assert not any("top-secret" in repr(e) or "top-secret" in repr(getattr(e, "object", "")) for e in seen), seen
+
+
 @pytest.mark.parametrize("name, value", [("shared_secret", True), ("shared_secret", 12345678),
                                          ("shared_secret", ["s3cret"]), ("shared_secret", {"file": "/run/kv"}),
                                          ("stats_path", False), ("side_channel_host", 10), ("transport", ["tcp"])])

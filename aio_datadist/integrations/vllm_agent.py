@@ -43,10 +43,12 @@ from aio_datadist.integrations.vllm_wire import (
     encode_frame,
     frame_length,
 )
+from aio_datadist.option_checks import utf8_encodable
 from aio_datadist.own_dials import OwnDials
 from aio_datadist.refusal_log import RefusalLog
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.types import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMRole, Placement
+from aio_datadist.wire import peer_str
 
 __all__ = ["AgentOptions", "LoopThread", "Agent", "kv_layout", "SECRET_ENV", "MAX_PENDING_HANDSHAKES",
            "MAX_CONNECTIONS", "KEEPALIVE_IDLE_S", "KEEPALIVE_INTERVAL_S", "KEEPALIVE_COUNT"]
@@ -113,6 +115,13 @@ class AgentOptions:
         shown = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "shared_secret"}
         return f"AgentOptions(shared_secret={'<set>' if self.shared_secret else '<none>'}, {shown})"
 
+    def check_secret(self, source: str = "shared_secret") -> None:
+        """Refuse a secret that is not text UTF-8 can carry (a JSON ``\\udcff``, non-UTF-8 bytes in the
+        environment): ``LLM_PARAM_INVALID`` naming where it came from, never the secret."""
+        if self.shared_secret and not utf8_encodable(self.shared_secret):
+            raise LLMException(f"invalid argument 'shared_secret': must be encodable as UTF-8 (from {source})",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> AgentOptions:
         known = {f for f in cls.__dataclass_fields__}
@@ -144,6 +153,7 @@ class AgentOptions:
                                    status_code=LLMStatusCode.LLM_PARAM_INVALID)
         if "shared_secret" not in given:
             opts.shared_secret = os.environ.get(SECRET_ENV, "")
+        opts.check_secret("shared_secret" if "shared_secret" in given else f"${SECRET_ENV}")
         for name, least in (("max_claims_per_connection", 1), ("pull_timeout_ms", 1), ("link_timeout_ms", 1),
                             ("side_channel_port", 0), ("data_port", 0)):
             if not least <= getattr(opts, name) <= (65535 if name.endswith("port") else 2**31 - 1):
@@ -156,6 +166,9 @@ class AgentOptions:
         if opts.pull_timeout_ms + opts.claim_grace_s * 1000 > 2**31 - 1:  # a claim's hold_ms, as the wire says
             _refuse_option("claim_grace_s", "with pull_timeout_ms must make a hold of at most 2**31-1 ms",
                            opts.claim_grace_s)
+        for name in ("side_channel_host", "data_host"):
+            if not getattr(opts, name):  # asyncio takes "" for every interface (a templated config left empty)
+                _refuse_option(name, "must name an address (0.0.0.0 for every interface)", getattr(opts, name))
         if opts.advertise_data:
             host, _, port = opts.advertise_data.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) <= 65535:
@@ -388,6 +401,7 @@ class Agent:
     """One vLLM worker's aio_datadist endpoint: a prefill serves its blocks, a decode pulls them."""
 
     def __init__(self, producer: bool, consumer: bool, engine_id: str, options: AgentOptions) -> None:
+        options.check_secret()  # before anything is started
         self.producer, self.consumer = producer, consumer
         self.engine_id = engine_id
         self.options = options
@@ -456,9 +470,11 @@ class Agent:
         if self._secret is not None:
             options["aio.SharedSecret"] = self.options.shared_secret
         else:
-            log.warning("aio_datadist connector: no shared_secret (nor $%s): the side channel and the KV "
+            log.warning("aio_datadist connector: %s: the side channel and the KV "
                         "links are unauthenticated; any process that reaches them can claim, release or "
-                        "read held blocks", SECRET_ENV)
+                        "read held blocks",
+                        f"shared_secret is empty in kv_connector_extra_config, which wins over ${SECRET_ENV}"
+                        if os.environ.get(SECRET_ENV) else f"no shared_secret (nor ${SECRET_ENV})")
         self._dd = LLMDataDist(role, self.cluster_id)
         await self._dd.init(options)
         desc = CacheDesc(layout.tensors, tuple(tensors[0].shape), DTYPES[tensors[0].dtype], Placement.HOST)
@@ -921,7 +937,8 @@ class Agent:
         except asyncio.CancelledError:
             error = "aborted"
         except Exception as exc:  # the request is recomputed (or failed) by vLLM's load-failure policy
-            error = f"{type(exc).__name__}: {exc}"
+            # escaped: it may hold request data (kv_transfer_params' request id) or a peer's words
+            error = peer_str(f"{type(exc).__name__}: {exc}")
             if peer is not None and isinstance(exc, LLMException) and exc.status_code in (
                     LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK):
                 peer.link_lost = True  # the next pull through this side channel links again first
@@ -960,4 +977,5 @@ class Agent:
             finally:
                 peer.unuse(remote.request_id, claimed)
         except Exception as exc:  # the prefill's lease frees the blocks in the end
-            log.warning("request %s: could not tell the prefill to free its blocks: %s", remote.request_id, exc)
+            log.warning("request %s: could not tell the prefill to free its blocks: %s", peer_str(remote.request_id),
+                        peer_str(str(exc)))

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aio_datadist._checks import param_invalid
+from aio_datadist.wire import peer_str
 
 __all__ = [
     "MAX_FRAME", "HEADER", "OPS", "CONNECTOR_TAG", "Layout", "RemotePrefill", "encode_frame", "frame_length",
@@ -147,7 +148,8 @@ def decode_reply(body: bytes, op: str) -> dict[str, Any]:
     if not isinstance(message.get("ok"), bool):
         raise param_invalid("ok", f"must be true or false, got {message.get('ok')!r:.60}")
     if not message["ok"]:
-        _text(message, "error")
+        # shown escaped wherever it goes (exceptions, our log): a peer's text forges no log line (row 182)
+        message["error"] = peer_str(_text(message, "error"))
         return message
     if op == "hello":
         _int(message, "cluster_id", 0, UINT64_MAX)
