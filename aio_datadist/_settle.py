@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 __all__ = ["Settling", "gather_own_cancel", "settle"]
@@ -53,9 +53,10 @@ async def settle(future: asyncio.Future, bound_s: float | None) -> bool:
 
 
 async def gather_own_cancel(*aws: Awaitable[T]) -> list[T]:
-    """``asyncio.gather`` of ``aws`` (run as tasks), except when the caller is cancelled: the tasks are then
-    cancelled and waited for (cancellations arriving meanwhile held back, as in :func:`settle`), and the
-    caller's own ``CancelledError`` is raised, message included.
+    """``asyncio.gather`` of ``aws`` (run as tasks), except when the caller is cancelled: the tasks are cancelled
+    at once, as ``gather`` does, and waited for (cancellations arriving meanwhile held back, as in
+    :func:`settle`), and the caller's own ``CancelledError`` is raised, message included. A task's failure is
+    raised once every task ended (every failure retrieved), not as soon as it happens.
 
     ``gather`` raises the ``CancelledError`` one of its tasks ended with. A task that was cancelled already (its
     own time-out cut the task it awaited) keeps its first cancellation's empty message, so anyio's cancellation
@@ -65,13 +66,40 @@ async def gather_own_cancel(*aws: Awaitable[T]) -> list[T]:
     if not tasks:
         return []
     try:
-        await asyncio.wait(tasks)
-    except asyncio.CancelledError as own:
-        for task in tasks:
-            task.cancel()
+        await _AllDone(tasks)
+    except asyncio.CancelledError as own:  # the tasks were cancelled with the waiter, once
         try:
             await settle(asyncio.gather(*tasks, return_exceptions=True), None)
         except asyncio.CancelledError:
             pass  # the same caller cancelled again meanwhile: its first cancellation goes out
         raise own from None
+    for task in tasks:  # each failure retrieved (asyncio logs one that never was), the first raised below
+        if not task.cancelled():
+            task.exception()
     return [task.result() for task in tasks]
+
+
+class _AllDone(asyncio.Future):
+    """Done once every task is. Cancelling it (the caller's cancel reaches the future it awaits) cancels the
+    tasks in the same call, as ``gather``'s future does: a cancel while a task's last step is queued cuts that
+    step, so no link a task was setting up is left behind by a call that raises. (``asyncio.wait`` cancelled the
+    tasks only once the caller ran again, a step later.)"""
+
+    def __init__(self, tasks: Sequence[asyncio.Future]) -> None:
+        super().__init__(loop=tasks[0].get_loop())
+        self._tasks = tasks
+        self._left = len(tasks)
+        for task in tasks:
+            task.add_done_callback(self._one)
+
+    def _one(self, _task: asyncio.Future) -> None:
+        self._left -= 1
+        if not self._left and not self.done():
+            self.set_result(None)
+
+    def cancel(self, msg: object = None) -> bool:
+        if self.done():
+            return False
+        for task in self._tasks:
+            task.cancel()
+        return super().cancel(msg=msg)

@@ -135,7 +135,7 @@ def _required_plane(rt: Runtime, link: Link, offered: Plane | None, what: str) -
     raise LLMException(f"{what}: aio.RequireTransport={required}, but on the link to cluster "
                        f"{link.remote_cluster_id} (transport {link.transport}) this transfer would take {taken} "
                        "(raw addresses, a cache the peer has not shared over it, a device row pulled into several "
-                       f"blocks, a same-host push of more than {MAX_LOCAL_SRC_ROWS} rows or from inside its rows, a "
+                       f"blocks, a same-host push of more than {MAX_LOCAL_SRC_ROWS} rows, a "
                        "device cache pushed into a host cache, or a link that negotiated less)",
                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 

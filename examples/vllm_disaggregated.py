@@ -151,25 +151,38 @@ class Node:
     def __init__(self, name: str, model: str, kv_transfer: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.name = name
-        listener = socket.create_server(("127.0.0.1", 0))
-        args = (listener.getsockname()[1], model, kv_transfer, dict(env or {}))
-        self.process = mp.get_context("spawn").Process(target=_node_main, name=name, daemon=False, args=args)
-        self.process.start()
         self.conn: socket.socket | None = None
         self._buffer = b""
         self.pending: dict[str, dict[str, Any]] = {}
-        try:
-            listener.settimeout(START_LIMIT_S)
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            args = (listener.getsockname()[1], model, kv_transfer, dict(env or {}))
+            self.process = mp.get_context("spawn").Process(target=_node_main, name=name, daemon=False, args=args)
+            self.process.start()
             try:
-                self.conn, _ = listener.accept()
-            except TimeoutError:
-                raise TimeoutError(f"{name} vLLM did not connect within {START_LIMIT_S:.0f} s") from None
-            finally:
-                listener.close()
+                self.conn = self._accept(listener)
+            except BaseException:
+                self.close(grace_s=0.0)
+                raise
+        try:
             self._wait_ready()
         except BaseException:  # a node that failed to start is stopped here: no caller holds it to close it
             self.close(grace_s=0.0)
             raise
+
+    def _accept(self, listener: socket.socket) -> socket.socket:
+        """The node's connection, in slices that watch its process: one that dies first is said at once."""
+        listener.settimeout(0.2)
+        deadline = time.monotonic() + START_LIMIT_S
+        while True:
+            try:
+                return listener.accept()[0]
+            except TimeoutError:
+                self.process.join(0)
+                if self.process.exitcode is not None:
+                    raise ConnectionError(f"{self.name} vLLM exited before it connected (exit code "
+                                          f"{self.process.exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} vLLM did not connect within {START_LIMIT_S:.0f} s") from None
 
     def _lines(self, timeout_s: float) -> list[dict[str, Any]]:
         assert self.conn is not None

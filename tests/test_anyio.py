@@ -826,3 +826,20 @@ async def test_gather_own_cancel_raises_the_callers_cancellation_and_waits_for_i
         assert sorted(ended) == ["x", "y"]
         own = raised.value.args == ("Cancelled via cancel scope 1234",)
         assert own == (gatherer is gather_own_cancel), raised.value.args
+
+
+async def test_gather_own_cancel_retrieves_every_failure_and_raises_the_first():
+    """Two tasks fail: the first failure (in the order given) is raised once both ended, and the second is
+    retrieved too (``_log_traceback`` cleared), so asyncio logs no "Task exception was never retrieved" when the
+    task is collected (found by review, 2026-12-07)."""
+    from aio_datadist._settle import gather_own_cancel
+
+    async def fails(n: int, after: float) -> None:
+        await asyncio.sleep(after)
+        raise ValueError(n)
+
+    first, second = asyncio.ensure_future(fails(1, 0.02)), asyncio.ensure_future(fails(2, 0))
+    with pytest.raises(ValueError) as raised:
+        await gather_own_cancel(first, second)
+    assert raised.value.args == (1,) and first.done() and second.done()
+    assert not first._log_traceback and not second._log_traceback, "a failure left unretrieved"

@@ -115,19 +115,27 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("vllm, expected", [
     ("raise ImportError('no vllm here')", "ConnectionError prefill vLLM exited (exit code 1)"),
     ("import time\ntime.sleep(600)", "TimeoutError prefill vLLM did not start within 3 s"),
+    (None, "ConnectionError prefill vLLM exited before it connected (exit code 3)"),
 ])
 def test_a_vllm_node_that_fails_to_start_is_stopped_and_says_why(tmp_path, vllm, expected):
     """``examples/vllm_disaggregated.py``'s ``Node`` whose vLLM cannot start (here a stand-in ``vllm`` package that
-    fails to import, or hangs in its import): the error names the exit code, and the node's process is gone when
-    the constructor raises. Before, the code read ``None`` (read before the process was reaped), and a node that
-    never became ready was left running (no caller held it to close it): the example hung at its exit, joining
-    it."""
-    (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text(vllm + "\n")
+    fails to import, or hangs in its import; or a process that dies in its start-up, before it connects): the error
+    names the exit code, and the node's process is gone when the constructor raises. Before, the code read
+    ``None`` (read before the process was reaped); a node that never became ready was left running (no caller
+    held it to close it): the example hung at its exit, joining it; one that died before it connected was waited
+    for ``START_LIMIT_S`` (300 s) and reported as not connecting (found by review, 2026-12-07)."""
+    env = dict(os.environ)
+    if vllm is None:  # the spawned process dies in its start-up, before it connects
+        (tmp_path / "sitecustomize.py").write_text(
+            "import os\nif b'spawn_main' in open('/proc/self/cmdline', 'rb').read():\n    os._exit(3)\n")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
+    else:
+        (tmp_path / "vllm").mkdir()
+        (tmp_path / "vllm" / "__init__.py").write_text(vllm + "\n")
     driver = tmp_path / "driver.py"
     driver.write_text(_NODE_DRIVER.format(fake=str(tmp_path), examples=str(EXAMPLES)))
     run = subprocess.Popen([sys.executable, str(driver)], cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+                           stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     try:
         out, err = run.communicate(timeout=40)
         assert out.splitlines() == [expected, "left 0"], out + err[-3000:]

@@ -683,6 +683,48 @@ async def test_a_link_whose_caller_is_cancelled_while_it_is_set_up_is_not_left_r
         assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
 
+async def test_a_caller_cancelled_while_the_last_step_of_the_set_up_is_queued_leaves_no_link(monkeypatch):
+    """The caller's cancel comes (with its message, as anyio's does) when the set-up's last step is queued but has
+    not run: the call raises that cancellation and no link is left on either end. ``link_clusters`` runs each
+    cluster in a task of its own, and the caller's cancel must reach it in the same call (as ``gather``'s does);
+    ``_settle.gather_own_cancel`` first passed it on a step later, when the set-up had ended and the link stayed
+    up (5 of 5 calls; found by review, 2026-12-07)."""
+    from aio_datadist.link_dials import LinkDials
+
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID, listen=True) as prompt, \
+            endpoint(LLMRole.DECODER, DECODER_ID) as decoder:
+        info = cluster_info(PROMPT_ID, port_of(prompt))
+        original, caller = LinkDials._require_transport, None
+
+        async def last_step_queued_then_cancelled(self, link):
+            await original(self, link)
+            loop = asyncio.get_running_loop()
+            step = loop.create_future()
+
+            def fire() -> None:
+                step.set_result(None)  # the set-up's last step is queued ...
+                caller.cancel("Cancelled via cancel scope 7")  # ... and the caller gives up before it ran
+
+            loop.call_soon(fire)
+            await step
+
+        monkeypatch.setattr(LinkDials, "_require_transport", last_step_queued_then_cancelled)
+        for _ in range(3):
+            caller = asyncio.ensure_future(decoder.link_clusters([info], timeout=10_000))
+            await asyncio.wait([caller], timeout=5)
+            with pytest.raises(asyncio.CancelledError) as cut:
+                caller.result()
+            assert cut.value.args == ("Cancelled via cancel scope 7",)
+            assert link_count(decoder) == 0
+            for _ in range(200):
+                if link_count(prompt) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert link_count(prompt) == 0
+        monkeypatch.setattr(LinkDials, "_require_transport", original)
+        assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+
 @pytest.mark.parametrize("second", ["fails", "succeeds"])
 async def test_a_cancel_while_a_failed_switch_listens_again_is_not_lost(monkeypatch, caplog, second):
     """The switch failed, and while it listens where it did before the caller cancels it. That listen runs to
