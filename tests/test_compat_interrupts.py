@@ -133,6 +133,15 @@ def test_a_signal_handler_that_calls_the_facade_inside_a_call_is_refused_at_once
     assert counts["rounds"] > 0 and counts["refused"] > 0 and counts["other"] == 0, counts
 
 
+def test_a_signal_handler_that_cancels_a_cache_task_inside_a_facade_call_is_not_left_waiting() -> None:
+    """``CacheTask.cancel()`` from a signal handler (a graceful shutdown stopping the layer-wise transfer in flight)
+    while the main thread makes facade calls: it takes none of the facade's locks, so it returns at once wherever
+    the signal landed. Before, it took the facade's lock to find the loop, and a signal landing while the
+    interrupted call held it left the handler waiting for good (3 of 3 runs hung; found by a hunt, 2026-12-07)."""
+    counts = _signal_child("cancel")
+    assert counts["rounds"] > 0 and counts["ran"] > 0 and counts["refused"] == counts["other"] == 0, counts
+
+
 def test_ctrl_c_as_a_blocking_init_ends_leaves_no_endpoint_behind_the_caller() -> None:
     """The life an interrupted ``init`` started is finalized before the interrupt reaches its caller: nothing
     listens, the endpoint is finalized, and the next ``init`` starts a life; an interrupted second ``init`` (a
