@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from aio_datadist._checks import check_index, check_int, param_invalid
@@ -68,6 +69,10 @@ class EventLayerSynchronizer(LayerSynchronizer):
         self._recorded: set[int] = set()  # layers whose record is posted or armed: close() leaves them be
         self._lock = threading.Lock()  # record() (any thread) against close(): a record that returned is kept
         self._closed = False
+        # Dropped without close() (its transfer over: the transfer holds it while it runs), its layers never
+        # recorded are released as close() would: else each stayed in the endpoint's completions until finalize.
+        self._release = weakref.finalize(self, _release_unrecorded, self._completions, self._layers, self._recorded)
+        self._release.atexit = False  # (at exit the endpoint goes, and its completions with it)
 
     @property
     def num_layers(self) -> int:
@@ -145,18 +150,25 @@ class EventLayerSynchronizer(LayerSynchronizer):
         return future.done() and not future.cancelled() and future.exception() is None
 
     def close(self) -> None:
-        """Release every layer not recorded yet (a layer recorded already stays so). Idempotent."""
+        """Release every layer not recorded yet (a layer recorded already stays so). Idempotent. A synchronizer
+        dropped without it is closed when it is collected."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             kept = set(self._recorded)
-        for index, (token, _) in enumerate(self._layers):
-            if index not in kept:
-                self._completions.forget(token)
+        self._release.detach()
+        _release_unrecorded(self._completions, self._layers, kept)
 
     def __enter__(self) -> EventLayerSynchronizer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release_unrecorded(completions: Any, layers: list[tuple[int, asyncio.Future]], recorded: set[int]) -> None:
+    """Stop waiting for the layers of ``layers`` not in ``recorded`` (their futures cancelled)."""
+    for index, (token, _) in enumerate(layers):
+        if index not in recorded:
+            completions.forget(token)

@@ -357,6 +357,34 @@ async def test_event_synchronizer_record_that_returned_is_kept_by_a_close_meanwh
 
 
 @pytest.mark.loops_take_turns  # (the transport and the loop are independent here)
+async def test_an_event_synchronizer_dropped_without_close_releases_its_unrecorded_layers() -> None:
+    """A synchronizer the caller drops without ``close()`` (a transfer that failed or was given up before its
+    last layers were recorded) releases, once collected, the layers it never recorded, as ``close()`` does; a
+    layer it recorded is kept. Before, each such layer stayed in the endpoint's completions until finalize
+    (about 0.7 KB each, for every transfer of a long-running prefill; found by a hunt, 2026-12-07)."""
+    import gc
+
+    async with endpoint(LLMRole.PROMPT, PROMPT_ID) as dd:
+        completions = dd._require_runtime().completions
+        before = completions.pending_count()
+        events = EventLayerSynchronizer(dd, 8)
+        events.record(0)
+        first = events._layers[0][1]
+        await asyncio.wait_for(events.synchronize_layer(0, 1000), BOUND_S)
+        layers = [future for _, future in events._layers[1:]]
+        assert completions.pending_count() == before + 7
+        del events
+        gc.collect()
+        assert completions.pending_count() == before
+        assert all(future.cancelled() for future in layers) and first.done() and not first.cancelled()
+        closed = EventLayerSynchronizer(dd, 2)
+        closed.close()  # closed: nothing left for its collection to do
+        del closed
+        gc.collect()
+        assert completions.pending_count() == before
+
+
+@pytest.mark.loops_take_turns  # (the transport and the loop are independent here)
 async def test_event_synchronizer_layer_armed_on_a_stream_survives_the_close() -> None:
     """A layer recorded on a stream whose work is not there yet (armed) when the synchronizer closes stays
     recorded: it is reported done once the stream gets there, while a layer never recorded is released. The
