@@ -148,12 +148,6 @@ class _LoopThread:
         """The loop, started if need be (under ``_lock``)."""
         return self._started()[0]
 
-    def running_loop(self) -> asyncio.AbstractEventLoop | None:
-        """The loop as it is now, None when it is not running: read without ``_lock`` (one attribute read),
-        so a signal handler can reach it while its thread is inside a call that holds the lock."""
-        loop = self._loop
-        return None if loop is None or loop.is_closed() else loop
-
     def _sent(self) -> None:
         me = threading.get_ident()
 
@@ -724,11 +718,7 @@ class CacheTask:
     def cancel(self) -> None:
         """Cancel the transfer; returns at once. Takes no lock of the facade's, so a signal handler may call it
         (a graceful shutdown) while its thread is inside another facade call."""
-        self._task._require_own()  # in a forked child the task is the parent's: LLM_FAILED here
-        loop = _RUNNER.running_loop()  # the loop the task runs on: gone, the task ended with it
-        if loop is not None:
-            with contextlib.suppress(RuntimeError):  # closed in the instant since (the exit)
-                loop.call_soon_threadsafe(self._task.cancel)
+        self._task.cancel_threadsafe()  # (in a forked child the task is the parent's: LLM_FAILED there)
 
 
 class KvCacheManager:

@@ -7,6 +7,7 @@ The driver (``layerwise.py``) reports into a :class:`TaskProgress`; the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
@@ -135,6 +136,16 @@ class CacheTask:
         """Stop layers not yet sent and abort those in flight; idempotent."""
         self._require_own()
         self._task.cancel()
+
+    def cancel_threadsafe(self) -> None:
+        """:meth:`cancel` from any thread (a signal handler's included): handed to the task's own loop, with no
+        lock taken; nothing to do once that loop is closed (the task ended with it)."""
+        self._require_own()
+        loop = self._task.get_loop()
+        if loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # closed in the instant since
+            loop.call_soon_threadsafe(self._task.cancel)
 
     def __await__(self) -> Generator[Any, None, list[LLMStatusCode]]:
         return self._wait().__await__()

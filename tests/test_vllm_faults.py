@@ -106,13 +106,19 @@ def test_an_empty_host_is_refused_not_taken_for_every_interface(name) -> None:
     asyncio took it for every interface: the prefill's side channel listened on 0.0.0.0 and :: (two ports) and
     told decodes 0.0.0.0; ``data_host: ""`` failed only at registration, naming ``listen_ip_info`` (found while
     mending a hunt's finding, 2026-12-07)."""
+    from aio_datadist.integrations.vllm_agent import Agent
+
     with pytest.raises(LLMException, match=f"invalid argument '{name}': must name an address") as caught:
         AgentOptions.from_extra({name: ""})
     assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
     assert getattr(AgentOptions.from_extra({name: "0.0.0.0"}), name) == "0.0.0.0"
+    # options made in code too, before the agent starts anything (found by review: the agent listened everywhere)
+    with pytest.raises(LLMException, match=f"invalid argument '{name}': must name an address"):
+        Agent(True, False, "engine-p", AgentOptions(**{name: ""}))
 
 
-def test_the_no_secret_warning_says_when_an_empty_config_value_overrides_the_environment(monkeypatch, caplog):
+@pytest.mark.parametrize("made", ["config", "code"])
+def test_the_no_secret_warning_says_when_an_empty_config_value_overrides_the_environment(monkeypatch, caplog, made):
     """An empty ``shared_secret`` in the config means no secret even with ``$AIO_DATADIST_SECRET`` set (the config
     key wins, docs/vllm.md); the WARNING says so instead of "no shared_secret (nor $AIO_DATADIST_SECRET)"
     (found by a hunt, 2026-12-07)."""
@@ -123,7 +129,7 @@ def test_the_no_secret_warning_says_when_an_empty_config_value_overrides_the_env
     from aio_datadist.integrations.vllm_agent import Agent, kv_layout
 
     monkeypatch.setenv("AIO_DATADIST_SECRET", "the-real-secret")
-    options = AgentOptions.from_extra({"shared_secret": ""})
+    options = AgentOptions.from_extra({"shared_secret": ""}) if made == "config" else AgentOptions()
     assert options.shared_secret == ""
     agent = Agent(True, False, "engine-p", options)
     try:
@@ -133,9 +139,10 @@ def test_the_no_secret_warning_says_when_an_empty_config_value_overrides_the_env
     finally:
         agent.close()
     said = [r.getMessage() for r in caplog.records if "unauthenticated" in r.getMessage()]
-    assert said == ["aio_datadist connector: shared_secret is empty in kv_connector_extra_config, which wins over "
-                    "$AIO_DATADIST_SECRET: the side channel and the KV links are unauthenticated; any process that "
-                    "reaches them can claim, release or read held blocks"], said
+    why = ("shared_secret is empty in kv_connector_extra_config, which wins over $AIO_DATADIST_SECRET"
+           if made == "config" else "no shared_secret in its AgentOptions")  # (code never reads the environment)
+    assert said == [f"aio_datadist connector: {why}: the side channel and the KV links are unauthenticated; any "
+                    "process that reaches them can claim, release or read held blocks"], said
 
 
 @pytest.mark.parametrize("where", ["extra", "env", "options", "LLMConfig", "init"])

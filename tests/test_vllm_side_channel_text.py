@@ -90,3 +90,32 @@ def test_a_request_id_in_kv_transfer_params_reaches_the_decodes_log_escaped(agen
     assert decode.pulls.take_finished() == ({"d1"}, {"d1"}, {2})
     assert any("FORGED" in r.getMessage() for r in caplog.records)
     assert not _raw(caplog), _raw(caplog)
+
+
+def test_a_remote_host_in_kv_transfer_params_reaches_the_decodes_log_escaped(agents, caplog) -> None:
+    """``remote_host`` of ``kv_transfer_params`` is request data too: a host holding a newline and a terminal escape
+    is shown escaped in the decode's pull-failure warning (found by review, 2026-12-07: it went in raw)."""
+    decode, _ = agents(False, link_timeout_ms=1000)
+    with caplog.at_level(logging.DEBUG):
+        remote = parse_transfer_params(transfer_params(engine_id="engine-p", request_id="r1",
+                                                       host="127.0.0.1" + FORGED[4:], port=9, block_ids=[1],
+                                                       num_tokens=BLOCK_TOKENS))
+        decode.start_pull("d1", remote, [2])
+        wait(lambda: not decode.pulls.pending(), 10)
+    assert any("FORGED" in r.getMessage() for r in caplog.records)
+    assert not _raw(caplog), _raw(caplog)
+
+
+def test_a_field_name_in_a_decodes_frame_reaches_the_prefills_log_escaped(agents, caplog) -> None:
+    """A side-channel peer (without a secret: any process) sends a frame with an unknown field whose name holds a
+    newline and a terminal escape: the prefill drops the connection and its warning shows the name escaped
+    (found by review, 2026-12-07: it went in raw)."""
+    prefill, _ = agents(True, link_timeout_ms=2000)
+    body = json.dumps({"id": 1, "op": "hello", "x" + FORGED[4:]: 1}).encode()
+    with caplog.at_level(logging.DEBUG):
+        with socket.create_connection(prefill.side_channel, timeout=5) as conn:
+            conn.sendall(HEADER.pack(len(body)) + body)
+            with contextlib.suppress(OSError):
+                conn.recv(4096)
+        wait(lambda: any("FORGED" in r.getMessage() for r in caplog.records), 5)
+    assert not _raw(caplog), _raw(caplog)

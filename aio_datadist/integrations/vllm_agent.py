@@ -11,6 +11,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -110,9 +111,12 @@ class AgentOptions:
     stats_path: str = ""  # append one JSON line per pull and per release here
     shared_secret: str = ""  # side channel handshake and aio.SharedSecret; else $AIO_DATADIST_SECRET
     max_claims_per_connection: int = 4096
+    #: Where ``shared_secret`` came from: "code" (these options made in code), "config" (the config's key, which
+    #: wins over the environment even when empty), "env" (``$AIO_DATADIST_SECRET``); set by :meth:`from_extra`.
+    secret_source: str = dataclasses.field(default="code", init=False, compare=False)
 
     def __repr__(self) -> str:  # the secret stays out of logs and tracebacks
-        shown = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "shared_secret"}
+        shown = {f: getattr(self, f) for f in self.__dataclass_fields__ if f not in ("shared_secret", "secret_source")}
         return f"AgentOptions(shared_secret={'<set>' if self.shared_secret else '<none>'}, {shown})"
 
     def check_secret(self, source: str = "shared_secret") -> None:
@@ -122,9 +126,16 @@ class AgentOptions:
             raise LLMException(f"invalid argument 'shared_secret': must be encodable as UTF-8 (from {source})",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
+    def check_hosts(self) -> None:
+        """Refuse an empty ``side_channel_host`` or ``data_host`` (a templated config left empty): asyncio takes ""
+        for every interface."""
+        for name in ("side_channel_host", "data_host"):
+            if not getattr(self, name):
+                _refuse_option(name, "must name an address (0.0.0.0 for every interface)", getattr(self, name))
+
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> AgentOptions:
-        known = {f for f in cls.__dataclass_fields__}
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(extra) - known - {"load_failure_log"})
         if unknown:
             raise LLMException(f"invalid argument 'kv_connector_extra_config': unknown key {unknown[0]!r}",
@@ -153,6 +164,7 @@ class AgentOptions:
                                    status_code=LLMStatusCode.LLM_PARAM_INVALID)
         if "shared_secret" not in given:
             opts.shared_secret = os.environ.get(SECRET_ENV, "")
+        opts.secret_source = "config" if "shared_secret" in given else "env"
         opts.check_secret("shared_secret" if "shared_secret" in given else f"${SECRET_ENV}")
         for name, least in (("max_claims_per_connection", 1), ("pull_timeout_ms", 1), ("link_timeout_ms", 1),
                             ("side_channel_port", 0), ("data_port", 0)):
@@ -166,9 +178,7 @@ class AgentOptions:
         if opts.pull_timeout_ms + opts.claim_grace_s * 1000 > 2**31 - 1:  # a claim's hold_ms, as the wire says
             _refuse_option("claim_grace_s", "with pull_timeout_ms must make a hold of at most 2**31-1 ms",
                            opts.claim_grace_s)
-        for name in ("side_channel_host", "data_host"):
-            if not getattr(opts, name):  # asyncio takes "" for every interface (a templated config left empty)
-                _refuse_option(name, "must name an address (0.0.0.0 for every interface)", getattr(opts, name))
+        opts.check_hosts()
         if opts.advertise_data:
             host, _, port = opts.advertise_data.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) <= 65535:
@@ -402,6 +412,7 @@ class Agent:
 
     def __init__(self, producer: bool, consumer: bool, engine_id: str, options: AgentOptions) -> None:
         options.check_secret()  # before anything is started
+        options.check_hosts()
         self.producer, self.consumer = producer, consumer
         self.engine_id = engine_id
         self.options = options
@@ -474,7 +485,9 @@ class Agent:
                         "links are unauthenticated; any process that reaches them can claim, release or "
                         "read held blocks",
                         f"shared_secret is empty in kv_connector_extra_config, which wins over ${SECRET_ENV}"
-                        if os.environ.get(SECRET_ENV) else f"no shared_secret (nor ${SECRET_ENV})")
+                        if self.options.secret_source == "config" and os.environ.get(SECRET_ENV) else
+                        "no shared_secret in its AgentOptions" if self.options.secret_source == "code" else
+                        f"no shared_secret (nor ${SECRET_ENV})")
         self._dd = LLMDataDist(role, self.cluster_id)
         await self._dd.init(options)
         desc = CacheDesc(layout.tensors, tuple(tensors[0].shape), DTYPES[tensors[0].dtype], Placement.HOST)
@@ -645,7 +658,7 @@ class Agent:
                     message = decode_frame(await reader.readexactly(frame_length(header)))
                     served.heard = time.monotonic()
                 except LLMException as exc:  # a bad frame ends the connection: nothing of it is acted on
-                    log.warning("side channel from %s: %s", writer.get_extra_info("peername"), exc)
+                    log.warning("side channel from %s: %s", writer.get_extra_info("peername"), peer_str(str(exc)))
                     writer.write(encode_frame({"id": 0, "ok": False, "error": str(exc)[:200]}))
                     return
                 op, rid = message["op"], message["id"]
@@ -942,7 +955,7 @@ class Agent:
             if peer is not None and isinstance(exc, LLMException) and exc.status_code in (
                     LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK):
                 peer.link_lost = True  # the next pull through this side channel links again first
-            log.warning("request %s: pull from %s:%s failed: %s", req_id, remote.host, remote.port, error)
+            log.warning("request %s: pull from %s:%s failed: %s", req_id, peer_str(remote.host), remote.port, error)
         finally:
             # pull_blocks has returned or raised: no byte of it can land in `local` any more
             self.pulls.end(req_id, ok, error)
