@@ -225,6 +225,23 @@ async def test_waiting_from_another_loop_for_a_running_task_is_refused() -> None
         assert await asyncio.wait_for(task, 5) == [SUCCESS]  # the task went on
 
 
+async def test_cancel_threadsafe_from_another_thread_cancels_the_transfer_on_its_loop() -> None:
+    """``CacheTask.cancel_threadsafe()`` from a worker thread (as a signal handler or the blocking facade's cancel
+    does) hands the cancel to the task's loop: the transfer waiting for its first layer ends cancelled, and no
+    layer moves; once the task is over, it does nothing."""
+    async with setup() as s:
+        gate, src = Gate(), s.blocks_src()
+        task = s.pm.transfer_cache_async(src, gate, [blocks_config()], SRC_BLOCKS, DST_BLOCKS)
+        await gate.asked_for(0)
+        worker = threading.Thread(target=task.cancel_threadsafe)
+        worker.start()
+        worker.join(5)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+        assert task.done() and not layer_landed(s.dsts[0], src, 0, DST_BLOCKS, SRC_BLOCKS)
+        task.cancel_threadsafe()  # over: nothing to do
+
+
 async def test_a_layer_future_is_refused_where_it_is_awaited_not_where_it_was_asked_for() -> None:
     """A helper loop may ask for ``task.layer(i)`` and hand the wait to the endpoint's loop, as the refusal says
     to; a future asked for on the endpoint's loop and awaited on a helper loop is refused (``LLM_FAILED``), not
