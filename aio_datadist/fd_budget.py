@@ -94,10 +94,13 @@ def soft_limit() -> int:
 
 
 def open_count() -> int:
-    """The fds this process has open now (0 where ``/proc`` cannot tell)."""
+    """The fds this process has open now (0 where ``/proc`` cannot tell; the whole soft limit when not one fd is
+    left to list them with: read as empty, a full table let links through to fail on ``EMFILE``)."""
     try:
         return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir itself used
-    except OSError:
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            return soft_limit()
         return 0
 
 

@@ -290,6 +290,55 @@ def test_init_without_fds_for_its_engines_is_an_llm_exception_naming_them(free_f
     assert done.stdout.split() == ["REFUSED", "LLM_FAILED", "True", "LEFT", "0", "AGAIN_OK"], done.stdout
 
 
+FULL_TABLE_CHILD = FILL_FDS + textwrap.dedent('''
+    import asyncio, fcntl, os, sys
+    from aio_datadist import CacheDesc, DataType, LLMClusterInfo, LLMDataDist, LLMException, LLMRole, Placement
+    from aio_datadist import fd_budget
+    from aio_datadist.testing import loopback_options
+
+    async def main():
+        prompt, decoder = LLMDataDist(LLMRole.PROMPT, 1), LLMDataDist(LLMRole.DECODER, 2)
+        await prompt.init(loopback_options(listen=True))
+        await decoder.init(loopback_options())
+        info = LLMClusterInfo()
+        info.remote_cluster_id = 1
+        info.append_remote_ip_info(*prompt.listen_address)
+        fill = fill_fds(600)  # (room for the listener's reserve once they are closed again)
+        full = fd_budget.open_count() == fd_budget.soft_limit()
+        status, per = await decoder.link_clusters([info], timeout=3000)
+        os.close(fill.pop())  # one fd free: the memfd, but none for its read-only open
+        try:
+            prompt.kv_cache_manager.allocate_cache(CacheDesc(1, (4, 4096), DataType.DT_INT8, Placement.HOST))
+            kept = "ALLOCATED"
+        except LLMException as exc:
+            kept = f"{exc.status_code.name}:{'Too many open files' in str(exc)}"
+        for fd in fill:
+            os.close(fd)
+        cache = prompt.kv_cache_manager.allocate_cache(CacheDesc(1, (4, 4096), DataType.DT_INT8, Placement.HOST))
+        mode = fcntl.fcntl(cache.region.fd, fcntl.F_GETFL) & os.O_ACCMODE
+        again, _ = await decoder.link_clusters([info], timeout=3000)
+        print(full, status.name, per[0].name, kept, mode == os.O_RDONLY, again.name, flush=True)
+        await decoder.finalize()
+        await prompt.finalize()
+
+    asyncio.run(main())
+''')
+
+
+def test_a_full_fd_table_refuses_links_and_allocations_instead_of_failing_later() -> None:
+    """No fd left at all: ``fd_budget.open_count`` cannot list ``/proc/self/fd`` and counts the table full (it
+    read 0: the budget let the link through, to fail ``LLM_LINK_FAILED`` on ``EMFILE``, and an accepting end took
+    a link whose data channels it could not accept, the dialler timing out), so ``link_clusters`` is refused
+    ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` (row 32). With one fd left a host cache's memfd is made but its read-only
+    open is not: the allocation is refused ``LLM_OUT_OF_MEMORY`` ("Too many open files"); before, the cache kept
+    its writable fd, which a same-host peer then received (row 44). Once fds are back, both work (found by a hunt,
+    2026-12-07)."""
+    done = subprocess.run([sys.executable, "-c", FULL_TABLE_CHILD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert done.stdout.split() == ["True", "LLM_CLUSTER_NUM_EXCEED_LIMIT", "LLM_CLUSTER_NUM_EXCEED_LIMIT",
+                                   "LLM_OUT_OF_MEMORY:True", "True", "LLM_SUCCESS"], done.stdout
+
+
 CTRUNC_CHILD = FILL_FDS + textwrap.dedent('''
     import socket
     from aio_datadist.transport.local import ShareError, parse_record

@@ -252,10 +252,13 @@ def _seal(fd: int) -> None:
 
 def _read_only(fd: int) -> int:
     """A read-only open of the memfd ``fd`` (the writable one is closed once mapped), or ``fd``
-    itself where /proc is missing (the seals still forbid new writers)."""
+    itself where /proc is missing (the seals still forbid new writers). Out of fds it raises: keeping the
+    writable fd would hand peers a read-write fd of the cache."""
     try:
         return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise
         return fd
 
 
