@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -355,13 +356,13 @@ def test_a_big_peer_mapping_is_unmapped_off_the_thread_that_drops_it(monkeypatch
     mapping budget (``host.MAX_PEER_MAPPED_BYTES``) is given back there."""
     me = threading.current_thread()
     unmapped: dict[int, bool] = {}
-    real = host.unmap_read_only
+    real = host.unmap_peer
 
     def watched(addr: int, size: int) -> None:
         unmapped[addr] = threading.current_thread() is me
         real(addr, size)
 
-    monkeypatch.setattr(host, "unmap_read_only", watched)
+    monkeypatch.setattr(host, "unmap_peer", watched)
     budget = host._peer_mapped
     regions = [host.HostRegion(16 << 20), host.HostRegion(PAGE_SIZE)]
     mappings = [host.ReadOnlyMapping(r.fd, r.nbytes) for r in regions]
@@ -380,13 +381,13 @@ def test_a_peer_mapping_of_exactly_the_unmapping_bound_is_unmapped_off_the_threa
     less is unmapped at once."""
     me = threading.current_thread()
     unmapped: dict[int, bool] = {}
-    real = host.unmap_read_only
+    real = host.unmap_peer
 
     def watched(addr: int, size: int) -> None:
         unmapped[addr] = threading.current_thread() is me
         real(addr, size)
 
-    monkeypatch.setattr(host, "unmap_read_only", watched)
+    monkeypatch.setattr(host, "unmap_peer", watched)
     bound = host.Unmapper.MIN_BYTES
     regions = [host.HostRegion(bound), host.HostRegion(bound - PAGE_SIZE)]
     mappings = [host.ReadOnlyMapping(r.fd, r.nbytes) for r in regions]
@@ -405,7 +406,7 @@ def test_a_forked_child_frees_what_its_parent_queued_and_does_not_hang_on_its_lo
     mappings = [host.ReadOnlyMapping(r.fd, r.nbytes) for r in regions]
     held, release = threading.Event(), threading.Event()
 
-    def holder() -> None:  # stands in for the unmapping thread inside unmap_read_only
+    def holder() -> None:  # holds the lock the unmapping thread's bookkeeping (give_back_peer_mapping) takes
         with host._peer_mapped_lock:
             held.set()
             release.wait(10)
@@ -439,6 +440,42 @@ def test_a_forked_child_frees_what_its_parent_queued_and_does_not_hang_on_its_lo
     finally:
         release.set()
         thread.join(5)
+    assert host.unmapped_in_background(5)
+    assert not any(_mapped(a) for a in addresses)
+
+
+def test_a_fork_while_the_unmapping_thread_runs_a_free_waits_for_it():
+    """The unmapping thread has taken a free off its queue and runs it (a slow unmap, held here on an event) when
+    the process forks: the fork waits for that free (``Unmapper.before_fork``), so the child has neither that
+    mapping (unmapped before the fork) nor the one queued behind it (freed by the child). Before, a free taken
+    off the queue but not yet run was in neither place: the child kept its mapping for good (every run on Python
+    3.13, where the thread takes the free before the fork; found by a hunt, 2026-12-07)."""
+    regions = [host.HostRegion(16 << 20) for _ in range(2)]
+    addresses = [host.map_read_only(r.fd, r.nbytes) for r in regions]
+    running, go = threading.Event(), threading.Event()
+
+    def slow_free() -> None:
+        running.set()
+        go.wait(10)
+        host.unmap_read_only(addresses[0], regions[0].nbytes)
+
+    host._unmapper.start()
+    host._unmapper.free(regions[0].nbytes, slow_free)
+    host._unmapper.free(regions[1].nbytes, functools.partial(host.unmap_read_only, addresses[1], regions[1].nbytes))
+    assert running.wait(5)
+    threading.Timer(0.3, go.set).start()  # the free ends a moment after the fork was asked for
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3 if any(_mapped(a) for a in addresses) else 0)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    go.set()
+    assert os.waitstatus_to_exitcode(done[1]) == 0, "the child kept a mapping its parent freed"
     assert host.unmapped_in_background(5)
     assert not any(_mapped(a) for a in addresses)
 

@@ -377,7 +377,7 @@ def test_without_an_unmapping_thread_a_refusal_waits_for_nothing() -> None:
     unmapper._pid, unmapper._thread = os.getpid(), None  # what start() leaves when no thread can start
     started = time.monotonic()
     assert unmapper.wait_idle(2.0)
-    assert time.monotonic() - started < 0.5 and unmapper._queue.qsize() == 0
+    assert time.monotonic() - started < 0.5 and not unmapper._frees and unmapper._wake.qsize() == 0
 
 
 def test_the_room_read_is_spent_by_the_allocations_that_follow_it(monkeypatch: pytest.MonkeyPatch) -> None:

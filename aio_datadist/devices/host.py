@@ -200,7 +200,8 @@ def _after_fork_in_child() -> None:
     _unmapper.after_fork_in_child()  # which may unmap peers' regions: under that lock
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_unmapper.before_fork, after_in_parent=_unmapper.after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 def unmapped_in_background(timeout_s: float = 5.0) -> bool:
@@ -435,15 +436,20 @@ def map_read_only(fd: int, size: int) -> int:
 
 def unmap_read_only(addr: int, size: int) -> None:
     """Undo :func:`map_read_only`; the budget is given back once the mapping is gone."""
-    _libc.munmap(addr, size)  # not under the lock: 55 ms for 1 GiB of read pages
+    unmap_peer(addr, size)
     give_back_peer_mapping(size)
+
+
+def unmap_peer(addr: int, size: int) -> None:
+    """The unmap of :func:`unmap_read_only` alone (it takes no lock: a fork may wait for it)."""
+    _libc.munmap(addr, size)  # not under the lock: 55 ms for 1 GiB of read pages
 
 
 def drop_read_only(addr: int, size: int) -> None:
     """Undo :func:`map_read_only` where the mapping's last reference goes (a ``__del__``): a small one at once, a big
     one on the unmapping thread, so that it costs the thread that drops it nothing."""
     # its pages are the peer's, but tearing the mapping down still costs: 55 ms for 1 GiB of read pages
-    _unmapper.free(size, functools.partial(unmap_read_only, addr, size))
+    _unmapper.free(size, functools.partial(unmap_peer, addr, size), functools.partial(give_back_peer_mapping, size))
 
 
 def unmap(addr: int, size: int) -> None:

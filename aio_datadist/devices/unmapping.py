@@ -7,10 +7,15 @@ too (55 ms for 1 GiB). That is often the event loop's thread: a caller, or a
 collection there, drops the last tensor of a freed cache; a link closes and
 drops a peer's region. :class:`Unmapper` runs such frees of 8 MiB or more on
 a thread of its own and smaller ones at once.
+
+A fork waits for the free the thread is running (:meth:`Unmapper.before_fork`): so in a forked child every free
+handed over is either done (the child never had that mapping) or still queued (the child runs it), never taken
+off the queue and not yet run, which left the child a mapping nothing would unmap (seen on Python 3.13).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -22,6 +27,8 @@ __all__ = ["Unmapper"]
 
 log = logging.getLogger(__name__)
 
+_Free = tuple[Callable[[], object], Callable[[], object] | None]
+
 
 class Unmapper:
     """One thread per process that runs the frees handed to :meth:`free` in order; see the module docstring."""
@@ -29,11 +36,15 @@ class Unmapper:
     MIN_BYTES = 8 << 20
 
     def __init__(self) -> None:
-        # put() may run inside a finalizer, that is inside any allocation: SimpleQueue's is reentrant
-        self._queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        # free() may run inside a finalizer, that is inside any allocation: a deque's append and SimpleQueue's
+        # put are reentrant (no lock of Python's)
+        self._frees: collections.deque[_Free] = collections.deque()
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # one per free queued
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._lock = threading.Lock()
+        # Held while a free runs (taken off the queue and run: one step for a fork, ``before_fork``)
+        self._running = threading.Lock()
 
     def start(self) -> None:
         """Have the thread running in this process; without one (it could not start) frees run in place. Called
@@ -42,8 +53,7 @@ class Unmapper:
             return
         with self._lock:
             if self._pid != os.getpid():
-                thread = threading.Thread(target=self._run, args=(self._queue,), name="aio-datadist-unmap",
-                                          daemon=True)
+                thread = threading.Thread(target=self._run, name="aio-datadist-unmap", daemon=True)
                 try:
                     thread.start()
                 except RuntimeError as exc:  # no thread to be had (RLIMIT_NPROC, memory): free in place
@@ -52,26 +62,38 @@ class Unmapper:
                     return
                 self._thread, self._pid = thread, os.getpid()
 
-    def free(self, size: int, free: Callable[[], object]) -> None:
-        """Run ``free`` (it lets go of ``size`` bytes) here if small or if this process has no thread, else there."""
+    def free(self, size: int, free: Callable[[], object], then: Callable[[], object] | None = None) -> None:
+        """Run ``free`` (it lets go of ``size`` bytes), then ``then``, here if small or if this process has no
+        thread, else there. ``free`` must take no lock another thread may hold across a fork (a fork waits for
+        it: an unmap, a close); ``then`` (bookkeeping) runs after it, outside that wait."""
         if size < self.MIN_BYTES or self._pid != os.getpid() or self._thread is None or not self._thread.is_alive():
             free()
+            if then is not None:
+                then()
         else:
-            self._queue.put(free)
+            self._frees.append((free, then))
+            self._wake.put(None)
+
+    def before_fork(self) -> None:
+        """``os.register_at_fork(before=...)``: wait for the free running now, and hold the next one back."""
+        self._running.acquire()
+
+    def after_fork_in_parent(self) -> None:
+        self._running.release()
 
     def after_fork_in_child(self) -> None:
         """A forked child: the parent's thread is not here, and its lock may have been held by another thread. What
         was queued still holds mappings and fds the child inherited, of objects gone here too: free them now."""
         self._lock = threading.Lock()
+        self._running = threading.Lock()  # (the parent's was held for the fork)
         self._thread, self._pid = None, 0
-        inherited, self._queue = self._queue, queue.SimpleQueue()
-        while True:
-            try:
-                free = inherited.get_nowait()
-            except queue.Empty:
-                break
+        inherited, self._frees, self._wake = self._frees, collections.deque(), queue.SimpleQueue()
+        for free, then in inherited:
             with contextlib.suppress(Exception):
                 free()
+            if then is not None:
+                with contextlib.suppress(Exception):
+                    then()
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Whether everything handed over so far is freed within ``timeout_s`` (at once without a thread: then
@@ -79,14 +101,24 @@ class Unmapper:
         if self._pid != os.getpid() or self._thread is None or not self._thread.is_alive():
             return True
         done = threading.Event()
-        self._queue.put(done.set)
+        self._frees.append((done.set, None))
+        self._wake.put(None)
         return done.wait(timeout_s)
 
-    @staticmethod
-    def _run(work: queue.SimpleQueue[Callable[[], object]]) -> None:
+    def _run(self) -> None:
         while True:
-            free = work.get()
-            try:
-                free()  # munmap through ctypes and os.close let the GIL go
-            except Exception:
-                log.exception("freeing host memory failed")
+            self._wake.get()
+            with self._running:  # taken off the queue and run: one step for a fork
+                if not self._frees:
+                    continue
+                free, then = self._frees.popleft()
+                try:
+                    free()  # munmap through ctypes and os.close let the GIL go
+                except Exception:
+                    log.exception("freeing host memory failed")
+                    then = None
+            if then is not None:
+                try:
+                    then()
+                except Exception:
+                    log.exception("freeing host memory failed")
