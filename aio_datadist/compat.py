@@ -227,6 +227,10 @@ class _LoopThread:
                 if thread.ident is None:  # it never started: no loop at all
                     self._loop = self._thread = None
                     loop.close()
+                if isinstance(exc, RuntimeError) and thread.ident is None and self._refusing == me:
+                    # Python 3.12 starts no thread in an atexit hook (3.11 and 3.13 do): a later hook of the
+                    # exit's own thread runs its call on a loop of its own, here (``_run``)
+                    raise _NoThreadAtExit(str(exc)) from exc
                 if isinstance(exc, RuntimeError) and thread.ident is None:  # no thread left (pthread_create)
                     raise LLMException(f"cannot start the blocking facade's event-loop thread: {exc}",
                                        status_code=LLMStatusCode.LLM_FAILED) from exc
@@ -267,7 +271,9 @@ class _LoopThread:
     def _run(self, coro: Coroutine[Any, Any, _T], undo: Callable[[_T], object] | None) -> _T:
         try:
             loop, end = self._started(sending=True)
-        except BaseException:  # refused; RuntimeError: no thread may start at interpreter shutdown (3.12); an interrupt
+        except _NoThreadAtExit:  # the exit's own thread, on 3.12: the call runs here, as it ran on a new loop thread
+            return _run_here(_Call(coro, undo).run())
+        except BaseException:  # refused; an interrupt
             coro.close()
             raise
         sending = True
@@ -488,6 +494,22 @@ class _Call(Generic[_T]):
     def _raise_again(again: list[BaseException]) -> None:
         if again:
             raise again[0]
+
+
+class _NoThreadAtExit(RuntimeError):
+    """The facade's loop thread cannot start: the exit's own thread calls from an atexit hook, on Python 3.12."""
+
+
+def _run_here(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run ``coro`` on a loop of its own in this thread (the exit's: no other thread's call is taken any more)."""
+    loop = asyncio.SelectorEventLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
 
 
 class _LoopEnd:
