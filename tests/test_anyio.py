@@ -415,11 +415,12 @@ async def test_a_failing_transfer_cancels_its_siblings():
 
 
 class QueuedCopies:
-    """One copy thread busy with eight 64 MiB copies (tens of ms at any memory speed: with two, a fast host was
-    done before the last cut, and the copy cut last ran instead); the copies under test queue behind them."""
+    """One copy thread busy with 32 copies of 64 MiB (hundreds of ms: with two, a fast host was done before the
+    last cut, and the copy cut last ran instead; with eight, the task-group cuts, which wait for each cut call to
+    end, still outlasted them in 3 runs of 10, 2026-12-07); the copies under test queue behind them."""
 
     BLOCKER = CacheDesc(1, (2, 64 << 20), DataType.DT_INT8, Placement.HOST)
-    BLOCKING_COPIES = 8
+    BLOCKING_COPIES = 32
     HOST = CacheDesc(2, (8, 4, 64), DataType.DT_FLOAT16, Placement.HOST)
     DEVICE = CacheDesc(2, (8, 4, 64), DataType.DT_FLOAT16, Placement.DEVICE)
     ROWS = CacheDesc(2, (4, 256), DataType.DT_FLOAT16, Placement.HOST)
@@ -468,6 +469,7 @@ async def test_cancel_scopes_around_queued_copies(how):
         for name, call in q.calls().items():
             for delay in (0, 0.001):
                 assert await cut(how, delay, call), f"{name} was not cut"
+        assert q.blocker is not None and not q.blocker.done(), "the blocking copies ended before the last cut"
         await q.unblock()
         assert q.untouched(), "a cancelled queued copy wrote its destination"
         for call in q.calls().values():  # each works now, queued behind the cancelled ones
