@@ -7,6 +7,8 @@ import functools
 import gc
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -478,6 +480,84 @@ def test_a_fork_while_the_unmapping_thread_runs_a_free_waits_for_it():
     assert os.waitstatus_to_exitcode(done[1]) == 0, "the child kept a mapping its parent freed"
     assert host.unmapped_in_background(5)
     assert not any(_mapped(a) for a in addresses)
+
+
+_FORK_BESIDE_A_WAITER = """
+import os, signal, sys, threading, time
+from aio_datadist.devices import host
+
+sys.setswitchinterval(1e-5)
+region = host.HostRegion(16 << 20)  # starts the unmapping thread
+stop = False
+
+def waiter():
+    while not stop:
+        host.unmapped_in_background(0.0)
+
+threading.Thread(target=waiter, daemon=True).start()
+hung = 0
+for _ in range(60):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)  # past its at-fork hooks
+    deadline = time.monotonic() + 2.0
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            hung += 1
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.005)
+stop = True
+print(hung)
+"""
+
+
+def test_a_fork_beside_a_thread_waiting_for_the_unmapping_queue_does_not_hang_the_child():
+    """A thread waits for the queued frees (``unmapped_in_background``) while another forks, 60 times: every child
+    gets past its at-fork handlers. Before, the child ran the parent's queued wake-up of that waiter, whose lock
+    the waiter's thread held at the fork: the child hung for good in ``os.fork()`` (19 of 200; found by review,
+    2026-12-07)."""
+    done = subprocess.run([sys.executable, "-c", _FORK_BESIDE_A_WAITER], capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "0", f"{done.stdout.strip()} children hung"
+
+
+def test_a_fork_that_waits_for_a_free_is_not_stopped_by_an_interrupt():
+    """An interrupt (Ctrl-C) lands while a fork waits for the free the unmapping thread runs: the wait goes on (a
+    ``before`` at-fork hook that raises does not stop the fork, CPython only reports it), the lock is given back
+    after the fork, and the thread runs on. Before, the hook raised, the fork went on without waiting, and the
+    parent's after-fork hook released the lock the thread held: the thread died ("release unlocked lock") and the
+    frees queued behind it stayed mapped for good (found by review, 2026-12-07)."""
+    from aio_datadist.devices.unmapping import Unmapper
+
+    unmapper = Unmapper()
+    unmapper.start()
+    running, ran = threading.Event(), []
+    unmapper.free(Unmapper.MIN_BYTES, lambda: (running.set(), time.sleep(0.3)))
+    unmapper.free(Unmapper.MIN_BYTES, lambda: ran.append(True))
+    assert running.wait(5)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous, stopped = signal.signal(signal.SIGALRM, interrupt), False
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        unmapper.before_fork()  # (no fork here: the hooks alone)
+    except KeyboardInterrupt:
+        stopped = True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not stopped, "the interrupt stopped the fork's wait"
+    unmapper.after_fork_in_parent()
+    assert unmapper.wait_idle(5) and ran == [True]
+    assert unmapper._thread is not None and unmapper._thread.is_alive()
+    with unmapper._running:  # held as the unmapping thread holds it inside a free, when a finalizer there forks
+        unmapper.before_fork()  # reentrant: at once (a plain lock deadlocked that thread and every later fork)
+        unmapper.after_fork_in_parent()
+    assert unmapper.wait_idle(5)
 
 
 def test_a_view_of_a_peer_mapping_keeps_it_mapped():

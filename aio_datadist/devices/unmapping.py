@@ -27,7 +27,9 @@ __all__ = ["Unmapper"]
 
 log = logging.getLogger(__name__)
 
-_Free = tuple[Callable[[], object], Callable[[], object] | None]
+# (free, then): ``free`` None marks a waiter of :meth:`Unmapper.wait_idle` (its ``then`` wakes it), which a forked
+# child skips: the waiter is not there, and its lock may have been held by a thread that is not there either.
+_Free = tuple[Callable[[], object] | None, Callable[[], object] | None]
 
 
 class Unmapper:
@@ -43,8 +45,10 @@ class Unmapper:
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._lock = threading.Lock()
-        # Held while a free runs (taken off the queue and run: one step for a fork, ``before_fork``)
-        self._running = threading.Lock()
+        # Held while a free runs (taken off the queue and run: one step for a fork, ``before_fork``). Reentrant: a
+        # finalizer that a collection runs on the unmapping thread, inside a free, may fork.
+        self._running = threading.RLock()
+        self._held = False  # ``before_fork`` took ``_running``
 
     def start(self) -> None:
         """Have the thread running in this process; without one (it could not start) frees run in place. Called
@@ -75,20 +79,32 @@ class Unmapper:
             self._wake.put(None)
 
     def before_fork(self) -> None:
-        """``os.register_at_fork(before=...)``: wait for the free running now, and hold the next one back."""
-        self._running.acquire()
+        """``os.register_at_fork(before=...)``: wait for the free running now, and hold the next one back. An
+        interrupt meanwhile does not stop the wait: CPython forks anyway after a ``before`` hook raised (it only
+        reports it), and the fork would then not have waited."""
+        while True:
+            try:
+                self._running.acquire()
+            except BaseException:  # (a KeyboardInterrupt here is lost as it would be: the fork goes on)
+                continue
+            self._held = True
+            return
 
     def after_fork_in_parent(self) -> None:
-        self._running.release()
+        if self._held:
+            self._held = False
+            self._running.release()
 
     def after_fork_in_child(self) -> None:
         """A forked child: the parent's thread is not here, and its lock may have been held by another thread. What
         was queued still holds mappings and fds the child inherited, of objects gone here too: free them now."""
         self._lock = threading.Lock()
-        self._running = threading.Lock()  # (the parent's was held for the fork)
+        self._running, self._held = threading.RLock(), False  # (the parent's was held for the fork)
         self._thread, self._pid = None, 0
         inherited, self._frees, self._wake = self._frees, collections.deque(), queue.SimpleQueue()
         for free, then in inherited:
+            if free is None:  # a parent's thread waiting for the queue: not here
+                continue
             with contextlib.suppress(Exception):
                 free()
             if then is not None:
@@ -101,7 +117,7 @@ class Unmapper:
         if self._pid != os.getpid() or self._thread is None or not self._thread.is_alive():
             return True
         done = threading.Event()
-        self._frees.append((done.set, None))
+        self._frees.append((None, done.set))
         self._wake.put(None)
         return done.wait(timeout_s)
 
@@ -113,7 +129,8 @@ class Unmapper:
                     continue
                 free, then = self._frees.popleft()
                 try:
-                    free()  # munmap through ctypes and os.close let the GIL go
+                    if free is not None:
+                        free()  # munmap through ctypes and os.close let the GIL go
                 except Exception:
                     log.exception("freeing host memory failed")
                     then = None
