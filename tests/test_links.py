@@ -6,6 +6,7 @@ import asyncio
 import logging
 import socket
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -654,6 +655,16 @@ async def test_a_link_set_up_in_the_loop_pass_its_time_runs_out_is_not_left_behi
         await decoder.check_link_status(PROMPT_ID)
 
 
+async def _no_link_left(decoder: Any, prompt: Any) -> None:
+    """The dialler holds no link, and the peer none once our word reached it (2 s at most)."""
+    assert link_count(decoder) == 0
+    for _ in range(200):
+        if link_count(prompt) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert link_count(prompt) == 0
+
+
 async def test_a_link_whose_caller_is_cancelled_while_it_is_set_up_is_not_left_registered(monkeypatch):
     """The caller gives up (``asyncio.timeout`` around ``link_clusters``) while the link is set up after its
     handshake: the call raises, and no link is left on either end; the next call links."""
@@ -673,12 +684,7 @@ async def test_a_link_whose_caller_is_cancelled_while_it_is_set_up_is_not_left_r
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.3):
                 await decoder.link_clusters([info], timeout=10_000)
-        assert link_count(decoder) == 0
-        for _ in range(200):
-            if link_count(prompt) == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert link_count(prompt) == 0
+        await _no_link_left(decoder, prompt)
         slow[0] = False
         assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
@@ -715,12 +721,7 @@ async def test_a_caller_cancelled_while_the_last_step_of_the_set_up_is_queued_le
             with pytest.raises(asyncio.CancelledError) as cut:
                 caller.result()
             assert cut.value.args == ("Cancelled via cancel scope 7",)
-            assert link_count(decoder) == 0
-            for _ in range(200):
-                if link_count(prompt) == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert link_count(prompt) == 0
+            await _no_link_left(decoder, prompt)
         monkeypatch.setattr(LinkDials, "_require_transport", original)
         assert await decoder.link_clusters([info]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 

@@ -399,6 +399,18 @@ def test_a_peer_mapping_of_exactly_the_unmapping_bound_is_unmapped_off_the_threa
     assert [unmapped.get(a) for a in addresses] == [False, True]  # 8 MiB elsewhere, one page less here
 
 
+def _child_exit_code(pid: int, limit_s: float = 10.0) -> int:
+    """The exit code of forked child ``pid``; the test fails (the child killed) if it runs past ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    return os.waitstatus_to_exitcode(done[1])
+
+
 def test_a_forked_child_frees_what_its_parent_queued_and_does_not_hang_on_its_locks():
     """A process that forks while its unmapping thread holds the peer-mapping lock (a 55 ms unmap of a big peer
     region) and has more queued: the child has neither the thread nor the lock's owner. It gets a fresh lock,
@@ -431,14 +443,7 @@ def test_a_forked_child_frees_what_its_parent_queued_and_does_not_hang_on_its_lo
             code = code or (0 if host.unmapped_in_background(5) and not _mapped(address) else 4)
             code = code or (0 if here == [False] else 5)
             os._exit(code)
-        deadline = time.monotonic() + 10
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung")
-        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert _child_exit_code(pid) == 0
     finally:
         release.set()
         thread.join(5)
@@ -469,15 +474,9 @@ def test_a_fork_while_the_unmapping_thread_runs_a_free_waits_for_it():
     pid = os.fork()
     if pid == 0:
         os._exit(3 if any(_mapped(a) for a in addresses) else 0)
-    deadline = time.monotonic() + 10
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if done[0] == 0:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung")
+    code = _child_exit_code(pid)
     go.set()
-    assert os.waitstatus_to_exitcode(done[1]) == 0, "the child kept a mapping its parent freed"
+    assert code == 0, "the child kept a mapping its parent freed"
     assert host.unmapped_in_background(5)
     assert not any(_mapped(a) for a in addresses)
 
