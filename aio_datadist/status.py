@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 from enum import IntEnum
+from typing import Any
 
 __all__ = [
     "LLMStatusCode",
@@ -73,7 +74,11 @@ def code_to_status(code: int) -> LLMStatusCode:
     """
     # The one argument check status makes itself: _checks sits above this module.
     try:
-        if isinstance(code, bool):
+        # a bool is no int, nor (as _checks.check_int has it) a bool tensor or an array of one element, which
+        # torch's and numpy's __index__ would read as one
+        given: Any = code
+        dtype, ndim = str(getattr(given, "dtype", "")), getattr(given, "ndim", None)
+        if isinstance(given, bool) or "bool" in dtype or ndim:
             raise TypeError
         value = operator.index(code)
     except TypeError:

@@ -49,9 +49,14 @@ class EventLayerSynchronizer(LayerSynchronizer):
     """
 
     def __init__(self, datadist: LLMDataDist, num_layers: int, *, timeout_ms: Any = _DEFAULT) -> None:
+        home_loop = getattr(getattr(datadist, "_endpoint", None), "home_loop", None)
+        runtime = getattr(datadist, "_require_runtime", None)
+        if home_loop is None or runtime is None:  # (datadist is above this module: no import to check it by)
+            raise param_invalid("datadist", f"expected an aio_datadist.LLMDataDist (the async endpoint), got "
+                                f"{type(datadist).__name__}")
         # its layers' futures live on the running loop, which must be the one of the transfers that await them
-        datadist._endpoint.home_loop("an EventLayerSynchronizer")
-        rt = datadist._require_runtime()
+        home_loop("an EventLayerSynchronizer")
+        rt = runtime()
         num_layers = check_int("num_layers", num_layers, lo=1, hi=1 << 16)
         if timeout_ms is _DEFAULT:
             timeout_ms = rt.default_timeout_ms()

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from aio_datadist._checks import check_bool, check_instance, check_int, param_invalid
+from aio_datadist.status import LLMException
 from aio_datadist.types import DataType
 
 __all__ = ["Tensor", "TensorDesc"]
@@ -84,7 +85,11 @@ class Tensor:
             self._desc: TensorDesc = data._desc
             return
         if isinstance(data, torch.Tensor):
-            own = TensorDesc(DataType.from_torch(data.dtype), list(data.shape))
+            try:
+                dtype = DataType.from_torch(data.dtype)
+            except LLMException:  # (which names its own argument, 'dtype')
+                raise param_invalid("data", f"torch dtype {data.dtype} has no DataType") from None
+            own = TensorDesc(dtype, list(data.shape))
             contiguous = data.is_contiguous()
         elif _is_text(data):
             own = TensorDesc(DataType.DT_STRING, list(data.shape))
@@ -93,7 +98,7 @@ class Tensor:
             if not data.dtype.isnative:  # (big-endian data: read as ours, its bytes would mean other numbers)
                 raise param_invalid("data", f"numpy dtype {data.dtype} is not in this machine's byte order")
             try:
-                dtype = DataType.from_torch(torch.from_numpy(data[:0].copy()).dtype)
+                dtype = DataType.from_torch(torch.from_numpy(np.empty((0,), dtype=data.dtype)).dtype)
             except TypeError:
                 raise param_invalid("data", f"numpy dtype {data.dtype} has no DataType") from None
             own = TensorDesc(dtype, list(data.shape))

@@ -90,6 +90,8 @@ def test_tensor_and_tensor_desc():
     assert tensor.numpy(copy=True) is not data
     bf16 = Tensor(torch.ones(2, dtype=torch.bfloat16))
     assert bf16.tensor_desc.dtype is DataType.DT_BF16 and bf16.numpy().dtype == np.float32
+    for scalar in (np.array(5.0, np.float32), np.array(7, np.int64)):  # 0-d: a bare IndexError before (hunt)
+        assert Tensor(scalar).tensor_desc.shape == [] and Tensor(scalar).numpy() is scalar
     text = Tensor(np.array(["a", "bc"]))
     assert text.tensor_desc.dtype is DataType.DT_STRING and list(text.numpy(copy=True)) == ["a", "bc"]
     assert Tensor(tensor).tensor_desc == desc
@@ -97,7 +99,8 @@ def test_tensor_and_tensor_desc():
                                                         "tensor_desc"),
                       (lambda: Tensor(data.T), "data"), (lambda: tensor.numpy(copy=1), "copy"),
                       # big-endian data (np.frombuffer, np.load): torch's bare ValueError before (found by audit)
-                      (lambda: Tensor(np.zeros(4, dtype=">f4")), "data")):
+                      (lambda: Tensor(np.zeros(4, dtype=">f4")), "data"),
+                      (lambda: Tensor(torch.zeros(2, dtype=torch.complex64)), "data")):  # it named 'dtype' (hunt)
         with pytest.raises(LLMException, match=f"'{arg}'"):
             call()
     with pytest.raises(TypeError, match="'dtype'"):

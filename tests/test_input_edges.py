@@ -150,6 +150,23 @@ def test_a_torch_bool_scalar_is_refused_naming_its_argument(argument, build):
 
 
 @pytest.mark.asyncio
+async def test_an_event_synchronizer_of_something_else_than_the_async_endpoint_is_refused_naming_it():
+    """The blocking facade's ``LLMDataDist``, a manager or None given for ``datadist``: ``LLM_PARAM_INVALID`` naming
+    it (a bare ``AttributeError`` before; found by a hunt, 2026-12-07)."""
+    from aio_datadist import compat
+
+    config = LLMConfig()
+    config.device_id = 0
+    config.device_type = "cpu"
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init(config.generate_options())
+        for wrong in (compat.LLMDataDist(LLMRole.PROMPT, 3), dd.kv_cache_manager, None):
+            with pytest.raises(LLMException) as info:
+                EventLayerSynchronizer(wrong, 2)
+            assert info.value.status_code is INVALID and info.value.argument == "datadist", info.value
+
+
+@pytest.mark.asyncio
 async def test_synchronize_layer_checks_its_timeout():
     """Before: '5' raised a bare TypeError, nan waited without end on asyncio (a bare ValueError on uvloop)
     and True read 1 ms."""

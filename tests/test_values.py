@@ -9,6 +9,7 @@ import socket
 from contextlib import contextmanager
 from typing import Iterator
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -104,8 +105,11 @@ def test_code_to_status(code: int, expected: LLMStatusCode) -> None:
     assert code_to_status(code) is expected
 
 
-@pytest.mark.parametrize("bad", ["5", 1.0, None, True])
+@pytest.mark.parametrize("bad", ["5", 1.0, None, True, torch.tensor([0]), torch.tensor(True), torch.tensor([[-1]]),
+                                 np.array([0])])
 def test_code_to_status_rejects_non_ints(bad: object) -> None:
+    """Tensors and arrays of one element (whose ``__index__`` reads them as an int) and bool tensors are no ints,
+    as ``_checks.check_int`` has it (they were read as codes; found by a hunt, 2026-12-07)."""
     with param_invalid_naming("code"):
         code_to_status(bad)  # type: ignore[arg-type]
 
