@@ -16,18 +16,21 @@ class RefusalLog:
     refused since the last, DEBUG for the rest, so that a process opening connection after connection cannot
     flood the log."""
 
-    __slots__ = ("_log", "_logged", "_unsaid")
+    __slots__ = ("_log", "_logged", "_unsaid", "_counted")
 
-    def __init__(self, logger: logging.Logger | None = None) -> None:
+    def __init__(self, logger: logging.Logger | None = None, counted: str = "refused") -> None:
+        """``counted``: what the count in the WARNING says of the events (``"refused"``: "3 refused since the
+        last such warning")."""
         self._log = logger if logger is not None else logging.getLogger("aio_datadist.links")
         self._logged = -REFUSAL_LOG_EVERY_S
         self._unsaid = 0
+        self._counted = counted
 
     def note(self, fmt: str, *args: object) -> None:
         self._unsaid += 1
         now = time.monotonic()
         if now - self._logged >= REFUSAL_LOG_EVERY_S:
-            self._log.warning(fmt + " (%d refused since the last such warning)", *args, self._unsaid)
+            self._log.warning(fmt + f" (%d {self._counted} since the last such warning)", *args, self._unsaid)
             self._logged, self._unsaid = now, 0
         else:
             self._log.debug(fmt, *args)

@@ -929,3 +929,24 @@ async def test_a_dial_that_failed_with_an_empty_reason_is_logged_by_its_type(mon
         code, codes = await dd.link_clusters([cluster_info(PROMPT_ID, ("127.0.0.1", 9))], timeout=1000)
     assert codes == [LLMStatusCode.LLM_LINK_FAILED]
     assert "failed: ConnectionResetError()" in caplog.text, caplog.text
+
+
+async def test_a_peer_that_breaks_link_after_link_with_bad_bytes_gets_one_warning(caplog):
+    """A peer links, sends bytes that are no message on the control connection (the link fails: protocol error),
+    and links again, six times: one WARNING with the count, DEBUG for the rest. Before, every broken link wrote a
+    WARNING (274 a second from one process, anyone without a shared secret; found by a hunt, 2026-12-07)."""
+    async with linked_pair(link=False) as pair:
+        with caplog.at_level(logging.DEBUG):
+            for round_ in range(6):
+                await pair.link()
+                theirs = usable_link(pair.decoder, PROMPT_ID)
+                theirs.writer.write(b"\xff" * 64)  # the prompt reads a bad magic
+                for _ in range(300):
+                    if sum("protocol error: bad magic" in r.getMessage() for r in caplog.records) > round_:
+                        break
+                    await asyncio.sleep(0.01)
+                await pair.unlink(force=True)
+        said = [r for r in caplog.records if "protocol error: bad magic" in r.getMessage()]
+        warned = [r for r in said if r.levelno >= logging.WARNING and r.name != "aio_datadist.links.down"]
+    assert len([r for r in said if "link" in r.getMessage()]) >= 6
+    assert len([r for r in warned if r.getMessage().startswith("link ")]) <= 1, [r.getMessage() for r in warned]

@@ -119,3 +119,24 @@ def test_a_field_name_in_a_decodes_frame_reaches_the_prefills_log_escaped(agents
                 conn.recv(4096)
         wait(lambda: any("FORGED" in r.getMessage() for r in caplog.records), 5)
     assert not _raw(caplog), _raw(caplog)
+
+
+def test_a_flood_of_bad_frames_writes_one_warning_of_bounded_size(agents, caplog) -> None:
+    """Any process (no secret set) sends bad frames, one per connection, 40 times, one with a 60 KB field name:
+    the prefill writes one WARNING with the count (and DEBUG for the rest), its text cut. Before, every bad frame
+    wrote a WARNING (6,300 a second from one attacker) and a long field name went in whole (126 KB lines; found by
+    a hunt, 2026-12-07)."""
+    prefill, _ = agents(True, link_timeout_ms=2000)
+    bodies = [json.dumps({"id": 1, "op": "hello", "x" * 60_000 if i == 0 else f"x{i}": 1}).encode()
+              for i in range(40)]
+    with caplog.at_level(logging.DEBUG):
+        for body in bodies:
+            with socket.create_connection(prefill.side_channel, timeout=5) as conn:
+                conn.sendall(HEADER.pack(len(body)) + body)
+                with contextlib.suppress(OSError):
+                    conn.recv(4096)
+        wait(lambda: sum("side channel from" in r.getMessage() for r in caplog.records) >= 40, 10)
+    said = [r for r in caplog.records if "side channel from" in r.getMessage()]
+    warned = [r for r in said if r.levelno >= logging.WARNING]
+    assert len(warned) <= 1 and len(said) == 40, [r.getMessage()[:120] for r in warned]
+    assert max(len(r.getMessage()) for r in said) < 1000

@@ -440,6 +440,7 @@ class Agent:
         #: Our decode dials' hello nonces while they run: our side channel answers none of them (own_dials).
         self._own_dials = OwnDials()
         self._refusal_log = RefusalLog(log)  # one WARNING per REFUSAL_LOG_EVERY_S, with a count
+        self._bad_frames = RefusalLog(log, "bad frames")  # any process can send them: paced as the refusals
         self._stats_failed_logged = -STATS_LOG_EVERY_S
         self.refusals = 0  # side-channel connections refused or evicted, all told
         self._expiry: asyncio.TimerHandle | None = None
@@ -658,7 +659,8 @@ class Agent:
                     message = decode_frame(await reader.readexactly(frame_length(header)))
                     served.heard = time.monotonic()
                 except LLMException as exc:  # a bad frame ends the connection: nothing of it is acted on
-                    log.warning("side channel from %s: %s", writer.get_extra_info("peername"), peer_str(str(exc)))
+                    self._bad_frames.note("side channel from %s: %s", writer.get_extra_info("peername"),
+                                          peer_str(str(exc)[:200]))
                     writer.write(encode_frame({"id": 0, "ok": False, "error": str(exc)[:200]}))
                     return
                 op, rid = message["op"], message["id"]

@@ -137,7 +137,8 @@ def decode_frame(body: bytes) -> dict[str, Any]:
         _text(message, "req")
     extra = set(message) - {"id", "op", "req"}
     if extra:
-        raise param_invalid(sorted(extra)[0], "is not a field of a side-channel request")
+        name = sorted(extra)[0]  # (a peer's: cut as every value is)
+        raise param_invalid(name[:60] + ("..." if len(name) > 60 else ""), "is not a field of a side-channel request")
     return message
 
 

@@ -78,6 +78,8 @@ __all__ = ["LocalListener", "LocalShare", "PeerRegion", "ShareError", "ShareReco
            "parse_record", "share_proof"]
 
 log = logging.getLogger("aio_datadist.local")
+#: Shares dropped for a record that could not be taken (a linked peer's doing, at will): paced.
+_BAD_RECORDS = RefusalLog(log, "more dropped")
 
 # The share connection's authentication: server nonce, then the client's nonce and proof, then the server's proof.
 _MAGIC = b"AIDS"
@@ -813,7 +815,7 @@ class LocalShare:
                 if not reads_only or record.kind == _READ:
                     self._apply(record, fds)
             except (ShareError, OSError, ValueError) as exc:
-                log.warning("same-host share: dropping the share after a record that could not be taken: %s", exc)
+                _BAD_RECORDS.note("same-host share: dropping the share after a record that could not be taken: %s", exc)
                 self._lost()
                 return
             finally:

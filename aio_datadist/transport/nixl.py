@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aio_datadist._settle import Settling
+from aio_datadist.refusal_log import RefusalLog
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.transport.fit import Geometry
 from aio_datadist.transport.ledger import SLOTS
@@ -76,6 +77,8 @@ __all__ = ["CUT_WAIT_S", "Halting", "NixlPeer", "link_tag", "HELLO", "OFFER", "W
            "PREPARED", "DECLINE", "OFFER_VRAM", "SETUP_SHARE"]
 
 log = logging.getLogger("aio_datadist.nixl")
+#: Peers' offers whose NIXL metadata does not load: a linked peer can send them at will (paced loads, not lines).
+_UNUSABLE_OFFERS = RefusalLog(log, "more not usable")
 
 #: How long releasing a registered cache waits, blocking, for a NIXL transfer of ours that moves it to stop (the
 #: piece in progress: ``nixl_engine.CHUNK_BYTES``), and as long again once its peer's agent was let go
@@ -508,8 +511,8 @@ class NixlPeer:
             if hello:  # we cannot reach the peer's memory: tell it, so that neither end tries
                 self.decline(f"{exc or 'loading its NIXL metadata was cancelled'}")
             else:
-                log.warning("cluster %s: NIXL metadata not usable (%s); its caches move over TCP",
-                            self.cluster_id, exc)
+                _UNUSABLE_OFFERS.note("cluster %s: NIXL metadata not usable (%s); its caches move over TCP",
+                                      self.cluster_id, exc)
             return
         remote = fut.result()
         if hello:

@@ -99,3 +99,21 @@ def test_the_refusal_log_warns_again_after_its_interval_with_the_count(caplog, m
     assert len(warnings) == 2, warnings
     assert "(1 refused since" in warnings[0] and "(5 refused since" in warnings[1], warnings  # 4 DEBUG + this one
     assert len([r for r in caplog.records if r.levelno == logging.DEBUG]) == 5
+
+
+@pytest.mark.asyncio
+async def test_a_linked_peers_unusable_nixl_offers_do_not_flood_the_log(caplog):
+    """A linked peer sends NIXL offers whose metadata does not load, again and again (each load is paced, but each
+    failure wrote a WARNING: 15,000 in a run, found by a hunt, 2026-12-07): one WARNING with the count, DEBUG for
+    the rest. (NixlPeer's handler of a failed load, called as the agent's worker would, on a stand-in peer.)"""
+    from aio_datadist.transport import nixl
+
+    caplog.set_level(logging.DEBUG, logger="aio_datadist")
+    peer = types.SimpleNamespace(cluster_id=7)
+    loop = asyncio.get_running_loop()
+    for _ in range(50):
+        failed = loop.create_future()
+        failed.set_exception(RuntimeError("nixlMismatchError"))
+        nixl.NixlPeer._loaded(peer, failed, False)  # type: ignore[arg-type]
+    said = [r for r in caplog.records if "NIXL metadata not usable" in r.getMessage()]
+    assert len(said) == 50 and sum(r.levelno >= logging.WARNING for r in said) <= 1

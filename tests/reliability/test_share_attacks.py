@@ -26,6 +26,7 @@ shared memory.
 from __future__ import annotations
 
 import asyncio
+import logging
 import errno
 import fcntl
 import gc
@@ -204,7 +205,8 @@ async def test_a_linked_peer_s_memfds_are_sealed_against_new_seals(fork_server):
 
 
 @pytest.mark.asyncio
-async def test_malformed_share_records_drop_the_share_and_nothing_else(fork_server):
+async def test_malformed_share_records_drop_the_share_and_nothing_else(fork_server, caplog):
+    caplog.set_level(logging.DEBUG)
     sc, cms = await scene(decoder_transport="tcp")
     loop = asyncio.get_running_loop()
     errors: list[dict] = []
@@ -216,6 +218,10 @@ async def test_malformed_share_records_drop_the_share_and_nothing_else(fork_serv
         assert len(report) == 29
         assert all(v == "dropped" for v in report.values()), report
         count("malformed share records", len(report))
+        # one WARNING with a count, DEBUG for the rest: a linked peer that spoils share after share wrote one each
+        # (425 a second; found by a hunt, 2026-12-07)
+        dropped = [r for r in caplog.records if "dropping the share after a record" in r.getMessage()]
+        assert len(dropped) >= len(report) - 1 and sum(r.levelno >= logging.WARNING for r in dropped) <= 1
         assert errors == []
         # Opened now, the canaries take the lowest free numbers, those of the received fds closed when
         # their records were dropped: a second close of one (a region's __del__ at the collection below)
