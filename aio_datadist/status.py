@@ -77,9 +77,15 @@ def code_to_status(code: int) -> LLMStatusCode:
         # a bool is no int, nor (as _checks.check_int has it) a bool tensor or an array of one element, which
         # torch's and numpy's __index__ would read as one
         given: Any = code
-        dtype, ndim = str(getattr(given, "dtype", "")), getattr(given, "ndim", None)
-        if isinstance(given, bool) or "bool" in dtype or ndim:
+        if isinstance(given, bool):
             raise TypeError
+        if not isinstance(given, int):  # (an int, IntEnum members too, has no dtype to ask: one may name a member so)
+            try:
+                dtype, ndim = str(getattr(given, "dtype", "")), getattr(given, "ndim", 0)
+            except Exception:  # an attribute that raises: no int
+                raise TypeError from None
+            if dtype in ("bool", "torch.bool") or ndim != 0:
+                raise TypeError
         value = operator.index(code)
     except TypeError:
         got = "bool" if isinstance(code, bool) else type(code).__name__

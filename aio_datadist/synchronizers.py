@@ -53,7 +53,7 @@ class EventLayerSynchronizer(LayerSynchronizer):
         runtime = getattr(datadist, "_require_runtime", None)
         if home_loop is None or runtime is None:  # (datadist is above this module: no import to check it by)
             raise param_invalid("datadist", f"expected an aio_datadist.LLMDataDist (the async endpoint), got "
-                                f"{type(datadist).__name__}")
+                                f"{type(datadist).__module__}.{type(datadist).__qualname__}")
         # its layers' futures live on the running loop, which must be the one of the transfers that await them
         home_loop("an EventLayerSynchronizer")
         rt = runtime()

@@ -99,7 +99,7 @@ class Tensor:
                 raise param_invalid("data", f"numpy dtype {data.dtype} is not in this machine's byte order")
             try:
                 dtype = DataType.from_torch(torch.from_numpy(np.empty((0,), dtype=data.dtype)).dtype)
-            except TypeError:
+            except (TypeError, LLMException):
                 raise param_invalid("data", f"numpy dtype {data.dtype} has no DataType") from None
             own = TensorDesc(dtype, list(data.shape))
             contiguous = data.flags.c_contiguous

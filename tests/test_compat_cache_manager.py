@@ -100,7 +100,8 @@ def test_tensor_and_tensor_desc():
                       (lambda: Tensor(data.T), "data"), (lambda: tensor.numpy(copy=1), "copy"),
                       # big-endian data (np.frombuffer, np.load): torch's bare ValueError before (found by audit)
                       (lambda: Tensor(np.zeros(4, dtype=">f4")), "data"),
-                      (lambda: Tensor(torch.zeros(2, dtype=torch.complex64)), "data")):  # it named 'dtype' (hunt)
+                      (lambda: Tensor(torch.zeros(2, dtype=torch.complex64)), "data"),  # it named 'dtype' (hunt)
+                      (lambda: Tensor(np.zeros(2, np.complex64)), "data")):  # (and so did numpy's: review)
         with pytest.raises(LLMException, match=f"'{arg}'"):
             call()
     with pytest.raises(TypeError, match="'dtype'"):

@@ -559,6 +559,53 @@ def test_a_fork_that_waits_for_a_free_is_not_stopped_by_an_interrupt():
     assert unmapper.wait_idle(5)
 
 
+def test_the_fork_hooks_give_back_what_their_own_thread_took_and_never_spin():
+    """The unmapping fork hooks, per forking thread and bounded: an after-hook gives back only what its own
+    thread's before-hook took (one shared flag let one thread's after-hook release another's hold, which then kept
+    the lock for good); a before-hook whose acquire keeps raising (a ``RecursionError`` near the recursion limit)
+    returns instead of spinning (it hung the fork for good); a free raising ``SystemExit`` leaves the thread running
+    the frees behind it (it ended the thread). All found by review, 2026-12-07."""
+    from aio_datadist.devices.unmapping import Unmapper
+
+    unmapper = Unmapper()
+    unmapper.start()
+    took, release = threading.Event(), threading.Event()
+
+    def forking_thread() -> None:  # thread A, inside its fork
+        unmapper.before_fork()
+        took.set()
+        release.wait(5)
+        unmapper.after_fork_in_parent()
+
+    other = threading.Thread(target=forking_thread)
+    other.start()
+    assert took.wait(5)
+    unmapper.after_fork_in_parent()  # this thread's before-hook never ran: nothing of A's is given back
+    assert not unmapper._running.acquire(timeout=0.05), "A's hold was released by another thread's hook"
+    release.set()
+    other.join(5)
+    assert unmapper.wait_idle(5)  # A gave back its own: the thread runs frees again
+
+    class Raising:
+        def acquire(self, *args: object) -> bool:
+            raise RecursionError
+
+        def _recursion_count(self) -> int:
+            return 0
+
+    real, unmapper._running = unmapper._running, Raising()
+    spun = threading.Thread(target=unmapper.before_fork, daemon=True)
+    spun.start()
+    spun.join(5)
+    unmapper._running = real
+    assert not spun.is_alive(), "the before-hook spun on an acquire that keeps raising"
+
+    ran: list[int] = []
+    unmapper.free(Unmapper.MIN_BYTES, lambda: sys.exit(3))
+    unmapper.free(Unmapper.MIN_BYTES, lambda: ran.append(1))
+    assert unmapper.wait_idle(5) and ran == [1] and unmapper._thread is not None and unmapper._thread.is_alive()
+
+
 def test_a_view_of_a_peer_mapping_keeps_it_mapped():
     """A tensor :meth:`ReadOnlyMapping.view` made reads the peer's memory for as long as it lives, also once the
     mapping object itself is dropped. Before, the view did not hold the mapping: only its users' keepalives did,

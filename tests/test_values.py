@@ -103,10 +103,11 @@ def test_status_codes_have_llm_datadist_values() -> None:
 )
 def test_code_to_status(code: int, expected: LLMStatusCode) -> None:
     assert code_to_status(code) is expected
+    assert code_to_status(np.int64(code)) is expected and code_to_status(torch.tensor(code)) is expected
 
 
 @pytest.mark.parametrize("bad", ["5", 1.0, None, True, torch.tensor([0]), torch.tensor(True), torch.tensor([[-1]]),
-                                 np.array([0])])
+                                 np.array([0]), np.bool_(True)])
 def test_code_to_status_rejects_non_ints(bad: object) -> None:
     """Tensors and arrays of one element (whose ``__index__`` reads them as an int) and bool tensors are no ints,
     as ``_checks.check_int`` has it (they were read as codes; found by a hunt, 2026-12-07)."""

@@ -22,6 +22,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Unmapper"]
 
@@ -47,8 +48,8 @@ class Unmapper:
         self._lock = threading.Lock()
         # Held while a free runs (taken off the queue and run: one step for a fork, ``before_fork``). Reentrant: a
         # finalizer that a collection runs on the unmapping thread, inside a free, may fork.
-        self._running = threading.RLock()
-        self._held = False  # ``before_fork`` took ``_running``
+        self._running: Any = threading.RLock()  # (typeshed has no _recursion_count: CPython's RLock does)
+        self._forking = threading.local()  # per forking thread: its holds of ``_running`` before its fork's hook
 
     def start(self) -> None:
         """Have the thread running in this process; without one (it could not start) frees run in place. Called
@@ -80,26 +81,46 @@ class Unmapper:
 
     def before_fork(self) -> None:
         """``os.register_at_fork(before=...)``: wait for the free running now, and hold the next one back. An
-        interrupt meanwhile does not stop the wait: CPython forks anyway after a ``before`` hook raised (it only
-        reports it), and the fork would then not have waited."""
-        while True:
+        interrupt in the wait does not stop it (CPython forks anyway after a ``before`` hook raised: it only
+        reports it) unless interrupts keep coming (a ``RecursionError``, a ``MemoryError``, a hundred in a row):
+        the fork then goes on without waiting, as it did before there was a wait. Whether the lock was taken is
+        read from the lock (an interrupt may land just after the acquire), per forking thread. Not covered: an
+        interrupt that lands at the very start or end of a hook (CPython's own at-fork hooks, logging's, are as
+        exposed there)."""
+        held = self._holds()  # this thread's holds already (a finalizer forking in a free)
+        self._forking.held = held
+        for _ in range(100):
             try:
                 self._running.acquire()
-            except BaseException:  # (a KeyboardInterrupt here is lost as it would be: the fork goes on)
-                continue
-            self._held = True
-            return
+                return
+            except BaseException as exc:  # (a KeyboardInterrupt here is lost, as CPython would lose it)
+                if self._holds() > held or isinstance(exc, (RecursionError, MemoryError)):
+                    return  # taken before the interrupt came; or no use trying again
+
+    def _holds(self) -> int:
+        """How many times this thread holds ``_running`` (0 if another thread has it; CPython's RLock tells)."""
+        count: int = self._running._recursion_count()
+        return count
 
     def after_fork_in_parent(self) -> None:
-        if self._held:
-            self._held = False
-            self._running.release()
+        """Give back what this thread's ``before_fork`` took, no more, through interrupts too."""
+        held = getattr(self._forking, "held", None)
+        if held is None:
+            return
+        for _ in range(100):
+            try:
+                while self._holds() > held:
+                    self._running.release()
+                break
+            except BaseException:  # an interrupt between two steps: the lock tells what is left to give back
+                continue
+        self._forking.held = None
 
     def after_fork_in_child(self) -> None:
         """A forked child: the parent's thread is not here, and its lock may have been held by another thread. What
         was queued still holds mappings and fds the child inherited, of objects gone here too: free them now."""
         self._lock = threading.Lock()
-        self._running, self._held = threading.RLock(), False  # (the parent's was held for the fork)
+        self._running, self._forking = threading.RLock(), threading.local()  # (the parent's was held for the fork)
         self._thread, self._pid = None, 0
         inherited, self._frees, self._wake = self._frees, collections.deque(), queue.SimpleQueue()
         for free, then in inherited:
@@ -131,11 +152,12 @@ class Unmapper:
                 try:
                     if free is not None:
                         free()  # munmap through ctypes and os.close let the GIL go
-                except Exception:
+                except BaseException:  # (the thread lives on: what is queued behind still needs it)
                     log.exception("freeing host memory failed")
                     then = None
             if then is not None:
                 try:
                     then()
-                except Exception:
+                except BaseException:
                     log.exception("freeing host memory failed")
+
