@@ -327,7 +327,7 @@ class LinkControl:
                 self._pace_reading()
         except ProtocolError as exc:
             _PROTOCOL_ERRORS.note("link %s to cluster %s: protocol error: %s", self.link_id, self.remote_cluster_id,
-                                  exc)
+                                  exc, logger=self.log)  # (with the link's fields)
             self.fail(LLMException(f"protocol error: {exc}", status_code=LLMStatusCode.LLM_LINK_FAILED))
         except Exception as exc:  # a bug of ours: the link cannot be trusted to be in step any more
             self.log.exception("link %s to cluster %s: acting on a control message failed", self.link_id,

@@ -26,11 +26,14 @@ class RefusalLog:
         self._unsaid = 0
         self._counted = counted
 
-    def note(self, fmt: str, *args: object) -> None:
+    def note(self, fmt: str, *args: object, logger: logging.Logger | logging.LoggerAdapter | None = None) -> None:
+        """Log one event; ``logger``: this event's own (a link's, with its fields), else the one given at
+        construction. The pace is this object's, whichever logger says it."""
+        say = self._log if logger is None else logger
         self._unsaid += 1
         now = time.monotonic()
         if now - self._logged >= REFUSAL_LOG_EVERY_S:
-            self._log.warning(fmt + f" (%d {self._counted} since the last such warning)", *args, self._unsaid)
+            say.warning(fmt + f" (%d {self._counted} since the last such warning)", *args, self._unsaid)
             self._logged, self._unsaid = now, 0
         else:
-            self._log.debug(fmt, *args)
+            say.debug(fmt, *args)
