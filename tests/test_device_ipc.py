@@ -686,22 +686,31 @@ async def test_a_same_host_pull_of_a_mapped_device_cache_into_a_host_cache_takes
         assert not usable_link(pair.prompt, DECODER_ID).local.closed
 
 
+async def _moved_right_after_allocation(*, pull: bool) -> None:
+    """Ten device caches of the prompt's, each pulled by the decoder (or pushed by the prompt) as soon as it is
+    allocated, with ``aio.RequireTransport=local`` on the end that moves it: every one lands."""
+    desc = CacheDesc(1, (1, 4096), DataType.DT_UINT8, Placement.DEVICE)
+    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
+        dst = pair.dm.allocate_cache(desc)
+        await asyncio.sleep(0.05)
+        require_local(pair.decoder if pull else pair.prompt)
+        for i in range(10):
+            src = pair.pm.allocate_cache(desc, [CacheKey(PROMPT_ID, i)] if pull else [])
+            values = fill(src, i)
+            if pull:
+                await pair.dm.pull_cache(CacheKey(PROMPT_ID, i), dst, 0)
+            else:
+                await pair.pm.push_cache(CacheKeyByIdAndIndex(DECODER_ID, dst.cache_id, 0), src, 0)
+            assert eq(dst.tensors[0], values[0]), i
+            pair.pm.deallocate_cache(src)
+
+
 async def test_a_device_cache_allocated_and_pulled_at_once_is_read_in_place():
     """The requester (``aio.RequireTransport=local``) answers the owner's new device cache ``MAPPED`` before it
     asks; the owner reads that answer queued on its share socket before it serves (as for host caches). Before,
     it did not: the pull took the staging plane and failed ``LLM_FEATURE_NOT_ENABLED`` (8 of 10; found by
     review)."""
-    desc = CacheDesc(1, (1, 4096), DataType.DT_UINT8, Placement.DEVICE)
-    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
-        dst = pair.dm.allocate_cache(desc)
-        await asyncio.sleep(0.05)
-        require_local(pair.decoder)
-        for i in range(10):
-            src = pair.pm.allocate_cache(desc, [CacheKey(PROMPT_ID, i)])
-            values = fill(src, i)
-            await pair.dm.pull_cache(CacheKey(PROMPT_ID, i), dst, 0)
-            assert eq(dst.tensors[0], values[0]), i
-            pair.pm.deallocate_cache(src)
+    await _moved_right_after_allocation(pull=True)
 
 
 async def test_a_device_cache_allocated_and_pushed_at_once_is_copied_by_device_ipc():
@@ -709,14 +718,4 @@ async def test_a_device_cache_allocated_and_pushed_at_once_is_copied_by_device_i
     or answers that it cannot), as a host push does: with ``aio.RequireTransport=local`` on the pusher a device
     cache allocated and pushed at once goes by device IPC. Before, the push waited for ``MAPPED`` and failed
     ``LLM_FEATURE_NOT_ENABLED`` every time (found by a hunt)."""
-    desc = CacheDesc(1, (1, 4096), DataType.DT_UINT8, Placement.DEVICE)
-    async with linked_pair(prompt_config=HOST, decoder_config=HOST) as pair:
-        dst = pair.dm.allocate_cache(desc)
-        await asyncio.sleep(0.05)
-        require_local(pair.prompt)
-        for i in range(10):
-            src = pair.pm.allocate_cache(desc)
-            values = fill(src, i)
-            await pair.pm.push_cache(CacheKeyByIdAndIndex(DECODER_ID, dst.cache_id, 0), src, 0)
-            assert eq(dst.tensors[0], values[0]), i
-            pair.pm.deallocate_cache(src)
+    await _moved_right_after_allocation(pull=False)
